@@ -1,0 +1,50 @@
+"""sparkgpu: serverless-GPU training from a Spark session.
+
+Public names only. Heavy modules (torch, pyspark, mlflow) are imported lazily so that
+``import sparkgpu`` stays cheap on the client.
+"""
+
+from __future__ import annotations
+
+from sparkgpu.errors import (
+    CapacityError,
+    ConfigurationError,
+    JobTimeoutError,
+    SerializationError,
+    SparkGPUError,
+    WorkerFailedError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "distributed",
+    "DistributedFunction",
+    "runtime",
+    "SparkGPUError",
+    "ConfigurationError",
+    "CapacityError",
+    "SerializationError",
+    "JobTimeoutError",
+    "WorkerFailedError",
+    "__version__",
+]
+
+_LAZY = {
+    "distributed": ("sparkgpu.decorator", "distributed"),
+    "DistributedFunction": ("sparkgpu.decorator", "DistributedFunction"),
+    "runtime": ("sparkgpu.runtime", None),
+    "data": ("sparkgpu.data", None),
+}
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'sparkgpu' has no attribute {name!r}")
+    import importlib
+
+    module_name, attr = _LAZY[name]
+    module = importlib.import_module(module_name)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value

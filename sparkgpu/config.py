@@ -1,0 +1,152 @@
+"""Settings and the GPU catalog.
+
+Every ``SPARKGPU_*`` environment variable the package reads is named here, and read once
+(:func:`settings`). Constructors elsewhere take explicit arguments; only the public edges
+(decorator, ``spark.gpu``, the CLI) fall back on these settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from pathlib import Path
+
+from sparkgpu.errors import ConfigurationError
+
+__all__ = ["GPUType", "GPU_CATALOG", "Settings", "settings", "lookup_gpu_type", "reset_settings"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GPUType:
+    """One entry of the GPU catalog.
+
+    Attributes:
+        name: Canonical name users pass as ``gpu_type``.
+        memory_gb: Memory per device.
+        max_per_node: Most devices of this type one node carries.
+        device_names: Substrings of the name the driver reports (NVML / torch) for it.
+    """
+
+    name: str
+    memory_gb: int
+    max_per_node: int
+    device_names: tuple[str, ...] = ()
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.name == "cpu"
+
+    def matches_device(self, device_name: str) -> bool:
+        return any(part.lower() in device_name.lower() for part in self.device_names)
+
+
+GPU_CATALOG: dict[str, GPUType] = {
+    gpu.name: gpu
+    for gpu in (
+        GPUType("A10", 24, 8, ("A10G", "A10 ", "A10")),
+        GPUType("A100-40GB", 40, 8, ("A100-SXM4-40GB", "A100-PCIE-40GB", "A100 40GB")),
+        GPUType("A100-80GB", 80, 8, ("A100-SXM4-80GB", "A100-PCIE-80GB", "A100 80GB")),
+        GPUType("H100", 80, 8, ("H100",)),
+        GPUType("H200", 141, 8, ("H200",)),
+        GPUType("L4", 24, 8, ("L4",)),
+        # Ranks on CPU processes with gloo: laptops, CI, and this project's own tests.
+        GPUType("cpu", 0, 64, ()),
+    )
+}
+_ALIASES = {"A100": "A100-40GB", "A10G": "A10", "CPU": "cpu"}
+
+
+def lookup_gpu_type(name: str) -> GPUType:
+    """Returns the catalog entry for ``name`` (case-insensitive, a few aliases).
+
+    Raises:
+        ConfigurationError: ``name`` is not in the catalog; the message lists the known types.
+    """
+    if not isinstance(name, str):
+        raise ConfigurationError(f"gpu_type must be a string such as 'H100', got {name!r}")
+    key = _ALIASES.get(name, _ALIASES.get(name.upper(), name))
+    for candidate in (key, key.upper()):
+        if candidate in GPU_CATALOG:
+            return GPU_CATALOG[candidate]
+    known = ", ".join(repr(n) for n in GPU_CATALOG)
+    raise ConfigurationError(f"unknown gpu_type {name!r}; use one of {known}")
+
+
+def _data_home() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "sparkgpu"
+
+
+def _env_float(env, name, default):
+    raw = env.get(name)
+    if raw in (None, ""):
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ConfigurationError(f"{name}={raw!r} is not a number; set it to seconds, e.g. {name}=600") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Process-wide defaults taken from ``SPARKGPU_*`` environment variables.
+
+    Attributes:
+        home: Root of everything the package keeps on this machine (``SPARKGPU_HOME``).
+        staging_root: Where per-run directories go (``SPARKGPU_STAGING_ROOT``).
+        cache_dir: Local NVMe cache for data shards (``SPARKGPU_CACHE_DIR``).
+        simulate_gpus: ``"TYPE:N"`` makes this host pretend to have N GPUs of TYPE while the
+            ranks run on CPU with gloo (``SPARKGPU_SIMULATE_GPUS``); for tests and laptops.
+        max_cpu_ranks: Most CPU ranks one host runs for ``gpu_type="cpu"``
+            (``SPARKGPU_MAX_CPU_RANKS``).
+        spark_remote: Spark Connect URL for ``remote=True`` jobs (``SPARKGPU_SPARK_REMOTE``).
+        default_timeout: Default limit in seconds on one whole call, ``None`` for no limit
+            (``SPARKGPU_TIMEOUT``).
+        python: Interpreter that runs the workers (``SPARKGPU_PYTHON``).
+    """
+
+    home: Path
+    staging_root: Path
+    cache_dir: Path
+    simulate_gpus: str | None
+    max_cpu_ranks: int
+    spark_remote: str | None
+    default_timeout: float | None
+    python: str
+
+    @classmethod
+    def from_env(cls, env=None) -> "Settings":
+        import sys
+
+        env = os.environ if env is None else env
+        home = Path(env.get("SPARKGPU_HOME") or _data_home())
+        max_cpu = env.get("SPARKGPU_MAX_CPU_RANKS")
+        try:
+            max_cpu_ranks = int(max_cpu) if max_cpu else max(8, os.cpu_count() or 1)
+        except ValueError:
+            raise ConfigurationError(f"SPARKGPU_MAX_CPU_RANKS={max_cpu!r} must be an integer") from None
+        return cls(
+            home=home,
+            staging_root=Path(env.get("SPARKGPU_STAGING_ROOT") or home / "runs"),
+            cache_dir=Path(env.get("SPARKGPU_CACHE_DIR") or home / "cache"),
+            simulate_gpus=env.get("SPARKGPU_SIMULATE_GPUS") or None,
+            max_cpu_ranks=max_cpu_ranks,
+            spark_remote=env.get("SPARKGPU_SPARK_REMOTE") or None,
+            default_timeout=_env_float(env, "SPARKGPU_TIMEOUT", None),
+            python=env.get("SPARKGPU_PYTHON") or sys.executable,
+        )
+
+
+@functools.lru_cache(maxsize=1)
+def settings() -> Settings:
+    """The settings of this process, read from the environment on first use."""
+    return Settings.from_env()
+
+
+def reset_settings() -> None:
+    """Forgets the cached settings so the next :func:`settings` re-reads the environment.
+
+    For tests and for notebooks that change ``SPARKGPU_*`` variables after import.
+    """
+    settings.cache_clear()

@@ -1,0 +1,171 @@
+"""The project's errors: one root, a few subclasses, each message names the fix.
+
+Every error survives pickling (it crosses process boundaries between workers and the
+client), so subclasses keep all constructor state in ``self.args`` or override
+``__reduce__``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "SparkGPUError",
+    "ConfigurationError",
+    "CapacityError",
+    "SerializationError",
+    "MissingDependencyError",
+    "JobTimeoutError",
+    "WorkerFailedError",
+    "RankFailure",
+    "PayloadSignatureError",
+    "DataError",
+    "CheckpointError",
+    "PolicyViolationError",
+]
+
+
+class SparkGPUError(Exception):
+    """Root of every error this package raises on purpose."""
+
+
+class ConfigurationError(SparkGPUError, ValueError):
+    """An argument or setting is wrong; the message says which value to use instead."""
+
+
+class CapacityError(SparkGPUError):
+    """More GPUs (or GPUs of another type) were asked for than the backend can ever give."""
+
+
+class SerializationError(SparkGPUError):
+    """The function, an argument or a result cannot be pickled or unpickled."""
+
+
+class MissingDependencyError(SparkGPUError, ImportError):
+    """An optional integration is not installed; the message holds the pip command."""
+
+    def __init__(self, feature: str, install: str):
+        super().__init__(f"{feature} needs an optional dependency: run `{install}`")
+        self.feature = feature
+        self.install = install
+
+    def __reduce__(self):
+        return (type(self), (self.feature, self.install))
+
+
+class JobTimeoutError(SparkGPUError, TimeoutError):
+    """The whole call ran longer than its ``timeout``."""
+
+
+class PayloadSignatureError(SparkGPUError):
+    """A worker was handed a payload that is unsigned or does not match its signature."""
+
+
+class DataError(SparkGPUError):
+    """Input data cannot be converted or read (unsupported column type, corrupt shard, ...)."""
+
+
+class CheckpointError(SparkGPUError):
+    """A checkpoint cannot be written or no complete checkpoint can be restored."""
+
+
+class PolicyViolationError(SparkGPUError):
+    """A job breaks a usage policy (GPU type, GPU count, runtime, budget)."""
+
+
+class RankFailure:
+    """What went wrong on one rank, in a form that pickles without the user's classes.
+
+    Attributes:
+        rank: Global rank of the failed process.
+        exc_type: Qualified name of the exception type, or ``None`` when the process died
+            without a Python exception (signal, ``os._exit``).
+        message: ``str()`` of the exception, or a description of the exit.
+        traceback: The formatted remote traceback (may be empty).
+        exitcode: Process exit code (negative for a signal) when known.
+        log_tail: Last lines of the rank's log, for deaths without a traceback.
+    """
+
+    __slots__ = ("rank", "exc_type", "message", "traceback", "exitcode", "log_tail")
+
+    def __init__(self, rank, exc_type, message, traceback="", exitcode=None, log_tail=""):
+        self.rank = rank
+        self.exc_type = exc_type
+        self.message = message
+        self.traceback = traceback
+        self.exitcode = exitcode
+        self.log_tail = log_tail
+
+    def __reduce__(self):
+        return (
+            RankFailure,
+            (self.rank, self.exc_type, self.message, self.traceback, self.exitcode, self.log_tail),
+        )
+
+    def __repr__(self):
+        return f"RankFailure(rank={self.rank}, exc_type={self.exc_type!r}, message={self.message!r})"
+
+    @property
+    def signature(self) -> tuple:
+        """Key under which identical failures on several ranks are grouped."""
+        return (self.exc_type, self.message, _strip_rank_noise(self.traceback), self.exitcode)
+
+
+def _strip_rank_noise(traceback: str) -> str:
+    # Tracebacks of identical failures differ only in the rank's file paths when the run dir
+    # holds per-rank files; the last line (the exception) is what identifies the failure.
+    lines = [line for line in traceback.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+_MAX_TRACEBACK_LINES = 60
+
+
+def _truncate(text: str, max_lines: int = _MAX_TRACEBACK_LINES) -> str:
+    lines = text.rstrip().splitlines()
+    if len(lines) <= max_lines:
+        return "\n".join(lines)
+    head, tail = lines[:10], lines[-(max_lines - 10):]
+    return "\n".join(head + [f"    ... {len(lines) - max_lines} lines omitted ..."] + tail)
+
+
+class WorkerFailedError(SparkGPUError):
+    """One or more ranks of a distributed call failed.
+
+    The message names every failing rank with its exception type, message and remote
+    traceback; ranks that failed identically are grouped. ``failures`` holds one
+    :class:`RankFailure` per failed rank, ordered by rank.
+    """
+
+    def __init__(self, failures, job_id: str | None = None, run_dir: str | None = None):
+        self.failures = sorted(failures, key=lambda f: f.rank)
+        self.job_id = job_id
+        self.run_dir = run_dir
+        super().__init__(self._format())
+
+    def __reduce__(self):
+        return (type(self), (self.failures, self.job_id, self.run_dir))
+
+    @property
+    def ranks(self) -> list[int]:
+        return [f.rank for f in self.failures]
+
+    def _format(self) -> str:
+        groups: dict[tuple, list[RankFailure]] = {}
+        for failure in self.failures:
+            groups.setdefault(failure.signature, []).append(failure)
+        job = f" in job {self.job_id}" if self.job_id else ""
+        parts = [f"{len(self.failures)} rank(s) failed{job}."]
+        for members in groups.values():
+            first = members[0]
+            ranks = ", ".join(str(f.rank) for f in members)
+            label = "rank" if len(members) == 1 else "ranks"
+            if first.exc_type:
+                parts.append(f"\n--- {label} {ranks}: {first.exc_type}: {first.message}")
+                if first.traceback:
+                    parts.append("Remote traceback:\n" + _truncate(first.traceback))
+            else:
+                parts.append(f"\n--- {label} {ranks}: {first.message}")
+                if first.log_tail:
+                    parts.append("Last lines of its log:\n" + _truncate(first.log_tail, 20))
+        if self.run_dir:
+            parts.append(f"\nLogs of every rank: {self.run_dir}/logs")
+        return "\n".join(parts)
