@@ -1,0 +1,24 @@
+"""Data path: DataFrame / Delta / Parquet -> MDS shards on a volume -> local cache -> batches.
+
+```python
+from sparkgpu import data
+data.to_mds(spark_df, "s3://bucket/feats/v1")
+ds = data.dataset(remote="s3://bucket/feats/v1", local="/local_disk0/cache", batch_size=1024)
+```
+"""
+
+from __future__ import annotations
+
+__all__ = ["to_mds", "dataset"]
+
+
+def __getattr__(name):
+    if name == "to_mds":
+        from sparkgpu.data.convert import to_mds
+
+        return to_mds
+    if name == "dataset":
+        from sparkgpu.data.loader import dataset
+
+        return dataset
+    raise AttributeError(f"module 'sparkgpu.data' has no attribute {name!r}")

@@ -1,0 +1,66 @@
+"""Cross-cutting concerns (tracking, registry, metering) hook into a job through callbacks.
+
+The supervisor and the worker entrypoint call these methods; every method has a no-op
+default, so a callback overrides only what it needs. Callbacks must pickle: the worker-side
+ones travel to the workers inside the payload.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = ["JobCallback", "WorkerContext", "AttemptOutcome"]
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerContext:
+    """What a worker knows about itself when callbacks run on it."""
+
+    job_id: str
+    run_dir: str
+    attempt: int
+    rank: int
+    local_rank: int
+    world_size: int
+    node_rank: int
+    device: str
+
+
+@dataclasses.dataclass(frozen=True)
+class AttemptOutcome:
+    """How one attempt ended: ``status`` is ``"succeeded"``, ``"failed"``, ``"preempted"``
+    (stopped at the runtime cap or a budget after checkpointing) or ``"cancelled"``."""
+
+    attempt: int
+    status: str
+    started_at: float
+    ended_at: float
+    gpus: int
+    gpu_type: str
+    error: BaseException | None = None
+
+
+class JobCallback:
+    """Hooks around a job. Client-side hooks run in the caller; worker-side hooks on every rank."""
+
+    # -- client side ---------------------------------------------------------------
+    def before_job(self, job, run_dir: str) -> None:
+        """After the spec is validated and the payload staged, before the first attempt."""
+
+    def before_attempt(self, job, attempt: int) -> dict[str, str]:
+        """Before an attempt is submitted; returns extra environment variables for workers."""
+        return {}
+
+    def after_attempt(self, job, outcome: AttemptOutcome) -> None:
+        """After an attempt ended, whatever the outcome."""
+
+    def after_job(self, job, results: list[Any] | None, error: BaseException | None) -> None:
+        """Once, when the job has completed or given up."""
+
+    # -- worker side -----------------------------------------------------------------
+    def on_worker_start(self, ctx: WorkerContext) -> None:
+        """On each rank after the process group is initialised, before the user function."""
+
+    def on_worker_end(self, ctx: WorkerContext, error: BaseException | None) -> None:
+        """On each rank after the user function returned or raised."""
