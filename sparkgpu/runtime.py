@@ -1,0 +1,157 @@
+"""Helpers a training function calls on its rank.
+
+Every helper gives a sensible answer outside a distributed call too (rank 0 of a world of
+one, CPU or the first GPU), so the same function runs as a plain local call.
+
+The launcher describes the rank through environment variables (the torchrun ones plus a
+few ``SPARKGPU_*`` ones set per job); they are per process, so they are read on each call
+rather than cached at import.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+__all__ = [
+    "get_global_rank",
+    "get_local_rank",
+    "get_world_size",
+    "get_local_world_size",
+    "get_node_rank",
+    "device",
+    "is_main_process",
+    "is_distributed",
+    "job_id",
+    "attempt",
+    "checkpoint_dir",
+    "should_checkpoint",
+    "request_checkpoint",
+    "handle_sigterm_as_checkpoint_request",
+]
+
+# Environment set by the launcher for each worker (see sparkgpu.launch.entrypoint).
+ENV_JOB_ID = "SPARKGPU_JOB_ID"
+ENV_ATTEMPT = "SPARKGPU_ATTEMPT"
+ENV_RUN_DIR = "SPARKGPU_RUN_DIR"
+ENV_CHECKPOINT_DIR = "SPARKGPU_CHECKPOINT_DIR"
+ENV_DEADLINE = "SPARKGPU_CHECKPOINT_DEADLINE"  # unix time after which ranks should checkpoint
+ENV_SIMULATED = "SPARKGPU_SIMULATED_GPUS"  # "1" when GPU addresses are simulated on CPU
+
+
+def _int_env(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+def get_global_rank() -> int:
+    """Rank of this process among all processes of the job (0 outside a job)."""
+    return _int_env("RANK", 0)
+
+
+def get_local_rank() -> int:
+    """Rank of this process among the job's processes on this node (0 outside a job)."""
+    return _int_env("LOCAL_RANK", 0)
+
+
+def get_world_size() -> int:
+    """Number of processes in the job (1 outside a job)."""
+    return _int_env("WORLD_SIZE", 1)
+
+
+def get_local_world_size() -> int:
+    """Number of the job's processes on this node (1 outside a job)."""
+    return _int_env("LOCAL_WORLD_SIZE", 1)
+
+
+def get_node_rank() -> int:
+    """Index of this node among the job's nodes (0 outside a job)."""
+    return _int_env("GROUP_RANK", 0)
+
+
+def is_main_process() -> bool:
+    """True on global rank 0: the rank that should log, save and register."""
+    return get_global_rank() == 0
+
+
+def is_distributed() -> bool:
+    """True inside a ``.distributed()`` call (the process group is set up for you)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def device():
+    """The ``torch.device`` this rank should use.
+
+    Each rank of a GPU job sees exactly its own GPU (``CUDA_VISIBLE_DEVICES``), so this is
+    ``cuda:0`` there; on CPU ranks and simulated GPUs it is ``cpu``.
+    """
+    import torch
+
+    if os.environ.get(ENV_SIMULATED) != "1" and torch.cuda.is_available():
+        return torch.device("cuda", 0 if "CUDA_VISIBLE_DEVICES" in os.environ else get_local_rank())
+    return torch.device("cpu")
+
+
+def job_id() -> str | None:
+    """Id of the job this process belongs to, or ``None`` outside a job."""
+    return os.environ.get(ENV_JOB_ID)
+
+
+def attempt() -> int:
+    """Number of the current attempt of the job, starting at 0 (restarts count up)."""
+    return _int_env(ENV_ATTEMPT, 0)
+
+
+def checkpoint_dir() -> str | None:
+    """The job's checkpoint directory, shared by all attempts (``None`` outside a job)."""
+    return os.environ.get(ENV_CHECKPOINT_DIR)
+
+
+_checkpoint_requested = threading.Event()
+
+
+def request_checkpoint() -> None:
+    """Makes :func:`should_checkpoint` return True from now on in this process."""
+    _checkpoint_requested.set()
+
+
+def should_checkpoint() -> bool:
+    """True when the job is about to be stopped and this rank should checkpoint now.
+
+    That happens ``checkpoint_grace`` before the runtime cap, when a usage budget is spent,
+    or when the worker received SIGTERM (see
+    :func:`handle_sigterm_as_checkpoint_request`). The training function checks it between steps,
+    saves, and returns: the supervisor then resumes the job in a new attempt.
+    """
+    if _checkpoint_requested.is_set():
+        return True
+    deadline = os.environ.get(ENV_DEADLINE)
+    if deadline and time.time() >= float(deadline):
+        _checkpoint_requested.set()
+        return True
+    return False
+
+
+def handle_sigterm_as_checkpoint_request() -> bool:
+    """From now on SIGTERM asks this rank for a checkpoint instead of killing it at once.
+
+    A checkpointing training loop (``sparkgpu.train.Checkpointer``) turns this on: a
+    preempted node then saves before it goes. Ranks that never checkpoint keep the default
+    SIGTERM behaviour, so tearing down a failed job stays quick. Only the main thread can
+    install signal handlers; elsewhere this returns False and changes nothing.
+
+    Returns:
+        True when the handler is installed.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return False
+
+    def _handler(signum, frame):
+        _checkpoint_requested.set()
+
+    signal.signal(signal.SIGTERM, _handler)
+    return True
