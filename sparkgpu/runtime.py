@@ -24,12 +24,15 @@ __all__ = [
     "device",
     "is_main_process",
     "is_distributed",
+    "gpu_address",
     "job_id",
     "attempt",
     "checkpoint_dir",
     "should_checkpoint",
     "request_checkpoint",
     "handle_sigterm_as_checkpoint_request",
+    "StopForRestart",
+    "stop_for_restart",
 ]
 
 # Environment set by the launcher for each worker (see sparkgpu.launch.entrypoint).
@@ -39,6 +42,7 @@ ENV_RUN_DIR = "SPARKGPU_RUN_DIR"
 ENV_CHECKPOINT_DIR = "SPARKGPU_CHECKPOINT_DIR"
 ENV_DEADLINE = "SPARKGPU_CHECKPOINT_DEADLINE"  # unix time after which ranks should checkpoint
 ENV_SIMULATED = "SPARKGPU_SIMULATED_GPUS"  # "1" when GPU addresses are simulated on CPU
+ENV_GPU_ADDRESS = "SPARKGPU_GPU_ADDRESS"  # the device address assigned to this rank
 
 
 def _int_env(name: str, default: int) -> int:
@@ -96,6 +100,11 @@ def device():
     return torch.device("cpu")
 
 
+def gpu_address() -> str | None:
+    """The device address (as in ``nvidia-smi``) assigned to this rank; ``None`` on CPU ranks."""
+    return os.environ.get(ENV_GPU_ADDRESS) or None
+
+
 def job_id() -> str | None:
     """Id of the job this process belongs to, or ``None`` outside a job."""
     return os.environ.get(ENV_JOB_ID)
@@ -109,6 +118,26 @@ def attempt() -> int:
 def checkpoint_dir() -> str | None:
     """The job's checkpoint directory, shared by all attempts (``None`` outside a job)."""
     return os.environ.get(ENV_CHECKPOINT_DIR)
+
+
+class StopForRestart(BaseException):
+    """Raised by :func:`stop_for_restart`; the worker exits with the "resume me" status.
+
+    A ``BaseException`` so that a broad ``except Exception`` in training code does not
+    swallow it.
+    """
+
+
+def stop_for_restart() -> None:
+    """Ends this rank after a checkpoint so that the job resumes in a new attempt.
+
+    Call it on every rank once :func:`should_checkpoint` is True and the checkpoint is saved.
+    Outside a job it raises as well, so a plain local call stops the same way.
+
+    Raises:
+        StopForRestart: always.
+    """
+    raise StopForRestart("checkpointed; the job resumes in a new attempt")
 
 
 _checkpoint_requested = threading.Event()

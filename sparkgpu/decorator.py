@@ -1,0 +1,208 @@
+"""``@distributed``: run a function on N GPUs (or CPU ranks) and get one result per rank.
+
+```python
+from sparkgpu import distributed
+
+@distributed(gpus=2, gpu_type="cpu")
+def step(x): ...
+
+step.distributed(10)   # list, one result per rank, ordered by rank
+step(10)               # a plain local call, no processes
+```
+
+Code written for the Databricks Serverless GPU API (``@distributed(gpus=..., gpu_type=...,
+remote=...)``, ``fn.distributed(...)``) runs by changing only the import line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import secrets
+from typing import Any, Callable
+
+from sparkgpu.config import settings
+from sparkgpu.errors import ConfigurationError
+from sparkgpu.launch.backends.base import Backend, LaunchPlan, create_backend
+from sparkgpu.launch.callbacks import JobCallback
+from sparkgpu.launch.payload import RunDir, client_sys_path, serialize_payload
+from sparkgpu.launch.supervisor import Supervisor
+from sparkgpu.spec import JobSpec, Resources, RunPolicy, new_job_id
+
+__all__ = ["distributed", "DistributedFunction", "default_callbacks"]
+
+
+def default_callbacks() -> list[JobCallback]:
+    """Callbacks every job gets unless the caller passes ``callbacks=`` explicitly."""
+    return []
+
+
+@dataclasses.dataclass
+class _Staged:
+    job: JobSpec
+    run_dir: RunDir
+    key: bytes
+    backend: Backend
+    callbacks: list[JobCallback]
+
+
+class DistributedFunction:
+    """A function bound to the resources it runs on.
+
+    Calling it runs the plain function in this process; ``.distributed(...)`` runs it on
+    every rank and returns the per-rank results. Built by :func:`distributed`.
+    """
+
+    def __init__(self, fn: Callable, *, resources: Resources, policy: RunPolicy, backend: str | Backend | None,
+                 log_ranks, name: str | None, tags: dict[str, str] | None,
+                 callbacks: list[JobCallback] | None):
+        if not callable(fn):
+            raise ConfigurationError(f"@distributed decorates a function, got {fn!r}")
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.resources = resources
+        self.policy = policy
+        self.backend = backend
+        self.log_ranks = log_ranks
+        self.name = name or getattr(fn, "__name__", "job")
+        self.tags = dict(tags or {})
+        self.callbacks = callbacks
+
+    def __call__(self, *args, **kwargs):
+        """Runs the function here, as rank 0 of a world of one.
+
+        Collectives work (a single-process gloo group is set up for the call when none
+        exists), so the same function runs plainly and distributed.
+        """
+        with _world_of_one():
+            return self.fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        r = self.resources
+        return f"<distributed {self.name} gpus={r.gpus} gpu_type={r.gpu_type!r} remote={r.remote}>"
+
+    # -- the distributed call --------------------------------------------------------------
+    def _backend(self) -> Backend:
+        if isinstance(self.backend, Backend):
+            return self.backend
+        name = self.backend or ("spark" if self.resources.remote else "local")
+        return create_backend(name)
+
+    def _stage(self, args: tuple, kwargs: dict) -> _Staged:
+        """Validates everything and writes the run dir; starts no process."""
+        backend = self._backend()
+        job = JobSpec(
+            job_id=new_job_id(self.name), name=self.name, resources=self.resources, policy=self.policy,
+            backend=backend.name, log_ranks=self.log_ranks, tags=self.tags,
+        )
+        job = backend.resolve(job)  # capacity and gpu_type checks, within seconds
+        callbacks = default_callbacks() if self.callbacks is None else list(self.callbacks)
+        payload = serialize_payload(self.fn, args, kwargs, callbacks)  # picklability, naming the culprit
+        run_dir = RunDir(settings().staging_root / job.job_id)
+        key = secrets.token_bytes(32)
+        run_dir.stage(job.to_dict(), payload, key, client_sys_path())
+        return _Staged(job, run_dir, key, backend, callbacks)
+
+    def distributed(self, *args, **kwargs) -> list[Any]:
+        """Runs the function on every rank with these arguments.
+
+        Returns:
+            One return value per rank, ordered by rank.
+
+        Raises:
+            WorkerFailedError: a rank raised or died; names each failing rank with its remote
+                traceback (the original exception is chained when it unpickles).
+            SerializationError: the function or an argument cannot be sent to the workers.
+            CapacityError: more (or other) GPUs were asked for than the backend has.
+            JobTimeoutError: the call ran past ``timeout``.
+        """
+        staged = self._stage(args, kwargs)
+        supervisor = Supervisor(staged.job, staged.run_dir, staged.backend, staged.key, staged.callbacks)
+        self.last_job_id = staged.job.job_id
+        self.last_run_dir = str(staged.run_dir.path)
+        return supervisor.run()
+
+    def dryrun(self, *args, **kwargs) -> LaunchPlan:
+        """What ``.distributed(*args, **kwargs)`` would launch, validated but not started."""
+        staged = self._stage(args, kwargs)
+        return staged.backend.plan(staged.job, staged.run_dir, 0, {"SPARKGPU_JOB_ID": staged.job.job_id})
+
+
+@contextlib.contextmanager
+def _world_of_one():
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def distributed(fn: Callable | None = None, *, gpus: int | None = None, num_gpus: int | None = None,
+                gpu_type: str | None = None, remote: bool = False, backend: str | Backend | None = None,
+                timeout=None, max_runtime=None, checkpoint_grace="60s", max_restarts: int = 0,
+                log_ranks="main", name: str | None = None, tags: dict[str, str] | None = None,
+                callbacks: list[JobCallback] | None = None):
+    """Decorates a function so that ``fn.distributed(...)`` runs it on ``gpus`` ranks.
+
+    Usable bare (``@distributed``: one rank on whatever this host has) or with arguments.
+
+    Args:
+        fn: The function (when used bare).
+        gpus: Number of ranks, one GPU each. ``num_gpus`` is an alias.
+        gpu_type: Catalog name (``"H100"``, ``"A10"``, ``"A100-80GB"``, ``"H200"``, ``"L4"``) or
+            ``"cpu"`` for CPU ranks with gloo. ``None`` on local runs means this host's GPUs,
+            or CPU when it has none. Required with ``remote=True``.
+        remote: Run on a remote GPU pool through Spark instead of this host.
+        backend: ``"local"``, ``"spark"`` or a :class:`~sparkgpu.launch.backends.base.Backend`.
+        timeout: Limit on the whole call (seconds or ``"2h"``); ``SPARKGPU_TIMEOUT`` by default.
+        max_runtime: Cap on one attempt (``"7d"``); ranks are asked to checkpoint
+            ``checkpoint_grace`` before it and the job resumes in a new attempt.
+        checkpoint_grace: See ``max_runtime``.
+        max_restarts: Attempts restarted after a failure before it is raised.
+        log_ranks: Ranks whose output streams to the caller: ``"main"`` (rank 0), ``"all"``,
+            ``None`` (none) or a list of ranks. Every rank's output is kept in the run dir.
+        name: Job name (the function's name by default).
+        tags: Free-form tags for tracking and cost attribution.
+        callbacks: Job callbacks; the defaults (tracking) when ``None``.
+
+    Raises:
+        ConfigurationError: an argument is invalid (raised here, at decoration time).
+    """
+    if fn is not None and not callable(fn):
+        raise ConfigurationError(
+            f"@distributed got {fn!r} as its first argument; pass settings by keyword, e.g. @distributed(gpus={fn!r})"
+        )
+    if gpus is not None and num_gpus is not None and gpus != num_gpus:
+        raise ConfigurationError(f"gpus={gpus} and num_gpus={num_gpus} disagree; pass only gpus=")
+    count = gpus if gpus is not None else (num_gpus if num_gpus is not None else 1)
+    if log_ranks == "main":
+        ranks: tuple[int, ...] | None = (0,)
+    elif log_ranks == "all":
+        ranks = None
+    elif log_ranks is None:
+        ranks = ()
+    else:
+        try:
+            ranks = tuple(int(r) for r in log_ranks)
+        except (TypeError, ValueError):
+            raise ConfigurationError(f"log_ranks={log_ranks!r}: use 'main', 'all', None or a list of ranks") from None
+    resources = Resources(gpus=count, gpu_type=gpu_type, remote=remote)
+    policy = RunPolicy(
+        timeout=timeout if timeout is not None else settings().default_timeout,
+        max_runtime=max_runtime, checkpoint_grace=checkpoint_grace, max_restarts=max_restarts,
+    )
+
+    def wrap(f: Callable) -> DistributedFunction:
+        return DistributedFunction(f, resources=resources, policy=policy, backend=backend, log_ranks=ranks,
+                                   name=name, tags=tags, callbacks=callbacks)
+
+    if fn is not None:
+        return wrap(fn)
+    return wrap

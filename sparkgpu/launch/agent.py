@@ -1,0 +1,90 @@
+"""One node's launcher: torch's elastic agent starting that node's ranks.
+
+Run as ``python -m sparkgpu.launch.agent RUN_DIR --attempt K --nnodes N --node-rank I
+--nproc P --master-addr A --master-port Q``. The local backend starts one; the Spark backend
+starts one inside each barrier task. Rendezvous is torch's ``static`` backend at node 0's
+address. When ranks fail, the agent tears the others down and writes their exit codes and
+signals to ``attempts/<K>/node-<I>.json`` for the client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from sparkgpu.launch.entrypoint import EXIT_FAILED, _die_with_parent
+from sparkgpu.launch.payload import RunDir, atomic_write_bytes
+
+__all__ = ["main", "build_command"]
+
+
+def build_command(python: str, run_dir: str, *, attempt: int, nnodes: int, node_rank: int, nproc: int,
+                  master_addr: str, master_port: int, shutdown_grace: float) -> list[str]:
+    """The command line that starts one node's agent."""
+    return [
+        python, "-m", "sparkgpu.launch.agent", run_dir,
+        "--attempt", str(attempt), "--nnodes", str(nnodes), "--node-rank", str(node_rank),
+        "--nproc", str(nproc), "--master-addr", master_addr, "--master-port", str(master_port),
+        "--shutdown-grace", str(int(max(1, shutdown_grace))),
+    ]
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(prog="sparkgpu.launch.agent")
+    parser.add_argument("run_dir")
+    parser.add_argument("--attempt", type=int, required=True)
+    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--node-rank", type=int, default=0)
+    parser.add_argument("--nproc", type=int, required=True)
+    parser.add_argument("--master-addr", default="127.0.0.1")
+    parser.add_argument("--master-port", type=int, required=True)
+    parser.add_argument("--shutdown-grace", type=int, default=10)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    _die_with_parent()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s agent %(levelname)s %(message)s")
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    rd = RunDir(args.run_dir)
+    os.environ["SPARKGPU_ATTEMPT"] = str(args.attempt)
+    config = LaunchConfig(
+        min_nodes=args.nnodes,
+        max_nodes=args.nnodes,
+        nproc_per_node=args.nproc,
+        run_id=f"{rd.job_id}-{args.attempt}",
+        rdzv_backend="static",
+        rdzv_endpoint=f"{args.master_addr}:{args.master_port}",
+        rdzv_configs={"rank": args.node_rank, "timeout": 600},
+        max_restarts=0,  # restarts are the supervisor's: it resumes from checkpoints
+        monitor_interval=0.1,
+        start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(rd.attempt_dir(args.attempt) / "elastic")),
+        shutdown_timeout=args.shutdown_grace,
+    )
+    failures: dict[str, dict] = {}
+    status = 0
+    try:
+        elastic_launch(config, sys.executable)("-u", str(rd.air))
+    except ChildFailedError as exc:
+        status = EXIT_FAILED
+        for rank, failure in exc.failures.items():
+            failures[str(rank)] = {
+                "exitcode": failure.exitcode,
+                "signal": failure.signal_name() if failure.exitcode < 0 else None,
+                "pid": failure.pid,
+            }
+    node = {"node_rank": args.node_rank, "status": status, "failures": failures}
+    atomic_write_bytes(rd.node_file(args.attempt, args.node_rank), json.dumps(node).encode())
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

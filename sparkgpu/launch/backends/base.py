@@ -1,0 +1,105 @@
+"""The interface every backend implements: where a job runs, apart from what it runs.
+
+A backend turns a validated :class:`~sparkgpu.spec.JobSpec` plus a staged run directory
+into running ranks. The supervisor drives it through ``plan`` (a printable dry run),
+``submit``, ``poll`` and ``cancel``; results, tracebacks and logs come back through the
+run directory, never through the backend's own channels.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import importlib
+
+from sparkgpu.errors import ConfigurationError
+from sparkgpu.launch.payload import RunDir
+from sparkgpu.spec import JobSpec, Resources
+
+__all__ = ["Backend", "LaunchPlan", "AttemptHandle", "create_backend", "BACKENDS"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchPlan:
+    """What ``submit`` will do for one attempt, printable before anything starts.
+
+    Attributes:
+        backend: Backend name.
+        attempt: Attempt number.
+        nodes: Number of nodes (agents).
+        ranks_per_node: Ranks each node starts.
+        devices: Device addresses per rank on each node (empty on CPU).
+        commands: The agent command line of each node.
+        env: Environment variables added for the workers (secrets masked).
+    """
+
+    backend: str
+    attempt: int
+    nodes: int
+    ranks_per_node: int
+    devices: tuple[str, ...]
+    commands: tuple[tuple[str, ...], ...]
+    env: dict[str, str]
+
+    def __str__(self) -> str:
+        lines = [
+            f"backend={self.backend} attempt={self.attempt} nodes={self.nodes} "
+            f"ranks_per_node={self.ranks_per_node} devices={list(self.devices) or 'cpu'}"
+        ]
+        lines += ["  env " + " ".join(f"{k}={v}" for k, v in sorted(self.env.items()))]
+        lines += ["  $ " + " ".join(cmd) for cmd in self.commands]
+        return "\n".join(lines)
+
+
+class AttemptHandle(abc.ABC):
+    """A running attempt, as its backend tracks it."""
+
+    attempt: int
+
+
+class Backend(abc.ABC):
+    """Runs attempts of jobs somewhere."""
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def resolve(self, job: JobSpec) -> JobSpec:
+        """Checks capacity and returns the job with devices assigned.
+
+        Must finish within seconds and raise :class:`~sparkgpu.errors.CapacityError` when the
+        request can never be satisfied, naming what exists.
+        """
+
+    @abc.abstractmethod
+    def plan(self, job: JobSpec, run_dir: RunDir, attempt: int, env: dict[str, str]) -> LaunchPlan:
+        """The dry run of one attempt."""
+
+    @abc.abstractmethod
+    def submit(self, job: JobSpec, run_dir: RunDir, attempt: int, env: dict[str, str]) -> AttemptHandle:
+        """Starts one attempt and returns at once."""
+
+    @abc.abstractmethod
+    def poll(self, handle: AttemptHandle) -> int | None:
+        """``None`` while the attempt runs, else its exit status (0 when every node succeeded)."""
+
+    @abc.abstractmethod
+    def cancel(self, handle: AttemptHandle, grace: float) -> None:
+        """Stops the attempt: SIGTERM to its ranks, SIGKILL after ``grace`` seconds."""
+
+    def describe_capacity(self, resources: Resources) -> str:  # pragma: no cover - informative
+        return ""
+
+
+# Imported lazily so the local path never imports pyspark.
+BACKENDS = {
+    "local": "sparkgpu.launch.backends.local",
+    "spark": "sparkgpu.launch.backends.spark",
+}
+
+
+def create_backend(name: str, **options) -> Backend:
+    """Instantiates the backend ``name`` through its module's ``create_backend`` factory."""
+    if name not in BACKENDS:
+        raise ConfigurationError(f"unknown backend {name!r}; use one of {', '.join(map(repr, BACKENDS))}")
+    module = importlib.import_module(BACKENDS[name])
+    return module.create_backend(**options)

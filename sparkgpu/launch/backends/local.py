@@ -1,0 +1,151 @@
+"""Ranks as processes on this host, started by torch's elastic agent (torchrun's machinery).
+
+One agent process per attempt (``python -m sparkgpu.launch.agent``) in its own session, so
+the caller's Ctrl-C reaches the supervisor, which then stops the agent deliberately. The
+agent dies with its parent and the ranks die with the agent (``PR_SET_PDEATHSIG``), so a
+killed client leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import time
+
+from sparkgpu.config import lookup_gpu_type, settings
+from sparkgpu.errors import CapacityError
+from sparkgpu.launch.agent import build_command
+from sparkgpu.launch.backends.base import AttemptHandle, Backend, LaunchPlan
+from sparkgpu.launch.hardware import HostGPUs, detect_host_gpus
+from sparkgpu.launch.payload import KEY_ENV, RunDir
+from sparkgpu.spec import JobSpec
+
+__all__ = ["LocalBackend", "create_backend", "free_port"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclasses.dataclass
+class LocalAttempt(AttemptHandle):
+    attempt: int
+    process: subprocess.Popen
+    log: object
+
+
+class LocalBackend(Backend):
+    """Runs every rank of a job on this host.
+
+    Args:
+        host_gpus: The host's GPUs; detected (or simulated per ``SPARKGPU_SIMULATE_GPUS``)
+            when omitted. Tests inject fakes here.
+        python: Interpreter for the agent and the ranks.
+        max_cpu_ranks: Most CPU ranks allowed for ``gpu_type="cpu"``.
+    """
+
+    name = "local"
+
+    def __init__(self, host_gpus: HostGPUs | None = None, python: str | None = None,
+                 max_cpu_ranks: int | None = None):
+        s = settings()
+        self.host_gpus = host_gpus if host_gpus is not None else detect_host_gpus(s.simulate_gpus)
+        self.python = python or s.python
+        self.max_cpu_ranks = max_cpu_ranks or s.max_cpu_ranks
+
+    # -- capacity ---------------------------------------------------------------------
+    def resolve(self, job: JobSpec) -> JobSpec:
+        wanted = job.resources
+        host = self.host_gpus
+        gpu_type = wanted.gpu_type
+        if gpu_type is None:
+            gpu_type = (host.catalog_type() or "gpu") if host.count else "cpu"
+        if gpu_type == "cpu":
+            if wanted.gpus > self.max_cpu_ranks:
+                raise CapacityError(
+                    f"asked for {wanted.gpus} CPU ranks but this host runs at most {self.max_cpu_ranks} "
+                    f"(it has {os.cpu_count()} cores); ask for fewer, or raise SPARKGPU_MAX_CPU_RANKS"
+                )
+            return dataclasses.replace(job, resources=dataclasses.replace(wanted, gpu_type="cpu"))
+
+        if host.count == 0:
+            raise CapacityError(
+                f"asked for {wanted.gpus} x {gpu_type} but this host has no GPUs; use gpu_type='cpu' to run "
+                f"the ranks on CPU, remote=True to run on a GPU pool, or SPARKGPU_SIMULATE_GPUS={gpu_type}:"
+                f"{wanted.gpus} to simulate them"
+            )
+        host_type = host.catalog_type()
+        if wanted.gpu_type is not None and host_type != gpu_type:
+            expected = lookup_gpu_type(gpu_type)
+            if not (host.names and expected.matches_device(host.names[0])):
+                suggestion = f"gpu_type={host_type!r}" if host_type else "gpu_type=None"
+                raise CapacityError(
+                    f"asked for gpu_type={gpu_type!r} but this host has {host.describe()}; "
+                    f"ask for {suggestion}, or remote=True to run on a pool of {gpu_type}"
+                )
+        if wanted.gpus > host.count:
+            raise CapacityError(
+                f"asked for {wanted.gpus} x {gpu_type} but this host has {host.describe()}; "
+                f"ask for gpus<={host.count}, or remote=True to run on a GPU pool"
+            )
+        return dataclasses.replace(
+            job,
+            resources=dataclasses.replace(wanted, gpu_type=gpu_type if gpu_type != "gpu" else wanted.gpu_type),
+            devices=host.addresses[: wanted.gpus],
+            simulated=host.simulated,
+        )
+
+    # -- attempts ---------------------------------------------------------------------
+    def _command(self, job: JobSpec, run_dir: RunDir, attempt: int, port: int) -> list[str]:
+        return build_command(
+            self.python, str(run_dir.path), attempt=attempt, nnodes=1, node_rank=0, nproc=job.world_size,
+            master_addr="127.0.0.1", master_port=port, shutdown_grace=job.policy.shutdown_grace,
+        )
+
+    def plan(self, job, run_dir, attempt, env) -> LaunchPlan:
+        masked = {k: ("***" if k == KEY_ENV else v) for k, v in env.items()}
+        return LaunchPlan(
+            backend=self.name, attempt=attempt, nodes=1, ranks_per_node=job.world_size,
+            devices=job.devices, commands=(tuple(self._command(job, run_dir, attempt, 0)),), env=masked,
+        )
+
+    def submit(self, job, run_dir, attempt, env) -> LocalAttempt:
+        run_dir.prepare_attempt(attempt)
+        log = open(run_dir.agent_log(attempt, 0), "ab")
+        full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
+        # The ranks' own interpreter flags: keep OpenMP from oversubscribing a shared host.
+        full_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // job.world_size)))
+        process = subprocess.Popen(
+            self._command(job, run_dir, attempt, free_port()),
+            env=full_env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        return LocalAttempt(attempt=attempt, process=process, log=log)
+
+    def poll(self, handle: LocalAttempt) -> int | None:
+        code = handle.process.poll()
+        if code is not None:
+            handle.log.close()
+        return code
+
+    def cancel(self, handle: LocalAttempt, grace: float) -> None:
+        process = handle.process
+        if process.poll() is None:
+            # The agent forwards SIGTERM to its ranks and waits up to its shutdown grace.
+            process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace + 5
+            while process.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)  # ranks follow through PR_SET_PDEATHSIG
+            process.wait()
+        handle.log.close()
+
+
+def create_backend(**options) -> LocalBackend:
+    return LocalBackend(**options)

@@ -1,0 +1,130 @@
+"""Runs one rank: the code behind the generated ``_air.py``.
+
+Order matters: tie the process to its parent (no orphans), send its output to the run dir,
+verify the payload's signature, pin the device, unpickle, join the process group, run the
+user's function, write the result or the traceback, leave the process group.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import faulthandler
+import os
+import signal
+import sys
+
+from sparkgpu import runtime
+from sparkgpu.launch.callbacks import WorkerContext
+from sparkgpu.launch.payload import KEY_ENV, RunDir
+
+__all__ = ["main", "EXIT_FAILED", "EXIT_PREEMPTED"]
+
+EXIT_FAILED = 1
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: checkpointed and stopped on request; resume in a new attempt
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this rank when its launcher dies, whatever killed the launcher."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() == 1:  # the launcher died before prctl took effect
+            os._exit(EXIT_FAILED)
+
+
+def _redirect_output(path) -> None:
+    """Points fds 1 and 2 at the rank's log file, so native crashes land there too."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+
+
+def _pin_device(spec: dict) -> None:
+    devices = spec.get("devices") or []
+    if devices:
+        os.environ[runtime.ENV_GPU_ADDRESS] = devices[runtime.get_local_rank() % len(devices)]
+    if spec.get("simulated"):
+        os.environ[runtime.ENV_SIMULATED] = "1"
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    elif devices:
+        os.environ["CUDA_VISIBLE_DEVICES"] = devices[runtime.get_local_rank() % len(devices)]
+    elif spec["resources"]["gpu_type"] == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def _init_process_group(spec: dict):
+    import torch
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=spec["policy"]["init_timeout"])
+    if runtime.device().type == "cuda":
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", 0))
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+    return dist
+
+
+def main(run_dir: str) -> int:
+    """Runs the rank described by the torchrun environment variables; returns the exit code."""
+    _die_with_parent()
+    rd = RunDir(run_dir)
+    rank, attempt = runtime.get_global_rank(), runtime.attempt()
+    _redirect_output(rd.log_file(attempt, rank))
+
+    key = os.environ.pop(KEY_ENV, "")  # user code never sees the job key
+    try:
+        spec, parts = rd.load_verified(bytes.fromhex(key) if key else None)
+        _pin_device(spec)
+        fn, args, kwargs, callbacks = RunDir.unpack(parts)
+    except BaseException as exc:
+        rd.write_error(attempt, rank, exc)
+        print(f"sparkgpu: rank {rank} could not start: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+
+    dist = None
+    ctx = WorkerContext(
+        job_id=spec["job_id"], run_dir=str(rd.path), attempt=attempt, rank=rank,
+        local_rank=runtime.get_local_rank(), world_size=runtime.get_world_size(),
+        node_rank=runtime.get_node_rank(), device=str(runtime.device()),
+    )
+    error: BaseException | None = None
+    try:
+        dist = _init_process_group(spec)
+        for callback in callbacks:
+            callback.on_worker_start(ctx)
+        result = fn(*args, **kwargs)
+    except runtime.StopForRestart:
+        rd.preempted_file(attempt, rank).write_text("checkpointed; resume in a new attempt\n")
+        return EXIT_PREEMPTED
+    except BaseException as exc:  # report anything, including SystemExit and KeyboardInterrupt
+        error = exc
+        rd.write_error(attempt, rank, exc)
+        print(f"sparkgpu: rank {rank} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        for callback in callbacks:
+            try:
+                callback.on_worker_end(ctx, error)
+            except Exception as exc:  # a broken callback must not hide the user's outcome
+                print(f"sparkgpu: callback {callback!r} failed on rank {rank}: {exc}", file=sys.stderr)
+        if dist is not None and dist.is_initialized():
+            dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+    try:
+        rd.write_result(attempt, rank, result)
+    except BaseException as exc:
+        rd.write_error(attempt, rank, exc)
+        return EXIT_FAILED
+    return 0

@@ -1,0 +1,269 @@
+"""The client-side supervisor: an explicit state machine over attempts.
+
+``PENDING -> RUNNING(attempt k) -> SUCCEEDED``; from ``RUNNING`` an attempt can also end
+``PREEMPTED`` (ranks checkpointed at the runtime cap: a new attempt resumes, no restart is
+used up) or ``FAILED`` (the :class:`FailurePolicy` decides between a restart and raising).
+``TIMED_OUT`` and ``CANCELLED`` are terminal. The state is a small JSON file in the run dir
+(``state.json``), rewritten atomically after every transition.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import sys
+import time
+from typing import Any
+
+from sparkgpu import runtime
+from sparkgpu.errors import JobTimeoutError, RankFailure, WorkerFailedError
+from sparkgpu.launch.callbacks import AttemptOutcome, JobCallback
+from sparkgpu.launch.entrypoint import EXIT_PREEMPTED
+from sparkgpu.launch.logs import LogStreamer
+from sparkgpu.launch.payload import KEY_ENV, RunDir, atomic_write_bytes
+from sparkgpu.spec import JobSpec
+
+__all__ = ["Supervisor", "JobStatus", "Decision", "FailurePolicy", "AttemptResult"]
+
+_POLL_SECONDS = 0.1
+
+
+class JobStatus(str, enum.Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    TIMED_OUT = "timed_out"
+    CANCELLED = "cancelled"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self not in (JobStatus.PENDING, JobStatus.RUNNING)
+
+
+class Decision(enum.Enum):
+    RESTART = "restart"
+    RAISE = "raise"
+
+
+class FailurePolicy:
+    """Restart a failed attempt while restarts are left, then raise."""
+
+    def __init__(self, max_restarts: int):
+        self.max_restarts = max_restarts
+
+    def decide(self, restarts_used: int, failures: list[RankFailure]) -> Decision:
+        return Decision.RESTART if restarts_used < self.max_restarts else Decision.RAISE
+
+
+@dataclasses.dataclass
+class AttemptResult:
+    """How one attempt ended, read back from the run dir."""
+
+    status: str  # "succeeded" | "preempted" | "failed"
+    results: list[Any] | None = None
+    failures: list[RankFailure] = dataclasses.field(default_factory=list)
+    first_exception: BaseException | None = None
+
+
+class Supervisor:
+    """Drives one job's attempts on a backend until it succeeds or gives up.
+
+    Args:
+        job: The validated job, with devices resolved by the backend.
+        run_dir: Its staged run directory.
+        backend: Where attempts run.
+        key: The job's signing key; travels to the workers in their environment only.
+        callbacks: Tracking, metering, ... hooks.
+        out: Where the ranks' live output goes (``sys.stdout`` by default).
+    """
+
+    failure_policy_cls = FailurePolicy
+
+    def __init__(self, job: JobSpec, run_dir: RunDir, backend, key: bytes,
+                 callbacks: list[JobCallback] = (), out=None):
+        self.job = job
+        self.run_dir = run_dir
+        self.backend = backend
+        self.key = key
+        self.callbacks = list(callbacks)
+        self.out = out if out is not None else sys.stdout
+        self.policy = self.failure_policy_cls(job.policy.max_restarts)
+        self.state: dict[str, Any] = {
+            "job_id": job.job_id, "status": JobStatus.PENDING.value, "backend": backend.name,
+            "attempts": [], "restarts": 0, "preemptions": 0, "created_at": time.time(),
+        }
+
+    # -- state -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(self.state))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state = json.loads(json.dumps(state))
+
+    def _save(self) -> None:
+        atomic_write_bytes(self.run_dir.state_file, json.dumps(self.state, indent=2).encode())
+
+    def _set_status(self, status: JobStatus) -> None:
+        self.state["status"] = status.value
+        self._save()
+
+    # -- the loop ------------------------------------------------------------------------
+    def run(self) -> list[Any]:
+        """Runs attempts until the job ends; returns one result per rank, ordered by rank.
+
+        Raises:
+            WorkerFailedError: ranks failed and no restart is left.
+            JobTimeoutError: the job ran past ``policy.timeout``.
+            KeyboardInterrupt: the caller pressed Ctrl-C; every rank was stopped first.
+        """
+        job_started = time.monotonic()
+        for callback in self.callbacks:
+            callback.before_job(self.job, str(self.run_dir.path))
+        results, error = None, None
+        try:
+            while True:
+                attempt = len(self.state["attempts"])
+                outcome = self._run_attempt(attempt, job_started)
+                if outcome.status == "succeeded":
+                    self._set_status(JobStatus.SUCCEEDED)
+                    results = outcome.results
+                    return results
+                if outcome.status == "preempted":
+                    self.state["preemptions"] += 1
+                    continue
+                decision = self.policy.decide(self.state["restarts"], outcome.failures)
+                if decision is Decision.RESTART:
+                    self.state["restarts"] += 1
+                    self._save()
+                    print(f"sparkgpu: attempt {attempt} failed; restarting from the latest checkpoint "
+                          f"(restart {self.state['restarts']} of {self.job.policy.max_restarts})", file=self.out)
+                    continue
+                self._set_status(JobStatus.FAILED)
+                error = WorkerFailedError(outcome.failures, self.job.job_id, str(self.run_dir.path))
+                raise error from outcome.first_exception
+        except BaseException as exc:
+            error = error or exc
+            if not JobStatus(self.state["status"]).is_terminal:
+                self._set_status(JobStatus.CANCELLED if isinstance(exc, KeyboardInterrupt) else JobStatus.FAILED)
+            raise
+        finally:
+            for callback in self.callbacks:
+                callback.after_job(self.job, results, error)
+
+    def _attempt_env(self, attempt: int, started: float) -> dict[str, str]:
+        env = {
+            KEY_ENV: self.key.hex(),
+            runtime.ENV_JOB_ID: self.job.job_id,
+            runtime.ENV_ATTEMPT: str(attempt),
+            runtime.ENV_RUN_DIR: str(self.run_dir.path),
+            runtime.ENV_CHECKPOINT_DIR: str(self.run_dir.checkpoints),
+        }
+        if self.job.policy.max_runtime is not None:
+            deadline = started + self.job.policy.max_runtime - self.job.policy.checkpoint_grace
+            env[runtime.ENV_DEADLINE] = repr(deadline)
+        for callback in self.callbacks:
+            env.update(callback.before_attempt(self.job, attempt))
+        return env
+
+    def _run_attempt(self, attempt: int, job_started: float) -> AttemptResult:
+        policy = self.job.policy
+        wall_started = time.time()
+        record = {"attempt": attempt, "started_at": wall_started, "ended_at": None, "status": "running"}
+        self.state["attempts"].append(record)
+        self._set_status(JobStatus.RUNNING)
+        handle = self.backend.submit(self.job, self.run_dir, attempt, self._attempt_env(attempt, wall_started))
+        streamer = LogStreamer(self.run_dir, attempt, self.job.world_size, self.job.log_ranks, self.out)
+        attempt_started = time.monotonic()
+        capped = False
+        try:
+            while (code := self.backend.poll(handle)) is None:
+                streamer.pump()
+                now = time.monotonic()
+                if policy.timeout is not None and now - job_started > policy.timeout:
+                    self.backend.cancel(handle, policy.shutdown_grace)
+                    streamer.finish()
+                    self._end_attempt(record, "timed_out", None)
+                    self._set_status(JobStatus.TIMED_OUT)
+                    raise JobTimeoutError(
+                        f"job {self.job.job_id} ran longer than its timeout of {policy.timeout:g}s and was "
+                        f"stopped; raise timeout= (or SPARKGPU_TIMEOUT), or checkpoint and set max_runtime= "
+                        f"so it resumes. Logs: {self.run_dir.attempt_dir(attempt) / 'logs'}"
+                    )
+                if policy.max_runtime is not None and now - attempt_started > policy.max_runtime:
+                    # Ranks had checkpoint_grace to checkpoint and stop; the cap is hard.
+                    capped = True
+                    self.backend.cancel(handle, policy.shutdown_grace)
+                    break
+                time.sleep(_POLL_SECONDS)
+        except KeyboardInterrupt:
+            self.backend.cancel(handle, policy.shutdown_grace)
+            streamer.finish()
+            self._end_attempt(record, "cancelled", None)
+            self._set_status(JobStatus.CANCELLED)
+            raise
+        streamer.finish()
+        outcome = self._collect(attempt, capped)
+        self._end_attempt(record, outcome.status, code, outcome)
+        return outcome
+
+    def _end_attempt(self, record: dict, status: str, code: int | None, outcome: AttemptResult | None = None):
+        record.update(ended_at=time.time(), status=status, exit_code=code)
+        if outcome is not None and outcome.failures:
+            record["cause"] = [f"rank {f.rank}: {f.exc_type or 'exit'}: {f.message}" for f in outcome.failures][:8]
+        self._save()
+        for callback in self.callbacks:
+            callback.after_attempt(self.job, AttemptOutcome(
+                attempt=record["attempt"], status=status, started_at=record["started_at"],
+                ended_at=record["ended_at"], gpus=self.job.resources.gpus,
+                gpu_type=self.job.resources.gpu_type or "",
+                error=outcome.first_exception if outcome else None,
+            ))
+
+    # -- reading an attempt back -------------------------------------------------------
+    def _collect(self, attempt: int, capped: bool) -> AttemptResult:
+        rd = self.run_dir
+        results: dict[int, Any] = {}
+        failures: list[RankFailure] = []
+        first_exc = None
+        preempted, silent = [], []
+        for rank in range(self.job.world_size):
+            if rd.result_file(attempt, rank).exists():
+                results[rank] = rd.read_result(attempt, rank)
+            elif rd.error_file(attempt, rank).exists():
+                failure, exc = rd.read_error(attempt, rank)
+                failures.append(failure)
+                first_exc = first_exc or exc
+            elif rd.preempted_file(attempt, rank).exists():
+                preempted.append(rank)
+            else:
+                silent.append(rank)
+        exits = rd.read_node_exits(attempt)
+        for rank in silent:
+            info = exits.get(rank)
+            if info is None or info["exitcode"] == EXIT_PREEMPTED:
+                continue  # stopped by the agent because another rank failed, or preempted
+            failures.append(RankFailure(
+                rank, None, _describe_exit(info), exitcode=info["exitcode"], log_tail=rd.log_tail(attempt, rank),
+            ))
+        if failures:
+            return AttemptResult("failed", failures=failures, first_exception=first_exc)
+        if len(results) == self.job.world_size:
+            return AttemptResult("succeeded", results=[results[r] for r in range(self.job.world_size)])
+        if preempted or capped:
+            return AttemptResult("preempted")
+        # No rank reported anything: the agent itself failed (bad interpreter, port clash, ...).
+        agent_log = rd.agent_log(attempt, 0)
+        tail = "\n".join(agent_log.read_text(errors="replace").splitlines()[-30:]) if agent_log.exists() else ""
+        missing = silent or list(range(self.job.world_size))
+        return AttemptResult("failed", failures=[
+            RankFailure(r, None, "the rank never reported a result (its launcher failed)", log_tail=tail)
+            for r in missing
+        ])
+
+
+def _describe_exit(info: dict) -> str:
+    if info.get("signal"):
+        return f"the process died from signal {info['signal']} (exit code {info['exitcode']}) without a Python exception"
+    return f"the process exited with code {info['exitcode']} without a Python exception"
