@@ -104,6 +104,10 @@ class Settings:
         default_timeout: Default limit in seconds on one whole call, ``None`` for no limit
             (``SPARKGPU_TIMEOUT``).
         python: Interpreter that runs the workers (``SPARKGPU_PYTHON``).
+        registry_catalog: Catalog that completes a one-part model name when no Spark session
+            is active (``SPARKGPU_REGISTRY_CATALOG``, default ``"main"``).
+        registry_schema: Schema that completes one- and two-part model names when no Spark
+            session is active (``SPARKGPU_REGISTRY_SCHEMA``, default ``"default"``).
     """
 
     home: Path
@@ -114,6 +118,8 @@ class Settings:
     spark_remote: str | None
     default_timeout: float | None
     python: str
+    registry_catalog: str = "main"
+    registry_schema: str = "default"
 
     @classmethod
     def from_env(cls, env=None) -> "Settings":
@@ -135,6 +141,8 @@ class Settings:
             spark_remote=env.get("SPARKGPU_SPARK_REMOTE") or None,
             default_timeout=_env_float(env, "SPARKGPU_TIMEOUT", None),
             python=env.get("SPARKGPU_PYTHON") or sys.executable,
+            registry_catalog=env.get("SPARKGPU_REGISTRY_CATALOG") or "main",
+            registry_schema=env.get("SPARKGPU_REGISTRY_SCHEMA") or "default",
         )
 
 

@@ -20,6 +20,7 @@ __all__ = [
     "DataError",
     "CheckpointError",
     "PolicyViolationError",
+    "PermissionDeniedError",
 ]
 
 
@@ -69,6 +70,13 @@ class CheckpointError(SparkGPUError):
 
 class PolicyViolationError(SparkGPUError):
     """A job breaks a usage policy (GPU type, GPU count, runtime, budget)."""
+
+
+class PermissionDeniedError(SparkGPUError, PermissionError):
+    """The tracking server or model registry refused an operation.
+
+    The message names the permission that is missing, on which object, and who can grant it.
+    """
 
 
 class RankFailure:
