@@ -89,8 +89,8 @@ class DistributedFunction:
         name = self.backend or ("spark" if self.resources.remote else "local")
         return create_backend(name)
 
-    def _stage(self, args: tuple, kwargs: dict) -> _Staged:
-        """Validates everything and writes the run dir; starts no process."""
+    def _stage(self, args: tuple, kwargs: dict, write: bool = True) -> _Staged:
+        """Validates everything and (unless ``write`` is False) writes the run dir; starts no process."""
         backend = self._backend()
         job = JobSpec(
             job_id=new_job_id(self.name), name=self.name, resources=self.resources, policy=self.policy,
@@ -101,7 +101,8 @@ class DistributedFunction:
         payload = serialize_payload(self.fn, args, kwargs, callbacks)  # picklability, naming the culprit
         run_dir = RunDir(settings().staging_root / job.job_id)
         key = secrets.token_bytes(32)
-        run_dir.stage(job.to_dict(), payload, key, client_sys_path())
+        if write:
+            run_dir.stage(job.to_dict(), payload, key, client_sys_path())
         return _Staged(job, run_dir, key, backend, callbacks)
 
     def distributed(self, *args, **kwargs) -> list[Any]:
@@ -125,7 +126,7 @@ class DistributedFunction:
 
     def dryrun(self, *args, **kwargs) -> LaunchPlan:
         """What ``.distributed(*args, **kwargs)`` would launch, validated but not started."""
-        staged = self._stage(args, kwargs)
+        staged = self._stage(args, kwargs, write=False)
         return staged.backend.plan(staged.job, staged.run_dir, 0, {"SPARKGPU_JOB_ID": staged.job.job_id})
 
 

@@ -90,22 +90,25 @@ class RankFailure:
         traceback: The formatted remote traceback (may be empty).
         exitcode: Process exit code (negative for a signal) when known.
         log_tail: Last lines of the rank's log, for deaths without a traceback.
+        timestamp: Unix time of the failure when known; the earliest is the likely root cause
+            (the others often fail only because a peer left a collective).
     """
 
-    __slots__ = ("rank", "exc_type", "message", "traceback", "exitcode", "log_tail")
+    __slots__ = ("rank", "exc_type", "message", "traceback", "exitcode", "log_tail", "timestamp")
 
-    def __init__(self, rank, exc_type, message, traceback="", exitcode=None, log_tail=""):
+    def __init__(self, rank, exc_type, message, traceback="", exitcode=None, log_tail="", timestamp=None):
         self.rank = rank
         self.exc_type = exc_type
         self.message = message
         self.traceback = traceback
         self.exitcode = exitcode
         self.log_tail = log_tail
+        self.timestamp = timestamp
 
     def __reduce__(self):
         return (
             RankFailure,
-            (self.rank, self.exc_type, self.message, self.traceback, self.exitcode, self.log_tail),
+            (self.rank, self.exc_type, self.message, self.traceback, self.exitcode, self.log_tail, self.timestamp),
         )
 
     def __repr__(self):
@@ -143,18 +146,24 @@ class WorkerFailedError(SparkGPUError):
     :class:`RankFailure` per failed rank, ordered by rank.
     """
 
-    def __init__(self, failures, job_id: str | None = None, run_dir: str | None = None):
+    def __init__(self, failures, job_id: str | None = None, logs_dir: str | None = None):
         self.failures = sorted(failures, key=lambda f: f.rank)
         self.job_id = job_id
-        self.run_dir = run_dir
+        self.logs_dir = logs_dir
         super().__init__(self._format())
 
     def __reduce__(self):
-        return (type(self), (self.failures, self.job_id, self.run_dir))
+        return (type(self), (self.failures, self.job_id, self.logs_dir))
 
     @property
     def ranks(self) -> list[int]:
         return [f.rank for f in self.failures]
+
+    @property
+    def first_failure(self) -> RankFailure:
+        """The failure that happened first: usually the root cause."""
+        timed = [f for f in self.failures if f.timestamp is not None]
+        return min(timed, key=lambda f: f.timestamp) if timed else self.failures[0]
 
     def _format(self) -> str:
         groups: dict[tuple, list[RankFailure]] = {}
@@ -162,6 +171,9 @@ class WorkerFailedError(SparkGPUError):
             groups.setdefault(failure.signature, []).append(failure)
         job = f" in job {self.job_id}" if self.job_id else ""
         parts = [f"{len(self.failures)} rank(s) failed{job}."]
+        if len(self.failures) > 1:
+            first = self.first_failure
+            parts[0] += f" First to fail: rank {first.rank} ({first.exc_type or 'no Python exception'})."
         for members in groups.values():
             first = members[0]
             ranks = ", ".join(str(f.rank) for f in members)
@@ -174,6 +186,6 @@ class WorkerFailedError(SparkGPUError):
                 parts.append(f"\n--- {label} {ranks}: {first.message}")
                 if first.log_tail:
                     parts.append("Last lines of its log:\n" + _truncate(first.log_tail, 20))
-        if self.run_dir:
-            parts.append(f"\nLogs of every rank: {self.run_dir}/logs")
+        if self.logs_dir:
+            parts.append(f"\nLogs of every rank: {self.logs_dir}")
         return "\n".join(parts)

@@ -24,6 +24,7 @@ import json
 import os
 import pickle
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -254,8 +255,8 @@ class RunDir:
 
     def write_error(self, attempt: int, rank: int, exc: BaseException) -> None:
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        failure = RankFailure(rank, f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
-                              str(exc), tb)
+        exc_type = f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins.")
+        failure = RankFailure(rank, exc_type, str(exc), tb, timestamp=time.time())
         try:
             exc_bytes = cloudpickle.dumps(exc)
         except Exception:

@@ -64,7 +64,16 @@ class AttemptResult:
     status: str  # "succeeded" | "preempted" | "failed"
     results: list[Any] | None = None
     failures: list[RankFailure] = dataclasses.field(default_factory=list)
-    first_exception: BaseException | None = None
+    exceptions: dict[int, BaseException] = dataclasses.field(default_factory=dict)
+
+    @property
+    def root_exception(self) -> BaseException | None:
+        """The unpickled exception of the rank that failed first, when it unpickles."""
+        if not self.failures:
+            return None
+        timed = [f for f in self.failures if f.timestamp is not None]
+        first = min(timed, key=lambda f: f.timestamp) if timed else self.failures[0]
+        return self.exceptions.get(first.rank)
 
 
 class Supervisor:
@@ -141,8 +150,9 @@ class Supervisor:
                           f"(restart {self.state['restarts']} of {self.job.policy.max_restarts})", file=self.out)
                     continue
                 self._set_status(JobStatus.FAILED)
-                error = WorkerFailedError(outcome.failures, self.job.job_id, str(self.run_dir.path))
-                raise error from outcome.first_exception
+                logs = self.run_dir.attempt_dir(attempt) / "logs"
+                error = WorkerFailedError(outcome.failures, self.job.job_id, str(logs))
+                raise error from outcome.root_exception
         except BaseException as exc:
             error = error or exc
             if not JobStatus(self.state["status"]).is_terminal:
@@ -218,7 +228,7 @@ class Supervisor:
                 attempt=record["attempt"], status=status, started_at=record["started_at"],
                 ended_at=record["ended_at"], gpus=self.job.resources.gpus,
                 gpu_type=self.job.resources.gpu_type or "",
-                error=outcome.first_exception if outcome else None,
+                error=outcome.root_exception if outcome else None,
             ))
 
     # -- reading an attempt back -------------------------------------------------------
@@ -226,7 +236,7 @@ class Supervisor:
         rd = self.run_dir
         results: dict[int, Any] = {}
         failures: list[RankFailure] = []
-        first_exc = None
+        exceptions: dict[int, BaseException] = {}
         preempted, silent = [], []
         for rank in range(self.job.world_size):
             if rd.result_file(attempt, rank).exists():
@@ -234,7 +244,8 @@ class Supervisor:
             elif rd.error_file(attempt, rank).exists():
                 failure, exc = rd.read_error(attempt, rank)
                 failures.append(failure)
-                first_exc = first_exc or exc
+                if exc is not None:
+                    exceptions[rank] = exc
             elif rd.preempted_file(attempt, rank).exists():
                 preempted.append(rank)
             else:
@@ -248,7 +259,7 @@ class Supervisor:
                 rank, None, _describe_exit(info), exitcode=info["exitcode"], log_tail=rd.log_tail(attempt, rank),
             ))
         if failures:
-            return AttemptResult("failed", failures=failures, first_exception=first_exc)
+            return AttemptResult("failed", failures=failures, exceptions=exceptions)
         if len(results) == self.job.world_size:
             return AttemptResult("succeeded", results=[results[r] for r in range(self.job.world_size)])
         if preempted or capped:

@@ -1,0 +1,307 @@
+"""`.distributed()` on real processes: torch's elastic agent, gloo process groups, real signals."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+
+from sparkgpu import CapacityError, JobTimeoutError, SerializationError, WorkerFailedError, distributed, runtime
+from sparkgpu.config import settings
+
+pytestmark = pytest.mark.integration
+
+
+def processes_of(run_dir) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if any(str(run_dir) in part for part in proc.info["cmdline"] or ()):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def assert_no_orphans(run_dir, within: float = 5.0):
+    deadline = time.monotonic() + within
+    while processes_of(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes_of(run_dir) == []
+
+
+@distributed(gpus=2, gpu_type="cpu")
+def all_reduce_step(x):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([x * (runtime.get_global_rank() + 1)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_the_readme_snippet_returns_one_result_per_rank():
+    assert all_reduce_step.distributed(10) == [30, 30]
+    assert all_reduce_step(10) == 10
+
+
+def test_four_ranks_see_their_ranks_and_a_gloo_group():
+    @distributed(gpus=4, gpu_type="cpu", log_ranks="all")
+    def who():
+        import torch.distributed as dist
+
+        return (runtime.get_global_rank(), runtime.get_local_rank(), runtime.get_world_size(),
+                runtime.is_main_process(), str(runtime.device()), dist.get_backend(), runtime.job_id())
+
+    results = who.distributed()
+    assert [r[0] for r in results] == [0, 1, 2, 3]
+    assert [r[1] for r in results] == [0, 1, 2, 3]
+    assert {r[2] for r in results} == {4}
+    assert [r[3] for r in results] == [True, False, False, False]
+    assert {r[4] for r in results} == {"cpu"} and {r[5] for r in results} == {"gloo"}
+    assert {r[6] for r in results} == {who.last_job_id}
+
+
+def test_live_output_is_prefixed_by_rank_and_kept_in_the_run_dir(capsys):
+    @distributed(gpus=2, gpu_type="cpu", log_ranks="all")
+    def chatty():
+        print(f"hello from {runtime.get_global_rank()}", flush=True)
+        print("to stderr", file=sys.stderr, flush=True)
+
+    chatty.distributed()
+    out = capsys.readouterr().out
+    assert "[rank0] hello from 0" in out and "[rank1] hello from 1" in out and "[rank1] to stderr" in out
+    log = settings().staging_root / chatty.last_job_id / "attempts" / "0" / "logs" / "rank-1.log"
+    assert "hello from 1" in log.read_text()
+
+
+def test_default_streams_only_rank_zero(capsys):
+    @distributed(gpus=2, gpu_type="cpu")
+    def chatty():
+        print(f"line of rank {runtime.get_global_rank()}", flush=True)
+
+    chatty.distributed()
+    out = capsys.readouterr().out
+    assert "[rank0] line of rank 0" in out and "line of rank 1" not in out
+
+
+class ShardError(Exception):
+    pass
+
+
+def test_exception_on_one_rank_names_the_rank_and_the_remote_traceback():
+    @distributed(gpus=2, gpu_type="cpu")
+    def flaky():
+        import torch
+        import torch.distributed as dist
+
+        if runtime.get_global_rank() == 1:
+            raise ShardError("shard 7 is corrupt")
+        dist.all_reduce(torch.ones(1))  # rank 0 waits on rank 1, which is gone
+
+    started = time.monotonic()
+    with pytest.raises(WorkerFailedError) as err:
+        flaky.distributed()
+    assert time.monotonic() - started < 60
+    text = str(err.value)
+    assert "rank 1: " in text and "ShardError: shard 7 is corrupt" in text
+    assert "Remote traceback" in text and 'raise ShardError("shard 7 is corrupt")' in text
+    assert isinstance(err.value.__cause__, ShardError)  # the original exception, chained
+    assert "First to fail: rank 1" in text
+    assert_no_orphans(settings().staging_root / flaky.last_job_id)
+
+
+def test_identical_failures_on_every_rank_are_grouped():
+    @distributed(gpus=3, gpu_type="cpu")
+    def broken():
+        raise KeyError("feature 'age' missing")
+
+    with pytest.raises(WorkerFailedError) as err:
+        broken.distributed()
+    assert err.value.ranks == [0, 1, 2]
+    assert "ranks 0, 1, 2: KeyError" in str(err.value)
+    assert str(err.value).count("Remote traceback") == 1
+
+
+def test_segfault_reports_the_signal_and_the_log_tail():
+    @distributed(gpus=2, gpu_type="cpu")
+    def crash():
+        import ctypes
+        import time as _t
+
+        if runtime.get_global_rank() == 0:
+            print("about to read address 0", flush=True)
+            ctypes.string_at(0)
+        _t.sleep(60)
+
+    with pytest.raises(WorkerFailedError) as err:
+        crash.distributed()
+    failure = err.value.failures[0]
+    assert failure.rank == 0 and failure.exc_type is None and failure.exitcode == -signal.SIGSEGV
+    assert "SIGSEGV" in str(err.value) and "about to read address 0" in str(err.value)
+    assert "Fatal Python error" in str(err.value)  # faulthandler's dump landed in the log
+    assert_no_orphans(settings().staging_root / crash.last_job_id)
+
+
+def test_os_exit_reports_the_exit_code():
+    @distributed(gpus=2, gpu_type="cpu")
+    def quit_hard():
+        if runtime.get_global_rank() == 1:
+            os._exit(3)
+        return "fine"
+
+    with pytest.raises(WorkerFailedError, match="rank 1: the process exited with code 3") as err:
+        quit_hard.distributed()
+    assert err.value.failures[0].exitcode == 3
+
+
+def test_unpicklable_argument_fails_before_any_process_starts():
+    started = time.monotonic()
+    with pytest.raises(SerializationError, match="positional argument 0 .*lock"):
+        all_reduce_step.distributed(threading.Lock())
+    assert time.monotonic() - started < 5
+    assert not settings().staging_root.exists() or not any(settings().staging_root.iterdir())
+
+
+def test_too_many_gpus_is_an_error_within_seconds():
+    @distributed(gpus=2, gpu_type="H100")
+    def train():
+        return 1
+
+    started = time.monotonic()
+    with pytest.raises(CapacityError, match="this host has no GPUs"):
+        train.distributed()
+    assert time.monotonic() - started < 5
+
+
+def test_simulated_gpus_get_one_address_per_rank(monkeypatch):
+    monkeypatch.setenv("SPARKGPU_SIMULATE_GPUS", "H100:4")
+    settings.cache_clear()
+
+    @distributed(gpus=2, gpu_type="H100")
+    def where():
+        import torch.distributed as dist
+
+        return runtime.gpu_address(), str(runtime.device()), dist.get_backend()
+
+    assert where.distributed() == [("0", "cpu", "gloo"), ("1", "cpu", "gloo")]
+
+    @distributed(gpus=5, gpu_type="H100")
+    def too_many():
+        return 1
+
+    with pytest.raises(CapacityError, match="4 x simulated H100"):
+        too_many.distributed()
+
+
+def test_timeout_stops_every_rank():
+    @distributed(gpus=2, gpu_type="cpu", timeout=8)
+    def sleepy():
+        import time as _t
+
+        _t.sleep(600)
+
+    started = time.monotonic()
+    with pytest.raises(JobTimeoutError, match="timeout of 8s"):
+        sleepy.distributed()
+    assert time.monotonic() - started < 40
+    assert_no_orphans(settings().staging_root / sleepy.last_job_id)
+
+
+def test_large_results_come_back_whole():
+    @distributed(gpus=2, gpu_type="cpu")
+    def big():
+        import numpy as np
+
+        return np.full(30_000_000, runtime.get_global_rank(), dtype=np.float32)  # 120 MB per rank
+
+    results = big.distributed()
+    assert [r.nbytes for r in results] == [120_000_000, 120_000_000]
+    assert results[0][-1] == 0 and results[1][12345] == 1
+
+
+def test_tampered_payload_is_refused_by_the_workers():
+    from sparkgpu.launch.supervisor import Supervisor
+
+    staged = all_reduce_step._stage((10,), {})
+    parts = pickle.loads(staged.run_dir.payload_file.read_bytes())
+    parts["args"] = [pickle.dumps(99)]
+    staged.run_dir.payload_file.write_bytes(pickle.dumps(parts))
+    with pytest.raises(WorkerFailedError, match="PayloadSignatureError.*modified"):
+        Supervisor(staged.job, staged.run_dir, staged.backend, staged.key, []).run()
+
+
+def test_job_key_never_reaches_the_run_dir_or_user_code():
+    @distributed(gpus=1, gpu_type="cpu")
+    def env_keys():
+        return sorted(k for k in os.environ if "KEY" in k)
+
+    assert env_keys.distributed() == [[]]
+    run_dir = settings().staging_root / env_keys.last_job_id
+    for path in run_dir.rglob("*"):
+        if path.is_file():
+            assert b"SPARKGPU_JOB_KEY=" not in path.read_bytes()
+
+
+CTRL_C_CLIENT = textwrap.dedent("""
+    import sys, time
+    from sparkgpu import distributed
+
+    @distributed(gpus=2, gpu_type="cpu")
+    def forever():
+        print("started", flush=True)
+        time.sleep(600)
+
+    try:
+        forever.distributed()
+    except KeyboardInterrupt:
+        print("RUN_DIR", forever.last_run_dir if hasattr(forever, "last_run_dir") else "", flush=True)
+        sys.exit(130)
+""")
+
+
+def test_ctrl_c_in_the_caller_stops_every_rank(tmp_path, _isolated_sparkgpu_home):
+    script = tmp_path / "client.py"
+    script.write_text(CTRL_C_CLIENT)
+    env = {**os.environ, "SPARKGPU_HOME": str(_isolated_sparkgpu_home), "PYTHONPATH": os.getcwd()}
+    client = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True)
+    runs = _isolated_sparkgpu_home / "runs"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:  # wait until both ranks run
+        logs = list(runs.glob("*/attempts/0/logs/rank-*.log"))
+        if len(logs) == 2 and all("started" in p.read_text() for p in logs):
+            break
+        time.sleep(0.2)
+    else:
+        client.kill()
+        pytest.fail("ranks never started")
+    client.send_signal(signal.SIGINT)
+    out, _ = client.communicate(timeout=60)
+    assert client.returncode == 130, out
+    run_dir = next(runs.iterdir())
+    assert_no_orphans(run_dir)
+    import json
+
+    assert json.loads((run_dir / "state.json").read_text())["status"] == "cancelled"
+
+
+def test_killed_client_leaves_no_orphans(tmp_path, _isolated_sparkgpu_home):
+    script = tmp_path / "client.py"
+    script.write_text(CTRL_C_CLIENT)
+    env = {**os.environ, "SPARKGPU_HOME": str(_isolated_sparkgpu_home), "PYTHONPATH": os.getcwd()}
+    client = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.DEVNULL)
+    runs = _isolated_sparkgpu_home / "runs"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and len(list(runs.glob("*/attempts/0/logs/rank-*.log"))) < 2:
+        time.sleep(0.2)
+    client.kill()  # SIGKILL: no cleanup code runs in the client
+    client.wait()
+    assert_no_orphans(next(runs.iterdir()), within=15)

@@ -1,0 +1,60 @@
+import pytest
+
+from sparkgpu import ConfigurationError, distributed, runtime
+from sparkgpu.launch.backends.local import LocalBackend
+from sparkgpu.launch.hardware import HostGPUs
+
+
+def test_bare_decorator_and_num_gpus_alias():
+    @distributed
+    def a():
+        return 1
+
+    @distributed(num_gpus=3, gpu_type="cpu")
+    def b():
+        return 2
+
+    assert a.resources.gpus == 1 and b.resources.gpus == 3
+    assert a.__name__ == "a" and "gpus=3" in repr(b)
+
+
+def test_positional_settings_get_a_hint():
+    with pytest.raises(ConfigurationError, match=r"@distributed\(gpus=2\)"):
+        distributed(2)
+
+
+def test_bad_settings_fail_at_decoration_time():
+    with pytest.raises(ConfigurationError, match="unknown gpu_type 'B200'"):
+        distributed(gpus=1, gpu_type="B200")
+    with pytest.raises(ConfigurationError, match="disagree"):
+        distributed(gpus=1, num_gpus=2)
+    with pytest.raises(ConfigurationError, match="log_ranks"):
+        distributed(gpus=1, log_ranks="some")
+
+
+def test_plain_call_is_rank_zero_of_a_world_of_one():
+    @distributed(gpus=4, gpu_type="cpu")
+    def step(x):
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([x * (runtime.get_global_rank() + 1)])
+        dist.all_reduce(t)
+        return t.item(), runtime.get_world_size(), runtime.is_main_process()
+
+    assert step(10) == (10, 1, True)
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+
+
+def test_dryrun_validates_and_prints_the_plan_without_starting_anything(_isolated_sparkgpu_home):
+    @distributed(gpus=2, gpu_type="A10", backend=LocalBackend(host_gpus=HostGPUs(("NVIDIA A10G",) * 2, ("0", "1"))))
+    def train(lr):
+        return lr
+
+    plan = train.dryrun(1e-3)
+    text = str(plan)
+    assert "ranks_per_node=2" in text and "devices=['0', '1']" in text
+    assert "sparkgpu.launch.agent" in text
+    assert not (_isolated_sparkgpu_home / "runs").exists()

@@ -1,0 +1,31 @@
+import io
+
+from sparkgpu.launch.logs import LogStreamer
+from sparkgpu.launch.payload import RunDir
+
+
+def test_streams_complete_lines_with_rank_prefix_and_keeps_partial_ones(tmp_path):
+    rd = RunDir(tmp_path / "job")
+    rd.prepare_attempt(0)
+    out = io.StringIO()
+    streamer = LogStreamer(rd, 0, world_size=2, ranks=None, out=out)
+    rd.log_file(0, 0).write_text("epoch 1\nloss=0.")
+    rd.log_file(0, 1).write_text("warming up\n")
+    streamer.pump()
+    assert out.getvalue() == "[rank0] epoch 1\n[rank1] warming up\n"
+    with open(rd.log_file(0, 0), "a") as f:
+        f.write("5\nno newline at the end")
+    streamer.pump()
+    assert out.getvalue().endswith("[rank0] loss=0.5\n")
+    streamer.finish()
+    assert out.getvalue().endswith("[rank0] no newline at the end\n")
+
+
+def test_only_selected_ranks_stream(tmp_path):
+    rd = RunDir(tmp_path / "job")
+    rd.prepare_attempt(0)
+    for r in range(3):
+        rd.log_file(0, r).write_text(f"r{r}\n")
+    out = io.StringIO()
+    LogStreamer(rd, 0, world_size=3, ranks=(0, 2), out=out).finish()
+    assert out.getvalue() == "[rank0] r0\n[rank2] r2\n"

@@ -1,0 +1,98 @@
+"""The supervisor's state machine, driven by a scripted backend (no processes)."""
+
+import io
+import json
+
+import pytest
+
+from sparkgpu.errors import JobTimeoutError, WorkerFailedError
+from sparkgpu.launch.callbacks import JobCallback
+from sparkgpu.launch.payload import RunDir, serialize_payload
+from sparkgpu.launch.supervisor import Supervisor
+from sparkgpu.spec import JobSpec, Resources, RunPolicy
+from tests.fakes.backend import ScriptedBackend
+
+
+class RecordingCallback(JobCallback):
+    def __init__(self):
+        self.events = []
+
+    def before_job(self, job, run_dir):
+        self.events.append("before_job")
+
+    def before_attempt(self, job, attempt):
+        self.events.append(f"before_attempt:{attempt}")
+        return {"TRACKING_RUN": "run-1"}
+
+    def after_attempt(self, job, outcome):
+        self.events.append(f"after_attempt:{outcome.attempt}:{outcome.status}")
+
+    def after_job(self, job, results, error):
+        self.events.append(f"after_job:{type(error).__name__ if error else 'ok'}")
+
+
+def run_job(tmp_path, script, **policy):
+    job = JobSpec(job_id="job-1", name="job", resources=Resources(2, "cpu"), policy=RunPolicy(**policy))
+    rd = RunDir(tmp_path / "job-1")
+    rd.stage(job.to_dict(), serialize_payload(lambda: 1, (), {}, []), b"k" * 32, [])
+    backend = ScriptedBackend(script)
+    callback = RecordingCallback()
+    out = io.StringIO()
+    sup = Supervisor(job, rd, backend, b"k" * 32, [callback], out=out)
+    return sup, backend, callback, rd, out
+
+
+def test_success_returns_results_in_rank_order_and_records_state(tmp_path):
+    sup, backend, cb, rd, out = run_job(tmp_path, ["ok"])
+    assert sup.run() == [{"rank": 0, "attempt": 0}, {"rank": 1, "attempt": 0}]
+    state = json.loads(rd.state_file.read_text())
+    assert state["status"] == "succeeded" and [a["status"] for a in state["attempts"]] == ["succeeded"]
+    assert cb.events == ["before_job", "before_attempt:0", "after_attempt:0:succeeded", "after_job:ok"]
+    env = backend.submitted_env[0]
+    assert env["SPARKGPU_ATTEMPT"] == "0" and env["TRACKING_RUN"] == "run-1"
+    assert env["SPARKGPU_CHECKPOINT_DIR"] == str(rd.checkpoints)
+    assert "[rank0] attempt 0 rank 0" in out.getvalue() and "[rank1]" not in out.getvalue()
+
+
+def test_failures_restart_until_restarts_run_out_then_raise(tmp_path):
+    sup, backend, cb, rd, out = run_job(tmp_path, ["raise", "segv", "raise"], max_restarts=2)
+    with pytest.raises(WorkerFailedError) as err:
+        sup.run()
+    assert err.value.ranks == [0, 1]
+    assert "ranks 0, 1: ValueError: bad batch at attempt 2" in str(err.value)
+    assert isinstance(err.value.__cause__, ValueError)
+    state = json.loads(rd.state_file.read_text())
+    assert state["status"] == "failed" and state["restarts"] == 2
+    assert [a["status"] for a in state["attempts"]] == ["failed"] * 3
+    assert "SIGSEGV" in state["attempts"][1]["cause"][0]
+    assert "restart 2 of 2" in out.getvalue()
+
+
+def test_a_restart_that_succeeds_returns_its_results(tmp_path):
+    sup, *_ = run_job(tmp_path, ["segv", "ok"], max_restarts=1)
+    assert sup.run()[0] == {"rank": 0, "attempt": 1}
+
+
+def test_preemption_resumes_without_using_a_restart(tmp_path):
+    sup, backend, cb, rd, out = run_job(tmp_path, ["preempt", "preempt", "ok"], max_restarts=0)
+    assert sup.run()[1] == {"rank": 1, "attempt": 2}
+    state = json.loads(rd.state_file.read_text())
+    assert state["preemptions"] == 2 and state["restarts"] == 0
+    assert "after_attempt:0:preempted" in cb.events
+
+
+def test_timeout_cancels_the_attempt_and_raises(tmp_path):
+    sup, backend, cb, rd, out = run_job(tmp_path, ["hang"], timeout=0.3)
+    with pytest.raises(JobTimeoutError, match="timeout of 0.3s"):
+        sup.run()
+    assert backend.cancelled == [0]
+    assert json.loads(rd.state_file.read_text())["status"] == "timed_out"
+    assert cb.events[-1] == "after_job:JobTimeoutError"
+
+
+def test_runtime_cap_stops_the_attempt_and_resumes(tmp_path):
+    sup, backend, cb, rd, out = run_job(tmp_path, ["hang", "ok"], max_runtime=0.5, checkpoint_grace=0.2)
+    assert sup.run()[0]["attempt"] == 1
+    assert backend.cancelled == [0]
+    deadline = float(backend.submitted_env[0]["SPARKGPU_CHECKPOINT_DEADLINE"])
+    assert deadline > 0
