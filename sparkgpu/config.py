@@ -10,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 from pathlib import Path
 
 from sparkgpu.errors import ConfigurationError
 
-__all__ = ["GPUType", "GPU_CATALOG", "Settings", "settings", "lookup_gpu_type", "reset_settings"]
+__all__ = ["GPUType", "GPU_CATALOG", "Settings", "settings", "lookup_gpu_type", "reset_settings", "parse_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +89,31 @@ def _env_float(env, name, default):
         raise ConfigurationError(f"{name}={raw!r} is not a number; set it to seconds, e.g. {name}=600") from None
 
 
+_BYTE_COUNT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)b?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(value, name: str) -> int:
+    """Reads a byte count: an int, or a string such as ``"200GB"``, ``"512MiB"``, ``"1.5T"``.
+
+    Raises:
+        ConfigurationError: ``value`` is not a positive byte count.
+    """
+    hint = f"{name}={value!r} is not a byte count; use an int or a string like '200GB' or '512MiB'"
+    if isinstance(value, bool):
+        raise ConfigurationError(hint)
+    if isinstance(value, int):
+        number = value
+    else:
+        match = _BYTE_COUNT.match(str(value))
+        if not match:
+            raise ConfigurationError(hint)
+        power = " kmgtp".index(match.group(2).lower() or " ")
+        number = int(float(match.group(1)) * (1024 if match.group(3) else 1000) ** power)
+    if number <= 0:
+        raise ConfigurationError(f"{name}={value!r} must be a positive byte count")
+    return number
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """Process-wide defaults taken from ``SPARKGPU_*`` environment variables.
@@ -108,6 +134,8 @@ class Settings:
             is active (``SPARKGPU_REGISTRY_CATALOG``, default ``"main"``).
         registry_schema: Schema that completes one- and two-part model names when no Spark
             session is active (``SPARKGPU_REGISTRY_SCHEMA``, default ``"default"``).
+        cache_limit_bytes: Default size limit of the data cache, ``None`` for no limit
+            (``SPARKGPU_CACHE_LIMIT``, e.g. ``500GB``).
     """
 
     home: Path
@@ -120,6 +148,7 @@ class Settings:
     python: str
     registry_catalog: str = "main"
     registry_schema: str = "default"
+    cache_limit_bytes: int | None = None
 
     @classmethod
     def from_env(cls, env=None) -> "Settings":
@@ -143,6 +172,9 @@ class Settings:
             python=env.get("SPARKGPU_PYTHON") or sys.executable,
             registry_catalog=env.get("SPARKGPU_REGISTRY_CATALOG") or "main",
             registry_schema=env.get("SPARKGPU_REGISTRY_SCHEMA") or "default",
+            cache_limit_bytes=(
+                parse_bytes(env["SPARKGPU_CACHE_LIMIT"], "SPARKGPU_CACHE_LIMIT") if env.get("SPARKGPU_CACHE_LIMIT") else None
+            ),
         )
 
 
