@@ -1,0 +1,514 @@
+"""MosaicML Streaming's MDS format, encoded from whole Arrow record batches at once.
+
+The bytes are exactly those ``streaming.MDSWriter`` writes (``streaming/base/format/mds``):
+
+* a sample is ``[uint32 size of each variable-size column][each column's bytes]``, columns in
+  name order;
+* a shard file is ``[uint32 n][uint32 offsets, n + 1 of them, from the file start][the writer's
+  config as JSON][samples]``;
+* ``index.json`` is ``{"version": 2, "shards": [...]}``, each entry the writer's config plus
+  ``samples``, ``raw_data`` and ``zip_data`` (written by :mod:`sparkgpu.data.mds_writer`).
+
+``MDSWriter`` encodes one Python dict at a time; here numpy builds every sample of a record
+batch in a few whole-array copies, so fixed-width schemas never loop over rows in Python.
+
+This module runs on Spark executors, shipped by value: at module level it imports only numpy,
+pyarrow and the standard library, so executors need nothing from this package installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from sparkgpu.errors import ConfigurationError, DataError
+
+__all__ = [
+    "ColumnSpec",
+    "EncodedBatch",
+    "plan_columns",
+    "encode_batch",
+]
+
+# Scalar encodings and the numpy dtype each stores (streaming's Scalar encodings).
+_SCALARS = {
+    name: np.dtype(name)
+    for name in (
+        "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+        "float16", "float32", "float64",
+    )
+}
+# Value dtypes streaming's NDArray encoding knows (NDArray._value_dtype2int).
+_NDARRAY_DTYPES = frozenset(_SCALARS)
+# NDArray's shape dtypes: index = the 2 low bits of the shape byte.
+_SHAPE_DTYPES = (np.dtype("<u1"), np.dtype("<u2"), np.dtype("<u4"), np.dtype("<u8"))
+
+
+class _Kind(enum.Enum):
+    SCALAR = "scalar"  # fixed-width number; bool stored as uint8
+    INT = "int"  # streaming's "int": int64 bytes, decoded as a Python int
+    STR = "str"
+    BYTES = "bytes"
+    DECIMAL = "str_decimal"  # digits as UTF-8, decoded as decimal.Decimal
+    NDARRAY_STATIC = "ndarray_static"  # "ndarray:<dtype>:<shape>", fixed size
+    NDARRAY_DYNAMIC = "ndarray_dynamic"  # "ndarray:<dtype>", shape stored per sample
+
+
+@dataclasses.dataclass(frozen=True)
+class ColumnSpec:
+    """How one column is stored.
+
+    Attributes:
+        name: Column name.
+        encoding: The MDS encoding, as ``index.json`` names it (``"float32"``, ``"str"``,
+            ``"ndarray:float32:3,4"``, ...).
+        size: Bytes per sample for fixed-size encodings, ``None`` for variable-size ones.
+        kind: How the encoder builds the bytes.
+        dtype: numpy dtype name of the stored values (numbers and arrays).
+        shape: Per-sample shape of static arrays.
+    """
+
+    name: str
+    encoding: str
+    size: int | None
+    kind: _Kind
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# Arrow type -> MDS encoding
+# --------------------------------------------------------------------------------------------
+
+
+def plan_columns(schema: pa.Schema, columns=None) -> tuple[ColumnSpec, ...]:
+    """Chooses the MDS encoding of every column, before any data is read.
+
+    Defaults: integers and floats keep their width (``int8`` .. ``uint64``, ``float16`` ..
+    ``float64``), bool becomes ``uint8``, strings ``str``, binary ``bytes``, decimals
+    ``str_decimal``, fixed-size lists and fixed-shape tensors ``ndarray:<dtype>:<shape>``,
+    variable-length lists of numbers ``ndarray:<dtype>``.
+
+    Args:
+        schema: Arrow schema of the source.
+        columns: ``None`` for every column; a sequence of names to keep only those; or a
+            mapping name -> encoding (``None`` for the default) to keep those and choose
+            encodings, e.g. ``{"emb": "ndarray:float32:128"}`` to store a Spark array column
+            with a fixed shape, or ``{"label": "int32"}`` to narrow a number.
+
+    Returns:
+        One spec per column, in name order (the order ``MDSWriter`` stores them in).
+
+    Raises:
+        DataError: A column does not exist, or its type cannot be stored; the message names
+            the column, its type and the cast that fixes it.
+    """
+    names = list(schema.names)
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise DataError(f"columns {duplicates} appear more than once; rename them (alias) so every name is unique")
+    if columns is None:
+        wanted = {name: None for name in names}
+    elif isinstance(columns, Mapping):
+        wanted = dict(columns)
+    elif isinstance(columns, str):
+        raise ConfigurationError(f"columns must be a list of names or a dict name -> encoding, got the string {columns!r}")
+    else:
+        wanted = {name: None for name in columns}
+    missing = [name for name in wanted if name not in names]
+    if missing:
+        raise DataError(f"columns {missing} are not in the source; it has {names}")
+    if not wanted:
+        raise DataError("nothing to convert: the source has no columns")
+    specs = []
+    for name in sorted(wanted):
+        field = schema.field(name)
+        encoding = wanted[name]
+        specs.append(_default_spec(name, field.type) if encoding is None else _override_spec(name, field.type, encoding))
+    return tuple(specs)
+
+
+def _value_type(arrow_type: pa.DataType) -> pa.DataType:
+    return arrow_type.value_type if pa.types.is_dictionary(arrow_type) else arrow_type
+
+
+def _numeric_dtype(arrow_type: pa.DataType) -> str | None:
+    """numpy dtype name MDS stores an Arrow number (or bool) as, or None for other types."""
+    if pa.types.is_boolean(arrow_type):
+        return "uint8"
+    if pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type):
+        name = np.dtype(arrow_type.to_pandas_dtype()).name
+        return name if name in _SCALARS else None
+    return None
+
+
+def _tensor_layout(arrow_type: pa.DataType) -> tuple[str, tuple[int, ...]] | None:
+    """(dtype, shape) of a fixed-size list (nested any depth) or fixed-shape tensor of numbers."""
+    if isinstance(arrow_type, pa.FixedShapeTensorType):
+        if arrow_type.permutation not in (None, list(range(len(arrow_type.shape)))):
+            return None
+        dtype = _numeric_dtype(arrow_type.value_type)
+        return (dtype, tuple(arrow_type.shape)) if dtype else None
+    shape = []
+    while pa.types.is_fixed_size_list(arrow_type):
+        shape.append(arrow_type.list_size)
+        arrow_type = arrow_type.value_type
+    dtype = _numeric_dtype(arrow_type)
+    if not shape or dtype is None or min(shape) < 1:
+        return None
+    return dtype, tuple(shape)
+
+
+def _is_var_list(arrow_type: pa.DataType) -> bool:
+    return pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)
+
+
+def _is_string(arrow_type: pa.DataType) -> bool:
+    return pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type) or pa.types.is_string_view(arrow_type)
+
+
+def _is_binary(arrow_type: pa.DataType) -> bool:
+    return (
+        pa.types.is_binary(arrow_type)
+        or pa.types.is_large_binary(arrow_type)
+        or pa.types.is_fixed_size_binary(arrow_type)
+        or pa.types.is_binary_view(arrow_type)
+    )
+
+
+def _ndarray_encoding(dtype: str, shape: tuple[int, ...] | None) -> str:
+    return f"ndarray:{dtype}" if shape is None else f"ndarray:{dtype}:{','.join(map(str, shape))}"
+
+
+def _default_spec(name: str, arrow_type: pa.DataType) -> ColumnSpec:
+    value_type = _value_type(arrow_type)
+    dtype = _numeric_dtype(value_type)
+    if dtype is not None:
+        return ColumnSpec(name, dtype, _SCALARS[dtype].itemsize, _Kind.SCALAR, dtype)
+    if _is_string(value_type):
+        return ColumnSpec(name, "str", None, _Kind.STR)
+    if _is_binary(value_type):
+        return ColumnSpec(name, "bytes", None, _Kind.BYTES)
+    if pa.types.is_decimal(value_type):
+        return ColumnSpec(name, "str_decimal", None, _Kind.DECIMAL)
+    layout = _tensor_layout(value_type)
+    if layout is not None:
+        dtype, shape = layout
+        size = int(np.prod(shape)) * _SCALARS[dtype].itemsize
+        return ColumnSpec(name, _ndarray_encoding(dtype, shape), size, _Kind.NDARRAY_STATIC, dtype, shape)
+    if _is_var_list(value_type):
+        dtype = _numeric_dtype(value_type.value_type)
+        if dtype is not None:
+            return ColumnSpec(name, _ndarray_encoding(dtype, None), None, _Kind.NDARRAY_DYNAMIC, dtype)
+    raise DataError(f"column {name!r} has type {arrow_type}, which MDS cannot store; {_fix_hint(name, value_type)}")
+
+
+def _fix_hint(name: str, arrow_type: pa.DataType) -> str:
+    if pa.types.is_timestamp(arrow_type) or pa.types.is_date(arrow_type) or pa.types.is_time(arrow_type) or pa.types.is_duration(arrow_type):
+        return (
+            f"cast it to a number or a string first, e.g. unix_micros({name}) or "
+            f"{name}.cast('string') in Spark, pyarrow.compute.cast({name}, pa.int64()) in Arrow"
+        )
+    if pa.types.is_struct(arrow_type):
+        return (
+            f"select its fields as separate columns ({name}.field), or, for a Spark ML vector, "
+            f"convert it with pyspark.ml.functions.vector_to_array({name})"
+        )
+    if _is_var_list(arrow_type) or pa.types.is_fixed_size_list(arrow_type):
+        return (
+            "only lists of numbers (any depth of fixed-size lists, or one level of variable-length "
+            f"list) become arrays; flatten nested lists, or serialize {name} to a string or binary column"
+        )
+    if pa.types.is_map(arrow_type):
+        return f"turn it into a JSON string first, e.g. to_json({name}) in Spark"
+    if pa.types.is_null(arrow_type):
+        return f"the column holds only nulls; drop {name} or cast it to the type it should have"
+    return f"cast {name} to a number, string or binary column first"
+
+
+def _override_spec(name: str, arrow_type: pa.DataType, encoding: str) -> ColumnSpec:
+    """Spec for an encoding the caller chose; checks the column's type can feed it."""
+    value_type = _value_type(arrow_type)
+    source_dtype = _numeric_dtype(value_type)
+    wrong = DataError(
+        f"column {name!r} of type {arrow_type} cannot be written with encoding {encoding!r}; "
+        "numbers take int8..uint64, float16..float64 or int; strings str or bytes; binary bytes; "
+        "decimals str_decimal; lists of numbers ndarray:<dtype> or ndarray:<dtype>:<shape>"
+    )
+    if encoding in _SCALARS:
+        if source_dtype is None:
+            raise wrong
+        return ColumnSpec(name, encoding, _SCALARS[encoding].itemsize, _Kind.SCALAR, encoding)
+    if encoding == "int":
+        if not (pa.types.is_integer(value_type) or pa.types.is_boolean(value_type)):
+            raise wrong
+        return ColumnSpec(name, "int", 8, _Kind.INT, "int64")
+    if encoding == "str":
+        if not _is_string(value_type):
+            raise wrong
+        return ColumnSpec(name, "str", None, _Kind.STR)
+    if encoding == "bytes":
+        if not (_is_binary(value_type) or _is_string(value_type)):
+            raise wrong
+        return ColumnSpec(name, "bytes", None, _Kind.BYTES)
+    if encoding == "str_decimal":
+        if not pa.types.is_decimal(value_type):
+            raise wrong
+        return ColumnSpec(name, "str_decimal", None, _Kind.DECIMAL)
+    match = re.fullmatch(r"ndarray:(\w+)(?::(\d+(?:,\d+)*))?", encoding)
+    if match:
+        dtype, shape_text = match.groups()
+        if dtype not in _NDARRAY_DTYPES:
+            raise DataError(f"encoding {encoding!r} of column {name!r}: dtype {dtype!r} is not one of {sorted(_NDARRAY_DTYPES)}")
+        layout = _tensor_layout(value_type)
+        list_of_numbers = _is_var_list(value_type) and _numeric_dtype(value_type.value_type) is not None
+        if layout is None and not list_of_numbers:
+            raise wrong
+        if shape_text is None:
+            if layout is not None and len(layout[1]) > 1:
+                raise DataError(f"column {name!r} has shape {layout[1]}; give it in the encoding: {_ndarray_encoding(dtype, layout[1])!r}")
+            return ColumnSpec(name, encoding, None, _Kind.NDARRAY_DYNAMIC, dtype)
+        shape = tuple(int(d) for d in shape_text.split(","))
+        if min(shape) < 1:
+            raise DataError(f"encoding {encoding!r} of column {name!r}: every dimension must be at least 1")
+        if layout is not None and int(np.prod(layout[1])) != int(np.prod(shape)):
+            raise DataError(f"column {name!r} holds {int(np.prod(layout[1]))} values per row, encoding {encoding!r} wants {int(np.prod(shape))}")
+        size = int(np.prod(shape)) * _SCALARS[dtype].itemsize
+        return ColumnSpec(name, _ndarray_encoding(dtype, shape), size, _Kind.NDARRAY_STATIC, dtype, shape)
+    raise wrong
+
+
+# --------------------------------------------------------------------------------------------
+# Record batch -> sample bytes
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodedBatch:
+    """Samples of one record batch, encoded back to back.
+
+    Attributes:
+        data: uint8 array holding every sample, one after the other.
+        lengths: int64 array, the byte length of each sample.
+    """
+
+    data: np.ndarray
+    lengths: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fixed:
+    rows: np.ndarray  # (n, width) uint8
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.full(self.rows.shape[0], self.rows.shape[1], dtype=np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Var:
+    data: np.ndarray  # uint8; row i is data[offsets[i]:offsets[i + 1]]
+    offsets: np.ndarray  # int64, n + 1, offsets[0] == 0
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+
+def encode_batch(batch: pa.RecordBatch, specs: Sequence[ColumnSpec]) -> EncodedBatch:
+    """Encodes every row of ``batch`` as an MDS sample.
+
+    Args:
+        batch: Arrow record batch holding (at least) the spec's columns.
+        specs: Result of :func:`plan_columns`.
+
+    Returns:
+        The samples, byte-identical to ``MDSWriter.encode_sample`` of each row.
+
+    Raises:
+        DataError: A column holds nulls (MDS has no null), an array column has a row whose
+            length does not match its declared shape, or a value does not fit its encoding.
+    """
+    n = batch.num_rows
+    parts: list[_Fixed | _Var] = []
+    var_sizes: list[np.ndarray] = []
+    for spec in specs:
+        index = batch.schema.get_field_index(spec.name)
+        if index < 0:
+            raise DataError(f"column {spec.name!r} is missing from a record batch with columns {batch.schema.names}")
+        pieces = _encode_column(batch.column(index), spec)
+        if spec.size is None:
+            var_sizes.append(sum(p.lengths for p in pieces))
+        parts.extend(pieces)
+    if var_sizes:
+        header = np.stack(var_sizes, axis=1)
+        if header.size and header.max() >= 1 << 32:
+            raise DataError("a sample holds a value larger than 4 GiB, which MDS cannot store")
+        parts.insert(0, _Fixed(header.astype("<u4").view(np.uint8).reshape(n, 4 * len(var_sizes))))
+    return _assemble(_merge_adjacent_fixed(parts), n)
+
+
+def _merge_adjacent_fixed(parts: list) -> list:
+    merged: list = []
+    for part in parts:
+        if isinstance(part, _Fixed) and merged and isinstance(merged[-1], _Fixed):
+            merged[-1] = _Fixed(np.concatenate([merged[-1].rows, part.rows], axis=1))
+        else:
+            merged.append(part)
+    return merged
+
+
+def _assemble(parts: list, n: int) -> EncodedBatch:
+    if all(isinstance(p, _Fixed) for p in parts):
+        # Every sample has the same layout: one (n, width) matrix is the whole batch.
+        rows = parts[0].rows if len(parts) == 1 else np.concatenate([p.rows for p in parts], axis=1)
+        rows = np.ascontiguousarray(rows)
+        return EncodedBatch(rows.reshape(-1), np.full(n, rows.shape[1], dtype=np.int64))
+    lengths = np.zeros(n, dtype=np.int64)
+    for part in parts:
+        lengths += part.rows.shape[1] if isinstance(part, _Fixed) else part.lengths
+    starts = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=starts[1:])
+    out = np.empty(int(starts[-1]), dtype=np.uint8)
+    position = starts[:-1].copy()  # where the next part of each sample goes
+    for part in parts:
+        if isinstance(part, _Fixed):
+            width = part.rows.shape[1]
+            if width:
+                out[position[:, None] + np.arange(width)] = part.rows
+            position += width
+        else:
+            part_lengths = part.lengths
+            total = int(part.offsets[-1])
+            if total:
+                # Byte j of the part's flat data goes to (its row's position) + (j - row's offset).
+                out[np.repeat(position - part.offsets[:-1], part_lengths) + np.arange(total)] = part.data[:total]
+            position += part_lengths
+    return EncodedBatch(out, lengths)
+
+
+def _no_nulls(array: pa.Array, spec: ColumnSpec, what: str = "null values") -> None:
+    if array.null_count:
+        raise DataError(
+            f"column {spec.name!r} has {array.null_count} {what}; MDS has no null: fill them "
+            f"(fillna / coalesce({spec.name}, ...)) or filter those rows out before converting"
+        )
+
+
+def _numbers(array: pa.Array, dtype: str, spec: ColumnSpec) -> np.ndarray:
+    """Values of a numeric (or bool) array as a contiguous numpy array of ``dtype``."""
+    _no_nulls(array, spec)
+    if pa.types.is_boolean(array.type):
+        values = array.to_numpy(zero_copy_only=False).astype(np.uint8)
+    else:
+        if np.dtype(array.type.to_pandas_dtype()) != np.dtype(dtype):
+            try:
+                array = pc.cast(array, pa.from_numpy_dtype(np.dtype(dtype)), safe=True)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+                raise DataError(f"column {spec.name!r}: values do not fit {dtype}: {exc}; choose a wider encoding") from None
+        values = array.to_numpy(zero_copy_only=False)
+    return np.ascontiguousarray(values, dtype=np.dtype(dtype).newbyteorder("<"))
+
+
+def _binary_part(array: pa.Array, spec: ColumnSpec) -> _Var | _Fixed:
+    _no_nulls(array, spec)
+    array_type = array.type
+    if pa.types.is_string_view(array_type) or pa.types.is_binary_view(array_type):
+        array = pc.cast(array, pa.large_binary())
+        array_type = array.type
+    if pa.types.is_fixed_size_binary(array_type):
+        width = array_type.byte_width
+        data = np.frombuffer(array.buffers()[1], dtype=np.uint8)
+        return _Fixed(data[array.offset * width:(array.offset + len(array)) * width].reshape(len(array), width))
+    large = pa.types.is_large_string(array_type) or pa.types.is_large_binary(array_type)
+    offsets = np.frombuffer(array.buffers()[1], dtype=np.int64 if large else np.int32)
+    offsets = offsets[array.offset:array.offset + len(array) + 1].astype(np.int64)
+    data_buffer = array.buffers()[2]
+    data = np.frombuffer(data_buffer, dtype=np.uint8) if data_buffer is not None else np.empty(0, np.uint8)
+    first = int(offsets[0])
+    return _Var(data[first:int(offsets[-1])], offsets - first)
+
+
+def _encode_column(array: pa.Array, spec: ColumnSpec) -> list:
+    if isinstance(array, pa.ChunkedArray):
+        array = array.combine_chunks()
+    if pa.types.is_dictionary(array.type):
+        array = array.dictionary_decode()
+    kind = spec.kind
+    n = len(array)
+    if kind in (_Kind.SCALAR, _Kind.INT):
+        values = _numbers(array, spec.dtype, spec)
+        return [_Fixed(values.view(np.uint8).reshape(n, values.itemsize))]
+    if kind in (_Kind.STR, _Kind.BYTES):
+        return [_binary_part(array, spec)]
+    if kind is _Kind.DECIMAL:
+        _no_nulls(array, spec)
+        return [_binary_part(pc.cast(array, pa.string()), spec)]
+    if isinstance(array, pa.ExtensionArray):
+        array = array.storage
+    _no_nulls(array, spec)
+    values, lengths = _flatten_list(array, spec)
+    numbers = _numbers(values, spec.dtype, spec)
+    if kind is _Kind.NDARRAY_STATIC:
+        per_row = int(np.prod(spec.shape))
+        if n and not np.all(lengths == per_row):
+            bad = int(np.flatnonzero(lengths != per_row)[0])
+            raise DataError(
+                f"column {spec.name!r} (encoding {spec.encoding!r}) needs {per_row} values per row, "
+                f"row {bad} of a batch has {int(lengths[bad])}; pad or filter such rows, or drop "
+                "the shape from the encoding to store each row's own length"
+            )
+        return [_Fixed(numbers.view(np.uint8).reshape(n, per_row * numbers.itemsize))]
+    return _dynamic_ndarray_parts(numbers, lengths, n)
+
+
+def _flatten_list(array: pa.Array, spec: ColumnSpec) -> tuple[pa.Array, np.ndarray]:
+    """Leaf values of a (possibly nested fixed-size) list array and the count per row."""
+    n = len(array)
+    if pa.types.is_fixed_size_list(array.type):
+        values, per_row = array, 1
+        while pa.types.is_fixed_size_list(values.type):
+            _no_nulls(values, spec, "null arrays")
+            per_row *= values.type.list_size
+            values = values.flatten()
+        return values, np.full(n, per_row, dtype=np.int64)
+    offsets = array.offsets.to_numpy().astype(np.int64)
+    values = array.flatten()
+    while pa.types.is_fixed_size_list(values.type):  # ndarray:<dtype>:<shape> fed by list<fixed list>
+        offsets = offsets * values.type.list_size
+        values = values.flatten()
+    _no_nulls(values, spec, "null array elements")
+    return values, np.diff(offsets)
+
+
+def _dynamic_ndarray_parts(numbers: np.ndarray, lengths: np.ndarray, n: int) -> list:
+    """NDArray with the dtype in the encoding and the shape in the sample (1-D here).
+
+    Sample layout: ``[ndim << 2 | shape dtype code][shape as that dtype][values]``, the shape
+    dtype being the smallest unsigned int that holds the length (NDArray._rightsize_shape_dtype).
+    """
+    codes = np.zeros(n, dtype=np.uint8)
+    codes[lengths >= 1 << 8] = 1
+    codes[lengths >= 1 << 16] = 2
+    codes[lengths >= 1 << 32] = 3
+    header = np.zeros((n, 9), dtype=np.uint8)
+    header[:, 0] = (1 << 2) | codes
+    header[:, 1:] = lengths.astype("<u8").view(np.uint8).reshape(n, 8)
+    header_lengths = 1 + (1 << codes.astype(np.int64))
+    if n and np.all(header_lengths == header_lengths[0]):
+        header_part = _Fixed(header[:, : int(header_lengths[0])])
+    else:
+        keep = np.arange(9)[None, :] < header_lengths[:, None]
+        header_offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(header_lengths, out=header_offsets[1:])
+        header_part = _Var(header[keep], header_offsets)
+    value_offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths * numbers.itemsize, out=value_offsets[1:])
+    return [header_part, _Var(numbers.view(np.uint8).reshape(-1), value_offsets)]
+
