@@ -1,0 +1,489 @@
+"""``sparkgpu.data.dataset``: batches of torch tensors from MDS shards, resumable mid-epoch.
+
+```python
+from sparkgpu import data
+ds = data.dataset(remote="s3://bucket/feats/v1", local="/local_disk0/cache", batch_size=1024, shuffle=True, seed=0)
+for batch in ds:                # {"column": tensor of shape (batch, ...)} (lists for text/bytes)
+    ...
+state = ds.state_dict()        # plain JSON: save it beside the model
+ds.load_state_dict(state)      # the next iteration yields exactly the rest of that epoch
+```
+
+Each rank reads its share of every epoch (see :mod:`sparkgpu.data.order` for the shuffle and
+the split); shards come through the local cache (:mod:`sparkgpu.data.cache`), fetched ahead of
+need; batches are decoded whole from memory-mapped shards (:mod:`sparkgpu.data.reader`).
+With ``num_workers=0`` (the default) one background thread decodes the next batches while the
+training step runs; ``num_workers>0`` decodes in torch DataLoader worker processes instead,
+which pays for itself only for costly columns (images). Either way the batches come in the
+same order, so the state does not depend on the number of workers.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import warnings
+
+import numpy as np
+import torch
+
+from sparkgpu.config import parse_bytes
+from sparkgpu.data.cache import ShardCache, open_cache_entry
+from sparkgpu.data.order import DEFAULT_BLOCK_SIZE, EpochPlan, epoch_order
+from sparkgpu.data.reader import INDEX_NAME, BatchDecoder, DatasetIndex, ShardReader
+from sparkgpu.data.volume import Volume
+from sparkgpu.errors import ConfigurationError, DataError
+
+__all__ = ["dataset", "MDSLoader"]
+
+_STATE_VERSION = 1
+_MAX_OPEN_SHARDS = 32
+
+
+def dataset(
+    remote: str | None = None,
+    local: str | os.PathLike | None = None,
+    *,
+    batch_size: int,
+    shuffle: bool = False,
+    seed: int = 0,
+    shuffle_block_size: int | None = None,
+    drop_last: bool = False,
+    num_workers: int = 0,
+    prefetch_batches: int = 2,
+    pin_memory: bool = False,
+    device=None,
+    cache_limit: int | str | None = None,
+    download_threads: int = 8,
+    rank: int | None = None,
+    world_size: int | None = None,
+    storage_options: dict | None = None,
+    allow_unsafe_types: bool = False,
+) -> "MDSLoader":
+    """Opens an MDS dataset for training: an iterable of batches with a resumable position.
+
+    Args:
+        remote: Volume URL of the dataset folder (local folder, ``s3://``, ``gs://``,
+            ``abfs://``, ``http(s)://``). ``None``: read the shards in ``local`` directly.
+        local: With ``remote``, the cache root on local disk (default ``SPARKGPU_CACHE_DIR``);
+            each volume gets its own folder in it. Without ``remote``, the dataset folder.
+        batch_size: Samples per batch on each rank.
+        shuffle: Shuffle the samples, differently each epoch, the same for the same seed.
+        seed: Seed of the shuffle; every rank must use the same one.
+        shuffle_block_size: Samples of neighbouring shards mix within windows of this many
+            samples (default 262144): larger shuffles better, smaller needs fewer shards at once.
+        drop_last: Leave out each rank's short last batch of the epoch.
+        num_workers: DataLoader worker processes decoding batches (0: one thread here).
+        prefetch_batches: Batches decoded ahead of the training step (per worker).
+        pin_memory: Put batches in page-locked memory, for fast, asynchronous copies to a GPU.
+        device: Deliver batches on this device (e.g. ``"cuda"``); the copy of the next batch
+            runs on a side CUDA stream while the current one is used.
+        cache_limit: Most bytes of shards kept in the cache (int, or a string like ``"200GB"``);
+            default ``SPARKGPU_CACHE_LIMIT`` or no limit. Shards needed furthest in the
+            future are evicted first.
+        download_threads: Parallel shard downloads.
+        rank: This process's rank (default: from the job, :func:`sparkgpu.runtime.get_global_rank`).
+        world_size: Number of ranks (default: :func:`sparkgpu.runtime.get_world_size`).
+        storage_options: Options for the volume's fsspec filesystem (credentials, endpoint).
+        allow_unsafe_types: Allow ``pkl`` columns (unpickling runs arbitrary code).
+
+    Returns:
+        An :class:`MDSLoader`.
+
+    Raises:
+        ConfigurationError: An argument is invalid (the message says what to pass instead).
+        DataError: The dataset cannot be read (no index, not MDS, damaged).
+        MissingDependencyError: The volume's filesystem package is not installed.
+    """
+    from sparkgpu import runtime
+    from sparkgpu.config import settings
+
+    rank = runtime.get_global_rank() if rank is None else rank
+    world_size = runtime.get_world_size() if world_size is None else world_size
+    _check_int("batch_size", batch_size, 1)
+    _check_int("seed", seed, 0)
+    _check_int("world_size", world_size, 1)
+    _check_int("num_workers", num_workers, 0)
+    _check_int("prefetch_batches", prefetch_batches, 0)
+    _check_int("download_threads", download_threads, 1)
+    if shuffle_block_size is not None:
+        _check_int("shuffle_block_size", shuffle_block_size, 1)
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ConfigurationError(f"rank={rank!r} must be an integer in [0, world_size={world_size})")
+    if remote is None and local is None:
+        raise ConfigurationError("pass remote= (the dataset's volume URL), local= (a folder holding the shards), or both")
+    if cache_limit is None and remote is not None:
+        cache_limit = settings().cache_limit_bytes
+    limit = parse_bytes(cache_limit, "cache_limit") if cache_limit is not None else None
+    if limit is not None and remote is None:
+        raise ConfigurationError("cache_limit applies to a cache of a remote volume; with remote=None the shards in local are the only copy")
+    device = _check_device(device)
+    if pin_memory and not _cuda_available():
+        warnings.warn("pin_memory=True needs CUDA, which is not available here; batches stay in ordinary memory", stacklevel=2)
+        pin_memory = False
+    if remote is not None:
+        volume = Volume(remote, storage_options)
+        directory, index = open_cache_entry(local if local is not None else settings().cache_dir, volume, allow_unsafe_types)
+    else:
+        volume, directory = None, os.fspath(local)
+        index_path = os.path.join(directory, INDEX_NAME)
+        if not os.path.isfile(index_path):
+            raise DataError(f"{directory} has no {INDEX_NAME}; point local= at a folder written by MDSWriter or sparkgpu.data.to_mds, or pass remote=")
+        with open(index_path, "rb") as handle:
+            index = DatasetIndex.parse(handle.read(), index_path, allow_unsafe_types)
+    return MDSLoader(
+        index=index, directory=directory, volume_url=volume.url if volume else None, storage_options=storage_options,
+        batch_size=batch_size, shuffle=shuffle, seed=seed, shuffle_block_size=shuffle_block_size or DEFAULT_BLOCK_SIZE,
+        drop_last=drop_last, num_workers=num_workers, prefetch_batches=prefetch_batches, pin_memory=pin_memory,
+        device=device, cache_limit=limit, download_threads=download_threads, rank=rank, world_size=world_size,
+    )
+
+
+class MDSLoader:
+    """An epoch-by-epoch iterable of batches with an exact, JSON-able position.
+
+    Built by :func:`dataset`. Iterating yields the rest of the current epoch (all of it, unless
+    the loader was stopped or restored mid-epoch), then moves to the next epoch. One iteration
+    at a time.
+
+    Attributes:
+        index: The dataset's parsed index.
+        num_samples: Samples in the dataset.
+        epoch: The epoch the next iteration reads.
+    """
+
+    def __init__(self, *, index: DatasetIndex, directory, volume_url, storage_options, batch_size, shuffle, seed,
+                 shuffle_block_size, drop_last, num_workers, prefetch_batches, pin_memory, device, cache_limit,
+                 download_threads, rank, world_size):
+        self.index = index
+        self.directory = os.fspath(directory)
+        self.volume_url = volume_url
+        self.storage_options = storage_options
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.shuffle_block_size = shuffle_block_size
+        self.drop_last = drop_last
+        self.num_workers = num_workers
+        self.prefetch_batches = prefetch_batches
+        self.pin_memory = pin_memory
+        self.device = device
+        self.cache_limit = cache_limit
+        self.download_threads = download_threads
+        self.rank = rank
+        self.world_size = world_size
+        self.num_samples = index.num_samples
+        self.epoch = 0
+        self._consumed = 0  # samples of self.epoch consumed by all ranks together
+        self._order = None
+        self._producer = None
+
+    # Position.
+
+    def state_dict(self) -> dict:
+        """The position after the last batch handed out, as plain JSON.
+
+        Ranks step in lockstep, so every rank's state is the same; saving rank 0's is enough.
+        """
+        return {
+            "version": _STATE_VERSION,
+            "epoch": self.epoch,
+            "samples_consumed": self._consumed,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "shuffle_block_size": self.shuffle_block_size,
+            "world_size": self.world_size,
+            "batch_size": self.batch_size,
+            "num_samples": self.num_samples,
+            "dataset": self.index.fingerprint,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continues from a saved position: the next iteration yields the rest of that epoch.
+
+        The world size and batch size may differ from the saved ones (the position counts
+        samples of the whole job); seed, shuffle and dataset must match, or the rest of the
+        epoch would not be the samples not yet seen.
+
+        Raises:
+            ConfigurationError: The state comes from another dataset or shuffle.
+        """
+        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
+            raise ConfigurationError(f"not a loader state (expected a dict from MDSLoader.state_dict(), got {state!r:.200})")
+        mine = self.state_dict()
+        for key in ("seed", "shuffle", "shuffle_block_size", "num_samples", "dataset"):
+            if state[key] != mine[key]:
+                raise ConfigurationError(
+                    f"the saved loader state has {key}={state[key]!r} but this loader has {key}={mine[key]!r}; "
+                    f"open the dataset with the same {key} to resume, or start a fresh epoch with set_epoch()"
+                )
+        consumed = int(state["samples_consumed"])
+        if not 0 <= consumed <= self.num_samples:
+            raise ConfigurationError(f"samples_consumed={consumed} is outside this dataset of {self.num_samples} samples")
+        self.epoch = int(state["epoch"])
+        self._consumed = consumed
+
+    def set_epoch(self, epoch: int) -> None:
+        """Starts the next iteration at the beginning of ``epoch``."""
+        _check_int("epoch", epoch, 0)
+        self.epoch, self._consumed = epoch, 0
+
+    def __len__(self) -> int:
+        """Batches this rank reads in a whole epoch."""
+        return self._plan(self.epoch, 0).num_batches
+
+    # Iteration.
+
+    def __iter__(self):
+        plan = self._plan(self.epoch, self._consumed)
+        if plan.num_batches == 0 and self._consumed > 0:  # stopped right after the last batch
+            self.epoch, self._consumed = self.epoch + 1, 0
+            plan = self._plan(self.epoch, 0)
+        start, step = self._consumed, self.batch_size * self.world_size
+        source = self._in_process(plan) if self.num_workers == 0 else self._in_workers(start)
+        if self.device is not None and self.device.type == "cuda":
+            source = _prefetch_to_device(source, self.device)
+        try:
+            for number, batch in enumerate(source, 1):
+                # Counted when handed out: a checkpoint taken after this step resumes after it.
+                self._consumed = start + min(number * step, len(plan.samples) * self.world_size)
+                yield batch
+        finally:
+            close = getattr(source, "close", None)
+            if close:
+                close()
+        self.epoch, self._consumed = self.epoch + 1, 0
+
+    def close(self) -> None:
+        """Stops background downloads and frees open shards."""
+        if self._producer is not None:
+            self._producer.close()
+            self._producer = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: modules may already be gone
+            return
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        if self._order is None or self._order[0] != epoch:
+            order = epoch_order(self.index.shard_sizes, shuffle=self.shuffle, seed=self.seed, epoch=epoch, block_size=self.shuffle_block_size)
+            self._order = (epoch, order)
+        return self._order[1]
+
+    def _plan(self, epoch: int, start: int) -> EpochPlan:
+        return EpochPlan.for_rank(self._epoch_order(epoch), start=start, rank=self.rank, world_size=self.world_size,
+                                  batch_size=self.batch_size, drop_last=self.drop_last)
+
+    def _in_process(self, plan: EpochPlan):
+        if self._producer is None:
+            self._producer = _Producer(self._producer_spec(), pinned=self.pin_memory)
+        batches = self._producer.run(plan, range(plan.num_batches))
+        return _background(batches, self.prefetch_batches) if self.prefetch_batches else batches
+
+    def _in_workers(self, start: int):
+        worker_data = _WorkerBatches(self._producer_spec(), self.epoch, start)
+        loader = torch.utils.data.DataLoader(
+            worker_data, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
+            prefetch_factor=max(1, self.prefetch_batches), persistent_workers=False,
+        )
+        return iter(loader)
+
+    def _producer_spec(self) -> dict:
+        return {
+            "index": self.index, "directory": self.directory, "volume_url": self.volume_url,
+            "storage_options": self.storage_options, "cache_limit": self.cache_limit,
+            "download_threads": self.download_threads, "shuffle": self.shuffle, "seed": self.seed,
+            "shuffle_block_size": self.shuffle_block_size, "rank": self.rank, "world_size": self.world_size,
+            "batch_size": self.batch_size, "drop_last": self.drop_last,
+        }
+
+
+class _Producer:
+    """Decodes a plan's batches in this process: cache, open shards, decoder."""
+
+    def __init__(self, spec: dict, pinned: bool):
+        index = spec["index"]
+        volume = Volume(spec["volume_url"], spec["storage_options"]) if spec["volume_url"] else None
+        self.index = index
+        self.cache = ShardCache(spec["directory"], index, volume, spec["cache_limit"], spec["download_threads"])
+        self.decoder = BatchDecoder(index.columns, lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=pinned))
+        sizes = index.shard_sizes
+        self._ends = np.cumsum(sizes)
+        self._starts = self._ends - sizes
+        self._readers: dict[int, ShardReader] = {}
+        self._row_bytes = self.decoder.row_bytes
+
+    def run(self, plan: EpochPlan, batch_numbers):
+        """Yields the decoded batches ``batch_numbers`` of ``plan``, in that order."""
+        batch_numbers = list(batch_numbers)
+        shard_of = np.searchsorted(self._ends, plan.samples, side="right")
+        size = plan.batch_size
+        steps = [np.unique(shard_of[b * size:(b + 1) * size]) for b in batch_numbers]
+        self.cache.set_plan(steps)
+        for step, number in enumerate(batch_numbers):
+            shards = steps[step]
+            ids, owner = plan.batch(number), shard_of[number * size:(number + 1) * size]
+            readers = self._open(step, shards)
+            source_ids = None if len(shards) == 1 else np.searchsorted(shards, owner).astype(np.int32)
+            rows = ids - self._starts[owner]
+            try:
+                yield self.decoder.decode(readers, source_ids, rows)
+            except IndexError as exc:
+                names = ", ".join(r.info.basename for r in readers)
+                raise DataError(f"a sample in shard(s) {names} points outside its shard ({exc}); the shard is damaged: "
+                                "clear it from the cache (sparkgpu cache clear) or write the dataset again") from None
+
+    def _open(self, step: int, shards: np.ndarray) -> list[ShardReader]:
+        paths = self.cache.acquire(step, shards)  # also tells the prefetcher where the reader is
+        keys = shards.tolist()
+        if any(s not in self._readers for s in keys):
+            if len(self._readers) > _MAX_OPEN_SHARDS:
+                self._readers = {s: r for s, r in self._readers.items() if s in set(keys)}
+            for shard, path in zip(keys, paths):
+                if shard not in self._readers:
+                    self._readers[shard] = self._read(shard, path)
+        return [self._readers[s] for s in keys]
+
+    def _read(self, shard: int, path) -> ShardReader:
+        info = self.index.shards[shard]
+        try:
+            return ShardReader(path, info, self._row_bytes)
+        except FileNotFoundError:  # evicted by another process between acquire and open
+            return ShardReader(self.cache.refetch(shard), info, self._row_bytes)
+
+    def close(self) -> None:
+        self.cache.close()
+        self._readers.clear()
+
+
+class _WorkerBatches(torch.utils.data.IterableDataset):
+    """What each DataLoader worker process iterates: its share of the rank's batches.
+
+    Worker ``w`` of ``k`` decodes batches ``w, w + k, ...``; the DataLoader takes one batch
+    from each worker in turn, which restores the rank's order exactly.
+    """
+
+    def __init__(self, spec: dict, epoch: int, start: int):
+        self.spec, self.epoch, self.start = spec, epoch, start
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        s = self.spec
+        order = epoch_order(s["index"].shard_sizes, shuffle=s["shuffle"], seed=s["seed"], epoch=self.epoch, block_size=s["shuffle_block_size"])
+        plan = EpochPlan.for_rank(order, start=self.start, rank=s["rank"], world_size=s["world_size"],
+                                  batch_size=s["batch_size"], drop_last=s["drop_last"])
+        producer = _Producer(s, pinned=False)  # the DataLoader pins in the main process
+        try:
+            yield from producer.run(plan, range(worker, plan.num_batches, workers))
+        finally:
+            producer.close()
+
+
+def _background(batches, depth: int):
+    """Runs ``batches`` on a thread, ``depth`` batches ahead of the consumer."""
+    done = object()
+    slots: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def produce():
+        try:
+            for batch in batches:
+                while not stop.is_set():
+                    try:
+                        slots.put(batch, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            slots.put(done)
+        except BaseException as exc:  # handed to the consumer, which raises it
+            slots.put(exc)
+        finally:
+            batches.close()
+
+    thread = threading.Thread(target=produce, name="sparkgpu-batches", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = slots.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        while thread.is_alive():  # unblock a producer waiting for a free slot
+            try:
+                slots.get_nowait()
+            except queue.Empty:
+                thread.join(timeout=0.05)
+
+
+def _prefetch_to_device(batches, device):
+    """Copies each batch to ``device`` on a side stream while the previous one is used."""
+    stream = torch.cuda.Stream(device=device)
+
+    def move(batch):
+        with torch.cuda.stream(stream):
+            return {k: _to_device(v, device) for k, v in batch.items()}
+
+    iterator = iter(batches)
+    try:
+        ahead = move(next(iterator))
+    except StopIteration:
+        return
+    for batch in iterator:
+        current = ahead
+        _hand_over(current, stream, device)
+        ahead = move(batch)  # starts before `current` is used: the copy overlaps the step
+        yield current
+    _hand_over(ahead, stream, device)
+    yield ahead
+
+
+def _to_device(value, device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
+        return [v.to(device, non_blocking=True) for v in value]
+    return value
+
+
+def _hand_over(batch, stream, device):
+    consumer = torch.cuda.current_stream(device)
+    consumer.wait_stream(stream)
+    for value in batch.values():
+        for tensor in value if isinstance(value, list) else [value]:
+            if isinstance(tensor, torch.Tensor):
+                # Memory allocated on the side stream is now used on the consumer's: tell the
+                # caching allocator, or it could hand the block out again too early.
+                tensor.record_stream(consumer)
+
+
+def _check_int(name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ConfigurationError(f"{name}={value!r} must be an integer >= {minimum}")
+
+
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def _check_device(device):
+    if device is None:
+        return None
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigurationError(f"device={device!r} is not a torch device ({exc}); pass e.g. 'cuda', 'cuda:1' or 'cpu'") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigurationError(f"device={device} but CUDA is not available on this machine; leave device=None to get CPU batches")
+    if device.type not in ("cuda", "cpu"):
+        raise ConfigurationError(f"device={device} is not supported; pass 'cuda[:N]' or 'cpu'")
+    return None if device.type == "cpu" else device

@@ -1,0 +1,107 @@
+"""Which sample goes where: the epoch's order, and its split over ranks, batches and workers.
+
+Shuffle. A shard-aware shuffle of the same family as MosaicML Streaming's ``py1e``: each
+epoch, shards are laid out in a random order; every sample then draws a random position
+uniformly inside a window of ``block_size`` samples centred on its shard's place in that
+layout (or inside its shard's own span, when the shard is larger than the window); sorting
+by position gives the order. Samples therefore mix across neighbouring shards, while at any
+point of the epoch only the few shards overlapping one window are needed — what keeps a
+small cache enough and lets downloads be planned ahead. The order depends only on
+``(seed, epoch)`` and the shard sizes.
+
+Split. Position ``p`` of the epoch's order goes to rank ``p % world_size``, so all ranks walk
+the same window of shards at the same time (one node's ranks share one cache), and a batch
+step of all ranks consumes one contiguous stretch of the order: the loader's state is just
+"samples consumed", which stays valid when the job resumes with another world size.
+
+Uneven counts. When the samples left in an epoch do not divide by ``world_size``, the last
+``remaining % world_size`` of them (fewer than ``world_size``) are left out of this epoch,
+so every rank gets the same number of samples and batches (DDP never waits on a rank that
+has run out) and no sample is ever seen twice in an epoch. With shuffling these are
+different samples each epoch. Within a rank, the last batch may be short unless
+``drop_last`` is set; ranks' batch counts still match because their sample counts do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+__all__ = ["epoch_order", "EpochPlan", "DEFAULT_BLOCK_SIZE"]
+
+DEFAULT_BLOCK_SIZE = 1 << 18
+
+
+def epoch_order(shard_sizes: np.ndarray, *, shuffle: bool, seed: int, epoch: int, block_size: int = DEFAULT_BLOCK_SIZE) -> np.ndarray:
+    """Returns every sample id of the dataset once, in this epoch's order.
+
+    Args:
+        shard_sizes: Samples per shard, in index order (sample ids number shards in order).
+        shuffle: Shuffle; when False the order is the dataset's.
+        seed: Seed of the run; the same ``(seed, epoch)`` gives the same order.
+        epoch: Epoch number.
+        block_size: Width, in samples, of the window each shard's samples spread over.
+
+    Returns:
+        ``int64`` array of length ``shard_sizes.sum()``.
+    """
+    sizes = np.asarray(shard_sizes, dtype=np.int64)
+    total = int(sizes.sum())
+    if not shuffle:
+        return np.arange(total, dtype=np.int64)
+    rng = np.random.default_rng(np.random.SeedSequence([seed, epoch]))
+    layout = rng.permutation(len(sizes))
+    starts = np.empty(len(sizes), dtype=np.float64)
+    starts[layout] = np.cumsum(sizes[layout]) - sizes[layout]
+    width = np.maximum(sizes, block_size).astype(np.float64)
+    low = starts + sizes / 2.0 - width / 2.0
+    position = np.repeat(low, sizes) + rng.random(total) * np.repeat(width, sizes)
+    return np.argsort(position, kind="stable").astype(np.int64, copy=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class EpochPlan:
+    """One rank's share of an epoch, from a given point on, cut into batches.
+
+    Attributes:
+        samples: The rank's sample ids, in order.
+        batch_size: Samples per batch.
+        drop_last: Leave out a short last batch.
+        dropped: Samples of the epoch (from ``start``) that no rank gets (see module doc).
+    """
+
+    samples: np.ndarray
+    batch_size: int
+    drop_last: bool
+    dropped: int
+
+    @classmethod
+    def for_rank(cls, order: np.ndarray, *, start: int, rank: int, world_size: int, batch_size: int, drop_last: bool) -> "EpochPlan":
+        """Splits ``order[start:]`` over ranks and takes this rank's part.
+
+        Args:
+            order: The epoch's order (:func:`epoch_order`).
+            start: Samples of the epoch consumed already by all ranks together.
+            rank: This rank.
+            world_size: Number of ranks.
+            batch_size: Samples per batch.
+            drop_last: Leave out a short last batch.
+        """
+        remaining = len(order) - start
+        usable = remaining - remaining % world_size
+        samples = order[start + rank : start + usable : world_size]
+        return cls(samples, batch_size, drop_last, remaining - usable)
+
+    @property
+    def num_batches(self) -> int:
+        full, rest = divmod(len(self.samples), self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def batch(self, index: int) -> np.ndarray:
+        """Sample ids of batch ``index``."""
+        return self.samples[index * self.batch_size : (index + 1) * self.batch_size]
+
+    def batch_samples(self, index: int) -> int:
+        """Number of samples in batch ``index``."""
+        return len(self.batch(index))

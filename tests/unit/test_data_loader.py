@@ -1,0 +1,281 @@
+"""sparkgpu.data.dataset: order, split over ranks, resume, decoding, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from sparkgpu import data
+from sparkgpu.data import _gather
+from sparkgpu.data.order import EpochPlan, epoch_order
+from sparkgpu.errors import ConfigurationError, DataError
+from tests.unit.test_data_loader_support import check_tabular_batch, collect_ids, write_tabular
+
+
+@pytest.fixture(scope="module")
+def tabular(tmp_path_factory):
+    """1,003 samples in 10 shards of about 100 (an odd count on purpose)."""
+    return write_tabular(tmp_path_factory.mktemp("mds") / "tabular", 1003)
+
+
+@pytest.fixture(params=[True, False], ids=["native", "numpy"])
+def gather_backend(request):
+    if request.param and not _gather.native_available():
+        pytest.skip("sparkgpu._native is not built")
+    previous = _gather.set_native_enabled(request.param)
+    yield request.param
+    _gather.set_native_enabled(previous)
+
+
+def test_one_rank_reads_every_sample_once_in_dataset_order(tabular, gather_backend):
+    ds = data.dataset(local=tabular, batch_size=64)
+    ids = np.concatenate(collect_ids(ds))
+    np.testing.assert_array_equal(ids, np.arange(1003))
+    assert len(ds) == 16
+
+
+def test_ranks_together_read_every_sample_once_and_drop_fewer_than_world_size(tabular, gather_backend):
+    world = 3
+    per_rank = [np.concatenate(collect_ids(data.dataset(local=tabular, batch_size=50, shuffle=True, seed=7, rank=r, world_size=world)))
+                for r in range(world)]
+    sizes = {len(ids) for ids in per_rank}
+    assert sizes == {1003 // world}, "every rank gets the same number of samples, so DDP steps stay in lockstep"
+    union = np.concatenate(per_rank)
+    assert len(np.unique(union)) == len(union) == 1003 - 1003 % world
+
+
+def test_ranks_get_the_same_number_of_batches_even_with_a_short_last_batch(tabular):
+    loaders = [data.dataset(local=tabular, batch_size=128, rank=r, world_size=2) for r in range(2)]
+    counts = [sum(1 for _ in loader) for loader in loaders]
+    assert counts[0] == counts[1] == len(loaders[0]) == 4  # 501 samples each: 3 full batches and one of 117
+
+
+def test_drop_last_leaves_out_the_short_batch(tabular):
+    batches = collect_ids(data.dataset(local=tabular, batch_size=128, drop_last=True))
+    assert [len(b) for b in batches] == [128] * 7
+
+
+def test_shuffle_is_a_permutation_determined_by_seed_and_epoch(tabular):
+    def first_epoch(seed):
+        return np.concatenate(collect_ids(data.dataset(local=tabular, batch_size=100, shuffle=True, seed=seed)))
+
+    a, b, c = first_epoch(3), first_epoch(3), first_epoch(4)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+    assert sorted(a.tolist()) == list(range(1003))
+    ds = data.dataset(local=tabular, batch_size=100, shuffle=True, seed=3)
+    epoch0, epoch1 = np.concatenate(collect_ids(ds)), np.concatenate(collect_ids(ds))
+    np.testing.assert_array_equal(epoch0, a)
+    assert not np.array_equal(epoch0, epoch1) and sorted(epoch1.tolist()) == list(range(1003))
+    assert ds.epoch == 2
+
+
+def test_shuffle_mixes_neighbouring_shards_only_within_the_block():
+    sizes = np.full(100, 1000)
+    order = epoch_order(sizes, shuffle=True, seed=0, epoch=0, block_size=4000)
+    shard_of = order // 1000
+    # Any 1,000 consecutive samples come from a handful of shards, not from all 100.
+    windows = [len(np.unique(shard_of[i:i + 1000])) for i in range(0, 100_000, 1000)]
+    assert max(windows) <= 10 and np.mean(windows) > 3
+    order_big = epoch_order(sizes, shuffle=True, seed=0, epoch=0, block_size=1 << 20)
+    assert np.mean([len(np.unique(order_big[i:i + 1000] // 1000)) for i in range(0, 100_000, 1000)]) > 50
+
+
+def test_resume_mid_epoch_yields_exactly_the_rest_bit_identical(tabular, gather_backend):
+    def open_loader():
+        return data.dataset(local=tabular, batch_size=40, shuffle=True, seed=11, shuffle_block_size=300)
+
+    uninterrupted = [dict((k, v.clone()) for k, v in b.items()) for b in open_loader()]
+    first = open_loader()
+    seen = []
+    for batch in first:
+        seen.append(batch)
+        if len(seen) == 9:
+            break
+    state = json.loads(json.dumps(first.state_dict()))  # it must survive a JSON round trip
+    assert state["epoch"] == 0 and state["samples_consumed"] == 9 * 40
+    resumed = open_loader()
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert len(seen) + len(rest) == len(uninterrupted)
+    for got, want in zip(seen + rest, uninterrupted):
+        for name in want:
+            assert torch.equal(got[name], want[name])
+    assert resumed.state_dict()["epoch"] == 1
+
+
+def test_iterating_again_after_a_break_continues_the_epoch(tabular):
+    ds = data.dataset(local=tabular, batch_size=100)
+    for i, batch in enumerate(ds):
+        if i == 2:
+            break
+    rest = np.concatenate(collect_ids(ds))
+    np.testing.assert_array_equal(rest, np.arange(300, 1003))
+
+
+def test_resume_with_another_world_size_still_reads_each_sample_once(tabular):
+    # Two ranks consume 3 steps of 50, then the job resumes on three ranks.
+    ranks = [data.dataset(local=tabular, batch_size=50, shuffle=True, seed=5, rank=r, world_size=2) for r in range(2)]
+    seen = []
+    for loader in ranks:
+        for step, batch in enumerate(loader):
+            seen.append(check_tabular_batch(batch))
+            if step == 2:
+                break
+    state = ranks[0].state_dict()
+    assert state == ranks[1].state_dict() and state["samples_consumed"] == 300
+    for r in range(3):
+        loader = data.dataset(local=tabular, batch_size=50, shuffle=True, seed=5, rank=r, world_size=3)
+        loader.load_state_dict(state)
+        seen.extend(collect_ids(loader))
+    everything = np.concatenate(seen)
+    assert len(np.unique(everything)) == len(everything) >= 1003 - 2
+
+
+def test_load_state_dict_refuses_another_seed_or_dataset(tabular, tmp_path):
+    state = data.dataset(local=tabular, batch_size=10, shuffle=True, seed=1).state_dict()
+    with pytest.raises(ConfigurationError, match="seed=1 but this loader has seed=2"):
+        data.dataset(local=tabular, batch_size=10, shuffle=True, seed=2).load_state_dict(state)
+    other = write_tabular(tmp_path / "other", 50)
+    with pytest.raises(ConfigurationError, match="num_samples"):
+        data.dataset(local=other, batch_size=10, shuffle=True, seed=1).load_state_dict(state)
+    with pytest.raises(ConfigurationError, match="not a loader state"):
+        data.dataset(local=tabular, batch_size=10).load_state_dict({"epoch": 1})
+
+
+def test_epoch_plan_splits_positions_round_robin():
+    order = np.arange(10, dtype=np.int64)[::-1].copy()
+    plans = [EpochPlan.for_rank(order, start=2, rank=r, world_size=3, batch_size=2, drop_last=False) for r in range(3)]
+    assert [p.samples.tolist() for p in plans] == [[7, 4], [6, 3], [5, 2]]
+    assert plans[0].dropped == 2 and plans[0].num_batches == 1
+
+
+def test_variable_width_columns_decode_like_they_were_written(tmp_path, gather_backend):
+    from streaming import MDSWriter
+
+    columns = {"text": "str", "blob": "bytes", "tokens": "ndarray:int32", "any": "ndarray", "grid": "ndarray:float32:2,3",
+               "meta": "json", "label": "int64", "count": "str_int", "score": "str_float", "w": "float16"}
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(300):
+        rows.append({
+            "text": "é" * (i % 7) + str(i), "blob": bytes(range(i % 13)) + b"!", "tokens": np.arange(i % 9 + 1, dtype=np.int32) * i,
+            "any": rng.random((i % 3 + 1, 2)).astype(np.float64 if i % 2 else np.int16), "grid": np.full((2, 3), i, np.float32),
+            "meta": {"i": i, "odd": bool(i % 2)}, "label": i, "count": i * 3, "score": i / 8, "w": np.float16(i % 50),
+        })
+    with MDSWriter(out=str(tmp_path / "mixed"), columns=columns, size_limit=3000) as writer:
+        for row in rows:
+            writer.write(row)
+    batches = list(data.dataset(local=str(tmp_path / "mixed"), batch_size=32, shuffle=True, seed=0, shuffle_block_size=64))
+    seen = 0
+    for batch in batches:
+        assert batch["grid"].shape[1:] == (2, 3) and batch["w"].dtype == torch.float16
+        for k, label in enumerate(batch["label"].tolist()):
+            row = rows[label]
+            assert batch["text"][k] == row["text"] and batch["blob"][k] == row["blob"]
+            assert batch["meta"][k] == row["meta"]
+            np.testing.assert_array_equal(batch["tokens"][k].numpy(), row["tokens"])
+            np.testing.assert_array_equal(batch["any"][k].numpy(), row["any"])
+            assert batch["any"][k].numpy().dtype == row["any"].dtype
+            np.testing.assert_array_equal(batch["grid"][k].numpy(), row["grid"])
+            assert batch["count"][k].item() == row["count"] and batch["score"][k].item() == row["score"]
+            assert batch["w"][k].item() == float(row["w"])
+            seen += 1
+    assert seen == 300
+
+
+def test_fixed_width_columns_at_unaligned_offsets_are_copied_out_correctly(tmp_path, gather_backend):
+    from streaming import MDSWriter
+
+    with MDSWriter(out=str(tmp_path / "odd"), columns={"a": "uint8", "b": "float64", "c": "ndarray:int16:3"}, size_limit=500) as w:
+        for i in range(100):
+            w.write({"a": np.uint8(i), "b": float(i) / 3, "c": np.array([i, -i, 7], np.int16)})
+    batch = next(iter(data.dataset(local=str(tmp_path / "odd"), batch_size=100)))
+    np.testing.assert_array_equal(batch["a"].numpy(), np.arange(100, dtype=np.uint8))
+    np.testing.assert_array_equal(batch["b"].numpy(), np.arange(100) / 3)
+    np.testing.assert_array_equal(batch["c"][:, 1].numpy(), -np.arange(100))
+
+
+def test_batches_are_writable_tensors_that_do_not_alias_each_other(tabular):
+    first, second = list(data.dataset(local=tabular, batch_size=500))[:2]
+    first["f00"].add_(1000)  # a training step may modify its batch in place
+    assert second["f00"][0].item() == 500.0
+
+
+def test_gather_native_and_numpy_agree_and_reject_bad_indices():
+    if not _gather.native_available():
+        pytest.skip("sparkgpu._native is not built")
+    rng = np.random.default_rng(1)
+    sources = [rng.integers(0, 255, size=(n, 24), dtype=np.uint8) for n in (50, 70, 30)]
+    ids = rng.integers(0, 3, size=200).astype(np.int32)
+    rows = np.array([rng.integers(0, len(sources[i])) for i in ids], dtype=np.int64)
+    flat = [s.reshape(-1) for s in sources]
+    starts = np.array([rng.integers(0, len(flat[i]) - 40) for i in ids], dtype=np.int64)
+    lengths = rng.integers(0, 40, size=200).astype(np.int64)
+    offsets = np.cumsum(lengths) - lengths
+    results = []
+    for native in (True, False):
+        previous = _gather.set_native_enabled(native)
+        try:
+            rows_out = np.zeros((200, 24), np.uint8)
+            _gather.gather_rows(rows_out, sources, ids, rows)
+            spans_out = np.zeros(int(lengths.sum()), np.uint8)
+            _gather.gather_spans(spans_out, offsets, flat, ids, starts, lengths)
+            results.append((rows_out, spans_out))
+            bad = rows.copy()
+            bad[5] = len(sources[ids[5]])
+            with pytest.raises(IndexError):
+                _gather.gather_rows(rows_out, sources, ids, bad)
+            with pytest.raises(IndexError):
+                _gather.gather_spans(spans_out, offsets, flat, ids, starts + 10_000, lengths)
+        finally:
+            _gather.set_native_enabled(previous)
+    np.testing.assert_array_equal(results[0][0], np.stack([sources[i][r] for i, r in zip(ids, rows)]))
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_array_equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"batch_size": 0}, "batch_size=0 must be an integer >= 1"),
+    ({"batch_size": 8, "seed": -1}, "seed=-1"),
+    ({"batch_size": 8, "rank": 2, "world_size": 2}, r"rank=2 must be an integer in \[0, world_size=2\)"),
+    ({"batch_size": 8, "cache_limit": "lots"}, "not a byte count"),
+    ({"batch_size": 8, "device": "tpu"}, "device="),
+])
+def test_bad_arguments_fail_before_anything_starts(tabular, kwargs, message):
+    with pytest.raises(ConfigurationError, match=message):
+        data.dataset(remote=tabular, **kwargs)
+
+
+def test_missing_arguments_or_index_name_the_fix(tmp_path, tabular):
+    with pytest.raises(ConfigurationError, match="pass remote="):
+        data.dataset(batch_size=8)
+    with pytest.raises(DataError, match="has no index.json"):
+        data.dataset(local=str(tmp_path), batch_size=8)
+    with pytest.raises(ConfigurationError, match="cache_limit applies"):
+        data.dataset(local=tabular, batch_size=8, cache_limit="1GB")
+    (tmp_path / "index.json").write_text("{not json")
+    with pytest.raises(DataError, match="is not an MDS index.json"):
+        data.dataset(local=str(tmp_path), batch_size=8)
+
+
+def test_pickled_columns_need_explicit_consent(tmp_path):
+    from streaming import MDSWriter
+
+    with MDSWriter(out=str(tmp_path / "pkl"), columns={"obj": "pkl"}) as writer:
+        writer.write({"obj": {"a": 1}})
+    with pytest.raises(DataError, match="allow_unsafe_types=True"):
+        data.dataset(local=str(tmp_path / "pkl"), batch_size=1)
+    batch = next(iter(data.dataset(local=str(tmp_path / "pkl"), batch_size=1, allow_unsafe_types=True)))
+    assert batch["obj"] == [{"a": 1}]
+
+
+def test_pin_memory_without_cuda_warns_and_still_works(tabular):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available: pinning is real here")
+    with pytest.warns(UserWarning, match="pin_memory=True needs CUDA"):
+        ds = data.dataset(local=tabular, batch_size=500, pin_memory=True)
+    assert sum(len(b) for b in collect_ids(ds)) == 1003
