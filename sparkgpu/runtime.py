@@ -43,6 +43,7 @@ ENV_CHECKPOINT_DIR = "SPARKGPU_CHECKPOINT_DIR"
 ENV_DEADLINE = "SPARKGPU_CHECKPOINT_DEADLINE"  # unix time after which ranks should checkpoint
 ENV_SIMULATED = "SPARKGPU_SIMULATED_GPUS"  # "1" when GPU addresses are simulated on CPU
 ENV_GPU_ADDRESS = "SPARKGPU_GPU_ADDRESS"  # the device address assigned to this rank
+STOP_FILE = "STOP"  # written into attempts/<k>/ by the supervisor to ask ranks to checkpoint and stop
 
 
 def _int_env(name: str, default: int) -> int:
@@ -148,15 +149,25 @@ def request_checkpoint() -> None:
     _checkpoint_requested.set()
 
 
+def _stop_file() -> str | None:
+    run_dir = os.environ.get(ENV_RUN_DIR)
+    return os.path.join(run_dir, "attempts", str(attempt()), STOP_FILE) if run_dir else None
+
+
 def should_checkpoint() -> bool:
     """True when the job is about to be stopped and this rank should checkpoint now.
 
-    That happens ``checkpoint_grace`` before the runtime cap, when a usage budget is spent,
+    That happens ``checkpoint_grace`` before the runtime cap, when a usage budget is spent
+    (the supervisor then writes a stop file into the attempt's directory),
     or when the worker received SIGTERM (see
     :func:`handle_sigterm_as_checkpoint_request`). The training function checks it between steps,
     saves, and returns: the supervisor then resumes the job in a new attempt.
     """
     if _checkpoint_requested.is_set():
+        return True
+    stop_file = _stop_file()
+    if stop_file and os.path.exists(stop_file):
+        _checkpoint_requested.set()
         return True
     deadline = os.environ.get(ENV_DEADLINE)
     if deadline and time.time() >= float(deadline):

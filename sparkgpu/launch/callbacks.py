@@ -55,6 +55,16 @@ class JobCallback:
     def after_attempt(self, job, outcome: AttemptOutcome) -> None:
         """After an attempt ended, whatever the outcome."""
 
+    def stop_reason(self, job, attempt: int, attempt_seconds: float) -> str | None:
+        """Polled about once a second while an attempt runs.
+
+        Returning a reason (e.g. "budget 'team=ml' is spent") asks every rank to checkpoint
+        and stop (``runtime.should_checkpoint()`` turns True); the job then ends with
+        :class:`~sparkgpu.errors.PolicyViolationError` carrying the reason, and is not
+        resumed automatically. Never a hard kill: ranks get until the runtime cap.
+        """
+        return None
+
     def after_job(self, job, results: list[Any] | None, error: BaseException | None) -> None:
         """Once, when the job has completed or given up."""
 

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from sparkgpu import runtime
-from sparkgpu.errors import JobTimeoutError, RankFailure, WorkerFailedError
+from sparkgpu.errors import JobTimeoutError, PolicyViolationError, RankFailure, WorkerFailedError
 from sparkgpu.launch.callbacks import AttemptOutcome, JobCallback
 from sparkgpu.launch.entrypoint import EXIT_PREEMPTED
 from sparkgpu.launch.logs import LogStreamer
@@ -36,6 +36,7 @@ class JobStatus(str, enum.Enum):
     FAILED = "failed"
     TIMED_OUT = "timed_out"
     CANCELLED = "cancelled"
+    STOPPED = "stopped"  # checkpointed and stopped by a policy (budget); resumable by hand
 
     @property
     def is_terminal(self) -> bool:
@@ -139,6 +140,13 @@ class Supervisor:
                     self._set_status(JobStatus.SUCCEEDED)
                     results = outcome.results
                     return results
+                if outcome.status == "preempted" and self.state.get("stop_reason"):
+                    self._set_status(JobStatus.STOPPED)
+                    error = PolicyViolationError(
+                        f"job {self.job.job_id} checkpointed and stopped: {self.state['stop_reason']}; "
+                        f"continue it with `sparkgpu resume {self.job.job_id}` once the policy allows"
+                    )
+                    raise error
                 if outcome.status == "preempted":
                     self.state["preemptions"] += 1
                     continue
@@ -186,11 +194,15 @@ class Supervisor:
         handle = self.backend.submit(self.job, self.run_dir, attempt, self._attempt_env(attempt, wall_started))
         streamer = LogStreamer(self.run_dir, attempt, self.job.world_size, self.job.log_ranks, self.out)
         attempt_started = time.monotonic()
+        next_policy_check = attempt_started
         capped = False
         try:
             while (code := self.backend.poll(handle)) is None:
                 streamer.pump()
                 now = time.monotonic()
+                if now >= next_policy_check and not self.state.get("stop_reason"):
+                    next_policy_check = now + 1.0
+                    self._check_stop(attempt, now - attempt_started)
                 if policy.timeout is not None and now - job_started > policy.timeout:
                     self.backend.cancel(handle, policy.shutdown_grace)
                     streamer.finish()
@@ -217,6 +229,16 @@ class Supervisor:
         outcome = self._collect(attempt, capped)
         self._end_attempt(record, outcome.status, code, outcome)
         return outcome
+
+    def _check_stop(self, attempt: int, attempt_seconds: float) -> None:
+        for callback in self.callbacks:
+            reason = callback.stop_reason(self.job, attempt, attempt_seconds)
+            if reason:
+                self.state["stop_reason"] = reason
+                self._save()
+                (self.run_dir.attempt_dir(attempt) / runtime.STOP_FILE).write_text(reason + "\n")
+                print(f"sparkgpu: asking every rank to checkpoint and stop: {reason}", file=self.out)
+                return
 
     def _end_attempt(self, record: dict, status: str, code: int | None, outcome: AttemptResult | None = None):
         record.update(ended_at=time.time(), status=status, exit_code=code)

@@ -96,3 +96,20 @@ def test_runtime_cap_stops_the_attempt_and_resumes(tmp_path):
     assert backend.cancelled == [0]
     deadline = float(backend.submitted_env[0]["SPARKGPU_CHECKPOINT_DEADLINE"])
     assert deadline > 0
+
+
+class BudgetSpent(JobCallback):
+    def stop_reason(self, job, attempt, attempt_seconds):
+        return "budget team=ml is spent (100.0 of 100.0 GPU-hours)"
+
+
+def test_a_policy_stop_asks_ranks_to_checkpoint_then_ends_without_resuming(tmp_path):
+    from sparkgpu.errors import PolicyViolationError
+
+    sup, backend, cb, rd, out = run_job(tmp_path, ["hang", "ok"], max_runtime=1.5, checkpoint_grace=0.5)
+    sup.callbacks.append(BudgetSpent())
+    with pytest.raises(PolicyViolationError, match="budget team=ml is spent.*sparkgpu resume job-1"):
+        sup.run()
+    assert (rd.attempt_dir(0) / "STOP").read_text().startswith("budget team=ml")
+    state = json.loads(rd.state_file.read_text())
+    assert state["status"] == "stopped" and len(state["attempts"]) == 1
