@@ -1,0 +1,295 @@
+"""DataFrame / Delta table / Parquet -> MDS shards on a volume, in one call.
+
+```python
+from sparkgpu import data
+data.to_mds(spark_df, "s3://bucket/feats/v1")                   # on the Spark executors
+data.to_mds("s3://bucket/tables/clicks", out, version=12)       # Delta via deltalake, no Spark
+data.to_mds("/data/parquet_dir", out)                            # Parquet, parallel over files
+data.ensure_mds(spark_df, "s3://bucket/mds-cache")               # converts once per data version
+```
+
+The output is standard MDS (``streaming.StreamingDataset`` reads it unchanged). The index is
+written last and atomically: an interrupted conversion never leaves an index listing missing
+shards, and running it again clears what it left and starts over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+import uuid
+
+from sparkgpu.data.convert_output import OutputFolder, Volume
+from sparkgpu.data.mds import plan_columns
+from sparkgpu.data.mds_writer import DEFAULT_SIZE_LIMIT, ShardOptions
+from sparkgpu.errors import ConfigurationError, DataError
+
+__all__ = ["ConversionResult", "to_mds", "ensure_mds", "data_fingerprint", "read_conversion"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ConversionResult:
+    """What a conversion wrote (or found already written).
+
+    Attributes:
+        url: Output folder; pass it to ``StreamingDataset(remote=...)`` or ``data.dataset``.
+        samples: Rows written.
+        shards: Shard files written.
+        bytes: Bytes of shard files (compressed size when compressed).
+        columns: Column name -> MDS encoding.
+        fingerprint: Data fingerprint of the source (see :func:`data_fingerprint`).
+        source: What was read: type, path or URI, Delta version.
+        seconds: Time the conversion took (0 when reused).
+        reused: True when :func:`ensure_mds` found a complete conversion and wrote nothing.
+    """
+
+    url: str
+    samples: int
+    shards: int
+    bytes: int
+    columns: dict
+    fingerprint: str | None
+    source: dict
+    seconds: float
+    reused: bool = False
+
+    @property
+    def rows_per_second(self) -> float:
+        return self.samples / self.seconds if self.seconds else float("inf")
+
+
+def _resolve(source, version, timestamp, storage_options):
+    from sparkgpu.data.convert_spark import SparkSource, is_spark_dataframe
+
+    if is_spark_dataframe(source):
+        if version is not None or timestamp is not None:
+            raise ConfigurationError(
+                "version= and timestamp= apply to Delta tables read without Spark; for a Spark "
+                "DataFrame, time-travel in the read: spark.read.format('delta').option('versionAsOf', 12)"
+            )
+        return SparkSource(source)
+    from sparkgpu.data.convert_files import resolve_file_source
+
+    return resolve_file_source(source, version=version, timestamp=timestamp, storage_options=storage_options)
+
+
+def data_fingerprint(source, *, version=None, timestamp=None, storage_options=None) -> str:
+    """A hex digest that changes whenever the source's rows may have changed.
+
+    Spark DataFrame: the optimized query plan (expression ids removed), schema and input
+    files. Delta table: table URI, id and version. Parquet: every file's path, size and
+    modification time. Arrow table / pandas: the data itself.
+
+    Args:
+        source: Anything :func:`to_mds` accepts.
+        version: Delta table version (default: latest).
+        timestamp: Delta table as of this time (``datetime`` or ISO-8601 string).
+        storage_options: fsspec / deltalake options for remote paths.
+
+    Raises:
+        ConfigurationError: The source cannot be fingerprinted (a one-shot Arrow stream).
+    """
+    return _resolve(source, version, timestamp, storage_options).fingerprint()
+
+
+def to_mds(
+    source,
+    out,
+    *,
+    columns=None,
+    compression: str | None = None,
+    hashes=None,
+    size_limit: int | str | None = DEFAULT_SIZE_LIMIT,
+    version: int | None = None,
+    timestamp=None,
+    overwrite: bool = False,
+    max_workers: int | None = None,
+    storage_options: dict | None = None,
+    progress: bool | None = None,
+) -> ConversionResult:
+    """Converts a Spark DataFrame, Delta table or Parquet files into MDS shards under ``out``.
+
+    Args:
+        source: A Spark DataFrame (classic or Connect; converted on the executors), a path or
+            URL of a Delta table (read with deltalake) or of Parquet files, a
+            ``deltalake.DeltaTable``, a pyarrow Table / RecordBatchReader, or a pandas DataFrame.
+        out: Output folder: local path or fsspec URL. With Spark it must be reachable from
+            the executors under the same name.
+        columns: ``None`` for all; a list of names; or a dict name -> MDS encoding (``None``
+            for the default), e.g. ``{"emb": "ndarray:float32:128"}``.
+        compression: ``None`` or a name as streaming spells it: ``"zstd"``, ``"zstd:7"``, ``"gz"``...
+        hashes: Hash names recorded per shard, e.g. ``("sha1", "xxh64")``.
+        size_limit: Bytes of samples per shard (int or ``"64mb"``); ``None`` for one shard per writer.
+        version: Delta table version to read (default: latest).
+        timestamp: Read the Delta table as of this time instead.
+        overwrite: Replace an existing dataset (or other files) in ``out``.
+        max_workers: Parallel writers for non-Spark sources (default: CPU count).
+        storage_options: fsspec options (credentials, endpoint) for remote paths.
+        progress: Show a progress bar; default: when stderr is a terminal or notebook.
+
+    Returns:
+        What was written.
+
+    Raises:
+        DataError: A column cannot be stored (raised before anything is written), or the data
+            holds values MDS cannot represent (nulls, arrays not matching a declared shape).
+        ConfigurationError: Bad settings, or ``out`` holds a dataset and ``overwrite`` is false.
+    """
+    started = time.monotonic()
+    resolved = _resolve(source, version, timestamp, storage_options)
+    options = ShardOptions.create(plan_columns(resolved.schema, columns), compression=compression, hashes=hashes, size_limit=size_limit)
+    fingerprint = _fingerprint_or_none(resolved)
+    return _convert(resolved, Volume(out, storage_options), options, fingerprint, overwrite, max_workers, progress, started)
+
+
+def ensure_mds(
+    source,
+    volume_root,
+    *,
+    columns=None,
+    compression: str | None = None,
+    hashes=None,
+    size_limit: int | str | None = DEFAULT_SIZE_LIMIT,
+    version: int | None = None,
+    timestamp=None,
+    max_workers: int | None = None,
+    storage_options: dict | None = None,
+    progress: bool | None = None,
+) -> ConversionResult:
+    """Converts ``source`` once per data fingerprint and settings; afterwards returns at once.
+
+    The output goes to ``{volume_root}/mds-{key}``, the key hashing the data fingerprint
+    (:func:`data_fingerprint`) and the conversion settings. A complete conversion with the
+    same key is returned as is (``reused=True``); an interrupted one is cleared and redone.
+
+    Args:
+        source: As for :func:`to_mds`; it must be fingerprintable (not a one-shot stream).
+        volume_root: Folder (local or fsspec URL) holding cached conversions.
+        columns, compression, hashes, size_limit, version, timestamp, max_workers,
+            storage_options, progress: As for :func:`to_mds`.
+
+    Returns:
+        The conversion, with ``reused`` telling whether it was already there.
+    """
+    started = time.monotonic()
+    resolved = _resolve(source, version, timestamp, storage_options)
+    options = ShardOptions.create(plan_columns(resolved.schema, columns), compression=compression, hashes=hashes, size_limit=size_limit)
+    fingerprint = resolved.fingerprint()
+    settings = json.dumps({"fingerprint": fingerprint, "columns": options.columns, "compression": options.compression, "hashes": options.hashes, "size_limit": options.size_limit}, sort_keys=True)
+    key = hashlib.sha256(settings.encode("utf-8")).hexdigest()[:24]
+    volume = Volume(Volume(volume_root, storage_options).path(f"mds-{key}"), storage_options)
+    existing = read_conversion(volume.url, storage_options=storage_options)
+    if existing is not None and existing.fingerprint == fingerprint and existing.columns == options.columns:
+        return dataclasses.replace(existing, reused=True)
+    return _convert(resolved, volume, options, fingerprint, True, max_workers, progress, started)
+
+
+def read_conversion(url, *, storage_options: dict | None = None) -> ConversionResult | None:
+    """The conversion committed at ``url``, or ``None`` when it holds no complete dataset.
+
+    Works for any MDS dataset; fields this package records (fingerprint, source) are empty
+    for datasets others wrote.
+    """
+    volume = Volume(url, storage_options)
+    index = OutputFolder(volume, run_id="").read_index()
+    if index is None:
+        return None
+    meta = index.get("sparkgpu") or {}
+    shards = index.get("shards", [])
+    columns = dict(zip(shards[0]["column_names"], shards[0]["column_encodings"])) if shards else meta.get("columns", {})
+    return ConversionResult(
+        url=volume.url,
+        samples=sum(s["samples"] for s in shards),
+        shards=len(shards),
+        bytes=sum((s.get("zip_data") or s["raw_data"])["bytes"] for s in shards),
+        columns=columns,
+        fingerprint=meta.get("fingerprint"),
+        source=meta.get("source", {}),
+        seconds=0.0,
+    )
+
+
+def _fingerprint_or_none(resolved) -> str | None:
+    try:
+        return resolved.fingerprint()
+    except ConfigurationError:  # one-shot streams: nothing to fingerprint, nothing to cache
+        return None
+
+
+def _convert(resolved, volume: Volume, options: ShardOptions, fingerprint, overwrite, max_workers, progress, started) -> ConversionResult:
+    run_id = uuid.uuid4().hex
+    folder = OutputFolder(volume, run_id)
+    folder.begin(overwrite=overwrite)
+    bar = _ProgressBar(volume.url) if _show_progress(progress) else None
+    try:
+        shards = resolved.write(volume, options, max_workers=max_workers, progress=bar)
+    except BaseException:
+        folder.abort()
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    if not any(s["samples"] for s in shards):
+        folder.abort()
+        raise DataError(f"the source has no rows; nothing was written to {volume.url}")
+    metadata = {
+        "fingerprint": fingerprint,
+        "source": resolved.description,
+        "columns": options.columns,
+        "run_id": run_id,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    folder.commit(shards, metadata)
+    return ConversionResult(
+        url=volume.url,
+        samples=sum(s["samples"] for s in shards),
+        shards=len(shards),
+        bytes=sum((s["zip_data"] or s["raw_data"])["bytes"] for s in shards),
+        columns=options.columns,
+        fingerprint=fingerprint,
+        source=resolved.description,
+        seconds=time.monotonic() - started,
+    )
+
+
+def _show_progress(progress: bool | None) -> bool:
+    if progress is not None:
+        return bool(progress)
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    return console.is_terminal or console.is_jupyter
+
+
+class _ProgressBar:
+    """A rich progress bar fed with rows (local sources) or Spark tasks (Spark Connect)."""
+
+    def __init__(self, url: str):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.console import Console
+
+        self._progress = Progress(
+            TextColumn("[bold]MDS[/bold] {task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+            transient=False,
+        )
+        self._task = self._progress.add_task(f"rows -> {url}", total=None)
+        self._url = url
+        self._progress.start()
+
+    def start(self, total: int | None) -> None:
+        self._progress.update(self._task, total=total)
+
+    def advance(self, rows: int) -> None:
+        self._progress.advance(self._task, rows)
+
+    def update(self, completed: int, total: int) -> None:
+        self._progress.update(self._task, description=f"Spark tasks -> {self._url}", completed=completed, total=total)
+
+    def close(self) -> None:
+        self._progress.stop()

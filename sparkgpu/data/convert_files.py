@@ -1,0 +1,301 @@
+"""Sources converted on this machine: Delta tables (deltalake, no Spark), Parquet, Arrow.
+
+Work is split into contiguous groups of Parquet files or row groups, balanced by rows, one
+:class:`~sparkgpu.data.mds_writer.ShardWriter` per group in its own sub-folder, all groups in
+parallel threads (pyarrow decoding, numpy copies and file writes release the GIL). Groups are
+contiguous, so the dataset keeps the source's row order.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import hashlib
+import json
+import os
+import threading
+from collections.abc import Callable, Iterator
+
+import pyarrow as pa
+import pyarrow.dataset as pads
+
+from sparkgpu.data.convert_output import Volume
+from sparkgpu.data.mds_writer import ShardOptions
+from sparkgpu.errors import ConfigurationError, DataError, MissingDependencyError
+
+__all__ = ["FileSource", "resolve_file_source", "is_delta_table"]
+
+_BATCH_ROWS = 64 * 1024
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode("utf-8")).hexdigest()
+
+
+class FileSource:
+    """A source read with pyarrow on this machine.
+
+    Attributes:
+        schema: Arrow schema of the rows.
+        description: What was read, recorded in the output's index (type, path, version).
+    """
+
+    def __init__(self, schema: pa.Schema, description: dict, units: Callable[[int], list], fingerprint: Callable[[], str]):
+        self.schema = schema
+        self.description = description
+        self._units = units
+        self._fingerprint = fingerprint
+
+    def fingerprint(self) -> str:
+        """Hex digest that changes whenever the rows may have changed."""
+        return self._fingerprint()
+
+    def write(self, volume: Volume, options: ShardOptions, *, max_workers: int | None = None, progress=None) -> list[dict]:
+        """Writes every row as MDS shards under ``volume``; returns the index entries in order.
+
+        Args:
+            volume: Output folder (already claimed by :class:`~sparkgpu.data.convert_output.OutputFolder`).
+            options: Encodings and shard settings.
+            max_workers: Parallel writers; defaults to the number of CPUs.
+            progress: Optional object with ``start(total)`` and ``advance(rows)``.
+        """
+        workers = max(1, max_workers or os.cpu_count() or 1)
+        columns = [spec.name for spec in options.specs]
+        groups = _balanced_groups(self._units(workers), workers)
+        if progress is not None:
+            progress.start(sum(unit.rows or 0 for group in groups for unit in group) or None)
+        stop = threading.Event()
+        single = len(groups) == 1
+
+        def write_group(index: int, group: list) -> list[dict]:
+            writer = options.writer(volume, f"part-{index:05d}")
+            for unit in group:
+                for batch in unit.batches(columns, use_threads=single):
+                    if stop.is_set():
+                        return []
+                    writer.write_batch(batch)
+                    if progress is not None:
+                        progress.advance(batch.num_rows)
+            return writer.finish()
+
+        if single:
+            return write_group(0, groups[0]) if groups else []
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="sparkgpu-mds") as pool:
+            futures = [pool.submit(write_group, i, group) for i, group in enumerate(groups)]
+            try:
+                return [shard for future in futures for shard in future.result()]
+            finally:
+                stop.set()
+
+
+class _Unit:
+    """A piece of the source one writer reads in order: a fragment, row group or slice."""
+
+    def __init__(self, rows: int | None, batches: Callable[[list[str], bool], Iterator[pa.RecordBatch]]):
+        self.rows = rows
+        self._batches = batches
+
+    def batches(self, columns: list[str], use_threads: bool) -> Iterator[pa.RecordBatch]:
+        return self._batches(columns, use_threads)
+
+
+def _balanced_groups(units: list[_Unit], workers: int) -> list[list[_Unit]]:
+    """Cuts ``units`` into at most ``workers`` contiguous groups of similar row counts."""
+    if not units:
+        return []
+    count = min(workers, len(units))
+    weights = [max(1, unit.rows or 1) for unit in units]
+    total = sum(weights)
+    groups: list[list[_Unit]] = [[] for _ in range(count)]
+    before = 0
+    for unit, weight in zip(units, weights):
+        groups[min(count - 1, before * count // total)].append(unit)
+        before += weight
+    return [group for group in groups if group]
+
+
+# --------------------------------------------------------------------------------------------
+# Parquet and Delta: pyarrow datasets
+# --------------------------------------------------------------------------------------------
+
+
+def _dataset_units(dataset: pads.Dataset, workers: int) -> list[_Unit]:
+    schema = dataset.schema
+    fragments = list(dataset.get_fragments())
+    if len(fragments) < 4 * workers and all(isinstance(f, pads.ParquetFileFragment) for f in fragments):
+        # Few files: split them by row group so every worker gets a share.
+        fragments = [piece for fragment in fragments for piece in fragment.split_by_row_group()]
+
+    def unit(fragment) -> _Unit:
+        rows = None
+        if isinstance(fragment, pads.ParquetFileFragment) and fragment.row_groups:
+            rows = sum(group.num_rows for group in fragment.row_groups)
+
+        def batches(columns, use_threads):
+            return fragment.to_batches(schema=schema, columns=columns, batch_size=_BATCH_ROWS, use_threads=use_threads)
+
+        return _Unit(rows, batches)
+
+    return [unit(fragment) for fragment in fragments]
+
+
+def _parquet_source(path: str, storage_options: dict | None) -> FileSource:
+    filesystem, root = _arrow_filesystem(path, storage_options)
+    try:
+        dataset = pads.dataset(root, format="parquet", filesystem=filesystem, partitioning="hive")
+    except (FileNotFoundError, pa.ArrowInvalid, OSError) as exc:
+        raise DataError(f"cannot read {path} as Parquet ({exc}); give a Parquet file, a folder of them or a Delta table") from None
+    if not dataset.files:
+        raise DataError(f"{path} holds no Parquet files")
+
+    def fingerprint() -> str:
+        infos = dataset.filesystem.get_file_info(sorted(dataset.files))
+        files = [[info.path, info.size, info.mtime_ns] for info in infos]
+        return _digest({"type": "parquet", "files": files, "schema": dataset.schema.to_string()})
+
+    description = {"type": "parquet", "path": path, "files": len(dataset.files)}
+    return FileSource(dataset.schema, description, lambda workers: _dataset_units(dataset, workers), fingerprint)
+
+
+def _arrow_filesystem(path: str, storage_options: dict | None):
+    if "://" not in path or path.startswith("file://"):
+        local = path[len("file://"):] if path.startswith("file://") else path
+        return None, os.path.abspath(os.path.expanduser(local))
+    import fsspec
+    from pyarrow.fs import FSSpecHandler, PyFileSystem
+
+    fs, root = fsspec.core.url_to_fs(path, **(storage_options or {}))
+    return PyFileSystem(FSSpecHandler(fs)), root
+
+
+def is_delta_table(path: str, storage_options: dict | None = None) -> bool:
+    """Whether ``path`` is the root of a Delta table (it has a ``_delta_log``)."""
+    if "://" not in path or path.startswith("file://"):
+        local = path[len("file://"):] if path.startswith("file://") else path
+        return os.path.isdir(os.path.join(os.path.expanduser(local), "_delta_log"))
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(path, **(storage_options or {}))
+    return fs.exists(f"{root.rstrip('/')}/_delta_log")
+
+
+def _delta_source(table, version, timestamp, storage_options: dict | None) -> FileSource:
+    try:
+        from deltalake import DeltaTable
+    except ImportError:
+        raise MissingDependencyError("Reading Delta tables", "pip install deltalake") from None
+    if version is not None and timestamp is not None:
+        raise ConfigurationError("give either version= or timestamp= for a Delta table, not both")
+    if isinstance(table, DeltaTable):
+        if version is not None or timestamp is not None:
+            table.load_as_version(version if version is not None else timestamp)
+    else:
+        try:
+            table = DeltaTable(str(table), version=version, storage_options=storage_options)
+            if timestamp is not None:
+                table.load_as_version(timestamp)
+        except Exception as exc:  # deltalake raises its own TableNotFoundError, DeltaError, ...
+            at = f" at version {version}" if version is not None else f" as of {timestamp}" if timestamp is not None else ""
+            raise DataError(f"cannot open Delta table {table}{at}: {exc}") from None
+    try:
+        dataset = table.to_pyarrow_dataset()
+    except Exception as exc:  # unsupported reader features (deletion vectors, column mapping...)
+        raise DataError(
+            f"deltalake cannot read Delta table {table.table_uri} as Arrow ({exc}); convert it "
+            "through Spark instead: to_mds(spark.read.format('delta').load(...), out)"
+        ) from None
+    metadata = table.metadata()
+    description = {"type": "delta", "uri": table.table_uri, "version": table.version()}
+    if timestamp is not None:
+        description["timestamp"] = timestamp.isoformat() if isinstance(timestamp, datetime.datetime) else str(timestamp)
+
+    def fingerprint() -> str:
+        return _digest({"type": "delta", "uri": table.table_uri, "version": table.version(), "id": metadata.id})
+
+    return FileSource(dataset.schema, description, lambda workers: _dataset_units(dataset, workers), fingerprint)
+
+
+# --------------------------------------------------------------------------------------------
+# Arrow tables, streams and pandas frames in memory
+# --------------------------------------------------------------------------------------------
+
+
+def _table_source(table: pa.Table) -> FileSource:
+    def units(workers: int) -> list[_Unit]:
+        rows = table.num_rows
+        step = max(1, -(-rows // workers))
+        return [
+            _Unit(min(step, rows - start), lambda columns, _threads, s=start: table.slice(s, step).select(columns).to_batches(_BATCH_ROWS))
+            for start in range(0, rows, step)
+        ]
+
+    def fingerprint() -> str:
+        digest = hashlib.sha256()
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, table.schema) as stream:
+            stream.write_table(table)
+        digest.update(memoryview(sink.getvalue()))
+        return digest.hexdigest()
+
+    return FileSource(table.schema, {"type": "arrow", "rows": table.num_rows}, units, fingerprint)
+
+
+def _stream_source(reader: pa.RecordBatchReader) -> FileSource:
+    def units(_workers: int) -> list[_Unit]:
+        def batches(columns, _threads):
+            for batch in reader:
+                yield batch.select(columns)
+
+        return [_Unit(None, batches)]
+
+    def fingerprint() -> str:
+        raise ConfigurationError(
+            "a stream of record batches cannot be fingerprinted without consuming it; pass a "
+            "pyarrow.Table, a DataFrame or a path instead"
+        )
+
+    return FileSource(reader.schema, {"type": "arrow-stream"}, units, fingerprint)
+
+
+def resolve_file_source(source, *, version=None, timestamp=None, storage_options: dict | None = None) -> FileSource:
+    """Turns a path, Delta table, Arrow table/stream or pandas frame into a :class:`FileSource`.
+
+    Raises:
+        ConfigurationError: ``version``/``timestamp`` given for something that is not Delta, or
+            a source type this function does not know.
+        DataError: The path cannot be read.
+    """
+    delta = None
+    try:
+        from deltalake import DeltaTable
+
+        delta = DeltaTable
+    except ImportError:
+        pass
+    if delta is not None and isinstance(source, delta):
+        return _delta_source(source, version, timestamp, storage_options)
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        if is_delta_table(path, storage_options):
+            return _delta_source(path, version, timestamp, storage_options)
+        _no_time_travel(version, timestamp, f"{path} is not a Delta table (no _delta_log)")
+        return _parquet_source(path, storage_options)
+    _no_time_travel(version, timestamp, "only Delta tables have versions")
+    if isinstance(source, pa.RecordBatch):
+        source = pa.Table.from_batches([source])
+    if isinstance(source, pa.Table):
+        return _table_source(source)
+    if isinstance(source, pa.RecordBatchReader):
+        return _stream_source(source)
+    if type(source).__module__.startswith("pandas") and hasattr(source, "to_dict"):
+        return _table_source(pa.Table.from_pandas(source, preserve_index=False))
+    raise ConfigurationError(
+        f"cannot convert a {type(source).__name__}; give a Spark DataFrame, a path to a Delta "
+        "table or Parquet files, a deltalake.DeltaTable, a pyarrow Table / RecordBatchReader or a pandas DataFrame"
+    )
+
+
+def _no_time_travel(version, timestamp, why: str) -> None:
+    if version is not None or timestamp is not None:
+        raise ConfigurationError(f"version= and timestamp= apply to Delta tables; {why}")
+

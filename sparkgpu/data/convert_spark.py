@@ -1,0 +1,210 @@
+"""Spark DataFrames (Spark Connect or classic) -> MDS, written by the executors.
+
+``mapInArrow`` hands each task its partition as Arrow record batches; the task encodes them
+with :mod:`sparkgpu.data.mds` and writes its shards straight to the output volume in its own
+sub-folder, yielding one tiny row (its shard entries as JSON). The client merges those rows,
+in partition order, into one ``index.json``. No RDD API (Spark Connect has none), no data
+through the client.
+
+The task function and the modules it uses are pickled by value, so executors need only
+numpy, pyarrow (which Spark's Arrow support already needs) and, for remote URLs, fsspec.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import re
+
+import pyarrow as pa
+
+from sparkgpu.data.convert_output import Volume
+from sparkgpu.data.mds_writer import ShardOptions
+from sparkgpu.errors import ConfigurationError, DataError, SparkGPUError
+
+__all__ = ["SparkSource", "is_spark_dataframe"]
+
+_RESULT_SCHEMA = "partition int, shards string"
+_MAX_TO_STRING_FIELDS = "spark.sql.debug.maxToStringFields"
+
+
+def is_spark_dataframe(obj) -> bool:
+    """Whether ``obj`` is a Spark DataFrame (classic or Spark Connect), without importing pyspark."""
+    module = type(obj).__module__
+    return module.startswith("pyspark.sql") and hasattr(obj, "mapInArrow")
+
+
+class SparkSource:
+    """A Spark DataFrame to convert on the executors.
+
+    Args:
+        df: The DataFrame.
+
+    Raises:
+        DataError: A column's Spark type has no Arrow equivalent (user-defined types).
+    """
+
+    def __init__(self, df):
+        self.df = df
+        self.schema = _arrow_schema(df.schema)
+        self.description = {"type": "spark", "columns": len(self.schema)}
+
+    def fingerprint(self) -> str:
+        """Hash of the optimized plan (expression ids removed), schema and input files.
+
+        Spark's own ``semanticHash`` is added for plans that read no files: it covers local
+        data the plan string leaves out, and it is stable across sessions for such plans
+        (not for file scans, whose files are listed instead).
+        """
+        df = self.df
+        parts = {
+            "type": "spark",
+            "plan": re.sub(r"#\d+", "", _optimized_plan(df)),
+            "schema": df.schema.json(),
+            "files": sorted(df.inputFiles()),
+        }
+        if not parts["files"]:
+            parts["semantic_hash"] = df.semanticHash()
+        return hashlib.sha256(json.dumps(parts, sort_keys=True).encode("utf-8")).hexdigest()
+
+    def write(self, volume: Volume, options: ShardOptions, *, max_workers: int | None = None, progress=None) -> list[dict]:
+        """Runs one Spark job writing every partition's shards; returns the index entries.
+
+        Args:
+            volume: Output folder, reachable from the executors under the same URL.
+            options: Encodings and shard settings.
+            max_workers: Ignored: Spark decides how many tasks run at once.
+            progress: Optional object with ``update(completed, total)``.
+
+        Raises:
+            DataError: A task failed on the data (nulls, wrong array lengths...), with the
+                executor's message.
+        """
+        del max_workers
+        df = self.df.select(*[spec.name for spec in options.specs])
+        task = _PartitionTask(volume, options)
+        with _shipped_by_value(), _progress_handler(df.sparkSession, progress):
+            try:
+                rows = df.mapInArrow(task, _RESULT_SCHEMA).collect()
+            except SparkGPUError:
+                raise
+            except Exception as exc:
+                translated = _our_error_in(exc)
+                if translated is not None:
+                    raise translated from exc
+                raise
+        shards = []
+        for row in sorted(rows, key=lambda r: r["partition"]):
+            shards.extend(json.loads(row["shards"]))
+        return shards
+
+
+class _PartitionTask:
+    """What each Spark task runs: its record batches in, one metadata row out."""
+
+    def __init__(self, volume: Volume, options: ShardOptions):
+        self.volume = volume
+        self.options = options
+
+    def __call__(self, batches):
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        partition = context.partitionId()
+        # One folder per task attempt: a retried or speculative attempt never writes into the
+        # files of another; the commit removes folders the index does not list.
+        writer = self.options.writer(self.volume, f"part-{partition:05d}-{context.taskAttemptId()}")
+        for batch in batches:
+            writer.write_batch(batch)
+        shards = writer.finish()
+        yield pa.RecordBatch.from_pydict(
+            {"partition": [partition], "shards": [json.dumps(shards)]},
+            schema=pa.schema([("partition", pa.int32()), ("shards", pa.string())]),
+        )
+
+
+def _arrow_schema(spark_schema) -> pa.Schema:
+    from pyspark.sql.pandas.types import to_arrow_type
+
+    fields = []
+    for field in spark_schema.fields:
+        try:
+            arrow_type = to_arrow_type(field.dataType, timezone="UTC")
+        except Exception as exc:  # pyspark raises several types for types Arrow lacks
+            raise DataError(
+                f"column {field.name!r} has Spark type {field.dataType.simpleString()}, which MDS "
+                f"cannot store ({exc}); cast it to numbers, strings, binary or arrays of numbers "
+                "first (for Spark ML vectors: pyspark.ml.functions.vector_to_array)"
+            ) from None
+        fields.append(pa.field(field.name, arrow_type))
+    return pa.schema(fields)
+
+
+def _optimized_plan(df) -> str:
+    session = df.sparkSession
+    previous = session.conf.get(_MAX_TO_STRING_FIELDS)
+    # Plans print at most 25 fields per node by default; two frames differing in their 30th
+    # column would otherwise look the same.
+    session.conf.set(_MAX_TO_STRING_FIELDS, "1000000")
+    try:
+        if hasattr(df, "_explain_string"):  # Spark Connect
+            text = df._explain_string(mode="extended")
+        else:  # classic
+            text = df._sc._jvm.PythonSQLUtils.explainString(df._jdf.queryExecution(), "extended")
+    finally:
+        session.conf.set(_MAX_TO_STRING_FIELDS, previous)
+    match = re.search(r"== Optimized Logical Plan ==\n(.*?)\n== Physical Plan ==", text, re.S)
+    return match.group(1) if match else text
+
+
+@contextlib.contextmanager
+def _shipped_by_value():
+    """Pickles this package by value while the job is built, so executors need not have it."""
+    import sparkgpu
+    from pyspark import cloudpickle
+
+    already = sparkgpu.__name__ in cloudpickle.list_registry_pickle_by_value()
+    if not already:
+        cloudpickle.register_pickle_by_value(sparkgpu)
+    try:
+        yield
+    finally:
+        if not already:
+            cloudpickle.unregister_pickle_by_value(sparkgpu)
+
+
+@contextlib.contextmanager
+def _progress_handler(session, progress):
+    """Feeds Spark Connect's task progress to ``progress.update(completed, total)``."""
+    if progress is None or not hasattr(session, "registerProgressHandler"):
+        yield
+        return
+
+    def handler(stages, inflight_tasks, operation_id, done):
+        stages = list(stages or [])
+        if stages:
+            progress.update(sum(s.num_completed_tasks for s in stages), sum(s.num_tasks for s in stages))
+
+    try:
+        session.registerProgressHandler(handler)
+    except Exception:  # classic sessions refuse; Spark's own console bar shows progress there
+        yield
+        return
+    try:
+        yield
+    finally:
+        session.removeProgressHandler(handler)
+
+
+_OUR_ERROR = re.compile(r"sparkgpu\.errors\.(DataError|ConfigurationError): (.+)")
+
+
+def _our_error_in(exc: Exception) -> SparkGPUError | None:
+    """The DataError / ConfigurationError an executor raised, recovered from Spark's message."""
+    match = _OUR_ERROR.search(str(exc))
+    if match is None:
+        return None
+    kind, message = match.groups()
+    error_type = DataError if kind == "DataError" else ConfigurationError
+    return error_type(f"{message.strip()} (raised on a Spark executor)")
