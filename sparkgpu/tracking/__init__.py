@@ -1,0 +1,35 @@
+"""Experiment tracking and a catalog-style model registry, on MLflow.
+
+* :class:`MLflowCallback` — one MLflow run per job, shared by every rank and attempt.
+* :func:`log` — metrics from any rank (``sparkgpu.log``); :func:`log_checkpoint` — lineage.
+* :mod:`sparkgpu.tracking.registry` — ``register`` / ``load`` models as ``catalog.schema.model``.
+
+Importing this package is cheap; MLflow is imported when a callback or the registry is used.
+"""
+
+from __future__ import annotations
+
+from sparkgpu.tracking.autolog import log, log_checkpoint
+
+__all__ = ["MLflowCallback", "log", "log_checkpoint", "registry", "environment_lock", "resolve_target",
+           "default_experiment_name"]
+
+_LAZY = {
+    "MLflowCallback": ("sparkgpu.tracking.mlflow_run", "MLflowCallback"),
+    "environment_lock": ("sparkgpu.tracking.mlflow_run", "environment_lock"),
+    "registry": ("sparkgpu.tracking.registry", None),
+    "resolve_target": ("sparkgpu.tracking.store", "resolve_target"),
+    "default_experiment_name": ("sparkgpu.tracking.store", "default_experiment_name"),
+}
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'sparkgpu.tracking' has no attribute {name!r}")
+    import importlib
+
+    module_name, attr = _LAZY[name]
+    module = importlib.import_module(module_name)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value

@@ -1,0 +1,451 @@
+"""Single-writer tracking: ranks append to files, one flusher on the client writes to MLflow.
+
+Why: many ranks writing into one SQLite file fail with "database is locked" once writes
+queue up behind each other, and a flaky tracking server should never kill a week-long
+training run. So no rank ever writes to the store. Each worker process appends its records
+(metrics, params, tags, checkpoints) as JSON lines to its own file in the job's spool
+directory, ``<run_dir>/tracking``; the client's :class:`SpoolFlusher` tails those files and
+forwards them with ``log_batch`` in chunks, remembering how far it got in a small state file
+so that a client that resumes the job does not forward anything twice.
+
+Workers reach the spool through MLflow itself: their ``MLFLOW_TRACKING_URI`` is
+``sparkgpu-spool:///<spool dir>`` and :class:`SpoolStore` serves that scheme, so
+``mlflow.log_metric`` in user code lands in the job's run too. Writes to the job's run go to
+the spool; everything else (artifacts, other runs, logged models) goes to the real store.
+
+The alternative considered was a local ``mlflow server`` on loopback as the single writer.
+It costs a server start per job (seconds), a port, and does not reach ranks on other hosts;
+the spool only needs the run directory that workers and client already share.
+
+Spool layout::
+
+    run.json                       the job's run (id, experiment, stores), written by the client
+    records/a<k>.r<rank>.p<pid>.jsonl   one file per worker process and attempt
+    flusher.json                   how far the flusher got, params seen, checkpoint lineage
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+from sparkgpu.launch.payload import atomic_write_bytes
+from sparkgpu.tracking.store import REAL_TRACKING_URI_ENV, SPOOL_SCHEME
+
+__all__ = ["JobRunInfo", "SpoolDir", "SpoolWriter", "SpoolFlusher", "register_spool_scheme", "SPOOL_ENV"]
+
+_logger = logging.getLogger(__name__)
+
+SPOOL_ENV = "SPARKGPU_TRACKING_SPOOL"
+
+_MAX_METRICS_PER_CALL = 1000  # MLflow's log_batch limits
+_MAX_PARAMS_TAGS_PER_CALL = 100
+
+
+@dataclasses.dataclass(frozen=True)
+class JobRunInfo:
+    """The MLflow run of one job, as workers and resumed clients find it in ``run.json``."""
+
+    run_id: str
+    experiment_id: str
+    experiment_name: str
+    tracking_uri: str
+    registry_uri: str
+    artifact_uri: str
+    run_name: str
+    job_id: str
+    user_id: str
+    started_at: float
+
+
+class SpoolDir:
+    """The job's spool directory (``<run_dir>/tracking``)."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+
+    @property
+    def run_file(self) -> Path:
+        return self.path / "run.json"
+
+    @property
+    def records_dir(self) -> Path:
+        return self.path / "records"
+
+    @property
+    def state_file(self) -> Path:
+        return self.path / "flusher.json"
+
+    @property
+    def uri(self) -> str:
+        """Tracking URI that makes a worker's MLflow client write into this spool."""
+        return f"{SPOOL_SCHEME}://" + urllib.parse.quote(str(self.path.resolve()))
+
+    @classmethod
+    def from_uri(cls, uri: str) -> "SpoolDir":
+        return cls(urllib.parse.unquote(urllib.parse.urlparse(uri).path))
+
+    def read_run_info(self) -> JobRunInfo | None:
+        if not self.run_file.exists():
+            return None
+        return JobRunInfo(**json.loads(self.run_file.read_text()))
+
+    def write_run_info(self, info: JobRunInfo) -> None:
+        self.records_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(self.run_file, json.dumps(dataclasses.asdict(info), indent=2).encode())
+
+
+class SpoolWriter:
+    """Appends this process's records to its own file; thread-safe, one syscall per record.
+
+    Each record is one JSON line written with a single ``os.write`` on an ``O_APPEND`` file
+    owned by this process alone, so a reader sees whole lines or a trailing partial line it
+    leaves for later, never interleaved writes.
+    """
+
+    _by_path: dict[str, "SpoolWriter"] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, spool: SpoolDir, attempt: int, rank: int):
+        spool.records_dir.mkdir(parents=True, exist_ok=True)
+        self.pid = os.getpid()
+        self.file = spool.records_dir / f"a{attempt}.r{rank}.p{self.pid}.jsonl"
+        self._fd = os.open(self.file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._write_lock = threading.Lock()
+
+    @classmethod
+    def for_process(cls, spool: SpoolDir, attempt: int | None = None, rank: int | None = None) -> "SpoolWriter":
+        """The writer of this process for ``spool`` (a new one after a fork)."""
+        attempt = int(os.environ.get("SPARKGPU_ATTEMPT", 0)) if attempt is None else attempt
+        rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+        key = f"{spool.path.resolve()}|{attempt}|{rank}"
+        with cls._lock:
+            writer = cls._by_path.get(key)
+            if writer is None or writer.pid != os.getpid():
+                writer = cls._by_path[key] = cls(spool, attempt, rank)
+            return writer
+
+    def write(self, *, metrics=(), params=(), tags=(), checkpoints=()) -> None:
+        """Appends one record.
+
+        Args:
+            metrics: ``(key, value, step, timestamp_ms)`` tuples.
+            params: ``(key, value)`` string pairs.
+            tags: ``(key, value)`` string pairs.
+            checkpoints: ``(step, path, timestamp_ms)`` tuples.
+        """
+        record: dict[str, Any] = {}
+        if metrics:
+            record["m"] = [list(m) for m in metrics]
+        if params:
+            record["p"] = [list(p) for p in params]
+        if tags:
+            record["g"] = [list(t) for t in tags]
+        if checkpoints:
+            record["c"] = [list(c) for c in checkpoints]
+        if not record:
+            return
+        data = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+        with self._write_lock:
+            written = os.write(self._fd, data)
+            while written < len(data):  # only on a full disk or a signal mid-write
+                written += os.write(self._fd, data[written:])
+
+
+@dataclasses.dataclass
+class _Batch:
+    metrics: list = dataclasses.field(default_factory=list)
+    params: list = dataclasses.field(default_factory=list)
+    tags: list = dataclasses.field(default_factory=list)
+    checkpoints: list = dataclasses.field(default_factory=list)
+
+    def add(self, record: dict) -> None:
+        self.metrics.extend(record.get("m", ()))
+        self.params.extend(record.get("p", ()))
+        self.tags.extend(record.get("g", ()))
+        self.checkpoints.extend(record.get("c", ()))
+
+
+class SpoolFlusher:
+    """Forwards spooled records to the job's run; the only writer of worker data to the store.
+
+    Args:
+        spool: The job's spool directory.
+        client: An ``MlflowClient`` on the real tracking store.
+        run_id: The job's run.
+        interval: Seconds between two passes of the background thread.
+    """
+
+    def __init__(self, spool: SpoolDir, client, run_id: str, interval: float = 1.0):
+        self.spool = spool
+        self.client = client
+        self.run_id = run_id
+        self.interval = interval
+        self._offsets: dict[str, int] = {}
+        self._params: dict[str, str] = {}
+        self._checkpoints: list[dict] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._drain_lock = threading.Lock()
+        self._last_warning = 0.0
+        if spool.state_file.exists():
+            self.load_state_dict(json.loads(spool.state_file.read_text()))
+
+    # -- state ---------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"offsets": dict(self._offsets), "params": dict(self._params), "checkpoints": list(self._checkpoints)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._offsets = dict(state.get("offsets", {}))
+        self._params = dict(state.get("params", {}))
+        self._checkpoints = list(state.get("checkpoints", []))
+
+    @property
+    def checkpoints(self) -> list[dict]:
+        """Checkpoint lineage forwarded so far: ``{"step", "path", "timestamp"}`` dicts."""
+        return list(self._checkpoints)
+
+    # -- background thread ---------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name="sparkgpu-tracking-flusher", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Stops the thread, then forwards whatever the workers left."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+        self.drain(raise_errors=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.drain()
+
+    # -- one pass ------------------------------------------------------------------------
+    def drain(self, raise_errors: bool = False) -> int:
+        """Forwards every complete record not forwarded yet; returns how many were read.
+
+        A store that cannot be reached leaves the records in the spool for the next pass
+        (the error is logged, or raised with ``raise_errors``).
+        """
+        with self._drain_lock:
+            batch, offsets, count = self._read_new()
+            if count == 0:
+                return 0
+            try:
+                self._forward(batch)
+            except Exception as exc:
+                if raise_errors:
+                    raise
+                if time.monotonic() - self._last_warning > 60:
+                    self._last_warning = time.monotonic()
+                    _logger.warning("sparkgpu: could not forward tracking data to MLflow yet (%s); retrying", exc)
+                return 0
+            self._offsets.update(offsets)
+            atomic_write_bytes(self.spool.state_file, json.dumps(self.state_dict()).encode())
+            return count
+
+    def _read_new(self) -> tuple[_Batch, dict[str, int], int]:
+        batch, offsets, count = _Batch(), {}, 0
+        if not self.spool.records_dir.exists():
+            return batch, offsets, 0
+        for path in sorted(self.spool.records_dir.glob("*.jsonl")):
+            start = self._offsets.get(path.name, 0)
+            with open(path, "rb") as f:
+                f.seek(start)
+                data = f.read()
+            end = data.rfind(b"\n") + 1  # a trailing partial line is still being written
+            if end == 0:
+                continue
+            for line in data[:end].splitlines():
+                try:
+                    batch.add(json.loads(line))
+                    count += 1
+                except (ValueError, AttributeError):
+                    _logger.warning("sparkgpu: skipping a corrupt tracking record in %s", path)
+            offsets[path.name] = start + end
+        return batch, offsets, count
+
+    def _forward(self, batch: _Batch) -> None:
+        from mlflow.entities import Metric, Param, RunTag
+
+        params = []
+        for key, value in batch.params:
+            known = self._params.get(key)
+            if known is None:
+                self._params[key] = value
+                params.append(Param(key, value))
+            elif known != value:
+                _logger.warning(
+                    "sparkgpu: param %r was logged as %r and then %r; MLflow params cannot change, "
+                    "so the second value is dropped. Log values that change as metrics.", key, known, value,
+                )
+        tags = {key: value for key, value in batch.tags}  # the last value of a tag wins
+        metrics = [Metric(k, float(v), int(ts), int(s)) for k, v, s, ts in batch.metrics]
+        for i in range(0, len(params), _MAX_PARAMS_TAGS_PER_CALL):
+            self.client.log_batch(self.run_id, params=params[i:i + _MAX_PARAMS_TAGS_PER_CALL])
+        tag_list = [RunTag(k, v) for k, v in tags.items()]
+        for i in range(0, len(tag_list), _MAX_PARAMS_TAGS_PER_CALL):
+            self.client.log_batch(self.run_id, tags=tag_list[i:i + _MAX_PARAMS_TAGS_PER_CALL])
+        for i in range(0, len(metrics), _MAX_METRICS_PER_CALL):
+            self.client.log_batch(self.run_id, metrics=metrics[i:i + _MAX_METRICS_PER_CALL])
+        if batch.checkpoints:
+            self._forward_checkpoints(batch.checkpoints)
+
+    def _forward_checkpoints(self, records: list) -> None:
+        from mlflow.entities import Metric, RunTag
+
+        seen = {(c["step"], c["path"]) for c in self._checkpoints}
+        new = []
+        for step, path, ts in records:
+            if (step, path) not in seen:
+                seen.add((step, path))
+                new.append({"step": int(step), "path": str(path), "timestamp": int(ts)})
+        if not new:
+            return
+        self._checkpoints.extend(new)
+        self._checkpoints.sort(key=lambda c: (c["step"], c["timestamp"]))
+        latest = self._checkpoints[-1]
+        self.client.log_batch(
+            self.run_id,
+            metrics=[Metric("checkpoint/step", c["step"], c["timestamp"], c["step"]) for c in new],
+            tags=[RunTag("sparkgpu.checkpoint.latest_path", latest["path"]),
+                  RunTag("sparkgpu.checkpoint.latest_step", str(latest["step"]))],
+        )
+        self.client.log_text(self.run_id, json.dumps(self._checkpoints, indent=2), "lineage/checkpoints.json")
+
+
+# -- the worker side: an MLflow tracking store over the spool -----------------------------
+
+
+def _job_run_entities(info: JobRunInfo):
+    from mlflow.entities import Experiment, Run, RunData, RunInfo
+
+    run_info = RunInfo(
+        run_id=info.run_id, experiment_id=info.experiment_id, user_id=info.user_id, status="RUNNING",
+        start_time=int(info.started_at * 1000), end_time=None, lifecycle_stage="active",
+        artifact_uri=info.artifact_uri, run_name=info.run_name,
+    )
+    experiment = Experiment(info.experiment_id, info.experiment_name, info.artifact_uri.rsplit("/", 2)[0], "active")
+    return Run(run_info, RunData()), experiment
+
+
+def _delegating(name: str):
+    def method(self, *args, **kwargs):
+        return getattr(self._real_store(), name)(*args, **kwargs)
+
+    method.__name__ = name
+    method.__doc__ = f"Forwarded to the real tracking store ({name} is not spooled)."
+    return method
+
+
+# Everything except the job run's own writes goes straight to the real store.
+_DELEGATED = (
+    "search_experiments", "create_experiment", "get_experiment_by_name", "delete_experiment",
+    "restore_experiment", "rename_experiment", "set_experiment_tag", "delete_experiment_tag",
+    "create_run", "delete_run", "restore_run", "delete_tag", "get_metric_history", "_search_runs",
+    "search_runs", "log_inputs", "log_outputs", "link_traces_to_run", "record_logged_model",
+    "create_logged_model", "search_logged_models", "finalize_logged_model", "set_logged_model_tags",
+    "delete_logged_model_tag", "get_logged_model", "delete_logged_model", "set_model_versions_tags",
+    "log_logged_model_params", "start_trace", "get_trace_info", "get_trace", "search_traces",
+)
+
+
+def _spool_store_class():
+    from mlflow.store.tracking.abstract_store import AbstractStore
+
+    class SpoolStore(AbstractStore):
+        """MLflow tracking store of a worker: the job run's writes go to the spool.
+
+        ``get_run`` of the job's run answers from ``run.json`` with status RUNNING and no
+        data (workers do not read the store), and status changes are ignored: the client owns
+        the run's lifecycle, so a rank that exits (and MLflow's ``atexit`` that ends its
+        "active run") never marks the whole job finished.
+        """
+
+        def __init__(self, store_uri: str, artifact_uri: str | None = None):
+            super().__init__()
+            from mlflow.exceptions import MlflowException
+
+            self.spool = SpoolDir.from_uri(store_uri)
+            info = self.spool.read_run_info()
+            if info is None:
+                raise MlflowException(
+                    f"{store_uri} holds no job run (missing {self.spool.run_file}); this tracking URI is "
+                    "set by sparkgpu for the workers of a running job and cannot be used elsewhere"
+                )
+            self.info = info
+            self._run, self._experiment = _job_run_entities(info)
+            self._real = None
+            self._real_lock = threading.Lock()
+
+        def _real_store(self):
+            with self._real_lock:
+                if self._real is None:
+                    from mlflow.tracking._tracking_service.utils import _get_store
+
+                    self._real = _get_store(os.environ.get(REAL_TRACKING_URI_ENV) or self.info.tracking_uri)
+                return self._real
+
+        def _writer(self) -> SpoolWriter:
+            return SpoolWriter.for_process(self.spool)
+
+        def get_run(self, run_id):
+            if run_id == self.info.run_id:
+                return self._run
+            return self._real_store().get_run(run_id)
+
+        def get_experiment(self, experiment_id):
+            if str(experiment_id) == self.info.experiment_id:
+                return self._experiment
+            return self._real_store().get_experiment(experiment_id)
+
+        def update_run_info(self, run_id, run_status, end_time, run_name):
+            if run_id == self.info.run_id:
+                return self._run.info
+            return self._real_store().update_run_info(run_id, run_status, end_time, run_name)
+
+        def log_batch(self, run_id, metrics, params, tags):
+            if run_id != self.info.run_id:
+                return self._real_store().log_batch(run_id, metrics, params, tags)
+            from mlflow.utils.validation import _validate_batch_log_data
+
+            metrics, params, tags = _validate_batch_log_data(metrics, params, tags)
+            self._writer().write(
+                metrics=[(m.key, m.value, m.step, m.timestamp) for m in metrics],
+                params=[(p.key, str(p.value)) for p in params],
+                tags=[(t.key, str(t.value)) for t in tags],
+            )
+            return None
+
+    for name in _DELEGATED:
+        if hasattr(AbstractStore, name) and name not in SpoolStore.__dict__:
+            setattr(SpoolStore, name, _delegating(name))
+    abc.update_abstractmethods(SpoolStore)
+    return SpoolStore
+
+
+_registered = False
+
+
+def register_spool_scheme() -> None:
+    """Teaches this process's MLflow the ``sparkgpu-spool`` tracking URI scheme (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from mlflow.tracking._tracking_service import utils as tracking_utils
+
+    store_cls = _spool_store_class()
+    tracking_utils._register(SPOOL_SCHEME, lambda store_uri, artifact_uri=None: store_cls(store_uri, artifact_uri))
+    _registered = True
