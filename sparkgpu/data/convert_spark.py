@@ -84,7 +84,7 @@ class SparkSource:
         del max_workers
         df = self.df.select(*[spec.name for spec in options.specs])
         task = _PartitionTask(volume, options)
-        with _shipped_by_value(), _progress_handler(df.sparkSession, progress):
+        with _shipped_by_value(), _progress_handler(df.sparkSession, progress) as handler:
             try:
                 rows = df.mapInArrow(task, _RESULT_SCHEMA).collect()
             except SparkGPUError:
@@ -94,6 +94,8 @@ class SparkSource:
                 if translated is not None:
                     raise translated from exc
                 raise
+            if handler is not None:
+                handler.finished()
         shards = []
         for row in sorted(rows, key=lambda r: r["partition"]):
             shards.extend(json.loads(row["shards"]))
@@ -174,25 +176,40 @@ def _shipped_by_value():
             cloudpickle.unregister_pickle_by_value(sparkgpu)
 
 
-@contextlib.contextmanager
-def _progress_handler(session, progress):
-    """Feeds Spark Connect's task progress to ``progress.update(completed, total)``."""
-    if progress is None or not hasattr(session, "registerProgressHandler"):
-        yield
-        return
+class _TaskProgress:
+    """Spark Connect progress handler feeding ``progress.update(completed, total)``."""
 
-    def handler(stages, inflight_tasks, operation_id, done):
+    def __init__(self, progress):
+        self.progress = progress
+        self.total = 0
+
+    def __call__(self, stages, inflight_tasks, operation_id, done):
         stages = list(stages or [])
         if stages:
-            progress.update(sum(s.num_completed_tasks for s in stages), sum(s.num_tasks for s in stages))
+            self.total = sum(s.num_tasks for s in stages)
+            self.progress.update(sum(s.num_completed_tasks for s in stages), self.total)
 
+    def finished(self) -> None:
+        # The server reports progress every few hundred ms; its last report may predate the
+        # last task, so a successful job is marked complete here.
+        if self.total:
+            self.progress.update(self.total, self.total)
+
+
+@contextlib.contextmanager
+def _progress_handler(session, progress):
+    """Registers a :class:`_TaskProgress` for the duration of the job, where the session can."""
+    if progress is None or not hasattr(session, "registerProgressHandler"):
+        yield None
+        return
+    handler = _TaskProgress(progress)
     try:
         session.registerProgressHandler(handler)
     except Exception:  # classic sessions refuse; Spark's own console bar shows progress there
-        yield
+        yield None
         return
     try:
-        yield
+        yield handler
     finally:
         session.removeProgressHandler(handler)
 

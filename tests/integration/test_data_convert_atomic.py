@@ -1,0 +1,128 @@
+"""An interrupted conversion never publishes an index; running it again finishes cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from sparkgpu import data
+from sparkgpu.data.convert_output import INDEX_NAME, MARKER_NAME
+
+pytestmark = pytest.mark.integration
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def batches(count: int, rows: int = 500):
+    for i in range(count):
+        ids = np.arange(i * rows, (i + 1) * rows, dtype=np.int64)
+        yield pa.record_batch({"id": ids, "x": ids.astype(np.float32) / 7, "name": [f"r{j}" for j in ids]})
+
+
+SCHEMA = next(batches(1)).schema
+
+
+def files_under(folder) -> set[str]:
+    return {os.path.relpath(os.path.join(root, f), folder) for root, _, names in os.walk(folder) for f in names}
+
+
+def listed_in_index(folder) -> set[str]:
+    index = json.loads((folder / INDEX_NAME).read_text())
+    return {shard["raw_data"]["basename"] for shard in index["shards"]}
+
+
+def read_ids(url: str) -> list[int]:
+    from streaming import StreamingDataset
+
+    dataset = StreamingDataset(local=url, shuffle=False, batch_size=1)
+    return [int(dataset[i]["id"]) for i in range(len(dataset))]
+
+
+def test_source_failing_half_way_leaves_no_index_and_a_rerun_succeeds(tmp_path):
+    def failing():
+        yield from batches(6)
+        raise RuntimeError("the source broke half-way")
+
+    out = tmp_path / "out"
+    reader = pa.RecordBatchReader.from_batches(SCHEMA, failing())
+    with pytest.raises(Exception, match="the source broke half-way"):
+        data.to_mds(reader, str(out), size_limit=4096, progress=False)
+    assert not (out / INDEX_NAME).exists()
+    assert files_under(out) == {MARKER_NAME}  # shards written before the failure are gone
+
+    result = data.to_mds(pa.RecordBatchReader.from_batches(SCHEMA, batches(4)), str(out), size_limit=4096, progress=False)
+    assert read_ids(result.url) == list(range(2000))
+    assert files_under(out) == listed_in_index(out) | {INDEX_NAME}
+
+
+def test_killed_conversion_leaves_no_index_and_a_rerun_removes_its_shards(tmp_path):
+    out = tmp_path / "out"
+    script = textwrap.dedent(
+        f"""
+        import os, signal, sys
+        sys.path.insert(0, {REPO!r})
+        import numpy as np, pyarrow as pa
+        from sparkgpu import data
+
+        def dying():
+            for i in range(1000):
+                if i == 20:
+                    os.kill(os.getpid(), signal.SIGKILL)  # no cleanup of any kind can run
+                ids = np.arange(i * 500, (i + 1) * 500, dtype=np.int64)
+                yield pa.record_batch({{"id": ids, "x": ids.astype(np.float32) / 7, "name": [f"r{{j}}" for j in ids]}})
+
+        schema = next(dying()).schema
+        data.to_mds(pa.RecordBatchReader.from_batches(schema, dying()), {str(out)!r}, size_limit=4096, progress=False)
+        """
+    )
+    killed = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()
+    left = files_under(out)
+    assert INDEX_NAME not in left and MARKER_NAME in left
+    stale = {f for f in left if f.endswith(".mds")}
+    assert len(stale) > 10  # the killed run did write shards
+
+    result = data.to_mds(pa.RecordBatchReader.from_batches(SCHEMA, batches(2)), str(out), size_limit=4096, progress=False)
+    assert read_ids(result.url) == list(range(1000))
+    assert files_under(out) == listed_in_index(out) | {INDEX_NAME}
+    assert len(listed_in_index(out)) < len(stale)
+
+
+def test_index_appears_only_after_every_shard_is_written(tmp_path):
+    """While shards are being written no index exists; once it exists every shard it lists does."""
+    out = tmp_path / "out"
+    seen_index_while_writing = []
+
+    def watched():
+        for batch in batches(10):
+            seen_index_while_writing.append((out / INDEX_NAME).exists())
+            yield batch
+
+    data.to_mds(pa.RecordBatchReader.from_batches(SCHEMA, watched()), str(out), size_limit=4096, progress=False)
+    assert seen_index_while_writing and not any(seen_index_while_writing)
+    assert all((out / name).exists() for name in listed_in_index(out))
+    assert not (out / MARKER_NAME).exists()
+
+
+def test_overwrite_removes_the_old_index_before_writing_new_shards(tmp_path):
+    out = tmp_path / "out"
+    data.to_mds(pa.RecordBatchReader.from_batches(SCHEMA, batches(3)), str(out), progress=False)
+    index_during_rewrite = []
+
+    def failing():
+        index_during_rewrite.append((out / INDEX_NAME).exists())
+        yield from batches(1)
+        raise RuntimeError("broke while replacing")
+
+    with pytest.raises(Exception, match="broke while replacing"):
+        data.to_mds(pa.RecordBatchReader.from_batches(SCHEMA, failing()), str(out), overwrite=True, progress=False)
+    assert index_during_rewrite == [False]
+    assert not (out / INDEX_NAME).exists()  # the old dataset is gone, never half-replaced
