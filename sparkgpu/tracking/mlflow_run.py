@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import platform
+import re
 import sys
 import threading
 import time
@@ -52,7 +53,7 @@ def environment_lock() -> str:
         name = dist.metadata["Name"]
         if not name:
             continue
-        key = name.lower().replace("_", "-")
+        key = re.sub(r"[-_.]+", "-", name).lower()  # PEP 503 normalised name
         if key in lines:  # the first one on sys.path wins, as at import time
             continue
         entry = f"{name}=={dist.version}"

@@ -5,8 +5,9 @@ the model registry) with an ``artifacts/`` folder beside it. It is used unless a
 is given explicitly, through ``MLFLOW_TRACKING_URI`` or with ``mlflow.set_tracking_uri``.
 
 MLflow builds SQLite stores with ``./mlruns`` (relative to the working directory) as their
-default artifact root, so every experiment this module creates in the embedded store gets an
-explicit artifact location under the store's own ``artifacts/`` folder.
+default artifact root, so every experiment this module creates in a SQLite store (the
+embedded one or another) gets an explicit location in an ``artifacts/`` folder beside the
+database file.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import hashlib
 import os
 import re
 import sys
+import urllib.parse
 from pathlib import Path
 
 from sparkgpu.config import settings
@@ -47,8 +49,9 @@ class TrackingTarget:
         tracking_uri: Where runs, params and metrics go.
         registry_uri: Where registered models go.
         embedded: True for the embedded SQLite store under ``SPARKGPU_HOME``.
-        artifact_root: Root URI for experiment artifacts in the embedded store, else ``None``
-            (the tracking server decides).
+        artifact_root: Root URI for the artifacts of experiments created here: beside the
+            database for SQLite stores (the embedded one included), ``None`` for servers
+            (the server decides).
     """
 
     tracking_uri: str
@@ -131,16 +134,29 @@ def resolve_target(tracking_uri: str | None = None, registry_uri: str | None = N
     from mlflow.tracking._model_registry import utils as registry_utils
 
     uri = tracking_uri or _user_tracking_uri()
-    artifact_root = None
     embedded = uri is None
     if embedded:
         uri, artifact_root = _ensure_embedded_store()
+    else:
+        artifact_root = _sqlite_artifact_root(uri)
     registry = registry_uri or os.environ.get("MLFLOW_REGISTRY_URI") or registry_utils._registry_uri
     if not registry:
         registry = registry_utils._get_default_registry_uri_for_tracking_uri(uri) or uri
     if registry == embedded_tracking_uri():
         _ensure_embedded_store()
     return TrackingTarget(uri, registry, embedded, artifact_root)
+
+
+def _sqlite_artifact_root(uri: str) -> str | None:
+    """``artifacts/`` beside a SQLite database file, for experiments created in it.
+
+    MLflow would otherwise put them under ``./mlruns`` of whichever working directory the
+    experiment happened to be created from.
+    """
+    if not uri.startswith("sqlite:///") or uri == "sqlite:///:memory:":
+        return None
+    path = Path(urllib.parse.unquote(uri[len("sqlite:///"):].split("?", 1)[0]))
+    return (path.resolve().parent / "artifacts").as_uri()
 
 
 def _experiment_folder(name: str) -> str:
