@@ -79,6 +79,15 @@ def _data_home() -> Path:
     return Path(base) / "sparkgpu"
 
 
+def _login_name(env) -> str:
+    import getpass
+
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # containers often run as a uid without a passwd entry
+        return env.get("USER") or env.get("LOGNAME") or f"uid-{os.getuid()}"
+
+
 def _env_float(env, name, default):
     raw = env.get(name)
     if raw in (None, ""):
@@ -136,6 +145,13 @@ class Settings:
             session is active (``SPARKGPU_REGISTRY_SCHEMA``, default ``"default"``).
         cache_limit_bytes: Default size limit of the data cache, ``None`` for no limit
             (``SPARKGPU_CACHE_LIMIT``, e.g. ``500GB``).
+        usage_ledger_uri: Delta table that records GPU usage (``SPARKGPU_USAGE_LEDGER``; a path or
+            any URL deltalake reads; default ``<home>/usage/ledger``).
+        usage_policy_path: TOML or YAML usage policy checked before and during every job
+            (``SPARKGPU_USAGE_POLICY``), ``None`` for none.
+        usage_rates: Rate card in $ per GPU-hour, a file path or ``"H100=6.5,A10=1.2"``
+            (``SPARKGPU_USAGE_RATES``), ``None`` for the built-in defaults.
+        user: Name usage is attributed to (``SPARKGPU_USER``, default the login name).
     """
 
     home: Path
@@ -149,6 +165,10 @@ class Settings:
     registry_catalog: str = "main"
     registry_schema: str = "default"
     cache_limit_bytes: int | None = None
+    usage_ledger_uri: str = ""
+    usage_policy_path: str | None = None
+    usage_rates: str | None = None
+    user: str = ""
 
     @classmethod
     def from_env(cls, env=None) -> "Settings":
@@ -175,6 +195,10 @@ class Settings:
             cache_limit_bytes=(
                 parse_bytes(env["SPARKGPU_CACHE_LIMIT"], "SPARKGPU_CACHE_LIMIT") if env.get("SPARKGPU_CACHE_LIMIT") else None
             ),
+            usage_ledger_uri=env.get("SPARKGPU_USAGE_LEDGER") or str(home / "usage" / "ledger"),
+            usage_policy_path=env.get("SPARKGPU_USAGE_POLICY") or None,
+            usage_rates=env.get("SPARKGPU_USAGE_RATES") or None,
+            user=env.get("SPARKGPU_USER") or _login_name(env),
         )
 
 
