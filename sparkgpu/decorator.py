@@ -19,18 +19,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import secrets
 from typing import Any, Callable
 
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.launch.backends.base import Backend, LaunchPlan, create_backend
 from sparkgpu.launch.callbacks import JobCallback
+from sparkgpu.launch.keys import new_key, save_key
 from sparkgpu.launch.payload import RunDir, client_sys_path, serialize_payload
 from sparkgpu.launch.supervisor import Supervisor
 from sparkgpu.spec import JobSpec, Resources, RunPolicy, new_job_id
 
-__all__ = ["distributed", "DistributedFunction", "default_callbacks"]
+__all__ = ["distributed", "DistributedFunction", "default_callbacks", "REMOTE_MAX_RUNTIME"]
+
+REMOTE_MAX_RUNTIME = "7d"
 
 
 def default_callbacks() -> list[JobCallback]:
@@ -100,9 +102,10 @@ class DistributedFunction:
         callbacks = default_callbacks() if self.callbacks is None else list(self.callbacks)
         payload = serialize_payload(self.fn, args, kwargs, callbacks)  # picklability, naming the culprit
         run_dir = RunDir(settings().staging_root / job.job_id)
-        key = secrets.token_bytes(32)
+        key = new_key()
         if write:
             run_dir.stage(job.to_dict(), payload, key, client_sys_path())
+            save_key(job.job_id, key)
         return _Staged(job, run_dir, key, backend, callbacks)
 
     def distributed(self, *args, **kwargs) -> list[Any]:
@@ -164,7 +167,8 @@ def distributed(fn: Callable | None = None, *, gpus: int | None = None, num_gpus
         backend: ``"local"``, ``"spark"`` or a :class:`~sparkgpu.launch.backends.base.Backend`.
         timeout: Limit on the whole call (seconds or ``"2h"``); ``SPARKGPU_TIMEOUT`` by default.
         max_runtime: Cap on one attempt (``"7d"``); ranks are asked to checkpoint
-            ``checkpoint_grace`` before it and the job resumes in a new attempt.
+            ``checkpoint_grace`` before it and the job resumes in a new attempt. Remote jobs
+            default to 7 days, local ones to no cap.
         checkpoint_grace: See ``max_runtime``.
         max_restarts: Attempts restarted after a failure before it is raised.
         log_ranks: Ranks whose output streams to the caller: ``"main"`` (rank 0), ``"all"``,
@@ -195,6 +199,8 @@ def distributed(fn: Callable | None = None, *, gpus: int | None = None, num_gpus
         except (TypeError, ValueError):
             raise ConfigurationError(f"log_ranks={log_ranks!r}: use 'main', 'all', None or a list of ranks") from None
     resources = Resources(gpus=count, gpu_type=gpu_type, remote=remote)
+    if max_runtime is None and remote:
+        max_runtime = REMOTE_MAX_RUNTIME  # remote pools cap every run; resume past the cap
     policy = RunPolicy(
         timeout=timeout if timeout is not None else settings().default_timeout,
         max_runtime=max_runtime, checkpoint_grace=checkpoint_grace, max_restarts=max_restarts,

@@ -305,3 +305,58 @@ def test_killed_client_leaves_no_orphans(tmp_path, _isolated_sparkgpu_home):
     client.kill()  # SIGKILL: no cleanup code runs in the client
     client.wait()
     assert_no_orphans(next(runs.iterdir()), within=15)
+
+
+RESUMABLE_CLIENT = textwrap.dedent("""
+    import os, time
+    from sparkgpu import distributed, runtime
+
+    @distributed(gpus=2, gpu_type="cpu")
+    def train():
+        marker = os.path.join(runtime.checkpoint_dir(), f"step-{runtime.get_global_rank()}")
+        if os.path.exists(marker):
+            return ("resumed", runtime.attempt(), open(marker).read())
+        with open(marker, "w") as f:
+            f.write("500")
+        print("checkpointed", flush=True)
+        time.sleep(600)
+
+    train.distributed()
+""")
+
+
+def test_resume_continues_a_job_whose_client_died(tmp_path, _isolated_sparkgpu_home):
+    import json
+
+    from sparkgpu.launch.resume import resume_job
+
+    script = tmp_path / "client.py"
+    script.write_text(RESUMABLE_CLIENT)
+    env = {**os.environ, "SPARKGPU_HOME": str(_isolated_sparkgpu_home), "PYTHONPATH": os.getcwd()}
+    client = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.DEVNULL)
+    runs = _isolated_sparkgpu_home / "runs"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and len(list(runs.glob("*/checkpoints/step-*"))) < 2:
+        time.sleep(0.2)
+    client.kill()
+    client.wait()
+    run_dir = next(runs.iterdir())
+    assert_no_orphans(run_dir, within=15)
+    assert json.loads((run_dir / "state.json").read_text())["status"] == "running"
+
+    assert resume_job(run_dir.name) == [("resumed", 1, "500")] * 2
+    state = json.loads((run_dir / "state.json").read_text())
+    assert state["status"] == "succeeded"
+    assert [a["status"] for a in state["attempts"]] == ["lost", "succeeded"]
+    assert not any(run_dir.rglob("*key*"))  # the signing key never lands in the run dir
+
+
+def test_resume_refuses_unknown_and_finished_jobs():
+    from sparkgpu import ConfigurationError
+    from sparkgpu.launch.resume import resume_job
+
+    with pytest.raises(ConfigurationError, match="sparkgpu jobs"):
+        resume_job("no-such-job")
+    all_reduce_step.distributed(1)
+    with pytest.raises(ConfigurationError, match="already succeeded"):
+        resume_job(all_reduce_step.last_job_id)
