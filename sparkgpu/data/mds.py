@@ -304,11 +304,20 @@ class EncodedBatch:
 
 @dataclasses.dataclass(frozen=True)
 class _Fixed:
-    rows: np.ndarray  # (n, width) uint8
+    values: np.ndarray  # (n, ...) of any little-endian dtype: row i's bytes are values[i]
+
+    @property
+    def width(self) -> int:
+        return self.values[:1].nbytes if len(self.values) else self.values.dtype.itemsize * int(np.prod(self.values.shape[1:]))
 
     @property
     def lengths(self) -> np.ndarray:
-        return np.full(self.rows.shape[0], self.rows.shape[1], dtype=np.int64)
+        return np.full(len(self.values), self.width, dtype=np.int64)
+
+    def as_bytes(self) -> np.ndarray:
+        """(n, width) uint8 view (or copy) of the values."""
+        values = np.ascontiguousarray(self.values)
+        return values.view(np.uint8).reshape(len(values), self.width)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,45 +359,76 @@ def encode_batch(batch: pa.RecordBatch, specs: Sequence[ColumnSpec]) -> EncodedB
         header = np.stack(var_sizes, axis=1)
         if header.size and header.max() >= 1 << 32:
             raise DataError("a sample holds a value larger than 4 GiB, which MDS cannot store")
-        parts.insert(0, _Fixed(header.astype("<u4").view(np.uint8).reshape(n, 4 * len(var_sizes))))
+        parts.insert(0, _Fixed(header.astype("<u4")))
     return _assemble(_merge_adjacent_fixed(parts), n)
 
 
 def _merge_adjacent_fixed(parts: list) -> list:
     merged: list = []
-    for part in parts:
-        if isinstance(part, _Fixed) and merged and isinstance(merged[-1], _Fixed):
-            merged[-1] = _Fixed(np.concatenate([merged[-1].rows, part.rows], axis=1))
-        else:
+    run: list[_Fixed] = []
+    for part in parts + [None]:
+        if isinstance(part, _Fixed):
+            run.append(part)
+            continue
+        if run:
+            merged.append(run[0] if len(run) == 1 else _Fixed(_pack(run)))
+            run = []
+        if part is not None:
             merged.append(part)
     return merged
 
 
+def _pack(parts: list[_Fixed]) -> np.ndarray:
+    """Rows of several fixed parts side by side, as (n, total width) uint8.
+
+    A structured dtype with one field per part lets numpy copy each column with its own
+    element size (one float32 per row, not four separate bytes).
+    """
+    n = len(parts[0].values)
+    widths = [p.width for p in parts]
+    offsets = np.concatenate([[0], np.cumsum(widths)[:-1]]).tolist()
+    names = [f"p{i}" for i in range(len(parts))]
+    formats = [(p.values.dtype, p.values.shape[1:]) for p in parts]
+    packed = np.empty(n, dtype=np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": sum(widths)}))
+    for name, part in zip(names, parts):
+        packed[name] = part.values
+    return packed.view(np.uint8).reshape(n, sum(widths))
+
+
+_CHUNK_BYTES = 1 << 20
+
+
 def _assemble(parts: list, n: int) -> EncodedBatch:
-    if all(isinstance(p, _Fixed) for p in parts):
+    if len(parts) == 1 and isinstance(parts[0], _Fixed):
         # Every sample has the same layout: one (n, width) matrix is the whole batch.
-        rows = parts[0].rows if len(parts) == 1 else np.concatenate([p.rows for p in parts], axis=1)
-        rows = np.ascontiguousarray(rows)
+        rows = parts[0].as_bytes()
         return EncodedBatch(rows.reshape(-1), np.full(n, rows.shape[1], dtype=np.int64))
+    parts = [_Fixed(p.as_bytes()) if isinstance(p, _Fixed) else p for p in parts]
     lengths = np.zeros(n, dtype=np.int64)
     for part in parts:
-        lengths += part.rows.shape[1] if isinstance(part, _Fixed) else part.lengths
+        lengths += part.lengths
     starts = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(lengths, out=starts[1:])
-    out = np.empty(int(starts[-1]), dtype=np.uint8)
-    position = starts[:-1].copy()  # where the next part of each sample goes
-    for part in parts:
-        if isinstance(part, _Fixed):
-            width = part.rows.shape[1]
-            if width:
-                out[position[:, None] + np.arange(width)] = part.rows
-            position += width
-        else:
-            part_lengths = part.lengths
-            total = int(part.offsets[-1])
-            if total:
+    total = int(starts[-1])
+    out = np.empty(total, dtype=np.uint8)
+    # Scatter indices cost 8 bytes per output byte; chunks of rows keep them cache-sized.
+    step = max(1, _CHUNK_BYTES * n // max(1, total))
+    for first in range(0, n, step):
+        last = min(n, first + step)
+        position = starts[first:last].copy()  # where the next part of each sample goes
+        for part in parts:
+            if isinstance(part, _Fixed):
+                width = part.values.shape[1]
+                if width:
+                    out[position[:, None] + np.arange(width)] = part.values[first:last]
+                position += width
+                continue
+            offsets = part.offsets[first:last + 1]
+            part_lengths = np.diff(offsets)
+            low, high = int(offsets[0]), int(offsets[-1])
+            if high > low:
                 # Byte j of the part's flat data goes to (its row's position) + (j - row's offset).
-                out[np.repeat(position - part.offsets[:-1], part_lengths) + np.arange(total)] = part.data[:total]
+                out[np.repeat(position - offsets[:-1], part_lengths) + np.arange(low, high)] = part.data[low:high]
             position += part_lengths
     return EncodedBatch(out, lengths)
 
@@ -444,7 +484,7 @@ def _encode_column(array: pa.Array, spec: ColumnSpec) -> list:
     n = len(array)
     if kind in (_Kind.SCALAR, _Kind.INT):
         values = _numbers(array, spec.dtype, spec)
-        return [_Fixed(values.view(np.uint8).reshape(n, values.itemsize))]
+        return [_Fixed(values)]
     if kind in (_Kind.STR, _Kind.BYTES):
         return [_binary_part(array, spec)]
     if kind is _Kind.DECIMAL:
@@ -464,7 +504,7 @@ def _encode_column(array: pa.Array, spec: ColumnSpec) -> list:
                 f"row {bad} of a batch has {int(lengths[bad])}; pad or filter such rows, or drop "
                 "the shape from the encoding to store each row's own length"
             )
-        return [_Fixed(numbers.view(np.uint8).reshape(n, per_row * numbers.itemsize))]
+        return [_Fixed(numbers.reshape(n, per_row))]
     return _dynamic_ndarray_parts(numbers, lengths, n)
 
 
