@@ -22,8 +22,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import logging
 import secrets
+import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 from sparkgpu.errors import CheckpointError, ConfigurationError
@@ -50,6 +53,8 @@ __all__ = [
     "set_tags",
     "load_checkpoint_into",
 ]
+
+_logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +133,9 @@ def _name_filter(stored: str) -> str:
 def load_checkpoint_into(model, checkpoint: str, key: str | None = None):
     """Loads a ``torch.distributed.checkpoint`` directory into ``model`` (in place).
 
+    The whole model is loaded in this process, whatever the number of ranks that saved it
+    (DCP reshards on load), and without a collective, so rank 0 alone may call it in a job.
+
     Args:
         model: The ``torch.nn.Module`` to fill.
         checkpoint: Directory (or fsspec URL) of a complete DCP checkpoint.
@@ -173,7 +181,10 @@ def load_checkpoint_into(model, checkpoint: str, key: str | None = None):
             f"{prefix + missing[0]!r}); it holds {sample}{' ...' if len(stored_keys) > 8 else ''}. "
             "Pass the model class that was trained, or checkpoint_key= naming the entry with its state dict."
         )
-    dcp.load(wanted, storage_reader=reader)
+    with warnings.catch_warnings():
+        # One process loads the whole model, also on rank 0 of a running job (no collective).
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(wanted, storage_reader=reader, no_dist=True)
     model.load_state_dict(state)
     return model
 
@@ -258,7 +269,8 @@ def _signature(model, example):
 def register(model_or_checkpoint, name: str, *, model=None, alias: str | None = None, input_example=None,
              tags: dict | None = None, description: str | None = None, run_id: str | None = None,
              checkpoint_step: int | None = None, checkpoint_key: str | None = None, data_version=None,
-             pip_requirements: list[str] | None = None, code_paths: list[str] | None = None, spark=None,
+             pip_requirements: list[str] | None = None, code_paths: list[str] | None = None,
+             serialization_format: str | None = None, spark=None,
              tracking_uri: str | None = None, registry_uri: str | None = None) -> ModelVersionInfo:
     """Registers a model (or a checkpoint loaded into one) as a new version of ``name``.
 
@@ -279,7 +291,10 @@ def register(model_or_checkpoint, name: str, *, model=None, alias: str | None = 
         pip_requirements: Requirements stored with the model; by default torch, numpy and
             cloudpickle at their installed versions (the full lock is in the job's run).
         code_paths: Files or folders with the model's class, stored with it so ``load``
-            works where that code is not installed.
+            works where that code is not installed (pickled models only).
+        serialization_format: ``"pt2"`` (``torch.export``: no pickled code; the default with
+            an ``input_example``, falling back to pickle for models it cannot trace) or
+            ``"pickle"`` (the default without one).
         spark: Session completing short names (the active one by default).
         tracking_uri: Tracking store for the model's files (see :func:`.store.resolve_target`).
         registry_uri: Registry; by default MLflow's, derived from the tracking store.
@@ -322,7 +337,7 @@ def register(model_or_checkpoint, name: str, *, model=None, alias: str | None = 
     label = f"registered model '{parsed}'"
     try:
         version = _register_files(reg, parsed, module, run_id, signature, example, pip_requirements, code_paths,
-                                  checkpoint, checkpoint_step, data_version, tags, description)
+                                  serialization_format, checkpoint, checkpoint_step, data_version, tags, description)
     finally:
         if own_run:
             reg.client.set_terminated(run_id)
@@ -332,10 +347,29 @@ def register(model_or_checkpoint, name: str, *, model=None, alias: str | None = 
     return get_version(f"{parsed}/{version}", tracking_uri=tracking_uri, registry_uri=registry_uri)
 
 
-def _register_files(reg, parsed, module, run_id, signature, example, pip_requirements, code_paths,
-                    checkpoint, checkpoint_step, data_version, tags, description) -> int:
-    import cloudpickle
+def _save_model(module, path, signature, example, requirements, code_paths, serialization_format) -> None:
+    """Saves with MLflow's PyTorch flavour: ``torch.export`` ("pt2") when an input example
+    allows tracing (no pickled code, the class need not be importable where it is loaded),
+    else pickled (the class must be importable there, or shipped with ``code_paths``)."""
     import mlflow.pytorch
+    from mlflow.exceptions import MlflowException
+
+    chosen = serialization_format or ("pt2" if example is not None else "pickle")
+    kwargs = dict(signature=signature, input_example=example, pip_requirements=requirements, code_paths=code_paths)
+    try:
+        mlflow.pytorch.save_model(module, path, serialization_format=chosen, **kwargs)
+    except (MlflowException, RuntimeError, ValueError, TypeError) as exc:
+        if serialization_format is not None or chosen != "pt2":
+            raise
+        # torch.export cannot trace every model (data-dependent control flow, ...).
+        _logger.warning("sparkgpu: torch.export could not trace the model (%s); saving it pickled instead", exc)
+        shutil.rmtree(path, ignore_errors=True)
+        mlflow.pytorch.save_model(module, path, serialization_format="pickle", **kwargs)
+
+
+def _register_files(reg, parsed, module, run_id, signature, example, pip_requirements, code_paths,
+                    serialization_format, checkpoint, checkpoint_step, data_version, tags, description) -> int:
+    import cloudpickle
     import numpy
     import torch
     from mlflow.exceptions import MlflowException
@@ -364,8 +398,7 @@ def _register_files(reg, parsed, module, run_id, signature, example, pip_require
     artifact_path = f"models/{parsed.model}-{secrets.token_hex(4)}"
     with tempfile.TemporaryDirectory(prefix="sparkgpu-model-") as tmp:
         local = os.path.join(tmp, "model")
-        mlflow.pytorch.save_model(module, local, signature=signature, input_example=example,
-                                  pip_requirements=requirements, code_paths=code_paths)
+        _save_model(module, local, signature, example, requirements, code_paths, serialization_format)
         with reg.guard(f"store the model's files in run {run_id}", f"EDIT permission on the run's experiment"):
             client.log_artifacts(run_id, local, artifact_path)
     with reg.guard(f"create {label}", "permission to create registered models"):
