@@ -2,6 +2,7 @@
 
 Peers in the same run, on the same function:
   * sparkgpu ``@distributed(...).distributed()`` (cold: each call starts its agent and ranks)
+  * the same with the warm pool (ranks forked from a process with torch imported)
   * ``torchrun`` on the command line running the same function in a script
   * ``pyspark.ml.torch.distributor.TorchDistributor(local_mode=True)`` on a local Spark session
 Floors measured in the same run: ``python -c pass`` and ``python -c "import torch"``, N times
@@ -75,6 +76,19 @@ def bench_sparkgpu(ranks: int, repeats: int) -> list[float]:
     return _time(lambda: job.distributed(), repeats)
 
 
+def bench_sparkgpu_warm(ranks: int, repeats: int) -> list[float]:
+    from sparkgpu import distributed
+    from sparkgpu.launch.pool import PoolBackend, stop_pool
+
+    job = distributed(gpus=ranks, gpu_type="cpu", log_ranks=None, backend=PoolBackend(idle_timeout=300))(
+        trivial_all_reduce)
+    try:
+        job.distributed()  # starts the pool: the cold cost, paid once per interpreter
+        return _time(lambda: job.distributed(), repeats)
+    finally:
+        stop_pool()
+
+
 def bench_torchrun(ranks: int, repeats: int) -> list[float]:
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "job.py"
@@ -121,6 +135,7 @@ def main() -> None:
         "python -c pass (floor)": bench_floor("pass", args.ranks, args.repeats),
         "python -c 'import torch' (floor)": bench_floor("import torch", args.ranks, args.repeats),
         "sparkgpu .distributed()": bench_sparkgpu(args.ranks, args.repeats),
+        "sparkgpu .distributed(), warm pool": bench_sparkgpu_warm(args.ranks, args.repeats),
         "torchrun CLI": bench_torchrun(args.ranks, args.repeats),
     }
     if not args.skip_spark:

@@ -152,6 +152,10 @@ class Settings:
         usage_rates: Rate card in $ per GPU-hour, a file path or ``"H100=6.5,A10=1.2"``
             (``SPARKGPU_USAGE_RATES``), ``None`` for the built-in defaults.
         user: Name usage is attributed to (``SPARKGPU_USER``, default the login name).
+        warm_pool: Local jobs fork their ranks from a warm pool with torch already imported
+            (``SPARKGPU_WARM_POOL=1``).
+        pool_idle_timeout: Seconds the warm pool waits for work before it stops itself
+            (``SPARKGPU_POOL_IDLE_TIMEOUT``, default 3600).
     """
 
     home: Path
@@ -169,6 +173,8 @@ class Settings:
     usage_policy_path: str | None = None
     usage_rates: str | None = None
     user: str = ""
+    warm_pool: bool = False
+    pool_idle_timeout: float = 3600.0
 
     @classmethod
     def from_env(cls, env=None) -> "Settings":
@@ -199,6 +205,8 @@ class Settings:
             usage_policy_path=env.get("SPARKGPU_USAGE_POLICY") or None,
             usage_rates=env.get("SPARKGPU_USAGE_RATES") or None,
             user=env.get("SPARKGPU_USER") or _login_name(env),
+            warm_pool=(env.get("SPARKGPU_WARM_POOL") or "0").lower() in ("1", "true", "yes", "on"),
+            pool_idle_timeout=_env_float(env, "SPARKGPU_POOL_IDLE_TIMEOUT", 3600.0),
         )
 
 

@@ -88,7 +88,7 @@ class DistributedFunction:
     def _backend(self) -> Backend:
         if isinstance(self.backend, Backend):
             return self.backend
-        name = self.backend or ("spark" if self.resources.remote else "local")
+        name = self.backend or ("spark" if self.resources.remote else ("pool" if settings().warm_pool else "local"))
         return create_backend(name)
 
     def _stage(self, args: tuple, kwargs: dict, write: bool = True) -> _Staged:
@@ -164,7 +164,9 @@ def distributed(fn: Callable | None = None, *, gpus: int | None = None, num_gpus
             ``"cpu"`` for CPU ranks with gloo. ``None`` on local runs means this host's GPUs,
             or CPU when it has none. Required with ``remote=True``.
         remote: Run on a remote GPU pool through Spark instead of this host.
-        backend: ``"local"``, ``"spark"`` or a :class:`~sparkgpu.launch.backends.base.Backend`.
+        backend: ``"local"``, ``"pool"`` (local ranks forked from a warm pool; the default for
+            local jobs when ``SPARKGPU_WARM_POOL=1``), ``"spark"`` or a
+            :class:`~sparkgpu.launch.backends.base.Backend`.
         timeout: Limit on the whole call (seconds or ``"2h"``); ``SPARKGPU_TIMEOUT`` by default.
         max_runtime: Cap on one attempt (``"7d"``); ranks are asked to checkpoint
             ``checkpoint_grace`` before it and the job resumes in a new attempt. Remote jobs

@@ -93,6 +93,7 @@ class Backend(abc.ABC):
 # Imported lazily so the local path never imports pyspark.
 BACKENDS = {
     "local": "sparkgpu.launch.backends.local",
+    "pool": "sparkgpu.launch.pool",
     "spark": "sparkgpu.launch.backends.spark",
 }
 

@@ -1,0 +1,373 @@
+"""A warm pool for the local backend: ranks forked from a process with torch already imported.
+
+A cold ``.distributed()`` call pays for an interpreter and ``import torch`` in the agent and
+again in every rank (seconds). The pool keeps one long-lived "zygote" process per
+interpreter that has imported torch and sparkgpu once; each call asks it over a private
+UNIX socket to fork the ranks, which then run exactly what a cold rank runs (the generated
+``_air.py``). The zygote never initialises CUDA, so forked ranks may use GPUs.
+
+The zygote is single-threaded (a selector loop), because forking a multi-threaded process
+can deadlock the child. It stops itself after ``idle_timeout`` without work; ``sparkgpu pool
+status`` / ``sparkgpu pool stop`` show and stop it. If the client disconnects mid-run (Ctrl-C,
+or the client was killed), the zygote kills that job's ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import runpy
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from sparkgpu.config import settings
+from sparkgpu.errors import SparkGPUError
+from sparkgpu.launch.backends.base import AttemptHandle
+from sparkgpu.launch.backends.local import LocalBackend, free_port
+from sparkgpu.launch.entrypoint import EXIT_PREEMPTED
+from sparkgpu.launch.payload import RunDir, atomic_write_bytes
+
+__all__ = ["PoolBackend", "create_backend", "ensure_pool", "pool_status", "stop_pool"]
+
+_START_TIMEOUT = 120.0
+
+
+def _pool_dir(python: str) -> Path:
+    # One pool per interpreter: a pool started from another venv would run other packages.
+    tag = hashlib.sha256(os.path.realpath(python).encode()).hexdigest()[:12]
+    return settings().home / "pool" / tag
+
+
+# -- the zygote -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Job:
+    conn: socket.socket
+    run_dir: RunDir
+    attempt: int
+    pids: dict[int, int]  # pid -> rank
+    exits: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> status
+    stopping_since: float | None = None
+    grace: float = 10.0
+
+
+def _fork_rank(run_dir: RunDir, env: dict[str, str], rank: int, nproc: int, port: int) -> int:
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        os.setpgrp()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.environ.clear()
+        os.environ.update(env)
+        os.environ.update(
+            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+            GROUP_RANK="0", ROLE_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        )
+        sys.argv = [str(run_dir.air)]
+        runpy.run_path(str(run_dir.air), run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        os._exit(code)
+
+
+class _Zygote:
+    def __init__(self, directory: Path, idle_timeout: float):
+        self.directory = directory
+        self.idle_timeout = idle_timeout
+        self.selector = selectors.DefaultSelector()
+        self.jobs: list[_Job] = []
+        self.started = time.time()
+        self.last_active = time.monotonic()
+        self.jobs_run = 0
+
+    def info(self) -> dict:
+        return {"pid": os.getpid(), "python": sys.executable, "started_at": self.started,
+                "idle_timeout": self.idle_timeout, "jobs_run": self.jobs_run,
+                "running_jobs": [j.run_dir.job_id for j in self.jobs]}
+
+    def write_info(self) -> None:
+        atomic_write_bytes(self.directory / "pool.json", json.dumps(self.info()).encode())
+
+    def serve(self) -> None:
+        sock_path = self.directory / "pool.sock"
+        sock_path.unlink(missing_ok=True)
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o077)  # the socket is the user's alone: requests carry job keys
+        try:
+            server.bind(str(sock_path))
+        finally:
+            os.umask(old_umask)
+        server.listen(16)
+        server.setblocking(False)
+        self.selector.register(server, selectors.EVENT_READ)
+        self.write_info()
+        try:
+            while True:
+                for key, _ in self.selector.select(timeout=0.05):
+                    if key.fileobj is server:
+                        conn, _ = server.accept()
+                        self._handle(conn)
+                    else:
+                        self._client_gone(key.data)
+                self._reap()
+                if not self.jobs and time.monotonic() - self.last_active > self.idle_timeout:
+                    return
+        except _StopPool:
+            return
+        finally:
+            for job in self.jobs:
+                self._kill(job, signal.SIGKILL)
+            sock_path.unlink(missing_ok=True)
+            (self.directory / "pool.json").unlink(missing_ok=True)
+
+    def _handle(self, conn: socket.socket) -> None:
+        conn.setblocking(True)
+        request = json.loads(_read_line(conn))
+        op = request.get("op")
+        if op == "status":
+            conn.sendall((json.dumps(self.info()) + "\n").encode())
+            conn.close()
+        elif op == "stop":
+            conn.sendall(b'{"stopping": true}\n')
+            conn.close()
+            raise _StopPool
+        elif op == "run":
+            run_dir = RunDir(request["run_dir"])
+            run_dir.prepare_attempt(request["attempt"])
+            port = free_port()
+            env = {**request["env"], "SPARKGPU_ATTEMPT": str(request["attempt"])}
+            pids = {_fork_rank(run_dir, env, r, request["nproc"], port): r for r in range(request["nproc"])}
+            job = _Job(conn, run_dir, request["attempt"], pids, grace=request.get("grace", 10.0))
+            self.jobs.append(job)
+            self.jobs_run += 1
+            conn.setblocking(False)
+            self.selector.register(conn, selectors.EVENT_READ, job)
+            conn.sendall(b'{"started": true}\n')
+            self.write_info()
+        else:
+            conn.close()
+
+    def _client_gone(self, job: _Job) -> None:
+        try:
+            data = job.conn.recv(64)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data and job.stopping_since is None:  # EOF: Ctrl-C or a dead client
+            self._kill(job, signal.SIGTERM)
+            job.stopping_since = time.monotonic()
+
+    def _kill(self, job: _Job, sig: int) -> None:
+        for pid, rank in job.pids.items():
+            if rank not in job.exits:
+                try:
+                    os.killpg(pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def _reap(self) -> None:
+        for job in list(self.jobs):
+            for pid, rank in job.pids.items():
+                if rank in job.exits:
+                    continue
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    job.exits[rank] = os.waitstatus_to_exitcode(status)
+            failed = any(code not in (0, EXIT_PREEMPTED) for code in job.exits.values())
+            if failed and job.stopping_since is None:
+                # As torch's agent does: one rank failed, so the others are torn down.
+                self._kill(job, signal.SIGTERM)
+                job.stopping_since = time.monotonic()
+            if job.stopping_since is not None and time.monotonic() - job.stopping_since > job.grace:
+                self._kill(job, signal.SIGKILL)
+            if len(job.exits) == len(job.pids):
+                self._finish(job)
+
+    def _finish(self, job: _Job) -> None:
+        failures = {
+            str(rank): {"exitcode": code, "signal": signal.Signals(-code).name if code < 0 else None, "pid": None}
+            for rank, code in job.exits.items() if code != 0
+        }
+        # Ranks killed by the teardown are not failures of their own.
+        failures = {k: v for k, v in failures.items() if v["exitcode"] != -signal.SIGTERM} or failures
+        status = 1 if failures else 0
+        node = {"node_rank": 0, "status": status, "failures": failures}
+        atomic_write_bytes(job.run_dir.node_file(job.attempt, 0), json.dumps(node).encode())
+        try:
+            self.selector.unregister(job.conn)
+            job.conn.setblocking(True)
+            job.conn.sendall((json.dumps({"status": status}) + "\n").encode())
+        except OSError:
+            pass
+        job.conn.close()
+        self.jobs.remove(job)
+        self.last_active = time.monotonic()
+        self.write_info()
+
+
+class _StopPool(Exception):
+    pass
+
+
+def _read_line(conn: socket.socket) -> str:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(1 << 16)
+        if not chunk:
+            break
+        data += chunk
+    return data.decode()
+
+
+def _serve(argv: list[str]) -> None:
+    directory, idle_timeout = Path(argv[0]), float(argv[1])
+    # What every rank needs, imported once here so that forked ranks start warm.
+    import cloudpickle  # noqa: F401
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+    import torch.nn  # noqa: F401
+    import torch.optim  # noqa: F401
+
+    import sparkgpu.launch.entrypoint  # noqa: F401
+
+    _Zygote(directory, idle_timeout).serve()
+
+
+# -- the client side --------------------------------------------------------------------------
+
+
+def _connect(directory: Path) -> socket.socket | None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(str(directory / "pool.sock"))
+        return sock
+    except OSError:
+        sock.close()
+        return None
+
+
+def _request(directory: Path, message: dict) -> dict | None:
+    sock = _connect(directory)
+    if sock is None:
+        return None
+    with sock:
+        sock.sendall((json.dumps(message) + "\n").encode())
+        reply = _read_line(sock)
+    return json.loads(reply) if reply else None
+
+
+def ensure_pool(python: str, idle_timeout: float) -> Path:
+    """Starts the zygote for ``python`` unless it runs already; returns its directory."""
+    directory = _pool_dir(python)
+    if _request(directory, {"op": "status"}) is not None:
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    log = open(directory / "pool.log", "ab")
+    subprocess.Popen(
+        [python, "-m", "sparkgpu.launch.pool", str(directory), str(idle_timeout)],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    log.close()
+    deadline = time.monotonic() + _START_TIMEOUT
+    while time.monotonic() < deadline:
+        if _request(directory, {"op": "status"}) is not None:
+            return directory
+        time.sleep(0.05)
+    raise SparkGPUError(f"the warm pool did not start within {_START_TIMEOUT:g}s; see {directory / 'pool.log'}")
+
+
+def pool_status(python: str | None = None) -> dict | None:
+    """The running pool's pid, start time, idle timeout and jobs; ``None`` when none runs."""
+    return _request(_pool_dir(python or settings().python), {"op": "status"})
+
+
+def stop_pool(python: str | None = None) -> bool:
+    """Stops the pool (killing ranks it still runs). Returns False when none was running."""
+    directory = _pool_dir(python or settings().python)
+    info = _request(directory, {"op": "status"})
+    if info is None or _request(directory, {"op": "stop"}) is None:
+        return False
+    pid = info["pid"]
+    deadline = time.monotonic() + 10
+    while pid and time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    return True
+
+
+@dataclasses.dataclass
+class PoolAttempt(AttemptHandle):
+    attempt: int
+    conn: socket.socket
+    node_file: Path
+    status: int | None = None
+
+
+class PoolBackend(LocalBackend):
+    """The local backend, with ranks forked from the warm pool instead of a fresh agent."""
+
+    name = "pool"
+
+    def __init__(self, idle_timeout: float | None = None, **options):
+        super().__init__(**options)
+        self.idle_timeout = idle_timeout or settings().pool_idle_timeout
+
+    def submit(self, job, run_dir, attempt, env) -> PoolAttempt:
+        directory = ensure_pool(self.python, self.idle_timeout)
+        conn = _connect(directory)
+        if conn is None:
+            raise SparkGPUError(f"the warm pool at {directory} stopped answering; run `sparkgpu pool stop` and retry")
+        full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
+        full_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // job.world_size)))
+        request = {"op": "run", "run_dir": str(run_dir.path), "attempt": attempt, "nproc": job.world_size,
+                   "env": full_env, "grace": job.policy.shutdown_grace}
+        conn.sendall((json.dumps(request) + "\n").encode())
+        _read_line(conn)  # {"started": true}
+        conn.setblocking(False)
+        return PoolAttempt(attempt=attempt, conn=conn, node_file=run_dir.node_file(attempt, 0))
+
+    def poll(self, handle: PoolAttempt) -> int | None:
+        if handle.status is not None:
+            return handle.status
+        try:
+            data = handle.conn.recv(1 << 12)
+        except BlockingIOError:
+            return None
+        handle.conn.close()
+        handle.status = json.loads(data.decode())["status"] if data else 1
+        return handle.status
+
+    def cancel(self, handle: PoolAttempt, grace: float) -> None:
+        if handle.status is not None:
+            return
+        handle.conn.close()  # the zygote sees EOF and stops this job's ranks (SIGKILL after grace)
+        handle.status = 130
+        deadline = time.monotonic() + grace + 5
+        while not handle.node_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def create_backend(**options) -> PoolBackend:
+    return PoolBackend(**options)
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1:])
