@@ -178,6 +178,8 @@ class ShardCache:
         Raises:
             ConfigurationError: One step alone needs more than ``limit_bytes``.
         """
+        if self.volume is None:
+            return  # the shards are all local: nothing to fetch or evict
         if self.limit_bytes is not None:
             worst = max(steps, key=lambda s: int(self._raw_sizes[s].sum()), default=None)
             needed = int(self._raw_sizes[worst].sum()) if worst is not None else 0

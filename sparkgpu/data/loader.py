@@ -12,14 +12,18 @@ ds.load_state_dict(state)      # the next iteration yields exactly the rest of t
 Each rank reads its share of every epoch (see :mod:`sparkgpu.data.order` for the shuffle and
 the split); shards come through the local cache (:mod:`sparkgpu.data.cache`), fetched ahead of
 need; batches are decoded whole from memory-mapped shards (:mod:`sparkgpu.data.reader`).
-With ``num_workers=0`` (the default) one background thread decodes the next batches while the
-training step runs; ``num_workers>0`` decodes in torch DataLoader worker processes instead,
-which pays for itself only for costly columns (images). Either way the batches come in the
-same order, so the state does not depend on the number of workers.
+With ``num_workers=0`` (the default) batches are decoded on demand in the calling thread (a
+fixed-width batch is one gather and some views: tens of microseconds), while shards download
+on background threads; ``prefetch_batches`` adds a decoding thread, ``num_workers>0`` decodes
+in torch DataLoader worker processes instead, which pays for itself only for costly columns
+(images). Either way the batches come in the same order, so the state does not depend on
+the number of workers.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import multiprocessing
 import os
 import queue
 import threading
@@ -51,7 +55,7 @@ def dataset(
     shuffle_block_size: int | None = None,
     drop_last: bool = False,
     num_workers: int = 0,
-    prefetch_batches: int = 2,
+    prefetch_batches: int = 0,
     pin_memory: bool = False,
     device=None,
     cache_limit: int | str | None = None,
@@ -74,8 +78,11 @@ def dataset(
         shuffle_block_size: Samples of neighbouring shards mix within windows of this many
             samples (default 262144): larger shuffles better, smaller needs fewer shards at once.
         drop_last: Leave out each rank's short last batch of the epoch.
-        num_workers: DataLoader worker processes decoding batches (0: one thread here).
-        prefetch_batches: Batches decoded ahead of the training step (per worker).
+        num_workers: DataLoader worker processes decoding batches (0: decode in this process).
+        prefetch_batches: Batches decoded ahead of the training step: with ``num_workers=0``
+            on a background thread (0, the default, decodes on demand: a fixed-width batch
+            costs tens of microseconds, less than handing it between threads); with workers,
+            per worker (0 means 2).
         pin_memory: Put batches in page-locked memory, for fast, asynchronous copies to a GPU.
         device: Deliver batches on this device (e.g. ``"cuda"``); the copy of the next batch
             runs on a side CUDA stream while the current one is used.
@@ -176,8 +183,10 @@ class MDSLoader:
         self.num_samples = index.num_samples
         self.epoch = 0
         self._consumed = 0  # samples of self.epoch consumed by all ranks together
-        self._order = None
+        self._orders: dict = {}  # epoch -> Future of its order
+        self._order_pool = None
         self._producer = None
+        self._workers = None  # the DataLoader of num_workers > 0, created on first use
 
     # Position.
 
@@ -260,6 +269,11 @@ class MDSLoader:
         if self._producer is not None:
             self._producer.close()
             self._producer = None
+        self._workers = None  # dropping the DataLoader stops its worker processes
+        if self._order_pool is not None:
+            self._order_pool.shutdown(wait=False, cancel_futures=True)
+            self._order_pool = None
+            self._orders = {}
 
     def __del__(self):
         try:
@@ -268,10 +282,20 @@ class MDSLoader:
             return
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
-        if self._order is None or self._order[0] != epoch:
-            order = epoch_order(self.index.shard_sizes, shuffle=self.shuffle, seed=self.seed, epoch=epoch, block_size=self.shuffle_block_size)
-            self._order = (epoch, order)
-        return self._order[1]
+        # A shuffled order costs a sort of the whole dataset (about 0.1 s per million samples);
+        # the next epoch's is computed on a background thread while this epoch is read.
+        if epoch not in self._orders:
+            self._orders[epoch] = self._order_future(epoch)
+        order = self._orders[epoch].result()
+        if self.shuffle and epoch + 1 not in self._orders:
+            self._orders = {epoch: self._orders[epoch], epoch + 1: self._order_future(epoch + 1)}
+        return order
+
+    def _order_future(self, epoch: int):
+        if self._order_pool is None:
+            self._order_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sparkgpu-order")
+        return self._order_pool.submit(epoch_order, self.index.shard_sizes, shuffle=self.shuffle, seed=self.seed,
+                                       epoch=epoch, block_size=self.shuffle_block_size)
 
     def _plan(self, epoch: int, start: int) -> EpochPlan:
         return EpochPlan.for_rank(self._epoch_order(epoch), start=start, rank=self.rank, world_size=self.world_size,
@@ -284,12 +308,20 @@ class MDSLoader:
         return _background(batches, self.prefetch_batches) if self.prefetch_batches else batches
 
     def _in_workers(self, start: int):
-        worker_data = _WorkerBatches(self._producer_spec(), self.epoch, start)
-        loader = torch.utils.data.DataLoader(
-            worker_data, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
-            prefetch_factor=max(1, self.prefetch_batches), persistent_workers=False,
-        )
-        return iter(loader)
+        # Workers persist across epochs (starting them costs more than a short epoch); each
+        # iteration tells them where to start through shared memory they inherited.
+        if self._workers is None:
+            self._worker_position = multiprocessing.Array("q", 2, lock=False)
+            self._workers = torch.utils.data.DataLoader(
+                _WorkerBatches(self._producer_spec(), self._worker_position), batch_size=None, num_workers=self.num_workers,
+                pin_memory=self.pin_memory, prefetch_factor=self.prefetch_batches or 2, persistent_workers=True,
+            )
+            self._splitter = BatchDecoder(self.index.columns, allocate=None)
+        self._worker_position[0], self._worker_position[1] = self.epoch, start
+        split = self._splitter.split_rows
+        # Fixed-width batches cross the process boundary as one buffer (one shared-memory
+        # transfer, one pin) and are split into column views here.
+        return (split(batch) if isinstance(batch, torch.Tensor) else batch for batch in self._workers)
 
     def _producer_spec(self) -> dict:
         return {
@@ -314,30 +346,43 @@ class _Producer:
         self._ends = np.cumsum(sizes)
         self._starts = self._ends - sizes
         self._readers: dict[int, ShardReader] = {}
+        self._last_shards, self._last_readers = None, []
         self._row_bytes = self.decoder.row_bytes
 
-    def run(self, plan: EpochPlan, batch_numbers):
-        """Yields the decoded batches ``batch_numbers`` of ``plan``, in that order."""
+    def run(self, plan: EpochPlan, batch_numbers, raw_rows: bool = False):
+        """Yields the decoded batches ``batch_numbers`` of ``plan``, in that order.
+
+        With ``raw_rows``, a fixed-width batch is yielded as its buffer of gathered rows
+        (:meth:`BatchDecoder.split_rows` turns it into columns).
+        """
+        decode = self.decoder.gather_rows if raw_rows and self.decoder.fixed_width else self.decoder.decode
         batch_numbers = list(batch_numbers)
-        shard_of = np.searchsorted(self._ends, plan.samples, side="right")
         size = plan.batch_size
-        steps = [np.unique(shard_of[b * size:(b + 1) * size]) for b in batch_numbers]
+        # Whole-epoch arrays once, so each batch costs slices, not searches.
+        shard_of = np.searchsorted(self._ends, plan.samples, side="right")
+        rows_of = plan.samples - self._starts[shard_of]
+        steps = _shards_per_batch(shard_of, size, batch_numbers, len(self._ends))
         self.cache.set_plan(steps)
+        self._last_shards = None
         for step, number in enumerate(batch_numbers):
             shards = steps[step]
-            ids, owner = plan.batch(number), shard_of[number * size:(number + 1) * size]
             readers = self._open(step, shards)
-            source_ids = None if len(shards) == 1 else np.searchsorted(shards, owner).astype(np.int32)
-            rows = ids - self._starts[owner]
+            lo, hi = number * size, (number + 1) * size
+            source_ids = None if len(shards) == 1 else np.searchsorted(shards, shard_of[lo:hi]).astype(np.int32)
             try:
-                yield self.decoder.decode(readers, source_ids, rows)
+                batch = decode(readers, source_ids, rows_of[lo:hi])
             except IndexError as exc:
                 names = ", ".join(r.info.basename for r in readers)
                 raise DataError(f"a sample in shard(s) {names} points outside its shard ({exc}); the shard is damaged: "
                                 "clear it from the cache (sparkgpu cache clear) or write the dataset again") from None
+            yield batch
 
     def _open(self, step: int, shards: np.ndarray) -> list[ShardReader]:
-        paths = self.cache.acquire(step, shards)  # also tells the prefetcher where the reader is
+        if shards is self._last_shards:
+            # Same shards as the batch before (the common case): nothing to fetch or open. The
+            # prefetcher hears of the reader's position when the set of shards changes.
+            return self._last_readers
+        paths = self.cache.acquire(step, shards)
         keys = shards.tolist()
         if any(s not in self._readers for s in keys):
             if len(self._readers) > _MAX_OPEN_SHARDS:
@@ -345,7 +390,8 @@ class _Producer:
             for shard, path in zip(keys, paths):
                 if shard not in self._readers:
                     self._readers[shard] = self._read(shard, path)
-        return [self._readers[s] for s in keys]
+        self._last_shards, self._last_readers = shards, [self._readers[s] for s in keys]
+        return self._last_readers
 
     def _read(self, shard: int, path) -> ShardReader:
         info = self.index.shards[shard]
@@ -359,28 +405,55 @@ class _Producer:
         self._readers.clear()
 
 
+def _shards_per_batch(shard_of: np.ndarray, batch_size: int, batch_numbers: list[int], num_shards: int) -> list[np.ndarray]:
+    """The sorted shard positions each batch reads."""
+    if not len(shard_of):
+        return [np.empty(0, dtype=np.int64) for _ in batch_numbers]
+    # Most batches of a shard-aware order read one or two shards: a min/max per batch
+    # settles the first case without looking at the samples again.
+    bounds = np.arange(0, len(shard_of), batch_size)
+    low, high = np.minimum.reduceat(shard_of, bounds), np.maximum.reduceat(shard_of, bounds)
+    singles = {}
+    steps = []
+    for b in batch_numbers:
+        first, last = int(low[b]), int(high[b])
+        if first == last:
+            if first not in singles:
+                singles[first] = np.array([first], dtype=np.int64)
+            steps.append(singles[first])
+        else:
+            counts = np.bincount(shard_of[b * batch_size:(b + 1) * batch_size] - first, minlength=last - first + 1)
+            steps.append(np.flatnonzero(counts) + first)
+    return steps
+
+
 class _WorkerBatches(torch.utils.data.IterableDataset):
     """What each DataLoader worker process iterates: its share of the rank's batches.
 
     Worker ``w`` of ``k`` decodes batches ``w, w + k, ...``; the DataLoader takes one batch
-    from each worker in turn, which restores the rank's order exactly.
+    from each worker in turn, which restores the rank's order exactly. ``position`` holds
+    ``(epoch, samples consumed)`` for the iteration that starts; the worker's cache and open
+    shards live as long as the worker.
     """
 
-    def __init__(self, spec: dict, epoch: int, start: int):
-        self.spec, self.epoch, self.start = spec, epoch, start
+    def __init__(self, spec: dict, position):
+        self.spec, self.position = spec, position
+        self._producer = None
+        self._order = (None, None)
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         s = self.spec
-        order = epoch_order(s["index"].shard_sizes, shuffle=s["shuffle"], seed=s["seed"], epoch=self.epoch, block_size=s["shuffle_block_size"])
-        plan = EpochPlan.for_rank(order, start=self.start, rank=s["rank"], world_size=s["world_size"],
+        epoch, start = int(self.position[0]), int(self.position[1])
+        if self._order[0] != epoch:
+            self._order = (epoch, epoch_order(s["index"].shard_sizes, shuffle=s["shuffle"], seed=s["seed"], epoch=epoch,
+                                              block_size=s["shuffle_block_size"]))
+        plan = EpochPlan.for_rank(self._order[1], start=start, rank=s["rank"], world_size=s["world_size"],
                                   batch_size=s["batch_size"], drop_last=s["drop_last"])
-        producer = _Producer(s, pinned=False)  # the DataLoader pins in the main process
-        try:
-            yield from producer.run(plan, range(worker, plan.num_batches, workers))
-        finally:
-            producer.close()
+        if self._producer is None:
+            self._producer = _Producer(s, pinned=False)  # the DataLoader pins in the main process
+        yield from self._producer.run(plan, range(worker, plan.num_batches, workers), raw_rows=True)
 
 
 def _background(batches, depth: int):

@@ -57,7 +57,23 @@ def epoch_order(shard_sizes: np.ndarray, *, shuffle: bool, seed: int, epoch: int
     width = np.maximum(sizes, block_size).astype(np.float64)
     low = starts + sizes / 2.0 - width / 2.0
     position = np.repeat(low, sizes) + rng.random(total) * np.repeat(width, sizes)
-    return np.argsort(position, kind="stable").astype(np.int64, copy=False)
+    return _argsort_ties_by_id(position)
+
+
+def _argsort_ties_by_id(keys: np.ndarray) -> np.ndarray:
+    # Quicksort is 2-3x faster than a stable sort, but which of two equal keys comes first
+    # would then depend on the numpy build and CPU (SIMD sorts), and ranks on different
+    # machines must agree on every position. Equal float64 keys are rare, so reorder just
+    # those runs by sample id: the result is the unique stable order, computed fast.
+    order = np.argsort(keys, kind="quicksort")
+    ranked = keys[order]
+    tied = np.flatnonzero(ranked[1:] == ranked[:-1])
+    if tied.size:
+        run_starts = tied[np.r_[True, np.diff(tied) > 1]]
+        run_ends = tied[np.r_[np.diff(tied) > 1, True]] + 2
+        for begin, end in zip(run_starts.tolist(), run_ends.tolist()):
+            order[begin:end].sort()
+    return order.astype(np.int64, copy=False)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -311,46 +311,51 @@ class BatchDecoder:
 
     # Fixed-width datasets: one gather, then views.
 
-    def _plan_views(self):
+    def _plan_views(self) -> list["_ColumnView"]:
         # Consecutive scalar columns of one dtype become one (batch, k) view split by unbind,
         # which costs one call instead of k.
-        views, offset = [], 0
+        views: list[_ColumnView] = []
+        offset = 0
         for column in self.columns:
+            itemsize = column.dtype.itemsize
+            aligned = offset % itemsize == 0 and self.row_bytes % itemsize == 0
             last = views[-1] if views else None
-            aligned = offset % column.dtype.itemsize == 0 and self.row_bytes % column.dtype.itemsize == 0
-            if (
-                last is not None and column.shape == () and last["shape"] == () and last["dtype"] == column.dtype
-                and aligned and last["aligned"] and last["offset"] + last["size"] * len(last["names"]) == offset
-            ):
-                last["names"].append(column.name)
+            if (last is not None and column.shape == () and last.shape == () and last.dtype == column.dtype
+                    and aligned and last.aligned and last.offset + itemsize * len(last.names) == offset):
+                last.names.append(column.name)
             else:
-                views.append({"names": [column.name], "dtype": column.dtype, "shape": column.shape,
-                              "offset": offset, "size": column.size, "aligned": aligned})
+                views.append(_ColumnView([column.name], column.dtype, _torch_dtype(self._torch, column.dtype),
+                                         column.shape, offset, column.size, aligned, self.row_bytes))
             offset += column.size
         return views
 
     def _decode_rows(self, readers, source_ids, rows):
-        torch = self._torch
+        return self.split_rows(self.gather_rows(readers, source_ids, rows))
+
+    def gather_rows(self, readers, source_ids, rows):
+        """For fixed-width datasets: the batch's rows, gathered into one ``uint8`` tensor."""
         n, row_bytes = len(rows), self.row_bytes
         buffer = self.allocate(n * row_bytes)
         _gather.gather_rows(buffer.numpy().reshape(n, row_bytes), [r.rows for r in readers], source_ids, rows)
+        return buffer
+
+    def split_rows(self, buffer) -> dict:
+        """Views each column of a buffer of gathered rows (see :meth:`gather_rows`) as a tensor."""
+        if buffer.storage_offset() % 8 or not buffer.is_contiguous():
+            buffer = buffer.clone()  # the views are placed relative to an aligned storage start
+        n = buffer.numel() // self.row_bytes
+        base = buffer.storage_offset()
+        typed = {}
         batch = {}
         for view in self._views:
-            tdtype = _torch_dtype(torch, view["dtype"])
-            itemsize, shape = view["dtype"].itemsize, view["shape"]
-            if view["aligned"]:
-                typed = buffer.view(tdtype)
-                inner = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
-                if len(view["names"]) > 1:
-                    block = torch.as_strided(typed, (n, len(view["names"])), (row_bytes // itemsize, 1), view["offset"] // itemsize)
-                    batch.update(zip(view["names"], block.unbind(1)))
-                    continue
-                value = torch.as_strided(typed, (n, *shape), (row_bytes // itemsize, *inner), view["offset"] // itemsize)
+            if view.aligned:
+                if view.tdtype not in typed:
+                    typed[view.tdtype] = buffer.view(view.tdtype)
+                view.place(batch, typed[view.tdtype], n, base)
             else:
                 # A column at an offset its dtype cannot be viewed at: copy it out.
-                raw = buffer.view(n, row_bytes)[:, view["offset"]: view["offset"] + view["size"]].contiguous()
-                value = raw.view(tdtype).reshape(n, *shape)
-            batch[view["names"][0]] = value
+                raw = buffer.view(n, self.row_bytes)[:, view.offset: view.offset + view.size].contiguous()
+                batch[view.names[0]] = raw.view(view.tdtype).reshape(n, *view.shape)
         return batch
 
     # Datasets with variable-width columns: per column, gather spans into packed buffers.
@@ -454,6 +459,28 @@ class BatchDecoder:
             packed, _, _ = self._pack(sources, ids, starts[one] + header_lengths[one], value_lengths[one], align=dtypes[i].itemsize)
             values.append(packed[: int(value_lengths[i])].view(_torch_dtype(torch, dtypes[i])).reshape(shapes[i]))
         return values
+
+
+class _ColumnView:
+    """Where one column (or a run of same-typed scalar columns) sits in a gathered row."""
+
+    __slots__ = ("names", "dtype", "tdtype", "shape", "offset", "size", "aligned", "_row_items", "_inner")
+
+    def __init__(self, names, dtype, tdtype, shape, offset, size, aligned, row_bytes):
+        self.names, self.dtype, self.tdtype, self.shape = names, dtype, tdtype, shape
+        self.offset, self.size, self.aligned = offset, size, aligned
+        self._row_items = row_bytes // dtype.itemsize
+        self._inner = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+
+    def place(self, batch: dict, typed, n: int, base: int) -> None:
+        import torch
+
+        first = (base + self.offset) // self.dtype.itemsize
+        if len(self.names) > 1:
+            block = torch.as_strided(typed, (n, len(self.names)), (self._row_items, 1), first)
+            batch.update(zip(self.names, block.unbind(1)))
+        else:
+            batch[self.names[0]] = torch.as_strided(typed, (n, *self.shape), (self._row_items, *self._inner), first)
 
 
 _TORCH_DTYPES: dict = {}
