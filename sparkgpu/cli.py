@@ -1,0 +1,434 @@
+"""The ``sparkgpu`` command.
+
+```
+sparkgpu run train.py --gpus 8 --gpu-type H100 --max-runtime 7d --tag team=ml -- --lr 3e-4
+sparkgpu run job.yaml                 # the same fields in a file (cron, Airflow, CI)
+sparkgpu jobs                         # run dirs with status, attempts, restarts, duration
+sparkgpu logs JOB_ID [--rank N | --all] [--attempt K] [--follow]
+sparkgpu usage --by team --since 30d [--plot usage.png]
+```
+
+Subcommands register themselves: :data:`COMMANDS` lists ``(module, function)`` pairs, and
+each function receives the argparse subparsers object and adds its parser, setting
+``handler`` to a function ``(args) -> exit code``. Modules import only argparse-level code
+at registration; heavy imports (torch, deltalake, pandas) happen inside handlers, so
+``sparkgpu --help`` stays fast.
+
+Exit codes: 0 success, 1 the job failed or timed out, 2 bad input (arguments, job file,
+settings), 3 refused or stopped by a usage policy, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import importlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from sparkgpu.errors import ConfigurationError, PolicyViolationError, SparkGPUError
+
+__all__ = ["main", "COMMANDS", "build_parser", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_POLICY"]
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_POLICY, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+COMMANDS: list[tuple[str, str]] = [
+    ("sparkgpu.cli", "register_run"),
+    ("sparkgpu.cli", "register_jobs"),
+    ("sparkgpu.cli", "register_logs"),
+    ("sparkgpu.usage.cli", "register"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser with every registered subcommand."""
+    from sparkgpu import __version__
+
+    parser = argparse.ArgumentParser(prog="sparkgpu", description="Serverless-GPU training jobs: run, watch, meter.")
+    parser.add_argument("--version", action="version", version=f"sparkgpu {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module, function in COMMANDS:
+        getattr(importlib.import_module(module), function)(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Everything after a bare `--` belongs to the user's script, never to our parser.
+    passthrough: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1:]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.passthrough = passthrough
+    if not getattr(args, "handler", None):
+        parser.print_help()
+        return EXIT_USAGE
+    if passthrough and not getattr(args, "accepts_passthrough", False):
+        parser.error(f"`sparkgpu {args.command}` takes no arguments after `--`")
+    try:
+        return int(args.handler(args) or 0)
+    except KeyboardInterrupt:
+        print("sparkgpu: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except PolicyViolationError as exc:
+        print(f"sparkgpu: {exc}", file=sys.stderr)
+        return EXIT_POLICY
+    except ConfigurationError as exc:
+        print(f"sparkgpu: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except SparkGPUError as exc:
+        print(f"sparkgpu: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return key, value
+
+
+def console(stderr: bool = False):
+    """A rich console; piped output (cron logs, CI) gets 160 columns instead of rich's 80."""
+    import os
+
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    wide = None if stream.isatty() or os.environ.get("COLUMNS") else 160
+    return Console(stderr=stderr, width=wide)
+
+
+# -- run -----------------------------------------------------------------------------------
+def register_run(subparsers) -> None:
+    p = subparsers.add_parser(
+        "run", help="run a script (or a job file) on every rank",
+        description="Runs a Python script as __main__ on every rank, or the job a YAML/TOML job file describes. "
+                    "Arguments after `--` go to the script. Options override the job file's fields.",
+    )
+    p.add_argument("target", help="train.py, or a job file (.yaml, .yml, .toml, .json)")
+    p.add_argument("--gpus", type=int, help="number of GPUs (ranks); default 1")
+    p.add_argument("--gpu-type", help="H100, A10, A100-80GB, H200, L4, or cpu")
+    p.add_argument("--remote", action="store_true", default=None, help="run on the remote GPU pool")
+    p.add_argument("--max-runtime", help="cap on one attempt, e.g. 7d; ranks checkpoint before it and the job resumes")
+    p.add_argument("--checkpoint-grace", help="how long before --max-runtime ranks are asked to checkpoint (default 60s)")
+    p.add_argument("--timeout", help="limit on the whole job, e.g. 12h")
+    p.add_argument("--max-restarts", type=int, help="attempts restarted after a failure (default 0)")
+    p.add_argument("--tag", action="append", type=_key_value, metavar="KEY=VALUE", help="tag for cost attribution (repeat)")
+    p.add_argument("--env", action="append", type=_key_value, metavar="KEY=VALUE", help="environment variable for the script (repeat)")
+    p.add_argument("--name", help="job name (default: the script's name)")
+    p.add_argument("--log-ranks", help="ranks whose output streams here: main (default), all, none, or 0,2")
+    p.add_argument("--dry-run", action="store_true", help="validate and print the launch plan; start nothing")
+    p.set_defaults(handler=cmd_run, accepts_passthrough=True)
+
+
+def _parse_log_ranks(value: str | None):
+    if value is None or value in ("main", "all", "none"):
+        return value
+    try:
+        return [int(r) for r in value.split(",")]
+    except ValueError:
+        raise ConfigurationError(f"--log-ranks {value!r}: use main, all, none or a list such as 0,2") from None
+
+
+def _load_job(args):
+    from sparkgpu.jobfile import JOB_FILE_SUFFIXES, JobFile
+
+    target = Path(args.target)
+    if target.suffix.lower() in JOB_FILE_SUFFIXES:
+        job = JobFile.load(target)
+        if args.passthrough:
+            job = job.with_overrides(args=tuple(args.passthrough))
+    elif target.suffix.lower() == ".py" or target.is_file():
+        job = JobFile(script=str(target.resolve()), args=tuple(args.passthrough), source=f"`sparkgpu run {args.target}`")
+    else:
+        raise ConfigurationError(f"{args.target!r} is neither a Python script nor a job file ({', '.join(JOB_FILE_SUFFIXES)})")
+    return job.with_overrides(
+        gpus=args.gpus, gpu_type=args.gpu_type, remote=args.remote, max_runtime=args.max_runtime,
+        checkpoint_grace=args.checkpoint_grace, timeout=args.timeout, max_restarts=args.max_restarts,
+        tags=dict(args.tag) if args.tag else None, env=dict(args.env) if args.env else None, name=args.name,
+        log_ranks=_parse_log_ranks(args.log_ranks),
+    )
+
+
+def _callbacks():
+    """The default callbacks, plus a usage meter when the defaults do not carry one yet."""
+    from sparkgpu.decorator import default_callbacks
+    from sparkgpu.usage.meter import UsageMeter
+
+    callbacks = default_callbacks()
+    if not any(isinstance(c, UsageMeter) for c in callbacks):
+        callbacks.append(UsageMeter())
+    return callbacks
+
+
+def _resolved_job(fn):
+    """The JobSpec the call will launch, resolved by its backend; nothing is written."""
+    from sparkgpu.launch.backends.base import Backend, create_backend
+    from sparkgpu.spec import JobSpec, new_job_id
+
+    backend = fn.backend if isinstance(fn.backend, Backend) else create_backend(
+        fn.backend or ("spark" if fn.resources.remote else "local"))
+    job = JobSpec(job_id=new_job_id(fn.name), name=fn.name, resources=fn.resources, policy=fn.policy,
+                  backend=backend.name, log_ranks=fn.log_ranks, tags=fn.tags)
+    return backend.resolve(job)
+
+
+def cmd_run(args) -> int:
+    from sparkgpu.usage.meter import UsageMeter, enforce_policy
+
+    job_file = _load_job(args)
+    callbacks = _callbacks()
+    fn = job_file.build(callbacks=callbacks)
+    with console(stderr=True).status(f"validating {fn.name} ({fn.resources.gpus} x {fn.resources.gpu_type or 'auto'})"):
+        enforce_policy(_resolved_job(fn), callbacks)  # refuse before anything is written
+        plan = fn.dryrun() if args.dry_run else None
+    if plan is not None:
+        print(plan)
+        return EXIT_OK
+    started = time.time()
+    try:
+        fn.distributed()
+        status, code = "succeeded", EXIT_OK
+    except PolicyViolationError:
+        raise
+    except SparkGPUError as exc:
+        print(f"sparkgpu: {type(exc).__name__}: {exc}", file=sys.stderr)
+        status, code = "failed", EXIT_FAILED
+    finally:
+        job_id = getattr(fn, "last_job_id", None)
+        meter = next((c for c in callbacks if isinstance(c, UsageMeter)), None)
+        if job_id:
+            _print_run_summary(job_id, started, meter)
+    print(f"sparkgpu: job {job_id} {status}", file=sys.stderr)
+    return code
+
+
+def _print_run_summary(job_id: str, started: float, meter) -> None:
+    line = f"sparkgpu: job {job_id}: {_format_seconds(time.time() - started)} wall clock"
+    if meter is not None:
+        try:
+            import pyarrow.compute as pc
+
+            rows = meter.ledger.read(since=started - 1)
+            rows = rows.filter(pc.equal(rows["job_id"], job_id))
+            gpu_hours = (pc.sum(rows["gpu_seconds"]).as_py() or 0.0) / 3600
+            cost = pc.sum(rows["cost_usd"]).as_py() or 0.0
+            line += f", {rows.num_rows} attempt(s), {gpu_hours:,.3f} GPU-hours, ${cost:,.2f}"
+        except Exception as exc:  # the summary is informative; the job's outcome stands
+            line += f" (usage unavailable: {exc})"
+    print(line, file=sys.stderr)
+
+
+# -- jobs ----------------------------------------------------------------------------------
+def register_jobs(subparsers) -> None:
+    p = subparsers.add_parser("jobs", help="list jobs (run dirs) with status, attempts and duration")
+    p.add_argument("--limit", type=int, default=20, help="most recent N jobs (default 20; 0 for all)")
+    p.add_argument("--status", help="only jobs with this status (running, succeeded, failed, stopped, ...)")
+    p.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
+    p.set_defaults(handler=cmd_jobs)
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def list_jobs(staging_root: Path | None = None) -> list[dict]:
+    """One summary per run dir under ``staging_root``, newest first.
+
+    Each has ``job_id``, ``name``, ``status`` (``staged`` when no attempt ever started),
+    ``attempts``, ``restarts``, ``preemptions``, ``gpus``, ``gpu_type``, ``backend``, ``tags``,
+    ``started_at``, ``ended_at``, ``duration_s`` and ``stop_reason``.
+    """
+    from sparkgpu.config import settings
+
+    root = Path(staging_root or settings().staging_root)
+    jobs = []
+    for spec_file in root.glob("*/spec.json"):
+        spec = _read_json(spec_file)
+        if spec is None:
+            continue
+        state = _read_json(spec_file.parent / "state.json") or {}
+        attempts = state.get("attempts") or []
+        started = attempts[0]["started_at"] if attempts else None
+        ended = attempts[-1].get("ended_at") if attempts else None
+        status = state.get("status", "staged")
+        end = ended if ended is not None else (time.time() if status == "running" else None)
+        jobs.append({
+            "job_id": spec["job_id"], "name": spec.get("name"), "status": status, "attempts": len(attempts),
+            "restarts": state.get("restarts", 0), "preemptions": state.get("preemptions", 0),
+            "gpus": spec["resources"]["gpus"], "gpu_type": spec["resources"].get("gpu_type"),
+            "backend": spec.get("backend"), "tags": spec.get("tags") or {},
+            "created_at": state.get("created_at") or spec_file.stat().st_mtime,
+            "started_at": started, "ended_at": ended,
+            "duration_s": (end - started) if started is not None and end is not None else None,
+            "stop_reason": state.get("stop_reason"), "run_dir": str(spec_file.parent),
+        })
+    return sorted(jobs, key=lambda j: j["created_at"], reverse=True)
+
+
+def _format_seconds(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(round(seconds))
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d{hours:02d}h{minutes:02d}m"
+    if hours:
+        return f"{hours}h{minutes:02d}m{secs:02d}s"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def _format_time(ts: float | None) -> str:
+    return "-" if ts is None else _dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+_STATUS_STYLE = {"succeeded": "green", "failed": "red", "timed_out": "red", "running": "cyan",
+                 "stopped": "yellow", "cancelled": "yellow", "staged": "dim"}
+
+
+def cmd_jobs(args) -> int:
+    jobs = list_jobs()
+    if args.status:
+        jobs = [j for j in jobs if j["status"] == args.status]
+    if args.limit:
+        jobs = jobs[: args.limit]
+    if args.json:
+        for job in jobs:
+            print(json.dumps(job))
+        return EXIT_OK
+    from rich.table import Table
+
+    out = console()
+    if not jobs:
+        out.print("no jobs" + (f" with status {args.status!r}" if args.status else ""))
+        return EXIT_OK
+    table = Table(title="sparkgpu jobs")
+    for name, justify in (("job id", "left"), ("status", "left"), ("GPUs", "right"), ("attempts", "right"),
+                          ("restarts", "right"), ("started", "left"), ("duration", "right"), ("tags", "left")):
+        table.add_column(name, justify=justify, no_wrap=name in ("job id", "started"))
+    for job in jobs:
+        style = _STATUS_STYLE.get(job["status"], "")
+        table.add_row(
+            job["job_id"], f"[{style}]{job['status']}[/]" if style else job["status"],
+            f"{job['gpus']} x {job['gpu_type'] or 'auto'}", str(job["attempts"]), str(job["restarts"]),
+            _format_time(job["started_at"]), _format_seconds(job["duration_s"]),
+            ",".join(f"{k}={v}" for k, v in job["tags"].items()),
+        )
+    out.print(table)
+    return EXIT_OK
+
+
+# -- logs ----------------------------------------------------------------------------------
+def register_logs(subparsers) -> None:
+    p = subparsers.add_parser("logs", help="print (or follow) a job's rank logs")
+    p.add_argument("job_id", help="job id, or a unique prefix of one")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--rank", type=int, default=0, help="rank whose log to print (default 0)")
+    which.add_argument("--all", action="store_true", help="every rank, each line prefixed [rankN]")
+    p.add_argument("--attempt", type=int, help="attempt number (default: the latest)")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing new lines until the job ends")
+    p.set_defaults(handler=cmd_logs)
+
+
+def find_run_dir(job_id: str, staging_root: Path | None = None) -> Path:
+    """The run dir of ``job_id`` or of the one job whose id starts with it.
+
+    Raises:
+        ConfigurationError: no job, or several, match; names them.
+    """
+    from sparkgpu.config import settings
+
+    root = Path(staging_root or settings().staging_root)
+    if (root / job_id / "spec.json").exists():
+        return root / job_id
+    matches = sorted(p.parent for p in root.glob(f"{job_id}*/spec.json"))
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        raise ConfigurationError(f"no job {job_id!r} under {root}; `sparkgpu jobs` lists the jobs there")
+    names = ", ".join(m.name for m in matches[:5])
+    raise ConfigurationError(f"{job_id!r} matches {len(matches)} jobs ({names}, ...); give more of the id")
+
+
+def _attempts(run_dir: Path) -> list[int]:
+    return sorted(int(p.name) for p in (run_dir / "attempts").glob("*") if p.name.isdigit())
+
+
+class _RawTail:
+    """Copies new bytes of one file to a text stream, as they appear."""
+
+    def __init__(self, path: Path, out):
+        self.path, self.out, self.offset = path, out, 0
+
+    def pump(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        if data:
+            self.offset += len(data)
+            self.out.write(data.decode(errors="replace"))
+            self.out.flush()
+
+    def finish(self) -> None:
+        self.pump()
+
+
+def cmd_logs(args) -> int:
+    from sparkgpu.launch.logs import LogStreamer
+    from sparkgpu.launch.payload import RunDir
+
+    run_dir = find_run_dir(args.job_id)
+    rd = RunDir(run_dir)
+    spec = _read_json(rd.spec_file) or {}
+    world_size = spec.get("resources", {}).get("gpus", 1)
+    if not args.all and not 0 <= args.rank < world_size:
+        raise ConfigurationError(f"--rank {args.rank}: job {rd.job_id} has ranks 0..{world_size - 1}")
+    attempts = _attempts(run_dir)
+    if args.attempt is not None and args.attempt not in attempts:
+        raise ConfigurationError(f"--attempt {args.attempt}: job {rd.job_id} has attempts {attempts or 'none yet'}")
+    attempt = args.attempt if args.attempt is not None else (attempts[-1] if attempts else 0)
+
+    def tail_for(k: int):
+        if args.all:
+            return LogStreamer(rd, k, world_size, None, sys.stdout)
+        return _RawTail(rd.log_file(k, args.rank), sys.stdout)
+
+    tail = tail_for(attempt)
+    if not args.follow:
+        if not args.all and not rd.log_file(attempt, args.rank).exists():
+            raise ConfigurationError(f"job {rd.job_id} has no log for rank {args.rank} in attempt {attempt} yet")
+        tail.finish()
+        return EXIT_OK
+    while True:
+        tail.pump()
+        state = _read_json(rd.state_file) or {}
+        newest = len(state.get("attempts") or []) - 1
+        if args.attempt is None and newest > attempt:  # a restart: follow the new attempt
+            tail.finish()
+            attempt = newest
+            print(f"--- attempt {attempt} ---", flush=True)
+            tail = tail_for(attempt)
+            continue
+        if state.get("status") not in (None, "pending", "running"):
+            tail.finish()
+            return EXIT_OK
+        time.sleep(0.25)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

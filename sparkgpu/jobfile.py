@@ -1,0 +1,242 @@
+"""Job files: a training script and everything ``@distributed`` takes, in YAML or TOML.
+
+```yaml
+# ctr.yaml: run with `sparkgpu run ctr.yaml` (from cron, Airflow, CI, ...)
+script: train.py              # relative to this file
+args: [--epochs, "3"]
+name: ctr-nightly
+gpus: 8
+gpu_type: H100
+remote: true
+max_runtime: 7d
+max_restarts: 2
+tags: {team: ml, project: ctr}
+env: {HF_HOME: /local_disk0/hf}
+```
+
+The script runs on every rank as ``python train.py ARGS`` would run it (``__name__ ==
+"__main__"``, ``sys.argv``, its folder first on ``sys.path``), inside a job whose process
+group is already set up. Its source travels with the job, so workers that lack the file
+(a remote pool) run the same code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import os
+import runpy
+import sys
+from pathlib import Path
+from typing import Any, Mapping
+
+from sparkgpu.errors import ConfigurationError
+
+__all__ = ["JobFile", "ScriptRunner", "JOB_FILE_SUFFIXES"]
+
+JOB_FILE_SUFFIXES = (".yaml", ".yml", ".toml", ".json")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)  # slots: no __dict__ for functools.update_wrapper to copy
+class ScriptRunner:
+    """A picklable callable that runs a Python script as ``__main__`` on a rank.
+
+    Attributes:
+        path: Absolute path of the script on the client.
+        source: Its text, for workers where the path does not hold the same file.
+        argv: Arguments after the script name.
+        env: Environment variables set before the script starts.
+    """
+
+    path: str
+    source: str
+    argv: tuple[str, ...] = ()
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_path(cls, path: str | os.PathLike, argv=(), env=None) -> "ScriptRunner":
+        """Reads the script now, so the job runs the code as it was at launch.
+
+        Raises:
+            ConfigurationError: the script does not exist or is not readable text.
+        """
+        path = Path(path).expanduser().resolve()
+        if not path.is_file():
+            raise ConfigurationError(f"script {str(path)!r} does not exist; pass the path of a .py file")
+        try:
+            source = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigurationError(f"cannot read script {str(path)!r}: {exc}") from None
+        return cls(str(path), source, tuple(str(a) for a in argv), {str(k): str(v) for k, v in (env or {}).items()})
+
+    @property
+    def __name__(self) -> str:  # DistributedFunction names the job after its function
+        return Path(self.path).stem
+
+    def _script_file(self) -> str:
+        """The client's file when it is the same code here, else a copy in the run dir."""
+        digest = hashlib.sha256(self.source.encode()).hexdigest()
+        try:
+            if hashlib.sha256(Path(self.path).read_bytes()).hexdigest() == digest:
+                return self.path
+        except OSError:
+            pass  # the file is not on this machine: materialise it below
+        from sparkgpu import runtime
+
+        base = Path(os.environ.get(runtime.ENV_RUN_DIR) or Path.home() / ".cache" / "sparkgpu") / "scripts" / digest[:16]
+        target = base / Path(self.path).name
+        if not target.exists():
+            base.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+            tmp.write_text(self.source)
+            os.replace(tmp, target)  # ranks racing here write identical bytes
+        return str(target)
+
+    def __call__(self) -> None:
+        script = self._script_file()
+        os.environ.update(self.env)
+        saved_argv, saved_path = sys.argv[:], sys.path[:]
+        sys.argv = [script, *self.argv]
+        sys.path.insert(0, os.path.dirname(script))
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as exc:
+            if exc.code not in (None, 0):  # `sys.exit(0)` at the end of a script is success
+                raise
+        finally:
+            sys.argv, sys.path[:] = saved_argv, saved_path
+        return None
+
+
+_FIELDS: dict[str, str] = {
+    "script": "path of the .py file, relative to the job file",
+    "args": "list of arguments passed to the script",
+    "name": "job name",
+    "gpus": "number of GPUs (ranks)",
+    "gpu_type": "GPU type such as H100, A10, or cpu",
+    "remote": "true to run on the remote GPU pool",
+    "max_runtime": "cap on one attempt, e.g. 7d",
+    "timeout": "limit on the whole job, e.g. 12h",
+    "checkpoint_grace": "seconds before max_runtime at which ranks checkpoint, e.g. 5m",
+    "max_restarts": "attempts restarted after a failure",
+    "tags": "mapping of tags for cost attribution, e.g. {team: ml}",
+    "log_ranks": "ranks whose output streams: main, all, none or a list",
+    "env": "mapping of environment variables for the script",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class JobFile:
+    """A job as a file describes it; see the module docstring for the fields."""
+
+    script: str
+    args: tuple[str, ...] = ()
+    name: str | None = None
+    gpus: int = 1
+    gpu_type: str | None = None
+    remote: bool = False
+    max_runtime: Any = None
+    timeout: Any = None
+    checkpoint_grace: Any = "60s"
+    max_restarts: int = 0
+    tags: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    log_ranks: Any = "main"
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    source: str = "command line"
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "JobFile":
+        """Reads and validates a job file (YAML, TOML or JSON).
+
+        Raises:
+            ConfigurationError: unreadable file, unknown field or wrong value; names the field.
+        """
+        from sparkgpu.usage._files import parse_document
+
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ConfigurationError(f"cannot read job file {str(path)!r} ({exc.strerror})") from None
+        data = parse_document(text, path, what="job file")
+        return cls.from_dict(data, base_dir=path.resolve().parent, source=f"job file {str(path)!r}")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], base_dir: str | os.PathLike = ".", source: str = "job") -> "JobFile":
+        """Validates each field of ``data``; ``script`` is resolved against ``base_dir``.
+
+        Raises:
+            ConfigurationError: naming the field, what it expects and what it got.
+        """
+        unknown = [k for k in data if k not in _FIELDS]
+        if unknown:
+            hints = []
+            for key in unknown:
+                close = difflib.get_close_matches(str(key), list(_FIELDS), n=1)
+                hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise ConfigurationError(
+                f"{source}: unknown field(s) {', '.join(hints)}; known fields: {', '.join(_FIELDS)}"
+            )
+        if not data.get("script"):
+            raise ConfigurationError(f"{source}: field 'script' is required ({_FIELDS['script']})")
+
+        def bad(field: str, value) -> ConfigurationError:
+            return ConfigurationError(f"{source}: field {field!r} must be the {_FIELDS[field]}, got {value!r}")
+
+        values = dict(data)
+        if not isinstance(values["script"], str):
+            raise bad("script", values["script"])
+        values["script"] = str((Path(base_dir) / values["script"]).resolve())
+        args = values.get("args", ())
+        if isinstance(args, str) or not isinstance(args, (list, tuple)):
+            raise bad("args", args)
+        values["args"] = tuple(str(a) for a in args)
+        for field in ("tags", "env"):
+            value = values.get(field) or {}
+            if not isinstance(value, Mapping) or any(isinstance(v, (dict, list)) for v in value.values()):
+                raise bad(field, value)
+            values[field] = {str(k): str(v) for k, v in value.items()}
+        for field in ("gpus", "max_restarts"):
+            if field in values and (isinstance(values[field], bool) or not isinstance(values[field], int)):
+                raise bad(field, values[field])
+        if "remote" in values and not isinstance(values["remote"], bool):
+            raise bad("remote", values["remote"])
+        for field in ("name", "gpu_type"):
+            if values.get(field) is not None and not isinstance(values[field], str):
+                raise bad(field, values[field])
+        job = cls(**values, source=source)
+        job.build()  # every other check (durations, gpu_type, log_ranks) as @distributed does it
+        return job
+
+    def with_overrides(self, **overrides) -> "JobFile":
+        """A copy with the fields the command line gave (``None`` means "not given")."""
+        given = {k: v for k, v in overrides.items() if v is not None}
+        if "tags" in given:
+            given["tags"] = {**self.tags, **given["tags"]}
+        if "env" in given:
+            given["env"] = {**self.env, **given["env"]}
+        return dataclasses.replace(self, **given)
+
+    def runner(self) -> ScriptRunner:
+        return ScriptRunner.from_path(self.script, self.args, self.env)
+
+    def build(self, callbacks=None):
+        """The :class:`~sparkgpu.decorator.DistributedFunction` that runs this job.
+
+        Raises:
+            ConfigurationError: a field is invalid; the message names the job file.
+        """
+        from sparkgpu.decorator import distributed
+
+        log_ranks = None if self.log_ranks in ("none", "None") else self.log_ranks
+        try:
+            runner = self.runner()
+            return distributed(
+                runner, gpus=self.gpus, gpu_type=self.gpu_type, remote=self.remote, timeout=self.timeout,
+                max_runtime=self.max_runtime, checkpoint_grace=self.checkpoint_grace,
+                max_restarts=self.max_restarts, log_ranks=log_ranks, name=self.name or Path(self.script).stem,
+                tags=dict(self.tags), callbacks=callbacks,
+            )
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"{self.source}: {exc}") from None
