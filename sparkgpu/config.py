@@ -156,6 +156,14 @@ class Settings:
             (``SPARKGPU_WARM_POOL=1``).
         pool_idle_timeout: Seconds the warm pool waits for work before it stops itself
             (``SPARKGPU_POOL_IDLE_TIMEOUT``, default 3600).
+        env_size_limit: Most bytes of client environment shipped to the workers
+            (``SPARKGPU_ENV_SIZE_LIMIT``, default ``15GB``).
+        env_store: Store of staged environment blobs, a path or fsspec URL
+            (``SPARKGPU_ENV_STORE``, default ``<home>/envstore``).
+        env_exclude: Distribution names or patterns never shipped (``SPARKGPU_ENV_EXCLUDE``,
+            comma-separated, e.g. ``nvidia-*,torch``).
+        env_worker_lock: What the workers' image already has: a lock file or probe JSON
+            (``SPARKGPU_ENV_WORKER_LOCK``), ``None`` when unknown.
     """
 
     home: Path
@@ -175,6 +183,10 @@ class Settings:
     user: str = ""
     warm_pool: bool = False
     pool_idle_timeout: float = 3600.0
+    env_size_limit: int = 15 * 1000**3
+    env_store: str = ""
+    env_exclude: tuple[str, ...] = ()
+    env_worker_lock: str | None = None
 
     @classmethod
     def from_env(cls, env=None) -> "Settings":
@@ -207,6 +219,10 @@ class Settings:
             user=env.get("SPARKGPU_USER") or _login_name(env),
             warm_pool=(env.get("SPARKGPU_WARM_POOL") or "0").lower() in ("1", "true", "yes", "on"),
             pool_idle_timeout=_env_float(env, "SPARKGPU_POOL_IDLE_TIMEOUT", 3600.0),
+            env_size_limit=parse_bytes(env.get("SPARKGPU_ENV_SIZE_LIMIT") or "15GB", "SPARKGPU_ENV_SIZE_LIMIT"),
+            env_store=env.get("SPARKGPU_ENV_STORE") or str(home / "envstore"),
+            env_exclude=tuple(p.strip() for p in (env.get("SPARKGPU_ENV_EXCLUDE") or "").split(",") if p.strip()),
+            env_worker_lock=env.get("SPARKGPU_ENV_WORKER_LOCK") or None,
         )
 
 

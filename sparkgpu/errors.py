@@ -21,6 +21,8 @@ __all__ = [
     "CheckpointError",
     "PolicyViolationError",
     "PermissionDeniedError",
+    "EnvironmentTooLargeError",
+    "EnvironmentMismatchError",
 ]
 
 
@@ -77,6 +79,17 @@ class PermissionDeniedError(SparkGPUError, PermissionError):
 
     The message names the permission that is missing, on which object, and who can grant it.
     """
+
+
+class EnvironmentTooLargeError(SparkGPUError):
+    """The environment to ship to the workers is over the size limit.
+
+    The message lists the largest distributions and how to leave them out.
+    """
+
+
+class EnvironmentMismatchError(SparkGPUError):
+    """The client's Python, torch or platform cannot run on the workers; names both versions."""
 
 
 class RankFailure:
