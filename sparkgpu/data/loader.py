@@ -84,8 +84,8 @@ def dataset(
             costs tens of microseconds, less than handing it between threads); with workers,
             per worker (0 means 2).
         pin_memory: Put batches in page-locked memory, for fast, asynchronous copies to a GPU.
-        device: Deliver batches on this device (e.g. ``"cuda"``); the copy of the next batch
-            runs on a side CUDA stream while the current one is used.
+        device: Deliver batches on this device (e.g. ``"cuda"``; implies ``pin_memory``): the
+            copy of the next batch runs on a side CUDA stream while the current one is used.
         cache_limit: Most bytes of shards kept in the cache (int, or a string like ``"200GB"``);
             default ``SPARKGPU_CACHE_LIMIT`` or no limit. Shards needed furthest in the
             future are evicted first.
@@ -126,6 +126,7 @@ def dataset(
     if limit is not None and remote is None:
         raise ConfigurationError("cache_limit applies to a cache of a remote volume; with remote=None the shards in local are the only copy")
     device = _check_device(device)
+    pin_memory = pin_memory or device is not None  # asynchronous host-to-device copies need pinned memory
     if pin_memory and not _cuda_available():
         warnings.warn("pin_memory=True needs CUDA, which is not available here; batches stay in ordinary memory", stacklevel=2)
         pin_memory = False
@@ -187,6 +188,7 @@ class MDSLoader:
         self._order_pool = None
         self._producer = None
         self._workers = None  # the DataLoader of num_workers > 0, created on first use
+        self._splitter = BatchDecoder(index.columns, allocate=None)
 
     # Position.
 
@@ -250,9 +252,14 @@ class MDSLoader:
             self.epoch, self._consumed = self.epoch + 1, 0
             plan = self._plan(self.epoch, 0)
         start, step = self._consumed, self.batch_size * self.world_size
+        # Fixed-width batches travel as one buffer of gathered rows (one shared-memory transfer
+        # from a worker, one pin, one host-to-device copy) and become column views at the end.
         source = self._in_process(plan) if self.num_workers == 0 else self._in_workers(start)
-        if self.device is not None and self.device.type == "cuda":
+        if self.device is not None:
             source = _prefetch_to_device(source, self.device)
+        if self._splitter.fixed_width:
+            split = self._splitter.split_rows
+            source = (split(batch) if isinstance(batch, torch.Tensor) else batch for batch in source)
         try:
             for number, batch in enumerate(source, 1):
                 # Counted when handed out: a checkpoint taken after this step resumes after it.
@@ -304,7 +311,7 @@ class MDSLoader:
     def _in_process(self, plan: EpochPlan):
         if self._producer is None:
             self._producer = _Producer(self._producer_spec(), pinned=self.pin_memory)
-        batches = self._producer.run(plan, range(plan.num_batches))
+        batches = self._producer.run(plan, range(plan.num_batches), raw_rows=True)
         return _background(batches, self.prefetch_batches) if self.prefetch_batches else batches
 
     def _in_workers(self, start: int):
@@ -316,12 +323,8 @@ class MDSLoader:
                 _WorkerBatches(self._producer_spec(), self._worker_position), batch_size=None, num_workers=self.num_workers,
                 pin_memory=self.pin_memory, prefetch_factor=self.prefetch_batches or 2, persistent_workers=True,
             )
-            self._splitter = BatchDecoder(self.index.columns, allocate=None)
         self._worker_position[0], self._worker_position[1] = self.epoch, start
-        split = self._splitter.split_rows
-        # Fixed-width batches cross the process boundary as one buffer (one shared-memory
-        # transfer, one pin) and are split into column views here.
-        return (split(batch) if isinstance(batch, torch.Tensor) else batch for batch in self._workers)
+        return iter(self._workers)
 
     def _producer_spec(self) -> dict:
         return {
@@ -499,11 +502,17 @@ def _background(batches, depth: int):
 
 
 def _prefetch_to_device(batches, device):
-    """Copies each batch to ``device`` on a side stream while the previous one is used."""
+    """Copies each batch (a buffer of rows, or a dict) to ``device`` on a side stream, one ahead.
+
+    Pinned sources make the copies asynchronous: the next batch crosses the bus while the
+    training step runs on the current one.
+    """
     stream = torch.cuda.Stream(device=device)
 
     def move(batch):
         with torch.cuda.stream(stream):
+            if isinstance(batch, torch.Tensor):
+                return batch.to(device, non_blocking=True)
             return {k: _to_device(v, device) for k, v in batch.items()}
 
     iterator = iter(batches)
@@ -531,7 +540,7 @@ def _to_device(value, device):
 def _hand_over(batch, stream, device):
     consumer = torch.cuda.current_stream(device)
     consumer.wait_stream(stream)
-    for value in batch.values():
+    for value in [batch] if isinstance(batch, torch.Tensor) else batch.values():
         for tensor in value if isinstance(value, list) else [value]:
             if isinstance(tensor, torch.Tensor):
                 # Memory allocated on the side stream is now used on the consumer's: tell the

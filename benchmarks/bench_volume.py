@@ -1,0 +1,175 @@
+"""Remote volume against the local NVMe cache: epoch 1 from the volume, epoch 2 from the cache.
+
+Question: does the loader keep up with the volume on the first epoch (downloads planned from
+the known order, in parallel, ahead of the reader), and what does the cache buy afterwards?
+
+The volume is a real HTTP server on loopback (Python's ThreadingHTTPServer in its own
+process) serving MDS shards of tabular samples (32 float32 + 1 int64). Measured in one run:
+  * ceiling: the volume's raw rate, all shard files fetched by a plain parallel download
+    (as many threads as the loader uses, and one thread);
+  * sparkgpu.data.dataset: epoch 1 (cold cache, everything comes over HTTP) and epoch 2
+    (from the cache), through sparkgpu.data.report.volume_report;
+  * peer: streaming.StreamingDataset reading the same shards straight from the volume
+    (StreamingDataset has no http:// downloader: the benchmark registers a plain urllib one,
+    like its S3/GCS downloaders wrap their SDKs), with a torch DataLoader, for at most
+    --peer-seconds of its epoch 1.
+Results: benchmarks/results/volume.json and volume.png.
+
+    python benchmarks/bench_volume.py                     # about 1-2 minutes on 2 cores
+    python benchmarks/bench_volume.py --samples 500000    # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+ROW_BYTES = 32 * 4 + 8
+RESULTS = Path(__file__).resolve().parent / "results"
+
+_SERVER = """
+import functools, http.server, sys
+handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=sys.argv[1])
+handler.func.log_message = lambda *args: None
+http.server.ThreadingHTTPServer.daemon_threads = True
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+
+def start_server(folder: Path):
+    proc = subprocess.Popen([sys.executable, "-c", _SERVER, str(folder)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    return proc, f"http://127.0.0.1:{int(proc.stdout.readline())}"
+
+
+def write_dataset(path: Path, samples: int, shard_bytes: int, compression) -> None:
+    import pyarrow as pa
+
+    from sparkgpu import data
+
+    rng = np.random.default_rng(0)
+    columns = {f"f{i:02d}": pa.array(rng.random(samples, dtype=np.float32)) for i in range(32)}
+    columns["label"] = pa.array(np.arange(samples, dtype=np.int64))
+    data.to_mds(pa.table(columns), str(path), size_limit=shard_bytes, hashes=["xxh64"], compression=compression, progress=False)
+
+
+def streaming_from_volume(remote: str, local: Path, batch_size: int, workers: int, seconds: float) -> dict:
+    import torch
+    from streaming import StreamingDataset
+    from streaming.base.storage import download
+    from streaming.base.util import clean_stale_shared_memory
+
+    class HTTPDownloader(download.CloudDownloader):
+        @staticmethod
+        def _client_identifier() -> str:
+            return "http"
+
+        def clean_up(self) -> None:
+            pass
+
+        def _download_file_impl(self, remote: str, local: str, timeout: float) -> None:
+            tmp = local + ".tmp"
+            with urllib.request.urlopen(remote, timeout=timeout) as response, open(tmp, "wb") as out:
+                shutil.copyfileobj(response, out, 8 << 20)
+            os.rename(tmp, local)
+
+    download.DOWNLOADER_MAPPINGS["http"] = HTTPDownloader
+    clean_stale_shared_memory()
+    ds = StreamingDataset(remote=remote, local=str(local), batch_size=batch_size, shuffle=False)
+    loader = torch.utils.data.DataLoader(ds, batch_size=batch_size, num_workers=workers)
+    started, samples = time.perf_counter(), 0
+    for batch in loader:
+        samples += len(batch["label"])
+        if time.perf_counter() - started > seconds:
+            break
+    elapsed = time.perf_counter() - started
+    downloaded = sum(p.stat().st_size for p in local.rglob("shard.*") if p.is_file())
+    result = {"workers": workers, "samples": samples, "seconds": elapsed, "samples_per_s": samples / elapsed,
+              "mb_per_s_delivered": samples * ROW_BYTES / elapsed / 1e6, "mb_per_s_downloaded": downloaded / elapsed / 1e6,
+              "complete_epoch": samples >= ds.num_samples}
+    print(f"  streaming.StreamingDataset from the volume (workers={workers}): {result['samples_per_s']:,.0f} samples/s, "
+          f"{result['mb_per_s_delivered']:.1f} MB/s delivered", flush=True)
+    return result
+
+
+def run(args) -> dict:
+    from sparkgpu.data.report import plot_volume_report, raw_parallel_download, volume_report
+    from sparkgpu.data.volume import Volume
+
+    work = Path(tempfile.mkdtemp(prefix="sparkgpu-bench-volume-", dir=args.work_dir))
+    server = None
+    try:
+        print(f"writing {args.samples:,} samples ({args.samples * ROW_BYTES / 1e6:.0f} MB) ...", flush=True)
+        write_dataset(work / "volume" / "ds", args.samples, args.shard_bytes, args.compression)
+        server, base = start_server(work / "volume")
+        remote = f"{base}/ds"
+        index = json.loads((work / "volume" / "ds" / "index.json").read_text())
+        files = [(s.get("zip_data") or s["raw_data"])["basename"] for s in index["shards"]]
+        one_thread = raw_parallel_download(Volume(remote), files, 1, work / "raw1")
+        print(f"  raw download, 1 thread: {one_thread['mb_per_s']:.0f} MB/s", flush=True)
+        report = volume_report(remote, local=work, batch_size=args.batch_size, download_threads=args.threads, shuffle=args.shuffle)
+        print(f"  raw parallel download, {args.threads} threads: {report['raw_parallel_download']['mb_per_s']:.0f} MB/s", flush=True)
+        for name in ("epoch1_from_volume", "epoch2_from_cache"):
+            epoch = report[name]
+            print(f"  sparkgpu {name}: {epoch['seconds']:.2f} s, {epoch['samples_per_s']:,.0f} samples/s, {epoch['mb_per_s']:.0f} MB/s", flush=True)
+        print(f"  epoch 1 / raw parallel download: {report['epoch1_vs_raw']:.0%} (target >= 70%)", flush=True)
+        peer = streaming_from_volume(remote, work / "streaming-cache", args.batch_size, args.workers, args.peer_seconds)
+        results = {
+            "sparkgpu": report,
+            "raw_download_one_thread": one_thread,
+            "streaming_from_volume": peer,
+            "ratios": {
+                "epoch1_vs_raw_parallel_download": report["epoch1_vs_raw"],
+                "epoch2_speedup_over_epoch1": report["epoch2_speedup"],
+                "epoch1_over_streaming_from_volume": report["epoch1_from_volume"]["samples_per_s"] / peer["samples_per_s"],
+                "target_epoch1_70pct_of_raw": report["epoch1_vs_raw"] >= 0.70,
+            },
+        }
+        plot_volume_report(report, args.out_png, extra={
+            "1 thread raw download": one_thread["mb_per_s"],
+            f"StreamingDataset from the volume\n(workers={args.workers}, delivered)": peer["mb_per_s_delivered"],
+        })
+        return results
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=10)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", type=int, default=2_000_000)
+    parser.add_argument("--shard-bytes", type=int, default=16 << 20)
+    parser.add_argument("--compression", default=None, help="e.g. zstd (random floats barely compress)")
+    parser.add_argument("--batch-size", type=int, default=1024)
+    parser.add_argument("--threads", type=int, default=8, help="parallel downloads, loader and raw alike")
+    parser.add_argument("--shuffle", action="store_true")
+    parser.add_argument("--workers", type=int, default=2, help="DataLoader workers of the StreamingDataset peer")
+    parser.add_argument("--peer-seconds", type=float, default=20.0)
+    parser.add_argument("--work-dir", default=None)
+    parser.add_argument("--out", default=str(RESULTS / "volume.json"))
+    args = parser.parse_args(argv)
+    args.out_png = str(Path(args.out).with_suffix(".png"))
+    results = run(args)
+    results["config"] = {k: v for k, v in vars(args).items()} | {"row_bytes": ROW_BYTES, "cpus": os.cpu_count(),
+                                                                  "machine": platform.machine(), "python": platform.python_version()}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2, default=str))
+    print(f"wrote {args.out} and {args.out_png}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""How fast a volume feeds training: raw download rate, a cold epoch through the cache, a warm one.
+
+``sparkgpu data bench URL`` prints this report; it answers "is my volume the bottleneck,
+and how much does the local cache buy me?" on the user's own data and network.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from sparkgpu.data.cache import open_cache_entry
+from sparkgpu.data.volume import Volume
+
+__all__ = ["volume_report", "raw_parallel_download", "plot_volume_report"]
+
+
+def raw_parallel_download(volume: Volume, files: list[str], threads: int, target: Path) -> dict:
+    """Downloads ``files`` with ``threads`` plain parallel downloads: the volume's own rate.
+
+    Returns:
+        ``{"threads", "bytes", "seconds", "mb_per_s"}``.
+    """
+    target.mkdir(parents=True, exist_ok=True)
+
+    def fetch(item):
+        number, name = item
+        local = target / f"{number}.bin"
+        volume.download(name, str(local))
+        return local.stat().st_size
+
+    started = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        total = sum(pool.map(fetch, enumerate(files)))
+    seconds = time.perf_counter() - started
+    shutil.rmtree(target, ignore_errors=True)
+    return {"threads": threads, "bytes": total, "seconds": seconds, "mb_per_s": total / seconds / 1e6}
+
+
+def volume_report(
+    remote: str,
+    *,
+    local: str | os.PathLike | None = None,
+    batch_size: int = 1024,
+    shuffle: bool = False,
+    download_threads: int = 8,
+    storage_options: dict | None = None,
+    png: str | os.PathLike | None = None,
+) -> dict:
+    """Measures one dataset on its volume: raw download, epoch 1 from the volume, epoch 2 from cache.
+
+    Works in a temporary cache folder (removed afterwards), so the user's cache is untouched
+    and epoch 1 is really cold.
+
+    Args:
+        remote: Volume URL of an MDS dataset.
+        local: Folder for the temporary cache (default ``SPARKGPU_CACHE_DIR``): put it on
+            the disk training would use.
+        batch_size: Samples per batch.
+        shuffle: Read in shuffled order.
+        download_threads: Parallel downloads, for the raw download and for the loader.
+        storage_options: Options for the volume's filesystem.
+        png: Where to draw the report as a picture (optional).
+
+    Returns:
+        A dict of figures: ``raw_parallel_download``, ``epoch1_from_volume``,
+        ``epoch2_from_cache`` (each with seconds, MB/s and, for epochs, samples/s),
+        ``epoch1_vs_raw`` and ``epoch2_speedup``.
+    """
+    from sparkgpu.config import settings
+    from sparkgpu.data.loader import dataset
+
+    volume = Volume(remote, storage_options)
+    root = Path(local) if local is not None else settings().cache_dir
+    root.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="sparkgpu-volume-report-", dir=root))
+    try:
+        _, index = open_cache_entry(scratch / "probe", volume)
+        files = [shard.remote_basename for shard in index.shards]
+        raw = raw_parallel_download(volume, files, download_threads, scratch / "raw")
+        loader = dataset(remote=remote, local=scratch / "cache", batch_size=batch_size, shuffle=shuffle,
+                         download_threads=download_threads, storage_options=storage_options)
+        epochs = []
+        for _ in range(2):
+            started, samples = time.perf_counter(), 0
+            for batch in loader:
+                samples += _batch_len(batch)
+            seconds = time.perf_counter() - started
+            epochs.append({"samples": samples, "seconds": seconds, "samples_per_s": samples / seconds,
+                           "mb_per_s": raw["bytes"] / seconds / 1e6})
+        loader.close()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    report = {
+        "remote": volume.url, "shards": len(files), "samples": index.num_samples, "volume_bytes": raw["bytes"],
+        "batch_size": batch_size, "shuffle": shuffle, "download_threads": download_threads,
+        "raw_parallel_download": raw, "epoch1_from_volume": epochs[0], "epoch2_from_cache": epochs[1],
+        "epoch1_vs_raw": epochs[0]["mb_per_s"] / raw["mb_per_s"],
+        "epoch2_speedup": epochs[0]["seconds"] / epochs[1]["seconds"],
+    }
+    if png is not None:
+        plot_volume_report(report, png)
+    return report
+
+
+def _batch_len(batch: dict) -> int:
+    value = next(iter(batch.values()))
+    return len(value)
+
+
+def plot_volume_report(report: dict, path: str | os.PathLike, extra: dict | None = None) -> None:
+    """Draws MB/s of the raw download and of both epochs (plus ``extra`` name -> MB/s bars).
+
+    Raises:
+        MissingDependencyError: matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        from sparkgpu.errors import MissingDependencyError
+
+        raise MissingDependencyError("drawing the volume report", "pip install matplotlib") from None
+    bars = {
+        f"raw parallel download\n({report['download_threads']} threads)": report["raw_parallel_download"]["mb_per_s"],
+        "epoch 1: volume -> cache\n-> batches": report["epoch1_from_volume"]["mb_per_s"],
+        "epoch 2: from the cache": report["epoch2_from_cache"]["mb_per_s"],
+    }
+    bars.update(extra or {})
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    colors = ["tab:gray"] + ["tab:green"] * 2 + ["tab:blue"] * (len(bars) - 3)
+    ax.bar(list(bars), list(bars.values()), color=colors)
+    ax.set_yscale("log")
+    ax.set_ylabel("MB/s of shards (log scale)")
+    for i, value in enumerate(bars.values()):
+        ax.text(i, value, f"{value:,.0f}", ha="center", va="bottom", fontsize=9)
+    ax.set_title(f"{report['remote']}: {report['samples']:,} samples, {report['volume_bytes'] / 1e6:,.0f} MB in {report['shards']} shards")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
