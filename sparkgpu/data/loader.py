@@ -25,24 +25,23 @@ from __future__ import annotations
 import concurrent.futures
 import multiprocessing
 import os
-import queue
-import threading
 import warnings
 
 import numpy as np
 import torch
 
 from sparkgpu.config import parse_bytes
-from sparkgpu.data.cache import ShardCache, open_cache_entry
+from sparkgpu.data.cache import open_cache_entry
 from sparkgpu.data.order import DEFAULT_BLOCK_SIZE, EpochPlan, epoch_order
-from sparkgpu.data.reader import INDEX_NAME, BatchDecoder, DatasetIndex, ShardReader
+from sparkgpu.data._pipeline import Producer, WorkerBatches, in_background, prefetch_to_device
+from sparkgpu.data.decode import BatchDecoder
+from sparkgpu.data.reader import INDEX_NAME, DatasetIndex
 from sparkgpu.data.volume import Volume
 from sparkgpu.errors import ConfigurationError, DataError
 
 __all__ = ["dataset", "MDSLoader"]
 
 _STATE_VERSION = 1
-_MAX_OPEN_SHARDS = 32
 
 
 def dataset(
@@ -256,7 +255,7 @@ class MDSLoader:
         # from a worker, one pin, one host-to-device copy) and become column views at the end.
         source = self._in_process(plan) if self.num_workers == 0 else self._in_workers(start)
         if self.device is not None:
-            source = _prefetch_to_device(source, self.device)
+            source = prefetch_to_device(source, self.device)
         if self._splitter.fixed_width:
             split = self._splitter.split_rows
             source = (split(batch) if isinstance(batch, torch.Tensor) else batch for batch in source)
@@ -310,9 +309,9 @@ class MDSLoader:
 
     def _in_process(self, plan: EpochPlan):
         if self._producer is None:
-            self._producer = _Producer(self._producer_spec(), pinned=self.pin_memory)
+            self._producer = Producer(self._producer_spec(), pinned=self.pin_memory)
         batches = self._producer.run(plan, range(plan.num_batches), raw_rows=True)
-        return _background(batches, self.prefetch_batches) if self.prefetch_batches else batches
+        return in_background(batches, self.prefetch_batches) if self.prefetch_batches else batches
 
     def _in_workers(self, start: int):
         # Workers persist across epochs (starting them costs more than a short epoch); each
@@ -320,7 +319,7 @@ class MDSLoader:
         if self._workers is None:
             self._worker_position = multiprocessing.Array("q", 2, lock=False)
             self._workers = torch.utils.data.DataLoader(
-                _WorkerBatches(self._producer_spec(), self._worker_position), batch_size=None, num_workers=self.num_workers,
+                WorkerBatches(self._producer_spec(), self._worker_position), batch_size=None, num_workers=self.num_workers,
                 pin_memory=self.pin_memory, prefetch_factor=self.prefetch_batches or 2, persistent_workers=True,
             )
         self._worker_position[0], self._worker_position[1] = self.epoch, start
@@ -334,218 +333,6 @@ class MDSLoader:
             "shuffle_block_size": self.shuffle_block_size, "rank": self.rank, "world_size": self.world_size,
             "batch_size": self.batch_size, "drop_last": self.drop_last,
         }
-
-
-class _Producer:
-    """Decodes a plan's batches in this process: cache, open shards, decoder."""
-
-    def __init__(self, spec: dict, pinned: bool):
-        index = spec["index"]
-        volume = Volume(spec["volume_url"], spec["storage_options"]) if spec["volume_url"] else None
-        self.index = index
-        self.cache = ShardCache(spec["directory"], index, volume, spec["cache_limit"], spec["download_threads"])
-        self.decoder = BatchDecoder(index.columns, lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=pinned))
-        sizes = index.shard_sizes
-        self._ends = np.cumsum(sizes)
-        self._starts = self._ends - sizes
-        self._readers: dict[int, ShardReader] = {}
-        self._last_shards, self._last_readers = None, []
-        self._row_bytes = self.decoder.row_bytes
-
-    def run(self, plan: EpochPlan, batch_numbers, raw_rows: bool = False):
-        """Yields the decoded batches ``batch_numbers`` of ``plan``, in that order.
-
-        With ``raw_rows``, a fixed-width batch is yielded as its buffer of gathered rows
-        (:meth:`BatchDecoder.split_rows` turns it into columns).
-        """
-        decode = self.decoder.gather_rows if raw_rows and self.decoder.fixed_width else self.decoder.decode
-        batch_numbers = list(batch_numbers)
-        size = plan.batch_size
-        # Whole-epoch arrays once, so each batch costs slices, not searches.
-        shard_of = np.searchsorted(self._ends, plan.samples, side="right")
-        rows_of = plan.samples - self._starts[shard_of]
-        steps = _shards_per_batch(shard_of, size, batch_numbers, len(self._ends))
-        self.cache.set_plan(steps)
-        self._last_shards = None
-        for step, number in enumerate(batch_numbers):
-            shards = steps[step]
-            readers = self._open(step, shards)
-            lo, hi = number * size, (number + 1) * size
-            source_ids = None if len(shards) == 1 else np.searchsorted(shards, shard_of[lo:hi]).astype(np.int32)
-            try:
-                batch = decode(readers, source_ids, rows_of[lo:hi])
-            except IndexError as exc:
-                names = ", ".join(r.info.basename for r in readers)
-                raise DataError(f"a sample in shard(s) {names} points outside its shard ({exc}); the shard is damaged: "
-                                "clear it from the cache (sparkgpu cache clear) or write the dataset again") from None
-            yield batch
-
-    def _open(self, step: int, shards: np.ndarray) -> list[ShardReader]:
-        if shards is self._last_shards:
-            # Same shards as the batch before (the common case): nothing to fetch or open. The
-            # prefetcher hears of the reader's position when the set of shards changes.
-            return self._last_readers
-        paths = self.cache.acquire(step, shards)
-        keys = shards.tolist()
-        if any(s not in self._readers for s in keys):
-            if len(self._readers) > _MAX_OPEN_SHARDS:
-                self._readers = {s: r for s, r in self._readers.items() if s in set(keys)}
-            for shard, path in zip(keys, paths):
-                if shard not in self._readers:
-                    self._readers[shard] = self._read(shard, path)
-        self._last_shards, self._last_readers = shards, [self._readers[s] for s in keys]
-        return self._last_readers
-
-    def _read(self, shard: int, path) -> ShardReader:
-        info = self.index.shards[shard]
-        try:
-            return ShardReader(path, info, self._row_bytes)
-        except FileNotFoundError:  # evicted by another process between acquire and open
-            return ShardReader(self.cache.refetch(shard), info, self._row_bytes)
-
-    def close(self) -> None:
-        self.cache.close()
-        self._readers.clear()
-
-
-def _shards_per_batch(shard_of: np.ndarray, batch_size: int, batch_numbers: list[int], num_shards: int) -> list[np.ndarray]:
-    """The sorted shard positions each batch reads."""
-    if not len(shard_of):
-        return [np.empty(0, dtype=np.int64) for _ in batch_numbers]
-    # Most batches of a shard-aware order read one or two shards: a min/max per batch
-    # settles the first case without looking at the samples again.
-    bounds = np.arange(0, len(shard_of), batch_size)
-    low, high = np.minimum.reduceat(shard_of, bounds), np.maximum.reduceat(shard_of, bounds)
-    singles = {}
-    steps = []
-    for b in batch_numbers:
-        first, last = int(low[b]), int(high[b])
-        if first == last:
-            if first not in singles:
-                singles[first] = np.array([first], dtype=np.int64)
-            steps.append(singles[first])
-        else:
-            counts = np.bincount(shard_of[b * batch_size:(b + 1) * batch_size] - first, minlength=last - first + 1)
-            steps.append(np.flatnonzero(counts) + first)
-    return steps
-
-
-class _WorkerBatches(torch.utils.data.IterableDataset):
-    """What each DataLoader worker process iterates: its share of the rank's batches.
-
-    Worker ``w`` of ``k`` decodes batches ``w, w + k, ...``; the DataLoader takes one batch
-    from each worker in turn, which restores the rank's order exactly. ``position`` holds
-    ``(epoch, samples consumed)`` for the iteration that starts; the worker's cache and open
-    shards live as long as the worker.
-    """
-
-    def __init__(self, spec: dict, position):
-        self.spec, self.position = spec, position
-        self._producer = None
-        self._order = (None, None)
-
-    def __iter__(self):
-        info = torch.utils.data.get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        s = self.spec
-        epoch, start = int(self.position[0]), int(self.position[1])
-        if self._order[0] != epoch:
-            self._order = (epoch, epoch_order(s["index"].shard_sizes, shuffle=s["shuffle"], seed=s["seed"], epoch=epoch,
-                                              block_size=s["shuffle_block_size"]))
-        plan = EpochPlan.for_rank(self._order[1], start=start, rank=s["rank"], world_size=s["world_size"],
-                                  batch_size=s["batch_size"], drop_last=s["drop_last"])
-        if self._producer is None:
-            self._producer = _Producer(s, pinned=False)  # the DataLoader pins in the main process
-        yield from self._producer.run(plan, range(worker, plan.num_batches, workers), raw_rows=True)
-
-
-def _background(batches, depth: int):
-    """Runs ``batches`` on a thread, ``depth`` batches ahead of the consumer."""
-    done = object()
-    slots: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-
-    def produce():
-        try:
-            for batch in batches:
-                while not stop.is_set():
-                    try:
-                        slots.put(batch, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
-                    return
-            slots.put(done)
-        except BaseException as exc:  # handed to the consumer, which raises it
-            slots.put(exc)
-        finally:
-            batches.close()
-
-    thread = threading.Thread(target=produce, name="sparkgpu-batches", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item = slots.get()
-            if item is done:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        while thread.is_alive():  # unblock a producer waiting for a free slot
-            try:
-                slots.get_nowait()
-            except queue.Empty:
-                thread.join(timeout=0.05)
-
-
-def _prefetch_to_device(batches, device):
-    """Copies each batch (a buffer of rows, or a dict) to ``device`` on a side stream, one ahead.
-
-    Pinned sources make the copies asynchronous: the next batch crosses the bus while the
-    training step runs on the current one.
-    """
-    stream = torch.cuda.Stream(device=device)
-
-    def move(batch):
-        with torch.cuda.stream(stream):
-            if isinstance(batch, torch.Tensor):
-                return batch.to(device, non_blocking=True)
-            return {k: _to_device(v, device) for k, v in batch.items()}
-
-    iterator = iter(batches)
-    try:
-        ahead = move(next(iterator))
-    except StopIteration:
-        return
-    for batch in iterator:
-        current = ahead
-        _hand_over(current, stream, device)
-        ahead = move(batch)  # starts before `current` is used: the copy overlaps the step
-        yield current
-    _hand_over(ahead, stream, device)
-    yield ahead
-
-
-def _to_device(value, device):
-    if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True)
-    if isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
-        return [v.to(device, non_blocking=True) for v in value]
-    return value
-
-
-def _hand_over(batch, stream, device):
-    consumer = torch.cuda.current_stream(device)
-    consumer.wait_stream(stream)
-    for value in [batch] if isinstance(batch, torch.Tensor) else batch.values():
-        for tensor in value if isinstance(value, list) else [value]:
-            if isinstance(tensor, torch.Tensor):
-                # Memory allocated on the side stream is now used on the consumer's: tell the
-                # caching allocator, or it could hand the block out again too early.
-                tensor.record_stream(consumer)
 
 
 def _check_int(name, value, minimum):
