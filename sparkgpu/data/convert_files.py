@@ -122,14 +122,14 @@ def _balanced_groups(units: list[_Unit], workers: int) -> list[list[_Unit]]:
 def _dataset_units(dataset: pads.Dataset, workers: int) -> list[_Unit]:
     schema = dataset.schema
     fragments = list(dataset.get_fragments())
-    if len(fragments) < 4 * workers and all(isinstance(f, pads.ParquetFileFragment) for f in fragments):
-        # Few files: split them by row group so every worker gets a share.
+    split = len(fragments) < 4 * workers and all(isinstance(f, pads.ParquetFileFragment) for f in fragments)
+    if split:
+        # Few files: split them by row group so every worker gets a share. Only then are
+        # footers read up front (many remote files would make that slow).
         fragments = [piece for fragment in fragments for piece in fragment.split_by_row_group()]
 
     def unit(fragment) -> _Unit:
-        rows = None
-        if isinstance(fragment, pads.ParquetFileFragment) and fragment.row_groups:
-            rows = sum(group.num_rows for group in fragment.row_groups)
+        rows = sum(group.num_rows for group in fragment.row_groups) if split else None
 
         def batches(columns, use_threads):
             return fragment.to_batches(schema=schema, columns=columns, batch_size=_BATCH_ROWS, use_threads=use_threads)

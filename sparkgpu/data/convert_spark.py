@@ -81,9 +81,14 @@ class SparkSource:
             DataError: A task failed on the data (nulls, wrong array lengths...), with the
                 executor's message.
         """
+        from pyspark.sql import functions as F
+
         del max_workers
-        df = self.df.select(*[spec.name for spec in options.specs])
-        task = _PartitionTask(volume, options)
+        names = [spec.name for spec in options.specs]
+        # mapInArrow resolves its input columns by name and trips over names such as "a.b";
+        # plain positional aliases go in, the task puts the real names back.
+        df = self.df.select(*[F.col("`" + name.replace("`", "``") + "`").alias(f"_c{i}") for i, name in enumerate(names)])
+        task = _PartitionTask(volume, options, names)
         with _shipped_by_value(), _progress_handler(df.sparkSession, progress) as handler:
             try:
                 rows = df.mapInArrow(task, _RESULT_SCHEMA).collect()
@@ -105,9 +110,10 @@ class SparkSource:
 class _PartitionTask:
     """What each Spark task runs: its record batches in, one metadata row out."""
 
-    def __init__(self, volume: Volume, options: ShardOptions):
+    def __init__(self, volume: Volume, options: ShardOptions, names: list[str]):
         self.volume = volume
         self.options = options
+        self.names = names
 
     def __call__(self, batches):
         from pyspark import TaskContext
@@ -118,7 +124,7 @@ class _PartitionTask:
         # files of another; the commit removes folders the index does not list.
         writer = self.options.writer(self.volume, f"part-{partition:05d}-{context.taskAttemptId()}")
         for batch in batches:
-            writer.write_batch(batch)
+            writer.write_batch(pa.RecordBatch.from_arrays(batch.columns, names=self.names))
         shards = writer.finish()
         yield pa.RecordBatch.from_pydict(
             {"partition": [partition], "shards": [json.dumps(shards)]},

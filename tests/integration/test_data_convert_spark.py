@@ -74,14 +74,17 @@ def test_every_type_reads_back_row_for_row(spark, tmp_path):
     assert sorted(name.split("-")[1] for name in os.listdir(result.url) if name.startswith("part-")) == ["00000", "00001", "00002"]
 
 
-def test_fixed_shape_and_compression_through_spark(spark, tmp_path):
-    df = typed_frame(spark, rows=1000, partitions=2).select("id", "emb")
+def test_fixed_shape_selection_and_compression_through_spark(spark, tmp_path):
+    from pyspark.sql import functions as F
+
+    df = typed_frame(spark, rows=1000, partitions=2).select("id", "emb", "name", (F.col("id") * 2).alias("x.y"))
     result = data.to_mds(
-        df, str(tmp_path / "out"), columns={"id": None, "emb": "ndarray:float32:2,2"},
+        df, str(tmp_path / "out"), columns={"id": None, "emb": "ndarray:float32:2,2", "x.y": None},
         compression="zstd", hashes=["sha1"], progress=False,
     )
-    assert result.columns == {"id": "int64", "emb": "ndarray:float32:2,2"}
+    assert result.columns == {"id": "int64", "emb": "ndarray:float32:2,2", "x.y": "int64"}
     for i, sample in enumerate(streamed(result.url)):
+        assert sorted(sample) == ["emb", "id", "x.y"] and sample["x.y"] == 2 * i
         np.testing.assert_array_equal(sample["emb"], np.arange(i, i + 4, dtype=np.float32).reshape(2, 2))
 
 
@@ -196,7 +199,7 @@ def test_executor_code_runs_where_this_package_is_not_installed(tmp_path):
     from sparkgpu.data.mds_writer import ShardOptions
 
     schema = pa.schema([("id", pa.int64()), ("name", pa.string())])
-    task = _PartitionTask(Volume(str(tmp_path / "out")), ShardOptions.create(plan_columns(schema)))
+    task = _PartitionTask(Volume(str(tmp_path / "out")), ShardOptions.create(plan_columns(schema)), ["id", "name"])
     with _shipped_by_value():
         (tmp_path / "task.pkl").write_bytes(cloudpickle.dumps(task))
     script = textwrap.dedent(
@@ -227,3 +230,27 @@ def test_executor_code_runs_where_this_package_is_not_installed(tmp_path):
     shards = json.loads(row["shards"])
     assert row["partition"] == 3 and shards[0]["samples"] == 2
     assert (tmp_path / "out" / "part-00003-17" / "shard.00000.mds").exists()
+
+
+def test_classic_spark_session_converts_too(tmp_path):
+    """A classic (non-Connect) session: same mapInArrow path, plan read through py4j."""
+    script = textwrap.dedent(
+        f"""
+        import json, os, sys
+        os.environ["PYSPARK_PYTHON"] = sys.executable
+        sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))!r})
+        from pyspark.sql import SparkSession, functions as F
+        from sparkgpu.data.convert import data_fingerprint, ensure_mds
+        spark = SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false").getOrCreate()
+        df = spark.range(0, 3000, numPartitions=3).select("id", (F.col("id") / 3).alias("x"))
+        first = ensure_mds(df, {str(tmp_path / "cache")!r}, progress=False)
+        again = ensure_mds(df, {str(tmp_path / "cache")!r}, progress=False)
+        print(json.dumps([type(df).__module__, first.url, first.samples, first.reused, again.reused]))
+        spark.stop()
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stderr[-3000:]
+    module, url, samples, first_reused, again_reused = json.loads(done.stdout.strip().splitlines()[-1])
+    assert module.startswith("pyspark.sql.classic") and samples == 3000 and not first_reused and again_reused
+    assert [int(s["id"]) for s in streamed(url)] == list(range(3000))
