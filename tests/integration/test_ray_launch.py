@@ -1,0 +1,152 @@
+"""`@ray_launch` on real processes: real `ray start` nodes on the ranks of a gloo job.
+
+Ray starts slowly on a small machine (10-20 s per cluster), so this module starts three
+clusters in all: a task graph over two Ray nodes, a failing task on one Ray node, and a
+driver that dies hard.
+"""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+
+from sparkgpu import WorkerFailedError, runtime
+from sparkgpu.launch.payload import RunDir
+from sparkgpu.ray import ray_launch, read_cluster_info
+
+pytest.importorskip("ray", reason="@ray_launch needs ray: pip install 'sparkgpu[ray]'")
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+_RAY_NAMES = ("raylet", "gcs_server")
+
+
+def ray_processes() -> set[tuple[int, float]]:
+    """Ray's processes on this host: daemons, `ray start`, agents and worker processes."""
+    found = set()
+    for proc in psutil.process_iter(["name", "cmdline", "create_time"]):
+        try:
+            name = proc.info["name"] or ""
+            cmdline = " ".join(proc.info["cmdline"] or ())
+        except psutil.Error:
+            continue
+        if name in _RAY_NAMES or cmdline.startswith("ray::") or "ray.scripts.scripts" in cmdline \
+                or "site-packages/ray/" in cmdline:
+            found.add((proc.pid, proc.info["create_time"]))
+    return found
+
+
+def assert_no_new_ray_process(before: set, within: float = 15.0) -> None:
+    deadline = time.monotonic() + within
+    while (left := ray_processes() - before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    described = []
+    for pid, _ in left:
+        try:
+            described.append(" ".join(psutil.Process(pid).cmdline())[:160])
+        except psutil.Error:
+            continue
+    assert not described, f"Ray processes survived the call: {described}"
+
+
+@ray_launch(gpus=2, gpu_type="cpu", ray_nodes="per_rank", timeout="6m")
+def squares_on_every_node(n):
+    import os
+
+    import ray
+
+    @ray.remote(num_cpus=1)
+    def square(x):
+        time.sleep(0.5)  # both nodes' single CPU stay busy, so the tasks cannot pile up on one
+        return x * x, ray.get_runtime_context().get_node_id()
+
+    @ray.remote(num_cpus=1)
+    def total(*parts):
+        return sum(value for value, _ in parts)
+
+    refs = [square.options(scheduling_strategy="SPREAD").remote(i) for i in range(n)]
+    parts = ray.get(refs)
+    return {
+        "total": ray.get(total.remote(*refs)),
+        "task_nodes": sorted({node for _, node in parts}),
+        "cluster_nodes": sorted(node["NodeID"] for node in ray.nodes() if node["Alive"]),
+        "cpus": ray.cluster_resources().get("CPU"),
+        "gpus": ray.cluster_resources().get("GPU", 0),
+        "ray_address": os.environ.get("RAY_ADDRESS"),
+        "rank": runtime.get_global_rank(),
+    }
+
+
+def test_task_graph_runs_on_the_ray_nodes_of_both_ranks_and_leaves_no_ray_process():
+    before = ray_processes()
+    out = squares_on_every_node.distributed(6)
+
+    assert out["total"] == sum(i * i for i in range(6))
+    assert len(out["cluster_nodes"]) == 2
+    assert out["task_nodes"] == out["cluster_nodes"]  # both ranks' raylets ran tasks
+    assert out["cpus"] == 2 and out["gpus"] == 0  # one CPU per rank on a 2-rank CPU job
+    assert out["rank"] == 0 and out["ray_address"]  # the driver ran on rank 0, RAY_ADDRESS set
+
+    run_dir = RunDir(squares_on_every_node.last_run_dir)
+    assert run_dir.read_result(0, 1) is None  # the other ranks return None
+    info = read_cluster_info(run_dir.path, 0)
+    assert info["address"] == out["ray_address"]
+    assert sorted(n["node_id"] for n in info["nodes"]) == out["cluster_nodes"]
+    ray_dir = run_dir.attempt_dir(0) / "ray"
+    for rank in (0, 1):  # each node's Ray logs outlive its temp dir
+        assert (ray_dir / "logs" / f"rank-{rank}" / "raylet.out").is_file()
+    assert_no_new_ray_process(before)
+
+
+@ray_launch(gpus=2, gpu_type="cpu", timeout="6m")
+def parse_shards():
+    import ray
+
+    @ray.remote(num_cpus=1)
+    def parse(shard):
+        if shard == 3:
+            raise ValueError(f"shard {shard} has a corrupt header")
+        return shard
+
+    return ray.get([parse.remote(i) for i in range(5)])
+
+
+def test_a_failing_ray_task_surfaces_its_traceback_and_releases_every_rank():
+    before = ray_processes()
+    started = time.monotonic()
+    with pytest.raises(WorkerFailedError) as err:
+        parse_shards.distributed()
+    assert time.monotonic() - started < 240
+    text = str(err.value)
+    assert err.value.ranks == [0]  # the driver's failure, not the waiting ranks'
+    assert "RayTaskError" in text and "shard 3 has a corrupt header" in text
+    assert 'raise ValueError(f"shard {shard} has a corrupt header")' in text  # the task's own frame
+    assert isinstance(err.value.__cause__, ValueError)  # Ray's RayTaskError(ValueError), chained
+    run_dir = RunDir(parse_shards.last_run_dir)
+    assert run_dir.read_result(0, 1) is None  # rank 1 was released by the driver's failure
+    info = read_cluster_info(run_dir.path, 0)
+    assert len(info["nodes"]) == 1  # per_node: both ranks share one Ray node with the host's CPUs
+    assert_no_new_ray_process(before)
+
+
+@ray_launch(gpus=2, gpu_type="cpu", ray_nodes="per_rank", timeout="6m")
+def driver_dies():
+    import os
+
+    import ray
+
+    ray.get(ray.remote(lambda: 1).remote())  # a Ray worker process exists on the cluster
+    os._exit(7)
+
+
+def test_a_driver_that_dies_hard_leaves_no_ray_process():
+    before = ray_processes()
+    with pytest.raises(WorkerFailedError, match="rank 0: the process exited with code 7") as err:
+        driver_dies.distributed()
+    first = err.value.first_failure
+    assert first.rank == 0 and first.exitcode == 7
+    # Rank 1 can only have been stopped by the launcher (SIGTERM), after it stopped its Ray node.
+    assert all(f.exitcode == -15 for f in err.value.failures if f.rank != 0)
+    assert_no_new_ray_process(before)
