@@ -111,11 +111,15 @@ class UsageLedger:
     Args:
         uri: Table location; created on the first append.
         storage_options: Credentials and options for object stores, passed to deltalake.
+        compact_every: Compact the table after every this many commits (0: never). One row
+            per commit means one small file per attempt, and reading N small files costs
+            milliseconds each (budget checks read the ledger); compaction keeps reads flat.
     """
 
-    def __init__(self, uri: str, storage_options: dict[str, str] | None = None):
+    def __init__(self, uri: str, storage_options: dict[str, str] | None = None, compact_every: int = 100):
         self.uri = str(uri)
         self.storage_options = storage_options
+        self.compact_every = compact_every
 
     def __repr__(self) -> str:
         return f"UsageLedger({self.uri!r})"
@@ -144,16 +148,31 @@ class UsageLedger:
         now = time.time()
         data = pa.Table.from_pylist([r.to_row(now) for r in records], schema=ledger_schema())
         for attempt in range(_COMMIT_RETRIES):
+            table = self._table()
             try:
-                write_deltalake(self.uri, data, mode="append", storage_options=self.storage_options,
-                                name="sparkgpu_usage", description="GPU usage per job attempt (sparkgpu)")
-                return
+                if table is None:
+                    write_deltalake(self.uri, data, mode="append", storage_options=self.storage_options,
+                                    name="sparkgpu_usage", description="GPU usage per job attempt (sparkgpu)")
+                else:
+                    write_deltalake(table, data, mode="append")
+                break
             except (CommitFailedError, DeltaError) as exc:
                 # Two writers creating the table at the same moment race for version 0; the
                 # loser sees the table on its next try and appends. Other errors re-raise.
                 if attempt == _COMMIT_RETRIES - 1 or not _is_retryable(exc):
                     raise
                 time.sleep(0.05 * (attempt + 1))
+        if table is not None and self.compact_every and table.version() % self.compact_every == 0:
+            self._compact_quietly()
+
+    def _compact_quietly(self) -> bool:
+        from deltalake.exceptions import CommitFailedError
+
+        try:
+            self.compact()
+            return True
+        except CommitFailedError:
+            return False  # another writer committed meanwhile; compaction runs again at the next multiple
 
     def read(self, since: float | None = None, until: float | None = None) -> "pyarrow.Table":  # noqa: F821
         """Rows of attempts that overlap ``[since, until]`` (unix seconds; ``None`` for open ends).

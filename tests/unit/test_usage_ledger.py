@@ -79,6 +79,16 @@ def test_compaction_keeps_every_row(tmp_path):
     assert sorted(ledger.read()["job_id"].to_pylist()) == [f"job-{i}" for i in range(5)]
 
 
+def test_the_ledger_compacts_itself_as_rows_accumulate(tmp_path):
+    ledger = UsageLedger(str(tmp_path / "ledger"), compact_every=5)
+    for i in range(6):  # versions 0..5: the commit of version 5 triggers compaction
+        ledger.append([record(f"job-{i}")])
+    assert len(DeltaTable(ledger.uri).file_uris()) == 1
+    ledger.append([record("job-6")])
+    assert len(DeltaTable(ledger.uri).file_uris()) == 2
+    assert ledger.read().num_rows == 7
+
+
 # -- the journal of attempts in progress --------------------------------------------------------
 def _args(job_id="lost-job", attempt=0, started_at=None):
     return dict(job_id=job_id, job_name="train", attempt=attempt, user="ana", tags={"team": "ml"}, backend="local",
