@@ -82,7 +82,7 @@ class UsageMeter(JobCallback):
     """
 
     def __init__(self, ledger: UsageLedger | str | None = None, *, rates=None, policy=None, user: str | None = None,
-                 refresh_seconds: float = 60.0, heartbeat_seconds: float = 15.0):
+                 refresh_seconds: float = 60.0, heartbeat_seconds: float = 5.0):
         s = settings()
         if isinstance(ledger, UsageLedger):
             self.ledger = ledger

@@ -119,3 +119,59 @@ def test_two_clients_appending_at_once_lose_nothing(tmp_path):
     ids = ledger.read()["job_id"].to_pylist()
     assert sorted(ids) == sorted([f"a-{i}" for i in range(15)] + [f"b-{i}" for i in range(15)])
     assert ledger.version() == 29  # 30 commits, one per row
+
+
+def test_an_attempt_whose_client_is_killed_is_billed_by_the_next_client(tmp_path):
+    import os
+    import signal
+
+    script = tmp_path / "long.py"
+    script.write_text("import time\nprint('training', flush=True)\ntime.sleep(120)\n")
+    client = subprocess.Popen([sys.executable, "-m", "sparkgpu.cli", "run", str(script), "--gpus", "2",
+                               "--gpu-type", "cpu", "--tag", "team=ml"], cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        journal = settings().home / "usage" / "open"
+        while not list(journal.glob("*/*.json")) or "training" not in _logs(settings().staging_root):
+            assert client.poll() is None and time.monotonic() < deadline, client.stdout.read() if client.poll() else "timeout"
+            time.sleep(0.2)
+        time.sleep(6)  # past one heartbeat
+    finally:
+        os.kill(client.pid, signal.SIGKILL)  # no after_attempt, no ledger row from this client
+        client.wait()
+        _wait_for_ranks_to_die_with_their_client(settings().staging_root)
+    ledger = UsageLedger(settings().usage_ledger_uri)
+    assert ledger.version() is None
+
+    report = subprocess.run([sys.executable, "-m", "sparkgpu.cli", "usage", "--by", "status", "--json"],
+                            capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr
+    assert "recorded 1 attempt(s) whose client stopped" in report.stderr
+    rows = ledger.read().to_pylist()
+    assert [(r["status"], r["gpus"], dict(r["tags"])) for r in rows] == [("client_lost", 2, {"team": "ml"})]
+    assert rows[0]["gpu_seconds"] >= 2 * 5
+    assert json.loads(report.stdout.splitlines()[0])["status"] == "client_lost"
+
+
+def _logs(staging_root) -> str:
+    return "".join(p.read_text(errors="replace") for p in staging_root.glob("*/attempts/*/logs/rank-0.log"))
+
+
+def _wait_for_ranks_to_die_with_their_client(staging_root, within: float = 15.0):
+    import psutil
+
+    def leftovers():
+        found = []
+        for proc in psutil.process_iter(["cmdline"]):
+            try:
+                if any(str(staging_root) in part for part in proc.info["cmdline"] or ()):
+                    found.append(proc)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return found
+
+    deadline = time.monotonic() + within
+    while leftovers() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert leftovers() == []
