@@ -20,12 +20,15 @@ __all__ = ["RayNode", "ADDRESS_FILE"]
 
 ADDRESS_FILE = "ray_current_cluster"  # written by `ray start` once its node is registered
 
-# Run as `python -c _WATCHDOG <session id>` with a pipe from the rank on stdin: at EOF (the
-# rank exited, however it died) it kills every process left in the Ray node's session.
+# Run as `python -c _WATCHDOG <session id> <temp dir> <logs target or "">` with a pipe from the
+# rank on stdin. At EOF (the rank exited, however it died) it kills every process left in the
+# Ray node's session, keeps the node's logs and removes its temp dir; after a clean stop()
+# there is nothing left to do.
 _WATCHDOG = """
-import os, signal, sys, time
+import os, shutil, signal, sys, time
 sys.stdin.buffer.read()
-session, me = int(sys.argv[1]), os.getpid()
+session, temp_dir, keep = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+me = os.getpid()
 for sweep in range(3):
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == me:
@@ -36,6 +39,12 @@ for sweep in range(3):
         except (ProcessLookupError, PermissionError):
             continue
     time.sleep(0.2)
+logs = os.path.join(temp_dir, "session_latest", "logs")
+try:
+    if keep and os.path.isdir(logs):
+        shutil.copytree(logs, keep, dirs_exist_ok=True, ignore_dangling_symlinks=True)
+finally:
+    shutil.rmtree(temp_dir, ignore_errors=True)
 """
 
 
@@ -78,13 +87,16 @@ class RayNode:
         env: Its environment.
         temp_dir: The node's ``--temp-dir``; removed by :meth:`stop`.
         log_path: Where ``ray start`` writes its own output.
+        keep_logs: Directory the node's Ray logs are copied into when it stops, if any.
     """
 
-    def __init__(self, command: list[str], env: dict[str, str], temp_dir: str, log_path: Path):
+    def __init__(self, command: list[str], env: dict[str, str], temp_dir: str, log_path: Path,
+                 keep_logs: Path | None = None):
         self.command = command
         self.env = env
         self.temp_dir = temp_dir
         self.log_path = log_path
+        self.keep_logs = keep_logs
         self.process: subprocess.Popen | None = None
         self._watchdog: subprocess.Popen | None = None
         self._stopped = False
@@ -111,7 +123,8 @@ class RayNode:
                 start_new_session=True, preexec_fn=_die_with_parent_preexec(),
             )
         self._watchdog = subprocess.Popen(
-            [sys.executable, "-c", _WATCHDOG, str(self.process.pid)], stdin=subprocess.PIPE,
+            [sys.executable, "-c", _WATCHDOG, str(self.process.pid), self.temp_dir, str(self.keep_logs or "")],
+            stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )
         address_file = Path(self.temp_dir) / ADDRESS_FILE
@@ -169,7 +182,7 @@ class RayNode:
                 continue
         psutil.wait_procs(leftovers, timeout=2)
 
-    def stop(self, grace: float = 10.0, keep_logs: Path | None = None) -> None:
+    def stop(self, grace: float = 10.0) -> None:
         """Stops every process of the node; then keeps its Ray logs and removes its temp dir.
 
         ``ray start --block`` takes SIGTERM as "shut the node down"; whatever is left after
@@ -177,7 +190,6 @@ class RayNode:
 
         Args:
             grace: Seconds the node gets to shut down before SIGKILL.
-            keep_logs: Directory to copy the node's Ray logs into, if any.
         """
         if self._stopped or self.process is None:
             return
@@ -188,20 +200,21 @@ class RayNode:
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait()
+        self._keep_logs()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
         if self._watchdog is not None:
-            self._watchdog.stdin.close()  # nothing left for it to sweep; it exits
+            self._watchdog.stdin.close()  # nothing is left for it to do; it exits
             if not _wait(self._watchdog, 10):
                 self._watchdog.kill()
             self._watchdog.wait()
         self._stopped = True
-        self._keep_logs(keep_logs)
-        shutil.rmtree(self.temp_dir, ignore_errors=True)
 
-    def _keep_logs(self, target: Path | None) -> None:
+    def _keep_logs(self) -> None:
         logs = Path(self.temp_dir) / "session_latest" / "logs"
-        if target is None or not logs.is_dir():
+        if self.keep_logs is None or not logs.is_dir():
             return
         try:
-            shutil.copytree(logs, target, dirs_exist_ok=True, ignore_dangling_symlinks=True)
+            shutil.copytree(logs, self.keep_logs, dirs_exist_ok=True, ignore_dangling_symlinks=True)
         except (OSError, shutil.Error) as exc:
-            print(f"sparkgpu: could not keep the Ray logs of {self.temp_dir} in {target}: {exc}", file=sys.stderr)
+            print(f"sparkgpu: could not keep the Ray logs of {self.temp_dir} in {self.keep_logs}: {exc}",
+                  file=sys.stderr)

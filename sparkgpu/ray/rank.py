@@ -141,7 +141,7 @@ def run_rank(fn: Callable, options: RayOptions, *args, **kwargs):
         return None
     finally:
         if node is not None:
-            node.stop(keep_logs=ray_dir / "logs" / f"rank-{rank}" if ray_dir else None)
+            node.stop()
             _live_nodes.remove(node)
         if previous_handler is not None:
             signal.signal(signal.SIGTERM, previous_handler)
@@ -152,7 +152,8 @@ def _start_node(spec: RayNodeSpec, head_address: str | None, options: RayOptions
     temp_dir = short_temp_dir()
     log_dir = ray_dir if ray_dir is not None else Path(temp_dir)
     node = RayNode(ray_start_command(spec, temp_dir, head_address), ray_node_env(spec), temp_dir,
-                   log_dir / f"start-rank-{spec.rank}.log")
+                   log_dir / f"start-rank-{spec.rank}.log",
+                   keep_logs=ray_dir / "logs" / f"rank-{spec.rank}" if ray_dir is not None else None)
     _live_nodes.append(node)
     try:
         return node, (node.start(options.start_timeout), None)

@@ -7,6 +7,9 @@ driver that dies hard.
 
 from __future__ import annotations
 
+import glob
+import os
+import tempfile
 import time
 
 import psutil
@@ -38,17 +41,23 @@ def ray_processes() -> set[tuple[int, float]]:
     return found
 
 
-def assert_no_new_ray_process(before: set, within: float = 15.0) -> None:
+def ray_temp_dirs() -> set[str]:
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "sgray-*")) + glob.glob("/tmp/sgray-*"))
+
+
+def assert_no_new_ray_process(before: set, temp_dirs_before: set, within: float = 15.0) -> None:
+    """No Ray process and no Ray temp dir the call started is left (after a short grace)."""
     deadline = time.monotonic() + within
-    while (left := ray_processes() - before) and time.monotonic() < deadline:
+    while (ray_processes() - before or ray_temp_dirs() - temp_dirs_before) and time.monotonic() < deadline:
         time.sleep(0.2)
     described = []
-    for pid, _ in left:
+    for pid, _ in ray_processes() - before:
         try:
             described.append(" ".join(psutil.Process(pid).cmdline())[:160])
         except psutil.Error:
             continue
     assert not described, f"Ray processes survived the call: {described}"
+    assert not ray_temp_dirs() - temp_dirs_before, "Ray temp dirs survived the call"
 
 
 @ray_launch(gpus=2, gpu_type="cpu", ray_nodes="per_rank", timeout="6m")
@@ -80,7 +89,7 @@ def squares_on_every_node(n):
 
 
 def test_task_graph_runs_on_the_ray_nodes_of_both_ranks_and_leaves_no_ray_process():
-    before = ray_processes()
+    before, dirs_before = ray_processes(), ray_temp_dirs()
     out = squares_on_every_node.distributed(6)
 
     assert out["total"] == sum(i * i for i in range(6))
@@ -97,7 +106,7 @@ def test_task_graph_runs_on_the_ray_nodes_of_both_ranks_and_leaves_no_ray_proces
     ray_dir = run_dir.attempt_dir(0) / "ray"
     for rank in (0, 1):  # each node's Ray logs outlive its temp dir
         assert (ray_dir / "logs" / f"rank-{rank}" / "raylet.out").is_file()
-    assert_no_new_ray_process(before)
+    assert_no_new_ray_process(before, dirs_before)
 
 
 @ray_launch(gpus=2, gpu_type="cpu", timeout="6m")
@@ -114,7 +123,7 @@ def parse_shards():
 
 
 def test_a_failing_ray_task_surfaces_its_traceback_and_releases_every_rank():
-    before = ray_processes()
+    before, dirs_before = ray_processes(), ray_temp_dirs()
     started = time.monotonic()
     with pytest.raises(WorkerFailedError) as err:
         parse_shards.distributed()
@@ -128,7 +137,7 @@ def test_a_failing_ray_task_surfaces_its_traceback_and_releases_every_rank():
     assert run_dir.read_result(0, 1) is None  # rank 1 was released by the driver's failure
     info = read_cluster_info(run_dir.path, 0)
     assert len(info["nodes"]) == 1  # per_node: both ranks share one Ray node with the host's CPUs
-    assert_no_new_ray_process(before)
+    assert_no_new_ray_process(before, dirs_before)
 
 
 @ray_launch(gpus=2, gpu_type="cpu", ray_nodes="per_rank", timeout="6m")
@@ -142,11 +151,14 @@ def driver_dies():
 
 
 def test_a_driver_that_dies_hard_leaves_no_ray_process():
-    before = ray_processes()
+    before, dirs_before = ray_processes(), ray_temp_dirs()
     with pytest.raises(WorkerFailedError, match="rank 0: the process exited with code 7") as err:
         driver_dies.distributed()
     first = err.value.first_failure
     assert first.rank == 0 and first.exitcode == 7
     # Rank 1 can only have been stopped by the launcher (SIGTERM), after it stopped its Ray node.
     assert all(f.exitcode == -15 for f in err.value.failures if f.rank != 0)
-    assert_no_new_ray_process(before)
+    assert_no_new_ray_process(before, dirs_before)
+    logs = RunDir(driver_dies.last_run_dir).attempt_dir(0) / "ray" / "logs"
+    for rank in (0, 1):  # kept by the watchdogs, since neither rank ran its own cleanup to the end
+        assert (logs / f"rank-{rank}" / "raylet.out").is_file()

@@ -15,7 +15,6 @@ import sys
 import textwrap
 import time
 
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -259,7 +258,7 @@ FAKE_RAY_START = textwrap.dedent("""
 def fake_node(tmp_path, mode):
     temp_dir = short_temp_dir()
     return RayNode([sys.executable, "-c", FAKE_RAY_START, temp_dir, mode], dict(os.environ), temp_dir,
-                   tmp_path / "ray" / "start-rank-0.log")
+                   tmp_path / "ray" / "start-rank-0.log", keep_logs=tmp_path / "kept")
 
 
 def wait_for_pid_file(path, timeout=30):
@@ -278,7 +277,7 @@ def test_node_start_returns_the_address_and_stop_kills_the_whole_session(tmp_pat
         members = {p.pid for p in node.session_processes()}
         assert node.process.pid in members and worker in members
     finally:
-        node.stop(grace=0.5, keep_logs=tmp_path / "kept")
+        node.stop(grace=0.5)
     assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE
     assert node.session_processes() == []
     assert (tmp_path / "kept" / "raylet.out").read_text() == "raylet up\n"  # logs outlive the temp dir
@@ -318,20 +317,27 @@ def test_the_watchdog_kills_the_session_when_the_rank_dies_without_cleanup(tmp_p
         from tests.unit.test_ray_launch import FAKE_RAY_START
         temp_dir = short_temp_dir()
         node = RayNode([sys.executable, "-c", FAKE_RAY_START, temp_dir, "stubborn"], dict(os.environ),
-                            temp_dir, Path({str(tmp_path)!r}) / "start.log")
+                       temp_dir, Path({str(tmp_path)!r}) / "start.log", keep_logs=Path({str(tmp_path)!r}) / "kept")
         node.start(timeout=60)
-        print(temp_dir, node.process.pid, flush=True)
+        worker_pid = Path(temp_dir) / "worker.pid"
+        while not (worker_pid.exists() and worker_pid.read_text()):
+            pass
+        print(temp_dir, node.process.pid, worker_pid.read_text(), flush=True)
         os._exit(9)  # no finally, no stop()
     """))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 9, out.stderr
-    temp_dir, session = out.stdout.split()
-    worker = wait_for_pid_file(Path(temp_dir) / "worker.pid")
+    temp_dir, session, worker = out.stdout.split()
+    worker = int(worker)
     deadline = time.monotonic() + 15
     alive = [worker]
     while alive and time.monotonic() < deadline:
         alive = [pid for pid in (worker, int(session)) if psutil.pid_exists(pid)
                  and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
         time.sleep(0.1)
-    shutil.rmtree(temp_dir, ignore_errors=True)
     assert alive == []
+    deadline = time.monotonic() + 15
+    while os.path.exists(temp_dir) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(temp_dir)  # the watchdog removed the temp dir...
+    assert (tmp_path / "kept" / "raylet.out").read_text() == "raylet up\n"  # ...after keeping the logs
