@@ -220,14 +220,14 @@ def _progress_handler(session, progress):
         session.removeProgressHandler(handler)
 
 
-_OUR_ERROR = re.compile(r"sparkgpu\.errors\.(DataError|ConfigurationError): (.+)")
+_OUR_ERROR = re.compile(r"sparkgpu\.errors\.(\w+): (.+)")
 
 
 def _our_error_in(exc: Exception) -> SparkGPUError | None:
-    """The DataError / ConfigurationError an executor raised, recovered from Spark's message."""
+    """The error of this package an executor raised, recovered from Spark's message."""
     match = _OUR_ERROR.search(str(exc))
     if match is None:
         return None
     kind, message = match.groups()
-    error_type = DataError if kind == "DataError" else ConfigurationError
+    error_type = {"DataError": DataError, "ConfigurationError": ConfigurationError}.get(kind, SparkGPUError)
     return error_type(f"{message.strip()} (raised on a Spark executor)")

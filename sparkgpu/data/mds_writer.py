@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from sparkgpu.data.mds import ColumnSpec, EncodedBatch, encode_batch
-from sparkgpu.errors import ConfigurationError, DataError
+from sparkgpu.errors import ConfigurationError, DataError, MissingDependencyError
 
 __all__ = [
     "DEFAULT_SIZE_LIMIT",
@@ -63,10 +63,6 @@ def check_compression(compression: str | None) -> str | None:
 def _compress(compression: str, data: bytes) -> bytes:
     family, _, level_text = compression.partition(":")
     level = int(level_text) if level_text else _COMPRESSIONS[family][1]
-    if family == "zstd":
-        import zstd
-
-        return zstd.compress(data, level)
     if family == "gz":
         import gzip
 
@@ -75,13 +71,18 @@ def _compress(compression: str, data: bytes) -> bytes:
         import bz2
 
         return bz2.compress(data, level)
+    # The same third-party modules streaming decompresses with; they may be missing where
+    # the shards are written (a Spark executor).
+    module_name, package = {"zstd": ("zstd", "zstd"), "br": ("brotli", "brotli"), "snappy": ("snappy", "python-snappy")}[family]
+    try:
+        module = __import__(module_name)
+    except ImportError:
+        raise MissingDependencyError(f"{family} compression", f"pip install {package}") from None
+    if family == "zstd":
+        return module.compress(data, level)
     if family == "br":
-        import brotli
-
-        return brotli.compress(data, quality=level)
-    import snappy
-
-    return snappy.compress(data)
+        return module.compress(data, quality=level)
+    return module.compress(data)
 
 
 def _hash_functions() -> dict:

@@ -219,3 +219,18 @@ def test_hive_partitioned_parquet_keeps_partition_column(tmp_path):
     result = data.to_mds(str(tmp_path / "pq"), str(tmp_path / "out"), progress=False)
     assert result.columns["part"] == "int32"
     assert sorted((s["id"], s["part"]) for s in streamed_rows(result.url)) == [(i, i % 3) for i in range(300)]
+
+
+def test_parquet_behind_an_fsspec_url(tmp_path):
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    table = feature_table(700)
+    with fs.open("/sparkgpu-src/data/a.parquet", "wb") as f:
+        pq.write_table(table, f, row_group_size=200)
+    try:
+        result = data.to_mds("memory://sparkgpu-src/data", str(tmp_path / "out"), progress=False)
+        assert_same_rows(result.url, table)
+        assert data_fingerprint("memory://sparkgpu-src/data") == result.fingerprint
+    finally:
+        fs.rm("/sparkgpu-src", recursive=True)
