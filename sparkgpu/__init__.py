@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "distributed",
     "DistributedFunction",
+    "ray_launch",
     "runtime",
     "SparkGPUError",
     "ConfigurationError",
@@ -33,6 +34,7 @@ __all__ = [
 _LAZY = {
     "distributed": ("sparkgpu.decorator", "distributed"),
     "DistributedFunction": ("sparkgpu.decorator", "DistributedFunction"),
+    "ray_launch": ("sparkgpu.ray", "ray_launch"),
     "runtime": ("sparkgpu.runtime", None),
     "data": ("sparkgpu.data", None),
 }

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import signal
 import sys
 import time
 from typing import Any
@@ -273,10 +274,15 @@ class Supervisor:
             else:
                 silent.append(rank)
         exits = rd.read_node_exits(attempt)
+        own_failure = bool(failures) or any(
+            i["exitcode"] not in (EXIT_PREEMPTED, -signal.SIGTERM) for r, i in exits.items() if r in silent
+        )
         for rank in silent:
             info = exits.get(rank)
             if info is None or info["exitcode"] == EXIT_PREEMPTED:
                 continue  # stopped by the agent because another rank failed, or preempted
+            if own_failure and info["exitcode"] == -signal.SIGTERM:
+                continue  # torn down after another rank failed: not a failure of its own
             failures.append(RankFailure(
                 rank, None, _describe_exit(info), exitcode=info["exitcode"], log_tail=rd.log_tail(attempt, rank),
             ))
