@@ -160,7 +160,11 @@ def usage_table(ledger=None, since="30d", until=None, by="team"):
     else:
         grouped = grouped.sort_values("gpu_hours", ascending=False, kind="stable")
     grouped["cost_usd"] = grouped["cost_usd"].round(4)
-    return pa.Table.from_pandas(grouped.reset_index(drop=True), preserve_index=False)
+    table = pa.Table.from_pandas(grouped.reset_index(drop=True), preserve_index=False)
+    for key in keys:  # an empty window leaves key columns untyped; Spark and polars want strings
+        if pa.types.is_null(table.schema.field(key).type):
+            table = table.set_column(table.schema.get_field_index(key), key, table[key].cast(pa.string()))
+    return table
 
 
 def render_usage_table(table, title: str = "GPU usage", console=None) -> None:
