@@ -13,7 +13,8 @@ Peers, on the same data in the same run:
   * torch DataLoader over a Parquet file read with pyarrow (iter_batches in order; row groups
     in random order with rows permuted inside each when shuffled).
 Ceilings measured here: a plain numpy gather of the same rows in the same order from one
-in-memory array, and a sequential read of the cache files.
+in-memory array, and a sequential read of the cache files. A last section reads variable-width
+columns (token lists and text) with the C span gather and with its numpy version.
 
 Each peer runs in a fresh process; its rate is measured over --repeats windows of --seconds
 after the first batch (start-up is reported apart), and the best window is compared (the
@@ -214,6 +215,38 @@ def parquet_peer(path: str, batch_size: int, shuffle: bool, seconds: float, repe
     return timed(epochs(), lambda b: len(b["label"]), seconds, repeats, f"torch DataLoader over Parquet (workers={workers})")
 
 
+def variable_width(work: Path, samples: int, batch_size: int, seconds: float, repeats: int) -> dict:
+    """Token sequences (1-64 int32) and text: the native span gather against its numpy version."""
+    import pyarrow as pa
+
+    from sparkgpu import data
+    from sparkgpu.data import _gather
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 65, samples)
+    tokens = pa.array([np.arange(n, dtype=np.int32) for n in lengths], type=pa.list_(pa.int32()))
+    text = pa.array([f"sample {i} " + "x" * int(n) for i, n in enumerate(lengths)])
+    table = pa.table({"tokens": tokens, "text": text, "label": pa.array(np.arange(samples, dtype=np.int64))})
+    data.to_mds(table, str(work / "var"), progress=False)
+    warm(work / "var")
+    out = {}
+    for native in (True, False):
+        previous = _gather.set_native_enabled(native)
+        try:
+            ds = data.dataset(local=str(work / "var"), batch_size=batch_size, shuffle=True, seed=0)
+
+            def epochs():
+                while True:
+                    yield from ds
+
+            out["native" if native else "numpy"] = timed(epochs(), lambda b: len(b["label"]), seconds, repeats,
+                                                         f"variable width, shuffled (native={native})")
+        finally:
+            _gather.set_native_enabled(previous)
+    out["native_over_numpy"] = out["native"]["samples_per_s"] / out["numpy"]["samples_per_s"]
+    return out
+
+
 def numpy_gather_ceiling(mds: str, batch_size: int, shuffle: bool, seconds: float, repeats: int):
     from sparkgpu import data
     from sparkgpu.data.reader import ShardReader
@@ -298,6 +331,9 @@ def run(args) -> dict:
                 results["orders"][order][name] = result
         for name in results["orders"]:
             results["orders"][name]["ceiling_sequential_read"] = sequential_read_ceiling(str(work / "mds"))
+        if args.var_samples:
+            print("variable-width columns:", flush=True)
+            results["variable_width"] = variable_width(work, args.var_samples, args.batch_size, args.seconds, args.repeats)
         for name, order in results["orders"].items():
             order["ratios"] = ratios(order, args.workers)
         return results
@@ -341,6 +377,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=1_000_000)
     parser.add_argument("--litdata-samples", type=int, default=100_000)
+    parser.add_argument("--var-samples", type=int, default=100_000, help="samples of the variable-width dataset (0: skip)")
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--seconds", type=float, default=1.5, help="length of one measuring window")
     parser.add_argument("--repeats", type=int, default=3, help="measuring windows per peer and order")

@@ -4,7 +4,8 @@ Question: does the loader keep up with the volume on the first epoch (downloads 
 the known order, in parallel, ahead of the reader), and what does the cache buy afterwards?
 
 The volume is a real HTTP server on loopback (Python's ThreadingHTTPServer in its own
-process) serving MDS shards of tabular samples (32 float32 + 1 int64). Measured in one run:
+process, answering byte-range requests as object stores and nginx do) serving MDS shards of
+tabular samples (32 float32 + 1 int64). Measured in one run:
   * ceiling: the volume's raw rate, all shard files fetched by a plain parallel download
     (as many threads as the loader uses, and one thread);
   * sparkgpu.data.dataset: epoch 1 (cold cache, everything comes over HTTP) and epoch 2
@@ -39,11 +40,48 @@ ROW_BYTES = 32 * 4 + 8
 RESULTS = Path(__file__).resolve().parent / "results"
 
 _SERVER = """
-import functools, http.server, sys
-handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=sys.argv[1])
-handler.func.log_message = lambda *args: None
+import functools, http.server, os, re, sys
+
+class Handler(http.server.SimpleHTTPRequestHandler):
+    # Byte ranges, as object stores and nginx serve them (SimpleHTTPRequestHandler ignores them).
+    def send_head(self):
+        match = re.fullmatch(r"bytes=(\\d+)-(\\d*)", self.headers.get("Range", ""))
+        if not match:
+            self._left = None
+            return super().send_head()
+        try:
+            source = open(self.translate_path(self.path), "rb")
+        except OSError:
+            self.send_error(404)
+            return None
+        size = os.fstat(source.fileno()).st_size
+        start, end = int(match[1]), min(int(match[2] or size - 1), size - 1)
+        self.send_response(206)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+        self.send_header("Content-Length", str(end - start + 1))
+        self.end_headers()
+        source.seek(start)
+        self._left = end - start + 1
+        return source
+
+    def copyfile(self, source, output):
+        if self._left is None:
+            return super().copyfile(source, output)
+        while self._left > 0:
+            chunk = source.read(min(1 << 20, self._left))
+            if not chunk:
+                break
+            output.write(chunk)
+            self._left -= len(chunk)
+
+    def log_message(self, *args):
+        pass
+
+Handler.protocol_version = "HTTP/1.1"  # keep-alive, as any production server
 http.server.ThreadingHTTPServer.daemon_threads = True
-server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+http.server.ThreadingHTTPServer.request_queue_size = 1024  # the default backlog of 5 drops connections
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=sys.argv[1]))
 print(server.server_address[1], flush=True)
 server.serve_forever()
 """

@@ -54,7 +54,7 @@ def is_stale_partial(name: str) -> bool:
     return False
 
 
-def fetch_shard(volume: Volume, info: ShardInfo, final_path: Path, partial_stem: Path) -> None:
+def fetch_shard(volume: Volume, info: ShardInfo, final_path: Path, partial_stem: Path, parts=None) -> None:
     """Downloads one shard to ``final_path``, verified, decompressed, placed atomically.
 
     A file that fails its check is fetched once more; a second failure is reported.
@@ -64,6 +64,7 @@ def fetch_shard(volume: Volume, info: ShardInfo, final_path: Path, partial_stem:
         info: The shard's index entry.
         final_path: Where the uncompressed shard must appear.
         partial_stem: Path prefix for the temporary files (``.zip`` / ``.raw`` are appended).
+        parts: Thread pool for byte-range downloads (see :meth:`Volume.download`), or ``None``.
 
     Raises:
         DataError: The shard failed its check twice, or cannot be downloaded.
@@ -71,7 +72,7 @@ def fetch_shard(volume: Volume, info: ShardInfo, final_path: Path, partial_stem:
     failures = []
     for _ in range(2):
         try:
-            _fetch_once(volume, info, final_path, partial_stem)
+            _fetch_once(volume, info, final_path, partial_stem, parts)
             return
         except ShardCorrupt as exc:
             failures.append(str(exc))
@@ -81,18 +82,18 @@ def fetch_shard(volume: Volume, info: ShardInfo, final_path: Path, partial_stem:
     )
 
 
-def _fetch_once(volume, info, final_path, partial_stem):
+def _fetch_once(volume, info, final_path, partial_stem, parts):
     raw_tmp = Path(f"{partial_stem}.raw")
     zip_tmp = Path(f"{partial_stem}.zip")
     try:
         if info.zip_basename:
-            volume.download(info.zip_basename, str(zip_tmp))
+            volume.download(info.zip_basename, str(zip_tmp), info.zip_bytes, parts)
             _verify(zip_tmp, info.zip_bytes, info.zip_hashes, info.zip_basename)
             _decompress(info.compression, zip_tmp, raw_tmp)
             zip_tmp.unlink()
             _verify(raw_tmp, info.raw_bytes, {}, info.basename)
         else:
-            volume.download(info.basename, str(raw_tmp))
+            volume.download(info.basename, str(raw_tmp), info.raw_bytes, parts)
             _verify(raw_tmp, info.raw_bytes, info.raw_hashes, info.basename)
         final_path.parent.mkdir(parents=True, exist_ok=True)
         os.replace(raw_tmp, final_path)

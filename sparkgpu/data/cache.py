@@ -159,11 +159,14 @@ class ShardCache:
         self._lookahead = lookahead_shards or max(2, 2 * download_threads)
         self._closed = False
         self.downloaded_bytes = 0
-        self._pool = None
+        self._pool = self._parts = None
         self._planner = None
         if volume is not None:
             self._partial.mkdir(parents=True, exist_ok=True)
             self._pool = ThreadPoolExecutor(download_threads, thread_name_prefix="sparkgpu-download")
+            # Byte ranges of the shards being downloaded, first come first served: the shard
+            # needed first completes first (see Volume.download).
+            self._parts = ThreadPoolExecutor(download_threads, thread_name_prefix="sparkgpu-range")
             self._planner = threading.Thread(target=self._plan_loop, name="sparkgpu-prefetch", daemon=True)
             self._planner.start()
 
@@ -263,6 +266,7 @@ class ShardCache:
             self._wake.notify_all()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
+            self._parts.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self):
         return self
@@ -317,7 +321,7 @@ class ShardCache:
             if not self._reserve(shard, needed_at, demand, stem):
                 return False
             try:
-                _fetch.fetch_shard(self.volume, info, final, stem)
+                _fetch.fetch_shard(self.volume, info, final, stem, self._parts)
             finally:
                 Path(f"{stem}.reserved").unlink(missing_ok=True)
         with self._lock:

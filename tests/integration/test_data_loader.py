@@ -73,6 +73,7 @@ def test_workers_resume_where_the_in_process_loader_stopped(volume, tmp_path):
 def _http_server(folder):
     code = ("import functools, http.server, sys\n"
             "handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=sys.argv[1])\n"
+            "http.server.ThreadingHTTPServer.request_queue_size = 1024\n"
             "server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), handler)\n"
             "print(server.server_address[1], flush=True)\n"
             "server.serve_forever()\n")
@@ -95,6 +96,22 @@ def test_remote_volume_over_http_with_compressed_hashed_shards(tmp_path):
     ds.close()
     assert sorted(epoch1.tolist()) == sorted(epoch2.tolist()) == list(range(700))
     assert not np.array_equal(epoch1, epoch2)
+
+
+def test_a_server_that_ignores_byte_ranges_gets_whole_file_downloads(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sparkgpu.data.volume import Volume
+
+    (tmp_path / "served").mkdir()
+    payload = np.random.default_rng(1).integers(0, 255, size=50_000, dtype=np.uint8).tobytes()
+    (tmp_path / "served" / "blob.bin").write_bytes(payload)
+    with _http_server(tmp_path / "served") as base, ThreadPoolExecutor(4) as pool:
+        volume = Volume(base)  # Python's SimpleHTTPRequestHandler answers a range with the whole file
+        for name in ("first.bin", "second.bin"):
+            volume.download("blob.bin", str(tmp_path / name), size=len(payload), pool=pool, part_bytes=4_000)
+            assert (tmp_path / name).read_bytes() == payload
+    assert volume.ranges_supported is False
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -240,3 +240,18 @@ def test_unknown_volume_scheme_asks_for_the_right_package(tmp_path):
 
 def test_loader_module_documents_its_public_names():
     assert set(loader_module.__all__) == {"dataset", "MDSLoader"}
+
+
+def test_large_files_download_as_parallel_byte_ranges(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sparkgpu.data.volume import Volume
+
+    (tmp_path / "vol").mkdir()
+    payload = np.random.default_rng(0).integers(0, 255, size=100_003, dtype=np.uint8).tobytes()
+    (tmp_path / "vol" / "blob.bin").write_bytes(payload)
+    volume = Volume(str(tmp_path / "vol"))
+    with ThreadPoolExecutor(4) as pool:
+        volume.download("blob.bin", str(tmp_path / "copy.bin"), size=len(payload), pool=pool, part_bytes=7_000)
+    assert volume.ranges_supported is True
+    assert (tmp_path / "copy.bin").read_bytes() == payload

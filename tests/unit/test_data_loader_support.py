@@ -39,8 +39,8 @@ class CountingVolume(Volume):
         self.downloads: dict[str, int] = {}
         self.corrupt_left = corrupt
 
-    def download(self, relative, local_path):
-        super().download(relative, local_path)
+    def download(self, relative, local_path, *args, **kwargs):
+        super().download(relative, local_path, *args, **kwargs)
         self.downloads[relative] = self.downloads.get(relative, 0) + 1
         if self.corrupt_left > 0:
             self.corrupt_left -= 1
