@@ -389,6 +389,7 @@ def _spool_store_class():
             self._run, self._experiment = _job_run_entities(info)
             self._real = None
             self._real_lock = threading.Lock()
+            self._own_writer = None
 
         def _real_store(self):
             with self._real_lock:
@@ -399,7 +400,10 @@ def _spool_store_class():
                 return self._real
 
         def _writer(self) -> SpoolWriter:
-            return SpoolWriter.for_process(self.spool)
+            writer = self._own_writer
+            if writer is None or writer.pid != os.getpid():  # first use, or after a fork
+                writer = self._own_writer = SpoolWriter.for_process(self.spool)
+            return writer
 
         def get_run(self, run_id):
             if run_id == self.info.run_id:
