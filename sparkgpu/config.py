@@ -164,6 +164,12 @@ class Settings:
             comma-separated, e.g. ``nvidia-*,torch``).
         env_worker_lock: What the workers' image already has: a lock file or probe JSON
             (``SPARKGPU_ENV_WORKER_LOCK``), ``None`` when unknown.
+        spark_wait_timeout: Seconds a Spark job waits for busy GPUs (or for busy executors to
+            answer the capacity probe) before it gives up (``SPARKGPU_SPARK_WAIT_TIMEOUT``,
+            default 600).
+        data_volume: Folder or fsspec URL where ``spark.gpu.train(data=...)`` keeps its MDS
+            conversions; the ranks must reach it (``SPARKGPU_DATA_VOLUME``, default
+            ``<home>/volumes/mds``).
     """
 
     home: Path
@@ -187,6 +193,8 @@ class Settings:
     env_store: str = ""
     env_exclude: tuple[str, ...] = ()
     env_worker_lock: str | None = None
+    spark_wait_timeout: float = 600.0
+    data_volume: str = ""
 
     @classmethod
     def from_env(cls, env=None) -> "Settings":
@@ -223,6 +231,8 @@ class Settings:
             env_store=env.get("SPARKGPU_ENV_STORE") or str(home / "envstore"),
             env_exclude=tuple(p.strip() for p in (env.get("SPARKGPU_ENV_EXCLUDE") or "").split(",") if p.strip()),
             env_worker_lock=env.get("SPARKGPU_ENV_WORKER_LOCK") or None,
+            spark_wait_timeout=_env_float(env, "SPARKGPU_SPARK_WAIT_TIMEOUT", 600.0),
+            data_volume=env.get("SPARKGPU_DATA_VOLUME") or str(home / "volumes" / "mds"),
         )
 
 

@@ -18,7 +18,11 @@ from sparkgpu import runtime
 from sparkgpu.launch.callbacks import WorkerContext
 from sparkgpu.launch.payload import KEY_ENV, RunDir
 
-__all__ = ["main", "EXIT_FAILED", "EXIT_PREEMPTED"]
+__all__ = ["main", "EXIT_FAILED", "EXIT_PREEMPTED", "NODE_DEVICES_ENV"]
+
+# Set by a node's launcher when the node's device addresses are known only at launch (a Spark
+# task's GPU addresses); takes precedence over the spec's devices.
+NODE_DEVICES_ENV = "SPARKGPU_NODE_DEVICES"
 
 EXIT_FAILED = 1
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: checkpointed and stopped on request; resume in a new attempt
@@ -49,7 +53,8 @@ def _redirect_output(path) -> None:
 
 
 def _pin_device(spec: dict) -> None:
-    devices = spec.get("devices") or []
+    node_devices = os.environ.get(NODE_DEVICES_ENV)
+    devices = node_devices.split(",") if node_devices else (spec.get("devices") or [])
     if devices:
         os.environ[runtime.ENV_GPU_ADDRESS] = devices[runtime.get_local_rank() % len(devices)]
     if spec.get("simulated"):
