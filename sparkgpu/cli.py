@@ -40,6 +40,8 @@ COMMANDS: list[tuple[str, str]] = [
     ("sparkgpu.cli", "register_jobs"),
     ("sparkgpu.cli", "register_logs"),
     ("sparkgpu.usage.cli", "register"),
+    ("sparkgpu.launch.cli", "register_resume"),
+    ("sparkgpu.launch.cli", "register_pool"),
 ]
 
 
@@ -262,6 +264,8 @@ def list_jobs(staging_root: Path | None = None) -> list[dict]:
         started = attempts[0]["started_at"] if attempts else None
         ended = attempts[-1].get("ended_at") if attempts else None
         status = state.get("status", "staged")
+        if status == "running" and _client_is_gone(state.get("client")):
+            status = "lost"  # its client died: `sparkgpu resume JOB_ID` continues it
         end = ended if ended is not None else (time.time() if status == "running" else None)
         jobs.append({
             "job_id": spec["job_id"], "name": spec.get("name"), "status": status, "attempts": len(attempts),
@@ -274,6 +278,21 @@ def list_jobs(staging_root: Path | None = None) -> list[dict]:
             "stop_reason": state.get("stop_reason"), "run_dir": str(spec_file.parent),
         })
     return sorted(jobs, key=lambda j: j["created_at"], reverse=True)
+
+
+def _client_is_gone(client: dict | None) -> bool:
+    import os
+    import socket
+
+    if not client or client.get("host") != socket.gethostname():
+        return False  # another machine's client: cannot tell from here
+    try:
+        os.kill(client["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
 def _format_seconds(seconds: float | None) -> str:
@@ -295,7 +314,7 @@ def _format_time(ts: float | None) -> str:
 
 
 _STATUS_STYLE = {"succeeded": "green", "failed": "red", "timed_out": "red", "running": "cyan",
-                 "stopped": "yellow", "cancelled": "yellow", "staged": "dim"}
+                 "stopped": "yellow", "cancelled": "yellow", "staged": "dim", "lost": "magenta"}
 
 
 def cmd_jobs(args) -> int:

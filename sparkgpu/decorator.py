@@ -29,6 +29,7 @@ from sparkgpu.launch.keys import new_key, save_key
 from sparkgpu.launch.payload import RunDir, client_sys_path, serialize_payload
 from sparkgpu.launch.supervisor import Supervisor
 from sparkgpu.spec import JobSpec, Resources, RunPolicy, new_job_id
+from sparkgpu.usage.meter import enforce_policy
 
 __all__ = ["distributed", "DistributedFunction", "default_callbacks", "REMOTE_MAX_RUNTIME"]
 
@@ -36,8 +37,11 @@ REMOTE_MAX_RUNTIME = "7d"
 
 
 def default_callbacks() -> list[JobCallback]:
-    """Callbacks every job gets unless the caller passes ``callbacks=`` explicitly."""
-    return []
+    """Callbacks every job gets unless the caller passes ``callbacks=`` explicitly:
+    usage metering (ledger, policies)."""
+    from sparkgpu.usage.meter import UsageMeter
+
+    return [UsageMeter()]
 
 
 @dataclasses.dataclass
@@ -100,6 +104,7 @@ class DistributedFunction:
         )
         job = backend.resolve(job)  # capacity and gpu_type checks, within seconds
         callbacks = default_callbacks() if self.callbacks is None else list(self.callbacks)
+        enforce_policy(job, callbacks)  # usage policy, before anything is written
         payload = serialize_payload(self.fn, args, kwargs, callbacks)  # picklability, naming the culprit
         run_dir = RunDir(settings().staging_root / job.job_id)
         key = new_key()

@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import os
 import signal
+import socket
 import sys
 import time
 from typing import Any
@@ -130,6 +132,8 @@ class Supervisor:
             KeyboardInterrupt: the caller pressed Ctrl-C; every rank was stopped first.
         """
         job_started = time.monotonic()
+        # Who drives the job: `sparkgpu jobs` shows a job whose client died as lost.
+        self.state["client"] = {"host": socket.gethostname(), "pid": os.getpid()}
         for callback in self.callbacks:
             callback.before_job(self.job, str(self.run_dir.path))
         results, error = None, None

@@ -1,0 +1,48 @@
+"""``sparkgpu resume`` and ``sparkgpu pool``: the launcher's subcommands."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+
+__all__ = ["register_resume", "register_pool"]
+
+
+def register_resume(subparsers) -> None:
+    p = subparsers.add_parser("resume", help="continue a job whose client died, from its latest checkpoint")
+    p.add_argument("job_id")
+    p.set_defaults(handler=cmd_resume)
+
+
+def cmd_resume(args) -> int:
+    from sparkgpu.launch.resume import resume_job
+
+    results = resume_job(args.job_id)
+    print(f"sparkgpu: job {args.job_id} succeeded on {len(results)} ranks")
+    return 0
+
+
+def register_pool(subparsers) -> None:
+    p = subparsers.add_parser("pool", help="the warm pool that starts local ranks in well under a second")
+    p.add_argument("action", choices=("status", "stop"))
+    p.add_argument("--json", action="store_true", help="print the status as JSON")
+    p.set_defaults(handler=cmd_pool)
+
+
+def cmd_pool(args) -> int:
+    from sparkgpu.launch.pool import pool_status, stop_pool
+
+    if args.action == "stop":
+        print("sparkgpu: warm pool stopped" if stop_pool() else "sparkgpu: no warm pool is running")
+        return 0
+    info = pool_status()
+    if args.json:
+        print(json.dumps(info))
+    elif info is None:
+        print("no warm pool is running (set SPARKGPU_WARM_POOL=1 to use one)")
+    else:
+        started = _dt.datetime.fromtimestamp(info["started_at"]).strftime("%Y-%m-%d %H:%M:%S")
+        print(f"warm pool pid {info['pid']} ({info['python']}), started {started}, "
+              f"{info['jobs_run']} jobs run, {len(info['running_jobs'])} running, "
+              f"stops after {info['idle_timeout']:g}s idle")
+    return 0
