@@ -225,6 +225,8 @@ def register(model_or_checkpoint, name: str, *, model=None, alias: str | None = 
     import torch
 
     parsed = parse_model_name(name, spark=spark)
+    if parsed.completed_from != "name":
+        _logger.info("sparkgpu: model name %r completed to %r from the %s", name, str(parsed), parsed.completed_from)
     if alias is not None:
         validate_alias(alias)
     if tags is not None and not isinstance(tags, dict):

@@ -40,7 +40,7 @@ from typing import Any
 from sparkgpu.launch.payload import atomic_write_bytes
 from sparkgpu.tracking.store import REAL_TRACKING_URI_ENV, SPOOL_SCHEME
 
-__all__ = ["JobRunInfo", "SpoolDir", "SpoolWriter", "SpoolFlusher", "register_spool_scheme", "SPOOL_ENV"]
+__all__ = ["JobRunInfo", "SpoolDir", "SpoolWriter", "SpoolFlusher", "register_spool_scheme", "spool_store", "SPOOL_ENV"]
 
 _logger = logging.getLogger(__name__)
 
@@ -440,6 +440,19 @@ def _spool_store_class():
     return SpoolStore
 
 
+def spool_store(store_uri: str, artifact_uri: str | None = None):
+    """Builds the :class:`SpoolStore` for a ``sparkgpu-spool://`` URI.
+
+    MLflow calls it for that scheme once :func:`register_spool_scheme` ran, or in any process
+    when the package declares it as a ``mlflow.tracking_store`` entry point.
+    """
+    global _store_class
+    if _store_class is None:
+        _store_class = _spool_store_class()
+    return _store_class(store_uri, artifact_uri)
+
+
+_store_class = None
 _registered = False
 
 
@@ -450,6 +463,5 @@ def register_spool_scheme() -> None:
         return
     from mlflow.tracking._tracking_service import utils as tracking_utils
 
-    store_cls = _spool_store_class()
-    tracking_utils._register(SPOOL_SCHEME, lambda store_uri, artifact_uri=None: store_cls(store_uri, artifact_uri))
+    tracking_utils._register(SPOOL_SCHEME, spool_store)
     _registered = True
