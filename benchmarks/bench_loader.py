@@ -358,7 +358,7 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5.5), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5.5))
     for ax, (name, order) in zip(axes, results["orders"].items()):
         entries = [(k, v["samples_per_s"]) for k, v in order.items() if isinstance(v, dict) and "samples_per_s" in v]
         entries.sort(key=lambda kv: kv[1])

@@ -157,11 +157,26 @@ def run(args) -> dict:
         files = [(s.get("zip_data") or s["raw_data"])["basename"] for s in index["shards"]]
         one_thread = raw_parallel_download(Volume(remote), files, 1, work / "raw1")
         print(f"  raw download, 1 thread: {one_thread['mb_per_s']:.0f} MB/s", flush=True)
-        report = volume_report(remote, local=work, batch_size=args.batch_size, download_threads=args.threads, shuffle=args.shuffle)
-        print(f"  raw parallel download, {args.threads} threads: {report['raw_parallel_download']['mb_per_s']:.0f} MB/s", flush=True)
+        # The machine may be shared: the whole report runs --repeats times, and the best run of
+        # each figure is compared (every run is recorded).
+        runs = [volume_report(remote, local=work, batch_size=args.batch_size, download_threads=args.threads, shuffle=args.shuffle)
+                for _ in range(args.repeats)]
+        report = dict(runs[0])
+        for key, better in (("raw_parallel_download", "mb_per_s"), ("epoch1_from_volume", "mb_per_s"), ("epoch2_from_cache", "mb_per_s")):
+            report[key] = max((run[key] for run in runs), key=lambda figures: figures[better])
+        report["epoch1_vs_raw"] = report["epoch1_from_volume"]["mb_per_s"] / report["raw_parallel_download"]["mb_per_s"]
+        report["epoch2_speedup"] = report["epoch1_from_volume"]["seconds"] / report["epoch2_from_cache"]["seconds"]
+        report["runs"] = runs
+        def each(key):
+            return ", ".join(f"{run[key]['mb_per_s']:.0f}" for run in runs)
+
+        print(f"  raw parallel download, {args.threads} threads: {report['raw_parallel_download']['mb_per_s']:.0f} MB/s "
+              f"(runs: {each('raw_parallel_download')})", flush=True)
         for name in ("epoch1_from_volume", "epoch2_from_cache"):
             epoch = report[name]
-            print(f"  sparkgpu {name}: {epoch['seconds']:.2f} s, {epoch['samples_per_s']:,.0f} samples/s, {epoch['mb_per_s']:.0f} MB/s", flush=True)
+            print(f"  sparkgpu {name}: {epoch['seconds']:.2f} s (first batch after {epoch['first_batch_s']:.2f} s), "
+                  f"{epoch['samples_per_s']:,.0f} samples/s, {epoch['mb_per_s']:.0f} MB/s "
+                  f"(runs: {each(name)})", flush=True)
         print(f"  epoch 1 / raw parallel download: {report['epoch1_vs_raw']:.0%} (target >= 70%)", flush=True)
         peer = streaming_from_volume(remote, work / "streaming-cache", args.batch_size, args.workers, args.peer_seconds)
         results = {
@@ -176,8 +191,8 @@ def run(args) -> dict:
             },
         }
         plot_volume_report(report, args.out_png, extra={
-            "1 thread raw download": one_thread["mb_per_s"],
-            f"StreamingDataset from the volume\n(workers={args.workers}, delivered)": peer["mb_per_s_delivered"],
+            "raw download (1 thread)": one_thread["mb_per_s"],
+            f"StreamingDataset from the volume (workers={args.workers})": peer["mb_per_s_delivered"],
         })
         return results
     finally:
@@ -195,6 +210,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=8, help="parallel downloads, loader and raw alike")
     parser.add_argument("--shuffle", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of the report; the best of each figure is compared")
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers of the StreamingDataset peer")
     parser.add_argument("--peer-seconds", type=float, default=20.0)
     parser.add_argument("--work-dir", default=None)

@@ -68,7 +68,8 @@ def volume_report(
 
     Returns:
         A dict of figures: ``raw_parallel_download``, ``epoch1_from_volume``,
-        ``epoch2_from_cache`` (each with seconds, MB/s and, for epochs, samples/s),
+        ``epoch2_from_cache`` (each with seconds, MB/s and, for epochs, samples/s and the
+        wait for the first batch),
         ``epoch1_vs_raw`` and ``epoch2_speedup``.
     """
     from sparkgpu.config import settings
@@ -86,11 +87,12 @@ def volume_report(
                          download_threads=download_threads, storage_options=storage_options)
         epochs = []
         for _ in range(2):
-            started, samples = time.perf_counter(), 0
+            started, samples, first = time.perf_counter(), 0, None
             for batch in loader:
                 samples += _batch_len(batch)
+                first = first or time.perf_counter() - started
             seconds = time.perf_counter() - started
-            epochs.append({"samples": samples, "seconds": seconds, "samples_per_s": samples / seconds,
+            epochs.append({"samples": samples, "seconds": seconds, "first_batch_s": first, "samples_per_s": samples / seconds,
                            "mb_per_s": raw["bytes"] / seconds / 1e6})
         loader.close()
     finally:
@@ -128,19 +130,20 @@ def plot_volume_report(report: dict, path: str | os.PathLike, extra: dict | None
 
         raise MissingDependencyError("drawing the volume report", "pip install matplotlib") from None
     bars = {
-        f"raw parallel download\n({report['download_threads']} threads)": report["raw_parallel_download"]["mb_per_s"],
-        "epoch 1: volume -> cache\n-> batches": report["epoch1_from_volume"]["mb_per_s"],
+        f"raw parallel download ({report['download_threads']} threads)": report["raw_parallel_download"]["mb_per_s"],
+        "epoch 1: volume -> cache -> batches": report["epoch1_from_volume"]["mb_per_s"],
         "epoch 2: from the cache": report["epoch2_from_cache"]["mb_per_s"],
     }
     bars.update(extra or {})
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    colors = ["tab:gray"] + ["tab:green"] * 2 + ["tab:blue"] * (len(bars) - 3)
-    ax.bar(list(bars), list(bars.values()), color=colors)
-    ax.set_yscale("log")
-    ax.set_ylabel("MB/s of shards (log scale)")
-    for i, value in enumerate(bars.values()):
-        ax.text(i, value, f"{value:,.0f}", ha="center", va="bottom", fontsize=9)
-    ax.set_title(f"{report['remote']}: {report['samples']:,} samples, {report['volume_bytes'] / 1e6:,.0f} MB in {report['shards']} shards")
+    names = list(bars)[::-1]  # first entry on top
+    colors = ["tab:gray" if n.startswith("raw") else "tab:green" if n.startswith("epoch") else "tab:blue" for n in names]
+    fig, ax = plt.subplots(figsize=(10, 0.6 * len(names) + 1.5))
+    ax.barh(names, [bars[n] for n in names], color=colors)
+    ax.set_xscale("log")
+    ax.set_xlabel("MB/s of shards (log scale)")
+    for i, name in enumerate(names):
+        ax.text(bars[name], i, f" {bars[name]:,.1f}", va="center", fontsize=9)
+    ax.set_title(f"{report['samples']:,} samples, {report['volume_bytes'] / 1e6:,.0f} MB in {report['shards']} shards on {report['remote']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
