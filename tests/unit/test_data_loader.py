@@ -279,3 +279,22 @@ def test_pin_memory_without_cuda_warns_and_still_works(tabular):
     with pytest.warns(UserWarning, match="pin_memory=True needs CUDA"):
         ds = data.dataset(local=tabular, batch_size=500, pin_memory=True)
     assert sum(len(b) for b in collect_ids(ds)) == 1003
+
+
+def test_the_package_works_without_the_c_extension(tabular):
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import sys
+        sys.modules["sparkgpu._native"] = None  # what an install without a C compiler looks like
+        import numpy as np
+        from sparkgpu import data
+        from sparkgpu.data import _gather
+        assert not _gather.native_available() and not _gather.native_enabled()
+        ids = np.concatenate([b["id"].numpy() for b in data.dataset(local={tabular!r}, batch_size=100, shuffle=True)])
+        assert sorted(ids.tolist()) == list(range(1003))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
