@@ -148,6 +148,7 @@ class ShardCache:
         self._space = threading.Lock()  # one thread of this process in the space accounting at a time
         self._local = {i for i, p in enumerate(self._paths) if p.exists()}
         self._inflight: dict[int, Future] = {}
+        self._failed: dict[int, BaseException] = {}  # shards whose download failed: not retried in the background
         self._uses: list[np.ndarray] = []
         self._first_uses: list[tuple[int, int]] = []
         self._first_use_steps: list[int] = []
@@ -287,6 +288,8 @@ class ShardCache:
         deadline = time.monotonic() + 600
         while True:
             with self._lock:
+                if shard in self._failed:
+                    raise self._failed[shard]  # already reported by the fetch (after its retries)
                 future = self._inflight.get(shard)
                 if future is None:
                     future = self._pool.submit(self._download, shard, needed_at, True)
@@ -303,6 +306,10 @@ class ShardCache:
         try:
             fetched = self._download_locked(shard, needed_at, demand)
             return fetched
+        except BaseException as exc:
+            with self._lock:
+                self._failed[shard] = exc
+            raise
         finally:
             with self._lock:
                 self._inflight.pop(shard, None)
@@ -385,7 +392,7 @@ class ShardCache:
                     for shard, step in self._upcoming():
                         if len(self._inflight) >= self._download_threads:
                             break
-                        if shard not in self._inflight:
+                        if shard not in self._inflight and shard not in self._failed:
                             self._inflight[shard] = self._pool.submit(self._download, shard, step, False)
                 self._idle = not self._inflight
                 self._wake.notify_all()  # for wait_idle
