@@ -11,31 +11,13 @@ import textwrap
 import threading
 import time
 
-import psutil
 import pytest
 
 from sparkgpu import CapacityError, JobTimeoutError, SerializationError, WorkerFailedError, distributed, runtime
 from sparkgpu.config import settings
+from tests.integration.processes import assert_no_orphans, start_client, wait_for
 
 pytestmark = pytest.mark.integration
-
-
-def processes_of(run_dir) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            if any(str(run_dir) in part for part in proc.info["cmdline"] or ()):
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
-
-
-def assert_no_orphans(run_dir, within: float = 5.0):
-    deadline = time.monotonic() + within
-    while processes_of(run_dir) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert processes_of(run_dir) == []
 
 
 @distributed(gpus=2, gpu_type="cpu")
@@ -269,18 +251,16 @@ CTRL_C_CLIENT = textwrap.dedent("""
 
 
 def test_ctrl_c_in_the_caller_stops_every_rank(tmp_path, _isolated_sparkgpu_home):
-    script = tmp_path / "client.py"
-    script.write_text(CTRL_C_CLIENT)
-    env = {**os.environ, "SPARKGPU_HOME": str(_isolated_sparkgpu_home), "PYTHONPATH": os.getcwd()}
-    client = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True)
+    import json
+
+    client = start_client(tmp_path, _isolated_sparkgpu_home, CTRL_C_CLIENT, stdout=subprocess.PIPE, text=True)
     runs = _isolated_sparkgpu_home / "runs"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:  # wait until both ranks run
+
+    def both_ranks_run():
         logs = list(runs.glob("*/attempts/0/logs/rank-*.log"))
-        if len(logs) == 2 and all("started" in p.read_text() for p in logs):
-            break
-        time.sleep(0.2)
-    else:
+        return len(logs) == 2 and all("started" in p.read_text() for p in logs)
+
+    if not wait_for(both_ranks_run):
         client.kill()
         pytest.fail("ranks never started")
     client.send_signal(signal.SIGINT)
@@ -288,20 +268,13 @@ def test_ctrl_c_in_the_caller_stops_every_rank(tmp_path, _isolated_sparkgpu_home
     assert client.returncode == 130, out
     run_dir = next(runs.iterdir())
     assert_no_orphans(run_dir)
-    import json
-
     assert json.loads((run_dir / "state.json").read_text())["status"] == "cancelled"
 
 
 def test_killed_client_leaves_no_orphans(tmp_path, _isolated_sparkgpu_home):
-    script = tmp_path / "client.py"
-    script.write_text(CTRL_C_CLIENT)
-    env = {**os.environ, "SPARKGPU_HOME": str(_isolated_sparkgpu_home), "PYTHONPATH": os.getcwd()}
-    client = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.DEVNULL)
+    client = start_client(tmp_path, _isolated_sparkgpu_home, CTRL_C_CLIENT, stdout=subprocess.DEVNULL)
     runs = _isolated_sparkgpu_home / "runs"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and len(list(runs.glob("*/attempts/0/logs/rank-*.log"))) < 2:
-        time.sleep(0.2)
+    wait_for(lambda: len(list(runs.glob("*/attempts/0/logs/rank-*.log"))) == 2)
     client.kill()  # SIGKILL: no cleanup code runs in the client
     client.wait()
     assert_no_orphans(next(runs.iterdir()), within=15)
@@ -330,14 +303,9 @@ def test_resume_continues_a_job_whose_client_died(tmp_path, _isolated_sparkgpu_h
 
     from sparkgpu.launch.resume import resume_job
 
-    script = tmp_path / "client.py"
-    script.write_text(RESUMABLE_CLIENT)
-    env = {**os.environ, "SPARKGPU_HOME": str(_isolated_sparkgpu_home), "PYTHONPATH": os.getcwd()}
-    client = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.DEVNULL)
+    client = start_client(tmp_path, _isolated_sparkgpu_home, RESUMABLE_CLIENT, stdout=subprocess.DEVNULL)
     runs = _isolated_sparkgpu_home / "runs"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and len(list(runs.glob("*/checkpoints/step-*"))) < 2:
-        time.sleep(0.2)
+    wait_for(lambda: len(list(runs.glob("*/checkpoints/step-*"))) == 2)
     client.kill()
     client.wait()
     run_dir = next(runs.iterdir())

@@ -11,6 +11,7 @@ import pytest
 from sparkgpu import distributed, runtime
 from sparkgpu.config import settings
 from sparkgpu.errors import PolicyViolationError
+from tests.integration.processes import assert_no_orphans
 from sparkgpu.usage import UsageLedger, UsageMeter, UsagePolicy
 from sparkgpu.usage.rates import billed_seconds
 
@@ -159,19 +160,4 @@ def _logs(staging_root) -> str:
 
 
 def _wait_for_ranks_to_die_with_their_client(staging_root, within: float = 15.0):
-    import psutil
-
-    def leftovers():
-        found = []
-        for proc in psutil.process_iter(["cmdline"]):
-            try:
-                if any(str(staging_root) in part for part in proc.info["cmdline"] or ()):
-                    found.append(proc)
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-        return found
-
-    deadline = time.monotonic() + within
-    while leftovers() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert leftovers() == []
+    assert_no_orphans(staging_root, within=within)

@@ -11,7 +11,7 @@ import pytest
 from sparkgpu import JobTimeoutError, WorkerFailedError, distributed, runtime
 from sparkgpu.config import settings
 from sparkgpu.launch.pool import PoolBackend, pool_status, stop_pool
-from tests.integration.test_local_launch import assert_no_orphans
+from tests.integration.processes import assert_no_orphans
 
 pytestmark = pytest.mark.integration
 

@@ -1,0 +1,47 @@
+"""Helpers for tests that start real clients and ranks: find leftovers, start a client script."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+
+
+def processes_of(path) -> list[psutil.Process]:
+    """Live processes whose command line mentions ``path`` (a run dir, a staging root)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if any(str(path) in part for part in proc.info["cmdline"] or ()):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def assert_no_orphans(path, within: float = 5.0) -> None:
+    """Waits up to ``within`` seconds for every process of ``path`` to end, then asserts none is left."""
+    deadline = time.monotonic() + within
+    while processes_of(path) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes_of(path) == []
+
+
+def start_client(tmp_path, home, source: str, **popen) -> subprocess.Popen:
+    """Runs ``source`` as a separate client process with its own SPARKGPU_HOME."""
+    script = tmp_path / "client.py"
+    script.write_text(source)
+    env = {**os.environ, "SPARKGPU_HOME": str(home), "PYTHONPATH": os.getcwd()}
+    return subprocess.Popen([sys.executable, str(script)], env=env, **popen)
+
+
+def wait_for(predicate, within: float = 90.0, interval: float = 0.2) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
