@@ -200,6 +200,7 @@ class MLflowCallback(JobCallback):
     # -- client side ---------------------------------------------------------------------
     def before_job(self, job, run_dir: str) -> None:
         from mlflow import MlflowClient
+        from mlflow.exceptions import MlflowException
 
         from sparkgpu.tracking.spool import SpoolDir, SpoolFlusher
 
@@ -208,14 +209,21 @@ class MLflowCallback(JobCallback):
         self._spool = SpoolDir(Path(run_dir) / "tracking")
         spec = job.to_dict()
         experiment = self.experiment or default_experiment_name()
-        with translate_permission_errors(f"create the job's run in experiment '{experiment}'",
-                                         f"EDIT permission on experiment '{experiment}'", target.tracking_uri):
-            info = self._spool.read_run_info()
-            if info is None:
-                info = self._create_run(job, spec, experiment, target)
-            else:  # a resumed job keeps its run
-                self._client.update_run(info.run_id, status="RUNNING")
-                self._attempt_statuses = self._recorded_attempts(info.run_id)
+        try:
+            with translate_permission_errors(f"create the job's run in experiment '{experiment}'",
+                                             f"EDIT permission on experiment '{experiment}'", target.tracking_uri):
+                info = self._spool.read_run_info()
+                if info is None:
+                    info = self._create_run(job, spec, experiment, target)
+                else:  # a resumed job keeps its run
+                    self._client.update_run(info.run_id, status="RUNNING")
+                    self._attempt_statuses = self._recorded_attempts(info.run_id)
+        except MlflowException as exc:  # before any worker starts: the job does not run untracked
+            raise ConfigurationError(
+                f"could not set up the job's MLflow run at {target.tracking_uri}: {exc}. Check the tracking URI "
+                "(MLFLOW_TRACKING_URI or MLflowCallback(tracking_uri=...)) and its credentials, or leave "
+                "MLFLOW_TRACKING_URI unset to use the embedded store"
+            ) from exc
         self.run_info = info
         self._flusher = SpoolFlusher(self._spool, self._client, info.run_id, self.flush_interval)
         self._flusher.start()

@@ -119,6 +119,17 @@ def test_failed_and_cancelled_jobs_end_the_run_accordingly(tracking_uri, tmp_pat
     assert run.data.tags["sparkgpu.error"].startswith(type(error).__name__)
 
 
+def test_an_unreachable_tracking_server_stops_the_job_before_it_starts(tmp_path, monkeypatch):
+    from sparkgpu.errors import ConfigurationError
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    job = make_job()
+    callback = MLflowCallback("/team/down", tracking_uri="http://127.0.0.1:9")
+    with pytest.raises(ConfigurationError, match="http://127.0.0.1:9.*MLFLOW_TRACKING_URI"):
+        callback.before_job(job, str(tmp_path / job.job_id))
+    assert callback.run_id is None
+
+
 def test_embedded_store_is_the_default(tmp_path, monkeypatch, _isolated_sparkgpu_home):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     job = make_job()
