@@ -1,0 +1,48 @@
+"""`sparkgpu data convert|bench` and `sparkgpu cache ls|clear` on real files."""
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from sparkgpu.cli import main
+
+pytestmark = pytest.mark.integration
+
+
+def test_convert_then_bench_then_cache(tmp_path, capsys):
+    table = pa.table({"x": np.arange(5000, dtype=np.float32), "label": np.arange(5000, dtype=np.int64)})
+    (tmp_path / "pq").mkdir()
+    pq.write_table(table, tmp_path / "pq" / "part-0.parquet")
+    out = tmp_path / "mds"
+
+    assert main(["data", "convert", str(tmp_path / "pq"), str(out), "--hashes", "sha1"]) == 0
+    assert "wrote 5000 samples" in capsys.readouterr().out
+    index = json.loads((out / "index.json").read_text())
+    assert sum(s["samples"] for s in index["shards"]) == 5000
+
+    assert main(["data", "bench", str(out), "--json", "--plot", str(tmp_path / "volume.png")]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert set(figures) >= {"raw_parallel_download", "epoch1_from_volume", "epoch2_from_cache", "epoch1_vs_raw"}
+    assert figures["epoch1_vs_raw"] > 0
+    assert (tmp_path / "volume.png").stat().st_size > 0
+
+    from sparkgpu import data
+
+    for _ in data.dataset(remote=str(out), batch_size=1000):
+        pass
+    assert main(["cache", "ls", "--json"]) == 0
+    entries = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(e["remote"], e["shards_cached"] == e["shards_total"]) for e in entries] == [(str(out), True)]
+    assert main(["cache", "clear"]) == 0
+    assert "freed" in capsys.readouterr().out
+    assert main(["cache", "ls"]) == 0
+    assert "the cache is empty" in capsys.readouterr().out
+
+
+def test_convert_of_a_missing_source_names_what_to_give(tmp_path, capsys):
+    assert main(["data", "convert", str(tmp_path / "nope"), str(tmp_path / "out")]) == 1
+    assert "give a Parquet file, a folder of them or a Delta table" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "index.json").exists()
