@@ -15,6 +15,7 @@ shards, and running it again clears what it left and starts over.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -140,8 +141,10 @@ def to_mds(
     started = time.monotonic()
     resolved = _resolve(source, version, timestamp, storage_options)
     options = ShardOptions.create(plan_columns(resolved.schema, columns), compression=compression, hashes=hashes, size_limit=size_limit)
-    fingerprint = _fingerprint_or_none(resolved)
-    return _convert(resolved, Volume(out, storage_options), options, fingerprint, overwrite, max_workers, progress, started)
+    # The fingerprint is only recorded here, so its Spark round trips run beside the job.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparkgpu-fingerprint") as pool:
+        fingerprint = pool.submit(_fingerprint_or_none, resolved)
+        return _convert(resolved, Volume(out, storage_options), options, fingerprint, overwrite, max_workers, progress, started)
 
 
 def ensure_mds(
@@ -219,21 +222,23 @@ def _fingerprint_or_none(resolved) -> str | None:
 
 
 def _convert(resolved, volume: Volume, options: ShardOptions, fingerprint, overwrite, max_workers, progress, started) -> ConversionResult:
+    """Claims ``volume``, writes the shards, commits; ``fingerprint`` may be a Future."""
     run_id = uuid.uuid4().hex
     folder = OutputFolder(volume, run_id)
     folder.begin(overwrite=overwrite)
     bar = _ProgressBar(volume.url) if _show_progress(progress) else None
     try:
         shards = resolved.write(volume, options, max_workers=max_workers, progress=bar)
+        if not any(s["samples"] for s in shards):
+            raise DataError(f"the source has no rows; nothing was written to {volume.url}")
+        if isinstance(fingerprint, concurrent.futures.Future):
+            fingerprint = fingerprint.result()
     except BaseException:
         folder.abort()
         raise
     finally:
         if bar is not None:
             bar.close()
-    if not any(s["samples"] for s in shards):
-        folder.abort()
-        raise DataError(f"the source has no rows; nothing was written to {volume.url}")
     metadata = {
         "fingerprint": fingerprint,
         "source": resolved.description,

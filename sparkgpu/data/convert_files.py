@@ -78,8 +78,10 @@ class FileSource:
                         progress.advance(batch.num_rows)
             return writer.finish()
 
+        if not groups:
+            return []
         if single:
-            return write_group(0, groups[0]) if groups else []
+            return write_group(0, groups[0])
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="sparkgpu-mds") as pool:
             futures = [pool.submit(write_group, i, group) for i, group in enumerate(groups)]
             try:

@@ -234,3 +234,10 @@ def test_parquet_behind_an_fsspec_url(tmp_path):
         assert data_fingerprint("memory://sparkgpu-src/data") == result.fingerprint
     finally:
         fs.rm("/sparkgpu-src", recursive=True)
+
+
+def test_empty_source_is_an_error_and_leaves_no_index(tmp_path):
+    empty = pa.table({"id": pa.array([], pa.int64())})
+    with pytest.raises(DataError, match="no rows"):
+        data.to_mds(empty, str(tmp_path / "out"), progress=False)
+    assert not (tmp_path / "out" / "index.json").exists()

@@ -249,7 +249,9 @@ def test_classic_spark_session_converts_too(tmp_path):
         spark.stop()
         """
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=540)
+    # The Connect fixture marks this process as a Connect client; the child must not inherit that.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPARK_REMOTE", "SPARK_CONNECT", "SPARK_LOCAL_REMOTE"))}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=540, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     module, url, samples, first_reused, again_reused = json.loads(done.stdout.strip().splitlines()[-1])
     assert module.startswith("pyspark.sql.classic") and samples == 3000 and not first_reused and again_reused
