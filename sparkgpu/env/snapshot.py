@@ -436,11 +436,13 @@ def _distribution_component(dist, name: str, version: str, location: Path, edita
                      location=str(location)), shipped_trees
 
 
-def _exclusion(name: str, version: str, patterns: list[str], worker: dict[str, str]) -> str | None:
+def _exclusion(name: str, version: str, editable: bool, patterns: list[str], worker: dict[str, str]) -> str | None:
     normalized = normalize_name(name)
     for pattern in patterns:
         if fnmatch.fnmatchcase(normalized, pattern):
             return f"excluded by name ({pattern})"
+    if editable:
+        return None  # its source changes without a version bump: the workers' copy may be stale
     have = worker.get(normalized)
     if have == version:
         return f"the workers have {name}=={have}"
@@ -499,13 +501,16 @@ def snapshot_environment(*, paths: list[str] | None = None, code_paths=None, exc
     client = describe_interpreter(search)
     warnings: list[str] = []
     components, excluded, lock, seen, trees = [], [], [], set(), set()
-    for dist, name, version in _distributions(search):
+    # The working directory is shipped as code; metadata a build left there (an .egg-info next
+    # to setup.py) is not an installation and would shadow the real one.
+    cwd = os.path.realpath(os.getcwd())
+    for dist, name, version in _distributions([p for p in search if p and os.path.realpath(p) != cwd]):
         if normalize_name(name) in seen:
             continue  # shadowed by an earlier path entry, as for imports
         seen.add(normalize_name(name))
         editable = bool(_direct_url(dist).get("dir_info", {}).get("editable"))
         lock.append(_lock_line(dist, name, version, editable))
-        reason = _exclusion(name, version, patterns, worker_packages)
+        reason = _exclusion(name, version, editable, patterns, worker_packages)
         if reason:
             excluded.append(Excluded(name, version, reason))
             continue

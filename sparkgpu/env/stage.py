@@ -2,8 +2,9 @@
 
 For each component the blob's hash is taken from a local pack index when its files (path,
 size, mtime) have not changed since they were last hashed, or computed by streaming the
-deterministic tar through sha256 (nothing written). Only blobs the store does not hold are
-then streamed to it, hashed again on the way and kept only if the hash still matches. A
+deterministic tar through sha256 (nothing written; skipped when the store is empty). Only
+blobs the store does not hold are then streamed to it, hashed on the way and named by that
+hash. A
 second call with nothing changed therefore reads no file contents and uploads nothing; after
 ``pip install`` of one package only that package's blob is uploaded.
 """
@@ -196,7 +197,9 @@ def stage_snapshot(snapshot: Snapshot, store: BlobStore | str, *, size_limit: in
     steps.append(StepReport("index", time.perf_counter() - mark, 0, len(digests)))
 
     mark = time.perf_counter()
-    unknown = [c for c in components if id(c) not in digests]
+    # With an empty store there is nothing to deduplicate against: hashing before uploading
+    # would only read everything twice.
+    unknown = [c for c in components if id(c) not in digests] if existing else []
     with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
         for component, result in zip(unknown, pool.map(lambda c: tar_digest(c.files), unknown)):
             digests[id(component)] = result
@@ -207,14 +210,17 @@ def stage_snapshot(snapshot: Snapshot, store: BlobStore | str, *, size_limit: in
     objects: dict[str, tuple[str, int]] = {}
     by_digest: dict[str, Component] = {}
     skipped_bytes = 0
+    missing = [c for c in components if id(c) not in digests]
     for component in components:
+        if id(component) not in digests:
+            continue
         digest = digests[id(component)][0]
         if digest in existing:
             objects[digest] = existing[digest]
             skipped_bytes += existing[digest][1]
         else:
             by_digest.setdefault(digest, component)  # identical content is uploaded once
-    missing = list(by_digest.values())
+    missing += by_digest.values()
     uploaded_bytes = 0
     with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
         for component, (name, digest, tar_bytes, stored) in zip(

@@ -236,3 +236,18 @@ def test_platform_only_matters_for_native_code():
     assert check_compatibility(client, worker, native=[]) == []
     (problem,) = check_compatibility(client, worker, native=["numpy", "pyarrow"])
     assert "macosx-14.0-arm64" in problem and "linux-x86_64" in problem and "numpy, pyarrow" in problem
+
+
+def test_build_metadata_in_the_working_directory_does_not_shadow_the_install(site, tmp_path):
+    (tmp_path / "gamma").mkdir()
+    (tmp_path / "gamma" / "__init__.py").write_text("")
+    (tmp_path / "gamma.egg-info").mkdir()  # left by `setup.py egg_info` / a build
+    (tmp_path / "gamma.egg-info" / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: gamma\nVersion: 0.0.dev0\n")
+    (tmp_path / "gamma.egg-info" / "SOURCES.txt").write_text("gamma/__init__.py\n")
+    finder = f"MAPPING = {{'gamma': {str(tmp_path / 'gamma')!r}}}\n"
+    write_dist(site, "gamma", "0.3", {
+        "__editable__.gamma-0.3.pth": "import __editable___gamma_0_3_finder; __editable___gamma_0_3_finder.install()",
+        "__editable___gamma_0_3_finder.py": finder,
+    }, direct_url={"url": tmp_path.as_uri(), "dir_info": {"editable": True}})
+    snap = snapshot_environment(paths=["", str(tmp_path), str(site)])
+    assert [(c.name, c.version, c.kind) for c in snap.components] == [("gamma", "0.3", "editable")]

@@ -65,6 +65,7 @@ def test_second_stage_uploads_nothing_even_without_the_pack_index(site, tmp_path
     store = BlobStore(tmp_path / "store")
     first = stage_snapshot(snapshot_environment(paths=[str(site)]), store)
     assert sorted(first.report.uploaded) == ["alpha", "beta"]
+    assert first.report.step("hash").items == 0  # an empty store: hashed while uploading, read once
     assert first.report.uploaded_bytes == first.report.step("upload").bytes + first.report.step("manifest").bytes > 0
     second = stage_snapshot(snapshot_environment(paths=[str(site)]), store)
     assert second.report.uploaded_bytes == 0 and second.report.uploaded == ()
