@@ -1,0 +1,351 @@
+"""Ranks on Spark executors: one barrier task per node, through Spark Connect or a classic session.
+
+An attempt is one Spark job: ``spark.range(nodes).mapInArrow(run_node, barrier=True,
+profile=rp)``, where ``rp`` is a task-level ResourceProfile asking each task for its node's
+GPUs (executor-level requests need dynamic allocation, which refuses barrier stages:
+SPARK-24942). Node rank = partition id; node 0's host comes from the barrier task infos and
+its rendezvous port from ``allGather``; each node's ranks see that task's GPU addresses.
+The job's signing key travels inside the task closure only.
+
+Results, tracebacks and logs come back through the run dir, which the client and the
+executors must both reach under the same path (a local folder on one machine; an NFS or
+FUSE-mounted volume on a real cluster: set ``SPARKGPU_STAGING_ROOT`` to it). The Spark action
+runs in a background thread under a job tag: ``cancel`` first asks the nodes to stop their
+ranks (SIGTERM, with the job's shutdown grace), then interrupts the tag; Spark then kills
+the Python workers, and the agents and ranks die with them (``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import sys
+import threading
+import time
+
+from sparkgpu.config import settings
+from sparkgpu.errors import CapacityError, ConfigurationError
+from sparkgpu.launch.agent import build_command
+from sparkgpu.launch.backends.base import AttemptHandle, Backend, LaunchPlan
+from sparkgpu.launch.backends.spark_capacity import (
+    NodeLayout,
+    SparkCapacity,
+    discover_capacity,
+    plan_layout,
+)
+from sparkgpu.launch.backends.spark_node import (
+    CANCEL_FILE,
+    HEARTBEAT_FILE,
+    NODE_DDL,
+    NodeLaunch,
+    run_node,
+    spark_dir,
+)
+from sparkgpu.launch.payload import KEY_ENV, RunDir, atomic_write_bytes
+from sparkgpu.spec import JobSpec, Resources
+
+__all__ = ["SparkBackend", "SparkAttempt", "create_backend", "active_spark_session"]
+
+_HEARTBEAT_SECONDS = 2.0
+
+
+def active_spark_session():
+    """The session ``remote=True`` jobs run on.
+
+    In order: this thread's active session (Connect, then classic), the process's default
+    Connect session, a session to ``SPARKGPU_SPARK_REMOTE``.
+
+    Raises:
+        ConfigurationError: there is none of them.
+    """
+    connect = sys.modules.get("pyspark.sql.connect.session")
+    classic = sys.modules.get("pyspark.sql.session")
+    candidates = []
+    if connect is not None:
+        candidates += [connect.SparkSession.getActiveSession, connect.SparkSession._get_default_session]
+    if classic is not None:
+        candidates.insert(1 if candidates else 0, classic.SparkSession.getActiveSession)
+    for lookup in candidates:
+        try:
+            session = lookup()
+        except Exception:  # classic lookups raise in Connect-only installs
+            session = None
+        if session is not None:
+            return session
+    remote = settings().spark_remote
+    if remote:
+        return _session_for(remote)
+    raise ConfigurationError(
+        "remote=True runs on a Spark session, and there is none: create one first "
+        "(SparkSession.builder.remote('sc://host:15002').getOrCreate()), or set SPARKGPU_SPARK_REMOTE=sc://host:15002"
+    )
+
+
+_remote_sessions: dict[str, object] = {}
+
+
+def _session_for(remote: str):
+    # builder.getOrCreate() would hand back any existing default session, whatever its URL.
+    session = _remote_sessions.get(remote)
+    if session is None or session.is_stopped:
+        from pyspark.sql import SparkSession
+
+        session = _remote_sessions[remote] = SparkSession.builder.remote(remote).create()
+    return session
+
+
+@contextlib.contextmanager
+def _active(spark):
+    """Makes ``spark`` the thread's active Connect session (Connect builds ResourceProfiles on it)."""
+    local = getattr(type(spark), "_active_session", None)
+    if not isinstance(local, threading.local):
+        yield
+        return
+    previous = getattr(local, "session", None)
+    local.session = spark
+    try:
+        yield
+    finally:
+        local.session = previous
+
+
+@dataclasses.dataclass
+class SparkAttempt(AttemptHandle):
+    """One attempt: a Spark job running in a background thread of the client."""
+
+    attempt: int
+    job: JobSpec
+    run_dir: RunDir
+    layout: NodeLayout
+    tag: str
+    submitted_at: float
+    thread: threading.Thread | None = None
+    rows: list | None = None
+    error: BaseException | None = None
+    cancelled: bool = False
+    finished: threading.Event = dataclasses.field(default_factory=threading.Event)
+    next_check: float = 0.0
+    next_notice: float = 0.0
+    nodes_started: bool = False
+    exit_code: int | None = None
+
+    @property
+    def nodes(self) -> list[dict]:
+        """The node tasks' status rows (node, executor, host, devices, pid, exit_code, state)."""
+        return [row.asDict() for row in self.rows or ()]
+
+
+class SparkBackend(Backend):
+    """Runs every node of a job as a barrier task on a Spark session's executors.
+
+    Args:
+        spark: The session (Connect or classic); the active one (or ``SPARKGPU_SPARK_REMOTE``)
+            when omitted, looked up on first use.
+        wait_timeout: Seconds to wait for busy GPUs before giving up
+            (``SPARKGPU_SPARK_WAIT_TIMEOUT`` by default).
+        gpus_per_node: Force this many ranks per barrier task; by default as many as one
+            executor holds (GPU jobs) or an even spread over the executors (CPU jobs).
+        simulated: Treat the cluster's GPU addresses as fake and run ranks on CPU with gloo;
+            by default the cluster's ``spark.sparkgpu.simulatedGpus`` conf decides.
+        client_timeout: Seconds the nodes keep running without a heartbeat from this client
+            before they stop their ranks (``None``: run on when the client dies).
+        out: Stream for "waiting for GPUs" lines (``sys.stderr`` by default).
+    """
+
+    name = "spark"
+
+    def __init__(self, spark=None, *, wait_timeout: float | None = None, gpus_per_node: int | None = None,
+                 simulated: bool | None = None, client_timeout: float | None = 120.0, out=None):
+        self._spark = spark
+        self.wait_timeout = wait_timeout if wait_timeout is not None else settings().spark_wait_timeout
+        self.gpus_per_node = gpus_per_node
+        self.simulated = simulated
+        self.client_timeout = client_timeout
+        self.out = out
+        self._layouts: dict[str, NodeLayout] = {}
+        self.last_attempt: SparkAttempt | None = None
+
+    @property
+    def spark(self):
+        if self._spark is None:
+            self._spark = active_spark_session()
+        return self._spark
+
+    @property
+    def _stream(self):
+        return self.out if self.out is not None else sys.stderr
+
+    # -- capacity ---------------------------------------------------------------------
+    def capacity(self, refresh: bool = False) -> SparkCapacity:
+        """Executors, hosts and GPUs this session reaches (probed; cached for a minute)."""
+        capacity = discover_capacity(self.spark, wait_timeout=self.wait_timeout, out=self._stream, refresh=refresh)
+        if self.simulated is not None:
+            capacity = dataclasses.replace(capacity, simulated=self.simulated)
+        return capacity
+
+    def describe_capacity(self, resources: Resources) -> str:
+        return str(self.capacity())
+
+    def _layout(self, job: JobSpec, capacity: SparkCapacity | None = None) -> NodeLayout:
+        capacity = capacity or self.capacity()
+        return plan_layout(job.resources.gpus, job.resources.gpu_type or "cpu", capacity,
+                           gpus_per_node=self.gpus_per_node, max_cpu_ranks_per_node=settings().max_cpu_ranks)
+
+    def resolve(self, job: JobSpec) -> JobSpec:
+        if job.resources.gpu_type is None:
+            raise ConfigurationError("remote jobs need a gpu_type, e.g. gpu_type='A10' (or 'cpu' for CPU ranks)")
+        capacity = self.capacity()
+        layout = self._layout(job, capacity)
+        self._layouts[job.job_id] = layout
+        simulated = capacity.simulated and not job.resources.is_cpu
+        # Devices are per node and known only at launch: each task's GPU addresses.
+        return dataclasses.replace(job, devices=(), simulated=simulated)
+
+    # -- attempts ---------------------------------------------------------------------
+    def plan(self, job, run_dir, attempt, env) -> LaunchPlan:
+        layout = self._layouts.get(job.job_id) or self._layout(job)
+        commands = tuple(
+            tuple(build_command("python", str(run_dir.path), attempt=attempt, nnodes=layout.nodes, node_rank=node,
+                                nproc=layout.ranks_per_node, master_addr="<host of node 0>", master_port=0,
+                                shutdown_grace=job.policy.shutdown_grace))
+            for node in range(layout.nodes)
+        )
+        masked = {k: ("***" if k == KEY_ENV else v) for k, v in env.items()}
+        masked["SPARK_TASK_GPUS"] = str(layout.gpus_per_node)
+        return LaunchPlan(backend=self.name, attempt=attempt, nodes=layout.nodes, ranks_per_node=layout.ranks_per_node,
+                          devices=(), commands=commands, env=masked)
+
+    def _frame(self, job: JobSpec, run_dir: RunDir, attempt: int, env: dict, layout: NodeLayout):
+        launch = NodeLaunch(
+            run_dir=str(run_dir.path), attempt=attempt, nnodes=layout.nodes, nproc=layout.ranks_per_node,
+            env=dict(env), shutdown_grace=job.policy.shutdown_grace, client_timeout=self.client_timeout,
+            threads_per_rank=None if job.uses_cuda else max(1, (os.cpu_count() or 1) // layout.ranks_per_node),
+        )
+        task = functools.partial(run_node, launch)
+        frame = self.spark.range(0, layout.nodes, 1, layout.nodes)
+        if layout.gpus_per_node == 0:
+            return frame.mapInArrow(task, NODE_DDL, barrier=True)
+        from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
+
+        requests = TaskResourceRequests().cpus(1).resource("gpu", float(layout.gpus_per_node))
+        profile = ResourceProfileBuilder().require(requests).build
+        with _active(self.spark):
+            profile.id  # Connect registers the profile on the server now, from this thread
+        return frame.mapInArrow(task, NODE_DDL, barrier=True, profile=profile)
+
+    def submit(self, job, run_dir, attempt, env) -> SparkAttempt:
+        layout = self._layouts.get(job.job_id) or self._layout(job)
+        run_dir.prepare_attempt(attempt)
+        spark_dir(run_dir, attempt).mkdir(parents=True, exist_ok=True)
+        now = time.monotonic()
+        handle = SparkAttempt(attempt=attempt, job=job, run_dir=run_dir, layout=layout,
+                              tag=f"sparkgpu-{job.job_id}-{attempt}", submitted_at=now, next_notice=now + 5.0)
+        self._beat(handle)
+        with _active(self.spark):
+            frame = self._frame(job, run_dir, attempt, env, layout)
+        handle.thread = threading.Thread(target=self._run_action, args=(handle, frame), daemon=True,
+                                         name=f"sparkgpu-{handle.tag}")
+        handle.thread.start()
+        threading.Thread(target=self._heartbeat, args=(handle,), daemon=True, name=f"{handle.tag}-heartbeat").start()
+        self.last_attempt = handle
+        return handle
+
+    def _run_action(self, handle: SparkAttempt, frame) -> None:
+        self.spark.addTag(handle.tag)
+        try:
+            handle.rows = frame.collect()
+        except BaseException as exc:  # read by poll() in the supervisor's thread
+            handle.error = exc
+        finally:
+            self.spark.removeTag(handle.tag)
+            handle.finished.set()
+
+    def _beat(self, handle: SparkAttempt, count: int = 0) -> None:
+        atomic_write_bytes(spark_dir(handle.run_dir, handle.attempt) / HEARTBEAT_FILE, f"{count}\n".encode())
+
+    def _heartbeat(self, handle: SparkAttempt) -> None:
+        count = 0
+        while not handle.finished.wait(_HEARTBEAT_SECONDS):
+            count += 1
+            try:
+                self._beat(handle, count)
+            except OSError as exc:  # a flaky shared volume must not stop the job; the nodes allow gaps
+                print(f"sparkgpu: could not write the heartbeat: {exc}", file=self._stream)
+
+    def poll(self, handle: SparkAttempt) -> int | None:
+        if not handle.finished.is_set():
+            now = time.monotonic()
+            if now >= handle.next_check:
+                handle.next_check = now + 1.0
+                self._check_waiting(handle, now)
+            return None
+        if handle.exit_code is None:
+            handle.exit_code = self._outcome(handle)
+        return handle.exit_code
+
+    def _check_waiting(self, handle: SparkAttempt, now: float) -> None:
+        """Says when the nodes wait for GPUs, and gives up after ``wait_timeout``."""
+        if handle.nodes_started:
+            return
+        if any(spark_dir(handle.run_dir, handle.attempt).glob("node-*.started")):
+            handle.nodes_started = True
+            return
+        waited = now - handle.submitted_at
+        layout = handle.layout
+        what = (f"{layout.nodes} node(s) x {layout.gpus_per_node} {handle.job.resources.gpu_type}"
+                if layout.gpus_per_node else f"{layout.nodes} free task slot(s)")
+        if waited > self.wait_timeout:
+            self.cancel(handle, handle.job.policy.shutdown_grace)
+            raise CapacityError(
+                f"gave up after waiting {waited:.0f}s for {what} on the Spark cluster: they stayed busy with other "
+                f"jobs; try again later, ask for fewer GPUs, or raise SPARKGPU_SPARK_WAIT_TIMEOUT (now {self.wait_timeout:g}s)"
+            )
+        if now >= handle.next_notice:
+            print(f"sparkgpu: waiting for {what} on the Spark cluster ({waited:.0f}s so far, giving up after "
+                  f"{self.wait_timeout:g}s); other jobs may hold them", file=self._stream, flush=True)
+            handle.next_notice = now + 30.0
+
+    def _outcome(self, handle: SparkAttempt) -> int:
+        """Exit status of a finished attempt; Spark-level failures are written where the supervisor looks."""
+        rd, attempt = handle.run_dir, handle.attempt
+        if handle.error is not None:
+            if handle.cancelled:
+                return 1
+            text = "\n".join(str(handle.error).splitlines()[:40])
+            self._note(rd, attempt, f"the Spark job of this attempt failed: {type(handle.error).__name__}: {text}")
+            return 1
+        rows = handle.nodes
+        blind = [r for r in rows if r["state"] == "no-run-dir"]
+        if blind:
+            where = ", ".join(f"executor {r['executor']} on {r['host']}" for r in blind)
+            self._note(rd, attempt, f"{where} cannot see the run dir {rd.path}: set SPARKGPU_STAGING_ROOT to a folder "
+                                    "mounted under the same path on the client and on every executor (NFS, or a "
+                                    "FUSE-mounted volume)")
+        if any(r["state"] == "spark-retry" for r in rows):
+            self._note(rd, attempt, "Spark lost a task or an executor of this attempt and re-ran its barrier stage; the "
+                                    "nodes did not start the ranks again (restarts are set with max_restarts=). The "
+                                    "executor logs in the Spark UI say why it was lost.")
+        return max((abs(r["exit_code"]) for r in rows), default=1)
+
+    @staticmethod
+    def _note(rd: RunDir, attempt: int, message: str) -> None:
+        # Node 0's agent log is what the supervisor shows when no rank reported anything.
+        with open(rd.agent_log(attempt, 0), "a") as log:
+            log.write(f"\nsparkgpu: {message}\n")
+
+    def cancel(self, handle: SparkAttempt, grace: float) -> None:
+        if handle.finished.is_set():
+            return
+        handle.cancelled = True
+        # First the polite way: every node SIGTERMs its agent, which gives the ranks `grace`.
+        atomic_write_bytes(spark_dir(handle.run_dir, handle.attempt) / CANCEL_FILE, b"cancelled by the client\n")
+        started = handle.nodes_started or any(spark_dir(handle.run_dir, handle.attempt).glob("node-*.started"))
+        if not started or not handle.finished.wait(grace + 10):
+            self.spark.interruptTag(handle.tag)  # Spark kills the Python workers; agents and ranks follow
+            handle.finished.wait(60)
+
+
+def create_backend(**options) -> SparkBackend:
+    return SparkBackend(**options)

@@ -1,0 +1,324 @@
+"""What runs inside Spark tasks on the executors: the capacity probe and one node of a job.
+
+These functions are shipped to the executors by reference (``sparkgpu`` must be installed
+there) as ``mapInArrow`` functions. A node task starts its node's agent
+(:mod:`sparkgpu.launch.agent`) and watches it; results, tracebacks and logs go to the run
+dir, and the task itself returns one tiny status row. It never raises for a failed rank:
+a failed task would make Spark retry the barrier stage and run the training again, and
+restarts belong to the client's supervisor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+
+from sparkgpu.launch.agent import build_command
+from sparkgpu.launch.entrypoint import NODE_DEVICES_ENV
+from sparkgpu.launch.payload import RunDir, atomic_write_bytes
+
+__all__ = ["NodeLaunch", "run_node", "ProbeOptions", "probe_executor", "NODE_SCHEMA", "PROBE_SCHEMA", "NODE_DDL",
+           "PROBE_DDL",
+           "ExecutorIdentity", "executor_identity", "CANCEL_FILE", "HEARTBEAT_FILE", "spark_dir"]
+
+NODE_SCHEMA = pa.schema([
+    ("node", pa.int32()), ("executor", pa.string()), ("host", pa.string()), ("devices", pa.string()),
+    ("pid", pa.int64()), ("exit_code", pa.int32()), ("state", pa.string()),
+])
+PROBE_SCHEMA = pa.schema([
+    ("executor", pa.string()), ("host", pa.string()), ("cores", pa.int32()), ("gpu_addresses", pa.string()),
+    ("gpu_names", pa.string()), ("python", pa.string()),
+])
+# mapInArrow takes the schema as DDL; the Arrow schemas above build the batches that match it.
+NODE_DDL = "node int, executor string, host string, devices string, pid bigint, exit_code int, state string"
+PROBE_DDL = "executor string, host string, cores int, gpu_addresses string, gpu_names string, python string"
+CANCEL_FILE = "CANCEL"  # written by the client into attempts/<k>/spark/ to stop every node
+HEARTBEAT_FILE = "client.heartbeat"  # rewritten by the client every few seconds while it lives
+_POLL_SECONDS = 0.2
+
+
+def spark_dir(run_dir: RunDir, attempt: int) -> Path:
+    """Where an attempt's Spark-specific markers live (start markers, cancel, heartbeat)."""
+    return run_dir.attempt_dir(attempt) / "spark"
+
+
+# -- who am I ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutorIdentity:
+    """The executor a Python worker serves, read from the executor JVM's command line.
+
+    Attributes:
+        executor_id: Spark's executor id (``"driver"`` in local mode).
+        host: Host name Spark knows the executor by.
+        cores: Task slots of the executor (0 when unknown).
+        resources_file: JSON file with the resources the cluster manager assigned to the
+            executor (standalone mode), or ``None``.
+        jvm_pid: Process id of the executor JVM.
+    """
+
+    executor_id: str
+    host: str
+    cores: int
+    resources_file: str | None
+    jvm_pid: int
+
+
+def _arg(argv: list[str], name: str) -> str | None:
+    try:
+        return argv[argv.index(name) + 1]
+    except (ValueError, IndexError):
+        return None
+
+
+def executor_identity() -> ExecutorIdentity:
+    """Walks up from this Python worker to the JVM that started it (daemon -> JVM).
+
+    Every executor backend (standalone, Kubernetes, YARN) starts with ``--executor-id``,
+    ``--hostname`` and ``--cores``; a JVM without them is the driver of a local-mode session.
+    """
+    import psutil
+
+    process = psutil.Process()
+    for ancestor in process.parents()[:4]:
+        try:
+            argv = ancestor.cmdline()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if not argv or "java" not in os.path.basename(argv[0]):
+            continue
+        executor_id = _arg(argv, "--executor-id")
+        if executor_id is None:
+            return ExecutorIdentity("driver", socket.gethostname(), 0, None, ancestor.pid)
+        cores = _arg(argv, "--cores")
+        return ExecutorIdentity(executor_id, _arg(argv, "--hostname") or socket.gethostname(),
+                                int(cores) if cores and cores.isdigit() else 0, _arg(argv, "--resourcesFile"),
+                                ancestor.pid)
+    return ExecutorIdentity("unknown", socket.gethostname(), 0, None, os.getppid())
+
+
+def _assigned_gpu_addresses(identity: ExecutorIdentity, discovery_script: str | None) -> list[str]:
+    """GPU addresses of this executor: the manager's assignment, else the discovery script's answer."""
+    if identity.resources_file:
+        try:
+            for entry in json.loads(Path(identity.resources_file).read_text()):
+                if entry.get("id", {}).get("resourceName") == "gpu":
+                    return [str(a) for a in entry.get("addresses", [])]
+        except (OSError, ValueError):
+            pass  # fall through to the discovery script
+    if discovery_script and os.path.exists(discovery_script):
+        try:
+            out = subprocess.run([discovery_script], capture_output=True, text=True, timeout=20, check=True).stdout
+            return [str(a) for a in json.loads(out).get("addresses", [])]
+        except (subprocess.SubprocessError, OSError, ValueError):
+            return []
+    return []
+
+
+# -- the capacity probe ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeOptions:
+    """What the probe needs to know from the client.
+
+    Attributes:
+        discovery_script: ``spark.executor.resource.gpu.discoveryScript``, run when the
+            cluster manager did not hand the executor a resources file.
+        detect_names: Ask NVML / ``nvidia-smi`` for device names (off for simulated GPUs).
+    """
+
+    discovery_script: str | None = None
+    detect_names: bool = True
+
+
+def probe_executor(options: ProbeOptions, batches):
+    """``mapInArrow`` function: one row describing the executor this task ran on."""
+    for _ in batches:
+        pass
+    identity = executor_identity()
+    addresses = _assigned_gpu_addresses(identity, options.discovery_script)
+    names: list[str] = []
+    if options.detect_names and addresses:
+        from sparkgpu.launch.hardware import detect_host_gpus
+
+        found = detect_host_gpus()
+        names = [n for a, n in zip(found.addresses, found.names) if a in addresses] or list(found.names)
+    row = {"executor": [identity.executor_id], "host": [identity.host], "cores": [identity.cores],
+           "gpu_addresses": [",".join(addresses)], "gpu_names": ["|".join(names)],
+           "python": [sys.executable]}
+    yield pa.RecordBatch.from_pydict(row, schema=PROBE_SCHEMA)
+
+
+# -- one node of a job ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeLaunch:
+    """Everything a node task needs; pickled into the task closure (so the key never touches disk).
+
+    Attributes:
+        run_dir: The job's run directory, reachable from the executors under this path.
+        attempt: Attempt number.
+        nnodes: Number of nodes (barrier tasks).
+        nproc: Ranks per node.
+        env: Environment for the ranks, including the job's signing key.
+        shutdown_grace: Seconds ranks get after SIGTERM.
+        client_timeout: Seconds without a client heartbeat after which the node stops its
+            ranks (the client died); ``None`` to keep running.
+        threads_per_rank: ``OMP_NUM_THREADS`` for CPU ranks.
+    """
+
+    run_dir: str
+    attempt: int
+    nnodes: int
+    nproc: int
+    env: dict
+    shutdown_grace: float
+    client_timeout: float | None
+    threads_per_rank: int | None = None
+
+    def __repr__(self) -> str:  # keeps the key out of Spark's logs and error messages
+        return f"NodeLaunch(run_dir={self.run_dir!r}, attempt={self.attempt}, nnodes={self.nnodes}, nproc={self.nproc})"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _claim(marker: Path, info: dict) -> bool:
+    """Creates the node's start marker; False if it exists (Spark is re-running the stage)."""
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        json.dump(info, f)
+    return True
+
+
+def _row(node, identity, devices, pid, code, state):
+    return pa.RecordBatch.from_pydict(
+        {"node": [node], "executor": [identity.executor_id], "host": [identity.host], "devices": [",".join(devices)],
+         "pid": [pid], "exit_code": [code], "state": [state]}, schema=NODE_SCHEMA)
+
+
+def run_node(launch: NodeLaunch, batches):
+    """``mapInArrow`` function of the barrier stage: starts this node's agent and waits for it."""
+    from pyspark import BarrierTaskContext
+
+    for _ in batches:
+        pass
+    ctx = BarrierTaskContext.get()
+    node = ctx.partitionId()
+    rd = RunDir(launch.run_dir)
+    identity = executor_identity()
+    gpu = ctx.resources().get("gpu")
+    devices = tuple(gpu.addresses) if gpu is not None else ()
+    info = {"node": node, "executor": identity.executor_id, "host": identity.host, "devices": list(devices),
+            "python_pid": os.getpid(), "started_at": time.time()}
+    if not rd.spec_file.exists():
+        state = "no-run-dir"  # the client's staging root is not mounted here
+    elif not _claim(spark_dir(rd, launch.attempt) / f"node-{node}.started", info) or ctx.attemptNumber() > 0:
+        # Spark re-ran the stage after a task or executor was lost. Restarts are the
+        # supervisor's decision, so this stage reports and ends without training again.
+        state = "spark-retry"
+    else:
+        state = "ready"
+
+    # Every task reaches allGather exactly once, whatever it decides (barrier semantics).
+    port = _free_port() if node == 0 and state == "ready" else 0
+    gathered = [json.loads(m) for m in ctx.allGather(json.dumps({"port": port, "state": state}))]
+    if state != "ready" or any(m["state"] != "ready" for m in gathered):
+        yield _row(node, identity, devices, 0, 1, state if state != "ready" else "peer-not-ready")
+        return
+    master_addr = ctx.getTaskInfos()[0].address.rsplit(":", 1)[0].strip("[]")
+    command = build_command(
+        sys.executable, launch.run_dir, attempt=launch.attempt, nnodes=launch.nnodes, node_rank=node,
+        nproc=launch.nproc, master_addr=master_addr, master_port=gathered[0]["port"],
+        shutdown_grace=launch.shutdown_grace,
+    )
+    env = {**os.environ, **launch.env, NODE_DEVICES_ENV: ",".join(devices), "PYTHONUNBUFFERED": "1"}
+    env.pop("PYTHON_WORKER_FACTORY_SECRET", None)  # the Python worker's secret is not the ranks' business
+    if launch.threads_per_rank:
+        env.setdefault("OMP_NUM_THREADS", str(launch.threads_per_rank))
+    rd.prepare_attempt(launch.attempt)
+    with open(rd.agent_log(launch.attempt, node), "ab") as log:
+        # Same session as this Python worker: when Spark kills the worker (job cancelled),
+        # the agent dies with it (PR_SET_PDEATHSIG) and the ranks with the agent.
+        agent = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    code, state = _watch(agent, rd, launch, node)
+    yield _row(node, identity, devices, agent.pid, code, state)
+
+
+def _peer_failed(rd: RunDir, attempt: int, node: int) -> bool:
+    for path in rd.attempt_dir(attempt).glob("node-*.json"):
+        if path.name != f"node-{node}.json":
+            try:
+                if json.loads(path.read_text()).get("status", 0) != 0:
+                    return True
+            except (OSError, ValueError):
+                continue  # written atomically; a read error means it is being replaced
+    return False
+
+
+class _Heartbeat:
+    """Notices a client that stopped beating, by content, so clocks of other hosts never matter."""
+
+    def __init__(self, path: Path, timeout: float | None):
+        self.path, self.timeout = path, timeout
+        self.last_value: str | None = None
+        self.last_change = time.monotonic()
+
+    def lost(self) -> bool:
+        if self.timeout is None:
+            return False
+        try:
+            value = self.path.read_text()
+        except OSError:
+            value = None
+        now = time.monotonic()
+        if value != self.last_value:
+            self.last_value, self.last_change = value, now
+        return now - self.last_change > self.timeout
+
+
+def _watch(agent: subprocess.Popen, rd: RunDir, launch: NodeLaunch, node: int) -> tuple[int, str]:
+    """Waits for the agent; stops it when the client cancels, the client is gone or a peer node failed."""
+    sdir = spark_dir(rd, launch.attempt)
+    heartbeat = _Heartbeat(sdir / HEARTBEAT_FILE, launch.client_timeout)
+    state, stop_deadline = "running", None
+    while (code := agent.poll()) is None:
+        if stop_deadline is None:
+            reason = None
+            if (sdir / CANCEL_FILE).exists():
+                reason = "cancelled"
+            elif heartbeat.lost():
+                reason = "client-lost"
+            elif _peer_failed(rd, launch.attempt, node):
+                reason = "peer-failed"
+            if reason:
+                state = reason
+                agent.send_signal(signal.SIGTERM)  # the agent forwards it to the ranks
+                stop_deadline = time.monotonic() + launch.shutdown_grace + 5
+        elif time.monotonic() > stop_deadline:
+            agent.kill()  # the ranks follow through PR_SET_PDEATHSIG
+        time.sleep(_POLL_SECONDS)
+    if state == "running":
+        state = "succeeded" if code == 0 else "failed"
+    done = {"node": node, "exit_code": code, "state": state, "ended_at": time.time()}
+    atomic_write_bytes(sdir / f"node-{node}.ended", json.dumps(done).encode())
+    return code, state

@@ -1,0 +1,300 @@
+"""A real Spark standalone cluster with GPU-declaring workers and a Spark Connect server.
+
+Everything comes from the ``pyspark`` package itself (``$SPARK_HOME`` is the package dir):
+one ``Master``, N ``Worker`` processes that declare ``gpu`` resources through a discovery
+script reporting fake addresses, and a ``SparkConnectServer`` driver against the master.
+Each worker gets its own addresses (worker 0: ``0,1``, worker 1: ``2,3``, ...) so a test can
+tell from a task's GPU addresses which worker ran it.
+
+Usable from tests (``tests/integration/conftest.py``), benchmarks and by hand::
+
+    python tests/integration/spark_cluster.py      # starts one, prints sc://..., Ctrl-C stops it
+
+Every JVM is started in its own session and stopped (SIGTERM, then SIGKILL of its process
+group) by :meth:`LocalSparkCluster.stop`; :meth:`leftover_processes` lists anything that
+survived, for tests to assert on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+__all__ = ["LocalSparkCluster", "java_available", "spark_home"]
+
+_CONNECT_SERVER = "org.apache.spark.sql.connect.service.SparkConnectServer"
+
+
+def java_available() -> bool:
+    return shutil.which("java") is not None or bool(os.environ.get("JAVA_HOME"))
+
+
+def spark_home() -> Path:
+    import pyspark
+
+    return Path(pyspark.__file__).parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+class LocalSparkCluster:
+    """Master, workers and Connect server on this host, on free ports.
+
+    Args:
+        workdir: Folder for scripts, logs and the workers' work dirs.
+        workers: Number of worker processes (one executor each).
+        gpus_per_worker: Fake GPU addresses each worker declares.
+        cores_per_worker: Task slots of each worker's executor.
+        gpu_type: Value of ``spark.sparkgpu.gpuType`` (``None`` to leave it unset).
+        simulated: Set ``spark.sparkgpu.simulatedGpus=true``: the addresses are fake, ranks run on CPU.
+        worker_memory: Memory each worker offers (``SPARK_WORKER_MEMORY``).
+        executor_memory: ``spark.executor.memory``.
+        extra_conf: More ``--conf`` settings for the Connect server.
+        env: Extra environment for every JVM (and so for the executors' Python workers).
+    """
+
+    def __init__(self, workdir, *, workers: int = 2, gpus_per_worker: int = 2, cores_per_worker: int = 2,
+                 gpu_type: str | None = "A10", simulated: bool = True, worker_memory: str = "1g", executor_memory: str = "512m",
+                 extra_conf: dict[str, str] | None = None, env: dict[str, str] | None = None):
+        self.workdir = Path(workdir)
+        self.workers = workers
+        self.gpus_per_worker = gpus_per_worker
+        self.cores_per_worker = cores_per_worker
+        self.gpu_type = gpu_type
+        self.simulated = simulated
+        self.worker_memory = worker_memory
+        self.executor_memory = executor_memory
+        self.extra_conf = dict(extra_conf or {})
+        self.env = dict(env or {})
+        self.master_port = self.master_ui_port = self.connect_port = 0
+        self._processes: dict[str, subprocess.Popen] = {}
+        self._logs: list = []
+
+    # -- addresses ---------------------------------------------------------------------
+    @property
+    def master_url(self) -> str:
+        return f"spark://127.0.0.1:{self.master_port}"
+
+    @property
+    def connect_url(self) -> str:
+        return f"sc://127.0.0.1:{self.connect_port}"
+
+    def worker_addresses(self, index: int) -> list[str]:
+        """The fake GPU addresses worker ``index`` declares."""
+        start = index * self.gpus_per_worker
+        return [str(a) for a in range(start, start + self.gpus_per_worker)]
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self, timeout: float = 180.0) -> "LocalSparkCluster":
+        """Starts every process and waits until the executors have registered.
+
+        Raises:
+            RuntimeError: a process exited or the cluster was not up within ``timeout``;
+                the message holds the tail of the failing process's log.
+        """
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + timeout
+        try:
+            self._start_master(deadline)
+            for index in range(self.workers):
+                self._start_worker(index)
+            self._wait(self._workers_registered, deadline, "workers to register with the master")
+            self._start_connect_server(deadline)
+            self._wait(self._executors_registered, deadline, "executors to start")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self, grace: float = 20.0) -> None:
+        """Stops the Connect server first (its executors end with the application), then the rest."""
+        for name in sorted(self._processes, key=lambda n: (n != "connect", n != "master")):
+            process = self._processes[name]
+            if process.poll() is None:
+                process.terminate()
+        deadline = time.monotonic() + grace
+        for process in self._processes.values():
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for process in self._processes.values():
+            # Executors and Python daemons are children of the worker JVMs, in their groups.
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        for log in self._logs:
+            log.close()
+        self._logs.clear()
+
+    def leftover_processes(self) -> list[str]:
+        """Command lines of processes still running from this cluster's work dir or groups."""
+        import psutil
+
+        groups = {p.pid for p in self._processes.values()}
+        workdir = str(self.workdir.resolve())
+        left = []
+        for proc in psutil.process_iter(["pid", "cmdline", "status"]):
+            try:
+                if proc.info["status"] == psutil.STATUS_ZOMBIE:
+                    continue  # exited, waiting to be reaped by init
+                cmdline = " ".join(proc.info["cmdline"] or ())
+                # Python daemons make their own process group; their cwd is the executor's dir.
+                if os.getpgid(proc.pid) in groups or workdir in cmdline or proc.cwd().startswith(workdir):
+                    left.append(f"{proc.pid}: {cmdline[:200]}")
+            except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
+                continue
+        return left
+
+    def __enter__(self) -> "LocalSparkCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def session(self):
+        """A new Spark Connect session to this cluster."""
+        from pyspark.sql import SparkSession
+
+        return SparkSession.builder.remote(self.connect_url).getOrCreate()
+
+    # -- processes ---------------------------------------------------------------------
+    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
+        log = open(self.workdir / f"{name}.log", "ab")
+        self._logs.append(log)
+        full_env = {**os.environ, "SPARK_HOME": str(spark_home()), "SPARK_LOG_DIR": str(self.workdir),
+                    "PYSPARK_PYTHON": sys.executable, "SPARK_DAEMON_MEMORY": "256m",
+                    "SPARK_NO_DAEMONIZE": "1", **self.env, **env}
+        full_env.pop("SPARK_CONNECT_MODE_ENABLED", None)
+        process = subprocess.Popen(
+            [str(spark_home() / "bin" / "spark-class"), *args], env=full_env, cwd=self.workdir,
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        self._processes[name] = process
+        return process
+
+    def _start_master(self, deadline: float) -> None:
+        self.master_port, self.master_ui_port = _free_port(), _free_port()
+        self._spawn("master", ["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
+                               "--port", str(self.master_port), "--webui-port", str(self.master_ui_port)], {})
+        self._wait(lambda: _port_open(self.master_ui_port) and _port_open(self.master_port), deadline,
+                   "the master to listen", "master")
+
+    def _discovery_script(self, index: int) -> Path:
+        script = self.workdir / f"gpus-worker-{index}.sh"
+        addresses = json.dumps({"name": "gpu", "addresses": self.worker_addresses(index)})
+        script.write_text(f"#!/bin/sh\necho '{addresses}'\n")
+        script.chmod(0o755)
+        return script
+
+    def _start_worker(self, index: int) -> None:
+        work = self.workdir / f"worker-{index}"
+        work.mkdir(exist_ok=True)
+        opts = (f"-Dspark.worker.resource.gpu.amount={self.gpus_per_worker} "
+                f"-Dspark.worker.resource.gpu.discoveryScript={self._discovery_script(index)}")
+        self._spawn(f"worker-{index}", [
+            "org.apache.spark.deploy.worker.Worker", self.master_url, "--host", "127.0.0.1",
+            "--cores", str(self.cores_per_worker), "--memory", self.worker_memory,
+            "--work-dir", str(work), "--webui-port", str(_free_port()),
+        ], {"SPARK_WORKER_OPTS": opts})
+
+    def _start_connect_server(self, deadline: float) -> None:
+        self.connect_port = _free_port()
+        conf = {
+            "spark.master": self.master_url,
+            "spark.app.name": "sparkgpu-test-cluster",
+            "spark.connect.grpc.binding.address": "127.0.0.1",
+            "spark.connect.grpc.binding.port": str(self.connect_port),
+            "spark.driver.host": "127.0.0.1",
+            "spark.executor.memory": self.executor_memory,
+            "spark.executor.cores": str(self.cores_per_worker),
+            "spark.executor.resource.gpu.amount": str(self.gpus_per_worker),
+            "spark.executor.resource.gpu.discoveryScript": str(self._discovery_script(0)),
+            "spark.task.resource.gpu.amount": "0",
+            "spark.pyspark.python": sys.executable,
+            "spark.ui.enabled": "false",
+            "spark.sql.shuffle.partitions": "4",
+        }
+        if self.gpu_type:
+            conf["spark.sparkgpu.gpuType"] = self.gpu_type
+        if self.simulated:
+            conf["spark.sparkgpu.simulatedGpus"] = "true"
+        conf.update(self.extra_conf)
+        args = ["org.apache.spark.deploy.SparkSubmit", "--class", _CONNECT_SERVER, ]
+        for key, value in conf.items():
+            args += ["--conf", f"{key}={value}"]
+        args.append("spark-internal")
+        # The launcher sizes a Connect server's heap from SPARK_DAEMON_MEMORY, not --driver-memory.
+        self._spawn("connect", args, {"SPARK_DAEMON_MEMORY": "768m"})
+        self._wait(lambda: _port_open(self.connect_port), deadline, "the Connect server to listen", "connect")
+
+    # -- readiness ---------------------------------------------------------------------
+    def _master_state(self) -> dict:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.master_ui_port}/json/", timeout=2) as r:
+                return json.loads(r.read())
+        except OSError:
+            return {}
+
+    def _workers_registered(self) -> bool:
+        workers = self._master_state().get("workers", [])
+        return sum(w.get("state") == "ALIVE" for w in workers) >= self.workers
+
+    def _executors_registered(self) -> bool:
+        apps = self._master_state().get("activeapps", [])
+        wanted = self.workers * self.cores_per_worker
+        return any(app.get("cores", 0) >= wanted for app in apps)
+
+    def _wait(self, ready, deadline: float, what: str, process: str | None = None) -> None:
+        while not ready():
+            for name, proc in self._processes.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"spark {name} exited with code {proc.returncode} while waiting for {what}:\n"
+                                       + self._log_tail(name))
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"timed out waiting for {what}:\n" + self._log_tail(process or "master"))
+            time.sleep(0.25)
+
+    def _log_tail(self, name: str, lines: int = 40) -> str:
+        path = self.workdir / f"{name}.log"
+        if not path.exists():
+            return ""
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _main() -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="sparkgpu-cluster-") as tmp, LocalSparkCluster(tmp) as cluster:
+        print(f"master {cluster.master_url}  connect {cluster.connect_url}  (Ctrl-C stops it)", flush=True)
+        try:
+            signal.pause()
+        except KeyboardInterrupt:
+            pass
+
+
+if __name__ == "__main__":
+    _main()

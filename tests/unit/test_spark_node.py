@@ -1,0 +1,164 @@
+"""The executor side of a node task: watching the agent, stopping it, and knowing who it is.
+
+The agent here is a real process that behaves like one (traps SIGTERM, exits with a code);
+the run dir is a real folder.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from sparkgpu.launch.backends import spark_node
+from sparkgpu.launch.backends.spark_node import (
+    CANCEL_FILE,
+    HEARTBEAT_FILE,
+    NodeLaunch,
+    _claim,
+    _Heartbeat,
+    _watch,
+    executor_identity,
+    spark_dir,
+)
+from sparkgpu.launch.payload import RunDir, atomic_write_bytes
+
+FAKE_AGENT = textwrap.dedent("""
+    import signal, sys, time
+    def stop(*_):
+        print("agent got SIGTERM", flush=True)
+        sys.exit(143)
+    signal.signal(signal.SIGTERM, stop)
+    print("agent up", flush=True)
+    time.sleep(float(sys.argv[1]))
+    sys.exit(int(sys.argv[2]))
+""")
+
+
+@pytest.fixture
+def run_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(spark_node, "_POLL_SECONDS", 0.05)
+    rd = RunDir(tmp_path / "job-1")
+    rd.prepare_attempt(0)
+    spark_dir(rd, 0).mkdir(parents=True)
+    return rd
+
+
+def start_agent(tmp_path, seconds: float, code: int = 0) -> subprocess.Popen:
+    script = tmp_path / "agent.py"
+    script.write_text(FAKE_AGENT)
+    proc = subprocess.Popen([sys.executable, str(script), str(seconds), str(code)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "agent up"  # its SIGTERM handler is in place
+    return proc
+
+
+def launch(rd: RunDir, client_timeout=None) -> NodeLaunch:
+    return NodeLaunch(run_dir=str(rd.path), attempt=0, nnodes=2, nproc=2, env={"SPARKGPU_JOB_KEY": "ab" * 32},
+                      shutdown_grace=1, client_timeout=client_timeout)
+
+
+def test_an_agent_that_finishes_is_reported_with_its_exit_code(run_dir, tmp_path):
+    agent = start_agent(tmp_path, 0.2, code=0)
+    assert _watch(agent, run_dir, launch(run_dir), node=0) == (0, "succeeded")
+    ended = json.loads((spark_dir(run_dir, 0) / "node-0.ended").read_text())
+    assert ended["state"] == "succeeded" and ended["exit_code"] == 0
+    failing = start_agent(tmp_path, 0.1, code=1)
+    assert _watch(failing, run_dir, launch(run_dir), node=1) == (1, "failed")
+
+
+def test_the_cancel_marker_stops_the_agent_with_sigterm(run_dir, tmp_path):
+    agent = start_agent(tmp_path, 60)
+    atomic_write_bytes(spark_dir(run_dir, 0) / CANCEL_FILE, b"x")
+    started = time.monotonic()
+    assert _watch(agent, run_dir, launch(run_dir), node=0) == (143, "cancelled")
+    assert time.monotonic() - started < 5
+    assert "agent got SIGTERM" in agent.stdout.read()
+
+
+def test_a_failed_peer_node_stops_this_node(run_dir, tmp_path):
+    atomic_write_bytes(run_dir.node_file(0, 1), json.dumps({"node_rank": 1, "status": 1, "failures": {}}).encode())
+    agent = start_agent(tmp_path, 60)
+    assert _watch(agent, run_dir, launch(run_dir), node=0) == (143, "peer-failed")
+
+
+def test_a_peer_that_succeeded_does_not_stop_this_node(run_dir, tmp_path):
+    atomic_write_bytes(run_dir.node_file(0, 1), json.dumps({"node_rank": 1, "status": 0, "failures": {}}).encode())
+    agent = start_agent(tmp_path, 0.5)
+    assert _watch(agent, run_dir, launch(run_dir), node=0) == (0, "succeeded")
+
+
+def test_a_silent_client_stops_the_node_after_its_timeout(run_dir, tmp_path):
+    atomic_write_bytes(spark_dir(run_dir, 0) / HEARTBEAT_FILE, b"7\n")  # and never again: the client died
+    agent = start_agent(tmp_path, 60)
+    started = time.monotonic()
+    assert _watch(agent, run_dir, launch(run_dir, client_timeout=1.0), node=0) == (143, "client-lost")
+    assert 1.0 <= time.monotonic() - started < 6
+
+
+def test_an_agent_that_ignores_sigterm_is_killed_after_the_grace(run_dir, tmp_path):
+    script = tmp_path / "stubborn.py"
+    script.write_text("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('up', flush=True)\ntime.sleep(60)\n")
+    agent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    agent.stdout.readline()
+    atomic_write_bytes(spark_dir(run_dir, 0) / CANCEL_FILE, b"x")
+    started = time.monotonic()
+    code, state = _watch(agent, run_dir, launch(run_dir), node=0)  # grace 1 s + 5 s
+    assert (code, state) == (-9, "cancelled") and time.monotonic() - started < 12
+
+
+def test_heartbeat_counts_changes_not_clocks(tmp_path, monkeypatch):
+    path = tmp_path / "beat"
+    now = [100.0]
+    monkeypatch.setattr(spark_node.time, "monotonic", lambda: now[0])
+    beat = _Heartbeat(path, timeout=10)
+    path.write_text("1")
+    assert not beat.lost()
+    now[0] += 9
+    path.write_text("2")  # a beat: the clock starts over
+    assert not beat.lost()
+    now[0] += 9
+    assert not beat.lost()
+    now[0] += 2
+    assert beat.lost()
+    assert not _Heartbeat(path, timeout=None).lost()
+
+
+def test_the_start_marker_is_claimed_once(tmp_path):
+    marker = tmp_path / "spark" / "node-0.started"
+    assert _claim(marker, {"node": 0})
+    assert not _claim(marker, {"node": 0})  # Spark re-running the stage
+    assert json.loads(marker.read_text()) == {"node": 0}
+
+
+def test_the_job_key_stays_out_of_the_launch_repr(run_dir):
+    assert "ab" * 32 not in repr(launch(run_dir))
+
+
+def test_identity_outside_an_executor_is_unknown_but_usable():
+    identity = executor_identity()  # pytest's parent is a shell, not an executor JVM
+    assert identity.executor_id == "unknown" and identity.host and identity.resources_file is None
+
+
+def test_identity_reads_the_executor_command_line():
+    argv = ["/usr/bin/java", "-cp", "x", "org.apache.spark.executor.CoarseGrainedExecutorBackend", "--driver-url",
+            "spark://d", "--executor-id", "3", "--hostname", "10.0.0.7", "--cores", "16", "--resourcesFile", "/r.json"]
+    assert spark_node._arg(argv, "--executor-id") == "3" and spark_node._arg(argv, "--cores") == "16"
+    assert spark_node._arg(argv, "--resourcesFile") == "/r.json" and spark_node._arg(argv, "--missing") is None
+
+
+def test_assigned_addresses_come_from_the_resources_file_then_the_discovery_script(tmp_path):
+    resources = tmp_path / "resources.json"
+    resources.write_text(json.dumps([{"id": {"componentName": "spark.executor", "resourceName": "gpu"},
+                                      "addresses": ["4", "5"]}]))
+    identity = spark_node.ExecutorIdentity("1", "h", 8, str(resources), 1)
+    assert spark_node._assigned_gpu_addresses(identity, None) == ["4", "5"]
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho '{\"name\": \"gpu\", \"addresses\": [\"0\", \"1\", \"2\"]}'\n")
+    script.chmod(0o755)
+    no_file = spark_node.ExecutorIdentity("1", "h", 8, None, 1)
+    assert spark_node._assigned_gpu_addresses(no_file, str(script)) == ["0", "1", "2"]
+    assert spark_node._assigned_gpu_addresses(no_file, None) == []

@@ -1,0 +1,88 @@
+"""``spark.gpu`` attachment and the checks ``spark.gpu.train`` makes before touching Spark."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from sparkgpu.errors import ConfigurationError
+from sparkgpu.session import GPUNamespace
+
+
+def run_python(code: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "SPARKGPU_SPARK_REMOTE"}
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
+                            env=env)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_attach_does_not_import_pyspark_and_patches_both_sessions_when_it_is_imported():
+    out = run_python("""
+        import sys
+        from sparkgpu.session import attach
+        attach()
+        attach()  # idempotent
+        print("pyspark loaded:", "pyspark" in sys.modules)
+        from pyspark.sql import SparkSession
+        from pyspark.sql.connect.session import SparkSession as ConnectSession
+        print(type(SparkSession.gpu).__name__, type(ConnectSession.gpu).__name__)
+    """)
+    assert out.splitlines() == ["pyspark loaded: False", "property property"]
+
+
+def test_attach_after_pyspark_was_imported_patches_at_once():
+    out = run_python("""
+        from pyspark.sql.connect.session import SparkSession as ConnectSession
+        from sparkgpu.session import attach
+        attach()
+        print(type(ConnectSession.gpu).__name__)
+    """)
+    assert out.strip() == "property"
+
+
+def test_each_session_keeps_one_namespace():
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+    from sparkgpu.session import attach
+
+    attach()
+    session = object.__new__(ConnectSession)  # no server needed to look the property up
+    assert isinstance(session.gpu, GPUNamespace) and session.gpu is session.gpu
+
+
+def train(x):
+    return x
+
+
+def train_with_data(x, data_url):
+    return data_url
+
+
+def test_data_needs_a_data_url_parameter_before_anything_runs():
+    namespace = GPUNamespace(spark=None)  # any use of the session would fail loudly
+    with pytest.raises(ConfigurationError, match="keyword argument data_url"):
+        namespace.train(train, gpus=2, gpu_type="A10", args=(1,), data="/data/table")
+    with pytest.raises(ConfigurationError, match="either data= or"):
+        namespace.train(train_with_data, gpus=2, gpu_type="A10", args=(1,), data="/t", kwargs={"data_url": "x"})
+
+
+def test_train_refuses_another_backend():
+    with pytest.raises(ConfigurationError, match="drop backend="):
+        GPUNamespace(spark=None).train(train, gpus=1, gpu_type="A10", backend="local")
+
+
+def test_remote_without_a_session_says_how_to_get_one():
+    out = run_python("""
+        from sparkgpu.launch.backends.spark import active_spark_session
+        from sparkgpu.errors import ConfigurationError
+        try:
+            active_spark_session()
+        except ConfigurationError as exc:
+            print(exc)
+    """)
+    assert "SPARKGPU_SPARK_REMOTE=sc://" in out and "SparkSession.builder.remote" in out
