@@ -156,6 +156,8 @@ class Settings:
             (``SPARKGPU_WARM_POOL=1``).
         pool_idle_timeout: Seconds the warm pool waits for work before it stops itself
             (``SPARKGPU_POOL_IDLE_TIMEOUT``, default 3600).
+        tracking: Every job gets an MLflow run (``SPARKGPU_TRACKING``, default on; ``0`` turns
+            it off).
         env_size_limit: Most bytes of client environment shipped to the workers
             (``SPARKGPU_ENV_SIZE_LIMIT``, default ``15GB``).
         env_store: Store of staged environment blobs, a path or fsspec URL
@@ -189,6 +191,7 @@ class Settings:
     user: str = ""
     warm_pool: bool = False
     pool_idle_timeout: float = 3600.0
+    tracking: bool = True
     env_size_limit: int = 15 * 1000**3
     env_store: str = ""
     env_exclude: tuple[str, ...] = ()
@@ -227,6 +230,7 @@ class Settings:
             user=env.get("SPARKGPU_USER") or _login_name(env),
             warm_pool=(env.get("SPARKGPU_WARM_POOL") or "0").lower() in ("1", "true", "yes", "on"),
             pool_idle_timeout=_env_float(env, "SPARKGPU_POOL_IDLE_TIMEOUT", 3600.0),
+            tracking=(env.get("SPARKGPU_TRACKING") or "1").lower() not in ("0", "false", "no", "off"),
             env_size_limit=parse_bytes(env.get("SPARKGPU_ENV_SIZE_LIMIT") or "15GB", "SPARKGPU_ENV_SIZE_LIMIT"),
             env_store=env.get("SPARKGPU_ENV_STORE") or str(home / "envstore"),
             env_exclude=tuple(p.strip() for p in (env.get("SPARKGPU_ENV_EXCLUDE") or "").split(",") if p.strip()),
