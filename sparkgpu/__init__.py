@@ -21,6 +21,9 @@ __all__ = [
     "distributed",
     "DistributedFunction",
     "ray_launch",
+    "log",
+    "registry",
+    "data",
     "runtime",
     "SparkGPUError",
     "ConfigurationError",
@@ -37,6 +40,8 @@ _LAZY = {
     "ray_launch": ("sparkgpu.ray", "ray_launch"),
     "runtime": ("sparkgpu.runtime", None),
     "data": ("sparkgpu.data", None),
+    "log": ("sparkgpu.tracking.autolog", "log"),
+    "registry": ("sparkgpu.tracking.registry", None),
 }
 
 

@@ -36,12 +36,17 @@ __all__ = ["distributed", "DistributedFunction", "default_callbacks", "REMOTE_MA
 REMOTE_MAX_RUNTIME = "7d"
 
 
-def default_callbacks() -> list[JobCallback]:
+def default_callbacks(fn: Callable | None = None, experiment: str | None = None) -> list[JobCallback]:
     """Callbacks every job gets unless the caller passes ``callbacks=`` explicitly:
-    usage metering (ledger, policies)."""
+    usage metering (ledger, policies) and, unless ``SPARKGPU_TRACKING=0``, one MLflow run."""
     from sparkgpu.usage.meter import UsageMeter
 
-    return [UsageMeter()]
+    callbacks: list[JobCallback] = [UsageMeter()]
+    if settings().tracking:
+        from sparkgpu.tracking.mlflow_run import MLflowCallback
+
+        callbacks.append(MLflowCallback(experiment, fn=fn))
+    return callbacks
 
 
 @dataclasses.dataclass
@@ -62,7 +67,8 @@ class DistributedFunction:
 
     def __init__(self, fn: Callable, *, resources: Resources, policy: RunPolicy, backend: str | Backend | None,
                  log_ranks, name: str | None, tags: dict[str, str] | None,
-                 callbacks: list[JobCallback] | None):
+                 callbacks: list[JobCallback] | None, experiment: str | None = None,
+                 register_as: str | None = None):
         if not callable(fn):
             raise ConfigurationError(f"@distributed decorates a function, got {fn!r}")
         functools.update_wrapper(self, fn)
@@ -74,6 +80,12 @@ class DistributedFunction:
         self.name = name or getattr(fn, "__name__", "job")
         self.tags = dict(tags or {})
         self.callbacks = callbacks
+        self.experiment = experiment
+        self.register_as = register_as
+        if register_as is not None:
+            from sparkgpu.tracking.names import parse_model_name
+
+            parse_model_name(register_as)  # a bad name fails at decoration time, not after training
 
     def __call__(self, *args, **kwargs):
         """Runs the function here, as rank 0 of a world of one.
@@ -103,7 +115,7 @@ class DistributedFunction:
             backend=backend.name, log_ranks=self.log_ranks, tags=self.tags,
         )
         job = backend.resolve(job)  # capacity and gpu_type checks, within seconds
-        callbacks = default_callbacks() if self.callbacks is None else list(self.callbacks)
+        callbacks = default_callbacks(self.fn, self.experiment) if self.callbacks is None else list(self.callbacks)
         enforce_policy(job, callbacks)  # usage policy, before anything is written
         payload = serialize_payload(self.fn, args, kwargs, callbacks)  # picklability, naming the culprit
         run_dir = RunDir(settings().staging_root / job.job_id)
@@ -130,12 +142,31 @@ class DistributedFunction:
         supervisor = Supervisor(staged.job, staged.run_dir, staged.backend, staged.key, staged.callbacks)
         self.last_job_id = staged.job.job_id
         self.last_run_dir = str(staged.run_dir.path)
-        return supervisor.run()
+        results = supervisor.run()
+        if self.register_as is not None:
+            self.last_model_version = _register_result(results[0], self.register_as, staged)
+        return results
 
     def dryrun(self, *args, **kwargs) -> LaunchPlan:
         """What ``.distributed(*args, **kwargs)`` would launch, validated but not started."""
         staged = self._stage(args, kwargs, write=False)
         return staged.backend.plan(staged.job, staged.run_dir, 0, {"SPARKGPU_JOB_ID": staged.job.job_id})
+
+
+def _register_result(model, name: str, staged: _Staged):
+    """Registers rank 0's return value (a ``torch.nn.Module``) under ``name``, with lineage."""
+    import torch
+
+    from sparkgpu.tracking import registry
+
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigurationError(
+            f"register_as={name!r} registers rank 0's return value, which must be a torch.nn.Module; "
+            f"it returned {type(model).__name__}. Return the model from rank 0, or call "
+            "sparkgpu.registry.register(...) yourself"
+        )
+    run_id = next((getattr(c, "run_id", None) for c in staged.callbacks if getattr(c, "run_id", None)), None)
+    return registry.register(model, name, run_id=run_id, tags={"sparkgpu.job_id": staged.job.job_id})
 
 
 @contextlib.contextmanager
@@ -157,7 +188,8 @@ def distributed(fn: Callable | None = None, *, gpus: int | None = None, num_gpus
                 gpu_type: str | None = None, remote: bool = False, backend: str | Backend | None = None,
                 timeout=None, max_runtime=None, checkpoint_grace="60s", max_restarts: int = 0,
                 log_ranks="main", name: str | None = None, tags: dict[str, str] | None = None,
-                callbacks: list[JobCallback] | None = None):
+                callbacks: list[JobCallback] | None = None, experiment: str | None = None,
+                register_as: str | None = None):
     """Decorates a function so that ``fn.distributed(...)`` runs it on ``gpus`` ranks.
 
     Usable bare (``@distributed``: one rank on whatever this host has) or with arguments.
@@ -182,7 +214,11 @@ def distributed(fn: Callable | None = None, *, gpus: int | None = None, num_gpus
             ``None`` (none) or a list of ranks. Every rank's output is kept in the run dir.
         name: Job name (the function's name by default).
         tags: Free-form tags for tracking and cost attribution.
-        callbacks: Job callbacks; the defaults (tracking) when ``None``.
+        callbacks: Job callbacks; the defaults (usage metering, MLflow tracking) when ``None``.
+        experiment: MLflow experiment of the job's run (default: named after the calling
+            script or notebook).
+        register_as: Register rank 0's return value (a ``torch.nn.Module``) under this
+            ``catalog.schema.model`` name when the job succeeds.
 
     Raises:
         ConfigurationError: an argument is invalid (raised here, at decoration time).
@@ -215,7 +251,8 @@ def distributed(fn: Callable | None = None, *, gpus: int | None = None, num_gpus
 
     def wrap(f: Callable) -> DistributedFunction:
         return DistributedFunction(f, resources=resources, policy=policy, backend=backend, log_ranks=ranks,
-                                   name=name, tags=tags, callbacks=callbacks)
+                                   name=name, tags=tags, callbacks=callbacks, experiment=experiment,
+                                   register_as=register_as)
 
     if fn is not None:
         return wrap(fn)

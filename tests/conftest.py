@@ -17,6 +17,9 @@ def _isolated_sparkgpu_home(tmp_path_factory, monkeypatch):
     monkeypatch.delenv("SPARKGPU_STAGING_ROOT", raising=False)
     monkeypatch.delenv("SPARKGPU_CACHE_DIR", raising=False)
     monkeypatch.delenv("SPARKGPU_SIMULATE_GPUS", raising=False)
+    # Jobs in tests are untracked unless a test asks for tracking (an MLflow run per job is
+    # slow); tests/integration/test_tracking_default.py covers the default path.
+    monkeypatch.setenv("SPARKGPU_TRACKING", "0")
     reset_settings()
     yield home
     reset_settings()
