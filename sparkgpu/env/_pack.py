@@ -13,7 +13,6 @@ import hashlib
 import os
 import tarfile
 
-from sparkgpu.errors import SparkGPUError
 
 _COPY_BUFSIZE = 1 << 20
 
@@ -63,25 +62,24 @@ class DigestWriter:
 def write_tar(files: tuple[FileEntry, ...], sink) -> None:
     """Writes ``files`` as a deterministic tar stream into ``sink`` (``write`` and ``tell``).
 
-    Raises:
-        SparkGPUError: a file changed size since it was scanned.
+    A file edited or deleted since it was scanned goes in as it is now (or not at all): the
+    blob's hash always describes the bytes actually written.
     """
     # Non-stream mode: stream mode ("w|") re-slices its buffer on every write, which is
     # quadratic in the copy buffer size.
     with tarfile.TarFile(fileobj=sink, mode="w", format=tarfile.PAX_FORMAT, copybufsize=_COPY_BUFSIZE) as tar:
         for entry in sorted(files, key=lambda f: f.arcname):
-            info = tarfile.TarInfo(entry.arcname)
-            info.size = entry.size
-            info.mode = 0o755 if entry.executable else 0o644
-            info.mtime = 0
-            info.uid = info.gid = 0
-            info.uname = info.gname = ""
-            with open(entry.source, "rb") as f:
-                if os.fstat(f.fileno()).st_size != entry.size:
-                    raise SparkGPUError(
-                        f"{entry.source} changed while the environment was being snapshotted; run the call again "
-                        "once installs in this environment have finished"
-                    )
+            try:
+                f = open(entry.source, "rb")
+            except FileNotFoundError:
+                continue
+            with f:
+                info = tarfile.TarInfo(entry.arcname)
+                info.size = os.fstat(f.fileno()).st_size
+                info.mode = 0o755 if entry.executable else 0o644
+                info.mtime = 0
+                info.uid = info.gid = 0
+                info.uname = info.gname = ""
                 tar.addfile(info, f)
 
 

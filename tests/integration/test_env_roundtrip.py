@@ -8,12 +8,15 @@ where a run directory would hold it.
 
 from __future__ import annotations
 
+import functools
+import http.server
 import json
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -203,3 +206,26 @@ def test_probe_of_the_worker_drives_what_is_shipped(world, tmp_path, monkeypatch
     assert "tinyalpha" not in shipped and {"tinyedit", "tinysrc", "code"} <= set(shipped)  # editables always travel
     assert any(e["name"] == "tinyalpha" and "the workers have tinyalpha==1.0" == e["reason"]
                for e in staged.manifest["excluded"])
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+def test_workers_fetch_blobs_from_an_http_store(world, tmp_path, monkeypatch):
+    monkeypatch.chdir(world["notebook"])
+    store = tmp_path / "store"
+    staged = stage(world, store)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(store)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        result = worker_hydrate(world, staged.manifest, tmp_path / "cache", "--store", url)
+        assert result.returncode == 0, result.stderr
+        hydrated = json.loads(result.stdout)
+        assert hydrated["report"]["fetched_bytes"] == sum(e["tar_bytes"] for e in staged.manifest["entries"])
+        assert import_on_worker(world, hydrated["paths"])["values"][0] == "1.0"
+    finally:
+        server.shutdown()
+        server.server_close()

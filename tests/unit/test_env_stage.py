@@ -128,3 +128,13 @@ def test_stage_environment_reads_its_defaults_from_settings(site, tmp_path, monk
     assert (settings().home / "env" / "pack-index.json").is_file()
     assert staged.lock.splitlines()[1:] == ["alpha==1.0", "beta==2.0"]
     assert "uploaded" in str(staged.report) and staged.report.to_dict()["steps"][0]["name"] == "scan"
+
+
+def test_files_edited_or_deleted_during_staging_go_in_as_they_are_then(site, tmp_path):
+    snapshot = snapshot_environment(paths=[str(site)])
+    (site / "beta.py").write_text("Y = 'a longer edit made while staging'\n")
+    (site / "alpha" / "table.bin").unlink()
+    staged = stage_snapshot(snapshot, str(tmp_path / "store"))
+    overlay = hydrate_environment(staged.manifest, tmp_path / "cache", installed={})
+    assert open(os.path.join(overlay.view, "beta.py")).read() == "Y = 'a longer edit made while staging'\n"
+    assert not os.path.exists(os.path.join(overlay.view, "alpha", "table.bin"))
