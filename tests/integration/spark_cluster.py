@@ -159,7 +159,7 @@ class LocalSparkCluster:
         left = []
         for proc in psutil.process_iter(["pid", "cmdline", "status"]):
             try:
-                if proc.info["status"] == psutil.STATUS_ZOMBIE:
+                if proc.pid == os.getpid() or proc.info["status"] == psutil.STATUS_ZOMBIE:
                     continue  # exited, waiting to be reaped by init
                 cmdline = " ".join(proc.info["cmdline"] or ())
                 # Python daemons make their own process group; their cwd is the executor's dir.

@@ -1,0 +1,219 @@
+"""``spark.gpu`` on a real Spark standalone cluster through Spark Connect.
+
+Two workers declare fake GPUs (worker 0: addresses 0,1; worker 1: 2,3) and the cluster says
+they are simulated, so ranks run on CPU with gloo while scheduling, resource profiles,
+barrier rendezvous and result collection are Spark's own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+
+from sparkgpu import CapacityError, WorkerFailedError, runtime
+from sparkgpu.config import settings
+from sparkgpu.launch.backends.spark_capacity import clear_capacity_cache
+
+pytestmark = [pytest.mark.integration, pytest.mark.spark]
+
+
+def processes_of(run_dir) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if any(str(run_dir) in part for part in proc.info["cmdline"] or ()):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def assert_no_orphans(run_dir, within: float = 10.0):
+    deadline = time.monotonic() + within
+    while processes_of(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_of(run_dir) == []
+
+
+def where_and_sum(x):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([x * (runtime.get_global_rank() + 1)])
+    dist.all_reduce(t)
+    return {"rank": runtime.get_global_rank(), "node": runtime.get_node_rank(), "address": runtime.gpu_address(),
+            "pid": os.getpid(), "sum": t.item(), "device": str(runtime.device()), "backend": dist.get_backend()}
+
+
+def test_train_all_reduces_across_four_ranks_on_both_workers(cluster_spark, spark_cluster):
+    results = cluster_spark.gpu.train(where_and_sum, gpus=4, gpu_type="A10", args=(10,))
+
+    assert [r["rank"] for r in results] == [0, 1, 2, 3]
+    assert {r["sum"] for r in results} == {10 + 20 + 30 + 40}
+    assert {(r["device"], r["backend"]) for r in results} == {("cpu", "gloo")}  # simulated GPUs
+    assert [r["node"] for r in results] == [0, 0, 1, 1]
+    assert len({r["pid"] for r in results}) == 4
+    # Each node's ranks got the GPU addresses of the task Spark scheduled: one worker each.
+    by_node = {n: sorted(r["address"] for r in results if r["node"] == n) for n in (0, 1)}
+    assert sorted(by_node.values()) == [spark_cluster.worker_addresses(0), spark_cluster.worker_addresses(1)]
+
+    spark_files = settings().staging_root / cluster_spark.gpu.last_job_id / "attempts" / "0" / "spark"
+    ended = [json.loads((spark_files / f"node-{n}.ended").read_text()) for n in (0, 1)]
+    assert [e["state"] for e in ended] == ["succeeded", "succeeded"]
+    started = [json.loads((spark_files / f"node-{n}.started").read_text()) for n in (0, 1)]
+    assert len({s["executor"] for s in started}) == 2  # two executors, on two workers
+
+
+def test_the_signing_key_never_reaches_the_run_dir(cluster_spark):
+    from sparkgpu.launch.keys import load_key
+
+    assert cluster_spark.gpu.train(where_and_sum, gpus=2, gpu_type="A10", args=(1,))[0]["sum"] == 3
+    key = load_key(cluster_spark.gpu.last_job_id).hex().encode()
+    run_dir = settings().staging_root / cluster_spark.gpu.last_job_id
+    files = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert files and not any(key in p.read_bytes() for p in files)
+
+
+def test_capacity_names_executors_addresses_and_type(cluster_spark):
+    capacity = cluster_spark.gpu.capacity(refresh=True)
+
+    assert capacity.master.startswith("spark://")
+    assert capacity.gpu_type == "A10" and capacity.gpu_type_source == "conf" and capacity.simulated
+    assert capacity.total_gpus == 4 and len(capacity.executors) == 2
+    assert sorted(e.gpu_addresses for e in capacity.executors) == [("0", "1"), ("2", "3")]
+    table = str(capacity)
+    assert "2 executor(s), 4 GPU(s) of type A10" in table and "0,1" in table and "2,3" in table
+
+
+def test_more_gpus_than_the_cluster_has_fails_within_seconds(cluster_spark):
+    clear_capacity_cache()  # probe for real, as a new client would
+    started = time.monotonic()
+    with pytest.raises(CapacityError, match=r"asked for 6 x A10 .* reaches 4 x simulated A10 .*gpus<=4"):
+        cluster_spark.gpu.train(where_and_sum, gpus=6, gpu_type="A10", args=(1,))
+    assert time.monotonic() - started < 15
+    with pytest.raises(CapacityError, match=r"gpu_type='H100' .* ask for gpu_type='A10'"):
+        cluster_spark.gpu.train(where_and_sum, gpus=2, gpu_type="H100", args=(1,))
+    assert not settings().staging_root.exists() or not any(settings().staging_root.iterdir())
+
+
+def corrupt_shard_on_rank_two():
+    import torch
+    import torch.distributed as dist
+
+    if runtime.get_global_rank() == 2:
+        raise ValueError("shard 7 is corrupt")
+    dist.all_reduce(torch.ones(1))  # the others wait on rank 2, which is gone
+
+
+def test_a_failing_rank_raises_with_its_remote_traceback(cluster_spark):
+    started = time.monotonic()
+    with pytest.raises(WorkerFailedError) as err:
+        cluster_spark.gpu.train(corrupt_shard_on_rank_two, gpus=4, gpu_type="A10")
+    text = str(err.value)
+    assert "First to fail: rank 2 (ValueError)" in text
+    assert "ValueError: shard 7 is corrupt" in text and 'raise ValueError("shard 7 is corrupt")' in text
+    assert isinstance(err.value.__cause__, ValueError)
+    assert time.monotonic() - started < 90
+    assert_no_orphans(settings().staging_root / cluster_spark.gpu.last_job_id)
+
+
+def hold_until(path):
+    import time as _t
+
+    while not os.path.exists(path):
+        _t.sleep(0.2)
+    return "released"
+
+
+def test_busy_gpus_make_the_client_wait_then_give_up(cluster_spark, tmp_path, capsys):
+    release = tmp_path / "release"
+    holder: dict = {}
+
+    def hold_all_gpus():
+        try:
+            holder["result"] = cluster_spark.gpu.train(hold_until, gpus=4, gpu_type="A10", args=(str(release),))
+        except BaseException as exc:  # surfaced by the assertion below
+            holder["error"] = exc
+
+    thread = threading.Thread(target=hold_all_gpus)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 120
+        runs = settings().staging_root
+        while len(list(runs.glob("hold-until-*/attempts/0/spark/node-*.started"))) < 2:
+            assert time.monotonic() < deadline, "the first job never got the GPUs"
+            assert "error" not in holder, holder.get("error")
+            time.sleep(0.2)
+
+        started = time.monotonic()
+        with pytest.raises(CapacityError, match=r"gave up after waiting \d+s for 1 node\(s\) x 2 A10.*SPARKGPU_SPARK_WAIT_TIMEOUT"):
+            cluster_spark.gpu.train(hold_until, gpus=2, gpu_type="A10", args=(str(release),), wait_timeout=8)
+        assert 8 <= time.monotonic() - started < 60
+        assert "waiting for 1 node(s) x 2 A10 on the Spark cluster" in capsys.readouterr().err
+    finally:
+        release.write_text("go")
+        thread.join(120)
+    assert holder.get("result") == ["released"] * 4
+
+
+CLIENT = textwrap.dedent("""
+    import sys, time
+    from sparkgpu import distributed, runtime
+
+    @distributed(gpus=2, gpu_type="A10", remote=True)
+    def where():
+        return runtime.get_global_rank(), runtime.gpu_address()
+
+    print("RESULTS", where.distributed(), flush=True)
+
+    @distributed(gpus=4, gpu_type="A10", remote=True)
+    def forever():
+        print("started", flush=True)
+        time.sleep(600)
+
+    try:
+        forever.distributed()
+    except KeyboardInterrupt:
+        sys.exit(130)
+""")
+
+
+def test_decorator_uses_sparkgpu_spark_remote_and_ctrl_c_stops_every_process(spark_cluster, tmp_path,
+                                                                             _isolated_sparkgpu_home):
+    script = tmp_path / "client.py"
+    script.write_text(CLIENT)
+    env = {**os.environ, "SPARKGPU_HOME": str(_isolated_sparkgpu_home), "PYTHONPATH": os.getcwd(),
+           "SPARKGPU_SPARK_REMOTE": spark_cluster.connect_url}
+    client = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True)
+    runs = _isolated_sparkgpu_home / "runs"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        logs = list(runs.glob("forever-*/attempts/0/logs/rank-*.log"))
+        if len(logs) == 4 and all("started" in p.read_text() for p in logs):
+            break
+        assert client.poll() is None, "the client exited early"
+        time.sleep(0.3)
+    else:
+        client.kill()
+        pytest.fail("the ranks never started")
+    run_dir = next(runs.glob("forever-*"))
+    assert len(processes_of(run_dir)) >= 6  # two agents and four ranks
+
+    client.send_signal(signal.SIGINT)
+    out, _ = client.communicate(timeout=90)
+    assert client.returncode == 130, out
+    results = eval(out.split("RESULTS", 1)[1].splitlines()[0])
+    assert [rank for rank, _ in results] == [0, 1] and len({address for _, address in results}) == 2
+    assert_no_orphans(run_dir)
+    assert json.loads((run_dir / "state.json").read_text())["status"] == "cancelled"
+    states = [json.loads(p.read_text())["state"] for p in sorted(run_dir.glob("attempts/0/spark/node-*.ended"))]
+    assert states == ["cancelled", "cancelled"]  # stopped politely, before Spark had to kill anything
