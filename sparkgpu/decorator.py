@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import sys
 from typing import Any, Callable
 
 from sparkgpu.config import settings
@@ -68,7 +69,7 @@ class DistributedFunction:
     def __init__(self, fn: Callable, *, resources: Resources, policy: RunPolicy, backend: str | Backend | None,
                  log_ranks, name: str | None, tags: dict[str, str] | None,
                  callbacks: list[JobCallback] | None, experiment: str | None = None,
-                 register_as: str | None = None):
+                 register_as: str | None = None, ship_environment: bool | None = None):
         if not callable(fn):
             raise ConfigurationError(f"@distributed decorates a function, got {fn!r}")
         functools.update_wrapper(self, fn)
@@ -82,6 +83,7 @@ class DistributedFunction:
         self.callbacks = callbacks
         self.experiment = experiment
         self.register_as = register_as
+        self.ship_environment = ship_environment
         if register_as is not None:
             from sparkgpu.tracking.names import parse_model_name
 
@@ -107,6 +109,10 @@ class DistributedFunction:
         name = self.backend or ("spark" if self.resources.remote else ("pool" if settings().warm_pool else "local"))
         return create_backend(name)
 
+    def _ships_environment(self) -> bool:
+        # Local ranks run in this very environment; remote ones get it shipped.
+        return self.ship_environment if self.ship_environment is not None else self.resources.remote
+
     def _stage(self, args: tuple, kwargs: dict, write: bool = True) -> _Staged:
         """Validates everything and (unless ``write`` is False) writes the run dir; starts no process."""
         backend = self._backend()
@@ -121,7 +127,17 @@ class DistributedFunction:
         run_dir = RunDir(settings().staging_root / job.job_id)
         key = new_key()
         if write:
-            run_dir.stage(job.to_dict(), payload, key, client_sys_path())
+            spec, extra_files, sys_path = job.to_dict(), {}, client_sys_path()
+            if self._ships_environment():
+                # Raises EnvironmentTooLargeError / EnvironmentMismatchError before anything starts.
+                from sparkgpu.env import hydrate_module_path, stage_environment
+
+                staged_env = stage_environment()
+                print(f"sparkgpu: environment staged: {staged_env.report}", file=sys.stderr)
+                spec["env"] = staged_env.manifest
+                extra_files["_hydrate.py"] = hydrate_module_path().read_bytes()
+                sys_path = []  # the caller's code travels in the overlay, not as client paths
+            run_dir.stage(spec, payload, key, sys_path, extra_files)
             save_key(job.job_id, key)
         return _Staged(job, run_dir, key, backend, callbacks)
 
@@ -189,7 +205,7 @@ def distributed(fn: Callable | None = None, *, gpus: int | None = None, num_gpus
                 timeout=None, max_runtime=None, checkpoint_grace="60s", max_restarts: int = 0,
                 log_ranks="main", name: str | None = None, tags: dict[str, str] | None = None,
                 callbacks: list[JobCallback] | None = None, experiment: str | None = None,
-                register_as: str | None = None):
+                register_as: str | None = None, ship_environment: bool | None = None):
     """Decorates a function so that ``fn.distributed(...)`` runs it on ``gpus`` ranks.
 
     Usable bare (``@distributed``: one rank on whatever this host has) or with arguments.
@@ -219,6 +235,8 @@ def distributed(fn: Callable | None = None, *, gpus: int | None = None, num_gpus
             script or notebook).
         register_as: Register rank 0's return value (a ``torch.nn.Module``) under this
             ``catalog.schema.model`` name when the job succeeds.
+        ship_environment: Snapshot this environment and rehydrate it on the workers
+            (default: for ``remote=True`` jobs).
 
     Raises:
         ConfigurationError: an argument is invalid (raised here, at decoration time).
@@ -252,7 +270,7 @@ def distributed(fn: Callable | None = None, *, gpus: int | None = None, num_gpus
     def wrap(f: Callable) -> DistributedFunction:
         return DistributedFunction(f, resources=resources, policy=policy, backend=backend, log_ranks=ranks,
                                    name=name, tags=tags, callbacks=callbacks, experiment=experiment,
-                                   register_as=register_as)
+                                   register_as=register_as, ship_environment=ship_environment)
 
     if fn is not None:
         return wrap(fn)

@@ -166,7 +166,9 @@ class JobSpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "JobSpec":
-        data = dict(data)
+        """The spec from its dict; keys the run dir adds beside it (``env``, ...) are ignored."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        data = {k: v for k, v in data.items() if k in fields}
         data["resources"] = Resources(**data["resources"])
         data["policy"] = RunPolicy(**data["policy"])
         data["log_ranks"] = tuple(data["log_ranks"]) if data.get("log_ranks") is not None else None

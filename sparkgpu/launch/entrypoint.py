@@ -15,6 +15,7 @@ import signal
 import sys
 
 from sparkgpu import runtime
+from sparkgpu.errors import EnvironmentMismatchError, SparkGPUError
 from sparkgpu.launch.callbacks import WorkerContext
 from sparkgpu.launch.payload import KEY_ENV, RunDir
 
@@ -79,8 +80,20 @@ def _init_process_group(spec: dict):
     return dist
 
 
-def main(run_dir: str) -> int:
-    """Runs the rank described by the torchrun environment variables; returns the exit code."""
+def _environment_error(exc: BaseException) -> SparkGPUError:
+    # The hydration module runs before sparkgpu is importable, so its errors are its own classes.
+    cls = EnvironmentMismatchError if type(exc).__name__ == "EnvironmentMismatchError" else SparkGPUError
+    return cls(f"the job's environment could not be rehydrated on this worker: {exc}")
+
+
+def main(run_dir: str, env_error: BaseException | None = None) -> int:
+    """Runs the rank described by the torchrun environment variables; returns the exit code.
+
+    Args:
+        run_dir: The job's run directory.
+        env_error: Why rehydrating the shipped environment failed in ``_air.py``, if it did;
+            reported as this rank's failure.
+    """
     _die_with_parent()
     rd = RunDir(run_dir)
     rank, attempt = runtime.get_global_rank(), runtime.attempt()
@@ -89,6 +102,8 @@ def main(run_dir: str) -> int:
     key = os.environ.pop(KEY_ENV, "")  # user code never sees the job key
     try:
         spec, parts = rd.load_verified(bytes.fromhex(key) if key else None)
+        if env_error is not None:
+            raise _environment_error(env_error)
         _pin_device(spec)
         fn, args, kwargs, callbacks = RunDir.unpack(parts)
     except BaseException as exc:

@@ -1,0 +1,54 @@
+"""Jobs that ship their environment: staged on the client, rehydrated by `_air.py` on each rank."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from sparkgpu import WorkerFailedError, distributed, runtime
+from sparkgpu.config import reset_settings, settings
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def workers_have_this_image(monkeypatch, tmp_path):
+    """The workers' image is this venv: only editable installs and the caller's code travel."""
+    from sparkgpu.env import hydrate_module_path
+
+    probe = subprocess.run([sys.executable, str(hydrate_module_path()), "--probe"], capture_output=True,
+                           text=True, check=True).stdout
+    (tmp_path / "worker.json").write_text(probe)
+    monkeypatch.setenv("SPARKGPU_ENV_WORKER_LOCK", str(tmp_path / "worker.json"))
+    monkeypatch.setenv("SPARKGPU_CACHE_DIR", str(tmp_path / "node-cache"))
+    reset_settings()
+
+
+@distributed(gpus=2, gpu_type="cpu", ship_environment=True)
+def where_is_sparkgpu():
+    import sparkgpu
+
+    return runtime.get_global_rank(), sparkgpu.__file__
+
+
+def test_a_shipping_job_runs_on_its_rehydrated_environment(workers_have_this_image, tmp_path):
+    results = where_is_sparkgpu.distributed()
+    assert [r[0] for r in results] == [0, 1]
+    # sparkgpu is an editable install here, so it travels and the ranks import the shipped copy.
+    assert all(str(tmp_path / "node-cache") in r[1] for r in results)
+    run_dir = settings().staging_root / where_is_sparkgpu.last_job_id
+    spec = json.loads((run_dir / "spec.json").read_text())
+    assert spec["signed_files"] == ["_hydrate.py"] and spec["env"]
+
+
+def test_a_tampered_hydration_module_never_runs(workers_have_this_image, tmp_path):
+    from sparkgpu.launch.supervisor import Supervisor
+
+    staged = where_is_sparkgpu._stage((), {})
+    marker = tmp_path / "pwned"
+    hydrate = staged.run_dir.path / "_hydrate.py"
+    hydrate.write_text(f"open({str(marker)!r}, 'w').write('x')\n" + hydrate.read_text())
+    with pytest.raises(WorkerFailedError, match="exited with code 1"):
+        Supervisor(staged.job, staged.run_dir, staged.backend, staged.key, []).run()
+    assert not marker.exists()
