@@ -158,6 +158,7 @@ class Checkpointer:
             runtime.handle_sigterm_as_checkpoint_request()
 
         self._pending: _PendingSave | None = None
+        self._flags_in_flight = None
         self._last_saved_step: int | None = None
         self._last_save_time = self.clock()
         self._should_stop = False
@@ -197,7 +198,8 @@ class Checkpointer:
         Due means: ``every_steps`` steps have been done since the last multiple, or
         ``every_minutes`` passed, or this job is about to be stopped
         (``runtime.should_checkpoint()`` on any rank). In that last case the save is
-        waited for and :attr:`should_stop` becomes True.
+        waited for and :attr:`should_stop` becomes True. With several ranks, time and stop
+        are noticed one call late: the ranks agree on them without waiting for each other.
 
         Args:
             step: Index of the step just finished (0 for the first).
@@ -219,7 +221,7 @@ class Checkpointer:
             self.every_minutes is not None
             and self.clock() - self._last_save_time >= self.every_minutes * 60
         )
-        time_due, stop = self._any_rank(time_due, runtime.should_checkpoint())
+        time_due, stop = self._any_rank_one_step_late(time_due, runtime.should_checkpoint())
         if stop:
             self.save(step, model=model, optimizer=optimizer, extras=extras, wait=True, **stateful)
             self._should_stop = True
@@ -342,6 +344,7 @@ class Checkpointer:
         if self._closed:
             return
         try:
+            self._drain_flags()
             self.wait()
         finally:
             self._closed = True
@@ -478,15 +481,30 @@ class Checkpointer:
             raise value
         return value
 
-    def _any_rank(self, *flags: bool) -> tuple[bool, ...]:
+    def _any_rank_one_step_late(self, *flags: bool) -> tuple[bool, ...]:
+        """Whether any rank raised each flag, as of the previous call.
+
+        The reduction of this call's flags is started now and read at the next call, a
+        whole training step later, so the loop never waits for the network here; every
+        rank reads the same reduction at the same step, which is all agreement needs.
+        """
         if not self._distributed:
             return flags
         import torch
         import torch.distributed as dist
 
         tensor = torch.tensor([int(f) for f in flags], dtype=torch.int32)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._control_group)
-        return tuple(bool(v) for v in tensor.tolist())
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._control_group, async_op=True)
+        previous, self._flags_in_flight = self._flags_in_flight, (work, tensor)
+        if previous is None:
+            return tuple(False for _ in flags)
+        previous[0].wait()
+        return tuple(bool(v) for v in previous[1].tolist())
+
+    def _drain_flags(self) -> None:
+        if self._flags_in_flight is not None:
+            self._flags_in_flight[0].wait()
+            self._flags_in_flight = None
 
     def _prepare(self, step: int, nbytes: int) -> str:
         free = self._store.free_bytes()

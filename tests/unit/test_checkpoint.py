@@ -17,6 +17,9 @@ from sparkgpu.train import Checkpointer, latest_checkpoint, list_checkpoints
 from sparkgpu.train._checkpoint_store import CheckpointStore
 from sparkgpu.train.checkpoint import finish_pending_checkpoints
 
+# pytest resets warning filters per test; the module's own filter for this DCP notice is lost.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
 
 @pytest.fixture(autouse=True)
 def _restore_signal_and_requests():

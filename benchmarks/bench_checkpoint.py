@@ -1,0 +1,376 @@
+"""Checkpoint blocking time: how long one checkpoint of a ~1 GB training state stops the loop.
+
+Peers in the same run, on the same model + AdamW state (parameters and both moments):
+  * sparkgpu ``Checkpointer`` (async, the default): time the loop is blocked, for the first
+    save (staging memory allocated) and the following ones (staging memory reused), and the
+    time until the checkpoint is committed
+  * sparkgpu ``Checkpointer(async_save=False)``
+  * ``torch.save`` of the model and optimizer ``state_dict()`` to one file, then fsync (the
+    other peers make their data durable too)
+  * ``torch.distributed.checkpoint.save`` (synchronous, FileSystemWriter defaults)
+Ceilings measured in the same run:
+  * one sequential write (+ fsync) of the same number of bytes from one buffer: the floor of
+    any synchronous save
+  * a memcpy of the same bytes into preallocated host memory: the floor of the async blocking
+    time when the state lives in host memory (on a GPU it is a device-to-host copy)
+Restore, the part of "restart -> first resumed step" after the process is up (page cache warm,
+files just written):
+  * ``Checkpointer.restore`` into a fresh model and optimizer
+  * ``torch.load`` + ``load_state_dict``
+  * one sequential read of the same bytes into preallocated memory
+Per-step cost of ``maybe_save`` when no checkpoint is due, 2 gloo ranks with 5 ms steps (it
+agrees on stop requests across ranks, reading the reduction one step late) next to an
+``all_reduce`` of the same flags that each step waits for.
+
+    python benchmarks/bench_checkpoint.py [--size-mb 1024] [--repeats 3] [--dir DIR] [--skip-ranks]
+
+Writes benchmarks/results/checkpoint.json and checkpoint.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sparkgpu.train import Checkpointer  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+WIDTH = 2048
+STEP_SECONDS = 0.005
+
+
+def build_state(size_mb: int):
+    """A model of square Linear layers whose parameters + AdamW moments total ``size_mb``."""
+    params_wanted = size_mb * 1e6 / (3 * 4)  # float32 parameter, exp_avg, exp_avg_sq
+    layers = max(1, math.ceil(params_wanted / (WIDTH * WIDTH + WIDTH)))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def state_tensors(model, opt) -> list[torch.Tensor]:
+    tensors = list(model.state_dict().values())
+    for state in opt.state.values():
+        tensors += [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return tensors
+
+
+def touch(model):
+    """Changes every parameter a little, as a training step would, so each save writes new data."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1e-3)
+
+
+def _fsync_file(path):
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def bench_saves(model, opt, root: Path, repeats: int) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    out: dict[str, list[float]] = {
+        "sparkgpu_async_blocking_first": [],
+        "sparkgpu_async_blocking": [],
+        "sparkgpu_async_until_committed": [],
+        "sparkgpu_sync": [],
+        "torch_save_fsync": [],
+        "dcp_save_sync": [],
+        "ceiling_sequential_write": [],
+        "ceiling_memcpy": [],
+    }
+    tensors = state_tensors(model, opt)
+    total = sum(t.numel() for t in tensors)
+    flat = torch.zeros(total, dtype=torch.float32)  # touched once: no page faults while timed
+
+    ours = Checkpointer(root / "sparkgpu_async", keep_last=1)
+    ours_sync = Checkpointer(root / "sparkgpu_sync", keep_last=1, async_save=False)
+    for rep in range(repeats + 1):
+        touch(model)  # a training step; then every peer saves this same state
+        started = time.perf_counter()
+        ours.save(rep, model=model, optimizer=opt)
+        key = "sparkgpu_async_blocking_first" if rep == 0 else "sparkgpu_async_blocking"
+        out[key].append(ours.last_blocking_seconds)
+        ours.wait()
+        out["sparkgpu_async_until_committed"].append(time.perf_counter() - started)
+        if rep == 0:
+            continue  # the others run `repeats` times
+
+        ours_sync.save(rep, model=model, optimizer=opt)
+        out["sparkgpu_sync"].append(ours_sync.last_blocking_seconds)
+
+        path = root / "torch_save.pt"
+
+        def torch_save():
+            with open(path, "wb") as f:
+                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, f)
+                f.flush()
+                os.fsync(f.fileno())
+
+        out["torch_save_fsync"].append(timed(torch_save))
+
+        dcp_dir = root / "dcp_sync"
+        shutil.rmtree(dcp_dir, ignore_errors=True)
+
+        def dcp_save():
+            model_sd, optim_sd = get_state_dict(model, opt)
+            dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(dcp_dir))
+
+        out["dcp_save_sync"].append(timed(dcp_save))
+
+        def memcpy():
+            offset = 0
+            for t in tensors:
+                n = t.numel()
+                flat[offset : offset + n].copy_(t.reshape(-1))
+                offset += n
+
+        out["ceiling_memcpy"].append(timed(memcpy))
+
+        raw = root / "sequential.bin"
+
+        def sequential_write():
+            with open(raw, "wb") as f:
+                f.write(memoryview(flat.numpy()).cast("B"))
+                f.flush()
+                os.fsync(f.fileno())
+
+        out["ceiling_sequential_write"].append(timed(sequential_write))
+    ours.close()
+    ours_sync.close()
+    return out
+
+
+def bench_restores(model, opt, root: Path, repeats: int, size_mb: int) -> dict:
+    out: dict[str, list[float]] = {"sparkgpu_restore": [], "torch_load": [], "ceiling_sequential_read": []}
+    fresh_model, fresh_opt = build_state(size_mb)
+    raw = root / "sequential.bin"
+    buffer = bytearray(os.path.getsize(raw))
+    for _ in range(repeats):
+        ckpt = Checkpointer(root / "sparkgpu_async")
+        out["sparkgpu_restore"].append(timed(lambda: ckpt.restore(model=fresh_model, optimizer=fresh_opt)))
+        ckpt.close()
+        _assert_same(fresh_model, model)
+        touch(fresh_model)
+
+        def torch_load():
+            state = torch.load(root / "torch_save.pt", weights_only=True)
+            fresh_model.load_state_dict(state["model"])
+            fresh_opt.load_state_dict(state["optimizer"])
+
+        out["torch_load"].append(timed(torch_load))
+        _assert_same(fresh_model, model)
+        touch(fresh_model)
+
+        def sequential_read():
+            with open(raw, "rb", buffering=0) as f:
+                view = memoryview(buffer)
+                while view:
+                    n = f.readinto(view)
+                    view = view[n:]
+
+        out["ceiling_sequential_read"].append(timed(sequential_read))
+    return out
+
+
+def _assert_same(restored, live):
+    # Every peer saved the live state last: a restore that loaded something else is a bug.
+    assert all(torch.equal(a, b) for a, b in zip(restored.state_dict().values(), live.state_dict().values()))
+
+
+def _rank_overhead(rank: int, world: int, port: int, directory: str, steps: int, queue) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    ckpt = Checkpointer(directory, every_steps=10**9)
+    group = dist.new_group(backend="gloo")
+    flag = torch.zeros(2, dtype=torch.int32)
+
+    def step():
+        # A training step as the CPU sees it on a GPU: it waits while the device works.
+        time.sleep(STEP_SECONDS)
+
+    def bare(i):
+        step()
+
+    def with_maybe_save(i):
+        step()
+        ckpt.maybe_save(i)
+
+    def with_blocking_all_reduce(i):
+        # What agreeing on stop requests costs when each step waits for the reduction.
+        step()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+
+    timings = {}
+    for name, loop in (("bare", bare), ("maybe_save", with_maybe_save), ("blocking_all_reduce", with_blocking_all_reduce)):
+        for i in range(20):  # warm up
+            loop(i)
+        dist.barrier()
+        started = time.perf_counter()
+        for i in range(steps):
+            loop(i)
+        timings[name] = (time.perf_counter() - started) / steps
+    if rank == 0:
+        queue.put(
+            {
+                "step_seconds": STEP_SECONDS,
+                "maybe_save_not_due_overhead_us": (timings["maybe_save"] - timings["bare"]) * 1e6,
+                "blocking_all_reduce_overhead_us": (timings["blocking_all_reduce"] - timings["bare"]) * 1e6,
+            }
+        )
+    ckpt.close()
+    dist.destroy_process_group()
+
+
+def bench_step_overhead(root: Path, steps: int = 500, world: int = 2) -> dict:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    mp.start_processes(_rank_overhead, args=(world, port, str(root / "overhead"), steps, queue), nprocs=world)
+    result = queue.get(timeout=60)
+    result.update(ranks=world, steps=steps)
+    return result
+
+
+def summarise(samples: dict[str, list[float]]) -> dict:
+    return {
+        name: {"median_s": statistics.median(values), "min_s": min(values), "samples_s": values}
+        for name, values in samples.items()
+        if values
+    }
+
+
+def plot(summary: dict, path: Path, state_gb: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [
+        ("sparkgpu_async_blocking", "sparkgpu async: blocking"),
+        ("sparkgpu_async_blocking_first", "sparkgpu async: blocking (1st save)"),
+        ("ceiling_memcpy", "ceiling: memcpy"),
+        ("sparkgpu_sync", "sparkgpu sync"),
+        ("dcp_save_sync", "dcp.save (sync)"),
+        ("torch_save_fsync", "torch.save + fsync"),
+        ("ceiling_sequential_write", "ceiling: one sequential write"),
+    ]
+    labels = [label for key, label in names if key in summary]
+    values = [summary[key]["median_s"] for key, _ in names if key in summary]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    bars = ax.barh(labels, values, color=["#2b7bba" if "sparkgpu" in l else "#999999" for l in labels])
+    ax.bar_label(bars, fmt="%.3f s", padding=3)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds the training loop is blocked (median)")
+    ax.set_title(f"One checkpoint of {state_gb:.2f} GB (model + AdamW), {os.cpu_count()} CPUs, state in host memory")
+    ax.set_xlim(0, max(values) * 1.25)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mb", type=int, default=1024, help="size of model + optimizer state")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir on local disk)")
+    parser.add_argument("--skip-ranks", action="store_true", help="skip the 2-rank maybe_save overhead")
+    parser.add_argument("--out", default=str(RESULTS / "checkpoint.json"))
+    args = parser.parse_args(argv)
+
+    root = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir))
+    try:
+        model, opt = build_state(args.size_mb)
+        state_bytes = sum(t.numel() * t.element_size() for t in state_tensors(model, opt))
+        print(f"state: {state_bytes / 1e9:.2f} GB in {len(model)} layers, writing under {root}", flush=True)
+        samples = bench_saves(model, opt, root, args.repeats)
+        samples.update(bench_restores(model, opt, root, args.repeats, args.size_mb))
+        summary = summarise(samples)
+        overhead = None if args.skip_ranks else bench_step_overhead(root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    med = {k: v["median_s"] for k, v in summary.items()}
+    gbps = lambda key: state_bytes / 1e9 / med[key]  # noqa: E731
+    report = {
+        "question": "checkpoint blocking time, and restore time, for one model + AdamW state",
+        "command": "python benchmarks/bench_checkpoint.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "device": "cpu (state in host memory)",
+            "load_average_1min": os.getloadavg()[0],
+        },
+        "state_bytes": state_bytes,
+        "repeats": args.repeats,
+        "results": summary,
+        "throughput_gb_per_s": {
+            key: round(gbps(key), 3)
+            for key in ("sparkgpu_async_until_committed", "sparkgpu_sync", "torch_save_fsync", "dcp_save_sync",
+                        "ceiling_sequential_write", "ceiling_memcpy", "sparkgpu_restore", "torch_load",
+                        "ceiling_sequential_read")
+        },
+        "ratios": {
+            "torch_save_fsync_over_sparkgpu_async_blocking": med["torch_save_fsync"] / med["sparkgpu_async_blocking"],
+            "dcp_save_sync_over_sparkgpu_async_blocking": med["dcp_save_sync"] / med["sparkgpu_async_blocking"],
+            "sparkgpu_async_blocking_over_memcpy_ceiling": med["sparkgpu_async_blocking"] / med["ceiling_memcpy"],
+            "sparkgpu_sync_over_sequential_write_ceiling": med["sparkgpu_sync"] / med["ceiling_sequential_write"],
+            "sparkgpu_restore_over_sequential_read_ceiling": med["sparkgpu_restore"] / med["ceiling_sequential_read"],
+            "torch_load_over_sparkgpu_restore": med["torch_load"] / med["sparkgpu_restore"],
+        },
+        "maybe_save_overhead": overhead,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    plot(summary, out.with_suffix(".png"), state_bytes / 1e9)
+    width = max(len(k) for k in summary)
+    for key, value in summary.items():
+        print(f"{key:<{width}}  median {value['median_s']:.3f} s  min {value['min_s']:.3f} s")
+    for key, value in report["ratios"].items():
+        print(f"{key}: {value:.2f}")
+    if overhead:
+        print(f"per-step overhead, {overhead['ranks']} gloo ranks, {overhead['step_seconds'] * 1e3:.0f} ms steps: "
+              f"maybe_save (not due) {overhead['maybe_save_not_due_overhead_us']:.0f} us, "
+              f"blocking all_reduce {overhead['blocking_all_reduce_overhead_us']:.0f} us")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
