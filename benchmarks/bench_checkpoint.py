@@ -292,12 +292,12 @@ def plot(summary: dict, path: Path, state_gb: float) -> None:
     ]
     labels = [label for key, label in names if key in summary]
     values = [summary[key]["median_s"] for key, _ in names if key in summary]
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(9, 4))
     bars = ax.barh(labels, values, color=["#2b7bba" if "sparkgpu" in l else "#999999" for l in labels])
     ax.bar_label(bars, fmt="%.3f s", padding=3)
     ax.invert_yaxis()
     ax.set_xlabel("seconds the training loop is blocked (median)")
-    ax.set_title(f"One checkpoint of {state_gb:.2f} GB (model + AdamW), {os.cpu_count()} CPUs, state in host memory")
+    ax.set_title(f"One checkpoint of {state_gb:.2f} GB (model + AdamW) in host memory, {os.cpu_count()} CPUs")
     ax.set_xlim(0, max(values) * 1.25)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -24,9 +24,10 @@ How it behaves:
   rank's data reached storage; a process killed at any moment never leaves a checkpoint
   that loads half (see ``_checkpoint_store``). :meth:`Checkpointer.restore` loads the
   newest complete one.
-* Plain modules, DDP and FSDP (1 and 2) models: model and optimizer go through
-  ``torch.distributed.checkpoint.state_dict.get_state_dict`` / ``set_state_dict``, so DDP
-  prefixes and FSDP shards are handled and each rank writes only its own shards.
+* Plain modules, DDP and FSDP models (``fully_shard``; tested on CPU with gloo): model
+  and optimizer go through ``torch.distributed.checkpoint.state_dict.get_state_dict`` /
+  ``set_state_dict``, so DDP prefixes and FSDP shards are handled, each rank writes only
+  its own shards, and a checkpoint loads into another number of ranks or a plain module.
 * Inside a process group the calls are collective: every rank creates the Checkpointer
   and calls ``restore``/``maybe_save``/``save``/``wait``/``close`` at the same points.
   Checkpoint traffic uses two gloo groups of its own, so it never interleaves with the
