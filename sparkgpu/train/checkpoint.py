@@ -41,9 +41,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import io
-import json
 import logging
-import math
 import os
 import threading
 import time
@@ -54,6 +52,17 @@ from typing import Any
 
 from sparkgpu import runtime
 from sparkgpu.errors import CheckpointError, ConfigurationError, SparkGPUError
+from sparkgpu.train._checkpoint_checks import (
+    check_compatible,
+    check_extras,
+    check_objects,
+    check_positive,
+    check_step,
+    dcp_errors,
+    describe,
+    local_nbytes,
+    save_failed,
+)
 from sparkgpu.train._checkpoint_store import CheckpointInfo, CheckpointStore
 from sparkgpu.train._rng_state import capture_rng_state, restore_rng_state
 
@@ -67,7 +76,6 @@ warnings.filterwarnings(
     "ignore", message="torch.distributed is disabled, unavailable or uninitialized", category=UserWarning
 )
 
-_RESERVED = frozenset({"model", "optimizer", "extras", "step", "wait"})
 _LIVE: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
 
 
@@ -124,10 +132,10 @@ class Checkpointer:
         write_threads: int = 1,
         handle_sigterm: bool = True,
     ):
-        _check_positive("every_steps", every_steps, int)
-        _check_positive("every_minutes", every_minutes, (int, float))
-        _check_positive("keep_last", keep_last, int)
-        _check_positive("write_threads", write_threads, int)
+        check_positive("every_steps", every_steps, int)
+        check_positive("every_minutes", every_minutes, (int, float))
+        check_positive("keep_last", keep_last, int)
+        check_positive("write_threads", write_threads, int)
         if directory is None:
             directory = runtime.checkpoint_dir()
         if directory is None:
@@ -216,7 +224,7 @@ class Checkpointer:
             ConfigurationError: An argument cannot be saved.
             CheckpointError: This or the previous save failed.
         """
-        step = _check_step(step)
+        step = check_step(step)
         steps_due = self.every_steps is not None and (step + 1) % self.every_steps == 0
         time_due = (
             self.every_minutes is not None
@@ -253,9 +261,9 @@ class Checkpointer:
             CheckpointError: This or the previous save failed, or there is no room for it.
         """
         started = time.perf_counter()
-        step = _check_step(step)
-        optimizers = _check_objects(model, optimizer, stateful)
-        extras = _check_extras(extras)
+        step = check_step(step)
+        optimizers = check_objects(model, optimizer, stateful)
+        extras = check_extras(extras)
         self._check_open()
         if step == self._last_saved_step:
             if wait:
@@ -289,8 +297,8 @@ class Checkpointer:
                     async_stager=self._stager,
                     no_dist=not self._distributed,
                 )
-            except _dcp_errors() as exc:
-                raise _save_failed(info, exc) from exc
+            except dcp_errors() as exc:
+                raise save_failed(info, exc) from exc
             pending.blocking = time.perf_counter() - started
             self._pending = pending
             # Measured before the callback is attached: a save that already finished runs
@@ -300,7 +308,7 @@ class Checkpointer:
             error = None
             try:
                 dcp.save(state_dict, storage_writer=writer, process_group=self._save_group, no_dist=not self._distributed)
-            except _dcp_errors() as exc:
+            except dcp_errors() as exc:
                 error = exc
             pending.blocking = time.perf_counter() - started
             self._pending = pending
@@ -391,16 +399,16 @@ class Checkpointer:
                 passed object, or it cannot be read.
         """
         started = time.perf_counter()
-        optimizers = _check_objects(model, optimizer, stateful)
+        optimizers = check_objects(model, optimizer, stateful)
         if step is not None:
-            step = _check_step(step)
+            step = check_step(step)
         self._check_open()
         self.wait()
         info = self._run_on_rank0(functools.partial(self._choose, step))
         if info is None:
             logger.info("no complete checkpoint in %s: starting from step 0", self.directory)
             return 0
-        _check_compatible(info, model, optimizers, stateful)
+        check_compatible(info, model, optimizers, stateful)
 
         import torch
         import torch.distributed.checkpoint as dcp
@@ -421,9 +429,9 @@ class Checkpointer:
                 process_group=self._control_group,
                 no_dist=not self._distributed,
             )
-        except _dcp_errors() as exc:
+        except dcp_errors() as exc:
             raise CheckpointError(
-                f"cannot read checkpoint {info.path!r} ({_describe(exc)}); every rank "
+                f"cannot read checkpoint {info.path!r} ({describe(exc)}); every rank "
                 "must see the checkpoint directory (on several nodes, use a shared filesystem "
                 "or an object-store URL)"
             ) from exc
@@ -557,7 +565,7 @@ class Checkpointer:
             ) from exc
         blob = buffer.getvalue()
         state_dict["app"] = {f"rank{self.rank}": blob}
-        return state_dict, _local_nbytes(state_dict) + len(blob)
+        return state_dict, local_nbytes(state_dict) + len(blob)
 
     def _on_written(self, pending: _PendingSave, future: Future | None, error: BaseException | None = None) -> None:
         """Runs once this rank's part of a save ended; rank 0 then commits and prunes."""
@@ -581,7 +589,7 @@ class Checkpointer:
                 self._prune()
         if error is not None:
             if not isinstance(error, CheckpointError):
-                wrapped = _save_failed(info, error)
+                wrapped = save_failed(info, error)
                 wrapped.__cause__ = error
                 error = wrapped
             pending.error = error
@@ -652,105 +660,3 @@ def _make_stager():
             use_non_blocking_copy=accelerator,
         )
     )
-
-
-def _dcp_errors():
-    # DCP reports failures as CheckpointException, a BaseException: name it explicitly.
-    from torch.distributed.checkpoint import CheckpointException
-
-    return (Exception, CheckpointException)
-
-
-def _describe(exc: BaseException) -> str:
-    """One line per failed rank instead of DCP's full tracebacks."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        return "; ".join(f"rank {rank}: {type(e).__name__}: {e}" for rank, (e, _) in sorted(failures.items()))
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _save_failed(info: CheckpointInfo, exc: BaseException) -> CheckpointError:
-    return CheckpointError(
-        f"the checkpoint of step {info.step} could not be written to {info.path!r} "
-        f"({_describe(exc)}); check free space and write permission there"
-    )
-
-
-def _check_positive(name, value, kind) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, kind) or value <= 0 or (
-        isinstance(value, float) and not math.isfinite(value)
-    ):
-        raise ConfigurationError(f"{name} must be a positive number or None, got {value!r}")
-
-
-def _check_step(step) -> int:
-    import numbers
-
-    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
-        raise ConfigurationError(f"step must be a non-negative integer (the step just finished), got {step!r}")
-    return int(step)
-
-
-def _check_objects(model, optimizer, stateful: dict) -> list:
-    import torch
-
-    if model is not None and not isinstance(model, torch.nn.Module):
-        raise ConfigurationError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    optimizers = [] if optimizer is None else list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-    for opt in optimizers:
-        if not isinstance(opt, torch.optim.Optimizer):
-            raise ConfigurationError(f"optimizer must be a torch.optim.Optimizer or a list of them, got {type(opt).__name__}")
-    if optimizers and model is None:
-        raise ConfigurationError("an optimizer is saved and restored with its model: pass model= too")
-    for name, obj in stateful.items():
-        if name in _RESERVED:
-            raise ConfigurationError(f"{name!r} is a reserved name; pass that object under another name")
-        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-            raise ConfigurationError(
-                f"{name}={type(obj).__name__} has no state_dict()/load_state_dict(); pass objects "
-                "that have both, and plain values through extras={...}"
-            )
-    return optimizers
-
-
-def _check_extras(extras) -> dict:
-    if extras is None:
-        return {}
-    if not isinstance(extras, dict):
-        raise ConfigurationError(f"extras must be a dict of JSON values, got {type(extras).__name__}")
-    try:
-        return json.loads(json.dumps(extras, allow_nan=False))
-    except (TypeError, ValueError) as exc:
-        raise ConfigurationError(
-            f"extras must hold JSON values only ({exc}); save tensors and other objects as stateful objects"
-        ) from None
-
-
-def _check_compatible(info: CheckpointInfo, model, optimizers, stateful) -> None:
-    missing = []
-    if model is not None and not info.has_model:
-        missing.append("model")
-    if optimizers and not info.has_optimizer:
-        missing.append("optimizer")
-    missing += [name for name in stateful if name not in info.stateful]
-    if missing:
-        held = (["model"] if info.has_model else []) + (["optimizer"] if info.has_optimizer else []) + list(info.stateful)
-        raise CheckpointError(
-            f"checkpoint {info.path!r} holds no state for {', '.join(missing)} (it holds: "
-            f"{', '.join(held) or 'nothing'}); pass restore() the same names as save()"
-        )
-
-
-def _local_nbytes(obj) -> int:
-    import torch
-
-    if isinstance(obj, dict):
-        return sum(_local_nbytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_local_nbytes(v) for v in obj)
-    if isinstance(obj, torch.Tensor):
-        local = getattr(obj, "_local_tensor", obj)  # a DTensor's own shard
-        return local.numel() * local.element_size()
-    return 0
