@@ -7,8 +7,23 @@ import os
 import pytest
 
 
+@pytest.fixture(scope="session")
+def _worker_image_lock(tmp_path_factory):
+    """What the test workers' image has: this very environment (probed once per session)."""
+    import subprocess
+    import sys
+
+    from sparkgpu.env import hydrate_module_path
+
+    probe = subprocess.run([sys.executable, str(hydrate_module_path()), "--probe"], capture_output=True,
+                           text=True, check=True).stdout
+    path = tmp_path_factory.mktemp("worker-image") / "probe.json"
+    path.write_text(probe)
+    return str(path)
+
+
 @pytest.fixture(autouse=True)
-def _isolated_sparkgpu_home(tmp_path_factory, monkeypatch):
+def _isolated_sparkgpu_home(tmp_path_factory, monkeypatch, _worker_image_lock):
     """Every test gets its own SPARKGPU_HOME, so runs, caches and ledgers never leak."""
     from sparkgpu.config import reset_settings
 
@@ -20,6 +35,9 @@ def _isolated_sparkgpu_home(tmp_path_factory, monkeypatch):
     # Jobs in tests are untracked unless a test asks for tracking (an MLflow run per job is
     # slow); tests/integration/test_tracking_default.py covers the default path.
     monkeypatch.setenv("SPARKGPU_TRACKING", "0")
+    # Remote jobs ship only what the workers lack: in tests the workers run this environment,
+    # so editable installs and the caller's code travel (as on a real cluster with a matching image).
+    monkeypatch.setenv("SPARKGPU_ENV_WORKER_LOCK", _worker_image_lock)
     reset_settings()
     yield home
     reset_settings()
