@@ -123,6 +123,9 @@ def main(run_dir: str, env_error: BaseException | None = None) -> int:
         for callback in callbacks:
             callback.on_worker_start(ctx)
         result = fn(*args, **kwargs)
+        if "sparkgpu.train.checkpoint" in sys.modules:
+            # A save still being written when fn returned gets its commit marker, not cut off.
+            sys.modules["sparkgpu.train.checkpoint"].finish_pending_checkpoints()
     except runtime.StopForRestart:
         rd.preempted_file(attempt, rank).write_text("checkpointed; resume in a new attempt\n")
         return EXIT_PREEMPTED
