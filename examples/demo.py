@@ -1,69 +1,126 @@
-"""End-to-end demo on embedded defaults: trains a small model on 2 CPU ranks.
+"""End-to-end demo on embedded defaults. Run with `make demo`.
 
-Run with `make demo`. Everything is local: the ranks are real processes started by torch's
-elastic agent and joined by a gloo process group; the run directory lives under
-``$SPARKGPU_HOME`` (``~/.local/share/sparkgpu`` by default).
+1. starts a local Spark Connect server and prepares features with Spark on CPU;
+2. ``spark.gpu.train`` converts them to MDS shards on a local folder standing in for the volume,
+   and trains a small model on 2 CPU ranks on the Spark executors, reading the shards through the
+   local cache with ``sparkgpu.data.dataset`` and checkpointing with ``sparkgpu.train.Checkpointer``;
+3. the job is one MLflow run in an embedded SQLite store, and the trained model is registered as
+   ``main.demo.clicks`` with the alias ``champion``, then loaded back by that alias.
+
+Everything lives under ``$SPARKGPU_HOME`` (``~/.local/share/sparkgpu`` by default).
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 
-from sparkgpu import distributed, runtime
-
-FEATURES = 32
+FEATURES = 16
 
 
-def make_data(n: int, seed: int = 0):
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, FEATURES, generator=g)
-    true_w = torch.linspace(-1, 1, FEATURES)
-    y = (x @ true_w + 0.1 * torch.randn(n, generator=g) > 0).float()
-    return x, y
-
-
-@distributed(gpus=2, gpu_type="cpu")
-def train(epochs: int, lr: float, batch_size: int):
+def train(data_url: str, epochs: int, lr: float):
     """A plain PyTorch loop; DDP averages gradients across the ranks."""
     import torch
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    import sparkgpu
+    from sparkgpu import data, runtime
+    from sparkgpu.train import Checkpointer
+
     torch.manual_seed(0)
-    x, y = make_data(20_000)
-    rank, world = runtime.get_global_rank(), runtime.get_world_size()
-    x, y = x[rank::world], y[rank::world]  # each rank trains on its own slice
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(FEATURES, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
+    net = torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    model = DDP(net)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    for epoch in range(epochs):
-        perm = torch.randperm(len(x))
-        total = 0.0
-        for i in range(0, len(x), batch_size):
-            idx = perm[i:i + batch_size]
-            loss = F.binary_cross_entropy_with_logits(model(x[idx]).squeeze(1), y[idx])
+    ds = data.dataset(remote=data_url, batch_size=256, shuffle=True, seed=0)
+    ckpt = Checkpointer(every_steps=20, keep_last=2)
+    step = ckpt.restore(model=model, optimizer=opt, loader=ds)
+    total = epochs * len(ds)
+    while step < total:
+        for batch in ds:
+            x = torch.stack([batch[f"f{i}"] for i in range(FEATURES)], dim=1)
+            loss = F.binary_cross_entropy_with_logits(model(x).squeeze(1), batch["clicked"].float())
             opt.zero_grad()
             loss.backward()
             opt.step()
-            total += loss.item() * len(idx)
-        if runtime.is_main_process():
-            print(f"epoch {epoch}: loss {total / len(x):.4f}", flush=True)
-    with torch.no_grad():
-        xe, ye = make_data(4_000, seed=1)
-        accuracy = ((model(xe).squeeze(1) > 0).float() == ye).float().mean().item()
-    return {"rank": rank, "loss": total / len(x), "accuracy": accuracy}
+            sparkgpu.log({"loss": loss.item()}, step=step)
+            ckpt.maybe_save(step, model=model, optimizer=opt, loader=ds)
+            if ckpt.should_stop:
+                runtime.stop_for_restart()
+            step += 1
+            if runtime.is_main_process() and step % len(ds) == 0:
+                print(f"epoch {step // len(ds)}: loss {loss.item():.4f}", flush=True)
+            if step >= total:
+                break
+    ckpt.close()
+    return net if runtime.is_main_process() else None
+
+
+def _local_workers_run_this_environment() -> None:
+    """The demo's executors are local processes of this venv: tell the environment shipper,
+    so that only editable installs and this script's folder travel (as with a cluster image
+    that matches the client)."""
+    import subprocess
+    import tempfile
+
+    from sparkgpu.env import hydrate_module_path
+
+    if "SPARKGPU_ENV_WORKER_LOCK" in os.environ:
+        return
+    probe = subprocess.run([sys.executable, str(hydrate_module_path()), "--probe"], capture_output=True,
+                           text=True, check=True).stdout
+    path = os.path.join(tempfile.mkdtemp(prefix="sparkgpu-demo-"), "workers.json")
+    with open(path, "w") as f:
+        f.write(probe)
+    os.environ["SPARKGPU_ENV_WORKER_LOCK"] = path
 
 
 def main() -> None:
     started = time.time()
-    results = train.distributed(epochs=3, lr=3e-3, batch_size=256)
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    _local_workers_run_this_environment()
+    from pyspark.sql import SparkSession
+    from pyspark.sql import functions as F
+
+    import sparkgpu  # attaches spark.gpu
+    from sparkgpu import registry
+
+    print("starting a local Spark Connect server ...", flush=True)
+    spark = SparkSession.builder.remote("local[2]").getOrCreate()
+    features = spark.range(50_000).select(
+        *[(F.randn(seed=i) * (i + 1) / FEATURES).cast("float").alias(f"f{i}") for i in range(FEATURES)]
+    )
+    score = sum(F.col(f"f{i}") * (1 if i % 2 else -1) for i in range(FEATURES))
+    features = features.withColumn("clicked", (score > 0).cast("long"))
+
+    results = spark.gpu.train(
+        train, data=features, gpus=2, gpu_type="cpu", kwargs={"epochs": 3, "lr": 3e-3},
+        experiment="/sparkgpu/demo", register_as="main.demo.clicks", max_restarts=1,
+    )
+    model = results[0]
+    version = registry.versions("main.demo.clicks")[-1].version
+    registry.set_alias("main.demo.clicks", "champion", version)
+    champion = registry.load("main.demo.clicks@champion")
+
+    import torch
+
+    x = torch.randn(1000, FEATURES)
+    y = (x @ torch.tensor([(1.0 if i % 2 else -1.0) for i in range(FEATURES)]) > 0).float()
+    accuracy = ((champion(x).squeeze(1) > 0).float() == y).float().mean().item()
+    assert torch.equal(champion(x), model(x)), "the registered model differs from the trained one"
+
+    from sparkgpu.tracking import resolve_target
+
+    target = resolve_target()
     print()
-    print(f"sparkgpu demo: trained on {len(results)} ranks in {time.time() - started:.1f}s "
-          f"(job {train.last_job_id})")
-    for r in results:
-        print(f"  rank {r['rank']}: final loss {r['loss']:.4f}, held-out accuracy {r['accuracy']:.3f}")
-    print(f"  run dir with every rank's log: {train.last_run_dir}")
+    print(f"sparkgpu demo: done in {time.time() - started:.0f}s (job {spark.gpu.last_job_id})")
+    print(f"  run dir with every rank's log:  {spark.gpu.last_run_dir}")
+    print(f"  MLflow run:                     {target.tracking_uri}  (experiment /sparkgpu/demo)")
+    print(f"  open it with:                   mlflow ui --backend-store-uri {target.tracking_uri}")
+    print(f"  registered model:               main.demo.clicks version {version}, alias champion")
+    print(f"  champion held-out accuracy:     {accuracy:.3f}")
+    spark.stop()
 
 
 if __name__ == "__main__":

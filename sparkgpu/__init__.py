@@ -55,3 +55,13 @@ def __getattr__(name):
     value = module if attr is None else getattr(module, attr)
     globals()[name] = value
     return value
+
+
+def _attach_spark_gpu() -> None:
+    # `import sparkgpu` gives Spark sessions a `spark.gpu` namespace, without importing pyspark.
+    from sparkgpu.session import attach
+
+    attach()
+
+
+_attach_spark_gpu()
