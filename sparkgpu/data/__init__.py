@@ -9,14 +9,14 @@ ds = data.dataset(remote="s3://bucket/feats/v1", local="/local_disk0/cache", bat
 
 from __future__ import annotations
 
-__all__ = ["to_mds", "dataset"]
+__all__ = ["to_mds", "ensure_mds", "data_fingerprint", "read_conversion", "dataset"]
 
 
 def __getattr__(name):
-    if name == "to_mds":
-        from sparkgpu.data.convert import to_mds
+    if name in ("to_mds", "ensure_mds", "data_fingerprint", "read_conversion"):
+        from sparkgpu.data import convert
 
-        return to_mds
+        return getattr(convert, name)
     if name == "dataset":
         from sparkgpu.data.loader import dataset
 
