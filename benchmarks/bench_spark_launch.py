@@ -190,7 +190,7 @@ def _plot(summary: dict, path: Path, ranks: int) -> None:
     ax.barh([n for n, _ in rows], [v for _, v in rows], color=["#bbb" if "floor" in n else "#3a7" for n, _ in rows])
     ax.invert_yaxis()
     ax.set_xlabel("seconds, call -> all ranks returned (median)")
-    ax.set_title(f"Launch overhead on a local Spark standalone cluster, {ranks}-rank gloo all_reduce")
+    ax.set_title(f"Launch overhead on a Spark cluster, {ranks} ranks (gloo all_reduce)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

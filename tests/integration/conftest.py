@@ -26,6 +26,31 @@ def spark_cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def worker_image_lock(tmp_path_factory):
+    """What the executors' image holds (this venv), so remote jobs ship only what it lacks."""
+    import subprocess
+    import sys
+
+    from sparkgpu.env import hydrate_module_path
+
+    probe = subprocess.run([sys.executable, str(hydrate_module_path()), "--probe"], capture_output=True, text=True,
+                           check=True).stdout
+    path = tmp_path_factory.mktemp("worker-image") / "worker.json"
+    path.write_text(probe)
+    return path
+
+
+@pytest.fixture
+def workers_share_this_image(worker_image_lock, monkeypatch, tmp_path):
+    """Remote jobs of the test ship only what the workers lack (this checkout), not the whole venv."""
+    from sparkgpu.config import reset_settings
+
+    monkeypatch.setenv("SPARKGPU_ENV_WORKER_LOCK", str(worker_image_lock))
+    monkeypatch.setenv("SPARKGPU_CACHE_DIR", str(tmp_path / "node-cache"))
+    reset_settings()
+
+
+@pytest.fixture(scope="session")
 def cluster_spark(spark_cluster):
     """A Spark Connect session to :func:`spark_cluster` with ``spark.gpu`` attached and warmed up."""
     from sparkgpu.session import attach

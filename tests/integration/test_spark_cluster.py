@@ -23,7 +23,16 @@ from sparkgpu import CapacityError, WorkerFailedError, runtime
 from sparkgpu.config import settings
 from sparkgpu.launch.backends.spark_capacity import clear_capacity_cache
 
-pytestmark = [pytest.mark.integration, pytest.mark.spark]
+pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.usefixtures("workers_share_this_image")]
+
+
+@pytest.fixture
+def no_tracking(monkeypatch):
+    """These tests are about launching; one MLflow run per job would only slow them down."""
+    from sparkgpu.config import reset_settings
+
+    monkeypatch.setenv("SPARKGPU_TRACKING", "0")
+    reset_settings()
 
 
 def processes_of(run_dir) -> list[psutil.Process]:
@@ -73,6 +82,7 @@ def test_train_all_reduces_across_four_ranks_on_both_workers(cluster_spark, spar
     assert len({s["executor"] for s in started}) == 2  # two executors, on two workers
 
 
+@pytest.mark.usefixtures("no_tracking")
 def test_the_signing_key_never_reaches_the_run_dir(cluster_spark):
     from sparkgpu.launch.keys import load_key
 
@@ -114,6 +124,7 @@ def corrupt_shard_on_rank_two():
     dist.all_reduce(torch.ones(1))  # the others wait on rank 2, which is gone
 
 
+@pytest.mark.usefixtures("no_tracking")
 def test_a_failing_rank_raises_with_its_remote_traceback(cluster_spark):
     started = time.monotonic()
     with pytest.raises(WorkerFailedError) as err:
@@ -134,6 +145,7 @@ def hold_until(path):
     return "released"
 
 
+@pytest.mark.usefixtures("no_tracking")
 def test_busy_gpus_make_the_client_wait_then_give_up(cluster_spark, tmp_path, capsys):
     release = tmp_path / "release"
     holder: dict = {}
@@ -187,10 +199,12 @@ CLIENT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.usefixtures("no_tracking")
 def test_decorator_uses_sparkgpu_spark_remote_and_ctrl_c_stops_every_process(spark_cluster, tmp_path,
                                                                              _isolated_sparkgpu_home):
     script = tmp_path / "client.py"
     script.write_text(CLIENT)
+    # os.environ carries this test's worker image lock and SPARKGPU_TRACKING=0.
     env = {**os.environ, "SPARKGPU_HOME": str(_isolated_sparkgpu_home), "PYTHONPATH": os.getcwd(),
            "SPARKGPU_SPARK_REMOTE": spark_cluster.connect_url}
     client = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True)

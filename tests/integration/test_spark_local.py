@@ -9,7 +9,7 @@ import pytest
 from sparkgpu import CapacityError, ConfigurationError, runtime
 from sparkgpu.config import settings
 
-pytestmark = [pytest.mark.integration, pytest.mark.spark]
+pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.usefixtures("workers_share_this_image")]
 
 
 @pytest.fixture
