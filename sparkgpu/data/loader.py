@@ -139,6 +139,11 @@ def dataset(
             raise DataError(f"{directory} has no {INDEX_NAME}; point local= at a folder written by MDSWriter or sparkgpu.data.to_mds, or pass remote=")
         with open(index_path, "rb") as handle:
             index = DatasetIndex.parse(handle.read(), index_path, allow_unsafe_types)
+        if any(shard.compression for shard in index.shards):
+            # Compressed shards cannot be memory-mapped: read the folder as a volume through the
+            # cache, which decompresses each shard once.
+            volume = Volume(directory, storage_options)
+            directory, index = open_cache_entry(settings().cache_dir, volume, allow_unsafe_types)
     return MDSLoader(
         index=index, directory=directory, volume_url=volume.url if volume else None, storage_options=storage_options,
         batch_size=batch_size, shuffle=shuffle, seed=seed, shuffle_block_size=shuffle_block_size or DEFAULT_BLOCK_SIZE,

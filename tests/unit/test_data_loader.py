@@ -298,3 +298,15 @@ def test_the_package_works_without_the_c_extension(tabular):
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_local_folder_of_compressed_shards_reads_through_the_cache(tmp_path):
+    import numpy as np
+    import pyarrow as pa
+
+    from sparkgpu.data import dataset, to_mds
+
+    out = tmp_path / "zstd"
+    to_mds(pa.table({"x": np.arange(1000, dtype=np.int64)}), str(out), compression="zstd", size_limit=2048)
+    ids = [int(v) for batch in dataset(local=str(out), batch_size=100) for v in batch["x"]]
+    assert sorted(ids) == list(range(1000))
