@@ -68,6 +68,22 @@ def train(data_url: str, epochs: int, lr: float):
     return {"rank": runtime.get_global_rank(), "mse": total / count, "weights": [round(w, 2) for w in weights]}
 
 
+def workers_share_this_python(folder: str) -> None:
+    """Executors on this machine run this very venv: ship only what it lacks (this checkout)."""
+    import subprocess
+
+    from sparkgpu.config import reset_settings
+    from sparkgpu.env import hydrate_module_path
+
+    probe = subprocess.run([sys.executable, str(hydrate_module_path()), "--probe"], capture_output=True, text=True,
+                           check=True).stdout
+    lock = os.path.join(folder, "worker-image.json")
+    with open(lock, "w") as f:
+        f.write(probe)
+    os.environ.setdefault("SPARKGPU_ENV_WORKER_LOCK", lock)
+    reset_settings()
+
+
 @contextlib.contextmanager
 def session(args):
     """Yields (spark, gpus, gpu_type) for the chosen way to run."""
@@ -81,10 +97,13 @@ def session(args):
 
         with tempfile.TemporaryDirectory(prefix="sparkgpu-example-") as tmp, LocalSparkCluster(tmp) as cluster:
             print(f"started a standalone cluster: {cluster.master_url}, Spark Connect at {cluster.connect_url}")
+            workers_share_this_python(tmp)
             yield cluster.session(), args.gpus or 4, "A10"
     else:
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-        yield SparkSession.builder.remote("local[2]").getOrCreate(), args.gpus or 2, "cpu"
+        with tempfile.TemporaryDirectory(prefix="sparkgpu-example-") as tmp:
+            workers_share_this_python(tmp)
+            yield SparkSession.builder.remote("local[2]").getOrCreate(), args.gpus or 2, "cpu"
 
 
 def main() -> None:
