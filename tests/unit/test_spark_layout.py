@@ -130,3 +130,30 @@ def test_confs_are_read_in_one_round_trip_when_possible():
     assert confs["spark.sparkgpu.gpuType"] is None and "spark.other" not in confs
     fallback = _Conf(values, get_all=False)
     assert read_confs(_Session(fallback))["spark.executor.resource.gpu.amount"] == "8" and fallback.calls > 1
+
+
+def test_a_tagged_action_that_waits_too_long_is_interrupted_and_named():
+    import io
+    import time
+
+    from sparkgpu.launch.backends.spark_capacity import run_tagged
+    from tests.fakes.spark_session import BlockingFrame, TaggedSession
+
+    session, out = TaggedSession(), io.StringIO()
+    started = time.monotonic()
+    with pytest.raises(CapacityError, match="gave up waiting for the probe after 1s.*SPARKGPU_SPARK_WAIT_TIMEOUT"):
+        run_tagged(session, lambda: BlockingFrame(session), "probe-1", timeout=1.0, what="the probe", out=out,
+                   notice_after=0.2)
+    assert 1.0 <= time.monotonic() - started < 5
+    assert session.interrupted == ["probe-1"]
+    assert "still waiting for the probe" in out.getvalue()
+
+
+def test_a_tagged_action_returns_its_rows_and_runs_under_its_tag():
+    from sparkgpu.launch.backends.spark_capacity import run_tagged
+    from tests.fakes.spark_session import BlockingFrame, TaggedSession
+
+    session = TaggedSession()
+    frame = BlockingFrame(session, rows=["a", "b"], seconds=0.05)
+    assert run_tagged(session, lambda: frame, "probe-2", timeout=10, what="x") == ["a", "b"]
+    assert session._running[0][0] == {"probe-2"} and session.interrupted == []

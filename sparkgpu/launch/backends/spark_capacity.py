@@ -222,9 +222,14 @@ def _probe(spark, confs, *, tasks: int, timeout: float, out) -> tuple[list[Execu
     def build():
         return spark.range(0, tasks, 1, tasks).mapInArrow(functools.partial(probe_executor, options), PROBE_DDL)
 
+    what = "the Spark executors to answer the capacity probe"
+    default_task_gpus = float(confs.get("spark.task.resource.gpu.amount") or 0)
+    if default_task_gpus > 0:
+        # Then every task, this probe's too, waits for a free GPU.
+        what += (f" (every task here asks for GPUs: spark.task.resource.gpu.amount={default_task_gpus:g}; set it to 0 "
+                 "on the cluster, sparkgpu asks for GPUs per stage)")
     try:
-        rows = run_tagged(spark, build, f"sparkgpu-probe-{uuid.uuid4().hex[:8]}", timeout=timeout,
-                          what="the Spark executors to answer the capacity probe", out=out)
+        rows = run_tagged(spark, build, f"sparkgpu-probe-{uuid.uuid4().hex[:8]}", timeout=timeout, what=what, out=out)
     except SparkGPUError:
         raise
     except Exception as exc:
