@@ -11,7 +11,8 @@ through the same Spark Connect session, in the same run:
   * a trivial barrier ``mapInArrow`` job with one task per node: Spark's own scheduling floor.
 
 Floors measured in the same run: ``python -c pass`` and ``python -c "import torch"``, one
-process per rank, in parallel.
+process per rank, in parallel. Our jobs ship the client's environment as remote jobs do; the
+executors run this venv (``SPARKGPU_ENV_WORKER_LOCK``), so only this checkout travels.
 
     python benchmarks/bench_spark_launch.py [--ranks 4] [--repeats 3]
 
@@ -109,6 +110,18 @@ def bench_barrier_floor(spark, nodes: int, repeats: int) -> list[float]:
     return _time(run, repeats)
 
 
+def _workers_share_this_python(folder: Path) -> None:
+    """The executors run this venv: our jobs ship only this checkout, as on a cluster with the same image."""
+    from sparkgpu.config import reset_settings
+    from sparkgpu.env import hydrate_module_path
+
+    probe = subprocess.run([sys.executable, str(hydrate_module_path()), "--probe"], capture_output=True, text=True,
+                           check=True).stdout
+    (folder / "worker-image.json").write_text(probe)
+    os.environ["SPARKGPU_ENV_WORKER_LOCK"] = str(folder / "worker-image.json")
+    reset_settings()
+
+
 def bench_floor(code: str, ranks: int, repeats: int) -> list[float]:
     def run():
         procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(ranks)]
@@ -133,6 +146,7 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="sparkgpu-bench-") as tmp:
         os.environ["SPARKGPU_HOME"] = str(Path(tmp) / "home")
+        _workers_share_this_python(Path(tmp))
         started = time.perf_counter()
         with LocalSparkCluster(Path(tmp) / "cluster", workers=2, gpus_per_worker=2, cores_per_worker=2) as cluster:
             cluster_seconds = time.perf_counter() - started
