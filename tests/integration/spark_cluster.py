@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -177,9 +178,12 @@ class LocalSparkCluster:
 
     def session(self):
         """A new Spark Connect session to this cluster."""
-        from pyspark.sql import SparkSession
+        # Connect's own builder, and create(): pyspark's generic builder redirects every remote
+        # URL to the in-process local server once a `remote("local")` session was started in
+        # this process (the shared `spark` fixture), and getOrCreate() returns that session.
+        from pyspark.sql.connect.session import SparkSession
 
-        return SparkSession.builder.remote(self.connect_url).getOrCreate()
+        return SparkSession.builder.remote(self.connect_url).create()
 
     # -- processes ---------------------------------------------------------------------
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
@@ -200,7 +204,7 @@ class LocalSparkCluster:
         self.master_port, self.master_ui_port = _free_port(), _free_port()
         self._spawn("master", ["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
                                "--port", str(self.master_port), "--webui-port", str(self.master_ui_port)], {})
-        self._wait(lambda: _port_open(self.master_ui_port) and _port_open(self.master_port), deadline,
+        self._wait(lambda: self._master_ui_bound() and _port_open(self.master_port), deadline,
                    "the master to listen", "master")
 
     def _discovery_script(self, index: int) -> Path:
@@ -252,6 +256,14 @@ class LocalSparkCluster:
         self._wait(lambda: _port_open(self.connect_port), deadline, "the Connect server to listen", "connect")
 
     # -- readiness ---------------------------------------------------------------------
+    def _master_ui_bound(self) -> bool:
+        # Another process may take the free UI port before the master binds it; Spark then moves
+        # to the next port and says so in its log.
+        found = re.findall(r"started service 'MasterUI' on port (\d+)", self._log_tail("master", 400))
+        if found:
+            self.master_ui_port = int(found[-1])
+        return _port_open(self.master_ui_port)
+
     def _master_state(self) -> dict:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.master_ui_port}/json/", timeout=2) as r:

@@ -174,7 +174,10 @@ def test_names_with_characters_mlflow_refuses_round_trip(tmp_path):
     assert [v.name for v in registry.versions(name)] == [name]
 
 
-def test_short_names_are_completed_from_settings(tmp_path):
+def test_short_names_are_completed_from_settings(tmp_path, monkeypatch):
+    import sparkgpu.tracking.names as names
+
+    monkeypatch.setattr(names, "_active_spark_session", lambda: None)  # other tests' sessions stay out
     version = registry.register(trained(1), f"short_{time.time_ns()}")
     assert version.name.startswith("main.default.short_")
 

@@ -35,12 +35,14 @@ def test_every_job_is_tracked_and_registers_its_model_by_default(monkeypatch, _i
         return model if runtime.is_main_process() else None
 
     trained = train.distributed()[0]
-    mlflow.set_tracking_uri(resolve_target().tracking_uri)
-    runs = mlflow.search_runs(experiment_names=["/team/default-tracking"], output_format="list")
+    # A client of its own: mlflow.set_tracking_uri would leak into later tests of this process.
+    client = mlflow.MlflowClient(resolve_target().tracking_uri)
+    experiment = client.get_experiment_by_name("/team/default-tracking")
+    runs = client.search_runs([experiment.experiment_id])
     assert len(runs) == 1
     run = runs[0]
     assert run.info.status == "FINISHED"
-    assert len(mlflow.MlflowClient().get_metric_history(run.info.run_id, "loss")) == 3
+    assert len(client.get_metric_history(run.info.run_id, "loss")) == 3
     assert train.last_model_version.run_id == run.info.run_id
     loaded = registry.load("main.ml.tiny/1")
     x = torch.randn(5, 4)
