@@ -16,12 +16,12 @@ import textwrap
 import threading
 import time
 
-import psutil
 import pytest
 
 from sparkgpu import CapacityError, WorkerFailedError, runtime
 from sparkgpu.config import settings
 from sparkgpu.launch.backends.spark_capacity import clear_capacity_cache
+from tests.integration.processes import assert_no_orphans as _assert_no_orphans, processes_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.usefixtures("workers_share_this_image")]
 
@@ -35,22 +35,8 @@ def no_tracking(monkeypatch):
     reset_settings()
 
 
-def processes_of(run_dir) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            if any(str(run_dir) in part for part in proc.info["cmdline"] or ()):
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
-
-
 def assert_no_orphans(run_dir, within: float = 10.0):
-    deadline = time.monotonic() + within
-    while processes_of(run_dir) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert processes_of(run_dir) == []
+    _assert_no_orphans(run_dir, within=within)
 
 
 def where_and_sum(x):
