@@ -7,6 +7,12 @@ import os
 import pytest
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests on the standalone Spark cluster run first: once the shared in-process `spark`
+    server exists, pyspark redirects and re-authenticates every other Connect client."""
+    items.sort(key=lambda item: 0 if "test_spark_cluster" in item.nodeid else 1)
+
+
 @pytest.fixture(scope="session")
 def _worker_image_lock(tmp_path_factory):
     """What the test workers' image has: this very environment (probed once per session)."""

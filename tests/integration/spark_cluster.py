@@ -183,7 +183,13 @@ class LocalSparkCluster:
         # this process (the shared `spark` fixture), and getOrCreate() returns that session.
         from pyspark.sql.connect.session import SparkSession
 
-        return SparkSession.builder.remote(self.connect_url).create()
+        # A local server started in this process leaves a token in the environment, which makes
+        # every later client speak TLS; this cluster's server is plain loopback without a token.
+        saved = {k: os.environ.pop(k) for k in ("SPARK_CONNECT_AUTHENTICATE_TOKEN",) if k in os.environ}
+        try:
+            return SparkSession.builder.remote(self.connect_url).create()
+        finally:
+            os.environ.update(saved)
 
     # -- processes ---------------------------------------------------------------------
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
