@@ -186,6 +186,7 @@ class LocalSparkCluster:
         # A local server started in this process leaves a token in the environment, which makes
         # every later client speak TLS; this cluster's server is plain loopback without a token.
         saved = {k: os.environ.pop(k) for k in ("SPARK_CONNECT_AUTHENTICATE_TOKEN",) if k in os.environ}
+        os.environ["SPARK_CONNECT_MODE_ENABLED"] = "1"  # as pyspark's own builder sets for Connect
         try:
             return SparkSession.builder.remote(self.connect_url).create()
         finally:
