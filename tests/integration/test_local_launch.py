@@ -245,7 +245,6 @@ CTRL_C_CLIENT = textwrap.dedent("""
     try:
         forever.distributed()
     except KeyboardInterrupt:
-        print("RUN_DIR", forever.last_run_dir if hasattr(forever, "last_run_dir") else "", flush=True)
         sys.exit(130)
 """)
 
