@@ -187,10 +187,20 @@ class LocalSparkCluster:
         # every later client speak TLS; this cluster's server is plain loopback without a token.
         saved = {k: os.environ.pop(k) for k in ("SPARK_CONNECT_AUTHENTICATE_TOKEN",) if k in os.environ}
         os.environ["SPARK_CONNECT_MODE_ENABLED"] = "1"  # as pyspark's own builder sets for Connect
+        had_default = SparkSession._default_session is not None
+        had_active = getattr(SparkSession._active_session, "session", None) is not None
         try:
-            return SparkSession.builder.remote(self.connect_url).create()
+            session = SparkSession.builder.remote(self.connect_url).create()
         finally:
             os.environ.update(saved)
+        # create() makes the first session of the process its default and active one, and a
+        # later `builder.remote("local").getOrCreate()` (the shared `spark` fixture) would then
+        # return this cluster session. It is an explicit handle, not the process default.
+        if not had_default:
+            SparkSession._default_session = None
+        if not had_active:
+            SparkSession._active_session.session = None
+        return session
 
     # -- processes ---------------------------------------------------------------------
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:

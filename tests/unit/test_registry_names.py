@@ -18,6 +18,13 @@ from sparkgpu.tracking.names import (
 )
 
 
+@pytest.fixture(autouse=True)
+def _no_active_spark_session(monkeypatch):
+    """Completion from settings is what a process without a Spark session gets; an earlier
+    test's session must not leak into these."""
+    monkeypatch.setattr("sparkgpu.tracking.names._active_spark_session", lambda: None)
+
+
 def test_three_level_name_is_kept_as_given():
     name = parse_model_name("main.ml.ctr")
     assert (name.catalog, name.schema, name.model, name.completed_from) == ("main", "ml", "ctr", "name")
