@@ -157,9 +157,10 @@ class UsageLedger:
                     write_deltalake(table, data, mode="append")
                 break
             except (CommitFailedError, DeltaError) as exc:
-                # Two writers creating the table at the same moment race for version 0; the
-                # loser sees the table on its next try and appends. Other errors re-raise.
-                if attempt == _COMMIT_RETRIES - 1 or not _is_retryable(exc):
+                # A lost commit race (two writers creating the table at the same moment race
+                # for version 0 and the loser reads "metadata changed") is retried: the loser
+                # sees the table on its next try and appends. Other errors re-raise.
+                if attempt == _COMMIT_RETRIES - 1 or not (isinstance(exc, CommitFailedError) or _is_retryable(exc)):
                     raise
                 time.sleep(0.05 * (attempt + 1))
         if table is not None and self.compact_every and table.version() % self.compact_every == 0:
