@@ -20,7 +20,10 @@ One call is an ordinary ``@distributed`` job whose every rank runs :func:`sparkg
    planned ranks join it (``ray start --address=...``) and report back.
 3. Rank 0 connects as the driver (``ray.init``, ``RAY_ADDRESS`` set) and runs the function;
    the other ranks wait for its completion broadcast.
-4. Every rank stops the Ray processes it started — on success, on failure and on SIGTERM —
+4. While the function runs, a tracked job samples Ray's system metrics (logical resources;
+   with ``ray[default]`` also each node's CPU, memory, GPUs, object store and the task and
+   actor counts) into the job's MLflow run (:mod:`sparkgpu.ray.metrics`).
+5. Every rank stops the Ray processes it started — on success, on failure and on SIGTERM —
    and keeps their logs in the run dir (``attempts/<k>/ray/``).
 
 Results: ``.distributed()`` returns the driver's (rank 0's) return value, as Databricks'
@@ -128,7 +131,7 @@ class RayLaunchFunction:
 
 
 def ray_launch(fn: Callable | None = None, *, ray_nodes: str = "per_node", ray_start_timeout="5m",
-               **distributed_options):
+               metrics_interval="10s", **distributed_options):
     """Decorates a function so that ``fn.distributed(...)`` runs it as the driver of a Ray cluster.
 
     The cluster spans the ranks of a ``@distributed`` job: usable bare (``@ray_launch``) or
@@ -141,6 +144,8 @@ def ray_launch(fn: Callable | None = None, *, ray_nodes: str = "per_node", ray_s
             ``"per_rank"``: one Ray node per rank, with that rank's GPU and an even share of
             the host's CPUs and memory.
         ray_start_timeout: How long one Ray node may take to start (seconds or ``"5m"``).
+        metrics_interval: How often a tracked job samples Ray's system metrics into its MLflow
+            run (:mod:`sparkgpu.ray.metrics`; seconds or ``"30s"``); ``None`` for none.
         **distributed_options: Any argument of :func:`sparkgpu.distributed` — ``gpus``,
             ``gpu_type``, ``remote``, ``timeout``, ``max_runtime``, ``max_restarts``, ``tags``, ...
 
@@ -159,11 +164,12 @@ def ray_launch(fn: Callable | None = None, *, ray_nodes: str = "per_node", ray_s
         )
     unknown = sorted(set(distributed_options) - _DISTRIBUTED_OPTIONS)
     if unknown:
-        known = ", ".join(sorted(_DISTRIBUTED_OPTIONS | {"ray_nodes", "ray_start_timeout"}))
+        known = ", ".join(sorted(_DISTRIBUTED_OPTIONS | {"ray_nodes", "ray_start_timeout", "metrics_interval"}))
         raise ConfigurationError(f"@ray_launch got unknown argument(s) {', '.join(unknown)}; it takes {known}")
     if ray_nodes not in NODE_LAYOUTS:
         raise ConfigurationError(f"ray_nodes={ray_nodes!r}: use one of {', '.join(map(repr, NODE_LAYOUTS))}")
-    options = RayOptions(ray_nodes, parse_duration(ray_start_timeout, name="ray_start_timeout"))
+    options = RayOptions(ray_nodes, parse_duration(ray_start_timeout, name="ray_start_timeout"),
+                         parse_duration(metrics_interval, name="metrics_interval"))
     distributed(**distributed_options)  # validates every @distributed argument now, before any call
 
     def wrap(f: Callable) -> RayLaunchFunction:

@@ -15,6 +15,8 @@ import tempfile
 from sparkgpu import runtime
 from sparkgpu.errors import ConfigurationError, SparkGPUError
 
+RANK_LABEL = "sparkgpu-rank"  # Ray node label: the job rank that started the node
+
 __all__ = [
     "RayClusterError",
     "RankResources",
@@ -171,7 +173,7 @@ def ray_start_command(spec: RayNodeSpec, temp_dir: str, head_address: str | None
     cmd = [
         python or sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats",
         f"--temp-dir={temp_dir}", f"--num-cpus={spec.num_cpus}", f"--num-gpus={spec.num_gpus}",
-        f"--dashboard-agent-listen-port={free_port()}",
+        f"--dashboard-agent-listen-port={free_port()}", f"--labels={RANK_LABEL}={spec.rank}",
     ]
     if spec.head:
         cmd += ["--head", "--port=0", "--include-dashboard=false", f"--dashboard-port={free_port()}",

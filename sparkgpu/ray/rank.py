@@ -31,6 +31,7 @@ from sparkgpu import runtime
 from sparkgpu.errors import MissingDependencyError
 from sparkgpu.ray.node import RayNode
 from sparkgpu.ray.plan import (
+    RANK_LABEL,
     RankResources,
     RayClusterError,
     RayNodeSpec,
@@ -53,10 +54,13 @@ class RayOptions:
     Attributes:
         layout: ``"per_node"`` or ``"per_rank"`` (see :func:`~sparkgpu.ray.plan.plan_ray_nodes`).
         start_timeout: Seconds one Ray node may take to start.
+        metrics_interval: Seconds between samples of Ray's metrics into the job's MLflow run;
+            ``None`` or 0 for none.
     """
 
     layout: str
     start_timeout: float
+    metrics_interval: float | None = 10.0
 
 
 def _ray_dir() -> Path | None:
@@ -67,10 +71,11 @@ def _ray_dir() -> Path | None:
 def read_cluster_info(run_dir: str | os.PathLike, attempt: int = 0) -> dict | None:
     """The Ray cluster of one attempt, as its driver saw it once every node was up.
 
-    This is the hook for tracking: ``{"address", "nodes": [{"node_id", "ip",
-    "metrics_export_port", "resources"}]}``; each node serves Ray's Prometheus metrics at
-    ``http://<ip>:<metrics_export_port>/metrics`` (with ``ray[default]``), which a tracking
-    callback can scrape into the job's MLflow run. ``None`` until the cluster is up.
+    ``{"address", "nodes": [{"node_id", "rank", "ip", "metrics_export_port", "resources"}]}``,
+    ``rank`` being the job rank that started the node. Each node serves Ray's Prometheus
+    metrics at ``http://<ip>:<metrics_export_port>/metrics`` (with ``ray[default]``); a tracked
+    job samples them into its MLflow run (:mod:`sparkgpu.ray.metrics`). ``None`` until the
+    cluster is up.
     """
     path = Path(run_dir) / "attempts" / str(attempt) / "ray" / "cluster.json"
     try:
@@ -190,13 +195,33 @@ def _drive(fn, args, kwargs, address, expected_nodes, options, ray_dir):
         nodes = _wait_for_nodes(ray, expected_nodes, options.start_timeout)
         if ray_dir is not None:
             _write_cluster_info(ray_dir, address, nodes)
-        return fn(*args, **kwargs)
+        reporter = _start_metrics_reporter(ray, options)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if reporter is not None:
+                reporter.stop()
     finally:
         ray.shutdown()
         if previous is None:
             os.environ.pop("RAY_ADDRESS", None)
         else:
             os.environ["RAY_ADDRESS"] = previous
+
+
+def _start_metrics_reporter(ray, options: RayOptions):
+    """Ray's metrics into the job's MLflow run, when the job is tracked; else ``None``."""
+    from sparkgpu.ray.metrics import RayMetricsReporter
+    from sparkgpu.tracking import autolog
+    from sparkgpu.tracking.spool import SPOOL_ENV, SpoolDir
+
+    session = autolog._current_session()
+    if session is None or not options.metrics_interval:
+        return None
+    info = SpoolDir(os.environ[SPOOL_ENV]).read_run_info()
+    started_at = info.started_at if info is not None else time.time()
+    return RayMetricsReporter(ray, lambda records: session.writer.write(metrics=records),
+                              interval=options.metrics_interval, started_at=started_at).start()
 
 
 def _wait_for_nodes(ray, expected: int, timeout: float) -> list[dict]:
@@ -219,8 +244,9 @@ def _write_cluster_info(ray_dir: Path, address: str, nodes: list[dict]) -> None:
     info = {
         "address": address,
         "nodes": [
-            {"node_id": n.get("NodeID"), "ip": n.get("NodeManagerAddress"),
-             "metrics_export_port": n.get("MetricsExportPort"), "resources": n.get("Resources", {})}
+            {"node_id": n.get("NodeID"), "rank": (n.get("Labels") or {}).get(RANK_LABEL),
+             "ip": n.get("NodeManagerAddress"), "metrics_export_port": n.get("MetricsExportPort"),
+             "resources": n.get("Resources", {})}
             for n in nodes
         ],
     }

@@ -60,8 +60,7 @@ def assert_no_new_ray_process(before: set, temp_dirs_before: set, within: float 
     assert not ray_temp_dirs() - temp_dirs_before, "Ray temp dirs survived the call"
 
 
-@ray_launch(gpus=2, gpu_type="cpu", ray_nodes="per_rank", timeout="6m")
-def squares_on_every_node(n):
+def squares_on_every_node(n, hold=0.0):
     import os
 
     import ray
@@ -77,8 +76,10 @@ def squares_on_every_node(n):
 
     refs = [square.options(scheduling_strategy="SPREAD").remote(i) for i in range(n)]
     parts = ray.get(refs)
+    result = ray.get(total.remote(*refs))
+    time.sleep(hold)  # Ray's agents export what happened, the driver samples it
     return {
-        "total": ray.get(total.remote(*refs)),
+        "total": result,
         "task_nodes": sorted({node for _, node in parts}),
         "cluster_nodes": sorted(node["NodeID"] for node in ray.nodes() if node["Alive"]),
         "cpus": ray.cluster_resources().get("CPU"),
@@ -88,9 +89,19 @@ def squares_on_every_node(n):
     }
 
 
-def test_task_graph_runs_on_the_ray_nodes_of_both_ranks_and_leaves_no_ray_process():
+def test_task_graph_runs_on_the_ray_nodes_of_both_ranks_and_leaves_no_ray_process(tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    from sparkgpu.tracking import MLflowCallback
+
+    # Ray's agents export node metrics every 10 s by default; this short job needs them sooner.
+    monkeypatch.setenv("RAY_metrics_report_interval_ms", "500")
+    tracking_uri = f"sqlite:///{tmp_path}/mlflow.db"
+    callback = MLflowCallback("/team/ray", tracking_uri=tracking_uri, system_metrics=False, flush_interval=0.5)
+    job = ray_launch(gpus=2, gpu_type="cpu", ray_nodes="per_rank", timeout="6m", metrics_interval=0.5,
+                     callbacks=[callback])(squares_on_every_node)
     before, dirs_before = ray_processes(), ray_temp_dirs()
-    out = squares_on_every_node.distributed(6)
+    out = job.distributed(6, hold=8.0)
 
     assert out["total"] == sum(i * i for i in range(6))
     assert len(out["cluster_nodes"]) == 2
@@ -98,11 +109,25 @@ def test_task_graph_runs_on_the_ray_nodes_of_both_ranks_and_leaves_no_ray_proces
     assert out["cpus"] == 2 and out["gpus"] == 0  # one CPU per rank on a 2-rank CPU job
     assert out["rank"] == 0 and out["ray_address"]  # the driver ran on rank 0, RAY_ADDRESS set
 
-    run_dir = RunDir(squares_on_every_node.last_run_dir)
+    run_dir = RunDir(job.last_run_dir)
     assert run_dir.read_result(0, 1) is None  # the other ranks return None
     info = read_cluster_info(run_dir.path, 0)
     assert info["address"] == out["ray_address"]
     assert sorted(n["node_id"] for n in info["nodes"]) == out["cluster_nodes"]
+    assert sorted(n["rank"] for n in info["nodes"]) == ["0", "1"]
+
+    # Ray's system metrics are in the job's one run: logical resources, each node's hardware
+    # (named by the rank that started it), and task counts.
+    client = MlflowClient(tracking_uri)
+    run = client.get_run(callback.run_id)
+    metrics = run.data.metrics
+    assert metrics["ray/resources/cpu_total"] == 2
+    assert len(client.get_metric_history(run.info.run_id, "ray/resources/cpu_used")) >= 3
+    for node in ("node_0", "node_1"):
+        assert 0 <= metrics[f"ray/{node}/cpu_utilization_percentage"] <= 100
+        assert metrics[f"ray/{node}/memory_used_megabytes"] > 0
+    finished = client.get_metric_history(run.info.run_id, "ray/tasks/finished")
+    assert max(m.value for m in finished) >= 7  # six squares and their total
     ray_dir = run_dir.attempt_dir(0) / "ray"
     for rank in (0, 1):  # each node's Ray logs outlive its temp dir
         assert (ray_dir / "logs" / f"rank-{rank}" / "raylet.out").is_file()
