@@ -132,7 +132,7 @@ class DistributedFunction:
                 # Raises EnvironmentTooLargeError / EnvironmentMismatchError before anything starts.
                 from sparkgpu.env import hydrate_module_path, stage_environment
 
-                staged_env = stage_environment()
+                staged_env = stage_environment(worker_has=backend.worker_image())
                 print(f"sparkgpu: environment staged: {staged_env.report}", file=sys.stderr)
                 spec["env"] = staged_env.manifest
                 extra_files["_hydrate.py"] = hydrate_module_path().read_bytes()

@@ -89,6 +89,11 @@ class Backend(abc.ABC):
     def describe_capacity(self, resources: Resources) -> str:  # pragma: no cover - informative
         return ""
 
+    def worker_image(self) -> dict | None:
+        """What the workers' Python already has (a ``hydrate --probe`` dict), so that shipping
+        the environment leaves it out; ``None`` when unknown (everything is shipped)."""
+        return None
+
 
 # Imported lazily so the local path never imports pyspark.
 BACKENDS = {

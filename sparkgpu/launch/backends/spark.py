@@ -33,6 +33,7 @@ from sparkgpu.launch.backends.spark_capacity import (
     NodeLayout,
     SparkCapacity,
     discover_capacity,
+    discover_worker_image,
     plan_layout,
 )
 from sparkgpu.launch.backends.spark_node import (
@@ -187,6 +188,13 @@ class SparkBackend(Backend):
 
     def describe_capacity(self, resources: Resources) -> str:
         return str(self.capacity())
+
+    def worker_image(self) -> dict | None:
+        """What the executors' Python has, probed once per session; ``None`` when
+        ``SPARKGPU_ENV_WORKER_LOCK`` describes it instead."""
+        if settings().env_worker_lock:
+            return None
+        return discover_worker_image(self.spark, self.capacity(), wait_timeout=self.wait_timeout, out=self._stream)
 
     def _layout(self, job: JobSpec, capacity: SparkCapacity | None = None) -> NodeLayout:
         capacity = capacity or self.capacity()

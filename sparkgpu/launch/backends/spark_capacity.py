@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import sys
 import threading
 import time
@@ -25,10 +26,11 @@ import uuid
 
 from sparkgpu.config import lookup_gpu_type
 from sparkgpu.errors import CapacityError, ConfigurationError, SparkGPUError
-from sparkgpu.launch.backends.spark_node import PROBE_DDL, ProbeOptions, probe_executor
+from sparkgpu.launch.backends.spark_node import IMAGE_DDL, PROBE_DDL, ProbeOptions, probe_executor, probe_image
 
 __all__ = ["ExecutorInfo", "SparkCapacity", "NodeLayout", "discover_capacity", "plan_layout", "read_confs",
-           "run_tagged", "GPU_TYPE_CONF", "SIMULATED_CONF", "clear_capacity_cache"]
+           "run_tagged", "GPU_TYPE_CONF", "SIMULATED_CONF", "clear_capacity_cache", "discover_worker_image",
+           "common_image"]
 
 GPU_TYPE_CONF = "spark.sparkgpu.gpuType"  # catalog name of the cluster's GPUs, set by its admin
 SIMULATED_CONF = "spark.sparkgpu.simulatedGpus"  # "true": the GPU addresses are fake, ranks run on CPU
@@ -308,6 +310,50 @@ def discover_capacity(spark, *, wait_timeout: float, out=None, refresh: bool = F
 def clear_capacity_cache() -> None:
     with _cache_lock:
         _cache.clear()
+        _images.clear()
+
+
+_images: dict[str, dict | None] = {}
+
+
+def common_image(images: list[dict]) -> dict:
+    """What every executor has: the first one's interpreter and the distributions that all of
+    them hold at the same version (a package one executor lacks is shipped to all)."""
+    packages = dict(images[0].get("packages", {}))
+    for image in images[1:]:
+        theirs = image.get("packages", {})
+        packages = {name: version for name, version in packages.items() if theirs.get(name) == version}
+    return {**{k: v for k, v in images[0].items() if k != "packages"}, "packages": packages}
+
+
+def discover_worker_image(spark, capacity: "SparkCapacity", *, wait_timeout: float, out=None) -> dict | None:
+    """What the executors' Python already has, probed once per session (images do not change
+    under a running session): the ``worker_has=`` of environment shipping.
+
+    Returns ``None`` (ship everything) when the probe fails; the failure is reported on ``out``.
+    """
+    key = _session_key(spark)
+    with _cache_lock:
+        if key in _images:
+            return _images[key]
+    tasks = max(2, 2 * len(capacity.executors))
+    out = out if out is not None else sys.stderr
+
+    def build():
+        return spark.range(0, tasks, 1, tasks).mapInArrow(probe_image, IMAGE_DDL)
+
+    try:
+        rows = run_tagged(spark, build, f"sparkgpu-image-{uuid.uuid4().hex[:8]}", timeout=wait_timeout,
+                          what="the Spark executors to describe their Python", out=out)
+        by_executor = {row.executor: json.loads(row.image) for row in rows}
+        image = common_image(list(by_executor.values()))
+    except Exception as exc:  # shipping everything is slower, never wrong
+        print(f"sparkgpu: could not learn what the executors' Python has ({exc.__class__.__name__}: {exc}); "
+              "the whole environment is shipped. Describe it with SPARKGPU_ENV_WORKER_LOCK to ship less.", file=out)
+        image = None
+    with _cache_lock:
+        _images[key] = image
+    return image
 
 
 def _session_key(spark) -> str:

@@ -26,8 +26,8 @@ from sparkgpu.launch.agent import build_command
 from sparkgpu.launch.entrypoint import NODE_DEVICES_ENV
 from sparkgpu.launch.payload import RunDir, atomic_write_bytes
 
-__all__ = ["NodeLaunch", "run_node", "ProbeOptions", "probe_executor", "NODE_SCHEMA", "PROBE_SCHEMA", "NODE_DDL",
-           "PROBE_DDL",
+__all__ = ["NodeLaunch", "run_node", "ProbeOptions", "probe_executor", "probe_image", "NODE_SCHEMA", "PROBE_SCHEMA",
+           "NODE_DDL", "PROBE_DDL", "IMAGE_DDL",
            "ExecutorIdentity", "executor_identity", "CANCEL_FILE", "HEARTBEAT_FILE", "spark_dir"]
 
 NODE_SCHEMA = pa.schema([
@@ -158,6 +158,20 @@ def probe_executor(options: ProbeOptions, batches):
            "gpu_addresses": [",".join(addresses)], "gpu_names": ["|".join(names)],
            "python": [sys.executable]}
     yield pa.RecordBatch.from_pydict(row, schema=PROBE_SCHEMA)
+
+
+IMAGE_SCHEMA = pa.schema([("executor", pa.string()), ("image", pa.string())])
+IMAGE_DDL = "executor string, image string"
+
+
+def probe_image(batches):
+    """``mapInArrow`` function: the executor's Python and its distributions, as JSON."""
+    from sparkgpu.env.hydrate import probe
+
+    for _ in batches:
+        pass
+    row = {"executor": [executor_identity().executor_id], "image": [json.dumps(probe())]}
+    yield pa.RecordBatch.from_pydict(row, schema=IMAGE_SCHEMA)
 
 
 # -- one node of a job ---------------------------------------------------------------------
