@@ -217,3 +217,87 @@ def test_decorator_uses_sparkgpu_spark_remote_and_ctrl_c_stops_every_process(spa
     assert json.loads((run_dir / "state.json").read_text())["status"] == "cancelled"
     states = [json.loads(p.read_text())["state"] for p in sorted(run_dir.glob("attempts/0/spark/node-*.ended"))]
     assert states == ["cancelled", "cancelled"]  # stopped politely, before Spark had to kill anything
+
+
+def gpu_tasks_on_every_ray_node(hold):
+    import os
+
+    import ray
+
+    @ray.remote(num_gpus=1, num_cpus=0)  # each Ray node has one CPU here: two job nodes share this host
+    class Holder:  # an actor keeps its GPU for life: four at once hold all four GPUs
+        def where(self):
+            return ray.get_runtime_context().get_node_id(), os.environ.get("CUDA_VISIBLE_DEVICES")
+
+    holders = [Holder.remote() for _ in range(4)]
+    claims = ray.get([h.where.remote() for h in holders])
+    time.sleep(hold)  # Ray's agents export what happened, the driver samples it
+    return {"claims": claims, "gpus": ray.cluster_resources().get("GPU"),
+            "nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]), "rank": runtime.get_global_rank()}
+
+
+def test_ray_launch_spans_both_executors_with_sparks_gpu_addresses_and_logs_ray_metrics(
+        cluster_spark, spark_cluster, tmp_path, monkeypatch):
+    pytest.importorskip("ray", reason="@ray_launch needs ray: pip install 'sparkgpu[ray]'")
+    from mlflow import MlflowClient
+
+    from sparkgpu.ray import ray_launch, read_cluster_info
+    from sparkgpu.tracking import MLflowCallback
+
+    monkeypatch.setenv("RAY_metrics_report_interval_ms", "500")  # exported sooner than every 10 s
+    tracking_uri = f"sqlite:///{tmp_path}/mlflow.db"
+    callback = MLflowCallback("/team/ray-on-spark", tracking_uri=tracking_uri, system_metrics=False,
+                              flush_interval=0.5)
+    job = ray_launch(gpus=4, gpu_type="A10", backend=cluster_spark.gpu.backend(), timeout="4m",
+                     metrics_interval=0.5, callbacks=[callback])(gpu_tasks_on_every_ray_node)
+    out = job.distributed(4.0)
+
+    assert out["rank"] == 0 and out["gpus"] == 4
+    assert len(out["nodes"]) == 2  # one Ray node per Spark executor
+    by_node: dict[str, list[str]] = {}
+    for node, visible in out["claims"]:
+        by_node.setdefault(node, []).append(visible)
+    # Ray hands out exactly the GPU addresses Spark gave each executor's barrier task.
+    assert sorted(sorted(v) for v in by_node.values()) == [spark_cluster.worker_addresses(0),
+                                                            spark_cluster.worker_addresses(1)]
+    info = read_cluster_info(job.last_run_dir, 0)
+    assert sorted(n["rank"] for n in info["nodes"]) == ["0", "2"]  # each node's first rank starts it
+
+    client = MlflowClient(tracking_uri)
+    metrics = client.get_run(callback.run_id).data.metrics
+
+    def peak(key):
+        return max(m.value for m in client.get_metric_history(callback.run_id, key))
+
+    assert metrics["ray/resources/gpu_total"] == 4
+    assert peak("ray/resources/gpu_used") == 4  # the four GPU holders, read from the driver
+    assert "ray/node_0/cpu_utilization_percentage" in metrics and "ray/node_2/cpu_utilization_percentage" in metrics
+    assert peak("ray/actors/alive") >= 1  # Ray's own counts, exported by its agents with a lag
+    assert_no_orphans(job.last_run_dir)
+
+
+def imported_from():
+    import torch
+
+    import sparkgpu
+
+    return {"torch": torch.__file__, "sparkgpu": sparkgpu.__file__}
+
+
+def test_without_a_worker_lock_the_executors_are_asked_what_they_have(cluster_spark, monkeypatch, capsys):
+    # The executors run this very environment: only this checkout (editable) and the caller's
+    # code travel; torch and the rest of the multi-GB site-packages stay where they are.
+    from sparkgpu.config import reset_settings
+
+    monkeypatch.delenv("SPARKGPU_ENV_WORKER_LOCK")
+    reset_settings()
+    clear_capacity_cache()
+    results = cluster_spark.gpu.train(imported_from, gpus=2, gpu_type="A10", name="image-probe")
+
+    staged = [line for line in capsys.readouterr().err.splitlines() if "environment staged" in line]
+    assert staged, "the job shipped no environment"
+    uploaded_mb = float(staged[0].split("uploaded ", 1)[1].split(" MB", 1)[0])
+    assert uploaded_mb < 50, staged[0]
+    import torch
+
+    assert {r["torch"] for r in results} == {torch.__file__}  # the executors' own torch, not a shipped copy
