@@ -170,7 +170,7 @@ def log(metrics: dict, step: int | None = None, *, reduce: str | None = None) ->
     session.writer.write(metrics=records)
 
 
-def log_checkpoint(step: int, path: str) -> None:
+def log_checkpoint(step: int, path: str, *, run_id: str | None = None) -> None:
     """Records a committed checkpoint in the job run's lineage.
 
     The checkpointer calls it after a checkpoint is complete. The run gets a
@@ -182,14 +182,21 @@ def log_checkpoint(step: int, path: str) -> None:
     Args:
         step: Training step the checkpoint holds.
         path: Where the checkpoint lives (path or URL).
+        run_id: Outside a job, the MLflow run to record it in (default: this thread's active run).
     """
     step = int(step)
     session = _current_session()
     if session is None:
         mlflow = sys.modules.get("mlflow")
-        if mlflow is not None and mlflow.active_run() is not None:
-            mlflow.set_tags({"sparkgpu.checkpoint.latest_step": str(step), "sparkgpu.checkpoint.latest_path": str(path)})
-            mlflow.log_metric("checkpoint/step", step, step=step)
+        if mlflow is None:
+            return
+        if run_id is None and mlflow.active_run() is not None:
+            run_id = mlflow.active_run().info.run_id
+        if run_id is not None:
+            client = mlflow.MlflowClient()
+            client.set_tag(run_id, "sparkgpu.checkpoint.latest_step", str(step))
+            client.set_tag(run_id, "sparkgpu.checkpoint.latest_path", str(path))
+            client.log_metric(run_id, "checkpoint/step", step, step=step)
         return
     session.writer.write(checkpoints=[(step, str(path), int(time.time() * 1000))])
 

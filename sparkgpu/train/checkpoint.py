@@ -43,6 +43,7 @@ import functools
 import io
 import logging
 import os
+import sys
 import threading
 import time
 import warnings
@@ -88,6 +89,7 @@ class _PendingSave:
     blocking: float = 0.0
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     error: CheckpointError | None = None
+    mlflow_run_id: str | None = None  # the caller's active MLflow run (runs are per thread)
 
 
 class Checkpointer:
@@ -284,7 +286,7 @@ class Checkpointer:
             stateful=tuple(stateful),
             has_rng=self.save_rng,
         )
-        pending = _PendingSave(info=info, started=started)
+        pending = _PendingSave(info=info, started=started, mlflow_run_id=_active_mlflow_run_id())
         writer = self._store.writer(path, self.write_threads)
         import torch.distributed.checkpoint as dcp
 
@@ -586,6 +588,7 @@ class Checkpointer:
             except Exception as exc:
                 error = exc
             else:
+                self._record_lineage(info, pending.mlflow_run_id)
                 self._prune()
         if error is not None:
             if not isinstance(error, CheckpointError):
@@ -596,6 +599,17 @@ class Checkpointer:
             logger.error("%s", error)
         self.last_write_seconds = time.perf_counter() - pending.started
         pending.done.set()
+
+    @staticmethod
+    def _record_lineage(info: CheckpointInfo, mlflow_run_id: str | None) -> None:
+        """The job's MLflow run (or outside a job, the caller's active one) learns of the
+        committed checkpoint: the registry tags model versions with its step."""
+        from sparkgpu.tracking.autolog import log_checkpoint
+
+        try:
+            log_checkpoint(info.step, info.path, run_id=mlflow_run_id)
+        except Exception as exc:  # the checkpoint is committed; lineage is a record of it
+            logger.warning("step %d: checkpoint committed, but not recorded in the run: %s", info.step, exc)
 
     def _prune(self) -> None:
         try:
@@ -641,6 +655,12 @@ def finish_pending_checkpoints() -> None:
     errors = [e for e in (c._finish_pending_locally() for c in list(_LIVE)) if e is not None]
     if errors:
         raise errors[0]
+
+
+def _active_mlflow_run_id() -> str | None:
+    mlflow = sys.modules.get("mlflow")  # never imported for this: no run can be active without it
+    run = mlflow.active_run() if mlflow is not None else None
+    return run.info.run_id if run is not None else None
 
 
 def _make_stager():

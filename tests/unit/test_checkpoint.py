@@ -354,3 +354,22 @@ def test_fsspec_url_round_trip():
         _assert_same_training_state(state, fresh)
     finally:
         fsspec.filesystem("memory").rm("/ckpt-round-trip", recursive=True)
+
+
+def test_a_committed_checkpoint_is_recorded_in_the_active_mlflow_run(tmp_path):
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
+    state = make_training(0)
+    try:
+        with mlflow.start_run() as run:
+            with Checkpointer(tmp_path / "ckpt", every_steps=2) as ckpt:
+                for step in range(4):
+                    train_step(state)
+                    ckpt.maybe_save(step, **state)
+        recorded = mlflow.get_run(run.info.run_id).data
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert recorded.tags["sparkgpu.checkpoint.latest_step"] == "3"
+    assert recorded.tags["sparkgpu.checkpoint.latest_path"] == latest_checkpoint(tmp_path / "ckpt").path
+    assert recorded.metrics["checkpoint/step"] == 3
