@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,25 +35,15 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 sys.path.insert(0, str(ROOT))
 
-
-def trivial_all_reduce():
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor([dist.get_rank() + 1])
-    dist.all_reduce(t)
-    return t.item()
-
-
-def trivial_all_reduce_own_group():
-    """TorchDistributor leaves the process group to the function, as torchrun does."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
-    try:
-        return trivial_all_reduce()
-    finally:
-        dist.destroy_process_group()
+from launch_common import (  # noqa: E402 (the checkout goes on sys.path first)
+    bench_floor,
+    plot_summary,
+    print_summary,
+    summarize,
+    time_calls,
+    trivial_all_reduce,
+    trivial_all_reduce_own_group,
+)
 
 
 def _noop_node(batches):
@@ -67,15 +56,6 @@ def _noop_node(batches):
     yield pa.RecordBatch.from_pydict({"ok": [1]}, schema=pa.schema([("ok", pa.int32())]))
 
 
-def _time(fn, repeats: int) -> list[float]:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return times
-
-
 def bench_sparkgpu(spark, ranks: int, repeats: int) -> list[float]:
     expected = [sum(range(1, ranks + 1))] * ranks
 
@@ -84,7 +64,7 @@ def bench_sparkgpu(spark, ranks: int, repeats: int) -> list[float]:
         assert spark.gpu.train(trivial_all_reduce, gpus=ranks, gpu_type="A10", log_ranks=None, callbacks=[]) == expected
 
     run()  # warm the page cache and the executors' Python workers, like every peer below
-    return _time(run, repeats)
+    return time_calls(run, repeats)
 
 
 def bench_torch_distributor(spark, ranks: int, repeats: int) -> list[float] | str:
@@ -99,7 +79,7 @@ def bench_torch_distributor(spark, ranks: int, repeats: int) -> list[float] | st
         run()
     except Exception as exc:  # report, do not hide, a peer that cannot run here
         return f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-    return _time(run, repeats)
+    return time_calls(run, repeats)
 
 
 def bench_barrier_floor(spark, nodes: int, repeats: int) -> list[float]:
@@ -107,7 +87,7 @@ def bench_barrier_floor(spark, nodes: int, repeats: int) -> list[float]:
         spark.range(0, nodes, 1, nodes).mapInArrow(_noop_node, "ok int", barrier=True).collect()
 
     run()
-    return _time(run, repeats)
+    return time_calls(run, repeats)
 
 
 def _workers_share_this_python(folder: Path) -> None:
@@ -120,16 +100,6 @@ def _workers_share_this_python(folder: Path) -> None:
     (folder / "worker-image.json").write_text(probe)
     os.environ["SPARKGPU_ENV_WORKER_LOCK"] = str(folder / "worker-image.json")
     reset_settings()
-
-
-def bench_floor(code: str, ranks: int, repeats: int) -> list[float]:
-    def run():
-        procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(ranks)]
-        for p in procs:
-            assert p.wait() == 0
-
-    run()
-    return _time(run, repeats)
 
 
 def main() -> None:
@@ -163,15 +133,7 @@ def main() -> None:
             }
             spark.stop()
 
-    ours = statistics.median(peers["sparkgpu spark.gpu.train"])
-    summary = {}
-    for name, times in peers.items():
-        if isinstance(times, str):
-            summary[name] = {"status": times}
-            continue
-        median = statistics.median(times)
-        summary[name] = {"median_s": round(median, 3), "runs_s": [round(t, 3) for t in times],
-                         "peer_over_sparkgpu": round(median / ours, 2)}
+    summary = summarize(peers, "sparkgpu spark.gpu.train")
     result = {
         "question": "launch overhead on a Spark cluster: call -> all ranks returned (trivial gloo all_reduce)",
         "setup": (f"standalone master + 2 workers (2 cores, 2 simulated GPUs each) + Spark Connect server on this "
@@ -184,29 +146,9 @@ def main() -> None:
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "spark_launch.json").write_text(json.dumps(result, indent=2))
-    _plot(summary, RESULTS / "spark_launch.png", args.ranks)
-    width = max(map(len, summary))
-    for name, row in summary.items():
-        value = f"{row['median_s']:7.2f} s  (x{row['peer_over_sparkgpu']} of sparkgpu)" if "median_s" in row else row["status"]
-        print(f"{name:<{width}}  {value}")
-
-
-def _plot(summary: dict, path: Path, ranks: int) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    rows = [(n, r["median_s"]) for n, r in summary.items() if "median_s" in r]
-    fig, ax = plt.subplots(figsize=(8, 0.6 * len(rows) + 1))
-    ax.barh([n for n, _ in rows], [v for _, v in rows], color=["#bbb" if "floor" in n else "#3a7" for n, _ in rows])
-    ax.invert_yaxis()
-    ax.set_xlabel("seconds, call -> all ranks returned (median)")
-    ax.set_title(f"Launch overhead on a Spark cluster, {ranks} ranks (gloo all_reduce)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    plot_summary(summary, RESULTS / "spark_launch.png",
+                 f"Launch overhead on a Spark cluster, {args.ranks} ranks (gloo all_reduce)", width=8)
+    print_summary(summary)
 
 
 if __name__ == "__main__":
