@@ -120,15 +120,9 @@ def plot_volume_report(report: dict, path: str | os.PathLike, extra: dict | None
     Raises:
         MissingDependencyError: matplotlib is not installed.
     """
-    try:
-        import matplotlib
+    from sparkgpu._plotting import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        from sparkgpu.errors import MissingDependencyError
-
-        raise MissingDependencyError("drawing the volume report", "pip install matplotlib") from None
+    plt = pyplot("drawing the volume report")
     bars = {
         f"raw parallel download ({report['download_threads']} threads)": report["raw_parallel_download"]["mb_per_s"],
         "epoch 1: volume -> cache -> batches": report["epoch1_from_volume"]["mb_per_s"],

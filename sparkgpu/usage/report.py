@@ -10,7 +10,7 @@ import datetime as _dt
 import time
 from typing import Sequence
 
-from sparkgpu.errors import ConfigurationError, MissingDependencyError
+from sparkgpu.errors import ConfigurationError
 from sparkgpu.spec import parse_duration
 
 __all__ = ["parse_since", "usage_rows", "usage_table", "render_usage_table", "plot_usage", "usage_dataframe"]
@@ -210,13 +210,9 @@ def plot_usage(path, ledger=None, since="30d", until=None, by="team") -> str:
     Raises:
         MissingDependencyError: matplotlib is not installed.
     """
-    try:
-        import matplotlib
+    from sparkgpu._plotting import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise MissingDependencyError("plotting usage", "pip install matplotlib") from None
+    plt = pyplot("plotting usage")
     import pandas as pd
 
     keys = [k for k in _normalize_by(by) if k not in _TIME_KEYS]
