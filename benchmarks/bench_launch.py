@@ -25,15 +25,8 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-from launch_common import (
-    bench_floor,
-    plot_summary,
-    print_summary,
-    summarize,
-    time_calls,
-    trivial_all_reduce,
-    trivial_all_reduce_own_group,
-)
+from launch_common import bench_floor, plot_summary, print_summary, summarize, time_calls
+from launch_common import trivial_all_reduce, trivial_all_reduce_own_group
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -35,15 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 sys.path.insert(0, str(ROOT))
 
-from launch_common import (  # noqa: E402 (the checkout goes on sys.path first)
-    bench_floor,
-    plot_summary,
-    print_summary,
-    summarize,
-    time_calls,
-    trivial_all_reduce,
-    trivial_all_reduce_own_group,
-)
+from launch_common import bench_floor, plot_summary, print_summary, summarize, time_calls  # noqa: E402 (the checkout goes on sys.path first)
+from launch_common import trivial_all_reduce, trivial_all_reduce_own_group  # noqa: E402 (the checkout goes on sys.path first)
 
 
 def _noop_node(batches):
