@@ -1,8 +1,9 @@
 """Launch overhead: call -> all ranks returned, for a trivial 2-rank gloo all_reduce.
 
 Peers in the same run, on the same function:
-  * sparkgpu ``@distributed(...).distributed()`` (cold: each call starts its agent and ranks)
-  * the same with the warm pool (ranks forked from a process with torch imported)
+  * sparkgpu ``@distributed(...).distributed()`` (cold: each call starts its agent and ranks),
+    untracked (``callbacks=[]``) as every peer is, and with its default MLflow run and usage row
+  * the same with the warm pool (ranks forked from a process with torch imported), untracked
   * ``torchrun`` on the command line running the same function in a script
   * ``pyspark.ml.torch.distributor.TorchDistributor(local_mode=True)`` on a local Spark session
 Floors measured in the same run: ``python -c pass`` and ``python -c "import torch"``, N times
@@ -39,10 +40,11 @@ TORCHRUN_SCRIPT = textwrap.dedent("""
 """)
 
 
-def bench_sparkgpu(ranks: int, repeats: int) -> list[float]:
+def bench_sparkgpu(ranks: int, repeats: int, callbacks=None) -> list[float]:
+    """``callbacks=None``: the default MLflow run and usage-ledger row per job; ``[]``: neither."""
     from sparkgpu import distributed
 
-    job = distributed(gpus=ranks, gpu_type="cpu", log_ranks=None)(trivial_all_reduce)
+    job = distributed(gpus=ranks, gpu_type="cpu", log_ranks=None, callbacks=callbacks)(trivial_all_reduce)
     expected = [sum(range(1, ranks + 1))] * ranks
     assert job.distributed() == expected  # warm the page cache once, like every peer below
     return time_calls(lambda: job.distributed(), repeats)
@@ -52,8 +54,8 @@ def bench_sparkgpu_warm(ranks: int, repeats: int) -> list[float]:
     from sparkgpu import distributed
     from sparkgpu.launch.pool import PoolBackend, stop_pool
 
-    job = distributed(gpus=ranks, gpu_type="cpu", log_ranks=None, backend=PoolBackend(idle_timeout=300))(
-        trivial_all_reduce)
+    job = distributed(gpus=ranks, gpu_type="cpu", log_ranks=None, backend=PoolBackend(idle_timeout=300),
+                      callbacks=[])(trivial_all_reduce)
     try:
         job.distributed()  # starts the pool: the cold cost, paid once per interpreter
         return time_calls(lambda: job.distributed(), repeats)
@@ -96,7 +98,8 @@ def main() -> None:
     peers: dict[str, list[float] | str] = {
         "python -c pass (floor)": bench_floor("pass", args.ranks, args.repeats),
         "python -c 'import torch' (floor)": bench_floor("import torch", args.ranks, args.repeats),
-        "sparkgpu .distributed()": bench_sparkgpu(args.ranks, args.repeats),
+        "sparkgpu .distributed()": bench_sparkgpu(args.ranks, args.repeats, callbacks=[]),
+        "sparkgpu .distributed(), with MLflow run + usage row (default)": bench_sparkgpu(args.ranks, args.repeats),
         "sparkgpu .distributed(), warm pool": bench_sparkgpu_warm(args.ranks, args.repeats),
         "torchrun CLI": bench_torchrun(args.ranks, args.repeats),
     }

@@ -1,7 +1,8 @@
 """What the two launch benchmarks share: the timed function, the floors, the summary and the plot.
 
 The functions here run on the ranks (locally and on Spark executors, which cannot import
-``benchmarks/``), so importing this module registers it with cloudpickle to travel by value.
+``benchmarks/``), so importing this module registers it with both cloudpickles (ours and
+pyspark's vendored copy) to travel by value.
 """
 
 from __future__ import annotations
@@ -12,9 +13,14 @@ import sys
 import time
 from pathlib import Path
 
-import cloudpickle
+import importlib
 
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
+# The package ships functions with cloudpickle, TorchDistributor with pyspark's own copy of it.
+for _pickler in ("cloudpickle", "pyspark.cloudpickle"):
+    try:
+        importlib.import_module(_pickler).register_pickle_by_value(sys.modules[__name__])
+    except ImportError:  # without pyspark only our own launches run
+        continue
 
 
 def trivial_all_reduce():
