@@ -42,12 +42,38 @@ _logger = logging.getLogger(__name__)
 _MAX_TAG_CHARS = 5000
 
 
+_lock_cache: tuple[tuple, str] | None = None
+
+
+def _install_state() -> tuple:
+    """What changes when a distribution is installed or removed: the import path and the
+    modification times of its directories (a new ``.dist-info`` changes its folder's)."""
+    state = []
+    for entry in sys.path:
+        try:
+            state.append((entry, os.stat(entry or ".").st_mtime_ns))
+        except OSError:
+            state.append((entry, None))
+    return tuple(state)
+
+
 def environment_lock() -> str:
     """A pip-freeze style lock of the installed distributions, from ``importlib.metadata``.
 
     As ``pip freeze`` writes them: ``name==version``, ``name @ url`` for URL installs and
     ``-e url`` for editable ones; a first comment line names the interpreter and platform.
+    Reading every distribution's metadata takes a noticeable part of a second, so the lock is
+    kept until a distribution is installed or removed.
     """
+    global _lock_cache
+    state = _install_state()
+    if _lock_cache is not None and _lock_cache[0] == state:
+        return _lock_cache[1]
+    _lock_cache = (state, _read_environment_lock())
+    return _lock_cache[1]
+
+
+def _read_environment_lock() -> str:
     lines: dict[str, str] = {}
     for dist in importlib.metadata.distributions():
         name = dist.metadata["Name"]
@@ -179,12 +205,14 @@ class MLflowCallback(JobCallback):
         self._attempt_statuses: dict[int, str] = {}
         self._monitor = None  # worker side
         self._monitor_starter = None
+        self._monitor_lock = threading.Lock()
+        self._worker_ended = False
 
     def __getstate__(self):
         # Travels to the workers in the payload: configuration only, never clients or threads.
         state = dict(self.__dict__)
         for key in ("run_info", "_client", "_flusher", "_spool", "_attempt_statuses", "_monitor",
-                    "_monitor_starter"):
+                    "_monitor_starter", "_monitor_lock", "_worker_ended"):
             state.pop(key, None)
         return state
 
@@ -363,7 +391,8 @@ class MLflowCallback(JobCallback):
         if not spool_path:
             _logger.warning("sparkgpu: rank %d has no tracking spool (MLflowCallback.before_attempt did not run)", ctx.rank)
             return
-        register_spool_scheme()
+        if "mlflow" in sys.modules:
+            register_spool_scheme()  # cheap once MLflow is imported
         # MLflow's monitor announces every start and stop at INFO, on the user's console.
         logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
         spool = SpoolDir(spool_path)
@@ -381,12 +410,23 @@ class MLflowCallback(JobCallback):
             import mlflow.pytorch
 
             mlflow.pytorch.autolog(log_models=False, checkpoint=False, silent=True)
+        # Importing MLflow takes seconds; the training function need not wait for it, nor a
+        # short job's end. Until the scheme is registered here, MLflow finds the spool store
+        # through this package's `mlflow.tracking_store` entry point.
+        self._monitor_starter = threading.Thread(
+            target=self._start_mlflow, args=(ctx, info, spool.uri), name="sparkgpu-mlflow-start", daemon=True,
+        )
+        self._monitor_starter.start()
+
+    def _start_mlflow(self, ctx: WorkerContext, info, spool_uri: str) -> None:
+        from sparkgpu.tracking.spool import register_spool_scheme
+
+        try:
+            register_spool_scheme()
+        except Exception as exc:  # the entry point still serves plain MLflow calls
+            _logger.warning("sparkgpu: could not register the spool store with MLflow: %s", exc)
         if self.system_metrics and ctx.local_rank == 0:
-            # Importing MLflow's monitor takes seconds; the training function need not wait.
-            self._monitor_starter = threading.Thread(
-                target=self._start_monitor, args=(ctx, info, spool.uri), name="sparkgpu-metrics-start", daemon=True,
-            )
-            self._monitor_starter.start()
+            self._start_monitor(ctx, info, spool_uri)
 
     def _start_monitor(self, ctx: WorkerContext, info, spool_uri: str) -> None:
         from sparkgpu.tracking.system_metrics import NodeMetricsMonitor, job_gpu_devices
@@ -397,20 +437,25 @@ class MLflowCallback(JobCallback):
                 info.run_id, node_rank=ctx.node_rank, tracking_uri=spool_uri,
                 interval=self.system_metrics_interval, job_started_at=info.started_at, gpu_devices=devices,
             )
-            monitor.start()
-            self._monitor = monitor
+            with self._monitor_lock:
+                if self._worker_ended:  # the function finished before MLflow was even imported
+                    return
+                monitor.start()
+                self._monitor = monitor
         except Exception as exc:  # system metrics are an extra: training goes on without them
             _logger.warning("sparkgpu: system metrics are off on node %d: %s", ctx.node_rank, exc)
 
     def on_worker_end(self, ctx: WorkerContext, error: BaseException | None) -> None:
         from sparkgpu.tracking import autolog as _autolog
 
-        if self._monitor_starter is not None:
-            self._monitor_starter.join()
-            self._monitor_starter = None
-        if self._monitor is not None:
-            self._monitor.finish()
-            self._monitor = None
+        # A short job does not wait for MLflow's import to finish only to stop its monitor:
+        # the starter (a daemon thread) sees the flag and never starts it.
+        with self._monitor_lock:
+            self._worker_ended = True
+            monitor, self._monitor = self._monitor, None
+        self._monitor_starter = None
+        if monitor is not None:
+            monitor.finish()
         _autolog._deactivate()
 
 

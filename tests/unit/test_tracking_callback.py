@@ -66,3 +66,14 @@ def test_environment_lock_lists_installed_distributions_pip_freeze_style():
     names = [re.sub(r"[-_.]+", "-", line.split("==")[0].split(" @ ")[0]).lower()
              for line in lines[1:] if not line.startswith("-e ")]
     assert names == sorted(names) and len(names) == len(set(names))
+
+
+def test_environment_lock_is_kept_until_a_distribution_is_installed(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = environment_lock()
+    assert environment_lock() is before  # nothing installed meanwhile: not read again
+    info = tmp_path / "freshly_installed-1.2.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: freshly-installed\nVersion: 1.2.3\n")
+    after = environment_lock()
+    assert "freshly-installed==1.2.3" in after.splitlines() and "freshly-installed" not in before
