@@ -28,11 +28,11 @@ import itertools
 import logging
 import math
 import os
-import sys
 import threading
 import time
 import weakref
 
+from sparkgpu._modules import imported
 from sparkgpu.errors import ConfigurationError
 
 __all__ = ["log", "log_checkpoint", "OptimizerAutolog", "current_step"]
@@ -145,7 +145,7 @@ def log(metrics: dict, step: int | None = None, *, reduce: str | None = None) ->
     values = [_as_float(k, metrics[k]) for k in keys]
     session = _current_session()
     if session is None:
-        mlflow = sys.modules.get("mlflow")
+        mlflow = imported("mlflow")
         if mlflow is not None and mlflow.active_run() is not None:
             mlflow.log_metrics(dict(zip(keys, values)), step=step)
         elif not _warned_outside:
@@ -187,7 +187,7 @@ def log_checkpoint(step: int, path: str, *, run_id: str | None = None) -> None:
     step = int(step)
     session = _current_session()
     if session is None:
-        mlflow = sys.modules.get("mlflow")
+        mlflow = imported("mlflow")
         if mlflow is None:
             return
         if run_id is None and mlflow.active_run() is not None:

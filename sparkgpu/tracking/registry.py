@@ -26,6 +26,7 @@ import secrets
 import shutil
 import tempfile
 
+from sparkgpu._modules import imported
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.tracking._checkpoints import checkpoint_step_from_lineage, load_checkpoint_into
 from sparkgpu.tracking._permissions import translate_permission_errors
@@ -139,7 +140,7 @@ def _run_for_registration(reg: _Registry, run_id: str | None, name: ModelName) -
     spool = os.environ.get(SPOOL_ENV)
     if spool and (info := SpoolDir(spool).read_run_info()) is not None:
         return info.run_id, False
-    mlflow = sys.modules.get("mlflow")
+    mlflow = imported("mlflow")
     if mlflow is not None and (active := mlflow.active_run()) is not None:
         return active.info.run_id, False
     experiment = default_experiment_name()

@@ -20,6 +20,7 @@ import sys
 import urllib.parse
 from pathlib import Path
 
+from sparkgpu._modules import imported
 from sparkgpu.config import settings
 
 __all__ = [
@@ -110,7 +111,7 @@ def _user_tracking_uri() -> str | None:
         return os.environ.get(REAL_TRACKING_URI_ENV) or None
     if env_uri:
         return env_uri
-    if "mlflow" in sys.modules:
+    if imported("mlflow") is not None:
         from mlflow.tracking._tracking_service import utils as tracking_utils
 
         if tracking_utils.is_tracking_uri_set():

@@ -43,7 +43,6 @@ import functools
 import io
 import logging
 import os
-import sys
 import threading
 import time
 import warnings
@@ -51,6 +50,7 @@ import weakref
 from concurrent.futures import Future
 from typing import Any
 
+from sparkgpu._modules import imported
 from sparkgpu import runtime
 from sparkgpu.errors import CheckpointError, ConfigurationError, SparkGPUError
 from sparkgpu.train._checkpoint_checks import (
@@ -658,7 +658,7 @@ def finish_pending_checkpoints() -> None:
 
 
 def _active_mlflow_run_id() -> str | None:
-    mlflow = sys.modules.get("mlflow")  # never imported for this: no run can be active without it
+    mlflow = imported("mlflow")  # never imported for this: no run can be active without it
     run = mlflow.active_run() if mlflow is not None else None
     return run.info.run_id if run is not None else None
 
