@@ -15,7 +15,8 @@ from pathlib import Path
 
 from sparkgpu.errors import ConfigurationError
 
-__all__ = ["GPUType", "GPU_CATALOG", "Settings", "settings", "lookup_gpu_type", "reset_settings", "parse_bytes"]
+__all__ = ["GPUType", "GPU_CATALOG", "Settings", "settings", "lookup_gpu_type", "classify_device", "reset_settings",
+           "parse_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,28 +27,31 @@ class GPUType:
         name: Canonical name users pass as ``gpu_type``.
         memory_gb: Memory per device.
         max_per_node: Most devices of this type one node carries.
-        device_names: Substrings of the name the driver reports (NVML / torch) for it.
+        models: Model tokens of the names the driver reports (NVML / ``nvidia-smi``), matched
+            whole: ``"A10"`` and ``"A10G"`` are an A10, ``"A100"`` is not.
     """
 
     name: str
     memory_gb: int
     max_per_node: int
-    device_names: tuple[str, ...] = ()
+    models: tuple[str, ...] = ()
 
     @property
     def is_cpu(self) -> bool:
         return self.name == "cpu"
 
-    def matches_device(self, device_name: str) -> bool:
-        return any(part.lower() in device_name.lower() for part in self.device_names)
+    def matches_device(self, device_name: str, memory_gb: float | None = None) -> bool:
+        """Whether the driver's ``device_name`` (and memory, when known) is this type."""
+        found = classify_device(device_name, memory_gb)
+        return found is not None and found.name == self.name
 
 
 GPU_CATALOG: dict[str, GPUType] = {
     gpu.name: gpu
     for gpu in (
-        GPUType("A10", 24, 8, ("A10G", "A10 ", "A10")),
-        GPUType("A100-40GB", 40, 8, ("A100-SXM4-40GB", "A100-PCIE-40GB", "A100 40GB")),
-        GPUType("A100-80GB", 80, 8, ("A100-SXM4-80GB", "A100-PCIE-80GB", "A100 80GB")),
+        GPUType("A10", 24, 8, ("A10", "A10G")),
+        GPUType("A100-40GB", 40, 8, ("A100",)),
+        GPUType("A100-80GB", 80, 8, ("A100",)),
         GPUType("H100", 80, 8, ("H100",)),
         GPUType("H200", 141, 8, ("H200",)),
         GPUType("L4", 24, 8, ("L4",)),
@@ -56,6 +60,42 @@ GPU_CATALOG: dict[str, GPUType] = {
     )
 }
 _ALIASES = {"A100": "A100-40GB", "A10G": "A10", "CPU": "cpu"}
+# Brand words drivers put before the model ("NVIDIA A10G", "Tesla T4", "GRID A100D-80C").
+_BRANDS = {"NVIDIA", "TESLA", "GEFORCE", "QUADRO", "GRID"}
+_SIZE_TOKEN = re.compile(r"^(\d+)GB$")
+
+
+def classify_device(device_name: str, memory_gb: float | None = None) -> GPUType | None:
+    """The catalog type of a device name as NVML / ``nvidia-smi`` report it, or ``None``.
+
+    The name is split on spaces, hyphens and underscores and its model token (the first one
+    after the brand) must equal a catalog model: "NVIDIA L40S" is not an L4 and "NVIDIA GH200
+    480GB" is not an H200. A model sold in several memory sizes (A100) is told apart by a
+    size token ("80GB") in the name, else by ``memory_gb`` when it is known.
+
+    Args:
+        device_name: E.g. ``"NVIDIA A100-SXM4-80GB"``.
+        memory_gb: Device memory in GiB (NVML / ``nvidia-smi``), ``None`` when unknown.
+
+    Returns:
+        The catalog entry, or ``None`` for a device outside the catalog or an A100 whose size
+        neither the name nor ``memory_gb`` tells.
+    """
+    tokens = [t for t in re.split(r"[\s\-_]+", str(device_name).upper()) if t]
+    while tokens and tokens[0] in _BRANDS:
+        tokens.pop(0)
+    if not tokens:
+        return None
+    candidates = [gpu for gpu in GPU_CATALOG.values() if tokens[0] in gpu.models]
+    if len(candidates) <= 1:
+        return candidates[0] if candidates else None
+    sizes = {int(m.group(1)) for m in map(_SIZE_TOKEN.match, tokens[1:]) if m}
+    sized = [gpu for gpu in candidates if gpu.memory_gb in sizes]
+    if len(sized) == 1:
+        return sized[0]
+    if memory_gb:
+        return min(candidates, key=lambda gpu: abs(gpu.memory_gb - memory_gb))
+    return None
 
 
 def lookup_gpu_type(name: str) -> GPUType:

@@ -11,11 +11,35 @@ import dataclasses
 import os
 import shutil
 import subprocess
+import threading
+import warnings
 
-from sparkgpu.config import GPU_CATALOG, lookup_gpu_type
+from sparkgpu.config import GPU_CATALOG, classify_device, lookup_gpu_type
 from sparkgpu.errors import ConfigurationError
 
-__all__ = ["HostGPUs", "detect_host_gpus", "parse_simulated"]
+__all__ = ["HostGPUs", "UnknownGPUWarning", "detect_host_gpus", "parse_simulated"]
+
+
+class UnknownGPUWarning(UserWarning):
+    """This host's GPU is not in the GPU catalog: usage on it is priced at the rate card's default."""
+
+
+_warned_devices: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_unknown_device(name: str) -> None:
+    with _warned_lock:
+        if name in _warned_devices:
+            return
+        _warned_devices.add(name)
+    known = ", ".join(g.name for g in GPU_CATALOG.values() if not g.is_cpu)
+    warnings.warn(
+        f"this host's GPU {name!r} is not in sparkgpu's GPU catalog ({known}): a job that leaves gpu_type unset "
+        "runs on it but its usage is priced at the rate card's default rate, $0 per GPU-hour unless "
+        "SPARKGPU_USAGE_RATES sets one (e.g. 'default=2.5'), and a gpu_type= cannot be checked against it",
+        UnknownGPUWarning, stacklevel=3,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,30 +50,45 @@ class HostGPUs:
         names: Device names as the driver reports them, one per usable device.
         addresses: Device indices to put in ``CUDA_VISIBLE_DEVICES``, one per device.
         simulated: True when the devices come from ``SPARKGPU_SIMULATE_GPUS``.
+        memory_gb: Memory of each device in GiB when the driver said (tells an A100 40GB
+            from an 80GB one whose name does not); empty when unknown.
     """
 
     names: tuple[str, ...] = ()
     addresses: tuple[str, ...] = ()
     simulated: bool = False
+    memory_gb: tuple[float, ...] = ()
 
     @property
     def count(self) -> int:
         return len(self.addresses)
 
+    def _classify(self) -> str | None:
+        if self.simulated:  # simulated devices carry their catalog name
+            gpu = lookup_gpu_type(self.names[0])
+            return None if gpu.is_cpu else gpu.name
+        gpu = classify_device(self.names[0], self.memory_gb[0] if self.memory_gb else None)
+        return gpu.name if gpu is not None else None
+
     def catalog_type(self) -> str | None:
-        """Catalog name matching these devices, or ``None`` if none matches (or no GPUs)."""
+        """Catalog name of these devices, or ``None`` (no GPUs, or a device outside the catalog).
+
+        A device outside the catalog is reported once per process with an
+        :class:`UnknownGPUWarning`, since its usage is priced at the rate card's default.
+        """
         if not self.names:
             return None
-        for gpu in GPU_CATALOG.values():
-            if not gpu.is_cpu and gpu.matches_device(self.names[0]):
-                return gpu.name
-        return None
+        found = self._classify()
+        if found is None:
+            _warn_unknown_device(self.names[0])
+        return found
 
     def describe(self) -> str:
         if not self.names:
             return "no GPUs"
         kind = "simulated " if self.simulated else ""
-        return f"{self.count} x {kind}{self.names[0]} (addresses {','.join(self.addresses)})"
+        unknown = ", not a GPU type sparkgpu knows" if self._classify() is None else ""
+        return f"{self.count} x {kind}{self.names[0]} (addresses {','.join(self.addresses)}{unknown})"
 
 
 def parse_simulated(value: str) -> HostGPUs:
@@ -75,7 +114,7 @@ def _visible(indices: list[str]) -> list[str]:
     return [i for i in indices if i in wanted]
 
 
-def _from_nvml() -> list[tuple[str, str]] | None:
+def _from_nvml() -> list[tuple[str, str, float | None]] | None:
     try:
         import pynvml
     except ImportError:
@@ -87,29 +126,39 @@ def _from_nvml() -> list[tuple[str, str]] | None:
     try:
         devices = []
         for i in range(pynvml.nvmlDeviceGetCount()):
-            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
-            devices.append((str(i), name.decode() if isinstance(name, bytes) else name))
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(handle)
+            try:
+                memory = pynvml.nvmlDeviceGetMemoryInfo(handle).total / 1024**3
+            except pynvml.NVMLError:
+                memory = None  # the name alone still classifies every type but a size-less A100
+            devices.append((str(i), name.decode() if isinstance(name, bytes) else name, memory))
         return devices
     finally:
         pynvml.nvmlShutdown()
 
 
-def _from_nvidia_smi() -> list[tuple[str, str]]:
+def _from_nvidia_smi() -> list[tuple[str, str, float | None]]:
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return []
     try:
         out = subprocess.run(
-            [exe, "--query-gpu=index,name", "--format=csv,noheader"],
+            [exe, "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
             capture_output=True, text=True, timeout=20, check=True,
         ).stdout
     except (subprocess.SubprocessError, OSError):
         return []
     devices = []
     for line in out.splitlines():
-        index, _, name = line.partition(",")
+        index, _, rest = line.partition(",")
+        name, _, memory_mib = rest.rpartition(",")
         if index.strip().isdigit():
-            devices.append((index.strip(), name.strip()))
+            try:
+                memory = float(memory_mib) / 1024
+            except ValueError:  # "[N/A]" on some boards
+                memory = None
+            devices.append((index.strip(), name.strip(), memory))
     return devices
 
 
@@ -124,6 +173,8 @@ def detect_host_gpus(simulate: str | None = None) -> HostGPUs:
     devices = _from_nvml()
     if devices is None:
         devices = _from_nvidia_smi()
-    visible = set(_visible([index for index, _ in devices]))
-    devices = [(index, name) for index, name in devices if index in visible]
-    return HostGPUs(names=tuple(n for _, n in devices), addresses=tuple(i for i, _ in devices))
+    visible = set(_visible([index for index, _, _ in devices]))
+    devices = [device for device in devices if device[0] in visible]
+    memory = tuple(m for _, _, m in devices)
+    return HostGPUs(names=tuple(n for _, n, _ in devices), addresses=tuple(i for i, _, _ in devices),
+                    memory_gb=memory if None not in memory else ())

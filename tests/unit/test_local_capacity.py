@@ -68,7 +68,7 @@ def test_bad_simulation_setting_says_how_to_write_it(value):
 def test_cuda_visible_devices_narrows_the_host(monkeypatch):
     import sparkgpu.launch.hardware as hw
 
-    monkeypatch.setattr(hw, "_from_nvml", lambda: [("0", "NVIDIA A10G"), ("1", "NVIDIA A10G"), ("2", "NVIDIA A10G")])
+    monkeypatch.setattr(hw, "_from_nvml", lambda: [(str(i), "NVIDIA A10G", 22.5) for i in range(3)])
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,2")
     host = detect_host_gpus()
     assert host.addresses == ("0", "2") and host.catalog_type() == "A10"

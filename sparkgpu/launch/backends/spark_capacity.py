@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 
-from sparkgpu.config import lookup_gpu_type
+from sparkgpu.config import GPU_CATALOG, classify_device, lookup_gpu_type
 from sparkgpu.errors import CapacityError, ConfigurationError, SparkGPUError
 from sparkgpu.launch.backends.spark_node import IMAGE_DDL, PROBE_DDL, ProbeOptions, probe_executor, probe_image
 
@@ -266,13 +266,11 @@ def _cluster_gpu_type(confs, executors) -> tuple[str | None, str | None]:
             return lookup_gpu_type(declared).name, "conf"
         except ConfigurationError as exc:
             raise ConfigurationError(f"the cluster's {GPU_TYPE_CONF}={declared!r} is not a known GPU type: {exc}") from None
-    from sparkgpu.launch.hardware import HostGPUs
-
     for executor in executors:
         if executor.gpu_names:
-            found = HostGPUs(names=executor.gpu_names, addresses=executor.gpu_addresses).catalog_type()
+            found = classify_device(executor.gpu_names[0])
             if found:
-                return found, "driver"
+                return found.name, "driver"
     return None, None
 
 
@@ -421,6 +419,14 @@ def _check_gpu_cluster(gpus: int, gpu_type: str, capacity: SparkCapacity) -> Non
         raise CapacityError(
             f"asked for {gpus} x {gpu_type} but the Spark session reaches {capacity.describe()} "
             "(spark.executor.resource.gpu.amount is not set); use gpu_type='cpu', or connect to a GPU cluster"
+        )
+    unknown = sorted({e.gpu_names[0] for e in capacity.executors if e.gpu_names}) if capacity.gpu_type is None else []
+    if unknown:
+        known = ", ".join(g.name for g in GPU_CATALOG.values() if not g.is_cpu)
+        raise CapacityError(
+            f"asked for {gpus} x {gpu_type} but the Spark executors' GPUs are {', '.join(map(repr, unknown))}, which "
+            f"is not a GPU type sparkgpu knows ({known}), so gpu_type={gpu_type!r} cannot be checked against it; "
+            f"connect to a cluster of {gpu_type}, or have the cluster's admin declare the type with {GPU_TYPE_CONF}"
         )
     if capacity.gpu_type is not None and capacity.gpu_type != gpu_type:
         source = GPU_TYPE_CONF if capacity.gpu_type_source == "conf" else "the executors' driver"
