@@ -130,6 +130,8 @@ class Supervisor:
             WorkerFailedError: ranks failed and no restart is left.
             JobTimeoutError: the job ran past ``policy.timeout``.
             KeyboardInterrupt: the caller pressed Ctrl-C; every rank was stopped first.
+            Exception: whatever the backend raised while the attempt ran (e.g. ``CapacityError``
+                when Spark's GPUs stayed busy); the attempt was stopped and ended as failed first.
         """
         job_started = time.monotonic()
         # Who drives the job: `sparkgpu jobs` shows a job whose client died as lost.
@@ -191,49 +193,77 @@ class Supervisor:
         return env
 
     def _run_attempt(self, attempt: int, job_started: float) -> AttemptResult:
-        policy = self.job.policy
         wall_started = time.time()
         record = {"attempt": attempt, "started_at": wall_started, "ended_at": None, "status": "running"}
         self.state["attempts"].append(record)
         self._set_status(JobStatus.RUNNING)
-        handle = self.backend.submit(self.job, self.run_dir, attempt, self._attempt_env(attempt, wall_started))
-        streamer = LogStreamer(self.run_dir, attempt, self.job.world_size, self.job.log_ranks, self.out)
+        handle = streamer = None
+        try:
+            handle = self.backend.submit(self.job, self.run_dir, attempt, self._attempt_env(attempt, wall_started))
+            streamer = LogStreamer(self.run_dir, attempt, self.job.world_size, self.job.log_ranks, self.out)
+            code, capped = self._watch(attempt, handle, streamer, record, job_started)
+            streamer.finish()
+            outcome = self._collect(attempt, capped)
+            self._end_attempt(record, outcome.status, code, outcome)
+            return outcome
+        except KeyboardInterrupt:
+            if record["ended_at"] is None:
+                self._abandon(record, handle, streamer, "cancelled", None)
+                self._set_status(JobStatus.CANCELLED)
+            raise
+        except BaseException as exc:
+            # The backend (e.g. Spark giving up on busy GPUs), a callback, the run dir: whatever
+            # broke, the ranks are stopped and the attempt is ended, so callbacks close their
+            # books (the usage journal) instead of leaving it "running" forever.
+            if record["ended_at"] is None:
+                self._abandon(record, handle, streamer, "failed", exc)
+            raise
+
+    def _watch(self, attempt: int, handle, streamer: LogStreamer, record: dict, job_started: float):
+        """Polls the attempt until it ends or a limit stops it; returns ``(exit code, capped)``."""
+        policy = self.job.policy
         attempt_started = time.monotonic()
         next_policy_check = attempt_started
-        capped = False
-        try:
-            while (code := self.backend.poll(handle)) is None:
-                streamer.pump()
-                now = time.monotonic()
-                if now >= next_policy_check and not self.state.get("stop_reason"):
-                    next_policy_check = now + 1.0
-                    self._check_stop(attempt, now - attempt_started)
-                if policy.timeout is not None and now - job_started > policy.timeout:
-                    self.backend.cancel(handle, policy.shutdown_grace)
-                    streamer.finish()
-                    self._end_attempt(record, "timed_out", None)
-                    self._set_status(JobStatus.TIMED_OUT)
-                    raise JobTimeoutError(
-                        f"job {self.job.job_id} ran longer than its timeout of {policy.timeout:g}s and was "
-                        f"stopped; raise timeout= (or SPARKGPU_TIMEOUT), or checkpoint and set max_runtime= "
-                        f"so it resumes. Logs: {self.run_dir.attempt_dir(attempt) / 'logs'}"
-                    )
-                if policy.max_runtime is not None and now - attempt_started > policy.max_runtime:
-                    # Ranks had checkpoint_grace to checkpoint and stop; the cap is hard.
-                    capped = True
-                    self.backend.cancel(handle, policy.shutdown_grace)
-                    break
-                time.sleep(_POLL_SECONDS)
-        except KeyboardInterrupt:
-            self.backend.cancel(handle, policy.shutdown_grace)
-            streamer.finish()
-            self._end_attempt(record, "cancelled", None)
-            self._set_status(JobStatus.CANCELLED)
-            raise
-        streamer.finish()
-        outcome = self._collect(attempt, capped)
-        self._end_attempt(record, outcome.status, code, outcome)
-        return outcome
+        while (code := self.backend.poll(handle)) is None:
+            streamer.pump()
+            now = time.monotonic()
+            if now >= next_policy_check and not self.state.get("stop_reason"):
+                next_policy_check = now + 1.0
+                self._check_stop(attempt, now - attempt_started)
+            if policy.timeout is not None and now - job_started > policy.timeout:
+                self.backend.cancel(handle, policy.shutdown_grace)
+                streamer.finish()
+                self._end_attempt(record, "timed_out", None)
+                self._set_status(JobStatus.TIMED_OUT)
+                raise JobTimeoutError(
+                    f"job {self.job.job_id} ran longer than its timeout of {policy.timeout:g}s and was "
+                    f"stopped; raise timeout= (or SPARKGPU_TIMEOUT), or checkpoint and set max_runtime= "
+                    f"so it resumes. Logs: {self.run_dir.attempt_dir(attempt) / 'logs'}"
+                )
+            if policy.max_runtime is not None and now - attempt_started > policy.max_runtime:
+                # Ranks had checkpoint_grace to checkpoint and stop; the cap is hard.
+                self.backend.cancel(handle, policy.shutdown_grace)
+                return None, True
+            time.sleep(_POLL_SECONDS)
+        return code, False
+
+    def _abandon(self, record: dict, handle, streamer: LogStreamer | None, status: str,
+                 exc: BaseException | None) -> None:
+        """Stops and ends an attempt that an exception interrupted, recording the exception as its cause."""
+        cause = [f"{type(exc).__name__}: {exc}"] if exc is not None else []
+        if handle is not None:
+            try:
+                self.backend.cancel(handle, self.job.policy.shutdown_grace)
+            except Exception as cancel_exc:  # the original error is what the caller must see
+                cause.append(f"stopping the ranks failed too: {type(cancel_exc).__name__}: {cancel_exc}")
+                print(f"sparkgpu: could not stop attempt {record['attempt']}'s ranks ({cancel_exc}); "
+                      "they may still be running", file=self.out)
+        if streamer is not None:
+            try:
+                streamer.finish()
+            except OSError as log_exc:
+                cause.append(f"reading the ranks' logs failed: {log_exc}")
+        self._end_attempt(record, status, None, cause=cause, error=exc)
 
     def _check_stop(self, attempt: int, attempt_seconds: float) -> None:
         for callback in self.callbacks:
@@ -245,17 +275,21 @@ class Supervisor:
                 print(f"sparkgpu: asking every rank to checkpoint and stop: {reason}", file=self.out)
                 return
 
-    def _end_attempt(self, record: dict, status: str, code: int | None, outcome: AttemptResult | None = None):
+    def _end_attempt(self, record: dict, status: str, code: int | None, outcome: AttemptResult | None = None,
+                     cause: list[str] = (), error: BaseException | None = None):
         record.update(ended_at=time.time(), status=status, exit_code=code)
         if outcome is not None and outcome.failures:
             record["cause"] = [f"rank {f.rank}: {f.exc_type or 'exit'}: {f.message}" for f in outcome.failures][:8]
+        elif cause:
+            record["cause"] = list(cause)[:8]
         self._save()
+        if error is None and outcome is not None:
+            error = outcome.root_exception
         for callback in self.callbacks:
             callback.after_attempt(self.job, AttemptOutcome(
                 attempt=record["attempt"], status=status, started_at=record["started_at"],
                 ended_at=record["ended_at"], gpus=self.job.resources.gpus,
-                gpu_type=self.job.resources.gpu_type or "",
-                error=outcome.root_exception if outcome else None,
+                gpu_type=self.job.resources.gpu_type or "", error=error,
             ))
 
     # -- reading an attempt back -------------------------------------------------------

@@ -113,3 +113,50 @@ def test_a_policy_stop_asks_ranks_to_checkpoint_then_ends_without_resuming(tmp_p
     assert (rd.attempt_dir(0) / "STOP").read_text().startswith("budget team=ml")
     state = json.loads(rd.state_file.read_text())
     assert state["status"] == "stopped" and len(state["attempts"]) == 1
+
+
+class PollRaises(ScriptedBackend):
+    """Like the Spark backend giving up on busy GPUs: ``poll`` raises on its third call."""
+
+    def __init__(self, script, error):
+        super().__init__(script)
+        self.error, self.polls = error, 0
+
+    def poll(self, handle):
+        self.polls += 1
+        if self.polls == 3:
+            raise self.error
+        return super().poll(handle)
+
+
+def test_an_error_from_the_backend_ends_the_attempt_and_runs_the_callbacks(tmp_path):
+    from sparkgpu.errors import CapacityError
+
+    sup, _, cb, rd, out = run_job(tmp_path, ["hang"], max_restarts=2)
+    sup.backend = PollRaises(["hang"], CapacityError("gave up after waiting 600s for 1 node(s) x 2 A10"))
+    with pytest.raises(CapacityError, match="gave up after waiting"):
+        sup.run()
+    assert sup.backend.cancelled == [0]  # its ranks are stopped, whatever they were doing
+    state = json.loads(rd.state_file.read_text())
+    assert state["status"] == "failed" and state["restarts"] == 0  # not restarted: the error is raised
+    (attempt,) = state["attempts"]
+    assert attempt["status"] == "failed" and attempt["ended_at"] >= attempt["started_at"]
+    assert attempt["cause"] == ["CapacityError: gave up after waiting 600s for 1 node(s) x 2 A10"]
+    assert cb.events == ["before_job", "before_attempt:0", "after_attempt:0:failed", "after_job:CapacityError"]
+    assert "attempt 0 rank 0" in out.getvalue()  # the log streamer was drained, not dropped
+
+
+def test_an_error_from_the_backend_closes_the_usage_journal(tmp_path):
+    from sparkgpu.errors import CapacityError
+    from sparkgpu.usage.ledger import UsageLedger
+    from sparkgpu.usage.meter import UsageMeter
+
+    ledger = UsageLedger(str(tmp_path / "ledger"))
+    meter = UsageMeter(ledger, policy=False)
+    sup, *_ = run_job(tmp_path, ["hang"])
+    sup.callbacks.append(meter)
+    sup.backend = PollRaises(["hang"], CapacityError("no GPUs"))
+    with pytest.raises(CapacityError):
+        sup.run()
+    assert [r["status"] for r in ledger.read().to_pylist()] == ["failed"]
+    assert not list(meter.journal.directory.glob("*.json"))  # nothing left to be billed as client_lost
