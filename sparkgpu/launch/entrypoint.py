@@ -15,6 +15,7 @@ import signal
 import sys
 
 from sparkgpu import runtime
+from sparkgpu._modules import imported
 from sparkgpu.errors import EnvironmentMismatchError, SparkGPUError
 from sparkgpu.launch.callbacks import WorkerContext
 from sparkgpu.launch.payload import KEY_ENV, RunDir
@@ -86,6 +87,14 @@ def _environment_error(exc: BaseException) -> SparkGPUError:
     return cls(f"the job's environment could not be rehydrated on this worker: {exc}")
 
 
+def _finish_pending_checkpoints() -> None:
+    # Only a process that made a Checkpointer has saves to wait for; never import torch's
+    # checkpoint machinery for the others.
+    checkpoint = imported("sparkgpu.train.checkpoint")
+    if checkpoint is not None:
+        checkpoint.finish_pending_checkpoints()
+
+
 def main(run_dir: str, env_error: BaseException | None = None) -> int:
     """Runs the rank described by the torchrun environment variables; returns the exit code.
 
@@ -122,13 +131,18 @@ def main(run_dir: str, env_error: BaseException | None = None) -> int:
         dist = _init_process_group(spec)
         for callback in callbacks:
             callback.on_worker_start(ctx)
-        result = fn(*args, **kwargs)
-        if "sparkgpu.train.checkpoint" in sys.modules:
-            # A save still being written when fn returned gets its commit marker, not cut off.
-            sys.modules["sparkgpu.train.checkpoint"].finish_pending_checkpoints()
-    except runtime.StopForRestart:
-        rd.preempted_file(attempt, rank).write_text("checkpointed; resume in a new attempt\n")
-        return EXIT_PREEMPTED
+        stopping = False
+        try:
+            result = fn(*args, **kwargs)
+        except runtime.StopForRestart:
+            stopping = True
+        # A save still being written when fn ended gets its commit marker before the process
+        # group goes: a checkpoint saved just before stop_for_restart() is the one to resume
+        # from. A failed save fails the rank rather than resuming from an older checkpoint.
+        _finish_pending_checkpoints()
+        if stopping:
+            rd.preempted_file(attempt, rank).write_text("checkpointed; resume in a new attempt\n")
+            return EXIT_PREEMPTED
     except BaseException as exc:  # report anything, including SystemExit and KeyboardInterrupt
         error = exc
         rd.write_error(attempt, rank, exc)
