@@ -161,7 +161,9 @@ def should_checkpoint() -> bool:
     (the supervisor then writes a stop file into the attempt's directory),
     or when the worker received SIGTERM (see
     :func:`handle_sigterm_as_checkpoint_request`). The training function checks it between steps,
-    saves, and returns: the supervisor then resumes the job in a new attempt.
+    saves, and calls :func:`stop_for_restart` on every rank: the supervisor then resumes the job
+    in a new attempt. Do not ``return`` instead: when every rank returns, the job counts as
+    *succeeded* with its training unfinished, and no new attempt starts.
     """
     if _checkpoint_requested.is_set():
         return True

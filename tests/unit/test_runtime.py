@@ -67,3 +67,10 @@ def test_stop_for_restart_is_not_swallowed_by_except_exception():
             runtime.stop_for_restart()
         except Exception:  # noqa: BLE001 - what careless training code does
             pytest.fail("StopForRestart must pass through `except Exception`")
+
+
+def test_the_checkpoint_request_docs_tell_users_to_stop_for_restart_not_return():
+    # A rank that returns on a checkpoint request ends the job as succeeded, unfinished.
+    doc = " ".join(runtime.should_checkpoint.__doc__.split())
+    assert "calls :func:`stop_for_restart` on every rank" in doc
+    assert "saves, and returns" not in doc
