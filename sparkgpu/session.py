@@ -67,6 +67,34 @@ class GPUNamespace:
         """
         return self.backend().capacity(refresh=refresh)
 
+    def usage(self, since="30d", until=None, by="team", ledger=None):
+        """GPU-hours and cost from the usage ledger, as a Spark DataFrame of this session.
+
+        The same report as ``sparkgpu usage --since 30d --by team``, to join or filter with Spark.
+
+        Args:
+            since: Window start: a duration back from now (``"30d"``, ``"12h"``), an ISO date, a
+                datetime, or ``None`` for all time.
+            until: Window end, same forms; ``None`` for now.
+            by: Grouping keys, ``"team,gpu_type"`` or a list: tag names, ``user``, ``gpu_type``,
+                ``backend``, ``job_id``, ``job_name``, ``status``, ``host``, ``day`` / ``week`` /
+                ``month``. ``None`` for one row per attempt, clipped to the window, with its tags
+                as a map.
+            ledger: A :class:`~sparkgpu.usage.ledger.UsageLedger` or its URI
+                (``SPARKGPU_USAGE_LEDGER`` by default).
+
+        Returns:
+            A ``pyspark.sql.DataFrame``: the keys, then ``jobs``, ``attempts``, ``gpus_max``,
+            ``gpu_hours``, ``cost_usd``, largest GPU-hours first (time keys sort by time).
+
+        Raises:
+            ConfigurationError: ``since``, ``until`` or ``by`` does not parse; raised before the
+                ledger is read.
+        """
+        from sparkgpu.usage.report import usage_dataframe
+
+        return usage_dataframe(self._spark, since=since, by=by, until=until, ledger=ledger)
+
     def distributed(self, fn: Callable | None = None, **options):
         """``@spark.gpu.distributed(gpus=..., gpu_type=...)``: :func:`sparkgpu.distributed` on this session."""
         from sparkgpu.decorator import distributed

@@ -256,4 +256,9 @@ def usage_dataframe(spark, since="30d", by=None, until=None, ledger=None):
         A ``pyspark.sql.DataFrame``.
     """
     table = usage_rows(ledger, since, until) if by is None else usage_table(ledger, since, until, by)
+    if table.num_rows == 0:
+        # Spark infers no schema from an empty table; a window without usage is still a frame with columns.
+        from pyspark.sql.pandas.types import from_arrow_schema
+
+        return spark.createDataFrame([], schema=from_arrow_schema(table.schema))
     return spark.createDataFrame(table)
