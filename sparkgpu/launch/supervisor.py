@@ -26,6 +26,7 @@ from sparkgpu.launch.entrypoint import EXIT_PREEMPTED
 from sparkgpu.launch.logs import LogStreamer
 from sparkgpu.launch.payload import KEY_ENV, RunDir, atomic_write_bytes
 from sparkgpu.spec import JobSpec
+from sparkgpu.train._checkpoint_store import CheckpointStore
 
 __all__ = ["Supervisor", "JobStatus", "Decision", "FailurePolicy", "AttemptResult"]
 
@@ -147,13 +148,12 @@ class Supervisor:
                     self._set_status(JobStatus.SUCCEEDED)
                     results = outcome.results
                     return results
-                if outcome.status == "preempted" and self.state.get("stop_reason"):
+                if self.state.get("stop_reason"):
+                    # A policy stop ends the job however the attempt ended: a restart would
+                    # keep spending what the policy said is spent.
                     self._set_status(JobStatus.STOPPED)
-                    error = PolicyViolationError(
-                        f"job {self.job.job_id} checkpointed and stopped: {self.state['stop_reason']}; "
-                        f"continue it with `sparkgpu resume {self.job.job_id}` once the policy allows"
-                    )
-                    raise error
+                    error = PolicyViolationError(self._stop_message(outcome))
+                    raise error from outcome.root_exception
                 if outcome.status == "preempted":
                     self.state["preemptions"] += 1
                     continue
@@ -177,6 +177,16 @@ class Supervisor:
             for callback in self.callbacks:
                 callback.after_job(self.job, results, error)
 
+    def _stop_message(self, outcome: AttemptResult) -> str:
+        job_id, reason = self.job.job_id, self.state["stop_reason"]
+        if outcome.status == "preempted":
+            what = "checkpointed and stopped"
+        else:
+            what = (f"stopped (its ranks did not checkpoint when asked; work since the latest checkpoint "
+                    f"is lost, see {self.run_dir.attempt_dir(len(self.state['attempts']) - 1) / 'logs'})")
+        return (f"job {job_id} {what}: {reason}; "
+                f"continue it with `sparkgpu resume {job_id}` once the policy allows")
+
     def _attempt_env(self, attempt: int, started: float) -> dict[str, str]:
         env = {
             KEY_ENV: self.key.hex(),
@@ -199,11 +209,12 @@ class Supervisor:
         self._set_status(JobStatus.RUNNING)
         handle = streamer = None
         try:
+            checkpoint_before = self._latest_checkpoint()
             handle = self.backend.submit(self.job, self.run_dir, attempt, self._attempt_env(attempt, wall_started))
             streamer = LogStreamer(self.run_dir, attempt, self.job.world_size, self.job.log_ranks, self.out)
             code, capped = self._watch(attempt, handle, streamer, record, job_started)
             streamer.finish()
-            outcome = self._collect(attempt, capped)
+            outcome = self._collect(attempt, capped, checkpoint_before)
             self._end_attempt(record, outcome.status, code, outcome)
             return outcome
         except KeyboardInterrupt:
@@ -293,7 +304,12 @@ class Supervisor:
             ))
 
     # -- reading an attempt back -------------------------------------------------------
-    def _collect(self, attempt: int, capped: bool) -> AttemptResult:
+    def _latest_checkpoint(self) -> tuple[int, float] | None:
+        """``(step, created)`` of the newest complete checkpoint in the job's checkpoint dir."""
+        info = CheckpointStore(self.run_dir.checkpoints).latest()
+        return None if info is None else (info.step, info.created)
+
+    def _collect(self, attempt: int, capped: bool, checkpoint_before: tuple[int, float] | None) -> AttemptResult:
         rd = self.run_dir
         results: dict[int, Any] = {}
         failures: list[RankFailure] = []
@@ -317,8 +333,11 @@ class Supervisor:
         )
         for rank in silent:
             info = exits.get(rank)
-            if info is None or info["exitcode"] == EXIT_PREEMPTED:
-                continue  # stopped by the agent because another rank failed, or preempted
+            if info is None:
+                continue  # stopped by the agent because another rank failed
+            if info["exitcode"] == EXIT_PREEMPTED:
+                preempted.append(rank)  # stopped for a restart; its marker may be lost with the node
+                continue
             if own_failure and info["exitcode"] == -signal.SIGTERM:
                 continue  # torn down after another rank failed: not a failure of its own
             failures.append(RankFailure(
@@ -328,8 +347,18 @@ class Supervisor:
             return AttemptResult("failed", failures=failures, exceptions=exceptions)
         if len(results) == self.job.world_size:
             return AttemptResult("succeeded", results=[results[r] for r in range(self.job.world_size)])
-        if preempted or capped:
+        if preempted:
             return AttemptResult("preempted")
+        if capped:
+            # Stopped at the cap: resuming makes sense only if this attempt saved progress;
+            # otherwise the next attempt would do the same work again, forever.
+            if self._latest_checkpoint() != checkpoint_before:
+                return AttemptResult("preempted")
+            message = _not_checkpointed_message(self.job.policy)
+            return AttemptResult("failed", failures=[
+                RankFailure(r, None, message, log_tail=rd.log_tail(attempt, r))
+                for r in range(self.job.world_size) if r not in results
+            ])
         # No rank reported anything: the agent itself failed (bad interpreter, port clash, ...).
         agent_log = rd.agent_log(attempt, 0)
         tail = "\n".join(agent_log.read_text(errors="replace").splitlines()[-30:]) if agent_log.exists() else ""
@@ -338,6 +367,17 @@ class Supervisor:
             RankFailure(r, None, "the rank never reported a result (its launcher failed)", log_tail=tail)
             for r in missing
         ])
+
+
+def _not_checkpointed_message(policy) -> str:
+    return (
+        f"the attempt reached its runtime cap (max_runtime={policy.max_runtime:g}s) and was stopped, but the "
+        "function did not checkpoint before it: no rank stopped for a restart and no new complete checkpoint "
+        "was saved, so resuming would only repeat the same work. Save with sparkgpu.train.Checkpointer "
+        "(ckpt.maybe_save(step, ...) after every step) and call runtime.stop_for_restart() once ckpt.should_stop "
+        f"is True (runtime.should_checkpoint() turns True checkpoint_grace={policy.checkpoint_grace:g}s before "
+        "the cap), or raise max_runtime="
+    )
 
 
 def _describe_exit(info: dict) -> str:

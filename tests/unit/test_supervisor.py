@@ -2,14 +2,17 @@
 
 import io
 import json
+import time
 
 import pytest
 
 from sparkgpu.errors import JobTimeoutError, WorkerFailedError
 from sparkgpu.launch.callbacks import JobCallback
-from sparkgpu.launch.payload import RunDir, serialize_payload
+from sparkgpu.launch.entrypoint import EXIT_PREEMPTED
+from sparkgpu.launch.payload import RunDir, atomic_write_bytes, serialize_payload
 from sparkgpu.launch.supervisor import Supervisor
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
+from sparkgpu.train._checkpoint_store import MARKER_NAME, CheckpointInfo
 from tests.fakes.backend import ScriptedBackend
 
 
@@ -90,12 +93,71 @@ def test_timeout_cancels_the_attempt_and_raises(tmp_path):
     assert cb.events[-1] == "after_job:JobTimeoutError"
 
 
-def test_runtime_cap_stops_the_attempt_and_resumes(tmp_path):
-    sup, backend, cb, rd, out = run_job(tmp_path, ["hang", "ok"], max_runtime=0.5, checkpoint_grace=0.2)
-    assert sup.run()[0]["attempt"] == 1
-    assert backend.cancelled == [0]
+class CapBackend(ScriptedBackend):
+    """Adds hung attempts that leave what a checkpointing function leaves at the cap.
+
+    ``"hang+checkpoint"`` commits a complete checkpoint while it runs; ``"hang+exit75"`` has
+    its ranks exit with the "resume me" status (as after ``stop_for_restart``) but no marker.
+    """
+
+    def submit(self, job, run_dir, attempt, env):
+        action = self.script[attempt]
+        self.script[attempt] = "hang" if action.startswith("hang") else action
+        handle = super().submit(job, run_dir, attempt, env)
+        if action == "hang+checkpoint":
+            step_dir = run_dir.checkpoints / "step-0000000007"
+            step_dir.mkdir(parents=True)
+            info = CheckpointInfo(step=7, path=str(step_dir), world_size=job.world_size, created=time.time())
+            (step_dir / MARKER_NAME).write_text(json.dumps(info.to_json()))
+        elif action == "hang+exit75":
+            exits = {str(r): {"exitcode": EXIT_PREEMPTED, "pid": 1} for r in range(job.world_size)}
+            atomic_write_bytes(run_dir.node_file(attempt, 0), json.dumps({"failures": exits}).encode())
+        return handle
+
+
+def cap_job(tmp_path, script, **policy):
+    sup, _, cb, rd, out = run_job(tmp_path, ["ok"], max_runtime=0.5, checkpoint_grace=0.2, **policy)
+    sup.backend = CapBackend(script)
+    return sup, sup.backend, cb, rd, out
+
+
+def test_a_function_that_never_checkpoints_fails_at_the_runtime_cap_instead_of_resuming_forever(tmp_path):
+    sup, backend, cb, rd, out = cap_job(tmp_path, ["hang", "hang", "ok"], max_restarts=1)
+    with pytest.raises(WorkerFailedError) as err:
+        sup.run()
+    message = str(err.value)
+    assert "ranks 0, 1: the attempt reached its runtime cap (max_runtime=0.5s)" in message
+    assert "did not checkpoint before it" in message
+    assert "Checkpointer" in message and "runtime.stop_for_restart()" in message
+    assert backend.cancelled == [0, 1]
+    state = json.loads(rd.state_file.read_text())
+    assert state["status"] == "failed" and state["restarts"] == 1 and state["preemptions"] == 0
+    assert [a["status"] for a in state["attempts"]] == ["failed", "failed"]
+    assert "after_attempt:0:failed" in cb.events
     deadline = float(backend.submitted_env[0]["SPARKGPU_CHECKPOINT_DEADLINE"])
     assert deadline > 0
+
+
+def test_an_attempt_that_committed_a_checkpoint_before_the_cap_resumes_without_a_restart(tmp_path):
+    sup, backend, cb, rd, out = cap_job(tmp_path, ["hang+checkpoint", "ok"])
+    assert sup.run()[0]["attempt"] == 1
+    assert backend.cancelled == [0]
+    state = json.loads(rd.state_file.read_text())
+    assert state["preemptions"] == 1 and state["restarts"] == 0
+    assert [a["status"] for a in state["attempts"]] == ["preempted", "succeeded"]
+
+
+def test_ranks_that_exit_with_the_resume_status_at_the_cap_count_as_preempted(tmp_path):
+    sup, backend, cb, rd, out = cap_job(tmp_path, ["hang+exit75", "ok"])
+    assert sup.run()[0]["attempt"] == 1
+    assert json.loads(rd.state_file.read_text())["preemptions"] == 1
+
+
+def test_an_old_checkpoint_does_not_make_a_capped_attempt_a_preemption(tmp_path):
+    sup, backend, cb, rd, out = cap_job(tmp_path, ["hang+checkpoint", "hang", "ok"])
+    with pytest.raises(WorkerFailedError, match="did not checkpoint before it"):
+        sup.run()  # attempt 1 saved nothing new: step 7 was attempt 0's
+    assert json.loads(rd.state_file.read_text())["preemptions"] == 1
 
 
 class BudgetSpent(JobCallback):
