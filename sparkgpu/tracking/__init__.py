@@ -3,6 +3,7 @@
 * :class:`MLflowCallback` — one MLflow run per job, shared by every rank and attempt.
 * :func:`log` — metrics from any rank (``sparkgpu.log``); :func:`log_checkpoint` — lineage.
 * :mod:`sparkgpu.tracking.registry` — ``register`` / ``load`` models as ``catalog.schema.model``.
+* :func:`flush_spool` — forwards what a job left unsent (its store was down when it ended).
 
 Importing this package is cheap; MLflow is imported when a callback or the registry is used.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 from sparkgpu.tracking.autolog import log, log_checkpoint
 
 __all__ = ["MLflowCallback", "log", "log_checkpoint", "registry", "environment_lock", "resolve_target",
-           "default_experiment_name"]
+           "default_experiment_name", "flush_spool"]
 
 _LAZY = {
     "MLflowCallback": ("sparkgpu.tracking.mlflow_run", "MLflowCallback"),
@@ -20,6 +21,7 @@ _LAZY = {
     "registry": ("sparkgpu.tracking.registry", None),
     "resolve_target": ("sparkgpu.tracking.store", "resolve_target"),
     "default_experiment_name": ("sparkgpu.tracking.store", "default_experiment_name"),
+    "flush_spool": ("sparkgpu.tracking.flush", "flush_spool"),
 }
 
 

@@ -12,7 +12,9 @@
 * ``on_worker_start`` / ``on_worker_end`` (every rank): rank 0 autologs optimizers, local
   rank 0 of each node runs the system-metrics monitor.
 * ``after_attempt`` / ``after_job`` (client): attempt statuses and durations; the last
-  records are flushed and the run ends FINISHED, FAILED or KILLED.
+  records are flushed (a failing store is retried a few times; what it still refuses stays
+  in the spool for :func:`~sparkgpu.tracking.flush.flush_spool`) and the run ends FINISHED,
+  FAILED or KILLED.
 """
 
 from __future__ import annotations
@@ -245,6 +247,7 @@ class MLflowCallback(JobCallback):
                     info = self._create_run(job, spec, experiment, target)
                 else:  # a resumed job keeps its run
                     self._client.update_run(info.run_id, status="RUNNING")
+                    self._spool.clear_job_end()
                     self._attempt_statuses = self._recorded_attempts(info.run_id)
         except MlflowException as exc:  # before any worker starts: the job does not run untracked
             raise ConfigurationError(
@@ -361,22 +364,34 @@ class MLflowCallback(JobCallback):
                                  "sparkgpu.attempts": outcome.attempt + 1}))
 
     def after_job(self, job, results, error: BaseException | None) -> None:
+        from sparkgpu.tracking.flush import UNSENT_TAG
+
         if self.run_info is None:
             return
         run_id = self.run_info.run_id
-        if self._flusher is not None:
-            self._safely("forward the workers' last records", self._flusher.stop)
+        message = None
         if error is None:
             status = "FINISHED"
         else:
             status = "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED"
             message = f"{type(error).__name__}: {error}"[:_MAX_TAG_CHARS]
+        # Recorded before anything can fail: whoever forwards the leftover ends the run so.
+        self._safely("record how the job ended in its spool", self._spool.write_job_end, status, message)
+        if self._flusher is not None:
+            try:
+                self._flusher.stop()  # retries a failing store a few times
+            except Exception as exc:
+                hint = (f"the workers' last tracking records stay in {self._spool.path}: forward them with "
+                        f"sparkgpu.tracking.flush_spool({str(self._spool.path.parent)!r}) once MLflow is reachable")
+                _logger.warning("sparkgpu: could not forward to MLflow run %s (%s); %s", run_id, exc, hint)
+                self._safely("flag the run's unsent records", self._client.set_tag, run_id, UNSENT_TAG, hint)
+        if message is not None:
             self._safely("record the job's error", self._client.set_tag, run_id, "sparkgpu.error", message)
         self._safely("end the run", self._client.set_terminated, run_id, status)
 
     def _safely(self, what: str, fn, *args, **kwargs) -> None:
         # Tracking must not change a job's outcome: an unreachable store is reported, and
-        # the spool keeps the workers' records for `sparkgpu resume` to forward later.
+        # the spool keeps the workers' records for `flush_spool` to forward later.
         try:
             fn(*args, **kwargs)
         except Exception as exc:

@@ -22,6 +22,7 @@ Spool layout::
     run.json                       the job's run (id, experiment, stores), written by the client
     records/a<k>.r<rank>.p<pid>.jsonl   one file per worker process and attempt
     flusher.json                   how far the flusher got, params seen, checkpoint lineage
+    end.json                       how the job ended, written by the client when it ends
 """
 
 from __future__ import annotations
@@ -85,6 +86,10 @@ class SpoolDir:
         return self.path / "flusher.json"
 
     @property
+    def end_file(self) -> Path:
+        return self.path / "end.json"
+
+    @property
     def uri(self) -> str:
         """Tracking URI that makes a worker's MLflow client write into this spool."""
         return f"{SPOOL_SCHEME}://" + urllib.parse.quote(str(self.path.resolve()))
@@ -101,6 +106,21 @@ class SpoolDir:
     def write_run_info(self, info: JobRunInfo) -> None:
         self.records_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(self.run_file, json.dumps(dataclasses.asdict(info), indent=2).encode())
+
+    def read_job_end(self) -> dict | None:
+        """How the job ended (``status``, ``error``, ``ended_at``), or ``None`` while it runs."""
+        if not self.end_file.exists():
+            return None
+        return json.loads(self.end_file.read_text())
+
+    def write_job_end(self, status: str, error: str | None) -> None:
+        """Records the run's final status, so that whoever forwards the spool's leftover
+        later ends the run as the job ended."""
+        atomic_write_bytes(self.end_file, json.dumps({"status": status, "error": error, "ended_at": time.time()}).encode())
+
+    def clear_job_end(self) -> None:
+        """The job runs again (resumed): it has not ended."""
+        self.end_file.unlink(missing_ok=True)
 
 
 class SpoolWriter:

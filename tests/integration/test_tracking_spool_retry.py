@@ -9,36 +9,9 @@ import time
 import pytest
 
 from sparkgpu.tracking.spool import JobRunInfo, SpoolDir, SpoolFlusher, SpoolWriter
+from tests.fakes.flaky_mlflow import FlakyClient
 
 pytestmark = pytest.mark.integration
-
-
-class FlakyClient:
-    """A real ``MlflowClient`` whose calls number ``fail_calls`` (from 1) raise instead of
-    running; it remembers every metric point of the ``log_batch`` calls that went through."""
-
-    def __init__(self, client, fail_calls=(1,)):
-        self._client = client
-        self.fail_calls = set(fail_calls)
-        self.calls = 0
-        self.sent_metrics: list[tuple] = []
-
-    def _call(self, name, *args, **kwargs):
-        self.calls += 1
-        if self.calls in self.fail_calls:
-            raise ConnectionError(f"store unreachable (call {self.calls})")
-        return getattr(self._client, name)(*args, **kwargs)
-
-    def log_batch(self, run_id, metrics=(), params=(), tags=()):
-        result = self._call("log_batch", run_id, metrics=list(metrics), params=list(params), tags=list(tags))
-        self.sent_metrics.extend((m.key, m.step, m.value) for m in metrics)
-        return result
-
-    def log_text(self, *args, **kwargs):
-        return self._call("log_text", *args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._client, name)
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +114,89 @@ def test_stop_gives_up_after_its_retries_and_leaves_the_records_in_the_spool(sto
     assert flaky.calls == 3
     assert client.get_metric_history(run_id, "last") == []
     assert SpoolFlusher(spool, client, run_id).drain() == 1
+
+
+# -- what a job leaves unsent ----------------------------------------------------------------
+
+
+def ended_job_with_unsent_records(uri, tmp_path, *, store_down_for_client: bool, error=None):
+    """Runs MLflowCallback's client hooks for a job whose flusher cannot reach the store at
+    the end (nor, with ``store_down_for_client``, anything else the client sends)."""
+    from sparkgpu.spec import JobSpec, Resources
+    from sparkgpu.tracking.mlflow_run import MLflowCallback
+
+    job = JobSpec(job_id=f"leftover-{time.time_ns()}", name="train", resources=Resources(gpus=2, gpu_type="cpu"))
+    run_dir = tmp_path / job.job_id
+    callback = MLflowCallback("/team/leftover", tracking_uri=uri, flush_interval=3600)  # only stop() flushes
+    callback.before_job(job, str(run_dir))
+    SpoolWriter(SpoolDir(run_dir / "tracking"), attempt=0, rank=0).write(
+        metrics=[("loss", 0.25, 7, 1000)], params=[("lr", "0.1")])
+    down = FlakyClient(callback._client, fail_calls=range(1, 10**9))
+    callback._flusher.client = down
+    callback._flusher.stop_backoff = 0.01
+    if store_down_for_client:
+        callback._client = down
+    callback.after_job(job, None if error else [0, 0], error)
+    return job, run_dir, callback.run_id
+
+
+def test_records_a_job_left_unsent_are_forwarded_later_and_the_run_ends_as_the_job_did(store, tmp_path):
+    from sparkgpu.tracking import flush_spool
+
+    uri, client, _ = store
+    _, run_dir, run_id = ended_job_with_unsent_records(uri, tmp_path, store_down_for_client=True,
+                                                    error=RuntimeError("boom"))
+    run = client.get_run(run_id)
+    assert run.info.status == "RUNNING" and "loss" not in run.data.metrics
+    assert flush_spool(run_dir) == 1
+    run = client.get_run(run_id)
+    assert run.data.metrics["loss"] == 0.25 and run.data.params["lr"] == "0.1"
+    assert run.info.status == "FAILED" and run.data.tags["sparkgpu.error"] == "RuntimeError: boom"
+    assert flush_spool(run_dir) == 0  # nothing twice
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "loss")] == [(7, 0.25)]
+
+
+def test_a_run_with_unsent_records_says_so_until_they_are_forwarded(store, tmp_path):
+    from sparkgpu.tracking import flush_spool
+
+    uri, client, _ = store
+    _, run_dir, run_id = ended_job_with_unsent_records(uri, tmp_path, store_down_for_client=False)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert f"flush_spool({str(run_dir)!r})" in run.data.tags["sparkgpu.tracking.unsent"]
+    assert flush_spool(run_dir) == 1
+    run = client.get_run(run_id)
+    assert "sparkgpu.tracking.unsent" not in run.data.tags and run.data.metrics["loss"] == 0.25
+    assert run.info.status == "FINISHED"
+
+
+def test_flushing_a_store_that_is_still_down_keeps_the_records(store, tmp_path, monkeypatch):
+    from sparkgpu.errors import SparkGPUError
+    from sparkgpu.tracking import flush_spool
+
+    uri, client, _ = store
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    _, run_dir, run_id = ended_job_with_unsent_records(uri, tmp_path, store_down_for_client=False)
+    with pytest.raises(SparkGPUError, match="stay in .*call flush_spool again"):
+        flush_spool(run_dir, tracking_uri="http://127.0.0.1:9")
+    assert flush_spool(run_dir) == 1
+
+
+def test_flush_refuses_a_job_that_has_not_ended_and_a_folder_without_one(store, tmp_path):
+    from sparkgpu.errors import ConfigurationError
+    from sparkgpu.tracking import flush_spool
+    from sparkgpu.tracking.mlflow_run import MLflowCallback
+
+    uri, _, _ = store
+    with pytest.raises(ConfigurationError, match="holds no tracked job"):
+        flush_spool(tmp_path / "nothing")
+    job, run_dir, _ = ended_job_with_unsent_records(uri, tmp_path, store_down_for_client=False)
+    resumed = MLflowCallback("/team/leftover", tracking_uri=uri, flush_interval=3600)
+    resumed.before_job(job, str(run_dir))  # `sparkgpu resume`: the job runs again
+    try:
+        with pytest.raises(ConfigurationError, match="has not ended.*sparkgpu resume"):
+            flush_spool(run_dir)
+    finally:
+        resumed.after_job(job, [0, 0], None)  # the resumed client forwards the leftover itself
+    assert flush_spool(run_dir) == 0
