@@ -21,13 +21,15 @@ import time
 from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
 from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
+from sparkgpu.launch.entrypoint import NODE_DEVICES_ENV
+
 __all__ = ["NodeMetricsMonitor", "JobGPUMonitor", "job_gpu_devices", "DEVICES_ENV"]
 
 _logger = logging.getLogger(__name__)
 
-# The node's devices of the job, comma-separated, set for workers by MLflowCallback. The
-# launcher narrows CUDA_VISIBLE_DEVICES to one device per rank, so that variable alone does
-# not tell local rank 0 which devices the whole node runs on.
+# The job's devices, comma-separated, set for workers by MLflowCallback when the client knows
+# them (local backend). The launcher narrows CUDA_VISIBLE_DEVICES to one device per rank, so
+# that variable alone does not tell local rank 0 which devices the whole node runs on.
 DEVICES_ENV = "SPARKGPU_TRACKING_DEVICES"
 
 
@@ -35,11 +37,13 @@ def job_gpu_devices(env=None) -> list[str] | None:
     """The node's devices of this job, or ``None`` for "every GPU of the node".
 
     Args:
-        env: Environment to read (``os.environ`` by default): ``SPARKGPU_TRACKING_DEVICES``,
-            else ``CUDA_VISIBLE_DEVICES``.
+        env: Environment to read (``os.environ`` by default): the node's device list that a
+            node launcher exports (``SPARKGPU_NODE_DEVICES``: a Spark task's GPU addresses,
+            known only on the node), else ``SPARKGPU_TRACKING_DEVICES``, else
+            ``CUDA_VISIBLE_DEVICES``.
     """
     env = os.environ if env is None else env
-    for name in (DEVICES_ENV, "CUDA_VISIBLE_DEVICES"):
+    for name in (NODE_DEVICES_ENV, DEVICES_ENV, "CUDA_VISIBLE_DEVICES"):
         raw = env.get(name)
         if raw is not None:
             return [part.strip() for part in raw.split(",") if part.strip()]

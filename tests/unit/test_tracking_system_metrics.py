@@ -33,6 +33,15 @@ def test_job_devices_come_from_the_tracking_variable_then_cuda_visible_devices()
     assert job_gpu_devices({}) is None
 
 
+def test_a_spark_node_reports_all_its_gpus_not_only_local_rank_0s():
+    from sparkgpu.tracking.system_metrics import job_gpu_devices
+
+    # A Spark node task exports the task's GPU addresses; the entrypoint then narrows local
+    # rank 0's CUDA_VISIBLE_DEVICES to the first one, and the job spec carries no devices.
+    assert job_gpu_devices({"SPARKGPU_NODE_DEVICES": "4,5,6,7", "CUDA_VISIBLE_DEVICES": "4"}) == ["4", "5", "6", "7"]
+    assert job_gpu_devices({"SPARKGPU_NODE_DEVICES": "2,3", "SPARKGPU_TRACKING_DEVICES": "0,1"}) == ["2", "3"]
+
+
 def test_gpu_monitor_reports_only_the_jobs_devices_in_job_order(fake_nvml):
     from sparkgpu.tracking.system_metrics import JobGPUMonitor
 
