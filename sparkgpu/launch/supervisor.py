@@ -66,7 +66,7 @@ class FailurePolicy:
 class AttemptResult:
     """How one attempt ended, read back from the run dir."""
 
-    status: str  # "succeeded" | "preempted" | "failed"
+    status: str  # "succeeded" | "preempted" | "failed" | "stopped" (by a policy, without a checkpoint)
     results: list[Any] | None = None
     failures: list[RankFailure] = dataclasses.field(default_factory=list)
     exceptions: dict[int, BaseException] = dataclasses.field(default_factory=dict)
@@ -212,9 +212,9 @@ class Supervisor:
             checkpoint_before = self._latest_checkpoint()
             handle = self.backend.submit(self.job, self.run_dir, attempt, self._attempt_env(attempt, wall_started))
             streamer = LogStreamer(self.run_dir, attempt, self.job.world_size, self.job.log_ranks, self.out)
-            code, capped = self._watch(attempt, handle, streamer, record, job_started)
+            code, stopped_by = self._watch(attempt, handle, streamer, record, job_started)
             streamer.finish()
-            outcome = self._collect(attempt, capped, checkpoint_before)
+            outcome = self._collect(attempt, stopped_by, checkpoint_before)
             self._end_attempt(record, outcome.status, code, outcome)
             return outcome
         except KeyboardInterrupt:
@@ -231,16 +231,31 @@ class Supervisor:
             raise
 
     def _watch(self, attempt: int, handle, streamer: LogStreamer, record: dict, job_started: float):
-        """Polls the attempt until it ends or a limit stops it; returns ``(exit code, capped)``."""
+        """Polls the attempt until it ends or a limit stops it.
+
+        Returns:
+            ``(exit code, stopped_by)``: the code is ``None`` and ``stopped_by`` is ``"cap"``
+            or ``"policy"`` when the supervisor stopped the ranks itself.
+        """
         policy = self.job.policy
         attempt_started = time.monotonic()
         next_policy_check = attempt_started
+        stop_requested: float | None = None
         while (code := self.backend.poll(handle)) is None:
             streamer.pump()
             now = time.monotonic()
-            if now >= next_policy_check and not self.state.get("stop_reason"):
+            if now >= next_policy_check and stop_requested is None and not self.state.get("stop_reason"):
                 next_policy_check = now + 1.0
-                self._check_stop(attempt, now - attempt_started)
+                if self._check_stop(attempt, now - attempt_started):
+                    stop_requested = now
+            if stop_requested is not None and now - stop_requested > policy.checkpoint_grace:
+                # Ranks that never call should_checkpoint() would otherwise run on until the cap
+                # (7 days remotely). SIGTERM first: a Checkpointer takes it as a save request.
+                print(f"sparkgpu: the ranks did not stop within checkpoint_grace ({policy.checkpoint_grace:g}s) "
+                      f"of the request; stopping them (SIGTERM, SIGKILL after {policy.shutdown_grace:g}s)",
+                      file=self.out)
+                self.backend.cancel(handle, policy.shutdown_grace)
+                return None, "policy"
             if policy.timeout is not None and now - job_started > policy.timeout:
                 self.backend.cancel(handle, policy.shutdown_grace)
                 streamer.finish()
@@ -254,9 +269,9 @@ class Supervisor:
             if policy.max_runtime is not None and now - attempt_started > policy.max_runtime:
                 # Ranks had checkpoint_grace to checkpoint and stop; the cap is hard.
                 self.backend.cancel(handle, policy.shutdown_grace)
-                return None, True
+                return None, "cap"
             time.sleep(_POLL_SECONDS)
-        return code, False
+        return code, None
 
     def _abandon(self, record: dict, handle, streamer: LogStreamer | None, status: str,
                  exc: BaseException | None) -> None:
@@ -276,15 +291,18 @@ class Supervisor:
                 cause.append(f"reading the ranks' logs failed: {log_exc}")
         self._end_attempt(record, status, None, cause=cause, error=exc)
 
-    def _check_stop(self, attempt: int, attempt_seconds: float) -> None:
+    def _check_stop(self, attempt: int, attempt_seconds: float) -> bool:
+        """Asks the callbacks whether the job must stop; if so, asks the ranks to checkpoint."""
         for callback in self.callbacks:
             reason = callback.stop_reason(self.job, attempt, attempt_seconds)
             if reason:
                 self.state["stop_reason"] = reason
                 self._save()
-                (self.run_dir.attempt_dir(attempt) / runtime.STOP_FILE).write_text(reason + "\n")
-                print(f"sparkgpu: asking every rank to checkpoint and stop: {reason}", file=self.out)
-                return
+                atomic_write_bytes(self.run_dir.attempt_dir(attempt) / runtime.STOP_FILE, (reason + "\n").encode())
+                print(f"sparkgpu: asking every rank to checkpoint and stop within checkpoint_grace "
+                      f"({self.job.policy.checkpoint_grace:g}s): {reason}", file=self.out)
+                return True
+        return False
 
     def _end_attempt(self, record: dict, status: str, code: int | None, outcome: AttemptResult | None = None,
                      cause: list[str] = (), error: BaseException | None = None):
@@ -309,7 +327,8 @@ class Supervisor:
         info = CheckpointStore(self.run_dir.checkpoints).latest()
         return None if info is None else (info.step, info.created)
 
-    def _collect(self, attempt: int, capped: bool, checkpoint_before: tuple[int, float] | None) -> AttemptResult:
+    def _collect(self, attempt: int, stopped_by: str | None,
+                 checkpoint_before: tuple[int, float] | None) -> AttemptResult:
         rd = self.run_dir
         results: dict[int, Any] = {}
         failures: list[RankFailure] = []
@@ -340,6 +359,8 @@ class Supervisor:
                 continue
             if own_failure and info["exitcode"] == -signal.SIGTERM:
                 continue  # torn down after another rank failed: not a failure of its own
+            if stopped_by and info["exitcode"] in (-signal.SIGTERM, -signal.SIGKILL):
+                continue  # the supervisor stopped it (cap or policy): judged below
             failures.append(RankFailure(
                 rank, None, _describe_exit(info), exitcode=info["exitcode"], log_tail=rd.log_tail(attempt, rank),
             ))
@@ -349,11 +370,13 @@ class Supervisor:
             return AttemptResult("succeeded", results=[results[r] for r in range(self.job.world_size)])
         if preempted:
             return AttemptResult("preempted")
-        if capped:
+        if stopped_by:
             # Stopped at the cap: resuming makes sense only if this attempt saved progress;
             # otherwise the next attempt would do the same work again, forever.
             if self._latest_checkpoint() != checkpoint_before:
                 return AttemptResult("preempted")
+            if stopped_by == "policy":
+                return AttemptResult("stopped")
             message = _not_checkpointed_message(self.job.policy)
             return AttemptResult("failed", failures=[
                 RankFailure(r, None, message, log_tail=rd.log_tail(attempt, r))

@@ -222,3 +222,48 @@ def test_an_error_from_the_backend_closes_the_usage_journal(tmp_path):
         sup.run()
     assert [r["status"] for r in ledger.read().to_pylist()] == ["failed"]
     assert not list(meter.journal.directory.glob("*.json"))  # nothing left to be billed as client_lost
+
+
+class CheckpointOnSigterm(ScriptedBackend):
+    """Ranks that ignore the stop file but checkpoint on SIGTERM, as a Checkpointer's ranks do."""
+
+    def cancel(self, handle, grace):
+        super().cancel(handle, grace)
+        self.grace = grace
+        for rank in range(2):
+            self.run_dir.preempted_file(handle.attempt, rank).write_text("x")
+
+    def submit(self, job, run_dir, attempt, env):
+        self.run_dir = run_dir
+        return super().submit(job, run_dir, attempt, env)
+
+
+def test_ranks_that_ignore_a_policy_stop_are_stopped_after_checkpoint_grace(tmp_path):
+    from sparkgpu.errors import PolicyViolationError
+
+    # No runtime cap: without the fallback only the job timeout would ever end this attempt.
+    sup, backend, cb, rd, out = run_job(tmp_path, ["hang", "ok"], checkpoint_grace=0.5, timeout=20)
+    sup.callbacks.append(BudgetSpent())
+    started = time.monotonic()
+    with pytest.raises(PolicyViolationError, match="stopped [(]its ranks did not checkpoint when asked") as err:
+        sup.run()
+    assert 0.5 <= time.monotonic() - started < 5
+    assert "budget team=ml is spent" in str(err.value) and "sparkgpu resume job-1" in str(err.value)
+    assert backend.cancelled == [0]
+    assert "did not stop within checkpoint_grace (0.5s)" in out.getvalue()
+    state = json.loads(rd.state_file.read_text())
+    assert state["status"] == "stopped" and [a["status"] for a in state["attempts"]] == ["stopped"]
+    assert cb.events[-2:] == ["after_attempt:0:stopped", "after_job:PolicyViolationError"]
+
+
+def test_ranks_that_checkpoint_on_sigterm_after_a_policy_stop_end_preempted(tmp_path):
+    from sparkgpu.errors import PolicyViolationError
+
+    sup, _, cb, rd, out = run_job(tmp_path, ["hang", "ok"], checkpoint_grace=0.3, shutdown_grace=7, timeout=20)
+    sup.backend = backend = CheckpointOnSigterm(["hang", "ok"])
+    sup.callbacks.append(BudgetSpent())
+    with pytest.raises(PolicyViolationError, match="checkpointed and stopped: budget team=ml is spent"):
+        sup.run()
+    assert backend.grace == 7  # SIGTERM first: the ranks get shutdown_grace to save
+    state = json.loads(rd.state_file.read_text())
+    assert state["status"] == "stopped" and [a["status"] for a in state["attempts"]] == ["preempted"]
