@@ -35,7 +35,7 @@ import weakref
 from sparkgpu._modules import imported
 from sparkgpu.errors import ConfigurationError
 
-__all__ = ["log", "log_checkpoint", "OptimizerAutolog", "current_step"]
+__all__ = ["log", "log_checkpoint", "OptimizerAutolog", "current_step", "logs_to_job_run"]
 
 _logger = logging.getLogger(__name__)
 
@@ -87,6 +87,11 @@ def _current_session() -> _Session | None:
         return None
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     return _activate(SpoolWriter.for_process(SpoolDir(spool)), rank, world)
+
+
+def logs_to_job_run() -> bool:
+    """Whether this process is a job's worker, whose records go to the job's run (spool)."""
+    return _current_session() is not None
 
 
 def current_step() -> int | None:

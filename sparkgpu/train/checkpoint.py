@@ -11,7 +11,7 @@ and the step, and restores them in a later attempt of the same job::
         train_step(...)
         ckpt.maybe_save(step, **state)
         if ckpt.should_stop:                               # runtime cap, preemption
-            return
+            runtime.stop_for_restart()                     # the job resumes in a new attempt
     ckpt.close()
 
 How it behaves:
@@ -196,8 +196,10 @@ class Checkpointer:
         """True once :meth:`maybe_save` saved because the job is about to be stopped.
 
         The runtime cap is near, a usage budget is spent or the worker got SIGTERM; the
-        checkpoint is committed and the training function should return now. All ranks
-        see the same value at the same step.
+        checkpoint is committed and every rank should call ``runtime.stop_for_restart()``
+        now, so the job resumes from it in a new attempt (returning instead would end the
+        job as succeeded, its training cut short). All ranks see the same value at the
+        same step.
         """
         return self._should_stop
 
@@ -286,7 +288,7 @@ class Checkpointer:
             stateful=tuple(stateful),
             has_rng=self.save_rng,
         )
-        pending = _PendingSave(info=info, started=started, mlflow_run_id=_active_mlflow_run_id())
+        pending = _PendingSave(info=info, started=started, mlflow_run_id=_caller_mlflow_run_id())
         writer = self._store.writer(path, self.write_threads)
         import torch.distributed.checkpoint as dcp
 
@@ -657,9 +659,25 @@ def finish_pending_checkpoints() -> None:
         raise errors[0]
 
 
-def _active_mlflow_run_id() -> str | None:
-    mlflow = imported("mlflow")  # never imported for this: no run can be active without it
-    run = mlflow.active_run() if mlflow is not None else None
+def _caller_mlflow_run_id() -> str | None:
+    """Outside a job, the calling thread's active MLflow run, for the commit on the writer
+    thread to record the checkpoint in (MLflow runs are per thread).
+
+    Inside a job the lineage goes to the job's run through the tracking spool, so MLflow is
+    not asked: its import may still be running in the background, and waiting for it here
+    would count as the save's blocking time.
+    """
+    from sparkgpu.tracking.autolog import logs_to_job_run
+
+    if logs_to_job_run():
+        return None
+    try:
+        mlflow = imported("mlflow")  # never imported for this: no run can be active without it
+        run = mlflow.active_run() if mlflow is not None else None
+    except Exception as exc:  # a broken MLflow must not fail a save: the checkpoint is what matters
+        logger.warning("this checkpoint is not recorded in an MLflow run: asking MLflow for the active run "
+                       "failed (%s)", exc)
+        return None
     return run.info.run_id if run is not None else None
 
 

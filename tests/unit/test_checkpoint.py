@@ -373,3 +373,41 @@ def test_a_committed_checkpoint_is_recorded_in_the_active_mlflow_run(tmp_path):
     assert recorded.tags["sparkgpu.checkpoint.latest_step"] == "3"
     assert recorded.tags["sparkgpu.checkpoint.latest_path"] == latest_checkpoint(tmp_path / "ckpt").path
     assert recorded.metrics["checkpoint/step"] == 3
+
+
+def _mlflow_import_failed(name):
+    # What reading MLflow gives while a rank's background `import mlflow` fails.
+    raise ImportError(f"No module named {name!r}")
+
+
+def test_inside_a_job_a_save_never_waits_on_mlflow_and_the_job_run_gets_the_lineage(tmp_path, monkeypatch):
+    import json
+
+    from sparkgpu.tracking import autolog
+    from sparkgpu.tracking.spool import SPOOL_ENV
+    from sparkgpu.train import checkpoint as checkpoint_module
+
+    monkeypatch.setattr(checkpoint_module, "imported", _mlflow_import_failed)
+    monkeypatch.setenv(SPOOL_ENV, str(tmp_path / "tracking"))  # what the launcher gives a rank
+    state = make_training(0)
+    try:
+        with Checkpointer(tmp_path / "ckpt", every_steps=1) as ckpt:
+            train_step(state)
+            ckpt.save(0, **state, wait=True)
+    finally:
+        autolog._deactivate()
+    records = [json.loads(line) for path in (tmp_path / "tracking" / "records").glob("*.jsonl")
+               for line in path.read_text().splitlines()]
+    assert [c[:2] for r in records for c in r.get("c", ())] == [[0, latest_checkpoint(tmp_path / "ckpt").path]]
+
+
+def test_outside_a_job_a_failing_mlflow_does_not_fail_the_save(tmp_path, monkeypatch, caplog):
+    from sparkgpu.train import checkpoint as checkpoint_module
+
+    monkeypatch.setattr(checkpoint_module, "imported", _mlflow_import_failed)
+    state = make_training(0)
+    with Checkpointer(tmp_path / "ckpt") as ckpt:
+        train_step(state)
+        ckpt.save(0, **state, wait=True)
+    assert latest_checkpoint(tmp_path / "ckpt").step == 0
+    assert "not recorded in an MLflow run" in caplog.text
