@@ -254,6 +254,7 @@ def list_jobs(staging_root: Path | None = None) -> list[dict]:
     ``started_at``, ``ended_at``, ``duration_s`` and ``stop_reason``.
     """
     from sparkgpu.config import settings
+    from sparkgpu.launch.resume import client_is_gone
 
     root = Path(staging_root or settings().staging_root)
     jobs = []
@@ -266,7 +267,7 @@ def list_jobs(staging_root: Path | None = None) -> list[dict]:
         started = attempts[0]["started_at"] if attempts else None
         ended = attempts[-1].get("ended_at") if attempts else None
         status = state.get("status", "staged")
-        if status == "running" and _client_is_gone(state.get("client")):
+        if status == "running" and client_is_gone(state.get("client")):
             status = "lost"  # its client died: `sparkgpu resume JOB_ID` continues it
         end = ended if ended is not None else (time.time() if status == "running" else None)
         jobs.append({
@@ -280,21 +281,6 @@ def list_jobs(staging_root: Path | None = None) -> list[dict]:
             "stop_reason": state.get("stop_reason"), "run_dir": str(spec_file.parent),
         })
     return sorted(jobs, key=lambda j: j["created_at"], reverse=True)
-
-
-def _client_is_gone(client: dict | None) -> bool:
-    import os
-    import socket
-
-    if not client or client.get("host") != socket.gethostname():
-        return False  # another machine's client: cannot tell from here
-    try:
-        os.kill(client["pid"], 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
 
 
 def _format_seconds(seconds: float | None) -> str:

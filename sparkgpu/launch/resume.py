@@ -3,11 +3,14 @@
 Reads the job's spec and supervisor state from its run dir, checks the payload's signature
 with the key kept on this machine, and starts the next attempt. The training function
 resumes from its latest complete checkpoint (``Checkpointer.restore``), as after any restart.
+A job that a live client still drives is refused (two supervisors on one run dir would
+submit overlapping attempts) unless ``force`` says the caller knows better.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError
@@ -17,7 +20,53 @@ from sparkgpu.launch.payload import RunDir
 from sparkgpu.launch.supervisor import JobStatus, Supervisor
 from sparkgpu.spec import JobSpec
 
-__all__ = ["resume_job", "find_run_dir"]
+__all__ = ["resume_job", "find_run_dir", "client_is_gone"]
+
+
+def client_is_gone(client: dict | None) -> bool:
+    """True when the client process recorded in a job's state has certainly exited.
+
+    Args:
+        client: The state's ``client``: ``host``, ``pid`` and ``pid_started`` (the process's
+            start time, so that a recycled pid is not taken for the client).
+
+    Returns:
+        False when it runs, or when that cannot be told from here (another host, a process
+        that cannot be inspected).
+    """
+    import psutil
+
+    if not client or client.get("host") != socket.gethostname():
+        return False
+    try:
+        process = psutil.Process(client["pid"])
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return True  # exited; only its parent has not reaped it yet
+        started = client.get("pid_started")
+        return started is not None and abs(process.create_time() - started) >= 1
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.AccessDenied:
+        return False
+
+
+def _check_no_live_client(job_id: str, state: dict) -> None:
+    if JobStatus(state["status"]).is_terminal:
+        return  # the call that drove it has returned or raised; its process may live on (a notebook)
+    client = state.get("client")
+    if not client or client_is_gone(client):
+        return
+    force = f"pass --force (resume_job({job_id!r}, force=True)) only if you are sure it no longer drives the job"
+    if client.get("host") != socket.gethostname():
+        raise ConfigurationError(
+            f"job {job_id} is {state['status']}, driven by a client on {client.get('host')} (pid {client.get('pid')}), "
+            f"which cannot be checked from here; resume it on that host, or {force}"
+        )
+    raise ConfigurationError(
+        f"job {job_id} is still {state['status']}: its client (pid {client['pid']} on this host) is alive, and two "
+        f"supervisors would run overlapping attempts in one run dir; stop that process first (Ctrl-C stops its "
+        f"ranks), or {force}"
+    )
 
 
 def find_run_dir(job_id: str) -> RunDir:
@@ -30,11 +79,18 @@ def find_run_dir(job_id: str) -> RunDir:
     return run_dir
 
 
-def resume_job(job_id: str, backend=None, out=None) -> list:
+def resume_job(job_id: str, backend=None, out=None, force: bool = False) -> list:
     """Runs the next attempt of ``job_id`` and returns its per-rank results.
 
+    Args:
+        job_id: The job to continue.
+        backend: Where to run it; the job's own backend by default.
+        out: Where the ranks' live output goes.
+        force: Resume even if the client that drives the job still seems alive.
+
     Raises:
-        ConfigurationError: unknown job, a job that already succeeded, or no key here.
+        ConfigurationError: unknown job, a job that already succeeded, a job whose client
+            still runs (without ``force``), or no key here.
         WorkerFailedError, JobTimeoutError: as for ``.distributed()``.
     """
     run_dir = find_run_dir(job_id)
@@ -42,6 +98,8 @@ def resume_job(job_id: str, backend=None, out=None) -> list:
     state = json.loads(run_dir.state_file.read_text()) if run_dir.state_file.exists() else None
     if state and state["status"] == JobStatus.SUCCEEDED.value:
         raise ConfigurationError(f"job {job_id} already succeeded; nothing to resume")
+    if state and not force:
+        _check_no_live_client(job_id, state)
     key = load_key(job_id)
     _, parts = run_dir.load_verified(key)
     callbacks = RunDir.unpack(parts)[3]

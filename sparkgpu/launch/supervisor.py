@@ -19,6 +19,8 @@ import sys
 import time
 from typing import Any
 
+import psutil
+
 from sparkgpu import runtime
 from sparkgpu.errors import JobTimeoutError, PolicyViolationError, RankFailure, WorkerFailedError
 from sparkgpu.launch.callbacks import AttemptOutcome, JobCallback
@@ -136,7 +138,9 @@ class Supervisor:
         """
         job_started = time.monotonic()
         # Who drives the job: `sparkgpu jobs` shows a job whose client died as lost.
-        self.state["client"] = {"host": socket.gethostname(), "pid": os.getpid()}
+        # Its start time tells a recycled pid from the client itself.
+        self.state["client"] = {"host": socket.gethostname(), "pid": os.getpid(),
+                                "pid_started": psutil.Process().create_time()}
         for callback in self.callbacks:
             callback.before_job(self.job, str(self.run_dir.path))
         results, error = None, None

@@ -180,3 +180,24 @@ def test_usage_table_json_budgets_and_plot(tmp_path, monkeypatch, capsys):
     code, out, _ = run_cli(capsys, "usage", "--json", "--by", "user")
     assert [json.loads(line) for line in out.splitlines()] == [
         {"user": "ana", "jobs": 1, "attempts": 1, "gpus_max": 8, "gpu_hours": 2.0, "cost_usd": 8.0}]
+
+
+def test_jobs_shows_a_running_job_whose_client_died_as_lost(capsys):
+    import subprocess
+    import sys
+
+    from tests.unit.test_resume import client_record, dead_pid
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        for job_id, pid in (("alive-job", live.pid), ("orphan-job", dead_pid())):
+            rd = finished_job(job_id, ["ok"])
+            state = json.loads(rd.state_file.read_text())
+            state.update(status="running", client=client_record(pid))
+            rd.state_file.write_text(json.dumps(state))
+        code, out, _ = run_cli(capsys, "jobs", "--json")
+    finally:
+        live.kill()
+        live.wait()
+    jobs = {j["job_id"]: j["status"] for j in map(json.loads, out.splitlines())}
+    assert jobs == {"alive-job": "running", "orphan-job": "lost"}
