@@ -8,6 +8,7 @@ leftovers can be recognised and removed.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import socket
@@ -87,14 +88,12 @@ def _fetch_once(volume, info, final_path, partial_stem, parts):
     zip_tmp = Path(f"{partial_stem}.zip")
     try:
         if info.zip_basename:
-            volume.download(info.zip_basename, str(zip_tmp), info.zip_bytes, parts)
-            _verify(zip_tmp, info.zip_bytes, info.zip_hashes, info.zip_basename)
+            _download_checked(volume, info.zip_basename, zip_tmp, info.zip_bytes, info.zip_hashes, parts)
             _decompress(info.compression, zip_tmp, raw_tmp)
             zip_tmp.unlink()
-            _verify(raw_tmp, info.raw_bytes, {}, info.basename)
+            _check_size(raw_tmp, info.raw_bytes, info.basename)
         else:
-            volume.download(info.basename, str(raw_tmp), info.raw_bytes, parts)
-            _verify(raw_tmp, info.raw_bytes, info.raw_hashes, info.basename)
+            _download_checked(volume, info.basename, raw_tmp, info.raw_bytes, info.raw_hashes, parts)
         final_path.parent.mkdir(parents=True, exist_ok=True)
         os.replace(raw_tmp, final_path)
     finally:
@@ -102,33 +101,35 @@ def _fetch_once(volume, info, final_path, partial_stem, parts):
             leftover.unlink(missing_ok=True)
 
 
-def _verify(path: Path, size: int | None, hashes: dict, name: str) -> None:
-    actual = path.stat().st_size
-    if size is not None and actual != size:
-        raise ShardCorrupt(f"{name} has {actual} bytes, the index says {size}")
+def _download_checked(volume: Volume, name: str, path: Path, size: int | None, hashes: dict, parts) -> None:
+    """Downloads ``name`` to ``path``; its size and hash (computed as the bytes arrive) must match the index."""
     algorithm = next((a for a in _HASH_PREFERENCE if a in hashes), None) or next(iter(hashes), None)
-    if algorithm is None:
-        return
-    hasher = _hasher(algorithm)
-    if hasher is None:
-        return  # an algorithm this host cannot compute; the size check above still ran
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            hasher.update(chunk)
-    if hasher.hexdigest() != hashes[algorithm]:
+    # An algorithm this host cannot compute leaves the size check alone.
+    new_hasher = _hash_factory(algorithm) if algorithm is not None else None
+    hasher = volume.download(name, str(path), size, parts, new_hasher=new_hasher)
+    _check_size(path, size, name)
+    if hasher is not None and hasher.hexdigest() != hashes[algorithm]:
         raise ShardCorrupt(f"{name} has {algorithm} {hasher.hexdigest()}, the index says {hashes[algorithm]}")
 
 
-def _hasher(algorithm: str):
+def _check_size(path: Path, size: int | None, name: str) -> None:
+    actual = path.stat().st_size
+    if size is not None and actual != size:
+        raise ShardCorrupt(f"{name} has {actual} bytes, the index says {size}")
+
+
+@functools.cache
+def _hash_factory(algorithm: str):
+    """A callable making a fresh hash object for ``algorithm``, or ``None`` when this host has none."""
     if algorithm.startswith("xxh"):
         import xxhash
 
-        factory = getattr(xxhash, algorithm, None)
-        return factory() if factory else None
+        return getattr(xxhash, algorithm, None)
     try:
-        return hashlib.new(algorithm)
+        hashlib.new(algorithm)
     except ValueError:
         return None
+    return functools.partial(hashlib.new, algorithm)
 
 
 _zstd_local = threading.local()

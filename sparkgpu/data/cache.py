@@ -38,7 +38,7 @@ import numpy as np
 
 from sparkgpu.data import _fetch
 from sparkgpu.data.reader import INDEX_NAME, DatasetIndex
-from sparkgpu.data.volume import Volume
+from sparkgpu.data.volume import RangePool, Volume
 from sparkgpu.errors import ConfigurationError, DataError
 
 __all__ = ["ShardCache", "CacheEntry", "open_cache_entry", "cache_entries", "clear_cache", "entry_dir_for"]
@@ -167,7 +167,7 @@ class ShardCache:
             self._pool = ThreadPoolExecutor(download_threads, thread_name_prefix="sparkgpu-download")
             # Byte ranges of the shards being downloaded, first come first served: the shard
             # needed first completes first (see Volume.download).
-            self._parts = ThreadPoolExecutor(download_threads, thread_name_prefix="sparkgpu-range")
+            self._parts = RangePool(download_threads)
             self._planner = threading.Thread(target=self._plan_loop, name="sparkgpu-prefetch", daemon=True)
             self._planner.start()
 

@@ -10,18 +10,79 @@ import concurrent.futures
 import os
 import threading
 import time
+from collections.abc import Callable
 
 from sparkgpu.errors import ConfigurationError, DataError, MissingDependencyError
 
-__all__ = ["Volume", "DEFAULT_PART_BYTES"]
+__all__ = ["Volume", "RangePool", "part_bytes_for", "MIN_PART_BYTES", "MAX_PART_BYTES"]
 
-DEFAULT_PART_BYTES = 16 << 20
+# A range costs a request: below 1 MiB the requests, not the bytes, set the pace; above
+# 16 MiB one slow range holds up its file.
+MIN_PART_BYTES = 1 << 20
+MAX_PART_BYTES = 16 << 20
+_ALIGN = 64 << 10
+_CHUNK = 8 << 20
 
 # fsspec names the class but not the pip package; users want the command.
 _PACKAGES = {
     "s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "abfs": "adlfs", "abfss": "adlfs",
     "az": "adlfs", "http": "aiohttp", "https": "aiohttp", "hf": "huggingface_hub",
 }
+
+
+def part_bytes_for(size: int, threads: int) -> int:
+    """The range size for a file of ``size`` bytes fetched by ``threads`` threads.
+
+    One range per thread, so every thread works on the file needed first and it lands
+    after ``size / (all threads' rate)``, within [``MIN_PART_BYTES``, ``MAX_PART_BYTES``].
+    """
+    per_thread = -(-size // max(1, threads))
+    per_thread = -(-per_thread // _ALIGN) * _ALIGN
+    return min(MAX_PART_BYTES, max(MIN_PART_BYTES, per_thread))
+
+
+class RangePool(concurrent.futures.ThreadPoolExecutor):
+    """The threads that fetch byte ranges for :meth:`Volume.download`, first come first served.
+
+    Args:
+        threads: Parallel range requests; ranges are sized so that one file keeps them all busy.
+    """
+
+    def __init__(self, threads: int):
+        super().__init__(threads, thread_name_prefix="sparkgpu-range")
+        self.threads = threads
+
+
+class _InOrder:
+    """Feeds a hasher a file's parts in file order, whatever order they arrive in.
+
+    Parts that arrive early wait in memory (ranges are served first come first served, so
+    that is a few of them) and one thread at a time hashes, outside the lock.
+    """
+
+    def __init__(self, hasher):
+        self.hasher = hasher
+        self.fed = 0
+        self._pending: dict[int, bytes] = {}
+        self._lock = threading.Lock()
+        self._busy = False
+
+    def add(self, start: int, data: bytes) -> None:
+        if self.hasher is None:
+            return
+        with self._lock:
+            self._pending[start] = data
+            if self._busy:
+                return  # the hashing thread takes it when its turn comes
+            self._busy = True
+        while True:
+            with self._lock:
+                data = self._pending.pop(self.fed, None)
+                if data is None:
+                    self._busy = False
+                    return
+                self.fed += len(data)
+            self.hasher.update(data)
 
 
 class Volume:
@@ -61,73 +122,98 @@ class Volume:
     def _path(self, relative: str) -> str:
         return f"{self.root}/{relative}"
 
-    def read_bytes(self, relative: str) -> bytes:
-        """Returns a whole (small) file, such as ``index.json``.
+    def read_bytes(self, relative: str, start: int | None = None, end: int | None = None) -> bytes:
+        """Returns a (small) file, such as ``index.json``, or its bytes ``[start, end)``.
 
         Raises:
             DataError: The file does not exist or cannot be read after the retries.
         """
-        return self._retrying(relative, lambda: self.fs.cat_file(self._path(relative)))
+        return self._retrying(relative, lambda: self.fs.cat_file(self._path(relative), start=start, end=end))
 
-    def download(self, relative: str, local_path: str, size: int | None = None, pool=None, part_bytes: int = DEFAULT_PART_BYTES) -> None:
-        """Copies a file from the volume to a local path (streamed, never held in memory whole).
+    def download(self, relative: str, local_path: str, size: int | None = None, pool=None, part_bytes: int | None = None,
+                 new_hasher: Callable[[], object] | None = None):
+        """Copies a file from the volume to a local path, hashing its bytes as they arrive.
 
-        Given the file's ``size`` and a thread ``pool``, a file of two parts or more is fetched
-        as byte ranges on the pool: files then complete one after another in the order they
-        were asked for, at the speed of all the connections together, instead of all at once
-        at the end. Stores that ignore ranges (some plain HTTP servers) get whole-file
-        downloads from the first such answer on.
+        Given the file's ``size`` and a :class:`RangePool`, a file larger than one part is
+        fetched as byte ranges on the pool, each written straight to its place in the file:
+        files then complete one after another in the order they were asked for, at the speed
+        of all the connections together, instead of all at once at the end. Stores that
+        ignore ranges (some plain HTTP servers) get whole-file downloads from the first such
+        answer on.
 
         Args:
             relative: Path of the file inside the dataset folder.
             local_path: Where to write it.
             size: The file's size in bytes, when known.
-            pool: ``concurrent.futures`` executor for the ranges.
-            part_bytes: Size of one range. Ranges cost a copy and a request each: on a small
-                machine they cut the wait for the first shard but lower the total rate, so
-                only files of two parts or more (MDS's default 64 MB shards) use them.
+            pool: :class:`RangePool` (or any executor) for the ranges.
+            part_bytes: Size of one range; default :func:`part_bytes_for` the size and the
+                pool's threads.
+            new_hasher: Makes a hash object (``update``/``hexdigest``) to feed the file's
+                bytes, in order, while they arrive; ``None`` for no hash.
+
+        Returns:
+            The hash object fed the whole file, or ``None`` without ``new_hasher``.
 
         Raises:
             DataError: The file does not exist or cannot be read after the retries.
         """
-        if pool is None or size is None or size < 2 * part_bytes or self.ranges_supported is False:
-            self._retrying(relative, lambda: self.fs.get_file(self._path(relative), local_path))
-            return
+        if part_bytes is None:
+            part_bytes = part_bytes_for(size or 0, getattr(pool, "threads", 1))
+        if pool is not None and size is not None and size > part_bytes and self.ranges_supported is not False:
+            ordered = _InOrder(new_hasher() if new_hasher else None)
+            if self._download_ranges(relative, local_path, size, pool, part_bytes, ordered):
+                return ordered.hasher
+        hasher = new_hasher() if new_hasher else None
+        if size is not None and size <= part_bytes:
+            # One part: one request, hashed from memory.
+            data = self.read_bytes(relative)
+            _write_all(local_path, data)
+            if hasher is not None:
+                hasher.update(data)
+            return hasher
+        self._retrying(relative, lambda: self.fs.get_file(self._path(relative), local_path))
+        if hasher is not None:  # a store without ranges or a file of unknown size: hash what landed
+            with open(local_path, "rb") as handle:
+                while chunk := handle.read(_CHUNK):
+                    hasher.update(chunk)
+        return hasher
+
+    def _download_ranges(self, relative: str, local_path: str, size: int, pool, part_bytes: int, ordered: _InOrder) -> bool:
+        """Fetches ``relative`` as ranges into ``local_path``; False when the store ignores ranges."""
         starts = list(range(0, size, part_bytes))
         with open(local_path, "wb") as handle:
             handle.truncate(size)
         fd = os.open(local_path, os.O_WRONLY)
         futures = []
+
+        def submit(begin):
+            return pool.submit(self._part, relative, fd, begin, min(begin + part_bytes, size), ordered)
+
         try:
             if self.ranges_supported is None:
                 with self._probe:  # one probe per volume: an ignoring server sends whole files
                     if self.ranges_supported is None:
-                        self.ranges_supported = self._part(relative, fd, starts[0], min(part_bytes, size))
+                        self.ranges_supported = self._part(relative, fd, starts[0], min(part_bytes, size), ordered)
                         # Queue the rest before other files waiting for the probe queue theirs.
-                        starts = starts[1:] if self.ranges_supported else []
-                        futures = [pool.submit(self._part, relative, fd, start, min(start + part_bytes, size)) for start in starts]
+                        futures = [submit(begin) for begin in starts[1:]] if self.ranges_supported else []
                         starts = []
-            if self.ranges_supported:
-                futures += [pool.submit(self._part, relative, fd, start, min(start + part_bytes, size)) for start in starts]
-                concurrent.futures.wait(futures)  # all settle before the file closes
-                ranged = all(future.result() for future in futures)
-            else:
-                ranged = False
+            if not self.ranges_supported:
+                return False
+            futures += [submit(begin) for begin in starts]
+            concurrent.futures.wait(futures)  # all settle before the file closes
+            # A short range from a store that answers ranges means the file is not the size
+            # the caller expects: fetched whole, it fails the caller's size check.
+            return all(future.result() for future in futures)
         finally:
             concurrent.futures.wait(futures)
             os.close(fd)
-        if not ranged:
-            self.ranges_supported = False
-            self._retrying(relative, lambda: self.fs.get_file(self._path(relative), local_path))
 
-    def _part(self, relative: str, fd: int, start: int, end: int) -> bool:
-        data = self._retrying(relative, lambda: self.fs.cat_file(self._path(relative), start=start, end=end))
+    def _part(self, relative: str, fd: int, start: int, end: int, ordered: _InOrder) -> bool:
+        data = self.read_bytes(relative, start, end)
         if len(data) != end - start:
             return False  # the store ignored the range and sent something else
-        view = memoryview(data)
-        while view:
-            written = os.pwrite(fd, view, start)
-            view, start = view[written:], start + written
+        _pwrite_all(fd, data, start)
+        ordered.add(start, data)
         return True
 
     def _retrying(self, relative, action):
@@ -140,3 +226,18 @@ class Volume:
                 if attempt == self.retries:
                     raise DataError(f"reading {relative} from volume {self.url} failed {attempt + 1} times: {type(exc).__name__}: {exc}") from exc
                 time.sleep(0.2 * 2**attempt)
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
+def _write_all(local_path: str, data: bytes) -> None:
+    fd = os.open(local_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _pwrite_all(fd, data, 0)
+    finally:
+        os.close(fd)

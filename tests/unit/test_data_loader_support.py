@@ -32,7 +32,7 @@ def collect_ids(loader) -> list[np.ndarray]:
 
 
 class CountingVolume(Volume):
-    """A real volume that counts downloads per file and can damage the first ``corrupt`` of them."""
+    """A real volume that counts downloads per file and damages, in transit, the first ``corrupt`` reads of shards."""
 
     def __init__(self, url, corrupt: int = 0):
         super().__init__(url)
@@ -40,12 +40,13 @@ class CountingVolume(Volume):
         self.corrupt_left = corrupt
 
     def download(self, relative, local_path, *args, **kwargs):
-        super().download(relative, local_path, *args, **kwargs)
+        hasher = super().download(relative, local_path, *args, **kwargs)
         self.downloads[relative] = self.downloads.get(relative, 0) + 1
-        if self.corrupt_left > 0:
+        return hasher
+
+    def read_bytes(self, relative, start=None, end=None):
+        data = super().read_bytes(relative, start, end)
+        if self.corrupt_left > 0 and relative != "index.json":
             self.corrupt_left -= 1
-            with open(local_path, "r+b") as handle:
-                handle.seek(-1, 2)
-                last = handle.read(1)
-                handle.seek(-1, 2)
-                handle.write(bytes([last[0] ^ 0xFF]))
+            data = data[:-1] + bytes([data[-1] ^ 0xFF])
+        return data
