@@ -6,10 +6,13 @@ the known order, in parallel, ahead of the reader), and what does the cache buy 
 The volume is a real HTTP server on loopback (Python's ThreadingHTTPServer in its own
 process, answering byte-range requests as object stores and nginx do) serving MDS shards of
 tabular samples (32 float32 + 1 int64). Measured in one run:
-  * ceiling: the volume's raw rate, all shard files fetched by a plain parallel download
-    (as many threads as the loader uses, and one thread);
+  * ceiling: the volume's raw rate, all shard files fetched whole by an independent plain
+    client (http.client, one keep-alive connection per thread, as many threads as the
+    loader uses, and one thread), not by this project's downloader;
   * sparkgpu.data.dataset: epoch 1 (cold cache, everything comes over HTTP) and epoch 2
-    (from the cache), through sparkgpu.data.report.volume_report;
+    (from the cache), through sparkgpu.data.report.volume_report; each of the --repeats
+    runs measures the raw rate right before its epoch 1, and the score is each run's own
+    epoch 1 / raw ratio (best and median reported, the target judged on the median);
   * peer: streaming.StreamingDataset reading the same shards straight from the volume
     (StreamingDataset has no http:// downloader: the benchmark registers a plain urllib one,
     like its S3/GCS downloaders wrap their SDKs), with a torch DataLoader, for at most
@@ -23,14 +26,19 @@ Results: benchmarks/results/volume.json and volume.png.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import http.client
 import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -85,6 +93,40 @@ server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Han
 print(server.server_address[1], flush=True)
 server.serve_forever()
 """
+
+
+def plain_parallel_download(remote: str, files: list[str], threads: int, target: Path) -> dict:
+    """The volume's raw rate: whole-file GETs with http.client in ``threads`` threads, written to disk.
+
+    Each thread keeps one keep-alive connection, as any HTTP client library would; the bytes
+    go to files under ``target`` as the loader's go to its cache.
+    """
+    parsed = urllib.parse.urlsplit(remote)
+    local = threading.local()
+
+    def fetch(item):
+        number, name = item
+        if not hasattr(local, "connection"):
+            local.connection = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=60)
+        local.connection.request("GET", f"{parsed.path}/{name}")
+        response = local.connection.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"GET {remote}/{name} answered {response.status} {response.reason}")
+        buffer = memoryview(bytearray(8 << 20))
+        size = 0
+        with open(target / f"{number}.bin", "wb") as out:
+            while count := response.readinto(buffer):
+                out.write(buffer[:count])
+                size += count
+        return size
+
+    target.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        total = sum(pool.map(fetch, enumerate(files)))
+    seconds = time.perf_counter() - started
+    shutil.rmtree(target, ignore_errors=True)
+    return {"client": "http.client", "threads": threads, "bytes": total, "seconds": seconds, "mb_per_s": total / seconds / 1e6}
 
 
 def start_server(folder: Path):
@@ -143,8 +185,7 @@ def streaming_from_volume(remote: str, local: Path, batch_size: int, workers: in
 
 
 def run(args) -> dict:
-    from sparkgpu.data.report import plot_volume_report, raw_parallel_download, volume_report
-    from sparkgpu.data.volume import Volume
+    from sparkgpu.data.report import plot_volume_report, volume_report
 
     work = Path(tempfile.mkdtemp(prefix="sparkgpu-bench-volume-", dir=args.work_dir))
     server = None
@@ -155,39 +196,40 @@ def run(args) -> dict:
         remote = f"{base}/ds"
         index = json.loads((work / "volume" / "ds" / "index.json").read_text())
         files = [(s.get("zip_data") or s["raw_data"])["basename"] for s in index["shards"]]
-        one_thread = raw_parallel_download(Volume(remote), files, 1, work / "raw1")
+        one_thread = plain_parallel_download(remote, files, 1, work / "raw1")
         print(f"  raw download, 1 thread: {one_thread['mb_per_s']:.0f} MB/s", flush=True)
-        # The machine may be shared: the whole report runs --repeats times, and the best run of
-        # each figure is compared (every run is recorded).
-        runs = [volume_report(remote, local=work, batch_size=args.batch_size, download_threads=args.threads, shuffle=args.shuffle)
-                for _ in range(args.repeats)]
-        report = dict(runs[0])
-        for key, better in (("raw_parallel_download", "mb_per_s"), ("epoch1_from_volume", "mb_per_s"), ("epoch2_from_cache", "mb_per_s")):
-            report[key] = max((run[key] for run in runs), key=lambda figures: figures[better])
-        report["epoch1_vs_raw"] = report["epoch1_from_volume"]["mb_per_s"] / report["raw_parallel_download"]["mb_per_s"]
-        report["epoch2_speedup"] = report["epoch1_from_volume"]["seconds"] / report["epoch2_from_cache"]["seconds"]
-        report["runs"] = runs
-        def each(key):
-            return ", ".join(f"{run[key]['mb_per_s']:.0f}" for run in runs)
 
-        print(f"  raw parallel download, {args.threads} threads: {report['raw_parallel_download']['mb_per_s']:.0f} MB/s "
-              f"(runs: {each('raw_parallel_download')})", flush=True)
-        for name in ("epoch1_from_volume", "epoch2_from_cache"):
-            epoch = report[name]
-            print(f"  sparkgpu {name}: {epoch['seconds']:.2f} s (first batch after {epoch['first_batch_s']:.2f} s), "
-                  f"{epoch['samples_per_s']:,.0f} samples/s, {epoch['mb_per_s']:.0f} MB/s "
-                  f"(runs: {each(name)})", flush=True)
-        print(f"  epoch 1 / raw parallel download: {report['epoch1_vs_raw']:.0%} (target >= 70%)", flush=True)
+        def raw(names, target):
+            return plain_parallel_download(remote, names, args.threads, target)
+
+        # The machine may be shared: each run compares its epoch 1 with the raw rate measured
+        # right before it, so a busy moment lowers both sides of that run's ratio.
+        runs = [volume_report(remote, local=work, batch_size=args.batch_size, download_threads=args.threads, shuffle=args.shuffle,
+                              raw_download=raw)
+                for _ in range(args.repeats)]
+        ratios = [run["epoch1_vs_raw"] for run in runs]
+        median = statistics.median(ratios)
+        # The figures shown and plotted are those of the run with the median ratio.
+        report = dict(sorted(runs, key=lambda run: run["epoch1_vs_raw"])[(len(runs) - 1) // 2])
+        report["runs"] = runs
+        for number, run in enumerate(runs, 1):
+            print(f"  run {number}: raw parallel download ({args.threads} threads, http.client) "
+                  f"{run['raw_parallel_download']['mb_per_s']:.0f} MB/s; sparkgpu epoch 1 {run['epoch1_from_volume']['mb_per_s']:.0f} MB/s "
+                  f"(first batch after {run['epoch1_from_volume']['first_batch_s']:.2f} s) = {run['epoch1_vs_raw']:.0%} of raw; "
+                  f"epoch 2 from the cache {run['epoch2_from_cache']['mb_per_s']:.0f} MB/s", flush=True)
+        print(f"  epoch 1 / raw parallel download, same run: median {median:.0%}, best {max(ratios):.0%} (target >= 70%)", flush=True)
         peer = streaming_from_volume(remote, work / "streaming-cache", args.batch_size, args.workers, args.peer_seconds)
         results = {
             "sparkgpu": report,
             "raw_download_one_thread": one_thread,
             "streaming_from_volume": peer,
             "ratios": {
-                "epoch1_vs_raw_parallel_download": report["epoch1_vs_raw"],
-                "epoch2_speedup_over_epoch1": report["epoch2_speedup"],
+                "epoch1_vs_raw_parallel_download_per_run": ratios,
+                "epoch1_vs_raw_parallel_download_median": median,
+                "epoch1_vs_raw_parallel_download_best": max(ratios),
+                "epoch2_speedup_over_epoch1_median": statistics.median(run["epoch2_speedup"] for run in runs),
                 "epoch1_over_streaming_from_volume": report["epoch1_from_volume"]["samples_per_s"] / peer["samples_per_s"],
-                "target_epoch1_70pct_of_raw": report["epoch1_vs_raw"] >= 0.70,
+                "target_epoch1_70pct_of_raw_median": median >= 0.70,
             },
         }
         plot_volume_report(report, args.out_png, extra={
@@ -210,7 +252,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=8, help="parallel downloads, loader and raw alike")
     parser.add_argument("--shuffle", action="store_true")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of the report; the best of each figure is compared")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of raw download + epochs; each run's ratio is reported")
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers of the StreamingDataset peer")
     parser.add_argument("--peer-seconds", type=float, default=20.0)
     parser.add_argument("--work-dir", default=None)

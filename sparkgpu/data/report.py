@@ -11,6 +11,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from sparkgpu.data.cache import open_cache_entry
@@ -50,6 +51,7 @@ def volume_report(
     download_threads: int = 8,
     storage_options: dict | None = None,
     png: str | os.PathLike | None = None,
+    raw_download: Callable[[list[str], Path], dict] | None = None,
 ) -> dict:
     """Measures one dataset on its volume: raw download, epoch 1 from the volume, epoch 2 from cache.
 
@@ -65,6 +67,10 @@ def volume_report(
         download_threads: Parallel downloads, for the raw download and for the loader.
         storage_options: Options for the volume's filesystem.
         png: Where to draw the report as a picture (optional).
+        raw_download: Measures the volume's raw rate instead of :func:`raw_parallel_download`:
+            called with the files (relative to ``remote``) and a scratch folder, returns a
+            dict with at least ``bytes`` and ``mb_per_s`` (a benchmark passes an
+            independent client here).
 
     Returns:
         A dict of figures: ``raw_parallel_download``, ``epoch1_from_volume``,
@@ -82,7 +88,11 @@ def volume_report(
     try:
         _, index = open_cache_entry(scratch / "probe", volume)
         files = [shard.remote_basename for shard in index.shards]
-        raw = raw_parallel_download(volume, files, download_threads, scratch / "raw")
+        if raw_download is None:
+            raw = raw_parallel_download(volume, files, download_threads, scratch / "raw")
+        else:
+            raw = raw_download(files, scratch / "raw")
+            shutil.rmtree(scratch / "raw", ignore_errors=True)
         loader = dataset(remote=remote, local=scratch / "cache", batch_size=batch_size, shuffle=shuffle,
                          download_threads=download_threads, storage_options=storage_options)
         epochs = []
