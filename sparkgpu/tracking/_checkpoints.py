@@ -1,15 +1,13 @@
-"""Model weights from ``torch.distributed.checkpoint`` directories, and their place in a run's lineage."""
+"""Model weights from ``torch.distributed.checkpoint`` directories, and whether a save of them finished."""
 
 from __future__ import annotations
 
-import json
-import os
 import warnings
 from pathlib import Path
 
 from sparkgpu.errors import CheckpointError
 
-__all__ = ["load_checkpoint_into", "checkpoint_step_from_lineage"]
+__all__ = ["load_checkpoint_into", "committed_checkpoint"]
 
 
 def load_checkpoint_into(model, checkpoint: str, key: str | None = None):
@@ -71,22 +69,25 @@ def load_checkpoint_into(model, checkpoint: str, key: str | None = None):
     return model
 
 
-def checkpoint_step_from_lineage(run, path: str) -> int | None:
-    """The step of checkpoint ``path`` from the run's lineage (see ``log_checkpoint``)."""
-    import mlflow.artifacts
-    from mlflow.exceptions import MlflowException
+def committed_checkpoint(checkpoint: str):
+    """The completion marker of a checkpoint saved by ``sparkgpu.train.Checkpointer``.
 
-    def same(a: str, b: str) -> bool:
-        return os.path.realpath(a) == os.path.realpath(b) if "://" not in a + b else a.rstrip("/") == b.rstrip("/")
+    Args:
+        checkpoint: Directory (or fsspec URL) of one checkpoint (``.../step-0000000900``).
 
-    tags = run.data.tags
-    if tags.get("sparkgpu.checkpoint.latest_path") and same(tags["sparkgpu.checkpoint.latest_path"], path):
-        return int(tags["sparkgpu.checkpoint.latest_step"])
-    try:
-        lineage = json.loads(mlflow.artifacts.load_text(f"{run.info.artifact_uri}/lineage/checkpoints.json"))
-    except (MlflowException, OSError, ValueError):  # no lineage recorded: the step stays unknown
-        return None
-    for entry in reversed(lineage):
-        if same(entry["path"], path):
-            return int(entry["step"])
-    return None
+    Returns:
+        Its :class:`~sparkgpu.train.CheckpointInfo` (step, world size, ...).
+
+    Raises:
+        CheckpointError: the directory has no completion marker: its save did not finish.
+    """
+    from sparkgpu.train._checkpoint_store import MARKER_NAME, checkpoint_at
+
+    info = checkpoint_at(checkpoint)
+    if info is None:
+        raise CheckpointError(
+            f"{checkpoint} has no completion marker ({MARKER_NAME}): its save did not finish (it is still being "
+            "written, or the job stopped mid-save), so it may hold partial data. Register a complete checkpoint: "
+            "sparkgpu.train.latest_checkpoint(<checkpoint directory>).path is the newest one"
+        )
+    return info

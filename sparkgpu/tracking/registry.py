@@ -28,7 +28,7 @@ import tempfile
 
 from sparkgpu._modules import imported
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.tracking._checkpoints import checkpoint_step_from_lineage, load_checkpoint_into
+from sparkgpu.tracking._checkpoints import committed_checkpoint, load_checkpoint_into
 from sparkgpu.tracking._permissions import translate_permission_errors
 from sparkgpu.tracking.names import (
     ModelName,
@@ -191,8 +191,8 @@ def register(model_or_checkpoint, name: str, *, model=None, alias: str | None = 
     """Registers a model (or a checkpoint loaded into one) as a new version of ``name``.
 
     Args:
-        model_or_checkpoint: A ``torch.nn.Module``, or the directory of a
-            ``torch.distributed.checkpoint`` to load into ``model``.
+        model_or_checkpoint: A ``torch.nn.Module``, or the directory of one complete
+            checkpoint of ``sparkgpu.train.Checkpointer`` to load into ``model``.
         name: ``catalog.schema.model``; shorter names are completed (see :mod:`.names`).
         model: The module a checkpoint is loaded into (required with a checkpoint).
         alias: Alias to point at the new version (``"champion"``).
@@ -201,7 +201,7 @@ def register(model_or_checkpoint, name: str, *, model=None, alias: str | None = 
         description: Version description.
         run_id: Run holding the model's files; by default the job's run inside a job, the
             active MLflow run, or a new run in the default experiment.
-        checkpoint_step: Step of the checkpoint; by default looked up in the run's lineage.
+        checkpoint_step: Step of the checkpoint; by default read from its completion marker.
         checkpoint_key: Entry of the checkpoint holding the model's state dict.
         data_version: Data version to record; by default the run's ``sparkgpu.data.version``.
         pip_requirements: Requirements stored with the model; by default torch, numpy and
@@ -220,7 +220,8 @@ def register(model_or_checkpoint, name: str, *, model=None, alias: str | None = 
 
     Raises:
         ConfigurationError: bad name, alias, tags, input example, or a checkpoint without ``model``.
-        CheckpointError: the checkpoint is incomplete or does not fit the model.
+        CheckpointError: the checkpoint's save did not finish (no completion marker), or it
+            does not fit the model.
         PermissionDeniedError: the registry refused; the message names the missing permission.
     """
     import torch
@@ -242,7 +243,10 @@ def register(model_or_checkpoint, name: str, *, model=None, alias: str | None = 
                 "register(path, name, model=YourModel())"
             )
         checkpoint = os.fspath(model_or_checkpoint)
+        committed = committed_checkpoint(checkpoint)  # before loading: a partial save is refused at once
         module = load_checkpoint_into(model, checkpoint, checkpoint_key)
+        if checkpoint_step is None:
+            checkpoint_step = committed.step
     else:
         raise ConfigurationError(
             f"register() takes a torch.nn.Module or a checkpoint directory, got {type(model_or_checkpoint).__name__}"
@@ -303,10 +307,7 @@ def _register_files(reg, parsed, module, run_id, signature, example, pip_require
         lineage["sparkgpu.data.version"] = str(data_version)
     if checkpoint is not None:
         lineage["sparkgpu.checkpoint.path"] = checkpoint
-        step = checkpoint_step if checkpoint_step is not None else checkpoint_step_from_lineage(run, checkpoint)
-        if step is not None:
-            lineage["sparkgpu.checkpoint.step"] = str(step)
-    elif checkpoint_step is not None:
+    if checkpoint_step is not None:
         lineage["sparkgpu.checkpoint.step"] = str(checkpoint_step)
     version_tags = {**lineage, **{str(k): str(v) for k, v in (tags or {}).items()}}
     requirements = pip_requirements or [

@@ -29,7 +29,7 @@ from typing import Any
 
 from sparkgpu.errors import CheckpointError
 
-__all__ = ["MARKER_NAME", "CheckpointInfo", "CheckpointStore"]
+__all__ = ["MARKER_NAME", "CheckpointInfo", "CheckpointStore", "checkpoint_at"]
 
 logger = logging.getLogger("sparkgpu.train.checkpoint")
 
@@ -308,6 +308,17 @@ class CheckpointStore:
         if not self.is_local:
             return None
         return shutil.disk_usage(self.directory).free
+
+
+def checkpoint_at(path: str | os.PathLike) -> CheckpointInfo | None:
+    """The complete checkpoint in the directory ``path`` (``<directory>/step-0000000900``,
+    a local path or an fsspec URL), or ``None`` when it has no completion marker."""
+    path = os.fspath(path)
+    if path.startswith("file://"):
+        path = path[len("file://") :]
+    path = path.rstrip("/")
+    parent = path.rsplit("/", 1)[0] if "/" in path else "."
+    return CheckpointStore(parent or "/")._read_marker(path)
 
 
 def _fsync_dir(path: str) -> None:

@@ -9,8 +9,9 @@ import torch
 
 from sparkgpu.errors import CheckpointError, ConfigurationError
 from sparkgpu.tracking import registry
+from sparkgpu.train import latest_checkpoint
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
 
 class TinyNet(torch.nn.Module):
@@ -104,29 +105,48 @@ def test_aliases_move_and_tags_are_set(tmp_path):
 
 
 def _save_checkpoint(model, path, key="model"):
+    """A plain DCP save: data and ``.metadata``, but no completion marker."""
     import torch.distributed.checkpoint as dcp
 
     dcp.save({key: model.state_dict()} if key else model.state_dict(), checkpoint_id=str(path))
 
 
-def test_register_from_a_checkpoint_with_lineage_from_the_run(tmp_path):
+def _committed_checkpoint(model, directory, step: int) -> str:
+    """A checkpoint as a training function leaves it: saved and committed by the Checkpointer."""
+    from sparkgpu.train import Checkpointer
+
+    with Checkpointer(directory, async_save=False, handle_sigterm=False) as ckpt:
+        ckpt.save(step, model=model, wait=True)
+    return latest_checkpoint(directory).path
+
+
+def test_register_from_a_checkpoint_takes_its_step_from_the_checkpoint_and_lineage_from_the_run(tmp_path):
     from mlflow import MlflowClient
 
     source = trained(7)
-    checkpoint = tmp_path / "checkpoints" / "step-500"
-    _save_checkpoint(source, checkpoint)
+    checkpoint = _committed_checkpoint(source, tmp_path / "checkpoints", step=500)
     client = MlflowClient()
     experiment_id = client.create_experiment(f"lineage-{time.time_ns()}", artifact_location=(tmp_path / "a").as_uri())
-    run = client.create_run(experiment_id, tags={
-        "sparkgpu.job_id": "train-42", "sparkgpu.data.version": "12",
-        "sparkgpu.checkpoint.latest_path": str(checkpoint), "sparkgpu.checkpoint.latest_step": "500"})
+    # The run has not heard of the checkpoint yet: its lineage reaches the run a moment later.
+    run = client.create_run(experiment_id, tags={"sparkgpu.job_id": "train-42", "sparkgpu.data.version": "12"})
     name = unique("from_ckpt")
-    version = registry.register(str(checkpoint), name, model=TinyNet(), run_id=run.info.run_id)
+    version = registry.register(checkpoint, name, model=TinyNet(), run_id=run.info.run_id)
     x = torch.randn(2, 4)
     assert torch.allclose(registry.load(f"{name}/{version.version}")(x), source(x))
     assert {k: version.tags[k] for k in ("sparkgpu.job_id", "sparkgpu.data.version", "sparkgpu.checkpoint.step")} == {
         "sparkgpu.job_id": "train-42", "sparkgpu.data.version": "12", "sparkgpu.checkpoint.step": "500"}
-    assert version.tags["sparkgpu.checkpoint.path"] == str(checkpoint) and version.run_id == run.info.run_id
+    assert version.tags["sparkgpu.checkpoint.path"] == checkpoint and version.run_id == run.info.run_id
+
+
+def test_a_checkpoint_whose_save_did_not_finish_is_refused_before_loading(tmp_path):
+    from mlflow import MlflowClient
+
+    name = unique("unfinished")
+    partial = tmp_path / "checkpoints" / "step-0000000900"
+    _save_checkpoint(trained(3), partial)  # DCP's .metadata is there, the completion marker is not
+    with pytest.raises(CheckpointError, match=rf"{partial} has no completion marker.*did not finish"):
+        registry.register(str(partial), name, model=TinyNet())
+    assert MlflowClient().search_registered_models(f"name='{name}'") == []
 
 
 def test_a_top_level_checkpoint_loads_too(tmp_path):
@@ -141,13 +161,13 @@ def test_checkpoint_problems_are_clear_and_register_nothing(tmp_path):
 
     name = unique("bad_ckpt")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(CheckpointError, match="no .metadata"):
+    with pytest.raises(CheckpointError, match="no completion marker"):
         registry.register(str(tmp_path / "empty"), name, model=TinyNet())
-    _save_checkpoint(trained(1), tmp_path / "ckpt")
+    checkpoint = _committed_checkpoint(trained(1), tmp_path / "ckpt", step=3)
     with pytest.raises(CheckpointError, match="model.body.weight"):
-        registry.register(str(tmp_path / "ckpt"), name, model=OtherNet())
+        registry.register(checkpoint, name, model=OtherNet())
     with pytest.raises(ConfigurationError, match="model=YourModel()"):
-        registry.register(str(tmp_path / "ckpt"), name)
+        registry.register(checkpoint, name)
     assert MlflowClient().search_registered_models(f"name='{name}'") == []
 
 

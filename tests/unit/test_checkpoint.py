@@ -14,7 +14,7 @@ from torch import nn
 from sparkgpu import runtime
 from sparkgpu.errors import CheckpointError, ConfigurationError
 from sparkgpu.train import Checkpointer, latest_checkpoint, list_checkpoints
-from sparkgpu.train._checkpoint_store import CheckpointStore
+from sparkgpu.train._checkpoint_store import CheckpointStore, checkpoint_at
 from sparkgpu.train.checkpoint import finish_pending_checkpoints
 
 # pytest resets warning filters per test; the module's own filter for this DCP notice is lost.
@@ -352,6 +352,8 @@ def test_fsspec_url_round_trip():
     try:
         assert Checkpointer(url).restore(**fresh) == 3
         _assert_same_training_state(state, fresh)
+        assert checkpoint_at(f"{url}/step-0000000002/").step == 2  # what the registry checks
+        assert checkpoint_at(f"{url}/step-0000000001") is None
     finally:
         fsspec.filesystem("memory").rm("/ckpt-round-trip", recursive=True)
 
@@ -411,3 +413,13 @@ def test_outside_a_job_a_failing_mlflow_does_not_fail_the_save(tmp_path, monkeyp
         ckpt.save(0, **state, wait=True)
     assert latest_checkpoint(tmp_path / "ckpt").step == 0
     assert "not recorded in an MLflow run" in caplog.text
+
+
+def test_a_checkpoint_directory_is_complete_only_with_its_marker(tmp_path):
+    state = make_training(0)
+    with Checkpointer(tmp_path / "ckpt", async_save=False) as ckpt:
+        ckpt.save(4, **state)
+    path = latest_checkpoint(tmp_path / "ckpt").path
+    assert checkpoint_at(path).step == checkpoint_at(f"file://{path}").step == 4
+    os.remove(os.path.join(path, "_COMPLETE.json"))  # as if the job stopped before the commit
+    assert os.path.exists(os.path.join(path, ".metadata")) and checkpoint_at(path) is None
