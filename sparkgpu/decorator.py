@@ -84,6 +84,11 @@ class DistributedFunction:
         self.experiment = experiment
         self.register_as = register_as
         self.ship_environment = ship_environment
+        # What the last .distributed() call left behind (None before the first call).
+        self.last_job_id: str | None = None
+        self.last_run_dir: str | None = None
+        self.last_results: list[Any] | None = None
+        self.last_model_version = None
         if register_as is not None:
             from sparkgpu.tracking.names import parse_model_name
 
@@ -144,6 +149,10 @@ class DistributedFunction:
     def distributed(self, *args, **kwargs) -> list[Any]:
         """Runs the function on every rank with these arguments.
 
+        With ``register_as``, rank 0's return value is registered once the job succeeded; if
+        that fails, the registration's error is raised, and the job's results stay reachable:
+        on :attr:`last_results` and on the error's ``results`` attribute.
+
         Returns:
             One return value per rank, ordered by rank.
 
@@ -153,14 +162,30 @@ class DistributedFunction:
             SerializationError: the function or an argument cannot be sent to the workers.
             CapacityError: more (or other) GPUs were asked for than the backend has.
             JobTimeoutError: the call ran past ``timeout``.
+            ConfigurationError: ``register_as`` was given and rank 0 returned no
+                ``torch.nn.Module`` (the job itself succeeded; see above).
         """
+        self.last_results = self.last_model_version = None
         staged = self._stage(args, kwargs)
         supervisor = Supervisor(staged.job, staged.run_dir, staged.backend, staged.key, staged.callbacks)
         self.last_job_id = staged.job.job_id
         self.last_run_dir = str(staged.run_dir.path)
         results = supervisor.run()
+        # Set before registering: a registry that fails must not cost the results of a job
+        # that may have trained for days.
+        self.last_results = results
         if self.register_as is not None:
-            self.last_model_version = _register_result(results[0], self.register_as, staged)
+            try:
+                self.last_model_version = _register_result(results[0], self.register_as, staged)
+            except Exception as exc:
+                exc.results = results
+                exc.add_note(
+                    f"sparkgpu: job {staged.job.job_id} succeeded, only registering its model as "
+                    f"{self.register_as!r} failed; its per-rank results are on this error's `.results` "
+                    "and on the decorated function's `.last_results`: register them with "
+                    f"sparkgpu.registry.register(results[0], {self.register_as!r})"
+                )
+                raise
         return results
 
     def dryrun(self, *args, **kwargs) -> LaunchPlan:

@@ -58,3 +58,38 @@ def test_dryrun_validates_and_prints_the_plan_without_starting_anything(_isolate
     assert "ranks_per_node=2" in text and "devices=['0', '1']" in text
     assert "sparkgpu.launch.agent" in text
     assert not (_isolated_sparkgpu_home / "runs").exists()
+
+
+def _rank_results():
+    return {"rank": runtime.get_global_rank(), "loss": 0.25}
+
+
+def _rank_models():
+    import torch
+
+    return torch.nn.Linear(2, 1) if runtime.is_main_process() else runtime.get_global_rank()
+
+
+@pytest.mark.integration  # real ranks
+def test_a_failed_registration_keeps_the_jobs_results_reachable():
+    # Real ranks: the job succeeds, only registering rank 0's value (not a module) fails.
+    job = distributed(gpus=2, gpu_type="cpu", register_as="main.ml.ctr")(_rank_results)
+    with pytest.raises(ConfigurationError, match="must be a torch.nn.Module") as err:
+        job.distributed()
+    expected = [{"rank": 0, "loss": 0.25}, {"rank": 1, "loss": 0.25}]
+    assert err.value.results == expected
+    assert job.last_results == expected and job.last_model_version is None
+    assert any(job.last_job_id in note and ".last_results" in note for note in err.value.__notes__)
+
+
+@pytest.mark.integration  # real ranks
+def test_a_registry_that_fails_keeps_the_jobs_results_reachable(monkeypatch, tmp_path):
+    (tmp_path / "not-a-dir").write_text("a file where the registry's folder should be")
+    monkeypatch.setenv("MLFLOW_REGISTRY_URI", f"sqlite:///{tmp_path}/not-a-dir/registry.db")
+    job = distributed(gpus=2, gpu_type="cpu", register_as="main.ml.ctr")(_rank_models)
+    with pytest.raises(OSError) as err:
+        job.distributed()
+    import torch
+
+    assert err.value.results[1] == 1 and isinstance(err.value.results[0], torch.nn.Linear)
+    assert job.last_results is err.value.results
