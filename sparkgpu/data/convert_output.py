@@ -2,15 +2,20 @@
 
 ``index.json`` is the commit point. A conversion
 
-1. removes an old ``index.json`` first (so no index ever lists shards being replaced),
-2. writes a marker file naming its run, then clears whatever an earlier run left,
-3. writes shards (from any number of writers, each in its own sub-folder),
-4. removes sub-folders no shard of the index lives in (failed Spark task attempts),
+1. writes a marker file naming its run (from here on, whatever a crash leaves is known to be
+   an interrupted conversion's),
+2. removes an old ``index.json`` (so no index ever lists shards being replaced), then clears
+   whatever an earlier run left,
+3. writes shards (from any number of writers, each in its own sub-folder), each flushed to
+   disk (``fsync``) by its writer,
+4. removes sub-folders no shard of the index lives in (failed Spark task attempts), and
+   flushes the folders' entries to disk,
 5. writes ``index.json`` atomically (temporary name + rename locally; one PUT on object stores),
 6. removes the marker.
 
-A crash at any point leaves either no index (the next run clears the folder and starts over)
-or a complete one.
+A crash, even a power loss, at any point leaves either a complete index (the shards it lists
+on disk) or no index and the marker (the next run clears the folder and starts over, with or
+without ``overwrite``).
 """
 
 from __future__ import annotations
@@ -80,6 +85,9 @@ class Volume:
             with open(path, "wb") as out:
                 for piece in pieces:
                     out.write(piece)
+                out.flush()
+                # The index is fsynced; without this a power loss could keep it and lose shards it lists.
+                os.fsync(out.fileno())
             return
         self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)  # a no-op on object stores
         with self.fs.open(path, "wb") as out:
@@ -97,9 +105,21 @@ class Volume:
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(temporary, path)
+            _fsync_folder(os.path.dirname(path))  # the rename itself survives a power loss
             return
         # Object stores publish an object only once its single PUT completes.
         self.fs.pipe_file(path, data)
+
+    def sync_folders(self, relpaths: Sequence[str]) -> None:
+        """Flushes to disk the entries of the folders ``relpaths`` (those that are folders) and
+        of the volume's root, so files written in them survive a power loss. Object stores
+        need nothing: an object exists once its PUT completes."""
+        if not self.is_local:
+            return
+        for relpath in relpaths:
+            if os.path.isdir(self.path(relpath)):
+                _fsync_folder(self.path(relpath))
+        _fsync_folder(self.url)
 
     def read_bytes(self, relpath: str) -> bytes | None:
         """The file's content, or ``None`` when it does not exist."""
@@ -179,9 +199,11 @@ class OutputFolder:
                 f"{self.volume.url} is not empty ({shown}) and was not written by an interrupted "
                 "conversion; choose an empty folder, or pass overwrite=True to delete its contents"
             )
+        # The marker first: a crash after the old index is gone must still leave a folder that
+        # a rerun recognises as an interrupted conversion.
+        self.volume.write_atomic(MARKER_NAME, json.dumps({"run_id": self.run_id, "started": time.time()}).encode())
         if has_index:
             self.volume.remove(INDEX_NAME)
-        self.volume.write_atomic(MARKER_NAME, json.dumps({"run_id": self.run_id, "started": time.time()}).encode())
         for name in entries:
             if name not in (INDEX_NAME, MARKER_NAME):
                 self.volume.remove(name)
@@ -199,6 +221,8 @@ class OutputFolder:
         for name in self.volume.listdir():
             if name not in listed and name not in (MARKER_NAME, INDEX_NAME) and not name.startswith(INDEX_NAME + ".tmp"):
                 self.volume.remove(name)
+        # Writers fsynced the shards' bytes; their names live in these folders.
+        self.volume.sync_folders(sorted(listed))
         self.volume.write_atomic(INDEX_NAME, index_document(shards, metadata))
         self.volume.remove(MARKER_NAME)
 
@@ -220,3 +244,11 @@ class OutputFolder:
                 f"another conversion started writing to {self.volume.url} while this one ran "
                 f"(run {owner!r}, this one {self.run_id!r}); run one conversion per folder at a time"
             )
+
+
+def _fsync_folder(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

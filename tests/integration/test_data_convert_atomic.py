@@ -126,3 +126,64 @@ def test_overwrite_removes_the_old_index_before_writing_new_shards(tmp_path):
         data.to_mds(pa.RecordBatchReader.from_batches(SCHEMA, failing()), str(out), overwrite=True, progress=False)
     assert index_during_rewrite == [False]
     assert not (out / INDEX_NAME).exists()  # the old dataset is gone, never half-replaced
+
+
+def test_killed_right_after_removing_the_old_index_a_rerun_without_overwrite_finishes(tmp_path):
+    """Replacing a dataset: the marker is written before the old index goes, so a crash between
+    them leaves a folder a rerun recognises as an interrupted conversion."""
+    out = tmp_path / "out"
+    data.to_mds(pa.RecordBatchReader.from_batches(SCHEMA, batches(3)), str(out), size_limit=4096, progress=False)
+    script = textwrap.dedent(
+        f"""
+        import os, signal, sys
+        sys.path.insert(0, {REPO!r})
+        import numpy as np, pyarrow as pa
+        from sparkgpu import data
+        from sparkgpu.data import convert_output
+
+        remove = convert_output.Volume.remove
+
+        def remove_then_die(self, relpath):
+            remove(self, relpath)
+            if relpath == convert_output.INDEX_NAME:
+                os.kill(os.getpid(), signal.SIGKILL)  # power cut right after the old index is gone
+
+        convert_output.Volume.remove = remove_then_die
+        ids = np.arange(100, dtype=np.int64)
+        batch = pa.record_batch({{"id": ids, "x": ids.astype(np.float32), "name": [str(i) for i in ids]}})
+        data.to_mds(pa.RecordBatchReader.from_batches(batch.schema, [batch]), {str(out)!r}, overwrite=True, progress=False)
+        """
+    )
+    killed = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()
+    left = files_under(out)
+    assert INDEX_NAME not in left and MARKER_NAME in left
+    assert any(f.endswith(".mds") for f in left)  # the old shards are still there
+
+    result = data.to_mds(pa.RecordBatchReader.from_batches(SCHEMA, batches(2)), str(out), size_limit=4096, progress=False)
+    assert read_ids(result.url) == list(range(1000))
+    assert files_under(out) == listed_in_index(out) | {INDEX_NAME}
+
+
+def test_shards_and_their_folders_reach_the_disk_before_the_index(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    synced = []
+    fsync = os.fsync
+
+    def recording_fsync(fd):
+        synced.append(os.path.relpath(os.readlink(f"/proc/self/fd/{fd}"), out))
+        fsync(fd)
+
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc to name the files being flushed")
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    data.to_mds(pa.RecordBatchReader.from_batches(SCHEMA, batches(6)), str(out), size_limit=4096, progress=False)
+    index_flush = next(i for i, name in enumerate(synced) if name.startswith(INDEX_NAME + ".tmp"))
+    before = set(synced[:index_flush])
+    shards = listed_in_index(out)
+    assert len(shards) > 2
+    missing = {s for s in shards if s not in before}
+    assert not missing, f"shards listed in the index but not flushed before it: {sorted(missing)}"
+    folders = {os.path.dirname(s) for s in shards if os.path.dirname(s)} | {"."}
+    assert folders <= before, f"folders not flushed before the index: {sorted(folders - before)}"
+    assert "." in synced[index_flush + 1:], "the index's rename is flushed too"
