@@ -12,7 +12,7 @@ from sparkgpu.launch.payload import RunDir
 
 __all__ = ["LogStreamer"]
 
-_CHUNK = 1 << 16
+_MAX_READ = 4 << 20  # bytes of one rank's log read per pass
 
 
 class LogStreamer:
@@ -35,34 +35,48 @@ class LogStreamer:
         self._partial = {r: b"" for r in self.ranks}
 
     def pump(self) -> None:
-        """Writes whatever complete lines appeared since the last call."""
+        """Writes complete lines that appeared since the last call (up to a bounded amount per
+        rank, so one chatty rank cannot hold the others' lines back for long)."""
         wrote = False
         for rank in self.ranks:
-            path = self.run_dir.log_file(self.attempt, rank)
-            try:
-                size = os.path.getsize(path)
-            except FileNotFoundError:
-                continue
-            if size <= self._offsets[rank]:
-                continue
-            with open(path, "rb") as f:
-                f.seek(self._offsets[rank])
-                data = f.read(min(size - self._offsets[rank], 64 * _CHUNK))
-            self._offsets[rank] += len(data)
-            data = self._partial[rank] + data
-            *lines, self._partial[rank] = data.split(b"\n")
-            prefix = f"[rank{rank}] "
-            for line in lines:
-                self.out.write(prefix + line.decode(errors="replace") + "\n")
-                wrote = True
+            size = self._size(rank)
+            if size is not None:
+                wrote |= self._copy(rank, min(size, self._offsets[rank] + _MAX_READ))
         if wrote:
             self.out.flush()
 
     def finish(self) -> None:
-        """Writes what is left, including a last line without a newline."""
-        self.pump()
+        """Writes everything left, however much it is, including a last line without a newline."""
         for rank in self.ranks:
+            # The ranks have ended: read to the size seen now, in bounded reads, whatever the burst.
+            size = self._size(rank)
+            while size is not None and self._offsets[rank] < size:
+                self._copy(rank, min(size, self._offsets[rank] + _MAX_READ))
             if self._partial[rank]:
                 self.out.write(f"[rank{rank}] " + self._partial[rank].decode(errors="replace") + "\n")
                 self._partial[rank] = b""
         self.out.flush()
+
+    def _size(self, rank: int) -> int | None:
+        try:
+            return os.path.getsize(self.run_dir.log_file(self.attempt, rank))
+        except FileNotFoundError:
+            return None
+
+    def _copy(self, rank: int, end: int) -> bool:
+        """Writes the complete lines of ``rank``'s log up to byte ``end``; True if any."""
+        start = self._offsets[rank]
+        if end <= start:
+            return False
+        with open(self.run_dir.log_file(self.attempt, rank), "rb") as f:
+            f.seek(start)
+            data = f.read(end - start)
+        if not data:  # the file shrank (truncated by hand): nothing more to read
+            self._offsets[rank] = end
+            return False
+        self._offsets[rank] += len(data)
+        *lines, self._partial[rank] = (self._partial[rank] + data).split(b"\n")
+        prefix = f"[rank{rank}] "
+        for line in lines:
+            self.out.write(prefix + line.decode(errors="replace") + "\n")
+        return bool(lines)
