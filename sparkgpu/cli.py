@@ -264,7 +264,8 @@ def list_jobs(staging_root: Path | None = None) -> list[dict]:
             continue
         state = _read_json(spec_file.parent / "state.json") or {}
         attempts = state.get("attempts") or []
-        started = attempts[0]["started_at"] if attempts else None
+        # An attempt waiting for GPUs has no start yet: its submit time stands in.
+        started = (attempts[0].get("started_at") or attempts[0].get("submitted_at")) if attempts else None
         ended = attempts[-1].get("ended_at") if attempts else None
         status = state.get("status", "staged")
         if status == "running" and client_is_gone(state.get("client")):

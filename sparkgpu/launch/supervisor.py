@@ -3,8 +3,16 @@
 ``PENDING -> RUNNING(attempt k) -> SUCCEEDED``; from ``RUNNING`` an attempt can also end
 ``PREEMPTED`` (ranks checkpointed at the runtime cap: a new attempt resumes, no restart is
 used up) or ``FAILED`` (the :class:`FailurePolicy` decides between a restart and raising).
-``TIMED_OUT`` and ``CANCELLED`` are terminal. The state is a small JSON file in the run dir
-(``state.json``), rewritten atomically after every transition.
+An attempt stopped at the cap counts as preempted only when its ranks stopped for a restart
+or it committed a new checkpoint; otherwise it failed, so a function that never checkpoints
+cannot resume forever. ``TIMED_OUT``, ``CANCELLED`` and ``STOPPED`` (a usage policy's stop:
+ranks get ``checkpoint_grace`` to checkpoint, then are stopped) are terminal. The state is
+a small JSON file in the run dir (``state.json``), rewritten atomically after every
+transition.
+
+An attempt's runtime cap and billed time start when its ranks start. A backend whose ranks
+may start long after ``submit`` (Spark waiting for busy GPUs) says when through
+``ranks_started_at(handle)``; its ranks then learn of the cap from the stop file.
 """
 
 from __future__ import annotations
@@ -183,15 +191,23 @@ class Supervisor:
 
     def _stop_message(self, outcome: AttemptResult) -> str:
         job_id, reason = self.job.job_id, self.state["stop_reason"]
+        logs = self.run_dir.attempt_dir(len(self.state["attempts"]) - 1) / "logs"
         if outcome.status == "preempted":
             what = "checkpointed and stopped"
+        elif outcome.status == "failed":
+            what = f"stopped after its ranks failed (see {logs})"
         else:
             what = (f"stopped (its ranks did not checkpoint when asked; work since the latest checkpoint "
-                    f"is lost, see {self.run_dir.attempt_dir(len(self.state['attempts']) - 1) / 'logs'})")
+                    f"is lost, see {logs})")
         return (f"job {job_id} {what}: {reason}; "
                 f"continue it with `sparkgpu resume {job_id}` once the policy allows")
 
-    def _attempt_env(self, attempt: int, started: float) -> dict[str, str]:
+    @property
+    def _reports_start(self) -> bool:
+        """Whether the backend says when the ranks started (which can be long after submit)."""
+        return callable(getattr(self.backend, "ranks_started_at", None))
+
+    def _attempt_env(self, attempt: int, submitted: float) -> dict[str, str]:
         env = {
             KEY_ENV: self.key.hex(),
             runtime.ENV_JOB_ID: self.job.job_id,
@@ -199,22 +215,25 @@ class Supervisor:
             runtime.ENV_RUN_DIR: str(self.run_dir.path),
             runtime.ENV_CHECKPOINT_DIR: str(self.run_dir.checkpoints),
         }
-        if self.job.policy.max_runtime is not None:
-            deadline = started + self.job.policy.max_runtime - self.job.policy.checkpoint_grace
+        if self.job.policy.max_runtime is not None and not self._reports_start:
+            # Ranks start at submit here; elsewhere the supervisor writes the stop file in time.
+            deadline = submitted + self.job.policy.max_runtime - self.job.policy.checkpoint_grace
             env[runtime.ENV_DEADLINE] = repr(deadline)
         for callback in self.callbacks:
             env.update(callback.before_attempt(self.job, attempt))
         return env
 
     def _run_attempt(self, attempt: int, job_started: float) -> AttemptResult:
-        wall_started = time.time()
-        record = {"attempt": attempt, "started_at": wall_started, "ended_at": None, "status": "running"}
+        submitted = time.time()
+        # started_at: when the ranks started, the start of the billed time and of the cap.
+        record = {"attempt": attempt, "submitted_at": submitted, "started_at": None, "ended_at": None,
+                  "status": "running"}
         self.state["attempts"].append(record)
         self._set_status(JobStatus.RUNNING)
         handle = streamer = None
         try:
             checkpoint_before = self._latest_checkpoint()
-            handle = self.backend.submit(self.job, self.run_dir, attempt, self._attempt_env(attempt, wall_started))
+            handle = self.backend.submit(self.job, self.run_dir, attempt, self._attempt_env(attempt, submitted))
             streamer = LogStreamer(self.run_dir, attempt, self.job.world_size, self.job.log_ranks, self.out)
             code, stopped_by = self._watch(attempt, handle, streamer, record, job_started)
             streamer.finish()
@@ -242,15 +261,34 @@ class Supervisor:
             or ``"policy"`` when the supervisor stopped the ranks itself.
         """
         policy = self.job.policy
-        attempt_started = time.monotonic()
-        next_policy_check = attempt_started
+        ranks_started: float | None = None  # monotonic
+        next_start_check = next_policy_check = time.monotonic()
         stop_requested: float | None = None
+        cap_signalled = False
         while (code := self.backend.poll(handle)) is None:
             streamer.pump()
             now = time.monotonic()
+            if ranks_started is None and now >= next_start_check:
+                next_start_check = now + 1.0
+                ranks_started = self._ranks_started(handle, record)
+            if policy.timeout is not None and now - job_started > policy.timeout:
+                self.backend.cancel(handle, policy.shutdown_grace)
+                streamer.finish()
+                self._ranks_started(handle, record)
+                self._end_attempt(record, "timed_out", None)
+                self._set_status(JobStatus.TIMED_OUT)
+                raise JobTimeoutError(
+                    f"job {self.job.job_id} ran longer than its timeout of {policy.timeout:g}s and was "
+                    f"stopped; raise timeout= (or SPARKGPU_TIMEOUT), or checkpoint and set max_runtime= "
+                    f"so it resumes. Logs: {self.run_dir.attempt_dir(attempt) / 'logs'}"
+                )
+            if ranks_started is None:  # waiting for GPUs: nothing runs, nothing is spent
+                time.sleep(_POLL_SECONDS)
+                continue
+            ran = now - ranks_started
             if now >= next_policy_check and stop_requested is None and not self.state.get("stop_reason"):
                 next_policy_check = now + 1.0
-                if self._check_stop(attempt, now - attempt_started):
+                if self._check_stop(attempt, ran):
                     stop_requested = now
             if stop_requested is not None and now - stop_requested > policy.checkpoint_grace:
                 # Ranks that never call should_checkpoint() would otherwise run on until the cap
@@ -260,22 +298,34 @@ class Supervisor:
                       file=self.out)
                 self.backend.cancel(handle, policy.shutdown_grace)
                 return None, "policy"
-            if policy.timeout is not None and now - job_started > policy.timeout:
-                self.backend.cancel(handle, policy.shutdown_grace)
-                streamer.finish()
-                self._end_attempt(record, "timed_out", None)
-                self._set_status(JobStatus.TIMED_OUT)
-                raise JobTimeoutError(
-                    f"job {self.job.job_id} ran longer than its timeout of {policy.timeout:g}s and was "
-                    f"stopped; raise timeout= (or SPARKGPU_TIMEOUT), or checkpoint and set max_runtime= "
-                    f"so it resumes. Logs: {self.run_dir.attempt_dir(attempt) / 'logs'}"
-                )
-            if policy.max_runtime is not None and now - attempt_started > policy.max_runtime:
-                # Ranks had checkpoint_grace to checkpoint and stop; the cap is hard.
-                self.backend.cancel(handle, policy.shutdown_grace)
-                return None, "cap"
+            if policy.max_runtime is not None:
+                if not cap_signalled and self._reports_start and ran >= policy.max_runtime - policy.checkpoint_grace:
+                    cap_signalled = True
+                    self._ask_to_checkpoint(attempt, f"the runtime cap of {policy.max_runtime:g}s is "
+                                                     f"{policy.checkpoint_grace:g}s away")
+                if ran > policy.max_runtime:
+                    # Ranks had checkpoint_grace to checkpoint and stop; the cap is hard.
+                    self.backend.cancel(handle, policy.shutdown_grace)
+                    return None, "cap"
             time.sleep(_POLL_SECONDS)
+        if ranks_started is None:
+            self._ranks_started(handle, record)  # they may have started and ended between two checks
         return code, None
+
+    def _ranks_started(self, handle, record: dict) -> float | None:
+        """Records when the attempt's ranks started, once known; returns it on the monotonic clock."""
+        if record["started_at"] is None:
+            started = self.backend.ranks_started_at(handle) if self._reports_start else record["submitted_at"]
+            if started is None:
+                return None
+            record["started_at"] = min(started, time.time())
+            self._save()
+        return time.monotonic() - (time.time() - record["started_at"])
+
+    def _ask_to_checkpoint(self, attempt: int, why: str) -> None:
+        stop_file = self.run_dir.attempt_dir(attempt) / runtime.STOP_FILE
+        if not stop_file.exists():  # a policy's reason, already there, says more
+            atomic_write_bytes(stop_file, f"{why}\n".encode())
 
     def _abandon(self, record: dict, handle, streamer: LogStreamer | None, status: str,
                  exc: BaseException | None) -> None:
@@ -288,6 +338,10 @@ class Supervisor:
                 cause.append(f"stopping the ranks failed too: {type(cancel_exc).__name__}: {cancel_exc}")
                 print(f"sparkgpu: could not stop attempt {record['attempt']}'s ranks ({cancel_exc}); "
                       "they may still be running", file=self.out)
+            try:
+                self._ranks_started(handle, record)  # bill what ran before the error, if anything did
+            except Exception as start_exc:
+                cause.append(f"when its ranks started is unknown: {type(start_exc).__name__}: {start_exc}")
         if streamer is not None:
             try:
                 streamer.finish()
@@ -311,6 +365,8 @@ class Supervisor:
     def _end_attempt(self, record: dict, status: str, code: int | None, outcome: AttemptResult | None = None,
                      cause: list[str] = (), error: BaseException | None = None):
         record.update(ended_at=time.time(), status=status, exit_code=code)
+        if record["started_at"] is None:
+            record["started_at"] = record["ended_at"]  # its ranks never started: nothing ran, nothing is billed
         if outcome is not None and outcome.failures:
             record["cause"] = [f"rank {f.rank}: {f.exc_type or 'exit'}: {f.message}" for f in outcome.failures][:8]
         elif cause:

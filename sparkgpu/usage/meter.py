@@ -53,7 +53,8 @@ class _RunningJob:
 
     prior_runtime: float = 0.0  # running seconds of the job's finished attempts
     attempts: int = 0
-    journal_path: Path | None = None
+    attempt: int | None = None  # the attempt in progress
+    journal_path: Path | None = None  # its journal entry, opened once its ranks run
     last_beat: float = 0.0
     budgets: list[Budget] = dataclasses.field(default_factory=list)
     spent: dict[int, float] = dataclasses.field(default_factory=dict)  # budget index -> ledger spend
@@ -68,7 +69,8 @@ class UsageMeter(JobCallback):
     budget's ledger spend (re-read every ``refresh_seconds``, so other jobs' usage counts
     too); once a budget is spent, or the job's summed running time reaches the policy's
     ``max_runtime``, the ranks are asked to checkpoint and stop. When the attempt ends, its
-    row is committed to the ledger at once.
+    row is committed to the ledger at once. Billing starts when the ranks start: time spent
+    waiting for busy GPUs is not used, so it is neither billed nor journaled.
 
     Args:
         ledger: A :class:`UsageLedger` or its URI; ``SPARKGPU_USAGE_LEDGER`` by default.
@@ -141,21 +143,27 @@ class UsageMeter(JobCallback):
     # -- while an attempt runs -------------------------------------------------------------
     def before_attempt(self, job: JobSpec, attempt: int) -> dict[str, str]:
         running = self._running.setdefault(job.job_id, _RunningJob())
-        try:
-            running.journal_path = self.journal.open(job.job_id, attempt, self._record_args(job, attempt, time.time()))
-            running.last_beat = time.time()
-        except OSError as exc:
-            _warn(f"cannot journal attempt {attempt} of {job.job_id} ({exc}); usage is still written when it ends")
+        running.attempt = attempt
         if running.budgets:
             self._refresh_spend(running)
         return {}
+
+    def _open_journal(self, job: JobSpec, running: _RunningJob, started_at: float) -> None:
+        attempt, running.attempt = running.attempt, None  # one try per attempt
+        try:
+            running.journal_path = self.journal.open(job.job_id, attempt, self._record_args(job, attempt, started_at))
+            running.last_beat = time.time()
+        except OSError as exc:
+            _warn(f"cannot journal attempt {attempt} of {job.job_id} ({exc}); usage is still written when it ends")
 
     def stop_reason(self, job: JobSpec, attempt: int, attempt_seconds: float) -> str | None:
         running = self._running.get(job.job_id)
         if running is None:
             return None
         now = time.time()
-        if running.journal_path is not None and now - running.last_beat >= self.heartbeat_seconds:
+        if running.attempt == attempt:  # the supervisor polls once the ranks run: journal from their start
+            self._open_journal(job, running, now - attempt_seconds)
+        elif running.journal_path is not None and now - running.last_beat >= self.heartbeat_seconds:
             running.last_beat = now
             try:
                 self.journal.beat(running.journal_path)
@@ -201,6 +209,7 @@ class UsageMeter(JobCallback):
         record = UsageRecord.priced(**args, rates=RateCard({}, default=rate))
         running.prior_runtime += record.duration_s
         running.attempts += 1
+        running.attempt = None
         journal_path, running.journal_path = running.journal_path, None
         try:
             self.ledger.append([record])

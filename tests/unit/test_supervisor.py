@@ -267,3 +267,78 @@ def test_ranks_that_checkpoint_on_sigterm_after_a_policy_stop_end_preempted(tmp_
     assert backend.grace == 7  # SIGTERM first: the ranks get shutdown_grace to save
     state = json.loads(rd.state_file.read_text())
     assert state["status"] == "stopped" and [a["status"] for a in state["attempts"]] == ["preempted"]
+
+
+class WaitsForGPUs(ScriptedBackend):
+    """Ranks start ``wait`` seconds after submit, as on a Spark cluster whose GPUs are busy."""
+
+    def __init__(self, script, wait, meter=None):
+        super().__init__(script)
+        self.wait, self.meter = wait, meter
+        self.journaled_while_waiting = False
+
+    def submit(self, job, run_dir, attempt, env):
+        self.submitted_at = time.time()
+        handle = super().submit(job, run_dir, attempt, env)
+        if self.script[attempt] == "ok":
+            handle.polls_left = int((self.wait + 0.5) / 0.1)  # runs about 0.5 s once started
+        return handle
+
+    def ranks_started_at(self, handle):
+        now = time.time()
+        if now < self.submitted_at + self.wait:
+            if self.meter is not None and any(self.meter.journal.directory.glob("*.json")):
+                self.journaled_while_waiting = True
+            return None
+        return self.submitted_at + self.wait
+
+
+def test_billing_starts_when_the_ranks_start_not_at_submit(tmp_path):
+    from sparkgpu.usage.ledger import UsageLedger
+    from sparkgpu.usage.meter import UsageMeter
+
+    ledger = UsageLedger(str(tmp_path / "ledger"))
+    meter = UsageMeter(ledger, policy=False)
+    sup, *_ , rd, out = run_job(tmp_path, ["ok"])
+    sup.backend = backend = WaitsForGPUs(["ok"], wait=1.5, meter=meter)
+    sup.callbacks.append(meter)
+    sup.run()
+    (attempt,) = json.loads(rd.state_file.read_text())["attempts"]
+    assert attempt["submitted_at"] == pytest.approx(backend.submitted_at, abs=0.05)
+    assert attempt["started_at"] == pytest.approx(backend.submitted_at + 1.5, abs=1e-6)
+    (row,) = ledger.read().to_pylist()
+    assert row["started_at"].timestamp() == pytest.approx(attempt["started_at"], abs=1e-5)
+    assert row["gpu_seconds"] < 2 * 1.5  # about 0.5 s of running on 2 GPUs, not the wait
+    assert not backend.journaled_while_waiting  # a client dying while it waits is billed nothing
+
+
+def test_the_runtime_cap_counts_from_the_ranks_start(tmp_path):
+    sup, *_, rd, out = run_job(tmp_path, ["ok"], max_runtime=1.0, checkpoint_grace=0.3)
+    sup.backend = backend = WaitsForGPUs(["ok"], wait=1.5)  # waits longer than the cap, then runs 0.5 s
+    assert sup.run()[0]["attempt"] == 0
+    assert backend.cancelled == []
+    # The ranks' deadline cannot be known at submit: the stop file says when it is near.
+    assert "SPARKGPU_CHECKPOINT_DEADLINE" not in backend.submitted_env[0]
+
+
+def test_ranks_that_started_late_are_asked_to_checkpoint_before_the_cap(tmp_path):
+    sup, *_, rd, out = run_job(tmp_path, ["ok"], max_runtime=1.0, checkpoint_grace=0.5)
+    sup.backend = backend = WaitsForGPUs(["hang"], wait=1.0)
+    with pytest.raises(WorkerFailedError, match="did not checkpoint"):
+        sup.run()
+    stop = rd.attempt_dir(0) / "STOP"
+    assert "runtime cap" in stop.read_text()
+    started = json.loads(rd.state_file.read_text())["attempts"][0]["started_at"]
+    assert stop.stat().st_mtime - started == pytest.approx(0.5, abs=0.3)
+
+
+def test_an_attempt_whose_ranks_never_started_bills_nothing(tmp_path):
+    from sparkgpu.errors import CapacityError
+
+    sup, *_, rd, out = run_job(tmp_path, ["hang"])
+    sup.backend = PollRaises(["hang"], CapacityError("gave up"))
+    sup.backend.ranks_started_at = lambda handle: None
+    with pytest.raises(CapacityError):
+        sup.run()
+    (attempt,) = json.loads(rd.state_file.read_text())["attempts"]
+    assert attempt["started_at"] == attempt["ended_at"] > attempt["submitted_at"]

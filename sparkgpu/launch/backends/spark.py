@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import os
 import sys
 import threading
@@ -121,7 +122,8 @@ class SparkAttempt(AttemptHandle):
     run_dir: RunDir
     layout: NodeLayout
     tag: str
-    submitted_at: float
+    submitted_at: float  # monotonic
+    submitted_wall: float = 0.0
     thread: threading.Thread | None = None
     rows: list | None = None
     error: BaseException | None = None
@@ -130,6 +132,7 @@ class SparkAttempt(AttemptHandle):
     next_check: float = 0.0
     next_notice: float = 0.0
     nodes_started: bool = False
+    started_at: float | None = None  # Unix time the barrier tasks got their GPUs and started
     exit_code: int | None = None
 
     @property
@@ -249,7 +252,8 @@ class SparkBackend(Backend):
         spark_dir(run_dir, attempt).mkdir(parents=True, exist_ok=True)
         now = time.monotonic()
         handle = SparkAttempt(attempt=attempt, job=job, run_dir=run_dir, layout=layout,
-                              tag=f"sparkgpu-{job.job_id}-{attempt}", submitted_at=now, next_notice=now + 5.0)
+                              tag=f"sparkgpu-{job.job_id}-{attempt}", submitted_at=now, submitted_wall=time.time(),
+                              next_notice=now + 5.0)
         self._beat(handle)
         with _active(self.spark):
             frame = self._frame(job, run_dir, attempt, env, layout)
@@ -293,12 +297,38 @@ class SparkBackend(Backend):
             handle.exit_code = self._outcome(handle)
         return handle.exit_code
 
+    def ranks_started_at(self, handle: SparkAttempt) -> float | None:
+        """When the attempt's nodes got their GPUs and started (Unix time); ``None`` while they wait.
+
+        The supervisor bills the attempt and counts its runtime cap from here, not from
+        ``submit``: the barrier stage may wait up to ``wait_timeout`` for busy GPUs.
+        """
+        if handle.started_at is None:
+            self._find_start(handle)
+        return handle.started_at
+
+    def _find_start(self, handle: SparkAttempt) -> None:
+        """Reads the start markers the barrier tasks write as they claim their node."""
+        markers = list(spark_dir(handle.run_dir, handle.attempt).glob("node-*.started"))
+        if not markers:
+            return
+        seen = time.time()
+        times = []
+        for marker in markers:
+            try:
+                times.append(float(json.loads(marker.read_text())["started_at"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # created before its content is written: this client's clock stands in
+        # An executor's clock may be off: never earlier than the submit, never later than seen.
+        handle.started_at = min(max(min(times, default=seen), handle.submitted_wall), seen)
+        handle.nodes_started = True
+
     def _check_waiting(self, handle: SparkAttempt, now: float) -> None:
         """Says when the nodes wait for GPUs, and gives up after ``wait_timeout``."""
         if handle.nodes_started:
             return
-        if any(spark_dir(handle.run_dir, handle.attempt).glob("node-*.started")):
-            handle.nodes_started = True
+        self._find_start(handle)
+        if handle.nodes_started:
             return
         waited = now - handle.submitted_at
         layout = handle.layout
