@@ -12,7 +12,10 @@ executors must both reach under the same path (a local folder on one machine; an
 FUSE-mounted volume on a real cluster: set ``SPARKGPU_STAGING_ROOT`` to it). The Spark action
 runs in a background thread under a job tag: ``cancel`` first asks the nodes to stop their
 ranks (SIGTERM, with the job's shutdown grace), then interrupts the tag; Spark then kills
-the Python workers, and the agents and ranks die with them (``PR_SET_PDEATHSIG``).
+the Python workers, and the agents and ranks die with them (``PR_SET_PDEATHSIG``). When the
+action itself fails (a broken Connect stream) the ranks may run on, so the attempt is
+reported only after the same stop and a bounded wait for the nodes' end markers: a restart
+never overlaps the old ranks.
 """
 
 from __future__ import annotations
@@ -159,6 +162,9 @@ class SparkBackend(Backend):
     """
 
     name = "spark"
+    #: Seconds past the job's shutdown grace that a failed attempt waits for its nodes to
+    #: confirm that their ranks stopped (a test seam).
+    node_stop_margin = 20.0
 
     def __init__(self, spark=None, *, wait_timeout: float | None = None, gpus_per_node: int | None = None,
                  simulated: bool | None = None, client_timeout: float | None = 120.0, out=None):
@@ -353,6 +359,7 @@ class SparkBackend(Backend):
                 return 1
             text = "\n".join(str(handle.error).splitlines()[:40])
             self._note(rd, attempt, f"the Spark job of this attempt failed: {type(handle.error).__name__}: {text}")
+            self._stop_outliving_nodes(handle)
             return 1
         rows = handle.nodes
         blind = [r for r in rows if r["state"] == "no-run-dir"]
@@ -366,6 +373,30 @@ class SparkBackend(Backend):
                                     "nodes did not start the ranks again (restarts are set with max_restarts=). The "
                                     "executor logs in the Spark UI say why it was lost.")
         return max((abs(r["exit_code"]) for r in rows), default=1)
+
+    def _stop_outliving_nodes(self, handle: SparkAttempt) -> None:
+        """Stops the ranks of a failed Spark job and waits (bounded) until the nodes say they stopped.
+
+        The Connect stream can break while the barrier tasks run on: without this, a restart
+        would start the next attempt beside ranks still training on the same GPUs and
+        checkpoint directory.
+        """
+        rd, attempt = handle.run_dir, handle.attempt
+        sdir = spark_dir(rd, attempt)
+        atomic_write_bytes(sdir / CANCEL_FILE, b"the Spark job of this attempt failed\n")
+        try:
+            self.spark.interruptTag(handle.tag)
+        except Exception as exc:  # the broken stream may have taken the session with it
+            self._note(rd, attempt, f"could not interrupt the Spark job ({type(exc).__name__}: {exc}); the nodes "
+                                    "stop their ranks on the cancel marker")
+        limit = handle.job.policy.shutdown_grace + self.node_stop_margin
+        deadline = time.monotonic() + limit
+        while (running := _nodes_without_end(sdir)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if running:
+            self._note(rd, attempt, f"node(s) {', '.join(map(str, running))} did not confirm within {limit:g}s that "
+                                    "their ranks stopped (their executor may be lost); any rank left stops when it "
+                                    "sees the cancel marker or loses this client's heartbeat")
 
     @staticmethod
     def _note(rd: RunDir, attempt: int, message: str) -> None:
@@ -383,6 +414,15 @@ class SparkBackend(Backend):
         if not started or not handle.finished.wait(grace + 10):
             self.spark.interruptTag(handle.tag)  # Spark kills the Python workers; agents and ranks follow
             handle.finished.wait(60)
+
+
+def _nodes_without_end(sdir) -> list[int]:
+    """Nodes that started but have not written their end marker yet."""
+    def nodes(suffix: str) -> set[int]:
+        return {int(p.name[len("node-"):-len(suffix)]) for p in sdir.glob(f"node-*{suffix}")
+                if p.name[len("node-"):-len(suffix)].isdigit()}
+
+    return sorted(nodes(".started") - nodes(".ended"))
 
 
 def create_backend(**options) -> SparkBackend:
