@@ -119,7 +119,8 @@ class GPUNamespace:
             data: A Spark DataFrame, a table name, or a path of a Delta table or Parquet files.
                 It is converted to MDS shards once per data version
                 (:func:`sparkgpu.data.convert.ensure_mds`) and ``fn`` gets the shards' URL as
-                keyword argument ``data_url``.
+                keyword argument ``data_url``. The job is checked first (capacity, usage policy,
+                picklability), so a refused job never pays for the conversion.
             data_volume: Where conversions are kept (``SPARKGPU_DATA_VOLUME`` by default); the
                 ranks must reach it.
             data_options: More arguments for ``ensure_mds`` (``columns``, ``compression``, ...).
@@ -135,12 +136,11 @@ class GPUNamespace:
             CapacityError: the cluster can never give these GPUs (raised within seconds), or
                 they stayed busy longer than ``wait_timeout``.
             ConfigurationError: bad arguments, e.g. ``data=`` for a function without ``data_url``.
+            PolicyViolationError: the usage policy refuses the job.
             SerializationError: ``fn`` or an argument cannot be sent to the executors.
             WorkerFailedError: a rank failed; names it, with its remote traceback.
         """
         from sparkgpu.decorator import distributed
-        from sparkgpu.launch.payload import serialize_payload
-        from sparkgpu.spec import JobSpec, new_job_id
 
         if "backend" in distributed_options or "remote" in distributed_options:
             raise ConfigurationError("spark.gpu.train always runs on this session's Spark executors; drop backend=/remote=")
@@ -149,11 +149,10 @@ class GPUNamespace:
             _check_accepts_data_url(fn, kwargs)
         backend = self.backend(wait_timeout=wait_timeout, gpus_per_node=gpus_per_node)
         job = distributed(fn, gpus=gpus, gpu_type=gpu_type, remote=True, backend=backend, **distributed_options)
-        # Everything that can fail fast does so before the (possibly long) data conversion.
-        backend.resolve(JobSpec(job_id=new_job_id(job.name), name=job.name, resources=job.resources,
-                                policy=job.policy, backend=backend.name))
-        serialize_payload(fn, tuple(args), kwargs, [])
         if data is not None:
+            # The checks .distributed() makes (capacity and gpu_type, usage policy, picklability),
+            # through the same code and before the possibly long conversion; nothing is written.
+            job.dryrun(*args, **kwargs)
             kwargs["data_url"] = self._convert(data, data_volume, data_options or {})
         try:
             return job.distributed(*args, **kwargs)
