@@ -384,7 +384,12 @@ class Supervisor:
     # -- reading an attempt back -------------------------------------------------------
     def _latest_checkpoint(self) -> tuple[int, float] | None:
         """``(step, created)`` of the newest complete checkpoint in the job's checkpoint dir."""
-        info = CheckpointStore(self.run_dir.checkpoints).latest()
+        try:
+            info = CheckpointStore(self.run_dir.checkpoints).latest()
+        except OSError as exc:  # e.g. a file of the user's own named like a step directory
+            print(f"sparkgpu: cannot read the checkpoints in {self.run_dir.checkpoints} ({exc}); an attempt stopped "
+                  "at the runtime cap counts as preempted only if its ranks stop for a restart", file=self.out)
+            return None
         return None if info is None else (info.step, info.created)
 
     def _collect(self, attempt: int, stopped_by: str | None,

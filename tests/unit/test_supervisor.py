@@ -342,3 +342,10 @@ def test_an_attempt_whose_ranks_never_started_bills_nothing(tmp_path):
         sup.run()
     (attempt,) = json.loads(rd.state_file.read_text())["attempts"]
     assert attempt["started_at"] == attempt["ended_at"] > attempt["submitted_at"]
+
+
+def test_files_of_the_users_own_in_the_checkpoint_dir_do_not_fail_the_job(tmp_path):
+    sup, backend, cb, rd, out = cap_job(tmp_path, ["hang", "ok"], max_restarts=1)
+    (rd.checkpoints / "step-1").write_text("my own progress marker, not a sparkgpu checkpoint")
+    assert sup.run()[0]["attempt"] == 1  # the capped attempt is a failure (restart 1), not a crash
+    assert "cannot read the checkpoints" in out.getvalue()
