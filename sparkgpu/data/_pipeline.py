@@ -37,6 +37,8 @@ class Producer:
         self._starts = self._ends - sizes
         self._readers: dict[int, ShardReader] = {}
         self._last_shards, self._last_readers = None, []
+        # Only a cache of a volume evicts shards; a local dataset folder keeps every file.
+        self._evictable = volume is not None
         self._row_bytes = self.decoder.row_bytes
 
     def run(self, plan: EpochPlan, batch_numbers, raw_rows: bool = False):
@@ -54,18 +56,23 @@ class Producer:
         steps = _shards_per_batch(shard_of, size, batch_numbers, len(self._ends))
         self.cache.set_plan(steps)
         self._last_shards = None
-        for step, number in enumerate(batch_numbers):
-            shards = steps[step]
-            readers = self._open(step, shards)
-            lo, hi = number * size, (number + 1) * size
-            source_ids = None if len(shards) == 1 else np.searchsorted(shards, shard_of[lo:hi]).astype(np.int32)
-            try:
-                batch = decode(readers, source_ids, rows_of[lo:hi])
-            except IndexError as exc:
-                names = ", ".join(r.info.basename for r in readers)
-                raise DataError(f"a sample in shard(s) {names} points outside its shard ({exc}); the shard is damaged: "
-                                "clear it from the cache (sparkgpu cache clear) or write the dataset again") from None
-            yield batch
+        try:
+            for step, number in enumerate(batch_numbers):
+                shards = steps[step]
+                readers = self._open(step, shards)
+                lo, hi = number * size, (number + 1) * size
+                source_ids = None if len(shards) == 1 else np.searchsorted(shards, shard_of[lo:hi]).astype(np.int32)
+                try:
+                    batch = decode(readers, source_ids, rows_of[lo:hi])
+                except IndexError as exc:
+                    names = ", ".join(r.info.basename for r in readers)
+                    raise DataError(f"a sample in shard(s) {names} points outside its shard ({exc}); the shard is damaged: "
+                                    "clear it from the cache (sparkgpu cache clear) or write the dataset again") from None
+                del readers
+                yield batch
+        finally:
+            if self._evictable:
+                self._release(keep=())
 
     def _open(self, step: int, shards: np.ndarray) -> list[ShardReader]:
         if shards is self._last_shards:
@@ -74,9 +81,14 @@ class Producer:
             return self._last_readers
         paths = self.cache.acquire(step, shards)
         keys = shards.tolist()
+        if self._evictable:
+            # A mapping keeps an evicted shard's disk space (evicted by this cache or another
+            # rank's), uncounted by cache_limit: only the shards this step reads stay mapped.
+            # Sets change a few times per shard, so reopening costs next to nothing.
+            self._release(keep=set(keys))
         if any(s not in self._readers for s in keys):
             if len(self._readers) > _MAX_OPEN_SHARDS:
-                self._readers = {s: r for s, r in self._readers.items() if s in set(keys)}
+                self._release(keep=set(keys))
             for shard, path in zip(keys, paths):
                 if shard not in self._readers:
                     self._readers[shard] = self._read(shard, path)
@@ -90,9 +102,15 @@ class Producer:
         except FileNotFoundError:  # evicted by another process between acquire and open
             return ShardReader(self.cache.refetch(shard), info, self._row_bytes)
 
+    def _release(self, keep: set) -> None:
+        for shard in [s for s in self._readers if s not in keep]:
+            self._readers.pop(shard).close()
+        if not keep:
+            self._last_shards, self._last_readers = None, []
+
     def close(self) -> None:
         self.cache.close()
-        self._readers.clear()
+        self._release(keep=set())
 
 
 def _shards_per_batch(shard_of: np.ndarray, batch_size: int, batch_numbers: list[int], num_shards: int) -> list[np.ndarray]:

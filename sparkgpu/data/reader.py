@@ -235,7 +235,8 @@ class ShardReader:
     """A memory-mapped shard.
 
     The mapping stays valid after the file is evicted (unlinked) from the cache, so a batch
-    being decoded never loses its shard; the space returns when the reader is dropped.
+    being decoded never loses its shard; the disk space returns only when the reader is
+    closed (and no batch still views its pages), so readers must not outlive their use.
 
     Attributes:
         info: The shard's index entry.
@@ -263,3 +264,12 @@ class ShardReader:
             if end - begin != count * row_bytes or end > size:
                 raise DataError(f"shard {info.basename} at {self.path} does not hold {count} rows of {row_bytes} bytes")
             self.rows = self.data[begin:end].reshape(count, row_bytes)
+
+    def close(self) -> None:
+        """Unmaps the shard; an evicted file's disk space returns with the last view of its pages.
+
+        The mapping is released by reference count, not ``mmap.close()``, because a batch may
+        still hold a view of it (closing then would fail); it goes when that batch does.
+        """
+        self.data = self.offsets = self.rows = None
+        self._mmap = None

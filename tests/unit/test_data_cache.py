@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
@@ -13,7 +14,7 @@ from sparkgpu import data
 from sparkgpu.data import loader as loader_module
 from sparkgpu.data.cache import ShardCache, cache_entries, clear_cache, entry_dir_for, open_cache_entry
 from sparkgpu.errors import ConfigurationError, DataError
-from tests.unit.test_data_loader_support import CountingVolume, collect_ids, write_tabular
+from tests.unit.test_data_loader_support import CountingVolume, check_tabular_batch, collect_ids, write_tabular
 
 
 @pytest.fixture
@@ -255,3 +256,46 @@ def test_large_files_download_as_parallel_byte_ranges(tmp_path):
         volume.download("blob.bin", str(tmp_path / "copy.bin"), size=len(payload), pool=pool, part_bytes=7_000)
     assert volume.ranges_supported is True
     assert (tmp_path / "copy.bin").read_bytes() == payload
+
+
+def _disk_use(entry, index) -> int:
+    """Bytes the cache's shards really take: files present, plus evicted files this process still maps."""
+    sizes = {s.basename.rsplit("/", 1)[-1]: s.raw_bytes for s in index.shards}
+    present = {}
+    for path in entry.rglob("shard.*"):
+        with contextlib.suppress(FileNotFoundError):  # evicted while we look
+            present[path.stat().st_ino] = sizes[path.name]
+    mapped = {}
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(str(entry)) and fields[5].rstrip().endswith("(deleted)"):
+                name = fields[5].rstrip()[: -len("(deleted)")].strip().rsplit("/", 1)[-1]
+                mapped[int(fields[4])] = sizes[name]
+    return sum(present.values()) + sum(size for inode, size in mapped.items() if inode not in present)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc to see mapped files")
+def test_evicted_shards_give_their_disk_space_back(volume_dir, tmp_path):
+    # Two ranks sharing one cache folder (each with its own cache, as two processes would);
+    # each evicts shards the other has read. What is on disk, mapped files included, stays
+    # within the limit plus the shards the current batches read.
+    probe, _, index = _open(volume_dir, tmp_path / "probe")
+    probe.close()
+    shard_bytes = max(s.raw_bytes for s in index.shards)
+    limit = 3 * shard_bytes
+    loaders = [data.dataset(remote=volume_dir, local=tmp_path / "cache", batch_size=10, cache_limit=limit, download_threads=2,
+                            rank=rank, world_size=2) for rank in range(2)]
+    entry = entry_dir_for(tmp_path / "cache", volume_dir)
+    for epoch in range(2):
+        seen = []
+        for batches in zip(*loaders):
+            ids = np.concatenate([check_tabular_batch(batch) for batch in batches])
+            seen.append(ids)
+            in_use = sum(index.shards[s].raw_bytes for s in np.unique(ids // 50).tolist())  # 50 samples a shard
+            used = _disk_use(entry, index)
+            assert used <= limit + in_use, f"epoch {epoch}: {used} bytes on disk, over cache_limit + shards in use"
+        assert sorted(np.concatenate(seen).tolist()) == list(range(400))
+    for loader in loaders:
+        loader.close()
+    assert _disk_use(entry, index) <= limit
