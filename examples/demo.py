@@ -5,7 +5,9 @@
    and trains a small model on 2 CPU ranks on the Spark executors, reading the shards through the
    local cache with ``sparkgpu.data.dataset`` and checkpointing with ``sparkgpu.train.Checkpointer``;
 3. the job is one MLflow run in an embedded SQLite store, and the trained model is registered as
-   ``main.demo.clicks`` with the alias ``champion``, then loaded back by that alias.
+   ``main.demo.clicks`` with the alias ``champion``, then loaded back by that alias;
+4. it ends by printing the run's URI (``runs:/<run_id>``), how to open it with ``mlflow ui``, and
+   how to load the model by its alias.
 
 Everything lives under ``$SPARKGPU_HOME`` (``~/.local/share/sparkgpu`` by default).
 """
@@ -99,7 +101,8 @@ def main() -> None:
         experiment="/sparkgpu/demo", register_as="main.demo.clicks", max_restarts=1,
     )
     model = results[0]
-    version = registry.versions("main.demo.clicks")[-1].version
+    registered = registry.versions("main.demo.clicks")[-1]
+    version = registered.version
     registry.set_alias("main.demo.clicks", "champion", version)
     champion = registry.load("main.demo.clicks@champion")
 
@@ -110,15 +113,23 @@ def main() -> None:
     accuracy = ((champion(x).squeeze(1) > 0).float() == y).float().mean().item()
     assert torch.equal(champion(x), model(x)), "the registered model differs from the trained one"
 
+    from mlflow import MlflowClient
+
     from sparkgpu.tracking import resolve_target
 
+    # The registered version was logged in the job's run: one run per job.
     target = resolve_target()
+    run = MlflowClient(target.tracking_uri).get_run(registered.run_id)
     print()
     print(f"sparkgpu demo: done in {time.time() - started:.0f}s (job {spark.gpu.last_job_id})")
     print(f"  run dir with every rank's log:  {spark.gpu.last_run_dir}")
-    print(f"  MLflow run:                     {target.tracking_uri}  (experiment /sparkgpu/demo)")
-    print(f"  open it with:                   mlflow ui --backend-store-uri {target.tracking_uri}")
+    print(f"  MLflow run:                     runs:/{run.info.run_id}  (experiment /sparkgpu/demo,")
+    print(f"                                  store {target.tracking_uri})")
+    print(f"  open it in the MLflow UI:       mlflow ui --backend-store-uri {target.tracking_uri}")
+    print(f"                                  then http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}"
+          f"/runs/{run.info.run_id}")
     print(f"  registered model:               main.demo.clicks version {version}, alias champion")
+    print('  load it by alias:               sparkgpu.registry.load("main.demo.clicks@champion")')
     print(f"  champion held-out accuracy:     {accuracy:.3f}")
     spark.stop()
 
