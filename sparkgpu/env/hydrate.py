@@ -60,6 +60,7 @@ __all__ = [
     "check_compatibility",
     "hydrate",
     "activate",
+    "record_report",
 ]
 
 MANIFEST_FORMAT = 1
@@ -237,6 +238,45 @@ class HydrationReport:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def summary(self) -> str:
+        """One line for a rank's log: bytes, entries and seconds per step."""
+        steps = ", ".join(f"{name} {seconds:.2f}s" for name, seconds in self.steps.items())
+        return (f"environment rehydrated in {self.seconds:.2f}s ({steps}): fetched {_human_bytes(self.fetched_bytes)}, "
+                f"{len(self.extracted)} extracted, {len(self.cached)} cached, "
+                f"{len(self.skipped)} skipped (the worker has them)")
+
+
+def _human_bytes(count: int) -> str:
+    if count < 1000:
+        return f"{count} B"
+    value = float(count)
+    for unit in ("KB", "MB"):
+        value /= 1000
+        if value < 1000:
+            return f"{value:.1f} {unit}"
+    return f"{value / 1000:.1f} GB"
+
+
+def record_report(report: HydrationReport, report_path: str, log_path: str) -> None:
+    """Saves ``report`` as JSON (complete or not at all) and adds its summary line to a log.
+
+    Args:
+        report: What a hydration did.
+        report_path: JSON file to write (the rank's ``env-rank-<r>.json`` in the run dir).
+        log_path: Log to append the one-line summary to (the rank's log, which the client tails).
+
+    Raises:
+        OSError: a file cannot be written.
+    """
+    os.makedirs(os.path.dirname(report_path), exist_ok=True)
+    tmp = f"{report_path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(report.to_dict(), f, indent=1, sort_keys=True)
+    os.replace(tmp, report_path)
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    with open(log_path, "a", encoding="utf-8") as log:
+        log.write(f"sparkgpu: {report.summary()}\n")
 
 
 @dataclasses.dataclass

@@ -177,3 +177,20 @@ def test_activate_puts_the_overlay_first_and_exports_it(staged, tmp_path, monkey
     assert environ["PYTHONPATH"] == os.pathsep.join(overlay.paths + ["/somewhere/else"])
     activate(overlay, environ)  # idempotent
     assert environ["PYTHONPATH"].split(os.pathsep).count(overlay.view) == 1
+
+
+def test_the_report_is_saved_whole_and_summarised_in_the_rank_log(staged, tmp_path):
+    from sparkgpu.env.hydrate import record_report
+
+    report = hydrate_environment(staged.manifest, tmp_path / "cache", installed={"alpha": "1.0"}, worker=WORKER).report
+    attempt = tmp_path / "run" / "attempts" / "0"
+    log = attempt / "logs" / "rank-1.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("earlier line\n")
+    record_report(report, str(attempt / "env-rank-1.json"), str(log))
+    saved = json.loads((attempt / "env-rank-1.json").read_text())
+    assert saved == report.to_dict() and saved["fetched_bytes"] > 0 and set(saved["steps"]) == {"check", "extract", "view"}
+    assert sorted(os.listdir(attempt)) == ["env-rank-1.json", "logs"]  # no temporary file left
+    earlier, summary = log.read_text().splitlines()
+    assert earlier == "earlier line" and summary.startswith("sparkgpu: environment rehydrated in ")
+    assert "3 extracted, 0 cached, 1 skipped" in summary and "KB" in summary and "extract " in summary
