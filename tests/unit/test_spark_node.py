@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from sparkgpu.errors import ConfigurationError
 from sparkgpu.launch.backends import spark_node
 from sparkgpu.launch.backends.spark_node import (
     CANCEL_FILE,
@@ -162,3 +163,34 @@ def test_assigned_addresses_come_from_the_resources_file_then_the_discovery_scri
     no_file = spark_node.ExecutorIdentity("1", "h", 8, None, 1)
     assert spark_node._assigned_gpu_addresses(no_file, str(script)) == ["0", "1", "2"]
     assert spark_node._assigned_gpu_addresses(no_file, None) == []
+
+
+def write_script(tmp_path, body: str):
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\n" + body)
+    script.chmod(0o755)
+    return script
+
+
+@pytest.mark.parametrize("body, says", [
+    ("echo 'nvidia-smi: command not found' >&2\nexit 3\n", r"failed .* with exit code 3 .*nvidia-smi: command not found"),
+    ("echo 'no GPUs here'\n", r"did not print Spark's resource JSON .*no GPUs here"),
+    ("echo '{\"name\": \"gpu\"}'\n", r"did not print Spark's resource JSON .*KeyError"),
+])
+def test_a_broken_discovery_script_is_an_error_naming_it_and_its_output_not_zero_gpus(tmp_path, body, says):
+    script = write_script(tmp_path, body)
+    with pytest.raises(ConfigurationError, match=f"the GPU discovery script {script} .*{says}"):
+        list(spark_node.probe_executor(spark_node.ProbeOptions(discovery_script=str(script)), iter(())))
+
+
+def test_a_missing_discovery_script_or_an_unreadable_resources_file_is_named(tmp_path):
+    no_file = spark_node.ExecutorIdentity("1", "h", 8, None, 1)
+    with pytest.raises(ConfigurationError, match=f"{tmp_path / 'gone.sh'} does not exist on executor 1 on h"):
+        spark_node._assigned_gpu_addresses(no_file, str(tmp_path / "gone.sh"))
+    broken = tmp_path / "resources.json"
+    broken.write_text("{not json")
+    identity = spark_node.ExecutorIdentity("1", "h", 8, str(broken), 1)
+    with pytest.raises(ConfigurationError, match=f"resources file {broken} is unreadable"):
+        spark_node._assigned_gpu_addresses(identity, None)
+    script = write_script(tmp_path, "echo '{\"name\": \"gpu\", \"addresses\": [\"7\"]}'\n")
+    assert spark_node._assigned_gpu_addresses(identity, str(script)) == ["7"]  # the script still answers

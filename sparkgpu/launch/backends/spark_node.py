@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from sparkgpu.errors import ConfigurationError
 from sparkgpu.launch.agent import build_command
 from sparkgpu.launch.entrypoint import NODE_DEVICES_ENV
 from sparkgpu.launch.payload import RunDir, atomic_write_bytes
@@ -108,21 +109,53 @@ def executor_identity() -> ExecutorIdentity:
 
 
 def _assigned_gpu_addresses(identity: ExecutorIdentity, discovery_script: str | None) -> list[str]:
-    """GPU addresses of this executor: the manager's assignment, else the discovery script's answer."""
+    """GPU addresses of this executor: the manager's assignment, else the discovery script's answer.
+
+    Raises:
+        ConfigurationError: the discovery script is missing, fails or prints something other
+            than Spark's resource JSON (a broken script must not read as "no GPUs").
+    """
+    unreadable = None
     if identity.resources_file:
         try:
             for entry in json.loads(Path(identity.resources_file).read_text()):
                 if entry.get("id", {}).get("resourceName") == "gpu":
                     return [str(a) for a in entry.get("addresses", [])]
-        except (OSError, ValueError):
-            pass  # fall through to the discovery script
-    if discovery_script and os.path.exists(discovery_script):
-        try:
-            out = subprocess.run([discovery_script], capture_output=True, text=True, timeout=20, check=True).stdout
-            return [str(a) for a in json.loads(out).get("addresses", [])]
-        except (subprocess.SubprocessError, OSError, ValueError):
-            return []
-    return []
+        except (OSError, ValueError, AttributeError) as exc:
+            unreadable = f"its resources file {identity.resources_file} is unreadable ({exc})"
+    if not discovery_script:
+        if unreadable:
+            raise ConfigurationError(f"cannot tell the GPUs of executor {identity.executor_id}: {unreadable}")
+        return []
+    return _discover_gpus(identity, discovery_script, unreadable)
+
+
+def _discover_gpus(identity: ExecutorIdentity, script: str, unreadable: str | None) -> list[str]:
+    where = f"executor {identity.executor_id} on {identity.host}"
+    if unreadable:
+        where += f" ({unreadable})"
+    fix = "fix the script, or spark.executor.resource.gpu.discoveryScript"
+    if not os.path.exists(script):
+        raise ConfigurationError(f"the GPU discovery script {script} does not exist on {where}; {fix}")
+    try:
+        done = subprocess.run([script], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise ConfigurationError(f"the GPU discovery script {script} could not run on {where}: {exc}; {fix}") from exc
+    output = f"stdout: {done.stdout.strip()[:500]!r}, stderr: {done.stderr.strip()[:500]!r}"
+    if done.returncode != 0:
+        raise ConfigurationError(
+            f"the GPU discovery script {script} failed on {where} with exit code {done.returncode} ({output}); {fix}"
+        )
+    try:
+        addresses = json.loads(done.stdout)["addresses"]
+        if not isinstance(addresses, list):
+            raise TypeError(f"addresses is a {type(addresses).__name__}")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigurationError(
+            f"the GPU discovery script {script} on {where} did not print Spark's resource JSON "
+            f"('{{\"name\": \"gpu\", \"addresses\": [\"0\", ...]}}'): {type(exc).__name__}: {exc} ({output}); {fix}"
+        ) from exc
+    return [str(a) for a in addresses]
 
 
 # -- the capacity probe ------------------------------------------------------------------
