@@ -1,9 +1,10 @@
+import pickle
 import threading
 
 import pytest
 
 from sparkgpu.errors import PayloadSignatureError, SerializationError
-from sparkgpu.launch.payload import RunDir, serialize_payload
+from sparkgpu.launch.payload import KEY_ENV, RunDir, key_from_environ, serialize_payload
 
 KEY = b"k" * 32
 _LOCK = threading.Lock()
@@ -74,3 +75,119 @@ def test_stage_refuses_to_reuse_a_run_dir(tmp_path):
     stage(tmp_path)
     with pytest.raises(FileExistsError):
         stage(tmp_path)
+
+
+def test_verify_returns_the_checked_bytes_of_every_signed_file(tmp_path):
+    rd = RunDir(tmp_path / "job-1")
+    rd.stage({"job_id": "job-1"}, serialize_payload(plain, (41,), {}, []), KEY, [], {"_hydrate.py": b"X = 1\n"})
+    files = RunDir(rd.path).verify(KEY)
+    assert sorted(files) == ["_air.py", "_hydrate.py", "payload.pkl", "spec.json"]
+    assert files["_air.py"] == rd.air.read_bytes() and files["_hydrate.py"] == b"X = 1\n"
+    (rd.path / "_hydrate.py").write_bytes(b"X = 2\n")
+    with pytest.raises(PayloadSignatureError, match="modified"):
+        RunDir(rd.path, key=KEY).verify()
+    (rd.path / "_hydrate.py").unlink()
+    with pytest.raises(PayloadSignatureError, match="modified"):
+        RunDir(rd.path, key=KEY).verify()
+
+
+def test_a_key_that_is_not_hex_is_refused_by_name():
+    assert key_from_environ({}) is None and key_from_environ({KEY_ENV: KEY.hex()}) == KEY
+    with pytest.raises(PayloadSignatureError, match=KEY_ENV):
+        key_from_environ({KEY_ENV: "not-a-key"})
+
+
+# -- result and error files: signed by the ranks, checked by the client -------------------
+
+
+class _WritesMarker:
+    """Unpickling this creates ``path``: stands for any code a planted pickle could run."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def rank_dir(tmp_path) -> tuple[RunDir, RunDir]:
+    """A rank's view of a staged run dir (key from its environment) and the client's."""
+    client = stage(tmp_path)
+    client.prepare_attempt(0)
+    rank = RunDir(client.path)
+    rank.load_verified(KEY)
+    return rank, client
+
+
+def test_signed_results_and_errors_round_trip(tmp_path):
+    rank, client = rank_dir(tmp_path)
+    rank.write_result(0, 0, {"loss": 0.5})
+    try:
+        raise ValueError("shard 7 is corrupt")
+    except ValueError as exc:
+        rank.write_error(0, 1, exc)
+    assert client.read_result(0, 0) == {"loss": 0.5}
+    failure, exc = client.read_error(0, 1)
+    assert failure.rank == 1 and failure.exc_type == "ValueError" and "shard 7" in failure.traceback
+    assert isinstance(exc, ValueError)
+    assert not list(client.attempt_dir(0).rglob(".*.tmp"))
+
+
+@pytest.mark.parametrize("kind", ["result", "error"])
+def test_a_planted_pickle_never_runs_on_the_client(tmp_path, kind):
+    _, client = rank_dir(tmp_path)
+    marker = tmp_path / "pwned"
+    path = client.result_file(0, 0) if kind == "result" else client.error_file(0, 0)
+    path.write_bytes(pickle.dumps(_WritesMarker(marker)))
+    read = client.read_result if kind == "result" else client.read_error
+    with pytest.raises(PayloadSignatureError, match=f"refusing to unpickle .*the {kind} of rank 0 is not signed"):
+        read(0, 0)
+    assert not marker.exists()
+
+
+def test_a_signed_file_that_was_changed_or_moved_is_refused(tmp_path):
+    rank, client = rank_dir(tmp_path)
+    rank.write_result(0, 0, 1)
+    rank.write_result(0, 1, 2)
+    data = bytearray(client.result_file(0, 0).read_bytes())
+    data[-33] ^= 1  # the last byte of the pickle, just before the 32-byte MAC
+    client.result_file(0, 0).write_bytes(bytes(data))
+    with pytest.raises(PayloadSignatureError, match="does not match its signature"):
+        client.read_result(0, 0)
+    # Rank 1's genuine result passed off as rank 0's, or as another attempt's: refused too.
+    client.result_file(0, 0).write_bytes(client.result_file(0, 1).read_bytes())
+    with pytest.raises(PayloadSignatureError, match="does not match"):
+        client.read_result(0, 0)
+    client.prepare_attempt(1)
+    client.result_file(1, 1).write_bytes(client.result_file(0, 1).read_bytes())
+    with pytest.raises(PayloadSignatureError, match="does not match"):
+        client.read_result(1, 1)
+    assert client.read_result(0, 1) == 2
+
+
+def test_a_file_signed_with_another_key_is_refused(tmp_path):
+    _, client = rank_dir(tmp_path)
+    stranger = RunDir(client.path, key=b"x" * 32)
+    stranger.write_result(0, 0, "forged")
+    with pytest.raises(PayloadSignatureError, match="does not match"):
+        client.read_result(0, 0)
+
+
+def test_a_rank_without_the_key_writes_nothing(tmp_path):
+    _, client = rank_dir(tmp_path)
+    keyless = RunDir(client.path)
+    with pytest.raises(PayloadSignatureError, match="no job key"):
+        keyless.write_result(0, 0, 1)
+    assert not client.result_file(0, 0).exists()
+
+
+def test_a_new_client_process_checks_with_the_key_in_its_keyring(tmp_path):
+    from sparkgpu.errors import ConfigurationError
+    from sparkgpu.launch.keys import save_key
+
+    rank, client = rank_dir(tmp_path)
+    rank.write_result(0, 0, "ok")
+    with pytest.raises(ConfigurationError, match="no signing key for job job-1"):
+        RunDir(client.path).read_result(0, 0)
+    save_key("job-1", KEY)
+    assert RunDir(client.path).read_result(0, 0) == "ok"
