@@ -5,6 +5,12 @@ Run as ``python -m sparkgpu.launch.agent RUN_DIR --attempt K --nnodes N --node-r
 starts one inside each barrier task. Rendezvous is torch's ``static`` backend at node 0's
 address. When ranks fail, the agent tears the others down and writes their exit codes and
 signals to ``attempts/<K>/node-<I>.json`` for the client.
+
+Before any rank starts, the agent checks the payload's signature over every signed file,
+``_air.py`` included, with this installed sparkgpu and the job key from its environment, and
+the ranks run the ``_air.py`` text it checked (``python -c``), not the file, which anyone who
+can write the staging root could swap in the meantime. A payload that fails the check starts
+nothing: each of the node's ranks reports a signed :class:`PayloadSignatureError`.
 """
 
 from __future__ import annotations
@@ -14,11 +20,33 @@ import json
 import logging
 import os
 import sys
+from collections.abc import MutableMapping
 
+from sparkgpu.errors import PayloadSignatureError
 from sparkgpu.launch.entrypoint import EXIT_FAILED, _die_with_parent
-from sparkgpu.launch.payload import RunDir, atomic_write_bytes
+from sparkgpu.launch.payload import RunDir, atomic_write_bytes, key_from_environ
 
-__all__ = ["main", "build_command"]
+__all__ = ["main", "build_command", "strip_spark_secrets", "refuse"]
+
+# Credentials Spark hands its Python workers; the ranks run user code and need none of them.
+_SPARK_SECRETS = frozenset({"PYTHON_WORKER_FACTORY_SECRET", "PYSPARK_GATEWAY_SECRET"})
+
+
+def _is_spark_secret(name: str) -> bool:
+    # _SPARK_AUTH_SECRET (spark.authenticate) and _SPARK_SSL_RPC_*_PASSWORD (spark.ssl.rpc.*).
+    return name in _SPARK_SECRETS or (name.startswith("_SPARK_") and ("SECRET" in name or "PASSWORD" in name))
+
+
+def strip_spark_secrets(environ: MutableMapping[str, str]) -> list[str]:
+    """Removes Spark's own credentials from ``environ``.
+
+    Returns:
+        The names removed, sorted.
+    """
+    names = sorted(name for name in environ if _is_spark_secret(name))
+    for name in names:
+        del environ[name]
+    return names
 
 
 def build_command(python: str, run_dir: str, *, attempt: int, nnodes: int, node_rank: int, nproc: int,
@@ -30,6 +58,22 @@ def build_command(python: str, run_dir: str, *, attempt: int, nnodes: int, node_
         "--nproc", str(nproc), "--master-addr", master_addr, "--master-port", str(master_port),
         "--shutdown-grace", str(int(max(1, shutdown_grace))),
     ]
+
+
+def refuse(rd: RunDir, attempt: int, node_rank: int, nproc: int, exc: PayloadSignatureError, out=None) -> None:
+    """Reports that a node starts none of its ranks, where the client reads rank failures.
+
+    With the job key (``rd.key``) each of the node's ranks gets a signed error file; without
+    it nothing can be signed, and the reason is only in ``out`` (the node's agent log;
+    ``sys.stderr`` by default).
+    """
+    print(f"sparkgpu: node {node_rank} starts none of its ranks: {exc}", file=out or sys.stderr, flush=True)
+    rd.prepare_attempt(attempt)
+    if rd.key:
+        for rank in range(node_rank * nproc, (node_rank + 1) * nproc):
+            rd.write_error(attempt, rank, exc)
+    node = {"node_rank": node_rank, "status": EXIT_FAILED, "failures": {}, "refused": str(exc)}
+    atomic_write_bytes(rd.node_file(attempt, node_rank), json.dumps(node).encode())
 
 
 def _parse(argv):
@@ -49,12 +93,20 @@ def main(argv=None) -> int:
     args = _parse(argv)
     _die_with_parent()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s agent %(levelname)s %(message)s")
+    strip_spark_secrets(os.environ)  # the ranks inherit this environment
+    os.environ["SPARKGPU_ATTEMPT"] = str(args.attempt)
+    rd = RunDir(args.run_dir)
+    try:
+        rd.key = key_from_environ(os.environ)
+        verified = rd.verify()
+    except PayloadSignatureError as exc:
+        refuse(rd, args.attempt, args.node_rank, args.nproc, exc)
+        return EXIT_FAILED
+
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    rd = RunDir(args.run_dir)
-    os.environ["SPARKGPU_ATTEMPT"] = str(args.attempt)
     config = LaunchConfig(
         min_nodes=args.nnodes,
         max_nodes=args.nnodes,
@@ -72,7 +124,7 @@ def main(argv=None) -> int:
     failures: dict[str, dict] = {}
     status = 0
     try:
-        elastic_launch(config, sys.executable)("-u", str(rd.air))
+        elastic_launch(config, sys.executable)("-u", "-c", verified[rd.air.name].decode(), str(rd.path))
     except ChildFailedError as exc:
         status = EXIT_FAILED
         for rank, failure in exc.failures.items():

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from sparkgpu.errors import ConfigurationError
+from sparkgpu.launch.agent import strip_spark_secrets
 from sparkgpu.launch.backends import spark_node
 from sparkgpu.launch.backends.spark_node import (
     CANCEL_FILE,
@@ -194,3 +195,14 @@ def test_a_missing_discovery_script_or_an_unreadable_resources_file_is_named(tmp
         spark_node._assigned_gpu_addresses(identity, None)
     script = write_script(tmp_path, "echo '{\"name\": \"gpu\", \"addresses\": [\"7\"]}'\n")
     assert spark_node._assigned_gpu_addresses(identity, str(script)) == ["7"]  # the script still answers
+
+
+def test_spark_secrets_are_stripped_and_nothing_else():
+    env = {"_SPARK_AUTH_SECRET": "a", "PYTHON_WORKER_FACTORY_SECRET": "b", "PYSPARK_GATEWAY_SECRET": "c",
+           "_SPARK_SSL_RPC_KEY_STORE_PASSWORD": "d", "_SPARK_SSL_RPC_TRUST_STORE_PASSWORD": "e",
+           "SPARK_HOME": "/opt/spark", "PYTHON_WORKER_FACTORY_PORT": "1", "SPARKGPU_JOB_KEY": "ab", "PATH": "/bin"}
+    removed = strip_spark_secrets(env)
+    assert removed == ["PYSPARK_GATEWAY_SECRET", "PYTHON_WORKER_FACTORY_SECRET", "_SPARK_AUTH_SECRET",
+                       "_SPARK_SSL_RPC_KEY_STORE_PASSWORD", "_SPARK_SSL_RPC_TRUST_STORE_PASSWORD"]
+    assert env == {"SPARK_HOME": "/opt/spark", "PYTHON_WORKER_FACTORY_PORT": "1", "SPARKGPU_JOB_KEY": "ab",
+                   "PATH": "/bin"}

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from sparkgpu.errors import ConfigurationError
-from sparkgpu.launch.agent import build_command
+from sparkgpu.errors import ConfigurationError, PayloadSignatureError
+from sparkgpu.launch.agent import build_command, refuse, strip_spark_secrets
 from sparkgpu.launch.entrypoint import NODE_DEVICES_ENV
-from sparkgpu.launch.payload import RunDir, atomic_write_bytes
+from sparkgpu.launch.payload import RunDir, atomic_write_bytes, key_from_environ
 
 __all__ = ["NodeLaunch", "run_node", "ProbeOptions", "probe_executor", "probe_image", "NODE_SCHEMA", "PROBE_SCHEMA",
            "NODE_DDL", "PROBE_DDL", "IMAGE_DDL",
@@ -284,7 +284,7 @@ def run_node(launch: NodeLaunch, batches):
         # supervisor's decision, so this stage reports and ends without training again.
         state = "spark-retry"
     else:
-        state = "ready"
+        state = _verify(rd, launch, node)
 
     # Every task reaches allGather exactly once, whatever it decides (barrier semantics).
     port = _free_port() if node == 0 and state == "ready" else 0
@@ -299,7 +299,7 @@ def run_node(launch: NodeLaunch, batches):
         shutdown_grace=launch.shutdown_grace,
     )
     env = {**os.environ, **launch.env, NODE_DEVICES_ENV: ",".join(devices), "PYTHONUNBUFFERED": "1"}
-    env.pop("PYTHON_WORKER_FACTORY_SECRET", None)  # the Python worker's secret is not the ranks' business
+    strip_spark_secrets(env)  # Spark's credentials for its Python workers are not the ranks' business
     if launch.threads_per_rank:
         env.setdefault("OMP_NUM_THREADS", str(launch.threads_per_rank))
     rd.prepare_attempt(launch.attempt)
@@ -309,6 +309,23 @@ def run_node(launch: NodeLaunch, batches):
         agent = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     code, state = _watch(agent, rd, launch, node)
     yield _row(node, identity, devices, agent.pid, code, state)
+
+
+def _verify(rd: RunDir, launch: NodeLaunch, node: int) -> str:
+    """``"ready"`` when the payload's signature holds; else reports the refusal and says so.
+
+    The agent checks again, but refusing here keeps every node of the barrier stage from
+    starting an agent at all.
+    """
+    try:
+        rd.key = key_from_environ(launch.env)
+        rd.verify()
+    except PayloadSignatureError as exc:
+        rd.prepare_attempt(launch.attempt)
+        with open(rd.agent_log(launch.attempt, node), "a") as log:
+            refuse(rd, launch.attempt, node, launch.nproc, exc, out=log)
+        return "bad-signature"
+    return "ready"
 
 
 def _peer_failed(rd: RunDir, attempt: int, node: int) -> bool:
