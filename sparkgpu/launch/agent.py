@@ -3,8 +3,9 @@
 Run as ``python -m sparkgpu.launch.agent RUN_DIR --attempt K --nnodes N --node-rank I
 --nproc P --master-addr A --master-port Q``. The local backend starts one; the Spark backend
 starts one inside each barrier task. Rendezvous is torch's ``static`` backend at node 0's
-address. When ranks fail, the agent tears the others down and writes their exit codes and
-signals to ``attempts/<K>/node-<I>.json`` for the client.
+address; it waits the job's ``policy.init_timeout`` for every node. When ranks fail, the agent
+tears the others down and writes their exit codes and signals to ``attempts/<K>/node-<I>.json``
+for the client.
 
 Before any rank starts, the agent checks the payload's signature over every signed file,
 ``_air.py`` included, with this installed sparkgpu and the job key from its environment, and
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import MutableMapping
@@ -102,7 +104,9 @@ def main(argv=None) -> int:
     except PayloadSignatureError as exc:
         refuse(rd, args.attempt, args.node_rank, args.nproc, exc)
         return EXIT_FAILED
+    init_timeout = json.loads(verified[rd.spec_file.name])["policy"]["init_timeout"]
 
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -114,7 +118,7 @@ def main(argv=None) -> int:
         run_id=f"{rd.job_id}-{args.attempt}",
         rdzv_backend="static",
         rdzv_endpoint=f"{args.master_addr}:{args.master_port}",
-        rdzv_configs={"rank": args.node_rank, "timeout": 600},
+        rdzv_configs={"rank": args.node_rank, "timeout": max(1, math.ceil(init_timeout))},
         max_restarts=0,  # restarts are the supervisor's: it resumes from checkpoints
         monitor_interval=0.1,
         start_method="spawn",
@@ -133,6 +137,12 @@ def main(argv=None) -> int:
                 "signal": failure.signal_name() if failure.exitcode < 0 else None,
                 "pid": failure.pid,
             }
+    except DistError as exc:  # the rendezvous: no rank of this node started
+        status = EXIT_FAILED
+        print(f"sparkgpu: node {args.node_rank} of {args.nnodes} gave up meeting the others at {args.master_addr}:"
+              f"{args.master_port} after the job's init_timeout of {init_timeout:g}s ({exc}); a node that did not "
+              "start, or a firewall between the nodes, keeps them apart; if they only start slowly, raise "
+              "init_timeout", file=sys.stderr, flush=True)
     node = {"node_rank": args.node_rank, "status": status, "failures": failures}
     atomic_write_bytes(rd.node_file(args.attempt, args.node_rank), json.dumps(node).encode())
     return status

@@ -1,0 +1,78 @@
+"""The node agent and the rank bootstrap on real processes: rendezvous limits, environment reports."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from sparkgpu import distributed, runtime
+from sparkgpu.config import reset_settings, settings
+from sparkgpu.launch.agent import build_command
+from sparkgpu.launch.backends.local import free_port
+from sparkgpu.launch.keys import new_key
+from sparkgpu.launch.payload import KEY_ENV, RunDir, client_sys_path, serialize_payload
+
+pytestmark = pytest.mark.integration
+
+
+@distributed(gpus=1, gpu_type="cpu")
+def one():
+    return 1
+
+
+def test_a_missing_node_fails_the_rendezvous_after_the_jobs_init_timeout():
+    staged = one._stage((), {}, write=False)
+    job = dataclasses.replace(staged.job, policy=dataclasses.replace(staged.job.policy, init_timeout=3))
+    rd = RunDir(settings().staging_root / job.job_id)
+    key = new_key()
+    rd.stage(job.to_dict(), serialize_payload(one.fn, (), {}, []), key, client_sys_path())
+    rd.prepare_attempt(0)
+    # Node 0 of two; node 1 never comes. torch's default would wait 600 s for it.
+    command = build_command(sys.executable, str(rd.path), attempt=0, nnodes=2, node_rank=0, nproc=1,
+                            master_addr="127.0.0.1", master_port=free_port(), shutdown_grace=1)
+    started = time.monotonic()
+    done = subprocess.run(command, env={**os.environ, KEY_ENV: key.hex()}, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1 and time.monotonic() - started < 90
+    assert "node 0 of 2 gave up meeting the others" in done.stderr and "init_timeout of 3s" in done.stderr
+    assert json.loads(rd.node_file(0, 0).read_text())["status"] == 1  # so the other nodes stop too
+
+
+@pytest.fixture
+def workers_have_this_image(monkeypatch, tmp_path):
+    """The workers' image is this venv: only editable installs and the caller's code travel."""
+    from sparkgpu.env import hydrate_module_path
+
+    probe = subprocess.run([sys.executable, str(hydrate_module_path()), "--probe"], capture_output=True,
+                           text=True, check=True).stdout
+    (tmp_path / "worker.json").write_text(probe)
+    monkeypatch.setenv("SPARKGPU_ENV_WORKER_LOCK", str(tmp_path / "worker.json"))
+    monkeypatch.setenv("SPARKGPU_CACHE_DIR", str(tmp_path / "node-cache"))
+    reset_settings()
+
+
+@distributed(gpus=2, gpu_type="cpu", ship_environment=True, log_ranks="all")
+def shipped_rank():
+    return runtime.get_global_rank()
+
+
+def test_each_rank_reports_what_rehydrating_its_environment_cost(workers_have_this_image, capsys):
+    assert shipped_rank.distributed() == [0, 1]
+    rd = RunDir(settings().staging_root / shipped_rank.last_job_id)
+    reports = rd.read_env_reports(0)
+    assert sorted(reports) == [0, 1]
+    for report in reports.values():
+        assert set(report["steps"]) == {"check", "extract", "view"} and report["seconds"] > 0
+        assert report["extracted"] or report["cached"]  # the caller's code travels at least
+    # The ranks share the node's cache: what one extracted, the other found there.
+    assert sum(r["fetched_bytes"] for r in reports.values()) > 0
+    for rank in (0, 1):
+        assert "sparkgpu: environment rehydrated in" in rd.log_file(0, rank).read_text()
+    out = capsys.readouterr().out
+    assert "[rank0] sparkgpu: environment rehydrated in" in out and " extracted, " in out
