@@ -11,6 +11,12 @@ Two sources, both cheap:
   free core. The probe runs with a job tag, reports when it waits, and is cancelled after
   ``wait_timeout``.
 
+An executor whose every core is busy never answers the probe. When the session says how many
+executors it has (``spark.executor.instances``), the silent ones are counted as busy, with
+the confs' cores and GPUs, so a request they could serve waits for them (the barrier stage
+waits for free slots, up to ``wait_timeout``) instead of failing as one the cluster can
+never satisfy.
+
 The answer is cached per session for a minute: executors of a static GPU cluster rarely change.
 """
 
@@ -54,6 +60,8 @@ class ExecutorInfo:
         cores: Task slots.
         gpu_addresses: GPU addresses the cluster manager assigned to it.
         gpu_names: Device names from NVML / ``nvidia-smi`` on that host (empty when unknown).
+        busy: The session has this executor but it did not answer the probe (every core was
+            busy); its cores and GPUs come from the static confs.
     """
 
     executor_id: str
@@ -61,6 +69,7 @@ class ExecutorInfo:
     cores: int
     gpu_addresses: tuple[str, ...] = ()
     gpu_names: tuple[str, ...] = ()
+    busy: bool = False
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -69,7 +78,7 @@ class SparkCapacity:
 
     Attributes:
         master: ``spark.master`` of the session's cluster.
-        executors: Executors that answered the probe.
+        executors: Executors that answered the probe, then the busy ones that did not.
         gpus_per_executor: ``spark.executor.resource.gpu.amount`` (0 for none).
         gpu_type: Catalog name of the GPUs, or ``None`` when neither a conf nor the driver says.
         gpu_type_source: Where ``gpu_type`` came from: ``"conf"``, ``"driver"`` or ``None``.
@@ -109,7 +118,11 @@ class SparkCapacity:
         if self.total_gpus == 0:
             return f"{len(self.executors)} executor(s) with {self.total_cores} cores and no GPUs at {self.master}"
         parts = [f"executor {e.executor_id} on {e.host}: {self.gpus_of(e)} x {kind}"
-                 + (f" ({','.join(e.gpu_addresses)})" if e.gpu_addresses else "") for e in self.executors]
+                 + (f" ({','.join(e.gpu_addresses)})" if e.gpu_addresses else "") for e in self.executors if not e.busy]
+        busy = [e for e in self.executors if e.busy]
+        if busy:
+            parts.append(f"{len(busy)} executor(s) with every core busy: {self.gpus_of(busy[0])} x {kind} each "
+                         "per spark.executor.resource.gpu.amount")
         return f"{self.total_gpus} x {kind} at {self.master} ({'; '.join(parts)})"
 
     def __str__(self) -> str:
@@ -120,7 +133,7 @@ class SparkCapacity:
         lines.append(f"  {'executor':<{width}}  {'host':<20} {'cores':>5}  gpus")
         for e in self.executors:
             gpus = ",".join(e.gpu_addresses) or (str(self.gpus_of(e)) if self.gpus_of(e) else "-")
-            names = f"  [{e.gpu_names[0]}]" if e.gpu_names else ""
+            names = f"  [{e.gpu_names[0]}]" if e.gpu_names else ("  [every core busy: did not answer]" if e.busy else "")
             lines.append(f"  {e.executor_id:<{width}}  {e.host:<20} {e.cores:>5}  {gpus}{names}")
         return "\n".join(lines)
 
@@ -250,6 +263,17 @@ def _probe(spark, confs, *, tasks: int, timeout: float, out) -> tuple[list[Execu
     return sorted(seen.values(), key=lambda e: (len(e.executor_id), e.executor_id)), time.monotonic() - started
 
 
+def _static_executors(confs) -> tuple[int, int]:
+    """``spark.executor.instances`` (0 when unset) and ``spark.executor.cores`` (1 when unset)."""
+    try:
+        return int(confs.get("spark.executor.instances") or 0), int(confs.get("spark.executor.cores") or 1)
+    except ValueError:
+        raise ConfigurationError(
+            f"the cluster's spark.executor.instances={confs.get('spark.executor.instances')!r} and spark.executor.cores="
+            f"{confs.get('spark.executor.cores')!r} must be whole numbers"
+        ) from None
+
+
 def _local_cores(master: str) -> int:
     inside = master[master.find("[") + 1: master.find("]")] if "[" in master else "1"
     if inside.startswith("*") or not inside.split(",")[0].isdigit():
@@ -288,11 +312,14 @@ def discover_capacity(spark, *, wait_timeout: float, out=None, refresh: bool = F
         return cached[1]
     confs = read_confs(spark)
     master = confs.get("spark.master") or "unknown"
-    instances = int(confs.get("spark.executor.instances") or 0)
+    instances, cores = _static_executors(confs)
     previous = len(cached[1].executors) if cached else 0
     executors, seconds = _probe(spark, confs, tasks=max(16, 2 * instances, 2 * previous), timeout=wait_timeout, out=out)
     if master.startswith("local"):
         executors = [dataclasses.replace(e, cores=e.cores or _local_cores(master), gpu_addresses=()) for e in executors]
+    else:
+        # A probe task needs a free core: executors with every core busy stayed silent.
+        executors += [ExecutorInfo(f"busy-{i}", "?", cores, busy=True) for i in range(instances - len(executors))]
     gpu_type, source = _cluster_gpu_type(confs, executors)
     capacity = SparkCapacity(
         master=master, executors=tuple(executors),
