@@ -7,15 +7,22 @@ UNIX socket to fork the ranks, which then run exactly what a cold rank runs (the
 ``_air.py``). The zygote never initialises CUDA, so forked ranks may use GPUs.
 
 The zygote is single-threaded (a selector loop), because forking a multi-threaded process
-can deadlock the child. It stops itself after ``idle_timeout`` without work; ``sparkgpu pool
-status`` / ``sparkgpu pool stop`` show and stop it. If the client disconnects mid-run (Ctrl-C,
-or the client was killed), the zygote kills that job's ranks.
+can deadlock the child; nothing in the loop blocks on a client, so one stuck client cannot
+hold up the reaping of other jobs. It stops itself after ``idle_timeout`` without work;
+``sparkgpu pool status`` / ``sparkgpu pool stop`` show and stop it. If the client disconnects
+mid-run (Ctrl-C, or the client was killed), the zygote kills that job's ranks.
+
+A pool runs the code it imported when it started, so it is keyed by the interpreter and by a
+fingerprint of that code (sparkgpu's files, torch's, numpy's and cloudpickle's): after an
+upgrade or an edit the next call starts a new pool, and the outdated one stops once its
+running jobs end.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import os
 import runpy
@@ -37,15 +44,64 @@ from sparkgpu.launch.payload import RunDir, atomic_write_bytes
 __all__ = ["PoolBackend", "create_backend", "ensure_pool", "pool_status", "stop_pool"]
 
 _START_TIMEOUT = 120.0
+_REQUEST_TIMEOUT = 10.0  # seconds a client has to send its whole request line
+# What the zygote imports before it forks; the ranks inherit these modules as they were then.
+_PRELOADED = ("torch", "numpy", "cloudpickle")
 
 
-def _pool_dir(python: str) -> Path:
-    # One pool per interpreter: a pool started from another venv would run other packages.
-    tag = hashlib.sha256(os.path.realpath(python).encode()).hexdigest()[:12]
-    return settings().home / "pool" / tag
+def _interpreter_tag(python: str) -> str:
+    return hashlib.sha256(os.path.realpath(python).encode()).hexdigest()[:12]
+
+
+def _pool_dir(python: str, fingerprint: str | None = None) -> Path:
+    # One pool per interpreter and code: a pool started from another venv, or before an
+    # upgrade or an edit of sparkgpu, would run other code than a cold call does.
+    return settings().home / "pool" / f"{_interpreter_tag(python)}-{fingerprint or code_fingerprint()}"
+
+
+def code_fingerprint(package_dir: Path | None = None, preloaded: tuple[str, ...] = _PRELOADED) -> str:
+    """A short hash of the code a pool would preload: path, size and mtime of every file of
+    the sparkgpu package and of the entry files of ``preloaded``; no module is imported.
+
+    Reinstalling or upgrading a distribution rewrites its files, so their mtimes change.
+    This describes this process's environment, which is the pool's unless
+    ``SPARKGPU_PYTHON`` names another interpreter (that one is part of the key anyway).
+
+    Args:
+        package_dir: The sparkgpu package directory (this one by default).
+        preloaded: Top-level modules whose entry file is included.
+    """
+    digest = hashlib.sha256()
+    root = package_dir or Path(__file__).resolve().parents[1]
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(files):
+            _add_stat(digest, os.path.join(folder, name))
+    for name in preloaded:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin:
+            _add_stat(digest, spec.origin)
+    return digest.hexdigest()[:12]
+
+
+def _add_stat(digest, path: str) -> None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:  # removed while we walked: the next call sees the new state
+        return
+    digest.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
 
 
 # -- the zygote -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _PendingRequest:
+    """A connection whose request line has not fully arrived yet."""
+
+    conn: socket.socket
+    deadline: float
+    data: bytearray = dataclasses.field(default_factory=bytearray)
 
 
 @dataclasses.dataclass
@@ -84,18 +140,20 @@ def _fork_rank(run_dir: RunDir, env: dict[str, str], rank: int, nproc: int, port
 
 
 class _Zygote:
-    def __init__(self, directory: Path, idle_timeout: float):
+    def __init__(self, directory: Path, idle_timeout: float, fingerprint: str = ""):
         self.directory = directory
         self.idle_timeout = idle_timeout
+        self.fingerprint = fingerprint
         self.selector = selectors.DefaultSelector()
         self.jobs: list[_Job] = []
+        self.pending: list[_PendingRequest] = []
         self.started = time.time()
         self.last_active = time.monotonic()
         self.jobs_run = 0
 
     def info(self) -> dict:
         return {"pid": os.getpid(), "python": sys.executable, "started_at": self.started,
-                "idle_timeout": self.idle_timeout, "jobs_run": self.jobs_run,
+                "idle_timeout": self.idle_timeout, "jobs_run": self.jobs_run, "code": self.fingerprint,
                 "running_jobs": [j.run_dir.job_id for j in self.jobs]}
 
     def write_info(self) -> None:
@@ -118,10 +176,12 @@ class _Zygote:
             while True:
                 for key, _ in self.selector.select(timeout=0.05):
                     if key.fileobj is server:
-                        conn, _ = server.accept()
-                        self._handle(conn)
+                        self._accept(server)
+                    elif isinstance(key.data, _PendingRequest):
+                        self._read_request(key.data)
                     else:
                         self._client_gone(key.data)
+                self._drop_stalled_requests()
                 self._reap()
                 if not self.jobs and time.monotonic() - self.last_active > self.idle_timeout:
                     return
@@ -130,12 +190,67 @@ class _Zygote:
         finally:
             for job in self.jobs:
                 self._kill(job, signal.SIGKILL)
+            for request in self.pending:
+                request.conn.close()
             sock_path.unlink(missing_ok=True)
             (self.directory / "pool.json").unlink(missing_ok=True)
 
-    def _handle(self, conn: socket.socket) -> None:
-        conn.setblocking(True)
-        request = json.loads(_read_line(conn))
+    def _accept(self, server: socket.socket) -> None:
+        try:
+            conn, _ = server.accept()
+        except BlockingIOError:  # the client gave up between select and accept
+            return
+        conn.setblocking(False)
+        request = _PendingRequest(conn, time.monotonic() + _REQUEST_TIMEOUT)
+        self.pending.append(request)
+        self.selector.register(conn, selectors.EVENT_READ, request)
+
+    def _read_request(self, request: _PendingRequest) -> None:
+        """Reads what arrived of a request; handles it once its line is complete."""
+        try:
+            chunk = request.conn.recv(1 << 16)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._drop_request(request, f"could not be read: {exc}")
+            return
+        if not chunk:
+            self._drop_request(request, "closed before its request was complete")
+            return
+        request.data += chunk
+        if not request.data.endswith(b"\n"):
+            return
+        self.selector.unregister(request.conn)
+        self.pending.remove(request)
+        try:
+            message = json.loads(request.data)
+            if not isinstance(message, dict):
+                raise ValueError(f"expected a JSON object, got {type(message).__name__}")
+        except ValueError as exc:
+            print(f"sparkgpu pool: refused a malformed request: {exc}", file=sys.stderr)
+            request.conn.close()
+            return
+        request.conn.setblocking(True)  # replies are one short line
+        try:
+            self._handle(request.conn, message)
+        except _StopPool:
+            raise
+        except Exception as exc:  # one bad request must not take down the other jobs' ranks
+            print(f"sparkgpu pool: request {message.get('op')!r} failed: {exc!r}", file=sys.stderr)
+            request.conn.close()
+
+    def _drop_stalled_requests(self) -> None:
+        now = time.monotonic()
+        for request in [r for r in self.pending if now > r.deadline]:
+            self._drop_request(request, f"sent no complete request within {_REQUEST_TIMEOUT:g}s")
+
+    def _drop_request(self, request: _PendingRequest, why: str) -> None:
+        print(f"sparkgpu pool: dropped a client that {why}", file=sys.stderr)
+        self.selector.unregister(request.conn)
+        self.pending.remove(request)
+        request.conn.close()
+
+    def _handle(self, conn: socket.socket, request: dict) -> None:
         op = request.get("op")
         if op == "status":
             conn.sendall((json.dumps(self.info()) + "\n").encode())
@@ -144,12 +259,26 @@ class _Zygote:
             conn.sendall(b'{"stopping": true}\n')
             conn.close()
             raise _StopPool
+        elif op == "retire":
+            # A newer pool took over: finish the running jobs, then stop.
+            self.idle_timeout = 0.0
+            conn.sendall(b'{"retiring": true}\n')
+            conn.close()
+            self.write_info()
         elif op == "run":
             run_dir = RunDir(request["run_dir"])
             run_dir.prepare_attempt(request["attempt"])
             port = free_port()
             env = {**request["env"], "SPARKGPU_ATTEMPT": str(request["attempt"])}
-            pids = {_fork_rank(run_dir, env, r, request["nproc"], port): r for r in range(request["nproc"])}
+            pids: dict[int, int] = {}
+            try:
+                for rank in range(request["nproc"]):
+                    pids[_fork_rank(run_dir, env, rank, request["nproc"], port)] = rank
+            except BaseException:
+                for pid in pids:  # no half-started job: its ranks would wait for the missing one
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                raise
             job = _Job(conn, run_dir, request["attempt"], pids, grace=request.get("grace", 10.0))
             self.jobs.append(job)
             self.jobs_run += 1
@@ -235,6 +364,7 @@ def _read_line(conn: socket.socket) -> str:
 
 def _serve(argv: list[str]) -> None:
     directory, idle_timeout = Path(argv[0]), float(argv[1])
+    fingerprint = argv[2] if len(argv) > 2 else ""
     # What every rank needs, imported once here so that forked ranks start warm.
     import cloudpickle  # noqa: F401
     import torch  # noqa: F401
@@ -244,7 +374,7 @@ def _serve(argv: list[str]) -> None:
 
     import sparkgpu.launch.entrypoint  # noqa: F401
 
-    _Zygote(directory, idle_timeout).serve()
+    _Zygote(directory, idle_timeout, fingerprint).serve()
 
 
 # -- the client side --------------------------------------------------------------------------
@@ -261,24 +391,34 @@ def _connect(directory: Path) -> socket.socket | None:
 
 
 def _request(directory: Path, message: dict) -> dict | None:
+    """Sends one request; ``None`` when no pool answers (also one that stopped meanwhile)."""
     sock = _connect(directory)
     if sock is None:
         return None
     with sock:
-        sock.sendall((json.dumps(message) + "\n").encode())
-        reply = _read_line(sock)
+        try:
+            sock.sendall((json.dumps(message) + "\n").encode())
+            reply = _read_line(sock)
+        except (BrokenPipeError, ConnectionResetError):  # it stopped (idle) as we connected
+            return None
     return json.loads(reply) if reply else None
 
 
 def ensure_pool(python: str, idle_timeout: float) -> Path:
-    """Starts the zygote for ``python`` unless it runs already; returns its directory."""
-    directory = _pool_dir(python)
+    """Starts the zygote for ``python`` and the current code unless it runs already; returns
+    its directory. Pools of the same interpreter with outdated code are asked to stop once
+    their running jobs end."""
+    fingerprint = code_fingerprint()
+    directory = _pool_dir(python, fingerprint)
     if _request(directory, {"op": "status"}) is not None:
         return directory
+    for outdated in _pool_dirs(python):
+        if outdated != directory:
+            _request(outdated, {"op": "retire"})
     directory.mkdir(parents=True, exist_ok=True)
     log = open(directory / "pool.log", "ab")
     subprocess.Popen(
-        [python, "-m", "sparkgpu.launch.pool", str(directory), str(idle_timeout)],
+        [python, "-m", "sparkgpu.launch.pool", str(directory), str(idle_timeout), fingerprint],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
@@ -292,25 +432,45 @@ def ensure_pool(python: str, idle_timeout: float) -> Path:
 
 
 def pool_status(python: str | None = None) -> dict | None:
-    """The running pool's pid, start time, idle timeout and jobs; ``None`` when none runs."""
-    return _request(_pool_dir(python or settings().python), {"op": "status"})
+    """The running pool's pid, start time, idle timeout, code fingerprint and jobs; ``None``
+    when none runs. The pool of the current code if it runs, else an outdated one that is
+    still finishing its jobs."""
+    python = python or settings().python
+    current = _pool_dir(python)
+    for directory in [current] + [d for d in _pool_dirs(python) if d != current]:
+        info = _request(directory, {"op": "status"})
+        if info is not None:
+            return info
+    return None
 
 
 def stop_pool(python: str | None = None) -> bool:
-    """Stops the pool (killing ranks it still runs). Returns False when none was running."""
-    directory = _pool_dir(python or settings().python)
-    info = _request(directory, {"op": "status"})
-    if info is None or _request(directory, {"op": "stop"}) is None:
-        return False
-    pid = info["pid"]
-    deadline = time.monotonic() + 10
-    while pid and time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.05)
-    return True
+    """Stops the pools of ``python`` (killing ranks they still run), outdated ones included.
+
+    Returns:
+        False when none was running.
+    """
+    stopped = False
+    for directory in _pool_dirs(python or settings().python):
+        info = _request(directory, {"op": "status"})
+        if info is None or _request(directory, {"op": "stop"}) is None:
+            continue
+        stopped = True
+        pid = info["pid"]
+        deadline = time.monotonic() + 10
+        while pid and time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+    return stopped
+
+
+def _pool_dirs(python: str) -> list[Path]:
+    """Directories of every pool of ``python``, whatever code it was started with (also
+    those of versions that keyed pools by interpreter alone)."""
+    return sorted((settings().home / "pool").glob(f"{_interpreter_tag(python)}*"))
 
 
 @dataclasses.dataclass
@@ -340,7 +500,9 @@ class PoolBackend(LocalBackend):
         request = {"op": "run", "run_dir": str(run_dir.path), "attempt": attempt, "nproc": job.world_size,
                    "env": full_env, "grace": job.policy.shutdown_grace}
         conn.sendall((json.dumps(request) + "\n").encode())
-        _read_line(conn)  # {"started": true}
+        if not _read_line(conn):  # {"started": true} when the ranks were forked
+            conn.close()
+            raise SparkGPUError(f"the warm pool at {directory} refused the job; see {directory / 'pool.log'}")
         conn.setblocking(False)
         return PoolAttempt(attempt=attempt, conn=conn, node_file=run_dir.node_file(attempt, 0))
 

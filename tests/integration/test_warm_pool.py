@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import signal
+import socket
+import subprocess
+import textwrap
+import threading
 import time
 
 import psutil
@@ -10,14 +15,30 @@ import pytest
 
 from sparkgpu import JobTimeoutError, WorkerFailedError, distributed, runtime
 from sparkgpu.config import settings
+from sparkgpu.launch import pool as pool_module
 from sparkgpu.launch.pool import PoolBackend, pool_status, stop_pool
-from tests.integration.processes import assert_no_orphans
+from tests.integration.processes import start_client, wait_for
 
 pytestmark = pytest.mark.integration
 
 
+def assert_pool_runs_no_ranks(within: float = 15.0) -> None:
+    """Waits up to ``within`` seconds for the pool's ranks to end, then asserts none is left.
+
+    Forked ranks keep the pool's command line, so they are found as its child processes, not
+    by the run dir in their command line.
+    """
+    zygote = psutil.Process(pool_status()["pid"])
+    wait_for(lambda: not zygote.children(recursive=True), within=within, interval=0.1)
+    left = [f"{p.pid} {p.status()}" for p in zygote.children(recursive=True)]
+    assert left == [], f"ranks of the pool still alive: {left}"
+
+
 @pytest.fixture
-def pool():
+def pool(monkeypatch):
+    # Other work may edit the checkout while a test runs; a pool is keyed by its code, so
+    # these tests pin the key (test_a_pool_started_with_other_code_... covers a change).
+    monkeypatch.setattr(pool_module, "code_fingerprint", lambda: "c0dec0dec0de")
     backend = PoolBackend(idle_timeout=120)
     yield backend
     info = pool_status()
@@ -61,7 +82,7 @@ def test_failures_and_signals_are_reported_as_on_the_cold_path(pool):
     with pytest.raises(WorkerFailedError, match="rank 1: ValueError: bad row 17") as err:
         flaky.distributed()
     assert err.value.ranks == [1]  # rank 0 was torn down, not failed
-    assert_no_orphans(settings().staging_root / flaky.last_job_id)
+    assert_pool_runs_no_ranks()
 
     @distributed(gpus=2, gpu_type="cpu", backend=pool)
     def crash():
@@ -74,6 +95,7 @@ def test_failures_and_signals_are_reported_as_on_the_cold_path(pool):
     with pytest.raises(WorkerFailedError) as err:
         crash.distributed()
     assert err.value.failures[0].exitcode == -signal.SIGSEGV and "SIGSEGV" in str(err.value)
+    assert_pool_runs_no_ranks()
 
 
 def test_timeout_stops_the_ranks_but_keeps_the_pool(pool):
@@ -83,7 +105,7 @@ def test_timeout_stops_the_ranks_but_keeps_the_pool(pool):
 
     with pytest.raises(JobTimeoutError):
         sleepy.distributed()
-    assert_no_orphans(settings().staging_root / sleepy.last_job_id)
+    assert_pool_runs_no_ranks()
     assert pool_status() is not None
 
 
@@ -100,3 +122,99 @@ def test_the_pool_stops_itself_when_idle():
         time.sleep(0.2)
     assert pool_status() is None
     assert stop_pool() is False
+
+
+CTRL_C_CLIENT = textwrap.dedent("""
+    import sys, time
+    from sparkgpu import distributed
+    from sparkgpu.launch.pool import PoolBackend
+
+    @distributed(gpus=2, gpu_type="cpu", backend=PoolBackend(idle_timeout=120))
+    def forever():
+        print("started", flush=True)
+        time.sleep(600)
+
+    try:
+        forever.distributed()
+    except KeyboardInterrupt:
+        sys.exit(130)
+""")
+
+
+def _start_pool_client(tmp_path, home):
+    client = start_client(tmp_path, home, CTRL_C_CLIENT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def both_ranks_run() -> bool:
+        logs = list((home / "runs").glob("*/attempts/0/logs/rank-*.log"))
+        return len(logs) == 2 and all("started" in p.read_text() for p in logs)
+
+    if not wait_for(both_ranks_run):
+        client.kill()
+        out, _ = client.communicate()
+        pytest.fail(f"ranks never started:\n{out}")
+    assert len(psutil.Process(pool_status()["pid"]).children()) == 2
+    return client
+
+
+def test_ctrl_c_in_the_caller_stops_the_pools_ranks(pool, tmp_path, _isolated_sparkgpu_home):
+    client = _start_pool_client(tmp_path, _isolated_sparkgpu_home)
+    client.send_signal(signal.SIGINT)
+    out, _ = client.communicate(timeout=60)
+    assert client.returncode == 130, out
+    assert_pool_runs_no_ranks()
+    run_dir = next((_isolated_sparkgpu_home / "runs").iterdir())
+    assert json.loads((run_dir / "state.json").read_text())["status"] == "cancelled"
+    assert pool_status() is not None  # the pool outlives its client
+
+
+def test_killed_client_leaves_no_ranks_in_the_pool(pool, tmp_path, _isolated_sparkgpu_home):
+    client = _start_pool_client(tmp_path, _isolated_sparkgpu_home)
+    client.kill()  # SIGKILL: no cleanup code runs in the client
+    client.communicate()
+    assert_pool_runs_no_ranks()
+
+
+def test_a_silent_or_malformed_client_holds_up_no_job(pool):
+    @distributed(gpus=2, gpu_type="cpu", backend=pool, timeout=120)
+    def step():
+        return runtime.get_global_rank()
+
+    assert step.distributed() == [0, 1]  # the pool runs
+    info = pool_status()
+    directory = pool_module._pool_dir(settings().python)
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.connect(str(directory / "pool.sock"))  # and never sends a request
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as garbage:
+            garbage.settimeout(30)
+            garbage.connect(str(directory / "pool.sock"))
+            garbage.sendall(b"not json\n")
+            assert garbage.recv(64) == b""  # refused, not fatal to the pool
+        outcome = []
+        runner = threading.Thread(target=lambda: outcome.append(step.distributed()), daemon=True)
+        runner.start()
+        runner.join(timeout=90)
+        assert outcome == [[0, 1]], "a client that sends nothing froze the pool"
+        assert pool_status()["pid"] == info["pid"]
+        silent.settimeout(pool_module._REQUEST_TIMEOUT + 10)
+        assert silent.recv(64) == b""  # dropped after the request timeout
+    finally:
+        silent.close()
+
+
+def test_a_pool_started_with_other_code_is_not_reused_and_retires(pool, monkeypatch):
+    @distributed(gpus=1, gpu_type="cpu", backend=pool)
+    def which_pool():
+        import os
+
+        return os.getppid()
+
+    monkeypatch.setattr(pool_module, "code_fingerprint", lambda: "0ld0ld0ld0ld")
+    old_pid = which_pool.distributed()[0]
+    assert pool_status()["pid"] == old_pid and pool_status()["code"] == "0ld0ld0ld0ld"
+    # What an upgrade of torch or an edit of sparkgpu looks like to the client.
+    monkeypatch.setattr(pool_module, "code_fingerprint", lambda: "ad0be0ad0be0")
+    new_pid = which_pool.distributed()[0]
+    assert new_pid != old_pid and pool_status()["code"] == "ad0be0ad0be0"
+    assert wait_for(lambda: not psutil.pid_exists(old_pid) or
+                    psutil.Process(old_pid).status() == psutil.STATUS_ZOMBIE, within=20)

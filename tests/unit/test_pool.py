@@ -1,0 +1,54 @@
+"""The warm pool's key: a pool is reused only while the code it preloaded is unchanged."""
+
+from __future__ import annotations
+
+import os
+
+from sparkgpu.launch.pool import code_fingerprint
+
+
+def _package(tmp_path):
+    root = tmp_path / "sparkgpu"
+    (root / "launch" / "__pycache__").mkdir(parents=True)
+    (root / "__init__.py").write_text("__version__ = '1.0'\n")
+    (root / "launch" / "entrypoint.py").write_text("def main(): ...\n")
+    return root
+
+
+def test_the_fingerprint_is_stable_while_nothing_changes(tmp_path):
+    root = _package(tmp_path)
+    assert code_fingerprint(root, ()) == code_fingerprint(root, ())
+    (root / "launch" / "__pycache__" / "entrypoint.cpython-311.pyc").write_bytes(b"compiled")
+    assert code_fingerprint(root, ()) == code_fingerprint(root, ())  # bytecode is not code
+
+
+def test_an_edit_or_a_new_file_in_sparkgpu_changes_the_fingerprint(tmp_path):
+    root = _package(tmp_path)
+    before = code_fingerprint(root, ())
+    entry = root / "launch" / "entrypoint.py"
+    entry.write_text("def main(): return 1\n")
+    edited = code_fingerprint(root, ())
+    assert edited != before
+    (root / "launch" / "pool.py").write_text("")
+    assert code_fingerprint(root, ()) != edited
+
+
+def test_a_reinstalled_preloaded_distribution_changes_the_fingerprint(tmp_path, monkeypatch):
+    root = _package(tmp_path)
+    site = tmp_path / "site"
+    (site / "fakepkg").mkdir(parents=True)
+    (site / "fakepkg" / "__init__.py").write_text("version = '2.13'\n")
+    monkeypatch.syspath_prepend(str(site))
+    before = code_fingerprint(root, ("fakepkg",))
+    assert before != code_fingerprint(root, ())
+    # What `pip install -U` does to the file: new content, a new mtime.
+    (site / "fakepkg" / "__init__.py").write_text("version = '2.14'\n")
+    stat = os.stat(site / "fakepkg" / "__init__.py")
+    os.utime(site / "fakepkg" / "__init__.py", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    assert code_fingerprint(root, ("fakepkg",)) != before
+
+
+def test_by_default_torch_numpy_and_cloudpickle_are_covered(tmp_path):
+    root = _package(tmp_path)
+    assert len(code_fingerprint()) == 12
+    assert code_fingerprint(root) != code_fingerprint(root, ())
