@@ -249,19 +249,26 @@ CTRL_C_CLIENT = textwrap.dedent("""
 """)
 
 
+def _both_ranks_run(runs) -> bool:
+    logs = list(runs.glob("*/attempts/0/logs/rank-*.log"))
+    return len(logs) == 2 and all("started" in p.read_text() for p in logs)
+
+
+def _wait_or_fail(client, predicate, failure: str) -> None:
+    """Fails the test (killing its client) unless ``predicate`` comes true: the checks that
+    follow prove nothing about ranks that never ran."""
+    if not wait_for(predicate):
+        client.kill()
+        client.wait()
+        pytest.fail(failure)
+
+
 def test_ctrl_c_in_the_caller_stops_every_rank(tmp_path, _isolated_sparkgpu_home):
     import json
 
     client = start_client(tmp_path, _isolated_sparkgpu_home, CTRL_C_CLIENT, stdout=subprocess.PIPE, text=True)
     runs = _isolated_sparkgpu_home / "runs"
-
-    def both_ranks_run():
-        logs = list(runs.glob("*/attempts/0/logs/rank-*.log"))
-        return len(logs) == 2 and all("started" in p.read_text() for p in logs)
-
-    if not wait_for(both_ranks_run):
-        client.kill()
-        pytest.fail("ranks never started")
+    _wait_or_fail(client, lambda: _both_ranks_run(runs), "ranks never started")
     client.send_signal(signal.SIGINT)
     out, _ = client.communicate(timeout=60)
     assert client.returncode == 130, out
@@ -273,7 +280,7 @@ def test_ctrl_c_in_the_caller_stops_every_rank(tmp_path, _isolated_sparkgpu_home
 def test_killed_client_leaves_no_orphans(tmp_path, _isolated_sparkgpu_home):
     client = start_client(tmp_path, _isolated_sparkgpu_home, CTRL_C_CLIENT, stdout=subprocess.DEVNULL)
     runs = _isolated_sparkgpu_home / "runs"
-    wait_for(lambda: len(list(runs.glob("*/attempts/0/logs/rank-*.log"))) == 2)
+    _wait_or_fail(client, lambda: _both_ranks_run(runs), "ranks never started")
     client.kill()  # SIGKILL: no cleanup code runs in the client
     client.wait()
     assert_no_orphans(next(runs.iterdir()), within=15)
@@ -285,7 +292,8 @@ RESUMABLE_CLIENT = textwrap.dedent("""
 
     @distributed(gpus=2, gpu_type="cpu")
     def train():
-        marker = os.path.join(runtime.checkpoint_dir(), f"step-{runtime.get_global_rank()}")
+        # Not named like a checkpoint (step-N): the supervisor reads the checkpoint dir.
+        marker = os.path.join(runtime.checkpoint_dir(), f"progress-of-rank-{runtime.get_global_rank()}")
         if os.path.exists(marker):
             return ("resumed", runtime.attempt(), open(marker).read())
         with open(marker, "w") as f:
@@ -304,7 +312,11 @@ def test_resume_continues_a_job_whose_client_died(tmp_path, _isolated_sparkgpu_h
 
     client = start_client(tmp_path, _isolated_sparkgpu_home, RESUMABLE_CLIENT, stdout=subprocess.DEVNULL)
     runs = _isolated_sparkgpu_home / "runs"
-    wait_for(lambda: len(list(runs.glob("*/checkpoints/step-*"))) == 2)
+
+    def both_saved() -> bool:
+        return len(list(runs.glob("*/checkpoints/progress-of-rank-*"))) == 2
+
+    _wait_or_fail(client, both_saved, "ranks never checkpointed")
     client.kill()
     client.wait()
     run_dir = next(runs.iterdir())
