@@ -63,12 +63,23 @@ class Decision(enum.Enum):
 
 
 class FailurePolicy:
-    """Restart a failed attempt while restarts are left, then raise."""
+    """Restart a failed attempt while restarts are left, then raise.
+
+    Failures that the same payload on the same workers meets again — a payload whose
+    signature does not match, a worker environment that does not fit the client's — are
+    raised at once: restarting them only spends GPU time.
+    """
+
+    # By class name: the worker's hydration module raises its own EnvironmentMismatchError,
+    # loaded under another module name before sparkgpu is importable there.
+    PERMANENT = frozenset({"PayloadSignatureError", "EnvironmentMismatchError"})
 
     def __init__(self, max_restarts: int):
         self.max_restarts = max_restarts
 
     def decide(self, restarts_used: int, failures: list[RankFailure]) -> Decision:
+        if any(f.exc_type and f.exc_type.rsplit(".", 1)[-1] in self.PERMANENT for f in failures):
+            return Decision.RAISE
         return Decision.RESTART if restarts_used < self.max_restarts else Decision.RAISE
 
 
@@ -386,7 +397,7 @@ class Supervisor:
         """``(step, created)`` of the newest complete checkpoint in the job's checkpoint dir."""
         try:
             info = CheckpointStore(self.run_dir.checkpoints).latest()
-        except OSError as exc:  # e.g. a file of the user's own named like a step directory
+        except OSError as exc:  # an unreadable checkpoint dir (permissions, a store that is down)
             print(f"sparkgpu: cannot read the checkpoints in {self.run_dir.checkpoints} ({exc}); an attempt stopped "
                   "at the runtime cap counts as preempted only if its ranks stop for a restart", file=self.out)
             return None

@@ -161,7 +161,7 @@ class CheckpointStore:
                     raw = f.read()
             else:
                 raw = self._fs.cat_file(marker)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # a file named like a step is no checkpoint
             return None
         try:
             data = json.loads(raw)

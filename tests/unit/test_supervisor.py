@@ -348,4 +348,20 @@ def test_files_of_the_users_own_in_the_checkpoint_dir_do_not_fail_the_job(tmp_pa
     sup, backend, cb, rd, out = cap_job(tmp_path, ["hang", "ok"], max_restarts=1)
     (rd.checkpoints / "step-1").write_text("my own progress marker, not a sparkgpu checkpoint")
     assert sup.run()[0]["attempt"] == 1  # the capped attempt is a failure (restart 1), not a crash
-    assert "cannot read the checkpoints" in out.getvalue()
+    assert "cannot read the checkpoints" not in out.getvalue()  # not a checkpoint: skipped, not an error
+    assert (rd.checkpoints / "step-1").read_text().startswith("my own")
+
+
+def test_a_failure_no_restart_can_fix_is_raised_at_once(tmp_path):
+    # A tampered payload fails the same way on every attempt: restarting it only spends GPU time.
+    from sparkgpu.errors import PayloadSignatureError, RankFailure
+    from sparkgpu.launch.supervisor import Decision, FailurePolicy
+
+    policy = FailurePolicy(max_restarts=3)
+    refused = [RankFailure(0, "sparkgpu.errors.PayloadSignatureError", "modified after it was staged")]
+    mismatch = [RankFailure(1, "_sparkgpu_hydrate.EnvironmentMismatchError", "Python 3.12 vs 3.11")]
+    flaky = [RankFailure(0, "ValueError", "bad batch")]
+    assert policy.decide(0, refused) is Decision.RAISE
+    assert policy.decide(0, mismatch) is Decision.RAISE
+    assert policy.decide(0, flaky) is Decision.RESTART
+    assert PayloadSignatureError.__name__ in FailurePolicy.PERMANENT
