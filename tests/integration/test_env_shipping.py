@@ -49,6 +49,6 @@ def test_a_tampered_hydration_module_never_runs(workers_have_this_image, tmp_pat
     marker = tmp_path / "pwned"
     hydrate = staged.run_dir.path / "_hydrate.py"
     hydrate.write_text(f"open({str(marker)!r}, 'w').write('x')\n" + hydrate.read_text())
-    with pytest.raises(WorkerFailedError, match="exited with code 1"):
+    with pytest.raises(WorkerFailedError, match=r"PayloadSignatureError: refusing to run .*modified"):
         Supervisor(staged.job, staged.run_dir, staged.backend, staged.key, []).run()
     assert not marker.exists()
