@@ -25,7 +25,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import runpy
 import selectors
 import signal
 import socket
@@ -35,11 +34,12 @@ import time
 from pathlib import Path
 
 from sparkgpu.config import settings
-from sparkgpu.errors import SparkGPUError
+from sparkgpu.errors import PayloadSignatureError, SparkGPUError
+from sparkgpu.launch.agent import refuse
 from sparkgpu.launch.backends.base import AttemptHandle
 from sparkgpu.launch.backends.local import LocalBackend, free_port
 from sparkgpu.launch.entrypoint import EXIT_PREEMPTED
-from sparkgpu.launch.payload import RunDir, atomic_write_bytes
+from sparkgpu.launch.payload import RunDir, atomic_write_bytes, key_from_environ
 
 __all__ = ["PoolBackend", "create_backend", "ensure_pool", "pool_status", "stop_pool"]
 
@@ -115,7 +115,8 @@ class _Job:
     grace: float = 10.0
 
 
-def _fork_rank(run_dir: RunDir, env: dict[str, str], rank: int, nproc: int, port: int) -> int:
+def _fork_rank(run_dir: RunDir, air: bytes, env: dict[str, str], rank: int, nproc: int, port: int) -> int:
+    """Forks one rank that runs ``air``, the ``_air.py`` text whose signature was checked."""
     pid = os.fork()
     if pid:
         return pid
@@ -130,8 +131,9 @@ def _fork_rank(run_dir: RunDir, env: dict[str, str], rank: int, nproc: int, port
             RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
             GROUP_RANK="0", ROLE_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
         )
-        sys.argv = [str(run_dir.air)]
-        runpy.run_path(str(run_dir.air), run_name="__main__")
+        # As `python -c <text> RUN_DIR` on the agent's path: the file could be swapped after the check.
+        sys.argv = ["-c", str(run_dir.path)]
+        exec(compile(air, str(run_dir.air), "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
@@ -267,19 +269,29 @@ class _Zygote:
             self.write_info()
         elif op == "run":
             run_dir = RunDir(request["run_dir"])
-            run_dir.prepare_attempt(request["attempt"])
+            attempt, nproc = request["attempt"], request["nproc"]
+            run_dir.prepare_attempt(attempt)
+            env = {**request["env"], "SPARKGPU_ATTEMPT": str(attempt)}
+            try:  # the node agent's check: nothing is forked for a payload that is not the job's
+                run_dir.key = key_from_environ(env)
+                air = run_dir.verify()[run_dir.air.name]
+            except PayloadSignatureError as exc:
+                with open(run_dir.agent_log(attempt, 0), "a") as log:
+                    refuse(run_dir, attempt, 0, nproc, exc, out=log)
+                conn.sendall(b'{"started": true}\n')
+                conn.close()  # the client reads the end of the connection as a failed attempt
+                return
             port = free_port()
-            env = {**request["env"], "SPARKGPU_ATTEMPT": str(request["attempt"])}
             pids: dict[int, int] = {}
             try:
-                for rank in range(request["nproc"]):
-                    pids[_fork_rank(run_dir, env, rank, request["nproc"], port)] = rank
+                for rank in range(nproc):
+                    pids[_fork_rank(run_dir, air, env, rank, nproc, port)] = rank
             except BaseException:
                 for pid in pids:  # no half-started job: its ranks would wait for the missing one
                     os.kill(pid, signal.SIGKILL)
                     os.waitpid(pid, 0)
                 raise
-            job = _Job(conn, run_dir, request["attempt"], pids, grace=request.get("grace", 10.0))
+            job = _Job(conn, run_dir, attempt, pids, grace=request.get("grace", 10.0))
             self.jobs.append(job)
             self.jobs_run += 1
             conn.setblocking(False)

@@ -218,3 +218,24 @@ def test_a_pool_started_with_other_code_is_not_reused_and_retires(pool, monkeypa
     assert new_pid != old_pid and pool_status()["code"] == "ad0be0ad0be0"
     assert wait_for(lambda: not psutil.pid_exists(old_pid) or
                     psutil.Process(old_pid).status() == psutil.STATUS_ZOMBIE, within=20)
+
+
+def test_a_tampered_entrypoint_starts_no_rank_in_the_pool(pool, tmp_path):
+    # The pool checks the payload as the node agent does, and runs the text it checked.
+    from sparkgpu.errors import PayloadSignatureError
+    from sparkgpu.launch.supervisor import Supervisor
+
+    @distributed(gpus=2, gpu_type="cpu", backend="pool")
+    def add_rank(x):
+        return x + runtime.get_global_rank()
+
+    staged = add_rank._stage((1,), {})
+    marker = tmp_path / "pwned"
+    staged.run_dir.air.write_text(f"open({str(marker)!r}, 'w').write('ran')\n" + staged.run_dir.air.read_text())
+    with pytest.raises(WorkerFailedError, match=r"ranks 0, 1: sparkgpu.errors.PayloadSignatureError: refusing to "
+                                                r"run .*modified after it was staged") as err:
+        Supervisor(staged.job, staged.run_dir, staged.backend, staged.key, []).run()
+    assert isinstance(err.value.__cause__, PayloadSignatureError)
+    assert not marker.exists()
+    assert not list(staged.run_dir.attempt_dir(0).glob("logs/rank-*.log"))
+    assert add_rank.distributed(1) == [1, 2]  # the pool serves the next, untouched job
