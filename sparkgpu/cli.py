@@ -42,6 +42,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("sparkgpu.usage.cli", "register"),
     ("sparkgpu.launch.cli", "register_resume"),
     ("sparkgpu.launch.cli", "register_pool"),
+    ("sparkgpu.tracking.cli", "register_tracking"),
     ("sparkgpu.data.cli", "register_data"),
     ("sparkgpu.data.cli", "register_cache"),
 ]

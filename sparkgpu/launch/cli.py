@@ -11,13 +11,15 @@ __all__ = ["register_resume", "register_pool"]
 def register_resume(subparsers) -> None:
     p = subparsers.add_parser("resume", help="continue a job whose client died, from its latest checkpoint")
     p.add_argument("job_id")
+    p.add_argument("--force", action="store_true",
+                   help="resume even though the job's client seems alive (it no longer drives the job)")
     p.set_defaults(handler=cmd_resume)
 
 
 def cmd_resume(args) -> int:
     from sparkgpu.launch.resume import resume_job
 
-    results = resume_job(args.job_id)
+    results = resume_job(args.job_id, force=args.force)
     print(f"sparkgpu: job {args.job_id} succeeded on {len(results)} ranks")
     return 0
 

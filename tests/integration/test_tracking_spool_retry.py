@@ -200,3 +200,16 @@ def test_flush_refuses_a_job_that_has_not_ended_and_a_folder_without_one(store, 
     finally:
         resumed.after_job(job, [0, 0], None)  # the resumed client forwards the leftover itself
     assert flush_spool(run_dir) == 0
+
+
+def test_the_cli_forwards_what_a_job_left_unsent(store, tmp_path, capsys):
+    from sparkgpu import cli
+    from sparkgpu.config import settings
+
+    uri, client, _ = store
+    job, run_dir, run_id = ended_job_with_unsent_records(uri, settings().staging_root, store_down_for_client=False)
+    (run_dir / "spec.json").write_text(json.dumps(job.to_dict()))  # what a staged job has
+    assert cli.main(["tracking", "flush", job.job_id]) == 0
+    assert f"forwarded 1 record of job {job.job_id}" in capsys.readouterr().out
+    run = client.get_run(run_id)
+    assert run.data.metrics["loss"] == 0.25 and "sparkgpu.tracking.unsent" not in run.data.tags

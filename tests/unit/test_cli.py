@@ -1,5 +1,6 @@
 """The `sparkgpu` command in-process: subcommand registry, jobs, logs, usage, refusals before launch."""
 
+import contextlib
 import io
 import json
 import time
@@ -8,6 +9,7 @@ import pytest
 
 from sparkgpu import cli
 from sparkgpu.config import reset_settings, settings
+from sparkgpu.errors import SparkGPUError
 from sparkgpu.launch.payload import RunDir, serialize_payload
 from sparkgpu.launch.supervisor import Supervisor
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
@@ -22,10 +24,8 @@ def finished_job(job_id, script, gpus=2, **policy):
                   backend="fake", tags={"team": "ml"})
     rd = RunDir(settings().staging_root / job_id)
     rd.stage(job.to_dict(), serialize_payload(lambda: 1, (), {}, []), b"k" * 32, [])
-    try:
+    with contextlib.suppress(SparkGPUError):  # failed jobs are part of what `sparkgpu jobs` shows
         Supervisor(job, rd, ScriptedBackend(script), b"k" * 32, [], out=io.StringIO()).run()
-    except Exception:
-        pass  # failed jobs are part of what `sparkgpu jobs` shows
     return rd
 
 
@@ -201,3 +201,28 @@ def test_jobs_shows_a_running_job_whose_client_died_as_lost(capsys):
         live.wait()
     jobs = {j["job_id"]: j["status"] for j in map(json.loads, out.splitlines())}
     assert jobs == {"alive-job": "running", "orphan-job": "lost"}
+
+
+def test_resume_refuses_a_job_whose_client_is_alive_and_names_force(capsys):
+    import subprocess
+    import sys
+
+    from tests.unit.test_resume import client_record
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        rd = finished_job("driven-job", ["ok"])
+        state = json.loads(rd.state_file.read_text())
+        state.update(status="running", client=client_record(live.pid))
+        rd.state_file.write_text(json.dumps(state))
+        code, _, err = run_cli(capsys, "resume", "driven-job")
+    finally:
+        live.kill()
+        live.wait()
+    assert code == cli.EXIT_USAGE
+    assert f"pid {live.pid}" in err and "--force" in err
+
+
+def test_tracking_flush_names_a_job_that_does_not_exist(capsys):
+    code, _, err = run_cli(capsys, "tracking", "flush", "no-such-job")
+    assert code == cli.EXIT_USAGE and "no job 'no-such-job'" in err and "sparkgpu jobs" in err
