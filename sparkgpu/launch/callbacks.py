@@ -30,7 +30,8 @@ class WorkerContext:
 @dataclasses.dataclass(frozen=True)
 class AttemptOutcome:
     """How one attempt ended: ``status`` is ``"succeeded"``, ``"failed"``, ``"preempted"``
-    (stopped at the runtime cap or a budget after checkpointing) or ``"cancelled"``."""
+    (stopped at the runtime cap or a budget after checkpointing), ``"stopped"`` (by a policy,
+    without a checkpoint) or ``"cancelled"``. ``started_at`` is when its ranks started."""
 
     attempt: int
     status: str
@@ -61,7 +62,9 @@ class JobCallback:
         Returning a reason (e.g. "budget 'team=ml' is spent") asks every rank to checkpoint
         and stop (``runtime.should_checkpoint()`` turns True); the job then ends with
         :class:`~sparkgpu.errors.PolicyViolationError` carrying the reason, and is not
-        resumed automatically. Never a hard kill: ranks get until the runtime cap.
+        resumed automatically. Ranks still running ``checkpoint_grace`` after the request are
+        stopped: SIGTERM first (a ``Checkpointer`` saves on it), SIGKILL ``shutdown_grace``
+        later. ``attempt_seconds`` counts from when the attempt's ranks started.
         """
         return None
 

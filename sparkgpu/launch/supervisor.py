@@ -11,8 +11,8 @@ a small JSON file in the run dir (``state.json``), rewritten atomically after ev
 transition.
 
 An attempt's runtime cap and billed time start when its ranks start. A backend whose ranks
-may start long after ``submit`` (Spark waiting for busy GPUs) says when through
-``ranks_started_at(handle)``; its ranks then learn of the cap from the stop file.
+may start long after ``submit`` (Spark waiting for busy GPUs: ``waits_for_resources``) says
+when through ``ranks_started_at(handle)``; its ranks then learn of the cap from the stop file.
 """
 
 from __future__ import annotations
@@ -213,11 +213,6 @@ class Supervisor:
         return (f"job {job_id} {what}: {reason}; "
                 f"continue it with `sparkgpu resume {job_id}` once the policy allows")
 
-    @property
-    def _reports_start(self) -> bool:
-        """Whether the backend says when the ranks started (which can be long after submit)."""
-        return callable(getattr(self.backend, "ranks_started_at", None))
-
     def _attempt_env(self, attempt: int, submitted: float) -> dict[str, str]:
         env = {
             KEY_ENV: self.key.hex(),
@@ -226,7 +221,7 @@ class Supervisor:
             runtime.ENV_RUN_DIR: str(self.run_dir.path),
             runtime.ENV_CHECKPOINT_DIR: str(self.run_dir.checkpoints),
         }
-        if self.job.policy.max_runtime is not None and not self._reports_start:
+        if self.job.policy.max_runtime is not None and not self.backend.waits_for_resources:
             # Ranks start at submit here; elsewhere the supervisor writes the stop file in time.
             deadline = submitted + self.job.policy.max_runtime - self.job.policy.checkpoint_grace
             env[runtime.ENV_DEADLINE] = repr(deadline)
@@ -310,7 +305,7 @@ class Supervisor:
                 self.backend.cancel(handle, policy.shutdown_grace)
                 return None, "policy"
             if policy.max_runtime is not None:
-                if not cap_signalled and self._reports_start and ran >= policy.max_runtime - policy.checkpoint_grace:
+                if not cap_signalled and self.backend.waits_for_resources and ran >= policy.max_runtime - policy.checkpoint_grace:
                     cap_signalled = True
                     self._ask_to_checkpoint(attempt, f"the runtime cap of {policy.max_runtime:g}s is "
                                                      f"{policy.checkpoint_grace:g}s away")
@@ -326,7 +321,7 @@ class Supervisor:
     def _ranks_started(self, handle, record: dict) -> float | None:
         """Records when the attempt's ranks started, once known; returns it on the monotonic clock."""
         if record["started_at"] is None:
-            started = self.backend.ranks_started_at(handle) if self._reports_start else record["submitted_at"]
+            started = self.backend.ranks_started_at(handle) if self.backend.waits_for_resources else record["submitted_at"]
             if started is None:
                 return None
             record["started_at"] = min(started, time.time())

@@ -272,6 +272,8 @@ def test_ranks_that_checkpoint_on_sigterm_after_a_policy_stop_end_preempted(tmp_
 class WaitsForGPUs(ScriptedBackend):
     """Ranks start ``wait`` seconds after submit, as on a Spark cluster whose GPUs are busy."""
 
+    waits_for_resources = True
+
     def __init__(self, script, wait, meter=None):
         super().__init__(script)
         self.wait, self.meter = wait, meter
@@ -337,6 +339,7 @@ def test_an_attempt_whose_ranks_never_started_bills_nothing(tmp_path):
 
     sup, *_, rd, out = run_job(tmp_path, ["hang"])
     sup.backend = PollRaises(["hang"], CapacityError("gave up"))
+    sup.backend.waits_for_resources = True
     sup.backend.ranks_started_at = lambda handle: None
     with pytest.raises(CapacityError):
         sup.run()

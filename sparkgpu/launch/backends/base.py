@@ -61,6 +61,10 @@ class Backend(abc.ABC):
     """Runs attempts of jobs somewhere."""
 
     name: str = ""
+    #: Whether an attempt's ranks may start long after ``submit`` (waiting for busy GPUs).
+    #: Such a backend says when they did through :meth:`ranks_started_at`; the supervisor
+    #: bills the attempt and counts its runtime cap from then instead of from ``submit``.
+    waits_for_resources: bool = False
 
     @abc.abstractmethod
     def resolve(self, job: JobSpec) -> JobSpec:
@@ -85,6 +89,14 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def cancel(self, handle: AttemptHandle, grace: float) -> None:
         """Stops the attempt: SIGTERM to its ranks, SIGKILL after ``grace`` seconds."""
+
+    def ranks_started_at(self, handle: AttemptHandle) -> float | None:
+        """Unix time the attempt's ranks started, ``None`` while they still wait for resources.
+
+        Asked only of backends with :attr:`waits_for_resources`; the others start their ranks
+        at ``submit``.
+        """
+        raise NotImplementedError(f"the {self.name or type(self).__name__} backend starts its ranks at submit")
 
     def describe_capacity(self, resources: Resources) -> str:  # pragma: no cover - informative
         return ""
