@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 import sys
 import threading
 import time
@@ -253,6 +254,11 @@ def _probe(spark, confs, *, tasks: int, timeout: float, out) -> tuple[list[Execu
                 "the Spark executors cannot import sparkgpu; install it in the executors' Python "
                 f"(spark.pyspark.python) at the client's version: pip install sparkgpu ({exc.__class__.__name__})"
             ) from exc
+        # An executor refused its set-up (a broken GPU discovery script): its message names the fix,
+        # under Spark's wrapping of the remote traceback.
+        remote = re.search(r"ConfigurationError: (.+)", str(exc))
+        if remote:
+            raise ConfigurationError(f"{remote.group(1).strip()} (reported by an executor)") from exc
         raise
     seen: dict[str, ExecutorInfo] = {}
     for row in rows:
