@@ -198,6 +198,8 @@ class Settings:
             (``SPARKGPU_POOL_IDLE_TIMEOUT``, default 3600).
         tracking: Every job gets an MLflow run (``SPARKGPU_TRACKING``, default on; ``0`` turns
             it off).
+        system_metrics_interval: Seconds between two samples of each node's system metrics in
+            the job's run (``SPARKGPU_SYSTEM_METRICS_INTERVAL``, default 10).
         env_size_limit: Most bytes of client environment shipped to the workers
             (``SPARKGPU_ENV_SIZE_LIMIT``, default ``15GB``).
         env_store: Store of staged environment blobs, a path or fsspec URL
@@ -232,6 +234,7 @@ class Settings:
     warm_pool: bool = False
     pool_idle_timeout: float = 3600.0
     tracking: bool = True
+    system_metrics_interval: float = 10.0
     env_size_limit: int = 15 * 1000**3
     env_store: str = ""
     env_exclude: tuple[str, ...] = ()
@@ -271,6 +274,7 @@ class Settings:
             warm_pool=(env.get("SPARKGPU_WARM_POOL") or "0").lower() in ("1", "true", "yes", "on"),
             pool_idle_timeout=_env_float(env, "SPARKGPU_POOL_IDLE_TIMEOUT", 3600.0),
             tracking=(env.get("SPARKGPU_TRACKING") or "1").lower() not in ("0", "false", "no", "off"),
+            system_metrics_interval=_env_float(env, "SPARKGPU_SYSTEM_METRICS_INTERVAL", 10.0),
             env_size_limit=parse_bytes(env.get("SPARKGPU_ENV_SIZE_LIMIT") or "15GB", "SPARKGPU_ENV_SIZE_LIMIT"),
             env_store=env.get("SPARKGPU_ENV_STORE") or str(home / "envstore"),
             env_exclude=tuple(p.strip() for p in (env.get("SPARKGPU_ENV_EXCLUDE") or "").split(",") if p.strip()),

@@ -46,7 +46,7 @@ def default_callbacks(fn: Callable | None = None, experiment: str | None = None)
     if settings().tracking:
         from sparkgpu.tracking.mlflow_run import MLflowCallback
 
-        callbacks.append(MLflowCallback(experiment, fn=fn))
+        callbacks.append(MLflowCallback(experiment, fn=fn, system_metrics_interval=settings().system_metrics_interval))
     return callbacks
 
 

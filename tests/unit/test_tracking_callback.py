@@ -77,3 +77,19 @@ def test_environment_lock_is_kept_until_a_distribution_is_installed(tmp_path, mo
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: freshly-installed\nVersion: 1.2.3\n")
     after = environment_lock()
     assert "freshly-installed==1.2.3" in after.splitlines() and "freshly-installed" not in before
+
+
+def test_the_system_metrics_interval_is_a_setting_of_the_default_run(monkeypatch):
+    from sparkgpu.config import reset_settings
+    from sparkgpu.decorator import default_callbacks
+    from sparkgpu.tracking.mlflow_run import MLflowCallback
+
+    monkeypatch.setenv("SPARKGPU_TRACKING", "1")
+    monkeypatch.setenv("SPARKGPU_SYSTEM_METRICS_INTERVAL", "2.5")
+    reset_settings()
+    (tracking,) = [c for c in default_callbacks() if isinstance(c, MLflowCallback)]
+    assert tracking.system_metrics_interval == 2.5
+    monkeypatch.setenv("SPARKGPU_SYSTEM_METRICS_INTERVAL", "often")
+    reset_settings()
+    with pytest.raises(ConfigurationError, match="SPARKGPU_SYSTEM_METRICS_INTERVAL='often' is not a number"):
+        default_callbacks()
