@@ -131,3 +131,11 @@ def test_a_start_marker_still_being_written_counts_as_now(attempt):
     start_marker(attempt, 0, None)  # created, content not written yet
     before = time.time()
     assert before <= backend.ranks_started_at(attempt) <= time.time()
+
+
+def test_the_spark_backend_says_its_ranks_wait_for_gpus():
+    # The supervisor bills and caps an attempt from ranks_started_at only for such backends.
+    from sparkgpu.launch.backends.local import LocalBackend
+    from sparkgpu.launch.backends.spark import SparkBackend
+
+    assert SparkBackend.waits_for_resources and not LocalBackend.waits_for_resources

@@ -162,6 +162,7 @@ class SparkBackend(Backend):
     """
 
     name = "spark"
+    waits_for_resources = True  # the barrier stage waits for busy GPUs
     #: Seconds past the job's shutdown grace that a failed attempt waits for its nodes to
     #: confirm that their ranks stopped (a test seam).
     node_stop_margin = 20.0
