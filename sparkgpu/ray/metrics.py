@@ -91,6 +91,11 @@ def summarize_node_metrics(expositions: dict[str, str]) -> dict[str, float]:
                 counts[f"ray/{name.removeprefix('ray_')}/{labels['State'].lower()}"] += value
         if object_store is not None:
             metrics[f"{prefix}/object_store_used_megabytes"] = object_store / _MB
+    # Newer Ray splits ALIVE into ALIVE_IDLE / ALIVE_RUNNING_TASKS: keep one "alive" figure.
+    if "ray/actors/alive" not in counts:
+        alive = [v for k, v in counts.items() if k.startswith("ray/actors/alive_")]
+        if alive:
+            counts["ray/actors/alive"] = sum(alive)
     metrics.update(counts)
     return metrics
 

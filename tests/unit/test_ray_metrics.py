@@ -81,6 +81,17 @@ def test_node_hardware_is_per_node_and_task_counts_add_up_over_nodes():
     assert metrics["ray/actors/alive"] == 1.0
 
 
+def test_alive_actors_are_counted_when_ray_splits_them_into_idle_and_busy():
+    # Ray 2.60 exports ALIVE_IDLE / ALIVE_RUNNING_TASKS where older releases said ALIVE.
+    text = ('# TYPE ray_actors gauge\n'
+            'ray_actors{Name="Holder",State="ALIVE_IDLE"} 3.0\n'
+            'ray_actors{Name="Holder",State="ALIVE_RUNNING_TASKS"} 1.0\n'
+            'ray_actors{Name="Gone",State="DEAD"} 2.0\n')
+    metrics = summarize_node_metrics({"node_0": text})
+    assert metrics["ray/actors/alive"] == 4.0
+    assert metrics["ray/actors/alive_idle"] == 3.0 and metrics["ray/actors/dead"] == 2.0
+
+
 def test_nodes_are_named_by_the_rank_that_started_them():
     nodes = [
         {"NodeManagerAddress": "10.0.0.2", "MetricsExportPort": 9002, "Labels": {RANK_LABEL: "4"}},
