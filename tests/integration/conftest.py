@@ -25,27 +25,19 @@ def spark_cluster(tmp_path_factory):
     assert not left, "processes of the test Spark cluster survived its shutdown:\n" + "\n".join(left)
 
 
-@pytest.fixture(scope="session")
-def worker_image_lock(tmp_path_factory):
-    """What the executors' image holds (this venv), so remote jobs ship only what it lacks."""
-    import subprocess
-    import sys
-
-    from sparkgpu.env import hydrate_module_path
-
-    probe = subprocess.run([sys.executable, str(hydrate_module_path()), "--probe"], capture_output=True, text=True,
-                           check=True).stdout
-    path = tmp_path_factory.mktemp("worker-image") / "worker.json"
-    path.write_text(probe)
-    return path
-
-
 @pytest.fixture
-def workers_share_this_image(worker_image_lock, monkeypatch, tmp_path):
-    """Remote jobs of the test ship only what the workers lack (this checkout), not the whole venv."""
+def workers_share_this_image(monkeypatch, tmp_path):
+    """Remote jobs of the test ship only what the workers lack (this checkout), not the whole venv,
+    and rehydrate into a node cache of the test's own.
+
+    The workers' image is this venv: every test already has ``SPARKGPU_ENV_WORKER_LOCK`` set to
+    its probe (``tests/conftest.py``).
+    """
+    import os
+
     from sparkgpu.config import reset_settings
 
-    monkeypatch.setenv("SPARKGPU_ENV_WORKER_LOCK", str(worker_image_lock))
+    assert os.environ.get("SPARKGPU_ENV_WORKER_LOCK"), "tests/conftest.py sets the workers' image for every test"
     monkeypatch.setenv("SPARKGPU_CACHE_DIR", str(tmp_path / "node-cache"))
     reset_settings()
 
@@ -60,3 +52,37 @@ def cluster_spark(spark_cluster):
     session.gpu.capacity()  # the first Python job of a session starts the executors' Python workers
     yield session
     session.stop()
+
+
+@pytest.fixture(scope="module")
+def mlflow_store(tmp_path_factory, request):
+    """One real SQLite MLflow store per test module (creating one takes about a second):
+    ``(uri, client, experiment_id)``, the experiment named after the module."""
+    from mlflow import MlflowClient
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    root = tmp_path_factory.mktemp("mlflow")
+    uri = f"sqlite:///{root}/mlflow.db"
+    SqlAlchemyStore(uri, (root / "artifacts").as_uri())
+    client = MlflowClient(uri)
+    name = request.module.__name__.rsplit(".", 1)[-1]
+    experiment_id = client.create_experiment(name, artifact_location=(root / "artifacts").as_uri())
+    return uri, client, experiment_id
+
+
+@pytest.fixture
+def job_run(mlflow_store, tmp_path):
+    """A fresh run in :func:`mlflow_store` and the spool a job would have for it: ``(spool, run_id)``."""
+    import time
+
+    from sparkgpu.tracking.spool import JobRunInfo, SpoolDir
+
+    uri, client, experiment_id = mlflow_store
+    run = client.create_run(experiment_id, run_name="job")
+    spool = SpoolDir(tmp_path / "tracking")
+    spool.write_run_info(JobRunInfo(
+        run_id=run.info.run_id, experiment_id=experiment_id, experiment_name=client.get_experiment(experiment_id).name,
+        tracking_uri=uri, registry_uri=uri, artifact_uri=run.info.artifact_uri, run_name="job", job_id="job-1",
+        user_id="me", started_at=time.time(),
+    ))
+    return spool, run.info.run_id

@@ -17,6 +17,7 @@ survived, for tests to assert on.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -25,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -312,6 +314,44 @@ class LocalSparkCluster:
         if not path.exists():
             return ""
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def hold_until(path):
+    """A training function that keeps its GPUs until ``path`` exists."""
+    import time as _t
+
+    while not os.path.exists(path):
+        _t.sleep(0.2)
+    return "released"
+
+
+@contextlib.contextmanager
+def every_gpu_held(session, release: Path):
+    """A job holding all 4 GPUs of the test cluster until the block ends; entered once both
+    of its nodes started (so GPUs are busy for whatever the block submits)."""
+    from sparkgpu.config import settings
+
+    holder: dict = {}
+
+    def hold():
+        try:
+            holder["result"] = session.gpu.train(hold_until, gpus=4, gpu_type="A10", args=(str(release),))
+        except BaseException as exc:  # surfaced by the assertions
+            holder["error"] = exc
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(settings().staging_root.glob("hold-until-*/attempts/0/spark/node-*.started"))) < 2:
+            assert time.monotonic() < deadline, "the job holding the GPUs never got them"
+            assert "error" not in holder, holder.get("error")
+            time.sleep(0.2)
+        yield
+    finally:
+        release.write_text("go")
+        thread.join(120)
+    assert holder.get("result") == ["released"] * 4, holder.get("error")
 
 
 def _main() -> None:

@@ -1,28 +1,13 @@
 """Jobs that ship their environment: staged on the client, rehydrated by `_air.py` on each rank."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from sparkgpu import WorkerFailedError, distributed, runtime
-from sparkgpu.config import reset_settings, settings
+from sparkgpu.config import settings
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def workers_have_this_image(monkeypatch, tmp_path):
-    """The workers' image is this venv: only editable installs and the caller's code travel."""
-    from sparkgpu.env import hydrate_module_path
-
-    probe = subprocess.run([sys.executable, str(hydrate_module_path()), "--probe"], capture_output=True,
-                           text=True, check=True).stdout
-    (tmp_path / "worker.json").write_text(probe)
-    monkeypatch.setenv("SPARKGPU_ENV_WORKER_LOCK", str(tmp_path / "worker.json"))
-    monkeypatch.setenv("SPARKGPU_CACHE_DIR", str(tmp_path / "node-cache"))
-    reset_settings()
 
 
 @distributed(gpus=2, gpu_type="cpu", ship_environment=True)
@@ -32,7 +17,7 @@ def where_is_sparkgpu():
     return runtime.get_global_rank(), sparkgpu.__file__
 
 
-def test_a_shipping_job_runs_on_its_rehydrated_environment(workers_have_this_image, tmp_path):
+def test_a_shipping_job_runs_on_its_rehydrated_environment(workers_share_this_image, tmp_path):
     results = where_is_sparkgpu.distributed()
     assert [r[0] for r in results] == [0, 1]
     # sparkgpu is an editable install here, so it travels and the ranks import the shipped copy.
@@ -42,7 +27,7 @@ def test_a_shipping_job_runs_on_its_rehydrated_environment(workers_have_this_ima
     assert spec["signed_files"] == ["_hydrate.py"] and spec["env"]
 
 
-def test_a_tampered_hydration_module_never_runs(workers_have_this_image, tmp_path):
+def test_a_tampered_hydration_module_never_runs(workers_share_this_image, tmp_path):
     from sparkgpu.launch.supervisor import Supervisor
 
     staged = where_is_sparkgpu._stage((), {})

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from sparkgpu import distributed, runtime
-from sparkgpu.config import reset_settings, settings
+from sparkgpu.config import settings
 from sparkgpu.launch.agent import build_command
 from sparkgpu.launch.backends.local import free_port
 from sparkgpu.launch.keys import new_key
@@ -44,25 +44,12 @@ def test_a_missing_node_fails_the_rendezvous_after_the_jobs_init_timeout():
     assert json.loads(rd.node_file(0, 0).read_text())["status"] == 1  # so the other nodes stop too
 
 
-@pytest.fixture
-def workers_have_this_image(monkeypatch, tmp_path):
-    """The workers' image is this venv: only editable installs and the caller's code travel."""
-    from sparkgpu.env import hydrate_module_path
-
-    probe = subprocess.run([sys.executable, str(hydrate_module_path()), "--probe"], capture_output=True,
-                           text=True, check=True).stdout
-    (tmp_path / "worker.json").write_text(probe)
-    monkeypatch.setenv("SPARKGPU_ENV_WORKER_LOCK", str(tmp_path / "worker.json"))
-    monkeypatch.setenv("SPARKGPU_CACHE_DIR", str(tmp_path / "node-cache"))
-    reset_settings()
-
-
 @distributed(gpus=2, gpu_type="cpu", ship_environment=True, log_ranks="all")
 def shipped_rank():
     return runtime.get_global_rank()
 
 
-def test_each_rank_reports_what_rehydrating_its_environment_cost(workers_have_this_image, capsys):
+def test_each_rank_reports_what_rehydrating_its_environment_cost(workers_share_this_image, capsys):
     assert shipped_rank.distributed() == [0, 1]
     rd = RunDir(settings().staging_root / shipped_rank.last_job_id)
     reports = rd.read_env_reports(0)

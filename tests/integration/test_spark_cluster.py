@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import pytest
@@ -22,6 +21,7 @@ from sparkgpu import CapacityError, WorkerFailedError, runtime
 from sparkgpu.config import settings
 from sparkgpu.launch.backends.spark_capacity import clear_capacity_cache
 from tests.integration.processes import assert_no_orphans as _assert_no_orphans, processes_of
+from tests.integration.spark_cluster import every_gpu_held, hold_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.usefixtures("workers_share_this_image")]
 
@@ -123,44 +123,15 @@ def test_a_failing_rank_raises_with_its_remote_traceback(cluster_spark):
     assert_no_orphans(settings().staging_root / cluster_spark.gpu.last_job_id)
 
 
-def hold_until(path):
-    import time as _t
-
-    while not os.path.exists(path):
-        _t.sleep(0.2)
-    return "released"
-
-
 @pytest.mark.usefixtures("no_tracking")
 def test_busy_gpus_make_the_client_wait_then_give_up(cluster_spark, tmp_path, capsys):
     release = tmp_path / "release"
-    holder: dict = {}
-
-    def hold_all_gpus():
-        try:
-            holder["result"] = cluster_spark.gpu.train(hold_until, gpus=4, gpu_type="A10", args=(str(release),))
-        except BaseException as exc:  # surfaced by the assertion below
-            holder["error"] = exc
-
-    thread = threading.Thread(target=hold_all_gpus)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 120
-        runs = settings().staging_root
-        while len(list(runs.glob("hold-until-*/attempts/0/spark/node-*.started"))) < 2:
-            assert time.monotonic() < deadline, "the first job never got the GPUs"
-            assert "error" not in holder, holder.get("error")
-            time.sleep(0.2)
-
+    with every_gpu_held(cluster_spark, release):
         started = time.monotonic()
         with pytest.raises(CapacityError, match=r"gave up after waiting \d+s for 1 node\(s\) x 2 A10.*SPARKGPU_SPARK_WAIT_TIMEOUT"):
             cluster_spark.gpu.train(hold_until, gpus=2, gpu_type="A10", args=(str(release),), wait_timeout=8)
         assert 8 <= time.monotonic() - started < 60
         assert "waiting for 1 node(s) x 2 A10 on the Spark cluster" in capsys.readouterr().err
-    finally:
-        release.write_text("go")
-        thread.join(120)
-    assert holder.get("result") == ["released"] * 4
 
 
 CLIENT = textwrap.dedent("""

@@ -17,7 +17,8 @@ from sparkgpu import CapacityError
 from sparkgpu.config import settings
 from sparkgpu.usage import UsageLedger, UsageMeter
 from sparkgpu.usage.rates import billed_seconds
-from tests.integration.test_spark_cluster import hold_until, no_tracking  # noqa: F401 (fixture)
+from tests.integration.spark_cluster import every_gpu_held
+from tests.integration.test_spark_cluster import no_tracking  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.usefixtures("workers_share_this_image")]
 
@@ -38,23 +39,7 @@ def test_waiting_for_busy_gpus_is_not_billed_and_giving_up_closes_the_attempt(cl
     ledger = UsageLedger(str(tmp_path / "ledger"))
     meter = UsageMeter(ledger, policy=False)
     release = tmp_path / "release"
-    holder: dict = {}
-
-    def hold_all_gpus():
-        try:
-            holder["result"] = cluster_spark.gpu.train(hold_until, gpus=4, gpu_type="A10", args=(str(release),))
-        except BaseException as exc:  # surfaced by the assertion below
-            holder["error"] = exc
-
-    first = threading.Thread(target=hold_all_gpus)
-    first.start()
-    try:
-        deadline = time.monotonic() + 120
-        while len(list(settings().staging_root.glob("hold-until-*/attempts/0/spark/node-*.started"))) < 2:
-            assert time.monotonic() < deadline, "the first job never got the GPUs"
-            assert "error" not in holder, holder.get("error")
-            time.sleep(0.2)
-
+    with every_gpu_held(cluster_spark, release):
         # 1. Gives up: the attempt is ended (not left "running"), nothing ran, nothing is billed.
         with pytest.raises(CapacityError, match="gave up after waiting"):
             cluster_spark.gpu.train(rank_of_this_node, gpus=2, gpu_type="A10", wait_timeout=5, callbacks=[meter],
@@ -81,10 +66,6 @@ def test_waiting_for_busy_gpus_is_not_billed_and_giving_up_closes_the_attempt(cl
         release.write_text("go")  # the first job ends; its GPUs go to the waiting one
         second.join(120)
         assert waiter.get("result") == [0, 1]
-    finally:
-        release.write_text("go")
-        first.join(120)
-    assert holder.get("result") == ["released"] * 4
 
     (attempt,) = state_of("waits")["attempts"]
     assert attempt["started_at"] - attempt["submitted_at"] >= 6  # it waited for the first job

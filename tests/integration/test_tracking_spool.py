@@ -3,49 +3,20 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
-from sparkgpu.tracking.spool import JobRunInfo, SpoolDir, SpoolFlusher, SpoolWriter, register_spool_scheme
+from sparkgpu.tracking.spool import SpoolDir, SpoolFlusher, SpoolWriter, register_spool_scheme
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    """One real SQLite tracking store for the module (creating one takes about a second)."""
-    from mlflow import MlflowClient
-    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
-
-    root = tmp_path_factory.mktemp("mlflow")
-    uri = f"sqlite:///{root}/mlflow.db"
-    SqlAlchemyStore(uri, (root / "artifacts").as_uri())
-    client = MlflowClient(uri)
-    experiment_id = client.create_experiment("spool-tests", artifact_location=(root / "artifacts").as_uri())
-    return uri, client, experiment_id
-
-
-@pytest.fixture
-def job_run(store, tmp_path):
-    """A fresh run and the spool a job would have for it."""
-    uri, client, experiment_id = store
-    run = client.create_run(experiment_id, run_name="job")
-    spool = SpoolDir(tmp_path / "tracking")
-    spool.write_run_info(JobRunInfo(
-        run_id=run.info.run_id, experiment_id=experiment_id, experiment_name="spool-tests", tracking_uri=uri,
-        registry_uri=uri, artifact_uri=run.info.artifact_uri, run_name="job", job_id="job-1", user_id="me",
-        started_at=time.time(),
-    ))
-    return spool, run.info.run_id
 
 
 def history(client, run_id, key):
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
 
 
-def test_records_of_every_writer_reach_the_run(store, job_run):
-    _, client, _ = store
+def test_records_of_every_writer_reach_the_run(mlflow_store, job_run):
+    _, client, _ = mlflow_store
     spool, run_id = job_run
     for rank in range(3):
         writer = SpoolWriter(spool, attempt=0, rank=rank)
@@ -60,8 +31,8 @@ def test_records_of_every_writer_reach_the_run(store, job_run):
         assert history(client, run_id, f"loss_{rank}") == [(s, float(s)) for s in range(4)]
 
 
-def test_a_partly_written_line_waits_until_it_is_complete(store, job_run):
-    _, client, _ = store
+def test_a_partly_written_line_waits_until_it_is_complete(mlflow_store, job_run):
+    _, client, _ = mlflow_store
     spool, run_id = job_run
     spool.records_dir.mkdir(parents=True, exist_ok=True)
     path = spool.records_dir / "a0.r0.p1.jsonl"
@@ -75,8 +46,8 @@ def test_a_partly_written_line_waits_until_it_is_complete(store, job_run):
     assert history(client, run_id, "x") == [(0, 1.0)]
 
 
-def test_a_resumed_flusher_forwards_nothing_twice(store, job_run):
-    _, client, _ = store
+def test_a_resumed_flusher_forwards_nothing_twice(mlflow_store, job_run):
+    _, client, _ = mlflow_store
     spool, run_id = job_run
     writer = SpoolWriter(spool, attempt=0, rank=0)
     writer.write(metrics=[("x", 1.0, 0, 1000)])
@@ -88,8 +59,8 @@ def test_a_resumed_flusher_forwards_nothing_twice(store, job_run):
     assert history(client, run_id, "x") == [(0, 1.0), (1, 2.0)]
 
 
-def test_a_changed_param_is_dropped_with_a_warning(store, job_run, caplog):
-    _, client, _ = store
+def test_a_changed_param_is_dropped_with_a_warning(mlflow_store, job_run, caplog):
+    _, client, _ = mlflow_store
     spool, run_id = job_run
     writer = SpoolWriter(spool, attempt=0, rank=0)
     writer.write(params=[("batch_size", "64")])
@@ -100,8 +71,8 @@ def test_a_changed_param_is_dropped_with_a_warning(store, job_run, caplog):
     assert "batch_size" in caplog.text and "cannot change" in caplog.text
 
 
-def test_more_records_than_one_mlflow_batch_holds(store, job_run):
-    _, client, _ = store
+def test_more_records_than_one_mlflow_batch_holds(mlflow_store, job_run):
+    _, client, _ = mlflow_store
     spool, run_id = job_run
     SpoolWriter(spool, attempt=0, rank=0).write(metrics=[("z", float(i), i, 1000) for i in range(2500)],
                                                 params=[(f"p{i}", str(i)) for i in range(150)])
@@ -110,11 +81,11 @@ def test_more_records_than_one_mlflow_batch_holds(store, job_run):
     assert len(client.get_run(run_id).data.params) == 150
 
 
-def test_an_unreachable_store_keeps_the_records_for_later(store, job_run, monkeypatch):
+def test_an_unreachable_store_keeps_the_records_for_later(mlflow_store, job_run, monkeypatch):
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    _, client, _ = store
+    _, client, _ = mlflow_store
     spool, run_id = job_run
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
@@ -127,10 +98,10 @@ def test_an_unreachable_store_keeps_the_records_for_later(store, job_run, monkey
     assert history(client, run_id, "kept") == [(0, 7.0)]
 
 
-def test_checkpoint_lineage_from_several_ranks_is_merged(store, job_run):
+def test_checkpoint_lineage_from_several_ranks_is_merged(mlflow_store, job_run):
     import mlflow.artifacts
 
-    _, client, _ = store
+    _, client, _ = mlflow_store
     spool, run_id = job_run
     for rank in range(2):
         SpoolWriter(spool, attempt=0, rank=rank).write(checkpoints=[(100, "/ckpt/100", 1000), (200, "/ckpt/200", 2000)])
@@ -143,10 +114,10 @@ def test_checkpoint_lineage_from_several_ranks_is_merged(store, job_run):
     assert [(c["step"], c["path"]) for c in lineage] == [(100, "/ckpt/100"), (200, "/ckpt/200")]
 
 
-def test_mlflow_fluent_api_on_a_worker_writes_into_the_spool(store, job_run, monkeypatch):
+def test_mlflow_fluent_api_on_a_worker_writes_into_the_spool(mlflow_store, job_run, monkeypatch):
     import mlflow
 
-    _, client, _ = store
+    _, client, _ = mlflow_store
     spool, run_id = job_run
     register_spool_scheme()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", spool.uri)
@@ -166,10 +137,10 @@ def test_mlflow_fluent_api_on_a_worker_writes_into_the_spool(store, job_run, mon
     assert history(client, run_id, "user_metric") == [(2, 0.5)]
 
 
-def test_other_runs_go_straight_to_the_real_store(store, job_run):
+def test_other_runs_go_straight_to_the_real_store(mlflow_store, job_run):
     from mlflow import MlflowClient
 
-    _, client, experiment_id = store
+    _, client, experiment_id = mlflow_store
     spool, _ = job_run
     register_spool_scheme()
     on_worker = MlflowClient(spool.uri)

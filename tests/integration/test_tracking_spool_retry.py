@@ -8,36 +8,10 @@ import time
 
 import pytest
 
-from sparkgpu.tracking.spool import JobRunInfo, SpoolDir, SpoolFlusher, SpoolWriter
+from sparkgpu.tracking.spool import SpoolDir, SpoolFlusher, SpoolWriter
 from tests.fakes.flaky_mlflow import FlakyClient
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    from mlflow import MlflowClient
-    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
-
-    root = tmp_path_factory.mktemp("mlflow")
-    uri = f"sqlite:///{root}/mlflow.db"
-    SqlAlchemyStore(uri, (root / "artifacts").as_uri())
-    client = MlflowClient(uri)
-    experiment_id = client.create_experiment("spool-retry", artifact_location=(root / "artifacts").as_uri())
-    return uri, client, experiment_id
-
-
-@pytest.fixture
-def job_run(store, tmp_path):
-    uri, client, experiment_id = store
-    run = client.create_run(experiment_id, run_name="job")
-    spool = SpoolDir(tmp_path / "tracking")
-    spool.write_run_info(JobRunInfo(
-        run_id=run.info.run_id, experiment_id=experiment_id, experiment_name="spool-retry", tracking_uri=uri,
-        registry_uri=uri, artifact_uri=run.info.artifact_uri, run_name="job", job_id="job-1", user_id="me",
-        started_at=time.time(),
-    ))
-    return spool, run.info.run_id
 
 
 def lineage(run):
@@ -47,9 +21,9 @@ def lineage(run):
 
 
 @pytest.mark.parametrize("failing_call", [1, 2, 3, 4, 5])
-def test_a_retry_by_the_same_flusher_loses_nothing(store, job_run, failing_call):
+def test_a_retry_by_the_same_flusher_loses_nothing(mlflow_store, job_run, failing_call):
     # One pass makes five calls: params, tags, metrics, lineage artifact, checkpoint metrics.
-    _, client, _ = store
+    _, client, _ = mlflow_store
     spool, run_id = job_run
     SpoolWriter(spool, attempt=0, rank=0).write(
         metrics=[("loss", 0.5, 0, 1000)], params=[("lr", "0.1")], tags=[("phase", "warmup")],
@@ -68,8 +42,8 @@ def test_a_retry_by_the_same_flusher_loses_nothing(store, job_run, failing_call)
     assert flusher.drain() == 0 and flusher.checkpoints == [{"step": 99, "path": "/ckpt/step-99", "timestamp": 1500}]
 
 
-def test_a_failure_part_way_does_not_resend_the_chunks_that_went_through(store, job_run):
-    _, client, _ = store
+def test_a_failure_part_way_does_not_resend_the_chunks_that_went_through(mlflow_store, job_run):
+    _, client, _ = mlflow_store
     spool, run_id = job_run
     points = [("z", float(i), i, 1000 + i) for i in range(2500)]  # three log_batch calls of metrics
     SpoolWriter(spool, attempt=0, rank=0).write(metrics=points)
@@ -81,8 +55,8 @@ def test_a_failure_part_way_does_not_resend_the_chunks_that_went_through(store, 
     assert len(client.get_metric_history(run_id, "z")) == 2500
 
 
-def test_a_resumed_client_continues_where_the_failed_pass_stopped(store, job_run):
-    _, client, _ = store
+def test_a_resumed_client_continues_where_the_failed_pass_stopped(mlflow_store, job_run):
+    _, client, _ = mlflow_store
     spool, run_id = job_run
     writer = SpoolWriter(spool, attempt=0, rank=0)
     writer.write(metrics=[("z", float(i), i, 1000 + i) for i in range(1500)], params=[("lr", "0.1")])
@@ -95,8 +69,8 @@ def test_a_resumed_client_continues_where_the_failed_pass_stopped(store, job_run
     assert client.get_run(run_id).data.params == {"lr": "0.1"}
 
 
-def test_stop_retries_a_store_that_fails_for_a_moment(store, job_run):
-    _, client, _ = store
+def test_stop_retries_a_store_that_fails_for_a_moment(mlflow_store, job_run):
+    _, client, _ = mlflow_store
     spool, run_id = job_run
     SpoolWriter(spool, attempt=0, rank=0).write(metrics=[("last", 1.0, 0, 1000)])
     flaky = FlakyClient(client, fail_calls=[1, 2])
@@ -104,8 +78,8 @@ def test_stop_retries_a_store_that_fails_for_a_moment(store, job_run):
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "last")] == [(0, 1.0)]
 
 
-def test_stop_gives_up_after_its_retries_and_leaves_the_records_in_the_spool(store, job_run):
-    _, client, _ = store
+def test_stop_gives_up_after_its_retries_and_leaves_the_records_in_the_spool(mlflow_store, job_run):
+    _, client, _ = mlflow_store
     spool, run_id = job_run
     SpoolWriter(spool, attempt=0, rank=0).write(metrics=[("last", 1.0, 0, 1000)])
     flaky = FlakyClient(client, fail_calls=range(1, 100))
@@ -140,10 +114,10 @@ def ended_job_with_unsent_records(uri, tmp_path, *, store_down_for_client: bool,
     return job, run_dir, callback.run_id
 
 
-def test_records_a_job_left_unsent_are_forwarded_later_and_the_run_ends_as_the_job_did(store, tmp_path):
+def test_records_a_job_left_unsent_are_forwarded_later_and_the_run_ends_as_the_job_did(mlflow_store, tmp_path):
     from sparkgpu.tracking import flush_spool
 
-    uri, client, _ = store
+    uri, client, _ = mlflow_store
     _, run_dir, run_id = ended_job_with_unsent_records(uri, tmp_path, store_down_for_client=True,
                                                     error=RuntimeError("boom"))
     run = client.get_run(run_id)
@@ -156,10 +130,10 @@ def test_records_a_job_left_unsent_are_forwarded_later_and_the_run_ends_as_the_j
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "loss")] == [(7, 0.25)]
 
 
-def test_a_run_with_unsent_records_says_so_until_they_are_forwarded(store, tmp_path):
+def test_a_run_with_unsent_records_says_so_until_they_are_forwarded(mlflow_store, tmp_path):
     from sparkgpu.tracking import flush_spool
 
-    uri, client, _ = store
+    uri, client, _ = mlflow_store
     _, run_dir, run_id = ended_job_with_unsent_records(uri, tmp_path, store_down_for_client=False)
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
@@ -170,11 +144,11 @@ def test_a_run_with_unsent_records_says_so_until_they_are_forwarded(store, tmp_p
     assert run.info.status == "FINISHED"
 
 
-def test_flushing_a_store_that_is_still_down_keeps_the_records(store, tmp_path, monkeypatch):
+def test_flushing_a_store_that_is_still_down_keeps_the_records(mlflow_store, tmp_path, monkeypatch):
     from sparkgpu.errors import SparkGPUError
     from sparkgpu.tracking import flush_spool
 
-    uri, client, _ = store
+    uri, client, _ = mlflow_store
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
     _, run_dir, run_id = ended_job_with_unsent_records(uri, tmp_path, store_down_for_client=False)
@@ -183,12 +157,12 @@ def test_flushing_a_store_that_is_still_down_keeps_the_records(store, tmp_path, 
     assert flush_spool(run_dir) == 1
 
 
-def test_flush_refuses_a_job_that_has_not_ended_and_a_folder_without_one(store, tmp_path):
+def test_flush_refuses_a_job_that_has_not_ended_and_a_folder_without_one(mlflow_store, tmp_path):
     from sparkgpu.errors import ConfigurationError
     from sparkgpu.tracking import flush_spool
     from sparkgpu.tracking.mlflow_run import MLflowCallback
 
-    uri, _, _ = store
+    uri, _, _ = mlflow_store
     with pytest.raises(ConfigurationError, match="holds no tracked job"):
         flush_spool(tmp_path / "nothing")
     job, run_dir, _ = ended_job_with_unsent_records(uri, tmp_path, store_down_for_client=False)
@@ -202,11 +176,11 @@ def test_flush_refuses_a_job_that_has_not_ended_and_a_folder_without_one(store, 
     assert flush_spool(run_dir) == 0
 
 
-def test_the_cli_forwards_what_a_job_left_unsent(store, tmp_path, capsys):
+def test_the_cli_forwards_what_a_job_left_unsent(mlflow_store, tmp_path, capsys):
     from sparkgpu import cli
     from sparkgpu.config import settings
 
-    uri, client, _ = store
+    uri, client, _ = mlflow_store
     job, run_dir, run_id = ended_job_with_unsent_records(uri, settings().staging_root, store_down_for_client=False)
     (run_dir / "spec.json").write_text(json.dumps(job.to_dict()))  # what a staged job has
     assert cli.main(["tracking", "flush", job.job_id]) == 0
