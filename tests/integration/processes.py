@@ -38,6 +38,30 @@ def start_client(tmp_path, home, source: str, **popen) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(script)], env=env, **popen)
 
 
+def ctrl_c_client(decorator: str, setup: str = "") -> str:
+    """Source of a client whose job runs until interrupted: every rank prints ``started`` and
+    sleeps; Ctrl-C (SIGINT) in the client exits it with 130.
+
+    Args:
+        decorator: The job's decorator line, e.g. ``@distributed(gpus=2, gpu_type="cpu")``.
+        setup: Code run before the job is defined (imports, a first job).
+    """
+    return (
+        "import sys, time\n"
+        "from sparkgpu import distributed, runtime\n"
+        f"{setup}\n"
+        f"{decorator}\n"
+        "def forever():\n"
+        "    print('started', flush=True)\n"
+        "    time.sleep(600)\n"
+        "\n"
+        "try:\n"
+        "    forever.distributed()\n"
+        "except KeyboardInterrupt:\n"
+        "    sys.exit(130)\n"
+    )
+
+
 def wait_for(predicate, within: float = 90.0, interval: float = 0.2) -> bool:
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:

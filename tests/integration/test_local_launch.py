@@ -15,7 +15,7 @@ import pytest
 
 from sparkgpu import CapacityError, JobTimeoutError, SerializationError, WorkerFailedError, distributed, runtime
 from sparkgpu.config import settings
-from tests.integration.processes import assert_no_orphans, start_client, wait_for
+from tests.integration.processes import assert_no_orphans, ctrl_c_client, start_client, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -233,20 +233,7 @@ def test_job_key_never_reaches_the_run_dir_or_user_code():
             assert b"SPARKGPU_JOB_KEY=" not in path.read_bytes()
 
 
-CTRL_C_CLIENT = textwrap.dedent("""
-    import sys, time
-    from sparkgpu import distributed
-
-    @distributed(gpus=2, gpu_type="cpu")
-    def forever():
-        print("started", flush=True)
-        time.sleep(600)
-
-    try:
-        forever.distributed()
-    except KeyboardInterrupt:
-        sys.exit(130)
-""")
+CTRL_C_CLIENT = ctrl_c_client('@distributed(gpus=2, gpu_type="cpu")')
 
 
 def _both_ranks_run(runs) -> bool:

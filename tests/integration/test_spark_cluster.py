@@ -20,7 +20,7 @@ import pytest
 from sparkgpu import CapacityError, WorkerFailedError, runtime
 from sparkgpu.config import settings
 from sparkgpu.launch.backends.spark_capacity import clear_capacity_cache
-from tests.integration.processes import assert_no_orphans as _assert_no_orphans, processes_of
+from tests.integration.processes import assert_no_orphans as _assert_no_orphans, ctrl_c_client, processes_of
 from tests.integration.spark_cluster import every_gpu_held, hold_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.usefixtures("workers_share_this_image")]
@@ -134,26 +134,13 @@ def test_busy_gpus_make_the_client_wait_then_give_up(cluster_spark, tmp_path, ca
         assert "waiting for 1 node(s) x 2 A10 on the Spark cluster" in capsys.readouterr().err
 
 
-CLIENT = textwrap.dedent("""
-    import sys, time
-    from sparkgpu import distributed, runtime
-
+CLIENT = ctrl_c_client('@distributed(gpus=4, gpu_type="A10", remote=True)', setup=textwrap.dedent("""
     @distributed(gpus=2, gpu_type="A10", remote=True)
     def where():
         return runtime.get_global_rank(), runtime.gpu_address()
 
     print("RESULTS", where.distributed(), flush=True)
-
-    @distributed(gpus=4, gpu_type="A10", remote=True)
-    def forever():
-        print("started", flush=True)
-        time.sleep(600)
-
-    try:
-        forever.distributed()
-    except KeyboardInterrupt:
-        sys.exit(130)
-""")
+"""))
 
 
 @pytest.mark.usefixtures("no_tracking")

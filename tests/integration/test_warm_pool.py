@@ -6,7 +6,6 @@ import json
 import signal
 import socket
 import subprocess
-import textwrap
 import threading
 import time
 
@@ -17,7 +16,7 @@ from sparkgpu import JobTimeoutError, WorkerFailedError, distributed, runtime
 from sparkgpu.config import settings
 from sparkgpu.launch import pool as pool_module
 from sparkgpu.launch.pool import PoolBackend, pool_status, stop_pool
-from tests.integration.processes import start_client, wait_for
+from tests.integration.processes import ctrl_c_client, start_client, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -124,21 +123,8 @@ def test_the_pool_stops_itself_when_idle():
     assert stop_pool() is False
 
 
-CTRL_C_CLIENT = textwrap.dedent("""
-    import sys, time
-    from sparkgpu import distributed
-    from sparkgpu.launch.pool import PoolBackend
-
-    @distributed(gpus=2, gpu_type="cpu", backend=PoolBackend(idle_timeout=120))
-    def forever():
-        print("started", flush=True)
-        time.sleep(600)
-
-    try:
-        forever.distributed()
-    except KeyboardInterrupt:
-        sys.exit(130)
-""")
+CTRL_C_CLIENT = ctrl_c_client('@distributed(gpus=2, gpu_type="cpu", backend=PoolBackend(idle_timeout=120))',
+                              setup="from sparkgpu.launch.pool import PoolBackend")
 
 
 def _start_pool_client(tmp_path, home):
