@@ -111,7 +111,8 @@ def _summary(name, wall, outputs, client, run_id, writers, points, until_stored)
 
 
 def bench_spool(root, writers, points):
-    from sparkgpu.tracking.spool import JobRunInfo, SpoolDir, SpoolFlusher
+    from sparkgpu.tracking.flusher import SpoolFlusher
+    from sparkgpu.tracking.spool import JobRunInfo, SpoolDir
 
     uri, client, run = _new_store(root, "spool")
     spool = SpoolDir(root / "spool-run" / "tracking")

@@ -1,7 +1,7 @@
 """Forwarding what a job's tracking spool still holds after the job ended.
 
 The client forwards the workers' records while the job runs and, at its end, retries a
-failing store a few times (:meth:`~sparkgpu.tracking.spool.SpoolFlusher.stop`). When the store
+failing store a few times (:meth:`~sparkgpu.tracking.flusher.SpoolFlusher.stop`). When the store
 stays unreachable, the records wait in ``<run_dir>/tracking`` and the run carries the tag
 ``sparkgpu.tracking.unsent`` (when the store took that much); :func:`flush_spool` forwards
 them once the store is back and ends the run as the job ended.
@@ -43,7 +43,8 @@ def flush_spool(run_dir: str | os.PathLike, *, tracking_uri: str | None = None) 
     """
     from mlflow import MlflowClient
 
-    from sparkgpu.tracking.spool import SpoolDir, SpoolFlusher
+    from sparkgpu.tracking.flusher import SpoolFlusher
+    from sparkgpu.tracking.spool import SpoolDir
 
     spool = SpoolDir(Path(run_dir) / "tracking")
     info = spool.read_run_info()

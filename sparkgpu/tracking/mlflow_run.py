@@ -5,7 +5,7 @@
 * ``before_job`` (client): creates the experiment if missing and the job's run (or finds it
   again when a job is resumed), logs the job spec as params, the environment lock, the
   training function's source and the data source / version, writes ``run.json`` into the
-  job's spool and starts the :class:`~sparkgpu.tracking.spool.SpoolFlusher`.
+  job's spool and starts the :class:`~sparkgpu.tracking.flusher.SpoolFlusher`.
 * ``before_attempt`` (client): returns the workers' environment: ``MLFLOW_TRACKING_URI``
   pointing at the spool, ``MLFLOW_RUN_ID``, ``MLFLOW_EXPERIMENT_ID``, the real
   ``MLFLOW_REGISTRY_URI``; records restarts and resumes.
@@ -232,7 +232,8 @@ class MLflowCallback(JobCallback):
         from mlflow import MlflowClient
         from mlflow.exceptions import MlflowException
 
-        from sparkgpu.tracking.spool import SpoolDir, SpoolFlusher
+        from sparkgpu.tracking.flusher import SpoolFlusher
+        from sparkgpu.tracking.spool import SpoolDir
 
         target = resolve_target(self.tracking_uri, self.registry_uri)
         self._client = MlflowClient(target.tracking_uri, target.registry_uri)

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from sparkgpu.tracking.spool import SpoolDir, SpoolFlusher, SpoolWriter, register_spool_scheme
+from sparkgpu.tracking.flusher import SpoolFlusher
+from sparkgpu.tracking.spool import SpoolDir, SpoolWriter, register_spool_scheme
 
 pytestmark = pytest.mark.integration
 

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from sparkgpu.tracking.spool import SpoolDir, SpoolFlusher, SpoolWriter
+from sparkgpu.tracking.flusher import SpoolFlusher
+from sparkgpu.tracking.spool import SpoolDir, SpoolWriter
 from tests.fakes.flaky_mlflow import FlakyClient
 
 pytestmark = pytest.mark.integration
