@@ -1,0 +1,315 @@
+"""The machinery behind :class:`~sparkgpu.train.checkpoint.Checkpointer`, kept apart from its API.
+
+:class:`CheckpointerInternals`, the Checkpointer's base class, holds what its public methods
+run on: agreement between ranks (rank 0's bookkeeping handed to every rank, flags reduced
+one step late), building the state each rank saves, writing it with DCP (in the background
+by default: :class:`PendingSave`, and the reused staging memory of :func:`make_stager`),
+committing it on rank 0 once every rank's data is written, pruning old checkpoints, and
+loading a checkpoint back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import io
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+from sparkgpu.errors import CheckpointError, ConfigurationError, SparkGPUError
+from sparkgpu.train._checkpoint_checks import dcp_errors, describe, local_nbytes, save_failed
+from sparkgpu.train._checkpoint_store import CheckpointInfo
+from sparkgpu.train._rng_state import capture_rng_state, restore_rng_state
+
+__all__ = ["CheckpointerInternals", "PendingSave", "make_stager"]
+
+# The Checkpointer's own logger, as in _checkpoint_store: one name for all its records.
+logger = logging.getLogger("sparkgpu.train.checkpoint")
+
+
+@dataclasses.dataclass
+class PendingSave:
+    """A save whose data may still be being written."""
+
+    info: CheckpointInfo
+    started: float
+    blocking: float = 0.0
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    error: CheckpointError | None = None
+    mlflow_run_id: str | None = None  # the caller's active MLflow run (runs are per thread)
+
+
+class CheckpointerInternals:
+    """Base class of :class:`~sparkgpu.train.checkpoint.Checkpointer` with its internals.
+
+    The methods use the state that ``Checkpointer.__init__`` sets up (the store, the rank,
+    the process groups, the stager, the pending save) and its options.
+    """
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("this Checkpointer is closed; create a new one to save or restore again")
+
+    def _run_on_rank0(self, fn):
+        """Runs ``fn`` on rank 0 and hands its result (or its error) to every rank."""
+        if not self._distributed:
+            return fn()
+        import torch.distributed as dist
+
+        outcome: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                outcome = [(True, fn())]
+            except SparkGPUError as exc:
+                outcome = [(False, exc)]
+            except Exception as exc:  # shipped to every rank, so none waits forever
+                outcome = [(False, CheckpointError(f"checkpoint bookkeeping failed on rank 0: {exc!r}"))]
+        dist.broadcast_object_list(outcome, src=0, group=self._control_group)
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
+
+    def _any_rank_one_step_late(self, *flags: bool) -> tuple[bool, ...]:
+        """Whether any rank raised each flag, as of the previous call.
+
+        The reduction of this call's flags is started now and read at the next call, a
+        whole training step later, so the loop never waits for the network here; every
+        rank reads the same reduction at the same step, which is all agreement needs.
+        """
+        if not self._distributed:
+            return flags
+        import torch
+        import torch.distributed as dist
+
+        tensor = torch.tensor([int(f) for f in flags], dtype=torch.int32)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._control_group, async_op=True)
+        previous, self._flags_in_flight = self._flags_in_flight, (work, tensor)
+        if previous is None:
+            return tuple(False for _ in flags)
+        previous[0].wait()
+        return tuple(bool(v) for v in previous[1].tolist())
+
+    def _drain_flags(self) -> None:
+        if self._flags_in_flight is not None:
+            self._flags_in_flight[0].wait()
+            self._flags_in_flight = None
+
+    def _prepare(self, step: int, nbytes: int) -> str:
+        free = self._store.free_bytes()
+        if free is not None and nbytes > free:
+            raise CheckpointError(
+                f"no room for the checkpoint of step {step}: it needs at least {nbytes / 1e9:.2f} GB, "
+                f"{self.directory!r} has {free / 1e9:.2f} GB free; free space there, lower keep_last, "
+                "or pass another directory"
+            )
+        return self._store.prepare(step)
+
+    def _choose(self, step: int | None) -> CheckpointInfo | None:
+        if step is None:
+            return self._store.latest()
+        info = self._store.get(step)
+        if info is None:
+            available = [i.step for i in self._store.list_complete()]
+            raise CheckpointError(
+                f"there is no complete checkpoint of step {step} in {self.directory!r}; "
+                f"complete steps: {available or 'none'}; pass one of them or step=None for the newest"
+            )
+        return info
+
+    def _build_state_dict(self, model, optimizers, stateful) -> tuple[dict[str, Any], int]:
+        import torch
+
+        state_dict: dict[str, Any] = {}
+        if model is not None:
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            model_sd, optim_sd = get_state_dict(model, optimizers)
+            state_dict["model"] = model_sd
+            if optimizers:
+                state_dict["optimizer"] = optim_sd
+        # Everything else is one opaque blob per rank, serialised now: later changes to
+        # the live objects cannot leak into it, and its structure may change between
+        # saves (DCP would need the old structure as a template to load it).
+        app = {
+            "stateful": {name: obj.state_dict() for name, obj in stateful.items()},
+            "rng": capture_rng_state() if self.save_rng else None,
+        }
+        buffer = io.BytesIO()
+        try:
+            torch.save(app, buffer)
+        except Exception as exc:
+            raise ConfigurationError(
+                f"the state of {', '.join(stateful) or 'the RNGs'} cannot be pickled ({exc}); "
+                "state_dict() must return picklable values (numbers, strings, lists, dicts, tensors)"
+            ) from exc
+        blob = buffer.getvalue()
+        state_dict["app"] = {f"rank{self.rank}": blob}
+        return state_dict, local_nbytes(state_dict) + len(blob)
+
+    def _on_written(self, pending: PendingSave, future: Future | None, error: BaseException | None = None) -> None:
+        """Runs once this rank's part of a save ended; rank 0 then commits and prunes."""
+        if future is not None:
+            error = future.exception()
+        info = pending.info
+        if error is None and self.rank == 0:
+            try:
+                info = dataclasses.replace(
+                    info,
+                    created=time.time(),
+                    blocking_seconds=round(pending.blocking, 6),
+                    write_seconds=round(time.perf_counter() - pending.started, 6),
+                )
+                self._store.commit(info)
+                pending.info = info
+                logger.info("step %d: checkpoint committed to %s in %.2f s", info.step, info.path, info.write_seconds)
+            except Exception as exc:
+                error = exc
+            else:
+                self._record_lineage(info, pending.mlflow_run_id)
+                self._prune()
+        if error is not None:
+            if not isinstance(error, CheckpointError):
+                wrapped = save_failed(info, error)
+                wrapped.__cause__ = error
+                error = wrapped
+            pending.error = error
+            logger.error("%s", error)
+        self.last_write_seconds = time.perf_counter() - pending.started
+        pending.done.set()
+
+    @staticmethod
+    def _record_lineage(info: CheckpointInfo, mlflow_run_id: str | None) -> None:
+        """The job's MLflow run (or outside a job, the caller's active one) learns of the
+        committed checkpoint: the registry tags model versions with its step."""
+        from sparkgpu.tracking.autolog import log_checkpoint
+
+        try:
+            log_checkpoint(info.step, info.path, run_id=mlflow_run_id)
+        except Exception as exc:  # the checkpoint is committed; lineage is a record of it
+            logger.warning("step %d: checkpoint committed, but not recorded in the run: %s", info.step, exc)
+
+    def _prune(self) -> None:
+        try:
+            removed = self._store.prune(self.keep_last)
+        except OSError as exc:
+            # The new checkpoint is committed; old ones are retried at the next commit.
+            logger.warning("could not remove old checkpoints in %s: %s", self.directory, exc)
+            return
+        if removed:
+            logger.info("removed checkpoints of steps %s (keep_last=%s)", removed, self.keep_last)
+
+    def _finish_pending_locally(self) -> CheckpointError | None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        pending.done.wait()
+        return pending.error
+
+    def _write(self, state_dict: dict[str, Any], pending: PendingSave) -> None:
+        """Writes this rank's ``state_dict`` into ``pending.info.path``.
+
+        With ``async_save`` the write is started in the background and ``pending`` commits
+        when it ends; otherwise it is written and committed before this returns. Either way
+        ``pending.blocking`` is the time the caller was held since the save started.
+        """
+        info, path, started = pending.info, pending.info.path, pending.started
+        writer = self._store.writer(path, self.write_threads)
+        import torch.distributed.checkpoint as dcp
+
+        if self.async_save:
+            try:
+                future = dcp.async_save(
+                    state_dict,
+                    storage_writer=writer,
+                    process_group=self._save_group,
+                    async_stager=self._stager,
+                    no_dist=not self._distributed,
+                )
+            except dcp_errors() as exc:
+                raise save_failed(info, exc) from exc
+            pending.blocking = time.perf_counter() - started
+            self._pending = pending
+            # Measured before the callback is attached: a save that already finished runs
+            # the callback right here, and the marker records the blocking time.
+            future.add_done_callback(functools.partial(self._on_written, pending))
+        else:
+            error = None
+            try:
+                dcp.save(state_dict, storage_writer=writer, process_group=self._save_group, no_dist=not self._distributed)
+            except dcp_errors() as exc:
+                error = exc
+            pending.blocking = time.perf_counter() - started
+            self._pending = pending
+            self._on_written(pending, None, error=error)
+
+    def _load(self, info: CheckpointInfo, model, optimizers, stateful) -> None:
+        """Loads the checkpoint ``info`` into the given objects (collective).
+
+        Model and optimizer are resharded by DCP; the other objects and the RNG states come
+        from this rank's part, or rank 0's on a rank that did not exist at save time.
+        """
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        source_rank = self.rank if self.rank < info.world_size else 0
+        app_key = f"rank{source_rank}"
+        template: dict[str, Any] = {"app": {app_key: b""}}
+        if model is not None:
+            model_sd, optim_sd = get_state_dict(model, optimizers)
+            template["model"] = model_sd
+            if optimizers:
+                template["optimizer"] = optim_sd
+        try:
+            dcp.load(
+                template,
+                storage_reader=self._store.reader(info.path),
+                process_group=self._control_group,
+                no_dist=not self._distributed,
+            )
+        except dcp_errors() as exc:
+            raise CheckpointError(
+                f"cannot read checkpoint {info.path!r} ({describe(exc)}); every rank "
+                "must see the checkpoint directory (on several nodes, use a shared filesystem "
+                "or an object-store URL)"
+            ) from exc
+        if model is not None:
+            set_state_dict(
+                model,
+                optimizers,
+                model_state_dict=template["model"],
+                optim_state_dict=template.get("optimizer", {}),
+            )
+        app = torch.load(io.BytesIO(template["app"][app_key]), weights_only=False)
+        for name, obj in stateful.items():
+            obj.load_state_dict(app["stateful"][name])
+        if self.save_rng and app.get("rng") is not None:
+            if source_rank == self.rank:
+                restore_rng_state(app["rng"])
+            else:
+                logger.warning("rank %d did not exist when step %d was saved: RNG state not restored", self.rank, info.step)
+
+
+def make_stager():
+    import torch
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    # Staging copies the state into host memory that is kept and reused by later saves
+    # (10x less blocking than allocating it anew each time). Pinned memory and
+    # non-blocking copies need an accelerator; shared memory only serves the
+    # process-based writer, which this module does not use.
+    accelerator = torch.accelerator.is_available()
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=accelerator,
+            use_shared_memory=False,
+            use_async_staging=False,
+            use_non_blocking_copy=accelerator,
+        )
+    )
