@@ -6,11 +6,12 @@ interpreter that has imported torch and sparkgpu once; each call asks it over a 
 UNIX socket to fork the ranks, which then run exactly what a cold rank runs (the generated
 ``_air.py``). The zygote never initialises CUDA, so forked ranks may use GPUs.
 
-The zygote is single-threaded (a selector loop), because forking a multi-threaded process
-can deadlock the child; nothing in the loop blocks on a client, so one stuck client cannot
-hold up the reaping of other jobs. It stops itself after ``idle_timeout`` without work;
-``sparkgpu pool status`` / ``sparkgpu pool stop`` show and stop it. If the client disconnects
-mid-run (Ctrl-C, or the client was killed), the zygote kills that job's ranks.
+This module is the client side: it starts the zygote (:mod:`sparkgpu.launch.pool_zygote`,
+which holds the process itself), asks it for status, stops it, and runs jobs through it
+(:class:`PoolBackend`). The zygote is single-threaded and stops itself after
+``idle_timeout`` without work; ``sparkgpu pool status`` / ``sparkgpu pool stop`` show and
+stop it. If the client disconnects mid-run (Ctrl-C, or the client was killed), the zygote
+kills that job's ranks.
 
 A pool runs the code it imported when it started, so it is keyed by the interpreter and by a
 fingerprint of that code (sparkgpu's files, torch's, numpy's and cloudpickle's): after an
@@ -25,27 +26,21 @@ import hashlib
 import importlib.util
 import json
 import os
-import selectors
-import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from sparkgpu.config import settings
-from sparkgpu.errors import PayloadSignatureError, SparkGPUError
-from sparkgpu.launch.agent import refuse
+from sparkgpu.errors import SparkGPUError
 from sparkgpu.launch.backends.base import AttemptHandle
-from sparkgpu.launch.backends.local import LocalBackend, free_port
-from sparkgpu.launch.entrypoint import EXIT_PREEMPTED
-from sparkgpu.launch.payload import RunDir, atomic_write_bytes, key_from_environ
+from sparkgpu.launch.backends.local import LocalBackend
 
 __all__ = ["PoolBackend", "create_backend", "ensure_pool", "pool_status", "stop_pool"]
 
 _START_TIMEOUT = 120.0
-_REQUEST_TIMEOUT = 10.0  # seconds a client has to send its whole request line
-# What the zygote imports before it forks; the ranks inherit these modules as they were then.
+# What the zygote imports before it forks (pool_zygote._serve); the ranks inherit these
+# modules as they were then.
 _PRELOADED = ("torch", "numpy", "cloudpickle")
 
 
@@ -92,276 +87,7 @@ def _add_stat(digest, path: str) -> None:
     digest.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
 
 
-# -- the zygote -----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class _PendingRequest:
-    """A connection whose request line has not fully arrived yet."""
-
-    conn: socket.socket
-    deadline: float
-    data: bytearray = dataclasses.field(default_factory=bytearray)
-
-
-@dataclasses.dataclass
-class _Job:
-    conn: socket.socket
-    run_dir: RunDir
-    attempt: int
-    pids: dict[int, int]  # pid -> rank
-    exits: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> status
-    stopping_since: float | None = None
-    grace: float = 10.0
-
-
-def _fork_rank(run_dir: RunDir, air: bytes, env: dict[str, str], rank: int, nproc: int, port: int) -> int:
-    """Forks one rank that runs ``air``, the ``_air.py`` text whose signature was checked."""
-    pid = os.fork()
-    if pid:
-        return pid
-    code = 1
-    try:
-        os.setpgrp()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.environ.clear()
-        os.environ.update(env)
-        os.environ.update(
-            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-            GROUP_RANK="0", ROLE_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-        )
-        # As `python -c <text> RUN_DIR` on the agent's path: the file could be swapped after the check.
-        sys.argv = ["-c", str(run_dir.path)]
-        exec(compile(air, str(run_dir.air), "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    finally:
-        os._exit(code)
-
-
-class _Zygote:
-    def __init__(self, directory: Path, idle_timeout: float, fingerprint: str = ""):
-        self.directory = directory
-        self.idle_timeout = idle_timeout
-        self.fingerprint = fingerprint
-        self.selector = selectors.DefaultSelector()
-        self.jobs: list[_Job] = []
-        self.pending: list[_PendingRequest] = []
-        self.started = time.time()
-        self.last_active = time.monotonic()
-        self.jobs_run = 0
-
-    def info(self) -> dict:
-        return {"pid": os.getpid(), "python": sys.executable, "started_at": self.started,
-                "idle_timeout": self.idle_timeout, "jobs_run": self.jobs_run, "code": self.fingerprint,
-                "running_jobs": [j.run_dir.job_id for j in self.jobs]}
-
-    def write_info(self) -> None:
-        atomic_write_bytes(self.directory / "pool.json", json.dumps(self.info()).encode())
-
-    def serve(self) -> None:
-        sock_path = self.directory / "pool.sock"
-        sock_path.unlink(missing_ok=True)
-        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old_umask = os.umask(0o077)  # the socket is the user's alone: requests carry job keys
-        try:
-            server.bind(str(sock_path))
-        finally:
-            os.umask(old_umask)
-        server.listen(16)
-        server.setblocking(False)
-        self.selector.register(server, selectors.EVENT_READ)
-        self.write_info()
-        try:
-            while True:
-                for key, _ in self.selector.select(timeout=0.05):
-                    if key.fileobj is server:
-                        self._accept(server)
-                    elif isinstance(key.data, _PendingRequest):
-                        self._read_request(key.data)
-                    else:
-                        self._client_gone(key.data)
-                self._drop_stalled_requests()
-                self._reap()
-                if not self.jobs and time.monotonic() - self.last_active > self.idle_timeout:
-                    return
-        except _StopPool:
-            return
-        finally:
-            for job in self.jobs:
-                self._kill(job, signal.SIGKILL)
-            for request in self.pending:
-                request.conn.close()
-            sock_path.unlink(missing_ok=True)
-            (self.directory / "pool.json").unlink(missing_ok=True)
-
-    def _accept(self, server: socket.socket) -> None:
-        try:
-            conn, _ = server.accept()
-        except BlockingIOError:  # the client gave up between select and accept
-            return
-        conn.setblocking(False)
-        request = _PendingRequest(conn, time.monotonic() + _REQUEST_TIMEOUT)
-        self.pending.append(request)
-        self.selector.register(conn, selectors.EVENT_READ, request)
-
-    def _read_request(self, request: _PendingRequest) -> None:
-        """Reads what arrived of a request; handles it once its line is complete."""
-        try:
-            chunk = request.conn.recv(1 << 16)
-        except BlockingIOError:
-            return
-        except OSError as exc:
-            self._drop_request(request, f"could not be read: {exc}")
-            return
-        if not chunk:
-            self._drop_request(request, "closed before its request was complete")
-            return
-        request.data += chunk
-        if not request.data.endswith(b"\n"):
-            return
-        self.selector.unregister(request.conn)
-        self.pending.remove(request)
-        try:
-            message = json.loads(request.data)
-            if not isinstance(message, dict):
-                raise ValueError(f"expected a JSON object, got {type(message).__name__}")
-        except ValueError as exc:
-            print(f"sparkgpu pool: refused a malformed request: {exc}", file=sys.stderr)
-            request.conn.close()
-            return
-        request.conn.setblocking(True)  # replies are one short line
-        try:
-            self._handle(request.conn, message)
-        except _StopPool:
-            raise
-        except Exception as exc:  # one bad request must not take down the other jobs' ranks
-            print(f"sparkgpu pool: request {message.get('op')!r} failed: {exc!r}", file=sys.stderr)
-            request.conn.close()
-
-    def _drop_stalled_requests(self) -> None:
-        now = time.monotonic()
-        for request in [r for r in self.pending if now > r.deadline]:
-            self._drop_request(request, f"sent no complete request within {_REQUEST_TIMEOUT:g}s")
-
-    def _drop_request(self, request: _PendingRequest, why: str) -> None:
-        print(f"sparkgpu pool: dropped a client that {why}", file=sys.stderr)
-        self.selector.unregister(request.conn)
-        self.pending.remove(request)
-        request.conn.close()
-
-    def _handle(self, conn: socket.socket, request: dict) -> None:
-        op = request.get("op")
-        if op == "status":
-            conn.sendall((json.dumps(self.info()) + "\n").encode())
-            conn.close()
-        elif op == "stop":
-            conn.sendall(b'{"stopping": true}\n')
-            conn.close()
-            raise _StopPool
-        elif op == "retire":
-            # A newer pool took over: finish the running jobs, then stop.
-            self.idle_timeout = 0.0
-            conn.sendall(b'{"retiring": true}\n')
-            conn.close()
-            self.write_info()
-        elif op == "run":
-            run_dir = RunDir(request["run_dir"])
-            attempt, nproc = request["attempt"], request["nproc"]
-            run_dir.prepare_attempt(attempt)
-            env = {**request["env"], "SPARKGPU_ATTEMPT": str(attempt)}
-            try:  # the node agent's check: nothing is forked for a payload that is not the job's
-                run_dir.key = key_from_environ(env)
-                air = run_dir.verify()[run_dir.air.name]
-            except PayloadSignatureError as exc:
-                with open(run_dir.agent_log(attempt, 0), "a") as log:
-                    refuse(run_dir, attempt, 0, nproc, exc, out=log)
-                conn.sendall(b'{"started": true}\n')
-                conn.close()  # the client reads the end of the connection as a failed attempt
-                return
-            port = free_port()
-            pids: dict[int, int] = {}
-            try:
-                for rank in range(nproc):
-                    pids[_fork_rank(run_dir, air, env, rank, nproc, port)] = rank
-            except BaseException:
-                for pid in pids:  # no half-started job: its ranks would wait for the missing one
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                raise
-            job = _Job(conn, run_dir, attempt, pids, grace=request.get("grace", 10.0))
-            self.jobs.append(job)
-            self.jobs_run += 1
-            conn.setblocking(False)
-            self.selector.register(conn, selectors.EVENT_READ, job)
-            conn.sendall(b'{"started": true}\n')
-            self.write_info()
-        else:
-            conn.close()
-
-    def _client_gone(self, job: _Job) -> None:
-        try:
-            data = job.conn.recv(64)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data and job.stopping_since is None:  # EOF: Ctrl-C or a dead client
-            self._kill(job, signal.SIGTERM)
-            job.stopping_since = time.monotonic()
-
-    def _kill(self, job: _Job, sig: int) -> None:
-        for pid, rank in job.pids.items():
-            if rank not in job.exits:
-                try:
-                    os.killpg(pid, sig)
-                except ProcessLookupError:
-                    pass
-
-    def _reap(self) -> None:
-        for job in list(self.jobs):
-            for pid, rank in job.pids.items():
-                if rank in job.exits:
-                    continue
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    job.exits[rank] = os.waitstatus_to_exitcode(status)
-            failed = any(code not in (0, EXIT_PREEMPTED) for code in job.exits.values())
-            if failed and job.stopping_since is None:
-                # As torch's agent does: one rank failed, so the others are torn down.
-                self._kill(job, signal.SIGTERM)
-                job.stopping_since = time.monotonic()
-            if job.stopping_since is not None and time.monotonic() - job.stopping_since > job.grace:
-                self._kill(job, signal.SIGKILL)
-            if len(job.exits) == len(job.pids):
-                self._finish(job)
-
-    def _finish(self, job: _Job) -> None:
-        failures = {
-            str(rank): {"exitcode": code, "signal": signal.Signals(-code).name if code < 0 else None, "pid": None}
-            for rank, code in job.exits.items() if code != 0
-        }
-        # Ranks killed by the teardown are not failures of their own.
-        failures = {k: v for k, v in failures.items() if v["exitcode"] != -signal.SIGTERM} or failures
-        status = 1 if failures else 0
-        node = {"node_rank": 0, "status": status, "failures": failures}
-        atomic_write_bytes(job.run_dir.node_file(job.attempt, 0), json.dumps(node).encode())
-        try:
-            self.selector.unregister(job.conn)
-            job.conn.setblocking(True)
-            job.conn.sendall((json.dumps({"status": status}) + "\n").encode())
-        except OSError:
-            pass
-        job.conn.close()
-        self.jobs.remove(job)
-        self.last_active = time.monotonic()
-        self.write_info()
-
-
-class _StopPool(Exception):
-    pass
+# -- the client side --------------------------------------------------------------------------
 
 
 def _read_line(conn: socket.socket) -> str:
@@ -372,24 +98,6 @@ def _read_line(conn: socket.socket) -> str:
             break
         data += chunk
     return data.decode()
-
-
-def _serve(argv: list[str]) -> None:
-    directory, idle_timeout = Path(argv[0]), float(argv[1])
-    fingerprint = argv[2] if len(argv) > 2 else ""
-    # What every rank needs, imported once here so that forked ranks start warm.
-    import cloudpickle  # noqa: F401
-    import torch  # noqa: F401
-    import torch.distributed  # noqa: F401
-    import torch.nn  # noqa: F401
-    import torch.optim  # noqa: F401
-
-    import sparkgpu.launch.entrypoint  # noqa: F401
-
-    _Zygote(directory, idle_timeout, fingerprint).serve()
-
-
-# -- the client side --------------------------------------------------------------------------
 
 
 def _connect(directory: Path) -> socket.socket | None:
@@ -430,7 +138,7 @@ def ensure_pool(python: str, idle_timeout: float) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     log = open(directory / "pool.log", "ab")
     subprocess.Popen(
-        [python, "-m", "sparkgpu.launch.pool", str(directory), str(idle_timeout), fingerprint],
+        [python, "-m", "sparkgpu.launch.pool_zygote", str(directory), str(idle_timeout), fingerprint],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
@@ -541,7 +249,3 @@ class PoolBackend(LocalBackend):
 
 def create_backend(**options) -> PoolBackend:
     return PoolBackend(**options)
-
-
-if __name__ == "__main__":
-    _serve(sys.argv[1:])

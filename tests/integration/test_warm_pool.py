@@ -15,6 +15,7 @@ import pytest
 from sparkgpu import JobTimeoutError, WorkerFailedError, distributed, runtime
 from sparkgpu.config import settings
 from sparkgpu.launch import pool as pool_module
+from sparkgpu.launch import pool_zygote
 from sparkgpu.launch.pool import PoolBackend, pool_status, stop_pool
 from tests.integration.processes import ctrl_c_client, start_client, wait_for
 
@@ -182,7 +183,7 @@ def test_a_silent_or_malformed_client_holds_up_no_job(pool):
         runner.join(timeout=90)
         assert outcome == [[0, 1]], "a client that sends nothing froze the pool"
         assert pool_status()["pid"] == info["pid"]
-        silent.settimeout(pool_module._REQUEST_TIMEOUT + 10)
+        silent.settimeout(pool_zygote._REQUEST_TIMEOUT + 10)
         assert silent.recv(64) == b""  # dropped after the request timeout
     finally:
         silent.close()
