@@ -19,25 +19,28 @@ unpickles only result and error files that the job's ranks signed with that key.
 itself never touches the run dir.
 
 Every file a reader may see as complete is written to a temporary name and renamed.
+
+This module holds the layout, the entrypoint template and the signing; how the payload, the
+results and the errors are pickled is :mod:`sparkgpu.launch.serialization`'s.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import io
 import json
 import os
 import pickle
-import sys
-import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 import cloudpickle
 
-from sparkgpu.errors import PayloadSignatureError, RankFailure, SerializationError
+from sparkgpu.errors import PayloadSignatureError, RankFailure
+from sparkgpu.launch.serialization import deserialize_error, dump_result, serialize_error, unpack_payload
+
+# Imported from here by the launchers and tests.
+from sparkgpu.launch.serialization import client_sys_path, serialize_payload  # noqa: F401
 
 __all__ = ["RunDir", "serialize_payload", "AIR_TEMPLATE", "atomic_write_bytes", "key_from_environ", "KEY_ENV"]
 
@@ -132,74 +135,6 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def _describe(obj: Any) -> str:
-    return f"{type(obj).__module__}.{type(obj).__qualname__}"
-
-
-def _dumps(obj: Any, what: str, fn=None) -> bytes:
-    try:
-        return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:  # pickling raises TypeError, PicklingError, AttributeError, ...
-        culprit = _find_unpicklable_global(fn) if fn is not None else None
-        hint = (
-            f" It refers to {culprit}, which cannot be pickled: create that object inside the function instead."
-            if culprit
-            else " Pass plain data (numbers, strings, arrays, tensors, paths) and create connections, "
-            "locks, sessions and open files inside the function."
-        )
-        raise SerializationError(
-            f"{what} ({_describe(obj)}) cannot be sent to the workers: {type(exc).__name__}: {exc}.{hint}"
-        ) from exc
-
-
-def _find_unpicklable_global(fn) -> str | None:
-    """Names the global or closure variable of ``fn`` that fails to pickle, if one does."""
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return None
-    candidates: dict[str, Any] = {}
-    fn_globals = getattr(fn, "__globals__", {})
-    for name in code.co_names:
-        if name in fn_globals:
-            candidates[f"global {name!r}"] = fn_globals[name]
-    for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
-        try:
-            candidates[f"closure variable {name!r}"] = cell.cell_contents
-        except ValueError:
-            continue
-    for label, value in candidates.items():
-        try:
-            cloudpickle.dumps(value)
-        except Exception:
-            return f"{label} ({_describe(value)})"
-    return None
-
-
-def serialize_payload(fn, args: tuple, kwargs: dict, callbacks: list) -> bytes:
-    """Pickles each part separately, so an error names the argument that failed.
-
-    Raises:
-        SerializationError: the function, an argument or a callback does not pickle.
-    """
-    parts = {
-        "fn": _dumps(fn, f"function {getattr(fn, '__qualname__', fn)!r}", fn=fn),
-        "args": [_dumps(a, f"positional argument {i}") for i, a in enumerate(args)],
-        "kwargs": {k: _dumps(v, f"keyword argument {k!r}") for k, v in kwargs.items()},
-        "callbacks": _dumps(list(callbacks), "job callbacks"),
-    }
-    return pickle.dumps(parts, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def _unpickle(data: bytes, what: str):
-    try:
-        return cloudpickle.loads(data)
-    except ModuleNotFoundError as exc:
-        raise SerializationError(
-            f"{what} needs module {exc.name!r}, which is not available in the workers' environment; "
-            f"install it where the workers run, or make it importable from the job's working directory"
-        ) from exc
 
 
 class RunDir:
@@ -363,11 +298,8 @@ class RunDir:
 
     @staticmethod
     def unpack(parts: dict) -> tuple[Any, tuple, dict, list]:
-        fn = _unpickle(parts["fn"], "the function")
-        args = tuple(_unpickle(a, f"positional argument {i}") for i, a in enumerate(parts["args"]))
-        kwargs = {k: _unpickle(v, f"keyword argument {k!r}") for k, v in parts["kwargs"].items()}
-        callbacks = _unpickle(parts["callbacks"], "job callbacks")
-        return fn, args, kwargs, callbacks
+        """The function, arguments and callbacks of the verified payload parts (see :func:`unpack_payload`)."""
+        return unpack_payload(parts)
 
     # -- results (signed by the ranks, checked by the client) ---------------------------
     def _output_mac(self, kind: str, attempt: int, rank: int, *, reading: bool) -> hmac.HMAC:
@@ -423,26 +355,11 @@ class RunDir:
         )
 
     def write_result(self, attempt: int, rank: int, value: Any) -> None:
-        def dump(f):
-            try:
-                cloudpickle.dump(value, f, protocol=pickle.HIGHEST_PROTOCOL)
-            except Exception as exc:
-                raise SerializationError(
-                    f"the return value of rank {rank} ({_describe(value)}) cannot be pickled: {exc}; "
-                    "return plain data (numbers, arrays, tensors, state dicts) instead"
-                ) from exc
-
-        self._write_signed(self.result_file(attempt, rank), "result", attempt, rank, dump)
+        self._write_signed(self.result_file(attempt, rank), "result", attempt, rank,
+                           lambda f: dump_result(value, f, rank))
 
     def write_error(self, attempt: int, rank: int, exc: BaseException) -> None:
-        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        exc_type = f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins.")
-        failure = RankFailure(rank, exc_type, str(exc), tb, timestamp=time.time())
-        try:
-            exc_bytes = cloudpickle.dumps(exc)
-        except Exception:  # the traceback text above still tells what happened
-            exc_bytes = None
-        data = pickle.dumps({"failure": failure, "exception": exc_bytes})
+        data = serialize_error(rank, exc)
         self._write_signed(self.error_file(attempt, rank), "error", attempt, rank, lambda f: f.write(data))
 
     def read_result(self, attempt: int, rank: int) -> Any:
@@ -461,14 +378,7 @@ class RunDir:
             PayloadSignatureError: the file is unsigned or not signed with the job's key.
             ConfigurationError: this process has no key for the job.
         """
-        data = pickle.loads(self._read_signed(self.error_file(attempt, rank), "error", attempt, rank))
-        exc = None
-        if data["exception"] is not None:
-            try:
-                exc = cloudpickle.loads(data["exception"])
-            except Exception:  # the exception's class does not exist on the client
-                exc = None
-        return data["failure"], exc
+        return deserialize_error(self._read_signed(self.error_file(attempt, rank), "error", attempt, rank))
 
     def read_env_reports(self, attempt: int) -> dict[int, dict]:
         """Per rank, what rehydrating the shipped environment cost (:class:`HydrationReport` as a dict)."""
@@ -494,17 +404,3 @@ class RunDir:
         except FileNotFoundError:
             return ""
         return "\n".join(text.splitlines()[-lines:])
-
-
-def client_sys_path() -> list[str]:
-    """Import paths the workers need so the caller's own modules unpickle there too."""
-    paths = [os.getcwd()]
-    paths += [p for p in sys.path if p and os.path.isdir(p) and "site-packages" not in p and "lib/python" not in p]
-    package_root = str(Path(__file__).resolve().parents[2])
-    paths.append(package_root)
-    seen, ordered = set(), []
-    for p in paths:
-        if p not in seen:
-            seen.add(p)
-            ordered.append(p)
-    return ordered
