@@ -259,3 +259,9 @@ def test_without_a_worker_lock_the_executors_are_asked_what_they_have(cluster_sp
     import torch
 
     assert {r["torch"] for r in results} == {torch.__file__}  # the executors' own torch, not a shipped copy
+
+    # The second launch of an unchanged environment uploads nothing.
+    again_results = cluster_spark.gpu.train(imported_from, gpus=2, gpu_type="A10", name="image-probe")
+    assert {r["sparkgpu"] for r in again_results} == {r["sparkgpu"] for r in results}  # the same shipped copy
+    (again,) = [line for line in capsys.readouterr().err.splitlines() if "environment staged" in line]
+    assert "uploaded 0.0 MB (0 blobs)" in again, again
