@@ -7,11 +7,14 @@ package is missing fails at once with the exact ``pip install``.
 from __future__ import annotations
 
 import concurrent.futures
+import heapq
+import itertools
 import os
 import threading
 import time
 from collections.abc import Callable
 
+from sparkgpu.data._http import HTTPSource
 from sparkgpu.errors import ConfigurationError, DataError, MissingDependencyError
 
 __all__ = ["Volume", "RangePool", "part_bytes_for", "MIN_PART_BYTES", "MAX_PART_BYTES"]
@@ -41,16 +44,65 @@ def part_bytes_for(size: int, threads: int) -> int:
     return min(MAX_PART_BYTES, max(MIN_PART_BYTES, per_thread))
 
 
-class RangePool(concurrent.futures.ThreadPoolExecutor):
-    """The threads that fetch byte ranges for :meth:`Volume.download`, first come first served.
+class RangePool(concurrent.futures.Executor):
+    """The threads that fetch byte ranges for :meth:`Volume.download`, most urgent first.
+
+    A range waits with the ``priority`` it was submitted with (the step at which its file is
+    first needed; lower runs first) and, at equal priority, in submission order. Files whose
+    downloads start together then still complete in the order they are needed, whichever
+    thread queued its ranges first.
 
     Args:
         threads: Parallel range requests; ranges are sized so that one file keeps them all busy.
     """
 
     def __init__(self, threads: int):
-        super().__init__(threads, thread_name_prefix="sparkgpu-range")
         self.threads = threads
+        self._queue: list = []
+        self._order = itertools.count()
+        self._cv = threading.Condition()
+        self._shutdown = False
+        self._workers = [threading.Thread(target=self._work, name=f"sparkgpu-range-{i}", daemon=True)
+                         for i in range(threads)]
+        for worker in self._workers:
+            worker.start()
+
+    def submit(self, fn, /, *args, priority: float = 0.0, **kwargs) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            if self._shutdown:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            heapq.heappush(self._queue, (priority, next(self._order), future, fn, args, kwargs))
+            self._cv.notify()
+        return future
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._shutdown:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                _, _, future, fn, args, kwargs = heapq.heappop(self._queue)
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as exc:  # handed to whoever waits on the future
+                future.set_exception(exc)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._cv:
+            self._shutdown = True
+            if cancel_futures:
+                for item in self._queue:
+                    item[2].cancel()
+                self._queue.clear()
+            self._cv.notify_all()
+        if wait:
+            for worker in self._workers:
+                if worker is not threading.current_thread():
+                    worker.join()
 
 
 class _InOrder:
@@ -112,6 +164,9 @@ class Volume:
         except ValueError as exc:
             raise ConfigurationError(f"cannot read volume {self.url!r} ({exc}); use a local folder or an fsspec URL such as s3://bucket/path") from None
         self.root = self.root.rstrip("/")
+        # Plain HTTP(S) without options: one connection per thread instead of fsspec's single
+        # event-loop thread, which caps every thread's reads at one core's rate.
+        self._http = HTTPSource(self.url) if scheme in ("http", "https") and not storage_options else None
         # Whether the store answers byte-range reads; None until the first ranged download.
         self.ranges_supported: bool | None = None
         self._probe = threading.Lock()
@@ -128,10 +183,13 @@ class Volume:
         Raises:
             DataError: The file does not exist or cannot be read after the retries.
         """
+        if self._http is not None:
+            url = f"{self.url}/{relative}"
+            return self._retrying(relative, lambda: self._http.cat(url, start, end))
         return self._retrying(relative, lambda: self.fs.cat_file(self._path(relative), start=start, end=end))
 
     def download(self, relative: str, local_path: str, size: int | None = None, pool=None, part_bytes: int | None = None,
-                 new_hasher: Callable[[], object] | None = None):
+                 new_hasher: Callable[[], object] | None = None, priority: float = 0.0):
         """Copies a file from the volume to a local path, hashing its bytes as they arrive.
 
         Given the file's ``size`` and a :class:`RangePool`, a file larger than one part is
@@ -150,6 +208,8 @@ class Volume:
                 pool's threads.
             new_hasher: Makes a hash object (``update``/``hexdigest``) to feed the file's
                 bytes, in order, while they arrive; ``None`` for no hash.
+            priority: How urgent the file's ranges are on a :class:`RangePool` (lower first):
+                the step at which the file is first needed.
 
         Returns:
             The hash object fed the whole file, or ``None`` without ``new_hasher``.
@@ -161,7 +221,7 @@ class Volume:
             part_bytes = part_bytes_for(size or 0, getattr(pool, "threads", 1))
         if pool is not None and size is not None and size > part_bytes and self.ranges_supported is not False:
             ordered = _InOrder(new_hasher() if new_hasher else None)
-            if self._download_ranges(relative, local_path, size, pool, part_bytes, ordered):
+            if self._download_ranges(relative, local_path, size, pool, part_bytes, ordered, priority):
                 return ordered.hasher
         hasher = new_hasher() if new_hasher else None
         if size is not None and size <= part_bytes:
@@ -178,7 +238,8 @@ class Volume:
                     hasher.update(chunk)
         return hasher
 
-    def _download_ranges(self, relative: str, local_path: str, size: int, pool, part_bytes: int, ordered: _InOrder) -> bool:
+    def _download_ranges(self, relative: str, local_path: str, size: int, pool, part_bytes: int, ordered: _InOrder,
+                         priority: float) -> bool:
         """Fetches ``relative`` as ranges into ``local_path``; False when the store ignores ranges."""
         starts = list(range(0, size, part_bytes))
         with open(local_path, "wb") as handle:
@@ -186,8 +247,10 @@ class Volume:
         fd = os.open(local_path, os.O_WRONLY)
         futures = []
 
+        urgency = {"priority": priority} if isinstance(pool, RangePool) else {}  # any executor works, unordered
+
         def submit(begin):
-            return pool.submit(self._part, relative, fd, begin, min(begin + part_bytes, size), ordered)
+            return pool.submit(self._part, relative, fd, begin, min(begin + part_bytes, size), ordered, **urgency)
 
         try:
             if self.ranges_supported is None:

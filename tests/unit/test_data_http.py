@@ -1,0 +1,109 @@
+"""Volumes over plain HTTP: ranges on keep-alive connections of a real server on loopback."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from sparkgpu.data._http import HTTPSource
+from sparkgpu.data.volume import Volume
+from sparkgpu.errors import DataError
+
+FILE = bytes(range(256)) * 4096  # 1 MiB
+
+
+class _Server:
+    """Serves ``files`` over HTTP/1.1 keep-alive, answering ``Range`` as object stores do.
+
+    ``ranges=False`` answers a range with the whole file (as Python's own server does);
+    ``drop_idle=True`` closes every connection after one answer without saying so, as a server
+    does with idle keep-alive connections.
+    """
+
+    def __init__(self, files: dict[str, bytes], ranges: bool = True, drop_idle: bool = False):
+        server = self
+        self.connections = 0
+        self.requests = 0
+        self.lock = threading.Lock()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def setup(self):
+                super().setup()
+                with server.lock:
+                    server.connections += 1
+
+            def do_GET(self):  # noqa: N802 (http.server's naming)
+                with server.lock:
+                    server.requests += 1
+                data = files.get(self.path.lstrip("/"))
+                if data is None:
+                    self.send_response(404)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                status, body = 200, data
+                wanted = self.headers.get("Range")
+                if ranges and wanted:
+                    first, last = wanted.removeprefix("bytes=").split("-")
+                    body = data[int(first):int(last) + 1 if last else None]
+                    status = 206
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                if drop_idle:
+                    self.close_connection = True
+
+            def log_message(self, *args):
+                return
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_ranges_from_many_threads_arrive_whole_on_one_connection_per_thread():
+    with _Server({"ds/shard.mds": FILE}) as server:
+        source = HTTPSource(server.url)
+        parts = [(start, start + 65536) for start in range(0, len(FILE), 65536)]
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda p: source.cat(f"{server.url}/ds/shard.mds", *p), parts))
+        assert b"".join(got) == FILE
+        assert source.cat(f"{server.url}/ds/shard.mds") == FILE  # no range: the whole file
+        assert server.requests == len(parts) + 1 and server.connections <= 5  # kept alive, per thread
+
+
+def test_a_volume_over_http_reads_through_its_own_connections_and_names_missing_files():
+    with _Server({"ds/index.json": b"{}"}) as server:
+        volume = Volume(f"{server.url}/ds")
+        assert volume.read_bytes("index.json") == b"{}"
+        with pytest.raises(DataError, match="shard.mds is missing from volume"):
+            volume.read_bytes("shard.mds")
+    with_options = Volume("http://127.0.0.1:9/ds", storage_options={"headers": {"Authorization": "Bearer x"}})
+    assert with_options._http is None  # credentials and headers go through fsspec
+
+
+def test_a_connection_the_server_dropped_is_replaced_once():
+    with _Server({"f": FILE}, drop_idle=True) as server:
+        source = HTTPSource(server.url)
+        for start in range(0, 8 * 4096, 4096):
+            assert source.cat(f"{server.url}/f", start, start + 4096) == FILE[start:start + 4096]
+        assert server.connections == 8  # each request after the first found its connection gone
+
+
+def test_a_server_that_ignores_ranges_is_not_read_to_the_end():
+    with _Server({"f": FILE}, ranges=False) as server:
+        assert HTTPSource(server.url).cat(f"{server.url}/f", 0, 4096) == b""
