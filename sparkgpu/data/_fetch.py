@@ -55,7 +55,8 @@ def is_stale_partial(name: str) -> bool:
     return False
 
 
-def fetch_shard(volume: Volume, info: ShardInfo, final_path: Path, partial_stem: Path, parts=None) -> None:
+def fetch_shard(volume: Volume, info: ShardInfo, final_path: Path, partial_stem: Path, parts=None,
+                priority: float = 0.0) -> None:
     """Downloads one shard to ``final_path``, verified, decompressed, placed atomically.
 
     A file that fails its check is fetched once more; a second failure is reported.
@@ -66,6 +67,7 @@ def fetch_shard(volume: Volume, info: ShardInfo, final_path: Path, partial_stem:
         final_path: Where the uncompressed shard must appear.
         partial_stem: Path prefix for the temporary files (``.zip`` / ``.raw`` are appended).
         parts: Thread pool for byte-range downloads (see :meth:`Volume.download`), or ``None``.
+        priority: How urgent its ranges are on ``parts``: the step at which it is first needed.
 
     Raises:
         DataError: The shard failed its check twice, or cannot be downloaded.
@@ -73,7 +75,7 @@ def fetch_shard(volume: Volume, info: ShardInfo, final_path: Path, partial_stem:
     failures = []
     for _ in range(2):
         try:
-            _fetch_once(volume, info, final_path, partial_stem, parts)
+            _fetch_once(volume, info, final_path, partial_stem, parts, priority)
             return
         except ShardCorrupt as exc:
             failures.append(str(exc))
@@ -83,17 +85,17 @@ def fetch_shard(volume: Volume, info: ShardInfo, final_path: Path, partial_stem:
     )
 
 
-def _fetch_once(volume, info, final_path, partial_stem, parts):
+def _fetch_once(volume, info, final_path, partial_stem, parts, priority):
     raw_tmp = Path(f"{partial_stem}.raw")
     zip_tmp = Path(f"{partial_stem}.zip")
     try:
         if info.zip_basename:
-            _download_checked(volume, info.zip_basename, zip_tmp, info.zip_bytes, info.zip_hashes, parts)
+            _download_checked(volume, info.zip_basename, zip_tmp, info.zip_bytes, info.zip_hashes, parts, priority)
             _decompress(info.compression, zip_tmp, raw_tmp)
             zip_tmp.unlink()
             _check_size(raw_tmp, info.raw_bytes, info.basename)
         else:
-            _download_checked(volume, info.basename, raw_tmp, info.raw_bytes, info.raw_hashes, parts)
+            _download_checked(volume, info.basename, raw_tmp, info.raw_bytes, info.raw_hashes, parts, priority)
         final_path.parent.mkdir(parents=True, exist_ok=True)
         os.replace(raw_tmp, final_path)
     finally:
@@ -101,12 +103,13 @@ def _fetch_once(volume, info, final_path, partial_stem, parts):
             leftover.unlink(missing_ok=True)
 
 
-def _download_checked(volume: Volume, name: str, path: Path, size: int | None, hashes: dict, parts) -> None:
+def _download_checked(volume: Volume, name: str, path: Path, size: int | None, hashes: dict, parts,
+                      priority: float) -> None:
     """Downloads ``name`` to ``path``; its size and hash (computed as the bytes arrive) must match the index."""
     algorithm = next((a for a in _HASH_PREFERENCE if a in hashes), None) or next(iter(hashes), None)
     # An algorithm this host cannot compute leaves the size check alone.
     new_hasher = _hash_factory(algorithm) if algorithm is not None else None
-    hasher = volume.download(name, str(path), size, parts, new_hasher=new_hasher)
+    hasher = volume.download(name, str(path), size, parts, new_hasher=new_hasher, priority=priority)
     _check_size(path, size, name)
     if hasher is not None and hasher.hexdigest() != hashes[algorithm]:
         raise ShardCorrupt(f"{name} has {algorithm} {hasher.hexdigest()}, the index says {hashes[algorithm]}")

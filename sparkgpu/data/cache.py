@@ -331,7 +331,7 @@ class ShardCache:
             if not self._reserve(shard, needed_at, demand, stem):
                 return False
             try:
-                _fetch.fetch_shard(self.volume, info, final, stem, self._parts)
+                _fetch.fetch_shard(self.volume, info, final, stem, self._parts, priority=needed_at)
             finally:
                 Path(f"{stem}.reserved").unlink(missing_ok=True)
         with self._lock:
@@ -396,7 +396,12 @@ class ShardCache:
                         if len(self._inflight) >= self._download_threads:
                             break
                         if shard not in self._inflight and shard not in self._failed:
-                            self._inflight[shard] = self._pool.submit(self._download, shard, step, False)
+                            try:
+                                self._inflight[shard] = self._pool.submit(self._download, shard, step, False)
+                            except RuntimeError:  # the interpreter is exiting: its executors take no work
+                                self._closed = True
+                                self._wake.notify_all()
+                                return
                 self._idle = not self._inflight
                 self._wake.notify_all()  # for wait_idle
                 self._wake.wait(timeout=1.0)

@@ -299,3 +299,17 @@ def test_evicted_shards_give_their_disk_space_back(volume_dir, tmp_path):
     for loader in loaders:
         loader.close()
     assert _disk_use(entry, index) <= limit
+
+
+def test_the_prefetcher_stops_quietly_when_its_download_threads_are_shut_down(volume_dir, tmp_path, monkeypatch):
+    # At interpreter exit concurrent.futures shuts every executor down, also under an iterator
+    # a script still holds (`batches = iter(ds)`): the prefetcher's next submit must end it,
+    # not print a traceback.
+    errors = []
+    monkeypatch.setattr(threading, "excepthook", errors.append)
+    cache, _, _ = _open(volume_dir, tmp_path / "cache", threads=1)
+    cache._pool.shutdown(wait=True)  # what the interpreter's exit does to it
+    cache.set_plan([np.array([i]) for i in range(8)])  # shards to prefetch
+    cache._planner.join(10)
+    assert not cache._planner.is_alive() and errors == []
+    cache.close()

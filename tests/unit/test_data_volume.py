@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 
@@ -87,3 +88,30 @@ def test_a_file_shorter_than_the_index_says_is_not_passed_off_as_complete(blob, 
         assert volume.ranges_supported is True, "a short file is not a store without ranges"
     # Fetched whole instead: the caller's size check sees the real size.
     assert (tmp_path / "copy.bin").stat().st_size == len(payload)
+
+
+def test_the_range_pool_serves_the_most_urgent_range_first():
+    # Files whose downloads start together complete in the order they are needed.
+    gate, order = threading.Event(), []
+    with RangePool(1) as pool:
+        blocker = pool.submit(gate.wait, 10)
+        futures = [pool.submit(order.append, p, priority=p) for p in (5, 1, 3, 1)]
+        gate.set()
+        concurrent.futures.wait([blocker, *futures])
+    assert order == [1, 1, 3, 5]
+
+
+def test_a_shut_down_range_pool_cancels_what_waits_and_takes_no_more():
+    gate = threading.Event()
+    pool = RangePool(1)
+    running = pool.submit(gate.wait, 10)
+    waiting = pool.submit(lambda: "never")
+    deadline = time.monotonic() + 10
+    while not running.running():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    pool.shutdown(wait=False, cancel_futures=True)
+    gate.set()
+    assert running.result(10) is True and waiting.cancelled()
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        pool.submit(lambda: None)
