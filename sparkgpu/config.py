@@ -163,13 +163,40 @@ def parse_bytes(value, name: str) -> int:
     return number
 
 
+def _staging(raw: str | None, home: Path) -> tuple[Path, str | None]:
+    """``(staging_root, staging_url)`` from ``SPARKGPU_STAGING_ROOT``: a path, or a store URL.
+
+    Raises:
+        MissingDependencyError: The URL's filesystem is not installed (the message has the
+            ``pip install``; the executors need it too).
+        ConfigurationError: fsspec knows no filesystem for the URL's scheme.
+    """
+    from sparkgpu._urls import check_url, is_url, scheme_of
+
+    if not raw:
+        return home / "runs", None
+    if not is_url(raw):
+        return Path(raw), None
+    url = raw.rstrip("/")
+    # Before, Path("s3://b/runs") silently became the relative folder "s3:/b/runs".
+    check_url(url, f"the {scheme_of(url)}:// staging store SPARKGPU_STAGING_ROOT={raw} (on the client and on "
+                   "every Spark executor)")
+    return home / "runs", url
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """Process-wide defaults taken from ``SPARKGPU_*`` environment variables.
 
     Attributes:
         home: Root of everything the package keeps on this machine (``SPARKGPU_HOME``).
-        staging_root: Where per-run directories go (``SPARKGPU_STAGING_ROOT``).
+        staging_root: Where this machine keeps per-run directories: ``SPARKGPU_STAGING_ROOT``
+            when it is a path (Spark executors must then see it under the same path), else
+            ``<home>/runs``.
+        staging_url: The staging store when ``SPARKGPU_STAGING_ROOT`` is an fsspec URL
+            (``s3://``, ``gs://``, ``abfs://``, ``file://``...), else ``None``: the Spark
+            backend mirrors run dirs through ``<staging_url>/<job_id>/`` and its executors
+            run in node-local copies, so they need no shared mount.
         cache_dir: Local NVMe cache for data shards (``SPARKGPU_CACHE_DIR``).
         simulate_gpus: ``"TYPE:N"`` makes this host pretend to have N GPUs of TYPE while the
             ranks run on CPU with gloo (``SPARKGPU_SIMULATE_GPUS``); for tests and laptops.
@@ -241,6 +268,7 @@ class Settings:
     env_worker_lock: str | None = None
     spark_wait_timeout: float = 600.0
     data_volume: str = ""
+    staging_url: str | None = None
 
     @classmethod
     def from_env(cls, env=None) -> "Settings":
@@ -253,9 +281,11 @@ class Settings:
             max_cpu_ranks = int(max_cpu) if max_cpu else max(8, os.cpu_count() or 1)
         except ValueError:
             raise ConfigurationError(f"SPARKGPU_MAX_CPU_RANKS={max_cpu!r} must be an integer") from None
+        staging_root, staging_url = _staging(env.get("SPARKGPU_STAGING_ROOT"), home)
         return cls(
             home=home,
-            staging_root=Path(env.get("SPARKGPU_STAGING_ROOT") or home / "runs"),
+            staging_root=staging_root,
+            staging_url=staging_url,
             cache_dir=Path(env.get("SPARKGPU_CACHE_DIR") or home / "cache"),
             simulate_gpus=env.get("SPARKGPU_SIMULATE_GPUS") or None,
             max_cpu_ranks=max_cpu_ranks,

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from sparkgpu._urls import install_command
 from sparkgpu.data._http import HTTPSource
 from sparkgpu.errors import ConfigurationError, DataError, MissingDependencyError
 
@@ -25,13 +26,6 @@ MIN_PART_BYTES = 1 << 20
 MAX_PART_BYTES = 16 << 20
 _ALIGN = 64 << 10
 _CHUNK = 8 << 20
-
-# fsspec names the class but not the pip package; users want the command.
-_PACKAGES = {
-    "s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "abfs": "adlfs", "abfss": "adlfs",
-    "az": "adlfs", "http": "aiohttp", "https": "aiohttp", "hf": "huggingface_hub",
-}
-
 
 def part_bytes_for(size: int, threads: int) -> int:
     """The range size for a file of ``size`` bytes fetched by ``threads`` threads.
@@ -159,8 +153,7 @@ class Volume:
         try:
             self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
         except ImportError:
-            package = _PACKAGES.get(scheme, f"the fsspec filesystem for {scheme}://")
-            raise MissingDependencyError(f"reading {scheme}:// volumes", f"pip install {package}") from None
+            raise MissingDependencyError(f"reading {scheme}:// volumes", install_command(scheme)) from None
         except ValueError as exc:
             raise ConfigurationError(f"cannot read volume {self.url!r} ({exc}); use a local folder or an fsspec URL such as s3://bucket/path") from None
         self.root = self.root.rstrip("/")

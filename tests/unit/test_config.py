@@ -1,0 +1,55 @@
+"""Settings read from the environment: the staging root as a path or as a store URL."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sparkgpu.config import Settings
+from sparkgpu.errors import ConfigurationError, MissingDependencyError
+
+
+def test_a_staging_root_path_stays_the_run_dir_folder_and_no_store_is_used(tmp_path):
+    settings = Settings.from_env({"SPARKGPU_HOME": str(tmp_path), "SPARKGPU_STAGING_ROOT": "/mnt/shared/runs"})
+    assert settings.staging_root == Path("/mnt/shared/runs") and settings.staging_url is None
+
+    default = Settings.from_env({"SPARKGPU_HOME": str(tmp_path)})
+    assert default.staging_root == tmp_path / "runs" and default.staging_url is None
+
+
+def test_a_staging_root_url_is_the_store_and_run_dirs_stay_local(tmp_path):
+    settings = Settings.from_env({"SPARKGPU_HOME": str(tmp_path), "SPARKGPU_STAGING_ROOT": f"file://{tmp_path}/store/"})
+
+    assert settings.staging_url == f"file://{tmp_path}/store"
+    assert settings.staging_root == tmp_path / "runs"
+
+
+def test_an_s3_staging_root_is_never_a_relative_folder_and_names_its_pip_install(tmp_path):
+    pytest.importorskip("fsspec")
+    try:
+        import s3fs  # noqa: F401
+    except ImportError:
+        with pytest.raises(MissingDependencyError, match=r"SPARKGPU_STAGING_ROOT=s3://bucket/runs.*`pip install s3fs`"):
+            Settings.from_env({"SPARKGPU_HOME": str(tmp_path), "SPARKGPU_STAGING_ROOT": "s3://bucket/runs"})
+    else:  # an environment with s3fs: the URL is the store, never the folder "s3:/bucket/runs"
+        settings = Settings.from_env({"SPARKGPU_HOME": str(tmp_path), "SPARKGPU_STAGING_ROOT": "s3://bucket/runs"})
+        assert settings.staging_url == "s3://bucket/runs" and settings.staging_root == tmp_path / "runs"
+
+
+@pytest.mark.parametrize("url, package", [("gs://b/runs", "gcsfs"), ("abfs://c/runs", "adlfs")])
+def test_a_store_whose_filesystem_is_not_installed_names_the_exact_pip_command(tmp_path, url, package):
+    try:
+        __import__(package)
+    except ImportError:
+        pass
+    else:
+        pytest.skip(f"{package} is installed here")
+    with pytest.raises(MissingDependencyError) as err:
+        Settings.from_env({"SPARKGPU_HOME": str(tmp_path), "SPARKGPU_STAGING_ROOT": url})
+    assert err.value.install == f"pip install {package}"
+
+
+def test_an_unknown_scheme_is_refused_naming_urls_that_work(tmp_path):
+    with pytest.raises(ConfigurationError, match=r"no filesystem for nosuch://.*s3://bucket/path"):
+        Settings.from_env({"SPARKGPU_HOME": str(tmp_path), "SPARKGPU_STAGING_ROOT": "nosuch://b/runs"})
