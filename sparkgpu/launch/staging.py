@@ -1,0 +1,484 @@
+"""The staging store: run dirs mirrored through any fsspec URL, so executors need no shared mount.
+
+With ``SPARKGPU_STAGING_ROOT=s3://bucket/runs`` (any fsspec URL) the client keeps its run dirs
+local (``$SPARKGPU_HOME/runs``) and each Spark node task runs in a scratch copy on its
+executor; this module moves files between those local dirs and ``<url>/<job_id>/``.
+Everything that runs (agent, ranks, supervisor, log tailer) keeps reading and writing plain
+local files, as with a shared folder.
+
+Who writes what:
+
+* client -> store: the signed payload and the job's tracking run (``tracking/run.json``),
+  at the job's first submit; while an attempt runs, its control files: ``attempts/<k>/STOP``,
+  ``attempts/<k>/spark/CANCEL`` and ``attempts/<k>/spark/client.heartbeat``.
+* node -> store: every other file its agent and ranks leave in ``attempts/<k>/`` (logs,
+  results, errors, environment reports, node markers) and their tracking records. Object
+  stores cannot append, so a grown log is uploaded again whole, no more often than every few
+  seconds; the end markers go last, after results and errors, so the client never sees a node
+  end without them.
+* store -> client: those node files; a grown log by its new tail only (a ranged read).
+* store -> node: the payload, the control files and the other nodes' exit files
+  (``node-<n>.json``: a failed peer stops this node's ranks).
+
+Visibility: a file pulled into a local dir appears complete or not at all (temp name, then
+rename); an upload is one whole-object put (on a ``file://`` store: temp name, then rename).
+The store is not trusted, as a shared folder is not: a node runs only a payload whose
+signature holds, the client unpickles only results signed with the job's key, and no name
+read from the store may leave the local run dir.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import threading
+import time
+import urllib.parse
+from pathlib import Path
+
+from sparkgpu import runtime
+from sparkgpu._urls import check_url, scheme_of
+from sparkgpu.launch.payload import RunDir, atomic_write_bytes
+
+__all__ = ["StagingStore", "ClientMirror", "NodeMirror", "CANCEL_FILE", "HEARTBEAT_FILE", "SPARK_DIR",
+           "control_files", "payload_files", "env_for_nodes", "env_on_node", "scratch_run_dir"]
+
+SPARK_DIR = "spark"  # attempts/<k>/spark/: start and end markers, cancel, heartbeat
+CANCEL_FILE = "CANCEL"  # written by the client into attempts/<k>/spark/ to stop every node
+HEARTBEAT_FILE = "client.heartbeat"  # rewritten by the client every few seconds while it lives
+_RUN_DIR_TOKEN = "@SPARKGPU_NODE_RUN_DIR@"
+_QUOTED_RUN_DIR_TOKEN = "@SPARKGPU_NODE_RUN_DIR_QUOTED@"
+_PAYLOAD = ("_air.py", "spec.json", "payload.pkl", "payload.sig")
+_TRACKING_RUN = "tracking/run.json"
+
+
+def control_files(attempt: int) -> tuple[str, ...]:
+    """The files the client writes while attempt ``attempt`` runs, relative to the run dir."""
+    return (f"attempts/{attempt}/{runtime.STOP_FILE}", f"attempts/{attempt}/{SPARK_DIR}/{CANCEL_FILE}",
+            f"attempts/{attempt}/{SPARK_DIR}/{HEARTBEAT_FILE}")
+
+
+def payload_files(spec: dict) -> list[str]:
+    """The signed files of a staged run dir, from its spec."""
+    return list(_PAYLOAD) + sorted(spec.get("signed_files", []))
+
+
+def _grows(rel: str) -> bool:
+    # Rank and agent logs and tracking records only ever grow; the rest is written once.
+    return rel.endswith((".log", ".jsonl"))
+
+
+def _end_marker(rel: str) -> bool:
+    return f"/{SPARK_DIR}/node-" in rel and rel.endswith(".ended")
+
+
+def _local(root: Path, rel: str) -> Path:
+    """``root / rel``, refusing names from the (untrusted) store that would leave ``root``."""
+    parts = rel.split("/")
+    if any(part in ("", ".", "..") for part in parts) or "\\" in rel:
+        raise ValueError(f"refusing the staging store's file name {rel!r}: it would leave the run dir {root}")
+    return root.joinpath(*parts)
+
+
+def _temporary(rel: str) -> bool:
+    # atomic_write_bytes and the signed writers rename ".<name>.<pid>.tmp" into place.
+    return rel.rsplit("/", 1)[-1].startswith(".")
+
+
+# -- the store -----------------------------------------------------------------------------
+
+
+class StagingStore:
+    """One job's folder on the staging store, ``<url>/<job_id>``.
+
+    Args:
+        url: The store's root (``SPARKGPU_STAGING_ROOT``), any fsspec URL.
+        job_id: The job.
+        storage_options: Extra options for the fsspec filesystem (credentials, endpoint).
+
+    Raises:
+        MissingDependencyError: The URL's filesystem is not installed here.
+        ConfigurationError: fsspec knows no filesystem for the URL's scheme.
+    """
+
+    def __init__(self, url: str, job_id: str, storage_options: dict | None = None):
+        import fsspec
+
+        check_url(url, f"the {scheme_of(url)}:// staging store {url}")
+        self.url = f"{url.rstrip('/')}/{job_id}"
+        self.fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        self.root = root.rstrip("/")
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
+        self._local_fs = "file" in protocols
+
+    def __repr__(self) -> str:
+        return f"StagingStore({self.url!r})"
+
+    def _path(self, rel: str) -> str:
+        return f"{self.root}/{rel}"
+
+    def list(self, rel: str, recursive: bool = True) -> dict[str, tuple]:
+        """Files under ``rel``: relative name -> ``(size, stamp)``, the stamp changing with every put."""
+        base = self._path(rel)
+        # Listings are cached per filesystem (s3fs, gcsfs); other processes' puts must show.
+        self.fs.invalidate_cache(base)
+        try:
+            entries = self.fs.find(base, detail=True) if recursive else {
+                e["name"]: e for e in self.fs.ls(base, detail=True)}
+        except FileNotFoundError:
+            return {}
+        found = {}
+        for name, info in entries.items():
+            if info.get("type") != "file" or not name.startswith(self.root + "/"):
+                continue
+            stamp = next((str(info[k]) for k in ("mtime", "LastModified", "ETag", "etag", "updated", "generation")
+                          if info.get(k) is not None), "")
+            found[name[len(self.root) + 1:]] = (int(info.get("size") or 0), stamp)
+        return found
+
+    def exists(self, rel: str) -> bool:
+        self.fs.invalidate_cache(self._path(rel).rsplit("/", 1)[0])
+        return self.fs.exists(self._path(rel))
+
+    def upload(self, local: Path, rel: str) -> None:
+        """Puts the file ``local`` at ``rel`` as one whole object."""
+        path = self._path(rel)
+        if self._local_fs:
+            # A plain folder (file://, maybe NFS): copy beside it, then rename into place.
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{os.path.dirname(path)}/.{os.path.basename(path)}.{os.getpid()}.{threading.get_ident()}.tmp"
+            try:
+                shutil.copyfile(local, tmp)
+                os.replace(tmp, path)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        else:
+            self.fs.put_file(str(local), path)
+
+    def put_bytes(self, rel: str, data: bytes) -> None:
+        """Puts ``data`` at ``rel`` as one whole object."""
+        if self._local_fs:
+            path = Path(self._path(rel))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(path, data)
+        else:
+            self.fs.pipe_file(self._path(rel), data)
+
+    def download(self, rel: str, local: Path) -> None:
+        """Fetches ``rel`` to ``local`` so that ``local`` appears complete or not at all."""
+        local.parent.mkdir(parents=True, exist_ok=True)
+        tmp = local.with_name(f".{local.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            self.fs.get_file(self._path(rel), str(tmp))
+            os.replace(tmp, local)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def read_range(self, rel: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of ``rel``."""
+        return self.fs.cat_file(self._path(rel), start=start, end=end)
+
+
+class _Reporter:
+    """Says each distinct sync failure once: a store that is down for a while must not flood the log."""
+
+    def __init__(self, out, who: str):
+        self.out, self.who, self.seen = out, who, set()
+
+    def __call__(self, exc: BaseException) -> None:
+        text = f"{type(exc).__name__}: {exc}"
+        if text not in self.seen:
+            self.seen.add(text)
+            print(f"sparkgpu: {self.who} could not sync with the staging store (retrying): {text}",
+                  file=self.out or sys.stderr, flush=True)
+
+
+class _Loop:
+    """A daemon thread calling ``step`` every ``interval`` seconds until stopped."""
+
+    def __init__(self, step, interval: float, name: str, report):
+        self._stop = threading.Event()
+
+        def run():
+            while not self._stop.wait(interval):
+                try:
+                    step()
+                except Exception as exc:  # fsspec filesystems raise their own types; the next round retries
+                    report(exc)
+
+        self._thread = threading.Thread(target=run, daemon=True, name=name)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+
+# -- the client's side -------------------------------------------------------------------
+
+
+class ClientMirror:
+    """The client's local run dir, kept in step with the job's folder on the store.
+
+    Args:
+        run_dir: The client's (local) run dir.
+        store: The job's folder on the store.
+        out: Where sync failures are reported (``sys.stderr`` by default).
+    """
+
+    def __init__(self, run_dir: RunDir, store: StagingStore, out=None):
+        self.run_dir, self.store = run_dir, store
+        self._lock = threading.Lock()
+        self._pushed: dict[str, bytes] = {}  # control file -> the content last put
+        self._stamps: dict[str, tuple] = {}  # whole file -> the store's (size, stamp) last fetched
+        self._offsets: dict[str, int] = {}  # growing file -> bytes appended so far
+        self._report = _Reporter(out, "the client")
+        self._loop: _Loop | None = None
+
+    def upload_payload(self) -> None:
+        """Puts the signed payload and the job's tracking run (when it has one) on the store."""
+        import json
+
+        spec = json.loads(self.run_dir.spec_file.read_text())
+        names = payload_files(spec)
+        if (self.run_dir.path / _TRACKING_RUN).exists():
+            names.append(_TRACKING_RUN)
+        for rel in names:
+            self.store.upload(_local(self.run_dir.path, rel), rel)
+
+    def sync(self, attempt: int) -> int:
+        """Pushes the attempt's changed control files, then pulls its new node files.
+
+        Returns:
+            How many local files changed.
+        """
+        with self._lock:
+            for rel in control_files(attempt):
+                try:
+                    data = _local(self.run_dir.path, rel).read_bytes()
+                except FileNotFoundError:
+                    continue
+                if self._pushed.get(rel) != data:
+                    self.store.put_bytes(rel, data)
+                    self._pushed[rel] = data
+            return self._pull(attempt)
+
+    def _pull(self, attempt: int) -> int:
+        listed = self.store.list(f"attempts/{attempt}")
+        records = self.store.list("tracking/records", recursive=False)
+        listed.update((rel, v) for rel, v in records.items() if rel.rsplit("/", 1)[-1].startswith(f"a{attempt}."))
+        skip = set(control_files(attempt))
+        changed = 0
+        for rel, (size, stamp) in sorted(listed.items()):
+            if rel in skip or _temporary(rel):
+                continue
+            try:
+                local = _local(self.run_dir.path, rel)
+            except ValueError as exc:
+                self._report(exc)
+                continue
+            if _grows(rel):
+                offset = self._offsets.get(rel, 0)
+                if size > offset:
+                    data = self.store.read_range(rel, offset, size)
+                    local.parent.mkdir(parents=True, exist_ok=True)
+                    with open(local, "ab") as f:
+                        f.write(data)
+                    self._offsets[rel] = offset + len(data)
+                    changed += 1
+            elif self._stamps.get(rel) != (size, stamp):
+                self.store.download(rel, local)
+                self._stamps[rel] = (size, stamp)
+                changed += 1
+        return changed
+
+    def start(self, attempt: int, interval: float = 1.0) -> None:
+        """Syncs in a background thread every ``interval`` seconds until :meth:`finish`."""
+        self._loop = _Loop(lambda: self.sync(attempt), interval, f"sparkgpu-store-{self.run_dir.job_id}-{attempt}",
+                           self._report)
+
+    def finish(self, attempt: int, tries: int = 3) -> BaseException | None:
+        """Stops the background sync and syncs once more (retried), for the results of a finished attempt.
+
+        Returns:
+            ``None``, or the error of the last try when every try failed.
+        """
+        if self._loop is not None:
+            self._loop.stop()
+        for tried in range(1, tries + 1):
+            try:
+                self.sync(attempt)
+                return None
+            except Exception as exc:  # whatever the filesystem raises: tried again, then returned
+                if tried == tries:
+                    return exc
+                time.sleep(tried)
+        return None
+
+
+# -- a node's side --------------------------------------------------------------------------
+
+
+def scratch_run_dir(job_id: str, attempt: int, node: int) -> Path:
+    """A fresh, node-local run dir for one node of one attempt (its name is the job id).
+
+    Under the executor's first local dir (``SPARK_LOCAL_DIRS``, which Spark sets for its
+    Python workers and removes with the executor), else the system's temp dir.
+    """
+    import tempfile
+
+    base = (os.environ.get("SPARK_LOCAL_DIRS") or "").split(",")[0] or tempfile.gettempdir()
+    Path(base).mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"sparkgpu-{job_id}-a{attempt}-n{node}-", dir=base)) / job_id
+
+
+class NodeMirror:
+    """A node task's scratch run dir, kept in step with the job's folder on the store.
+
+    Args:
+        store: The job's folder on the store.
+        run_dir: The node's scratch run dir (see :func:`scratch_run_dir`).
+        attempt: The attempt the node runs.
+        node: The node's rank.
+        log_interval: Least seconds between two uploads of one growing log.
+        out: Where sync failures are reported (the executor's stderr by default).
+    """
+
+    def __init__(self, store: StagingStore, run_dir: RunDir, attempt: int, node: int, log_interval: float = 2.0,
+                 out=None):
+        self.store, self.run_dir, self.attempt, self.node = store, run_dir, attempt, node
+        self.log_interval = log_interval
+        self._lock = threading.Lock()
+        self._pulled: dict[str, tuple] = {}  # what came from the store: never pushed back
+        self._pushed: dict[str, tuple] = {}  # local (size, mtime_ns) last put
+        self._next_put: dict[str, float] = {}
+        self._report = _Reporter(out, f"node {node}")
+        self._loop: _Loop | None = None
+
+    def download_payload(self) -> None:
+        """Fetches the signed payload and the job's tracking run into the scratch run dir.
+
+        Raises:
+            FileNotFoundError: The store holds no payload for the job.
+        """
+        import json
+
+        self.store.download("spec.json", self.run_dir.spec_file)
+        names = [n for n in payload_files(json.loads(self.run_dir.spec_file.read_text())) if n != "spec.json"]
+        if self.store.exists(_TRACKING_RUN):
+            names.append(_TRACKING_RUN)
+        for rel in names:
+            self.store.download(rel, _local(self.run_dir.path, rel))  # a planted "../x" raises ValueError
+
+    def claimed_before(self) -> bool:
+        """Whether the store already has this node's start marker (Spark is re-running the stage)."""
+        return self.store.exists(f"attempts/{self.attempt}/{SPARK_DIR}/node-{self.node}.started")
+
+    def pull_control(self) -> None:
+        """Fetches the client's new control files and the other nodes' exit files."""
+        with self._lock:
+            base = f"attempts/{self.attempt}"
+            listed = {**self.store.list(base, recursive=False), **self.store.list(f"{base}/{SPARK_DIR}", recursive=False)}
+            wanted = set(control_files(self.attempt))
+            own = f"{base}/node-{self.node}.json"
+            for rel, stamp in listed.items():
+                peer = rel.startswith(f"{base}/node-") and rel.endswith(".json") and rel != own
+                if (rel in wanted or peer) and self._pulled.get(rel) != stamp:
+                    self.store.download(rel, _local(self.run_dir.path, rel))
+                    self._pulled[rel] = stamp
+
+    def push(self, final: bool = False) -> None:
+        """Puts the node's new and changed files; end markers only when ``final``, and after the rest."""
+        with self._lock:
+            now = time.monotonic()
+            for rel, path in sorted(self._outputs().items(), key=lambda item: _push_order(item[0])):
+                if _end_marker(rel) and not final:
+                    continue
+                if _grows(rel) and not final and now < self._next_put.get(rel, 0.0):
+                    continue
+                try:
+                    stat = path.stat()
+                except FileNotFoundError:
+                    continue
+                stamp = (stat.st_size, stat.st_mtime_ns)
+                if self._pushed.get(rel) == stamp:
+                    continue
+                began = time.monotonic()
+                self.store.upload(path, rel)
+                self._pushed[rel] = stamp
+                # Each put of a grown log re-sends it whole: keep that under a tenth of the time.
+                self._next_put[rel] = now + max(self.log_interval, 10 * (time.monotonic() - began))
+
+    def _outputs(self) -> dict[str, Path]:
+        root = self.run_dir.path
+        found = {}
+        skip = set(control_files(self.attempt)) | set(self._pulled)
+        for folder, pattern in ((self.run_dir.attempt_dir(self.attempt), "*"),
+                                (root / "tracking" / "records", f"a{self.attempt}.*")):
+            for path in folder.rglob(pattern) if folder.is_dir() else ():
+                rel = path.relative_to(root).as_posix()
+                if path.is_file() and rel not in skip and not _temporary(rel):
+                    found[rel] = path
+        return found
+
+    def start(self, interval: float = 1.0) -> None:
+        """Pulls the control files now, then pulls and pushes every ``interval`` seconds until :meth:`finish`."""
+        self.pull_control()
+        self.push()
+
+        def step():
+            self.pull_control()
+            self.push()
+
+        self._loop = _Loop(step, interval, f"sparkgpu-store-node-{self.node}", self._report)
+
+    def finish(self, tries: int = 3) -> None:
+        """Stops the background sync and pushes everything left, end markers last.
+
+        Raises:
+            Exception: Whatever the filesystem raised on the last of ``tries`` tries.
+        """
+        if self._loop is not None:
+            self._loop.stop()
+        for tried in range(1, tries + 1):
+            try:
+                self.push(final=True)
+                return
+            except Exception:  # whatever the filesystem raises: tried again, then raised
+                if tried == tries:
+                    raise
+                time.sleep(tried)
+
+
+def _push_order(rel: str) -> int:
+    # Results, errors and logs first; then the agent's exit file; the end marker last of all.
+    if _end_marker(rel):
+        return 2
+    return 1 if rel.rsplit("/", 1)[-1].startswith("node-") and rel.endswith(".json") else 0
+
+
+# -- the ranks' environment ------------------------------------------------------------------
+
+
+def env_for_nodes(env: dict[str, str], run_dir: RunDir) -> dict[str, str]:
+    """The ranks' environment with the client's run dir (``SPARKGPU_RUN_DIR``, the tracking
+    spool, its URI) replaced by a token that each node fills in with its scratch copy."""
+    resolved = str(run_dir.path.resolve())
+    forms = {str(run_dir.path): _RUN_DIR_TOKEN, resolved: _RUN_DIR_TOKEN,
+             urllib.parse.quote(resolved): _QUOTED_RUN_DIR_TOKEN}
+    out = {}
+    for name, value in env.items():
+        for form in sorted(forms, key=len, reverse=True):  # "/private/tmp/x" before "/tmp/x"
+            value = value.replace(form, forms[form])
+        out[name] = value
+    return out
+
+
+def env_on_node(env: dict[str, str], run_dir_path: Path) -> dict[str, str]:
+    """Fills in :func:`env_for_nodes`'s tokens with this node's scratch run dir."""
+    path = str(Path(run_dir_path).resolve())
+    return {name: value.replace(_QUOTED_RUN_DIR_TOKEN, urllib.parse.quote(path)).replace(_RUN_DIR_TOKEN, path)
+            for name, value in env.items()}
