@@ -266,6 +266,15 @@ class ClientMirror:
                     self._pushed[rel] = data
             return self._pull(attempt)
 
+    def try_sync(self, attempt: int) -> bool:
+        """:meth:`sync`, reporting a failure instead of raising it (for callers busy stopping an attempt)."""
+        try:
+            self.sync(attempt)
+        except Exception as exc:  # whatever the filesystem raises: said once, retried by the next call
+            self._report(exc)
+            return False
+        return True
+
     def _pull(self, attempt: int) -> int:
         listed = self.store.list(f"attempts/{attempt}")
         records = self.store.list("tracking/records", recursive=False)

@@ -219,7 +219,7 @@ class Supervisor:
             runtime.ENV_JOB_ID: self.job.job_id,
             runtime.ENV_ATTEMPT: str(attempt),
             runtime.ENV_RUN_DIR: str(self.run_dir.path),
-            runtime.ENV_CHECKPOINT_DIR: str(self.run_dir.checkpoints),
+            runtime.ENV_CHECKPOINT_DIR: self.backend.checkpoint_dir(self.run_dir),
         }
         if self.job.policy.max_runtime is not None and not self.backend.waits_for_resources:
             # Ranks start at submit here; elsewhere the supervisor writes the stop file in time.
@@ -390,10 +390,11 @@ class Supervisor:
     # -- reading an attempt back -------------------------------------------------------
     def _latest_checkpoint(self) -> tuple[int, float] | None:
         """``(step, created)`` of the newest complete checkpoint in the job's checkpoint dir."""
+        directory = self.backend.checkpoint_dir(self.run_dir)
         try:
-            info = CheckpointStore(self.run_dir.checkpoints).latest()
+            info = CheckpointStore(directory).latest()
         except OSError as exc:  # an unreadable checkpoint dir (permissions, a store that is down)
-            print(f"sparkgpu: cannot read the checkpoints in {self.run_dir.checkpoints} ({exc}); an attempt stopped "
+            print(f"sparkgpu: cannot read the checkpoints in {directory} ({exc}); an attempt stopped "
                   "at the runtime cap counts as preempted only if its ranks stop for a restart", file=self.out)
             return None
         return None if info is None else (info.step, info.created)

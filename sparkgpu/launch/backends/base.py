@@ -98,6 +98,11 @@ class Backend(abc.ABC):
         """
         raise NotImplementedError(f"the {self.name or type(self).__name__} backend starts its ranks at submit")
 
+    def checkpoint_dir(self, run_dir: RunDir) -> str:
+        """Where the job's ranks keep checkpoints, shared by all its attempts: a path or fsspec
+        URL that every rank and this client reach (``<run dir>/checkpoints`` by default)."""
+        return str(run_dir.checkpoints)
+
     def describe_capacity(self, resources: Resources) -> str:  # pragma: no cover - informative
         return ""
 

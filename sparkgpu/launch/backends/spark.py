@@ -8,8 +8,12 @@ its rendezvous port from ``allGather``; each node's ranks see that task's GPU ad
 The job's signing key travels inside the task closure only.
 
 Results, tracebacks and logs come back through the run dir, which the client and the
-executors must both reach under the same path (a local folder on one machine; an NFS or
-FUSE-mounted volume on a real cluster: set ``SPARKGPU_STAGING_ROOT`` to it). The Spark action
+executors either reach under the same path (a local folder on one machine; an NFS or
+FUSE-mounted volume on a real cluster: set ``SPARKGPU_STAGING_ROOT`` to it), or mirror
+through a staging store (``SPARKGPU_STAGING_ROOT`` an fsspec URL such as ``s3://bucket/runs``;
+:mod:`sparkgpu.launch.staging`): the client uploads the payload at the job's first submit,
+and while an attempt runs it pushes its control files and pulls the nodes' files in a
+background thread, with one last pull once the Spark job ended. The Spark action
 runs in a background thread under a job tag: ``cancel`` first asks the nodes to stop their
 ranks (SIGTERM, with the job's shutdown grace), then interrupts the tag; Spark then kills
 the Python workers, and the agents and ranks die with them (``PR_SET_PDEATHSIG``). When the
@@ -29,6 +33,7 @@ import sys
 import threading
 import time
 
+from sparkgpu._urls import install_command, scheme_of
 from sparkgpu.config import settings
 from sparkgpu.errors import CapacityError, ConfigurationError
 from sparkgpu.launch.agent import build_command
@@ -49,6 +54,7 @@ from sparkgpu.launch.backends.spark_node import (
     spark_dir,
 )
 from sparkgpu.launch.payload import KEY_ENV, RunDir, atomic_write_bytes
+from sparkgpu.launch.staging import ClientMirror, StagingStore, env_for_nodes
 from sparkgpu.spec import JobSpec, Resources
 
 __all__ = ["SparkBackend", "SparkAttempt", "create_backend", "active_spark_session"]
@@ -137,6 +143,7 @@ class SparkAttempt(AttemptHandle):
     nodes_started: bool = False
     started_at: float | None = None  # Unix time the barrier tasks got their GPUs and started
     exit_code: int | None = None
+    mirror: ClientMirror | None = None  # with a staging store
 
     @property
     def nodes(self) -> list[dict]:
@@ -159,6 +166,9 @@ class SparkBackend(Backend):
         client_timeout: Seconds the nodes keep running without a heartbeat from this client
             before they stop their ranks (``None``: run on when the client dies).
         out: Stream for "waiting for GPUs" lines (``sys.stderr`` by default).
+        staging_url: Staging store the executors reach instead of the client's run dir, any
+            fsspec URL (``SPARKGPU_STAGING_ROOT`` when that is a URL, by default); ``""`` for
+            none (the executors then see the run dir under the client's path).
     """
 
     name = "spark"
@@ -166,15 +176,20 @@ class SparkBackend(Backend):
     #: Seconds past the job's shutdown grace that a failed attempt waits for its nodes to
     #: confirm that their ranks stopped (a test seam).
     node_stop_margin = 20.0
+    #: Seconds between two syncs of a running attempt with the staging store.
+    sync_interval = 1.0
 
     def __init__(self, spark=None, *, wait_timeout: float | None = None, gpus_per_node: int | None = None,
-                 simulated: bool | None = None, client_timeout: float | None = 120.0, out=None):
+                 simulated: bool | None = None, client_timeout: float | None = 120.0, out=None,
+                 staging_url: str | None = None):
         self._spark = spark
         self.wait_timeout = wait_timeout if wait_timeout is not None else settings().spark_wait_timeout
         self.gpus_per_node = gpus_per_node
         self.simulated = simulated
         self.client_timeout = client_timeout
         self.out = out
+        self.staging_url = (settings().staging_url if staging_url is None else staging_url) or None
+        self._mirrors: dict[str, ClientMirror] = {}
         self._layouts: dict[str, NodeLayout] = {}
         self.last_attempt: SparkAttempt | None = None
 
@@ -221,11 +236,17 @@ class SparkBackend(Backend):
         # Devices are per node and known only at launch: each task's GPU addresses.
         return dataclasses.replace(job, devices=(), simulated=simulated)
 
+    def checkpoint_dir(self, run_dir: RunDir) -> str:
+        if self.staging_url:
+            return f"{self.staging_url}/{run_dir.job_id}/checkpoints"  # the nodes' run dirs are scratch copies
+        return super().checkpoint_dir(run_dir)
+
     # -- attempts ---------------------------------------------------------------------
     def plan(self, job, run_dir, attempt, env) -> LaunchPlan:
         layout = self._layouts.get(job.job_id) or self._layout(job)
+        where = f"<node copy of {self.staging_url}/{run_dir.job_id}>" if self.staging_url else str(run_dir.path)
         commands = tuple(
-            tuple(build_command("python", str(run_dir.path), attempt=attempt, nnodes=layout.nodes, node_rank=node,
+            tuple(build_command("python", where, attempt=attempt, nnodes=layout.nodes, node_rank=node,
                                 nproc=layout.ranks_per_node, master_addr="<host of node 0>", master_port=0,
                                 shutdown_grace=job.policy.shutdown_grace))
             for node in range(layout.nodes)
@@ -238,7 +259,8 @@ class SparkBackend(Backend):
     def _frame(self, job: JobSpec, run_dir: RunDir, attempt: int, env: dict, layout: NodeLayout):
         launch = NodeLaunch(
             run_dir=str(run_dir.path), attempt=attempt, nnodes=layout.nodes, nproc=layout.ranks_per_node,
-            env=dict(env), shutdown_grace=job.policy.shutdown_grace, client_timeout=self.client_timeout,
+            env=env_for_nodes(env, run_dir) if self.staging_url else dict(env), shutdown_grace=job.policy.shutdown_grace,
+            client_timeout=self.client_timeout, store_url=self.staging_url,
             threads_per_rank=None if job.uses_cuda else max(1, (os.cpu_count() or 1) // layout.ranks_per_node),
         )
         task = functools.partial(run_node, launch)
@@ -260,8 +282,11 @@ class SparkBackend(Backend):
         now = time.monotonic()
         handle = SparkAttempt(attempt=attempt, job=job, run_dir=run_dir, layout=layout,
                               tag=f"sparkgpu-{job.job_id}-{attempt}", submitted_at=now, submitted_wall=time.time(),
-                              next_notice=now + 5.0)
+                              next_notice=now + 5.0, mirror=self._mirror(run_dir))
         self._beat(handle)
+        if handle.mirror is not None:
+            handle.mirror.sync(attempt)  # the first heartbeat is up before any node looks for it
+            handle.mirror.start(attempt, self.sync_interval)
         with _active(self.spark):
             frame = self._frame(job, run_dir, attempt, env, layout)
         handle.thread = threading.Thread(target=self._run_action, args=(handle, frame), daemon=True,
@@ -270,6 +295,33 @@ class SparkBackend(Backend):
         threading.Thread(target=self._heartbeat, args=(handle,), daemon=True, name=f"{handle.tag}-heartbeat").start()
         self.last_attempt = handle
         return handle
+
+    def _mirror(self, run_dir: RunDir) -> ClientMirror | None:
+        """The job's mirror on the staging store; its payload is uploaded the first time (resumed jobs too)."""
+        if not self.staging_url:
+            return None
+        mirror = self._mirrors.get(run_dir.job_id)
+        if mirror is None:
+            mirror = ClientMirror(run_dir, StagingStore(self.staging_url, run_dir.job_id), out=self._stream)
+            mirror.upload_payload()
+            self._mirrors[run_dir.job_id] = mirror
+        return mirror
+
+    def _last_pull(self, handle: SparkAttempt) -> None:
+        """Stops the attempt's background sync and pulls what its nodes left (their results)."""
+        if handle.mirror is None:
+            return
+        error = handle.mirror.finish(handle.attempt)
+        if error is not None:
+            self._note(handle.run_dir, handle.attempt, f"the last download of this attempt's files from the staging "
+                                                       f"store {handle.mirror.store.url} failed ({type(error).__name__}: "
+                                                       f"{error}); its results may be there still")
+
+    @staticmethod
+    def _sync_now(handle: SparkAttempt) -> None:
+        """One sync outside the background thread: a cancel marker must go up now."""
+        if handle.mirror is not None:
+            handle.mirror.try_sync(handle.attempt)
 
     def _run_action(self, handle: SparkAttempt, frame) -> None:
         self.spark.addTag(handle.tag)
@@ -301,6 +353,7 @@ class SparkBackend(Backend):
                 self._check_waiting(handle, now)
             return None
         if handle.exit_code is None:
+            self._last_pull(handle)
             handle.exit_code = self._outcome(handle)
         return handle.exit_code
 
@@ -369,6 +422,15 @@ class SparkBackend(Backend):
             self._note(rd, attempt, f"{where} cannot see the run dir {rd.path}: set SPARKGPU_STAGING_ROOT to a folder "
                                     "mounted under the same path on the client and on every executor (NFS, or a "
                                     "FUSE-mounted volume)")
+        for state, problem in (("store-unreachable", "cannot read or write this job's files on"),
+                               ("store-push-failed", "could not upload the results of its ranks to")):
+            if lost := [r for r in rows if r["state"] == state]:
+                where = ", ".join(f"executor {r['executor']} on {r['host']}" for r in lost)
+                scheme = scheme_of(self.staging_url)
+                fix = ("mount that folder on every executor" if scheme == "file" else
+                       f"every executor needs its filesystem ({install_command(scheme)}) and credentials for it")
+                self._note(rd, attempt, f"{where} {problem} the staging store {self.staging_url}: {fix}; the executor's "
+                                        "stderr log (Spark UI) has the error")
         if any(r["state"] == "spark-retry" for r in rows):
             self._note(rd, attempt, "Spark lost a task or an executor of this attempt and re-ran its barrier stage; the "
                                     "nodes did not start the ranks again (restarts are set with max_restarts=). The "
@@ -385,6 +447,7 @@ class SparkBackend(Backend):
         rd, attempt = handle.run_dir, handle.attempt
         sdir = spark_dir(rd, attempt)
         atomic_write_bytes(sdir / CANCEL_FILE, b"the Spark job of this attempt failed\n")
+        self._sync_now(handle)
         try:
             self.spark.interruptTag(handle.tag)
         except Exception as exc:  # the broken stream may have taken the session with it
@@ -394,6 +457,7 @@ class SparkBackend(Backend):
         deadline = time.monotonic() + limit
         while (running := _nodes_without_end(sdir)) and time.monotonic() < deadline:
             time.sleep(0.2)
+            self._sync_now(handle)  # with a store, the end markers arrive by pulls
         if running:
             self._note(rd, attempt, f"node(s) {', '.join(map(str, running))} did not confirm within {limit:g}s that "
                                     "their ranks stopped (their executor may be lost); any rank left stops when it "
@@ -407,14 +471,17 @@ class SparkBackend(Backend):
 
     def cancel(self, handle: SparkAttempt, grace: float) -> None:
         if handle.finished.is_set():
+            self._last_pull(handle)  # the supervisor reads the results next, without another poll
             return
         handle.cancelled = True
         # First the polite way: every node SIGTERMs its agent, which gives the ranks `grace`.
         atomic_write_bytes(spark_dir(handle.run_dir, handle.attempt) / CANCEL_FILE, b"cancelled by the client\n")
+        self._sync_now(handle)
         started = handle.nodes_started or any(spark_dir(handle.run_dir, handle.attempt).glob("node-*.started"))
         if not started or not handle.finished.wait(grace + 10):
             self.spark.interruptTag(handle.tag)  # Spark kills the Python workers; agents and ranks follow
             handle.finished.wait(60)
+        self._last_pull(handle)
 
 
 def _nodes_without_end(sdir) -> list[int]:

@@ -6,6 +6,10 @@ there) as ``mapInArrow`` functions. A node task starts its node's agent
 dir, and the task itself returns one tiny status row. It never raises for a failed rank:
 a failed task would make Spark retry the barrier stage and run the training again, and
 restarts belong to the client's supervisor.
+
+The run dir is the client's own, on a folder mounted under the same path everywhere; or,
+with a staging store (``SPARKGPU_STAGING_ROOT`` an fsspec URL), a scratch copy on this
+executor that :class:`~sparkgpu.launch.staging.NodeMirror` keeps in step with the store.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,6 +31,15 @@ from sparkgpu.errors import ConfigurationError, PayloadSignatureError
 from sparkgpu.launch.agent import build_command, refuse, strip_spark_secrets
 from sparkgpu.launch.entrypoint import NODE_DEVICES_ENV
 from sparkgpu.launch.payload import RunDir, atomic_write_bytes, key_from_environ
+from sparkgpu.launch.staging import (
+    CANCEL_FILE,
+    HEARTBEAT_FILE,
+    SPARK_DIR,
+    NodeMirror,
+    StagingStore,
+    env_on_node,
+    scratch_run_dir,
+)
 
 __all__ = ["NodeLaunch", "run_node", "ProbeOptions", "probe_executor", "probe_image", "NODE_SCHEMA", "PROBE_SCHEMA",
            "NODE_DDL", "PROBE_DDL", "IMAGE_DDL",
@@ -42,14 +56,12 @@ PROBE_SCHEMA = pa.schema([
 # mapInArrow takes the schema as DDL; the Arrow schemas above build the batches that match it.
 NODE_DDL = "node int, executor string, host string, devices string, pid bigint, exit_code int, state string"
 PROBE_DDL = "executor string, host string, cores int, gpu_addresses string, gpu_names string, python string"
-CANCEL_FILE = "CANCEL"  # written by the client into attempts/<k>/spark/ to stop every node
-HEARTBEAT_FILE = "client.heartbeat"  # rewritten by the client every few seconds while it lives
 _POLL_SECONDS = 0.2
 
 
 def spark_dir(run_dir: RunDir, attempt: int) -> Path:
     """Where an attempt's Spark-specific markers live (start markers, cancel, heartbeat)."""
-    return run_dir.attempt_dir(attempt) / "spark"
+    return run_dir.attempt_dir(attempt) / SPARK_DIR
 
 
 # -- who am I ------------------------------------------------------------------------------
@@ -215,7 +227,8 @@ class NodeLaunch:
     """Everything a node task needs; pickled into the task closure (so the key never touches disk).
 
     Attributes:
-        run_dir: The job's run directory, reachable from the executors under this path.
+        run_dir: The job's run directory on the client: reachable from the executors under
+            this path, unless ``store_url`` is set (then only its name, the job id, is used).
         attempt: Attempt number.
         nnodes: Number of nodes (barrier tasks).
         nproc: Ranks per node.
@@ -224,6 +237,8 @@ class NodeLaunch:
         client_timeout: Seconds without a client heartbeat after which the node stops its
             ranks (the client died); ``None`` to keep running.
         threads_per_rank: ``OMP_NUM_THREADS`` for CPU ranks.
+        store_url: The staging store (``SPARKGPU_STAGING_ROOT`` as an fsspec URL), or ``None``
+            when the executors share the client's run dir.
     """
 
     run_dir: str
@@ -234,6 +249,7 @@ class NodeLaunch:
     shutdown_grace: float
     client_timeout: float | None
     threads_per_rank: int | None = None
+    store_url: str | None = None
 
     def __repr__(self) -> str:  # keeps the key out of Spark's logs and error messages
         return f"NodeLaunch(run_dir={self.run_dir!r}, attempt={self.attempt}, nnodes={self.nnodes}, nproc={self.nproc})"
@@ -271,34 +287,98 @@ def run_node(launch: NodeLaunch, batches):
         pass
     ctx = BarrierTaskContext.get()
     node = ctx.partitionId()
-    rd = RunDir(launch.run_dir)
     identity = executor_identity()
     gpu = ctx.resources().get("gpu")
     devices = tuple(gpu.addresses) if gpu is not None else ()
+    rd, mirror, state = _node_run_dir(launch, node)
     info = {"node": node, "executor": identity.executor_id, "host": identity.host, "devices": list(devices),
-            "python_pid": os.getpid(), "started_at": time.time()}
-    if not rd.spec_file.exists():
-        state = "no-run-dir"  # the client's staging root is not mounted here
-    elif not _claim(spark_dir(rd, launch.attempt) / f"node-{node}.started", info) or ctx.attemptNumber() > 0:
-        # Spark re-ran the stage after a task or executor was lost. Restarts are the
-        # supervisor's decision, so this stage reports and ends without training again.
-        state = "spark-retry"
-    else:
-        state = _verify(rd, launch, node)
+            "python_pid": os.getpid(), "started_at": time.time(), "run_dir": str(rd.path)}
+    if state is None:
+        claimed = spark_dir(rd, launch.attempt) / f"node-{node}.started"
+        if (mirror is not None and mirror.claimed_before()) or not _claim(claimed, info) or ctx.attemptNumber() > 0:
+            # Spark re-ran the stage after a task or executor was lost. Restarts are the
+            # supervisor's decision, so this stage reports and ends without training again.
+            state = "spark-retry"
+        else:
+            state = _start_mirror(mirror) or _verify(rd, launch, node)
 
     # Every task reaches allGather exactly once, whatever it decides (barrier semantics).
     port = _free_port() if node == 0 and state == "ready" else 0
     gathered = [json.loads(m) for m in ctx.allGather(json.dumps({"port": port, "state": state}))]
+    pid, code = 0, 1
     if state != "ready" or any(m["state"] != "ready" for m in gathered):
-        yield _row(node, identity, devices, 0, 1, state if state != "ready" else "peer-not-ready")
+        state = state if state != "ready" else "peer-not-ready"
+    else:
+        master_addr = ctx.getTaskInfos()[0].address.rsplit(":", 1)[0].strip("[]")
+        pid, code, state = _run_agent(rd, launch, node, devices, master_addr, gathered[0]["port"], mirror)
+    if mirror is not None:
+        state = _end_mirror(mirror, state)
+    yield _row(node, identity, devices, pid, code, state)
+
+
+def _node_run_dir(launch: NodeLaunch, node: int) -> tuple[RunDir, NodeMirror | None, str | None]:
+    """The run dir this node runs in, its mirror (staging store only), and a state if it is out of reach."""
+    if not launch.store_url:
+        rd = RunDir(launch.run_dir)
+        return rd, None, None if rd.spec_file.exists() else "no-run-dir"  # the staging root is not mounted here
+    job_id = Path(launch.run_dir).name
+    rd = RunDir(scratch_run_dir(job_id, launch.attempt, node))
+    try:
+        mirror = NodeMirror(StagingStore(launch.store_url, job_id), rd, launch.attempt, node)
+        mirror.download_payload()
+    except Exception as exc:  # a missing filesystem package, credentials, a store that is down: one answer
+        print(f"sparkgpu: node {node} cannot fetch job {job_id} from the staging store {launch.store_url}: "
+              f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        _remove_scratch(rd)
+        return rd, None, "store-unreachable"
+    return rd, mirror, None
+
+
+def _start_mirror(mirror: NodeMirror | None) -> str | None:
+    """Starts syncing with the store (the start marker goes up at once); a state if it cannot."""
+    if mirror is None:
+        return None
+    try:
+        mirror.start()
+    except Exception as exc:  # whatever the filesystem raises: this node cannot report, so it does not start
+        print(f"sparkgpu: node {mirror.node} cannot write to the staging store {mirror.store.url}: "
+              f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return "store-unreachable"
+    return None
+
+
+def _end_mirror(mirror: NodeMirror, state: str) -> str:
+    """Pushes the node's last files (end marker last) and removes its scratch copy."""
+    try:
+        mirror.finish()
+    except Exception as exc:  # a failed task would make Spark re-run the stage: report in the row instead
+        print(f"sparkgpu: node {mirror.node} could not upload its last files to the staging store {mirror.store.url} "
+              f"({type(exc).__name__}: {exc}); they stay in {mirror.run_dir.path} on this host",
+              file=sys.stderr, flush=True)
+        return "store-push-failed"
+    _remove_scratch(mirror.run_dir)
+    return state
+
+
+def _remove_scratch(rd: RunDir) -> None:
+    try:
+        shutil.rmtree(rd.path.parent)  # scratch_run_dir's own folder
+    except FileNotFoundError:
         return
-    master_addr = ctx.getTaskInfos()[0].address.rsplit(":", 1)[0].strip("[]")
+    except OSError as exc:  # Spark removes its local dirs with the executor anyway
+        print(f"sparkgpu: could not remove the scratch run dir {rd.path.parent}: {exc}", file=sys.stderr, flush=True)
+
+
+def _run_agent(rd: RunDir, launch: NodeLaunch, node: int, devices: tuple, master_addr: str, master_port: int,
+               mirror: NodeMirror | None) -> tuple[int, int, str]:
+    """Starts the node's agent on ``rd`` and watches it; ``(pid, exit code, state)``."""
     command = build_command(
-        sys.executable, launch.run_dir, attempt=launch.attempt, nnodes=launch.nnodes, node_rank=node,
-        nproc=launch.nproc, master_addr=master_addr, master_port=gathered[0]["port"],
-        shutdown_grace=launch.shutdown_grace,
+        sys.executable, str(rd.path), attempt=launch.attempt, nnodes=launch.nnodes, node_rank=node,
+        nproc=launch.nproc, master_addr=master_addr, master_port=master_port, shutdown_grace=launch.shutdown_grace,
     )
-    env = {**os.environ, **launch.env, NODE_DEVICES_ENV: ",".join(devices), "PYTHONUNBUFFERED": "1"}
+    # With a store, the client's run dir in the ranks' environment becomes this node's copy.
+    launch_env = env_on_node(launch.env, rd.path) if mirror is not None else launch.env
+    env = {**os.environ, **launch_env, NODE_DEVICES_ENV: ",".join(devices), "PYTHONUNBUFFERED": "1"}
     strip_spark_secrets(env)  # Spark's credentials for its Python workers are not the ranks' business
     if launch.threads_per_rank:
         env.setdefault("OMP_NUM_THREADS", str(launch.threads_per_rank))
@@ -308,7 +388,7 @@ def run_node(launch: NodeLaunch, batches):
         # the agent dies with it (PR_SET_PDEATHSIG) and the ranks with the agent.
         agent = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     code, state = _watch(agent, rd, launch, node)
-    yield _row(node, identity, devices, agent.pid, code, state)
+    return agent.pid, code, state
 
 
 def _verify(rd: RunDir, launch: NodeLaunch, node: int) -> str:

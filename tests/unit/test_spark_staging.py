@@ -1,0 +1,98 @@
+"""The Spark backend with a staging store, without a cluster: the client and two nodes share
+nothing but a real ``file://`` store, and the nodes are spark_node's own watch loop over a
+real "agent" process each, with their mirrors syncing in the background as in a barrier task.
+"""
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from sparkgpu.launch.backends import spark_node
+from sparkgpu.launch.backends.spark import SparkAttempt, SparkBackend
+from sparkgpu.launch.backends.spark_capacity import NodeLayout
+from sparkgpu.launch.backends.spark_node import CANCEL_FILE, NodeLaunch, _claim, _watch, spark_dir
+from sparkgpu.launch.payload import RunDir, serialize_payload
+from sparkgpu.launch.staging import NodeMirror, StagingStore
+from sparkgpu.spec import JobSpec, Resources, RunPolicy
+from tests.fakes.spark_session import TaggedSession
+from tests.unit.test_spark_attempts import BrokenStream
+
+
+@pytest.fixture
+def job(tmp_path):
+    job = JobSpec(job_id="job-1", name="train", resources=Resources(2, "cpu"), backend="spark",
+                  policy=RunPolicy(shutdown_grace=0.5))
+    rd = RunDir(tmp_path / "client" / "job-1")
+    rd.stage(job.to_dict(), serialize_payload(lambda: 1, (), {}, []), b"k" * 32, [])
+    rd.prepare_attempt(0)
+    spark_dir(rd, 0).mkdir(parents=True)
+    return job, rd, (tmp_path / "store").as_uri()
+
+
+class NodeOnItsOwnExecutor:
+    """One node in its own scratch dir: the payload comes from the store, markers go back to it."""
+
+    def __init__(self, tmp_path, url, node):
+        self.rd = RunDir(tmp_path / f"executor-{node}" / "job-1")
+        self.mirror = NodeMirror(StagingStore(url, "job-1"), self.rd, 0, node, log_interval=0.0)
+        self.mirror.download_payload()
+        assert _claim(spark_dir(self.rd, 0) / f"node-{node}.started", {"node": node, "started_at": time.time()})
+        self.mirror.start(interval=0.1)
+        self.agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        launch = NodeLaunch(run_dir="/client/only/job-1", attempt=0, nnodes=2, nproc=1, env={}, shutdown_grace=0.5,
+                            client_timeout=None, store_url=url)
+
+        def run():
+            _watch(self.agent, self.rd, launch, node)
+            self.mirror.finish()  # as run_node does: the end marker goes up last
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        self.agent.kill()
+        self.agent.wait()
+        self.thread.join(10)
+
+
+def test_ranks_that_outlive_a_broken_stream_are_stopped_through_the_store(job, tmp_path, monkeypatch):
+    monkeypatch.setattr(spark_node, "_POLL_SECONDS", 0.05)
+    job, rd, url = job
+    session = TaggedSession()
+    backend = SparkBackend(spark=session, client_timeout=None, staging_url=url)
+    handle = SparkAttempt(attempt=0, job=job, run_dir=rd, layout=NodeLayout(2, 1, 0), tag="sparkgpu-job-1-0",
+                          submitted_at=time.monotonic(), submitted_wall=time.time(), mirror=backend._mirror(rd))
+    handle.mirror.start(0, 0.1)
+    nodes = [NodeOnItsOwnExecutor(tmp_path, url, n) for n in range(2)]
+    try:
+        deadline = time.monotonic() + 10
+        while backend.ranks_started_at(handle) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert backend.ranks_started_at(handle) is not None  # the start markers came through the store
+
+        backend._run_action(handle, BrokenStream())
+        assert backend.poll(handle) == 1
+        # The cancel marker went up, the nodes stopped their agents, their end markers came down.
+        assert [n.agent.poll() for n in nodes] == [-15, -15]
+        sdir = spark_dir(rd, 0)
+        assert [json.loads((sdir / f"node-{n}.ended").read_text())["state"] for n in (0, 1)] == ["cancelled"] * 2
+        assert (tmp_path / "store" / "job-1" / "attempts/0/spark" / CANCEL_FILE).exists()
+        assert "did not confirm" not in rd.agent_log(0, 0).read_text()
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+def test_checkpoints_live_on_the_store_and_the_dry_run_names_no_client_path(job):
+    job, rd, url = job
+    backend = SparkBackend(spark=TaggedSession(), client_timeout=None, staging_url=url)
+    backend._layouts[job.job_id] = NodeLayout(2, 1, 0)
+
+    assert backend.checkpoint_dir(rd) == f"{url}/job-1/checkpoints"
+    plan = backend.plan(job, rd, 0, {})
+    assert str(rd.path) not in str(plan) and f"{url}/job-1" in str(plan)
+    assert SparkBackend(spark=TaggedSession(), staging_url="").checkpoint_dir(rd) == str(rd.checkpoints)
