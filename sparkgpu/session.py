@@ -50,7 +50,8 @@ class GPUNamespace:
         """A :class:`~sparkgpu.launch.backends.spark.SparkBackend` on this session.
 
         Args:
-            **options: ``wait_timeout``, ``gpus_per_node``, ``simulated``, ``client_timeout``, ``out``.
+            **options: ``wait_timeout``, ``gpus_per_node``, ``simulated``, ``client_timeout``, ``out``,
+                ``staging_url``.
         """
         from sparkgpu.launch.backends.spark import SparkBackend
 

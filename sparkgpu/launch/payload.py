@@ -13,6 +13,10 @@ Layout of ``<staging_root>/<job_id>/``::
     attempts/<k>/env-rank-<r>.json      what rehydrating the shipped environment cost rank r
     attempts/<k>/node-<n>.json          exit codes of the node's ranks, from the agent
 
+With a staging store (``SPARKGPU_STAGING_ROOT`` an fsspec URL) the same layout is mirrored at
+``<url>/<job_id>/`` and each Spark node works on a scratch copy (:mod:`sparkgpu.launch.staging`);
+checkpoints then live on the store only.
+
 Everyone who can write the staging root can write here, so nothing read from it is trusted
 unsigned: workers run only a payload whose signature matches the job's key, and the client
 unpickles only result and error files that the job's ranks signed with that key. The key

@@ -302,17 +302,21 @@ def run_node(launch: NodeLaunch, batches):
         else:
             state = _start_mirror(mirror) or _verify(rd, launch, node)
 
-    # Every task reaches allGather exactly once, whatever it decides (barrier semantics).
-    port = _free_port() if node == 0 and state == "ready" else 0
-    gathered = [json.loads(m) for m in ctx.allGather(json.dumps({"port": port, "state": state}))]
     pid, code = 0, 1
-    if state != "ready" or any(m["state"] != "ready" for m in gathered):
-        state = state if state != "ready" else "peer-not-ready"
-    else:
-        master_addr = ctx.getTaskInfos()[0].address.rsplit(":", 1)[0].strip("[]")
-        pid, code, state = _run_agent(rd, launch, node, devices, master_addr, gathered[0]["port"], mirror)
-    if mirror is not None:
-        state = _end_mirror(mirror, state)
+    try:
+        # Every task reaches allGather exactly once, whatever it decides (barrier semantics).
+        port = _free_port() if node == 0 and state == "ready" else 0
+        gathered = [json.loads(m) for m in ctx.allGather(json.dumps({"port": port, "state": state}))]
+        if state != "ready" or any(m["state"] != "ready" for m in gathered):
+            state = state if state != "ready" else "peer-not-ready"
+        else:
+            master_addr = ctx.getTaskInfos()[0].address.rsplit(":", 1)[0].strip("[]")
+            pid, code, state = _run_agent(rd, launch, node, devices, master_addr, gathered[0]["port"], mirror)
+    finally:
+        # Also when the barrier itself fails: Spark reuses this Python worker, and the sync
+        # thread must not outlive the task.
+        if mirror is not None:
+            state = _end_mirror(mirror, state)
     yield _row(node, identity, devices, pid, code, state)
 
 
