@@ -116,3 +116,18 @@ def test_a_tracked_job_sends_its_metrics_home_through_the_store(cluster_spark, s
 
     history = MlflowClient(tracking_uri).get_metric_history(callback.run_id, "loss")
     assert [(m.value, m.step) for m in history] == [(0.25, 3)]  # spooled on the executor, forwarded by the client
+
+
+@pytest.mark.usefixtures("no_tracking")
+def test_the_checkpoint_request_reaches_the_nodes_and_the_job_resumes_through_the_store(cluster_spark, staging_store):
+    from tests.integration.test_spark_cluster_attempts import stop_when_asked
+
+    assert cluster_spark.gpu.train(stop_when_asked, gpus=2, gpu_type="A10", max_runtime=40, checkpoint_grace=30,
+                                   name="capped") == ["resumed"] * 2
+    job_id = cluster_spark.gpu.last_job_id
+    state = json.loads((settings().staging_root / job_id / "state.json").read_text())
+    assert [a["status"] for a in state["attempts"]] == ["preempted", "succeeded"]
+    first = state["attempts"][0]
+    assert 10 <= first["ended_at"] - first["started_at"] < 40  # the STOP file reached the ranks before the cap
+    assert "runtime cap" in (staging_store / job_id / "attempts/0/STOP").read_text()
+    assert (settings().staging_root / job_id / "attempts/0/results/rank-0.preempted").exists()
