@@ -230,7 +230,8 @@ class Settings:
         env_size_limit: Most bytes of client environment shipped to the workers
             (``SPARKGPU_ENV_SIZE_LIMIT``, default ``15GB``).
         env_store: Store of staged environment blobs, a path or fsspec URL
-            (``SPARKGPU_ENV_STORE``, default ``<home>/envstore``).
+            (``SPARKGPU_ENV_STORE``, default ``<home>/envstore``, or ``<staging_url>/_envstore``
+            with a staging store).
         env_exclude: Distribution names or patterns never shipped (``SPARKGPU_ENV_EXCLUDE``,
             comma-separated, e.g. ``nvidia-*,torch``).
         env_worker_lock: What the workers' image already has: a lock file or probe JSON
@@ -240,7 +241,7 @@ class Settings:
             default 600).
         data_volume: Folder or fsspec URL where ``spark.gpu.train(data=...)`` keeps its MDS
             conversions; the ranks must reach it (``SPARKGPU_DATA_VOLUME``, default
-            ``<home>/volumes/mds``).
+            ``<home>/volumes/mds``, or ``<staging_url>/_mds`` with a staging store).
     """
 
     home: Path
@@ -306,11 +307,13 @@ class Settings:
             tracking=(env.get("SPARKGPU_TRACKING") or "1").lower() not in ("0", "false", "no", "off"),
             system_metrics_interval=_env_float(env, "SPARKGPU_SYSTEM_METRICS_INTERVAL", 10.0),
             env_size_limit=parse_bytes(env.get("SPARKGPU_ENV_SIZE_LIMIT") or "15GB", "SPARKGPU_ENV_SIZE_LIMIT"),
-            env_store=env.get("SPARKGPU_ENV_STORE") or str(home / "envstore"),
+            # With a staging store the executors share no folder with the client: shipped
+            # environments and conversions default to the store too.
+            env_store=env.get("SPARKGPU_ENV_STORE") or (f"{staging_url}/_envstore" if staging_url else str(home / "envstore")),
             env_exclude=tuple(p.strip() for p in (env.get("SPARKGPU_ENV_EXCLUDE") or "").split(",") if p.strip()),
             env_worker_lock=env.get("SPARKGPU_ENV_WORKER_LOCK") or None,
             spark_wait_timeout=_env_float(env, "SPARKGPU_SPARK_WAIT_TIMEOUT", 600.0),
-            data_volume=env.get("SPARKGPU_DATA_VOLUME") or str(home / "volumes" / "mds"),
+            data_volume=env.get("SPARKGPU_DATA_VOLUME") or (f"{staging_url}/_mds" if staging_url else str(home / "volumes" / "mds")),
         )
 
 

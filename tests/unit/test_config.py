@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,13 @@ def test_a_staging_root_url_is_the_store_and_run_dirs_stay_local(tmp_path):
 
     assert settings.staging_url == f"file://{tmp_path}/store"
     assert settings.staging_root == tmp_path / "runs"
+    # Executors share no folder with the client: shipped environments and conversions go to
+    # the store too, unless set otherwise.
+    assert settings.env_store == f"file://{tmp_path}/store/_envstore"
+    assert settings.data_volume == f"file://{tmp_path}/store/_mds"
+    chosen = Settings.from_env({"SPARKGPU_HOME": str(tmp_path), "SPARKGPU_STAGING_ROOT": f"file://{tmp_path}/store",
+                                "SPARKGPU_ENV_STORE": "s3://envs", "SPARKGPU_DATA_VOLUME": "/mnt/mds"})
+    assert (chosen.env_store, chosen.data_volume) == ("s3://envs", "/mnt/mds")
 
 
 def test_an_s3_staging_root_is_never_a_relative_folder_and_names_its_pip_install(tmp_path):
@@ -39,11 +47,7 @@ def test_an_s3_staging_root_is_never_a_relative_folder_and_names_its_pip_install
 
 @pytest.mark.parametrize("url, package", [("gs://b/runs", "gcsfs"), ("abfs://c/runs", "adlfs")])
 def test_a_store_whose_filesystem_is_not_installed_names_the_exact_pip_command(tmp_path, url, package):
-    try:
-        __import__(package)
-    except ImportError:
-        pass
-    else:
+    if importlib.util.find_spec(package) is not None:
         pytest.skip(f"{package} is installed here")
     with pytest.raises(MissingDependencyError) as err:
         Settings.from_env({"SPARKGPU_HOME": str(tmp_path), "SPARKGPU_STAGING_ROOT": url})
