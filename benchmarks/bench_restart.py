@@ -211,14 +211,16 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-restart-") as tmp:
         os.environ["SPARKGPU_HOME"] = str(Path(tmp) / "home")
         os.environ.setdefault("SPARKGPU_TRACKING", "0")  # restart latency only; tracking is measured apart
-        run_sparkgpu(args.size_mb, Path(tmp), "pool")  # starts the warm pool: its start is not a restart
-        for repeat in range(args.repeats):
-            for name, fn in peers.items():  # round-robin, so drift on a shared machine hits every peer
-                samples[name].append(fn(Path(tmp)))
-                print(f"repeat {repeat} {name}: {samples[name][-1]:.2f} s", flush=True)
         from sparkgpu.launch.pool import stop_pool
 
-        stop_pool()
+        try:
+            run_sparkgpu(args.size_mb, Path(tmp), "pool")  # starts the warm pool: its start is not a restart
+            for repeat in range(args.repeats):
+                for name, fn in peers.items():  # round-robin, so drift on a shared machine hits every peer
+                    samples[name].append(fn(Path(tmp)))
+                    print(f"repeat {repeat} {name}: {samples[name][-1]:.2f} s", flush=True)
+        finally:
+            stop_pool()  # the pool would outlive the run for an hour, in a deleted SPARKGPU_HOME
 
     medians = {name: statistics.median(values) for name, values in samples.items()}
     result = {

@@ -179,12 +179,14 @@ class DistributedFunction:
                 self.last_model_version = _register_result(results[0], self.register_as, staged)
             except Exception as exc:
                 exc.results = results
-                exc.add_note(
-                    f"sparkgpu: job {staged.job.job_id} succeeded, only registering its model as "
-                    f"{self.register_as!r} failed; its per-rank results are on this error's `.results` "
-                    "and on the decorated function's `.last_results`: register them with "
-                    f"sparkgpu.registry.register(results[0], {self.register_as!r})"
-                )
+                note = (f"sparkgpu: job {staged.job.job_id} succeeded, only registering its model as "
+                        f"{self.register_as!r} failed; its per-rank results are on this error's `.results` "
+                        "and on the decorated function's `.last_results`: register them with "
+                        f"sparkgpu.registry.register(results[0], {self.register_as!r})")
+                if hasattr(exc, "add_note"):  # Python >= 3.11
+                    exc.add_note(note)
+                else:
+                    print(note, file=sys.stderr)
                 raise
         return results
 

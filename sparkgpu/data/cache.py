@@ -168,8 +168,8 @@ class ShardCache:
         if volume is not None:
             self._partial.mkdir(parents=True, exist_ok=True)
             self._pool = ThreadPoolExecutor(download_threads, thread_name_prefix="sparkgpu-download")
-            # Byte ranges of the shards being downloaded, first come first served: the shard
-            # needed first completes first (see Volume.download).
+            # Byte ranges of the shards being downloaded, most urgent first (by the step that
+            # first needs the shard): the shard needed first completes first (see Volume.download).
             self._parts = RangePool(download_threads)
             self._planner = threading.Thread(target=self._plan_loop, name="sparkgpu-prefetch", daemon=True)
             self._planner.start()

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from sparkgpu._urls import install_command
+from sparkgpu._urls import install_command, scheme_of
 from sparkgpu.data._http import HTTPSource
 from sparkgpu.errors import ConfigurationError, DataError, MissingDependencyError
 
@@ -102,8 +102,8 @@ class RangePool(concurrent.futures.Executor):
 class _InOrder:
     """Feeds a hasher a file's parts in file order, whatever order they arrive in.
 
-    Parts that arrive early wait in memory (ranges are served first come first served, so
-    that is a few of them) and one thread at a time hashes, outside the lock.
+    Parts that arrive early wait in memory (a file's ranges are served in order of urgency and
+    submission, so that is a few of them) and one thread at a time hashes, outside the lock.
     """
 
     def __init__(self, hasher):
@@ -149,7 +149,7 @@ class Volume:
 
         self.url = str(url).rstrip("/")
         self.retries = retries
-        scheme = self.url.split("://", 1)[0] if "://" in self.url else "file"
+        scheme = scheme_of(self.url)
         try:
             self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
         except ImportError:

@@ -101,7 +101,7 @@ if os.path.exists(os.path.join(_run_dir, "_hydrate.py")):
     except Exception as _exc:
         _env_error = _exc
     else:
-        # Paths as in RunDir.env_report_file and RunDir.log_file.
+        # Paths as RunDir.read_env_reports and RunDir.log_file expect them.
         _attempt_dir = os.path.join(_run_dir, "attempts", os.environ.get("SPARKGPU_ATTEMPT", "0"))
         _rank = os.environ.get("RANK", "0")
         try:
@@ -207,10 +207,6 @@ class RunDir:
 
     def agent_log(self, attempt: int, node_rank: int) -> Path:
         return self.attempt_dir(attempt) / "logs" / f"agent-{node_rank}.log"
-
-    def env_report_file(self, attempt: int, rank: int) -> Path:
-        # The generated _air.py writes it with the standard library: keep the names alike.
-        return self.attempt_dir(attempt) / f"env-rank-{rank}.json"
 
     # -- writing (client) ---------------------------------------------------------------
     def stage(self, spec_dict: dict, payload: bytes, key: bytes, sys_path: list[str],

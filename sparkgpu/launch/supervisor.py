@@ -393,7 +393,7 @@ class Supervisor:
         directory = self.backend.checkpoint_dir(self.run_dir)
         try:
             info = CheckpointStore(directory).latest()
-        except OSError as exc:  # an unreadable checkpoint dir (permissions, a store that is down)
+        except Exception as exc:  # unreadable (permissions, a store that is down: fsspec raises its own types)
             print(f"sparkgpu: cannot read the checkpoints in {directory} ({exc}); an attempt stopped "
                   "at the runtime cap counts as preempted only if its ranks stop for a restart", file=self.out)
             return None

@@ -131,8 +131,6 @@ def _name_filter(stored: str) -> str:
 
 def _run_for_registration(reg: _Registry, run_id: str | None, name: ModelName) -> tuple[str, bool]:
     """The run that holds the model's files: given, the job's, the active one, or a new one."""
-    import sys
-
     from sparkgpu.tracking.spool import SPOOL_ENV, SpoolDir
 
     if run_id:
