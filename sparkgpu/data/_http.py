@@ -14,12 +14,17 @@ import http.client
 import threading
 import urllib.parse
 
-__all__ = ["HTTPSource"]
+__all__ = ["HTTPSource", "HTTPRedirect"]
 
 _TIMEOUT = 60.0
 # Errors of a keep-alive connection the server closed between two requests: the request is
 # sent once more on a new connection before it counts as a failure.
 _STALE = (http.client.RemoteDisconnected, http.client.CannotSendRequest, ConnectionResetError, BrokenPipeError)
+_CHUNK = 8 << 20
+
+
+class HTTPRedirect(OSError):
+    """The server answers with a redirect, which this reader does not follow (fsspec does)."""
 
 
 class HTTPSource:
@@ -56,21 +61,42 @@ class HTTPSource:
 
         Raises:
             FileNotFoundError: The server answers 404.
-            OSError: Any other error status or a failed connection.
+            HTTPRedirect: The server redirects (3xx).
+            OSError: Any other status than 200 / 206, or a failed connection.
         """
-        path = urllib.parse.urlsplit(url)
-        target = path.path + (f"?{path.query}" if path.query else "")
         ranged = start is not None or end is not None
         headers = {"Range": f"bytes={start or 0}-{'' if end is None else end - 1}"} if ranged else {}
+        response = self._get(url, headers)
+        if ranged and response.status == 200:
+            self._drop_connection()  # the whole file is on its way: do not read it
+            return b""
+        return self._read(response, response.read)
+
+    def download(self, url: str, local_path: str) -> None:
+        """Streams the file at ``url`` into ``local_path`` (created or truncated).
+
+        Raises:
+            FileNotFoundError, HTTPRedirect, OSError: as :meth:`cat`.
+        """
+        response = self._get(url, {})
+
+        def stream():
+            buffer = memoryview(bytearray(_CHUNK))
+            with open(local_path, "wb") as out:
+                while count := response.readinto(buffer):
+                    out.write(buffer[:count])
+
+        self._read(response, stream)
+
+    def _get(self, url: str, headers: dict) -> http.client.HTTPResponse:
+        """Sends a GET and returns its response once the status is 200 or 206, body unread."""
+        path = urllib.parse.urlsplit(url)
+        target = path.path + (f"?{path.query}" if path.query else "")
         for fresh in (False, True):
             conn = self._connection()
             try:
                 conn.request("GET", target, headers=headers)
                 response = conn.getresponse()
-                if ranged and response.status == 200:
-                    self._drop_connection()  # the whole file is on its way: do not read it
-                    return b""
-                body = response.read()
             except _STALE:
                 self._drop_connection()
                 if fresh:
@@ -79,9 +105,20 @@ class HTTPSource:
             except BaseException:
                 self._drop_connection()
                 raise
+            if response.status in (200, 206):
+                return response
+            self._read(response, response.read)  # the connection stays usable for the next request
             if response.status == 404:
                 raise FileNotFoundError(url)
-            if response.status >= 400:
-                raise OSError(f"HTTP {response.status} {response.reason} for {url}")
-            return body
+            if 300 <= response.status < 400:
+                raise HTTPRedirect(f"HTTP {response.status} for {url} to {response.getheader('Location')}")
+            raise OSError(f"HTTP {response.status} {response.reason} for {url}")
         raise AssertionError("unreachable: the second try returns or raises")
+
+    def _read(self, response, read):
+        """Runs ``read`` on a response's body; a body cut off drops the connection."""
+        try:
+            return read()
+        except BaseException:
+            self._drop_connection()
+            raise

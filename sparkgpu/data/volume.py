@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from sparkgpu._urls import install_command, scheme_of
-from sparkgpu.data._http import HTTPSource
+from sparkgpu.data._http import HTTPRedirect, HTTPSource
 from sparkgpu.errors import ConfigurationError, DataError, MissingDependencyError
 
 __all__ = ["Volume", "RangePool", "part_bytes_for", "MIN_PART_BYTES", "MAX_PART_BYTES"]
@@ -176,10 +176,23 @@ class Volume:
         Raises:
             DataError: The file does not exist or cannot be read after the retries.
         """
-        if self._http is not None:
-            url = f"{self.url}/{relative}"
-            return self._retrying(relative, lambda: self._http.cat(url, start, end))
-        return self._retrying(relative, lambda: self.fs.cat_file(self._path(relative), start=start, end=end))
+        return self._retrying(relative, lambda: self._over_http(
+            relative, lambda http, url: http.cat(url, start, end),
+            lambda: self.fs.cat_file(self._path(relative), start=start, end=end)))
+
+    def _over_http(self, relative: str, fast, fallback):
+        """``fast(HTTPSource, url)`` for plain HTTP(S) volumes, else ``fallback()``.
+
+        A server that redirects (a CDN, presigned URLs) is left to fsspec's client, which
+        follows redirects, from then on.
+        """
+        http = self._http
+        if http is not None:
+            try:
+                return fast(http, f"{self.url}/{relative}")
+            except HTTPRedirect:
+                self._http = None
+        return fallback()
 
     def download(self, relative: str, local_path: str, size: int | None = None, pool=None, part_bytes: int | None = None,
                  new_hasher: Callable[[], object] | None = None, priority: float = 0.0):
@@ -224,7 +237,9 @@ class Volume:
             if hasher is not None:
                 hasher.update(data)
             return hasher
-        self._retrying(relative, lambda: self.fs.get_file(self._path(relative), local_path))
+        self._retrying(relative, lambda: self._over_http(
+            relative, lambda http, url: http.download(url, local_path),
+            lambda: self.fs.get_file(self._path(relative), local_path)))
         if hasher is not None:  # a store without ranges or a file of unknown size: hash what landed
             with open(local_path, "rb") as handle:
                 while chunk := handle.read(_CHUNK):

@@ -23,7 +23,8 @@ class _Server:
     does with idle keep-alive connections.
     """
 
-    def __init__(self, files: dict[str, bytes], ranges: bool = True, drop_idle: bool = False):
+    def __init__(self, files: dict[str, bytes], ranges: bool = True, drop_idle: bool = False,
+                 redirects: dict[str, str] | None = None):
         server = self
         self.connections = 0
         self.requests = 0
@@ -40,6 +41,12 @@ class _Server:
             def do_GET(self):  # noqa: N802 (http.server's naming)
                 with server.lock:
                     server.requests += 1
+                if self.path.lstrip("/") in (redirects or {}):
+                    self.send_response(302)
+                    self.send_header("Location", "/" + redirects[self.path.lstrip("/")])
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 data = files.get(self.path.lstrip("/"))
                 if data is None:
                     self.send_response(404)
@@ -107,3 +114,22 @@ def test_a_connection_the_server_dropped_is_replaced_once():
 def test_a_server_that_ignores_ranges_is_not_read_to_the_end():
     with _Server({"f": FILE}, ranges=False) as server:
         assert HTTPSource(server.url).cat(f"{server.url}/f", 0, 4096) == b""
+
+
+def test_a_redirecting_server_is_left_to_fsspec_which_follows_it():
+    with _Server({"real/index.json": b'{"shards": []}'}, redirects={"ds/index.json": "real/index.json"}) as server:
+        volume = Volume(f"{server.url}/ds")
+        assert volume.read_bytes("index.json") == b'{"shards": []}'  # not the redirect's empty body
+        assert volume._http is None
+
+
+def test_whole_files_from_a_server_that_ignores_ranges_stream_over_the_fast_path(tmp_path, monkeypatch):
+    from sparkgpu.data.volume import RangePool
+
+    with _Server({"ds/shard.mds": FILE}, ranges=False) as server, RangePool(4) as pool:
+        volume = Volume(f"{server.url}/ds")
+        # fsspec's HTTP client reads on one event-loop thread: the fallback must not need it.
+        monkeypatch.setattr(volume.fs, "get_file", lambda *a, **k: pytest.fail("went through fsspec"))
+        volume.download("shard.mds", str(tmp_path / "shard"), size=len(FILE), pool=pool, part_bytes=65536)
+        assert (tmp_path / "shard").read_bytes() == FILE
+        assert volume.ranges_supported is False and volume._http is not None
