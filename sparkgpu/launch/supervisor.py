@@ -278,10 +278,7 @@ class Supervisor:
                 next_start_check = now + 1.0
                 ranks_started = self._ranks_started(handle, record)
             if policy.timeout is not None and now - job_started > policy.timeout:
-                self.backend.cancel(handle, policy.shutdown_grace)
-                streamer.finish()
-                self._ranks_started(handle, record)
-                self._end_attempt(record, "timed_out", None)
+                self._abandon(record, handle, streamer, "timed_out", None)
                 self._set_status(JobStatus.TIMED_OUT)
                 raise JobTimeoutError(
                     f"job {self.job.job_id} ran longer than its timeout of {policy.timeout:g}s and was "
