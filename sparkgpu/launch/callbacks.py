@@ -53,6 +53,10 @@ class JobCallback:
         """Before an attempt is submitted; returns extra environment variables for workers."""
         return {}
 
+    def on_ranks_started(self, job, attempt: int, started_at: float) -> None:
+        """Once per attempt, when its ranks started (Unix time): at submit, or on Spark when
+        the GPUs they waited for were free. Not called for an attempt whose ranks never ran."""
+
     def after_attempt(self, job, outcome: AttemptOutcome) -> None:
         """After an attempt ended, whatever the outcome."""
 

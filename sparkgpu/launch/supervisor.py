@@ -323,6 +323,8 @@ class Supervisor:
                 return None
             record["started_at"] = min(started, time.time())
             self._save()
+            for callback in self.callbacks:
+                callback.on_ranks_started(self.job, record["attempt"], record["started_at"])
         return time.monotonic() - (time.time() - record["started_at"])
 
     def _ask_to_checkpoint(self, attempt: int, why: str) -> None:

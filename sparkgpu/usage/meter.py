@@ -53,7 +53,6 @@ class _RunningJob:
 
     prior_runtime: float = 0.0  # running seconds of the job's finished attempts
     attempts: int = 0
-    attempt: int | None = None  # the attempt in progress
     journal_path: Path | None = None  # its journal entry, opened once its ranks run
     last_beat: float = 0.0
     budgets: list[Budget] = dataclasses.field(default_factory=list)
@@ -143,13 +142,13 @@ class UsageMeter(JobCallback):
     # -- while an attempt runs -------------------------------------------------------------
     def before_attempt(self, job: JobSpec, attempt: int) -> dict[str, str]:
         running = self._running.setdefault(job.job_id, _RunningJob())
-        running.attempt = attempt
         if running.budgets:
             self._refresh_spend(running)
         return {}
 
-    def _open_journal(self, job: JobSpec, running: _RunningJob, started_at: float) -> None:
-        attempt, running.attempt = running.attempt, None  # one try per attempt
+    def on_ranks_started(self, job: JobSpec, attempt: int, started_at: float) -> None:
+        # Journaled from here, not from submit: time spent waiting for busy GPUs is not billed.
+        running = self._running.setdefault(job.job_id, _RunningJob())
         try:
             running.journal_path = self.journal.open(job.job_id, attempt, self._record_args(job, attempt, started_at))
             running.last_beat = time.time()
@@ -161,9 +160,7 @@ class UsageMeter(JobCallback):
         if running is None:
             return None
         now = time.time()
-        if running.attempt == attempt:  # the supervisor polls once the ranks run: journal from their start
-            self._open_journal(job, running, now - attempt_seconds)
-        elif running.journal_path is not None and now - running.last_beat >= self.heartbeat_seconds:
+        if running.journal_path is not None and now - running.last_beat >= self.heartbeat_seconds:
             running.last_beat = now
             try:
                 self.journal.beat(running.journal_path)
@@ -209,7 +206,6 @@ class UsageMeter(JobCallback):
         record = UsageRecord.priced(**args, rates=RateCard({}, default=rate))
         running.prior_runtime += record.duration_s
         running.attempts += 1
-        running.attempt = None
         journal_path, running.journal_path = running.journal_path, None
         try:
             self.ledger.append([record])

@@ -27,6 +27,9 @@ class RecordingCallback(JobCallback):
         self.events.append(f"before_attempt:{attempt}")
         return {"TRACKING_RUN": "run-1"}
 
+    def on_ranks_started(self, job, attempt, started_at):
+        self.events.append(f"ranks_started:{attempt}")
+
     def after_attempt(self, job, outcome):
         self.events.append(f"after_attempt:{outcome.attempt}:{outcome.status}")
 
@@ -50,7 +53,8 @@ def test_success_returns_results_in_rank_order_and_records_state(tmp_path):
     assert sup.run() == [{"rank": 0, "attempt": 0}, {"rank": 1, "attempt": 0}]
     state = json.loads(rd.state_file.read_text())
     assert state["status"] == "succeeded" and [a["status"] for a in state["attempts"]] == ["succeeded"]
-    assert cb.events == ["before_job", "before_attempt:0", "after_attempt:0:succeeded", "after_job:ok"]
+    assert cb.events == ["before_job", "before_attempt:0", "ranks_started:0", "after_attempt:0:succeeded",
+                         "after_job:ok"]
     env = backend.submitted_env[0]
     assert env["SPARKGPU_ATTEMPT"] == "0" and env["TRACKING_RUN"] == "run-1"
     assert env["SPARKGPU_CHECKPOINT_DIR"] == str(rd.checkpoints)
@@ -204,7 +208,8 @@ def test_an_error_from_the_backend_ends_the_attempt_and_runs_the_callbacks(tmp_p
     (attempt,) = state["attempts"]
     assert attempt["status"] == "failed" and attempt["ended_at"] >= attempt["started_at"]
     assert attempt["cause"] == ["CapacityError: gave up after waiting 600s for 1 node(s) x 2 A10"]
-    assert cb.events == ["before_job", "before_attempt:0", "after_attempt:0:failed", "after_job:CapacityError"]
+    assert cb.events == ["before_job", "before_attempt:0", "ranks_started:0", "after_attempt:0:failed",
+                         "after_job:CapacityError"]
     assert "attempt 0 rank 0" in out.getvalue()  # the log streamer was drained, not dropped
 
 
@@ -368,3 +373,16 @@ def test_a_failure_no_restart_can_fix_is_raised_at_once(tmp_path):
     assert policy.decide(0, mismatch) is Decision.RAISE
     assert policy.decide(0, flaky) is Decision.RESTART
     assert PayloadSignatureError.__name__ in FailurePolicy.PERMANENT
+
+
+def test_callbacks_hear_when_ranks_start_only_once_they_run(tmp_path):
+    # On Spark, ranks may wait for busy GPUs and never start: no start is announced then.
+    from sparkgpu.errors import CapacityError
+
+    sup, _, cb, rd, _ = run_job(tmp_path, ["hang"])
+    sup.backend = PollRaises(["hang"], CapacityError("gave up"))
+    sup.backend.waits_for_resources = True
+    sup.backend.ranks_started_at = lambda handle: None
+    with pytest.raises(CapacityError):
+        sup.run()
+    assert "ranks_started:0" not in cb.events and "after_attempt:0:failed" in cb.events
