@@ -26,6 +26,7 @@ import shutil
 import time
 from collections.abc import Mapping, Sequence
 
+from sparkgpu._files import fsync_dir
 from sparkgpu.errors import ConfigurationError, DataError
 
 __all__ = ["Volume", "OutputFolder", "INDEX_NAME", "MARKER_NAME"]
@@ -105,7 +106,7 @@ class Volume:
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(temporary, path)
-            _fsync_folder(os.path.dirname(path))  # the rename itself survives a power loss
+            fsync_dir(os.path.dirname(path))  # the rename itself survives a power loss
             return
         # Object stores publish an object only once its single PUT completes.
         self.fs.pipe_file(path, data)
@@ -118,8 +119,8 @@ class Volume:
             return
         for relpath in relpaths:
             if os.path.isdir(self.path(relpath)):
-                _fsync_folder(self.path(relpath))
-        _fsync_folder(self.url)
+                fsync_dir(self.path(relpath))
+        fsync_dir(self.url)
 
     def read_bytes(self, relpath: str) -> bytes | None:
         """The file's content, or ``None`` when it does not exist."""
@@ -244,11 +245,3 @@ class OutputFolder:
                 f"another conversion started writing to {self.volume.url} while this one ran "
                 f"(run {owner!r}, this one {self.run_id!r}); run one conversion per folder at a time"
             )
-
-
-def _fsync_folder(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -27,6 +27,7 @@ import re
 import shutil
 from typing import Any
 
+from sparkgpu._files import fsync_dir
 from sparkgpu.errors import CheckpointError
 
 __all__ = ["MARKER_NAME", "CheckpointInfo", "CheckpointStore", "checkpoint_at"]
@@ -230,7 +231,7 @@ class CheckpointStore:
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, marker)
-                _fsync_dir(info.path)
+                fsync_dir(info.path)
             else:
                 # Object stores show an object only once its upload is whole; the rename
                 # keeps that property for the other fsspec filesystems too.
@@ -269,7 +270,7 @@ class CheckpointStore:
         if self.is_local:
             if os.path.exists(marker):
                 os.remove(marker)
-                _fsync_dir(path)
+                fsync_dir(path)
             if os.path.exists(path):
                 shutil.rmtree(path)
         else:
@@ -313,18 +314,6 @@ class CheckpointStore:
 def checkpoint_at(path: str | os.PathLike) -> CheckpointInfo | None:
     """The complete checkpoint in the directory ``path`` (``<directory>/step-0000000900``,
     a local path or an fsspec URL), or ``None`` when it has no completion marker."""
-    path = os.fspath(path)
-    if path.startswith("file://"):
-        path = path[len("file://") :]
-    path = path.rstrip("/")
-    parent = path.rsplit("/", 1)[0] if "/" in path else "."
-    return CheckpointStore(parent or "/")._read_marker(path)
-
-
-def _fsync_dir(path: str) -> None:
-    # Makes a rename or unlink inside ``path`` durable across a power loss.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    store = CheckpointStore(path)  # normalises the path or URL as it does for a checkpoint root
+    parent, _, name = store.directory.rpartition("/")
+    return CheckpointStore(parent or ".")._read_marker(f"{parent}/{name}" if parent else name)
