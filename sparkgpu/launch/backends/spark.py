@@ -477,8 +477,9 @@ class SparkBackend(Backend):
         # First the polite way: every node SIGTERMs its agent, which gives the ranks `grace`.
         atomic_write_bytes(spark_dir(handle.run_dir, handle.attempt) / CANCEL_FILE, b"cancelled by the client\n")
         self._sync_now(handle)
-        started = handle.nodes_started or any(spark_dir(handle.run_dir, handle.attempt).glob("node-*.started"))
-        if not started or not handle.finished.wait(grace + 10):
+        if not handle.nodes_started:
+            self._find_start(handle)  # also tells the supervisor when they started, for billing
+        if not handle.nodes_started or not handle.finished.wait(grace + 10):
             self.spark.interruptTag(handle.tag)  # Spark kills the Python workers; agents and ranks follow
             handle.finished.wait(60)
         self._last_pull(handle)
