@@ -110,15 +110,21 @@ def corrupt_shard_on_rank_two():
     dist.all_reduce(torch.ones(1))  # the others wait on rank 2, which is gone
 
 
+def assert_rank_two_is_named_with_its_traceback(err) -> None:
+    """What a user reads when :func:`corrupt_shard_on_rank_two` ran: the first rank to fail, its
+    message and remote source line, and the original exception chained."""
+    text = str(err.value)
+    assert "First to fail: rank 2 (ValueError)" in text
+    assert "ValueError: shard 7 is corrupt" in text and 'raise ValueError("shard 7 is corrupt")' in text
+    assert isinstance(err.value.__cause__, ValueError)
+
+
 @pytest.mark.usefixtures("no_tracking")
 def test_a_failing_rank_raises_with_its_remote_traceback(cluster_spark):
     started = time.monotonic()
     with pytest.raises(WorkerFailedError) as err:
         cluster_spark.gpu.train(corrupt_shard_on_rank_two, gpus=4, gpu_type="A10")
-    text = str(err.value)
-    assert "First to fail: rank 2 (ValueError)" in text
-    assert "ValueError: shard 7 is corrupt" in text and 'raise ValueError("shard 7 is corrupt")' in text
-    assert isinstance(err.value.__cause__, ValueError)
+    assert_rank_two_is_named_with_its_traceback(err)
     assert time.monotonic() - started < 90
     assert_no_orphans(settings().staging_root / cluster_spark.gpu.last_job_id)
 

@@ -18,7 +18,11 @@ import pytest
 from sparkgpu import WorkerFailedError, runtime
 from sparkgpu.config import reset_settings, settings
 from tests.integration.processes import assert_no_orphans
-from tests.integration.test_spark_cluster import corrupt_shard_on_rank_two, no_tracking  # noqa: F401 (fixture)
+from tests.integration.test_spark_cluster import (  # noqa: F401 (no_tracking: a fixture)
+    assert_rank_two_is_named_with_its_traceback,
+    corrupt_shard_on_rank_two,
+    no_tracking,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.usefixtures("workers_share_this_image")]
 
@@ -86,11 +90,7 @@ def test_train_returns_every_ranks_result_and_output_through_the_store(cluster_s
 def test_a_failing_rank_raises_with_its_remote_traceback_through_the_store(cluster_spark, staging_store):
     with pytest.raises(WorkerFailedError) as err:
         cluster_spark.gpu.train(corrupt_shard_on_rank_two, gpus=4, gpu_type="A10")
-
-    text = str(err.value)
-    assert "First to fail: rank 2 (ValueError)" in text
-    assert "ValueError: shard 7 is corrupt" in text and 'raise ValueError("shard 7 is corrupt")' in text
-    assert isinstance(err.value.__cause__, ValueError)
+    assert_rank_two_is_named_with_its_traceback(err)
     job_id = cluster_spark.gpu.last_job_id
     assert (settings().staging_root / job_id / "attempts/0/results/rank-2.error.pkl").exists()
     for marker in started_markers(job_id):
