@@ -114,6 +114,9 @@ def main() -> None:
         with LocalSparkCluster(Path(tmp) / "cluster", workers=2, gpus_per_worker=2, cores_per_worker=2) as cluster:
             cluster_seconds = time.perf_counter() - started
             spark = cluster.session()
+            # The test helper leaves the process without a default session; TorchDistributor
+            # takes the active one, so this one must be it.
+            type(spark)._set_default_and_active_session(spark)
             from sparkgpu.launch.backends.spark_capacity import plan_layout
 
             nodes = plan_layout(args.ranks, "A10", spark.gpu.capacity()).nodes  # how our ranks map onto tasks
