@@ -51,10 +51,38 @@ def _isolated_sparkgpu_home(tmp_path_factory, monkeypatch, _worker_image_lock):
 
 @pytest.fixture(scope="session")
 def spark():
-    """A real Spark Connect session on a local server (started once, about 20 s)."""
-    from pyspark.sql import SparkSession
+    """A real Spark Connect session on a local server (started once, about 20 s).
 
-    os.environ.setdefault("PYSPARK_PYTHON", os.sys.executable)
-    session = SparkSession.builder.remote("local[2]").config("spark.sql.shuffle.partitions", "4").getOrCreate()
+    The server listens on 127.0.0.1 on a free port: ``remote("local[2]")`` would bind every
+    interface on the fixed port 15002, reachable from the network and clashing with any other
+    test session on the machine.
+    """
+    import socket
+    import sys
+
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # What builder.remote("local[2]") does, with the binding chosen here.
+    ConnectSession._start_connect_server("local[2]", {
+        "spark.connect.grpc.binding.address": "127.0.0.1",
+        "spark.connect.grpc.binding.port": str(port),
+        "spark.sql.shuffle.partitions": "4",
+        "spark.ui.enabled": "false",
+        # The driver's own RPC and block manager, too ("localhost" in the client URL: pyspark sends
+        # the session token over a local channel only to that name).
+        "spark.driver.host": "127.0.0.1",
+        "spark.driver.bindAddress": "127.0.0.1",
+    })
+    os.environ["SPARK_LOCAL_REMOTE"] = "1"
+    os.environ["SPARK_CONNECT_MODE_ENABLED"] = "1"
+    session = ConnectSession.builder.remote(f"sc://localhost:{port}").getOrCreate()
     yield session
     session.stop()
+    from pyspark.sql import SparkSession as ClassicSession
+
+    if ClassicSession._instantiatedSession is not None:
+        ClassicSession._instantiatedSession.stop()
