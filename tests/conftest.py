@@ -6,6 +6,8 @@ import os
 
 import pytest
 
+from tests.s3_server import s3_bucket, s3_server  # noqa: F401  (fixtures: a real S3 server on loopback)
+
 
 def pytest_collection_modifyitems(config, items):
     """Tests on the standalone Spark cluster run first: once the shared in-process `spark`
