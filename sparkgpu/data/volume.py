@@ -1,7 +1,8 @@
 """A "volume": where shards live, as any fsspec URL (a local folder, s3://, gs://, abfs://, http(s)://).
 
-The filesystem is chosen by the URL's scheme through fsspec's registry; a scheme whose
-package is missing fails at once with the exact ``pip install``.
+Object stores and HTTP servers are read through obstore (:mod:`sparkgpu.data._object_store`);
+listing, and every other scheme, through the fsspec filesystem of the URL's scheme. A scheme
+whose package is missing fails at once with the exact ``pip install``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 from collections.abc import Callable
 
 from sparkgpu._urls import install_command, scheme_of
-from sparkgpu.data._http import HTTPRedirect, HTTPSource
+from sparkgpu.data._object_store import DIRECT_SCHEMES, ObjectStoreSource
 from sparkgpu.errors import ConfigurationError, DataError, MissingDependencyError
 
 __all__ = ["Volume", "RangePool", "part_bytes_for", "MIN_PART_BYTES", "MAX_PART_BYTES"]
@@ -157,9 +158,10 @@ class Volume:
         except ValueError as exc:
             raise ConfigurationError(f"cannot read volume {self.url!r} ({exc}); use a local folder or an fsspec URL such as s3://bucket/path") from None
         self.root = self.root.rstrip("/")
-        # Plain HTTP(S) without options: one connection per thread instead of fsspec's single
-        # event-loop thread, which caps every thread's reads at one core's rate.
-        self._http = HTTPSource(self.url) if scheme in ("http", "https") and not storage_options else None
+        # Object stores and HTTP without options: obstore's connection pool, outside the GIL,
+        # instead of fsspec's single event-loop thread, which caps every thread's reads at one
+        # core's rate. Options (credentials, headers) are fsspec's: those volumes stay on fsspec.
+        self._direct = ObjectStoreSource(self.url) if scheme in DIRECT_SCHEMES and not storage_options else None
         # Whether the store answers byte-range reads; None until the first ranged download.
         self.ranges_supported: bool | None = None
         self._probe = threading.Lock()
@@ -176,23 +178,9 @@ class Volume:
         Raises:
             DataError: The file does not exist or cannot be read after the retries.
         """
-        return self._retrying(relative, lambda: self._over_http(
-            relative, lambda http, url: http.cat(url, start, end),
-            lambda: self.fs.cat_file(self._path(relative), start=start, end=end)))
-
-    def _over_http(self, relative: str, fast, fallback):
-        """``fast(HTTPSource, url)`` for plain HTTP(S) volumes, else ``fallback()``.
-
-        A server that redirects (a CDN, presigned URLs) is left to fsspec's client, which
-        follows redirects, from then on.
-        """
-        http = self._http
-        if http is not None:
-            try:
-                return fast(http, f"{self.url}/{relative}")
-            except HTTPRedirect:
-                self._http = None
-        return fallback()
+        if self._direct is not None:
+            return self._retrying(relative, lambda: self._direct.cat(relative, start, end))
+        return self._retrying(relative, lambda: self.fs.cat_file(self._path(relative), start=start, end=end))
 
     def download(self, relative: str, local_path: str, size: int | None = None, pool=None, part_bytes: int | None = None,
                  new_hasher: Callable[[], object] | None = None, priority: float = 0.0):
@@ -237,9 +225,10 @@ class Volume:
             if hasher is not None:
                 hasher.update(data)
             return hasher
-        self._retrying(relative, lambda: self._over_http(
-            relative, lambda http, url: http.download(url, local_path),
-            lambda: self.fs.get_file(self._path(relative), local_path)))
+        if self._direct is not None:
+            self._retrying(relative, lambda: self._direct.download(relative, local_path))
+        else:
+            self._retrying(relative, lambda: self.fs.get_file(self._path(relative), local_path))
         if hasher is not None:  # a store without ranges or a file of unknown size: hash what landed
             with open(local_path, "rb") as handle:
                 while chunk := handle.read(_CHUNK):
@@ -293,7 +282,7 @@ class Volume:
                 return action()
             except FileNotFoundError:
                 raise DataError(f"{relative} is missing from volume {self.url}; is the URL the dataset's folder, and was the dataset written completely?") from None
-            except Exception as exc:  # network filesystems raise their own types (aiohttp, botocore, ...)
+            except Exception as exc:  # network clients raise their own types (obstore, aiohttp, botocore, ...)
                 if attempt == self.retries:
                     raise DataError(f"reading {relative} from volume {self.url} failed {attempt + 1} times: {type(exc).__name__}: {exc}") from exc
                 time.sleep(0.2 * 2**attempt)

@@ -57,6 +57,7 @@ def test_a_volume_reads_large_files_as_ranges_from_s3(s3_bucket, tmp_path):
     with fsspec.open(f"{s3_bucket}/vol/shard.bin", "wb") as f:
         f.write(payload)
     volume = Volume(f"{s3_bucket}/vol")
+    assert volume._direct is not None, "s3:// reads through obstore"
     with RangePool(4) as pool:
         volume.download("shard.bin", str(tmp_path / "copy"), size=len(payload), pool=pool)
     assert (tmp_path / "copy").read_bytes() == payload

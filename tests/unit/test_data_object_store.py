@@ -1,4 +1,4 @@
-"""Volumes over plain HTTP: ranges on keep-alive connections of a real server on loopback."""
+"""Volumes over plain HTTP through obstore: ranges on keep-alive connections of a real server on loopback."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from sparkgpu.data._http import HTTPSource
+from sparkgpu.data._object_store import ObjectStoreSource
 from sparkgpu.data.volume import Volume
 from sparkgpu.errors import DataError
 
@@ -53,13 +53,15 @@ class _Server:
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
-                status, body = 200, data
+                status, body, content_range = 200, data, None
                 wanted = self.headers.get("Range")
                 if ranges and wanted:
                     first, last = wanted.removeprefix("bytes=").split("-")
                     body = data[int(first):int(last) + 1 if last else None]
-                    status = 206
+                    status, content_range = 206, f"bytes {first}-{int(first) + len(body) - 1}/{len(data)}"
                 self.send_response(status)
+                if content_range:
+                    self.send_header("Content-Range", content_range)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -82,48 +84,49 @@ class _Server:
         self.httpd.server_close()
 
 
-def test_ranges_from_many_threads_arrive_whole_on_one_connection_per_thread():
+def test_ranges_from_many_threads_arrive_whole_on_kept_alive_connections():
     with _Server({"ds/shard.mds": FILE}) as server:
-        source = HTTPSource(server.url)
+        source = ObjectStoreSource(f"{server.url}/ds")
         parts = [(start, start + 65536) for start in range(0, len(FILE), 65536)]
         with ThreadPoolExecutor(4) as pool:
-            got = list(pool.map(lambda p: source.cat(f"{server.url}/ds/shard.mds", *p), parts))
+            got = list(pool.map(lambda p: source.cat("shard.mds", *p), parts))
         assert b"".join(got) == FILE
-        assert source.cat(f"{server.url}/ds/shard.mds") == FILE  # no range: the whole file
-        assert server.requests == len(parts) + 1 and server.connections <= 5  # kept alive, per thread
+        assert source.cat("shard.mds") == FILE  # no range: the whole file
+        assert server.requests == len(parts) + 1 and server.connections <= 5  # kept alive, about one per thread
 
 
-def test_a_volume_over_http_reads_through_its_own_connections_and_names_missing_files():
+def test_a_volume_over_http_reads_through_obstore_and_names_missing_files():
     with _Server({"ds/index.json": b"{}"}) as server:
         volume = Volume(f"{server.url}/ds")
+        assert volume._direct is not None
         assert volume.read_bytes("index.json") == b"{}"
         with pytest.raises(DataError, match="shard.mds is missing from volume"):
             volume.read_bytes("shard.mds")
     with_options = Volume("http://127.0.0.1:9/ds", storage_options={"headers": {"Authorization": "Bearer x"}})
-    assert with_options._http is None  # credentials and headers go through fsspec
+    assert with_options._direct is None  # fsspec's options (credentials, headers) go through fsspec
 
 
-def test_a_connection_the_server_dropped_is_replaced_once():
+def test_a_connection_the_server_dropped_is_replaced():
     with _Server({"f": FILE}, drop_idle=True) as server:
-        source = HTTPSource(server.url)
+        source = ObjectStoreSource(server.url)
         for start in range(0, 8 * 4096, 4096):
-            assert source.cat(f"{server.url}/f", start, start + 4096) == FILE[start:start + 4096]
+            assert source.cat("f", start, start + 4096) == FILE[start:start + 4096]
         assert server.connections == 8  # each request after the first found its connection gone
 
 
-def test_a_server_that_ignores_ranges_is_not_read_to_the_end():
+def test_a_server_that_ignores_ranges_answers_an_empty_range():
     with _Server({"f": FILE}, ranges=False) as server:
-        assert HTTPSource(server.url).cat(f"{server.url}/f", 0, 4096) == b""
+        assert ObjectStoreSource(server.url).cat("f", 0, 4096) == b""
 
 
-def test_a_redirecting_server_is_left_to_fsspec_which_follows_it():
+def test_a_redirecting_server_is_followed():
     with _Server({"real/index.json": b'{"shards": []}'}, redirects={"ds/index.json": "real/index.json"}) as server:
         volume = Volume(f"{server.url}/ds")
         assert volume.read_bytes("index.json") == b'{"shards": []}'  # not the redirect's empty body
-        assert volume._http is None
+        assert volume._direct is not None
 
 
-def test_whole_files_from_a_server_that_ignores_ranges_stream_over_the_fast_path(tmp_path, monkeypatch):
+def test_whole_files_from_a_server_that_ignores_ranges_stream_outside_fsspec(tmp_path, monkeypatch):
     from sparkgpu.data.volume import RangePool
 
     with _Server({"ds/shard.mds": FILE}, ranges=False) as server, RangePool(4) as pool:
@@ -132,4 +135,4 @@ def test_whole_files_from_a_server_that_ignores_ranges_stream_over_the_fast_path
         monkeypatch.setattr(volume.fs, "get_file", lambda *a, **k: pytest.fail("went through fsspec"))
         volume.download("shard.mds", str(tmp_path / "shard"), size=len(FILE), pool=pool, part_bytes=65536)
         assert (tmp_path / "shard").read_bytes() == FILE
-        assert volume.ranges_supported is False and volume._http is not None
+        assert volume.ranges_supported is False and volume._direct is not None
