@@ -55,22 +55,18 @@ def cmd_bench(args) -> int:
     from rich.table import Table
 
     from sparkgpu.cli import console
+    from sparkgpu.data.report import REPORT_COLUMNS, report_rows
 
-    table = Table(title=f"volume vs local cache: {args.remote}")
-    table.add_column("measure")
-    table.add_column("value", justify="right")
-    for key, value in figures.items():
-        table.add_row(key, _format(value))
+    table = Table(title=f"{figures['remote']}: {figures['samples']:,} samples, {figures['volume_bytes'] / 1e6:,.1f} MB "
+                        f"in {figures['shards']} shards")
+    for number, name in enumerate(REPORT_COLUMNS):
+        table.add_column(name, justify="left" if number == 0 else "right")
+    for row in report_rows(figures):
+        table.add_row(*row)
     console().print(table)
     if args.plot:
         print(f"plot written to {args.plot}")
     return 0
-
-
-def _format(value) -> str:
-    if isinstance(value, dict):
-        return ", ".join(f"{k} {_format(v)}" for k, v in value.items())
-    return f"{value:,.3f}" if isinstance(value, float) else str(value)
 
 
 def register_cache(subparsers) -> None:

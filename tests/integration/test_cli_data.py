@@ -1,6 +1,7 @@
 """`sparkgpu data convert|bench` and `sparkgpu cache ls|clear` on real files."""
 
 import json
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -28,6 +29,15 @@ def test_convert_then_bench_then_cache(tmp_path, capsys):
     assert set(figures) >= {"raw_parallel_download", "epoch1_from_volume", "epoch2_from_cache", "epoch1_vs_raw"}
     assert figures["epoch1_vs_raw"] > 0
     assert (tmp_path / "volume.png").stat().st_size > 0
+
+    assert main(["data", "bench", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if "MB/s" in line)
+    assert all(column in header for column in ("samples/s", "first batch", "% of raw"))
+    rows = {name: next(line for line in lines if name in line) for name in ("raw download", "epoch 1", "epoch 2")}
+    assert rows["raw download"].rstrip(" │|").endswith("100%")  # the yardstick of the other rows
+    assert all(re.search(r"\d\.\d\d s .*\d%", rows[name]) for name in ("epoch 1", "epoch 2"))  # first batch, % of raw
+    assert "{'" not in "\n".join(lines), "a table, not a dump of dicts"
 
     from sparkgpu import data
 
