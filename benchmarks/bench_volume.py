@@ -39,7 +39,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -50,99 +49,10 @@ from pathlib import Path
 
 import numpy as np
 
+from sparkgpu.data._simulated_link import PROFILES, serve_folder, start_proxy
+
 ROW_BYTES = 32 * 4 + 8
 RESULTS = Path(__file__).resolve().parent / "results"
-
-_SERVER = """
-import functools, http.server, os, re, sys
-
-class Handler(http.server.SimpleHTTPRequestHandler):
-    # Byte ranges, as object stores and nginx serve them (SimpleHTTPRequestHandler ignores them).
-    def send_head(self):
-        match = re.fullmatch(r"bytes=(\\d+)-(\\d*)", self.headers.get("Range", ""))
-        if not match:
-            self._left = None
-            return super().send_head()
-        try:
-            source = open(self.translate_path(self.path), "rb")
-        except OSError:
-            self.send_error(404)
-            return None
-        size = os.fstat(source.fileno()).st_size
-        start, end = int(match[1]), min(int(match[2] or size - 1), size - 1)
-        self.send_response(206)
-        self.send_header("Content-Type", "application/octet-stream")
-        self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
-        self.send_header("Content-Length", str(end - start + 1))
-        self.end_headers()
-        source.seek(start)
-        self._left = end - start + 1
-        return source
-
-    def copyfile(self, source, output):
-        if self._left is None:
-            return super().copyfile(source, output)
-        while self._left > 0:
-            chunk = source.read(min(1 << 20, self._left))
-            if not chunk:
-                break
-            output.write(chunk)
-            self._left -= len(chunk)
-
-    def log_message(self, *args):
-        pass
-
-Handler.protocol_version = "HTTP/1.1"  # keep-alive, as any production server
-http.server.ThreadingHTTPServer.daemon_threads = True
-http.server.ThreadingHTTPServer.request_queue_size = 1024  # the default backlog of 5 drops connections
-server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=sys.argv[1]))
-print(server.server_address[1], flush=True)
-server.serve_forever()
-"""
-
-
-# Put in front of the server by --profile s3-like: what an object store looks like from a
-# training node (tens of ms to the first byte, about 100 MB/s per connection). A TCP proxy in
-# its own process: each request from the client waits LATENCY before it reaches the server,
-# and each connection's answers flow back no faster than RATE bytes/s.
-_PROXY = """
-import asyncio, sys, time
-upstream, latency, rate = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
-
-async def requests(reader, writer):
-    while data := await reader.read(1 << 16):
-        await asyncio.sleep(latency)
-        writer.write(data)
-        await writer.drain()
-    writer.close()
-
-async def answers(reader, writer):
-    free_at = time.monotonic()  # when this connection's link is free again
-    while data := await reader.read(1 << 18):
-        free_at = max(free_at, time.monotonic()) + len(data) / rate
-        await asyncio.sleep(max(0.0, free_at - time.monotonic()))
-        writer.write(data)
-        await writer.drain()
-    writer.close()
-
-async def connection(client_reader, client_writer):
-    server_reader, server_writer = await asyncio.open_connection("127.0.0.1", upstream)
-    await asyncio.gather(requests(client_reader, server_writer), answers(server_reader, client_writer),
-                         return_exceptions=True)
-
-async def main():
-    server = await asyncio.start_server(connection, "127.0.0.1", 0, backlog=1024)
-    print(server.sockets[0].getsockname()[1], flush=True)
-    await server.serve_forever()
-
-asyncio.run(main())
-"""
-
-PROFILES = {
-    "loopback": None,
-    "s3-like": {"latency_s": 0.030, "mb_per_s_per_connection": 100.0},
-}
-
 
 def plain_parallel_download(remote: str, files: list[str], threads: int, target: Path) -> dict:
     """The volume's raw rate: whole-file GETs with http.client in ``threads`` threads, written to disk.
@@ -176,19 +86,6 @@ def plain_parallel_download(remote: str, files: list[str], threads: int, target:
     seconds = time.perf_counter() - started
     shutil.rmtree(target, ignore_errors=True)
     return {"client": "http.client", "threads": threads, "bytes": total, "seconds": seconds, "mb_per_s": total / seconds / 1e6}
-
-
-def start_server(folder: Path):
-    proc = subprocess.Popen([sys.executable, "-c", _SERVER, str(folder)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    return proc, f"http://127.0.0.1:{int(proc.stdout.readline())}"
-
-
-def start_proxy(server_url: str, latency_s: float, mb_per_s_per_connection: float):
-    """The S3-like proxy in front of ``server_url``; returns its process and URL."""
-    upstream = urllib.parse.urlsplit(server_url).port
-    proc = subprocess.Popen([sys.executable, "-c", _PROXY, str(upstream), str(latency_s), str(mb_per_s_per_connection * 1e6)],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    return proc, f"http://127.0.0.1:{int(proc.stdout.readline())}"
 
 
 def write_dataset(path: Path, samples: int, shard_bytes: int, compression) -> None:
@@ -250,7 +147,7 @@ def run(args) -> dict:
     try:
         print(f"writing {args.samples:,} samples ({args.samples * ROW_BYTES / 1e6:.0f} MB) ...", flush=True)
         write_dataset(work / "volume" / "ds", args.samples, args.shard_bytes, args.compression)
-        server, base = start_server(work / "volume")
+        server, base = serve_folder(work / "volume")
         if profile is not None:  # every client, raw and loader alike, goes through the proxy
             proxy, base = start_proxy(base, **profile)
             print(f"  profile {args.profile}: {profile['latency_s'] * 1e3:.0f} ms to the first byte, "

@@ -52,6 +52,21 @@ def test_convert_then_bench_then_cache(tmp_path, capsys):
     assert "the cache is empty" in capsys.readouterr().out
 
 
+def test_bench_reads_a_local_dataset_through_a_simulated_s3_like_link(tmp_path, capsys):
+    from sparkgpu import data
+
+    data.to_mds(pa.table({"x": np.arange(20_000, dtype=np.float32)}), str(tmp_path / "mds"), progress=False)
+    assert main(["data", "bench", str(tmp_path / "mds"), "--profile", "s3-like", "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert figures["profile"] == "s3-like" and figures["remote"].startswith("http://127.0.0.1:")
+    assert figures["epoch1_from_volume"]["samples"] == 20_000
+    # Every request waits 30 ms for its first byte: the first batch cannot come sooner.
+    assert figures["epoch1_from_volume"]["first_batch_s"] >= 0.03
+
+    assert main(["data", "bench", "s3://bucket/feats", "--profile", "s3-like"]) == 2  # a usage error
+    assert "already remote: measure it as it is" in capsys.readouterr().err
+
+
 def test_convert_of_a_missing_source_names_what_to_give(tmp_path, capsys):
     assert main(["data", "convert", str(tmp_path / "nope"), str(tmp_path / "out")]) == 1
     assert "give a Parquet file, a folder of them or a Delta table" in capsys.readouterr().err
