@@ -12,14 +12,50 @@ which understands them.
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 from sparkgpu._urls import scheme_of
 
-__all__ = ["DIRECT_SCHEMES", "ObjectStoreSource"]
+__all__ = ["DIRECT_SCHEMES", "ObjectStoreSource", "LinkEstimate"]
 
 # Schemes obstore reads; any other goes through fsspec.
 DIRECT_SCHEMES = frozenset({"s3", "s3a", "gs", "az", "abfs", "abfss", "http", "https"})
 _CHUNK = 8 << 20
+
+
+class LinkEstimate:
+    """Running estimate of a store's time to first byte and per-connection rate, from ranged reads.
+
+    Each ranged read reports when its answer began (the response head arrived) and when its
+    body ended; averages of the last reads (exponentially weighted) give the latency and the
+    rate of one connection.
+    """
+
+    _WEIGHT = 0.25
+
+    def __init__(self):
+        self.latency_s: float | None = None
+        self.bytes_per_s: float | None = None
+        self._lock = threading.Lock()
+
+    def add(self, first_byte_s: float, body_s: float, size: int) -> None:
+        if size < (256 << 10) or body_s <= 0:
+            return  # too short to say anything about the rate
+        rate = size / body_s
+        with self._lock:
+            if self.latency_s is None:
+                self.latency_s, self.bytes_per_s = first_byte_s, rate
+            else:
+                self.latency_s += self._WEIGHT * (first_byte_s - self.latency_s)
+                self.bytes_per_s += self._WEIGHT * (rate - self.bytes_per_s)
+
+    def bytes_in_flight(self) -> int:
+        """What one connection could have moved while waiting for a first byte (0 before any read)."""
+        with self._lock:
+            if self.latency_s is None:
+                return 0
+            return int(self.latency_s * self.bytes_per_s)
 
 
 class ObjectStoreSource:
@@ -27,10 +63,15 @@ class ObjectStoreSource:
 
     Args:
         url: Folder URL; paths given to the methods are relative to it.
+
+    Attributes:
+        link: :class:`LinkEstimate` of the store, from the ranges read so far.
     """
 
     def __init__(self, url: str):
         from obstore.store import from_url
+
+        self.link = LinkEstimate()
 
         scheme = scheme_of(url)
         # A plain-HTTP endpoint is one the user named (an http:// volume, an S3-compatible
@@ -57,10 +98,15 @@ class ObjectStoreSource:
             return bytes(obstore.get(self.store, relative).bytes())
         if end is None:
             end = obstore.head(self.store, relative)["size"]
+        asked = time.perf_counter()
         try:
-            return bytes(obstore.get_range(self.store, relative, start=start or 0, end=end))
+            result = obstore.get(self.store, relative, options={"range": (start or 0, end)})
         except NotSupportedError:  # "range request not supported": the body was not read
             return b""
+        answered = time.perf_counter()
+        data = bytes(result.bytes())
+        self.link.add(answered - asked, time.perf_counter() - answered, len(data))
+        return data
 
     def download(self, relative: str, local_path: str) -> None:
         """Streams the file into ``local_path`` (created or truncated)."""

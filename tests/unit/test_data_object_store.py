@@ -136,3 +136,36 @@ def test_whole_files_from_a_server_that_ignores_ranges_stream_outside_fsspec(tmp
         volume.download("shard.mds", str(tmp_path / "shard"), size=len(FILE), pool=pool, part_bytes=65536)
         assert (tmp_path / "shard").read_bytes() == FILE
         assert volume.ranges_supported is False and volume._direct is not None
+
+
+def test_ranges_grow_to_hide_the_latency_of_the_link():
+    from sparkgpu.data.volume import part_bytes_for
+
+    assert part_bytes_for(16 << 20, 8) == 2 << 20  # loopback: one range per thread
+    # 30 ms x 100 MB/s = 3 MB in flight: ranges of 4x that, so waiting is at most a fifth of the time.
+    assert part_bytes_for(16 << 20, 8, bytes_in_flight=3_000_000) >= 12_000_000
+    assert part_bytes_for(1 << 30, 8, bytes_in_flight=50_000_000) == 16 << 20  # still bounded
+
+
+def test_the_volume_measures_the_latency_of_a_slow_link(tmp_path):
+    from sparkgpu.data._simulated_link import serve_folder, start_proxy
+    from sparkgpu.data.volume import RangePool
+
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "shard.mds").write_bytes(FILE * 4)
+    server, url = serve_folder(tmp_path)
+    proxy = None
+    try:
+        proxy, url = start_proxy(url, latency_s=0.05, mb_per_s_per_connection=200.0)
+        volume = Volume(f"{url}/ds")
+        with RangePool(4) as pool:
+            volume.download("shard.mds", str(tmp_path / "copy"), size=len(FILE) * 4, pool=pool)
+        assert (tmp_path / "copy").read_bytes() == FILE * 4
+        link = volume._direct.link
+        assert link.latency_s >= 0.045, "every request waited 50 ms for its first byte"  # a floor under any load
+        assert link.bytes_in_flight() == int(link.latency_s * link.bytes_per_s) > 0
+    finally:
+        for proc in (proxy, server):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=10)
