@@ -8,9 +8,9 @@ same number of threads, each range written to its place in a local file (as the 
   * obstore-http: the same client as a plain HTTP store (unsigned; what http(s):// volumes use);
   * s3fs: fsspec's S3 filesystem (``cat_file`` with start/end; every request on its one
     event-loop thread);
-  * http.client: the project's own keep-alive HTTP range reader (``sparkgpu.data._http``), one
-    connection per thread. It cannot sign requests, so it can never read a private bucket: it
-    is measured for http(s):// volumes only (moto accepts unsigned requests).
+  * http.client: the standard library's keep-alive HTTP client, one connection per thread (what
+    the project read http(s):// volumes with before obstore). It cannot sign requests, so it can
+    never read a private bucket: it stands for http(s):// volumes only (the bucket is public).
 Peers run interleaved in a fresh random order in every repetition; medians are reported.
 On a shared or loaded machine absolute figures are noisy, and moto (a Python server) may be
 the bottleneck: compare the peers' ratios within one run, not figures across runs.
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import http.client
 import json
 import os
 import platform
@@ -32,7 +33,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.parse
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -64,18 +67,28 @@ def readers(endpoint: str, bucket: str) -> dict:
     import s3fs
     from obstore.store import HTTPStore, S3Store
 
-    from sparkgpu.data._http import HTTPSource
-
     s3 = S3Store(bucket, endpoint=endpoint, client_options={"allow_http": True}, region="us-east-1",
                  access_key_id="bench", secret_access_key="bench")
     http_store = HTTPStore.from_url(f"{endpoint}/{bucket}", client_options={"allow_http": True})
     fs = s3fs.S3FileSystem(key="bench", secret="bench", endpoint_url=endpoint)
-    source = HTTPSource(endpoint)
+    local = threading.local()
+    host = urllib.parse.urlsplit(endpoint).netloc
+
+    def plain(key, start, end):
+        if not hasattr(local, "conn"):
+            local.conn = http.client.HTTPConnection(host, timeout=60)
+        local.conn.request("GET", f"/{bucket}/{key}", headers={"Range": f"bytes={start}-{end - 1}"})
+        response = local.conn.getresponse()
+        body = response.read()
+        if response.status != 206:
+            raise RuntimeError(f"GET {key} answered {response.status}")
+        return body
+
     return {
         "obstore": lambda key, start, end: bytes(obstore.get_range(s3, key, start=start, end=end)),
         "obstore-http": lambda key, start, end: bytes(obstore.get_range(http_store, key, start=start, end=end)),
         "s3fs": lambda key, start, end: fs.cat_file(f"{bucket}/{key}", start=start, end=end),
-        "http.client": lambda key, start, end: source.cat(f"{endpoint}/{bucket}/{key}", start, end),
+        "http.client": plain,
     }
 
 
