@@ -35,6 +35,7 @@ from sparkgpu.data.cache import open_cache_entry
 from sparkgpu.data.order import DEFAULT_BLOCK_SIZE, EpochPlan, epoch_order
 from sparkgpu.data._pipeline import Producer, WorkerBatches, in_background, prefetch_to_device
 from sparkgpu.data.decode import BatchDecoder
+from sparkgpu.data.metrics import LoaderMetrics
 from sparkgpu.data.reader import INDEX_NAME, DatasetIndex
 from sparkgpu.data.volume import Volume
 from sparkgpu.errors import ConfigurationError, DataError
@@ -193,6 +194,7 @@ class MDSLoader:
         self._producer = None
         self._workers = None  # the DataLoader of num_workers > 0, created on first use
         self._splitter = BatchDecoder(index.columns, allocate=None)
+        self.metrics = LoaderMetrics(rank)  # wait and step times, cache figures: stats() and the job's run
 
     # Position.
 
@@ -264,8 +266,9 @@ class MDSLoader:
         if self._splitter.fixed_width:
             split = self._splitter.split_rows
             source = (split(batch) if isinstance(batch, torch.Tensor) else batch for batch in source)
+        timed = self.metrics.timed(source, self._producer.cache if self._producer is not None else None)
         try:
-            for number, batch in enumerate(source, 1):
+            for number, batch in enumerate(timed, 1):
                 # Counted when handed out: a checkpoint taken after this step resumes after it.
                 self._consumed = start + min(number * step, len(plan.samples) * self.world_size)
                 yield batch
@@ -274,6 +277,11 @@ class MDSLoader:
             if close:
                 close()
         self.epoch, self._consumed = self.epoch + 1, 0
+
+    def stats(self) -> dict:
+        """This rank's loader figures so far (:meth:`sparkgpu.data.metrics.LoaderMetrics.snapshot`);
+        the cache's with ``num_workers=0`` only (workers keep their own caches)."""
+        return self.metrics.snapshot(self._producer.cache if self._producer is not None else None)
 
     def close(self) -> None:
         """Stops background downloads and frees open shards."""
