@@ -64,6 +64,8 @@ def dataset(
     world_size: int | None = None,
     storage_options: dict | None = None,
     allow_unsafe_types: bool = False,
+    streams: list | None = None,
+    epoch_size: int | None = None,
 ) -> "MDSLoader":
     """Opens an MDS dataset for training: an iterable of batches with a resumable position.
 
@@ -94,9 +96,12 @@ def dataset(
         world_size: Number of ranks (default: :func:`sparkgpu.runtime.get_world_size`).
         storage_options: Options for the volume's fsspec filesystem (credentials, endpoint).
         allow_unsafe_types: Allow ``pkl`` columns (unpickling runs arbitrary code).
+        streams: Mix several datasets instead (a list of :class:`sparkgpu.data.Stream`, in
+            place of ``remote``): see :mod:`sparkgpu.data.mixture`.
+        epoch_size: With ``streams``, samples per epoch (all ranks together).
 
     Returns:
-        An :class:`MDSLoader`.
+        An :class:`MDSLoader` (a :class:`~sparkgpu.data.mixture.MixtureLoader` with ``streams``).
 
     Raises:
         ConfigurationError: An argument is invalid (the message says what to pass instead).
@@ -106,6 +111,16 @@ def dataset(
     from sparkgpu import runtime
     from sparkgpu.config import settings
 
+    if streams is not None or epoch_size is not None:  # a mixture: each stream opens through this function
+        if streams is None or remote is not None:
+            raise ConfigurationError("pass remote= for one dataset, or streams=[data.Stream(...), ...] (with an optional epoch_size=) to mix several")
+        from sparkgpu.data.mixture import mixture_dataset
+
+        return mixture_dataset(
+            streams, local=local, epoch_size=epoch_size, batch_size=batch_size, shuffle=shuffle, seed=seed,
+            shuffle_block_size=shuffle_block_size, drop_last=drop_last, num_workers=num_workers, prefetch_batches=prefetch_batches,
+            device=device, cache_limit=cache_limit, download_threads=download_threads, rank=rank, world_size=world_size,
+            storage_options=storage_options, allow_unsafe_types=allow_unsafe_types, pin_memory=pin_memory)
     rank = runtime.get_global_rank() if rank is None else rank
     world_size = runtime.get_world_size() if world_size is None else world_size
     _check_int("batch_size", batch_size, 1)
