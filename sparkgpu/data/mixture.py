@@ -172,11 +172,13 @@ class _StreamReader:
         """Tells the cache which shards each coming batch reads (for prefetching and eviction)."""
         self.cache.set_plan([np.unique(np.searchsorted(self.ends, ids, side="right")) for ids in batches])
 
-    def decode(self, step: int, ids: np.ndarray) -> dict:
+    def locate(self, step: int, ids: np.ndarray) -> tuple[list[ShardReader], np.ndarray, np.ndarray]:
+        """The open shards ``ids`` lie in, each id's position among them, and its row in its shard."""
         shard_of = np.searchsorted(self.ends, ids, side="right")
         shards = np.unique(shard_of)
         paths = self.cache.acquire(step, shards)
-        for shard in [s for s in self._readers if s not in set(shards.tolist())]:
+        keep = set(shards.tolist())
+        for shard in [s for s in self._readers if s not in keep]:
             self._readers.pop(shard).close()
         readers = []
         for shard, path in zip(shards.tolist(), paths):
@@ -184,8 +186,11 @@ class _StreamReader:
                 self._readers[shard] = ShardReader(path, self.index.shards[shard], self.decoder.row_bytes)
             readers.append(self._readers[shard])
         rows = ids - (self.ends[shard_of] - self.index.shard_sizes[shard_of])
-        source_ids = None if len(shards) == 1 else np.searchsorted(shards, shard_of).astype(np.int32)
-        return self.decoder.decode(readers, source_ids, rows)
+        return readers, np.searchsorted(shards, shard_of).astype(np.int32), rows
+
+    def decode(self, step: int, ids: np.ndarray) -> dict:
+        readers, source_ids, rows = self.locate(step, ids)
+        return self.decoder.decode(readers, None if len(readers) == 1 else source_ids, rows)
 
     def close(self) -> None:
         for reader in self._readers.values():
@@ -312,10 +317,30 @@ class MixtureLoader:
         stream_of = [np.searchsorted(bases, ids, side="right") - 1 for ids in batches]
         for s, reader in enumerate(self._readers):
             reader.plan([ids[of == s] - bases[s] for ids, of in zip(batches, stream_of)])
+        decoder = self._readers[0].decoder
         for step, (ids, of) in enumerate(zip(batches, stream_of)):
+            if decoder.fixed_width:  # every stream has the same row layout: one gather of the whole batch
+                yield decoder.split_rows(self._gather_rows(step, ids, of, bases))
+                continue
             parts = [(np.flatnonzero(of == s), reader.decode(step, ids[of == s] - bases[s]))
                      for s, reader in enumerate(self._readers) if np.any(of == s)]
             yield _merge(parts, len(ids))
+
+    def _gather_rows(self, step: int, ids: np.ndarray, stream_of: np.ndarray, bases: np.ndarray) -> torch.Tensor:
+        from sparkgpu.data import _gather
+
+        sources, source_ids, rows = [], np.empty(len(ids), dtype=np.int32), np.empty(len(ids), dtype=np.int64)
+        for s, reader in enumerate(self._readers):
+            mine = stream_of == s
+            if not mine.any():
+                continue
+            readers, local_sources, rows[mine] = reader.locate(step, ids[mine] - bases[s])
+            source_ids[mine] = local_sources + len(sources)
+            sources += [r.rows for r in readers]
+        row_bytes = self._readers[0].decoder.row_bytes
+        buffer = self._readers[0].decoder.allocate(len(ids) * row_bytes)
+        _gather.gather_rows(buffer.numpy().reshape(len(ids), row_bytes), sources, source_ids, rows)
+        return buffer
 
     def _stream_of_positions(self, epoch: int) -> np.ndarray:
         if self.shuffle:

@@ -173,6 +173,8 @@ class TokenLoader:
         self._source = _TokenSource(spec, tokens)
         counts = np.array([tokens.counts(self._source.reader(0, s)) for s in range(len(spec["index"].shards))], dtype=np.int64)
         self._shard_ends = np.cumsum(counts)
+        self._shard_starts = self._shard_ends - counts
+        self._offsets = np.arange(width, dtype=np.int64)
         self.num_tokens = int(self._shard_ends[-1])
         self.dtype = tokens.column.dtype
         self._check_eos()
@@ -280,8 +282,7 @@ class TokenLoader:
     def _cut(self, step: int, firsts: np.ndarray) -> np.ndarray:
         """Blocks starting at stream positions ``firsts``: one fancy-index gather per shard."""
         out = np.empty((len(firsts), self.width), dtype=self.dtype)
-        offsets = np.arange(self.width, dtype=np.int64)
-        starts_of_shards = self._shard_ends - np.diff(self._shard_ends, prepend=0)
+        offsets, starts_of_shards = self._offsets, self._shard_starts
         shard_of = np.searchsorted(self._shard_ends, firsts, side="right")
         inside = firsts + self.width <= self._shard_ends[shard_of]
         for shard in np.unique(shard_of[inside]).tolist():
