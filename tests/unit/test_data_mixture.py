@@ -96,6 +96,7 @@ def test_resume_mid_epoch_gives_exactly_the_rest_on_every_rank(folders):
         resumed = data.dataset(**opened, rank=rank)
         resumed.load_state_dict(first.state_dict())
         assert seen + _pairs(resumed) == whole
+    assert _pairs(data.dataset(**opened, rank=1, prefetch_batches=2)) == whole  # decoded ahead on a thread: same batches
 
 
 def test_bad_mixtures_name_the_fix(folders, tmp_path):
