@@ -127,3 +127,15 @@ def test_a_one_sample_batch_of_unaligned_columns_decodes(folders):
     batches = list(data.dataset(local=folders[2], batch_size=59, rank=0, world_size=1))
     assert [len(b["src"]) for b in batches] == [59, 1]
     assert batches[1]["src"].tolist() == [2] and batches[1]["id"].tolist() == [59]
+
+
+def test_streams_on_volumes_each_fill_their_own_cache_folder(folders, tmp_path):
+    cache = tmp_path / "cache"
+    streams = [data.Stream(remote=folders[0], proportion=1), data.Stream(remote=folders[1], proportion=1, local=tmp_path / "own")]
+    loader = data.dataset(streams=streams, local=cache, epoch_size=120, batch_size=16, shuffle=True, rank=0, world_size=1)
+    counts = collections.Counter(src for src, _ in _pairs(loader))
+    assert [counts[0], counts[1]] == loader.counts.tolist() == [60, 60]
+    assert len([p for p in cache.iterdir() if p.is_dir()]) == 1 and any((tmp_path / "own").iterdir())
+    stats = loader.stats()
+    assert stats["downloaded_mb"] > 0 and 0 <= stats["cache_hit_ratio"] <= 1 and stats["batches"] == 8  # prefetching may win every race
+    loader.close()
