@@ -160,10 +160,9 @@ class _StreamReader:
     """One stream's cache, open shards and decoder."""
 
     def __init__(self, loader, pinned: bool):
-        spec = loader._producer_spec()
-        volume = Volume(spec["volume_url"], spec["storage_options"]) if spec["volume_url"] else None
+        volume = Volume(loader.volume_url, loader.storage_options) if loader.volume_url else None
         self.index = loader.index
-        self.cache = ShardCache(spec["directory"], self.index, volume, spec["cache_limit"], spec["download_threads"])
+        self.cache = ShardCache(loader.directory, self.index, volume, loader.cache_limit, loader.download_threads)
         self.decoder = BatchDecoder(self.index.columns, lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=pinned))
         self.ends = np.cumsum(self.index.shard_sizes)
         self._readers: dict[int, ShardReader] = {}
