@@ -109,10 +109,11 @@ def test_workers_deliver_the_same_batches_in_the_same_order(tokens):
     np.testing.assert_array_equal(with_workers, alone)
 
 
-def test_resume_mid_epoch_continues_at_the_next_token(tokens):
+@pytest.mark.parametrize(("rank", "world", "workers"), [(0, 1, 0), (1, 2, 2)], ids=["one-rank", "rank1-of-2-with-workers"])
+def test_resume_mid_epoch_continues_at_the_next_token(tokens, rank, world, workers):
     path, _ = tokens
     opened = dict(local=path, column="ids", seq_len=SEQ, batch_size=5, eos_id=EOS, shuffle=True, seed=3, shuffle_block_size=64,
-                  rank=0, world_size=1)
+                  rank=rank, world_size=world, num_workers=workers)
     whole = [b.numpy() for b in data.token_dataset(**opened)]
     first = data.token_dataset(**opened)
     seen = []
