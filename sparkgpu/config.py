@@ -242,6 +242,8 @@ class Settings:
         data_volume: Folder or fsspec URL where ``spark.gpu.train(data=...)`` keeps its MDS
             conversions; the ranks must reach it (``SPARKGPU_DATA_VOLUME``, default
             ``<home>/volumes/mds``, or ``<staging_url>/_mds`` with a staging store).
+        data_metrics_interval: Seconds between two points of each rank's data loader metrics
+            in the job's run (``SPARKGPU_DATA_METRICS_INTERVAL``, default 30).
     """
 
     home: Path
@@ -270,6 +272,7 @@ class Settings:
     spark_wait_timeout: float = 600.0
     data_volume: str = ""
     staging_url: str | None = None
+    data_metrics_interval: float = 30.0
 
     @classmethod
     def from_env(cls, env=None) -> "Settings":
@@ -314,6 +317,7 @@ class Settings:
             env_worker_lock=env.get("SPARKGPU_ENV_WORKER_LOCK") or None,
             spark_wait_timeout=_env_float(env, "SPARKGPU_SPARK_WAIT_TIMEOUT", 600.0),
             data_volume=env.get("SPARKGPU_DATA_VOLUME") or (f"{staging_url}/_mds" if staging_url else str(home / "volumes" / "mds")),
+            data_metrics_interval=_env_float(env, "SPARKGPU_DATA_METRICS_INTERVAL", 30.0),
         )
 
 

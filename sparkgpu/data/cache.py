@@ -163,6 +163,7 @@ class ShardCache:
         self._lookahead = lookahead_shards or max(2, 2 * download_threads)
         self._closed = False
         self.downloaded_bytes = 0
+        self.hits = self.misses = 0  # shards a step found on disk / had to wait for
         self._pool = self._parts = None
         self._planner = None
         if volume is not None:
@@ -241,7 +242,10 @@ class ShardCache:
         for shard in shards.tolist():
             path = self._paths[shard]
             if shard not in self._local:
+                self.misses += 1
                 self._ensure(shard, step)
+            else:
+                self.hits += 1
             paths.append(path)
         return paths
 

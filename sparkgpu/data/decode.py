@@ -103,7 +103,8 @@ class BatchDecoder:
                 view.place(batch, typed[view.tdtype], n, base)
             else:
                 # A column at an offset its dtype cannot be viewed at: copy it out.
-                raw = buffer.view(n, self.row_bytes)[:, view.offset: view.offset + view.size].contiguous()
+                # (clone, not contiguous(): a one-row slice counts as contiguous and keeps the row stride)
+                raw = buffer.view(n, self.row_bytes)[:, view.offset: view.offset + view.size].flatten().clone()
                 batch[view.names[0]] = raw.view(view.tdtype).reshape(n, *view.shape)
         return batch
 

@@ -35,6 +35,7 @@ from sparkgpu.data.cache import open_cache_entry
 from sparkgpu.data.order import DEFAULT_BLOCK_SIZE, EpochPlan, epoch_order
 from sparkgpu.data._pipeline import Producer, WorkerBatches, in_background, prefetch_to_device
 from sparkgpu.data.decode import BatchDecoder
+from sparkgpu.data.metrics import LoaderMetrics
 from sparkgpu.data.reader import INDEX_NAME, DatasetIndex
 from sparkgpu.data.volume import Volume
 from sparkgpu.errors import ConfigurationError, DataError
@@ -63,6 +64,8 @@ def dataset(
     world_size: int | None = None,
     storage_options: dict | None = None,
     allow_unsafe_types: bool = False,
+    streams: list | None = None,
+    epoch_size: int | None = None,
 ) -> "MDSLoader":
     """Opens an MDS dataset for training: an iterable of batches with a resumable position.
 
@@ -93,9 +96,12 @@ def dataset(
         world_size: Number of ranks (default: :func:`sparkgpu.runtime.get_world_size`).
         storage_options: Options for the volume's fsspec filesystem (credentials, endpoint).
         allow_unsafe_types: Allow ``pkl`` columns (unpickling runs arbitrary code).
+        streams: Mix several datasets instead (a list of :class:`sparkgpu.data.Stream`, in
+            place of ``remote``): see :mod:`sparkgpu.data.mixture`.
+        epoch_size: With ``streams``, samples per epoch (all ranks together).
 
     Returns:
-        An :class:`MDSLoader`.
+        An :class:`MDSLoader` (a :class:`~sparkgpu.data.mixture.MixtureLoader` with ``streams``).
 
     Raises:
         ConfigurationError: An argument is invalid (the message says what to pass instead).
@@ -105,6 +111,16 @@ def dataset(
     from sparkgpu import runtime
     from sparkgpu.config import settings
 
+    if streams is not None or epoch_size is not None:  # a mixture: each stream opens through this function
+        if streams is None or remote is not None:
+            raise ConfigurationError("pass remote= for one dataset, or streams=[data.Stream(...), ...] (with an optional epoch_size=) to mix several")
+        from sparkgpu.data.mixture import mixture_dataset
+
+        return mixture_dataset(
+            streams, local=local, epoch_size=epoch_size, batch_size=batch_size, shuffle=shuffle, seed=seed,
+            shuffle_block_size=shuffle_block_size, drop_last=drop_last, num_workers=num_workers, prefetch_batches=prefetch_batches,
+            device=device, cache_limit=cache_limit, download_threads=download_threads, rank=rank, world_size=world_size,
+            storage_options=storage_options, allow_unsafe_types=allow_unsafe_types, pin_memory=pin_memory)
     rank = runtime.get_global_rank() if rank is None else rank
     world_size = runtime.get_world_size() if world_size is None else world_size
     _check_int("batch_size", batch_size, 1)
@@ -193,6 +209,7 @@ class MDSLoader:
         self._producer = None
         self._workers = None  # the DataLoader of num_workers > 0, created on first use
         self._splitter = BatchDecoder(index.columns, allocate=None)
+        self.metrics = LoaderMetrics(rank)  # wait and step times, cache figures: stats() and the job's run
 
     # Position.
 
@@ -264,8 +281,9 @@ class MDSLoader:
         if self._splitter.fixed_width:
             split = self._splitter.split_rows
             source = (split(batch) if isinstance(batch, torch.Tensor) else batch for batch in source)
+        timed = self.metrics.timed(source, self._producer.cache if self._producer is not None else None)
         try:
-            for number, batch in enumerate(source, 1):
+            for number, batch in enumerate(timed, 1):
                 # Counted when handed out: a checkpoint taken after this step resumes after it.
                 self._consumed = start + min(number * step, len(plan.samples) * self.world_size)
                 yield batch
@@ -274,6 +292,11 @@ class MDSLoader:
             if close:
                 close()
         self.epoch, self._consumed = self.epoch + 1, 0
+
+    def stats(self) -> dict:
+        """This rank's loader figures so far (:meth:`sparkgpu.data.metrics.LoaderMetrics.snapshot`);
+        the cache's with ``num_workers=0`` only (workers keep their own caches)."""
+        return self.metrics.snapshot(self._producer.cache if self._producer is not None else None)
 
     def close(self) -> None:
         """Stops background downloads and frees open shards."""

@@ -46,7 +46,7 @@ from typing import Any
 from sparkgpu.launch.payload import atomic_write_bytes
 from sparkgpu.tracking.store import REAL_TRACKING_URI_ENV, SPOOL_SCHEME
 
-__all__ = ["JobRunInfo", "SpoolDir", "SpoolWriter", "register_spool_scheme", "spool_store", "SPOOL_ENV"]
+__all__ = ["JobRunInfo", "SpoolDir", "SpoolWriter", "register_spool_scheme", "spool_store", "job_spool_writer", "SPOOL_ENV"]
 
 SPOOL_ENV = "SPARKGPU_TRACKING_SPOOL"
 
@@ -178,6 +178,12 @@ class SpoolWriter:
             written = os.write(self._fd, data)
             while written < len(data):  # only on a full disk or a signal mid-write
                 written += os.write(self._fd, data[written:])
+
+
+def job_spool_writer() -> SpoolWriter | None:
+    """This process's writer into its job's spool, or ``None`` outside a job with tracking."""
+    path = os.environ.get(SPOOL_ENV)
+    return SpoolWriter.for_process(SpoolDir(path)) if path else None
 
 
 # -- the worker side: an MLflow tracking store over the spool -----------------------------

@@ -1,0 +1,382 @@
+"""Dataset mixtures: ``data.dataset(streams=[data.Stream(...), ...], epoch_size=...)``.
+
+```python
+mix = data.dataset(streams=[data.Stream(remote="s3://b/web", proportion=0.7),
+                            data.Stream(remote="s3://b/code", proportion=0.3)],
+                   epoch_size=1_000_000, batch_size=64, shuffle=True)
+```
+
+Samples per stream and epoch follow MosaicML Streaming's ``Stream`` weights exactly
+(``Stream.apply_weights``):
+
+* ``proportion`` (all streams or none): ``epoch_size`` (default: all samples of all streams)
+  times each stream's share of the proportions, rounded down; the shortfall goes one sample
+  each to streams drawn with ``numpy.random.default_rng(seed)``, as mosaic does.
+* no weights and an ``epoch_size``: the same, with proportions from the streams' sizes.
+* otherwise per stream: ``repeat`` times its samples (rounded down), or ``choose`` samples,
+  or all of them once; ``epoch_size`` must then be left out.
+
+Which samples. A stream drawing ``n`` of its ``size`` samples reads all of them
+``n // size`` times and ``n % size`` more. Each pass is an epoch order of the stream
+(:func:`sparkgpu.data.order.epoch_order`, keyed by seed, epoch, stream and pass), and the
+extra samples are the first ``n % size`` of one more pass. Where mosaic draws that remainder
+sample by sample over the whole stream (``sampling_granularity=1``), this takes it from a
+stretch of the shuffled stream: a random subset, but from fewer shards, so a small cache
+holds it. Without ``shuffle`` the remainder is the stream's first samples.
+
+Mixing. The epoch interleaves the streams: with ``shuffle``, the stream of each position of
+the epoch is a random permutation of the streams' counts; without, the streams are spread
+evenly (stream ``s``'s ``k``-th sample sits at ``(k + 0.5) / n_s`` of the epoch). Mosaic
+instead shuffles all streams' shards together and partitions them over nodes and workers;
+the counts per epoch are the same, the order is not. The epoch is then split over ranks as
+any dataset's (:mod:`sparkgpu.data.order`): the same number of samples and batches on
+every rank, and a position of "samples consumed" that resumes exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import torch
+
+from sparkgpu.data.cache import ShardCache
+from sparkgpu.data.decode import BatchDecoder
+from sparkgpu.data.metrics import LoaderMetrics
+from sparkgpu.data.order import EpochPlan, epoch_order
+from sparkgpu.data.reader import ShardReader
+from sparkgpu.data.volume import Volume
+from sparkgpu.errors import ConfigurationError
+
+__all__ = ["Stream", "MixtureLoader", "samples_per_stream"]
+
+_STATE_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Stream:
+    """One dataset of a mixture, with its weight.
+
+    Args:
+        remote: Volume URL of the stream's MDS folder (``None``: the shards in ``local``).
+        local: With ``remote``, this stream's cache root (default: the mixture's ``local``,
+            else ``SPARKGPU_CACHE_DIR``); without, the stream's dataset folder.
+        proportion: Relative weight; set it on every stream or none.
+        repeat: Passes over this stream per epoch (``0.5``: a random half).
+        choose: Samples of this stream per epoch.
+
+    Raises:
+        ConfigurationError: More than one weight, a negative weight, or no location.
+    """
+
+    remote: str | None = None
+    local: str | os.PathLike | None = None
+    proportion: float | None = None
+    repeat: float | None = None
+    choose: int | None = None
+
+    def __post_init__(self):
+        if self.remote is None and self.local is None:
+            raise ConfigurationError("Stream needs remote= (a volume URL), local= (a folder of shards), or both")
+        weights = {k: v for k, v in (("proportion", self.proportion), ("repeat", self.repeat), ("choose", self.choose)) if v is not None}
+        if len(weights) > 1:
+            raise ConfigurationError(f"Stream takes one of proportion, repeat and choose, got {sorted(weights)}; keep one")
+        for name, value in weights.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (name == "choose" and value != int(value)):
+                raise ConfigurationError(f"Stream {name}={value!r} must be a {'whole ' if name == 'choose' else ''}number >= 0")
+
+
+def samples_per_stream(streams, sizes, epoch_size: int | None, seed: int) -> np.ndarray:
+    """Samples each stream contributes to every epoch (mosaic's ``Stream.apply_weights``).
+
+    Args:
+        streams: The :class:`Stream` weights.
+        sizes: Samples in each stream.
+        epoch_size: Samples per epoch, or ``None``.
+        seed: Seed that places the rounding shortfall.
+
+    Raises:
+        ConfigurationError: Proportions on some streams only, or ``epoch_size`` with absolute weights.
+    """
+    sizes = np.asarray(sizes, dtype=np.int64)
+    relative = [s.proportion is not None for s in streams]
+    if any(relative) and not all(relative):
+        raise ConfigurationError("set proportion on every stream or on none (mix proportions with repeat/choose "
+                                 "by giving every stream a proportion instead)")
+    unweighted = all(s.repeat is None and s.choose is None for s in streams)
+    if all(relative) or (unweighted and epoch_size):
+        shares = np.array([s.proportion for s in streams] if all(relative) else sizes, dtype=np.float64)
+        if shares.sum() <= 0:
+            raise ConfigurationError("the streams' proportions add up to 0; give at least one stream a positive proportion")
+        total = int(epoch_size) if epoch_size else int(sizes.sum())
+        counts = (total * (shares / shares.sum())).astype(np.int64)
+        shortfall = total - int(counts.sum())
+        counts[np.random.default_rng(seed).choice(len(streams), shortfall, False)] += 1
+        return counts
+    if epoch_size:
+        raise ConfigurationError("epoch_size= applies to relative weights (proportion, or none at all); with repeat/choose "
+                                 "the epoch is the sum of the streams' samples: leave epoch_size out or use proportions")
+    return np.array([int(s.repeat * n) if s.repeat is not None else int(s.choose) if s.choose is not None else int(n)
+                     for s, n in zip(streams, sizes)], dtype=np.int64)
+
+
+def mixture_dataset(streams, *, local, epoch_size, batch_size, shuffle, seed, shuffle_block_size, drop_last, num_workers,
+                    prefetch_batches, device, cache_limit, download_threads, rank, world_size, storage_options,
+                    allow_unsafe_types, **unsupported) -> "MixtureLoader":
+    """Opens each stream as :func:`sparkgpu.data.dataset` would and mixes them (see the module doc)."""
+    from sparkgpu.data.loader import _check_int, dataset
+
+    if not isinstance(streams, (list, tuple)) or not streams or not all(isinstance(s, Stream) for s in streams):
+        raise ConfigurationError(f"streams= takes a non-empty list of data.Stream, got {streams!r:.200}")
+    if epoch_size is not None:
+        _check_int("epoch_size", epoch_size, 1)
+    if num_workers:
+        raise ConfigurationError("mixtures decode batches in the calling process; pass num_workers=0 "
+                                 "(prefetch_batches= decodes ahead on a thread)")
+    bad = sorted(k for k, v in unsupported.items() if v)
+    if bad:
+        raise ConfigurationError(f"{bad} are not supported with streams=; leave them out")
+    opened = []
+    for stream in streams:
+        where = stream.local if stream.local is not None else (local if stream.remote is not None else None)
+        opened.append(dataset(stream.remote, where, batch_size=batch_size, shuffle=shuffle, seed=seed,
+                              shuffle_block_size=shuffle_block_size, drop_last=drop_last, prefetch_batches=prefetch_batches,
+                              device=device, cache_limit=cache_limit, download_threads=download_threads, rank=rank,
+                              world_size=world_size, storage_options=storage_options, allow_unsafe_types=allow_unsafe_types))
+    first = opened[0].index.columns
+    for number, loader in enumerate(opened[1:], 1):
+        if [(c.name, c.encoding) for c in loader.index.columns] != [(c.name, c.encoding) for c in first]:
+            raise ConfigurationError(
+                f"stream {number} has columns {[(c.name, c.encoding) for c in loader.index.columns]} but stream 0 has "
+                f"{[(c.name, c.encoding) for c in first]}; mixed streams need the same columns and encodings: "
+                "convert them with the same schema"
+            )
+    counts = samples_per_stream(streams, [o.num_samples for o in opened], epoch_size, seed)
+    return MixtureLoader(opened, counts, prefetch_batches=prefetch_batches)
+
+
+class _StreamReader:
+    """One stream's cache, open shards and decoder."""
+
+    def __init__(self, loader, pinned: bool):
+        volume = Volume(loader.volume_url, loader.storage_options) if loader.volume_url else None
+        self.index = loader.index
+        self.cache = ShardCache(loader.directory, self.index, volume, loader.cache_limit, loader.download_threads)
+        self.decoder = BatchDecoder(self.index.columns, lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=pinned))
+        self.ends = np.cumsum(self.index.shard_sizes)
+        self._readers: dict[int, ShardReader] = {}
+
+    def plan(self, batches: list[np.ndarray]) -> None:
+        """Tells the cache which shards each coming batch reads (for prefetching and eviction)."""
+        self.cache.set_plan([np.unique(np.searchsorted(self.ends, ids, side="right")) for ids in batches])
+
+    def locate(self, step: int, ids: np.ndarray) -> tuple[list[ShardReader], np.ndarray, np.ndarray]:
+        """The open shards ``ids`` lie in, each id's position among them, and its row in its shard."""
+        shard_of = np.searchsorted(self.ends, ids, side="right")
+        shards = np.unique(shard_of)
+        paths = self.cache.acquire(step, shards)
+        keep = set(shards.tolist())
+        for shard in [s for s in self._readers if s not in keep]:
+            self._readers.pop(shard).close()
+        readers = []
+        for shard, path in zip(shards.tolist(), paths):
+            if shard not in self._readers:
+                self._readers[shard] = ShardReader(path, self.index.shards[shard], self.decoder.row_bytes)
+            readers.append(self._readers[shard])
+        rows = ids - (self.ends[shard_of] - self.index.shard_sizes[shard_of])
+        return readers, np.searchsorted(shards, shard_of).astype(np.int32), rows
+
+    def decode(self, step: int, ids: np.ndarray) -> dict:
+        readers, source_ids, rows = self.locate(step, ids)
+        return self.decoder.decode(readers, None if len(readers) == 1 else source_ids, rows)
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()
+        self.cache.close()
+
+
+class MixtureLoader:
+    """An epoch-by-epoch iterable of batches mixed from several streams, with an exact position.
+
+    Built by :func:`sparkgpu.data.dataset` with ``streams=``.
+
+    Attributes:
+        counts: Samples each stream contributes to every epoch.
+        num_samples: Samples in an epoch (all ranks together).
+        epoch: The epoch the next iteration reads.
+    """
+
+    def __init__(self, streams: list, counts: np.ndarray, prefetch_batches: int = 0):
+        self.streams = streams  # one MDSLoader per stream: its index, location and settings
+        first = streams[0]
+        self.counts = counts
+        self.num_samples = int(counts.sum())
+        self.batch_size, self.shuffle, self.seed = first.batch_size, first.shuffle, first.seed
+        self.shuffle_block_size, self.drop_last = first.shuffle_block_size, first.drop_last
+        self.rank, self.world_size, self.device = first.rank, first.world_size, first.device
+        self.prefetch_batches = prefetch_batches
+        self._offsets = np.concatenate([[0], np.cumsum(counts)])
+        self._readers = None
+        self.epoch = 0
+        self._consumed = 0
+        self.metrics = LoaderMetrics(self.rank)
+
+    # Position.
+
+    def state_dict(self) -> dict:
+        """The position after the last batch handed out, as plain JSON (the same on every rank)."""
+        return {
+            "version": _STATE_VERSION, "epoch": self.epoch, "samples_consumed": self._consumed, "seed": self.seed,
+            "shuffle": self.shuffle, "shuffle_block_size": self.shuffle_block_size, "counts": self.counts.tolist(),
+            "datasets": [s.index.fingerprint for s in self.streams],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continues from a saved position: the next iteration yields the rest of that epoch.
+
+        Raises:
+            ConfigurationError: The state comes from other streams, weights or shuffle.
+        """
+        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION or "counts" not in state:
+            raise ConfigurationError(f"not a mixture state (expected a dict from MixtureLoader.state_dict(), got {state!r:.200})")
+        mine = self.state_dict()
+        for key in ("seed", "shuffle", "shuffle_block_size", "counts", "datasets"):
+            if state[key] != mine[key]:
+                raise ConfigurationError(f"the saved state has {key}={state[key]!r} but this mixture has {key}={mine[key]!r}; "
+                                         "open the same streams with the same weights, seed and shuffle to resume")
+        consumed = int(state["samples_consumed"])
+        if not 0 <= consumed <= self.num_samples:
+            raise ConfigurationError(f"samples_consumed={consumed} is outside this epoch of {self.num_samples} samples")
+        self.epoch, self._consumed = int(state["epoch"]), consumed
+
+    def set_epoch(self, epoch: int) -> None:
+        """Starts the next iteration at the beginning of ``epoch``."""
+        from sparkgpu.data.loader import _check_int
+
+        _check_int("epoch", epoch, 0)
+        self.epoch, self._consumed = epoch, 0
+
+    def __len__(self) -> int:
+        """Batches this rank reads in a whole epoch."""
+        return self._plan(self.epoch, 0).num_batches
+
+    def stats(self) -> dict:
+        """This rank's loader figures so far, all streams' caches together."""
+        return self.metrics.snapshot([r.cache for r in self._readers] if self._readers else None)
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The epoch's samples in order, as mixture ids (stream ``s``'s sample ``i`` is
+        ``offsets[s] + i`` where ``offsets`` are the cumulative sizes of the streams)."""
+        labels = self._stream_of_positions(epoch)
+        order = np.empty(self.num_samples, dtype=np.int64)
+        sizes = [s.num_samples for s in self.streams]
+        bases = np.concatenate([[0], np.cumsum(sizes)])
+        for s, count in enumerate(self.counts.tolist()):
+            order[labels == s] = bases[s] + self._stream_samples(epoch, s, count)
+        return order
+
+    # Iteration.
+
+    def __iter__(self):
+        from sparkgpu.data._pipeline import in_background, prefetch_to_device
+
+        plan = self._plan(self.epoch, self._consumed)
+        if plan.num_batches == 0 and self._consumed > 0:
+            self.epoch, self._consumed = self.epoch + 1, 0
+            plan = self._plan(self.epoch, 0)
+        if self._readers is None:
+            self._readers = [_StreamReader(s, pinned=self.device is not None) for s in self.streams]
+        start, step = self._consumed, self.batch_size * self.world_size
+        source = self._batches(plan)
+        if self.prefetch_batches:
+            source = in_background(source, self.prefetch_batches)
+        if self.device is not None:
+            source = prefetch_to_device(source, self.device)
+        for number, batch in enumerate(self.metrics.timed(source, [r.cache for r in self._readers]), 1):
+            self._consumed = start + min(number * step, len(plan.samples) * self.world_size)
+            yield batch
+        self.epoch, self._consumed = self.epoch + 1, 0
+
+    def close(self) -> None:
+        """Stops background downloads and frees open shards."""
+        for reader in self._readers or ():
+            reader.close()
+        self._readers = None
+
+    def _plan(self, epoch: int, start: int) -> EpochPlan:
+        return EpochPlan.for_rank(self.epoch_order(epoch), start=start, rank=self.rank, world_size=self.world_size,
+                                  batch_size=self.batch_size, drop_last=self.drop_last)
+
+    def _batches(self, plan: EpochPlan):
+        bases = np.concatenate([[0], np.cumsum([s.num_samples for s in self.streams])])
+        batches = [plan.batch(b) for b in range(plan.num_batches)]
+        stream_of = [np.searchsorted(bases, ids, side="right") - 1 for ids in batches]
+        for s, reader in enumerate(self._readers):
+            reader.plan([ids[of == s] - bases[s] for ids, of in zip(batches, stream_of)])
+        decoder = self._readers[0].decoder
+        for step, (ids, of) in enumerate(zip(batches, stream_of)):
+            if decoder.fixed_width:  # every stream has the same row layout: one gather of the whole batch
+                yield decoder.split_rows(self._gather_rows(step, ids, of, bases))
+                continue
+            parts = [(np.flatnonzero(of == s), reader.decode(step, ids[of == s] - bases[s]))
+                     for s, reader in enumerate(self._readers) if np.any(of == s)]
+            yield _merge(parts, len(ids))
+
+    def _gather_rows(self, step: int, ids: np.ndarray, stream_of: np.ndarray, bases: np.ndarray) -> torch.Tensor:
+        from sparkgpu.data import _gather
+
+        sources, source_ids, rows = [], np.empty(len(ids), dtype=np.int32), np.empty(len(ids), dtype=np.int64)
+        for s, reader in enumerate(self._readers):
+            mine = stream_of == s
+            if not mine.any():
+                continue
+            readers, local_sources, rows[mine] = reader.locate(step, ids[mine] - bases[s])
+            source_ids[mine] = local_sources + len(sources)
+            sources += [r.rows for r in readers]
+        row_bytes = self._readers[0].decoder.row_bytes
+        buffer = self._readers[0].decoder.allocate(len(ids) * row_bytes)
+        _gather.gather_rows(buffer.numpy().reshape(len(ids), row_bytes), sources, source_ids, rows)
+        return buffer
+
+    def _stream_of_positions(self, epoch: int) -> np.ndarray:
+        if self.shuffle:
+            rng = np.random.default_rng(np.random.SeedSequence([self.seed, epoch, 0x6D6978]))  # "mix"
+            return rng.permutation(np.repeat(np.arange(len(self.counts)), self.counts))
+        spots = np.concatenate([(np.arange(n) + 0.5) / n for n in self.counts.tolist()]) if self.num_samples else np.empty(0)
+        labels = np.repeat(np.arange(len(self.counts)), self.counts)
+        return labels[np.argsort(spots, kind="stable")]
+
+    def _stream_samples(self, epoch: int, stream: int, count: int) -> np.ndarray:
+        loader = self.streams[stream]
+        size = loader.num_samples
+        passes, rest = divmod(count, size)
+        orders = []
+        for number in range(passes + (1 if rest else 0)):
+            seed = int(np.random.SeedSequence([self.seed, stream, number]).generate_state(1)[0]) if self.shuffle else 0
+            orders.append(epoch_order(loader.index.shard_sizes, shuffle=self.shuffle, seed=seed, epoch=epoch,
+                                      block_size=self.shuffle_block_size))
+        if rest:
+            orders[-1] = orders[-1][:rest]
+        return np.concatenate(orders) if orders else np.empty(0, dtype=np.int64)
+
+
+def _merge(parts: list, n: int) -> dict:
+    """One batch from each stream's share: ``parts`` is ``(positions in the batch, decoded dict)``."""
+    if len(parts) == 1:
+        return parts[0][1]
+    batch = {}
+    for name, first in parts[0][1].items():
+        if isinstance(first, torch.Tensor):
+            out = first.new_empty((n, *first.shape[1:]))
+            for positions, values in parts:
+                out[torch.from_numpy(positions)] = values[name]
+        else:
+            out = [None] * n
+            for positions, values in parts:
+                for position, value in zip(positions.tolist(), values[name]):
+                    out[position] = value
+        batch[name] = out
+    return batch

@@ -1,0 +1,314 @@
+"""``sparkgpu.data.token_dataset``: ragged token arrays packed into fixed-length blocks.
+
+```python
+from sparkgpu import data
+tok = data.token_dataset(remote="s3://b/tokens-mds", column="ids", seq_len=4096, batch_size=8, eos_id=2)
+for block in tok:                       # int tensor (8, 4097)
+    inputs, targets = block[:, :-1], block[:, 1:]
+```
+
+The stream. Documents (one integer array per sample) are laid end to end in dataset order,
+with ``eos_id`` after each one when given. Block ``b`` is ``stream[b * seq_len : b * seq_len
++ seq_len + 1]``: ``seq_len + 1`` tokens, so that inputs and next-token targets come from one
+block, and consecutive blocks overlap by one token, so every token of the stream is a target
+exactly once (litdata's ``TokensLoader`` cuts disjoint blocks of ``block_size`` tokens and
+the documented recipe passes ``block_size=seq_len + 1``, which leaves the token at each
+boundary out of the targets). ``targets=False`` gives disjoint blocks of ``seq_len``.
+Blocks run across document and shard boundaries; tokens after the last whole block are left
+out.
+
+Order and split. Blocks play the part of samples in :mod:`sparkgpu.data.order`: a block
+belongs to the shard its first token is in, the epoch's order is that module's shard-aware
+shuffle (or the stream's order), and position ``p`` goes to rank ``p % world_size``. The
+position is "blocks consumed", so a resume continues exactly at the next token, with any
+world size.
+
+Opening the dataset reads every shard's sample headers once to count its tokens (the index
+does not record them); for a remote volume this downloads the shards into the cache.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+
+import numpy as np
+import torch
+
+from sparkgpu.data._token_shards import TokenColumn
+from sparkgpu.data.cache import ShardCache
+from sparkgpu.data.metrics import LoaderMetrics
+from sparkgpu.data.order import DEFAULT_BLOCK_SIZE, EpochPlan, epoch_order
+from sparkgpu.data.reader import ShardReader
+from sparkgpu.data.volume import Volume
+from sparkgpu.errors import ConfigurationError
+
+__all__ = ["token_dataset", "TokenLoader"]
+
+_STATE_VERSION = 1
+_KEPT_SHARDS = 4  # flat token arrays kept in memory: a shard-aware order reads a few at a time
+
+
+def token_dataset(
+    remote: str | None = None,
+    local: str | os.PathLike | None = None,
+    *,
+    column: str,
+    seq_len: int,
+    batch_size: int,
+    eos_id: int | None = None,
+    targets: bool = True,
+    shuffle: bool = False,
+    seed: int = 0,
+    shuffle_block_size: int | None = None,
+    drop_last: bool = False,
+    num_workers: int = 0,
+    cache_limit: int | str | None = None,
+    download_threads: int = 8,
+    rank: int | None = None,
+    world_size: int | None = None,
+    storage_options: dict | None = None,
+) -> "TokenLoader":
+    """Opens an MDS dataset of token ids as batches of fixed-length blocks.
+
+    Args:
+        remote: Volume URL of the dataset folder, as for :func:`sparkgpu.data.dataset`.
+        local: Cache root (with ``remote``) or the dataset folder (without), as for ``dataset``.
+        column: The column holding each document's token ids (a 1-D integer array).
+        seq_len: Tokens of input per block.
+        batch_size: Blocks per batch on each rank.
+        eos_id: Token put after every document (``None``: documents run straight on).
+        targets: Blocks of ``seq_len + 1`` tokens overlapping by one (inputs and next-token
+            targets); ``False``: disjoint blocks of ``seq_len``.
+        shuffle: Shuffle blocks, differently each epoch, the same for the same seed.
+        seed: Seed of the shuffle; every rank must use the same one.
+        shuffle_block_size: Blocks of neighbouring shards mix within windows of this many
+            blocks (default 262144).
+        drop_last: Leave out each rank's short last batch of the epoch.
+        num_workers: DataLoader worker processes cutting batches (0: in this process).
+        cache_limit: Most bytes of shards kept in the cache, as for ``dataset``.
+        download_threads: Parallel shard downloads.
+        rank: This process's rank (default: from the job).
+        world_size: Number of ranks (default: from the job).
+        storage_options: Options for the volume's fsspec filesystem.
+
+    Returns:
+        A :class:`TokenLoader` yielding ``int`` tensors of shape ``(batch, seq_len + 1)``
+        (``(batch, seq_len)`` with ``targets=False``) in the column's dtype.
+
+    Raises:
+        ConfigurationError: An argument is invalid, or ``column`` is not integer arrays.
+        DataError: The dataset cannot be read.
+    """
+    from sparkgpu.data.loader import _check_int, dataset
+
+    _check_int("seq_len", seq_len, 1)
+    if eos_id is not None:
+        _check_int("eos_id", eos_id, 0)
+    # dataset() checks and opens everything the two loaders share (volume, cache, rank).
+    opened = dataset(remote, local, batch_size=batch_size, shuffle=shuffle, seed=seed, shuffle_block_size=shuffle_block_size,
+                     drop_last=drop_last, num_workers=num_workers, cache_limit=cache_limit,
+                     download_threads=download_threads, rank=rank, world_size=world_size, storage_options=storage_options)
+    tokens = TokenColumn(opened.index, column, eos_id)
+    tokens.column  # noqa: B018 - raises when the column is missing
+    spec = {
+        "index": opened.index, "directory": opened.directory, "volume_url": opened.volume_url,
+        "storage_options": storage_options, "cache_limit": opened.cache_limit, "download_threads": download_threads,
+    }
+    return TokenLoader(spec, tokens, seq_len=seq_len, width=seq_len + (1 if targets else 0), batch_size=batch_size,
+                       shuffle=shuffle, seed=seed, shuffle_block_size=opened.shuffle_block_size, drop_last=drop_last,
+                       num_workers=num_workers, rank=opened.rank, world_size=opened.world_size)
+
+
+class _TokenSource:
+    """Token arrays of shards through the cache, the few most recent kept flat in memory."""
+
+    def __init__(self, spec: dict, tokens: TokenColumn):
+        volume = Volume(spec["volume_url"], spec["storage_options"]) if spec["volume_url"] else None
+        self.index, self.tokens = spec["index"], tokens
+        self.cache = ShardCache(spec["directory"], spec["index"], volume, spec["cache_limit"], spec["download_threads"])
+        self._kept: collections.OrderedDict = collections.OrderedDict()
+
+    def reader(self, step: int, shard: int) -> ShardReader:
+        (path,) = self.cache.acquire(step, np.array([shard], dtype=np.int64))
+        try:
+            return ShardReader(path, self.index.shards[shard], None)
+        except FileNotFoundError:  # evicted by another process between acquire and open
+            return ShardReader(self.cache.refetch(shard), self.index.shards[shard], None)
+
+    def shard_tokens(self, step: int, shard: int) -> np.ndarray:
+        if shard in self._kept:
+            self._kept.move_to_end(shard)
+            return self._kept[shard]
+        reader = self.reader(step, shard)
+        flat = self.tokens.tokens(reader)  # a copy: the shard may be unmapped and evicted after this
+        reader.close()
+        self._kept[shard] = flat
+        while len(self._kept) > _KEPT_SHARDS:
+            self._kept.popitem(last=False)
+        return flat
+
+    def close(self) -> None:
+        self._kept.clear()
+        self.cache.close()
+
+
+class TokenLoader:
+    """An epoch-by-epoch iterable of token blocks with an exact, JSON-able position.
+
+    Built by :func:`token_dataset`.
+
+    Attributes:
+        num_tokens: Tokens in the stream (documents plus EOS tokens).
+        num_blocks: Blocks in an epoch (all ranks together).
+        epoch: The epoch the next iteration reads.
+    """
+
+    def __init__(self, spec: dict, tokens: TokenColumn, *, seq_len, width, batch_size, shuffle, seed, shuffle_block_size,
+                 drop_last, num_workers, rank, world_size):
+        self._spec, self._tokens = spec, tokens
+        self.seq_len, self.width, self.batch_size = seq_len, width, batch_size
+        self.shuffle, self.seed, self.shuffle_block_size = shuffle, seed, shuffle_block_size
+        self.drop_last, self.num_workers, self.rank, self.world_size = drop_last, num_workers, rank, world_size
+        self._source = _TokenSource(spec, tokens)
+        counts = np.array([tokens.counts(self._source.reader(0, s)) for s in range(len(spec["index"].shards))], dtype=np.int64)
+        self._shard_ends = np.cumsum(counts)
+        self._shard_starts = self._shard_ends - counts
+        self._offsets = np.arange(width, dtype=np.int64)
+        self.num_tokens = int(self._shard_ends[-1])
+        self.dtype = tokens.column.dtype
+        self._check_eos()
+        self.num_blocks = max(0, (self.num_tokens - (width - seq_len)) // seq_len)
+        first_tokens = np.arange(self.num_blocks, dtype=np.int64) * seq_len
+        self._blocks_per_shard = np.bincount(np.searchsorted(self._shard_ends, first_tokens, side="right"),
+                                             minlength=len(counts)).astype(np.int64)
+        self.epoch = 0
+        self._consumed = 0
+        self.metrics = LoaderMetrics(rank)
+
+    def _check_eos(self) -> None:
+        eos = self._tokens.eos_id
+        if eos is None:
+            return
+        dtype = self.dtype if self.dtype is not None else np.dtype(self._tokens.spans(self._source.reader(0, 0))[2])
+        self.dtype = dtype
+        if eos > np.iinfo(dtype).max:
+            raise ConfigurationError(f"eos_id={eos} does not fit the column's {dtype} tokens; pass an id below {np.iinfo(dtype).max + 1}")
+
+    # Position.
+
+    def state_dict(self) -> dict:
+        """The position after the last batch handed out, as plain JSON (the same on every rank)."""
+        return {
+            "version": _STATE_VERSION, "epoch": self.epoch, "blocks_consumed": self._consumed, "seed": self.seed,
+            "shuffle": self.shuffle, "shuffle_block_size": self.shuffle_block_size, "seq_len": self.seq_len,
+            "width": self.width, "num_tokens": self.num_tokens, "eos_id": self._tokens.eos_id,
+            "column": self._tokens.name, "dataset": self._spec["index"].fingerprint,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continues from a saved position: the next iteration starts at the next unread block.
+
+        Raises:
+            ConfigurationError: The state comes from another dataset, column, packing or shuffle.
+        """
+        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION or "blocks_consumed" not in state:
+            raise ConfigurationError(f"not a token loader state (expected a dict from TokenLoader.state_dict(), got {state!r:.200})")
+        mine = self.state_dict()
+        for key in ("seed", "shuffle", "shuffle_block_size", "seq_len", "width", "num_tokens", "eos_id", "column", "dataset"):
+            if state[key] != mine[key]:
+                raise ConfigurationError(f"the saved state has {key}={state[key]!r} but this loader has {key}={mine[key]!r}; "
+                                         f"open the dataset with the same {key} to resume, or start a fresh epoch with set_epoch()")
+        consumed = int(state["blocks_consumed"])
+        if not 0 <= consumed <= self.num_blocks:
+            raise ConfigurationError(f"blocks_consumed={consumed} is outside this stream of {self.num_blocks} blocks")
+        self.epoch, self._consumed = int(state["epoch"]), consumed
+
+    def set_epoch(self, epoch: int) -> None:
+        """Starts the next iteration at the beginning of ``epoch``."""
+        from sparkgpu.data.loader import _check_int
+
+        _check_int("epoch", epoch, 0)
+        self.epoch, self._consumed = epoch, 0
+
+    def __len__(self) -> int:
+        """Batches this rank reads in a whole epoch."""
+        return self._plan(self.epoch, 0).num_batches
+
+    def stats(self) -> dict:
+        """This rank's loader figures so far (see :class:`sparkgpu.data.metrics.LoaderMetrics`)."""
+        return self.metrics.snapshot(self._source.cache)
+
+    # Iteration.
+
+    def __iter__(self):
+        plan = self._plan(self.epoch, self._consumed)
+        if plan.num_batches == 0 and self._consumed > 0:
+            self.epoch, self._consumed = self.epoch + 1, 0
+            plan = self._plan(self.epoch, 0)
+        start, step = self._consumed, self.batch_size * self.world_size
+        if self.num_workers:
+            source = iter(torch.utils.data.DataLoader(_WorkerBlocks(self, plan), batch_size=None, num_workers=self.num_workers))
+        else:
+            source = self.batches(plan, range(plan.num_batches))
+        for number, batch in enumerate(self.metrics.timed(source, self._source.cache), 1):
+            self._consumed = start + min(number * step, len(plan.samples) * self.world_size)
+            yield batch
+        self.epoch, self._consumed = self.epoch + 1, 0
+
+    def batches(self, plan: EpochPlan, numbers):
+        """Yields the blocks of ``plan``'s batches ``numbers`` as tensors."""
+        numbers = list(numbers)
+        firsts = [plan.batch(b) * self.seq_len for b in numbers]
+        self._source.cache.set_plan([self._shards(f) for f in firsts])
+        for step, first in enumerate(firsts):
+            yield torch.from_numpy(self._cut(step, first))
+
+    def close(self) -> None:
+        """Stops background downloads and frees the shards held in memory."""
+        self._source.close()
+
+    def _plan(self, epoch: int, start: int) -> EpochPlan:
+        order = epoch_order(self._blocks_per_shard, shuffle=self.shuffle, seed=self.seed, epoch=epoch,
+                            block_size=self.shuffle_block_size or DEFAULT_BLOCK_SIZE)
+        return EpochPlan.for_rank(order, start=start, rank=self.rank, world_size=self.world_size,
+                                  batch_size=self.batch_size, drop_last=self.drop_last)
+
+    def _shards(self, firsts: np.ndarray) -> np.ndarray:
+        lo = np.searchsorted(self._shard_ends, firsts, side="right")
+        hi = np.searchsorted(self._shard_ends, firsts + self.width - 1, side="right")
+        return np.unique(np.concatenate([lo, hi]))
+
+    def _cut(self, step: int, firsts: np.ndarray) -> np.ndarray:
+        """Blocks starting at stream positions ``firsts``: one fancy-index gather per shard."""
+        out = np.empty((len(firsts), self.width), dtype=self.dtype)
+        offsets, starts_of_shards = self._offsets, self._shard_starts
+        shard_of = np.searchsorted(self._shard_ends, firsts, side="right")
+        inside = firsts + self.width <= self._shard_ends[shard_of]
+        for shard in np.unique(shard_of[inside]).tolist():
+            rows = np.flatnonzero(inside & (shard_of == shard))
+            flat = self._source.shard_tokens(step, shard)
+            out[rows] = flat[(firsts[rows] - starts_of_shards[shard])[:, None] + offsets]
+        for row in np.flatnonzero(~inside).tolist():  # blocks across a shard boundary: one in a shard's worth
+            position, filled, shard = int(firsts[row]), 0, int(shard_of[row])
+            while filled < self.width:
+                flat = self._source.shard_tokens(step, shard)
+                begin = position + filled - int(starts_of_shards[shard])
+                take = min(self.width - filled, len(flat) - begin)
+                out[row, filled:filled + take] = flat[begin:begin + take]
+                filled, shard = filled + take, shard + 1
+        return out
+
+
+class _WorkerBlocks(torch.utils.data.IterableDataset):
+    """Worker ``w`` of ``k`` cuts batches ``w, w + k, ...``; the DataLoader interleaves them back in order."""
+
+    def __init__(self, loader: TokenLoader, plan: EpochPlan):
+        self.loader, self.plan = loader, plan
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        if info is not None:  # a forked copy: the parent's download threads did not come along
+            self.loader._source = _TokenSource(self.loader._spec, self.loader._tokens)
+        yield from self.loader.batches(self.plan, range(worker, self.plan.num_batches, workers))
