@@ -15,7 +15,10 @@ from pathlib import Path
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError
 
-__all__ = ["new_key", "save_key", "load_key"]
+__all__ = ["new_key", "save_key", "load_key", "rank_secrets", "RAY_TOKEN_ENV"]
+
+# A secret derived from the job key that the ranks keep (they never see the key itself).
+RAY_TOKEN_ENV = "SPARKGPU_RAY_TOKEN"
 
 
 def _keyring() -> Path:
@@ -48,3 +51,15 @@ def load_key(job_id: str) -> bytes:
             f"no signing key for job {job_id} on this machine; resume it from the machine (and user) "
             "that launched it, or launch it again"
         ) from None
+
+
+def rank_secrets(key: bytes) -> dict[str, str]:
+    """Secrets derived from the job key that its ranks may hold, as environment variables.
+
+    ``SPARKGPU_RAY_TOKEN``: the token of the Ray cluster a ``@ray_launch`` job starts, so that
+    only the job's own processes get into it. Knowing it gives no way back to the key.
+    """
+    import hashlib
+    import hmac
+
+    return {RAY_TOKEN_ENV: hmac.new(key, b"sparkgpu ray token", hashlib.sha256).hexdigest()}
