@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     rendezvous.register()
     # The ranks inherit these.
     os.environ.update(rendezvous.collective_interface_env(args.master_addr))
-    os.environ.update(rank_secrets(rd.key))
+    os.environ.update(rank_secrets(rd.key, os.environ))
 
     config = LaunchConfig(
         min_nodes=args.nnodes,

@@ -234,7 +234,7 @@ class _Zygote:
             try:  # the node agent's check: nothing is forked for a payload that is not the job's
                 run_dir.key = key_from_environ(env)
                 air = run_dir.verify()[run_dir.air.name]
-                env.update(rank_secrets(run_dir.key))
+                env.update(rank_secrets(run_dir.key, env))
             except PayloadSignatureError as exc:
                 with open(run_dir.agent_log(attempt, 0), "a") as log:
                     refuse(run_dir, attempt, 0, nproc, exc, out=log)

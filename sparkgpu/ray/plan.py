@@ -197,25 +197,6 @@ def short_temp_dir() -> str:
     return tempfile.mkdtemp(prefix="sgray-", dir=root)
 
 
-def ray_auth_env(environ) -> dict[str, str]:
-    """Ray's token authentication for a job's cluster, with the token derived from the job key.
-
-    Ray listens on the node's address, never on loopback alone (it turns ``127.0.0.1`` into the
-    host's external address), and without a token anyone who reaches its ports can run code
-    as the job. Every node and the driver get the same token; nothing outside the job has it.
-
-    Args:
-        environ: The rank's environment, holding ``SPARKGPU_RAY_TOKEN`` (its launcher put it there).
-
-    Returns:
-        ``RAY_AUTH_MODE`` and ``RAY_AUTH_TOKEN``; empty outside a job.
-    """
-    from sparkgpu.launch.keys import RAY_TOKEN_ENV
-
-    token = environ.get(RAY_TOKEN_ENV)
-    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token} if token else {}
-
-
 def ray_node_env(spec: RayNodeSpec, base: dict[str, str] | None = None,
                  import_paths: list[str] | None = None) -> dict[str, str]:
     """The raylet's environment: the rank's, without the rank's identity, with the node's GPUs.
@@ -237,7 +218,6 @@ def ray_node_env(spec: RayNodeSpec, base: dict[str, str] | None = None,
         paths.append(base["PYTHONPATH"])
     if paths:
         env["PYTHONPATH"] = os.pathsep.join(paths)
-    env.update(ray_auth_env(base))
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     env.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")  # the whole cluster goes at once
     return env

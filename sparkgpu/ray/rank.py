@@ -36,7 +36,6 @@ from sparkgpu.ray.plan import (
     RayClusterError,
     RayNodeSpec,
     plan_ray_nodes,
-    ray_auth_env,
     ray_node_env,
     ray_start_command,
     short_temp_dir,
@@ -119,9 +118,6 @@ def run_rank(fn: Callable, options: RayOptions, *args, **kwargs):
     previous_handler = _teardown_on_sigterm()
     node: RayNode | None = None
     ray_dir = _ray_dir()
-    # The cluster admits only holders of the job's token; Ray reads it once per process, so it
-    # is in place before anything here touches Ray.
-    os.environ.update(ray_auth_env(os.environ))
     try:
         everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, RankResources.of_this_rank(), group=group)
