@@ -89,7 +89,11 @@ def main() -> None:
     from sparkgpu import registry
 
     print("starting a local Spark Connect server ...", flush=True)
-    spark = SparkSession.builder.remote("local[2]").getOrCreate()
+    # The local server, driver included, listens on loopback only.
+    spark = (SparkSession.builder.remote("local[2]")
+             .config("spark.connect.grpc.binding.address", "127.0.0.1")
+             .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
+             .getOrCreate())
     features = spark.range(50_000).select(
         *[(F.randn(seed=i) * (i + 1) / FEATURES).cast("float").alias(f"f{i}") for i in range(FEATURES)]
     )

@@ -141,6 +141,28 @@ def _env_float(env, name, default):
 _BYTE_COUNT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)b?\s*$", re.IGNORECASE)
 
 
+def _keep_runs(raw: str) -> dict:
+    """``SPARKGPU_KEEP_RUNS``: a count, an age in days (``30d``), both (``100,30d``), or ``all``."""
+    count, days = None, None
+    if raw.strip().lower() != "all":
+        for part in (p.strip().lower() for p in raw.split(",")):
+            try:
+                if part.endswith("d"):
+                    days = float(part[:-1])
+                    ok = days > 0
+                else:
+                    count = int(part)
+                    ok = count >= 0
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ConfigurationError(
+                    f"SPARKGPU_KEEP_RUNS={raw!r}: give a number of jobs (100), an age in days (30d), both "
+                    "(100,30d), or all"
+                )
+    return {"keep_runs": count, "keep_runs_days": days}
+
+
 def parse_bytes(value, name: str) -> int:
     """Reads a byte count: an int, or a string such as ``"200GB"``, ``"512MiB"``, ``"1.5T"``.
 
@@ -244,6 +266,10 @@ class Settings:
             ``<home>/volumes/mds``, or ``<staging_url>/_mds`` with a staging store).
         data_metrics_interval: Seconds between two points of each rank's data loader metrics
             in the job's run (``SPARKGPU_DATA_METRICS_INTERVAL``, default 30).
+        keep_runs: How many finished jobs' run dirs to keep, newest first (``SPARKGPU_KEEP_RUNS``:
+            ``"100,30d"`` by default keeps at most 100, none older than 30 days; ``"all"`` keeps
+            every one); ``None`` for no count limit.
+        keep_runs_days: Age in days past which a finished job's run dir goes; ``None`` for none.
     """
 
     home: Path
@@ -271,6 +297,8 @@ class Settings:
     env_worker_lock: str | None = None
     spark_wait_timeout: float = 600.0
     data_volume: str = ""
+    keep_runs: int | None = 100
+    keep_runs_days: float | None = 30.0
     staging_url: str | None = None
     data_metrics_interval: float = 30.0
 
@@ -316,6 +344,7 @@ class Settings:
             env_exclude=tuple(p.strip() for p in (env.get("SPARKGPU_ENV_EXCLUDE") or "").split(",") if p.strip()),
             env_worker_lock=env.get("SPARKGPU_ENV_WORKER_LOCK") or None,
             spark_wait_timeout=_env_float(env, "SPARKGPU_SPARK_WAIT_TIMEOUT", 600.0),
+            **_keep_runs(env.get("SPARKGPU_KEEP_RUNS") or "100,30d"),
             data_volume=env.get("SPARKGPU_DATA_VOLUME") or (f"{staging_url}/_mds" if staging_url else str(home / "volumes" / "mds")),
             data_metrics_interval=_env_float(env, "SPARKGPU_DATA_METRICS_INTERVAL", 30.0),
         )

@@ -28,6 +28,7 @@ from sparkgpu.launch.backends.base import Backend, LaunchPlan, create_backend
 from sparkgpu.launch.callbacks import JobCallback
 from sparkgpu.launch.keys import new_key, save_key
 from sparkgpu.launch.payload import RunDir, client_sys_path, serialize_payload
+from sparkgpu.launch.retention import prune_runs
 from sparkgpu.launch.supervisor import Supervisor
 from sparkgpu.spec import JobSpec, Resources, RunPolicy, new_job_id
 from sparkgpu.usage.meter import enforce_policy
@@ -144,6 +145,7 @@ class DistributedFunction:
                 sys_path = []  # the caller's code travels in the overlay, not as client paths
             run_dir.stage(spec, payload, key, sys_path, extra_files)
             save_key(job.job_id, key)
+            prune_runs(keep=job.job_id)  # SPARKGPU_KEEP_RUNS: old finished jobs' run dirs go
         return _Staged(job, run_dir, key, backend, callbacks)
 
     def distributed(self, *args, **kwargs) -> list[Any]:

@@ -3,7 +3,7 @@
 Run as ``python -m sparkgpu.launch.agent RUN_DIR --attempt K --nnodes N --node-rank I
 --nproc P --master-addr A --master-port Q``. The local backend starts one; the Spark backend
 starts one inside each barrier task. Rendezvous is torch's ``static`` backend at node 0's
-address; it waits the job's ``policy.init_timeout`` for every node. When ranks fail, the agent
+address, its store listening on that address alone (:mod:`sparkgpu.launch.rendezvous`); it waits the job's ``policy.init_timeout`` for every node. When ranks fail, the agent
 tears the others down and writes their exit codes and signals to ``attempts/<K>/node-<I>.json``
 for the client.
 
@@ -26,6 +26,7 @@ from collections.abc import MutableMapping
 
 from sparkgpu.errors import PayloadSignatureError
 from sparkgpu.launch.entrypoint import EXIT_FAILED, _die_with_parent
+from sparkgpu.launch.keys import rank_secrets
 from sparkgpu.launch.payload import RunDir, atomic_write_bytes, key_from_environ
 
 __all__ = ["main", "build_command", "strip_spark_secrets", "refuse"]
@@ -111,12 +112,19 @@ def main(argv=None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from sparkgpu.launch import rendezvous
+
+    rendezvous.register()
+    # The ranks inherit these.
+    os.environ.update(rendezvous.collective_interface_env(args.master_addr))
+    os.environ.update(rank_secrets(rd.key, os.environ))
+
     config = LaunchConfig(
         min_nodes=args.nnodes,
         max_nodes=args.nnodes,
         nproc_per_node=args.nproc,
         run_id=f"{rd.job_id}-{args.attempt}",
-        rdzv_backend="static",
+        rdzv_backend=rendezvous.RENDEZVOUS_BACKEND,  # torch's static one, its store bound to master_addr
         rdzv_endpoint=f"{args.master_addr}:{args.master_port}",
         rdzv_configs={"rank": args.node_rank, "timeout": max(1, math.ceil(init_timeout))},
         max_restarts=0,  # restarts are the supervisor's: it resumes from checkpoints

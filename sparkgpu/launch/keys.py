@@ -15,7 +15,7 @@ from pathlib import Path
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError
 
-__all__ = ["new_key", "save_key", "load_key"]
+__all__ = ["new_key", "save_key", "load_key", "rank_secrets"]
 
 
 def _keyring() -> Path:
@@ -48,3 +48,24 @@ def load_key(job_id: str) -> bytes:
             f"no signing key for job {job_id} on this machine; resume it from the machine (and user) "
             "that launched it, or launch it again"
         ) from None
+
+
+def rank_secrets(key: bytes, environ) -> dict[str, str]:
+    """Secrets derived from the job key that its ranks hold, as environment variables to set.
+
+    Ray's token authentication (``RAY_AUTH_MODE=token``, ``RAY_AUTH_TOKEN``): Ray listens on the
+    host's external address whatever it is told, so a Ray cluster started inside a job
+    (``@ray_launch``, ``ray.init()`` in a rank) admits only the job's own processes. Ray reads
+    these once, when it is imported, so they are in place before any rank starts. The token
+    gives no way back to the key; a Ray setting the user made is kept.
+
+    Args:
+        key: The job key.
+        environ: The environment the ranks inherit.
+    """
+    import hashlib
+    import hmac
+
+    if environ.get("RAY_AUTH_MODE") or environ.get("RAY_AUTH_TOKEN") or environ.get("RAY_AUTH_TOKEN_PATH"):
+        return {}
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": hmac.new(key, b"sparkgpu ray token", hashlib.sha256).hexdigest()}

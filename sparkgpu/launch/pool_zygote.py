@@ -29,8 +29,9 @@ from pathlib import Path
 
 from sparkgpu.errors import PayloadSignatureError
 from sparkgpu.launch.agent import refuse
-from sparkgpu.launch.backends.local import free_port
-from sparkgpu.launch.entrypoint import EXIT_PREEMPTED
+from sparkgpu.launch.entrypoint import EXIT_PREEMPTED, _die_with_parent
+from sparkgpu.launch.rendezvous import collective_interface_env, listening_socket, serve_store
+from sparkgpu.launch.keys import rank_secrets
 from sparkgpu.launch.payload import RunDir, atomic_write_bytes, key_from_environ
 
 _REQUEST_TIMEOUT = 10.0  # seconds a client has to send its whole request line
@@ -51,9 +52,24 @@ class _Job:
     run_dir: RunDir
     attempt: int
     pids: dict[int, int]  # pid -> rank
+    store_pid: int  # the child serving the job's rendezvous store
     exits: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> status
     stopping_since: float | None = None
     grace: float = 10.0
+
+
+def _fork_store(nproc: int) -> tuple[int, int]:
+    """Forks the child serving a job's rendezvous store on loopback; returns its pid and port."""
+    listener = listening_socket("127.0.0.1", 0)
+    try:
+        pid = os.fork()
+        if not pid:
+            os.setpgrp()
+            _die_with_parent()
+            serve_store(listener, nproc)  # never returns
+        return pid, listener.getsockname()[1]
+    finally:
+        listener.close()  # the child holds it now; ranks forked later must not
 
 
 def _fork_rank(run_dir: RunDir, air: bytes, env: dict[str, str], rank: int, nproc: int, port: int) -> int:
@@ -71,7 +87,9 @@ def _fork_rank(run_dir: RunDir, air: bytes, env: dict[str, str], rank: int, npro
         os.environ.update(
             RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
             GROUP_RANK="0", ROLE_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+            TORCHELASTIC_USE_AGENT_STORE="True",  # the pool's store child serves it, as torch's agent would
         )
+        os.environ.update(collective_interface_env("127.0.0.1"))
         # As `python -c <text> RUN_DIR` on the agent's path: the file could be swapped after the check.
         sys.argv = ["-c", str(run_dir.path)]
         exec(compile(air, str(run_dir.air), "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
@@ -216,23 +234,24 @@ class _Zygote:
             try:  # the node agent's check: nothing is forked for a payload that is not the job's
                 run_dir.key = key_from_environ(env)
                 air = run_dir.verify()[run_dir.air.name]
+                env.update(rank_secrets(run_dir.key, env))
             except PayloadSignatureError as exc:
                 with open(run_dir.agent_log(attempt, 0), "a") as log:
                     refuse(run_dir, attempt, 0, nproc, exc, out=log)
                 conn.sendall(b'{"started": true}\n')
                 conn.close()  # the client reads the end of the connection as a failed attempt
                 return
-            port = free_port()
+            store_pid, port = _fork_store(nproc)
             pids: dict[int, int] = {}
             try:
                 for rank in range(nproc):
                     pids[_fork_rank(run_dir, air, env, rank, nproc, port)] = rank
             except BaseException:
-                for pid in pids:  # no half-started job: its ranks would wait for the missing one
+                for pid in [*pids, store_pid]:  # no half-started job: its ranks would wait for the missing one
                     os.kill(pid, signal.SIGKILL)
                     os.waitpid(pid, 0)
                 raise
-            job = _Job(conn, run_dir, attempt, pids, grace=request.get("grace", 10.0))
+            job = _Job(conn, run_dir, attempt, pids, store_pid, grace=request.get("grace", 10.0))
             self.jobs.append(job)
             self.jobs_run += 1
             conn.setblocking(False)
@@ -280,6 +299,11 @@ class _Zygote:
                 self._finish(job)
 
     def _finish(self, job: _Job) -> None:
+        try:
+            os.kill(job.store_pid, signal.SIGKILL)  # every rank has exited: nobody needs the store
+        except ProcessLookupError:
+            pass
+        os.waitpid(job.store_pid, 0)
         failures = {
             str(rank): {"exitcode": code, "signal": signal.Signals(-code).name if code < 0 else None, "pid": None}
             for rank, code in job.exits.items() if code != 0

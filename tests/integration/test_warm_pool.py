@@ -139,7 +139,7 @@ def _start_pool_client(tmp_path, home):
         client.kill()
         out, _ = client.communicate()
         pytest.fail(f"ranks never started:\n{out}")
-    assert len(psutil.Process(pool_status()["pid"]).children()) == 2
+    assert len(psutil.Process(pool_status()["pid"]).children()) == 3  # two ranks and the job's rendezvous store
     return client
 
 

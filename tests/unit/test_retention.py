@@ -1,0 +1,105 @@
+"""SPARKGPU_KEEP_RUNS: which run dirs a new job prunes, and which it never touches."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import time
+
+import psutil
+import pytest
+
+from sparkgpu.config import reset_settings, settings
+from sparkgpu.errors import ConfigurationError
+from sparkgpu.launch.retention import prune_runs
+
+DAY = 86400.0
+NOW = time.time()
+
+
+def make_run(status: str | None, age_days: float, client: dict | None = None) -> str:
+    created = NOW - age_days * DAY
+    job_id = f"job-{status}-{age_days:g}d-{int(created * 1000) % 100000}"
+    run_dir = settings().staging_root / job_id
+    run_dir.mkdir(parents=True)
+    (run_dir / "spec.json").write_text(json.dumps({"job_id": job_id}))
+    (run_dir / "checkpoints").mkdir()
+    (run_dir / "checkpoints" / "step-1.bin").write_bytes(b"x" * 1000)
+    if status is not None:
+        (run_dir / "state.json").write_text(json.dumps({"status": status, "created_at": created, "client": client}))
+    keys = settings().home / "keys"
+    keys.mkdir(parents=True, exist_ok=True)
+    (keys / job_id).write_text("00")
+    return job_id
+
+
+def remaining() -> set[str]:
+    return {p.parent.name for p in settings().staging_root.glob("*/spec.json")}
+
+
+def this_client() -> dict:
+    me = psutil.Process()
+    return {"host": socket.gethostname(), "pid": os.getpid(), "pid_started": me.create_time()}
+
+
+def dead_client() -> dict:
+    return {"host": socket.gethostname(), "pid": 2**22 + 12345, "pid_started": 1.0}
+
+
+def test_finished_jobs_beyond_the_count_go_with_their_keys_newest_kept():
+    jobs = [make_run("succeeded", age) for age in (0.1, 0.2, 0.3, 0.4)]
+    config = dataclasses.replace(settings(), keep_runs=2, keep_runs_days=None)
+    removed = prune_runs(config, now=NOW, wait=True)
+    assert sorted(removed) == sorted(jobs[2:])
+    assert remaining() == set(jobs[:2])
+    assert not list(settings().staging_root.glob(".*")), "hidden half-removed run dirs were left"
+    assert sorted(p.name for p in (settings().home / "keys").iterdir()) == sorted(jobs[:2])
+
+
+def test_jobs_that_may_continue_are_never_pruned_by_count_and_a_live_client_keeps_its_job_forever():
+    live = make_run("running", 400, client=this_client())
+    lost_recent = make_run("running", 1, client=dead_client())
+    lost_old = make_run("running", 40, client=dead_client())
+    stopped_old = make_run("stopped", 40)
+    failed_old = make_run("failed", 40)
+    staged_recent = make_run(None, 0.5)
+    newest = make_run("succeeded", 0.01)
+    config = dataclasses.replace(settings(), keep_runs=1, keep_runs_days=30)
+    removed = prune_runs(config, now=NOW, wait=True)
+    assert sorted(removed) == sorted([lost_old, stopped_old, failed_old])
+    assert remaining() == {live, lost_recent, staged_recent, newest}
+
+
+def test_the_job_being_launched_is_kept_and_all_keeps_everything():
+    jobs = [make_run("cancelled", age) for age in (50, 60)]
+    keep_all = dataclasses.replace(settings(), keep_runs=None, keep_runs_days=None)
+    assert prune_runs(keep_all, now=NOW, wait=True) == []
+    config = dataclasses.replace(settings(), keep_runs=0, keep_runs_days=30)
+    assert prune_runs(config, keep=jobs[0], now=NOW, wait=True) == [jobs[1]]
+    assert remaining() == {jobs[0]}
+
+
+def test_a_half_removed_run_dir_left_by_an_exiting_process_goes_with_the_next_prune():
+    job = make_run("succeeded", 1)
+    hidden = settings().staging_root / f".{job}.removing"
+    (settings().staging_root / job).rename(hidden)
+    prune_runs(now=NOW, wait=True)
+    assert not hidden.exists()
+
+
+@pytest.mark.parametrize("raw, expected", [
+    ("100,30d", (100, 30.0)), ("all", (None, None)), ("5", (5, None)), ("7d", (None, 7.0)), (" 3 , 2d ", (3, 2.0)),
+])
+def test_keep_runs_setting(monkeypatch, raw, expected):
+    monkeypatch.setenv("SPARKGPU_KEEP_RUNS", raw)
+    reset_settings()
+    assert (settings().keep_runs, settings().keep_runs_days) == expected
+
+
+def test_a_bad_keep_runs_setting_names_the_forms_it_takes(monkeypatch):
+    monkeypatch.setenv("SPARKGPU_KEEP_RUNS", "lots")
+    reset_settings()
+    with pytest.raises(ConfigurationError, match=r"100,30d"):
+        settings()
