@@ -242,6 +242,12 @@ class Settings:
         data_volume: Folder or fsspec URL where ``spark.gpu.train(data=...)`` keeps its MDS
             conversions; the ranks must reach it (``SPARKGPU_DATA_VOLUME``, default
             ``<home>/volumes/mds``, or ``<staging_url>/_mds`` with a staging store).
+        pools_path: Pools file naming the Spark clusters ``remote=True`` jobs choose from by
+            GPU type (``SPARKGPU_POOLS``; :mod:`sparkgpu.pools`), ``None`` for none.
+        pool: Pool every remote job runs on, by name or id (``SPARKGPU_POOL``, or the
+            Databricks alias ``DATABRICKS_REMOTE_GPU_POOL_ID``), ``None`` to choose by GPU type.
+        use_reserved_pool: Choose only reserved pools (``SPARKGPU_USE_RESERVED_POOL``, or the
+            Databricks alias ``DATABRICKS_USE_RESERVED_GPU_POOL``).
     """
 
     home: Path
@@ -270,6 +276,9 @@ class Settings:
     spark_wait_timeout: float = 600.0
     data_volume: str = ""
     staging_url: str | None = None
+    pools_path: str | None = None
+    pool: str | None = None
+    use_reserved_pool: bool = False
 
     @classmethod
     def from_env(cls, env=None) -> "Settings":
@@ -314,6 +323,10 @@ class Settings:
             env_worker_lock=env.get("SPARKGPU_ENV_WORKER_LOCK") or None,
             spark_wait_timeout=_env_float(env, "SPARKGPU_SPARK_WAIT_TIMEOUT", 600.0),
             data_volume=env.get("SPARKGPU_DATA_VOLUME") or (f"{staging_url}/_mds" if staging_url else str(home / "volumes" / "mds")),
+            pools_path=env.get("SPARKGPU_POOLS") or None,
+            pool=env.get("SPARKGPU_POOL") or env.get("DATABRICKS_REMOTE_GPU_POOL_ID") or None,
+            use_reserved_pool=(env.get("SPARKGPU_USE_RESERVED_POOL") or env.get("DATABRICKS_USE_RESERVED_GPU_POOL")
+                               or "0").lower() in ("1", "true", "yes", "on"),
         )
 
 
