@@ -7,6 +7,7 @@ import textwrap
 import pytest
 
 from sparkgpu.config import reset_settings, settings
+from sparkgpu.decorator import distributed
 from sparkgpu.errors import CapacityError, ConfigurationError
 from sparkgpu.pools import Pool, choose_pool, configured_pools, load_pools
 from sparkgpu.spec import Resources
@@ -125,3 +126,9 @@ def test_without_a_pools_file_nothing_changes(monkeypatch):
     reset_settings()
     assert configured_pools() is None
 
+
+def test_distributed_pool_needs_remote_and_the_spark_backend():
+    with pytest.raises(ConfigurationError, match="add remote=True"):
+        distributed(gpus=1, gpu_type="H100", pool="h100")
+    with pytest.raises(ConfigurationError, match="drop backend='local'"):
+        distributed(gpus=1, gpu_type="H100", remote=True, backend="local", pool="h100")
