@@ -76,13 +76,18 @@ def pool_status(pool: Pool, timeout: float) -> PoolStatus:
                       executors=len(capacity.executors))
 
 
+def _count(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
 def _table(statuses: list[PoolStatus]) -> str:
     rows = [("POOL", "GPU TYPE", "PER NODE", "KIND", "GPUS", "FREE", "URL / STATE")]
     for s in statuses:
-        state = s.pool.url if s.problem is None else f"{s.pool.url}  {'unreachable' if not s.reachable else 'error'}: {s.problem}"
+        state = s.pool.url
+        if s.problem is not None:
+            state += f"  {'unreachable' if not s.reachable else 'error'}: {s.problem}"
         rows.append((s.pool.name, s.pool.gpu_type, str(s.pool.gpus_per_node), "reserved" if s.pool.reserved else "shared",
-                     "-" if s.gpus_total is None else str(s.gpus_total), "-" if s.gpus_free is None else str(s.gpus_free),
-                     state))
+                     _count(s.gpus_total), _count(s.gpus_free), state))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1] for row in rows)
 
