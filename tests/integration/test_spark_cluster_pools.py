@@ -53,6 +53,9 @@ def pool_clusters(tmp_path_factory):
             raise errors[0]
         yield clusters
     finally:
+        from sparkgpu.launch.backends.spark_sessions import close_sessions
+
+        close_sessions()  # before their servers go: a client of a stopped server retries at exit
         for cluster in clusters.values():
             cluster.stop()
     left = [p for c in clusters.values() for p in c.leftover_processes()]

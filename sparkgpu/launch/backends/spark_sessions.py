@@ -19,7 +19,7 @@ from sparkgpu.errors import ConfigurationError
 from sparkgpu.pools import POOL_TAG, Pool, choose_pool, configured_pools
 from sparkgpu.spec import JobSpec
 
-__all__ = ["active_spark_session", "pool_for_job", "pool_session", "session_for"]
+__all__ = ["active_spark_session", "pool_for_job", "pool_session", "session_for", "close_sessions"]
 
 _remote_sessions: dict[str, object] = {}
 _lock = threading.Lock()
@@ -87,6 +87,17 @@ def pool_session(pool: Pool):
             SparkSession._active_session.session = had_active
         _remote_sessions[pool.url] = session
         return session
+
+
+def close_sessions() -> None:
+    """Stops every session opened here (pools and ``SPARKGPU_SPARK_REMOTE``); the next job
+    opens new ones. For notebooks moving to other clusters, and tests that stop theirs."""
+    with _lock:
+        sessions = list(_remote_sessions.values())
+        _remote_sessions.clear()
+    for session in sessions:
+        if not session.is_stopped:
+            session.stop()
 
 
 def pool_for_job(job: JobSpec, pool: str | None = None) -> Pool | None:
