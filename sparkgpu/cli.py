@@ -6,6 +6,7 @@ sparkgpu run job.yaml                 # the same fields in a file (cron, Airflow
 sparkgpu jobs                         # run dirs with status, attempts, restarts, duration
 sparkgpu logs JOB_ID [--rank N | --all] [--attempt K] [--follow]
 sparkgpu usage --by team --since 30d [--plot usage.png]
+sparkgpu pools                        # GPU pools (SPARKGPU_POOLS) with live capacity
 ```
 
 Subcommands register themselves: :data:`COMMANDS` lists ``(module, function)`` pairs, and
@@ -45,6 +46,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("sparkgpu.tracking.cli", "register_tracking"),
     ("sparkgpu.data.cli", "register_data"),
     ("sparkgpu.data.cli", "register_cache"),
+    ("sparkgpu.pools_cli", "register_pools"),
 ]
 
 

@@ -270,6 +270,12 @@ class Settings:
             ``"100,30d"`` by default keeps at most 100, none older than 30 days; ``"all"`` keeps
             every one); ``None`` for no count limit.
         keep_runs_days: Age in days past which a finished job's run dir goes; ``None`` for none.
+        pools_path: Pools file naming the Spark clusters ``remote=True`` jobs choose from by
+            GPU type (``SPARKGPU_POOLS``; :mod:`sparkgpu.pools`), ``None`` for none.
+        pool: Pool every remote job runs on, by name or id (``SPARKGPU_POOL``, or the
+            Databricks alias ``DATABRICKS_REMOTE_GPU_POOL_ID``), ``None`` to choose by GPU type.
+        use_reserved_pool: Choose only reserved pools (``SPARKGPU_USE_RESERVED_POOL``, or the
+            Databricks alias ``DATABRICKS_USE_RESERVED_GPU_POOL``).
     """
 
     home: Path
@@ -301,6 +307,9 @@ class Settings:
     keep_runs_days: float | None = 30.0
     staging_url: str | None = None
     data_metrics_interval: float = 30.0
+    pools_path: str | None = None
+    pool: str | None = None
+    use_reserved_pool: bool = False
 
     @classmethod
     def from_env(cls, env=None) -> "Settings":
@@ -347,6 +356,10 @@ class Settings:
             **_keep_runs(env.get("SPARKGPU_KEEP_RUNS") or "100,30d"),
             data_volume=env.get("SPARKGPU_DATA_VOLUME") or (f"{staging_url}/_mds" if staging_url else str(home / "volumes" / "mds")),
             data_metrics_interval=_env_float(env, "SPARKGPU_DATA_METRICS_INTERVAL", 30.0),
+            pools_path=env.get("SPARKGPU_POOLS") or None,
+            pool=env.get("SPARKGPU_POOL") or env.get("DATABRICKS_REMOTE_GPU_POOL_ID") or None,
+            use_reserved_pool=(env.get("SPARKGPU_USE_RESERVED_POOL") or env.get("DATABRICKS_USE_RESERVED_GPU_POOL")
+                               or "0").lower() in ("1", "true", "yes", "on"),
         )
 
 

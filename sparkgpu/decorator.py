@@ -234,7 +234,7 @@ def distributed(fn: Callable | None = None, *, gpus: int | None = None, num_gpus
                 timeout=None, max_runtime=None, checkpoint_grace="60s", max_restarts: int = 0,
                 log_ranks="main", name: str | None = None, tags: dict[str, str] | None = None,
                 callbacks: list[JobCallback] | None = None, experiment: str | None = None,
-                register_as: str | None = None, ship_environment: bool | None = None):
+                register_as: str | None = None, ship_environment: bool | None = None, pool: str | None = None):
     """Decorates a function so that ``fn.distributed(...)`` runs it on ``gpus`` ranks.
 
     Usable bare (``@distributed``: one rank on whatever this host has) or with arguments.
@@ -266,6 +266,8 @@ def distributed(fn: Callable | None = None, *, gpus: int | None = None, num_gpus
             ``catalog.schema.model`` name when the job succeeds.
         ship_environment: Snapshot this environment and rehydrate it on the workers
             (default: for ``remote=True`` jobs).
+        pool: Run on this GPU pool (its name or id in the ``SPARKGPU_POOLS`` file) instead of
+            the one ``gpu_type`` chooses; needs ``remote=True``.
 
     Raises:
         ConfigurationError: an argument is invalid (raised here, at decoration time).
@@ -296,6 +298,9 @@ def distributed(fn: Callable | None = None, *, gpus: int | None = None, num_gpus
         max_runtime=max_runtime, checkpoint_grace=checkpoint_grace, max_restarts=max_restarts,
     )
 
+    if pool is not None:
+        backend = _pool_backend(pool, remote, backend)
+
     def wrap(f: Callable) -> DistributedFunction:
         return DistributedFunction(f, resources=resources, policy=policy, backend=backend, log_ranks=ranks,
                                    name=name, tags=tags, callbacks=callbacks, experiment=experiment,
@@ -304,3 +309,12 @@ def distributed(fn: Callable | None = None, *, gpus: int | None = None, num_gpus
     if fn is not None:
         return wrap(fn)
     return wrap
+
+
+def _pool_backend(pool: str, remote: bool, backend) -> Backend:
+    """The Spark backend of ``distributed(pool=...)``; the pool itself is chosen at launch."""
+    if not remote:
+        raise ConfigurationError(f"pool={pool!r} runs the job on a remote GPU pool: add remote=True")
+    if backend not in (None, "spark"):
+        raise ConfigurationError(f"pool={pool!r} runs on the Spark backend; drop backend={backend!r}")
+    return create_backend("spark", pool=pool)

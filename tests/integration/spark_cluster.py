@@ -72,11 +72,15 @@ class LocalSparkCluster:
         executor_memory: ``spark.executor.memory``.
         extra_conf: More ``--conf`` settings for the Connect server.
         env: Extra environment for every JVM (and so for the executors' Python workers).
+        name: The cluster's name: its application name, and ``TEST_SPARK_CLUSTER`` in the
+            environment of its executors and so of every rank it runs (tests with several
+            clusters read it to tell which one ran a job).
     """
 
     def __init__(self, workdir, *, workers: int = 2, gpus_per_worker: int = 2, cores_per_worker: int = 2,
                  gpu_type: str | None = "A10", simulated: bool = True, worker_memory: str = "1g", executor_memory: str = "512m",
-                 extra_conf: dict[str, str] | None = None, env: dict[str, str] | None = None):
+                 extra_conf: dict[str, str] | None = None, env: dict[str, str] | None = None,
+                 name: str = "sparkgpu-test-cluster"):
         self.workdir = Path(workdir)
         self.workers = workers
         self.gpus_per_worker = gpus_per_worker
@@ -86,7 +90,8 @@ class LocalSparkCluster:
         self.worker_memory = worker_memory
         self.executor_memory = executor_memory
         self.extra_conf = dict(extra_conf or {})
-        self.env = dict(env or {})
+        self.name = name
+        self.env = {"TEST_SPARK_CLUSTER": name, **(env or {})}
         self.master_port = self.master_ui_port = self.connect_port = 0
         self._processes: dict[str, subprocess.Popen] = {}
         self._logs: list = []
@@ -104,6 +109,11 @@ class LocalSparkCluster:
         """The fake GPU addresses worker ``index`` declares."""
         start = index * self.gpus_per_worker
         return [str(a) for a in range(start, start + self.gpus_per_worker)]
+
+    def pool_entry(self, **fields) -> dict:
+        """This cluster as an entry of a pools file (``SPARKGPU_POOLS``), plus ``fields``."""
+        return {"url": self.connect_url, "gpu_type": self.gpu_type or "cpu", "gpus_per_node": self.gpus_per_worker,
+                **fields}
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self, timeout: float = 180.0) -> "LocalSparkCluster":
@@ -248,7 +258,7 @@ class LocalSparkCluster:
         self.connect_port = _free_port()
         conf = {
             "spark.master": self.master_url,
-            "spark.app.name": "sparkgpu-test-cluster",
+            "spark.app.name": self.name,
             "spark.connect.grpc.binding.address": "127.0.0.1",
             "spark.connect.grpc.binding.port": str(self.connect_port),
             "spark.driver.host": "127.0.0.1",

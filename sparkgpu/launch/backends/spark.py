@@ -24,7 +24,6 @@ never overlaps the old ranks.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -53,73 +52,16 @@ from sparkgpu.launch.backends.spark_node import (
     run_node,
     spark_dir,
 )
+from sparkgpu.launch.backends.spark_sessions import active as _active
+from sparkgpu.launch.backends.spark_sessions import active_spark_session, pool_for_job, pool_session
 from sparkgpu.launch.payload import KEY_ENV, RunDir, atomic_write_bytes
 from sparkgpu.launch.staging import ClientMirror, StagingStore, env_for_nodes
+from sparkgpu.pools import POOL_TAG, Pool
 from sparkgpu.spec import JobSpec, Resources
 
 __all__ = ["SparkBackend", "SparkAttempt", "create_backend", "active_spark_session"]
 
 _HEARTBEAT_SECONDS = 2.0
-
-
-def active_spark_session():
-    """The session ``remote=True`` jobs run on.
-
-    In order: this thread's active session (Connect, then classic), the process's default
-    Connect session, a session to ``SPARKGPU_SPARK_REMOTE``.
-
-    Raises:
-        ConfigurationError: there is none of them.
-    """
-    connect = sys.modules.get("pyspark.sql.connect.session")
-    classic = sys.modules.get("pyspark.sql.session")
-    candidates = []
-    if connect is not None:
-        candidates += [connect.SparkSession.getActiveSession, connect.SparkSession._get_default_session]
-    if classic is not None:
-        candidates.insert(1 if candidates else 0, classic.SparkSession.getActiveSession)
-    for lookup in candidates:
-        try:
-            session = lookup()
-        except Exception:  # classic lookups raise in Connect-only installs
-            session = None
-        if session is not None:
-            return session
-    remote = settings().spark_remote
-    if remote:
-        return _session_for(remote)
-    raise ConfigurationError(
-        "remote=True runs on a Spark session, and there is none: create one first "
-        "(SparkSession.builder.remote('sc://host:15002').getOrCreate()), or set SPARKGPU_SPARK_REMOTE=sc://host:15002"
-    )
-
-
-_remote_sessions: dict[str, object] = {}
-
-
-def _session_for(remote: str):
-    # builder.getOrCreate() would hand back any existing default session, whatever its URL.
-    session = _remote_sessions.get(remote)
-    if session is None or session.is_stopped:
-        from pyspark.sql import SparkSession
-
-        session = _remote_sessions[remote] = SparkSession.builder.remote(remote).create()
-    return session
-
-
-@contextlib.contextmanager
-def _active(spark):
-    """Makes ``spark`` the thread's active Connect session (Connect builds ResourceProfiles on it)."""
-    local = getattr(type(spark), "_active_session", None)
-    if not isinstance(local, threading.local):
-        yield
-        return
-    previous = getattr(local, "session", None)
-    local.session = spark
-    try:
-        yield
-    finally:
-        local.session = previous
 
 
 @dataclasses.dataclass
@@ -155,8 +97,9 @@ class SparkBackend(Backend):
     """Runs every node of a job as a barrier task on a Spark session's executors.
 
     Args:
-        spark: The session (Connect or classic); the active one (or ``SPARKGPU_SPARK_REMOTE``)
-            when omitted, looked up on first use.
+        spark: The session (Connect or classic). When omitted: the session of the job's pool
+            when a pools file is configured (``SPARKGPU_POOLS``), else the active one (or
+            ``SPARKGPU_SPARK_REMOTE``), looked up on first use.
         wait_timeout: Seconds to wait for busy GPUs before giving up
             (``SPARKGPU_SPARK_WAIT_TIMEOUT`` by default).
         gpus_per_node: Force this many ranks per barrier task; by default as many as one
@@ -169,6 +112,8 @@ class SparkBackend(Backend):
         staging_url: Staging store the executors reach instead of the client's run dir, any
             fsspec URL (``SPARKGPU_STAGING_ROOT`` when that is a URL, by default); ``""`` for
             none (the executors then see the run dir under the client's path).
+        pool: Name or id of the pool to run on (``SPARKGPU_POOL`` when omitted; by default
+            the job's GPU type chooses). Needs a pools file.
     """
 
     name = "spark"
@@ -181,8 +126,10 @@ class SparkBackend(Backend):
 
     def __init__(self, spark=None, *, wait_timeout: float | None = None, gpus_per_node: int | None = None,
                  simulated: bool | None = None, client_timeout: float | None = 120.0, out=None,
-                 staging_url: str | None = None):
+                 staging_url: str | None = None, pool: str | None = None):
         self._spark = spark
+        self.pool_name = pool
+        self.pool: Pool | None = None  # the pool the session belongs to, once chosen
         self.wait_timeout = wait_timeout if wait_timeout is not None else settings().spark_wait_timeout
         self.gpus_per_node = gpus_per_node
         self.simulated = simulated
@@ -226,9 +173,28 @@ class SparkBackend(Backend):
         return plan_layout(job.resources.gpus, job.resources.gpu_type or "cpu", capacity,
                            gpus_per_node=self.gpus_per_node, max_cpu_ranks_per_node=settings().max_cpu_ranks)
 
+    def _choose_pool(self, job: JobSpec) -> JobSpec:
+        """Opens the session of the job's pool (without a session given and with a pools file),
+        checks the pool's usage policy, and tags the job with the pool's name."""
+        if self._spark is not None and self.pool is None:
+            return job  # the caller's own session
+        pool = pool_for_job(job, self.pool_name)
+        if pool is None:
+            return job
+        if pool.usage_policy:
+            from sparkgpu.usage.ledger import UsageLedger
+            from sparkgpu.usage.policy import UsagePolicy
+
+            s = settings()
+            UsagePolicy.from_file(pool.usage_policy).check_launch(job, s.user, UsageLedger(s.usage_ledger_uri))
+        if pool != self.pool:
+            self._spark, self.pool = pool_session(pool), pool
+        return dataclasses.replace(job, tags={**job.tags, POOL_TAG: pool.name})
+
     def resolve(self, job: JobSpec) -> JobSpec:
         if job.resources.gpu_type is None:
             raise ConfigurationError("remote jobs need a gpu_type, e.g. gpu_type='A10' (or 'cpu' for CPU ranks)")
+        job = self._choose_pool(job)
         capacity = self.capacity()
         layout = self._layout(job, capacity)
         self._layouts[job.job_id] = layout
@@ -276,6 +242,8 @@ class SparkBackend(Backend):
         return frame.mapInArrow(task, NODE_DDL, barrier=True, profile=profile)
 
     def submit(self, job, run_dir, attempt, env) -> SparkAttempt:
+        if self._spark is None and POOL_TAG in job.tags:
+            self._choose_pool(job)  # a resumed job goes back to its pool
         layout = self._layouts.get(job.job_id) or self._layout(job)
         run_dir.prepare_attempt(attempt)
         spark_dir(run_dir, attempt).mkdir(parents=True, exist_ok=True)

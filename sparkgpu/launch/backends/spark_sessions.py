@@ -1,0 +1,137 @@
+"""Which Spark session a ``remote=True`` job runs on.
+
+Without a pools file: the caller's active session, else one to ``SPARKGPU_SPARK_REMOTE``.
+With one (``SPARKGPU_POOLS``, :mod:`sparkgpu.pools`): the session of the pool the job's GPU
+type (or its ``pool=``) chooses, opened once per URL and reused. A pool's session is a
+handle of the backend's own: it never becomes the process's default or active session, so
+the caller's ``SparkSession.getActiveSession()`` stays what it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+
+from sparkgpu.config import settings
+from sparkgpu.errors import ConfigurationError
+from sparkgpu.pools import POOL_TAG, Pool, choose_pool, configured_pools
+from sparkgpu.spec import JobSpec
+
+__all__ = ["active_spark_session", "pool_for_job", "pool_session", "session_for", "close_sessions"]
+
+_remote_sessions: dict[str, object] = {}
+_lock = threading.Lock()
+
+
+def active_spark_session():
+    """The session ``remote=True`` jobs run on when no pools file is configured.
+
+    In order: this thread's active session (Connect, then classic), the process's default
+    Connect session, a session to ``SPARKGPU_SPARK_REMOTE``.
+
+    Raises:
+        ConfigurationError: there is none of them.
+    """
+    connect = sys.modules.get("pyspark.sql.connect.session")
+    classic = sys.modules.get("pyspark.sql.session")
+    candidates = []
+    if connect is not None:
+        candidates += [connect.SparkSession.getActiveSession, connect.SparkSession._get_default_session]
+    if classic is not None:
+        candidates.insert(1 if candidates else 0, classic.SparkSession.getActiveSession)
+    for lookup in candidates:
+        try:
+            session = lookup()
+        except Exception:  # classic lookups raise in Connect-only installs
+            session = None
+        if session is not None:
+            return session
+    remote = settings().spark_remote
+    if remote:
+        return session_for(remote)
+    raise ConfigurationError(
+        "remote=True runs on a Spark session, and there is none: create one first "
+        "(SparkSession.builder.remote('sc://host:15002').getOrCreate()), or set SPARKGPU_SPARK_REMOTE=sc://host:15002"
+    )
+
+
+def session_for(remote: str):
+    """A session to the Connect URL ``remote``, opened on first use and reused while it lives."""
+    # builder.getOrCreate() would hand back any existing default session, whatever its URL.
+    session = _remote_sessions.get(remote)
+    if session is None or session.is_stopped:
+        from pyspark.sql import SparkSession
+
+        session = _remote_sessions[remote] = SparkSession.builder.remote(remote).create()
+    return session
+
+
+def pool_session(pool: Pool):
+    """The session of ``pool`` (opened once, reused), kept out of the caller's default and
+    active session."""
+    with _lock:
+        session = _remote_sessions.get(pool.url)
+        if session is not None and not session.is_stopped:
+            return session
+        from pyspark.sql.connect.session import SparkSession
+
+        os.environ["SPARK_CONNECT_MODE_ENABLED"] = "1"  # what pyspark's builder.remote() sets: ResourceProfiles need it
+        had_default = SparkSession._default_session
+        had_active = getattr(SparkSession._active_session, "session", None)
+        try:
+            session = SparkSession.builder.remote(pool.url).create()
+        finally:
+            SparkSession._default_session = had_default
+            SparkSession._active_session.session = had_active
+        _remote_sessions[pool.url] = session
+        return session
+
+
+def close_sessions() -> None:
+    """Stops every session opened here (pools and ``SPARKGPU_SPARK_REMOTE``); the next job
+    opens new ones. For notebooks moving to other clusters, and tests that stop theirs."""
+    with _lock:
+        sessions = list(_remote_sessions.values())
+        _remote_sessions.clear()
+    for session in sessions:
+        if not session.is_stopped:
+            session.stop()
+
+
+def pool_for_job(job: JobSpec, pool: str | None = None) -> Pool | None:
+    """The pool ``job`` runs on, or ``None`` when no pools file is configured.
+
+    Args:
+        job: The job; a resumed job's :data:`~sparkgpu.pools.POOL_TAG` names its pool.
+        pool: The pool asked for by name or id (``pool=``); ``SPARKGPU_POOL`` when ``None``.
+
+    Raises:
+        ConfigurationError: ``pool`` is given without a pools file, or names no pool.
+        CapacityError: no pool has the job's GPU type (the message names the pools).
+    """
+    pools = configured_pools()
+    if pools is None:
+        if pool is not None:
+            raise ConfigurationError(f"pool={pool!r} names a GPU pool, and no pools file is configured: set "
+                                     "SPARKGPU_POOLS to a pools.yaml naming it, or drop pool=")
+        return None
+    s = settings()
+    asked = pool or job.tags.get(POOL_TAG) or s.pool
+    return choose_pool(job.resources, asked, pools=pools, reserved=s.use_reserved_pool)
+
+
+@contextlib.contextmanager
+def active(spark):
+    """Makes ``spark`` the thread's active Connect session (Connect builds ResourceProfiles on it)."""
+    local = getattr(type(spark), "_active_session", None)
+    if not isinstance(local, threading.local):
+        yield
+        return
+    previous = getattr(local, "session", None)
+    local.session = spark
+    try:
+        yield
+    finally:
+        local.session = previous
