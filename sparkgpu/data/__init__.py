@@ -9,7 +9,7 @@ ds = data.dataset(remote="s3://bucket/feats/v1", local="/local_disk0/cache", bat
 
 from __future__ import annotations
 
-__all__ = ["to_mds", "ensure_mds", "data_fingerprint", "read_conversion", "dataset"]
+__all__ = ["to_mds", "ensure_mds", "data_fingerprint", "read_conversion", "dataset", "table_dataset", "files_dataset"]
 
 
 def __getattr__(name):
@@ -21,4 +21,12 @@ def __getattr__(name):
         from sparkgpu.data.loader import dataset
 
         return dataset
+    if name == "table_dataset":
+        from sparkgpu.data.table import table_dataset
+
+        return table_dataset
+    if name == "files_dataset":
+        from sparkgpu.data.files import files_dataset
+
+        return files_dataset
     raise AttributeError(f"module 'sparkgpu.data' has no attribute {name!r}")
