@@ -36,19 +36,18 @@ import os
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as pads
 import torch
 
-from sparkgpu.data.delta import open_delta, row_group_mask
 from sparkgpu.data.order import DEFAULT_BLOCK_SIZE, EpochPlan, epoch_order
 from sparkgpu.data.table_filter import to_expression
+from sparkgpu.data.table_plan import TableRef
+from sparkgpu.data.table_source import KEEP, file_cache, keep_mask, open_source, row_groups, scan
 from sparkgpu.data.table_tensors import to_tensors
 from sparkgpu.errors import ConfigurationError, DataError
 
 __all__ = ["table_dataset", "TableDataset"]
 
 _STATE_VERSION = 1
-_KEEP = "__sparkgpu_keep"
 
 
 def table_dataset(
@@ -65,6 +64,9 @@ def table_dataset(
     drop_last: bool = False,
     fill_null=None,
     read_threads: int = 4,
+    local: str | os.PathLike | None = None,
+    cache_limit: int | str | None = None,
+    download_threads: int = 8,
     rank: int | None = None,
     world_size: int | None = None,
     storage_options: dict | None = None,
@@ -73,8 +75,10 @@ def table_dataset(
 
     Args:
         path_or_url: A Delta table root (a folder with ``_delta_log``), a folder of Parquet
-            files (hive partitions allowed) or one file; local or an fsspec URL; or an open
-            ``deltalake.DeltaTable``.
+            files (hive partitions allowed) or one file; local or an fsspec URL; an open
+            ``deltalake.DeltaTable``; or the :class:`~sparkgpu.data.table_plan.TableRef` that
+            ``spark.gpu.train(..., data_format="table")`` hands the ranks (its columns, filter
+            and version apply; a ``filter=`` given here narrows it further).
         batch_size: Rows per batch on each rank.
         columns: Columns to read (default: all).
         filter: Rows to keep: a SQL predicate string (``"day >= '2026-11-01' AND label = 1"``)
@@ -89,6 +93,11 @@ def table_dataset(
         fill_null: Value for nulls: one for every column, or ``{column: value}``. Without it,
             a null is an error naming its column.
         read_threads: Row groups read in parallel, ahead of need.
+        local: Cache root for a remote table's files (default ``SPARKGPU_CACHE_DIR``); local
+            tables are read in place.
+        cache_limit: Most bytes of a remote table's files kept in the cache (int or ``"200GB"``;
+            default ``SPARKGPU_CACHE_LIMIT`` or no limit). Files needed furthest ahead go first.
+        download_threads: Parallel file downloads of a remote table.
         rank: This process's rank (default: from the job).
         world_size: Number of ranks (default: from the job).
         storage_options: deltalake / fsspec options for remote tables (credentials, endpoint).
@@ -105,6 +114,13 @@ def table_dataset(
 
     rank = runtime.get_global_rank() if rank is None else rank
     world_size = runtime.get_world_size() if world_size is None else world_size
+    if isinstance(path_or_url, TableRef):
+        ref, path_or_url = path_or_url, path_or_url.path
+        columns = list(ref.columns) if columns is None and ref.columns is not None else columns
+        if version is None and timestamp is None:
+            version, timestamp = ref.version, ref.timestamp
+        if ref.filter is not None:
+            filter = ref.filter if filter is None else ("both", ref.filter, filter)
     _check_int("batch_size", batch_size, 1)
     _check_int("seed", seed, 0)
     _check_int("world_size", world_size, 1)
@@ -113,7 +129,7 @@ def table_dataset(
         _check_int("shuffle_block_size", shuffle_block_size, 1)
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ConfigurationError(f"rank={rank!r} must be an integer in [0, world_size={world_size})")
-    dataset, selection, identity = _open(path_or_url, version, timestamp, storage_options)
+    dataset, selection, identity = open_source(path_or_url, version, timestamp, storage_options)
     schema = dataset.schema
     if columns is None:
         columns = list(schema.names)
@@ -122,94 +138,19 @@ def table_dataset(
         raise ConfigurationError(f"columns={missing} are not in the table; it has {schema.names}")
     if isinstance(fill_null, dict) and set(fill_null) - set(columns):
         raise ConfigurationError(f"fill_null names columns {sorted(set(fill_null) - set(columns))} that are not read; columns are {columns}")
-    expression = to_expression(filter, schema)
-    units = _row_groups(dataset, expression, selection, read_threads)
+    if isinstance(filter, tuple) and filter[:1] == ("both",):
+        expression = to_expression(filter[1], schema) & to_expression(filter[2], schema)
+    else:
+        expression = to_expression(filter, schema)
+    units = row_groups(dataset, expression, selection, read_threads)
+    cached_files = file_cache(dataset, units, identity, storage_options, local, cache_limit, download_threads)
     identity = dict(identity, columns=columns, filter=str(expression) if expression is not None else None)
     return TableDataset(
         units=units, schema=schema, columns=columns, expression=expression, selection=selection, identity=identity,
         batch_size=batch_size, shuffle=shuffle, seed=seed, shuffle_block_size=shuffle_block_size or DEFAULT_BLOCK_SIZE,
         drop_last=drop_last, fill_null=fill_null, read_threads=read_threads, rank=rank, world_size=world_size,
+        file_cache=cached_files,
     )
-
-
-def _open(source, version, timestamp, storage_options):
-    from sparkgpu.data.convert_files import _arrow_filesystem, is_delta_table
-
-    try:
-        from deltalake import DeltaTable
-    except ImportError:
-        DeltaTable = None
-    if (DeltaTable is not None and isinstance(source, DeltaTable)) or is_delta_table(os.fspath(source), storage_options):
-        snapshot = open_delta(source if not isinstance(source, os.PathLike) else os.fspath(source),
-                              version=version, timestamp=timestamp, storage_options=storage_options)
-        identity = {"type": "delta", "uri": snapshot.uri, "version": snapshot.version, "id": snapshot.table_id}
-        return snapshot.dataset, snapshot.selection, identity
-    if version is not None or timestamp is not None:
-        raise ConfigurationError(f"version= and timestamp= apply to Delta tables; {source} has no _delta_log")
-    path = os.fspath(source)
-    filesystem, root = _arrow_filesystem(path, storage_options)
-    try:
-        dataset = pads.dataset(root, format="parquet", filesystem=filesystem, partitioning="hive")
-    except (FileNotFoundError, pa.ArrowInvalid, OSError) as exc:
-        raise DataError(f"cannot read {path} as Parquet ({exc}); give a Delta table, a folder of Parquet files or one file") from None
-    if not dataset.files:
-        raise DataError(f"{path} holds no Parquet files")
-    infos = dataset.filesystem.get_file_info(sorted(dataset.files))
-    identity = {"type": "parquet", "path": path, "files": [[i.path, i.size, i.mtime_ns] for i in infos]}
-    return dataset, {}, identity
-
-
-class _RowGroup:
-    """One row group of one file: where it is, and how many of its rows survive."""
-
-    __slots__ = ("piece", "path", "start", "rows", "count")
-
-    def __init__(self, piece, path, start, rows, count):
-        self.piece, self.path, self.start, self.rows, self.count = piece, path, start, rows, count
-
-
-def _row_groups(dataset, expression, selection, threads) -> list[_RowGroup]:
-    fragments = list(dataset.get_fragments(filter=expression) if expression is not None else dataset.get_fragments())
-
-    def split(fragment):
-        fragment.ensure_complete_metadata()
-        metadata = fragment.metadata
-        starts = np.cumsum([0] + [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)])
-        pieces = fragment.split_by_row_group(filter=expression, schema=dataset.schema) if expression is not None else fragment.split_by_row_group()
-        groups = []
-        for piece in pieces:
-            group_id = piece.row_groups[0].id
-            rows = metadata.row_group(group_id).num_rows
-            group = _RowGroup(piece, fragment.path, int(starts[group_id]), rows, 0)
-            group.count = _count(group, dataset.schema, expression, selection)
-            groups.append(group)
-        return groups
-
-    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="sparkgpu-table-open") as pool:
-        split_files = list(pool.map(split, fragments))
-    return [group for groups in split_files for group in groups if group.count > 0]
-
-
-def _keep_mask(group: _RowGroup, keep: pa.Array | None, selection) -> np.ndarray | None:
-    mask = row_group_mask(selection.get(group.path), group.start, group.rows)
-    if keep is not None:
-        passed = pc.fill_null(keep, False).to_numpy(zero_copy_only=False)
-        mask = passed if mask is None else mask & passed
-    return mask
-
-
-def _count(group: _RowGroup, schema, expression, selection) -> int:
-    keep = None
-    if expression is not None:
-        keep = _scan(group.piece, schema, {_KEEP: expression}).column(_KEEP)
-        if len(keep) != group.rows:
-            raise DataError(f"{group.path} row group changed while being read; open the dataset again")
-    mask = _keep_mask(group, keep, selection)
-    return group.rows if mask is None else int(mask.sum())
-
-
-def _scan(piece, schema, projection: dict) -> pa.Table:
-    return pads.Scanner.from_fragment(piece, schema=schema, columns=projection, use_threads=False).to_table()
 
 
 class TableDataset:
@@ -225,7 +166,7 @@ class TableDataset:
     """
 
     def __init__(self, *, units, schema, columns, expression, selection, identity, batch_size, shuffle, seed,
-                 shuffle_block_size, drop_last, fill_null, read_threads, rank, world_size):
+                 shuffle_block_size, drop_last, fill_null, read_threads, rank, world_size, file_cache=None):
         self._units = units
         self._sizes = np.array([u.count for u in units], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(self._sizes)]).astype(np.int64)
@@ -242,6 +183,7 @@ class TableDataset:
         self.drop_last = drop_last
         self.fill_null = fill_null
         self.read_threads = read_threads
+        self._file_cache = file_cache
         self.rank = rank
         self.world_size = world_size
         self.num_samples = int(self._sizes.sum())
@@ -309,14 +251,20 @@ class TableDataset:
         return EpochPlan.for_rank(order, start=start, rank=self.rank, world_size=self.world_size,
                                   batch_size=self.batch_size, drop_last=self.drop_last)
 
-    def _read(self, unit: int) -> pa.Table:
+    def _read(self, unit: int, needed_at: int) -> pa.Table:
         group = self._units[unit]
         projection = {name: pc.field(name) for name in self.columns}
         if self._expression is not None:
-            projection[_KEEP] = self._expression
-        table = _scan(group.piece, self.schema, projection)
-        keep = table.column(_KEEP) if self._expression is not None else None
-        mask = _keep_mask(group, keep, self._selection)
+            projection[KEEP] = self._expression
+        if self._file_cache is None:
+            table = scan(group.piece, self.schema, projection)
+        else:
+            try:
+                table = scan(self._file_cache.local_piece(group.piece, needed_at), self.schema, projection)
+            except FileNotFoundError:  # evicted by another process between the check and the read
+                table = scan(self._file_cache.local_piece(group.piece, needed_at), self.schema, projection)
+        keep = table.column(KEEP) if self._expression is not None else None
+        mask = keep_mask(group, keep, self._selection)
         table = table.select(self.columns)
         if mask is not None:
             table = table.filter(pa.array(mask))
@@ -340,9 +288,17 @@ class _Reader:
         wanted = np.isin(batch_of, np.asarray(numbers, dtype=np.int64))
         units, first = np.unique(unit_of[wanted], return_index=True)
         self.queue = units[np.argsort(first)].tolist()
+        self.numbers = numbers
+        # Steps count this process's batches (with DataLoader workers, every W-th batch).
+        self.first_step = dict(zip(units.tolist(), ((batch_of[wanted][first] - numbers.start) // numbers.step).tolist()))
         self.last_use = {}
         for unit, batch in zip(unit_of[wanted].tolist(), batch_of[wanted].tolist()):
             self.last_use[unit] = batch
+        self.files = dataset._file_cache
+        if self.files is not None:
+            file_of = np.array([self.files.position[u.path] for u in dataset._units], dtype=np.int64)
+            self.steps = [np.unique(file_of[unit_of[n * plan.batch_size:(n + 1) * plan.batch_size]]) for n in numbers]
+            self.files.start(self.steps)
         self.pool = concurrent.futures.ThreadPoolExecutor(dataset.read_threads, thread_name_prefix="sparkgpu-table-read")
         self.loaded: dict[int, concurrent.futures.Future] = {}
         self.started: set[int] = set()
@@ -352,6 +308,9 @@ class _Reader:
         begin, end = number * self.plan.batch_size, (number + 1) * self.plan.batch_size
         units, offsets = self.unit_of[begin:end], self.offset[begin:end]
         needed = list(dict.fromkeys(units.tolist()))
+        if self.files is not None:
+            step = (number - self.numbers.start) // self.numbers.step
+            self.files.reached(step, self.steps[step])
         self._fill(needed)
         tables = [self.loaded[u].result() for u in needed]
         base = np.cumsum([0] + [t.num_rows for t in tables[:-1]]).astype(np.int64)
@@ -372,8 +331,10 @@ class _Reader:
     def _start(self, unit: int) -> None:
         if unit not in self.started:
             self.started.add(unit)
-            self.loaded[unit] = self.pool.submit(self.dataset._read, unit)
+            self.loaded[unit] = self.pool.submit(self.dataset._read, unit, self.first_step.get(unit, 0))
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.loaded.clear()
+        if self.files is not None:
+            self.files.close()

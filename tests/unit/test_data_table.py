@@ -174,3 +174,23 @@ def test_bad_arguments_fail_before_reading(tmp_path):
         data.table_dataset(uri, columns=["nope"], batch_size=4, rank=0, world_size=1)
     with pytest.raises(ConfigurationError, match="version= and timestamp= apply to Delta"):
         data.table_dataset(str(tmp_path), version=1, batch_size=4, rank=0, world_size=1)
+
+
+def test_remote_table_files_come_through_the_cache(tmp_path):
+    import fsspec
+
+    memory = fsspec.filesystem("memory")
+    for part in range(3):
+        sink = pa.BufferOutputStream()
+        pq.write_table(clicks(200, start=200 * part), sink, row_group_size=50)
+        memory.pipe(f"/lake/t/part-{part}.parquet", sink.getvalue().to_pybytes())
+    cache = tmp_path / "cache"
+    ds = data.table_dataset("memory://lake/t", filter="id >= 100", batch_size=32, shuffle=True, seed=2,
+                            local=str(cache), rank=0, world_size=1)
+    assert sorted(ids_of(ds)) == list(range(100, 600))
+    assert sorted(p.name for p in cache.rglob("*.parquet")) == ["part-0.parquet", "part-1.parquet", "part-2.parquet"]
+    # A limit of one file: files are evicted and fetched again as the plan needs them; the rows stay exact.
+    small = data.table_dataset("memory://lake/t", batch_size=40, local=str(tmp_path / "small"), rank=0, world_size=1,
+                               cache_limit=max(len(memory.cat(f"/lake/t/part-{i}.parquet")) for i in range(3)) + 10)
+    assert ids_of(small) == list(range(600))
+    assert len(list((tmp_path / "small").rglob("*.parquet"))) == 1
