@@ -107,7 +107,7 @@ class GPUNamespace:
 
     def train(self, fn: Callable, *, gpus: int, gpu_type: str, args: tuple = (), kwargs: dict | None = None,
               data=None, data_volume: str | None = None, data_options: dict | None = None,
-              gpus_per_node: int | None = None, wait_timeout: float | None = None,
+              data_format: str = "mds", gpus_per_node: int | None = None, wait_timeout: float | None = None,
               **distributed_options) -> list[Any]:
         """Runs ``fn(*args, **kwargs)`` on ``gpus`` ranks on this session's Spark executors.
 
@@ -125,6 +125,12 @@ class GPUNamespace:
             data_volume: Where conversions are kept (``SPARKGPU_DATA_VOLUME`` by default); the
                 ranks must reach it.
             data_options: More arguments for ``ensure_mds`` (``columns``, ``compression``, ...).
+            data_format: ``"mds"`` (convert, as above) or ``"table"``: when ``data`` is a path of
+                a Delta table or Parquet files, or a DataFrame that is a plain scan of one (plus
+                column selections and filters), ``data_url`` is a
+                :class:`~sparkgpu.data.table_plan.TableRef` for
+                :func:`sparkgpu.data.table_dataset` and nothing is converted; any other
+                DataFrame is converted as with ``"mds"`` (a log line says why).
             gpus_per_node: Ranks per barrier task (default: as many as one executor holds).
             wait_timeout: Seconds to wait for busy GPUs (``SPARKGPU_SPARK_WAIT_TIMEOUT``).
             **distributed_options: As for :func:`sparkgpu.distributed` (``timeout``,
@@ -146,6 +152,8 @@ class GPUNamespace:
         if "backend" in distributed_options or "remote" in distributed_options:
             raise ConfigurationError("spark.gpu.train always runs on this session's Spark executors; drop backend=/remote=")
         kwargs = dict(kwargs or {})
+        if data_format not in ("mds", "table"):
+            raise ConfigurationError(f"data_format={data_format!r} must be 'mds' (convert to MDS shards) or 'table' (read Delta/Parquet in place)")
         if data is not None:
             _check_accepts_data_url(fn, kwargs)
         backend = self.backend(wait_timeout=wait_timeout, gpus_per_node=gpus_per_node)
@@ -154,12 +162,29 @@ class GPUNamespace:
             # The checks .distributed() makes (capacity and gpu_type, usage policy, picklability),
             # through the same code and before the possibly long conversion; nothing is written.
             job.dryrun(*args, **kwargs)
-            kwargs["data_url"] = self._convert(data, data_volume, data_options or {})
+            reference = self._table_ref(data) if data_format == "table" else None
+            kwargs["data_url"] = reference or self._convert(data, data_volume, data_options or {})
         try:
             return job.distributed(*args, **kwargs)
         finally:
             self.last_job_id = getattr(job, "last_job_id", None)
             self.last_run_dir = getattr(job, "last_run_dir", None)
+
+    def _table_ref(self, data):
+        from sparkgpu.data.convert_files import is_delta_table
+        from sparkgpu.data.table_plan import TableRef, table_ref_of
+
+        if isinstance(data, (str, os.PathLike)) and (is_delta_table(os.fspath(data)) or os.path.exists(data) or "://" in os.fspath(data)):
+            reference, why = TableRef(os.fspath(data)), ""
+        elif isinstance(data, str):
+            reference, why = None, "it is a catalog table name, whose files the client cannot locate; pass the table's path instead"
+        else:
+            reference, why = table_ref_of(data)
+        if reference is None:
+            print(f"sparkgpu: data_format='table' cannot read this DataFrame in place ({why}); converting it to MDS", file=sys.stderr)
+        else:
+            print(f"sparkgpu: data read in place by the ranks: {reference!r}", file=sys.stderr)
+        return reference
 
     def _convert(self, data, volume: str | None, options: dict) -> str:
         from sparkgpu.config import settings

@@ -9,23 +9,26 @@ ds = data.dataset(remote="s3://bucket/feats/v1", local="/local_disk0/cache", bat
 
 from __future__ import annotations
 
-__all__ = ["to_mds", "ensure_mds", "data_fingerprint", "read_conversion", "dataset"]
-# Token packing and mixtures.
-__all__ += ["token_dataset", "Stream"]
-_MIXES = {"token_dataset": "sparkgpu.data.tokens", "Stream": "sparkgpu.data.mixture"}
+import importlib
+
+# Public name -> the module that defines it; imported on first use, so `import sparkgpu.data`
+# stays cheap.
+_NAMES = {
+    "to_mds": "sparkgpu.data.convert",
+    "ensure_mds": "sparkgpu.data.convert",
+    "data_fingerprint": "sparkgpu.data.convert",
+    "read_conversion": "sparkgpu.data.convert",
+    "dataset": "sparkgpu.data.loader",
+    "Stream": "sparkgpu.data.mixture",
+    "token_dataset": "sparkgpu.data.tokens",
+    "table_dataset": "sparkgpu.data.table",
+    "files_dataset": "sparkgpu.data.files",
+}
+
+__all__ = list(_NAMES)
 
 
 def __getattr__(name):
-    if name in ("to_mds", "ensure_mds", "data_fingerprint", "read_conversion"):
-        from sparkgpu.data import convert
-
-        return getattr(convert, name)
-    if name == "dataset":
-        from sparkgpu.data.loader import dataset
-
-        return dataset
-    if name in _MIXES:
-        import importlib
-
-        return getattr(importlib.import_module(_MIXES[name]), name)
-    raise AttributeError(f"module 'sparkgpu.data' has no attribute {name!r}")
+    if name not in _NAMES:
+        raise AttributeError(f"module 'sparkgpu.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(_NAMES[name]), name)

@@ -182,39 +182,42 @@ def is_delta_table(path: str, storage_options: dict | None = None) -> bool:
 
 
 def _delta_source(table, version, timestamp, storage_options: dict | None) -> FileSource:
-    try:
-        from deltalake import DeltaTable
-    except ImportError:
-        raise MissingDependencyError("Reading Delta tables", "pip install deltalake") from None
-    if version is not None and timestamp is not None:
-        raise ConfigurationError("give either version= or timestamp= for a Delta table, not both")
-    if isinstance(table, DeltaTable):
-        if version is not None or timestamp is not None:
-            table.load_as_version(version if version is not None else timestamp)
-    else:
-        try:
-            table = DeltaTable(str(table), version=version, storage_options=storage_options)
-            if timestamp is not None:
-                table.load_as_version(timestamp)
-        except Exception as exc:  # deltalake raises its own TableNotFoundError, DeltaError, ...
-            at = f" at version {version}" if version is not None else f" as of {timestamp}" if timestamp is not None else ""
-            raise DataError(f"cannot open Delta table {table}{at}: {exc}") from None
-    try:
-        dataset = table.to_pyarrow_dataset()
-    except Exception as exc:  # unsupported reader features (deletion vectors, column mapping...)
-        raise DataError(
-            f"deltalake cannot read Delta table {table.table_uri} as Arrow ({exc}); convert it "
-            "through Spark instead: to_mds(spark.read.format('delta').load(...), out)"
-        ) from None
-    metadata = table.metadata()
-    description = {"type": "delta", "uri": table.table_uri, "version": table.version()}
+    from sparkgpu.data.delta import open_delta
+
+    snapshot = open_delta(table, version=version, timestamp=timestamp, storage_options=storage_options)
+    description = {"type": "delta", "uri": snapshot.uri, "version": snapshot.version}
     if timestamp is not None:
         description["timestamp"] = timestamp.isoformat() if isinstance(timestamp, datetime.datetime) else str(timestamp)
+    if snapshot.selection:
+        description["deletion_vectors"] = len(snapshot.selection)
 
     def fingerprint() -> str:
-        return _digest({"type": "delta", "uri": table.table_uri, "version": table.version(), "id": metadata.id})
+        return _digest({"type": "delta", "uri": snapshot.uri, "version": snapshot.version, "id": snapshot.table_id})
 
-    return FileSource(dataset.schema, description, lambda workers: _dataset_units(dataset, workers), fingerprint)
+    def units(workers: int) -> list[_Unit]:
+        if not snapshot.selection:
+            return _dataset_units(snapshot.dataset, workers)
+        return [_deleted_rows_unit(fragment, snapshot) for fragment in snapshot.dataset.get_fragments()]
+
+    return FileSource(snapshot.dataset.schema, description, units, fingerprint)
+
+
+def _deleted_rows_unit(fragment, snapshot) -> _Unit:
+    """A whole file, its deleted rows (its deletion vector) left out."""
+    from sparkgpu.data.delta import row_group_mask
+
+    selection = snapshot.selection.get(fragment.path)
+    schema = snapshot.dataset.schema
+
+    def batches(columns, use_threads):
+        start = 0
+        # use_threads=False keeps the batches in file order, which the row positions rely on.
+        for batch in fragment.to_batches(schema=schema, columns=columns, batch_size=_BATCH_ROWS, use_threads=False):
+            mask = row_group_mask(selection, start, batch.num_rows)
+            start += batch.num_rows
+            yield batch if mask is None else batch.filter(pa.array(mask))
+
+    return _Unit(None, batches)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,87 @@
+"""The NVMe cache for the files of a remote table, with the planned prefetch and eviction of MDS shards.
+
+A remote table's Parquet files play the part of shards in :class:`sparkgpu.data.cache.ShardCache`:
+the epoch's plan says which files each batch reads, files are downloaded ahead in the order
+they are first needed, and at ``cache_limit`` the file needed furthest in the future is evicted
+first. Row groups are then read from the local copy. Local tables are read where they are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import numpy as np
+import pyarrow.dataset as pads
+import pyarrow.fs as pafs
+
+__all__ = ["TableFileCache"]
+
+_LISTING = "table-files.json"
+
+
+class TableFileCache:
+    """Local copies of a remote table's data files, fetched ahead of a plan.
+
+    Args:
+        url: The table's root URL (the cache entry is named after it).
+        root: The root as a path of the dataset's filesystem (what file paths start with).
+        files: The data files' paths on that filesystem.
+        sizes: Their sizes in bytes.
+        storage_options: fsspec options for the volume.
+        cache_root: Where cache entries live.
+        limit_bytes: Most bytes kept, or ``None``.
+        download_threads: Parallel downloads.
+    """
+
+    def __init__(self, url, root, files, sizes, storage_options, cache_root, limit_bytes, download_threads):
+        from sparkgpu.data import cache as cache_module
+        from sparkgpu.data.reader import DatasetIndex, ShardInfo
+        from sparkgpu.data.volume import Volume
+
+        prefix = root.rstrip("/") + "/"
+        names = [path[len(prefix):] if path.startswith(prefix) else path.lstrip("/") for path in files]
+        self.position = {path: i for i, path in enumerate(files)}
+        raw = json.dumps([[n, s] for n, s in zip(names, sizes)]).encode()
+        self.index = DatasetIndex(shards=tuple(ShardInfo(i, n, 1, int(s), {}) for i, (n, s) in enumerate(zip(names, sizes))),
+                                  columns=(), fingerprint=hashlib.sha1(raw).hexdigest())
+        self.volume = Volume(url, storage_options)
+        self.entry = cache_module.entry_dir_for(cache_root, self.volume.url)
+        meta = self.entry / cache_module._META
+        meta.mkdir(parents=True, exist_ok=True)
+        with cache_module._file_lock(meta / "cache.lock"):
+            saved = meta / _LISTING
+            if not saved.exists() or saved.read_bytes() != raw:
+                cache_module._remove_shards(self.entry)  # another table version: cached files may be stale
+                cache_module._atomic_write(saved, raw)
+        self.limit_bytes, self.download_threads = limit_bytes, download_threads
+        self._cache = None
+
+    def start(self, steps: list[np.ndarray]) -> None:
+        """Starts fetching for a plan: ``steps[i]`` are the file positions batch ``i`` reads."""
+        from sparkgpu.data.cache import ShardCache
+
+        self.close()
+        self._cache = ShardCache(self.entry, self.index, self.volume, self.limit_bytes, self.download_threads)
+        self._cache.set_plan(steps)
+
+    def reached(self, step: int, files: np.ndarray) -> None:
+        """Tells the cache that batch ``step`` (reading ``files``) is being built now."""
+        self._cache.acquire(step, files)
+
+    def local_piece(self, piece, needed_at: int):
+        """``piece`` (a row group fragment) reading the local copy of its file instead."""
+        shard = self.position[piece.path]
+        self._cache._ensure(shard, needed_at)
+        path = self.entry / self.index.shards[shard].basename
+        if not path.exists():  # evicted by another process since: fetch it again
+            path = self._cache.refetch(shard)
+        return pads.ParquetFileFormat().make_fragment(os.fspath(path), filesystem=pafs.LocalFileSystem(),
+                                                      partition_expression=piece.partition_expression,
+                                                      row_groups=[group.id for group in piece.row_groups])
+
+    def close(self) -> None:
+        if self._cache is not None:
+            self._cache.close()
+            self._cache = None

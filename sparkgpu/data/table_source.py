@@ -1,0 +1,125 @@
+"""Where a table dataset's rows come from: its files, row groups and surviving-row counts.
+
+Opening lists the live files (Delta through :mod:`sparkgpu.data.delta`, deletion vectors
+included; Parquet through ``pyarrow.dataset``), lets pyarrow prune partitions and row groups
+with the filter, and counts each row group's surviving rows: from the footer, minus the rows
+its deletion vector removes, and when there is a filter, by evaluating it on the filter's
+columns alone.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as pads
+
+from sparkgpu.data.delta import open_delta, row_group_mask
+from sparkgpu.errors import ConfigurationError, DataError
+
+__all__ = ["open_source", "row_groups", "file_cache", "keep_mask", "count_rows", "scan", "RowGroup", "KEEP"]
+
+KEEP = "__sparkgpu_keep"
+
+
+def file_cache(dataset, units, identity, storage_options, local, cache_limit, download_threads):
+    from sparkgpu.config import parse_bytes, settings
+    from sparkgpu.data.loader import _check_int
+    from sparkgpu.data.table_cache import TableFileCache
+
+    url = identity.get("uri") or identity.get("path")
+    if isinstance(dataset.filesystem, pa.fs.LocalFileSystem) or "://" not in url or url.startswith("file://"):
+        return None  # read in place
+    _check_int("download_threads", download_threads, 1)
+    limit = cache_limit if cache_limit is not None else settings().cache_limit_bytes
+    limit = parse_bytes(limit, "cache_limit") if limit is not None else None
+    files = sorted({unit.path for unit in units})
+    sizes = [info.size for info in dataset.filesystem.get_file_info(files)]
+    from sparkgpu.data.convert_files import _arrow_filesystem
+
+    _, root = _arrow_filesystem(url, storage_options)
+    return TableFileCache(url, root, files, sizes, storage_options, local if local is not None else settings().cache_dir,
+                          limit, download_threads)
+
+
+def open_source(source, version, timestamp, storage_options):
+    from sparkgpu.data.convert_files import _arrow_filesystem, is_delta_table
+
+    try:
+        from deltalake import DeltaTable
+    except ImportError:
+        DeltaTable = None
+    if (DeltaTable is not None and isinstance(source, DeltaTable)) or is_delta_table(os.fspath(source), storage_options):
+        snapshot = open_delta(source if not isinstance(source, os.PathLike) else os.fspath(source),
+                              version=version, timestamp=timestamp, storage_options=storage_options)
+        identity = {"type": "delta", "uri": snapshot.uri, "version": snapshot.version, "id": snapshot.table_id}
+        return snapshot.dataset, snapshot.selection, identity
+    if version is not None or timestamp is not None:
+        raise ConfigurationError(f"version= and timestamp= apply to Delta tables; {source} has no _delta_log")
+    path = os.fspath(source)
+    filesystem, root = _arrow_filesystem(path, storage_options)
+    try:
+        dataset = pads.dataset(root, format="parquet", filesystem=filesystem, partitioning="hive")
+    except (FileNotFoundError, pa.ArrowInvalid, OSError) as exc:
+        raise DataError(f"cannot read {path} as Parquet ({exc}); give a Delta table, a folder of Parquet files or one file") from None
+    if not dataset.files:
+        raise DataError(f"{path} holds no Parquet files")
+    infos = dataset.filesystem.get_file_info(sorted(dataset.files))
+    identity = {"type": "parquet", "path": path, "files": [[i.path, i.size, i.mtime_ns] for i in infos]}
+    return dataset, {}, identity
+
+
+class RowGroup:
+    """One row group of one file: where it is, and how many of its rows survive."""
+
+    __slots__ = ("piece", "path", "start", "rows", "count")
+
+    def __init__(self, piece, path, start, rows, count):
+        self.piece, self.path, self.start, self.rows, self.count = piece, path, start, rows, count
+
+
+def row_groups(dataset, expression, selection, threads) -> list[RowGroup]:
+    fragments = list(dataset.get_fragments(filter=expression) if expression is not None else dataset.get_fragments())
+
+    def split(fragment):
+        fragment.ensure_complete_metadata()
+        metadata = fragment.metadata
+        starts = np.cumsum([0] + [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)])
+        pieces = fragment.split_by_row_group(filter=expression, schema=dataset.schema) if expression is not None else fragment.split_by_row_group()
+        groups = []
+        for piece in pieces:
+            group_id = piece.row_groups[0].id
+            rows = metadata.row_group(group_id).num_rows
+            group = RowGroup(piece, fragment.path, int(starts[group_id]), rows, 0)
+            group.count = count_rows(group, dataset.schema, expression, selection)
+            groups.append(group)
+        return groups
+
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="sparkgpu-table-open") as pool:
+        split_files = list(pool.map(split, fragments))
+    return [group for groups in split_files for group in groups if group.count > 0]
+
+
+def keep_mask(group: RowGroup, keep: pa.Array | None, selection) -> np.ndarray | None:
+    mask = row_group_mask(selection.get(group.path), group.start, group.rows)
+    if keep is not None:
+        passed = pc.fill_null(keep, False).to_numpy(zero_copy_only=False)
+        mask = passed if mask is None else mask & passed
+    return mask
+
+
+def count_rows(group: RowGroup, schema, expression, selection) -> int:
+    keep = None
+    if expression is not None:
+        keep = scan(group.piece, schema, {KEEP: expression}).column(KEEP)
+        if len(keep) != group.rows:
+            raise DataError(f"{group.path} row group changed while being read; open the dataset again")
+    mask = keep_mask(group, keep, selection)
+    return group.rows if mask is None else int(mask.sum())
+
+
+def scan(piece, schema, projection: dict) -> pa.Table:
+    return pads.Scanner.from_fragment(piece, schema=schema, columns=projection, use_threads=False).to_table()

@@ -1,0 +1,196 @@
+"""The table dataset on real Delta tables (deletion vectors included) and Parquet files."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from sparkgpu import data
+from sparkgpu.errors import ConfigurationError, DataError
+from tests.unit.delta_dv import delete_rows
+
+
+def clicks(rows: int, start: int = 0) -> pa.Table:
+    ids = np.arange(start, start + rows, dtype=np.int64)
+    return pa.table({
+        "id": ids,
+        "x": (ids * 0.5).astype(np.float32),
+        "day": pa.array([f"2026-11-0{1 + i % 3}" for i in range(rows)]),
+        "name": [f"user-{i}" for i in ids],
+        "emb": pa.FixedSizeListArray.from_arrays(pa.array(np.repeat(ids, 2).astype(np.float32)), 2),
+    })
+
+
+def dv_table(tmp_path, rows=600, deleted=(1, 3, 10, 57, 99)) -> tuple[str, set]:
+    """A partitioned table with deletion vectors and rows deleted from one file of each day."""
+    from deltalake import DeltaTable, write_deltalake
+
+    uri = str(tmp_path / "clicks")
+    from deltalake import WriterProperties
+
+    write_deltalake(uri, clicks(rows), partition_by=["day"], configuration={"delta.enableDeletionVectors": "true"},
+                    writer_properties=WriterProperties(max_row_group_size=50))  # several row groups per file
+    gone = set()
+    for add in pa.table(DeltaTable(uri).get_add_actions(flatten=True)).to_pylist():
+        path = os.path.join(uri, add["path"])
+        ids = pq.read_table(path, columns=["id"]).column("id").to_pylist()
+        delete_rows(uri, add["path"], list(deleted))
+        gone |= {ids[i] for i in deleted}
+    return uri, gone
+
+
+def ids_of(dataset) -> list[int]:
+    return [i for batch in dataset for i in batch["id"].tolist()]
+
+
+def test_deletion_vectors_and_filter_give_exactly_the_surviving_rows_once_per_rank_split(tmp_path):
+    from deltalake import DeltaTable
+
+    uri, gone = dv_table(tmp_path)
+    # deltalake's own engine agrees on which rows the deletion vectors remove.
+    assert sorted(pa.table(DeltaTable(uri).scan(columns=["id"])).column("id").to_pylist()) == sorted(set(range(600)) - gone)
+    survivors = {i for i in range(600) if i not in gone and i >= 20}
+    orders = []
+    for epoch in range(2):
+        seen, batches = [], []
+        for rank in range(2):
+            ds = data.table_dataset(uri, filter="id >= 20", batch_size=16, shuffle=True, seed=3, shuffle_block_size=100,
+                                    rank=rank, world_size=2)
+            ds.set_epoch(epoch)
+            rank_batches = list(ds)
+            batches.append(len(rank_batches))
+            seen += [i for b in rank_batches for i in b["id"].tolist()]
+        assert len(seen) == len(set(seen))  # nothing twice
+        assert set(seen) <= survivors and len(survivors) - len(seen) == len(survivors) % 2  # the remainder rule
+        assert batches[0] == batches[1]
+        orders.append(seen)
+    assert orders[0] != orders[1]  # reshuffled each epoch
+
+
+def test_to_mds_of_a_table_with_deletion_vectors_leaves_deleted_rows_out(tmp_path):
+    uri, gone = dv_table(tmp_path)
+    result = data.to_mds(uri, str(tmp_path / "mds"))
+    assert result.samples == 600 - len(gone)
+    ds = data.dataset(local=str(tmp_path / "mds"), batch_size=64, rank=0, world_size=1)
+    assert sorted(ids_of(ds)) == sorted(set(range(600)) - gone)
+
+
+def test_partition_filter_prunes_files_before_reading(tmp_path):
+    uri, gone = dv_table(tmp_path)
+    for name in os.listdir(uri):
+        if name.startswith("day=2026-11-02"):
+            for leaf in os.listdir(os.path.join(uri, name)):
+                os.remove(os.path.join(uri, name, leaf))  # never opened: pruned by the partition filter
+    ds = data.table_dataset(uri, filter="day = '2026-11-01'", batch_size=50, rank=0, world_size=1)
+    assert sorted(ids_of(ds)) == sorted(i for i in range(0, 600, 3) if i not in gone)
+
+
+def test_row_groups_pruned_by_statistics_and_types(tmp_path):
+    folder = tmp_path / "pq"
+    folder.mkdir()
+    pq.write_table(clicks(1000), folder / "part-0.parquet", row_group_size=100)
+    ds = data.table_dataset(str(folder), filter="id >= 850", batch_size=32, rank=0, world_size=1)
+    assert len(ds._units) == 2  # row groups [800, 900) and [900, 1000): the other eight are skipped
+    batch = next(iter(ds))
+    assert batch["id"].dtype == torch.int64 and batch["x"].dtype == torch.float32
+    assert batch["emb"].shape == (32, 2) and batch["emb"][0].tolist() == [850.0, 850.0]
+    assert batch["name"][:2] == ["user-850", "user-851"]
+    assert sorted(ids_of(data.table_dataset(str(folder), filter="id >= 850", batch_size=32, rank=0, world_size=1))) == list(range(850, 1000))
+
+
+def test_version_and_timestamp_pin_the_table(tmp_path):
+    from deltalake import write_deltalake
+
+    uri = str(tmp_path / "t")
+    write_deltalake(uri, clicks(100))
+    time.sleep(0.05)
+    between = datetime.datetime.now(datetime.timezone.utc)
+    time.sleep(0.05)
+    write_deltalake(uri, clicks(50, start=100), mode="append")
+    assert data.table_dataset(uri, batch_size=10, rank=0, world_size=1).num_samples == 150
+    assert sorted(ids_of(data.table_dataset(uri, version=0, batch_size=10, rank=0, world_size=1))) == list(range(100))
+    assert data.table_dataset(uri, timestamp=between, batch_size=10, rank=0, world_size=1).num_samples == 100
+    with pytest.raises(DataError, match="version 7"):
+        data.table_dataset(uri, version=7, batch_size=10, rank=0, world_size=1)
+
+
+def test_nulls_are_refused_naming_the_column_unless_filled(tmp_path):
+    path = tmp_path / "n.parquet"
+    pq.write_table(pa.table({"id": [1, 2, 3], "score": pa.array([1.0, None, 3.0])}), path)
+    with pytest.raises(DataError, match="'score'.*fill_null"):
+        list(data.table_dataset(str(path), batch_size=3, rank=0, world_size=1))
+    batch = next(iter(data.table_dataset(str(path), batch_size=3, fill_null={"score": -1.0}, rank=0, world_size=1)))
+    assert batch["score"].tolist() == [1.0, -1.0, 3.0]
+
+
+def test_resume_mid_epoch_yields_exactly_the_rest(tmp_path):
+    uri, _ = dv_table(tmp_path)
+    full = data.table_dataset(uri, batch_size=16, shuffle=True, seed=5, shuffle_block_size=64, rank=0, world_size=1)
+    everything = ids_of(full)
+    first = data.table_dataset(uri, batch_size=16, shuffle=True, seed=5, shuffle_block_size=64, rank=0, world_size=1)
+    iterator = iter(first)
+    head = [i for _ in range(5) for i in next(iterator)["id"].tolist()]
+    state = first.state_dict()
+    again = data.table_dataset(uri, batch_size=16, shuffle=True, seed=5, shuffle_block_size=64, rank=0, world_size=1)
+    again.load_state_dict(state)
+    assert head + ids_of(again) == everything
+    assert ids_of(again) != everything[: len(everything)]  # next epoch: a different order
+    other = data.table_dataset(uri, batch_size=16, shuffle=True, seed=6, shuffle_block_size=64, rank=0, world_size=1)
+    with pytest.raises(ConfigurationError, match="seed"):
+        other.load_state_dict(state)
+
+
+def test_dataloader_workers_yield_the_same_batches_in_the_same_order(tmp_path):
+    uri, _ = dv_table(tmp_path)
+    plain = ids_of(data.table_dataset(uri, batch_size=16, shuffle=True, seed=1, rank=0, world_size=1))
+    ds = data.table_dataset(uri, batch_size=16, shuffle=True, seed=1, rank=0, world_size=1)
+    loader = torch.utils.data.DataLoader(_Wrapped(ds),
+                                         batch_size=None, num_workers=2)
+    assert [i for b in loader for i in b["id"].tolist()] == plain
+
+
+class _Wrapped(torch.utils.data.IterableDataset):
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __iter__(self):
+        return iter(self.dataset)
+
+
+def test_bad_arguments_fail_before_reading(tmp_path):
+    uri, _ = dv_table(tmp_path)
+    with pytest.raises(ConfigurationError, match="no column 'dya'"):
+        data.table_dataset(uri, filter="dya = '2026-11-01'", batch_size=4, rank=0, world_size=1)
+    with pytest.raises(ConfigurationError, match="not a SQL predicate|not supported"):
+        data.table_dataset(uri, filter="id >>> 3", batch_size=4, rank=0, world_size=1)
+    with pytest.raises(ConfigurationError, match=r"columns=\['nope'\]"):
+        data.table_dataset(uri, columns=["nope"], batch_size=4, rank=0, world_size=1)
+    with pytest.raises(ConfigurationError, match="version= and timestamp= apply to Delta"):
+        data.table_dataset(str(tmp_path), version=1, batch_size=4, rank=0, world_size=1)
+
+
+def test_remote_table_files_come_through_the_cache(tmp_path):
+    import fsspec
+
+    memory = fsspec.filesystem("memory")
+    for part in range(3):
+        sink = pa.BufferOutputStream()
+        pq.write_table(clicks(200, start=200 * part), sink, row_group_size=50)
+        memory.pipe(f"/lake/t/part-{part}.parquet", sink.getvalue().to_pybytes())
+    cache = tmp_path / "cache"
+    ds = data.table_dataset("memory://lake/t", filter="id >= 100", batch_size=32, shuffle=True, seed=2,
+                            local=str(cache), rank=0, world_size=1)
+    assert sorted(ids_of(ds)) == list(range(100, 600))
+    assert sorted(p.name for p in cache.rglob("*.parquet")) == ["part-0.parquet", "part-1.parquet", "part-2.parquet"]
+    # A limit of one file: files are evicted and fetched again as the plan needs them; the rows stay exact.
+    small = data.table_dataset("memory://lake/t", batch_size=40, local=str(tmp_path / "small"), rank=0, world_size=1,
+                               cache_limit=max(len(memory.cat(f"/lake/t/part-{i}.parquet")) for i in range(3)) + 10)
+    assert ids_of(small) == list(range(600))
+    assert len(list((tmp_path / "small").rglob("*.parquet"))) == 1
