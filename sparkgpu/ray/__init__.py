@@ -44,7 +44,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
-import os
 from typing import Any, Callable
 
 from sparkgpu.decorator import DistributedFunction, distributed
@@ -240,10 +239,10 @@ def ray_init(*args, **kwargs):
     """``ray.init`` for a notebook or script, as ``databricks.air.ray_init``; returns Ray's context.
 
     Inside a ``@ray_launch`` function (``RAY_ADDRESS`` is set there) it joins the job's cluster;
-    elsewhere it starts a single-node cluster on this host, as ``ray.init()`` does, with its
-    dashboard on ``127.0.0.1`` unless ``dashboard_host`` says otherwise (Databricks binds it to
-    every interface for its driver proxy; pass ``dashboard_host="0.0.0.0"`` for that). Calling
-    it again, say from a re-run notebook cell, returns the running cluster's context.
+    elsewhere it starts a single-node cluster on this host, as ``ray.init()`` does, its dashboard
+    on Ray's default ``127.0.0.1`` (Databricks binds it to every interface for its driver proxy;
+    pass ``dashboard_host="0.0.0.0"`` for that). Calling it again, say from a re-run notebook
+    cell, returns the running cluster's context instead of failing.
 
     Args:
         *args: Passed to ``ray.init``.
@@ -257,7 +256,4 @@ def ray_init(*args, **kwargs):
     import ray
 
     kwargs.setdefault("ignore_reinit_error", True)
-    joins_a_cluster = bool(args or kwargs.get("address") or os.environ.get("RAY_ADDRESS"))
-    if not joins_a_cluster and not ray.is_initialized():
-        kwargs.setdefault("dashboard_host", "127.0.0.1")  # Ray refuses it when joining a cluster
     return ray.init(*args, **kwargs)
