@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import sparkgpu
-from sparkgpu import ConfigurationError, JobTimeoutError, LocalExecutionTimeoutError, distributed, runtime
+from sparkgpu import CapacityError, ConfigurationError, JobTimeoutError, LocalExecutionTimeoutError, distributed, runtime
 from sparkgpu.config import ACCELERATOR_TYPES, GPU_CATALOG, classify_device, lookup_accelerator_type, reset_settings
 from sparkgpu.usage.rates import RateCard
 
@@ -187,3 +187,29 @@ def test_device_is_cuda_local_rank_as_under_torchrun(clean_rank_env, monkeypatch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.delenv("SPARKGPU_SIMULATED_GPUS")
     assert runtime.device() == torch.device("cpu")
+
+
+# -- a node shape on a Spark pool ----------------------------------------------------------------
+
+def test_a_node_shape_sets_the_ranks_per_spark_task():
+    from sparkgpu.launch.backends.spark import SparkBackend
+    from sparkgpu.launch.backends.spark_capacity import ExecutorInfo, SparkCapacity
+    from sparkgpu.spec import JobSpec
+
+    two_by_two = SparkCapacity(master="spark://head:7077", gpus_per_executor=2, gpu_type="A10", simulated=False,
+                               gpu_type_source="conf",
+                               executors=(ExecutorInfo("0", "host-0", 8, ("0", "1")),
+                                          ExecutorInfo("1", "host-1", 8, ("0", "1"))))
+    backend = SparkBackend(spark=object(), client_timeout=None, staging_url="")
+
+    def layout(**asked):
+        job = distributed(remote=True, **asked)(train)
+        spec = JobSpec(job_id="j", name="j", resources=job.resources, backend="spark")
+        return backend._layout(spec, two_by_two)
+
+    assert layout(gpus=2, gpu_type="A10").gpus_per_node == 2  # the backend packs both on one executor
+    assert layout(num_accelerators=2, accelerator_type="GPU_1xA10").gpus_per_node == 1  # one GPU per node
+    spec = JobSpec(job_id="j", name="j", resources=distributed(4, "GPU_4xA10", True)(train).resources, backend="spark")
+    assert JobSpec.from_dict(spec.to_dict()) == spec  # the shape survives the run dir
+    with pytest.raises(CapacityError):
+        backend._layout(spec, two_by_two)  # no executor holds 4 A10s
