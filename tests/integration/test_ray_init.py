@@ -36,9 +36,12 @@ NOTEBOOK = textwrap.dedent("""
 """)
 
 
-def test_ray_init_starts_a_local_cluster_with_its_dashboard_on_loopback_and_rejoins_it(monkeypatch):
+def test_ray_init_starts_a_local_cluster_with_its_dashboard_on_loopback_and_rejoins_it(monkeypatch, tmp_path):
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    # A local ray.init writes an auth token to ~/.ray, which later `ray start` clusters on the
+    # host would then demand: the notebook gets a home of its own.
+    monkeypatch.setenv("HOME", str(tmp_path))
     temp_dir = tempfile.mkdtemp(prefix="rayi-")  # Ray's socket paths must stay under 108 bytes
     try:
         proc = subprocess.run([sys.executable, "-c", NOTEBOOK, temp_dir], capture_output=True, text=True,
