@@ -156,7 +156,8 @@ def lookup_accelerator_type(name: str) -> AcceleratorShape:
     try:
         gpu = lookup_gpu_type(match.group(2))
     except ConfigurationError:
-        raise ConfigurationError(f"unknown accelerator_type {name!r}: no GPU type {match.group(2)!r}; {hint}") from None
+        raise ConfigurationError(
+            f"unknown accelerator_type {name!r}: no GPU type {match.group(2)!r}; {hint}") from None
     per_node = int(match.group(1))
     if gpu.is_cpu:
         raise ConfigurationError(f"accelerator_type {name!r} names no GPU; pass gpu_type='cpu' for CPU ranks")

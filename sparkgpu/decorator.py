@@ -289,7 +289,8 @@ def _world_of_one():
 
 def distributed(num_accelerators: int | Callable | None = None, accelerator_type: str | None = None,
                 remote: bool = False, timeout=None, *, gpus: int | None = None, num_gpus: int | None = None,
-                gpu_type: str | None = None, backend: str | Backend | None = None, max_runtime=None, checkpoint_grace="60s", max_restarts: int = 0,
+                gpu_type: str | None = None, backend: str | Backend | None = None, max_runtime=None,
+                checkpoint_grace="60s", max_restarts: int = 0,
                 log_ranks="main", name: str | None = None, tags: dict[str, str] | None = None,
                 callbacks: list[JobCallback] | None = None, experiment: str | None = None,
                 register_as: str | None = None, ship_environment: bool | None = None):

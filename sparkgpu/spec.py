@@ -86,13 +86,14 @@ class Resources:
             raise ConfigurationError(
                 "remote=True needs a gpu_type, e.g. @distributed(gpus=8, gpu_type='H100', remote=True)"
             )
-        if self.gpus_per_node is not None:
-            if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
-                raise ConfigurationError(f"gpus_per_node must be a positive integer, got {self.gpus_per_node!r}")
-            if self.remote and self.gpus % self.gpus_per_node:
+        per_node = self.gpus_per_node
+        if per_node is not None:
+            if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1:
+                raise ConfigurationError(f"gpus_per_node must be a positive integer, got {per_node!r}")
+            if self.remote and self.gpus % per_node:
                 raise ConfigurationError(
-                    f"{self.gpus} GPUs are not a whole number of {self.gpus_per_node}-GPU nodes; ask for a multiple "
-                    f"of {self.gpus_per_node} (e.g. {self.gpus_per_node * max(1, round(self.gpus / self.gpus_per_node))})"
+                    f"{self.gpus} GPUs are not a whole number of {per_node}-GPU nodes; ask for a multiple "
+                    f"of {per_node} (e.g. {per_node * max(1, round(self.gpus / per_node))})"
                 )
 
     @property

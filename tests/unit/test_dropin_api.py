@@ -8,7 +8,14 @@ import sys
 import pytest
 
 import sparkgpu
-from sparkgpu import CapacityError, ConfigurationError, JobTimeoutError, LocalExecutionTimeoutError, distributed, runtime
+from sparkgpu import (
+    CapacityError,
+    ConfigurationError,
+    JobTimeoutError,
+    LocalExecutionTimeoutError,
+    distributed,
+    runtime,
+)
 from sparkgpu.config import ACCELERATOR_TYPES, GPU_CATALOG, classify_device, lookup_accelerator_type, reset_settings
 from sparkgpu.usage.rates import RateCard
 
