@@ -10,6 +10,7 @@ from sparkgpu.errors import (
     CapacityError,
     ConfigurationError,
     JobTimeoutError,
+    LocalExecutionTimeoutError,
     SerializationError,
     SparkGPUError,
     WorkerFailedError,
@@ -21,6 +22,7 @@ __all__ = [
     "distributed",
     "DistributedFunction",
     "ray_launch",
+    "ray_init",
     "log",
     "registry",
     "data",
@@ -30,6 +32,7 @@ __all__ = [
     "CapacityError",
     "SerializationError",
     "JobTimeoutError",
+    "LocalExecutionTimeoutError",
     "WorkerFailedError",
     "__version__",
 ]
@@ -38,10 +41,11 @@ _LAZY = {
     "distributed": ("sparkgpu.decorator", "distributed"),
     "DistributedFunction": ("sparkgpu.decorator", "DistributedFunction"),
     "ray_launch": ("sparkgpu.ray", "ray_launch"),
+    "ray_init": ("sparkgpu.ray", "ray_init"),
     "runtime": ("sparkgpu.runtime", None),
     "data": ("sparkgpu.data", None),
     "log": ("sparkgpu.tracking.autolog", "log"),
-    "registry": ("sparkgpu.tracking.registry", None),
+    "registry": ("sparkgpu.registry", None),
 }
 
 

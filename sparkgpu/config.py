@@ -15,8 +15,8 @@ from pathlib import Path
 
 from sparkgpu.errors import ConfigurationError
 
-__all__ = ["GPUType", "GPU_CATALOG", "Settings", "settings", "lookup_gpu_type", "classify_device", "reset_settings",
-           "parse_bytes"]
+__all__ = ["GPUType", "GPU_CATALOG", "AcceleratorShape", "ACCELERATOR_TYPES", "lookup_accelerator_type", "Settings",
+           "settings", "lookup_gpu_type", "classify_device", "reset_settings", "parse_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,12 +54,15 @@ GPU_CATALOG: dict[str, GPUType] = {
         GPUType("A100-80GB", 80, 8, ("A100",)),
         GPUType("H100", 80, 8, ("H100",)),
         GPUType("H200", 141, 8, ("H200",)),
+        GPUType("B200", 180, 8, ("B200",)),
+        GPUType("B300", 288, 8, ("B300",)),
         GPUType("L4", 24, 8, ("L4",)),
         # Ranks on CPU processes with gloo: laptops, CI, and this project's own tests.
         GPUType("cpu", 0, 64, ()),
     )
 }
-_ALIASES = {"A100": "A100-40GB", "A10G": "A10", "CPU": "cpu"}
+# "H100_80GB" is how Databricks' serverless GPU API spells an H100 (its GPUType value).
+_ALIASES = {"A100": "A100-40GB", "A10G": "A10", "CPU": "cpu", "H100_80GB": "H100"}
 # Brand words drivers put before the model ("NVIDIA A10G", "Tesla T4", "GRID A100D-80C").
 _BRANDS = {"NVIDIA", "TESLA", "GEFORCE", "QUADRO", "GRID"}
 _SIZE_TOKEN = re.compile(r"^(\d+)GB$")
@@ -112,6 +115,56 @@ def lookup_gpu_type(name: str) -> GPUType:
             return GPU_CATALOG[candidate]
     known = ", ".join(repr(n) for n in GPU_CATALOG)
     raise ConfigurationError(f"unknown gpu_type {name!r}; use one of {known}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AcceleratorShape:
+    """A node shape named the Databricks way: ``"GPU_8xH100"`` is nodes of 8 H100s.
+
+    Attributes:
+        gpu: The catalog entry of the node's GPUs.
+        gpus_per_node: GPUs each node of this shape carries.
+    """
+
+    gpu: GPUType
+    gpus_per_node: int
+
+    @property
+    def name(self) -> str:
+        return f"GPU_{self.gpus_per_node}x{self.gpu.name}"
+
+
+# The shapes Databricks serverless GPU compute offers (databricks.air's AcceleratorType values);
+# any "GPU_<N>x<catalog type>" with N up to the type's max_per_node is accepted as well.
+ACCELERATOR_TYPES = ("GPU_1xA10", "GPU_1xH100", "GPU_8xH100", "GPU_8xB300")
+_SHAPE = re.compile(r"^GPU_(\d+)X(.+)$")
+
+
+def lookup_accelerator_type(name: str) -> AcceleratorShape:
+    """Returns the node shape ``name`` stands for (case-insensitive): ``"gpu_8xh100"`` -> 8 x H100.
+
+    Raises:
+        ConfigurationError: ``name`` is no ``GPU_<N>x<TYPE>`` of a catalog type, or ``N`` is more
+            than one node of that type carries; the message lists the valid shapes.
+    """
+    valid = ", ".join(repr(n) for n in ACCELERATOR_TYPES)
+    hint = (f"use one of {valid}, or GPU_<N>x<TYPE> with a catalog type "
+            f"({', '.join(n for n in GPU_CATALOG if n != 'cpu')}), or gpu_type='cpu' for CPU ranks")
+    match = _SHAPE.match(name.strip().upper()) if isinstance(name, str) else None
+    if match is None:
+        raise ConfigurationError(f"unknown accelerator_type {name!r}; {hint}")
+    try:
+        gpu = lookup_gpu_type(match.group(2))
+    except ConfigurationError:
+        raise ConfigurationError(
+            f"unknown accelerator_type {name!r}: no GPU type {match.group(2)!r}; {hint}") from None
+    per_node = int(match.group(1))
+    if gpu.is_cpu:
+        raise ConfigurationError(f"accelerator_type {name!r} names no GPU; pass gpu_type='cpu' for CPU ranks")
+    if not 1 <= per_node <= gpu.max_per_node:
+        raise ConfigurationError(
+            f"accelerator_type {name!r}: a node carries 1 to {gpu.max_per_node} {gpu.name} GPUs; {hint}")
+    return AcceleratorShape(gpu, per_node)
 
 
 def _data_home() -> Path:

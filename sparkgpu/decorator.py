@@ -10,8 +10,10 @@ step.distributed(10)   # list, one result per rank, ordered by rank
 step(10)               # a plain local call, no processes
 ```
 
-Code written for the Databricks Serverless GPU API (``@distributed(gpus=..., gpu_type=...,
-remote=...)``, ``fn.distributed(...)``) runs by changing only the import line.
+Code written for Databricks' serverless GPU API runs by changing only the import line: the
+``serverless_gpu`` names (``@distributed(gpus=..., gpu_type=..., remote=...)``) and those of its
+successor ``databricks.air`` (``@distributed(8, "GPU_8xH100")``, ``num_accelerators=``,
+``accelerator_type=``, ``fn.with_overrides(...)``, ``fn.func``) are both accepted.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import sys
 from typing import Any, Callable
 
@@ -30,12 +33,15 @@ from sparkgpu.launch.keys import new_key, save_key
 from sparkgpu.launch.payload import RunDir, client_sys_path, serialize_payload
 from sparkgpu.launch.retention import prune_runs
 from sparkgpu.launch.supervisor import Supervisor
-from sparkgpu.spec import JobSpec, Resources, RunPolicy, new_job_id
+from sparkgpu.spec import JobSpec, Resources, RunPolicy, new_job_id, requested_resources
 from sparkgpu.usage.meter import enforce_policy
 
 __all__ = ["distributed", "DistributedFunction", "default_callbacks", "REMOTE_MAX_RUNTIME"]
 
 REMOTE_MAX_RUNTIME = "7d"
+_UNSET = object()  # with_overrides(timeout=None) means "the default timeout", so None cannot mean "unchanged"
+_COUNT_NAMES = frozenset({"num_accelerators", "gpus", "num_gpus"})
+_TYPE_NAMES = frozenset({"accelerator_type", "gpu_type"})
 
 
 def default_callbacks(fn: Callable | None = None, experiment: str | None = None) -> list[JobCallback]:
@@ -70,7 +76,8 @@ class DistributedFunction:
     def __init__(self, fn: Callable, *, resources: Resources, policy: RunPolicy, backend: str | Backend | None,
                  log_ranks, name: str | None, tags: dict[str, str] | None,
                  callbacks: list[JobCallback] | None, experiment: str | None = None,
-                 register_as: str | None = None, ship_environment: bool | None = None):
+                 register_as: str | None = None, ship_environment: bool | None = None,
+                 options: dict[str, Any] | None = None):
         if not callable(fn):
             raise ConfigurationError(f"@distributed decorates a function, got {fn!r}")
         functools.update_wrapper(self, fn)
@@ -85,6 +92,8 @@ class DistributedFunction:
         self.experiment = experiment
         self.register_as = register_as
         self.ship_environment = ship_environment
+        # The @distributed arguments this was built from, for with_overrides().
+        self._options = dict(options or {})
         # What the last .distributed() call left behind (None before the first call).
         self.last_job_id: str | None = None
         self.last_run_dir: str | None = None
@@ -106,7 +115,58 @@ class DistributedFunction:
 
     def __repr__(self) -> str:
         r = self.resources
-        return f"<distributed {self.name} gpus={r.gpus} gpu_type={r.gpu_type!r} remote={r.remote}>"
+        shape = f" accelerator_type={self.accelerator_type!r}" if self.accelerator_type else ""
+        return f"<distributed {self.name} gpus={r.gpus} gpu_type={r.gpu_type!r}{shape} remote={r.remote}>"
+
+    @property
+    def func(self) -> Callable:
+        """The undecorated function."""
+        return self.fn
+
+    @property
+    def num_accelerators(self) -> int:
+        """Number of ranks (one GPU each); ``databricks.air``'s name for :attr:`resources` ``.gpus``."""
+        return self.resources.gpus
+
+    @property
+    def accelerator_type(self) -> str | None:
+        """The node shape asked for (``"GPU_8xH100"``), or ``None`` when only a GPU type (or
+        none) was given and the backend chooses how the ranks spread over nodes."""
+        r = self.resources
+        return f"GPU_{r.gpus_per_node}x{r.gpu_type}" if r.gpus_per_node else None
+
+    def with_overrides(self, num_accelerators: int | None = None, accelerator_type: str | None = None,
+                       remote: bool | None = None, timeout=_UNSET, **options) -> "DistributedFunction":
+        """A new decorated function with some settings changed; this one is left as it is.
+
+        Takes every :func:`distributed` argument. A new count (``num_accelerators``, ``gpus`` or
+        ``num_gpus``) replaces the old one whichever name either used, and likewise a new
+        ``accelerator_type`` or ``gpu_type``. ``timeout=None`` means the default timeout.
+
+        Raises:
+            ConfigurationError: an unknown argument, or settings that are invalid together.
+        """
+        unknown = sorted(set(options) - _OVERRIDABLE)
+        if unknown:
+            raise ConfigurationError(
+                f"with_overrides got unknown argument(s) {', '.join(unknown)}; it takes "
+                f"{', '.join(sorted(_OVERRIDABLE | {'num_accelerators', 'accelerator_type', 'remote', 'timeout'}))}"
+            )
+        merged = dict(self._options)
+        if num_accelerators is not None:
+            options["num_accelerators"] = num_accelerators
+        if accelerator_type is not None:
+            options["accelerator_type"] = accelerator_type
+        if remote is not None:
+            options["remote"] = remote
+        if timeout is not _UNSET:
+            options["timeout"] = timeout
+        for group in (_COUNT_NAMES, _TYPE_NAMES):
+            if group & options.keys():
+                for name in group:
+                    merged.pop(name, None)
+        merged.update(options)
+        return distributed(**merged)(self.fn)
 
     # -- the distributed call --------------------------------------------------------------
     def _backend(self) -> Backend:
@@ -229,23 +289,32 @@ def _world_of_one():
             dist.destroy_process_group()
 
 
-def distributed(fn: Callable | None = None, *, gpus: int | None = None, num_gpus: int | None = None,
-                gpu_type: str | None = None, remote: bool = False, backend: str | Backend | None = None,
-                timeout=None, max_runtime=None, checkpoint_grace="60s", max_restarts: int = 0,
+def distributed(num_accelerators: int | Callable | None = None, accelerator_type: str | None = None,
+                remote: bool = False, timeout=None, *, gpus: int | None = None, num_gpus: int | None = None,
+                gpu_type: str | None = None, backend: str | Backend | None = None, max_runtime=None,
+                checkpoint_grace="60s", max_restarts: int = 0,
                 log_ranks="main", name: str | None = None, tags: dict[str, str] | None = None,
                 callbacks: list[JobCallback] | None = None, experiment: str | None = None,
                 register_as: str | None = None, ship_environment: bool | None = None, pool: str | None = None):
-    """Decorates a function so that ``fn.distributed(...)`` runs it on ``gpus`` ranks.
+    """Decorates a function so that ``fn.distributed(...)`` runs it on ``num_accelerators`` ranks.
 
-    Usable bare (``@distributed``: one rank on whatever this host has) or with arguments.
+    Usable bare (``@distributed``) or with arguments; the first four may be positional, as in
+    ``databricks.air`` (``@distributed(8, "GPU_8xH100", True)``).
 
     Args:
-        fn: The function (when used bare).
-        gpus: Number of ranks, one GPU each. ``num_gpus`` is an alias.
-        gpu_type: Catalog name (``"H100"``, ``"A10"``, ``"A100-80GB"``, ``"H200"``, ``"L4"``) or
-            ``"cpu"`` for CPU ranks with gloo. ``None`` on local runs means this host's GPUs,
-            or CPU when it has none. Required with ``remote=True``.
+        num_accelerators: Number of ranks, one GPU each. ``gpus`` and ``num_gpus`` are the
+            same setting. ``None``: on local runs every GPU of this host (one rank on a host
+            without GPUs or with ``gpu_type="cpu"``); on remote runs one node of
+            ``accelerator_type``, else one GPU. Bare ``@distributed`` passes the function here.
+        accelerator_type: Node shape ``"GPU_<N>x<TYPE>"`` (case-insensitive): ``"GPU_1xA10"``,
+            ``"GPU_1xH100"``, ``"GPU_8xH100"``, ``"GPU_8xB300"``, or any catalog type with up to
+            its per-node maximum. Remote jobs then run on nodes of N GPUs each, and the count
+            must be a multiple of N. A plain catalog type is accepted too (as ``gpu_type``).
         remote: Run on a remote GPU pool through Spark instead of this host.
+        gpu_type: Catalog name (``"H100"``, ``"A10"``, ``"A100-80GB"``, ``"H200"``, ``"B200"``,
+            ``"B300"``, ``"L4"``) or ``"cpu"`` for CPU ranks with gloo. ``None`` on local runs
+            means this host's GPUs, or CPU when it has none. Remote runs need it (or
+            ``accelerator_type``).
         backend: ``"local"``, ``"pool"`` (local ranks forked from a warm pool; the default for
             local jobs when ``SPARKGPU_WARM_POOL=1``), ``"spark"`` or a
             :class:`~sparkgpu.launch.backends.base.Backend`.
@@ -270,15 +339,17 @@ def distributed(fn: Callable | None = None, *, gpus: int | None = None, num_gpus
             the one ``gpu_type`` chooses; needs ``remote=True``.
 
     Raises:
-        ConfigurationError: an argument is invalid (raised here, at decoration time).
+        ConfigurationError: an argument is invalid, or names of one setting disagree
+            (``gpus=2, num_accelerators=4``); raised here, at decoration time.
     """
-    if fn is not None and not callable(fn):
-        raise ConfigurationError(
-            f"@distributed got {fn!r} as its first argument; pass settings by keyword, e.g. @distributed(gpus={fn!r})"
-        )
-    if gpus is not None and num_gpus is not None and gpus != num_gpus:
-        raise ConfigurationError(f"gpus={gpus} and num_gpus={num_gpus} disagree; pass only gpus=")
-    count = gpus if gpus is not None else (num_gpus if num_gpus is not None else 1)
+    fn = None
+    if callable(num_accelerators):  # bare @distributed
+        fn, num_accelerators = num_accelerators, None
+    options = {name: value for name, value in locals().items() if name in _OPTION_NAMES}
+    resources = requested_resources(
+        num_accelerators=num_accelerators, accelerator_type=accelerator_type, gpus=gpus, num_gpus=num_gpus,
+        gpu_type=gpu_type, remote=remote, host_gpu_count=_host_gpu_count,
+    )
     if log_ranks == "main":
         ranks: tuple[int, ...] | None = (0,)
     elif log_ranks == "all":
@@ -290,7 +361,6 @@ def distributed(fn: Callable | None = None, *, gpus: int | None = None, num_gpus
             ranks = tuple(int(r) for r in log_ranks)
         except (TypeError, ValueError):
             raise ConfigurationError(f"log_ranks={log_ranks!r}: use 'main', 'all', None or a list of ranks") from None
-    resources = Resources(gpus=count, gpu_type=gpu_type, remote=remote)
     if max_runtime is None and remote:
         max_runtime = REMOTE_MAX_RUNTIME  # remote pools cap every run; resume past the cap
     policy = RunPolicy(
@@ -304,7 +374,7 @@ def distributed(fn: Callable | None = None, *, gpus: int | None = None, num_gpus
     def wrap(f: Callable) -> DistributedFunction:
         return DistributedFunction(f, resources=resources, policy=policy, backend=backend, log_ranks=ranks,
                                    name=name, tags=tags, callbacks=callbacks, experiment=experiment,
-                                   register_as=register_as, ship_environment=ship_environment)
+                                   register_as=register_as, ship_environment=ship_environment, options=options)
 
     if fn is not None:
         return wrap(fn)
@@ -318,3 +388,11 @@ def _pool_backend(pool: str, remote: bool, backend) -> Backend:
     if backend not in (None, "spark"):
         raise ConfigurationError(f"pool={pool!r} runs on the Spark backend; drop backend={backend!r}")
     return create_backend("spark", pool=pool)
+def _host_gpu_count() -> int:
+    from sparkgpu.launch.hardware import detect_host_gpus
+
+    return detect_host_gpus(settings().simulate_gpus).count
+
+
+_OPTION_NAMES = frozenset(inspect.signature(distributed).parameters)
+_OVERRIDABLE = _OPTION_NAMES - {"num_accelerators", "accelerator_type", "remote", "timeout"}

@@ -14,6 +14,7 @@ __all__ = [
     "SerializationError",
     "MissingDependencyError",
     "JobTimeoutError",
+    "LocalExecutionTimeoutError",
     "WorkerFailedError",
     "RankFailure",
     "PayloadSignatureError",
@@ -56,6 +57,10 @@ class MissingDependencyError(SparkGPUError, ImportError):
 
 class JobTimeoutError(SparkGPUError, TimeoutError):
     """The whole call ran longer than its ``timeout``."""
+
+
+# databricks.air's name for the same error: `except LocalExecutionTimeoutError` catches it.
+LocalExecutionTimeoutError = JobTimeoutError
 
 
 class PayloadSignatureError(SparkGPUError):

@@ -17,6 +17,8 @@ import time
 
 __all__ = [
     "get_global_rank",
+    "get_replica_rank",
+    "get_node_ip",
     "get_local_rank",
     "get_world_size",
     "get_local_world_size",
@@ -51,9 +53,44 @@ def _int_env(name: str, default: int) -> int:
     return int(value) if value not in (None, "") else default
 
 
-def get_global_rank() -> int:
-    """Rank of this process among all processes of the job (0 outside a job)."""
+def get_global_rank(group=None) -> int:
+    """Rank of this process among all processes of the job (0 outside a job).
+
+    Args:
+        group: A ``torch.distributed`` process group: then the rank within that group
+            (``dist.get_rank(group)``), as in ``databricks.air``.
+    """
+    if group is not None:
+        import torch.distributed as dist
+
+        return dist.get_rank(group)
     return _int_env("RANK", 0)
+
+
+def get_replica_rank() -> int:
+    """Index of this replica when several copies of a job run side by side (0 here: one replica).
+
+    ``databricks.air`` reads ``REPLICA_RANK``; a job here is one replica unless that is set.
+    """
+    return _int_env("REPLICA_RANK", 0)
+
+
+def get_node_ip() -> str:
+    """The IP address by which the job's other nodes reach this one.
+
+    Inside a job, the address this rank's process-group connection leaves from (towards the
+    rendezvous host, ``MASTER_ADDR``); outside one, the address of this host's default route,
+    falling back to ``127.0.0.1`` on a host without a network. Nothing is sent.
+    """
+    import socket
+
+    target = os.environ.get("MASTER_ADDR") or "192.0.2.1"  # TEST-NET-1: only picks the route
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((target, int(os.environ.get("MASTER_PORT") or 9)))  # UDP connect sends nothing
+            return probe.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
 
 
 def get_local_rank() -> int:
@@ -89,15 +126,16 @@ def is_distributed() -> bool:
 
 
 def device():
-    """The ``torch.device`` this rank should use.
+    """The ``torch.device`` this rank should use: ``cuda:<LOCAL_RANK>``, or ``cpu``.
 
-    Each rank of a GPU job sees exactly its own GPU (``CUDA_VISIBLE_DEVICES``), so this is
-    ``cuda:0`` there; on CPU ranks and simulated GPUs it is ``cpu``.
+    As under ``torchrun``, every rank of a node sees the job's GPUs of that node, in order,
+    and its local rank indexes them: ``torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))``
+    and this agree. On CPU ranks, simulated GPUs and hosts without CUDA it is ``cpu``.
     """
     import torch
 
     if os.environ.get(ENV_SIMULATED) != "1" and torch.cuda.is_available():
-        return torch.device("cuda", 0 if "CUDA_VISIBLE_DEVICES" in os.environ else get_local_rank())
+        return torch.device("cuda", get_local_rank())
     return torch.device("cpu")
 
 

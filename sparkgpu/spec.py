@@ -12,12 +12,12 @@ import dataclasses
 import datetime as _dt
 import re
 import secrets
-from typing import Any
+from typing import Any, Callable
 
-from sparkgpu.config import lookup_gpu_type
+from sparkgpu.config import AcceleratorShape, lookup_accelerator_type, lookup_gpu_type
 from sparkgpu.errors import ConfigurationError
 
-__all__ = ["Resources", "RunPolicy", "JobSpec", "parse_duration", "new_job_id"]
+__all__ = ["Resources", "RunPolicy", "JobSpec", "parse_duration", "new_job_id", "requested_resources"]
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400, None: 1}
@@ -62,11 +62,15 @@ class Resources:
         gpu_type: Canonical catalog name (``"H100"``, ``"A10"``, ``"cpu"``, ...) or ``None``
             for "whatever this host has" on local runs.
         remote: Run on a remote GPU pool (the Spark backend) instead of this host.
+        gpus_per_node: GPUs each node of the pool carries, when a node shape was asked for
+            (``accelerator_type="GPU_8xH100"``: 8); ``None`` lets the backend choose. A
+            remote job's ``gpus`` must then be a whole number of nodes.
     """
 
     gpus: int = 1
     gpu_type: str | None = None
     remote: bool = False
+    gpus_per_node: int | None = None
 
     def __post_init__(self):
         if isinstance(self.gpus, bool) or not isinstance(self.gpus, int):
@@ -82,10 +86,70 @@ class Resources:
             raise ConfigurationError(
                 "remote=True needs a gpu_type, e.g. @distributed(gpus=8, gpu_type='H100', remote=True)"
             )
+        per_node = self.gpus_per_node
+        if per_node is not None:
+            if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1:
+                raise ConfigurationError(f"gpus_per_node must be a positive integer, got {per_node!r}")
+            if self.remote and self.gpus % per_node:
+                raise ConfigurationError(
+                    f"{self.gpus} GPUs are not a whole number of {per_node}-GPU nodes; ask for a multiple "
+                    f"of {per_node} (e.g. {per_node * max(1, round(self.gpus / per_node))})"
+                )
 
     @property
     def is_cpu(self) -> bool:
         return self.gpu_type == "cpu"
+
+
+def requested_resources(*, num_accelerators=None, accelerator_type=None, gpus=None, num_gpus=None,
+                        gpu_type=None, remote: bool = False,
+                        host_gpu_count: Callable[[], int] = lambda: 0) -> Resources:
+    """The :class:`Resources` that ``@distributed``'s arguments ask for, in either API's names.
+
+    ``num_accelerators`` / ``gpus`` / ``num_gpus`` name the count and ``accelerator_type`` /
+    ``gpu_type`` the hardware; names of one meaning may be combined only when they agree.
+    ``accelerator_type`` is a node shape (``"GPU_8xH100"``) or, as Databricks still accepts, a
+    plain GPU type (``"H100"``).
+
+    Args:
+        host_gpu_count: Called for the count when none is given on a local GPU job: every GPU
+            of this host (one CPU rank when it has none).
+
+    Raises:
+        ConfigurationError: unknown type or shape, a non-positive count, names that disagree,
+            or a remote count that is not a whole number of nodes of the shape.
+    """
+    counts = {name: value for name, value in
+              (("num_accelerators", num_accelerators), ("gpus", gpus), ("num_gpus", num_gpus)) if value is not None}
+    if len(set(map(repr, counts.values()))) > 1:
+        given = " and ".join(f"{k}={v!r}" for k, v in counts.items())
+        raise ConfigurationError(f"{given} disagree; pass only num_accelerators=")
+    count = next(iter(counts.values()), None)
+
+    shape: AcceleratorShape | None = None
+    accelerator = getattr(accelerator_type, "value", accelerator_type)  # an Enum member works too
+    if accelerator is not None:
+        if isinstance(accelerator, str) and accelerator.strip().upper().startswith("GPU_"):
+            shape = lookup_accelerator_type(accelerator)
+            accelerator = shape.gpu.name
+        else:
+            accelerator = lookup_gpu_type(accelerator).name
+        if gpu_type is not None and lookup_gpu_type(gpu_type).name != accelerator:
+            raise ConfigurationError(
+                f"accelerator_type={accelerator_type!r} and gpu_type={gpu_type!r} name different GPUs; "
+                "pass only accelerator_type="
+            )
+    chosen_type = accelerator if accelerator is not None else gpu_type
+
+    if count is None:
+        if remote:
+            count = shape.gpus_per_node if shape else 1  # one node of the shape
+        elif chosen_type is not None and lookup_gpu_type(chosen_type).is_cpu:
+            count = 1
+        else:
+            count = host_gpu_count() or 1
+    return Resources(gpus=count, gpu_type=chosen_type, remote=remote,
+                     gpus_per_node=shape.gpus_per_node if shape else None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,8 +31,12 @@ Results: ``.distributed()`` returns the driver's (rank 0's) return value, as Dat
 its Ray tasks is raised as :class:`~sparkgpu.errors.WorkerFailedError` naming rank 0, with the
 driver's traceback, which holds the ``RayTaskError`` text of the failed task.
 
+:func:`ray_init` is the other way in, as in ``databricks.air``: ``ray.init`` for a notebook or a
+process that wants a Ray cluster of its own, or that runs inside a ``@ray_launch`` job and
+joins that job's cluster.
+
 Only ``ray`` itself is needed (``pip install 'sparkgpu[ray]'``); this package never imports it
-on the client.
+on the client before one of these is used.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from sparkgpu.spec import parse_duration
 
 __all__ = [
     "ray_launch",
+    "ray_init",
     "RayLaunchFunction",
     "RayClusterError",
     "RankResources",
@@ -60,7 +65,9 @@ __all__ = [
 ]
 
 
-_DISTRIBUTED_OPTIONS = frozenset(inspect.signature(distributed).parameters) - {"fn"}
+_DISTRIBUTED_OPTIONS = frozenset(inspect.signature(distributed).parameters)
+_RAY_OPTIONS = ("ray_nodes", "ray_start_timeout", "metrics_interval")
+_UNSET = object()
 
 
 class RayLaunchFunction:
@@ -71,14 +78,51 @@ class RayLaunchFunction:
     cluster and returns its value. Built by :func:`ray_launch`.
     """
 
-    def __init__(self, fn: Callable, options: RayOptions, distributed_options: dict[str, Any]):
+    def __init__(self, fn: Callable, options: RayOptions, distributed_options: dict[str, Any],
+                 ray_arguments: dict[str, Any] | None = None):
         if not callable(fn):
             raise ConfigurationError(f"@ray_launch decorates a function, got {fn!r}")
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.options = options
-        distributed_options.setdefault("name", getattr(fn, "__name__", None) or "ray_job")
-        self.job: DistributedFunction = distributed(functools.partial(run_rank, fn, options), **distributed_options)
+        self._arguments = {**(ray_arguments or {}), **distributed_options}  # for with_overrides()
+        distributed_options = {"name": getattr(fn, "__name__", None) or "ray_job", **distributed_options}
+        self.job: DistributedFunction = distributed(**distributed_options)(functools.partial(run_rank, fn, options))
+
+    @property
+    def func(self) -> Callable:
+        """The undecorated function."""
+        return self.fn
+
+    @property
+    def num_accelerators(self) -> int:
+        return self.job.num_accelerators
+
+    @property
+    def accelerator_type(self) -> str | None:
+        return self.job.accelerator_type
+
+    def with_overrides(self, num_accelerators: int | None = None, accelerator_type: str | None = None,
+                       remote: bool | None = None, timeout=_UNSET, **options) -> "RayLaunchFunction":
+        """A new function with some settings changed (any :func:`ray_launch` argument); see
+        :meth:`sparkgpu.DistributedFunction.with_overrides`."""
+        overrides = dict(options)
+        for name, value in (("num_accelerators", num_accelerators), ("accelerator_type", accelerator_type),
+                            ("remote", remote)):
+            if value is not None:
+                overrides[name] = value
+        if timeout is not _UNSET:
+            overrides["timeout"] = timeout
+        unknown = sorted(set(overrides) - _DISTRIBUTED_OPTIONS - set(_RAY_OPTIONS))
+        if unknown:
+            raise ConfigurationError(f"with_overrides got unknown argument(s) {', '.join(unknown)}")
+        merged = dict(self._arguments)
+        for group in (("num_accelerators", "gpus", "num_gpus"), ("accelerator_type", "gpu_type")):
+            if set(group) & overrides.keys():
+                for name in group:
+                    merged.pop(name, None)
+        merged.update(overrides)
+        return ray_launch(**merged)(self.fn)
 
     @property
     def resources(self):
@@ -130,15 +174,20 @@ class RayLaunchFunction:
         return self.job.dryrun(*args, **kwargs)
 
 
-def ray_launch(fn: Callable | None = None, *, ray_nodes: str = "per_node", ray_start_timeout="5m",
+def ray_launch(num_accelerators: int | Callable | None = None, accelerator_type: str | None = None,
+               remote: bool = False, timeout=None, *, ray_nodes: str = "per_node", ray_start_timeout="5m",
                metrics_interval="10s", **distributed_options):
     """Decorates a function so that ``fn.distributed(...)`` runs it as the driver of a Ray cluster.
 
     The cluster spans the ranks of a ``@distributed`` job: usable bare (``@ray_launch``) or
-    with arguments.
+    with arguments, the first four positional as in ``databricks.air``.
 
     Args:
-        fn: The function (when used bare).
+        num_accelerators: Number of ranks (``gpus=`` works too); bare ``@ray_launch`` passes
+            the function here. See :func:`sparkgpu.distributed` for this and the next three.
+        accelerator_type: Node shape (``"GPU_8xH100"``) or GPU type.
+        remote: Run on a remote GPU pool through Spark.
+        timeout: Limit on the whole call.
         ray_nodes: ``"per_node"`` (default): one Ray node per job node with all of that node's
             GPUs, so a task may ask for several and the node has one object store.
             ``"per_rank"``: one Ray node per rank, with that rank's GPU and an even share of
@@ -158,23 +207,53 @@ def ray_launch(fn: Callable | None = None, *, ray_nodes: str = "per_node", ray_s
     """
     if importlib.util.find_spec("ray") is None:
         raise MissingDependencyError("@ray_launch", INSTALL_HINT)
-    if fn is not None and not callable(fn):
-        raise ConfigurationError(
-            f"@ray_launch got {fn!r} as its first argument; pass settings by keyword, e.g. @ray_launch(gpus={fn!r})"
-        )
+    fn = None
+    if callable(num_accelerators):  # bare @ray_launch
+        fn, num_accelerators = num_accelerators, None
     unknown = sorted(set(distributed_options) - _DISTRIBUTED_OPTIONS)
     if unknown:
-        known = ", ".join(sorted(_DISTRIBUTED_OPTIONS | {"ray_nodes", "ray_start_timeout", "metrics_interval"}))
+        known = ", ".join(sorted(_DISTRIBUTED_OPTIONS | set(_RAY_OPTIONS)))
         raise ConfigurationError(f"@ray_launch got unknown argument(s) {', '.join(unknown)}; it takes {known}")
     if ray_nodes not in NODE_LAYOUTS:
         raise ConfigurationError(f"ray_nodes={ray_nodes!r}: use one of {', '.join(map(repr, NODE_LAYOUTS))}")
     options = RayOptions(ray_nodes, parse_duration(ray_start_timeout, name="ray_start_timeout"),
                          parse_duration(metrics_interval, name="metrics_interval"))
+    for name, value, default in (("num_accelerators", num_accelerators, None),
+                                 ("accelerator_type", accelerator_type, None), ("remote", remote, False),
+                                 ("timeout", timeout, None)):
+        if value is not default:
+            distributed_options[name] = value
     distributed(**distributed_options)  # validates every @distributed argument now, before any call
+    ray_arguments = {"ray_nodes": ray_nodes, "ray_start_timeout": ray_start_timeout,
+                     "metrics_interval": metrics_interval}
 
     def wrap(f: Callable) -> RayLaunchFunction:
-        return RayLaunchFunction(f, options, dict(distributed_options))
+        return RayLaunchFunction(f, options, dict(distributed_options), ray_arguments)
 
     if fn is not None:
         return wrap(fn)
     return wrap
+
+
+def ray_init(*args, **kwargs):
+    """``ray.init`` for a notebook or script, as ``databricks.air.ray_init``; returns Ray's context.
+
+    Inside a ``@ray_launch`` function (``RAY_ADDRESS`` is set there) it joins the job's cluster;
+    elsewhere it starts a single-node cluster on this host, as ``ray.init()`` does, its dashboard
+    on Ray's default ``127.0.0.1`` (Databricks binds it to every interface for its driver proxy;
+    pass ``dashboard_host="0.0.0.0"`` for that). Calling it again, say from a re-run notebook
+    cell, returns the running cluster's context instead of failing.
+
+    Args:
+        *args: Passed to ``ray.init``.
+        **kwargs: Passed to ``ray.init``.
+
+    Raises:
+        MissingDependencyError: Ray is not installed here; the message holds the pip command.
+    """
+    if importlib.util.find_spec("ray") is None:
+        raise MissingDependencyError("ray_init", INSTALL_HINT)
+    import ray
+
+    kwargs.setdefault("ignore_reinit_error", True)
+    return ray.init(*args, **kwargs)

@@ -65,6 +65,10 @@ def squares_on_every_node(n, hold=0.0):
 
     import ray
 
+    from sparkgpu import ray_init
+
+    joined = ray_init()  # what databricks.air code calls first: here it returns the job's cluster
+
     @ray.remote(num_cpus=1)
     def square(x):
         time.sleep(0.5)  # both nodes' single CPU stay busy, so the tasks cannot pile up on one
@@ -85,6 +89,7 @@ def squares_on_every_node(n, hold=0.0):
         "cpus": ray.cluster_resources().get("CPU"),
         "gpus": ray.cluster_resources().get("GPU", 0),
         "ray_address": os.environ.get("RAY_ADDRESS"),
+        "ray_init_address": joined.address_info["gcs_address"],
         "rank": runtime.get_global_rank(),
     }
 
@@ -108,6 +113,7 @@ def test_task_graph_runs_on_the_ray_nodes_of_both_ranks_and_leaves_no_ray_proces
     assert out["task_nodes"] == out["cluster_nodes"]  # both ranks' raylets ran tasks
     assert out["cpus"] == 2 and out["gpus"] == 0  # one CPU per rank on a 2-rank CPU job
     assert out["rank"] == 0 and out["ray_address"]  # the driver ran on rank 0, RAY_ADDRESS set
+    assert out["ray_init_address"] == out["ray_address"]  # ray_init() joined that cluster, started none
 
     run_dir = RunDir(job.last_run_dir)
     assert run_dir.read_result(0, 1) is None  # the other ranks return None

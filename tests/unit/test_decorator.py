@@ -18,14 +18,17 @@ def test_bare_decorator_and_num_gpus_alias():
     assert a.__name__ == "a" and "gpus=3" in repr(b)
 
 
-def test_positional_settings_get_a_hint():
-    with pytest.raises(ConfigurationError, match=r"@distributed\(gpus=2\)"):
-        distributed(2)
+def test_positional_settings_are_databricks_airs_four():
+    job = distributed(8, "GPU_8xH100", True, "2h")(lambda: 0)
+    assert (job.num_accelerators, job.accelerator_type, job.resources.remote, job.policy.timeout) == \
+        (8, "GPU_8xH100", True, 7200.0)
+    with pytest.raises(ConfigurationError, match="positive integer"):
+        distributed("H100")
 
 
 def test_bad_settings_fail_at_decoration_time():
-    with pytest.raises(ConfigurationError, match="unknown gpu_type 'B200'"):
-        distributed(gpus=1, gpu_type="B200")
+    with pytest.raises(ConfigurationError, match="unknown gpu_type 'T4'"):
+        distributed(gpus=1, gpu_type="T4")
     with pytest.raises(ConfigurationError, match="disagree"):
         distributed(gpus=1, num_gpus=2)
     with pytest.raises(ConfigurationError, match="log_ranks"):

@@ -171,7 +171,8 @@ class SparkBackend(Backend):
     def _layout(self, job: JobSpec, capacity: SparkCapacity | None = None) -> NodeLayout:
         capacity = capacity or self.capacity()
         return plan_layout(job.resources.gpus, job.resources.gpu_type or "cpu", capacity,
-                           gpus_per_node=self.gpus_per_node, max_cpu_ranks_per_node=settings().max_cpu_ranks)
+                           gpus_per_node=self.gpus_per_node or job.resources.gpus_per_node,
+                           max_cpu_ranks_per_node=settings().max_cpu_ranks)
 
     def _choose_pool(self, job: JobSpec) -> JobSpec:
         """Opens the session of the job's pool (without a session given and with a pools file),
