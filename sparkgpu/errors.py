@@ -14,6 +14,8 @@ __all__ = [
     "SerializationError",
     "MissingDependencyError",
     "JobTimeoutError",
+    "JobCancelledError",
+    "CallNotFinishedError",
     "WorkerFailedError",
     "RankFailure",
     "PayloadSignatureError",
@@ -56,6 +58,14 @@ class MissingDependencyError(SparkGPUError, ImportError):
 
 class JobTimeoutError(SparkGPUError, TimeoutError):
     """The whole call ran longer than its ``timeout``."""
+
+
+class JobCancelledError(SparkGPUError):
+    """The job was cancelled (``Call.cancel()``, from this process or another one) before it ended."""
+
+
+class CallNotFinishedError(SparkGPUError, TimeoutError):
+    """``Call.result(timeout=)`` gave up waiting; the job itself runs on."""
 
 
 class PayloadSignatureError(SparkGPUError):
