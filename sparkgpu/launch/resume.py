@@ -17,10 +17,10 @@ from sparkgpu.errors import ConfigurationError
 from sparkgpu.launch.backends.base import create_backend
 from sparkgpu.launch.keys import load_key
 from sparkgpu.launch.payload import RunDir
-from sparkgpu.launch.supervisor import JobStatus, Supervisor
+from sparkgpu.launch.supervisor import CANCEL_REQUEST_FILE, JobStatus, Supervisor
 from sparkgpu.spec import JobSpec
 
-__all__ = ["resume_job", "find_run_dir", "client_is_gone"]
+__all__ = ["resume_job", "take_over", "find_run_dir", "client_is_gone"]
 
 
 def client_is_gone(client: dict | None) -> bool:
@@ -93,6 +93,19 @@ def resume_job(job_id: str, backend=None, out=None, force: bool = False) -> list
             still runs (without ``force``), or no key here.
         WorkerFailedError, JobTimeoutError: as for ``.distributed()``.
     """
+    return take_over(job_id, backend=backend, out=out, force=force).run()
+
+
+def take_over(job_id: str, backend=None, out=None, force: bool = False) -> Supervisor:
+    """A supervisor that continues ``job_id`` from its run dir, ready to ``run()``; starts nothing.
+
+    Its attempts left "running" by a client that died are marked "lost". A cancel asked
+    for before a job ended cancelled still holds; resuming a job that did end cancelled is
+    a new decision, so the old request is dropped.
+
+    Raises:
+        ConfigurationError: as for :func:`resume_job`.
+    """
     run_dir = find_run_dir(job_id)
     job = JobSpec.from_dict(json.loads(run_dir.spec_file.read_text()))
     state = json.loads(run_dir.state_file.read_text()) if run_dir.state_file.exists() else None
@@ -106,9 +119,11 @@ def resume_job(job_id: str, backend=None, out=None, force: bool = False) -> list
     backend = backend or create_backend(job.backend)
     supervisor = Supervisor(job, run_dir, backend, key, callbacks, out=out)
     if state:
+        if JobStatus(state["status"]).is_terminal:
+            (run_dir.path / CANCEL_REQUEST_FILE).unlink(missing_ok=True)
         for attempt in state["attempts"]:
             if attempt["status"] == "running":  # the client died while it ran
                 attempt["status"] = "lost"
         state.pop("stop_reason", None)
         supervisor.load_state_dict(state)
-    return supervisor.run()
+    return supervisor
