@@ -83,9 +83,10 @@ class Call:
         run_dir: The job's run directory.
     """
 
-    def __init__(self, job_id: str, run_dir: RunDir):
+    def __init__(self, job_id: str, run_dir: RunDir, backend=None):
         self.job_id = job_id
         self.run_dir = run_dir
+        self._backend = backend  # where a take-over runs the job; its own backend by default
         self._spec = JobSpec.from_dict(json.loads(run_dir.spec_file.read_text()))
         self._supervisor: Supervisor | None = None
         self._thread: threading.Thread | None = None
@@ -100,9 +101,9 @@ class Call:
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
-    def from_job_id(cls, job_id: str) -> "Call":
+    def from_job_id(cls, job_id: str, backend=None) -> "Call":
         """The call of ``job_id``: see :func:`attach`."""
-        return attach(job_id)
+        return attach(job_id, backend=backend)
 
     @classmethod
     def _supervise(cls, supervisor: Supervisor) -> "Call":
@@ -300,11 +301,11 @@ class Call:
                 return True
             print(f"sparkgpu: the client of job {self.job_id} is gone; continuing it here from its latest "
                   "checkpoint", file=sys.stderr)
-            self._start(take_over(self.job_id))
+            self._start(take_over(self.job_id, backend=self._backend))
             return True
 
 
-def attach(job_id: str) -> Call:
+def attach(job_id: str, backend=None) -> Call:
     """The :class:`Call` of a job started by ``submit`` or ``.distributed()``, here or in another process.
 
     While the job's client runs, the call observes it: ``status``, ``logs``, ``result`` (read
@@ -314,6 +315,8 @@ def attach(job_id: str) -> Call:
 
     Args:
         job_id: The job's id, as ``call.job_id``, ``fn.last_job_id`` or ``sparkgpu jobs`` show it.
+        backend: Where to continue the job if this process takes it over: a backend name or
+            instance (e.g. ``spark.gpu.backend()`` for a given session); the job's own by default.
 
     Raises:
         ConfigurationError: no such job under the staging root, or (when taking over) no
@@ -323,7 +326,11 @@ def attach(job_id: str) -> Call:
         own = _supervised.get(job_id)
     if own is not None:
         return own  # supervised by this very process: one supervisor per job
-    call = Call(job_id, find_run_dir(job_id))
+    if isinstance(backend, str):
+        from sparkgpu.launch.backends.base import create_backend
+
+        backend = create_backend(backend)
+    call = Call(job_id, find_run_dir(job_id), backend)
     call._take_over_if_abandoned()
     return call
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.launch.backends.base import create_backend
 from sparkgpu.launch.keys import load_key
-from sparkgpu.launch.payload import RunDir
+from sparkgpu.launch.payload import RunDir, atomic_write_bytes
 from sparkgpu.launch.supervisor import CANCEL_REQUEST_FILE, JobStatus, Supervisor
 from sparkgpu.spec import JobSpec
 
@@ -121,9 +122,33 @@ def take_over(job_id: str, backend=None, out=None, force: bool = False) -> Super
     if state:
         if JobStatus(state["status"]).is_terminal:
             (run_dir.path / CANCEL_REQUEST_FILE).unlink(missing_ok=True)
+        lost = []
         for attempt in state["attempts"]:
             if attempt["status"] == "running":  # the client died while it ran
                 attempt["status"] = "lost"
+                lost.append(attempt["attempt"])
         state.pop("stop_reason", None)
         supervisor.load_state_dict(state)
+        _stop_outliving_nodes(job, run_dir, lost)
     return supervisor
+
+
+def _stop_outliving_nodes(job: JobSpec, run_dir: RunDir, lost: list[int]) -> None:
+    """Stops the Spark nodes of attempts whose client died, and waits (bounded) until they did.
+
+    Local ranks die with their client; Spark nodes run on until they miss its heartbeat
+    (minutes). The next attempt must not run beside them on the same GPUs and checkpoints.
+    With a staging store the nodes read the marker from the store, which only a live client
+    mirrors: they stop on the lost heartbeat instead.
+    """
+    if job.backend != "spark" or not lost:
+        return
+    from sparkgpu.launch.backends.spark import SparkBackend, _nodes_without_end
+    from sparkgpu.launch.backends.spark_node import CANCEL_FILE, spark_dir
+
+    for attempt in lost:
+        if spark_dir(run_dir, attempt).is_dir():
+            atomic_write_bytes(spark_dir(run_dir, attempt) / CANCEL_FILE, b"its client is gone; the job was taken over\n")
+    deadline = time.monotonic() + job.policy.shutdown_grace + SparkBackend.node_stop_margin
+    while any(_nodes_without_end(spark_dir(run_dir, a)) for a in lost) and time.monotonic() < deadline:
+        time.sleep(0.2)
