@@ -204,24 +204,23 @@ def test_attach_takes_over_a_job_whose_client_was_killed(tmp_path, _isolated_spa
     assert state["client"]["pid"] == os.getpid()
 
 
-def test_cancel_of_a_job_whose_client_was_killed_ends_it_without_running_it_again(tmp_path, _isolated_sparkgpu_home):
+def test_sparkgpu_cancel_ends_a_job_whose_client_was_killed_without_running_it_again(
+        tmp_path, _isolated_sparkgpu_home, capsys):
+    from sparkgpu.cli import main
+
     client = start_client(tmp_path, _isolated_sparkgpu_home, KILLED_CLIENT, stdout=subprocess.PIPE, text=True)
     try:
         job_id = client.stdout.readline().strip()
         run_dir = settings().staging_root / job_id
-        observer = Call(job_id, attach_run_dir(job_id))  # observing while the client lives
         assert wait_for(lambda: (run_dir / "checkpoints" / "progress").exists(), within=90), "never checkpointed"
     finally:
         client.kill()
         client.wait()
     started = time.monotonic()
-    assert observer.cancel(timeout=60) is JobStatus.CANCELLED
+    assert main(["cancel", job_id, "--timeout", "60"]) == 0
     assert time.monotonic() - started < 30
+    assert f"job {job_id} is cancelled" in capsys.readouterr().out
     state = json.loads((run_dir / "state.json").read_text())
+    assert state["status"] == "cancelled"
     assert [a["status"] for a in state["attempts"]] == ["cancelled"]  # no second attempt ran
-
-
-def attach_run_dir(job_id: str):
-    from sparkgpu.launch.resume import find_run_dir
-
-    return find_run_dir(job_id)
+    assert not (run_dir / "cancel-request").exists()  # done: a later resume is not cancelled again
