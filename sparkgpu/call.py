@@ -27,6 +27,7 @@ client; ``attach`` continues them.
 from __future__ import annotations
 
 import atexit
+import fcntl
 import io
 import json
 import os
@@ -58,6 +59,11 @@ __all__ = ["Call", "attach"]
 _POLL_SECONDS = 0.25
 #: Seconds past the job's shutdown grace that exiting waits for a cancelled job's supervisor.
 _EXIT_MARGIN = 30.0
+
+#: In the run dir: locked (flock) by the process whose Call supervises the job, for as long as it
+#: does; the lock goes with the process however it ends, so two attaching processes never both
+#: take over a job whose client is gone.
+_SUPERVISION_LOCK = "supervision.lock"
 
 _supervised: dict[str, "Call"] = {}  # job id -> the Call whose thread supervises it in this process
 _supervised_lock = threading.Lock()
@@ -94,6 +100,7 @@ class Call:
         self._results: list[Any] | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
+        self._lock_fd: int | None = None
 
     def __repr__(self) -> str:
         role = "supervised here" if self._supervisor is not None else "observed"
@@ -112,8 +119,26 @@ class Call:
         call._start(supervisor)
         return call
 
+    def _lock_supervision(self) -> bool:
+        """Takes the run dir's supervision lock for this process; False if another process holds it."""
+        fd = os.open(self.run_dir.path / _SUPERVISION_LOCK, os.O_RDWR | os.O_CREAT, 0o600)  # not inherited by ranks
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        self._lock_fd = fd
+        return True
+
+    def _unlock_supervision(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
+
     def _start(self, supervisor: Supervisor) -> None:
         global _exit_hook_registered
+        if self._lock_fd is None and not self._lock_supervision():
+            raise ConfigurationError(f"job {self.job_id} is already supervised by another process; attach() to it")
         supervisor.out = _Discard()
         self._supervisor = supervisor
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"sparkgpu-call-{self.job_id}")
@@ -132,6 +157,7 @@ class Call:
         finally:
             with _supervised_lock:
                 _supervised.pop(self.job_id, None)
+            self._unlock_supervision()
             self._done.set()
 
     # -- reading the job -------------------------------------------------------------------
@@ -296,12 +322,23 @@ class Call:
             state = self._state()
             if not state or JobStatus(state["status"]).is_terminal or not client_is_gone(state.get("client")):
                 return False
-            if (self.run_dir.path / CANCEL_REQUEST_FILE).exists():
-                _end_cancelled(self.run_dir, state)  # asked to stop: nothing to continue
-                return True
-            print(f"sparkgpu: the client of job {self.job_id} is gone; continuing it here from its latest "
-                  "checkpoint", file=sys.stderr)
-            self._start(take_over(self.job_id, backend=self._backend))
+            if not self._lock_supervision():
+                return False  # another process is taking it over: observe that one
+            try:
+                state = self._state()  # as it is now that nobody else can take over
+                if JobStatus(state["status"]).is_terminal:
+                    self._unlock_supervision()
+                    return False
+                if (self.run_dir.path / CANCEL_REQUEST_FILE).exists():
+                    _end_cancelled(self.run_dir, state)  # asked to stop: nothing to continue
+                    self._unlock_supervision()
+                    return True
+                print(f"sparkgpu: the client of job {self.job_id} is gone; continuing it here from its latest "
+                      "checkpoint", file=sys.stderr)
+                self._start(take_over(self.job_id, backend=self._backend))
+            except BaseException:
+                self._unlock_supervision()
+                raise
             return True
 
 

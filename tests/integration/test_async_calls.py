@@ -198,6 +198,9 @@ def test_attach_takes_over_a_job_whose_client_was_killed(tmp_path, _isolated_spa
     assert_no_orphans(run_dir, within=15)
     call = attach(job_id)
     assert call._thread is not None  # taken over: this process supervises it now
+    # Another observer that saw the dead client too cannot take over a second time.
+    assert Call(job_id, call.run_dir)._lock_supervision() is False
+    assert Call(job_id, call.run_dir)._take_over_if_abandoned() is False
     assert call.result(timeout=120) == [("resumed", 1, "500")]
     state = json.loads((run_dir / "state.json").read_text())
     assert [a["status"] for a in state["attempts"]] == ["lost", "succeeded"]
