@@ -5,6 +5,7 @@ sparkgpu run train.py --gpus 8 --gpu-type H100 --max-runtime 7d --tag team=ml --
 sparkgpu run job.yaml                 # the same fields in a file (cron, Airflow, CI)
 sparkgpu jobs                         # run dirs with status, attempts, restarts, duration
 sparkgpu logs JOB_ID [--rank N | --all] [--attempt K] [--follow]
+sparkgpu cancel JOB_ID                # stop its ranks, whichever process supervises the job
 sparkgpu usage --by team --since 30d [--plot usage.png]
 sparkgpu pools                        # GPU pools (SPARKGPU_POOLS) with live capacity
 ```
@@ -42,6 +43,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("sparkgpu.cli", "register_logs"),
     ("sparkgpu.usage.cli", "register"),
     ("sparkgpu.launch.cli", "register_resume"),
+    ("sparkgpu.launch.cli", "register_cancel"),
     ("sparkgpu.launch.cli", "register_pool"),
     ("sparkgpu.tracking.cli", "register_tracking"),
     ("sparkgpu.data.cli", "register_data"),

@@ -252,6 +252,28 @@ class DistributedFunction:
                 raise
         return results
 
+    def submit(self, *args, **kwargs):
+        """Starts ``.distributed(*args, **kwargs)`` in the background and returns its
+        :class:`~sparkgpu.call.Call` at once.
+
+        Everything ``.distributed()`` checks before it starts (arguments that pickle, capacity,
+        usage policy) is checked here, so those errors raise from ``submit`` itself.
+
+        Raises:
+            ConfigurationError: the function has ``register_as`` (register ``call.result()[0]``
+                with ``sparkgpu.registry.register`` instead), or as for ``.distributed()``.
+        """
+        from sparkgpu.call import Call
+
+        if self.register_as is not None:
+            raise ConfigurationError(
+                f"submit() does not register models; drop register_as={self.register_as!r} and call "
+                f"sparkgpu.registry.register(call.result()[0], {self.register_as!r}), or use .distributed()"
+            )
+        staged = self._stage(args, kwargs)
+        self.last_job_id, self.last_run_dir = staged.job.job_id, str(staged.run_dir.path)
+        return Call._supervise(Supervisor(staged.job, staged.run_dir, staged.backend, staged.key, staged.callbacks))
+
     def dryrun(self, *args, **kwargs) -> LaunchPlan:
         """What ``.distributed(*args, **kwargs)`` would launch, validated but not started."""
         staged = self._stage(args, kwargs, write=False)

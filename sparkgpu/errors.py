@@ -15,6 +15,8 @@ __all__ = [
     "MissingDependencyError",
     "JobTimeoutError",
     "LocalExecutionTimeoutError",
+    "JobCancelledError",
+    "CallNotFinishedError",
     "WorkerFailedError",
     "RankFailure",
     "PayloadSignatureError",
@@ -61,6 +63,14 @@ class JobTimeoutError(SparkGPUError, TimeoutError):
 
 # databricks.air's name for the same error: `except LocalExecutionTimeoutError` catches it.
 LocalExecutionTimeoutError = JobTimeoutError
+
+
+class JobCancelledError(SparkGPUError):
+    """The job was cancelled (``Call.cancel()``, from this process or another one) before it ended."""
+
+
+class CallNotFinishedError(SparkGPUError, TimeoutError):
+    """``Call.result(timeout=)`` gave up waiting; the job itself runs on."""
 
 
 class PayloadSignatureError(SparkGPUError):

@@ -1,11 +1,11 @@
-"""``sparkgpu resume`` and ``sparkgpu pool``: the launcher's subcommands."""
+"""``sparkgpu resume``, ``sparkgpu cancel`` and ``sparkgpu pool``: the launcher's subcommands."""
 
 from __future__ import annotations
 
 import datetime as _dt
 import json
 
-__all__ = ["register_resume", "register_pool"]
+__all__ = ["register_resume", "register_cancel", "register_pool"]
 
 
 def register_resume(subparsers) -> None:
@@ -22,6 +22,23 @@ def cmd_resume(args) -> int:
     results = resume_job(args.job_id, force=args.force)
     print(f"sparkgpu: job {args.job_id} succeeded on {len(results)} ranks")
     return 0
+
+
+def register_cancel(subparsers) -> None:
+    p = subparsers.add_parser("cancel", help="stop a job's ranks, whichever process supervises it")
+    p.add_argument("job_id")
+    p.add_argument("--timeout", type=float, help="seconds to wait for the ranks to stop (default: until they did)")
+    p.set_defaults(handler=cmd_cancel)
+
+
+def cmd_cancel(args) -> int:
+    from sparkgpu.call import Call
+    from sparkgpu.launch.resume import find_run_dir
+
+    # Observed, not attached: a job whose client is gone is ended here, not continued first.
+    status = Call(args.job_id, find_run_dir(args.job_id)).cancel(timeout=args.timeout)
+    print(f"sparkgpu: job {args.job_id} is {status.value}")
+    return 0 if status.is_terminal else 1
 
 
 def register_pool(subparsers) -> None:

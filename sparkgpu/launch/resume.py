@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.launch.backends.base import create_backend
 from sparkgpu.launch.keys import load_key
-from sparkgpu.launch.payload import RunDir
-from sparkgpu.launch.supervisor import JobStatus, Supervisor
+from sparkgpu.launch.payload import RunDir, atomic_write_bytes
+from sparkgpu.launch.supervisor import CANCEL_REQUEST_FILE, JobStatus, Supervisor
 from sparkgpu.spec import JobSpec
 
-__all__ = ["resume_job", "find_run_dir", "client_is_gone"]
+__all__ = ["resume_job", "take_over", "find_run_dir", "client_is_gone"]
 
 
 def client_is_gone(client: dict | None) -> bool:
@@ -93,6 +94,19 @@ def resume_job(job_id: str, backend=None, out=None, force: bool = False) -> list
             still runs (without ``force``), or no key here.
         WorkerFailedError, JobTimeoutError: as for ``.distributed()``.
     """
+    return take_over(job_id, backend=backend, out=out, force=force).run()
+
+
+def take_over(job_id: str, backend=None, out=None, force: bool = False) -> Supervisor:
+    """A supervisor that continues ``job_id`` from its run dir, ready to ``run()``; starts nothing.
+
+    Its attempts left "running" by a client that died are marked "lost". A cancel asked
+    for before a job ended cancelled still holds; resuming a job that did end cancelled is
+    a new decision, so the old request is dropped.
+
+    Raises:
+        ConfigurationError: as for :func:`resume_job`.
+    """
     run_dir = find_run_dir(job_id)
     job = JobSpec.from_dict(json.loads(run_dir.spec_file.read_text()))
     state = json.loads(run_dir.state_file.read_text()) if run_dir.state_file.exists() else None
@@ -106,9 +120,35 @@ def resume_job(job_id: str, backend=None, out=None, force: bool = False) -> list
     backend = backend or create_backend(job.backend)
     supervisor = Supervisor(job, run_dir, backend, key, callbacks, out=out)
     if state:
+        if JobStatus(state["status"]).is_terminal:
+            (run_dir.path / CANCEL_REQUEST_FILE).unlink(missing_ok=True)
+        lost = []
         for attempt in state["attempts"]:
             if attempt["status"] == "running":  # the client died while it ran
                 attempt["status"] = "lost"
+                lost.append(attempt["attempt"])
         state.pop("stop_reason", None)
         supervisor.load_state_dict(state)
-    return supervisor.run()
+        _stop_outliving_nodes(job, run_dir, lost)
+    return supervisor
+
+
+def _stop_outliving_nodes(job: JobSpec, run_dir: RunDir, lost: list[int]) -> None:
+    """Stops the Spark nodes of attempts whose client died, and waits (bounded) until they did.
+
+    Local ranks die with their client; Spark nodes run on until they miss its heartbeat
+    (minutes). The next attempt must not run beside them on the same GPUs and checkpoints.
+    With a staging store the nodes read the marker from the store, which only a live client
+    mirrors: they stop on the lost heartbeat instead.
+    """
+    if job.backend != "spark" or not lost:
+        return
+    from sparkgpu.launch.backends.spark import SparkBackend, _nodes_without_end
+    from sparkgpu.launch.backends.spark_node import CANCEL_FILE, spark_dir
+
+    for attempt in lost:
+        if spark_dir(run_dir, attempt).is_dir():
+            atomic_write_bytes(spark_dir(run_dir, attempt) / CANCEL_FILE, b"its client is gone; the job was taken over\n")
+    deadline = time.monotonic() + job.policy.shutdown_grace + SparkBackend.node_stop_margin
+    while any(_nodes_without_end(spark_dir(run_dir, a)) for a in lost) and time.monotonic() < deadline:
+        time.sleep(0.2)

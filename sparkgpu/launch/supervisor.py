@@ -24,13 +24,14 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from typing import Any
 
 import psutil
 
 from sparkgpu import runtime
-from sparkgpu.errors import JobTimeoutError, PolicyViolationError, RankFailure, WorkerFailedError
+from sparkgpu.errors import JobCancelledError, JobTimeoutError, PolicyViolationError, RankFailure, WorkerFailedError
 from sparkgpu.launch.callbacks import AttemptOutcome, JobCallback
 from sparkgpu.launch.entrypoint import EXIT_PREEMPTED
 from sparkgpu.launch.logs import LogStreamer
@@ -38,9 +39,12 @@ from sparkgpu.launch.payload import KEY_ENV, RunDir, atomic_write_bytes
 from sparkgpu.spec import JobSpec
 from sparkgpu.train._checkpoint_store import CheckpointStore
 
-__all__ = ["Supervisor", "JobStatus", "Decision", "FailurePolicy", "AttemptResult"]
+__all__ = ["Supervisor", "JobStatus", "Decision", "FailurePolicy", "AttemptResult", "CANCEL_REQUEST_FILE"]
 
 _POLL_SECONDS = 0.1
+
+#: In the run dir: asks whichever process supervises the job to cancel it (its text says who asked).
+CANCEL_REQUEST_FILE = "cancel-request"
 
 
 class JobStatus(str, enum.Enum):
@@ -125,6 +129,8 @@ class Supervisor:
         self.callbacks = list(callbacks)
         self.out = out if out is not None else sys.stdout
         self.policy = self.failure_policy_cls(job.policy.max_restarts)
+        #: Set (from any thread) to cancel the job; a CANCEL_REQUEST_FILE does the same from another process.
+        self.cancel_event = threading.Event()
         self.state: dict[str, Any] = {
             "job_id": job.job_id, "status": JobStatus.PENDING.value, "backend": backend.name,
             "attempts": [], "restarts": 0, "preemptions": 0, "created_at": time.time(),
@@ -273,6 +279,11 @@ class Supervisor:
         cap_signalled = False
         while (code := self.backend.poll(handle)) is None:
             streamer.pump()
+            if self._cancel_requested():
+                self._abandon(record, handle, streamer, "cancelled", None)
+                self._set_status(JobStatus.CANCELLED)
+                raise JobCancelledError(f"job {self.job.job_id} was cancelled; its ranks were stopped. Logs: "
+                                        f"{self.run_dir.attempt_dir(attempt) / 'logs'}")
             now = time.monotonic()
             if ranks_started is None and now >= next_start_check:
                 next_start_check = now + 1.0
@@ -314,6 +325,9 @@ class Supervisor:
         if ranks_started is None:
             self._ranks_started(handle, record)  # they may have started and ended between two checks
         return code, None
+
+    def _cancel_requested(self) -> bool:
+        return self.cancel_event.is_set() or (self.run_dir.path / CANCEL_REQUEST_FILE).exists()
 
     def _ranks_started(self, handle, record: dict) -> float | None:
         """Records when the attempt's ranks started, once known; returns it on the monotonic clock."""

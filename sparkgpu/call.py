@@ -1,0 +1,397 @@
+"""Async calls: ``fn.submit(...)`` returns a :class:`Call` at once; :func:`attach` finds it again.
+
+```python
+call = train.submit(epochs=3)      # validated and started; returns at once
+call.status()                      # JobStatus.RUNNING
+call.logs(follow=True)             # streams every rank's output until the job ends
+results = call.result()            # per-rank results, or the error .distributed() raises
+
+call = sparkgpu.attach(job_id)     # from another process or notebook
+call.cancel()                      # stops the ranks wherever the job is supervised
+```
+
+The process that submits a job supervises it in a background thread: the same
+:class:`~sparkgpu.launch.supervisor.Supervisor` as ``.distributed()``, writing the same
+``state.json`` in the job's run dir. Any other process reads that state. When the client
+that supervises a job is gone (killed, or its machine rebooted) and the job has not ended,
+:func:`attach` takes the supervision over exactly as ``sparkgpu resume`` does: the next
+attempt starts from the latest checkpoint. While that client lives, an attached call only
+observes; its ``cancel()`` leaves a request in the run dir that the supervising client acts on.
+
+An interpreter that exits normally cancels the jobs it still supervises (their ranks stop,
+the state says ``cancelled``): local ranks could not outlive it anyway, and remote GPUs are
+not left running unwatched. A client that is killed leaves its jobs ``running`` with a dead
+client; ``attach`` continues them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import fcntl
+import io
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import types
+from typing import Any
+
+from sparkgpu.errors import (
+    CallNotFinishedError,
+    ConfigurationError,
+    JobCancelledError,
+    JobTimeoutError,
+    PolicyViolationError,
+    SparkGPUError,
+    WorkerFailedError,
+)
+from sparkgpu.launch.keys import load_key
+from sparkgpu.launch.logs import LogStreamer
+from sparkgpu.launch.payload import RunDir, atomic_write_bytes
+from sparkgpu.launch.resume import client_is_gone, find_run_dir, take_over
+from sparkgpu.launch.supervisor import CANCEL_REQUEST_FILE, JobStatus, Supervisor
+from sparkgpu.spec import JobSpec
+
+__all__ = ["Call", "attach"]
+
+_POLL_SECONDS = 0.25
+#: Seconds past the job's shutdown grace that exiting waits for a cancelled job's supervisor.
+_EXIT_MARGIN = 30.0
+
+#: In the run dir: locked (flock) by the process whose Call supervises the job, for as long as it
+#: does; the lock goes with the process however it ends, so two attaching processes never both
+#: take over a job whose client is gone.
+_SUPERVISION_LOCK = "supervision.lock"
+
+_supervised: dict[str, "Call"] = {}  # job id -> the Call whose thread supervises it in this process
+_supervised_lock = threading.Lock()
+_exit_hook_registered = False
+
+
+class _Discard(io.TextIOBase):
+    """Where a background job's live output goes: it stays in the run dir for ``Call.logs``."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+
+class Call:
+    """A distributed call that runs in the background: one job, supervised here or elsewhere.
+
+    Built by ``fn.submit(...)`` (this process supervises the job) or :func:`attach` /
+    :meth:`from_job_id` (this process observes it, or takes its supervision over when its
+    client is gone). Every method is safe to call from any thread.
+
+    Attributes:
+        job_id: The job's id (``sparkgpu jobs`` lists it; ``attach`` takes it).
+        run_dir: The job's run directory.
+    """
+
+    def __init__(self, job_id: str, run_dir: RunDir, backend=None):
+        self.job_id = job_id
+        self.run_dir = run_dir
+        self._backend = backend  # where a take-over runs the job; its own backend by default
+        self._spec = JobSpec.from_dict(json.loads(run_dir.spec_file.read_text()))
+        self._supervisor: Supervisor | None = None
+        self._thread: threading.Thread | None = None
+        self._done = threading.Event()
+        self._results: list[Any] | None = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._lock_fd: int | None = None
+
+    def __repr__(self) -> str:
+        role = "supervised here" if self._supervisor is not None else "observed"
+        return f"<Call {self.job_id} {self.status().value} ({role})>"
+
+    # -- construction ----------------------------------------------------------------------
+    @classmethod
+    def from_job_id(cls, job_id: str, backend=None) -> "Call":
+        """The call of ``job_id``: see :func:`attach`."""
+        return attach(job_id, backend=backend)
+
+    @classmethod
+    def _supervise(cls, supervisor: Supervisor) -> "Call":
+        """Starts ``supervisor`` in a background thread of this process and returns its call."""
+        call = cls(supervisor.job.job_id, supervisor.run_dir)
+        call._start(supervisor)
+        return call
+
+    def _lock_supervision(self) -> bool:
+        """Takes the run dir's supervision lock for this process; False if another process holds it."""
+        fd = os.open(self.run_dir.path / _SUPERVISION_LOCK, os.O_RDWR | os.O_CREAT, 0o600)  # not inherited by ranks
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        self._lock_fd = fd
+        return True
+
+    def _unlock_supervision(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
+
+    def _start(self, supervisor: Supervisor) -> None:
+        global _exit_hook_registered
+        if self._lock_fd is None and not self._lock_supervision():
+            raise ConfigurationError(f"job {self.job_id} is already supervised by another process; attach() to it")
+        supervisor.out = _Discard()
+        self._supervisor = supervisor
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"sparkgpu-call-{self.job_id}")
+        with _supervised_lock:
+            _supervised[self.job_id] = self
+            if not _exit_hook_registered:
+                atexit.register(_cancel_at_exit)
+                _exit_hook_registered = True
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._results = self._supervisor.run()
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever calls result()
+            self._error = exc
+        finally:
+            with _supervised_lock:
+                _supervised.pop(self.job_id, None)
+            self._unlock_supervision()
+            self._done.set()
+
+    # -- reading the job -------------------------------------------------------------------
+    def _state(self) -> dict | None:
+        if self._supervisor is not None:
+            return self._supervisor.state  # live, written by the supervising thread: read it, never copy it
+        try:
+            return json.loads(self.run_dir.state_file.read_text())
+        except FileNotFoundError:
+            return None  # staged; its client has not started the first attempt yet
+
+    def status(self) -> JobStatus:
+        """The job's status now: pending, running, or how it ended."""
+        state = self._state()
+        return JobStatus(state["status"]) if state else JobStatus.PENDING
+
+    def done(self) -> bool:
+        """True once the job has ended, however it ended."""
+        return self._done.is_set() if self._thread is not None else self.status().is_terminal
+
+    def wait(self, timeout: float | None = None) -> JobStatus:
+        """Blocks until the job ends or ``timeout`` seconds pass; returns its status then.
+
+        An observed job whose client dies meanwhile is taken over, as by :func:`attach`.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._thread is not None:
+                self._done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                return self.status()
+            status = self.status()
+            if status.is_terminal:
+                return status
+            if self._take_over_if_abandoned():
+                continue
+            if deadline is not None and time.monotonic() >= deadline:
+                return status
+            time.sleep(_POLL_SECONDS if deadline is None else
+                       max(0.0, min(_POLL_SECONDS, deadline - time.monotonic())))
+
+    def result(self, timeout: float | None = None) -> list[Any]:
+        """The per-rank results, once the job has ended.
+
+        Args:
+            timeout: Seconds to wait; ``None`` waits for as long as the job runs.
+
+        Returns:
+            One return value per rank, ordered by rank.
+
+        Raises:
+            CallNotFinishedError: ``timeout`` passed first; the job runs on.
+            WorkerFailedError, JobTimeoutError, PolicyViolationError, ...: the job failed,
+                as ``.distributed()`` raises it (from another process: rebuilt from the run dir).
+            JobCancelledError: the job was cancelled.
+        """
+        status = self.wait(timeout)
+        if not self.done():
+            raise CallNotFinishedError(
+                f"job {self.job_id} is still {status.value} after {timeout:g}s; call result() again, "
+                "or cancel() it"
+            )
+        if self._thread is not None:
+            if self._error is not None:
+                raise self._error
+            return self._results
+        return self._outcome(status)
+
+    def _outcome(self, status: JobStatus) -> list[Any]:
+        """The result, or the error, of a job that ended in another process, read from its run dir."""
+        state = self._state() or {}
+        attempts = state.get("attempts") or []
+        last = attempts[-1] if attempts else {}
+        cause = "; ".join(last.get("cause") or ()) or "no cause was recorded"
+        logs = self.run_dir.attempt_dir(last.get("attempt", 0)) / "logs"
+        if status is JobStatus.SUCCEEDED:
+            signed = RunDir(self.run_dir.path, load_key(self.job_id))
+            return [signed.read_result(last["attempt"], rank) for rank in range(self._spec.world_size)]
+        if status is JobStatus.CANCELLED:
+            raise JobCancelledError(f"job {self.job_id} was cancelled; its ranks were stopped. Logs: {logs}")
+        if status is JobStatus.TIMED_OUT:
+            raise JobTimeoutError(f"job {self.job_id} ran longer than its timeout ({self._spec.policy.timeout}s) "
+                                  f"and was stopped; raise timeout= (or SPARKGPU_TIMEOUT). Logs: {logs}")
+        if status is JobStatus.STOPPED:
+            raise PolicyViolationError(f"job {self.job_id} was stopped by a usage policy: "
+                                       f"{state.get('stop_reason') or cause}; continue it with `sparkgpu resume "
+                                       f"{self.job_id}` once the policy allows")
+        if last.get("exit_code") is not None or last.get("status") == "failed":
+            # Read back the way the supervisor that ran it did: same failures, same root cause.
+            key = load_key(self.job_id)
+            reader = Supervisor(self._spec, RunDir(self.run_dir.path, key),
+                                types.SimpleNamespace(name=self._spec.backend), key)
+            outcome = reader._collect(last["attempt"], None, None)
+            if outcome.failures:
+                raise WorkerFailedError(outcome.failures, self.job_id, str(logs)) from outcome.root_exception
+        raise SparkGPUError(f"job {self.job_id} failed: {cause}. Logs: {logs}")
+
+    def logs(self, follow: bool = False, rank: int | None = None, out=None) -> str | None:
+        """The job's rank logs, each line prefixed ``[rankN]``.
+
+        Args:
+            follow: Stream new lines to ``out`` until the job ends (following restarts into
+                their new attempt) instead of returning what is there now.
+            rank: Only this rank's log; every rank's by default.
+            out: Where ``follow`` writes (``sys.stdout`` by default).
+
+        Returns:
+            The latest attempt's logs so far, or ``None`` when following.
+        """
+        world = self._spec.world_size
+        if rank is not None and not 0 <= rank < world:
+            raise ConfigurationError(f"rank={rank}: job {self.job_id} has ranks 0..{world - 1}")
+        ranks = None if rank is None else [rank]
+        attempt = self._latest_attempt()
+        if not follow:
+            text = io.StringIO()
+            LogStreamer(self.run_dir, attempt, world, ranks, text).finish()
+            return text.getvalue()
+        out = out if out is not None else sys.stdout
+        streamer = LogStreamer(self.run_dir, attempt, world, ranks, out)
+        while True:
+            streamer.pump()
+            ended = self.done()  # read before the newest attempt: nothing starts after the end
+            if (newest := self._latest_attempt()) > attempt:
+                streamer.finish()
+                attempt = newest
+                out.write(f"--- attempt {attempt} ---\n")
+                streamer = LogStreamer(self.run_dir, attempt, world, ranks, out)
+                continue
+            if ended:
+                streamer.finish()
+                return None
+            self._take_over_if_abandoned()
+            time.sleep(_POLL_SECONDS)
+
+    def _latest_attempt(self) -> int:
+        attempts = (self._state() or {}).get("attempts") or []
+        return attempts[-1]["attempt"] if attempts else 0
+
+    # -- control ---------------------------------------------------------------------------
+    def cancel(self, timeout: float | None = None) -> JobStatus:
+        """Stops the job's ranks and waits until they stopped; returns how the job ended.
+
+        Cancels wherever the job is supervised: here directly, in another live client through
+        a request in the run dir. A job that ended first keeps its status (``succeeded``, ...).
+
+        Args:
+            timeout: Seconds to wait for the job to end; ``None`` waits for as long as
+                stopping its ranks takes (their shutdown grace, then SIGKILL).
+        """
+        if self._supervisor is not None:
+            self._supervisor.cancel_event.set()
+        elif not self.status().is_terminal:
+            who = f"cancelled by pid {os.getpid()} on {socket.gethostname()}\n"
+            atomic_write_bytes(self.run_dir.path / CANCEL_REQUEST_FILE, who.encode())
+        return self.wait(timeout)
+
+    def _take_over_if_abandoned(self) -> bool:
+        """Takes the supervision of an observed job over when its client is gone; True if it did."""
+        with self._lock:
+            if self._thread is not None:
+                return False
+            state = self._state()
+            if not state or JobStatus(state["status"]).is_terminal or not client_is_gone(state.get("client")):
+                return False
+            if not self._lock_supervision():
+                return False  # another process is taking it over: observe that one
+            try:
+                state = self._state()  # as it is now that nobody else can take over
+                if JobStatus(state["status"]).is_terminal:
+                    self._unlock_supervision()
+                    return False
+                if (self.run_dir.path / CANCEL_REQUEST_FILE).exists():
+                    _end_cancelled(self.run_dir, state)  # asked to stop: nothing to continue
+                    self._unlock_supervision()
+                    return True
+                print(f"sparkgpu: the client of job {self.job_id} is gone; continuing it here from its latest "
+                      "checkpoint", file=sys.stderr)
+                self._start(take_over(self.job_id, backend=self._backend))
+            except BaseException:
+                self._unlock_supervision()
+                raise
+            return True
+
+
+def attach(job_id: str, backend=None) -> Call:
+    """The :class:`Call` of a job started by ``submit`` or ``.distributed()``, here or in another process.
+
+    While the job's client runs, the call observes it: ``status``, ``logs``, ``result`` (read
+    from the run dir once the job ended) and ``cancel`` (a request the client acts on). When
+    the client is gone and the job has not ended, this process takes the supervision over,
+    as ``sparkgpu resume`` does: the next attempt starts from the latest checkpoint.
+
+    Args:
+        job_id: The job's id, as ``call.job_id``, ``fn.last_job_id`` or ``sparkgpu jobs`` show it.
+        backend: Where to continue the job if this process takes it over: a backend name or
+            instance (e.g. ``spark.gpu.backend()`` for a given session); the job's own by default.
+
+    Raises:
+        ConfigurationError: no such job under the staging root, or (when taking over) no
+            signing key for it on this machine.
+    """
+    with _supervised_lock:
+        own = _supervised.get(job_id)
+    if own is not None:
+        return own  # supervised by this very process: one supervisor per job
+    if isinstance(backend, str):
+        from sparkgpu.launch.backends.base import create_backend
+
+        backend = create_backend(backend)
+    call = Call(job_id, find_run_dir(job_id), backend)
+    call._take_over_if_abandoned()
+    return call
+
+
+def _end_cancelled(run_dir: RunDir, state: dict) -> None:
+    """Records that an abandoned job whose cancel was asked for is cancelled, without running it again."""
+    now = time.time()
+    for attempt in state.get("attempts") or ():
+        if attempt.get("status") == "running":
+            attempt.update(status="cancelled", ended_at=now)
+            if attempt.get("started_at") is None:
+                attempt["started_at"] = now
+    state["status"] = JobStatus.CANCELLED.value
+    atomic_write_bytes(run_dir.state_file, json.dumps(state, indent=2).encode())
+    (run_dir.path / CANCEL_REQUEST_FILE).unlink(missing_ok=True)
+
+
+def _cancel_at_exit() -> None:
+    """Cancels the jobs this process still supervises, and waits (bounded) until their ranks stopped."""
+    with _supervised_lock:
+        calls = list(_supervised.values())
+    for call in calls:
+        print(f"sparkgpu: cancelling job {call.job_id} at exit (attach() continues only jobs whose client was "
+              "killed)", file=sys.stderr)
+        call._supervisor.cancel_event.set()
+    for call in calls:
+        call._done.wait(call._spec.policy.shutdown_grace + _EXIT_MARGIN)
