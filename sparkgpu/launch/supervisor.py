@@ -30,7 +30,7 @@ from typing import Any
 import psutil
 
 from sparkgpu import runtime
-from sparkgpu.errors import JobTimeoutError, PolicyViolationError, RankFailure, WorkerFailedError
+from sparkgpu.errors import JobTimeoutError, PolicyViolationError, RankFailure, worker_failed_error
 from sparkgpu.launch.callbacks import AttemptOutcome, JobCallback
 from sparkgpu.launch.entrypoint import EXIT_PREEMPTED
 from sparkgpu.launch.logs import LogStreamer
@@ -149,7 +149,8 @@ class Supervisor:
         """Runs attempts until the job ends; returns one result per rank, ordered by rank.
 
         Raises:
-            WorkerFailedError: ranks failed and no restart is left.
+            WorkerFailedError: ranks failed and no restart is left; derived from their exception
+                type too when they all raised the same one (:func:`~sparkgpu.errors.worker_failed_error`).
             JobTimeoutError: the job ran past ``policy.timeout``.
             KeyboardInterrupt: the caller pressed Ctrl-C; every rank was stopped first.
             Exception: whatever the backend raised while the attempt ran (e.g. ``CapacityError``
@@ -189,7 +190,7 @@ class Supervisor:
                     continue
                 self._set_status(JobStatus.FAILED)
                 logs = self.run_dir.attempt_dir(attempt) / "logs"
-                error = WorkerFailedError(outcome.failures, self.job.job_id, str(logs))
+                error = worker_failed_error(outcome.failures, outcome.exceptions, self.job.job_id, str(logs))
                 raise error from outcome.root_exception
         except BaseException as exc:
             error = error or exc
