@@ -19,6 +19,7 @@ __all__ = [
     "JobTimeoutError",
     "WorkerFailedError",
     "worker_failed_error",
+    "first_failure",
     "RankFailure",
     "PayloadSignatureError",
     "DataError",
@@ -145,6 +146,23 @@ def _strip_rank_noise(traceback: str) -> str:
 
 
 _MAX_TRACEBACK_LINES = 60
+_EXIT_TIME_SKEW = 2.0  # seconds; see first_failure
+
+
+def first_failure(failures) -> RankFailure:
+    """The failure that happened first among ``failures``: usually the root cause.
+
+    A process that ended without a Python exception (a quiet exit, a signal) counts as first
+    also when a peer's error is up to two seconds older: its time is when its launcher saw it
+    end, which can trail the error it caused in a peer waiting in a collective ("Connection
+    closed by peer").
+    """
+    timed = [f for f in failures if f.timestamp is not None]
+    if not timed:
+        return failures[0]
+    first = min(timed, key=lambda f: f.timestamp)
+    deaths = [f for f in timed if f.exc_type is None and f.timestamp - first.timestamp <= _EXIT_TIME_SKEW]
+    return min(deaths, key=lambda f: f.timestamp) if deaths else first
 
 
 def _truncate(text: str, max_lines: int = _MAX_TRACEBACK_LINES) -> str:
@@ -188,9 +206,8 @@ class WorkerFailedError(SparkGPUError):
 
     @property
     def first_failure(self) -> RankFailure:
-        """The failure that happened first: usually the root cause."""
-        timed = [f for f in self.failures if f.timestamp is not None]
-        return min(timed, key=lambda f: f.timestamp) if timed else self.failures[0]
+        """The failure that happened first: usually the root cause (see :func:`first_failure`)."""
+        return first_failure(self.failures)
 
     def _format(self) -> str:
         groups: dict[tuple, list[RankFailure]] = {}

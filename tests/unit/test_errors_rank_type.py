@@ -92,3 +92,13 @@ def test_types_that_cannot_be_subclassed_fall_back():
     for exc in (Final("x"), Refusing("y")):
         error = worker_failed_error(_failures({0: exc}), {0: exc})
         assert type(error) is WorkerFailedError and "rank 0" in str(error)
+
+
+def test_a_quiet_exit_is_the_first_failure_even_when_its_peers_error_was_recorded_just_before():
+    peer = RankFailure(0, "RuntimeError", "Connection closed by peer", timestamp=100.00)
+    quiet = RankFailure(1, None, "the process exited with code 0 without returning a result", exitcode=0,
+                        timestamp=100.05)
+    error = WorkerFailedError([peer, quiet])
+    assert error.first_failure is quiet and "First to fail: rank 1 (no Python exception)" in str(error)
+    much_later = RankFailure(1, None, "exited with code 3", exitcode=3, timestamp=130.0)
+    assert WorkerFailedError([peer, much_later]).first_failure is peer
