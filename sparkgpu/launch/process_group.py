@@ -80,6 +80,12 @@ class RankProcessGroup:
         if self.device is not None:
             kwargs["device_id"] = self.device
         self._original("init_process_group")(self.backend, **kwargs)
+        # init returns on a rank once its own connections are up, not its peers': without this,
+        # a rank whose function ends (or raises) at once leaves while a peer is still connecting,
+        # and that peer fails with "Connection closed by peer" instead of running.
+        import torch.distributed as dist
+
+        dist.barrier()
 
     def close(self) -> None:
         """Leaves the group (also when user code destroyed it: that was deferred until now)
