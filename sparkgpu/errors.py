@@ -7,6 +7,9 @@ client), so subclasses keep all constructor state in ``self.args`` or override
 
 from __future__ import annotations
 
+import functools
+import importlib
+
 __all__ = [
     "SparkGPUError",
     "ConfigurationError",
@@ -18,6 +21,8 @@ __all__ = [
     "JobCancelledError",
     "CallNotFinishedError",
     "WorkerFailedError",
+    "worker_failed_error",
+    "first_failure",
     "RankFailure",
     "PayloadSignatureError",
     "DataError",
@@ -156,6 +161,23 @@ def _strip_rank_noise(traceback: str) -> str:
 
 
 _MAX_TRACEBACK_LINES = 60
+_EXIT_TIME_SKEW = 2.0  # seconds; see first_failure
+
+
+def first_failure(failures) -> RankFailure:
+    """The failure that happened first among ``failures``: usually the root cause.
+
+    A process that ended without a Python exception (a quiet exit, a signal) counts as first
+    also when a peer's error is up to two seconds older: its time is when its launcher saw it
+    end, which can trail the error it caused in a peer waiting in a collective ("Connection
+    closed by peer").
+    """
+    timed = [f for f in failures if f.timestamp is not None]
+    if not timed:
+        return failures[0]
+    first = min(timed, key=lambda f: f.timestamp)
+    deaths = [f for f in timed if f.exc_type is None and f.timestamp - first.timestamp <= _EXIT_TIME_SKEW]
+    return min(deaths, key=lambda f: f.timestamp) if deaths else first
 
 
 def _truncate(text: str, max_lines: int = _MAX_TRACEBACK_LINES) -> str:
@@ -171,14 +193,24 @@ class WorkerFailedError(SparkGPUError):
 
     The message names every failing rank with its exception type, message and remote
     traceback; ranks that failed identically are grouped. ``failures`` holds one
-    :class:`RankFailure` per failed rank, ordered by rank.
+    :class:`RankFailure` per failed rank, ordered by rank. When every failing rank raised
+    the same exception type, the client raises a class derived from this one and that type
+    (:func:`worker_failed_error`); ``rank_exception_type`` names it there.
     """
+
+    rank_exception_type: type | None = None
 
     def __init__(self, failures, job_id: str | None = None, logs_dir: str | None = None):
         self.failures = sorted(failures, key=lambda f: f.rank)
         self.job_id = job_id
         self.logs_dir = logs_dir
-        super().__init__(self._format())
+        # Not super(): in a class derived from the ranks' exception type too (see
+        # worker_failed_error) that would be the user's __init__, with arguments of its own.
+        Exception.__init__(self, self._format())
+
+    def __str__(self):
+        # The message, also where the ranks' exception type formats its args otherwise (KeyError).
+        return BaseException.__str__(self)
 
     def __reduce__(self):
         return (type(self), (self.failures, self.job_id, self.logs_dir))
@@ -189,9 +221,8 @@ class WorkerFailedError(SparkGPUError):
 
     @property
     def first_failure(self) -> RankFailure:
-        """The failure that happened first: usually the root cause."""
-        timed = [f for f in self.failures if f.timestamp is not None]
-        return min(timed, key=lambda f: f.timestamp) if timed else self.failures[0]
+        """The failure that happened first: usually the root cause (see :func:`first_failure`)."""
+        return first_failure(self.failures)
 
     def _format(self) -> str:
         groups: dict[tuple, list[RankFailure]] = {}
@@ -217,3 +248,78 @@ class WorkerFailedError(SparkGPUError):
         if self.logs_dir:
             parts.append(f"\nLogs of every rank: {self.logs_dir}")
         return "\n".join(parts)
+
+
+def worker_failed_error(failures, exceptions=None, job_id: str | None = None,
+                        logs_dir: str | None = None) -> WorkerFailedError:
+    """The error that a failed call raises on the client.
+
+    When every failing rank raised the same exception type, the error is an instance of a
+    class derived from both :class:`WorkerFailedError` and that type (as Ray's
+    ``RayTaskError.as_instanceof_cause``), so ``except ValueError:`` around a call still
+    catches a rank's ``ValueError``. Otherwise (ranks that died without a Python exception,
+    several types, a type that is not an ``Exception``, cannot be subclassed or did not
+    unpickle on the client) it is a plain :class:`WorkerFailedError`.
+
+    Args:
+        failures: One :class:`RankFailure` per failed rank.
+        exceptions: The ranks' unpickled exceptions, by rank (those that unpickled here).
+        job_id: The job's id, for the message.
+        logs_dir: Where every rank's log is, for the message.
+    """
+    cause = _common_exception_type(failures, exceptions or {})
+    return _build(cause, failures, job_id, logs_dir)
+
+
+def _build(cause: type | None, failures, job_id, logs_dir) -> WorkerFailedError:
+    derived = _derived_class(cause) if cause is not None else None
+    try:
+        return (derived or WorkerFailedError)(failures, job_id, logs_dir)
+    except Exception:  # the type's __new__ insists on arguments of its own (UnicodeDecodeError)
+        return WorkerFailedError(failures, job_id, logs_dir)
+
+
+def _common_exception_type(failures, exceptions) -> type | None:
+    types = set()
+    for failure in failures:
+        exc = exceptions.get(failure.rank)
+        if exc is None:  # a death without an exception, or a class the client lacks
+            return None
+        types.add(type(exc))
+    return types.pop() if len(types) == 1 else None
+
+
+@functools.lru_cache(maxsize=None)
+def _derived_class(cause: type) -> type | None:
+    """``WorkerFailedError(cause)``: both a WorkerFailedError and a ``cause``; ``None`` if impossible."""
+    if not issubclass(cause, Exception) or issubclass(cause, WorkerFailedError):
+        return None  # never make a rank's SystemExit or KeyboardInterrupt end the client
+    namespace = {
+        "__module__": __name__,
+        "__qualname__": f"WorkerFailedError({cause.__qualname__})",
+        "__doc__": f"A WorkerFailedError whose ranks raised {cause.__module__}.{cause.__qualname__}.",
+        "__reduce__": _reduce_derived,
+        "rank_exception_type": cause,
+    }
+    try:
+        return type(f"WorkerFailedError({cause.__name__})", (WorkerFailedError, cause), namespace)
+    except TypeError:  # final types (bool), incompatible instance layouts, a refusing __init_subclass__
+        return None
+
+
+def _reduce_derived(error: WorkerFailedError):
+    # The derived class exists only in the process that made it: pickle the rank's exception
+    # type by name and derive again on the other side.
+    cause = type(error).rank_exception_type
+    return (_rebuild, (cause.__module__, cause.__qualname__, error.failures, error.job_id, error.logs_dir))
+
+
+def _rebuild(module: str, qualname: str, failures, job_id, logs_dir) -> WorkerFailedError:
+    """Unpickles a derived error; a plain one where the rank's exception type cannot be imported."""
+    try:
+        cause = importlib.import_module(module)
+        for part in qualname.split("."):
+            cause = getattr(cause, part)
+    except (ImportError, AttributeError):  # the type's module is missing or changed here
+        cause = None
+    return _build(cause if isinstance(cause, type) else None, failures, job_id, logs_dir)

@@ -3,9 +3,11 @@
 Run as ``python -m sparkgpu.launch.agent RUN_DIR --attempt K --nnodes N --node-rank I
 --nproc P --master-addr A --master-port Q``. The local backend starts one; the Spark backend
 starts one inside each barrier task. Rendezvous is torch's ``static`` backend at node 0's
-address, its store listening on that address alone (:mod:`sparkgpu.launch.rendezvous`); it waits the job's ``policy.init_timeout`` for every node. When ranks fail, the agent
+address, its store listening on that address alone (:mod:`sparkgpu.launch.rendezvous`); it waits
+the job's ``policy.init_timeout`` for every node. When ranks fail, the agent
 tears the others down and writes their exit codes and signals to ``attempts/<K>/node-<I>.json``
-for the client.
+for the client, with the time each rank exited; a rank that exits with code 0 without a result
+counts as failed there too (:class:`~sparkgpu.launch.rank_exits.RankExitWatcher`).
 
 Before any rank starts, the agent checks the payload's signature over every signed file,
 ``_air.py`` included, with this installed sparkgpu and the job key from its environment, and
@@ -28,6 +30,7 @@ from sparkgpu.errors import PayloadSignatureError
 from sparkgpu.launch.entrypoint import EXIT_FAILED, _die_with_parent
 from sparkgpu.launch.keys import rank_secrets
 from sparkgpu.launch.payload import RunDir, atomic_write_bytes, key_from_environ
+from sparkgpu.launch.rank_exits import RankExitWatcher
 
 __all__ = ["main", "build_command", "strip_spark_secrets", "refuse"]
 
@@ -119,11 +122,12 @@ def main(argv=None) -> int:
     os.environ.update(rendezvous.collective_interface_env(args.master_addr))
     os.environ.update(rank_secrets(rd.key, os.environ))
 
+    run_id = f"{rd.job_id}-{args.attempt}"
     config = LaunchConfig(
         min_nodes=args.nnodes,
         max_nodes=args.nnodes,
         nproc_per_node=args.nproc,
-        run_id=f"{rd.job_id}-{args.attempt}",
+        run_id=run_id,
         rdzv_backend=rendezvous.RENDEZVOUS_BACKEND,  # torch's static one, its store bound to master_addr
         rdzv_endpoint=f"{args.master_addr}:{args.master_port}",
         rdzv_configs={"rank": args.node_rank, "timeout": max(1, math.ceil(init_timeout))},
@@ -135,8 +139,10 @@ def main(argv=None) -> int:
     )
     failures: dict[str, dict] = {}
     status = 0
+    watcher = RankExitWatcher(run_id, lambda rank: _reported(rd, args.attempt, rank))
     try:
-        elastic_launch(config, sys.executable)("-u", "-c", verified[rd.air.name].decode(), str(rd.path))
+        with watcher:
+            elastic_launch(config, sys.executable)("-u", "-c", verified[rd.air.name].decode(), str(rd.path))
     except ChildFailedError as exc:
         status = EXIT_FAILED
         for rank, failure in exc.failures.items():
@@ -151,9 +157,20 @@ def main(argv=None) -> int:
               f"{args.master_port} after the job's init_timeout of {init_timeout:g}s ({exc}); a node that did not "
               "start, or a firewall between the nodes, keeps them apart; if they only start slowly, raise "
               "init_timeout", file=sys.stderr, flush=True)
+    for rank in watcher.quiet:  # torch saw exit code 0: a success to it, not to the job
+        status = EXIT_FAILED
+        failures[str(rank)] = {**watcher.exits[rank], "pid": None}
+    for rank, failure in failures.items():
+        if int(rank) in watcher.exits:  # torch's own time is whole seconds, and when it noticed
+            failure["time"] = watcher.exits[int(rank)]["time"]
     node = {"node_rank": args.node_rank, "status": status, "failures": failures}
     atomic_write_bytes(rd.node_file(args.attempt, args.node_rank), json.dumps(node).encode())
     return status
+
+
+def _reported(rd: RunDir, attempt: int, rank: int) -> bool:
+    return any(path.exists() for path in (rd.result_file(attempt, rank), rd.error_file(attempt, rank),
+                                          rd.preempted_file(attempt, rank)))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,14 @@
 """Runs one rank: the code behind the generated ``_air.py``.
 
 Order matters: tie the process to its parent (no orphans), send its output to the run dir,
-verify the payload's signature, pin the device, unpickle, join the process group, run the
-user's function, write the result or the traceback, leave the process group.
+verify the payload's signature, show the node's devices, make torch's process-group set-up
+idempotent (before unpickling binds user modules to it), unpickle, join the process group,
+run the user's function, write the result or the traceback, leave the process group.
+
+Devices follow torchrun: every rank of a node sees the job's devices of that node, in order
+(``CUDA_VISIBLE_DEVICES``, and ``SPARKGPU_NODE_DEVICES`` also for simulated GPUs), and
+``LOCAL_RANK`` indexes them, so ``torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))`` works
+as under torchrun. ``SPARKGPU_GPU_ADDRESS`` is the rank's own device address.
 """
 
 from __future__ import annotations
@@ -19,8 +25,9 @@ from sparkgpu._modules import imported
 from sparkgpu.errors import EnvironmentMismatchError, SparkGPUError
 from sparkgpu.launch.callbacks import WorkerContext
 from sparkgpu.launch.payload import KEY_ENV, RunDir
+from sparkgpu.launch.process_group import RankProcessGroup
 
-__all__ = ["main", "EXIT_FAILED", "EXIT_PREEMPTED", "NODE_DEVICES_ENV"]
+__all__ = ["main", "rank_device_env", "EXIT_FAILED", "EXIT_PREEMPTED", "NODE_DEVICES_ENV"]
 
 # Set by a node's launcher when the node's device addresses are known only at launch (a Spark
 # task's GPU addresses); takes precedence over the spec's devices.
@@ -54,31 +61,44 @@ def _redirect_output(path) -> None:
     faulthandler.enable(file=sys.stderr, all_threads=True)
 
 
-def _pin_device(spec: dict) -> None:
-    node_devices = os.environ.get(NODE_DEVICES_ENV)
-    devices = node_devices.split(",") if node_devices else (spec.get("devices") or [])
+def rank_device_env(spec: dict, local_rank: int, node_devices: str | None) -> dict[str, str]:
+    """The device variables of one rank, as torchrun would set them.
+
+    Args:
+        spec: The job's spec (its ``devices``, ``simulated`` and ``resources``).
+        local_rank: The rank's index on its node.
+        node_devices: The node's device addresses that its launcher exported
+            (``SPARKGPU_NODE_DEVICES``), if any; they take precedence over the spec's.
+
+    Returns:
+        ``CUDA_VISIBLE_DEVICES`` (every device of the job on this node, in order; empty for
+        CPU ranks and simulated GPUs), ``SPARKGPU_NODE_DEVICES`` (the same list, simulated
+        ones included) and ``SPARKGPU_GPU_ADDRESS`` (the address that ``LOCAL_RANK`` indexes).
+    """
+    devices = node_devices.split(",") if node_devices else list(spec.get("devices") or [])
+    env: dict[str, str] = {}
     if devices:
-        os.environ[runtime.ENV_GPU_ADDRESS] = devices[runtime.get_local_rank() % len(devices)]
+        env[NODE_DEVICES_ENV] = ",".join(devices)
+        env[runtime.ENV_GPU_ADDRESS] = devices[local_rank % len(devices)]
     if spec.get("simulated"):
-        os.environ[runtime.ENV_SIMULATED] = "1"
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        env[runtime.ENV_SIMULATED] = "1"
+        env["CUDA_VISIBLE_DEVICES"] = ""
     elif devices:
-        os.environ["CUDA_VISIBLE_DEVICES"] = devices[runtime.get_local_rank() % len(devices)]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
     elif spec["resources"]["gpu_type"] == "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
 
 
-def _init_process_group(spec: dict):
-    import torch
-    import torch.distributed as dist
-
+def _process_group(spec: dict) -> RankProcessGroup:
     timeout = datetime.timedelta(seconds=spec["policy"]["init_timeout"])
-    if runtime.device().type == "cuda":
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", 0))
-    else:
-        dist.init_process_group("gloo", timeout=timeout)
-    return dist
+    device = runtime.device()
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.set_device(device)
+        return RankProcessGroup("nccl", timeout, device)
+    return RankProcessGroup("gloo", timeout)
 
 
 def _environment_error(exc: BaseException) -> SparkGPUError:
@@ -113,14 +133,15 @@ def main(run_dir: str, env_error: BaseException | None = None) -> int:
         spec, parts = rd.load_verified(bytes.fromhex(key) if key else None)
         if env_error is not None:
             raise _environment_error(env_error)
-        _pin_device(spec)
+        os.environ.update(rank_device_env(spec, runtime.get_local_rank(), os.environ.get(NODE_DEVICES_ENV)))
+        group = _process_group(spec)
+        group.install()
         fn, args, kwargs, callbacks = RunDir.unpack(parts)
     except BaseException as exc:
         rd.write_error(attempt, rank, exc)
         print(f"sparkgpu: rank {rank} could not start: {exc}", file=sys.stderr)
         return EXIT_FAILED
 
-    dist = None
     ctx = WorkerContext(
         job_id=spec["job_id"], run_dir=str(rd.path), attempt=attempt, rank=rank,
         local_rank=runtime.get_local_rank(), world_size=runtime.get_world_size(),
@@ -128,7 +149,7 @@ def main(run_dir: str, env_error: BaseException | None = None) -> int:
     )
     error: BaseException | None = None
     try:
-        dist = _init_process_group(spec)
+        group.create()
         for callback in callbacks:
             callback.on_worker_start(ctx)
         stopping = False
@@ -154,8 +175,7 @@ def main(run_dir: str, env_error: BaseException | None = None) -> int:
                 callback.on_worker_end(ctx, error)
             except Exception as exc:  # a broken callback must not hide the user's outcome
                 print(f"sparkgpu: callback {callback!r} failed on rank {rank}: {exc}", file=sys.stderr)
-        if dist is not None and dist.is_initialized():
-            dist.destroy_process_group()
+        group.close()
         sys.stdout.flush()
         sys.stderr.flush()
 

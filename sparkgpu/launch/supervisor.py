@@ -31,7 +31,14 @@ from typing import Any
 import psutil
 
 from sparkgpu import runtime
-from sparkgpu.errors import JobCancelledError, JobTimeoutError, PolicyViolationError, RankFailure, WorkerFailedError
+from sparkgpu.errors import (
+    JobCancelledError,
+    JobTimeoutError,
+    PolicyViolationError,
+    RankFailure,
+    first_failure,
+    worker_failed_error,
+)
 from sparkgpu.launch.callbacks import AttemptOutcome, JobCallback
 from sparkgpu.launch.entrypoint import EXIT_PREEMPTED
 from sparkgpu.launch.logs import LogStreamer
@@ -101,9 +108,7 @@ class AttemptResult:
         """The unpickled exception of the rank that failed first, when it unpickles."""
         if not self.failures:
             return None
-        timed = [f for f in self.failures if f.timestamp is not None]
-        first = min(timed, key=lambda f: f.timestamp) if timed else self.failures[0]
-        return self.exceptions.get(first.rank)
+        return self.exceptions.get(first_failure(self.failures).rank)
 
 
 class Supervisor:
@@ -155,7 +160,8 @@ class Supervisor:
         """Runs attempts until the job ends; returns one result per rank, ordered by rank.
 
         Raises:
-            WorkerFailedError: ranks failed and no restart is left.
+            WorkerFailedError: ranks failed and no restart is left; derived from their exception
+                type too when they all raised the same one (:func:`~sparkgpu.errors.worker_failed_error`).
             JobTimeoutError: the job ran past ``policy.timeout``.
             KeyboardInterrupt: the caller pressed Ctrl-C; every rank was stopped first.
             Exception: whatever the backend raised while the attempt ran (e.g. ``CapacityError``
@@ -195,7 +201,7 @@ class Supervisor:
                     continue
                 self._set_status(JobStatus.FAILED)
                 logs = self.run_dir.attempt_dir(attempt) / "logs"
-                error = WorkerFailedError(outcome.failures, self.job.job_id, str(logs))
+                error = worker_failed_error(outcome.failures, outcome.exceptions, self.job.job_id, str(logs))
                 raise error from outcome.root_exception
         except BaseException as exc:
             error = error or exc
@@ -448,6 +454,7 @@ class Supervisor:
                 continue  # the supervisor stopped it (cap or policy): judged below
             failures.append(RankFailure(
                 rank, None, _describe_exit(info), exitcode=info["exitcode"], log_tail=rd.log_tail(attempt, rank),
+                timestamp=info.get("time"),  # when it exited: a quiet exit is the cause of its peers' errors
             ))
         if failures:
             return AttemptResult("failed", failures=failures, exceptions=exceptions)
@@ -467,12 +474,22 @@ class Supervisor:
                 RankFailure(r, None, message, log_tail=rd.log_tail(attempt, r))
                 for r in range(self.job.world_size) if r not in results
             ])
-        # No rank reported anything: the agent itself failed (bad interpreter, port clash, ...).
+        missing = silent or list(range(self.job.world_size))
+        if any(rd.attempt_dir(attempt).glob("node-*.json")):
+            # Launchers recorded the attempt but no exit of these ranks: an exit with code 0
+            # that could not be watched, or a node whose launcher was lost.
+            return AttemptResult("failed", failures=[
+                RankFailure(r, None, "the process ended without returning a result or raising an exception, and "
+                            "its launcher recorded no failure for it (an exit with code 0, as after os._exit(0), "
+                            "or its node's launcher was lost)", log_tail=rd.log_tail(attempt, r))
+                for r in missing
+            ])
+        # No launcher recorded anything: it failed itself (bad interpreter, port clash, ...).
         agent_log = rd.agent_log(attempt, 0)
         tail = "\n".join(agent_log.read_text(errors="replace").splitlines()[-30:]) if agent_log.exists() else ""
-        missing = silent or list(range(self.job.world_size))
         return AttemptResult("failed", failures=[
-            RankFailure(r, None, "the rank never reported a result (its launcher failed)", log_tail=tail)
+            RankFailure(r, None, "the rank never reported a result: its node's launcher ended without recording "
+                        "how its ranks ended (the launcher's log is below)", log_tail=tail)
             for r in missing
         ])
 
@@ -491,4 +508,7 @@ def _not_checkpointed_message(policy) -> str:
 def _describe_exit(info: dict) -> str:
     if info.get("signal"):
         return f"the process died from signal {info['signal']} (exit code {info['exitcode']}) without a Python exception"
+    if info["exitcode"] == 0:
+        return ("the process exited with code 0 without returning a result or raising an exception "
+                "(os._exit(0), or a library that calls exit(0))")
     return f"the process exited with code {info['exitcode']} without a Python exception"

@@ -14,6 +14,7 @@ import tempfile
 
 from sparkgpu import runtime
 from sparkgpu.errors import ConfigurationError, SparkGPUError
+from sparkgpu.launch.entrypoint import NODE_DEVICES_ENV
 
 RANK_LABEL = "sparkgpu-rank"  # Ray node label: the job rank that started the node
 
@@ -36,6 +37,7 @@ NODE_LAYOUTS = ("per_node", "per_rank")
 _RANK_ENV = frozenset({
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
     "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", runtime.ENV_GPU_ADDRESS,
+    NODE_DEVICES_ENV,  # the rank's node's devices; a raylet gets its own in CUDA_VISIBLE_DEVICES
     "RAY_ADDRESS",
 })
 # Ray's own default share of available memory for the object store; split when several Ray
@@ -59,7 +61,7 @@ class RankResources:
         node_rank: Index of the rank's node (launcher agent) in the job.
         hostname: Host the rank runs on; Ray nodes on one host split its CPUs and memory.
         cpus: CPUs this rank's process may run on (the host's, usually).
-        gpu: The rank's GPU address (``CUDA_VISIBLE_DEVICES`` value), ``None`` on CPU ranks.
+        gpu: The rank's own GPU address (``SPARKGPU_GPU_ADDRESS``), ``None`` on CPU ranks.
         memory_available: Bytes of memory available on the host.
     """
 

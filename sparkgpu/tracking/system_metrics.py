@@ -28,8 +28,8 @@ __all__ = ["NodeMetricsMonitor", "JobGPUMonitor", "job_gpu_devices", "DEVICES_EN
 _logger = logging.getLogger(__name__)
 
 # The job's devices, comma-separated, set for workers by MLflowCallback when the client knows
-# them (local backend). The launcher narrows CUDA_VISIBLE_DEVICES to one device per rank, so
-# that variable alone does not tell local rank 0 which devices the whole node runs on.
+# them (local backend). Ranks see every device of the job on their node, as under torchrun;
+# CUDA_VISIBLE_DEVICES is empty for simulated GPUs, and SPARKGPU_NODE_DEVICES lists them there.
 DEVICES_ENV = "SPARKGPU_TRACKING_DEVICES"
 
 

@@ -220,11 +220,12 @@ def test_temp_dir_is_short_even_under_a_long_tmpdir(monkeypatch, tmp_path):
 
 def test_raylet_environment_drops_the_rank_identity_and_carries_the_nodes_gpus():
     base = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "h", "MASTER_PORT": "1",
-            "TORCHELASTIC_RUN_ID": "x", "SPARKGPU_GPU_ADDRESS": "1", "CUDA_VISIBLE_DEVICES": "1",
+            "TORCHELASTIC_RUN_ID": "x", "SPARKGPU_GPU_ADDRESS": "1", "CUDA_VISIBLE_DEVICES": "0,1,2,3",
+            "SPARKGPU_NODE_DEVICES": "0,1,2,3",
             "SPARKGPU_JOB_ID": "job-1", "PYTHONPATH": "/opt/lib", "HOME": "/root"}
     env = ray_node_env(RayNodeSpec(0, True, 8, ("0", "1")), base, import_paths=["/srv/proj"])
     for gone in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-                 "SPARKGPU_GPU_ADDRESS"):
+                 "SPARKGPU_GPU_ADDRESS", "SPARKGPU_NODE_DEVICES"):
         assert gone not in env
     assert env["CUDA_VISIBLE_DEVICES"] == "0,1" and env["SPARKGPU_JOB_ID"] == "job-1"
     assert env["PYTHONPATH"] == os.pathsep.join(["/srv/proj", "/opt/lib"])

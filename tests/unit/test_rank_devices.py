@@ -1,0 +1,33 @@
+"""The device variables each rank gets: torchrun's, where LOCAL_RANK indexes the node's devices."""
+
+import pytest
+
+from sparkgpu.launch.entrypoint import rank_device_env
+
+
+def _spec(devices=(), simulated=False, gpu_type="H100"):
+    return {"devices": list(devices), "simulated": simulated, "resources": {"gpu_type": gpu_type}}
+
+
+@pytest.mark.parametrize("local_rank", [0, 1, 2, 3])
+def test_every_rank_sees_the_nodes_devices_and_local_rank_indexes_them(local_rank):
+    env = rank_device_env(_spec(["2", "3", "5", "7"]), local_rank, None)
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3,5,7" == env["SPARKGPU_NODE_DEVICES"]
+    # torch.cuda.set_device(int(os.environ["LOCAL_RANK"])) selects the rank's own device:
+    assert env["CUDA_VISIBLE_DEVICES"].split(",")[local_rank] == env["SPARKGPU_GPU_ADDRESS"]
+    assert env["SPARKGPU_GPU_ADDRESS"] == ["2", "3", "5", "7"][local_rank]
+
+
+def test_a_spark_tasks_addresses_take_precedence_over_the_spec():
+    env = rank_device_env(_spec(["0", "1"]), 1, "4,6")
+    assert env["CUDA_VISIBLE_DEVICES"] == "4,6" and env["SPARKGPU_GPU_ADDRESS"] == "6"
+
+
+def test_simulated_gpus_hide_real_ones_but_keep_the_addresses():
+    env = rank_device_env(_spec(["0", "1"], simulated=True), 1, None)
+    assert env == {"SPARKGPU_NODE_DEVICES": "0,1", "SPARKGPU_GPU_ADDRESS": "1", "SPARKGPU_SIMULATED_GPUS": "1",
+                   "CUDA_VISIBLE_DEVICES": ""}
+
+
+def test_cpu_ranks_see_no_gpu():
+    assert rank_device_env(_spec(gpu_type="cpu"), 1, None) == {"CUDA_VISIBLE_DEVICES": ""}

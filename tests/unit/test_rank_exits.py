@@ -1,0 +1,47 @@
+"""RankExitWatcher on real child processes: exit codes without reaping, quiet exits stop the others."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from sparkgpu.launch.rank_exits import RankExitWatcher
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "waitid"), reason="waitid: Linux")
+
+
+def _rank(rank: int, code: str, run_id="job-0") -> subprocess.Popen:
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": run_id, "RANK": str(rank)}
+    # The rank's environment is readable only after exec: give the watcher time to find it.
+    return subprocess.Popen([sys.executable, "-c", f"import os, time; time.sleep(1.0); {code}"], env=env)
+
+
+def test_a_quiet_exit_is_recorded_and_stops_the_other_ranks():
+    with RankExitWatcher("job-0", reported=lambda rank: False) as watcher:
+        quiet, waiting = _rank(1, "os._exit(0)"), _rank(0, "time.sleep(60)")
+        other_job = _rank(0, "time.sleep(3)", run_id="job-1")  # not this watcher's rank
+        started = time.monotonic()
+        while len(watcher.exits) < 2 and time.monotonic() - started < 30:
+            time.sleep(0.05)  # reap only after the watcher saw them (torch's agent polls, it does not block)
+        assert waiting.wait(timeout=5) == -signal.SIGTERM
+        assert quiet.wait(timeout=5) == 0  # still the parent's to reap: WNOWAIT left it
+    assert time.monotonic() - started < 20
+    assert watcher.quiet == [1]
+    assert watcher.exits[1]["exitcode"] == 0 and watcher.exits[1]["signal"] is None
+    assert watcher.exits[0]["signal"] == "SIGTERM"
+    assert other_job.wait(timeout=30) == 0  # left alone
+
+
+def test_a_rank_that_reported_may_exit_with_code_zero():
+    with RankExitWatcher("job-0", reported=lambda rank: True) as watcher:
+        done, still = _rank(0, "os._exit(0)"), _rank(1, "time.sleep(3); os._exit(4)")
+        deadline = time.monotonic() + 30
+        while len(watcher.exits) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)  # reap only after the watcher saw them (torch's agent polls, it does not block)
+        assert done.wait(timeout=5) == 0 and still.wait(timeout=5) == 4
+    assert watcher.quiet == []
+    assert watcher.exits[0]["exitcode"] == 0 and watcher.exits[1]["exitcode"] == 4
+    assert watcher.exits[0]["time"] < watcher.exits[1]["time"]
