@@ -45,7 +45,7 @@ from sparkgpu.errors import (
     JobTimeoutError,
     PolicyViolationError,
     SparkGPUError,
-    WorkerFailedError,
+    worker_failed_error,
 )
 from sparkgpu.launch.keys import load_key
 from sparkgpu.launch.logs import LogStreamer
@@ -251,7 +251,9 @@ class Call:
                                 types.SimpleNamespace(name=self._spec.backend), key)
             outcome = reader._collect(last["attempt"], None, None)
             if outcome.failures:
-                raise WorkerFailedError(outcome.failures, self.job_id, str(logs)) from outcome.root_exception
+                # The same error class the live call raised: `except ValueError` catches it here too.
+                error = worker_failed_error(outcome.failures, outcome.exceptions, self.job_id, str(logs))
+                raise error from outcome.root_exception
         raise SparkGPUError(f"job {self.job_id} failed: {cause}. Logs: {logs}")
 
     def logs(self, follow: bool = False, rank: int | None = None, out=None) -> str | None:
