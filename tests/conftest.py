@@ -68,7 +68,11 @@ def spark():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    # What builder.remote("local[2]") does, with the binding chosen here.
+    # What builder.remote("local[2]") does, with the binding chosen here. The server is a classic
+    # SparkContext, which pyspark refuses to create while the process says it is a Connect
+    # client (sessions to the test clusters opened earlier set that).
+    for name in ("SPARK_CONNECT_MODE_ENABLED", "SPARK_REMOTE"):
+        os.environ.pop(name, None)
     ConnectSession._start_connect_server("local[2]", {
         "spark.connect.grpc.binding.address": "127.0.0.1",
         "spark.connect.grpc.binding.port": str(port),
