@@ -9,7 +9,7 @@ ds = data.dataset(remote="s3://bucket/feats/v1", local="/local_disk0/cache", bat
 
 from __future__ import annotations
 
-__all__ = ["to_mds", "ensure_mds", "data_fingerprint", "read_conversion", "dataset"]
+__all__ = ["to_mds", "ensure_mds", "data_fingerprint", "read_conversion", "dataset", "decode_image", "TransformError"]
 
 
 def __getattr__(name):
@@ -21,4 +21,12 @@ def __getattr__(name):
         from sparkgpu.data.loader import dataset
 
         return dataset
+    if name == "decode_image":
+        from sparkgpu.data.images import decode_image
+
+        return decode_image
+    if name == "TransformError":
+        from sparkgpu.data.transforms import TransformError
+
+        return TransformError
     raise AttributeError(f"module 'sparkgpu.data' has no attribute {name!r}")

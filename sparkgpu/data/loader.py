@@ -36,6 +36,7 @@ from sparkgpu.data.order import DEFAULT_BLOCK_SIZE, EpochPlan, epoch_order
 from sparkgpu.data._pipeline import Producer, WorkerBatches, in_background, prefetch_to_device
 from sparkgpu.data.decode import BatchDecoder
 from sparkgpu.data.reader import INDEX_NAME, DatasetIndex
+from sparkgpu.data.transforms import check_transform
 from sparkgpu.data.volume import Volume
 from sparkgpu.errors import ConfigurationError, DataError
 
@@ -63,6 +64,8 @@ def dataset(
     world_size: int | None = None,
     storage_options: dict | None = None,
     allow_unsafe_types: bool = False,
+    transform=None,
+    batch_transform=None,
 ) -> "MDSLoader":
     """Opens an MDS dataset for training: an iterable of batches with a resumable position.
 
@@ -93,6 +96,14 @@ def dataset(
         world_size: Number of ranks (default: :func:`sparkgpu.runtime.get_world_size`).
         storage_options: Options for the volume's fsspec filesystem (credentials, endpoint).
         allow_unsafe_types: Allow ``pkl`` columns (unpickling runs arbitrary code).
+        transform: ``fn(sample: dict, rng: numpy.random.Generator) -> dict`` run on every
+            sample where batches are decoded (in the worker processes with
+            ``num_workers > 0``); ``rng`` and torch's global generator are seeded from
+            ``(seed, epoch, sample index)``, so augmentations repeat exactly on every run and
+            after a resume. Results are stacked into tensors where shapes agree, lists
+            otherwise (see :mod:`sparkgpu.data.transforms`).
+        batch_transform: ``fn(batch: dict) -> dict`` run on each collated batch, after
+            ``transform``, in the same place and equally reproducible.
 
     Returns:
         An :class:`MDSLoader`.
@@ -100,6 +111,7 @@ def dataset(
     Raises:
         ConfigurationError: An argument is invalid (the message says what to pass instead).
         DataError: The dataset cannot be read (no index, not MDS, damaged).
+        TransformError: (while iterating) a transform raised; names the sample and shard.
         MissingDependencyError: The volume's filesystem package is not installed.
     """
     from sparkgpu import runtime
@@ -115,6 +127,8 @@ def dataset(
     _check_int("download_threads", download_threads, 1)
     if shuffle_block_size is not None:
         _check_int("shuffle_block_size", shuffle_block_size, 1)
+    check_transform("transform", transform)
+    check_transform("batch_transform", batch_transform)
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ConfigurationError(f"rank={rank!r} must be an integer in [0, world_size={world_size})")
     if remote is None and local is None:
@@ -149,6 +163,7 @@ def dataset(
         batch_size=batch_size, shuffle=shuffle, seed=seed, shuffle_block_size=shuffle_block_size or DEFAULT_BLOCK_SIZE,
         drop_last=drop_last, num_workers=num_workers, prefetch_batches=prefetch_batches, pin_memory=pin_memory,
         device=device, cache_limit=limit, download_threads=download_threads, rank=rank, world_size=world_size,
+        transform=transform, batch_transform=batch_transform,
     )
 
 
@@ -167,7 +182,7 @@ class MDSLoader:
 
     def __init__(self, *, index: DatasetIndex, directory, volume_url, storage_options, batch_size, shuffle, seed,
                  shuffle_block_size, drop_last, num_workers, prefetch_batches, pin_memory, device, cache_limit,
-                 download_threads, rank, world_size):
+                 download_threads, rank, world_size, transform=None, batch_transform=None):
         self.index = index
         self.directory = os.fspath(directory)
         self.volume_url = volume_url
@@ -185,6 +200,8 @@ class MDSLoader:
         self.download_threads = download_threads
         self.rank = rank
         self.world_size = world_size
+        self.transform = transform
+        self.batch_transform = batch_transform
         self.num_samples = index.num_samples
         self.epoch = 0
         self._consumed = 0  # samples of self.epoch consumed by all ranks together
@@ -315,7 +332,7 @@ class MDSLoader:
     def _in_process(self, plan: EpochPlan):
         if self._producer is None:
             self._producer = Producer(self._producer_spec(), pinned=self.pin_memory)
-        batches = self._producer.run(plan, range(plan.num_batches), raw_rows=True)
+        batches = self._producer.run(plan, range(plan.num_batches), raw_rows=True, epoch=self.epoch)
         return in_background(batches, self.prefetch_batches) if self.prefetch_batches else batches
 
     def _in_workers(self, start: int):
@@ -337,6 +354,7 @@ class MDSLoader:
             "download_threads": self.download_threads, "shuffle": self.shuffle, "seed": self.seed,
             "shuffle_block_size": self.shuffle_block_size, "rank": self.rank, "world_size": self.world_size,
             "batch_size": self.batch_size, "drop_last": self.drop_last,
+            "transform": self.transform, "batch_transform": self.batch_transform,
         }
 
 
