@@ -23,6 +23,8 @@ _NAMES = {
     "token_dataset": "sparkgpu.data.tokens",
     "table_dataset": "sparkgpu.data.table",
     "files_dataset": "sparkgpu.data.files",
+    "decode_image": "sparkgpu.data.images",
+    "TransformError": "sparkgpu.data.transforms",
 }
 
 __all__ = list(_NAMES)

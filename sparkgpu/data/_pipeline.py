@@ -15,6 +15,7 @@ from sparkgpu.data.cache import ShardCache
 from sparkgpu.data.decode import BatchDecoder
 from sparkgpu.data.order import EpochPlan, epoch_order
 from sparkgpu.data.reader import ShardReader
+from sparkgpu.data.transforms import BatchTransforms
 from sparkgpu.data.volume import Volume
 from sparkgpu.errors import DataError
 
@@ -40,14 +41,20 @@ class Producer:
         # Only a cache of a volume evicts shards; a local dataset folder keeps every file.
         self._evictable = volume is not None
         self._row_bytes = self.decoder.row_bytes
+        self.transforms = BatchTransforms(spec.get("transform"), spec.get("batch_transform"), seed=spec["seed"])
 
-    def run(self, plan: EpochPlan, batch_numbers, raw_rows: bool = False):
-        """Yields the decoded batches ``batch_numbers`` of ``plan``, in that order.
+    def run(self, plan: EpochPlan, batch_numbers, raw_rows: bool = False, epoch: int = 0):
+        """Yields the decoded (and transformed) batches ``batch_numbers`` of ``plan``, in order.
 
-        With ``raw_rows``, a fixed-width batch is yielded as its buffer of gathered rows
-        (:meth:`BatchDecoder.split_rows` turns it into columns).
+        With ``raw_rows`` and no transforms, a fixed-width batch is yielded as its buffer of
+        gathered rows (:meth:`BatchDecoder.split_rows` turns it into columns). ``epoch``
+        seeds the transforms' randomness.
         """
-        decode = self.decoder.gather_rows if raw_rows and self.decoder.fixed_width else self.decoder.decode
+        transforms = self.transforms
+        if raw_rows and self.decoder.fixed_width and not transforms:
+            decode = self.decoder.gather_rows
+        else:
+            decode = self.decoder.decode
         batch_numbers = list(batch_numbers)
         size = plan.batch_size
         # Whole-epoch arrays once, so each batch costs slices, not searches.
@@ -68,6 +75,9 @@ class Producer:
                     names = ", ".join(r.info.basename for r in readers)
                     raise DataError(f"a sample in shard(s) {names} points outside its shard ({exc}); the shard is damaged: "
                                     "clear it from the cache (sparkgpu cache clear) or write the dataset again") from None
+                if transforms:
+                    names = [self.index.shards[s].basename for s in shard_of[lo:hi].tolist()]
+                    batch = transforms(batch, epoch=epoch, sample_ids=plan.samples[lo:hi], shards=names)
                 del readers
                 yield batch
         finally:
@@ -161,7 +171,7 @@ class WorkerBatches(torch.utils.data.IterableDataset):
                                   batch_size=s["batch_size"], drop_last=s["drop_last"])
         if self._producer is None:
             self._producer = Producer(s, pinned=False)  # the DataLoader pins in the main process
-        yield from self._producer.run(plan, range(worker, plan.num_batches, workers), raw_rows=True)
+        yield from self._producer.run(plan, range(worker, plan.num_batches, workers), raw_rows=True, epoch=epoch)
 
 
 def in_background(batches, depth: int):

@@ -166,6 +166,10 @@ class BatchDecoder:
             return [Decimal(item.decode("utf-8")) for item in items]
         if column.decode is Decode.JSON:
             return [json.loads(item) for item in items]
+        if column.decode is Decode.IMAGE:
+            from sparkgpu.data.images import decode_image_column
+
+            return decode_image_column(column.encoding, items)
         from streaming.base.format.mds.encodings import mds_decode
 
         return [mds_decode(column.encoding, item) for item in items]

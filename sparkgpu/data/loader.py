@@ -37,6 +37,7 @@ from sparkgpu.data._pipeline import Producer, WorkerBatches, in_background, pref
 from sparkgpu.data.decode import BatchDecoder
 from sparkgpu.data.metrics import LoaderMetrics
 from sparkgpu.data.reader import INDEX_NAME, DatasetIndex
+from sparkgpu.data.transforms import check_transform
 from sparkgpu.data.volume import Volume
 from sparkgpu.errors import ConfigurationError, DataError
 
@@ -66,6 +67,8 @@ def dataset(
     allow_unsafe_types: bool = False,
     streams: list | None = None,
     epoch_size: int | None = None,
+    transform=None,
+    batch_transform=None,
 ) -> "MDSLoader":
     """Opens an MDS dataset for training: an iterable of batches with a resumable position.
 
@@ -99,6 +102,14 @@ def dataset(
         streams: Mix several datasets instead (a list of :class:`sparkgpu.data.Stream`, in
             place of ``remote``): see :mod:`sparkgpu.data.mixture`.
         epoch_size: With ``streams``, samples per epoch (all ranks together).
+        transform: ``fn(sample: dict, rng: numpy.random.Generator) -> dict`` run on every
+            sample where batches are decoded (in the worker processes with
+            ``num_workers > 0``); ``rng`` and torch's global generator are seeded from
+            ``(seed, epoch, sample index)``, so augmentations repeat exactly on every run and
+            after a resume. Results are stacked into tensors where shapes agree, lists
+            otherwise (see :mod:`sparkgpu.data.transforms`).
+        batch_transform: ``fn(batch: dict) -> dict`` run on each collated batch, after
+            ``transform``, in the same place and equally reproducible.
 
     Returns:
         An :class:`MDSLoader` (a :class:`~sparkgpu.data.mixture.MixtureLoader` with ``streams``).
@@ -106,6 +117,7 @@ def dataset(
     Raises:
         ConfigurationError: An argument is invalid (the message says what to pass instead).
         DataError: The dataset cannot be read (no index, not MDS, damaged).
+        TransformError: (while iterating) a transform raised; names the sample and shard.
         MissingDependencyError: The volume's filesystem package is not installed.
     """
     from sparkgpu import runtime
@@ -114,6 +126,9 @@ def dataset(
     if streams is not None or epoch_size is not None:  # a mixture: each stream opens through this function
         if streams is None or remote is not None:
             raise ConfigurationError("pass remote= for one dataset, or streams=[data.Stream(...), ...] (with an optional epoch_size=) to mix several")
+        if transform is not None or batch_transform is not None:
+            raise ConfigurationError("transform= and batch_transform= work on one dataset, not yet on streams=; "
+                                     "apply them to the mixture's batches in your loop")
         from sparkgpu.data.mixture import mixture_dataset
 
         return mixture_dataset(
@@ -131,6 +146,8 @@ def dataset(
     _check_int("download_threads", download_threads, 1)
     if shuffle_block_size is not None:
         _check_int("shuffle_block_size", shuffle_block_size, 1)
+    check_transform("transform", transform)
+    check_transform("batch_transform", batch_transform)
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ConfigurationError(f"rank={rank!r} must be an integer in [0, world_size={world_size})")
     if remote is None and local is None:
@@ -165,6 +182,7 @@ def dataset(
         batch_size=batch_size, shuffle=shuffle, seed=seed, shuffle_block_size=shuffle_block_size or DEFAULT_BLOCK_SIZE,
         drop_last=drop_last, num_workers=num_workers, prefetch_batches=prefetch_batches, pin_memory=pin_memory,
         device=device, cache_limit=limit, download_threads=download_threads, rank=rank, world_size=world_size,
+        transform=transform, batch_transform=batch_transform,
     )
 
 
@@ -183,7 +201,7 @@ class MDSLoader:
 
     def __init__(self, *, index: DatasetIndex, directory, volume_url, storage_options, batch_size, shuffle, seed,
                  shuffle_block_size, drop_last, num_workers, prefetch_batches, pin_memory, device, cache_limit,
-                 download_threads, rank, world_size):
+                 download_threads, rank, world_size, transform=None, batch_transform=None):
         self.index = index
         self.directory = os.fspath(directory)
         self.volume_url = volume_url
@@ -201,6 +219,8 @@ class MDSLoader:
         self.download_threads = download_threads
         self.rank = rank
         self.world_size = world_size
+        self.transform = transform
+        self.batch_transform = batch_transform
         self.num_samples = index.num_samples
         self.epoch = 0
         self._consumed = 0  # samples of self.epoch consumed by all ranks together
@@ -338,7 +358,7 @@ class MDSLoader:
     def _in_process(self, plan: EpochPlan):
         if self._producer is None:
             self._producer = Producer(self._producer_spec(), pinned=self.pin_memory)
-        batches = self._producer.run(plan, range(plan.num_batches), raw_rows=True)
+        batches = self._producer.run(plan, range(plan.num_batches), raw_rows=True, epoch=self.epoch)
         return in_background(batches, self.prefetch_batches) if self.prefetch_batches else batches
 
     def _in_workers(self, start: int):
@@ -360,6 +380,7 @@ class MDSLoader:
             "download_threads": self.download_threads, "shuffle": self.shuffle, "seed": self.seed,
             "shuffle_block_size": self.shuffle_block_size, "rank": self.rank, "world_size": self.world_size,
             "batch_size": self.batch_size, "drop_last": self.drop_last,
+            "transform": self.transform, "batch_transform": self.batch_transform,
         }
 
 

@@ -58,6 +58,11 @@ class _Kind(enum.Enum):
     DECIMAL = "str_decimal"  # digits as UTF-8, decoded as decimal.Decimal
     NDARRAY_STATIC = "ndarray_static"  # "ndarray:<dtype>:<shape>", fixed size
     NDARRAY_DYNAMIC = "ndarray_dynamic"  # "ndarray:<dtype>", shape stored per sample
+    IMAGE = "image"  # encoded image bytes ("jpeg", "png"), stored verbatim
+
+
+# What every value of an encoded image column starts with.
+_IMAGE_SIGNATURES = {"jpeg": b"\xff\xd8\xff", "png": b"\x89PNG\r\n\x1a\n"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,7 +244,8 @@ def _override_spec(name: str, arrow_type: pa.DataType, encoding: str) -> ColumnS
     wrong = DataError(
         f"column {name!r} of type {arrow_type} cannot be written with encoding {encoding!r}; "
         "numbers take int8..uint64, float16..float64 or int; strings str or bytes; binary bytes; "
-        "decimals str_decimal; lists of numbers ndarray:<dtype> or ndarray:<dtype>:<shape>"
+        "decimals str_decimal; lists of numbers ndarray:<dtype> or ndarray:<dtype>:<shape>; "
+        "encoded image files (binary) jpeg or png"
     )
     if encoding in _SCALARS:
         if source_dtype is None:
@@ -257,6 +263,10 @@ def _override_spec(name: str, arrow_type: pa.DataType, encoding: str) -> ColumnS
         if not (_is_binary(value_type) or _is_string(value_type)):
             raise wrong
         return ColumnSpec(name, "bytes", None, _Kind.BYTES)
+    if encoding in _IMAGE_SIGNATURES:
+        if not _is_binary(value_type):
+            raise wrong
+        return ColumnSpec(name, encoding, None, _Kind.IMAGE)
     if encoding == "str_decimal":
         if not pa.types.is_decimal(value_type):
             raise wrong
@@ -475,6 +485,29 @@ def _binary_part(array: pa.Array, spec: ColumnSpec) -> _Var | _Fixed:
     return _Var(data[first:int(offsets[-1])], offsets - first)
 
 
+def _check_image_bytes(part, spec: ColumnSpec) -> None:
+    """Every value of a ``jpeg``/``png`` column must be a file of that format (stored as is)."""
+    signature = np.frombuffer(_IMAGE_SIGNATURES[spec.encoding], dtype=np.uint8)
+    k = len(signature)
+    if isinstance(part, _Fixed):
+        rows = part.as_bytes()
+        lengths, heads = np.full(len(rows), rows.shape[1]), rows[:, :k]
+    else:
+        lengths = part.lengths
+        short = lengths < k
+        # Short values cannot match; read byte 0 for them so no index runs past the data.
+        positions = np.where(short[:, None], 0, part.offsets[:-1, None] + np.arange(k))
+        heads = part.data[positions] if len(part.data) else np.zeros((len(lengths), k), np.uint8)
+    matches = np.all(heads == signature, axis=1) if heads.shape[1] == k else np.zeros(len(lengths), dtype=bool)
+    bad = np.flatnonzero((lengths < k) | ~matches)
+    if len(bad):
+        row = int(bad[0])
+        raise DataError(
+            f"column {spec.name!r} is written as {spec.encoding!r}, but {len(bad)} of its values are not {spec.encoding.upper()} "
+            f"files (the first at row {row} of its batch); store those columns as 'bytes', or re-encode the images first"
+        )
+
+
 def _encode_column(array: pa.Array, spec: ColumnSpec) -> list:
     if isinstance(array, pa.ChunkedArray):
         array = array.combine_chunks()
@@ -487,6 +520,10 @@ def _encode_column(array: pa.Array, spec: ColumnSpec) -> list:
         return [_Fixed(values)]
     if kind in (_Kind.STR, _Kind.BYTES):
         return [_binary_part(array, spec)]
+    if kind is _Kind.IMAGE:
+        part = _binary_part(array, spec)
+        _check_image_bytes(part, spec)
+        return [part]
     if kind is _Kind.DECIMAL:
         _no_nulls(array, spec)
         return [_binary_part(pc.cast(array, pa.string()), spec)]

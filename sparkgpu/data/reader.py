@@ -33,8 +33,10 @@ _NDARRAY_DTYPE_CODES = {
     8: "uint8", 9: "int8", 16: "uint16", 17: "int16", 18: "float16", 32: "uint32",
     33: "int32", 34: "float32", 64: "uint64", 65: "int64", 66: "float64",
 }
-# Encodings decoded by streaming's own decoder, one sample at a time (images, pickles).
-_DELEGATED = {"pil", "jpeg", "png", "jpeg_array", "jpegarray", "list[pil]", "list[jpeg]", "list[png]", "pkl"}
+# Encodings decoded to uint8 (C, H, W) tensors by sparkgpu.data.images.
+_IMAGES = {"pil", "jpeg", "png"}
+# Encodings decoded by streaming's own decoder, one sample at a time (image lists, pickles).
+_DELEGATED = {"jpeg_array", "jpegarray", "list[pil]", "list[jpeg]", "list[png]", "pkl"}
 
 
 class Decode(enum.Enum):
@@ -48,6 +50,7 @@ class Decode(enum.Enum):
     STR_FLOAT = "str_float"  # float64 tensor
     STR_DECIMAL = "str_decimal"  # list of decimal.Decimal
     JSON = "json"  # list of parsed objects
+    IMAGE = "image"  # list of uint8 (C, H, W) tensors
     DELEGATED = "delegated"  # list of whatever streaming's decoder returns
 
 
@@ -85,6 +88,8 @@ class Column:
             column = cls._parse_ndarray(name, encoding, config)
         elif encoding in ("bytes", "str", "str_int", "str_float", "str_decimal", "json"):
             column = cls(name, encoding, None, Decode(encoding))
+        elif encoding in _IMAGES:
+            column = cls(name, encoding, None, Decode.IMAGE)
         elif encoding in _DELEGATED:
             column = cls(name, encoding, None, Decode.DELEGATED)
         else:

@@ -1,0 +1,283 @@
+"""Image loading with augmentation: sparkgpu.data.dataset against its peers, over the same JPEGs.
+
+Question: how many images per second reach the training loop as batches of augmented tensors
+(decode + RandomResizedCrop(224) + horizontal flip, batch 256), from a local copy of an
+ImageNet-like set, with the same number of worker processes for every reader?
+
+The set is made here: --images JPEGs of 500x375 (random smooth content plus noise, about
+110 KB each at the default quality), in 10 class folders. Readers, each over the same files:
+  * sparkgpu.data.dataset over MDS written by to_mds (JPEG bytes stored as they are),
+    transform= in its worker processes;
+  * streaming.StreamingDataset (the same MDS shards) + torch DataLoader;
+  * litdata StreamingDataLoader over litdata.optimize chunks of the same bytes (skipped when
+    litdata is not installed: pip install litdata);
+  * torchvision ImageFolder + DataLoader over the files themselves.
+Ceiling in the same run: the decode + augmentation alone in a process pool of the same size,
+over the bytes already in memory. Every reader decodes with torchvision.io and augments with
+torchvision.transforms.v2, so only the data path differs.
+
+Each reader runs one epoch in a fresh process; the rate is measured from the second batch on
+(start-up is reported apart). Results: benchmarks/results/images.json and images.png.
+
+    python benchmarks/bench_images.py             # 20,000 images: several minutes on 8 cores
+    python benchmarks/bench_images.py --small     # 768 images, to check it runs end to end
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+RESULTS = Path(__file__).resolve().parent / "results"
+WIDTH, HEIGHT, CLASSES, CROP = 500, 375, 10, 224
+
+
+# The work every reader does per image.
+
+def augment(image):
+    """decode + RandomResizedCrop(224) + flip, the same for every reader."""
+    from torchvision.transforms import v2
+
+    global _AUGMENT
+    if "_AUGMENT" not in globals():
+        _AUGMENT = v2.Compose([v2.RandomResizedCrop(CROP, antialias=True), v2.RandomHorizontalFlip()])
+    return _AUGMENT(image)
+
+
+def decode_and_augment(encoded: bytes):
+    from sparkgpu.data import decode_image
+
+    return augment(decode_image(encoded))
+
+
+def sparkgpu_transform(sample, rng):
+    # The loader has decoded the jpeg column already (in this worker), as torchvision.io does.
+    from sparkgpu.data import decode_image
+
+    return {"image": augment(decode_image(sample["image"])), "label": sample["label"]}
+
+
+# The data set.
+
+def _make_one(args):
+    index, folder, quality = args
+    from PIL import Image
+
+    rng = np.random.default_rng(index)
+    coarse = rng.integers(0, 256, (HEIGHT // 25, WIDTH // 25, 3), dtype=np.uint8)
+    smooth = np.asarray(Image.fromarray(coarse).resize((WIDTH, HEIGHT), Image.BICUBIC), dtype=np.float32)
+    pixels = (smooth + rng.normal(0, 10, smooth.shape)).clip(0, 255).astype(np.uint8)
+    path = Path(folder) / f"class{index % CLASSES}" / f"{index:06d}.jpg"
+    Image.fromarray(pixels).save(path, quality=quality)
+    return path.stat().st_size
+
+
+def make_images(folder: Path, count: int, quality: int, workers: int) -> list[int]:
+    for k in range(CLASSES):
+        (folder / f"class{k}").mkdir(parents=True, exist_ok=True)
+    with concurrent.futures.ProcessPoolExecutor(workers) as pool:
+        return list(pool.map(_make_one, [(i, str(folder), quality) for i in range(count)], chunksize=64))
+
+
+def image_files(folder: Path) -> list[tuple[str, int]]:
+    return sorted((str(p), int(p.parent.name[len("class"):])) for p in folder.glob("class*/*.jpg"))
+
+
+def write_mds(files, out: Path) -> None:
+    import pyarrow as pa
+
+    from sparkgpu.data import to_mds
+
+    table = pa.table({"image": pa.array([Path(p).read_bytes() for p, _ in files], pa.binary()),
+                      "label": np.array([label for _, label in files], dtype=np.int64)})
+    to_mds(table, str(out), columns={"image": "jpeg", "label": None}, progress=False)
+
+
+def _litdata_item(item):
+    path, label = item
+    return {"image": Path(path).read_bytes(), "label": label}
+
+
+def write_litdata(files, out: Path, workers: int) -> None:
+    import litdata
+
+    litdata.optimize(fn=_litdata_item, inputs=files, output_dir=str(out), chunk_bytes="64MB", num_workers=workers)
+
+
+# Readers: each yields batches of (images, labels).
+
+def ours(work: Path, batch: int, workers: int):
+    from sparkgpu import data
+
+    return data.dataset(local=str(work / "mds"), batch_size=batch, shuffle=True, transform=sparkgpu_transform, num_workers=workers)
+
+
+class _StreamingImages:
+    def __new__(cls, local):
+        from streaming import StreamingDataset
+
+        class Images(StreamingDataset):
+            def __getitem__(self, index):
+                from torchvision.transforms.v2.functional import pil_to_tensor
+
+                sample = super().__getitem__(index)  # a PIL image, decoded lazily
+                return augment(pil_to_tensor(sample["image"].convert("RGB"))), sample["label"]
+
+        return Images(local=local, batch_size=256, shuffle=True)
+
+
+def streaming_peer(work: Path, batch: int, workers: int):
+    import torch
+
+    # Decoding from the stored bytes with torchvision (not PIL) would be the faster choice for
+    # this peer too; the PIL image its reader returns is what a StreamingDataset user gets.
+    return torch.utils.data.DataLoader(_StreamingImages(str(work / "mds")), batch_size=batch, num_workers=workers)
+
+
+def litdata_peer(work: Path, batch: int, workers: int):
+    import litdata
+
+    class Images(litdata.StreamingDataset):
+        def __getitem__(self, index):
+            sample = super().__getitem__(index)
+            return decode_and_augment(sample["image"]), sample["label"]
+
+    return litdata.StreamingDataLoader(Images(str(work / "litdata"), shuffle=True), batch_size=batch, num_workers=workers)
+
+
+def imagefolder_peer(work: Path, batch: int, workers: int):
+    import torch
+    import torchvision
+
+    dataset = torchvision.datasets.ImageFolder(str(work / "images"), loader=lambda p: Path(p).read_bytes(),
+                                               transform=decode_and_augment)
+    return torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=True, num_workers=workers)
+
+
+def _ceiling_chunk(encoded: list[bytes]) -> int:
+    import torch
+
+    return len(torch.stack([decode_and_augment(e) for e in encoded]))
+
+
+def ceiling(work: Path, batch: int, workers: int) -> dict:
+    """decode + augment alone, in a process pool over bytes in memory."""
+    files = image_files(work / "images")
+    chunks = [[Path(p).read_bytes() for p, _ in files[i: i + batch]] for i in range(0, len(files), batch)]
+    with concurrent.futures.ProcessPoolExecutor(workers) as pool:
+        list(pool.map(_ceiling_chunk, chunks[:workers]))  # start the workers, import torchvision
+        started = time.perf_counter()
+        images = sum(pool.map(_ceiling_chunk, chunks))
+        seconds = time.perf_counter() - started
+    return {"images_per_s": images / seconds, "images": images, "seconds": seconds, "startup_s": None}
+
+
+READERS = {"sparkgpu": ours, "streaming": streaming_peer, "litdata": litdata_peer, "imagefolder": imagefolder_peer}
+
+
+def measure(name: str, work: Path, batch: int, workers: int) -> dict:
+    if name == "ceiling":
+        return ceiling(work, batch, workers)
+    started = time.perf_counter()
+    iterator = iter(READERS[name](work, batch, workers))
+    first = next(iterator)
+    startup = time.perf_counter() - started
+    images, window = 0, time.perf_counter()
+    for item in iterator:
+        images_tensor = item["image"] if isinstance(item, dict) else item[0]
+        assert images_tensor.shape[1:] == (3, CROP, CROP), images_tensor.shape
+        images += len(images_tensor)
+    seconds = time.perf_counter() - window
+    del first
+    return {"images_per_s": images / seconds if seconds else None, "images": images, "seconds": seconds, "startup_s": startup}
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    entries = sorted(((k, v["images_per_s"]) for k, v in results["readers"].items() if v.get("images_per_s")), key=lambda kv: kv[1])
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.barh([k for k, _ in entries], [v for _, v in entries],
+            color=["tab:green" if k == "sparkgpu" else "tab:gray" if k == "ceiling" else "tab:blue" for k, _ in entries])
+    for i, (_, v) in enumerate(entries):
+        ax.text(v, i, f" {v:,.0f}", va="center", fontsize=8)
+    ax.set_xlabel("images/s")
+    ax.set_title(f"JPEG decode + RandomResizedCrop(224) + flip, batch {results['batch_size']}, {results['workers']} workers")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--images", type=int, default=20_000)
+    parser.add_argument("--small", action="store_true", help="768 images: a quick end-to-end check")
+    parser.add_argument("--quality", type=int, default=90, help="JPEG quality of the made images")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)))
+    parser.add_argument("--work-dir", default=None, help="where the images and shards go (default: system temp)")
+    parser.add_argument("--out", default=str(RESULTS / "images.json"))
+    parser.add_argument("--reader", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.reader:  # one reader, in a fresh process
+        print("RESULT " + json.dumps(measure(args.reader, Path(args.work_dir), args.batch_size, args.workers)), flush=True)
+        return
+    count = 768 if args.small else args.images
+    try:
+        import litdata  # noqa: F401
+
+        readers = ["ceiling", "sparkgpu", "streaming", "litdata", "imagefolder"]
+    except ImportError:
+        print("litdata is not installed (pip install litdata): skipping that peer")
+        readers = ["ceiling", "sparkgpu", "streaming", "imagefolder"]
+    with tempfile.TemporaryDirectory(prefix="sparkgpu-bench-images-", dir=args.work_dir) as tmp:
+        work = Path(tmp)
+        started = time.perf_counter()
+        sizes = make_images(work / "images", count, args.quality, args.workers)
+        files = image_files(work / "images")
+        write_mds(files, work / "mds")
+        if "litdata" in readers:
+            write_litdata(files, work / "litdata", args.workers)
+        print(f"made {count} JPEGs of {WIDTH}x{HEIGHT}, {np.mean(sizes) / 1e3:.0f} KB on average, "
+              f"and their shards in {time.perf_counter() - started:.0f} s", flush=True)
+        results = {"images": count, "mean_jpeg_kb": float(np.mean(sizes) / 1e3), "batch_size": args.batch_size,
+                   "workers": args.workers, "cpu_count": os.cpu_count(), "platform": platform.platform(), "readers": {}}
+        for name in readers:
+            command = [sys.executable, __file__, "--reader", name, "--work-dir", str(work),
+                       "--batch-size", str(args.batch_size), "--workers", str(args.workers)]
+            done = subprocess.run(command, capture_output=True, text=True)
+            lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+            if done.returncode or not lines:
+                print(f"  {name}: failed\n{done.stderr[-3000:]}", flush=True)
+                results["readers"][name] = {"error": done.stderr[-3000:]}
+                continue
+            result = json.loads(lines[-1][len("RESULT "):])
+            results["readers"][name] = result
+            print(f"  {name:12s} {result['images_per_s']:10,.0f} images/s  (start-up {result['startup_s'] or 0:.1f} s)", flush=True)
+    rates = {k: v.get("images_per_s") for k, v in results["readers"].items() if v.get("images_per_s")}
+    peers = [v for k, v in rates.items() if k not in ("sparkgpu", "ceiling")]
+    if "sparkgpu" in rates:
+        results["vs_best_peer"] = rates["sparkgpu"] / max(peers) if peers else None
+        results["of_ceiling"] = rates["sparkgpu"] / rates["ceiling"] if "ceiling" in rates else None
+        print(f"sparkgpu: {results['vs_best_peer'] or 0:.2f}x the best peer, {results['of_ceiling'] or 0:.0%} of the ceiling")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    plot(results, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
