@@ -32,7 +32,7 @@ from sparkgpu.launch.keys import rank_secrets
 from sparkgpu.launch.payload import RunDir, atomic_write_bytes, key_from_environ
 from sparkgpu.launch.rank_exits import RankExitWatcher
 
-__all__ = ["main", "build_command", "strip_spark_secrets", "refuse"]
+__all__ = ["main", "build_command", "strip_spark_secrets", "refuse", "reported"]
 
 # Credentials Spark hands its Python workers; the ranks run user code and need none of them.
 _SPARK_SECRETS = frozenset({"PYTHON_WORKER_FACTORY_SECRET", "PYSPARK_GATEWAY_SECRET"})
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     )
     failures: dict[str, dict] = {}
     status = 0
-    watcher = RankExitWatcher(run_id, lambda rank: _reported(rd, args.attempt, rank))
+    watcher = RankExitWatcher(run_id, lambda rank: reported(rd, args.attempt, rank))
     try:
         with watcher:
             elastic_launch(config, sys.executable)("-u", "-c", verified[rd.air.name].decode(), str(rd.path))
@@ -168,7 +168,8 @@ def main(argv=None) -> int:
     return status
 
 
-def _reported(rd: RunDir, attempt: int, rank: int) -> bool:
+def reported(rd: RunDir, attempt: int, rank: int) -> bool:
+    """Whether a rank left a result, an error or a preemption marker (did not exit quietly)."""
     return any(path.exists() for path in (rd.result_file(attempt, rank), rd.error_file(attempt, rank),
                                           rd.preempted_file(attempt, rank)))
 

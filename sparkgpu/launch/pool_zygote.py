@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from sparkgpu.errors import PayloadSignatureError
-from sparkgpu.launch.agent import refuse
+from sparkgpu.launch.agent import refuse, reported
 from sparkgpu.launch.entrypoint import EXIT_PREEMPTED, _die_with_parent
 from sparkgpu.launch.rendezvous import collective_interface_env, listening_socket, serve_store
 from sparkgpu.launch.keys import rank_secrets
@@ -54,6 +54,8 @@ class _Job:
     pids: dict[int, int]  # pid -> rank
     store_pid: int  # the child serving the job's rendezvous store
     exits: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> status
+    exit_times: dict[int, float] = dataclasses.field(default_factory=dict)  # rank -> when it was reaped
+    quiet: list[int] = dataclasses.field(default_factory=list)  # exited 0 without a result, error or marker
     stopping_since: float | None = None
     grace: float = 10.0
 
@@ -288,7 +290,10 @@ class _Zygote:
                 done, status = os.waitpid(pid, os.WNOHANG)
                 if done:
                     job.exits[rank] = os.waitstatus_to_exitcode(status)
-            failed = any(code not in (0, EXIT_PREEMPTED) for code in job.exits.values())
+                    job.exit_times[rank] = time.time()
+                    if job.exits[rank] == 0 and not reported(job.run_dir, job.attempt, rank):
+                        job.quiet.append(rank)  # as the node agent does: a quiet exit fails the job
+            failed = bool(job.quiet) or any(code not in (0, EXIT_PREEMPTED) for code in job.exits.values())
             if failed and job.stopping_since is None:
                 # As torch's agent does: one rank failed, so the others are torn down.
                 self._kill(job, signal.SIGTERM)
@@ -305,8 +310,9 @@ class _Zygote:
             pass
         os.waitpid(job.store_pid, 0)
         failures = {
-            str(rank): {"exitcode": code, "signal": signal.Signals(-code).name if code < 0 else None, "pid": None}
-            for rank, code in job.exits.items() if code != 0
+            str(rank): {"exitcode": code, "signal": signal.Signals(-code).name if code < 0 else None, "pid": None,
+                        "time": job.exit_times.get(rank)}
+            for rank, code in job.exits.items() if code != 0 or rank in job.quiet
         }
         # Ranks killed by the teardown are not failures of their own.
         failures = {k: v for k, v in failures.items() if v["exitcode"] != -signal.SIGTERM} or failures

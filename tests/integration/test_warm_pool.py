@@ -226,3 +226,27 @@ def test_a_tampered_entrypoint_starts_no_rank_in_the_pool(pool, tmp_path):
     assert not marker.exists()
     assert not list(staged.run_dir.attempt_dir(0).glob("logs/rank-*.log"))
     assert add_rank.distributed(1) == [1, 2]  # the pool serves the next, untouched job
+
+
+def test_a_pool_rank_that_exits_quietly_is_named_as_the_first_failure(pool):
+    @distributed(gpus=2, gpu_type="cpu", backend=pool)
+    def leaves_early():
+        import os
+
+        import torch
+        import torch.distributed as dist
+
+        if runtime.get_global_rank() == 1:
+            os._exit(0)
+        t = torch.ones(1)
+        dist.all_reduce(t)  # rank 0 waits for rank 1, which is gone
+        return t.item()
+
+    started = time.monotonic()
+    with pytest.raises(WorkerFailedError) as err:
+        leaves_early.distributed()
+    assert time.monotonic() - started < 60  # neither stuck in the collective nor in the job's timeout
+    first = err.value.first_failure
+    assert (first.rank, first.exitcode) == (1, 0)
+    assert "rank 1: the process exited with code 0 without returning a result" in str(err.value)
+    assert_pool_runs_no_ranks()
