@@ -27,7 +27,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from sparkgpu.data.order import EpochPlan, epoch_order
+from sparkgpu.data.order import EpochPlan, epoch_order, restore_position
 from sparkgpu.errors import ConfigurationError, DataError
 
 __all__ = ["files_dataset", "FilesDataset"]
@@ -160,11 +160,10 @@ class FilesDataset(torch.utils.data.IterableDataset):
         """
         if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
             raise ConfigurationError(f"not a files dataset state (expected a dict from FilesDataset.state_dict(), got {state!r:.200})")
-        for key in ("seed", "shuffle", "num_samples", "dataset"):
-            if state.get(key) != self.state_dict()[key]:
-                raise ConfigurationError(f"the saved state has {key}={state.get(key)!r} but this dataset has "
-                                         f"{key}={self.state_dict()[key]!r}; open the same files with the same seed and shuffle to resume")
-        self.epoch, self._consumed = int(state["epoch"]), int(state["samples_consumed"])
+        self.epoch, self._consumed = restore_position(
+            state, self.state_dict(), keys=("seed", "shuffle", "num_samples", "dataset"), total=len(self.names),
+            unit=f"listing of {len(self.names)} files", what="dataset",
+            fix="open the same files with the same seed and shuffle to resume")
 
     def set_epoch(self, epoch: int) -> None:
         """Starts the next iteration at the beginning of ``epoch``."""

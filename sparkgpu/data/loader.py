@@ -32,7 +32,7 @@ import torch
 
 from sparkgpu.config import parse_bytes
 from sparkgpu.data.cache import open_cache_entry
-from sparkgpu.data.order import DEFAULT_BLOCK_SIZE, EpochPlan, epoch_order
+from sparkgpu.data.order import DEFAULT_BLOCK_SIZE, EpochPlan, epoch_order, restore_position
 from sparkgpu.data._pipeline import Producer, WorkerBatches, in_background, prefetch_to_device
 from sparkgpu.data.decode import BatchDecoder
 from sparkgpu.data.metrics import LoaderMetrics
@@ -263,18 +263,10 @@ class MDSLoader:
         """
         if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
             raise ConfigurationError(f"not a loader state (expected a dict from MDSLoader.state_dict(), got {state!r:.200})")
-        mine = self.state_dict()
-        for key in ("seed", "shuffle", "shuffle_block_size", "num_samples", "dataset"):
-            if state[key] != mine[key]:
-                raise ConfigurationError(
-                    f"the saved loader state has {key}={state[key]!r} but this loader has {key}={mine[key]!r}; "
-                    f"open the dataset with the same {key} to resume, or start a fresh epoch with set_epoch()"
-                )
-        consumed = int(state["samples_consumed"])
-        if not 0 <= consumed <= self.num_samples:
-            raise ConfigurationError(f"samples_consumed={consumed} is outside this dataset of {self.num_samples} samples")
-        self.epoch = int(state["epoch"])
-        self._consumed = consumed
+        self.epoch, self._consumed = restore_position(
+            state, self.state_dict(), keys=("seed", "shuffle", "shuffle_block_size", "num_samples", "dataset"),
+            total=self.num_samples, unit=f"dataset of {self.num_samples} samples", what="loader",
+            fix="open the dataset with the same {key} to resume, or start a fresh epoch with set_epoch()")
 
     def set_epoch(self, epoch: int) -> None:
         """Starts the next iteration at the beginning of ``epoch``."""

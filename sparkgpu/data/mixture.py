@@ -44,7 +44,7 @@ import torch
 from sparkgpu.data.cache import ShardCache
 from sparkgpu.data.decode import BatchDecoder
 from sparkgpu.data.metrics import LoaderMetrics
-from sparkgpu.data.order import EpochPlan, epoch_order
+from sparkgpu.data.order import EpochPlan, epoch_order, restore_position
 from sparkgpu.data.reader import ShardReader
 from sparkgpu.data.volume import Volume
 from sparkgpu.errors import ConfigurationError
@@ -242,15 +242,10 @@ class MixtureLoader:
         """
         if not isinstance(state, dict) or state.get("version") != _STATE_VERSION or "counts" not in state:
             raise ConfigurationError(f"not a mixture state (expected a dict from MixtureLoader.state_dict(), got {state!r:.200})")
-        mine = self.state_dict()
-        for key in ("seed", "shuffle", "shuffle_block_size", "counts", "datasets"):
-            if state[key] != mine[key]:
-                raise ConfigurationError(f"the saved state has {key}={state[key]!r} but this mixture has {key}={mine[key]!r}; "
-                                         "open the same streams with the same weights, seed and shuffle to resume")
-        consumed = int(state["samples_consumed"])
-        if not 0 <= consumed <= self.num_samples:
-            raise ConfigurationError(f"samples_consumed={consumed} is outside this epoch of {self.num_samples} samples")
-        self.epoch, self._consumed = int(state["epoch"]), consumed
+        self.epoch, self._consumed = restore_position(
+            state, self.state_dict(), keys=("seed", "shuffle", "shuffle_block_size", "counts", "datasets"),
+            total=self.num_samples, unit=f"epoch of {self.num_samples} samples", what="mixture",
+            fix="open the same streams with the same weights, seed and shuffle to resume")
 
     def set_epoch(self, epoch: int) -> None:
         """Starts the next iteration at the beginning of ``epoch``."""

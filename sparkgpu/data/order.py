@@ -28,7 +28,9 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["epoch_order", "EpochPlan", "DEFAULT_BLOCK_SIZE"]
+from sparkgpu.errors import ConfigurationError
+
+__all__ = ["epoch_order", "EpochPlan", "DEFAULT_BLOCK_SIZE", "restore_position"]
 
 DEFAULT_BLOCK_SIZE = 1 << 18
 
@@ -121,3 +123,33 @@ class EpochPlan:
     def batch_samples(self, index: int) -> int:
         """Number of samples in batch ``index``."""
         return len(self.batch(index))
+
+
+def restore_position(state: dict, mine: dict, *, keys, total: int, unit: str, what: str, fix: str,
+                     counter: str = "samples_consumed") -> tuple[int, int]:
+    """Checks a saved loader position against this loader's own state; every loader resumes so.
+
+    Args:
+        state: The saved ``state_dict()``.
+        mine: This loader's ``state_dict()``.
+        keys: What must match for the rest of the epoch to be the part not yet seen.
+        total: How far ``counter`` may go in an epoch.
+        unit: What ``total`` counts, for the message (``"dataset of 1000 samples"``).
+        what: The loader, for the message (``"loader"``, ``"mixture"``).
+        fix: What to do instead; ``{key}`` names the key that differs.
+        counter: The state's position entry.
+
+    Returns:
+        ``(epoch, consumed)`` to continue from.
+
+    Raises:
+        ConfigurationError: A key differs, or the position lies outside the epoch.
+    """
+    for key in keys:
+        if state.get(key) != mine[key]:
+            raise ConfigurationError(f"the saved state has {key}={state.get(key)!r} but this {what} has "
+                                     f"{key}={mine[key]!r}; {fix.format(key=key)}")
+    consumed = int(state[counter])
+    if not 0 <= consumed <= total:
+        raise ConfigurationError(f"{counter}={consumed} is outside this {unit}")
+    return int(state["epoch"]), consumed

@@ -38,7 +38,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from sparkgpu.data.order import DEFAULT_BLOCK_SIZE, EpochPlan, epoch_order
+from sparkgpu.data.order import DEFAULT_BLOCK_SIZE, EpochPlan, epoch_order, restore_position
 from sparkgpu.data.table_filter import to_expression
 from sparkgpu.data.table_plan import TableRef
 from sparkgpu.data.table_source import KEEP, file_cache, keep_mask, open_source, row_groups, scan
@@ -206,17 +206,11 @@ class TableDataset:
         """
         if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
             raise ConfigurationError(f"not a table dataset state (expected a dict from TableDataset.state_dict(), got {state!r:.200})")
-        mine = self.state_dict()
-        for key in ("seed", "shuffle", "shuffle_block_size", "num_samples", "dataset"):
-            if state.get(key) != mine[key]:
-                raise ConfigurationError(
-                    f"the saved state has {key}={state.get(key)!r} but this dataset has {key}={mine[key]!r}; open the same "
-                    "table version with the same columns, filter, seed and shuffle to resume, or start afresh with set_epoch()"
-                )
-        consumed = int(state["samples_consumed"])
-        if not 0 <= consumed <= self.num_samples:
-            raise ConfigurationError(f"samples_consumed={consumed} is outside this dataset of {self.num_samples} rows")
-        self.epoch, self._consumed = int(state["epoch"]), consumed
+        self.epoch, self._consumed = restore_position(
+            state, self.state_dict(), keys=("seed", "shuffle", "shuffle_block_size", "num_samples", "dataset"),
+            total=self.num_samples, unit=f"dataset of {self.num_samples} rows", what="dataset",
+            fix="open the same table version with the same columns, filter, seed and shuffle to resume, or start "
+                "afresh with set_epoch()")
 
     def set_epoch(self, epoch: int) -> None:
         """Starts the next iteration at the beginning of ``epoch``."""

@@ -38,7 +38,7 @@ import torch
 from sparkgpu.data._token_shards import TokenColumn
 from sparkgpu.data.cache import ShardCache
 from sparkgpu.data.metrics import LoaderMetrics
-from sparkgpu.data.order import DEFAULT_BLOCK_SIZE, EpochPlan, epoch_order
+from sparkgpu.data.order import DEFAULT_BLOCK_SIZE, EpochPlan, epoch_order, restore_position
 from sparkgpu.data.reader import ShardReader
 from sparkgpu.data.volume import Volume
 from sparkgpu.errors import ConfigurationError
@@ -214,15 +214,11 @@ class TokenLoader:
         """
         if not isinstance(state, dict) or state.get("version") != _STATE_VERSION or "blocks_consumed" not in state:
             raise ConfigurationError(f"not a token loader state (expected a dict from TokenLoader.state_dict(), got {state!r:.200})")
-        mine = self.state_dict()
-        for key in ("seed", "shuffle", "shuffle_block_size", "seq_len", "width", "num_tokens", "eos_id", "column", "dataset"):
-            if state[key] != mine[key]:
-                raise ConfigurationError(f"the saved state has {key}={state[key]!r} but this loader has {key}={mine[key]!r}; "
-                                         f"open the dataset with the same {key} to resume, or start a fresh epoch with set_epoch()")
-        consumed = int(state["blocks_consumed"])
-        if not 0 <= consumed <= self.num_blocks:
-            raise ConfigurationError(f"blocks_consumed={consumed} is outside this stream of {self.num_blocks} blocks")
-        self.epoch, self._consumed = int(state["epoch"]), consumed
+        self.epoch, self._consumed = restore_position(
+            state, self.state_dict(),
+            keys=("seed", "shuffle", "shuffle_block_size", "seq_len", "width", "num_tokens", "eos_id", "column", "dataset"),
+            total=self.num_blocks, unit=f"stream of {self.num_blocks} blocks", what="loader", counter="blocks_consumed",
+            fix="open the dataset with the same {key} to resume, or start a fresh epoch with set_epoch()")
 
     def set_epoch(self, epoch: int) -> None:
         """Starts the next iteration at the beginning of ``epoch``."""
