@@ -91,7 +91,6 @@ def _fork_rank(run_dir: RunDir, air: bytes, env: dict[str, str], rank: int, npro
             GROUP_RANK="0", ROLE_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
             TORCHELASTIC_USE_AGENT_STORE="True",  # the pool's store child serves it, as torch's agent would
         )
-        os.environ.update(collective_interface_env("127.0.0.1"))
         # As `python -c <text> RUN_DIR` on the agent's path: the file could be swapped after the check.
         sys.argv = ["-c", str(run_dir.path)]
         exec(compile(air, str(run_dir.air), "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
@@ -237,6 +236,7 @@ class _Zygote:
                 run_dir.key = key_from_environ(env)
                 air = run_dir.verify()[run_dir.air.name]
                 env.update(rank_secrets(run_dir.key, env))
+                env.update(collective_interface_env("127.0.0.1", env))  # once per job, not in every rank
             except PayloadSignatureError as exc:
                 with open(run_dir.agent_log(attempt, 0), "a") as log:
                     refuse(run_dir, attempt, 0, nproc, exc, out=log)
