@@ -62,7 +62,7 @@ class ConversionResult:
 
 
 def _resolve(source, version, timestamp, storage_options):
-    from sparkgpu.data.convert_spark import SparkSource, is_spark_dataframe
+    from sparkgpu.data.convert_spark import is_spark_dataframe, spark_source
 
     if is_spark_dataframe(source):
         if version is not None or timestamp is not None:
@@ -70,7 +70,7 @@ def _resolve(source, version, timestamp, storage_options):
                 "version= and timestamp= apply to Delta tables read without Spark; for a Spark "
                 "DataFrame, time-travel in the read: spark.read.format('delta').option('versionAsOf', 12)"
             )
-        return SparkSource(source)
+        return spark_source(source, storage_options)
     from sparkgpu.data.convert_files import resolve_file_source
 
     return resolve_file_source(source, version=version, timestamp=timestamp, storage_options=storage_options)
