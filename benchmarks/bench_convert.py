@@ -305,7 +305,7 @@ def plot(by_size: dict, path: Path) -> None:
         ax.set_xscale("log")
         ax.invert_yaxis()
         ax.set_xlabel("rows per second (log scale)")
-        ax.set_title(f"DataFrame / Delta / Parquet -> MDS, {int(rows):,} rows (32 float32 + 1 int64 per row)")
+        ax.set_title(f"-> MDS, {int(rows):,} rows of 32 float32 + 1 int64")
         for y, v in enumerate(values):
             ax.text(v, y, f" {v:,.0f}", va="center", fontsize=8)
     fig.tight_layout()
