@@ -116,3 +116,20 @@ def test_join_and_aggregate_take_the_general_path_with_the_same_rows(spark, parq
         result = data.to_mds(frame, out, progress=False)
         assert result.source["type"] == "spark" and result.source["via"] == "mapInArrow", label
         assert mds_rows(out) == frame_rows(frame), label
+
+
+def test_delta_table_with_column_mapping_is_left_to_spark(spark, tmp_path):
+    from deltalake import write_deltalake
+
+    from sparkgpu.data.convert_scan import plain_scan_source
+    from sparkgpu.errors import DataError
+
+    uri = str(tmp_path / "mapped")
+    write_deltalake(uri, clicks(range(10)), configuration={
+        "delta.columnMapping.mode": "name", "delta.minReaderVersion": "2", "delta.minWriterVersion": "5"})
+    # Its files name columns by physical ids: read by name, every value would be missing.
+    with pytest.raises(DataError, match="column mapping"):
+        data.to_mds(uri, str(tmp_path / "out"), progress=False)
+    assert not (tmp_path / "out").exists()
+    source, why = plain_scan_source(spark.read.format("delta").load(uri).select("id"))
+    assert source is None and "column mapping" in why
