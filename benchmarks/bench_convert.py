@@ -4,8 +4,12 @@ The same data for every peer: ``--rows`` rows of 32 float32 columns and one int6
 generated once with numpy and written as Parquet (two files) and as a Delta table. The Spark
 DataFrame is ``spark.read.parquet`` of those files through Spark Connect ``local[2]``.
 
-Peers, in the same run:
-  * ``sparkgpu.data.to_mds(spark_df)``: executors encode and write shards (mapInArrow)
+Peers, in the same run, at each ``--rows`` size:
+  * ``sparkgpu.data.to_mds(spark_df)``: the DataFrame is a plain scan, so its Parquet files are
+    converted directly in this process (no row through a Spark Python worker)
+  * the general path for DataFrames that are not plain scans, forced on the same DataFrame:
+    the executors' ``mapInArrow`` writers; and the alternative it was chosen over: Spark's JVM
+    writer materialises Parquet in a staging folder, then ``to_mds`` converts those files
   * ``streaming.base.converters.dataframe_to_mds(spark_df)``: the same DataFrame and session,
     no compression (its default is zstd; ours is none), index merged
   * ``streaming.MDSWriter`` in a Python loop over the rows; the row dicts are built before
@@ -17,7 +21,7 @@ Floors and ceilings measured in the same run:
   * encode only: the sparkgpu encoder over the in-memory table, nothing written
   * one sequential write of the same number of bytes from one buffer
 
-    python benchmarks/bench_convert.py [--rows 200000] [--repeats 3] [--peer-repeats 2]
+    python benchmarks/bench_convert.py [--rows 200000 1000000] [--repeats 3] [--peer-repeats 2]
 
 Writes benchmarks/results/convert.json and convert.png.
 """
@@ -42,11 +46,17 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sparkgpu import data  # noqa: E402
-from sparkgpu.data.convert import data_fingerprint  # noqa: E402
+from sparkgpu.data.convert import _convert, data_fingerprint  # noqa: E402
+from sparkgpu.data.convert_output import Volume  # noqa: E402
+from sparkgpu.data.convert_spark import SparkSource  # noqa: E402
+from sparkgpu.data.mds_writer import ShardOptions  # noqa: E402
 from sparkgpu.data.mds import encode_batch, plan_columns  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 FLOATS = 32
+GENERAL_ARROW = "sparkgpu general path: mapInArrow writers"
+STAGED_PARQUET = "JVM Parquet writer, then to_mds(parquet)"
+FILES_ON_EXECUTORS = "plain scan's files converted on the executors"
 
 
 def make_table(rows: int) -> pa.Table:
@@ -114,6 +124,44 @@ def spark_session():
     return SparkSession.builder.remote("local[2]").config("spark.ui.showConsoleProgress", "false").getOrCreate()
 
 
+def convert_files_on_executors(spark, parquet_dir: str, out: str) -> None:
+    """The alternative to converting a plain scan's files in the client: one Spark job over
+    the files' row groups (a small DataFrame of paths), each task reading its row groups with
+    pyarrow and writing shards, the client committing the index."""
+    import uuid
+
+    from sparkgpu.data.convert_output import OutputFolder
+    from sparkgpu.data.convert_spark import _shipped_by_value
+
+    paths = sorted(str(p) for p in Path(parquet_dir).glob("*.parquet"))
+    units = [(i, path, group) for i, (path, group) in
+             enumerate((path, g) for path in paths for g in range(pq.ParquetFile(path).num_row_groups))]
+    schema = pq.read_schema(paths[0])
+    volume, options = Volume(out), ShardOptions.create(plan_columns(schema))
+    folder = OutputFolder(volume, uuid.uuid4().hex)
+    folder.begin(overwrite=False)
+
+    def task(batches):
+        import pyarrow.parquet as pq_
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        writer = options.writer(volume, f"part-{context.partitionId():05d}-{context.taskAttemptId()}")
+        first = None
+        for batch in batches:
+            for unit, path, group in zip(*(batch.column(i).to_pylist() for i in range(3))):
+                first = unit if first is None else min(first, unit)
+                for piece in pq_.ParquetFile(path).iter_batches(row_groups=[group], batch_size=64 * 1024):
+                    writer.write_batch(piece)
+        yield pa.RecordBatch.from_pydict({"unit": [first if first is not None else -1], "shards": [json.dumps(writer.finish())]})
+
+    frame = spark.createDataFrame(units, "unit int, path string, row_group int").repartition(min(len(units), 2))
+    with _shipped_by_value():
+        rows = frame.mapInArrow(task, "unit long, shards string").collect()
+    shards = [s for row in sorted(rows, key=lambda r: r["unit"]) for s in json.loads(row["shards"])]
+    folder.commit(shards, {"source": {"type": "parquet-on-executors"}})
+
+
 def peers_on_spark(spark, parquet_dir: str, rows: int, repeats: int, peer_repeats: int, scratch: Path) -> dict:
     from streaming.base.converters import dataframe_to_mds
 
@@ -121,7 +169,21 @@ def peers_on_spark(spark, parquet_dir: str, rows: int, repeats: int, peer_repeat
     columns = {name: ("int64" if name == "id" else "float32") for name in df.columns}
 
     def ours(out):
-        data.to_mds(df, out, progress=False)
+        result = data.to_mds(df, out, progress=False)
+        assert result.source["via"] == "files", result.source
+
+    def general(out):
+        source = SparkSource(df)
+        _convert(source, Volume(out), ShardOptions.create(plan_columns(source.schema)), None, False, None, False, time.monotonic())
+
+    def on_executors(out):
+        convert_files_on_executors(spark, parquet_dir, out)
+
+    def staged(out):
+        staging = f"{out}-staging"
+        df.write.parquet(staging)
+        data.to_mds(staging, out, progress=False)
+        shutil.rmtree(staging)
 
     def theirs(out):
         dataframe_to_mds(df, merge_index=True, mds_kwargs={"out": out, "columns": columns, "compression": None})
@@ -142,11 +204,14 @@ def peers_on_spark(spark, parquet_dir: str, rows: int, repeats: int, peer_repeat
 
     small = df.where(F.col("id") % 100 == 0)
     data.to_mds(small, str(scratch / "warm-ours"), progress=False)
+    general(str(scratch / "warm-arrow"))
+    staged(str(scratch / "warm-parquet"))
+    on_executors(str(scratch / "warm-executors"))
     dataframe_to_mds(small, merge_index=True, mds_kwargs={"out": str(scratch / "warm-theirs"), "columns": columns, "compression": None})
     passthrough_small = small.mapInArrow(lambda batches: iter([pa.record_batch({"rows": [sum(b.num_rows for b in batches)]})]), "rows long")
     passthrough_small.collect()
-    shutil.rmtree(scratch / "warm-ours")
-    shutil.rmtree(scratch / "warm-theirs")
+    for warm in ("warm-ours", "warm-theirs", "warm-arrow", "warm-parquet", "warm-executors"):
+        shutil.rmtree(scratch / warm)
 
     fingerprint_seconds = []
     for _ in range(repeats):
@@ -156,6 +221,9 @@ def peers_on_spark(spark, parquet_dir: str, rows: int, repeats: int, peer_repeat
     results = measure(
         [
             Case("sparkgpu to_mds(spark_df)", ours, repeats),
+            Case(GENERAL_ARROW, general, repeats),
+            Case(STAGED_PARQUET, staged, repeats),
+            Case(FILES_ON_EXECUTORS, on_executors, repeats),
             Case("spark passthrough (mapInArrow, count only)", passthrough, repeats, writes_dataset=False),
             Case("streaming dataframe_to_mds(spark_df)", theirs, peer_repeats),
         ],
@@ -218,7 +286,7 @@ def sequential_write(nbytes: int, repeats: int, rows: int, scratch: Path) -> dic
     return result
 
 
-def plot(results: dict, path: Path) -> None:
+def plot(by_size: dict, path: Path) -> None:
     try:
         import matplotlib
 
@@ -227,62 +295,90 @@ def plot(results: dict, path: Path) -> None:
     except ImportError:
         print("matplotlib not installed: no PNG")
         return
-    names = list(results)
-    values = [results[n]["rows_per_s"] for n in names]
-    fig, ax = plt.subplots(figsize=(9, 0.45 * len(names) + 1.2))
-    colors = ["tab:blue" if n.startswith("sparkgpu") else "tab:gray" if "passthrough" in n or "sequential" in n else "tab:orange" for n in names]
-    ax.barh(names, values, color=colors)
-    ax.set_xscale("log")
-    ax.invert_yaxis()
-    ax.set_xlabel("rows per second (log scale)")
-    ax.set_title("DataFrame / Delta / Parquet -> MDS (32 float32 + 1 int64 per row)")
-    for y, v in enumerate(values):
-        ax.text(v, y, f" {v:,.0f}", va="center", fontsize=8)
+    longest = max(len(results) for results in by_size.values())
+    fig, axes = plt.subplots(len(by_size), 1, figsize=(9, (0.45 * longest + 1.2) * len(by_size)), squeeze=False)
+    for ax, (rows, results) in zip(axes[:, 0], by_size.items()):
+        names = list(results)
+        values = [results[n]["rows_per_s"] for n in names]
+        colors = ["tab:blue" if n.startswith("sparkgpu") else "tab:gray" if "passthrough" in n or "sequential" in n else "tab:orange" for n in names]
+        ax.barh(names, values, color=colors)
+        ax.set_xscale("log")
+        ax.invert_yaxis()
+        ax.set_xlabel("rows per second (log scale)")
+        ax.set_title(f"-> MDS, {int(rows):,} rows of 32 float32 + 1 int64")
+        for y, v in enumerate(values):
+            ax.text(v, y, f" {v:,.0f}", va="center", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
+def one_size(spark, rows: int, args, runs: Path) -> dict:
+    """Every peer at ``rows`` rows; returns results and ratios."""
+    from deltalake import write_deltalake
+
+    table = make_table(rows)
+    source_dir = runs / f"source-{rows}"
+    parquet_dir, delta_dir = source_dir / "parquet", source_dir / "delta"
+    parquet_dir.mkdir(parents=True)
+    half = rows // 2
+    pq.write_table(table.slice(0, half), parquet_dir / "part-0.parquet")
+    pq.write_table(table.slice(half), parquet_dir / "part-1.parquet")
+    write_deltalake(str(delta_dir), table)
+    results = {}
+    if spark is not None:
+        results.update(peers_on_spark(spark, str(parquet_dir), rows, args.repeats, args.peer_repeats, runs))
+    results.update(local_peers(table, str(parquet_dir), str(delta_dir), args.repeats, args.peer_repeats, runs))
+    output_bytes = results["sparkgpu to_mds(arrow table)"]["output_bytes"]
+    results["ceiling: one sequential write of the same bytes"] = sequential_write(output_bytes, args.repeats, rows, runs)
+    shutil.rmtree(source_dir, ignore_errors=True)
+
+    def ratio(a, b):
+        return round(results[a]["rows_per_s"] / results[b]["rows_per_s"], 2) if a in results and b in results else None
+
+    ours_spark = "sparkgpu to_mds(spark_df)"
+    theirs = "streaming dataframe_to_mds(spark_df)"
+    report = {
+        "results": results,
+        "ratios": {
+            "spark plain scan: sparkgpu / dataframe_to_mds": ratio(ours_spark, theirs),
+            "spark general, mapInArrow: sparkgpu / dataframe_to_mds": ratio(GENERAL_ARROW, theirs),
+            "spark general: staged JVM Parquet / mapInArrow": ratio(STAGED_PARQUET, GENERAL_ARROW),
+            "spark plain scan: files on the executors / in the client": ratio(FILES_ON_EXECUTORS, ours_spark),
+            "spark general, mapInArrow / passthrough floor": ratio(GENERAL_ARROW, "spark passthrough (mapInArrow, count only)"),
+            "parquet: sparkgpu / MDSWriter loop": ratio("sparkgpu to_mds(parquet)", "MDSWriter python loop"),
+            "delta: sparkgpu / MDSWriter loop": ratio("sparkgpu to_mds(delta)", "MDSWriter python loop"),
+            "arrow: sparkgpu / sequential-write ceiling": ratio("sparkgpu to_mds(arrow table)", "ceiling: one sequential write of the same bytes"),
+        },
+    }
+    if ours_spark in results:
+        report["fingerprint_rpcs_s"] = results[ours_spark]["of_which_fingerprint_s"]
+    print(json.dumps(report["ratios"], indent=2), flush=True)
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, default=200_000)
+    parser.add_argument("--rows", type=int, nargs="+", default=[200_000, 1_000_000])
     parser.add_argument("--repeats", type=int, default=3, help="runs of each sparkgpu path and floor")
     parser.add_argument("--peer-repeats", type=int, default=2, help="runs of the slow peers")
     parser.add_argument("--skip-spark", action="store_true")
     parser.add_argument("--output", default=str(RESULTS / "convert.json"))
     args = parser.parse_args()
 
-    from deltalake import write_deltalake
-
     load_before = os.getloadavg()
     scratch = Path(tempfile.mkdtemp(prefix="bench-convert-"))
+    spark = None if args.skip_spark else spark_session()
+    sizes = {}
     try:
-        table = make_table(args.rows)
-        parquet_dir, delta_dir = scratch / "parquet", scratch / "delta"
-        parquet_dir.mkdir()
-        half = args.rows // 2
-        pq.write_table(table.slice(0, half), parquet_dir / "part-0.parquet")
-        pq.write_table(table.slice(half), parquet_dir / "part-1.parquet")
-        write_deltalake(str(delta_dir), table)
-        runs = scratch / "runs"
-        runs.mkdir()
-
-        results = {}
-        if not args.skip_spark:
-            spark = spark_session()
-            try:
-                results.update(peers_on_spark(spark, str(parquet_dir), args.rows, args.repeats, args.peer_repeats, runs))
-            finally:
-                spark.stop()
-        results.update(local_peers(table, str(parquet_dir), str(delta_dir), args.repeats, args.peer_repeats, runs))
-        output_bytes = results["sparkgpu to_mds(arrow table)"]["output_bytes"]
-        results["ceiling: one sequential write of the same bytes"] = sequential_write(output_bytes, args.repeats, args.rows, runs)
+        for rows in args.rows:
+            runs = scratch / f"runs-{rows}"
+            runs.mkdir()
+            sizes[str(rows)] = one_size(spark, rows, args, runs)
     finally:
+        if spark is not None:
+            spark.stop()
         shutil.rmtree(scratch, ignore_errors=True)
 
-    def ratio(a, b):
-        return round(results[a]["rows_per_s"] / results[b]["rows_per_s"], 2) if a in results and b in results else None
-
-    ours_spark = "sparkgpu to_mds(spark_df)"
     report = {
         "question": "conversion DataFrame / Delta / Parquet -> MDS, rows/s and MB/s",
         "config": {
@@ -294,32 +390,15 @@ def main() -> None:
             "cpus": os.cpu_count(),
             "machine": platform.platform(),
             "python": platform.python_version(),
-            "note": "shared machine: other work ran beside this benchmark; peers run round-robin, rows_per_s and ratios from each peer's best run, medians beside them",
+            "note": "peers run round-robin, rows_per_s and ratios from each peer's best run, medians beside them",
             "load_average_1min_before_after": [round(load_before[0], 1), round(os.getloadavg()[0], 1)],
         },
-        "results": results,
-        "ratios": {
-            "spark: sparkgpu / dataframe_to_mds": ratio(ours_spark, "streaming dataframe_to_mds(spark_df)"),
-            "spark: sparkgpu / passthrough floor": ratio(ours_spark, "spark passthrough (mapInArrow, count only)"),
-            "parquet: sparkgpu / MDSWriter loop": ratio("sparkgpu to_mds(parquet)", "MDSWriter python loop"),
-            "delta: sparkgpu / MDSWriter loop": ratio("sparkgpu to_mds(delta)", "MDSWriter python loop"),
-            "arrow: sparkgpu / sequential-write ceiling": ratio("sparkgpu to_mds(arrow table)", "ceiling: one sequential write of the same bytes"),
-        },
+        "sizes": sizes,
     }
-    spark_s = results.get(ours_spark, {}).get("best_s")
-    floor_s = results.get("spark passthrough (mapInArrow, count only)", {}).get("best_s")
-    if spark_s and floor_s:
-        report["where_the_spark_time_goes"] = {
-            "spark_to_python_arrow_transfer_s": floor_s,
-            "encoding_and_writing_not_overlapped_s": round(max(0.0, spark_s - floor_s), 4),
-            "encoding_alone_single_thread_s": results["sparkgpu encode only (no write)"]["best_s"],
-            "fingerprint_rpcs_s": results[ours_spark]["of_which_fingerprint_s"],
-        }
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2) + "\n")
-    plot(results, output.with_suffix(".png"))
-    print(json.dumps(report["ratios"], indent=2))
+    plot({rows: size["results"] for rows, size in sizes.items()}, output.with_suffix(".png"))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 ```python
 from sparkgpu import data
-data.to_mds(spark_df, "s3://bucket/feats/v1")                   # on the Spark executors
+data.to_mds(spark_df, "s3://bucket/feats/v1")                   # from its files, or on the executors
 data.to_mds("s3://bucket/tables/clicks", out, version=12)       # Delta via deltalake, no Spark
 data.to_mds("/data/parquet_dir", out)                            # Parquet, parallel over files
 data.ensure_mds(spark_df, "s3://bucket/mds-cache")               # converts once per data version
@@ -62,7 +62,7 @@ class ConversionResult:
 
 
 def _resolve(source, version, timestamp, storage_options):
-    from sparkgpu.data.convert_spark import SparkSource, is_spark_dataframe
+    from sparkgpu.data.convert_spark import is_spark_dataframe, spark_source
 
     if is_spark_dataframe(source):
         if version is not None or timestamp is not None:
@@ -70,7 +70,7 @@ def _resolve(source, version, timestamp, storage_options):
                 "version= and timestamp= apply to Delta tables read without Spark; for a Spark "
                 "DataFrame, time-travel in the read: spark.read.format('delta').option('versionAsOf', 12)"
             )
-        return SparkSource(source)
+        return spark_source(source, storage_options)
     from sparkgpu.data.convert_files import resolve_file_source
 
     return resolve_file_source(source, version=version, timestamp=timestamp, storage_options=storage_options)
@@ -80,7 +80,8 @@ def data_fingerprint(source, *, version=None, timestamp=None, storage_options=No
     """A hex digest that changes whenever the source's rows may have changed.
 
     Spark DataFrame: the optimized query plan (expression ids removed), schema and input
-    files. Delta table: table URI, id and version. Parquet: every file's path, size and
+    files; for a plain scan of files, its path, columns and filter and the files' own
+    fingerprint (below). Delta table: table URI, id and version. Parquet: every file's path, size and
     modification time. Arrow table / pandas: the data itself.
 
     Args:
@@ -113,7 +114,9 @@ def to_mds(
     """Converts a Spark DataFrame, Delta table or Parquet files into MDS shards under ``out``.
 
     Args:
-        source: A Spark DataFrame (classic or Connect; converted on the executors), a path or
+        source: A Spark DataFrame (classic or Connect): a plain scan of Parquet or Delta files
+            (+ column selections and filters) is converted from those files in this process,
+            any other plan on the executors (``result.source["via"]`` says which); a path or
             URL of a Delta table (read with deltalake) or of Parquet files, a
             ``deltalake.DeltaTable``, a pyarrow Table / RecordBatchReader, or a pandas DataFrame.
         out: Output folder: local path or fsspec URL. With Spark it must be reachable from

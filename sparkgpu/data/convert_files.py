@@ -23,9 +23,10 @@ from sparkgpu.data.convert_output import Volume
 from sparkgpu.data.mds_writer import ShardOptions
 from sparkgpu.errors import ConfigurationError, DataError, MissingDependencyError
 
-__all__ = ["FileSource", "resolve_file_source", "is_delta_table"]
+__all__ = ["FileSource", "resolve_file_source", "open_files", "is_delta_table"]
 
 _BATCH_ROWS = 64 * 1024
+_KEEP = "__sparkgpu_keep"
 
 
 def _digest(obj) -> str:
@@ -49,6 +50,10 @@ class FileSource:
     def fingerprint(self) -> str:
         """Hex digest that changes whenever the rows may have changed."""
         return self._fingerprint()
+
+    def narrowed(self, schema: pa.Schema, description: dict, fingerprint: Callable[[], str]) -> FileSource:
+        """The same rows read as ``schema`` (a selection of this source's columns), described anew."""
+        return FileSource(schema, description, self._units, fingerprint)
 
     def write(self, volume: Volume, options: ShardOptions, *, max_workers: int | None = None, progress=None) -> list[dict]:
         """Writes every row as MDS shards under ``volume``; returns the index entries in order.
@@ -121,27 +126,29 @@ def _balanced_groups(units: list[_Unit], workers: int) -> list[list[_Unit]]:
 # --------------------------------------------------------------------------------------------
 
 
-def _dataset_units(dataset: pads.Dataset, workers: int) -> list[_Unit]:
+def _dataset_units(dataset: pads.Dataset, workers: int, expression=None) -> list[_Unit]:
     schema = dataset.schema
-    fragments = list(dataset.get_fragments())
+    fragments = list(dataset.get_fragments(filter=expression) if expression is not None else dataset.get_fragments())
     split = len(fragments) < 4 * workers and all(isinstance(f, pads.ParquetFileFragment) for f in fragments)
     if split:
         # Few files: split them by row group so every worker gets a share. Only then are
         # footers read up front (many remote files would make that slow).
-        fragments = [piece for fragment in fragments for piece in fragment.split_by_row_group()]
+        # The filter prunes row groups by their statistics here.
+        fragments = [piece for fragment in fragments for piece in fragment.split_by_row_group(filter=expression, schema=schema)]
 
     def unit(fragment) -> _Unit:
+        # With a filter the count is an upper bound: good enough to balance the writers.
         rows = sum(group.num_rows for group in fragment.row_groups) if split else None
 
         def batches(columns, use_threads):
-            return fragment.to_batches(schema=schema, columns=columns, batch_size=_BATCH_ROWS, use_threads=use_threads)
+            return fragment.to_batches(schema=schema, columns=columns, filter=expression, batch_size=_BATCH_ROWS, use_threads=use_threads)
 
         return _Unit(rows, batches)
 
     return [unit(fragment) for fragment in fragments]
 
 
-def _parquet_source(path: str, storage_options: dict | None) -> FileSource:
+def _parquet_source(path: str, storage_options: dict | None, row_filter=None) -> FileSource:
     filesystem, root = _arrow_filesystem(path, storage_options)
     try:
         dataset = pads.dataset(root, format="parquet", filesystem=filesystem, partitioning="hive")
@@ -149,6 +156,7 @@ def _parquet_source(path: str, storage_options: dict | None) -> FileSource:
         raise DataError(f"cannot read {path} as Parquet ({exc}); give a Parquet file, a folder of them or a Delta table") from None
     if not dataset.files:
         raise DataError(f"{path} holds no Parquet files")
+    expression = _expression(row_filter, dataset.schema)
 
     def fingerprint() -> str:
         infos = dataset.filesystem.get_file_info(sorted(dataset.files))
@@ -156,7 +164,7 @@ def _parquet_source(path: str, storage_options: dict | None) -> FileSource:
         return _digest({"type": "parquet", "files": files, "schema": dataset.schema.to_string()})
 
     description = {"type": "parquet", "path": path, "files": len(dataset.files)}
-    return FileSource(dataset.schema, description, lambda workers: _dataset_units(dataset, workers), fingerprint)
+    return FileSource(dataset.schema, description, lambda workers: _dataset_units(dataset, workers, expression), fingerprint)
 
 
 def _arrow_filesystem(path: str, storage_options: dict | None):
@@ -181,10 +189,11 @@ def is_delta_table(path: str, storage_options: dict | None = None) -> bool:
     return fs.exists(f"{root.rstrip('/')}/_delta_log")
 
 
-def _delta_source(table, version, timestamp, storage_options: dict | None) -> FileSource:
+def _delta_source(table, version, timestamp, storage_options: dict | None, row_filter=None) -> FileSource:
     from sparkgpu.data.delta import open_delta
 
     snapshot = open_delta(table, version=version, timestamp=timestamp, storage_options=storage_options)
+    expression = _expression(row_filter, snapshot.dataset.schema)
     description = {"type": "delta", "uri": snapshot.uri, "version": snapshot.version}
     if timestamp is not None:
         description["timestamp"] = timestamp.isoformat() if isinstance(timestamp, datetime.datetime) else str(timestamp)
@@ -196,25 +205,38 @@ def _delta_source(table, version, timestamp, storage_options: dict | None) -> Fi
 
     def units(workers: int) -> list[_Unit]:
         if not snapshot.selection:
-            return _dataset_units(snapshot.dataset, workers)
-        return [_deleted_rows_unit(fragment, snapshot) for fragment in snapshot.dataset.get_fragments()]
+            return _dataset_units(snapshot.dataset, workers, expression)
+        fragments = snapshot.dataset.get_fragments(filter=expression) if expression is not None else snapshot.dataset.get_fragments()
+        return [_deleted_rows_unit(fragment, snapshot, expression) for fragment in fragments]
 
     return FileSource(snapshot.dataset.schema, description, units, fingerprint)
 
 
-def _deleted_rows_unit(fragment, snapshot) -> _Unit:
-    """A whole file, its deleted rows (its deletion vector) left out."""
+def _deleted_rows_unit(fragment, snapshot, expression=None) -> _Unit:
+    """A whole file, its deleted rows (its deletion vector) and the rows ``expression`` rejects left out."""
+    import pyarrow.compute as pc
+
     from sparkgpu.data.delta import row_group_mask
 
     selection = snapshot.selection.get(fragment.path)
     schema = snapshot.dataset.schema
 
     def batches(columns, use_threads):
+        # The filter cannot go to the scanner: rows it drops would shift the positions the
+        # deletion vector counts. It is evaluated beside the columns instead.
+        projection = {name: pc.field(name) for name in columns}
+        if expression is not None:
+            projection[_KEEP] = expression
+        scanner = pads.Scanner.from_fragment(fragment, schema=schema, columns=projection, batch_size=_BATCH_ROWS, use_threads=False)
         start = 0
         # use_threads=False keeps the batches in file order, which the row positions rely on.
-        for batch in fragment.to_batches(schema=schema, columns=columns, batch_size=_BATCH_ROWS, use_threads=False):
+        for batch in scanner.to_batches():
             mask = row_group_mask(selection, start, batch.num_rows)
             start += batch.num_rows
+            if expression is not None:
+                passed = pc.fill_null(batch.column(_KEEP), False).to_numpy(zero_copy_only=False)
+                mask = passed if mask is None else mask & passed
+                batch = batch.drop_columns([_KEEP])
             yield batch if mask is None else batch.filter(pa.array(mask))
 
     return _Unit(None, batches)
@@ -262,6 +284,34 @@ def _stream_source(reader: pa.RecordBatchReader) -> FileSource:
     return FileSource(reader.schema, {"type": "arrow-stream"}, units, fingerprint)
 
 
+def _expression(row_filter, schema: pa.Schema):
+    if row_filter is None:
+        return None
+    from sparkgpu.data.table_filter import to_expression
+
+    return to_expression(row_filter, schema)
+
+
+def open_files(path: str, *, row_filter=None, version=None, timestamp=None, storage_options: dict | None = None) -> FileSource:
+    """The rows of a Delta table or of Parquet files under ``path`` that pass ``row_filter``.
+
+    Args:
+        path: Delta table root, Parquet file or folder: local path or URL.
+        row_filter: ``None``, a SQL predicate string or a pyarrow expression (as the table
+            dataset's ``filter=``); it prunes partitions and row groups before they are read.
+        version, timestamp: Delta time travel.
+        storage_options: fsspec / deltalake options for remote paths.
+
+    Raises:
+        ConfigurationError: A filter this reader cannot evaluate, or time travel on Parquet.
+        DataError: The path cannot be read.
+    """
+    if is_delta_table(path, storage_options):
+        return _delta_source(path, version, timestamp, storage_options, row_filter)
+    _no_time_travel(version, timestamp, f"{path} is not a Delta table (no _delta_log)")
+    return _parquet_source(path, storage_options, row_filter)
+
+
 def resolve_file_source(source, *, version=None, timestamp=None, storage_options: dict | None = None) -> FileSource:
     """Turns a path, Delta table, Arrow table/stream or pandas frame into a :class:`FileSource`.
 
@@ -280,11 +330,7 @@ def resolve_file_source(source, *, version=None, timestamp=None, storage_options
     if delta is not None and isinstance(source, delta):
         return _delta_source(source, version, timestamp, storage_options)
     if isinstance(source, (str, os.PathLike)):
-        path = os.fspath(source)
-        if is_delta_table(path, storage_options):
-            return _delta_source(path, version, timestamp, storage_options)
-        _no_time_travel(version, timestamp, f"{path} is not a Delta table (no _delta_log)")
-        return _parquet_source(path, storage_options)
+        return open_files(os.fspath(source), version=version, timestamp=timestamp, storage_options=storage_options)
     _no_time_travel(version, timestamp, "only Delta tables have versions")
     if isinstance(source, pa.RecordBatch):
         source = pa.Table.from_batches([source])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import re
 
 import pyarrow as pa
@@ -23,8 +24,9 @@ from sparkgpu.data.convert_output import Volume
 from sparkgpu.data.mds_writer import ShardOptions
 from sparkgpu.errors import ConfigurationError, DataError, SparkGPUError
 
-__all__ = ["SparkSource", "is_spark_dataframe"]
+__all__ = ["SparkSource", "spark_source", "is_spark_dataframe", "arrow_schema"]
 
+_logger = logging.getLogger(__name__)
 _RESULT_SCHEMA = "partition int, shards string"
 _MAX_TO_STRING_FIELDS = "spark.sql.debug.maxToStringFields"
 
@@ -35,8 +37,25 @@ def is_spark_dataframe(obj) -> bool:
     return module.startswith("pyspark.sql") and hasattr(obj, "mapInArrow")
 
 
+def spark_source(df, storage_options: dict | None = None):
+    """How ``df`` is converted: from its files when it is a plain scan of Parquet or Delta
+    files this process can read (:mod:`sparkgpu.data.convert_scan`), else by Spark."""
+    from sparkgpu.data.convert_scan import plain_scan_source
+
+    source, why = plain_scan_source(df, storage_options)
+    if source is not None:
+        return source
+    _logger.info("sparkgpu: to_mds converts the DataFrame through Spark (%s)", why)
+    return SparkSource(df)
+
+
 class SparkSource:
     """A Spark DataFrame to convert on the executors.
+
+    The general path, for plans that are not plain file scans. Letting Spark's JVM writer
+    materialise Parquet and converting those files instead was measured slower
+    (``benchmarks/bench_convert.py``, "JVM Parquet writer, then to_mds(parquet)"): writing
+    and reading the rows once more costs more than streaming them into the Python workers.
 
     Args:
         df: The DataFrame.
@@ -47,8 +66,8 @@ class SparkSource:
 
     def __init__(self, df):
         self.df = df
-        self.schema = _arrow_schema(df.schema)
-        self.description = {"type": "spark", "columns": len(self.schema)}
+        self.schema = arrow_schema(df.schema)
+        self.description = {"type": "spark", "via": "mapInArrow", "columns": len(self.schema)}
 
     def fingerprint(self) -> str:
         """Hash of the optimized plan (expression ids removed), schema and input files.
@@ -132,7 +151,7 @@ class _PartitionTask:
         )
 
 
-def _arrow_schema(spark_schema) -> pa.Schema:
+def arrow_schema(spark_schema) -> pa.Schema:
     from pyspark.sql.pandas.types import to_arrow_type
 
     fields = []

@@ -78,6 +78,14 @@ def open_delta(table, *, version=None, timestamp=None, storage_options: dict | N
     except Exception as exc:  # deltalake raises its own TableNotFoundError, DeltaError, ...
         at = f" at version {version}" if version is not None else f" as of {timestamp}" if timestamp is not None else ""
         raise DataError(f"cannot open Delta table {table}{at}: {exc}; check the path and that the version exists") from None
+    mapping = table.metadata().configuration.get("delta.columnMapping.mode", "none")
+    if mapping != "none":
+        # Its Parquet files name columns by physical ids, not by the schema's names: read as
+        # they are, every column would come back missing (all null).
+        raise DataError(
+            f"Delta table {table.table_uri} uses column mapping (delta.columnMapping.mode={mapping}), "
+            "which this reader does not resolve; read it through Spark, or rewrite it without column mapping"
+        )
     schema = pa.schema(table.schema().to_arrow())
     partition_columns = list(table.metadata().partition_columns)
     adds = pa.table(table.get_add_actions(flatten=True))
