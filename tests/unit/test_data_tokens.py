@@ -130,6 +130,26 @@ def test_resume_mid_epoch_continues_at_the_next_token(tokens, rank, world, worke
     assert not np.array_equal(_blocks(resumed), np.concatenate(whole))
 
 
+def test_cut_size_and_shards_kept_mapped_do_not_change_the_blocks(tokens, monkeypatch):
+    # Blocks are cut several batches at a time from shards kept mapped; one batch per cut and
+    # two shards kept (most blocks then reopen a shard) must give the same stream.
+    from sparkgpu.data import tokens as token_module
+
+    path, docs = tokens
+    stream = _stream(docs, EOS)
+    opened = dict(local=path, column="ids", seq_len=SEQ, batch_size=3, eos_id=EOS, shuffle=True, seed=5, rank=0, world_size=1)
+    default = _blocks(data.token_dataset(**opened))
+    monkeypatch.setattr(token_module, "_CUT_TOKENS", 1)
+    monkeypatch.setattr(token_module, "_KEPT_SHARDS", 2)
+    small = data.token_dataset(**opened)
+    assert len(small._spec["index"].shards) > 10  # blocks come from many shards, most reopened
+    np.testing.assert_array_equal(_blocks(small), default)
+    # A shuffle of the in-order blocks: each exactly once.
+    expected = stream[(np.arange(small.num_blocks) * SEQ)[:, None] + np.arange(SEQ + 1)]
+    np.testing.assert_array_equal(np.sort(default.view(f"V{default.itemsize * (SEQ + 1)}").ravel()),
+                                  np.sort(expected.view(f"V{expected.itemsize * (SEQ + 1)}").ravel()))
+
+
 def test_a_state_from_another_packing_is_refused(tokens):
     path, _ = tokens
     state = data.token_dataset(local=path, column="ids", seq_len=SEQ, batch_size=4, rank=0, world_size=1).state_dict()
@@ -144,6 +164,9 @@ def test_dtype_in_each_value_and_fixed_length_documents(tmp_path):
                                          column="ids", seq_len=16, batch_size=3, eos_id=EOS, rank=0, world_size=1))
     assert dynamic.dtype == np.int32
     np.testing.assert_array_equal(dynamic[:, :-1].ravel(), _stream(docs, EOS)[: len(dynamic) * 16])
+    plain = _blocks(data.token_dataset(local=str(tmp_path / "dyn"), column="ids", seq_len=16, batch_size=3, rank=0, world_size=1))
+    assert plain.dtype == np.int32  # the values' dtype without an EOS too
+    np.testing.assert_array_equal(plain[:, :-1].ravel(), _stream(docs, None)[: len(plain) * 16])
     fixed_docs = [np.arange(i * 8, i * 8 + 8, dtype=np.int32) for i in range(40)]
     fixed = _blocks(data.token_dataset(local=_write(tmp_path / "fixed", fixed_docs, "ndarray:int32:8"), column="ids", seq_len=10,
                                        batch_size=4, targets=False, rank=0, world_size=1))
