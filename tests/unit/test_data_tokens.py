@@ -130,10 +130,15 @@ def test_resume_mid_epoch_continues_at_the_next_token(tokens, rank, world, worke
     assert not np.array_equal(_blocks(resumed), np.concatenate(whole))
 
 
-def test_cut_size_and_shards_kept_mapped_do_not_change_the_blocks(tokens, monkeypatch):
+@pytest.mark.parametrize("native", [True, False], ids=["c-gather", "numpy-gather"])
+def test_cut_size_and_shards_kept_mapped_do_not_change_the_blocks(tokens, monkeypatch, native):
     # Blocks are cut several batches at a time from shards kept mapped; one batch per cut and
-    # two shards kept (most blocks then reopen a shard) must give the same stream.
+    # two shards kept (most blocks then reopen a shard) must give the same stream, with the C
+    # span gather and with its numpy version.
+    from sparkgpu.data import _gather
     from sparkgpu.data import tokens as token_module
+
+    monkeypatch.setattr(_gather, "_enabled", native and _gather.native_available())
 
     path, docs = tokens
     stream = _stream(docs, EOS)
