@@ -47,9 +47,8 @@ from sparkgpu.errors import ConfigurationError, DataError
 __all__ = ["token_dataset", "TokenLoader"]
 
 _STATE_VERSION = 1
-# Shards kept mapped, with their document tables, between cuts. A shuffled order draws blocks
-# from every shard of its window at once; a shard evicted from the cache while mapped keeps
-# its disk space until unmapped, so this also bounds the space held beyond the cache limit.
+# Shards whose document tables are kept between cuts (a shuffled order draws blocks from every
+# shard of its window at once); a local folder's stay mapped as well.
 _KEPT_SHARDS = 32
 # Blocks are cut this many tokens at a time (at least one batch): the per-cut work in Python
 # (one search per shard, one native gather) is then small beside the copy.
@@ -128,18 +127,22 @@ def token_dataset(
 
 
 class _TokenSource:
-    """Shards of tokens through the cache, the most recent kept mapped with their document tables.
+    """Shards of tokens through the cache, mapped while cut, with their document tables kept.
 
     A block is cut straight from the mapped shard file as a few spans (one per document it
-    covers), so a shard costs one read of its sample headers when first opened, however
-    randomly its blocks are visited afterwards.
+    covers). A shard's document table costs a read of every sample header, so the most recent
+    ``_KEPT_SHARDS`` tables are kept, however randomly their blocks are visited. A mapping of a
+    shard evicted from the cache holds its disk space, so with a volume only the shards of the
+    current cut stay mapped; a local folder keeps its kept shards mapped too.
     """
 
     def __init__(self, spec: dict, tokens: TokenColumn):
         volume = Volume(spec["volume_url"], spec["storage_options"]) if spec["volume_url"] else None
         self.index, self.tokens = spec["index"], tokens
         self.cache = ShardCache(spec["directory"], spec["index"], volume, spec["cache_limit"], spec["download_threads"])
-        self._kept: collections.OrderedDict[int, tuple[ShardReader, ShardDocuments]] = collections.OrderedDict()
+        self._evictable = volume is not None
+        self._documents: collections.OrderedDict[int, ShardDocuments] = collections.OrderedDict()
+        self._readers: dict[int, ShardReader] = {}
 
     def reader(self, step: int, shard: int) -> ShardReader:
         (path,) = self.cache.acquire(step, np.array([shard], dtype=np.int64))
@@ -155,7 +158,8 @@ class _TokenSource:
         """Maps the shards that steps ``first_step, first_step + 1, ...`` read (``needs``), in step order.
 
         Every step is acquired from the cache in turn, so prefetching and eviction follow the
-        plan; shards kept from earlier steps are not opened again.
+        plan; a shard is mapped right after its step's acquire, and stays readable to the end
+        of the cut even if a later step's fetch evicts it.
         """
         opened = {}
         for step, shards in enumerate(needs, first_step):
@@ -163,26 +167,29 @@ class _TokenSource:
             for shard, path in zip(shards.tolist(), paths):
                 if shard in opened:
                     continue
-                kept = self._kept.get(shard)
-                if kept is None:
-                    reader = self._map(shard, path)
-                    kept = (reader, self.tokens.documents(reader))
-                    self._kept[shard] = kept
-                else:
-                    self._kept.move_to_end(shard)
-                opened[shard] = kept
+                reader = self._readers.get(shard)
+                if reader is None:
+                    reader = self._readers[shard] = self._map(shard, path)
+                documents = self._documents.get(shard)
+                if documents is None:
+                    documents = self._documents[shard] = self.tokens.documents(reader)
+                self._documents.move_to_end(shard)
+                opened[shard] = (reader, documents)
         return opened
 
-    def trim(self) -> None:
-        """Unmaps the least recently used shards beyond ``_KEPT_SHARDS`` (after a cut: none in use)."""
-        while len(self._kept) > _KEPT_SHARDS:
-            _, (reader, _) = self._kept.popitem(last=False)
-            reader.close()
+    def release(self) -> None:
+        """After a cut: forgets the oldest document tables beyond ``_KEPT_SHARDS`` and unmaps
+        shards (all of them with a volume, those without a kept table otherwise)."""
+        while len(self._documents) > _KEPT_SHARDS:
+            self._documents.popitem(last=False)
+        for shard in [s for s in self._readers if self._evictable or s not in self._documents]:
+            self._readers.pop(shard).close()
 
     def close(self) -> None:
-        for reader, _ in self._kept.values():
+        for reader in self._readers.values():
             reader.close()
-        self._kept.clear()
+        self._readers.clear()
+        self._documents.clear()
         self.cache.close()
 
 
@@ -355,7 +362,7 @@ class TokenLoader:
             if self._tokens.eos_id is not None:
                 owner, offset = documents.eos_positions(local_begins, local_ends)
                 flat[base[group][owner] + offset] = self._tokens.eos_id
-        self._source.trim()
+        self._source.release()
         return out
 
 

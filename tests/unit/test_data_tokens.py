@@ -155,6 +155,20 @@ def test_cut_size_and_shards_kept_mapped_do_not_change_the_blocks(tokens, monkey
                                   np.sort(expected.view(f"V{expected.itemsize * (SEQ + 1)}").ravel()))
 
 
+def test_a_small_cache_of_a_volume_gives_the_same_blocks_and_keeps_no_shard_mapped(tokens, tmp_path):
+    # Shards fetched ahead evict shards of the same cut while they are read; a mapping of an
+    # evicted shard would hold its disk space beyond the limit, so none outlives its cut.
+    path, _ = tokens
+    opened = dict(column="ids", seq_len=SEQ, batch_size=3, eos_id=EOS, shuffle=True, seed=7, rank=0, world_size=1)
+    local = _blocks(data.token_dataset(local=path, **opened))
+    remote = data.token_dataset(remote=path, local=tmp_path / "cache", cache_limit=40_000, **opened)
+    np.testing.assert_array_equal(_blocks(remote), local)
+    assert remote._source._readers == {}
+    dataset_mb = sum(s.raw_bytes for s in remote._spec["index"].shards) / 1e6
+    assert remote.stats()["downloaded_mb"] > dataset_mb  # the limit made it evict and fetch shards again
+    remote.close()
+
+
 def test_a_state_from_another_packing_is_refused(tokens):
     path, _ = tokens
     state = data.token_dataset(local=path, column="ids", seq_len=SEQ, batch_size=4, rank=0, world_size=1).state_dict()
