@@ -11,7 +11,6 @@ import dataclasses
 
 import numpy as np
 
-from sparkgpu.data import _gather
 from sparkgpu.data.reader import _NDARRAY_DTYPE_CODES, Column, Decode, DatasetIndex, ShardReader
 from sparkgpu.errors import ConfigurationError, DataError
 

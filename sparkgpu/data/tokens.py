@@ -230,9 +230,9 @@ class TokenLoader:
         eos = self._tokens.eos_id
         if eos is None:
             return
-        dtype = self.dtype
-        if eos > np.iinfo(dtype).max:
-            raise ConfigurationError(f"eos_id={eos} does not fit the column's {dtype} tokens; pass an id below {np.iinfo(dtype).max + 1}")
+        limit = np.iinfo(self.dtype).max
+        if eos > limit:
+            raise ConfigurationError(f"eos_id={eos} does not fit the column's {self.dtype} tokens; pass an id below {limit + 1}")
 
     # Position.
 
