@@ -6,8 +6,9 @@ tensors of packed documents, from a warm local folder?
   * sparkgpu ``data.token_dataset`` (in order and shuffled);
   * litdata ``StreamingDataset(item_loader=TokensLoader(block_size=seq_len + 1))`` +
     ``StreamingDataLoader`` over the same documents (written with ``litdata.optimize``);
-  * ceiling: fancy-index slices of one in-memory numpy array of the concatenated tokens, in
-    the same block order, turned into tensors.
+  * ceiling: the same blocks, in the same order, copied from one in-memory array of the
+    concatenated tokens by the C span gather (one memcpy per block), as many blocks per call
+    as the loader cuts at once (about 2M tokens), handed out as tensor views batch by batch.
 
 Question 2: what does mixing cost? The same fixed-width samples read as one dataset and as a
 three-stream mixture (proportions 0.5 / 0.3 / 0.2, epoch of the same size), shuffled.
@@ -33,6 +34,10 @@ import numpy as np
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+try:
+    from sparkgpu.data.tokens import _CUT_TOKENS  # tokens the loader cuts per gather
+except ImportError:  # a version of the loader that cut one batch at a time
+    _CUT_TOKENS = 0
 
 
 def make_documents(count: int, mean_length: int, seed: int = 0) -> list[np.ndarray]:
@@ -87,6 +92,7 @@ def rate(batches_factory, count_tokens, seconds: float, repeats: int) -> dict:
 
 def token_section(args, work: Path) -> dict:
     from sparkgpu import data
+    from sparkgpu.data import _gather
 
     docs = make_documents(args.docs, args.mean_length)
     stream = np.concatenate(docs)
@@ -94,6 +100,7 @@ def token_section(args, work: Path) -> dict:
     lit = write_litdata(work / "litdata", docs)
     seq, batch = args.seq_len, args.batch_size
     width = seq + 1
+    per_cut = max(1, _CUT_TOKENS // (batch * width)) * batch
     results = {}
     for shuffle in (False, True):
         label = "shuffled" if shuffle else "in order"
@@ -101,13 +108,21 @@ def token_section(args, work: Path) -> dict:
         results[f"sparkgpu token_dataset ({label})"] = rate(lambda: ds, lambda b: b.numel(), args.seconds, args.repeats)
         blocks = (len(stream) - 1) // seq
         order = np.random.default_rng(0).permutation(blocks) if shuffle else np.arange(blocks)
-        offsets = np.arange(width)
 
         def ceiling():
-            for lo in range(0, blocks, batch):
-                yield torch.from_numpy(stream[(order[lo:lo + batch] * seq)[:, None] + offsets])
+            # As many blocks per gather as the loader cuts at once (one memcpy per block, in C),
+            # handed out as views.
+            raw, itemsize = stream.view(np.uint8), stream.dtype.itemsize
+            for lo in range(0, blocks, per_cut):
+                firsts = order[lo:lo + per_cut] * seq
+                cut = np.empty((len(firsts), width), dtype=stream.dtype)
+                _gather.gather_spans(cut.reshape(-1).view(np.uint8), np.arange(len(firsts), dtype=np.int64) * width * itemsize,
+                                     [raw], None, firsts * itemsize, np.full(len(firsts), width * itemsize, dtype=np.int64))
+                cut = torch.from_numpy(cut)
+                for first in range(0, len(cut), batch):
+                    yield cut[first:first + batch]
 
-        results[f"ceiling: numpy slices in memory ({label})"] = rate(ceiling, lambda b: b.numel(), args.seconds, args.repeats)
+        results[f"ceiling: block copies in memory ({label})"] = rate(ceiling, lambda b: b.numel(), args.seconds, args.repeats)
         if lit is not None:
             import litdata
             from litdata.streaming.item_loader import TokensLoader
@@ -149,6 +164,20 @@ def mixture_section(args, work: Path) -> dict:
     return {"samples": sum(sizes), "batch_size": args.batch_size * 64, "peers": peers}
 
 
+def ratios(report: dict) -> dict:
+    """The comparisons the goals are about, taken within this run."""
+    tokens, mixture = report["token_packing"]["peers"], report["mixture"]["peers"]
+    out = {}
+    for label in ("in order", "shuffled"):
+        ours = tokens[f"sparkgpu token_dataset ({label})"]["tokens_per_s"]
+        out[f"sparkgpu / ceiling ({label})"] = ours / tokens[f"ceiling: block copies in memory ({label})"]["tokens_per_s"]
+        if f"litdata TokensLoader ({label})" in tokens:
+            out[f"sparkgpu / litdata ({label})"] = ours / tokens[f"litdata TokensLoader ({label})"]["tokens_per_s"]
+    out["mixture cost (one dataset / mixture)"] = (mixture["one dataset"]["samples_per_s"]
+                                                   / mixture["three-stream mixture"]["samples_per_s"])
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--docs", type=int, default=50_000)
@@ -168,6 +197,10 @@ def main() -> None:
         print(f"\n{section}:")
         for name, figures in report[section]["peers"].items():
             print(f"  {name:48s} " + ", ".join(f"{k} {v:,.3g}" for k, v in figures.items()))
+    report["ratios"] = ratios(report)
+    print("\nratios (same run):")
+    for name, value in report["ratios"].items():
+        print(f"  {name:48s} {value:.3g}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"\nwritten to {args.out}")

@@ -1,4 +1,4 @@
-"""The documents of one MDS column as one flat token array per shard, without a loop per document.
+"""Where the documents of one MDS token column lie in each shard, without a loop per document.
 
 Internal to :mod:`sparkgpu.data.tokens`. A document is one sample's value of an integer
 column: ``ndarray:<dtype>`` (ragged, what ``to_mds`` writes for arrays), ``ndarray`` with the
@@ -11,11 +11,10 @@ import dataclasses
 
 import numpy as np
 
-from sparkgpu.data import _gather
 from sparkgpu.data.reader import _NDARRAY_DTYPE_CODES, Column, Decode, DatasetIndex, ShardReader
 from sparkgpu.errors import ConfigurationError, DataError
 
-__all__ = ["TokenColumn"]
+__all__ = ["TokenColumn", "ShardDocuments"]
 
 _DTYPE_CODE = {np.dtype(name): code for code, name in _NDARRAY_DTYPE_CODES.items()}
 
@@ -95,16 +94,55 @@ class TokenColumn:
         _, lengths, dtype = self.spans(reader)
         return int(lengths.sum()) // dtype.itemsize + (len(lengths) if self.eos_id is not None else 0)
 
-    def tokens(self, reader: ShardReader) -> np.ndarray:
-        """The shard's documents end to end (an EOS after each), as one flat array."""
-        starts, lengths, dtype = self.spans(reader)
+    def documents(self, reader: ShardReader) -> "ShardDocuments":
+        """Where each document of ``reader``'s shard starts, in the shard's stream and in its file."""
+        byte_starts, lengths, dtype = self.spans(reader)
         n_tokens = lengths // dtype.itemsize
         extra = 1 if self.eos_id is not None else 0
         ends = np.cumsum(n_tokens + extra)
-        out = np.empty(int(ends[-1]) if len(ends) else 0, dtype=dtype)
-        if len(out):
-            firsts = ends - n_tokens - extra
-            _gather.gather_spans(out.view(np.uint8), firsts * dtype.itemsize, [reader.data], None, starts, lengths)
-            if extra:
-                out[ends - 1] = self.eos_id
-        return out
+        return ShardDocuments(starts=ends - n_tokens - extra, lengths=n_tokens, byte_starts=byte_starts, dtype=dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardDocuments:
+    """One shard's documents as spans of its stream; a block is cut as a few spans of the file.
+
+    Attributes:
+        starts: Token position of each document in the shard's stream (EOS tokens counted).
+        lengths: Tokens of each document (its EOS not counted).
+        byte_starts: Byte offset of each document's first token in the shard file.
+        dtype: The tokens' dtype.
+    """
+
+    starts: np.ndarray
+    lengths: np.ndarray
+    byte_starts: np.ndarray
+    dtype: np.dtype
+
+    def pieces(self, begins: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Splits stream ranges ``[begins[i], ends[i])`` (non-empty, inside the shard) at document ends.
+
+        Returns:
+            ``(range, offset, byte_start, tokens)`` per piece: the range it belongs to, its token
+            offset from that range's begin, where its tokens start in the file, and how many
+            there are (0 for a piece that is only an EOS position).
+        """
+        first = np.searchsorted(self.starts, begins, side="right") - 1
+        last = np.searchsorted(self.starts, ends - 1, side="right") - 1
+        per_range = last - first + 1
+        owner = np.repeat(np.arange(len(begins), dtype=np.int64), per_range)
+        doc = np.arange(len(owner), dtype=np.int64) - np.repeat(np.cumsum(per_range) - per_range - first, per_range)
+        doc_start = self.starts[doc]
+        lo = np.maximum(begins[owner], doc_start)
+        hi = np.minimum(ends[owner], doc_start + self.lengths[doc])
+        return owner, lo - begins[owner], self.byte_starts[doc] + (lo - doc_start) * self.dtype.itemsize, np.maximum(hi - lo, 0)
+
+    def eos_positions(self, begins: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(range, offset)`` of every EOS token inside the ranges (the token after each document)."""
+        eos = self.starts + self.lengths
+        first = np.searchsorted(eos, begins, side="left")
+        last = np.searchsorted(eos, ends, side="left")
+        per_range = last - first
+        owner = np.repeat(np.arange(len(begins), dtype=np.int64), per_range)
+        doc = np.arange(len(owner), dtype=np.int64) - np.repeat(np.cumsum(per_range) - per_range - first, per_range)
+        return owner, eos[doc] - begins[owner]

@@ -52,6 +52,7 @@ from sparkgpu.errors import ConfigurationError
 __all__ = ["Stream", "MixtureLoader", "samples_per_stream"]
 
 _STATE_VERSION = 1
+_MAX_OPEN_SHARDS = 32  # shards a local stream keeps mapped between batches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,35 +167,48 @@ class _StreamReader:
         self.decoder = BatchDecoder(self.index.columns, lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=pinned))
         self.ends = np.cumsum(self.index.shard_sizes)
         self._readers: dict[int, ShardReader] = {}
+        # Only a cache of a volume evicts shards; a local dataset folder keeps every file.
+        self._evictable = volume is not None
+        self._last_key, self._last_readers = None, []
 
-    def plan(self, batches: list[np.ndarray]) -> None:
-        """Tells the cache which shards each coming batch reads (for prefetching and eviction)."""
-        self.cache.set_plan([np.unique(np.searchsorted(self.ends, ids, side="right")) for ids in batches])
+    def plan(self, steps: list[np.ndarray]) -> None:
+        """Tells the cache which of its shards each coming batch reads (for prefetching and eviction)."""
+        self.cache.set_plan(steps)
+        self._last_key = None
 
-    def locate(self, step: int, ids: np.ndarray) -> tuple[list[ShardReader], np.ndarray, np.ndarray]:
-        """The open shards ``ids`` lie in, each id's position among them, and its row in its shard."""
-        shard_of = np.searchsorted(self.ends, ids, side="right")
-        shards = np.unique(shard_of)
+    def open(self, step: int, shards: np.ndarray) -> list[ShardReader]:
+        """The mapped shards ``shards`` (sorted) that step ``step`` reads."""
+        key = shards.tobytes()
+        if key == self._last_key:
+            # The same shards as this stream's last batch (the common case): nothing to fetch or
+            # open; the prefetcher hears of the position when the set changes.
+            return self._last_readers
         paths = self.cache.acquire(step, shards)
-        keep = set(shards.tolist())
+        keys = shards.tolist()
+        if self._evictable or len(self._readers) > _MAX_OPEN_SHARDS:
+            # A mapping keeps an evicted shard's disk space uncounted by cache_limit: with a
+            # volume, only the shards this step reads stay mapped.
+            self._release(keep=set(keys))
+        for shard, path in zip(keys, paths):
+            if shard not in self._readers:
+                self._readers[shard] = self._read(shard, path)
+        self._last_key, self._last_readers = key, [self._readers[s] for s in keys]
+        return self._last_readers
+
+    def _read(self, shard: int, path) -> ShardReader:
+        info = self.index.shards[shard]
+        try:
+            return ShardReader(path, info, self.decoder.row_bytes)
+        except FileNotFoundError:  # evicted by another process between acquire and open
+            return ShardReader(self.cache.refetch(shard), info, self.decoder.row_bytes)
+
+    def _release(self, keep: set) -> None:
         for shard in [s for s in self._readers if s not in keep]:
             self._readers.pop(shard).close()
-        readers = []
-        for shard, path in zip(shards.tolist(), paths):
-            if shard not in self._readers:
-                self._readers[shard] = ShardReader(path, self.index.shards[shard], self.decoder.row_bytes)
-            readers.append(self._readers[shard])
-        rows = ids - (self.ends[shard_of] - self.index.shard_sizes[shard_of])
-        return readers, np.searchsorted(shards, shard_of).astype(np.int32), rows
-
-    def decode(self, step: int, ids: np.ndarray) -> dict:
-        readers, source_ids, rows = self.locate(step, ids)
-        return self.decoder.decode(readers, None if len(readers) == 1 else source_ids, rows)
+        self._last_key, self._last_readers = None, []
 
     def close(self) -> None:
-        for reader in self._readers.values():
-            reader.close()
-        self._readers.clear()
+        self._release(keep=set())
         self.cache.close()
 
 
@@ -306,35 +320,43 @@ class MixtureLoader:
                                   batch_size=self.batch_size, drop_last=self.drop_last)
 
     def _batches(self, plan: EpochPlan):
-        bases = np.concatenate([[0], np.cumsum([s.num_samples for s in self.streams])])
-        batches = [plan.batch(b) for b in range(plan.num_batches)]
-        stream_of = [np.searchsorted(bases, ids, side="right") - 1 for ids in batches]
-        for s, reader in enumerate(self._readers):
-            reader.plan([ids[of == s] - bases[s] for ids, of in zip(batches, stream_of)])
-        decoder = self._readers[0].decoder
-        for step, (ids, of) in enumerate(zip(batches, stream_of)):
-            if decoder.fixed_width:  # every stream has the same row layout: one gather of the whole batch
-                yield decoder.split_rows(self._gather_rows(step, ids, of, bases))
-                continue
-            parts = [(np.flatnonzero(of == s), reader.decode(step, ids[of == s] - bases[s]))
-                     for s, reader in enumerate(self._readers) if np.any(of == s)]
-            yield _merge(parts, len(ids))
-
-    def _gather_rows(self, step: int, ids: np.ndarray, stream_of: np.ndarray, bases: np.ndarray) -> torch.Tensor:
         from sparkgpu.data import _gather
+        from sparkgpu.data._pipeline import _shards_per_batch
 
-        sources, source_ids, rows = [], np.empty(len(ids), dtype=np.int32), np.empty(len(ids), dtype=np.int64)
+        # Every stream's shards numbered in one sequence (stream 0's, then stream 1's, ...), as
+        # mixture ids number samples: whole-epoch arrays once, so each batch costs slices.
+        sizes = [reader.index.shard_sizes for reader in self._readers]
+        ends = np.cumsum(np.concatenate(sizes)) if sizes else np.empty(0, np.int64)
+        first_shard = np.cumsum([0] + [len(z) for z in sizes])
+        stream_of_shard = np.repeat(np.arange(len(sizes)), [len(z) for z in sizes])
+        shard_of = np.searchsorted(ends, plan.samples, side="right")
+        rows_of = plan.samples - (ends - np.concatenate(sizes))[shard_of]
+        size = plan.batch_size
+        steps = _shards_per_batch(shard_of, size, list(range(plan.num_batches)), len(ends))
+        by_stream = [stream_of_shard[shards] for shards in steps]
         for s, reader in enumerate(self._readers):
-            mine = stream_of == s
-            if not mine.any():
+            reader.plan([shards[of == s] - first_shard[s] for shards, of in zip(steps, by_stream)])
+        decoder = self._readers[0].decoder
+        for step, (shards, of) in enumerate(zip(steps, by_stream)):
+            lo, hi = step * size, (step + 1) * size
+            streams = np.unique(of).tolist()
+            opened = {s: self._readers[s].open(step, shards[of == s] - first_shard[s]) for s in streams}
+            batch_shards, rows = shard_of[lo:hi], rows_of[lo:hi]
+            if decoder.fixed_width:  # every stream has the same row layout: one gather of the whole batch
+                readers = [r for s in streams for r in opened[s]]
+                source_ids = None if len(readers) == 1 else np.searchsorted(shards, batch_shards).astype(np.int32)
+                buffer = decoder.allocate(len(rows) * decoder.row_bytes)
+                _gather.gather_rows(buffer.numpy().reshape(len(rows), decoder.row_bytes), [r.rows for r in readers],
+                                    source_ids, rows)
+                yield decoder.split_rows(buffer)
                 continue
-            readers, local_sources, rows[mine] = reader.locate(step, ids[mine] - bases[s])
-            source_ids[mine] = local_sources + len(sources)
-            sources += [r.rows for r in readers]
-        row_bytes = self._readers[0].decoder.row_bytes
-        buffer = self._readers[0].decoder.allocate(len(ids) * row_bytes)
-        _gather.gather_rows(buffer.numpy().reshape(len(ids), row_bytes), sources, source_ids, rows)
-        return buffer
+            stream_of, parts = stream_of_shard[batch_shards], []
+            for s in streams:
+                mine = np.flatnonzero(stream_of == s)
+                readers = opened[s]
+                source_ids = None if len(readers) == 1 else np.searchsorted(shards[of == s], batch_shards[mine]).astype(np.int32)
+                parts.append((mine, self._readers[s].decoder.decode(readers, source_ids, rows[mine])))
+            yield _merge(parts, len(rows))
 
     def _stream_of_positions(self, epoch: int) -> np.ndarray:
         if self.shuffle:

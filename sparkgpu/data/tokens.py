@@ -35,18 +35,24 @@ import os
 import numpy as np
 import torch
 
-from sparkgpu.data._token_shards import TokenColumn
+from sparkgpu.data import _gather
+from sparkgpu.data._token_shards import ShardDocuments, TokenColumn
 from sparkgpu.data.cache import ShardCache
 from sparkgpu.data.metrics import LoaderMetrics
 from sparkgpu.data.order import DEFAULT_BLOCK_SIZE, EpochPlan, epoch_order, restore_position
 from sparkgpu.data.reader import ShardReader
 from sparkgpu.data.volume import Volume
-from sparkgpu.errors import ConfigurationError
+from sparkgpu.errors import ConfigurationError, DataError
 
 __all__ = ["token_dataset", "TokenLoader"]
 
 _STATE_VERSION = 1
-_KEPT_SHARDS = 4  # flat token arrays kept in memory: a shard-aware order reads a few at a time
+# Shards whose document tables are kept between cuts (a shuffled order draws blocks from every
+# shard of its window at once); a local folder's stay mapped as well.
+_KEPT_SHARDS = 32
+# Blocks are cut this many tokens at a time (at least one batch): the per-cut work in Python
+# (one search per shard, one native gather) is then small beside the copy.
+_CUT_TOKENS = 1 << 21
 
 
 def token_dataset(
@@ -121,35 +127,69 @@ def token_dataset(
 
 
 class _TokenSource:
-    """Token arrays of shards through the cache, the few most recent kept flat in memory."""
+    """Shards of tokens through the cache, mapped while cut, with their document tables kept.
+
+    A block is cut straight from the mapped shard file as a few spans (one per document it
+    covers). A shard's document table costs a read of every sample header, so the most recent
+    ``_KEPT_SHARDS`` tables are kept, however randomly their blocks are visited. A mapping of a
+    shard evicted from the cache holds its disk space, so with a volume only the shards of the
+    current cut stay mapped; a local folder keeps its kept shards mapped too.
+    """
 
     def __init__(self, spec: dict, tokens: TokenColumn):
         volume = Volume(spec["volume_url"], spec["storage_options"]) if spec["volume_url"] else None
         self.index, self.tokens = spec["index"], tokens
         self.cache = ShardCache(spec["directory"], spec["index"], volume, spec["cache_limit"], spec["download_threads"])
-        self._kept: collections.OrderedDict = collections.OrderedDict()
+        self._evictable = volume is not None
+        self._documents: collections.OrderedDict[int, ShardDocuments] = collections.OrderedDict()
+        self._readers: dict[int, ShardReader] = {}
 
     def reader(self, step: int, shard: int) -> ShardReader:
         (path,) = self.cache.acquire(step, np.array([shard], dtype=np.int64))
+        return self._map(shard, path)
+
+    def _map(self, shard: int, path) -> ShardReader:
         try:
             return ShardReader(path, self.index.shards[shard], None)
         except FileNotFoundError:  # evicted by another process between acquire and open
             return ShardReader(self.cache.refetch(shard), self.index.shards[shard], None)
 
-    def shard_tokens(self, step: int, shard: int) -> np.ndarray:
-        if shard in self._kept:
-            self._kept.move_to_end(shard)
-            return self._kept[shard]
-        reader = self.reader(step, shard)
-        flat = self.tokens.tokens(reader)  # a copy: the shard may be unmapped and evicted after this
-        reader.close()
-        self._kept[shard] = flat
-        while len(self._kept) > _KEPT_SHARDS:
-            self._kept.popitem(last=False)
-        return flat
+    def open(self, first_step: int, needs: list[np.ndarray]) -> dict[int, tuple[ShardReader, ShardDocuments]]:
+        """Maps the shards that steps ``first_step, first_step + 1, ...`` read (``needs``), in step order.
+
+        Every step is acquired from the cache in turn, so prefetching and eviction follow the
+        plan; a shard is mapped right after its step's acquire, and stays readable to the end
+        of the cut even if a later step's fetch evicts it.
+        """
+        opened = {}
+        for step, shards in enumerate(needs, first_step):
+            paths = self.cache.acquire(step, shards)
+            for shard, path in zip(shards.tolist(), paths):
+                if shard in opened:
+                    continue
+                reader = self._readers.get(shard)
+                if reader is None:
+                    reader = self._readers[shard] = self._map(shard, path)
+                documents = self._documents.get(shard)
+                if documents is None:
+                    documents = self._documents[shard] = self.tokens.documents(reader)
+                self._documents.move_to_end(shard)
+                opened[shard] = (reader, documents)
+        return opened
+
+    def release(self) -> None:
+        """After a cut: forgets the oldest document tables beyond ``_KEPT_SHARDS`` and unmaps
+        shards (all of them with a volume, those without a kept table otherwise)."""
+        while len(self._documents) > _KEPT_SHARDS:
+            self._documents.popitem(last=False)
+        for shard in [s for s in self._readers if self._evictable or s not in self._documents]:
+            self._readers.pop(shard).close()
 
     def close(self) -> None:
-        self._kept.clear()
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()
+        self._documents.clear()
         self.cache.close()
 
 
@@ -174,9 +214,9 @@ class TokenLoader:
         counts = np.array([tokens.counts(self._source.reader(0, s)) for s in range(len(spec["index"].shards))], dtype=np.int64)
         self._shard_ends = np.cumsum(counts)
         self._shard_starts = self._shard_ends - counts
-        self._offsets = np.arange(width, dtype=np.int64)
         self.num_tokens = int(self._shard_ends[-1])
-        self.dtype = tokens.column.dtype
+        # A column written as plain ``ndarray`` carries the dtype in each value: the first shard's.
+        self.dtype = tokens.column.dtype or np.dtype(tokens.spans(self._source.reader(0, 0))[2])
         self._check_eos()
         self.num_blocks = max(0, (self.num_tokens - (width - seq_len)) // seq_len)
         first_tokens = np.arange(self.num_blocks, dtype=np.int64) * seq_len
@@ -190,10 +230,9 @@ class TokenLoader:
         eos = self._tokens.eos_id
         if eos is None:
             return
-        dtype = self.dtype if self.dtype is not None else np.dtype(self._tokens.spans(self._source.reader(0, 0))[2])
-        self.dtype = dtype
-        if eos > np.iinfo(dtype).max:
-            raise ConfigurationError(f"eos_id={eos} does not fit the column's {dtype} tokens; pass an id below {np.iinfo(dtype).max + 1}")
+        limit = np.iinfo(self.dtype).max
+        if eos > limit:
+            raise ConfigurationError(f"eos_id={eos} does not fit the column's {self.dtype} tokens; pass an id below {limit + 1}")
 
     # Position.
 
@@ -253,12 +292,20 @@ class TokenLoader:
         self.epoch, self._consumed = self.epoch + 1, 0
 
     def batches(self, plan: EpochPlan, numbers):
-        """Yields the blocks of ``plan``'s batches ``numbers`` as tensors."""
-        numbers = list(numbers)
+        """Yields the blocks of ``plan``'s batches ``numbers`` as tensors.
+
+        Several batches are cut at once (about ``_CUT_TOKENS`` tokens) into one buffer, and
+        handed out as views of it.
+        """
         firsts = [plan.batch(b) * self.seq_len for b in numbers]
-        self._source.cache.set_plan([self._shards(f) for f in firsts])
-        for step, first in enumerate(firsts):
-            yield torch.from_numpy(self._cut(step, first))
+        needs = [self._shards(f) for f in firsts]
+        self._source.cache.set_plan(needs)
+        per_cut = max(1, _CUT_TOKENS // (self.batch_size * self.width))
+        for step in range(0, len(firsts), per_cut):
+            cut = torch.from_numpy(self._cut(step, firsts[step:step + per_cut], needs[step:step + per_cut]))
+            ends = np.cumsum([len(f) for f in firsts[step:step + per_cut]]).tolist()
+            for begin, end in zip([0] + ends[:-1], ends):
+                yield cut[begin:end]
 
     def close(self) -> None:
         """Stops background downloads and frees the shards held in memory."""
@@ -275,24 +322,47 @@ class TokenLoader:
         hi = np.searchsorted(self._shard_ends, firsts + self.width - 1, side="right")
         return np.unique(np.concatenate([lo, hi]))
 
-    def _cut(self, step: int, firsts: np.ndarray) -> np.ndarray:
-        """Blocks starting at stream positions ``firsts``: one fancy-index gather per shard."""
-        out = np.empty((len(firsts), self.width), dtype=self.dtype)
-        offsets, starts_of_shards = self._offsets, self._shard_starts
-        shard_of = np.searchsorted(self._shard_ends, firsts, side="right")
-        inside = firsts + self.width <= self._shard_ends[shard_of]
-        for shard in np.unique(shard_of[inside]).tolist():
-            rows = np.flatnonzero(inside & (shard_of == shard))
-            flat = self._source.shard_tokens(step, shard)
-            out[rows] = flat[(firsts[rows] - starts_of_shards[shard])[:, None] + offsets]
-        for row in np.flatnonzero(~inside).tolist():  # blocks across a shard boundary: one in a shard's worth
-            position, filled, shard = int(firsts[row]), 0, int(shard_of[row])
-            while filled < self.width:
-                flat = self._source.shard_tokens(step, shard)
-                begin = position + filled - int(starts_of_shards[shard])
-                take = min(self.width - filled, len(flat) - begin)
-                out[row, filled:filled + take] = flat[begin:begin + take]
-                filled, shard = filled + take, shard + 1
+    def _cut(self, first_step: int, firsts: list[np.ndarray], needs: list[np.ndarray]) -> np.ndarray:
+        """Blocks starting at stream positions ``firsts`` (one array per step), one row each.
+
+        Each block is split at shard and document boundaries into spans of the shard files,
+        copied by one native gather per shard; EOS tokens are written between them.
+        """
+        starts = np.concatenate(firsts)
+        width, itemsize = self.width, self.dtype.itemsize
+        out = np.empty((len(starts), width), dtype=self.dtype)
+        if not len(starts):
+            return out
+        flat = out.reshape(-1)
+        shards = self._source.open(first_step, needs)
+        # One (block, shard) pair for every shard a block has tokens in: most blocks have one.
+        lo = np.searchsorted(self._shard_ends, starts, side="right")
+        hi = np.searchsorted(self._shard_ends, starts + width - 1, side="right")
+        span = hi - lo + 1
+        row = np.repeat(np.arange(len(starts), dtype=np.int64), span)
+        shard = np.arange(len(row), dtype=np.int64) - np.repeat(np.cumsum(span) - span - lo, span)
+        begins = np.maximum(starts[row], self._shard_starts[shard])
+        ends = np.minimum(starts[row] + width, self._shard_ends[shard])
+        keep = ends > begins  # drops empty shards a block runs across
+        row, shard, begins, ends = row[keep], shard[keep], begins[keep], ends[keep]
+        base = row * width + (begins - starts[row])  # where each pair's tokens go in ``flat``
+        order = np.argsort(shard, kind="stable")
+        cuts = np.flatnonzero(np.diff(shard[order])) + 1
+        for group in np.split(order, cuts):
+            number = int(shard[group[0]])
+            reader, documents = shards[number]
+            if documents.dtype != self.dtype:
+                raise DataError(f"shard {reader.info.basename} holds {documents.dtype} tokens but earlier shards "
+                                f"hold {self.dtype}; write the column {self._tokens.name!r} with one dtype")
+            local_begins = begins[group] - self._shard_starts[number]
+            local_ends = ends[group] - self._shard_starts[number]
+            owner, offset, byte_starts, counts = documents.pieces(local_begins, local_ends)
+            _gather.gather_spans(flat.view(np.uint8), (base[group][owner] + offset) * itemsize, [reader.data], None,
+                                 byte_starts, counts * itemsize)
+            if self._tokens.eos_id is not None:
+                owner, offset = documents.eos_positions(local_begins, local_ends)
+                flat[base[group][owner] + offset] = self._tokens.eos_id
+        self._source.release()
         return out
 
 

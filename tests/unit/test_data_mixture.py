@@ -139,3 +139,28 @@ def test_streams_on_volumes_each_fill_their_own_cache_folder(folders, tmp_path):
     stats = loader.stats()
     assert stats["downloaded_mb"] > 0 and 0 <= stats["cache_hit_ratio"] <= 1 and stats["batches"] == 8  # prefetching may win every race
     loader.close()
+
+
+def test_streams_with_variable_width_columns_give_the_epochs_order(tmp_path):
+    # Strings are decoded stream by stream and merged back into the batch's order.
+    from streaming import MDSWriter
+
+    folders = []
+    for stream, size in enumerate((40, 70, 25)):
+        with MDSWriter(out=str(tmp_path / f"t{stream}"), columns={"id": "int64", "text": "str"}, size_limit=1 << 9) as writer:
+            for i in range(size):
+                writer.write({"id": i, "text": f"{stream}:{i}" * (1 + i % 3)})
+        folders.append(str(tmp_path / f"t{stream}"))
+    loader = data.dataset(streams=[data.Stream(local=f, proportion=p) for f, p in zip(folders, (0.5, 0.3, 0.2))],
+                          epoch_size=150, batch_size=7, shuffle=True, seed=4, rank=0, world_size=1)
+    bases = np.cumsum([0, 40, 70])
+    expected = [(int(np.searchsorted(bases, m, side="right")) - 1, int(m - bases[np.searchsorted(bases, m, side="right") - 1]))
+                for m in loader.epoch_order(0).tolist()]
+    seen = []
+    for batch in loader:
+        assert isinstance(batch["text"], list) and len(batch["text"]) == len(batch["id"])
+        for number, text in zip(batch["id"].tolist(), batch["text"]):
+            stream = int(text.split(":")[0])
+            assert text == f"{stream}:{number}" * (1 + number % 3)  # the text of the same sample as the id
+            seen.append((stream, number))
+    assert seen == expected

@@ -130,6 +130,45 @@ def test_resume_mid_epoch_continues_at_the_next_token(tokens, rank, world, worke
     assert not np.array_equal(_blocks(resumed), np.concatenate(whole))
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["c-gather", "numpy-gather"])
+def test_cut_size_and_shards_kept_mapped_do_not_change_the_blocks(tokens, monkeypatch, native):
+    # Blocks are cut several batches at a time from shards kept mapped; one batch per cut and
+    # two shards kept (most blocks then reopen a shard) must give the same stream, with the C
+    # span gather and with its numpy version.
+    from sparkgpu.data import _gather
+    from sparkgpu.data import tokens as token_module
+
+    monkeypatch.setattr(_gather, "_enabled", native and _gather.native_available())
+
+    path, docs = tokens
+    stream = _stream(docs, EOS)
+    opened = dict(local=path, column="ids", seq_len=SEQ, batch_size=3, eos_id=EOS, shuffle=True, seed=5, rank=0, world_size=1)
+    default = _blocks(data.token_dataset(**opened))
+    monkeypatch.setattr(token_module, "_CUT_TOKENS", 1)
+    monkeypatch.setattr(token_module, "_KEPT_SHARDS", 2)
+    small = data.token_dataset(**opened)
+    assert len(small._spec["index"].shards) > 10  # blocks come from many shards, most reopened
+    np.testing.assert_array_equal(_blocks(small), default)
+    # A shuffle of the in-order blocks: each exactly once.
+    expected = stream[(np.arange(small.num_blocks) * SEQ)[:, None] + np.arange(SEQ + 1)]
+    np.testing.assert_array_equal(np.sort(default.view(f"V{default.itemsize * (SEQ + 1)}").ravel()),
+                                  np.sort(expected.view(f"V{expected.itemsize * (SEQ + 1)}").ravel()))
+
+
+def test_a_small_cache_of_a_volume_gives_the_same_blocks_and_keeps_no_shard_mapped(tokens, tmp_path):
+    # Shards fetched ahead evict shards of the same cut while they are read; a mapping of an
+    # evicted shard would hold its disk space beyond the limit, so none outlives its cut.
+    path, _ = tokens
+    opened = dict(column="ids", seq_len=SEQ, batch_size=3, eos_id=EOS, shuffle=True, seed=7, rank=0, world_size=1)
+    local = _blocks(data.token_dataset(local=path, **opened))
+    remote = data.token_dataset(remote=path, local=tmp_path / "cache", cache_limit=40_000, **opened)
+    np.testing.assert_array_equal(_blocks(remote), local)
+    assert remote._source._readers == {}
+    dataset_mb = sum(s.raw_bytes for s in remote._spec["index"].shards) / 1e6
+    assert remote.stats()["downloaded_mb"] > dataset_mb  # the limit made it evict and fetch shards again
+    remote.close()
+
+
 def test_a_state_from_another_packing_is_refused(tokens):
     path, _ = tokens
     state = data.token_dataset(local=path, column="ids", seq_len=SEQ, batch_size=4, rank=0, world_size=1).state_dict()
@@ -144,6 +183,9 @@ def test_dtype_in_each_value_and_fixed_length_documents(tmp_path):
                                          column="ids", seq_len=16, batch_size=3, eos_id=EOS, rank=0, world_size=1))
     assert dynamic.dtype == np.int32
     np.testing.assert_array_equal(dynamic[:, :-1].ravel(), _stream(docs, EOS)[: len(dynamic) * 16])
+    plain = _blocks(data.token_dataset(local=str(tmp_path / "dyn"), column="ids", seq_len=16, batch_size=3, rank=0, world_size=1))
+    assert plain.dtype == np.int32  # the values' dtype without an EOS too
+    np.testing.assert_array_equal(plain[:, :-1].ravel(), _stream(docs, None)[: len(plain) * 16])
     fixed_docs = [np.arange(i * 8, i * 8 + 8, dtype=np.int32) for i in range(40)]
     fixed = _blocks(data.token_dataset(local=_write(tmp_path / "fixed", fixed_docs, "ndarray:int32:8"), column="ids", seq_len=10,
                                        batch_size=4, targets=False, rank=0, world_size=1))
