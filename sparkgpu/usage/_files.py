@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from sparkgpu.errors import ConfigurationError
@@ -17,7 +18,10 @@ def parse_document(text: str, path: Path, *, what: str) -> dict:
             message names the file and the line the parser stopped at.
     """
     if path.suffix.lower() == ".toml":
-        import tomllib
+        if sys.version_info >= (3, 11):
+            import tomllib
+        else:  # the same parser, from PyPI, before it joined the standard library
+            import tomli as tomllib
 
         try:
             data = tomllib.loads(text)
