@@ -111,6 +111,12 @@ class AttemptResult:
         """``"executor 1 on host h was lost (...)"`` when the backend lost a node of the attempt, else ``""``."""
         return self.report.lost_message() if self.report is not None and self.report.lost else ""
 
+    def error(self, job_id: str, logs_dir: str):
+        """The error a failed attempt raises on the client (the live call and ``attach(...).result()`` alike)."""
+        if self.lost:
+            return NodeLostError(self.failures, job_id, logs_dir, lost=self.lost)
+        return worker_failed_error(self.failures, self.exceptions, job_id, logs_dir)
+
     @property
     def root_exception(self) -> BaseException | None:
         """The unpickled exception of the rank that failed first, when it unpickles."""
@@ -210,10 +216,7 @@ class Supervisor:
                     continue
                 self._set_status(JobStatus.FAILED)
                 logs = self.run_dir.attempt_dir(attempt) / "logs"
-                if outcome.lost:
-                    error = NodeLostError(outcome.failures, self.job.job_id, str(logs), lost=outcome.lost)
-                else:
-                    error = worker_failed_error(outcome.failures, outcome.exceptions, self.job.job_id, str(logs))
+                error = outcome.error(self.job.job_id, str(logs))
                 raise error from outcome.root_exception
         except BaseException as exc:
             error = error or exc
