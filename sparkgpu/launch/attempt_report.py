@@ -87,7 +87,5 @@ class AttemptReport:
             data = json.loads((Path(attempt_dir) / REPORT_FILE).read_text())
             return cls(attempt=data["attempt"], nodes=[NodeReport(**n) for n in data.get("nodes", ())],
                        notes=list(data.get("notes", ())), lost_at=data.get("lost_at"))
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, KeyError, TypeError):  # written atomically: only a foreign file gets here
+        except (OSError, ValueError, KeyError, TypeError):  # none written (written atomically: never half)
             return None

@@ -298,9 +298,9 @@ class SparkBackend(Backend):
             return
         error = handle.mirror.finish(handle.attempt)
         if error is not None:
-            self._note(handle, f"the last download of this attempt's files from the staging "
-                                                       f"store {handle.mirror.store.url} failed ({type(error).__name__}: "
-                                                       f"{error}); its results may be there still")
+            self._note(handle, f"the last download of this attempt's files from the staging store "
+                               f"{handle.mirror.store.url} failed ({type(error).__name__}: {error}); its results "
+                               "may be there still")
 
     @staticmethod
     def _sync_now(handle: SparkAttempt) -> None:
@@ -549,9 +549,9 @@ class SparkBackend(Backend):
                     continue
                 row, end, info = by_node.get(node, {}), ended.get(node, {}), handle.node_infos.get(node, {})
                 code = row.get("exit_code", end.get("exit_code"))
+                state = str(row.get("state", end.get("state", "unknown")))
                 nodes.append(NodeReport(node, str(row.get("executor", info.get("executor", ""))),
-                                        str(row.get("host", info.get("host", ""))),
-                                        str(row.get("state", end.get("state", "unknown"))), self._ranks_of(handle, node),
+                                        str(row.get("host", info.get("host", ""))), state, self._ranks_of(handle, node),
                                         exit_code=code, signal=-code if code is not None and code < 0 else None))
             report.nodes = nodes
         report.write(handle.run_dir.attempt_dir(handle.attempt))
