@@ -187,7 +187,7 @@ def test_a_killed_executor_stops_the_other_node_and_ends_the_attempt_naming_its_
     assert [(n["node"], n["executor"], n["host"]) for n in attempt["lost"]] == [(1, lost["executor"], lost["host"])]
     assert f"executor {lost['executor']} on host {lost['host']} was lost" in attempt["cause"][0]
     # Billed to when the node was last seen alive, not to when the client noticed.
-    assert attempt["ended_at"] <= killed_at + 3.0
+    assert attempt["ended_at"] <= killed_at + 5.0  # noticed 10 s after the kill
 
     (row,) = ledger.read().to_pylist()
     assert row["status"] == "failed"
@@ -232,7 +232,7 @@ def test_a_lost_worker_is_waited_for_and_the_job_resumes_from_its_checkpoint(
     first, second = state["attempts"]
     assert state["status"] == "succeeded" and (first["status"], second["status"]) == ("failed", "succeeded")
     assert [(n["executor"], n["host"]) for n in first["lost"]] == [(lost["executor"], lost["host"])]
-    assert first["ended_at"] <= killed_at + 3.0
+    assert first["ended_at"] <= killed_at + 5.0
     assert second["started_at"] - second["submitted_at"] >= 5  # it waited for capacity
 
     rows = sorted(ledger.read().to_pylist(), key=lambda r: r["attempt"])
