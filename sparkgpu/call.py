@@ -45,7 +45,6 @@ from sparkgpu.errors import (
     JobTimeoutError,
     PolicyViolationError,
     SparkGPUError,
-    worker_failed_error,
 )
 from sparkgpu.launch.keys import load_key
 from sparkgpu.launch.logs import LogStreamer
@@ -252,7 +251,7 @@ class Call:
             outcome = reader._collect(last["attempt"], None, None)
             if outcome.failures:
                 # The same error class the live call raised: `except ValueError` catches it here too.
-                error = worker_failed_error(outcome.failures, outcome.exceptions, self.job_id, str(logs))
+                error = outcome.error(self.job_id, str(logs))
                 raise error from outcome.root_exception
         raise SparkGPUError(f"job {self.job_id} failed: {cause}. Logs: {logs}")
 

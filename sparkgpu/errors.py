@@ -21,6 +21,7 @@ __all__ = [
     "JobCancelledError",
     "CallNotFinishedError",
     "WorkerFailedError",
+    "NodeLostError",
     "worker_failed_error",
     "first_failure",
     "RankFailure",
@@ -248,6 +249,27 @@ class WorkerFailedError(SparkGPUError):
         if self.logs_dir:
             parts.append(f"\nLogs of every rank: {self.logs_dir}")
         return "\n".join(parts)
+
+
+class NodeLostError(WorkerFailedError):
+    """A node of the job was lost: its executor or worker died while its ranks ran.
+
+    ``lost`` says which: one sentence per lost node, naming its executor and host
+    (``"executor 1 on host 10.0.0.7 was lost (...)"``); the message starts with it. The
+    surviving nodes' ranks were stopped before the attempt ended.
+    """
+
+    def __init__(self, failures, job_id: str | None = None, logs_dir: str | None = None, lost: str = ""):
+        self.lost = lost
+        super().__init__(failures, job_id, logs_dir)
+
+    def __reduce__(self):
+        return (type(self), (self.failures, self.job_id, self.logs_dir, self.lost))
+
+    def _format(self) -> str:
+        job = f" of job {self.job_id}" if self.job_id else ""
+        return (f"{self.lost}; the ranks of the other nodes{job} were stopped. Restart from the latest checkpoint "
+                f"with max_restarts= (it waits for capacity up to SPARKGPU_SPARK_WAIT_TIMEOUT).\n" + super()._format())
 
 
 def worker_failed_error(failures, exceptions=None, job_id: str | None = None,

@@ -31,7 +31,9 @@ class WorkerContext:
 class AttemptOutcome:
     """How one attempt ended: ``status`` is ``"succeeded"``, ``"failed"``, ``"preempted"``
     (stopped at the runtime cap or a budget after checkpointing), ``"stopped"`` (by a policy,
-    without a checkpoint) or ``"cancelled"``. ``started_at`` is when its ranks started."""
+    without a checkpoint) or ``"cancelled"``. ``started_at`` is when its ranks started;
+    ``cause`` says why a failed attempt failed when the backend knows more than the ranks (a
+    lost node: ``"executor 1 on host h was lost (...)"``)."""
 
     attempt: int
     status: str
@@ -40,6 +42,7 @@ class AttemptOutcome:
     gpus: int
     gpu_type: str
     error: BaseException | None = None
+    cause: str = ""
 
 
 class JobCallback:

@@ -34,11 +34,13 @@ from sparkgpu import runtime
 from sparkgpu.errors import (
     JobCancelledError,
     JobTimeoutError,
+    NodeLostError,
     PolicyViolationError,
     RankFailure,
     first_failure,
     worker_failed_error,
 )
+from sparkgpu.launch.attempt_report import AttemptReport
 from sparkgpu.launch.callbacks import AttemptOutcome, JobCallback
 from sparkgpu.launch.entrypoint import EXIT_PREEMPTED
 from sparkgpu.launch.logs import LogStreamer
@@ -102,6 +104,18 @@ class AttemptResult:
     results: list[Any] | None = None
     failures: list[RankFailure] = dataclasses.field(default_factory=list)
     exceptions: dict[int, BaseException] = dataclasses.field(default_factory=dict)
+    report: AttemptReport | None = None  # the backend's account of its nodes, when it wrote one
+
+    @property
+    def lost(self) -> str:
+        """``"executor 1 on host h was lost (...)"`` when the backend lost a node of the attempt, else ``""``."""
+        return self.report.lost_message() if self.report is not None and self.report.lost else ""
+
+    def error(self, job_id: str, logs_dir: str):
+        """The error a failed attempt raises on the client (the live call and ``attach(...).result()`` alike)."""
+        if self.lost:
+            return NodeLostError(self.failures, job_id, logs_dir, lost=self.lost)
+        return worker_failed_error(self.failures, self.exceptions, job_id, logs_dir)
 
     @property
     def root_exception(self) -> BaseException | None:
@@ -196,12 +210,13 @@ class Supervisor:
                 if decision is Decision.RESTART:
                     self.state["restarts"] += 1
                     self._save()
-                    print(f"sparkgpu: attempt {attempt} failed; restarting from the latest checkpoint "
+                    why = f": {outcome.lost}" if outcome.lost else ""
+                    print(f"sparkgpu: attempt {attempt} failed{why}; restarting from the latest checkpoint "
                           f"(restart {self.state['restarts']} of {self.job.policy.max_restarts})", file=self.out)
                     continue
                 self._set_status(JobStatus.FAILED)
                 logs = self.run_dir.attempt_dir(attempt) / "logs"
-                error = worker_failed_error(outcome.failures, outcome.exceptions, self.job.job_id, str(logs))
+                error = outcome.error(self.job.job_id, str(logs))
                 raise error from outcome.root_exception
         except BaseException as exc:
             error = error or exc
@@ -388,12 +403,20 @@ class Supervisor:
         return False
 
     def _end_attempt(self, record: dict, status: str, code: int | None, outcome: AttemptResult | None = None,
-                     cause: list[str] = (), error: BaseException | None = None):
+                     cause: tuple[str, ...] | list[str] = (), error: BaseException | None = None):
+        cause = tuple(cause)
         record.update(ended_at=time.time(), status=status, exit_code=code)
         if record["started_at"] is None:
             record["started_at"] = record["ended_at"]  # its ranks never started: nothing ran, nothing is billed
+        if outcome is not None and outcome.lost:
+            # Billed up to when the node was last seen alive, not to when the client noticed.
+            lost_at = outcome.report.lost_at or record["ended_at"]
+            record["ended_at"] = max(record["started_at"], min(record["ended_at"], lost_at))
+            record["lost"] = [dataclasses.asdict(n) for n in outcome.report.lost]
+            cause += (outcome.lost,)
         if outcome is not None and outcome.failures:
-            record["cause"] = [f"rank {f.rank}: {f.exc_type or 'exit'}: {f.message}" for f in outcome.failures][:8]
+            record["cause"] = (list(cause) + [f"rank {f.rank}: {f.exc_type or 'exit'}: {f.message}"
+                                              for f in outcome.failures])[:8]
         elif cause:
             record["cause"] = list(cause)[:8]
         self._save()
@@ -404,6 +427,7 @@ class Supervisor:
                 attempt=record["attempt"], status=status, started_at=record["started_at"],
                 ended_at=record["ended_at"], gpus=self.job.resources.gpus,
                 gpu_type=self.job.resources.gpu_type or "", error=error,
+                cause=outcome.lost if outcome is not None else "",
             ))
 
     # -- reading an attempt back -------------------------------------------------------
@@ -438,6 +462,7 @@ class Supervisor:
             else:
                 silent.append(rank)
         exits = rd.read_node_exits(attempt)
+        report = AttemptReport.read(rd.attempt_dir(attempt))
         own_failure = bool(failures) or any(
             i["exitcode"] not in (EXIT_PREEMPTED, -signal.SIGTERM) for r, i in exits.items() if r in silent
         )
@@ -456,8 +481,15 @@ class Supervisor:
                 rank, None, _describe_exit(info), exitcode=info["exitcode"], log_tail=rd.log_tail(attempt, rank),
                 timestamp=info.get("time"),  # when it exited: a quiet exit is the cause of its peers' errors
             ))
+        if report is not None and report.lost:
+            # The lost node's ranks are silent; the others' errors (a peer left the collective) follow from it.
+            lost = [RankFailure(rank, None, f"{node.where} was lost: {node.cause}", timestamp=report.lost_at)
+                    for node in report.lost for rank in node.ranks]
+            lost_ranks = {f.rank for f in lost}
+            return AttemptResult("failed", failures=lost + [f for f in failures if f.rank not in lost_ranks],
+                                 exceptions=exceptions, report=report)
         if failures:
-            return AttemptResult("failed", failures=failures, exceptions=exceptions)
+            return AttemptResult("failed", failures=failures, exceptions=exceptions, report=report)
         if len(results) == self.job.world_size:
             return AttemptResult("succeeded", results=[results[r] for r in range(self.job.world_size)])
         if preempted:
@@ -487,6 +519,8 @@ class Supervisor:
         # No launcher recorded anything: it failed itself (bad interpreter, port clash, ...).
         agent_log = rd.agent_log(attempt, 0)
         tail = "\n".join(agent_log.read_text(errors="replace").splitlines()[-30:]) if agent_log.exists() else ""
+        if report is not None and report.notes:  # what the backend knows that no launcher could write
+            tail = "\n".join([*(f"sparkgpu: {note}" for note in report.notes), tail])
         return AttemptResult("failed", failures=[
             RankFailure(r, None, "the rank never reported a result: its node's launcher ended without recording "
                         "how its ranks ended (the launcher's log is below)", log_tail=tail)

@@ -362,7 +362,9 @@ class MLflowCallback(JobCallback):
         self._safely("record the attempt's outcome", self._client.log_batch, self.run_info.run_id,
                      metrics=_metrics({"sparkgpu/attempt_duration_s": duration}, step=outcome.attempt),
                      tags=_tags({f"sparkgpu.attempt.{outcome.attempt}.status": outcome.status,
-                                 "sparkgpu.attempts": outcome.attempt + 1}))
+                                 "sparkgpu.attempts": outcome.attempt + 1,
+                                 **({f"sparkgpu.attempt.{outcome.attempt}.cause": outcome.cause[:_MAX_TAG_CHARS]}
+                                    if outcome.cause else {})}))
 
     def after_job(self, job, results, error: BaseException | None) -> None:
         from sparkgpu.tracking.flush import UNSENT_TAG

@@ -182,6 +182,41 @@ class LocalSparkCluster:
                 continue
         return left
 
+    # -- faults ------------------------------------------------------------------------
+    def executor_pids(self) -> dict[str, tuple[int, int]]:
+        """Live executor JVMs of this cluster: ``{executor id: (pid, worker index)}``."""
+        import psutil
+
+        found = {}
+        for name, process in self._processes.items():
+            if not name.startswith("worker-") or process.poll() is not None:
+                continue
+            for child in psutil.Process(process.pid).children(recursive=True):
+                try:
+                    argv = child.cmdline()
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue
+                if "org.apache.spark.executor.CoarseGrainedExecutorBackend" in argv and "--executor-id" in argv:
+                    found[argv[argv.index("--executor-id") + 1]] = (child.pid, int(name[len("worker-"):]))
+        return found
+
+    def kill_worker(self, index: int) -> None:
+        """SIGKILLs worker ``index`` with its executors (one process group), as a lost machine."""
+        process = self._processes[f"worker-{index}"]
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+
+    def restart_worker(self, index: int, timeout: float = 120.0) -> None:
+        """Starts worker ``index`` again and waits until the application has its executor back."""
+        deadline = time.monotonic() + timeout
+        self._start_worker(index)
+        self._wait(self._workers_registered, deadline, f"worker {index} to register again", f"worker-{index}")
+        self.wait_for_executors(max(1.0, deadline - time.monotonic()))
+
+    def wait_for_executors(self, timeout: float = 120.0) -> None:
+        """Waits until the application holds an executor on every worker again (after a fault)."""
+        self._wait(self._executors_registered, time.monotonic() + timeout, "the executors to be back", "master")
+
     def __enter__(self) -> "LocalSparkCluster":
         return self.start()
 

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from sparkgpu.launch.attempt_report import AttemptReport
 from sparkgpu.launch.backends.spark import SparkAttempt, SparkBackend
 from sparkgpu.launch.backends.spark_capacity import NodeLayout
 from sparkgpu.launch.backends.spark_node import CANCEL_FILE, NodeLaunch, _watch, spark_dir
@@ -48,11 +49,12 @@ def start_marker(attempt, node, started_at):
 class RunningNode:
     """One node of the attempt: an agent process watched by spark_node's loop in a thread."""
 
-    def __init__(self, attempt, node):
+    def __init__(self, attempt, node, peer_timeout=None):
         start_marker(attempt, node, time.time())
         self.agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
         launch = NodeLaunch(run_dir=str(attempt.run_dir.path), attempt=attempt.attempt, nnodes=2, nproc=1, env={},
-                            shutdown_grace=attempt.job.policy.shutdown_grace, client_timeout=None)
+                            shutdown_grace=attempt.job.policy.shutdown_grace, client_timeout=None,
+                            peer_timeout=peer_timeout)
         self.thread = threading.Thread(target=_watch, args=(self.agent, attempt.run_dir, launch, node), daemon=True)
         self.thread.start()
 
@@ -75,8 +77,8 @@ def test_ranks_that_outlive_a_broken_stream_are_stopped_before_the_attempt_ends(
         assert sorted(p.name for p in sdir.glob("node-*.ended")) == ["node-0.ended", "node-1.ended"]
         assert json.loads((sdir / "node-0.ended").read_text())["state"] == "cancelled"
         assert (sdir / CANCEL_FILE).exists() and session.interrupted == ["sparkgpu-job-1-0"]
-        log = attempt.run_dir.agent_log(0, 0).read_text()
-        assert "the Spark job of this attempt failed: ConnectionError" in log and "did not confirm" not in log
+        notes = "\n".join(AttemptReport.read(attempt.run_dir.attempt_dir(0)).notes)
+        assert "the Spark job of this attempt failed: ConnectionError" in notes and "did not confirm" not in notes
     finally:
         for node in nodes:
             node.stop()
@@ -90,7 +92,8 @@ def test_nodes_that_never_confirm_are_waited_for_a_bounded_time(attempt):
     started = time.monotonic()
     assert backend.poll(attempt) == 1
     assert 1.0 <= time.monotonic() - started < 5  # shutdown_grace 0.5 + margin 0.5
-    assert "node(s) 0 did not confirm within 1s that their ranks stopped" in attempt.run_dir.agent_log(0, 0).read_text()
+    (note,) = [n for n in AttemptReport.read(attempt.run_dir.attempt_dir(0)).notes if "did not confirm" in n]
+    assert "node(s) 0 did not confirm within 1s that their ranks stopped" in note
 
 
 def test_a_cancelled_attempt_does_not_wait_again(attempt):
@@ -139,3 +142,49 @@ def test_the_spark_backend_says_its_ranks_wait_for_gpus():
     from sparkgpu.launch.backends.spark import SparkBackend
 
     assert SparkBackend.waits_for_resources and not LocalBackend.waits_for_resources
+
+
+def lost_node(attempt, node):
+    """A node that started and beat once, then vanished with its executor: no more beats, no end marker."""
+    start_marker(attempt, node, time.time())
+    sdir = spark_dir(attempt.run_dir, attempt.attempt)
+    (sdir / f"node-{node}.started").write_text(json.dumps({"node": node, "executor": "7", "host": "10.0.0.7",
+                                                           "started_at": time.time()}))
+    (sdir / f"node-{node}.beat").write_text("1\n")
+
+
+def test_a_node_stops_its_ranks_when_a_peer_stops_beating(attempt):
+    lost_node(attempt, 1)
+    node = RunningNode(attempt, 0, peer_timeout=1.0)
+    try:
+        assert node.agent.wait(15) == -15  # SIGTERM, long before the agent's 120 s
+        node.thread.join(10)
+        ended = json.loads((spark_dir(attempt.run_dir, 0) / "node-0.ended").read_text())
+        assert ended["state"] == "peer-lost"
+    finally:
+        node.stop()
+
+
+def test_the_client_counts_a_silent_node_lost_stops_the_others_and_reports_its_host(attempt):
+    session = TaggedSession()
+    backend = SparkBackend(spark=session, client_timeout=None)
+    backend.node_timeout = 1.0
+    lost_node(attempt, 1)
+    survivor = RunningNode(attempt, 0)  # watches no peers: the client's cancel marker stops it
+    try:
+        deadline = time.monotonic() + 15
+        while not session.interrupted and time.monotonic() < deadline:
+            assert backend.poll(attempt) is None
+            time.sleep(0.2)
+        assert session.interrupted == ["sparkgpu-job-1-0"]
+        assert survivor.agent.wait(10) == -15
+        backend._run_action(attempt, BrokenStream())  # the interrupted Spark job ends
+        assert backend.poll(attempt) == 1
+        report = AttemptReport.read(attempt.run_dir.attempt_dir(0))
+        assert [(n.node, n.executor, n.host, n.ranks) for n in report.lost] == [(1, "7", "10.0.0.7", [1])]
+        assert report.lost_message().startswith("executor 7 on host 10.0.0.7 was lost (no heartbeat from it")
+        assert report.lost_at is not None and report.lost_at <= time.time()
+        assert [n.state for n in report.nodes] == ["cancelled", "lost"]
+        assert not any("the Spark job of this attempt failed" in note for note in report.notes)
+    finally:
+        survivor.stop()

@@ -22,7 +22,7 @@ from sparkgpu.launch.backends.spark_node import (
     HEARTBEAT_FILE,
     NodeLaunch,
     _claim,
-    _Heartbeat,
+    Heartbeat,
     _watch,
     executor_identity,
     spark_dir,
@@ -116,7 +116,7 @@ def test_heartbeat_counts_changes_not_clocks(tmp_path, monkeypatch):
     path = tmp_path / "beat"
     now = [100.0]
     monkeypatch.setattr(spark_node.time, "monotonic", lambda: now[0])
-    beat = _Heartbeat(path, timeout=10)
+    beat = Heartbeat(path, timeout=10)
     path.write_text("1")
     assert not beat.lost()
     now[0] += 9
@@ -126,7 +126,7 @@ def test_heartbeat_counts_changes_not_clocks(tmp_path, monkeypatch):
     assert not beat.lost()
     now[0] += 2
     assert beat.lost()
-    assert not _Heartbeat(path, timeout=None).lost()
+    assert not Heartbeat(path, timeout=None).lost()
 
 
 def test_the_start_marker_is_claimed_once(tmp_path):

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from sparkgpu.launch.backends import spark_node
+from sparkgpu.launch.attempt_report import AttemptReport
 from sparkgpu.launch.backends.spark import SparkAttempt, SparkBackend
 from sparkgpu.launch.backends.spark_capacity import NodeLayout
 from sparkgpu.launch.backends.spark_node import CANCEL_FILE, NodeLaunch, _claim, _watch, spark_dir
@@ -81,7 +82,7 @@ def test_ranks_that_outlive_a_broken_stream_are_stopped_through_the_store(job, t
         sdir = spark_dir(rd, 0)
         assert [json.loads((sdir / f"node-{n}.ended").read_text())["state"] for n in (0, 1)] == ["cancelled"] * 2
         assert (tmp_path / "store" / "job-1" / "attempts/0/spark" / CANCEL_FILE).exists()
-        assert "did not confirm" not in rd.agent_log(0, 0).read_text()
+        assert "did not confirm" not in "\n".join(AttemptReport.read(rd.attempt_dir(0)).notes)
     finally:
         for node in nodes:
             node.stop()

@@ -2,18 +2,20 @@
 
 import io
 import json
+import pickle
 import time
 
 import pytest
 
-from sparkgpu.errors import JobTimeoutError, WorkerFailedError
+from sparkgpu.errors import JobTimeoutError, NodeLostError, WorkerFailedError
+from sparkgpu.launch.attempt_report import AttemptReport, NodeReport
 from sparkgpu.launch.callbacks import JobCallback
 from sparkgpu.launch.entrypoint import EXIT_PREEMPTED
 from sparkgpu.launch.payload import RunDir, atomic_write_bytes, serialize_payload
 from sparkgpu.launch.supervisor import Supervisor
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
 from sparkgpu.train._checkpoint_store import MARKER_NAME, CheckpointInfo
-from tests.fakes.backend import ScriptedBackend
+from tests.fakes.backend import FakeAttempt, ScriptedBackend
 
 
 class RecordingCallback(JobCallback):
@@ -386,3 +388,58 @@ def test_callbacks_hear_when_ranks_start_only_once_they_run(tmp_path):
     with pytest.raises(CapacityError):
         sup.run()
     assert "ranks_started:0" not in cb.events and "after_attempt:0:failed" in cb.events
+
+
+class LosingBackend(ScriptedBackend):
+    """Attempt k plays ``"lost"`` too: rank 0 raised after its peer left, node 1 (rank 1) was lost."""
+
+    lost_at = time.time() - 3600  # long before the attempt ends: the bill must stop there, not at the end
+
+    def submit(self, job, run_dir, attempt, env):
+        if self.script[attempt] != "lost":
+            return super().submit(job, run_dir, attempt, env)
+        self.script[attempt] = "raise"  # rank errors on both ranks; the report says why
+        handle = super().submit(job, run_dir, attempt, env)
+        run_dir.error_file(attempt, 1).unlink()  # the lost node's rank never wrote how it ended
+        AttemptReport(attempt, nodes=[NodeReport(1, "7", "10.0.0.7", "lost", [1], cause="no heartbeat for 10s")],
+                      notes=["a note"], lost_at=self.lost_at).write(run_dir.attempt_dir(attempt))
+        return handle
+
+
+def test_a_lost_node_in_the_backends_report_fails_the_attempt_naming_its_host(tmp_path):
+    sup, _, cb, rd, out = run_job(tmp_path, [], max_restarts=1)
+    sup.backend = LosingBackend(["lost", "lost"])
+    with pytest.raises(NodeLostError) as err:
+        sup.run()
+    assert str(err.value).startswith("executor 7 on host 10.0.0.7 was lost (no heartbeat for 10s)")
+    assert [f.rank for f in err.value.failures] == [0, 1]
+    assert err.value.first_failure.rank == 1  # the lost rank, before its peer's error
+    assert pickle.loads(pickle.dumps(err.value)).lost == err.value.lost
+    state = json.loads(rd.state_file.read_text())
+    first, second = state["attempts"]
+    assert [(n["node"], n["executor"], n["host"]) for n in first["lost"]] == [(1, "7", "10.0.0.7")]
+    assert first["cause"][0] == "executor 7 on host 10.0.0.7 was lost (no heartbeat for 10s)"
+    assert first["ended_at"] == first["started_at"]  # lost before it started here: nothing billed after the loss
+    assert "attempt 0 failed: executor 7 on host 10.0.0.7 was lost" in out.getvalue()
+    # Read back later (attach(job_id).result()), the job raises the same error.
+    again = sup._collect(1, None, None).error("job-1", "logs")
+    assert isinstance(again, NodeLostError) and again.lost == err.value.lost and again.ranks == err.value.ranks
+
+
+class NotingBackend(ScriptedBackend):
+    """Its nodes never started a launcher; the report's note says why."""
+
+    def submit(self, job, run_dir, attempt, env):
+        run_dir.prepare_attempt(attempt)
+        AttemptReport(attempt, notes=["executor 1 on h cannot see the run dir /x: set SPARKGPU_STAGING_ROOT"]).write(
+            run_dir.attempt_dir(attempt))
+        return FakeAttempt(attempt=attempt, code=1, polls_left=1)
+
+
+def test_the_backends_notes_are_shown_when_no_launcher_recorded_anything(tmp_path):
+    sup, *_ = run_job(tmp_path, [])
+    sup.backend = NotingBackend([])
+    with pytest.raises(WorkerFailedError) as err:
+        sup.run()
+    assert not isinstance(err.value, NodeLostError)
+    assert "sparkgpu: executor 1 on h cannot see the run dir /x: set SPARKGPU_STAGING_ROOT" in str(err.value)

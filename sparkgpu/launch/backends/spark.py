@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -36,6 +37,7 @@ from sparkgpu._urls import install_command, scheme_of
 from sparkgpu.config import settings
 from sparkgpu.errors import CapacityError, ConfigurationError
 from sparkgpu.launch.agent import build_command
+from sparkgpu.launch.attempt_report import AttemptReport, NodeReport
 from sparkgpu.launch.backends.base import AttemptHandle, Backend, LaunchPlan
 from sparkgpu.launch.backends.spark_capacity import (
     NodeLayout,
@@ -48,7 +50,9 @@ from sparkgpu.launch.backends.spark_node import (
     CANCEL_FILE,
     HEARTBEAT_FILE,
     NODE_DDL,
+    Heartbeat,
     NodeLaunch,
+    node_beat_file,
     run_node,
     spark_dir,
 )
@@ -62,6 +66,8 @@ from sparkgpu.spec import JobSpec, Resources
 __all__ = ["SparkBackend", "SparkAttempt", "create_backend", "active_spark_session"]
 
 _HEARTBEAT_SECONDS = 2.0
+#: How Spark names the executor it lost in a failed job's message.
+_LOST_EXECUTOR = re.compile(r"ExecutorLostFailure \(executor (\S+?)[ )]|[Ee]xecutor (?:id )?(\S+?) (?:lost|exited)")
 
 
 @dataclasses.dataclass
@@ -86,6 +92,13 @@ class SparkAttempt(AttemptHandle):
     started_at: float | None = None  # Unix time the barrier tasks got their GPUs and started
     exit_code: int | None = None
     mirror: ClientMirror | None = None  # with a staging store
+    node_infos: dict[int, dict] = dataclasses.field(default_factory=dict)  # the nodes' start markers
+    beats: dict[int, Heartbeat] = dataclasses.field(default_factory=dict)  # the nodes' heartbeats
+    report: AttemptReport | None = None  # written to the attempt's dir as it fills
+
+    def __post_init__(self):
+        if self.report is None:
+            self.report = AttemptReport(self.attempt)
 
     @property
     def nodes(self) -> list[dict]:
@@ -123,6 +136,9 @@ class SparkBackend(Backend):
     node_stop_margin = 20.0
     #: Seconds between two syncs of a running attempt with the staging store.
     sync_interval = 1.0
+    #: Seconds a started node may go without a heartbeat (and without its end marker) before
+    #: the client and the other nodes count its executor lost and stop the attempt.
+    node_timeout = 10.0
 
     def __init__(self, spark=None, *, wait_timeout: float | None = None, gpus_per_node: int | None = None,
                  simulated: bool | None = None, client_timeout: float | None = 120.0, out=None,
@@ -227,7 +243,7 @@ class SparkBackend(Backend):
         launch = NodeLaunch(
             run_dir=str(run_dir.path), attempt=attempt, nnodes=layout.nodes, nproc=layout.ranks_per_node,
             env=env_for_nodes(env, run_dir) if self.staging_url else dict(env), shutdown_grace=job.policy.shutdown_grace,
-            client_timeout=self.client_timeout, store_url=self.staging_url,
+            client_timeout=self.client_timeout, store_url=self.staging_url, peer_timeout=self.node_timeout,
             threads_per_rank=None if job.uses_cuda else max(1, (os.cpu_count() or 1) // layout.ranks_per_node),
         )
         task = functools.partial(run_node, launch)
@@ -282,9 +298,9 @@ class SparkBackend(Backend):
             return
         error = handle.mirror.finish(handle.attempt)
         if error is not None:
-            self._note(handle.run_dir, handle.attempt, f"the last download of this attempt's files from the staging "
-                                                       f"store {handle.mirror.store.url} failed ({type(error).__name__}: "
-                                                       f"{error}); its results may be there still")
+            self._note(handle, f"the last download of this attempt's files from the staging store "
+                               f"{handle.mirror.store.url} failed ({type(error).__name__}: {error}); its results "
+                               "may be there still")
 
     @staticmethod
     def _sync_now(handle: SparkAttempt) -> None:
@@ -320,6 +336,8 @@ class SparkBackend(Backend):
             if now >= handle.next_check:
                 handle.next_check = now + 1.0
                 self._check_waiting(handle, now)
+                if handle.nodes_started and self._find_lost(handle):
+                    self._stop_for_lost(handle)
             return None
         if handle.exit_code is None:
             self._last_pull(handle)
@@ -375,22 +393,25 @@ class SparkBackend(Backend):
             handle.next_notice = now + 30.0
 
     def _outcome(self, handle: SparkAttempt) -> int:
-        """Exit status of a finished attempt; Spark-level failures are written where the supervisor looks."""
-        rd, attempt = handle.run_dir, handle.attempt
+        """Exit status of a finished attempt; what Spark alone knows goes into the attempt's report."""
+        rd = handle.run_dir
+        rows = [r for r in handle.nodes if r["state"] != "spark-retry"]
         if handle.error is not None:
             if handle.cancelled:
+                self._write_report(handle, rows)
                 return 1
-            text = "\n".join(str(handle.error).splitlines()[:40])
-            self._note(rd, attempt, f"the Spark job of this attempt failed: {type(handle.error).__name__}: {text}")
+            if not handle.report.lost:  # not the interrupt that followed a lost node
+                text = "\n".join(str(handle.error).splitlines()[:40])
+                self._note(handle, f"the Spark job of this attempt failed: {type(handle.error).__name__}: {text}")
             self._stop_outliving_nodes(handle)
+            self._write_report(handle, rows)
             return 1
-        rows = handle.nodes
         blind = [r for r in rows if r["state"] == "no-run-dir"]
         if blind:
             where = ", ".join(f"executor {r['executor']} on {r['host']}" for r in blind)
-            self._note(rd, attempt, f"{where} cannot see the run dir {rd.path}: set SPARKGPU_STAGING_ROOT to a folder "
-                                    "mounted under the same path on the client and on every executor (NFS, or a "
-                                    "FUSE-mounted volume)")
+            self._note(handle, f"{where} cannot see the run dir {rd.path}: set SPARKGPU_STAGING_ROOT to a folder "
+                               "mounted under the same path on the client and on every executor (NFS, or a "
+                               "FUSE-mounted volume)")
         for state, problem in (("store-unreachable", "cannot read or write this job's files on"),
                                ("store-push-failed", "could not upload the results of its ranks to")):
             if lost := [r for r in rows if r["state"] == state]:
@@ -398,20 +419,89 @@ class SparkBackend(Backend):
                 scheme = scheme_of(self.staging_url)
                 fix = ("mount that folder on every executor" if scheme == "file" else
                        f"every executor needs its filesystem ({install_command(scheme)}) and credentials for it")
-                self._note(rd, attempt, f"{where} {problem} the staging store {self.staging_url}: {fix}; the executor's "
-                                        "stderr log (Spark UI) has the error")
-        if any(r["state"] == "spark-retry" for r in rows):
-            self._note(rd, attempt, "Spark lost a task or an executor of this attempt and re-ran its barrier stage; the "
-                                    "nodes did not start the ranks again (restarts are set with max_restarts=). The "
-                                    "executor logs in the Spark UI say why it was lost.")
+                self._note(handle, f"{where} {problem} the staging store {self.staging_url}: {fix}; the executor's "
+                                   "stderr log (Spark UI) has the error")
+        if len(rows) < len(handle.nodes):
+            # Spark lost a task or an executor and re-ran the barrier stage; the re-run tasks
+            # started nothing, but the first run's ranks may live on: stop them, name the lost.
+            self._stop_outliving_nodes(handle)
+            if not handle.report.lost:
+                self._note(handle, "Spark lost a task or an executor of this attempt and re-ran its barrier stage; "
+                                   "the nodes did not start the ranks again (restarts are set with max_restarts=). "
+                                   "The executor logs in the Spark UI say why it was lost.")
+        self._write_report(handle, rows)
         return max((abs(r["exit_code"]) for r in rows), default=1)
+
+    # -- lost nodes ---------------------------------------------------------------------
+    def _find_lost(self, handle: SparkAttempt, named: tuple[str, ...] = ()) -> bool:
+        """Counts started nodes lost that stopped beating for ``node_timeout`` without an end marker,
+        or whose executor Spark names in ``named``; ``True`` when a node is newly lost.
+
+        Only the first nodes to fall silent count by their silence: once Spark notices a lost
+        executor it kills the barrier stage's other tasks, and their nodes fall silent after.
+        """
+        sdir = spark_dir(handle.run_dir, handle.attempt)
+        self._read_node_infos(handle)
+        known = {n.node for n in handle.report.lost}
+        found = False
+        for node in _nodes_without_end(sdir):
+            if node in known:
+                continue
+            beat = self._beat_of(handle, node)
+            info = handle.node_infos.get(node, {})
+            if str(info.get("executor")) in named:
+                cause = "Spark reported its executor lost"
+            elif not known and beat.lost():
+                cause = f"no heartbeat from it for {beat.silent_for():.0f}s and no word on how its ranks ended"
+            else:
+                continue
+            lost_at = time.time() - beat.silent_for()
+            handle.report.lost_at = min(handle.report.lost_at or lost_at, lost_at)
+            handle.report.nodes.append(NodeReport(node, str(info.get("executor", "")), str(info.get("host", "")),
+                                                  "lost", self._ranks_of(handle, node), cause=cause))
+            found = True
+        if found:
+            self._write_report(handle)
+        return found
+
+    def _beat_of(self, handle: SparkAttempt, node: int) -> Heartbeat:
+        beat = handle.beats.get(node)
+        if beat is None:
+            sdir = spark_dir(handle.run_dir, handle.attempt)
+            beat = handle.beats[node] = Heartbeat(sdir / node_beat_file(node), self.node_timeout, seen_first=True)
+        return beat
+
+    def _stop_for_lost(self, handle: SparkAttempt) -> None:
+        """A node is lost while the Spark job runs: stop the others' ranks and end the job now."""
+        message = handle.report.lost_message()
+        print(f"sparkgpu: {message}; stopping the ranks of the other nodes", file=self._stream, flush=True)
+        atomic_write_bytes(spark_dir(handle.run_dir, handle.attempt) / CANCEL_FILE, f"{message}\n".encode())
+        self._sync_now(handle)
+        try:
+            self.spark.interruptTag(handle.tag)  # Spark may wait for the lost executor's slots otherwise
+        except Exception as exc:  # the session may be gone with the executor's host: the nodes stop on the marker
+            self._note(handle, f"could not interrupt the Spark job ({type(exc).__name__}: {exc})")
+
+    def _read_node_infos(self, handle: SparkAttempt) -> None:
+        for marker in spark_dir(handle.run_dir, handle.attempt).glob("node-*.started"):
+            node = marker.name[len("node-"):-len(".started")]
+            if node.isdigit() and int(node) not in handle.node_infos:
+                try:
+                    handle.node_infos[int(node)] = json.loads(marker.read_text())
+                except (OSError, ValueError):
+                    continue  # created before its content is written: read again next time
+
+    @staticmethod
+    def _ranks_of(handle: SparkAttempt, node: int) -> list[int]:
+        per_node = handle.layout.ranks_per_node
+        return list(range(node * per_node, (node + 1) * per_node))
 
     def _stop_outliving_nodes(self, handle: SparkAttempt) -> None:
         """Stops the ranks of a failed Spark job and waits (bounded) until the nodes say they stopped.
 
         The Connect stream can break while the barrier tasks run on: without this, a restart
         would start the next attempt beside ranks still training on the same GPUs and
-        checkpoint directory.
+        checkpoint directory. A node that stops beating meanwhile is not waited for: it is lost.
         """
         rd, attempt = handle.run_dir, handle.attempt
         sdir = spark_dir(rd, attempt)
@@ -420,23 +510,51 @@ class SparkBackend(Backend):
         try:
             self.spark.interruptTag(handle.tag)
         except Exception as exc:  # the broken stream may have taken the session with it
-            self._note(rd, attempt, f"could not interrupt the Spark job ({type(exc).__name__}: {exc}); the nodes "
-                                    "stop their ranks on the cancel marker")
+            self._note(handle, f"could not interrupt the Spark job ({type(exc).__name__}: {exc}); the nodes "
+                               "stop their ranks on the cancel marker")
+        named = tuple(name for found in _LOST_EXECUTOR.findall(str(handle.error or "")) for name in found if name)
         limit = handle.job.policy.shutdown_grace + self.node_stop_margin
         deadline = time.monotonic() + limit
-        while (running := _nodes_without_end(sdir)) and time.monotonic() < deadline:
+        running = _nodes_without_end(sdir)
+        while running and time.monotonic() < deadline:
             time.sleep(0.2)
             self._sync_now(handle)  # with a store, the end markers arrive by pulls
+            self._find_lost(handle, named)
+            lost = {n.node for n in handle.report.lost}
+            # A silent node is not waited for: lost, or its task was killed by Spark with its ranks.
+            running = [n for n in _nodes_without_end(sdir) if n not in lost and not self._beat_of(handle, n).lost()]
         if running:
-            self._note(rd, attempt, f"node(s) {', '.join(map(str, running))} did not confirm within {limit:g}s that "
-                                    "their ranks stopped (their executor may be lost); any rank left stops when it "
-                                    "sees the cancel marker or loses this client's heartbeat")
+            self._note(handle, f"node(s) {', '.join(map(str, running))} did not confirm within {limit:g}s that "
+                               "their ranks stopped (their executor may be lost); any rank left stops when it "
+                               "sees the cancel marker or loses this client's heartbeat")
 
-    @staticmethod
-    def _note(rd: RunDir, attempt: int, message: str) -> None:
-        # Node 0's agent log is what the supervisor shows when no rank reported anything.
-        with open(rd.agent_log(attempt, 0), "a") as log:
-            log.write(f"\nsparkgpu: {message}\n")
+    # -- the attempt's report -----------------------------------------------------------
+    def _note(self, handle: SparkAttempt, message: str) -> None:
+        """A sentence for the user about the attempt, kept in its report."""
+        handle.report.notes.append(message)
+        self._write_report(handle)
+
+    def _write_report(self, handle: SparkAttempt, rows: list[dict] | None = None) -> None:
+        """Writes the report; with the node tasks' ``rows`` (or their end markers) it is the final one."""
+        report = handle.report
+        if rows is not None:
+            lost = {n.node: n for n in report.lost}
+            by_node = {r["node"]: r for r in rows}
+            ended = _end_markers(spark_dir(handle.run_dir, handle.attempt))
+            self._read_node_infos(handle)
+            nodes = []
+            for node in sorted(set(by_node) | set(ended) | set(handle.node_infos) | set(lost)):
+                if node in lost:
+                    nodes.append(lost[node])
+                    continue
+                row, end, info = by_node.get(node, {}), ended.get(node, {}), handle.node_infos.get(node, {})
+                code = row.get("exit_code", end.get("exit_code"))
+                state = str(row.get("state", end.get("state", "unknown")))
+                nodes.append(NodeReport(node, str(row.get("executor", info.get("executor", ""))),
+                                        str(row.get("host", info.get("host", ""))), state, self._ranks_of(handle, node),
+                                        exit_code=code, signal=-code if code is not None and code < 0 else None))
+            report.nodes = nodes
+        report.write(handle.run_dir.attempt_dir(handle.attempt))
 
     def cancel(self, handle: SparkAttempt, grace: float) -> None:
         if handle.finished.is_set():
@@ -452,6 +570,19 @@ class SparkBackend(Backend):
             self.spark.interruptTag(handle.tag)  # Spark kills the Python workers; agents and ranks follow
             handle.finished.wait(60)
         self._last_pull(handle)
+        self._write_report(handle, [r for r in handle.nodes if r["state"] != "spark-retry"])
+
+
+def _end_markers(sdir) -> dict[int, dict]:
+    """The nodes' end markers (exit code, state), by node."""
+    found = {}
+    for path in sdir.glob("node-*.ended"):
+        node = path.name[len("node-"):-len(".ended")]
+        try:
+            found[int(node)] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # a foreign file: not a node's marker
+    return found
 
 
 def _nodes_without_end(sdir) -> list[int]:

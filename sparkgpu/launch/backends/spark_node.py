@@ -43,7 +43,8 @@ from sparkgpu.launch.staging import (
 
 __all__ = ["NodeLaunch", "run_node", "ProbeOptions", "probe_executor", "probe_image", "NODE_SCHEMA", "PROBE_SCHEMA",
            "NODE_DDL", "PROBE_DDL", "IMAGE_DDL",
-           "ExecutorIdentity", "executor_identity", "CANCEL_FILE", "HEARTBEAT_FILE", "spark_dir"]
+           "ExecutorIdentity", "executor_identity", "CANCEL_FILE", "HEARTBEAT_FILE", "spark_dir", "Heartbeat",
+           "node_beat_file"]
 
 NODE_SCHEMA = pa.schema([
     ("node", pa.int32()), ("executor", pa.string()), ("host", pa.string()), ("devices", pa.string()),
@@ -57,6 +58,7 @@ PROBE_SCHEMA = pa.schema([
 NODE_DDL = "node int, executor string, host string, devices string, pid bigint, exit_code int, state string"
 PROBE_DDL = "executor string, host string, cores int, gpu_addresses string, gpu_names string, python string"
 _POLL_SECONDS = 0.2
+_BEAT_SECONDS = 1.0
 
 
 def spark_dir(run_dir: RunDir, attempt: int) -> Path:
@@ -239,6 +241,9 @@ class NodeLaunch:
         threads_per_rank: ``OMP_NUM_THREADS`` for CPU ranks.
         store_url: The staging store (``SPARKGPU_STAGING_ROOT`` as an fsspec URL), or ``None``
             when the executors share the client's run dir.
+        peer_timeout: Seconds a started peer node may go without a heartbeat (and without
+            its end marker) before this node counts it lost and stops its own ranks; ``None``
+            to not watch peers.
     """
 
     run_dir: str
@@ -250,6 +255,7 @@ class NodeLaunch:
     client_timeout: float | None
     threads_per_rank: int | None = None
     store_url: str | None = None
+    peer_timeout: float | None = None
 
     def __repr__(self) -> str:  # keeps the key out of Spark's logs and error messages
         return f"NodeLaunch(run_dir={self.run_dir!r}, attempt={self.attempt}, nnodes={self.nnodes}, nproc={self.nproc})"
@@ -423,17 +429,28 @@ def _peer_failed(rd: RunDir, attempt: int, node: int) -> bool:
     return False
 
 
-class _Heartbeat:
-    """Notices a client that stopped beating, by content, so clocks of other hosts never matter."""
+def node_beat_file(node: int) -> str:
+    """Name of the heartbeat a node rewrites in the attempt's Spark dir while its agent runs."""
+    return f"node-{node}.beat"
 
-    def __init__(self, path: Path, timeout: float | None):
-        self.path, self.timeout = path, timeout
+
+class Heartbeat:
+    """Notices a client or a node that stopped beating, by content, so clocks of other hosts never matter.
+
+    Args:
+        path: The file the other side rewrites with a new count every second or so.
+        timeout: Seconds without a change after which it counts as lost (``None``: never).
+        seen_first: Judge only once the file was read at least once (a node with a staging
+            store may never share its beat with this reader).
+    """
+
+    def __init__(self, path: Path, timeout: float | None, seen_first: bool = False):
+        self.path, self.timeout, self.seen_first = path, timeout, seen_first
         self.last_value: str | None = None
         self.last_change = time.monotonic()
 
-    def lost(self) -> bool:
-        if self.timeout is None:
-            return False
+    def silent_for(self) -> float:
+        """Seconds since the content last changed, as of now."""
         try:
             value = self.path.read_text()
         except OSError:
@@ -441,15 +458,40 @@ class _Heartbeat:
         now = time.monotonic()
         if value != self.last_value:
             self.last_value, self.last_change = value, now
-        return now - self.last_change > self.timeout
+        return now - self.last_change
+
+    def lost(self) -> bool:
+        if self.timeout is None:
+            return False
+        silent = self.silent_for()
+        return silent > self.timeout and (self.last_value is not None or not self.seen_first)
+
+
+def _peer_lost(sdir: Path, node: int, beats: dict[int, Heartbeat], timeout: float | None) -> bool:
+    """Whether a peer node started, never ended and stopped beating: its executor is gone."""
+    if timeout is None:
+        return False
+    for marker in sdir.glob("node-*.started"):
+        peer = marker.name[len("node-"):-len(".started")]
+        if not peer.isdigit() or int(peer) == node or (sdir / f"node-{peer}.ended").exists():
+            continue
+        beat = beats.setdefault(int(peer), Heartbeat(sdir / node_beat_file(int(peer)), timeout, seen_first=True))
+        if beat.lost():
+            return True
+    return False
 
 
 def _watch(agent: subprocess.Popen, rd: RunDir, launch: NodeLaunch, node: int) -> tuple[int, str]:
     """Waits for the agent; stops it when the client cancels, the client is gone or a peer node failed."""
     sdir = spark_dir(rd, launch.attempt)
-    heartbeat = _Heartbeat(sdir / HEARTBEAT_FILE, launch.client_timeout)
+    heartbeat = Heartbeat(sdir / HEARTBEAT_FILE, launch.client_timeout)
+    peers: dict[int, Heartbeat] = {}
     state, stop_deadline = "running", None
+    beats, next_beat = 0, 0.0
     while (code := agent.poll()) is None:
+        if time.monotonic() >= next_beat:  # the client and the peers tell a lost executor by its silence
+            beats, next_beat = beats + 1, time.monotonic() + _BEAT_SECONDS
+            atomic_write_bytes(sdir / node_beat_file(node), f"{beats}\n".encode())
         if stop_deadline is None:
             reason = None
             if (sdir / CANCEL_FILE).exists():
@@ -458,6 +500,8 @@ def _watch(agent: subprocess.Popen, rd: RunDir, launch: NodeLaunch, node: int) -
                 reason = "client-lost"
             elif _peer_failed(rd, launch.attempt, node):
                 reason = "peer-failed"
+            elif _peer_lost(sdir, node, peers, launch.peer_timeout):
+                reason = "peer-lost"
             if reason:
                 state = reason
                 agent.send_signal(signal.SIGTERM)  # the agent forwards it to the ranks
