@@ -14,9 +14,10 @@ import re
 from pathlib import Path
 
 from sparkgpu.errors import ConfigurationError
+from sparkgpu.units import parse_size
 
 __all__ = ["GPUType", "GPU_CATALOG", "AcceleratorShape", "ACCELERATOR_TYPES", "lookup_accelerator_type", "Settings",
-           "settings", "lookup_gpu_type", "classify_device", "reset_settings", "parse_bytes"]
+           "settings", "lookup_gpu_type", "classify_device", "reset_settings"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +192,6 @@ def _env_float(env, name, default):
         raise ConfigurationError(f"{name}={raw!r} is not a number; set it to seconds, e.g. {name}=600") from None
 
 
-_BYTE_COUNT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)b?\s*$", re.IGNORECASE)
 
 
 def _keep_runs(raw: str) -> dict:
@@ -214,28 +214,6 @@ def _keep_runs(raw: str) -> dict:
                     "(100,30d), or all"
                 )
     return {"keep_runs": count, "keep_runs_days": days}
-
-
-def parse_bytes(value, name: str) -> int:
-    """Reads a byte count: an int, or a string such as ``"200GB"``, ``"512MiB"``, ``"1.5T"``.
-
-    Raises:
-        ConfigurationError: ``value`` is not a positive byte count.
-    """
-    hint = f"{name}={value!r} is not a byte count; use an int or a string like '200GB' or '512MiB'"
-    if isinstance(value, bool):
-        raise ConfigurationError(hint)
-    if isinstance(value, int):
-        number = value
-    else:
-        match = _BYTE_COUNT.match(str(value))
-        if not match:
-            raise ConfigurationError(hint)
-        power = " kmgtp".index(match.group(2).lower() or " ")
-        number = int(float(match.group(1)) * (1024 if match.group(3) else 1000) ** power)
-    if number <= 0:
-        raise ConfigurationError(f"{name}={value!r} must be a positive byte count")
-    return number
 
 
 def _staging(raw: str | None, home: Path) -> tuple[Path, str | None]:
@@ -389,7 +367,7 @@ class Settings:
             registry_catalog=env.get("SPARKGPU_REGISTRY_CATALOG") or "main",
             registry_schema=env.get("SPARKGPU_REGISTRY_SCHEMA") or "default",
             cache_limit_bytes=(
-                parse_bytes(env["SPARKGPU_CACHE_LIMIT"], "SPARKGPU_CACHE_LIMIT") if env.get("SPARKGPU_CACHE_LIMIT") else None
+                parse_size(env["SPARKGPU_CACHE_LIMIT"], "SPARKGPU_CACHE_LIMIT") if env.get("SPARKGPU_CACHE_LIMIT") else None
             ),
             usage_ledger_uri=env.get("SPARKGPU_USAGE_LEDGER") or str(home / "usage" / "ledger"),
             usage_policy_path=env.get("SPARKGPU_USAGE_POLICY") or None,
@@ -399,7 +377,7 @@ class Settings:
             pool_idle_timeout=_env_float(env, "SPARKGPU_POOL_IDLE_TIMEOUT", 3600.0),
             tracking=(env.get("SPARKGPU_TRACKING") or "1").lower() not in ("0", "false", "no", "off"),
             system_metrics_interval=_env_float(env, "SPARKGPU_SYSTEM_METRICS_INTERVAL", 10.0),
-            env_size_limit=parse_bytes(env.get("SPARKGPU_ENV_SIZE_LIMIT") or "15GB", "SPARKGPU_ENV_SIZE_LIMIT"),
+            env_size_limit=parse_size(env.get("SPARKGPU_ENV_SIZE_LIMIT") or "15GB", "SPARKGPU_ENV_SIZE_LIMIT"),
             # With a staging store the executors share no folder with the client: shipped
             # environments and conversions default to the store too.
             env_store=env.get("SPARKGPU_ENV_STORE") or (f"{staging_url}/_envstore" if staging_url else str(home / "envstore")),

@@ -16,35 +16,9 @@ from typing import Any, Callable
 
 from sparkgpu.config import AcceleratorShape, lookup_accelerator_type, lookup_gpu_type
 from sparkgpu.errors import ConfigurationError
+from sparkgpu.units import parse_duration
 
-__all__ = ["Resources", "RunPolicy", "JobSpec", "parse_duration", "new_job_id", "requested_resources"]
-
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
-_UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400, None: 1}
-
-
-def parse_duration(value, *, name: str = "duration") -> float | None:
-    """Seconds from ``None``, a number of seconds, a ``timedelta`` or a string like ``"7d"``.
-
-    Raises:
-        ConfigurationError: the value is negative or not a duration.
-    """
-    if value is None:
-        return None
-    if isinstance(value, _dt.timedelta):
-        seconds = value.total_seconds()
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
-    elif isinstance(value, str) and (match := _DURATION.match(value)):
-        seconds = float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
-    else:
-        raise ConfigurationError(
-            f"{name}={value!r} is not a duration; pass seconds or a string such as '90s', '30m', '12h', '7d'"
-        )
-    if seconds <= 0:
-        raise ConfigurationError(f"{name}={value!r} must be positive")
-    return seconds
-
+__all__ = ["Resources", "RunPolicy", "JobSpec", "new_job_id", "requested_resources"]
 
 def new_job_id(name: str) -> str:
     """A job id that sorts by time and says what ran: ``<name>-<utc timestamp>-<random>``."""

@@ -125,7 +125,7 @@ def to_mds(
             for the default), e.g. ``{"emb": "ndarray:float32:128"}``.
         compression: ``None`` or a name as streaming spells it: ``"zstd"``, ``"zstd:7"``, ``"gz"``...
         hashes: Hash names recorded per shard, e.g. ``("sha1", "xxh64")``.
-        size_limit: Bytes of samples per shard (int or ``"64mb"``); ``None`` for one shard per writer.
+        size_limit: Bytes of samples per shard (int, ``"64MiB"`` or ``"64MB"``: see :mod:`sparkgpu.units`); ``None`` for one shard per writer.
         version: Delta table version to read (default: latest).
         timestamp: Read the Delta table as of this time instead.
         overwrite: Replace an existing dataset (or other files) in ``out``.

@@ -73,7 +73,8 @@ def files_dataset(
         DataError: The folder cannot be listed or no file matches ``pattern``.
     """
     from sparkgpu import runtime
-    from sparkgpu.config import parse_bytes, settings
+    from sparkgpu.config import settings
+    from sparkgpu.units import parse_size
     from sparkgpu.data.loader import _check_int
     from sparkgpu.data.volume import Volume
 
@@ -101,7 +102,7 @@ def files_dataset(
     cache = None
     if not in_place:
         limit = cache_limit if cache_limit is not None else settings().cache_limit_bytes
-        limit = parse_bytes(limit, "cache_limit") if limit is not None else None
+        limit = parse_size(limit, "cache_limit") if limit is not None else None
         cache = _open_cache(local if local is not None else settings().cache_dir, volume, listing, limit, download_threads)
     return FilesDataset(listing=listing, root=volume.root if in_place else None, cache=cache, shuffle=shuffle, seed=seed,
                         as_bytes=as_bytes, transform=transform, rank=rank, world_size=world_size)

@@ -30,7 +30,7 @@ import warnings
 import numpy as np
 import torch
 
-from sparkgpu.config import parse_bytes
+from sparkgpu.units import parse_size
 from sparkgpu.data.cache import open_cache_entry
 from sparkgpu.data.order import DEFAULT_BLOCK_SIZE, EpochPlan, epoch_order, restore_position
 from sparkgpu.data._pipeline import Producer, WorkerBatches, in_background, prefetch_to_device
@@ -154,7 +154,7 @@ def dataset(
         raise ConfigurationError("pass remote= (the dataset's volume URL), local= (a folder holding the shards), or both")
     if cache_limit is None and remote is not None:
         cache_limit = settings().cache_limit_bytes
-    limit = parse_bytes(cache_limit, "cache_limit") if cache_limit is not None else None
+    limit = parse_size(cache_limit, "cache_limit") if cache_limit is not None else None
     if limit is not None and remote is None:
         raise ConfigurationError("cache_limit applies to a cache of a remote volume; with remote=None the shards in local are the only copy")
     device = _check_device(device)

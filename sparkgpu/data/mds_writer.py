@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -16,6 +15,7 @@ import pyarrow as pa
 
 from sparkgpu.data.mds import ColumnSpec, EncodedBatch, encode_batch
 from sparkgpu.errors import ConfigurationError, DataError, MissingDependencyError
+from sparkgpu.units import parse_size
 
 __all__ = [
     "DEFAULT_SIZE_LIMIT",
@@ -121,26 +121,15 @@ def check_hashes(hashes: Iterable[str] | None) -> list[str]:
     return sorted(names)
 
 
-_UNITS = {"": 1, "b": 1, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30}
-
-
 def parse_size_limit(size_limit: int | str | None) -> int | None:
-    """Shard size limit in bytes from an int or a string such as ``"64mb"``; ``None``: one shard.
+    """Shard size limit in bytes (:func:`sparkgpu.units.parse_size`); ``None``: one shard.
 
     Raises:
         ConfigurationError: Not a positive size below 4 GiB (sample offsets are uint32).
     """
     if size_limit is None:
         return None
-    value = size_limit
-    if isinstance(size_limit, str):
-        match = re.fullmatch(r"\s*(\d+)\s*([kmg]?b?)\s*", size_limit.lower())
-        if not match:
-            raise ConfigurationError(f"size_limit {size_limit!r} is not a size; write e.g. 67108864 or '64mb'")
-        value = int(match.group(1)) * _UNITS[match.group(2)]
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 1 << 32:
-        raise ConfigurationError(f"size_limit must be between 1 byte and 4 GiB (offsets are uint32), got {size_limit!r}")
-    return value
+    return parse_size(size_limit, "size_limit (sample offsets are uint32)", maximum=(1 << 32) - 1)
 
 
 class ShardWriter:

@@ -26,7 +26,8 @@ KEEP = "__sparkgpu_keep"
 
 
 def file_cache(dataset, units, identity, storage_options, local, cache_limit, download_threads):
-    from sparkgpu.config import parse_bytes, settings
+    from sparkgpu.config import settings
+    from sparkgpu.units import parse_size
     from sparkgpu.data.loader import _check_int
     from sparkgpu.data.table_cache import TableFileCache
 
@@ -35,7 +36,7 @@ def file_cache(dataset, units, identity, storage_options, local, cache_limit, do
         return None  # read in place
     _check_int("download_threads", download_threads, 1)
     limit = cache_limit if cache_limit is not None else settings().cache_limit_bytes
-    limit = parse_bytes(limit, "cache_limit") if limit is not None else None
+    limit = parse_size(limit, "cache_limit") if limit is not None else None
     files = sorted({unit.path for unit in units})
     sizes = [info.size for info in dataset.filesystem.get_file_info(files)]
     from sparkgpu.data.convert_files import _arrow_filesystem

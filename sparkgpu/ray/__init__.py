@@ -50,7 +50,7 @@ from sparkgpu.decorator import DistributedFunction, distributed
 from sparkgpu.errors import ConfigurationError, MissingDependencyError
 from sparkgpu.ray.plan import NODE_LAYOUTS, RankResources, RayClusterError, RayNodeSpec, plan_ray_nodes
 from sparkgpu.ray.rank import INSTALL_HINT, RayOptions, read_cluster_info, run_rank
-from sparkgpu.spec import parse_duration
+from sparkgpu.units import parse_duration
 
 __all__ = [
     "ray_launch",

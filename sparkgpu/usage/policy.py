@@ -33,7 +33,8 @@ from typing import Any, Mapping
 
 from sparkgpu.config import lookup_gpu_type
 from sparkgpu.errors import ConfigurationError, PolicyViolationError
-from sparkgpu.spec import JobSpec, parse_duration
+from sparkgpu.spec import JobSpec
+from sparkgpu.units import parse_duration
 
 __all__ = ["Budget", "UsagePolicy", "job_attributes", "format_duration"]
 

@@ -242,7 +242,7 @@ def test_gather_native_and_numpy_agree_and_reject_bad_indices():
     ({"batch_size": 0}, "batch_size=0 must be an integer >= 1"),
     ({"batch_size": 8, "seed": -1}, "seed=-1"),
     ({"batch_size": 8, "rank": 2, "world_size": 2}, r"rank=2 must be an integer in \[0, world_size=2\)"),
-    ({"batch_size": 8, "cache_limit": "lots"}, "not a byte count"),
+    ({"batch_size": 8, "cache_limit": "lots"}, "is not a size"),
     ({"batch_size": 8, "device": "tpu"}, "device="),
 ])
 def test_bad_arguments_fail_before_anything_starts(tabular, kwargs, message):

@@ -237,6 +237,6 @@ def test_settings_are_checked_with_the_fix_in_the_message():
     assert check_hashes(["xxh64", "sha1"]) == ["sha1", "xxh64"]
     with pytest.raises(ConfigurationError, match="unknown hash"):
         check_hashes(["crc99"])
-    assert parse_size_limit("64mb") == 1 << 26 and parse_size_limit(None) is None
-    with pytest.raises(ConfigurationError, match="4 GiB"):
+    assert parse_size_limit("64MiB") == 1 << 26 and parse_size_limit(None) is None
+    with pytest.raises(ConfigurationError, match="uint32"):
         parse_size_limit(1 << 32)

@@ -4,7 +4,8 @@ import pytest
 
 from sparkgpu.config import GPU_CATALOG, lookup_gpu_type
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.spec import JobSpec, Resources, RunPolicy, new_job_id, parse_duration
+from sparkgpu.spec import JobSpec, Resources, RunPolicy, new_job_id
+from sparkgpu.units import parse_duration
 
 
 @pytest.mark.parametrize("value,seconds", [
