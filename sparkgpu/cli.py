@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Sequence
 
 from sparkgpu.errors import ConfigurationError, PolicyViolationError, SparkGPUError
+from sparkgpu.job_options import add_cli_flags, cli_values, key_value
 
 __all__ = ["main", "COMMANDS", "build_parser", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_POLICY"]
 
@@ -96,13 +97,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILED
 
 
-def _key_value(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
-    return key, value
-
-
 def console(stderr: bool = False):
     """A rich console; piped output (cron logs, CI) gets 160 columns instead of rich's 80."""
     import os
@@ -122,28 +116,11 @@ def register_run(subparsers) -> None:
                     "Arguments after `--` go to the script. Options override the job file's fields.",
     )
     p.add_argument("target", help="train.py, or a job file (.yaml, .yml, .toml, .json)")
-    p.add_argument("--gpus", type=int, help="number of GPUs (ranks); default 1")
-    p.add_argument("--gpu-type", help="H100, A10, A100-80GB, H200, L4, or cpu")
-    p.add_argument("--remote", action="store_true", default=None, help="run on the remote GPU pool")
-    p.add_argument("--max-runtime", help="cap on one attempt, e.g. 7d; ranks checkpoint before it and the job resumes")
-    p.add_argument("--checkpoint-grace", help="how long before --max-runtime ranks are asked to checkpoint (default 60s)")
-    p.add_argument("--timeout", help="limit on the whole job, e.g. 12h")
-    p.add_argument("--max-restarts", type=int, help="attempts restarted after a failure (default 0)")
-    p.add_argument("--tag", action="append", type=_key_value, metavar="KEY=VALUE", help="tag for cost attribution (repeat)")
-    p.add_argument("--env", action="append", type=_key_value, metavar="KEY=VALUE", help="environment variable for the script (repeat)")
-    p.add_argument("--name", help="job name (default: the script's name)")
-    p.add_argument("--log-ranks", help="ranks whose output streams here: main (default), all, none, or 0,2")
+    add_cli_flags(p)
+    p.add_argument("--env", action="append", type=key_value, metavar="KEY=VALUE",
+                   help="environment variable for the script (repeat)")
     p.add_argument("--dry-run", action="store_true", help="validate and print the launch plan; start nothing")
     p.set_defaults(handler=cmd_run, accepts_passthrough=True)
-
-
-def _parse_log_ranks(value: str | None):
-    if value is None or value in ("main", "all", "none"):
-        return value
-    try:
-        return [int(r) for r in value.split(",")]
-    except ValueError:
-        raise ConfigurationError(f"--log-ranks {value!r}: use main, all, none or a list such as 0,2") from None
 
 
 def _load_job(args):
@@ -158,12 +135,7 @@ def _load_job(args):
         job = JobFile(script=str(target.resolve()), args=tuple(args.passthrough), source=f"`sparkgpu run {args.target}`")
     else:
         raise ConfigurationError(f"{args.target!r} is neither a Python script nor a job file ({', '.join(JOB_FILE_SUFFIXES)})")
-    return job.with_overrides(
-        gpus=args.gpus, gpu_type=args.gpu_type, remote=args.remote, max_runtime=args.max_runtime,
-        checkpoint_grace=args.checkpoint_grace, timeout=args.timeout, max_restarts=args.max_restarts,
-        tags=dict(args.tag) if args.tag else None, env=dict(args.env) if args.env else None, name=args.name,
-        log_ranks=_parse_log_ranks(args.log_ranks),
-    )
+    return job.with_overrides(env=dict(args.env) if args.env else None, **cli_values(args))
 
 
 def _callbacks():

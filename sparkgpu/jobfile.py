@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from sparkgpu.errors import ConfigurationError
+from sparkgpu.job_options import JOB_OPTIONS, check_document_value
 
 __all__ = ["JobFile", "ScriptRunner", "JOB_FILE_SUFFIXES"]
 
@@ -109,41 +110,32 @@ class ScriptRunner:
         return None
 
 
-_FIELDS: dict[str, str] = {
+_FILE_FIELDS: dict[str, str] = {
     "script": "path of the .py file, relative to the job file",
     "args": "list of arguments passed to the script",
-    "name": "job name",
-    "gpus": "number of GPUs (ranks)",
-    "gpu_type": "GPU type such as H100, A10, or cpu",
-    "remote": "true to run on the remote GPU pool",
-    "max_runtime": "cap on one attempt, e.g. 7d",
-    "timeout": "limit on the whole job, e.g. 12h",
-    "checkpoint_grace": "seconds before max_runtime at which ranks checkpoint, e.g. 5m",
-    "max_restarts": "attempts restarted after a failure",
-    "tags": "mapping of tags for cost attribution, e.g. {team: ml}",
-    "log_ranks": "ranks whose output streams: main, all, none or a list",
     "env": "mapping of environment variables for the script",
 }
+_OPTIONS = {option.name: option for option in JOB_OPTIONS}
+_FIELDS: dict[str, str] = {**_FILE_FIELDS, **{name: option.help for name, option in _OPTIONS.items()}}
 
 
 @dataclasses.dataclass(frozen=True)
 class JobFile:
-    """A job as a file describes it; see the module docstring for the fields."""
+    """A job as a file describes it: the script, its arguments and environment, and the job
+    options (:data:`sparkgpu.job_options.JOB_OPTIONS`) it gives; ``job.gpus`` and the like
+    read an option or its default."""
 
     script: str
     args: tuple[str, ...] = ()
-    name: str | None = None
-    gpus: int = 1
-    gpu_type: str | None = None
-    remote: bool = False
-    max_runtime: Any = None
-    timeout: Any = None
-    checkpoint_grace: Any = "60s"
-    max_restarts: int = 0
-    tags: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    log_ranks: Any = "main"
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     source: str = "command line"
+
+    def __getattr__(self, name: str):
+        option = _OPTIONS.get(name)
+        if option is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return self.options.get(name, option.default)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "JobFile":
@@ -184,39 +176,33 @@ class JobFile:
         def bad(field: str, value) -> ConfigurationError:
             return ConfigurationError(f"{source}: field {field!r} must be the {_FIELDS[field]}, got {value!r}")
 
-        values = dict(data)
-        if not isinstance(values["script"], str):
-            raise bad("script", values["script"])
-        values["script"] = str((Path(base_dir) / values["script"]).resolve())
-        args = values.get("args", ())
+        script, args, env = data["script"], data.get("args", ()), data.get("env") or {}
+        if not isinstance(script, str):
+            raise bad("script", script)
         if isinstance(args, str) or not isinstance(args, (list, tuple)):
             raise bad("args", args)
-        values["args"] = tuple(str(a) for a in args)
-        for field in ("tags", "env"):
-            value = values.get(field) or {}
-            if not isinstance(value, Mapping) or any(isinstance(v, (dict, list)) for v in value.values()):
-                raise bad(field, value)
-            values[field] = {str(k): str(v) for k, v in value.items()}
-        for field in ("gpus", "max_restarts"):
-            if field in values and (isinstance(values[field], bool) or not isinstance(values[field], int)):
-                raise bad(field, values[field])
-        if "remote" in values and not isinstance(values["remote"], bool):
-            raise bad("remote", values["remote"])
-        for field in ("name", "gpu_type"):
-            if values.get(field) is not None and not isinstance(values[field], str):
-                raise bad(field, values[field])
-        job = cls(**values, source=source)
+        if not isinstance(env, Mapping) or any(isinstance(v, (dict, list)) for v in env.values()):
+            raise bad("env", env)
+        options = {name: check_document_value(_OPTIONS[name], value, source)
+                   for name, value in data.items() if name in _OPTIONS and value is not None}
+        job = cls(script=str((Path(base_dir) / script).resolve()), args=tuple(str(a) for a in args),
+                  env={str(k): str(v) for k, v in env.items()}, options=options, source=source)
         job.build()  # every other check (durations, gpu_type, log_ranks) as @distributed does it
         return job
 
     def with_overrides(self, **overrides) -> "JobFile":
-        """A copy with the fields the command line gave (``None`` means "not given")."""
+        """A copy with the fields the command line gave (``None`` means "not given"); tags and
+        environment variables add to the file's."""
         given = {k: v for k, v in overrides.items() if v is not None}
-        if "tags" in given:
-            given["tags"] = {**self.tags, **given["tags"]}
+        fields = {k: given.pop(k) for k in ("script", "args", "source") if k in given}
         if "env" in given:
-            given["env"] = {**self.env, **given["env"]}
-        return dataclasses.replace(self, **given)
+            fields["env"] = {**self.env, **given.pop("env")}
+        if "tags" in given:
+            given["tags"] = {**(self.options.get("tags") or {}), **given["tags"]}
+        unknown = set(given) - set(_OPTIONS)
+        if unknown:
+            raise ConfigurationError(f"unknown job option(s) {', '.join(sorted(unknown))}; known: {', '.join(_OPTIONS)}")
+        return dataclasses.replace(self, options={**self.options, **given}, **fields)
 
     def runner(self) -> ScriptRunner:
         return ScriptRunner.from_path(self.script, self.args, self.env)
@@ -229,14 +215,11 @@ class JobFile:
         """
         from sparkgpu.decorator import distributed
 
-        log_ranks = None if self.log_ranks in ("none", "None") else self.log_ranks
+        options = dict(self.options)  # what the file and command line gave; distributed() has the defaults
+        if options.get("log_ranks") == "none":
+            options["log_ranks"] = None
+        options.setdefault("name", Path(self.script).stem)
         try:
-            runner = self.runner()
-            return distributed(
-                runner, gpus=self.gpus, gpu_type=self.gpu_type, remote=self.remote, timeout=self.timeout,
-                max_runtime=self.max_runtime, checkpoint_grace=self.checkpoint_grace,
-                max_restarts=self.max_restarts, log_ranks=log_ranks, name=self.name or Path(self.script).stem,
-                tags=dict(self.tags), callbacks=callbacks,
-            )
+            return distributed(self.runner(), callbacks=callbacks, **options)
         except ConfigurationError as exc:
             raise ConfigurationError(f"{self.source}: {exc}") from None

@@ -148,7 +148,7 @@ def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path, capsys):
 @pytest.mark.parametrize("argv, match", [
     (["run", "missing.py"], "does not exist"),
     (["run", "notes.txt"], "neither a Python script nor a job file"),
-    (["run", "x.py", "--log-ranks", "odd"], "--log-ranks 'odd'"),
+    (["run", "x.py", "--log-ranks", "odd"], "--log-ranks must be the ranks"),
     (["usage", "--since", "last tuesday"], "neither a duration"),
     (["jobs", "--", "extra"], None),
 ])

@@ -1,0 +1,161 @@
+"""The options of a job, defined once: ``@distributed`` keywords, ``sparkgpu run`` flags, job-file fields.
+
+Each :class:`JobOption` names a keyword of :func:`sparkgpu.distributed` (and so of
+``spark.gpu.train``), says what a value looks like when it comes from a file or the command
+line, and carries the one help text all of them show. The job file's fields and validation
+(:mod:`sparkgpu.jobfile`) and the ``sparkgpu run`` flags (:mod:`sparkgpu.cli`) are generated
+from :data:`JOB_OPTIONS`; a test checks that ``distributed`` takes every one of them. Keywords
+that only make sense in Python (``backend``, ``callbacks``, the ``num_accelerators`` /
+``num_gpus`` spellings of ``gpus``) are not options of a file or a command line.
+
+Values are checked where ``distributed`` checks them (durations by :mod:`sparkgpu.units`, GPU
+types by the catalog); here only their shape in a document is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, Mapping
+
+from sparkgpu.errors import ConfigurationError
+
+__all__ = ["JobOption", "JOB_OPTIONS", "PYTHON_ONLY_KEYWORDS", "add_cli_flags", "cli_values", "check_document_value", "key_value"]
+
+# Shapes of values: what a YAML/TOML/JSON document and a command line may hold.
+INT, TEXT, FLAG, DURATION, MAPPING, RANKS = "int", "text", "flag", "duration", "mapping", "ranks"
+
+
+@dataclasses.dataclass(frozen=True)
+class JobOption:
+    """One job option.
+
+    Attributes:
+        name: Keyword of ``distributed`` and field of a job file.
+        shape: What a value looks like in a document: one of ``int``, ``text``, ``flag``,
+            ``duration`` (seconds or ``"7d"``), ``mapping`` (``{team: ml}``), ``ranks``
+            (``main``, ``all``, ``none`` or a list of ranks).
+        help: The one description shown by ``--help``, job-file errors and the docs.
+        default: The value when neither the file nor the command line gives one.
+        flag: Command-line flag (``--gpu-type``); ``--tag KEY=VALUE`` repeats for a mapping.
+    """
+
+    name: str
+    shape: str
+    help: str
+    default: Any = None
+    flag: str = ""
+
+    @property
+    def cli_flag(self) -> str:
+        return self.flag or "--" + self.name.replace("_", "-")
+
+
+JOB_OPTIONS: tuple[JobOption, ...] = (
+    JobOption("name", TEXT, "job name (default: the script's or function's name)"),
+    JobOption("gpus", INT, "number of GPUs (ranks)", default=1),
+    JobOption("gpu_type", TEXT, "GPU type such as H100, A10, A100-80GB, H200, B200, L4, or cpu"),
+    JobOption("accelerator_type", TEXT, "node shape such as GPU_8xH100 (remote nodes of N GPUs each)"),
+    JobOption("remote", FLAG, "true to run on the remote GPU pool (Spark) instead of this host", default=False),
+    JobOption("pool", TEXT, "GPU pool (name or id in SPARKGPU_POOLS) to run on; needs remote"),
+    JobOption("max_runtime", DURATION, "cap on one attempt, e.g. 7d; ranks checkpoint before it and the job resumes"),
+    JobOption("checkpoint_grace", DURATION, "time before max_runtime at which ranks are asked to checkpoint, e.g. 5m",
+              default="60s"),
+    JobOption("timeout", DURATION, "limit on the whole job, e.g. 12h"),
+    JobOption("max_restarts", INT, "number of attempts restarted after a failure", default=0),
+    JobOption("tags", MAPPING, "mapping of tags for tracking and cost attribution, e.g. {team: ml}", flag="--tag"),
+    JobOption("log_ranks", RANKS, "ranks whose output streams to the caller: main, all, none or a list such as 0,2",
+              default="main"),
+    JobOption("experiment", TEXT, "MLflow experiment of the job's run (default: named after the script)"),
+    JobOption("register_as", TEXT, "catalog.schema.model name to register rank 0's returned model under"),
+    JobOption("ship_environment", FLAG, "true to ship this Python environment to the workers (default: for remote jobs)"),
+)
+
+PYTHON_ONLY_KEYWORDS = frozenset({"num_accelerators", "num_gpus", "backend", "callbacks"})
+
+
+def check_document_value(option: JobOption, value, source: str, *, subject: str | None = None):
+    """``value`` of ``option`` as a job document gave it, checked for shape (``log_ranks``:
+    ``"none"`` stays a word, :meth:`JobFile.build` turns it into ``None``).
+
+    Raises:
+        ConfigurationError: the value has the wrong shape; names the field and what it takes.
+    """
+    def bad() -> ConfigurationError:
+        return ConfigurationError(f"{source}: {subject or f'field {option.name!r}'} must be the {option.help}, got {value!r}")
+
+    if value is None:
+        return None
+    if option.shape == INT:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad()
+    elif option.shape == FLAG:
+        if not isinstance(value, bool):
+            raise bad()
+    elif option.shape == TEXT:
+        if not isinstance(value, str):
+            raise bad()
+    elif option.shape == DURATION:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise bad()
+    elif option.shape == MAPPING:
+        if not isinstance(value, Mapping) or any(isinstance(v, (dict, list)) for v in value.values()):
+            raise bad()
+        value = {str(k): str(v) for k, v in value.items()}
+    elif option.shape == RANKS:
+        value = _ranks(value, bad)
+    return value
+
+
+def _ranks(value, bad):
+    """``"main"``, ``"all"``, ``"none"`` or a list of ranks (``"0,2"`` on a command line)."""
+    if isinstance(value, str):
+        if value in ("main", "all", "none"):
+            return value
+        parts = value.split(",")
+    elif isinstance(value, (list, tuple)):
+        parts = list(value)
+    else:
+        raise bad()
+    if any(isinstance(p, bool) for p in parts):
+        raise bad()
+    try:
+        return [int(p) for p in parts]
+    except (TypeError, ValueError):
+        raise bad() from None
+
+
+def key_value(text: str) -> tuple[str, str]:
+    """``KEY=VALUE`` from a command line, as ``(key, value)``."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return key, value
+
+
+def add_cli_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per job option; a flag left out is ``None`` (the job file's value stands)."""
+    for option in JOB_OPTIONS:
+        if option.shape == FLAG:
+            parser.add_argument(option.cli_flag, action=argparse.BooleanOptionalAction, default=None, help=option.help)
+        elif option.shape == MAPPING:
+            parser.add_argument(option.cli_flag, dest=option.name, action="append", type=key_value,
+                                metavar="KEY=VALUE", help=f"{option.help} (repeat)")
+        else:
+            parser.add_argument(option.cli_flag, dest=option.name, type=int if option.shape == INT else str,
+                                help=option.help + (f" (default {option.default})" if option.default is not None else ""))
+
+
+def cli_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The job options the command line gave, in the form ``distributed`` takes."""
+    values = {}
+    for option in JOB_OPTIONS:
+        value = getattr(args, option.name, None)
+        if value is None:
+            continue
+        if option.shape == MAPPING:
+            value = dict(value)
+        elif option.shape == RANKS:
+            value = check_document_value(option, value, "sparkgpu run", subject=option.cli_flag)
+        values[option.name] = value
+    return values

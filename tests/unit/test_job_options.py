@@ -1,0 +1,71 @@
+"""The job options are defined once (sparkgpu.job_options); every way to give one must take each."""
+
+import inspect
+
+import pytest
+
+from sparkgpu import cli
+from sparkgpu.decorator import distributed
+from sparkgpu.errors import ConfigurationError
+from sparkgpu.job_options import JOB_OPTIONS, PYTHON_ONLY_KEYWORDS
+from sparkgpu.jobfile import JobFile
+
+SAMPLE = {  # a value of every option, as a job file writes it
+    "name": "nightly", "gpus": 2, "gpu_type": "cpu", "accelerator_type": None, "remote": False, "pool": None,
+    "max_runtime": "2h", "checkpoint_grace": "5m", "timeout": 7200, "max_restarts": 2, "tags": {"team": "ml"},
+    "log_ranks": [0, 1], "experiment": "ctr", "register_as": "main.ml.ctr", "ship_environment": False,
+}
+
+
+def test_the_sample_covers_every_option():
+    assert set(SAMPLE) == {o.name for o in JOB_OPTIONS}
+
+
+def test_distributed_takes_every_option_and_nothing_else_a_file_could_not_give():
+    keywords = set(inspect.signature(distributed).parameters)
+    assert {o.name for o in JOB_OPTIONS} <= keywords
+    assert keywords - {o.name for o in JOB_OPTIONS} == PYTHON_ONLY_KEYWORDS
+
+
+def test_a_job_file_gives_every_option_to_the_job(tmp_path):
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    job = JobFile.from_dict({"script": "train.py", **{k: v for k, v in SAMPLE.items() if v is not None}},
+                            base_dir=tmp_path, source="job file 'x.yaml'")
+    fn = job.build()
+    assert (fn.name, fn.resources.gpus, fn.resources.gpu_type) == ("nightly", 2, "cpu")
+    assert (fn.policy.max_runtime, fn.policy.checkpoint_grace, fn.policy.timeout, fn.policy.max_restarts) == (7200, 300, 7200, 2)
+    assert fn.tags == {"team": "ml"} and fn.log_ranks == (0, 1)
+    assert (fn.experiment, fn.register_as, fn.ship_environment) == ("ctr", "main.ml.ctr", False)
+
+
+def test_the_command_line_has_a_flag_for_every_option_and_overrides_the_file(tmp_path):
+    (tmp_path / "train.py").write_text("")
+    parser = cli.build_parser()
+    flags = {a for action in parser._subparsers._group_actions[0].choices["run"]._actions for a in action.option_strings}
+    for option in JOB_OPTIONS:
+        assert option.cli_flag in flags, option.name
+    args = parser.parse_args(["run", str(tmp_path / "train.py"), "--gpus", "3", "--gpu-type", "cpu", "--tag", "a=b",
+                              "--experiment", "exp", "--register-as", "main.ml.m", "--no-ship-environment",
+                              "--log-ranks", "none"])
+    args.passthrough = []
+    job = cli._load_job(args)
+    assert (job.gpus, job.gpu_type, job.tags, job.experiment, job.register_as) == (3, "cpu", {"a": "b"}, "exp", "main.ml.m")
+    assert job.ship_environment is False and job.build().log_ranks == ()
+
+
+@pytest.mark.parametrize("field, value", [("gpus", "two"), ("remote", "yes"), ("tags", ["ml"]), ("experiment", 3),
+                                          ("ship_environment", "no"), ("log_ranks", "odd"), ("max_runtime", [1])])
+def test_a_wrong_shape_names_the_field_and_what_it_takes(tmp_path, field, value):
+    (tmp_path / "train.py").write_text("")
+    option = next(o for o in JOB_OPTIONS if o.name == field)
+    with pytest.raises(ConfigurationError, match=f"field '{field}' must be the") as info:
+        JobFile.from_dict({"script": "train.py", field: value}, base_dir=tmp_path)
+    assert option.help in str(info.value)
+
+
+def test_help_of_the_run_command_is_the_schema_help(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for option in JOB_OPTIONS:
+        assert " ".join(option.help.split())[:40] in out, option.name
