@@ -14,7 +14,7 @@ import re
 import secrets
 from typing import Any, Callable
 
-from sparkgpu.config import AcceleratorShape, lookup_accelerator_type, lookup_gpu_type
+from sparkgpu.catalog import AcceleratorShape, lookup_accelerator_type, lookup_gpu_type
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.units import parse_duration
 

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from sparkgpu.config import lookup_gpu_type
+from sparkgpu.catalog import lookup_gpu_type
 from sparkgpu.errors import ConfigurationError, PolicyViolationError
 from sparkgpu.spec import JobSpec
 from sparkgpu.units import parse_duration

@@ -7,7 +7,7 @@ import warnings
 import pytest
 
 import sparkgpu.launch.hardware as hardware
-from sparkgpu.config import GPU_CATALOG, classify_device
+from sparkgpu.catalog import GPU_CATALOG, classify_device
 from sparkgpu.errors import CapacityError
 from sparkgpu.launch.backends.local import LocalBackend
 from sparkgpu.launch.backends.spark_capacity import ExecutorInfo, NodeLayout, SparkCapacity, plan_layout

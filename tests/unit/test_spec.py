@@ -2,7 +2,7 @@ import datetime
 
 import pytest
 
-from sparkgpu.config import GPU_CATALOG, lookup_gpu_type
+from sparkgpu.catalog import GPU_CATALOG, lookup_gpu_type
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.spec import JobSpec, Resources, RunPolicy, new_job_id
 from sparkgpu.units import parse_duration

@@ -15,7 +15,8 @@ import socket
 import subprocess
 import time
 
-from sparkgpu.config import lookup_gpu_type, settings
+from sparkgpu.catalog import lookup_gpu_type
+from sparkgpu.config import settings
 from sparkgpu.errors import CapacityError
 from sparkgpu.launch.agent import build_command
 from sparkgpu.launch.backends.base import AttemptHandle, Backend, LaunchPlan

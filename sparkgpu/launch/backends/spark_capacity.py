@@ -31,7 +31,7 @@ import threading
 import time
 import uuid
 
-from sparkgpu.config import GPU_CATALOG, classify_device, lookup_gpu_type
+from sparkgpu.catalog import GPU_CATALOG, classify_device, lookup_gpu_type
 from sparkgpu.errors import CapacityError, ConfigurationError, SparkGPUError
 from sparkgpu.launch.backends.spark_node import IMAGE_DDL, PROBE_DDL, ProbeOptions, probe_executor, probe_image
 
