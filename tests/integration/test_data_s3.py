@@ -6,10 +6,10 @@ as they reach ranks and executors in a job.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 
-import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from sparkgpu import data
@@ -24,7 +24,11 @@ def _upload(folder, url: str) -> None:
         fs.pipe(f"{url[len('s3://'):]}/{path.relative_to(folder).as_posix()}", path.read_bytes())
 
 
-def test_delta_table_with_deletion_vectors_on_s3_reads_the_surviving_rows_and_resumes(s3_bucket, tmp_path):
+def test_delta_table_with_deletion_vectors_on_s3_reads_the_surviving_rows_and_resumes(s3_bucket, tmp_path, monkeypatch,
+                                                                                         caplog):
+    secret = "sentinel-secret-8d1f0c"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)  # the server takes any secret; it must never be written down
+    caplog.set_level(logging.DEBUG)
     uri, gone = dv_table(tmp_path)
     table_url = f"{s3_bucket}/lake/clicks"
     _upload(tmp_path / "clicks", table_url)
@@ -49,6 +53,9 @@ def test_delta_table_with_deletion_vectors_on_s3_reads_the_surviving_rows_and_re
     again.load_state_dict(first.state_dict())
     rest = [i for batch in again for i in batch["id"].tolist()]
     assert head + rest == everything
+    written = [p.read_bytes() for p in cache.rglob("*") if p.is_file()]
+    assert not any(secret.encode() in raw for raw in written)
+    assert secret not in caplog.text and secret not in json.dumps(again.state_dict()) + str(again.identity)
 
 
 def test_parquet_folder_on_s3(s3_bucket, tmp_path):
