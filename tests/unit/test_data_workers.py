@@ -11,7 +11,6 @@ import textwrap
 import time
 
 import pytest
-import torch
 
 from sparkgpu import data
 from sparkgpu.errors import ConfigurationError
