@@ -11,9 +11,12 @@ import logging
 import os
 
 import pyarrow.parquet as pq
+import pytest
 
 from sparkgpu import data
 from tests.unit.test_data_table import clicks, dv_table, ids_of
+
+pytestmark = pytest.mark.integration
 
 
 def _upload(folder, url: str) -> None:
@@ -95,3 +98,29 @@ def test_files_dataset_over_an_s3_prefix_with_a_glob_resumes_exactly(s3_bucket, 
     again = open_()
     again.load_state_dict(first.state_dict())
     assert head + list(again) == everything
+
+
+def _rank_reads_the_s3_table(url: str, cache: str) -> list[int]:
+    from sparkgpu import data
+
+    rows = data.table_dataset(url, columns=["id"], filter="id >= 20", batch_size=8, shuffle=True, seed=1, local=cache)
+    return [i for batch in rows for i in batch["id"].tolist()]
+
+
+def test_a_2_rank_job_reads_an_s3_table_with_credentials_from_its_environment_only(s3_bucket, monkeypatch, tmp_path):
+    from sparkgpu import distributed
+    from sparkgpu.config import settings
+
+    sentinel = "sentinel-aws-secret-7c2a41"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", sentinel)  # the server takes any secret; ranks inherit it
+    _, gone = dv_table(tmp_path)
+    _upload(tmp_path / "clicks", f"{s3_bucket}/clicks")
+    job = distributed(gpus=2, gpu_type="cpu")(_rank_reads_the_s3_table)
+    parts = job.distributed(f"{s3_bucket}/clicks", str(tmp_path / "cache"))
+    survivors = {i for i in range(600) if i not in gone and i >= 20}
+    assert len(parts[0]) == len(parts[1]) and not set(parts[0]) & set(parts[1])
+    assert set(parts[0]) | set(parts[1]) <= survivors and len(survivors) - 2 * len(parts[0]) == len(survivors) % 2
+    run_dir = settings().staging_root / job.last_job_id
+    leaked = [str(path) for home in (run_dir, tmp_path) for path in home.rglob("*")
+              if path.is_file() and sentinel.encode() in path.read_bytes()]
+    assert not leaked, f"the AWS secret was written to {leaked}"
