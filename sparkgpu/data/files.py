@@ -102,14 +102,16 @@ def files_dataset(
     if not in_place:
         limit = cache_limit if cache_limit is not None else settings().cache_limit_bytes
         limit = parse_bytes(limit, "cache_limit") if limit is not None else None
-        cache = _open_cache(local if local is not None else settings().cache_dir, volume, listing, limit, download_threads)
+        cache = _open_cache(local if local is not None else settings().cache_dir, volume, listing, limit, download_threads,
+                            storage_options)
     return FilesDataset(listing=listing, root=volume.root if in_place else None, cache=cache, shuffle=shuffle, seed=seed,
                         as_bytes=as_bytes, transform=transform, rank=rank, world_size=world_size)
 
 
-def _open_cache(cache_root, volume, listing, limit, download_threads):
+def _open_cache(cache_root, volume, listing, limit, download_threads, storage_options):
     from sparkgpu.data import cache as cache_module
     from sparkgpu.data.reader import DatasetIndex, ShardInfo
+    from sparkgpu.data.volume import Volume
 
     raw = json.dumps(listing).encode()
     index = DatasetIndex(shards=tuple(ShardInfo(i, name, 1, size, {}) for i, (name, size) in enumerate(listing)),
@@ -122,7 +124,10 @@ def _open_cache(cache_root, volume, listing, limit, download_threads):
         if not saved.exists() or saved.read_bytes() != raw:
             cache_module._remove_shards(entry)  # files changed on the volume: cached copies may be stale
             cache_module._atomic_write(saved, raw)
-    return lambda: cache_module.ShardCache(entry, index, volume, limit, download_threads)
+    url = volume.url
+    # A Volume per process: the clients of one made before a DataLoader forks its workers (an
+    # event loop's thread, a connection pool's runtime) do not exist in the workers.
+    return lambda: cache_module.ShardCache(entry, index, Volume(url, storage_options), limit, download_threads)
 
 
 class FilesDataset(Positioned):
