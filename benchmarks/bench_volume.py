@@ -24,8 +24,16 @@ download included, goes through the same proxy with the same number of connectio
 target is epoch 1 at 70% of the raw download on loopback, 80% in the S3-like profile.
 Results: benchmarks/results/volume.json and volume.png (volume-s3-like.* for that profile).
 
+With ``--table`` the same rows are a Delta table (64k-row groups) read by
+sparkgpu.data.table_dataset from ``s3://``: an S3-protocol server (moto) on loopback, behind
+the same proxy in the s3-like profile, reached by deltalake, pyarrow and the object-store
+client as they reach S3. The raw download is the same plain http.client GET of the table's
+data files (path-style S3 URLs); results in volume-table[-s3-like].json. No peer: the
+table peers are in bench_table.py.
+
     python benchmarks/bench_volume.py                     # about 1-2 minutes on 2 cores
     python benchmarks/bench_volume.py --profile s3-like
+    python benchmarks/bench_volume.py --table --profile s3-like
     python benchmarks/bench_volume.py --samples 500000    # a quick look
 """
 
@@ -138,6 +146,58 @@ def streaming_from_volume(remote: str, local: Path, batch_size: int, workers: in
     return result
 
 
+def write_table(path: Path, samples: int) -> None:
+    import pyarrow as pa
+    from deltalake import WriterProperties, write_deltalake
+
+    rng = np.random.default_rng(0)
+    columns = {f"f{i:02d}": pa.array(rng.random(samples, dtype=np.float32)) for i in range(32)}
+    columns["label"] = pa.array(np.arange(samples, dtype=np.int64))
+    step = 512 * 1024  # files of 8 row groups of 64k rows, as Spark writes them
+    for start in range(0, samples, step):
+        write_deltalake(str(path), pa.table(columns).slice(start, step), mode="append",
+                        writer_properties=WriterProperties(max_row_group_size=64 * 1024))
+
+
+def run_table(args) -> dict:
+    from sparkgpu.data._simulated_s3 import simulated_s3
+    from sparkgpu.data.report import plot_volume_report, table_report
+
+    work = Path(tempfile.mkdtemp(prefix="sparkgpu-bench-volume-", dir=args.work_dir))
+    try:
+        print(f"writing {args.samples:,} rows ({args.samples * ROW_BYTES / 1e6:.0f} MB) as a Delta table ...", flush=True)
+        write_table(work / "volume" / "table", args.samples)
+        with simulated_s3(work / "volume" / "table", args.profile) as url:
+            http_url = f"{os.environ['AWS_ENDPOINT_URL']}/{url.removeprefix('s3://')}"  # path-style S3 GETs
+
+            def raw(names, target):
+                return plain_parallel_download(http_url, names, args.threads, target)
+
+            runs = [table_report(url, local=work, batch_size=args.batch_size, download_threads=args.threads,
+                                 shuffle=args.shuffle, raw_download=raw)
+                    for _ in range(args.repeats)]
+        ratios = [run["epoch1_vs_raw"] for run in runs]
+        median = statistics.median(ratios)
+        report = dict(sorted(runs, key=lambda run: run["epoch1_vs_raw"])[(len(runs) - 1) // 2])
+        report["runs"] = runs
+        for number, run in enumerate(runs, 1):
+            print(f"  run {number}: raw parallel download ({args.threads} threads) {run['raw_parallel_download']['mb_per_s']:.0f} MB/s; "
+                  f"table_dataset epoch 1 {run['epoch1_from_volume']['mb_per_s']:.0f} MB/s (first batch after "
+                  f"{run['epoch1_from_volume']['first_batch_s']:.2f} s) = {run['epoch1_vs_raw']:.0%} of raw; epoch 2 from "
+                  f"the cache {run['epoch2_from_cache']['mb_per_s']:.0f} MB/s", flush=True)
+        target = 0.80 if PROFILES[args.profile] is not None else 0.70
+        print(f"  epoch 1 / raw parallel download, same run: median {median:.0%}, best {max(ratios):.0%} (target >= {target:.0%})", flush=True)
+        plot_volume_report(report, args.out_png)
+        return {
+            "profile": {"name": args.profile, **(PROFILES[args.profile] or {})},
+            "sparkgpu_table_dataset": report,
+            "ratios": {"epoch1_vs_raw_parallel_download_per_run": ratios, "epoch1_vs_raw_parallel_download_median": median,
+                       "target_epoch1_of_raw": target, "target_met_on_median": median >= target},
+        }
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def run(args) -> dict:
     from sparkgpu.data.report import plot_volume_report, volume_report
 
@@ -220,13 +280,15 @@ def main(argv=None) -> None:
     parser.add_argument("--peer-seconds", type=float, default=20.0)
     parser.add_argument("--profile", choices=sorted(PROFILES), default="loopback",
                         help="s3-like: 30 ms to the first byte and 100 MB/s per connection, through a proxy")
+    parser.add_argument("--table", action="store_true", help="a Delta table on S3 read by table_dataset instead of MDS")
     parser.add_argument("--work-dir", default=None)
     parser.add_argument("--out", default=None, help="default results/volume.json (volume-s3-like.json with that profile)")
     args = parser.parse_args(argv)
     if args.out is None:
-        args.out = str(RESULTS / ("volume.json" if args.profile == "loopback" else f"volume-{args.profile}.json"))
+        name = "volume-table" if args.table else "volume"
+        args.out = str(RESULTS / (f"{name}.json" if args.profile == "loopback" else f"{name}-{args.profile}.json"))
     args.out_png = str(Path(args.out).with_suffix(".png"))
-    results = run(args)
+    results = run_table(args) if args.table else run(args)
     results["config"] = {k: v for k, v in vars(args).items()} | {"row_bytes": ROW_BYTES, "cpus": os.cpu_count(),
                                                                   "machine": platform.machine(), "python": platform.python_version()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

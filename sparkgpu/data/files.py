@@ -25,9 +25,9 @@ import os
 from collections.abc import Callable
 
 import numpy as np
-import torch
 
 from sparkgpu.data.order import EpochPlan, epoch_order, restore_position
+from sparkgpu.data.positioned import Positioned
 from sparkgpu.errors import ConfigurationError, DataError
 
 __all__ = ["files_dataset", "FilesDataset"]
@@ -103,14 +103,16 @@ def files_dataset(
     if not in_place:
         limit = cache_limit if cache_limit is not None else settings().cache_limit_bytes
         limit = parse_size(limit, "cache_limit") if limit is not None else None
-        cache = _open_cache(local if local is not None else settings().cache_dir, volume, listing, limit, download_threads)
+        cache = _open_cache(local if local is not None else settings().cache_dir, volume, listing, limit, download_threads,
+                            storage_options)
     return FilesDataset(listing=listing, root=volume.root if in_place else None, cache=cache, shuffle=shuffle, seed=seed,
                         as_bytes=as_bytes, transform=transform, rank=rank, world_size=world_size)
 
 
-def _open_cache(cache_root, volume, listing, limit, download_threads):
+def _open_cache(cache_root, volume, listing, limit, download_threads, storage_options):
     from sparkgpu.data import cache as cache_module
     from sparkgpu.data.reader import DatasetIndex, ShardInfo
+    from sparkgpu.data.volume import Volume
 
     raw = json.dumps(listing).encode()
     index = DatasetIndex(shards=tuple(ShardInfo(i, name, 1, size, {}) for i, (name, size) in enumerate(listing)),
@@ -123,10 +125,13 @@ def _open_cache(cache_root, volume, listing, limit, download_threads):
         if not saved.exists() or saved.read_bytes() != raw:
             cache_module._remove_shards(entry)  # files changed on the volume: cached copies may be stale
             cache_module._atomic_write(saved, raw)
-    return lambda: cache_module.ShardCache(entry, index, volume, limit, download_threads)
+    url = volume.url
+    # A Volume per process: the clients of one made before a DataLoader forks its workers (an
+    # event loop's thread, a connection pool's runtime) do not exist in the workers.
+    return lambda: cache_module.ShardCache(entry, index, Volume(url, storage_options), limit, download_threads)
 
 
-class FilesDataset(torch.utils.data.IterableDataset):
+class FilesDataset(Positioned):
     """An epoch-by-epoch iterable of ``(relative_name, local_path or bytes)``, resumable.
 
     Built by :func:`files_dataset`. ``state_dict()`` / ``load_state_dict()`` work as in
@@ -180,13 +185,8 @@ class FilesDataset(torch.utils.data.IterableDataset):
         return EpochPlan.for_rank(order, start=start, rank=self.rank, world_size=self.world_size, batch_size=1, drop_last=False)
 
     def __iter__(self):
-        plan = self._plan(self.epoch, self._consumed)
-        if len(plan.samples) == 0 and self._consumed > 0:
-            self.epoch, self._consumed = self.epoch + 1, 0
-            plan = self._plan(self.epoch, 0)
-        start = self._consumed
-        worker = torch.utils.data.get_worker_info()
-        steps = range(len(plan.samples)) if worker is None else range(worker.id, len(plan.samples), worker.num_workers)
+        plan, start = self._begin()
+        steps = self._batch_numbers(plan)
         cache = self._new_cache() if self._new_cache is not None else None
         try:
             if cache is not None:
@@ -199,7 +199,7 @@ class FilesDataset(torch.utils.data.IterableDataset):
                 else:
                     path = os.path.join(self._root, name)
                 value = _read(path, name) if self.as_bytes else path
-                self._consumed = start + (step + 1) * self.world_size
+                self._advance(plan, start, step + 1)
                 yield self.transform(name, value) if self.transform is not None else (name, value)
         finally:
             if cache is not None:

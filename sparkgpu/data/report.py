@@ -17,7 +17,7 @@ from pathlib import Path
 from sparkgpu.data.cache import open_cache_entry
 from sparkgpu.data.volume import Volume
 
-__all__ = ["volume_report", "raw_parallel_download", "plot_volume_report", "report_rows", "REPORT_COLUMNS"]
+__all__ = ["volume_report", "table_report", "raw_parallel_download", "plot_volume_report", "report_rows", "REPORT_COLUMNS"]
 
 
 def raw_parallel_download(volume: Volume, files: list[str], threads: int, target: Path) -> dict:
@@ -95,21 +95,88 @@ def volume_report(
             shutil.rmtree(scratch / "raw", ignore_errors=True)
         loader = dataset(remote=remote, local=scratch / "cache", batch_size=batch_size, shuffle=shuffle,
                          download_threads=download_threads, storage_options=storage_options)
-        epochs = []
-        for _ in range(2):
-            started, samples, first = time.perf_counter(), 0, None
-            for batch in loader:
-                samples += _batch_len(batch)
-                first = first or time.perf_counter() - started
-            seconds = time.perf_counter() - started
-            epochs.append({"samples": samples, "seconds": seconds, "first_batch_s": first, "samples_per_s": samples / seconds,
-                           "mb_per_s": raw["bytes"] / seconds / 1e6})
+        epochs = [_timed_epoch(loader, raw["bytes"]) for _ in range(2)]
         loader.close()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    return _report(volume.url, len(files), index.num_samples, raw, epochs, png, batch_size=batch_size, shuffle=shuffle,
+                   download_threads=download_threads)
+
+
+def table_report(
+    remote: str,
+    *,
+    columns: list[str] | None = None,
+    filter=None,
+    local: str | os.PathLike | None = None,
+    batch_size: int = 1024,
+    shuffle: bool = False,
+    download_threads: int = 8,
+    storage_options: dict | None = None,
+    png: str | os.PathLike | None = None,
+    raw_download: Callable[[list[str], Path], dict] | None = None,
+) -> dict:
+    """:func:`volume_report` for a remote Delta table or Parquet folder read by ``table_dataset``.
+
+    The raw download fetches the data files the dataset reads (the live files at the latest
+    version, after partition pruning by ``filter``); epoch 1 reads them from the volume through
+    a temporary cache, epoch 2 from that cache. ``shards`` counts those files.
+
+    Args:
+        remote: URL of the table (``s3://...``); a local table is read in place, with nothing
+            to compare.
+        columns: Columns to read (default: all).
+        filter: Rows to keep, as in :func:`sparkgpu.data.table_dataset`.
+        local, batch_size, shuffle, download_threads, storage_options, png, raw_download:
+            As in :func:`volume_report`.
+
+    Returns:
+        The figures of :func:`volume_report`.
+
+    Raises:
+        ConfigurationError: ``remote`` is a local table.
+    """
+    from sparkgpu.config import settings
+    from sparkgpu.data.table import table_dataset
+    from sparkgpu.errors import ConfigurationError
+
+    root = Path(local) if local is not None else settings().cache_dir
+    root.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="sparkgpu-table-report-", dir=root))
+    try:
+        rows = table_dataset(remote, columns=columns, filter=filter, batch_size=batch_size, shuffle=shuffle,
+                             local=scratch / "cache", download_threads=download_threads, storage_options=storage_options,
+                             rank=0, world_size=1)
+        if rows._file_cache is None:
+            raise ConfigurationError(f"{remote} is a local table, read where it is: there is no download to measure; give "
+                                     "its object-store URL, or add --profile s3-like to read it through a simulated S3 link")
+        files = [shard.basename for shard in rows._file_cache.index.shards]
+        if raw_download is None:
+            raw = raw_parallel_download(rows._file_cache.volume, files, download_threads, scratch / "raw")
+        else:
+            raw = raw_download(files, scratch / "raw")
+            shutil.rmtree(scratch / "raw", ignore_errors=True)
+        epochs = [_timed_epoch(rows, raw["bytes"]) for _ in range(2)]
+        url = rows._file_cache.volume.url
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return _report(url, len(files), rows.num_samples, raw, epochs, png, batch_size=batch_size, shuffle=shuffle,
+                   download_threads=download_threads, kind="table")
+
+
+def _timed_epoch(batches, volume_bytes: int) -> dict:
+    started, samples, first = time.perf_counter(), 0, None
+    for batch in batches:
+        samples += _batch_len(batch)
+        first = first or time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    return {"samples": samples, "seconds": seconds, "first_batch_s": first, "samples_per_s": samples / seconds,
+            "mb_per_s": volume_bytes / seconds / 1e6}
+
+
+def _report(url, files, samples, raw, epochs, png, *, kind="mds", **settings) -> dict:
     report = {
-        "remote": volume.url, "shards": len(files), "samples": index.num_samples, "volume_bytes": raw["bytes"],
-        "batch_size": batch_size, "shuffle": shuffle, "download_threads": download_threads,
+        "remote": url, "kind": kind, "shards": files, "samples": samples, "volume_bytes": raw["bytes"], **settings,
         "raw_parallel_download": raw, "epoch1_from_volume": epochs[0], "epoch2_from_cache": epochs[1],
         "epoch1_vs_raw": epochs[0]["mb_per_s"] / raw["mb_per_s"],
         "epoch2_speedup": epochs[0]["seconds"] / epochs[1]["seconds"],

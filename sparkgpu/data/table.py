@@ -21,9 +21,10 @@ every rank reads the same number of rows and batches, none twice). Row groups ar
 of need on a thread pool in the order the plan first needs them, and dropped after their last
 use in the epoch.
 
-Inside torch DataLoader workers (``batch_size=None``) worker ``w`` of ``W`` builds batches
-``w, w + W, ...`` of its rank's plan, which the DataLoader hands out in order: the same batches
-as without workers.
+Inside torch DataLoader workers worker ``w`` of ``W`` builds batches ``w, w + W, ...`` of its
+rank's plan, which the DataLoader hands out in order: the same batches as without workers.
+``rows.loader(num_workers=2)`` is such a DataLoader that also keeps the position exact
+(:mod:`sparkgpu.data.positioned`).
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ import os
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import torch
 
 from sparkgpu.data.order import DEFAULT_BLOCK_SIZE, EpochPlan, epoch_order, restore_position
+from sparkgpu.data.positioned import Positioned
 from sparkgpu.data.table_filter import to_expression
 from sparkgpu.data.table_plan import TableRef
 from sparkgpu.data.table_source import KEEP, file_cache, keep_mask, open_source, row_groups, scan
@@ -153,7 +154,7 @@ def table_dataset(
     )
 
 
-class TableDataset:
+class TableDataset(Positioned):
     """An epoch-by-epoch iterable of batches of a table's rows, with an exact, JSON-able position.
 
     Built by :func:`table_dataset`. Iterating yields the rest of the current epoch, then moves
@@ -223,18 +224,13 @@ class TableDataset:
     # Iteration.
 
     def __iter__(self):
-        plan = self._plan(self.epoch, self._consumed)
-        if plan.num_batches == 0 and self._consumed > 0:  # stopped right after the last batch
-            self.epoch, self._consumed = self.epoch + 1, 0
-            plan = self._plan(self.epoch, 0)
-        start, step = self._consumed, self.batch_size * self.world_size
-        worker = torch.utils.data.get_worker_info()
-        numbers = range(plan.num_batches) if worker is None else range(worker.id, plan.num_batches, worker.num_workers)
+        plan, start = self._begin()
+        numbers = self._batch_numbers(plan)
         reader = _Reader(self, plan, numbers)
         try:
             for number in numbers:
                 batch = reader.batch(number)
-                self._consumed = start + min((number + 1) * step, len(plan.samples) * self.world_size)
+                self._advance(plan, start, number + 1)
                 yield batch
         finally:
             reader.close()

@@ -46,7 +46,8 @@ class TableFileCache:
         raw = json.dumps([[n, s] for n, s in zip(names, sizes)]).encode()
         self.index = DatasetIndex(shards=tuple(ShardInfo(i, n, 1, int(s), {}) for i, (n, s) in enumerate(zip(names, sizes))),
                                   columns=(), fingerprint=hashlib.sha1(raw).hexdigest())
-        self.volume = Volume(url, storage_options)
+        self._volume_of = (url, storage_options)
+        self._volume = (os.getpid(), Volume(url, storage_options))
         self.entry = cache_module.entry_dir_for(cache_root, self.volume.url)
         meta = self.entry / cache_module._META
         meta.mkdir(parents=True, exist_ok=True)
@@ -57,6 +58,15 @@ class TableFileCache:
                 cache_module._atomic_write(saved, raw)
         self.limit_bytes, self.download_threads = limit_bytes, download_threads
         self._cache = None
+
+    @property
+    def volume(self):
+        """The volume, made again in a forked DataLoader worker (its parent's clients do not exist there)."""
+        from sparkgpu.data.volume import Volume
+
+        if self._volume[0] != os.getpid():
+            self._volume = (os.getpid(), Volume(*self._volume_of))
+        return self._volume[1]
 
     def start(self, steps: list[np.ndarray]) -> None:
         """Starts fetching for a plan: ``steps[i]`` are the file positions batch ``i`` reads."""

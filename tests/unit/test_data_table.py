@@ -151,17 +151,8 @@ def test_dataloader_workers_yield_the_same_batches_in_the_same_order(tmp_path):
     uri, _ = dv_table(tmp_path)
     plain = ids_of(data.table_dataset(uri, batch_size=16, shuffle=True, seed=1, rank=0, world_size=1))
     ds = data.table_dataset(uri, batch_size=16, shuffle=True, seed=1, rank=0, world_size=1)
-    loader = torch.utils.data.DataLoader(_Wrapped(ds),
-                                         batch_size=None, num_workers=2)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
     assert [i for b in loader for i in b["id"].tolist()] == plain
-
-
-class _Wrapped(torch.utils.data.IterableDataset):
-    def __init__(self, dataset):
-        self.dataset = dataset
-
-    def __iter__(self):
-        return iter(self.dataset)
 
 
 def test_bad_arguments_fail_before_reading(tmp_path):

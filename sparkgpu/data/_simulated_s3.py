@@ -1,0 +1,109 @@
+"""A local table on a simulated S3 link: an S3-protocol server on loopback behind the latency proxy.
+
+``sparkgpu data bench --table --profile s3-like`` and ``benchmarks/bench_volume.py`` read a
+table from S3 the way a training node does (``s3://`` through deltalake, pyarrow and the
+object-store client), with :mod:`sparkgpu.data._simulated_link`'s proxy putting 30 ms before
+each request and 100 MB/s per connection in front of the server. The server is moto's, in a
+process of its own on 127.0.0.1; the endpoint and dummy credentials reach every client through
+the usual ``AWS_*`` variables, set for the duration of the context and restored afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+from sparkgpu.data._simulated_link import PROFILES, start_proxy
+from sparkgpu.errors import ConfigurationError, MissingDependencyError
+
+__all__ = ["simulated_s3"]
+
+_SERVER = """
+import logging, sys, threading
+from moto.server import ThreadedMotoServer
+logging.getLogger("werkzeug").setLevel(logging.WARNING)
+server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+server.start()
+print(server.get_host_and_port()[1], flush=True)
+threading.Event().wait()
+"""
+
+_KEY, _SECRET = "sparkgpu-bench", "sparkgpu-bench-secret"
+
+
+def _environment(endpoint: str) -> dict[str, str]:
+    return {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": _KEY, "AWS_SECRET_ACCESS_KEY": _SECRET,
+            "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true",
+            "AWS_EC2_METADATA_DISABLED": "true"}
+
+
+@contextlib.contextmanager
+def simulated_s3(folder: str | os.PathLike, profile: str):
+    """Uploads a local table folder to a loopback S3 server and yields its ``s3://`` URL.
+
+    Args:
+        folder: A Delta table or a folder of Parquet files.
+        profile: A name in :data:`~sparkgpu.data._simulated_link.PROFILES`; ``"loopback"``
+            reaches the server directly.
+
+    Raises:
+        ConfigurationError: ``folder`` is not a local folder, or an unknown profile.
+        MissingDependencyError: moto is not installed.
+    """
+    if profile not in PROFILES:
+        raise ConfigurationError(f"unknown profile {profile!r}; use one of {', '.join(PROFILES)}")
+    local = Path(str(folder).removeprefix("file://"))
+    if not local.is_dir():
+        raise ConfigurationError(f"--profile {profile} serves a local table folder over S3; {folder} is not one "
+                                 "(measure a remote table as it is: leave out --profile)")
+    if importlib.util.find_spec("moto") is None:
+        raise MissingDependencyError("the simulated S3 link runs moto's S3 server: pip install 'moto[server]'")
+    server = subprocess.Popen([sys.executable, "-c", _SERVER], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proxy = None
+    saved = {key: os.environ.get(key) for key in _environment("")}
+    try:
+        port = server.stdout.readline().strip()
+        if not port.isdigit():
+            raise RuntimeError("the loopback S3 server did not start")
+        endpoint = f"http://127.0.0.1:{port}"
+        bucket = f"bench-{uuid.uuid4().hex[:8]}"
+        _upload(endpoint, bucket, local)
+        if PROFILES[profile] is not None:
+            proxy, endpoint = start_proxy(endpoint, **PROFILES[profile])
+        os.environ.update(_environment(endpoint))
+        _forget_clients()
+        yield f"s3://{bucket}/{local.name}"
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        _forget_clients()
+        for proc in (proxy, server):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=10)
+
+
+def _upload(endpoint: str, bucket: str, folder: Path) -> None:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=_KEY, aws_secret_access_key=_SECRET,
+                          region_name="us-east-1")
+    client.create_bucket(Bucket=bucket)
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        client.upload_file(str(path), bucket, f"{folder.name}/{path.relative_to(folder).as_posix()}")
+
+
+def _forget_clients() -> None:
+    """Drops s3fs's cached clients, made for the endpoint before or during the context."""
+    with contextlib.suppress(ImportError):
+        import s3fs
+
+        s3fs.S3FileSystem.clear_instance_cache()

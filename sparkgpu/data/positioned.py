@@ -1,0 +1,92 @@
+"""The position of the table and files datasets, kept exact with or without DataLoader workers.
+
+Both datasets cut a rank's share of an epoch into numbered batches (files: one file each), and
+inside torch DataLoader workers worker ``w`` of ``W`` builds batches ``w, w + W, ...``, which the
+DataLoader hands out in order: the rank reads the same batches with or without workers, and
+the workers' counts differ by at most one. Workers run on copies of the dataset, so its
+position in the training process can only follow what the training process receives:
+:meth:`Positioned.loader` is a ``torch.utils.data.DataLoader`` that advances the dataset's
+position as each batch arrives, so ``state_dict()`` taken between batches resumes exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparkgpu.errors import ConfigurationError
+
+__all__ = ["Positioned", "PositionedLoader"]
+
+
+class Positioned(torch.utils.data.IterableDataset):
+    """An iterable dataset with an epoch and a count of rows consumed by all ranks in it.
+
+    Subclasses define ``_plan(epoch, start)`` (an :class:`~sparkgpu.data.order.EpochPlan`),
+    ``world_size``, ``epoch`` and ``_consumed``.
+    """
+
+    def loader(self, num_workers: int = 2, **dataloader_options) -> "PositionedLoader":
+        """A DataLoader reading this dataset in ``num_workers`` worker processes, keeping its position.
+
+        Args:
+            num_workers: Worker processes (each builds every ``num_workers``-th batch).
+            **dataloader_options: Other ``torch.utils.data.DataLoader`` arguments
+                (``pin_memory``, ``prefetch_factor``, ``multiprocessing_context``, ...).
+
+        Returns:
+            A :class:`PositionedLoader`; iterate it once per epoch.
+
+        Raises:
+            ConfigurationError: An option the position cannot follow (``batch_size``, a
+                ``sampler``, ``persistent_workers=True``).
+        """
+        return PositionedLoader(self, num_workers=num_workers, **dataloader_options)
+
+    def _begin(self):
+        """The plan and start of the next iteration (the next epoch when this one is read out)."""
+        plan = self._plan(self.epoch, self._consumed)
+        if plan.num_batches == 0 and self._consumed > 0:  # stopped right after the last batch
+            self.epoch, self._consumed = self.epoch + 1, 0
+            plan = self._plan(self.epoch, 0)
+        return plan, self._consumed
+
+    def _advance(self, plan, start: int, batches: int) -> None:
+        """Sets the position to just after the rank's first ``batches`` batches of ``plan``."""
+        self._consumed = start + min(batches * plan.batch_size, len(plan.samples)) * self.world_size
+
+    def _batch_numbers(self, plan) -> range:
+        """The batches of ``plan`` this process builds: all, or every W-th in DataLoader worker w."""
+        worker = torch.utils.data.get_worker_info()
+        return range(plan.num_batches) if worker is None else range(worker.id, plan.num_batches, worker.num_workers)
+
+
+class PositionedLoader(torch.utils.data.DataLoader):
+    """A ``torch.utils.data.DataLoader`` over a :class:`Positioned` dataset that keeps its position.
+
+    The dataset yields whole batches (``batch_size=None``); each batch received here moves the
+    dataset's position past it, and reading the loader to its end moves it to the next epoch.
+    """
+
+    def __init__(self, dataset: Positioned, **options):
+        for name in ("batch_size", "sampler", "batch_sampler", "shuffle", "drop_last"):
+            if options.get(name) not in (None, False):
+                raise ConfigurationError(f"{name}= is set on the dataset, not its loader: the dataset yields whole "
+                                         f"batches in its own order; drop {name}= from loader()")
+        if options.get("persistent_workers"):
+            raise ConfigurationError("persistent_workers=True would keep the workers' copies of the dataset at an old "
+                                     "position; leave it out (workers start again each epoch)")
+        options = {k: v for k, v in options.items() if k not in ("batch_size", "sampler", "batch_sampler", "shuffle", "drop_last")}
+        super().__init__(dataset, batch_size=None, **options)
+
+    def __iter__(self):
+        dataset = self.dataset
+        plan, start = dataset._begin()  # before the workers copy the dataset
+        received = 0
+        for batch in super().__iter__():
+            received += 1
+            dataset._advance(plan, start, received)
+            yield batch
+        dataset.epoch, dataset._consumed = dataset.epoch + 1, 0
+
+    def __len__(self) -> int:
+        return len(self.dataset)
