@@ -26,6 +26,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import select
 import socket
 import subprocess
 import time
@@ -39,6 +40,11 @@ from sparkgpu.launch.backends.local import LocalBackend
 __all__ = ["PoolBackend", "create_backend", "ensure_pool", "pool_status", "stop_pool"]
 
 _START_TIMEOUT = 120.0
+# A warm job often ends within a fraction of a second: for its first second, poll waits up to
+# this long for the result, so a short job's end is seen when it happens rather than one
+# supervisor poll (and sleep) later.
+_EARLY_RESULT_WAIT = 0.25
+_EARLY_SECONDS = 1.0
 # What the zygote imports before it forks (pool_zygote._serve); the ranks inherit these
 # modules as they were then.
 _PRELOADED = ("torch", "numpy", "cloudpickle")
@@ -199,6 +205,7 @@ class PoolAttempt(AttemptHandle):
     conn: socket.socket
     node_file: Path
     status: int | None = None
+    submitted: float = dataclasses.field(default_factory=time.monotonic)
 
 
 class PoolBackend(LocalBackend):
@@ -229,6 +236,8 @@ class PoolBackend(LocalBackend):
     def poll(self, handle: PoolAttempt) -> int | None:
         if handle.status is not None:
             return handle.status
+        if time.monotonic() - handle.submitted < _EARLY_SECONDS:
+            select.select([handle.conn], [], [], _EARLY_RESULT_WAIT)
         try:
             data = handle.conn.recv(1 << 12)
         except BlockingIOError:

@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import inspect
 import json
 import logging
@@ -424,25 +423,30 @@ class MLflowCallback(JobCallback):
             if self.autolog:
                 session.autolog = _autolog.OptimizerAutolog(writer, self.lr_every_n_steps)
                 session.autolog.install()
-        if self.autolog and (importlib.util.find_spec("lightning") or importlib.util.find_spec("pytorch_lightning")):
-            import mlflow.pytorch
-
-            mlflow.pytorch.autolog(log_models=False, checkpoint=False, silent=True)
+        lightning_patched = self.autolog and _lightning_imported()
+        if lightning_patched:
+            # The function's module imported Lightning when it was unpickled: patch its
+            # Trainer before the function can call fit (importing MLflow costs seconds).
+            _lightning_autolog()
         # Importing MLflow takes seconds; the training function need not wait for it, nor a
         # short job's end. Until the scheme is registered here, MLflow finds the spool store
         # through this package's `mlflow.tracking_store` entry point.
         self._monitor_starter = threading.Thread(
-            target=self._start_mlflow, args=(ctx, info, spool.uri), name="sparkgpu-mlflow-start", daemon=True,
+            target=self._start_mlflow, args=(ctx, info, spool.uri, lightning_patched),
+            name="sparkgpu-mlflow-start", daemon=True,
         )
         self._monitor_starter.start()
 
-    def _start_mlflow(self, ctx: WorkerContext, info, spool_uri: str) -> None:
+    def _start_mlflow(self, ctx: WorkerContext, info, spool_uri: str, lightning_patched: bool) -> None:
         from sparkgpu.tracking.spool import register_spool_scheme
 
         try:
             register_spool_scheme()
         except Exception as exc:  # the entry point still serves plain MLflow calls
             _logger.warning("sparkgpu: could not register the spool store with MLflow: %s", exc)
+        if self.autolog and not lightning_patched and _lightning_imported():
+            # Imported inside the function's body: patched as soon as MLflow is ready here.
+            _lightning_autolog()
         if self.system_metrics and ctx.local_rank == 0:
             self._start_monitor(ctx, info, spool_uri)
 
@@ -475,6 +479,19 @@ class MLflowCallback(JobCallback):
         if monitor is not None:
             monitor.finish()
         _autolog._deactivate()
+
+
+def _lightning_imported() -> bool:
+    return "lightning" in sys.modules or "pytorch_lightning" in sys.modules
+
+
+def _lightning_autolog() -> None:
+    try:
+        import mlflow.pytorch
+
+        mlflow.pytorch.autolog(log_models=False, checkpoint=False, silent=True)
+    except Exception as exc:  # autologging is an extra: training goes on without it
+        _logger.warning("sparkgpu: Lightning autologging is off: %s", exc)
 
 
 def _metrics(values: dict, step: int):
