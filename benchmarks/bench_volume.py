@@ -47,7 +47,6 @@ import os
 import platform
 import shutil
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -176,17 +175,7 @@ def run_table(args) -> dict:
             runs = [table_report(url, local=work, batch_size=args.batch_size, download_threads=args.threads,
                                  shuffle=args.shuffle, raw_download=raw)
                     for _ in range(args.repeats)]
-        ratios = [run["epoch1_vs_raw"] for run in runs]
-        median = statistics.median(ratios)
-        report = dict(sorted(runs, key=lambda run: run["epoch1_vs_raw"])[(len(runs) - 1) // 2])
-        report["runs"] = runs
-        for number, run in enumerate(runs, 1):
-            print(f"  run {number}: raw parallel download ({args.threads} threads) {run['raw_parallel_download']['mb_per_s']:.0f} MB/s; "
-                  f"table_dataset epoch 1 {run['epoch1_from_volume']['mb_per_s']:.0f} MB/s (first batch after "
-                  f"{run['epoch1_from_volume']['first_batch_s']:.2f} s) = {run['epoch1_vs_raw']:.0%} of raw; epoch 2 from "
-                  f"the cache {run['epoch2_from_cache']['mb_per_s']:.0f} MB/s", flush=True)
-        target = 0.80 if PROFILES[args.profile] is not None else 0.70
-        print(f"  epoch 1 / raw parallel download, same run: median {median:.0%}, best {max(ratios):.0%} (target >= {target:.0%})", flush=True)
+        report, ratios, median, target = summarize_runs(runs, "table_dataset", args.threads, PROFILES[args.profile] is not None)
         plot_volume_report(report, args.out_png)
         return {
             "profile": {"name": args.profile, **(PROFILES[args.profile] or {})},
@@ -196,6 +185,23 @@ def run_table(args) -> dict:
         }
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def summarize_runs(runs: list[dict], label: str, threads: int, latency: bool) -> tuple[dict, list, float, float]:
+    """Prints each run's epoch 1 against its raw download; returns the median run's report (the
+    figures shown and plotted), every ratio, their median and the target of the profile."""
+    ratios = [run["epoch1_vs_raw"] for run in runs]
+    median = statistics.median(ratios)
+    report = dict(sorted(runs, key=lambda run: run["epoch1_vs_raw"])[(len(runs) - 1) // 2])
+    report["runs"] = runs
+    for number, run in enumerate(runs, 1):
+        print(f"  run {number}: raw parallel download ({threads} threads, http.client) "
+              f"{run['raw_parallel_download']['mb_per_s']:.0f} MB/s; {label} epoch 1 {run['epoch1_from_volume']['mb_per_s']:.0f} MB/s "
+              f"(first batch after {run['epoch1_from_volume']['first_batch_s']:.2f} s) = {run['epoch1_vs_raw']:.0%} of raw; "
+              f"epoch 2 from the cache {run['epoch2_from_cache']['mb_per_s']:.0f} MB/s", flush=True)
+    target = 0.80 if latency else 0.70
+    print(f"  epoch 1 / raw parallel download, same run: median {median:.0%}, best {max(ratios):.0%} (target >= {target:.0%})", flush=True)
+    return report, ratios, median, target
 
 
 def run(args) -> dict:
@@ -226,18 +232,7 @@ def run(args) -> dict:
         runs = [volume_report(remote, local=work, batch_size=args.batch_size, download_threads=args.threads, shuffle=args.shuffle,
                               raw_download=raw)
                 for _ in range(args.repeats)]
-        ratios = [run["epoch1_vs_raw"] for run in runs]
-        median = statistics.median(ratios)
-        # The figures shown and plotted are those of the run with the median ratio.
-        report = dict(sorted(runs, key=lambda run: run["epoch1_vs_raw"])[(len(runs) - 1) // 2])
-        report["runs"] = runs
-        for number, run in enumerate(runs, 1):
-            print(f"  run {number}: raw parallel download ({args.threads} threads, http.client) "
-                  f"{run['raw_parallel_download']['mb_per_s']:.0f} MB/s; sparkgpu epoch 1 {run['epoch1_from_volume']['mb_per_s']:.0f} MB/s "
-                  f"(first batch after {run['epoch1_from_volume']['first_batch_s']:.2f} s) = {run['epoch1_vs_raw']:.0%} of raw; "
-                  f"epoch 2 from the cache {run['epoch2_from_cache']['mb_per_s']:.0f} MB/s", flush=True)
-        target = 0.80 if profile is not None else 0.70
-        print(f"  epoch 1 / raw parallel download, same run: median {median:.0%}, best {max(ratios):.0%} (target >= {target:.0%})", flush=True)
+        report, ratios, median, target = summarize_runs(runs, "sparkgpu", args.threads, profile is not None)
         peer = streaming_from_volume(remote, work / "streaming-cache", args.batch_size, args.workers, args.peer_seconds)
         results = {
             "profile": {"name": args.profile, **(profile or {})},

@@ -98,7 +98,9 @@ def _upload(endpoint: str, bucket: str, folder: Path) -> None:
                           region_name="us-east-1")
     client.create_bucket(Bucket=bucket)
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        client.upload_file(str(path), bucket, f"{folder.name}/{path.relative_to(folder).as_posix()}")
+        # Readable without a signature: the raw-download baseline is a plain HTTP client.
+        client.upload_file(str(path), bucket, f"{folder.name}/{path.relative_to(folder).as_posix()}",
+                           ExtraArgs={"ACL": "public-read"})
 
 
 def _forget_clients() -> None:
