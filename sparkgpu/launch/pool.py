@@ -236,8 +236,12 @@ class PoolBackend(LocalBackend):
     def poll(self, handle: PoolAttempt) -> int | None:
         if handle.status is not None:
             return handle.status
-        if time.monotonic() - handle.submitted < _EARLY_SECONDS:
-            select.select([handle.conn], [], [], _EARLY_RESULT_WAIT)
+        if time.monotonic() - handle.submitted < _EARLY_SECONDS and handle.conn.fileno() >= 0:
+            # poll(), not select(): a long-lived client (a notebook, a test session) can hold
+            # descriptors past select()'s limit of 1024.
+            waiter = select.poll()
+            waiter.register(handle.conn, select.POLLIN)
+            waiter.poll(_EARLY_RESULT_WAIT * 1000)
         try:
             data = handle.conn.recv(1 << 12)
         except BlockingIOError:

@@ -250,3 +250,21 @@ def test_a_pool_rank_that_exits_quietly_is_named_as_the_first_failure(pool):
     assert (first.rank, first.exitcode) == (1, 0)
     assert "rank 1: the process exited with code 0 without returning a result" in str(err.value)
     assert_pool_runs_no_ranks()
+
+
+def test_a_client_holding_more_than_1024_descriptors_still_gets_its_result(pool):
+    """A notebook or a long test session can hold descriptors past select()'s limit (1024)."""
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip(f"the descriptor limit ({hard}) is too low to hold 1100 open files")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        assert distributed(gpus=2, gpu_type="cpu", backend=pool, callbacks=[])(lambda: 7).distributed() == [7, 7]
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
