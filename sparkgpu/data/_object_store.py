@@ -17,11 +17,25 @@ import time
 
 from sparkgpu._urls import scheme_of
 
-__all__ = ["DIRECT_SCHEMES", "ObjectStoreSource", "LinkEstimate"]
+__all__ = ["DIRECT_SCHEMES", "ObjectStoreSource", "LinkEstimate", "usable_here"]
 
 # Schemes obstore reads; any other goes through fsspec.
 DIRECT_SCHEMES = frozenset({"s3", "s3a", "gs", "az", "abfs", "abfss", "http", "https"})
 _CHUNK = 8 << 20
+
+# The process whose first request started obstore's runtime (None: not started in any ancestor).
+_runtime_pid: int | None = None
+
+
+def usable_here() -> bool:
+    """Whether obstore works in this process: its runtime was not started by a process we forked from."""
+    return _runtime_pid is None or _runtime_pid == os.getpid()
+
+
+def _started() -> None:
+    global _runtime_pid
+    if _runtime_pid is None:
+        _runtime_pid = os.getpid()
 
 
 class LinkEstimate:
@@ -94,6 +108,7 @@ class ObjectStoreSource:
         import obstore
         from obstore.exceptions import NotSupportedError
 
+        _started()
         if start is None and end is None:
             return bytes(obstore.get(self.store, relative).bytes())
         if end is None:
@@ -112,6 +127,7 @@ class ObjectStoreSource:
         """Streams the file into ``local_path`` (created or truncated)."""
         import obstore
 
+        _started()
         result = obstore.get(self.store, relative)
         with open(local_path, "wb") as out:
             for chunk in result.stream(min_chunk_size=_CHUNK):

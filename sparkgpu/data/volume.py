@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 
 from sparkgpu._urls import install_command, scheme_of
-from sparkgpu.data._object_store import DIRECT_SCHEMES, ObjectStoreSource
+from sparkgpu.data._object_store import DIRECT_SCHEMES, ObjectStoreSource, usable_here
 from sparkgpu.errors import ConfigurationError, DataError, MissingDependencyError
 
 __all__ = ["Volume", "RangePool", "part_bytes_for", "MIN_PART_BYTES", "MAX_PART_BYTES"]
@@ -160,24 +160,41 @@ class Volume:
 
         self.url = str(url).rstrip("/")
         self.retries = retries
+        self._storage_options = dict(storage_options or {})
         scheme = scheme_of(self.url)
         try:
-            self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+            self._fs, self.root = fsspec.core.url_to_fs(self.url, **self._storage_options)
         except ImportError:
             raise MissingDependencyError(f"reading {scheme}:// volumes", install_command(scheme)) from None
         except ValueError as exc:
             raise ConfigurationError(f"cannot read volume {self.url!r} ({exc}); use a local folder or an fsspec URL such as s3://bucket/path") from None
+        self._fs_pid = os.getpid()
         self.root = self.root.rstrip("/")
         # Object stores and HTTP without options: obstore's connection pool, outside the GIL,
         # instead of fsspec's single event-loop thread, which caps every thread's reads at one
         # core's rate. Options (credentials, headers) are fsspec's: those volumes stay on fsspec.
-        self._direct = ObjectStoreSource(self.url) if scheme in DIRECT_SCHEMES and not storage_options else None
+        self._object_store = ObjectStoreSource(self.url) if scheme in DIRECT_SCHEMES and not storage_options else None
         # Whether the store answers byte-range reads; None until the first ranged download.
         self.ranges_supported: bool | None = None
         self._probe = threading.Lock()
 
     def __repr__(self) -> str:
         return f"Volume({self.url!r})"
+
+    @property
+    def fs(self):
+        """The fsspec filesystem, made again in a forked child (fsspec's async ones refuse to cross a fork)."""
+        if self._fs_pid != os.getpid():
+            import fsspec
+
+            self._fs = fsspec.core.url_to_fs(self.url, **self._storage_options)[0]
+            self._fs_pid = os.getpid()
+        return self._fs
+
+    @property
+    def _direct(self) -> ObjectStoreSource | None:
+        """obstore, unless this process was forked after its runtime started: then fsspec reads."""
+        return self._object_store if self._object_store is not None and usable_here() else None
 
     def _path(self, relative: str) -> str:
         return f"{self.root}/{relative}"

@@ -124,3 +124,38 @@ def test_a_2_rank_job_reads_an_s3_table_with_credentials_from_its_environment_on
     leaked = [str(path) for home in (run_dir, tmp_path) for path in home.rglob("*")
               if path.is_file() and sentinel.encode() in path.read_bytes()]
     assert not leaked, f"the AWS secret was written to {leaked}"
+
+
+def test_loader_workers_forked_after_the_parent_read_s3_fetch_their_files_instead_of_hanging(s3_bucket, tmp_path):
+    """obstore's runtime does not survive fork(): workers forked after the parent's first read used
+    to wait forever on their first download. They read through fsspec instead, in bounded time."""
+    import torch
+
+    from sparkgpu.data import _object_store
+
+    folder = tmp_path / "images"
+    for i in range(12):
+        (folder / f"class{i % 2}").mkdir(parents=True, exist_ok=True)
+        (folder / f"class{i % 2}" / f"img{i:02d}.jpg").write_bytes(f"image {i}".encode())
+    _upload(folder, f"{s3_bucket}/vol/images")
+    _, gone = dv_table(tmp_path)
+    _upload(tmp_path / "clicks", f"{s3_bucket}/lake/clicks")
+
+    warm = data.files_dataset(f"{s3_bucket}/vol/images", "**/*.jpg", as_bytes=True, local=tmp_path / "warm",
+                              rank=0, world_size=1)
+    assert len(list(warm)) == 12  # the parent's own reads start obstore's runtime here
+    assert _object_store._runtime_pid == os.getpid()
+
+    files = data.files_dataset(f"{s3_bucket}/vol/images", "**/*.jpg", as_bytes=True, local=tmp_path / "cold",
+                               rank=0, world_size=1)
+    loader = torch.utils.data.DataLoader(files, batch_size=None, num_workers=2, timeout=60,
+                                         multiprocessing_context="fork")
+    assert sorted(map(tuple, loader)) == sorted((f"class{i % 2}/img{i:02d}.jpg", f"image {i}".encode())
+                                                for i in range(12))
+
+    rows = data.table_dataset(f"{s3_bucket}/lake/clicks", columns=["id"], batch_size=50, local=str(tmp_path / "rows"),
+                              rank=0, world_size=1)
+    read = [i for batch in rows.loader(num_workers=2, timeout=60, multiprocessing_context="fork")
+            for i in batch["id"].tolist()]
+    assert len(read) == len(set(read)) and set(read) <= {i for i in range(600) if i not in gone}
+    assert len(read) >= 600 - len(gone) - 50  # the remainder rule leaves out at most one batch's rows
