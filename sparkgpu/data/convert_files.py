@@ -21,12 +21,12 @@ import pyarrow.dataset as pads
 
 from sparkgpu.data.convert_output import Volume
 from sparkgpu.data.mds_writer import ShardOptions
-from sparkgpu.errors import ConfigurationError, DataError, MissingDependencyError
+from sparkgpu.data.table_source import KEEP
+from sparkgpu.errors import ConfigurationError, DataError
 
 __all__ = ["FileSource", "resolve_file_source", "open_files", "is_delta_table"]
 
 _BATCH_ROWS = 64 * 1024
-_KEEP = "__sparkgpu_keep"
 
 
 def _digest(obj) -> str:
@@ -226,7 +226,7 @@ def _deleted_rows_unit(fragment, snapshot, expression=None) -> _Unit:
         # deletion vector counts. It is evaluated beside the columns instead.
         projection = {name: pc.field(name) for name in columns}
         if expression is not None:
-            projection[_KEEP] = expression
+            projection[KEEP] = expression
         scanner = pads.Scanner.from_fragment(fragment, schema=schema, columns=projection, batch_size=_BATCH_ROWS, use_threads=False)
         start = 0
         # use_threads=False keeps the batches in file order, which the row positions rely on.
@@ -234,9 +234,9 @@ def _deleted_rows_unit(fragment, snapshot, expression=None) -> _Unit:
             mask = row_group_mask(selection, start, batch.num_rows)
             start += batch.num_rows
             if expression is not None:
-                passed = pc.fill_null(batch.column(_KEEP), False).to_numpy(zero_copy_only=False)
+                passed = pc.fill_null(batch.column(KEEP), False).to_numpy(zero_copy_only=False)
                 mask = passed if mask is None else mask & passed
-                batch = batch.drop_columns([_KEEP])
+                batch = batch.drop_columns([KEEP])
             yield batch if mask is None else batch.filter(pa.array(mask))
 
     return _Unit(None, batches)
