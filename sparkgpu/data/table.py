@@ -43,7 +43,7 @@ from sparkgpu.data.positioned import Positioned
 from sparkgpu.data.table_filter import to_expression
 from sparkgpu.data.table_plan import TableRef
 from sparkgpu.data.table_source import KEEP, file_cache, keep_mask, open_source, row_groups, scan
-from sparkgpu.data.table_tensors import to_tensors
+from sparkgpu.data.table_tensors import UnitColumns, gather_batch
 from sparkgpu.errors import ConfigurationError, DataError
 
 __all__ = ["table_dataset", "TableDataset"]
@@ -275,15 +275,18 @@ class _Reader:
         self.unit_of, self.offset = unit_of, plan.samples - starts[unit_of]
         # Units in the order the batches first need them, and the last batch needing each.
         batch_of = np.arange(len(plan.samples)) // plan.batch_size
-        wanted = np.isin(batch_of, np.asarray(numbers, dtype=np.int64))
-        units, first = np.unique(unit_of[wanted], return_index=True)
-        self.queue = units[np.argsort(first)].tolist()
+        wanted = (batch_of >= numbers.start) & (batch_of < numbers.stop) & ((batch_of - numbers.start) % numbers.step == 0)
+        unit_w, batch_w = unit_of[wanted], batch_of[wanted]
+        first = np.full(len(starts), len(unit_w), dtype=np.int64)
+        np.minimum.at(first, unit_w, np.arange(len(unit_w)))
+        last = np.full(len(starts), -1, dtype=np.int64)
+        np.maximum.at(last, unit_w, batch_w)
+        units = np.flatnonzero(first < len(unit_w))
+        self.queue = units[np.argsort(first[units], kind="stable")].tolist()
         self.numbers = numbers
         # Steps count this process's batches (with DataLoader workers, every W-th batch).
-        self.first_step = dict(zip(units.tolist(), ((batch_of[wanted][first] - numbers.start) // numbers.step).tolist()))
-        self.last_use = {}
-        for unit, batch in zip(unit_of[wanted].tolist(), batch_of[wanted].tolist()):
-            self.last_use[unit] = batch
+        self.first_step = dict(zip(units.tolist(), ((batch_w[first[units]] - numbers.start) // numbers.step).tolist()))
+        self.last_use = dict(zip(units.tolist(), last[units].tolist()))
         self.files = dataset._file_cache
         if self.files is not None:
             file_of = np.array([self.files.position[u.path] for u in dataset._units], dtype=np.int64)
@@ -302,15 +305,14 @@ class _Reader:
             step = (number - self.numbers.start) // self.numbers.step
             self.files.reached(step, self.steps[step])
         self._fill(needed)
-        tables = [self.loaded[u].result() for u in needed]
-        base = np.cumsum([0] + [t.num_rows for t in tables[:-1]]).astype(np.int64)
-        position = {u: i for i, u in enumerate(needed)}
-        indices = base[np.array([position[u] for u in units.tolist()], dtype=np.int64)] + offsets
-        rows = pa.concat_tables(tables).take(pa.array(indices))
+        columns = [self.loaded[u].result() for u in needed]
+        position = np.full(max(needed) + 1, -1, dtype=np.int32)
+        position[needed] = np.arange(len(needed), dtype=np.int32)
+        batch = gather_batch(columns, position[units], np.ascontiguousarray(offsets, dtype=np.int64))
         for unit in needed:
             if self.last_use[unit] <= number:
                 self.loaded.pop(unit)
-        return to_tensors(rows, self.dataset.fill_null)
+        return batch
 
     def _fill(self, needed: list[int]) -> None:
         for unit in needed:
@@ -321,7 +323,13 @@ class _Reader:
     def _start(self, unit: int) -> None:
         if unit not in self.started:
             self.started.add(unit)
-            self.loaded[unit] = self.pool.submit(self.dataset._read, unit, self.first_step.get(unit, 0))
+            self.loaded[unit] = self.pool.submit(self._columns, unit)
+
+    def _columns(self, unit: int) -> UnitColumns:
+        columns = UnitColumns(self.dataset._read(unit, self.first_step.get(unit, 0)), self.dataset.fill_null)
+        if self.dataset.shuffle:
+            columns.pack()  # here, in a read thread, rather than when the first batch gathers from it
+        return columns
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

@@ -1,4 +1,10 @@
-"""Arrow rows to the batch types of the MDS loader: tensors for numbers, lists for text and bytes."""
+"""Arrow rows to the batch types of the MDS loader: tensors for numbers, lists for text and bytes.
+
+Integers, floats and booleans become tensors of shape ``(rows,)``; fixed-size lists of them
+``(rows, size)`` tensors; dates and timestamps ``int64`` tensors (their Arrow unit); strings and
+binaries lists of ``str`` / ``bytes``; other lists lists of Python lists. Decimals, structs and
+maps have no batch form and are refused with the column named.
+"""
 
 from __future__ import annotations
 
@@ -9,34 +15,141 @@ import torch
 
 from sparkgpu.errors import ConfigurationError, DataError
 
-__all__ = ["to_tensors"]
+__all__ = ["UnitColumns", "gather_batch"]
 
 
-def to_tensors(table: pa.Table, fill_null=None) -> dict:
-    """Turns ``table`` into ``{column: tensor or list}``.
+class UnitColumns:
+    """One row group's columns, converted once: fixed-width ones as numpy rows, the rest as Arrow.
 
-    Integers, floats and booleans become tensors of shape ``(rows,)``; fixed-size lists of
-    them ``(rows, size)`` tensors; dates and timestamps ``int64`` tensors (their Arrow unit);
-    strings and binaries lists of ``str`` / ``bytes``; other lists lists of Python lists.
+    A batch then copies its rows out of the row groups it draws from (:func:`gather_batch`)
+    instead of an Arrow ``take`` over the concatenated groups and a conversion per batch. Runs
+    of consecutive rows (reading in order) are sliced column by column. Rows drawn at random
+    (shuffled) come from a row-major copy of the fixed-width columns, made once per row group
+    with :meth:`pack`: one gather of whole rows per batch touches each row's memory once, where
+    one gather per column would miss the cache once per column and row.
 
     Args:
-        table: The batch's rows.
+        table: The row group's rows (filtered, deletion vectors applied).
         fill_null: Value replacing nulls: one for all columns or ``{column: value}``.
 
     Raises:
         DataError: A column has nulls and no ``fill_null`` for it.
-        ConfigurationError: A column's type has no tensor form (decimals, structs, maps).
+        ConfigurationError: A column's type has no batch form.
     """
+
+    def __init__(self, table: pa.Table, fill_null=None):
+        self.num_rows = table.num_rows
+        self.names = table.column_names
+        self.fixed: dict[str, np.ndarray] = {}  # name -> its rows as a (rows, row_bytes) uint8 array
+        self.shapes: dict[str, tuple[np.dtype, tuple]] = {}  # name -> element dtype and shape of one row
+        self.other: dict[str, pa.Array] = {}
+        for name, column in zip(table.column_names, table.columns):
+            array = _filled(name, column, fill_null)
+            values = _fixed_width(name, array)
+            if values is None:
+                _convert(name, array[:0])  # refuses types with no batch form now, not at the first batch
+                self.other[name] = array
+            else:
+                self.shapes[name] = (values.dtype, values.shape[1:])
+                row_bytes = values.dtype.itemsize * int(np.prod(values.shape[1:], dtype=np.int64))
+                self.fixed[name] = np.ascontiguousarray(values).view(np.uint8).reshape(len(values), row_bytes)
+        # name -> (word size, first word, end word) in a packed row. Each column starts at a
+        # multiple of the largest word (8, 4, 2 or 1 bytes) dividing its width, so a batch splits
+        # the packed rows into columns with copies of whole words rather than of single bytes.
+        self.layout: dict[str, tuple[int, int, int]] = {}
+        width = 0
+        for name, column in self.fixed.items():
+            size = column.shape[1]
+            word = next(w for w in (8, 4, 2, 1) if size % w == 0)
+            width = -(-width // word) * word
+            self.layout[name] = (word, width // word, (width + size) // word)
+            width += size
+        self.row_bytes = -(-width // 8) * 8
+        self.packed: np.ndarray | None = None
+
+    def pack(self) -> np.ndarray:
+        """The fixed-width columns side by side, one row per row: ``(rows, row_bytes)`` uint8."""
+        if self.packed is None:
+            packed = np.zeros((self.num_rows, self.row_bytes), dtype=np.uint8)
+            for name, (word, begin, end) in self.layout.items():
+                words = packed.view(_WORDS[word])
+                words[:, begin:end] = self.fixed[name].view(_WORDS[word])
+            self.packed = packed
+        return self.packed
+
+
+_WORDS = {8: np.uint64, 4: np.uint32, 2: np.uint16, 1: np.uint8}
+
+# A batch made of at most this many runs of consecutive rows is sliced; more are gathered.
+_MAX_RUNS = 8
+
+
+def gather_batch(units: list[UnitColumns], unit_ids: np.ndarray, rows: np.ndarray) -> dict:
+    """The batch whose row ``i`` is row ``rows[i]`` of ``units[unit_ids[i]]``: tensors and lists by column.
+
+    Args:
+        units: The row groups the batch draws from.
+        unit_ids: Position in ``units`` of each batch row.
+        rows: Row of each batch row inside its row group.
+    """
+    n = len(rows)
+    unit_ids = np.ascontiguousarray(unit_ids, dtype=np.int32)
+    breaks = np.flatnonzero((np.diff(rows) != 1) | (np.diff(unit_ids) != 0)) + 1
+    runs = None
+    if len(breaks) < _MAX_RUNS or not units[0].fixed:  # (nothing to gather without fixed-width columns)
+        starts = np.concatenate(([0], breaks))
+        ends = np.concatenate((breaks, [n]))
+        runs = [(units[unit_ids[a]], int(rows[a]), int(rows[a] + b - a)) for a, b in zip(starts, ends)]
+    else:
+        packed = np.empty((n, units[0].row_bytes), dtype=np.uint8)
+        from sparkgpu.data._gather import gather_rows
+
+        gather_rows(packed, [u.pack() for u in units], unit_ids if len(units) > 1 else None, rows)
     batch = {}
-    for name, column in zip(table.column_names, table.columns):
-        fill = fill_null.get(name) if isinstance(fill_null, dict) else fill_null
-        if column.null_count:
-            if fill is None:
-                raise DataError(f"column {name!r} has {column.null_count} null values in this batch; pass "
-                                f"fill_null={{{name!r}: value}} (or filter them out with filter=\"{name} IS NOT NULL\")")
-            column = pc.fill_null(column, pa.scalar(fill).cast(column.type) if not pa.types.is_nested(column.type) else fill)
-        batch[name] = _convert(name, column.combine_chunks() if column.num_chunks != 1 else column.chunk(0))
+    first = units[0]
+    for name in first.names:
+        if name in first.fixed:
+            dtype, shape = first.shapes[name]
+            if runs is not None:
+                pieces = [u.fixed[name][a:b] for u, a, b in runs]
+                out = np.concatenate(pieces) if len(pieces) > 1 else pieces[0].copy()
+            else:
+                word, begin, end = first.layout[name]
+                out = np.ascontiguousarray(packed.view(_WORDS[word])[:, begin:end]).view(np.uint8)
+            batch[name] = torch.from_numpy(out.view(dtype).reshape((n,) + shape))
+        else:
+            chunks = pa.chunked_array([u.other[name] for u in units])
+            base = np.cumsum([0] + [u.num_rows for u in units[:-1]]).astype(np.int64)
+            taken = chunks.take(pa.array(rows + base[unit_ids]))
+            batch[name] = _convert(name, taken.combine_chunks() if taken.num_chunks != 1 else taken.chunk(0))
     return batch
+
+
+def _filled(name: str, column: pa.ChunkedArray, fill_null) -> pa.Array:
+    fill = fill_null.get(name) if isinstance(fill_null, dict) else fill_null
+    if column.null_count:
+        if fill is None:
+            raise DataError(f"column {name!r} has {column.null_count} null values; pass fill_null={{{name!r}: value}} "
+                            f"(or filter them out with filter=\"{name} IS NOT NULL\")")
+        column = pc.fill_null(column, pa.scalar(fill).cast(column.type) if not pa.types.is_nested(column.type) else fill)
+    return column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+
+
+def _fixed_width(name: str, array: pa.Array) -> np.ndarray | None:
+    """The column as a numpy array of fixed-size rows, or None for strings, binaries and lists."""
+    kind = array.type
+    if pa.types.is_dictionary(kind):
+        return _fixed_width(name, array.dictionary_decode())
+    if pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind):
+        return array.to_numpy(zero_copy_only=False)
+    if pa.types.is_temporal(kind):
+        return array.cast(pa.int64() if kind.bit_width == 64 else pa.int32()).to_numpy()
+    if pa.types.is_fixed_size_list(kind) and (pa.types.is_integer(kind.value_type) or pa.types.is_floating(kind.value_type)):
+        flat = array.flatten()
+        if flat.null_count:
+            raise DataError(f"column {name!r} has null elements inside its lists; fill them before reading")
+        return flat.to_numpy(zero_copy_only=False).reshape(len(array), kind.list_size)
+    return None
 
 
 def _convert(name: str, array: pa.Array):

@@ -185,3 +185,24 @@ def test_remote_table_files_come_through_the_cache(tmp_path):
                                cache_limit=max(len(memory.cat(f"/lake/t/part-{i}.parquet")) for i in range(3)) + 10)
     assert ids_of(small) == list(range(600))
     assert len(list((tmp_path / "small").rglob("*.parquet"))) == 1
+
+
+def test_shuffled_batches_drawing_from_many_row_groups_keep_every_column_of_a_row_together(tmp_path):
+    path = tmp_path / "mixed.parquet"
+    table = clicks(2000)
+    ids = table.column("id").to_numpy()
+    table = table.append_column("even", pa.array(ids % 2 == 0)).append_column(
+        "at", pa.array(ids, type=pa.timestamp("us")))
+    pq.write_table(table, path, row_group_size=70)  # every batch of 64 draws from several row groups
+    ds = data.table_dataset(str(path), batch_size=64, shuffle=True, seed=7, shuffle_block_size=500,
+                            rank=0, world_size=1)
+    seen = []
+    for batch in ds:
+        got = batch["id"]
+        assert torch.equal(batch["x"], (got * 0.5).float())
+        assert torch.equal(batch["emb"], got.float().repeat_interleave(2).reshape(-1, 2))
+        assert batch["name"] == [f"user-{i}" for i in got.tolist()]
+        assert torch.equal(batch["even"], got % 2 == 0) and torch.equal(batch["at"], got)
+        batch["x"] += 1  # batches are writable and share nothing with the next one
+        seen += got.tolist()
+    assert sorted(seen) == list(range(2000)) and seen != sorted(seen)
