@@ -92,3 +92,53 @@ def spark():
 
     if ClassicSession._instantiatedSession is not None:
         ClassicSession._instantiatedSession.stop()
+
+
+_MOSAIC_SHM = r"^\d{6}_[a-z_]+$"  # Mosaic's shared-memory names: 000042_locals, 000042_barrier, ...
+
+
+def _remove_mosaic_shared_memory(names) -> None:
+    import re
+
+    for name in names:
+        if re.match(_MOSAIC_SHM, name):
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except FileNotFoundError:  # removed by its dataset meanwhile
+                continue
+
+
+def _open_anywhere() -> set[str]:
+    """The /dev/shm names some live process has open."""
+    held = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("/dev/shm/"):
+                    held.add(target[len("/dev/shm/"):])
+        except OSError:  # the process ended, or is not ours to read
+            continue
+    return held
+
+
+@pytest.fixture(autouse=True)
+def _mosaic_shared_memory_released(_mosaic_shared_memory_stale_removed):
+    """Tests read our shards with Mosaic's ``StreamingDataset`` to check them. It leaves its
+    shared-memory names in /dev/shm when a dataset is dropped, and each later dataset on the
+    machine opens every one of them again and keeps them open: a test session ended with more
+    than 2,000 descriptors on /dev/shm. The names a test left behind are removed after it
+    (Mosaic's own ``clean_stale_shared_memory`` stops at the first free prefix and misses them)."""
+    before = set(os.listdir("/dev/shm"))
+    yield
+    import sys
+
+    if "streaming" in sys.modules:
+        _remove_mosaic_shared_memory(set(os.listdir("/dev/shm")) - before)
+
+
+@pytest.fixture(scope="session")
+def _mosaic_shared_memory_stale_removed():
+    """Names left in /dev/shm by earlier sessions that ended without removing them."""
+    if os.path.isdir("/dev/shm"):
+        _remove_mosaic_shared_memory(set(os.listdir("/dev/shm")) - _open_anywhere())
