@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 BUILD_INPUTS := pyproject.toml constraints.txt $(wildcard setup.py native/*.c native/*.cc native/*.cpp native/*.h)
 
-.PHONY: venv demo test test-unit bench clean
+.PHONY: venv demo test test-unit docs docs-serve bench clean
 
 $(STAMP): $(BUILD_INPUTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,8 +24,15 @@ test: $(STAMP)
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
 
+# The documentation site (docs/, mkdocs.yml) into site/; broken links or references fail it.
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict
+
+docs-serve: $(STAMP)
+	$(PY) -m mkdocs serve --dev-addr 127.0.0.1:8000
+
 bench: $(STAMP)
 	$(PY) benchmarks/bench_launch.py
 
 clean:
-	rm -rf build *.egg-info sparkgpu/_native*.so
+	rm -rf build site *.egg-info sparkgpu/_native*.so

@@ -95,7 +95,7 @@ def _table(statuses: list[PoolStatus]) -> str:
 def cmd_pools(args) -> int:
     pools = configured_pools()
     if pools is None:
-        raise ConfigurationError("no pools file is configured: set SPARKGPU_POOLS=pools.yaml (see README, 'GPU pools')")
+        raise ConfigurationError("no pools file is configured: set SPARKGPU_POOLS=pools.yaml (see the Spark guide, docs/guides/spark.md, 'GPU pools')")
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(pools))) as executor:
         statuses = list(executor.map(lambda p: pool_status(p, args.timeout), pools))
     if args.json:

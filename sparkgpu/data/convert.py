@@ -169,12 +169,12 @@ def ensure_mds(
     The output goes to ``{volume_root}/mds-{key}``, the key hashing the data fingerprint
     (:func:`data_fingerprint`) and the conversion settings. A complete conversion with the
     same key is returned as is (``reused=True``); an interrupted one is cleared and redone.
+    The other arguments (``columns``, ``compression``, ``hashes``, ``size_limit``, ``version``,
+    ``timestamp``, ``max_workers``, ``storage_options``, ``progress``) are those of :func:`to_mds`.
 
     Args:
         source: As for :func:`to_mds`; it must be fingerprintable (not a one-shot stream).
         volume_root: Folder (local or fsspec URL) holding cached conversions.
-        columns, compression, hashes, size_limit, version, timestamp, max_workers,
-            storage_options, progress: As for :func:`to_mds`.
 
     Returns:
         The conversion, with ``reused`` telling whether it was already there.
