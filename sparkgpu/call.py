@@ -38,6 +38,7 @@ import time
 import types
 from typing import Any
 
+from sparkgpu._files import atomic_write_bytes
 from sparkgpu.errors import (
     CallNotFinishedError,
     ConfigurationError,
@@ -48,7 +49,7 @@ from sparkgpu.errors import (
 )
 from sparkgpu.launch.keys import load_key
 from sparkgpu.launch.logs import LogStreamer
-from sparkgpu.launch.payload import RunDir, atomic_write_bytes
+from sparkgpu.launch.payload import RunDir
 from sparkgpu.launch.resume import client_is_gone, find_run_dir, take_over
 from sparkgpu.launch.supervisor import CANCEL_REQUEST_FILE, JobStatus, Supervisor
 from sparkgpu.spec import JobSpec

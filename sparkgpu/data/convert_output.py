@@ -26,7 +26,7 @@ import shutil
 import time
 from collections.abc import Mapping, Sequence
 
-from sparkgpu._files import fsync_dir
+from sparkgpu._files import atomic_write_bytes, fsync_dir, is_temporary
 from sparkgpu.errors import ConfigurationError, DataError
 
 __all__ = ["Volume", "OutputFolder", "INDEX_NAME", "MARKER_NAME"]
@@ -100,13 +100,7 @@ class Volume:
         path = self.path(relpath)
         if self.is_local:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            temporary = f"{path}.tmp-{os.getpid()}-{time.monotonic_ns()}"
-            with open(temporary, "wb") as out:
-                out.write(data)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(temporary, path)
-            fsync_dir(os.path.dirname(path))  # the rename itself survives a power loss
+            atomic_write_bytes(path, data, fsync_folder=True)  # the rename itself survives a power loss
             return
         # Object stores publish an object only once its single PUT completes.
         self.fs.pipe_file(path, data)
@@ -220,7 +214,7 @@ class OutputFolder:
         self._check_still_ours()
         listed = {shard[key]["basename"].split("/", 1)[0] for shard in shards for key in ("raw_data", "zip_data") if shard.get(key)}
         for name in self.volume.listdir():
-            if name not in listed and name not in (MARKER_NAME, INDEX_NAME) and not name.startswith(INDEX_NAME + ".tmp"):
+            if name not in listed and name not in (MARKER_NAME, INDEX_NAME) and not is_temporary(name):
                 self.volume.remove(name)
         # Writers fsynced the shards' bytes; their names live in these folders.
         self.volume.sync_folders(sorted(listed))

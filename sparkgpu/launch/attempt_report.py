@@ -13,7 +13,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from sparkgpu.launch.payload import atomic_write_bytes
+from sparkgpu._files import atomic_write_bytes
 
 __all__ = ["AttemptReport", "NodeReport", "REPORT_FILE"]
 

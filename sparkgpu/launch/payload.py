@@ -40,13 +40,14 @@ from typing import Any
 
 import cloudpickle
 
+from sparkgpu._files import atomic_write_bytes, atomic_writer
 from sparkgpu.errors import PayloadSignatureError, RankFailure
 from sparkgpu.launch.serialization import deserialize_error, dump_result, serialize_error, unpack_payload
 
 # Imported from here by the launchers and tests.
 from sparkgpu.launch.serialization import client_sys_path, serialize_payload  # noqa: F401
 
-__all__ = ["RunDir", "serialize_payload", "AIR_TEMPLATE", "atomic_write_bytes", "key_from_environ", "KEY_ENV"]
+__all__ = ["RunDir", "serialize_payload", "AIR_TEMPLATE", "key_from_environ", "KEY_ENV"]
 
 KEY_ENV = "SPARKGPU_JOB_KEY"
 
@@ -129,16 +130,6 @@ class _MacWriter:
     def write(self, data) -> int:
         self._mac.update(data)
         return self._f.write(data)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Writes ``data`` so that ``path`` appears complete or not at all."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class RunDir:
@@ -323,18 +314,10 @@ class RunDir:
 
     def _write_signed(self, path: Path, kind: str, attempt: int, rank: int, dump) -> None:
         mac = self._output_mac(kind, attempt, rank, reading=False)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(_SIGNED_MAGIC)
-                dump(_MacWriter(f, mac))
-                f.write(mac.digest())
-                f.flush()
-                os.fsync(f.fileno())
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        os.replace(tmp, path)
+        with atomic_writer(path) as f:
+            f.write(_SIGNED_MAGIC)
+            dump(_MacWriter(f, mac))
+            f.write(mac.digest())
 
     def _read_signed(self, path: Path, kind: str, attempt: int, rank: int) -> memoryview:
         data = path.read_bytes()

@@ -38,8 +38,9 @@ import urllib.parse
 from pathlib import Path
 
 from sparkgpu import runtime
+from sparkgpu._files import atomic_path, atomic_write_bytes, is_temporary
 from sparkgpu._urls import check_url, scheme_of
-from sparkgpu.launch.payload import RunDir, atomic_write_bytes
+from sparkgpu.launch.payload import RunDir
 
 __all__ = ["StagingStore", "ClientMirror", "NodeMirror", "CANCEL_FILE", "HEARTBEAT_FILE", "SPARK_DIR",
            "control_files", "payload_files", "env_for_nodes", "env_on_node", "scratch_run_dir"]
@@ -82,8 +83,7 @@ def _local(root: Path, rel: str) -> Path:
 
 
 def _temporary(rel: str) -> bool:
-    # atomic_write_bytes and the signed writers rename ".<name>.<pid>.tmp" into place.
-    return rel.rsplit("/", 1)[-1].startswith(".")
+    return is_temporary(rel) or rel.rsplit("/", 1)[-1].startswith(".")
 
 
 # -- the store -----------------------------------------------------------------------------
@@ -147,13 +147,8 @@ class StagingStore:
         if self._local_fs:
             # A plain folder (file://, maybe NFS): copy beside it, then rename into place.
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{os.path.dirname(path)}/.{os.path.basename(path)}.{os.getpid()}.{threading.get_ident()}.tmp"
-            try:
+            with atomic_path(path, fsync=False) as tmp:
                 shutil.copyfile(local, tmp)
-                os.replace(tmp, path)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
         else:
             self.fs.put_file(str(local), path)
 
@@ -169,12 +164,8 @@ class StagingStore:
     def download(self, rel: str, local: Path) -> None:
         """Fetches ``rel`` to ``local`` so that ``local`` appears complete or not at all."""
         local.parent.mkdir(parents=True, exist_ok=True)
-        tmp = local.with_name(f".{local.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        try:
-            self.fs.get_file(self._path(rel), str(tmp))
-            os.replace(tmp, local)
-        finally:
-            tmp.unlink(missing_ok=True)
+        with atomic_path(local, fsync=False) as tmp:
+            self.fs.get_file(self._path(rel), tmp)
 
     def read_range(self, rel: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of ``rel``."""

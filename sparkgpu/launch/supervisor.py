@@ -31,6 +31,7 @@ from typing import Any
 import psutil
 
 from sparkgpu import runtime
+from sparkgpu._files import atomic_write_bytes
 from sparkgpu.errors import (
     JobCancelledError,
     JobTimeoutError,
@@ -44,7 +45,7 @@ from sparkgpu.launch.attempt_report import AttemptReport
 from sparkgpu.launch.callbacks import AttemptOutcome, JobCallback
 from sparkgpu.launch.entrypoint import EXIT_PREEMPTED
 from sparkgpu.launch.logs import LogStreamer
-from sparkgpu.launch.payload import KEY_ENV, RunDir, atomic_write_bytes
+from sparkgpu.launch.payload import KEY_ENV, RunDir
 from sparkgpu.spec import JobSpec
 from sparkgpu.train._checkpoint_store import CheckpointStore
 

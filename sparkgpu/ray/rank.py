@@ -239,7 +239,7 @@ def _wait_for_nodes(ray, expected: int, timeout: float) -> list[dict]:
 
 
 def _write_cluster_info(ray_dir: Path, address: str, nodes: list[dict]) -> None:
-    from sparkgpu.launch.payload import atomic_write_bytes
+    from sparkgpu._files import atomic_write_bytes
 
     info = {
         "address": address,

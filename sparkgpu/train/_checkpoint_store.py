@@ -27,7 +27,7 @@ import re
 import shutil
 from typing import Any
 
-from sparkgpu._files import fsync_dir
+from sparkgpu._files import atomic_write_bytes, fsync_dir
 from sparkgpu.errors import CheckpointError
 
 __all__ = ["MARKER_NAME", "CheckpointInfo", "CheckpointStore", "checkpoint_at"]
@@ -226,12 +226,7 @@ class CheckpointStore:
         tmp = f"{marker}.tmp-{os.getpid()}"
         try:
             if self.is_local:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, marker)
-                fsync_dir(info.path)
+                atomic_write_bytes(marker, data, fsync_folder=True)
             else:
                 # Object stores show an object only once its upload is whole; the rename
                 # keeps that property for the other fsspec filesystems too.
