@@ -30,7 +30,6 @@ read from the store may leave the local run dir.
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import threading
 import time
@@ -38,9 +37,10 @@ import urllib.parse
 from pathlib import Path
 
 from sparkgpu import runtime
-from sparkgpu._files import atomic_path, atomic_write_bytes, is_temporary
-from sparkgpu._urls import check_url, scheme_of
+from sparkgpu._files import is_temporary
+from sparkgpu._urls import scheme_of
 from sparkgpu.launch.payload import RunDir
+from sparkgpu.store import Store
 
 __all__ = ["StagingStore", "ClientMirror", "NodeMirror", "CANCEL_FILE", "HEARTBEAT_FILE", "SPARK_DIR",
            "control_files", "payload_files", "env_for_nodes", "env_on_node", "scratch_run_dir"]
@@ -86,11 +86,11 @@ def _temporary(rel: str) -> bool:
     return is_temporary(rel) or rel.rsplit("/", 1)[-1].startswith(".")
 
 
-# -- the store -----------------------------------------------------------------------------
+class StagingStore(Store):
+    """One job's folder on the staging store, ``<url>/<job_id>``: a :class:`~sparkgpu.store.Store`.
 
-
-class StagingStore:
-    """One job's folder on the staging store, ``<url>/<job_id>``.
+    Writes are not flushed to a local disk (``durable=False``): everything on the store is a
+    copy of a file kept on the client or a node, and a run does not outlive a power loss.
 
     Args:
         url: The store's root (``SPARKGPU_STAGING_ROOT``), any fsspec URL.
@@ -103,73 +103,11 @@ class StagingStore:
     """
 
     def __init__(self, url: str, job_id: str, storage_options: dict | None = None):
-        import fsspec
-
-        check_url(url, f"the {scheme_of(url)}:// staging store {url}")
-        self.url = f"{url.rstrip('/')}/{job_id}"
-        self.fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
-        self.root = root.rstrip("/")
-        protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
-        self._local_fs = "file" in protocols
+        super().__init__(f"{url.rstrip('/')}/{job_id}", storage_options, durable=False,
+                         what=f"the {scheme_of(url)}:// staging store")
 
     def __repr__(self) -> str:
         return f"StagingStore({self.url!r})"
-
-    def _path(self, rel: str) -> str:
-        return f"{self.root}/{rel}"
-
-    def list(self, rel: str, recursive: bool = True) -> dict[str, tuple]:
-        """Files under ``rel``: relative name -> ``(size, stamp)``, the stamp changing with every put."""
-        base = self._path(rel)
-        # Listings are cached per filesystem (s3fs, gcsfs); other processes' puts must show.
-        self.fs.invalidate_cache(base)
-        try:
-            entries = self.fs.find(base, detail=True) if recursive else {
-                e["name"]: e for e in self.fs.ls(base, detail=True)}
-        except FileNotFoundError:
-            return {}
-        found = {}
-        for name, info in entries.items():
-            if info.get("type") != "file" or not name.startswith(self.root + "/"):
-                continue
-            stamp = next((str(info[k]) for k in ("mtime", "LastModified", "ETag", "etag", "updated", "generation")
-                          if info.get(k) is not None), "")
-            found[name[len(self.root) + 1:]] = (int(info.get("size") or 0), stamp)
-        return found
-
-    def exists(self, rel: str) -> bool:
-        self.fs.invalidate_cache(self._path(rel).rsplit("/", 1)[0])
-        return self.fs.exists(self._path(rel))
-
-    def upload(self, local: Path, rel: str) -> None:
-        """Puts the file ``local`` at ``rel`` as one whole object."""
-        path = self._path(rel)
-        if self._local_fs:
-            # A plain folder (file://, maybe NFS): copy beside it, then rename into place.
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with atomic_path(path, fsync=False) as tmp:
-                shutil.copyfile(local, tmp)
-        else:
-            self.fs.put_file(str(local), path)
-
-    def put_bytes(self, rel: str, data: bytes) -> None:
-        """Puts ``data`` at ``rel`` as one whole object."""
-        if self._local_fs:
-            path = Path(self._path(rel))
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(path, data)
-        else:
-            self.fs.pipe_file(self._path(rel), data)
-
-    def download(self, rel: str, local: Path) -> None:
-        """Fetches ``rel`` to ``local`` so that ``local`` appears complete or not at all."""
-        local.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(local, fsync=False) as tmp:
-            self.fs.get_file(self._path(rel), tmp)
-
-    def read_range(self, rel: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of ``rel``."""
-        return self.fs.cat_file(self._path(rel), start=start, end=end)
 
 
 class _Reporter:
@@ -253,7 +191,7 @@ class ClientMirror:
                 except FileNotFoundError:
                     continue
                 if self._pushed.get(rel) != data:
-                    self.store.put_bytes(rel, data)
+                    self.store.write_bytes(rel, data)
                     self._pushed[rel] = data
             return self._pull(attempt)
 
@@ -283,7 +221,7 @@ class ClientMirror:
             if _grows(rel):
                 offset = self._offsets.get(rel, 0)
                 if size > offset:
-                    data = self.store.read_range(rel, offset, size)
+                    data = self.store.read_bytes(rel, offset, size)
                     local.parent.mkdir(parents=True, exist_ok=True)
                     with open(local, "ab") as f:
                         f.write(data)

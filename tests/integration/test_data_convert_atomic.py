@@ -140,15 +140,16 @@ def test_killed_right_after_removing_the_old_index_a_rerun_without_overwrite_fin
         import numpy as np, pyarrow as pa
         from sparkgpu import data
         from sparkgpu.data import convert_output
+        from sparkgpu.store import Store
 
-        remove = convert_output.Volume.remove
+        remove = Store.remove
 
-        def remove_then_die(self, relpath):
-            remove(self, relpath)
+        def remove_then_die(self, relpath, **kwargs):
+            remove(self, relpath, **kwargs)
             if relpath == convert_output.INDEX_NAME:
                 os.kill(os.getpid(), signal.SIGKILL)  # power cut right after the old index is gone
 
-        convert_output.Volume.remove = remove_then_die
+        Store.remove = remove_then_die
         ids = np.arange(100, dtype=np.int64)
         batch = pa.record_batch({{"id": ids, "x": ids.astype(np.float32), "name": [str(i) for i in ids]}})
         data.to_mds(pa.RecordBatchReader.from_batches(batch.schema, [batch]), {str(out)!r}, overwrite=True, progress=False)
