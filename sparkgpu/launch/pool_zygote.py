@@ -33,7 +33,8 @@ from sparkgpu.launch.agent import refuse, reported
 from sparkgpu.launch.entrypoint import EXIT_PREEMPTED, _die_with_parent
 from sparkgpu.launch.rendezvous import collective_interface_env, listening_socket, serve_store
 from sparkgpu.launch.keys import rank_secrets
-from sparkgpu.launch.payload import RunDir, key_from_environ
+from sparkgpu.launch.payload import key_from_environ
+from sparkgpu.launch.run_dir import RunDir
 
 _REQUEST_TIMEOUT = 10.0  # seconds a client has to send its whole request line
 

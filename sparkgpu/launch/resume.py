@@ -18,7 +18,7 @@ from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.launch.backends.base import create_backend
 from sparkgpu.launch.keys import load_key
-from sparkgpu.launch.payload import RunDir
+from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.supervisor import CANCEL_REQUEST_FILE, JobStatus, Supervisor
 from sparkgpu.spec import JobSpec
 

@@ -36,42 +36,26 @@ import time
 import urllib.parse
 from pathlib import Path
 
-from sparkgpu import runtime
 from sparkgpu._files import is_temporary
 from sparkgpu._urls import scheme_of
-from sparkgpu.launch.payload import RunDir
+from sparkgpu.launch.run_dir import RunDir
+from sparkgpu.launch.run_layout import RunLayout
 from sparkgpu.store import Store
 
 __all__ = ["StagingStore", "ClientMirror", "NodeMirror", "CANCEL_FILE", "HEARTBEAT_FILE", "SPARK_DIR",
-           "control_files", "payload_files", "env_for_nodes", "env_on_node", "scratch_run_dir"]
+           "env_for_nodes", "env_on_node", "scratch_run_dir"]
 
-SPARK_DIR = "spark"  # attempts/<k>/spark/: start and end markers, cancel, heartbeat
-CANCEL_FILE = "CANCEL"  # written by the client into attempts/<k>/spark/ to stop every node
-HEARTBEAT_FILE = "client.heartbeat"  # rewritten by the client every few seconds while it lives
+# Names inside attempts/<k>/, for the Spark backend's node tasks and client.
+SPARK_DIR = RunLayout.SPARK  # attempts/<k>/spark/: start and end markers, cancel, heartbeat
+CANCEL_FILE = RunLayout.SPARK_CANCEL  # written by the client into attempts/<k>/spark/ to stop every node
+HEARTBEAT_FILE = RunLayout.SPARK_CLIENT_HEARTBEAT  # rewritten by the client every few seconds while it lives
 _RUN_DIR_TOKEN = "@SPARKGPU_NODE_RUN_DIR@"
 _QUOTED_RUN_DIR_TOKEN = "@SPARKGPU_NODE_RUN_DIR_QUOTED@"
-_PAYLOAD = ("_air.py", "spec.json", "payload.pkl", "payload.sig")
-_TRACKING_RUN = "tracking/run.json"
-
-
-def control_files(attempt: int) -> tuple[str, ...]:
-    """The files the client writes while attempt ``attempt`` runs, relative to the run dir."""
-    return (f"attempts/{attempt}/{runtime.STOP_FILE}", f"attempts/{attempt}/{SPARK_DIR}/{CANCEL_FILE}",
-            f"attempts/{attempt}/{SPARK_DIR}/{HEARTBEAT_FILE}")
-
-
-def payload_files(spec: dict) -> list[str]:
-    """The signed files of a staged run dir, from its spec."""
-    return list(_PAYLOAD) + sorted(spec.get("signed_files", []))
 
 
 def _grows(rel: str) -> bool:
     # Rank and agent logs and tracking records only ever grow; the rest is written once.
     return rel.endswith((".log", ".jsonl"))
-
-
-def _end_marker(rel: str) -> bool:
-    return f"/{SPARK_DIR}/node-" in rel and rel.endswith(".ended")
 
 
 def _local(root: Path, rel: str) -> Path:
@@ -172,9 +156,9 @@ class ClientMirror:
         import json
 
         spec = json.loads(self.run_dir.spec_file.read_text())
-        names = payload_files(spec)
-        if (self.run_dir.path / _TRACKING_RUN).exists():
-            names.append(_TRACKING_RUN)
+        names = RunLayout.payload_files(spec)
+        if (self.run_dir.path / RunLayout.TRACKING_RUN).exists():
+            names.append(RunLayout.TRACKING_RUN)
         for rel in names:
             self.store.upload(_local(self.run_dir.path, rel), rel)
 
@@ -185,7 +169,7 @@ class ClientMirror:
             How many local files changed.
         """
         with self._lock:
-            for rel in control_files(attempt):
+            for rel in RunLayout.control_files(attempt):
                 try:
                     data = _local(self.run_dir.path, rel).read_bytes()
                 except FileNotFoundError:
@@ -205,10 +189,11 @@ class ClientMirror:
         return True
 
     def _pull(self, attempt: int) -> int:
-        listed = self.store.list(f"attempts/{attempt}")
-        records = self.store.list("tracking/records", recursive=False)
-        listed.update((rel, v) for rel, v in records.items() if rel.rsplit("/", 1)[-1].startswith(f"a{attempt}."))
-        skip = set(control_files(attempt))
+        listed = self.store.list(RunLayout.attempt(attempt))
+        records = self.store.list(RunLayout.TRACKING_RECORDS, recursive=False)
+        ours = RunLayout.tracking_records_of(attempt)
+        listed.update((rel, v) for rel, v in records.items() if rel.rsplit("/", 1)[-1].startswith(ours))
+        skip = set(RunLayout.control_files(attempt))
         changed = 0
         for rel, (size, stamp) in sorted(listed.items()):
             if rel in skip or _temporary(rel):
@@ -304,26 +289,26 @@ class NodeMirror:
         """
         import json
 
-        self.store.download("spec.json", self.run_dir.spec_file)
-        names = [n for n in payload_files(json.loads(self.run_dir.spec_file.read_text())) if n != "spec.json"]
-        if self.store.exists(_TRACKING_RUN):
-            names.append(_TRACKING_RUN)
+        self.store.download(RunLayout.SPEC, self.run_dir.spec_file)
+        names = [n for n in RunLayout.payload_files(json.loads(self.run_dir.spec_file.read_text())) if n != RunLayout.SPEC]
+        if self.store.exists(RunLayout.TRACKING_RUN):
+            names.append(RunLayout.TRACKING_RUN)
         for rel in names:
             self.store.download(rel, _local(self.run_dir.path, rel))  # a planted "../x" raises ValueError
 
     def claimed_before(self) -> bool:
         """Whether the store already has this node's start marker (Spark is re-running the stage)."""
-        return self.store.exists(f"attempts/{self.attempt}/{SPARK_DIR}/node-{self.node}.started")
+        return self.store.exists(RunLayout.node_marker(self.attempt, self.node, "started"))
 
     def pull_control(self) -> None:
         """Fetches the client's new control files and the other nodes' exit files."""
         with self._lock:
-            base = f"attempts/{self.attempt}"
-            listed = {**self.store.list(base, recursive=False), **self.store.list(f"{base}/{SPARK_DIR}", recursive=False)}
-            wanted = set(control_files(self.attempt))
-            own = f"{base}/node-{self.node}.json"
+            listed = {**self.store.list(RunLayout.attempt(self.attempt), recursive=False),
+                      **self.store.list(RunLayout.spark(self.attempt), recursive=False)}
+            wanted = set(RunLayout.control_files(self.attempt))
+            own = RunLayout.node_exits(self.attempt, self.node)
             for rel, stamp in listed.items():
-                peer = rel.startswith(f"{base}/node-") and rel.endswith(".json") and rel != own
+                peer = RunLayout.is_node_exits(rel) and rel != own
                 if (rel in wanted or peer) and self._pulled.get(rel) != stamp:
                     self.store.download(rel, _local(self.run_dir.path, rel))
                     self._pulled[rel] = stamp
@@ -333,7 +318,7 @@ class NodeMirror:
         with self._lock:
             now = time.monotonic()
             for rel, path in sorted(self._outputs().items(), key=lambda item: _push_order(item[0])):
-                if _end_marker(rel) and not final:
+                if RunLayout.is_node_end_marker(rel) and not final:
                     continue
                 if _grows(rel) and not final and now < self._next_put.get(rel, 0.0):
                     continue
@@ -353,9 +338,9 @@ class NodeMirror:
     def _outputs(self) -> dict[str, Path]:
         root = self.run_dir.path
         found = {}
-        skip = set(control_files(self.attempt)) | set(self._pulled)
+        skip = set(RunLayout.control_files(self.attempt)) | set(self._pulled)
         for folder, pattern in ((self.run_dir.attempt_dir(self.attempt), "*"),
-                                (root / "tracking" / "records", f"a{self.attempt}.*")):
+                                (self.run_dir.file(RunLayout.TRACKING_RECORDS), f"{RunLayout.tracking_records_of(self.attempt)}*")):
             for path in folder.rglob(pattern) if folder.is_dir() else ():
                 rel = path.relative_to(root).as_posix()
                 if path.is_file() and rel not in skip and not _temporary(rel):
@@ -393,9 +378,9 @@ class NodeMirror:
 
 def _push_order(rel: str) -> int:
     # Results, errors and logs first; then the agent's exit file; the end marker last of all.
-    if _end_marker(rel):
+    if RunLayout.is_node_end_marker(rel):
         return 2
-    return 1 if rel.rsplit("/", 1)[-1].startswith("node-") and rel.endswith(".json") else 0
+    return 1 if RunLayout.is_node_exits(rel) else 0
 
 
 # -- the ranks' environment ------------------------------------------------------------------

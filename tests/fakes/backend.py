@@ -11,7 +11,7 @@ import json
 
 from sparkgpu._files import atomic_write_bytes
 from sparkgpu.launch.backends.base import AttemptHandle, Backend, LaunchPlan
-from sparkgpu.launch.payload import RunDir
+from sparkgpu.launch.run_dir import RunDir
 
 
 @dataclasses.dataclass

@@ -28,7 +28,7 @@ from sparkgpu.launch.backends.spark_node import (
     executor_identity,
     spark_dir,
 )
-from sparkgpu.launch.payload import RunDir
+from sparkgpu.launch.run_dir import RunDir
 
 FAKE_AGENT = textwrap.dedent("""
     import signal, sys, time
