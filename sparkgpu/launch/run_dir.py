@@ -296,10 +296,14 @@ class RunDir:
         """
         return deserialize_error(self._read_signed(self.error_file(attempt, rank), "error", attempt, rank))
 
+    def _attempt_files(self, attempt: int) -> list[Path]:
+        folder = self.attempt_dir(attempt)
+        return sorted(folder.iterdir()) if folder.is_dir() else []
+
     def read_env_reports(self, attempt: int) -> dict[int, dict]:
         """Per rank, what rehydrating the shipped environment cost (:class:`HydrationReport` as a dict)."""
         reports = {}
-        for path in self.attempt_dir(attempt).iterdir() if self.attempt_dir(attempt).is_dir() else ():
+        for path in self._attempt_files(attempt):
             rank = RunLayout.env_report_rank(path.name)
             if rank is not None:
                 reports[rank] = json.loads(path.read_text())
@@ -308,11 +312,10 @@ class RunDir:
     def read_node_exits(self, attempt: int) -> dict[int, dict]:
         """Exit information per global rank, merged over the attempt's nodes."""
         exits: dict[int, dict] = {}
-        for path in sorted(self.attempt_dir(attempt).iterdir() if self.attempt_dir(attempt).is_dir() else ()):
-            if RunLayout.node_exits_node(path.name) is None:
-                continue
-            for rank, info in json.loads(path.read_text()).get("failures", {}).items():
-                exits[int(rank)] = info
+        for path in self._attempt_files(attempt):
+            if RunLayout.node_exits_node(path.name) is not None:
+                for rank, info in json.loads(path.read_text()).get("failures", {}).items():
+                    exits[int(rank)] = info
         return exits
 
     def log_tail(self, attempt: int, rank: int, lines: int = 20) -> str:

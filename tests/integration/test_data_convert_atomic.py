@@ -14,6 +14,7 @@ import pyarrow as pa
 import pytest
 
 from sparkgpu import data
+from sparkgpu._files import is_temporary
 from sparkgpu.data.convert_output import INDEX_NAME, MARKER_NAME
 
 pytestmark = pytest.mark.integration
@@ -179,7 +180,7 @@ def test_shards_and_their_folders_reach_the_disk_before_the_index(tmp_path, monk
         pytest.skip("needs /proc to name the files being flushed")
     monkeypatch.setattr(os, "fsync", recording_fsync)
     data.to_mds(pa.RecordBatchReader.from_batches(SCHEMA, batches(6)), str(out), size_limit=4096, progress=False)
-    index_flush = next(i for i, name in enumerate(synced) if name.startswith(INDEX_NAME + ".tmp"))
+    index_flush = next(i for i, name in enumerate(synced) if is_temporary(name) and name.startswith(f".{INDEX_NAME}."))
     before = set(synced[:index_flush])
     shards = listed_in_index(out)
     assert len(shards) > 2

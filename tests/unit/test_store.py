@@ -28,9 +28,11 @@ def _everything(store: Store) -> list[str]:
 @pytest.fixture(params=["local", "file-url", "memory"])
 def store(request, tmp_path):
     if request.param == "local":
-        return Store(tmp_path / "store")
+        yield Store(tmp_path / "store")
+        return
     if request.param == "file-url":
-        return Store((tmp_path / "store").as_uri())
+        yield Store((tmp_path / "store").as_uri())
+        return
     url = f"memory://store-test/{os.urandom(4).hex()}"
     yield Store(url)
     Store(url).remove("")
