@@ -47,10 +47,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sparkgpu import data  # noqa: E402
 from sparkgpu.data.convert import _convert, data_fingerprint  # noqa: E402
-from sparkgpu.data.convert_output import Volume  # noqa: E402
 from sparkgpu.data.convert_spark import SparkSource  # noqa: E402
 from sparkgpu.data.mds_writer import ShardOptions  # noqa: E402
 from sparkgpu.data.mds import encode_batch, plan_columns  # noqa: E402
+from sparkgpu.store import Store  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 FLOATS = 32
@@ -137,7 +137,7 @@ def convert_files_on_executors(spark, parquet_dir: str, out: str) -> None:
     units = [(i, path, group) for i, (path, group) in
              enumerate((path, g) for path in paths for g in range(pq.ParquetFile(path).num_row_groups))]
     schema = pq.read_schema(paths[0])
-    volume, options = Volume(out), ShardOptions.create(plan_columns(schema))
+    volume, options = Store(out), ShardOptions.create(plan_columns(schema))
     folder = OutputFolder(volume, uuid.uuid4().hex)
     folder.begin(overwrite=False)
 
@@ -174,7 +174,7 @@ def peers_on_spark(spark, parquet_dir: str, rows: int, repeats: int, peer_repeat
 
     def general(out):
         source = SparkSource(df)
-        _convert(source, Volume(out), ShardOptions.create(plan_columns(source.schema)), None, False, None, False, time.monotonic())
+        _convert(source, Store(out), ShardOptions.create(plan_columns(source.schema)), None, False, None, False, time.monotonic())
 
     def on_executors(out):
         convert_files_on_executors(spark, parquet_dir, out)

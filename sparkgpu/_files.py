@@ -1,10 +1,24 @@
-"""Small file-system helpers shared by the parts that must survive a power loss."""
+"""Writing local files so that a reader sees them whole or not at all, and so that they survive a power loss.
+
+The one recipe every part of the package uses: write beside the target under a hidden
+temporary name (``.<name>.<random>.tmp``: unique across threads, processes and the hosts
+sharing a network folder), flush the bytes to disk (``fsync``), rename over the target
+(atomic on POSIX) and, where the new name must survive a power loss as well, flush the
+folder too. A temporary left by a killed writer is never mistaken for the file
+(:func:`is_temporary`). URLs go through :class:`sparkgpu.store.Store`, which uses this for
+local paths.
+
+Standard library only: the launch path imports it before anything heavy.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
+from typing import BinaryIO
 
-__all__ = ["fsync_dir"]
+__all__ = ["atomic_path", "atomic_write_bytes", "atomic_writer", "fsync_dir", "is_temporary", "temporary_name"]
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -17,3 +31,70 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def temporary_name(path: str | os.PathLike) -> str:
+    """A hidden name beside ``path`` to write before renaming, unique even among hosts sharing the folder."""
+    folder, name = os.path.split(os.fspath(path))
+    return os.path.join(folder, f".{name}.{os.urandom(6).hex()}.tmp")
+
+
+def is_temporary(name: str) -> bool:
+    """Whether the file name (last path component) is a write in progress, or one a killed writer left."""
+    base = name.rsplit("/", 1)[-1]
+    return base.startswith(".") and base.endswith(".tmp")
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, *, fsync: bool = True, fsync_folder: bool = False) -> Iterator[str]:
+    """Yields a temporary path for the caller to create; it becomes ``path`` when the block succeeds.
+
+    For writers that want a path rather than an open file (a copy, a download). On an
+    exception the temporary is removed and ``path`` keeps what it held before.
+
+    Args:
+        path: The file to (re)place; its folder must exist.
+        fsync: Flush the bytes to disk before the rename, so a power loss never leaves
+            ``path`` naming a file whose content is missing. Off only for caches, mirrors
+            and other files that are cheap to get again.
+        fsync_folder: Flush the folder after the rename as well, so the new name itself
+            survives a power loss (commit points: markers, indexes).
+    """
+    tmp = temporary_name(path)
+    try:
+        yield tmp
+        if fsync:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    if fsync_folder:
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+@contextlib.contextmanager
+def atomic_writer(path: str | os.PathLike, *, fsync: bool = True, fsync_folder: bool = False) -> Iterator[BinaryIO]:
+    """Opens a binary file that appears at ``path``, complete, only when the block succeeds.
+
+    Args are :func:`atomic_path`'s.
+
+    Yields:
+        The open temporary file.
+    """
+    with atomic_path(path, fsync=False, fsync_folder=fsync_folder) as tmp, open(tmp, "wb") as f:
+        yield f
+        if fsync:  # while the file is open: no second open just to flush it
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, fsync: bool = True, fsync_folder: bool = False) -> None:
+    """Writes ``data`` so that ``path`` appears complete or not at all (see :func:`atomic_writer`)."""
+    with atomic_writer(path, fsync=fsync, fsync_folder=fsync_folder) as f:
+        f.write(data)

@@ -38,6 +38,7 @@ import time
 import types
 from typing import Any
 
+from sparkgpu._files import atomic_write_bytes
 from sparkgpu.errors import (
     CallNotFinishedError,
     ConfigurationError,
@@ -48,8 +49,8 @@ from sparkgpu.errors import (
 )
 from sparkgpu.launch.keys import load_key
 from sparkgpu.launch.logs import LogStreamer
-from sparkgpu.launch.payload import RunDir, atomic_write_bytes
 from sparkgpu.launch.resume import client_is_gone, find_run_dir, take_over
+from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.supervisor import CANCEL_REQUEST_FILE, JobStatus, Supervisor
 from sparkgpu.spec import JobSpec
 
@@ -230,7 +231,7 @@ class Call:
         attempts = state.get("attempts") or []
         last = attempts[-1] if attempts else {}
         cause = "; ".join(last.get("cause") or ()) or "no cause was recorded"
-        logs = self.run_dir.attempt_dir(last.get("attempt", 0)) / "logs"
+        logs = self.run_dir.logs_dir(last.get("attempt", 0))
         if status is JobStatus.SUCCEEDED:
             signed = RunDir(self.run_dir.path, load_key(self.job_id))
             return [signed.read_result(last["attempt"], rank) for rank in range(self._spec.world_size)]

@@ -33,6 +33,7 @@ from typing import Sequence
 
 from sparkgpu.errors import ConfigurationError, PolicyViolationError, SparkGPUError
 from sparkgpu.job_options import add_cli_flags, cli_values, key_value
+from sparkgpu.launch.run_layout import RunLayout
 
 __all__ = ["main", "COMMANDS", "build_parser", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_POLICY"]
 
@@ -235,11 +236,11 @@ def list_jobs(staging_root: Path | None = None) -> list[dict]:
 
     root = Path(staging_root or settings().staging_root)
     jobs = []
-    for spec_file in root.glob("*/spec.json"):
+    for spec_file in root.glob(f"*/{RunLayout.SPEC}"):
         spec = _read_json(spec_file)
         if spec is None:
             continue
-        state = _read_json(spec_file.parent / "state.json") or {}
+        state = _read_json(spec_file.parent / RunLayout.STATE) or {}
         attempts = state.get("attempts") or []
         # An attempt waiting for GPUs has no start yet: its submit time stands in.
         started = (attempts[0].get("started_at") or attempts[0].get("submitted_at")) if attempts else None
@@ -336,9 +337,9 @@ def find_run_dir(job_id: str, staging_root: Path | None = None) -> Path:
     from sparkgpu.config import settings
 
     root = Path(staging_root or settings().staging_root)
-    if (root / job_id / "spec.json").exists():
+    if (root / job_id / RunLayout.SPEC).exists():
         return root / job_id
-    matches = sorted(p.parent for p in root.glob(f"{job_id}*/spec.json"))
+    matches = sorted(p.parent for p in root.glob(f"{job_id}*/{RunLayout.SPEC}"))
     if len(matches) == 1:
         return matches[0]
     if not matches:
@@ -348,7 +349,7 @@ def find_run_dir(job_id: str, staging_root: Path | None = None) -> Path:
 
 
 def _attempts(run_dir: Path) -> list[int]:
-    return sorted(int(p.name) for p in (run_dir / "attempts").glob("*") if p.name.isdigit())
+    return sorted(int(p.name) for p in (run_dir / RunLayout.ATTEMPTS).glob("*") if p.name.isdigit())
 
 
 class _RawTail:
@@ -375,7 +376,7 @@ class _RawTail:
 
 def cmd_logs(args) -> int:
     from sparkgpu.launch.logs import LogStreamer
-    from sparkgpu.launch.payload import RunDir
+    from sparkgpu.launch.run_dir import RunDir
 
     run_dir = find_run_dir(args.job_id)
     rd = RunDir(run_dir)

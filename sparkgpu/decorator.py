@@ -30,7 +30,8 @@ from sparkgpu.errors import ConfigurationError
 from sparkgpu.launch.backends.base import Backend, LaunchPlan, create_backend
 from sparkgpu.launch.callbacks import JobCallback
 from sparkgpu.launch.keys import new_key, save_key
-from sparkgpu.launch.payload import RunDir, client_sys_path, serialize_payload
+from sparkgpu.launch.payload import client_sys_path, serialize_payload
+from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.retention import prune_runs
 from sparkgpu.launch.supervisor import Supervisor
 from sparkgpu.spec import JobSpec, Resources, RunPolicy, new_job_id, requested_resources

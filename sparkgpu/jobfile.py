@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
+from sparkgpu._files import atomic_write_bytes
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.job_options import JOB_OPTIONS, check_document_value
 
@@ -89,9 +90,8 @@ class ScriptRunner:
         target = base / Path(self.path).name
         if not target.exists():
             base.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-            tmp.write_text(self.source)
-            os.replace(tmp, target)  # ranks racing here write identical bytes
+            # Ranks racing here write identical bytes; a copy lost to a power loss is written again.
+            atomic_write_bytes(target, self.source.encode(), fsync=False)
         return str(target)
 
     def __call__(self) -> None:

@@ -188,8 +188,10 @@ def request_checkpoint() -> None:
 
 
 def _stop_file() -> str | None:
+    from sparkgpu.launch.run_layout import RunLayout  # it names the STOP_FILE of this module
+
     run_dir = os.environ.get(ENV_RUN_DIR)
-    return os.path.join(run_dir, "attempts", str(attempt()), STOP_FILE) if run_dir else None
+    return os.path.join(run_dir, RunLayout.stop(attempt())) if run_dir else None
 
 
 def should_checkpoint() -> bool:

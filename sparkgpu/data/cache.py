@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sparkgpu._files import atomic_write_bytes
 from sparkgpu.data import _fetch
 from sparkgpu.data.reader import INDEX_NAME, DatasetIndex
 from sparkgpu.data.volume import RangePool, Volume
@@ -66,12 +67,6 @@ def _file_lock(path: Path):
         yield
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{_fetch.partial_token()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def open_cache_entry(cache_root: str | os.PathLike, volume: Volume, allow_unsafe_types: bool = False) -> tuple[Path, DatasetIndex]:
     """Reads the volume's index and makes the cache entry match it.
 
@@ -94,9 +89,9 @@ def open_cache_entry(cache_root: str | os.PathLike, volume: Volume, allow_unsafe
         if not cached.exists() or cached.read_bytes() != raw:
             if cached.exists():
                 _remove_shards(entry)
-            _atomic_write(cached, raw)
+            atomic_write_bytes(cached, raw, fsync=False)  # a cache: lost files are fetched again
         info = {"remote": volume.url, "fingerprint": index.fingerprint, "shards": len(index.shards), "bytes": sum(s.raw_bytes for s in index.shards)}
-        _atomic_write(meta / "entry.json", json.dumps(info).encode())
+        atomic_write_bytes(meta / "entry.json", json.dumps(info).encode(), fsync=False)
     return entry, index
 
 

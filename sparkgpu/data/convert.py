@@ -22,10 +22,11 @@ import json
 import time
 import uuid
 
-from sparkgpu.data.convert_output import OutputFolder, Volume
+from sparkgpu.data.convert_output import OutputFolder
 from sparkgpu.data.mds import plan_columns
 from sparkgpu.data.mds_writer import DEFAULT_SIZE_LIMIT, ShardOptions
 from sparkgpu.errors import ConfigurationError, DataError
+from sparkgpu.store import Store
 
 __all__ = ["ConversionResult", "to_mds", "ensure_mds", "data_fingerprint", "read_conversion"]
 
@@ -147,7 +148,7 @@ def to_mds(
     # The fingerprint is only recorded here, so its Spark round trips run beside the job.
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparkgpu-fingerprint") as pool:
         fingerprint = pool.submit(_fingerprint_or_none, resolved)
-        return _convert(resolved, Volume(out, storage_options), options, fingerprint, overwrite, max_workers, progress, started)
+        return _convert(resolved, Store(out, storage_options, what="the output folder"), options, fingerprint, overwrite, max_workers, progress, started)
 
 
 def ensure_mds(
@@ -185,7 +186,7 @@ def ensure_mds(
     fingerprint = resolved.fingerprint()
     settings = json.dumps({"fingerprint": fingerprint, "columns": options.columns, "compression": options.compression, "hashes": options.hashes, "size_limit": options.size_limit}, sort_keys=True)
     key = hashlib.sha256(settings.encode("utf-8")).hexdigest()[:24]
-    volume = Volume(Volume(volume_root, storage_options).path(f"mds-{key}"), storage_options)
+    volume = Store(volume_root, storage_options, what="the volume").child(f"mds-{key}")
     existing = read_conversion(volume.url, storage_options=storage_options)
     if existing is not None and existing.fingerprint == fingerprint and existing.columns == options.columns:
         return dataclasses.replace(existing, reused=True)
@@ -198,7 +199,7 @@ def read_conversion(url, *, storage_options: dict | None = None) -> ConversionRe
     Works for any MDS dataset; fields this package records (fingerprint, source) are empty
     for datasets others wrote.
     """
-    volume = Volume(url, storage_options)
+    volume = Store(url, storage_options, what="the dataset folder")
     index = OutputFolder(volume, run_id="").read_index()
     if index is None:
         return None
@@ -224,7 +225,7 @@ def _fingerprint_or_none(resolved) -> str | None:
         return None
 
 
-def _convert(resolved, volume: Volume, options: ShardOptions, fingerprint, overwrite, max_workers, progress, started) -> ConversionResult:
+def _convert(resolved, volume: Store, options: ShardOptions, fingerprint, overwrite, max_workers, progress, started) -> ConversionResult:
     """Claims ``volume``, writes the shards, commits; ``fingerprint`` may be a Future."""
     run_id = uuid.uuid4().hex
     folder = OutputFolder(volume, run_id)

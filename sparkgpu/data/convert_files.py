@@ -19,10 +19,10 @@ from collections.abc import Callable, Iterator
 import pyarrow as pa
 import pyarrow.dataset as pads
 
-from sparkgpu.data.convert_output import Volume
 from sparkgpu.data.mds_writer import ShardOptions
 from sparkgpu.data.table_source import KEEP
 from sparkgpu.errors import ConfigurationError, DataError
+from sparkgpu.store import Store
 
 __all__ = ["FileSource", "resolve_file_source", "open_files", "is_delta_table"]
 
@@ -55,7 +55,7 @@ class FileSource:
         """The same rows read as ``schema`` (a selection of this source's columns), described anew."""
         return FileSource(schema, description, self._units, fingerprint)
 
-    def write(self, volume: Volume, options: ShardOptions, *, max_workers: int | None = None, progress=None) -> list[dict]:
+    def write(self, volume: Store, options: ShardOptions, *, max_workers: int | None = None, progress=None) -> list[dict]:
         """Writes every row as MDS shards under ``volume``; returns the index entries in order.
 
         Args:

@@ -20,9 +20,9 @@ import re
 
 import pyarrow as pa
 
-from sparkgpu.data.convert_output import Volume
 from sparkgpu.data.mds_writer import ShardOptions
 from sparkgpu.errors import ConfigurationError, DataError, SparkGPUError
+from sparkgpu.store import Store
 
 __all__ = ["SparkSource", "spark_source", "is_spark_dataframe", "arrow_schema"]
 
@@ -87,7 +87,7 @@ class SparkSource:
             parts["semantic_hash"] = df.semanticHash()
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode("utf-8")).hexdigest()
 
-    def write(self, volume: Volume, options: ShardOptions, *, max_workers: int | None = None, progress=None) -> list[dict]:
+    def write(self, volume: Store, options: ShardOptions, *, max_workers: int | None = None, progress=None) -> list[dict]:
         """Runs one Spark job writing every partition's shards; returns the index entries.
 
         Args:
@@ -129,7 +129,7 @@ class SparkSource:
 class _PartitionTask:
     """What each Spark task runs: its record batches in, one metadata row out."""
 
-    def __init__(self, volume: Volume, options: ShardOptions, names: list[str]):
+    def __init__(self, volume: Store, options: ShardOptions, names: list[str]):
         self.volume = volume
         self.options = options
         self.names = names

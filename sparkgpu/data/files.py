@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from sparkgpu._files import atomic_write_bytes
 from sparkgpu.data.order import EpochPlan, epoch_order, restore_position
 from sparkgpu.data.positioned import Positioned
 from sparkgpu.errors import ConfigurationError, DataError
@@ -124,7 +125,7 @@ def _open_cache(cache_root, volume, listing, limit, download_threads, storage_op
         saved = entry / cache_module._META / _LISTING
         if not saved.exists() or saved.read_bytes() != raw:
             cache_module._remove_shards(entry)  # files changed on the volume: cached copies may be stale
-            cache_module._atomic_write(saved, raw)
+            atomic_write_bytes(saved, raw, fsync=False)
     url = volume.url
     # A Volume per process: the clients of one made before a DataLoader forks its workers (an
     # event loop's thread, a connection pool's runtime) do not exist in the workers.

@@ -136,7 +136,7 @@ class ShardWriter:
     """Cuts encoded samples into MDS shard files, exactly where ``MDSWriter`` would.
 
     Args:
-        volume: Where files go: any object with ``write(relpath, pieces)``.
+        volume: Where files go: a :class:`~sparkgpu.store.Store` (any object with ``write_pieces(relpath, pieces)``).
         subdir: Folder under the volume for this writer's shards ("" for the top).
         specs: Result of :func:`plan_columns`.
         compression: Name as :func:`check_compression` accepts, or ``None``.
@@ -235,7 +235,7 @@ class ShardWriter:
                 zip_info = {"basename": self._relpath(zip_basename), "bytes": len(packed), "hashes": self._digest(packed)}
                 pieces = [packed]
         target = zip_info or raw_info
-        self.volume.write(target["basename"], pieces)
+        self.volume.write_pieces(target["basename"], pieces)
         self.bytes_written += target["bytes"]
         self.samples += n
         self.shards.append({"samples": n, "raw_data": raw_info, "zip_data": zip_info, **self.config})

@@ -16,6 +16,8 @@ import numpy as np
 import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 
+from sparkgpu._files import atomic_write_bytes
+
 __all__ = ["TableFileCache"]
 
 _LISTING = "table-files.json"
@@ -55,7 +57,7 @@ class TableFileCache:
             saved = meta / _LISTING
             if not saved.exists() or saved.read_bytes() != raw:
                 cache_module._remove_shards(self.entry)  # another table version: cached files may be stale
-                cache_module._atomic_write(saved, raw)
+                atomic_write_bytes(saved, raw, fsync=False)
         self.limit_bytes, self.download_threads = limit_bytes, download_threads
         self._cache = None
 

@@ -15,9 +15,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from sparkgpu._urls import install_command, scheme_of
+from sparkgpu._urls import scheme_of
 from sparkgpu.data._object_store import DIRECT_SCHEMES, ObjectStoreSource, usable_here
-from sparkgpu.errors import ConfigurationError, DataError, MissingDependencyError
+from sparkgpu.errors import DataError
+from sparkgpu.store import Store
 
 __all__ = ["Volume", "RangePool", "part_bytes_for", "MIN_PART_BYTES", "MAX_PART_BYTES"]
 
@@ -156,20 +157,12 @@ class Volume:
     """
 
     def __init__(self, url: str, storage_options: dict | None = None, retries: int = 2):
-        import fsspec
-
         self.url = str(url).rstrip("/")
         self.retries = retries
-        self._storage_options = dict(storage_options or {})
         scheme = scheme_of(self.url)
-        try:
-            self._fs, self.root = fsspec.core.url_to_fs(self.url, **self._storage_options)
-        except ImportError:
-            raise MissingDependencyError(f"reading {scheme}:// volumes", install_command(scheme)) from None
-        except ValueError as exc:
-            raise ConfigurationError(f"cannot read volume {self.url!r} ({exc}); use a local folder or an fsspec URL such as s3://bucket/path") from None
-        self._fs_pid = os.getpid()
-        self.root = self.root.rstrip("/")
+        # Listing and the schemes obstore does not read: fsspec, through the store.
+        self._store = Store(self.url, storage_options, what="the volume")
+        self.root = self._store.root
         # Object stores and HTTP without options: obstore's connection pool, outside the GIL,
         # instead of fsspec's single event-loop thread, which caps every thread's reads at one
         # core's rate. Options (credentials, headers) are fsspec's: those volumes stay on fsspec.
@@ -184,12 +177,7 @@ class Volume:
     @property
     def fs(self):
         """The fsspec filesystem, made again in a forked child (fsspec's async ones refuse to cross a fork)."""
-        if self._fs_pid != os.getpid():
-            import fsspec
-
-            self._fs = fsspec.core.url_to_fs(self.url, **self._storage_options)[0]
-            self._fs_pid = os.getpid()
-        return self._fs
+        return self._store.fs
 
     @property
     def _direct(self) -> ObjectStoreSource | None:

@@ -19,6 +19,7 @@ import os
 import time
 from pathlib import Path
 
+from sparkgpu._files import atomic_write_bytes
 from sparkgpu.env._pack import tar_digest, write_blob
 from sparkgpu.env.hydrate import MANIFEST_FORMAT
 from sparkgpu.env.snapshot import Component, Snapshot, snapshot_environment
@@ -149,9 +150,8 @@ class _PackIndex:
             return
         entries = dict(list(self.entries.items())[-_INDEX_MAX_ENTRIES:])
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"format": _INDEX_FORMAT, "entries": entries}))
-        os.replace(tmp, self.path)
+        # A cache of hashes: losing it to a power loss only costs hashing again.
+        atomic_write_bytes(self.path, json.dumps({"format": _INDEX_FORMAT, "entries": entries}).encode(), fsync=False)
 
 
 def _upload(store: BlobStore, component: Component, compression: str | None) -> tuple[str, str, int, int]:

@@ -1,30 +1,29 @@
-"""A content-addressed blob store on any fsspec URL.
+"""A content-addressed blob store on a local folder or any fsspec URL.
 
 Layout under the store's root::
 
     blobs/<h[:2]>/<sha256>.tar[.gz]    one blob per distribution or code tree
     manifests/<sha256>.json            one manifest per distinct environment
 
-Objects are written under a temporary name and moved into place, so a reader sees a blob
-complete or not at all; the same content always lands under the same name, so concurrent
-writers of one blob are harmless.
+Writes go through :class:`~sparkgpu.store.Store`, so a reader sees a blob complete or not
+at all; the same content always lands under the same name, so concurrent writers of one
+blob are harmless.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import uuid
 
-import fsspec
+from sparkgpu._files import temporary_name
+from sparkgpu.store import Store
 
 __all__ = ["BlobStore"]
 
 _BLOB_NAME = re.compile(r"^([0-9a-f]{64})\.tar(\.gz)?$")
 
 
-class BlobStore:
+class BlobStore(Store):
     """Blobs and manifests of staged environments, addressed by sha256.
 
     Args:
@@ -33,11 +32,9 @@ class BlobStore:
     """
 
     def __init__(self, url: str | os.PathLike, **storage_options):
-        url = os.fspath(url)
-        # Workers read the manifest's store URL: a relative path would resolve against their cwd.
-        self.url = url if "://" in url else os.path.abspath(url)
-        self.fs, self.root = fsspec.core.url_to_fs(self.url, **storage_options)
-        self.root = self.root.rstrip("/")
+        # Workers read the manifest's store URL: a local path is made absolute, never left
+        # to resolve against their working directory.
+        super().__init__(url, storage_options, what="the environment store")
 
     def __repr__(self) -> str:
         return f"BlobStore({self.url!r})"
@@ -47,38 +44,14 @@ class BlobStore:
         """Object name of a blob, relative to the root."""
         return f"blobs/{digest[:2]}/{digest}.tar" + (".gz" if compression == "gzip" else "")
 
-    def _full(self, name: str) -> str:
-        return f"{self.root}/{name}"
-
     def list_blobs(self) -> dict[str, tuple[str, int]]:
         """``{sha256: (object name, stored bytes)}`` of every complete blob, in one listing."""
-        base = self._full("blobs")
-        if not self.fs.exists(base):
-            return {}
         found: dict[str, tuple[str, int]] = {}
-        for path, info in self.fs.find(base, detail=True).items():
-            match = _BLOB_NAME.match(path.rsplit("/", 1)[-1])
-            if match:  # temporary names of uploads in progress do not match
-                found[match.group(1)] = (path[len(self.root) + 1:], int(info.get("size") or 0))
+        for name, (size, _) in self.list("blobs").items():
+            match = _BLOB_NAME.match(name.rsplit("/", 1)[-1])
+            if match:
+                found[match.group(1)] = (name, size)
         return found
-
-    def exists(self, name: str) -> bool:
-        return self.fs.exists(self._full(name))
-
-    @contextlib.contextmanager
-    def writer(self, name: str):
-        """Opens ``name`` for writing; it appears under that name only when the block succeeds."""
-        final = self._full(name)
-        tmp = f"{final}.{uuid.uuid4().hex}.partial"
-        self.fs.makedirs(final.rsplit("/", 1)[0], exist_ok=True)
-        try:
-            with self.fs.open(tmp, "wb") as f:
-                yield f
-            self.fs.mv(tmp, final)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                self.fs.rm(tmp)
-            raise
 
     def put_blob(self, write, compression: str | None) -> tuple[str, str, int, int]:
         """Streams a blob into the store and names it after the hash of what was written.
@@ -90,29 +63,14 @@ class BlobStore:
         Returns:
             ``(object name, sha256, tar_bytes, stored bytes)``.
         """
-        parent = self._full("blobs")
-        self.fs.makedirs(parent, exist_ok=True)
-        tmp = f"{parent}/{uuid.uuid4().hex}.partial"
+        pending = temporary_name("blobs/upload")  # named once its content's hash is known
         try:
-            with self.fs.open(tmp, "wb") as f:
+            with self.writer(pending) as f:
                 digest, tar_bytes = write(f)
                 stored = f.tell()
             name = self.blob_name(digest, compression)
-            self.fs.makedirs(self._full(name).rsplit("/", 1)[0], exist_ok=True)
-            self.fs.mv(tmp, self._full(name))
+            self.rename(pending, name)
         except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                self.fs.rm(tmp)
+            self.remove(pending)
             raise
         return name, digest, tar_bytes, stored
-
-    def write_bytes(self, name: str, data: bytes) -> None:
-        with self.writer(name) as f:
-            f.write(data)
-
-    def read_bytes(self, name: str) -> bytes:
-        with self.fs.open(self._full(name), "rb") as f:
-            return f.read()
-
-    def size(self, name: str) -> int:
-        return int(self.fs.size(self._full(name)))

@@ -26,11 +26,13 @@ import os
 import sys
 from collections.abc import MutableMapping
 
+from sparkgpu._files import atomic_write_bytes
 from sparkgpu.errors import PayloadSignatureError
 from sparkgpu.launch.entrypoint import EXIT_FAILED, _die_with_parent
 from sparkgpu.launch.keys import rank_secrets
-from sparkgpu.launch.payload import RunDir, atomic_write_bytes, key_from_environ
+from sparkgpu.launch.payload import key_from_environ
 from sparkgpu.launch.rank_exits import RankExitWatcher
+from sparkgpu.launch.run_dir import RunDir
 
 __all__ = ["main", "build_command", "strip_spark_secrets", "refuse", "reported"]
 

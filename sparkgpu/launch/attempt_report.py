@@ -13,12 +13,13 @@ import dataclasses
 import json
 from pathlib import Path
 
-from sparkgpu.launch.payload import atomic_write_bytes
+from sparkgpu._files import atomic_write_bytes
+from sparkgpu.launch.run_layout import RunLayout
 
 __all__ = ["AttemptReport", "NodeReport", "REPORT_FILE"]
 
 #: In ``attempts/<k>/``: the backend's report on the attempt.
-REPORT_FILE = "report.json"
+REPORT_FILE = RunLayout.REPORT
 
 
 @dataclasses.dataclass

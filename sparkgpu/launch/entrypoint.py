@@ -24,8 +24,9 @@ from sparkgpu import runtime
 from sparkgpu._modules import imported
 from sparkgpu.errors import EnvironmentMismatchError, SparkGPUError
 from sparkgpu.launch.callbacks import WorkerContext
-from sparkgpu.launch.payload import KEY_ENV, RunDir
+from sparkgpu.launch.payload import KEY_ENV
 from sparkgpu.launch.process_group import RankProcessGroup
+from sparkgpu.launch.run_dir import RunDir
 
 __all__ = ["main", "rank_device_env", "EXIT_FAILED", "EXIT_PREEMPTED", "NODE_DEVICES_ENV"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from sparkgpu.launch.payload import RunDir
+from sparkgpu.launch.run_dir import RunDir
 
 __all__ = ["LogStreamer"]
 

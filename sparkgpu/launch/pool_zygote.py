@@ -27,12 +27,14 @@ import sys
 import time
 from pathlib import Path
 
+from sparkgpu._files import atomic_write_bytes
 from sparkgpu.errors import PayloadSignatureError
 from sparkgpu.launch.agent import refuse, reported
 from sparkgpu.launch.entrypoint import EXIT_PREEMPTED, _die_with_parent
 from sparkgpu.launch.rendezvous import collective_interface_env, listening_socket, serve_store
 from sparkgpu.launch.keys import rank_secrets
-from sparkgpu.launch.payload import RunDir, atomic_write_bytes, key_from_environ
+from sparkgpu.launch.payload import key_from_environ
+from sparkgpu.launch.run_dir import RunDir
 
 _REQUEST_TIMEOUT = 10.0  # seconds a client has to send its whole request line
 

@@ -13,11 +13,12 @@ import json
 import socket
 import time
 
+from sparkgpu._files import atomic_write_bytes
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.launch.backends.base import create_backend
 from sparkgpu.launch.keys import load_key
-from sparkgpu.launch.payload import RunDir, atomic_write_bytes
+from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.supervisor import CANCEL_REQUEST_FILE, JobStatus, Supervisor
 from sparkgpu.spec import JobSpec
 

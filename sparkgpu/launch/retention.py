@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from sparkgpu.config import Settings, settings
+from sparkgpu.launch.run_layout import RunLayout
 
 __all__ = ["prune_runs"]
 
@@ -31,7 +32,7 @@ _RESUMABLE = {"stopped", "running", "pending"}
 
 def _read_state(run_dir: Path) -> dict | None:
     try:
-        return json.loads((run_dir / "state.json").read_text())
+        return json.loads((run_dir / RunLayout.STATE).read_text())
     except FileNotFoundError:
         return {}
     except (OSError, ValueError):
@@ -39,7 +40,7 @@ def _read_state(run_dir: Path) -> dict | None:
 
 
 def _created_at(run_dir: Path, state: dict) -> float:
-    return state.get("created_at") or (run_dir / "spec.json").stat().st_mtime
+    return state.get("created_at") or (run_dir / RunLayout.SPEC).stat().st_mtime
 
 
 def _verdict(run_dir: Path, state: dict, now: float, max_age: float | None) -> tuple[bool, bool]:

@@ -30,47 +30,32 @@ read from the store may leave the local run dir.
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import threading
 import time
 import urllib.parse
 from pathlib import Path
 
-from sparkgpu import runtime
-from sparkgpu._urls import check_url, scheme_of
-from sparkgpu.launch.payload import RunDir, atomic_write_bytes
+from sparkgpu._files import is_temporary
+from sparkgpu._urls import scheme_of
+from sparkgpu.launch.run_dir import RunDir
+from sparkgpu.launch.run_layout import RunLayout
+from sparkgpu.store import Store
 
 __all__ = ["StagingStore", "ClientMirror", "NodeMirror", "CANCEL_FILE", "HEARTBEAT_FILE", "SPARK_DIR",
-           "control_files", "payload_files", "env_for_nodes", "env_on_node", "scratch_run_dir"]
+           "env_for_nodes", "env_on_node", "scratch_run_dir"]
 
-SPARK_DIR = "spark"  # attempts/<k>/spark/: start and end markers, cancel, heartbeat
-CANCEL_FILE = "CANCEL"  # written by the client into attempts/<k>/spark/ to stop every node
-HEARTBEAT_FILE = "client.heartbeat"  # rewritten by the client every few seconds while it lives
+# Names inside attempts/<k>/, for the Spark backend's node tasks and client.
+SPARK_DIR = RunLayout.SPARK  # attempts/<k>/spark/: start and end markers, cancel, heartbeat
+CANCEL_FILE = RunLayout.SPARK_CANCEL  # written by the client into attempts/<k>/spark/ to stop every node
+HEARTBEAT_FILE = RunLayout.SPARK_CLIENT_HEARTBEAT  # rewritten by the client every few seconds while it lives
 _RUN_DIR_TOKEN = "@SPARKGPU_NODE_RUN_DIR@"
 _QUOTED_RUN_DIR_TOKEN = "@SPARKGPU_NODE_RUN_DIR_QUOTED@"
-_PAYLOAD = ("_air.py", "spec.json", "payload.pkl", "payload.sig")
-_TRACKING_RUN = "tracking/run.json"
-
-
-def control_files(attempt: int) -> tuple[str, ...]:
-    """The files the client writes while attempt ``attempt`` runs, relative to the run dir."""
-    return (f"attempts/{attempt}/{runtime.STOP_FILE}", f"attempts/{attempt}/{SPARK_DIR}/{CANCEL_FILE}",
-            f"attempts/{attempt}/{SPARK_DIR}/{HEARTBEAT_FILE}")
-
-
-def payload_files(spec: dict) -> list[str]:
-    """The signed files of a staged run dir, from its spec."""
-    return list(_PAYLOAD) + sorted(spec.get("signed_files", []))
 
 
 def _grows(rel: str) -> bool:
     # Rank and agent logs and tracking records only ever grow; the rest is written once.
     return rel.endswith((".log", ".jsonl"))
-
-
-def _end_marker(rel: str) -> bool:
-    return f"/{SPARK_DIR}/node-" in rel and rel.endswith(".ended")
 
 
 def _local(root: Path, rel: str) -> Path:
@@ -82,15 +67,14 @@ def _local(root: Path, rel: str) -> Path:
 
 
 def _temporary(rel: str) -> bool:
-    # atomic_write_bytes and the signed writers rename ".<name>.<pid>.tmp" into place.
-    return rel.rsplit("/", 1)[-1].startswith(".")
+    return is_temporary(rel) or rel.rsplit("/", 1)[-1].startswith(".")
 
 
-# -- the store -----------------------------------------------------------------------------
+class StagingStore(Store):
+    """One job's folder on the staging store, ``<url>/<job_id>``: a :class:`~sparkgpu.store.Store`.
 
-
-class StagingStore:
-    """One job's folder on the staging store, ``<url>/<job_id>``.
+    Writes are not flushed to a local disk (``durable=False``): everything on the store is a
+    copy of a file kept on the client or a node, and a run does not outlive a power loss.
 
     Args:
         url: The store's root (``SPARKGPU_STAGING_ROOT``), any fsspec URL.
@@ -103,82 +87,11 @@ class StagingStore:
     """
 
     def __init__(self, url: str, job_id: str, storage_options: dict | None = None):
-        import fsspec
-
-        check_url(url, f"the {scheme_of(url)}:// staging store {url}")
-        self.url = f"{url.rstrip('/')}/{job_id}"
-        self.fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
-        self.root = root.rstrip("/")
-        protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
-        self._local_fs = "file" in protocols
+        super().__init__(f"{url.rstrip('/')}/{job_id}", storage_options, durable=False,
+                         what=f"the {scheme_of(url)}:// staging store")
 
     def __repr__(self) -> str:
         return f"StagingStore({self.url!r})"
-
-    def _path(self, rel: str) -> str:
-        return f"{self.root}/{rel}"
-
-    def list(self, rel: str, recursive: bool = True) -> dict[str, tuple]:
-        """Files under ``rel``: relative name -> ``(size, stamp)``, the stamp changing with every put."""
-        base = self._path(rel)
-        # Listings are cached per filesystem (s3fs, gcsfs); other processes' puts must show.
-        self.fs.invalidate_cache(base)
-        try:
-            entries = self.fs.find(base, detail=True) if recursive else {
-                e["name"]: e for e in self.fs.ls(base, detail=True)}
-        except FileNotFoundError:
-            return {}
-        found = {}
-        for name, info in entries.items():
-            if info.get("type") != "file" or not name.startswith(self.root + "/"):
-                continue
-            stamp = next((str(info[k]) for k in ("mtime", "LastModified", "ETag", "etag", "updated", "generation")
-                          if info.get(k) is not None), "")
-            found[name[len(self.root) + 1:]] = (int(info.get("size") or 0), stamp)
-        return found
-
-    def exists(self, rel: str) -> bool:
-        self.fs.invalidate_cache(self._path(rel).rsplit("/", 1)[0])
-        return self.fs.exists(self._path(rel))
-
-    def upload(self, local: Path, rel: str) -> None:
-        """Puts the file ``local`` at ``rel`` as one whole object."""
-        path = self._path(rel)
-        if self._local_fs:
-            # A plain folder (file://, maybe NFS): copy beside it, then rename into place.
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{os.path.dirname(path)}/.{os.path.basename(path)}.{os.getpid()}.{threading.get_ident()}.tmp"
-            try:
-                shutil.copyfile(local, tmp)
-                os.replace(tmp, path)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-        else:
-            self.fs.put_file(str(local), path)
-
-    def put_bytes(self, rel: str, data: bytes) -> None:
-        """Puts ``data`` at ``rel`` as one whole object."""
-        if self._local_fs:
-            path = Path(self._path(rel))
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(path, data)
-        else:
-            self.fs.pipe_file(self._path(rel), data)
-
-    def download(self, rel: str, local: Path) -> None:
-        """Fetches ``rel`` to ``local`` so that ``local`` appears complete or not at all."""
-        local.parent.mkdir(parents=True, exist_ok=True)
-        tmp = local.with_name(f".{local.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        try:
-            self.fs.get_file(self._path(rel), str(tmp))
-            os.replace(tmp, local)
-        finally:
-            tmp.unlink(missing_ok=True)
-
-    def read_range(self, rel: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of ``rel``."""
-        return self.fs.cat_file(self._path(rel), start=start, end=end)
 
 
 class _Reporter:
@@ -243,9 +156,9 @@ class ClientMirror:
         import json
 
         spec = json.loads(self.run_dir.spec_file.read_text())
-        names = payload_files(spec)
-        if (self.run_dir.path / _TRACKING_RUN).exists():
-            names.append(_TRACKING_RUN)
+        names = RunLayout.payload_files(spec)
+        if (self.run_dir.path / RunLayout.TRACKING_RUN).exists():
+            names.append(RunLayout.TRACKING_RUN)
         for rel in names:
             self.store.upload(_local(self.run_dir.path, rel), rel)
 
@@ -256,13 +169,13 @@ class ClientMirror:
             How many local files changed.
         """
         with self._lock:
-            for rel in control_files(attempt):
+            for rel in RunLayout.control_files(attempt):
                 try:
                     data = _local(self.run_dir.path, rel).read_bytes()
                 except FileNotFoundError:
                     continue
                 if self._pushed.get(rel) != data:
-                    self.store.put_bytes(rel, data)
+                    self.store.write_bytes(rel, data)
                     self._pushed[rel] = data
             return self._pull(attempt)
 
@@ -276,10 +189,11 @@ class ClientMirror:
         return True
 
     def _pull(self, attempt: int) -> int:
-        listed = self.store.list(f"attempts/{attempt}")
-        records = self.store.list("tracking/records", recursive=False)
-        listed.update((rel, v) for rel, v in records.items() if rel.rsplit("/", 1)[-1].startswith(f"a{attempt}."))
-        skip = set(control_files(attempt))
+        listed = self.store.list(RunLayout.attempt(attempt))
+        records = self.store.list(RunLayout.TRACKING_RECORDS, recursive=False)
+        ours = RunLayout.tracking_records_of(attempt)
+        listed.update((rel, v) for rel, v in records.items() if rel.rsplit("/", 1)[-1].startswith(ours))
+        skip = set(RunLayout.control_files(attempt))
         changed = 0
         for rel, (size, stamp) in sorted(listed.items()):
             if rel in skip or _temporary(rel):
@@ -292,7 +206,7 @@ class ClientMirror:
             if _grows(rel):
                 offset = self._offsets.get(rel, 0)
                 if size > offset:
-                    data = self.store.read_range(rel, offset, size)
+                    data = self.store.read_bytes(rel, offset, size)
                     local.parent.mkdir(parents=True, exist_ok=True)
                     with open(local, "ab") as f:
                         f.write(data)
@@ -375,26 +289,26 @@ class NodeMirror:
         """
         import json
 
-        self.store.download("spec.json", self.run_dir.spec_file)
-        names = [n for n in payload_files(json.loads(self.run_dir.spec_file.read_text())) if n != "spec.json"]
-        if self.store.exists(_TRACKING_RUN):
-            names.append(_TRACKING_RUN)
+        self.store.download(RunLayout.SPEC, self.run_dir.spec_file)
+        names = [n for n in RunLayout.payload_files(json.loads(self.run_dir.spec_file.read_text())) if n != RunLayout.SPEC]
+        if self.store.exists(RunLayout.TRACKING_RUN):
+            names.append(RunLayout.TRACKING_RUN)
         for rel in names:
             self.store.download(rel, _local(self.run_dir.path, rel))  # a planted "../x" raises ValueError
 
     def claimed_before(self) -> bool:
         """Whether the store already has this node's start marker (Spark is re-running the stage)."""
-        return self.store.exists(f"attempts/{self.attempt}/{SPARK_DIR}/node-{self.node}.started")
+        return self.store.exists(RunLayout.node_marker(self.attempt, self.node, "started"))
 
     def pull_control(self) -> None:
         """Fetches the client's new control files and the other nodes' exit files."""
         with self._lock:
-            base = f"attempts/{self.attempt}"
-            listed = {**self.store.list(base, recursive=False), **self.store.list(f"{base}/{SPARK_DIR}", recursive=False)}
-            wanted = set(control_files(self.attempt))
-            own = f"{base}/node-{self.node}.json"
+            listed = {**self.store.list(RunLayout.attempt(self.attempt), recursive=False),
+                      **self.store.list(RunLayout.spark(self.attempt), recursive=False)}
+            wanted = set(RunLayout.control_files(self.attempt))
+            own = RunLayout.node_exits(self.attempt, self.node)
             for rel, stamp in listed.items():
-                peer = rel.startswith(f"{base}/node-") and rel.endswith(".json") and rel != own
+                peer = RunLayout.is_node_exits(rel) and rel != own
                 if (rel in wanted or peer) and self._pulled.get(rel) != stamp:
                     self.store.download(rel, _local(self.run_dir.path, rel))
                     self._pulled[rel] = stamp
@@ -404,7 +318,7 @@ class NodeMirror:
         with self._lock:
             now = time.monotonic()
             for rel, path in sorted(self._outputs().items(), key=lambda item: _push_order(item[0])):
-                if _end_marker(rel) and not final:
+                if RunLayout.is_node_end_marker(rel) and not final:
                     continue
                 if _grows(rel) and not final and now < self._next_put.get(rel, 0.0):
                     continue
@@ -424,9 +338,9 @@ class NodeMirror:
     def _outputs(self) -> dict[str, Path]:
         root = self.run_dir.path
         found = {}
-        skip = set(control_files(self.attempt)) | set(self._pulled)
+        skip = set(RunLayout.control_files(self.attempt)) | set(self._pulled)
         for folder, pattern in ((self.run_dir.attempt_dir(self.attempt), "*"),
-                                (root / "tracking" / "records", f"a{self.attempt}.*")):
+                                (self.run_dir.file(RunLayout.TRACKING_RECORDS), f"{RunLayout.tracking_records_of(self.attempt)}*")):
             for path in folder.rglob(pattern) if folder.is_dir() else ():
                 rel = path.relative_to(root).as_posix()
                 if path.is_file() and rel not in skip and not _temporary(rel):
@@ -464,9 +378,9 @@ class NodeMirror:
 
 def _push_order(rel: str) -> int:
     # Results, errors and logs first; then the agent's exit file; the end marker last of all.
-    if _end_marker(rel):
+    if RunLayout.is_node_end_marker(rel):
         return 2
-    return 1 if rel.rsplit("/", 1)[-1].startswith("node-") and rel.endswith(".json") else 0
+    return 1 if RunLayout.is_node_exits(rel) else 0
 
 
 # -- the ranks' environment ------------------------------------------------------------------

@@ -31,6 +31,7 @@ from typing import Any
 import psutil
 
 from sparkgpu import runtime
+from sparkgpu._files import atomic_write_bytes
 from sparkgpu.errors import (
     JobCancelledError,
     JobTimeoutError,
@@ -44,7 +45,9 @@ from sparkgpu.launch.attempt_report import AttemptReport
 from sparkgpu.launch.callbacks import AttemptOutcome, JobCallback
 from sparkgpu.launch.entrypoint import EXIT_PREEMPTED
 from sparkgpu.launch.logs import LogStreamer
-from sparkgpu.launch.payload import KEY_ENV, RunDir, atomic_write_bytes
+from sparkgpu.launch.payload import KEY_ENV
+from sparkgpu.launch.run_dir import RunDir
+from sparkgpu.launch.run_layout import RunLayout
 from sparkgpu.spec import JobSpec
 from sparkgpu.train._checkpoint_store import CheckpointStore
 
@@ -53,7 +56,7 @@ __all__ = ["Supervisor", "JobStatus", "Decision", "FailurePolicy", "AttemptResul
 _POLL_SECONDS = 0.1
 
 #: In the run dir: asks whichever process supervises the job to cancel it (its text says who asked).
-CANCEL_REQUEST_FILE = "cancel-request"
+CANCEL_REQUEST_FILE = RunLayout.CANCEL_REQUEST
 
 
 class JobStatus(str, enum.Enum):
@@ -215,7 +218,7 @@ class Supervisor:
                           f"(restart {self.state['restarts']} of {self.job.policy.max_restarts})", file=self.out)
                     continue
                 self._set_status(JobStatus.FAILED)
-                logs = self.run_dir.attempt_dir(attempt) / "logs"
+                logs = self.run_dir.logs_dir(attempt)
                 error = outcome.error(self.job.job_id, str(logs))
                 raise error from outcome.root_exception
         except BaseException as exc:
@@ -229,7 +232,7 @@ class Supervisor:
 
     def _stop_message(self, outcome: AttemptResult) -> str:
         job_id, reason = self.job.job_id, self.state["stop_reason"]
-        logs = self.run_dir.attempt_dir(len(self.state["attempts"]) - 1) / "logs"
+        logs = self.run_dir.logs_dir(len(self.state["attempts"]) - 1)
         if outcome.status == "preempted":
             what = "checkpointed and stopped"
         elif outcome.status == "failed":

@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 from sparkgpu import runtime
 from sparkgpu.errors import MissingDependencyError
+from sparkgpu.launch.run_layout import RunLayout
 from sparkgpu.ray.node import RayNode
 from sparkgpu.ray.plan import (
     RANK_LABEL,
@@ -65,7 +66,7 @@ class RayOptions:
 
 def _ray_dir() -> Path | None:
     run_dir = os.environ.get(runtime.ENV_RUN_DIR)
-    return Path(run_dir) / "attempts" / str(runtime.attempt()) / "ray" if run_dir else None
+    return Path(run_dir) / RunLayout.ray(runtime.attempt()) if run_dir else None
 
 
 def read_cluster_info(run_dir: str | os.PathLike, attempt: int = 0) -> dict | None:
@@ -77,7 +78,7 @@ def read_cluster_info(run_dir: str | os.PathLike, attempt: int = 0) -> dict | No
     job samples them into its MLflow run (:mod:`sparkgpu.ray.metrics`). ``None`` until the
     cluster is up.
     """
-    path = Path(run_dir) / "attempts" / str(attempt) / "ray" / "cluster.json"
+    path = Path(run_dir) / RunLayout.ray_cluster(attempt)
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
@@ -239,7 +240,7 @@ def _wait_for_nodes(ray, expected: int, timeout: float) -> list[dict]:
 
 
 def _write_cluster_info(ray_dir: Path, address: str, nodes: list[dict]) -> None:
-    from sparkgpu.launch.payload import atomic_write_bytes
+    from sparkgpu._files import atomic_write_bytes
 
     info = {
         "address": address,
@@ -251,7 +252,7 @@ def _write_cluster_info(ray_dir: Path, address: str, nodes: list[dict]) -> None:
         ],
     }
     ray_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(ray_dir / "cluster.json", json.dumps(info, indent=2).encode())
+    atomic_write_bytes(ray_dir / RunLayout.RAY_CLUSTER, json.dumps(info, indent=2).encode())
 
 
 def _wait_for_driver(group, node: RayNode | None) -> None:

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 
-from sparkgpu.launch.payload import atomic_write_bytes
+from sparkgpu._files import atomic_write_bytes
 from sparkgpu.tracking.spool import SpoolDir
 
 __all__ = ["SpoolFlusher"]

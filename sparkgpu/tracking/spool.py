@@ -43,7 +43,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from sparkgpu.launch.payload import atomic_write_bytes
+from sparkgpu._files import atomic_write_bytes
 from sparkgpu.tracking.store import REAL_TRACKING_URI_ENV, SPOOL_SCHEME
 
 __all__ = ["JobRunInfo", "SpoolDir", "SpoolWriter", "register_spool_scheme", "spool_store", "job_spool_writer", "SPOOL_ENV"]

@@ -24,11 +24,10 @@ import json
 import logging
 import os
 import re
-import shutil
 from typing import Any
 
-from sparkgpu._files import fsync_dir
 from sparkgpu.errors import CheckpointError
+from sparkgpu.store import Store
 
 __all__ = ["MARKER_NAME", "CheckpointInfo", "CheckpointStore", "checkpoint_at"]
 
@@ -37,6 +36,14 @@ logger = logging.getLogger("sparkgpu.train.checkpoint")
 MARKER_NAME = "_COMPLETE.json"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def _step_name(step: int) -> str:
+    return f"step-{step:010d}"
+
+
+def _marker_of(name: str) -> str:
+    return f"{name}/{MARKER_NAME}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +92,6 @@ class CheckpointInfo:
         return cls(path=path, **kwargs)
 
 
-def _is_url(directory: str) -> bool:
-    return "://" in directory and not directory.startswith("file://")
-
-
 class CheckpointStore:
     """Lists, commits and prunes the checkpoints under one directory.
 
@@ -96,7 +99,7 @@ class CheckpointStore:
         directory: Local path, ``file://`` URL or any fsspec URL.
 
     Raises:
-        CheckpointError: The directory cannot be created.
+        MissingDependencyError: The URL's filesystem is not installed here.
     """
 
     def __init__(self, directory: str | os.PathLike):
@@ -104,21 +107,13 @@ class CheckpointStore:
         if directory.startswith("file://"):
             directory = directory[len("file://") :]
         self.directory = directory.rstrip("/") or "/"
-        self.is_local = not _is_url(self.directory)
-        if self.is_local:
-            self._fs = None
-        else:
-            from fsspec.core import url_to_fs
-
-            self._fs, _ = url_to_fs(self.directory)
+        self.store = Store(self.directory, what="the checkpoint directory")
+        self.is_local = self.store.is_local
 
     # -- paths -------------------------------------------------------------------------
 
     def path_for(self, step: int) -> str:
-        return f"{self.directory}/step-{step:010d}"
-
-    def _marker(self, path: str) -> str:
-        return f"{path}/{MARKER_NAME}"
+        return f"{self.directory}/{_step_name(step)}"
 
     def ensure_directory(self) -> None:
         """Creates the root directory.
@@ -127,10 +122,7 @@ class CheckpointStore:
             CheckpointError: It cannot be created (permissions, a file in the way, ...).
         """
         try:
-            if self.is_local:
-                os.makedirs(self.directory, exist_ok=True)
-            else:
-                self._fs.makedirs(self.directory, exist_ok=True)
+            self.store.makedirs()
         except OSError as exc:
             raise CheckpointError(
                 f"cannot create the checkpoint directory {self.directory!r} ({exc}); "
@@ -140,28 +132,17 @@ class CheckpointStore:
     # -- discovery ---------------------------------------------------------------------
 
     def _step_dirs(self) -> dict[int, str]:
-        try:
-            if self.is_local:
-                names = os.listdir(self.directory)
-            else:
-                names = [p.rstrip("/").rsplit("/", 1)[-1] for p in self._fs.ls(self.directory, detail=False)]
-        except FileNotFoundError:
-            return {}
         found = {}
-        for name in names:
+        for name in self.store.listdir():
             match = _STEP_DIR.match(name)
             if match:
                 found[int(match.group(1))] = f"{self.directory}/{name}"
         return found
 
-    def _read_marker(self, path: str) -> CheckpointInfo | None:
-        marker = self._marker(path)
+    def _read_marker(self, path: str, name: str | None = None) -> CheckpointInfo | None:
+        """The marker of the checkpoint at ``path``, whose name in the directory is ``name``."""
         try:
-            if self.is_local:
-                with open(marker, "rb") as f:
-                    raw = f.read()
-            else:
-                raw = self._fs.cat_file(marker)
+            raw = self.store.read_bytes(_marker_of(name or self._name_of(path)))
         except (FileNotFoundError, NotADirectoryError):  # a file named like a step is no checkpoint
             return None
         try:
@@ -171,6 +152,10 @@ class CheckpointStore:
             # The marker is renamed into place whole, so this is damage from outside.
             logger.warning("ignoring checkpoint %s: unreadable completion marker (%s)", path, exc)
             return None
+
+    def _name_of(self, path: str) -> str:
+        """The name of the checkpoint at ``path`` (``<directory>/<name>``) inside the directory."""
+        return path[len(self.directory):].lstrip("/")
 
     def list_complete(self) -> list[CheckpointInfo]:
         """Every complete checkpoint, oldest step first."""
@@ -207,7 +192,7 @@ class CheckpointStore:
         """
         path = self.path_for(step)
         try:
-            self._remove(path)
+            self._remove(_step_name(step))
         except OSError as exc:
             raise CheckpointError(
                 f"cannot clear {path!r} for a new checkpoint ({exc}); check write permission "
@@ -216,27 +201,14 @@ class CheckpointStore:
         return path
 
     def commit(self, info: CheckpointInfo) -> None:
-        """Writes the completion marker of ``info.path`` atomically.
+        """Writes the completion marker of ``info.path`` atomically, and durably on a local disk.
 
         Raises:
             CheckpointError: The marker cannot be written.
         """
         data = json.dumps(info.to_json(), indent=1, sort_keys=True).encode()
-        marker = self._marker(info.path)
-        tmp = f"{marker}.tmp-{os.getpid()}"
         try:
-            if self.is_local:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, marker)
-                fsync_dir(info.path)
-            else:
-                # Object stores show an object only once its upload is whole; the rename
-                # keeps that property for the other fsspec filesystems too.
-                self._fs.pipe_file(tmp, data)
-                self._fs.mv(tmp, marker)
+            self.store.write_bytes(_marker_of(self._name_of(info.path)), data, fsync_folder=True)
         except OSError as exc:
             raise CheckpointError(
                 f"cannot commit checkpoint {info.path!r} ({exc}); check free space and "
@@ -258,26 +230,17 @@ class CheckpointStore:
         newest = complete[-1].step
         keep = {info.step for info in complete[-keep_last:]} if keep_last else {i.step for i in complete}
         removed = []
-        for step, path in sorted(self._step_dirs().items()):
+        for step in sorted(self._step_dirs()):
             if step in keep or step > newest:
                 continue
-            self._remove(path)
+            self._remove(_step_name(step))
             removed.append(step)
         return removed
 
-    def _remove(self, path: str) -> None:
-        marker = self._marker(path)
-        if self.is_local:
-            if os.path.exists(marker):
-                os.remove(marker)
-                fsync_dir(path)
-            if os.path.exists(path):
-                shutil.rmtree(path)
-        else:
-            if self._fs.exists(marker):
-                self._fs.rm_file(marker)
-            if self._fs.exists(path):
-                self._fs.rm(path, recursive=True)
+    def _remove(self, name: str) -> None:
+        # The marker first, durably: a kill during the removal leaves an unmarked directory.
+        self.store.remove(_marker_of(name), fsync_folder=True)
+        self.store.remove(name)
 
     # -- DCP storage -------------------------------------------------------------------
 
@@ -306,14 +269,12 @@ class CheckpointStore:
 
     def free_bytes(self) -> int | None:
         """Free space under the directory when it is local, else ``None``."""
-        if not self.is_local:
-            return None
-        return shutil.disk_usage(self.directory).free
+        return self.store.free_bytes()
 
 
 def checkpoint_at(path: str | os.PathLike) -> CheckpointInfo | None:
     """The complete checkpoint in the directory ``path`` (``<directory>/step-0000000900``,
     a local path or an fsspec URL), or ``None`` when it has no completion marker."""
-    store = CheckpointStore(path)  # normalises the path or URL as it does for a checkpoint root
-    parent, _, name = store.directory.rpartition("/")
-    return CheckpointStore(parent or ".")._read_marker(f"{parent}/{name}" if parent else name)
+    directory = CheckpointStore(path).directory  # normalised as a checkpoint root is
+    parent, _, name = directory.rpartition("/")
+    return CheckpointStore(parent or ("/" if directory.startswith("/") else "."))._read_marker(directory, name)

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sparkgpu.launch.payload import atomic_write_bytes
+from sparkgpu._files import atomic_write_bytes
 
 __all__ = ["AttemptJournal"]
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from sparkgpu._files import atomic_write_bytes
 from sparkgpu.launch.backends.base import AttemptHandle, Backend, LaunchPlan
-from sparkgpu.launch.payload import RunDir, atomic_write_bytes
+from sparkgpu.launch.run_dir import RunDir
 
 
 @dataclasses.dataclass

@@ -14,6 +14,7 @@ import pyarrow as pa
 import pytest
 
 from sparkgpu import data
+from sparkgpu._files import is_temporary
 from sparkgpu.data.convert_output import INDEX_NAME, MARKER_NAME
 
 pytestmark = pytest.mark.integration
@@ -140,15 +141,16 @@ def test_killed_right_after_removing_the_old_index_a_rerun_without_overwrite_fin
         import numpy as np, pyarrow as pa
         from sparkgpu import data
         from sparkgpu.data import convert_output
+        from sparkgpu.store import Store
 
-        remove = convert_output.Volume.remove
+        remove = Store.remove
 
-        def remove_then_die(self, relpath):
-            remove(self, relpath)
+        def remove_then_die(self, relpath, **kwargs):
+            remove(self, relpath, **kwargs)
             if relpath == convert_output.INDEX_NAME:
                 os.kill(os.getpid(), signal.SIGKILL)  # power cut right after the old index is gone
 
-        convert_output.Volume.remove = remove_then_die
+        Store.remove = remove_then_die
         ids = np.arange(100, dtype=np.int64)
         batch = pa.record_batch({{"id": ids, "x": ids.astype(np.float32), "name": [str(i) for i in ids]}})
         data.to_mds(pa.RecordBatchReader.from_batches(batch.schema, [batch]), {str(out)!r}, overwrite=True, progress=False)
@@ -178,7 +180,7 @@ def test_shards_and_their_folders_reach_the_disk_before_the_index(tmp_path, monk
         pytest.skip("needs /proc to name the files being flushed")
     monkeypatch.setattr(os, "fsync", recording_fsync)
     data.to_mds(pa.RecordBatchReader.from_batches(SCHEMA, batches(6)), str(out), size_limit=4096, progress=False)
-    index_flush = next(i for i, name in enumerate(synced) if name.startswith(INDEX_NAME + ".tmp"))
+    index_flush = next(i for i, name in enumerate(synced) if is_temporary(name) and name.startswith(f".{INDEX_NAME}."))
     before = set(synced[:index_flush])
     shards = listed_in_index(out)
     assert len(shards) > 2

@@ -170,7 +170,7 @@ def test_parquet_read_by_spark_fingerprints_its_files(spark, tmp_path):
 
 
 def test_spark_progress_reports_tasks(spark, tmp_path):
-    from sparkgpu.data.convert_output import Volume
+    from sparkgpu.store import Store
     from sparkgpu.data.convert_spark import SparkSource
     from sparkgpu.data.mds import plan_columns
     from sparkgpu.data.mds_writer import ShardOptions
@@ -184,7 +184,7 @@ def test_spark_progress_reports_tasks(spark, tmp_path):
 
     source = SparkSource(spark.range(0, 20_000, numPartitions=4))
     recorder = Recorder()
-    source.write(Volume(str(tmp_path / "out")), ShardOptions.create(plan_columns(source.schema)), progress=recorder)
+    source.write(Store(str(tmp_path / "out")), ShardOptions.create(plan_columns(source.schema)), progress=recorder)
     assert recorder.updates and recorder.updates[-1] == (4, 4)
 
 
@@ -193,13 +193,13 @@ def test_executor_code_runs_where_this_package_is_not_installed(tmp_path):
     import pyarrow as pa
     from pyspark import cloudpickle
 
-    from sparkgpu.data.convert_output import Volume
+    from sparkgpu.store import Store
     from sparkgpu.data.convert_spark import _PartitionTask, _shipped_by_value
     from sparkgpu.data.mds import plan_columns
     from sparkgpu.data.mds_writer import ShardOptions
 
     schema = pa.schema([("id", pa.int64()), ("name", pa.string())])
-    task = _PartitionTask(Volume(str(tmp_path / "out")), ShardOptions.create(plan_columns(schema)), ["id", "name"])
+    task = _PartitionTask(Store(str(tmp_path / "out")), ShardOptions.create(plan_columns(schema)), ["id", "name"])
     with _shipped_by_value():
         (tmp_path / "task.pkl").write_bytes(cloudpickle.dumps(task))
     script = textwrap.dedent(

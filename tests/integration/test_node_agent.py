@@ -16,7 +16,8 @@ from sparkgpu.config import settings
 from sparkgpu.launch.agent import build_command
 from sparkgpu.launch.backends.local import free_port
 from sparkgpu.launch.keys import new_key
-from sparkgpu.launch.payload import KEY_ENV, RunDir, client_sys_path, serialize_payload
+from sparkgpu.launch.payload import KEY_ENV, client_sys_path, serialize_payload
+from sparkgpu.launch.run_dir import RunDir
 
 pytestmark = pytest.mark.integration
 

@@ -18,7 +18,8 @@ from sparkgpu.config import settings
 from sparkgpu.errors import PayloadSignatureError
 from sparkgpu.launch.backends.spark_node import NodeLaunch, run_node, spark_dir
 from sparkgpu.launch.keys import load_key
-from sparkgpu.launch.payload import KEY_ENV, RunDir
+from sparkgpu.launch.payload import KEY_ENV
+from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.supervisor import Supervisor
 
 pytestmark = pytest.mark.integration

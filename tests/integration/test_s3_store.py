@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from sparkgpu import data
+from sparkgpu._files import is_temporary
 from sparkgpu.env.store import BlobStore
 from sparkgpu.errors import DataError
 from sparkgpu.train import Checkpointer
@@ -88,10 +89,33 @@ def test_the_environment_store_on_s3_shows_blobs_complete_or_not_at_all(s3_bucke
     with pytest.raises(RuntimeError):
         store.put_blob(failing, None)
     assert set(store.list_blobs()) == {digest}
-    assert not [p for p in store.fs.find(store.root) if p.endswith(".partial")], "no leftover of the failed upload"
+    assert not [p for p in store.fs.find(store.root) if is_temporary(p)], "no leftover of the failed upload"
 
     store.write_bytes("manifests/m.json", b"{}")
     assert store.exists("manifests/m.json") and store.read_bytes("manifests/m.json") == b"{}"
+
+
+def test_the_store_on_s3_publishes_whole_objects_only(s3_bucket, tmp_path):
+    from sparkgpu.store import Store
+
+    store = Store(f"{s3_bucket}/store")
+    store.write_bytes("a/index.json", b"{}")
+    with pytest.raises(RuntimeError):
+        with store.writer("a/blob.tar") as f:
+            f.write(b"half a blob")
+            raise RuntimeError("upload cut off")
+    assert list(store.list()) == ["a/index.json"]
+    assert not [p for p in store.fs.find(store.root) if "blob" in p], "neither the half object nor a temporary"
+
+    source = tmp_path / "x.bin"
+    source.write_bytes(os.urandom(1 << 20))
+    store.upload(source, "up/x.bin")
+    store.download("up/x.bin", tmp_path / "y.bin")
+    assert (tmp_path / "y.bin").read_bytes() == source.read_bytes()
+    assert store.read_bytes("up/x.bin", 10, 20) == source.read_bytes()[10:20]
+    store.rename("a/index.json", "b/index.json")
+    store.remove("up")
+    assert list(store.list()) == ["b/index.json"] and store.listdir() == ["b"]
 
 
 def test_checkpoints_save_and_restore_on_s3(s3_bucket):
@@ -126,7 +150,8 @@ def _double(x):
 def test_the_staging_mirror_carries_payload_logs_and_controls_through_s3(s3_bucket, tmp_path):
     from sparkgpu.errors import PayloadSignatureError
     from sparkgpu.runtime import STOP_FILE
-    from sparkgpu.launch.payload import RunDir, serialize_payload
+    from sparkgpu.launch.payload import serialize_payload
+    from sparkgpu.launch.run_dir import RunDir
     from sparkgpu.launch.staging import ClientMirror, NodeMirror, StagingStore
     from sparkgpu.spec import JobSpec, Resources
 

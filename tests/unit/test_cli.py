@@ -10,7 +10,8 @@ import pytest
 from sparkgpu import cli
 from sparkgpu.config import reset_settings, settings
 from sparkgpu.errors import SparkGPUError
-from sparkgpu.launch.payload import RunDir, serialize_payload
+from sparkgpu.launch.payload import serialize_payload
+from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.supervisor import Supervisor
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
 from sparkgpu.usage.ledger import UsageLedger, UsageRecord

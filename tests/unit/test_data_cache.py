@@ -235,7 +235,7 @@ def test_unknown_volume_scheme_asks_for_the_right_package(tmp_path):
     except ImportError:
         with pytest.raises(MissingDependencyError, match="pip install s3fs"):
             data.dataset(remote="s3://bucket/ds", local=tmp_path, batch_size=8)
-    with pytest.raises(ConfigurationError, match="cannot read volume"):
+    with pytest.raises(ConfigurationError, match="the volume nosuchscheme://x/y: fsspec knows no filesystem"):
         data.dataset(remote="nosuchscheme://x/y", local=tmp_path, batch_size=8)
 
 

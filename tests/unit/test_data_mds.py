@@ -11,16 +11,16 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from sparkgpu.data.convert_output import Volume
 from sparkgpu.data.mds import encode_batch, plan_columns
 from sparkgpu.data.mds_writer import ShardOptions, check_compression, check_hashes, index_document, parse_size_limit
 from sparkgpu.errors import ConfigurationError, DataError
+from sparkgpu.store import Store
 
 
 def write_flat(table: pa.Table, folder, *, columns=None, batch_rows=1000, **settings) -> ShardOptions:
     """Writes ``table`` as a flat MDS dataset (shards and index.json directly in ``folder``)."""
     options = ShardOptions.create(plan_columns(table.schema, columns), **settings)
-    writer = options.writer(Volume(str(folder)), "")
+    writer = options.writer(Store(str(folder)), "")
     for batch in table.to_batches(max_chunksize=batch_rows):
         writer.write_batch(batch)
     (folder / "index.json").write_bytes(index_document(writer.finish()))

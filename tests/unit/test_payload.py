@@ -4,7 +4,8 @@ import threading
 import pytest
 
 from sparkgpu.errors import PayloadSignatureError, SerializationError
-from sparkgpu.launch.payload import KEY_ENV, RunDir, key_from_environ, serialize_payload
+from sparkgpu.launch.payload import KEY_ENV, key_from_environ, serialize_payload
+from sparkgpu.launch.run_dir import RunDir
 
 KEY = b"k" * 32
 _LOCK = threading.Lock()

@@ -10,11 +10,13 @@ import sys
 import psutil
 import pytest
 
+from sparkgpu._files import atomic_write_bytes
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.launch.keys import save_key
-from sparkgpu.launch.payload import RunDir, atomic_write_bytes, serialize_payload
+from sparkgpu.launch.payload import serialize_payload
 from sparkgpu.launch.resume import client_is_gone, resume_job
+from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.spec import JobSpec, Resources
 from tests.fakes.backend import ScriptedBackend
 

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from sparkgpu._files import atomic_write_bytes
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.launch.agent import strip_spark_secrets
 from sparkgpu.launch.backends import spark_node
@@ -27,7 +28,7 @@ from sparkgpu.launch.backends.spark_node import (
     executor_identity,
     spark_dir,
 )
-from sparkgpu.launch.payload import RunDir, atomic_write_bytes
+from sparkgpu.launch.run_dir import RunDir
 
 FAKE_AGENT = textwrap.dedent("""
     import signal, sys, time

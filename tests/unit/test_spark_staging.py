@@ -16,7 +16,8 @@ from sparkgpu.launch.attempt_report import AttemptReport
 from sparkgpu.launch.backends.spark import SparkAttempt, SparkBackend
 from sparkgpu.launch.backends.spark_capacity import NodeLayout
 from sparkgpu.launch.backends.spark_node import CANCEL_FILE, NodeLaunch, _claim, _watch, spark_dir
-from sparkgpu.launch.payload import RunDir, serialize_payload
+from sparkgpu.launch.payload import serialize_payload
+from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.staging import NodeMirror, StagingStore
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
 from tests.fakes.spark_session import TaggedSession

@@ -11,7 +11,8 @@ import pytest
 
 from sparkgpu import runtime
 from sparkgpu.errors import PayloadSignatureError
-from sparkgpu.launch.payload import RunDir, serialize_payload
+from sparkgpu.launch.payload import serialize_payload
+from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.staging import (
     CANCEL_FILE,
     HEARTBEAT_FILE,
@@ -88,8 +89,8 @@ def test_a_growing_log_reaches_the_client_by_its_new_tail_only(sides):
     assert local.read_bytes() == b"step 1\nstep"
 
     ranges = []
-    read_range = client.store.read_range
-    client.store.read_range = lambda rel, start, end: ranges.append((rel, start, end)) or read_range(rel, start, end)
+    read_bytes = client.store.read_bytes
+    client.store.read_bytes = lambda rel, start, end: ranges.append((rel, start, end)) or read_bytes(rel, start, end)
     with open(log, "ab") as f:
         f.write(b" 2\nstep 3\n")
     node.push(final=True)  # an object store cannot append: the node puts the whole log again
@@ -201,14 +202,15 @@ def test_pulled_files_appear_complete_or_not_at_all(sides, monkeypatch):
     node.push()
 
     seen = []
-    get_file = client.store.fs.get_file
+    copyfile = shutil.copyfile
+    final = client.run_dir.result_file(0, 0)
 
-    def watching_get_file(remote, local, **kwargs):
-        final = client.run_dir.result_file(0, 0)
-        seen.append((local != str(final), final.exists()))
-        return get_file(remote, local, **kwargs)
+    def watching_copyfile(src, dst, **kwargs):
+        if os.path.dirname(dst) == str(final.parent):
+            seen.append((dst != str(final), final.exists()))
+        return copyfile(src, dst, **kwargs)
 
-    monkeypatch.setattr(client.store.fs, "get_file", watching_get_file)
+    monkeypatch.setattr(shutil, "copyfile", watching_copyfile)
     client.sync(0)
     assert seen == [(True, False)]  # fetched under another name; the result appeared by rename
     client.run_dir.key = KEY

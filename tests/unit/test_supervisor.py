@@ -7,11 +7,13 @@ import time
 
 import pytest
 
+from sparkgpu._files import atomic_write_bytes
 from sparkgpu.errors import JobTimeoutError, NodeLostError, WorkerFailedError
 from sparkgpu.launch.attempt_report import AttemptReport, NodeReport
 from sparkgpu.launch.callbacks import JobCallback
 from sparkgpu.launch.entrypoint import EXIT_PREEMPTED
-from sparkgpu.launch.payload import RunDir, atomic_write_bytes, serialize_payload
+from sparkgpu.launch.payload import serialize_payload
+from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.supervisor import Supervisor
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
 from sparkgpu.train._checkpoint_store import MARKER_NAME, CheckpointInfo

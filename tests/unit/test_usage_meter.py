@@ -9,7 +9,8 @@ import pytest
 
 from sparkgpu.errors import PolicyViolationError, WorkerFailedError
 from sparkgpu.launch.callbacks import AttemptOutcome
-from sparkgpu.launch.payload import RunDir, serialize_payload
+from sparkgpu.launch.payload import serialize_payload
+from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.supervisor import Supervisor
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
 from sparkgpu.usage.ledger import UsageLedger, UsageRecord

@@ -13,7 +13,7 @@ import dataclasses
 import importlib
 
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.launch.payload import RunDir
+from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.spec import JobSpec, Resources
 
 __all__ = ["Backend", "LaunchPlan", "AttemptHandle", "create_backend", "BACKENDS"]

@@ -21,7 +21,8 @@ from sparkgpu.errors import CapacityError
 from sparkgpu.launch.agent import build_command
 from sparkgpu.launch.backends.base import AttemptHandle, Backend, LaunchPlan
 from sparkgpu.launch.hardware import HostGPUs, detect_host_gpus
-from sparkgpu.launch.payload import KEY_ENV, RunDir
+from sparkgpu.launch.payload import KEY_ENV
+from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.spec import JobSpec
 
 __all__ = ["LocalBackend", "create_backend", "free_port"]

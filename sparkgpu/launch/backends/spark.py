@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 
+from sparkgpu._files import atomic_write_bytes
 from sparkgpu._urls import install_command, scheme_of
 from sparkgpu.config import settings
 from sparkgpu.errors import CapacityError, ConfigurationError
@@ -58,7 +59,8 @@ from sparkgpu.launch.backends.spark_node import (
 )
 from sparkgpu.launch.backends.spark_sessions import active as _active
 from sparkgpu.launch.backends.spark_sessions import active_spark_session, pool_for_job, pool_session
-from sparkgpu.launch.payload import KEY_ENV, RunDir, atomic_write_bytes
+from sparkgpu.launch.payload import KEY_ENV
+from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.staging import ClientMirror, StagingStore, env_for_nodes
 from sparkgpu.pools import POOL_TAG, Pool
 from sparkgpu.spec import JobSpec, Resources

@@ -27,10 +27,12 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from sparkgpu._files import atomic_write_bytes
 from sparkgpu.errors import ConfigurationError, PayloadSignatureError
 from sparkgpu.launch.agent import build_command, refuse, strip_spark_secrets
 from sparkgpu.launch.entrypoint import NODE_DEVICES_ENV
-from sparkgpu.launch.payload import RunDir, atomic_write_bytes, key_from_environ
+from sparkgpu.launch.payload import key_from_environ
+from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.staging import (
     CANCEL_FILE,
     HEARTBEAT_FILE,

@@ -1,0 +1,329 @@
+"""The run directory: everything a worker needs, and everything it leaves behind.
+
+:class:`RunDir` is one run dir on this machine: paths, the signed payload, the signed rank
+outputs. Its files and their names are :mod:`sparkgpu.launch.run_layout`'s.
+
+With a staging store (``SPARKGPU_STAGING_ROOT`` an fsspec URL) the same layout is mirrored at
+``<url>/<job_id>/`` and each Spark node works on a scratch copy (:mod:`sparkgpu.launch.staging`);
+checkpoints then live on the store only.
+
+Everyone who can write the staging root can write here, so nothing read from it is trusted
+unsigned: workers run only a payload whose signature matches the job's key, and the client
+unpickles only result and error files that the job's ranks signed with that key. The key
+itself never touches the run dir.
+
+Every file a reader may see as complete is written to a temporary name and renamed
+(:mod:`sparkgpu._files`). How the payload, the results and the errors are pickled is
+:mod:`sparkgpu.launch.serialization`'s; the entrypoint's text is :mod:`sparkgpu.launch.payload`'s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+
+from sparkgpu._files import atomic_write_bytes, atomic_writer
+from sparkgpu.errors import PayloadSignatureError, RankFailure
+from sparkgpu.launch.payload import AIR_TEMPLATE, KEY_ENV
+from sparkgpu.launch.run_layout import RunLayout
+from sparkgpu.launch.serialization import deserialize_error, dump_result, serialize_error, unpack_payload
+
+__all__ = ["RunDir"]
+
+_SIGNED_MAGIC = b"sparkgpu-signed-v1\n"
+
+
+class _MacWriter:
+    """A file that feeds everything written to it into a MAC as well."""
+
+    def __init__(self, f, mac):
+        self._f, self._mac = f, mac
+
+    def write(self, data) -> int:
+        self._mac.update(data)
+        return self._f.write(data)
+
+
+class RunDir:
+    """One run directory on this machine: its paths (named by :class:`RunLayout`), the
+    signed payload and the signed rank outputs.
+
+    Args:
+        path: The run directory.
+        key: The job's signing key, when this process has it (client, agent, rank). Staging
+            and :meth:`load_verified` set it too. Ranks sign their result and error files
+            with it; the client checks them with it (or with the key in its keyring).
+    """
+
+    def __init__(self, path: str | os.PathLike, key: bytes | None = None):
+        self.path = Path(path)
+        self.key = key
+
+    def __repr__(self) -> str:  # never shows the key
+        return f"RunDir({str(self.path)!r})"
+
+    # -- paths (names from RunLayout) ---------------------------------------------------
+    @property
+    def job_id(self) -> str:
+        return self.path.name
+
+    @property
+    def air(self) -> Path:
+        return self.path / RunLayout.ENTRYPOINT
+
+    @property
+    def spec_file(self) -> Path:
+        return self.path / RunLayout.SPEC
+
+    @property
+    def payload_file(self) -> Path:
+        return self.path / RunLayout.PAYLOAD
+
+    @property
+    def signature_file(self) -> Path:
+        return self.path / RunLayout.SIGNATURE
+
+    @property
+    def state_file(self) -> Path:
+        return self.path / RunLayout.STATE
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / RunLayout.CHECKPOINTS
+
+    @property
+    def cancel_request_file(self) -> Path:
+        return self.path / RunLayout.CANCEL_REQUEST
+
+    def file(self, rel: str) -> Path:
+        """The file named ``rel`` by :class:`RunLayout`."""
+        return self.path / rel
+
+    def attempt_dir(self, attempt: int) -> Path:
+        return self.path / RunLayout.attempt(attempt)
+
+    def logs_dir(self, attempt: int) -> Path:
+        return self.path / RunLayout.logs(attempt)
+
+    def log_file(self, attempt: int, rank: int) -> Path:
+        return self.path / RunLayout.rank_log(attempt, rank)
+
+    def result_file(self, attempt: int, rank: int) -> Path:
+        return self.path / RunLayout.result(attempt, rank)
+
+    def error_file(self, attempt: int, rank: int) -> Path:
+        return self.path / RunLayout.error(attempt, rank)
+
+    def preempted_file(self, attempt: int, rank: int) -> Path:
+        return self.path / RunLayout.preempted(attempt, rank)
+
+    def node_file(self, attempt: int, node_rank: int) -> Path:
+        return self.path / RunLayout.node_exits(attempt, node_rank)
+
+    def agent_log(self, attempt: int, node_rank: int) -> Path:
+        return self.path / RunLayout.agent_log(attempt, node_rank)
+
+    # -- writing (client) ---------------------------------------------------------------
+    def stage(self, spec_dict: dict, payload: bytes, key: bytes, sys_path: list[str],
+              extra_files: dict[str, bytes] | None = None) -> None:
+        """Writes the entrypoint, spec, payload and extra files, then the signature over all of them."""
+        extra_files = dict(extra_files or {})
+        if extra_files:
+            spec_dict = {**spec_dict, "signed_files": sorted(extra_files)}
+        self.path.mkdir(parents=True, exist_ok=False)
+        self.checkpoints.mkdir()
+        air = AIR_TEMPLATE.format(job_id=spec_dict["job_id"], sys_path=sys_path,
+                                  env_report=RunLayout.env_report("{attempt}", "{rank}"),
+                                  rank_log=RunLayout.rank_log("{attempt}", "{rank}")).encode()
+        spec = json.dumps(spec_dict, indent=2, sort_keys=True).encode()
+        atomic_write_bytes(self.air, air)
+        atomic_write_bytes(self.spec_file, spec)
+        atomic_write_bytes(self.payload_file, payload)
+        for name, data in extra_files.items():
+            atomic_write_bytes(self.path / name, data)
+        extras = [extra_files[name] for name in sorted(extra_files)]
+        atomic_write_bytes(self.signature_file, self._sign(key, air, spec, payload, *extras).encode())
+        self.key = key
+
+    def prepare_attempt(self, attempt: int) -> None:
+        for folder in (RunLayout.logs(attempt), RunLayout.results(attempt)):
+            (self.path / folder).mkdir(parents=True, exist_ok=True)
+
+    @staticmethod
+    def _sign(key: bytes, *parts: bytes) -> str:
+        mac = hmac.new(key, digestmod=hashlib.sha256)
+        for part in parts:
+            mac.update(hashlib.sha256(part).digest())
+        return mac.hexdigest()
+
+    # -- reading (worker) --------------------------------------------------------------
+    def verify(self, key: bytes | None = None) -> dict[str, bytes]:
+        """Checks the signature over every signed file, ``_air.py`` included.
+
+        Each file is read once: callers run and unpickle exactly the bytes returned, never a
+        file that may have changed on the staging store since.
+
+        Args:
+            key: The job's key; :attr:`key` by default.
+
+        Returns:
+            File name -> verified content: ``_air.py``, ``spec.json``, ``payload.pkl`` and the
+            spec's ``signed_files``.
+
+        Raises:
+            PayloadSignatureError: no key, no signature, or the files were changed.
+        """
+        key = key if key is not None else self.key
+        if not key:
+            raise PayloadSignatureError(
+                f"refusing to run {self.path}: the worker got no job key ({KEY_ENV}); "
+                "only payloads launched by sparkgpu with their job's key run"
+            )
+        core = [self.air.name, self.spec_file.name, self.payload_file.name]
+        files: dict[str, bytes] = {}
+        try:
+            for name in core:
+                files[name] = (self.path / name).read_bytes()
+            extras = sorted(json.loads(files[self.spec_file.name]).get("signed_files", []))
+            for name in extras:
+                files[name] = (self.path / name).read_bytes()
+            signature = self.signature_file.read_text().strip()
+        except (FileNotFoundError, ValueError):
+            signature, extras = "", []
+        parts = [files.get(name, b"") for name in core + extras]
+        # The generated _air.py repeats this check with the standard library alone; keep them alike.
+        if not signature or not hmac.compare_digest(signature, self._sign(key, *parts)):
+            raise PayloadSignatureError(
+                f"refusing to run {self.path}: the payload is unsigned or was modified after it was "
+                "staged (signature mismatch); launch the job again from the client, and check who "
+                "else can write its staging root"
+            )
+        return files
+
+    def load_verified(self, key: bytes | None) -> tuple[dict, dict]:
+        """Returns ``(spec_dict, payload_parts)`` after checking the signature.
+
+        The key is kept (:attr:`key`) to sign this process's result or error, also when the
+        check fails: the client then reads why the rank refused.
+
+        Raises:
+            PayloadSignatureError: no key, no signature, or the files were changed.
+        """
+        self.key = key or None
+        files = self.verify(key)
+        return json.loads(files["spec.json"]), pickle.loads(files["payload.pkl"])
+
+    @staticmethod
+    def unpack(parts: dict) -> tuple[Any, tuple, dict, list]:
+        """The function, arguments and callbacks of the verified payload parts (see :func:`unpack_payload`)."""
+        return unpack_payload(parts)
+
+    # -- results (signed by the ranks, checked by the client) ---------------------------
+    def _output_mac(self, kind: str, attempt: int, rank: int, *, reading: bool) -> hmac.HMAC:
+        if self.key:
+            key = self.key
+        elif reading:
+            from sparkgpu.launch.keys import load_key  # the client's keyring
+
+            key = self.key = load_key(self.job_id)
+        else:
+            raise PayloadSignatureError(
+                f"rank {rank} of {self.job_id} has no job key to sign its {kind} with ({KEY_ENV} was not set); "
+                "only ranks launched by sparkgpu report results"
+            )
+        # A key of its own for outputs, and the file's place in the job bound into the MAC, so
+        # a signed file is never accepted as a payload signature or as another rank's output.
+        output_key = hmac.new(key, b"sparkgpu rank outputs", hashlib.sha256).digest()
+        mac = hmac.new(output_key, digestmod=hashlib.sha256)
+        mac.update(f"{self.job_id}\0{attempt}\0{rank}\0{kind}\0".encode())
+        return mac
+
+    def _write_signed(self, path: Path, kind: str, attempt: int, rank: int, dump) -> None:
+        mac = self._output_mac(kind, attempt, rank, reading=False)
+        with atomic_writer(path) as f:
+            f.write(_SIGNED_MAGIC)
+            dump(_MacWriter(f, mac))
+            f.write(mac.digest())
+
+    def _read_signed(self, path: Path, kind: str, attempt: int, rank: int) -> memoryview:
+        data = path.read_bytes()
+        mac = self._output_mac(kind, attempt, rank, reading=True)
+        size = len(data) - len(_SIGNED_MAGIC) - mac.digest_size
+        if size < 0 or not data.startswith(_SIGNED_MAGIC):
+            problem = "is not signed"
+        else:
+            body = memoryview(data)[len(_SIGNED_MAGIC):len(_SIGNED_MAGIC) + size]
+            mac.update(body)
+            if hmac.compare_digest(mac.digest(), data[-mac.digest_size:]):
+                return body
+            problem = "does not match its signature"
+        raise PayloadSignatureError(
+            f"refusing to unpickle {path}: the {kind} of rank {rank} {problem}, so it was not written by this "
+            f"job's ranks (or was changed afterwards) and could run arbitrary code here; check who else can "
+            f"write the staging root ({self.path.parent}) and run the job again"
+        )
+
+    def write_result(self, attempt: int, rank: int, value: Any) -> None:
+        self._write_signed(self.result_file(attempt, rank), "result", attempt, rank,
+                           lambda f: dump_result(value, f, rank))
+
+    def write_error(self, attempt: int, rank: int, exc: BaseException) -> None:
+        data = serialize_error(rank, exc)
+        self._write_signed(self.error_file(attempt, rank), "error", attempt, rank, lambda f: f.write(data))
+
+    def read_result(self, attempt: int, rank: int) -> Any:
+        """Rank ``rank``'s return value.
+
+        Raises:
+            PayloadSignatureError: the file is unsigned or not signed with the job's key.
+            ConfigurationError: this process has no key for the job.
+        """
+        return cloudpickle.loads(self._read_signed(self.result_file(attempt, rank), "result", attempt, rank))
+
+    def read_error(self, attempt: int, rank: int) -> tuple[RankFailure, BaseException | None]:
+        """Rank ``rank``'s failure, and its exception when the class exists here.
+
+        Raises:
+            PayloadSignatureError: the file is unsigned or not signed with the job's key.
+            ConfigurationError: this process has no key for the job.
+        """
+        return deserialize_error(self._read_signed(self.error_file(attempt, rank), "error", attempt, rank))
+
+    def _attempt_files(self, attempt: int) -> list[Path]:
+        folder = self.attempt_dir(attempt)
+        return sorted(folder.iterdir()) if folder.is_dir() else []
+
+    def read_env_reports(self, attempt: int) -> dict[int, dict]:
+        """Per rank, what rehydrating the shipped environment cost (:class:`HydrationReport` as a dict)."""
+        reports = {}
+        for path in self._attempt_files(attempt):
+            rank = RunLayout.env_report_rank(path.name)
+            if rank is not None:
+                reports[rank] = json.loads(path.read_text())
+        return dict(sorted(reports.items()))
+
+    def read_node_exits(self, attempt: int) -> dict[int, dict]:
+        """Exit information per global rank, merged over the attempt's nodes."""
+        exits: dict[int, dict] = {}
+        for path in self._attempt_files(attempt):
+            if RunLayout.node_exits_node(path.name) is not None:
+                for rank, info in json.loads(path.read_text()).get("failures", {}).items():
+                    exits[int(rank)] = info
+        return exits
+
+    def log_tail(self, attempt: int, rank: int, lines: int = 20) -> str:
+        try:
+            with open(self.log_file(attempt, rank), "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 16384))
+                text = f.read().decode(errors="replace")
+        except FileNotFoundError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])

@@ -1,0 +1,75 @@
+"""One run-dir layout: the generated entrypoint, RunDir and the staging mirror agree on every name."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from sparkgpu.launch.payload import KEY_ENV, serialize_payload
+from sparkgpu.launch.run_dir import RunDir
+from sparkgpu.launch.run_layout import RunLayout
+
+KEY = b"k" * 32
+
+# Stands in for the shipped environment's rehydration: it records the report where the
+# entrypoint says, as the real module does, then ends the rank before any training.
+_HYDRATE_STUB = b'''
+import json, os, sys, types
+
+def hydrate(env, cache):
+    return types.SimpleNamespace(report={"seconds": 1.5, "env": env})
+
+def activate(overlay):
+    pass
+
+def record_report(report, report_path, log_path):
+    os.makedirs(os.path.dirname(report_path), exist_ok=True)
+    with open(report_path, "w") as f:
+        json.dump(report, f)
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    with open(log_path, "a") as f:
+        f.write("sparkgpu: environment ready\\n")
+    sys.exit(0)
+'''
+
+
+def _noop():
+    return None
+
+
+def test_the_entrypoint_records_the_environment_report_where_the_client_reads_it(tmp_path):
+    rd = RunDir(tmp_path / "job-layout")
+    rd.stage({"job_id": "job-layout", "env": {"name": "e1"}}, serialize_payload(_noop, (), {}, []), KEY, [],
+             extra_files={RunLayout.HYDRATE: _HYDRATE_STUB})
+    env = {**os.environ, KEY_ENV: KEY.hex(), "SPARKGPU_ATTEMPT": "2", "RANK": "5"}
+    done = subprocess.run([sys.executable, str(rd.air)], env=env, capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr.decode()
+    assert rd.read_env_reports(2) == {5: {"seconds": 1.5, "env": {"name": "e1"}}}
+    assert rd.log_tail(2, 5) == "sparkgpu: environment ready"
+
+
+def test_a_run_dir_reads_only_the_files_the_layout_names(tmp_path):
+    rd = RunDir(tmp_path / "job-1")
+    rd.prepare_attempt(0)
+    for node in (0, 1):
+        rd.node_file(0, node).write_text(json.dumps({"failures": {str(node): {"exit": node + 1}}}))
+    rd.file(RunLayout.env_report(0, 3)).write_text('{"seconds": 2}')
+    # Temporaries of killed writers and files of other kinds sit beside them.
+    (rd.attempt_dir(0) / ".node-2.json.5f3a.tmp").write_text("{")
+    (rd.attempt_dir(0) / "env-rank-9.json.77.tmp").write_text("{")
+    rd.file(RunLayout.report(0)).write_text("{}")
+    assert rd.read_node_exits(0) == {0: {"exit": 1}, 1: {"exit": 2}}
+    assert rd.read_env_reports(0) == {3: {"seconds": 2}}
+    assert rd.read_env_reports(7) == {} and rd.read_node_exits(7) == {}  # an attempt that never ran
+
+
+def test_the_files_a_node_needs_and_the_files_the_client_controls():
+    spec = {"signed_files": ["_hydrate.py", "code.tar"]}
+    assert RunLayout.payload_files(spec) == ["_air.py", "spec.json", "payload.pkl", "payload.sig", "_hydrate.py", "code.tar"]
+    control = RunLayout.control_files(4)
+    assert control == ("attempts/4/STOP", "attempts/4/spark/CANCEL", "attempts/4/spark/client.heartbeat")
+    assert RunLayout.is_node_end_marker(RunLayout.node_marker(4, 1, "ended"))
+    assert not RunLayout.is_node_end_marker(RunLayout.node_marker(4, 1, "started"))
+    assert RunLayout.is_node_exits(RunLayout.node_exits(4, 12)) and not RunLayout.is_node_exits(control[0])
