@@ -40,6 +40,18 @@ def _env_float(env, name, default):
         raise ConfigurationError(f"{name}={raw!r} is not a number; set it to seconds, e.g. {name}=600") from None
 
 
+def _heartbeat_timeout(env, name, default, *, at_least: float, may_be_none: bool = False):
+    """Seconds without a heartbeat before its sender counts as gone: at least ``at_least`` (a few
+    beats, or a busy host would pass for a dead one); with ``may_be_none``, ``none`` reads as never."""
+    raw = env.get(name)
+    if may_be_none and raw is not None and raw.strip().lower() in ("none", "off", "never"):
+        return None
+    seconds = _env_float(env, name, default)
+    if seconds < at_least:
+        fix = f"at least {at_least:g} seconds" + (", or none" if may_be_none else "")
+        raise ConfigurationError(f"{name}={raw!r} must be {fix}, e.g. {name}={default:g}")
+    return seconds
+
 
 
 def _keep_runs(raw: str) -> dict:
@@ -140,6 +152,14 @@ class Settings:
         spark_wait_timeout: Seconds a Spark job waits for busy GPUs (or for busy executors to
             answer the capacity probe) before it gives up (``SPARKGPU_SPARK_WAIT_TIMEOUT``,
             default 600).
+        spark_client_timeout: Seconds a Spark job's nodes keep its ranks running without a
+            heartbeat from the client that drives it; then they stop them, and ``sparkgpu
+            resume JOB_ID`` continues the job (``SPARKGPU_SPARK_CLIENT_TIMEOUT``, default 120, at
+            least 6: the client beats every 2 s; ``none`` keeps them running, unsupervised).
+        spark_node_timeout: Seconds a started Spark node may go without a heartbeat (and without
+            saying how its ranks ended) before the client and the other nodes count its executor
+            lost and stop the attempt (``SPARKGPU_SPARK_NODE_TIMEOUT``, default 10, at least 3: nodes
+            beat every second).
         data_volume: Folder or fsspec URL where ``spark.gpu.train(data=...)`` keeps its MDS
             conversions; the ranks must reach it (``SPARKGPU_DATA_VOLUME``, default
             ``<home>/volumes/mds``, or ``<staging_url>/_mds`` with a staging store).
@@ -181,6 +201,8 @@ class Settings:
     env_exclude: tuple[str, ...] = ()
     env_worker_lock: str | None = None
     spark_wait_timeout: float = 600.0
+    spark_client_timeout: float | None = 120.0
+    spark_node_timeout: float = 10.0
     data_volume: str = ""
     keep_runs: int | None = 100
     keep_runs_days: float | None = 30.0
@@ -232,6 +254,9 @@ class Settings:
             env_exclude=tuple(p.strip() for p in (env.get("SPARKGPU_ENV_EXCLUDE") or "").split(",") if p.strip()),
             env_worker_lock=env.get("SPARKGPU_ENV_WORKER_LOCK") or None,
             spark_wait_timeout=_env_float(env, "SPARKGPU_SPARK_WAIT_TIMEOUT", 600.0),
+            spark_client_timeout=_heartbeat_timeout(env, "SPARKGPU_SPARK_CLIENT_TIMEOUT", 120.0, at_least=6.0,
+                                                    may_be_none=True),
+            spark_node_timeout=_heartbeat_timeout(env, "SPARKGPU_SPARK_NODE_TIMEOUT", 10.0, at_least=3.0),
             **_keep_runs(env.get("SPARKGPU_KEEP_RUNS") or "100,30d"),
             data_volume=env.get("SPARKGPU_DATA_VOLUME") or (f"{staging_url}/_mds" if staging_url else str(home / "volumes" / "mds")),
             data_metrics_interval=_env_float(env, "SPARKGPU_DATA_METRICS_INTERVAL", 30.0),

@@ -118,7 +118,7 @@ def take_over(job_id: str, backend=None, out=None, force: bool = False) -> Super
     key = load_key(job_id)
     _, parts = run_dir.load_verified(key)
     callbacks = RunDir.unpack(parts)[3]
-    backend = backend or create_backend(job.backend)
+    backend = backend or _backend_for(job, run_dir)
     supervisor = Supervisor(job, run_dir, backend, key, callbacks, out=out)
     if state:
         if JobStatus(state["status"]).is_terminal:
@@ -132,6 +132,16 @@ def take_over(job_id: str, backend=None, out=None, force: bool = False) -> Super
         supervisor.load_state_dict(state)
         _stop_outliving_nodes(job, run_dir, lost)
     return supervisor
+
+
+def _backend_for(job: JobSpec, run_dir: RunDir):
+    """The job's own backend; a Spark job reconnects to the Connect server it ran on when this
+    process has no session and ``SPARKGPU_SPARK_REMOTE`` is unset."""
+    if job.backend != "spark":
+        return create_backend(job.backend)
+    from sparkgpu.launch.backends.spark_sessions import recorded_remote
+
+    return create_backend("spark", remote=recorded_remote(run_dir))
 
 
 def _stop_outliving_nodes(job: JobSpec, run_dir: RunDir, lost: list[int]) -> None:

@@ -19,6 +19,10 @@ def spark_cluster(tmp_path_factory):
     cluster = LocalSparkCluster(tmp_path_factory.mktemp("spark-cluster"), workers=2, gpus_per_worker=2,
                                 cores_per_worker=2, gpu_type="A10", simulated=True)
     cluster.start()
+    exposed = cluster.exposed_listeners()
+    if exposed:
+        cluster.stop()
+    assert not exposed, f"the test Spark cluster listens beyond loopback: {exposed}"
     yield cluster
     cluster.stop()
     left = cluster.leftover_processes()

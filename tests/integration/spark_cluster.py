@@ -31,7 +31,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-__all__ = ["LocalSparkCluster", "java_available", "spark_home"]
+__all__ = ["LocalSparkCluster", "java_available", "spark_home", "is_loopback"]
 
 _CONNECT_SERVER = "org.apache.spark.sql.connect.service.SparkConnectServer"
 
@@ -50,6 +50,16 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def is_loopback(ip: str) -> bool:
+    """Whether a listening address is on loopback (IPv4, IPv6, or IPv4 mapped into IPv6)."""
+    import ipaddress
+
+    address = ipaddress.ip_address(ip.split("%")[0])
+    if getattr(address, "ipv4_mapped", None):
+        address = address.ipv4_mapped
+    return address.is_loopback
 
 
 def _port_open(port: int) -> bool:
@@ -182,6 +192,33 @@ class LocalSparkCluster:
                 continue
         return left
 
+    def listeners(self) -> list[tuple[str, int, str, int]]:
+        """Every TCP socket listening in this cluster's processes and their descendants
+        (executors, Python workers, node agents, ranks): ``(process, pid, address, port)``."""
+        import psutil
+
+        found = []
+        for name, process in self._processes.items():
+            if process.poll() is not None:
+                continue
+            try:
+                tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+            except psutil.NoSuchProcess:
+                continue
+            for proc in tree:
+                try:
+                    connections = proc.net_connections(kind="inet")
+                    label = f"{name}/{proc.name()}"
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue
+                found += [(label, proc.pid, c.laddr.ip, c.laddr.port) for c in connections
+                          if c.status == psutil.CONN_LISTEN]
+        return found
+
+    def exposed_listeners(self) -> list[tuple[str, int, str, int]]:
+        """The :meth:`listeners` reachable from beyond this host (not on a loopback address)."""
+        return [entry for entry in self.listeners() if not is_loopback(entry[2])]
+
     # -- faults ------------------------------------------------------------------------
     def executor_pids(self) -> dict[str, tuple[int, int]]:
         """Live executor JVMs of this cluster: ``{executor id: (pid, worker index)}``."""
@@ -212,6 +249,23 @@ class LocalSparkCluster:
         self._start_worker(index)
         self._wait(self._workers_registered, deadline, f"worker {index} to register again", f"worker-{index}")
         self.wait_for_executors(max(1.0, deadline - time.monotonic()))
+
+    def restart_connect_server(self, timeout: float = 180.0) -> None:
+        """Kills the Connect server (a crashed driver: its application ends, and its executors
+        with it) and starts a new one on the same port; returns once the new one has executors."""
+        old_apps = {app.get("id") for app in self._master_state().get("activeapps", [])}
+        process = self._processes["connect"]
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+        deadline = time.monotonic() + timeout
+        self._start_connect_server(deadline, port=self.connect_port)
+
+        def new_app_has_executors() -> bool:
+            wanted = self.workers * self.cores_per_worker
+            return any(app.get("id") not in old_apps and app.get("cores", 0) >= wanted
+                       for app in self._master_state().get("activeapps", []))
+
+        self._wait(new_app_has_executors, deadline, "the new Connect server's executors to start", "connect")
 
     def wait_for_executors(self, timeout: float = 120.0) -> None:
         """Waits until the application holds an executor on every worker again (after a fault)."""
@@ -253,7 +307,10 @@ class LocalSparkCluster:
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
         log = open(self.workdir / f"{name}.log", "ab")
         self._logs.append(log)
+        # SPARK_LOCAL_IP: every JVM binds its RPC, block manager and web UI there (the UIs
+        # of the master and workers bind every interface otherwise, whatever --host says).
         full_env = {**os.environ, "SPARK_HOME": str(spark_home()), "SPARK_LOG_DIR": str(self.workdir),
+                    "SPARK_LOCAL_IP": "127.0.0.1",
                     "PYSPARK_PYTHON": sys.executable, "SPARK_DAEMON_MEMORY": "256m",
                     "SPARK_NO_DAEMONIZE": "1", **self.env, **env}
         full_env.pop("SPARK_CONNECT_MODE_ENABLED", None)
@@ -289,8 +346,8 @@ class LocalSparkCluster:
             "--work-dir", str(work), "--webui-port", str(_free_port()),
         ], {"SPARK_WORKER_OPTS": opts})
 
-    def _start_connect_server(self, deadline: float) -> None:
-        self.connect_port = _free_port()
+    def _start_connect_server(self, deadline: float, port: int | None = None) -> None:
+        self.connect_port = port or _free_port()
         conf = {
             "spark.master": self.master_url,
             "spark.app.name": self.name,

@@ -107,3 +107,23 @@ def test_a_ray_launch_cluster_admits_only_the_job():
     assert auth_mode == "token"
     assert code != 0 and "IN {" not in output, f"a client without the job's token joined the Ray cluster:\n{output}"
     assert "auth" in output.lower() or "token" in output.lower(), output
+
+
+def test_the_spark_servers_of_the_tests_listen_on_loopback_only(spark):
+    """The shared in-process Connect server (and any other JVM this test session started): its
+    gRPC port, driver RPC, block manager and Python workers; its web UI is off."""
+    import psutil
+
+    spark.range(4).selectExpr("id * 2 AS x").collect()  # the driver's block manager and RPC are up
+    listeners = []
+    for process in psutil.Process().children(recursive=True):
+        try:
+            if "java" not in process.name():
+                continue
+            listeners += [(process.pid, c.laddr.ip, c.laddr.port) for c in process.net_connections(kind="inet")
+                          if c.status == psutil.CONN_LISTEN]
+        except psutil.NoSuchProcess:
+            continue
+    assert listeners, "no Spark server of this session was found listening at all"
+    exposed = [entry for entry in listeners if not _is_loopback(entry[1])]
+    assert exposed == [], f"Spark servers of the tests listen beyond loopback: {exposed}"

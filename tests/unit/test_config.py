@@ -57,3 +57,26 @@ def test_a_store_whose_filesystem_is_not_installed_names_the_exact_pip_command(t
 def test_an_unknown_scheme_is_refused_naming_urls_that_work(tmp_path):
     with pytest.raises(ConfigurationError, match=r"no filesystem for nosuch://.*s3://bucket/path"):
         Settings.from_env({"SPARKGPU_HOME": str(tmp_path), "SPARKGPU_STAGING_ROOT": "nosuch://b/runs"})
+
+
+def test_the_spark_heartbeat_timeouts_are_settings_a_backend_takes_unless_given(tmp_path, monkeypatch):
+    from sparkgpu.config import reset_settings
+    from sparkgpu.launch.backends.spark import SparkBackend
+
+    default = Settings.from_env({"SPARKGPU_HOME": str(tmp_path)})
+    assert (default.spark_client_timeout, default.spark_node_timeout) == (120.0, 10.0)
+    never = Settings.from_env({"SPARKGPU_HOME": str(tmp_path), "SPARKGPU_SPARK_CLIENT_TIMEOUT": "none"})
+    assert never.spark_client_timeout is None
+    for name, raw, message in (("SPARKGPU_SPARK_CLIENT_TIMEOUT", "2", "must be at least 6 seconds, or none"),
+                               ("SPARKGPU_SPARK_NODE_TIMEOUT", "-3", "must be at least 3 seconds, e.g."),
+                               ("SPARKGPU_SPARK_NODE_TIMEOUT", "none", "is not a number")):
+        with pytest.raises(ConfigurationError, match=f"{name}='{raw}' {message}"):
+            Settings.from_env({"SPARKGPU_HOME": str(tmp_path), name: raw})
+
+    monkeypatch.setenv("SPARKGPU_SPARK_CLIENT_TIMEOUT", "30")
+    monkeypatch.setenv("SPARKGPU_SPARK_NODE_TIMEOUT", "25")
+    reset_settings()
+    backend = SparkBackend(spark=object(), staging_url="")
+    assert (backend.client_timeout, backend.node_timeout) == (30.0, 25.0)
+    given = SparkBackend(spark=object(), staging_url="", client_timeout=None, node_timeout=4.0)
+    assert (given.client_timeout, given.node_timeout) == (None, 4.0)  # None: the nodes never stop on it

@@ -86,3 +86,58 @@ def test_remote_without_a_session_says_how_to_get_one():
             print(exc)
     """)
     assert "SPARKGPU_SPARK_REMOTE=sc://" in out and "SparkSession.builder.remote" in out
+
+
+def test_the_connect_url_a_job_records_for_resume_never_holds_its_token(tmp_path):
+    from types import SimpleNamespace
+
+    from pyspark.sql.connect.client.core import DefaultChannelBuilder
+
+    from sparkgpu.launch.backends.spark_sessions import connect_url, record_session, recorded_remote
+    from sparkgpu.launch.run_dir import RunDir
+
+    def session(url):
+        return SimpleNamespace(client=SimpleNamespace(_builder=DefaultChannelBuilder(url)))
+
+    assert connect_url(session("sc://head:15002")) == "sc://head:15002"
+    secret = session("sc://head:443/;use_ssl=true;token=s3cr3t;user_id=ana")
+    assert connect_url(secret) == "sc://head:443/;use_ssl=true;user_id=ana"
+    assert connect_url(object()) is None  # a classic session: its driver is this process
+
+    run_dir = RunDir(tmp_path / "job-1")
+    run_dir.path.mkdir()
+    assert recorded_remote(run_dir) is None
+    record_session(secret, run_dir)
+    assert recorded_remote(run_dir) == "sc://head:443/;use_ssl=true;user_id=ana"
+    assert "s3cr3t" not in "".join(p.read_text() for p in run_dir.path.iterdir())
+
+
+def test_a_session_its_connect_server_closed_is_replaced_or_the_error_says_how_to_resume(monkeypatch):
+    import io
+    from types import SimpleNamespace
+
+    from pyspark.sql.connect.client.core import DefaultChannelBuilder
+
+    from sparkgpu.launch.backends import spark as spark_backend
+
+    def closed_session():  # what pyspark leaves after "[INVALID_HANDLE.SESSION_CHANGED] ... Please reconnect."
+        return SimpleNamespace(is_stopped=True, client=SimpleNamespace(_builder=DefaultChannelBuilder(
+            "sc://head:15002/;token=s3cr3t")))
+
+    opened = []
+    monkeypatch.setattr(spark_backend, "new_connect_session", lambda url: opened.append(url) or "the new session")
+    out = io.StringIO()
+    backend = spark_backend.SparkBackend(spark=closed_session(), client_timeout=None, staging_url="", out=out)
+    backend._reconnect_if_closed()
+    assert opened == ["sc://head:15002/;token=s3cr3t"]  # in memory only, credentials included
+    assert backend.spark == "the new session"
+    assert "sc://head:15002 closed this session" in out.getvalue() and "s3cr3t" not in out.getvalue()
+
+    def server_down(url):
+        raise ConnectionError("StatusCode.UNAVAILABLE: failed to connect to all addresses")
+
+    monkeypatch.setattr(spark_backend, "new_connect_session", server_down)
+    backend = spark_backend.SparkBackend(spark=closed_session(), client_timeout=None, staging_url="", out=out)
+    with pytest.raises(ConfigurationError, match="cannot reconnect to the Spark Connect server at sc://head:15002 "
+                                                 r"\(ConnectionError.*`sparkgpu resume JOB_ID` continues the job"):
+        backend._reconnect_if_closed()

@@ -58,7 +58,16 @@ from sparkgpu.launch.backends.spark_node import (
     spark_dir,
 )
 from sparkgpu.launch.backends.spark_sessions import active as _active
-from sparkgpu.launch.backends.spark_sessions import active_spark_session, pool_for_job, pool_session
+from sparkgpu.launch.backends.spark_sessions import (
+    active_spark_session,
+    connection_closed,
+    connect_url,
+    full_url,
+    new_connect_session,
+    pool_for_job,
+    pool_session,
+    record_session,
+)
 from sparkgpu.launch.payload import KEY_ENV
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.staging import ClientMirror, StagingStore, env_for_nodes
@@ -68,6 +77,17 @@ from sparkgpu.spec import JobSpec, Resources
 __all__ = ["SparkBackend", "SparkAttempt", "create_backend", "active_spark_session"]
 
 _HEARTBEAT_SECONDS = 2.0
+
+
+class _FromSettings:
+    """Marks an argument left to its ``SPARKGPU_*`` setting where ``None`` has a meaning of its own."""
+
+    def __repr__(self) -> str:
+        return "<from settings>"
+
+
+_FROM_SETTINGS = _FromSettings()
+
 #: How Spark names the executor it lost in a failed job's message.
 _LOST_EXECUTOR = re.compile(r"ExecutorLostFailure \(executor (\S+?)[ )]|[Ee]xecutor (?:id )?(\S+?) (?:lost|exited)")
 
@@ -122,7 +142,13 @@ class SparkBackend(Backend):
         simulated: Treat the cluster's GPU addresses as fake and run ranks on CPU with gloo;
             by default the cluster's ``spark.sparkgpu.simulatedGpus`` conf decides.
         client_timeout: Seconds the nodes keep running without a heartbeat from this client
-            before they stop their ranks (``None``: run on when the client dies).
+            before they stop their ranks (``SPARKGPU_SPARK_CLIENT_TIMEOUT``, 120 by default;
+            ``None``: run on when the client dies).
+        node_timeout: Seconds a started node may go without a heartbeat (and without its end
+            marker) before the client and the other nodes count its executor lost and stop the
+            attempt (``SPARKGPU_SPARK_NODE_TIMEOUT``, 10 by default).
+        remote: Spark Connect URL to open when no session is given, none is active and
+            ``SPARKGPU_SPARK_REMOTE`` is unset: where a resumed job ran before.
         out: Stream for "waiting for GPUs" lines (``sys.stderr`` by default).
         staging_url: Staging store the executors reach instead of the client's run dir, any
             fsspec URL (``SPARKGPU_STAGING_ROOT`` when that is a URL, by default); ``""`` for
@@ -138,20 +164,20 @@ class SparkBackend(Backend):
     node_stop_margin = 20.0
     #: Seconds between two syncs of a running attempt with the staging store.
     sync_interval = 1.0
-    #: Seconds a started node may go without a heartbeat (and without its end marker) before
-    #: the client and the other nodes count its executor lost and stop the attempt.
-    node_timeout = 10.0
 
     def __init__(self, spark=None, *, wait_timeout: float | None = None, gpus_per_node: int | None = None,
-                 simulated: bool | None = None, client_timeout: float | None = 120.0, out=None,
-                 staging_url: str | None = None, pool: str | None = None):
+                 simulated: bool | None = None, client_timeout: float | None | _FromSettings = _FROM_SETTINGS,
+                 node_timeout: float | None = None, out=None, staging_url: str | None = None,
+                 pool: str | None = None, remote: str | None = None):
         self._spark = spark
+        self.remote = remote
         self.pool_name = pool
         self.pool: Pool | None = None  # the pool the session belongs to, once chosen
         self.wait_timeout = wait_timeout if wait_timeout is not None else settings().spark_wait_timeout
         self.gpus_per_node = gpus_per_node
         self.simulated = simulated
-        self.client_timeout = client_timeout
+        self.client_timeout = settings().spark_client_timeout if client_timeout is _FROM_SETTINGS else client_timeout
+        self.node_timeout = node_timeout if node_timeout is not None else settings().spark_node_timeout
         self.out = out
         self.staging_url = (settings().staging_url if staging_url is None else staging_url) or None
         self._mirrors: dict[str, ClientMirror] = {}
@@ -161,7 +187,7 @@ class SparkBackend(Backend):
     @property
     def spark(self):
         if self._spark is None:
-            self._spark = active_spark_session()
+            self._spark = active_spark_session(fallback=self.remote)
         return self._spark
 
     @property
@@ -263,9 +289,11 @@ class SparkBackend(Backend):
     def submit(self, job, run_dir, attempt, env) -> SparkAttempt:
         if self._spark is None and POOL_TAG in job.tags:
             self._choose_pool(job)  # a resumed job goes back to its pool
+        self._reconnect_if_closed()
         layout = self._layouts.get(job.job_id) or self._layout(job)
         run_dir.prepare_attempt(attempt)
         spark_dir(run_dir, attempt).mkdir(parents=True, exist_ok=True)
+        record_session(self.spark, run_dir)
         now = time.monotonic()
         handle = SparkAttempt(attempt=attempt, job=job, run_dir=run_dir, layout=layout,
                               tag=f"sparkgpu-{job.job_id}-{attempt}", submitted_at=now, submitted_wall=time.time(),
@@ -282,6 +310,34 @@ class SparkBackend(Backend):
         threading.Thread(target=self._heartbeat, args=(handle,), daemon=True, name=f"{handle.tag}-heartbeat").start()
         self.last_attempt = handle
         return handle
+
+    def _reconnect_if_closed(self) -> None:
+        """Opens a new session to the same Connect server when the last one was closed under it.
+
+        A Connect server that restarted refuses the sessions it had ("Please reconnect"), and
+        pyspark closes them for good; the next attempt runs on a new one. The caller's own
+        session stays as it was (closed: theirs to replace).
+
+        Raises:
+            ConfigurationError: a closed session that is not a Connect session, or the
+                server does not answer (the message says how to continue the job).
+        """
+        if self._spark is None or not connection_closed(self._spark):
+            return
+        url = full_url(self._spark)
+        if url is None:
+            raise ConfigurationError("the Spark session of this job was stopped; start a new one, then "
+                                     "`sparkgpu resume JOB_ID` continues the job from its last checkpoint")
+        print(f"sparkgpu: the Spark Connect server{_at(self._spark)} closed this session (it restarted?); "
+              "opening a new one for the next attempt", file=self._stream, flush=True)
+        try:
+            self._spark = new_connect_session(url)
+        except Exception as exc:  # whatever gRPC raises for a server that is not back
+            raise ConfigurationError(
+                f"cannot reconnect to the Spark Connect server{_at(self._spark)} ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}); once it is back, `sparkgpu resume JOB_ID` "
+                "continues the job from its last checkpoint"
+            ) from exc
 
     def _mirror(self, run_dir: RunDir) -> ClientMirror | None:
         """The job's mirror on the staging store; its payload is uploaded the first time (resumed jobs too)."""
@@ -405,6 +461,11 @@ class SparkBackend(Backend):
             if not handle.report.lost:  # not the interrupt that followed a lost node
                 text = "\n".join(str(handle.error).splitlines()[:40])
                 self._note(handle, f"the Spark job of this attempt failed: {type(handle.error).__name__}: {text}")
+            if connection_closed(self.spark):
+                self._note(handle, f"the Spark Connect server{_at(self.spark)} restarted or closed this session "
+                                   "while the attempt ran; its executors, and the ranks with them, ended with it. "
+                                   "A restart (max_restarts=) opens a new session to the same server; "
+                                   f"`sparkgpu resume {handle.job.job_id}` continues the job from its last checkpoint")
             self._stop_outliving_nodes(handle)
             self._write_report(handle, rows)
             return 1
@@ -573,6 +634,11 @@ class SparkBackend(Backend):
             handle.finished.wait(60)
         self._last_pull(handle)
         self._write_report(handle, [r for r in handle.nodes if r["state"] != "spark-retry"])
+
+
+def _at(spark) -> str:
+    url = connect_url(spark)
+    return f" at {url}" if url else ""
 
 
 def _end_markers(sdir) -> dict[int, dict]:

@@ -5,31 +5,46 @@ With one (``SPARKGPU_POOLS``, :mod:`sparkgpu.pools`): the session of the pool th
 type (or its ``pool=``) chooses, opened once per URL and reused. A pool's session is a
 handle of the backend's own: it never becomes the process's default or active session, so
 the caller's ``SparkSession.getActiveSession()`` stays what it was.
+
+A job keeps the Connect URL it runs on (without credentials) in its run dir, so that
+``sparkgpu resume`` in a fresh process reconnects there; a backend whose session its server
+closed (a restart) opens a new one to the same URL for its next attempt.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import threading
 
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError
+from sparkgpu._files import atomic_write_bytes
+from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.pools import POOL_TAG, Pool, choose_pool, configured_pools
 from sparkgpu.spec import JobSpec
 
-__all__ = ["active_spark_session", "pool_for_job", "pool_session", "session_for", "close_sessions"]
+__all__ = ["active_spark_session", "pool_for_job", "pool_session", "session_for", "close_sessions",
+           "new_connect_session", "connect_url", "full_url", "connection_closed", "record_session", "recorded_remote",
+           "SESSION_FILE"]
+
+#: Where a job's run dir keeps the Spark Connect URL it ran on, for ``sparkgpu resume``.
+SESSION_FILE = "spark-session.json"
 
 _remote_sessions: dict[str, object] = {}
 _lock = threading.Lock()
 
 
-def active_spark_session():
+def active_spark_session(fallback: str | None = None):
     """The session ``remote=True`` jobs run on when no pools file is configured.
 
     In order: this thread's active session (Connect, then classic), the process's default
-    Connect session, a session to ``SPARKGPU_SPARK_REMOTE``.
+    Connect session, a session to ``SPARKGPU_SPARK_REMOTE``, a session to ``fallback``.
+
+    Args:
+        fallback: Connect URL to open when nothing else names a session (a resumed job's).
 
     Raises:
         ConfigurationError: there is none of them.
@@ -48,7 +63,7 @@ def active_spark_session():
             session = None
         if session is not None:
             return session
-    remote = settings().spark_remote
+    remote = settings().spark_remote or fallback
     if remote:
         return session_for(remote)
     raise ConfigurationError(
@@ -75,18 +90,22 @@ def pool_session(pool: Pool):
         session = _remote_sessions.get(pool.url)
         if session is not None and not session.is_stopped:
             return session
-        from pyspark.sql.connect.session import SparkSession
-
-        os.environ["SPARK_CONNECT_MODE_ENABLED"] = "1"  # what pyspark's builder.remote() sets: ResourceProfiles need it
-        had_default = SparkSession._default_session
-        had_active = getattr(SparkSession._active_session, "session", None)
-        try:
-            session = SparkSession.builder.remote(pool.url).create()
-        finally:
-            SparkSession._default_session = had_default
-            SparkSession._active_session.session = had_active
-        _remote_sessions[pool.url] = session
+        session = _remote_sessions[pool.url] = new_connect_session(pool.url)
         return session
+
+
+def new_connect_session(url: str):
+    """A new Connect session to ``url`` that never becomes the process's default or active one."""
+    from pyspark.sql.connect.session import SparkSession
+
+    os.environ["SPARK_CONNECT_MODE_ENABLED"] = "1"  # what pyspark's builder.remote() sets: ResourceProfiles need it
+    had_default = SparkSession._default_session
+    had_active = getattr(SparkSession._active_session, "session", None)
+    try:
+        return SparkSession.builder.remote(url).create()
+    finally:
+        SparkSession._default_session = had_default
+        SparkSession._active_session.session = had_active
 
 
 def close_sessions() -> None:
@@ -135,3 +154,51 @@ def active(spark):
         yield
     finally:
         local.session = previous
+
+
+def connect_url(spark) -> str | None:
+    """The Connect URL of ``spark`` without its credentials (a token never goes to disk), or
+    ``None`` for a classic session."""
+    builder = getattr(getattr(spark, "client", None), "_builder", None)
+    endpoint = getattr(builder, "endpoint", None)
+    if not isinstance(endpoint, str):
+        return None
+    params = []
+    if getattr(builder, "use_ssl", False):
+        params.append("use_ssl=true")
+    if getattr(builder, "userId", None):
+        params.append(f"user_id={builder.userId}")
+    return f"sc://{endpoint}" + (f"/;{';'.join(params)}" if params else "")
+
+
+def connection_closed(spark) -> bool:
+    """Whether pyspark closed this Connect session for good (its server restarted, or ``stop()``)."""
+    try:
+        return bool(getattr(spark, "is_stopped", False))
+    except Exception:  # a classic session, or a fake: never "closed" by its server
+        return False
+
+
+def full_url(spark) -> str | None:
+    """The Connect URL ``spark`` was opened with, credentials included: kept in memory only."""
+    url = getattr(getattr(getattr(spark, "client", None), "_builder", None), "url", None)
+    if not hasattr(url, "geturl"):
+        return None
+    parsed = url.geturl()  # pyspark parses "sc://" URLs as "http://" ones
+    return "sc://" + parsed.split("://", 1)[1] if "://" in parsed else None
+
+
+def record_session(spark, run_dir: RunDir) -> None:
+    """Keeps the Connect URL a job runs on in its run dir: ``sparkgpu resume`` in a fresh
+    process reconnects there when nothing else names a session."""
+    url = connect_url(spark)
+    if url is not None:
+        atomic_write_bytes(run_dir.path / SESSION_FILE, json.dumps({"remote": url}).encode())
+
+
+def recorded_remote(run_dir: RunDir) -> str | None:
+    """The Connect URL :func:`record_session` kept for the job, if any."""
+    try:
+        return json.loads((run_dir.path / SESSION_FILE).read_text())["remote"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

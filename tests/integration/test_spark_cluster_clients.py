@@ -1,0 +1,281 @@
+"""Clients on a real Spark standalone cluster: a client killed mid-job (its nodes stop their ranks
+when its heartbeat stops, and ``sparkgpu resume`` continues the job from its checkpoint), three
+jobs competing for a cluster that fits two (they queue: none fails, none is half-scheduled, no GPU
+serves two jobs at once), and every port of the cluster and of its jobs on loopback only.
+
+These tests kill client processes and fill the cluster, so they run on a cluster of their own.
+Named ``test_spark_cluster_*`` so the session orders it with the other cluster tests (before the
+in-process Connect server exists).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from sparkgpu.config import settings
+from tests.integration.processes import assert_no_orphans
+from tests.integration.spark_cluster import LocalSparkCluster, java_available
+
+pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.usefixtures("workers_share_this_image")]
+
+#: The client heartbeat timeout the killed client's jobs run with (120 s by default).
+CLIENT_TIMEOUT = 8.0
+
+
+def train_until_told(marks, steps):
+    """DDP with a checkpoint after every step; attempt 0 stops after step 3 until told to stop
+    (SIGTERM asks a checkpointing rank for a checkpoint), as a job stuck until its fault."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from sparkgpu import runtime
+    from sparkgpu.train import Checkpointer
+
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ckpt = Checkpointer(every_steps=1, keep_last=2, async_save=False)
+    step = start = ckpt.restore(model=model, optimizer=opt)
+    attempt, rank = runtime.attempt(), runtime.get_global_rank()
+    Path(marks, f"a{attempt}-rank{rank}.pid").write_text(str(os.getpid()))
+    Path(marks, f"a{attempt}-rank{rank}.start").write_text(str(start))
+    while step < steps:
+        loss = (model(torch.ones(3, 4) / (step + 1)) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ckpt.maybe_save(step, model=model, optimizer=opt)
+        step += 1
+        if rank == 0:
+            Path(marks, f"a{attempt}.step").write_text(str(step))
+        if attempt == 0 and step == 3:
+            while not runtime.should_checkpoint():
+                time.sleep(0.2)
+            ckpt.close()
+            return "stopped"
+    ckpt.close()
+    return start
+
+
+#: A client as a notebook drives a job: a session of its own, then spark.gpu.train.
+CLIENT = textwrap.dedent("""
+    import sys
+
+    import cloudpickle
+    from pyspark.sql import SparkSession
+
+    import sparkgpu
+    from tests.integration import test_spark_cluster_clients as here
+
+    cloudpickle.register_pickle_by_value(here)  # the executors cannot import the tests
+    spark = SparkSession.builder.remote(sys.argv[1]).getOrCreate()
+    print(spark.gpu.train(here.train_until_told, gpus=2, gpu_type="A10", args=(sys.argv[2], 8), name="client_died"))
+""")
+
+
+@pytest.fixture(scope="module")
+def clients_cluster(tmp_path_factory):
+    """Two workers (GPUs 0,1 and 2,3) of its own: these tests kill clients and fill every GPU."""
+    if not java_available():
+        pytest.skip("the Spark cluster tests need Java (a JRE 17): install openjdk-17-jre-headless or set JAVA_HOME")
+    cluster = LocalSparkCluster(tmp_path_factory.mktemp("clients-cluster"), workers=2, gpus_per_worker=2,
+                                cores_per_worker=2, gpu_type="A10", simulated=True, name="sparkgpu-clients-cluster")
+    cluster.start()
+    yield cluster
+    cluster.stop()
+    left = cluster.leftover_processes()
+    assert not left, "processes of the clients cluster survived its shutdown:\n" + "\n".join(left)
+
+
+@pytest.fixture(scope="module")
+def clients_spark(clients_cluster):
+    from sparkgpu.session import attach
+
+    attach()
+    session = clients_cluster.session()
+    session.gpu.capacity()
+    yield session
+    if not session.is_stopped:  # the Connect server's restart, the last test, closes it
+        session.stop()
+
+
+def wait_for(check, timeout: float, what: str, process: subprocess.Popen | None = None, output: Path | None = None):
+    deadline = time.monotonic() + timeout
+    while not (value := check()):
+        if process is not None and process.poll() is not None:
+            said = output.read_text()[-3000:] if output is not None else ""
+            pytest.fail(f"the client exited with {process.returncode} while waiting for {what}:\n{said}")
+        assert time.monotonic() < deadline, f"timed out after {timeout:g}s waiting for {what}"
+        time.sleep(0.2)
+    return value
+
+
+def alive(pids) -> list[int]:
+    def running(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    return [p for p in pids if running(p)]
+
+
+def client_env(**extra) -> dict[str, str]:
+    """This test's environment (its SPARKGPU_HOME, the workers' image) for a client process,
+    without what an in-process Connect server of this session may have left in it."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SPARK_CONNECT_AUTHENTICATE_TOKEN", "SPARK_LOCAL_REMOTE", "SPARK_REMOTE",
+                        "SPARK_CONNECT_MODE_ENABLED", "SPARKGPU_SPARK_REMOTE")}
+    return {**env, "PYTHONPATH": os.getcwd(), **extra}
+
+
+def test_a_killed_client_s_ranks_stop_on_its_heartbeat_and_resume_continues_on_spark(clients_cluster, tmp_path):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    script = tmp_path / "client.py"
+    script.write_text(CLIENT)
+    output = tmp_path / "client.log"
+    with open(output, "w") as log:
+        client = subprocess.Popen([sys.executable, str(script), clients_cluster.connect_url, str(marks)],
+                                  env=client_env(SPARKGPU_SPARK_CLIENT_TIMEOUT=str(CLIENT_TIMEOUT)),
+                                  stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: (marks / "a0.step").exists() and (marks / "a0.step").read_text() == "3", 240,
+                 "attempt 0 to checkpoint three steps", client, output)
+        pids = [int((marks / f"a0-rank{r}.pid").read_text()) for r in range(2)]
+    finally:
+        killed_at = time.monotonic()
+        client.send_signal(signal.SIGKILL)
+        client.wait(timeout=30)
+    assert alive(pids) == pids, "the ranks stopped with the client's process: nothing to check"
+
+    # Nobody supervises the ranks now; their nodes stop them once the heartbeat stays away.
+    wait_for(lambda: not alive(pids), CLIENT_TIMEOUT + 60, "the killed client's ranks to stop")
+    stopped_after = time.monotonic() - killed_at
+    assert CLIENT_TIMEOUT - 2 <= stopped_after <= CLIENT_TIMEOUT + 15, \
+        f"the ranks stopped {stopped_after:.1f}s after their client died (timeout {CLIENT_TIMEOUT:g}s)"
+    (run_dir,) = settings().staging_root.glob("client-died-*")
+    ended = wait_for(lambda: sorted(run_dir.glob("attempts/0/spark/node-*.ended")), 60, "the node to end")
+    assert [json.loads(p.read_text())["state"] for p in ended] == ["client-lost"]
+    assert json.loads((run_dir / "state.json").read_text())["status"] == "running"  # left by the dead client
+
+    # A fresh process with no session and no SPARKGPU_SPARK_REMOTE: the job says where it ran.
+    resumed = subprocess.run([sys.executable, "-m", "sparkgpu.cli", "resume", run_dir.name], env=client_env(),
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"job {run_dir.name} succeeded on 2 ranks" in resumed.stdout
+
+    state = json.loads((run_dir / "state.json").read_text())
+    assert state["status"] == "succeeded"
+    assert [a["status"] for a in state["attempts"]] == ["lost", "succeeded"]
+    # Continued from the checkpoint of step 3 (saved as step index 2).
+    assert [(marks / f"a1-rank{r}.start").read_text() for r in range(2)] == ["3", "3"]
+    assert (marks / "a1.step").read_text() == "8"
+    assert_no_orphans(run_dir, within=15)
+
+
+def hold_a_gpu(seconds: float) -> dict:
+    """A rank that holds its GPU for ``seconds`` and says which one, on which cluster, when."""
+    import os
+    import time
+
+    from sparkgpu import runtime
+
+    started = time.time()
+    time.sleep(seconds)
+    return {"job": runtime.job_id(), "rank": runtime.get_global_rank(), "gpu": runtime.gpu_address(),
+            "visible": os.environ.get("SPARKGPU_NODE_DEVICES"), "cluster": os.environ.get("TEST_SPARK_CLUSTER"),
+            "started": started, "ended": time.time()}
+
+
+def test_three_jobs_on_a_cluster_that_fits_two_queue_and_never_share_a_gpu(clients_cluster, clients_spark):
+    # Two nodes of one GPU each: half of a job could run while its other half waited, so this
+    # is where a barrier stage must not be half-scheduled.
+    job = clients_spark.gpu.distributed(hold_a_gpu, gpus=2, gpu_type="A10", gpus_per_node=1, wait_timeout=300)
+    calls = [job.submit(6.0) for _ in range(3)]
+    exposed = []
+    try:
+        def two_jobs_run() -> bool:
+            started = [list(c.run_dir.path.glob("attempts/0/spark/node-*.started")) for c in calls]
+            return sum(len(s) == 2 for s in started) >= 2
+
+        wait_for(two_jobs_run, 240, "two of the jobs to start")
+        # While the cluster is full: the JVMs, Python workers, node agents and ranks.
+        exposed = clients_cluster.exposed_listeners()
+        results = [call.result(timeout=300) for call in calls]
+    finally:
+        for call in calls:
+            call.cancel(timeout=60)
+    assert not exposed, f"processes of the cluster or of its jobs listen beyond loopback: {exposed}"
+
+    ranks = [r for result in results for r in result]
+    assert all(r["cluster"] == "sparkgpu-clients-cluster" for r in ranks)
+    for call, result in zip(calls, results):
+        assert [r["rank"] for r in result] == [0, 1]
+        assert len({r["gpu"] for r in result}) == 2, f"two ranks of one job shared a GPU: {result}"
+        assert all(r["visible"] == r["gpu"] for r in result)  # each node sees its own GPU only
+        starts = [json.loads(p.read_text())["started_at"]
+                  for p in sorted(call.run_dir.path.glob("attempts/0/spark/node-*.started"))]
+        assert len(starts) == 2 and max(starts) - min(starts) < 5, f"job {call.job_id}'s nodes started apart: {starts}"
+        state = json.loads(call.run_dir.state_file.read_text())
+        assert [a["status"] for a in state["attempts"]] == ["succeeded"]  # no job failed, none was retried
+
+    by_gpu: dict[str, list[dict]] = {}
+    for rank in ranks:
+        by_gpu.setdefault(rank["gpu"], []).append(rank)
+    for gpu, users in by_gpu.items():
+        users.sort(key=lambda r: r["started"])
+        for before, after in zip(users, users[1:]):
+            assert after["started"] >= before["ended"], f"GPU {gpu} served jobs {before['job']} and {after['job']} at once"
+    # The cluster fits two: the last job to start waited until one of the others ended.
+    last = max(results, key=lambda result: min(r["started"] for r in result))
+    first_end = min(max(r["ended"] for r in result) for result in results if result is not last)
+    assert min(r["started"] for r in last) >= first_end
+
+
+def test_a_restarted_connect_server_ends_the_attempt_and_the_job_resumes_on_a_new_session(clients_cluster, tmp_path):
+    """Runs last in the module: the restart closes every session of the old server."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    session = clients_cluster.session()
+    outcome: dict = {}
+
+    def run():
+        try:
+            outcome["result"] = session.gpu.train(train_until_told, gpus=2, gpu_type="A10", args=(str(marks), 6),
+                                                  max_restarts=1, wait_timeout=240, name="connect_restart")
+        except BaseException as exc:  # surfaced by the assertions below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    wait_for(lambda: (marks / "a0.step").exists() and (marks / "a0.step").read_text() == "3", 240,
+             "attempt 0 to checkpoint three steps")
+    pids = [int((marks / f"a0-rank{r}.pid").read_text()) for r in range(2)]
+    clients_cluster.restart_connect_server()
+
+    # The application ended with its driver: executors, nodes and ranks are gone.
+    wait_for(lambda: not alive(pids), 60, "the ranks of the old server's application to stop")
+    thread.join(300)
+    assert not thread.is_alive(), "the job never ended after the Connect server restarted"
+    assert "error" not in outcome, outcome.get("error")
+    assert outcome["result"] == [3, 3]  # attempt 1 resumed from the checkpoint of step 3
+
+    (run_dir,) = settings().staging_root.glob("connect-restart-*")
+    state = json.loads((run_dir / "state.json").read_text())
+    assert [a["status"] for a in state["attempts"]] == ["failed", "succeeded"]
+    notes = json.loads((run_dir / "attempts" / "0" / "report.json").read_text())["notes"]
+    assert any("restarted or closed this session" in note and f"sparkgpu resume {run_dir.name}" in note
+               for note in notes), notes
+    assert_no_orphans(run_dir, within=15)
