@@ -10,6 +10,12 @@ reads the exit status without reaping the process, so torch's own bookkeeping is
 A rank that exits with code 0 without leaving a result, an error or a preemption marker is a
 failure: the watcher stops the node's other ranks (SIGTERM, as torch does after a failure)
 so that none waits in a collective for it.
+
+A rank that crashes (a non-zero exit or a signal other than SIGTERM, not the "resume me"
+status) leaves its peers blocked in their next collective. torch then stops them with SIGTERM
+and waits the shutdown grace; but a rank whose ``Checkpointer`` turned SIGTERM into a
+checkpoint request sits out the whole grace, and no checkpoint can be taken once a peer is
+gone. So the watcher kills the node's other ranks ``crash_kill_delay`` after a crash.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from collections.abc import Callable
 
 import psutil
 
+from sparkgpu.launch.entrypoint import EXIT_PREEMPTED
+
 __all__ = ["RankExitWatcher"]
 
 
@@ -33,16 +41,20 @@ class RankExitWatcher:
         reported: ``reported(rank)`` is True when the rank left a result, an error or a
             preemption marker, i.e. it did not exit quietly.
         poll_interval: Seconds between looks for newly started ranks.
+        crash_kill_delay: Seconds after a rank crashed before the node's other ranks, if still
+            running, are killed.
 
     Attributes:
         exits: Global rank -> ``{"exitcode", "signal", "time"}`` of every rank seen exiting.
         quiet: Ranks that exited with code 0 without reporting anything, in exit order.
     """
 
-    def __init__(self, run_id: str, reported: Callable[[int], bool], poll_interval: float = 0.05):
+    def __init__(self, run_id: str, reported: Callable[[int], bool], poll_interval: float = 0.05,
+                 crash_kill_delay: float = 2.0):
         self.run_id = run_id
         self.reported = reported
         self.poll_interval = poll_interval
+        self.crash_kill_delay = crash_kill_delay
         self.exits: dict[int, dict] = {}
         self.quiet: list[int] = []
         self._ranks: dict[int, psutil.Process] = {}  # pid -> its process, while it runs
@@ -99,6 +111,17 @@ class RankExitWatcher:
         if exited and info.si_status == 0 and not self.reported(rank):
             self.quiet.append(rank)
             self._stop_other_ranks()
+        elif record["exitcode"] not in (0, EXIT_PREEMPTED, -signal.SIGTERM):
+            threading.Timer(self.crash_kill_delay, self._kill_other_ranks).start()
+
+    def _kill_other_ranks(self) -> None:
+        with self._lock:
+            others = list(self._ranks.values())
+        for process in others:
+            try:
+                process.kill()  # psutil checks that the pid is still this process
+            except psutil.NoSuchProcess:
+                continue
 
     def _stop_other_ranks(self) -> None:
         with self._lock:

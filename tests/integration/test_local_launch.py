@@ -326,3 +326,27 @@ def test_resume_refuses_unknown_and_finished_jobs():
     all_reduce_step.distributed(1)
     with pytest.raises(ConfigurationError, match="already succeeded"):
         resume_job(all_reduce_step.last_job_id)
+
+
+def test_a_crashed_rank_does_not_leave_a_checkpointing_peer_to_sit_out_the_shutdown_grace(tmp_path):
+    """The peer's SIGTERM is a checkpoint request (as a Checkpointer sets it up), and it is stuck
+    waiting for the crashed rank: it is killed soon after the crash, not the grace (10 s) later."""
+    crashed_at = tmp_path / "crashed_at"
+
+    @distributed(gpus=2, gpu_type="cpu")
+    def crash_beside_a_checkpointer(path):
+        import time as _t
+
+        runtime.handle_sigterm_as_checkpoint_request()
+        if runtime.get_global_rank() == 0:
+            _t.sleep(1)
+            with open(path, "w") as f:
+                f.write(repr(_t.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        _t.sleep(120)  # as a rank blocked in a collective with the dead one
+
+    with pytest.raises(WorkerFailedError) as err:
+        crash_beside_a_checkpointer.distributed(str(crashed_at))
+    assert time.time() - float(crashed_at.read_text()) < 8
+    assert err.value.failures[0].rank == 0 and err.value.failures[0].exitcode == -signal.SIGKILL
+    assert_no_orphans(settings().staging_root / crash_beside_a_checkpointer.last_job_id)
