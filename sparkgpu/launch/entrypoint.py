@@ -22,7 +22,7 @@ import sys
 
 from sparkgpu import runtime
 from sparkgpu._modules import imported
-from sparkgpu.errors import EnvironmentMismatchError, SparkGPUError
+from sparkgpu.errors import HydrationError, SparkGPUError
 from sparkgpu.launch.callbacks import WorkerContext
 from sparkgpu.launch.payload import KEY_ENV, RunDir
 from sparkgpu.launch.process_group import RankProcessGroup
@@ -102,8 +102,9 @@ def _process_group(spec: dict) -> RankProcessGroup:
 
 
 def _environment_error(exc: BaseException) -> SparkGPUError:
-    # The hydration module runs before sparkgpu is importable, so its errors are its own classes.
-    cls = EnvironmentMismatchError if type(exc).__name__ == "EnvironmentMismatchError" else SparkGPUError
+    # Hydration raises sparkgpu.errors' own classes (EnvironmentMismatchError, HydrationError);
+    # anything else (an OSError while extracting) is a HydrationError here.
+    cls = type(exc) if isinstance(exc, SparkGPUError) else HydrationError
     return cls(f"the job's environment could not be rehydrated on this worker: {exc}")
 
 
