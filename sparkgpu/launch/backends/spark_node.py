@@ -27,10 +27,10 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from sparkgpu.errors import ConfigurationError, PayloadSignatureError
-from sparkgpu.launch.agent import build_command, refuse, strip_spark_secrets
+from sparkgpu.errors import ConfigurationError
+from sparkgpu.launch.agent import build_command, strip_spark_secrets, verify_or_refuse
 from sparkgpu.launch.entrypoint import NODE_DEVICES_ENV
-from sparkgpu.launch.payload import RunDir, atomic_write_bytes, key_from_environ
+from sparkgpu.launch.payload import RunDir, atomic_write_bytes
 from sparkgpu.launch.staging import (
     CANCEL_FILE,
     HEARTBEAT_FILE,
@@ -407,15 +407,8 @@ def _verify(rd: RunDir, launch: NodeLaunch, node: int) -> str:
     The agent checks again, but refusing here keeps every node of the barrier stage from
     starting an agent at all.
     """
-    try:
-        rd.key = key_from_environ(launch.env)
-        rd.verify()
-    except PayloadSignatureError as exc:
-        rd.prepare_attempt(launch.attempt)
-        with open(rd.agent_log(launch.attempt, node), "a") as log:
-            refuse(rd, launch.attempt, node, launch.nproc, exc, out=log)
-        return "bad-signature"
-    return "ready"
+    verified = verify_or_refuse(rd, launch.env, launch.attempt, node, launch.nproc, log=rd.agent_log(launch.attempt, node))
+    return "bad-signature" if verified is None else "ready"
 
 
 def _peer_failed(rd: RunDir, attempt: int, node: int) -> bool:
