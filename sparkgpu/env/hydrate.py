@@ -113,8 +113,9 @@ def _root_errors():
 
 
 # The root's classes (see _root_errors); importable from here as before.
-HydrationError = _root_errors().HydrationError
-EnvironmentMismatchError = _root_errors().EnvironmentMismatchError
+_errors = _root_errors()
+HydrationError = _errors.HydrationError
+EnvironmentMismatchError = _errors.EnvironmentMismatchError
 
 
 def normalize_name(name: str) -> str:

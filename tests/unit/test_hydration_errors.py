@@ -5,6 +5,7 @@ and reports the error, and the client decides from its class whether a restart c
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ REPO_ROOT = Path(sparkgpu.__file__).resolve().parent.parent
 # does on a worker: load the shipped _hydrate.py by path, fail to hydrate, then import sparkgpu.
 _WORKER = r"""
 import json, os, sys, types
-run_dir, repo_root = sys.argv[1], sys.argv[2]
+run_dir, paths = sys.argv[1], sys.argv[2].split(os.pathsep)
 try:
     import sparkgpu
 except ImportError:
@@ -37,10 +38,12 @@ try:
     h.hydrate({"format": 1, "client": client, "entries": [], "store": run_dir}, os.path.join(run_dir, "cache"))
 except Exception as exc:
     error = exc
-sys.path.insert(0, repo_root)  # sparkgpu arrives (with the overlay, in a real job)
+sys.path[:0] = paths  # sparkgpu and its dependencies arrive (with the overlay, in a real job)
 from sparkgpu.errors import EnvironmentMismatchError, SparkGPUError
 from sparkgpu.launch.entrypoint import _environment_error
+import sparkgpu.errors
 print(json.dumps({
+    "package_binds_it": sparkgpu.errors.EnvironmentMismatchError is type(error),
     "hydrate_class_is_root": type(error) is EnvironmentMismatchError,
     "under_root": isinstance(error, SparkGPUError),
     "reported_as": type(_environment_error(error)).__qualname__,
@@ -60,11 +63,12 @@ def test_hydration_errors_are_the_roots_classes():
 def test_a_bare_worker_raises_the_classes_sparkgpu_imports_later(tmp_path):
     for name, data in worker_bootstrap_files().items():
         (tmp_path / name).write_bytes(data)
-    done = subprocess.run([sys.executable, "-I", "-S", "-c", _WORKER, str(tmp_path), str(REPO_ROOT)],
+    paths = os.pathsep.join([str(REPO_ROOT), *filter(None, sys.path)])  # what the overlay would bring
+    done = subprocess.run([sys.executable, "-I", "-S", "-c", _WORKER, str(tmp_path), paths],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout)
-    assert seen == {"hydrate_class_is_root": True, "under_root": True,
+    assert seen == {"package_binds_it": True, "hydrate_class_is_root": True, "under_root": True,
                     "reported_as": "EnvironmentMismatchError", "module": "sparkgpu.errors"}
 
 
