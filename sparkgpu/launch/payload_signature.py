@@ -59,8 +59,8 @@ def verify_payload(run_dir, key):
                 files[name] = f.read()
         with open(os.path.join(run_dir, SIGNATURE_FILE), "rb") as f:
             signature = f.read().decode().strip()
-    except (FileNotFoundError, ValueError):  # a missing file, a spec or signature that does not parse
-        return None
+    except (FileNotFoundError, ValueError, AttributeError, TypeError):
+        return None  # a missing file; a spec, a list of names or a signature that does not parse
     expected = sign_payload(key, [files[name] for name in names])
     return files if signature and hmac.compare_digest(signature, expected) else None
 

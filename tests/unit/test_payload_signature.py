@@ -37,7 +37,7 @@ def test_any_changed_or_missing_file_fails_the_check(tmp_path, name):
     rd = stage(tmp_path)
     path = rd.path / name
     original = path.read_bytes()
-    path.write_bytes(original + b"\n ")
+    path.write_bytes(original + b"0")
     assert verify_payload(rd.path, KEY) is None
     path.unlink()
     assert verify_payload(rd.path, KEY) is None
