@@ -22,8 +22,8 @@ import sys
 
 from sparkgpu import runtime
 from sparkgpu._modules import imported
+from sparkgpu.callbacks import WorkerContext
 from sparkgpu.errors import HydrationError, SparkGPUError
-from sparkgpu.launch.callbacks import WorkerContext
 from sparkgpu.launch.payload import KEY_ENV, RunDir
 from sparkgpu.launch.process_group import RankProcessGroup
 
@@ -31,7 +31,7 @@ __all__ = ["main", "rank_device_env", "EXIT_FAILED", "EXIT_PREEMPTED", "NODE_DEV
 
 # Set by a node's launcher when the node's device addresses are known only at launch (a Spark
 # task's GPU addresses); takes precedence over the spec's devices.
-NODE_DEVICES_ENV = "SPARKGPU_NODE_DEVICES"
+NODE_DEVICES_ENV = runtime.ENV_NODE_DEVICES
 
 EXIT_FAILED = 1
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: checkpointed and stopped on request; resume in a new attempt

@@ -31,6 +31,7 @@ from typing import Any
 import psutil
 
 from sparkgpu import runtime
+from sparkgpu.callbacks import AttemptOutcome, JobCallback
 from sparkgpu.errors import (
     EnvironmentMismatchError,
     JobCancelledError,
@@ -43,7 +44,6 @@ from sparkgpu.errors import (
     worker_failed_error,
 )
 from sparkgpu.launch.attempt_report import AttemptReport
-from sparkgpu.launch.callbacks import AttemptOutcome, JobCallback
 from sparkgpu.launch.entrypoint import EXIT_PREEMPTED
 from sparkgpu.launch.logs import LogStreamer
 from sparkgpu.launch.payload import KEY_ENV, RunDir, atomic_write_bytes
