@@ -6,6 +6,9 @@ Public names only. Heavy modules (torch, pyspark, mlflow) are imported lazily so
 
 from __future__ import annotations
 
+# Bound explicitly: on a worker, sparkgpu.env.hydrate loads this submodule before the package
+# exists, and the import system binds a submodule to its package only when it loads it itself.
+from sparkgpu import errors  # noqa: F401
 from sparkgpu.errors import (
     CapacityError,
     ConfigurationError,

@@ -43,6 +43,7 @@ from sparkgpu.errors import (
     CallNotFinishedError,
     ConfigurationError,
     JobCancelledError,
+    JobStateError,
     JobTimeoutError,
     PolicyViolationError,
     SparkGPUError,
@@ -138,7 +139,7 @@ class Call:
     def _start(self, supervisor: Supervisor) -> None:
         global _exit_hook_registered
         if self._lock_fd is None and not self._lock_supervision():
-            raise ConfigurationError(f"job {self.job_id} is already supervised by another process; attach() to it")
+            raise JobStateError(f"job {self.job_id} is already supervised by another process; attach() to it")
         supervisor.out = _Discard()
         self._supervisor = supervisor
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"sparkgpu-call-{self.job_id}")

@@ -197,12 +197,12 @@ class DistributedFunction:
             spec, extra_files, sys_path = job.to_dict(), {}, client_sys_path()
             if self._ships_environment():
                 # Raises EnvironmentTooLargeError / EnvironmentMismatchError before anything starts.
-                from sparkgpu.env import hydrate_module_path, stage_environment
+                from sparkgpu.env import stage_environment, worker_bootstrap_files
 
                 staged_env = stage_environment(worker_has=backend.worker_image())
                 print(f"sparkgpu: environment staged: {staged_env.report}", file=sys.stderr)
                 spec["env"] = staged_env.manifest
-                extra_files["_hydrate.py"] = hydrate_module_path().read_bytes()
+                extra_files.update(worker_bootstrap_files())
                 sys_path = []  # the caller's code travels in the overlay, not as client paths
             run_dir.stage(spec, payload, key, sys_path, extra_files)
             save_key(job.job_id, key)

@@ -3,6 +3,10 @@
 Every error survives pickling (it crosses process boundaries between workers and the
 client), so subclasses keep all constructor state in ``self.args`` or override
 ``__reduce__``.
+
+This module imports the standard library only: a worker loads it by file path, before the
+environment that may bring sparkgpu is rehydrated (:mod:`sparkgpu.env.hydrate`), so that what
+it raises there are these very classes.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import importlib
 __all__ = [
     "SparkGPUError",
     "ConfigurationError",
+    "JobStateError",
     "CapacityError",
     "SerializationError",
     "MissingDependencyError",
@@ -32,6 +37,8 @@ __all__ = [
     "PermissionDeniedError",
     "EnvironmentTooLargeError",
     "EnvironmentMismatchError",
+    "HydrationError",
+    "RayClusterError",
 ]
 
 
@@ -41,6 +48,14 @@ class SparkGPUError(Exception):
 
 class ConfigurationError(SparkGPUError, ValueError):
     """An argument or setting is wrong; the message says which value to use instead."""
+
+
+class JobStateError(ConfigurationError):
+    """The job is in a state that does not allow the operation (already succeeded, not ended yet,
+    supervised by another live client); the message says what to do instead.
+
+    A :class:`ConfigurationError` as well, which it was before it had a class of its own.
+    """
 
 
 class CapacityError(SparkGPUError):
@@ -110,7 +125,19 @@ class EnvironmentTooLargeError(SparkGPUError):
 
 
 class EnvironmentMismatchError(SparkGPUError):
-    """The client's Python, torch or platform cannot run on the workers; names both versions."""
+    """The client's Python, torch or platform cannot run on the workers; names both versions.
+
+    Raised on the client when ``worker_has=`` describes the workers, and on a worker when it
+    rehydrates the job's environment.
+    """
+
+
+class HydrationError(SparkGPUError):
+    """A worker cannot rehydrate the job's environment (missing or corrupt blob, bad manifest)."""
+
+
+class RayClusterError(SparkGPUError):
+    """The Ray cluster of a ``@ray_launch`` job could not be started or was lost."""
 
 
 class RankFailure:

@@ -45,6 +45,8 @@ ENV_CHECKPOINT_DIR = "SPARKGPU_CHECKPOINT_DIR"
 ENV_DEADLINE = "SPARKGPU_CHECKPOINT_DEADLINE"  # unix time after which ranks should checkpoint
 ENV_SIMULATED = "SPARKGPU_SIMULATED_GPUS"  # "1" when GPU addresses are simulated on CPU
 ENV_GPU_ADDRESS = "SPARKGPU_GPU_ADDRESS"  # the device address assigned to this rank
+# The node's device addresses, when its launcher knows them only at launch (a Spark task's GPUs).
+ENV_NODE_DEVICES = "SPARKGPU_NODE_DEVICES"
 STOP_FILE = "STOP"  # written into attempts/<k>/ by the supervisor to ask ranks to checkpoint and stop
 
 

@@ -7,7 +7,7 @@ Client::
     staged.manifest                       # hand it to the workers (signed with the job)
     print(staged.report)                  # bytes and seconds per step
 
-Worker (standard library only, loadable by file path: see :func:`hydrate_module_path`)::
+Worker (standard library only, loadable by file path: see :func:`worker_bootstrap_files`)::
 
     overlay = hydrate_environment(manifest, cache_dir)
     activate(overlay)                     # overlay first on sys.path and PYTHONPATH
@@ -18,8 +18,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from sparkgpu.env.hydrate import (
-    EnvironmentMismatchError as WorkerEnvironmentMismatchError,
-    HydrationError,
     HydrationReport,
     Overlay,
     activate,
@@ -31,6 +29,11 @@ from sparkgpu.env.hydrate import hydrate as hydrate_environment  # the module ke
 from sparkgpu.env.snapshot import Component, Excluded, Snapshot, parse_worker_has, snapshot_environment
 from sparkgpu.env.stage import StagedEnvironment, StageReport, StepReport, check_size, stage_environment, stage_snapshot
 from sparkgpu.env.store import BlobStore
+from sparkgpu.errors import EnvironmentMismatchError, HydrationError
+
+# The name this package gave the workers' mismatch when it had a class of its own; it is the
+# one EnvironmentMismatchError now, raised on the client and on the workers alike.
+WorkerEnvironmentMismatchError = EnvironmentMismatchError
 
 __all__ = [
     "snapshot_environment",
@@ -55,9 +58,21 @@ __all__ = [
     "HydrationError",
     "WorkerEnvironmentMismatchError",
     "hydrate_module_path",
+    "worker_bootstrap_files",
 ]
 
 
 def hydrate_module_path() -> Path:
     """The file of :mod:`sparkgpu.env.hydrate`, to copy next to a worker's entrypoint."""
     return Path(__file__).with_name("hydrate.py")
+
+
+def worker_bootstrap_files() -> dict[str, bytes]:
+    """The files a run dir needs beside ``_air.py`` to rehydrate the environment on a worker.
+
+    ``_hydrate.py`` (:mod:`sparkgpu.env.hydrate`) and ``_errors.py`` (:mod:`sparkgpu.errors`,
+    whose classes hydration raises): both use the standard library only, as they run before
+    the overlay that may bring sparkgpu itself.
+    """
+    return {"_hydrate.py": hydrate_module_path().read_bytes(),
+            "_errors.py": Path(__file__).parent.parent.joinpath("errors.py").read_bytes()}

@@ -9,7 +9,12 @@ itself to a bare worker)::
     overlay = hydrate_module.hydrate(manifest, cache_dir)
     hydrate_module.activate(overlay)
 
-or from a shell: ``python hydrate.py MANIFEST.json --cache DIR`` (prints the paths as JSON) and
+What it raises are :mod:`sparkgpu.errors`' own classes (:class:`HydrationError`,
+:class:`EnvironmentMismatchError`), loaded from that module's file where sparkgpu is not
+importable yet: a copy of this file needs ``_errors.py`` beside it (see
+:func:`sparkgpu.env.worker_bootstrap_files`).
+
+From a shell: ``python hydrate.py MANIFEST.json --cache DIR`` (prints the paths as JSON) and
 ``python hydrate.py --probe`` (prints what this interpreter has, for ``worker_has=``).
 
 Cache layout under ``<cache_dir>/env/``::
@@ -32,6 +37,7 @@ import gzip
 import hashlib
 import importlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -73,15 +79,43 @@ _READ_CHUNK = 1 << 20
 _TAR_BUFSIZE = 64 * 1024  # tarfile slices its stream buffer on every read: keep it small
 
 
-class HydrationError(Exception):
-    """A staged environment cannot be rehydrated (missing or corrupt blob, bad manifest)."""
+def _root_errors():
+    """:mod:`sparkgpu.errors`, without importing the ``sparkgpu`` package when it is not imported yet.
 
-
-class EnvironmentMismatchError(HydrationError):
-    """The client's and the worker's Python, torch or platform are incompatible.
-
-    The message names both versions and what to change.
+    On a worker this module runs before the overlay it builds is on ``sys.path``, and that
+    overlay may bring sparkgpu (or another version of it than the worker image's): importing
+    the package here would pin the wrong one, or fail. The error module uses the standard
+    library only, so it is loaded from its file instead: ``_errors.py``, shipped beside this
+    module's copy in the run dir (:func:`sparkgpu.env.worker_bootstrap_files`), or
+    ``errors.py`` of the package this file belongs to. It is registered under its own name,
+    so the sparkgpu imported after hydration raises and catches these very classes.
     """
+    loaded = sys.modules.get("sparkgpu.errors")
+    if loaded is not None:
+        return loaded
+    here = os.path.dirname(os.path.abspath(__file__))
+    candidates = [os.path.join(here, "_errors.py")]
+    if os.path.basename(here) == "env":
+        candidates.append(os.path.join(os.path.dirname(here), "errors.py"))
+    for path in candidates:
+        if os.path.exists(path):
+            spec = importlib.util.spec_from_file_location("sparkgpu.errors", path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules["sparkgpu.errors"] = module
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules["sparkgpu.errors"]
+                raise
+            return module
+    raise ImportError(f"sparkgpu's error module is missing: none of {candidates} exists; ship "
+                      f"sparkgpu.env.worker_bootstrap_files() beside this file")
+
+
+# The root's classes (see _root_errors); importable from here as before.
+_errors = _root_errors()
+HydrationError = _errors.HydrationError
+EnvironmentMismatchError = _errors.EnvironmentMismatchError
 
 
 def normalize_name(name: str) -> str:
@@ -601,7 +635,7 @@ def _main(argv: list[str] | None = None) -> int:
     manifest = document["env"] if "entries" not in document and "env" in document else document
     try:
         overlay = hydrate(manifest, args.cache, store_url=args.store)
-    except HydrationError as exc:
+    except (HydrationError, EnvironmentMismatchError) as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     print(json.dumps({"paths": overlay.paths, "pythonpath": overlay.pythonpath, "report": overlay.report.to_dict()}))

@@ -1,0 +1,43 @@
+"""The launcher: from a decorated call on the client to ranks on the workers, and back.
+
+How one call runs, hop by hop (``spark.gpu.train(fn, data=df, ...)`` or ``fn.distributed(...)``
+of a ``@distributed`` function), with the module doing each::
+
+    client
+     1. spark.gpu.train: checks its arguments, takes this session's    sparkgpu.session
+        Spark backend; with data=, dry-runs hops 2-5 (nothing is
+        written), then turns the data into MDS shards on the            sparkgpu.data.convert
+        executors (or reads the table in place) and calls hop 2
+     2. .distributed(): the frozen JobSpec                             sparkgpu.decorator, .spec
+     3. backend.resolve: capacity and gpu_type, within seconds         launch.backends.local,
+        (Spark: a probe job on the executors)                          .spark, .spark_capacity,
+                                                                       .spark_probe; launch.pool
+     4. callbacks (tracking, metering) and the usage policy            sparkgpu.callbacks,
+                                                                       sparkgpu.tracking, .usage
+     5. the function, arguments and callbacks pickled                  launch.serialization
+     6. with shipping: environment snapshot, staged by content         sparkgpu.env
+     7. the run dir written and signed: _air.py, spec.json,            launch.payload,
+        payload.pkl (+ _hydrate.py, _errors.py), payload.sig;          launch.payload_signature,
+        the job key kept in this user's keyring                        launch.keys
+     8. the supervisor's attempt loop: submit, watch, stream the       launch.supervisor,
+        ranks' logs, restart or raise; state.json for `resume`         launch.logs, launch.resume
+     9. backend.submit: one node agent here, a warm-pool fork, or      launch.backends.local,
+        one Spark barrier task per node (the run dir mirrored to an    launch.pool, .pool_zygote,
+        object store when the staging root is one)                     launch.backends.spark,
+                                                                       launch.staging
+    worker, per node
+    10. Spark node task: verify the payload, start the agent, watch    launch.backends.spark_node
+        it, beat for the client and the peer nodes
+    11. node agent: verify, rendezvous, start the ranks with the       launch.agent,
+        verified _air.py text, record how each exits                   launch.rendezvous,
+                                                                       launch.rank_exits
+    worker, per rank
+    12. _air.py: with a shipped environment, verify with the           launch.payload (template),
+        standard library alone, then rehydrate it                      sparkgpu.env.hydrate
+    13. entrypoint: devices, process group, unpickle, run fn, write    launch.entrypoint,
+        the signed result or error                                     launch.process_group
+    client again
+    14. results and errors read back and checked; failures grouped     launch.supervisor,
+        per rank into one error; the outcome to the callbacks          launch.attempt_report,
+                                                                       sparkgpu.errors
+"""

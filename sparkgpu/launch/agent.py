@@ -24,7 +24,8 @@ import logging
 import math
 import os
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
+from pathlib import Path
 
 from sparkgpu._files import atomic_write_bytes
 from sparkgpu.errors import PayloadSignatureError
@@ -34,7 +35,7 @@ from sparkgpu.launch.payload import key_from_environ
 from sparkgpu.launch.rank_exits import RankExitWatcher
 from sparkgpu.launch.run_dir import RunDir
 
-__all__ = ["main", "build_command", "strip_spark_secrets", "refuse", "reported"]
+__all__ = ["main", "build_command", "strip_spark_secrets", "verify_or_refuse", "refuse", "reported"]
 
 # Credentials Spark hands its Python workers; the ranks run user code and need none of them.
 _SPARK_SECRETS = frozenset({"PYTHON_WORKER_FACTORY_SECRET", "PYSPARK_GATEWAY_SECRET"})
@@ -84,6 +85,35 @@ def refuse(rd: RunDir, attempt: int, node_rank: int, nproc: int, exc: PayloadSig
     atomic_write_bytes(rd.node_file(attempt, node_rank), json.dumps(node).encode())
 
 
+def verify_or_refuse(rd: RunDir, environ: Mapping[str, str], attempt: int, node_rank: int, nproc: int,
+                     log: Path | None = None) -> dict[str, bytes] | None:
+    """The node's check before it starts any rank: the payload's verified files, or a refusal.
+
+    Sets the job key from ``environ`` on ``rd`` and checks the signature
+    (:meth:`RunDir.verify`). When it does not hold, the refusal is reported as :func:`refuse`
+    does and ``None`` is returned: the node starts nothing.
+
+    Args:
+        rd: The run dir the node runs.
+        environ: The environment the node's ranks get (it holds the job key).
+        attempt: Attempt number.
+        node_rank: The node's index.
+        nproc: Ranks per node.
+        log: File to append the reason to (the node's agent log); ``sys.stderr`` by default.
+    """
+    try:
+        rd.key = key_from_environ(environ)
+        return rd.verify()
+    except PayloadSignatureError as exc:
+        if log is None:
+            refuse(rd, attempt, node_rank, nproc, exc)
+        else:
+            rd.prepare_attempt(attempt)
+            with open(log, "a") as out:
+                refuse(rd, attempt, node_rank, nproc, exc, out=out)
+        return None
+
+
 def _parse(argv):
     parser = argparse.ArgumentParser(prog="sparkgpu.launch.agent")
     parser.add_argument("run_dir")
@@ -104,11 +134,8 @@ def main(argv=None) -> int:
     strip_spark_secrets(os.environ)  # the ranks inherit this environment
     os.environ["SPARKGPU_ATTEMPT"] = str(args.attempt)
     rd = RunDir(args.run_dir)
-    try:
-        rd.key = key_from_environ(os.environ)
-        verified = rd.verify()
-    except PayloadSignatureError as exc:
-        refuse(rd, args.attempt, args.node_rank, args.nproc, exc)
+    verified = verify_or_refuse(rd, os.environ, args.attempt, args.node_rank, args.nproc)
+    if verified is None:
         return EXIT_FAILED
     init_timeout = json.loads(verified[rd.spec_file.name])["policy"]["init_timeout"]
 

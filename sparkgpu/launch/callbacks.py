@@ -1,86 +1,11 @@
-"""Cross-cutting concerns (tracking, registry, metering) hook into a job through callbacks.
+"""The callback interface, importable under the name it had before it left the launcher.
 
-The supervisor and the worker entrypoint call these methods; every method has a no-op
-default, so a callback overrides only what it needs. Callbacks must pickle: the worker-side
-ones travel to the workers inside the payload.
+It lives in :mod:`sparkgpu.callbacks`, below both the launcher that calls it and the
+integrations that implement it (tracking, metering), so neither imports the other.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
+from sparkgpu.callbacks import AttemptOutcome, JobCallback, WorkerContext
 
 __all__ = ["JobCallback", "WorkerContext", "AttemptOutcome"]
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkerContext:
-    """What a worker knows about itself when callbacks run on it."""
-
-    job_id: str
-    run_dir: str
-    attempt: int
-    rank: int
-    local_rank: int
-    world_size: int
-    node_rank: int
-    device: str
-
-
-@dataclasses.dataclass(frozen=True)
-class AttemptOutcome:
-    """How one attempt ended: ``status`` is ``"succeeded"``, ``"failed"``, ``"preempted"``
-    (stopped at the runtime cap or a budget after checkpointing), ``"stopped"`` (by a policy,
-    without a checkpoint) or ``"cancelled"``. ``started_at`` is when its ranks started;
-    ``cause`` says why a failed attempt failed when the backend knows more than the ranks (a
-    lost node: ``"executor 1 on host h was lost (...)"``)."""
-
-    attempt: int
-    status: str
-    started_at: float
-    ended_at: float
-    gpus: int
-    gpu_type: str
-    error: BaseException | None = None
-    cause: str = ""
-
-
-class JobCallback:
-    """Hooks around a job. Client-side hooks run in the caller; worker-side hooks on every rank."""
-
-    # -- client side ---------------------------------------------------------------
-    def before_job(self, job, run_dir: str) -> None:
-        """After the spec is validated and the payload staged, before the first attempt."""
-
-    def before_attempt(self, job, attempt: int) -> dict[str, str]:
-        """Before an attempt is submitted; returns extra environment variables for workers."""
-        return {}
-
-    def on_ranks_started(self, job, attempt: int, started_at: float) -> None:
-        """Once per attempt, when its ranks started (Unix time): at submit, or on Spark when
-        the GPUs they waited for were free. Not called for an attempt whose ranks never ran."""
-
-    def after_attempt(self, job, outcome: AttemptOutcome) -> None:
-        """After an attempt ended, whatever the outcome."""
-
-    def stop_reason(self, job, attempt: int, attempt_seconds: float) -> str | None:
-        """Polled about once a second while an attempt runs.
-
-        Returning a reason (e.g. "budget 'team=ml' is spent") asks every rank to checkpoint
-        and stop (``runtime.should_checkpoint()`` turns True); the job then ends with
-        :class:`~sparkgpu.errors.PolicyViolationError` carrying the reason, and is not
-        resumed automatically. Ranks still running ``checkpoint_grace`` after the request are
-        stopped: SIGTERM first (a ``Checkpointer`` saves on it), SIGKILL ``shutdown_grace``
-        later. ``attempt_seconds`` counts from when the attempt's ranks started.
-        """
-        return None
-
-    def after_job(self, job, results: list[Any] | None, error: BaseException | None) -> None:
-        """Once, when the job has completed or given up."""
-
-    # -- worker side -----------------------------------------------------------------
-    def on_worker_start(self, ctx: WorkerContext) -> None:
-        """On each rank after the process group is initialised, before the user function."""
-
-    def on_worker_end(self, ctx: WorkerContext, error: BaseException | None) -> None:
-        """On each rank after the user function returned or raised."""

@@ -22,8 +22,8 @@ import sys
 
 from sparkgpu import runtime
 from sparkgpu._modules import imported
-from sparkgpu.errors import EnvironmentMismatchError, SparkGPUError
-from sparkgpu.launch.callbacks import WorkerContext
+from sparkgpu.callbacks import WorkerContext
+from sparkgpu.errors import HydrationError, SparkGPUError
 from sparkgpu.launch.payload import KEY_ENV
 from sparkgpu.launch.process_group import RankProcessGroup
 from sparkgpu.launch.run_dir import RunDir
@@ -32,7 +32,7 @@ __all__ = ["main", "rank_device_env", "EXIT_FAILED", "EXIT_PREEMPTED", "NODE_DEV
 
 # Set by a node's launcher when the node's device addresses are known only at launch (a Spark
 # task's GPU addresses); takes precedence over the spec's devices.
-NODE_DEVICES_ENV = "SPARKGPU_NODE_DEVICES"
+NODE_DEVICES_ENV = runtime.ENV_NODE_DEVICES
 
 EXIT_FAILED = 1
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: checkpointed and stopped on request; resume in a new attempt
@@ -103,8 +103,9 @@ def _process_group(spec: dict) -> RankProcessGroup:
 
 
 def _environment_error(exc: BaseException) -> SparkGPUError:
-    # The hydration module runs before sparkgpu is importable, so its errors are its own classes.
-    cls = EnvironmentMismatchError if type(exc).__name__ == "EnvironmentMismatchError" else SparkGPUError
+    # Hydration raises sparkgpu.errors' own classes (EnvironmentMismatchError, HydrationError);
+    # anything else (an OSError while extracting) is a HydrationError here.
+    cls = type(exc) if isinstance(exc, SparkGPUError) else HydrationError
     return cls(f"the job's environment could not be rehydrated on this worker: {exc}")
 
 

@@ -28,12 +28,10 @@ import time
 from pathlib import Path
 
 from sparkgpu._files import atomic_write_bytes
-from sparkgpu.errors import PayloadSignatureError
-from sparkgpu.launch.agent import refuse, reported
+from sparkgpu.launch.agent import reported, verify_or_refuse
 from sparkgpu.launch.entrypoint import EXIT_PREEMPTED, _die_with_parent
 from sparkgpu.launch.rendezvous import collective_interface_env, listening_socket, serve_store
 from sparkgpu.launch.keys import rank_secrets
-from sparkgpu.launch.payload import key_from_environ
 from sparkgpu.launch.run_dir import RunDir
 
 _REQUEST_TIMEOUT = 10.0  # seconds a client has to send its whole request line
@@ -234,17 +232,15 @@ class _Zygote:
             attempt, nproc = request["attempt"], request["nproc"]
             run_dir.prepare_attempt(attempt)
             env = {**request["env"], "SPARKGPU_ATTEMPT": str(attempt)}
-            try:  # the node agent's check: nothing is forked for a payload that is not the job's
-                run_dir.key = key_from_environ(env)
-                air = run_dir.verify()[run_dir.air.name]
-                env.update(rank_secrets(run_dir.key, env))
-                env.update(collective_interface_env("127.0.0.1", env))  # once per job, not in every rank
-            except PayloadSignatureError as exc:
-                with open(run_dir.agent_log(attempt, 0), "a") as log:
-                    refuse(run_dir, attempt, 0, nproc, exc, out=log)
+            # The node agent's check: nothing is forked for a payload that is not the job's.
+            verified = verify_or_refuse(run_dir, env, attempt, 0, nproc, log=run_dir.agent_log(attempt, 0))
+            if verified is None:
                 conn.sendall(b'{"started": true}\n')
                 conn.close()  # the client reads the end of the connection as a failed attempt
                 return
+            air = verified[run_dir.air.name]
+            env.update(rank_secrets(run_dir.key, env))
+            env.update(collective_interface_env("127.0.0.1", env))  # once per job, not in every rank
             store_pid, port = _fork_store(nproc)
             pids: dict[int, int] = {}
             try:

@@ -15,7 +15,7 @@ import time
 
 from sparkgpu._files import atomic_write_bytes
 from sparkgpu.config import settings
-from sparkgpu.errors import ConfigurationError
+from sparkgpu.errors import ConfigurationError, JobStateError
 from sparkgpu.launch.backends.base import create_backend
 from sparkgpu.launch.keys import load_key
 from sparkgpu.launch.run_dir import RunDir
@@ -60,11 +60,11 @@ def _check_no_live_client(job_id: str, state: dict) -> None:
         return
     force = f"pass --force (resume_job({job_id!r}, force=True)) only if you are sure it no longer drives the job"
     if client.get("host") != socket.gethostname():
-        raise ConfigurationError(
+        raise JobStateError(
             f"job {job_id} is {state['status']}, driven by a client on {client.get('host')} (pid {client.get('pid')}), "
             f"which cannot be checked from here; resume it on that host, or {force}"
         )
-    raise ConfigurationError(
+    raise JobStateError(
         f"job {job_id} is still {state['status']}: its client (pid {client['pid']} on this host) is alive, and two "
         f"supervisors would run overlapping attempts in one run dir; stop that process first (Ctrl-C stops its "
         f"ranks), or {force}"
@@ -91,8 +91,9 @@ def resume_job(job_id: str, backend=None, out=None, force: bool = False) -> list
         force: Resume even if the client that drives the job still seems alive.
 
     Raises:
-        ConfigurationError: unknown job, a job that already succeeded, a job whose client
-            still runs (without ``force``), or no key here.
+        JobStateError: a job that already succeeded, or whose client still runs (without
+            ``force``).
+        ConfigurationError: unknown job, or no key here.
         WorkerFailedError, JobTimeoutError: as for ``.distributed()``.
     """
     return take_over(job_id, backend=backend, out=out, force=force).run()
@@ -112,7 +113,7 @@ def take_over(job_id: str, backend=None, out=None, force: bool = False) -> Super
     job = JobSpec.from_dict(json.loads(run_dir.spec_file.read_text()))
     state = json.loads(run_dir.state_file.read_text()) if run_dir.state_file.exists() else None
     if state and state["status"] == JobStatus.SUCCEEDED.value:
-        raise ConfigurationError(f"job {job_id} already succeeded; nothing to resume")
+        raise JobStateError(f"job {job_id} already succeeded; nothing to resume")
     if state and not force:
         _check_no_live_client(job_id, state)
     key = load_key(job_id)

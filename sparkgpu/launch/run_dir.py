@@ -31,6 +31,7 @@ import cloudpickle
 
 from sparkgpu._files import atomic_write_bytes, atomic_writer
 from sparkgpu.errors import PayloadSignatureError, RankFailure
+from sparkgpu.launch.payload_signature import sign_payload, verifier_source, verify_payload
 from sparkgpu.launch.payload import AIR_TEMPLATE, KEY_ENV
 from sparkgpu.launch.run_layout import RunLayout
 from sparkgpu.launch.serialization import deserialize_error, dump_result, serialize_error, unpack_payload
@@ -139,7 +140,7 @@ class RunDir:
             spec_dict = {**spec_dict, "signed_files": sorted(extra_files)}
         self.path.mkdir(parents=True, exist_ok=False)
         self.checkpoints.mkdir()
-        air = AIR_TEMPLATE.format(job_id=spec_dict["job_id"], sys_path=sys_path,
+        air = AIR_TEMPLATE.format(job_id=spec_dict["job_id"], sys_path=sys_path, verifier=verifier_source(),
                                   env_report=RunLayout.env_report("{attempt}", "{rank}"),
                                   rank_log=RunLayout.rank_log("{attempt}", "{rank}")).encode()
         spec = json.dumps(spec_dict, indent=2, sort_keys=True).encode()
@@ -149,23 +150,16 @@ class RunDir:
         for name, data in extra_files.items():
             atomic_write_bytes(self.path / name, data)
         extras = [extra_files[name] for name in sorted(extra_files)]
-        atomic_write_bytes(self.signature_file, self._sign(key, air, spec, payload, *extras).encode())
+        atomic_write_bytes(self.signature_file, sign_payload(key, [air, spec, payload, *extras]).encode())
         self.key = key
 
     def prepare_attempt(self, attempt: int) -> None:
         for folder in (RunLayout.logs(attempt), RunLayout.results(attempt)):
             (self.path / folder).mkdir(parents=True, exist_ok=True)
 
-    @staticmethod
-    def _sign(key: bytes, *parts: bytes) -> str:
-        mac = hmac.new(key, digestmod=hashlib.sha256)
-        for part in parts:
-            mac.update(hashlib.sha256(part).digest())
-        return mac.hexdigest()
-
     # -- reading (worker) --------------------------------------------------------------
     def verify(self, key: bytes | None = None) -> dict[str, bytes]:
-        """Checks the signature over every signed file, ``_air.py`` included.
+        """Checks the signature over every signed file, ``_air.py`` included (:func:`verify_payload`).
 
         Each file is read once: callers run and unpickle exactly the bytes returned, never a
         file that may have changed on the staging store since.
@@ -186,20 +180,8 @@ class RunDir:
                 f"refusing to run {self.path}: the worker got no job key ({KEY_ENV}); "
                 "only payloads launched by sparkgpu with their job's key run"
             )
-        core = [self.air.name, self.spec_file.name, self.payload_file.name]
-        files: dict[str, bytes] = {}
-        try:
-            for name in core:
-                files[name] = (self.path / name).read_bytes()
-            extras = sorted(json.loads(files[self.spec_file.name]).get("signed_files", []))
-            for name in extras:
-                files[name] = (self.path / name).read_bytes()
-            signature = self.signature_file.read_text().strip()
-        except (FileNotFoundError, ValueError):
-            signature, extras = "", []
-        parts = [files.get(name, b"") for name in core + extras]
-        # The generated _air.py repeats this check with the standard library alone; keep them alike.
-        if not signature or not hmac.compare_digest(signature, self._sign(key, *parts)):
+        files = verify_payload(self.path, key)
+        if files is None:
             raise PayloadSignatureError(
                 f"refusing to run {self.path}: the payload is unsigned or was modified after it was "
                 "staged (signature mismatch); launch the job again from the client, and check who "

@@ -32,17 +32,19 @@ import psutil
 
 from sparkgpu import runtime
 from sparkgpu._files import atomic_write_bytes
+from sparkgpu.callbacks import AttemptOutcome, JobCallback
 from sparkgpu.errors import (
+    EnvironmentMismatchError,
     JobCancelledError,
     JobTimeoutError,
     NodeLostError,
+    PayloadSignatureError,
     PolicyViolationError,
     RankFailure,
     first_failure,
     worker_failed_error,
 )
 from sparkgpu.launch.attempt_report import AttemptReport
-from sparkgpu.launch.callbacks import AttemptOutcome, JobCallback
 from sparkgpu.launch.entrypoint import EXIT_PREEMPTED
 from sparkgpu.launch.logs import LogStreamer
 from sparkgpu.launch.payload import KEY_ENV
@@ -86,15 +88,14 @@ class FailurePolicy:
     raised at once: restarting them only spends GPU time.
     """
 
-    # By class name: the worker's hydration module raises its own EnvironmentMismatchError,
-    # loaded under another module name before sparkgpu is importable there.
-    PERMANENT = frozenset({"PayloadSignatureError", "EnvironmentMismatchError"})
+    PERMANENT = (PayloadSignatureError, EnvironmentMismatchError)
 
     def __init__(self, max_restarts: int):
         self.max_restarts = max_restarts
 
-    def decide(self, restarts_used: int, failures: list[RankFailure]) -> Decision:
-        if any(f.exc_type and f.exc_type.rsplit(".", 1)[-1] in self.PERMANENT for f in failures):
+    def decide(self, restarts_used: int, exceptions: dict[int, BaseException]) -> Decision:
+        """Restart or raise, given the ranks' exceptions (those that unpickled here) by rank."""
+        if any(isinstance(exc, self.PERMANENT) for exc in exceptions.values()):
             return Decision.RAISE
         return Decision.RESTART if restarts_used < self.max_restarts else Decision.RAISE
 
@@ -209,7 +210,7 @@ class Supervisor:
                 if outcome.status == "preempted":
                     self.state["preemptions"] += 1
                     continue
-                decision = self.policy.decide(self.state["restarts"], outcome.failures)
+                decision = self.policy.decide(self.state["restarts"], outcome.exceptions)
                 if decision is Decision.RESTART:
                     self.state["restarts"] += 1
                     self._save()

@@ -13,7 +13,7 @@ import sys
 import tempfile
 
 from sparkgpu import runtime
-from sparkgpu.errors import ConfigurationError, SparkGPUError
+from sparkgpu.errors import ConfigurationError, RayClusterError  # RayClusterError: importable here as before
 from sparkgpu.launch.entrypoint import NODE_DEVICES_ENV
 
 RANK_LABEL = "sparkgpu-rank"  # Ray node label: the job rank that started the node
@@ -46,10 +46,6 @@ _OBJECT_STORE_FRACTION = 0.3
 # AF_UNIX socket paths hold at most 107 bytes; Ray puts them at
 # <temp dir>/session_<date>_<time>_<usec>_<pid>/sockets/plasma_store (about 63 bytes after the temp dir).
 _MAX_TEMP_ROOT = 29
-
-
-class RayClusterError(SparkGPUError):
-    """The Ray cluster of a ``@ray_launch`` job could not be started or was lost."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from sparkgpu.errors import ConfigurationError, SparkGPUError
+from sparkgpu.errors import ConfigurationError, JobStateError, SparkGPUError
 
 __all__ = ["flush_spool", "UNSENT_TAG"]
 
@@ -36,9 +36,9 @@ def flush_spool(run_dir: str | os.PathLike, *, tracking_uri: str | None = None) 
         How many records were forwarded.
 
     Raises:
-        ConfigurationError: ``run_dir`` holds no tracked job, or the job has not ended (its
-            client may still be forwarding; ``sparkgpu resume`` continues a job whose
-            client died).
+        ConfigurationError: ``run_dir`` holds no tracked job.
+        JobStateError: the job has not ended (its client may still be forwarding;
+            ``sparkgpu resume`` continues a job whose client died).
         SparkGPUError: the store still cannot be reached; the records stay in the spool.
     """
     from mlflow import MlflowClient
@@ -55,7 +55,7 @@ def flush_spool(run_dir: str | os.PathLike, *, tracking_uri: str | None = None) 
         )
     end = spool.read_job_end()
     if end is None:
-        raise ConfigurationError(
+        raise JobStateError(
             f"job {info.job_id} in {run_dir} has not ended, so its client may still be forwarding its tracking "
             f"records; wait for it to end, or if that client died, run `sparkgpu resume {info.job_id}`"
         )

@@ -1,6 +1,6 @@
 """One MLflow run per job: created on the client, shared by every rank and every attempt.
 
-:class:`MLflowCallback` hooks into the launcher (:mod:`sparkgpu.launch.callbacks`):
+:class:`MLflowCallback` hooks into the launcher (:mod:`sparkgpu.callbacks`):
 
 * ``before_job`` (client): creates the experiment if missing and the job's run (or finds it
   again when a job is resumed), logs the job spec as params, the environment lock, the
@@ -31,8 +31,8 @@ import threading
 import time
 from pathlib import Path
 
+from sparkgpu.callbacks import AttemptOutcome, JobCallback, WorkerContext
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.launch.callbacks import AttemptOutcome, JobCallback, WorkerContext
 from sparkgpu.tracking._permissions import translate_permission_errors
 from sparkgpu.tracking.store import REAL_TRACKING_URI_ENV, default_experiment_name, ensure_experiment, resolve_target
 

@@ -21,7 +21,7 @@ import time
 from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
 from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-from sparkgpu.launch.entrypoint import NODE_DEVICES_ENV
+from sparkgpu.runtime import ENV_NODE_DEVICES
 
 __all__ = ["NodeMetricsMonitor", "JobGPUMonitor", "job_gpu_devices", "DEVICES_ENV"]
 
@@ -43,7 +43,7 @@ def job_gpu_devices(env=None) -> list[str] | None:
             ``CUDA_VISIBLE_DEVICES``.
     """
     env = os.environ if env is None else env
-    for name in (NODE_DEVICES_ENV, DEVICES_ENV, "CUDA_VISIBLE_DEVICES"):
+    for name in (ENV_NODE_DEVICES, DEVICES_ENV, "CUDA_VISIBLE_DEVICES"):
         raw = env.get(name)
         if raw is not None:
             return [part.strip() for part in raw.split(",") if part.strip()]

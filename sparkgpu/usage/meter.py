@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from sparkgpu.callbacks import AttemptOutcome, JobCallback
 from sparkgpu.config import settings
-from sparkgpu.launch.callbacks import AttemptOutcome, JobCallback
 from sparkgpu.spec import JobSpec
 from sparkgpu.usage.journal import AttemptJournal
 from sparkgpu.usage.ledger import UsageLedger, UsageRecord

@@ -12,7 +12,6 @@ import functools
 import http.server
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkgpu.env import hydrate_module_path, stage_environment
+from sparkgpu.env import stage_environment, worker_bootstrap_files
 
 pytestmark = pytest.mark.integration
 
@@ -80,7 +79,8 @@ def world(tmp_path_factory):
     (notebook / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
     runner = root / "rundir"
     runner.mkdir()
-    shutil.copy(hydrate_module_path(), runner / "_hydrate.py")  # what the launcher copies next to _air.py
+    for name, data in worker_bootstrap_files().items():  # what the launcher copies next to _air.py
+        (runner / name).write_bytes(data)
     return {"root": root, "projects": projects, "client_python": client_python, "client_site": client_site,
             "worker_python": worker_python, "notebook": notebook, "hydrate": runner / "_hydrate.py"}
 

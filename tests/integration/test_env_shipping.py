@@ -24,7 +24,7 @@ def test_a_shipping_job_runs_on_its_rehydrated_environment(workers_share_this_im
     assert all(str(tmp_path / "node-cache") in r[1] for r in results)
     run_dir = settings().staging_root / where_is_sparkgpu.last_job_id
     spec = json.loads((run_dir / "spec.json").read_text())
-    assert spec["signed_files"] == ["_hydrate.py"] and spec["env"]
+    assert spec["signed_files"] == ["_errors.py", "_hydrate.py"] and spec["env"]
 
 
 def test_a_tampered_hydration_module_never_runs(workers_share_this_image, tmp_path):

@@ -366,17 +366,18 @@ def test_files_of_the_users_own_in_the_checkpoint_dir_do_not_fail_the_job(tmp_pa
 
 def test_a_failure_no_restart_can_fix_is_raised_at_once(tmp_path):
     # A tampered payload fails the same way on every attempt: restarting it only spends GPU time.
-    from sparkgpu.errors import PayloadSignatureError, RankFailure
+    from sparkgpu.env.hydrate import EnvironmentMismatchError as RaisedByHydration
+    from sparkgpu.errors import PayloadSignatureError
     from sparkgpu.launch.supervisor import Decision, FailurePolicy
 
     policy = FailurePolicy(max_restarts=3)
-    refused = [RankFailure(0, "sparkgpu.errors.PayloadSignatureError", "modified after it was staged")]
-    mismatch = [RankFailure(1, "_sparkgpu_hydrate.EnvironmentMismatchError", "Python 3.12 vs 3.11")]
-    flaky = [RankFailure(0, "ValueError", "bad batch")]
+    refused = {0: PayloadSignatureError("modified after it was staged")}
+    mismatch = {1: RaisedByHydration("Python 3.12 vs 3.11"), 0: ValueError("a peer left")}
+    flaky = {0: ValueError("bad batch")}
     assert policy.decide(0, refused) is Decision.RAISE
     assert policy.decide(0, mismatch) is Decision.RAISE
     assert policy.decide(0, flaky) is Decision.RESTART
-    assert PayloadSignatureError.__name__ in FailurePolicy.PERMANENT
+    assert policy.decide(3, flaky) is Decision.RAISE
 
 
 def test_callbacks_hear_when_ranks_start_only_once_they_run(tmp_path):

@@ -33,7 +33,7 @@ import uuid
 
 from sparkgpu.catalog import GPU_CATALOG, classify_device, lookup_gpu_type
 from sparkgpu.errors import CapacityError, ConfigurationError, SparkGPUError
-from sparkgpu.launch.backends.spark_node import IMAGE_DDL, PROBE_DDL, ProbeOptions, probe_executor, probe_image
+from sparkgpu.launch.backends.spark_probe import IMAGE_DDL, PROBE_DDL, ProbeOptions, probe_executor, probe_image
 
 __all__ = ["ExecutorInfo", "SparkCapacity", "NodeLayout", "discover_capacity", "plan_layout", "read_confs",
            "run_tagged", "GPU_TYPE_CONF", "SIMULATED_CONF", "clear_capacity_cache", "discover_worker_image",

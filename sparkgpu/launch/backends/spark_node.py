@@ -1,7 +1,8 @@
-"""What runs inside Spark tasks on the executors: the capacity probe and one node of a job.
+"""What runs inside Spark tasks on the executors: one node of a job.
 
-These functions are shipped to the executors by reference (``sparkgpu`` must be installed
-there) as ``mapInArrow`` functions. A node task starts its node's agent
+:func:`run_node` is shipped to the executors by reference (``sparkgpu`` must be installed
+there) as a ``mapInArrow`` function; the capacity probe's functions are in
+:mod:`sparkgpu.launch.backends.spark_probe`. A node task starts its node's agent
 (:mod:`sparkgpu.launch.agent`) and watches it; results, tracebacks and logs go to the run
 dir, and the task itself returns one tiny status row. It never raises for a failed rank:
 a failed task would make Spark retry the barrier stage and run the training again, and
@@ -28,10 +29,9 @@ from pathlib import Path
 import pyarrow as pa
 
 from sparkgpu._files import atomic_write_bytes
-from sparkgpu.errors import ConfigurationError, PayloadSignatureError
-from sparkgpu.launch.agent import build_command, refuse, strip_spark_secrets
+from sparkgpu.launch.agent import build_command, strip_spark_secrets, verify_or_refuse
+from sparkgpu.launch.backends.spark_probe import executor_identity
 from sparkgpu.launch.entrypoint import NODE_DEVICES_ENV
-from sparkgpu.launch.payload import key_from_environ
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.staging import (
     CANCEL_FILE,
@@ -43,22 +43,15 @@ from sparkgpu.launch.staging import (
     scratch_run_dir,
 )
 
-__all__ = ["NodeLaunch", "run_node", "ProbeOptions", "probe_executor", "probe_image", "NODE_SCHEMA", "PROBE_SCHEMA",
-           "NODE_DDL", "PROBE_DDL", "IMAGE_DDL",
-           "ExecutorIdentity", "executor_identity", "CANCEL_FILE", "HEARTBEAT_FILE", "spark_dir", "Heartbeat",
-           "node_beat_file"]
+__all__ = ["NodeLaunch", "run_node", "NODE_SCHEMA", "NODE_DDL", "CANCEL_FILE", "HEARTBEAT_FILE", "spark_dir",
+           "Heartbeat", "node_beat_file"]
 
 NODE_SCHEMA = pa.schema([
     ("node", pa.int32()), ("executor", pa.string()), ("host", pa.string()), ("devices", pa.string()),
     ("pid", pa.int64()), ("exit_code", pa.int32()), ("state", pa.string()),
 ])
-PROBE_SCHEMA = pa.schema([
-    ("executor", pa.string()), ("host", pa.string()), ("cores", pa.int32()), ("gpu_addresses", pa.string()),
-    ("gpu_names", pa.string()), ("python", pa.string()),
-])
-# mapInArrow takes the schema as DDL; the Arrow schemas above build the batches that match it.
+# mapInArrow takes the schema as DDL; the Arrow schema above builds the batches that match it.
 NODE_DDL = "node int, executor string, host string, devices string, pid bigint, exit_code int, state string"
-PROBE_DDL = "executor string, host string, cores int, gpu_addresses string, gpu_names string, python string"
 _POLL_SECONDS = 0.2
 _BEAT_SECONDS = 1.0
 
@@ -66,161 +59,6 @@ _BEAT_SECONDS = 1.0
 def spark_dir(run_dir: RunDir, attempt: int) -> Path:
     """Where an attempt's Spark-specific markers live (start markers, cancel, heartbeat)."""
     return run_dir.attempt_dir(attempt) / SPARK_DIR
-
-
-# -- who am I ------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class ExecutorIdentity:
-    """The executor a Python worker serves, read from the executor JVM's command line.
-
-    Attributes:
-        executor_id: Spark's executor id (``"driver"`` in local mode).
-        host: Host name Spark knows the executor by.
-        cores: Task slots of the executor (0 when unknown).
-        resources_file: JSON file with the resources the cluster manager assigned to the
-            executor (standalone mode), or ``None``.
-        jvm_pid: Process id of the executor JVM.
-    """
-
-    executor_id: str
-    host: str
-    cores: int
-    resources_file: str | None
-    jvm_pid: int
-
-
-def _arg(argv: list[str], name: str) -> str | None:
-    try:
-        return argv[argv.index(name) + 1]
-    except (ValueError, IndexError):
-        return None
-
-
-def executor_identity() -> ExecutorIdentity:
-    """Walks up from this Python worker to the JVM that started it (daemon -> JVM).
-
-    Every executor backend (standalone, Kubernetes, YARN) starts with ``--executor-id``,
-    ``--hostname`` and ``--cores``; a JVM without them is the driver of a local-mode session.
-    """
-    import psutil
-
-    process = psutil.Process()
-    for ancestor in process.parents()[:4]:
-        try:
-            argv = ancestor.cmdline()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        if not argv or "java" not in os.path.basename(argv[0]):
-            continue
-        executor_id = _arg(argv, "--executor-id")
-        if executor_id is None:
-            return ExecutorIdentity("driver", socket.gethostname(), 0, None, ancestor.pid)
-        cores = _arg(argv, "--cores")
-        return ExecutorIdentity(executor_id, _arg(argv, "--hostname") or socket.gethostname(),
-                                int(cores) if cores and cores.isdigit() else 0, _arg(argv, "--resourcesFile"),
-                                ancestor.pid)
-    return ExecutorIdentity("unknown", socket.gethostname(), 0, None, os.getppid())
-
-
-def _assigned_gpu_addresses(identity: ExecutorIdentity, discovery_script: str | None) -> list[str]:
-    """GPU addresses of this executor: the manager's assignment, else the discovery script's answer.
-
-    Raises:
-        ConfigurationError: the discovery script is missing, fails or prints something other
-            than Spark's resource JSON (a broken script must not read as "no GPUs").
-    """
-    unreadable = None
-    if identity.resources_file:
-        try:
-            for entry in json.loads(Path(identity.resources_file).read_text()):
-                if entry.get("id", {}).get("resourceName") == "gpu":
-                    return [str(a) for a in entry.get("addresses", [])]
-        except (OSError, ValueError, AttributeError) as exc:
-            unreadable = f"its resources file {identity.resources_file} is unreadable ({exc})"
-    if not discovery_script:
-        if unreadable:
-            raise ConfigurationError(f"cannot tell the GPUs of executor {identity.executor_id}: {unreadable}")
-        return []
-    return _discover_gpus(identity, discovery_script, unreadable)
-
-
-def _discover_gpus(identity: ExecutorIdentity, script: str, unreadable: str | None) -> list[str]:
-    where = f"executor {identity.executor_id} on {identity.host}"
-    if unreadable:
-        where += f" ({unreadable})"
-    fix = "fix the script, or spark.executor.resource.gpu.discoveryScript"
-    if not os.path.exists(script):
-        raise ConfigurationError(f"the GPU discovery script {script} does not exist on {where}; {fix}")
-    try:
-        done = subprocess.run([script], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise ConfigurationError(f"the GPU discovery script {script} could not run on {where}: {exc}; {fix}") from exc
-    output = f"stdout: {done.stdout.strip()[:500]!r}, stderr: {done.stderr.strip()[:500]!r}"
-    if done.returncode != 0:
-        raise ConfigurationError(
-            f"the GPU discovery script {script} failed on {where} with exit code {done.returncode} ({output}); {fix}"
-        )
-    try:
-        addresses = json.loads(done.stdout)["addresses"]
-        if not isinstance(addresses, list):
-            raise TypeError(f"addresses is a {type(addresses).__name__}")
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ConfigurationError(
-            f"the GPU discovery script {script} on {where} did not print Spark's resource JSON "
-            f"('{{\"name\": \"gpu\", \"addresses\": [\"0\", ...]}}'): {type(exc).__name__}: {exc} ({output}); {fix}"
-        ) from exc
-    return [str(a) for a in addresses]
-
-
-# -- the capacity probe ------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class ProbeOptions:
-    """What the probe needs to know from the client.
-
-    Attributes:
-        discovery_script: ``spark.executor.resource.gpu.discoveryScript``, run when the
-            cluster manager did not hand the executor a resources file.
-        detect_names: Ask NVML / ``nvidia-smi`` for device names (off for simulated GPUs).
-    """
-
-    discovery_script: str | None = None
-    detect_names: bool = True
-
-
-def probe_executor(options: ProbeOptions, batches):
-    """``mapInArrow`` function: one row describing the executor this task ran on."""
-    for _ in batches:
-        pass
-    identity = executor_identity()
-    addresses = _assigned_gpu_addresses(identity, options.discovery_script)
-    names: list[str] = []
-    if options.detect_names and addresses:
-        from sparkgpu.launch.hardware import detect_host_gpus
-
-        found = detect_host_gpus()
-        names = [n for a, n in zip(found.addresses, found.names) if a in addresses] or list(found.names)
-    row = {"executor": [identity.executor_id], "host": [identity.host], "cores": [identity.cores],
-           "gpu_addresses": [",".join(addresses)], "gpu_names": ["|".join(names)],
-           "python": [sys.executable]}
-    yield pa.RecordBatch.from_pydict(row, schema=PROBE_SCHEMA)
-
-
-IMAGE_SCHEMA = pa.schema([("executor", pa.string()), ("image", pa.string())])
-IMAGE_DDL = "executor string, image string"
-
-
-def probe_image(batches):
-    """``mapInArrow`` function: the executor's Python and its distributions, as JSON."""
-    from sparkgpu.env.hydrate import probe
-
-    for _ in batches:
-        pass
-    row = {"executor": [executor_identity().executor_id], "image": [json.dumps(probe())]}
-    yield pa.RecordBatch.from_pydict(row, schema=IMAGE_SCHEMA)
 
 
 # -- one node of a job ---------------------------------------------------------------------
@@ -409,15 +247,8 @@ def _verify(rd: RunDir, launch: NodeLaunch, node: int) -> str:
     The agent checks again, but refusing here keeps every node of the barrier stage from
     starting an agent at all.
     """
-    try:
-        rd.key = key_from_environ(launch.env)
-        rd.verify()
-    except PayloadSignatureError as exc:
-        rd.prepare_attempt(launch.attempt)
-        with open(rd.agent_log(launch.attempt, node), "a") as log:
-            refuse(rd, launch.attempt, node, launch.nproc, exc, out=log)
-        return "bad-signature"
-    return "ready"
+    verified = verify_or_refuse(rd, launch.env, launch.attempt, node, launch.nproc, log=rd.agent_log(launch.attempt, node))
+    return "bad-signature" if verified is None else "ready"
 
 
 def _peer_failed(rd: RunDir, attempt: int, node: int) -> bool:

@@ -1,0 +1,130 @@
+"""The package's import rules, checked on the source (every import, function-level ones included).
+
+- data, train, tracking, usage and env import nothing from the launcher (``sparkgpu.launch``);
+- the launcher reaches tracking and usage only through the callback interface
+  (``sparkgpu.callbacks``), which imports none of them;
+- what runs on a worker before sparkgpu may be importable (the error module, the hydration
+  module, the payload's signature check) imports the standard library only.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+import sparkgpu
+
+PACKAGE = Path(sparkgpu.__file__).resolve().parent
+
+# Lower layers that must not import the launcher.
+BELOW_LAUNCH = ("sparkgpu.data", "sparkgpu.train", "sparkgpu.tracking", "sparkgpu.usage", "sparkgpu.env")
+INTEGRATIONS = ("sparkgpu.tracking", "sparkgpu.usage")
+CALLBACK_INTERFACE = ("sparkgpu.callbacks", "sparkgpu.launch.callbacks")
+STDLIB_ONLY = ("sparkgpu.errors", "sparkgpu.env.hydrate", "sparkgpu.launch.payload_signature")
+# Guarded imports a stdlib-only module may make: hydration reads a store of another scheme
+# through fsspec, and names it in its error where fsspec is missing.
+OPTIONAL = {"sparkgpu.env.hydrate": {"fsspec"}}
+
+# Known violations, as (importing module, imported module). Each entry is removed when its
+# import goes; the test fails on a stale entry as on a new violation.
+KNOWN_VIOLATIONS = {
+    # The Spark backend checks a pool's usage policy itself; it belongs behind the callback
+    # interface (a policy callback, as enforce_policy is for the other backends).
+    ("sparkgpu.launch.backends.spark", "sparkgpu.usage.ledger"),
+    ("sparkgpu.launch.backends.spark", "sparkgpu.usage.policy"),
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module ``path`` imports, anywhere in it: ``from x import y`` counts as ``x`` and ``x.y``."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                module = f"{base}.{node.module}" if node.module else base
+            else:
+                module = node.module or ""
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names if alias.name != "*")
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and ((isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
+                   or (isinstance(node.func, ast.Name) and node.func.id in ("import_module", "__import__")))):
+            found.add(node.args[0].value)
+    return found
+
+
+def modules() -> dict[str, set[str]]:
+    return {module_name(path): imports_of(path) for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def within(name: str, packages) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def is_module(name: str, graph: dict[str, set[str]]) -> bool:
+    # "from sparkgpu.launch.payload import RunDir" adds "sparkgpu.launch.payload.RunDir": keep modules only.
+    return name in graph
+
+
+def violations(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    found = set()
+    for name, imported in graph.items():
+        for target in filter(lambda t: is_module(t, graph), imported):
+            if within(name, BELOW_LAUNCH) and within(target, ("sparkgpu.launch",)):
+                found.add((name, target))
+            if within(name, ("sparkgpu.launch",)) and within(target, INTEGRATIONS):
+                found.add((name, target))
+            if name in CALLBACK_INTERFACE and within(target, ("sparkgpu",)) and target not in CALLBACK_INTERFACE:
+                found.add((name, target))
+    return found
+
+
+def test_the_layers_import_only_downwards():
+    found = violations(modules())
+    new, stale = found - KNOWN_VIOLATIONS, KNOWN_VIOLATIONS - found
+    assert not new, "imports that break the layering (see this test's docstring):\n" + "\n".join(
+        f"  {a} imports {b}" for a, b in sorted(new))
+    assert not stale, "these known violations are gone: remove them from KNOWN_VIOLATIONS:\n" + "\n".join(
+        f"  {a} -> {b}" for a, b in sorted(stale))
+
+
+def test_the_implementations_of_callbacks_import_the_interface_not_the_launcher():
+    graph = modules()
+    assert "sparkgpu.callbacks" in graph["sparkgpu.tracking.mlflow_run"]
+    assert "sparkgpu.callbacks" in graph["sparkgpu.usage.meter"]
+    assert not any(within(m, ("sparkgpu",)) for m in graph["sparkgpu.callbacks"])
+
+
+@pytest.mark.parametrize("name", STDLIB_ONLY)
+def test_what_runs_before_sparkgpu_is_importable_uses_the_standard_library_only(name):
+    path = PACKAGE.parent.joinpath(*name.split(".")).with_suffix(".py")
+    outside = {m for m in imports_of(path) if m.split(".")[0] not in sys.stdlib_module_names | {"__future__"}}
+    assert not outside - OPTIONAL.get(name, set()), f"{name} imports {sorted(outside)}; it must load where only the standard library is"
+
+
+def test_the_rule_checker_sees_function_level_and_relative_imports(tmp_path, monkeypatch):
+    package = tmp_path / "sparkgpu" / "tracking"
+    package.mkdir(parents=True)
+    (tmp_path / "sparkgpu" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "late.py").write_text("def f():\n    from ..launch import payload\n    import sparkgpu.launch.agent\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path / "sparkgpu")
+    found = imports_of(package / "late.py")
+    assert {"sparkgpu.launch", "sparkgpu.launch.payload", "sparkgpu.launch.agent"} <= found
+    graph = {"sparkgpu.tracking.late": found, "sparkgpu.launch.payload": set(), "sparkgpu.launch.agent": set()}
+    assert violations(graph) == {("sparkgpu.tracking.late", "sparkgpu.launch.payload"),
+                                 ("sparkgpu.tracking.late", "sparkgpu.launch.agent")}
