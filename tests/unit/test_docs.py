@@ -76,7 +76,8 @@ def test_references_format_scale_and_divide(tmp_path):
 
 
 PUBLIC_MODULES = ["sparkgpu", "sparkgpu.runtime", "sparkgpu.data", "sparkgpu.train", "sparkgpu.tracking",
-                  "sparkgpu.registry", "sparkgpu.usage", "sparkgpu.env", "sparkgpu.ray", "sparkgpu.errors"]
+                  "sparkgpu.registry", "sparkgpu.usage", "sparkgpu.env", "sparkgpu.ray", "sparkgpu.errors",
+                  "sparkgpu.units", "sparkgpu.catalog", "sparkgpu.launch.attempt_report"]
 
 
 def _documented_names() -> set[str]:
