@@ -31,7 +31,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-__all__ = ["LocalSparkCluster", "java_available", "spark_home", "is_loopback"]
+__all__ = ["LocalSparkCluster", "java_available", "spark_home", "is_loopback", "disposable_cluster", "cluster_session"]
 
 _CONNECT_SERVER = "org.apache.spark.sql.connect.service.SparkConnectServer"
 
@@ -469,3 +469,37 @@ def _main() -> None:
 
 if __name__ == "__main__":
     _main()
+
+
+@contextlib.contextmanager
+def disposable_cluster(folder: Path, name: str):
+    """Two workers (GPUs 0,1 and 2,3) of one test module's own, for tests that kill or restart
+    its processes (never those of the session's shared cluster); fails if any outlives it."""
+    import pytest
+
+    if not java_available():
+        pytest.skip("the Spark cluster tests need Java (a JRE 17): install openjdk-17-jre-headless or set JAVA_HOME")
+    cluster = LocalSparkCluster(folder, workers=2, gpus_per_worker=2, cores_per_worker=2, gpu_type="A10",
+                                simulated=True, name=name)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+    left = cluster.leftover_processes()
+    assert not left, f"processes of {name} survived its shutdown:\n" + "\n".join(left)
+
+
+@contextlib.contextmanager
+def cluster_session(cluster: LocalSparkCluster):
+    """A Spark Connect session on ``cluster`` with ``spark.gpu`` attached and its capacity probed."""
+    from sparkgpu.session import attach
+
+    attach()
+    session = cluster.session()
+    session.gpu.capacity()
+    try:
+        yield session
+    finally:
+        if not session.is_stopped:  # a test that restarts the Connect server closes it
+            session.stop()

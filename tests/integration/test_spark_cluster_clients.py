@@ -25,7 +25,7 @@ import pytest
 
 from sparkgpu.config import settings
 from tests.integration.processes import assert_no_orphans
-from tests.integration.spark_cluster import LocalSparkCluster, java_available
+from tests.integration.spark_cluster import cluster_session, disposable_cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.usefixtures("workers_share_this_image")]
 
@@ -87,27 +87,14 @@ CLIENT = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def clients_cluster(tmp_path_factory):
     """Two workers (GPUs 0,1 and 2,3) of its own: these tests kill clients and fill every GPU."""
-    if not java_available():
-        pytest.skip("the Spark cluster tests need Java (a JRE 17): install openjdk-17-jre-headless or set JAVA_HOME")
-    cluster = LocalSparkCluster(tmp_path_factory.mktemp("clients-cluster"), workers=2, gpus_per_worker=2,
-                                cores_per_worker=2, gpu_type="A10", simulated=True, name="sparkgpu-clients-cluster")
-    cluster.start()
-    yield cluster
-    cluster.stop()
-    left = cluster.leftover_processes()
-    assert not left, "processes of the clients cluster survived its shutdown:\n" + "\n".join(left)
+    with disposable_cluster(tmp_path_factory.mktemp("clients-cluster"), "sparkgpu-clients-cluster") as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module")
 def clients_spark(clients_cluster):
-    from sparkgpu.session import attach
-
-    attach()
-    session = clients_cluster.session()
-    session.gpu.capacity()
-    yield session
-    if not session.is_stopped:  # the Connect server's restart, the last test, closes it
-        session.stop()
+    with cluster_session(clients_cluster) as session:
+        yield session
 
 
 def wait_for(check, timeout: float, what: str, process: subprocess.Popen | None = None, output: Path | None = None):

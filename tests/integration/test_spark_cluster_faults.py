@@ -24,7 +24,7 @@ from sparkgpu.config import reset_settings, settings
 from sparkgpu.errors import NodeLostError
 from sparkgpu.usage import UsageLedger
 from sparkgpu.usage.rates import billed_seconds
-from tests.integration.spark_cluster import LocalSparkCluster, java_available
+from tests.integration.spark_cluster import cluster_session, disposable_cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.usefixtures("workers_share_this_image")]
 
@@ -35,26 +35,14 @@ STOP_BOUND = 15.0
 @pytest.fixture(scope="module")
 def fault_cluster(tmp_path_factory):
     """Two workers (GPUs 0,1 and 2,3) of its own: these tests kill their processes."""
-    if not java_available():
-        pytest.skip("the Spark cluster tests need Java (a JRE 17): install openjdk-17-jre-headless or set JAVA_HOME")
-    cluster = LocalSparkCluster(tmp_path_factory.mktemp("fault-cluster"), workers=2, gpus_per_worker=2,
-                                cores_per_worker=2, gpu_type="A10", simulated=True, name="sparkgpu-fault-cluster")
-    cluster.start()
-    yield cluster
-    cluster.stop()
-    left = cluster.leftover_processes()
-    assert not left, "processes of the fault cluster survived its shutdown:\n" + "\n".join(left)
+    with disposable_cluster(tmp_path_factory.mktemp("fault-cluster"), "sparkgpu-fault-cluster") as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module")
 def fault_spark(fault_cluster):
-    from sparkgpu.session import attach
-
-    attach()
-    session = fault_cluster.session()
-    session.gpu.capacity()
-    yield session
-    session.stop()
+    with cluster_session(fault_cluster) as session:
+        yield session
 
 
 @pytest.fixture
