@@ -150,33 +150,20 @@ def _callbacks():
     return callbacks
 
 
-def _resolved_job(fn):
-    """The JobSpec the call will launch, resolved by its backend; nothing is written."""
-    from sparkgpu.launch.backends.base import Backend, create_backend
-    from sparkgpu.spec import JobSpec, new_job_id
-
-    backend = fn.backend if isinstance(fn.backend, Backend) else create_backend(
-        fn.backend or ("spark" if fn.resources.remote else "local"))
-    job = JobSpec(job_id=new_job_id(fn.name), name=fn.name, resources=fn.resources, policy=fn.policy,
-                  backend=backend.name, log_ranks=fn.log_ranks, tags=fn.tags)
-    return backend.resolve(job)
-
-
 def cmd_run(args) -> int:
-    from sparkgpu.usage.meter import UsageMeter, enforce_policy
+    from sparkgpu.usage.meter import UsageMeter
 
     job_file = _load_job(args)
     callbacks = _callbacks()
     fn = job_file.build(callbacks=callbacks)
     with console(stderr=True).status(f"validating {fn.name} ({fn.resources.gpus} x {fn.resources.gpu_type or 'auto'})"):
-        enforce_policy(_resolved_job(fn), callbacks)  # refuse before anything is written
-        plan = fn.dryrun() if args.dry_run else None
-    if plan is not None:
-        print(plan)
+        prepared = fn._prepare((), {})  # capacity, usage policy, picklability: refused before anything is written
+    if args.dry_run:
+        print(prepared.plan())
         return EXIT_OK
     started = time.time()
     try:
-        fn.distributed()
+        fn._launch(prepared)
         status, code = "succeeded", EXIT_OK
     except PolicyViolationError:
         raise

@@ -19,7 +19,6 @@ successor ``databricks.air`` (``@distributed(8, "GPU_8xH100")``, ``num_accelerat
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import inspect
 import sys
@@ -29,13 +28,8 @@ from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.launch.backends.base import Backend, LaunchPlan, create_backend
 from sparkgpu.launch.callbacks import JobCallback
-from sparkgpu.launch.keys import new_key, save_key
-from sparkgpu.launch.payload import client_sys_path, serialize_payload
-from sparkgpu.launch.run_dir import RunDir
-from sparkgpu.launch.retention import prune_runs
-from sparkgpu.launch.supervisor import Supervisor
+from sparkgpu.prepare import PreparedJob, prepare
 from sparkgpu.spec import JobSpec, Resources, RunPolicy, new_job_id, requested_resources
-from sparkgpu.usage.meter import enforce_policy
 
 __all__ = ["distributed", "DistributedFunction", "default_callbacks", "REMOTE_MAX_RUNTIME"]
 
@@ -56,15 +50,6 @@ def default_callbacks(fn: Callable | None = None, experiment: str | None = None)
 
         callbacks.append(MLflowCallback(experiment, fn=fn, system_metrics_interval=settings().system_metrics_interval))
     return callbacks
-
-
-@dataclasses.dataclass
-class _Staged:
-    job: JobSpec
-    run_dir: RunDir
-    key: bytes
-    backend: Backend
-    callbacks: list[JobCallback]
 
 
 class DistributedFunction:
@@ -180,34 +165,16 @@ class DistributedFunction:
         # Local ranks run in this very environment; remote ones get it shipped.
         return self.ship_environment if self.ship_environment is not None else self.resources.remote
 
-    def _stage(self, args: tuple, kwargs: dict, write: bool = True) -> _Staged:
-        """Validates everything and (unless ``write`` is False) writes the run dir; starts no process."""
+    def _prepare(self, args: tuple, kwargs: dict) -> PreparedJob:
+        """Resolves, checks and pickles one call of the function once; writes and starts nothing."""
         backend = self._backend()
-        job = JobSpec(
+        spec = JobSpec(
             job_id=new_job_id(self.name), name=self.name, resources=self.resources, policy=self.policy,
             backend=backend.name, log_ranks=self.log_ranks, tags=self.tags,
         )
-        job = backend.resolve(job)  # capacity and gpu_type checks, within seconds
         callbacks = default_callbacks(self.fn, self.experiment) if self.callbacks is None else list(self.callbacks)
-        enforce_policy(job, callbacks)  # usage policy, before anything is written
-        payload = serialize_payload(self.fn, args, kwargs, callbacks)  # picklability, naming the culprit
-        run_dir = RunDir(settings().staging_root / job.job_id)
-        key = new_key()
-        if write:
-            spec, extra_files, sys_path = job.to_dict(), {}, client_sys_path()
-            if self._ships_environment():
-                # Raises EnvironmentTooLargeError / EnvironmentMismatchError before anything starts.
-                from sparkgpu.env import stage_environment, worker_bootstrap_files
-
-                staged_env = stage_environment(worker_has=backend.worker_image())
-                print(f"sparkgpu: environment staged: {staged_env.report}", file=sys.stderr)
-                spec["env"] = staged_env.manifest
-                extra_files.update(worker_bootstrap_files())
-                sys_path = []  # the caller's code travels in the overlay, not as client paths
-            run_dir.stage(spec, payload, key, sys_path, extra_files)
-            save_key(job.job_id, key)
-            prune_runs(keep=job.job_id)  # SPARKGPU_KEEP_RUNS: old finished jobs' run dirs go
-        return _Staged(job, run_dir, key, backend, callbacks)
+        return prepare(spec, self.fn, args, kwargs, backend=backend, callbacks=callbacks,
+                       ship_environment=self._ships_environment())
 
     def distributed(self, *args, **kwargs) -> list[Any]:
         """Runs the function on every rank with these arguments.
@@ -229,20 +196,22 @@ class DistributedFunction:
                 ``torch.nn.Module`` (the job itself succeeded; see above).
         """
         self.last_results = self.last_model_version = None
-        staged = self._stage(args, kwargs)
-        supervisor = Supervisor(staged.job, staged.run_dir, staged.backend, staged.key, staged.callbacks)
-        self.last_job_id = staged.job.job_id
-        self.last_run_dir = str(staged.run_dir.path)
-        results = supervisor.run()
+        return self._launch(self._prepare(args, kwargs))
+
+    def _launch(self, prepared: PreparedJob) -> list[Any]:
+        """Writes a prepared call of this function, runs it to the end and registers its model."""
+        prepared = prepared.write()
+        self.last_job_id, self.last_run_dir = prepared.job.job_id, str(prepared.run_dir.path)
+        results = prepared.supervisor().run()
         # Set before registering: a registry that fails must not cost the results of a job
         # that may have trained for days.
         self.last_results = results
         if self.register_as is not None:
             try:
-                self.last_model_version = _register_result(results[0], self.register_as, staged)
+                self.last_model_version = _register_result(results[0], self.register_as, prepared)
             except Exception as exc:
                 exc.results = results
-                note = (f"sparkgpu: job {staged.job.job_id} succeeded, only registering its model as "
+                note = (f"sparkgpu: job {prepared.job.job_id} succeeded, only registering its model as "
                         f"{self.register_as!r} failed; its per-rank results are on this error's `.results` "
                         "and on the decorated function's `.last_results`: register them with "
                         f"sparkgpu.registry.register(results[0], {self.register_as!r})")
@@ -271,17 +240,20 @@ class DistributedFunction:
                 f"submit() does not register models; drop register_as={self.register_as!r} and call "
                 f"sparkgpu.registry.register(call.result()[0], {self.register_as!r}), or use .distributed()"
             )
-        staged = self._stage(args, kwargs)
-        self.last_job_id, self.last_run_dir = staged.job.job_id, str(staged.run_dir.path)
-        return Call._supervise(Supervisor(staged.job, staged.run_dir, staged.backend, staged.key, staged.callbacks))
+        prepared = self._prepare(args, kwargs).write()
+        self.last_job_id, self.last_run_dir = prepared.job.job_id, str(prepared.run_dir.path)
+        return Call._supervise(prepared.supervisor())
 
     def dryrun(self, *args, **kwargs) -> LaunchPlan:
-        """What ``.distributed(*args, **kwargs)`` would launch, validated but not started."""
-        staged = self._stage(args, kwargs, write=False)
-        return staged.backend.plan(staged.job, staged.run_dir, 0, {"SPARKGPU_JOB_ID": staged.job.job_id})
+        """What ``.distributed(*args, **kwargs)`` would launch, validated but not started.
+
+        The same checks as ``.distributed()`` (capacity, usage policy, arguments that pickle),
+        made once; nothing is written (no run dir, no key, no shipped environment).
+        """
+        return self._prepare(args, kwargs).plan()
 
 
-def _register_result(model, name: str, staged: _Staged):
+def _register_result(model, name: str, prepared: PreparedJob):
     """Registers rank 0's return value (a ``torch.nn.Module``) under ``name``, with lineage."""
     import torch
 
@@ -293,8 +265,8 @@ def _register_result(model, name: str, staged: _Staged):
             f"it returned {type(model).__name__}. Return the model from rank 0, or call "
             "sparkgpu.registry.register(...) yourself"
         )
-    run_id = next((getattr(c, "run_id", None) for c in staged.callbacks if getattr(c, "run_id", None)), None)
-    return registry.register(model, name, run_id=run_id, tags={"sparkgpu.job_id": staged.job.job_id})
+    run_id = next((getattr(c, "run_id", None) for c in prepared.callbacks if getattr(c, "run_id", None)), None)
+    return registry.register(model, name, run_id=run_id, tags={"sparkgpu.job_id": prepared.job.job_id})
 
 
 @contextlib.contextmanager

@@ -158,14 +158,16 @@ class GPUNamespace:
             _check_accepts_data_url(fn, kwargs)
         backend = self.backend(wait_timeout=wait_timeout, gpus_per_node=gpus_per_node)
         job = distributed(fn, gpus=gpus, gpu_type=gpu_type, remote=True, backend=backend, **distributed_options)
-        if data is not None:
-            # The checks .distributed() makes (capacity and gpu_type, usage policy, picklability),
-            # through the same code and before the possibly long conversion; nothing is written.
-            job.dryrun(*args, **kwargs)
-            reference = self._table_ref(data) if data_format == "table" else None
-            kwargs["data_url"] = reference or self._convert(data, data_volume, data_options or {})
         try:
-            return job.distributed(*args, **kwargs)
+            if data is None:
+                return job.distributed(*args, **kwargs)
+            # Prepared once: capacity and gpu_type, usage policy and picklability are checked
+            # before the possibly long conversion, and the job launched after it is this one,
+            # with data_url added to its already pickled arguments.
+            prepared = job._prepare(args, kwargs)
+            reference = self._table_ref(data) if data_format == "table" else None
+            data_url = reference or self._convert(data, data_volume, data_options or {})
+            return job._launch(prepared.with_kwargs(data_url=data_url))
         finally:
             self.last_job_id = getattr(job, "last_job_id", None)
             self.last_run_dir = getattr(job, "last_run_dir", None)

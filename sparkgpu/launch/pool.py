@@ -217,7 +217,7 @@ class PoolBackend(LocalBackend):
         super().__init__(**options)
         self.idle_timeout = idle_timeout or settings().pool_idle_timeout
 
-    def submit(self, job, run_dir, attempt, env) -> PoolAttempt:
+    def submit(self, job, run_dir, attempt, env, layout=None) -> PoolAttempt:
         directory = ensure_pool(self.python, self.idle_timeout)
         conn = _connect(directory)
         if conn is None:

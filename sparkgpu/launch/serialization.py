@@ -25,8 +25,8 @@ import cloudpickle
 
 from sparkgpu.errors import RankFailure, SerializationError
 
-__all__ = ["serialize_payload", "unpack_payload", "dump_result", "serialize_error", "deserialize_error",
-           "client_sys_path"]
+__all__ = ["serialize_payload", "add_keyword_arguments", "unpack_payload", "dump_result", "serialize_error",
+           "deserialize_error", "client_sys_path"]
 
 
 def _describe(obj: Any) -> str:
@@ -84,6 +84,17 @@ def serialize_payload(fn, args: tuple, kwargs: dict, callbacks: list) -> bytes:
         "kwargs": {k: _dumps(v, f"keyword argument {k!r}") for k, v in kwargs.items()},
         "callbacks": _dumps(list(callbacks), "job callbacks"),
     }
+    return pickle.dumps(parts, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def add_keyword_arguments(payload: bytes, extra: dict[str, Any]) -> bytes:
+    """``payload`` with keyword arguments added (or replaced): only the new values are pickled.
+
+    Raises:
+        SerializationError: a new value does not pickle.
+    """
+    parts = pickle.loads(payload)  # the outer dict of already pickled parts: no user code runs
+    parts["kwargs"] = {**parts["kwargs"], **{k: _dumps(v, f"keyword argument {k!r}") for k, v in extra.items()}}
     return pickle.dumps(parts, protocol=pickle.HIGHEST_PROTOCOL)
 
 

@@ -139,15 +139,18 @@ class Supervisor:
         key: The job's signing key; travels to the workers in their environment only.
         callbacks: Tracking, metering, ... hooks.
         out: Where the ranks' live output goes (``sys.stdout`` by default).
+        layout: The backend's placement of the ranks from ``resolve``, passed to every
+            ``submit``; ``None`` for a job continued from its run dir (placed anew).
     """
 
     failure_policy_cls = FailurePolicy
 
     def __init__(self, job: JobSpec, run_dir: RunDir, backend, key: bytes,
-                 callbacks: list[JobCallback] = (), out=None):
+                 callbacks: list[JobCallback] = (), out=None, layout=None):
         self.job = job
         self.run_dir = run_dir
         self.backend = backend
+        self.layout = layout
         self.key = key
         self.callbacks = list(callbacks)
         self.out = out if out is not None else sys.stdout
@@ -270,7 +273,8 @@ class Supervisor:
         handle = streamer = None
         try:
             checkpoint_before = self._latest_checkpoint()
-            handle = self.backend.submit(self.job, self.run_dir, attempt, self._attempt_env(attempt, submitted))
+            handle = self.backend.submit(self.job, self.run_dir, attempt, self._attempt_env(attempt, submitted),
+                                         layout=self.layout)
             streamer = LogStreamer(self.run_dir, attempt, self.job.world_size, self.job.log_ranks, self.out)
             code, stopped_by = self._watch(attempt, handle, streamer, record, job_started)
             streamer.finish()

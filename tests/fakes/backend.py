@@ -10,7 +10,7 @@ import dataclasses
 import json
 
 from sparkgpu._files import atomic_write_bytes
-from sparkgpu.launch.backends.base import AttemptHandle, Backend, LaunchPlan
+from sparkgpu.launch.backends.base import AttemptHandle, Backend, LaunchPlan, ResolvedJob
 from sparkgpu.launch.run_dir import RunDir
 
 
@@ -32,12 +32,12 @@ class ScriptedBackend(Backend):
         self.cancelled: list[int] = []
 
     def resolve(self, job):
-        return job
+        return ResolvedJob(job)
 
-    def plan(self, job, run_dir, attempt, env):
+    def plan(self, job, run_dir, attempt, env, layout=None):
         return LaunchPlan(self.name, attempt, 1, job.world_size, (), (("fake",),), env)
 
-    def submit(self, job, run_dir: RunDir, attempt, env):
+    def submit(self, job, run_dir: RunDir, attempt, env, layout=None):
         self.submitted_env.append(dict(env))
         run_dir.prepare_attempt(attempt)
         action = self.script[attempt]

@@ -30,10 +30,10 @@ def test_a_shipping_job_runs_on_its_rehydrated_environment(workers_share_this_im
 def test_a_tampered_hydration_module_never_runs(workers_share_this_image, tmp_path):
     from sparkgpu.launch.supervisor import Supervisor
 
-    staged = where_is_sparkgpu._stage((), {})
+    prepared = where_is_sparkgpu._prepare((), {}).write()
     marker = tmp_path / "pwned"
-    hydrate = staged.run_dir.path / "_hydrate.py"
+    hydrate = prepared.run_dir.path / "_hydrate.py"
     hydrate.write_text(f"open({str(marker)!r}, 'w').write('x')\n" + hydrate.read_text())
     with pytest.raises(WorkerFailedError, match=r"PayloadSignatureError: refusing to run .*modified"):
-        Supervisor(staged.job, staged.run_dir, staged.backend, staged.key, []).run()
+        Supervisor(prepared.job, prepared.run_dir, prepared.backend, prepared.key, []).run()
     assert not marker.exists()

@@ -213,12 +213,12 @@ def test_large_results_come_back_whole():
 def test_tampered_payload_is_refused_by_the_workers():
     from sparkgpu.launch.supervisor import Supervisor
 
-    staged = all_reduce_step._stage((10,), {})
-    parts = pickle.loads(staged.run_dir.payload_file.read_bytes())
+    prepared = all_reduce_step._prepare((10,), {}).write()
+    parts = pickle.loads(prepared.run_dir.payload_file.read_bytes())
     parts["args"] = [pickle.dumps(99)]
-    staged.run_dir.payload_file.write_bytes(pickle.dumps(parts))
+    prepared.run_dir.payload_file.write_bytes(pickle.dumps(parts))
     with pytest.raises(WorkerFailedError, match="PayloadSignatureError.*modified"):
-        Supervisor(staged.job, staged.run_dir, staged.backend, staged.key, []).run()
+        Supervisor(prepared.job, prepared.run_dir, prepared.backend, prepared.key, []).run()
 
 
 def test_job_key_never_reaches_the_run_dir_or_user_code():

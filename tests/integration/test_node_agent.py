@@ -28,8 +28,8 @@ def one():
 
 
 def test_a_missing_node_fails_the_rendezvous_after_the_jobs_init_timeout():
-    staged = one._stage((), {}, write=False)
-    job = dataclasses.replace(staged.job, policy=dataclasses.replace(staged.job.policy, init_timeout=3))
+    prepared = one._prepare((), {})
+    job = dataclasses.replace(prepared.job, policy=dataclasses.replace(prepared.job.policy, init_timeout=3))
     rd = RunDir(settings().staging_root / job.job_id)
     key = new_key()
     rd.stage(job.to_dict(), serialize_payload(one.fn, (), {}, []), key, client_sys_path())

@@ -70,14 +70,14 @@ def assert_never_written(run_dir, secrets: list[bytes]) -> None:
 
 
 def test_a_tampered_entrypoint_starts_no_rank(tmp_path):
-    staged = add_rank._stage((1,), {})
+    prepared = add_rank._prepare((1,), {}).write()
     marker = tmp_path / "pwned"
-    tamper_entrypoint(staged.run_dir, marker)
+    tamper_entrypoint(prepared.run_dir, marker)
     with pytest.raises(WorkerFailedError, match=r"ranks 0, 1: sparkgpu.errors.PayloadSignatureError: refusing to "
                                                 r"run .*modified after it was staged") as err:
-        Supervisor(staged.job, staged.run_dir, staged.backend, staged.key, []).run()
+        Supervisor(prepared.job, prepared.run_dir, prepared.backend, prepared.key, []).run()
     assert isinstance(err.value.__cause__, PayloadSignatureError)
-    assert_nothing_started(staged.run_dir, marker)
+    assert_nothing_started(prepared.run_dir, marker)
 
 
 def test_a_pickle_planted_as_a_rank_result_never_runs_on_the_client(tmp_path):
@@ -137,28 +137,28 @@ class OneNodeBarrier:
         return [types.SimpleNamespace(address="127.0.0.1:7077")]
 
 
-def run_spark_node(monkeypatch, staged) -> dict:
+def run_spark_node(monkeypatch, prepared) -> dict:
     """Runs the job's only node as a Spark barrier task would; returns the task's status row."""
     monkeypatch.setattr(pyspark.BarrierTaskContext, "get", classmethod(lambda cls: OneNodeBarrier()))
-    rd = staged.run_dir
+    rd = prepared.run_dir
     rd.prepare_attempt(0)
     spark_dir(rd, 0).mkdir(parents=True)
-    env = {KEY_ENV: staged.key.hex(), runtime.ENV_JOB_ID: staged.job.job_id, runtime.ENV_ATTEMPT: "0",
+    env = {KEY_ENV: prepared.key.hex(), runtime.ENV_JOB_ID: prepared.job.job_id, runtime.ENV_ATTEMPT: "0",
            runtime.ENV_RUN_DIR: str(rd.path), runtime.ENV_CHECKPOINT_DIR: str(rd.checkpoints)}
-    launch = NodeLaunch(run_dir=str(rd.path), attempt=0, nnodes=1, nproc=staged.job.world_size, env=env,
+    launch = NodeLaunch(run_dir=str(rd.path), attempt=0, nnodes=1, nproc=prepared.job.world_size, env=env,
                         shutdown_grace=2, client_timeout=None, threads_per_rank=1)
     (batch,) = run_node(launch, iter(()))
     return batch.to_pylist()[0]
 
 
 def test_a_spark_node_refuses_a_tampered_entrypoint_before_starting_an_agent(monkeypatch, tmp_path):
-    staged = add_rank._stage((1,), {})
+    prepared = add_rank._prepare((1,), {}).write()
     marker = tmp_path / "pwned"
-    tamper_entrypoint(staged.run_dir, marker)
-    row = run_spark_node(monkeypatch, staged)
+    tamper_entrypoint(prepared.run_dir, marker)
+    row = run_spark_node(monkeypatch, prepared)
     assert (row["state"], row["exit_code"], row["pid"]) == ("bad-signature", 1, 0)
-    assert_nothing_started(staged.run_dir, marker)
-    client = RunDir(staged.run_dir.path, key=staged.key)
+    assert_nothing_started(prepared.run_dir, marker)
+    client = RunDir(prepared.run_dir.path, key=prepared.key)
     for rank in (0, 1):
         failure, exc = client.read_error(0, rank)
         assert isinstance(exc, PayloadSignatureError) and "modified after it was staged" in failure.message
@@ -174,11 +174,11 @@ def test_a_spark_node_strips_spark_secrets_from_the_ranks(monkeypatch):
         print(f"environment: {dict(os.environ)}", flush=True)
         return dict(os.environ)
 
-    staged = leaky._stage((), {})
-    row = run_spark_node(monkeypatch, staged)
-    assert row["state"] == "succeeded", staged.run_dir.agent_log(0, 0).read_text()
-    client = RunDir(staged.run_dir.path, key=staged.key)
+    prepared = leaky._prepare((), {}).write()
+    row = run_spark_node(monkeypatch, prepared)
+    assert row["state"] == "succeeded", prepared.run_dir.agent_log(0, 0).read_text()
+    client = RunDir(prepared.run_dir.path, key=prepared.key)
     envs = [client.read_result(0, rank) for rank in (0, 1)]
     assert all(set(SPARK_SECRETS).isdisjoint(env) and KEY_ENV not in env for env in envs)
-    secrets = [v.encode() for v in SPARK_SECRETS.values()] + [staged.key, staged.key.hex().encode()]
-    assert_never_written(staged.run_dir.path, secrets)
+    secrets = [v.encode() for v in SPARK_SECRETS.values()] + [prepared.key, prepared.key.hex().encode()]
+    assert_never_written(prepared.run_dir.path, secrets)

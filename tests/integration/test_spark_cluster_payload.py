@@ -23,18 +23,18 @@ def rank_and_node():
 
 def test_a_tampered_entrypoint_runs_on_no_executor(cluster_spark, tmp_path):
     job = distributed(rank_and_node, gpus=4, gpu_type="A10", remote=True, backend=cluster_spark.gpu.backend())
-    staged = job._stage((), {})
+    prepared = job._prepare((), {}).write()
     marker = tmp_path / "pwned"  # the executors run on this host: the tampered code would create it
-    air = staged.run_dir.air
+    air = prepared.run_dir.air
     air.write_text(f"open({str(marker)!r}, 'w').write('ran')\n" + air.read_text())
 
     with pytest.raises(WorkerFailedError, match=r"ranks 0, 1, 2, 3: sparkgpu.errors.PayloadSignatureError: refusing "
                                                 r"to run .*modified after it was staged") as err:
-        Supervisor(staged.job, staged.run_dir, staged.backend, staged.key, []).run()
+        Supervisor(prepared.job, prepared.run_dir, prepared.backend, prepared.key, []).run()
     assert isinstance(err.value.__cause__, PayloadSignatureError)
     assert not marker.exists()
-    assert not list(staged.run_dir.attempt_dir(0).glob("logs/rank-*.log"))  # no rank started on any node
-    assert staged.backend.last_attempt.nodes and {n["state"] for n in staged.backend.last_attempt.nodes} == {
+    assert not list(prepared.run_dir.attempt_dir(0).glob("logs/rank-*.log"))  # no rank started on any node
+    assert prepared.backend.last_attempt.nodes and {n["state"] for n in prepared.backend.last_attempt.nodes} == {
         "bad-signature"}
 
 

@@ -76,3 +76,42 @@ def test_data_for_a_function_without_data_url_fails_before_anything_runs(local_s
         local_spark.gpu.train(no_data_parameter, gpus=1, gpu_type="cpu", data=frame, data_volume=str(tmp_path / "v"))
     assert not (tmp_path / "v").exists()
     assert not settings().staging_root.exists() or not any(settings().staging_root.iterdir())
+
+
+class CountsItsPickling:
+    """An argument that counts how often this client pickles it."""
+
+    pickled = 0
+
+    def __reduce__(self):
+        type(self).pickled += 1
+        return CountsItsPickling, ()
+
+
+def samples_seen(counter, data_url):
+    from streaming import StreamingDataset
+
+    return sum(1 for _ in StreamingDataset(local=data_url, shuffle=False, batch_size=1))
+
+
+def test_train_with_data_probes_and_pickles_once_under_one_job_id(local_spark, tmp_path, monkeypatch):
+    from sparkgpu.launch.backends.spark import SparkBackend
+
+    resolved = []
+    real_resolve = SparkBackend.resolve
+
+    def counting_resolve(self, job):
+        resolved.append(job.job_id)
+        return real_resolve(self, job)
+
+    monkeypatch.setattr(SparkBackend, "resolve", counting_resolve)
+    monkeypatch.setattr(CountsItsPickling, "pickled", 0)
+    frame = local_spark.range(0, 40, numPartitions=2).selectExpr("id", "cast(id as double) as y")
+
+    results = local_spark.gpu.train(samples_seen, gpus=1, gpu_type="cpu", args=(CountsItsPickling(),), data=frame,
+                                    data_volume=str(tmp_path / "volume"))
+
+    assert results == [40]
+    assert resolved == [local_spark.gpu.last_job_id]  # one capacity check, for the job that ran
+    assert CountsItsPickling.pickled == 1
+    assert [p.name for p in settings().staging_root.iterdir()] == [local_spark.gpu.last_job_id]

@@ -216,15 +216,15 @@ def test_a_tampered_entrypoint_starts_no_rank_in_the_pool(pool, tmp_path):
     def add_rank(x):
         return x + runtime.get_global_rank()
 
-    staged = add_rank._stage((1,), {})
+    prepared = add_rank._prepare((1,), {}).write()
     marker = tmp_path / "pwned"
-    staged.run_dir.air.write_text(f"open({str(marker)!r}, 'w').write('ran')\n" + staged.run_dir.air.read_text())
+    prepared.run_dir.air.write_text(f"open({str(marker)!r}, 'w').write('ran')\n" + prepared.run_dir.air.read_text())
     with pytest.raises(WorkerFailedError, match=r"ranks 0, 1: sparkgpu.errors.PayloadSignatureError: refusing to "
                                                 r"run .*modified after it was staged") as err:
-        Supervisor(staged.job, staged.run_dir, staged.backend, staged.key, []).run()
+        Supervisor(prepared.job, prepared.run_dir, prepared.backend, prepared.key, []).run()
     assert isinstance(err.value.__cause__, PayloadSignatureError)
     assert not marker.exists()
-    assert not list(staged.run_dir.attempt_dir(0).glob("logs/rank-*.log"))
+    assert not list(prepared.run_dir.attempt_dir(0).glob("logs/rank-*.log"))
     assert add_rank.distributed(1) == [1, 2]  # the pool serves the next, untouched job
 
 

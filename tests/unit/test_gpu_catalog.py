@@ -93,7 +93,7 @@ def test_a_gpu_type_the_host_does_not_have_is_refused_naming_the_host(device, as
 def test_an_unknown_host_gpu_warns_once_that_its_usage_is_priced_at_the_default_rate():
     host = HostGPUs(names=("NVIDIA L40S",), addresses=("0",))
     with pytest.warns(UnknownGPUWarning, match=r"'NVIDIA L40S' is not in sparkgpu's GPU catalog.*SPARKGPU_USAGE_RATES"):
-        resolved = LocalBackend(host_gpus=host).resolve(job(1, None))
+        resolved = LocalBackend(host_gpus=host).resolve(job(1, None)).job
     assert resolved.resources.gpu_type is None and resolved.devices == ("0",)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UnknownGPUWarning)  # a second job on the same host says nothing

@@ -36,13 +36,13 @@ def test_asking_for_gpus_on_a_host_without_any_points_to_cpu_and_remote():
 
 
 def test_matching_gpus_get_one_address_per_rank():
-    resolved = LocalBackend(host_gpus=H100_X2).resolve(job(2, "H100"))
+    resolved = LocalBackend(host_gpus=H100_X2).resolve(job(2, "H100")).job
     assert resolved.devices == ("0", "1") and resolved.uses_cuda
 
 
 def test_no_gpu_type_means_the_host_gpus_or_cpu():
-    assert LocalBackend(host_gpus=H100_X2).resolve(job(1, None)).resources.gpu_type == "H100"
-    cpu = LocalBackend(host_gpus=NO_GPUS).resolve(job(2, None))
+    assert LocalBackend(host_gpus=H100_X2).resolve(job(1, None)).job.resources.gpu_type == "H100"
+    cpu = LocalBackend(host_gpus=NO_GPUS).resolve(job(2, None)).job
     assert cpu.resources.gpu_type == "cpu" and not cpu.uses_cuda and cpu.devices == ()
 
 
@@ -52,7 +52,7 @@ def test_cpu_ranks_are_capped():
 
 
 def test_simulated_gpus_run_on_cpu_with_real_addresses():
-    resolved = LocalBackend(host_gpus=parse_simulated("A10:4")).resolve(job(3, "A10"))
+    resolved = LocalBackend(host_gpus=parse_simulated("A10:4")).resolve(job(3, "A10")).job
     assert resolved.devices == ("0", "1", "2") and resolved.simulated and not resolved.uses_cuda
 
 

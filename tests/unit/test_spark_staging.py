@@ -92,9 +92,8 @@ def test_ranks_that_outlive_a_broken_stream_are_stopped_through_the_store(job, t
 def test_checkpoints_live_on_the_store_and_the_dry_run_names_no_client_path(job):
     job, rd, url = job
     backend = SparkBackend(spark=TaggedSession(), client_timeout=None, staging_url=url)
-    backend._layouts[job.job_id] = NodeLayout(2, 1, 0)
 
     assert backend.checkpoint_dir(rd) == f"{url}/job-1/checkpoints"
-    plan = backend.plan(job, rd, 0, {})
+    plan = backend.plan(job, rd, 0, {}, layout=NodeLayout(2, 1, 0))
     assert str(rd.path) not in str(plan) and f"{url}/job-1" in str(plan)
     assert SparkBackend(spark=TaggedSession(), staging_url="").checkpoint_dir(rd) == str(rd.checkpoints)

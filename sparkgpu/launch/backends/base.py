@@ -1,9 +1,11 @@
 """The interface every backend implements: where a job runs, apart from what it runs.
 
 A backend turns a validated :class:`~sparkgpu.spec.JobSpec` plus a staged run directory
-into running ranks. The supervisor drives it through ``plan`` (a printable dry run),
-``submit``, ``poll`` and ``cancel``; results, tracebacks and logs come back through the
-run directory, never through the backend's own channels.
+into running ranks. ``resolve`` checks capacity once per job and returns a
+:class:`ResolvedJob`, whose ``layout`` the caller hands back to every ``plan`` and ``submit``
+of that job: a backend keeps no per-job state between them. The supervisor drives it through
+``plan`` (a printable dry run), ``submit``, ``poll`` and ``cancel``; results, tracebacks and
+logs come back through the run directory, never through the backend's own channels.
 """
 
 from __future__ import annotations
@@ -11,12 +13,28 @@ from __future__ import annotations
 import abc
 import dataclasses
 import importlib
+from typing import Any
 
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.spec import JobSpec, Resources
 
-__all__ = ["Backend", "LaunchPlan", "AttemptHandle", "create_backend", "BACKENDS"]
+__all__ = ["Backend", "LaunchPlan", "ResolvedJob", "AttemptHandle", "create_backend", "BACKENDS"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedJob:
+    """A job as its backend will run it.
+
+    Attributes:
+        job: The spec with what the backend decided filled in (GPU type, devices, simulated).
+        layout: How the backend places the ranks (the Spark backend's
+            :class:`~sparkgpu.launch.backends.spark_capacity.NodeLayout`); ``None`` when ``job``
+            says it all. Pass it back to ``plan`` and ``submit``.
+    """
+
+    job: JobSpec
+    layout: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,20 +85,30 @@ class Backend(abc.ABC):
     waits_for_resources: bool = False
 
     @abc.abstractmethod
-    def resolve(self, job: JobSpec) -> JobSpec:
-        """Checks capacity and returns the job with devices assigned.
+    def resolve(self, job: JobSpec) -> ResolvedJob:
+        """Checks capacity and returns the job with devices assigned, and where its ranks go.
 
         Must finish within seconds and raise :class:`~sparkgpu.errors.CapacityError` when the
         request can never be satisfied, naming what exists.
         """
 
     @abc.abstractmethod
-    def plan(self, job: JobSpec, run_dir: RunDir, attempt: int, env: dict[str, str]) -> LaunchPlan:
-        """The dry run of one attempt."""
+    def plan(self, job: JobSpec, run_dir: RunDir, attempt: int, env: dict[str, str], layout: Any = None) -> LaunchPlan:
+        """The dry run of one attempt.
+
+        Args:
+            layout: The :attr:`ResolvedJob.layout` of ``job``; ``None`` (a job continued from
+                its run dir) places the ranks anew.
+        """
 
     @abc.abstractmethod
-    def submit(self, job: JobSpec, run_dir: RunDir, attempt: int, env: dict[str, str]) -> AttemptHandle:
-        """Starts one attempt and returns at once."""
+    def submit(self, job: JobSpec, run_dir: RunDir, attempt: int, env: dict[str, str],
+               layout: Any = None) -> AttemptHandle:
+        """Starts one attempt and returns at once.
+
+        Args:
+            layout: As for :meth:`plan`.
+        """
 
     @abc.abstractmethod
     def poll(self, handle: AttemptHandle) -> int | None:

@@ -19,7 +19,7 @@ from sparkgpu.catalog import lookup_gpu_type
 from sparkgpu.config import settings
 from sparkgpu.errors import CapacityError
 from sparkgpu.launch.agent import build_command
-from sparkgpu.launch.backends.base import AttemptHandle, Backend, LaunchPlan
+from sparkgpu.launch.backends.base import AttemptHandle, Backend, LaunchPlan, ResolvedJob
 from sparkgpu.launch.hardware import HostGPUs, detect_host_gpus
 from sparkgpu.launch.payload import KEY_ENV
 from sparkgpu.launch.run_dir import RunDir
@@ -61,7 +61,8 @@ class LocalBackend(Backend):
         self.max_cpu_ranks = max_cpu_ranks or s.max_cpu_ranks
 
     # -- capacity ---------------------------------------------------------------------
-    def resolve(self, job: JobSpec) -> JobSpec:
+    def resolve(self, job: JobSpec) -> ResolvedJob:
+        # One node: the resolved spec says where every rank goes, so there is no layout.
         wanted = job.resources
         host = self.host_gpus
         gpu_type = wanted.gpu_type
@@ -73,7 +74,7 @@ class LocalBackend(Backend):
                     f"asked for {wanted.gpus} CPU ranks but this host runs at most {self.max_cpu_ranks} "
                     f"(it has {os.cpu_count()} cores); ask for fewer, or raise SPARKGPU_MAX_CPU_RANKS"
                 )
-            return dataclasses.replace(job, resources=dataclasses.replace(wanted, gpu_type="cpu"))
+            return ResolvedJob(dataclasses.replace(job, resources=dataclasses.replace(wanted, gpu_type="cpu")))
 
         if host.count == 0:
             raise CapacityError(
@@ -95,12 +96,12 @@ class LocalBackend(Backend):
                 f"asked for {wanted.gpus} x {gpu_type} but this host has {host.describe()}; "
                 f"ask for gpus<={host.count}, or remote=True to run on a GPU pool"
             )
-        return dataclasses.replace(
+        return ResolvedJob(dataclasses.replace(
             job,
             resources=dataclasses.replace(wanted, gpu_type=gpu_type if gpu_type != "gpu" else wanted.gpu_type),
             devices=host.addresses[: wanted.gpus],
             simulated=host.simulated,
-        )
+        ))
 
     # -- attempts ---------------------------------------------------------------------
     def _command(self, job: JobSpec, run_dir: RunDir, attempt: int, port: int) -> list[str]:
@@ -109,14 +110,14 @@ class LocalBackend(Backend):
             master_addr="127.0.0.1", master_port=port, shutdown_grace=job.policy.shutdown_grace,
         )
 
-    def plan(self, job, run_dir, attempt, env) -> LaunchPlan:
+    def plan(self, job, run_dir, attempt, env, layout=None) -> LaunchPlan:
         masked = {k: ("***" if k == KEY_ENV else v) for k, v in env.items()}
         return LaunchPlan(
             backend=self.name, attempt=attempt, nodes=1, ranks_per_node=job.world_size,
             devices=job.devices, commands=(tuple(self._command(job, run_dir, attempt, 0)),), env=masked,
         )
 
-    def submit(self, job, run_dir, attempt, env) -> LocalAttempt:
+    def submit(self, job, run_dir, attempt, env, layout=None) -> LocalAttempt:
         run_dir.prepare_attempt(attempt)
         log = open(run_dir.agent_log(attempt, 0), "ab")
         full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}

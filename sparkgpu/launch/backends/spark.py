@@ -39,7 +39,7 @@ from sparkgpu.config import settings
 from sparkgpu.errors import CapacityError, ConfigurationError
 from sparkgpu.launch.agent import build_command
 from sparkgpu.launch.attempt_report import AttemptReport, NodeReport
-from sparkgpu.launch.backends.base import AttemptHandle, Backend, LaunchPlan
+from sparkgpu.launch.backends.base import AttemptHandle, Backend, LaunchPlan, ResolvedJob
 from sparkgpu.launch.backends.spark_capacity import (
     NodeLayout,
     SparkCapacity,
@@ -181,7 +181,6 @@ class SparkBackend(Backend):
         self.out = out
         self.staging_url = (settings().staging_url if staging_url is None else staging_url) or None
         self._mirrors: dict[str, ClientMirror] = {}
-        self._layouts: dict[str, NodeLayout] = {}
         self.last_attempt: SparkAttempt | None = None
 
     @property
@@ -236,16 +235,15 @@ class SparkBackend(Backend):
             self._spark, self.pool = pool_session(pool), pool
         return dataclasses.replace(job, tags={**job.tags, POOL_TAG: pool.name})
 
-    def resolve(self, job: JobSpec) -> JobSpec:
+    def resolve(self, job: JobSpec) -> ResolvedJob:
         if job.resources.gpu_type is None:
             raise ConfigurationError("remote jobs need a gpu_type, e.g. gpu_type='A10' (or 'cpu' for CPU ranks)")
         job = self._choose_pool(job)
         capacity = self.capacity()
         layout = self._layout(job, capacity)
-        self._layouts[job.job_id] = layout
         simulated = capacity.simulated and not job.resources.is_cpu
         # Devices are per node and known only at launch: each task's GPU addresses.
-        return dataclasses.replace(job, devices=(), simulated=simulated)
+        return ResolvedJob(dataclasses.replace(job, devices=(), simulated=simulated), layout)
 
     def checkpoint_dir(self, run_dir: RunDir) -> str:
         if self.staging_url:
@@ -253,8 +251,8 @@ class SparkBackend(Backend):
         return super().checkpoint_dir(run_dir)
 
     # -- attempts ---------------------------------------------------------------------
-    def plan(self, job, run_dir, attempt, env) -> LaunchPlan:
-        layout = self._layouts.get(job.job_id) or self._layout(job)
+    def plan(self, job, run_dir, attempt, env, layout: NodeLayout | None = None) -> LaunchPlan:
+        layout = layout if layout is not None else self._layout(job)
         where = f"<node copy of {self.staging_url}/{run_dir.job_id}>" if self.staging_url else str(run_dir.path)
         commands = tuple(
             tuple(build_command("python", where, attempt=attempt, nnodes=layout.nodes, node_rank=node,
@@ -286,11 +284,11 @@ class SparkBackend(Backend):
             profile.id  # Connect registers the profile on the server now, from this thread
         return frame.mapInArrow(task, NODE_DDL, barrier=True, profile=profile)
 
-    def submit(self, job, run_dir, attempt, env) -> SparkAttempt:
+    def submit(self, job, run_dir, attempt, env, layout: NodeLayout | None = None) -> SparkAttempt:
         if self._spark is None and POOL_TAG in job.tags:
             self._choose_pool(job)  # a resumed job goes back to its pool
         self._reconnect_if_closed()
-        layout = self._layouts.get(job.job_id) or self._layout(job)
+        layout = layout if layout is not None else self._layout(job)  # a resumed job is placed anew
         run_dir.prepare_attempt(attempt)
         spark_dir(run_dir, attempt).mkdir(parents=True, exist_ok=True)
         record_session(self.spark, run_dir)
