@@ -102,7 +102,7 @@ class PreparedJob:
             spec["env"] = environment = staged.manifest
             extra_files.update(worker_bootstrap_files())
             sys_path = []  # the caller's code travels in the overlay, not as client paths
-        self.run_dir.stage(spec, self.payload, self.key, sys_path, extra_files)
+        self.run_dir.create(spec, self.payload, self.key, sys_path, extra_files)
         save_key(self.job.job_id, self.key)
         prune_runs(keep=self.job.job_id)
         return dataclasses.replace(self, environment=environment, written=True)

@@ -132,9 +132,11 @@ class RunDir:
         return self.path / RunLayout.agent_log(attempt, node_rank)
 
     # -- writing (client) ---------------------------------------------------------------
-    def stage(self, spec_dict: dict, payload: bytes, key: bytes, sys_path: list[str],
-              extra_files: dict[str, bytes] | None = None) -> None:
-        """Writes the entrypoint, spec, payload and extra files, then the signature over all of them."""
+    def create(self, spec_dict: dict, payload: bytes, key: bytes, sys_path: list[str],
+               extra_files: dict[str, bytes] | None = None) -> None:
+        """Creates the run dir: the entrypoint, spec, payload and extra files, then the signature
+        over all of them. ("Staging" in this package means the environment's upload and the
+        staging store that mirrors run dirs; writing a run dir is creating it.)"""
         extra_files = dict(extra_files or {})
         if extra_files:
             spec_dict = {**spec_dict, "signed_files": sorted(extra_files)}

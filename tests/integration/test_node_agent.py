@@ -32,7 +32,7 @@ def test_a_missing_node_fails_the_rendezvous_after_the_jobs_init_timeout():
     job = dataclasses.replace(prepared.job, policy=dataclasses.replace(prepared.job.policy, init_timeout=3))
     rd = RunDir(settings().staging_root / job.job_id)
     key = new_key()
-    rd.stage(job.to_dict(), serialize_payload(one.fn, (), {}, []), key, client_sys_path())
+    rd.create(job.to_dict(), serialize_payload(one.fn, (), {}, []), key, client_sys_path())
     rd.prepare_attempt(0)
     # Node 0 of two; node 1 never comes. torch's default would wait 600 s for it.
     command = build_command(sys.executable, str(rd.path), attempt=0, nnodes=2, node_rank=0, nproc=1,

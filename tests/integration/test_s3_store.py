@@ -158,7 +158,7 @@ def test_the_staging_mirror_carries_payload_logs_and_controls_through_s3(s3_buck
     key = b"k" * 32
     job = JobSpec(job_id="job-s3", name="double", resources=Resources(2, "cpu"), backend="spark")
     client_rd = RunDir(tmp_path / "client" / "job-s3")
-    client_rd.stage(job.to_dict(), serialize_payload(_double, (21,), {}, []), key, [])
+    client_rd.create(job.to_dict(), serialize_payload(_double, (21,), {}, []), key, [])
     client_rd.prepare_attempt(0)
     url = f"{s3_bucket}/staging"
     client = ClientMirror(client_rd, StagingStore(url, "job-s3"))

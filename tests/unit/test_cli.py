@@ -24,7 +24,7 @@ def finished_job(job_id, script, gpus=2, **policy):
     job = JobSpec(job_id=job_id, name="train", resources=Resources(gpus, "cpu"), policy=RunPolicy(**policy),
                   backend="fake", tags={"team": "ml"})
     rd = RunDir(settings().staging_root / job_id)
-    rd.stage(job.to_dict(), serialize_payload(lambda: 1, (), {}, []), b"k" * 32, [])
+    rd.create(job.to_dict(), serialize_payload(lambda: 1, (), {}, []), b"k" * 32, [])
     with contextlib.suppress(SparkGPUError):  # failed jobs are part of what `sparkgpu jobs` shows
         Supervisor(job, rd, ScriptedBackend(script), b"k" * 32, [], out=io.StringIO()).run()
     return rd
@@ -64,7 +64,7 @@ def test_jobs_lists_status_attempts_restarts_and_duration(capsys):
     finished_job("ok-job", ["ok"])
     finished_job("flaky-job", ["raise", "ok"], max_restarts=1)
     finished_job("bad-job", ["raise"])
-    RunDir(settings().staging_root / "staged-job").stage(
+    RunDir(settings().staging_root / "staged-job").create(
         JobSpec("staged-job", "x", Resources(1, "cpu")).to_dict(), b"", b"k" * 32, [])
     code, out, _ = run_cli(capsys, "jobs")
     assert code == 0

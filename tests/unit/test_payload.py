@@ -40,7 +40,7 @@ def test_function_closing_over_an_unpicklable_object_names_it():
 
 def stage(tmp_path, fn=plain, args=(41,)):
     rd = RunDir(tmp_path / "job-1")
-    rd.stage({"job_id": "job-1"}, serialize_payload(fn, args, {}, []), KEY, [])
+    rd.create({"job_id": "job-1"}, serialize_payload(fn, args, {}, []), KEY, [])
     return rd
 
 
@@ -80,7 +80,7 @@ def test_stage_refuses_to_reuse_a_run_dir(tmp_path):
 
 def test_verify_returns_the_checked_bytes_of_every_signed_file(tmp_path):
     rd = RunDir(tmp_path / "job-1")
-    rd.stage({"job_id": "job-1"}, serialize_payload(plain, (41,), {}, []), KEY, [], {"_hydrate.py": b"X = 1\n"})
+    rd.create({"job_id": "job-1"}, serialize_payload(plain, (41,), {}, []), KEY, [], {"_hydrate.py": b"X = 1\n"})
     files = RunDir(rd.path).verify(KEY)
     assert sorted(files) == ["_air.py", "_hydrate.py", "payload.pkl", "spec.json"]
     assert files["_air.py"] == rd.air.read_bytes() and files["_hydrate.py"] == b"X = 1\n"

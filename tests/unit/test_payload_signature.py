@@ -20,7 +20,7 @@ def plain(x):
 
 def stage(tmp_path, hydrate: bytes = b"X = 1\n") -> RunDir:
     rd = RunDir(tmp_path / "job-1")
-    rd.stage({"job_id": "job-1"}, serialize_payload(plain, (41,), {}, []), KEY, [], {"_hydrate.py": hydrate})
+    rd.create({"job_id": "job-1"}, serialize_payload(plain, (41,), {}, []), KEY, [], {"_hydrate.py": hydrate})
     return rd
 
 

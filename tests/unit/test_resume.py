@@ -47,7 +47,7 @@ def interrupted_job(client: dict, status: str = "running") -> RunDir:
     """A run dir as a client leaves it when it stops mid-attempt: attempt 0 still "running"."""
     job = JobSpec(job_id="job-1", name="train", resources=Resources(2, "cpu"), backend="fake")
     rd = RunDir(settings().staging_root / job.job_id)
-    rd.stage(job.to_dict(), serialize_payload(lambda: 1, (), {}, []), KEY, [])
+    rd.create(job.to_dict(), serialize_payload(lambda: 1, (), {}, []), KEY, [])
     save_key(job.job_id, KEY)
     state = {"job_id": job.job_id, "status": status, "backend": "fake", "restarts": 0, "preemptions": 0,
              "created_at": 0.0, "client": client,

@@ -41,7 +41,7 @@ def _noop():
 
 def test_the_entrypoint_records_the_environment_report_where_the_client_reads_it(tmp_path):
     rd = RunDir(tmp_path / "job-layout")
-    rd.stage({"job_id": "job-layout", "env": {"name": "e1"}}, serialize_payload(_noop, (), {}, []), KEY, [],
+    rd.create({"job_id": "job-layout", "env": {"name": "e1"}}, serialize_payload(_noop, (), {}, []), KEY, [],
              extra_files={RunLayout.HYDRATE: _HYDRATE_STUB})
     env = {**os.environ, KEY_ENV: KEY.hex(), "SPARKGPU_ATTEMPT": "2", "RANK": "5"}
     done = subprocess.run([sys.executable, str(rd.air)], env=env, capture_output=True, timeout=60)

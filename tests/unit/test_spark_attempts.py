@@ -35,7 +35,7 @@ def attempt(tmp_path):
     job = JobSpec(job_id="job-1", name="train", resources=Resources(2, "cpu"), backend="spark",
                   policy=RunPolicy(shutdown_grace=0.5))
     rd = RunDir(tmp_path / "job-1")
-    rd.stage(job.to_dict(), serialize_payload(lambda: 1, (), {}, []), b"k" * 32, [])
+    rd.create(job.to_dict(), serialize_payload(lambda: 1, (), {}, []), b"k" * 32, [])
     rd.prepare_attempt(0)
     spark_dir(rd, 0).mkdir(parents=True)
     return SparkAttempt(attempt=0, job=job, run_dir=rd, layout=NodeLayout(2, 1, 0), tag="sparkgpu-job-1-0",
@@ -169,7 +169,7 @@ def test_a_node_stops_its_ranks_when_a_peer_stops_beating(attempt):
 def test_the_client_counts_a_silent_node_lost_stops_the_others_and_reports_its_host(attempt):
     session = TaggedSession()
     backend = SparkBackend(spark=session, client_timeout=None)
-    backend.node_timeout = 1.0
+    backend.node_timeout = 3.0  # node 0 beats every second: a loaded machine must not make it look lost
     lost_node(attempt, 1)
     survivor = RunningNode(attempt, 0)  # watches no peers: the client's cancel marker stops it
     try:

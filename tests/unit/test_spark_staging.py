@@ -29,7 +29,7 @@ def job(tmp_path):
     job = JobSpec(job_id="job-1", name="train", resources=Resources(2, "cpu"), backend="spark",
                   policy=RunPolicy(shutdown_grace=0.5))
     rd = RunDir(tmp_path / "client" / "job-1")
-    rd.stage(job.to_dict(), serialize_payload(lambda: 1, (), {}, []), b"k" * 32, [])
+    rd.create(job.to_dict(), serialize_payload(lambda: 1, (), {}, []), b"k" * 32, [])
     rd.prepare_attempt(0)
     spark_dir(rd, 0).mkdir(parents=True)
     return job, rd, (tmp_path / "store").as_uri()

@@ -36,7 +36,7 @@ def sides(tmp_path):
     """``(client mirror, node mirror, store root)`` for node 0 of attempt 0 of a staged job."""
     job = JobSpec(job_id="job-1", name="double", resources=Resources(2, "cpu"), backend="spark")
     client_rd = RunDir(tmp_path / "client" / "runs" / "job-1")
-    client_rd.stage(job.to_dict(), serialize_payload(double, (21,), {}, []), KEY, [],
+    client_rd.create(job.to_dict(), serialize_payload(double, (21,), {}, []), KEY, [],
                     extra_files={"_hydrate.py": b"# shipped beside the payload\n"})
     client_rd.prepare_attempt(0)
     (client_rd.attempt_dir(0) / "spark").mkdir()

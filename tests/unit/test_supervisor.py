@@ -44,7 +44,7 @@ class RecordingCallback(JobCallback):
 def run_job(tmp_path, script, **policy):
     job = JobSpec(job_id="job-1", name="job", resources=Resources(2, "cpu"), policy=RunPolicy(**policy))
     rd = RunDir(tmp_path / "job-1")
-    rd.stage(job.to_dict(), serialize_payload(lambda: 1, (), {}, []), b"k" * 32, [])
+    rd.create(job.to_dict(), serialize_payload(lambda: 1, (), {}, []), b"k" * 32, [])
     backend = ScriptedBackend(script)
     callback = RecordingCallback()
     out = io.StringIO()

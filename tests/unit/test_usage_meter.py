@@ -27,7 +27,7 @@ def make_job(job_id="job-1", gpus=2, gpu_type="A10", tags=None, **policy):
 
 def supervise(tmp_path, job, script, meter):
     rd = RunDir(tmp_path / "runs" / job.job_id)
-    rd.stage(job.to_dict(), serialize_payload(lambda: 1, (), {}, [meter]), b"k" * 32, [])
+    rd.create(job.to_dict(), serialize_payload(lambda: 1, (), {}, [meter]), b"k" * 32, [])
     return Supervisor(job, rd, ScriptedBackend(script), b"k" * 32, [meter], out=io.StringIO()), rd
 
 
