@@ -5,10 +5,13 @@ of a ``@distributed`` function), with the module doing each::
 
     client
      1. spark.gpu.train: checks its arguments, takes this session's    sparkgpu.session
-        Spark backend; with data=, dry-runs hops 2-5 (nothing is
-        written), then turns the data into MDS shards on the            sparkgpu.data.convert
-        executors (or reads the table in place) and calls hop 2
-     2. .distributed(): the frozen JobSpec                             sparkgpu.decorator, .spec
+        Spark backend; with data=, prepares the job (hops 3-5,
+        nothing written), then turns the data into MDS shards on the    sparkgpu.data.convert
+        executors (or reads the table in place), adds data_url to the
+        prepared arguments and goes on at hop 6 with that same job
+     2. .distributed(): the frozen JobSpec, then prepare() runs         sparkgpu.decorator, .spec,
+        hops 3-5 once (a dryrun stops there: the plan, nothing          sparkgpu.prepare
+        written) and PreparedJob.write() hops 6-7
      3. backend.resolve: capacity and gpu_type, within seconds         launch.backends.local,
         (Spark: a probe job on the executors)                          .spark, .spark_capacity,
                                                                        .spark_probe; launch.pool
@@ -16,9 +19,10 @@ of a ``@distributed`` function), with the module doing each::
                                                                        sparkgpu.tracking, .usage
      5. the function, arguments and callbacks pickled                  launch.serialization
      6. with shipping: environment snapshot, staged by content         sparkgpu.env
-     7. the run dir written and signed: _air.py, spec.json,            launch.payload,
-        payload.pkl (+ _hydrate.py, _errors.py), payload.sig;          launch.payload_signature,
-        the job key kept in this user's keyring                        launch.keys
+     7. the run dir written and signed: _air.py, spec.json,            launch.run_dir, .run_layout,
+        payload.pkl (+ _hydrate.py, _errors.py), payload.sig;          launch.payload (template),
+        the job key kept in this user's keyring                        launch.payload_signature,
+                                                                       launch.keys
      8. the supervisor's attempt loop: submit, watch, stream the       launch.supervisor,
         ranks' logs, restart or raise; state.json for `resume`         launch.logs, launch.resume
      9. backend.submit: one node agent here, a warm-pool fork, or      launch.backends.local,

@@ -47,7 +47,10 @@ def ctrl_c_client(decorator: str, setup: str = "") -> str:
         setup: Code run before the job is defined (imports, a first job).
     """
     return (
-        "import sys, time\n"
+        "import signal, sys, time\n"
+        # A shell that starts the test run in the background makes its children ignore SIGINT,
+        # and Python keeps it ignored; a client run from a terminal gets KeyboardInterrupt.
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "from sparkgpu import distributed, runtime\n"
         f"{setup}\n"
         f"{decorator}\n"

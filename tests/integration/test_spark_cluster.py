@@ -173,7 +173,11 @@ def test_decorator_uses_sparkgpu_spark_remote_and_ctrl_c_stops_every_process(spa
     assert len(processes_of(run_dir)) >= 6  # two agents and four ranks
 
     client.send_signal(signal.SIGINT)
-    out, _ = client.communicate(timeout=90)
+    try:
+        out, _ = client.communicate(timeout=90)
+    except subprocess.TimeoutExpired:  # a live client would keep its job's GPUs from the next tests
+        client.kill()
+        raise
     assert client.returncode == 130, out
     results = eval(out.split("RESULTS", 1)[1].splitlines()[0])
     assert [rank for rank, _ in results] == [0, 1] and len({address for _, address in results}) == 2
