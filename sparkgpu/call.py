@@ -370,7 +370,8 @@ def attach(job_id: str, backend=None) -> Call:
         from sparkgpu.launch.backends.base import create_backend
 
         backend = create_backend(backend)
-    call = Call(job_id, find_run_dir(job_id), backend)
+    run_dir = find_run_dir(job_id)
+    call = Call(run_dir.job_id, run_dir, backend)
     call._take_over_if_abandoned()
     return call
 

@@ -315,24 +315,12 @@ def register_logs(subparsers) -> None:
     p.set_defaults(handler=cmd_logs)
 
 
-def find_run_dir(job_id: str, staging_root: Path | None = None) -> Path:
-    """The run dir of ``job_id`` or of the one job whose id starts with it.
+def find_run_dir(job_id: str):
+    """The run dir of ``job_id`` or of the one job whose id starts with it (see
+    :func:`sparkgpu.launch.resume.find_run_dir`); for the commands of lower layers."""
+    from sparkgpu.launch.resume import find_run_dir as find
 
-    Raises:
-        ConfigurationError: no job, or several, match; names them.
-    """
-    from sparkgpu.config import settings
-
-    root = Path(staging_root or settings().staging_root)
-    if (root / job_id / RunLayout.SPEC).exists():
-        return root / job_id
-    matches = sorted(p.parent for p in root.glob(f"{job_id}*/{RunLayout.SPEC}"))
-    if len(matches) == 1:
-        return matches[0]
-    if not matches:
-        raise ConfigurationError(f"no job {job_id!r} under {root}; `sparkgpu jobs` lists the jobs there")
-    names = ", ".join(m.name for m in matches[:5])
-    raise ConfigurationError(f"{job_id!r} matches {len(matches)} jobs ({names}, ...); give more of the id")
+    return find(job_id)
 
 
 def _attempts(run_dir: Path) -> list[int]:
@@ -363,10 +351,9 @@ class _RawTail:
 
 def cmd_logs(args) -> int:
     from sparkgpu.launch.logs import LogStreamer
-    from sparkgpu.launch.run_dir import RunDir
 
-    run_dir = find_run_dir(args.job_id)
-    rd = RunDir(run_dir)
+    rd = find_run_dir(args.job_id)
+    run_dir = rd.path
     spec = _read_json(rd.spec_file) or {}
     world_size = spec.get("resources", {}).get("gpus", 1)
     if not args.all and not 0 <= args.rank < world_size:

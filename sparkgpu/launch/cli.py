@@ -36,8 +36,9 @@ def cmd_cancel(args) -> int:
     from sparkgpu.launch.resume import find_run_dir
 
     # Observed, not attached: a job whose client is gone is ended here, not continued first.
-    status = Call(args.job_id, find_run_dir(args.job_id)).cancel(timeout=args.timeout)
-    print(f"sparkgpu: job {args.job_id} is {status.value}")
+    run_dir = find_run_dir(args.job_id)
+    status = Call(run_dir.job_id, run_dir).cancel(timeout=args.timeout)
+    print(f"sparkgpu: job {run_dir.job_id} is {status.value}")
     return 0 if status.is_terminal else 1
 
 

@@ -9,6 +9,7 @@ submit overlapping attempts) unless ``force`` says the caller knows better.
 
 from __future__ import annotations
 
+import glob
 import json
 import socket
 import time
@@ -19,6 +20,7 @@ from sparkgpu.errors import ConfigurationError, JobStateError
 from sparkgpu.launch.backends.base import create_backend
 from sparkgpu.launch.keys import load_key
 from sparkgpu.launch.run_dir import RunDir
+from sparkgpu.launch.run_layout import RunLayout
 from sparkgpu.launch.supervisor import CANCEL_REQUEST_FILE, JobStatus, Supervisor
 from sparkgpu.spec import JobSpec
 
@@ -72,13 +74,23 @@ def _check_no_live_client(job_id: str, state: dict) -> None:
 
 
 def find_run_dir(job_id: str) -> RunDir:
-    run_dir = RunDir(settings().staging_root / job_id)
-    if not run_dir.spec_file.exists():
-        raise ConfigurationError(
-            f"no job {job_id!r} under {settings().staging_root}; `sparkgpu jobs` lists the jobs there "
-            "(set SPARKGPU_STAGING_ROOT if they were staged elsewhere)"
-        )
-    return run_dir
+    """The run dir of ``job_id``, or of the one job whose id starts with it.
+
+    Raises:
+        ConfigurationError: no job, or several, match; names them.
+    """
+    root = settings().staging_root
+    run_dir = RunDir(root / job_id)
+    if run_dir.spec_file.exists():
+        return run_dir
+    matches = sorted(p.parent for p in root.glob(f"{glob.escape(job_id)}*/{RunLayout.SPEC}"))
+    if len(matches) == 1:
+        return RunDir(matches[0])
+    if not matches:
+        raise ConfigurationError(f"no job {job_id!r} under {root}; `sparkgpu jobs` lists the jobs there "
+                                 "(set SPARKGPU_STAGING_ROOT if they were staged elsewhere)")
+    names = ", ".join(m.name for m in matches[:5])
+    raise ConfigurationError(f"{job_id!r} matches {len(matches)} jobs ({names}, ...); give more of the id")
 
 
 def resume_job(job_id: str, backend=None, out=None, force: bool = False) -> list:
@@ -110,6 +122,7 @@ def take_over(job_id: str, backend=None, out=None, force: bool = False) -> Super
         ConfigurationError: as for :func:`resume_job`.
     """
     run_dir = find_run_dir(job_id)
+    job_id = run_dir.job_id
     job = JobSpec.from_dict(json.loads(run_dir.spec_file.read_text()))
     state = json.loads(run_dir.state_file.read_text()) if run_dir.state_file.exists() else None
     if state and state["status"] == JobStatus.SUCCEEDED.value:
@@ -155,12 +168,11 @@ def _stop_outliving_nodes(job: JobSpec, run_dir: RunDir, lost: list[int]) -> Non
     """
     if job.backend != "spark" or not lost:
         return
-    from sparkgpu.launch.backends.spark import SparkBackend, _nodes_without_end
-    from sparkgpu.launch.backends.spark_node import CANCEL_FILE, spark_dir
+    from sparkgpu.launch.backends.spark import SparkBackend
 
     for attempt in lost:
-        if spark_dir(run_dir, attempt).is_dir():
-            atomic_write_bytes(spark_dir(run_dir, attempt) / CANCEL_FILE, b"its client is gone; the job was taken over\n")
+        if run_dir.spark_dir(attempt).is_dir():
+            atomic_write_bytes(run_dir.spark_cancel_file(attempt), b"its client is gone; the job was taken over\n")
     deadline = time.monotonic() + job.policy.shutdown_grace + SparkBackend.node_stop_margin
-    while any(_nodes_without_end(spark_dir(run_dir, a)) for a in lost) and time.monotonic() < deadline:
+    while any(run_dir.nodes_without_end(a) for a in lost) and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -131,6 +131,43 @@ class RunDir:
     def agent_log(self, attempt: int, node_rank: int) -> Path:
         return self.path / RunLayout.agent_log(attempt, node_rank)
 
+    def spark_dir(self, attempt: int) -> Path:
+        """The folder of the attempt's Spark markers (nodes' start, end and beat; the client's cancel and beat)."""
+        return self.path / RunLayout.spark(attempt)
+
+    def spark_cancel_file(self, attempt: int) -> Path:
+        return self.path / RunLayout.spark_cancel(attempt)
+
+    def client_heartbeat_file(self, attempt: int) -> Path:
+        return self.path / RunLayout.client_heartbeat(attempt)
+
+    def node_marker(self, attempt: int, node: int, kind: str) -> Path:
+        """A Spark node's marker: ``kind`` is ``"started"``, ``"ended"`` or ``"beat"``."""
+        return self.path / RunLayout.node_marker(attempt, node, kind)
+
+    def node_markers(self, attempt: int, kind: str) -> dict[int, Path]:
+        """The attempt's Spark node markers of one ``kind``, by node."""
+        folder = self.spark_dir(attempt)
+        found = {}
+        for path in folder.iterdir() if folder.is_dir() else ():
+            node = RunLayout.node_marker_node(path.name, kind)
+            if node is not None:
+                found[node] = path
+        return dict(sorted(found.items()))
+
+    def nodes_without_end(self, attempt: int) -> list[int]:
+        """Spark nodes of the attempt that started and have not written their end marker yet."""
+        return sorted(set(self.node_markers(attempt, "started")) - set(self.node_markers(attempt, "ended")))
+
+    def node_exit_files(self, attempt: int) -> dict[int, Path]:
+        """The attempt's node exit files (written by each node's agent), by node."""
+        found = {}
+        for path in self._attempt_files(attempt):
+            node = RunLayout.node_exits_node(path.name)
+            if node is not None:
+                found[node] = path
+        return found
+
     # -- writing (client) ---------------------------------------------------------------
     def create(self, spec_dict: dict, payload: bytes, key: bytes, sys_path: list[str],
                extra_files: dict[str, bytes] | None = None) -> None:
@@ -296,10 +333,9 @@ class RunDir:
     def read_node_exits(self, attempt: int) -> dict[int, dict]:
         """Exit information per global rank, merged over the attempt's nodes."""
         exits: dict[int, dict] = {}
-        for path in self._attempt_files(attempt):
-            if RunLayout.node_exits_node(path.name) is not None:
-                for rank, info in json.loads(path.read_text()).get("failures", {}).items():
-                    exits[int(rank)] = info
+        for path in self.node_exit_files(attempt).values():
+            for rank, info in json.loads(path.read_text()).get("failures", {}).items():
+                exits[int(rank)] = info
         return exits
 
     def log_tail(self, attempt: int, rank: int, lines: int = 20) -> str:

@@ -37,6 +37,7 @@ __all__ = ["RunLayout"]
 
 _ENV_REPORT = re.compile(r"^env-rank-(\d+)\.json$")
 _NODE_EXITS = re.compile(r"^node-(\d+)\.json$")
+_NODE_MARKER = re.compile(r"^node-(\d+)\.(started|ended|beat)$")
 
 
 class RunLayout:
@@ -157,6 +158,12 @@ class RunLayout:
     def node_marker(attempt: int, node: int, kind: str) -> str:
         """A Spark node's marker: ``kind`` is ``"started"``, ``"ended"`` or ``"beat"``."""
         return f"{RunLayout.spark(attempt)}/node-{node}.{kind}"
+
+    @staticmethod
+    def node_marker_node(name: str, kind: str) -> int | None:
+        """The node whose ``kind`` marker is the file ``name`` of an attempt's Spark folder, or ``None``."""
+        match = _NODE_MARKER.match(name)
+        return int(match.group(1)) if match and match.group(2) == kind else None
 
     @staticmethod
     def is_node_end_marker(rel: str) -> bool:

@@ -42,13 +42,9 @@ from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.run_layout import RunLayout
 from sparkgpu.store import Store
 
-__all__ = ["StagingStore", "ClientMirror", "NodeMirror", "CANCEL_FILE", "HEARTBEAT_FILE", "SPARK_DIR",
-           "env_for_nodes", "env_on_node", "scratch_run_dir"]
+__all__ = ["StagingStore", "ClientMirror", "NodeMirror", "env_for_nodes", "env_on_node", "scratch_run_dir"]
 
-# Names inside attempts/<k>/, for the Spark backend's node tasks and client.
-SPARK_DIR = RunLayout.SPARK  # attempts/<k>/spark/: start and end markers, cancel, heartbeat
-CANCEL_FILE = RunLayout.SPARK_CANCEL  # written by the client into attempts/<k>/spark/ to stop every node
-HEARTBEAT_FILE = RunLayout.SPARK_CLIENT_HEARTBEAT  # rewritten by the client every few seconds while it lives
+# What the client's run dir becomes in the ranks' environment, until a node fills in its own copy.
 _RUN_DIR_TOKEN = "@SPARKGPU_NODE_RUN_DIR@"
 _QUOTED_RUN_DIR_TOKEN = "@SPARKGPU_NODE_RUN_DIR_QUOTED@"
 

@@ -515,7 +515,7 @@ class Supervisor:
                 for r in range(self.job.world_size) if r not in results
             ])
         missing = silent or list(range(self.job.world_size))
-        if any(rd.attempt_dir(attempt).glob("node-*.json")):
+        if rd.node_exit_files(attempt):
             # Launchers recorded the attempt but no exit of these ranks: an exit with code 0
             # that could not be watched, or a node whose launcher was lost.
             return AttemptResult("failed", failures=[

@@ -19,6 +19,6 @@ def cmd_flush(args) -> int:
     from sparkgpu.cli import find_run_dir  # how every command finds a job by its id (or a prefix of it)
     from sparkgpu.tracking.flush import flush_spool
 
-    sent = flush_spool(find_run_dir(args.job_id), tracking_uri=args.tracking_uri)
+    sent = flush_spool(find_run_dir(args.job_id).path, tracking_uri=args.tracking_uri)
     print(f"sparkgpu: forwarded {sent} record{'' if sent == 1 else 's'} of job {args.job_id} to its MLflow run")
     return 0

@@ -16,7 +16,7 @@ import pytest
 from sparkgpu import WorkerFailedError, distributed, runtime
 from sparkgpu.config import settings
 from sparkgpu.errors import PayloadSignatureError
-from sparkgpu.launch.backends.spark_node import NodeLaunch, run_node, spark_dir
+from sparkgpu.launch.backends.spark_node import NodeLaunch, run_node
 from sparkgpu.launch.keys import load_key
 from sparkgpu.launch.payload import KEY_ENV
 from sparkgpu.launch.run_dir import RunDir
@@ -142,7 +142,7 @@ def run_spark_node(monkeypatch, prepared) -> dict:
     monkeypatch.setattr(pyspark.BarrierTaskContext, "get", classmethod(lambda cls: OneNodeBarrier()))
     rd = prepared.run_dir
     rd.prepare_attempt(0)
-    spark_dir(rd, 0).mkdir(parents=True)
+    rd.spark_dir(0).mkdir(parents=True)
     env = {KEY_ENV: prepared.key.hex(), runtime.ENV_JOB_ID: prepared.job.job_id, runtime.ENV_ATTEMPT: "0",
            runtime.ENV_RUN_DIR: str(rd.path), runtime.ENV_CHECKPOINT_DIR: str(rd.checkpoints)}
     launch = NodeLaunch(run_dir=str(rd.path), attempt=0, nnodes=1, nproc=prepared.job.world_size, env=env,

@@ -7,7 +7,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+from sparkgpu.config import reset_settings
+from sparkgpu.errors import ConfigurationError
 from sparkgpu.launch.payload import KEY_ENV, serialize_payload
+from sparkgpu.launch.resume import find_run_dir
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.run_layout import RunLayout
 
@@ -73,3 +78,32 @@ def test_the_files_a_node_needs_and_the_files_the_client_controls():
     assert RunLayout.is_node_end_marker(RunLayout.node_marker(4, 1, "ended"))
     assert not RunLayout.is_node_end_marker(RunLayout.node_marker(4, 1, "started"))
     assert RunLayout.is_node_exits(RunLayout.node_exits(4, 12)) and not RunLayout.is_node_exits(control[0])
+
+
+def test_spark_node_markers_are_read_by_node_and_kind(tmp_path):
+    rd = RunDir(tmp_path / "job-1")
+    rd.spark_dir(2).mkdir(parents=True)
+    for node in (0, 1, 3):
+        rd.node_marker(2, node, "started").write_text("{}")
+        rd.node_marker(2, node, "beat").write_text("1\n")
+    rd.node_marker(2, 1, "ended").write_text("{}")
+    (rd.spark_dir(2) / ".node-0.ended.1a2b.tmp").write_text("{")  # a writer killed mid-write
+    (rd.spark_dir(2) / "node-x.started").write_text("{}")  # not a node's marker
+    assert list(rd.node_markers(2, "started")) == [0, 1, 3]
+    assert list(rd.node_markers(2, "ended")) == [1]
+    assert rd.nodes_without_end(2) == [0, 3]
+    assert rd.nodes_without_end(5) == []  # an attempt that never reached Spark
+
+
+def test_a_job_is_found_by_its_id_or_a_unique_prefix(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARKGPU_STAGING_ROOT", str(tmp_path))
+    reset_settings()  # the autouse home fixture resets them again after the test
+    for job_id in ("train-20261124-aa11", "train-20261124-ab22", "eval-1"):
+        (tmp_path / job_id).mkdir()
+        (tmp_path / job_id / RunLayout.SPEC).write_text("{}")
+    assert find_run_dir("eval-1").job_id == "eval-1"
+    assert find_run_dir("train-20261124-ab").job_id == "train-20261124-ab22"
+    with pytest.raises(ConfigurationError, match="matches 2 jobs"):
+        find_run_dir("train-")
+    with pytest.raises(ConfigurationError, match="no job 'nope'"):
+        find_run_dir("nope")

@@ -16,7 +16,7 @@ import pytest
 from sparkgpu.launch.attempt_report import AttemptReport
 from sparkgpu.launch.backends.spark import SparkAttempt, SparkBackend
 from sparkgpu.launch.backends.spark_capacity import NodeLayout
-from sparkgpu.launch.backends.spark_node import CANCEL_FILE, NodeLaunch, _watch, spark_dir
+from sparkgpu.launch.backends.spark_node import NodeLaunch, _watch
 from sparkgpu.launch.payload import serialize_payload
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
@@ -37,13 +37,13 @@ def attempt(tmp_path):
     rd = RunDir(tmp_path / "job-1")
     rd.create(job.to_dict(), serialize_payload(lambda: 1, (), {}, []), b"k" * 32, [])
     rd.prepare_attempt(0)
-    spark_dir(rd, 0).mkdir(parents=True)
+    rd.spark_dir(0).mkdir(parents=True)
     return SparkAttempt(attempt=0, job=job, run_dir=rd, layout=NodeLayout(2, 1, 0), tag="sparkgpu-job-1-0",
                         submitted_at=time.monotonic(), submitted_wall=time.time())
 
 
 def start_marker(attempt, node, started_at):
-    path = spark_dir(attempt.run_dir, attempt.attempt) / f"node-{node}.started"
+    path = attempt.run_dir.spark_dir(attempt.attempt) / f"node-{node}.started"
     path.write_text(json.dumps({"node": node, "started_at": started_at}) if started_at is not None else "")
 
 
@@ -72,12 +72,12 @@ def test_ranks_that_outlive_a_broken_stream_are_stopped_before_the_attempt_ends(
     try:
         backend._run_action(attempt, BrokenStream())  # the action thread's work, in this thread
         assert backend.poll(attempt) == 1
-        sdir = spark_dir(attempt.run_dir, 0)
+        sdir = attempt.run_dir.spark_dir(0)
         # By the time the supervisor hears "failed" (and may restart), the old ranks are gone.
         assert [n.agent.poll() for n in nodes] == [-15, -15]
         assert sorted(p.name for p in sdir.glob("node-*.ended")) == ["node-0.ended", "node-1.ended"]
         assert json.loads((sdir / "node-0.ended").read_text())["state"] == "cancelled"
-        assert (sdir / CANCEL_FILE).exists() and session.interrupted == ["sparkgpu-job-1-0"]
+        assert (sdir / "CANCEL").exists() and session.interrupted == ["sparkgpu-job-1-0"]
         notes = "\n".join(AttemptReport.read(attempt.run_dir.attempt_dir(0)).notes)
         assert "the Spark job of this attempt failed: ConnectionError" in notes and "did not confirm" not in notes
     finally:
@@ -148,7 +148,7 @@ def test_the_spark_backend_says_its_ranks_wait_for_gpus():
 def lost_node(attempt, node):
     """A node that started and beat once, then vanished with its executor: no more beats, no end marker."""
     start_marker(attempt, node, time.time())
-    sdir = spark_dir(attempt.run_dir, attempt.attempt)
+    sdir = attempt.run_dir.spark_dir(attempt.attempt)
     (sdir / f"node-{node}.started").write_text(json.dumps({"node": node, "executor": "7", "host": "10.0.0.7",
                                                            "started_at": time.time()}))
     (sdir / f"node-{node}.beat").write_text("1\n")
@@ -160,7 +160,7 @@ def test_a_node_stops_its_ranks_when_a_peer_stops_beating(attempt):
     try:
         assert node.agent.wait(15) == -15  # SIGTERM, long before the agent's 120 s
         node.thread.join(10)
-        ended = json.loads((spark_dir(attempt.run_dir, 0) / "node-0.ended").read_text())
+        ended = json.loads((attempt.run_dir.spark_dir(0) / "node-0.ended").read_text())
         assert ended["state"] == "peer-lost"
     finally:
         node.stop()

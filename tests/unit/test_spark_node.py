@@ -17,15 +17,7 @@ import pytest
 from sparkgpu._files import atomic_write_bytes
 from sparkgpu.launch.agent import strip_spark_secrets
 from sparkgpu.launch.backends import spark_node
-from sparkgpu.launch.backends.spark_node import (
-    CANCEL_FILE,
-    HEARTBEAT_FILE,
-    NodeLaunch,
-    _claim,
-    Heartbeat,
-    _watch,
-    spark_dir,
-)
+from sparkgpu.launch.backends.spark_node import Heartbeat, NodeLaunch, _claim, _watch
 from sparkgpu.launch.run_dir import RunDir
 
 FAKE_AGENT = textwrap.dedent("""
@@ -45,7 +37,7 @@ def run_dir(tmp_path, monkeypatch):
     monkeypatch.setattr(spark_node, "_POLL_SECONDS", 0.05)
     rd = RunDir(tmp_path / "job-1")
     rd.prepare_attempt(0)
-    spark_dir(rd, 0).mkdir(parents=True)
+    rd.spark_dir(0).mkdir(parents=True)
     return rd
 
 
@@ -65,7 +57,7 @@ def launch(rd: RunDir, client_timeout=None) -> NodeLaunch:
 def test_an_agent_that_finishes_is_reported_with_its_exit_code(run_dir, tmp_path):
     agent = start_agent(tmp_path, 0.2, code=0)
     assert _watch(agent, run_dir, launch(run_dir), node=0) == (0, "succeeded")
-    ended = json.loads((spark_dir(run_dir, 0) / "node-0.ended").read_text())
+    ended = json.loads(run_dir.node_marker(0, 0, "ended").read_text())
     assert ended["state"] == "succeeded" and ended["exit_code"] == 0
     failing = start_agent(tmp_path, 0.1, code=1)
     assert _watch(failing, run_dir, launch(run_dir), node=1) == (1, "failed")
@@ -73,7 +65,7 @@ def test_an_agent_that_finishes_is_reported_with_its_exit_code(run_dir, tmp_path
 
 def test_the_cancel_marker_stops_the_agent_with_sigterm(run_dir, tmp_path):
     agent = start_agent(tmp_path, 60)
-    atomic_write_bytes(spark_dir(run_dir, 0) / CANCEL_FILE, b"x")
+    atomic_write_bytes(run_dir.spark_cancel_file(0), b"x")
     started = time.monotonic()
     assert _watch(agent, run_dir, launch(run_dir), node=0) == (143, "cancelled")
     assert time.monotonic() - started < 5
@@ -93,7 +85,7 @@ def test_a_peer_that_succeeded_does_not_stop_this_node(run_dir, tmp_path):
 
 
 def test_a_silent_client_stops_the_node_after_its_timeout(run_dir, tmp_path):
-    atomic_write_bytes(spark_dir(run_dir, 0) / HEARTBEAT_FILE, b"7\n")  # and never again: the client died
+    atomic_write_bytes(run_dir.client_heartbeat_file(0), b"7\n")  # and never again: the client died
     agent = start_agent(tmp_path, 60)
     started = time.monotonic()
     assert _watch(agent, run_dir, launch(run_dir, client_timeout=1.0), node=0) == (143, "client-lost")
@@ -105,7 +97,7 @@ def test_an_agent_that_ignores_sigterm_is_killed_after_the_grace(run_dir, tmp_pa
     script.write_text("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('up', flush=True)\ntime.sleep(60)\n")
     agent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     agent.stdout.readline()
-    atomic_write_bytes(spark_dir(run_dir, 0) / CANCEL_FILE, b"x")
+    atomic_write_bytes(run_dir.spark_cancel_file(0), b"x")
     started = time.monotonic()
     code, state = _watch(agent, run_dir, launch(run_dir), node=0)  # grace 1 s + 5 s
     assert (code, state) == (-9, "cancelled") and time.monotonic() - started < 12

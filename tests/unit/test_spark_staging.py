@@ -15,7 +15,7 @@ from sparkgpu.launch.backends import spark_node
 from sparkgpu.launch.attempt_report import AttemptReport
 from sparkgpu.launch.backends.spark import SparkAttempt, SparkBackend
 from sparkgpu.launch.backends.spark_capacity import NodeLayout
-from sparkgpu.launch.backends.spark_node import CANCEL_FILE, NodeLaunch, _claim, _watch, spark_dir
+from sparkgpu.launch.backends.spark_node import NodeLaunch, _claim, _watch
 from sparkgpu.launch.payload import serialize_payload
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.staging import NodeMirror, StagingStore
@@ -31,7 +31,7 @@ def job(tmp_path):
     rd = RunDir(tmp_path / "client" / "job-1")
     rd.create(job.to_dict(), serialize_payload(lambda: 1, (), {}, []), b"k" * 32, [])
     rd.prepare_attempt(0)
-    spark_dir(rd, 0).mkdir(parents=True)
+    rd.spark_dir(0).mkdir(parents=True)
     return job, rd, (tmp_path / "store").as_uri()
 
 
@@ -42,7 +42,7 @@ class NodeOnItsOwnExecutor:
         self.rd = RunDir(tmp_path / f"executor-{node}" / "job-1")
         self.mirror = NodeMirror(StagingStore(url, "job-1"), self.rd, 0, node, log_interval=0.0)
         self.mirror.download_payload()
-        assert _claim(spark_dir(self.rd, 0) / f"node-{node}.started", {"node": node, "started_at": time.time()})
+        assert _claim(self.rd.node_marker(0, node, "started"), {"node": node, "started_at": time.time()})
         self.mirror.start(interval=0.1)
         self.agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
         launch = NodeLaunch(run_dir="/client/only/job-1", attempt=0, nnodes=2, nproc=1, env={}, shutdown_grace=0.5,
@@ -80,9 +80,8 @@ def test_ranks_that_outlive_a_broken_stream_are_stopped_through_the_store(job, t
         assert backend.poll(handle) == 1
         # The cancel marker went up, the nodes stopped their agents, their end markers came down.
         assert [n.agent.poll() for n in nodes] == [-15, -15]
-        sdir = spark_dir(rd, 0)
-        assert [json.loads((sdir / f"node-{n}.ended").read_text())["state"] for n in (0, 1)] == ["cancelled"] * 2
-        assert (tmp_path / "store" / "job-1" / "attempts/0/spark" / CANCEL_FILE).exists()
+        assert [json.loads(rd.node_marker(0, n, "ended").read_text())["state"] for n in (0, 1)] == ["cancelled"] * 2
+        assert (tmp_path / "store" / "job-1" / "attempts/0/spark/CANCEL").exists()
         assert "did not confirm" not in "\n".join(AttemptReport.read(rd.attempt_dir(0)).notes)
     finally:
         for node in nodes:

@@ -14,8 +14,6 @@ from sparkgpu.errors import PayloadSignatureError
 from sparkgpu.launch.payload import serialize_payload
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.staging import (
-    CANCEL_FILE,
-    HEARTBEAT_FILE,
     ClientMirror,
     NodeMirror,
     StagingStore,
@@ -163,15 +161,14 @@ def test_the_end_marker_waits_for_the_final_push(sides):
 
 def test_control_files_reach_the_node_and_are_never_pushed_back(sides):
     client, node, store = sides
-    cancel = client.run_dir.attempt_dir(0) / "spark" / CANCEL_FILE
-    heartbeat = client.run_dir.attempt_dir(0) / "spark" / HEARTBEAT_FILE
+    cancel = client.run_dir.spark_cancel_file(0)
+    heartbeat = client.run_dir.client_heartbeat_file(0)
     stop = client.run_dir.attempt_dir(0) / runtime.STOP_FILE
     heartbeat.write_text("1\n")
     client.sync(0)
     node.pull_control()
-    node_spark = node.run_dir.attempt_dir(0) / "spark"
-    assert (node_spark / HEARTBEAT_FILE).read_text() == "1\n"
-    assert not (node_spark / CANCEL_FILE).exists()
+    assert node.run_dir.client_heartbeat_file(0).read_text() == "1\n"
+    assert not node.run_dir.spark_cancel_file(0).exists()
 
     heartbeat.write_text("2\n")  # same size: the node must notice by content, not by size
     stop.write_text("the runtime cap is near\n")
@@ -181,8 +178,8 @@ def test_control_files_reach_the_node_and_are_never_pushed_back(sides):
     (store / "attempts/0/node-1.json").write_text('{"node_rank": 1, "status": 1}')
     client.sync(0)
     node.pull_control()
-    assert (node_spark / HEARTBEAT_FILE).read_text() == "2\n"
-    assert (node_spark / CANCEL_FILE).read_text() == "cancelled by the client\n"
+    assert node.run_dir.client_heartbeat_file(0).read_text() == "2\n"
+    assert node.run_dir.spark_cancel_file(0).read_text() == "cancelled by the client\n"
     assert (node.run_dir.attempt_dir(0) / runtime.STOP_FILE).read_text() == "the runtime cap is near\n"
     assert json.loads(node.run_dir.node_file(0, 1).read_text())["status"] == 1
 

@@ -47,16 +47,7 @@ from sparkgpu.launch.backends.spark_capacity import (
     discover_worker_image,
     plan_layout,
 )
-from sparkgpu.launch.backends.spark_node import (
-    CANCEL_FILE,
-    HEARTBEAT_FILE,
-    NODE_DDL,
-    Heartbeat,
-    NodeLaunch,
-    node_beat_file,
-    run_node,
-    spark_dir,
-)
+from sparkgpu.launch.backends.spark_node import NODE_DDL, Heartbeat, NodeLaunch, run_node
 from sparkgpu.launch.backends.spark_sessions import active as _active
 from sparkgpu.launch.backends.spark_sessions import (
     active_spark_session,
@@ -290,7 +281,7 @@ class SparkBackend(Backend):
         self._reconnect_if_closed()
         layout = layout if layout is not None else self._layout(job)  # a resumed job is placed anew
         run_dir.prepare_attempt(attempt)
-        spark_dir(run_dir, attempt).mkdir(parents=True, exist_ok=True)
+        run_dir.spark_dir(attempt).mkdir(parents=True, exist_ok=True)
         record_session(self.spark, run_dir)
         now = time.monotonic()
         handle = SparkAttempt(attempt=attempt, job=job, run_dir=run_dir, layout=layout,
@@ -375,7 +366,7 @@ class SparkBackend(Backend):
             handle.finished.set()
 
     def _beat(self, handle: SparkAttempt, count: int = 0) -> None:
-        atomic_write_bytes(spark_dir(handle.run_dir, handle.attempt) / HEARTBEAT_FILE, f"{count}\n".encode())
+        atomic_write_bytes(handle.run_dir.client_heartbeat_file(handle.attempt), f"{count}\n".encode())
 
     def _heartbeat(self, handle: SparkAttempt) -> None:
         count = 0
@@ -412,7 +403,7 @@ class SparkBackend(Backend):
 
     def _find_start(self, handle: SparkAttempt) -> None:
         """Reads the start markers the barrier tasks write as they claim their node."""
-        markers = list(spark_dir(handle.run_dir, handle.attempt).glob("node-*.started"))
+        markers = list(handle.run_dir.node_markers(handle.attempt, "started").values())
         if not markers:
             return
         seen = time.time()
@@ -501,11 +492,10 @@ class SparkBackend(Backend):
         Only the first nodes to fall silent count by their silence: once Spark notices a lost
         executor it kills the barrier stage's other tasks, and their nodes fall silent after.
         """
-        sdir = spark_dir(handle.run_dir, handle.attempt)
         self._read_node_infos(handle)
         known = {n.node for n in handle.report.lost}
         found = False
-        for node in _nodes_without_end(sdir):
+        for node in handle.run_dir.nodes_without_end(handle.attempt):
             if node in known:
                 continue
             beat = self._beat_of(handle, node)
@@ -528,15 +518,15 @@ class SparkBackend(Backend):
     def _beat_of(self, handle: SparkAttempt, node: int) -> Heartbeat:
         beat = handle.beats.get(node)
         if beat is None:
-            sdir = spark_dir(handle.run_dir, handle.attempt)
-            beat = handle.beats[node] = Heartbeat(sdir / node_beat_file(node), self.node_timeout, seen_first=True)
+            marker = handle.run_dir.node_marker(handle.attempt, node, "beat")
+            beat = handle.beats[node] = Heartbeat(marker, self.node_timeout, seen_first=True)
         return beat
 
     def _stop_for_lost(self, handle: SparkAttempt) -> None:
         """A node is lost while the Spark job runs: stop the others' ranks and end the job now."""
         message = handle.report.lost_message()
         print(f"sparkgpu: {message}; stopping the ranks of the other nodes", file=self._stream, flush=True)
-        atomic_write_bytes(spark_dir(handle.run_dir, handle.attempt) / CANCEL_FILE, f"{message}\n".encode())
+        atomic_write_bytes(handle.run_dir.spark_cancel_file(handle.attempt), f"{message}\n".encode())
         self._sync_now(handle)
         try:
             self.spark.interruptTag(handle.tag)  # Spark may wait for the lost executor's slots otherwise
@@ -544,11 +534,10 @@ class SparkBackend(Backend):
             self._note(handle, f"could not interrupt the Spark job ({type(exc).__name__}: {exc})")
 
     def _read_node_infos(self, handle: SparkAttempt) -> None:
-        for marker in spark_dir(handle.run_dir, handle.attempt).glob("node-*.started"):
-            node = marker.name[len("node-"):-len(".started")]
-            if node.isdigit() and int(node) not in handle.node_infos:
+        for node, marker in handle.run_dir.node_markers(handle.attempt, "started").items():
+            if node not in handle.node_infos:
                 try:
-                    handle.node_infos[int(node)] = json.loads(marker.read_text())
+                    handle.node_infos[node] = json.loads(marker.read_text())
                 except (OSError, ValueError):
                     continue  # created before its content is written: read again next time
 
@@ -565,8 +554,7 @@ class SparkBackend(Backend):
         checkpoint directory. A node that stops beating meanwhile is not waited for: it is lost.
         """
         rd, attempt = handle.run_dir, handle.attempt
-        sdir = spark_dir(rd, attempt)
-        atomic_write_bytes(sdir / CANCEL_FILE, b"the Spark job of this attempt failed\n")
+        atomic_write_bytes(rd.spark_cancel_file(attempt), b"the Spark job of this attempt failed\n")
         self._sync_now(handle)
         try:
             self.spark.interruptTag(handle.tag)
@@ -576,14 +564,14 @@ class SparkBackend(Backend):
         named = tuple(name for found in _LOST_EXECUTOR.findall(str(handle.error or "")) for name in found if name)
         limit = handle.job.policy.shutdown_grace + self.node_stop_margin
         deadline = time.monotonic() + limit
-        running = _nodes_without_end(sdir)
+        running = rd.nodes_without_end(attempt)
         while running and time.monotonic() < deadline:
             time.sleep(0.2)
             self._sync_now(handle)  # with a store, the end markers arrive by pulls
             self._find_lost(handle, named)
             lost = {n.node for n in handle.report.lost}
             # A silent node is not waited for: lost, or its task was killed by Spark with its ranks.
-            running = [n for n in _nodes_without_end(sdir) if n not in lost and not self._beat_of(handle, n).lost()]
+            running = [n for n in rd.nodes_without_end(attempt) if n not in lost and not self._beat_of(handle, n).lost()]
         if running:
             self._note(handle, f"node(s) {', '.join(map(str, running))} did not confirm within {limit:g}s that "
                                "their ranks stopped (their executor may be lost); any rank left stops when it "
@@ -601,7 +589,7 @@ class SparkBackend(Backend):
         if rows is not None:
             lost = {n.node: n for n in report.lost}
             by_node = {r["node"]: r for r in rows}
-            ended = _end_markers(spark_dir(handle.run_dir, handle.attempt))
+            ended = _end_markers(handle.run_dir, handle.attempt)
             self._read_node_infos(handle)
             nodes = []
             for node in sorted(set(by_node) | set(ended) | set(handle.node_infos) | set(lost)):
@@ -623,7 +611,7 @@ class SparkBackend(Backend):
             return
         handle.cancelled = True
         # First the polite way: every node SIGTERMs its agent, which gives the ranks `grace`.
-        atomic_write_bytes(spark_dir(handle.run_dir, handle.attempt) / CANCEL_FILE, b"cancelled by the client\n")
+        atomic_write_bytes(handle.run_dir.spark_cancel_file(handle.attempt), b"cancelled by the client\n")
         self._sync_now(handle)
         if not handle.nodes_started:
             self._find_start(handle)  # also tells the supervisor when they started, for billing
@@ -639,25 +627,15 @@ def _at(spark) -> str:
     return f" at {url}" if url else ""
 
 
-def _end_markers(sdir) -> dict[int, dict]:
+def _end_markers(run_dir: RunDir, attempt: int) -> dict[int, dict]:
     """The nodes' end markers (exit code, state), by node."""
     found = {}
-    for path in sdir.glob("node-*.ended"):
-        node = path.name[len("node-"):-len(".ended")]
+    for node, path in run_dir.node_markers(attempt, "ended").items():
         try:
-            found[int(node)] = json.loads(path.read_text())
+            found[node] = json.loads(path.read_text())
         except (OSError, ValueError):
-            continue  # a foreign file: not a node's marker
+            continue  # written atomically: a read error means it is being replaced
     return found
-
-
-def _nodes_without_end(sdir) -> list[int]:
-    """Nodes that started but have not written their end marker yet."""
-    def nodes(suffix: str) -> set[int]:
-        return {int(p.name[len("node-"):-len(suffix)]) for p in sdir.glob(f"node-*{suffix}")
-                if p.name[len("node-"):-len(suffix)].isdigit()}
-
-    return sorted(nodes(".started") - nodes(".ended"))
 
 
 def create_backend(**options) -> SparkBackend:

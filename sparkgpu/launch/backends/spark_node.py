@@ -34,17 +34,13 @@ from sparkgpu.launch.backends.spark_probe import executor_identity
 from sparkgpu.launch.entrypoint import NODE_DEVICES_ENV
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.staging import (
-    CANCEL_FILE,
-    HEARTBEAT_FILE,
-    SPARK_DIR,
     NodeMirror,
     StagingStore,
     env_on_node,
     scratch_run_dir,
 )
 
-__all__ = ["NodeLaunch", "run_node", "NODE_SCHEMA", "NODE_DDL", "CANCEL_FILE", "HEARTBEAT_FILE", "spark_dir",
-           "Heartbeat", "node_beat_file"]
+__all__ = ["NodeLaunch", "run_node", "NODE_SCHEMA", "NODE_DDL", "Heartbeat"]
 
 NODE_SCHEMA = pa.schema([
     ("node", pa.int32()), ("executor", pa.string()), ("host", pa.string()), ("devices", pa.string()),
@@ -54,11 +50,6 @@ NODE_SCHEMA = pa.schema([
 NODE_DDL = "node int, executor string, host string, devices string, pid bigint, exit_code int, state string"
 _POLL_SECONDS = 0.2
 _BEAT_SECONDS = 1.0
-
-
-def spark_dir(run_dir: RunDir, attempt: int) -> Path:
-    """Where an attempt's Spark-specific markers live (start markers, cancel, heartbeat)."""
-    return run_dir.attempt_dir(attempt) / SPARK_DIR
 
 
 # -- one node of a job ---------------------------------------------------------------------
@@ -140,7 +131,7 @@ def run_node(launch: NodeLaunch, batches):
     info = {"node": node, "executor": identity.executor_id, "host": identity.host, "devices": list(devices),
             "python_pid": os.getpid(), "started_at": time.time(), "run_dir": str(rd.path)}
     if state is None:
-        claimed = spark_dir(rd, launch.attempt) / f"node-{node}.started"
+        claimed = rd.node_marker(launch.attempt, node, "started")
         if (mirror is not None and mirror.claimed_before()) or not _claim(claimed, info) or ctx.attemptNumber() > 0:
             # Spark re-ran the stage after a task or executor was lost. Restarts are the
             # supervisor's decision, so this stage reports and ends without training again.
@@ -252,19 +243,14 @@ def _verify(rd: RunDir, launch: NodeLaunch, node: int) -> str:
 
 
 def _peer_failed(rd: RunDir, attempt: int, node: int) -> bool:
-    for path in rd.attempt_dir(attempt).glob("node-*.json"):
-        if path.name != f"node-{node}.json":
+    for peer, path in rd.node_exit_files(attempt).items():
+        if peer != node:
             try:
                 if json.loads(path.read_text()).get("status", 0) != 0:
                     return True
             except (OSError, ValueError):
                 continue  # written atomically; a read error means it is being replaced
     return False
-
-
-def node_beat_file(node: int) -> str:
-    """Name of the heartbeat a node rewrites in the attempt's Spark dir while its agent runs."""
-    return f"node-{node}.beat"
 
 
 class Heartbeat:
@@ -300,15 +286,14 @@ class Heartbeat:
         return silent > self.timeout and (self.last_value is not None or not self.seen_first)
 
 
-def _peer_lost(sdir: Path, node: int, beats: dict[int, Heartbeat], timeout: float | None) -> bool:
+def _peer_lost(rd: RunDir, attempt: int, node: int, beats: dict[int, Heartbeat], timeout: float | None) -> bool:
     """Whether a peer node started, never ended and stopped beating: its executor is gone."""
     if timeout is None:
         return False
-    for marker in sdir.glob("node-*.started"):
-        peer = marker.name[len("node-"):-len(".started")]
-        if not peer.isdigit() or int(peer) == node or (sdir / f"node-{peer}.ended").exists():
+    for peer in rd.nodes_without_end(attempt):
+        if peer == node:
             continue
-        beat = beats.setdefault(int(peer), Heartbeat(sdir / node_beat_file(int(peer)), timeout, seen_first=True))
+        beat = beats.setdefault(peer, Heartbeat(rd.node_marker(attempt, peer, "beat"), timeout, seen_first=True))
         if beat.lost():
             return True
     return False
@@ -316,24 +301,24 @@ def _peer_lost(sdir: Path, node: int, beats: dict[int, Heartbeat], timeout: floa
 
 def _watch(agent: subprocess.Popen, rd: RunDir, launch: NodeLaunch, node: int) -> tuple[int, str]:
     """Waits for the agent; stops it when the client cancels, the client is gone or a peer node failed."""
-    sdir = spark_dir(rd, launch.attempt)
-    heartbeat = Heartbeat(sdir / HEARTBEAT_FILE, launch.client_timeout)
+    attempt = launch.attempt
+    heartbeat = Heartbeat(rd.client_heartbeat_file(attempt), launch.client_timeout)
     peers: dict[int, Heartbeat] = {}
     state, stop_deadline = "running", None
     beats, next_beat = 0, 0.0
     while (code := agent.poll()) is None:
         if time.monotonic() >= next_beat:  # the client and the peers tell a lost executor by its silence
             beats, next_beat = beats + 1, time.monotonic() + _BEAT_SECONDS
-            atomic_write_bytes(sdir / node_beat_file(node), f"{beats}\n".encode())
+            atomic_write_bytes(rd.node_marker(attempt, node, "beat"), f"{beats}\n".encode())
         if stop_deadline is None:
             reason = None
-            if (sdir / CANCEL_FILE).exists():
+            if rd.spark_cancel_file(attempt).exists():
                 reason = "cancelled"
             elif heartbeat.lost():
                 reason = "client-lost"
-            elif _peer_failed(rd, launch.attempt, node):
+            elif _peer_failed(rd, attempt, node):
                 reason = "peer-failed"
-            elif _peer_lost(sdir, node, peers, launch.peer_timeout):
+            elif _peer_lost(rd, attempt, node, peers, launch.peer_timeout):
                 reason = "peer-lost"
             if reason:
                 state = reason
@@ -345,5 +330,5 @@ def _watch(agent: subprocess.Popen, rd: RunDir, launch: NodeLaunch, node: int) -
     if state == "running":
         state = "succeeded" if code == 0 else "failed"
     done = {"node": node, "exit_code": code, "state": state, "ended_at": time.time()}
-    atomic_write_bytes(sdir / f"node-{node}.ended", json.dumps(done).encode())
+    atomic_write_bytes(rd.node_marker(attempt, node, "ended"), json.dumps(done).encode())
     return code, state
