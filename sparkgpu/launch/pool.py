@@ -27,6 +27,7 @@ import importlib.util
 import json
 import os
 import select
+import shutil
 import socket
 import subprocess
 import time
@@ -37,7 +38,7 @@ from sparkgpu.errors import SparkGPUError
 from sparkgpu.launch.backends.base import AttemptHandle
 from sparkgpu.launch.backends.local import LocalBackend
 
-__all__ = ["PoolBackend", "create_backend", "ensure_pool", "pool_status", "stop_pool"]
+__all__ = ["PoolBackend", "Standby", "create_backend", "ensure_pool", "pool_status", "stop_pool", "run_on_zygote"]
 
 _START_TIMEOUT = 120.0
 # A warm job often ends within a fraction of a second: for its first second, poll waits up to
@@ -201,11 +202,56 @@ def _pool_dirs(python: str) -> list[Path]:
 
 @dataclasses.dataclass
 class PoolAttempt(AttemptHandle):
+    """An attempt whose ranks a zygote forked; the zygote answers on ``conn`` when they ended."""
+
     attempt: int
     conn: socket.socket
     node_file: Path
     status: int | None = None
     submitted: float = dataclasses.field(default_factory=time.monotonic)
+
+    def poll(self) -> int | None:
+        if self.status is not None:
+            return self.status
+        if time.monotonic() - self.submitted < _EARLY_SECONDS and self.conn.fileno() >= 0:
+            # poll(), not select(): a long-lived client (a notebook, a test session) can hold
+            # descriptors past select()'s limit of 1024.
+            waiter = select.poll()
+            waiter.register(self.conn, select.POLLIN)
+            waiter.poll(_EARLY_RESULT_WAIT * 1000)
+        try:
+            data = self.conn.recv(1 << 12)
+        except BlockingIOError:
+            return None
+        self.conn.close()
+        self.status = json.loads(data.decode())["status"] if data else 1
+        return self.status
+
+    def cancel(self, grace: float) -> None:
+        if self.status is not None:
+            return
+        self.conn.close()  # the zygote sees EOF and stops this job's ranks (SIGKILL after grace)
+        self.status = 130
+        deadline = time.monotonic() + grace + 5
+        while not self.node_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def run_on_zygote(directory: Path, job, run_dir, attempt: int, env: dict[str, str]) -> PoolAttempt:
+    """Asks the zygote at ``directory`` to fork the attempt's ranks; returns once they were forked."""
+    conn = _connect(directory)
+    if conn is None:
+        raise SparkGPUError(f"the warm pool at {directory} stopped answering; run `sparkgpu pool stop` and retry")
+    full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
+    full_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // job.world_size)))
+    request = {"op": "run", "run_dir": str(run_dir.path), "attempt": attempt, "nproc": job.world_size,
+               "env": full_env, "grace": job.policy.shutdown_grace}
+    conn.sendall((json.dumps(request) + "\n").encode())
+    if not _read_line(conn):  # {"started": true} when the ranks were forked
+        conn.close()
+        raise SparkGPUError(f"the warm pool at {directory} refused the job; see {directory / 'pool.log'}")
+    conn.setblocking(False)
+    return PoolAttempt(attempt=attempt, conn=conn, node_file=run_dir.node_file(attempt, 0))
 
 
 class PoolBackend(LocalBackend):
@@ -214,50 +260,63 @@ class PoolBackend(LocalBackend):
     name = "pool"
 
     def __init__(self, idle_timeout: float | None = None, **options):
-        super().__init__(**options)
+        super().__init__(standby=False, **options)  # every attempt starts warm already
         self.idle_timeout = idle_timeout or settings().pool_idle_timeout
 
     def submit(self, job, run_dir, attempt, env, layout=None) -> PoolAttempt:
-        directory = ensure_pool(self.python, self.idle_timeout)
-        conn = _connect(directory)
-        if conn is None:
-            raise SparkGPUError(f"the warm pool at {directory} stopped answering; run `sparkgpu pool stop` and retry")
-        full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
-        full_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // job.world_size)))
-        request = {"op": "run", "run_dir": str(run_dir.path), "attempt": attempt, "nproc": job.world_size,
-                   "env": full_env, "grace": job.policy.shutdown_grace}
-        conn.sendall((json.dumps(request) + "\n").encode())
-        if not _read_line(conn):  # {"started": true} when the ranks were forked
-            conn.close()
-            raise SparkGPUError(f"the warm pool at {directory} refused the job; see {directory / 'pool.log'}")
-        conn.setblocking(False)
-        return PoolAttempt(attempt=attempt, conn=conn, node_file=run_dir.node_file(attempt, 0))
+        return run_on_zygote(ensure_pool(self.python, self.idle_timeout), job, run_dir, attempt, env)
 
-    def poll(self, handle: PoolAttempt) -> int | None:
-        if handle.status is not None:
-            return handle.status
-        if time.monotonic() - handle.submitted < _EARLY_SECONDS and handle.conn.fileno() >= 0:
-            # poll(), not select(): a long-lived client (a notebook, a test session) can hold
-            # descriptors past select()'s limit of 1024.
-            waiter = select.poll()
-            waiter.register(handle.conn, select.POLLIN)
-            waiter.poll(_EARLY_RESULT_WAIT * 1000)
-        try:
-            data = handle.conn.recv(1 << 12)
-        except BlockingIOError:
+
+class Standby:
+    """One job's private zygote, started while an attempt runs, that forks the next attempt's ranks.
+
+    A restart through it skips the interpreters' start and ``import torch`` (seconds). It
+    serves this job alone, dies with the client (``PR_SET_PDEATHSIG``; start it from the
+    thread that supervises the job) and is stopped when the job ends. While it is still
+    starting, a restart waits for it rather than starting cold beside it; one that failed to
+    start leaves the restart to the cold path.
+
+    Args:
+        python: The interpreter of the job's ranks.
+        job_id: The job it serves.
+    """
+
+    def __init__(self, python: str, job_id: str):
+        self.job_id = job_id
+        name = hashlib.sha256(job_id.encode()).hexdigest()[:12]  # a UNIX socket's path is short
+        self.directory = settings().home / "standby" / name
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with open(self.directory / "pool.log", "ab") as log:
+            self.process = subprocess.Popen(
+                [python, "-m", "sparkgpu.launch.pool_zygote", str(self.directory), "inf", "", "standby"],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+
+    def ready(self, timeout: float = _START_TIMEOUT) -> bool:
+        """Waits until it answers; ``False`` when it ended or did not answer within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while self.process.poll() is None and time.monotonic() < deadline:
+            if _request(self.directory, {"op": "status"}) is not None:
+                return True
+            time.sleep(0.02)
+        return False
+
+    def submit(self, job, run_dir, attempt: int, env: dict[str, str]) -> PoolAttempt | None:
+        """The attempt, its ranks forked here; ``None`` when the standby cannot serve it."""
+        if not self.ready():
             return None
-        handle.conn.close()
-        handle.status = json.loads(data.decode())["status"] if data else 1
-        return handle.status
+        return run_on_zygote(self.directory, job, run_dir, attempt, env)
 
-    def cancel(self, handle: PoolAttempt, grace: float) -> None:
-        if handle.status is not None:
-            return
-        handle.conn.close()  # the zygote sees EOF and stops this job's ranks (SIGKILL after grace)
-        handle.status = 130
-        deadline = time.monotonic() + grace + 5
-        while not handle.node_file.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            _request(self.directory, {"op": "stop"})
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def create_backend(**options) -> PoolBackend:

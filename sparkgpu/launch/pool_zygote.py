@@ -1,7 +1,7 @@
 """The warm pool's zygote: the long-lived process that forks a job's ranks with torch imported.
 
 The client side (:mod:`sparkgpu.launch.pool`) starts it as
-``python -m sparkgpu.launch.pool_zygote DIRECTORY IDLE_TIMEOUT FINGERPRINT`` and talks to it
+``python -m sparkgpu.launch.pool_zygote DIRECTORY IDLE_TIMEOUT FINGERPRINT [standby]`` and talks to it
 over the UNIX socket ``DIRECTORY/pool.sock``, one JSON line per request and per reply
 (``status``, ``stop``, ``retire``, ``run``); it describes itself in ``DIRECTORY/pool.json``.
 
@@ -336,6 +336,8 @@ class _StopPool(Exception):
 def _serve(argv: list[str]) -> None:
     directory, idle_timeout = Path(argv[0]), float(argv[1])
     fingerprint = argv[2] if len(argv) > 2 else ""
+    if argv[3:4] == ["standby"]:  # one job's standby (pool.Standby): it lives no longer than its client
+        _die_with_parent()
     # What every rank needs, imported once here so that forked ranks start warm.
     import cloudpickle  # noqa: F401
     import torch  # noqa: F401

@@ -231,8 +231,11 @@ class Supervisor:
                 self._set_status(JobStatus.CANCELLED if isinstance(exc, KeyboardInterrupt) else JobStatus.FAILED)
             raise
         finally:
-            for callback in self.callbacks:
-                callback.after_job(self.job, results, error)
+            try:
+                self.backend.end_job(self.job)
+            finally:
+                for callback in self.callbacks:
+                    callback.after_job(self.job, results, error)
 
     def _stop_message(self, outcome: AttemptResult) -> str:
         job_id, reason = self.job.job_id, self.state["stop_reason"]

@@ -11,11 +11,12 @@ import textwrap
 import threading
 import time
 
+import psutil
 import pytest
 
 from sparkgpu import CapacityError, JobTimeoutError, SerializationError, WorkerFailedError, distributed, runtime
 from sparkgpu.config import settings
-from tests.integration.processes import assert_no_orphans, ctrl_c_client, start_client, wait_for
+from tests.integration.processes import assert_no_orphans, ctrl_c_client, processes_of, start_client, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -350,3 +351,42 @@ def test_a_crashed_rank_does_not_leave_a_checkpointing_peer_to_sit_out_the_shutd
     assert time.time() - float(crashed_at.read_text()) < 8
     assert err.value.failures[0].rank == 0 and err.value.failures[0].exitcode == -signal.SIGKILL
     assert_no_orphans(settings().staging_root / crash_beside_a_checkpointer.last_job_id)
+
+
+def test_a_restart_forks_its_ranks_from_the_jobs_standby_which_ends_with_the_job():
+    """A job that may restart gets a standby with torch imported once its attempt is under way;
+    the restart's ranks are forked from it (no new interpreter), and it ends with the job."""
+    from sparkgpu.launch.backends.local import LocalBackend
+
+    @distributed(gpus=2, gpu_type="cpu", max_restarts=1, log_ranks=None)
+    def crash_once(wait):
+        import time as _t
+
+        import psutil
+
+        if runtime.attempt() == 0:
+            _t.sleep(wait)  # long enough for the supervisor to start the standby
+            if runtime.get_global_rank() == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            _t.sleep(120)
+        parent = psutil.Process(os.getppid())
+        return runtime.attempt(), parent.pid, parent.cmdline()
+
+    results = crash_once.distributed(LocalBackend.standby_delay + 1.5)
+    assert [r[0] for r in results] == [1, 1]
+    (standby_pid,) = {r[1] for r in results}
+    assert all("sparkgpu.launch.pool_zygote" in r[2] and r[2][-1] == "standby" for r in results)
+    assert not psutil.pid_exists(standby_pid) or psutil.Process(standby_pid).status() == psutil.STATUS_ZOMBIE
+    assert list((settings().home / "standby").iterdir()) == []
+
+
+def test_a_killed_client_takes_its_jobs_standby_with_it(tmp_path, _isolated_sparkgpu_home):
+    client = start_client(tmp_path, _isolated_sparkgpu_home,
+                          ctrl_c_client('@distributed(gpus=2, gpu_type="cpu", max_restarts=1)'), stdout=subprocess.DEVNULL)
+    standbys = _isolated_sparkgpu_home / "standby"
+    _wait_or_fail(client, lambda: any(standbys.glob("*/pool.json")), "the job's standby never started")
+    assert processes_of(standbys)
+    client.kill()  # SIGKILL: no cleanup code runs in the client
+    client.wait()
+    assert_no_orphans(standbys, within=15)
+    assert_no_orphans(next((_isolated_sparkgpu_home / "runs").iterdir()), within=15)

@@ -52,3 +52,36 @@ def test_by_default_torch_numpy_and_cloudpickle_are_covered(tmp_path):
     root = _package(tmp_path)
     assert len(code_fingerprint()) == 12
     assert code_fingerprint(root) != code_fingerprint(root, ())
+
+
+def test_only_a_job_that_may_restart_gets_a_standby_and_only_once_its_attempt_is_under_way(monkeypatch):
+    import subprocess
+    import sys
+    import time
+
+    from sparkgpu.launch import pool
+    from sparkgpu.launch.backends.local import LocalAttempt, LocalBackend
+    from sparkgpu.spec import JobSpec, Resources, RunPolicy
+
+    started = []
+    monkeypatch.setattr(pool, "Standby", lambda python, job_id: started.append(job_id) or object())
+    backend = LocalBackend()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        def attempt(job_id, max_restarts, age):
+            job = JobSpec(job_id=job_id, name="t", resources=Resources(2, "cpu"), policy=RunPolicy(max_restarts=max_restarts))
+            handle = LocalAttempt(attempt=0, process=sleeper, log=open(os.devnull, "wb"), job=job,
+                                  submitted=time.monotonic() - age)
+            assert backend.poll(handle) is None
+            return handle
+
+        attempt("no-restarts", 0, age=60)
+        attempt("just-started", 1, age=0)
+        assert started == []  # no restart possible, or its ranks are still starting
+        attempt("under-way", 1, age=LocalBackend.standby_delay + 1)
+        attempt("under-way", 1, age=LocalBackend.standby_delay + 2)
+        assert started == ["under-way"]  # one standby per job
+        assert LocalBackend(standby=False)._standbys == {} and pool.PoolBackend().standby is False
+    finally:
+        sleeper.kill()
+        sleeper.wait()

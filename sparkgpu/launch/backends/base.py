@@ -118,6 +118,9 @@ class Backend(abc.ABC):
     def cancel(self, handle: AttemptHandle, grace: float) -> None:
         """Stops the attempt: SIGTERM to its ranks, SIGKILL after ``grace`` seconds."""
 
+    def end_job(self, job: JobSpec) -> None:
+        """Frees what the backend kept for the job's later attempts; called once the job ended."""
+
     def ranks_started_at(self, handle: AttemptHandle) -> float | None:
         """Unix time the attempt's ranks started, ``None`` while they still wait for resources.
 

@@ -4,6 +4,12 @@ One agent process per attempt (``python -m sparkgpu.launch.agent``) in its own s
 the caller's Ctrl-C reaches the supervisor, which then stops the agent deliberately. The
 agent dies with its parent and the ranks die with the agent (``PR_SET_PDEATHSIG``), so a
 killed client leaves no orphans.
+
+A job that may restart (``max_restarts`` > 0) gets a standby once its first attempt is under
+way: a process of its own that has imported torch and forks the next attempt's ranks
+(:class:`~sparkgpu.launch.pool.Standby`, the warm pool's zygote private to the job). A
+restart then skips the interpreters' start and ``import torch``, as torchrun's agent, which
+outlives its workers, skips its own; the standby stops when the job ends.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import signal
 import socket
 import subprocess
 import time
+from typing import Any
 
 from sparkgpu.catalog import lookup_gpu_type
 from sparkgpu.config import settings
@@ -39,6 +46,27 @@ class LocalAttempt(AttemptHandle):
     attempt: int
     process: subprocess.Popen
     log: object
+    job: JobSpec | None = None
+    submitted: float = dataclasses.field(default_factory=time.monotonic)
+
+    def poll(self) -> int | None:
+        code = self.process.poll()
+        if code is not None:
+            self.log.close()
+        return code
+
+    def cancel(self, grace: float) -> None:
+        process = self.process
+        if process.poll() is None:
+            # The agent forwards SIGTERM to its ranks and waits up to its shutdown grace.
+            process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace + 5
+            while process.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)  # ranks follow through PR_SET_PDEATHSIG
+            process.wait()
+        self.log.close()
 
 
 class LocalBackend(Backend):
@@ -52,13 +80,18 @@ class LocalBackend(Backend):
     """
 
     name = "local"
+    #: Seconds an attempt of a job that may restart runs before the job's standby starts
+    #: (:class:`~sparkgpu.launch.pool.Standby`): after the ranks' own start-up, not beside it.
+    standby_delay = 2.0
 
     def __init__(self, host_gpus: HostGPUs | None = None, python: str | None = None,
-                 max_cpu_ranks: int | None = None):
+                 max_cpu_ranks: int | None = None, standby: bool = True):
         s = settings()
         self.host_gpus = host_gpus if host_gpus is not None else detect_host_gpus(s.simulate_gpus)
         self.python = python or s.python
         self.max_cpu_ranks = max_cpu_ranks or s.max_cpu_ranks
+        self.standby = standby
+        self._standbys: dict[str, Any] = {}  # job id -> its Standby
 
     # -- capacity ---------------------------------------------------------------------
     def resolve(self, job: JobSpec) -> ResolvedJob:
@@ -117,7 +150,12 @@ class LocalBackend(Backend):
             devices=job.devices, commands=(tuple(self._command(job, run_dir, attempt, 0)),), env=masked,
         )
 
-    def submit(self, job, run_dir, attempt, env, layout=None) -> LocalAttempt:
+    def submit(self, job, run_dir, attempt, env, layout=None) -> AttemptHandle:
+        standby = self._standbys.get(job.job_id)
+        if standby is not None:
+            handle = standby.submit(job, run_dir, attempt, env)
+            if handle is not None:
+                return handle
         run_dir.prepare_attempt(attempt)
         log = open(run_dir.agent_log(attempt, 0), "ab")
         full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
@@ -128,26 +166,35 @@ class LocalBackend(Backend):
             env=full_env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
-        return LocalAttempt(attempt=attempt, process=process, log=log)
+        return LocalAttempt(attempt=attempt, process=process, log=log, job=job)
 
-    def poll(self, handle: LocalAttempt) -> int | None:
-        code = handle.process.poll()
-        if code is not None:
-            handle.log.close()
+    def poll(self, handle) -> int | None:
+        code = handle.poll()
+        if code is None and isinstance(handle, LocalAttempt):
+            self._prepare_standby(handle)
         return code
 
-    def cancel(self, handle: LocalAttempt, grace: float) -> None:
-        process = handle.process
-        if process.poll() is None:
-            # The agent forwards SIGTERM to its ranks and waits up to its shutdown grace.
-            process.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + grace + 5
-            while process.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)  # ranks follow through PR_SET_PDEATHSIG
-            process.wait()
-        handle.log.close()
+    def cancel(self, handle, grace: float) -> None:
+        handle.cancel(grace)
+
+    def _prepare_standby(self, handle: LocalAttempt) -> None:
+        """Starts the job's standby once its attempt is under way, if the job may restart.
+
+        Started from the thread that polls (the supervisor's, which outlives the job's
+        attempts): the standby dies with that thread's process, never with a helper thread.
+        """
+        job = handle.job
+        if (not self.standby or job is None or job.policy.max_restarts < 1 or job.job_id in self._standbys
+                or time.monotonic() - handle.submitted < self.standby_delay):
+            return
+        from sparkgpu.launch.pool import Standby
+
+        self._standbys[job.job_id] = Standby(self.python, job.job_id)
+
+    def end_job(self, job: JobSpec) -> None:
+        standby = self._standbys.pop(job.job_id, None)
+        if standby is not None:
+            standby.stop()
 
 
 def create_backend(**options) -> LocalBackend:
