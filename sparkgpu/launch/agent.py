@@ -59,13 +59,19 @@ def strip_spark_secrets(environ: MutableMapping[str, str]) -> list[str]:
 
 
 def build_command(python: str, run_dir: str, *, attempt: int, nnodes: int, node_rank: int, nproc: int,
-                  master_addr: str, master_port: int, shutdown_grace: float) -> list[str]:
-    """The command line that starts one node's agent."""
+                  master_addr: str, master_port: int, shutdown_grace: float, env_on_stdin: bool = False) -> list[str]:
+    """The command line that starts one node's agent.
+
+    Args:
+        env_on_stdin: The agent reads one more JSON object of environment variables from its
+            standard input before it starts any rank (:meth:`LocalBackend.prestart
+            <sparkgpu.launch.backends.local.LocalBackend.prestart>`); end of input starts none.
+    """
     return [
         python, "-m", "sparkgpu.launch.agent", run_dir,
         "--attempt", str(attempt), "--nnodes", str(nnodes), "--node-rank", str(node_rank),
         "--nproc", str(nproc), "--master-addr", master_addr, "--master-port", str(master_port),
-        "--shutdown-grace", str(int(max(1, shutdown_grace))),
+        "--shutdown-grace", str(int(max(1, shutdown_grace))), *(["--env-on-stdin"] if env_on_stdin else []),
     ]
 
 
@@ -124,6 +130,7 @@ def _parse(argv):
     parser.add_argument("--master-addr", default="127.0.0.1")
     parser.add_argument("--master-port", type=int, required=True)
     parser.add_argument("--shutdown-grace", type=int, default=10)
+    parser.add_argument("--env-on-stdin", action="store_true")
     return parser.parse_args(argv)
 
 
@@ -146,6 +153,13 @@ def main(argv=None) -> int:
 
     from sparkgpu.launch import rendezvous
 
+    if args.env_on_stdin:  # started before the client's callbacks ran: their variables come now
+        line = sys.stdin.readline()
+        if not line.strip():
+            print(f"sparkgpu: node {args.node_rank} starts none of its ranks: the client withdrew the attempt",
+                  file=sys.stderr, flush=True)
+            return EXIT_FAILED
+        os.environ.update(json.loads(line))
     rendezvous.register()
     # The ranks inherit these.
     os.environ.update(rendezvous.collective_interface_env(args.master_addr))

@@ -263,6 +263,9 @@ class PoolBackend(LocalBackend):
         super().__init__(standby=False, **options)  # every attempt starts warm already
         self.idle_timeout = idle_timeout or settings().pool_idle_timeout
 
+    def prestart(self, job, run_dir, attempt, env) -> None:
+        return None  # forking from the pool takes milliseconds: nothing to start ahead
+
     def submit(self, job, run_dir, attempt, env, layout=None) -> PoolAttempt:
         return run_on_zygote(ensure_pool(self.python, self.idle_timeout), job, run_dir, attempt, env)
 

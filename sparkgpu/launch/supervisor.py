@@ -193,13 +193,22 @@ class Supervisor:
         # Its start time tells a recycled pid from the client itself.
         self.state["client"] = {"host": socket.gethostname(), "pid": os.getpid(),
                                 "pid_started": psutil.Process().create_time()}
-        for callback in self.callbacks:
-            callback.before_job(self.job, str(self.run_dir.path))
+        # The first attempt's agent starts beside the callbacks (an MLflow run, a usage row);
+        # its ranks wait for their variables, so no user code runs untracked.
+        early = self._prestart() if self.callbacks else None
+        try:
+            for callback in self.callbacks:
+                callback.before_job(self.job, str(self.run_dir.path))
+        except BaseException:
+            if early is not None:
+                early.discard()
+            raise
         results, error = None, None
         try:
             while True:
                 attempt = len(self.state["attempts"])
-                outcome = self._run_attempt(attempt, job_started)
+                outcome = self._run_attempt(attempt, job_started, early)
+                early = None
                 if outcome.status == "succeeded":
                     self._set_status(JobStatus.SUCCEEDED)
                     results = outcome.results
@@ -250,7 +259,13 @@ class Supervisor:
         return (f"job {job_id} {what}: {reason}; "
                 f"continue it with `sparkgpu resume {job_id}` once the policy allows")
 
-    def _attempt_env(self, attempt: int, submitted: float) -> dict[str, str]:
+    def _prestart(self):
+        """The next attempt's agent, started ahead of its environment, or ``None`` where the backend cannot."""
+        attempt = len(self.state["attempts"])
+        return self.backend.prestart(self.job, self.run_dir, attempt, self._base_env(attempt, time.time()))
+
+    def _base_env(self, attempt: int, submitted: float) -> dict[str, str]:
+        """The ranks' environment that needs no callback."""
         env = {
             KEY_ENV: self.key.hex(),
             runtime.ENV_JOB_ID: self.job.job_id,
@@ -262,11 +277,15 @@ class Supervisor:
             # Ranks start at submit here; elsewhere the supervisor writes the stop file in time.
             deadline = submitted + self.job.policy.max_runtime - self.job.policy.checkpoint_grace
             env[runtime.ENV_DEADLINE] = repr(deadline)
+        return env
+
+    def _attempt_env(self, attempt: int, submitted: float) -> dict[str, str]:
+        env = self._base_env(attempt, submitted)
         for callback in self.callbacks:
             env.update(callback.before_attempt(self.job, attempt))
         return env
 
-    def _run_attempt(self, attempt: int, job_started: float) -> AttemptResult:
+    def _run_attempt(self, attempt: int, job_started: float, early=None) -> AttemptResult:
         submitted = time.time()
         # started_at: when the ranks started, the start of the billed time and of the cap.
         record = {"attempt": attempt, "submitted_at": submitted, "started_at": None, "ended_at": None,
@@ -276,8 +295,16 @@ class Supervisor:
         handle = streamer = None
         try:
             checkpoint_before = self._latest_checkpoint()
-            handle = self.backend.submit(self.job, self.run_dir, attempt, self._attempt_env(attempt, submitted),
-                                         layout=self.layout)
+            try:
+                env = self._attempt_env(attempt, submitted)
+            except BaseException:
+                if early is not None:
+                    early.discard()
+                raise
+            if early is not None:
+                handle = early.start(env)
+            else:
+                handle = self.backend.submit(self.job, self.run_dir, attempt, env, layout=self.layout)
             streamer = LogStreamer(self.run_dir, attempt, self.job.world_size, self.job.log_ranks, self.out)
             code, stopped_by = self._watch(attempt, handle, streamer, record, job_started)
             streamer.finish()

@@ -10,11 +10,14 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
 from sparkgpu import CapacityError, JobTimeoutError, SerializationError, WorkerFailedError, distributed, runtime
+from sparkgpu.callbacks import JobCallback
+from sparkgpu.errors import ConfigurationError
 from sparkgpu.config import settings
 from tests.integration.processes import assert_no_orphans, ctrl_c_client, processes_of, start_client, wait_for
 
@@ -390,3 +393,44 @@ def test_a_killed_client_takes_its_jobs_standby_with_it(tmp_path, _isolated_spar
     client.wait()
     assert_no_orphans(standbys, within=15)
     assert_no_orphans(next((_isolated_sparkgpu_home / "runs").iterdir()), within=15)
+
+
+class _SlowCallback(JobCallback):
+    """Takes a second to set the job up (as creating an MLflow run can) and hands the ranks a variable."""
+
+    def before_job(self, job, run_dir):
+        time.sleep(1.0)
+        agents = [p for p in processes_of(run_dir) if "sparkgpu.launch.agent" in " ".join(p.cmdline())]
+        ranks = list((Path(run_dir) / "attempts").glob("*/logs/rank-*.log"))
+        self.seen = (len(agents), len(ranks))
+
+    def before_attempt(self, job, attempt):
+        return {"SPARKGPU_TEST_FROM_CALLBACK": f"attempt {attempt}"}
+
+
+class _RefusingCallback(JobCallback):
+    def before_job(self, job, run_dir):
+        raise ConfigurationError("the tracking server is down")
+
+
+def test_the_first_agent_starts_beside_the_callbacks_and_no_rank_before_them():
+    callback = _SlowCallback()
+
+    @distributed(gpus=2, gpu_type="cpu", log_ranks=None, callbacks=[callback])
+    def read_the_callbacks_variable():
+        return os.environ.get("SPARKGPU_TEST_FROM_CALLBACK")
+
+    assert read_the_callbacks_variable.distributed() == ["attempt 0", "attempt 0"]
+    assert callback.seen == (1, 0)  # the agent ran while the callback did; no rank had started
+
+
+def test_a_callback_that_fails_before_the_job_leaves_no_agent_and_no_attempt():
+    @distributed(gpus=2, gpu_type="cpu", log_ranks=None, callbacks=[_RefusingCallback()])
+    def never_runs():
+        return 1
+
+    with pytest.raises(ConfigurationError, match="tracking server is down"):
+        never_runs.distributed()
+    run_dir = settings().staging_root / never_runs.last_job_id
+    assert_no_orphans(run_dir)
+    assert not (run_dir / "attempts").exists() or list((run_dir / "attempts").iterdir()) == []

@@ -118,6 +118,16 @@ class Backend(abc.ABC):
     def cancel(self, handle: AttemptHandle, grace: float) -> None:
         """Stops the attempt: SIGTERM to its ranks, SIGKILL after ``grace`` seconds."""
 
+    def prestart(self, job: JobSpec, run_dir: RunDir, attempt: int, env: dict[str, str]) -> Any:
+        """Starts what an attempt can start before the job's callbacks give the rest of its
+        environment; ``None`` when nothing can (then :meth:`submit` starts it all).
+
+        Returns:
+            An object whose ``start(env)`` returns the attempt's handle once given the whole
+            environment, and whose ``discard()`` stops it unstarted.
+        """
+        return None
+
     def end_job(self, job: JobSpec) -> None:
         """Frees what the backend kept for the job's later attempts; called once the job ended."""
 

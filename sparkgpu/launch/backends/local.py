@@ -14,8 +14,11 @@ outlives its workers, skips its own; the standby stops when the job ends.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -67,6 +70,28 @@ class LocalAttempt(AttemptHandle):
             os.killpg(process.pid, signal.SIGKILL)  # ranks follow through PR_SET_PDEATHSIG
             process.wait()
         self.log.close()
+
+
+class EarlyAgent:
+    """An attempt's agent started ahead of its environment (:meth:`LocalBackend.prestart`)."""
+
+    def __init__(self, handle: LocalAttempt, run_dir: RunDir):
+        self.handle, self.run_dir = handle, run_dir
+
+    def start(self, env: dict[str, str]) -> LocalAttempt:
+        """Hands the agent the rest of the ranks' environment; it starts them."""
+        stdin = self.handle.process.stdin
+        with contextlib.suppress(BrokenPipeError):  # the agent ended already (a refused payload): poll() says how
+            stdin.write((json.dumps(env) + "\n").encode())
+            stdin.close()
+        self.handle.submitted = time.monotonic()
+        return self.handle
+
+    def discard(self) -> None:
+        """Stops the agent before it started any rank and removes the attempt's folder."""
+        self.handle.process.stdin.close()  # end of input: it starts nothing
+        self.handle.cancel(grace=0)
+        shutil.rmtree(self.run_dir.attempt_dir(self.handle.attempt), ignore_errors=True)
 
 
 class LocalBackend(Backend):
@@ -137,10 +162,11 @@ class LocalBackend(Backend):
         ))
 
     # -- attempts ---------------------------------------------------------------------
-    def _command(self, job: JobSpec, run_dir: RunDir, attempt: int, port: int) -> list[str]:
+    def _command(self, job: JobSpec, run_dir: RunDir, attempt: int, port: int, env_on_stdin: bool = False) -> list[str]:
         return build_command(
             self.python, str(run_dir.path), attempt=attempt, nnodes=1, node_rank=0, nproc=job.world_size,
             master_addr="127.0.0.1", master_port=port, shutdown_grace=job.policy.shutdown_grace,
+            env_on_stdin=env_on_stdin,
         )
 
     def plan(self, job, run_dir, attempt, env, layout=None) -> LaunchPlan:
@@ -156,15 +182,27 @@ class LocalBackend(Backend):
             handle = standby.submit(job, run_dir, attempt, env)
             if handle is not None:
                 return handle
+        return self._start_agent(job, run_dir, attempt, env)
+
+    def prestart(self, job, run_dir, attempt, env) -> EarlyAgent:
+        """Starts the attempt's agent before the job's callbacks run, beside them.
+
+        The agent checks the payload and imports torch meanwhile (its longest part), then
+        waits for the callbacks' variables (:meth:`EarlyAgent.start`) before starting any
+        rank: no user code runs before the job's MLflow run and usage row exist.
+        """
+        return EarlyAgent(self._start_agent(job, run_dir, attempt, env, env_on_stdin=True), run_dir)
+
+    def _start_agent(self, job, run_dir, attempt, env, env_on_stdin: bool = False) -> LocalAttempt:
         run_dir.prepare_attempt(attempt)
         log = open(run_dir.agent_log(attempt, 0), "ab")
         full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
         # The ranks' own interpreter flags: keep OpenMP from oversubscribing a shared host.
         full_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // job.world_size)))
         process = subprocess.Popen(
-            self._command(job, run_dir, attempt, free_port()),
-            env=full_env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True,
+            self._command(job, run_dir, attempt, free_port(), env_on_stdin),
+            env=full_env, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.PIPE if env_on_stdin else subprocess.DEVNULL, start_new_session=True,
         )
         return LocalAttempt(attempt=attempt, process=process, log=log, job=job)
 
