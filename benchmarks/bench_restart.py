@@ -4,9 +4,13 @@ A rank of a 2-rank gloo job is killed with SIGKILL right after a checkpoint was 
 Timed from the kill to the moment the restarted job has restored that checkpoint and finished
 its next training step, on the same model + SGD-momentum state for every peer, in one run:
 
-  * sparkgpu ``@distributed(max_restarts=1)`` with ``Checkpointer`` (the cold path: a new
-    node agent and new rank processes, as after a lost node)
-  * the same through the warm pool (``backend="pool"``: ranks forked with torch imported)
+  * sparkgpu ``@distributed(max_restarts=1)`` with ``Checkpointer``, the default local backend:
+    the first attempt starts cold, the restart's ranks are forked from the job's standby (a
+    process with torch imported, started while the first attempt runs)
+  * the same with the standby off (``LocalBackend(standby=False)``: a new node agent and new
+    rank processes, as after a lost node)
+  * the same through the warm pool (``backend="pool"``: every attempt's ranks forked with torch
+    imported)
   * ``torchrun --standalone --max-restarts=1`` running a script that checkpoints with
     ``torch.save`` on rank 0 and resumes with ``torch.load`` (the usual hand-written loop), with
     ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: without it, restarted gloo ranks sometimes read the
@@ -144,10 +148,10 @@ def downtime(timeline: Path) -> float:
     return events["first_resumed_step"] - events["killed"]
 
 
-def run_sparkgpu(size_mb: int, work: Path, backend: str) -> float:
+def run_sparkgpu(size_mb: int, work: Path, backend) -> float:
     from sparkgpu import distributed
 
-    timeline = work / f"timeline-{backend}-{time.monotonic_ns()}.jsonl"
+    timeline = work / f"timeline-{time.monotonic_ns()}.jsonl"
     job = distributed(gpus=2, gpu_type="cpu", max_restarts=1, backend=backend, log_ranks=None)(sparkgpu_job)
     job.distributed(size_mb, str(timeline))
     return downtime(timeline)
@@ -195,6 +199,12 @@ def run_floor(size_mb: int, work: Path) -> float:
     return time.perf_counter() - started
 
 
+def cold_backend():
+    from sparkgpu.launch.backends.local import LocalBackend
+
+    return LocalBackend(standby=False)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-mb", type=int, default=256, help="model + optimizer state size")
@@ -203,6 +213,7 @@ def main(argv=None) -> None:
 
     peers = {
         "sparkgpu": lambda work: run_sparkgpu(args.size_mb, work, "local"),
+        "sparkgpu_no_standby": lambda work: run_sparkgpu(args.size_mb, work, cold_backend()),
         "sparkgpu_warm_pool": lambda work: run_sparkgpu(args.size_mb, work, "pool"),
         "torchrun_torch_save": lambda work: run_torchrun(args.size_mb, work),
         "floor_process_import_torch_load": lambda work: run_floor(args.size_mb, work),
@@ -236,6 +247,7 @@ def main(argv=None) -> None:
             "torchrun_over_sparkgpu": medians["torchrun_torch_save"] / medians["sparkgpu"],
             "torchrun_over_sparkgpu_warm_pool": medians["torchrun_torch_save"] / medians["sparkgpu_warm_pool"],
             "sparkgpu_over_floor": medians["sparkgpu"] / medians["floor_process_import_torch_load"],
+            "sparkgpu_no_standby_over_sparkgpu": medians["sparkgpu_no_standby"] / medians["sparkgpu"],
         },
     }
     RESULTS.mkdir(exist_ok=True)

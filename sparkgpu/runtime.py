@@ -238,4 +238,19 @@ def handle_sigterm_as_checkpoint_request() -> bool:
         _checkpoint_requested.set()
 
     signal.signal(signal.SIGTERM, _handler)
+    _tell_the_launcher_sigterm_checkpoints()
     return True
+
+
+def _tell_the_launcher_sigterm_checkpoints() -> None:
+    """Marks this rank, for its node's launcher, as one that sits out SIGTERM to checkpoint:
+    after a peer crashed it is killed (it could only wait for the dead peer), while ranks that
+    clean up on SIGTERM (a Ray node) get the whole shutdown grace."""
+    from sparkgpu.launch.run_layout import RunLayout
+
+    run_dir = os.environ.get(ENV_RUN_DIR)
+    if run_dir and os.environ.get("RANK") is not None:
+        marker = os.path.join(run_dir, RunLayout.checkpoints_on_sigterm(attempt(), get_global_rank()))
+        os.makedirs(os.path.dirname(marker), exist_ok=True)
+        with open(marker, "w") as f:
+            f.write("SIGTERM asks this rank for a checkpoint\n")

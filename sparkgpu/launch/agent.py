@@ -34,6 +34,7 @@ from sparkgpu.launch.keys import rank_secrets
 from sparkgpu.launch.payload import key_from_environ
 from sparkgpu.launch.rank_exits import RankExitWatcher
 from sparkgpu.launch.run_dir import RunDir
+from sparkgpu.launch.run_layout import RunLayout
 
 __all__ = ["main", "build_command", "strip_spark_secrets", "verify_or_refuse", "refuse", "reported"]
 
@@ -182,7 +183,9 @@ def main(argv=None) -> int:
     )
     failures: dict[str, dict] = {}
     status = 0
-    watcher = RankExitWatcher(run_id, lambda rank: reported(rd, args.attempt, rank))
+    watcher = RankExitWatcher(
+        run_id, lambda rank: reported(rd, args.attempt, rank),
+        checkpoints_on_sigterm=lambda rank: rd.file(RunLayout.checkpoints_on_sigterm(args.attempt, rank)).exists())
     try:
         with watcher:
             elastic_launch(config, sys.executable)("-u", "-c", verified[rd.air.name].decode(), str(rd.path))

@@ -15,7 +15,8 @@ A rank that crashes (a non-zero exit or a signal other than SIGTERM, not the "re
 status) leaves its peers blocked in their next collective. torch then stops them with SIGTERM
 and waits the shutdown grace; but a rank whose ``Checkpointer`` turned SIGTERM into a
 checkpoint request sits out the whole grace, and no checkpoint can be taken once a peer is
-gone. So the watcher kills the node's other ranks ``crash_kill_delay`` after a crash.
+gone. So the watcher kills those of the node's other ranks ``crash_kill_delay`` after a crash;
+ranks that handle SIGTERM otherwise (a Ray node stopping itself) get torch's whole grace.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ class RankExitWatcher:
             preemption marker, i.e. it did not exit quietly.
         poll_interval: Seconds between looks for newly started ranks.
         crash_kill_delay: Seconds after a rank crashed before the node's other ranks, if still
-            running, are killed.
+            running and checkpointing on SIGTERM, are killed.
+        checkpoints_on_sigterm: ``checkpoints_on_sigterm(rank)`` is True when the rank turned
+            SIGTERM into a checkpoint request (:func:`sparkgpu.runtime.handle_sigterm_as_checkpoint_request`).
 
     Attributes:
         exits: Global rank -> ``{"exitcode", "signal", "time"}`` of every rank seen exiting.
@@ -50,14 +53,15 @@ class RankExitWatcher:
     """
 
     def __init__(self, run_id: str, reported: Callable[[int], bool], poll_interval: float = 0.05,
-                 crash_kill_delay: float = 2.0):
+                 crash_kill_delay: float = 2.0, checkpoints_on_sigterm: Callable[[int], bool] = lambda rank: True):
         self.run_id = run_id
         self.reported = reported
+        self.checkpoints_on_sigterm = checkpoints_on_sigterm
         self.poll_interval = poll_interval
         self.crash_kill_delay = crash_kill_delay
         self.exits: dict[int, dict] = {}
         self.quiet: list[int] = []
-        self._ranks: dict[int, psutil.Process] = {}  # pid -> its process, while it runs
+        self._ranks: dict[int, tuple[psutil.Process, int]] = {}  # pid -> its process and rank, while it runs
         self._seen: set[int] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -81,7 +85,7 @@ class RankExitWatcher:
                 if rank is not None:
                     self._seen.add(child.pid)
                     with self._lock:
-                        self._ranks[child.pid] = child
+                        self._ranks[child.pid] = (child, rank)
                     threading.Thread(target=self._wait, args=(child, rank), daemon=True).start()
             self._stop.wait(self.poll_interval)
 
@@ -116,7 +120,7 @@ class RankExitWatcher:
 
     def _kill_other_ranks(self) -> None:
         with self._lock:
-            others = list(self._ranks.values())
+            others = [process for process, rank in self._ranks.values() if self.checkpoints_on_sigterm(rank)]
         for process in others:
             try:
                 process.kill()  # psutil checks that the pid is still this process
@@ -125,7 +129,7 @@ class RankExitWatcher:
 
     def _stop_other_ranks(self) -> None:
         with self._lock:
-            others = list(self._ranks.values())
+            others = [process for process, _ in self._ranks.values()]
         for process in others:
             try:
                 process.send_signal(signal.SIGTERM)  # psutil checks that the pid is still this process

@@ -14,7 +14,8 @@ names (:class:`~sparkgpu.launch.run_dir.RunDir` is one run dir on a machine). La
     checkpoints/         shared by all attempts
     tracking/            the job's tracking run and the ranks' spooled records
     attempts/<k>/logs/rank-<r>.log      output of rank r in attempt k (agent-<n>.log: node n's agent)
-    attempts/<k>/results/rank-<r>.pkl   its return value (or rank-<r>.error.pkl), signed
+    attempts/<k>/results/rank-<r>.pkl   its return value (or rank-<r>.error.pkl), signed; beside it
+                                        rank-<r>.checkpoints-on-sigterm when SIGTERM asks it to checkpoint
     attempts/<k>/env-rank-<r>.json      what rehydrating the shipped environment cost rank r
     attempts/<k>/node-<n>.json          exit codes of the node's ranks, from the agent
     attempts/<k>/report.json            the attempt's report (per node: state, exit, cause)
@@ -104,6 +105,11 @@ class RunLayout:
     @staticmethod
     def preempted(attempt: int, rank: int) -> str:
         return f"{RunLayout.results(attempt)}/rank-{rank}.preempted"
+
+    @staticmethod
+    def checkpoints_on_sigterm(attempt: int, rank: int) -> str:
+        """Written by a rank whose SIGTERM asks for a checkpoint (its launcher kills it after a peer's crash)."""
+        return f"{RunLayout.results(attempt)}/rank-{rank}.checkpoints-on-sigterm"
 
     @staticmethod
     def env_report(attempt: int | str, rank: int | str) -> str:

@@ -13,11 +13,14 @@ Where these bytes are stored, and how they are signed, is :mod:`sparkgpu.launch.
 
 from __future__ import annotations
 
+import collections
+import io
 import os
 import pickle
 import sys
 import time
 import traceback
+import types
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +32,34 @@ __all__ = ["serialize_payload", "add_keyword_arguments", "unpack_payload", "dump
            "deserialize_error", "client_sys_path"]
 
 
+_CLOUDPICKLE_CODE_REDUCE = cloudpickle.Pickler.dispatch_table[types.CodeType]
+_DYNAMIC_CODE = "<dynamic-code>"  # what cloudpickle >= 3.1.3 writes as the file name of pickled code
+
+
+def _code_keeping_its_file(code: types.CodeType):
+    """cloudpickle's reduction of a code object, with the code's own file name kept, so that a
+    rank's traceback shows the user's file and source lines, not ``<dynamic-code>``."""
+    constructor, args = _CLOUDPICKLE_CODE_REDUCE(code)
+    return constructor, tuple(code.co_filename if isinstance(a, str) and a == _DYNAMIC_CODE else a for a in args)
+
+
+class _Pickler(cloudpickle.Pickler):
+    dispatch_table = collections.ChainMap({types.CodeType: _code_keeping_its_file}, cloudpickle.Pickler.dispatch_table)
+
+
+def _pickle(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buffer.getvalue()
+
+
 def _describe(obj: Any) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
 def _dumps(obj: Any, what: str, fn=None) -> bytes:
     try:
-        return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        return _pickle(obj)
     except Exception as exc:  # pickling raises TypeError, PicklingError, AttributeError, ...
         culprit = _find_unpicklable_global(fn) if fn is not None else None
         hint = (

@@ -45,3 +45,17 @@ def test_a_rank_that_reported_may_exit_with_code_zero():
     assert watcher.quiet == []
     assert watcher.exits[0]["exitcode"] == 0 and watcher.exits[1]["exitcode"] == 4
     assert watcher.exits[0]["time"] < watcher.exits[1]["time"]
+
+
+def test_after_a_crash_only_ranks_that_checkpoint_on_sigterm_are_killed():
+    """Those would sit out the shutdown grace waiting for the dead peer; a rank that cleans up on
+    SIGTERM (a Ray node) is left to torch's SIGTERM and grace."""
+    with RankExitWatcher("job-0", reported=lambda rank: False, crash_kill_delay=0.5,
+                         checkpoints_on_sigterm=lambda rank: rank == 1) as watcher:
+        crashed = _rank(0, "os._exit(3)")
+        checkpointing = _rank(1, "time.sleep(60)")
+        cleaning_up = _rank(2, "time.sleep(4); os._exit(0)")
+        assert checkpointing.wait(timeout=10) == -signal.SIGKILL
+        assert crashed.wait(timeout=5) == 3
+        assert cleaning_up.wait(timeout=10) == 0  # never killed: it ended on its own
+    assert watcher.exits[0]["exitcode"] == 3 and watcher.exits[1]["signal"] == "SIGKILL"
