@@ -28,7 +28,7 @@ from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.retention import prune_runs
 from sparkgpu.launch.serialization import add_keyword_arguments, client_sys_path, serialize_payload
 from sparkgpu.spec import JobSpec
-from sparkgpu.usage.meter import enforce_policy
+from sparkgpu.usage.meter import enforce_policy, enforce_pool_policy
 
 __all__ = ["PreparedJob", "prepare"]
 
@@ -141,7 +141,9 @@ def prepare(spec: JobSpec, fn: Callable, args: tuple, kwargs: dict, *, backend: 
         PolicyViolationError: the usage policy refuses the job.
         SerializationError: the function, an argument or a callback does not pickle.
     """
-    resolved = backend.resolve(spec)  # capacity and gpu_type checks, within seconds
+    placed = backend.place(spec)  # e.g. the GPU pool: cheap, no probe yet
+    enforce_pool_policy(placed)  # that pool's usage policy refuses before any probe runs
+    resolved = backend.resolve(placed)  # capacity and gpu_type checks, within seconds
     job = resolved.job
     enforce_policy(job, callbacks)  # usage policy, on the resolved GPU type
     payload = serialize_payload(fn, args, kwargs, callbacks)  # picklability, naming the culprit

@@ -12,8 +12,9 @@ of a ``@distributed`` function), with the module doing each::
      2. .distributed(): the frozen JobSpec, then prepare() runs         sparkgpu.decorator, .spec,
         hops 3-5 once (a dryrun stops there: the plan, nothing          sparkgpu.prepare
         written) and PreparedJob.write() hops 6-7
-     3. backend.resolve: capacity and gpu_type, within seconds         launch.backends.local,
-        (Spark: a probe job on the executors)                          .spark, .spark_capacity,
+     3. backend.place (Spark: the GPU pool, whose usage policy is      launch.backends.local,
+        checked at once), then backend.resolve: capacity and gpu_type  .spark, .spark_capacity,
+        within seconds (Spark: a probe job on the executors)
                                                                        .spark_probe; launch.pool
      4. callbacks (tracking, metering) and the usage policy            sparkgpu.callbacks,
                                                                        sparkgpu.tracking, .usage
@@ -24,11 +25,13 @@ of a ``@distributed`` function), with the module doing each::
         the job key kept in this user's keyring                        launch.payload_signature,
                                                                        launch.keys
      8. the supervisor's attempt loop: submit, watch, stream the       launch.supervisor,
-        ranks' logs, restart or raise; state.json for `resume`         launch.logs, launch.resume
-     9. backend.submit: one node agent here, a warm-pool fork, or      launch.backends.local,
-        one Spark barrier task per node (the run dir mirrored to an    launch.pool, .pool_zygote,
-        object store when the staging root is one)                     launch.backends.spark,
-                                                                       launch.staging
+        ranks' logs, restart or raise; state.json for `resume`. The    launch.logs, launch.resume
+        local backend starts the first agent beside the callbacks'
+        before_job (backend.prestart) and hands it their variables
+     9. backend.submit: one node agent here, a warm-pool fork (also    launch.backends.local,
+        a restart's fork from the job's standby), or one Spark         launch.pool, .pool_zygote,
+        barrier task per node (the run dir mirrored to an object       launch.backends.spark,
+        store when the staging root is one)                            launch.staging
     worker, per node
     10. Spark node task: verify the payload, start the agent, watch    launch.backends.spark_node
         it, beat for the client and the peer nodes

@@ -4,7 +4,9 @@
 names (:class:`~sparkgpu.launch.run_dir.RunDir` is one run dir on a machine). Layout of
 ``<staging_root>/<job_id>/``::
 
-    _air.py              generated entrypoint: ``python _air.py`` runs one rank
+    _air.py              generated entrypoint: ``python _air.py`` runs one rank ("air" after the
+                         AI Runtime, ``databricks.air``, whose calls these jobs serve; the
+                         name is a convention, nothing depends on it)
     _hydrate.py          the environment's rehydration, when the job ships its environment
     spec.json            the JobSpec
     payload.pkl          cloudpickled function, arguments and worker callbacks

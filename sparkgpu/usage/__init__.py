@@ -12,6 +12,7 @@ from __future__ import annotations
 __all__ = [
     "UsageMeter",
     "enforce_policy",
+    "enforce_pool_policy",
     "UsagePolicy",
     "Budget",
     "RateCard",
@@ -25,6 +26,7 @@ __all__ = [
 _LAZY = {
     "UsageMeter": "sparkgpu.usage.meter",
     "enforce_policy": "sparkgpu.usage.meter",
+    "enforce_pool_policy": "sparkgpu.usage.meter",
     "UsagePolicy": "sparkgpu.usage.policy",
     "Budget": "sparkgpu.usage.policy",
     "RateCard": "sparkgpu.usage.rates",

@@ -28,7 +28,7 @@ from sparkgpu.usage.ledger import UsageLedger, UsageRecord
 from sparkgpu.usage.policy import Budget, UsagePolicy, format_duration
 from sparkgpu.usage.rates import RateCard
 
-__all__ = ["UsageMeter", "enforce_policy", "journal_for"]
+__all__ = ["UsageMeter", "enforce_policy", "enforce_pool_policy", "journal_for"]
 
 
 def journal_for(ledger_uri: str) -> AttemptJournal:
@@ -120,8 +120,9 @@ class UsageMeter(JobCallback):
 
     def before_job(self, job: JobSpec, run_dir: str) -> None:
         self.recover()
-        if job.job_id not in self._checked:  # launched by a path that did not call enforce_policy
+        if job.job_id not in self._checked:  # launched by a path that did not call enforce_policy (a resume)
             self.check_launch(job)
+            enforce_pool_policy(job)
         self._running[job.job_id] = _RunningJob(
             budgets=self.policy.budgets_for(job, self.user) if self.policy else [],
         )
@@ -257,6 +258,27 @@ def enforce_policy(job: JobSpec, callbacks: Sequence[JobCallback] = ()) -> None:
         if policy is not None:
             s = settings()
             policy.check_launch(job, s.user, UsageLedger(s.usage_ledger_uri))
+
+
+def enforce_pool_policy(job: JobSpec) -> None:
+    """Checks ``job`` against the usage policy of the GPU pool it was placed on, if any.
+
+    The pool is the one its :data:`~sparkgpu.pools.POOL_TAG` names in the pools file
+    (``usage_policy:`` there); jobs outside pools, and pools without a policy, pass.
+
+    Raises:
+        PolicyViolationError: the pool's policy refuses the job.
+        ConfigurationError: the pools file or the policy file is missing or invalid.
+    """
+    from sparkgpu.pools import POOL_TAG, configured_pools
+
+    name = job.tags.get(POOL_TAG)
+    if not name:
+        return
+    pool = next((p for p in configured_pools() or () if p.answers_to(name)), None)
+    if pool is not None and pool.usage_policy:
+        s = settings()
+        UsagePolicy.from_file(pool.usage_policy).check_launch(job, s.user, UsageLedger(s.usage_ledger_uri))
 
 
 def _warn(message: str) -> None:

@@ -30,12 +30,7 @@ OPTIONAL = {"sparkgpu.env.hydrate": {"fsspec"}}
 
 # Known violations, as (importing module, imported module). Each entry is removed when its
 # import goes; the test fails on a stale entry as on a new violation.
-KNOWN_VIOLATIONS = {
-    # The Spark backend checks a pool's usage policy itself; it belongs behind the callback
-    # interface (a policy callback, as enforce_policy is for the other backends).
-    ("sparkgpu.launch.backends.spark", "sparkgpu.usage.ledger"),
-    ("sparkgpu.launch.backends.spark", "sparkgpu.usage.policy"),
-}
+KNOWN_VIOLATIONS: set[tuple[str, str]] = set()
 
 
 def module_name(path: Path) -> str:

@@ -150,3 +150,32 @@ def test_a_prepared_job_launches_only_once_written_and_is_written_once():
     with pytest.raises(SparkGPUError, match="written already"):
         written.write()
     assert written.supervisor().layout == ("layout of", written.job.job_id)
+
+
+class PoolBackend(PlacingBackend):
+    """Places every job on the pool "a10" as the Spark backend does, and probes only at resolve."""
+
+    def place(self, job):
+        import dataclasses
+
+        from sparkgpu.pools import POOL_TAG
+
+        return dataclasses.replace(job, tags={**job.tags, POOL_TAG: "a10"})
+
+
+def test_the_pools_usage_policy_refuses_before_the_backend_probes_anything(tmp_path, monkeypatch):
+    from sparkgpu.config import reset_settings
+    from sparkgpu.errors import PolicyViolationError
+
+    (tmp_path / "policy.yaml").write_text("name: a10-pool\nmax_gpus_per_job: 1\n")
+    (tmp_path / "pools.yaml").write_text(
+        "pools:\n  a10:\n    url: sc://127.0.0.1:1\n    gpu_type: A10\n    gpus_per_node: 4\n"
+        f"    usage_policy: {tmp_path / 'policy.yaml'}\n")
+    monkeypatch.setenv("SPARKGPU_POOLS", str(tmp_path / "pools.yaml"))
+    reset_settings()
+    backend = PoolBackend([0])
+    job = distributed(gpus=2, gpu_type="A10", backend=backend, callbacks=[])(lambda: 1)
+    with pytest.raises(PolicyViolationError, match="2 GPUs asked for, at most 1 per job"):
+        job.distributed()
+    assert backend.resolved == []  # refused before any capacity probe
+    assert not list(settings().staging_root.glob("*"))  # and before anything was written

@@ -84,6 +84,12 @@ class Backend(abc.ABC):
     #: bills the attempt and counts its runtime cap from then instead of from ``submit``.
     waits_for_resources: bool = False
 
+    def place(self, job: JobSpec) -> JobSpec:
+        """Where the job goes, before any capacity probe: e.g. the GPU pool it runs on, as a tag
+        (:data:`~sparkgpu.pools.POOL_TAG`) whose usage policy is checked before :meth:`resolve`.
+        Cheap and idempotent; the job unchanged by default."""
+        return job
+
     @abc.abstractmethod
     def resolve(self, job: JobSpec) -> ResolvedJob:
         """Checks capacity and returns the job with devices assigned, and where its ranks go.

@@ -208,20 +208,15 @@ class SparkBackend(Backend):
                            gpus_per_node=self.gpus_per_node or job.resources.gpus_per_node,
                            max_cpu_ranks_per_node=settings().max_cpu_ranks)
 
-    def _choose_pool(self, job: JobSpec) -> JobSpec:
-        """Opens the session of the job's pool (without a session given and with a pools file),
-        checks the pool's usage policy, and tags the job with the pool's name."""
+    def place(self, job: JobSpec) -> JobSpec:
+        """Opens the session of the job's pool (without a session given and with a pools file)
+        and tags the job with the pool's name, whose usage policy applies to it
+        (:func:`sparkgpu.usage.enforce_pool_policy`); idempotent."""
         if self._spark is not None and self.pool is None:
             return job  # the caller's own session
         pool = pool_for_job(job, self.pool_name)
         if pool is None:
             return job
-        if pool.usage_policy:
-            from sparkgpu.usage.ledger import UsageLedger
-            from sparkgpu.usage.policy import UsagePolicy
-
-            s = settings()
-            UsagePolicy.from_file(pool.usage_policy).check_launch(job, s.user, UsageLedger(s.usage_ledger_uri))
         if pool != self.pool:
             self._spark, self.pool = pool_session(pool), pool
         return dataclasses.replace(job, tags={**job.tags, POOL_TAG: pool.name})
@@ -229,7 +224,7 @@ class SparkBackend(Backend):
     def resolve(self, job: JobSpec) -> ResolvedJob:
         if job.resources.gpu_type is None:
             raise ConfigurationError("remote jobs need a gpu_type, e.g. gpu_type='A10' (or 'cpu' for CPU ranks)")
-        job = self._choose_pool(job)
+        job = self.place(job)
         capacity = self.capacity()
         layout = self._layout(job, capacity)
         simulated = capacity.simulated and not job.resources.is_cpu
@@ -277,7 +272,7 @@ class SparkBackend(Backend):
 
     def submit(self, job, run_dir, attempt, env, layout: NodeLayout | None = None) -> SparkAttempt:
         if self._spark is None and POOL_TAG in job.tags:
-            self._choose_pool(job)  # a resumed job goes back to its pool
+            self.place(job)  # a resumed job goes back to its pool
         self._reconnect_if_closed()
         layout = layout if layout is not None else self._layout(job)  # a resumed job is placed anew
         run_dir.prepare_attempt(attempt)
