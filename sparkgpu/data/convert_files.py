@@ -149,13 +149,7 @@ def _dataset_units(dataset: pads.Dataset, workers: int, expression=None) -> list
 
 
 def _parquet_source(path: str, storage_options: dict | None, row_filter=None) -> FileSource:
-    filesystem, root = _arrow_filesystem(path, storage_options)
-    try:
-        dataset = pads.dataset(root, format="parquet", filesystem=filesystem, partitioning="hive")
-    except (FileNotFoundError, pa.ArrowInvalid, OSError) as exc:
-        raise DataError(f"cannot read {path} as Parquet ({exc}); give a Parquet file, a folder of them or a Delta table") from None
-    if not dataset.files:
-        raise DataError(f"{path} holds no Parquet files")
+    dataset = open_parquet_dataset(path, storage_options)
     expression = _expression(row_filter, dataset.schema)
 
     def fingerprint() -> str:
@@ -165,6 +159,23 @@ def _parquet_source(path: str, storage_options: dict | None, row_filter=None) ->
 
     description = {"type": "parquet", "path": path, "files": len(dataset.files)}
     return FileSource(dataset.schema, description, lambda workers: _dataset_units(dataset, workers, expression), fingerprint)
+
+
+def open_parquet_dataset(path: str, storage_options: dict | None) -> pads.Dataset:
+    """The Parquet files at ``path`` (one file, or a folder with hive partitions) as a pyarrow dataset.
+
+    Raises:
+        DataError: nothing there reads as Parquet, or the folder holds no Parquet file.
+    """
+    filesystem, root = _arrow_filesystem(path, storage_options)
+    try:
+        dataset = pads.dataset(root, format="parquet", filesystem=filesystem, partitioning="hive")
+    except (FileNotFoundError, pa.ArrowInvalid, OSError) as exc:
+        raise DataError(f"cannot read {path} as Parquet ({exc}); give a Delta table, a folder of Parquet files "
+                        "or one file") from None
+    if not dataset.files:
+        raise DataError(f"{path} holds no Parquet files")
+    return dataset
 
 
 def _arrow_filesystem(path: str, storage_options: dict | None):

@@ -32,7 +32,8 @@ import torch
 
 from sparkgpu.units import parse_size
 from sparkgpu.data.cache import open_cache_entry
-from sparkgpu.data.order import DEFAULT_BLOCK_SIZE, EpochPlan, epoch_order, restore_position
+from sparkgpu.data.order import DEFAULT_BLOCK_SIZE, EpochPlan, PlannedEpochs, epoch_order, restore_position
+from sparkgpu.data.order import check_int as _check_int
 from sparkgpu.data._pipeline import Producer, WorkerBatches, in_background, prefetch_to_device
 from sparkgpu.data.decode import BatchDecoder
 from sparkgpu.data.metrics import LoaderMetrics
@@ -186,7 +187,7 @@ def dataset(
     )
 
 
-class MDSLoader:
+class MDSLoader(PlannedEpochs):
     """An epoch-by-epoch iterable of batches with an exact, JSON-able position.
 
     Built by :func:`dataset`. Iterating yields the rest of the current epoch (all of it, unless
@@ -267,15 +268,6 @@ class MDSLoader:
             state, self.state_dict(), keys=("seed", "shuffle", "shuffle_block_size", "num_samples", "dataset"),
             total=self.num_samples, unit=f"dataset of {self.num_samples} samples", what="loader",
             fix="open the dataset with the same {key} to resume, or start a fresh epoch with set_epoch()")
-
-    def set_epoch(self, epoch: int) -> None:
-        """Starts the next iteration at the beginning of ``epoch``."""
-        _check_int("epoch", epoch, 0)
-        self.epoch, self._consumed = epoch, 0
-
-    def __len__(self) -> int:
-        """Batches this rank reads in a whole epoch."""
-        return self._plan(self.epoch, 0).num_batches
 
     # Iteration.
 
@@ -374,11 +366,6 @@ class MDSLoader:
             "batch_size": self.batch_size, "drop_last": self.drop_last,
             "transform": self.transform, "batch_transform": self.batch_transform,
         }
-
-
-def _check_int(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ConfigurationError(f"{name}={value!r} must be an integer >= {minimum}")
 
 
 def _cuda_available() -> bool:

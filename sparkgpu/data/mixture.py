@@ -44,7 +44,7 @@ import torch
 from sparkgpu.data.cache import ShardCache
 from sparkgpu.data.decode import BatchDecoder
 from sparkgpu.data.metrics import LoaderMetrics
-from sparkgpu.data.order import EpochPlan, epoch_order, restore_position
+from sparkgpu.data.order import EpochPlan, PlannedEpochs, epoch_order, restore_position
 from sparkgpu.data.reader import ShardReader
 from sparkgpu.data.volume import Volume
 from sparkgpu.errors import ConfigurationError
@@ -212,7 +212,7 @@ class _StreamReader:
         self.cache.close()
 
 
-class MixtureLoader:
+class MixtureLoader(PlannedEpochs):
     """An epoch-by-epoch iterable of batches mixed from several streams, with an exact position.
 
     Built by :func:`sparkgpu.data.dataset` with ``streams=``.
@@ -260,17 +260,6 @@ class MixtureLoader:
             state, self.state_dict(), keys=("seed", "shuffle", "shuffle_block_size", "counts", "datasets"),
             total=self.num_samples, unit=f"epoch of {self.num_samples} samples", what="mixture",
             fix="open the same streams with the same weights, seed and shuffle to resume")
-
-    def set_epoch(self, epoch: int) -> None:
-        """Starts the next iteration at the beginning of ``epoch``."""
-        from sparkgpu.data.loader import _check_int
-
-        _check_int("epoch", epoch, 0)
-        self.epoch, self._consumed = epoch, 0
-
-    def __len__(self) -> int:
-        """Batches this rank reads in a whole epoch."""
-        return self._plan(self.epoch, 0).num_batches
 
     def stats(self) -> dict:
         """This rank's loader figures so far, all streams' caches together."""

@@ -153,3 +153,26 @@ def restore_position(state: dict, mine: dict, *, keys, total: int, unit: str, wh
     if not 0 <= consumed <= total:
         raise ConfigurationError(f"{counter}={consumed} is outside this {unit}")
     return int(state["epoch"]), consumed
+
+
+def check_int(name: str, value, minimum: int) -> None:
+    """Raises :class:`ConfigurationError` unless ``value`` is an integer (not a bool) >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ConfigurationError(f"{name}={value!r} must be an integer >= {minimum}")
+
+
+class PlannedEpochs:
+    """``set_epoch`` and ``len()`` for a loader that plans each epoch (``_plan(epoch, start)``
+    returns an :class:`EpochPlan` for this rank) and counts what it consumed of the current one."""
+
+    epoch: int
+    _consumed: int
+
+    def set_epoch(self, epoch: int) -> None:
+        """Starts the next iteration at the beginning of ``epoch``."""
+        check_int("epoch", epoch, 0)
+        self.epoch, self._consumed = epoch, 0
+
+    def __len__(self) -> int:
+        """Batches this rank reads in a whole epoch."""
+        return self._plan(self.epoch, 0).num_batches

@@ -47,7 +47,7 @@ def file_cache(dataset, units, identity, storage_options, local, cache_limit, do
 
 
 def open_source(source, version, timestamp, storage_options):
-    from sparkgpu.data.convert_files import _arrow_filesystem, is_delta_table
+    from sparkgpu.data.convert_files import is_delta_table, open_parquet_dataset
 
     try:
         from deltalake import DeltaTable
@@ -61,13 +61,7 @@ def open_source(source, version, timestamp, storage_options):
     if version is not None or timestamp is not None:
         raise ConfigurationError(f"version= and timestamp= apply to Delta tables; {source} has no _delta_log")
     path = os.fspath(source)
-    filesystem, root = _arrow_filesystem(path, storage_options)
-    try:
-        dataset = pads.dataset(root, format="parquet", filesystem=filesystem, partitioning="hive")
-    except (FileNotFoundError, pa.ArrowInvalid, OSError) as exc:
-        raise DataError(f"cannot read {path} as Parquet ({exc}); give a Delta table, a folder of Parquet files or one file") from None
-    if not dataset.files:
-        raise DataError(f"{path} holds no Parquet files")
+    dataset = open_parquet_dataset(path, storage_options)
     infos = dataset.filesystem.get_file_info(sorted(dataset.files))
     identity = {"type": "parquet", "path": path, "files": [[i.path, i.size, i.mtime_ns] for i in infos]}
     return dataset, {}, identity

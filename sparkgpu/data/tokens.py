@@ -39,7 +39,7 @@ from sparkgpu.data import _gather
 from sparkgpu.data._token_shards import ShardDocuments, TokenColumn
 from sparkgpu.data.cache import ShardCache
 from sparkgpu.data.metrics import LoaderMetrics
-from sparkgpu.data.order import DEFAULT_BLOCK_SIZE, EpochPlan, epoch_order, restore_position
+from sparkgpu.data.order import DEFAULT_BLOCK_SIZE, EpochPlan, PlannedEpochs, epoch_order, restore_position
 from sparkgpu.data.reader import ShardReader
 from sparkgpu.data.volume import Volume
 from sparkgpu.errors import ConfigurationError, DataError
@@ -193,7 +193,7 @@ class _TokenSource:
         self.cache.close()
 
 
-class TokenLoader:
+class TokenLoader(PlannedEpochs):
     """An epoch-by-epoch iterable of token blocks with an exact, JSON-able position.
 
     Built by :func:`token_dataset`.
@@ -258,17 +258,6 @@ class TokenLoader:
             keys=("seed", "shuffle", "shuffle_block_size", "seq_len", "width", "num_tokens", "eos_id", "column", "dataset"),
             total=self.num_blocks, unit=f"stream of {self.num_blocks} blocks", what="loader", counter="blocks_consumed",
             fix="open the dataset with the same {key} to resume, or start a fresh epoch with set_epoch()")
-
-    def set_epoch(self, epoch: int) -> None:
-        """Starts the next iteration at the beginning of ``epoch``."""
-        from sparkgpu.data.loader import _check_int
-
-        _check_int("epoch", epoch, 0)
-        self.epoch, self._consumed = epoch, 0
-
-    def __len__(self) -> int:
-        """Batches this rank reads in a whole epoch."""
-        return self._plan(self.epoch, 0).num_batches
 
     def stats(self) -> dict:
         """This rank's loader figures so far (see :class:`sparkgpu.data.metrics.LoaderMetrics`)."""

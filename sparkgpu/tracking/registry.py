@@ -19,6 +19,7 @@ Every model version carries lineage tags: ``sparkgpu.run_id``, ``sparkgpu.job_id
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -399,23 +400,27 @@ def aliases(name: str, *, spark=None, tracking_uri: str | None = None, registry_
 def set_alias(name: str, alias: str, version: int, *, spark=None, tracking_uri: str | None = None,
               registry_uri: str | None = None) -> None:
     """Points ``alias`` at ``version`` (moving it from the version it pointed at before)."""
-    parsed = parse_model_name(name, spark=spark)
-    validate_alias(alias)
-    reg = _Registry(tracking_uri, registry_uri)
-    label = f"registered model '{parsed}'"
-    with reg.guard(f"set alias '{alias}' on {label}", f"EDIT permission on {label}"):
-        reg.client.set_registered_model_alias(reg.stored(parsed), alias, str(int(version)))
+    with _alias_change(name, alias, spark, tracking_uri, registry_uri, "set alias '{alias}' on", "EDIT") as (reg, model):
+        reg.client.set_registered_model_alias(model, alias, str(int(version)))
 
 
 def delete_alias(name: str, alias: str, *, spark=None, tracking_uri: str | None = None,
                  registry_uri: str | None = None) -> None:
     """Removes ``alias`` from a registered model."""
+    with _alias_change(name, alias, spark, tracking_uri, registry_uri, "delete alias '{alias}' of", "MANAGE") as (reg, model):
+        reg.client.delete_registered_model_alias(model, alias)
+
+
+@contextlib.contextmanager
+def _alias_change(name: str, alias: str, spark, tracking_uri, registry_uri, what: str, permission: str):
+    """The registry and the stored model name for a change of ``alias``, inside the guard that names
+    ``what`` was tried and the ``permission`` it needs when the registry refuses."""
     parsed = parse_model_name(name, spark=spark)
     validate_alias(alias)
     reg = _Registry(tracking_uri, registry_uri)
     label = f"registered model '{parsed}'"
-    with reg.guard(f"delete alias '{alias}' of {label}", f"MANAGE permission on {label}"):
-        reg.client.delete_registered_model_alias(reg.stored(parsed), alias)
+    with reg.guard(f"{what.format(alias=alias)} {label}", f"{permission} permission on {label}"):
+        yield reg, reg.stored(parsed)
 
 
 def set_tags(ref: str, tags: dict, *, spark=None, tracking_uri: str | None = None,

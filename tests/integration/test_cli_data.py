@@ -69,5 +69,5 @@ def test_bench_reads_a_local_dataset_through_a_simulated_s3_like_link(tmp_path, 
 
 def test_convert_of_a_missing_source_names_what_to_give(tmp_path, capsys):
     assert main(["data", "convert", str(tmp_path / "nope"), str(tmp_path / "out")]) == 1
-    assert "give a Parquet file, a folder of them or a Delta table" in capsys.readouterr().err
+    assert "give a Delta table, a folder of Parquet files or one file" in capsys.readouterr().err
     assert not (tmp_path / "out" / "index.json").exists()
