@@ -6,6 +6,8 @@ Public names only. Heavy modules (torch, pyspark, mlflow) are imported lazily so
 
 from __future__ import annotations
 
+from sparkgpu._modules import lazy_attributes
+
 # Bound explicitly: on a worker, sparkgpu.env.hydrate loads this submodule before the package
 # exists, and the import system binds a submodule to its package only when it loads it itself.
 from sparkgpu import errors  # noqa: F401
@@ -56,16 +58,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'sparkgpu' has no attribute {name!r}")
-    import importlib
-
-    module_name, attr = _LAZY[name]
-    module = importlib.import_module(module_name)
-    value = module if attr is None else getattr(module, attr)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _LAZY)
 
 
 def _attach_spark_gpu() -> None:

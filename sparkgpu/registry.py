@@ -8,28 +8,5 @@ The same functions as :mod:`sparkgpu.tracking.registry`, where they are document
 
 from __future__ import annotations
 
-from sparkgpu.tracking.registry import (
-    ModelVersionInfo,
-    aliases,
-    delete_alias,
-    get_version,
-    load,
-    load_checkpoint_into,
-    register,
-    set_alias,
-    set_tags,
-    versions,
-)
-
-__all__ = [
-    "ModelVersionInfo",
-    "register",
-    "load",
-    "get_version",
-    "versions",
-    "aliases",
-    "set_alias",
-    "delete_alias",
-    "set_tags",
-    "load_checkpoint_into",
-]
+from sparkgpu.tracking.registry import *  # noqa: F403 - this module is that one's public names, under a short name
+from sparkgpu.tracking.registry import __all__  # noqa: F401

@@ -9,7 +9,7 @@ ds = data.dataset(remote="s3://bucket/feats/v1", local="/local_disk0/cache", bat
 
 from __future__ import annotations
 
-import importlib
+from sparkgpu._modules import lazy_attributes
 
 # Public name -> the module that defines it; imported on first use, so `import sparkgpu.data`
 # stays cheap.
@@ -30,7 +30,4 @@ _NAMES = {
 __all__ = list(_NAMES)
 
 
-def __getattr__(name):
-    if name not in _NAMES:
-        raise AttributeError(f"module 'sparkgpu.data' has no attribute {name!r}")
-    return getattr(importlib.import_module(_NAMES[name]), name)
+__getattr__ = lazy_attributes(__name__, {name: (module, name) for name, module in _NAMES.items()})

@@ -10,6 +10,8 @@ Importing this package is cheap; MLflow is imported when a callback or the regis
 
 from __future__ import annotations
 
+from sparkgpu._modules import lazy_attributes
+
 from sparkgpu.tracking.autolog import log, log_checkpoint
 
 __all__ = ["MLflowCallback", "log", "log_checkpoint", "registry", "environment_lock", "resolve_target",
@@ -25,13 +27,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'sparkgpu.tracking' has no attribute {name!r}")
-    import importlib
-
-    module_name, attr = _LAZY[name]
-    module = importlib.import_module(module_name)
-    value = module if attr is None else getattr(module, attr)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _LAZY)

@@ -9,15 +9,9 @@ start = ckpt.restore(model=model, optimizer=opt, loader=ds)
 
 from __future__ import annotations
 
+from sparkgpu._modules import lazy_attributes
+
 __all__ = ["Checkpointer", "CheckpointInfo", "list_checkpoints", "latest_checkpoint"]
 
-_CHECKPOINT_NAMES = frozenset(__all__)
-
-
-def __getattr__(name):
-    # torch is imported only when a training helper is used, not by `import sparkgpu.train`.
-    if name in _CHECKPOINT_NAMES:
-        from sparkgpu.train import checkpoint
-
-        return getattr(checkpoint, name)
-    raise AttributeError(f"module 'sparkgpu.train' has no attribute {name!r}")
+# torch is imported only when a training helper is used, not by `import sparkgpu.train`.
+__getattr__ = lazy_attributes(__name__, {name: ("sparkgpu.train.checkpoint", name) for name in __all__})

@@ -9,6 +9,8 @@ Names are imported lazily so ``import sparkgpu.usage`` costs nothing until used.
 
 from __future__ import annotations
 
+from sparkgpu._modules import lazy_attributes
+
 __all__ = [
     "UsageMeter",
     "enforce_policy",
@@ -38,11 +40,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'sparkgpu.usage' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, {name: (module, name) for name, module in _LAZY.items()})
