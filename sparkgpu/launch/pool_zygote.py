@@ -32,7 +32,9 @@ from sparkgpu.launch.agent import reported, verify_or_refuse
 from sparkgpu.launch.entrypoint import EXIT_PREEMPTED, _die_with_parent
 from sparkgpu.launch.rendezvous import collective_interface_env, listening_socket, serve_store
 from sparkgpu.launch.keys import rank_secrets
+from sparkgpu.launch.rank_exits import CRASH_KILL_DELAY
 from sparkgpu.launch.run_dir import RunDir
+from sparkgpu.launch.run_layout import RunLayout
 
 _REQUEST_TIMEOUT = 10.0  # seconds a client has to send its whole request line
 
@@ -57,6 +59,7 @@ class _Job:
     exit_times: dict[int, float] = dataclasses.field(default_factory=dict)  # rank -> when it was reaped
     quiet: list[int] = dataclasses.field(default_factory=list)  # exited 0 without a result, error or marker
     stopping_since: float | None = None
+    crashed_at: float | None = None  # when a rank first crashed (not a clean stop)
     grace: float = 10.0
 
 
@@ -272,9 +275,9 @@ class _Zygote:
             self._kill(job, signal.SIGTERM)
             job.stopping_since = time.monotonic()
 
-    def _kill(self, job: _Job, sig: int) -> None:
+    def _kill(self, job: _Job, sig: int, only=lambda rank: True) -> None:
         for pid, rank in job.pids.items():
-            if rank not in job.exits:
+            if rank not in job.exits and only(rank):
                 try:
                     os.killpg(pid, sig)
                 except ProcessLookupError:
@@ -296,6 +299,14 @@ class _Zygote:
                 # As torch's agent does: one rank failed, so the others are torn down.
                 self._kill(job, signal.SIGTERM)
                 job.stopping_since = time.monotonic()
+            if job.crashed_at is None and any(code not in (0, EXIT_PREEMPTED, -signal.SIGTERM)
+                                              for code in job.exits.values()):
+                job.crashed_at = time.monotonic()
+            if job.crashed_at is not None and time.monotonic() - job.crashed_at > CRASH_KILL_DELAY:
+                # As the node agent does (rank_exits): a peer that turned SIGTERM into a checkpoint
+                # request can only wait for the crashed rank; ranks that clean up keep the grace.
+                self._kill(job, signal.SIGKILL, only=lambda rank: job.run_dir.file(
+                    RunLayout.checkpoints_on_sigterm(job.attempt, rank)).exists())
             if job.stopping_since is not None and time.monotonic() - job.stopping_since > job.grace:
                 self._kill(job, signal.SIGKILL)
             if len(job.exits) == len(job.pids):

@@ -31,7 +31,10 @@ import psutil
 
 from sparkgpu.launch.entrypoint import EXIT_PREEMPTED
 
-__all__ = ["RankExitWatcher"]
+__all__ = ["RankExitWatcher", "CRASH_KILL_DELAY"]
+
+#: Seconds after a rank crashed before its node's peers that checkpoint on SIGTERM are killed.
+CRASH_KILL_DELAY = 2.0
 
 
 class RankExitWatcher:
@@ -53,7 +56,7 @@ class RankExitWatcher:
     """
 
     def __init__(self, run_id: str, reported: Callable[[int], bool], poll_interval: float = 0.05,
-                 crash_kill_delay: float = 2.0, checkpoints_on_sigterm: Callable[[int], bool] = lambda rank: True):
+                 crash_kill_delay: float = CRASH_KILL_DELAY, checkpoints_on_sigterm: Callable[[int], bool] = lambda rank: True):
         self.run_id = run_id
         self.reported = reported
         self.checkpoints_on_sigterm = checkpoints_on_sigterm
