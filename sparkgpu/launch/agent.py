@@ -27,6 +27,7 @@ import sys
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
+from sparkgpu import runtime
 from sparkgpu._files import atomic_write_bytes
 from sparkgpu.errors import PayloadSignatureError
 from sparkgpu.launch.entrypoint import EXIT_FAILED, _die_with_parent
@@ -161,6 +162,9 @@ def main(argv=None) -> int:
                   file=sys.stderr, flush=True)
             return EXIT_FAILED
         os.environ.update(json.loads(line))
+    # The run dir of this node (on Spark with a staging store, its scratch copy): the ranks find
+    # their files, the tracking spool included, relative to it.
+    os.environ[runtime.ENV_RUN_DIR] = str(rd.path)
     rendezvous.register()
     # The ranks inherit these.
     os.environ.update(rendezvous.collective_interface_env(args.master_addr))

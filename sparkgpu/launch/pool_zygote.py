@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from sparkgpu._files import atomic_write_bytes
+from sparkgpu.runtime import ENV_RUN_DIR
 from sparkgpu.launch.agent import reported, verify_or_refuse
 from sparkgpu.launch.entrypoint import EXIT_PREEMPTED, _die_with_parent
 from sparkgpu.launch.rendezvous import collective_interface_env, listening_socket, serve_store
@@ -234,7 +235,7 @@ class _Zygote:
             run_dir = RunDir(request["run_dir"])
             attempt, nproc = request["attempt"], request["nproc"]
             run_dir.prepare_attempt(attempt)
-            env = {**request["env"], "SPARKGPU_ATTEMPT": str(attempt)}
+            env = {**request["env"], "SPARKGPU_ATTEMPT": str(attempt), ENV_RUN_DIR: str(run_dir.path)}
             # The node agent's check: nothing is forked for a payload that is not the job's.
             verified = verify_or_refuse(run_dir, env, attempt, 0, nproc, log=run_dir.agent_log(attempt, 0))
             if verified is None:

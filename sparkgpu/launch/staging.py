@@ -33,7 +33,6 @@ import os
 import sys
 import threading
 import time
-import urllib.parse
 from pathlib import Path
 
 from sparkgpu._files import is_temporary
@@ -42,11 +41,7 @@ from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.run_layout import RunLayout
 from sparkgpu.store import Store
 
-__all__ = ["StagingStore", "ClientMirror", "NodeMirror", "env_for_nodes", "env_on_node", "scratch_run_dir"]
-
-# What the client's run dir becomes in the ranks' environment, until a node fills in its own copy.
-_RUN_DIR_TOKEN = "@SPARKGPU_NODE_RUN_DIR@"
-_QUOTED_RUN_DIR_TOKEN = "@SPARKGPU_NODE_RUN_DIR_QUOTED@"
+__all__ = ["StagingStore", "ClientMirror", "NodeMirror", "scratch_run_dir"]
 
 
 def _grows(rel: str) -> bool:
@@ -378,26 +373,3 @@ def _push_order(rel: str) -> int:
         return 2
     return 1 if RunLayout.is_node_exits(rel) else 0
 
-
-# -- the ranks' environment ------------------------------------------------------------------
-
-
-def env_for_nodes(env: dict[str, str], run_dir: RunDir) -> dict[str, str]:
-    """The ranks' environment with the client's run dir (``SPARKGPU_RUN_DIR``, the tracking
-    spool, its URI) replaced by a token that each node fills in with its scratch copy."""
-    resolved = str(run_dir.path.resolve())
-    forms = {str(run_dir.path): _RUN_DIR_TOKEN, resolved: _RUN_DIR_TOKEN,
-             urllib.parse.quote(resolved): _QUOTED_RUN_DIR_TOKEN}
-    out = {}
-    for name, value in env.items():
-        for form in sorted(forms, key=len, reverse=True):  # "/private/tmp/x" before "/tmp/x"
-            value = value.replace(form, forms[form])
-        out[name] = value
-    return out
-
-
-def env_on_node(env: dict[str, str], run_dir_path: Path) -> dict[str, str]:
-    """Fills in :func:`env_for_nodes`'s tokens with this node's scratch run dir."""
-    path = str(Path(run_dir_path).resolve())
-    return {name: value.replace(_QUOTED_RUN_DIR_TOKEN, urllib.parse.quote(path)).replace(_RUN_DIR_TOKEN, path)
-            for name, value in env.items()}

@@ -214,12 +214,12 @@ def _start_metrics_reporter(ray, options: RayOptions):
     """Ray's metrics into the job's MLflow run, when the job is tracked; else ``None``."""
     from sparkgpu.ray.metrics import RayMetricsReporter
     from sparkgpu.tracking import autolog
-    from sparkgpu.tracking.spool import SPOOL_ENV, SpoolDir
+    from sparkgpu.tracking.spool import SpoolDir, spool_path_from_env
 
     session = autolog._current_session()
     if session is None or not options.metrics_interval:
         return None
-    info = SpoolDir(os.environ[SPOOL_ENV]).read_run_info()
+    info = SpoolDir(spool_path_from_env()).read_run_info()
     started_at = info.started_at if info is not None else time.time()
     return RayMetricsReporter(ray, lambda records: session.writer.write(metrics=records),
                               interval=options.metrics_interval, started_at=started_at).start()

@@ -80,9 +80,9 @@ def _current_session() -> _Session | None:
     launcher did not set up itself (subprocesses of a rank)."""
     if _session is not None:
         return _session
-    from sparkgpu.tracking.spool import SPOOL_ENV, SpoolDir, SpoolWriter
+    from sparkgpu.tracking.spool import SpoolDir, SpoolWriter, spool_path_from_env
 
-    spool = os.environ.get(SPOOL_ENV)
+    spool = spool_path_from_env()
     if not spool:
         return None
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))

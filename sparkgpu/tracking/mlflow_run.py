@@ -327,7 +327,7 @@ class MLflowCallback(JobCallback):
         return statuses
 
     def before_attempt(self, job, attempt: int) -> dict[str, str]:
-        from sparkgpu.tracking.spool import SPOOL_ENV
+        from sparkgpu.tracking.spool import JOB_SPOOL_URI, SPOOL_ENV
         from sparkgpu.tracking.system_metrics import DEVICES_ENV
 
         info = self.run_info
@@ -339,14 +339,16 @@ class MLflowCallback(JobCallback):
                      metrics=_metrics({"sparkgpu/restarts": restarts, "sparkgpu/resumes": resumes}, step=attempt),
                      tags=_tags({"sparkgpu.attempt": attempt, "sparkgpu.restarts": restarts, "sparkgpu.resumes": resumes}))
         env = {
-            "MLFLOW_TRACKING_URI": self._spool.uri,
+            # Named relative to the run dir each node's launcher gives its ranks
+            # (SPARKGPU_RUN_DIR): the same variables serve every node's copy of the run dir.
+            "MLFLOW_TRACKING_URI": JOB_SPOOL_URI,
             "MLFLOW_RUN_ID": info.run_id,
             "MLFLOW_EXPERIMENT_ID": info.experiment_id,
             "MLFLOW_REGISTRY_URI": info.registry_uri,
             # The node monitor runs instead; MLflow's own would start one per rank.
             "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false",
             REAL_TRACKING_URI_ENV: info.tracking_uri,
-            SPOOL_ENV: str(self._spool.path.resolve()),
+            SPOOL_ENV: self._spool.path.name,
         }
         devices = getattr(job, "devices", None) or job.to_dict().get("devices") or ()
         if devices:
@@ -402,9 +404,9 @@ class MLflowCallback(JobCallback):
     # -- worker side ---------------------------------------------------------------------
     def on_worker_start(self, ctx: WorkerContext) -> None:
         from sparkgpu.tracking import autolog as _autolog
-        from sparkgpu.tracking.spool import SPOOL_ENV, SpoolDir, SpoolWriter, register_spool_scheme
+        from sparkgpu.tracking.spool import SpoolDir, SpoolWriter, register_spool_scheme, spool_path_from_env
 
-        spool_path = os.environ.get(SPOOL_ENV)
+        spool_path = spool_path_from_env()
         if not spool_path:
             _logger.warning("sparkgpu: rank %d has no tracking spool (MLflowCallback.before_attempt did not run)", ctx.rank)
             return

@@ -132,11 +132,11 @@ def _name_filter(stored: str) -> str:
 
 def _run_for_registration(reg: _Registry, run_id: str | None, name: ModelName) -> tuple[str, bool]:
     """The run that holds the model's files: given, the job's, the active one, or a new one."""
-    from sparkgpu.tracking.spool import SPOOL_ENV, SpoolDir
+    from sparkgpu.tracking.spool import SpoolDir, spool_path_from_env
 
     if run_id:
         return run_id, False
-    spool = os.environ.get(SPOOL_ENV)
+    spool = spool_path_from_env()
     if spool and (info := SpoolDir(spool).read_run_info()) is not None:
         return info.run_id, False
     mlflow = imported("mlflow")

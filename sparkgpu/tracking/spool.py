@@ -44,11 +44,33 @@ from pathlib import Path
 from typing import Any
 
 from sparkgpu._files import atomic_write_bytes
+from sparkgpu.runtime import ENV_RUN_DIR
 from sparkgpu.tracking.store import REAL_TRACKING_URI_ENV, SPOOL_SCHEME
 
-__all__ = ["JobRunInfo", "SpoolDir", "SpoolWriter", "register_spool_scheme", "spool_store", "job_spool_writer", "SPOOL_ENV"]
+__all__ = ["JobRunInfo", "SpoolDir", "SpoolWriter", "register_spool_scheme", "spool_store", "job_spool_writer", "SPOOL_ENV",
+           "spool_path_from_env", "JOB_SPOOL_URI"]
 
 SPOOL_ENV = "SPARKGPU_TRACKING_SPOOL"
+
+
+#: The tracking URI the ranks get: their job's spool, wherever their node's run dir is.
+JOB_SPOOL_URI = f"{SPOOL_SCHEME}:"
+
+
+def spool_path_from_env(environ=None) -> str | None:
+    """This process's job spool: ``SPARKGPU_TRACKING_SPOOL``, which names it relative to the run
+    dir its node runs (``SPARKGPU_RUN_DIR``, set by the node's launcher), or as an absolute
+    path; ``None`` outside a tracked job.
+
+    A relative name is what lets every node of a job find the spool in its own copy of the run
+    dir (a scratch copy when the staging root is an object store) without rewriting paths.
+    """
+    environ = os.environ if environ is None else environ
+    path = environ.get(SPOOL_ENV)
+    if not path or os.path.isabs(path):
+        return path or None
+    run_dir = environ.get(ENV_RUN_DIR)
+    return os.path.join(run_dir, path) if run_dir else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +118,15 @@ class SpoolDir:
 
     @classmethod
     def from_uri(cls, uri: str) -> "SpoolDir":
-        return cls(urllib.parse.unquote(urllib.parse.urlparse(uri).path))
+        """The spool a ``sparkgpu-spool://PATH`` URI names; ``sparkgpu-spool:`` alone names this
+        process's job spool (:func:`spool_path_from_env`)."""
+        path = urllib.parse.unquote(urllib.parse.urlparse(uri).path)
+        if not path:
+            path = spool_path_from_env()
+            if path is None:
+                raise ValueError(f"{uri} names this job's spool, and {SPOOL_ENV} / {ENV_RUN_DIR} are not set "
+                                 "in this process")
+        return cls(path)
 
     def read_run_info(self) -> JobRunInfo | None:
         if not self.run_file.exists():
@@ -182,7 +212,7 @@ class SpoolWriter:
 
 def job_spool_writer() -> SpoolWriter | None:
     """This process's writer into its job's spool, or ``None`` outside a job with tracking."""
-    path = os.environ.get(SPOOL_ENV)
+    path = spool_path_from_env()
     return SpoolWriter.for_process(SpoolDir(path)) if path else None
 
 

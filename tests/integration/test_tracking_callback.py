@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import os
 import time
 
@@ -68,7 +70,9 @@ def test_restarts_and_outcomes_are_recorded_on_one_run(tracking_uri, tmp_path):
     callback.before_job(job, str(tmp_path / job.job_id))
     env = callback.before_attempt(job, 0)
     assert env["MLFLOW_RUN_ID"] == callback.run_id
-    assert env["MLFLOW_TRACKING_URI"].startswith("sparkgpu-spool://")
+    # The job's spool wherever a node's copy of the run dir is: no client path travels.
+    assert env["MLFLOW_TRACKING_URI"] == "sparkgpu-spool:" and env["SPARKGPU_TRACKING_SPOOL"] == "tracking"
+    assert str(tmp_path) not in json.dumps(env)
     assert env["SPARKGPU_MLFLOW_TRACKING_URI"] == tracking_uri
     assert env["MLFLOW_REGISTRY_URI"] == tracking_uri
     assert env["MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING"] == "false"
@@ -149,6 +153,7 @@ def test_worker_side_logs_system_metrics_keyed_by_node(tracking_uri, tmp_path, m
     callback.before_job(job, str(tmp_path / job.job_id))
     for key, value in callback.before_attempt(job, 0).items():
         monkeypatch.setenv(key, value)
+    monkeypatch.setenv("SPARKGPU_RUN_DIR", str(tmp_path / job.job_id))  # as the node's launcher sets it
     worker = MLflowCallback.__new__(MLflowCallback)  # the workers' copy, as unpickled from the payload
     worker.__setstate__(callback.__getstate__())
     ctx = WorkerContext(job.job_id, str(tmp_path), attempt=0, rank=0, local_rank=0, world_size=2, node_rank=1,

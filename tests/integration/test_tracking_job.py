@@ -98,7 +98,8 @@ def test_eight_processes_logging_at_once_into_the_embedded_store_all_land(tmp_pa
     job = JobSpec(job_id=f"many-{time.time_ns()}", name="many", resources=Resources(gpus=8, gpu_type="cpu"))
     callback = MLflowCallback("/team/many", flush_interval=0.05, system_metrics=False)
     callback.before_job(job, str(tmp_path / job.job_id))
-    env = {**os.environ, **callback.before_attempt(job, 0), "SPARKGPU_ATTEMPT": "0"}
+    env = {**os.environ, **callback.before_attempt(job, 0), "SPARKGPU_ATTEMPT": "0",
+           "SPARKGPU_RUN_DIR": str(tmp_path / job.job_id)}  # as the node's launcher sets it
     go, steps = tmp_path / "go", 150
     writers = [
         subprocess.Popen([sys.executable, "-c", _WRITER, str(go), str(steps)], env={**env, "RANK": str(rank)},

@@ -17,8 +17,6 @@ from sparkgpu.launch.staging import (
     ClientMirror,
     NodeMirror,
     StagingStore,
-    env_for_nodes,
-    env_on_node,
 )
 from sparkgpu.spec import JobSpec, Resources
 
@@ -234,18 +232,21 @@ def test_uploads_to_a_file_store_appear_complete_or_not_at_all(sides, monkeypatc
     assert not [p for p in store.rglob(".*") if p.is_file()]
 
 
-def test_the_ranks_environment_names_the_nodes_copy_of_the_run_dir(tmp_path):
-    client_rd = RunDir(tmp_path / "runs" / "job-1")
-    client_rd.path.mkdir(parents=True)
-    env = {"SPARKGPU_RUN_DIR": str(client_rd.path), "SPARKGPU_TRACKING_SPOOL": str(client_rd.path.resolve() / "tracking"),
-           "MLFLOW_TRACKING_URI": f"sparkgpu-spool://{client_rd.path.resolve()}/tracking",
-           "SPARKGPU_CHECKPOINT_DIR": "s3://bucket/runs/job-1/checkpoints", "OTHER": "kept"}
-    shipped = env_for_nodes(env, client_rd)
-    assert str(tmp_path) not in json.dumps(shipped)  # the executors never see the client's paths
+def test_the_ranks_find_the_spool_in_their_nodes_copy_of_the_run_dir(tmp_path):
+    """The tracking variables name the spool relative to the run dir, which each node's agent
+    sets to its own copy: the same environment serves the client's run dir and a scratch copy."""
+    from sparkgpu.tracking.spool import JOB_SPOOL_URI, SpoolDir, spool_path_from_env
 
-    scratch = tmp_path / "executor" / "job-1"
-    on_node = env_on_node(shipped, scratch)
-    assert on_node["SPARKGPU_RUN_DIR"] == str(scratch.resolve())
-    assert on_node["SPARKGPU_TRACKING_SPOOL"] == f"{scratch.resolve()}/tracking"
-    assert on_node["MLFLOW_TRACKING_URI"] == f"sparkgpu-spool://{scratch.resolve()}/tracking"
-    assert on_node["SPARKGPU_CHECKPOINT_DIR"] == "s3://bucket/runs/job-1/checkpoints" and on_node["OTHER"] == "kept"
+    env = {"SPARKGPU_TRACKING_SPOOL": "tracking", "MLFLOW_TRACKING_URI": JOB_SPOOL_URI}
+    for run_dir in (tmp_path / "runs" / "job-1", tmp_path / "executor" / "job-1"):
+        on_node = {**env, "SPARKGPU_RUN_DIR": str(run_dir)}
+        assert spool_path_from_env(on_node) == str(run_dir / "tracking")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPARKGPU_RUN_DIR", str(tmp_path / "executor" / "job-1"))
+        mp.setenv("SPARKGPU_TRACKING_SPOOL", "tracking")
+        assert SpoolDir.from_uri(JOB_SPOOL_URI).path == tmp_path / "executor" / "job-1" / "tracking"
+        mp.delenv("SPARKGPU_RUN_DIR")
+        with pytest.raises(ValueError, match="SPARKGPU_RUN_DIR"):
+            SpoolDir.from_uri(JOB_SPOOL_URI)
+    assert spool_path_from_env({"SPARKGPU_TRACKING_SPOOL": "/abs/tracking"}) == "/abs/tracking"
+    assert spool_path_from_env({}) is None

@@ -61,7 +61,7 @@ from sparkgpu.launch.backends.spark_sessions import (
 )
 from sparkgpu.launch.payload import KEY_ENV
 from sparkgpu.launch.run_dir import RunDir
-from sparkgpu.launch.staging import ClientMirror, StagingStore, env_for_nodes
+from sparkgpu.launch.staging import ClientMirror, StagingStore
 from sparkgpu.pools import POOL_TAG, Pool
 from sparkgpu.spec import JobSpec, Resources
 
@@ -254,7 +254,7 @@ class SparkBackend(Backend):
     def _frame(self, job: JobSpec, run_dir: RunDir, attempt: int, env: dict, layout: NodeLayout):
         launch = NodeLaunch(
             run_dir=str(run_dir.path), attempt=attempt, nnodes=layout.nodes, nproc=layout.ranks_per_node,
-            env=env_for_nodes(env, run_dir) if self.staging_url else dict(env), shutdown_grace=job.policy.shutdown_grace,
+            env=dict(env), shutdown_grace=job.policy.shutdown_grace,
             client_timeout=self.client_timeout, store_url=self.staging_url, peer_timeout=self.node_timeout,
             threads_per_rank=None if job.uses_cuda else max(1, (os.cpu_count() or 1) // layout.ranks_per_node),
         )

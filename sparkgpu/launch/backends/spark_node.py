@@ -36,7 +36,6 @@ from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.staging import (
     NodeMirror,
     StagingStore,
-    env_on_node,
     scratch_run_dir,
 )
 
@@ -148,7 +147,7 @@ def run_node(launch: NodeLaunch, batches):
             state = state if state != "ready" else "peer-not-ready"
         else:
             master_addr = ctx.getTaskInfos()[0].address.rsplit(":", 1)[0].strip("[]")
-            pid, code, state = _run_agent(rd, launch, node, devices, master_addr, gathered[0]["port"], mirror)
+            pid, code, state = _run_agent(rd, launch, node, devices, master_addr, gathered[0]["port"])
     finally:
         # Also when the barrier itself fails: Spark reuses this Python worker, and the sync
         # thread must not outlive the task.
@@ -210,16 +209,15 @@ def _remove_scratch(rd: RunDir) -> None:
         print(f"sparkgpu: could not remove the scratch run dir {rd.path.parent}: {exc}", file=sys.stderr, flush=True)
 
 
-def _run_agent(rd: RunDir, launch: NodeLaunch, node: int, devices: tuple, master_addr: str, master_port: int,
-               mirror: NodeMirror | None) -> tuple[int, int, str]:
+def _run_agent(rd: RunDir, launch: NodeLaunch, node: int, devices: tuple, master_addr: str,
+               master_port: int) -> tuple[int, int, str]:
     """Starts the node's agent on ``rd`` and watches it; ``(pid, exit code, state)``."""
     command = build_command(
         sys.executable, str(rd.path), attempt=launch.attempt, nnodes=launch.nnodes, node_rank=node,
         nproc=launch.nproc, master_addr=master_addr, master_port=master_port, shutdown_grace=launch.shutdown_grace,
     )
-    # With a store, the client's run dir in the ranks' environment becomes this node's copy.
-    launch_env = env_on_node(launch.env, rd.path) if mirror is not None else launch.env
-    env = {**os.environ, **launch_env, NODE_DEVICES_ENV: ",".join(devices), "PYTHONUNBUFFERED": "1"}
+    # The agent tells the ranks their run dir (with a store, this node's copy; SPARKGPU_RUN_DIR).
+    env = {**os.environ, **launch.env, NODE_DEVICES_ENV: ",".join(devices), "PYTHONUNBUFFERED": "1"}
     strip_spark_secrets(env)  # Spark's credentials for its Python workers are not the ranks' business
     if launch.threads_per_rank:
         env.setdefault("OMP_NUM_THREADS", str(launch.threads_per_rank))
