@@ -48,6 +48,7 @@ ENV_GPU_ADDRESS = "SPARKGPU_GPU_ADDRESS"  # the device address assigned to this 
 # The node's device addresses, when its launcher knows them only at launch (a Spark task's GPUs).
 ENV_NODE_DEVICES = "SPARKGPU_NODE_DEVICES"
 STOP_FILE = "STOP"  # written into attempts/<k>/ by the supervisor to ask ranks to checkpoint and stop
+TRACKING_DIR = "tracking"  # the run dir's folder of the job's tracking run and spooled records
 
 
 def _int_env(name: str, default: int) -> int:

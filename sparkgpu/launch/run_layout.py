@@ -62,7 +62,7 @@ class RunLayout:
     ATTEMPTS = "attempts"
     REPORT = "report.json"  # in an attempt's folder
     RAY_CLUSTER = "cluster.json"  # in an attempt's ray/ folder
-    TRACKING = "tracking"
+    TRACKING = runtime.TRACKING_DIR
     TRACKING_RUN = f"{TRACKING}/run.json"
     TRACKING_RECORDS = f"{TRACKING}/records"
     #: The signed files every run dir has, in the order the signature covers them.

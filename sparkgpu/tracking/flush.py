@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from sparkgpu.errors import ConfigurationError, JobStateError, SparkGPUError
+from sparkgpu.runtime import TRACKING_DIR
 
 __all__ = ["flush_spool", "UNSENT_TAG"]
 
@@ -46,7 +47,7 @@ def flush_spool(run_dir: str | os.PathLike, *, tracking_uri: str | None = None) 
     from sparkgpu.tracking.flusher import SpoolFlusher
     from sparkgpu.tracking.spool import SpoolDir
 
-    spool = SpoolDir(Path(run_dir) / "tracking")
+    spool = SpoolDir(Path(run_dir) / TRACKING_DIR)
     info = spool.read_run_info()
     if info is None:
         raise ConfigurationError(

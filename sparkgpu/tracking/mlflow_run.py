@@ -33,6 +33,7 @@ from pathlib import Path
 
 from sparkgpu.callbacks import AttemptOutcome, JobCallback, WorkerContext
 from sparkgpu.errors import ConfigurationError
+from sparkgpu.runtime import TRACKING_DIR
 from sparkgpu.tracking._permissions import translate_permission_errors
 from sparkgpu.tracking.store import REAL_TRACKING_URI_ENV, default_experiment_name, ensure_experiment, resolve_target
 
@@ -236,7 +237,7 @@ class MLflowCallback(JobCallback):
 
         target = resolve_target(self.tracking_uri, self.registry_uri)
         self._client = MlflowClient(target.tracking_uri, target.registry_uri)
-        self._spool = SpoolDir(Path(run_dir) / "tracking")
+        self._spool = SpoolDir(Path(run_dir) / TRACKING_DIR)
         spec = job.to_dict()
         experiment = self.experiment or default_experiment_name()
         try:
