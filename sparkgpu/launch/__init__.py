@@ -31,7 +31,8 @@ of a ``@distributed`` function), with the module doing each::
      9. backend.submit: one node agent here, a warm-pool fork (also    launch.backends.local,
         a restart's fork from the job's standby), or one Spark         launch.pool, .pool_zygote,
         barrier task per node (the run dir mirrored to an object       launch.backends.spark,
-        store when the staging root is one)                            launch.staging
+        store when the staging root is one); on Spark, lost nodes      launch.staging,
+        stop the others and the attempt's report says how each ended   .spark_node_watch
     worker, per node
     10. Spark node task: verify the payload, start the agent, watch    launch.backends.spark_node
         it, beat for the client and the peer nodes

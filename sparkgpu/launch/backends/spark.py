@@ -28,7 +28,6 @@ import dataclasses
 import functools
 import json
 import os
-import re
 import sys
 import threading
 import time
@@ -38,7 +37,7 @@ from sparkgpu._urls import install_command, scheme_of
 from sparkgpu.config import settings
 from sparkgpu.errors import CapacityError, ConfigurationError
 from sparkgpu.launch.agent import build_command
-from sparkgpu.launch.attempt_report import AttemptReport, NodeReport
+from sparkgpu.launch.attempt_report import AttemptReport
 from sparkgpu.launch.backends.base import AttemptHandle, Backend, LaunchPlan, ResolvedJob
 from sparkgpu.launch.backends.spark_capacity import (
     NodeLayout,
@@ -48,6 +47,7 @@ from sparkgpu.launch.backends.spark_capacity import (
     plan_layout,
 )
 from sparkgpu.launch.backends.spark_node import NODE_DDL, Heartbeat, NodeLaunch, run_node
+from sparkgpu.launch.backends.spark_node_watch import NodeWatch
 from sparkgpu.launch.backends.spark_sessions import active as _active
 from sparkgpu.launch.backends.spark_sessions import (
     active_spark_session,
@@ -78,9 +78,6 @@ class _FromSettings:
 
 
 _FROM_SETTINGS = _FromSettings()
-
-#: How Spark names the executor it lost in a failed job's message.
-_LOST_EXECUTOR = re.compile(r"ExecutorLostFailure \(executor (\S+?)[ )]|[Ee]xecutor (?:id )?(\S+?) (?:lost|exited)")
 
 
 @dataclasses.dataclass
@@ -119,7 +116,7 @@ class SparkAttempt(AttemptHandle):
         return [row.asDict() for row in self.rows or ()]
 
 
-class SparkBackend(Backend):
+class SparkBackend(NodeWatch, Backend):
     """Runs every node of a job as a barrier task on a Spark session's executors.
 
     Args:
@@ -479,127 +476,6 @@ class SparkBackend(Backend):
         self._write_report(handle, rows)
         return max((abs(r["exit_code"]) for r in rows), default=1)
 
-    # -- lost nodes ---------------------------------------------------------------------
-    def _find_lost(self, handle: SparkAttempt, named: tuple[str, ...] = ()) -> bool:
-        """Counts started nodes lost that stopped beating for ``node_timeout`` without an end marker,
-        or whose executor Spark names in ``named``; ``True`` when a node is newly lost.
-
-        Only the first nodes to fall silent count by their silence: once Spark notices a lost
-        executor it kills the barrier stage's other tasks, and their nodes fall silent after.
-        """
-        self._read_node_infos(handle)
-        known = {n.node for n in handle.report.lost}
-        found = False
-        for node in handle.run_dir.nodes_without_end(handle.attempt):
-            if node in known:
-                continue
-            beat = self._beat_of(handle, node)
-            info = handle.node_infos.get(node, {})
-            if str(info.get("executor")) in named:
-                cause = "Spark reported its executor lost"
-            elif not known and beat.lost():
-                cause = f"no heartbeat from it for {beat.silent_for():.0f}s and no word on how its ranks ended"
-            else:
-                continue
-            lost_at = time.time() - beat.silent_for()
-            handle.report.lost_at = min(handle.report.lost_at or lost_at, lost_at)
-            handle.report.nodes.append(NodeReport(node, str(info.get("executor", "")), str(info.get("host", "")),
-                                                  "lost", self._ranks_of(handle, node), cause=cause))
-            found = True
-        if found:
-            self._write_report(handle)
-        return found
-
-    def _beat_of(self, handle: SparkAttempt, node: int) -> Heartbeat:
-        beat = handle.beats.get(node)
-        if beat is None:
-            marker = handle.run_dir.node_marker(handle.attempt, node, "beat")
-            beat = handle.beats[node] = Heartbeat(marker, self.node_timeout, seen_first=True)
-        return beat
-
-    def _stop_for_lost(self, handle: SparkAttempt) -> None:
-        """A node is lost while the Spark job runs: stop the others' ranks and end the job now."""
-        message = handle.report.lost_message()
-        print(f"sparkgpu: {message}; stopping the ranks of the other nodes", file=self._stream, flush=True)
-        atomic_write_bytes(handle.run_dir.spark_cancel_file(handle.attempt), f"{message}\n".encode())
-        self._sync_now(handle)
-        try:
-            self.spark.interruptTag(handle.tag)  # Spark may wait for the lost executor's slots otherwise
-        except Exception as exc:  # the session may be gone with the executor's host: the nodes stop on the marker
-            self._note(handle, f"could not interrupt the Spark job ({type(exc).__name__}: {exc})")
-
-    def _read_node_infos(self, handle: SparkAttempt) -> None:
-        for node, marker in handle.run_dir.node_markers(handle.attempt, "started").items():
-            if node not in handle.node_infos:
-                try:
-                    handle.node_infos[node] = json.loads(marker.read_text())
-                except (OSError, ValueError):
-                    continue  # created before its content is written: read again next time
-
-    @staticmethod
-    def _ranks_of(handle: SparkAttempt, node: int) -> list[int]:
-        per_node = handle.layout.ranks_per_node
-        return list(range(node * per_node, (node + 1) * per_node))
-
-    def _stop_outliving_nodes(self, handle: SparkAttempt) -> None:
-        """Stops the ranks of a failed Spark job and waits (bounded) until the nodes say they stopped.
-
-        The Connect stream can break while the barrier tasks run on: without this, a restart
-        would start the next attempt beside ranks still training on the same GPUs and
-        checkpoint directory. A node that stops beating meanwhile is not waited for: it is lost.
-        """
-        rd, attempt = handle.run_dir, handle.attempt
-        atomic_write_bytes(rd.spark_cancel_file(attempt), b"the Spark job of this attempt failed\n")
-        self._sync_now(handle)
-        try:
-            self.spark.interruptTag(handle.tag)
-        except Exception as exc:  # the broken stream may have taken the session with it
-            self._note(handle, f"could not interrupt the Spark job ({type(exc).__name__}: {exc}); the nodes "
-                               "stop their ranks on the cancel marker")
-        named = tuple(name for found in _LOST_EXECUTOR.findall(str(handle.error or "")) for name in found if name)
-        limit = handle.job.policy.shutdown_grace + self.node_stop_margin
-        deadline = time.monotonic() + limit
-        running = rd.nodes_without_end(attempt)
-        while running and time.monotonic() < deadline:
-            time.sleep(0.2)
-            self._sync_now(handle)  # with a store, the end markers arrive by pulls
-            self._find_lost(handle, named)
-            lost = {n.node for n in handle.report.lost}
-            # A silent node is not waited for: lost, or its task was killed by Spark with its ranks.
-            running = [n for n in rd.nodes_without_end(attempt) if n not in lost and not self._beat_of(handle, n).lost()]
-        if running:
-            self._note(handle, f"node(s) {', '.join(map(str, running))} did not confirm within {limit:g}s that "
-                               "their ranks stopped (their executor may be lost); any rank left stops when it "
-                               "sees the cancel marker or loses this client's heartbeat")
-
-    # -- the attempt's report -----------------------------------------------------------
-    def _note(self, handle: SparkAttempt, message: str) -> None:
-        """A sentence for the user about the attempt, kept in its report."""
-        handle.report.notes.append(message)
-        self._write_report(handle)
-
-    def _write_report(self, handle: SparkAttempt, rows: list[dict] | None = None) -> None:
-        """Writes the report; with the node tasks' ``rows`` (or their end markers) it is the final one."""
-        report = handle.report
-        if rows is not None:
-            lost = {n.node: n for n in report.lost}
-            by_node = {r["node"]: r for r in rows}
-            ended = _end_markers(handle.run_dir, handle.attempt)
-            self._read_node_infos(handle)
-            nodes = []
-            for node in sorted(set(by_node) | set(ended) | set(handle.node_infos) | set(lost)):
-                if node in lost:
-                    nodes.append(lost[node])
-                    continue
-                row, end, info = by_node.get(node, {}), ended.get(node, {}), handle.node_infos.get(node, {})
-                code = row.get("exit_code", end.get("exit_code"))
-                state = str(row.get("state", end.get("state", "unknown")))
-                nodes.append(NodeReport(node, str(row.get("executor", info.get("executor", ""))),
-                                        str(row.get("host", info.get("host", ""))), state, self._ranks_of(handle, node),
-                                        exit_code=code, signal=-code if code is not None and code < 0 else None))
-            report.nodes = nodes
-        report.write(handle.run_dir.attempt_dir(handle.attempt))
-
     def cancel(self, handle: SparkAttempt, grace: float) -> None:
         if handle.finished.is_set():
             self._last_pull(handle)  # the supervisor reads the results next, without another poll
@@ -620,17 +496,6 @@ class SparkBackend(Backend):
 def _at(spark) -> str:
     url = connect_url(spark)
     return f" at {url}" if url else ""
-
-
-def _end_markers(run_dir: RunDir, attempt: int) -> dict[int, dict]:
-    """The nodes' end markers (exit code, state), by node."""
-    found = {}
-    for node, path in run_dir.node_markers(attempt, "ended").items():
-        try:
-            found[node] = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue  # written atomically: a read error means it is being replaced
-    return found
 
 
 def create_backend(**options) -> SparkBackend:
