@@ -332,12 +332,12 @@ def test_resume_refuses_unknown_and_finished_jobs():
         resume_job(all_reduce_step.last_job_id)
 
 
-def test_a_crashed_rank_does_not_leave_a_checkpointing_peer_to_sit_out_the_shutdown_grace(tmp_path):
+def assert_a_crashed_ranks_checkpointing_peer_is_killed_soon(tmp_path, backend="local") -> None:
     """The peer's SIGTERM is a checkpoint request (as a Checkpointer sets it up), and it is stuck
     waiting for the crashed rank: it is killed soon after the crash, not the grace (10 s) later."""
     crashed_at = tmp_path / "crashed_at"
 
-    @distributed(gpus=2, gpu_type="cpu")
+    @distributed(gpus=2, gpu_type="cpu", backend=backend)
     def crash_beside_a_checkpointer(path):
         import time as _t
 
@@ -354,6 +354,10 @@ def test_a_crashed_rank_does_not_leave_a_checkpointing_peer_to_sit_out_the_shutd
     assert time.time() - float(crashed_at.read_text()) < 8
     assert err.value.failures[0].rank == 0 and err.value.failures[0].exitcode == -signal.SIGKILL
     assert_no_orphans(settings().staging_root / crash_beside_a_checkpointer.last_job_id)
+
+
+def test_a_crashed_rank_does_not_leave_a_checkpointing_peer_to_sit_out_the_shutdown_grace(tmp_path):
+    assert_a_crashed_ranks_checkpointing_peer_is_killed_soon(tmp_path)
 
 
 def test_a_restart_forks_its_ranks_from_the_jobs_standby_which_ends_with_the_job():

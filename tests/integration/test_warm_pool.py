@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -272,23 +271,6 @@ def test_a_client_holding_more_than_1024_descriptors_still_gets_its_result(pool)
 
 
 def test_a_crashed_rank_does_not_leave_a_checkpointing_peer_in_the_pool_to_sit_out_the_grace(pool, tmp_path):
-    """As on the cold path: the peer's SIGTERM asks for a checkpoint, which it cannot take
-    without the crashed rank; the pool kills it soon after the crash, not the grace (10 s) later."""
-    crashed_at = tmp_path / "crashed_at"
+    from tests.integration.test_local_launch import assert_a_crashed_ranks_checkpointing_peer_is_killed_soon
 
-    @distributed(gpus=2, gpu_type="cpu", backend=pool)
-    def crash_beside_a_checkpointer(path):
-        import time as _t
-
-        runtime.handle_sigterm_as_checkpoint_request()
-        if runtime.get_global_rank() == 0:
-            _t.sleep(1)
-            with open(path, "w") as f:
-                f.write(repr(_t.time()))
-            os.kill(os.getpid(), signal.SIGKILL)
-        _t.sleep(120)  # as a rank blocked in a collective with the dead one
-
-    with pytest.raises(WorkerFailedError) as err:
-        crash_beside_a_checkpointer.distributed(str(crashed_at))
-    assert time.time() - float(crashed_at.read_text()) < 8
-    assert err.value.failures[0].rank == 0 and err.value.failures[0].exitcode == -signal.SIGKILL
+    assert_a_crashed_ranks_checkpointing_peer_is_killed_soon(tmp_path, backend=pool)
