@@ -35,7 +35,6 @@ import socket
 import sys
 import threading
 import time
-import types
 from typing import Any
 
 from sparkgpu._files import atomic_write_bytes
@@ -48,6 +47,7 @@ from sparkgpu.errors import (
     PolicyViolationError,
     SparkGPUError,
 )
+from sparkgpu.launch.attempt_result import read_attempt
 from sparkgpu.launch.keys import load_key
 from sparkgpu.launch.logs import LogStreamer
 from sparkgpu.launch.resume import client_is_gone, find_run_dir, take_over
@@ -247,10 +247,8 @@ class Call:
                                        f"{self.job_id}` once the policy allows")
         if last.get("exit_code") is not None or last.get("status") == "failed":
             # Read back the way the supervisor that ran it did: same failures, same root cause.
-            key = load_key(self.job_id)
-            reader = Supervisor(self._spec, RunDir(self.run_dir.path, key),
-                                types.SimpleNamespace(name=self._spec.backend), key)
-            outcome = reader._collect(last["attempt"], None, None)
+            run_dir = RunDir(self.run_dir.path, load_key(self.job_id))
+            outcome = read_attempt(run_dir, last["attempt"], self._spec.world_size, self._spec.policy)
             if outcome.failures:
                 # The same error class the live call raised: `except ValueError` catches it here too.
                 error = outcome.error(self.job_id, str(logs))

@@ -45,7 +45,8 @@ of a ``@distributed`` function), with the module doing each::
     13. entrypoint: devices, process group, unpickle, run fn, write    launch.entrypoint,
         the signed result or error                                     launch.process_group
     client again
-    14. results and errors read back and checked; failures grouped     launch.supervisor,
-        per rank into one error; the outcome to the callbacks          launch.attempt_report,
+    14. results and errors read back and checked; failures grouped     launch.attempt_result,
+        per rank into one error (attach(...).result() reads a          launch.attempt_report,
+        finished job the same way); the outcome to the callbacks       launch.supervisor,
                                                                        sparkgpu.errors
 """

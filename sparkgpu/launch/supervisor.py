@@ -21,7 +21,6 @@ import dataclasses
 import enum
 import json
 import os
-import signal
 import socket
 import sys
 import threading
@@ -37,15 +36,10 @@ from sparkgpu.errors import (
     EnvironmentMismatchError,
     JobCancelledError,
     JobTimeoutError,
-    NodeLostError,
     PayloadSignatureError,
     PolicyViolationError,
-    RankFailure,
-    first_failure,
-    worker_failed_error,
 )
-from sparkgpu.launch.attempt_report import AttemptReport
-from sparkgpu.launch.entrypoint import EXIT_PREEMPTED
+from sparkgpu.launch.attempt_result import AttemptResult, read_attempt
 from sparkgpu.launch.logs import LogStreamer
 from sparkgpu.launch.payload import KEY_ENV
 from sparkgpu.launch.run_dir import RunDir
@@ -53,7 +47,7 @@ from sparkgpu.launch.run_layout import RunLayout
 from sparkgpu.spec import JobSpec
 from sparkgpu.train._checkpoint_store import CheckpointStore
 
-__all__ = ["Supervisor", "JobStatus", "Decision", "FailurePolicy", "AttemptResult", "CANCEL_REQUEST_FILE"]
+__all__ = ["Supervisor", "JobStatus", "Decision", "FailurePolicy", "CANCEL_REQUEST_FILE"]
 
 _POLL_SECONDS = 0.1
 
@@ -98,35 +92,6 @@ class FailurePolicy:
         if any(isinstance(exc, self.PERMANENT) for exc in exceptions.values()):
             return Decision.RAISE
         return Decision.RESTART if restarts_used < self.max_restarts else Decision.RAISE
-
-
-@dataclasses.dataclass
-class AttemptResult:
-    """How one attempt ended, read back from the run dir."""
-
-    status: str  # "succeeded" | "preempted" | "failed" | "stopped" (by a policy, without a checkpoint)
-    results: list[Any] | None = None
-    failures: list[RankFailure] = dataclasses.field(default_factory=list)
-    exceptions: dict[int, BaseException] = dataclasses.field(default_factory=dict)
-    report: AttemptReport | None = None  # the backend's account of its nodes, when it wrote one
-
-    @property
-    def lost(self) -> str:
-        """``"executor 1 on host h was lost (...)"`` when the backend lost a node of the attempt, else ``""``."""
-        return self.report.lost_message() if self.report is not None and self.report.lost else ""
-
-    def error(self, job_id: str, logs_dir: str):
-        """The error a failed attempt raises on the client (the live call and ``attach(...).result()`` alike)."""
-        if self.lost:
-            return NodeLostError(self.failures, job_id, logs_dir, lost=self.lost)
-        return worker_failed_error(self.failures, self.exceptions, job_id, logs_dir)
-
-    @property
-    def root_exception(self) -> BaseException | None:
-        """The unpickled exception of the rank that failed first, when it unpickles."""
-        if not self.failures:
-            return None
-        return self.exceptions.get(first_failure(self.failures).rank)
 
 
 class Supervisor:
@@ -308,7 +273,8 @@ class Supervisor:
             streamer = LogStreamer(self.run_dir, attempt, self.job.world_size, self.job.log_ranks, self.out)
             code, stopped_by = self._watch(attempt, handle, streamer, record, job_started)
             streamer.finish()
-            outcome = self._collect(attempt, stopped_by, checkpoint_before)
+            outcome = read_attempt(self.run_dir, attempt, self.job.world_size, self.job.policy, stopped_by=stopped_by,
+                                   saved_checkpoint=lambda: self._latest_checkpoint() != checkpoint_before)
             self._end_attempt(record, outcome.status, code, outcome)
             return outcome
         except KeyboardInterrupt:
@@ -479,108 +445,3 @@ class Supervisor:
                   "at the runtime cap counts as preempted only if its ranks stop for a restart", file=self.out)
             return None
         return None if info is None else (info.step, info.created)
-
-    def _collect(self, attempt: int, stopped_by: str | None,
-                 checkpoint_before: tuple[int, float] | None) -> AttemptResult:
-        rd = self.run_dir
-        results: dict[int, Any] = {}
-        failures: list[RankFailure] = []
-        exceptions: dict[int, BaseException] = {}
-        preempted, silent = [], []
-        for rank in range(self.job.world_size):
-            if rd.result_file(attempt, rank).exists():
-                results[rank] = rd.read_result(attempt, rank)
-            elif rd.error_file(attempt, rank).exists():
-                failure, exc = rd.read_error(attempt, rank)
-                failures.append(failure)
-                if exc is not None:
-                    exceptions[rank] = exc
-            elif rd.preempted_file(attempt, rank).exists():
-                preempted.append(rank)
-            else:
-                silent.append(rank)
-        exits = rd.read_node_exits(attempt)
-        report = AttemptReport.read(rd.attempt_dir(attempt))
-        own_failure = bool(failures) or any(
-            i["exitcode"] not in (EXIT_PREEMPTED, -signal.SIGTERM) for r, i in exits.items() if r in silent
-        )
-        for rank in silent:
-            info = exits.get(rank)
-            if info is None:
-                continue  # stopped by the agent because another rank failed
-            if info["exitcode"] == EXIT_PREEMPTED:
-                preempted.append(rank)  # stopped for a restart; its marker may be lost with the node
-                continue
-            if own_failure and info["exitcode"] == -signal.SIGTERM:
-                continue  # torn down after another rank failed: not a failure of its own
-            if stopped_by and info["exitcode"] in (-signal.SIGTERM, -signal.SIGKILL):
-                continue  # the supervisor stopped it (cap or policy): judged below
-            failures.append(RankFailure(
-                rank, None, _describe_exit(info), exitcode=info["exitcode"], log_tail=rd.log_tail(attempt, rank),
-                timestamp=info.get("time"),  # when it exited: a quiet exit is the cause of its peers' errors
-            ))
-        if report is not None and report.lost:
-            # The lost node's ranks are silent; the others' errors (a peer left the collective) follow from it.
-            lost = [RankFailure(rank, None, f"{node.where} was lost: {node.cause}", timestamp=report.lost_at)
-                    for node in report.lost for rank in node.ranks]
-            lost_ranks = {f.rank for f in lost}
-            return AttemptResult("failed", failures=lost + [f for f in failures if f.rank not in lost_ranks],
-                                 exceptions=exceptions, report=report)
-        if failures:
-            return AttemptResult("failed", failures=failures, exceptions=exceptions, report=report)
-        if len(results) == self.job.world_size:
-            return AttemptResult("succeeded", results=[results[r] for r in range(self.job.world_size)])
-        if preempted:
-            return AttemptResult("preempted")
-        if stopped_by:
-            # Stopped at the cap: resuming makes sense only if this attempt saved progress;
-            # otherwise the next attempt would do the same work again, forever.
-            if self._latest_checkpoint() != checkpoint_before:
-                return AttemptResult("preempted")
-            if stopped_by == "policy":
-                return AttemptResult("stopped")
-            message = _not_checkpointed_message(self.job.policy)
-            return AttemptResult("failed", failures=[
-                RankFailure(r, None, message, log_tail=rd.log_tail(attempt, r))
-                for r in range(self.job.world_size) if r not in results
-            ])
-        missing = silent or list(range(self.job.world_size))
-        if rd.node_exit_files(attempt):
-            # Launchers recorded the attempt but no exit of these ranks: an exit with code 0
-            # that could not be watched, or a node whose launcher was lost.
-            return AttemptResult("failed", failures=[
-                RankFailure(r, None, "the process ended without returning a result or raising an exception, and "
-                            "its launcher recorded no failure for it (an exit with code 0, as after os._exit(0), "
-                            "or its node's launcher was lost)", log_tail=rd.log_tail(attempt, r))
-                for r in missing
-            ])
-        # No launcher recorded anything: it failed itself (bad interpreter, port clash, ...).
-        agent_log = rd.agent_log(attempt, 0)
-        tail = "\n".join(agent_log.read_text(errors="replace").splitlines()[-30:]) if agent_log.exists() else ""
-        if report is not None and report.notes:  # what the backend knows that no launcher could write
-            tail = "\n".join([*(f"sparkgpu: {note}" for note in report.notes), tail])
-        return AttemptResult("failed", failures=[
-            RankFailure(r, None, "the rank never reported a result: its node's launcher ended without recording "
-                        "how its ranks ended (the launcher's log is below)", log_tail=tail)
-            for r in missing
-        ])
-
-
-def _not_checkpointed_message(policy) -> str:
-    return (
-        f"the attempt reached its runtime cap (max_runtime={policy.max_runtime:g}s) and was stopped, but the "
-        "function did not checkpoint before it: no rank stopped for a restart and no new complete checkpoint "
-        "was saved, so resuming would only repeat the same work. Save with sparkgpu.train.Checkpointer "
-        "(ckpt.maybe_save(step, ...) after every step) and call runtime.stop_for_restart() once ckpt.should_stop "
-        f"is True (runtime.should_checkpoint() turns True checkpoint_grace={policy.checkpoint_grace:g}s before "
-        "the cap), or raise max_runtime="
-    )
-
-
-def _describe_exit(info: dict) -> str:
-    if info.get("signal"):
-        return f"the process died from signal {info['signal']} (exit code {info['exitcode']}) without a Python exception"
-    if info["exitcode"] == 0:
-        return ("the process exited with code 0 without returning a result or raising an exception "
-                "(os._exit(0), or a library that calls exit(0))")
-    return f"the process exited with code {info['exitcode']} without a Python exception"

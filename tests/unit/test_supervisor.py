@@ -10,6 +10,7 @@ import pytest
 from sparkgpu._files import atomic_write_bytes
 from sparkgpu.errors import JobTimeoutError, NodeLostError, WorkerFailedError
 from sparkgpu.launch.attempt_report import AttemptReport, NodeReport
+from sparkgpu.launch.attempt_result import read_attempt
 from sparkgpu.launch.callbacks import JobCallback
 from sparkgpu.launch.entrypoint import EXIT_PREEMPTED
 from sparkgpu.launch.payload import serialize_payload
@@ -425,7 +426,7 @@ def test_a_lost_node_in_the_backends_report_fails_the_attempt_naming_its_host(tm
     assert first["ended_at"] == first["started_at"]  # lost before it started here: nothing billed after the loss
     assert "attempt 0 failed: executor 7 on host 10.0.0.7 was lost" in out.getvalue()
     # Read back later (attach(job_id).result()), the job raises the same error.
-    again = sup._collect(1, None, None).error("job-1", "logs")
+    again = read_attempt(rd, 1, 2, sup.job.policy).error("job-1", "logs")
     assert isinstance(again, NodeLostError) and again.lost == err.value.lost and again.ranks == err.value.ranks
 
 
