@@ -1,10 +1,12 @@
 """Which client reads byte ranges from an S3-protocol server fastest: obstore, s3fs or http.client?
 
 Question: which reader should volumes use for ``s3://`` (and ``gs://``, ``az://``, ``http(s)://``)?
-Peers, all on the same real S3-protocol server (moto, in its own process on loopback), all
+Peers, all on the same real S3-protocol server (moto, in its own process on loopback, serving
+a byte range at the cost of the range as S3 does: see sparkgpu/data/_simulated_s3.py), all
 fetching the same files as ranges of :func:`sparkgpu.data.volume.part_bytes_for` bytes on the
 same number of threads, each range written to its place in a local file (as the loader does):
-  * obstore: the Rust object_store client (``obstore.get_range``), an S3 store (signed requests);
+  * obstore: the Rust object_store client (``obstore.get_range``), an S3 store (signed requests),
+    each range written from a view of the client's buffer, as the loader does;
   * obstore-http: the same client as a plain HTTP store (unsigned; what http(s):// volumes use);
   * s3fs: fsspec's S3 filesystem (``cat_file`` with start/end; every request on its one
     event-loop thread);
@@ -28,10 +30,7 @@ import json
 import os
 import platform
 import random
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -41,24 +40,6 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 ENV = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
        "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true", "AWS_EC2_METADATA_DISABLED": "true"}
-
-
-def start_moto() -> tuple[subprocess.Popen, str]:
-    """moto's S3 server in its own process, on 127.0.0.1 and a free port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc, f"http://127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("moto server did not start within 60 s")
 
 
 def readers(endpoint: str, bucket: str) -> dict:
@@ -85,8 +66,8 @@ def readers(endpoint: str, bucket: str) -> dict:
         return body
 
     return {
-        "obstore": lambda key, start, end: bytes(obstore.get_range(s3, key, start=start, end=end)),
-        "obstore-http": lambda key, start, end: bytes(obstore.get_range(http_store, key, start=start, end=end)),
+        "obstore": lambda key, start, end: memoryview(obstore.get_range(s3, key, start=start, end=end)),
+        "obstore-http": lambda key, start, end: memoryview(obstore.get_range(http_store, key, start=start, end=end)),
         "s3fs": lambda key, start, end: fs.cat_file(f"{bucket}/{key}", start=start, end=end),
         "http.client": plain,
     }
@@ -117,10 +98,11 @@ def fetch_all(read, keys: list[str], size: int, threads: int, part: int, target:
 def run(args) -> dict:
     import boto3
 
+    from sparkgpu.data._simulated_s3 import start_s3_server
     from sparkgpu.data.volume import part_bytes_for
 
     os.environ.update(ENV)
-    server, endpoint = start_moto()
+    server, endpoint = start_s3_server()
     work = Path(tempfile.mkdtemp(prefix="sparkgpu-bench-objstore-", dir=args.work_dir))
     try:
         bucket, size = "bench", args.file_mb << 20
@@ -164,7 +146,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=str(RESULTS / "object_store.json"))
     args = parser.parse_args(argv)
     results = run(args)
-    results["config"] = vars(args) | {"cpus": os.cpu_count(), "machine": platform.machine(),
+    results["config"] = {k: v for k, v in vars(args).items() if k not in ("out", "work_dir")} | {"cpus": os.cpu_count(), "machine": platform.machine(),
                                       "python": platform.python_version()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2, default=str))

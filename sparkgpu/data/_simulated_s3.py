@@ -21,7 +21,7 @@ from pathlib import Path
 from sparkgpu.data._simulated_link import PROFILES, start_proxy
 from sparkgpu.errors import ConfigurationError, MissingDependencyError
 
-__all__ = ["simulated_s3"]
+__all__ = ["simulated_s3", "start_s3_server"]
 
 # moto reads an object's whole body for every GET, a ranged one too, under a per-object lock
 # (moto 5.2: FakeKey.value, then a slice in S3Response._handle_range_header): 8 ranges of a 57 MB
@@ -82,16 +82,10 @@ def simulated_s3(folder: str | os.PathLike, profile: str):
     if not local.is_dir():
         raise ConfigurationError(f"--profile {profile} serves a local table folder over S3; {folder} is not one "
                                  "(measure a remote table as it is: leave out --profile)")
-    if importlib.util.find_spec("moto") is None:
-        raise MissingDependencyError("the simulated S3 link runs moto's S3 server: pip install 'moto[server]'")
-    server = subprocess.Popen([sys.executable, "-c", _SERVER], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    server, endpoint = start_s3_server()
     proxy = None
     saved = {key: os.environ.get(key) for key in _environment("")}
     try:
-        port = server.stdout.readline().strip()
-        if not port.isdigit():
-            raise RuntimeError("the loopback S3 server did not start")
-        endpoint = f"http://127.0.0.1:{port}"
         bucket = f"bench-{uuid.uuid4().hex[:8]}"
         _upload(endpoint, bucket, local)
         if PROFILES[profile] is not None:
@@ -110,6 +104,27 @@ def simulated_s3(folder: str | os.PathLike, profile: str):
             if proc is not None:
                 proc.terminate()
                 proc.wait(timeout=10)
+
+
+def start_s3_server() -> tuple[subprocess.Popen, str]:
+    """moto's S3 server, serving byte ranges at their own cost, in a process of its own on 127.0.0.1.
+
+    Returns:
+        The server process (the caller terminates it) and its endpoint URL.
+
+    Raises:
+        MissingDependencyError: moto is not installed.
+        RuntimeError: The server did not start.
+    """
+    if importlib.util.find_spec("moto") is None:
+        raise MissingDependencyError("the simulated S3 link runs moto's S3 server: pip install 'moto[server]'")
+    server = subprocess.Popen([sys.executable, "-c", _SERVER], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    port = server.stdout.readline().strip()
+    if not port.isdigit():
+        server.kill()
+        server.wait()
+        raise RuntimeError("the loopback S3 server did not start")
+    return server, f"http://127.0.0.1:{port}"
 
 
 def _upload(endpoint: str, bucket: str, folder: Path) -> None:

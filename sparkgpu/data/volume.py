@@ -285,7 +285,10 @@ class Volume:
             os.close(fd)
 
     def _part(self, relative: str, fd: int, start: int, end: int, ordered: _InOrder) -> bool:
-        data = self.read_bytes(relative, start, end)
+        if self._direct is not None:  # a view of the client's buffer: written and hashed without a copy
+            data = self._retrying(relative, lambda: self._direct.view(relative, start, end))
+        else:
+            data = self.read_bytes(relative, start, end)
         if len(data) != end - start:
             return False  # the store ignored the range and sent something else
         _pwrite_all(fd, data, start)

@@ -119,6 +119,19 @@ def test_a_connection_the_server_dropped_is_replaced():
 def test_a_server_that_ignores_ranges_answers_an_empty_range():
     with _Server({"f": FILE}, ranges=False) as server:
         assert ObjectStoreSource(server.url).cat("f", 0, 4096) == b""
+        assert len(ObjectStoreSource(server.url).view("f", 0, 4096)) == 0
+
+
+def test_a_range_view_is_the_range_without_a_copy(tmp_path):
+    # What range downloads write and hash: the client's buffer itself, byte for byte.
+    with _Server({"f": FILE}) as server:
+        view = ObjectStoreSource(server.url).view("f", 4096, 4096 + 65536)
+        assert isinstance(view, memoryview) and view.itemsize == 1 and view.readonly
+        assert len(view) == 65536 and view == FILE[4096:4096 + 65536]
+        target = tmp_path / "f"
+        with ThreadPoolExecutor(4) as pool:
+            Volume(server.url).download("f", str(target), size=len(FILE), pool=pool, part_bytes=65536)
+        assert target.read_bytes() == FILE
 
 
 def test_a_redirecting_server_is_followed():
