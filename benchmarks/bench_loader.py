@@ -394,7 +394,7 @@ def main(argv=None) -> None:
     results = run(args)
     from sparkgpu.data import _gather
 
-    config = {k: v for k, v in vars(args).items() if k not in ("peer", "data", "litdata")}
+    config = {k: v for k, v in vars(args).items() if k not in ("peer", "data", "litdata", "out", "work_dir")}
     results["config"] = config | {"row_bytes": ROW_BYTES, "native_built": _gather.native_available(),
                                       "cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version()}
     out = Path(args.out)

@@ -180,7 +180,8 @@ def run_torchrun(size_mb: int, work: Path, tries: int = 5) -> float:
         if done.returncode == 0:
             return downtime(timeline)
         said = [line for line in done.stderr.splitlines() if "terminate called" in line or "exitcode" in line]
-        TORCHRUN_FAILURES.append("; ".join(said[-3:]) or done.stderr[-300:])
+        # Recorded in results/: the interpreter's path says which machine ran it, not what happened.
+        TORCHRUN_FAILURES.append(("; ".join(said[-3:]) or done.stderr[-300:]).replace(sys.executable, "python"))
         print(f"torchrun's restart failed ({TORCHRUN_FAILURES[-1]}); running it again", flush=True)
     raise RuntimeError(f"torchrun's restart failed {tries} times in a row: {TORCHRUN_FAILURES[-tries:]}")
 

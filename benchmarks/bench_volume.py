@@ -284,7 +284,7 @@ def main(argv=None) -> None:
         args.out = str(RESULTS / (f"{name}.json" if args.profile == "loopback" else f"{name}-{args.profile}.json"))
     args.out_png = str(Path(args.out).with_suffix(".png"))
     results = run_table(args) if args.table else run(args)
-    results["config"] = {k: v for k, v in vars(args).items()} | {"row_bytes": ROW_BYTES, "cpus": os.cpu_count(),
+    results["config"] = {k: v for k, v in vars(args).items() if k not in ("out", "out_png", "work_dir")} | {"row_bytes": ROW_BYTES, "cpus": os.cpu_count(),
                                                                   "machine": platform.machine(), "python": platform.python_version()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2, default=str))
