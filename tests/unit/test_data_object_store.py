@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.server
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -179,6 +180,39 @@ def test_the_volume_measures_the_latency_of_a_slow_link(tmp_path):
         link = volume._direct.link
         assert link.latency_s >= 0.045, "every request waited 50 ms for its first byte"  # a floor under any load
         assert link.bytes_in_flight() == int(link.latency_s * link.bytes_per_s) > 0
+    finally:
+        for proc in (proxy, server):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=10)
+
+
+def test_the_first_download_on_a_slow_link_resizes_its_ranges_after_the_first_answer(tmp_path):
+    # Before any answer the volume knows nothing of the link and would cut 2 MB ranges; at
+    # 50 ms to the first byte those wait more than they move. The rest of the file is cut
+    # again once the first range has measured the link.
+    from sparkgpu.data._simulated_link import serve_folder, start_proxy
+    from sparkgpu.data.volume import RangePool, part_bytes_for
+
+    payload = os.urandom(8 << 20)
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "shard.mds").write_bytes(payload)
+    server, url = serve_folder(tmp_path)
+    proxy = None
+    try:
+        proxy, url = start_proxy(url, latency_s=0.05, mb_per_s_per_connection=200.0)
+        volume = Volume(f"{url}/ds")
+        first_cut = part_bytes_for(len(payload), 4)
+        ranges = []
+        part = volume._part
+        volume._part = lambda relative, fd, start, end, ordered: ranges.append((start, end)) or part(relative, fd, start, end, ordered)
+        with RangePool(4) as pool:
+            volume.download("shard.mds", str(tmp_path / "copy"), size=len(payload), pool=pool)
+        assert (tmp_path / "copy").read_bytes() == payload
+        assert ranges[0] == (0, first_cut) and first_cut == 2 << 20
+        later = [end - start for start, end in ranges[1:]]
+        assert len(later) < (len(payload) - first_cut) // first_cut, f"the rest was cut as before the first answer: {ranges}"
+        assert sum(later) == len(payload) - first_cut
     finally:
         for proc in (proxy, server):
             if proc is not None:
