@@ -256,7 +256,7 @@ class Volume:
         return part_bytes_for(size, getattr(pool, "threads", 1), in_flight)
 
     def _download_ranges(self, relative: str, local_path: str, size: int, pool, part_bytes: int, ordered: _InOrder,
-                         priority: float, fixed_parts: bool = True) -> bool:
+                         priority: float, fixed_parts: bool) -> bool:
         """Fetches ``relative`` as ranges into ``local_path``; False when the store ignores ranges.
 
         Without ``fixed_parts``, the bytes after the volume's first range are split again once
@@ -268,27 +268,27 @@ class Volume:
             handle.truncate(size)
         fd = os.open(local_path, os.O_WRONLY)
         futures = []
-        done = 0
+        queued_to = 0  # bytes before this offset are fetched or queued
 
         urgency = {"priority": priority} if isinstance(pool, RangePool) else {}  # any executor works, unordered
 
-        def submit_rest():
+        def submit_from(offset: int) -> list:
             step = part_bytes if fixed_parts else self._part_bytes(size, pool)
             return [pool.submit(self._part, relative, fd, begin, min(begin + step, size), ordered, **urgency)
-                    for begin in range(done, size, step)]
+                    for begin in range(offset, size, step)]
 
         try:
             if self.ranges_supported is None:
                 with self._probe:  # one probe per volume: an ignoring server sends whole files
                     if self.ranges_supported is None:
-                        done = min(part_bytes, size)
-                        self.ranges_supported = self._part(relative, fd, 0, done, ordered)
+                        first = min(part_bytes, size)
+                        self.ranges_supported = self._part(relative, fd, 0, first, ordered)
                         # Queue the rest before other files waiting for the probe queue theirs.
-                        futures = submit_rest() if self.ranges_supported else []
-                        done = size
+                        futures = submit_from(first) if self.ranges_supported else []
+                        queued_to = size
             if not self.ranges_supported:
                 return False
-            futures += submit_rest()
+            futures += submit_from(queued_to)
             concurrent.futures.wait(futures)  # all settle before the file closes
             # A short range from a store that answers ranges means the file is not the size
             # the caller expects: fetched whole, it fails the caller's size check.
