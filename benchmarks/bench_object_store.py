@@ -2,7 +2,7 @@
 
 Question: which reader should volumes use for ``s3://`` (and ``gs://``, ``az://``, ``http(s)://``)?
 Peers, all on the same real S3-protocol server (moto, in its own process on loopback, serving
-a byte range at the cost of the range as S3 does: see sparkgpu/data/_simulated_s3.py), all
+a byte range at the cost of the range as S3 does: see sparkgpu/testing/simulated_s3.py), all
 fetching the same files as ranges of :func:`sparkgpu.data.volume.part_bytes_for` bytes on the
 same number of threads, each range written to its place in a local file (as the loader does):
   * obstore: the Rust object_store client (``obstore.get_range``), an S3 store (signed requests),
@@ -98,7 +98,7 @@ def fetch_all(read, keys: list[str], size: int, threads: int, part: int, target:
 def run(args) -> dict:
     import boto3
 
-    from sparkgpu.data._simulated_s3 import start_s3_server
+    from sparkgpu.testing.simulated_s3 import start_s3_server
     from sparkgpu.data.volume import part_bytes_for
 
     os.environ.update(ENV)

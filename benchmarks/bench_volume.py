@@ -56,7 +56,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sparkgpu.data._simulated_link import PROFILES, serve_folder, start_proxy
+from sparkgpu.testing.simulated_link import PROFILES, serve_folder, start_proxy
 
 ROW_BYTES = 32 * 4 + 8
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -159,7 +159,7 @@ def write_table(path: Path, samples: int) -> None:
 
 
 def run_table(args) -> dict:
-    from sparkgpu.data._simulated_s3 import simulated_s3
+    from sparkgpu.testing.simulated_s3 import simulated_s3
     from sparkgpu.data.report import plot_volume_report, table_report
 
     work = Path(tempfile.mkdtemp(prefix="sparkgpu-bench-volume-", dir=args.work_dir))

@@ -59,7 +59,7 @@ def cmd_bench(args) -> int:
     if not args.table and (args.columns or args.filter):
         raise ConfigurationError("--columns and --filter apply to a table: add --table")
     if args.table:
-        from sparkgpu.data._simulated_s3 import simulated_s3
+        from sparkgpu.testing.simulated_s3 import simulated_s3
         from sparkgpu.data.report import table_report
 
         link = simulated_s3(args.remote, args.profile) if args.profile != "loopback" else contextlib.nullcontext(args.remote)
@@ -67,7 +67,7 @@ def cmd_bench(args) -> int:
             figures = table_report(remote, columns=args.columns.split(",") if args.columns else None, filter=args.filter,
                                    local=args.local, batch_size=args.batch_size, shuffle=args.shuffle, png=args.plot)
     else:
-        from sparkgpu.data._simulated_link import simulated_link
+        from sparkgpu.testing.simulated_link import simulated_link
         from sparkgpu.data.report import volume_report
 
         with simulated_link(args.remote, args.profile) as remote:

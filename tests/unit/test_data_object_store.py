@@ -164,7 +164,7 @@ def test_ranges_grow_to_hide_the_latency_of_the_link():
 
 
 def test_the_volume_measures_the_latency_of_a_slow_link(tmp_path):
-    from sparkgpu.data._simulated_link import serve_folder, start_proxy
+    from sparkgpu.testing.simulated_link import serve_folder, start_proxy
     from sparkgpu.data.volume import RangePool
 
     (tmp_path / "ds").mkdir()
@@ -191,7 +191,7 @@ def test_the_first_download_on_a_slow_link_resizes_its_ranges_after_the_first_an
     # Before any answer the volume knows nothing of the link and would cut 2 MB ranges; at
     # 50 ms to the first byte those wait more than they move. The rest of the file is cut
     # again once the first range has measured the link.
-    from sparkgpu.data._simulated_link import serve_folder, start_proxy
+    from sparkgpu.testing.simulated_link import serve_folder, start_proxy
     from sparkgpu.data.volume import RangePool, part_bytes_for
 
     payload = os.urandom(8 << 20)

@@ -2,7 +2,7 @@
 
 ``sparkgpu data bench --table --profile s3-like`` and ``benchmarks/bench_volume.py`` read a
 table from S3 the way a training node does (``s3://`` through deltalake, pyarrow and the
-object-store client), with :mod:`sparkgpu.data._simulated_link`'s proxy putting 30 ms before
+object-store client), with :mod:`sparkgpu.testing.simulated_link`'s proxy putting 30 ms before
 each request and 100 MB/s per connection in front of the server. The server is moto's, in a
 process of its own on 127.0.0.1; the endpoint and dummy credentials reach every client through
 the usual ``AWS_*`` variables, set for the duration of the context and restored afterwards.
@@ -18,7 +18,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from sparkgpu.data._simulated_link import PROFILES, start_proxy
+from sparkgpu.testing.simulated_link import PROFILES, start_proxy
 from sparkgpu.errors import ConfigurationError, MissingDependencyError
 
 __all__ = ["simulated_s3", "start_s3_server"]
@@ -69,7 +69,7 @@ def simulated_s3(folder: str | os.PathLike, profile: str):
 
     Args:
         folder: A Delta table or a folder of Parquet files.
-        profile: A name in :data:`~sparkgpu.data._simulated_link.PROFILES`; ``"loopback"``
+        profile: A name in :data:`~sparkgpu.testing.simulated_link.PROFILES`; ``"loopback"``
             reaches the server directly.
 
     Raises:
