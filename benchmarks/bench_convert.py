@@ -48,8 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sparkgpu import data  # noqa: E402
 from sparkgpu.data.convert import _convert, data_fingerprint  # noqa: E402
 from sparkgpu.data.convert_spark import SparkSource  # noqa: E402
-from sparkgpu.data.mds_writer import ShardOptions  # noqa: E402
-from sparkgpu.data.mds import encode_batch, plan_columns  # noqa: E402
+from sparkgpu.data.mds.writer import ShardOptions  # noqa: E402
+from sparkgpu.data.mds.encoding import encode_batch, plan_columns  # noqa: E402
 from sparkgpu.store import Store  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"

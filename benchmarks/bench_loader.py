@@ -249,7 +249,7 @@ def variable_width(work: Path, samples: int, batch_size: int, seconds: float, re
 
 def numpy_gather_ceiling(mds: str, batch_size: int, shuffle: bool, seconds: float, repeats: int):
     from sparkgpu import data
-    from sparkgpu.data.reader import ShardReader
+    from sparkgpu.data.mds.reader import ShardReader
 
     ds = data.dataset(local=mds, batch_size=batch_size, shuffle=shuffle, seed=0)
     rows = np.concatenate([ShardReader(Path(mds) / s.basename, s, ROW_BYTES).rows for s in ds.index.shards])

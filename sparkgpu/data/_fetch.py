@@ -16,7 +16,7 @@ import threading
 import uuid
 from pathlib import Path
 
-from sparkgpu.data.reader import ShardInfo
+from sparkgpu.data.mds.reader import ShardInfo
 from sparkgpu.data.volume import Volume
 from sparkgpu.errors import DataError
 

@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 from sparkgpu.data.cache import ShardCache
-from sparkgpu.data.decode import BatchDecoder
+from sparkgpu.data.mds.decode import BatchDecoder
 from sparkgpu.data.order import EpochPlan, epoch_order
-from sparkgpu.data.reader import ShardReader
+from sparkgpu.data.mds.reader import ShardReader
 from sparkgpu.data.transforms import BatchTransforms
 from sparkgpu.data.volume import Volume
 from sparkgpu.errors import DataError

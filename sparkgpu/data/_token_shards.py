@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 
-from sparkgpu.data.reader import _NDARRAY_DTYPE_CODES, Column, Decode, DatasetIndex, ShardReader
+from sparkgpu.data.mds.reader import _NDARRAY_DTYPE_CODES, Column, Decode, DatasetIndex, ShardReader
 from sparkgpu.errors import ConfigurationError, DataError
 
 __all__ = ["TokenColumn", "ShardDocuments"]

@@ -41,7 +41,7 @@ import numpy as np
 
 from sparkgpu._files import atomic_write_bytes
 from sparkgpu.data import _fetch
-from sparkgpu.data.reader import INDEX_NAME, DatasetIndex
+from sparkgpu.data.mds.reader import INDEX_NAME, DatasetIndex
 from sparkgpu.data.volume import RangePool, Volume
 from sparkgpu.errors import ConfigurationError, DataError
 

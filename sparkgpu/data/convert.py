@@ -23,8 +23,8 @@ import time
 import uuid
 
 from sparkgpu.data.convert_output import OutputFolder
-from sparkgpu.data.mds import plan_columns
-from sparkgpu.data.mds_writer import DEFAULT_SIZE_LIMIT, ShardOptions
+from sparkgpu.data.mds.encoding import plan_columns
+from sparkgpu.data.mds.writer import DEFAULT_SIZE_LIMIT, ShardOptions
 from sparkgpu.errors import ConfigurationError, DataError
 from sparkgpu.store import Store
 

@@ -1,7 +1,7 @@
 """Sources converted on this machine: Delta tables (deltalake, no Spark), Parquet, Arrow.
 
 Work is split into contiguous groups of Parquet files or row groups, balanced by rows, one
-:class:`~sparkgpu.data.mds_writer.ShardWriter` per group in its own sub-folder, all groups in
+:class:`~sparkgpu.data.mds.writer.ShardWriter` per group in its own sub-folder, all groups in
 parallel threads (pyarrow decoding, numpy copies and file writes release the GIL). Groups are
 contiguous, so the dataset keeps the source's row order.
 """
@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 import pyarrow as pa
 import pyarrow.dataset as pads
 
-from sparkgpu.data.mds_writer import ShardOptions
+from sparkgpu.data.mds.writer import ShardOptions
 from sparkgpu.data.table_source import KEEP
 from sparkgpu.errors import ConfigurationError, DataError
 from sparkgpu.store import Store

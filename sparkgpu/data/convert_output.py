@@ -98,7 +98,7 @@ class OutputFolder:
         Raises:
             DataError: Another conversion claimed the folder while this one ran.
         """
-        from sparkgpu.data.mds_writer import index_document
+        from sparkgpu.data.mds.writer import index_document
 
         self._check_still_ours()
         listed = {shard[key]["basename"].split("/", 1)[0] for shard in shards for key in ("raw_data", "zip_data") if shard.get(key)}

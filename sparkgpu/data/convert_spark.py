@@ -1,7 +1,7 @@
 """Spark DataFrames (Spark Connect or classic) -> MDS, written by the executors.
 
 ``mapInArrow`` hands each task its partition as Arrow record batches; the task encodes them
-with :mod:`sparkgpu.data.mds` and writes its shards straight to the output volume in its own
+with :mod:`sparkgpu.data.mds.encoding` and writes its shards straight to the output volume in its own
 sub-folder, yielding one tiny row (its shard entries as JSON). The client merges those rows,
 in partition order, into one ``index.json``. No RDD API (Spark Connect has none), no data
 through the client.
@@ -20,7 +20,7 @@ import re
 
 import pyarrow as pa
 
-from sparkgpu.data.mds_writer import ShardOptions
+from sparkgpu.data.mds.writer import ShardOptions
 from sparkgpu.errors import ConfigurationError, DataError, SparkGPUError
 from sparkgpu.store import Store
 

@@ -112,7 +112,7 @@ def files_dataset(
 
 def _open_cache(cache_root, volume, listing, limit, download_threads, storage_options):
     from sparkgpu.data import cache as cache_module
-    from sparkgpu.data.reader import DatasetIndex, ShardInfo
+    from sparkgpu.data.mds.reader import DatasetIndex, ShardInfo
     from sparkgpu.data.volume import Volume
 
     raw = json.dumps(listing).encode()

@@ -11,7 +11,7 @@ ds.load_state_dict(state)      # the next iteration yields exactly the rest of t
 
 Each rank reads its share of every epoch (see :mod:`sparkgpu.data.order` for the shuffle and
 the split); shards come through the local cache (:mod:`sparkgpu.data.cache`), fetched ahead of
-need; batches are decoded whole from memory-mapped shards (:mod:`sparkgpu.data.reader`).
+need; batches are decoded whole from memory-mapped shards (:mod:`sparkgpu.data.mds.reader`).
 With ``num_workers=0`` (the default) batches are decoded on demand in the calling thread (a
 fixed-width batch is one gather and some views: tens of microseconds), while shards download
 on background threads; ``prefetch_batches`` adds a decoding thread, ``num_workers>0`` decodes
@@ -35,9 +35,9 @@ from sparkgpu.data.cache import open_cache_entry
 from sparkgpu.data.order import DEFAULT_BLOCK_SIZE, EpochPlan, PlannedEpochs, epoch_order, restore_position
 from sparkgpu.data.order import check_int as _check_int
 from sparkgpu.data._pipeline import Producer, WorkerBatches, in_background, prefetch_to_device
-from sparkgpu.data.decode import BatchDecoder
+from sparkgpu.data.mds.decode import BatchDecoder
 from sparkgpu.data.metrics import LoaderMetrics
-from sparkgpu.data.reader import INDEX_NAME, DatasetIndex
+from sparkgpu.data.mds.reader import INDEX_NAME, DatasetIndex
 from sparkgpu.data.transforms import check_transform
 from sparkgpu.data.volume import Volume
 from sparkgpu.errors import ConfigurationError, DataError

@@ -42,10 +42,10 @@ import numpy as np
 import torch
 
 from sparkgpu.data.cache import ShardCache
-from sparkgpu.data.decode import BatchDecoder
+from sparkgpu.data.mds.decode import BatchDecoder
 from sparkgpu.data.metrics import LoaderMetrics
 from sparkgpu.data.order import EpochPlan, PlannedEpochs, epoch_order, restore_position
-from sparkgpu.data.reader import ShardReader
+from sparkgpu.data.mds.reader import ShardReader
 from sparkgpu.data.volume import Volume
 from sparkgpu.errors import ConfigurationError
 

@@ -39,7 +39,7 @@ class TableFileCache:
 
     def __init__(self, url, root, files, sizes, storage_options, cache_root, limit_bytes, download_threads):
         from sparkgpu.data import cache as cache_module
-        from sparkgpu.data.reader import DatasetIndex, ShardInfo
+        from sparkgpu.data.mds.reader import DatasetIndex, ShardInfo
         from sparkgpu.data.volume import Volume
 
         prefix = root.rstrip("/") + "/"

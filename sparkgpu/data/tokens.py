@@ -40,7 +40,7 @@ from sparkgpu.data._token_shards import ShardDocuments, TokenColumn
 from sparkgpu.data.cache import ShardCache
 from sparkgpu.data.metrics import LoaderMetrics
 from sparkgpu.data.order import DEFAULT_BLOCK_SIZE, EpochPlan, PlannedEpochs, epoch_order, restore_position
-from sparkgpu.data.reader import ShardReader
+from sparkgpu.data.mds.reader import ShardReader
 from sparkgpu.data.volume import Volume
 from sparkgpu.errors import ConfigurationError, DataError
 

@@ -172,8 +172,8 @@ def test_parquet_read_by_spark_fingerprints_its_files(spark, tmp_path):
 def test_spark_progress_reports_tasks(spark, tmp_path):
     from sparkgpu.store import Store
     from sparkgpu.data.convert_spark import SparkSource
-    from sparkgpu.data.mds import plan_columns
-    from sparkgpu.data.mds_writer import ShardOptions
+    from sparkgpu.data.mds.encoding import plan_columns
+    from sparkgpu.data.mds.writer import ShardOptions
 
     class Recorder:
         def __init__(self):
@@ -195,8 +195,8 @@ def test_executor_code_runs_where_this_package_is_not_installed(tmp_path):
 
     from sparkgpu.store import Store
     from sparkgpu.data.convert_spark import _PartitionTask, _shipped_by_value
-    from sparkgpu.data.mds import plan_columns
-    from sparkgpu.data.mds_writer import ShardOptions
+    from sparkgpu.data.mds.encoding import plan_columns
+    from sparkgpu.data.mds.writer import ShardOptions
 
     schema = pa.schema([("id", pa.int64()), ("name", pa.string())])
     task = _PartitionTask(Store(str(tmp_path / "out")), ShardOptions.create(plan_columns(schema)), ["id", "name"])

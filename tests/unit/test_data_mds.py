@@ -11,8 +11,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from sparkgpu.data.mds import encode_batch, plan_columns
-from sparkgpu.data.mds_writer import ShardOptions, check_compression, check_hashes, index_document, parse_size_limit
+from sparkgpu.data.mds.encoding import encode_batch, plan_columns
+from sparkgpu.data.mds.writer import ShardOptions, check_compression, check_hashes, index_document, parse_size_limit
 from sparkgpu.errors import ConfigurationError, DataError
 from sparkgpu.store import Store
 

@@ -5,7 +5,7 @@ import datetime as dt
 import pytest
 
 from sparkgpu.config import Settings
-from sparkgpu.data.mds_writer import parse_size_limit
+from sparkgpu.data.mds.writer import parse_size_limit
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.units import parse_duration, parse_size
 

@@ -3,10 +3,10 @@
 The encodings are MosaicML Streaming's (``streaming/base/format/mds/encodings.py``): numbers as
 fixed-width scalars, strings and bytes as variable-size values, arrays as ``ndarray`` with the
 shape in the encoding (static) or in each sample (dynamic), encoded images verbatim. A type MDS
-cannot store is refused with the fix named. :mod:`sparkgpu.data.mds` encodes record batches with
+cannot store is refused with the fix named. :mod:`sparkgpu.data.mds.encoding` encodes record batches with
 the plan made here.
 
-Runs on Spark executors, shipped by value like :mod:`sparkgpu.data.mds`: at module level it
+Runs on Spark executors, shipped by value like :mod:`sparkgpu.data.mds.encoding`: at module level it
 imports only numpy, pyarrow and the standard library.
 """
 

@@ -1,6 +1,6 @@
 """MDS shard files and ``index.json``, cut and named exactly as ``streaming.MDSWriter`` does.
 
-Runs on Spark executors, shipped by value like :mod:`sparkgpu.data.mds`: numpy, pyarrow and the
+Runs on Spark executors, shipped by value like :mod:`sparkgpu.data.mds.encoding`: numpy, pyarrow and the
 standard library at module level; compression libraries only when asked for.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 
-from sparkgpu.data.mds import ColumnSpec, EncodedBatch, encode_batch
+from sparkgpu.data.mds.encoding import ColumnSpec, EncodedBatch, encode_batch
 from sparkgpu.errors import ConfigurationError, DataError, MissingDependencyError
 from sparkgpu.units import parse_size
 
@@ -265,7 +265,7 @@ class ShardOptions:
     """Everything a writer needs besides where to write; small and picklable for executors.
 
     Attributes:
-        specs: Column encodings from :func:`~sparkgpu.data.mds.plan_columns`.
+        specs: Column encodings from :func:`~sparkgpu.data.mds.encoding.plan_columns`.
         compression: Validated compression name or ``None``.
         hashes: Validated, sorted hash names.
         size_limit: Shard size limit in bytes or ``None``.

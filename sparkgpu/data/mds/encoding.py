@@ -7,7 +7,7 @@ The bytes are exactly those ``streaming.MDSWriter`` writes (``streaming/base/for
 * a shard file is ``[uint32 n][uint32 offsets, n + 1 of them, from the file start][the writer's
   config as JSON][samples]``;
 * ``index.json`` is ``{"version": 2, "shards": [...]}``, each entry the writer's config plus
-  ``samples``, ``raw_data`` and ``zip_data`` (written by :mod:`sparkgpu.data.mds_writer`).
+  ``samples``, ``raw_data`` and ``zip_data`` (written by :mod:`sparkgpu.data.mds.writer`).
 
 ``MDSWriter`` encodes one Python dict at a time; here numpy builds every sample of a record
 batch in a few whole-array copies, so fixed-width schemas never loop over rows in Python.
@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from sparkgpu.data.mds_columns import IMAGE_SIGNATURES, ColumnKind, ColumnSpec, plan_columns
+from sparkgpu.data.mds.columns import IMAGE_SIGNATURES, ColumnKind, ColumnSpec, plan_columns
 from sparkgpu.errors import DataError
 
 __all__ = [

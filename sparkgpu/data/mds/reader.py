@@ -3,7 +3,7 @@
 The format is MosaicML Streaming's MDS (version 2), unchanged. ``index.json`` lists the
 shards; each holds ``[num_samples: u32][offsets: (num_samples + 1) x u32][config json][samples]``,
 and a sample is ``[u32 size of each variable-width column][column bytes in column order]``.
-Batches are decoded from these shards by :mod:`sparkgpu.data.decode`.
+Batches are decoded from these shards by :mod:`sparkgpu.data.mds.decode`.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import json
 import numpy as np
 
 from sparkgpu.data import _gather
-from sparkgpu.data.reader import _NDARRAY_DTYPE_CODES, Column, Decode, ShardReader
+from sparkgpu.data.mds.reader import _NDARRAY_DTYPE_CODES, Column, Decode, ShardReader
 
 __all__ = ["BatchDecoder"]
 
