@@ -3,7 +3,7 @@
 Question: which reader should volumes use for ``s3://`` (and ``gs://``, ``az://``, ``http(s)://``)?
 Peers, all on the same real S3-protocol server (moto, in its own process on loopback, serving
 a byte range at the cost of the range as S3 does: see sparkgpu/testing/simulated_s3.py), all
-fetching the same files as ranges of :func:`sparkgpu.data.volume.part_bytes_for` bytes on the
+fetching the same files as ranges of :func:`sparkgpu.data.storage.volume.part_bytes_for` bytes on the
 same number of threads, each range written to its place in a local file (as the loader does):
   * obstore: the Rust object_store client (``obstore.get_range``), an S3 store (signed requests),
     each range written from a view of the client's buffer, as the loader does;
@@ -99,7 +99,7 @@ def run(args) -> dict:
     import boto3
 
     from sparkgpu.testing.simulated_s3 import start_s3_server
-    from sparkgpu.data.volume import part_bytes_for
+    from sparkgpu.data.storage.volume import part_bytes_for
 
     os.environ.update(ENV)
     server, endpoint = start_s3_server()

@@ -11,7 +11,7 @@ this URL so that a reader sees them whole or not at all" is decided in one place
 * any other fsspec filesystem (``memory://``, ``sftp://``...): a temporary name, then a move.
 
 Names inside a store are relative and ``/``-separated. Reading datasets at speed is
-:class:`sparkgpu.data.volume.Volume`'s: obstore for object stores, a store for the rest.
+:class:`sparkgpu.data.storage.volume.Volume`'s: obstore for object stores, a store for the rest.
 """
 
 from __future__ import annotations

@@ -11,12 +11,12 @@ import threading
 import numpy as np
 import torch
 
-from sparkgpu.data.cache import ShardCache
+from sparkgpu.data.storage.cache import ShardCache
 from sparkgpu.data.mds.decode import BatchDecoder
 from sparkgpu.data.order import EpochPlan, epoch_order
 from sparkgpu.data.mds.reader import ShardReader
 from sparkgpu.data.transforms import BatchTransforms
-from sparkgpu.data.volume import Volume
+from sparkgpu.data.storage.volume import Volume
 from sparkgpu.errors import DataError
 
 __all__ = ["Producer", "WorkerBatches", "in_background", "prefetch_to_device"]

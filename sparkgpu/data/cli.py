@@ -105,7 +105,7 @@ def register_cache(subparsers) -> None:
 
 
 def cmd_cache(args) -> int:
-    from sparkgpu.data.cache import cache_entries, clear_cache
+    from sparkgpu.data.storage.cache import cache_entries, clear_cache
 
     if args.action == "clear":
         freed = clear_cache(args.dir, remote=args.remote)

@@ -12,7 +12,7 @@ seeded permutation of the files (the same for every rank); file ``p`` of it goes
 ``p % world_size`` and, inside DataLoader workers, every ``W``-th of a rank's files to worker
 ``w``. The last ``remaining % world_size`` files of an epoch are left out of it, so every rank
 gets the same number (the loader's remainder rule, :mod:`sparkgpu.data.order`). Files of a
-remote volume land in the local cache (:class:`sparkgpu.data.cache.ShardCache`: fetched ahead
+remote volume land in the local cache (:class:`sparkgpu.data.storage.cache.ShardCache`: fetched ahead
 of need in the order they will be read, evicted by next use when ``cache_limit`` is reached);
 files of a local folder are read where they are.
 """
@@ -77,7 +77,7 @@ def files_dataset(
     from sparkgpu.config import settings
     from sparkgpu.units import parse_size
     from sparkgpu.data.loader import _check_int
-    from sparkgpu.data.volume import Volume
+    from sparkgpu.data.storage.volume import Volume
 
     rank = runtime.get_global_rank() if rank is None else rank
     world_size = runtime.get_world_size() if world_size is None else world_size
@@ -111,9 +111,9 @@ def files_dataset(
 
 
 def _open_cache(cache_root, volume, listing, limit, download_threads, storage_options):
-    from sparkgpu.data import cache as cache_module
+    from sparkgpu.data.storage import cache as cache_module
     from sparkgpu.data.mds.reader import DatasetIndex, ShardInfo
-    from sparkgpu.data.volume import Volume
+    from sparkgpu.data.storage.volume import Volume
 
     raw = json.dumps(listing).encode()
     index = DatasetIndex(shards=tuple(ShardInfo(i, name, 1, size, {}) for i, (name, size) in enumerate(listing)),

@@ -10,7 +10,7 @@ ds.load_state_dict(state)      # the next iteration yields exactly the rest of t
 ```
 
 Each rank reads its share of every epoch (see :mod:`sparkgpu.data.order` for the shuffle and
-the split); shards come through the local cache (:mod:`sparkgpu.data.cache`), fetched ahead of
+the split); shards come through the local cache (:mod:`sparkgpu.data.storage.cache`), fetched ahead of
 need; batches are decoded whole from memory-mapped shards (:mod:`sparkgpu.data.mds.reader`).
 With ``num_workers=0`` (the default) batches are decoded on demand in the calling thread (a
 fixed-width batch is one gather and some views: tens of microseconds), while shards download
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from sparkgpu.units import parse_size
-from sparkgpu.data.cache import open_cache_entry
+from sparkgpu.data.storage.cache import open_cache_entry
 from sparkgpu.data.order import DEFAULT_BLOCK_SIZE, EpochPlan, PlannedEpochs, epoch_order, restore_position
 from sparkgpu.data.order import check_int as _check_int
 from sparkgpu.data._pipeline import Producer, WorkerBatches, in_background, prefetch_to_device
@@ -39,7 +39,7 @@ from sparkgpu.data.mds.decode import BatchDecoder
 from sparkgpu.data.metrics import LoaderMetrics
 from sparkgpu.data.mds.reader import INDEX_NAME, DatasetIndex
 from sparkgpu.data.transforms import check_transform
-from sparkgpu.data.volume import Volume
+from sparkgpu.data.storage.volume import Volume
 from sparkgpu.errors import ConfigurationError, DataError
 
 __all__ = ["dataset", "MDSLoader"]

@@ -77,7 +77,7 @@ class LoaderMetrics:
 
         Args:
             batches: The loader's batch iterator.
-            cache: The :class:`~sparkgpu.data.cache.ShardCache` the batches come through
+            cache: The :class:`~sparkgpu.data.storage.cache.ShardCache` the batches come through
                 (or a list of them), for hit ratio and download rate.
         """
         caches = cache if isinstance(cache, (list, tuple)) else [cache] if cache is not None else []

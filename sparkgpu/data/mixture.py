@@ -41,12 +41,12 @@ import os
 import numpy as np
 import torch
 
-from sparkgpu.data.cache import ShardCache
+from sparkgpu.data.storage.cache import ShardCache
 from sparkgpu.data.mds.decode import BatchDecoder
 from sparkgpu.data.metrics import LoaderMetrics
 from sparkgpu.data.order import EpochPlan, PlannedEpochs, epoch_order, restore_position
 from sparkgpu.data.mds.reader import ShardReader
-from sparkgpu.data.volume import Volume
+from sparkgpu.data.storage.volume import Volume
 from sparkgpu.errors import ConfigurationError
 
 __all__ = ["Stream", "MixtureLoader", "samples_per_stream"]

@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from sparkgpu.data.cache import open_cache_entry
-from sparkgpu.data.volume import Volume
+from sparkgpu.data.storage.cache import open_cache_entry
+from sparkgpu.data.storage.volume import Volume
 
 __all__ = ["volume_report", "table_report", "raw_parallel_download", "plot_volume_report", "report_rows", "REPORT_COLUMNS"]
 

@@ -29,7 +29,7 @@ def file_cache(dataset, units, identity, storage_options, local, cache_limit, do
     from sparkgpu.config import settings
     from sparkgpu.units import parse_size
     from sparkgpu.data.loader import _check_int
-    from sparkgpu.data.table_cache import TableFileCache
+    from sparkgpu.data.storage.table_cache import TableFileCache
 
     url = identity.get("uri") or identity.get("path")
     if isinstance(dataset.filesystem, pa.fs.LocalFileSystem) or "://" not in url or url.startswith("file://"):

@@ -37,11 +37,11 @@ import torch
 
 from sparkgpu.data import _gather
 from sparkgpu.data._token_shards import ShardDocuments, TokenColumn
-from sparkgpu.data.cache import ShardCache
+from sparkgpu.data.storage.cache import ShardCache
 from sparkgpu.data.metrics import LoaderMetrics
 from sparkgpu.data.order import DEFAULT_BLOCK_SIZE, EpochPlan, PlannedEpochs, epoch_order, restore_position
 from sparkgpu.data.mds.reader import ShardReader
-from sparkgpu.data.volume import Volume
+from sparkgpu.data.storage.volume import Volume
 from sparkgpu.errors import ConfigurationError, DataError
 
 __all__ = ["token_dataset", "TokenLoader"]

@@ -101,7 +101,7 @@ def test_remote_volume_over_http_with_compressed_hashed_shards(tmp_path):
 def test_a_server_that_ignores_byte_ranges_gets_whole_file_downloads(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
-    from sparkgpu.data.volume import Volume
+    from sparkgpu.data.storage.volume import Volume
 
     (tmp_path / "served").mkdir()
     payload = np.random.default_rng(1).integers(0, 255, size=50_000, dtype=np.uint8).tobytes()

@@ -131,7 +131,7 @@ def test_loader_workers_forked_after_the_parent_read_s3_fetch_their_files_instea
     to wait forever on their first download. They read through fsspec instead, in bounded time."""
     import torch
 
-    from sparkgpu.data import _object_store
+    from sparkgpu.data.storage import _object_store
 
     folder = tmp_path / "images"
     for i in range(12):

@@ -52,7 +52,7 @@ def test_to_mds_writes_to_s3_and_the_loader_reads_it_back_through_the_cache(s3_b
 
 
 def test_a_volume_reads_large_files_as_ranges_from_s3(s3_bucket, tmp_path):
-    from sparkgpu.data.volume import RangePool, Volume
+    from sparkgpu.data.storage.volume import RangePool, Volume
 
     payload = np.random.default_rng(1).integers(0, 255, (5 << 20) + 777, dtype=np.uint8).tobytes()
     with fsspec.open(f"{s3_bucket}/vol/shard.bin", "wb") as f:

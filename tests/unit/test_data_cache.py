@@ -12,7 +12,7 @@ import pytest
 
 from sparkgpu import data
 from sparkgpu.data import loader as loader_module
-from sparkgpu.data.cache import ShardCache, cache_entries, clear_cache, entry_dir_for, open_cache_entry
+from sparkgpu.data.storage.cache import ShardCache, cache_entries, clear_cache, entry_dir_for, open_cache_entry
 from sparkgpu.errors import ConfigurationError, DataError
 from tests.unit.test_data_loader_support import CountingVolume, check_tabular_batch, collect_ids, write_tabular
 
@@ -246,7 +246,7 @@ def test_loader_module_documents_its_public_names():
 def test_large_files_download_as_parallel_byte_ranges(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
-    from sparkgpu.data.volume import Volume
+    from sparkgpu.data.storage.volume import Volume
 
     (tmp_path / "vol").mkdir()
     payload = np.random.default_rng(0).integers(0, 255, size=100_003, dtype=np.uint8).tobytes()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sparkgpu.data.volume import Volume
+from sparkgpu.data.storage.volume import Volume
 
 TABULAR_COLUMNS = {**{f"f{i:02d}": "float32" for i in range(4)}, "id": "int64"}
 

@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from sparkgpu.data._object_store import ObjectStoreSource
-from sparkgpu.data.volume import Volume
+from sparkgpu.data.storage._object_store import ObjectStoreSource
+from sparkgpu.data.storage.volume import Volume
 from sparkgpu.errors import DataError
 
 FILE = bytes(range(256)) * 4096  # 1 MiB
@@ -143,7 +143,7 @@ def test_a_redirecting_server_is_followed():
 
 
 def test_whole_files_from_a_server_that_ignores_ranges_stream_outside_fsspec(tmp_path, monkeypatch):
-    from sparkgpu.data.volume import RangePool
+    from sparkgpu.data.storage.volume import RangePool
 
     with _Server({"ds/shard.mds": FILE}, ranges=False) as server, RangePool(4) as pool:
         volume = Volume(f"{server.url}/ds")
@@ -155,7 +155,7 @@ def test_whole_files_from_a_server_that_ignores_ranges_stream_outside_fsspec(tmp
 
 
 def test_ranges_grow_to_hide_the_latency_of_the_link():
-    from sparkgpu.data.volume import part_bytes_for
+    from sparkgpu.data.storage.volume import part_bytes_for
 
     assert part_bytes_for(16 << 20, 8) == 2 << 20  # loopback: one range per thread
     # 30 ms x 100 MB/s = 3 MB in flight: ranges of 4x that, so waiting is at most a fifth of the time.
@@ -165,7 +165,7 @@ def test_ranges_grow_to_hide_the_latency_of_the_link():
 
 def test_the_volume_measures_the_latency_of_a_slow_link(tmp_path):
     from sparkgpu.testing.simulated_link import serve_folder, start_proxy
-    from sparkgpu.data.volume import RangePool
+    from sparkgpu.data.storage.volume import RangePool
 
     (tmp_path / "ds").mkdir()
     (tmp_path / "ds" / "shard.mds").write_bytes(FILE * 4)
@@ -192,7 +192,7 @@ def test_the_first_download_on_a_slow_link_resizes_its_ranges_after_the_first_an
     # 50 ms to the first byte those wait more than they move. The rest of the file is cut
     # again once the first range has measured the link.
     from sparkgpu.testing.simulated_link import serve_folder, start_proxy
-    from sparkgpu.data.volume import RangePool, part_bytes_for
+    from sparkgpu.data.storage.volume import RangePool, part_bytes_for
 
     payload = os.urandom(8 << 20)
     (tmp_path / "ds").mkdir()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from sparkgpu.data.volume import MAX_PART_BYTES, MIN_PART_BYTES, RangePool, Volume, part_bytes_for
+from sparkgpu.data.storage.volume import MAX_PART_BYTES, MIN_PART_BYTES, RangePool, Volume, part_bytes_for
 
 
 class RecordingVolume(Volume):

@@ -1,6 +1,6 @@
 """A "volume": where shards live, as any fsspec URL (a local folder, s3://, gs://, abfs://, http(s)://).
 
-Object stores and HTTP servers are read through obstore (:mod:`sparkgpu.data._object_store`);
+Object stores and HTTP servers are read through obstore (:mod:`sparkgpu.data.storage._object_store`);
 listing, and every other scheme, through the fsspec filesystem of the URL's scheme. A scheme
 whose package is missing fails at once with the exact ``pip install``.
 """
@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 
 from sparkgpu._urls import scheme_of
-from sparkgpu.data._object_store import DIRECT_SCHEMES, ObjectStoreSource, usable_here
+from sparkgpu.data.storage._object_store import DIRECT_SCHEMES, ObjectStoreSource, usable_here
 from sparkgpu.errors import DataError
 from sparkgpu.store import Store
 

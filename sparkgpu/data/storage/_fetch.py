@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 
 from sparkgpu.data.mds.reader import ShardInfo
-from sparkgpu.data.volume import Volume
+from sparkgpu.data.storage.volume import Volume
 from sparkgpu.errors import DataError
 
 __all__ = ["fetch_shard", "partial_token", "is_stale_partial", "ShardCorrupt"]

@@ -1,6 +1,6 @@
 """The NVMe cache for the files of a remote table, with the planned prefetch and eviction of MDS shards.
 
-A remote table's Parquet files play the part of shards in :class:`sparkgpu.data.cache.ShardCache`:
+A remote table's Parquet files play the part of shards in :class:`sparkgpu.data.storage.cache.ShardCache`:
 the epoch's plan says which files each batch reads, files are downloaded ahead in the order
 they are first needed, and at ``cache_limit`` the file needed furthest in the future is evicted
 first. Row groups are then read from the local copy. Local tables are read where they are.
@@ -38,9 +38,9 @@ class TableFileCache:
     """
 
     def __init__(self, url, root, files, sizes, storage_options, cache_root, limit_bytes, download_threads):
-        from sparkgpu.data import cache as cache_module
+        from sparkgpu.data.storage import cache as cache_module
         from sparkgpu.data.mds.reader import DatasetIndex, ShardInfo
-        from sparkgpu.data.volume import Volume
+        from sparkgpu.data.storage.volume import Volume
 
         prefix = root.rstrip("/") + "/"
         names = [path[len(prefix):] if path.startswith(prefix) else path.lstrip("/") for path in files]
@@ -64,7 +64,7 @@ class TableFileCache:
     @property
     def volume(self):
         """The volume, made again in a forked DataLoader worker (its parent's clients do not exist there)."""
-        from sparkgpu.data.volume import Volume
+        from sparkgpu.data.storage.volume import Volume
 
         if self._volume[0] != os.getpid():
             self._volume = (os.getpid(), Volume(*self._volume_of))
@@ -72,7 +72,7 @@ class TableFileCache:
 
     def start(self, steps: list[np.ndarray]) -> None:
         """Starts fetching for a plan: ``steps[i]`` are the file positions batch ``i`` reads."""
-        from sparkgpu.data.cache import ShardCache
+        from sparkgpu.data.storage.cache import ShardCache
 
         self.close()
         self._cache = ShardCache(self.entry, self.index, self.volume, self.limit_bytes, self.download_threads)

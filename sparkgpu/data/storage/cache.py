@@ -40,9 +40,9 @@ from pathlib import Path
 import numpy as np
 
 from sparkgpu._files import atomic_write_bytes
-from sparkgpu.data import _fetch
+from sparkgpu.data.storage import _fetch
 from sparkgpu.data.mds.reader import INDEX_NAME, DatasetIndex
-from sparkgpu.data.volume import RangePool, Volume
+from sparkgpu.data.storage.volume import RangePool, Volume
 from sparkgpu.errors import ConfigurationError, DataError
 
 __all__ = ["ShardCache", "CacheEntry", "open_cache_entry", "cache_entries", "clear_cache", "entry_dir_for"]
