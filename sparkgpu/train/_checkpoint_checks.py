@@ -54,6 +54,40 @@ def check_step(step) -> int:
     return int(step)
 
 
+def check_first_step(first_step) -> int | None:
+    if first_step not in (None, 0, 1) or isinstance(first_step, bool):
+        raise ConfigurationError(
+            f"first_step must be 0 (the loop passes the index of the step just finished), 1 (it passes "
+            f"the number of steps done) or None (learnt from the first save), got {first_step!r}"
+        )
+    return first_step
+
+
+def check_resumed_step(step: int, resumed_at: int, steps_done: int, first_step: int) -> None:
+    """The first step a loop saves after ``restore()`` must follow the restored one.
+
+    ``restore()`` returned ``steps_done``; a loop that counts steps done goes on with
+    ``steps_done + 1``, one that passes indices with ``steps_done``, and both land on the
+    restored step + 1 (``resumed_at``). Anything else skips or repeats steps.
+    """
+    if step == resumed_at:
+        return
+    gap = step - resumed_at
+    habit = (
+        "`step = ckpt.restore(...)`, then `step += 1` after each step and `ckpt.maybe_save(step, ...)`"
+        if first_step == 1
+        else "`for step in range(ckpt.restore(...), total): ...; ckpt.maybe_save(step, ...)`"
+    )
+    raise CheckpointError(
+        f"the training loop resumed out of step: restore() returned {steps_done} (steps done), so the "
+        f"first step saved after it should be {resumed_at}, but maybe_save got {step}: the loop would "
+        f"{'skip' if gap > 0 else 'repeat'} {abs(gap)} step(s) and no longer match the restored optimizer "
+        f"and data position. This checkpoint was saved by a loop that passes "
+        f"{'the number of steps done' if first_step == 1 else 'the index of the step just finished'}; "
+        f"resume with {habit}"
+    )
+
+
 def check_objects(model, optimizer, stateful: dict) -> list:
     import torch
 

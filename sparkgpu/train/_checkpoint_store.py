@@ -51,8 +51,8 @@ class CheckpointInfo:
     """One complete checkpoint, as described by its completion marker.
 
     Attributes:
-        step: The training step it was saved after (``save(step)``); training resumes at
-            ``step + 1``.
+        step: The value given to ``save(step)``: the step just finished, counted the way
+            the training loop counts (see ``first_step``).
         path: Directory (or URL) holding the checkpoint.
         world_size: Number of ranks that saved it.
         created: Unix time at which it was committed.
@@ -63,6 +63,9 @@ class CheckpointInfo:
         has_rng: Whether per-rank RNG states were saved.
         blocking_seconds: How long the training loop was blocked by the save on rank 0.
         write_seconds: From the start of the save to its commit, on rank 0.
+        first_step: The step the loop that saved it passes after its first step: 0 when it
+            passes the index of the step just finished (``for step in range(...)``), 1 when
+            it passes the number of steps done (``step += 1; save(step)``).
     """
 
     step: int
@@ -76,6 +79,12 @@ class CheckpointInfo:
     has_rng: bool = False
     blocking_seconds: float | None = None
     write_seconds: float | None = None
+    first_step: int = 0
+
+    @property
+    def steps_done(self) -> int:
+        """Training steps finished when it was saved: what ``restore()`` returns."""
+        return self.step + 1 - self.first_step
 
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

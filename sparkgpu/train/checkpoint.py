@@ -6,7 +6,7 @@ and the step, and restores them in a later attempt of the same job::
 
     ckpt = Checkpointer(every_steps=100)                   # directory: the job's
     state = dict(model=model, optimizer=opt, scheduler=sched, loader=ds)
-    start = ckpt.restore(**state)                          # 0 when nothing saved yet
+    start = ckpt.restore(**state)                          # steps done: 0 when nothing saved yet
     for step in range(start, total_steps):
         train_step(...)
         ckpt.maybe_save(step, **state)
@@ -15,6 +15,15 @@ and the step, and restores them in a later attempt of the same job::
     ckpt.close()
 
 How it behaves:
+
+* Steps can be counted either way training loops do: ``maybe_save(step)`` takes the index of
+  the step just finished (0 first, as above) or the number of steps done (``step += 1``
+  before it, 1 first, as Lightning's and Hugging Face's ``global_step``). The first save of
+  a job tells them apart (``first_step=`` says it up front) and is recorded in the
+  checkpoint; :meth:`Checkpointer.restore` returns the number of steps done, which is the
+  next index in the first habit and the counter's value in the second. A loop whose first
+  save after a restore does not follow the restored step gets a ``CheckpointError`` naming
+  the fix instead of silently skipping or repeating a step.
 
 * Saves are asynchronous by default (``dcp.async_save``): the training loop waits only for
   the state to be copied into host memory (reused between saves); a background thread
@@ -52,12 +61,14 @@ import weakref
 
 from sparkgpu._modules import imported
 from sparkgpu import runtime
-from sparkgpu.errors import CheckpointError
+from sparkgpu.errors import CheckpointError, ConfigurationError
 from sparkgpu.train._checkpoint_checks import (
     check_compatible,
     check_extras,
+    check_first_step,
     check_objects,
     check_positive,
+    check_resumed_step,
     check_step,
 )
 from sparkgpu.train._checkpoint_internals import CheckpointerInternals, PendingSave, make_stager
@@ -95,6 +106,11 @@ class Checkpointer(CheckpointerInternals):
         handle_sigterm: Turn SIGTERM into a checkpoint request
             (``runtime.handle_sigterm_as_checkpoint_request``), so a preempted rank saves
             before it goes.
+        first_step: The ``step`` the loop passes to :meth:`maybe_save` after its first step:
+            0 when it passes the step's index, 1 when it passes the number of steps done.
+            ``None`` (the default) learns it from the job's first :meth:`maybe_save`: 0 or 1
+            there says which; any other value, or a :meth:`save` before any, counts as an
+            index. A loop that counts steps done and only calls :meth:`save` passes 1.
 
     Raises:
         ConfigurationError: An argument is out of range.
@@ -117,8 +133,10 @@ class Checkpointer(CheckpointerInternals):
         save_rng: bool = True,
         write_threads: int = 1,
         handle_sigterm: bool = True,
+        first_step: int | None = None,
     ):
         check_positive("every_steps", every_steps, int)
+        self._first_step = check_first_step(first_step)
         check_positive("every_minutes", every_minutes, (int, float))
         check_positive("keep_last", keep_last, int)
         check_positive("write_threads", write_threads, int)
@@ -155,6 +173,7 @@ class Checkpointer(CheckpointerInternals):
         self._pending: PendingSave | None = None
         self._flags_in_flight = None
         self._last_saved_step: int | None = None
+        self._resumed_at: int | None = None  # the step the loop must save first after restore()
         self._last_save_time = self.clock()
         self._should_stop = False
         self._closed = False
@@ -199,7 +218,8 @@ class Checkpointer(CheckpointerInternals):
         are noticed one call late: the ranks agree on them without waiting for each other.
 
         Args:
-            step: Index of the step just finished (0 for the first).
+            step: The step just finished: its index (0 for the first) or the number of
+                steps done (1 for the first), as the loop counts (``first_step``).
             model: The model (plain, DDP or FSDP).
             optimizer: Its optimizer, or a list of optimizers.
             extras: JSON values to keep in the checkpoint (``restored.extras``).
@@ -210,10 +230,15 @@ class Checkpointer(CheckpointerInternals):
 
         Raises:
             ConfigurationError: An argument cannot be saved.
-            CheckpointError: This or the previous save failed.
+            CheckpointError: This or the previous save failed, or the loop's counter does
+                not follow the step restored (it would skip or repeat steps).
         """
         step = check_step(step)
-        steps_due = self.every_steps is not None and (step + 1) % self.every_steps == 0
+        first_step = self._counting(step, learn=True)
+        if self._resumed_at is not None:
+            resumed_at, self._resumed_at = self._resumed_at, None
+            check_resumed_step(step, resumed_at, resumed_at - first_step, first_step)
+        steps_due = self.every_steps is not None and (step + 1 - first_step) % self.every_steps == 0
         time_due = (
             self.every_minutes is not None
             and self.clock() - self._last_save_time >= self.every_minutes * 60
@@ -237,7 +262,7 @@ class Checkpointer(CheckpointerInternals):
         Saving the step that was saved last only waits for that save.
 
         Args:
-            step: Index of the step just finished; restore resumes at ``step + 1``.
+            step: The step just finished, counted as for :meth:`maybe_save`.
             model: The model (plain, DDP or FSDP).
             optimizer: Its optimizer, or a list of optimizers.
             extras: JSON values to keep in the checkpoint (``restored.extras``).
@@ -250,6 +275,7 @@ class Checkpointer(CheckpointerInternals):
         """
         started = time.perf_counter()
         step = check_step(step)
+        first_step = self._counting(step, learn=False)
         optimizers = check_objects(model, optimizer, stateful)
         extras = check_extras(extras)
         self._check_open()
@@ -271,6 +297,7 @@ class Checkpointer(CheckpointerInternals):
             has_optimizer=bool(optimizers),
             stateful=tuple(stateful),
             has_rng=self.save_rng,
+            first_step=first_step,
         )
         pending = PendingSave(info=info, started=started, mlflow_run_id=_caller_mlflow_run_id())
         self._write(state_dict, pending)
@@ -351,12 +378,16 @@ class Checkpointer(CheckpointerInternals):
             **stateful: Further objects with ``load_state_dict()``.
 
         Returns:
-            The step to resume from: the saved step + 1, or 0 when there is no checkpoint.
+            The number of steps done when the checkpoint was saved (0 when there is none):
+            the index of the next step for a loop that passes indices, the counter's value
+            for a loop that counts steps done.
 
         Raises:
             ConfigurationError: An argument cannot be restored into.
             CheckpointError: ``step`` has no complete checkpoint, the checkpoint lacks a
                 passed object, or it cannot be read.
+            ConfigurationError: ``first_step`` was given and differs from the one the
+                checkpoint was saved with.
         """
         started = time.perf_counter()
         optimizers = check_objects(model, optimizer, stateful)
@@ -368,10 +399,18 @@ class Checkpointer(CheckpointerInternals):
         if info is None:
             logger.info("no complete checkpoint in %s: starting from step 0", self.directory)
             return 0
+        if self._first_step is not None and self._first_step != info.first_step:
+            raise ConfigurationError(
+                f"checkpoint {info.path!r} was saved by a loop whose first step was {info.first_step}, "
+                f"but this Checkpointer was made with first_step={self._first_step}: count steps as the "
+                "saving loop did, or leave first_step out to take the checkpoint's"
+            )
         check_compatible(info, model, optimizers, stateful)
         self._load(info, model, optimizers, stateful)
 
         self.restored = info
+        self._first_step = info.first_step
+        self._resumed_at = info.step + 1
         self._last_saved_step = info.step
         self._last_save_time = self.clock()
         self.last_restore_seconds = time.perf_counter() - started
@@ -382,7 +421,27 @@ class Checkpointer(CheckpointerInternals):
             self.last_restore_seconds,
             info.step + 1,
         )
-        return info.step + 1
+        return info.steps_done
+
+    def _counting(self, step: int, learn: bool) -> int:
+        """How the loop counts steps (``first_step``).
+
+        Learnt from the job's first :meth:`maybe_save`, which runs after the first step
+        (0: an index, 1: steps done); a :meth:`save` before any says nothing and counts as
+        an index.
+        """
+        if self._first_step is None:
+            if not learn:
+                return 0
+            self._first_step = step if step in (0, 1) else 0
+            if step > 1:
+                logger.info("first save at step %d: steps are taken as indices (first_step=0)", step)
+        elif step < self._first_step:
+            raise ConfigurationError(
+                f"step {step} saved by a loop that counts steps done (first_step=1): the first "
+                "step finished is 1; pass first_step=0 if the loop passes each step's index"
+            )
+        return self._first_step
 
 # -- module helpers ----------------------------------------------------------------------
 

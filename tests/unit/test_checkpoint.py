@@ -423,3 +423,90 @@ def test_a_checkpoint_directory_is_complete_only_with_its_marker(tmp_path):
     assert checkpoint_at(path).step == checkpoint_at(f"file://{path}").step == 4
     os.remove(os.path.join(path, "_COMPLETE.json"))  # as if the job stopped before the commit
     assert os.path.exists(os.path.join(path, ".metadata")) and checkpoint_at(path) is None
+
+
+# -- how the loop counts steps ---------------------------------------------------------------
+
+
+def _train_counting_steps_done(ckpt, state, until, crash_after=None):
+    """A loop as Lightning and Hugging Face write it: ``step = restore()``, ``step += 1``, save(step)."""
+    step = ckpt.restore(**state)
+    losses = []
+    while step < until:
+        losses.append(train_step(state))
+        step += 1
+        ckpt.maybe_save(step, **state)
+        if step == crash_after:
+            break
+    ckpt.close()
+    return losses
+
+
+def test_a_loop_counting_steps_done_resumes_exactly(tmp_path):
+    _reseed(1)
+    plain = make_training(0)
+    expected = _train_counting_steps_done(Checkpointer(tmp_path / "plain", every_steps=3), plain, 10)
+
+    _reseed(1)
+    state = make_training(0)
+    first = _train_counting_steps_done(Checkpointer(tmp_path / "run", every_steps=3), state, 10, crash_after=7)
+    assert [info.step for info in list_checkpoints(tmp_path / "run")] == [3, 6]  # after 3 and 6 steps done
+    assert latest_checkpoint(tmp_path / "run").first_step == 1
+
+    _reseed(99)
+    resumed = make_training(123)
+    ckpt = Checkpointer(tmp_path / "run", every_steps=3)
+    assert ckpt.restore(**resumed) == 6  # steps done, the counter's value: step 7 runs next
+    ckpt2 = Checkpointer(tmp_path / "run", every_steps=3)
+    rest = _train_counting_steps_done(ckpt2, resumed, 10)
+    assert first[:6] + rest == expected
+    _assert_same_training_state(plain, resumed)
+
+
+def test_a_loop_passing_indices_resumes_at_the_next_index(tmp_path):
+    state = make_training(0)
+    ckpt = Checkpointer(tmp_path, every_steps=3)
+    for step in range(7):
+        train_step(state)
+        ckpt.maybe_save(step, **state)
+    ckpt.close()
+    assert [info.step for info in list_checkpoints(tmp_path)][-1] == 5
+    assert latest_checkpoint(tmp_path).first_step == 0
+    assert Checkpointer(tmp_path).restore(**make_training(1)) == 6
+
+
+@pytest.mark.parametrize("saved_by, resumed_by, match", [
+    ("index", "count", r"restore\(\) returned 6 .*should be 6, but maybe_save got 7: the loop would skip 1 step"),
+    ("count", "index", r"restore\(\) returned 6 .*should be 7, but maybe_save got 6: the loop would repeat 1 step"),
+], ids=["index-saved-count-resumed", "count-saved-index-resumed"])
+def test_resuming_with_the_other_habit_is_refused_before_a_step_is_lost(tmp_path, saved_by, resumed_by, match):
+    state = make_training(0)
+    ckpt = Checkpointer(tmp_path, every_steps=3)
+    for index in range(6):
+        train_step(state)
+        ckpt.maybe_save(index if saved_by == "index" else index + 1, **state)
+    ckpt.close()
+
+    fresh = make_training(1)
+    ckpt = Checkpointer(tmp_path, every_steps=3)
+    done = ckpt.restore(**fresh)
+    assert done == 6
+    train_step(fresh)
+    next_step = done + 1 if resumed_by == "count" else done
+    with pytest.raises(CheckpointError, match=match):
+        ckpt.maybe_save(next_step, **fresh)
+
+
+def test_first_step_given_up_front_and_checked_against_the_checkpoint(tmp_path):
+    state = make_training(0)
+    ckpt = Checkpointer(tmp_path, first_step=1)
+    ckpt.save(4, wait=True, **state)  # a loop that only calls save(): the counter says 4 steps are done
+    ckpt.close()
+    assert latest_checkpoint(tmp_path).first_step == 1
+    assert Checkpointer(tmp_path, first_step=1).restore(**make_training(1)) == 4
+    with pytest.raises(ConfigurationError, match="first step was 1, but this Checkpointer was made with first_step=0"):
+        Checkpointer(tmp_path, first_step=0).restore(**make_training(1))
+    with pytest.raises(ConfigurationError, match="the first step finished is 1"):
+        Checkpointer(tmp_path / "other", first_step=1).maybe_save(0, **state)
+    with pytest.raises(ConfigurationError, match="first_step must be 0 .*, 1 .* or None"):
+        Checkpointer(tmp_path, first_step=2)
