@@ -18,11 +18,15 @@ learning rate as metric ``lr``: at the first step, at every change after a const
 (a step decay shows at its exact step), and every ``every_n_steps`` steps while it changes at
 every step (a warm-up or cosine schedule is sampled). Step numbers follow the
 optimizer's own ``step`` state where it keeps one (Adam, AdamW, ...), so they continue after a
-resume from a checkpoint.
+resume from a checkpoint. Steps that are not the training's are not recorded: torch's
+state-dict helpers take one optimizer step with ``lr=0`` to create an optimizer's state
+while a checkpoint is restored (:func:`unrecorded_optimizer_steps`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import itertools
 import logging
@@ -35,7 +39,9 @@ import weakref
 from sparkgpu._modules import imported
 from sparkgpu.errors import ConfigurationError
 
-__all__ = ["log", "log_checkpoint", "OptimizerAutolog", "current_step", "logs_to_job_run"]
+__all__ = [
+    "log", "log_checkpoint", "OptimizerAutolog", "current_step", "logs_to_job_run", "unrecorded_optimizer_steps",
+]
 
 _logger = logging.getLogger(__name__)
 
@@ -56,6 +62,7 @@ class _Session:
 
 
 _session: _Session | None = None
+_unrecorded = contextvars.ContextVar("sparkgpu_unrecorded_optimizer_steps", default=False)
 _session_lock = threading.Lock()
 _warned_outside = False
 
@@ -209,6 +216,21 @@ def log_checkpoint(step: int, path: str, *, run_id: str | None = None) -> None:
 # -- optimizer autolog ----------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def unrecorded_optimizer_steps():
+    """Optimizer steps taken inside are not recorded by autolog.
+
+    For the steps that are not training: ``torch.distributed.checkpoint.state_dict`` creates
+    a fresh optimizer's state by stepping it once with ``lr=0``, which autolog would log as
+    the optimizer's learning rate (and as a step).
+    """
+    token = _unrecorded.set(True)
+    try:
+        yield
+    finally:
+        _unrecorded.reset(token)
+
+
 def _state_step(optimizer) -> int | None:
     """Steps the optimizer itself counts (Adam-style ``state[p]["step"]``), which a restored
     optimizer state carries over from the checkpoint."""
@@ -289,6 +311,8 @@ class OptimizerAutolog:
             self._handle = None
 
     def _after_step(self, optimizer, args, kwargs) -> None:
+        if _unrecorded.get():
+            return
         try:
             self._record(optimizer)
         except Exception as exc:  # autolog must never break a training step

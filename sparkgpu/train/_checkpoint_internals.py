@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from sparkgpu.errors import CheckpointError, ConfigurationError, SparkGPUError
+from sparkgpu.tracking.autolog import unrecorded_optimizer_steps
 from sparkgpu.train._checkpoint_checks import dcp_errors, describe, local_nbytes, save_failed
 from sparkgpu.train._checkpoint_store import CheckpointInfo
 from sparkgpu.train._rng_state import capture_rng_state, restore_rng_state
@@ -129,7 +130,8 @@ class CheckpointerInternals:
         if model is not None:
             from torch.distributed.checkpoint.state_dict import get_state_dict
 
-            model_sd, optim_sd = get_state_dict(model, optimizers)
+            with unrecorded_optimizer_steps():  # saved before the first step: its state is made by one
+                model_sd, optim_sd = get_state_dict(model, optimizers)
             state_dict["model"] = model_sd
             if optimizers:
                 state_dict["optimizer"] = optim_sd
@@ -262,7 +264,8 @@ class CheckpointerInternals:
         app_key = f"rank{source_rank}"
         template: dict[str, Any] = {"app": {app_key: b""}}
         if model is not None:
-            model_sd, optim_sd = get_state_dict(model, optimizers)
+            with unrecorded_optimizer_steps():  # a fresh optimizer's state is made by a step with lr=0
+                model_sd, optim_sd = get_state_dict(model, optimizers)
             template["model"] = model_sd
             if optimizers:
                 template["optimizer"] = optim_sd
@@ -280,12 +283,13 @@ class CheckpointerInternals:
                 "or an object-store URL)"
             ) from exc
         if model is not None:
-            set_state_dict(
-                model,
-                optimizers,
-                model_state_dict=template["model"],
-                optim_state_dict=template.get("optimizer", {}),
-            )
+            with unrecorded_optimizer_steps():
+                set_state_dict(
+                    model,
+                    optimizers,
+                    model_state_dict=template["model"],
+                    optim_state_dict=template.get("optimizer", {}),
+                )
         app = torch.load(io.BytesIO(template["app"][app_key]), weights_only=False)
         for name, obj in stateful.items():
             obj.load_state_dict(app["stateful"][name])

@@ -120,6 +120,30 @@ def test_steps_continue_from_a_restored_adam_state(spool, session):
     assert metric_points(spool, "lr") == [(7, 0.1)]
 
 
+def test_restoring_a_checkpoint_records_no_optimizer_step(spool, session, tmp_path):
+    """torch's set_state_dict makes a fresh optimizer's state with one lr=0 step: not the training's."""
+    from sparkgpu.train import Checkpointer
+
+    model = torch.nn.Linear(3, 1)
+    first = torch.optim.AdamW(model.parameters(), lr=0.003)
+    train(first, None, model, 4)
+    ckpt = Checkpointer(tmp_path / "ckpt", handle_sigterm=False)
+    ckpt.save(3, model=model, optimizer=first, wait=True)
+    ckpt.close()
+
+    hook = OptimizerAutolog(session.writer)
+    hook.install()
+    restored_model = torch.nn.Linear(3, 1)
+    restored = torch.optim.AdamW(restored_model.parameters(), lr=0.003)  # no state yet
+    assert Checkpointer(tmp_path / "ckpt", handle_sigterm=False).restore(model=restored_model, optimizer=restored) == 4
+    assert hook.current_step is None and read_records(spool)["p"] == []  # nothing recorded by the restore
+    train(restored, None, restored_model, 1)
+    hook.remove()
+    params = dict(read_records(spool)["p"])
+    assert params["optimizer.lr"] == "0.003"
+    assert hook.current_step == 5 and metric_points(spool, "lr") == [(4, 0.003)]  # the 5th step, index 4
+
+
 def test_log_from_rank_zero_uses_optimizer_steps(spool, session):
     session.autolog = OptimizerAutolog(session.writer)
     session.autolog.install()
