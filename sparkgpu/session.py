@@ -128,7 +128,7 @@ class GPUNamespace:
             data_format: ``"mds"`` (convert, as above) or ``"table"``: when ``data`` is a path of
                 a Delta table or Parquet files, or a DataFrame that is a plain scan of one (plus
                 column selections and filters), ``data_url`` is a
-                :class:`~sparkgpu.data.table_plan.TableRef` for
+                :class:`~sparkgpu.data.tables.plan.TableRef` for
                 :func:`sparkgpu.data.table_dataset` and nothing is converted; any other
                 DataFrame is converted as with ``"mds"`` (a log line says why).
             gpus_per_node: Ranks per barrier task (default: as many as one executor holds).
@@ -173,8 +173,8 @@ class GPUNamespace:
             self.last_run_dir = getattr(job, "last_run_dir", None)
 
     def _table_ref(self, data):
-        from sparkgpu.data.convert_files import is_delta_table
-        from sparkgpu.data.table_plan import TableRef, table_ref_of
+        from sparkgpu.data.tables.paths import is_delta_table
+        from sparkgpu.data.tables.plan import TableRef, table_ref_of
 
         if isinstance(data, (str, os.PathLike)) and (is_delta_table(os.fspath(data)) or os.path.exists(data) or "://" in os.fspath(data)):
             reference, why = TableRef(os.fspath(data)), ""

@@ -20,11 +20,13 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 
 from sparkgpu.data.mds.writer import ShardOptions
-from sparkgpu.data.table_source import KEEP
+from sparkgpu.data.tables.delta import open_delta, row_group_mask
+from sparkgpu.data.tables.filter import KEEP, to_expression
+from sparkgpu.data.tables.paths import is_delta_table, open_parquet_dataset
 from sparkgpu.errors import ConfigurationError, DataError
 from sparkgpu.store import Store
 
-__all__ = ["FileSource", "resolve_file_source", "open_files", "is_delta_table"]
+__all__ = ["FileSource", "resolve_file_source", "open_files"]
 
 _BATCH_ROWS = 64 * 1024
 
@@ -161,48 +163,7 @@ def _parquet_source(path: str, storage_options: dict | None, row_filter=None) ->
     return FileSource(dataset.schema, description, lambda workers: _dataset_units(dataset, workers, expression), fingerprint)
 
 
-def open_parquet_dataset(path: str, storage_options: dict | None) -> pads.Dataset:
-    """The Parquet files at ``path`` (one file, or a folder with hive partitions) as a pyarrow dataset.
-
-    Raises:
-        DataError: nothing there reads as Parquet, or the folder holds no Parquet file.
-    """
-    filesystem, root = _arrow_filesystem(path, storage_options)
-    try:
-        dataset = pads.dataset(root, format="parquet", filesystem=filesystem, partitioning="hive")
-    except (FileNotFoundError, pa.ArrowInvalid, OSError) as exc:
-        raise DataError(f"cannot read {path} as Parquet ({exc}); give a Delta table, a folder of Parquet files "
-                        "or one file") from None
-    if not dataset.files:
-        raise DataError(f"{path} holds no Parquet files")
-    return dataset
-
-
-def _arrow_filesystem(path: str, storage_options: dict | None):
-    if "://" not in path or path.startswith("file://"):
-        local = path[len("file://"):] if path.startswith("file://") else path
-        return None, os.path.abspath(os.path.expanduser(local))
-    import fsspec
-    from pyarrow.fs import FSSpecHandler, PyFileSystem
-
-    fs, root = fsspec.core.url_to_fs(path, **(storage_options or {}))
-    return PyFileSystem(FSSpecHandler(fs)), root
-
-
-def is_delta_table(path: str, storage_options: dict | None = None) -> bool:
-    """Whether ``path`` is the root of a Delta table (it has a ``_delta_log``)."""
-    if "://" not in path or path.startswith("file://"):
-        local = path[len("file://"):] if path.startswith("file://") else path
-        return os.path.isdir(os.path.join(os.path.expanduser(local), "_delta_log"))
-    import fsspec
-
-    fs, root = fsspec.core.url_to_fs(path, **(storage_options or {}))
-    return fs.exists(f"{root.rstrip('/')}/_delta_log")
-
-
 def _delta_source(table, version, timestamp, storage_options: dict | None, row_filter=None) -> FileSource:
-    from sparkgpu.data.delta import open_delta
-
     snapshot = open_delta(table, version=version, timestamp=timestamp, storage_options=storage_options)
     expression = _expression(row_filter, snapshot.dataset.schema)
     description = {"type": "delta", "uri": snapshot.uri, "version": snapshot.version}
@@ -226,8 +187,6 @@ def _delta_source(table, version, timestamp, storage_options: dict | None, row_f
 def _deleted_rows_unit(fragment, snapshot, expression=None) -> _Unit:
     """A whole file, its deleted rows (its deletion vector) and the rows ``expression`` rejects left out."""
     import pyarrow.compute as pc
-
-    from sparkgpu.data.delta import row_group_mask
 
     selection = snapshot.selection.get(fragment.path)
     schema = snapshot.dataset.schema
@@ -298,8 +257,6 @@ def _stream_source(reader: pa.RecordBatchReader) -> FileSource:
 def _expression(row_filter, schema: pa.Schema):
     if row_filter is None:
         return None
-    from sparkgpu.data.table_filter import to_expression
-
     return to_expression(row_filter, schema)
 
 

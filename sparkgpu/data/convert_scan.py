@@ -1,10 +1,10 @@
 """Spark DataFrames that only scan files, converted from those files past Spark's row pipeline.
 
 When a DataFrame's plan is a read of one Parquet or Delta path under column selections and
-filters (decided by :func:`sparkgpu.data.table_plan.table_ref_of`, the same test that lets
+filters (decided by :func:`sparkgpu.data.tables.plan.table_ref_of`, the same test that lets
 ``spark.gpu.train(data_format="table")`` read a table in place), its rows are exactly the
 files' rows that pass the filters, in the selected columns. Those are read here with pyarrow
-(Delta through :mod:`sparkgpu.data.delta`, deletion vectors applied), the filter pushed down
+(Delta through :mod:`sparkgpu.data.tables.delta`, deletion vectors applied), the filter pushed down
 to partitions and row groups, and written by the same parallel writers as a Parquet path:
 no row goes through a Spark Python worker.
 """
@@ -37,7 +37,7 @@ def plain_scan_source(df, storage_options: dict | None = None) -> tuple[FileSour
         ``(source, "")`` when the plan is a plain scan of files this process can read with
         the same columns and types as Spark gives, else ``(None, reason)``.
     """
-    from sparkgpu.data.table_plan import table_ref_of
+    from sparkgpu.data.tables.plan import table_ref_of
 
     ref, why = table_ref_of(df)
     if ref is None:

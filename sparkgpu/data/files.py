@@ -27,7 +27,7 @@ from collections.abc import Callable
 import numpy as np
 
 from sparkgpu._files import atomic_write_bytes
-from sparkgpu.data.order import EpochPlan, epoch_order, restore_position
+from sparkgpu.data.order import EpochPlan, check_int, epoch_order, restore_position
 from sparkgpu.data.positioned import Positioned
 from sparkgpu.errors import ConfigurationError, DataError
 
@@ -76,14 +76,13 @@ def files_dataset(
     from sparkgpu import runtime
     from sparkgpu.config import settings
     from sparkgpu.units import parse_size
-    from sparkgpu.data.loader import _check_int
     from sparkgpu.data.storage.volume import Volume
 
     rank = runtime.get_global_rank() if rank is None else rank
     world_size = runtime.get_world_size() if world_size is None else world_size
-    _check_int("seed", seed, 0)
-    _check_int("world_size", world_size, 1)
-    _check_int("download_threads", download_threads, 1)
+    check_int("seed", seed, 0)
+    check_int("world_size", world_size, 1)
+    check_int("download_threads", download_threads, 1)
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ConfigurationError(f"rank={rank!r} must be an integer in [0, world_size={world_size})")
     if transform is not None and not callable(transform):

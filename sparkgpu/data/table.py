@@ -10,7 +10,7 @@ state = rows.state_dict()       # resume exactly with rows.load_state_dict(state
 ```
 
 Row groups are the unit of everything. Opening the dataset lists the table's live files
-(Delta: at the pinned version, deletion vectors applied, see :mod:`sparkgpu.data.delta`),
+(Delta: at the pinned version, deletion vectors applied, see :mod:`sparkgpu.data.tables.delta`),
 prunes partitions and row groups with the filter, and counts each remaining row group's
 surviving rows (from the footers; a filter is evaluated on its columns alone). Those counts
 play the part of shard sizes in :mod:`sparkgpu.data.order`: the same seeded shuffle (row
@@ -38,11 +38,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from sparkgpu.data.order import DEFAULT_BLOCK_SIZE, EpochPlan, epoch_order, restore_position
+from sparkgpu.data.order import DEFAULT_BLOCK_SIZE, EpochPlan, check_int, epoch_order, restore_position
 from sparkgpu.data.positioned import Positioned
-from sparkgpu.data.table_filter import to_expression
-from sparkgpu.data.table_plan import TableRef
-from sparkgpu.data.table_source import KEEP, file_cache, keep_mask, open_source, row_groups, scan
+from sparkgpu.data.tables.filter import KEEP, to_expression
+from sparkgpu.data.tables.plan import TableRef
+from sparkgpu.data.tables.source import file_cache, keep_mask, open_source, row_groups, scan
 from sparkgpu.data.table_tensors import UnitColumns, gather_batch
 from sparkgpu.errors import ConfigurationError, DataError
 
@@ -77,7 +77,7 @@ def table_dataset(
     Args:
         path_or_url: A Delta table root (a folder with ``_delta_log``), a folder of Parquet
             files (hive partitions allowed) or one file; local or an fsspec URL; an open
-            ``deltalake.DeltaTable``; or the :class:`~sparkgpu.data.table_plan.TableRef` that
+            ``deltalake.DeltaTable``; or the :class:`~sparkgpu.data.tables.plan.TableRef` that
             ``spark.gpu.train(..., data_format="table")`` hands the ranks (its columns, filter
             and version apply; a ``filter=`` given here narrows it further).
         batch_size: Rows per batch on each rank.
@@ -111,7 +111,6 @@ def table_dataset(
         DataError: The table cannot be read.
     """
     from sparkgpu import runtime
-    from sparkgpu.data.loader import _check_int
 
     rank = runtime.get_global_rank() if rank is None else rank
     world_size = runtime.get_world_size() if world_size is None else world_size
@@ -122,12 +121,12 @@ def table_dataset(
             version, timestamp = ref.version, ref.timestamp
         if ref.filter is not None:
             filter = ref.filter if filter is None else ("both", ref.filter, filter)
-    _check_int("batch_size", batch_size, 1)
-    _check_int("seed", seed, 0)
-    _check_int("world_size", world_size, 1)
-    _check_int("read_threads", read_threads, 1)
+    check_int("batch_size", batch_size, 1)
+    check_int("seed", seed, 0)
+    check_int("world_size", world_size, 1)
+    check_int("read_threads", read_threads, 1)
     if shuffle_block_size is not None:
-        _check_int("shuffle_block_size", shuffle_block_size, 1)
+        check_int("shuffle_block_size", shuffle_block_size, 1)
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ConfigurationError(f"rank={rank!r} must be an integer in [0, world_size={world_size})")
     dataset, selection, identity = open_source(path_or_url, version, timestamp, storage_options)

@@ -32,7 +32,7 @@ def parquet_folder(tmp_path):
 
 def ids_read_in_place(data_url):
     from sparkgpu import data
-    from sparkgpu.data.table_plan import TableRef
+    from sparkgpu.data.tables.plan import TableRef
 
     if not isinstance(data_url, TableRef):
         return "converted", None
@@ -58,7 +58,7 @@ def test_only_plain_file_scans_are_read_in_place(local_spark, parquet_folder):
     from pyspark.sql import functions as F
 
     from sparkgpu import data
-    from sparkgpu.data.table_plan import TableRef, table_ref_of
+    from sparkgpu.data.tables.plan import TableRef, table_ref_of
 
     scan = local_spark.read.parquet(parquet_folder)
     reference, _ = table_ref_of(scan.select("id").filter(F.col("id").isin(1, 2) | (F.col("tag") == "it's")))

@@ -10,7 +10,7 @@ import pytest
 
 from sparkgpu import distributed
 from sparkgpu.config import settings
-from sparkgpu.data.table_plan import TableRef
+from sparkgpu.data.tables.plan import TableRef
 from sparkgpu.errors import SerializationError, SparkGPUError
 from sparkgpu.launch.backends.base import ResolvedJob
 from sparkgpu.launch.keys import load_key

@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
 
+from sparkgpu.data.tables.paths import arrow_filesystem
 from sparkgpu.errors import ConfigurationError, DataError, MissingDependencyError
 
 __all__ = ["DeltaSnapshot", "open_delta", "row_group_mask"]
@@ -89,9 +90,7 @@ def open_delta(table, *, version=None, timestamp=None, storage_options: dict | N
     schema = pa.schema(table.schema().to_arrow())
     partition_columns = list(table.metadata().partition_columns)
     adds = pa.table(table.get_add_actions(flatten=True))
-    from sparkgpu.data.convert_files import _arrow_filesystem
-
-    filesystem, root = _arrow_filesystem(table.table_uri, storage_options)
+    filesystem, root = arrow_filesystem(table.table_uri, storage_options)
     if filesystem is None:
         filesystem = pa.fs.LocalFileSystem()
     root = root.rstrip("/")

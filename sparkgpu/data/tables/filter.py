@@ -13,7 +13,11 @@ import pyarrow.compute as pc
 
 from sparkgpu.errors import ConfigurationError, MissingDependencyError
 
-__all__ = ["to_expression"]
+__all__ = ["to_expression", "KEEP"]
+
+# The column a filter's verdict is projected into beside the rows, where the filter cannot go to
+# the scanner (rows it dropped would shift the positions a deletion vector counts).
+KEEP = "__sparkgpu_keep"
 
 
 def to_expression(filter, schema: pa.Schema) -> pc.Expression | None:

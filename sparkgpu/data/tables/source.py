@@ -1,6 +1,6 @@
 """Where a table dataset's rows come from: its files, row groups and surviving-row counts.
 
-Opening lists the live files (Delta through :mod:`sparkgpu.data.delta`, deletion vectors
+Opening lists the live files (Delta through :mod:`sparkgpu.data.tables.delta`, deletion vectors
 included; Parquet through ``pyarrow.dataset``), lets pyarrow prune partitions and row groups
 with the filter, and counts each row group's surviving rows: from the footer, minus the rows
 its deletion vector removes, and when there is a filter, by evaluating it on the filter's
@@ -17,38 +17,34 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
 
-from sparkgpu.data.delta import open_delta, row_group_mask
+from sparkgpu.data.order import check_int
+from sparkgpu.data.tables.delta import open_delta, row_group_mask
+from sparkgpu.data.tables.filter import KEEP
+from sparkgpu.data.tables.paths import arrow_filesystem, is_delta_table, open_parquet_dataset
 from sparkgpu.errors import ConfigurationError, DataError
 
-__all__ = ["open_source", "row_groups", "file_cache", "keep_mask", "count_rows", "scan", "RowGroup", "KEEP"]
-
-KEEP = "__sparkgpu_keep"
+__all__ = ["open_source", "row_groups", "file_cache", "keep_mask", "count_rows", "scan", "RowGroup"]
 
 
 def file_cache(dataset, units, identity, storage_options, local, cache_limit, download_threads):
     from sparkgpu.config import settings
     from sparkgpu.units import parse_size
-    from sparkgpu.data.loader import _check_int
     from sparkgpu.data.storage.table_cache import TableFileCache
 
     url = identity.get("uri") or identity.get("path")
     if isinstance(dataset.filesystem, pa.fs.LocalFileSystem) or "://" not in url or url.startswith("file://"):
         return None  # read in place
-    _check_int("download_threads", download_threads, 1)
+    check_int("download_threads", download_threads, 1)
     limit = cache_limit if cache_limit is not None else settings().cache_limit_bytes
     limit = parse_size(limit, "cache_limit") if limit is not None else None
     files = sorted({unit.path for unit in units})
     sizes = [info.size for info in dataset.filesystem.get_file_info(files)]
-    from sparkgpu.data.convert_files import _arrow_filesystem
-
-    _, root = _arrow_filesystem(url, storage_options)
+    _, root = arrow_filesystem(url, storage_options)
     return TableFileCache(url, root, files, sizes, storage_options, local if local is not None else settings().cache_dir,
                           limit, download_threads)
 
 
 def open_source(source, version, timestamp, storage_options):
-    from sparkgpu.data.convert_files import is_delta_table, open_parquet_dataset
-
     try:
         from deltalake import DeltaTable
     except ImportError:
