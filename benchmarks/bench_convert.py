@@ -46,8 +46,8 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sparkgpu import data  # noqa: E402
-from sparkgpu.data.convert import _convert, data_fingerprint  # noqa: E402
-from sparkgpu.data.convert_spark import SparkSource  # noqa: E402
+from sparkgpu.data.convert.conversion import _convert, data_fingerprint  # noqa: E402
+from sparkgpu.data.convert.spark import SparkSource  # noqa: E402
 from sparkgpu.data.mds.writer import ShardOptions  # noqa: E402
 from sparkgpu.data.mds.encoding import encode_batch, plan_columns  # noqa: E402
 from sparkgpu.store import Store  # noqa: E402
@@ -130,8 +130,8 @@ def convert_files_on_executors(spark, parquet_dir: str, out: str) -> None:
     pyarrow and writing shards, the client committing the index."""
     import uuid
 
-    from sparkgpu.data.convert_output import OutputFolder
-    from sparkgpu.data.convert_spark import _shipped_by_value
+    from sparkgpu.data.convert.output import OutputFolder
+    from sparkgpu.data.convert.spark import _shipped_by_value
 
     paths = sorted(str(p) for p in Path(parquet_dir).glob("*.parquet"))
     units = [(i, path, group) for i, (path, group) in

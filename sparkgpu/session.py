@@ -119,7 +119,7 @@ class GPUNamespace:
             kwargs: Keyword arguments for ``fn``.
             data: A Spark DataFrame, a table name, or a path of a Delta table or Parquet files.
                 It is converted to MDS shards once per data version
-                (:func:`sparkgpu.data.convert.ensure_mds`) and ``fn`` gets the shards' URL as
+                (:func:`sparkgpu.data.convert.conversion.ensure_mds`) and ``fn`` gets the shards' URL as
                 keyword argument ``data_url``. The job is checked first (capacity, usage policy,
                 picklability), so a refused job never pays for the conversion.
             data_volume: Where conversions are kept (``SPARKGPU_DATA_VOLUME`` by default); the
@@ -190,7 +190,7 @@ class GPUNamespace:
 
     def _convert(self, data, volume: str | None, options: dict) -> str:
         from sparkgpu.config import settings
-        from sparkgpu.data.convert import ensure_mds
+        from sparkgpu.data.convert.conversion import ensure_mds
 
         if isinstance(data, str) and "://" not in data and os.sep not in data and not os.path.exists(data):
             data = self._spark.table(data)  # a table name such as "main.ml.clicks"

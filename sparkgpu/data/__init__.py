@@ -14,10 +14,10 @@ from sparkgpu._modules import lazy_attributes
 # Public name -> the module that defines it; imported on first use, so `import sparkgpu.data`
 # stays cheap.
 _NAMES = {
-    "to_mds": "sparkgpu.data.convert",
-    "ensure_mds": "sparkgpu.data.convert",
-    "data_fingerprint": "sparkgpu.data.convert",
-    "read_conversion": "sparkgpu.data.convert",
+    "to_mds": "sparkgpu.data.convert.conversion",
+    "ensure_mds": "sparkgpu.data.convert.conversion",
+    "data_fingerprint": "sparkgpu.data.convert.conversion",
+    "read_conversion": "sparkgpu.data.convert.conversion",
     "dataset": "sparkgpu.data.loader",
     "Stream": "sparkgpu.data.mixture",
     "token_dataset": "sparkgpu.data.tokens",

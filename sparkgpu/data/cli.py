@@ -40,7 +40,7 @@ def register_data(subparsers) -> None:
 
 
 def cmd_convert(args) -> int:
-    from sparkgpu.data.convert import to_mds
+    from sparkgpu.data.convert.conversion import to_mds
 
     result = to_mds(
         args.source, args.out, version=args.version,

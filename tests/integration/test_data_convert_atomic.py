@@ -15,7 +15,7 @@ import pytest
 
 from sparkgpu import data
 from sparkgpu._files import is_temporary
-from sparkgpu.data.convert_output import INDEX_NAME, MARKER_NAME
+from sparkgpu.data.convert.output import INDEX_NAME, MARKER_NAME
 
 pytestmark = pytest.mark.integration
 
@@ -140,7 +140,7 @@ def test_killed_right_after_removing_the_old_index_a_rerun_without_overwrite_fin
         sys.path.insert(0, {REPO!r})
         import numpy as np, pyarrow as pa
         from sparkgpu import data
-        from sparkgpu.data import convert_output
+        from sparkgpu.data.convert import output as convert_output
         from sparkgpu.store import Store
 
         remove = Store.remove

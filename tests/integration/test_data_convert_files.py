@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from sparkgpu import data
-from sparkgpu.data.convert import data_fingerprint, ensure_mds, read_conversion
+from sparkgpu.data.convert.conversion import data_fingerprint, ensure_mds, read_conversion
 from sparkgpu.errors import ConfigurationError, DataError
 
 pytestmark = pytest.mark.integration

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from sparkgpu import data
-from sparkgpu.data.convert import data_fingerprint, ensure_mds
-from sparkgpu.data.convert_output import INDEX_NAME, MARKER_NAME
+from sparkgpu.data.convert.conversion import data_fingerprint, ensure_mds
+from sparkgpu.data.convert.output import INDEX_NAME, MARKER_NAME
 from sparkgpu.errors import ConfigurationError, DataError
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
@@ -171,7 +171,7 @@ def test_parquet_read_by_spark_fingerprints_its_files(spark, tmp_path):
 
 def test_spark_progress_reports_tasks(spark, tmp_path):
     from sparkgpu.store import Store
-    from sparkgpu.data.convert_spark import SparkSource
+    from sparkgpu.data.convert.spark import SparkSource
     from sparkgpu.data.mds.encoding import plan_columns
     from sparkgpu.data.mds.writer import ShardOptions
 
@@ -194,7 +194,7 @@ def test_executor_code_runs_where_this_package_is_not_installed(tmp_path):
     from pyspark import cloudpickle
 
     from sparkgpu.store import Store
-    from sparkgpu.data.convert_spark import _PartitionTask, _shipped_by_value
+    from sparkgpu.data.convert.spark import _PartitionTask, _shipped_by_value
     from sparkgpu.data.mds.encoding import plan_columns
     from sparkgpu.data.mds.writer import ShardOptions
 
@@ -240,7 +240,7 @@ def test_classic_spark_session_converts_too(tmp_path):
         os.environ["PYSPARK_PYTHON"] = sys.executable
         sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))!r})
         from pyspark.sql import SparkSession, functions as F
-        from sparkgpu.data.convert import data_fingerprint, ensure_mds
+        from sparkgpu.data.convert.conversion import data_fingerprint, ensure_mds
         spark = SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false").getOrCreate()
         df = spark.range(0, 3000, numPartitions=3).select("id", (F.col("id") / 3).alias("x"))
         first = ensure_mds(df, {str(tmp_path / "cache")!r}, progress=False)

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from sparkgpu import data
-from sparkgpu.data.convert import ensure_mds
+from sparkgpu.data.convert.conversion import ensure_mds
 from tests.unit.delta_dv import delete_rows
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
@@ -121,7 +121,7 @@ def test_join_and_aggregate_take_the_general_path_with_the_same_rows(spark, parq
 def test_delta_table_with_column_mapping_is_left_to_spark(spark, tmp_path):
     from deltalake import write_deltalake
 
-    from sparkgpu.data.convert_scan import plain_scan_source
+    from sparkgpu.data.convert.scan import plain_scan_source
     from sparkgpu.errors import DataError
 
     uri = str(tmp_path / "mapped")

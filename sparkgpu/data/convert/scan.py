@@ -18,7 +18,8 @@ import os
 
 import pyarrow as pa
 
-from sparkgpu.data.convert_files import FileSource, open_files
+from sparkgpu.data.convert.files import FileSource, open_files
+from sparkgpu.data.convert.spark_schema import arrow_schema
 from sparkgpu.errors import ConfigurationError, DataError
 
 __all__ = ["plain_scan_source"]
@@ -78,8 +79,6 @@ def _spark_schema(df) -> pa.Schema | None:
     """Spark's schema of ``df`` as Arrow, or ``None`` when the server cannot read the source
     (a Delta table on a server without Delta Lake: this package reads it all the same)."""
     from pyspark.errors import PySparkException
-
-    from sparkgpu.data.convert_spark import arrow_schema
 
     try:
         spark_schema = df.schema

@@ -61,7 +61,7 @@ class FileSource:
         """Writes every row as MDS shards under ``volume``; returns the index entries in order.
 
         Args:
-            volume: Output folder (already claimed by :class:`~sparkgpu.data.convert_output.OutputFolder`).
+            volume: Output folder (already claimed by :class:`~sparkgpu.data.convert.output.OutputFolder`).
             options: Encodings and shard settings.
             max_workers: Parallel writers; defaults to the number of CPUs.
             progress: Optional object with ``start(total)`` and ``advance(rows)``.

@@ -22,7 +22,7 @@ import json
 import time
 import uuid
 
-from sparkgpu.data.convert_output import OutputFolder
+from sparkgpu.data.convert.output import OutputFolder
 from sparkgpu.data.mds.encoding import plan_columns
 from sparkgpu.data.mds.writer import DEFAULT_SIZE_LIMIT, ShardOptions
 from sparkgpu.errors import ConfigurationError, DataError
@@ -63,7 +63,7 @@ class ConversionResult:
 
 
 def _resolve(source, version, timestamp, storage_options):
-    from sparkgpu.data.convert_spark import is_spark_dataframe, spark_source
+    from sparkgpu.data.convert.spark import is_spark_dataframe, spark_source
 
     if is_spark_dataframe(source):
         if version is not None or timestamp is not None:
@@ -72,7 +72,7 @@ def _resolve(source, version, timestamp, storage_options):
                 "DataFrame, time-travel in the read: spark.read.format('delta').option('versionAsOf', 12)"
             )
         return spark_source(source, storage_options)
-    from sparkgpu.data.convert_files import resolve_file_source
+    from sparkgpu.data.convert.files import resolve_file_source
 
     return resolve_file_source(source, version=version, timestamp=timestamp, storage_options=storage_options)
 

@@ -20,11 +20,12 @@ import re
 
 import pyarrow as pa
 
+from sparkgpu.data.convert.spark_schema import arrow_schema
 from sparkgpu.data.mds.writer import ShardOptions
 from sparkgpu.errors import ConfigurationError, DataError, SparkGPUError
 from sparkgpu.store import Store
 
-__all__ = ["SparkSource", "spark_source", "is_spark_dataframe", "arrow_schema"]
+__all__ = ["SparkSource", "spark_source", "is_spark_dataframe"]
 
 _logger = logging.getLogger(__name__)
 _RESULT_SCHEMA = "partition int, shards string"
@@ -39,8 +40,8 @@ def is_spark_dataframe(obj) -> bool:
 
 def spark_source(df, storage_options: dict | None = None):
     """How ``df`` is converted: from its files when it is a plain scan of Parquet or Delta
-    files this process can read (:mod:`sparkgpu.data.convert_scan`), else by Spark."""
-    from sparkgpu.data.convert_scan import plain_scan_source
+    files this process can read (:mod:`sparkgpu.data.convert.scan`), else by Spark."""
+    from sparkgpu.data.convert.scan import plain_scan_source
 
     source, why = plain_scan_source(df, storage_options)
     if source is not None:
@@ -149,23 +150,6 @@ class _PartitionTask:
             {"partition": [partition], "shards": [json.dumps(shards)]},
             schema=pa.schema([("partition", pa.int32()), ("shards", pa.string())]),
         )
-
-
-def arrow_schema(spark_schema) -> pa.Schema:
-    from pyspark.sql.pandas.types import to_arrow_type
-
-    fields = []
-    for field in spark_schema.fields:
-        try:
-            arrow_type = to_arrow_type(field.dataType, timezone="UTC")
-        except Exception as exc:  # pyspark raises several types for types Arrow lacks
-            raise DataError(
-                f"column {field.name!r} has Spark type {field.dataType.simpleString()}, which MDS "
-                f"cannot store ({exc}); cast it to numbers, strings, binary or arrays of numbers "
-                "first (for Spark ML vectors: pyspark.ml.functions.vector_to_array)"
-            ) from None
-        fields.append(pa.field(field.name, arrow_type))
-    return pa.schema(fields)
 
 
 def _optimized_plan(df) -> str:
