@@ -35,7 +35,7 @@ import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 try:
-    from sparkgpu.data.tokens import _CUT_TOKENS  # tokens the loader cuts per gather
+    from sparkgpu.data.loaders.tokens import _CUT_TOKENS  # tokens the loader cuts per gather
 except ImportError:  # a version of the loader that cut one batch at a time
     _CUT_TOKENS = 0
 

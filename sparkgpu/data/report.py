@@ -79,7 +79,7 @@ def volume_report(
         ``epoch1_vs_raw`` and ``epoch2_speedup``.
     """
     from sparkgpu.config import settings
-    from sparkgpu.data.loader import dataset
+    from sparkgpu.data.loaders.dataset import dataset
 
     volume = Volume(remote, storage_options)
     root = Path(local) if local is not None else settings().cache_dir
@@ -137,7 +137,7 @@ def table_report(
         ConfigurationError: ``remote`` is a local table.
     """
     from sparkgpu.config import settings
-    from sparkgpu.data.table import table_dataset
+    from sparkgpu.data.loaders.table import table_dataset
     from sparkgpu.errors import ConfigurationError
 
     root = Path(local) if local is not None else settings().cache_dir

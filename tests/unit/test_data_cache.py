@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from sparkgpu import data
-from sparkgpu.data import loader as loader_module
+from sparkgpu.data.loaders import dataset as dataset_module, mds_loader
 from sparkgpu.data.storage.cache import ShardCache, cache_entries, clear_cache, entry_dir_for, open_cache_entry
 from sparkgpu.errors import ConfigurationError, DataError
 from tests.unit.test_data_loader_support import CountingVolume, check_tabular_batch, collect_ids, write_tabular
@@ -239,8 +239,9 @@ def test_unknown_volume_scheme_asks_for_the_right_package(tmp_path):
         data.dataset(remote="nosuchscheme://x/y", local=tmp_path, batch_size=8)
 
 
-def test_loader_module_documents_its_public_names():
-    assert set(loader_module.__all__) == {"dataset", "MDSLoader"}
+def test_loader_modules_document_their_public_names():
+    assert set(dataset_module.__all__) == {"dataset"}
+    assert set(mds_loader.__all__) == {"open_mds", "MDSLoader"}
 
 
 def test_large_files_download_as_parallel_byte_ranges(tmp_path):

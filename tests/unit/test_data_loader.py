@@ -10,7 +10,7 @@ import torch
 
 from sparkgpu import data
 from sparkgpu.data import _gather
-from sparkgpu.data.order import EpochPlan, epoch_order
+from sparkgpu.data.loaders.order import EpochPlan, epoch_order
 from sparkgpu.errors import ConfigurationError, DataError
 from tests.unit.test_data_loader_support import check_tabular_batch, collect_ids, write_tabular
 

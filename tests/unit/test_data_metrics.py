@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from sparkgpu.data.metrics import LoaderMetrics
+from sparkgpu.data.loaders.metrics import LoaderMetrics
 
 
 class _Cache:

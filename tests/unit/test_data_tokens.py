@@ -136,7 +136,7 @@ def test_cut_size_and_shards_kept_mapped_do_not_change_the_blocks(tokens, monkey
     # two shards kept (most blocks then reopen a shard) must give the same stream, with the C
     # span gather and with its numpy version.
     from sparkgpu.data import _gather
-    from sparkgpu.data import tokens as token_module
+    from sparkgpu.data.loaders import tokens as token_module
 
     monkeypatch.setattr(_gather, "_enabled", native and _gather.native_available())
 

@@ -18,7 +18,7 @@ lock serialises the space accounting (which counts in-flight downloads at their 
 A process that finds a shard evicted under it fetches it again; shards already memory-mapped
 stay readable after eviction (POSIX keeps an unlinked file's pages until the last mapping goes).
 That space is outside ``limit_bytes``, so loaders map only the shards of the batch they read
-(:class:`sparkgpu.data._pipeline.Producer`): disk use stays within the limit plus the shards
+(:class:`sparkgpu.data.loaders._pipeline.Producer`): disk use stays within the limit plus the shards
 in use on the node.
 """
 

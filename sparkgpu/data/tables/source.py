@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
 
-from sparkgpu.data.order import check_int
+from sparkgpu.data.loaders.order import check_int
 from sparkgpu.data.tables.delta import open_delta, row_group_mask
 from sparkgpu.data.tables.filter import KEEP
 from sparkgpu.data.tables.paths import arrow_filesystem, is_delta_table, open_parquet_dataset

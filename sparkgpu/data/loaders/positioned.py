@@ -21,7 +21,7 @@ __all__ = ["Positioned", "PositionedLoader"]
 class Positioned(torch.utils.data.IterableDataset):
     """An iterable dataset with an epoch and a count of rows consumed by all ranks in it.
 
-    Subclasses define ``_plan(epoch, start)`` (an :class:`~sparkgpu.data.order.EpochPlan`),
+    Subclasses define ``_plan(epoch, start)`` (an :class:`~sparkgpu.data.loaders.order.EpochPlan`),
     ``world_size``, ``epoch`` and ``_consumed``.
     """
 

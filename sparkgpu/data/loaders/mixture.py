@@ -18,7 +18,7 @@ Samples per stream and epoch follow MosaicML Streaming's ``Stream`` weights exac
 
 Which samples. A stream drawing ``n`` of its ``size`` samples reads all of them
 ``n // size`` times and ``n % size`` more. Each pass is an epoch order of the stream
-(:func:`sparkgpu.data.order.epoch_order`, keyed by seed, epoch, stream and pass), and the
+(:func:`sparkgpu.data.loaders.order.epoch_order`, keyed by seed, epoch, stream and pass), and the
 extra samples are the first ``n % size`` of one more pass. Where mosaic draws that remainder
 sample by sample over the whole stream (``sampling_granularity=1``), this takes it from a
 stretch of the shuffled stream: a random subset, but from fewer shards, so a small cache
@@ -29,7 +29,7 @@ the epoch is a random permutation of the streams' counts; without, the streams a
 evenly (stream ``s``'s ``k``-th sample sits at ``(k + 0.5) / n_s`` of the epoch). Mosaic
 instead shuffles all streams' shards together and partitions them over nodes and workers;
 the counts per epoch are the same, the order is not. The epoch is then split over ranks as
-any dataset's (:mod:`sparkgpu.data.order`): the same number of samples and batches on
+any dataset's (:mod:`sparkgpu.data.loaders.order`): the same number of samples and batches on
 every rank, and a position of "samples consumed" that resumes exactly.
 """
 
@@ -43,8 +43,9 @@ import torch
 
 from sparkgpu.data.storage.cache import ShardCache
 from sparkgpu.data.mds.decode import BatchDecoder
-from sparkgpu.data.metrics import LoaderMetrics
-from sparkgpu.data.order import EpochPlan, PlannedEpochs, epoch_order, restore_position
+from sparkgpu.data.loaders.metrics import LoaderMetrics
+from sparkgpu.data.loaders.mds_loader import open_mds
+from sparkgpu.data.loaders.order import EpochPlan, PlannedEpochs, check_int, epoch_order, restore_position
 from sparkgpu.data.mds.reader import ShardReader
 from sparkgpu.data.storage.volume import Volume
 from sparkgpu.errors import ConfigurationError
@@ -126,12 +127,10 @@ def mixture_dataset(streams, *, local, epoch_size, batch_size, shuffle, seed, sh
                     prefetch_batches, device, cache_limit, download_threads, rank, world_size, storage_options,
                     allow_unsafe_types, **unsupported) -> "MixtureLoader":
     """Opens each stream as :func:`sparkgpu.data.dataset` would and mixes them (see the module doc)."""
-    from sparkgpu.data.loader import _check_int, dataset
-
     if not isinstance(streams, (list, tuple)) or not streams or not all(isinstance(s, Stream) for s in streams):
         raise ConfigurationError(f"streams= takes a non-empty list of data.Stream, got {streams!r:.200}")
     if epoch_size is not None:
-        _check_int("epoch_size", epoch_size, 1)
+        check_int("epoch_size", epoch_size, 1)
     if num_workers:
         raise ConfigurationError("mixtures decode batches in the calling process; pass num_workers=0 "
                                  "(prefetch_batches= decodes ahead on a thread)")
@@ -141,10 +140,10 @@ def mixture_dataset(streams, *, local, epoch_size, batch_size, shuffle, seed, sh
     opened = []
     for stream in streams:
         where = stream.local if stream.local is not None else (local if stream.remote is not None else None)
-        opened.append(dataset(stream.remote, where, batch_size=batch_size, shuffle=shuffle, seed=seed,
-                              shuffle_block_size=shuffle_block_size, drop_last=drop_last, prefetch_batches=prefetch_batches,
-                              device=device, cache_limit=cache_limit, download_threads=download_threads, rank=rank,
-                              world_size=world_size, storage_options=storage_options, allow_unsafe_types=allow_unsafe_types))
+        opened.append(open_mds(stream.remote, where, batch_size=batch_size, shuffle=shuffle, seed=seed,
+                               shuffle_block_size=shuffle_block_size, drop_last=drop_last, prefetch_batches=prefetch_batches,
+                               device=device, cache_limit=cache_limit, download_threads=download_threads, rank=rank,
+                               world_size=world_size, storage_options=storage_options, allow_unsafe_types=allow_unsafe_types))
     first = opened[0].index.columns
     for number, loader in enumerate(opened[1:], 1):
         if [(c.name, c.encoding) for c in loader.index.columns] != [(c.name, c.encoding) for c in first]:
@@ -279,7 +278,7 @@ class MixtureLoader(PlannedEpochs):
     # Iteration.
 
     def __iter__(self):
-        from sparkgpu.data._pipeline import in_background, prefetch_to_device
+        from sparkgpu.data.loaders._pipeline import in_background, prefetch_to_device
 
         plan = self._plan(self.epoch, self._consumed)
         if plan.num_batches == 0 and self._consumed > 0:
@@ -310,7 +309,7 @@ class MixtureLoader(PlannedEpochs):
 
     def _batches(self, plan: EpochPlan):
         from sparkgpu.data import _gather
-        from sparkgpu.data._pipeline import _shards_per_batch
+        from sparkgpu.data.loaders._pipeline import _shards_per_batch
 
         # Every stream's shards numbered in one sequence (stream 0's, then stream 1's, ...), as
         # mixture ids number samples: whole-epoch arrays once, so each batch costs slices.

@@ -17,7 +17,7 @@ boundary out of the targets). ``targets=False`` gives disjoint blocks of ``seq_l
 Blocks run across document and shard boundaries; tokens after the last whole block are left
 out.
 
-Order and split. Blocks play the part of samples in :mod:`sparkgpu.data.order`: a block
+Order and split. Blocks play the part of samples in :mod:`sparkgpu.data.loaders.order`: a block
 belongs to the shard its first token is in, the epoch's order is that module's shard-aware
 shuffle (or the stream's order), and position ``p`` goes to rank ``p % world_size``. The
 position is "blocks consumed", so a resume continues exactly at the next token, with any
@@ -36,10 +36,11 @@ import numpy as np
 import torch
 
 from sparkgpu.data import _gather
-from sparkgpu.data._token_shards import ShardDocuments, TokenColumn
+from sparkgpu.data.loaders._token_shards import ShardDocuments, TokenColumn
 from sparkgpu.data.storage.cache import ShardCache
-from sparkgpu.data.metrics import LoaderMetrics
-from sparkgpu.data.order import DEFAULT_BLOCK_SIZE, EpochPlan, PlannedEpochs, epoch_order, restore_position
+from sparkgpu.data.loaders.metrics import LoaderMetrics
+from sparkgpu.data.loaders.mds_loader import open_mds
+from sparkgpu.data.loaders.order import DEFAULT_BLOCK_SIZE, EpochPlan, PlannedEpochs, check_int, epoch_order, restore_position
 from sparkgpu.data.mds.reader import ShardReader
 from sparkgpu.data.storage.volume import Volume
 from sparkgpu.errors import ConfigurationError, DataError
@@ -106,15 +107,13 @@ def token_dataset(
         ConfigurationError: An argument is invalid, or ``column`` is not integer arrays.
         DataError: The dataset cannot be read.
     """
-    from sparkgpu.data.loader import _check_int, dataset
-
-    _check_int("seq_len", seq_len, 1)
+    check_int("seq_len", seq_len, 1)
     if eos_id is not None:
-        _check_int("eos_id", eos_id, 0)
-    # dataset() checks and opens everything the two loaders share (volume, cache, rank).
-    opened = dataset(remote, local, batch_size=batch_size, shuffle=shuffle, seed=seed, shuffle_block_size=shuffle_block_size,
-                     drop_last=drop_last, num_workers=num_workers, cache_limit=cache_limit,
-                     download_threads=download_threads, rank=rank, world_size=world_size, storage_options=storage_options)
+        check_int("eos_id", eos_id, 0)
+    # open_mds() checks and opens everything the two loaders share (volume, cache, rank).
+    opened = open_mds(remote, local, batch_size=batch_size, shuffle=shuffle, seed=seed, shuffle_block_size=shuffle_block_size,
+                      drop_last=drop_last, num_workers=num_workers, cache_limit=cache_limit,
+                      download_threads=download_threads, rank=rank, world_size=world_size, storage_options=storage_options)
     tokens = TokenColumn(opened.index, column, eos_id)
     tokens.column  # noqa: B018 - raises when the column is missing
     spec = {
@@ -260,7 +259,7 @@ class TokenLoader(PlannedEpochs):
             fix="open the dataset with the same {key} to resume, or start a fresh epoch with set_epoch()")
 
     def stats(self) -> dict:
-        """This rank's loader figures so far (see :class:`sparkgpu.data.metrics.LoaderMetrics`)."""
+        """This rank's loader figures so far (see :class:`sparkgpu.data.loaders.metrics.LoaderMetrics`)."""
         return self.metrics.snapshot(self._source.cache)
 
     # Iteration.

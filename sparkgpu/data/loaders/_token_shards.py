@@ -1,6 +1,6 @@
 """Where the documents of one MDS token column lie in each shard, without a loop per document.
 
-Internal to :mod:`sparkgpu.data.tokens`. A document is one sample's value of an integer
+Internal to :mod:`sparkgpu.data.loaders.tokens`. A document is one sample's value of an integer
 column: ``ndarray:<dtype>`` (ragged, what ``to_mds`` writes for arrays), ``ndarray`` with the
 dtype in each value, or a fixed-shape ``ndarray:<dtype>:<shape>`` / scalar integer column.
 """

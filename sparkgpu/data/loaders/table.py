@@ -13,7 +13,7 @@ Row groups are the unit of everything. Opening the dataset lists the table's liv
 (Delta: at the pinned version, deletion vectors applied, see :mod:`sparkgpu.data.tables.delta`),
 prunes partitions and row groups with the filter, and counts each remaining row group's
 surviving rows (from the footers; a filter is evaluated on its columns alone). Those counts
-play the part of shard sizes in :mod:`sparkgpu.data.order`: the same seeded shuffle (row
+play the part of shard sizes in :mod:`sparkgpu.data.loaders.order`: the same seeded shuffle (row
 groups in a random layout, rows mixed within a window of ``shuffle_block_size`` rows), the
 same split (row ``p`` of the epoch's order goes to rank ``p % world_size``) and the same
 remainder rule (the last ``remaining % world_size`` rows of an epoch are left out of it, so
@@ -24,7 +24,7 @@ use in the epoch.
 Inside torch DataLoader workers worker ``w`` of ``W`` builds batches ``w, w + W, ...`` of its
 rank's plan, which the DataLoader hands out in order: the same batches as without workers.
 ``rows.loader(num_workers=2)`` is such a DataLoader that also keeps the position exact
-(:mod:`sparkgpu.data.positioned`).
+(:mod:`sparkgpu.data.loaders.positioned`).
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from sparkgpu.data.order import DEFAULT_BLOCK_SIZE, EpochPlan, check_int, epoch_order, restore_position
-from sparkgpu.data.positioned import Positioned
+from sparkgpu.data.loaders.order import DEFAULT_BLOCK_SIZE, EpochPlan, check_int, epoch_order, restore_position
+from sparkgpu.data.loaders.positioned import Positioned
 from sparkgpu.data.tables.filter import KEEP, to_expression
 from sparkgpu.data.tables.plan import TableRef
 from sparkgpu.data.tables.source import file_cache, keep_mask, open_source, row_groups, scan
-from sparkgpu.data.table_tensors import UnitColumns, gather_batch
+from sparkgpu.data.loaders.table_tensors import UnitColumns, gather_batch
 from sparkgpu.errors import ConfigurationError, DataError
 
 __all__ = ["table_dataset", "TableDataset"]
@@ -158,7 +158,7 @@ class TableDataset(Positioned):
 
     Built by :func:`table_dataset`. Iterating yields the rest of the current epoch, then moves
     to the next. ``state_dict()`` and ``load_state_dict()`` work as in
-    :class:`sparkgpu.data.loader.MDSLoader` (the position counts rows of the whole job).
+    :class:`sparkgpu.data.loaders.mds_loader.MDSLoader` (the position counts rows of the whole job).
 
     Attributes:
         num_samples: Rows the dataset reads per epoch (after filter and deletions).

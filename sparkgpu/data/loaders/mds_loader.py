@@ -1,4 +1,4 @@
-"""``sparkgpu.data.dataset``: batches of torch tensors from MDS shards, resumable mid-epoch.
+"""The MDS loader behind ``sparkgpu.data.dataset``: batches of torch tensors from MDS shards, resumable mid-epoch.
 
 ```python
 from sparkgpu import data
@@ -9,7 +9,7 @@ state = ds.state_dict()        # plain JSON: save it beside the model
 ds.load_state_dict(state)      # the next iteration yields exactly the rest of that epoch
 ```
 
-Each rank reads its share of every epoch (see :mod:`sparkgpu.data.order` for the shuffle and
+Each rank reads its share of every epoch (see :mod:`sparkgpu.data.loaders.order` for the shuffle and
 the split); shards come through the local cache (:mod:`sparkgpu.data.storage.cache`), fetched ahead of
 need; batches are decoded whole from memory-mapped shards (:mod:`sparkgpu.data.mds.reader`).
 With ``num_workers=0`` (the default) batches are decoded on demand in the calling thread (a
@@ -32,22 +32,21 @@ import torch
 
 from sparkgpu.units import parse_size
 from sparkgpu.data.storage.cache import open_cache_entry
-from sparkgpu.data.order import DEFAULT_BLOCK_SIZE, EpochPlan, PlannedEpochs, epoch_order, restore_position
-from sparkgpu.data.order import check_int as _check_int
-from sparkgpu.data._pipeline import Producer, WorkerBatches, in_background, prefetch_to_device
+from sparkgpu.data.loaders.order import DEFAULT_BLOCK_SIZE, EpochPlan, PlannedEpochs, check_int, epoch_order, restore_position
+from sparkgpu.data.loaders._pipeline import Producer, WorkerBatches, in_background, prefetch_to_device
 from sparkgpu.data.mds.decode import BatchDecoder
-from sparkgpu.data.metrics import LoaderMetrics
+from sparkgpu.data.loaders.metrics import LoaderMetrics
 from sparkgpu.data.mds.reader import INDEX_NAME, DatasetIndex
 from sparkgpu.data.transforms import check_transform
 from sparkgpu.data.storage.volume import Volume
 from sparkgpu.errors import ConfigurationError, DataError
 
-__all__ = ["dataset", "MDSLoader"]
+__all__ = ["open_mds", "MDSLoader"]
 
 _STATE_VERSION = 1
 
 
-def dataset(
+def open_mds(
     remote: str | None = None,
     local: str | os.PathLike | None = None,
     *,
@@ -66,87 +65,27 @@ def dataset(
     world_size: int | None = None,
     storage_options: dict | None = None,
     allow_unsafe_types: bool = False,
-    streams: list | None = None,
-    epoch_size: int | None = None,
     transform=None,
     batch_transform=None,
 ) -> "MDSLoader":
-    """Opens an MDS dataset for training: an iterable of batches with a resumable position.
+    """Opens one MDS dataset: :func:`sparkgpu.data.dataset` without ``streams``.
 
-    Args:
-        remote: Volume URL of the dataset folder (local folder, ``s3://``, ``gs://``,
-            ``abfs://``, ``http(s)://``). ``None``: read the shards in ``local`` directly.
-        local: With ``remote``, the cache root on local disk (default ``SPARKGPU_CACHE_DIR``);
-            each volume gets its own folder in it. Without ``remote``, the dataset folder.
-        batch_size: Samples per batch on each rank.
-        shuffle: Shuffle the samples, differently each epoch, the same for the same seed.
-        seed: Seed of the shuffle; every rank must use the same one.
-        shuffle_block_size: Samples of neighbouring shards mix within windows of this many
-            samples (default 262144): larger shuffles better, smaller needs fewer shards at once.
-        drop_last: Leave out each rank's short last batch of the epoch.
-        num_workers: DataLoader worker processes decoding batches (0: decode in this process).
-        prefetch_batches: Batches decoded ahead of the training step: with ``num_workers=0``
-            on a background thread (0, the default, decodes on demand: a fixed-width batch
-            costs tens of microseconds, less than handing it between threads); with workers,
-            per worker (0 means 2).
-        pin_memory: Put batches in page-locked memory, for fast, asynchronous copies to a GPU.
-        device: Deliver batches on this device (e.g. ``"cuda"``; implies ``pin_memory``): the
-            copy of the next batch runs on a side CUDA stream while the current one is used.
-        cache_limit: Most bytes of shards kept in the cache (int, or a string like ``"200GB"``);
-            default ``SPARKGPU_CACHE_LIMIT`` or no limit. Shards needed furthest in the
-            future are evicted first.
-        download_threads: Parallel shard downloads.
-        rank: This process's rank (default: from the job, :func:`sparkgpu.runtime.get_global_rank`).
-        world_size: Number of ranks (default: :func:`sparkgpu.runtime.get_world_size`).
-        storage_options: Options for the volume's fsspec filesystem (credentials, endpoint).
-        allow_unsafe_types: Allow ``pkl`` columns (unpickling runs arbitrary code).
-        streams: Mix several datasets instead (a list of :class:`sparkgpu.data.Stream`, in
-            place of ``remote``): see :mod:`sparkgpu.data.mixture`.
-        epoch_size: With ``streams``, samples per epoch (all ranks together).
-        transform: ``fn(sample: dict, rng: numpy.random.Generator) -> dict`` run on every
-            sample where batches are decoded (in the worker processes with
-            ``num_workers > 0``); ``rng`` and torch's global generator are seeded from
-            ``(seed, epoch, sample index)``, so augmentations repeat exactly on every run and
-            after a resume. Results are stacked into tensors where shapes agree, lists
-            otherwise (see :mod:`sparkgpu.data.transforms`).
-        batch_transform: ``fn(batch: dict) -> dict`` run on each collated batch, after
-            ``transform``, in the same place and equally reproducible.
-
-    Returns:
-        An :class:`MDSLoader` (a :class:`~sparkgpu.data.mixture.MixtureLoader` with ``streams``).
-
-    Raises:
-        ConfigurationError: An argument is invalid (the message says what to pass instead).
-        DataError: The dataset cannot be read (no index, not MDS, damaged).
-        TransformError: (while iterating) a transform raised; names the sample and shard.
-        MissingDependencyError: The volume's filesystem package is not installed.
+    The arguments, the checks and the errors are :func:`~sparkgpu.data.loaders.dataset.dataset`'s;
+    mixtures open each of their streams through here.
     """
     from sparkgpu import runtime
     from sparkgpu.config import settings
 
-    if streams is not None or epoch_size is not None:  # a mixture: each stream opens through this function
-        if streams is None or remote is not None:
-            raise ConfigurationError("pass remote= for one dataset, or streams=[data.Stream(...), ...] (with an optional epoch_size=) to mix several")
-        if transform is not None or batch_transform is not None:
-            raise ConfigurationError("transform= and batch_transform= work on one dataset, not yet on streams=; "
-                                     "apply them to the mixture's batches in your loop")
-        from sparkgpu.data.mixture import mixture_dataset
-
-        return mixture_dataset(
-            streams, local=local, epoch_size=epoch_size, batch_size=batch_size, shuffle=shuffle, seed=seed,
-            shuffle_block_size=shuffle_block_size, drop_last=drop_last, num_workers=num_workers, prefetch_batches=prefetch_batches,
-            device=device, cache_limit=cache_limit, download_threads=download_threads, rank=rank, world_size=world_size,
-            storage_options=storage_options, allow_unsafe_types=allow_unsafe_types, pin_memory=pin_memory)
     rank = runtime.get_global_rank() if rank is None else rank
     world_size = runtime.get_world_size() if world_size is None else world_size
-    _check_int("batch_size", batch_size, 1)
-    _check_int("seed", seed, 0)
-    _check_int("world_size", world_size, 1)
-    _check_int("num_workers", num_workers, 0)
-    _check_int("prefetch_batches", prefetch_batches, 0)
-    _check_int("download_threads", download_threads, 1)
+    check_int("batch_size", batch_size, 1)
+    check_int("seed", seed, 0)
+    check_int("world_size", world_size, 1)
+    check_int("num_workers", num_workers, 0)
+    check_int("prefetch_batches", prefetch_batches, 0)
+    check_int("download_threads", download_threads, 1)
     if shuffle_block_size is not None:
-        _check_int("shuffle_block_size", shuffle_block_size, 1)
+        check_int("shuffle_block_size", shuffle_block_size, 1)
     check_transform("transform", transform)
     check_transform("batch_transform", batch_transform)
     if not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -161,7 +100,8 @@ def dataset(
     device = _check_device(device)
     pin_memory = pin_memory or device is not None  # asynchronous host-to-device copies need pinned memory
     if pin_memory and not _cuda_available():
-        warnings.warn("pin_memory=True needs CUDA, which is not available here; batches stay in ordinary memory", stacklevel=2)
+        # stacklevel 3: the line that called data.dataset or data.token_dataset
+        warnings.warn("pin_memory=True needs CUDA, which is not available here; batches stay in ordinary memory", stacklevel=3)
         pin_memory = False
     if remote is not None:
         volume = Volume(remote, storage_options)
@@ -190,7 +130,7 @@ def dataset(
 class MDSLoader(PlannedEpochs):
     """An epoch-by-epoch iterable of batches with an exact, JSON-able position.
 
-    Built by :func:`dataset`. Iterating yields the rest of the current epoch (all of it, unless
+    Built by :func:`sparkgpu.data.dataset` (through :func:`open_mds`). Iterating yields the rest of the current epoch (all of it, unless
     the loader was stopped or restored mid-epoch), then moves to the next epoch. One iteration
     at a time.
 
@@ -298,7 +238,7 @@ class MDSLoader(PlannedEpochs):
         self.epoch, self._consumed = self.epoch + 1, 0
 
     def stats(self) -> dict:
-        """This rank's loader figures so far (:meth:`sparkgpu.data.metrics.LoaderMetrics.snapshot`);
+        """This rank's loader figures so far (:meth:`sparkgpu.data.loaders.metrics.LoaderMetrics.snapshot`);
         the cache's with ``num_workers=0`` only (workers keep their own caches)."""
         return self.metrics.snapshot(self._producer.cache if self._producer is not None else None)
 

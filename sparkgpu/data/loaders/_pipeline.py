@@ -1,6 +1,6 @@
 """How batches get made: in this process, in DataLoader workers, on a thread, onto the GPU.
 
-Internal to :mod:`sparkgpu.data.loader`.
+Internal to :mod:`sparkgpu.data.loaders.mds_loader`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from sparkgpu.data.storage.cache import ShardCache
 from sparkgpu.data.mds.decode import BatchDecoder
-from sparkgpu.data.order import EpochPlan, epoch_order
+from sparkgpu.data.loaders.order import EpochPlan, epoch_order
 from sparkgpu.data.mds.reader import ShardReader
 from sparkgpu.data.transforms import BatchTransforms
 from sparkgpu.data.storage.volume import Volume

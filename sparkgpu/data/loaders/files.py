@@ -11,7 +11,7 @@ The folder is listed once (sorted by name) when the dataset opens. Each epoch's 
 seeded permutation of the files (the same for every rank); file ``p`` of it goes to rank
 ``p % world_size`` and, inside DataLoader workers, every ``W``-th of a rank's files to worker
 ``w``. The last ``remaining % world_size`` files of an epoch are left out of it, so every rank
-gets the same number (the loader's remainder rule, :mod:`sparkgpu.data.order`). Files of a
+gets the same number (the loader's remainder rule, :mod:`sparkgpu.data.loaders.order`). Files of a
 remote volume land in the local cache (:class:`sparkgpu.data.storage.cache.ShardCache`: fetched ahead
 of need in the order they will be read, evicted by next use when ``cache_limit`` is reached);
 files of a local folder are read where they are.
@@ -27,8 +27,8 @@ from collections.abc import Callable
 import numpy as np
 
 from sparkgpu._files import atomic_write_bytes
-from sparkgpu.data.order import EpochPlan, check_int, epoch_order, restore_position
-from sparkgpu.data.positioned import Positioned
+from sparkgpu.data.loaders.order import EpochPlan, check_int, epoch_order, restore_position
+from sparkgpu.data.loaders.positioned import Positioned
 from sparkgpu.errors import ConfigurationError, DataError
 
 __all__ = ["files_dataset", "FilesDataset"]
@@ -135,7 +135,7 @@ class FilesDataset(Positioned):
     """An epoch-by-epoch iterable of ``(relative_name, local_path or bytes)``, resumable.
 
     Built by :func:`files_dataset`. ``state_dict()`` / ``load_state_dict()`` work as in
-    :class:`sparkgpu.data.loader.MDSLoader`, counting files of the whole job.
+    :class:`sparkgpu.data.loaders.mds_loader.MDSLoader`, counting files of the whole job.
 
     Attributes:
         names: The files' names relative to the folder, sorted.
