@@ -15,6 +15,10 @@ import signal
 import threading
 import time
 
+# The run dir's stop file and tracking folder keep their names here (the supervisor and tracking
+# read them from this module); they are spelled once, below the launcher.
+from sparkgpu._run_files import STOP_FILE, TRACKING_DIR  # noqa: F401
+
 __all__ = [
     "get_global_rank",
     "get_replica_rank",
@@ -47,8 +51,6 @@ ENV_SIMULATED = "SPARKGPU_SIMULATED_GPUS"  # "1" when GPU addresses are simulate
 ENV_GPU_ADDRESS = "SPARKGPU_GPU_ADDRESS"  # the device address assigned to this rank
 # The node's device addresses, when its launcher knows them only at launch (a Spark task's GPUs).
 ENV_NODE_DEVICES = "SPARKGPU_NODE_DEVICES"
-STOP_FILE = "STOP"  # written into attempts/<k>/ by the supervisor to ask ranks to checkpoint and stop
-TRACKING_DIR = "tracking"  # the run dir's folder of the job's tracking run and spooled records
 
 
 def _int_env(name: str, default: int) -> int:
@@ -191,7 +193,7 @@ def request_checkpoint() -> None:
 
 
 def _stop_file() -> str | None:
-    from sparkgpu.launch.run_layout import RunLayout  # it names the STOP_FILE of this module
+    from sparkgpu.launch.run_layout import RunLayout  # it names the stop file's place in an attempt
 
     run_dir = os.environ.get(ENV_RUN_DIR)
     return os.path.join(run_dir, RunLayout.stop(attempt())) if run_dir else None

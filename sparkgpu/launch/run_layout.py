@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import re
 
-from sparkgpu import runtime
+from sparkgpu._run_files import STOP_FILE, TRACKING_DIR
 
 __all__ = ["RunLayout"]
 
@@ -62,7 +62,7 @@ class RunLayout:
     ATTEMPTS = "attempts"
     REPORT = "report.json"  # in an attempt's folder
     RAY_CLUSTER = "cluster.json"  # in an attempt's ray/ folder
-    TRACKING = runtime.TRACKING_DIR
+    TRACKING = TRACKING_DIR
     TRACKING_RUN = f"{TRACKING}/run.json"
     TRACKING_RECORDS = f"{TRACKING}/records"
     #: The signed files every run dir has, in the order the signature covers them.
@@ -139,7 +139,7 @@ class RunLayout:
 
     @staticmethod
     def stop(attempt: int | str) -> str:
-        return f"{RunLayout.attempt(attempt)}/{runtime.STOP_FILE}"
+        return f"{RunLayout.attempt(attempt)}/{STOP_FILE}"
 
     @staticmethod
     def ray(attempt: int | str) -> str:
