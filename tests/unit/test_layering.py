@@ -4,7 +4,12 @@
 - the launcher reaches tracking and usage only through the callback interface
   (``sparkgpu.callbacks``), which imports none of them;
 - what runs on a worker before sparkgpu may be importable (the error module, the hydration
-  module, the payload's signature check) imports the standard library only.
+  module, the payload's signature check) imports the standard library only;
+- no two modules import each other, directly or around a circle (a function-level import
+  does not hide a circle: it only delays it);
+- a module imports no private module (a ``_name`` path component) of another top-level
+  sub-package; the private modules directly under ``sparkgpu`` (``sparkgpu._files``, ...) are
+  the package's shared helpers, and every module may use them.
 """
 
 from __future__ import annotations
@@ -31,6 +36,20 @@ OPTIONAL = {"sparkgpu.env.hydrate": {"fsspec"}}
 # Known violations, as (importing module, imported module). Each entry is removed when its
 # import goes; the test fails on a stale entry as on a new violation.
 KNOWN_VIOLATIONS: set[tuple[str, str]] = set()
+
+# Known import circles, each as the set of its modules (a strongly connected component).
+KNOWN_CYCLES: set[frozenset[str]] = {
+    frozenset({"sparkgpu.launch.backends.local", "sparkgpu.launch.pool"}),
+    frozenset({"sparkgpu.launch.backends.spark", "sparkgpu.launch.backends.spark_node_watch"}),
+}
+
+# Known imports of another sub-package's private module, as (importing module, imported module).
+KNOWN_PRIVATE_IMPORTS: set[tuple[str, str]] = {
+    ("sparkgpu.jobfile", "sparkgpu.usage._files"),
+    ("sparkgpu.pools", "sparkgpu.usage._files"),
+    ("sparkgpu.launch.supervisor", "sparkgpu.train._checkpoint_store"),
+    ("sparkgpu.tracking._checkpoints", "sparkgpu.train._checkpoint_store"),
+}
 
 
 def module_name(path: Path) -> str:
@@ -88,6 +107,60 @@ def violations(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
     return found
 
 
+def module_edges(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Which modules each module's imports run: ``from x import y`` counts as ``x.y`` when that is a
+    module, and as ``x`` too (its ``__init__`` runs first); a module's own packages are left out,
+    being imported before it anyway."""
+    return {name: {t for t in imported if is_module(t, graph) and t != name and not name.startswith(t + ".")}
+            for name, imported in graph.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> set[frozenset[str]]:
+    """The import circles of ``graph``: its strongly connected components of more than one module (Tarjan)."""
+    edges = module_edges(graph)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: set[frozenset[str]] = set()
+
+    def visit(name: str) -> None:
+        index[name] = low[name] = len(index)
+        stack.append(name)
+        for target in sorted(edges[name]):
+            if target not in index:
+                visit(target)
+                low[name] = min(low[name], low[target])
+            elif target in stack:
+                low[name] = min(low[name], index[target])
+        if low[name] == index[name]:
+            component = {stack.pop()}
+            while name not in component:
+                component.add(stack.pop())
+            if len(component) > 1:
+                found.add(frozenset(component))
+
+    for name in sorted(edges):
+        if name not in index:
+            visit(name)
+    return found
+
+
+def top_level(name: str) -> str:
+    return ".".join(name.split(".")[:2])
+
+
+def private_imports(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    found = set()
+    for name, targets in module_edges(graph).items():
+        for target in targets:
+            parts = target.split(".")
+            # sparkgpu._files and its like (directly under sparkgpu) are shared; deeper _names are not
+            private = len(parts) > 2 and any(part.startswith("_") for part in parts[1:])
+            if private and top_level(name) != top_level(target):
+                found.add((name, target))
+    return found
+
+
 def test_the_layers_import_only_downwards():
     found = violations(modules())
     new, stale = found - KNOWN_VIOLATIONS, KNOWN_VIOLATIONS - found
@@ -123,3 +196,38 @@ def test_the_rule_checker_sees_function_level_and_relative_imports(tmp_path, mon
     graph = {"sparkgpu.tracking.late": found, "sparkgpu.launch.payload": set(), "sparkgpu.launch.agent": set()}
     assert violations(graph) == {("sparkgpu.tracking.late", "sparkgpu.launch.payload"),
                                  ("sparkgpu.tracking.late", "sparkgpu.launch.agent")}
+
+
+def test_no_module_imports_itself_around_a_circle():
+    found = cycles(modules())
+    new, stale = found - KNOWN_CYCLES, KNOWN_CYCLES - found
+    assert not new, ("import circles (move what both sides need into a module below them; a "
+                     "function-level import does not break a circle):\n" + "\n".join(
+                         "  " + " <-> ".join(sorted(c)) for c in sorted(new, key=sorted)))
+    assert not stale, "these known circles are gone: remove them from KNOWN_CYCLES:\n" + "\n".join(
+        "  " + " <-> ".join(sorted(c)) for c in sorted(stale, key=sorted))
+
+
+def test_no_module_imports_a_private_module_of_another_sub_package():
+    found = private_imports(modules())
+    new, stale = found - KNOWN_PRIVATE_IMPORTS, KNOWN_PRIVATE_IMPORTS - found
+    assert not new, ("imports of another sub-package's private module (make the name public there, or "
+                     "move the helper directly under sparkgpu):\n" + "\n".join(f"  {a} imports {b}" for a, b in sorted(new)))
+    assert not stale, "these known private imports are gone: remove them from KNOWN_PRIVATE_IMPORTS:\n" + "\n".join(
+        f"  {a} -> {b}" for a, b in sorted(stale))
+
+
+def test_the_cycle_and_privacy_checkers_see_what_they_claim():
+    graph = {
+        "sparkgpu": {"sparkgpu.data"},
+        "sparkgpu.data": set(),
+        "sparkgpu.data.a": {"sparkgpu", "sparkgpu.data", "sparkgpu.data.b", "sparkgpu.data.b.f"},
+        "sparkgpu.data.b": {"sparkgpu.data.c"},
+        "sparkgpu.data.c": {"sparkgpu.data.a", "sparkgpu.launch._x", "sparkgpu._files", "sparkgpu.data._y"},
+        "sparkgpu.launch._x": set(),
+        "sparkgpu._files": set(),
+        "sparkgpu.data._y": set(),
+    }
+    # a -> b -> c -> a is a circle; a module importing its own package ("sparkgpu", "sparkgpu.data") is not
+    assert cycles(graph) == {frozenset({"sparkgpu.data.a", "sparkgpu.data.b", "sparkgpu.data.c"})}
+    assert private_imports(graph) == {("sparkgpu.data.c", "sparkgpu.launch._x")}
