@@ -5,6 +5,19 @@ from sparkgpu import data
 data.to_mds(spark_df, "s3://bucket/feats/v1")
 ds = data.dataset(remote="s3://bucket/feats/v1", local="/local_disk0/cache", batch_size=1024)
 ```
+
+Where things are, following the data from source to batch:
+
+- :mod:`sparkgpu.data.convert`: DataFrames, Delta tables, Parquet and Arrow -> MDS on a volume;
+- :mod:`sparkgpu.data.tables`: Delta tables and Parquet files read in place (no Spark);
+- :mod:`sparkgpu.data.mds`: the MDS format itself: columns, encoding, writer, reader, batch decoding;
+- :mod:`sparkgpu.data.storage`: volumes, object stores and the local NVMe cache;
+- :mod:`sparkgpu.data.loaders`: the datasets training iterates (MDS, mixtures, tokens, tables,
+  files), their sample order, resumable position and metrics;
+- :mod:`sparkgpu.data.images` and :mod:`sparkgpu.data.transforms`: image decoding and
+  reproducible per-sample transforms;
+- ``_gather``: the native (or numpy) row and span copies that batches are made of;
+- :mod:`sparkgpu.data.report` and ``cli``: ``sparkgpu data bench|convert`` and ``sparkgpu cache``.
 """
 
 from __future__ import annotations
