@@ -27,6 +27,7 @@ from sparkgpu.errors import HydrationError, SparkGPUError
 from sparkgpu.launch.payload import KEY_ENV
 from sparkgpu.launch.process_group import RankProcessGroup
 from sparkgpu.launch.run_dir import RunDir
+from sparkgpu.launch.threads import pin_rank_threads
 
 __all__ = ["main", "rank_device_env", "EXIT_FAILED", "EXIT_PREEMPTED", "NODE_DEVICES_ENV"]
 
@@ -136,6 +137,8 @@ def main(run_dir: str, env_error: BaseException | None = None) -> int:
         if env_error is not None:
             raise _environment_error(env_error)
         os.environ.update(rank_device_env(spec, runtime.get_local_rank(), os.environ.get(NODE_DEVICES_ENV)))
+        # Before any user code: the same thread counts in every attempt, whatever forked it.
+        pin_rank_threads()
         group = _process_group(spec)
         group.install()
         fn, args, kwargs, callbacks = RunDir.unpack(parts)

@@ -37,6 +37,7 @@ from sparkgpu.config import settings
 from sparkgpu.errors import SparkGPUError
 from sparkgpu.launch.backends.base import AttemptHandle
 from sparkgpu.launch.backends.local import LocalBackend
+from sparkgpu.launch.threads import rank_thread_env, threads_per_rank
 
 __all__ = ["PoolBackend", "Standby", "create_backend", "ensure_pool", "pool_status", "stop_pool", "run_on_zygote"]
 
@@ -243,7 +244,8 @@ def run_on_zygote(directory: Path, job, run_dir, attempt: int, env: dict[str, st
     if conn is None:
         raise SparkGPUError(f"the warm pool at {directory} stopped answering; run `sparkgpu pool stop` and retry")
     full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
-    full_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // job.world_size)))
+    # The zygote's torch was imported without these: the forked ranks apply them themselves.
+    full_env.update(rank_thread_env(full_env, threads_per_rank(job.world_size)))
     request = {"op": "run", "run_dir": str(run_dir.path), "attempt": attempt, "nproc": job.world_size,
                "env": full_env, "grace": job.policy.shutdown_grace}
     conn.sendall((json.dumps(request) + "\n").encode())

@@ -33,6 +33,7 @@ from sparkgpu.launch.backends.base import AttemptHandle, Backend, LaunchPlan, Re
 from sparkgpu.launch.hardware import HostGPUs, detect_host_gpus
 from sparkgpu.launch.payload import KEY_ENV
 from sparkgpu.launch.run_dir import RunDir
+from sparkgpu.launch.threads import rank_thread_env, threads_per_rank
 from sparkgpu.spec import JobSpec
 
 __all__ = ["LocalBackend", "create_backend", "free_port"]
@@ -197,8 +198,8 @@ class LocalBackend(Backend):
         run_dir.prepare_attempt(attempt)
         log = open(run_dir.agent_log(attempt, 0), "ab")
         full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
-        # The ranks' own interpreter flags: keep OpenMP from oversubscribing a shared host.
-        full_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // job.world_size)))
+        # The host's cores shared out between the ranks, as every attempt's ranks apply them.
+        full_env.update(rank_thread_env(full_env, threads_per_rank(job.world_size)))
         process = subprocess.Popen(
             self._command(job, run_dir, attempt, free_port(), env_on_stdin),
             env=full_env, stdout=log, stderr=subprocess.STDOUT,

@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 import sys
 import threading
 import time
@@ -60,6 +59,7 @@ from sparkgpu.launch.backends.spark_sessions import (
     record_session,
 )
 from sparkgpu.launch.payload import KEY_ENV
+from sparkgpu.launch.threads import threads_per_rank
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.staging import ClientMirror, StagingStore
 from sparkgpu.pools import POOL_TAG, Pool
@@ -253,7 +253,7 @@ class SparkBackend(NodeWatch, Backend):
             run_dir=str(run_dir.path), attempt=attempt, nnodes=layout.nodes, nproc=layout.ranks_per_node,
             env=dict(env), shutdown_grace=job.policy.shutdown_grace,
             client_timeout=self.client_timeout, store_url=self.staging_url, peer_timeout=self.node_timeout,
-            threads_per_rank=None if job.uses_cuda else max(1, (os.cpu_count() or 1) // layout.ranks_per_node),
+            threads_per_rank=None if job.uses_cuda else threads_per_rank(layout.ranks_per_node),
         )
         task = functools.partial(run_node, launch)
         frame = self.spark.range(0, layout.nodes, 1, layout.nodes)

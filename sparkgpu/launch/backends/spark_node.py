@@ -33,6 +33,7 @@ from sparkgpu.launch.agent import build_command, strip_spark_secrets, verify_or_
 from sparkgpu.launch.backends.spark_probe import executor_identity
 from sparkgpu.launch.entrypoint import NODE_DEVICES_ENV
 from sparkgpu.launch.run_dir import RunDir
+from sparkgpu.launch.threads import rank_thread_env
 from sparkgpu.launch.staging import (
     NodeMirror,
     StagingStore,
@@ -220,7 +221,7 @@ def _run_agent(rd: RunDir, launch: NodeLaunch, node: int, devices: tuple, master
     env = {**os.environ, **launch.env, NODE_DEVICES_ENV: ",".join(devices), "PYTHONUNBUFFERED": "1"}
     strip_spark_secrets(env)  # Spark's credentials for its Python workers are not the ranks' business
     if launch.threads_per_rank:
-        env.setdefault("OMP_NUM_THREADS", str(launch.threads_per_rank))
+        env.update(rank_thread_env(env, launch.threads_per_rank))
     rd.prepare_attempt(launch.attempt)
     with open(rd.agent_log(launch.attempt, node), "ab") as log:
         # Same session as this Python worker: when Spark kills the worker (job cancelled),
