@@ -47,10 +47,10 @@ def train(data_url: str, epochs: int, lr: float):
             loss.backward()
             opt.step()
             sparkgpu.log({"loss": loss.item()}, step=step)
+            step += 1  # steps done: what restore() returns
             ckpt.maybe_save(step, model=model, optimizer=opt, loader=ds)
             if ckpt.should_stop:
                 runtime.stop_for_restart()
-            step += 1
             if runtime.is_main_process() and step % len(ds) == 0:
                 print(f"epoch {step // len(ds)}: loss {loss.item():.4f}", flush=True)
             if step >= total:
