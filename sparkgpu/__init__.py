@@ -6,6 +6,8 @@ Public names only. Heavy modules (torch, pyspark, mlflow) are imported lazily so
 
 from __future__ import annotations
 
+import logging
+
 from sparkgpu._modules import lazy_attributes
 
 # Bound explicitly: on a worker, sparkgpu.env.hydrate loads this submodule before the package
@@ -22,6 +24,10 @@ from sparkgpu.errors import (
 )
 
 __version__ = "0.1.0"
+
+# The library logs under this one logger and stays silent until the application configures
+# logging; what a user must see goes through sparkgpu._report instead.
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
     "distributed",

@@ -32,12 +32,12 @@ import io
 import json
 import os
 import socket
-import sys
 import threading
 import time
 from typing import Any
 
 from sparkgpu._files import atomic_write_bytes
+from sparkgpu._report import console, report
 from sparkgpu.errors import (
     CallNotFinishedError,
     ConfigurationError,
@@ -262,7 +262,7 @@ class Call:
             follow: Stream new lines to ``out`` until the job ends (following restarts into
                 their new attempt) instead of returning what is there now.
             rank: Only this rank's log; every rank's by default.
-            out: Where ``follow`` writes (``sys.stdout`` by default).
+            out: Where ``follow`` writes (this process's stdout by default).
 
         Returns:
             The latest attempt's logs so far, or ``None`` when following.
@@ -276,7 +276,7 @@ class Call:
             text = io.StringIO()
             LogStreamer(self.run_dir, attempt, world, ranks, text).finish()
             return text.getvalue()
-        out = out if out is not None else sys.stdout
+        out = out if out is not None else console()
         streamer = LogStreamer(self.run_dir, attempt, world, ranks, out)
         while True:
             streamer.pump()
@@ -334,8 +334,7 @@ class Call:
                     _end_cancelled(self.run_dir, state)  # asked to stop: nothing to continue
                     self._unlock_supervision()
                     return True
-                print(f"sparkgpu: the client of job {self.job_id} is gone; continuing it here from its latest "
-                      "checkpoint", file=sys.stderr)
+                report(f"the client of job {self.job_id} is gone; continuing it here from its latest checkpoint")
                 self._start(take_over(self.job_id, backend=self._backend))
             except BaseException:
                 self._unlock_supervision()
@@ -392,8 +391,7 @@ def _cancel_at_exit() -> None:
     with _supervised_lock:
         calls = list(_supervised.values())
     for call in calls:
-        print(f"sparkgpu: cancelling job {call.job_id} at exit (attach() continues only jobs whose client was "
-              "killed)", file=sys.stderr)
+        report(f"cancelling job {call.job_id} at exit (attach() continues only jobs whose client was killed)")
         call._supervisor.cancel_event.set()
     for call in calls:
         call._done.wait(call._spec.policy.shutdown_grace + _EXIT_MARGIN)

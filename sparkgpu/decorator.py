@@ -21,9 +21,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import sys
 from typing import Any, Callable
 
+from sparkgpu._report import PREFIX, report
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.launch.backends.base import Backend, LaunchPlan, create_backend
@@ -211,14 +211,14 @@ class DistributedFunction:
                 self.last_model_version = _register_result(results[0], self.register_as, prepared)
             except Exception as exc:
                 exc.results = results
-                note = (f"sparkgpu: job {prepared.job.job_id} succeeded, only registering its model as "
+                note = (f"job {prepared.job.job_id} succeeded, only registering its model as "
                         f"{self.register_as!r} failed; its per-rank results are on this error's `.results` "
                         "and on the decorated function's `.last_results`: register them with "
                         f"sparkgpu.registry.register(results[0], {self.register_as!r})")
                 if hasattr(exc, "add_note"):  # Python >= 3.11
-                    exc.add_note(note)
+                    exc.add_note(PREFIX + note)
                 else:
-                    print(note, file=sys.stderr)
+                    report(note)
                 raise
         return results
 

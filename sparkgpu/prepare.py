@@ -16,9 +16,9 @@ step needs from an earlier one travels in the :class:`PreparedJob`, never in a b
 from __future__ import annotations
 
 import dataclasses
-import sys
 from typing import Any, Callable
 
+from sparkgpu._report import report
 from sparkgpu.config import settings
 from sparkgpu.errors import SparkGPUError
 from sparkgpu.launch.backends.base import Backend, LaunchPlan
@@ -98,7 +98,7 @@ class PreparedJob:
             from sparkgpu.env import stage_environment, worker_bootstrap_files
 
             staged = stage_environment(worker_has=self.backend.worker_image())
-            print(f"sparkgpu: environment staged: {staged.report}", file=sys.stderr)
+            report(f"environment staged: {staged.report}")
             spec["env"] = environment = staged.manifest
             extra_files.update(worker_bootstrap_files())
             sys_path = []  # the caller's code travels in the overlay, not as client paths

@@ -21,6 +21,7 @@ import sys
 import threading
 from typing import Any, Callable
 
+from sparkgpu._report import report
 from sparkgpu.errors import ConfigurationError
 
 __all__ = ["GPUNamespace", "attach"]
@@ -183,9 +184,9 @@ class GPUNamespace:
         else:
             reference, why = table_ref_of(data)
         if reference is None:
-            print(f"sparkgpu: data_format='table' cannot read this DataFrame in place ({why}); converting it to MDS", file=sys.stderr)
+            report(f"data_format='table' cannot read this DataFrame in place ({why}); converting it to MDS")
         else:
-            print(f"sparkgpu: data read in place by the ranks: {reference!r}", file=sys.stderr)
+            report(f"data read in place by the ranks: {reference!r}")
         return reference
 
     def _convert(self, data, volume: str | None, options: dict) -> str:
@@ -196,8 +197,7 @@ class GPUNamespace:
             data = self._spark.table(data)  # a table name such as "main.ml.clicks"
         result = ensure_mds(data, volume or settings().data_volume, **options)
         state = "reused" if result.reused else f"converted in {result.seconds:.1f}s"
-        print(f"sparkgpu: data as MDS at {result.url} ({result.samples} samples, {result.shards} shards, {state})",
-              file=sys.stderr)
+        report(f"data as MDS at {result.url} ({result.samples} samples, {result.shards} shards, {state})")
         return result.url
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from sparkgpu import runtime
 from sparkgpu._files import atomic_write_bytes
+from sparkgpu._report import report
 from sparkgpu.errors import PayloadSignatureError
 from sparkgpu.launch.entrypoint import EXIT_FAILED, _die_with_parent
 from sparkgpu.launch.keys import rank_secrets
@@ -84,7 +85,7 @@ def refuse(rd: RunDir, attempt: int, node_rank: int, nproc: int, exc: PayloadSig
     it nothing can be signed, and the reason is only in ``out`` (the node's agent log;
     ``sys.stderr`` by default).
     """
-    print(f"sparkgpu: node {node_rank} starts none of its ranks: {exc}", file=out or sys.stderr, flush=True)
+    report(f"node {node_rank} starts none of its ranks: {exc}", out)
     rd.prepare_attempt(attempt)
     if rd.key:
         for rank in range(node_rank * nproc, (node_rank + 1) * nproc):
@@ -158,8 +159,7 @@ def main(argv=None) -> int:
     if args.env_on_stdin:  # started before the client's callbacks ran: their variables come now
         line = sys.stdin.readline()
         if not line.strip():
-            print(f"sparkgpu: node {args.node_rank} starts none of its ranks: the client withdrew the attempt",
-                  file=sys.stderr, flush=True)
+            report(f"node {args.node_rank} starts none of its ranks: the client withdrew the attempt")
             return EXIT_FAILED
         os.environ.update(json.loads(line))
     # The run dir of this node (on Spark with a staging store, its scratch copy): the ranks find
@@ -203,10 +203,10 @@ def main(argv=None) -> int:
             }
     except DistError as exc:  # the rendezvous: no rank of this node started
         status = EXIT_FAILED
-        print(f"sparkgpu: node {args.node_rank} of {args.nnodes} gave up meeting the others at {args.master_addr}:"
-              f"{args.master_port} after the job's init_timeout of {init_timeout:g}s ({exc}); a node that did not "
-              "start, or a firewall between the nodes, keeps them apart; if they only start slowly, raise "
-              "init_timeout", file=sys.stderr, flush=True)
+        report(f"node {args.node_rank} of {args.nnodes} gave up meeting the others at {args.master_addr}:"
+               f"{args.master_port} after the job's init_timeout of {init_timeout:g}s ({exc}); a node that did not "
+               "start, or a firewall between the nodes, keeps them apart; if they only start slowly, raise "
+               "init_timeout")
     for rank in watcher.quiet:  # torch saw exit code 0: a success to it, not to the job
         status = EXIT_FAILED
         failures[str(rank)] = {**watcher.exits[rank], "pid": None}

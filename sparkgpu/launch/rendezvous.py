@@ -21,7 +21,8 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import sys
+
+from sparkgpu._report import report
 
 __all__ = ["listening_socket", "route_interface", "collective_interface_env", "register", "serve_store",
            "RENDEZVOUS_BACKEND"]
@@ -132,7 +133,7 @@ def serve_store(listener: socket.socket, world_size: int) -> None:
         while store is not None:  # the store serves from its own thread; SIGTERM ends the process
             signal.pause()
     except BaseException as exc:  # the pool's child must never return into the pool's loop
-        print(f"sparkgpu: the job's rendezvous store failed: {exc!r}", file=sys.stderr, flush=True)
+        report(f"the job's rendezvous store failed: {exc!r}")
         code = 1
     finally:
         os._exit(code)

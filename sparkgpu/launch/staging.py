@@ -30,12 +30,12 @@ read from the store may leave the local run dir.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 from pathlib import Path
 
 from sparkgpu._files import is_temporary
+from sparkgpu._report import report
 from sparkgpu._urls import scheme_of
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.run_layout import RunLayout
@@ -95,8 +95,7 @@ class _Reporter:
         text = f"{type(exc).__name__}: {exc}"
         if text not in self.seen:
             self.seen.add(text)
-            print(f"sparkgpu: {self.who} could not sync with the staging store (retrying): {text}",
-                  file=self.out or sys.stderr, flush=True)
+            report(f"{self.who} could not sync with the staging store (retrying): {text}", self.out)
 
 
 class _Loop:

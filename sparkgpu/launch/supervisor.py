@@ -22,7 +22,6 @@ import enum
 import json
 import os
 import socket
-import sys
 import threading
 import time
 from typing import Any
@@ -31,6 +30,7 @@ import psutil
 
 from sparkgpu import runtime
 from sparkgpu._files import atomic_write_bytes
+from sparkgpu._report import console, report
 from sparkgpu.callbacks import AttemptOutcome, JobCallback
 from sparkgpu.errors import (
     EnvironmentMismatchError,
@@ -118,7 +118,7 @@ class Supervisor:
         self.layout = layout
         self.key = key
         self.callbacks = list(callbacks)
-        self.out = out if out is not None else sys.stdout
+        self.out = out if out is not None else console()
         self.policy = self.failure_policy_cls(job.policy.max_restarts)
         #: Set (from any thread) to cancel the job; a CANCEL_REQUEST_FILE does the same from another process.
         self.cancel_event = threading.Event()
@@ -192,8 +192,8 @@ class Supervisor:
                     self.state["restarts"] += 1
                     self._save()
                     why = f": {outcome.lost}" if outcome.lost else ""
-                    print(f"sparkgpu: attempt {attempt} failed{why}; restarting from the latest checkpoint "
-                          f"(restart {self.state['restarts']} of {self.job.policy.max_restarts})", file=self.out)
+                    report(f"attempt {attempt} failed{why}; restarting from the latest checkpoint "
+                           f"(restart {self.state['restarts']} of {self.job.policy.max_restarts})", self.out)
                     continue
                 self._set_status(JobStatus.FAILED)
                 logs = self.run_dir.logs_dir(attempt)
@@ -332,9 +332,8 @@ class Supervisor:
             if stop_requested is not None and now - stop_requested > policy.checkpoint_grace:
                 # Ranks that never call should_checkpoint() would otherwise run on until the cap
                 # (7 days remotely). SIGTERM first: a Checkpointer takes it as a save request.
-                print(f"sparkgpu: the ranks did not stop within checkpoint_grace ({policy.checkpoint_grace:g}s) "
-                      f"of the request; stopping them (SIGTERM, SIGKILL after {policy.shutdown_grace:g}s)",
-                      file=self.out)
+                report(f"the ranks did not stop within checkpoint_grace ({policy.checkpoint_grace:g}s) "
+                       f"of the request; stopping them (SIGTERM, SIGKILL after {policy.shutdown_grace:g}s)", self.out)
                 self.backend.cancel(handle, policy.shutdown_grace)
                 return None, "policy"
             if policy.max_runtime is not None:
@@ -380,8 +379,8 @@ class Supervisor:
                 self.backend.cancel(handle, self.job.policy.shutdown_grace)
             except Exception as cancel_exc:  # the original error is what the caller must see
                 cause.append(f"stopping the ranks failed too: {type(cancel_exc).__name__}: {cancel_exc}")
-                print(f"sparkgpu: could not stop attempt {record['attempt']}'s ranks ({cancel_exc}); "
-                      "they may still be running", file=self.out)
+                report(f"could not stop attempt {record['attempt']}'s ranks ({cancel_exc}); "
+                       "they may still be running", self.out)
             try:
                 self._ranks_started(handle, record)  # bill what ran before the error, if anything did
             except Exception as start_exc:
@@ -401,8 +400,8 @@ class Supervisor:
                 self.state["stop_reason"] = reason
                 self._save()
                 atomic_write_bytes(self.run_dir.attempt_dir(attempt) / runtime.STOP_FILE, (reason + "\n").encode())
-                print(f"sparkgpu: asking every rank to checkpoint and stop within checkpoint_grace "
-                      f"({self.job.policy.checkpoint_grace:g}s): {reason}", file=self.out)
+                report(f"asking every rank to checkpoint and stop within checkpoint_grace "
+                       f"({self.job.policy.checkpoint_grace:g}s): {reason}", self.out)
                 return True
         return False
 
@@ -441,7 +440,7 @@ class Supervisor:
         try:
             info = CheckpointStore(directory).latest()
         except Exception as exc:  # unreadable (permissions, a store that is down: fsspec raises its own types)
-            print(f"sparkgpu: cannot read the checkpoints in {directory} ({exc}); an attempt stopped "
-                  "at the runtime cap counts as preempted only if its ranks stop for a restart", file=self.out)
+            report(f"cannot read the checkpoints in {directory} ({exc}); an attempt stopped "
+                   "at the runtime cap counts as preempted only if its ranks stop for a restart", self.out)
             return None
         return None if info is None else (info.step, info.created)

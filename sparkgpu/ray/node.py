@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from sparkgpu._report import report
 from sparkgpu.ray.plan import RayClusterError
 
 __all__ = ["RayNode", "ADDRESS_FILE"]
@@ -216,5 +217,4 @@ class RayNode:
         try:
             shutil.copytree(logs, self.keep_logs, dirs_exist_ok=True, ignore_dangling_symlinks=True)
         except (OSError, shutil.Error) as exc:
-            print(f"sparkgpu: could not keep the Ray logs of {self.temp_dir} in {self.keep_logs}: {exc}",
-                  file=sys.stderr)
+            report(f"could not keep the Ray logs of {self.temp_dir} in {self.keep_logs}: {exc}")

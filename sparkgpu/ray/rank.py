@@ -21,13 +21,13 @@ import importlib.util
 import json
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from sparkgpu import runtime
+from sparkgpu._report import report
 from sparkgpu.errors import MissingDependencyError
 from sparkgpu.launch.run_layout import RunLayout
 from sparkgpu.ray.node import RayNode
@@ -181,7 +181,7 @@ def _drive_and_release(fn, args, kwargs, address, expected_nodes, options, ray_d
         try:
             dist.broadcast_object_list([outcome], src=0, group=group)
         except Exception as exc:  # a peer already gone must not hide the driver's own outcome
-            print(f"sparkgpu: could not tell the other ranks that the driver {outcome}: {exc}", file=sys.stderr)
+            report(f"could not tell the other ranks that the driver {outcome}: {exc}")
 
 
 def _drive(fn, args, kwargs, address, expected_nodes, options, ray_dir):
@@ -279,8 +279,8 @@ def _wait_for_driver(group, node: RayNode | None) -> None:
     while not done.wait(1.0):
         if node is not None and not node.alive() and not reported:
             reported = True  # Ray reschedules the node's work; the driver decides whether that is fatal
-            print(f"sparkgpu: this rank's Ray node stopped unexpectedly:\n{node.log_tail()}", file=sys.stderr)
+            report(f"this rank's Ray node stopped unexpectedly:\n{node.log_tail()}")
     if errors:
         # Rank 0 is gone; its own exit is the failure the job reports. Raising here too would
         # add a second, later error that reads like a root cause.
-        print(f"sparkgpu: lost the Ray driver on rank 0 while waiting for it: {errors[0]}", file=sys.stderr)
+        report(f"lost the Ray driver on rank 0 while waiting for it: {errors[0]}")

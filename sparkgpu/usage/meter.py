@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import sys
+import logging
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -29,6 +29,8 @@ from sparkgpu.usage.policy import Budget, UsagePolicy, format_duration
 from sparkgpu.usage.rates import RateCard
 
 __all__ = ["UsageMeter", "enforce_policy", "enforce_pool_policy", "journal_for"]
+
+_logger = logging.getLogger(__name__)
 
 
 def journal_for(ledger_uri: str) -> AttemptJournal:
@@ -282,4 +284,6 @@ def enforce_pool_policy(job: JobSpec) -> None:
 
 
 def _warn(message: str) -> None:
-    print(f"sparkgpu: usage: {message}", file=sys.stderr, flush=True)
+    # The job goes on whatever the ledger does: what is not written now stays journaled for
+    # whoever runs the ledger, not for the user of the job.
+    _logger.warning("usage: %s", message)

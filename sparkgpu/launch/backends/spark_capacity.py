@@ -26,11 +26,11 @@ import dataclasses
 import functools
 import json
 import re
-import sys
 import threading
 import time
 import uuid
 
+from sparkgpu._report import report
 from sparkgpu.catalog import GPU_CATALOG, classify_device, lookup_gpu_type
 from sparkgpu.errors import CapacityError, ConfigurationError, SparkGPUError
 from sparkgpu.launch.backends.spark_probe import IMAGE_DDL, PROBE_DDL, ProbeOptions, probe_executor, probe_image
@@ -190,7 +190,6 @@ def run_tagged(spark, build, tag: str, *, timeout: float, what: str, out=None, n
     Returns:
         The collected rows.
     """
-    out = out if out is not None else sys.stderr
     frame = build()
     box: dict = {}
 
@@ -212,8 +211,7 @@ def run_tagged(spark, build, tag: str, *, timeout: float, what: str, out=None, n
             thread.join(0.1)
             now = time.monotonic()
             if thread.is_alive() and now >= next_notice:
-                print(f"sparkgpu: still waiting for {what} ({now - started:.0f}s so far, giving up after {timeout:.0f}s)",
-                      file=out, flush=True)
+                report(f"still waiting for {what} ({now - started:.0f}s so far, giving up after {timeout:.0f}s)", out)
                 next_notice = now + 15
             if thread.is_alive() and now - started > timeout:
                 spark.interruptTag(tag)
@@ -368,7 +366,6 @@ def discover_worker_image(spark, capacity: "SparkCapacity", *, wait_timeout: flo
         if key in _images:
             return _images[key]
     tasks = max(2, 2 * len(capacity.executors))
-    out = out if out is not None else sys.stderr
 
     def build():
         return spark.range(0, tasks, 1, tasks).mapInArrow(probe_image, IMAGE_DDL)
@@ -379,8 +376,8 @@ def discover_worker_image(spark, capacity: "SparkCapacity", *, wait_timeout: flo
         by_executor = {row.executor: json.loads(row.image) for row in rows}
         image = common_image(list(by_executor.values()))
     except Exception as exc:  # shipping everything is slower, never wrong
-        print(f"sparkgpu: could not learn what the executors' Python has ({exc.__class__.__name__}: {exc}); "
-              "the whole environment is shipped. Describe it with SPARKGPU_ENV_WORKER_LOCK to ship less.", file=out)
+        report(f"could not learn what the executors' Python has ({exc.__class__.__name__}: {exc}); "
+               "the whole environment is shipped. Describe it with SPARKGPU_ENV_WORKER_LOCK to ship less.", out)
         image = None
     with _cache_lock:
         _images[key] = image

@@ -16,6 +16,7 @@ import time
 from typing import TYPE_CHECKING
 
 from sparkgpu._files import atomic_write_bytes
+from sparkgpu._report import report
 from sparkgpu.launch.attempt_report import NodeReport
 from sparkgpu.launch.backends.spark_node import Heartbeat
 from sparkgpu.launch.run_dir import RunDir
@@ -74,7 +75,7 @@ class NodeWatch:
     def _stop_for_lost(self, handle: SparkAttempt) -> None:
         """A node is lost while the Spark job runs: stop the others' ranks and end the job now."""
         message = handle.report.lost_message()
-        print(f"sparkgpu: {message}; stopping the ranks of the other nodes", file=self._stream, flush=True)
+        report(f"{message}; stopping the ranks of the other nodes", self._stream)
         atomic_write_bytes(handle.run_dir.spark_cancel_file(handle.attempt), f"{message}\n".encode())
         self._sync_now(handle)
         try:
