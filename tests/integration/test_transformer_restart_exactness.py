@@ -5,11 +5,13 @@ AdamW with weight decay and gradient clipping, on ``token_dataset`` blocks, wrap
 FSDP2 (``fully_shard``) on 2 gloo ranks. The loop counts steps done (``step += 1`` before
 ``maybe_save(step)``, ``step = restore()``), as Lightning and Hugging Face loops do.
 
-Rank 1 is killed with SIGKILL at a random step; the job restarts from its last checkpoint
+Rank 1 is killed with SIGKILL at a random step and the job restarts from its last checkpoint
 through the cold path (a new agent), the job's standby (ranks forked from a zygote that
-imported torch before the job existed) or the warm pool. Every run must end bitwise equal to
-an uninterrupted one: weights, optimizer state and the loss of every step, with every block
-of every epoch trained on exactly once.
+imported torch before the job existed) or the warm pool; or the runtime cap stops it to
+resume in a new attempt; or its client is killed and ``sparkgpu resume`` finishes it (the
+Spark cluster's path is in ``test_spark_cluster_exactness.py``). Every run must end bitwise
+equal to an uninterrupted one: weights, optimizer state and the loss of every step, with
+every block of every epoch trained on exactly once.
 
 The model is large enough that the intra-op thread count changes the low bits of its
 matmuls: a restarted rank that ran with other thread settings than the first attempt's
@@ -21,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import subprocess
 
 import numpy as np
 import pytest
@@ -109,10 +112,15 @@ def build_model(kind: str):
     return model
 
 
-def train_transformer(data_dir, record_file, kind, kill_step=None):
-    """Trains TOTAL_STEPS steps, counting steps done; records what each step trained on and its loss."""
+def train_transformer(data_dir, record_file, kind, kill_step=None, step_sleep=0.0):
+    """Trains TOTAL_STEPS steps, counting steps done; records what each step trained on and its loss.
+
+    ``kill_step``: rank 1 of the first attempt kills itself after that step. ``step_sleep``:
+    seconds each step of the first attempt lasts longer (for the runtime cap to stop it).
+    """
     import os
     import signal
+    import time
 
     import torch
     import torch.nn.functional as F
@@ -144,7 +152,12 @@ def train_transformer(data_dir, record_file, kind, kill_step=None):
                 record.flush()
                 if runtime.attempt() == 0 and rank == 1 and step == kill_step:
                     os.kill(os.getpid(), signal.SIGKILL)
+                if runtime.attempt() == 0:
+                    time.sleep(step_sleep)
                 ckpt.maybe_save(step, model=model, optimizer=opt, loader=blocks)
+                if ckpt.should_stop:
+                    ckpt.close()
+                    runtime.stop_for_restart()
                 if step >= TOTAL_STEPS:
                     break
     ckpt.close()
@@ -158,7 +171,7 @@ def train_transformer(data_dir, record_file, kind, kill_step=None):
 
 def run(token_dir, tmp_path, tag, kind, backend=None, **options):
     record = tmp_path / f"{tag}.jsonl"
-    policy = {k: options.pop(k) for k in ("max_restarts",) if k in options}
+    policy = {k: options.pop(k) for k in ("max_restarts", "max_runtime", "checkpoint_grace") if k in options}
     job = distributed(gpus=WORLD, gpu_type="cpu", backend=backend, **policy)(train_transformer)
     states = job.distributed(token_dir, str(record), kind, **options)
     state = json.loads((settings().staging_root / job.last_job_id / "state.json").read_text())
@@ -200,19 +213,35 @@ def all_blocks(token_dir):
     return hashes
 
 
-@pytest.fixture(scope="module", params=["ddp", "fsdp"])
-def uninterrupted(request, token_dir, all_blocks, tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:  # module-scoped: its own SPARKGPU_HOME
-        mp.setenv("SPARKGPU_HOME", str(tmp_path_factory.mktemp("home")))
-        reset_settings()
-        states, state, steps = run(token_dir, tmp_path_factory.mktemp("plain"), "plain", request.param,
-                                   backend=LocalBackend(standby=False))
-    reset_settings()
-    assert len(state["attempts"]) == 1
-    assert sorted(steps) == [(rank, step) for rank in range(WORLD) for step in range(1, TOTAL_STEPS + 1)]
+@pytest.fixture(scope="module")
+def uninterrupted(token_dir, all_blocks, tmp_path_factory):
+    """``uninterrupted(kind)``: the run of ``kind`` that nothing stopped, made once per module."""
+    runs = {}
+
+    def get(kind: str):
+        if kind not in runs:
+            with pytest.MonkeyPatch.context() as mp:  # module-scoped: its own SPARKGPU_HOME
+                mp.setenv("SPARKGPU_HOME", str(tmp_path_factory.mktemp("home")))
+                reset_settings()
+                states, state, steps = run(token_dir, tmp_path_factory.mktemp("plain"), "plain", kind,
+                                           backend=LocalBackend(standby=False))
+            reset_settings()
+            assert len(state["attempts"]) == 1
+            assert sorted(steps) == [(rank, step) for rank in range(WORLD) for step in range(1, TOTAL_STEPS + 1)]
+            assert_each_epoch_trains_every_block_once(steps, all_blocks)
+            assert_bitwise_equal(states[0], states[1])
+            runs[kind] = states[0], steps
+        return runs[kind]
+
+    return get
+
+
+def assert_same_run(states, steps, plain, plain_steps, all_blocks, note):
+    assert {k: (v["loss"], v["blocks"]) for k, v in steps.items()} == \
+        {k: (v["loss"], v["blocks"]) for k, v in plain_steps.items()}, f"the loss curve or the data differ {note}"
     assert_each_epoch_trains_every_block_once(steps, all_blocks)
-    assert_bitwise_equal(states[0], states[1])
-    return request.param, states[0], steps
+    for rank_state in states:
+        assert_bitwise_equal(rank_state, plain)
 
 
 RESTART_PATHS = {
@@ -222,12 +251,11 @@ RESTART_PATHS = {
 }
 
 
-@pytest.mark.parametrize("path", sorted(RESTART_PATHS))
+@pytest.mark.parametrize("kind, path", [("ddp", "cold"), ("ddp", "standby"), ("ddp", "pool"),
+                                        ("fsdp", "cold"), ("fsdp", "standby")])
 def test_a_sigkilled_rank_resumes_bitwise_equal_through_each_restart_path(
-        path, uninterrupted, token_dir, all_blocks, tmp_path):
-    kind, plain, plain_steps = uninterrupted
-    if kind == "fsdp" and path == "pool":
-        pytest.skip("the warm pool's path is the standby's zygote, covered with DDP; FSDP2 runs cold and standby")
+        kind, path, uninterrupted, token_dir, all_blocks, tmp_path):
+    plain, plain_steps = uninterrupted(kind)
     seed = random.randrange(1 << 30)
     kill_step = random.Random(seed).randrange(4, TOTAL_STEPS - 1)
     note = f"({kind}, {path}: rank 1 killed after step {kill_step}, seed {seed})"
@@ -239,8 +267,46 @@ def test_a_sigkilled_rank_resumes_bitwise_equal_through_each_restart_path(
     first = [entry for entry in steps.values() if entry["attempt"] == 0]
     assert {tuple(e["threads"]) for e in resumed} == {tuple(e["threads"]) for e in first}, \
         f"the restarted ranks ran with other thread settings {note}"
-    assert {k: (v["loss"], v["blocks"]) for k, v in steps.items()} == \
-        {k: (v["loss"], v["blocks"]) for k, v in plain_steps.items()}, f"the loss curve or the data differ {note}"
-    assert_each_epoch_trains_every_block_once(steps, all_blocks)
-    assert_bitwise_equal(states[0], plain)
-    assert_bitwise_equal(states[1], plain)
+    assert_same_run(states, steps, plain, plain_steps, all_blocks, note)
+
+
+def test_the_runtime_cap_stops_and_resumes_bitwise_equal(uninterrupted, token_dir, all_blocks, tmp_path):
+    plain, plain_steps = uninterrupted("ddp")
+    states, state, steps = run(token_dir, tmp_path, "capped", "ddp", step_sleep=1.0, max_runtime=20,
+                               checkpoint_grace=10)
+    assert state["preemptions"] >= 1 and state["restarts"] == 0, state
+    assert state["attempts"][-1]["status"] == "succeeded"
+    assert {e["attempt"] for e in steps.values()} >= {0, 1}
+    assert_same_run(states, steps, plain, plain_steps, all_blocks, "(runtime cap)")
+
+
+RESUMED_CLIENT = """
+from sparkgpu import distributed
+from tests.integration.test_transformer_restart_exactness import train_transformer
+
+distributed(gpus=2, gpu_type="cpu")(train_transformer).distributed({data!r}, {record!r}, "ddp", step_sleep=0.5)
+"""
+
+
+def test_sparkgpu_resume_finishes_a_job_whose_client_was_killed_bitwise_equal(
+        uninterrupted, token_dir, all_blocks, tmp_path, _isolated_sparkgpu_home):
+    from sparkgpu.launch.resume import resume_job
+    from tests.integration.processes import assert_no_orphans, start_client, wait_for
+
+    plain, plain_steps = uninterrupted("ddp")
+    record = tmp_path / "resumed.jsonl"
+    client = start_client(tmp_path, _isolated_sparkgpu_home,
+                          RESUMED_CLIENT.format(data=token_dir, record=str(record)), stdout=subprocess.DEVNULL)
+    runs = _isolated_sparkgpu_home / "runs"
+    if not wait_for(lambda: any(runs.glob("*/checkpoints/step-*/_COMPLETE.json")), within=180):
+        client.kill()
+        pytest.fail("the client's job never committed a checkpoint")
+    client.kill()  # SIGKILL: the client's supervisor dies with no cleanup
+    client.wait()
+    run_dir = next(runs.iterdir())
+    assert_no_orphans(run_dir, within=15)
+
+    states = resume_job(run_dir.name)
+    state = json.loads((run_dir / "state.json").read_text())
+    assert [a["status"] for a in state["attempts"]] == ["lost", "succeeded"]
+    assert_same_run(states, read_records(record), plain, plain_steps, all_blocks, "(sparkgpu resume)")
