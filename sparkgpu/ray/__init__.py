@@ -216,8 +216,11 @@ def ray_launch(num_accelerators: int | Callable | None = None, accelerator_type:
         raise ConfigurationError(f"@ray_launch got unknown argument(s) {', '.join(unknown)}; it takes {known}")
     if ray_nodes not in NODE_LAYOUTS:
         raise ConfigurationError(f"ray_nodes={ray_nodes!r}: use one of {', '.join(map(repr, NODE_LAYOUTS))}")
-    options = RayOptions(ray_nodes, parse_duration(ray_start_timeout, name="ray_start_timeout"),
-                         parse_duration(metrics_interval, name="metrics_interval"))
+    start_timeout = parse_duration(ray_start_timeout, name="ray_start_timeout")
+    if start_timeout is None:  # the ranks would fail on it only once their Ray nodes start
+        raise ConfigurationError("ray_start_timeout=None: give how long one Ray node may take to start, "
+                                 "e.g. ray_start_timeout='5m'")
+    options = RayOptions(ray_nodes, start_timeout, parse_duration(metrics_interval, name="metrics_interval"))
     for name, value, default in (("num_accelerators", num_accelerators, None),
                                  ("accelerator_type", accelerator_type, None), ("remote", remote, False),
                                  ("timeout", timeout, None)):

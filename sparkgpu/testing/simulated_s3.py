@@ -88,8 +88,9 @@ def simulated_s3(folder: str | os.PathLike, profile: str):
     try:
         bucket = f"bench-{uuid.uuid4().hex[:8]}"
         _upload(endpoint, bucket, local)
-        if PROFILES[profile] is not None:
-            proxy, endpoint = start_proxy(endpoint, **PROFILES[profile])
+        shape = PROFILES[profile]
+        if shape is not None:
+            proxy, endpoint = start_proxy(endpoint, **shape)
         os.environ.update(_environment(endpoint))
         _forget_clients()
         yield f"s3://{bucket}/{local.name}"
@@ -117,8 +118,9 @@ def start_s3_server() -> tuple[subprocess.Popen, str]:
         RuntimeError: The server did not start.
     """
     if importlib.util.find_spec("moto") is None:
-        raise MissingDependencyError("the simulated S3 link runs moto's S3 server: pip install 'moto[server]'")
+        raise MissingDependencyError("The simulated S3 link (moto's S3 server)", "pip install 'moto[server]'")
     server = subprocess.Popen([sys.executable, "-c", _SERVER], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert server.stdout is not None  # a pipe
     port = server.stdout.readline().strip()
     if not port.isdigit():
         server.kill()

@@ -30,12 +30,16 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from sparkgpu.callbacks import AttemptOutcome, JobCallback, WorkerContext
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.runtime import TRACKING_DIR
 from sparkgpu.tracking._permissions import translate_permission_errors
 from sparkgpu.tracking.store import REAL_TRACKING_URI_ENV, default_experiment_name, ensure_experiment, resolve_target
+
+if TYPE_CHECKING:
+    from sparkgpu.tracking.spool import JobRunInfo
 
 __all__ = ["MLflowCallback", "environment_lock"]
 
@@ -50,7 +54,7 @@ _lock_cache: tuple[tuple, str] | None = None
 def _install_state() -> tuple:
     """What changes when a distribution is installed or removed: the import path and the
     modification times of its directories (a new ``.dist-info`` changes its folder's)."""
-    state = []
+    state: list[tuple[str, int | None]] = []
     for entry in sys.path:
         try:
             state.append((entry, os.stat(entry or ".").st_mtime_ns))
@@ -127,9 +131,11 @@ def _job_params(spec: dict) -> dict[str, str]:
 
 def _dataset_input(source: str, version):
     """An MLflow dataset input for the run's "Datasets used" (source and version only)."""
+    from mlflow.data.dataset_source import DatasetSource
     from mlflow.data.meta_dataset import MetaDataset
     from mlflow.entities import DatasetInput, InputTag
 
+    dataset_source: DatasetSource
     looks_like_path = "/" in source or "://" in source
     if looks_like_path and version is not None:
         from mlflow.data.delta_dataset_source import DeltaDatasetSource
@@ -138,9 +144,11 @@ def _dataset_input(source: str, version):
     else:
         from mlflow.data.spark_dataset_source import SparkDatasetSource
 
-        dataset_source = SparkDatasetSource(path=source) if looks_like_path else SparkDatasetSource(table=source)
+        dataset_source = SparkDatasetSource(path=source) if looks_like_path else SparkDatasetSource(table_name=source)
     name = source.rstrip("/").rsplit("/", 1)[-1]
-    dataset = MetaDataset(dataset_source, name=name)
+    # MLflow declares Dataset.profile abstract without ABCMeta, and MetaDataset (made to be
+    # instantiated) does not define it: nothing abstract is left at runtime.
+    dataset = MetaDataset(dataset_source, name=name)  # type: ignore[abstract]
     return DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", "training")])
 
 
@@ -200,13 +208,15 @@ class MLflowCallback(JobCallback):
         self._reset_runtime_state()
 
     def _reset_runtime_state(self) -> None:
-        self.run_info = None  # JobRunInfo, client side, once before_job ran
-        self._client = None
-        self._flusher = None
-        self._spool = None
+        # Typed Any: set once before_job (client) or the worker's start ran, from modules
+        # imported only then (MLflow takes seconds to import).
+        self.run_info: JobRunInfo | None = None  # client side, once before_job ran
+        self._client: Any = None
+        self._flusher: Any = None
+        self._spool: Any = None
         self._attempt_statuses: dict[int, str] = {}
-        self._monitor = None  # worker side
-        self._monitor_starter = None
+        self._monitor: Any = None  # worker side
+        self._monitor_starter: threading.Thread | None = None
         self._monitor_lock = threading.Lock()
         self._worker_ended = False
 
@@ -298,7 +308,7 @@ class MLflowCallback(JobCallback):
         client.log_batch(run_id, params=params, tags=[RunTag("sparkgpu.attempts", "0")])
         if self.log_environment:
             client.log_text(run_id, environment_lock(), "environment/requirements.txt")
-        if fn_source:
+        if fn_source and fn_name:
             client.log_text(run_id, fn_source, f"code/{fn_name.rsplit('.', 1)[-1]}.py")
         if data_source:
             try:

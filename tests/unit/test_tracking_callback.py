@@ -11,7 +11,7 @@ import cloudpickle
 import pytest
 
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.tracking.mlflow_run import MLflowCallback, _function_source, _job_params, environment_lock
+from sparkgpu.tracking.mlflow_run import MLflowCallback, _dataset_input, _function_source, _job_params, environment_lock
 
 
 def a_training_function(lr):
@@ -93,3 +93,13 @@ def test_the_system_metrics_interval_is_a_setting_of_the_default_run(monkeypatch
     reset_settings()
     with pytest.raises(ConfigurationError, match="SPARKGPU_SYSTEM_METRICS_INTERVAL='often' is not a number"):
         default_callbacks()
+
+
+@pytest.mark.parametrize("source, version, kind", [
+    ("main.ml.clicks", None, "spark"),  # a catalog table's name
+    ("s3://bucket/clicks", None, "spark"),
+    ("s3://bucket/clicks", 3, "delta_table"),
+])
+def test_the_data_source_becomes_an_mlflow_dataset_input(source, version, kind):
+    dataset = _dataset_input(source, version).dataset
+    assert dataset.source_type == kind and dataset.name == source.rsplit("/", 1)[-1]
