@@ -142,7 +142,8 @@ class Call:
             raise JobStateError(f"job {self.job_id} is already supervised by another process; attach() to it")
         supervisor.out = _Discard()
         self._supervisor = supervisor
-        self._thread = threading.Thread(target=self._run, daemon=True, name=f"sparkgpu-call-{self.job_id}")
+        self._thread = threading.Thread(target=self._run, args=(supervisor,), daemon=True,
+                                        name=f"sparkgpu-call-{self.job_id}")
         with _supervised_lock:
             _supervised[self.job_id] = self
             if not _exit_hook_registered:
@@ -150,9 +151,9 @@ class Call:
                 _exit_hook_registered = True
         self._thread.start()
 
-    def _run(self) -> None:
+    def _run(self, supervisor: Supervisor) -> None:
         try:
-            self._results = self._supervisor.run()
+            self._results = supervisor.run()
         except BaseException as exc:  # noqa: BLE001 - handed to whoever calls result()
             self._error = exc
         finally:
@@ -223,6 +224,7 @@ class Call:
         if self._thread is not None:
             if self._error is not None:
                 raise self._error
+            assert self._results is not None  # the thread ended without an error: it set them
             return self._results
         return self._outcome(status)
 
@@ -327,7 +329,7 @@ class Call:
                 return False  # another process is taking it over: observe that one
             try:
                 state = self._state()  # as it is now that nobody else can take over
-                if JobStatus(state["status"]).is_terminal:
+                if not state or JobStatus(state["status"]).is_terminal:
                     self._unlock_supervision()
                     return False
                 if (self.run_dir.path / CANCEL_REQUEST_FILE).exists():
@@ -392,6 +394,7 @@ def _cancel_at_exit() -> None:
         calls = list(_supervised.values())
     for call in calls:
         report(f"cancelling job {call.job_id} at exit (attach() continues only jobs whose client was killed)")
-        call._supervisor.cancel_event.set()
+        if call._supervisor is not None:  # always, for a call in _supervised
+            call._supervisor.cancel_event.set()
     for call in calls:
         call._done.wait(call._spec.policy.shutdown_grace + _EXIT_MARGIN)

@@ -29,7 +29,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Literal, Sequence
 
 from sparkgpu.errors import ConfigurationError, PolicyViolationError, SparkGPUError
 from sparkgpu.job_options import add_cli_flags, cli_values, key_value
@@ -288,8 +288,10 @@ def cmd_jobs(args) -> int:
         out.print("no jobs" + (f" with status {args.status!r}" if args.status else ""))
         return EXIT_OK
     table = Table(title="sparkgpu jobs")
-    for name, justify in (("job id", "left"), ("status", "left"), ("GPUs", "right"), ("attempts", "right"),
-                          ("restarts", "right"), ("started", "left"), ("duration", "right"), ("tags", "left")):
+    columns: tuple[tuple[str, Literal["left", "right"]], ...] = (
+        ("job id", "left"), ("status", "left"), ("GPUs", "right"), ("attempts", "right"),
+        ("restarts", "right"), ("started", "left"), ("duration", "right"), ("tags", "left"))
+    for name, justify in columns:
         table.add_column(name, justify=justify, no_wrap=name in ("job id", "started"))
     for job in jobs:
         style = _STATUS_STYLE.get(job["status"], "")

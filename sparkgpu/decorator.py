@@ -72,7 +72,7 @@ class DistributedFunction:
         self.policy = policy
         self.backend = backend
         self.log_ranks = log_ranks
-        self.name = name or getattr(fn, "__name__", "job")
+        self.name: str = name or str(getattr(fn, "__name__", "job"))
         self.tags = dict(tags or {})
         self.callbacks = callbacks
         self.experiment = experiment
@@ -210,7 +210,7 @@ class DistributedFunction:
             try:
                 self.last_model_version = _register_result(results[0], self.register_as, prepared)
             except Exception as exc:
-                exc.results = results
+                exc.results = results  # type: ignore[attr-defined]  # documented: the results ride on the error
                 note = (f"job {prepared.job.job_id} succeeded, only registering its model as "
                         f"{self.register_as!r} failed; its per-rank results are on this error's `.results` "
                         "and on the decorated function's `.last_results`: register them with "

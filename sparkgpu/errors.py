@@ -360,6 +360,7 @@ def _reduce_derived(error: WorkerFailedError):
     # The derived class exists only in the process that made it: pickle the rank's exception
     # type by name and derive again on the other side.
     cause = type(error).rank_exception_type
+    assert cause is not None  # only the derived classes, which all have one, reduce through here
     return (_rebuild, (cause.__module__, cause.__qualname__, error.failures, error.job_id, error.logs_dir))
 
 

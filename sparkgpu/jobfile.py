@@ -194,7 +194,7 @@ class JobFile:
         """A copy with the fields the command line gave (``None`` means "not given"); tags and
         environment variables add to the file's."""
         given = {k: v for k, v in overrides.items() if v is not None}
-        fields = {k: given.pop(k) for k in ("script", "args", "source") if k in given}
+        fields: dict[str, Any] = {k: given.pop(k) for k in ("script", "args", "source") if k in given}
         if "env" in given:
             fields["env"] = {**self.env, **given.pop("env")}
         if "tags" in given:

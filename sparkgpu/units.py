@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import re
+from typing import overload
 
 from sparkgpu.errors import ConfigurationError
 
@@ -55,6 +56,14 @@ def parse_size(value, name: str, *, maximum: int | None = None) -> int:
     if maximum is not None and number > maximum:
         raise ConfigurationError(f"{name}={value!r} is {number:,} bytes, above the most accepted ({maximum:,})")
     return number
+
+
+@overload
+def parse_duration(value: None, *, name: str = ...) -> None: ...
+
+
+@overload
+def parse_duration(value: str | float | _dt.timedelta, *, name: str = ...) -> float: ...
 
 
 def parse_duration(value, *, name: str = "duration") -> float | None:

@@ -50,6 +50,7 @@ import tarfile
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import MutableMapping, Sequence
 
 __all__ = [
     "MANIFEST_FORMAT",
@@ -203,7 +204,7 @@ def _variant(cuda: str | None) -> str:
     return f"CUDA {cuda}" if cuda else "CPU-only"
 
 
-def check_compatibility(client: dict, worker: dict, native: list[str] = ()) -> list[str]:
+def check_compatibility(client: dict, worker: dict, native: Sequence[str] = ()) -> list[str]:
     """Compares the client's interpreter with a worker's.
 
     Args:
@@ -419,6 +420,7 @@ def _extract_members(tar: tarfile.TarFile, dest: str) -> None:
             os.makedirs(parent, exist_ok=True)
             made.add(parent)
         source = tar.extractfile(member)
+        assert source is not None  # a checked member that is not a folder is a regular file
         with open(target, "wb") as out:
             shutil.copyfileobj(source, out, _READ_CHUNK)
         if member.mode & 0o111:
@@ -437,7 +439,8 @@ def _extract(entry: dict, dest: str, store_url: str, opener) -> int:
     with raw:
         stream = gzip.GzipFile(fileobj=raw, mode="rb") if entry["object"].endswith(".gz") else raw
         reader = _HashingReader(stream)
-        with tarfile.open(fileobj=reader, mode="r|", bufsize=_TAR_BUFSIZE) as tar:
+        # A stream ("r|") only calls read(): the reader need not be a whole file object.
+        with tarfile.open(fileobj=reader, mode="r|", bufsize=_TAR_BUFSIZE) as tar:  # type: ignore[call-overload]
             _extract_members(tar, dest)
         reader.drain()  # tar stops at its end marker; the hash covers the padding after it
     if reader.sha.hexdigest() != entry["hash"]:
@@ -581,7 +584,9 @@ def hydrate(manifest: dict, cache_dir: str | os.PathLike, *, store_url: str | No
     report.steps["extract"] = time.perf_counter() - mark
 
     mark = time.perf_counter()
-    code_roots, tree_roots, site_dirs = [], [], []
+    code_roots: list[str] = []
+    tree_roots: list[str] = []
+    site_dirs: list[str] = []
     for entry in needed:
         blob = os.path.join(env_dir, entry["hash"])
         roots = [os.path.join(blob, "path", str(i)) for i in range(entry.get("paths", 0))]
@@ -594,7 +599,7 @@ def hydrate(manifest: dict, cache_dir: str | os.PathLike, *, store_url: str | No
     return Overlay(paths=code_roots + tree_roots + ([view] if view else []), view=view, report=report)
 
 
-def activate(overlay: Overlay, environ: dict | None = None) -> list[str]:
+def activate(overlay: Overlay, environ: MutableMapping[str, str] | None = None) -> list[str]:
     """Puts the overlay first on ``sys.path`` and on ``PYTHONPATH`` (for subprocesses).
 
     ``.pth`` files of the shipped distributions are processed in this process, as the site

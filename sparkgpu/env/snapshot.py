@@ -333,7 +333,7 @@ def _finder_mapping(module_file: Path) -> dict[str, str]:
         return {}
     for node in tree.body:
         target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign) else None)
-        if isinstance(target, ast.Name) and target.id == "MAPPING" and node.value is not None:
+        if isinstance(target, ast.Name) and target.id == "MAPPING" and isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
             try:
                 return dict(ast.literal_eval(node.value))
             except ValueError:
@@ -392,8 +392,8 @@ def _distribution_component(dist, name: str, version: str, location: Path, edita
         meta = getattr(dist, "_path", None)  # the metadata folder of a distribution found on a path
         tops = [location / t for t in top_level] + [location / f"{t}.py" for t in top_level]
         entries = []
-        for top in [t for t in tops if t.exists()] + ([Path(meta)] if meta else []):
-            entries += _walk_tree(top, f"site/{top.relative_to(location).as_posix()}", _IgnoreRules(location),
+        for top_path in [t for t in tops if t.exists()] + ([Path(meta)] if meta else []):
+            entries += _walk_tree(top_path, f"site/{top_path.relative_to(location).as_posix()}", _IgnoreRules(location),
                                   max_file_bytes, warnings)
         return Component(name, version, _location_kind(location, site.getusersitepackages()), tuple(entries),
                          pure=_pure(dist), location=str(location)), set()
@@ -405,7 +405,10 @@ def _distribution_component(dist, name: str, version: str, location: Path, edita
         if not full.startswith(root + os.sep) or _is_bytecode(rel):
             continue  # console scripts and data outside site-packages; byte-code is rebuilt
         rels.append(full[len(root) + 1:].replace(os.sep, "/"))
-    hooks, mapping, roots, shipped_trees = set(), {}, [], set()
+    hooks: set[str] = set()
+    mapping: dict[str, str] = {}
+    roots: list[str] = []
+    shipped_trees: set[str] = set()
     if editable:
         hooks, mapping, roots = _editable_layout(dist, location, rels)
     entries = []

@@ -168,6 +168,7 @@ def main(argv=None) -> int:
     rendezvous.register()
     # The ranks inherit these.
     os.environ.update(rendezvous.collective_interface_env(args.master_addr))
+    assert rd.key is not None  # the payload verified, which takes the job key
     os.environ.update(rank_secrets(rd.key, os.environ))
 
     run_id = f"{rd.job_id}-{args.attempt}"
@@ -195,11 +196,11 @@ def main(argv=None) -> int:
             elastic_launch(config, sys.executable)("-u", "-c", verified[rd.air.name].decode(), str(rd.path))
     except ChildFailedError as exc:
         status = EXIT_FAILED
-        for rank, failure in exc.failures.items():
-            failures[str(rank)] = {
-                "exitcode": failure.exitcode,
-                "signal": failure.signal_name() if failure.exitcode < 0 else None,
-                "pid": failure.pid,
+        for failed_rank, process in exc.failures.items():
+            failures[str(failed_rank)] = {
+                "exitcode": process.exitcode,
+                "signal": process.signal_name() if process.exitcode < 0 else None,
+                "pid": process.pid,
             }
     except DistError as exc:  # the rendezvous: no rank of this node started
         status = EXIT_FAILED
@@ -210,9 +211,9 @@ def main(argv=None) -> int:
     for rank in watcher.quiet:  # torch saw exit code 0: a success to it, not to the job
         status = EXIT_FAILED
         failures[str(rank)] = {**watcher.exits[rank], "pid": None}
-    for rank, failure in failures.items():
-        if int(rank) in watcher.exits:  # torch's own time is whole seconds, and when it noticed
-            failure["time"] = watcher.exits[int(rank)]["time"]
+    for failed, failure in failures.items():
+        if int(failed) in watcher.exits:  # torch's own time is whole seconds, and when it noticed
+            failure["time"] = watcher.exits[int(failed)]["time"]
     node = {"node_rank": args.node_rank, "status": status, "failures": failures}
     atomic_write_bytes(rd.node_file(args.attempt, args.node_rank), json.dumps(node).encode())
     return status

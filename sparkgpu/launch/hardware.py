@@ -67,8 +67,8 @@ class HostGPUs:
         if self.simulated:  # simulated devices carry their catalog name
             gpu = lookup_gpu_type(self.names[0])
             return None if gpu.is_cpu else gpu.name
-        gpu = classify_device(self.names[0], self.memory_gb[0] if self.memory_gb else None)
-        return gpu.name if gpu is not None else None
+        found = classify_device(self.names[0], self.memory_gb[0] if self.memory_gb else None)
+        return found.name if found is not None else None
 
     def catalog_type(self) -> str | None:
         """Catalog name of these devices, or ``None`` (no GPUs, or a device outside the catalog).
@@ -175,6 +175,6 @@ def detect_host_gpus(simulate: str | None = None) -> HostGPUs:
         devices = _from_nvidia_smi()
     visible = set(_visible([index for index, _, _ in devices]))
     devices = [device for device in devices if device[0] in visible]
-    memory = tuple(m for _, _, m in devices)
+    memory = tuple(m for _, _, m in devices if m is not None)
     return HostGPUs(names=tuple(n for _, n, _ in devices), addresses=tuple(i for i, _, _ in devices),
-                    memory_gb=memory if None not in memory else ())
+                    memory_gb=memory if len(memory) == len(devices) else ())

@@ -89,7 +89,8 @@ class _Reporter:
     """Says each distinct sync failure once: a store that is down for a while must not flood the log."""
 
     def __init__(self, out, who: str):
-        self.out, self.who, self.seen = out, who, set()
+        self.out, self.who = out, who
+        self.seen: set[str] = set()
 
     def __call__(self, exc: BaseException) -> None:
         text = f"{type(exc).__name__}: {exc}"

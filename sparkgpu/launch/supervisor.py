@@ -24,6 +24,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import psutil
@@ -111,7 +112,7 @@ class Supervisor:
     failure_policy_cls = FailurePolicy
 
     def __init__(self, job: JobSpec, run_dir: RunDir, backend, key: bytes,
-                 callbacks: list[JobCallback] = (), out=None, layout=None):
+                 callbacks: Sequence[JobCallback] = (), out=None, layout=None):
         self.job = job
         self.run_dir = run_dir
         self.backend = backend
@@ -168,7 +169,8 @@ class Supervisor:
             if early is not None:
                 early.discard()
             raise
-        results, error = None, None
+        results: list[Any] | None = None
+        error: BaseException | None = None
         try:
             while True:
                 attempt = len(self.state["attempts"])
@@ -177,6 +179,7 @@ class Supervisor:
                 if outcome.status == "succeeded":
                     self._set_status(JobStatus.SUCCEEDED)
                     results = outcome.results
+                    assert results is not None  # a succeeded attempt has every rank's result
                     return results
                 if self.state.get("stop_reason"):
                     # A policy stop ends the job however the attempt ended: a restart would
@@ -359,10 +362,10 @@ class Supervisor:
             started = self.backend.ranks_started_at(handle) if self.backend.waits_for_resources else record["submitted_at"]
             if started is None:
                 return None
-            record["started_at"] = min(started, time.time())
+            started_at = record["started_at"] = min(started, time.time())
             self._save()
             for callback in self.callbacks:
-                callback.on_ranks_started(self.job, record["attempt"], record["started_at"])
+                callback.on_ranks_started(self.job, record["attempt"], started_at)
         return time.monotonic() - (time.time() - record["started_at"])
 
     def _ask_to_checkpoint(self, attempt: int, why: str) -> None:
@@ -411,7 +414,7 @@ class Supervisor:
         record.update(ended_at=time.time(), status=status, exit_code=code)
         if record["started_at"] is None:
             record["started_at"] = record["ended_at"]  # its ranks never started: nothing ran, nothing is billed
-        if outcome is not None and outcome.lost:
+        if outcome is not None and outcome.report is not None and outcome.lost:
             # Billed up to when the node was last seen alive, not to when the client noticed.
             lost_at = outcome.report.lost_at or record["ended_at"]
             record["ended_at"] = max(record["started_at"], min(record["ended_at"], lost_at))

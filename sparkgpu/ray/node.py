@@ -204,7 +204,8 @@ class RayNode:
         self._keep_logs()
         shutil.rmtree(self.temp_dir, ignore_errors=True)
         if self._watchdog is not None:
-            self._watchdog.stdin.close()  # nothing is left for it to do; it exits
+            if self._watchdog.stdin is not None:  # always: it is started with a pipe
+                self._watchdog.stdin.close()  # nothing is left for it to do; it exits
             if not _wait(self._watchdog, 10):
                 self._watchdog.kill()
             self._watchdog.wait()

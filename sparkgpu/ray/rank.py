@@ -116,6 +116,7 @@ def run_rank(fn: Callable, options: RayOptions, *args, **kwargs):
     # Object collectives on a gloo group of their own: it works beside an nccl default group,
     # and its timeout lets the other ranks wait for a driver that runs for days.
     group = dist.new_group(backend="gloo", timeout=_FOREVER)
+    assert isinstance(group, dist.ProcessGroup)  # every rank is a member
     previous_handler = _teardown_on_sigterm()
     node: RayNode | None = None
     ray_dir = _ray_dir()
@@ -127,6 +128,7 @@ def run_rank(fn: Callable, options: RayOptions, *args, **kwargs):
 
         head: list[Any] = [None]
         if rank == 0:
+            assert spec is not None  # the plan always starts the head on rank 0
             node, head[0] = _start_node(spec, None, options, ray_dir)
         dist.broadcast_object_list(head, src=0, group=group)
         address, failure = head[0]
@@ -221,7 +223,8 @@ def _start_metrics_reporter(ray, options: RayOptions):
         return None
     info = SpoolDir(spool_path_from_env()).read_run_info()
     started_at = info.started_at if info is not None else time.time()
-    return RayMetricsReporter(ray, lambda records: session.writer.write(metrics=records),
+    writer: Any = session.writer  # a SpoolWriter
+    return RayMetricsReporter(ray, lambda records: writer.write(metrics=records),
                               interval=options.metrics_interval, started_at=started_at).start()
 
 

@@ -111,6 +111,7 @@ server.serve_forever()
 def _start(script: str, *args: str) -> tuple[subprocess.Popen, int]:
     proc = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout is not None  # a pipe
     line = proc.stdout.readline()
     if not line.strip().isdigit():
         proc.kill()

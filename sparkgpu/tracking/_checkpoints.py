@@ -31,6 +31,7 @@ def load_checkpoint_into(model, checkpoint: str, key: str | None = None):
     import torch.distributed.checkpoint as dcp
 
     checkpoint = str(checkpoint)
+    reader: dcp.StorageReader
     remote = "://" in checkpoint and not checkpoint.startswith("file://")
     if remote:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader

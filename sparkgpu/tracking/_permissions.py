@@ -22,7 +22,7 @@ def _refusal_kind(exc: BaseException) -> str | None:
     if code in _DENIED:
         return code
     status = getattr(getattr(exc, "response", None), "status_code", None)
-    return {403: "PERMISSION_DENIED", 401: "UNAUTHENTICATED"}.get(status)
+    return {403: "PERMISSION_DENIED", 401: "UNAUTHENTICATED"}.get(status) if isinstance(status, int) else None
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ import json
 import logging
 import threading
 import time
+from typing import Any
 
 from sparkgpu._files import atomic_write_bytes
 from sparkgpu.tracking.spool import SpoolDir
@@ -161,6 +162,7 @@ class SpoolFlusher:
             return forwarded
 
     def _forward_range(self, batch: "_Batch", offsets: dict[str, int], count: int) -> int:
+        assert self._pending is not None  # the range's progress, recorded before it is forwarded
         self._forward(batch, self._pending)
         self._offsets.update(offsets)
         self._pending = None
@@ -170,7 +172,8 @@ class SpoolFlusher:
     def _read(self, limits: dict[str, int] | None) -> tuple[_Batch, dict[str, int], int]:
         """Records after the forwarded offsets: up to ``limits`` (a range read before), or
         every complete line when ``limits`` is None."""
-        batch, offsets, count = _Batch(), {}, 0
+        batch, count = _Batch(), 0
+        offsets: dict[str, int] = {}
         if not self.spool.records_dir.exists():
             return batch, offsets, 0
         for path in sorted(self.spool.records_dir.glob("*.jsonl")):
@@ -214,14 +217,14 @@ class SpoolFlusher:
         tags = {key: value for key, value in batch.tags}  # the last value of a tag wins
         tag_list = [RunTag(k, v) for k, v in tags.items()]
         for i in range(progress["tags"], len(tag_list), _MAX_PARAMS_TAGS_PER_CALL):
-            chunk = tag_list[i:i + _MAX_PARAMS_TAGS_PER_CALL]
-            self.client.log_batch(self.run_id, tags=chunk)
-            progress["tags"] = i + len(chunk)
+            tag_chunk = tag_list[i:i + _MAX_PARAMS_TAGS_PER_CALL]
+            self.client.log_batch(self.run_id, tags=tag_chunk)
+            progress["tags"] = i + len(tag_chunk)
         metrics = [Metric(k, float(v), int(ts), int(s)) for k, v, s, ts in batch.metrics]
         for i in range(progress["metrics"], len(metrics), _MAX_METRICS_PER_CALL):
-            chunk = metrics[i:i + _MAX_METRICS_PER_CALL]
-            self.client.log_batch(self.run_id, metrics=chunk)
-            progress["metrics"] = i + len(chunk)
+            metric_chunk = metrics[i:i + _MAX_METRICS_PER_CALL]
+            self.client.log_batch(self.run_id, metrics=metric_chunk)
+            progress["metrics"] = i + len(metric_chunk)
         if batch.checkpoints:
             self._forward_checkpoints(batch.checkpoints)
 
@@ -229,7 +232,7 @@ class SpoolFlusher:
         from mlflow.entities import Metric, RunTag
 
         seen = {(c["step"], c["path"]) for c in self._checkpoints}
-        new = []
+        new: list[dict[str, Any]] = []
         for step, path, ts in records:
             if (step, path) not in seen:
                 seen.add((step, path))

@@ -147,7 +147,8 @@ def parse_model_name(name: str, *, spark=None) -> ModelName:
         levels = defaults[: 3 - len(levels)] + levels
     for index, (kind, level) in enumerate(zip(_LEVELS, levels)):
         _check_level(kind, level, levels, index)
-    return ModelName(*levels, completed_from=completed_from)
+    catalog, schema, model = levels  # three, once completed and checked
+    return ModelName(catalog, schema, model, completed_from=completed_from)
 
 
 def validate_alias(alias: str) -> str:

@@ -26,6 +26,7 @@ import os
 import secrets
 import shutil
 import tempfile
+from typing import TYPE_CHECKING
 
 from sparkgpu._modules import imported
 from sparkgpu.errors import ConfigurationError
@@ -40,6 +41,9 @@ from sparkgpu.tracking.names import (
     validate_alias,
 )
 from sparkgpu.tracking.store import TrackingTarget, default_experiment_name, ensure_experiment, resolve_target
+
+if TYPE_CHECKING:
+    from mlflow.entities.model_registry import ModelVersion
 
 __all__ = [
     "ModelVersionInfo",
@@ -108,7 +112,7 @@ class _Registry:
             tags=dict(mv.tags or {}), run_id=mv.run_id or None, source=mv.source,
         )
 
-    def resolve(self, ref) -> tuple[str, object]:
+    def resolve(self, ref) -> tuple[str, ModelVersion]:
         stored = self.stored(ref.name)
         label = f"registered model '{ref.name}'"
         with self.guard(f"read {label}", f"READ permission on {label}"):

@@ -122,10 +122,11 @@ class SpoolDir:
         process's job spool (:func:`spool_path_from_env`)."""
         path = urllib.parse.unquote(urllib.parse.urlparse(uri).path)
         if not path:
-            path = spool_path_from_env()
-            if path is None:
+            from_env = spool_path_from_env()
+            if from_env is None:
                 raise ValueError(f"{uri} names this job's spool, and {SPOOL_ENV} / {ENV_RUN_DIR} are not set "
                                  "in this process")
+            path = from_env
         return cls(path)
 
     def read_run_info(self) -> JobRunInfo | None:
@@ -279,7 +280,7 @@ def _spool_store_class():
             self._run, self._experiment = _job_run_entities(info)
             self._real = None
             self._real_lock = threading.Lock()
-            self._own_writer = None
+            self._own_writer: SpoolWriter | None = None
 
         def _real_store(self):
             with self._real_lock:

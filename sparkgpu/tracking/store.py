@@ -136,7 +136,8 @@ def resolve_target(tracking_uri: str | None = None, registry_uri: str | None = N
 
     uri = tracking_uri or _user_tracking_uri()
     embedded = uri is None
-    if embedded:
+    artifact_root: str | None
+    if uri is None:
         uri, artifact_root = _ensure_embedded_store()
     else:
         artifact_root = _sqlite_artifact_root(uri)

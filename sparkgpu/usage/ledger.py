@@ -18,9 +18,12 @@ from __future__ import annotations
 import dataclasses
 import socket
 import time
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from sparkgpu.usage.rates import RateCard, billed_seconds
+
+if TYPE_CHECKING:
+    import pyarrow
 
 __all__ = ["UsageRecord", "UsageLedger", "ledger_schema", "clip_to_window"]
 
@@ -175,7 +178,7 @@ class UsageLedger:
         except CommitFailedError:
             return False  # another writer committed meanwhile; compaction runs again at the next multiple
 
-    def read(self, since: float | None = None, until: float | None = None) -> "pyarrow.Table":  # noqa: F821
+    def read(self, since: float | None = None, until: float | None = None) -> pyarrow.Table:
         """Rows of attempts that overlap ``[since, until]`` (unix seconds; ``None`` for open ends).
 
         An absent table reads as empty, so reports and budgets work before the first job.

@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 import re
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TextIO
 
 from sparkgpu._files import atomic_write_bytes
 from sparkgpu._report import report
-from sparkgpu.launch.attempt_report import NodeReport
+from sparkgpu.launch.attempt_report import AttemptReport, NodeReport
 from sparkgpu.launch.backends.spark_node import Heartbeat
 from sparkgpu.launch.run_dir import RunDir
 
@@ -34,6 +34,25 @@ class NodeWatch:
     """The lost-node and report half of :class:`~sparkgpu.launch.backends.spark.SparkBackend`
     (it provides ``spark``, ``node_timeout``, ``node_stop_margin``, ``_stream`` and ``_sync_now``)."""
 
+    if TYPE_CHECKING:  # what SparkBackend provides, as this half uses it
+        node_timeout: float
+        node_stop_margin: float
+
+        @property
+        def spark(self) -> Any: ...
+
+        @property
+        def _stream(self) -> TextIO: ...
+
+        @staticmethod
+        def _sync_now(handle: SparkAttempt) -> None: ...
+
+    @staticmethod
+    def _report_of(handle: SparkAttempt) -> AttemptReport:
+        """The attempt's report, which a SparkAttempt makes when it is created."""
+        assert handle.report is not None
+        return handle.report
+
     # -- lost nodes ---------------------------------------------------------------------
     def _find_lost(self, handle: SparkAttempt, named: tuple[str, ...] = ()) -> bool:
         """Counts started nodes lost that stopped beating for ``node_timeout`` without an end marker,
@@ -43,7 +62,8 @@ class NodeWatch:
         executor it kills the barrier stage's other tasks, and their nodes fall silent after.
         """
         self._read_node_infos(handle)
-        known = {n.node for n in handle.report.lost}
+        attempt_report = self._report_of(handle)
+        known = {n.node for n in attempt_report.lost}
         found = False
         for node in handle.run_dir.nodes_without_end(handle.attempt):
             if node in known:
@@ -57,9 +77,9 @@ class NodeWatch:
             else:
                 continue
             lost_at = time.time() - beat.silent_for()
-            handle.report.lost_at = min(handle.report.lost_at or lost_at, lost_at)
-            handle.report.nodes.append(NodeReport(node, str(info.get("executor", "")), str(info.get("host", "")),
-                                                  "lost", self._ranks_of(handle, node), cause=cause))
+            attempt_report.lost_at = min(attempt_report.lost_at or lost_at, lost_at)
+            attempt_report.nodes.append(NodeReport(node, str(info.get("executor", "")), str(info.get("host", "")),
+                                                   "lost", self._ranks_of(handle, node), cause=cause))
             found = True
         if found:
             self._write_report(handle)
@@ -74,7 +94,7 @@ class NodeWatch:
 
     def _stop_for_lost(self, handle: SparkAttempt) -> None:
         """A node is lost while the Spark job runs: stop the others' ranks and end the job now."""
-        message = handle.report.lost_message()
+        message = self._report_of(handle).lost_message()
         report(f"{message}; stopping the ranks of the other nodes", self._stream)
         atomic_write_bytes(handle.run_dir.spark_cancel_file(handle.attempt), f"{message}\n".encode())
         self._sync_now(handle)
@@ -119,7 +139,7 @@ class NodeWatch:
             time.sleep(0.2)
             self._sync_now(handle)  # with a store, the end markers arrive by pulls
             self._find_lost(handle, named)
-            lost = {n.node for n in handle.report.lost}
+            lost = {n.node for n in self._report_of(handle).lost}
             # A silent node is not waited for: lost, or its task was killed by Spark with its ranks.
             running = [n for n in rd.nodes_without_end(attempt) if n not in lost and not self._beat_of(handle, n).lost()]
         if running:
@@ -130,14 +150,14 @@ class NodeWatch:
     # -- the attempt's report -----------------------------------------------------------
     def _note(self, handle: SparkAttempt, message: str) -> None:
         """A sentence for the user about the attempt, kept in its report."""
-        handle.report.notes.append(message)
+        self._report_of(handle).notes.append(message)
         self._write_report(handle)
 
     def _write_report(self, handle: SparkAttempt, rows: list[dict] | None = None) -> None:
         """Writes the report; with the node tasks' ``rows`` (or their end markers) it is the final one."""
-        report = handle.report
+        attempt_report = self._report_of(handle)
         if rows is not None:
-            lost = {n.node: n for n in report.lost}
+            lost = {n.node: n for n in attempt_report.lost}
             by_node = {r["node"]: r for r in rows}
             ended = end_markers(handle.run_dir, handle.attempt)
             self._read_node_infos(handle)
@@ -152,8 +172,8 @@ class NodeWatch:
                 nodes.append(NodeReport(node, str(row.get("executor", info.get("executor", ""))),
                                         str(row.get("host", info.get("host", ""))), state, self._ranks_of(handle, node),
                                         exit_code=code, signal=-code if code is not None and code < 0 else None))
-            report.nodes = nodes
-        report.write(handle.run_dir.attempt_dir(handle.attempt))
+            attempt_report.nodes = nodes
+        attempt_report.write(handle.run_dir.attempt_dir(handle.attempt))
 
 
 def end_markers(run_dir: RunDir, attempt: int) -> dict[int, dict]:

@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import threading
+from typing import Any
 
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError
@@ -33,7 +34,7 @@ __all__ = ["active_spark_session", "pool_for_job", "pool_session", "session_for"
 #: Where a job's run dir keeps the Spark Connect URL it ran on, for ``sparkgpu resume``.
 SESSION_FILE = "spark-session.json"
 
-_remote_sessions: dict[str, object] = {}
+_remote_sessions: dict[str, Any] = {}  # Connect sessions: pyspark imported on first use
 _lock = threading.Lock()
 
 
@@ -166,8 +167,9 @@ def connect_url(spark) -> str | None:
     params = []
     if getattr(builder, "use_ssl", False):
         params.append("use_ssl=true")
-    if getattr(builder, "userId", None):
-        params.append(f"user_id={builder.userId}")
+    user_id = getattr(builder, "userId", None)
+    if user_id:
+        params.append(f"user_id={user_id}")
     return f"sc://{endpoint}" + (f"/;{';'.join(params)}" if params else "")
 
 
@@ -182,7 +184,7 @@ def connection_closed(spark) -> bool:
 def full_url(spark) -> str | None:
     """The Connect URL ``spark`` was opened with, credentials included: kept in memory only."""
     url = getattr(getattr(getattr(spark, "client", None), "_builder", None), "url", None)
-    if not hasattr(url, "geturl"):
+    if url is None or not hasattr(url, "geturl"):
         return None
     parsed = url.geturl()  # pyspark parses "sc://" URLs as "http://" ones
     return "sc://" + parsed.split("://", 1)[1] if "://" in parsed else None
