@@ -293,7 +293,7 @@ def plot(summary: dict, path: Path, state_gb: float) -> None:
     labels = [label for key, label in names if key in summary]
     values = [summary[key]["median_s"] for key, _ in names if key in summary]
     fig, ax = plt.subplots(figsize=(9, 4))
-    bars = ax.barh(labels, values, color=["#2b7bba" if "sparkgpu" in l else "#999999" for l in labels])
+    bars = ax.barh(labels, values, color=["#2b7bba" if "sparkgpu" in label else "#999999" for label in labels])
     ax.bar_label(bars, fmt="%.3f s", padding=3)
     ax.invert_yaxis()
     ax.set_xlabel("seconds the training loop is blocked (median)")

@@ -96,7 +96,7 @@ def _concat_ceiling(files, target: Path) -> float:
 
 def _copy_ceiling(files, target: Path) -> float:
     started = time.perf_counter()
-    for i, f in enumerate(files):
+    for f in files:
         dest = target / f.arcname
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(f.source, dest)

@@ -334,7 +334,7 @@ def run(args) -> dict:
         if args.var_samples:
             print("variable-width columns:", flush=True)
             results["variable_width"] = variable_width(work, args.var_samples, args.batch_size, args.seconds, args.repeats)
-        for name, order in results["orders"].items():
+        for order in results["orders"].values():
             order["ratios"] = ratios(order, args.workers)
         return results
     finally:

@@ -85,7 +85,7 @@ def main() -> None:
     from pyspark.sql import SparkSession
     from pyspark.sql import functions as F
 
-    import sparkgpu  # attaches spark.gpu
+    import sparkgpu  # noqa: F401 - attaches spark.gpu
     from sparkgpu import registry
 
     print("starting a local Spark Connect server ...", flush=True)

@@ -33,7 +33,7 @@ def make_images(folder: str, per_class: int) -> None:
 
     rng = np.random.default_rng(0)
     y, x = np.mgrid[0:SIDE, 0:SIDE]
-    for label, name in enumerate(CLASSES):
+    for name in CLASSES:
         os.makedirs(os.path.join(folder, name), exist_ok=True)
         for n in range(per_class):
             if name == "stripes":
@@ -49,7 +49,6 @@ def make_images(folder: str, per_class: int) -> None:
 
 def prepare(sample, rng):
     """Runs in the loader's worker processes, once per sample: decode, augment, normalise."""
-    import torch
     from torchvision.transforms import v2
 
     from sparkgpu import data

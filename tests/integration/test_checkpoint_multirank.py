@@ -178,13 +178,13 @@ def worker_main(argv):
     elif args.scenario == "kill":
         Checkpointer.store_cls = _PausingStore.make(7, args.pause_at, f"{out}.paused")
         ckpt = Checkpointer(args.dir)
-        for step in range(4):
+        for _ in range(4):
             _train_step(state)
         ckpt.save(3, wait=True, **state)
         full = _full_model_state(state["model"])
         if rank == 0:
             torch.save(full, out.with_suffix(".model.pt"))
-        for step in range(4, 8):
+        for _ in range(4, 8):
             _train_step(state)
         ckpt.save(7, **state)
         ckpt.wait()  # never returns: the test kills this process while step 7 is written
@@ -309,7 +309,7 @@ def test_sigterm_on_one_rank_checkpoints_and_stops_every_rank(tmp_path):
 
     ckpt_dir, out = tmp_path / "ckpt", tmp_path / "stop"
     procs = _launch(tmp_path, "stop", "stop", "--dir", str(ckpt_dir), "--out", str(out))
-    for rank in range(WORLD):
+    for _ in range(WORLD):
         _wait_for_file(f"{out}.ready", procs, tmp_path, "stop")
     # Only rank 1 is preempted; rank 0 must learn of it at the same step, or the two would
     # part ways in their collectives and hang.

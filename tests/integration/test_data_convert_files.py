@@ -203,7 +203,7 @@ def test_remote_fsspec_url_output(tmp_path):
     import fsspec
 
     table = feature_table(300)
-    result = data.to_mds(table, "memory://sparkgpu-test/out", size_limit=4096, progress=False)
+    data.to_mds(table, "memory://sparkgpu-test/out", size_limit=4096, progress=False)
     fs = fsspec.filesystem("memory")
     assert fs.exists("/sparkgpu-test/out/index.json") and not fs.exists("/sparkgpu-test/out/.sparkgpu-writing")
     local = tmp_path / "copy"

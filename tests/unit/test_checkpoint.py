@@ -345,7 +345,7 @@ def test_fsspec_url_round_trip():
     state = make_training(0)
     url = "memory://ckpt-round-trip/run"
     ckpt = Checkpointer(url)
-    for step in range(3):
+    for _ in range(3):
         train_step(state)
     ckpt.save(2, wait=True, **state)
     fresh = make_training(5)

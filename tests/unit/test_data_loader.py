@@ -109,7 +109,7 @@ def test_resume_mid_epoch_yields_exactly_the_rest_bit_identical(tabular, gather_
 
 def test_iterating_again_after_a_break_continues_the_epoch(tabular):
     ds = data.dataset(local=tabular, batch_size=100)
-    for i, batch in enumerate(ds):
+    for i, _ in enumerate(ds):
         if i == 2:
             break
     rest = np.concatenate(collect_ids(ds))

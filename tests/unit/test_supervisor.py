@@ -335,7 +335,7 @@ def test_the_runtime_cap_counts_from_the_ranks_start(tmp_path):
 
 def test_ranks_that_started_late_are_asked_to_checkpoint_before_the_cap(tmp_path):
     sup, *_, rd, out = run_job(tmp_path, ["ok"], max_runtime=1.0, checkpoint_grace=0.5)
-    sup.backend = backend = WaitsForGPUs(["hang"], wait=1.0)
+    sup.backend = WaitsForGPUs(["hang"], wait=1.0)
     with pytest.raises(WorkerFailedError, match="did not checkpoint"):
         sup.run()
     stop = rd.attempt_dir(0) / "STOP"

@@ -9,6 +9,7 @@ import time
 import pyarrow.compute as pc
 import pytest
 from deltalake import DeltaTable
+from deltalake.exceptions import DeltaError
 
 from sparkgpu.usage.journal import AttemptJournal
 from sparkgpu.usage.ledger import UsageLedger, UsageRecord, clip_to_window, ledger_schema
@@ -140,7 +141,7 @@ def test_entries_are_given_back_when_the_ledger_cannot_be_written(tmp_path):
     journal.finish(path, {**_args("job"), "ended_at": NOW - 60, "status": "succeeded"})
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the ledger's folder should be")
-    with pytest.raises(Exception):
+    with pytest.raises(DeltaError):  # the store's own error goes through, the entry stays
         journal.recover(_write(UsageLedger(str(blocker / "ledger"))))
     assert path.exists()  # nothing lost; the next recovery writes it
     ledger = UsageLedger(str(tmp_path / "ledger"))

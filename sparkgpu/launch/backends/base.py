@@ -134,7 +134,7 @@ class Backend(abc.ABC):
         """
         return None
 
-    def end_job(self, job: JobSpec) -> None:
+    def end_job(self, job: JobSpec) -> None:  # noqa: B027 - a hook: a backend that keeps nothing per job has nothing to free
         """Frees what the backend kept for the job's later attempts; called once the job ended."""
 
     def ranks_started_at(self, handle: AttemptHandle) -> float | None:
