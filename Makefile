@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 BUILD_INPUTS := pyproject.toml constraints.txt $(wildcard setup.py native/*.c native/*.cc native/*.cpp native/*.h)
 
-.PHONY: venv demo test test-unit docs docs-serve bench clean
+.PHONY: venv demo lint test test-unit docs docs-serve bench clean
 
 $(STAMP): $(BUILD_INPUTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,7 +18,15 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
-test: $(STAMP)
+# Lint and type checks (configured in pyproject.toml) run before the tests, so CI fails on a new finding.
+LINT_PATHS := sparkgpu tests benchmarks examples
+lint: $(STAMP)
+	$(PY) -m ruff check $(LINT_PATHS)
+# Turned on once the whole tree has been formatted in one pass (ruff format), not before:
+#	$(PY) -m ruff format --check $(LINT_PATHS)
+	$(PY) -m mypy sparkgpu
+
+test: lint
 	$(PY) -m pytest -q -ra
 
 test-unit: $(STAMP)
