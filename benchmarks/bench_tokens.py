@@ -13,18 +13,24 @@ tensors of packed documents, from a warm local folder?
 Question 2: what does mixing cost? The same fixed-width samples read as one dataset and as a
 three-stream mixture (proportions 0.5 / 0.3 / 0.2, epoch of the same size), shuffled.
 
-Every peer reads the same documents in the same process, one after another; each rate is the
-best of ``--repeats`` passes of at most ``--seconds``. Results: benchmarks/results/tokens.json.
+Every side reads the same documents in the same process. Each of ``--repeats`` repeats runs
+the sides one after another, in an order that alternates from repeat to repeat, and every side
+is built the same way each time: a new dataset object (litdata's dataset and loader, sparkgpu's
+token_dataset, the ceiling's generator) over files the page cache already holds. One window
+runs from that construction until at least ``--seconds`` have passed, over as many epochs as
+that takes (an epoch's restart is inside the window for every side). Two figures per side:
+start-up (construction to first batch) and the steady rate (tokens after the first batch over
+the time after it); the rate with start-up counted is beside them. Ratios divide medians of
+the steady rate. Results: benchmarks/results/tokens.json.
 
-    python benchmarks/bench_tokens.py                                    # a few minutes on 2 cores
-    python benchmarks/bench_tokens.py --docs 2000 --seconds 1 --repeats 1   # a quick look
+    python benchmarks/bench_tokens.py                                      # about 6 minutes on 2 cores
+    python benchmarks/bench_tokens.py --docs 2000 --seconds 1 --repeats 1 --mix-samples 20000   # a quick look
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import tempfile
 import time
@@ -32,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from common import load_seen, machine, method, spread
 
 RESULTS = Path(__file__).resolve().parent / "results"
 try:
@@ -71,23 +79,50 @@ def write_litdata(folder: Path, docs) -> str | None:
     return str(folder)
 
 
-def rate(batches_factory, count_tokens, seconds: float, repeats: int) -> dict:
-    """Best tokens/s over ``repeats`` passes of at most ``seconds`` each (first batch excluded)."""
-    best, firsts = 0.0, []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        iterator = iter(batches_factory())
-        first = next(iterator)
-        begun = time.perf_counter()
-        firsts.append(begun - started)
-        tokens = 0
-        del first
-        for batch in iterator:
-            tokens += count_tokens(batch)
-            if time.perf_counter() - begun > seconds:
+def window(build, count, seconds: float) -> dict:
+    """One timed window: ``build()`` a new source, then iterate it (epoch after epoch) for at
+    least ``seconds``. Start-up is construction to first batch; the steady rate counts what
+    follows the first batch; every batch, the first included, is counted in the total."""
+    started = time.perf_counter()
+    source = build()
+    items, epochs, first, first_items = 0, 0, None, 0
+    done = False
+    while not done:
+        for batch in source:
+            items += count(batch)
+            now = time.perf_counter()
+            if first is None:
+                first, first_items = now - started, items
+            if now - started >= seconds:
+                done = True
                 break
-        best = max(best, tokens / max(time.perf_counter() - begun, 1e-9))
-    return {"tokens_per_s": best, "first_batch_s": min(firsts)}
+        else:
+            epochs += 1
+            if first is None:
+                raise RuntimeError("an epoch without a batch")
+    total = time.perf_counter() - started
+    steady_s = max(total - first, 1e-9)
+    return {"startup_s": first, "seconds": total, "items": items, "whole_epochs": epochs,
+            "steady_per_s": (items - first_items) / steady_s, "per_s_including_startup": items / total}
+
+
+def compare(sides: dict, count, seconds: float, repeats: int, unit: str) -> dict:
+    """Runs every side's window ``repeats`` times, the order alternating per repeat; medians."""
+    runs: dict[str, list[dict]] = {name: [] for name in sides}
+    names = list(sides)
+    for repeat in range(repeats):
+        for name in names if repeat % 2 == 0 else names[::-1]:
+            runs[name].append(window(sides[name], count, seconds))
+    out = {}
+    for name, windows in runs.items():
+        steady = spread([w["steady_per_s"] for w in windows], higher_is_better=True)
+        out[name] = {f"{unit}_per_s": steady["median"], f"{unit}_per_s_spread": steady,
+                     "startup_s": spread([w["startup_s"] for w in windows])["median"],
+                     "startup_s_spread": spread([w["startup_s"] for w in windows]),
+                     f"{unit}_per_s_including_startup": spread([w["per_s_including_startup"] for w in windows])["median"],
+                     "window_s": spread([w["seconds"] for w in windows])["median"],
+                     "whole_epochs_per_window": [w["whole_epochs"] for w in windows]}
+    return out
 
 
 def token_section(args, work: Path) -> dict:
@@ -104,10 +139,11 @@ def token_section(args, work: Path) -> dict:
     results = {}
     for shuffle in (False, True):
         label = "shuffled" if shuffle else "in order"
-        ds = data.token_dataset(local=mds, column="ids", seq_len=seq, batch_size=batch, shuffle=shuffle, rank=0, world_size=1)
-        results[f"sparkgpu token_dataset ({label})"] = rate(lambda: ds, lambda b: b.numel(), args.seconds, args.repeats)
         blocks = (len(stream) - 1) // seq
         order = np.random.default_rng(0).permutation(blocks) if shuffle else np.arange(blocks)
+
+        def ours():
+            return data.token_dataset(local=mds, column="ids", seq_len=seq, batch_size=batch, shuffle=shuffle, rank=0, world_size=1)
 
         def ceiling():
             # As many blocks per gather as the loader cuts at once (one memcpy per block, in C),
@@ -122,17 +158,31 @@ def token_section(args, work: Path) -> dict:
                 for first in range(0, len(cut), batch):
                     yield cut[first:first + batch]
 
-        results[f"ceiling: block copies in memory ({label})"] = rate(ceiling, lambda b: b.numel(), args.seconds, args.repeats)
+        class Ceiling:  # a new iteration per epoch, as a dataset gives
+            def __iter__(self):
+                return ceiling()
+
+        sides = {f"sparkgpu token_dataset ({label})": ours, f"ceiling: block copies in memory ({label})": Ceiling}
         if lit is not None:
             import litdata
             from litdata.streaming.item_loader import TokensLoader
 
             def litdata_batches():
+                # litdata's documented token-block setup: TokensLoader with block_size, its own loader.
                 lds = litdata.StreamingDataset(lit, item_loader=TokensLoader(block_size=width), shuffle=shuffle, seed=0)
                 return litdata.StreamingDataLoader(lds, batch_size=batch, num_workers=0)
 
-            results[f"litdata TokensLoader ({label})"] = rate(litdata_batches, lambda b: b.numel(), args.seconds, args.repeats)
-    return {"tokens": int(len(stream)), "seq_len": seq, "batch_size": batch, "peers": results}
+            sides[f"litdata TokensLoader ({label})"] = litdata_batches
+        results.update(compare(sides, lambda b: b.numel(), args.seconds, args.repeats, "tokens"))
+    return {"tokens": int(len(stream)), "seq_len": seq, "batch_size": batch, "peers": results,
+            "workers": {"sparkgpu": 0, "litdata": 0, "ceiling": 0},
+            "method": method("construction of a new dataset object, then epochs until the window has lasted --seconds",
+                             startup="construction to first batch, reported apart as startup_s; the steady rate "
+                                     "(tokens_per_s) counts from the first batch on; tokens_per_s_including_startup "
+                                     "counts every batch over the whole window",
+                             repeats=args.repeats, statistic="median of the steady rate per window",
+                             order="sides alternate order per repeat", window_s=args.seconds,
+                             workers="none for any side: every side runs in the main process")}
 
 
 def mixture_section(args, work: Path) -> dict:
@@ -154,14 +204,16 @@ def mixture_section(args, work: Path) -> dict:
                     all_writer.write(sample)
             folders.append(str(folder))
     count = lambda b: len(b["id"])  # noqa: E731
-    one = data.dataset(local=str(whole), batch_size=args.batch_size * 64, shuffle=True, rank=0, world_size=1)
-    mix = data.dataset(streams=[data.Stream(local=f, proportion=p) for f, p in zip(folders, (0.5, 0.3, 0.2))],
-                       epoch_size=sum(sizes), batch_size=args.batch_size * 64, shuffle=True, rank=0, world_size=1)
-    peers = {"one dataset": rate(lambda: one, count, args.seconds, args.repeats),
-             "three-stream mixture": rate(lambda: mix, count, args.seconds, args.repeats)}
-    for figures in peers.values():
-        figures["samples_per_s"] = figures.pop("tokens_per_s")
-    return {"samples": sum(sizes), "batch_size": args.batch_size * 64, "peers": peers}
+    peers = compare({
+        "one dataset": lambda: data.dataset(local=str(whole), batch_size=args.batch_size * 64, shuffle=True, rank=0, world_size=1),
+        "three-stream mixture": lambda: data.dataset(streams=[data.Stream(local=f, proportion=p) for f, p in zip(folders, (0.5, 0.3, 0.2))],
+                                                     epoch_size=sum(sizes), batch_size=args.batch_size * 64, shuffle=True, rank=0,
+                                                     world_size=1),
+    }, count, args.seconds, args.repeats, "samples")
+    return {"samples": sum(sizes), "batch_size": args.batch_size * 64, "peers": peers,
+            "method": method("construction of a new dataset object, then epochs until the window has lasted --seconds",
+                             startup="construction to first batch, apart as startup_s", repeats=args.repeats,
+                             statistic="median of the steady rate per window", order="sides alternate order per repeat")}
 
 
 def ratios(report: dict) -> dict:
@@ -172,7 +224,11 @@ def ratios(report: dict) -> dict:
         ours = tokens[f"sparkgpu token_dataset ({label})"]["tokens_per_s"]
         out[f"sparkgpu / ceiling ({label})"] = ours / tokens[f"ceiling: block copies in memory ({label})"]["tokens_per_s"]
         if f"litdata TokensLoader ({label})" in tokens:
-            out[f"sparkgpu / litdata ({label})"] = ours / tokens[f"litdata TokensLoader ({label})"]["tokens_per_s"]
+            theirs = tokens[f"litdata TokensLoader ({label})"]
+            out[f"sparkgpu / litdata ({label})"] = ours / theirs["tokens_per_s"]
+            out[f"sparkgpu / litdata, start-up counted ({label})"] = (
+                tokens[f"sparkgpu token_dataset ({label})"]["tokens_per_s_including_startup"] / theirs["tokens_per_s_including_startup"])
+    out["method"] = "medians of the steady rate (after the first batch), same repeats and windows for every side"
     out["mixture cost (one dataset / mixture)"] = (mixture["one dataset"]["samples_per_s"]
                                                    / mixture["three-stream mixture"]["samples_per_s"])
     return out
@@ -180,27 +236,28 @@ def ratios(report: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--docs", type=int, default=50_000)
+    parser.add_argument("--docs", type=int, default=100_000, help="about 80M tokens at the default mean length")
     parser.add_argument("--mean-length", type=int, default=800)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--mix-samples", type=int, default=200_000)
-    parser.add_argument("--seconds", type=float, default=3.0)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=5.0, help="each window lasts at least this long")
+    parser.add_argument("--repeats", type=int, default=5, help="windows per side, the same for every side")
     parser.add_argument("--out", type=Path, default=RESULTS / "tokens.json")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-tokens-") as tmp:
         work = Path(tmp)
-        report = {"machine": platform.platform(), "python": platform.python_version(),
-                  "token_packing": token_section(args, work), "mixture": mixture_section(args, work)}
+        facts = machine()
+        report = {"token_packing": token_section(args, work), "mixture": mixture_section(args, work)}
+        report["machine"] = load_seen(facts)
     for section in ("token_packing", "mixture"):
         print(f"\n{section}:")
         for name, figures in report[section]["peers"].items():
-            print(f"  {name:48s} " + ", ".join(f"{k} {v:,.3g}" for k, v in figures.items()))
+            print(f"  {name:48s} " + ", ".join(f"{k} {v:,.3g}" for k, v in figures.items() if isinstance(v, float)))
     report["ratios"] = ratios(report)
     print("\nratios (same run):")
     for name, value in report["ratios"].items():
-        print(f"  {name:48s} {value:.3g}")
+        print(f"  {name:48s} {value:.3g}" if isinstance(value, float) else f"  {name:48s} {value}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"\nwritten to {args.out}")

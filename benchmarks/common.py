@@ -1,0 +1,75 @@
+"""What every benchmark records beside its figures: the machine, the spread of repeats, the method.
+
+A results file carries enough for a reader to judge a ratio without reading the script:
+``machine()`` (cores, platform, load seen at the start), ``spread()`` of every timed figure
+(median first; best, quartiles and each run beside it) and ``method()`` of every ratio (what was
+timed, whether start-up is inside it, how many repeats, which statistic). No paths, host names
+or user names go in: results are committed.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+
+__all__ = ["machine", "load_seen", "spread", "separated", "method"]
+
+
+def machine() -> dict:
+    """Cores, platform and the load average seen as the benchmark starts (``load_seen`` at the end)."""
+    load = os.getloadavg()
+    cpus = os.cpu_count() or 1
+    return {
+        "cpus": cpus,
+        "system": platform.system(),
+        "arch": platform.machine(),
+        "python": platform.python_version(),
+        "load_average_at_start": [round(x, 2) for x in load],
+        # Another job was running if the 1-minute load already used a quarter of the cores.
+        "other_load_at_start": load[0] > 0.25 * cpus,
+    }
+
+
+def load_seen(facts: dict) -> dict:
+    """``facts`` with the load average at the end added; call once the timed work is over."""
+    load = os.getloadavg()
+    facts = dict(facts, load_average_at_end=[round(x, 2) for x in load])
+    facts["other_load_seen"] = facts["other_load_at_start"] or load[0] > 1.25 * facts["cpus"]
+    return facts
+
+
+def spread(values: list[float], *, higher_is_better: bool = False) -> dict:
+    """The median of ``values`` with the best, the quartiles and every run beside it."""
+    ordered = sorted(values)
+    if not ordered:
+        return {"n": 0}
+    quartiles = statistics.quantiles(ordered, n=4, method="inclusive") if len(ordered) > 1 else [ordered[0]] * 3
+    return {
+        "median": statistics.median(ordered),
+        "best": ordered[-1] if higher_is_better else ordered[0],
+        "q1": quartiles[0],
+        "q3": quartiles[2],
+        "min": ordered[0],
+        "max": ordered[-1],
+        "n": len(ordered),
+        "runs": list(values),
+    }
+
+
+def separated(a: dict, b: dict) -> bool:
+    """Whether two spreads' interquartile ranges do not overlap: their medians differ beyond the noise."""
+    return a["q3"] < b["q1"] or b["q3"] < a["q1"]
+
+
+def method(timed: str, *, startup: str, repeats: int, statistic: str = "median", **more) -> dict:
+    """How a ratio was taken, for its results file.
+
+    Args:
+        timed: what the clock covered, e.g. ``"first batch to the end of the epoch"``.
+        startup: how start-up was counted, e.g. ``"excluded, reported apart as startup_s"``.
+        repeats: repeats per side (every side the same).
+        statistic: which statistic of the repeats the ratio divides.
+        more: anything else a reader needs (workers, connections, order of the sides).
+    """
+    return {"timed": timed, "startup": startup, "repeats_per_side": repeats, "statistic": statistic, **more}
