@@ -3,7 +3,8 @@
 Question: how fast do the rows of a Parquet/Delta table (32 float32 + 1 int64 columns) reach
 the training loop as torch tensors, in order and shuffled, with no conversion step?
 
-Peers, on the same table in the same run, each in a fresh process, one whole epoch each:
+Peers, on the same table in the same run, one whole epoch each in a fresh process per repeat
+(``--repeats`` for every peer, the peers' order alternating from repeat to repeat):
   * sparkgpu.data.table_dataset on the Delta table (and on its Parquet files);
   * pyarrow.dataset ``to_batches`` into torch (shuffled: fragments in random order, rows
     permuted within each batch — a weaker shuffle than ours);
@@ -12,9 +13,16 @@ Peers, on the same table in the same run, each in a fresh process, one whole epo
     counted in its total.
 Ceiling: a sequential read of the table's Parquet bytes (page cache warm).
 
+Two figures per peer, taken the same way for all: start-up, from the reader's imports and construction
+(``ray.init`` included for Ray, the conversion included for the MDS path) to its first batch,
+and the steady rate, rows after the first batch over the time after it. An epoch of 2M rows
+lasts under a second here while Ray's workers take seconds to start, so a rate with start-up
+inside would mostly measure start-up; it is recorded too (``rows_per_s_including_startup``).
+Ratios divide medians of the steady rate.
+
 Results: benchmarks/results/table.json.
 
-    python benchmarks/bench_table.py                      # 2M rows
+    python benchmarks/bench_table.py                      # 2M rows, about 5 minutes on 2 cores
     python benchmarks/bench_table.py --rows 200000        # a quick look
 """
 
@@ -23,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -31,6 +38,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from common import load_seen, machine, method, spread
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FEATURES = 32
@@ -56,24 +65,26 @@ def parquet_files(uri: str) -> list[str]:
     return sorted(str(p) for p in Path(uri).glob("*.parquet"))
 
 
-def epoch(batches) -> dict:
-    started = time.perf_counter()
-    first, rows = None, 0
+def epoch(batches, started: float) -> dict:
+    """One epoch; ``started`` is when the reader's construction began (its start-up)."""
+    first, rows, first_rows = None, 0, 0
     for batch in batches:
-        if first is None:
-            first = time.perf_counter() - started
         rows += len(batch["label"])
+        if first is None:
+            first, first_rows = time.perf_counter() - started, rows
     seconds = time.perf_counter() - started
-    return {"rows": rows, "seconds": seconds, "rows_per_s": rows / seconds, "first_batch_s": first}
+    return {"rows": rows, "seconds": seconds, "startup_s": first, "first_batch_s": first,
+            "rows_per_s": (rows - first_rows) / max(seconds - first, 1e-9), "rows_per_s_including_startup": rows / seconds}
 
 
 def run_peer(name: str, uri: str, batch_size: int, shuffle: bool, work: Path) -> dict:
     import torch
 
+    started = time.perf_counter()
     if name == "table_dataset":
         from sparkgpu import data
 
-        return epoch(data.table_dataset(uri, batch_size=batch_size, shuffle=shuffle, seed=0, rank=0, world_size=1))
+        return epoch(data.table_dataset(uri, batch_size=batch_size, shuffle=shuffle, seed=0, rank=0, world_size=1), started)
     if name == "table_dataset_parquet":
         from sparkgpu import data
 
@@ -82,7 +93,7 @@ def run_peer(name: str, uri: str, batch_size: int, shuffle: bool, work: Path) ->
             folder.mkdir()
             for path in parquet_files(uri):
                 os.link(path, folder / Path(path).name)
-        return epoch(data.table_dataset(str(folder), batch_size=batch_size, shuffle=shuffle, seed=0, rank=0, world_size=1))
+        return epoch(data.table_dataset(str(folder), batch_size=batch_size, shuffle=shuffle, seed=0, rank=0, world_size=1), started)
     if name == "pyarrow_to_batches":
         import pyarrow.dataset as pads
 
@@ -98,7 +109,7 @@ def run_peer(name: str, uri: str, batch_size: int, shuffle: bool, work: Path) ->
                         record = record.take(order)
                     yield {c: torch.from_numpy(record.column(c).to_numpy()) for c in record.schema.names}
 
-        return epoch(batches())
+        return epoch(batches(), started)
     if name == "ray_data":
         import ray
 
@@ -106,20 +117,17 @@ def run_peer(name: str, uri: str, batch_size: int, shuffle: bool, work: Path) ->
         try:
             ds = ray.data.read_parquet(parquet_files(uri))
             options = {"local_shuffle_buffer_size": 8 * batch_size, "local_shuffle_seed": 0} if shuffle else {}
-            return epoch(ds.iter_torch_batches(batch_size=batch_size, **options))
+            return epoch(ds.iter_torch_batches(batch_size=batch_size, **options), started)
         finally:
             ray.shutdown()
     if name == "mds_with_conversion":
         from sparkgpu import data
 
-        started = time.perf_counter()
         out = work / f"mds-{time.time_ns()}"
         data.to_mds(uri, str(out))
         converted = time.perf_counter() - started
-        result = epoch(data.dataset(local=str(out), batch_size=batch_size, shuffle=shuffle, seed=0, rank=0, world_size=1))
-        total = converted + result["seconds"]
-        return dict(result, conversion_s=converted, seconds=total, rows_per_s=result["rows"] / total,
-                    epoch_only_rows_per_s=result["rows_per_s"])
+        result = epoch(data.dataset(local=str(out), batch_size=batch_size, shuffle=shuffle, seed=0, rank=0, world_size=1), started)
+        return dict(result, conversion_s=converted)
     raise ValueError(name)
 
 
@@ -146,7 +154,9 @@ def main(argv=None) -> None:
     parser.add_argument("--batch-size", type=int, default=4096)
     parser.add_argument("--peers", default=",".join(PEERS))
     parser.add_argument("--work-dir", default=None)
+    parser.add_argument("--repeats", type=int, default=3, help="epochs per peer and order, each in a fresh process")
     parser.add_argument("--no-save", action="store_true", help="print the results only")
+    parser.add_argument("--out", default=str(RESULTS / "table.json"))
     parser.add_argument("--peer", help=argparse.SUPPRESS)
     parser.add_argument("--uri", help=argparse.SUPPRESS)
     parser.add_argument("--shuffle", action="store_true", help=argparse.SUPPRESS)
@@ -158,27 +168,77 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(dir=args.work_dir) as scratch:
         work = Path(scratch)
         uri = prepare(work, args.rows)
-        results = {"rows": args.rows, "batch_size": args.batch_size, "machine": platform.node(), "cpus": os.cpu_count(),
+        facts = machine()
+        results = {"rows": args.rows, "batch_size": args.batch_size, "repeats": args.repeats,
                    "ceiling_sequential_read": sequential_read(uri), "peers": {}}
         table_bytes = results["ceiling_sequential_read"]["bytes"]
-        for shuffle in (False, True):
-            for peer in args.peers.split(","):
-                command = [sys.executable, __file__, "--peer", peer, "--uri", uri, "--batch-size", str(args.batch_size),
-                           "--work-dir", str(work)] + (["--shuffle"] if shuffle else [])
-                done = subprocess.run(command, capture_output=True, text=True, check=False)
-                if done.returncode != 0:
-                    result = {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
-                else:
-                    result = json.loads(done.stdout.strip().splitlines()[-1])
-                    result["mb_per_s_of_parquet"] = table_bytes / result["seconds"] / 1e6
-                key = f"{peer}{' shuffled' if shuffle else ''}"
-                results["peers"][key] = result
-                print(f"{key:36s} " + (f"{result['rows_per_s']:>12,.0f} rows/s  {result['seconds']:6.2f} s"
-                                       if "error" not in result else result["error"]), flush=True)
+        runs: dict[str, list[dict]] = {}
+        peers = args.peers.split(",")
+        for repeat in range(args.repeats):
+            for shuffle in (False, True):
+                for peer in peers if repeat % 2 == 0 else peers[::-1]:
+                    command = [sys.executable, __file__, "--peer", peer, "--uri", uri, "--batch-size", str(args.batch_size),
+                               "--work-dir", str(work)] + (["--shuffle"] if shuffle else [])
+                    done = subprocess.run(command, capture_output=True, text=True, check=False)
+                    key = f"{peer}{' shuffled' if shuffle else ''}"
+                    if done.returncode != 0:
+                        result = {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
+                    else:
+                        result = json.loads(done.stdout.strip().splitlines()[-1])
+                    runs.setdefault(key, []).append(result)
+                    print(f"repeat {repeat} {key:36s} " + (f"start-up {result['startup_s']:6.2f} s, then {result['rows_per_s']:>12,.0f} rows/s"
+                                                            if "error" not in result else result["error"]), flush=True)
+        for key, attempts in runs.items():
+            ok = [r for r in attempts if "error" not in r]
+            if not ok:
+                results["peers"][key] = attempts[-1]
+                continue
+            steady = spread([r["rows_per_s"] for r in ok], higher_is_better=True)
+            startup = spread([r["startup_s"] for r in ok])
+            whole = spread([r["rows_per_s_including_startup"] for r in ok], higher_is_better=True)
+            results["peers"][key] = {
+                "rows": ok[0]["rows"], "rows_per_s": steady["median"], "rows_per_s_spread": steady,
+                "startup_s": startup["median"], "first_batch_s": startup["median"], "startup_s_spread": startup,
+                "rows_per_s_including_startup": whole["median"], "rows_per_s_including_startup_spread": whole,
+                "mb_per_s_of_parquet_steady": table_bytes * steady["median"] / ok[0]["rows"] / 1e6,
+                "failed_runs": len(attempts) - len(ok),
+                **({"conversion_s": spread([r["conversion_s"] for r in ok])["median"]} if "conversion_s" in ok[0] else {}),
+            }
+        results["workers"] = {
+            "table_dataset": "the main process (no loader workers)",
+            "pyarrow_to_batches": "the main process; pyarrow's own thread pool decodes",
+            "ray_data": f"ray.init(num_cpus={os.cpu_count()}): Ray's default of one worker per core",
+            "mds_with_conversion": "the main process",
+        }
+        results["method"] = method(
+            "one epoch per fresh process, from the reader's construction to its last batch",
+            startup="imports and construction to first batch (ray.init included for Ray, to_mds included for the MDS path), "
+                    "apart as startup_s; rows_per_s is the steady rate after the first batch",
+            repeats=args.repeats, statistic="median over repeats of each figure",
+            order="peers alternate order per repeat")
+        results["ratios"] = _ratios(results["peers"])
+        results["machine"] = load_seen(facts)
     print(f"{'ceiling: sequential read':36s} {results['ceiling_sequential_read']['mb_per_s']:,.0f} MB/s of Parquet")
+    for key, value in results["ratios"].items():
+        print(f"  {key:60s} {value if isinstance(value, str) else f'{value:.2f}'}")
     if not args.no_save:
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "table.json").write_text(json.dumps(results, indent=2))
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=2))
+
+
+def _ratios(peers: dict) -> dict:
+    out: dict[str, object] = {"method": "medians over repeats; steady = rows after the first batch over the time after it"}
+    for suffix in ("", " shuffled"):
+        ours = peers.get(f"table_dataset{suffix}", {})
+        for peer in ("pyarrow_to_batches", "ray_data"):
+            theirs = peers.get(f"{peer}{suffix}", {})
+            if "rows_per_s" in ours and "rows_per_s" in theirs:
+                out[f"table_dataset / {peer}{suffix}, steady"] = ours["rows_per_s"] / theirs["rows_per_s"]
+                out[f"table_dataset / {peer}{suffix}, start-up counted"] = (ours["rows_per_s_including_startup"]
+                                                                            / theirs["rows_per_s_including_startup"])
+                out[f"{peer} / table_dataset{suffix}, start-up"] = theirs["startup_s"] / ours["startup_s"]
+    return out
 
 
 if __name__ == "__main__":
