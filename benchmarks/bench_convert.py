@@ -21,7 +21,10 @@ Floors and ceilings measured in the same run:
   * encode only: the sparkgpu encoder over the in-memory table, nothing written
   * one sequential write of the same number of bytes from one buffer
 
-    python benchmarks/bench_convert.py [--rows 200000 1000000] [--repeats 3] [--peer-repeats 2]
+Every path, peer, floor and ceiling runs ``--repeats`` times (the same count for all),
+round-robin; rows_per_s and every ratio come from medians, the best run beside them.
+
+    python benchmarks/bench_convert.py [--rows 200000 1000000] [--repeats 3]   # about 15 minutes on 2 cores
 
 Writes benchmarks/results/convert.json and convert.png.
 """
@@ -31,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -51,6 +53,8 @@ from sparkgpu.data.convert.spark import SparkSource  # noqa: E402
 from sparkgpu.data.mds.writer import ShardOptions  # noqa: E402
 from sparkgpu.data.mds.encoding import encode_batch, plan_columns  # noqa: E402
 from sparkgpu.store import Store  # noqa: E402
+
+from common import load_seen, machine, method  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 FLOATS = 32
@@ -86,7 +90,7 @@ class Case:
 
 def measure(cases: list[Case], rows: int, scratch: Path) -> dict:
     """Runs the cases round-robin (so a burst of load elsewhere hits every peer alike) and
-    reports the best and the median run of each; checks every row was written."""
+    reports the median (rows_per_s) and the best run of each; checks every row was written."""
     for round_ in range(max(c.repeats for c in cases)):
         for case in cases:
             if round_ >= case.repeats:
@@ -106,14 +110,14 @@ def measure(cases: list[Case], rows: int, scratch: Path) -> dict:
             "seconds": [round(x, 4) for x in case.seconds],
             "best_s": round(best, 4),
             "median_s": round(median, 4),
-            "rows_per_s": round(rows / best),
-            "rows_per_s_median": round(rows / median),
+            "rows_per_s": round(rows / median),
+            "rows_per_s_best": round(rows / best),
         }
         if case.output_bytes:
             result["output_bytes"] = case.output_bytes
-            result["mb_per_s"] = round(case.output_bytes / best / 1e6, 1)
+            result["mb_per_s"] = round(case.output_bytes / median / 1e6, 1)
         results[case.label] = result
-        print(f"{case.label:50s} best {best:8.3f} s  {rows / best:12,.0f} rows/s   median {median:8.3f} s", flush=True)
+        print(f"{case.label:50s} median {median:8.3f} s  {rows / median:12,.0f} rows/s   best {best:8.3f} s", flush=True)
     return results
 
 
@@ -230,7 +234,7 @@ def peers_on_spark(spark, parquet_dir: str, rows: int, repeats: int, peer_repeat
         rows,
         scratch,
     )
-    results["sparkgpu to_mds(spark_df)"]["of_which_fingerprint_s"] = round(min(fingerprint_seconds), 4)
+    results["sparkgpu to_mds(spark_df)"]["of_which_fingerprint_s"] = round(statistics.median(fingerprint_seconds), 4)
     return results
 
 
@@ -282,7 +286,7 @@ def sequential_write(nbytes: int, repeats: int, rows: int, scratch: Path) -> dic
     label = "ceiling: one sequential write of the same bytes"
     result = measure([Case(label, write, repeats, writes_dataset=False)], rows, scratch)[label]
     result["output_bytes"] = nbytes
-    result["mb_per_s"] = round(nbytes / result["best_s"] / 1e6, 1)
+    result["mb_per_s"] = round(nbytes / result["median_s"] / 1e6, 1)
     return result
 
 
@@ -326,8 +330,8 @@ def one_size(spark, rows: int, args, runs: Path) -> dict:
     write_deltalake(str(delta_dir), table)
     results = {}
     if spark is not None:
-        results.update(peers_on_spark(spark, str(parquet_dir), rows, args.repeats, args.peer_repeats, runs))
-    results.update(local_peers(table, str(parquet_dir), str(delta_dir), args.repeats, args.peer_repeats, runs))
+        results.update(peers_on_spark(spark, str(parquet_dir), rows, args.repeats, args.repeats, runs))
+    results.update(local_peers(table, str(parquet_dir), str(delta_dir), args.repeats, args.repeats, runs))
     output_bytes = results["sparkgpu to_mds(arrow table)"]["output_bytes"]
     results["ceiling: one sequential write of the same bytes"] = sequential_write(output_bytes, args.repeats, rows, runs)
     shutil.rmtree(source_dir, ignore_errors=True)
@@ -359,13 +363,12 @@ def one_size(spark, rows: int, args, runs: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[200_000, 1_000_000])
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each sparkgpu path and floor")
-    parser.add_argument("--peer-repeats", type=int, default=2, help="runs of the slow peers")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of every path, peer, floor and ceiling alike")
     parser.add_argument("--skip-spark", action="store_true")
     parser.add_argument("--output", default=str(RESULTS / "convert.json"))
     args = parser.parse_args()
 
-    load_before = os.getloadavg()
+    facts = machine()
     scratch = Path(tempfile.mkdtemp(prefix="bench-convert-"))
     spark = None if args.skip_spark else spark_session()
     sizes = {}
@@ -386,13 +389,13 @@ def main() -> None:
             "columns": f"{FLOATS} float32 + 1 int64 ({FLOATS * 4 + 8} bytes per row)",
             "spark": "Spark Connect local[2], DataFrame = spark.read.parquet of 2 files",
             "repeats": args.repeats,
-            "peer_repeats": args.peer_repeats,
-            "cpus": os.cpu_count(),
-            "machine": platform.platform(),
-            "python": platform.python_version(),
-            "note": "peers run round-robin, rows_per_s and ratios from each peer's best run, medians beside them",
-            "load_average_1min_before_after": [round(load_before[0], 1), round(os.getloadavg()[0], 1)],
+            "workers": "Spark Connect local[2] (2 task slots) for every Spark path and peer; the local paths in this process",
         },
+        "method": method("one conversion, from the call to the dataset's last byte written (the index merged)",
+                         startup="inside: each run is a whole conversion", repeats=args.repeats,
+                         statistic="median; the best run beside it (rows_per_s_best)",
+                         order="round-robin: each round runs every case once"),
+        "machine": load_seen(facts),
         "sizes": sizes,
     }
     output = Path(args.output)
