@@ -4,22 +4,29 @@ Question: how many images per second reach the training loop as batches of augme
 (decode + RandomResizedCrop(224) + horizontal flip, batch 256), from a local copy of an
 ImageNet-like set, with the same number of worker processes for every reader?
 
-The set is made here: --images JPEGs of 500x375 (random smooth content plus noise, about
-110 KB each at the default quality), in 10 class folders. Readers, each over the same files:
+The set is made here: --images JPEGs of 500x375 (random smooth content plus noise of
+--noise; the default 24 makes them about 110 KB at quality 90, as ImageNet's average; --noise 10
+gives the 71 KB of earlier runs), in 10 class folders. Readers, each over the same files, each
+decoding as its own docs show (the decoder is recorded per reader in the results):
   * sparkgpu.data.dataset over MDS written by to_mds (JPEG bytes stored as they are),
-    transform= in its worker processes;
-  * streaming.StreamingDataset (the same MDS shards) + torch DataLoader;
-  * litdata StreamingDataLoader over litdata.optimize chunks of the same bytes (skipped when
-    litdata is not installed: pip install litdata);
-  * torchvision ImageFolder + DataLoader over the files themselves.
-Ceiling in the same run: the decode + augmentation alone in a process pool of the same size,
-over the bytes already in memory. Every reader decodes with torchvision.io and augments with
-torchvision.transforms.v2, so only the data path differs.
+    transform= in its worker processes, decoding with sparkgpu.data.decode_image (torchvision.io);
+  * streaming.StreamingDataset (the same MDS shards, whose ``jpeg`` column it decodes to a PIL
+    image) + torch DataLoader: PIL, converted to a tensor;
+  * litdata StreamingDataLoader over litdata.optimize of ``PIL.Image.open(path)`` items, as its
+    docs write images: it stores the file's bytes and decodes them with torchvision.io
+    (decode_jpeg) (skipped when litdata is not installed: pip install litdata);
+  * torchvision ImageFolder + DataLoader over the files themselves, with ImageFolder's default
+    loader: PIL, converted to a tensor.
+Ceiling in the same run: torchvision.io decode + the augmentation alone in a process pool of the
+same size, over the bytes already in memory. Every reader augments the uint8 tensor with the
+same torchvision.transforms.v2 pipeline.
 
-Each reader runs one epoch in a fresh process; the rate is measured from the second batch on
-(start-up is reported apart). Results: benchmarks/results/images.json and images.png.
+Each reader runs one epoch in a fresh process per repeat (--repeats for every reader, the
+readers' order alternating from repeat to repeat). Two figures each: start-up (construction
+to first batch) and the steady rate from the first batch on; ratios divide their medians.
+Results: benchmarks/results/images.json and images.png.
 
-    python benchmarks/bench_images.py             # 20,000 images: several minutes on 8 cores
+    python benchmarks/bench_images.py             # 20,000 images x 3 repeats: about 20 minutes on 2 cores
     python benchmarks/bench_images.py --small     # 768 images, to check it runs end to end
 """
 
@@ -29,7 +36,6 @@ import argparse
 import concurrent.futures
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -37,6 +43,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from common import load_seen, machine, method, spread
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WIDTH, HEIGHT, CLASSES, CROP = 500, 375, 10, 224
@@ -70,23 +78,23 @@ def sparkgpu_transform(sample, rng):
 # The data set.
 
 def _make_one(args):
-    index, folder, quality = args
+    index, folder, quality, noise = args
     from PIL import Image
 
     rng = np.random.default_rng(index)
     coarse = rng.integers(0, 256, (HEIGHT // 25, WIDTH // 25, 3), dtype=np.uint8)
     smooth = np.asarray(Image.fromarray(coarse).resize((WIDTH, HEIGHT), Image.BICUBIC), dtype=np.float32)
-    pixels = (smooth + rng.normal(0, 10, smooth.shape)).clip(0, 255).astype(np.uint8)
+    pixels = (smooth + rng.normal(0, noise, smooth.shape)).clip(0, 255).astype(np.uint8)
     path = Path(folder) / f"class{index % CLASSES}" / f"{index:06d}.jpg"
     Image.fromarray(pixels).save(path, quality=quality)
     return path.stat().st_size
 
 
-def make_images(folder: Path, count: int, quality: int, workers: int) -> list[int]:
+def make_images(folder: Path, count: int, quality: int, workers: int, noise: float) -> list[int]:
     for k in range(CLASSES):
         (folder / f"class{k}").mkdir(parents=True, exist_ok=True)
     with concurrent.futures.ProcessPoolExecutor(workers) as pool:
-        return list(pool.map(_make_one, [(i, str(folder), quality) for i in range(count)], chunksize=64))
+        return list(pool.map(_make_one, [(i, str(folder), quality, noise) for i in range(count)], chunksize=64))
 
 
 def image_files(folder: Path) -> list[tuple[str, int]]:
@@ -104,8 +112,10 @@ def write_mds(files, out: Path) -> None:
 
 
 def _litdata_item(item):
+    from PIL import Image
+
     path, label = item
-    return {"image": Path(path).read_bytes(), "label": label}
+    return {"image": Image.open(path), "label": label}  # litdata keeps a JPEG file's bytes
 
 
 def write_litdata(files, out: Path, workers: int) -> None:
@@ -130,7 +140,7 @@ class _StreamingImages:
             def __getitem__(self, index):
                 from torchvision.transforms.v2.functional import pil_to_tensor
 
-                sample = super().__getitem__(index)  # a PIL image, decoded lazily
+                sample = super().__getitem__(index)  # its jpeg encoding decodes to a PIL image
                 return augment(pil_to_tensor(sample["image"].convert("RGB"))), sample["label"]
 
         return Images(local=local, batch_size=256, shuffle=True)
@@ -139,8 +149,7 @@ class _StreamingImages:
 def streaming_peer(work: Path, batch: int, workers: int):
     import torch
 
-    # Decoding from the stored bytes with torchvision (not PIL) would be the faster choice for
-    # this peer too; the PIL image its reader returns is what a StreamingDataset user gets.
+    # The PIL image its jpeg column decodes to is what its docs hand a StreamingDataset user.
     return torch.utils.data.DataLoader(_StreamingImages(str(work / "mds")), batch_size=batch, num_workers=workers)
 
 
@@ -149,8 +158,8 @@ def litdata_peer(work: Path, batch: int, workers: int):
 
     class Images(litdata.StreamingDataset):
         def __getitem__(self, index):
-            sample = super().__getitem__(index)
-            return decode_and_augment(sample["image"]), sample["label"]
+            sample = super().__getitem__(index)  # a uint8 tensor, decoded by its serializer (torchvision.io)
+            return augment(sample["image"]), sample["label"]
 
     return litdata.StreamingDataLoader(Images(str(work / "litdata"), shuffle=True), batch_size=batch, num_workers=workers)
 
@@ -159,8 +168,10 @@ def imagefolder_peer(work: Path, batch: int, workers: int):
     import torch
     import torchvision
 
-    dataset = torchvision.datasets.ImageFolder(str(work / "images"), loader=lambda p: Path(p).read_bytes(),
-                                               transform=decode_and_augment)
+    from torchvision.transforms.v2.functional import pil_to_tensor
+
+    # ImageFolder's default loader (PIL), as its docs use it.
+    dataset = torchvision.datasets.ImageFolder(str(work / "images"), transform=lambda image: augment(pil_to_tensor(image)))
     return torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=True, num_workers=workers)
 
 
@@ -191,6 +202,13 @@ def ceiling(work: Path, batch: int, workers: int) -> dict:
 
 
 READERS = {"sparkgpu": ours, "streaming": streaming_peer, "litdata": litdata_peer, "imagefolder": imagefolder_peer}
+DECODERS = {
+    "ceiling": "torchvision.io.decode_image",
+    "sparkgpu": "torchvision.io (sparkgpu.data.decode_image)",
+    "streaming": "PIL (its MDS jpeg encoding), then pil_to_tensor",
+    "litdata": "torchvision.io.decode_jpeg (its JPEG serializer)",
+    "imagefolder": "PIL (ImageFolder's default loader), then pil_to_tensor",
+}
 
 
 def measure(name: str, work: Path, batch: int, workers: int) -> dict:
@@ -200,14 +218,16 @@ def measure(name: str, work: Path, batch: int, workers: int) -> dict:
     iterator = iter(READERS[name](work, batch, workers))
     first = next(iterator)
     startup = time.perf_counter() - started
-    images, window = 0, time.perf_counter()
+    images, window = len(first["image"] if isinstance(first, dict) else first[0]), time.perf_counter()
+    first_images = images
     for item in iterator:
         images_tensor = item["image"] if isinstance(item, dict) else item[0]
         assert images_tensor.shape[1:] == (3, CROP, CROP), images_tensor.shape
         images += len(images_tensor)
     seconds = time.perf_counter() - window
     del first
-    return {"images_per_s": images / seconds if seconds else None, "images": images, "seconds": seconds, "startup_s": startup}
+    return {"images_per_s": (images - first_images) / seconds if seconds else None, "images": images, "seconds": seconds,
+            "startup_s": startup, "images_per_s_including_startup": images / (seconds + startup)}
 
 
 def plot(results: dict, path: Path) -> None:
@@ -233,6 +253,8 @@ def main(argv=None) -> None:
     parser.add_argument("--images", type=int, default=20_000)
     parser.add_argument("--small", action="store_true", help="768 images: a quick end-to-end check")
     parser.add_argument("--quality", type=int, default=90, help="JPEG quality of the made images")
+    parser.add_argument("--noise", type=float, default=24.0, help="pixel noise: 24 makes ~110 KB JPEGs, 10 about 71 KB")
+    parser.add_argument("--repeats", type=int, default=3, help="epochs per reader, each in a fresh process")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)))
     parser.add_argument("--work-dir", default=None, help="where the images and shards go (default: system temp)")
@@ -253,32 +275,59 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="sparkgpu-bench-images-", dir=args.work_dir) as tmp:
         work = Path(tmp)
         started = time.perf_counter()
-        sizes = make_images(work / "images", count, args.quality, args.workers)
+        sizes = make_images(work / "images", count, args.quality, args.workers, args.noise)
         files = image_files(work / "images")
         write_mds(files, work / "mds")
         if "litdata" in readers:
             write_litdata(files, work / "litdata", args.workers)
         print(f"made {count} JPEGs of {WIDTH}x{HEIGHT}, {np.mean(sizes) / 1e3:.0f} KB on average, "
               f"and their shards in {time.perf_counter() - started:.0f} s", flush=True)
-        results = {"images": count, "mean_jpeg_kb": float(np.mean(sizes) / 1e3), "batch_size": args.batch_size,
-                   "workers": args.workers, "cpu_count": os.cpu_count(), "platform": platform.platform(), "readers": {}}
-        for name in readers:
-            command = [sys.executable, __file__, "--reader", name, "--work-dir", str(work),
-                       "--batch-size", str(args.batch_size), "--workers", str(args.workers)]
-            done = subprocess.run(command, capture_output=True, text=True)
-            lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-            if done.returncode or not lines:
-                print(f"  {name}: failed\n{done.stderr[-3000:]}", flush=True)
-                results["readers"][name] = {"error": done.stderr[-3000:]}
+        facts = machine()
+        results = {"images": count, "mean_jpeg_kb": float(np.mean(sizes) / 1e3), "noise": args.noise, "quality": args.quality,
+                   "batch_size": args.batch_size, "workers": args.workers, "repeats": args.repeats,
+                   "workers_per_reader": {name: args.workers for name in readers}, "readers": {}}
+        runs: dict[str, list[dict]] = {name: [] for name in readers}
+        for repeat in range(args.repeats):
+            for name in readers if repeat % 2 == 0 else readers[::-1]:
+                command = [sys.executable, __file__, "--reader", name, "--work-dir", str(work),
+                           "--batch-size", str(args.batch_size), "--workers", str(args.workers)]
+                done = subprocess.run(command, capture_output=True, text=True)
+                lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+                if done.returncode or not lines:
+                    print(f"  {name}: failed\n{done.stderr[-3000:]}", flush=True)
+                    runs[name].append({"error": done.stderr[-3000:]})
+                    continue
+                result = json.loads(lines[-1][len("RESULT "):])
+                runs[name].append(result)
+                print(f"  repeat {repeat} {name:12s} {result['images_per_s']:10,.0f} images/s  "
+                      f"(start-up {result['startup_s'] or 0:.1f} s)", flush=True)
+        for name, attempts in runs.items():
+            ok = [r for r in attempts if "error" not in r]
+            if not ok:
+                results["readers"][name] = {"error": attempts[-1]["error"], "decoder": DECODERS[name]}
                 continue
-            result = json.loads(lines[-1][len("RESULT "):])
-            results["readers"][name] = result
-            print(f"  {name:12s} {result['images_per_s']:10,.0f} images/s  (start-up {result['startup_s'] or 0:.1f} s)", flush=True)
+            steady = spread([r["images_per_s"] for r in ok], higher_is_better=True)
+            row = {"images_per_s": steady["median"], "images_per_s_spread": steady, "images": ok[0]["images"],
+                   "decoder": DECODERS[name], "failed_runs": len(attempts) - len(ok)}
+            if ok[0]["startup_s"] is not None:
+                row["startup_s"] = spread([r["startup_s"] for r in ok])["median"]
+                row["startup_s_spread"] = spread([r["startup_s"] for r in ok])
+                row["images_per_s_including_startup"] = spread([r["images_per_s_including_startup"] for r in ok])["median"]
+            else:
+                row["startup_s"] = None
+            results["readers"][name] = row
+        results["method"] = method(
+            "one epoch per fresh process; the ceiling times its pool's map after the pool has started",
+            startup="construction to first batch, apart as startup_s; images_per_s counts from the first batch on",
+            repeats=args.repeats, statistic="median over repeats", order="readers alternate order per repeat",
+            workers=f"{args.workers} worker processes for every reader and the ceiling")
+        results["machine"] = load_seen(facts)
     rates = {k: v.get("images_per_s") for k, v in results["readers"].items() if v.get("images_per_s")}
     peers = [v for k, v in rates.items() if k not in ("sparkgpu", "ceiling")]
     if "sparkgpu" in rates:
         results["vs_best_peer"] = rates["sparkgpu"] / max(peers) if peers else None
         results["of_ceiling"] = rates["sparkgpu"] / rates["ceiling"] if "ceiling" in rates else None
+        results["ratios_method"] = "medians of the steady rate (from the first batch on), the same repeats for every reader"
         print(f"sparkgpu: {results['vs_best_peer'] or 0:.2f}x the best peer, {results['of_ceiling'] or 0:.0%} of the ceiling")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
