@@ -6,17 +6,22 @@ the known order, in parallel, ahead of the reader), and what does the cache buy 
 The volume is a real HTTP server on loopback (Python's ThreadingHTTPServer in its own
 process, answering byte-range requests as object stores and nginx do) serving MDS shards of
 tabular samples (32 float32 + 1 int64). Measured in one run:
-  * ceiling: the volume's raw rate, all shard files fetched whole by an independent plain
-    client (http.client, one keep-alive connection per thread, as many threads as the
-    loader uses, and one thread), not by this project's downloader;
+  * ceiling: the volume's raw rate, the same shard files fetched by an independent plain
+    client (http.client, one keep-alive connection per thread), not by this project's
+    downloader, doing what the loader does: the same number of connections (--threads) and
+    the same byte ranges (each file cut by ``part_bytes_for`` with the link's bytes in
+    flight, as the loader cuts it once its first answer has measured the link), each range
+    written to its place in a local file; and one connection fetching whole files, apart;
   * sparkgpu.data.dataset: epoch 1 (cold cache, everything comes over HTTP) and epoch 2
     (from the cache), through sparkgpu.data.report.volume_report; each of the --repeats
     runs measures the raw rate right before its epoch 1, and the score is each run's own
     epoch 1 / raw ratio (best and median reported, the target judged on the median);
-  * peer: streaming.StreamingDataset reading the same shards straight from the volume
-    (StreamingDataset has no http:// downloader: the benchmark registers a plain urllib one,
-    like its S3/GCS downloaders wrap their SDKs), with a torch DataLoader, for at most
-    --peer-seconds of its epoch 1.
+  * no peer. Mosaic Streaming's StreamingDataset was one, with a downloader written by this
+    benchmark (it has none for http://), 2 DataLoader workers against the loader's 8
+    connections and 20 s of a partial epoch: not how its docs set it up. Its own path is an
+    s3:// remote read with boto3; measuring it needs the MDS shards on the S3 server of
+    ``--table`` with the same connection count, which is not built yet. Its rate from a
+    local cache is in bench_loader.py.
 Two profiles: ``loopback`` (the server as it is) and ``s3-like`` (a TCP proxy in front of it,
 in its own process: 30 ms before each request reaches the server, 100 MB/s per connection
 for the answers; what a training node sees of an object store). Every client, the raw
@@ -28,7 +33,7 @@ With ``--table`` the same rows are a Delta table (64k-row groups) read by
 sparkgpu.data.table_dataset from ``s3://``: an S3-protocol server (moto) on loopback, behind
 the same proxy in the s3-like profile, reached by deltalake, pyarrow and the object-store
 client as they reach S3. The raw download is the same plain http.client GET of the table's
-data files (path-style S3 URLs); results in volume-table[-s3-like].json. No peer: the
+data files (path-style S3 URLs), as ranges cut as above; results in volume-table[-s3-like].json. No peer: the
 table peers are in bench_table.py.
 
     python benchmarks/bench_volume.py                     # about 1-2 minutes on 2 cores
@@ -44,7 +49,6 @@ import concurrent.futures
 import http.client
 import json
 import os
-import platform
 import shutil
 import statistics
 import tempfile
@@ -56,43 +60,84 @@ from pathlib import Path
 
 import numpy as np
 
+from common import load_seen, machine, method
 from sparkgpu.testing.simulated_link import PROFILES, serve_folder, start_proxy
 
 ROW_BYTES = 32 * 4 + 8
+STREAMING_DROPPED = ("Mosaic Streaming has no http:// downloader; its documented remote path (s3:// through boto3) "
+                     "needs the MDS shards on the S3 server with the loader's connection count, not built yet; "
+                     "its rate from a local cache is in bench_loader.py")
 RESULTS = Path(__file__).resolve().parent / "results"
 
-def plain_parallel_download(remote: str, files: list[str], threads: int, target: Path) -> dict:
-    """The volume's raw rate: whole-file GETs with http.client in ``threads`` threads, written to disk.
+def plain_parallel_download(remote: str, files: list[str], threads: int, target: Path, in_flight: int = 0,
+                            ranges: bool = True) -> dict:
+    """The volume's raw rate: ``files`` fetched with http.client in ``threads`` threads, to disk.
 
-    Each thread keeps one keep-alive connection, as any HTTP client library would; the bytes
-    go to files under ``target`` as the loader's go to its cache.
+    Each thread keeps one keep-alive connection. With ``ranges``, every file is cut into byte
+    ranges as the loader cuts it (:func:`part_bytes_for` of its size, ``threads`` and the
+    link's ``in_flight`` bytes), all ranges queued in file order, each written to its place in
+    the file; without, files are fetched whole. Sizes are asked with HEAD before the clock starts.
     """
+    from sparkgpu.data.storage.volume import part_bytes_for
+
     parsed = urllib.parse.urlsplit(remote)
     local = threading.local()
 
-    def fetch(item):
-        number, name = item
+    def connection():
         if not hasattr(local, "connection"):
             local.connection = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=60)
-        local.connection.request("GET", f"{parsed.path}/{name}")
-        response = local.connection.getresponse()
-        if response.status != 200:
+        return local.connection
+
+    def size_of(name):
+        connection().request("HEAD", f"{parsed.path}/{name}")
+        response = connection().getresponse()
+        response.read()
+        return int(response.headers["Content-Length"])
+
+    def fetch(item):
+        number, name, start, end = item
+        headers = {"Range": f"bytes={start}-{end - 1}"} if end is not None else {}
+        connection().request("GET", f"{parsed.path}/{name}", headers=headers)
+        response = connection().getresponse()
+        if response.status not in (200, 206):
             raise RuntimeError(f"GET {remote}/{name} answered {response.status} {response.reason}")
         buffer = memoryview(bytearray(8 << 20))
-        size = 0
-        with open(target / f"{number}.bin", "wb") as out:
+        size, offset = 0, start
+        fd = os.open(target / f"{number}.bin", os.O_WRONLY | os.O_CREAT)
+        try:
             while count := response.readinto(buffer):
-                out.write(buffer[:count])
+                os.pwrite(fd, buffer[:count], offset)
+                offset += count
                 size += count
+        finally:
+            os.close(fd)
         return size
 
     target.mkdir(parents=True, exist_ok=True)
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        sizes = list(pool.map(size_of, files))
+    parts: list[tuple[int, str, int, int | None]] = []
+    part_sizes = []
+    for number, (name, size) in enumerate(zip(files, sizes)):
+        if not ranges:
+            parts.append((number, name, 0, None))
+            continue
+        step = part_bytes_for(size, threads, in_flight)
+        part_sizes.append(step)
+        parts += [(number, name, begin, min(begin + step, size)) for begin in range(0, size, step)]
     started = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        total = sum(pool.map(fetch, enumerate(files)))
+        total = sum(pool.map(fetch, parts))
     seconds = time.perf_counter() - started
     shutil.rmtree(target, ignore_errors=True)
-    return {"client": "http.client", "threads": threads, "bytes": total, "seconds": seconds, "mb_per_s": total / seconds / 1e6}
+    return {"client": "http.client", "threads": threads, "connections": threads, "requests": len(parts),
+            "range_bytes": sorted(set(part_sizes)) if ranges else "whole files", "bytes": total, "seconds": seconds,
+            "mb_per_s": total / seconds / 1e6}
+
+
+def in_flight_bytes(profile: dict | None) -> int:
+    """What one connection moves while it waits for a first byte on the profile's link."""
+    return int(profile["latency_s"] * profile["mb_per_s_per_connection"] * 1e6) if profile else 0
 
 
 def write_dataset(path: Path, samples: int, shard_bytes: int, compression) -> None:
@@ -104,45 +149,6 @@ def write_dataset(path: Path, samples: int, shard_bytes: int, compression) -> No
     columns = {f"f{i:02d}": pa.array(rng.random(samples, dtype=np.float32)) for i in range(32)}
     columns["label"] = pa.array(np.arange(samples, dtype=np.int64))
     data.to_mds(pa.table(columns), str(path), size_limit=shard_bytes, hashes=["xxh64"], compression=compression, progress=False)
-
-
-def streaming_from_volume(remote: str, local: Path, batch_size: int, workers: int, seconds: float) -> dict:
-    import torch
-    from streaming import StreamingDataset
-    from streaming.base.storage import download
-    from streaming.base.util import clean_stale_shared_memory
-
-    class HTTPDownloader(download.CloudDownloader):
-        @staticmethod
-        def _client_identifier() -> str:
-            return "http"
-
-        def clean_up(self) -> None:
-            pass
-
-        def _download_file_impl(self, remote: str, local: str, timeout: float) -> None:
-            tmp = local + ".tmp"
-            with urllib.request.urlopen(remote, timeout=timeout) as response, open(tmp, "wb") as out:
-                shutil.copyfileobj(response, out, 8 << 20)
-            os.rename(tmp, local)
-
-    download.DOWNLOADER_MAPPINGS["http"] = HTTPDownloader
-    clean_stale_shared_memory()
-    ds = StreamingDataset(remote=remote, local=str(local), batch_size=batch_size, shuffle=False)
-    loader = torch.utils.data.DataLoader(ds, batch_size=batch_size, num_workers=workers)
-    started, samples = time.perf_counter(), 0
-    for batch in loader:
-        samples += len(batch["label"])
-        if time.perf_counter() - started > seconds:
-            break
-    elapsed = time.perf_counter() - started
-    downloaded = sum(p.stat().st_size for p in local.rglob("shard.*") if p.is_file())
-    result = {"workers": workers, "samples": samples, "seconds": elapsed, "samples_per_s": samples / elapsed,
-              "mb_per_s_delivered": samples * ROW_BYTES / elapsed / 1e6, "mb_per_s_downloaded": downloaded / elapsed / 1e6,
-              "complete_epoch": samples >= ds.num_samples}
-    print(f"  streaming.StreamingDataset from the volume (workers={workers}): {result['samples_per_s']:,.0f} samples/s, "
-          f"{result['mb_per_s_delivered']:.1f} MB/s delivered", flush=True)
-    return result
 
 
 def write_table(path: Path, samples: int) -> None:
@@ -170,7 +176,7 @@ def run_table(args) -> dict:
             http_url = f"{os.environ['AWS_ENDPOINT_URL']}/{url.removeprefix('s3://')}"  # path-style S3 GETs
 
             def raw(names, target):
-                return plain_parallel_download(http_url, names, args.threads, target)
+                return plain_parallel_download(http_url, names, args.threads, target, in_flight_bytes(PROFILES[args.profile]))
 
             runs = [table_report(url, local=work, batch_size=args.batch_size, download_threads=args.threads,
                                  shuffle=args.shuffle, raw_download=raw)
@@ -221,11 +227,11 @@ def run(args) -> dict:
         remote = f"{base}/ds"
         index = json.loads((work / "volume" / "ds" / "index.json").read_text())
         files = [(s.get("zip_data") or s["raw_data"])["basename"] for s in index["shards"]]
-        one_thread = plain_parallel_download(remote, files, 1, work / "raw1")
-        print(f"  raw download, 1 thread: {one_thread['mb_per_s']:.0f} MB/s", flush=True)
+        one_thread = plain_parallel_download(remote, files, 1, work / "raw1", ranges=False)
+        print(f"  raw download, 1 connection, whole files: {one_thread['mb_per_s']:.0f} MB/s", flush=True)
 
         def raw(names, target):
-            return plain_parallel_download(remote, names, args.threads, target)
+            return plain_parallel_download(remote, names, args.threads, target, in_flight_bytes(profile))
 
         # The machine may be shared: each run compares its epoch 1 with the raw rate measured
         # right before it, so a busy moment lowers both sides of that run's ratio.
@@ -233,25 +239,22 @@ def run(args) -> dict:
                               raw_download=raw)
                 for _ in range(args.repeats)]
         report, ratios, median, target = summarize_runs(runs, "sparkgpu", args.threads, profile is not None)
-        peer = streaming_from_volume(remote, work / "streaming-cache", args.batch_size, args.workers, args.peer_seconds)
         results = {
             "profile": {"name": args.profile, **(profile or {})},
             "sparkgpu": report,
             "raw_download_one_thread": one_thread,
-            "streaming_from_volume": peer,
+            "streaming_from_volume": {"dropped": STREAMING_DROPPED},
             "ratios": {
                 "epoch1_vs_raw_parallel_download_per_run": ratios,
                 "epoch1_vs_raw_parallel_download_median": median,
                 "epoch1_vs_raw_parallel_download_best": max(ratios),
                 "epoch2_speedup_over_epoch1_median": statistics.median(run["epoch2_speedup"] for run in runs),
-                "epoch1_over_streaming_from_volume": report["epoch1_from_volume"]["samples_per_s"] / peer["samples_per_s"],
                 "target_epoch1_of_raw": target,
                 "target_met_on_median": median >= target,
             },
         }
         plot_volume_report(report, args.out_png, extra={
-            "raw download (1 thread)": one_thread["mb_per_s"],
-            f"StreamingDataset from the volume (workers={args.workers})": peer["mb_per_s_delivered"],
+            "raw download (1 connection, whole files)": one_thread["mb_per_s"],
         })
         return results
     finally:
@@ -271,8 +274,6 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=8, help="parallel downloads, loader and raw alike")
     parser.add_argument("--shuffle", action="store_true")
     parser.add_argument("--repeats", type=int, default=3, help="runs of raw download + epochs; each run's ratio is reported")
-    parser.add_argument("--workers", type=int, default=2, help="DataLoader workers of the StreamingDataset peer")
-    parser.add_argument("--peer-seconds", type=float, default=20.0)
     parser.add_argument("--profile", choices=sorted(PROFILES), default="loopback",
                         help="s3-like: 30 ms to the first byte and 100 MB/s per connection, through a proxy")
     parser.add_argument("--table", action="store_true", help="a Delta table on S3 read by table_dataset instead of MDS")
@@ -283,9 +284,17 @@ def main(argv=None) -> None:
         name = "volume-table" if args.table else "volume"
         args.out = str(RESULTS / (f"{name}.json" if args.profile == "loopback" else f"{name}-{args.profile}.json"))
     args.out_png = str(Path(args.out).with_suffix(".png"))
+    facts = machine()
     results = run_table(args) if args.table else run(args)
-    results["config"] = {k: v for k, v in vars(args).items() if k not in ("out", "out_png", "work_dir")} | {"row_bytes": ROW_BYTES, "cpus": os.cpu_count(),
-                                                                  "machine": platform.machine(), "python": platform.python_version()}
+    results["config"] = {k: v for k, v in vars(args).items() if k not in ("out", "out_png", "work_dir")} | {"row_bytes": ROW_BYTES}
+    results["machine"] = load_seen(facts)
+    results["connections"] = {"loader": args.threads, "raw_parallel_download": args.threads}
+    results["method"] = method(
+        "epoch 1: the loader's whole first epoch from the volume through a new cache; raw: every file's bytes as "
+        "ranges cut as the loader cuts them, on the same number of connections, written to local files",
+        startup="inside epoch 1 (its first batch waits for the first file); first_batch_s beside it",
+        repeats=args.repeats, statistic="median over runs of each run's epoch 1 / its own raw download (taken just before)",
+        range_sizing="part_bytes_for(size, connections, latency x per-connection rate) for loader and raw alike")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2, default=str))
     print(f"wrote {args.out} and {args.out_png}")
