@@ -21,7 +21,12 @@ Floor measured in the same run: a fresh ``python`` that imports torch and loads 
 checkpoint bytes with ``torch.load``, twice in parallel — what any restart that starts new
 processes pays once it has decided to restart (failure detection and rendezvous excluded).
 
-    python benchmarks/bench_restart.py [--size-mb 256] [--repeats 3]
+Every side runs ``--repeats`` times (default 9), the sides' order reversed every other repeat so
+drift on a shared machine hits every side alike. Medians are quoted with the spread (quartiles,
+min, max, every run); ``medians_separated`` says whether two sides' interquartile ranges do not
+overlap. A torchrun run whose restart aborted is run again and listed, not timed.
+
+    python benchmarks/bench_restart.py [--size-mb 256] [--repeats 9]   # about 8 minutes on 2 cores
 
 Writes benchmarks/results/restart.json.
 """
@@ -31,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -41,6 +45,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import load_seen, machine, method, separated, spread  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 KILL_STEP = 3
@@ -209,7 +215,8 @@ def cold_backend():
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-mb", type=int, default=256, help="model + optimizer state size")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=9, help="runs of every side, the same count for all")
+    parser.add_argument("--out", default=str(RESULTS / "restart.json"))
     args = parser.parse_args(argv)
 
     peers = {
@@ -220,6 +227,7 @@ def main(argv=None) -> None:
         "floor_process_import_torch_load": lambda work: run_floor(args.size_mb, work),
     }
     samples: dict[str, list[float]] = {name: [] for name in peers}
+    facts = machine()
     with tempfile.TemporaryDirectory(prefix="bench-restart-") as tmp:
         os.environ["SPARKGPU_HOME"] = str(Path(tmp) / "home")
         os.environ.setdefault("SPARKGPU_TRACKING", "0")  # restart latency only; tracking is measured apart
@@ -227,21 +235,36 @@ def main(argv=None) -> None:
 
         try:
             run_sparkgpu(args.size_mb, Path(tmp), "pool")  # starts the warm pool: its start is not a restart
+            names = list(peers)
             for repeat in range(args.repeats):
-                for name, fn in peers.items():  # round-robin, so drift on a shared machine hits every peer
-                    samples[name].append(fn(Path(tmp)))
+                # Round-robin, the order reversed every other repeat: drift and whatever a side
+                # leaves behind (page cache, a dying process) hit every side alike.
+                for name in names if repeat % 2 == 0 else names[::-1]:
+                    samples[name].append(peers[name](Path(tmp)))
                     print(f"repeat {repeat} {name}: {samples[name][-1]:.2f} s", flush=True)
         finally:
             stop_pool()  # the pool would outlive the run for an hour, in a deleted SPARKGPU_HOME
 
     medians = {name: statistics.median(values) for name, values in samples.items()}
+    spreads = {name: spread(values) for name, values in samples.items()}
     result = {
         "question": "restart -> first resumed step after SIGKILL of a rank (2 gloo ranks on CPU)",
         "state_mb": args.size_mb,
         "kill_step": KILL_STEP,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": load_seen(facts),
         "seconds": samples,
         "median_seconds": medians,
+        "spread_seconds": spreads,
+        "medians_separated": {
+            "sparkgpu vs torchrun_torch_save": separated(spreads["sparkgpu"], spreads["torchrun_torch_save"]),
+            "sparkgpu_warm_pool vs torchrun_torch_save": separated(spreads["sparkgpu_warm_pool"], spreads["torchrun_torch_save"]),
+            "sparkgpu vs sparkgpu_no_standby": separated(spreads["sparkgpu"], spreads["sparkgpu_no_standby"]),
+        },
+        "method": method("SIGKILL of a rank to the restarted job's first step after restoring the checkpoint",
+                         startup="inside: the restart is what is timed; the warm pool is started once before the repeats",
+                         repeats=args.repeats, statistic="median, with quartiles and every run",
+                         order="sides round-robin, the order reversed every other repeat",
+                         ranks="2 gloo ranks on CPU for every side"),
         "torchrun_failed_restarts": {"count": len(TORCHRUN_FAILURES), "timed_runs": args.repeats,
                                      "what_the_ranks_said": TORCHRUN_FAILURES},
         "ratios": {
@@ -251,10 +274,13 @@ def main(argv=None) -> None:
             "sparkgpu_no_standby_over_sparkgpu": medians["sparkgpu_no_standby"] / medians["sparkgpu"],
         },
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "restart.json").write_text(json.dumps(result, indent=2) + "\n")
-    for name, value in medians.items():
-        print(f"{name:34s} {value:6.2f} s")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    for name, value in spreads.items():
+        print(f"{name:34s} median {value['median']:6.2f} s  (quartiles {value['q1']:.2f}-{value['q3']:.2f}, "
+              f"runs {value['min']:.2f}-{value['max']:.2f})")
+    print(json.dumps(result["medians_separated"], indent=2))
 
 
 if __name__ == "__main__":
