@@ -17,11 +17,11 @@ in-memory array, and a sequential read of the cache files. A last section reads 
 columns (token lists and text) with the C span gather and with its numpy version.
 
 Each peer runs in a fresh process; its rate is measured over --repeats windows of --seconds
-after the first batch (start-up is reported apart), and the best window is compared (the
-median is recorded too: the machine may be shared). Results: benchmarks/results/loader.json
+after the first batch (start-up is reported apart), and the median window is compared (the
+best is recorded beside it). Results: benchmarks/results/loader.json
 and loader.png.
 
-    python benchmarks/bench_loader.py                 # about 2-3 minutes on 2 cores
+    python benchmarks/bench_loader.py                 # about 5 minutes on 2 cores
     python benchmarks/bench_loader.py --samples 200000 --seconds 0.5 --repeats 1   # a quick look
 """
 
@@ -42,6 +42,8 @@ import numpy as np
 import torch
 
 ROW_BYTES = 32 * 4 + 8
+from common import load_seen, machine, method  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -111,8 +113,8 @@ def warm(folder: Path) -> int:
 def timed(batches, count, seconds: float, repeats: int, label: str) -> dict:
     """Rates over ``repeats`` windows of ``seconds`` each, after the first batch.
 
-    The machine may be shared: the best window says what the code can do, the median how
-    steady it is; both are recorded, ratios use the best.
+    The machine may be shared: the median window is quoted and every ratio divides medians;
+    the best window is recorded beside it.
     """
     started = time.perf_counter()
     iterator = iter(batches)
@@ -127,8 +129,8 @@ def timed(batches, count, seconds: float, repeats: int, label: str) -> dict:
                 break
         rates.append(samples / (time.perf_counter() - window_start))
     best, median = max(rates), float(np.median(rates))
-    print(f"  {label:52s} {best:14,.0f} samples/s  {best * ROW_BYTES / 1e9:6.3f} GB/s  (median {median:,.0f}; start-up {startup:.2f} s)", flush=True)
-    return {"samples_per_s": best, "median_samples_per_s": median, "gb_per_s": best * ROW_BYTES / 1e9, "window_rates": rates,
+    print(f"  {label:52s} {median:14,.0f} samples/s  {median * ROW_BYTES / 1e9:6.3f} GB/s  (best {best:,.0f}; start-up {startup:.2f} s)", flush=True)
+    return {"samples_per_s": median, "best_samples_per_s": best, "gb_per_s": median * ROW_BYTES / 1e9, "window_rates": rates,
             "startup_s": startup, "label": label}
 
 
@@ -379,7 +381,7 @@ def main(argv=None) -> None:
     parser.add_argument("--litdata-samples", type=int, default=100_000)
     parser.add_argument("--var-samples", type=int, default=100_000, help="samples of the variable-width dataset (0: skip)")
     parser.add_argument("--batch-size", type=int, default=1024)
-    parser.add_argument("--seconds", type=float, default=1.5, help="length of one measuring window")
+    parser.add_argument("--seconds", type=float, default=3.0, help="length of one measuring window (a few seconds)")
     parser.add_argument("--repeats", type=int, default=3, help="measuring windows per peer and order")
     parser.add_argument("--peer", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
@@ -391,9 +393,15 @@ def main(argv=None) -> None:
     if args.peer:
         measure_peer(args)
         return
+    facts = machine()
     results = run(args)
     from sparkgpu.data import _gather
 
+    results["machine"] = load_seen(facts)
+    results["method"] = method("--repeats windows of at least --seconds after the first batch, one fresh process per peer and order",
+                               startup="excluded from the windows, reported apart as startup_s",
+                               repeats=args.repeats, statistic="median window (best_samples_per_s beside it)",
+                               workers=f"sparkgpu in-process; the peers' DataLoaders with 0 and {args.workers} workers, named per row")
     config = {k: v for k, v in vars(args).items() if k not in ("peer", "data", "litdata", "out", "work_dir")}
     results["config"] = config | {"row_bytes": ROW_BYTES, "native_built": _gather.native_available(),
                                       "cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version()}
