@@ -23,7 +23,7 @@ from sparkgpu.data.mds.writer import ShardOptions
 from sparkgpu.data.tables.delta import open_delta, row_group_mask
 from sparkgpu.data.tables.filter import KEEP, to_expression
 from sparkgpu.data.tables.paths import is_delta_table, open_parquet_dataset
-from sparkgpu.errors import ConfigurationError, DataError
+from sparkgpu.errors import ConfigurationError
 from sparkgpu.store import Store
 
 __all__ = ["FileSource", "resolve_file_source", "open_files"]
