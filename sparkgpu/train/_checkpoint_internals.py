@@ -141,6 +141,7 @@ class CheckpointerInternals:
         app = {
             "stateful": {name: obj.state_dict() for name, obj in stateful.items()},
             "rng": capture_rng_state() if self.save_rng else None,
+            "buffers": rank_buffers(model) if model is not None else {},
         }
         buffer = io.BytesIO()
         try:
@@ -291,6 +292,8 @@ class CheckpointerInternals:
                     optim_state_dict=template.get("optimizer", {}),
                 )
         app = torch.load(io.BytesIO(template["app"][app_key]), weights_only=False)
+        if model is not None:
+            load_rank_buffers(model, app.get("buffers", {}))
         for name, obj in stateful.items():
             obj.load_state_dict(app["stateful"][name])
         if self.save_rng and app.get("rng") is not None:
@@ -298,6 +301,38 @@ class CheckpointerInternals:
                 restore_rng_state(app["rng"])
             else:
                 logger.warning("rank %d did not exist when step %d was saved: RNG state not restored", self.rank, info.step)
+
+
+def _buffer_key(name: str) -> str:
+    # The same buffer whether the model is wrapped in DDP or torch.compile or not.
+    return ".".join(part for part in name.split(".") if part not in ("module", "_orig_mod"))
+
+
+def rank_buffers(model) -> dict[str, Any]:
+    """This rank's own copies of the model's buffers (batch-norm statistics...).
+
+    DCP saves a tensor that every rank holds under one name once, from one rank; buffers are
+    not replicated like parameters: under DDP each rank updates its batch-norm statistics from
+    its own batch after rank 0's were broadcast, and FSDP does not synchronise them at all. A
+    restart that loaded one rank's copy into every rank would change the statistics the model
+    ends with, so each rank keeps its own beside its other state. Sharded buffers (DTensors)
+    are left to DCP.
+    """
+    from torch.distributed.tensor import DTensor
+
+    return {_buffer_key(name): buf.detach().clone() for name, buf in model.named_buffers()
+            if not isinstance(buf, DTensor)}
+
+
+def load_rank_buffers(model, saved: dict[str, Any]) -> None:
+    """Puts back what :func:`rank_buffers` kept, after DCP loaded the model."""
+    import torch
+
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            value = saved.get(_buffer_key(name))
+            if value is not None and value.shape == buf.shape:
+                buf.copy_(value)
 
 
 def make_stager():
