@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from sparkgpu._files import atomic_write_bytes
+from sparkgpu._report import report
 from sparkgpu.runtime import ENV_RUN_DIR
 from sparkgpu.launch.agent import reported, verify_or_refuse
 from sparkgpu.launch.entrypoint import EXIT_PREEMPTED, _die_with_parent
@@ -193,7 +194,7 @@ class _Zygote:
             if not isinstance(message, dict):
                 raise ValueError(f"expected a JSON object, got {type(message).__name__}")
         except ValueError as exc:
-            print(f"sparkgpu pool: refused a malformed request: {exc}", file=sys.stderr)
+            report(f"pool: refused a malformed request: {exc}")
             request.conn.close()
             return
         request.conn.setblocking(True)  # replies are one short line
@@ -202,7 +203,7 @@ class _Zygote:
         except _StopPool:
             raise
         except Exception as exc:  # one bad request must not take down the other jobs' ranks
-            print(f"sparkgpu pool: request {message.get('op')!r} failed: {exc!r}", file=sys.stderr)
+            report(f"pool: request {message.get('op')!r} failed: {exc!r}")
             request.conn.close()
 
     def _drop_stalled_requests(self) -> None:
@@ -211,7 +212,7 @@ class _Zygote:
             self._drop_request(request, f"sent no complete request within {_REQUEST_TIMEOUT:g}s")
 
     def _drop_request(self, request: _PendingRequest, why: str) -> None:
-        print(f"sparkgpu pool: dropped a client that {why}", file=sys.stderr)
+        report(f"pool: dropped a client that {why}")
         self.selector.unregister(request.conn)
         self.pending.remove(request)
         request.conn.close()
@@ -243,6 +244,7 @@ class _Zygote:
                 conn.close()  # the client reads the end of the connection as a failed attempt
                 return
             air = verified[run_dir.air.name]
+            assert run_dir.key is not None, "verify_or_refuse checked the payload with the job's key"
             env.update(rank_secrets(run_dir.key, env))
             env.update(collective_interface_env("127.0.0.1", env))  # once per job, not in every rank
             store_pid, port = _fork_store(nproc)
@@ -306,7 +308,7 @@ class _Zygote:
             if job.crashed_at is not None and time.monotonic() - job.crashed_at > CRASH_KILL_DELAY:
                 # As the node agent does (rank_exits): a peer that turned SIGTERM into a checkpoint
                 # request can only wait for the crashed rank; ranks that clean up keep the grace.
-                self._kill(job, signal.SIGKILL, only=lambda rank: job.run_dir.file(
+                self._kill(job, signal.SIGKILL, only=lambda rank, job=job: job.run_dir.file(
                     RunLayout.checkpoints_on_sigterm(job.attempt, rank)).exists())
             if job.stopping_since is not None and time.monotonic() - job.stopping_since > job.grace:
                 self._kill(job, signal.SIGKILL)

@@ -35,9 +35,15 @@ import os
 import threading
 import time
 import weakref
+from typing import TYPE_CHECKING
 
 from sparkgpu._modules import imported
 from sparkgpu.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
+    from sparkgpu.tracking.spool import SpoolWriter
 
 __all__ = [
     "log", "log_checkpoint", "OptimizerAutolog", "current_step", "logs_to_job_run", "unrecorded_optimizer_steps",
@@ -54,7 +60,7 @@ _NOT_HYPERPARAMETERS = {"params", "foreach", "capturable", "differentiable", "fu
 class _Session:
     """What this worker process knows about the job it logs into."""
 
-    writer: object  # SpoolWriter
+    writer: SpoolWriter
     rank: int
     world_size: int
     autolog: "OptimizerAutolog | None" = None
@@ -263,7 +269,7 @@ def _hyperparameters(optimizer, prefix: str) -> dict[str, str]:
         values = [_param_value(g.get(key)) for g in groups]
         if all(v is None for v in values):
             continue
-        if len(set(values)) == 1:
+        if len(set(values)) == 1 and values[0] is not None:
             params[f"{prefix}.{key}"] = values[0]
         else:
             for index, value in enumerate(values):
@@ -296,7 +302,7 @@ class OptimizerAutolog:
         self.writer = writer
         self.every_n_steps = every_n_steps
         self._optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._handle = None
+        self._handle: RemovableHandle | None = None
         self.current_step: int | None = None
 
     def install(self) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 from sparkgpu.errors import CheckpointError, ConfigurationError, SparkGPUError
 from sparkgpu.tracking.autolog import unrecorded_optimizer_steps
 from sparkgpu.train._checkpoint_checks import dcp_errors, describe, local_nbytes, save_failed
-from sparkgpu.train._checkpoint_store import CheckpointInfo
+from sparkgpu.train._checkpoint_store import CheckpointInfo, CheckpointStore
 from sparkgpu.train._rng_state import capture_rng_state, restore_rng_state
 
 __all__ = ["CheckpointerInternals", "PendingSave", "make_stager"]
@@ -47,8 +47,31 @@ class CheckpointerInternals:
     """Base class of :class:`~sparkgpu.train.checkpoint.Checkpointer` with its internals.
 
     The methods use the state that ``Checkpointer.__init__`` sets up (the store, the rank,
-    the process groups, the stager, the pending save) and its options.
+    the process groups, the stager, the pending save) and its options, declared here.
     """
+
+    # Options.
+    keep_last: int | None
+    async_save: bool
+    save_rng: bool
+    write_threads: int
+    # What __init__ sets up.
+    _store: CheckpointStore
+    _distributed: bool
+    rank: int
+    world_size: int
+    _control_group: Any  # a torch ProcessGroup, or None without one
+    _save_group: Any
+    _stager: Any  # torch's DefaultStager with async_save
+    _pending: PendingSave | None
+    _flags_in_flight: tuple[Any, Any] | None  # (torch Work, tensor) of the last flag reduction
+    _closed: bool
+    last_write_seconds: float | None
+
+    @property
+    def directory(self) -> str:
+        """The checkpoint directory (path or URL)."""
+        return self._store.directory
 
     # -- internals ---------------------------------------------------------------------
 
@@ -240,6 +263,7 @@ class CheckpointerInternals:
             self._pending = pending
             # Measured before the callback is attached: a save that already finished runs
             # the callback right here, and the marker records the blocking time.
+            assert isinstance(future, Future), "with synchronous staging DCP returns a plain Future"
             future.add_done_callback(functools.partial(self._on_written, pending))
         else:
             error = None

@@ -190,11 +190,6 @@ class Checkpointer(CheckpointerInternals):
         )
 
     @property
-    def directory(self) -> str:
-        """The checkpoint directory (path or URL)."""
-        return self._store.directory
-
-    @property
     def should_stop(self) -> bool:
         """True once :meth:`maybe_save` saved because the job is about to be stopped.
 

@@ -23,7 +23,7 @@ import signal
 import socket
 import subprocess
 import time
-from typing import Any
+from typing import IO, Any
 
 from sparkgpu.catalog import lookup_gpu_type
 from sparkgpu.config import settings
@@ -49,7 +49,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 class LocalAttempt(AttemptHandle):
     attempt: int
     process: subprocess.Popen
-    log: object
+    log: IO[bytes]
     job: JobSpec | None = None
     submitted: float = dataclasses.field(default_factory=time.monotonic)
 
@@ -82,6 +82,7 @@ class EarlyAgent:
     def start(self, env: dict[str, str]) -> LocalAttempt:
         """Hands the agent the rest of the ranks' environment; it starts them."""
         stdin = self.handle.process.stdin
+        assert stdin is not None, "an early agent is started with a pipe for its stdin"
         with contextlib.suppress(BrokenPipeError):  # the agent ended already (a refused payload): poll() says how
             stdin.write((json.dumps(env) + "\n").encode())
             stdin.close()
@@ -90,7 +91,9 @@ class EarlyAgent:
 
     def discard(self) -> None:
         """Stops the agent before it started any rank and removes the attempt's folder."""
-        self.handle.process.stdin.close()  # end of input: it starts nothing
+        stdin = self.handle.process.stdin
+        assert stdin is not None, "an early agent is started with a pipe for its stdin"
+        stdin.close()  # end of input: it starts nothing
         self.handle.cancel(grace=0)
         shutil.rmtree(self.run_dir.attempt_dir(self.handle.attempt), ignore_errors=True)
 
@@ -185,7 +188,7 @@ class LocalBackend(Backend):
                 return handle
         return self._start_agent(job, run_dir, attempt, env)
 
-    def prestart(self, job, run_dir, attempt, env) -> EarlyAgent:
+    def prestart(self, job, run_dir, attempt, env) -> EarlyAgent | None:
         """Starts the attempt's agent before the job's callbacks run, beside them.
 
         The agent checks the payload and imports torch meanwhile (its longest part), then

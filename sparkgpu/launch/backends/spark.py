@@ -32,6 +32,7 @@ import threading
 import time
 
 from sparkgpu._files import atomic_write_bytes
+from sparkgpu._report import report
 from sparkgpu._urls import install_command, scheme_of
 from sparkgpu.config import settings
 from sparkgpu.errors import CapacityError, ConfigurationError
@@ -104,11 +105,10 @@ class SparkAttempt(AttemptHandle):
     mirror: ClientMirror | None = None  # with a staging store
     node_infos: dict[int, dict] = dataclasses.field(default_factory=dict)  # the nodes' start markers
     beats: dict[int, Heartbeat] = dataclasses.field(default_factory=dict)  # the nodes' heartbeats
-    report: AttemptReport | None = None  # written to the attempt's dir as it fills
+    report: AttemptReport = dataclasses.field(init=False)  # written to the attempt's dir as it fills
 
     def __post_init__(self):
-        if self.report is None:
-            self.report = AttemptReport(self.attempt)
+        self.report = AttemptReport(self.attempt)
 
     @property
     def nodes(self) -> list[dict]:
@@ -164,7 +164,8 @@ class SparkBackend(NodeWatch, Backend):
         self.wait_timeout = wait_timeout if wait_timeout is not None else settings().spark_wait_timeout
         self.gpus_per_node = gpus_per_node
         self.simulated = simulated
-        self.client_timeout = settings().spark_client_timeout if client_timeout is _FROM_SETTINGS else client_timeout
+        self.client_timeout = (settings().spark_client_timeout if isinstance(client_timeout, _FromSettings)
+                               else client_timeout)
         self.node_timeout = node_timeout if node_timeout is not None else settings().spark_node_timeout
         self.out = out
         self.staging_url = (settings().staging_url if staging_url is None else staging_url) or None
@@ -264,7 +265,7 @@ class SparkBackend(NodeWatch, Backend):
         requests = TaskResourceRequests().cpus(1).resource("gpu", float(layout.gpus_per_node))
         profile = ResourceProfileBuilder().require(requests).build
         with _active(self.spark):
-            profile.id  # Connect registers the profile on the server now, from this thread
+            _ = profile.id  # Connect registers the profile on the server now, from this thread
         return frame.mapInArrow(task, NODE_DDL, barrier=True, profile=profile)
 
     def submit(self, job, run_dir, attempt, env, layout: NodeLayout | None = None) -> SparkAttempt:
@@ -309,8 +310,8 @@ class SparkBackend(NodeWatch, Backend):
         if url is None:
             raise ConfigurationError("the Spark session of this job was stopped; start a new one, then "
                                      "`sparkgpu resume JOB_ID` continues the job from its last checkpoint")
-        print(f"sparkgpu: the Spark Connect server{_at(self._spark)} closed this session (it restarted?); "
-              "opening a new one for the next attempt", file=self._stream, flush=True)
+        report(f"the Spark Connect server{_at(self._spark)} closed this session (it restarted?); "
+               "opening a new one for the next attempt", out=self._stream)
         try:
             self._spark = new_connect_session(url)
         except Exception as exc:  # whatever gRPC raises for a server that is not back
@@ -367,9 +368,10 @@ class SparkBackend(NodeWatch, Backend):
             try:
                 self._beat(handle, count)
             except OSError as exc:  # a flaky shared volume must not stop the job; the nodes allow gaps
-                print(f"sparkgpu: could not write the heartbeat: {exc}", file=self._stream)
+                report(f"could not write the heartbeat: {exc}", out=self._stream)
 
-    def poll(self, handle: SparkAttempt) -> int | None:
+    def poll(self, handle: AttemptHandle) -> int | None:
+        assert isinstance(handle, SparkAttempt), "the Spark backend polls only its own attempts"
         if not handle.finished.is_set():
             now = time.monotonic()
             if now >= handle.next_check:
@@ -383,12 +385,13 @@ class SparkBackend(NodeWatch, Backend):
             handle.exit_code = self._outcome(handle)
         return handle.exit_code
 
-    def ranks_started_at(self, handle: SparkAttempt) -> float | None:
+    def ranks_started_at(self, handle: AttemptHandle) -> float | None:
         """When the attempt's nodes got their GPUs and started (Unix time); ``None`` while they wait.
 
         The supervisor bills the attempt and counts its runtime cap from here, not from
         ``submit``: the barrier stage may wait up to ``wait_timeout`` for busy GPUs.
         """
+        assert isinstance(handle, SparkAttempt), "the Spark backend reads only its own attempts"
         if handle.started_at is None:
             self._find_start(handle)
         return handle.started_at
@@ -427,8 +430,8 @@ class SparkBackend(NodeWatch, Backend):
                 f"jobs; try again later, ask for fewer GPUs, or raise SPARKGPU_SPARK_WAIT_TIMEOUT (now {self.wait_timeout:g}s)"
             )
         if now >= handle.next_notice:
-            print(f"sparkgpu: waiting for {what} on the Spark cluster ({waited:.0f}s so far, giving up after "
-                  f"{self.wait_timeout:g}s); other jobs may hold them", file=self._stream, flush=True)
+            report(f"waiting for {what} on the Spark cluster ({waited:.0f}s so far, giving up after "
+                   f"{self.wait_timeout:g}s); other jobs may hold them", out=self._stream)
             handle.next_notice = now + 30.0
 
     def _outcome(self, handle: SparkAttempt) -> int:
@@ -460,7 +463,7 @@ class SparkBackend(NodeWatch, Backend):
                                ("store-push-failed", "could not upload the results of its ranks to")):
             if lost := [r for r in rows if r["state"] == state]:
                 where = ", ".join(f"executor {r['executor']} on {r['host']}" for r in lost)
-                scheme = scheme_of(self.staging_url)
+                scheme = scheme_of(self.staging_url) if self.staging_url else "file"
                 fix = ("mount that folder on every executor" if scheme == "file" else
                        f"every executor needs its filesystem ({install_command(scheme)}) and credentials for it")
                 self._note(handle, f"{where} {problem} the staging store {self.staging_url}: {fix}; the executor's "
@@ -476,7 +479,8 @@ class SparkBackend(NodeWatch, Backend):
         self._write_report(handle, rows)
         return max((abs(r["exit_code"]) for r in rows), default=1)
 
-    def cancel(self, handle: SparkAttempt, grace: float) -> None:
+    def cancel(self, handle: AttemptHandle, grace: float) -> None:
+        assert isinstance(handle, SparkAttempt), "the Spark backend cancels only its own attempts"
         if handle.finished.is_set():
             self._last_pull(handle)  # the supervisor reads the results next, without another poll
             return
