@@ -22,6 +22,7 @@ import sys
 
 from sparkgpu import runtime
 from sparkgpu._modules import imported
+from sparkgpu._report import report
 from sparkgpu.callbacks import WorkerContext
 from sparkgpu.errors import HydrationError, SparkGPUError
 from sparkgpu.launch.payload import KEY_ENV
@@ -144,7 +145,7 @@ def main(run_dir: str, env_error: BaseException | None = None) -> int:
         fn, args, kwargs, callbacks = RunDir.unpack(parts)
     except BaseException as exc:
         rd.write_error(attempt, rank, exc)
-        print(f"sparkgpu: rank {rank} could not start: {exc}", file=sys.stderr)
+        report(f"rank {rank} could not start: {exc}")
         return EXIT_FAILED
 
     ctx = WorkerContext(
@@ -172,14 +173,14 @@ def main(run_dir: str, env_error: BaseException | None = None) -> int:
     except BaseException as exc:  # report anything, including SystemExit and KeyboardInterrupt
         error = exc
         rd.write_error(attempt, rank, exc)
-        print(f"sparkgpu: rank {rank} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        report(f"rank {rank} failed: {type(exc).__name__}: {exc}")
         return EXIT_FAILED
     finally:
         for callback in callbacks:
             try:
                 callback.on_worker_end(ctx, error)
             except Exception as exc:  # a broken callback must not hide the user's outcome
-                print(f"sparkgpu: callback {callback!r} failed on rank {rank}: {exc}", file=sys.stderr)
+                report(f"callback {callback!r} failed on rank {rank}: {exc}")
         group.close()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -29,6 +29,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from sparkgpu._files import atomic_write_bytes
+from sparkgpu._report import report
 from sparkgpu.launch.agent import build_command, strip_spark_secrets, verify_or_refuse
 from sparkgpu.launch.backends.spark_probe import executor_identity
 from sparkgpu.launch.entrypoint import NODE_DEVICES_ENV
@@ -168,8 +169,8 @@ def _node_run_dir(launch: NodeLaunch, node: int) -> tuple[RunDir, NodeMirror | N
         mirror = NodeMirror(StagingStore(launch.store_url, job_id), rd, launch.attempt, node)
         mirror.download_payload()
     except Exception as exc:  # a missing filesystem package, credentials, a store that is down: one answer
-        print(f"sparkgpu: node {node} cannot fetch job {job_id} from the staging store {launch.store_url}: "
-              f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        report(f"node {node} cannot fetch job {job_id} from the staging store {launch.store_url}: "
+               f"{type(exc).__name__}: {exc}")
         _remove_scratch(rd)
         return rd, None, "store-unreachable"
     return rd, mirror, None
@@ -182,8 +183,8 @@ def _start_mirror(mirror: NodeMirror | None) -> str | None:
     try:
         mirror.start()
     except Exception as exc:  # whatever the filesystem raises: this node cannot report, so it does not start
-        print(f"sparkgpu: node {mirror.node} cannot write to the staging store {mirror.store.url}: "
-              f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        report(f"node {mirror.node} cannot write to the staging store {mirror.store.url}: "
+               f"{type(exc).__name__}: {exc}")
         return "store-unreachable"
     return None
 
@@ -193,9 +194,8 @@ def _end_mirror(mirror: NodeMirror, state: str) -> str:
     try:
         mirror.finish()
     except Exception as exc:  # a failed task would make Spark re-run the stage: report in the row instead
-        print(f"sparkgpu: node {mirror.node} could not upload its last files to the staging store {mirror.store.url} "
-              f"({type(exc).__name__}: {exc}); they stay in {mirror.run_dir.path} on this host",
-              file=sys.stderr, flush=True)
+        report(f"node {mirror.node} could not upload its last files to the staging store {mirror.store.url} "
+               f"({type(exc).__name__}: {exc}); they stay in {mirror.run_dir.path} on this host")
         return "store-push-failed"
     _remove_scratch(mirror.run_dir)
     return state
@@ -207,7 +207,7 @@ def _remove_scratch(rd: RunDir) -> None:
     except FileNotFoundError:
         return
     except OSError as exc:  # Spark removes its local dirs with the executor anyway
-        print(f"sparkgpu: could not remove the scratch run dir {rd.path.parent}: {exc}", file=sys.stderr, flush=True)
+        report(f"could not remove the scratch run dir {rd.path.parent}: {exc}")
 
 
 def _run_agent(rd: RunDir, launch: NodeLaunch, node: int, devices: tuple, master_addr: str,
