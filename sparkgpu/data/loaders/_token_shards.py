@@ -51,8 +51,9 @@ class TokenColumn:
 
     def spans(self, reader: ShardReader) -> tuple[np.ndarray, np.ndarray, np.dtype]:
         """Byte start and length of every document's values in ``reader``'s shard, and their dtype."""
-        data = reader.data
-        begins = reader.offsets[:-1].astype(np.int64)
+        data, offsets = reader.data, reader.offsets
+        assert data is not None and offsets is not None, "the shard reader is closed"
+        begins = offsets[:-1].astype(np.int64)
         variable = [c for c in self.index.columns if c.size is None]
         k = len(variable)
         if k:
@@ -69,6 +70,7 @@ class TokenColumn:
             cursor = cursor + lengths
         column = self.column
         if column.decode is Decode.FIXED:
+            assert column.dtype is not None  # fixed-width arrays have their dtype in the encoding
             return cursor, lengths, column.dtype
         dtype = column.dtype
         if dtype is None:  # the dtype is the first byte of every value

@@ -345,6 +345,7 @@ class TokenLoader(PlannedEpochs):
             local_begins = begins[group] - self._shard_starts[number]
             local_ends = ends[group] - self._shard_starts[number]
             owner, offset, byte_starts, counts = documents.pieces(local_begins, local_ends)
+            assert reader.data is not None, "the shard reader is closed"
             _gather.gather_spans(flat.view(np.uint8), (base[group][owner] + offset) * itemsize, [reader.data], None,
                                  byte_starts, counts * itemsize)
             if self._tokens.eos_id is not None:

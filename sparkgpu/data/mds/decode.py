@@ -10,6 +10,8 @@ then split.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -30,14 +32,16 @@ class BatchDecoder:
             from (plain or pinned memory).
     """
 
-    def __init__(self, columns: tuple[Column, ...], allocate):
+    def __init__(self, columns: tuple[Column, ...], allocate: Callable[[int], Any] | None):
         import torch
 
         self._torch = torch
         self.columns = columns
         self.allocate = allocate
-        self.fixed_width = all(column.size is not None for column in columns)
-        self.row_bytes = sum(column.size for column in columns) if self.fixed_width else None
+        sizes = [column.size for column in columns]
+        fixed_sizes = [size for size in sizes if size is not None]
+        self.fixed_width = len(fixed_sizes) == len(sizes)
+        self.row_bytes: int | None = sum(fixed_sizes) if self.fixed_width else None
         self._variable = [column for column in columns if column.size is None]
         self._views = self._plan_views() if self.fixed_width else None
 
@@ -65,16 +69,20 @@ class BatchDecoder:
         # which costs one call instead of k.
         views: list[_ColumnView] = []
         offset = 0
+        row_bytes = self.row_bytes
+        assert row_bytes is not None  # views are planned for fixed-width datasets only
         for column in self.columns:
+            # Every column of a fixed-width dataset has a dtype, a shape and a size.
+            assert column.dtype is not None and column.shape is not None and column.size is not None
             itemsize = column.dtype.itemsize
-            aligned = offset % itemsize == 0 and self.row_bytes % itemsize == 0
+            aligned = offset % itemsize == 0 and row_bytes % itemsize == 0
             last = views[-1] if views else None
             if (last is not None and column.shape == () and last.shape == () and last.dtype == column.dtype
                     and aligned and last.aligned and last.offset + itemsize * len(last.names) == offset):
                 last.names.append(column.name)
             else:
                 views.append(_ColumnView([column.name], column.dtype, _torch_dtype(self._torch, column.dtype),
-                                         column.shape, offset, column.size, aligned, self.row_bytes))
+                                         column.shape, offset, column.size, aligned, row_bytes))
             offset += column.size
         return views
 
@@ -92,11 +100,13 @@ class BatchDecoder:
         """Views each column of a buffer of gathered rows (see :meth:`gather_rows`) as a tensor."""
         if buffer.storage_offset() % 8 or not buffer.is_contiguous():
             buffer = buffer.clone()  # the views are placed relative to an aligned storage start
-        n = buffer.numel() // self.row_bytes
+        views, row_bytes = self._views, self.row_bytes
+        assert views is not None and row_bytes is not None  # only fixed-width datasets have gathered rows
+        n = buffer.numel() // row_bytes
         base = buffer.storage_offset()
         typed = {}
-        batch = {}
-        for view in self._views:
+        batch: dict[str, Any] = {}
+        for view in views:
             if view.aligned:
                 if view.tdtype not in typed:
                     typed[view.tdtype] = buffer.view(view.tdtype)
@@ -104,7 +114,7 @@ class BatchDecoder:
             else:
                 # A column at an offset its dtype cannot be viewed at: copy it out.
                 # (clone, not contiguous(): a one-row slice counts as contiguous and keeps the row stride)
-                raw = buffer.view(n, self.row_bytes)[:, view.offset: view.offset + view.size].flatten().clone()
+                raw = buffer.view(n, row_bytes)[:, view.offset: view.offset + view.size].flatten().clone()
                 batch[view.names[0]] = raw.view(view.tdtype).reshape(n, *view.shape)
         return batch
 

@@ -214,8 +214,8 @@ def _binary_part(array: pa.Array, spec: ColumnSpec) -> _Var | _Fixed:
         data = np.frombuffer(array.buffers()[1], dtype=np.uint8)
         return _Fixed(data[array.offset * width:(array.offset + len(array)) * width].reshape(len(array), width))
     large = pa.types.is_large_string(array_type) or pa.types.is_large_binary(array_type)
-    offsets = np.frombuffer(array.buffers()[1], dtype=np.int64 if large else np.int32)
-    offsets = offsets[array.offset:array.offset + len(array) + 1].astype(np.int64)
+    raw_offsets = np.frombuffer(array.buffers()[1], dtype=np.int64 if large else np.int32)
+    offsets = raw_offsets[array.offset:array.offset + len(array) + 1].astype(np.int64)
     data_buffer = array.buffers()[2]
     data = np.frombuffer(data_buffer, dtype=np.uint8) if data_buffer is not None else np.empty(0, np.uint8)
     first = int(offsets[0])
@@ -253,6 +253,7 @@ def _encode_column(array: pa.Array, spec: ColumnSpec) -> list:
     kind = spec.kind
     n = len(array)
     if kind in (ColumnKind.SCALAR, ColumnKind.INT):
+        assert spec.dtype is not None  # plan_columns gives every number column its dtype
         values = _numbers(array, spec.dtype, spec)
         return [_Fixed(values)]
     if kind in (ColumnKind.STR, ColumnKind.BYTES):
@@ -268,8 +269,10 @@ def _encode_column(array: pa.Array, spec: ColumnSpec) -> list:
         array = array.storage
     _no_nulls(array, spec)
     values, lengths = _flatten_list(array, spec)
+    assert spec.dtype is not None  # plan_columns gives every ndarray column its dtype
     numbers = _numbers(values, spec.dtype, spec)
     if kind is ColumnKind.NDARRAY_STATIC:
+        assert spec.shape is not None  # and a static one its shape
         per_row = int(np.prod(spec.shape))
         if n and not np.all(lengths == per_row):
             bad = int(np.flatnonzero(lengths != per_row)[0])
@@ -315,6 +318,7 @@ def _dynamic_ndarray_parts(numbers: np.ndarray, lengths: np.ndarray, n: int) -> 
     header[:, 0] = (1 << 2) | codes
     header[:, 1:] = lengths.astype("<u8").view(np.uint8).reshape(n, 8)
     header_lengths = 1 + (1 << codes.astype(np.int64))
+    header_part: _Fixed | _Var
     if n and np.all(header_lengths == header_lengths[0]):
         header_part = _Fixed(header[:, : int(header_lengths[0])])
     else:

@@ -195,7 +195,8 @@ class DatasetIndex:
             raise DataError(f"{source} is not an MDS index.json ({exc}); point remote/local at a folder written by MDSWriter or sparkgpu.data.to_mds") from None
         if not entries:
             raise DataError(f"{source} lists no shards; the dataset is empty: write it again with data in it")
-        shards, columns = [], None
+        shards: list[ShardInfo] = []
+        columns: tuple[Column, ...] | None = None
         for position, entry in enumerate(entries):
             if entry.get("format") != "mds" or entry.get("version") != 2:
                 raise DataError(
@@ -212,6 +213,7 @@ class DatasetIndex:
                     f"unlike the first shard's {first_layout[0]} {first_layout[1]}; write the dataset again with one schema"
                 )
             shards.append(_shard_info(position, entry))
+        assert columns is not None  # set by the first shard, and there is at least one
         for column in columns:
             if column.encoding == "pkl" and not allow_unsafe_types:
                 raise DataError(
@@ -257,13 +259,14 @@ class ShardReader:
             size = os.fstat(handle.fileno()).st_size
             if size != info.raw_bytes or size < 8:
                 raise DataError(f"shard {info.basename} at {self.path} has {size} bytes, the index says {info.raw_bytes}")
-            self._mmap = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-        self.data = np.frombuffer(self._mmap, dtype=np.uint8)
+            self._mmap: mmap.mmap | None = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        # None once closed (see close()); a reader is used only while open.
+        self.data: np.ndarray | None = np.frombuffer(self._mmap, dtype=np.uint8)
         (count,) = self.data[:4].view("<u4")
         if count != info.samples:
             raise DataError(f"shard {info.basename} at {self.path} holds {count} samples, the index says {info.samples}")
-        self.offsets = self.data[4 : 4 + 4 * (count + 1)].view("<u4")
-        self.rows = None
+        self.offsets: np.ndarray | None = self.data[4 : 4 + 4 * (count + 1)].view("<u4")
+        self.rows: np.ndarray | None = None
         if row_bytes is not None:
             begin, end = int(self.offsets[0]), int(self.offsets[-1])
             if end - begin != count * row_bytes or end > size:

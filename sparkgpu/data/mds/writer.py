@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -32,7 +33,7 @@ DEFAULT_SIZE_LIMIT = 1 << 26  # MDSWriter's default: 64 MiB of uncompressed samp
 # Compression and hash names exactly as streaming spells them (streaming/base/compression.py,
 # hashing.py), computed with the same libraries. Importing streaming itself would pull in torch
 # (seconds per Spark Python worker), so the small tables are repeated here.
-_COMPRESSIONS = {  # family -> (allowed levels, default level)
+_COMPRESSIONS: dict[str, tuple[range | None, int | None]] = {  # family -> (allowed levels, default level)
     "br": (range(12), 11),
     "bz2": (range(1, 10), 9),
     "gz": (range(10), 9),
@@ -66,10 +67,12 @@ def _compress(compression: str, data: bytes) -> bytes:
     if family == "gz":
         import gzip
 
+        assert level is not None  # gz has levels, and a default one
         return gzip.compress(data, level)
     if family == "bz2":
         import bz2
 
+        assert level is not None  # so has bz2
         return bz2.compress(data, level)
     # The same third-party modules streaming decompresses with; they may be missing where
     # the shards are written (a Spark executor).
@@ -220,13 +223,15 @@ class ShardWriter:
         offsets += 4 + 4 * (n + 1) + len(self._config_bytes)
         if offsets[-1] >= 1 << 32:
             raise DataError("a shard would exceed 4 GiB (MDS offsets are uint32); lower size_limit or split large values")
-        pieces = [np.uint32(n).tobytes(), offsets.astype("<u4").tobytes(), self._config_bytes, *self._pending]
+        pieces: list[bytes | np.ndarray] = [np.uint32(n).tobytes(), offsets.astype("<u4").tobytes(), self._config_bytes, *self._pending]
         raw_basename = f"shard.{len(self.shards):05}.mds"
         raw_size = int(offsets[-1])
-        raw_info = {"basename": self._relpath(raw_basename), "bytes": raw_size, "hashes": {}}
-        zip_info = None
+        raw_info: dict[str, Any] = {"basename": self._relpath(raw_basename), "bytes": raw_size, "hashes": {}}
+        zip_info: dict[str, Any] | None = None
         if self.compression or self.hashes:
-            raw = b"".join(pieces)
+            # numpy's stubs give ndarray the buffer protocol (__buffer__) only from Python 3.12;
+            # arrays have it at runtime on every version, and bytes.join takes any buffer.
+            raw = b"".join(pieces)  # type: ignore[arg-type]
             raw_info["hashes"] = self._digest(raw)
             pieces = [raw]
             if self.compression:
