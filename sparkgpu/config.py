@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.units import parse_size
+from sparkgpu.units import parse_duration, parse_size
 
 __all__ = ["Settings", "settings", "reset_settings"]
 
@@ -30,14 +30,22 @@ def _login_name(env) -> str:
         return env.get("USER") or env.get("LOGNAME") or f"uid-{os.getuid()}"
 
 
-def _env_float(env, name, default):
+def _env_seconds(env, name, default):
+    """A duration variable: seconds (``600``) or a duration such as ``90s``, ``30m``, ``2h``, ``7d``
+    (:func:`sparkgpu.units.parse_duration`, as the arguments of the same settings take)."""
     raw = env.get(name)
     if raw in (None, ""):
         return default
     try:
-        return float(raw)
+        return float(raw)  # a plain number, negative ones included: the caller says what range it takes
     except ValueError:
-        raise ConfigurationError(f"{name}={raw!r} is not a number; set it to seconds, e.g. {name}=600") from None
+        pass
+    try:
+        return parse_duration(raw, name=name)
+    except ConfigurationError:
+        raise ConfigurationError(
+            f"{name}={raw!r} is not a number of seconds or a duration; set it as e.g. {name}=600 or {name}=10m"
+        ) from None
 
 
 def _heartbeat_timeout(env, name, default, *, at_least: float, may_be_none: bool = False):
@@ -46,7 +54,7 @@ def _heartbeat_timeout(env, name, default, *, at_least: float, may_be_none: bool
     raw = env.get(name)
     if may_be_none and raw is not None and raw.strip().lower() in ("none", "off", "never"):
         return None
-    seconds = _env_float(env, name, default)
+    seconds = _env_seconds(env, name, default)
     if seconds < at_least:
         fix = f"at least {at_least:g} seconds" + (", or none" if may_be_none else "")
         raise ConfigurationError(f"{name}={raw!r} must be {fix}, e.g. {name}={default:g}")
@@ -61,12 +69,12 @@ def _keep_runs(raw: str) -> dict:
         for part in (p.strip().lower() for p in raw.split(",")):
             try:
                 if part.endswith("d"):
-                    days = float(part[:-1])
-                    ok = days > 0
+                    days = parse_duration(part, name="SPARKGPU_KEEP_RUNS") / 86400
+                    ok = True
                 else:
                     count = int(part)
                     ok = count >= 0
-            except ValueError:
+            except (ValueError, ConfigurationError):
                 ok = False
             if not ok:
                 raise ConfigurationError(
@@ -232,7 +240,7 @@ class Settings:
             simulate_gpus=env.get("SPARKGPU_SIMULATE_GPUS") or None,
             max_cpu_ranks=max_cpu_ranks,
             spark_remote=env.get("SPARKGPU_SPARK_REMOTE") or None,
-            default_timeout=_env_float(env, "SPARKGPU_TIMEOUT", None),
+            default_timeout=_env_seconds(env, "SPARKGPU_TIMEOUT", None),
             python=env.get("SPARKGPU_PYTHON") or sys.executable,
             registry_catalog=env.get("SPARKGPU_REGISTRY_CATALOG") or "main",
             registry_schema=env.get("SPARKGPU_REGISTRY_SCHEMA") or "default",
@@ -244,22 +252,22 @@ class Settings:
             usage_rates=env.get("SPARKGPU_USAGE_RATES") or None,
             user=env.get("SPARKGPU_USER") or _login_name(env),
             warm_pool=(env.get("SPARKGPU_WARM_POOL") or "0").lower() in ("1", "true", "yes", "on"),
-            pool_idle_timeout=_env_float(env, "SPARKGPU_POOL_IDLE_TIMEOUT", 3600.0),
+            pool_idle_timeout=_env_seconds(env, "SPARKGPU_POOL_IDLE_TIMEOUT", 3600.0),
             tracking=(env.get("SPARKGPU_TRACKING") or "1").lower() not in ("0", "false", "no", "off"),
-            system_metrics_interval=_env_float(env, "SPARKGPU_SYSTEM_METRICS_INTERVAL", 10.0),
+            system_metrics_interval=_env_seconds(env, "SPARKGPU_SYSTEM_METRICS_INTERVAL", 10.0),
             env_size_limit=parse_size(env.get("SPARKGPU_ENV_SIZE_LIMIT") or "15GB", "SPARKGPU_ENV_SIZE_LIMIT"),
             # With a staging store the executors share no folder with the client: shipped
             # environments and conversions default to the store too.
             env_store=env.get("SPARKGPU_ENV_STORE") or (f"{staging_url}/_envstore" if staging_url else str(home / "envstore")),
             env_exclude=tuple(p.strip() for p in (env.get("SPARKGPU_ENV_EXCLUDE") or "").split(",") if p.strip()),
             env_worker_lock=env.get("SPARKGPU_ENV_WORKER_LOCK") or None,
-            spark_wait_timeout=_env_float(env, "SPARKGPU_SPARK_WAIT_TIMEOUT", 600.0),
+            spark_wait_timeout=_env_seconds(env, "SPARKGPU_SPARK_WAIT_TIMEOUT", 600.0),
             spark_client_timeout=_heartbeat_timeout(env, "SPARKGPU_SPARK_CLIENT_TIMEOUT", 120.0, at_least=6.0,
                                                     may_be_none=True),
             spark_node_timeout=_heartbeat_timeout(env, "SPARKGPU_SPARK_NODE_TIMEOUT", 10.0, at_least=3.0),
             **_keep_runs(env.get("SPARKGPU_KEEP_RUNS") or "100,30d"),
             data_volume=env.get("SPARKGPU_DATA_VOLUME") or (f"{staging_url}/_mds" if staging_url else str(home / "volumes" / "mds")),
-            data_metrics_interval=_env_float(env, "SPARKGPU_DATA_METRICS_INTERVAL", 30.0),
+            data_metrics_interval=_env_seconds(env, "SPARKGPU_DATA_METRICS_INTERVAL", 30.0),
             pools_path=env.get("SPARKGPU_POOLS") or None,
             pool=env.get("SPARKGPU_POOL") or env.get("DATABRICKS_REMOTE_GPU_POOL_ID") or None,
             use_reserved_pool=(env.get("SPARKGPU_USE_RESERVED_POOL") or env.get("DATABRICKS_USE_RESERVED_GPU_POOL")

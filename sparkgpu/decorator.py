@@ -26,6 +26,7 @@ from typing import Any, Callable
 from sparkgpu._report import PREFIX, report
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError
+from sparkgpu.job_options import log_rank_selection
 from sparkgpu.launch.backends.base import Backend, LaunchPlan, create_backend
 from sparkgpu.launch.callbacks import JobCallback
 from sparkgpu.prepare import PreparedJob, prepare
@@ -345,17 +346,7 @@ def distributed(num_accelerators: int | Callable | None = None, accelerator_type
         num_accelerators=num_accelerators, accelerator_type=accelerator_type, gpus=gpus, num_gpus=num_gpus,
         gpu_type=gpu_type, remote=remote, host_gpu_count=_host_gpu_count,
     )
-    if log_ranks == "main":
-        ranks: tuple[int, ...] | None = (0,)
-    elif log_ranks == "all":
-        ranks = None
-    elif log_ranks is None:
-        ranks = ()
-    else:
-        try:
-            ranks = tuple(int(r) for r in log_ranks)
-        except (TypeError, ValueError):
-            raise ConfigurationError(f"log_ranks={log_ranks!r}: use 'main', 'all', None or a list of ranks") from None
+    ranks = log_rank_selection(log_ranks)
     if max_runtime is None and remote:
         max_runtime = REMOTE_MAX_RUNTIME  # remote pools cap every run; resume past the cap
     policy = RunPolicy(

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 from sparkgpu.errors import ConfigurationError
 
-__all__ = ["JobOption", "JOB_OPTIONS", "PYTHON_ONLY_KEYWORDS", "add_cli_flags", "cli_values", "check_document_value", "key_value"]
+__all__ = ["JobOption", "JOB_OPTIONS", "PYTHON_ONLY_KEYWORDS", "add_cli_flags", "cli_values", "check_document_value", "key_value", "log_rank_selection"]
 
 # Shapes of values: what a YAML/TOML/JSON document and a command line may hold.
 INT, TEXT, FLAG, DURATION, MAPPING, RANKS = "int", "text", "flag", "duration", "mapping", "ranks"
@@ -36,36 +36,43 @@ class JobOption:
             ``duration`` (seconds or ``"7d"``), ``mapping`` (``{team: ml}``), ``ranks``
             (``main``, ``all``, ``none`` or a list of ranks).
         help: The one description shown by ``--help``, job-file errors and the docs.
-        default: The value when neither the file nor the command line gives one.
         flag: Command-line flag (``--gpu-type``); ``--tag KEY=VALUE`` repeats for a mapping.
     """
 
     name: str
     shape: str
     help: str
-    default: Any = None
     flag: str = ""
 
     @property
     def cli_flag(self) -> str:
         return self.flag or "--" + self.name.replace("_", "-")
 
+    @property
+    def default(self) -> Any:
+        """The value when neither the file nor the command line gives one: ``distributed()``'s
+        own default for it, the one place it is set."""
+        import inspect
+
+        from sparkgpu.decorator import distributed
+
+        return inspect.signature(distributed).parameters[self.name].default
+
 
 JOB_OPTIONS: tuple[JobOption, ...] = (
     JobOption("name", TEXT, "job name (default: the script's or function's name)"),
-    JobOption("gpus", INT, "number of GPUs (ranks)", default=1),
+    JobOption("gpus", INT, "number of GPUs (ranks); default: every GPU of this host (one rank without GPUs), "
+                           "or one node of accelerator_type when remote"),
     JobOption("gpu_type", TEXT, "GPU type such as H100, A10, A100-80GB, H200, B200, L4, or cpu"),
     JobOption("accelerator_type", TEXT, "node shape such as GPU_8xH100 (remote nodes of N GPUs each)"),
-    JobOption("remote", FLAG, "true to run on the remote GPU pool (Spark) instead of this host", default=False),
+    JobOption("remote", FLAG, "true to run on the remote GPU pool (Spark) instead of this host"),
     JobOption("pool", TEXT, "GPU pool (name or id in SPARKGPU_POOLS) to run on; needs remote"),
     JobOption("max_runtime", DURATION, "cap on one attempt, e.g. 7d; ranks checkpoint before it and the job resumes"),
-    JobOption("checkpoint_grace", DURATION, "time before max_runtime at which ranks are asked to checkpoint, e.g. 5m",
-              default="60s"),
+    JobOption("checkpoint_grace", DURATION, "time before max_runtime at which ranks are asked to checkpoint, e.g. 5m"),
     JobOption("timeout", DURATION, "limit on the whole job, e.g. 12h"),
-    JobOption("max_restarts", INT, "number of attempts restarted after a failure", default=0),
+    JobOption("max_restarts", INT, "number of attempts restarted after a failure"),
     JobOption("tags", MAPPING, "mapping of tags for tracking and cost attribution, e.g. {team: ml}", flag="--tag"),
-    JobOption("log_ranks", RANKS, "ranks whose output streams to the caller: main, all, none or a list such as 0,2",
-              default="main"),
+    JobOption("log_ranks", RANKS, "ranks whose output streams to the caller: main, all, none or a list such as 0,2"),
     JobOption("experiment", TEXT, "MLflow experiment of the job's run (default: named after the script)"),
     JobOption("register_as", TEXT, "catalog.schema.model name to register rank 0's returned model under"),
     JobOption("ship_environment", FLAG, "true to ship this Python environment to the workers (default: for remote jobs)"),
@@ -103,26 +110,38 @@ def check_document_value(option: JobOption, value, source: str, *, subject: str 
             raise bad()
         value = {str(k): str(v) for k, v in value.items()}
     elif option.shape == RANKS:
-        value = _ranks(value, bad)
+        try:
+            ranks = log_rank_selection(value)
+        except ConfigurationError:
+            raise bad() from None
+        value = value if value in ("main", "all", "none") else list(ranks or ())
     return value
 
 
-def _ranks(value, bad):
-    """``"main"``, ``"all"``, ``"none"`` or a list of ranks (``"0,2"`` on a command line)."""
-    if isinstance(value, str):
-        if value in ("main", "all", "none"):
-            return value
-        parts = value.split(",")
-    elif isinstance(value, (list, tuple)):
-        parts = list(value)
-    else:
-        raise bad()
-    if any(isinstance(p, bool) for p in parts):
-        raise bad()
+def log_rank_selection(value) -> tuple[int, ...] | None:
+    """The ranks whose output streams to the caller, from any spelling of ``log_ranks``.
+
+    ``"main"``: rank 0; ``"all"``: every rank (``None``); ``"none"`` or ``None``: no rank
+    (``()``); a list of ranks, or ``"0,2"`` as a command line or job file writes it.
+
+    Raises:
+        ConfigurationError: Anything else.
+    """
+    if value == "main":
+        return (0,)
+    if value == "all":
+        return None
+    if value is None or value == "none":
+        return ()
+    parts = value.split(",") if isinstance(value, str) else value
     try:
-        return [int(p) for p in parts]
+        if isinstance(parts, (bytes, dict)) or any(isinstance(p, bool) for p in parts):
+            raise TypeError
+        return tuple(int(p) for p in parts)
     except (TypeError, ValueError):
-        raise bad() from None
+        raise ConfigurationError(
+            f"log_ranks={value!r}: use 'main', 'all', 'none' (or None) or a list of ranks such as [0, 2]"
+        ) from None
 
 
 def key_value(text: str) -> tuple[str, str]:

@@ -216,8 +216,6 @@ class JobFile:
         from sparkgpu.decorator import distributed
 
         options = dict(self.options)  # what the file and command line gave; distributed() has the defaults
-        if options.get("log_ranks") == "none":
-            options["log_ranks"] = None
         options.setdefault("name", Path(self.script).stem)
         try:
             return distributed(self.runner(), callbacks=callbacks, **options)

@@ -80,3 +80,20 @@ def test_the_spark_heartbeat_timeouts_are_settings_a_backend_takes_unless_given(
     assert (backend.client_timeout, backend.node_timeout) == (30.0, 25.0)
     given = SparkBackend(spark=object(), staging_url="", client_timeout=None, node_timeout=4.0)
     assert (given.client_timeout, given.node_timeout) == (None, 4.0)  # None: the nodes never stop on it
+
+
+@pytest.mark.parametrize("raw, seconds", [("600", 600.0), ("2h", 7200.0), ("90s", 90.0), ("1.5m", 90.0)])
+def test_duration_variables_take_what_duration_arguments_take(tmp_path, raw, seconds):
+    settings = Settings.from_env({"SPARKGPU_HOME": str(tmp_path), "SPARKGPU_TIMEOUT": raw,
+                                  "SPARKGPU_SPARK_WAIT_TIMEOUT": raw, "SPARKGPU_POOL_IDLE_TIMEOUT": raw})
+    assert settings.default_timeout == settings.spark_wait_timeout == settings.pool_idle_timeout == seconds
+
+
+def test_a_duration_variable_that_is_none_names_both_forms(tmp_path):
+    with pytest.raises(ConfigurationError, match=r"SPARKGPU_TIMEOUT='soon' is not a number of seconds or a duration.*=10m"):
+        Settings.from_env({"SPARKGPU_HOME": str(tmp_path), "SPARKGPU_TIMEOUT": "soon"})
+
+
+def test_keep_runs_ages_are_parsed_as_durations(tmp_path):
+    settings = Settings.from_env({"SPARKGPU_HOME": str(tmp_path), "SPARKGPU_KEEP_RUNS": "50,1.5d"})
+    assert (settings.keep_runs, settings.keep_runs_days) == (50, 1.5)

@@ -69,3 +69,29 @@ def test_help_of_the_run_command_is_the_schema_help(capsys):
     out = " ".join(capsys.readouterr().out.split())
     for option in JOB_OPTIONS:
         assert " ".join(option.help.split())[:40] in out, option.name
+
+
+def test_a_file_or_help_gives_the_defaults_distributed_applies(capsys):
+    job = JobFile(script="train.py")
+    assert job.gpus is None  # every GPU of the host, as distributed() without gpus
+    for option in JOB_OPTIONS:
+        assert getattr(job, option.name) == inspect.signature(distributed).parameters[option.name].default
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "every GPU of this host" in out and "(default 1)" not in out
+    assert "(default 60s)" in out and "(default main)" in out
+
+
+@pytest.mark.parametrize("value, ranks", [("none", ()), ("main", (0,)), ("all", None), ("0,2", (0, 2)), ([1], (1,))])
+def test_every_spelling_of_log_ranks_in_a_file_reaches_the_job(tmp_path, value, ranks):
+    (tmp_path / "train.py").write_text("print('trained')\n")
+    path = tmp_path / "job.yaml"
+    path.write_text(f"script: train.py\ngpus: 1\ngpu_type: cpu\nlog_ranks: {value if isinstance(value, str) else list(value)}\n")
+    assert JobFile.load(path).build(callbacks=[]).log_ranks == ranks
+
+
+@pytest.mark.parametrize("value", ["some", [True], "0,x", 3])
+def test_a_wrong_log_ranks_names_what_it_takes(value):
+    with pytest.raises(ConfigurationError, match=r"log_ranks=.*use 'main', 'all', 'none'"):
+        distributed(gpus=1, gpu_type="cpu", log_ranks=value)(lambda: None)
