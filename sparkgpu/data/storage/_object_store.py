@@ -14,8 +14,12 @@ from __future__ import annotations
 import os
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from sparkgpu._urls import scheme_of
+
+if TYPE_CHECKING:
+    from obstore.store import ClientConfig, S3Config
 
 __all__ = ["DIRECT_SCHEMES", "ObjectStoreSource", "LinkEstimate", "usable_here"]
 
@@ -48,7 +52,7 @@ class LinkEstimate:
 
     _WEIGHT = 0.25
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.latency_s: float | None = None
         self.bytes_per_s: float | None = None
         self._lock = threading.Lock()
@@ -58,7 +62,7 @@ class LinkEstimate:
             return  # too short to say anything about the rate
         rate = size / body_s
         with self._lock:
-            if self.latency_s is None:
+            if self.latency_s is None or self.bytes_per_s is None:  # both are set together
                 self.latency_s, self.bytes_per_s = first_byte_s, rate
             else:
                 self.latency_s += self._WEIGHT * (first_byte_s - self.latency_s)
@@ -67,7 +71,7 @@ class LinkEstimate:
     def bytes_in_flight(self) -> int:
         """What one connection could have moved while waiting for a first byte (0 before any read)."""
         with self._lock:
-            if self.latency_s is None:
+            if self.latency_s is None or self.bytes_per_s is None:  # both are set together
                 return 0
             return int(self.latency_s * self.bytes_per_s)
 
@@ -90,10 +94,11 @@ class ObjectStoreSource:
         scheme = scheme_of(url)
         # A plain-HTTP endpoint is one the user named (an http:// volume, an S3-compatible
         # server in AWS_ENDPOINT_URL); https URLs stay https.
-        options = {"client_options": {"allow_http": True}}
+        client_options: ClientConfig = {"allow_http": True}
         if scheme in ("s3", "s3a"):
-            options["config"] = _s3_config()
-        self.store = from_url(url, **options)
+            self.store = from_url(url, client_options=client_options, config=_s3_config())
+        else:
+            self.store = from_url(url, client_options=client_options)
 
     def cat(self, relative: str, start: int | None = None, end: int | None = None) -> bytes:
         """The file, or its bytes ``[start, end)``.
@@ -146,7 +151,7 @@ class ObjectStoreSource:
                 out.write(memoryview(chunk))
 
 
-def _s3_config() -> dict:
+def _s3_config() -> S3Config:
     """obstore reads AWS_ENDPOINT; the AWS SDKs' name for it is AWS_ENDPOINT_URL: both work."""
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     return {"endpoint": endpoint} if endpoint and not os.environ.get("AWS_ENDPOINT") else {}

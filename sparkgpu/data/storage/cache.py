@@ -186,7 +186,8 @@ class ShardCache:
         if self.limit_bytes is not None:
             worst = max(steps, key=lambda s: int(self._raw_sizes[s].sum()), default=None)
             needed = int(self._raw_sizes[worst].sum()) if worst is not None else 0
-            if needed > self.limit_bytes:
+            # With no steps nothing is needed, and the limit is never negative (it holds the largest shard).
+            if worst is not None and needed > self.limit_bytes:
                 names = ", ".join(self.index.shards[i].basename for i in worst[:5])
                 raise ConfigurationError(
                     f"cache_limit={self.limit_bytes} bytes is smaller than the {needed} bytes one batch reads at once "
@@ -269,6 +270,7 @@ class ShardCache:
             self._wake.notify_all()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._parts is not None:  # made with the pool, above
             self._parts.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self):
@@ -287,6 +289,7 @@ class ShardCache:
             with self._lock:
                 self._local.add(shard)
             return
+        assert self._pool is not None  # made with the volume
         deadline = time.monotonic() + 600
         while True:
             with self._lock:
@@ -330,6 +333,7 @@ class ShardCache:
             if not self._reserve(shard, needed_at, demand, stem):
                 return False
             try:
+                assert self.volume is not None  # only caches of a volume download
                 _fetch.fetch_shard(self.volume, info, final, stem, self._parts, priority=needed_at)
             finally:
                 Path(f"{stem}.reserved").unlink(missing_ok=True)
@@ -386,6 +390,7 @@ class ShardCache:
 
     def _plan_loop(self) -> None:
         # Keeps up to `lookahead` shards in flight or ready ahead of the reader, in first-use order.
+        assert self._pool is not None  # the planner runs only in a cache of a volume, with the pool
         while True:
             with self._lock:
                 if self._closed:
@@ -447,7 +452,7 @@ class CacheEntry:
 def cache_entries(cache_dir: str | os.PathLike | None = None) -> list[CacheEntry]:
     """Lists the cached volumes under a cache root (default: ``SPARKGPU_CACHE_DIR``)."""
     root = _cache_root(cache_dir)
-    entries = []
+    entries: list[CacheEntry] = []
     if not root.is_dir():
         return entries
     for folder in sorted(root.iterdir()):

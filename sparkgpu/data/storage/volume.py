@@ -14,6 +14,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from sparkgpu._urls import scheme_of
 from sparkgpu.data.storage._object_store import DIRECT_SCHEMES, ObjectStoreSource, usable_here
@@ -32,6 +33,14 @@ _CHUNK = 8 << 20
 # A range at least this many times what a connection moves while it waits for the first byte
 # spends at most 1/(1+this) of its time waiting: 20% at 4.
 _LATENCY_FACTOR = 4
+
+
+class Hasher(Protocol):
+    """What :meth:`Volume.download` feeds a file's bytes to: a ``hashlib`` or ``xxhash`` object."""
+
+    def update(self, data: bytes, /) -> None: ...
+
+    def hexdigest(self) -> str: ...
 
 
 def part_bytes_for(size: int, threads: int, bytes_in_flight: int = 0) -> int:
@@ -73,7 +82,10 @@ class RangePool(concurrent.futures.Executor):
         for worker in self._workers:
             worker.start()
 
-    def submit(self, fn, /, *args, priority: float = 0.0, **kwargs) -> concurrent.futures.Future:
+    # Executor.submit passes every keyword on to fn; this one keeps `priority` for its queue
+    # (only callers that know they hold a RangePool pass it: Volume._download_ranges), which
+    # no signature compatible with the base class's can express.
+    def submit(self, fn, /, *args, priority: float = 0.0, **kwargs) -> concurrent.futures.Future:  # type: ignore[override]
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cv:
             if self._shutdown:
@@ -118,7 +130,7 @@ class _InOrder:
     submission, so that is a few of them) and one thread at a time hashes, outside the lock.
     """
 
-    def __init__(self, hasher):
+    def __init__(self, hasher: Hasher | None):
         self.hasher = hasher
         self.fed = 0
         self._pending: dict[int, bytes] = {}
@@ -135,12 +147,12 @@ class _InOrder:
             self._busy = True
         while True:
             with self._lock:
-                data = self._pending.pop(self.fed, None)
-                if data is None:
+                part = self._pending.pop(self.fed, None)
+                if part is None:
                     self._busy = False
                     return
-                self.fed += len(data)
-            self.hasher.update(data)
+                self.fed += len(part)
+            self.hasher.update(part)
 
 
 class Volume:
@@ -198,7 +210,7 @@ class Volume:
         return self._retrying(relative, lambda: self.fs.cat_file(self._path(relative), start=start, end=end))
 
     def download(self, relative: str, local_path: str, size: int | None = None, pool=None, part_bytes: int | None = None,
-                 new_hasher: Callable[[], object] | None = None, priority: float = 0.0):
+                 new_hasher: Callable[[], Hasher] | None = None, priority: float = 0.0) -> Hasher | None:
         """Copies a file from the volume to a local path, hashing its bytes as they arrive.
 
         Given the file's ``size`` and a :class:`RangePool`, a file larger than one part is
@@ -227,7 +239,7 @@ class Volume:
             DataError: The file does not exist or cannot be read after the retries.
         """
         fixed_parts = part_bytes is not None
-        if not fixed_parts:
+        if part_bytes is None:
             part_bytes = self._part_bytes(size or 0, pool)
         if pool is not None and size is not None and size > part_bytes and self.ranges_supported is not False:
             ordered = _InOrder(new_hasher() if new_hasher else None)
