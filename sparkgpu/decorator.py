@@ -26,11 +26,10 @@ from typing import Any, Callable
 from sparkgpu._report import PREFIX, report
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.job_options import log_rank_selection
 from sparkgpu.launch.backends.base import Backend, LaunchPlan, create_backend
 from sparkgpu.launch.callbacks import JobCallback
 from sparkgpu.prepare import PreparedJob, prepare
-from sparkgpu.spec import JobSpec, Resources, RunPolicy, new_job_id, requested_resources
+from sparkgpu.spec import JobSpec, Resources, RunPolicy, log_rank_selection, new_job_id, requested_resources
 
 __all__ = ["distributed", "DistributedFunction", "default_callbacks", "REMOTE_MAX_RUNTIME"]
 

@@ -19,8 +19,9 @@ import dataclasses
 from typing import Any, Mapping
 
 from sparkgpu.errors import ConfigurationError
+from sparkgpu.spec import log_rank_selection
 
-__all__ = ["JobOption", "JOB_OPTIONS", "PYTHON_ONLY_KEYWORDS", "add_cli_flags", "cli_values", "check_document_value", "key_value", "log_rank_selection"]
+__all__ = ["JobOption", "JOB_OPTIONS", "PYTHON_ONLY_KEYWORDS", "add_cli_flags", "cli_values", "check_document_value", "key_value"]
 
 # Shapes of values: what a YAML/TOML/JSON document and a command line may hold.
 INT, TEXT, FLAG, DURATION, MAPPING, RANKS = "int", "text", "flag", "duration", "mapping", "ranks"
@@ -116,32 +117,6 @@ def check_document_value(option: JobOption, value, source: str, *, subject: str 
             raise bad() from None
         value = value if value in ("main", "all", "none") else list(ranks or ())
     return value
-
-
-def log_rank_selection(value) -> tuple[int, ...] | None:
-    """The ranks whose output streams to the caller, from any spelling of ``log_ranks``.
-
-    ``"main"``: rank 0; ``"all"``: every rank (``None``); ``"none"`` or ``None``: no rank
-    (``()``); a list of ranks, or ``"0,2"`` as a command line or job file writes it.
-
-    Raises:
-        ConfigurationError: Anything else.
-    """
-    if value == "main":
-        return (0,)
-    if value == "all":
-        return None
-    if value is None or value == "none":
-        return ()
-    parts = value.split(",") if isinstance(value, str) else value
-    try:
-        if isinstance(parts, (bytes, dict)) or any(isinstance(p, bool) for p in parts):
-            raise TypeError
-        return tuple(int(p) for p in parts)
-    except (TypeError, ValueError):
-        raise ConfigurationError(
-            f"log_ranks={value!r}: use 'main', 'all', 'none' (or None) or a list of ranks such as [0, 2]"
-        ) from None
 
 
 def key_value(text: str) -> tuple[str, str]:

@@ -144,7 +144,7 @@ class JobFile:
         Raises:
             ConfigurationError: unreadable file, unknown field or wrong value; names the field.
         """
-        from sparkgpu.usage._files import parse_document
+        from sparkgpu._documents import parse_document
 
         path = Path(path)
         try:

@@ -18,7 +18,7 @@ from sparkgpu.catalog import AcceleratorShape, lookup_accelerator_type, lookup_g
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.units import parse_duration
 
-__all__ = ["Resources", "RunPolicy", "JobSpec", "new_job_id", "requested_resources"]
+__all__ = ["Resources", "RunPolicy", "JobSpec", "new_job_id", "requested_resources", "log_rank_selection"]
 
 def new_job_id(name: str) -> str:
     """A job id that sorts by time and says what ran: ``<name>-<utc timestamp>-<random>``."""
@@ -212,3 +212,29 @@ class JobSpec:
         data["log_ranks"] = tuple(data["log_ranks"]) if data.get("log_ranks") is not None else None
         data["devices"] = tuple(data.get("devices", ()))
         return cls(**data)
+
+
+def log_rank_selection(value) -> tuple[int, ...] | None:
+    """The ranks whose output streams to the caller, from any spelling of ``log_ranks``.
+
+    ``"main"``: rank 0; ``"all"``: every rank (``None``); ``"none"`` or ``None``: no rank
+    (``()``); a list of ranks, or ``"0,2"`` as a command line or job file writes it.
+
+    Raises:
+        ConfigurationError: Anything else.
+    """
+    if value == "main":
+        return (0,)
+    if value == "all":
+        return None
+    if value is None or value == "none":
+        return ()
+    parts = value.split(",") if isinstance(value, str) else value
+    try:
+        if isinstance(parts, (bytes, dict)) or any(isinstance(p, bool) for p in parts):
+            raise TypeError
+        return tuple(int(p) for p in parts)
+    except (TypeError, ValueError):
+        raise ConfigurationError(
+            f"log_ranks={value!r}: use 'main', 'all', 'none' (or None) or a list of ranks such as [0, 2]"
+        ) from None

@@ -242,7 +242,7 @@ class UsagePolicy:
         Raises:
             ConfigurationError: the file is missing or invalid; the message names it.
         """
-        from sparkgpu.usage._files import parse_document
+        from sparkgpu._documents import parse_document
 
         path = Path(path)
         try:

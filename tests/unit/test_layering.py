@@ -45,8 +45,6 @@ KNOWN_CYCLES: set[frozenset[str]] = {
 
 # Known imports of another sub-package's private module, as (importing module, imported module).
 KNOWN_PRIVATE_IMPORTS: set[tuple[str, str]] = {
-    ("sparkgpu.jobfile", "sparkgpu.usage._files"),
-    ("sparkgpu.pools", "sparkgpu.usage._files"),
     ("sparkgpu.launch.supervisor", "sparkgpu.train._checkpoint_store"),
     ("sparkgpu.tracking._checkpoints", "sparkgpu.train._checkpoint_store"),
 }
