@@ -52,7 +52,8 @@ from sparkgpu.launch.keys import load_key
 from sparkgpu.launch.logs import LogStreamer
 from sparkgpu.launch.resume import client_is_gone, find_run_dir, take_over
 from sparkgpu.launch.run_dir import RunDir
-from sparkgpu.launch.supervisor import CANCEL_REQUEST_FILE, JobStatus, Supervisor
+from sparkgpu.launch.protocol import AttemptStatus, JobStatus
+from sparkgpu.launch.supervisor import CANCEL_REQUEST_FILE, Supervisor
 from sparkgpu.spec import JobSpec
 
 __all__ = ["Call", "attach"]
@@ -247,7 +248,7 @@ class Call:
             raise PolicyViolationError(f"job {self.job_id} was stopped by a usage policy: "
                                        f"{state.get('stop_reason') or cause}; continue it with `sparkgpu resume "
                                        f"{self.job_id}` once the policy allows")
-        if last.get("exit_code") is not None or last.get("status") == "failed":
+        if last.get("exit_code") is not None or last.get("status") == AttemptStatus.FAILED:
             # Read back the way the supervisor that ran it did: same failures, same root cause.
             run_dir = RunDir(self.run_dir.path, load_key(self.job_id))
             outcome = read_attempt(run_dir, last["attempt"], self._spec.world_size, self._spec.policy)
@@ -379,8 +380,8 @@ def _end_cancelled(run_dir: RunDir, state: dict) -> None:
     """Records that an abandoned job whose cancel was asked for is cancelled, without running it again."""
     now = time.time()
     for attempt in state.get("attempts") or ():
-        if attempt.get("status") == "running":
-            attempt.update(status="cancelled", ended_at=now)
+        if attempt.get("status") == AttemptStatus.RUNNING:
+            attempt.update(status=AttemptStatus.CANCELLED.value, ended_at=now)
             if attempt.get("started_at") is None:
                 attempt["started_at"] = now
     state["status"] = JobStatus.CANCELLED.value

@@ -33,9 +33,10 @@ class WorkerContext:
 
 @dataclasses.dataclass(frozen=True)
 class AttemptOutcome:
-    """How one attempt ended: ``status`` is ``"succeeded"``, ``"failed"``, ``"preempted"``
+    """How one attempt ended: ``status`` is the value of an
+    :class:`~sparkgpu.launch.protocol.AttemptStatus`: ``"succeeded"``, ``"failed"``, ``"preempted"``
     (stopped at the runtime cap or a budget after checkpointing), ``"stopped"`` (by a policy,
-    without a checkpoint) or ``"cancelled"``. ``started_at`` is when its ranks started;
+    without a checkpoint), ``"timed_out"`` or ``"cancelled"``. ``started_at`` is when its ranks started;
     ``cause`` says why a failed attempt failed when the backend knows more than the ranks (a
     lost node: ``"executor 1 on host h was lost (...)"``)."""
 

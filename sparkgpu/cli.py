@@ -33,6 +33,7 @@ from typing import Literal, Sequence
 
 from sparkgpu.errors import ConfigurationError, PolicyViolationError, SparkGPUError
 from sparkgpu.job_options import add_cli_flags, cli_values, key_value
+from sparkgpu.launch.protocol import JobStatus, ListedStatus
 from sparkgpu.launch.run_layout import RunLayout
 
 __all__ = ["main", "COMMANDS", "build_parser", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_POLICY"]
@@ -164,12 +165,12 @@ def cmd_run(args) -> int:
     started = time.time()
     try:
         fn._launch(prepared)
-        status, code = "succeeded", EXIT_OK
+        status, code = JobStatus.SUCCEEDED, EXIT_OK
     except PolicyViolationError:
         raise
     except SparkGPUError as exc:
         print(f"sparkgpu: {type(exc).__name__}: {exc}", file=sys.stderr)
-        status, code = "failed", EXIT_FAILED
+        status, code = JobStatus.FAILED, EXIT_FAILED
     finally:
         job_id = getattr(fn, "last_job_id", None)
         meter = next((c for c in callbacks if isinstance(c, UsageMeter)), None)
@@ -232,10 +233,10 @@ def list_jobs(staging_root: Path | None = None) -> list[dict]:
         # An attempt waiting for GPUs has no start yet: its submit time stands in.
         started = (attempts[0].get("started_at") or attempts[0].get("submitted_at")) if attempts else None
         ended = attempts[-1].get("ended_at") if attempts else None
-        status = state.get("status", "staged")
-        if status == "running" and client_is_gone(state.get("client")):
-            status = "lost"  # its client died: `sparkgpu resume JOB_ID` continues it
-        end = ended if ended is not None else (time.time() if status == "running" else None)
+        status = state.get("status", ListedStatus.STAGED.value)
+        if status == JobStatus.RUNNING and client_is_gone(state.get("client")):
+            status = ListedStatus.LOST.value  # its client died: `sparkgpu resume JOB_ID` continues it
+        end = ended if ended is not None else (time.time() if status == JobStatus.RUNNING else None)
         jobs.append({
             "job_id": spec["job_id"], "name": spec.get("name"), "status": status, "attempts": len(attempts),
             "restarts": state.get("restarts", 0), "preemptions": state.get("preemptions", 0),
@@ -267,8 +268,9 @@ def _format_time(ts: float | None) -> str:
     return "-" if ts is None else _dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
 
 
-_STATUS_STYLE = {"succeeded": "green", "failed": "red", "timed_out": "red", "running": "cyan",
-                 "stopped": "yellow", "cancelled": "yellow", "staged": "dim", "lost": "magenta"}
+_STATUS_STYLE = {JobStatus.SUCCEEDED: "green", JobStatus.FAILED: "red", JobStatus.TIMED_OUT: "red",
+                 JobStatus.RUNNING: "cyan", JobStatus.STOPPED: "yellow", JobStatus.CANCELLED: "yellow",
+                 ListedStatus.STAGED: "dim", ListedStatus.LOST: "magenta"}
 
 
 def cmd_jobs(args) -> int:
@@ -386,7 +388,7 @@ def cmd_logs(args) -> int:
             print(f"--- attempt {attempt} ---", flush=True)
             tail = tail_for(attempt)
             continue
-        if state.get("status") not in (None, "pending", "running"):
+        if state.get("status") not in (None, JobStatus.PENDING, JobStatus.RUNNING):
             tail.finish()
             return EXIT_OK
         time.sleep(0.25)

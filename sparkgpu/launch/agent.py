@@ -34,6 +34,7 @@ from sparkgpu.errors import PayloadSignatureError
 from sparkgpu.launch.entrypoint import EXIT_FAILED, _die_with_parent
 from sparkgpu.launch.keys import rank_secrets
 from sparkgpu.launch.payload import key_from_environ
+from sparkgpu.launch.protocol import NodeExit, RankExit
 from sparkgpu.launch.rank_exits import RankExitWatcher
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.run_layout import RunLayout
@@ -90,8 +91,8 @@ def refuse(rd: RunDir, attempt: int, node_rank: int, nproc: int, exc: PayloadSig
     if rd.key:
         for rank in range(node_rank * nproc, (node_rank + 1) * nproc):
             rd.write_error(attempt, rank, exc)
-    node = {"node_rank": node_rank, "status": EXIT_FAILED, "failures": {}, "refused": str(exc)}
-    atomic_write_bytes(rd.node_file(attempt, node_rank), json.dumps(node).encode())
+    node = NodeExit(node_rank, EXIT_FAILED, refused=str(exc))
+    atomic_write_bytes(rd.node_file(attempt, node_rank), json.dumps(node.to_json()).encode())
 
 
 def verify_or_refuse(rd: RunDir, environ: Mapping[str, str], attempt: int, node_rank: int, nproc: int,
@@ -186,7 +187,7 @@ def main(argv=None) -> int:
         logs_specs=DefaultLogsSpecs(log_dir=str(rd.attempt_dir(args.attempt) / "elastic")),
         shutdown_timeout=args.shutdown_grace,
     )
-    failures: dict[str, dict] = {}
+    failures: dict[int, RankExit] = {}
     status = 0
     watcher = RankExitWatcher(
         run_id, lambda rank: reported(rd, args.attempt, rank),
@@ -197,11 +198,8 @@ def main(argv=None) -> int:
     except ChildFailedError as exc:
         status = EXIT_FAILED
         for failed_rank, process in exc.failures.items():
-            failures[str(failed_rank)] = {
-                "exitcode": process.exitcode,
-                "signal": process.signal_name() if process.exitcode < 0 else None,
-                "pid": process.pid,
-            }
+            failures[failed_rank] = RankExit(
+                process.exitcode, signal=process.signal_name() if process.exitcode < 0 else None, pid=process.pid)
     except DistError as exc:  # the rendezvous: no rank of this node started
         status = EXIT_FAILED
         report(f"node {args.node_rank} of {args.nnodes} gave up meeting the others at {args.master_addr}:"
@@ -210,12 +208,12 @@ def main(argv=None) -> int:
                "init_timeout")
     for rank in watcher.quiet:  # torch saw exit code 0: a success to it, not to the job
         status = EXIT_FAILED
-        failures[str(rank)] = {**watcher.exits[rank], "pid": None}
+        failures[rank] = RankExit(**watcher.exits[rank], pid=None)
     for failed, failure in failures.items():
-        if int(failed) in watcher.exits:  # torch's own time is whole seconds, and when it noticed
-            failure["time"] = watcher.exits[int(failed)]["time"]
-    node = {"node_rank": args.node_rank, "status": status, "failures": failures}
-    atomic_write_bytes(rd.node_file(args.attempt, args.node_rank), json.dumps(node).encode())
+        if failed in watcher.exits:  # torch's own time is whole seconds, and when it noticed
+            failure.time = watcher.exits[failed]["time"]
+    node = NodeExit(args.node_rank, status, failures)
+    atomic_write_bytes(rd.node_file(args.attempt, args.node_rank), json.dumps(node.to_json()).encode())
     return status
 
 

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from sparkgpu._files import atomic_write_bytes
+from sparkgpu.launch.protocol import NodeState
 from sparkgpu.launch.run_layout import RunLayout
 
 __all__ = ["AttemptReport", "NodeReport", "REPORT_FILE"]
@@ -30,8 +31,8 @@ class NodeReport:
         node: Node rank.
         executor: The executor that ran it (Spark's executor id).
         host: Host of that executor.
-        state: ``"succeeded"``, ``"failed"``, ``"lost"`` (its executor or worker died: it
-            stopped beating and never wrote how it ended), ``"cancelled"``, ...
+        state: How it ended: ``SUCCEEDED``, ``FAILED``, ``LOST`` (its executor or worker died:
+            it stopped beating and never wrote how it ended), ``CANCELLED``, ...
         ranks: Global ranks the node ran.
         exit_code: Exit code of the node's agent, when known.
         signal: Signal that ended the agent, when known.
@@ -41,11 +42,14 @@ class NodeReport:
     node: int
     executor: str = ""
     host: str = ""
-    state: str = "unknown"
+    state: NodeState = NodeState.UNKNOWN
     ranks: list[int] = dataclasses.field(default_factory=list)
     exit_code: int | None = None
     signal: int | None = None
     cause: str = ""
+
+    def __post_init__(self) -> None:
+        self.state = NodeState(self.state)  # as read back from the report's JSON
 
     @property
     def where(self) -> str:
@@ -72,7 +76,7 @@ class AttemptReport:
     @property
     def lost(self) -> list[NodeReport]:
         """The nodes whose executor was lost."""
-        return [n for n in self.nodes if n.state == "lost"]
+        return [n for n in self.nodes if n.state is NodeState.LOST]
 
     def lost_message(self) -> str:
         """``"executor 1 on host h was lost (...)"`` for each lost node, one sentence."""

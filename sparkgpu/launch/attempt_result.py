@@ -8,6 +8,7 @@ same error with the same root cause.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import signal
 from collections.abc import Callable
 from typing import Any
@@ -15,16 +16,24 @@ from typing import Any
 from sparkgpu.errors import NodeLostError, RankFailure, first_failure, worker_failed_error
 from sparkgpu.launch.attempt_report import AttemptReport
 from sparkgpu.launch.entrypoint import EXIT_PREEMPTED
+from sparkgpu.launch.protocol import AttemptStatus, RankExit
 from sparkgpu.launch.run_dir import RunDir
 
-__all__ = ["AttemptResult", "read_attempt"]
+__all__ = ["AttemptResult", "StoppedBy", "read_attempt"]
+
+
+class StoppedBy(enum.Enum):
+    """Why the supervisor stopped an attempt's ranks itself."""
+
+    CAP = "cap"  # the attempt reached its runtime cap (max_runtime)
+    POLICY = "policy"  # a usage policy asked it to stop, and checkpoint_grace passed
 
 
 @dataclasses.dataclass
 class AttemptResult:
     """How one attempt ended, read back from the run dir."""
 
-    status: str  # "succeeded" | "preempted" | "failed" | "stopped" (by a policy, without a checkpoint)
+    status: AttemptStatus  # SUCCEEDED, PREEMPTED, FAILED or STOPPED (by a policy, without a checkpoint)
     results: list[Any] | None = None
     failures: list[RankFailure] = dataclasses.field(default_factory=list)
     exceptions: dict[int, BaseException] = dataclasses.field(default_factory=dict)
@@ -50,7 +59,7 @@ class AttemptResult:
 
 
 
-def read_attempt(rd: RunDir, attempt: int, world_size: int, policy, *, stopped_by: str | None = None,
+def read_attempt(rd: RunDir, attempt: int, world_size: int, policy, *, stopped_by: StoppedBy | None = None,
                  saved_checkpoint: Callable[[], bool] | None = None) -> AttemptResult:
     """How attempt ``attempt`` ended, from what its ranks, launchers and backend left in the run dir.
 
@@ -60,7 +69,7 @@ def read_attempt(rd: RunDir, attempt: int, world_size: int, policy, *, stopped_b
         world_size: The job's ranks.
         policy: The job's :class:`~sparkgpu.spec.JobPolicy` (its cap names the fix when an attempt
             stopped at the cap had not checkpointed).
-        stopped_by: ``"cap"`` or ``"policy"`` when the supervisor stopped the attempt, else ``None``.
+        stopped_by: Why the supervisor stopped the attempt, when it did; else ``None``.
         saved_checkpoint: Whether the attempt committed a new checkpoint; asked only for an
             attempt the supervisor stopped whose ranks did not stop for a restart.
 
@@ -87,45 +96,45 @@ def read_attempt(rd: RunDir, attempt: int, world_size: int, policy, *, stopped_b
     exits = rd.read_node_exits(attempt)
     report = AttemptReport.read(rd.attempt_dir(attempt))
     own_failure = bool(failures) or any(
-        i["exitcode"] not in (EXIT_PREEMPTED, -signal.SIGTERM) for r, i in exits.items() if r in silent
+        i.exitcode not in (EXIT_PREEMPTED, -signal.SIGTERM) for r, i in exits.items() if r in silent
     )
     for rank in silent:
         info = exits.get(rank)
         if info is None:
             continue  # stopped by the agent because another rank failed
-        if info["exitcode"] == EXIT_PREEMPTED:
+        if info.exitcode == EXIT_PREEMPTED:
             preempted.append(rank)  # stopped for a restart; its marker may be lost with the node
             continue
-        if own_failure and info["exitcode"] == -signal.SIGTERM:
+        if own_failure and info.exitcode == -signal.SIGTERM:
             continue  # torn down after another rank failed: not a failure of its own
-        if stopped_by and info["exitcode"] in (-signal.SIGTERM, -signal.SIGKILL):
+        if stopped_by and info.exitcode in (-signal.SIGTERM, -signal.SIGKILL):
             continue  # the supervisor stopped it (cap or policy): judged below
         failures.append(RankFailure(
-            rank, None, _describe_exit(info), exitcode=info["exitcode"], log_tail=rd.log_tail(attempt, rank),
-            timestamp=info.get("time"),  # when it exited: a quiet exit is the cause of its peers' errors
+            rank, None, _describe_exit(info), exitcode=info.exitcode, log_tail=rd.log_tail(attempt, rank),
+            timestamp=info.time,  # when it exited: a quiet exit is the cause of its peers' errors
         ))
     if report is not None and report.lost:
         # The lost node's ranks are silent; the others' errors (a peer left the collective) follow from it.
         lost = [RankFailure(rank, None, f"{node.where} was lost: {node.cause}", timestamp=report.lost_at)
                 for node in report.lost for rank in node.ranks]
         lost_ranks = {f.rank for f in lost}
-        return AttemptResult("failed", failures=lost + [f for f in failures if f.rank not in lost_ranks],
+        return AttemptResult(AttemptStatus.FAILED, failures=lost + [f for f in failures if f.rank not in lost_ranks],
                              exceptions=exceptions, report=report)
     if failures:
-        return AttemptResult("failed", failures=failures, exceptions=exceptions, report=report)
+        return AttemptResult(AttemptStatus.FAILED, failures=failures, exceptions=exceptions, report=report)
     if len(results) == world_size:
-        return AttemptResult("succeeded", results=[results[r] for r in range(world_size)])
+        return AttemptResult(AttemptStatus.SUCCEEDED, results=[results[r] for r in range(world_size)])
     if preempted:
-        return AttemptResult("preempted")
+        return AttemptResult(AttemptStatus.PREEMPTED)
     if stopped_by:
         # Stopped at the cap: resuming makes sense only if this attempt saved progress;
         # otherwise the next attempt would do the same work again, forever.
         if saved_checkpoint is not None and saved_checkpoint():
-            return AttemptResult("preempted")
-        if stopped_by == "policy":
-            return AttemptResult("stopped")
+            return AttemptResult(AttemptStatus.PREEMPTED)
+        if stopped_by is StoppedBy.POLICY:
+            return AttemptResult(AttemptStatus.STOPPED)
         message = _not_checkpointed_message(policy)
-        return AttemptResult("failed", failures=[
+        return AttemptResult(AttemptStatus.FAILED, failures=[
             RankFailure(r, None, message, log_tail=rd.log_tail(attempt, r))
             for r in range(world_size) if r not in results
         ])
@@ -133,7 +142,7 @@ def read_attempt(rd: RunDir, attempt: int, world_size: int, policy, *, stopped_b
     if rd.node_exit_files(attempt):
         # Launchers recorded the attempt but no exit of these ranks: an exit with code 0
         # that could not be watched, or a node whose launcher was lost.
-        return AttemptResult("failed", failures=[
+        return AttemptResult(AttemptStatus.FAILED, failures=[
             RankFailure(r, None, "the process ended without returning a result or raising an exception, and "
                         "its launcher recorded no failure for it (an exit with code 0, as after os._exit(0), "
                         "or its node's launcher was lost)", log_tail=rd.log_tail(attempt, r))
@@ -144,7 +153,7 @@ def read_attempt(rd: RunDir, attempt: int, world_size: int, policy, *, stopped_b
     tail = "\n".join(agent_log.read_text(errors="replace").splitlines()[-30:]) if agent_log.exists() else ""
     if report is not None and report.notes:  # what the backend knows that no launcher could write
         tail = "\n".join([*(f"sparkgpu: {note}" for note in report.notes), tail])
-    return AttemptResult("failed", failures=[
+    return AttemptResult(AttemptStatus.FAILED, failures=[
         RankFailure(r, None, "the rank never reported a result: its node's launcher ended without recording "
                     "how its ranks ended (the launcher's log is below)", log_tail=tail)
         for r in missing
@@ -162,10 +171,10 @@ def _not_checkpointed_message(policy) -> str:
     )
 
 
-def _describe_exit(info: dict) -> str:
-    if info.get("signal"):
-        return f"the process died from signal {info['signal']} (exit code {info['exitcode']}) without a Python exception"
-    if info["exitcode"] == 0:
+def _describe_exit(info: RankExit) -> str:
+    if info.signal:
+        return f"the process died from signal {info.signal} (exit code {info.exitcode}) without a Python exception"
+    if info.exitcode == 0:
         return ("the process exited with code 0 without returning a result or raising an exception "
                 "(os._exit(0), or a library that calls exit(0))")
-    return f"the process exited with code {info['exitcode']} without a Python exception"
+    return f"the process exited with code {info.exitcode} without a Python exception"

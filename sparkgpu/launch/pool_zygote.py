@@ -34,6 +34,7 @@ from sparkgpu.launch.agent import reported, verify_or_refuse
 from sparkgpu.launch.entrypoint import EXIT_PREEMPTED, _die_with_parent
 from sparkgpu.launch.rendezvous import collective_interface_env, listening_socket, serve_store
 from sparkgpu.launch.keys import rank_secrets
+from sparkgpu.launch.protocol import NodeExit, RankExit
 from sparkgpu.launch.rank_exits import CRASH_KILL_DELAY
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.run_layout import RunLayout
@@ -322,15 +323,14 @@ class _Zygote:
             pass
         os.waitpid(job.store_pid, 0)
         failures = {
-            str(rank): {"exitcode": code, "signal": signal.Signals(-code).name if code < 0 else None, "pid": None,
-                        "time": job.exit_times.get(rank)}
+            rank: RankExit(code, signal=signal.Signals(-code).name if code < 0 else None, time=job.exit_times.get(rank))
             for rank, code in job.exits.items() if code != 0 or rank in job.quiet
         }
         # Ranks killed by the teardown are not failures of their own.
-        failures = {k: v for k, v in failures.items() if v["exitcode"] != -signal.SIGTERM} or failures
+        failures = {k: v for k, v in failures.items() if v.exitcode != -signal.SIGTERM} or failures
         status = 1 if failures else 0
-        node = {"node_rank": 0, "status": status, "failures": failures}
-        atomic_write_bytes(job.run_dir.node_file(job.attempt, 0), json.dumps(node).encode())
+        node = NodeExit(0, status, failures)
+        atomic_write_bytes(job.run_dir.node_file(job.attempt, 0), json.dumps(node.to_json()).encode())
         try:
             self.selector.unregister(job.conn)
             job.conn.setblocking(True)

@@ -21,7 +21,8 @@ from sparkgpu.launch.backends.base import create_backend
 from sparkgpu.launch.keys import load_key
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.run_layout import RunLayout
-from sparkgpu.launch.supervisor import CANCEL_REQUEST_FILE, JobStatus, Supervisor
+from sparkgpu.launch.protocol import AttemptStatus, JobStatus
+from sparkgpu.launch.supervisor import CANCEL_REQUEST_FILE, Supervisor
 from sparkgpu.spec import JobSpec
 
 __all__ = ["resume_job", "take_over", "find_run_dir", "client_is_gone"]
@@ -114,7 +115,7 @@ def resume_job(job_id: str, backend=None, out=None, force: bool = False) -> list
 def take_over(job_id: str, backend=None, out=None, force: bool = False) -> Supervisor:
     """A supervisor that continues ``job_id`` from its run dir, ready to ``run()``; starts nothing.
 
-    Its attempts left "running" by a client that died are marked "lost". A cancel asked
+    Its attempts left ``RUNNING`` by a client that died are marked ``LOST``. A cancel asked
     for before a job ended cancelled still holds; resuming a job that did end cancelled is
     a new decision, so the old request is dropped.
 
@@ -125,7 +126,7 @@ def take_over(job_id: str, backend=None, out=None, force: bool = False) -> Super
     job_id = run_dir.job_id
     job = JobSpec.from_dict(json.loads(run_dir.spec_file.read_text()))
     state = json.loads(run_dir.state_file.read_text()) if run_dir.state_file.exists() else None
-    if state and state["status"] == JobStatus.SUCCEEDED.value:
+    if state and state["status"] == JobStatus.SUCCEEDED:
         raise JobStateError(f"job {job_id} already succeeded; nothing to resume")
     if state and not force:
         _check_no_live_client(job_id, state)
@@ -139,8 +140,8 @@ def take_over(job_id: str, backend=None, out=None, force: bool = False) -> Super
             (run_dir.path / CANCEL_REQUEST_FILE).unlink(missing_ok=True)
         lost = []
         for attempt in state["attempts"]:
-            if attempt["status"] == "running":  # the client died while it ran
-                attempt["status"] = "lost"
+            if attempt["status"] == AttemptStatus.RUNNING:  # the client died while it ran
+                attempt["status"] = AttemptStatus.LOST.value
                 lost.append(attempt["attempt"])
         state.pop("stop_reason", None)
         supervisor.load_state_dict(state)

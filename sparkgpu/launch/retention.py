@@ -20,14 +20,15 @@ import time
 from pathlib import Path
 
 from sparkgpu.config import Settings, settings
+from sparkgpu.launch.protocol import JobStatus
 from sparkgpu.launch.run_layout import RunLayout
 
 __all__ = ["prune_runs"]
 
 log = logging.getLogger(__name__)
 
-_FINISHED = {"succeeded", "failed", "timed_out", "cancelled"}
-_RESUMABLE = {"stopped", "running", "pending"}
+_FINISHED = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.TIMED_OUT, JobStatus.CANCELLED}
+_RESUMABLE = {JobStatus.STOPPED, JobStatus.RUNNING, JobStatus.PENDING}
 
 
 def _read_state(run_dir: Path) -> dict | None:
@@ -53,7 +54,7 @@ def _verdict(run_dir: Path, state: dict, now: float, max_age: float | None) -> t
         return True, too_old
     if status in _RESUMABLE:
         # Resumable by hand: only age takes it, and never while its client still drives it.
-        gone = status == "stopped" or client_is_gone(state.get("client"))
+        gone = status == JobStatus.STOPPED or client_is_gone(state.get("client"))
         return False, too_old and gone
     return False, too_old  # staged and never started (a dry run, or a launch that died early)
 

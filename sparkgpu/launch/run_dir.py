@@ -33,6 +33,7 @@ from sparkgpu._files import atomic_write_bytes, atomic_writer
 from sparkgpu.errors import PayloadSignatureError, RankFailure
 from sparkgpu.launch.payload_signature import sign_payload, verifier_source, verify_payload
 from sparkgpu.launch.payload import AIR_TEMPLATE, KEY_ENV
+from sparkgpu.launch.protocol import NodeExit, RankExit
 from sparkgpu.launch.run_layout import RunLayout
 from sparkgpu.launch.serialization import deserialize_error, dump_result, serialize_error, unpack_payload
 
@@ -330,12 +331,11 @@ class RunDir:
                 reports[rank] = json.loads(path.read_text())
         return dict(sorted(reports.items()))
 
-    def read_node_exits(self, attempt: int) -> dict[int, dict]:
-        """Exit information per global rank, merged over the attempt's nodes."""
-        exits: dict[int, dict] = {}
+    def read_node_exits(self, attempt: int) -> dict[int, RankExit]:
+        """Exit information per global rank, merged over the attempt's nodes' :class:`NodeExit` records."""
+        exits: dict[int, RankExit] = {}
         for path in self.node_exit_files(attempt).values():
-            for rank, info in json.loads(path.read_text()).get("failures", {}).items():
-                exits[int(rank)] = info
+            exits.update(NodeExit.from_json(json.loads(path.read_text())).failures)
         return exits
 
     def log_tail(self, attempt: int, rank: int, lines: int = 20) -> str:

@@ -8,7 +8,7 @@ or it committed a new checkpoint; otherwise it failed, so a function that never 
 cannot resume forever. ``TIMED_OUT``, ``CANCELLED`` and ``STOPPED`` (a usage policy's stop:
 ranks get ``checkpoint_grace`` to checkpoint, then are stopped) are terminal. The state is
 a small JSON file in the run dir (``state.json``), rewritten atomically after every
-transition.
+transition; its job and attempt states are :mod:`sparkgpu.launch.protocol`'s.
 
 An attempt's runtime cap and billed time start when its ranks start. A backend whose ranks
 may start long after ``submit`` (Spark waiting for busy GPUs: ``waits_for_resources``) says
@@ -40,9 +40,10 @@ from sparkgpu.errors import (
     PayloadSignatureError,
     PolicyViolationError,
 )
-from sparkgpu.launch.attempt_result import AttemptResult, read_attempt
+from sparkgpu.launch.attempt_result import AttemptResult, StoppedBy, read_attempt
 from sparkgpu.launch.logs import LogStreamer
 from sparkgpu.launch.payload import KEY_ENV
+from sparkgpu.launch.protocol import AttemptStatus, JobStatus
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.run_layout import RunLayout
 from sparkgpu.spec import JobSpec
@@ -54,20 +55,6 @@ _POLL_SECONDS = 0.1
 
 #: In the run dir: asks whichever process supervises the job to cancel it (its text says who asked).
 CANCEL_REQUEST_FILE = RunLayout.CANCEL_REQUEST
-
-
-class JobStatus(str, enum.Enum):
-    PENDING = "pending"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    TIMED_OUT = "timed_out"
-    CANCELLED = "cancelled"
-    STOPPED = "stopped"  # checkpointed and stopped by a policy (budget); resumable by hand
-
-    @property
-    def is_terminal(self) -> bool:
-        return self not in (JobStatus.PENDING, JobStatus.RUNNING)
 
 
 class Decision(enum.Enum):
@@ -176,7 +163,7 @@ class Supervisor:
                 attempt = len(self.state["attempts"])
                 outcome = self._run_attempt(attempt, job_started, early)
                 early = None
-                if outcome.status == "succeeded":
+                if outcome.status is AttemptStatus.SUCCEEDED:
                     self._set_status(JobStatus.SUCCEEDED)
                     results = outcome.results
                     assert results is not None  # a succeeded attempt has every rank's result
@@ -187,7 +174,7 @@ class Supervisor:
                     self._set_status(JobStatus.STOPPED)
                     error = PolicyViolationError(self._stop_message(outcome))
                     raise error from outcome.root_exception
-                if outcome.status == "preempted":
+                if outcome.status is AttemptStatus.PREEMPTED:
                     self.state["preemptions"] += 1
                     continue
                 decision = self.policy.decide(self.state["restarts"], outcome.exceptions)
@@ -217,9 +204,9 @@ class Supervisor:
     def _stop_message(self, outcome: AttemptResult) -> str:
         job_id, reason = self.job.job_id, self.state["stop_reason"]
         logs = self.run_dir.logs_dir(len(self.state["attempts"]) - 1)
-        if outcome.status == "preempted":
+        if outcome.status is AttemptStatus.PREEMPTED:
             what = "checkpointed and stopped"
-        elif outcome.status == "failed":
+        elif outcome.status is AttemptStatus.FAILED:
             what = f"stopped after its ranks failed (see {logs})"
         else:
             what = (f"stopped (its ranks did not checkpoint when asked; work since the latest checkpoint "
@@ -257,7 +244,7 @@ class Supervisor:
         submitted = time.time()
         # started_at: when the ranks started, the start of the billed time and of the cap.
         record = {"attempt": attempt, "submitted_at": submitted, "started_at": None, "ended_at": None,
-                  "status": "running"}
+                  "status": AttemptStatus.RUNNING.value}
         self.state["attempts"].append(record)
         self._set_status(JobStatus.RUNNING)
         handle = streamer = None
@@ -282,7 +269,7 @@ class Supervisor:
             return outcome
         except KeyboardInterrupt:
             if record["ended_at"] is None:
-                self._abandon(record, handle, streamer, "cancelled", None)
+                self._abandon(record, handle, streamer, AttemptStatus.CANCELLED, None)
                 self._set_status(JobStatus.CANCELLED)
             raise
         except BaseException as exc:
@@ -290,15 +277,15 @@ class Supervisor:
             # broke, the ranks are stopped and the attempt is ended, so callbacks close their
             # books (the usage journal) instead of leaving it "running" forever.
             if record["ended_at"] is None:
-                self._abandon(record, handle, streamer, "failed", exc)
+                self._abandon(record, handle, streamer, AttemptStatus.FAILED, exc)
             raise
 
     def _watch(self, attempt: int, handle, streamer: LogStreamer, record: dict, job_started: float):
         """Polls the attempt until it ends or a limit stops it.
 
         Returns:
-            ``(exit code, stopped_by)``: the code is ``None`` and ``stopped_by`` is ``"cap"``
-            or ``"policy"`` when the supervisor stopped the ranks itself.
+            ``(exit code, stopped_by)``: the code is ``None`` and ``stopped_by`` a :class:`StoppedBy`
+            when the supervisor stopped the ranks itself.
         """
         policy = self.job.policy
         ranks_started: float | None = None  # monotonic
@@ -308,7 +295,7 @@ class Supervisor:
         while (code := self.backend.poll(handle)) is None:
             streamer.pump()
             if self._cancel_requested():
-                self._abandon(record, handle, streamer, "cancelled", None)
+                self._abandon(record, handle, streamer, AttemptStatus.CANCELLED, None)
                 self._set_status(JobStatus.CANCELLED)
                 raise JobCancelledError(f"job {self.job.job_id} was cancelled; its ranks were stopped. Logs: "
                                         f"{self.run_dir.attempt_dir(attempt) / 'logs'}")
@@ -317,7 +304,7 @@ class Supervisor:
                 next_start_check = now + 1.0
                 ranks_started = self._ranks_started(handle, record)
             if policy.timeout is not None and now - job_started > policy.timeout:
-                self._abandon(record, handle, streamer, "timed_out", None)
+                self._abandon(record, handle, streamer, AttemptStatus.TIMED_OUT, None)
                 self._set_status(JobStatus.TIMED_OUT)
                 raise JobTimeoutError(
                     f"job {self.job.job_id} ran longer than its timeout of {policy.timeout:g}s and was "
@@ -338,7 +325,7 @@ class Supervisor:
                 report(f"the ranks did not stop within checkpoint_grace ({policy.checkpoint_grace:g}s) "
                        f"of the request; stopping them (SIGTERM, SIGKILL after {policy.shutdown_grace:g}s)", self.out)
                 self.backend.cancel(handle, policy.shutdown_grace)
-                return None, "policy"
+                return None, StoppedBy.POLICY
             if policy.max_runtime is not None:
                 if not cap_signalled and self.backend.waits_for_resources and ran >= policy.max_runtime - policy.checkpoint_grace:
                     cap_signalled = True
@@ -347,7 +334,7 @@ class Supervisor:
                 if ran > policy.max_runtime:
                     # Ranks had checkpoint_grace to checkpoint and stop; the cap is hard.
                     self.backend.cancel(handle, policy.shutdown_grace)
-                    return None, "cap"
+                    return None, StoppedBy.CAP
             time.sleep(_POLL_SECONDS)
         if ranks_started is None:
             self._ranks_started(handle, record)  # they may have started and ended between two checks
@@ -373,7 +360,7 @@ class Supervisor:
         if not stop_file.exists():  # a policy's reason, already there, says more
             atomic_write_bytes(stop_file, f"{why}\n".encode())
 
-    def _abandon(self, record: dict, handle, streamer: LogStreamer | None, status: str,
+    def _abandon(self, record: dict, handle, streamer: LogStreamer | None, status: AttemptStatus,
                  exc: BaseException | None) -> None:
         """Stops and ends an attempt that an exception interrupted, recording the exception as its cause."""
         cause = [f"{type(exc).__name__}: {exc}"] if exc is not None else []
@@ -408,10 +395,10 @@ class Supervisor:
                 return True
         return False
 
-    def _end_attempt(self, record: dict, status: str, code: int | None, outcome: AttemptResult | None = None,
+    def _end_attempt(self, record: dict, status: AttemptStatus, code: int | None, outcome: AttemptResult | None = None,
                      cause: tuple[str, ...] | list[str] = (), error: BaseException | None = None):
         cause = tuple(cause)
-        record.update(ended_at=time.time(), status=status, exit_code=code)
+        record.update(ended_at=time.time(), status=status.value, exit_code=code)
         if record["started_at"] is None:
             record["started_at"] = record["ended_at"]  # its ranks never started: nothing ran, nothing is billed
         if outcome is not None and outcome.report is not None and outcome.lost:
@@ -430,7 +417,7 @@ class Supervisor:
             error = outcome.root_exception
         for callback in self.callbacks:
             callback.after_attempt(self.job, AttemptOutcome(
-                attempt=record["attempt"], status=status, started_at=record["started_at"],
+                attempt=record["attempt"], status=status.value, started_at=record["started_at"],
                 ended_at=record["ended_at"], gpus=self.job.resources.gpus,
                 gpu_type=self.job.resources.gpu_type or "", error=error,
                 cause=outcome.lost if outcome is not None else "",

@@ -12,6 +12,7 @@ import pytest
 from sparkgpu.config import reset_settings
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.launch.payload import KEY_ENV, serialize_payload
+from sparkgpu.launch.protocol import RankExit
 from sparkgpu.launch.resume import find_run_dir
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.run_layout import RunLayout
@@ -59,13 +60,13 @@ def test_a_run_dir_reads_only_the_files_the_layout_names(tmp_path):
     rd = RunDir(tmp_path / "job-1")
     rd.prepare_attempt(0)
     for node in (0, 1):
-        rd.node_file(0, node).write_text(json.dumps({"failures": {str(node): {"exit": node + 1}}}))
+        rd.node_file(0, node).write_text(json.dumps({"failures": {str(node): {"exitcode": node + 1}}}))
     rd.file(RunLayout.env_report(0, 3)).write_text('{"seconds": 2}')
     # Temporaries of killed writers and files of other kinds sit beside them.
     (rd.attempt_dir(0) / ".node-2.json.5f3a.tmp").write_text("{")
     (rd.attempt_dir(0) / "env-rank-9.json.77.tmp").write_text("{")
     rd.file(RunLayout.report(0)).write_text("{}")
-    assert rd.read_node_exits(0) == {0: {"exit": 1}, 1: {"exit": 2}}
+    assert rd.read_node_exits(0) == {0: RankExit(1), 1: RankExit(2)}
     assert rd.read_env_reports(0) == {3: {"seconds": 2}}
     assert rd.read_env_reports(7) == {} and rd.read_node_exits(7) == {}  # an attempt that never ran
 

@@ -60,6 +60,7 @@ from sparkgpu.launch.backends.spark_sessions import (
     record_session,
 )
 from sparkgpu.launch.payload import KEY_ENV
+from sparkgpu.launch.protocol import NodeState
 from sparkgpu.launch.threads import threads_per_rank
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.staging import ClientMirror, StagingStore
@@ -437,7 +438,7 @@ class SparkBackend(NodeWatch, Backend):
     def _outcome(self, handle: SparkAttempt) -> int:
         """Exit status of a finished attempt; what Spark alone knows goes into the attempt's report."""
         rd = handle.run_dir
-        rows = [r for r in handle.nodes if r["state"] != "spark-retry"]
+        rows = [r for r in handle.nodes if r["state"] != NodeState.SPARK_RETRY]
         if handle.error is not None:
             if handle.cancelled:
                 self._write_report(handle, rows)
@@ -453,14 +454,14 @@ class SparkBackend(NodeWatch, Backend):
             self._stop_outliving_nodes(handle)
             self._write_report(handle, rows)
             return 1
-        blind = [r for r in rows if r["state"] == "no-run-dir"]
+        blind = [r for r in rows if r["state"] == NodeState.NO_RUN_DIR]
         if blind:
             where = ", ".join(f"executor {r['executor']} on {r['host']}" for r in blind)
             self._note(handle, f"{where} cannot see the run dir {rd.path}: set SPARKGPU_STAGING_ROOT to a folder "
                                "mounted under the same path on the client and on every executor (NFS, or a "
                                "FUSE-mounted volume)")
-        for state, problem in (("store-unreachable", "cannot read or write this job's files on"),
-                               ("store-push-failed", "could not upload the results of its ranks to")):
+        for state, problem in ((NodeState.STORE_UNREACHABLE, "cannot read or write this job's files on"),
+                               (NodeState.STORE_PUSH_FAILED, "could not upload the results of its ranks to")):
             if lost := [r for r in rows if r["state"] == state]:
                 where = ", ".join(f"executor {r['executor']} on {r['host']}" for r in lost)
                 scheme = scheme_of(self.staging_url) if self.staging_url else "file"
@@ -494,7 +495,7 @@ class SparkBackend(NodeWatch, Backend):
             self.spark.interruptTag(handle.tag)  # Spark kills the Python workers; agents and ranks follow
             handle.finished.wait(60)
         self._last_pull(handle)
-        self._write_report(handle, [r for r in handle.nodes if r["state"] != "spark-retry"])
+        self._write_report(handle, [r for r in handle.nodes if r["state"] != NodeState.SPARK_RETRY])
 
 
 def _at(spark) -> str:

@@ -33,6 +33,7 @@ from sparkgpu._report import report
 from sparkgpu.launch.agent import build_command, strip_spark_secrets, verify_or_refuse
 from sparkgpu.launch.backends.spark_probe import executor_identity
 from sparkgpu.launch.entrypoint import NODE_DEVICES_ENV
+from sparkgpu.launch.protocol import NodeExit, NodeState
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.threads import rank_thread_env
 from sparkgpu.launch.staging import (
@@ -111,10 +112,10 @@ def _claim(marker: Path, info: dict) -> bool:
     return True
 
 
-def _row(node, identity, devices, pid, code, state):
+def _row(node, identity, devices, pid, code, state: NodeState):
     return pa.RecordBatch.from_pydict(
         {"node": [node], "executor": [identity.executor_id], "host": [identity.host], "devices": [",".join(devices)],
-         "pid": [pid], "exit_code": [code], "state": [state]}, schema=NODE_SCHEMA)
+         "pid": [pid], "exit_code": [code], "state": [state.value]}, schema=NODE_SCHEMA)
 
 
 def run_node(launch: NodeLaunch, batches):
@@ -136,17 +137,17 @@ def run_node(launch: NodeLaunch, batches):
         if (mirror is not None and mirror.claimed_before()) or not _claim(claimed, info) or ctx.attemptNumber() > 0:
             # Spark re-ran the stage after a task or executor was lost. Restarts are the
             # supervisor's decision, so this stage reports and ends without training again.
-            state = "spark-retry"
+            state = NodeState.SPARK_RETRY
         else:
             state = _start_mirror(mirror) or _verify(rd, launch, node)
 
     pid, code = 0, 1
     try:
         # Every task reaches allGather exactly once, whatever it decides (barrier semantics).
-        port = _free_port() if node == 0 and state == "ready" else 0
-        gathered = [json.loads(m) for m in ctx.allGather(json.dumps({"port": port, "state": state}))]
-        if state != "ready" or any(m["state"] != "ready" for m in gathered):
-            state = state if state != "ready" else "peer-not-ready"
+        port = _free_port() if node == 0 and state is NodeState.READY else 0
+        gathered = [json.loads(m) for m in ctx.allGather(json.dumps({"port": port, "state": state.value}))]
+        if state is not NodeState.READY or any(m["state"] != NodeState.READY for m in gathered):
+            state = state if state is not NodeState.READY else NodeState.PEER_NOT_READY
         else:
             master_addr = ctx.getTaskInfos()[0].address.rsplit(":", 1)[0].strip("[]")
             pid, code, state = _run_agent(rd, launch, node, devices, master_addr, gathered[0]["port"])
@@ -158,11 +159,11 @@ def run_node(launch: NodeLaunch, batches):
     yield _row(node, identity, devices, pid, code, state)
 
 
-def _node_run_dir(launch: NodeLaunch, node: int) -> tuple[RunDir, NodeMirror | None, str | None]:
+def _node_run_dir(launch: NodeLaunch, node: int) -> tuple[RunDir, NodeMirror | None, NodeState | None]:
     """The run dir this node runs in, its mirror (staging store only), and a state if it is out of reach."""
     if not launch.store_url:
         rd = RunDir(launch.run_dir)
-        return rd, None, None if rd.spec_file.exists() else "no-run-dir"  # the staging root is not mounted here
+        return rd, None, None if rd.spec_file.exists() else NodeState.NO_RUN_DIR  # the staging root is not mounted here
     job_id = Path(launch.run_dir).name
     rd = RunDir(scratch_run_dir(job_id, launch.attempt, node))
     try:
@@ -172,11 +173,11 @@ def _node_run_dir(launch: NodeLaunch, node: int) -> tuple[RunDir, NodeMirror | N
         report(f"node {node} cannot fetch job {job_id} from the staging store {launch.store_url}: "
                f"{type(exc).__name__}: {exc}")
         _remove_scratch(rd)
-        return rd, None, "store-unreachable"
+        return rd, None, NodeState.STORE_UNREACHABLE
     return rd, mirror, None
 
 
-def _start_mirror(mirror: NodeMirror | None) -> str | None:
+def _start_mirror(mirror: NodeMirror | None) -> NodeState | None:
     """Starts syncing with the store (the start marker goes up at once); a state if it cannot."""
     if mirror is None:
         return None
@@ -185,18 +186,18 @@ def _start_mirror(mirror: NodeMirror | None) -> str | None:
     except Exception as exc:  # whatever the filesystem raises: this node cannot report, so it does not start
         report(f"node {mirror.node} cannot write to the staging store {mirror.store.url}: "
                f"{type(exc).__name__}: {exc}")
-        return "store-unreachable"
+        return NodeState.STORE_UNREACHABLE
     return None
 
 
-def _end_mirror(mirror: NodeMirror, state: str) -> str:
+def _end_mirror(mirror: NodeMirror, state: NodeState) -> NodeState:
     """Pushes the node's last files (end marker last) and removes its scratch copy."""
     try:
         mirror.finish()
     except Exception as exc:  # a failed task would make Spark re-run the stage: report in the row instead
         report(f"node {mirror.node} could not upload its last files to the staging store {mirror.store.url} "
                f"({type(exc).__name__}: {exc}); they stay in {mirror.run_dir.path} on this host")
-        return "store-push-failed"
+        return NodeState.STORE_PUSH_FAILED
     _remove_scratch(mirror.run_dir)
     return state
 
@@ -211,7 +212,7 @@ def _remove_scratch(rd: RunDir) -> None:
 
 
 def _run_agent(rd: RunDir, launch: NodeLaunch, node: int, devices: tuple, master_addr: str,
-               master_port: int) -> tuple[int, int, str]:
+               master_port: int) -> tuple[int, int, NodeState]:
     """Starts the node's agent on ``rd`` and watches it; ``(pid, exit code, state)``."""
     command = build_command(
         sys.executable, str(rd.path), attempt=launch.attempt, nnodes=launch.nnodes, node_rank=node,
@@ -231,23 +232,23 @@ def _run_agent(rd: RunDir, launch: NodeLaunch, node: int, devices: tuple, master
     return agent.pid, code, state
 
 
-def _verify(rd: RunDir, launch: NodeLaunch, node: int) -> str:
-    """``"ready"`` when the payload's signature holds; else reports the refusal and says so.
+def _verify(rd: RunDir, launch: NodeLaunch, node: int) -> NodeState:
+    """``READY`` when the payload's signature holds; else reports the refusal and says so.
 
     The agent checks again, but refusing here keeps every node of the barrier stage from
     starting an agent at all.
     """
     verified = verify_or_refuse(rd, launch.env, launch.attempt, node, launch.nproc, log=rd.agent_log(launch.attempt, node))
-    return "bad-signature" if verified is None else "ready"
+    return NodeState.BAD_SIGNATURE if verified is None else NodeState.READY
 
 
 def _peer_failed(rd: RunDir, attempt: int, node: int) -> bool:
     for peer, path in rd.node_exit_files(attempt).items():
         if peer != node:
             try:
-                if json.loads(path.read_text()).get("status", 0) != 0:
+                if NodeExit.from_json(json.loads(path.read_text())).status != 0:
                     return True
-            except (OSError, ValueError):
+            except (OSError, ValueError, KeyError, TypeError):
                 continue  # written atomically; a read error means it is being replaced
     return False
 
@@ -298,12 +299,12 @@ def _peer_lost(rd: RunDir, attempt: int, node: int, beats: dict[int, Heartbeat],
     return False
 
 
-def _watch(agent: subprocess.Popen, rd: RunDir, launch: NodeLaunch, node: int) -> tuple[int, str]:
+def _watch(agent: subprocess.Popen, rd: RunDir, launch: NodeLaunch, node: int) -> tuple[int, NodeState]:
     """Waits for the agent; stops it when the client cancels, the client is gone or a peer node failed."""
     attempt = launch.attempt
     heartbeat = Heartbeat(rd.client_heartbeat_file(attempt), launch.client_timeout)
     peers: dict[int, Heartbeat] = {}
-    state, stop_deadline = "running", None
+    state, stop_deadline = NodeState.RUNNING, None
     beats, next_beat = 0, 0.0
     while (code := agent.poll()) is None:
         if time.monotonic() >= next_beat:  # the client and the peers tell a lost executor by its silence
@@ -312,13 +313,13 @@ def _watch(agent: subprocess.Popen, rd: RunDir, launch: NodeLaunch, node: int) -
         if stop_deadline is None:
             reason = None
             if rd.spark_cancel_file(attempt).exists():
-                reason = "cancelled"
+                reason = NodeState.CANCELLED
             elif heartbeat.lost():
-                reason = "client-lost"
+                reason = NodeState.CLIENT_LOST
             elif _peer_failed(rd, attempt, node):
-                reason = "peer-failed"
+                reason = NodeState.PEER_FAILED
             elif _peer_lost(rd, attempt, node, peers, launch.peer_timeout):
-                reason = "peer-lost"
+                reason = NodeState.PEER_LOST
             if reason:
                 state = reason
                 agent.send_signal(signal.SIGTERM)  # the agent forwards it to the ranks
@@ -326,8 +327,8 @@ def _watch(agent: subprocess.Popen, rd: RunDir, launch: NodeLaunch, node: int) -
         elif time.monotonic() > stop_deadline:
             agent.kill()  # the ranks follow through PR_SET_PDEATHSIG
         time.sleep(_POLL_SECONDS)
-    if state == "running":
-        state = "succeeded" if code == 0 else "failed"
-    done = {"node": node, "exit_code": code, "state": state, "ended_at": time.time()}
+    if state is NodeState.RUNNING:
+        state = NodeState.SUCCEEDED if code == 0 else NodeState.FAILED
+    done = {"node": node, "exit_code": code, "state": state.value, "ended_at": time.time()}
     atomic_write_bytes(rd.node_marker(attempt, node, "ended"), json.dumps(done).encode())
     return code, state

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from sparkgpu._files import atomic_write_bytes
 from sparkgpu._report import report
 from sparkgpu.launch.attempt_report import AttemptReport, NodeReport
+from sparkgpu.launch.protocol import NodeState
 from sparkgpu.launch.backends.spark_node import Heartbeat
 from sparkgpu.launch.run_dir import RunDir
 
@@ -79,7 +80,7 @@ class NodeWatch:
             lost_at = time.time() - beat.silent_for()
             attempt_report.lost_at = min(attempt_report.lost_at or lost_at, lost_at)
             attempt_report.nodes.append(NodeReport(node, str(info.get("executor", "")), str(info.get("host", "")),
-                                                   "lost", self._ranks_of(handle, node), cause=cause))
+                                                   NodeState.LOST, self._ranks_of(handle, node), cause=cause))
             found = True
         if found:
             self._write_report(handle)
@@ -168,7 +169,7 @@ class NodeWatch:
                     continue
                 row, end, info = by_node.get(node, {}), ended.get(node, {}), handle.node_infos.get(node, {})
                 code = row.get("exit_code", end.get("exit_code"))
-                state = str(row.get("state", end.get("state", "unknown")))
+                state = NodeState(row.get("state", end.get("state", NodeState.UNKNOWN)))
                 nodes.append(NodeReport(node, str(row.get("executor", info.get("executor", ""))),
                                         str(row.get("host", info.get("host", ""))), state, self._ranks_of(handle, node),
                                         exit_code=code, signal=-code if code is not None and code < 0 else None))
