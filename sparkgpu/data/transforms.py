@@ -109,12 +109,14 @@ class BatchTransforms:
         return batch
 
     def _one(self, batch: dict, i: int, sample_id: int, epoch: int, shard: str) -> dict:
+        transform = self.transform
+        assert transform is not None  # called only when there is a per-sample transform
         sample = {name: values[i] for name, values in batch.items()}
         rng, torch_seed = sample_rng(self.seed, epoch, sample_id)
         try:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(torch_seed)
-                out = self.transform(sample, rng)
+                out = transform(sample, rng)
         except Exception as exc:
             raise TransformError(_message("transform", exc, sample_id, shard, epoch)) from exc
         if not isinstance(out, dict):

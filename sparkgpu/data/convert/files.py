@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable
 
 import pyarrow as pa
 import pyarrow.dataset as pads
@@ -100,11 +100,11 @@ class FileSource:
 class _Unit:
     """A piece of the source one writer reads in order: a fragment, row group or slice."""
 
-    def __init__(self, rows: int | None, batches: Callable[[list[str], bool], Iterator[pa.RecordBatch]]):
+    def __init__(self, rows: int | None, batches: Callable[[list[str], bool], Iterable[pa.RecordBatch]]):
         self.rows = rows
         self._batches = batches
 
-    def batches(self, columns: list[str], use_threads: bool) -> Iterator[pa.RecordBatch]:
+    def batches(self, columns: list[str], use_threads: bool) -> Iterable[pa.RecordBatch]:
         return self._batches(columns, use_threads)
 
 
@@ -221,10 +221,11 @@ def _table_source(table: pa.Table) -> FileSource:
     def units(workers: int) -> list[_Unit]:
         rows = table.num_rows
         step = max(1, -(-rows // workers))
-        return [
-            _Unit(min(step, rows - start), lambda columns, _threads, s=start: table.slice(s, step).select(columns).to_batches(_BATCH_ROWS))
-            for start in range(0, rows, step)
-        ]
+
+        def slice_batches(start: int) -> Callable[[list[str], bool], Iterable[pa.RecordBatch]]:
+            return lambda columns, _threads: table.slice(start, step).select(columns).to_batches(_BATCH_ROWS)
+
+        return [_Unit(min(step, rows - start), slice_batches(start)) for start in range(0, rows, step)]
 
     def fingerprint() -> str:
         digest = hashlib.sha256()

@@ -108,8 +108,9 @@ def _sql(expression) -> str | None:
     if kind != "unresolved_function":
         return None
     function = expression.unresolved_function
-    args = [_sql(a) for a in function.arguments]
-    if None in args:
+    parts = [_sql(a) for a in function.arguments]
+    args = [part for part in parts if part is not None]
+    if len(args) != len(parts):
         return None
     name = function.function_name
     if name in _COMPARISONS and len(args) == 2:
