@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Collection
 
 import numpy as np
 import torch
@@ -37,7 +38,8 @@ class Producer:
         self._ends = np.cumsum(sizes)
         self._starts = self._ends - sizes
         self._readers: dict[int, ShardReader] = {}
-        self._last_shards, self._last_readers = None, []
+        self._last_shards: np.ndarray | None = None
+        self._last_readers: list[ShardReader] = []
         # Only a cache of a volume evicts shards; a local dataset folder keeps every file.
         self._evictable = volume is not None
         self._row_bytes = self.decoder.row_bytes
@@ -76,8 +78,8 @@ class Producer:
                     raise DataError(f"a sample in shard(s) {names} points outside its shard ({exc}); the shard is damaged: "
                                     "clear it from the cache (sparkgpu cache clear) or write the dataset again") from None
                 if transforms:
-                    names = [self.index.shards[s].basename for s in shard_of[lo:hi].tolist()]
-                    batch = transforms(batch, epoch=epoch, sample_ids=plan.samples[lo:hi], shards=names)
+                    shard_names = [self.index.shards[s].basename for s in shard_of[lo:hi].tolist()]
+                    batch = transforms(batch, epoch=epoch, sample_ids=plan.samples[lo:hi], shards=shard_names)
                 del readers
                 yield batch
         finally:
@@ -112,7 +114,7 @@ class Producer:
         except FileNotFoundError:  # evicted by another process between acquire and open
             return ShardReader(self.cache.refetch(shard), info, self._row_bytes)
 
-    def _release(self, keep: set) -> None:
+    def _release(self, keep: Collection[int]) -> None:
         for shard in [s for s in self._readers if s not in keep]:
             self._readers.pop(shard).close()
         if not keep:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 
 from sparkgpu.data.loaders.mds_loader import MDSLoader, open_mds
-from sparkgpu.data.loaders.mixture import mixture_dataset
+from sparkgpu.data.loaders.mixture import MixtureLoader, mixture_dataset
 from sparkgpu.errors import ConfigurationError
 
 __all__ = ["dataset"]
@@ -46,7 +46,7 @@ def dataset(
     epoch_size: int | None = None,
     transform=None,
     batch_transform=None,
-) -> MDSLoader:
+) -> MDSLoader | MixtureLoader:
     """Opens an MDS dataset for training: an iterable of batches with a resumable position.
 
     Args:

@@ -26,6 +26,7 @@ import concurrent.futures
 import multiprocessing
 import os
 import warnings
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -103,20 +104,24 @@ def open_mds(
         # stacklevel 3: the line that called data.dataset or data.token_dataset
         warnings.warn("pin_memory=True needs CUDA, which is not available here; batches stay in ordinary memory", stacklevel=3)
         pin_memory = False
+    volume: Volume | None
+    directory: str | Path
     if remote is not None:
         volume = Volume(remote, storage_options)
         directory, index = open_cache_entry(local if local is not None else settings().cache_dir, volume, allow_unsafe_types)
     else:
-        volume, directory = None, os.fspath(local)
-        index_path = os.path.join(directory, INDEX_NAME)
+        assert local is not None  # checked above: remote, local or both
+        volume, folder = None, os.fspath(local)
+        index_path = os.path.join(folder, INDEX_NAME)
         if not os.path.isfile(index_path):
-            raise DataError(f"{directory} has no {INDEX_NAME}; point local= at a folder written by MDSWriter or sparkgpu.data.to_mds, or pass remote=")
+            raise DataError(f"{folder} has no {INDEX_NAME}; point local= at a folder written by MDSWriter or sparkgpu.data.to_mds, or pass remote=")
         with open(index_path, "rb") as handle:
             index = DatasetIndex.parse(handle.read(), index_path, allow_unsafe_types)
+        directory = folder
         if any(shard.compression for shard in index.shards):
             # Compressed shards cannot be memory-mapped: read the folder as a volume through the
             # cache, which decompresses each shard once.
-            volume = Volume(directory, storage_options)
+            volume = Volume(folder, storage_options)
             directory, index = open_cache_entry(settings().cache_dir, volume, allow_unsafe_types)
     return MDSLoader(
         index=index, directory=directory, volume_url=volume.url if volume else None, storage_options=storage_options,
@@ -166,9 +171,9 @@ class MDSLoader(PlannedEpochs):
         self.epoch = 0
         self._consumed = 0  # samples of self.epoch consumed by all ranks together
         self._orders: dict = {}  # epoch -> Future of its order
-        self._order_pool = None
-        self._producer = None
-        self._workers = None  # the DataLoader of num_workers > 0, created on first use
+        self._order_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._producer: Producer | None = None
+        self._workers: torch.utils.data.DataLoader | None = None  # the DataLoader of num_workers > 0, created on first use
         self._splitter = BatchDecoder(index.columns, allocate=None)
         self.metrics = LoaderMetrics(rank)  # wait and step times, cache figures: stats() and the job's run
 

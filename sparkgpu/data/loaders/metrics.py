@@ -23,6 +23,10 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sparkgpu.tracking.spool import SpoolWriter
 
 __all__ = ["LoaderMetrics"]
 
@@ -68,9 +72,9 @@ class LoaderMetrics:
         self.rank, self.interval = rank, interval
         self.batches = 0
         self._total = _Window(time.perf_counter(), 0, 0, 0)
-        self._window = None
-        self._writer = None  # the job's spool writer, looked up on the first report
-        self._in_job = None
+        self._window: _Window | None = None  # the current interval's, from the first batch on
+        self._writer: SpoolWriter | None = None  # the job's spool writer, looked up on the first report
+        self._in_job: bool | None = None
 
     def timed(self, batches, cache=None):
         """Yields ``batches``, timing the wait for each and the step around it.
@@ -125,6 +129,7 @@ class LoaderMetrics:
 
     def _report(self, now: float, caches) -> None:
         counts = self._cache_counts(caches)
+        assert self._window is not None  # timed() opens the window before its first report
         figures = self._window.figures(now, *counts)
         self._window = _Window(now, *counts)
         if self._in_job is None:
@@ -134,6 +139,7 @@ class LoaderMetrics:
             self._in_job = self._writer is not None
         if not self._in_job:
             return
+        assert self._writer is not None  # in a job exactly when there is a writer
         timestamp = int(time.time() * 1000)
         records = [(f"data/{name}/rank_{self.rank}", float(value), self.batches, timestamp)
                    for name, value in figures.items() if name != "batches"]

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 import numpy as np
 import torch
@@ -168,7 +169,8 @@ class _StreamReader:
         self._readers: dict[int, ShardReader] = {}
         # Only a cache of a volume evicts shards; a local dataset folder keeps every file.
         self._evictable = volume is not None
-        self._last_key, self._last_readers = None, []
+        self._last_key: bytes | None = None
+        self._last_readers: list[ShardReader] = []
 
     def plan(self, steps: list[np.ndarray]) -> None:
         """Tells the cache which of its shards each coming batch reads (for prefetching and eviction)."""
@@ -232,7 +234,7 @@ class MixtureLoader(PlannedEpochs):
         self.rank, self.world_size, self.device = first.rank, first.world_size, first.device
         self.prefetch_batches = prefetch_batches
         self._offsets = np.concatenate([[0], np.cumsum(counts)])
-        self._readers = None
+        self._readers: list[_StreamReader] | None = None  # opened by the first iteration, dropped by close()
         self.epoch = 0
         self._consumed = 0
         self.metrics = LoaderMetrics(self.rank)
@@ -307,13 +309,17 @@ class MixtureLoader(PlannedEpochs):
         return EpochPlan.for_rank(self.epoch_order(epoch), start=start, rank=self.rank, world_size=self.world_size,
                                   batch_size=self.batch_size, drop_last=self.drop_last)
 
+    def _open_readers(self) -> list[_StreamReader]:
+        assert self._readers is not None, "the mixture is closed"  # opened by __iter__ before it reads batches
+        return self._readers
+
     def _batches(self, plan: EpochPlan):
         from sparkgpu.data import _gather
         from sparkgpu.data.loaders._pipeline import _shards_per_batch
 
         # Every stream's shards numbered in one sequence (stream 0's, then stream 1's, ...), as
         # mixture ids number samples: whole-epoch arrays once, so each batch costs slices.
-        sizes = [reader.index.shard_sizes for reader in self._readers]
+        sizes = [reader.index.shard_sizes for reader in self._open_readers()]
         ends = np.cumsum(np.concatenate(sizes)) if sizes else np.empty(0, np.int64)
         first_shard = np.cumsum([0] + [len(z) for z in sizes])
         stream_of_shard = np.repeat(np.arange(len(sizes)), [len(z) for z in sizes])
@@ -322,15 +328,17 @@ class MixtureLoader(PlannedEpochs):
         size = plan.batch_size
         steps = _shards_per_batch(shard_of, size, list(range(plan.num_batches)), len(ends))
         by_stream = [stream_of_shard[shards] for shards in steps]
-        for s, reader in enumerate(self._readers):
+        for s, reader in enumerate(self._open_readers()):
             reader.plan([shards[of == s] - first_shard[s] for shards, of in zip(steps, by_stream)])
-        decoder = self._readers[0].decoder
+        decoder = self._open_readers()[0].decoder
         for step, (shards, of) in enumerate(zip(steps, by_stream)):
             lo, hi = step * size, (step + 1) * size
             streams = np.unique(of).tolist()
-            opened = {s: self._readers[s].open(step, shards[of == s] - first_shard[s]) for s in streams}
+            opened = {s: self._open_readers()[s].open(step, shards[of == s] - first_shard[s]) for s in streams}
             batch_shards, rows = shard_of[lo:hi], rows_of[lo:hi]
             if decoder.fixed_width:  # every stream has the same row layout: one gather of the whole batch
+                # Streams' decoders allocate batches, and fixed-width rows have a size.
+                assert decoder.allocate is not None and decoder.row_bytes is not None
                 readers = [r for s in streams for r in opened[s]]
                 source_ids = None if len(readers) == 1 else np.searchsorted(shards, batch_shards).astype(np.int32)
                 buffer = decoder.allocate(len(rows) * decoder.row_bytes)
@@ -343,7 +351,7 @@ class MixtureLoader(PlannedEpochs):
                 mine = np.flatnonzero(stream_of == s)
                 readers = opened[s]
                 source_ids = None if len(readers) == 1 else np.searchsorted(shards[of == s], batch_shards[mine]).astype(np.int32)
-                parts.append((mine, self._readers[s].decoder.decode(readers, source_ids, rows[mine])))
+                parts.append((mine, self._open_readers()[s].decoder.decode(readers, source_ids, rows[mine])))
             yield _merge(parts, len(rows))
 
     def _stream_of_positions(self, epoch: int) -> np.ndarray:
@@ -372,16 +380,17 @@ def _merge(parts: list, n: int) -> dict:
     """One batch from each stream's share: ``parts`` is ``(positions in the batch, decoded dict)``."""
     if len(parts) == 1:
         return parts[0][1]
-    batch = {}
+    batch: dict[str, Any] = {}
     for name, first in parts[0][1].items():
         if isinstance(first, torch.Tensor):
-            out = first.new_empty((n, *first.shape[1:]))
+            tensor = first.new_empty((n, *first.shape[1:]))
             for positions, values in parts:
-                out[torch.from_numpy(positions)] = values[name]
+                tensor[torch.from_numpy(positions)] = values[name]
+            batch[name] = tensor
         else:
-            out = [None] * n
+            items: list[Any] = [None] * n
             for positions, values in parts:
                 for position, value in zip(positions.tolist(), values[name]):
-                    out[position] = value
-        batch[name] = out
+                    items[position] = value
+            batch[name] = items
     return batch

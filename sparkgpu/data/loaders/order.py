@@ -168,6 +168,10 @@ class PlannedEpochs:
     epoch: int
     _consumed: int
 
+    def _plan(self, epoch: int, start: int) -> EpochPlan:
+        """This rank's plan of ``epoch``, from sample ``start`` of all ranks on (each loader's own)."""
+        raise NotImplementedError
+
     def set_epoch(self, epoch: int) -> None:
         """Starts the next iteration at the beginning of ``epoch``."""
         check_int("epoch", epoch, 0)

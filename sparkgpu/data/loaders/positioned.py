@@ -25,6 +25,14 @@ class Positioned(torch.utils.data.IterableDataset):
     ``world_size``, ``epoch`` and ``_consumed``.
     """
 
+    world_size: int
+    epoch: int
+    _consumed: int
+
+    def __len__(self) -> int:
+        """Batches this rank reads in a whole epoch (each dataset's own)."""
+        raise NotImplementedError
+
     def loader(self, num_workers: int = 2, **dataloader_options) -> "PositionedLoader":
         """A DataLoader reading this dataset in ``num_workers`` worker processes, keeping its position.
 
@@ -66,6 +74,8 @@ class PositionedLoader(torch.utils.data.DataLoader):
     The dataset yields whole batches (``batch_size=None``); each batch received here moves the
     dataset's position past it, and reading the loader to its end moves it to the next epoch.
     """
+
+    dataset: Positioned
 
     def __init__(self, dataset: Positioned, **options):
         for name in ("batch_size", "sampler", "batch_sampler", "shuffle", "drop_last"):

@@ -139,7 +139,9 @@ def table_dataset(
     if isinstance(fill_null, dict) and set(fill_null) - set(columns):
         raise ConfigurationError(f"fill_null names columns {sorted(set(fill_null) - set(columns))} that are not read; columns are {columns}")
     if isinstance(filter, tuple) and filter[:1] == ("both",):
-        expression = to_expression(filter[1], schema) & to_expression(filter[2], schema)
+        table_filter, given_filter = to_expression(filter[1], schema), to_expression(filter[2], schema)
+        assert table_filter is not None and given_filter is not None  # neither filter of the pair is None
+        expression = table_filter & given_filter
     else:
         expression = to_expression(filter, schema)
     units = row_groups(dataset, expression, selection, read_threads)
