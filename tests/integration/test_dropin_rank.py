@@ -104,24 +104,53 @@ def test_the_docs_device_selection_on_simulated_gpus(monkeypatch):
     ]
 
 
-def test_hf_accelerate_sets_up_inside_the_jobs_group():
+class _PatchLog:
+    """The debug lines sparkgpu's process-group replacements write in a rank, collected there.
+
+    They are the evidence that a framework's call reached the replacement rather than torch's own
+    ``init_process_group`` / ``destroy_process_group``.
+    """
+
+    def __init__(self):
+        import logging
+
+        self.lines = []
+        handler = logging.Handler(logging.DEBUG)
+        handler.emit = lambda record: self.lines.append(record.getMessage())
+        logger = logging.getLogger("sparkgpu.launch.process_group")
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG)
+
+    def saw(self, start: str) -> bool:
+        return any(line.startswith(start) for line in self.lines)
+
+
+def test_hf_accelerate_sets_up_inside_the_jobs_group_and_end_training_leaves_it_to_the_job():
     pytest.importorskip("accelerate")
 
     @distributed(gpus=2, gpu_type="cpu")
     def with_accelerate():
         from accelerate import Accelerator
 
+        log = _PatchLog()
+        job_group = dist.group.WORLD
+        dist.init_process_group("gloo", init_method="env://")  # a torchrun script's setup() before Accelerator()
         accelerator = Accelerator(cpu=True)
         model = accelerator.prepare(nn.Linear(4, 1))
         t = accelerator.reduce(torch.tensor([float(accelerator.process_index + 1)], device=accelerator.device))
-        accelerator.end_training()
-        return accelerator.num_processes, accelerator.process_index, type(model).__name__, t.item()
+        accelerator.end_training()  # accelerate calls torch.distributed.destroy_process_group() here
+        kept = dist.is_initialized() and dist.group.WORLD is job_group
+        after = torch.tensor([float(dist.get_rank() + 1)])
+        dist.all_reduce(after)  # the job's group still serves collectives (sparkgpu's teardown uses it too)
+        return (accelerator.num_processes, accelerator.process_index, type(model).__name__, t.item(), kept,
+                dist.group.WORLD is job_group, after.item(), log.saw("init_process_group('gloo')"),
+                log.saw("destroy_process_group()"))
 
-    assert with_accelerate.distributed() == [(2, 0, "DistributedDataParallel", 3.0),
-                                              (2, 1, "DistributedDataParallel", 3.0)]
+    assert with_accelerate.distributed() == [(2, 0, "DistributedDataParallel", 3.0, True, True, 3.0, True, True),
+                                              (2, 1, "DistributedDataParallel", 3.0, True, True, 3.0, True, True)]
 
 
-def test_lightning_ddp_trainer_fits_inside_the_jobs_group():
+def test_lightning_ddp_trainer_fits_twice_inside_the_jobs_group_after_the_script_destroys_it():
     pytest.importorskip("lightning")
 
     @distributed(gpus=2, gpu_type="cpu")
@@ -141,17 +170,31 @@ def test_lightning_ddp_trainer_fits_inside_the_jobs_group():
             def configure_optimizers(self):
                 return torch.optim.SGD(self.parameters(), lr=0.1)
 
+        def fit(model):
+            trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+            trainer.fit(model, data)
+            return trainer
+
+        log = _PatchLog()
+        job_group = dist.group.WORLD
         torch.manual_seed(0)
         data = DataLoader(TensorDataset(torch.randn(64, 4), torch.randn(64, 1)), batch_size=8)
-        trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
         model = Regressor()
-        trainer.fit(model, data)
-        return trainer.world_size, trainer.global_rank, [p.detach().clone() for p in model.parameters()]
+        trainer = fit(model)
+        # The end of a Lightning script on GPUs, as Lightning's own atexit hook does for nccl:
+        dist.destroy_process_group()
+        kept = dist.is_initialized() and dist.group.WORLD is job_group
+        # A second fit (fine-tuning after pre-training): Lightning's DDP setup calls
+        # init_process_group itself unless a group exists; it must find the job's.
+        fit(model)
+        return (trainer.world_size, trainer.global_rank, [p.detach().clone() for p in model.parameters()], kept,
+                dist.group.WORLD is job_group, log.saw("destroy_process_group()"))
 
-    (w0, r0, p0), (w1, r1, p1) = with_lightning.distributed()
+    (w0, r0, p0, *checks0), (w1, r1, p1, *checks1) = with_lightning.distributed()
     assert (w0, r0, w1, r1) == (2, 0, 2, 1)
     assert all(torch.equal(a, b) for a, b in zip(p0, p1))
+    assert checks0 == checks1 == [True, True, True]
 
 
 def test_a_rank_that_exits_quietly_is_named_as_the_first_failure():
