@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 
 import pyarrow.parquet as pq
 import pytest
@@ -29,12 +30,17 @@ def _upload(folder, url: str) -> None:
 
 def test_delta_table_with_deletion_vectors_on_s3_reads_the_surviving_rows_and_resumes(s3_bucket, tmp_path, monkeypatch,
                                                                                          caplog):
+    import fsspec
+
     secret = "sentinel-secret-8d1f0c"
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)  # the server takes any secret; it must never be written down
     caplog.set_level(logging.DEBUG)
-    uri, gone = dv_table(tmp_path)
+    uri, gone = dv_table(tmp_path)  # storageType "u": the vectors are files inside the table folder
     table_url = f"{s3_bucket}/lake/clicks"
     _upload(tmp_path / "clicks", table_url)
+    shutil.rmtree(uri)  # the table, its log and its deletion vectors now exist only on S3
+    vectors = fsspec.filesystem("s3").glob(f"{table_url[len('s3://'):]}/*/deletion_vector_*.bin")
+    assert len(vectors) == 3, "one vector per day's file, uploaded with the table"
     survivors = sorted(i for i in range(600) if i not in gone and i >= 20)
     cache = tmp_path / "cache"
 
@@ -45,7 +51,7 @@ def test_delta_table_with_deletion_vectors_on_s3_reads_the_surviving_rows_and_re
     everything = ids_of(open_())
     assert sorted(everything) == survivors
     assert {p.name for p in cache.rglob("*.parquet")} == {
-        os.path.basename(p) for p in map(str, (tmp_path / "clicks").rglob("*.parquet"))}  # landed in the cache
+        os.path.basename(p) for p in fsspec.filesystem("s3").glob(f"{table_url[len('s3://'):]}/*/*.parquet")}  # landed in the cache
     halves = [ids_of(open_(rank, 2)) for rank in range(2)]
     assert not set(halves[0]) & set(halves[1]) and len(halves[0]) == len(halves[1])
     # Resume: the rest of the epoch, exactly.
@@ -113,8 +119,9 @@ def test_a_2_rank_job_reads_an_s3_table_with_credentials_from_its_environment_on
 
     sentinel = "sentinel-aws-secret-7c2a41"
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", sentinel)  # the server takes any secret; ranks inherit it
-    _, gone = dv_table(tmp_path)
+    uri, gone = dv_table(tmp_path)
     _upload(tmp_path / "clicks", f"{s3_bucket}/clicks")
+    shutil.rmtree(uri)  # the ranks find the table and its deletion vectors on S3 only
     job = distributed(gpus=2, gpu_type="cpu")(_rank_reads_the_s3_table)
     parts = job.distributed(f"{s3_bucket}/clicks", str(tmp_path / "cache"))
     survivors = {i for i in range(600) if i not in gone and i >= 20}

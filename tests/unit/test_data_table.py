@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import time
 
@@ -28,8 +29,11 @@ def clicks(rows: int, start: int = 0) -> pa.Table:
     })
 
 
-def dv_table(tmp_path, rows=600, deleted=(1, 3, 10, 57, 99)) -> tuple[str, set]:
-    """A partitioned table with deletion vectors and rows deleted from one file of each day."""
+def dv_table(tmp_path, rows=600, deleted=(1, 3, 10, 57, 99), storage_type="u") -> tuple[str, set]:
+    """A partitioned table with deletion vectors and rows deleted from one file of each day.
+
+    ``storage_type="u"`` (as Databricks writes) keeps the vectors inside the table folder;
+    ``"p"`` names them by absolute URI (see :mod:`tests.unit.delta_dv`)."""
     from deltalake import DeltaTable, write_deltalake
 
     uri = str(tmp_path / "clicks")
@@ -41,7 +45,7 @@ def dv_table(tmp_path, rows=600, deleted=(1, 3, 10, 57, 99)) -> tuple[str, set]:
     for add in pa.table(DeltaTable(uri).get_add_actions(flatten=True)).to_pylist():
         path = os.path.join(uri, add["path"])
         ids = pq.read_table(path, columns=["id"]).column("id").to_pylist()
-        delete_rows(uri, add["path"], list(deleted))
+        delete_rows(uri, add["path"], list(deleted), storage_type=storage_type)
         gone |= {ids[i] for i in deleted}
     return uri, gone
 
@@ -50,10 +54,18 @@ def ids_of(dataset) -> list[int]:
     return [i for batch in dataset for i in batch["id"].tolist()]
 
 
-def test_deletion_vectors_and_filter_give_exactly_the_surviving_rows_once_per_rank_split(tmp_path):
+@pytest.mark.parametrize("storage_type", ["u", "p"])  # a path relative to the table (Databricks), an absolute URI
+def test_deletion_vectors_and_filter_give_exactly_the_surviving_rows_once_per_rank_split(tmp_path, storage_type):
     from deltalake import DeltaTable
 
-    uri, gone = dv_table(tmp_path)
+    uri, gone = dv_table(tmp_path, storage_type=storage_type)
+    actions = [json.loads(line) for log in sorted((tmp_path / "clicks" / "_delta_log").glob("*.json"))
+               for line in log.read_text().splitlines()]
+    descriptors = [a["add"]["deletionVector"] for a in actions if a.get("add", {}).get("deletionVector")]
+    assert len(descriptors) == 3 and {d["storageType"] for d in descriptors} == {storage_type}
+    if storage_type == "u":  # the vectors are files of the table: <prefix>/deletion_vector_<uuid>.bin
+        assert all(len(d["pathOrInlineDv"]) == 2 + 20 for d in descriptors)
+        assert sorted(p.parent.name for p in (tmp_path / "clicks").rglob("*.bin")) == ["ab"] * 3
     # deltalake's own engine agrees on which rows the deletion vectors remove.
     assert sorted(pa.table(DeltaTable(uri).scan(columns=["id"])).column("id").to_pylist()) == sorted(set(range(600)) - gone)
     survivors = {i for i in range(600) if i not in gone and i >= 20}
