@@ -69,3 +69,19 @@ def test_the_interval_is_a_setting(monkeypatch, value):
     assert LoaderMetrics(rank=0).interval == float(value)
     monkeypatch.delenv("SPARKGPU_DATA_METRICS_INTERVAL")
     reset_settings()
+
+
+def test_compressed_shards_count_the_bytes_fetched_from_the_volume_not_the_bytes_unpacked(tmp_path):
+    import numpy as np
+    from streaming import MDSWriter
+
+    from sparkgpu import data
+
+    with MDSWriter(out=str(tmp_path / "volume"), columns={"x": "int64"}, size_limit=1 << 12, compression="zstd") as writer:
+        for i in range(2000):
+            writer.write({"x": np.int64(i % 7)})  # compresses several times over
+    fetched = sum(p.stat().st_size for p in (tmp_path / "volume").glob("*.mds.zstd"))
+    ds = data.dataset(remote=str(tmp_path / "volume"), local=str(tmp_path / "cache"), batch_size=50, rank=0, world_size=1)
+    assert sum(1 for _ in ds) == 40
+    assert ds.stats()["downloaded_mb"] == fetched / 1e6  # download_mbps is a network rate
+    ds.close()
