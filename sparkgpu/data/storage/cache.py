@@ -339,7 +339,7 @@ class ShardCache:
                 Path(f"{stem}.reserved").unlink(missing_ok=True)
         with self._lock:
             self._local.add(shard)
-            self.downloaded_bytes += info.raw_bytes
+            self.downloaded_bytes += info.zip_bytes if info.zip_basename else info.raw_bytes  # what crossed the network
         return True
 
     def _reserve(self, shard: int, needed_at: int, demand: bool, stem: Path) -> bool:
