@@ -82,18 +82,15 @@ def main() -> None:
     started = time.time()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     _local_workers_run_this_environment()
-    from pyspark.sql import SparkSession
     from pyspark.sql import functions as F
 
     import sparkgpu  # noqa: F401 - attaches spark.gpu
     from sparkgpu import registry
+    from sparkgpu.local_spark import local_session
 
     print("starting a local Spark Connect server ...", flush=True)
-    # The local server, driver included, listens on loopback only.
-    spark = (SparkSession.builder.remote("local[2]")
-             .config("spark.connect.grpc.binding.address", "127.0.0.1")
-             .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
-             .getOrCreate())
+    # In this process, on loopback only, no UI; with a cluster: SparkSession.builder.remote("sc://host:15002").
+    spark = local_session(cores=2)
     features = spark.range(50_000).select(
         *[(F.randn(seed=i) * (i + 1) / FEATURES).cast("float").alias(f"f{i}") for i in range(FEATURES)]
     )

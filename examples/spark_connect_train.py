@@ -103,7 +103,9 @@ def session(args):
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
         with tempfile.TemporaryDirectory(prefix="sparkgpu-example-") as tmp:
             workers_share_this_python(tmp)
-            yield SparkSession.builder.remote("local[2]").getOrCreate(), args.gpus or 2, "cpu"
+            from sparkgpu.local_spark import local_session
+
+            yield local_session(cores=2), args.gpus or 2, "cpu"
 
 
 def main() -> None:

@@ -55,37 +55,14 @@ def _isolated_sparkgpu_home(tmp_path_factory, monkeypatch, _worker_image_lock):
 def spark():
     """A real Spark Connect session on a local server (started once, about 20 s).
 
-    The server listens on 127.0.0.1 on a free port: ``remote("local[2]")`` would bind every
+    The server listens on 127.0.0.1 on a free port, as users get it from
+    :func:`sparkgpu.local_spark.local_session`: ``remote("local[2]")`` would bind every
     interface on the fixed port 15002, reachable from the network and clashing with any other
     test session on the machine.
     """
-    import socket
-    import sys
+    from sparkgpu.local_spark import local_session
 
-    from pyspark.sql.connect.session import SparkSession as ConnectSession
-
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # What builder.remote("local[2]") does, with the binding chosen here. The server is a classic
-    # SparkContext, which pyspark refuses to create while the process says it is a Connect
-    # client (sessions to the test clusters opened earlier set that).
-    for name in ("SPARK_CONNECT_MODE_ENABLED", "SPARK_REMOTE"):
-        os.environ.pop(name, None)
-    ConnectSession._start_connect_server("local[2]", {
-        "spark.connect.grpc.binding.address": "127.0.0.1",
-        "spark.connect.grpc.binding.port": str(port),
-        "spark.sql.shuffle.partitions": "4",
-        "spark.ui.enabled": "false",
-        # The driver's own RPC and block manager, too ("localhost" in the client URL: pyspark sends
-        # the session token over a local channel only to that name).
-        "spark.driver.host": "127.0.0.1",
-        "spark.driver.bindAddress": "127.0.0.1",
-    })
-    os.environ["SPARK_LOCAL_REMOTE"] = "1"
-    os.environ["SPARK_CONNECT_MODE_ENABLED"] = "1"
-    session = ConnectSession.builder.remote(f"sc://localhost:{port}").getOrCreate()
+    session = local_session(cores=2, conf={"spark.sql.shuffle.partitions": "4"})
     yield session
     session.stop()
     from pyspark.sql import SparkSession as ClassicSession
