@@ -208,10 +208,10 @@ def main(argv=None) -> int:
                "init_timeout")
     for rank in watcher.quiet:  # torch saw exit code 0: a success to it, not to the job
         status = EXIT_FAILED
-        failures[rank] = RankExit(**watcher.exits[rank], pid=None)
+        failures[rank] = watcher.exits[rank]
     for failed, failure in failures.items():
         if failed in watcher.exits:  # torch's own time is whole seconds, and when it noticed
-            failure.time = watcher.exits[failed]["time"]
+            failure.time = watcher.exits[failed].time
     node = NodeExit(args.node_rank, status, failures)
     atomic_write_bytes(rd.node_file(args.attempt, args.node_rank), json.dumps(node.to_json()).encode())
     return status

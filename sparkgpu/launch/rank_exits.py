@@ -30,6 +30,7 @@ from collections.abc import Callable
 import psutil
 
 from sparkgpu.launch.entrypoint import EXIT_PREEMPTED
+from sparkgpu.launch.protocol import RankExit
 
 __all__ = ["RankExitWatcher", "CRASH_KILL_DELAY"]
 
@@ -51,7 +52,7 @@ class RankExitWatcher:
             SIGTERM into a checkpoint request (:func:`sparkgpu.runtime.handle_sigterm_as_checkpoint_request`).
 
     Attributes:
-        exits: Global rank -> ``{"exitcode", "signal", "time"}`` of every rank seen exiting.
+        exits: Global rank -> :class:`RankExit` (exit code, signal, time; no pid) of every rank seen exiting.
         quiet: Ranks that exited with code 0 without reporting anything, in exit order.
     """
 
@@ -62,7 +63,7 @@ class RankExitWatcher:
         self.checkpoints_on_sigterm = checkpoints_on_sigterm
         self.poll_interval = poll_interval
         self.crash_kill_delay = crash_kill_delay
-        self.exits: dict[int, dict] = {}
+        self.exits: dict[int, RankExit] = {}
         self.quiet: list[int] = []
         self._ranks: dict[int, tuple[psutil.Process, int]] = {}  # pid -> its process and rank, while it runs
         self._seen: set[int] = set()
@@ -112,13 +113,13 @@ class RankExitWatcher:
         if info is None:
             return
         exited = info.si_code == os.CLD_EXITED
-        record = {"exitcode": info.si_status if exited else -info.si_status,
-                  "signal": None if exited else signal.Signals(info.si_status).name, "time": time.time()}
+        record = RankExit(info.si_status if exited else -info.si_status,
+                          signal=None if exited else signal.Signals(info.si_status).name, time=time.time())
         self.exits[rank] = record
         if exited and info.si_status == 0 and not self.reported(rank):
             self.quiet.append(rank)
             self._stop_other_ranks()
-        elif record["exitcode"] not in (0, EXIT_PREEMPTED, -signal.SIGTERM):
+        elif record.exitcode not in (0, EXIT_PREEMPTED, -signal.SIGTERM):
             threading.Timer(self.crash_kill_delay, self._kill_other_ranks).start()
 
     def _kill_other_ranks(self) -> None:

@@ -30,8 +30,8 @@ def test_a_quiet_exit_is_recorded_and_stops_the_other_ranks():
         assert quiet.wait(timeout=5) == 0  # still the parent's to reap: WNOWAIT left it
     assert time.monotonic() - started < 20
     assert watcher.quiet == [1]
-    assert watcher.exits[1]["exitcode"] == 0 and watcher.exits[1]["signal"] is None
-    assert watcher.exits[0]["signal"] == "SIGTERM"
+    assert watcher.exits[1].exitcode == 0 and watcher.exits[1].signal is None
+    assert watcher.exits[0].signal == "SIGTERM"
     assert other_job.wait(timeout=30) == 0  # left alone
 
 
@@ -43,8 +43,8 @@ def test_a_rank_that_reported_may_exit_with_code_zero():
             time.sleep(0.05)  # reap only after the watcher saw them (torch's agent polls, it does not block)
         assert done.wait(timeout=5) == 0 and still.wait(timeout=5) == 4
     assert watcher.quiet == []
-    assert watcher.exits[0]["exitcode"] == 0 and watcher.exits[1]["exitcode"] == 4
-    assert watcher.exits[0]["time"] < watcher.exits[1]["time"]
+    assert watcher.exits[0].exitcode == 0 and watcher.exits[1].exitcode == 4
+    assert watcher.exits[0].time < watcher.exits[1].time
 
 
 def test_after_a_crash_only_ranks_that_checkpoint_on_sigterm_are_killed():
@@ -58,4 +58,4 @@ def test_after_a_crash_only_ranks_that_checkpoint_on_sigterm_are_killed():
         assert checkpointing.wait(timeout=10) == -signal.SIGKILL
         assert crashed.wait(timeout=5) == 3
         assert cleaning_up.wait(timeout=10) == 0  # never killed: it ended on its own
-    assert watcher.exits[0]["exitcode"] == 3 and watcher.exits[1]["signal"] == "SIGKILL"
+    assert watcher.exits[0].exitcode == 3 and watcher.exits[1].signal == "SIGKILL"
