@@ -34,6 +34,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from sparkgpu._files import atomic_write_bytes
@@ -52,7 +53,7 @@ from sparkgpu.launch.keys import load_key
 from sparkgpu.launch.logs import LogStreamer
 from sparkgpu.launch.resume import client_is_gone, find_run_dir, take_over
 from sparkgpu.launch.run_dir import RunDir
-from sparkgpu.launch.protocol import AttemptStatus, JobStatus
+from sparkgpu.launch.protocol import AttemptStatus, JobState, JobStatus
 from sparkgpu.launch.supervisor import CANCEL_REQUEST_FILE, Supervisor
 from sparkgpu.spec import JobSpec
 
@@ -164,7 +165,7 @@ class Call:
             self._done.set()
 
     # -- reading the job -------------------------------------------------------------------
-    def _state(self) -> dict | None:
+    def _state(self) -> JobState | None:
         if self._supervisor is not None:
             return self._supervisor.state  # live, written by the supervising thread: read it, never copy it
         try:
@@ -231,7 +232,7 @@ class Call:
 
     def _outcome(self, status: JobStatus) -> list[Any]:
         """The result, or the error, of a job that ended in another process, read from its run dir."""
-        state = self._state() or {}
+        state: Mapping[str, Any] = self._state() or {}
         attempts = state.get("attempts") or []
         last = attempts[-1] if attempts else {}
         cause = "; ".join(last.get("cause") or ()) or "no cause was recorded"
@@ -297,7 +298,8 @@ class Call:
             time.sleep(_POLL_SECONDS)
 
     def _latest_attempt(self) -> int:
-        attempts = (self._state() or {}).get("attempts") or []
+        state = self._state()
+        attempts = (state.get("attempts") if state else None) or []
         return attempts[-1]["attempt"] if attempts else 0
 
     # -- control ---------------------------------------------------------------------------
@@ -376,12 +378,12 @@ def attach(job_id: str, backend=None) -> Call:
     return call
 
 
-def _end_cancelled(run_dir: RunDir, state: dict) -> None:
+def _end_cancelled(run_dir: RunDir, state: JobState) -> None:
     """Records that an abandoned job whose cancel was asked for is cancelled, without running it again."""
     now = time.time()
     for attempt in state.get("attempts") or ():
         if attempt.get("status") == AttemptStatus.RUNNING:
-            attempt.update(status=AttemptStatus.CANCELLED.value, ended_at=now)
+            attempt["status"], attempt["ended_at"] = AttemptStatus.CANCELLED.value, now
             if attempt.get("started_at") is None:
                 attempt["started_at"] = now
     state["status"] = JobStatus.CANCELLED.value

@@ -51,6 +51,10 @@ it (``CANCELLED`` by the client, ``CLIENT_LOST``: the client stopped beating,
 The client's own account adds ``LOST`` (the node stopped beating without an end marker: its
 executor is gone) and ``UNKNOWN`` (no row and no end marker).
 
+:class:`JobState` / :class:`AttemptRecord` / :class:`ClientInfo`: ``state.json``'s keys, typed
+for the checker; the state stays a plain dict (its ``status`` values are the enums' strings), so
+it is written and read byte for byte as before.
+
 :class:`NodeExit` / :class:`RankExit`: a node's exit record (``attempts/<k>/node-<n>.json``),
 written by the node agent and by the pool zygote, read by the supervisor and by the Spark
 nodes watching their peers.
@@ -60,9 +64,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any
+from typing import Any, TypedDict
 
-__all__ = ["JobStatus", "AttemptStatus", "ListedStatus", "NodeState", "NodeExit", "RankExit"]
+__all__ = ["JobStatus", "AttemptStatus", "ListedStatus", "NodeState", "NodeExit", "RankExit",
+           "JobState", "AttemptRecord", "ClientInfo"]
 
 
 class _StrEnum(str, enum.Enum):
@@ -131,6 +136,47 @@ class NodeState(_StrEnum):
     PEER_LOST = "peer-lost"
     LOST = "lost"
     UNKNOWN = "unknown"
+
+
+class ClientInfo(TypedDict):
+    """The process that supervises a job: ``sparkgpu jobs`` shows a job whose client died as lost."""
+
+    host: str
+    pid: int
+    pid_started: float  # the process's start time: tells a recycled pid from the client itself
+
+
+class _AttemptFields(TypedDict):
+    attempt: int
+    submitted_at: float
+    started_at: float | None  # when its ranks started: billing and the runtime cap start there
+    ended_at: float | None
+    status: str  # an AttemptStatus value
+
+
+class AttemptRecord(_AttemptFields, total=False):
+    """One attempt in ``state.json`` (a plain dict on disk and in memory, so the file reads as it always did)."""
+
+    exit_code: int | None
+    lost: list[dict[str, Any]]  # the lost nodes' NodeReport fields
+    cause: list[str]  # at most 8 sentences on why it ended
+
+
+class _JobFields(TypedDict):
+    job_id: str
+    status: str  # a JobStatus value
+    backend: str
+    attempts: list[AttemptRecord]
+    restarts: int
+    preemptions: int
+    created_at: float
+
+
+class JobState(_JobFields, total=False):
+    """``state.json``: the supervisor's state, rewritten atomically after every transition."""
+
+    client: ClientInfo
+    stop_reason: str  # why a usage policy stopped the job
 
 
 @dataclasses.dataclass

@@ -13,6 +13,8 @@ import glob
 import json
 import socket
 import time
+from collections.abc import Mapping
+from typing import Any
 
 from sparkgpu._files import atomic_write_bytes
 from sparkgpu.config import settings
@@ -21,14 +23,14 @@ from sparkgpu.launch.backends.base import create_backend
 from sparkgpu.launch.keys import load_key
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.run_layout import RunLayout
-from sparkgpu.launch.protocol import AttemptStatus, JobStatus
+from sparkgpu.launch.protocol import AttemptStatus, JobState, JobStatus
 from sparkgpu.launch.supervisor import CANCEL_REQUEST_FILE, Supervisor
 from sparkgpu.spec import JobSpec
 
 __all__ = ["resume_job", "take_over", "find_run_dir", "client_is_gone"]
 
 
-def client_is_gone(client: dict | None) -> bool:
+def client_is_gone(client: Mapping[str, Any] | None) -> bool:
     """True when the client process recorded in a job's state has certainly exited.
 
     Args:
@@ -55,7 +57,7 @@ def client_is_gone(client: dict | None) -> bool:
         return False
 
 
-def _check_no_live_client(job_id: str, state: dict) -> None:
+def _check_no_live_client(job_id: str, state: JobState) -> None:
     if JobStatus(state["status"]).is_terminal:
         return  # the call that drove it has returned or raised; its process may live on (a notebook)
     client = state.get("client")
@@ -125,7 +127,7 @@ def take_over(job_id: str, backend=None, out=None, force: bool = False) -> Super
     run_dir = find_run_dir(job_id)
     job_id = run_dir.job_id
     job = JobSpec.from_dict(json.loads(run_dir.spec_file.read_text()))
-    state = json.loads(run_dir.state_file.read_text()) if run_dir.state_file.exists() else None
+    state: JobState | None = json.loads(run_dir.state_file.read_text()) if run_dir.state_file.exists() else None
     if state and state["status"] == JobStatus.SUCCEEDED:
         raise JobStateError(f"job {job_id} already succeeded; nothing to resume")
     if state and not force:

@@ -43,7 +43,7 @@ from sparkgpu.errors import (
 from sparkgpu.launch.attempt_result import AttemptResult, StoppedBy, read_attempt
 from sparkgpu.launch.logs import LogStreamer
 from sparkgpu.launch.payload import KEY_ENV
-from sparkgpu.launch.protocol import AttemptStatus, JobStatus
+from sparkgpu.launch.protocol import AttemptRecord, AttemptStatus, JobState, JobStatus
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.run_layout import RunLayout
 from sparkgpu.spec import JobSpec
@@ -110,16 +110,16 @@ class Supervisor:
         self.policy = self.failure_policy_cls(job.policy.max_restarts)
         #: Set (from any thread) to cancel the job; a CANCEL_REQUEST_FILE does the same from another process.
         self.cancel_event = threading.Event()
-        self.state: dict[str, Any] = {
+        self.state: JobState = {
             "job_id": job.job_id, "status": JobStatus.PENDING.value, "backend": backend.name,
             "attempts": [], "restarts": 0, "preemptions": 0, "created_at": time.time(),
         }
 
     # -- state -------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> JobState:
         return json.loads(json.dumps(self.state))
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: JobState) -> None:
         self.state = json.loads(json.dumps(state))
 
     def _save(self) -> None:
@@ -243,8 +243,8 @@ class Supervisor:
     def _run_attempt(self, attempt: int, job_started: float, early=None) -> AttemptResult:
         submitted = time.time()
         # started_at: when the ranks started, the start of the billed time and of the cap.
-        record = {"attempt": attempt, "submitted_at": submitted, "started_at": None, "ended_at": None,
-                  "status": AttemptStatus.RUNNING.value}
+        record: AttemptRecord = {"attempt": attempt, "submitted_at": submitted, "started_at": None,
+                                 "ended_at": None, "status": AttemptStatus.RUNNING.value}
         self.state["attempts"].append(record)
         self._set_status(JobStatus.RUNNING)
         handle = streamer = None
@@ -280,7 +280,7 @@ class Supervisor:
                 self._abandon(record, handle, streamer, AttemptStatus.FAILED, exc)
             raise
 
-    def _watch(self, attempt: int, handle, streamer: LogStreamer, record: dict, job_started: float):
+    def _watch(self, attempt: int, handle, streamer: LogStreamer, record: AttemptRecord, job_started: float):
         """Polls the attempt until it ends or a limit stops it.
 
         Returns:
@@ -343,9 +343,10 @@ class Supervisor:
     def _cancel_requested(self) -> bool:
         return self.cancel_event.is_set() or (self.run_dir.path / CANCEL_REQUEST_FILE).exists()
 
-    def _ranks_started(self, handle, record: dict) -> float | None:
+    def _ranks_started(self, handle, record: AttemptRecord) -> float | None:
         """Records when the attempt's ranks started, once known; returns it on the monotonic clock."""
-        if record["started_at"] is None:
+        started_at = record["started_at"]
+        if started_at is None:
             started = self.backend.ranks_started_at(handle) if self.backend.waits_for_resources else record["submitted_at"]
             if started is None:
                 return None
@@ -353,14 +354,14 @@ class Supervisor:
             self._save()
             for callback in self.callbacks:
                 callback.on_ranks_started(self.job, record["attempt"], started_at)
-        return time.monotonic() - (time.time() - record["started_at"])
+        return time.monotonic() - (time.time() - started_at)
 
     def _ask_to_checkpoint(self, attempt: int, why: str) -> None:
         stop_file = self.run_dir.attempt_dir(attempt) / runtime.STOP_FILE
         if not stop_file.exists():  # a policy's reason, already there, says more
             atomic_write_bytes(stop_file, f"{why}\n".encode())
 
-    def _abandon(self, record: dict, handle, streamer: LogStreamer | None, status: AttemptStatus,
+    def _abandon(self, record: AttemptRecord, handle, streamer: LogStreamer | None, status: AttemptStatus,
                  exc: BaseException | None) -> None:
         """Stops and ends an attempt that an exception interrupted, recording the exception as its cause."""
         cause = [f"{type(exc).__name__}: {exc}"] if exc is not None else []
@@ -395,16 +396,19 @@ class Supervisor:
                 return True
         return False
 
-    def _end_attempt(self, record: dict, status: AttemptStatus, code: int | None, outcome: AttemptResult | None = None,
+    def _end_attempt(self, record: AttemptRecord, status: AttemptStatus, code: int | None, outcome: AttemptResult | None = None,
                      cause: tuple[str, ...] | list[str] = (), error: BaseException | None = None):
         cause = tuple(cause)
-        record.update(ended_at=time.time(), status=status.value, exit_code=code)
-        if record["started_at"] is None:
-            record["started_at"] = record["ended_at"]  # its ranks never started: nothing ran, nothing is billed
+        ended_at = record["ended_at"] = time.time()
+        record["status"] = status.value
+        record["exit_code"] = code
+        started_at = record["started_at"]
+        if started_at is None:
+            started_at = record["started_at"] = ended_at  # its ranks never started: nothing ran, nothing is billed
         if outcome is not None and outcome.report is not None and outcome.lost:
             # Billed up to when the node was last seen alive, not to when the client noticed.
-            lost_at = outcome.report.lost_at or record["ended_at"]
-            record["ended_at"] = max(record["started_at"], min(record["ended_at"], lost_at))
+            lost_at = outcome.report.lost_at or ended_at
+            ended_at = record["ended_at"] = max(started_at, min(ended_at, lost_at))
             record["lost"] = [dataclasses.asdict(n) for n in outcome.report.lost]
             cause += (outcome.lost,)
         if outcome is not None and outcome.failures:
@@ -417,8 +421,8 @@ class Supervisor:
             error = outcome.root_exception
         for callback in self.callbacks:
             callback.after_attempt(self.job, AttemptOutcome(
-                attempt=record["attempt"], status=status.value, started_at=record["started_at"],
-                ended_at=record["ended_at"], gpus=self.job.resources.gpus,
+                attempt=record["attempt"], status=status.value, started_at=started_at,
+                ended_at=ended_at, gpus=self.job.resources.gpus,
                 gpu_type=self.job.resources.gpu_type or "", error=error,
                 cause=outcome.lost if outcome is not None else "",
             ))
