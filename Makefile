@@ -22,8 +22,7 @@ demo: $(STAMP)
 LINT_PATHS := sparkgpu tests benchmarks examples
 lint: $(STAMP)
 	$(PY) -m ruff check $(LINT_PATHS)
-# Turned on once the whole tree has been formatted in one pass (ruff format), not before:
-#	$(PY) -m ruff format --check $(LINT_PATHS)
+	$(PY) -m ruff format --check $(LINT_PATHS)
 	$(PY) -m mypy sparkgpu
 
 test: lint

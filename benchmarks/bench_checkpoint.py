@@ -233,7 +233,11 @@ def _rank_overhead(rank: int, world: int, port: int, directory: str, steps: int,
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
 
     timings = {}
-    for name, loop in (("bare", bare), ("maybe_save", with_maybe_save), ("blocking_all_reduce", with_blocking_all_reduce)):
+    for name, loop in (
+        ("bare", bare),
+        ("maybe_save", with_maybe_save),
+        ("blocking_all_reduce", with_blocking_all_reduce),
+    ):
         for i in range(20):  # warm up
             loop(i)
         dist.barrier()
@@ -342,9 +346,17 @@ def main(argv=None):
         "results": summary,
         "throughput_gb_per_s": {
             key: round(gbps(key), 3)
-            for key in ("sparkgpu_async_until_committed", "sparkgpu_sync", "torch_save_fsync", "dcp_save_sync",
-                        "ceiling_sequential_write", "ceiling_memcpy", "sparkgpu_restore", "torch_load",
-                        "ceiling_sequential_read")
+            for key in (
+                "sparkgpu_async_until_committed",
+                "sparkgpu_sync",
+                "torch_save_fsync",
+                "dcp_save_sync",
+                "ceiling_sequential_write",
+                "ceiling_memcpy",
+                "sparkgpu_restore",
+                "torch_load",
+                "ceiling_sequential_read",
+            )
         },
         "ratios": {
             "torch_save_fsync_over_sparkgpu_async_blocking": med["torch_save_fsync"] / med["sparkgpu_async_blocking"],
@@ -366,9 +378,11 @@ def main(argv=None):
     for key, value in report["ratios"].items():
         print(f"{key}: {value:.2f}")
     if overhead:
-        print(f"per-step overhead, {overhead['ranks']} gloo ranks, {overhead['step_seconds'] * 1e3:.0f} ms steps: "
-              f"maybe_save (not due) {overhead['maybe_save_not_due_overhead_us']:.0f} us, "
-              f"blocking all_reduce {overhead['blocking_all_reduce_overhead_us']:.0f} us")
+        print(
+            f"per-step overhead, {overhead['ranks']} gloo ranks, {overhead['step_seconds'] * 1e3:.0f} ms steps: "
+            f"maybe_save (not due) {overhead['maybe_save_not_due_overhead_us']:.0f} us, "
+            f"blocking all_reduce {overhead['blocking_all_reduce_overhead_us']:.0f} us"
+        )
     print(f"wrote {out}")
 
 

@@ -76,7 +76,9 @@ def samples_in(folder: str) -> int:
 
 
 def bytes_in(folder: str) -> int:
-    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(folder) for f in files if ".mds" in f)
+    return sum(
+        os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(folder) for f in files if ".mds" in f
+    )
 
 
 class Case:
@@ -117,7 +119,9 @@ def measure(cases: list[Case], rows: int, scratch: Path) -> dict:
             result["output_bytes"] = case.output_bytes
             result["mb_per_s"] = round(case.output_bytes / median / 1e6, 1)
         results[case.label] = result
-        print(f"{case.label:50s} median {median:8.3f} s  {rows / median:12,.0f} rows/s   best {best:8.3f} s", flush=True)
+        print(
+            f"{case.label:50s} median {median:8.3f} s  {rows / median:12,.0f} rows/s   best {best:8.3f} s", flush=True
+        )
     return results
 
 
@@ -138,8 +142,12 @@ def convert_files_on_executors(spark, parquet_dir: str, out: str) -> None:
     from sparkgpu.data.convert.spark import _shipped_by_value
 
     paths = sorted(str(p) for p in Path(parquet_dir).glob("*.parquet"))
-    units = [(i, path, group) for i, (path, group) in
-             enumerate((path, g) for path in paths for g in range(pq.ParquetFile(path).num_row_groups))]
+    units = [
+        (i, path, group)
+        for i, (path, group) in enumerate(
+            (path, g) for path in paths for g in range(pq.ParquetFile(path).num_row_groups)
+        )
+    ]
     schema = pq.read_schema(paths[0])
     volume, options = Store(out), ShardOptions.create(plan_columns(schema))
     folder = OutputFolder(volume, uuid.uuid4().hex)
@@ -157,7 +165,9 @@ def convert_files_on_executors(spark, parquet_dir: str, out: str) -> None:
                 first = unit if first is None else min(first, unit)
                 for piece in pq_.ParquetFile(path).iter_batches(row_groups=[group], batch_size=64 * 1024):
                     writer.write_batch(piece)
-        yield pa.RecordBatch.from_pydict({"unit": [first if first is not None else -1], "shards": [json.dumps(writer.finish())]})
+        yield pa.RecordBatch.from_pydict(
+            {"unit": [first if first is not None else -1], "shards": [json.dumps(writer.finish())]}
+        )
 
     frame = spark.createDataFrame(units, "unit int, path string, row_group int").repartition(min(len(units), 2))
     with _shipped_by_value():
@@ -178,7 +188,16 @@ def peers_on_spark(spark, parquet_dir: str, rows: int, repeats: int, peer_repeat
 
     def general(out):
         source = SparkSource(df)
-        _convert(source, Store(out), ShardOptions.create(plan_columns(source.schema)), None, False, None, False, time.monotonic())
+        _convert(
+            source,
+            Store(out),
+            ShardOptions.create(plan_columns(source.schema)),
+            None,
+            False,
+            None,
+            False,
+            time.monotonic(),
+        )
 
     def on_executors(out):
         convert_files_on_executors(spark, parquet_dir, out)
@@ -211,8 +230,14 @@ def peers_on_spark(spark, parquet_dir: str, rows: int, repeats: int, peer_repeat
     general(str(scratch / "warm-arrow"))
     staged(str(scratch / "warm-parquet"))
     on_executors(str(scratch / "warm-executors"))
-    dataframe_to_mds(small, merge_index=True, mds_kwargs={"out": str(scratch / "warm-theirs"), "columns": columns, "compression": None})
-    passthrough_small = small.mapInArrow(lambda batches: iter([pa.record_batch({"rows": [sum(b.num_rows for b in batches)]})]), "rows long")
+    dataframe_to_mds(
+        small,
+        merge_index=True,
+        mds_kwargs={"out": str(scratch / "warm-theirs"), "columns": columns, "compression": None},
+    )
+    passthrough_small = small.mapInArrow(
+        lambda batches: iter([pa.record_batch({"rows": [sum(b.num_rows for b in batches)]})]), "rows long"
+    )
     passthrough_small.collect()
     for warm in ("warm-ours", "warm-theirs", "warm-arrow", "warm-parquet", "warm-executors"):
         shutil.rmtree(scratch / warm)
@@ -238,7 +263,9 @@ def peers_on_spark(spark, parquet_dir: str, rows: int, repeats: int, peer_repeat
     return results
 
 
-def local_peers(table: pa.Table, parquet_dir: str, delta_dir: str, repeats: int, peer_repeats: int, scratch: Path) -> dict:
+def local_peers(
+    table: pa.Table, parquet_dir: str, delta_dir: str, repeats: int, peer_repeats: int, scratch: Path
+) -> dict:
     from streaming import MDSWriter
 
     rows = table.num_rows
@@ -304,7 +331,14 @@ def plot(by_size: dict, path: Path) -> None:
     for ax, (rows, results) in zip(axes[:, 0], by_size.items()):
         names = list(results)
         values = [results[n]["rows_per_s"] for n in names]
-        colors = ["tab:blue" if n.startswith("sparkgpu") else "tab:gray" if "passthrough" in n or "sequential" in n else "tab:orange" for n in names]
+        colors = [
+            "tab:blue"
+            if n.startswith("sparkgpu")
+            else "tab:gray"
+            if "passthrough" in n or "sequential" in n
+            else "tab:orange"
+            for n in names
+        ]
         ax.barh(names, values, color=colors)
         ax.set_xscale("log")
         ax.invert_yaxis()
@@ -333,7 +367,9 @@ def one_size(spark, rows: int, args, runs: Path) -> dict:
         results.update(peers_on_spark(spark, str(parquet_dir), rows, args.repeats, args.repeats, runs))
     results.update(local_peers(table, str(parquet_dir), str(delta_dir), args.repeats, args.repeats, runs))
     output_bytes = results["sparkgpu to_mds(arrow table)"]["output_bytes"]
-    results["ceiling: one sequential write of the same bytes"] = sequential_write(output_bytes, args.repeats, rows, runs)
+    results["ceiling: one sequential write of the same bytes"] = sequential_write(
+        output_bytes, args.repeats, rows, runs
+    )
     shutil.rmtree(source_dir, ignore_errors=True)
 
     def ratio(a, b):
@@ -348,10 +384,14 @@ def one_size(spark, rows: int, args, runs: Path) -> dict:
             "spark general, mapInArrow: sparkgpu / dataframe_to_mds": ratio(GENERAL_ARROW, theirs),
             "spark general: staged JVM Parquet / mapInArrow": ratio(STAGED_PARQUET, GENERAL_ARROW),
             "spark plain scan: files on the executors / in the client": ratio(FILES_ON_EXECUTORS, ours_spark),
-            "spark general, mapInArrow / passthrough floor": ratio(GENERAL_ARROW, "spark passthrough (mapInArrow, count only)"),
+            "spark general, mapInArrow / passthrough floor": ratio(
+                GENERAL_ARROW, "spark passthrough (mapInArrow, count only)"
+            ),
             "parquet: sparkgpu / MDSWriter loop": ratio("sparkgpu to_mds(parquet)", "MDSWriter python loop"),
             "delta: sparkgpu / MDSWriter loop": ratio("sparkgpu to_mds(delta)", "MDSWriter python loop"),
-            "arrow: sparkgpu / sequential-write ceiling": ratio("sparkgpu to_mds(arrow table)", "ceiling: one sequential write of the same bytes"),
+            "arrow: sparkgpu / sequential-write ceiling": ratio(
+                "sparkgpu to_mds(arrow table)", "ceiling: one sequential write of the same bytes"
+            ),
         },
     }
     if ours_spark in results:
@@ -391,10 +431,13 @@ def main() -> None:
             "repeats": args.repeats,
             "workers": "Spark Connect local[2] (2 task slots) for every Spark path and peer; the local paths in this process",
         },
-        "method": method("one conversion, from the call to the dataset's last byte written (the index merged)",
-                         startup="inside: each run is a whole conversion", repeats=args.repeats,
-                         statistic="median; the best run beside it (rows_per_s_best)",
-                         order="round-robin: each round runs every case once"),
+        "method": method(
+            "one conversion, from the call to the dataset's last byte written (the index merged)",
+            startup="inside: each run is a whole conversion",
+            repeats=args.repeats,
+            statistic="median; the best run beside it (rows_per_s_best)",
+            order="round-robin: each round runs every case once",
+        ),
         "machine": load_seen(facts),
         "sizes": sizes,
     }

@@ -52,10 +52,13 @@ def _stage_run(snapshot_kwargs: dict, store: str, index: Path) -> dict:
     staged = stage_snapshot(snapshot, store, pack_index=index)
     report = staged.report
     return {
-        "seconds": report.seconds, "uploaded_bytes": report.uploaded_bytes, "skipped_bytes": report.skipped_bytes,
-        "uploaded": list(report.uploaded), "steps": {s.name: {"seconds": s.seconds, "bytes": s.bytes, "items": s.items}
-                                                      for s in report.steps},
-        "_manifest": staged.manifest, "_snapshot": snapshot,
+        "seconds": report.seconds,
+        "uploaded_bytes": report.uploaded_bytes,
+        "skipped_bytes": report.skipped_bytes,
+        "uploaded": list(report.uploaded),
+        "steps": {s.name: {"seconds": s.seconds, "bytes": s.bytes, "items": s.items} for s in report.steps},
+        "_manifest": staged.manifest,
+        "_snapshot": snapshot,
     }
 
 
@@ -64,8 +67,14 @@ def _hydrate_run(manifest: dict, cache: Path, installed) -> dict:
 
     overlay = hydrate_environment(manifest, cache, installed=installed)
     r = overlay.report
-    return {"seconds": r.seconds, "fetched_bytes": r.fetched_bytes, "extracted": len(r.extracted),
-            "cached": len(r.cached), "skipped": len(r.skipped), "steps": r.steps}
+    return {
+        "seconds": r.seconds,
+        "fetched_bytes": r.fetched_bytes,
+        "extracted": len(r.extracted),
+        "cached": len(r.cached),
+        "skipped": len(r.skipped),
+        "steps": r.steps,
+    }
 
 
 def _files_of(snapshot) -> list:
@@ -168,25 +177,43 @@ def main() -> None:
     scale = full.size / measured_bytes
     results = {
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()},
-        "measured": {"gpu_stack_excluded": not args.full, "distributions": len(snapshot.components),
-                     "files": len(files), "bytes": measured_bytes},
-        "full_venv": {"distributions": len(full.components), "files": sum(len(c.files) for c in full.components),
-                      "bytes": full.size, "scan_seconds": full.scan_seconds},
-        "sparkgpu": {"stage_first": first, "stage_second_unchanged": second,
-                     f"stage_after_installing_{args.keep_one}": third,
-                     "hydrate_cold": cold, "hydrate_warm": warm, "hydrate_on_same_image": same_image},
+        "measured": {
+            "gpu_stack_excluded": not args.full,
+            "distributions": len(snapshot.components),
+            "files": len(files),
+            "bytes": measured_bytes,
+        },
+        "full_venv": {
+            "distributions": len(full.components),
+            "files": sum(len(c.files) for c in full.components),
+            "bytes": full.size,
+            "scan_seconds": full.scan_seconds,
+        },
+        "sparkgpu": {
+            "stage_first": first,
+            "stage_second_unchanged": second,
+            f"stage_after_installing_{args.keep_one}": third,
+            "hydrate_cold": cold,
+            "hydrate_warm": warm,
+            "hydrate_on_same_image": same_image,
+        },
         "venv_pack_tar": venv_pack,
-        "ceilings": {"read_and_sha256_seconds": hash_s, "read_and_write_one_file_seconds": concat_s,
-                     "copy_files_seconds": copy_s},
+        "ceilings": {
+            "read_and_sha256_seconds": hash_s,
+            "read_and_write_one_file_seconds": concat_s,
+            "copy_files_seconds": copy_s,
+        },
         "ratios": {
             "first_stage_vs_read_and_hash": first["seconds"] / hash_s,
             "first_stage_vs_read_and_write_one_file": first["seconds"] / concat_s,
             "cold_hydrate_vs_copy": cold["seconds"] / copy_s,
-            "second_stage_vs_venv_pack_run": (second["seconds"] / venv_pack["pack_seconds"]
-                                              if "pack_seconds" in venv_pack else None),
+            "second_stage_vs_venv_pack_run": (
+                second["seconds"] / venv_pack["pack_seconds"] if "pack_seconds" in venv_pack else None
+            ),
         },
         "full_venv_estimate_seconds": {
-            "stage_first": first["seconds"] * scale, "hydrate_cold": cold["seconds"] * scale,
+            "stage_first": first["seconds"] * scale,
+            "hydrate_cold": cold["seconds"] * scale,
             "note": "measured seconds scaled by bytes (full / measured); file counts differ, so this is rough",
         },
         "command": "python benchmarks/bench_env.py" + (" --full" if args.full else ""),
@@ -195,8 +222,10 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(results, indent=2))
     _plot(results, Path(args.out).with_suffix(".png"))
     gb = measured_bytes / 1e9
-    print(f"measured {len(snapshot.components)} distributions, {len(files)} files, {gb:.2f} GB "
-          f"(full venv {full.size / 1e9:.2f} GB)")
+    print(
+        f"measured {len(snapshot.components)} distributions, {len(files)} files, {gb:.2f} GB "
+        f"(full venv {full.size / 1e9:.2f} GB)"
+    )
     for label, run in (("stage first", first), ("stage unchanged", second), (f"stage +{args.keep_one}", third)):
         print(f"  {label:18s} {run['seconds']:7.2f} s  uploaded {run['uploaded_bytes'] / 1e6:9.1f} MB")
     for label, run in (("hydrate cold", cold), ("hydrate warm", warm), ("hydrate same image", same_image)):
@@ -222,9 +251,20 @@ def _plot(results: dict, path: Path) -> None:
         labels.append("venv-pack (every run)")
         values.append(vp["pack_seconds"])
         colors.append("tab:orange")
-    labels += ["read + sha256 (ceiling)", "read + write one file (ceiling)", "hydrate: cold", "hydrate: warm", "hydrate: same image"]
-    values += [c["read_and_sha256_seconds"], c["read_and_write_one_file_seconds"], s["hydrate_cold"]["seconds"], s["hydrate_warm"]["seconds"],
-               s["hydrate_on_same_image"]["seconds"]]
+    labels += [
+        "read + sha256 (ceiling)",
+        "read + write one file (ceiling)",
+        "hydrate: cold",
+        "hydrate: warm",
+        "hydrate: same image",
+    ]
+    values += [
+        c["read_and_sha256_seconds"],
+        c["read_and_write_one_file_seconds"],
+        s["hydrate_cold"]["seconds"],
+        s["hydrate_warm"]["seconds"],
+        s["hydrate_on_same_image"]["seconds"],
+    ]
     colors += ["tab:gray", "tab:gray", "tab:green", "tab:green", "tab:green"]
     if "unpack_seconds" in vp:
         labels.append("venv-pack unpack")

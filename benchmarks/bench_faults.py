@@ -31,6 +31,7 @@ Writes benchmarks/results/faults.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -181,16 +182,19 @@ def _measure(timeline: Path, fault_at: float | None, limit: float, ended) -> dic
     stopped = _wait(lambda: not any(_alive(p) for p in before) and time.time(), limit)
 
     def first_step_after() -> dict | None:
-        found = next((e for e in _events(timeline) if e["event"] == "step" and e["pid"] not in before
-                      and e["time"] > fault_at), None)
+        found = next(
+            (e for e in _events(timeline) if e["event"] == "step" and e["pid"] not in before and e["time"] > fault_at),
+            None,
+        )
         return found or ({"ended": True} if ended() else None)
 
     first = _wait(first_step_after, limit)
     first = first if first and "time" in first else None
     return {
         "fault_to_ranks_stopped_s": round(stopped - fault_at, 2) if stopped else f"still running after {limit:g}s",
-        "fault_to_first_step_after_s": (round(first["time"] - fault_at, 2) if first
-                                        else "none: no step ran after the fault"),
+        "fault_to_first_step_after_s": (
+            round(first["time"] - fault_at, 2) if first else "none: no step ran after the fault"
+        ),
         "first_step_after_is_step": first["step"] if first else None,  # KILL_STEP + 1: resumed; 1: from scratch
         "fault_at": fault_at,
     }
@@ -213,8 +217,10 @@ def _in_thread(call) -> tuple[threading.Thread, dict]:
             result = call()
             outcome.update(outcome=f"returned {str(result)[:120]}", at=time.time())
         except BaseException as exc:  # what the peer raised is the finding
-            outcome.update(outcome=f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:240] if str(exc) else ''}",
-                           at=time.time())
+            outcome.update(
+                outcome=f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:240] if str(exc) else ''}",
+                at=time.time(),
+            )
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -232,13 +238,22 @@ def _kill_executor_when_checkpointed(cluster, timeline: Path, limit: float) -> f
 def run_in_process(peer: str, fault: str, spark, cluster, folder: Path, limit: float) -> dict:
     timeline = folder / f"{peer}-{fault}.jsonl"
     if peer == "sparkgpu":
-        call = lambda: spark.gpu.train(sparkgpu_train, gpus=RANKS, gpu_type="A10", args=(str(timeline), fault, limit),  # noqa: E731
-                                       max_restarts=1, wait_timeout=limit, log_ranks=None, callbacks=[])
+        call = functools.partial(
+            spark.gpu.train,
+            sparkgpu_train,
+            gpus=RANKS,
+            gpu_type="A10",
+            args=(str(timeline), fault, limit),
+            max_restarts=1,
+            wait_timeout=limit,
+            log_ranks=None,
+            callbacks=[],
+        )
     else:
         from pyspark.ml.torch.distributor import TorchDistributor
 
         distributor = TorchDistributor(num_processes=RANKS, local_mode=False, use_gpu=False)
-        call = lambda: distributor.run(torch_distributor_train, str(timeline), fault, limit)  # noqa: E731
+        call = functools.partial(distributor.run, torch_distributor_train, str(timeline), fault, limit)
     thread, outcome = _in_thread(call)
     fault_at = _kill_executor_when_checkpointed(cluster, timeline, limit) if fault == "executor" else None
     figures = _measure(timeline, fault_at, limit, lambda: not thread.is_alive())
@@ -274,8 +289,15 @@ CLIENT = textwrap.dedent("""
 def run_client_death(peer: str, cluster, folder: Path, limit: float) -> dict:
     timeline = folder / f"{peer}-client.jsonl"
     script = folder / f"client-{peer}.py"
-    script.write_text(CLIENT.format(benchmarks=str(Path(__file__).parent), url=cluster.connect_url,
-                                    timeline=str(timeline), limit=limit, peer=peer))
+    script.write_text(
+        CLIENT.format(
+            benchmarks=str(Path(__file__).parent),
+            url=cluster.connect_url,
+            timeline=str(timeline),
+            limit=limit,
+            peer=peer,
+        )
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "SPARKGPU_SPARK_CLIENT_TIMEOUT": str(CLIENT_TIMEOUT)}
     client = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _wait(lambda: any(e["event"] == "checkpointed" for e in _events(timeline)) or client.poll() is not None, limit)
@@ -293,8 +315,13 @@ def run_client_death(peer: str, cluster, folder: Path, limit: float) -> dict:
         if any(_alive(p) for p in before):
             return False
         (run_dir,) = Path(os.environ["SPARKGPU_HOME"], "runs").glob("faults-client-*")
-        done = subprocess.run([sys.executable, "-m", "sparkgpu.cli", "resume", run_dir.name], env=env,
-                              capture_output=True, text=True, timeout=limit)
+        done = subprocess.run(
+            [sys.executable, "-m", "sparkgpu.cli", "resume", run_dir.name],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=limit,
+        )
         resume.update(outcome=f"sparkgpu resume: exit {done.returncode}: {done.stdout.strip()[-200:]}", at=time.time())
         return True
 
@@ -303,8 +330,10 @@ def run_client_death(peer: str, cluster, folder: Path, limit: float) -> dict:
     figures = _measure(timeline, fault_at, limit, lambda: False)
     resumer.join(limit)
     if peer != "sparkgpu":
-        resume["outcome"] = ("no way to continue the job; the Connect server runs it on without its client, and its "
-                             "ranks stop only when the function returns")
+        resume["outcome"] = (
+            "no way to continue the job; the Connect server runs it on without its client, and its "
+            "ranks stop only when the function returns"
+        )
     return _with_outcome(figures, resume, limit)
 
 
@@ -314,8 +343,9 @@ def floor(folder: Path) -> float:
 
     path = folder / "floor.pt"
     model = torch.nn.Linear(64, 64)
-    torch.save({"model": model.state_dict(), "optimizer": torch.optim.SGD(model.parameters(), lr=1e-3).state_dict()},
-               path)
+    torch.save(
+        {"model": model.state_dict(), "optimizer": torch.optim.SGD(model.parameters(), lr=1e-3).state_dict()}, path
+    )
     started = time.perf_counter()
     subprocess.run([sys.executable, "-c", f"import torch; torch.load({str(path)!r})"], check=True)
     return round(time.perf_counter() - started, 2)
@@ -342,8 +372,9 @@ def main() -> None:
         os.environ["SPARKGPU_HOME"] = str(folder / "home")
         os.environ["SPARKGPU_TRACKING"] = "0"  # TorchDistributor tracks nothing either
         _workers_share_this_python(folder)
-        with LocalSparkCluster(folder / "cluster", workers=2, gpus_per_worker=2, cores_per_worker=2,
-                               name="sparkgpu-bench-faults") as cluster:
+        with LocalSparkCluster(
+            folder / "cluster", workers=2, gpus_per_worker=2, cores_per_worker=2, name="sparkgpu-bench-faults"
+        ) as cluster:
             spark = cluster.session()
             type(spark)._set_default_and_active_session(spark)  # TorchDistributor takes the active session
             results["floor: python + import torch + load the checkpoint (s)"] = {"seconds": floor(folder)}
@@ -363,12 +394,18 @@ def main() -> None:
 
     report = {
         "question": "fault -> every rank of the attempt stopped -> first training step after it, on a Spark cluster",
-        "setup": (f"standalone master + 2 workers (2 cores, 2 simulated GPUs each) + Spark Connect server on this host; "
-                  f"{RANKS} gloo ranks; sparkgpu: 2 nodes x 2 ranks, max_restarts=1, client heartbeat timeout "
-                  f"{CLIENT_TIMEOUT:g}s; TorchDistributor: {RANKS} tasks x 1 process"),
+        "setup": (
+            f"standalone master + 2 workers (2 cores, 2 simulated GPUs each) + Spark Connect server on this host; "
+            f"{RANKS} gloo ranks; sparkgpu: 2 nodes x 2 ranks, max_restarts=1, client heartbeat timeout "
+            f"{CLIENT_TIMEOUT:g}s; TorchDistributor: {RANKS} tasks x 1 process"
+        ),
         "limit_s": args.limit,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-                    "load_average_1m_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)]},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "load_average_1m_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        },
         "results": results,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -52,6 +52,7 @@ WIDTH, HEIGHT, CLASSES, CROP = 500, 375, 10, 224
 
 # The work every reader does per image.
 
+
 def augment(image):
     """decode + RandomResizedCrop(224) + flip, the same for every reader."""
     from torchvision.transforms import v2
@@ -77,6 +78,7 @@ def sparkgpu_transform(sample, rng):
 
 # The data set.
 
+
 def _make_one(args):
     index, folder, quality, noise = args
     from PIL import Image
@@ -98,7 +100,7 @@ def make_images(folder: Path, count: int, quality: int, workers: int, noise: flo
 
 
 def image_files(folder: Path) -> list[tuple[str, int]]:
-    return sorted((str(p), int(p.parent.name[len("class"):])) for p in folder.glob("class*/*.jpg"))
+    return sorted((str(p), int(p.parent.name[len("class") :])) for p in folder.glob("class*/*.jpg"))
 
 
 def write_mds(files, out: Path) -> None:
@@ -106,8 +108,12 @@ def write_mds(files, out: Path) -> None:
 
     from sparkgpu.data import to_mds
 
-    table = pa.table({"image": pa.array([Path(p).read_bytes() for p, _ in files], pa.binary()),
-                      "label": np.array([label for _, label in files], dtype=np.int64)})
+    table = pa.table(
+        {
+            "image": pa.array([Path(p).read_bytes() for p, _ in files], pa.binary()),
+            "label": np.array([label for _, label in files], dtype=np.int64),
+        }
+    )
     to_mds(table, str(out), columns={"image": "jpeg", "label": None}, progress=False)
 
 
@@ -126,10 +132,13 @@ def write_litdata(files, out: Path, workers: int) -> None:
 
 # Readers: each yields batches of (images, labels).
 
+
 def ours(work: Path, batch: int, workers: int):
     from sparkgpu import data
 
-    return data.dataset(local=str(work / "mds"), batch_size=batch, shuffle=True, transform=sparkgpu_transform, num_workers=workers)
+    return data.dataset(
+        local=str(work / "mds"), batch_size=batch, shuffle=True, transform=sparkgpu_transform, num_workers=workers
+    )
 
 
 class _StreamingImages:
@@ -161,7 +170,9 @@ def litdata_peer(work: Path, batch: int, workers: int):
             sample = super().__getitem__(index)  # a uint8 tensor, decoded by its serializer (torchvision.io)
             return augment(sample["image"]), sample["label"]
 
-    return litdata.StreamingDataLoader(Images(str(work / "litdata"), shuffle=True), batch_size=batch, num_workers=workers)
+    return litdata.StreamingDataLoader(
+        Images(str(work / "litdata"), shuffle=True), batch_size=batch, num_workers=workers
+    )
 
 
 def imagefolder_peer(work: Path, batch: int, workers: int):
@@ -171,7 +182,9 @@ def imagefolder_peer(work: Path, batch: int, workers: int):
     from torchvision.transforms.v2.functional import pil_to_tensor
 
     # ImageFolder's default loader (PIL), as its docs use it.
-    dataset = torchvision.datasets.ImageFolder(str(work / "images"), transform=lambda image: augment(pil_to_tensor(image)))
+    dataset = torchvision.datasets.ImageFolder(
+        str(work / "images"), transform=lambda image: augment(pil_to_tensor(image))
+    )
     return torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=True, num_workers=workers)
 
 
@@ -190,7 +203,7 @@ def _ceiling_chunk(encoded: list[bytes]) -> int:
 def ceiling(work: Path, batch: int, workers: int) -> dict:
     """decode + augment alone, in a process pool over bytes in memory."""
     files = image_files(work / "images")
-    chunks = [[Path(p).read_bytes() for p, _ in files[i: i + batch]] for i in range(0, len(files), batch)]
+    chunks = [[Path(p).read_bytes() for p, _ in files[i : i + batch]] for i in range(0, len(files), batch)]
     # One intra-op thread per process, as DataLoader gives its workers: with torch's default
     # (one per core) the pool's processes fight over the cores and run at a third of the rate.
     with concurrent.futures.ProcessPoolExecutor(workers, initializer=_one_torch_thread) as pool:
@@ -226,8 +239,13 @@ def measure(name: str, work: Path, batch: int, workers: int) -> dict:
         images += len(images_tensor)
     seconds = time.perf_counter() - window
     del first
-    return {"images_per_s": (images - first_images) / seconds if seconds else None, "images": images, "seconds": seconds,
-            "startup_s": startup, "images_per_s_including_startup": images / (seconds + startup)}
+    return {
+        "images_per_s": (images - first_images) / seconds if seconds else None,
+        "images": images,
+        "seconds": seconds,
+        "startup_s": startup,
+        "images_per_s_including_startup": images / (seconds + startup),
+    }
 
 
 def plot(results: dict, path: Path) -> None:
@@ -236,14 +254,21 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    entries = sorted(((k, v["images_per_s"]) for k, v in results["readers"].items() if v.get("images_per_s")), key=lambda kv: kv[1])
+    entries = sorted(
+        ((k, v["images_per_s"]) for k, v in results["readers"].items() if v.get("images_per_s")), key=lambda kv: kv[1]
+    )
     fig, ax = plt.subplots(figsize=(9, 4))
-    ax.barh([k for k, _ in entries], [v for _, v in entries],
-            color=["tab:green" if k == "sparkgpu" else "tab:gray" if k == "ceiling" else "tab:blue" for k, _ in entries])
+    ax.barh(
+        [k for k, _ in entries],
+        [v for _, v in entries],
+        color=["tab:green" if k == "sparkgpu" else "tab:gray" if k == "ceiling" else "tab:blue" for k, _ in entries],
+    )
     for i, (_, v) in enumerate(entries):
         ax.text(v, i, f" {v:,.0f}", va="center", fontsize=8)
     ax.set_xlabel("images/s")
-    ax.set_title(f"JPEG decode + RandomResizedCrop(224) + flip, batch {results['batch_size']}, {results['workers']} workers")
+    ax.set_title(
+        f"JPEG decode + RandomResizedCrop(224) + flip, batch {results['batch_size']}, {results['workers']} workers"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -262,7 +287,9 @@ def main(argv=None) -> None:
     parser.add_argument("--reader", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.reader:  # one reader, in a fresh process
-        print("RESULT " + json.dumps(measure(args.reader, Path(args.work_dir), args.batch_size, args.workers)), flush=True)
+        print(
+            "RESULT " + json.dumps(measure(args.reader, Path(args.work_dir), args.batch_size, args.workers)), flush=True
+        )
         return
     count = 768 if args.small else args.images
     try:
@@ -280,55 +307,93 @@ def main(argv=None) -> None:
         write_mds(files, work / "mds")
         if "litdata" in readers:
             write_litdata(files, work / "litdata", args.workers)
-        print(f"made {count} JPEGs of {WIDTH}x{HEIGHT}, {np.mean(sizes) / 1e3:.0f} KB on average, "
-              f"and their shards in {time.perf_counter() - started:.0f} s", flush=True)
+        print(
+            f"made {count} JPEGs of {WIDTH}x{HEIGHT}, {np.mean(sizes) / 1e3:.0f} KB on average, "
+            f"and their shards in {time.perf_counter() - started:.0f} s",
+            flush=True,
+        )
         facts = machine()
-        results = {"images": count, "mean_jpeg_kb": float(np.mean(sizes) / 1e3), "noise": args.noise, "quality": args.quality,
-                   "batch_size": args.batch_size, "workers": args.workers, "repeats": args.repeats,
-                   "workers_per_reader": {name: args.workers for name in readers}, "readers": {}}
+        results = {
+            "images": count,
+            "mean_jpeg_kb": float(np.mean(sizes) / 1e3),
+            "noise": args.noise,
+            "quality": args.quality,
+            "batch_size": args.batch_size,
+            "workers": args.workers,
+            "repeats": args.repeats,
+            "workers_per_reader": {name: args.workers for name in readers},
+            "readers": {},
+        }
         runs: dict[str, list[dict]] = {name: [] for name in readers}
         for repeat in range(args.repeats):
             for name in readers if repeat % 2 == 0 else readers[::-1]:
-                command = [sys.executable, __file__, "--reader", name, "--work-dir", str(work),
-                           "--batch-size", str(args.batch_size), "--workers", str(args.workers)]
+                command = [
+                    sys.executable,
+                    __file__,
+                    "--reader",
+                    name,
+                    "--work-dir",
+                    str(work),
+                    "--batch-size",
+                    str(args.batch_size),
+                    "--workers",
+                    str(args.workers),
+                ]
                 done = subprocess.run(command, capture_output=True, text=True)
                 lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
                 if done.returncode or not lines:
                     print(f"  {name}: failed\n{done.stderr[-3000:]}", flush=True)
                     runs[name].append({"error": done.stderr[-3000:]})
                     continue
-                result = json.loads(lines[-1][len("RESULT "):])
+                result = json.loads(lines[-1][len("RESULT ") :])
                 runs[name].append(result)
-                print(f"  repeat {repeat} {name:12s} {result['images_per_s']:10,.0f} images/s  "
-                      f"(start-up {result['startup_s'] or 0:.1f} s)", flush=True)
+                print(
+                    f"  repeat {repeat} {name:12s} {result['images_per_s']:10,.0f} images/s  "
+                    f"(start-up {result['startup_s'] or 0:.1f} s)",
+                    flush=True,
+                )
         for name, attempts in runs.items():
             ok = [r for r in attempts if "error" not in r]
             if not ok:
                 results["readers"][name] = {"error": attempts[-1]["error"], "decoder": DECODERS[name]}
                 continue
             steady = spread([r["images_per_s"] for r in ok], higher_is_better=True)
-            row = {"images_per_s": steady["median"], "images_per_s_spread": steady, "images": ok[0]["images"],
-                   "decoder": DECODERS[name], "failed_runs": len(attempts) - len(ok)}
+            row = {
+                "images_per_s": steady["median"],
+                "images_per_s_spread": steady,
+                "images": ok[0]["images"],
+                "decoder": DECODERS[name],
+                "failed_runs": len(attempts) - len(ok),
+            }
             if ok[0]["startup_s"] is not None:
                 row["startup_s"] = spread([r["startup_s"] for r in ok])["median"]
                 row["startup_s_spread"] = spread([r["startup_s"] for r in ok])
-                row["images_per_s_including_startup"] = spread([r["images_per_s_including_startup"] for r in ok])["median"]
+                row["images_per_s_including_startup"] = spread([r["images_per_s_including_startup"] for r in ok])[
+                    "median"
+                ]
             else:
                 row["startup_s"] = None
             results["readers"][name] = row
         results["method"] = method(
             "one epoch per fresh process; the ceiling times its pool's map after the pool has started",
             startup="construction to first batch, apart as startup_s; images_per_s counts from the first batch on",
-            repeats=args.repeats, statistic="median over repeats", order="readers alternate order per repeat",
-            workers=f"{args.workers} worker processes for every reader and the ceiling")
+            repeats=args.repeats,
+            statistic="median over repeats",
+            order="readers alternate order per repeat",
+            workers=f"{args.workers} worker processes for every reader and the ceiling",
+        )
         results["machine"] = load_seen(facts)
     rates = {k: v.get("images_per_s") for k, v in results["readers"].items() if v.get("images_per_s")}
     peers = [v for k, v in rates.items() if k not in ("sparkgpu", "ceiling")]
     if "sparkgpu" in rates:
         results["vs_best_peer"] = rates["sparkgpu"] / max(peers) if peers else None
         results["of_ceiling"] = rates["sparkgpu"] / rates["ceiling"] if "ceiling" in rates else None
-        results["ratios_method"] = "medians of the steady rate (from the first batch on), the same repeats for every reader"
-        print(f"sparkgpu: {results['vs_best_peer'] or 0:.2f}x the best peer, {results['of_ceiling'] or 0:.0%} of the ceiling")
+        results["ratios_method"] = (
+            "medians of the steady rate (from the first batch on), the same repeats for every reader"
+        )
+        print(
+            f"sparkgpu: {results['vs_best_peer'] or 0:.2f}x the best peer, {results['of_ceiling'] or 0:.0%} of the ceiling"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))

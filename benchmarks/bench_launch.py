@@ -54,8 +54,9 @@ def bench_sparkgpu_warm(ranks: int, repeats: int) -> list[float]:
     from sparkgpu import distributed
     from sparkgpu.launch.pool import PoolBackend, stop_pool
 
-    job = distributed(gpus=ranks, gpu_type="cpu", log_ranks=None, backend=PoolBackend(idle_timeout=300),
-                      callbacks=[])(trivial_all_reduce)
+    job = distributed(gpus=ranks, gpu_type="cpu", log_ranks=None, backend=PoolBackend(idle_timeout=300), callbacks=[])(
+        trivial_all_reduce
+    )
     try:
         job.distributed()  # starts the pool: the cold cost, paid once per interpreter
         return time_calls(lambda: job.distributed(), repeats)
@@ -109,7 +110,8 @@ def main() -> None:
     summary = summarize(peers, "sparkgpu .distributed()")
     result = {
         "question": "launch overhead: call -> all ranks returned (trivial gloo all_reduce)",
-        "ranks": args.ranks, "repeats": args.repeats,
+        "ranks": args.ranks,
+        "repeats": args.repeats,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
         "results": summary,
     }

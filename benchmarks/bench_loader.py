@@ -98,7 +98,9 @@ def _litdata_prepare(table, out: Path):
     step = 20_000
     inputs = [(str(source), a, min(a + step, len(table))) for a in range(0, len(table), step)]
     started = time.perf_counter()
-    litdata.optimize(fn=_litdata_chunk, inputs=inputs, output_dir=str(out), chunk_bytes="64MB", num_workers=2, mode="overwrite")
+    litdata.optimize(
+        fn=_litdata_chunk, inputs=inputs, output_dir=str(out), chunk_bytes="64MB", num_workers=2, mode="overwrite"
+    )
     return {"dir": str(out), "samples": len(table), "optimize_s": time.perf_counter() - started}
 
 
@@ -129,18 +131,38 @@ def timed(batches, count, seconds: float, repeats: int, label: str) -> dict:
                 break
         rates.append(samples / (time.perf_counter() - window_start))
     best, median = max(rates), float(np.median(rates))
-    print(f"  {label:52s} {median:14,.0f} samples/s  {median * ROW_BYTES / 1e9:6.3f} GB/s  (best {best:,.0f}; start-up {startup:.2f} s)", flush=True)
-    return {"samples_per_s": median, "best_samples_per_s": best, "gb_per_s": median * ROW_BYTES / 1e9, "window_rates": rates,
-            "startup_s": startup, "label": label}
+    print(
+        f"  {label:52s} {median:14,.0f} samples/s  {median * ROW_BYTES / 1e9:6.3f} GB/s  (best {best:,.0f}; start-up {startup:.2f} s)",
+        flush=True,
+    )
+    return {
+        "samples_per_s": median,
+        "best_samples_per_s": best,
+        "gb_per_s": median * ROW_BYTES / 1e9,
+        "window_rates": rates,
+        "startup_s": startup,
+        "label": label,
+    }
 
 
-def ours(mds: str, batch_size: int, shuffle: bool, seconds: float, repeats: int, workers: int = 0, native: bool = True, prefetch: int = 0):
+def ours(
+    mds: str,
+    batch_size: int,
+    shuffle: bool,
+    seconds: float,
+    repeats: int,
+    workers: int = 0,
+    native: bool = True,
+    prefetch: int = 0,
+):
     from sparkgpu import data
     from sparkgpu.data import _gather
 
     previous = _gather.set_native_enabled(native)
     try:
-        ds = data.dataset(local=mds, batch_size=batch_size, shuffle=shuffle, seed=0, num_workers=workers, prefetch_batches=prefetch)
+        ds = data.dataset(
+            local=mds, batch_size=batch_size, shuffle=shuffle, seed=0, num_workers=workers, prefetch_batches=prefetch
+        )
 
         def epochs():
             while True:  # several epochs when one is shorter than the measuring window
@@ -164,7 +186,9 @@ def streaming_peer(mds: str, batch_size: int, shuffle: bool, seconds: float, rep
         while True:
             yield from loader
 
-    return timed(epochs(), lambda b: len(b["label"]), seconds, repeats, f"streaming.StreamingDataset (workers={workers})")
+    return timed(
+        epochs(), lambda b: len(b["label"]), seconds, repeats, f"streaming.StreamingDataset (workers={workers})"
+    )
 
 
 def litdata_peer(lit: dict, batch_size: int, shuffle: bool, seconds: float, repeats: int, workers: int):
@@ -177,7 +201,9 @@ def litdata_peer(lit: dict, batch_size: int, shuffle: bool, seconds: float, repe
         while True:
             yield from loader
 
-    return timed(epochs(), lambda b: len(b["y"]), seconds, repeats, f"litdata (workers={workers}, {lit['samples']:,} samples)")
+    return timed(
+        epochs(), lambda b: len(b["y"]), seconds, repeats, f"litdata (workers={workers}, {lit['samples']:,} samples)"
+    )
 
 
 class ParquetBatches(torch.utils.data.IterableDataset):
@@ -195,7 +221,10 @@ class ParquetBatches(torch.utils.data.IterableDataset):
         if not self.shuffle:
             groups = list(range(worker, handle.num_row_groups, workers))
             for record_batch in handle.iter_batches(batch_size=self.batch_size, row_groups=groups):
-                yield {name: torch.from_numpy(record_batch.column(i).to_numpy()) for i, name in enumerate(record_batch.schema.names)}
+                yield {
+                    name: torch.from_numpy(record_batch.column(i).to_numpy())
+                    for i, name in enumerate(record_batch.schema.names)
+                }
             return
         rng = np.random.default_rng(worker)
         for group in rng.permutation(handle.num_row_groups)[worker::workers]:
@@ -203,18 +232,22 @@ class ParquetBatches(torch.utils.data.IterableDataset):
             columns = {name: table.column(name).to_numpy() for name in table.column_names}
             perm = rng.permutation(table.num_rows)
             for start in range(0, table.num_rows, self.batch_size):
-                rows = perm[start:start + self.batch_size]
+                rows = perm[start : start + self.batch_size]
                 yield {name: torch.from_numpy(values[rows]) for name, values in columns.items()}
 
 
 def parquet_peer(path: str, batch_size: int, shuffle: bool, seconds: float, repeats: int, workers: int):
-    loader = torch.utils.data.DataLoader(ParquetBatches(path, batch_size, shuffle), batch_size=None, num_workers=workers)
+    loader = torch.utils.data.DataLoader(
+        ParquetBatches(path, batch_size, shuffle), batch_size=None, num_workers=workers
+    )
 
     def epochs():
         while True:
             yield from loader
 
-    return timed(epochs(), lambda b: len(b["label"]), seconds, repeats, f"torch DataLoader over Parquet (workers={workers})")
+    return timed(
+        epochs(), lambda b: len(b["label"]), seconds, repeats, f"torch DataLoader over Parquet (workers={workers})"
+    )
 
 
 def variable_width(work: Path, samples: int, batch_size: int, seconds: float, repeats: int) -> dict:
@@ -241,8 +274,9 @@ def variable_width(work: Path, samples: int, batch_size: int, seconds: float, re
                 while True:
                     yield from ds
 
-            out["native" if native else "numpy"] = timed(epochs(), lambda b: len(b["label"]), seconds, repeats,
-                                                         f"variable width, shuffled (native={native})")
+            out["native" if native else "numpy"] = timed(
+                epochs(), lambda b: len(b["label"]), seconds, repeats, f"variable width, shuffled (native={native})"
+            )
         finally:
             _gather.set_native_enabled(previous)
     out["native_over_numpy"] = out["native"]["samples_per_s"] / out["numpy"]["samples_per_s"]
@@ -260,7 +294,7 @@ def numpy_gather_ceiling(mds: str, batch_size: int, shuffle: bool, seconds: floa
     def batches():
         while True:
             for start in range(0, len(order), batch_size):
-                yield np.take(rows, order[start:start + batch_size], axis=0)
+                yield np.take(rows, order[start : start + batch_size], axis=0)
 
     return timed(batches(), len, seconds, repeats, "ceiling: numpy gather from memory")
 
@@ -276,7 +310,9 @@ def sequential_read_ceiling(mds: str) -> dict:
                 total += handle.readinto(buffer)
     elapsed = time.perf_counter() - started
     rate = total / elapsed
-    print(f"  {'ceiling: sequential read of the cache files':48s} {rate / ROW_BYTES:14,.0f} samples/s  {rate / 1e9:6.3f} GB/s")
+    print(
+        f"  {'ceiling: sequential read of the cache files':48s} {rate / ROW_BYTES:14,.0f} samples/s  {rate / 1e9:6.3f} GB/s"
+    )
     return {"bytes": total, "seconds": elapsed, "gb_per_s": rate / 1e9, "samples_per_s": rate / ROW_BYTES}
 
 
@@ -303,11 +339,18 @@ def measure_peer(args) -> None:
     """Child process: one peer, both orders; prints its results as one JSON line."""
     function, extra = peers(args.workers, True)[args.peer]
     work = Path(args.data)
-    source = {"ours": str(work / "mds"), "numpy_gather_ceiling": str(work / "mds"), "streaming_peer": str(work / "mds"),
-              "parquet_peer": str(work / "data.parquet"), "litdata_peer": json.loads(args.litdata or "null")}[function]
+    source = {
+        "ours": str(work / "mds"),
+        "numpy_gather_ceiling": str(work / "mds"),
+        "streaming_peer": str(work / "mds"),
+        "parquet_peer": str(work / "data.parquet"),
+        "litdata_peer": json.loads(args.litdata or "null"),
+    }[function]
     out = {}
     for shuffle in (False, True):
-        out["shuffled" if shuffle else "sequential"] = globals()[function](source, args.batch_size, shuffle, args.seconds, args.repeats, **extra)
+        out["shuffled" if shuffle else "sequential"] = globals()[function](
+            source, args.batch_size, shuffle, args.seconds, args.repeats, **extra
+        )
     print("RESULT " + json.dumps(out), flush=True)
 
 
@@ -320,22 +363,39 @@ def run(args) -> dict:
         results = {"setup": setup, "litdata": lit, "orders": {"sequential": {}, "shuffled": {}}}
         for name in peers(args.workers, lit is not None):
             print(f"{name}:", flush=True)
-            command = [sys.executable, __file__, "--peer", name, "--data", str(work), "--litdata", json.dumps(lit),
-                       "--batch-size", str(args.batch_size), "--seconds", str(args.seconds), "--repeats", str(args.repeats),
-                       "--workers", str(args.workers)]
+            command = [
+                sys.executable,
+                __file__,
+                "--peer",
+                name,
+                "--data",
+                str(work),
+                "--litdata",
+                json.dumps(lit),
+                "--batch-size",
+                str(args.batch_size),
+                "--seconds",
+                str(args.seconds),
+                "--repeats",
+                str(args.repeats),
+                "--workers",
+                str(args.workers),
+            ]
             done = subprocess.run(command, capture_output=True, text=True, timeout=600)
             lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
             print("\n".join(line for line in done.stdout.splitlines() if line.startswith("  ")), flush=True)
             if done.returncode != 0 or not lines:
                 print(f"  {name} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
                 continue
-            for order, result in json.loads(lines[-1][len("RESULT "):]).items():
+            for order, result in json.loads(lines[-1][len("RESULT ") :]).items():
                 results["orders"][order][name] = result
         for name in results["orders"]:
             results["orders"][name]["ceiling_sequential_read"] = sequential_read_ceiling(str(work / "mds"))
         if args.var_samples:
             print("variable-width columns:", flush=True)
-            results["variable_width"] = variable_width(work, args.var_samples, args.batch_size, args.seconds, args.repeats)
+            results["variable_width"] = variable_width(
+                work, args.var_samples, args.batch_size, args.seconds, args.repeats
+            )
         for order in results["orders"].values():
             order["ratios"] = ratios(order, args.workers)
         return results
@@ -345,10 +405,15 @@ def run(args) -> dict:
 
 def ratios(order: dict, workers: int) -> dict:
     best = order["sparkgpu"]["samples_per_s"]
-    out = {f"sparkgpu_over_{name}": best / result["samples_per_s"]
-           for name, result in order.items() if name != "sparkgpu" and result.get("samples_per_s")}
+    out = {
+        f"sparkgpu_over_{name}": best / result["samples_per_s"]
+        for name, result in order.items()
+        if name != "sparkgpu" and result.get("samples_per_s")
+    }
     out["targets"] = {
-        "vs_streaming_100x": best / max(order["streaming"]["samples_per_s"], order[f"streaming_workers{workers}"]["samples_per_s"]) >= 100,
+        "vs_streaming_100x": best
+        / max(order["streaming"]["samples_per_s"], order[f"streaming_workers{workers}"]["samples_per_s"])
+        >= 100,
         "vs_numpy_gather_25pct": best / order["ceiling_numpy_gather"]["samples_per_s"] >= 0.25,
     }
     return out
@@ -364,7 +429,10 @@ def plot(results: dict, path: Path) -> None:
     for ax, (name, order) in zip(axes, results["orders"].items()):
         entries = [(k, v["samples_per_s"]) for k, v in order.items() if isinstance(v, dict) and "samples_per_s" in v]
         entries.sort(key=lambda kv: kv[1])
-        colors = ["tab:green" if k.startswith("sparkgpu") else "tab:gray" if k.startswith("ceiling") else "tab:blue" for k, _ in entries]
+        colors = [
+            "tab:green" if k.startswith("sparkgpu") else "tab:gray" if k.startswith("ceiling") else "tab:blue"
+            for k, _ in entries
+        ]
         ax.barh([k for k, _ in entries], [v for _, v in entries], color=colors)
         ax.set_xscale("log")
         ax.set_title(f"{name}: samples/s (log scale)")
@@ -379,7 +447,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=1_000_000)
     parser.add_argument("--litdata-samples", type=int, default=100_000)
-    parser.add_argument("--var-samples", type=int, default=100_000, help="samples of the variable-width dataset (0: skip)")
+    parser.add_argument(
+        "--var-samples", type=int, default=100_000, help="samples of the variable-width dataset (0: skip)"
+    )
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--seconds", type=float, default=3.0, help="length of one measuring window (a few seconds)")
     parser.add_argument("--repeats", type=int, default=3, help="measuring windows per peer and order")
@@ -398,13 +468,21 @@ def main(argv=None) -> None:
     from sparkgpu.data import _gather
 
     results["machine"] = load_seen(facts)
-    results["method"] = method("--repeats windows of at least --seconds after the first batch, one fresh process per peer and order",
-                               startup="excluded from the windows, reported apart as startup_s",
-                               repeats=args.repeats, statistic="median window (best_samples_per_s beside it)",
-                               workers=f"sparkgpu in-process; the peers' DataLoaders with 0 and {args.workers} workers, named per row")
+    results["method"] = method(
+        "--repeats windows of at least --seconds after the first batch, one fresh process per peer and order",
+        startup="excluded from the windows, reported apart as startup_s",
+        repeats=args.repeats,
+        statistic="median window (best_samples_per_s beside it)",
+        workers=f"sparkgpu in-process; the peers' DataLoaders with 0 and {args.workers} workers, named per row",
+    )
     config = {k: v for k, v in vars(args).items() if k not in ("peer", "data", "litdata", "out", "work_dir")}
-    results["config"] = config | {"row_bytes": ROW_BYTES, "native_built": _gather.native_available(),
-                                      "cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version()}
+    results["config"] = config | {
+        "row_bytes": ROW_BYTES,
+        "native_built": _gather.native_available(),
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2, default=str))

@@ -38,8 +38,14 @@ import urllib.parse
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ENV = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
-       "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true", "AWS_EC2_METADATA_DISABLED": "true"}
+ENV = {
+    "AWS_ACCESS_KEY_ID": "bench",
+    "AWS_SECRET_ACCESS_KEY": "bench",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_REGION": "us-east-1",
+    "AWS_ALLOW_HTTP": "true",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
 
 
 def readers(endpoint: str, bucket: str) -> dict:
@@ -48,8 +54,14 @@ def readers(endpoint: str, bucket: str) -> dict:
     import s3fs
     from obstore.store import HTTPStore, S3Store
 
-    s3 = S3Store(bucket, endpoint=endpoint, client_options={"allow_http": True}, region="us-east-1",
-                 access_key_id="bench", secret_access_key="bench")
+    s3 = S3Store(
+        bucket,
+        endpoint=endpoint,
+        client_options={"allow_http": True},
+        region="us-east-1",
+        access_key_id="bench",
+        secret_access_key="bench",
+    )
     http_store = HTTPStore.from_url(f"{endpoint}/{bucket}", client_options={"allow_http": True})
     fs = s3fs.S3FileSystem(key="bench", secret="bench", endpoint_url=endpoint)
     local = threading.local()
@@ -123,8 +135,14 @@ def run(args) -> dict:
             order = random.Random(repeat).sample(list(peers), len(peers))
             for name in order:
                 seconds[name].append(fetch_all(peers[name], keys, size, args.threads, part, work / name))
-            print(f"  repeat {repeat + 1}: " + ", ".join(f"{name} {total / seconds[name][-1] / 1e6:.0f} MB/s" for name in order), flush=True)
-        results = {name: {"seconds": s, "median_mb_per_s": total / statistics.median(s) / 1e6} for name, s in seconds.items()}
+            print(
+                f"  repeat {repeat + 1}: "
+                + ", ".join(f"{name} {total / seconds[name][-1] / 1e6:.0f} MB/s" for name in order),
+                flush=True,
+            )
+        results = {
+            name: {"seconds": s, "median_mb_per_s": total / statistics.median(s) / 1e6} for name, s in seconds.items()
+        }
         for name, figures in sorted(results.items(), key=lambda item: -item[1]["median_mb_per_s"]):
             print(f"{name:>13}: median {figures['median_mb_per_s']:.0f} MB/s over {args.repeats} repeats")
         return {"peers": results, "bytes_per_repeat": total, "part_bytes": part}
@@ -146,8 +164,11 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=str(RESULTS / "object_store.json"))
     args = parser.parse_args(argv)
     results = run(args)
-    results["config"] = {k: v for k, v in vars(args).items() if k not in ("out", "work_dir")} | {"cpus": os.cpu_count(), "machine": platform.machine(),
-                                      "python": platform.python_version()}
+    results["config"] = {k: v for k, v in vars(args).items() if k not in ("out", "work_dir")} | {
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2, default=str))
     print(f"wrote {args.out}")

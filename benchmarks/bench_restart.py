@@ -178,9 +178,23 @@ def run_torchrun(size_mb: int, work: Path, tries: int = 5) -> float:
         stamp = time.monotonic_ns()
         timeline, checkpoint = work / f"timeline-torchrun-{stamp}.jsonl", work / f"torchrun-{stamp}.pt"
         done = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-             "--max-restarts", "1", str(script), str(size_mb), str(timeline), str(checkpoint)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                "--max-restarts",
+                "1",
+                str(script),
+                str(size_mb),
+                str(timeline),
+                str(checkpoint),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
             env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
         )
         if done.returncode == 0:
@@ -257,16 +271,24 @@ def main(argv=None) -> None:
         "spread_seconds": spreads,
         "medians_separated": {
             "sparkgpu vs torchrun_torch_save": separated(spreads["sparkgpu"], spreads["torchrun_torch_save"]),
-            "sparkgpu_warm_pool vs torchrun_torch_save": separated(spreads["sparkgpu_warm_pool"], spreads["torchrun_torch_save"]),
+            "sparkgpu_warm_pool vs torchrun_torch_save": separated(
+                spreads["sparkgpu_warm_pool"], spreads["torchrun_torch_save"]
+            ),
             "sparkgpu vs sparkgpu_no_standby": separated(spreads["sparkgpu"], spreads["sparkgpu_no_standby"]),
         },
-        "method": method("SIGKILL of a rank to the restarted job's first step after restoring the checkpoint",
-                         startup="inside: the restart is what is timed; the warm pool is started once before the repeats",
-                         repeats=args.repeats, statistic="median, with quartiles and every run",
-                         order="sides round-robin, the order reversed every other repeat",
-                         ranks="2 gloo ranks on CPU for every side"),
-        "torchrun_failed_restarts": {"count": len(TORCHRUN_FAILURES), "timed_runs": args.repeats,
-                                     "what_the_ranks_said": TORCHRUN_FAILURES},
+        "method": method(
+            "SIGKILL of a rank to the restarted job's first step after restoring the checkpoint",
+            startup="inside: the restart is what is timed; the warm pool is started once before the repeats",
+            repeats=args.repeats,
+            statistic="median, with quartiles and every run",
+            order="sides round-robin, the order reversed every other repeat",
+            ranks="2 gloo ranks on CPU for every side",
+        ),
+        "torchrun_failed_restarts": {
+            "count": len(TORCHRUN_FAILURES),
+            "timed_runs": args.repeats,
+            "what_the_ranks_said": TORCHRUN_FAILURES,
+        },
         "ratios": {
             "torchrun_over_sparkgpu": medians["torchrun_torch_save"] / medians["sparkgpu"],
             "torchrun_over_sparkgpu_warm_pool": medians["torchrun_torch_save"] / medians["sparkgpu_warm_pool"],
@@ -278,8 +300,10 @@ def main(argv=None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     for name, value in spreads.items():
-        print(f"{name:34s} median {value['median']:6.2f} s  (quartiles {value['q1']:.2f}-{value['q3']:.2f}, "
-              f"runs {value['min']:.2f}-{value['max']:.2f})")
+        print(
+            f"{name:34s} median {value['median']:6.2f} s  (quartiles {value['q1']:.2f}-{value['q3']:.2f}, "
+            f"runs {value['min']:.2f}-{value['max']:.2f})"
+        )
     print(json.dumps(result["medians_separated"], indent=2))
 
 

@@ -88,8 +88,9 @@ def _workers_share_this_python(folder: Path) -> None:
     from sparkgpu.config import reset_settings
     from sparkgpu.env import hydrate_module_path
 
-    probe = subprocess.run([sys.executable, str(hydrate_module_path()), "--probe"], capture_output=True, text=True,
-                           check=True).stdout
+    probe = subprocess.run(
+        [sys.executable, str(hydrate_module_path()), "--probe"], capture_output=True, text=True, check=True
+    ).stdout
     (folder / "worker-image.json").write_text(probe)
     os.environ["SPARKGPU_ENV_WORKER_LOCK"] = str(folder / "worker-image.json")
     reset_settings()
@@ -132,18 +133,30 @@ def main() -> None:
     summary = summarize(peers, "sparkgpu spark.gpu.train")
     result = {
         "question": "launch overhead on a Spark cluster: call -> all ranks returned (trivial gloo all_reduce)",
-        "setup": (f"standalone master + 2 workers (2 cores, 2 simulated GPUs each) + Spark Connect server on this "
-                  f"host; every peer through the same Connect session; ours: {nodes} node(s) x "
-                  f"{args.ranks // nodes} ranks; TorchDistributor: {args.ranks} tasks x 1 process"),
-        "ranks": args.ranks, "repeats": args.repeats, "cluster_start_s": round(cluster_seconds, 1),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-                    "load_average_1m_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)]},
+        "setup": (
+            f"standalone master + 2 workers (2 cores, 2 simulated GPUs each) + Spark Connect server on this "
+            f"host; every peer through the same Connect session; ours: {nodes} node(s) x "
+            f"{args.ranks // nodes} ranks; TorchDistributor: {args.ranks} tasks x 1 process"
+        ),
+        "ranks": args.ranks,
+        "repeats": args.repeats,
+        "cluster_start_s": round(cluster_seconds, 1),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "load_average_1m_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        },
         "results": summary,
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "spark_launch.json").write_text(json.dumps(result, indent=2))
-    plot_summary(summary, RESULTS / "spark_launch.png",
-                 f"Launch overhead on a Spark cluster, {args.ranks} ranks (gloo all_reduce)", width=8)
+    plot_summary(
+        summary,
+        RESULTS / "spark_launch.png",
+        f"Launch overhead on a Spark cluster, {args.ranks} ranks (gloo all_reduce)",
+        width=8,
+    )
     print_summary(summary)
 
 

@@ -56,8 +56,12 @@ def prepare(work: Path, rows: int) -> str:
     # About 64k rows per row group and 8 row groups per file, as Spark writes them.
     step = 512 * 1024
     for start in range(0, rows, step):
-        write_deltalake(uri, pa.table(columns).slice(start, step), mode="append",
-                        writer_properties=WriterProperties(max_row_group_size=64 * 1024))
+        write_deltalake(
+            uri,
+            pa.table(columns).slice(start, step),
+            mode="append",
+            writer_properties=WriterProperties(max_row_group_size=64 * 1024),
+        )
     return uri
 
 
@@ -73,8 +77,14 @@ def epoch(batches, started: float) -> dict:
         if first is None:
             first, first_rows = time.perf_counter() - started, rows
     seconds = time.perf_counter() - started
-    return {"rows": rows, "seconds": seconds, "startup_s": first, "first_batch_s": first,
-            "rows_per_s": (rows - first_rows) / max(seconds - first, 1e-9), "rows_per_s_including_startup": rows / seconds}
+    return {
+        "rows": rows,
+        "seconds": seconds,
+        "startup_s": first,
+        "first_batch_s": first,
+        "rows_per_s": (rows - first_rows) / max(seconds - first, 1e-9),
+        "rows_per_s_including_startup": rows / seconds,
+    }
 
 
 def run_peer(name: str, uri: str, batch_size: int, shuffle: bool, work: Path) -> dict:
@@ -84,7 +94,9 @@ def run_peer(name: str, uri: str, batch_size: int, shuffle: bool, work: Path) ->
     if name == "table_dataset":
         from sparkgpu import data
 
-        return epoch(data.table_dataset(uri, batch_size=batch_size, shuffle=shuffle, seed=0, rank=0, world_size=1), started)
+        return epoch(
+            data.table_dataset(uri, batch_size=batch_size, shuffle=shuffle, seed=0, rank=0, world_size=1), started
+        )
     if name == "table_dataset_parquet":
         from sparkgpu import data
 
@@ -93,7 +105,10 @@ def run_peer(name: str, uri: str, batch_size: int, shuffle: bool, work: Path) ->
             folder.mkdir()
             for path in parquet_files(uri):
                 os.link(path, folder / Path(path).name)
-        return epoch(data.table_dataset(str(folder), batch_size=batch_size, shuffle=shuffle, seed=0, rank=0, world_size=1), started)
+        return epoch(
+            data.table_dataset(str(folder), batch_size=batch_size, shuffle=shuffle, seed=0, rank=0, world_size=1),
+            started,
+        )
     if name == "pyarrow_to_batches":
         import pyarrow.dataset as pads
 
@@ -126,7 +141,9 @@ def run_peer(name: str, uri: str, batch_size: int, shuffle: bool, work: Path) ->
         out = work / f"mds-{time.time_ns()}"
         data.to_mds(uri, str(out))
         converted = time.perf_counter() - started
-        result = epoch(data.dataset(local=str(out), batch_size=batch_size, shuffle=shuffle, seed=0, rank=0, world_size=1), started)
+        result = epoch(
+            data.dataset(local=str(out), batch_size=batch_size, shuffle=shuffle, seed=0, rank=0, world_size=1), started
+        )
         return dict(result, conversion_s=converted)
     raise ValueError(name)
 
@@ -169,25 +186,51 @@ def main(argv=None) -> None:
         work = Path(scratch)
         uri = prepare(work, args.rows)
         facts = machine()
-        results = {"rows": args.rows, "batch_size": args.batch_size, "repeats": args.repeats,
-                   "ceiling_sequential_read": sequential_read(uri), "peers": {}}
+        results = {
+            "rows": args.rows,
+            "batch_size": args.batch_size,
+            "repeats": args.repeats,
+            "ceiling_sequential_read": sequential_read(uri),
+            "peers": {},
+        }
         table_bytes = results["ceiling_sequential_read"]["bytes"]
         runs: dict[str, list[dict]] = {}
         peers = args.peers.split(",")
         for repeat in range(args.repeats):
             for shuffle in (False, True):
                 for peer in peers if repeat % 2 == 0 else peers[::-1]:
-                    command = [sys.executable, __file__, "--peer", peer, "--uri", uri, "--batch-size", str(args.batch_size),
-                               "--work-dir", str(work)] + (["--shuffle"] if shuffle else [])
+                    command = [
+                        sys.executable,
+                        __file__,
+                        "--peer",
+                        peer,
+                        "--uri",
+                        uri,
+                        "--batch-size",
+                        str(args.batch_size),
+                        "--work-dir",
+                        str(work),
+                    ] + (["--shuffle"] if shuffle else [])
                     done = subprocess.run(command, capture_output=True, text=True, check=False)
                     key = f"{peer}{' shuffled' if shuffle else ''}"
                     if done.returncode != 0:
-                        result = {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
+                        result = {
+                            "error": done.stderr.strip().splitlines()[-1]
+                            if done.stderr.strip()
+                            else f"exit {done.returncode}"
+                        }
                     else:
                         result = json.loads(done.stdout.strip().splitlines()[-1])
                     runs.setdefault(key, []).append(result)
-                    print(f"repeat {repeat} {key:36s} " + (f"start-up {result['startup_s']:6.2f} s, then {result['rows_per_s']:>12,.0f} rows/s"
-                                                            if "error" not in result else result["error"]), flush=True)
+                    print(
+                        f"repeat {repeat} {key:36s} "
+                        + (
+                            f"start-up {result['startup_s']:6.2f} s, then {result['rows_per_s']:>12,.0f} rows/s"
+                            if "error" not in result
+                            else result["error"]
+                        ),
+                        flush=True,
+                    )
         for key, attempts in runs.items():
             ok = [r for r in attempts if "error" not in r]
             if not ok:
@@ -197,12 +240,21 @@ def main(argv=None) -> None:
             startup = spread([r["startup_s"] for r in ok])
             whole = spread([r["rows_per_s_including_startup"] for r in ok], higher_is_better=True)
             results["peers"][key] = {
-                "rows": ok[0]["rows"], "rows_per_s": steady["median"], "rows_per_s_spread": steady,
-                "startup_s": startup["median"], "first_batch_s": startup["median"], "startup_s_spread": startup,
-                "rows_per_s_including_startup": whole["median"], "rows_per_s_including_startup_spread": whole,
+                "rows": ok[0]["rows"],
+                "rows_per_s": steady["median"],
+                "rows_per_s_spread": steady,
+                "startup_s": startup["median"],
+                "first_batch_s": startup["median"],
+                "startup_s_spread": startup,
+                "rows_per_s_including_startup": whole["median"],
+                "rows_per_s_including_startup_spread": whole,
                 "mb_per_s_of_parquet_steady": table_bytes * steady["median"] / ok[0]["rows"] / 1e6,
                 "failed_runs": len(attempts) - len(ok),
-                **({"conversion_s": spread([r["conversion_s"] for r in ok])["median"]} if "conversion_s" in ok[0] else {}),
+                **(
+                    {"conversion_s": spread([r["conversion_s"] for r in ok])["median"]}
+                    if "conversion_s" in ok[0]
+                    else {}
+                ),
             }
         results["workers"] = {
             "table_dataset": "the main process (no loader workers)",
@@ -213,9 +265,11 @@ def main(argv=None) -> None:
         results["method"] = method(
             "one epoch per fresh process, from the reader's construction to its last batch",
             startup="imports and construction to first batch (ray.init included for Ray, to_mds included for the MDS path), "
-                    "apart as startup_s; rows_per_s is the steady rate after the first batch",
-            repeats=args.repeats, statistic="median over repeats of each figure",
-            order="peers alternate order per repeat")
+            "apart as startup_s; rows_per_s is the steady rate after the first batch",
+            repeats=args.repeats,
+            statistic="median over repeats of each figure",
+            order="peers alternate order per repeat",
+        )
         results["ratios"] = _ratios(results["peers"])
         results["machine"] = load_seen(facts)
     print(f"{'ceiling: sequential read':36s} {results['ceiling_sequential_read']['mb_per_s']:,.0f} MB/s of Parquet")
@@ -228,15 +282,18 @@ def main(argv=None) -> None:
 
 
 def _ratios(peers: dict) -> dict:
-    out: dict[str, object] = {"method": "medians over repeats; steady = rows after the first batch over the time after it"}
+    out: dict[str, object] = {
+        "method": "medians over repeats; steady = rows after the first batch over the time after it"
+    }
     for suffix in ("", " shuffled"):
         ours = peers.get(f"table_dataset{suffix}", {})
         for peer in ("pyarrow_to_batches", "ray_data"):
             theirs = peers.get(f"{peer}{suffix}", {})
             if "rows_per_s" in ours and "rows_per_s" in theirs:
                 out[f"table_dataset / {peer}{suffix}, steady"] = ours["rows_per_s"] / theirs["rows_per_s"]
-                out[f"table_dataset / {peer}{suffix}, start-up counted"] = (ours["rows_per_s_including_startup"]
-                                                                            / theirs["rows_per_s_including_startup"])
+                out[f"table_dataset / {peer}{suffix}, start-up counted"] = (
+                    ours["rows_per_s_including_startup"] / theirs["rows_per_s_including_startup"]
+                )
                 out[f"{peer} / table_dataset{suffix}, start-up"] = theirs["startup_s"] / ours["startup_s"]
     return out
 

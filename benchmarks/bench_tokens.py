@@ -74,8 +74,15 @@ def write_litdata(folder: Path, docs) -> str | None:
     except ImportError:
         print("litdata is not installed (pip install litdata): its peer is skipped", file=sys.stderr)
         return None
-    litdata.optimize(fn=_litdata_doc, inputs=docs, output_dir=str(folder), chunk_bytes="16MB", item_loader=TokensLoader(),
-                     num_workers=1, mode="overwrite")
+    litdata.optimize(
+        fn=_litdata_doc,
+        inputs=docs,
+        output_dir=str(folder),
+        chunk_bytes="16MB",
+        item_loader=TokensLoader(),
+        num_workers=1,
+        mode="overwrite",
+    )
     return str(folder)
 
 
@@ -102,8 +109,14 @@ def window(build, count, seconds: float) -> dict:
                 raise RuntimeError("an epoch without a batch")
     total = time.perf_counter() - started
     steady_s = max(total - first, 1e-9)
-    return {"startup_s": first, "seconds": total, "items": items, "whole_epochs": epochs,
-            "steady_per_s": (items - first_items) / steady_s, "per_s_including_startup": items / total}
+    return {
+        "startup_s": first,
+        "seconds": total,
+        "items": items,
+        "whole_epochs": epochs,
+        "steady_per_s": (items - first_items) / steady_s,
+        "per_s_including_startup": items / total,
+    }
 
 
 def compare(sides: dict, count, seconds: float, repeats: int, unit: str) -> dict:
@@ -116,12 +129,15 @@ def compare(sides: dict, count, seconds: float, repeats: int, unit: str) -> dict
     out = {}
     for name, windows in runs.items():
         steady = spread([w["steady_per_s"] for w in windows], higher_is_better=True)
-        out[name] = {f"{unit}_per_s": steady["median"], f"{unit}_per_s_spread": steady,
-                     "startup_s": spread([w["startup_s"] for w in windows])["median"],
-                     "startup_s_spread": spread([w["startup_s"] for w in windows]),
-                     f"{unit}_per_s_including_startup": spread([w["per_s_including_startup"] for w in windows])["median"],
-                     "window_s": spread([w["seconds"] for w in windows])["median"],
-                     "whole_epochs_per_window": [w["whole_epochs"] for w in windows]}
+        out[name] = {
+            f"{unit}_per_s": steady["median"],
+            f"{unit}_per_s_spread": steady,
+            "startup_s": spread([w["startup_s"] for w in windows])["median"],
+            "startup_s_spread": spread([w["startup_s"] for w in windows]),
+            f"{unit}_per_s_including_startup": spread([w["per_s_including_startup"] for w in windows])["median"],
+            "window_s": spread([w["seconds"] for w in windows])["median"],
+            "whole_epochs_per_window": [w["whole_epochs"] for w in windows],
+        }
     return out
 
 
@@ -143,20 +159,28 @@ def token_section(args, work: Path) -> dict:
         order = np.random.default_rng(0).permutation(blocks) if shuffle else np.arange(blocks)
 
         def ours():
-            return data.token_dataset(local=mds, column="ids", seq_len=seq, batch_size=batch, shuffle=shuffle, rank=0, world_size=1)
+            return data.token_dataset(
+                local=mds, column="ids", seq_len=seq, batch_size=batch, shuffle=shuffle, rank=0, world_size=1
+            )
 
         def ceiling():
             # As many blocks per gather as the loader cuts at once (one memcpy per block, in C),
             # handed out as views.
             raw, itemsize = stream.view(np.uint8), stream.dtype.itemsize
             for lo in range(0, blocks, per_cut):
-                firsts = order[lo:lo + per_cut] * seq
+                firsts = order[lo : lo + per_cut] * seq
                 cut = np.empty((len(firsts), width), dtype=stream.dtype)
-                _gather.gather_spans(cut.reshape(-1).view(np.uint8), np.arange(len(firsts), dtype=np.int64) * width * itemsize,
-                                     [raw], None, firsts * itemsize, np.full(len(firsts), width * itemsize, dtype=np.int64))
+                _gather.gather_spans(
+                    cut.reshape(-1).view(np.uint8),
+                    np.arange(len(firsts), dtype=np.int64) * width * itemsize,
+                    [raw],
+                    None,
+                    firsts * itemsize,
+                    np.full(len(firsts), width * itemsize, dtype=np.int64),
+                )
                 cut = torch.from_numpy(cut)
                 for first in range(0, len(cut), batch):
-                    yield cut[first:first + batch]
+                    yield cut[first : first + batch]
 
         class Ceiling:  # a new iteration per epoch, as a dataset gives
             def __iter__(self):
@@ -174,15 +198,24 @@ def token_section(args, work: Path) -> dict:
 
             sides[f"litdata TokensLoader ({label})"] = litdata_batches
         results.update(compare(sides, lambda b: b.numel(), args.seconds, args.repeats, "tokens"))
-    return {"tokens": int(len(stream)), "seq_len": seq, "batch_size": batch, "peers": results,
-            "workers": {"sparkgpu": 0, "litdata": 0, "ceiling": 0},
-            "method": method("construction of a new dataset object, then epochs until the window has lasted --seconds",
-                             startup="construction to first batch, reported apart as startup_s; the steady rate "
-                                     "(tokens_per_s) counts from the first batch on; tokens_per_s_including_startup "
-                                     "counts every batch over the whole window",
-                             repeats=args.repeats, statistic="median of the steady rate per window",
-                             order="sides alternate order per repeat", window_s=args.seconds,
-                             workers="none for any side: every side runs in the main process")}
+    return {
+        "tokens": int(len(stream)),
+        "seq_len": seq,
+        "batch_size": batch,
+        "peers": results,
+        "workers": {"sparkgpu": 0, "litdata": 0, "ceiling": 0},
+        "method": method(
+            "construction of a new dataset object, then epochs until the window has lasted --seconds",
+            startup="construction to first batch, reported apart as startup_s; the steady rate "
+            "(tokens_per_s) counts from the first batch on; tokens_per_s_including_startup "
+            "counts every batch over the whole window",
+            repeats=args.repeats,
+            statistic="median of the steady rate per window",
+            order="sides alternate order per repeat",
+            window_s=args.seconds,
+            workers="none for any side: every side runs in the main process",
+        ),
+    }
 
 
 def mixture_section(args, work: Path) -> dict:
@@ -204,16 +237,37 @@ def mixture_section(args, work: Path) -> dict:
                     all_writer.write(sample)
             folders.append(str(folder))
     count = lambda b: len(b["id"])  # noqa: E731
-    peers = compare({
-        "one dataset": lambda: data.dataset(local=str(whole), batch_size=args.batch_size * 64, shuffle=True, rank=0, world_size=1),
-        "three-stream mixture": lambda: data.dataset(streams=[data.Stream(local=f, proportion=p) for f, p in zip(folders, (0.5, 0.3, 0.2))],
-                                                     epoch_size=sum(sizes), batch_size=args.batch_size * 64, shuffle=True, rank=0,
-                                                     world_size=1),
-    }, count, args.seconds, args.repeats, "samples")
-    return {"samples": sum(sizes), "batch_size": args.batch_size * 64, "peers": peers,
-            "method": method("construction of a new dataset object, then epochs until the window has lasted --seconds",
-                             startup="construction to first batch, apart as startup_s", repeats=args.repeats,
-                             statistic="median of the steady rate per window", order="sides alternate order per repeat")}
+    peers = compare(
+        {
+            "one dataset": lambda: data.dataset(
+                local=str(whole), batch_size=args.batch_size * 64, shuffle=True, rank=0, world_size=1
+            ),
+            "three-stream mixture": lambda: data.dataset(
+                streams=[data.Stream(local=f, proportion=p) for f, p in zip(folders, (0.5, 0.3, 0.2))],
+                epoch_size=sum(sizes),
+                batch_size=args.batch_size * 64,
+                shuffle=True,
+                rank=0,
+                world_size=1,
+            ),
+        },
+        count,
+        args.seconds,
+        args.repeats,
+        "samples",
+    )
+    return {
+        "samples": sum(sizes),
+        "batch_size": args.batch_size * 64,
+        "peers": peers,
+        "method": method(
+            "construction of a new dataset object, then epochs until the window has lasted --seconds",
+            startup="construction to first batch, apart as startup_s",
+            repeats=args.repeats,
+            statistic="median of the steady rate per window",
+            order="sides alternate order per repeat",
+        ),
+    }
 
 
 def ratios(report: dict) -> dict:
@@ -222,15 +276,20 @@ def ratios(report: dict) -> dict:
     out = {}
     for label in ("in order", "shuffled"):
         ours = tokens[f"sparkgpu token_dataset ({label})"]["tokens_per_s"]
-        out[f"sparkgpu / ceiling ({label})"] = ours / tokens[f"ceiling: block copies in memory ({label})"]["tokens_per_s"]
+        out[f"sparkgpu / ceiling ({label})"] = (
+            ours / tokens[f"ceiling: block copies in memory ({label})"]["tokens_per_s"]
+        )
         if f"litdata TokensLoader ({label})" in tokens:
             theirs = tokens[f"litdata TokensLoader ({label})"]
             out[f"sparkgpu / litdata ({label})"] = ours / theirs["tokens_per_s"]
             out[f"sparkgpu / litdata, start-up counted ({label})"] = (
-                tokens[f"sparkgpu token_dataset ({label})"]["tokens_per_s_including_startup"] / theirs["tokens_per_s_including_startup"])
+                tokens[f"sparkgpu token_dataset ({label})"]["tokens_per_s_including_startup"]
+                / theirs["tokens_per_s_including_startup"]
+            )
     out["method"] = "medians of the steady rate (after the first batch), same repeats and windows for every side"
-    out["mixture cost (one dataset / mixture)"] = (mixture["one dataset"]["samples_per_s"]
-                                                   / mixture["three-stream mixture"]["samples_per_s"])
+    out["mixture cost (one dataset / mixture)"] = (
+        mixture["one dataset"]["samples_per_s"] / mixture["three-stream mixture"]["samples_per_s"]
+    )
     return out
 
 

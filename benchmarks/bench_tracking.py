@@ -76,8 +76,16 @@ def _new_store(root: Path, name: str):
 def _run_writers(env: dict, writers: int, points: int, root: Path) -> tuple[float, float, list[dict]]:
     """Starts the writers, releases them together; returns (release time, their wall time, outputs)."""
     go = root / f"go-{time.time_ns()}"
-    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(go), str(points)], env={**env, "RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(writers)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _WRITER, str(go), str(points)],
+            env={**env, "RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(writers)
+    ]
     while sum(os.path.exists(f"{go}.ready{r}") for r in range(writers)) < writers:  # imported and connected
         if any(p.poll() is not None for p in procs):
             raise RuntimeError("a writer died before the start: " + procs[0].communicate()[1][-500:])
@@ -100,11 +108,15 @@ def _summary(name, wall, outputs, client, run_id, writers, points, until_stored)
     errors = [e for o in outputs for e in o["errors"]]
     landed = _landed(client, run_id, writers)
     return {
-        "peer": name, "writers": writers, "points_per_writer": points,
-        "writers_wall_s": round(wall, 3), "until_stored_s": round(until_stored, 3),
+        "peer": name,
+        "writers": writers,
+        "points_per_writer": points,
+        "writers_wall_s": round(wall, 3),
+        "until_stored_s": round(until_stored, 3),
         "slowest_logging_loop_s": round(max(o["seconds"] or 0 for o in outputs), 3),
         "points_per_s_to_store": round(landed / until_stored, 1) if until_stored else None,
-        "points_lost": writers * points - landed, "errors": len(errors),
+        "points_lost": writers * points - landed,
+        "errors": len(errors),
         "database_locked_errors": sum("database is locked" in e for e in errors),
         "first_error": errors[0] if errors else None,
     }
@@ -116,12 +128,28 @@ def bench_spool(root, writers, points):
 
     uri, client, run = _new_store(root, "spool")
     spool = SpoolDir(root / "spool-run" / "tracking")
-    spool.write_run_info(JobRunInfo(run.info.run_id, run.info.experiment_id, "spool", uri, uri, run.info.artifact_uri,
-                                    "bench", "bench", "me", time.time()))
+    spool.write_run_info(
+        JobRunInfo(
+            run.info.run_id,
+            run.info.experiment_id,
+            "spool",
+            uri,
+            uri,
+            run.info.artifact_uri,
+            "bench",
+            "bench",
+            "me",
+            time.time(),
+        )
+    )
     flusher = SpoolFlusher(spool, client, run.info.run_id, interval=0.2)
     flusher.start()
-    env = {**os.environ, "MLFLOW_TRACKING_URI": spool.uri, "MLFLOW_RUN_ID": run.info.run_id,
-           "SPARKGPU_MLFLOW_TRACKING_URI": uri}
+    env = {
+        **os.environ,
+        "MLFLOW_TRACKING_URI": spool.uri,
+        "MLFLOW_RUN_ID": run.info.run_id,
+        "SPARKGPU_MLFLOW_TRACKING_URI": uri,
+    }
     released, wall, outputs = _run_writers(env, writers, points, root)
     flusher.stop()  # forwards what is left
     until_stored = time.perf_counter() - released
@@ -145,9 +173,25 @@ def _start_server(root):
     uri, client, run = _new_store(root, "server")
     port = _free_port()
     started = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-                             "--workers", "1", "--backend-store-uri", uri],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            uri,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     while True:
         try:
@@ -185,8 +229,20 @@ def bench_per_call(root, server, calls):
     results = {}
     uri, client, run = _new_store(root, "percall")
     spool = SpoolDir(root / "percall-run" / "tracking")
-    spool.write_run_info(JobRunInfo(run.info.run_id, run.info.experiment_id, "percall", uri, uri, run.info.artifact_uri,
-                                    "bench", "bench", "me", time.time()))
+    spool.write_run_info(
+        JobRunInfo(
+            run.info.run_id,
+            run.info.experiment_id,
+            "percall",
+            uri,
+            uri,
+            run.info.artifact_uri,
+            "bench",
+            "bench",
+            "me",
+            time.time(),
+        )
+    )
     writer = SpoolWriter(spool, 0, 0)
     autolog._activate(writer, rank=0, world_size=1)
     results["sparkgpu.tracking.log (rank 0)"] = _per_call(lambda s: autolog.log({"loss": 0.5}, step=s), calls)
@@ -194,17 +250,21 @@ def bench_per_call(root, server, calls):
     register_spool_scheme()
     spool_client = mlflow.MlflowClient(spool.uri)
     results["mlflow.log_metric via spool"] = _per_call(
-        lambda s: spool_client.log_metric(run.info.run_id, "loss", 0.5, step=s), calls)
+        lambda s: spool_client.log_metric(run.info.run_id, "loss", 0.5, step=s), calls
+    )
     results["mlflow.log_metric into SQLite"] = _per_call(
-        lambda s: client.log_metric(run.info.run_id, "loss_sqlite", 0.5, step=s), max(50, calls // 20))
+        lambda s: client.log_metric(run.info.run_id, "loss_sqlite", 0.5, step=s), max(50, calls // 20)
+    )
     if server is not None:
         _, url, _, server_run, _ = server
         http = mlflow.MlflowClient(url)
         results["mlflow.log_metric to loopback server"] = _per_call(
-            lambda s: http.log_metric(server_run.info.run_id, "loss_http", 0.5, step=s), max(50, calls // 20))
+            lambda s: http.log_metric(server_run.info.run_id, "loss_http", 0.5, step=s), max(50, calls // 20)
+        )
     fd = os.open(root / "ceiling.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     results["ceiling: json.dumps + os.write"] = _per_call(
-        lambda s: os.write(fd, (json.dumps({"m": [["loss", 0.5, s, 0]]}) + "\n").encode()), calls)
+        lambda s: os.write(fd, (json.dumps({"m": [["loss", 0.5, s, 0]]}) + "\n").encode()), calls
+    )
     os.close(fd)
     return {name: round(us, 1) for name, us in results.items()}
 
@@ -220,7 +280,9 @@ def plot(result, path):
     loops = [p["slowest_logging_loop_s"] for p in peers]
     left.bar([p["peer"] for p in peers], loops, color="#4c72b0")
     for i, p in enumerate(peers):
-        left.text(i, loops[i], f"{loops[i]:.2f} s\nlost {p['points_lost']}, errors {p['errors']}", ha="center", va="bottom")
+        left.text(
+            i, loops[i], f"{loops[i]:.2f} s\nlost {p['points_lost']}, errors {p['errors']}", ha="center", va="bottom"
+        )
     left.set_ylim(0, max(loops) * 1.3)
     left.set_ylabel("seconds the slowest writer spent logging")
     left.set_title(f"{peers[0]['writers']} processes x {peers[0]['points_per_writer']} mlflow.log_metric calls")

@@ -64,13 +64,17 @@ from common import load_seen, machine, method
 from sparkgpu.testing.simulated_link import PROFILES, serve_folder, start_proxy
 
 ROW_BYTES = 32 * 4 + 8
-STREAMING_DROPPED = ("Mosaic Streaming has no http:// downloader; its documented remote path (s3:// through boto3) "
-                     "needs the MDS shards on the S3 server with the loader's connection count, not built yet; "
-                     "its rate from a local cache is in bench_loader.py")
+STREAMING_DROPPED = (
+    "Mosaic Streaming has no http:// downloader; its documented remote path (s3:// through boto3) "
+    "needs the MDS shards on the S3 server with the loader's connection count, not built yet; "
+    "its rate from a local cache is in bench_loader.py"
+)
 RESULTS = Path(__file__).resolve().parent / "results"
 
-def plain_parallel_download(remote: str, files: list[str], threads: int, target: Path, in_flight: int = 0,
-                            ranges: bool = True) -> dict:
+
+def plain_parallel_download(
+    remote: str, files: list[str], threads: int, target: Path, in_flight: int = 0, ranges: bool = True
+) -> dict:
     """The volume's raw rate: ``files`` fetched with http.client in ``threads`` threads, to disk.
 
     Each thread keeps one keep-alive connection. With ``ranges``, every file is cut into byte
@@ -130,9 +134,16 @@ def plain_parallel_download(remote: str, files: list[str], threads: int, target:
         total = sum(pool.map(fetch, parts))
     seconds = time.perf_counter() - started
     shutil.rmtree(target, ignore_errors=True)
-    return {"client": "http.client", "threads": threads, "connections": threads, "requests": len(parts),
-            "range_bytes": sorted(set(part_sizes)) if ranges else "whole files", "bytes": total, "seconds": seconds,
-            "mb_per_s": total / seconds / 1e6}
+    return {
+        "client": "http.client",
+        "threads": threads,
+        "connections": threads,
+        "requests": len(parts),
+        "range_bytes": sorted(set(part_sizes)) if ranges else "whole files",
+        "bytes": total,
+        "seconds": seconds,
+        "mb_per_s": total / seconds / 1e6,
+    }
 
 
 def in_flight_bytes(profile: dict | None) -> int:
@@ -148,7 +159,9 @@ def write_dataset(path: Path, samples: int, shard_bytes: int, compression) -> No
     rng = np.random.default_rng(0)
     columns = {f"f{i:02d}": pa.array(rng.random(samples, dtype=np.float32)) for i in range(32)}
     columns["label"] = pa.array(np.arange(samples, dtype=np.int64))
-    data.to_mds(pa.table(columns), str(path), size_limit=shard_bytes, hashes=["xxh64"], compression=compression, progress=False)
+    data.to_mds(
+        pa.table(columns), str(path), size_limit=shard_bytes, hashes=["xxh64"], compression=compression, progress=False
+    )
 
 
 def write_table(path: Path, samples: int) -> None:
@@ -160,8 +173,12 @@ def write_table(path: Path, samples: int) -> None:
     columns["label"] = pa.array(np.arange(samples, dtype=np.int64))
     step = 512 * 1024  # files of 8 row groups of 64k rows, as Spark writes them
     for start in range(0, samples, step):
-        write_deltalake(str(path), pa.table(columns).slice(start, step), mode="append",
-                        writer_properties=WriterProperties(max_row_group_size=64 * 1024))
+        write_deltalake(
+            str(path),
+            pa.table(columns).slice(start, step),
+            mode="append",
+            writer_properties=WriterProperties(max_row_group_size=64 * 1024),
+        )
 
 
 def run_table(args) -> dict:
@@ -170,24 +187,42 @@ def run_table(args) -> dict:
 
     work = Path(tempfile.mkdtemp(prefix="sparkgpu-bench-volume-", dir=args.work_dir))
     try:
-        print(f"writing {args.samples:,} rows ({args.samples * ROW_BYTES / 1e6:.0f} MB) as a Delta table ...", flush=True)
+        print(
+            f"writing {args.samples:,} rows ({args.samples * ROW_BYTES / 1e6:.0f} MB) as a Delta table ...", flush=True
+        )
         write_table(work / "volume" / "table", args.samples)
         with simulated_s3(work / "volume" / "table", args.profile) as url:
             http_url = f"{os.environ['AWS_ENDPOINT_URL']}/{url.removeprefix('s3://')}"  # path-style S3 GETs
 
             def raw(names, target):
-                return plain_parallel_download(http_url, names, args.threads, target, in_flight_bytes(PROFILES[args.profile]))
+                return plain_parallel_download(
+                    http_url, names, args.threads, target, in_flight_bytes(PROFILES[args.profile])
+                )
 
-            runs = [table_report(url, local=work, batch_size=args.batch_size, download_threads=args.threads,
-                                 shuffle=args.shuffle, raw_download=raw)
-                    for _ in range(args.repeats)]
-        report, ratios, median, target = summarize_runs(runs, "table_dataset", args.threads, PROFILES[args.profile] is not None)
+            runs = [
+                table_report(
+                    url,
+                    local=work,
+                    batch_size=args.batch_size,
+                    download_threads=args.threads,
+                    shuffle=args.shuffle,
+                    raw_download=raw,
+                )
+                for _ in range(args.repeats)
+            ]
+        report, ratios, median, target = summarize_runs(
+            runs, "table_dataset", args.threads, PROFILES[args.profile] is not None
+        )
         plot_volume_report(report, args.out_png)
         return {
             "profile": {"name": args.profile, **(PROFILES[args.profile] or {})},
             "sparkgpu_table_dataset": report,
-            "ratios": {"epoch1_vs_raw_parallel_download_per_run": ratios, "epoch1_vs_raw_parallel_download_median": median,
-                       "target_epoch1_of_raw": target, "target_met_on_median": median >= target},
+            "ratios": {
+                "epoch1_vs_raw_parallel_download_per_run": ratios,
+                "epoch1_vs_raw_parallel_download_median": median,
+                "target_epoch1_of_raw": target,
+                "target_met_on_median": median >= target,
+            },
         }
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -201,12 +236,18 @@ def summarize_runs(runs: list[dict], label: str, threads: int, latency: bool) ->
     report = dict(sorted(runs, key=lambda run: run["epoch1_vs_raw"])[(len(runs) - 1) // 2])
     report["runs"] = runs
     for number, run in enumerate(runs, 1):
-        print(f"  run {number}: raw parallel download ({threads} threads, http.client) "
-              f"{run['raw_parallel_download']['mb_per_s']:.0f} MB/s; {label} epoch 1 {run['epoch1_from_volume']['mb_per_s']:.0f} MB/s "
-              f"(first batch after {run['epoch1_from_volume']['first_batch_s']:.2f} s) = {run['epoch1_vs_raw']:.0%} of raw; "
-              f"epoch 2 from the cache {run['epoch2_from_cache']['mb_per_s']:.0f} MB/s", flush=True)
+        print(
+            f"  run {number}: raw parallel download ({threads} threads, http.client) "
+            f"{run['raw_parallel_download']['mb_per_s']:.0f} MB/s; {label} epoch 1 {run['epoch1_from_volume']['mb_per_s']:.0f} MB/s "
+            f"(first batch after {run['epoch1_from_volume']['first_batch_s']:.2f} s) = {run['epoch1_vs_raw']:.0%} of raw; "
+            f"epoch 2 from the cache {run['epoch2_from_cache']['mb_per_s']:.0f} MB/s",
+            flush=True,
+        )
     target = 0.80 if latency else 0.70
-    print(f"  epoch 1 / raw parallel download, same run: median {median:.0%}, best {max(ratios):.0%} (target >= {target:.0%})", flush=True)
+    print(
+        f"  epoch 1 / raw parallel download, same run: median {median:.0%}, best {max(ratios):.0%} (target >= {target:.0%})",
+        flush=True,
+    )
     return report, ratios, median, target
 
 
@@ -222,8 +263,11 @@ def run(args) -> dict:
         server, base = serve_folder(work / "volume")
         if profile is not None:  # every client, raw and loader alike, goes through the proxy
             proxy, base = start_proxy(base, **profile)
-            print(f"  profile {args.profile}: {profile['latency_s'] * 1e3:.0f} ms to the first byte, "
-                  f"{profile['mb_per_s_per_connection']:.0f} MB/s per connection", flush=True)
+            print(
+                f"  profile {args.profile}: {profile['latency_s'] * 1e3:.0f} ms to the first byte, "
+                f"{profile['mb_per_s_per_connection']:.0f} MB/s per connection",
+                flush=True,
+            )
         remote = f"{base}/ds"
         index = json.loads((work / "volume" / "ds" / "index.json").read_text())
         files = [(s.get("zip_data") or s["raw_data"])["basename"] for s in index["shards"]]
@@ -235,9 +279,17 @@ def run(args) -> dict:
 
         # The machine may be shared: each run compares its epoch 1 with the raw rate measured
         # right before it, so a busy moment lowers both sides of that run's ratio.
-        runs = [volume_report(remote, local=work, batch_size=args.batch_size, download_threads=args.threads, shuffle=args.shuffle,
-                              raw_download=raw)
-                for _ in range(args.repeats)]
+        runs = [
+            volume_report(
+                remote,
+                local=work,
+                batch_size=args.batch_size,
+                download_threads=args.threads,
+                shuffle=args.shuffle,
+                raw_download=raw,
+            )
+            for _ in range(args.repeats)
+        ]
         report, ratios, median, target = summarize_runs(runs, "sparkgpu", args.threads, profile is not None)
         results = {
             "profile": {"name": args.profile, **(profile or {})},
@@ -253,9 +305,13 @@ def run(args) -> dict:
                 "target_met_on_median": median >= target,
             },
         }
-        plot_volume_report(report, args.out_png, extra={
-            "raw download (1 connection, whole files)": one_thread["mb_per_s"],
-        })
+        plot_volume_report(
+            report,
+            args.out_png,
+            extra={
+                "raw download (1 connection, whole files)": one_thread["mb_per_s"],
+            },
+        )
         return results
     finally:
         for proc in (proxy, server):
@@ -273,12 +329,20 @@ def main(argv=None) -> None:
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=8, help="parallel downloads, loader and raw alike")
     parser.add_argument("--shuffle", action="store_true")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of raw download + epochs; each run's ratio is reported")
-    parser.add_argument("--profile", choices=sorted(PROFILES), default="loopback",
-                        help="s3-like: 30 ms to the first byte and 100 MB/s per connection, through a proxy")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs of raw download + epochs; each run's ratio is reported"
+    )
+    parser.add_argument(
+        "--profile",
+        choices=sorted(PROFILES),
+        default="loopback",
+        help="s3-like: 30 ms to the first byte and 100 MB/s per connection, through a proxy",
+    )
     parser.add_argument("--table", action="store_true", help="a Delta table on S3 read by table_dataset instead of MDS")
     parser.add_argument("--work-dir", default=None)
-    parser.add_argument("--out", default=None, help="default results/volume.json (volume-s3-like.json with that profile)")
+    parser.add_argument(
+        "--out", default=None, help="default results/volume.json (volume-s3-like.json with that profile)"
+    )
     args = parser.parse_args(argv)
     if args.out is None:
         name = "volume-table" if args.table else "volume"
@@ -286,15 +350,19 @@ def main(argv=None) -> None:
     args.out_png = str(Path(args.out).with_suffix(".png"))
     facts = machine()
     results = run_table(args) if args.table else run(args)
-    results["config"] = {k: v for k, v in vars(args).items() if k not in ("out", "out_png", "work_dir")} | {"row_bytes": ROW_BYTES}
+    results["config"] = {k: v for k, v in vars(args).items() if k not in ("out", "out_png", "work_dir")} | {
+        "row_bytes": ROW_BYTES
+    }
     results["machine"] = load_seen(facts)
     results["connections"] = {"loader": args.threads, "raw_parallel_download": args.threads}
     results["method"] = method(
         "epoch 1: the loader's whole first epoch from the volume through a new cache; raw: every file's bytes as "
         "ranges cut as the loader cuts them, on the same number of connections, written to local files",
         startup="inside epoch 1 (its first batch waits for the first file); first_batch_s beside it",
-        repeats=args.repeats, statistic="median over runs of each run's epoch 1 / its own raw download (taken just before)",
-        range_sizing="part_bytes_for(size, connections, latency x per-connection rate) for loader and raw alike")
+        repeats=args.repeats,
+        statistic="median over runs of each run's epoch 1 / its own raw download (taken just before)",
+        range_sizing="part_bytes_for(size, connections, latency x per-connection rate) for loader and raw alike",
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2, default=str))
     print(f"wrote {args.out} and {args.out_png}")

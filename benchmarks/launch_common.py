@@ -55,6 +55,7 @@ def time_calls(fn, repeats: int) -> list[float]:
 
 def bench_floor(code: str, ranks: int, repeats: int) -> list[float]:
     """``python -c code``, one process per rank in parallel: what any launcher pays at least."""
+
     def run():
         procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(ranks)]
         for p in procs:
@@ -73,15 +74,22 @@ def summarize(peers: dict[str, list[float] | str], ours: str) -> dict:
             summary[name] = {"status": times}
             continue
         median = statistics.median(times)
-        summary[name] = {"median_s": round(median, 3), "runs_s": [round(t, 3) for t in times],
-                         "peer_over_sparkgpu": round(median / reference, 2)}
+        summary[name] = {
+            "median_s": round(median, 3),
+            "runs_s": [round(t, 3) for t in times],
+            "peer_over_sparkgpu": round(median / reference, 2),
+        }
     return summary
 
 
 def print_summary(summary: dict) -> None:
     width = max(map(len, summary))
     for name, row in summary.items():
-        value = f"{row['median_s']:7.2f} s  (x{row['peer_over_sparkgpu']} of sparkgpu)" if "median_s" in row else row["status"]
+        value = (
+            f"{row['median_s']:7.2f} s  (x{row['peer_over_sparkgpu']} of sparkgpu)"
+            if "median_s" in row
+            else row["status"]
+        )
         print(f"{name:<{width}}  {value}")
 
 

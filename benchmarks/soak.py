@@ -89,12 +89,20 @@ def sample(label: str, jobs_done: int, failures: int) -> dict:
         except psutil.Error:
             continue
     return {
-        "label": label, "jobs": jobs_done, "failures": failures, "time": time.time(),
-        "client_fds": me.num_fds(), "client_threads": me.num_threads(),
-        "client_children": len(me.children(recursive=True)), "client_rss_mb": me.memory_info().rss / 1e6,
-        "executor_python_workers": len(workers), "executor_python_rss_mb": worker_rss / 1e6,
-        "run_dirs": _count(s.staging_root, "*/spec.json"), "run_dirs_mb": _tree_size(s.staging_root) / 1e6,
-        "keys": _count(s.home / "keys", "*"), "cache_mb": _tree_size(s.cache_dir) / 1e6,
+        "label": label,
+        "jobs": jobs_done,
+        "failures": failures,
+        "time": time.time(),
+        "client_fds": me.num_fds(),
+        "client_threads": me.num_threads(),
+        "client_children": len(me.children(recursive=True)),
+        "client_rss_mb": me.memory_info().rss / 1e6,
+        "executor_python_workers": len(workers),
+        "executor_python_rss_mb": worker_rss / 1e6,
+        "run_dirs": _count(s.staging_root, "*/spec.json"),
+        "run_dirs_mb": _tree_size(s.staging_root) / 1e6,
+        "keys": _count(s.home / "keys", "*"),
+        "cache_mb": _tree_size(s.cache_dir) / 1e6,
     }
 
 
@@ -118,8 +126,17 @@ def run_phase(name: str, count: int, call, samples: list, warmup: int) -> tuple[
 def growth(samples: list, name: str) -> dict:
     first = next(s for s in samples if s["label"] == f"{name}: after warm-up")
     last = next(s for s in samples if s["label"] == f"{name}: end")
-    keys = ("client_fds", "client_threads", "client_children", "client_rss_mb", "executor_python_workers",
-            "executor_python_rss_mb", "run_dirs", "run_dirs_mb", "keys")
+    keys = (
+        "client_fds",
+        "client_threads",
+        "client_children",
+        "client_rss_mb",
+        "executor_python_workers",
+        "executor_python_rss_mb",
+        "run_dirs",
+        "run_dirs_mb",
+        "keys",
+    )
     return {k: round(last[k] - first[k], 2) for k in keys}
 
 
@@ -134,8 +151,9 @@ def main() -> None:
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="sparkgpu-soak-") as tmp:
-        os.environ.update(SPARKGPU_HOME=str(Path(tmp) / "home"), SPARKGPU_KEEP_RUNS=str(args.keep_runs),
-                          SPARKGPU_TRACKING="0")
+        os.environ.update(
+            SPARKGPU_HOME=str(Path(tmp) / "home"), SPARKGPU_KEEP_RUNS=str(args.keep_runs), SPARKGPU_TRACKING="0"
+        )
         from sparkgpu import distributed
         from sparkgpu.config import reset_settings
         from sparkgpu.launch.pool import PoolBackend, stop_pool
@@ -145,13 +163,15 @@ def main() -> None:
         phases = {}
         if args.local_cold:
             cold = distributed(gpus=2, gpu_type="cpu")(all_reduce_step)
-            phases["local cold"] = run_phase("local cold", args.local_cold, lambda i: cold.distributed(i), samples,
-                                             args.warmup)
+            phases["local cold"] = run_phase(
+                "local cold", args.local_cold, lambda i: cold.distributed(i), samples, args.warmup
+            )
         if args.local_warm:
             warm = distributed(gpus=2, gpu_type="cpu", backend=PoolBackend(idle_timeout=600))(all_reduce_step)
             try:
-                phases["local warm"] = run_phase("local warm", args.local_warm, lambda i: warm.distributed(i),
-                                                 samples, args.warmup)
+                phases["local warm"] = run_phase(
+                    "local warm", args.local_warm, lambda i: warm.distributed(i), samples, args.warmup
+                )
             finally:
                 stop_pool()
         if args.spark:
@@ -166,24 +186,36 @@ def main() -> None:
             with LocalSparkCluster(Path(CLUSTER_DIR), workers=2, gpus_per_worker=2, cores_per_worker=2) as cluster:
                 spark = cluster.session()
                 phases["spark"] = run_phase(
-                    "spark", args.spark,
-                    lambda i: spark.gpu.train(all_reduce_step, gpus=2, gpu_type="A10", kwargs={"step": i},
-                                              log_ranks=None, callbacks=[]),
-                    samples, args.warmup)
+                    "spark",
+                    args.spark,
+                    lambda i: spark.gpu.train(
+                        all_reduce_step, gpus=2, gpu_type="A10", kwargs={"step": i}, log_ranks=None, callbacks=[]
+                    ),
+                    samples,
+                    args.warmup,
+                )
                 spark.stop()
             CLUSTER_DIR = None
-        samples.append(sample("end", args.local_cold + args.local_warm + args.spark,
-                              sum(f for f, _ in phases.values())))
+        samples.append(
+            sample("end", args.local_cold + args.local_warm + args.spark, sum(f for f, _ in phases.values()))
+        )
 
     report = {
         "question": "soak: do descriptors, threads, processes, memory or disk grow with the number of jobs?",
         "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()},
         "keep_runs": args.keep_runs,
-        "phases": {name: {"jobs": count, "failures": failed, "seconds": round(seconds, 1),
-                          "growth_after_warmup": growth(samples, name)}
-                   for name, count, (failed, seconds) in
-                   [(n, {"local cold": args.local_cold, "local warm": args.local_warm, "spark": args.spark}[n], v)
-                    for n, v in phases.items()]},
+        "phases": {
+            name: {
+                "jobs": count,
+                "failures": failed,
+                "seconds": round(seconds, 1),
+                "growth_after_warmup": growth(samples, name),
+            }
+            for name, count, (failed, seconds) in [
+                (n, {"local cold": args.local_cold, "local warm": args.local_warm, "spark": args.spark}[n], v)
+                for n, v in phases.items()
+            ]
+        },
         "samples": samples,
     }
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)

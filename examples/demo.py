@@ -70,8 +70,9 @@ def _local_workers_run_this_environment() -> None:
 
     if "SPARKGPU_ENV_WORKER_LOCK" in os.environ:
         return
-    probe = subprocess.run([sys.executable, str(hydrate_module_path()), "--probe"], capture_output=True,
-                           text=True, check=True).stdout
+    probe = subprocess.run(
+        [sys.executable, str(hydrate_module_path()), "--probe"], capture_output=True, text=True, check=True
+    ).stdout
     path = os.path.join(tempfile.mkdtemp(prefix="sparkgpu-demo-"), "workers.json")
     with open(path, "w") as f:
         f.write(probe)
@@ -98,8 +99,14 @@ def main() -> None:
     features = features.withColumn("clicked", (score > 0).cast("long"))
 
     results = spark.gpu.train(
-        train, data=features, gpus=2, gpu_type="cpu", kwargs={"epochs": 3, "lr": 3e-3},
-        experiment="/sparkgpu/demo", register_as="main.demo.clicks", max_restarts=1,
+        train,
+        data=features,
+        gpus=2,
+        gpu_type="cpu",
+        kwargs={"epochs": 3, "lr": 3e-3},
+        experiment="/sparkgpu/demo",
+        register_as="main.demo.clicks",
+        max_restarts=1,
     )
     model = results[0]
     registered = registry.versions("main.demo.clicks")[-1]
@@ -127,8 +134,10 @@ def main() -> None:
     print(f"  MLflow run:                     runs:/{run.info.run_id}  (experiment /sparkgpu/demo,")
     print(f"                                  store {target.tracking_uri})")
     print(f"  open it in the MLflow UI:       mlflow ui --backend-store-uri {target.tracking_uri}")
-    print(f"                                  then http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}"
-          f"/runs/{run.info.run_id}")
+    print(
+        f"                                  then http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}"
+        f"/runs/{run.info.run_id}"
+    )
     print(f"  registered model:               main.demo.clicks version {version}, alias champion")
     print('  load it by alias:               sparkgpu.registry.load("main.demo.clicks@champion")')
     print(f"  champion held-out accuracy:     {accuracy:.3f}")

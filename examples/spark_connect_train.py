@@ -75,8 +75,9 @@ def workers_share_this_python(folder: str) -> None:
     from sparkgpu.config import reset_settings
     from sparkgpu.env import hydrate_module_path
 
-    probe = subprocess.run([sys.executable, str(hydrate_module_path()), "--probe"], capture_output=True, text=True,
-                           check=True).stdout
+    probe = subprocess.run(
+        [sys.executable, str(hydrate_module_path()), "--probe"], capture_output=True, text=True, check=True
+    ).stdout
     lock = os.path.join(folder, "worker-image.json")
     with open(lock, "w") as f:
         f.write(probe)
@@ -127,10 +128,17 @@ def main() -> None:
     with session(args) as (spark, gpus, gpu_type):
         print(spark.gpu.capacity())
         started = time.time()
-        results = spark.gpu.train(train, gpus=gpus, gpu_type=gpu_type, data=features(spark, args.rows),
-                                  kwargs={"epochs": args.epochs, "lr": 0.05})
-        print(f"{len(results)} ranks in {time.time() - started:.1f}s; rank 0: mse {results[0]['mse']:.4f}, "
-              f"weights {results[0]['weights']} (true: {[k - FEATURES / 2 for k in range(FEATURES)]})")
+        results = spark.gpu.train(
+            train,
+            gpus=gpus,
+            gpu_type=gpu_type,
+            data=features(spark, args.rows),
+            kwargs={"epochs": args.epochs, "lr": 0.05},
+        )
+        print(
+            f"{len(results)} ranks in {time.time() - started:.1f}s; rank 0: mse {results[0]['mse']:.4f}, "
+            f"weights {results[0]['weights']} (true: {[k - FEATURES / 2 for k in range(FEATURES)]})"
+        )
         spark.stop()
 
 

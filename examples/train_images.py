@@ -44,7 +44,9 @@ def make_images(folder: str, per_class: int) -> None:
                 signal = np.exp(-((x - cx) ** 2 + (y - cy) ** 2) / rng.uniform(40, 200)) * 2 - 1
             tint = rng.uniform(0.3, 1.0, 3)
             pixels = 127 + 100 * signal[..., None] * tint + rng.normal(0, 12, (SIDE, SIDE, 3))
-            Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(os.path.join(folder, name, f"{n}.jpg"), quality=90)
+            Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(
+                os.path.join(folder, name, f"{n}.jpg"), quality=90
+            )
 
 
 def prepare(sample, rng):
@@ -109,13 +111,24 @@ def main() -> None:
         folder = args.folder or os.path.join(tmp, "images")
         make_images(folder, args.images)
         with session(args) as (spark, gpus, gpu_type):
-            files = (spark.read.format("binaryFile").option("pathGlobFilter", "*.jpg").option("recursiveFileLookup", "true")
-                     .load(folder))
+            files = (
+                spark.read.format("binaryFile")
+                .option("pathGlobFilter", "*.jpg")
+                .option("recursiveFileLookup", "true")
+                .load(folder)
+            )
             class_name = F.regexp_extract("path", r"/([^/]+)/[^/]+\.jpg$", 1)
-            frame = files.select(F.col("content").alias("image"),
-                                 (class_name == CLASSES[1]).cast("long").alias("label"))
-            results = spark.gpu.train(train, gpus=gpus, gpu_type=gpu_type, args=(args.epochs, args.workers), data=frame,
-                                      data_options={"columns": {"image": "jpeg", "label": None}})
+            frame = files.select(
+                F.col("content").alias("image"), (class_name == CLASSES[1]).cast("long").alias("label")
+            )
+            results = spark.gpu.train(
+                train,
+                gpus=gpus,
+                gpu_type=gpu_type,
+                args=(args.epochs, args.workers),
+                data=frame,
+                data_options={"columns": {"image": "jpeg", "label": None}},
+            )
             print(results)
 
 

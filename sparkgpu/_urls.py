@@ -15,8 +15,16 @@ __all__ = ["PACKAGES", "is_url", "scheme_of", "install_command", "check_url"]
 
 # fsspec names the class but not the pip package; users want the command.
 PACKAGES = {
-    "s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "abfs": "adlfs", "abfss": "adlfs",
-    "az": "adlfs", "http": "aiohttp", "https": "aiohttp", "hf": "huggingface_hub",
+    "s3": "s3fs",
+    "s3a": "s3fs",
+    "gs": "gcsfs",
+    "gcs": "gcsfs",
+    "abfs": "adlfs",
+    "abfss": "adlfs",
+    "az": "adlfs",
+    "http": "aiohttp",
+    "https": "aiohttp",
+    "hf": "huggingface_hub",
 }
 
 # RFC 3986 scheme, then "://": "s3://b/k", "file:///tmp/x"; never a relative path or "C:\x".

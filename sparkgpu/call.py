@@ -144,8 +144,9 @@ class Call:
             raise JobStateError(f"job {self.job_id} is already supervised by another process; attach() to it")
         supervisor.out = _Discard()
         self._supervisor = supervisor
-        self._thread = threading.Thread(target=self._run, args=(supervisor,), daemon=True,
-                                        name=f"sparkgpu-call-{self.job_id}")
+        self._thread = threading.Thread(
+            target=self._run, args=(supervisor,), daemon=True, name=f"sparkgpu-call-{self.job_id}"
+        )
         with _supervised_lock:
             _supervised[self.job_id] = self
             if not _exit_hook_registered:
@@ -199,8 +200,7 @@ class Call:
                 continue
             if deadline is not None and time.monotonic() >= deadline:
                 return status
-            time.sleep(_POLL_SECONDS if deadline is None else
-                       max(0.0, min(_POLL_SECONDS, deadline - time.monotonic())))
+            time.sleep(_POLL_SECONDS if deadline is None else max(0.0, min(_POLL_SECONDS, deadline - time.monotonic())))
 
     def result(self, timeout: float | None = None) -> list[Any]:
         """The per-rank results, once the job has ended.
@@ -220,8 +220,7 @@ class Call:
         status = self.wait(timeout)
         if not self.done():
             raise CallNotFinishedError(
-                f"job {self.job_id} is still {status.value} after {timeout:g}s; call result() again, "
-                "or cancel() it"
+                f"job {self.job_id} is still {status.value} after {timeout:g}s; call result() again, or cancel() it"
             )
         if self._thread is not None:
             if self._error is not None:
@@ -243,12 +242,16 @@ class Call:
         if status is JobStatus.CANCELLED:
             raise JobCancelledError(f"job {self.job_id} was cancelled; its ranks were stopped. Logs: {logs}")
         if status is JobStatus.TIMED_OUT:
-            raise JobTimeoutError(f"job {self.job_id} ran longer than its timeout ({self._spec.policy.timeout}s) "
-                                  f"and was stopped; raise timeout= (or SPARKGPU_TIMEOUT). Logs: {logs}")
+            raise JobTimeoutError(
+                f"job {self.job_id} ran longer than its timeout ({self._spec.policy.timeout}s) "
+                f"and was stopped; raise timeout= (or SPARKGPU_TIMEOUT). Logs: {logs}"
+            )
         if status is JobStatus.STOPPED:
-            raise PolicyViolationError(f"job {self.job_id} was stopped by a usage policy: "
-                                       f"{state.get('stop_reason') or cause}; continue it with `sparkgpu resume "
-                                       f"{self.job_id}` once the policy allows")
+            raise PolicyViolationError(
+                f"job {self.job_id} was stopped by a usage policy: "
+                f"{state.get('stop_reason') or cause}; continue it with `sparkgpu resume "
+                f"{self.job_id}` once the policy allows"
+            )
         if last.get("exit_code") is not None or last.get("status") == AttemptStatus.FAILED:
             # Read back the way the supervisor that ran it did: same failures, same root cause.
             run_dir = RunDir(self.run_dir.path, load_key(self.job_id))

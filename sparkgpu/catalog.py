@@ -13,8 +13,15 @@ import re
 
 from sparkgpu.errors import ConfigurationError
 
-__all__ = ["GPUType", "GPU_CATALOG", "AcceleratorShape", "ACCELERATOR_TYPES", "lookup_accelerator_type",
-           "lookup_gpu_type", "classify_device"]
+__all__ = [
+    "GPUType",
+    "GPU_CATALOG",
+    "AcceleratorShape",
+    "ACCELERATOR_TYPES",
+    "lookup_accelerator_type",
+    "lookup_gpu_type",
+    "classify_device",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,20 +153,22 @@ def lookup_accelerator_type(name: str) -> AcceleratorShape:
             than one node of that type carries; the message lists the valid shapes.
     """
     valid = ", ".join(repr(n) for n in ACCELERATOR_TYPES)
-    hint = (f"use one of {valid}, or GPU_<N>x<TYPE> with a catalog type "
-            f"({', '.join(n for n in GPU_CATALOG if n != 'cpu')}), or gpu_type='cpu' for CPU ranks")
+    hint = (
+        f"use one of {valid}, or GPU_<N>x<TYPE> with a catalog type "
+        f"({', '.join(n for n in GPU_CATALOG if n != 'cpu')}), or gpu_type='cpu' for CPU ranks"
+    )
     match = _SHAPE.match(name.strip().upper()) if isinstance(name, str) else None
     if match is None:
         raise ConfigurationError(f"unknown accelerator_type {name!r}; {hint}")
     try:
         gpu = lookup_gpu_type(match.group(2))
     except ConfigurationError:
-        raise ConfigurationError(
-            f"unknown accelerator_type {name!r}: no GPU type {match.group(2)!r}; {hint}") from None
+        raise ConfigurationError(f"unknown accelerator_type {name!r}: no GPU type {match.group(2)!r}; {hint}") from None
     per_node = int(match.group(1))
     if gpu.is_cpu:
         raise ConfigurationError(f"accelerator_type {name!r} names no GPU; pass gpu_type='cpu' for CPU ranks")
     if not 1 <= per_node <= gpu.max_per_node:
         raise ConfigurationError(
-            f"accelerator_type {name!r}: a node carries 1 to {gpu.max_per_node} {gpu.name} GPUs; {hint}")
+            f"accelerator_type {name!r}: a node carries 1 to {gpu.max_per_node} {gpu.name} GPUs; {hint}"
+        )
     return AcceleratorShape(gpu, per_node)

@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     passthrough: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
-        argv, passthrough = argv[:cut], argv[cut + 1:]
+        argv, passthrough = argv[:cut], argv[cut + 1 :]
     parser = build_parser()
     args = parser.parse_args(argv)
     args.passthrough = passthrough
@@ -113,14 +113,20 @@ def console(stderr: bool = False):
 # -- run -----------------------------------------------------------------------------------
 def register_run(subparsers) -> None:
     p = subparsers.add_parser(
-        "run", help="run a script (or a job file) on every rank",
+        "run",
+        help="run a script (or a job file) on every rank",
         description="Runs a Python script as __main__ on every rank, or the job a YAML/TOML job file describes. "
-                    "Arguments after `--` go to the script. Options override the job file's fields.",
+        "Arguments after `--` go to the script. Options override the job file's fields.",
     )
     p.add_argument("target", help="train.py, or a job file (.yaml, .yml, .toml, .json)")
     add_cli_flags(p)
-    p.add_argument("--env", action="append", type=key_value, metavar="KEY=VALUE",
-                   help="environment variable for the script (repeat)")
+    p.add_argument(
+        "--env",
+        action="append",
+        type=key_value,
+        metavar="KEY=VALUE",
+        help="environment variable for the script (repeat)",
+    )
     p.add_argument("--dry-run", action="store_true", help="validate and print the launch plan; start nothing")
     p.set_defaults(handler=cmd_run, accepts_passthrough=True)
 
@@ -134,9 +140,13 @@ def _load_job(args):
         if args.passthrough:
             job = job.with_overrides(args=tuple(args.passthrough))
     elif target.suffix.lower() == ".py" or target.is_file():
-        job = JobFile(script=str(target.resolve()), args=tuple(args.passthrough), source=f"`sparkgpu run {args.target}`")
+        job = JobFile(
+            script=str(target.resolve()), args=tuple(args.passthrough), source=f"`sparkgpu run {args.target}`"
+        )
     else:
-        raise ConfigurationError(f"{args.target!r} is neither a Python script nor a job file ({', '.join(JOB_FILE_SUFFIXES)})")
+        raise ConfigurationError(
+            f"{args.target!r} is neither a Python script nor a job file ({', '.join(JOB_FILE_SUFFIXES)})"
+        )
     return job.with_overrides(env=dict(args.env) if args.env else None, **cli_values(args))
 
 
@@ -237,16 +247,26 @@ def list_jobs(staging_root: Path | None = None) -> list[dict]:
         if status == JobStatus.RUNNING and client_is_gone(state.get("client")):
             status = ListedStatus.LOST.value  # its client died: `sparkgpu resume JOB_ID` continues it
         end = ended if ended is not None else (time.time() if status == JobStatus.RUNNING else None)
-        jobs.append({
-            "job_id": spec["job_id"], "name": spec.get("name"), "status": status, "attempts": len(attempts),
-            "restarts": state.get("restarts", 0), "preemptions": state.get("preemptions", 0),
-            "gpus": spec["resources"]["gpus"], "gpu_type": spec["resources"].get("gpu_type"),
-            "backend": spec.get("backend"), "tags": spec.get("tags") or {},
-            "created_at": state.get("created_at") or spec_file.stat().st_mtime,
-            "started_at": started, "ended_at": ended,
-            "duration_s": (end - started) if started is not None and end is not None else None,
-            "stop_reason": state.get("stop_reason"), "run_dir": str(spec_file.parent),
-        })
+        jobs.append(
+            {
+                "job_id": spec["job_id"],
+                "name": spec.get("name"),
+                "status": status,
+                "attempts": len(attempts),
+                "restarts": state.get("restarts", 0),
+                "preemptions": state.get("preemptions", 0),
+                "gpus": spec["resources"]["gpus"],
+                "gpu_type": spec["resources"].get("gpu_type"),
+                "backend": spec.get("backend"),
+                "tags": spec.get("tags") or {},
+                "created_at": state.get("created_at") or spec_file.stat().st_mtime,
+                "started_at": started,
+                "ended_at": ended,
+                "duration_s": (end - started) if started is not None and end is not None else None,
+                "stop_reason": state.get("stop_reason"),
+                "run_dir": str(spec_file.parent),
+            }
+        )
     return sorted(jobs, key=lambda j: j["created_at"], reverse=True)
 
 
@@ -268,9 +288,16 @@ def _format_time(ts: float | None) -> str:
     return "-" if ts is None else _dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
 
 
-_STATUS_STYLE = {JobStatus.SUCCEEDED: "green", JobStatus.FAILED: "red", JobStatus.TIMED_OUT: "red",
-                 JobStatus.RUNNING: "cyan", JobStatus.STOPPED: "yellow", JobStatus.CANCELLED: "yellow",
-                 ListedStatus.STAGED: "dim", ListedStatus.LOST: "magenta"}
+_STATUS_STYLE = {
+    JobStatus.SUCCEEDED: "green",
+    JobStatus.FAILED: "red",
+    JobStatus.TIMED_OUT: "red",
+    JobStatus.RUNNING: "cyan",
+    JobStatus.STOPPED: "yellow",
+    JobStatus.CANCELLED: "yellow",
+    ListedStatus.STAGED: "dim",
+    ListedStatus.LOST: "magenta",
+}
 
 
 def cmd_jobs(args) -> int:
@@ -291,16 +318,27 @@ def cmd_jobs(args) -> int:
         return EXIT_OK
     table = Table(title="sparkgpu jobs")
     columns: tuple[tuple[str, Literal["left", "right"]], ...] = (
-        ("job id", "left"), ("status", "left"), ("GPUs", "right"), ("attempts", "right"),
-        ("restarts", "right"), ("started", "left"), ("duration", "right"), ("tags", "left"))
+        ("job id", "left"),
+        ("status", "left"),
+        ("GPUs", "right"),
+        ("attempts", "right"),
+        ("restarts", "right"),
+        ("started", "left"),
+        ("duration", "right"),
+        ("tags", "left"),
+    )
     for name, justify in columns:
         table.add_column(name, justify=justify, no_wrap=name in ("job id", "started"))
     for job in jobs:
         style = _STATUS_STYLE.get(job["status"], "")
         table.add_row(
-            job["job_id"], f"[{style}]{job['status']}[/]" if style else job["status"],
-            f"{job['gpus']} x {job['gpu_type'] or 'auto'}", str(job["attempts"]), str(job["restarts"]),
-            _format_time(job["started_at"]), _format_seconds(job["duration_s"]),
+            job["job_id"],
+            f"[{style}]{job['status']}[/]" if style else job["status"],
+            f"{job['gpus']} x {job['gpu_type'] or 'auto'}",
+            str(job["attempts"]),
+            str(job["restarts"]),
+            _format_time(job["started_at"]),
+            _format_seconds(job["duration_s"]),
             ",".join(f"{k}={v}" for k, v in job["tags"].items()),
         )
     out.print(table)

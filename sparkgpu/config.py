@@ -61,7 +61,6 @@ def _heartbeat_timeout(env, name, default, *, at_least: float, may_be_none: bool
     return seconds
 
 
-
 def _keep_runs(raw: str) -> dict:
     """``SPARKGPU_KEEP_RUNS``: a count, an age in days (``30d``), both (``100,30d``), or ``all``."""
     count, days = None, None
@@ -100,8 +99,11 @@ def _staging(raw: str | None, home: Path) -> tuple[Path, str | None]:
         return Path(raw), None
     url = raw.rstrip("/")
     # Before, Path("s3://b/runs") silently became the relative folder "s3:/b/runs".
-    check_url(url, f"the {scheme_of(url)}:// staging store SPARKGPU_STAGING_ROOT={raw} (on the client and on "
-                   "every Spark executor)")
+    check_url(
+        url,
+        f"the {scheme_of(url)}:// staging store SPARKGPU_STAGING_ROOT={raw} (on the client and on "
+        "every Spark executor)",
+    )
     return home / "runs", url
 
 
@@ -245,7 +247,9 @@ class Settings:
             registry_catalog=env.get("SPARKGPU_REGISTRY_CATALOG") or "main",
             registry_schema=env.get("SPARKGPU_REGISTRY_SCHEMA") or "default",
             cache_limit_bytes=(
-                parse_size(env["SPARKGPU_CACHE_LIMIT"], "SPARKGPU_CACHE_LIMIT") if env.get("SPARKGPU_CACHE_LIMIT") else None
+                parse_size(env["SPARKGPU_CACHE_LIMIT"], "SPARKGPU_CACHE_LIMIT")
+                if env.get("SPARKGPU_CACHE_LIMIT")
+                else None
             ),
             usage_ledger_uri=env.get("SPARKGPU_USAGE_LEDGER") or str(home / "usage" / "ledger"),
             usage_policy_path=env.get("SPARKGPU_USAGE_POLICY") or None,
@@ -258,20 +262,25 @@ class Settings:
             env_size_limit=parse_size(env.get("SPARKGPU_ENV_SIZE_LIMIT") or "15GB", "SPARKGPU_ENV_SIZE_LIMIT"),
             # With a staging store the executors share no folder with the client: shipped
             # environments and conversions default to the store too.
-            env_store=env.get("SPARKGPU_ENV_STORE") or (f"{staging_url}/_envstore" if staging_url else str(home / "envstore")),
+            env_store=env.get("SPARKGPU_ENV_STORE")
+            or (f"{staging_url}/_envstore" if staging_url else str(home / "envstore")),
             env_exclude=tuple(p.strip() for p in (env.get("SPARKGPU_ENV_EXCLUDE") or "").split(",") if p.strip()),
             env_worker_lock=env.get("SPARKGPU_ENV_WORKER_LOCK") or None,
             spark_wait_timeout=_env_seconds(env, "SPARKGPU_SPARK_WAIT_TIMEOUT", 600.0),
-            spark_client_timeout=_heartbeat_timeout(env, "SPARKGPU_SPARK_CLIENT_TIMEOUT", 120.0, at_least=6.0,
-                                                    may_be_none=True),
+            spark_client_timeout=_heartbeat_timeout(
+                env, "SPARKGPU_SPARK_CLIENT_TIMEOUT", 120.0, at_least=6.0, may_be_none=True
+            ),
             spark_node_timeout=_heartbeat_timeout(env, "SPARKGPU_SPARK_NODE_TIMEOUT", 10.0, at_least=3.0),
             **_keep_runs(env.get("SPARKGPU_KEEP_RUNS") or "100,30d"),
-            data_volume=env.get("SPARKGPU_DATA_VOLUME") or (f"{staging_url}/_mds" if staging_url else str(home / "volumes" / "mds")),
+            data_volume=env.get("SPARKGPU_DATA_VOLUME")
+            or (f"{staging_url}/_mds" if staging_url else str(home / "volumes" / "mds")),
             data_metrics_interval=_env_seconds(env, "SPARKGPU_DATA_METRICS_INTERVAL", 30.0),
             pools_path=env.get("SPARKGPU_POOLS") or None,
             pool=env.get("SPARKGPU_POOL") or env.get("DATABRICKS_REMOTE_GPU_POOL_ID") or None,
-            use_reserved_pool=(env.get("SPARKGPU_USE_RESERVED_POOL") or env.get("DATABRICKS_USE_RESERVED_GPU_POOL")
-                               or "0").lower() in ("1", "true", "yes", "on"),
+            use_reserved_pool=(
+                env.get("SPARKGPU_USE_RESERVED_POOL") or env.get("DATABRICKS_USE_RESERVED_GPU_POOL") or "0"
+            ).lower()
+            in ("1", "true", "yes", "on"),
         )
 
 

@@ -59,11 +59,22 @@ class DistributedFunction:
     every rank and returns the per-rank results. Built by :func:`distributed`.
     """
 
-    def __init__(self, fn: Callable, *, resources: Resources, policy: RunPolicy, backend: str | Backend | None,
-                 log_ranks, name: str | None, tags: dict[str, str] | None,
-                 callbacks: list[JobCallback] | None, experiment: str | None = None,
-                 register_as: str | None = None, ship_environment: bool | None = None,
-                 options: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        fn: Callable,
+        *,
+        resources: Resources,
+        policy: RunPolicy,
+        backend: str | Backend | None,
+        log_ranks,
+        name: str | None,
+        tags: dict[str, str] | None,
+        callbacks: list[JobCallback] | None,
+        experiment: str | None = None,
+        register_as: str | None = None,
+        ship_environment: bool | None = None,
+        options: dict[str, Any] | None = None,
+    ):
         if not callable(fn):
             raise ConfigurationError(f"@distributed decorates a function, got {fn!r}")
         functools.update_wrapper(self, fn)
@@ -121,8 +132,14 @@ class DistributedFunction:
         r = self.resources
         return f"GPU_{r.gpus_per_node}x{r.gpu_type}" if r.gpus_per_node else None
 
-    def with_overrides(self, num_accelerators: int | None = None, accelerator_type: str | None = None,
-                       remote: bool | None = None, timeout=_UNSET, **options) -> "DistributedFunction":
+    def with_overrides(
+        self,
+        num_accelerators: int | None = None,
+        accelerator_type: str | None = None,
+        remote: bool | None = None,
+        timeout=_UNSET,
+        **options,
+    ) -> "DistributedFunction":
         """A new decorated function with some settings changed; this one is left as it is.
 
         Takes every :func:`distributed` argument. A new count (``num_accelerators``, ``gpus`` or
@@ -169,12 +186,24 @@ class DistributedFunction:
         """Resolves, checks and pickles one call of the function once; writes and starts nothing."""
         backend = self._backend()
         spec = JobSpec(
-            job_id=new_job_id(self.name), name=self.name, resources=self.resources, policy=self.policy,
-            backend=backend.name, log_ranks=self.log_ranks, tags=self.tags,
+            job_id=new_job_id(self.name),
+            name=self.name,
+            resources=self.resources,
+            policy=self.policy,
+            backend=backend.name,
+            log_ranks=self.log_ranks,
+            tags=self.tags,
         )
         callbacks = default_callbacks(self.fn, self.experiment) if self.callbacks is None else list(self.callbacks)
-        return prepare(spec, self.fn, args, kwargs, backend=backend, callbacks=callbacks,
-                       ship_environment=self._ships_environment())
+        return prepare(
+            spec,
+            self.fn,
+            args,
+            kwargs,
+            backend=backend,
+            callbacks=callbacks,
+            ship_environment=self._ships_environment(),
+        )
 
     def distributed(self, *args, **kwargs) -> list[Any]:
         """Runs the function on every rank with these arguments.
@@ -211,10 +240,12 @@ class DistributedFunction:
                 self.last_model_version = _register_result(results[0], self.register_as, prepared)
             except Exception as exc:
                 exc.results = results  # type: ignore[attr-defined]  # documented: the results ride on the error
-                note = (f"job {prepared.job.job_id} succeeded, only registering its model as "
-                        f"{self.register_as!r} failed; its per-rank results are on this error's `.results` "
-                        "and on the decorated function's `.last_results`: register them with "
-                        f"sparkgpu.registry.register(results[0], {self.register_as!r})")
+                note = (
+                    f"job {prepared.job.job_id} succeeded, only registering its model as "
+                    f"{self.register_as!r} failed; its per-rank results are on this error's `.results` "
+                    "and on the decorated function's `.last_results`: register them with "
+                    f"sparkgpu.registry.register(results[0], {self.register_as!r})"
+                )
                 if hasattr(exc, "add_note"):  # Python >= 3.11
                     exc.add_note(PREFIX + note)
                 else:
@@ -284,13 +315,28 @@ def _world_of_one():
             dist.destroy_process_group()
 
 
-def distributed(num_accelerators: int | Callable | None = None, accelerator_type: str | None = None,
-                remote: bool = False, timeout=None, *, gpus: int | None = None, num_gpus: int | None = None,
-                gpu_type: str | None = None, backend: str | Backend | None = None, max_runtime=None,
-                checkpoint_grace="60s", max_restarts: int = 0,
-                log_ranks="main", name: str | None = None, tags: dict[str, str] | None = None,
-                callbacks: list[JobCallback] | None = None, experiment: str | None = None,
-                register_as: str | None = None, ship_environment: bool | None = None, pool: str | None = None):
+def distributed(
+    num_accelerators: int | Callable | None = None,
+    accelerator_type: str | None = None,
+    remote: bool = False,
+    timeout=None,
+    *,
+    gpus: int | None = None,
+    num_gpus: int | None = None,
+    gpu_type: str | None = None,
+    backend: str | Backend | None = None,
+    max_runtime=None,
+    checkpoint_grace="60s",
+    max_restarts: int = 0,
+    log_ranks="main",
+    name: str | None = None,
+    tags: dict[str, str] | None = None,
+    callbacks: list[JobCallback] | None = None,
+    experiment: str | None = None,
+    register_as: str | None = None,
+    ship_environment: bool | None = None,
+    pool: str | None = None,
+):
     """Decorates a function so that ``fn.distributed(...)`` runs it on ``num_accelerators`` ranks.
 
     Usable bare (``@distributed``) or with arguments; the first four may be positional, as in
@@ -342,24 +388,42 @@ def distributed(num_accelerators: int | Callable | None = None, accelerator_type
         fn, num_accelerators = num_accelerators, None
     options = {name: value for name, value in locals().items() if name in _OPTION_NAMES}
     resources = requested_resources(
-        num_accelerators=num_accelerators, accelerator_type=accelerator_type, gpus=gpus, num_gpus=num_gpus,
-        gpu_type=gpu_type, remote=remote, host_gpu_count=_host_gpu_count,
+        num_accelerators=num_accelerators,
+        accelerator_type=accelerator_type,
+        gpus=gpus,
+        num_gpus=num_gpus,
+        gpu_type=gpu_type,
+        remote=remote,
+        host_gpu_count=_host_gpu_count,
     )
     ranks = log_rank_selection(log_ranks)
     if max_runtime is None and remote:
         max_runtime = REMOTE_MAX_RUNTIME  # remote pools cap every run; resume past the cap
     policy = RunPolicy(
         timeout=timeout if timeout is not None else settings().default_timeout,
-        max_runtime=max_runtime, checkpoint_grace=checkpoint_grace, max_restarts=max_restarts,
+        max_runtime=max_runtime,
+        checkpoint_grace=checkpoint_grace,
+        max_restarts=max_restarts,
     )
 
     if pool is not None:
         backend = _pool_backend(pool, remote, backend)
 
     def wrap(f: Callable) -> DistributedFunction:
-        return DistributedFunction(f, resources=resources, policy=policy, backend=backend, log_ranks=ranks,
-                                   name=name, tags=tags, callbacks=callbacks, experiment=experiment,
-                                   register_as=register_as, ship_environment=ship_environment, options=options)
+        return DistributedFunction(
+            f,
+            resources=resources,
+            policy=policy,
+            backend=backend,
+            log_ranks=ranks,
+            name=name,
+            tags=tags,
+            callbacks=callbacks,
+            experiment=experiment,
+            register_as=register_as,
+            ship_environment=ship_environment,
+            options=options,
+        )
 
     if fn is not None:
         return wrap(fn)
@@ -373,6 +437,8 @@ def _pool_backend(pool: str, remote: bool, backend) -> Backend:
     if backend not in (None, "spark"):
         raise ConfigurationError(f"pool={pool!r} runs on the Spark backend; drop backend={backend!r}")
     return create_backend("spark", pool=pool)
+
+
 def _host_gpu_count() -> int:
     from sparkgpu.launch.hardware import detect_host_gpus
 

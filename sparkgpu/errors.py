@@ -212,7 +212,7 @@ def _truncate(text: str, max_lines: int = _MAX_TRACEBACK_LINES) -> str:
     lines = text.rstrip().splitlines()
     if len(lines) <= max_lines:
         return "\n".join(lines)
-    head, tail = lines[:10], lines[-(max_lines - 10):]
+    head, tail = lines[:10], lines[-(max_lines - 10) :]
     return "\n".join(head + [f"    ... {len(lines) - max_lines} lines omitted ..."] + tail)
 
 
@@ -295,12 +295,15 @@ class NodeLostError(WorkerFailedError):
 
     def _format(self) -> str:
         job = f" of job {self.job_id}" if self.job_id else ""
-        return (f"{self.lost}; the ranks of the other nodes{job} were stopped. Restart from the latest checkpoint "
-                f"with max_restarts= (it waits for capacity up to SPARKGPU_SPARK_WAIT_TIMEOUT).\n" + super()._format())
+        return (
+            f"{self.lost}; the ranks of the other nodes{job} were stopped. Restart from the latest checkpoint "
+            f"with max_restarts= (it waits for capacity up to SPARKGPU_SPARK_WAIT_TIMEOUT).\n" + super()._format()
+        )
 
 
-def worker_failed_error(failures, exceptions=None, job_id: str | None = None,
-                        logs_dir: str | None = None) -> WorkerFailedError:
+def worker_failed_error(
+    failures, exceptions=None, job_id: str | None = None, logs_dir: str | None = None
+) -> WorkerFailedError:
     """The error that a failed call raises on the client.
 
     When every failing rank raised the same exception type, the error is an instance of a

@@ -21,7 +21,15 @@ from typing import Any, Mapping
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.spec import log_rank_selection
 
-__all__ = ["JobOption", "JOB_OPTIONS", "PYTHON_ONLY_KEYWORDS", "add_cli_flags", "cli_values", "check_document_value", "key_value"]
+__all__ = [
+    "JobOption",
+    "JOB_OPTIONS",
+    "PYTHON_ONLY_KEYWORDS",
+    "add_cli_flags",
+    "cli_values",
+    "check_document_value",
+    "key_value",
+]
 
 # Shapes of values: what a YAML/TOML/JSON document and a command line may hold.
 INT, TEXT, FLAG, DURATION, MAPPING, RANKS = "int", "text", "flag", "duration", "mapping", "ranks"
@@ -62,8 +70,12 @@ class JobOption:
 
 JOB_OPTIONS: tuple[JobOption, ...] = (
     JobOption("name", TEXT, "job name (default: the script's or function's name)"),
-    JobOption("gpus", INT, "number of GPUs (ranks); default: every GPU of this host (one rank without GPUs), "
-                           "or one node of accelerator_type when remote"),
+    JobOption(
+        "gpus",
+        INT,
+        "number of GPUs (ranks); default: every GPU of this host (one rank without GPUs), "
+        "or one node of accelerator_type when remote",
+    ),
     JobOption("gpu_type", TEXT, "GPU type such as H100, A10, A100-80GB, H200, B200, L4, or cpu"),
     JobOption("accelerator_type", TEXT, "node shape such as GPU_8xH100 (remote nodes of N GPUs each)"),
     JobOption("remote", FLAG, "true to run on the remote GPU pool (Spark) instead of this host"),
@@ -76,7 +88,9 @@ JOB_OPTIONS: tuple[JobOption, ...] = (
     JobOption("log_ranks", RANKS, "ranks whose output streams to the caller: main, all, none or a list such as 0,2"),
     JobOption("experiment", TEXT, "MLflow experiment of the job's run (default: named after the script)"),
     JobOption("register_as", TEXT, "catalog.schema.model name to register rank 0's returned model under"),
-    JobOption("ship_environment", FLAG, "true to ship this Python environment to the workers (default: for remote jobs)"),
+    JobOption(
+        "ship_environment", FLAG, "true to ship this Python environment to the workers (default: for remote jobs)"
+    ),
 )
 
 PYTHON_ONLY_KEYWORDS = frozenset({"num_accelerators", "num_gpus", "backend", "callbacks"})
@@ -89,8 +103,11 @@ def check_document_value(option: JobOption, value, source: str, *, subject: str 
     Raises:
         ConfigurationError: the value has the wrong shape; names the field and what it takes.
     """
+
     def bad() -> ConfigurationError:
-        return ConfigurationError(f"{source}: {subject or f'field {option.name!r}'} must be the {option.help}, got {value!r}")
+        return ConfigurationError(
+            f"{source}: {subject or f'field {option.name!r}'} must be the {option.help}, got {value!r}"
+        )
 
     if value is None:
         return None
@@ -133,11 +150,21 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
         if option.shape == FLAG:
             parser.add_argument(option.cli_flag, action=argparse.BooleanOptionalAction, default=None, help=option.help)
         elif option.shape == MAPPING:
-            parser.add_argument(option.cli_flag, dest=option.name, action="append", type=key_value,
-                                metavar="KEY=VALUE", help=f"{option.help} (repeat)")
+            parser.add_argument(
+                option.cli_flag,
+                dest=option.name,
+                action="append",
+                type=key_value,
+                metavar="KEY=VALUE",
+                help=f"{option.help} (repeat)",
+            )
         else:
-            parser.add_argument(option.cli_flag, dest=option.name, type=int if option.shape == INT else str,
-                                help=option.help + (f" (default {option.default})" if option.default is not None else ""))
+            parser.add_argument(
+                option.cli_flag,
+                dest=option.name,
+                type=int if option.shape == INT else str,
+                help=option.help + (f" (default {option.default})" if option.default is not None else ""),
+            )
 
 
 def cli_values(args: argparse.Namespace) -> dict[str, Any]:

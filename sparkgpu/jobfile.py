@@ -86,7 +86,9 @@ class ScriptRunner:
             pass  # the file is not on this machine: materialise it below
         from sparkgpu import runtime
 
-        base = Path(os.environ.get(runtime.ENV_RUN_DIR) or Path.home() / ".cache" / "sparkgpu") / "scripts" / digest[:16]
+        base = (
+            Path(os.environ.get(runtime.ENV_RUN_DIR) or Path.home() / ".cache" / "sparkgpu") / "scripts" / digest[:16]
+        )
         target = base / Path(self.path).name
         if not target.exists():
             base.mkdir(parents=True, exist_ok=True)
@@ -183,10 +185,18 @@ class JobFile:
             raise bad("args", args)
         if not isinstance(env, Mapping) or any(isinstance(v, (dict, list)) for v in env.values()):
             raise bad("env", env)
-        options = {name: check_document_value(_OPTIONS[name], value, source)
-                   for name, value in data.items() if name in _OPTIONS and value is not None}
-        job = cls(script=str((Path(base_dir) / script).resolve()), args=tuple(str(a) for a in args),
-                  env={str(k): str(v) for k, v in env.items()}, options=options, source=source)
+        options = {
+            name: check_document_value(_OPTIONS[name], value, source)
+            for name, value in data.items()
+            if name in _OPTIONS and value is not None
+        }
+        job = cls(
+            script=str((Path(base_dir) / script).resolve()),
+            args=tuple(str(a) for a in args),
+            env={str(k): str(v) for k, v in env.items()},
+            options=options,
+            source=source,
+        )
         job.build()  # every other check (durations, gpu_type, log_ranks) as @distributed does it
         return job
 
@@ -201,7 +211,9 @@ class JobFile:
             given["tags"] = {**(self.options.get("tags") or {}), **given["tags"]}
         unknown = set(given) - set(_OPTIONS)
         if unknown:
-            raise ConfigurationError(f"unknown job option(s) {', '.join(sorted(unknown))}; known: {', '.join(_OPTIONS)}")
+            raise ConfigurationError(
+                f"unknown job option(s) {', '.join(sorted(unknown))}; known: {', '.join(_OPTIONS)}"
+            )
         return dataclasses.replace(self, options={**self.options, **given}, **fields)
 
     def runner(self) -> ScriptRunner:

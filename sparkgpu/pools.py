@@ -39,8 +39,7 @@ __all__ = ["Pool", "load_pools", "configured_pools", "choose_pool", "describe_po
 POOL_TAG = "sparkgpu.pool"
 
 _FIELDS = {"url", "gpu_type", "gpus_per_node", "reserved", "usage_policy", "id"}
-_EXAMPLE = ("pools:\n  h100:\n    url: sc://spark-h100.internal:15002\n    gpu_type: H100\n"
-            "    gpus_per_node: 8")
+_EXAMPLE = "pools:\n  h100:\n    url: sc://spark-h100.internal:15002\n    gpu_type: H100\n    gpus_per_node: 8"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,8 +113,9 @@ def load_pools(path: str | Path) -> list[Pool]:
     try:
         text = path.read_text()
     except OSError as exc:
-        raise ConfigurationError(f"cannot read the pools file {str(path)!r} ({exc.strerror}); "
-                                 "fix SPARKGPU_POOLS or unset it") from None
+        raise ConfigurationError(
+            f"cannot read the pools file {str(path)!r} ({exc.strerror}); fix SPARKGPU_POOLS or unset it"
+        ) from None
     data = parse_document(text, path, what="pools file")
     lines = _field_lines(text)
     where = str(path)
@@ -127,8 +127,12 @@ def load_pools(path: str | Path) -> list[Pool]:
 
     unknown = sorted(set(data) - {"pools"})
     if unknown:
-        raise fail(f"unknown top-level key(s) {', '.join(map(repr, unknown))}; the file holds one 'pools:' mapping, "
-                   f"e.g.\n{_EXAMPLE}", "", unknown[0])
+        raise fail(
+            f"unknown top-level key(s) {', '.join(map(repr, unknown))}; the file holds one 'pools:' mapping, "
+            f"e.g.\n{_EXAMPLE}",
+            "",
+            unknown[0],
+        )
     entries = data.get("pools")
     if not isinstance(entries, dict) or not entries:
         raise fail(f"'pools:' must map pool names to their settings, e.g.\n{_EXAMPLE}")
@@ -137,8 +141,12 @@ def load_pools(path: str | Path) -> list[Pool]:
     for pool in pools:
         for alias in filter(None, (pool.name, pool.pool_id)):
             if alias in seen and seen[alias] != pool.name:
-                raise fail(f"pool {pool.name!r}: {alias!r} is already the name or id of pool {seen[alias]!r}; names "
-                           "and ids must be unique", pool.name, "id" if alias == pool.pool_id else "")
+                raise fail(
+                    f"pool {pool.name!r}: {alias!r} is already the name or id of pool {seen[alias]!r}; names "
+                    "and ids must be unique",
+                    pool.name,
+                    "id" if alias == pool.pool_id else "",
+                )
             seen[alias] = pool.name
     return pools
 
@@ -148,8 +156,12 @@ def _parse_pool(name: str, settings, fail) -> Pool:
         raise fail(f"pool {name!r} must be a mapping with url, gpu_type and gpus_per_node", name)
     unknown = sorted(set(map(str, settings)) - _FIELDS)
     if unknown:
-        raise fail(f"pool {name!r} has unknown field(s) {', '.join(map(repr, unknown))}; "
-                   f"the fields are {', '.join(sorted(_FIELDS))}", name, unknown[0])
+        raise fail(
+            f"pool {name!r} has unknown field(s) {', '.join(map(repr, unknown))}; "
+            f"the fields are {', '.join(sorted(_FIELDS))}",
+            name,
+            unknown[0],
+        )
     for required in ("url", "gpu_type", "gpus_per_node"):
         if settings.get(required) in (None, ""):
             raise fail(f"pool {name!r} needs {required}:, e.g.\n{_EXAMPLE}", name)
@@ -170,8 +182,15 @@ def _parse_pool(name: str, settings, fail) -> Pool:
     if policy is not None and not isinstance(policy, str):
         raise fail(f"pool {name!r} usage_policy: {policy!r} must be the path of a policy file", name, "usage_policy")
     pool_id = settings.get("id")
-    return Pool(name=name, url=url, gpu_type=gpu_type, gpus_per_node=per_node, reserved=reserved,
-                usage_policy=policy or None, pool_id=None if pool_id in (None, "") else str(pool_id))
+    return Pool(
+        name=name,
+        url=url,
+        gpu_type=gpu_type,
+        gpus_per_node=per_node,
+        reserved=reserved,
+        usage_policy=policy or None,
+        pool_id=None if pool_id in (None, "") else str(pool_id),
+    )
 
 
 def configured_pools() -> list[Pool] | None:
@@ -186,8 +205,9 @@ def describe_pools(pools: Sequence[Pool]) -> str:
     return "; ".join(pool.describe() for pool in pools)
 
 
-def choose_pool(resources: Resources, pool: str | None = None, *, pools: Sequence[Pool],
-                reserved: bool | None = None) -> Pool:
+def choose_pool(
+    resources: Resources, pool: str | None = None, *, pools: Sequence[Pool], reserved: bool | None = None
+) -> Pool:
     """The pool a remote job runs on.
 
     Args:
@@ -210,12 +230,16 @@ def choose_pool(resources: Resources, pool: str | None = None, *, pools: Sequenc
     if pool is not None:
         named = next((p for p in pools if p.answers_to(pool)), None)
         if named is None:
-            raise ConfigurationError(f"there is no pool {pool!r}; the pools are: {describe_pools(pools)} "
-                                     "(fix pool=, SPARKGPU_POOL or DATABRICKS_REMOTE_GPU_POOL_ID)")
+            raise ConfigurationError(
+                f"there is no pool {pool!r}; the pools are: {describe_pools(pools)} "
+                "(fix pool=, SPARKGPU_POOL or DATABRICKS_REMOTE_GPU_POOL_ID)"
+            )
         if gpu_type not in ("cpu", named.gpu_type):
-            raise ConfigurationError(f"pool {named.name!r} has {named.gpu_type} GPUs and the job asks for "
-                                     f"gpu_type={gpu_type!r}; ask for {named.gpu_type!r} or choose another pool "
-                                     f"({describe_pools(pools)})")
+            raise ConfigurationError(
+                f"pool {named.name!r} has {named.gpu_type} GPUs and the job asks for "
+                f"gpu_type={gpu_type!r}; ask for {named.gpu_type!r} or choose another pool "
+                f"({describe_pools(pools)})"
+            )
         return named
     if gpu_type == "cpu":
         fitting = [p for p in pools if p.gpu_type == "cpu"] or list(pools)  # CPU ranks run on any executor
@@ -227,8 +251,9 @@ def choose_pool(resources: Resources, pool: str | None = None, *, pools: Sequenc
         fitting = sorted(fitting, key=lambda p: p.reserved)  # stable: file order within each kind
     if not fitting:
         which = "reserved pool" if reserved else "pool"
-        raise CapacityError(f"no {which} has {gpu_type} GPUs; the pools are: {describe_pools(pools)}. Ask for "
-                            "one of their GPU types, or add a pool to the pools file (SPARKGPU_POOLS)"
-                            + (", or unset SPARKGPU_USE_RESERVED_POOL / DATABRICKS_USE_RESERVED_GPU_POOL"
-                               if reserved else ""))
+        raise CapacityError(
+            f"no {which} has {gpu_type} GPUs; the pools are: {describe_pools(pools)}. Ask for "
+            "one of their GPU types, or add a pool to the pools file (SPARKGPU_POOLS)"
+            + (", or unset SPARKGPU_USE_RESERVED_POOL / DATABRICKS_USE_RESERVED_GPU_POOL" if reserved else "")
+        )
     return fitting[0]

@@ -44,10 +44,18 @@ class PoolStatus:
     problem: str | None = None
 
     def to_dict(self) -> dict:
-        return {"name": self.pool.name, "url": self.pool.url, "gpu_type": self.pool.gpu_type,
-                "gpus_per_node": self.pool.gpus_per_node, "reserved": self.pool.reserved,
-                "reachable": self.reachable, "gpus_total": self.gpus_total, "gpus_free": self.gpus_free,
-                "executors": self.executors, "problem": self.problem}
+        return {
+            "name": self.pool.name,
+            "url": self.pool.url,
+            "gpu_type": self.pool.gpu_type,
+            "gpus_per_node": self.pool.gpus_per_node,
+            "reserved": self.pool.reserved,
+            "reachable": self.reachable,
+            "gpus_total": self.gpus_total,
+            "gpus_free": self.gpus_free,
+            "executors": self.executors,
+            "problem": self.problem,
+        }
 
 
 def _connect_address(url: str) -> tuple[str, int]:
@@ -72,8 +80,9 @@ def pool_status(pool: Pool, timeout: float) -> PoolStatus:
         first = (str(exc).strip().splitlines() or [""])[0]
         return PoolStatus(pool, reachable=True, problem=f"{type(exc).__name__}: {first[:200]}")
     free = sum(capacity.gpus_of(e) for e in capacity.executors if not e.busy)
-    return PoolStatus(pool, reachable=True, gpus_total=capacity.total_gpus, gpus_free=free,
-                      executors=len(capacity.executors))
+    return PoolStatus(
+        pool, reachable=True, gpus_total=capacity.total_gpus, gpus_free=free, executors=len(capacity.executors)
+    )
 
 
 def _count(value: int | None) -> str:
@@ -86,8 +95,17 @@ def _table(statuses: list[PoolStatus]) -> str:
         state = s.pool.url
         if s.problem is not None:
             state += f"  {'unreachable' if not s.reachable else 'error'}: {s.problem}"
-        rows.append((s.pool.name, s.pool.gpu_type, str(s.pool.gpus_per_node), "reserved" if s.pool.reserved else "shared",
-                     _count(s.gpus_total), _count(s.gpus_free), state))
+        rows.append(
+            (
+                s.pool.name,
+                s.pool.gpu_type,
+                str(s.pool.gpus_per_node),
+                "reserved" if s.pool.reserved else "shared",
+                _count(s.gpus_total),
+                _count(s.gpus_free),
+                state,
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1] for row in rows)
 
@@ -95,7 +113,9 @@ def _table(statuses: list[PoolStatus]) -> str:
 def cmd_pools(args) -> int:
     pools = configured_pools()
     if pools is None:
-        raise ConfigurationError("no pools file is configured: set SPARKGPU_POOLS=pools.yaml (see the Spark guide, docs/guides/spark.md, 'GPU pools')")
+        raise ConfigurationError(
+            "no pools file is configured: set SPARKGPU_POOLS=pools.yaml (see the Spark guide, docs/guides/spark.md, 'GPU pools')"
+        )
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(pools))) as executor:
         statuses = list(executor.map(lambda p: pool_status(p, args.timeout), pools))
     if args.json:
@@ -106,10 +126,13 @@ def cmd_pools(args) -> int:
 
 
 def register_pools(subparsers) -> None:
-    p = subparsers.add_parser("pools", help="list the GPU pools (SPARKGPU_POOLS) with live capacity",
-                              description="Lists the pools of the SPARKGPU_POOLS file: GPU type, GPUs per node, "
-                                          "reserved or shared, and GPUs total/free from a capacity probe. A pool "
-                                          "that does not answer is shown as unreachable.")
+    p = subparsers.add_parser(
+        "pools",
+        help="list the GPU pools (SPARKGPU_POOLS) with live capacity",
+        description="Lists the pools of the SPARKGPU_POOLS file: GPU type, GPUs per node, "
+        "reserved or shared, and GPUs total/free from a capacity probe. A pool "
+        "that does not answer is shown as unreachable.",
+    )
     p.add_argument("--timeout", type=float, default=15.0, help="seconds each pool's probe may take (default 15)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(handler=cmd_pools)

@@ -64,8 +64,9 @@ class PreparedJob:
 
     def plan(self, attempt: int = 0) -> LaunchPlan:
         """What the backend will start for ``attempt``: the printable dry run."""
-        return self.backend.plan(self.job, self.run_dir, attempt, {"SPARKGPU_JOB_ID": self.job.job_id},
-                                 layout=self.layout)
+        return self.backend.plan(
+            self.job, self.run_dir, attempt, {"SPARKGPU_JOB_ID": self.job.job_id}, layout=self.layout
+        )
 
     def with_kwargs(self, **extra: Any) -> "PreparedJob":
         """This job with more keyword arguments for the function; only those are pickled.
@@ -120,8 +121,16 @@ class PreparedJob:
         return Supervisor(self.job, self.run_dir, self.backend, self.key, self.callbacks, out=out, layout=self.layout)
 
 
-def prepare(spec: JobSpec, fn: Callable, args: tuple, kwargs: dict, *, backend: Backend,
-            callbacks: list[JobCallback], ship_environment: bool = False) -> PreparedJob:
+def prepare(
+    spec: JobSpec,
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    *,
+    backend: Backend,
+    callbacks: list[JobCallback],
+    ship_environment: bool = False,
+) -> PreparedJob:
     """Checks and pickles a job once; writes nothing and starts nothing.
 
     Args:
@@ -147,6 +156,13 @@ def prepare(spec: JobSpec, fn: Callable, args: tuple, kwargs: dict, *, backend: 
     job = resolved.job
     enforce_policy(job, callbacks)  # usage policy, on the resolved GPU type
     payload = serialize_payload(fn, args, kwargs, callbacks)  # picklability, naming the culprit
-    return PreparedJob(job=job, layout=resolved.layout, backend=backend, callbacks=list(callbacks),
-                       payload=payload, run_dir=RunDir(settings().staging_root / job.job_id), key=new_key(),
-                       ship_environment=ship_environment)
+    return PreparedJob(
+        job=job,
+        layout=resolved.layout,
+        backend=backend,
+        callbacks=list(callbacks),
+        payload=payload,
+        run_dir=RunDir(settings().staging_root / job.job_id),
+        key=new_key(),
+        ship_environment=ship_environment,
+    )

@@ -103,13 +103,27 @@ class GPUNamespace:
 
         if "backend" in options:
             raise ConfigurationError("spark.gpu.distributed runs on this session's Spark backend; drop backend=")
-        backend_options = {k: options.pop(k) for k in ("wait_timeout", "gpus_per_node", "client_timeout") if k in options}
+        backend_options = {
+            k: options.pop(k) for k in ("wait_timeout", "gpus_per_node", "client_timeout") if k in options
+        }
         return distributed(fn, remote=True, backend=self.backend(**backend_options), **options)
 
-    def train(self, fn: Callable, *, gpus: int, gpu_type: str, args: tuple = (), kwargs: dict | None = None,
-              data=None, data_volume: str | None = None, data_options: dict | None = None,
-              data_format: str = "mds", gpus_per_node: int | None = None, wait_timeout: float | None = None,
-              **distributed_options) -> list[Any]:
+    def train(
+        self,
+        fn: Callable,
+        *,
+        gpus: int,
+        gpu_type: str,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        data=None,
+        data_volume: str | None = None,
+        data_options: dict | None = None,
+        data_format: str = "mds",
+        gpus_per_node: int | None = None,
+        wait_timeout: float | None = None,
+        **distributed_options,
+    ) -> list[Any]:
         """Runs ``fn(*args, **kwargs)`` on ``gpus`` ranks on this session's Spark executors.
 
         Args:
@@ -151,10 +165,14 @@ class GPUNamespace:
         from sparkgpu.decorator import distributed
 
         if "backend" in distributed_options or "remote" in distributed_options:
-            raise ConfigurationError("spark.gpu.train always runs on this session's Spark executors; drop backend=/remote=")
+            raise ConfigurationError(
+                "spark.gpu.train always runs on this session's Spark executors; drop backend=/remote="
+            )
         kwargs = dict(kwargs or {})
         if data_format not in ("mds", "table"):
-            raise ConfigurationError(f"data_format={data_format!r} must be 'mds' (convert to MDS shards) or 'table' (read Delta/Parquet in place)")
+            raise ConfigurationError(
+                f"data_format={data_format!r} must be 'mds' (convert to MDS shards) or 'table' (read Delta/Parquet in place)"
+            )
         if data is not None:
             _check_accepts_data_url(fn, kwargs)
         backend = self.backend(wait_timeout=wait_timeout, gpus_per_node=gpus_per_node)
@@ -177,10 +195,15 @@ class GPUNamespace:
         from sparkgpu.data.tables.paths import is_delta_table
         from sparkgpu.data.tables.plan import TableRef, table_ref_of
 
-        if isinstance(data, (str, os.PathLike)) and (is_delta_table(os.fspath(data)) or os.path.exists(data) or "://" in os.fspath(data)):
+        if isinstance(data, (str, os.PathLike)) and (
+            is_delta_table(os.fspath(data)) or os.path.exists(data) or "://" in os.fspath(data)
+        ):
             reference, why = TableRef(os.fspath(data)), ""
         elif isinstance(data, str):
-            reference, why = None, "it is a catalog table name, whose files the client cannot locate; pass the table's path instead"
+            reference, why = (
+                None,
+                "it is a catalog table name, whose files the client cannot locate; pass the table's path instead",
+            )
         else:
             reference, why = table_ref_of(data)
         if reference is None:

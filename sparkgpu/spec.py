@@ -20,6 +20,7 @@ from sparkgpu.units import parse_duration
 
 __all__ = ["Resources", "RunPolicy", "JobSpec", "new_job_id", "requested_resources", "log_rank_selection"]
 
+
 def new_job_id(name: str) -> str:
     """A job id that sorts by time and says what ran: ``<name>-<utc timestamp>-<random>``."""
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:40] or "job"
@@ -75,9 +76,16 @@ class Resources:
         return self.gpu_type == "cpu"
 
 
-def requested_resources(*, num_accelerators=None, accelerator_type=None, gpus=None, num_gpus=None,
-                        gpu_type=None, remote: bool = False,
-                        host_gpu_count: Callable[[], int] = lambda: 0) -> Resources:
+def requested_resources(
+    *,
+    num_accelerators=None,
+    accelerator_type=None,
+    gpus=None,
+    num_gpus=None,
+    gpu_type=None,
+    remote: bool = False,
+    host_gpu_count: Callable[[], int] = lambda: 0,
+) -> Resources:
     """The :class:`Resources` that ``@distributed``'s arguments ask for, in either API's names.
 
     ``num_accelerators`` / ``gpus`` / ``num_gpus`` name the count and ``accelerator_type`` /
@@ -93,8 +101,11 @@ def requested_resources(*, num_accelerators=None, accelerator_type=None, gpus=No
         ConfigurationError: unknown type or shape, a non-positive count, names that disagree,
             or a remote count that is not a whole number of nodes of the shape.
     """
-    counts = {name: value for name, value in
-              (("num_accelerators", num_accelerators), ("gpus", gpus), ("num_gpus", num_gpus)) if value is not None}
+    counts = {
+        name: value
+        for name, value in (("num_accelerators", num_accelerators), ("gpus", gpus), ("num_gpus", num_gpus))
+        if value is not None
+    }
     if len(set(map(repr, counts.values()))) > 1:
         given = " and ".join(f"{k}={v!r}" for k, v in counts.items())
         raise ConfigurationError(f"{given} disagree; pass only num_accelerators=")
@@ -122,8 +133,9 @@ def requested_resources(*, num_accelerators=None, accelerator_type=None, gpus=No
             count = 1
         else:
             count = host_gpu_count() or 1
-    return Resources(gpus=count, gpu_type=chosen_type, remote=remote,
-                     gpus_per_node=shape.gpus_per_node if shape else None)
+    return Resources(
+        gpus=count, gpu_type=chosen_type, remote=remote, gpus_per_node=shape.gpus_per_node if shape else None
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,6 +31,7 @@ __all__ = ["Store", "OBJECT_STORE_SCHEMES"]
 # Stores on which one PUT is atomic: an object appears whole, or not at all.
 OBJECT_STORE_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
 
+
 def _fs_class(scheme: str):
     import fsspec
 
@@ -61,13 +62,19 @@ class Store:
             message holds the ``pip install``.
     """
 
-    def __init__(self, url: str | os.PathLike, storage_options: Mapping | None = None, *, durable: bool = True,
-                 what: str = "the folder"):
+    def __init__(
+        self,
+        url: str | os.PathLike,
+        storage_options: Mapping | None = None,
+        *,
+        durable: bool = True,
+        what: str = "the folder",
+    ):
         url = os.fspath(url)
         if not url:
             raise ConfigurationError(f"{what} is empty; give a local path or a URL such as 's3://bucket/path'")
         if url.startswith("file://"):
-            url = url[len("file://"):]
+            url = url[len("file://") :]
         self.is_local = not is_url(url)
         self.scheme = scheme_of(url)
         if not self.is_local:
@@ -166,8 +173,9 @@ class Store:
         base = self._remote(rel)
         self.fs.invalidate_cache(base)  # another process's writes must show
         try:
-            entries = self.fs.find(base, detail=True) if recursive else {
-                e["name"]: e for e in self.fs.ls(base, detail=True)}
+            entries = (
+                self.fs.find(base, detail=True) if recursive else {e["name"]: e for e in self.fs.ls(base, detail=True)}
+            )
         except FileNotFoundError:
             return {}
         found = {}
@@ -175,7 +183,7 @@ class Store:
             if info.get("type") != "file" or not name.startswith(self.root + "/") or is_temporary(name):
                 continue
             stamp = next((str(info[k]) for k in _STAMP_FIELDS if info.get(k) is not None), "")
-            found[name[len(self.root) + 1:]] = (int(info.get("size") or 0), stamp)
+            found[name[len(self.root) + 1 :]] = (int(info.get("size") or 0), stamp)
         return found
 
     def _list_local(self, rel: str, recursive: bool) -> dict[str, tuple[int, str]]:

@@ -23,8 +23,9 @@ def _worker_image_lock(tmp_path_factory):
 
     from sparkgpu.env import hydrate_module_path
 
-    probe = subprocess.run([sys.executable, str(hydrate_module_path()), "--probe"], capture_output=True,
-                           text=True, check=True).stdout
+    probe = subprocess.run(
+        [sys.executable, str(hydrate_module_path()), "--probe"], capture_output=True, text=True, check=True
+    ).stdout
     path = tmp_path_factory.mktemp("worker-image") / "probe.json"
     path.write_text(probe)
     return str(path)
@@ -93,7 +94,7 @@ def _open_anywhere() -> set[str]:
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 target = os.readlink(f"/proc/{pid}/fd/{fd}")
                 if target.startswith("/dev/shm/"):
-                    held.add(target[len("/dev/shm/"):])
+                    held.add(target[len("/dev/shm/") :])
         except OSError:  # the process ended, or is not ours to read
             continue
     return held

@@ -42,8 +42,13 @@ class S3Server:
         import boto3
 
         name = f"t-{uuid.uuid4().hex[:12]}"
-        client = boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS_KEY,
-                              aws_secret_access_key=SECRET_KEY, region_name="us-east-1")
+        client = boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=ACCESS_KEY,
+            aws_secret_access_key=SECRET_KEY,
+            region_name="us-east-1",
+        )
         client.create_bucket(Bucket=name)
         return name
 

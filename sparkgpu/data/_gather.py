@@ -111,9 +111,11 @@ def gather_spans(
     if _enabled:
         _native.gather_spans(dst, dst_offsets, sources, source_ids, starts, lengths, _THREADS)
         return
-    groups = [(sources[0], slice(None))] if source_ids is None else [
-        (source, source_ids == position) for position, source in enumerate(sources)
-    ]
+    groups = (
+        [(sources[0], slice(None))]
+        if source_ids is None
+        else [(source, source_ids == position) for position, source in enumerate(sources)]
+    )
     for source, mask in groups:
         st, ln, of = starts[mask], lengths[mask], dst_offsets[mask]
         if not len(st):

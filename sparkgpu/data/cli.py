@@ -23,17 +23,24 @@ def register_data(subparsers) -> None:
     convert.set_defaults(handler=cmd_convert)
     bench = sub.add_parser("bench", help="epoch 1 from the volume vs epoch 2 from the local cache, with a plot")
     bench.add_argument("remote", help="volume URL of an MDS dataset (with --table: of a Delta table or Parquet folder)")
-    bench.add_argument("--table", action="store_true",
-                       help="read REMOTE with data.table_dataset (a Delta table or Parquet folder) instead of as MDS")
+    bench.add_argument(
+        "--table",
+        action="store_true",
+        help="read REMOTE with data.table_dataset (a Delta table or Parquet folder) instead of as MDS",
+    )
     bench.add_argument("--columns", help="with --table: comma-separated columns to read (default: all)")
     bench.add_argument("--filter", help="with --table: rows to keep, a SQL predicate (\"day >= '2026-11-01'\")")
     bench.add_argument("--local", help="folder for the temporary cache (default SPARKGPU_CACHE_DIR)")
     bench.add_argument("--batch-size", type=int, default=1024)
     bench.add_argument("--shuffle", action="store_true")
-    bench.add_argument("--profile", choices=("loopback", "s3-like"), default="loopback",
-                       help="s3-like: read a local dataset folder through a simulated object-store link "
-                            "(30 ms to the first byte, 100 MB/s per connection; with --table, an S3 server on "
-                            "loopback, which needs moto[server])")
+    bench.add_argument(
+        "--profile",
+        choices=("loopback", "s3-like"),
+        default="loopback",
+        help="s3-like: read a local dataset folder through a simulated object-store link "
+        "(30 ms to the first byte, 100 MB/s per connection; with --table, an S3 server on "
+        "loopback, which needs moto[server])",
+    )
     bench.add_argument("--plot", help="write the report as a PNG here")
     bench.add_argument("--json", action="store_true", help="print the figures as JSON")
     bench.set_defaults(handler=cmd_bench)
@@ -43,13 +50,19 @@ def cmd_convert(args) -> int:
     from sparkgpu.data.convert.conversion import to_mds
 
     result = to_mds(
-        args.source, args.out, version=args.version,
+        args.source,
+        args.out,
+        version=args.version,
         columns=args.columns.split(",") if args.columns else None,
-        compression=args.compression, hashes=tuple(args.hashes.split(",")) if args.hashes else None,
-        overwrite=args.overwrite, progress=True,
+        compression=args.compression,
+        hashes=tuple(args.hashes.split(",")) if args.hashes else None,
+        overwrite=args.overwrite,
+        progress=True,
     )
-    print(f"wrote {result.samples} samples in {result.shards} shards ({result.bytes / 1e6:.1f} MB) "
-          f"to {result.url} in {result.seconds:.1f}s")
+    print(
+        f"wrote {result.samples} samples in {result.shards} shards ({result.bytes / 1e6:.1f} MB) "
+        f"to {result.url} in {result.seconds:.1f}s"
+    )
     return 0
 
 
@@ -62,17 +75,29 @@ def cmd_bench(args) -> int:
         from sparkgpu.testing.simulated_s3 import simulated_s3
         from sparkgpu.data.report import table_report
 
-        link = simulated_s3(args.remote, args.profile) if args.profile != "loopback" else contextlib.nullcontext(args.remote)
+        link = (
+            simulated_s3(args.remote, args.profile)
+            if args.profile != "loopback"
+            else contextlib.nullcontext(args.remote)
+        )
         with link as remote:
-            figures = table_report(remote, columns=args.columns.split(",") if args.columns else None, filter=args.filter,
-                                   local=args.local, batch_size=args.batch_size, shuffle=args.shuffle, png=args.plot)
+            figures = table_report(
+                remote,
+                columns=args.columns.split(",") if args.columns else None,
+                filter=args.filter,
+                local=args.local,
+                batch_size=args.batch_size,
+                shuffle=args.shuffle,
+                png=args.plot,
+            )
     else:
         from sparkgpu.testing.simulated_link import simulated_link
         from sparkgpu.data.report import volume_report
 
         with simulated_link(args.remote, args.profile) as remote:
-            figures = volume_report(remote, local=args.local, batch_size=args.batch_size, shuffle=args.shuffle,
-                                    png=args.plot)
+            figures = volume_report(
+                remote, local=args.local, batch_size=args.batch_size, shuffle=args.shuffle, png=args.plot
+            )
     figures["profile"] = args.profile
     if args.json:
         print(json.dumps(figures, indent=2, default=str))
@@ -83,8 +108,10 @@ def cmd_bench(args) -> int:
     from sparkgpu.data.report import REPORT_COLUMNS, report_rows
 
     unit = "files" if figures["kind"] == "table" else "shards"
-    table = Table(title=f"{figures['remote']}: {figures['samples']:,} samples, {figures['volume_bytes'] / 1e6:,.1f} MB "
-                        f"in {figures['shards']} {unit}")
+    table = Table(
+        title=f"{figures['remote']}: {figures['samples']:,} samples, {figures['volume_bytes'] / 1e6:,.1f} MB "
+        f"in {figures['shards']} {unit}"
+    )
     for number, name in enumerate(REPORT_COLUMNS):
         table.add_column(name, justify="left" if number == 0 else "right")
     for row in report_rows(figures):
@@ -127,7 +154,12 @@ def cmd_cache(args) -> int:
     for name in ("volume", "shards", "cached MB", "total MB", "folder"):
         table.add_column(name)
     for e in entries:
-        table.add_row(e.remote, f"{e.shards_cached}/{e.shards_total}", f"{e.bytes_cached / 1e6:.1f}",
-                      f"{e.bytes_total / 1e6:.1f}", str(e.path))
+        table.add_row(
+            e.remote,
+            f"{e.shards_cached}/{e.shards_total}",
+            f"{e.bytes_cached / 1e6:.1f}",
+            f"{e.bytes_total / 1e6:.1f}",
+            str(e.path),
+        )
     console().print(table)
     return 0

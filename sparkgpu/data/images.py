@@ -71,8 +71,10 @@ def _decode_one(data, mode: str, read_mode) -> torch.Tensor:
     try:
         return tv_decode(encoded, mode=read_mode)
     except RuntimeError as exc:
-        raise DataError(f"cannot decode an image of {encoded.numel()} bytes starting {bytes(encoded[:8].tolist())!r}: {exc}; "
-                        "JPEG, PNG, WebP and GIF are supported (store other formats as one of these)") from exc
+        raise DataError(
+            f"cannot decode an image of {encoded.numel()} bytes starting {bytes(encoded[:8].tolist())!r}: {exc}; "
+            "JPEG, PNG, WebP and GIF are supported (store other formats as one of these)"
+        ) from exc
 
 
 def _decode_on_gpu(items: list, mode: str, read_mode, device) -> list[torch.Tensor]:
@@ -99,13 +101,17 @@ def _decode_on_gpu(items: list, mode: str, read_mode, device) -> list[torch.Tens
 def _as_uint8_tensor(data) -> torch.Tensor:
     if isinstance(data, torch.Tensor):
         if data.dtype != torch.uint8 or data.dim() != 1:
-            raise DataError(f"expected encoded image bytes as a 1-D uint8 tensor, got dtype {data.dtype} and shape {tuple(data.shape)}")
+            raise DataError(
+                f"expected encoded image bytes as a 1-D uint8 tensor, got dtype {data.dtype} and shape {tuple(data.shape)}"
+            )
         return data.cpu()
     if isinstance(data, np.ndarray):
         return torch.from_numpy(np.array(data, dtype=np.uint8).reshape(-1))  # a copy: the source may be read-only
     if isinstance(data, (bytes, bytearray, memoryview)):
         return torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
-    raise DataError(f"cannot decode an image from a {type(data).__name__}; pass the encoded bytes (e.g. a 'bytes' or 'jpeg' column)")
+    raise DataError(
+        f"cannot decode an image from a {type(data).__name__}; pass the encoded bytes (e.g. a 'bytes' or 'jpeg' column)"
+    )
 
 
 def _convert_channels(image: torch.Tensor, mode: str) -> torch.Tensor:
@@ -144,8 +150,8 @@ def _unchanged():
 def _decode_pil(item: bytes) -> torch.Tensor:
     # streaming's PIL encoding: [width u32][height u32][mode length u32][mode][raw pixels].
     width, height, mode_size = np.frombuffer(item[:12], np.uint32).tolist()
-    pil_mode = item[12: 12 + mode_size].decode("utf-8")
-    raw = item[12 + mode_size:]
+    pil_mode = item[12 : 12 + mode_size].decode("utf-8")
+    raw = item[12 + mode_size :]
     channels = _PIL_CHANNELS.get(pil_mode)
     if channels is not None and len(raw) == width * height * channels:
         pixels = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
@@ -154,4 +160,6 @@ def _decode_pil(item: bytes) -> torch.Tensor:
     from torchvision.transforms.v2.functional import pil_to_tensor
 
     image = Image.frombytes(pil_mode, (width, height), raw)
-    return pil_to_tensor(image if pil_mode in _PIL_CHANNELS else image.convert("RGBA" if "A" in image.getbands() else "RGB"))
+    return pil_to_tensor(
+        image if pil_mode in _PIL_CHANNELS else image.convert("RGBA" if "A" in image.getbands() else "RGB")
+    )

@@ -17,7 +17,14 @@ from pathlib import Path
 from sparkgpu.data.storage.cache import open_cache_entry
 from sparkgpu.data.storage.volume import Volume
 
-__all__ = ["volume_report", "table_report", "raw_parallel_download", "plot_volume_report", "report_rows", "REPORT_COLUMNS"]
+__all__ = [
+    "volume_report",
+    "table_report",
+    "raw_parallel_download",
+    "plot_volume_report",
+    "report_rows",
+    "REPORT_COLUMNS",
+]
 
 
 def raw_parallel_download(volume: Volume, files: list[str], threads: int, target: Path) -> dict:
@@ -93,14 +100,29 @@ def volume_report(
         else:
             raw = raw_download(files, scratch / "raw")
             shutil.rmtree(scratch / "raw", ignore_errors=True)
-        loader = dataset(remote=remote, local=scratch / "cache", batch_size=batch_size, shuffle=shuffle,
-                         download_threads=download_threads, storage_options=storage_options)
+        loader = dataset(
+            remote=remote,
+            local=scratch / "cache",
+            batch_size=batch_size,
+            shuffle=shuffle,
+            download_threads=download_threads,
+            storage_options=storage_options,
+        )
         epochs = [_timed_epoch(loader, raw["bytes"]) for _ in range(2)]
         loader.close()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return _report(volume.url, len(files), index.num_samples, raw, epochs, png, batch_size=batch_size, shuffle=shuffle,
-                   download_threads=download_threads)
+    return _report(
+        volume.url,
+        len(files),
+        index.num_samples,
+        raw,
+        epochs,
+        png,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        download_threads=download_threads,
+    )
 
 
 def table_report(
@@ -144,12 +166,23 @@ def table_report(
     root.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="sparkgpu-table-report-", dir=root))
     try:
-        rows = table_dataset(remote, columns=columns, filter=filter, batch_size=batch_size, shuffle=shuffle,
-                             local=scratch / "cache", download_threads=download_threads, storage_options=storage_options,
-                             rank=0, world_size=1)
+        rows = table_dataset(
+            remote,
+            columns=columns,
+            filter=filter,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            local=scratch / "cache",
+            download_threads=download_threads,
+            storage_options=storage_options,
+            rank=0,
+            world_size=1,
+        )
         if rows._file_cache is None:
-            raise ConfigurationError(f"{remote} is a local table, read where it is: there is no download to measure; give "
-                                     "its object-store URL, or add --profile s3-like to read it through a simulated S3 link")
+            raise ConfigurationError(
+                f"{remote} is a local table, read where it is: there is no download to measure; give "
+                "its object-store URL, or add --profile s3-like to read it through a simulated S3 link"
+            )
         files = [shard.basename for shard in rows._file_cache.index.shards]
         if raw_download is None:
             raw = raw_parallel_download(rows._file_cache.volume, files, download_threads, scratch / "raw")
@@ -160,8 +193,18 @@ def table_report(
         url = rows._file_cache.volume.url
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return _report(url, len(files), rows.num_samples, raw, epochs, png, batch_size=batch_size, shuffle=shuffle,
-                   download_threads=download_threads, kind="table")
+    return _report(
+        url,
+        len(files),
+        rows.num_samples,
+        raw,
+        epochs,
+        png,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        download_threads=download_threads,
+        kind="table",
+    )
 
 
 def _timed_epoch(batches, volume_bytes: int) -> dict:
@@ -170,14 +213,26 @@ def _timed_epoch(batches, volume_bytes: int) -> dict:
         samples += _batch_len(batch)
         first = first or time.perf_counter() - started
     seconds = time.perf_counter() - started
-    return {"samples": samples, "seconds": seconds, "first_batch_s": first, "samples_per_s": samples / seconds,
-            "mb_per_s": volume_bytes / seconds / 1e6}
+    return {
+        "samples": samples,
+        "seconds": seconds,
+        "first_batch_s": first,
+        "samples_per_s": samples / seconds,
+        "mb_per_s": volume_bytes / seconds / 1e6,
+    }
 
 
 def _report(url, files, samples, raw, epochs, png, *, kind="mds", **settings) -> dict:
     report = {
-        "remote": url, "kind": kind, "shards": files, "samples": samples, "volume_bytes": raw["bytes"], **settings,
-        "raw_parallel_download": raw, "epoch1_from_volume": epochs[0], "epoch2_from_cache": epochs[1],
+        "remote": url,
+        "kind": kind,
+        "shards": files,
+        "samples": samples,
+        "volume_bytes": raw["bytes"],
+        **settings,
+        "raw_parallel_download": raw,
+        "epoch1_from_volume": epochs[0],
+        "epoch2_from_cache": epochs[1],
         "epoch1_vs_raw": epochs[0]["mb_per_s"] / raw["mb_per_s"],
         "epoch2_speedup": epochs[0]["seconds"] / epochs[1]["seconds"],
     }
@@ -196,11 +251,23 @@ def report_rows(report: dict) -> list[tuple[str, ...]]:
     """
     raw = report["raw_parallel_download"]
     rows = [(f"raw download ({report['download_threads']} connections)", raw["mb_per_s"], None, None)]
-    rows += [(name, report[key]["mb_per_s"], report[key]["samples_per_s"], report[key]["first_batch_s"])
-             for name, key in (("epoch 1: volume -> cache", "epoch1_from_volume"), ("epoch 2: from the cache", "epoch2_from_cache"))]
-    return [(name, f"{rate:,.1f}", "" if samples is None else f"{samples:,.0f}",
-             "" if first is None else f"{first:.2f} s", f"{rate / raw['mb_per_s']:.0%}")
-            for name, rate, samples, first in rows]
+    rows += [
+        (name, report[key]["mb_per_s"], report[key]["samples_per_s"], report[key]["first_batch_s"])
+        for name, key in (
+            ("epoch 1: volume -> cache", "epoch1_from_volume"),
+            ("epoch 2: from the cache", "epoch2_from_cache"),
+        )
+    ]
+    return [
+        (
+            name,
+            f"{rate:,.1f}",
+            "" if samples is None else f"{samples:,.0f}",
+            "" if first is None else f"{first:.2f} s",
+            f"{rate / raw['mb_per_s']:.0%}",
+        )
+        for name, rate, samples, first in rows
+    ]
 
 
 def _batch_len(batch: dict) -> int:
@@ -224,14 +291,18 @@ def plot_volume_report(report: dict, path: str | os.PathLike, extra: dict | None
     }
     bars.update(extra or {})
     names = list(bars)[::-1]  # first entry on top
-    colors = ["tab:gray" if n.startswith("raw") else "tab:green" if n.startswith("epoch") else "tab:blue" for n in names]
+    colors = [
+        "tab:gray" if n.startswith("raw") else "tab:green" if n.startswith("epoch") else "tab:blue" for n in names
+    ]
     fig, ax = plt.subplots(figsize=(10, 0.6 * len(names) + 1.5))
     ax.barh(names, [bars[n] for n in names], color=colors)
     ax.set_xlim(0, max(bars.values()) * 1.15)  # linear from zero: bar lengths compare as rates do
     ax.set_xlabel("MB/s of shards")
     for i, name in enumerate(names):
         ax.text(bars[name], i, f" {bars[name]:,.1f}", va="center", fontsize=9)
-    ax.set_title(f"{report['samples']:,} samples, {report['volume_bytes'] / 1e6:,.0f} MB in {report['shards']} shards on {report['remote']}")
+    ax.set_title(
+        f"{report['samples']:,} samples, {report['volume_bytes'] / 1e6:,.0f} MB in {report['shards']} shards on {report['remote']}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -45,8 +45,10 @@ class TransformError(DataError):
 def check_transform(name: str, fn) -> None:
     """Raises :class:`ConfigurationError` unless ``fn`` is ``None`` or callable."""
     if fn is not None and not callable(fn):
-        raise ConfigurationError(f"{name}={fn!r} is not callable; pass a function such as "
-                                 f"{'def prepare(sample, rng): return sample' if name == 'transform' else 'def prepare_batch(batch): return batch'}")
+        raise ConfigurationError(
+            f"{name}={fn!r} is not callable; pass a function such as "
+            f"{'def prepare(sample, rng): return sample' if name == 'transform' else 'def prepare_batch(batch): return batch'}"
+        )
 
 
 def sample_rng(seed: int, epoch: int, sample_id: int, stream: int = 0) -> tuple[np.random.Generator, int]:
@@ -101,10 +103,14 @@ class BatchTransforms:
                     torch.manual_seed(torch_seed)
                     out = self.batch_transform(batch)
             except Exception as exc:
-                raise TransformError(_message("batch_transform", exc, ids[0], shards[0], epoch, "the batch starting at ")) from exc
+                raise TransformError(
+                    _message("batch_transform", exc, ids[0], shards[0], epoch, "the batch starting at ")
+                ) from exc
             if not isinstance(out, dict):
-                raise TransformError(f"batch_transform returned {type(out).__name__} for the batch starting at sample {ids[0]} "
-                                     f"(shard {shards[0]}, epoch {epoch}); return a dict of columns")
+                raise TransformError(
+                    f"batch_transform returned {type(out).__name__} for the batch starting at sample {ids[0]} "
+                    f"(shard {shards[0]}, epoch {epoch}); return a dict of columns"
+                )
             batch = out
         return batch
 
@@ -120,14 +126,18 @@ class BatchTransforms:
         except Exception as exc:
             raise TransformError(_message("transform", exc, sample_id, shard, epoch)) from exc
         if not isinstance(out, dict):
-            raise TransformError(f"transform returned {type(out).__name__} for sample {sample_id} (shard {shard}, "
-                                 f"epoch {epoch}); return a dict of columns, e.g. {{'image': tensor, 'label': 3}}")
+            raise TransformError(
+                f"transform returned {type(out).__name__} for sample {sample_id} (shard {shard}, "
+                f"epoch {epoch}); return a dict of columns, e.g. {{'image': tensor, 'label': 3}}"
+            )
         return out
 
 
 def _message(name, exc, sample_id, shard, epoch, what="") -> str:
-    return (f"{name} raised {type(exc).__name__}: {exc} on {what}sample {sample_id} of shard {shard} (epoch {epoch}); "
-            f"fix the {name} or the sample (the original traceback follows)")
+    return (
+        f"{name} raised {type(exc).__name__}: {exc} on {what}sample {sample_id} of shard {shard} (epoch {epoch}); "
+        f"fix the {name} or the sample (the original traceback follows)"
+    )
 
 
 def collate(samples: list[dict]) -> dict:
@@ -144,8 +154,10 @@ def collate(samples: list[dict]) -> dict:
     keys = list(samples[0])
     for position, sample in enumerate(samples):
         if sample.keys() != samples[0].keys():
-            raise TransformError(f"transform returned keys {sorted(sample)} for the sample at position {position} of the "
-                                 f"batch but {sorted(keys)} for the first; return the same keys for every sample")
+            raise TransformError(
+                f"transform returned keys {sorted(sample)} for the sample at position {position} of the "
+                f"batch but {sorted(keys)} for the first; return the same keys for every sample"
+            )
     return {key: _collate_values([sample[key] for sample in samples]) for key in keys}
 
 
@@ -161,7 +173,9 @@ def _collate_values(values: list):
         return values
     if isinstance(first, (bool, np.bool_)) and all(isinstance(v, (bool, np.bool_)) for v in values):
         return torch.tensor(values, dtype=torch.bool)
-    if isinstance(first, numbers.Integral) and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values):
+    if isinstance(first, numbers.Integral) and all(
+        isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values
+    ):
         return torch.tensor([int(v) for v in values], dtype=torch.int64)
     if isinstance(first, numbers.Real) and all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in values):
         return torch.tensor([float(v) for v in values], dtype=torch.float64)

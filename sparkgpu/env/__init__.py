@@ -74,5 +74,7 @@ def worker_bootstrap_files() -> dict[str, bytes]:
     whose classes hydration raises): both use the standard library only, as they run before
     the overlay that may bring sparkgpu itself.
     """
-    return {"_hydrate.py": hydrate_module_path().read_bytes(),
-            "_errors.py": Path(__file__).parent.parent.joinpath("errors.py").read_bytes()}
+    return {
+        "_hydrate.py": hydrate_module_path().read_bytes(),
+        "_errors.py": Path(__file__).parent.parent.joinpath("errors.py").read_bytes(),
+    }

@@ -109,8 +109,10 @@ def _root_errors():
                 del sys.modules["sparkgpu.errors"]
                 raise
             return module
-    raise ImportError(f"sparkgpu's error module is missing: none of {candidates} exists; ship "
-                      f"sparkgpu.env.worker_bootstrap_files() beside this file")
+    raise ImportError(
+        f"sparkgpu's error module is missing: none of {candidates} exists; ship "
+        f"sparkgpu.env.worker_bootstrap_files() beside this file"
+    )
 
 
 # The root's classes (see _root_errors); importable from here as before.
@@ -277,9 +279,11 @@ class HydrationReport:
     def summary(self) -> str:
         """One line for a rank's log: bytes, entries and seconds per step."""
         steps = ", ".join(f"{name} {seconds:.2f}s" for name, seconds in self.steps.items())
-        return (f"environment rehydrated in {self.seconds:.2f}s ({steps}): fetched {_human_bytes(self.fetched_bytes)}, "
-                f"{len(self.extracted)} extracted, {len(self.cached)} cached, "
-                f"{len(self.skipped)} skipped (the worker has them)")
+        return (
+            f"environment rehydrated in {self.seconds:.2f}s ({steps}): fetched {_human_bytes(self.fetched_bytes)}, "
+            f"{len(self.extracted)} extracted, {len(self.cached)} cached, "
+            f"{len(self.skipped)} skipped (the worker has them)"
+        )
 
 
 def _human_bytes(count: int) -> str:
@@ -526,9 +530,16 @@ def _plan(entries: list[dict], installed: dict[str, str]) -> tuple[list[dict], d
     return needed, skipped
 
 
-def hydrate(manifest: dict, cache_dir: str | os.PathLike, *, store_url: str | None = None,
-            installed: dict[str, str] | None = None, worker: dict | None = None, opener=None,
-            threads: int = 4) -> Overlay:
+def hydrate(
+    manifest: dict,
+    cache_dir: str | os.PathLike,
+    *,
+    store_url: str | None = None,
+    installed: dict[str, str] | None = None,
+    worker: dict | None = None,
+    opener=None,
+    threads: int = 4,
+) -> Overlay:
     """Rehydrates a staged environment into ``<cache_dir>/env`` and returns its import paths.
 
     Distributions this interpreter already has at the same version are skipped, and so is the
@@ -566,7 +577,9 @@ def hydrate(manifest: dict, cache_dir: str | os.PathLike, *, store_url: str | No
     native = [e["name"] for e in needed if e["kind"] != "code" and not e.get("pure")]
     problems = check_compatibility(manifest.get("client", {}), worker, native)
     if problems:
-        raise EnvironmentMismatchError("the client's environment cannot run on this worker:\n- " + "\n- ".join(problems))
+        raise EnvironmentMismatchError(
+            "the client's environment cannot run on this worker:\n- " + "\n- ".join(problems)
+        )
     report.steps["check"] = time.perf_counter() - started
 
     mark = time.perf_counter()

@@ -52,15 +52,38 @@ from sparkgpu.env.hydrate import (
 )
 from sparkgpu.errors import ConfigurationError, EnvironmentMismatchError
 
-__all__ = ["Component", "Excluded", "Snapshot", "snapshot_environment", "parse_worker_has", "DEFAULT_MAX_CODE_FILE_BYTES"]
+__all__ = [
+    "Component",
+    "Excluded",
+    "Snapshot",
+    "snapshot_environment",
+    "parse_worker_has",
+    "DEFAULT_MAX_CODE_FILE_BYTES",
+]
 
 _logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_CODE_FILE_BYTES = 50 * 1000**2
-_SKIPPED_DIRS = frozenset({
-    ".git", ".hg", ".svn", "__pycache__", ".venv", "venv", ".tox", ".nox", ".mypy_cache", ".pytest_cache",
-    ".ruff_cache", ".ipynb_checkpoints", "node_modules", ".eggs", ".idea", ".vscode",
-})
+_SKIPPED_DIRS = frozenset(
+    {
+        ".git",
+        ".hg",
+        ".svn",
+        "__pycache__",
+        ".venv",
+        "venv",
+        ".tox",
+        ".nox",
+        ".mypy_cache",
+        ".pytest_cache",
+        ".ruff_cache",
+        ".ipynb_checkpoints",
+        "node_modules",
+        ".eggs",
+        ".idea",
+        ".vscode",
+    }
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,7 +253,9 @@ def _listed_files(dist) -> list[str] | None:
     return [row[0] for row in csv.reader(record.splitlines()) if row]
 
 
-def _walk_tree(top: Path, arc_prefix: str, rules: _IgnoreRules, max_file_bytes: int, warnings: list[str]) -> list[FileEntry]:
+def _walk_tree(
+    top: Path, arc_prefix: str, rules: _IgnoreRules, max_file_bytes: int, warnings: list[str]
+) -> list[FileEntry]:
     """Files of ``top`` (a folder or one file) under ``arc_prefix``, minus the exclusions."""
     if top.is_file():
         return [_entry(top, arc_prefix)]
@@ -332,8 +357,17 @@ def _finder_mapping(module_file: Path) -> dict[str, str]:
     except (OSError, SyntaxError):
         return {}
     for node in tree.body:
-        target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign) else None)
-        if isinstance(target, ast.Name) and target.id == "MAPPING" and isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+        target = (
+            node.target
+            if isinstance(node, ast.AnnAssign)
+            else (node.targets[0] if isinstance(node, ast.Assign) else None)
+        )
+        if (
+            isinstance(target, ast.Name)
+            and target.id == "MAPPING"
+            and isinstance(node, (ast.Assign, ast.AnnAssign))
+            and node.value is not None
+        ):
             try:
                 return dict(ast.literal_eval(node.value))
             except ValueError:
@@ -377,8 +411,9 @@ def _location_kind(location: Path, user_site: str | None) -> str:
     return "site" if location.name in ("site-packages", "dist-packages") else "path"
 
 
-def _distribution_component(dist, name: str, version: str, location: Path, editable: bool, max_file_bytes: int,
-                            warnings: list[str]) -> tuple[Component | None, set[str]]:
+def _distribution_component(
+    dist, name: str, version: str, location: Path, editable: bool, max_file_bytes: int, warnings: list[str]
+) -> tuple[Component | None, set[str]]:
     """The component of one distribution, and the real paths of source trees it ships."""
     listed = _listed_files(dist)
     if listed is None:
@@ -393,10 +428,21 @@ def _distribution_component(dist, name: str, version: str, location: Path, edita
         tops = [location / t for t in top_level] + [location / f"{t}.py" for t in top_level]
         entries = []
         for top_path in [t for t in tops if t.exists()] + ([Path(meta)] if meta else []):
-            entries += _walk_tree(top_path, f"site/{top_path.relative_to(location).as_posix()}", _IgnoreRules(location),
-                                  max_file_bytes, warnings)
-        return Component(name, version, _location_kind(location, site.getusersitepackages()), tuple(entries),
-                         pure=_pure(dist), location=str(location)), set()
+            entries += _walk_tree(
+                top_path,
+                f"site/{top_path.relative_to(location).as_posix()}",
+                _IgnoreRules(location),
+                max_file_bytes,
+                warnings,
+            )
+        return Component(
+            name,
+            version,
+            _location_kind(location, site.getusersitepackages()),
+            tuple(entries),
+            pure=_pure(dist),
+            location=str(location),
+        ), set()
 
     root = str(location)
     rels = []
@@ -404,7 +450,7 @@ def _distribution_component(dist, name: str, version: str, location: Path, edita
         full = os.path.normpath(os.path.join(root, rel))
         if not full.startswith(root + os.sep) or _is_bytecode(rel):
             continue  # console scripts and data outside site-packages; byte-code is rebuilt
-        rels.append(full[len(root) + 1:].replace(os.sep, "/"))
+        rels.append(full[len(root) + 1 :].replace(os.sep, "/"))
     hooks: set[str] = set()
     mapping: dict[str, str] = {}
     roots: list[str] = []
@@ -435,8 +481,9 @@ def _distribution_component(dist, name: str, version: str, location: Path, edita
         entries += _walk_tree(Path(tree), f"path/{i}", _IgnoreRules(Path(tree)), max_file_bytes, warnings)
         shipped_trees.add(os.path.realpath(tree))
     kind = "editable" if editable else _location_kind(location, site.getusersitepackages())
-    return Component(name, version, kind, tuple(entries), paths=len(roots), pure=_pure(dist),
-                     location=str(location)), shipped_trees
+    return Component(
+        name, version, kind, tuple(entries), paths=len(roots), pure=_pure(dist), location=str(location)
+    ), shipped_trees
 
 
 def _exclusion(name: str, version: str, editable: bool, patterns: list[str], worker: dict[str, str]) -> str | None:
@@ -474,8 +521,14 @@ def _lock_line(dist, name: str, version: str, editable: bool) -> str:
     return f"{line}  # editable: {_direct_url(dist).get('url', '')}" if editable else line
 
 
-def snapshot_environment(*, paths: list[str] | None = None, code_paths=None, exclude=(), worker_has=None,
-                         max_code_file_bytes: int = DEFAULT_MAX_CODE_FILE_BYTES) -> Snapshot:
+def snapshot_environment(
+    *,
+    paths: list[str] | None = None,
+    code_paths=None,
+    exclude=(),
+    worker_has=None,
+    max_code_file_bytes: int = DEFAULT_MAX_CODE_FILE_BYTES,
+) -> Snapshot:
     """Lists what the workers need of this environment.
 
     Args:
@@ -517,8 +570,9 @@ def snapshot_environment(*, paths: list[str] | None = None, code_paths=None, exc
         if reason:
             excluded.append(Excluded(name, version, reason))
             continue
-        component, shipped = _distribution_component(dist, name, version, Path(dist.locate_file("")).resolve(), editable,
-                                                     max_code_file_bytes, warnings)
+        component, shipped = _distribution_component(
+            dist, name, version, Path(dist.locate_file("")).resolve(), editable, max_code_file_bytes, warnings
+        )
         trees |= shipped
         if component is not None:
             components.append(component)
@@ -535,7 +589,10 @@ def snapshot_environment(*, paths: list[str] | None = None, code_paths=None, exc
         _logger.warning(message)
     header = f"# python {client['python']} on {client['platform']}"
     return Snapshot(
-        components=tuple(components), excluded=tuple(excluded), client=client,
-        lock="\n".join([header] + sorted(lock, key=str.lower)) + "\n", warnings=tuple(warnings),
+        components=tuple(components),
+        excluded=tuple(excluded),
+        client=client,
+        lock="\n".join([header] + sorted(lock, key=str.lower)) + "\n",
+        warnings=tuple(warnings),
         scan_seconds=time.perf_counter() - started,
     )

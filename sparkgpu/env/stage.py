@@ -160,9 +160,15 @@ def _upload(store: BlobStore, component: Component, compression: str | None) -> 
     return store.put_blob(lambda out: write_blob(component.files, out, compression), compression)
 
 
-def stage_snapshot(snapshot: Snapshot, store: BlobStore | str, *, size_limit: int | None = None,
-                   compression: str | None = None, threads: int = 4, pack_index: str | os.PathLike | None = None
-                   ) -> StagedEnvironment:
+def stage_snapshot(
+    snapshot: Snapshot,
+    store: BlobStore | str,
+    *,
+    size_limit: int | None = None,
+    compression: str | None = None,
+    threads: int = 4,
+    pack_index: str | os.PathLike | None = None,
+) -> StagedEnvironment:
     """Uploads the blobs the store lacks and writes the manifest.
 
     Args:
@@ -240,9 +246,15 @@ def stage_snapshot(snapshot: Snapshot, store: BlobStore | str, *, size_limit: in
         "client": snapshot.client,
         "entries": [
             {
-                "name": c.name, "version": c.version, "kind": c.kind, "hash": digests[id(c)][0],
-                "object": objects[digests[id(c)][0]][0], "size": c.size, "tar_bytes": digests[id(c)][1],
-                "paths": c.paths, "pure": c.pure,
+                "name": c.name,
+                "version": c.version,
+                "kind": c.kind,
+                "hash": digests[id(c)][0],
+                "object": objects[digests[id(c)][0]][0],
+                "size": c.size,
+                "tar_bytes": digests[id(c)][1],
+                "paths": c.paths,
+                "pure": c.pure,
             }
             for c in snapshot.components
         ],
@@ -257,15 +269,26 @@ def stage_snapshot(snapshot: Snapshot, store: BlobStore | str, *, size_limit: in
         manifest_bytes = len(data)
     steps.append(StepReport("manifest", time.perf_counter() - mark, manifest_bytes, 1))
     report = StageReport(
-        steps=tuple(steps), uploaded_bytes=uploaded_bytes + manifest_bytes, skipped_bytes=skipped_bytes,
-        seconds=sum(s.seconds for s in steps), uploaded=tuple(c.name for c in missing),
+        steps=tuple(steps),
+        uploaded_bytes=uploaded_bytes + manifest_bytes,
+        skipped_bytes=skipped_bytes,
+        seconds=sum(s.seconds for s in steps),
+        uploaded=tuple(c.name for c in missing),
     )
     return StagedEnvironment(manifest, manifest_name, report, snapshot)
 
 
-def stage_environment(*, store: BlobStore | str | None = None, code_paths=None, exclude=(), worker_has=None,
-                      size_limit: int | None = None, compression: str | None = None, paths: list[str] | None = None,
-                      threads: int = 4) -> StagedEnvironment:
+def stage_environment(
+    *,
+    store: BlobStore | str | None = None,
+    code_paths=None,
+    exclude=(),
+    worker_has=None,
+    size_limit: int | None = None,
+    compression: str | None = None,
+    paths: list[str] | None = None,
+    threads: int = 4,
+) -> StagedEnvironment:
     """Snapshots this environment and stages it: the client half of environment shipping.
 
     Settings fill what is not given: ``SPARKGPU_ENV_STORE``, ``SPARKGPU_ENV_SIZE_LIMIT``,
@@ -293,11 +316,16 @@ def stage_environment(*, store: BlobStore | str | None = None, code_paths=None, 
     config = settings()
     exclude = [exclude] if isinstance(exclude, str) else list(exclude)
     snapshot = snapshot_environment(
-        paths=paths, code_paths=code_paths, exclude=exclude + list(config.env_exclude),
+        paths=paths,
+        code_paths=code_paths,
+        exclude=exclude + list(config.env_exclude),
         worker_has=worker_has if worker_has is not None else config.env_worker_lock,
     )
     return stage_snapshot(
-        snapshot, store if store is not None else config.env_store,
+        snapshot,
+        store if store is not None else config.env_store,
         size_limit=size_limit if size_limit is not None else config.env_size_limit,
-        compression=compression, threads=threads, pack_index=config.home / "env" / "pack-index.json",
+        compression=compression,
+        threads=threads,
+        pack_index=config.home / "env" / "pack-index.json",
     )

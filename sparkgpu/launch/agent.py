@@ -62,8 +62,19 @@ def strip_spark_secrets(environ: MutableMapping[str, str]) -> list[str]:
     return names
 
 
-def build_command(python: str, run_dir: str, *, attempt: int, nnodes: int, node_rank: int, nproc: int,
-                  master_addr: str, master_port: int, shutdown_grace: float, env_on_stdin: bool = False) -> list[str]:
+def build_command(
+    python: str,
+    run_dir: str,
+    *,
+    attempt: int,
+    nnodes: int,
+    node_rank: int,
+    nproc: int,
+    master_addr: str,
+    master_port: int,
+    shutdown_grace: float,
+    env_on_stdin: bool = False,
+) -> list[str]:
     """The command line that starts one node's agent.
 
     Args:
@@ -72,10 +83,25 @@ def build_command(python: str, run_dir: str, *, attempt: int, nnodes: int, node_
             <sparkgpu.launch.backends.local.LocalBackend.prestart>`); end of input starts none.
     """
     return [
-        python, "-m", "sparkgpu.launch.agent", run_dir,
-        "--attempt", str(attempt), "--nnodes", str(nnodes), "--node-rank", str(node_rank),
-        "--nproc", str(nproc), "--master-addr", master_addr, "--master-port", str(master_port),
-        "--shutdown-grace", str(int(max(1, shutdown_grace))), *(["--env-on-stdin"] if env_on_stdin else []),
+        python,
+        "-m",
+        "sparkgpu.launch.agent",
+        run_dir,
+        "--attempt",
+        str(attempt),
+        "--nnodes",
+        str(nnodes),
+        "--node-rank",
+        str(node_rank),
+        "--nproc",
+        str(nproc),
+        "--master-addr",
+        master_addr,
+        "--master-port",
+        str(master_port),
+        "--shutdown-grace",
+        str(int(max(1, shutdown_grace))),
+        *(["--env-on-stdin"] if env_on_stdin else []),
     ]
 
 
@@ -95,8 +121,9 @@ def refuse(rd: RunDir, attempt: int, node_rank: int, nproc: int, exc: PayloadSig
     atomic_write_bytes(rd.node_file(attempt, node_rank), json.dumps(node.to_json()).encode())
 
 
-def verify_or_refuse(rd: RunDir, environ: Mapping[str, str], attempt: int, node_rank: int, nproc: int,
-                     log: Path | None = None) -> dict[str, bytes] | None:
+def verify_or_refuse(
+    rd: RunDir, environ: Mapping[str, str], attempt: int, node_rank: int, nproc: int, log: Path | None = None
+) -> dict[str, bytes] | None:
     """The node's check before it starts any rank: the payload's verified files, or a refusal.
 
     Sets the job key from ``environ`` on ``rd`` and checks the signature
@@ -190,8 +217,10 @@ def main(argv=None) -> int:
     failures: dict[int, RankExit] = {}
     status = 0
     watcher = RankExitWatcher(
-        run_id, lambda rank: reported(rd, args.attempt, rank),
-        checkpoints_on_sigterm=lambda rank: rd.file(RunLayout.checkpoints_on_sigterm(args.attempt, rank)).exists())
+        run_id,
+        lambda rank: reported(rd, args.attempt, rank),
+        checkpoints_on_sigterm=lambda rank: rd.file(RunLayout.checkpoints_on_sigterm(args.attempt, rank)).exists(),
+    )
     try:
         with watcher:
             elastic_launch(config, sys.executable)("-u", "-c", verified[rd.air.name].decode(), str(rd.path))
@@ -199,13 +228,16 @@ def main(argv=None) -> int:
         status = EXIT_FAILED
         for failed_rank, process in exc.failures.items():
             failures[failed_rank] = RankExit(
-                process.exitcode, signal=process.signal_name() if process.exitcode < 0 else None, pid=process.pid)
+                process.exitcode, signal=process.signal_name() if process.exitcode < 0 else None, pid=process.pid
+            )
     except DistError as exc:  # the rendezvous: no rank of this node started
         status = EXIT_FAILED
-        report(f"node {args.node_rank} of {args.nnodes} gave up meeting the others at {args.master_addr}:"
-               f"{args.master_port} after the job's init_timeout of {init_timeout:g}s ({exc}); a node that did not "
-               "start, or a firewall between the nodes, keeps them apart; if they only start slowly, raise "
-               "init_timeout")
+        report(
+            f"node {args.node_rank} of {args.nnodes} gave up meeting the others at {args.master_addr}:"
+            f"{args.master_port} after the job's init_timeout of {init_timeout:g}s ({exc}); a node that did not "
+            "start, or a firewall between the nodes, keeps them apart; if they only start slowly, raise "
+            "init_timeout"
+        )
     for rank in watcher.quiet:  # torch saw exit code 0: a success to it, not to the job
         status = EXIT_FAILED
         failures[rank] = watcher.exits[rank]
@@ -219,8 +251,10 @@ def main(argv=None) -> int:
 
 def reported(rd: RunDir, attempt: int, rank: int) -> bool:
     """Whether a rank left a result, an error or a preemption marker (did not exit quietly)."""
-    return any(path.exists() for path in (rd.result_file(attempt, rank), rd.error_file(attempt, rank),
-                                          rd.preempted_file(attempt, rank)))
+    return any(
+        path.exists()
+        for path in (rd.result_file(attempt, rank), rd.error_file(attempt, rank), rd.preempted_file(attempt, rank))
+    )
 
 
 if __name__ == "__main__":

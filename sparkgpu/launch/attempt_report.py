@@ -90,7 +90,11 @@ class AttemptReport:
         """The report in ``attempt_dir``; ``None`` when the backend wrote none (or it is unreadable)."""
         try:
             data = json.loads((Path(attempt_dir) / REPORT_FILE).read_text())
-            return cls(attempt=data["attempt"], nodes=[NodeReport(**n) for n in data.get("nodes", ())],
-                       notes=list(data.get("notes", ())), lost_at=data.get("lost_at"))
+            return cls(
+                attempt=data["attempt"],
+                nodes=[NodeReport(**n) for n in data.get("nodes", ())],
+                notes=list(data.get("notes", ())),
+                lost_at=data.get("lost_at"),
+            )
         except (OSError, ValueError, KeyError, TypeError):  # none written (written atomically: never half)
             return None

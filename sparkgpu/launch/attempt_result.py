@@ -58,9 +58,15 @@ class AttemptResult:
         return self.exceptions.get(first_failure(self.failures).rank)
 
 
-
-def read_attempt(rd: RunDir, attempt: int, world_size: int, policy, *, stopped_by: StoppedBy | None = None,
-                 saved_checkpoint: Callable[[], bool] | None = None) -> AttemptResult:
+def read_attempt(
+    rd: RunDir,
+    attempt: int,
+    world_size: int,
+    policy,
+    *,
+    stopped_by: StoppedBy | None = None,
+    saved_checkpoint: Callable[[], bool] | None = None,
+) -> AttemptResult:
     """How attempt ``attempt`` ended, from what its ranks, launchers and backend left in the run dir.
 
     Args:
@@ -109,17 +115,30 @@ def read_attempt(rd: RunDir, attempt: int, world_size: int, policy, *, stopped_b
             continue  # torn down after another rank failed: not a failure of its own
         if stopped_by and info.exitcode in (-signal.SIGTERM, -signal.SIGKILL):
             continue  # the supervisor stopped it (cap or policy): judged below
-        failures.append(RankFailure(
-            rank, None, _describe_exit(info), exitcode=info.exitcode, log_tail=rd.log_tail(attempt, rank),
-            timestamp=info.time,  # when it exited: a quiet exit is the cause of its peers' errors
-        ))
+        failures.append(
+            RankFailure(
+                rank,
+                None,
+                _describe_exit(info),
+                exitcode=info.exitcode,
+                log_tail=rd.log_tail(attempt, rank),
+                timestamp=info.time,  # when it exited: a quiet exit is the cause of its peers' errors
+            )
+        )
     if report is not None and report.lost:
         # The lost node's ranks are silent; the others' errors (a peer left the collective) follow from it.
-        lost = [RankFailure(rank, None, f"{node.where} was lost: {node.cause}", timestamp=report.lost_at)
-                for node in report.lost for rank in node.ranks]
+        lost = [
+            RankFailure(rank, None, f"{node.where} was lost: {node.cause}", timestamp=report.lost_at)
+            for node in report.lost
+            for rank in node.ranks
+        ]
         lost_ranks = {f.rank for f in lost}
-        return AttemptResult(AttemptStatus.FAILED, failures=lost + [f for f in failures if f.rank not in lost_ranks],
-                             exceptions=exceptions, report=report)
+        return AttemptResult(
+            AttemptStatus.FAILED,
+            failures=lost + [f for f in failures if f.rank not in lost_ranks],
+            exceptions=exceptions,
+            report=report,
+        )
     if failures:
         return AttemptResult(AttemptStatus.FAILED, failures=failures, exceptions=exceptions, report=report)
     if len(results) == world_size:
@@ -134,30 +153,50 @@ def read_attempt(rd: RunDir, attempt: int, world_size: int, policy, *, stopped_b
         if stopped_by is StoppedBy.POLICY:
             return AttemptResult(AttemptStatus.STOPPED)
         message = _not_checkpointed_message(policy)
-        return AttemptResult(AttemptStatus.FAILED, failures=[
-            RankFailure(r, None, message, log_tail=rd.log_tail(attempt, r))
-            for r in range(world_size) if r not in results
-        ])
+        return AttemptResult(
+            AttemptStatus.FAILED,
+            failures=[
+                RankFailure(r, None, message, log_tail=rd.log_tail(attempt, r))
+                for r in range(world_size)
+                if r not in results
+            ],
+        )
     missing = silent or list(range(world_size))
     if rd.node_exit_files(attempt):
         # Launchers recorded the attempt but no exit of these ranks: an exit with code 0
         # that could not be watched, or a node whose launcher was lost.
-        return AttemptResult(AttemptStatus.FAILED, failures=[
-            RankFailure(r, None, "the process ended without returning a result or raising an exception, and "
-                        "its launcher recorded no failure for it (an exit with code 0, as after os._exit(0), "
-                        "or its node's launcher was lost)", log_tail=rd.log_tail(attempt, r))
-            for r in missing
-        ])
+        return AttemptResult(
+            AttemptStatus.FAILED,
+            failures=[
+                RankFailure(
+                    r,
+                    None,
+                    "the process ended without returning a result or raising an exception, and "
+                    "its launcher recorded no failure for it (an exit with code 0, as after os._exit(0), "
+                    "or its node's launcher was lost)",
+                    log_tail=rd.log_tail(attempt, r),
+                )
+                for r in missing
+            ],
+        )
     # No launcher recorded anything: it failed itself (bad interpreter, port clash, ...).
     agent_log = rd.agent_log(attempt, 0)
     tail = "\n".join(agent_log.read_text(errors="replace").splitlines()[-30:]) if agent_log.exists() else ""
     if report is not None and report.notes:  # what the backend knows that no launcher could write
         tail = "\n".join([*(f"sparkgpu: {note}" for note in report.notes), tail])
-    return AttemptResult(AttemptStatus.FAILED, failures=[
-        RankFailure(r, None, "the rank never reported a result: its node's launcher ended without recording "
-                    "how its ranks ended (the launcher's log is below)", log_tail=tail)
-        for r in missing
-    ])
+    return AttemptResult(
+        AttemptStatus.FAILED,
+        failures=[
+            RankFailure(
+                r,
+                None,
+                "the rank never reported a result: its node's launcher ended without recording "
+                "how its ranks ended (the launcher's log is below)",
+                log_tail=tail,
+            )
+            for r in missing
+        ],
+    )
 
 
 def _not_checkpointed_message(policy) -> str:
@@ -175,6 +214,8 @@ def _describe_exit(info: RankExit) -> str:
     if info.signal:
         return f"the process died from signal {info.signal} (exit code {info.exitcode}) without a Python exception"
     if info.exitcode == 0:
-        return ("the process exited with code 0 without returning a result or raising an exception "
-                "(os._exit(0), or a library that calls exit(0))")
+        return (
+            "the process exited with code 0 without returning a result or raising an exception "
+            "(os._exit(0), or a library that calls exit(0))"
+        )
     return f"the process exited with code {info.exitcode} without a Python exception"

@@ -11,8 +11,11 @@ __all__ = ["register_resume", "register_cancel", "register_pool"]
 def register_resume(subparsers) -> None:
     p = subparsers.add_parser("resume", help="continue a job whose client died, from its latest checkpoint")
     p.add_argument("job_id")
-    p.add_argument("--force", action="store_true",
-                   help="resume even though the job's client seems alive (it no longer drives the job)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="resume even though the job's client seems alive (it no longer drives the job)",
+    )
     p.set_defaults(handler=cmd_resume)
 
 
@@ -62,7 +65,9 @@ def cmd_pool(args) -> int:
         print("no warm pool is running (set SPARKGPU_WARM_POOL=1 to use one)")
     else:
         started = _dt.datetime.fromtimestamp(info["started_at"]).strftime("%Y-%m-%d %H:%M:%S")
-        print(f"warm pool pid {info['pid']} ({info['python']}), started {started}, "
-              f"{info['jobs_run']} jobs run, {len(info['running_jobs'])} running, "
-              f"stops after {info['idle_timeout']:g}s idle")
+        print(
+            f"warm pool pid {info['pid']} ({info['python']}), started {started}, "
+            f"{info['jobs_run']} jobs run, {len(info['running_jobs'])} running, "
+            f"stops after {info['idle_timeout']:g}s idle"
+        )
     return 0

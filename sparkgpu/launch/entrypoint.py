@@ -149,9 +149,14 @@ def main(run_dir: str, env_error: BaseException | None = None) -> int:
         return EXIT_FAILED
 
     ctx = WorkerContext(
-        job_id=spec["job_id"], run_dir=str(rd.path), attempt=attempt, rank=rank,
-        local_rank=runtime.get_local_rank(), world_size=runtime.get_world_size(),
-        node_rank=runtime.get_node_rank(), device=str(runtime.device()),
+        job_id=spec["job_id"],
+        run_dir=str(rd.path),
+        attempt=attempt,
+        rank=rank,
+        local_rank=runtime.get_local_rank(),
+        world_size=runtime.get_world_size(),
+        node_rank=runtime.get_node_rank(),
+        device=str(runtime.device()),
     )
     error: BaseException | None = None
     try:

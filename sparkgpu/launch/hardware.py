@@ -38,7 +38,8 @@ def _warn_unknown_device(name: str) -> None:
         f"this host's GPU {name!r} is not in sparkgpu's GPU catalog ({known}): a job that leaves gpu_type unset "
         "runs on it but its usage is priced at the rate card's default rate, $0 per GPU-hour unless "
         "SPARKGPU_USAGE_RATES sets one (e.g. 'default=2.5'), and a gpu_type= cannot be checked against it",
-        UnknownGPUWarning, stacklevel=3,
+        UnknownGPUWarning,
+        stacklevel=3,
     )
 
 
@@ -99,9 +100,7 @@ def parse_simulated(value: str) -> HostGPUs:
     except ValueError:
         n = -1
     if n < 1:
-        raise ConfigurationError(
-            f"SPARKGPU_SIMULATE_GPUS={value!r} must look like TYPE:COUNT, e.g. H100:8"
-        )
+        raise ConfigurationError(f"SPARKGPU_SIMULATE_GPUS={value!r} must look like TYPE:COUNT, e.g. H100:8")
     gpu = lookup_gpu_type(type_name)
     return HostGPUs(names=(gpu.name,) * n, addresses=tuple(str(i) for i in range(n)), simulated=True)
 
@@ -145,7 +144,10 @@ def _from_nvidia_smi() -> list[tuple[str, str, float | None]]:
     try:
         out = subprocess.run(
             [exe, "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=20, check=True,
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
         ).stdout
     except (subprocess.SubprocessError, OSError):
         return []
@@ -176,5 +178,8 @@ def detect_host_gpus(simulate: str | None = None) -> HostGPUs:
     visible = set(_visible([index for index, _, _ in devices]))
     devices = [device for device in devices if device[0] in visible]
     memory = tuple(m for _, _, m in devices if m is not None)
-    return HostGPUs(names=tuple(n for _, n, _ in devices), addresses=tuple(i for i, _, _ in devices),
-                    memory_gb=memory if len(memory) == len(devices) else ())
+    return HostGPUs(
+        names=tuple(n for _, n, _ in devices),
+        addresses=tuple(i for i, _, _ in devices),
+        memory_gb=memory if len(memory) == len(devices) else (),
+    )

@@ -68,4 +68,7 @@ def rank_secrets(key: bytes, environ) -> dict[str, str]:
 
     if environ.get("RAY_AUTH_MODE") or environ.get("RAY_AUTH_TOKEN") or environ.get("RAY_AUTH_TOKEN_PATH"):
         return {}
-    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": hmac.new(key, b"sparkgpu ray token", hashlib.sha256).hexdigest()}
+    return {
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": hmac.new(key, b"sparkgpu ray token", hashlib.sha256).hexdigest(),
+    }

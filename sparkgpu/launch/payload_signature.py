@@ -54,7 +54,7 @@ def verify_payload(run_dir, key):
             with open(os.path.join(run_dir, name), "rb") as f:
                 files[name] = f.read()
         names = list(SIGNED_CORE) + sorted(json.loads(files["spec.json"]).get("signed_files", []))
-        for name in names[len(SIGNED_CORE):]:
+        for name in names[len(SIGNED_CORE) :]:
             with open(os.path.join(run_dir, name), "rb") as f:
                 files[name] = f.read()
         with open(os.path.join(run_dir, SIGNATURE_FILE), "rb") as f:

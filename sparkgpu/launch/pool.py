@@ -147,7 +147,10 @@ def ensure_pool(python: str, idle_timeout: float) -> Path:
     log = open(directory / "pool.log", "ab")
     subprocess.Popen(
         [python, "-m", "sparkgpu.launch.pool_zygote", str(directory), str(idle_timeout), fingerprint],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     log.close()
@@ -246,8 +249,14 @@ def run_on_zygote(directory: Path, job, run_dir, attempt: int, env: dict[str, st
     full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
     # The zygote's torch was imported without these: the forked ranks apply them themselves.
     full_env.update(rank_thread_env(full_env, threads_per_rank(job.world_size)))
-    request = {"op": "run", "run_dir": str(run_dir.path), "attempt": attempt, "nproc": job.world_size,
-               "env": full_env, "grace": job.policy.shutdown_grace}
+    request = {
+        "op": "run",
+        "run_dir": str(run_dir.path),
+        "attempt": attempt,
+        "nproc": job.world_size,
+        "env": full_env,
+        "grace": job.policy.shutdown_grace,
+    }
     conn.sendall((json.dumps(request) + "\n").encode())
     if not _read_line(conn):  # {"started": true} when the ranks were forked
         conn.close()
@@ -294,7 +303,10 @@ class Standby:
         with open(self.directory / "pool.log", "ab") as log:
             self.process = subprocess.Popen(
                 [python, "-m", "sparkgpu.launch.pool_zygote", str(self.directory), "inf", "", "standby"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
 

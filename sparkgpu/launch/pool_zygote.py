@@ -93,8 +93,14 @@ def _fork_rank(run_dir: RunDir, air: bytes, env: dict[str, str], rank: int, npro
         os.environ.clear()
         os.environ.update(env)
         os.environ.update(
-            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-            GROUP_RANK="0", ROLE_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(nproc),
+            LOCAL_WORLD_SIZE=str(nproc),
+            GROUP_RANK="0",
+            ROLE_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
             TORCHELASTIC_USE_AGENT_STORE="True",  # the pool's store child serves it, as torch's agent would
         )
         # As `python -c <text> RUN_DIR` on the agent's path: the file could be swapped after the check.
@@ -120,9 +126,15 @@ class _Zygote:
         self.jobs_run = 0
 
     def info(self) -> dict:
-        return {"pid": os.getpid(), "python": sys.executable, "started_at": self.started,
-                "idle_timeout": self.idle_timeout, "jobs_run": self.jobs_run, "code": self.fingerprint,
-                "running_jobs": [j.run_dir.job_id for j in self.jobs]}
+        return {
+            "pid": os.getpid(),
+            "python": sys.executable,
+            "started_at": self.started,
+            "idle_timeout": self.idle_timeout,
+            "jobs_run": self.jobs_run,
+            "code": self.fingerprint,
+            "running_jobs": [j.run_dir.job_id for j in self.jobs],
+        }
 
     def write_info(self) -> None:
         atomic_write_bytes(self.directory / "pool.json", json.dumps(self.info()).encode())
@@ -303,14 +315,20 @@ class _Zygote:
                 # As torch's agent does: one rank failed, so the others are torn down.
                 self._kill(job, signal.SIGTERM)
                 job.stopping_since = time.monotonic()
-            if job.crashed_at is None and any(code not in (0, EXIT_PREEMPTED, -signal.SIGTERM)
-                                              for code in job.exits.values()):
+            if job.crashed_at is None and any(
+                code not in (0, EXIT_PREEMPTED, -signal.SIGTERM) for code in job.exits.values()
+            ):
                 job.crashed_at = time.monotonic()
             if job.crashed_at is not None and time.monotonic() - job.crashed_at > CRASH_KILL_DELAY:
                 # As the node agent does (rank_exits): a peer that turned SIGTERM into a checkpoint
                 # request can only wait for the crashed rank; ranks that clean up keep the grace.
-                self._kill(job, signal.SIGKILL, only=lambda rank, job=job: job.run_dir.file(
-                    RunLayout.checkpoints_on_sigterm(job.attempt, rank)).exists())
+                self._kill(
+                    job,
+                    signal.SIGKILL,
+                    only=lambda rank, job=job: job.run_dir.file(
+                        RunLayout.checkpoints_on_sigterm(job.attempt, rank)
+                    ).exists(),
+                )
             if job.stopping_since is not None and time.monotonic() - job.stopping_since > job.grace:
                 self._kill(job, signal.SIGKILL)
             if len(job.exits) == len(job.pids):
@@ -324,7 +342,8 @@ class _Zygote:
         os.waitpid(job.store_pid, 0)
         failures = {
             rank: RankExit(code, signal=signal.Signals(-code).name if code < 0 else None, time=job.exit_times.get(rank))
-            for rank, code in job.exits.items() if code != 0 or rank in job.quiet
+            for rank, code in job.exits.items()
+            if code != 0 or rank in job.quiet
         }
         # Ranks killed by the teardown are not failures of their own.
         failures = {k: v for k, v in failures.items() if v.exitcode != -signal.SIGTERM} or failures

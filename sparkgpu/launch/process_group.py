@@ -68,8 +68,10 @@ class RankProcessGroup:
             return
         for name in _PATCHED:
             self._originals[name] = getattr(c10d, name)
-        replacements = {"init_process_group": self._init_process_group,
-                        "destroy_process_group": self._destroy_process_group}
+        replacements = {
+            "init_process_group": self._init_process_group,
+            "destroy_process_group": self._destroy_process_group,
+        }
         for module in (dist, c10d):
             for name, replacement in replacements.items():
                 setattr(module, name, replacement)
@@ -103,25 +105,41 @@ class RankProcessGroup:
             self._originals.clear()
 
     # -- the replacements -----------------------------------------------------------------
-    def _init_process_group(self, backend=None, init_method=None, timeout=None, world_size=-1, rank=-1,
-                            store=None, group_name="", pg_options=None, device_id=None, **kwargs):
+    def _init_process_group(
+        self,
+        backend=None,
+        init_method=None,
+        timeout=None,
+        world_size=-1,
+        rank=-1,
+        store=None,
+        group_name="",
+        pg_options=None,
+        device_id=None,
+        **kwargs,
+    ):
         import torch.distributed as dist
 
         if not dist.is_initialized():  # user code before the job's group exists: torch's own call
             return self._original("init_process_group")(
-                backend, init_method, timeout, world_size, rank, store, group_name, pg_options, device_id, **kwargs)
+                backend, init_method, timeout, world_size, rank, store, group_name, pg_options, device_id, **kwargs
+            )
         self._check_backend(backend)
         for name, asked, actual in (("world_size", world_size, dist.get_world_size()), ("rank", rank, dist.get_rank())):
             if asked not in (-1, None) and int(asked) != actual:
                 raise ConfigurationError(
                     f"init_process_group({name}={asked}) inside a sparkgpu job whose process group is already set "
                     f"up with {name} {actual}: leave {name} out (the job sets RANK, WORLD_SIZE and LOCAL_RANK like "
-                    "torchrun), or ask the job for the number of GPUs your code expects")
+                    "torchrun), or ask the job for the number of GPUs your code expects"
+                )
         self.destroy_deferred = False
         if not self._reuse_logged:
             self._reuse_logged = True
-            _logger.debug("init_process_group(%r) inside a sparkgpu rank: reusing the job's %s process group",
-                          backend, dist.get_backend())
+            _logger.debug(
+                "init_process_group(%r) inside a sparkgpu rank: reusing the job's %s process group",
+                backend,
+                dist.get_backend(),
+            )
         return None  # as torch's own init_process_group
 
     def _check_backend(self, backend) -> None:
@@ -134,16 +152,24 @@ class RankProcessGroup:
         if self.device is None and "nccl" in asked and have == {"gloo"}:
             if not self._nccl_warned:
                 self._nccl_warned = True
-                warnings.warn("init_process_group('nccl') on a CPU rank: the job's process group uses 'gloo', which "
-                              "the call gets instead", RuntimeWarning, stacklevel=3)
+                warnings.warn(
+                    "init_process_group('nccl') on a CPU rank: the job's process group uses 'gloo', which "
+                    "the call gets instead",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
             asked = (asked - {"nccl"}) | {"gloo"}
         if not asked <= have:
-            hint = (" For collectives on CPU tensors in a GPU job, make a subgroup: dist.new_group(backend='gloo')."
-                    if "gloo" in asked and "nccl" in have else "")
+            hint = (
+                " For collectives on CPU tensors in a GPU job, make a subgroup: dist.new_group(backend='gloo')."
+                if "gloo" in asked and "nccl" in have
+                else ""
+            )
             raise ConfigurationError(
                 f"init_process_group({backend!r}) inside a sparkgpu job whose process group is already set up with "
                 f"{dist.get_backend_config()!r}: call init_process_group() without a backend, or with "
-                f"{dist.get_backend()!r}.{hint}")
+                f"{dist.get_backend()!r}.{hint}"
+            )
 
     def _destroy_process_group(self, group=None):
         import torch.distributed as dist

@@ -66,8 +66,17 @@ import dataclasses
 import enum
 from typing import Any, TypedDict
 
-__all__ = ["JobStatus", "AttemptStatus", "ListedStatus", "NodeState", "NodeExit", "RankExit",
-           "JobState", "AttemptRecord", "ClientInfo"]
+__all__ = [
+    "JobStatus",
+    "AttemptStatus",
+    "ListedStatus",
+    "NodeState",
+    "NodeExit",
+    "RankExit",
+    "JobState",
+    "AttemptRecord",
+    "ClientInfo",
+]
 
 
 class _StrEnum(str, enum.Enum):
@@ -222,8 +231,11 @@ class NodeExit:
     refused: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        data: dict[str, Any] = {"node_rank": self.node_rank, "status": self.status,
-                                "failures": {str(rank): f.to_json() for rank, f in self.failures.items()}}
+        data: dict[str, Any] = {
+            "node_rank": self.node_rank,
+            "status": self.status,
+            "failures": {str(rank): f.to_json() for rank, f in self.failures.items()},
+        }
         if self.refused is not None:
             data["refused"] = self.refused
         return data
@@ -231,6 +243,9 @@ class NodeExit:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> NodeExit:
         """Reads a record; the fields an older or a partial writer left out take their defaults."""
-        return cls(node_rank=data.get("node_rank", -1), status=data.get("status", 0),
-                   failures={int(rank): RankExit.from_json(f) for rank, f in data.get("failures", {}).items()},
-                   refused=data.get("refused"))
+        return cls(
+            node_rank=data.get("node_rank", -1),
+            status=data.get("status", 0),
+            failures={int(rank): RankExit.from_json(f) for rank, f in data.get("failures", {}).items()},
+            refused=data.get("refused"),
+        )

@@ -56,8 +56,14 @@ class RankExitWatcher:
         quiet: Ranks that exited with code 0 without reporting anything, in exit order.
     """
 
-    def __init__(self, run_id: str, reported: Callable[[int], bool], poll_interval: float = 0.05,
-                 crash_kill_delay: float = CRASH_KILL_DELAY, checkpoints_on_sigterm: Callable[[int], bool] = lambda rank: True):
+    def __init__(
+        self,
+        run_id: str,
+        reported: Callable[[int], bool],
+        poll_interval: float = 0.05,
+        crash_kill_delay: float = CRASH_KILL_DELAY,
+        checkpoints_on_sigterm: Callable[[int], bool] = lambda rank: True,
+    ):
         self.run_id = run_id
         self.reported = reported
         self.checkpoints_on_sigterm = checkpoints_on_sigterm
@@ -113,8 +119,11 @@ class RankExitWatcher:
         if info is None:
             return
         exited = info.si_code == os.CLD_EXITED
-        record = RankExit(info.si_status if exited else -info.si_status,
-                          signal=None if exited else signal.Signals(info.si_status).name, time=time.time())
+        record = RankExit(
+            info.si_status if exited else -info.si_status,
+            signal=None if exited else signal.Signals(info.si_status).name,
+            time=time.time(),
+        )
         self.exits[rank] = record
         if exited and info.si_status == 0 and not self.reported(rank):
             self.quiet.append(rank)

@@ -24,8 +24,14 @@ import socket
 
 from sparkgpu._report import report
 
-__all__ = ["listening_socket", "route_interface", "collective_interface_env", "register", "serve_store",
-           "RENDEZVOUS_BACKEND"]
+__all__ = [
+    "listening_socket",
+    "route_interface",
+    "collective_interface_env",
+    "register",
+    "serve_store",
+    "RENDEZVOUS_BACKEND",
+]
 
 RENDEZVOUS_BACKEND = "sparkgpu-static"
 _registered = False
@@ -100,14 +106,27 @@ def register() -> None:
                 from torch.distributed import TCPStore
 
                 self._listener = listening_socket(self.master_addr, self.master_port)
-                self._store = TCPStore(self.master_addr, self.master_port, self.world_size, True, self.timeout,
-                                       multi_tenant=True, master_listen_fd=self._listener.fileno())
+                self._store = TCPStore(
+                    self.master_addr,
+                    self.master_port,
+                    self.world_size,
+                    True,
+                    self.timeout,
+                    multi_tenant=True,
+                    master_listen_fd=self._listener.fileno(),
+                )
             return super().next_rendezvous()
 
     def create(params):
         static = create_rdzv_handler(params)  # torch's checks and parsing of the parameters
-        return BoundStaticRendezvous(static.master_addr, static.master_port, static.rank, static.world_size,
-                                     static.run_id, int(static.timeout.total_seconds()))
+        return BoundStaticRendezvous(
+            static.master_addr,
+            static.master_port,
+            static.rank,
+            static.world_size,
+            static.run_id,
+            int(static.timeout.total_seconds()),
+        )
 
     global _registered
     if not _registered:
@@ -127,8 +146,9 @@ def serve_store(listener: socket.socket, world_size: int) -> None:
         from torch.distributed import TCPStore
 
         host, port = listener.getsockname()[:2]
-        store = TCPStore(host, port, world_size, True, wait_for_workers=False, multi_tenant=True,
-                         master_listen_fd=listener.fileno())
+        store = TCPStore(
+            host, port, world_size, True, wait_for_workers=False, multi_tenant=True, master_listen_fd=listener.fileno()
+        )
         signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
         while store is not None:  # the store serves from its own thread; SIGTERM ends the process
             signal.pause()

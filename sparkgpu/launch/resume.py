@@ -90,8 +90,10 @@ def find_run_dir(job_id: str) -> RunDir:
     if len(matches) == 1:
         return RunDir(matches[0])
     if not matches:
-        raise ConfigurationError(f"no job {job_id!r} under {root}; `sparkgpu jobs` lists the jobs there "
-                                 "(set SPARKGPU_STAGING_ROOT if they were staged elsewhere)")
+        raise ConfigurationError(
+            f"no job {job_id!r} under {root}; `sparkgpu jobs` lists the jobs there "
+            "(set SPARKGPU_STAGING_ROOT if they were staged elsewhere)"
+        )
     names = ", ".join(m.name for m in matches[:5])
     raise ConfigurationError(f"{job_id!r} matches {len(matches)} jobs ({names}, ...); give more of the id")
 

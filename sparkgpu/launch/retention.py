@@ -59,8 +59,9 @@ def _verdict(run_dir: Path, state: dict, now: float, max_age: float | None) -> t
     return False, too_old  # staged and never started (a dry run, or a launch that died early)
 
 
-def prune_runs(config: Settings | None = None, *, keep: str | None = None, now: float | None = None,
-               wait: bool = False) -> list[str]:
+def prune_runs(
+    config: Settings | None = None, *, keep: str | None = None, now: float | None = None, wait: bool = False
+) -> list[str]:
     """Removes the run dirs that ``SPARKGPU_KEEP_RUNS`` no longer keeps.
 
     Args:
@@ -116,7 +117,7 @@ def _hide(run_dir: Path) -> bool:
 
 def _delete(hidden_dirs: list[Path], config: Settings) -> None:
     for hidden in hidden_dirs:
-        job_id = hidden.name[1:-len(".removing")]
+        job_id = hidden.name[1 : -len(".removing")]
         shutil.rmtree(hidden, onerror=_report)
         (config.home / "keys" / job_id).unlink(missing_ok=True)
         if config.staging_url:

@@ -170,8 +170,14 @@ class RunDir:
         return found
 
     # -- writing (client) ---------------------------------------------------------------
-    def create(self, spec_dict: dict, payload: bytes, key: bytes, sys_path: list[str],
-               extra_files: dict[str, bytes] | None = None) -> None:
+    def create(
+        self,
+        spec_dict: dict,
+        payload: bytes,
+        key: bytes,
+        sys_path: list[str],
+        extra_files: dict[str, bytes] | None = None,
+    ) -> None:
         """Creates the run dir: the entrypoint, spec, payload and extra files, then the signature
         over all of them. ("Staging" in this package means the environment's upload and the
         staging store that mirrors run dirs; writing a run dir is creating it.)"""
@@ -180,9 +186,13 @@ class RunDir:
             spec_dict = {**spec_dict, "signed_files": sorted(extra_files)}
         self.path.mkdir(parents=True, exist_ok=False)
         self.checkpoints.mkdir()
-        air = AIR_TEMPLATE.format(job_id=spec_dict["job_id"], sys_path=sys_path, verifier=verifier_source(),
-                                  env_report=RunLayout.env_report("{attempt}", "{rank}"),
-                                  rank_log=RunLayout.rank_log("{attempt}", "{rank}")).encode()
+        air = AIR_TEMPLATE.format(
+            job_id=spec_dict["job_id"],
+            sys_path=sys_path,
+            verifier=verifier_source(),
+            env_report=RunLayout.env_report("{attempt}", "{rank}"),
+            rank_log=RunLayout.rank_log("{attempt}", "{rank}"),
+        ).encode()
         spec = json.dumps(spec_dict, indent=2, sort_keys=True).encode()
         atomic_write_bytes(self.air, air)
         atomic_write_bytes(self.spec_file, spec)
@@ -281,9 +291,9 @@ class RunDir:
         if size < 0 or not data.startswith(_SIGNED_MAGIC):
             problem = "is not signed"
         else:
-            body = memoryview(data)[len(_SIGNED_MAGIC):len(_SIGNED_MAGIC) + size]
+            body = memoryview(data)[len(_SIGNED_MAGIC) : len(_SIGNED_MAGIC) + size]
             mac.update(body)
-            if hmac.compare_digest(mac.digest(), data[-mac.digest_size:]):
+            if hmac.compare_digest(mac.digest(), data[-mac.digest_size :]):
                 return body
             problem = "does not match its signature"
         raise PayloadSignatureError(
@@ -293,8 +303,9 @@ class RunDir:
         )
 
     def write_result(self, attempt: int, rank: int, value: Any) -> None:
-        self._write_signed(self.result_file(attempt, rank), "result", attempt, rank,
-                           lambda f: dump_result(value, f, rank))
+        self._write_signed(
+            self.result_file(attempt, rank), "result", attempt, rank, lambda f: dump_result(value, f, rank)
+        )
 
     def write_error(self, attempt: int, rank: int, exc: BaseException) -> None:
         data = serialize_error(rank, exc)

@@ -28,8 +28,15 @@ import cloudpickle
 
 from sparkgpu.errors import RankFailure, SerializationError
 
-__all__ = ["serialize_payload", "add_keyword_arguments", "unpack_payload", "dump_result", "serialize_error",
-           "deserialize_error", "client_sys_path"]
+__all__ = [
+    "serialize_payload",
+    "add_keyword_arguments",
+    "unpack_payload",
+    "dump_result",
+    "serialize_error",
+    "deserialize_error",
+    "client_sys_path",
+]
 
 
 _CLOUDPICKLE_CODE_REDUCE = cloudpickle.Pickler.dispatch_table[types.CodeType]

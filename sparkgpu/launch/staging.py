@@ -78,8 +78,9 @@ class StagingStore(Store):
     """
 
     def __init__(self, url: str, job_id: str, storage_options: dict | None = None):
-        super().__init__(f"{url.rstrip('/')}/{job_id}", storage_options, durable=False,
-                         what=f"the {scheme_of(url)}:// staging store")
+        super().__init__(
+            f"{url.rstrip('/')}/{job_id}", storage_options, durable=False, what=f"the {scheme_of(url)}:// staging store"
+        )
 
     def __repr__(self) -> str:
         return f"StagingStore({self.url!r})"
@@ -211,8 +212,9 @@ class ClientMirror:
 
     def start(self, attempt: int, interval: float = 1.0) -> None:
         """Syncs in a background thread every ``interval`` seconds until :meth:`finish`."""
-        self._loop = _Loop(lambda: self.sync(attempt), interval, f"sparkgpu-store-{self.run_dir.job_id}-{attempt}",
-                           self._report)
+        self._loop = _Loop(
+            lambda: self.sync(attempt), interval, f"sparkgpu-store-{self.run_dir.job_id}-{attempt}", self._report
+        )
 
     def finish(self, attempt: int, tries: int = 3) -> BaseException | None:
         """Stops the background sync and syncs once more (retried), for the results of a finished attempt.
@@ -261,8 +263,9 @@ class NodeMirror:
         out: Where sync failures are reported (the executor's stderr by default).
     """
 
-    def __init__(self, store: StagingStore, run_dir: RunDir, attempt: int, node: int, log_interval: float = 2.0,
-                 out=None):
+    def __init__(
+        self, store: StagingStore, run_dir: RunDir, attempt: int, node: int, log_interval: float = 2.0, out=None
+    ):
         self.store, self.run_dir, self.attempt, self.node = store, run_dir, attempt, node
         self.log_interval = log_interval
         self._lock = threading.Lock()
@@ -281,7 +284,9 @@ class NodeMirror:
         import json
 
         self.store.download(RunLayout.SPEC, self.run_dir.spec_file)
-        names = [n for n in RunLayout.payload_files(json.loads(self.run_dir.spec_file.read_text())) if n != RunLayout.SPEC]
+        names = [
+            n for n in RunLayout.payload_files(json.loads(self.run_dir.spec_file.read_text())) if n != RunLayout.SPEC
+        ]
         if self.store.exists(RunLayout.TRACKING_RUN):
             names.append(RunLayout.TRACKING_RUN)
         for rel in names:
@@ -294,8 +299,10 @@ class NodeMirror:
     def pull_control(self) -> None:
         """Fetches the client's new control files and the other nodes' exit files."""
         with self._lock:
-            listed = {**self.store.list(RunLayout.attempt(self.attempt), recursive=False),
-                      **self.store.list(RunLayout.spark(self.attempt), recursive=False)}
+            listed = {
+                **self.store.list(RunLayout.attempt(self.attempt), recursive=False),
+                **self.store.list(RunLayout.spark(self.attempt), recursive=False),
+            }
             wanted = set(RunLayout.control_files(self.attempt))
             own = RunLayout.node_exits(self.attempt, self.node)
             for rel, stamp in listed.items():
@@ -330,8 +337,10 @@ class NodeMirror:
         root = self.run_dir.path
         found = {}
         skip = set(RunLayout.control_files(self.attempt)) | set(self._pulled)
-        for folder, pattern in ((self.run_dir.attempt_dir(self.attempt), "*"),
-                                (self.run_dir.file(RunLayout.TRACKING_RECORDS), f"{RunLayout.tracking_records_of(self.attempt)}*")):
+        for folder, pattern in (
+            (self.run_dir.attempt_dir(self.attempt), "*"),
+            (self.run_dir.file(RunLayout.TRACKING_RECORDS), f"{RunLayout.tracking_records_of(self.attempt)}*"),
+        ):
             for path in folder.rglob(pattern) if folder.is_dir() else ():
                 rel = path.relative_to(root).as_posix()
                 if path.is_file() and rel not in skip and not _temporary(rel):
@@ -372,4 +381,3 @@ def _push_order(rel: str) -> int:
     if RunLayout.is_node_end_marker(rel):
         return 2
     return 1 if RunLayout.is_node_exits(rel) else 0
-

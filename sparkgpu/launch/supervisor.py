@@ -98,8 +98,16 @@ class Supervisor:
 
     failure_policy_cls = FailurePolicy
 
-    def __init__(self, job: JobSpec, run_dir: RunDir, backend, key: bytes,
-                 callbacks: Sequence[JobCallback] = (), out=None, layout=None):
+    def __init__(
+        self,
+        job: JobSpec,
+        run_dir: RunDir,
+        backend,
+        key: bytes,
+        callbacks: Sequence[JobCallback] = (),
+        out=None,
+        layout=None,
+    ):
         self.job = job
         self.run_dir = run_dir
         self.backend = backend
@@ -111,8 +119,13 @@ class Supervisor:
         #: Set (from any thread) to cancel the job; a CANCEL_REQUEST_FILE does the same from another process.
         self.cancel_event = threading.Event()
         self.state: JobState = {
-            "job_id": job.job_id, "status": JobStatus.PENDING.value, "backend": backend.name,
-            "attempts": [], "restarts": 0, "preemptions": 0, "created_at": time.time(),
+            "job_id": job.job_id,
+            "status": JobStatus.PENDING.value,
+            "backend": backend.name,
+            "attempts": [],
+            "restarts": 0,
+            "preemptions": 0,
+            "created_at": time.time(),
         }
 
     # -- state -------------------------------------------------------------------------
@@ -144,8 +157,11 @@ class Supervisor:
         job_started = time.monotonic()
         # Who drives the job: `sparkgpu jobs` shows a job whose client died as lost.
         # Its start time tells a recycled pid from the client itself.
-        self.state["client"] = {"host": socket.gethostname(), "pid": os.getpid(),
-                                "pid_started": psutil.Process().create_time()}
+        self.state["client"] = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "pid_started": psutil.Process().create_time(),
+        }
         # The first attempt's agent starts beside the callbacks (an MLflow run, a usage row);
         # its ranks wait for their variables, so no user code runs untracked.
         early = self._prestart() if self.callbacks else None
@@ -182,8 +198,11 @@ class Supervisor:
                     self.state["restarts"] += 1
                     self._save()
                     why = f": {outcome.lost}" if outcome.lost else ""
-                    report(f"attempt {attempt} failed{why}; restarting from the latest checkpoint "
-                           f"(restart {self.state['restarts']} of {self.job.policy.max_restarts})", self.out)
+                    report(
+                        f"attempt {attempt} failed{why}; restarting from the latest checkpoint "
+                        f"(restart {self.state['restarts']} of {self.job.policy.max_restarts})",
+                        self.out,
+                    )
                     continue
                 self._set_status(JobStatus.FAILED)
                 logs = self.run_dir.logs_dir(attempt)
@@ -209,10 +228,11 @@ class Supervisor:
         elif outcome.status is AttemptStatus.FAILED:
             what = f"stopped after its ranks failed (see {logs})"
         else:
-            what = (f"stopped (its ranks did not checkpoint when asked; work since the latest checkpoint "
-                    f"is lost, see {logs})")
-        return (f"job {job_id} {what}: {reason}; "
-                f"continue it with `sparkgpu resume {job_id}` once the policy allows")
+            what = (
+                f"stopped (its ranks did not checkpoint when asked; work since the latest checkpoint "
+                f"is lost, see {logs})"
+            )
+        return f"job {job_id} {what}: {reason}; continue it with `sparkgpu resume {job_id}` once the policy allows"
 
     def _prestart(self):
         """The next attempt's agent, started ahead of its environment, or ``None`` where the backend cannot."""
@@ -243,8 +263,13 @@ class Supervisor:
     def _run_attempt(self, attempt: int, job_started: float, early=None) -> AttemptResult:
         submitted = time.time()
         # started_at: when the ranks started, the start of the billed time and of the cap.
-        record: AttemptRecord = {"attempt": attempt, "submitted_at": submitted, "started_at": None,
-                                 "ended_at": None, "status": AttemptStatus.RUNNING.value}
+        record: AttemptRecord = {
+            "attempt": attempt,
+            "submitted_at": submitted,
+            "started_at": None,
+            "ended_at": None,
+            "status": AttemptStatus.RUNNING.value,
+        }
         self.state["attempts"].append(record)
         self._set_status(JobStatus.RUNNING)
         handle = streamer = None
@@ -263,8 +288,14 @@ class Supervisor:
             streamer = LogStreamer(self.run_dir, attempt, self.job.world_size, self.job.log_ranks, self.out)
             code, stopped_by = self._watch(attempt, handle, streamer, record, job_started)
             streamer.finish()
-            outcome = read_attempt(self.run_dir, attempt, self.job.world_size, self.job.policy, stopped_by=stopped_by,
-                                   saved_checkpoint=lambda: self._latest_checkpoint() != checkpoint_before)
+            outcome = read_attempt(
+                self.run_dir,
+                attempt,
+                self.job.world_size,
+                self.job.policy,
+                stopped_by=stopped_by,
+                saved_checkpoint=lambda: self._latest_checkpoint() != checkpoint_before,
+            )
             self._end_attempt(record, outcome.status, code, outcome)
             return outcome
         except KeyboardInterrupt:
@@ -297,8 +328,10 @@ class Supervisor:
             if self._cancel_requested():
                 self._abandon(record, handle, streamer, AttemptStatus.CANCELLED, None)
                 self._set_status(JobStatus.CANCELLED)
-                raise JobCancelledError(f"job {self.job.job_id} was cancelled; its ranks were stopped. Logs: "
-                                        f"{self.run_dir.attempt_dir(attempt) / 'logs'}")
+                raise JobCancelledError(
+                    f"job {self.job.job_id} was cancelled; its ranks were stopped. Logs: "
+                    f"{self.run_dir.attempt_dir(attempt) / 'logs'}"
+                )
             now = time.monotonic()
             if ranks_started is None and now >= next_start_check:
                 next_start_check = now + 1.0
@@ -322,15 +355,23 @@ class Supervisor:
             if stop_requested is not None and now - stop_requested > policy.checkpoint_grace:
                 # Ranks that never call should_checkpoint() would otherwise run on until the cap
                 # (7 days remotely). SIGTERM first: a Checkpointer takes it as a save request.
-                report(f"the ranks did not stop within checkpoint_grace ({policy.checkpoint_grace:g}s) "
-                       f"of the request; stopping them (SIGTERM, SIGKILL after {policy.shutdown_grace:g}s)", self.out)
+                report(
+                    f"the ranks did not stop within checkpoint_grace ({policy.checkpoint_grace:g}s) "
+                    f"of the request; stopping them (SIGTERM, SIGKILL after {policy.shutdown_grace:g}s)",
+                    self.out,
+                )
                 self.backend.cancel(handle, policy.shutdown_grace)
                 return None, StoppedBy.POLICY
             if policy.max_runtime is not None:
-                if not cap_signalled and self.backend.waits_for_resources and ran >= policy.max_runtime - policy.checkpoint_grace:
+                if (
+                    not cap_signalled
+                    and self.backend.waits_for_resources
+                    and ran >= policy.max_runtime - policy.checkpoint_grace
+                ):
                     cap_signalled = True
-                    self._ask_to_checkpoint(attempt, f"the runtime cap of {policy.max_runtime:g}s is "
-                                                     f"{policy.checkpoint_grace:g}s away")
+                    self._ask_to_checkpoint(
+                        attempt, f"the runtime cap of {policy.max_runtime:g}s is {policy.checkpoint_grace:g}s away"
+                    )
                 if ran > policy.max_runtime:
                     # Ranks had checkpoint_grace to checkpoint and stop; the cap is hard.
                     self.backend.cancel(handle, policy.shutdown_grace)
@@ -347,7 +388,9 @@ class Supervisor:
         """Records when the attempt's ranks started, once known; returns it on the monotonic clock."""
         started_at = record["started_at"]
         if started_at is None:
-            started = self.backend.ranks_started_at(handle) if self.backend.waits_for_resources else record["submitted_at"]
+            started = (
+                self.backend.ranks_started_at(handle) if self.backend.waits_for_resources else record["submitted_at"]
+            )
             if started is None:
                 return None
             started_at = record["started_at"] = min(started, time.time())
@@ -361,8 +404,14 @@ class Supervisor:
         if not stop_file.exists():  # a policy's reason, already there, says more
             atomic_write_bytes(stop_file, f"{why}\n".encode())
 
-    def _abandon(self, record: AttemptRecord, handle, streamer: LogStreamer | None, status: AttemptStatus,
-                 exc: BaseException | None) -> None:
+    def _abandon(
+        self,
+        record: AttemptRecord,
+        handle,
+        streamer: LogStreamer | None,
+        status: AttemptStatus,
+        exc: BaseException | None,
+    ) -> None:
         """Stops and ends an attempt that an exception interrupted, recording the exception as its cause."""
         cause = [f"{type(exc).__name__}: {exc}"] if exc is not None else []
         if handle is not None:
@@ -370,8 +419,10 @@ class Supervisor:
                 self.backend.cancel(handle, self.job.policy.shutdown_grace)
             except Exception as cancel_exc:  # the original error is what the caller must see
                 cause.append(f"stopping the ranks failed too: {type(cancel_exc).__name__}: {cancel_exc}")
-                report(f"could not stop attempt {record['attempt']}'s ranks ({cancel_exc}); "
-                       "they may still be running", self.out)
+                report(
+                    f"could not stop attempt {record['attempt']}'s ranks ({cancel_exc}); they may still be running",
+                    self.out,
+                )
             try:
                 self._ranks_started(handle, record)  # bill what ran before the error, if anything did
             except Exception as start_exc:
@@ -391,13 +442,23 @@ class Supervisor:
                 self.state["stop_reason"] = reason
                 self._save()
                 atomic_write_bytes(self.run_dir.attempt_dir(attempt) / runtime.STOP_FILE, (reason + "\n").encode())
-                report(f"asking every rank to checkpoint and stop within checkpoint_grace "
-                       f"({self.job.policy.checkpoint_grace:g}s): {reason}", self.out)
+                report(
+                    f"asking every rank to checkpoint and stop within checkpoint_grace "
+                    f"({self.job.policy.checkpoint_grace:g}s): {reason}",
+                    self.out,
+                )
                 return True
         return False
 
-    def _end_attempt(self, record: AttemptRecord, status: AttemptStatus, code: int | None, outcome: AttemptResult | None = None,
-                     cause: tuple[str, ...] | list[str] = (), error: BaseException | None = None):
+    def _end_attempt(
+        self,
+        record: AttemptRecord,
+        status: AttemptStatus,
+        code: int | None,
+        outcome: AttemptResult | None = None,
+        cause: tuple[str, ...] | list[str] = (),
+        error: BaseException | None = None,
+    ):
         cause = tuple(cause)
         ended_at = record["ended_at"] = time.time()
         record["status"] = status.value
@@ -412,20 +473,28 @@ class Supervisor:
             record["lost"] = [dataclasses.asdict(n) for n in outcome.report.lost]
             cause += (outcome.lost,)
         if outcome is not None and outcome.failures:
-            record["cause"] = (list(cause) + [f"rank {f.rank}: {f.exc_type or 'exit'}: {f.message}"
-                                              for f in outcome.failures])[:8]
+            record["cause"] = (
+                list(cause) + [f"rank {f.rank}: {f.exc_type or 'exit'}: {f.message}" for f in outcome.failures]
+            )[:8]
         elif cause:
             record["cause"] = list(cause)[:8]
         self._save()
         if error is None and outcome is not None:
             error = outcome.root_exception
         for callback in self.callbacks:
-            callback.after_attempt(self.job, AttemptOutcome(
-                attempt=record["attempt"], status=status.value, started_at=started_at,
-                ended_at=ended_at, gpus=self.job.resources.gpus,
-                gpu_type=self.job.resources.gpu_type or "", error=error,
-                cause=outcome.lost if outcome is not None else "",
-            ))
+            callback.after_attempt(
+                self.job,
+                AttemptOutcome(
+                    attempt=record["attempt"],
+                    status=status.value,
+                    started_at=started_at,
+                    ended_at=ended_at,
+                    gpus=self.job.resources.gpus,
+                    gpu_type=self.job.resources.gpu_type or "",
+                    error=error,
+                    cause=outcome.lost if outcome is not None else "",
+                ),
+            )
 
     # -- reading an attempt back -------------------------------------------------------
     def _latest_checkpoint(self) -> tuple[int, float] | None:
@@ -434,7 +503,10 @@ class Supervisor:
         try:
             info = CheckpointStore(directory).latest()
         except Exception as exc:  # unreadable (permissions, a store that is down: fsspec raises its own types)
-            report(f"cannot read the checkpoints in {directory} ({exc}); an attempt stopped "
-                   "at the runtime cap counts as preempted only if its ranks stop for a restart", self.out)
+            report(
+                f"cannot read the checkpoints in {directory} ({exc}); an attempt stopped "
+                "at the runtime cap counts as preempted only if its ranks stop for a restart",
+                self.out,
+            )
             return None
         return None if info is None else (info.step, info.created)

@@ -78,8 +78,13 @@ class RayLaunchFunction:
     cluster and returns its value. Built by :func:`ray_launch`.
     """
 
-    def __init__(self, fn: Callable, options: RayOptions, distributed_options: dict[str, Any],
-                 ray_arguments: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        fn: Callable,
+        options: RayOptions,
+        distributed_options: dict[str, Any],
+        ray_arguments: dict[str, Any] | None = None,
+    ):
         if not callable(fn):
             raise ConfigurationError(f"@ray_launch decorates a function, got {fn!r}")
         functools.update_wrapper(self, fn)
@@ -102,13 +107,22 @@ class RayLaunchFunction:
     def accelerator_type(self) -> str | None:
         return self.job.accelerator_type
 
-    def with_overrides(self, num_accelerators: int | None = None, accelerator_type: str | None = None,
-                       remote: bool | None = None, timeout=_UNSET, **options) -> "RayLaunchFunction":
+    def with_overrides(
+        self,
+        num_accelerators: int | None = None,
+        accelerator_type: str | None = None,
+        remote: bool | None = None,
+        timeout=_UNSET,
+        **options,
+    ) -> "RayLaunchFunction":
         """A new function with some settings changed (any :func:`ray_launch` argument); see
         :meth:`sparkgpu.DistributedFunction.with_overrides`."""
         overrides = dict(options)
-        for name, value in (("num_accelerators", num_accelerators), ("accelerator_type", accelerator_type),
-                            ("remote", remote)):
+        for name, value in (
+            ("num_accelerators", num_accelerators),
+            ("accelerator_type", accelerator_type),
+            ("remote", remote),
+        ):
             if value is not None:
                 overrides[name] = value
         if timeout is not _UNSET:
@@ -145,8 +159,10 @@ class RayLaunchFunction:
 
     def __repr__(self) -> str:
         r = self.job.resources
-        return (f"<ray_launch {self.job.name} gpus={r.gpus} gpu_type={r.gpu_type!r} remote={r.remote} "
-                f"ray_nodes={self.options.layout!r}>")
+        return (
+            f"<ray_launch {self.job.name} gpus={r.gpus} gpu_type={r.gpu_type!r} remote={r.remote} "
+            f"ray_nodes={self.options.layout!r}>"
+        )
 
     def _check_picklable(self) -> None:
         # The job pickles a partial around the function, whose errors cannot name the global
@@ -174,9 +190,17 @@ class RayLaunchFunction:
         return self.job.dryrun(*args, **kwargs)
 
 
-def ray_launch(num_accelerators: int | Callable | None = None, accelerator_type: str | None = None,
-               remote: bool = False, timeout=None, *, ray_nodes: str = "per_node", ray_start_timeout="5m",
-               metrics_interval="10s", **distributed_options):
+def ray_launch(
+    num_accelerators: int | Callable | None = None,
+    accelerator_type: str | None = None,
+    remote: bool = False,
+    timeout=None,
+    *,
+    ray_nodes: str = "per_node",
+    ray_start_timeout="5m",
+    metrics_interval="10s",
+    **distributed_options,
+):
     """Decorates a function so that ``fn.distributed(...)`` runs it as the driver of a Ray cluster.
 
     The cluster spans the ranks of a ``@distributed`` job: usable bare (``@ray_launch``) or
@@ -218,17 +242,24 @@ def ray_launch(num_accelerators: int | Callable | None = None, accelerator_type:
         raise ConfigurationError(f"ray_nodes={ray_nodes!r}: use one of {', '.join(map(repr, NODE_LAYOUTS))}")
     start_timeout = parse_duration(ray_start_timeout, name="ray_start_timeout")
     if start_timeout is None:  # the ranks would fail on it only once their Ray nodes start
-        raise ConfigurationError("ray_start_timeout=None: give how long one Ray node may take to start, "
-                                 "e.g. ray_start_timeout='5m'")
+        raise ConfigurationError(
+            "ray_start_timeout=None: give how long one Ray node may take to start, e.g. ray_start_timeout='5m'"
+        )
     options = RayOptions(ray_nodes, start_timeout, parse_duration(metrics_interval, name="metrics_interval"))
-    for name, value, default in (("num_accelerators", num_accelerators, None),
-                                 ("accelerator_type", accelerator_type, None), ("remote", remote, False),
-                                 ("timeout", timeout, None)):
+    for name, value, default in (
+        ("num_accelerators", num_accelerators, None),
+        ("accelerator_type", accelerator_type, None),
+        ("remote", remote, False),
+        ("timeout", timeout, None),
+    ):
         if value is not default:
             distributed_options[name] = value
     distributed(**distributed_options)  # validates every @distributed argument now, before any call
-    ray_arguments = {"ray_nodes": ray_nodes, "ray_start_timeout": ray_start_timeout,
-                     "metrics_interval": metrics_interval}
+    ray_arguments = {
+        "ray_nodes": ray_nodes,
+        "ray_start_timeout": ray_start_timeout,
+        "metrics_interval": metrics_interval,
+    }
 
     def wrap(f: Callable) -> RayLaunchFunction:
         return RayLaunchFunction(f, options, dict(distributed_options), ray_arguments)

@@ -128,8 +128,15 @@ class RayMetricsReporter:
         fetch: Reads one metrics URL (for tests of unreachable endpoints).
     """
 
-    def __init__(self, ray, write: Callable[[list], None], *, interval: float, started_at: float,
-                 fetch: Callable[[str], str] = _fetch):
+    def __init__(
+        self,
+        ray,
+        write: Callable[[list], None],
+        *,
+        interval: float,
+        started_at: float,
+        fetch: Callable[[str], str] = _fetch,
+    ):
         self.ray = ray
         self.write = write
         self.interval = max(float(interval), 0.1)
@@ -156,8 +163,12 @@ class RayMetricsReporter:
         self._thread = None
         self.sample()
         for node, error in sorted(self._silent.items()):
-            _logger.warning("sparkgpu: Ray's hardware metrics of %s never came (%s); they need Ray's metrics "
-                            "agent: `pip install 'ray[default]'` on the workers", node, error)
+            _logger.warning(
+                "sparkgpu: Ray's hardware metrics of %s never came (%s); they need Ray's metrics "
+                "agent: `pip install 'ray[default]'` on the workers",
+                node,
+                error,
+            )
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -91,8 +91,9 @@ class RayNode:
         keep_logs: Directory the node's Ray logs are copied into when it stops, if any.
     """
 
-    def __init__(self, command: list[str], env: dict[str, str], temp_dir: str, log_path: Path,
-                 keep_logs: Path | None = None):
+    def __init__(
+        self, command: list[str], env: dict[str, str], temp_dir: str, log_path: Path, keep_logs: Path | None = None
+    ):
         self.command = command
         self.env = env
         self.temp_dir = temp_dir
@@ -120,13 +121,20 @@ class RayNode:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                self.command, env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, preexec_fn=_die_with_parent_preexec(),
+                self.command,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_die_with_parent_preexec(),
             )
         self._watchdog = subprocess.Popen(
             [sys.executable, "-c", _WATCHDOG, str(self.process.pid), self.temp_dir, str(self.keep_logs or "")],
             stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
         address_file = Path(self.temp_dir) / ADDRESS_FILE
         deadline = time.monotonic() + timeout

@@ -34,12 +34,24 @@ NODE_LAYOUTS = ("per_node", "per_rank")
 # Variables torch's elastic agent sets for each rank. Ray's workers inherit the raylet's
 # environment; these would make every Ray task look like a torchrun rank (Lightning, for one,
 # detects torchelastic by them), so the raylets start without them.
-_RANK_ENV = frozenset({
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-    "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", runtime.ENV_GPU_ADDRESS,
-    NODE_DEVICES_ENV,  # the rank's node's devices; a raylet gets its own in CUDA_VISIBLE_DEVICES
-    "RAY_ADDRESS",
-})
+_RANK_ENV = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        runtime.ENV_GPU_ADDRESS,
+        NODE_DEVICES_ENV,  # the rank's node's devices; a raylet gets its own in CUDA_VISIBLE_DEVICES
+        "RAY_ADDRESS",
+    }
+)
 # Ray's own default share of available memory for the object store; split when several Ray
 # nodes share one host, so that they do not each claim it.
 _OBJECT_STORE_FRACTION = 0.3
@@ -74,8 +86,12 @@ class RankResources:
 
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         return cls(
-            rank=runtime.get_global_rank(), node_rank=runtime.get_node_rank(), hostname=socket.gethostname(),
-            cpus=cpus, gpu=runtime.gpu_address(), memory_available=psutil.virtual_memory().available,
+            rank=runtime.get_global_rank(),
+            node_rank=runtime.get_node_rank(),
+            hostname=socket.gethostname(),
+            cpus=cpus,
+            gpu=runtime.gpu_address(),
+            memory_available=psutil.virtual_memory().available,
         )
 
 
@@ -141,17 +157,21 @@ def plan_ray_nodes(ranks: list[RankResources], layout: str = "per_node") -> dict
             store = int(starter.memory_available * _OBJECT_STORE_FRACTION / sharing)
             memory = int(starter.memory_available * (1 - _OBJECT_STORE_FRACTION) / sharing)
         plan[starter.rank] = RayNodeSpec(
-            rank=starter.rank, head=starter.rank == 0, num_cpus=max(1, starter.cpus // sharing),
+            rank=starter.rank,
+            head=starter.rank == 0,
+            num_cpus=max(1, starter.cpus // sharing),
             devices=tuple(r.gpu for r in group if r.gpu is not None),
-            object_store_memory=store, memory=memory,
+            object_store_memory=store,
+            memory=memory,
         )
     if 0 not in plan:  # ranks are numbered node by node, so rank 0 always leads a group
         raise RayClusterError(f"no Ray head in the plan {sorted(plan)}; rank 0 must start the head")
     return plan
 
 
-def ray_start_command(spec: RayNodeSpec, temp_dir: str, head_address: str | None = None,
-                      python: str | None = None) -> list[str]:
+def ray_start_command(
+    spec: RayNodeSpec, temp_dir: str, head_address: str | None = None, python: str | None = None
+) -> list[str]:
     """The ``ray start --block`` command line of one planned node.
 
     Fixed default ports (GCS 6379, dashboard 8265, client server 10001, agent 52365) would
@@ -169,13 +189,26 @@ def ray_start_command(spec: RayNodeSpec, temp_dir: str, head_address: str | None
     from sparkgpu.launch.backends.local import free_port
 
     cmd = [
-        python or sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats",
-        f"--temp-dir={temp_dir}", f"--num-cpus={spec.num_cpus}", f"--num-gpus={spec.num_gpus}",
-        f"--dashboard-agent-listen-port={free_port()}", f"--labels={RANK_LABEL}={spec.rank}",
+        python or sys.executable,
+        "-m",
+        "ray.scripts.scripts",
+        "start",
+        "--block",
+        "--disable-usage-stats",
+        f"--temp-dir={temp_dir}",
+        f"--num-cpus={spec.num_cpus}",
+        f"--num-gpus={spec.num_gpus}",
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--labels={RANK_LABEL}={spec.rank}",
     ]
     if spec.head:
-        cmd += ["--head", "--port=0", "--include-dashboard=false", f"--dashboard-port={free_port()}",
-                f"--ray-client-server-port={free_port()}"]
+        cmd += [
+            "--head",
+            "--port=0",
+            "--include-dashboard=false",
+            f"--dashboard-port={free_port()}",
+            f"--ray-client-server-port={free_port()}",
+        ]
     else:
         if not head_address:
             raise RayClusterError(f"rank {spec.rank} cannot join: no head address")
@@ -195,8 +228,9 @@ def short_temp_dir() -> str:
     return tempfile.mkdtemp(prefix="sgray-", dir=root)
 
 
-def ray_node_env(spec: RayNodeSpec, base: dict[str, str] | None = None,
-                 import_paths: list[str] | None = None) -> dict[str, str]:
+def ray_node_env(
+    spec: RayNodeSpec, base: dict[str, str] | None = None, import_paths: list[str] | None = None
+) -> dict[str, str]:
     """The raylet's environment: the rank's, without the rank's identity, with the node's GPUs.
 
     Args:

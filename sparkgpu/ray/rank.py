@@ -159,9 +159,13 @@ def _start_node(spec: RayNodeSpec, head_address: str | None, options: RayOptions
     """Starts this rank's node; returns ``(node, (address, failure text or None))``."""
     temp_dir = short_temp_dir()
     log_dir = ray_dir if ray_dir is not None else Path(temp_dir)
-    node = RayNode(ray_start_command(spec, temp_dir, head_address), ray_node_env(spec), temp_dir,
-                   log_dir / f"start-rank-{spec.rank}.log",
-                   keep_logs=ray_dir / "logs" / f"rank-{spec.rank}" if ray_dir is not None else None)
+    node = RayNode(
+        ray_start_command(spec, temp_dir, head_address),
+        ray_node_env(spec),
+        temp_dir,
+        log_dir / f"start-rank-{spec.rank}.log",
+        keep_logs=ray_dir / "logs" / f"rank-{spec.rank}" if ray_dir is not None else None,
+    )
     _live_nodes.append(node)
     try:
         return node, (node.start(options.start_timeout), None)
@@ -224,8 +228,9 @@ def _start_metrics_reporter(ray, options: RayOptions):
     info = SpoolDir(spool_path_from_env()).read_run_info()
     started_at = info.started_at if info is not None else time.time()
     writer: Any = session.writer  # a SpoolWriter
-    return RayMetricsReporter(ray, lambda records: writer.write(metrics=records),
-                              interval=options.metrics_interval, started_at=started_at).start()
+    return RayMetricsReporter(
+        ray, lambda records: writer.write(metrics=records), interval=options.metrics_interval, started_at=started_at
+    ).start()
 
 
 def _wait_for_nodes(ray, expected: int, timeout: float) -> list[dict]:
@@ -248,9 +253,13 @@ def _write_cluster_info(ray_dir: Path, address: str, nodes: list[dict]) -> None:
     info = {
         "address": address,
         "nodes": [
-            {"node_id": n.get("NodeID"), "rank": (n.get("Labels") or {}).get(RANK_LABEL),
-             "ip": n.get("NodeManagerAddress"), "metrics_export_port": n.get("MetricsExportPort"),
-             "resources": n.get("Resources", {})}
+            {
+                "node_id": n.get("NodeID"),
+                "rank": (n.get("Labels") or {}).get(RANK_LABEL),
+                "ip": n.get("NodeManagerAddress"),
+                "metrics_export_port": n.get("MetricsExportPort"),
+                "resources": n.get("Resources", {}),
+            }
             for n in nodes
         ],
     }

@@ -109,8 +109,9 @@ server.serve_forever()
 
 
 def _start(script: str, *args: str) -> tuple[subprocess.Popen, int]:
-    proc = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     assert proc.stdout is not None  # a pipe
     line = proc.stdout.readline()
     if not line.strip().isdigit():
@@ -128,8 +129,9 @@ def serve_folder(folder: str | Path) -> tuple[subprocess.Popen, str]:
 
 def start_proxy(server_url: str, latency_s: float, mb_per_s_per_connection: float) -> tuple[subprocess.Popen, str]:
     """The simulated link in front of the loopback HTTP server ``server_url``; returns the process and its URL."""
-    proc, port = _start(_PROXY, str(urllib.parse.urlsplit(server_url).port), str(latency_s),
-                        str(mb_per_s_per_connection * 1e6))
+    proc, port = _start(
+        _PROXY, str(urllib.parse.urlsplit(server_url).port), str(latency_s), str(mb_per_s_per_connection * 1e6)
+    )
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -153,7 +155,8 @@ def simulated_link(remote: str, profile: str):
     if is_url(remote) and scheme_of(remote) != "file":
         raise ConfigurationError(
             f"--profile {profile} simulates an object store in front of a local dataset folder; {remote} is "
-            "already remote: measure it as it is (leave out --profile)")
+            "already remote: measure it as it is (leave out --profile)"
+        )
     folder = Path(urllib.parse.urlsplit(remote).path if is_url(remote) else remote).resolve()
     server, url = serve_folder(folder.parent)
     proxy = None

@@ -58,9 +58,15 @@ _KEY, _SECRET = "sparkgpu-bench", "sparkgpu-bench-secret"
 
 
 def _environment(endpoint: str) -> dict[str, str]:
-    return {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": _KEY, "AWS_SECRET_ACCESS_KEY": _SECRET,
-            "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true",
-            "AWS_EC2_METADATA_DISABLED": "true"}
+    return {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": _KEY,
+        "AWS_SECRET_ACCESS_KEY": _SECRET,
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_REGION": "us-east-1",
+        "AWS_ALLOW_HTTP": "true",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
 
 
 @contextlib.contextmanager
@@ -80,8 +86,10 @@ def simulated_s3(folder: str | os.PathLike, profile: str):
         raise ConfigurationError(f"unknown profile {profile!r}; use one of {', '.join(PROFILES)}")
     local = Path(str(folder).removeprefix("file://"))
     if not local.is_dir():
-        raise ConfigurationError(f"--profile {profile} serves a local table folder over S3; {folder} is not one "
-                                 "(measure a remote table as it is: leave out --profile)")
+        raise ConfigurationError(
+            f"--profile {profile} serves a local table folder over S3; {folder} is not one "
+            "(measure a remote table as it is: leave out --profile)"
+        )
     server, endpoint = start_s3_server()
     proxy = None
     saved = {key: os.environ.get(key) for key in _environment("")}
@@ -119,7 +127,9 @@ def start_s3_server() -> tuple[subprocess.Popen, str]:
     """
     if importlib.util.find_spec("moto") is None:
         raise MissingDependencyError("The simulated S3 link (moto's S3 server)", "pip install 'moto[server]'")
-    server = subprocess.Popen([sys.executable, "-c", _SERVER], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-c", _SERVER], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     assert server.stdout is not None  # a pipe
     port = server.stdout.readline().strip()
     if not port.isdigit():
@@ -132,13 +142,15 @@ def start_s3_server() -> tuple[subprocess.Popen, str]:
 def _upload(endpoint: str, bucket: str, folder: Path) -> None:
     import boto3
 
-    client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=_KEY, aws_secret_access_key=_SECRET,
-                          region_name="us-east-1")
+    client = boto3.client(
+        "s3", endpoint_url=endpoint, aws_access_key_id=_KEY, aws_secret_access_key=_SECRET, region_name="us-east-1"
+    )
     client.create_bucket(Bucket=bucket)
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         # Readable without a signature: the raw-download baseline is a plain HTTP client.
-        client.upload_file(str(path), bucket, f"{folder.name}/{path.relative_to(folder).as_posix()}",
-                           ExtraArgs={"ACL": "public-read"})
+        client.upload_file(
+            str(path), bucket, f"{folder.name}/{path.relative_to(folder).as_posix()}", ExtraArgs={"ACL": "public-read"}
+        )
 
 
 def _forget_clients() -> None:

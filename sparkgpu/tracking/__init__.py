@@ -14,8 +14,16 @@ from sparkgpu._modules import lazy_attributes
 
 from sparkgpu.tracking.autolog import log, log_checkpoint
 
-__all__ = ["MLflowCallback", "log", "log_checkpoint", "registry", "environment_lock", "resolve_target",
-           "default_experiment_name", "flush_spool"]
+__all__ = [
+    "MLflowCallback",
+    "log",
+    "log_checkpoint",
+    "registry",
+    "environment_lock",
+    "resolve_target",
+    "default_experiment_name",
+    "flush_spool",
+]
 
 _LAZY = {
     "MLflowCallback": ("sparkgpu.tracking.mlflow_run", "MLflowCallback"),

@@ -38,7 +38,7 @@ def load_checkpoint_into(model, checkpoint: str, key: str | None = None):
 
         reader = FsspecReader(checkpoint)
     else:
-        local = checkpoint[len("file://"):] if checkpoint.startswith("file://") else checkpoint
+        local = checkpoint[len("file://") :] if checkpoint.startswith("file://") else checkpoint
         if not (Path(local) / ".metadata").is_file():
             raise CheckpointError(
                 f"{checkpoint} is not a complete torch.distributed.checkpoint directory (no .metadata file); "

@@ -46,7 +46,12 @@ if TYPE_CHECKING:
     from sparkgpu.tracking.spool import SpoolWriter
 
 __all__ = [
-    "log", "log_checkpoint", "OptimizerAutolog", "current_step", "logs_to_job_run", "unrecorded_optimizer_steps",
+    "log",
+    "log_checkpoint",
+    "OptimizerAutolog",
+    "current_step",
+    "logs_to_job_run",
+    "unrecorded_optimizer_steps",
 ]
 
 _logger = logging.getLogger(__name__)
@@ -131,7 +136,9 @@ def _all_reduce(values: list[float], reduce: str) -> list[float]:
         return values
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    op = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[reduce]
+    op = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[
+        reduce
+    ]
     dist.all_reduce(tensor, op=op)
     if reduce == "mean":
         tensor /= dist.get_world_size()
@@ -156,7 +163,9 @@ def log(metrics: dict, step: int | None = None, *, reduce: str | None = None) ->
     """
     global _warned_outside
     if reduce is not None and reduce not in _REDUCTIONS:
-        raise ConfigurationError(f"reduce={reduce!r} is not supported; use None (rank 0's values) or one of {_REDUCTIONS}")
+        raise ConfigurationError(
+            f"reduce={reduce!r} is not supported; use None (rank 0's values) or one of {_REDUCTIONS}"
+        )
     if not isinstance(metrics, dict):
         raise ConfigurationError(f"metrics must be a dict of name -> number, got {type(metrics).__name__}")
     keys = sorted(metrics)
@@ -347,8 +356,11 @@ class OptimizerAutolog:
         state.last_lrs, state.last_logged_step = lrs, step
         base = "lr" if state.index == 0 else f"lr/optimizer_{state.index}"
         timestamp = int(time.time() * 1000)
-        metrics = [(base if g == 0 else f"{base}/group_{g}", lr, step, timestamp)
-                   for g, lr in enumerate(lrs) if lr is not None and math.isfinite(lr)]
+        metrics = [
+            (base if g == 0 else f"{base}/group_{g}", lr, step, timestamp)
+            for g, lr in enumerate(lrs)
+            if lr is not None and math.isfinite(lr)
+        ]
         self.writer.write(metrics=metrics)
 
 

@@ -9,7 +9,8 @@ def register_tracking(subparsers) -> None:
     p = subparsers.add_parser("tracking", help="the MLflow run of a job")
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     flush = actions.add_parser(
-        "flush", help="forward the tracking records a finished job left unsent (the store was down at its end)")
+        "flush", help="forward the tracking records a finished job left unsent (the store was down at its end)"
+    )
     flush.add_argument("job_id")
     flush.add_argument("--tracking-uri", help="the store, if it is reached at another URI than the job used")
     flush.set_defaults(handler=cmd_flush)

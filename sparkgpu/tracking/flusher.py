@@ -61,8 +61,16 @@ class SpoolFlusher:
         stop_backoff: Seconds before the second of those passes, doubled for each later one.
     """
 
-    def __init__(self, spool: SpoolDir, client, run_id: str, interval: float = 1.0, *,
-                 stop_attempts: int = 3, stop_backoff: float = 1.0):
+    def __init__(
+        self,
+        spool: SpoolDir,
+        client,
+        run_id: str,
+        interval: float = 1.0,
+        *,
+        stop_attempts: int = 3,
+        stop_backoff: float = 1.0,
+    ):
         self.spool = spool
         self.client = client
         self.run_id = run_id
@@ -84,8 +92,12 @@ class SpoolFlusher:
 
     # -- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"offsets": dict(self._offsets), "params": dict(self._params), "checkpoints": list(self._checkpoints),
-                "pending": None if self._pending is None else json.loads(json.dumps(self._pending))}
+        return {
+            "offsets": dict(self._offsets),
+            "params": dict(self._params),
+            "checkpoints": list(self._checkpoints),
+            "pending": None if self._pending is None else json.loads(json.dumps(self._pending)),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self._offsets = dict(state.get("offsets", {}))
@@ -127,8 +139,9 @@ class SpoolFlusher:
                 if attempt == self.stop_attempts:
                     raise
                 delay = self.stop_backoff * 2 ** (attempt - 1)
-                _logger.warning("sparkgpu: could not forward the last tracking data to MLflow (%s); "
-                                "retrying in %.1f s", exc, delay)
+                _logger.warning(
+                    "sparkgpu: could not forward the last tracking data to MLflow (%s); retrying in %.1f s", exc, delay
+                )
                 time.sleep(delay)
 
     def _loop(self) -> None:
@@ -207,22 +220,25 @@ class SpoolFlusher:
             elif known != value:
                 _logger.warning(
                     "sparkgpu: param %r was logged as %r and then %r; MLflow params cannot change, "
-                    "so the second value is dropped. Log values that change as metrics.", key, known, value,
+                    "so the second value is dropped. Log values that change as metrics.",
+                    key,
+                    known,
+                    value,
                 )
         items = list(params.items())
         for i in range(0, len(items), _MAX_PARAMS_TAGS_PER_CALL):
-            chunk = items[i:i + _MAX_PARAMS_TAGS_PER_CALL]
+            chunk = items[i : i + _MAX_PARAMS_TAGS_PER_CALL]
             self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in chunk])
             self._params.update(chunk)
         tags = {key: value for key, value in batch.tags}  # the last value of a tag wins
         tag_list = [RunTag(k, v) for k, v in tags.items()]
         for i in range(progress["tags"], len(tag_list), _MAX_PARAMS_TAGS_PER_CALL):
-            tag_chunk = tag_list[i:i + _MAX_PARAMS_TAGS_PER_CALL]
+            tag_chunk = tag_list[i : i + _MAX_PARAMS_TAGS_PER_CALL]
             self.client.log_batch(self.run_id, tags=tag_chunk)
             progress["tags"] = i + len(tag_chunk)
         metrics = [Metric(k, float(v), int(ts), int(s)) for k, v, s, ts in batch.metrics]
         for i in range(progress["metrics"], len(metrics), _MAX_METRICS_PER_CALL):
-            metric_chunk = metrics[i:i + _MAX_METRICS_PER_CALL]
+            metric_chunk = metrics[i : i + _MAX_METRICS_PER_CALL]
             self.client.log_batch(self.run_id, metrics=metric_chunk)
             progress["metrics"] = i + len(metric_chunk)
         if batch.checkpoints:
@@ -247,7 +263,9 @@ class SpoolFlusher:
         self.client.log_batch(
             self.run_id,
             metrics=[Metric("checkpoint/step", c["step"], c["timestamp"], c["step"]) for c in new],
-            tags=[RunTag("sparkgpu.checkpoint.latest_path", latest["path"]),
-                  RunTag("sparkgpu.checkpoint.latest_step", str(latest["step"]))],
+            tags=[
+                RunTag("sparkgpu.checkpoint.latest_path", latest["path"]),
+                RunTag("sparkgpu.checkpoint.latest_step", str(latest["step"])),
+            ],
         )
         self._checkpoints = lineage

@@ -179,11 +179,24 @@ class MLflowCallback(JobCallback):
         ConfigurationError: an interval is not positive.
     """
 
-    def __init__(self, experiment: str | None = None, *, run_name: str | None = None, tags: dict | None = None,
-                 tracking_uri: str | None = None, registry_uri: str | None = None, fn=None,
-                 data_source: str | None = None, data_version=None, autolog: bool = True,
-                 lr_every_n_steps: int = 10, system_metrics: bool = True, system_metrics_interval: float = 10.0,
-                 flush_interval: float = 1.0, log_environment: bool = True):
+    def __init__(
+        self,
+        experiment: str | None = None,
+        *,
+        run_name: str | None = None,
+        tags: dict | None = None,
+        tracking_uri: str | None = None,
+        registry_uri: str | None = None,
+        fn=None,
+        data_source: str | None = None,
+        data_version=None,
+        autolog: bool = True,
+        lr_every_n_steps: int = 10,
+        system_metrics: bool = True,
+        system_metrics_interval: float = 10.0,
+        flush_interval: float = 1.0,
+        log_environment: bool = True,
+    ):
         for name, value in (("system_metrics_interval", system_metrics_interval), ("flush_interval", flush_interval)):
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigurationError(f"{name} must be a positive number of seconds, got {value!r}")
@@ -223,8 +236,17 @@ class MLflowCallback(JobCallback):
     def __getstate__(self):
         # Travels to the workers in the payload: configuration only, never clients or threads.
         state = dict(self.__dict__)
-        for key in ("run_info", "_client", "_flusher", "_spool", "_attempt_statuses", "_monitor",
-                    "_monitor_starter", "_monitor_lock", "_worker_ended"):
+        for key in (
+            "run_info",
+            "_client",
+            "_flusher",
+            "_spool",
+            "_attempt_statuses",
+            "_monitor",
+            "_monitor_starter",
+            "_monitor_lock",
+            "_worker_ended",
+        ):
             state.pop(key, None)
         return state
 
@@ -251,8 +273,11 @@ class MLflowCallback(JobCallback):
         spec = job.to_dict()
         experiment = self.experiment or default_experiment_name()
         try:
-            with translate_permission_errors(f"create the job's run in experiment '{experiment}'",
-                                             f"EDIT permission on experiment '{experiment}'", target.tracking_uri):
+            with translate_permission_errors(
+                f"create the job's run in experiment '{experiment}'",
+                f"EDIT permission on experiment '{experiment}'",
+                target.tracking_uri,
+            ):
                 info = self._spool.read_run_info()
                 if info is None:
                     info = self._create_run(job, spec, experiment, target)
@@ -320,9 +345,15 @@ class MLflowCallback(JobCallback):
             # Workers track through the spool, so they cannot resolve server-relative URIs.
             artifact_uri = MlflowArtifactsRepository.resolve_uri(artifact_uri, target.tracking_uri)
         info = JobRunInfo(
-            run_id=run_id, experiment_id=experiment_id, experiment_name=experiment,
-            tracking_uri=target.tracking_uri, registry_uri=target.registry_uri, artifact_uri=artifact_uri,
-            run_name=run.info.run_name, job_id=job_id, user_id=run.info.user_id or "unknown",
+            run_id=run_id,
+            experiment_id=experiment_id,
+            experiment_name=experiment,
+            tracking_uri=target.tracking_uri,
+            registry_uri=target.registry_uri,
+            artifact_uri=artifact_uri,
+            run_name=run.info.run_name,
+            job_id=job_id,
+            user_id=run.info.user_id or "unknown",
             started_at=time.time(),
         )
         self._spool.write_run_info(info)
@@ -346,9 +377,13 @@ class MLflowCallback(JobCallback):
             raise ConfigurationError("MLflowCallback.before_attempt ran before before_job; call before_job first")
         earlier = [s for a, s in self._attempt_statuses.items() if a < attempt]
         restarts, resumes = earlier.count("failed"), earlier.count("preempted")
-        self._safely("record attempt start", self._client.log_batch, info.run_id,
-                     metrics=_metrics({"sparkgpu/restarts": restarts, "sparkgpu/resumes": resumes}, step=attempt),
-                     tags=_tags({"sparkgpu.attempt": attempt, "sparkgpu.restarts": restarts, "sparkgpu.resumes": resumes}))
+        self._safely(
+            "record attempt start",
+            self._client.log_batch,
+            info.run_id,
+            metrics=_metrics({"sparkgpu/restarts": restarts, "sparkgpu/resumes": resumes}, step=attempt),
+            tags=_tags({"sparkgpu.attempt": attempt, "sparkgpu.restarts": restarts, "sparkgpu.resumes": resumes}),
+        )
         env = {
             # Named relative to the run dir each node's launcher gives its ranks
             # (SPARKGPU_RUN_DIR): the same variables serve every node's copy of the run dir.
@@ -371,12 +406,23 @@ class MLflowCallback(JobCallback):
             return
         self._attempt_statuses[outcome.attempt] = outcome.status
         duration = max(0.0, outcome.ended_at - outcome.started_at)
-        self._safely("record the attempt's outcome", self._client.log_batch, self.run_info.run_id,
-                     metrics=_metrics({"sparkgpu/attempt_duration_s": duration}, step=outcome.attempt),
-                     tags=_tags({f"sparkgpu.attempt.{outcome.attempt}.status": outcome.status,
-                                 "sparkgpu.attempts": outcome.attempt + 1,
-                                 **({f"sparkgpu.attempt.{outcome.attempt}.cause": outcome.cause[:_MAX_TAG_CHARS]}
-                                    if outcome.cause else {})}))
+        self._safely(
+            "record the attempt's outcome",
+            self._client.log_batch,
+            self.run_info.run_id,
+            metrics=_metrics({"sparkgpu/attempt_duration_s": duration}, step=outcome.attempt),
+            tags=_tags(
+                {
+                    f"sparkgpu.attempt.{outcome.attempt}.status": outcome.status,
+                    "sparkgpu.attempts": outcome.attempt + 1,
+                    **(
+                        {f"sparkgpu.attempt.{outcome.attempt}.cause": outcome.cause[:_MAX_TAG_CHARS]}
+                        if outcome.cause
+                        else {}
+                    ),
+                }
+            ),
+        )
 
     def after_job(self, job, results, error: BaseException | None) -> None:
         from sparkgpu.tracking.flush import UNSENT_TAG
@@ -396,8 +442,10 @@ class MLflowCallback(JobCallback):
             try:
                 self._flusher.stop()  # retries a failing store a few times
             except Exception as exc:
-                hint = (f"the workers' last tracking records stay in {self._spool.path}: forward them with "
-                        f"sparkgpu.tracking.flush_spool({str(self._spool.path.parent)!r}) once MLflow is reachable")
+                hint = (
+                    f"the workers' last tracking records stay in {self._spool.path}: forward them with "
+                    f"sparkgpu.tracking.flush_spool({str(self._spool.path.parent)!r}) once MLflow is reachable"
+                )
                 _logger.warning("sparkgpu: could not forward to MLflow run %s (%s); %s", run_id, exc, hint)
                 self._safely("flag the run's unsent records", self._client.set_tag, run_id, UNSENT_TAG, hint)
         if message is not None:
@@ -419,7 +467,9 @@ class MLflowCallback(JobCallback):
 
         spool_path = spool_path_from_env()
         if not spool_path:
-            _logger.warning("sparkgpu: rank %d has no tracking spool (MLflowCallback.before_attempt did not run)", ctx.rank)
+            _logger.warning(
+                "sparkgpu: rank %d has no tracking spool (MLflowCallback.before_attempt did not run)", ctx.rank
+            )
             return
         if "mlflow" in sys.modules:
             register_spool_scheme()  # cheap once MLflow is imported
@@ -431,8 +481,10 @@ class MLflowCallback(JobCallback):
         session = _autolog._activate(writer, ctx.rank, ctx.world_size)
         if ctx.rank == 0:
             now = int(time.time() * 1000)
-            writer.write(metrics=[("world_size", ctx.world_size, ctx.attempt, now)],
-                         params=[("world_size", str(ctx.world_size))] if ctx.attempt == 0 else ())
+            writer.write(
+                metrics=[("world_size", ctx.world_size, ctx.attempt, now)],
+                params=[("world_size", str(ctx.world_size))] if ctx.attempt == 0 else (),
+            )
             if self.autolog:
                 session.autolog = _autolog.OptimizerAutolog(writer, self.lr_every_n_steps)
                 session.autolog.install()
@@ -445,8 +497,10 @@ class MLflowCallback(JobCallback):
         # short job's end. Until the scheme is registered here, MLflow finds the spool store
         # through this package's `mlflow.tracking_store` entry point.
         self._monitor_starter = threading.Thread(
-            target=self._start_mlflow, args=(ctx, info, spool.uri, lightning_patched),
-            name="sparkgpu-mlflow-start", daemon=True,
+            target=self._start_mlflow,
+            args=(ctx, info, spool.uri, lightning_patched),
+            name="sparkgpu-mlflow-start",
+            daemon=True,
         )
         self._monitor_starter.start()
 
@@ -469,8 +523,12 @@ class MLflowCallback(JobCallback):
         try:
             devices = job_gpu_devices() if ctx.device.startswith("cuda") else []
             monitor = NodeMetricsMonitor(
-                info.run_id, node_rank=ctx.node_rank, tracking_uri=spool_uri,
-                interval=self.system_metrics_interval, job_started_at=info.started_at, gpu_devices=devices,
+                info.run_id,
+                node_rank=ctx.node_rank,
+                tracking_uri=spool_uri,
+                interval=self.system_metrics_interval,
+                job_started_at=info.started_at,
+                gpu_devices=devices,
             )
             with self._monitor_lock:
                 if self._worker_ended:  # the function finished before MLflow was even imported

@@ -22,7 +22,15 @@ import urllib.parse
 
 from sparkgpu.errors import ConfigurationError
 
-__all__ = ["ModelName", "ModelRef", "parse_model_name", "parse_model_ref", "validate_alias", "encode_for_store", "decode_from_store"]
+__all__ = [
+    "ModelName",
+    "ModelRef",
+    "parse_model_name",
+    "parse_model_ref",
+    "validate_alias",
+    "encode_for_store",
+    "decode_from_store",
+]
 
 MAX_LEVEL_CHARS = 255
 _LEVELS = ("catalog", "schema", "model")
@@ -79,8 +87,7 @@ def _check_level(kind: str, level: str, levels: list[str], index: int) -> None:
         fixed = list(levels)
         fixed[index] = _suggest_level(level)
         raise ConfigurationError(
-            f"model name {'.'.join(levels)!r}: the {kind} level {level!r} {rule}; "
-            f"use a name like {'.'.join(fixed)!r}"
+            f"model name {'.'.join(levels)!r}: the {kind} level {level!r} {rule}; use a name like {'.'.join(fixed)!r}"
         )
 
     if not level:
@@ -180,7 +187,7 @@ def parse_model_ref(ref: str, *, spark=None) -> ModelRef:
     """
     if not isinstance(ref, str):
         raise ConfigurationError(f"a model reference must be a string like 'main.ml.ctr@champion', got {ref!r}")
-    text = ref[len("models:/"):] if ref.startswith("models:/") else ref
+    text = ref[len("models:/") :] if ref.startswith("models:/") else ref
     version = alias = None
     if "@" in text:
         text, alias = text.rsplit("@", 1)

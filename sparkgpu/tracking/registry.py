@@ -108,8 +108,11 @@ class _Registry:
     def info(self, mv) -> ModelVersionInfo:
         return ModelVersionInfo(
             name=decode_from_store(mv.name) if not self.target.is_unity_catalog else mv.name,
-            version=int(mv.version), aliases=tuple(getattr(mv, "aliases", ()) or ()),
-            tags=dict(mv.tags or {}), run_id=mv.run_id or None, source=mv.source,
+            version=int(mv.version),
+            aliases=tuple(getattr(mv, "aliases", ()) or ()),
+            tags=dict(mv.tags or {}),
+            run_id=mv.run_id or None,
+            source=mv.source,
         )
 
     def resolve(self, ref) -> tuple[str, ModelVersion]:
@@ -185,12 +188,26 @@ def _signature(model, example):
     return infer_signature(example, output)
 
 
-def register(model_or_checkpoint, name: str, *, model=None, alias: str | None = None, input_example=None,
-             tags: dict | None = None, description: str | None = None, run_id: str | None = None,
-             checkpoint_step: int | None = None, checkpoint_key: str | None = None, data_version=None,
-             pip_requirements: list[str] | None = None, code_paths: list[str] | None = None,
-             serialization_format: str | None = None, spark=None,
-             tracking_uri: str | None = None, registry_uri: str | None = None) -> ModelVersionInfo:
+def register(
+    model_or_checkpoint,
+    name: str,
+    *,
+    model=None,
+    alias: str | None = None,
+    input_example=None,
+    tags: dict | None = None,
+    description: str | None = None,
+    run_id: str | None = None,
+    checkpoint_step: int | None = None,
+    checkpoint_key: str | None = None,
+    data_version=None,
+    pip_requirements: list[str] | None = None,
+    code_paths: list[str] | None = None,
+    serialization_format: str | None = None,
+    spark=None,
+    tracking_uri: str | None = None,
+    registry_uri: str | None = None,
+) -> ModelVersionInfo:
     """Registers a model (or a checkpoint loaded into one) as a new version of ``name``.
 
     Args:
@@ -261,8 +278,22 @@ def register(model_or_checkpoint, name: str, *, model=None, alias: str | None = 
     run_id, own_run = _run_for_registration(reg, run_id, parsed)
     label = f"registered model '{parsed}'"
     try:
-        version = _register_files(reg, parsed, module, run_id, signature, example, pip_requirements, code_paths,
-                                  serialization_format, checkpoint, checkpoint_step, data_version, tags, description)
+        version = _register_files(
+            reg,
+            parsed,
+            module,
+            run_id,
+            signature,
+            example,
+            pip_requirements,
+            code_paths,
+            serialization_format,
+            checkpoint,
+            checkpoint_step,
+            data_version,
+            tags,
+            description,
+        )
     finally:
         if own_run:
             reg.client.set_terminated(run_id)
@@ -292,8 +323,22 @@ def _save_model(module, path, signature, example, requirements, code_paths, seri
         mlflow.pytorch.save_model(module, path, serialization_format="pickle", **kwargs)
 
 
-def _register_files(reg, parsed, module, run_id, signature, example, pip_requirements, code_paths,
-                    serialization_format, checkpoint, checkpoint_step, data_version, tags, description) -> int:
+def _register_files(
+    reg,
+    parsed,
+    module,
+    run_id,
+    signature,
+    example,
+    pip_requirements,
+    code_paths,
+    serialization_format,
+    checkpoint,
+    checkpoint_step,
+    data_version,
+    tags,
+    description,
+) -> int:
     import cloudpickle
     import numpy
     import torch
@@ -314,7 +359,8 @@ def _register_files(reg, parsed, module, run_id, signature, example, pip_require
         lineage["sparkgpu.checkpoint.step"] = str(checkpoint_step)
     version_tags = {**lineage, **{str(k): str(v) for k, v in (tags or {}).items()}}
     requirements = pip_requirements or [
-        f"torch=={torch.__version__.split('+')[0]}", f"numpy=={numpy.__version__}",
+        f"torch=={torch.__version__.split('+')[0]}",
+        f"numpy=={numpy.__version__}",
         f"cloudpickle=={cloudpickle.__version__}",
     ]
     artifact_path = f"models/{parsed.model}-{secrets.token_hex(4)}"
@@ -325,23 +371,32 @@ def _register_files(reg, parsed, module, run_id, signature, example, pip_require
             client.log_artifacts(run_id, local, artifact_path)
     with reg.guard(f"create {label}", "permission to create registered models"):
         try:
-            client.create_registered_model(stored, tags={"sparkgpu.catalog": parsed.catalog,
-                                                         "sparkgpu.schema": parsed.schema,
-                                                         "sparkgpu.model": parsed.model})
+            client.create_registered_model(
+                stored,
+                tags={
+                    "sparkgpu.catalog": parsed.catalog,
+                    "sparkgpu.schema": parsed.schema,
+                    "sparkgpu.model": parsed.model,
+                },
+            )
         except MlflowException as exc:
             if exc.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
     with reg.guard(f"create a new version of {label}", f"EDIT permission on {label}"):
-        mv = client.create_model_version(stored, f"{run.info.artifact_uri}/{artifact_path}", run_id=run_id,
-                                         tags=version_tags, description=description)
+        mv = client.create_model_version(
+            stored,
+            f"{run.info.artifact_uri}/{artifact_path}",
+            run_id=run_id,
+            tags=version_tags,
+            description=description,
+        )
     return int(mv.version)
 
 
 # -- reading and managing ---------------------------------------------------------------------
 
 
-def load(ref: str, *, map_location=None, spark=None, tracking_uri: str | None = None,
-         registry_uri: str | None = None):
+def load(ref: str, *, map_location=None, spark=None, tracking_uri: str | None = None, registry_uri: str | None = None):
     """Loads a registered model: ``"main.ml.ctr@champion"``, ``"main.ml.ctr/3"`` or the latest
     version with ``"main.ml.ctr"`` (short names are completed).
 
@@ -369,19 +424,24 @@ def load(ref: str, *, map_location=None, spark=None, tracking_uri: str | None = 
     with reg.guard(f"download {label} version {mv.version}", f"READ permission on {label}"):
         uri = reg.client.get_model_version_download_uri(stored, mv.version)
         with tempfile.TemporaryDirectory(prefix="sparkgpu-load-") as tmp:
-            local = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=tmp,
-                                                        tracking_uri=reg.target.tracking_uri)
+            local = mlflow.artifacts.download_artifacts(
+                artifact_uri=uri, dst_path=tmp, tracking_uri=reg.target.tracking_uri
+            )
             return mlflow.pytorch.load_model(local, map_location=map_location)
 
 
-def get_version(ref: str, *, spark=None, tracking_uri: str | None = None, registry_uri: str | None = None) -> ModelVersionInfo:
+def get_version(
+    ref: str, *, spark=None, tracking_uri: str | None = None, registry_uri: str | None = None
+) -> ModelVersionInfo:
     """The version a reference points at (``name/3``, ``name@alias``, or ``name`` for the latest)."""
     reg = _Registry(tracking_uri, registry_uri)
     _, mv = reg.resolve(parse_model_ref(ref, spark=spark))
     return reg.info(mv)
 
 
-def versions(name: str, *, spark=None, tracking_uri: str | None = None, registry_uri: str | None = None) -> list[ModelVersionInfo]:
+def versions(
+    name: str, *, spark=None, tracking_uri: str | None = None, registry_uri: str | None = None
+) -> list[ModelVersionInfo]:
     """Every version of a registered model, oldest first (empty when it does not exist)."""
     parsed = parse_model_name(name, spark=spark)
     reg = _Registry(tracking_uri, registry_uri)
@@ -391,7 +451,9 @@ def versions(name: str, *, spark=None, tracking_uri: str | None = None, registry
     return sorted((reg.info(mv) for mv in found), key=lambda v: v.version)
 
 
-def aliases(name: str, *, spark=None, tracking_uri: str | None = None, registry_uri: str | None = None) -> dict[str, int]:
+def aliases(
+    name: str, *, spark=None, tracking_uri: str | None = None, registry_uri: str | None = None
+) -> dict[str, int]:
     """Alias -> version of a registered model."""
     parsed = parse_model_name(name, spark=spark)
     reg = _Registry(tracking_uri, registry_uri)
@@ -401,17 +463,25 @@ def aliases(name: str, *, spark=None, tracking_uri: str | None = None, registry_
     return {alias: int(version) for alias, version in (model.aliases or {}).items()}
 
 
-def set_alias(name: str, alias: str, version: int, *, spark=None, tracking_uri: str | None = None,
-              registry_uri: str | None = None) -> None:
+def set_alias(
+    name: str, alias: str, version: int, *, spark=None, tracking_uri: str | None = None, registry_uri: str | None = None
+) -> None:
     """Points ``alias`` at ``version`` (moving it from the version it pointed at before)."""
-    with _alias_change(name, alias, spark, tracking_uri, registry_uri, "set alias '{alias}' on", "EDIT") as (reg, model):
+    with _alias_change(name, alias, spark, tracking_uri, registry_uri, "set alias '{alias}' on", "EDIT") as (
+        reg,
+        model,
+    ):
         reg.client.set_registered_model_alias(model, alias, str(int(version)))
 
 
-def delete_alias(name: str, alias: str, *, spark=None, tracking_uri: str | None = None,
-                 registry_uri: str | None = None) -> None:
+def delete_alias(
+    name: str, alias: str, *, spark=None, tracking_uri: str | None = None, registry_uri: str | None = None
+) -> None:
     """Removes ``alias`` from a registered model."""
-    with _alias_change(name, alias, spark, tracking_uri, registry_uri, "delete alias '{alias}' of", "MANAGE") as (reg, model):
+    with _alias_change(name, alias, spark, tracking_uri, registry_uri, "delete alias '{alias}' of", "MANAGE") as (
+        reg,
+        model,
+    ):
         reg.client.delete_registered_model_alias(model, alias)
 
 
@@ -427,8 +497,9 @@ def _alias_change(name: str, alias: str, spark, tracking_uri, registry_uri, what
         yield reg, reg.stored(parsed)
 
 
-def set_tags(ref: str, tags: dict, *, spark=None, tracking_uri: str | None = None,
-             registry_uri: str | None = None) -> None:
+def set_tags(
+    ref: str, tags: dict, *, spark=None, tracking_uri: str | None = None, registry_uri: str | None = None
+) -> None:
     """Sets tags on a version (``name/3``, ``name@alias``) or, for a bare name, on the model."""
     if not isinstance(tags, dict):
         raise ConfigurationError(f"tags must be a dict of name -> value, got {type(tags).__name__}")

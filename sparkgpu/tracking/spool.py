@@ -47,8 +47,17 @@ from sparkgpu._files import atomic_write_bytes
 from sparkgpu.runtime import ENV_RUN_DIR
 from sparkgpu.tracking.store import REAL_TRACKING_URI_ENV, SPOOL_SCHEME
 
-__all__ = ["JobRunInfo", "SpoolDir", "SpoolWriter", "register_spool_scheme", "spool_store", "job_spool_writer", "SPOOL_ENV",
-           "spool_path_from_env", "JOB_SPOOL_URI"]
+__all__ = [
+    "JobRunInfo",
+    "SpoolDir",
+    "SpoolWriter",
+    "register_spool_scheme",
+    "spool_store",
+    "job_spool_writer",
+    "SPOOL_ENV",
+    "spool_path_from_env",
+    "JOB_SPOOL_URI",
+]
 
 SPOOL_ENV = "SPARKGPU_TRACKING_SPOOL"
 
@@ -124,8 +133,9 @@ class SpoolDir:
         if not path:
             from_env = spool_path_from_env()
             if from_env is None:
-                raise ValueError(f"{uri} names this job's spool, and {SPOOL_ENV} / {ENV_RUN_DIR} are not set "
-                                 "in this process")
+                raise ValueError(
+                    f"{uri} names this job's spool, and {SPOOL_ENV} / {ENV_RUN_DIR} are not set in this process"
+                )
             path = from_env
         return cls(path)
 
@@ -147,7 +157,9 @@ class SpoolDir:
     def write_job_end(self, status: str, error: str | None) -> None:
         """Records the run's final status, so that whoever forwards the spool's leftover
         later ends the run as the job ended."""
-        atomic_write_bytes(self.end_file, json.dumps({"status": status, "error": error, "ended_at": time.time()}).encode())
+        atomic_write_bytes(
+            self.end_file, json.dumps({"status": status, "error": error, "ended_at": time.time()}).encode()
+        )
 
     def clear_job_end(self) -> None:
         """The job runs again (resumed): it has not ended."""
@@ -224,9 +236,15 @@ def _job_run_entities(info: JobRunInfo):
     from mlflow.entities import Experiment, Run, RunData, RunInfo
 
     run_info = RunInfo(
-        run_id=info.run_id, experiment_id=info.experiment_id, user_id=info.user_id, status="RUNNING",
-        start_time=int(info.started_at * 1000), end_time=None, lifecycle_stage="active",
-        artifact_uri=info.artifact_uri, run_name=info.run_name,
+        run_id=info.run_id,
+        experiment_id=info.experiment_id,
+        user_id=info.user_id,
+        status="RUNNING",
+        start_time=int(info.started_at * 1000),
+        end_time=None,
+        lifecycle_stage="active",
+        artifact_uri=info.artifact_uri,
+        run_name=info.run_name,
     )
     experiment = Experiment(info.experiment_id, info.experiment_name, info.artifact_uri.rsplit("/", 2)[0], "active")
     return Run(run_info, RunData()), experiment
@@ -243,13 +261,38 @@ def _delegating(name: str):
 
 # Everything except the job run's own writes goes straight to the real store.
 _DELEGATED = (
-    "search_experiments", "create_experiment", "get_experiment_by_name", "delete_experiment",
-    "restore_experiment", "rename_experiment", "set_experiment_tag", "delete_experiment_tag",
-    "create_run", "delete_run", "restore_run", "delete_tag", "get_metric_history", "_search_runs",
-    "search_runs", "log_inputs", "log_outputs", "link_traces_to_run", "record_logged_model",
-    "create_logged_model", "search_logged_models", "finalize_logged_model", "set_logged_model_tags",
-    "delete_logged_model_tag", "get_logged_model", "delete_logged_model", "set_model_versions_tags",
-    "log_logged_model_params", "start_trace", "get_trace_info", "get_trace", "search_traces",
+    "search_experiments",
+    "create_experiment",
+    "get_experiment_by_name",
+    "delete_experiment",
+    "restore_experiment",
+    "rename_experiment",
+    "set_experiment_tag",
+    "delete_experiment_tag",
+    "create_run",
+    "delete_run",
+    "restore_run",
+    "delete_tag",
+    "get_metric_history",
+    "_search_runs",
+    "search_runs",
+    "log_inputs",
+    "log_outputs",
+    "link_traces_to_run",
+    "record_logged_model",
+    "create_logged_model",
+    "search_logged_models",
+    "finalize_logged_model",
+    "set_logged_model_tags",
+    "delete_logged_model_tag",
+    "get_logged_model",
+    "delete_logged_model",
+    "set_model_versions_tags",
+    "log_logged_model_params",
+    "start_trace",
+    "get_trace_info",
+    "get_trace",
+    "search_traces",
 )
 
 

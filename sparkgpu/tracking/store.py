@@ -157,7 +157,7 @@ def _sqlite_artifact_root(uri: str) -> str | None:
     """
     if not uri.startswith("sqlite:///") or uri == "sqlite:///:memory:":
         return None
-    path = Path(urllib.parse.unquote(uri[len("sqlite:///"):].split("?", 1)[0]))
+    path = Path(urllib.parse.unquote(uri[len("sqlite:///") :].split("?", 1)[0]))
     return (path.resolve().parent / "artifacts").as_uri()
 
 

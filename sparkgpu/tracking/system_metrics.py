@@ -89,11 +89,24 @@ class NodeMetricsMonitor(SystemMetricsMonitor):
             empty list for none (CPU ranks, simulated GPUs).
     """
 
-    def __init__(self, run_id: str, *, node_rank: int, tracking_uri: str, interval: float = 10.0,
-                 job_started_at: float | None = None, gpu_devices: list[str] | None = None):
+    def __init__(
+        self,
+        run_id: str,
+        *,
+        node_rank: int,
+        tracking_uri: str,
+        interval: float = 10.0,
+        job_started_at: float | None = None,
+        gpu_devices: list[str] | None = None,
+    ):
         self._gpu_devices = gpu_devices
-        super().__init__(run_id, sampling_interval=interval, samples_before_logging=1,
-                         node_id=f"node_{node_rank}", tracking_uri=tracking_uri)
+        super().__init__(
+            run_id,
+            sampling_interval=interval,
+            samples_before_logging=1,
+            node_id=f"node_{node_rank}",
+            tracking_uri=tracking_uri,
+        )
         self._job_started_at = time.time() if job_started_at is None else job_started_at
         self._logging_step = self._step_now()
 

@@ -40,8 +40,11 @@ def save_failed(info: CheckpointInfo, exc: BaseException) -> CheckpointError:
 def check_positive(name, value, kind) -> None:
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, kind) or value <= 0 or (
-        isinstance(value, float) and not math.isfinite(value)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, kind)
+        or value <= 0
+        or (isinstance(value, float) and not math.isfinite(value))
     ):
         raise ConfigurationError(f"{name} must be a positive number or None, got {value!r}")
 
@@ -96,7 +99,9 @@ def check_objects(model, optimizer, stateful: dict) -> list:
     optimizers = [] if optimizer is None else list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     for opt in optimizers:
         if not isinstance(opt, torch.optim.Optimizer):
-            raise ConfigurationError(f"optimizer must be a torch.optim.Optimizer or a list of them, got {type(opt).__name__}")
+            raise ConfigurationError(
+                f"optimizer must be a torch.optim.Optimizer or a list of them, got {type(opt).__name__}"
+            )
     if optimizers and model is None:
         raise ConfigurationError("an optimizer is saved and restored with its model: pass model= too")
     for name, obj in stateful.items():
@@ -131,7 +136,9 @@ def check_compatible(info: CheckpointInfo, model, optimizers, stateful) -> None:
         missing.append("optimizer")
     missing += [name for name in stateful if name not in info.stateful]
     if missing:
-        held = (["model"] if info.has_model else []) + (["optimizer"] if info.has_optimizer else []) + list(info.stateful)
+        held = (
+            (["model"] if info.has_model else []) + (["optimizer"] if info.has_optimizer else []) + list(info.stateful)
+        )
         raise CheckpointError(
             f"checkpoint {info.path!r} holds no state for {', '.join(missing)} (it holds: "
             f"{', '.join(held) or 'nothing'}); pass restore() the same names as save()"

@@ -268,7 +268,9 @@ class CheckpointerInternals:
         else:
             error = None
             try:
-                dcp.save(state_dict, storage_writer=writer, process_group=self._save_group, no_dist=not self._distributed)
+                dcp.save(
+                    state_dict, storage_writer=writer, process_group=self._save_group, no_dist=not self._distributed
+                )
             except dcp_errors() as exc:
                 error = exc
             pending.blocking = time.perf_counter() - started
@@ -324,7 +326,9 @@ class CheckpointerInternals:
             if source_rank == self.rank:
                 restore_rng_state(app["rng"])
             else:
-                logger.warning("rank %d did not exist when step %d was saved: RNG state not restored", self.rank, info.step)
+                logger.warning(
+                    "rank %d did not exist when step %d was saved: RNG state not restored", self.rank, info.step
+                )
 
 
 def _buffer_key(name: str) -> str:
@@ -344,8 +348,9 @@ def rank_buffers(model) -> dict[str, Any]:
     """
     from torch.distributed.tensor import DTensor
 
-    return {_buffer_key(name): buf.detach().clone() for name, buf in model.named_buffers()
-            if not isinstance(buf, DTensor)}
+    return {
+        _buffer_key(name): buf.detach().clone() for name, buf in model.named_buffers() if not isinstance(buf, DTensor)
+    }
 
 
 def load_rank_buffers(model, saved: dict[str, Any]) -> None:

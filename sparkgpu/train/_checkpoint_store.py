@@ -164,7 +164,7 @@ class CheckpointStore:
 
     def _name_of(self, path: str) -> str:
         """The name of the checkpoint at ``path`` (``<directory>/<name>``) inside the directory."""
-        return path[len(self.directory):].lstrip("/")
+        return path[len(self.directory) :].lstrip("/")
 
     def list_complete(self) -> list[CheckpointInfo]:
         """Every complete checkpoint, oldest step first."""

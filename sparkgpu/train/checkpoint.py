@@ -234,10 +234,7 @@ class Checkpointer(CheckpointerInternals):
             resumed_at, self._resumed_at = self._resumed_at, None
             check_resumed_step(step, resumed_at, resumed_at - first_step, first_step)
         steps_due = self.every_steps is not None and (step + 1 - first_step) % self.every_steps == 0
-        time_due = (
-            self.every_minutes is not None
-            and self.clock() - self._last_save_time >= self.every_minutes * 60
-        )
+        time_due = self.every_minutes is not None and self.clock() - self._last_save_time >= self.every_minutes * 60
         time_due, stop = self._any_rank_one_step_late(time_due, runtime.should_checkpoint())
         if stop:
             self.save(step, model=model, optimizer=optimizer, extras=extras, wait=True, **stateful)
@@ -438,6 +435,7 @@ class Checkpointer(CheckpointerInternals):
             )
         return self._first_step
 
+
 # -- module helpers ----------------------------------------------------------------------
 
 
@@ -483,7 +481,8 @@ def _caller_mlflow_run_id() -> str | None:
         mlflow = imported("mlflow")  # never imported for this: no run can be active without it
         run = mlflow.active_run() if mlflow is not None else None
     except Exception as exc:  # a broken MLflow must not fail a save: the checkpoint is what matters
-        logger.warning("this checkpoint is not recorded in an MLflow run: asking MLflow for the active run "
-                       "failed (%s)", exc)
+        logger.warning(
+            "this checkpoint is not recorded in an MLflow run: asking MLflow for the active run failed (%s)", exc
+        )
         return None
     return run.info.run_id if run is not None else None

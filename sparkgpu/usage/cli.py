@@ -10,14 +10,20 @@ __all__ = ["register", "cmd_usage"]
 def register(subparsers) -> None:
     """Adds ``sparkgpu usage`` (see :data:`sparkgpu.cli.COMMANDS`)."""
     p = subparsers.add_parser(
-        "usage", help="GPU-hours and cost, grouped (e.g. --by team --since 30d)",
+        "usage",
+        help="GPU-hours and cost, grouped (e.g. --by team --since 30d)",
         description="Reads the usage ledger (SPARKGPU_USAGE_LEDGER) and prints GPU-hours and cost per group. "
-                    "Attempts across the window's edge count for their share inside it.",
+        "Attempts across the window's edge count for their share inside it.",
     )
-    p.add_argument("--by", default="team",
-                   help="grouping keys, comma-separated: a tag (team, project, ...), user, gpu_type, backend, "
-                        "job_id, job_name, status, host, day, week, month (default: team)")
-    p.add_argument("--since", default="30d", help="window start: a duration back from now (30d, 12h) or a date (default 30d)")
+    p.add_argument(
+        "--by",
+        default="team",
+        help="grouping keys, comma-separated: a tag (team, project, ...), user, gpu_type, backend, "
+        "job_id, job_name, status, host, day, week, month (default: team)",
+    )
+    p.add_argument(
+        "--since", default="30d", help="window start: a duration back from now (30d, 12h) or a date (default 30d)"
+    )
     p.add_argument("--until", help="window end (default now)")
     p.add_argument("--plot", metavar="PNG", help="also write a chart of GPU-hours per day, stacked by --by")
     p.add_argument("--budgets", action="store_true", help="show each budget of the usage policy with its spend")
@@ -79,6 +85,11 @@ def _print_budgets(ledger, console) -> None:
         spent = budget.spent(rows, now)
         share = spent / budget.limit if budget.limit else float("inf")
         style = "red" if share >= 1 else "yellow" if share >= 0.8 else "green"
-        view.add_row(budget.label.split(":")[0], format_duration(budget.window), budget.format_amount(spent),
-                     budget.format_amount(budget.limit), f"[{style}]{share:.0%}[/]")
+        view.add_row(
+            budget.label.split(":")[0],
+            format_duration(budget.window),
+            budget.format_amount(spent),
+            budget.format_amount(budget.limit),
+            f"[{style}]{share:.0%}[/]",
+        )
     console.print(view)

@@ -54,9 +54,12 @@ class AttemptJournal:
         """Journals a running attempt; ``record`` holds the :meth:`UsageRecord.priced` arguments but ``ended_at``."""
         self.directory.mkdir(parents=True, exist_ok=True)
         pid = os.getpid()
-        entry = {"record": record, "owner": {"host": socket.gethostname(), "pid": pid,
-                                             "pid_started": _process_start(pid)},
-                 "heartbeat": time.time(), "ended_at": None}
+        entry = {
+            "record": record,
+            "owner": {"host": socket.gethostname(), "pid": pid, "pid_started": _process_start(pid)},
+            "heartbeat": time.time(),
+            "ended_at": None,
+        }
         path = self._path(job_id, attempt)
         atomic_write_bytes(path, json.dumps(entry).encode())
         return path
@@ -91,7 +94,9 @@ class AttemptJournal:
         owner = entry.get("owner") or {}
         if owner.get("host") == socket.gethostname() and owner.get("pid"):
             started = _process_start(owner["pid"])
-            alive = started is not None and (owner.get("pid_started") is None or abs(started - owner["pid_started"]) < 1)
+            alive = started is not None and (
+                owner.get("pid_started") is None or abs(started - owner["pid_started"]) < 1
+            )
             return not alive
         return now - entry.get("heartbeat", now) > self.stale_after
 

@@ -35,26 +35,28 @@ def ledger_schema():
     import pyarrow as pa
 
     ts = pa.timestamp("us", tz="UTC")
-    return pa.schema([
-        ("job_id", pa.string()),
-        ("job_name", pa.string()),
-        ("attempt", pa.int32()),
-        ("user", pa.string()),
-        ("tags", pa.map_(pa.string(), pa.string())),
-        ("backend", pa.string()),
-        ("gpu_type", pa.string()),
-        ("gpus", pa.int32()),
-        ("simulated", pa.bool_()),
-        ("status", pa.string()),
-        ("started_at", ts),
-        ("ended_at", ts),
-        ("duration_s", pa.float64()),
-        ("gpu_seconds", pa.float64()),
-        ("rate_usd_per_gpu_hour", pa.float64()),
-        ("cost_usd", pa.float64()),
-        ("host", pa.string()),
-        ("recorded_at", ts),
-    ])
+    return pa.schema(
+        [
+            ("job_id", pa.string()),
+            ("job_name", pa.string()),
+            ("attempt", pa.int32()),
+            ("user", pa.string()),
+            ("tags", pa.map_(pa.string(), pa.string())),
+            ("backend", pa.string()),
+            ("gpu_type", pa.string()),
+            ("gpus", pa.int32()),
+            ("simulated", pa.bool_()),
+            ("status", pa.string()),
+            ("started_at", ts),
+            ("ended_at", ts),
+            ("duration_s", pa.float64()),
+            ("gpu_seconds", pa.float64()),
+            ("rate_usd_per_gpu_hour", pa.float64()),
+            ("cost_usd", pa.float64()),
+            ("host", pa.string()),
+            ("recorded_at", ts),
+        ]
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,18 +82,44 @@ class UsageRecord:
     host: str
 
     @classmethod
-    def priced(cls, *, job_id: str, job_name: str, attempt: int, user: str, tags: Mapping[str, str],
-               backend: str, gpu_type: str, gpus: int, simulated: bool, status: str,
-               started_at: float, ended_at: float, rates: RateCard, host: str | None = None) -> "UsageRecord":
+    def priced(
+        cls,
+        *,
+        job_id: str,
+        job_name: str,
+        attempt: int,
+        user: str,
+        tags: Mapping[str, str],
+        backend: str,
+        gpu_type: str,
+        gpus: int,
+        simulated: bool,
+        status: str,
+        started_at: float,
+        ended_at: float,
+        rates: RateCard,
+        host: str | None = None,
+    ) -> "UsageRecord":
         """Builds the row of one attempt, billing ``gpus`` x its running seconds (rounded up)."""
         ended_at = max(ended_at, started_at)
         gpu_seconds = float(gpus * billed_seconds(started_at, ended_at))
         return cls(
-            job_id=job_id, job_name=job_name, attempt=int(attempt), user=user,
-            tags={str(k): str(v) for k, v in tags.items()}, backend=backend, gpu_type=gpu_type, gpus=int(gpus),
-            simulated=bool(simulated), status=status, started_at=started_at, ended_at=ended_at,
-            duration_s=round(ended_at - started_at, 6), gpu_seconds=gpu_seconds,
-            rate_usd_per_gpu_hour=rates.rate(gpu_type), cost_usd=rates.cost(gpu_type, gpu_seconds),
+            job_id=job_id,
+            job_name=job_name,
+            attempt=int(attempt),
+            user=user,
+            tags={str(k): str(v) for k, v in tags.items()},
+            backend=backend,
+            gpu_type=gpu_type,
+            gpus=int(gpus),
+            simulated=bool(simulated),
+            status=status,
+            started_at=started_at,
+            ended_at=ended_at,
+            duration_s=round(ended_at - started_at, 6),
+            gpu_seconds=gpu_seconds,
+            rate_usd_per_gpu_hour=rates.rate(gpu_type),
+            cost_usd=rates.cost(gpu_type, gpu_seconds),
             host=host or socket.gethostname(),
         )
 
@@ -154,8 +182,14 @@ class UsageLedger:
             table = self._table()
             try:
                 if table is None:
-                    write_deltalake(self.uri, data, mode="append", storage_options=self.storage_options,
-                                    name="sparkgpu_usage", description="GPU usage per job attempt (sparkgpu)")
+                    write_deltalake(
+                        self.uri,
+                        data,
+                        mode="append",
+                        storage_options=self.storage_options,
+                        name="sparkgpu_usage",
+                        description="GPU usage per job attempt (sparkgpu)",
+                    )
                 else:
                     write_deltalake(table, data, mode="append")
                 break

@@ -84,8 +84,16 @@ class UsageMeter(JobCallback):
         heartbeat_seconds: How often a running attempt's journal entry is refreshed.
     """
 
-    def __init__(self, ledger: UsageLedger | str | None = None, *, rates=None, policy=None, user: str | None = None,
-                 refresh_seconds: float = 60.0, heartbeat_seconds: float = 5.0):
+    def __init__(
+        self,
+        ledger: UsageLedger | str | None = None,
+        *,
+        rates=None,
+        policy=None,
+        user: str | None = None,
+        refresh_seconds: float = 60.0,
+        heartbeat_seconds: float = 5.0,
+    ):
         s = settings()
         if isinstance(ledger, UsageLedger):
             self.ledger = ledger
@@ -174,8 +182,10 @@ class UsageMeter(JobCallback):
         limit = self.policy.max_runtime
         if limit is not None and running.prior_runtime + attempt_seconds >= limit:
             total = running.prior_runtime + attempt_seconds
-            return (f"job {job.job_id} reached the runtime limit of {format_duration(limit)} of {self.policy.name!r} "
-                    f"({total:,.0f}s over {running.attempts + 1} attempt(s))")
+            return (
+                f"job {job.job_id} reached the runtime limit of {format_duration(limit)} of {self.policy.name!r} "
+                f"({total:,.0f}s over {running.attempts + 1} attempt(s))"
+            )
         if not running.budgets:
             return None
         if now - running.spent_read_at >= self.refresh_seconds:
@@ -203,8 +213,12 @@ class UsageMeter(JobCallback):
     def after_attempt(self, job: JobSpec, outcome: AttemptOutcome) -> None:
         running = self._running.setdefault(job.job_id, _RunningJob())
         args = self._record_args(job, outcome.attempt, outcome.started_at)
-        args.update(ended_at=outcome.ended_at, status=outcome.status, gpus=outcome.gpus,
-                    gpu_type=outcome.gpu_type or args["gpu_type"])
+        args.update(
+            ended_at=outcome.ended_at,
+            status=outcome.status,
+            gpus=outcome.gpus,
+            gpu_type=outcome.gpu_type or args["gpu_type"],
+        )
         rate = args.pop("rate")
         record = UsageRecord.priced(**args, rates=RateCard({}, default=rate))
         running.prior_runtime += record.duration_s
@@ -231,9 +245,20 @@ class UsageMeter(JobCallback):
 
     def _record_args(self, job: JobSpec, attempt: int, started_at: float) -> dict[str, Any]:
         gpu_type = job.resources.gpu_type or ""
-        return dict(job_id=job.job_id, job_name=job.name, attempt=attempt, user=self.user, tags=dict(job.tags),
-                    backend=job.backend, gpu_type=gpu_type, gpus=job.resources.gpus, simulated=job.simulated,
-                    status="running", started_at=started_at, rate=self.rates.rate(gpu_type))
+        return dict(
+            job_id=job.job_id,
+            job_name=job.name,
+            attempt=attempt,
+            user=self.user,
+            tags=dict(job.tags),
+            backend=job.backend,
+            gpu_type=gpu_type,
+            gpus=job.resources.gpus,
+            simulated=job.simulated,
+            status="running",
+            started_at=started_at,
+            rate=self.rates.rate(gpu_type),
+        )
 
 
 def enforce_policy(job: JobSpec, callbacks: Sequence[JobCallback] = ()) -> None:

@@ -57,8 +57,13 @@ def format_duration(seconds: float) -> str:
 
 def job_attributes(job: JobSpec, user: str) -> dict[str, str]:
     """The values budget selectors match against: the job's tags plus ``user``, ``gpu_type``, ..."""
-    return {**job.tags, "user": user, "gpu_type": job.resources.gpu_type or "",
-            "backend": job.backend, "job_name": job.name}
+    return {
+        **job.tags,
+        "user": user,
+        "gpu_type": job.resources.gpu_type or "",
+        "backend": job.backend,
+        "job_name": job.name,
+    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,8 +108,12 @@ class Budget:
             raise ConfigurationError(
                 f"budget {selector!r}: {text!r} has no unit; write 'GPU-hours' or a '$' amount, e.g. '100 GPU-hours per 30d'"
             )
-        return cls(parse_selector(selector), float(match.group("amount")), "usd" if usd else "gpu_hours",
-                   parse_duration(match.group("window"), name=f"budget {selector!r} window"))
+        return cls(
+            parse_selector(selector),
+            float(match.group("amount")),
+            "usd" if usd else "gpu_hours",
+            parse_duration(match.group("window"), name=f"budget {selector!r} window"),
+        )
 
     @property
     def label(self) -> str:
@@ -196,7 +205,9 @@ class UsagePolicy:
             types = (self.allowed_gpu_types,) if isinstance(self.allowed_gpu_types, str) else self.allowed_gpu_types
             object.__setattr__(self, "allowed_gpu_types", tuple(lookup_gpu_type(t).name for t in types))
         if self.max_gpus_per_job is not None and (
-            isinstance(self.max_gpus_per_job, bool) or not isinstance(self.max_gpus_per_job, int) or self.max_gpus_per_job < 1
+            isinstance(self.max_gpus_per_job, bool)
+            or not isinstance(self.max_gpus_per_job, int)
+            or self.max_gpus_per_job < 1
         ):
             raise ConfigurationError(f"max_gpus_per_job must be a positive integer, got {self.max_gpus_per_job!r}")
         object.__setattr__(self, "max_runtime", parse_duration(self.max_runtime, name="max_runtime"))
@@ -214,9 +225,7 @@ class UsagePolicy:
         """
         unknown = sorted(set(data) - set(_POLICY_KEYS))
         if unknown:
-            raise ConfigurationError(
-                f"{source}: unknown key(s) {unknown}; a policy has {', '.join(_POLICY_KEYS)}"
-            )
+            raise ConfigurationError(f"{source}: unknown key(s) {unknown}; a policy has {', '.join(_POLICY_KEYS)}")
         budgets = data.get("budgets") or {}
         if not isinstance(budgets, Mapping):
             raise ConfigurationError(
@@ -228,9 +237,12 @@ class UsagePolicy:
                 parsed.append(Budget.parse(selector, text))
         try:
             return cls(
-                name=str(data.get("name") or source), allowed_gpu_types=data.get("allowed_gpu_types"),
-                max_gpus_per_job=data.get("max_gpus_per_job"), max_runtime=data.get("max_runtime"),
-                required_tags=data.get("required_tags") or (), budgets=tuple(parsed),
+                name=str(data.get("name") or source),
+                allowed_gpu_types=data.get("allowed_gpu_types"),
+                max_gpus_per_job=data.get("max_gpus_per_job"),
+                max_runtime=data.get("max_runtime"),
+                required_tags=data.get("required_tags") or (),
+                budgets=tuple(parsed),
             )
         except ConfigurationError as exc:
             raise ConfigurationError(f"{source}: {exc}") from None

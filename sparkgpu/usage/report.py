@@ -140,15 +140,23 @@ def usage_table(ledger=None, since="30d", until=None, by="team"):
     rows = usage_rows(ledger, since, until)
     frame = _frame(rows, keys)
     if frame.empty:
-        frame = pd.DataFrame({k: pd.Series(dtype="object") for k in keys} | {
-            "job_id": pd.Series(dtype="object"), "attempt": pd.Series(dtype="int32"),
-            "gpus": pd.Series(dtype="int32"), "gpu_seconds": pd.Series(dtype="float64"),
-            "cost_usd": pd.Series(dtype="float64"),
-        })
+        frame = pd.DataFrame(
+            {k: pd.Series(dtype="object") for k in keys}
+            | {
+                "job_id": pd.Series(dtype="object"),
+                "attempt": pd.Series(dtype="int32"),
+                "gpus": pd.Series(dtype="int32"),
+                "gpu_seconds": pd.Series(dtype="float64"),
+                "cost_usd": pd.Series(dtype="float64"),
+            }
+        )
     frame = frame.assign(_attempt_key=frame["job_id"].astype(str) + "#" + frame["attempt"].astype(str))
     aggregations = dict(
-        jobs=("job_id", "nunique"), attempts=("_attempt_key", "nunique"), gpus_max=("gpus", "max"),
-        gpu_hours=("gpu_seconds", lambda s: float(s.sum()) / 3600.0), cost_usd=("cost_usd", "sum"),
+        jobs=("job_id", "nunique"),
+        attempts=("_attempt_key", "nunique"),
+        gpus_max=("gpus", "max"),
+        gpu_hours=("gpu_seconds", lambda s: float(s.sum()) / 3600.0),
+        cost_usd=("cost_usd", "sum"),
     )
     if keys:
         grouped = frame.groupby(keys, dropna=False, sort=False).agg(**aggregations).reset_index()
@@ -176,9 +184,13 @@ def render_usage_table(table, title: str = "GPU usage", console=None) -> None:
     view = Table(title=title, show_footer=table.num_rows > 1)
     data = table.to_pydict()
     numeric = {"jobs", "attempts", "gpus_max", "gpu_hours", "cost_usd"}
-    totals = {"jobs": "", "attempts": sum(data.get("attempts", [])) if table.num_rows else 0,
-              "gpus_max": "", "gpu_hours": f"{sum(data.get('gpu_hours', [])):,.2f}",
-              "cost_usd": f"${sum(data.get('cost_usd', [])):,.2f}"}
+    totals = {
+        "jobs": "",
+        "attempts": sum(data.get("attempts", [])) if table.num_rows else 0,
+        "gpus_max": "",
+        "gpu_hours": f"{sum(data.get('gpu_hours', [])):,.2f}",
+        "cost_usd": f"${sum(data.get('cost_usd', [])):,.2f}",
+    }
     headers = {"gpus_max": "max GPUs", "gpu_hours": "GPU-hours", "cost_usd": "cost"}
     names = table.column_names
     for i, name in enumerate(names):
@@ -222,8 +234,11 @@ def plot_usage(path, ledger=None, since="30d", until=None, by="team") -> str:
         ax.text(0.5, 0.5, "no usage recorded in this window", ha="center", va="center", transform=ax.transAxes)
     else:
         label = table[keys].astype(str).agg(",".join, axis=1) if keys else "all"
-        pivot = table.assign(group=label).pivot_table(index="day", columns="group", values="gpu_hours",
-                                                      aggfunc="sum", fill_value=0.0).sort_index()
+        pivot = (
+            table.assign(group=label)
+            .pivot_table(index="day", columns="group", values="gpu_hours", aggfunc="sum", fill_value=0.0)
+            .sort_index()
+        )
         days = pd.date_range(pivot.index.min(), pivot.index.max(), freq="D").strftime("%Y-%m-%d")
         pivot = pivot.reindex(days, fill_value=0.0)  # idle days show as gaps at zero, not as missing bars
         pivot = pivot[pivot.sum().sort_values(ascending=False).index]

@@ -16,8 +16,14 @@ def spark_cluster(tmp_path_factory):
     """
     if not java_available():
         pytest.skip("the Spark cluster tests need Java (a JRE 17): install openjdk-17-jre-headless or set JAVA_HOME")
-    cluster = LocalSparkCluster(tmp_path_factory.mktemp("spark-cluster"), workers=2, gpus_per_worker=2,
-                                cores_per_worker=2, gpu_type="A10", simulated=True)
+    cluster = LocalSparkCluster(
+        tmp_path_factory.mktemp("spark-cluster"),
+        workers=2,
+        gpus_per_worker=2,
+        cores_per_worker=2,
+        gpu_type="A10",
+        simulated=True,
+    )
     cluster.start()
     exposed = cluster.exposed_listeners()
     if exposed:
@@ -84,9 +90,18 @@ def job_run(mlflow_store, tmp_path):
     uri, client, experiment_id = mlflow_store
     run = client.create_run(experiment_id, run_name="job")
     spool = SpoolDir(tmp_path / "tracking")
-    spool.write_run_info(JobRunInfo(
-        run_id=run.info.run_id, experiment_id=experiment_id, experiment_name=client.get_experiment(experiment_id).name,
-        tracking_uri=uri, registry_uri=uri, artifact_uri=run.info.artifact_uri, run_name="job", job_id="job-1",
-        user_id="me", started_at=time.time(),
-    ))
+    spool.write_run_info(
+        JobRunInfo(
+            run_id=run.info.run_id,
+            experiment_id=experiment_id,
+            experiment_name=client.get_experiment(experiment_id).name,
+            tracking_uri=uri,
+            registry_uri=uri,
+            artifact_uri=run.info.artifact_uri,
+            run_name="job",
+            job_id="job-1",
+            user_id="me",
+            started_at=time.time(),
+        )
+    )
     return spool, run.info.run_id

@@ -87,10 +87,21 @@ class LocalSparkCluster:
             clusters read it to tell which one ran a job).
     """
 
-    def __init__(self, workdir, *, workers: int = 2, gpus_per_worker: int = 2, cores_per_worker: int = 2,
-                 gpu_type: str | None = "A10", simulated: bool = True, worker_memory: str = "1g", executor_memory: str = "512m",
-                 extra_conf: dict[str, str] | None = None, env: dict[str, str] | None = None,
-                 name: str = "sparkgpu-test-cluster"):
+    def __init__(
+        self,
+        workdir,
+        *,
+        workers: int = 2,
+        gpus_per_worker: int = 2,
+        cores_per_worker: int = 2,
+        gpu_type: str | None = "A10",
+        simulated: bool = True,
+        worker_memory: str = "1g",
+        executor_memory: str = "512m",
+        extra_conf: dict[str, str] | None = None,
+        env: dict[str, str] | None = None,
+        name: str = "sparkgpu-test-cluster",
+    ):
         self.workdir = Path(workdir)
         self.workers = workers
         self.gpus_per_worker = gpus_per_worker
@@ -122,8 +133,12 @@ class LocalSparkCluster:
 
     def pool_entry(self, **fields) -> dict:
         """This cluster as an entry of a pools file (``SPARKGPU_POOLS``), plus ``fields``."""
-        return {"url": self.connect_url, "gpu_type": self.gpu_type or "cpu", "gpus_per_node": self.gpus_per_worker,
-                **fields}
+        return {
+            "url": self.connect_url,
+            "gpu_type": self.gpu_type or "cpu",
+            "gpus_per_node": self.gpus_per_worker,
+            **fields,
+        }
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self, timeout: float = 180.0) -> "LocalSparkCluster":
@@ -211,8 +226,9 @@ class LocalSparkCluster:
                     label = f"{name}/{proc.name()}"
                 except (psutil.NoSuchProcess, psutil.AccessDenied):
                     continue
-                found += [(label, proc.pid, c.laddr.ip, c.laddr.port) for c in connections
-                          if c.status == psutil.CONN_LISTEN]
+                found += [
+                    (label, proc.pid, c.laddr.ip, c.laddr.port) for c in connections if c.status == psutil.CONN_LISTEN
+                ]
         return found
 
     def exposed_listeners(self) -> list[tuple[str, int, str, int]]:
@@ -234,7 +250,7 @@ class LocalSparkCluster:
                 except (psutil.NoSuchProcess, psutil.AccessDenied):
                     continue
                 if "org.apache.spark.executor.CoarseGrainedExecutorBackend" in argv and "--executor-id" in argv:
-                    found[argv[argv.index("--executor-id") + 1]] = (child.pid, int(name[len("worker-"):]))
+                    found[argv[argv.index("--executor-id") + 1]] = (child.pid, int(name[len("worker-") :]))
         return found
 
     def kill_worker(self, index: int) -> None:
@@ -262,8 +278,10 @@ class LocalSparkCluster:
 
         def new_app_has_executors() -> bool:
             wanted = self.workers * self.cores_per_worker
-            return any(app.get("id") not in old_apps and app.get("cores", 0) >= wanted
-                       for app in self._master_state().get("activeapps", []))
+            return any(
+                app.get("id") not in old_apps and app.get("cores", 0) >= wanted
+                for app in self._master_state().get("activeapps", [])
+            )
 
         self._wait(new_app_has_executors, deadline, "the new Connect server's executors to start", "connect")
 
@@ -309,24 +327,48 @@ class LocalSparkCluster:
         self._logs.append(log)
         # SPARK_LOCAL_IP: every JVM binds its RPC, block manager and web UI there (the UIs
         # of the master and workers bind every interface otherwise, whatever --host says).
-        full_env = {**os.environ, "SPARK_HOME": str(spark_home()), "SPARK_LOG_DIR": str(self.workdir),
-                    "SPARK_LOCAL_IP": "127.0.0.1",
-                    "PYSPARK_PYTHON": sys.executable, "SPARK_DAEMON_MEMORY": "256m",
-                    "SPARK_NO_DAEMONIZE": "1", **self.env, **env}
+        full_env = {
+            **os.environ,
+            "SPARK_HOME": str(spark_home()),
+            "SPARK_LOG_DIR": str(self.workdir),
+            "SPARK_LOCAL_IP": "127.0.0.1",
+            "PYSPARK_PYTHON": sys.executable,
+            "SPARK_DAEMON_MEMORY": "256m",
+            "SPARK_NO_DAEMONIZE": "1",
+            **self.env,
+            **env,
+        }
         full_env.pop("SPARK_CONNECT_MODE_ENABLED", None)
         process = subprocess.Popen(
-            [str(spark_home() / "bin" / "spark-class"), *args], env=full_env, cwd=self.workdir,
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            [str(spark_home() / "bin" / "spark-class"), *args],
+            env=full_env,
+            cwd=self.workdir,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
         self._processes[name] = process
         return process
 
     def _start_master(self, deadline: float) -> None:
         self.master_port, self.master_ui_port = _free_port(), _free_port()
-        self._spawn("master", ["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
-                               "--port", str(self.master_port), "--webui-port", str(self.master_ui_port)], {})
-        self._wait(lambda: self._master_ui_bound() and _port_open(self.master_port), deadline,
-                   "the master to listen", "master")
+        self._spawn(
+            "master",
+            [
+                "org.apache.spark.deploy.master.Master",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.master_port),
+                "--webui-port",
+                str(self.master_ui_port),
+            ],
+            {},
+        )
+        self._wait(
+            lambda: self._master_ui_bound() and _port_open(self.master_port), deadline, "the master to listen", "master"
+        )
 
     def _discovery_script(self, index: int) -> Path:
         script = self.workdir / f"gpus-worker-{index}.sh"
@@ -338,13 +380,28 @@ class LocalSparkCluster:
     def _start_worker(self, index: int) -> None:
         work = self.workdir / f"worker-{index}"
         work.mkdir(exist_ok=True)
-        opts = (f"-Dspark.worker.resource.gpu.amount={self.gpus_per_worker} "
-                f"-Dspark.worker.resource.gpu.discoveryScript={self._discovery_script(index)}")
-        self._spawn(f"worker-{index}", [
-            "org.apache.spark.deploy.worker.Worker", self.master_url, "--host", "127.0.0.1",
-            "--cores", str(self.cores_per_worker), "--memory", self.worker_memory,
-            "--work-dir", str(work), "--webui-port", str(_free_port()),
-        ], {"SPARK_WORKER_OPTS": opts})
+        opts = (
+            f"-Dspark.worker.resource.gpu.amount={self.gpus_per_worker} "
+            f"-Dspark.worker.resource.gpu.discoveryScript={self._discovery_script(index)}"
+        )
+        self._spawn(
+            f"worker-{index}",
+            [
+                "org.apache.spark.deploy.worker.Worker",
+                self.master_url,
+                "--host",
+                "127.0.0.1",
+                "--cores",
+                str(self.cores_per_worker),
+                "--memory",
+                self.worker_memory,
+                "--work-dir",
+                str(work),
+                "--webui-port",
+                str(_free_port()),
+            ],
+            {"SPARK_WORKER_OPTS": opts},
+        )
 
     def _start_connect_server(self, deadline: float, port: int | None = None) -> None:
         self.connect_port = port or _free_port()
@@ -368,7 +425,11 @@ class LocalSparkCluster:
         if self.simulated:
             conf["spark.sparkgpu.simulatedGpus"] = "true"
         conf.update(self.extra_conf)
-        args = ["org.apache.spark.deploy.SparkSubmit", "--class", _CONNECT_SERVER, ]
+        args = [
+            "org.apache.spark.deploy.SparkSubmit",
+            "--class",
+            _CONNECT_SERVER,
+        ]
         for key, value in conf.items():
             args += ["--conf", f"{key}={value}"]
         args.append("spark-internal")
@@ -405,8 +466,10 @@ class LocalSparkCluster:
         while not ready():
             for name, proc in self._processes.items():
                 if proc.poll() is not None:
-                    raise RuntimeError(f"spark {name} exited with code {proc.returncode} while waiting for {what}:\n"
-                                       + self._log_tail(name))
+                    raise RuntimeError(
+                        f"spark {name} exited with code {proc.returncode} while waiting for {what}:\n"
+                        + self._log_tail(name)
+                    )
             if time.monotonic() > deadline:
                 raise RuntimeError(f"timed out waiting for {what}:\n" + self._log_tail(process or "master"))
             time.sleep(0.25)
@@ -479,8 +542,9 @@ def disposable_cluster(folder: Path, name: str):
 
     if not java_available():
         pytest.skip("the Spark cluster tests need Java (a JRE 17): install openjdk-17-jre-headless or set JAVA_HOME")
-    cluster = LocalSparkCluster(folder, workers=2, gpus_per_worker=2, cores_per_worker=2, gpu_type="A10",
-                                simulated=True, name=name)
+    cluster = LocalSparkCluster(
+        folder, workers=2, gpus_per_worker=2, cores_per_worker=2, gpu_type="A10", simulated=True, name=name
+    )
     cluster.start()
     try:
         yield cluster

@@ -208,7 +208,8 @@ def test_attach_takes_over_a_job_whose_client_was_killed(tmp_path, _isolated_spa
 
 
 def test_sparkgpu_cancel_ends_a_job_whose_client_was_killed_without_running_it_again(
-        tmp_path, _isolated_sparkgpu_home, capsys):
+    tmp_path, _isolated_sparkgpu_home, capsys
+):
     from sparkgpu.cli import main
 
     client = start_client(tmp_path, _isolated_sparkgpu_home, KILLED_CLIENT, stdout=subprocess.PIPE, text=True)

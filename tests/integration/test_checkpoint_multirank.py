@@ -274,14 +274,43 @@ def test_restarted_job_trains_exactly_like_an_uninterrupted_one(tmp_path, kind):
     ckpt_dir, ref_out, resumed_out = tmp_path / "ckpt", tmp_path / "reference", tmp_path / "resumed"
     # Attempt 1 saves (asynchronously) after step 4 and trains on to step 9 without saving:
     # its steps 5..9 are what an uninterrupted job computes.
-    procs = _launch(tmp_path, "reference", "train", "--kind", kind, "--dir", str(ckpt_dir),
-                    "--out", str(ref_out), "--steps", "10", "--save-steps", "4")
+    procs = _launch(
+        tmp_path,
+        "reference",
+        "train",
+        "--kind",
+        kind,
+        "--dir",
+        str(ckpt_dir),
+        "--out",
+        str(ref_out),
+        "--steps",
+        "10",
+        "--save-steps",
+        "4",
+    )
     _wait(procs, tmp_path, "reference")
     assert latest_checkpoint(ckpt_dir).step == 4 and latest_checkpoint(ckpt_dir).world_size == WORLD
 
     # Attempt 2 starts from other initial weights, restores step 4 and redoes 5..9.
-    procs = _launch(tmp_path, "resumed", "train", "--kind", kind, "--dir", str(ckpt_dir),
-                    "--out", str(resumed_out), "--steps", "10", "--save-steps", "9", "--restore", "--seed", "1")
+    procs = _launch(
+        tmp_path,
+        "resumed",
+        "train",
+        "--kind",
+        kind,
+        "--dir",
+        str(ckpt_dir),
+        "--out",
+        str(resumed_out),
+        "--steps",
+        "10",
+        "--save-steps",
+        "9",
+        "--restore",
+        "--seed",
+        "1",
+    )
     _wait(procs, tmp_path, "resumed")
 
     reference, resumed = _results(ref_out), _results(resumed_out)

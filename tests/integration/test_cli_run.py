@@ -27,8 +27,9 @@ print(f"rank {rank} done", flush=True)
 
 
 def sparkgpu(*args, cwd, env):
-    return subprocess.run([sys.executable, "-m", "sparkgpu.cli", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "sparkgpu.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.fixture
@@ -41,8 +42,9 @@ def workdir(tmp_path):
 
 def test_run_a_script_on_two_ranks_then_list_it_and_read_its_logs(workdir):
     cwd, env = workdir
-    result = sparkgpu("run", "train.py", "--gpus", "2", "--gpu-type", "cpu", "--tag", "team=ml",
-                      "--", "--lr", "0.1", cwd=cwd, env=env)
+    result = sparkgpu(
+        "run", "train.py", "--gpus", "2", "--gpu-type", "cpu", "--tag", "team=ml", "--", "--lr", "0.1", cwd=cwd, env=env
+    )
     assert result.returncode == 0, result.stderr
     outputs = [json.loads((cwd / "out" / f"rank-{r}.json").read_text()) for r in (0, 1)]
     assert all(o == {"name": "__main__", "argv": ["--lr", "0.1"], "sum": 2.0, "env": None} for o in outputs)
@@ -52,7 +54,13 @@ def test_run_a_script_on_two_ranks_then_list_it_and_read_its_logs(workdir):
     jobs = [json.loads(line) for line in sparkgpu("jobs", "--json", cwd=cwd, env=env).stdout.splitlines()]
     assert len(jobs) == 1
     job = jobs[0]
-    assert (job["name"], job["status"], job["attempts"], job["gpus"], job["tags"]) == ("train", "succeeded", 1, 2, {"team": "ml"})
+    assert (job["name"], job["status"], job["attempts"], job["gpus"], job["tags"]) == (
+        "train",
+        "succeeded",
+        1,
+        2,
+        {"team": "ml"},
+    )
 
     logs = sparkgpu("logs", job["job_id"], "--all", cwd=cwd, env=env)
     assert "[rank0] rank 0 done" in logs.stdout and "[rank1] rank 1 done" in logs.stdout
@@ -60,7 +68,9 @@ def test_run_a_script_on_two_ranks_then_list_it_and_read_its_logs(workdir):
 
     home = env.get("SPARKGPU_HOME")
     rows = UsageLedger(os.path.join(home, "usage", "ledger")).read().to_pylist()
-    assert [(r["job_id"], r["user"], dict(r["tags"]), r["gpus"]) for r in rows] == [(job["job_id"], "ana", {"team": "ml"}, 2)]
+    assert [(r["job_id"], r["user"], dict(r["tags"]), r["gpus"]) for r in rows] == [
+        (job["job_id"], "ana", {"team": "ml"}, 2)
+    ]
 
     usage = sparkgpu("usage", "--by", "team,user", cwd=cwd, env=env)
     assert usage.returncode == 0 and "ml" in usage.stdout and "ana" in usage.stdout
@@ -83,5 +93,7 @@ def test_run_a_job_file_and_a_failing_script(workdir):
     result = sparkgpu("run", "crash.py", "--gpu-type", "cpu", "--name", "crash", cwd=cwd, env=env)
     assert result.returncode == 1
     assert "ValueError: bad learning rate" in result.stderr and "failed" in result.stderr
-    statuses = sorted(r["status"] for r in UsageLedger(os.path.join(env["SPARKGPU_HOME"], "usage", "ledger")).read().to_pylist())
+    statuses = sorted(
+        r["status"] for r in UsageLedger(os.path.join(env["SPARKGPU_HOME"], "usage", "ledger")).read().to_pylist()
+    )
     assert statuses == ["failed", "succeeded"]  # failed attempts are billed too

@@ -16,8 +16,20 @@ pytestmark = pytest.mark.integration
 def test_bench_table_on_s3_prints_raw_epoch1_epoch2(s3_bucket, tmp_path, capsys):
     _, gone = dv_table(tmp_path)
     _upload(tmp_path / "clicks", f"{s3_bucket}/clicks")
-    argv = ["data", "bench", f"{s3_bucket}/clicks", "--table", "--columns", "id,x", "--filter", "id >= 20",
-            "--batch-size", "64", "--local", str(tmp_path / "cache")]
+    argv = [
+        "data",
+        "bench",
+        f"{s3_bucket}/clicks",
+        "--table",
+        "--columns",
+        "id,x",
+        "--filter",
+        "id >= 20",
+        "--batch-size",
+        "64",
+        "--local",
+        str(tmp_path / "cache"),
+    ]
     assert main([*argv, "--json"]) == 0
     figures = json.loads(capsys.readouterr().out)
     assert figures["kind"] == "table" and figures["shards"] == 3  # one data file per day partition

@@ -59,7 +59,9 @@ def test_source_failing_half_way_leaves_no_index_and_a_rerun_succeeds(tmp_path):
     assert not (out / INDEX_NAME).exists()
     assert files_under(out) == {MARKER_NAME}  # shards written before the failure are gone
 
-    result = data.to_mds(pa.RecordBatchReader.from_batches(SCHEMA, batches(4)), str(out), size_limit=4096, progress=False)
+    result = data.to_mds(
+        pa.RecordBatchReader.from_batches(SCHEMA, batches(4)), str(out), size_limit=4096, progress=False
+    )
     assert read_ids(result.url) == list(range(2000))
     assert files_under(out) == listed_in_index(out) | {INDEX_NAME}
 
@@ -91,7 +93,9 @@ def test_killed_conversion_leaves_no_index_and_a_rerun_removes_its_shards(tmp_pa
     stale = {f for f in left if f.endswith(".mds")}
     assert len(stale) > 10  # the killed run did write shards
 
-    result = data.to_mds(pa.RecordBatchReader.from_batches(SCHEMA, batches(2)), str(out), size_limit=4096, progress=False)
+    result = data.to_mds(
+        pa.RecordBatchReader.from_batches(SCHEMA, batches(2)), str(out), size_limit=4096, progress=False
+    )
     assert read_ids(result.url) == list(range(1000))
     assert files_under(out) == listed_in_index(out) | {INDEX_NAME}
     assert len(listed_in_index(out)) < len(stale)
@@ -162,7 +166,9 @@ def test_killed_right_after_removing_the_old_index_a_rerun_without_overwrite_fin
     assert INDEX_NAME not in left and MARKER_NAME in left
     assert any(f.endswith(".mds") for f in left)  # the old shards are still there
 
-    result = data.to_mds(pa.RecordBatchReader.from_batches(SCHEMA, batches(2)), str(out), size_limit=4096, progress=False)
+    result = data.to_mds(
+        pa.RecordBatchReader.from_batches(SCHEMA, batches(2)), str(out), size_limit=4096, progress=False
+    )
     assert read_ids(result.url) == list(range(1000))
     assert files_under(out) == listed_in_index(out) | {INDEX_NAME}
 
@@ -188,4 +194,4 @@ def test_shards_and_their_folders_reach_the_disk_before_the_index(tmp_path, monk
     assert not missing, f"shards listed in the index but not flushed before it: {sorted(missing)}"
     folders = {os.path.dirname(s) for s in shards if os.path.dirname(s)} | {"."}
     assert folders <= before, f"folders not flushed before the index: {sorted(folders - before)}"
-    assert "." in synced[index_flush + 1:], "the index's rename is flushed too"
+    assert "." in synced[index_flush + 1 :], "the index's rename is flushed too"

@@ -20,13 +20,15 @@ pytestmark = pytest.mark.integration
 
 def feature_table(rows: int, seed: int = 0, start: int = 0) -> pa.Table:
     rng = np.random.default_rng(seed)
-    return pa.table({
-        "id": np.arange(start, start + rows, dtype=np.int64),
-        "x": rng.standard_normal(rows).astype(np.float32),
-        "label": rng.integers(0, 2, rows).astype(np.int8),
-        "name": [f"user-{i}" for i in range(start, start + rows)],
-        "emb": pa.FixedSizeListArray.from_arrays(pa.array(rng.standard_normal(rows * 4).astype(np.float32)), 4),
-    })
+    return pa.table(
+        {
+            "id": np.arange(start, start + rows, dtype=np.int64),
+            "x": rng.standard_normal(rows).astype(np.float32),
+            "label": rng.integers(0, 2, rows).astype(np.int8),
+            "name": [f"user-{i}" for i in range(start, start + rows)],
+            "emb": pa.FixedSizeListArray.from_arrays(pa.array(rng.standard_normal(rows * 4).astype(np.float32)), 4),
+        }
+    )
 
 
 def streamed_rows(url: str, **kwargs) -> list[dict]:
@@ -65,7 +67,11 @@ def test_parquet_folder_of_several_files_round_trips_in_order(tmp_path):
     result = data.to_mds(str(source), str(tmp_path / "out"), max_workers=3, size_limit="64kb", progress=False)
     assert result.samples == 12_000 and result.shards > 3
     assert result.source == {"type": "parquet", "path": str(source), "files": 3}
-    assert sorted(p for p in os.listdir(result.url) if p.startswith("part-")) == ["part-00000", "part-00001", "part-00002"]
+    assert sorted(p for p in os.listdir(result.url) if p.startswith("part-")) == [
+        "part-00000",
+        "part-00001",
+        "part-00002",
+    ]
     assert_same_rows(result.url, table)
 
 
@@ -118,7 +124,9 @@ def test_arrow_table_and_pandas_frame(tmp_path):
 
 def test_zstd_and_hashes_are_verified_by_streaming_dataset(tmp_path):
     table = feature_table(4000)
-    result = data.to_mds(table, str(tmp_path / "out"), compression="zstd", hashes=("sha1", "xxh64"), size_limit=20_000, progress=False)
+    result = data.to_mds(
+        table, str(tmp_path / "out"), compression="zstd", hashes=("sha1", "xxh64"), size_limit=20_000, progress=False
+    )
     index = json.loads((tmp_path / "out" / "index.json").read_text())
     first = index["shards"][0]
     assert first["compression"] == "zstd" and first["zip_data"]["basename"].endswith(".mds.zstd")

@@ -55,8 +55,17 @@ def test_every_type_reads_back_row_for_row(spark, tmp_path):
     df = typed_frame(spark)
     result = data.to_mds(df, str(tmp_path / "out"), size_limit="32kb", progress=False)
     assert result.columns == {
-        "id": "int64", "i8": "int8", "i16": "int16", "i32": "int32", "f32": "float32", "f64": "float64",
-        "flag": "uint8", "name": "str", "raw": "bytes", "emb": "ndarray:float32", "seq": "ndarray:int32",
+        "id": "int64",
+        "i8": "int8",
+        "i16": "int16",
+        "i32": "int32",
+        "f32": "float32",
+        "f64": "float64",
+        "flag": "uint8",
+        "name": "str",
+        "raw": "bytes",
+        "emb": "ndarray:float32",
+        "seq": "ndarray:int32",
         "price": "str_decimal",
     }
     assert result.source["type"] == "spark" and result.shards > 3
@@ -64,14 +73,20 @@ def test_every_type_reads_back_row_for_row(spark, tmp_path):
     got = streamed(result.url)
     assert len(got) == len(expected) == 3000
     for row, sample in zip(expected, got):
-        assert sample["id"] == row.id and sample["i8"] == row.i8 and sample["i16"] == row.i16 and sample["i32"] == row.i32
+        assert (
+            sample["id"] == row.id and sample["i8"] == row.i8 and sample["i16"] == row.i16 and sample["i32"] == row.i32
+        )
         assert sample["f32"] == np.float32(row.f32) and sample["f64"] == row.f64
         assert bool(sample["flag"]) == row.flag and sample["name"] == row.name and sample["raw"] == bytes(row.raw)
         np.testing.assert_array_equal(sample["emb"], np.asarray(row.emb, np.float32))
         np.testing.assert_array_equal(sample["seq"], np.asarray(row.seq, np.int32))
         assert sample["price"] == row.price and isinstance(sample["price"], decimal.Decimal)
     # One folder per task, only tiny metadata came back to the client.
-    assert sorted(name.split("-")[1] for name in os.listdir(result.url) if name.startswith("part-")) == ["00000", "00001", "00002"]
+    assert sorted(name.split("-")[1] for name in os.listdir(result.url) if name.startswith("part-")) == [
+        "00000",
+        "00001",
+        "00002",
+    ]
 
 
 def test_fixed_shape_selection_and_compression_through_spark(spark, tmp_path):
@@ -79,8 +94,12 @@ def test_fixed_shape_selection_and_compression_through_spark(spark, tmp_path):
 
     df = typed_frame(spark, rows=1000, partitions=2).select("id", "emb", "name", (F.col("id") * 2).alias("x.y"))
     result = data.to_mds(
-        df, str(tmp_path / "out"), columns={"id": None, "emb": "ndarray:float32:2,2", "x.y": None},
-        compression="zstd", hashes=["sha1"], progress=False,
+        df,
+        str(tmp_path / "out"),
+        columns={"id": None, "emb": "ndarray:float32:2,2", "x.y": None},
+        compression="zstd",
+        hashes=["sha1"],
+        progress=False,
     )
     assert result.columns == {"id": "int64", "emb": "ndarray:float32:2,2", "x.y": "int64"}
     for i, sample in enumerate(streamed(result.url)):
@@ -112,7 +131,9 @@ def test_job_failing_half_way_leaves_no_index_and_a_rerun_is_clean(spark, tmp_pa
     from pyspark.sql import functions as F
 
     good = spark.range(0, 3000, numPartitions=3).select("id", (F.col("id") * 0.5).alias("x"))
-    broken = good.select("id", F.when(F.col("id") == 2900, F.raise_error(F.lit("bad row 2900"))).otherwise(F.col("x")).alias("x"))
+    broken = good.select(
+        "id", F.when(F.col("id") == 2900, F.raise_error(F.lit("bad row 2900"))).otherwise(F.col("x")).alias("x")
+    )
     out = tmp_path / "out"
     with pytest.raises(Exception, match="bad row 2900"):
         data.to_mds(broken, str(out), size_limit=2048, progress=False)
@@ -128,7 +149,11 @@ def test_ensure_mds_skips_a_second_conversion_of_the_same_frame(spark, tmp_path)
     from pyspark.sql import functions as F
 
     def frame(threshold):
-        return spark.range(0, 2000, numPartitions=2).where(F.col("id") >= threshold).select("id", (F.col("id") / 3).alias("x"))
+        return (
+            spark.range(0, 2000, numPartitions=2)
+            .where(F.col("id") >= threshold)
+            .select("id", (F.col("id") / 3).alias("x"))
+        )
 
     cache = str(tmp_path / "cache")
     first = ensure_mds(frame(10), cache, progress=False)
@@ -224,7 +249,9 @@ def test_executor_code_runs_where_this_package_is_not_installed(tmp_path):
         print(json.dumps(row.to_pylist()))
         """
     )
-    done = subprocess.run([sys.executable, "-I", "-c", script], capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", script], capture_output=True, text=True, timeout=120, cwd=str(tmp_path)
+    )
     assert done.returncode == 0, done.stderr
     (row,) = json.loads(done.stdout)
     shards = json.loads(row["shards"])
@@ -250,7 +277,9 @@ def test_classic_spark_session_converts_too(tmp_path):
         """
     )
     # The Connect fixture marks this process as a Connect client; the child must not inherit that.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPARK_REMOTE", "SPARK_CONNECT", "SPARK_LOCAL_REMOTE"))}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("SPARK_REMOTE", "SPARK_CONNECT", "SPARK_LOCAL_REMOTE"))
+    }
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=540, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     module, url, samples, first_reused, again_reused = json.loads(done.stdout.strip().splitlines()[-1])

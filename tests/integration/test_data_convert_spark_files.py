@@ -19,12 +19,14 @@ pytestmark = [pytest.mark.integration, pytest.mark.spark]
 
 def clicks(ids) -> pa.Table:
     ids = np.asarray(ids, dtype=np.int64)
-    return pa.table({
-        "id": ids,
-        "y": ids * 0.5,
-        "tag": [f"t{i % 4}" for i in ids],
-        "emb": pa.array([[float(i), float(i) + 1] for i in ids], type=pa.list_(pa.float32())),
-    })
+    return pa.table(
+        {
+            "id": ids,
+            "y": ids * 0.5,
+            "tag": [f"t{i % 4}" for i in ids],
+            "emb": pa.array([[float(i), float(i) + 1] for i in ids], type=pa.list_(pa.float32())),
+        }
+    )
 
 
 def mds_rows(url: str) -> list[tuple]:
@@ -59,7 +61,11 @@ def test_plain_parquet_scan_is_converted_from_its_files_and_reused_until_they_ch
     from pyspark.sql import functions as F
 
     def frame():
-        return spark.read.parquet(str(parquet_folder)).select("tag", "id", "emb").filter((F.col("id") >= 37) & (F.col("tag") != "t1"))
+        return (
+            spark.read.parquet(str(parquet_folder))
+            .select("tag", "id", "emb")
+            .filter((F.col("id") >= 37) & (F.col("tag") != "t1"))
+        )
 
     result = data.to_mds(frame(), str(tmp_path / "out"), progress=False)
     assert result.source["via"] == "files" and result.source["files"]["type"] == "parquet"
@@ -82,8 +88,13 @@ def test_delta_scan_with_a_filter_leaves_out_deleted_and_filtered_rows(spark, tm
 
     uri = str(tmp_path / "delta")
     table = clicks(range(400)).append_column("part", pa.array([f"p{i % 2}" for i in range(400)]))
-    write_deltalake(uri, table, partition_by=["part"], configuration={"delta.enableDeletionVectors": "true"},
-                    writer_properties=WriterProperties(max_row_group_size=30))
+    write_deltalake(
+        uri,
+        table,
+        partition_by=["part"],
+        configuration={"delta.enableDeletionVectors": "true"},
+        writer_properties=WriterProperties(max_row_group_size=30),
+    )
     gone = set()
     for add in pa.table(DeltaTable(uri).get_add_actions(flatten=True)).to_pylist():
         ids = pq.read_table(os.path.join(uri, add["path"]), columns=["id"]).column("id").to_pylist()
@@ -125,8 +136,15 @@ def test_delta_table_with_column_mapping_is_left_to_spark(spark, tmp_path):
     from sparkgpu.errors import DataError
 
     uri = str(tmp_path / "mapped")
-    write_deltalake(uri, clicks(range(10)), configuration={
-        "delta.columnMapping.mode": "name", "delta.minReaderVersion": "2", "delta.minWriterVersion": "5"})
+    write_deltalake(
+        uri,
+        clicks(range(10)),
+        configuration={
+            "delta.columnMapping.mode": "name",
+            "delta.minReaderVersion": "2",
+            "delta.minWriterVersion": "5",
+        },
+    )
     # Its files name columns by physical ids: read by name, every value would be missing.
     with pytest.raises(DataError, match="column mapping"):
         data.to_mds(uri, str(tmp_path / "out"), progress=False)

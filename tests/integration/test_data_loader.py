@@ -38,8 +38,22 @@ def test_two_ranks_with_two_workers_each_read_every_sample_once(volume, tmp_path
     procs = []
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "PYTHONPATH": os.getcwd()}
-        procs.append(subprocess.Popen([sys.executable, "-c", _RANK_SCRIPT, volume, str(tmp_path / "cache"), str(tmp_path / f"rank{rank}.npy")],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    _RANK_SCRIPT,
+                    volume,
+                    str(tmp_path / "cache"),
+                    str(tmp_path / f"rank{rank}.npy"),
+                ],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     for proc in procs:
         output, _ = proc.communicate(timeout=240)
         assert proc.returncode == 0, output
@@ -48,14 +62,24 @@ def test_two_ranks_with_two_workers_each_read_every_sample_once(volume, tmp_path
     union = np.concatenate(per_rank)
     assert len(np.unique(union)) == 1000, "one sample (1001 % 2) is left out, none is read twice"
     # The number of workers does not change the order a rank sees.
-    same_rank_in_process = data.dataset(remote=volume, local=tmp_path / "cache", batch_size=25, shuffle=True, seed=9,
-                                        shuffle_block_size=200, rank=1, world_size=2)
+    same_rank_in_process = data.dataset(
+        remote=volume,
+        local=tmp_path / "cache",
+        batch_size=25,
+        shuffle=True,
+        seed=9,
+        shuffle_block_size=200,
+        rank=1,
+        world_size=2,
+    )
     np.testing.assert_array_equal(np.concatenate(collect_ids(same_rank_in_process)), per_rank[1])
 
 
 def test_workers_resume_where_the_in_process_loader_stopped(volume, tmp_path):
     def open_loader(workers):
-        return data.dataset(remote=volume, local=tmp_path / "cache", batch_size=30, shuffle=True, seed=4, num_workers=workers)
+        return data.dataset(
+            remote=volume, local=tmp_path / "cache", batch_size=30, shuffle=True, seed=4, num_workers=workers
+        )
 
     everything = np.concatenate(collect_ids(open_loader(0)))
     first = open_loader(0)
@@ -71,13 +95,17 @@ def test_workers_resume_where_the_in_process_loader_stopped(volume, tmp_path):
 
 @contextlib.contextmanager
 def _http_server(folder):
-    code = ("import functools, http.server, sys\n"
-            "handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=sys.argv[1])\n"
-            "http.server.ThreadingHTTPServer.request_queue_size = 1024\n"
-            "server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), handler)\n"
-            "print(server.server_address[1], flush=True)\n"
-            "server.serve_forever()\n")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    code = (
+        "import functools, http.server, sys\n"
+        "handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=sys.argv[1])\n"
+        "http.server.ThreadingHTTPServer.request_queue_size = 1024\n"
+        "server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), handler)\n"
+        "print(server.server_address[1], flush=True)\n"
+        "server.serve_forever()\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     try:
         port = int(proc.stdout.readline())
         yield f"http://127.0.0.1:{port}"
@@ -89,7 +117,9 @@ def _http_server(folder):
 def test_remote_volume_over_http_with_compressed_hashed_shards(tmp_path):
     write_tabular(tmp_path / "served" / "ds", 700, size_limit=2000, compression="zstd", hashes=["sha1", "xxh64"])
     with _http_server(tmp_path / "served") as base:
-        ds = data.dataset(remote=f"{base}/ds", local=tmp_path / "cache", batch_size=64, shuffle=True, seed=1, download_threads=4)
+        ds = data.dataset(
+            remote=f"{base}/ds", local=tmp_path / "cache", batch_size=64, shuffle=True, seed=1, download_threads=4
+        )
         epoch1 = np.concatenate(collect_ids(ds))
     # The server is gone: epoch 2 comes from the cache alone.
     epoch2 = np.concatenate(collect_ids(ds))

@@ -38,7 +38,7 @@ def _upload(folder, url: str) -> int:
     import fsspec
 
     fs = fsspec.filesystem("s3")
-    bucket_path = url[len("s3://"):]
+    bucket_path = url[len("s3://") :]
     for path in sorted(folder.iterdir()):
         fs.pipe(f"{bucket_path}/{path.name}", path.read_bytes())
     fs.invalidate_cache()
@@ -87,7 +87,9 @@ def test_every_ranks_loader_metrics_reach_the_jobs_run_and_count_the_downloads(s
         assert all(m.value >= 0.02 for m in steps) and [m.step for m in steps] == sorted(m.step for m in steps)
         assert 0 < max(m.step for m in steps) <= 2 * BATCHES  # keyed by batches handed out
         assert client.get_metric_history(run_id, f"data/wait_s/rank_{rank}")
-        ratio = sorted((m.step, m.value) for m in client.get_metric_history(run_id, f"data/cache_hit_ratio/rank_{rank}"))
+        ratio = sorted(
+            (m.step, m.value) for m in client.get_metric_history(run_id, f"data/cache_hit_ratio/rank_{rank}")
+        )
         mbps = dict((m.step, m.value) for m in client.get_metric_history(run_id, f"data/download_mbps/rank_{rank}"))
         assert [s for s, _ in ratio] == sorted(mbps), "both figures of every interval"
         assert ratio[0][1] < 1.0 and mbps[ratio[0][0]] > 0, "the first interval read the first shard from the volume"

@@ -25,11 +25,12 @@ def _upload(folder, url: str) -> None:
 
     fs = fsspec.filesystem("s3")
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        fs.pipe(f"{url[len('s3://'):]}/{path.relative_to(folder).as_posix()}", path.read_bytes())
+        fs.pipe(f"{url[len('s3://') :]}/{path.relative_to(folder).as_posix()}", path.read_bytes())
 
 
-def test_delta_table_with_deletion_vectors_on_s3_reads_the_surviving_rows_and_resumes(s3_bucket, tmp_path, monkeypatch,
-                                                                                         caplog):
+def test_delta_table_with_deletion_vectors_on_s3_reads_the_surviving_rows_and_resumes(
+    s3_bucket, tmp_path, monkeypatch, caplog
+):
     import fsspec
 
     secret = "sentinel-secret-8d1f0c"
@@ -39,19 +40,30 @@ def test_delta_table_with_deletion_vectors_on_s3_reads_the_surviving_rows_and_re
     table_url = f"{s3_bucket}/lake/clicks"
     _upload(tmp_path / "clicks", table_url)
     shutil.rmtree(uri)  # the table, its log and its deletion vectors now exist only on S3
-    vectors = fsspec.filesystem("s3").glob(f"{table_url[len('s3://'):]}/*/deletion_vector_*.bin")
+    vectors = fsspec.filesystem("s3").glob(f"{table_url[len('s3://') :]}/*/deletion_vector_*.bin")
     assert len(vectors) == 3, "one vector per day's file, uploaded with the table"
     survivors = sorted(i for i in range(600) if i not in gone and i >= 20)
     cache = tmp_path / "cache"
 
     def open_(rank=0, world_size=1):
-        return data.table_dataset(table_url, columns=["id", "x"], filter="id >= 20", batch_size=16, shuffle=True,
-                                  seed=3, shuffle_block_size=100, local=str(cache), rank=rank, world_size=world_size)
+        return data.table_dataset(
+            table_url,
+            columns=["id", "x"],
+            filter="id >= 20",
+            batch_size=16,
+            shuffle=True,
+            seed=3,
+            shuffle_block_size=100,
+            local=str(cache),
+            rank=rank,
+            world_size=world_size,
+        )
 
     everything = ids_of(open_())
     assert sorted(everything) == survivors
     assert {p.name for p in cache.rglob("*.parquet")} == {
-        os.path.basename(p) for p in fsspec.filesystem("s3").glob(f"{table_url[len('s3://'):]}/*/*.parquet")}  # landed in the cache
+        os.path.basename(p) for p in fsspec.filesystem("s3").glob(f"{table_url[len('s3://') :]}/*/*.parquet")
+    }  # landed in the cache
     halves = [ids_of(open_(rank, 2)) for rank in range(2)]
     assert not set(halves[0]) & set(halves[1]) and len(halves[0]) == len(halves[1])
     # Resume: the rest of the epoch, exactly.
@@ -71,11 +83,18 @@ def test_parquet_folder_on_s3(s3_bucket, tmp_path):
     folder = tmp_path / "events"
     for part in range(3):
         (folder / f"day={part}").mkdir(parents=True)
-        pq.write_table(clicks(100, start=100 * part).drop(["day"]), folder / f"day={part}" / "part-0.parquet",
-                       row_group_size=30)
+        pq.write_table(
+            clicks(100, start=100 * part).drop(["day"]), folder / f"day={part}" / "part-0.parquet", row_group_size=30
+        )
     _upload(folder, f"{s3_bucket}/events")
-    ds = data.table_dataset(f"{s3_bucket}/events", filter="day >= 1 AND id < 250", batch_size=32,
-                            local=str(tmp_path / "cache"), rank=0, world_size=1)
+    ds = data.table_dataset(
+        f"{s3_bucket}/events",
+        filter="day >= 1 AND id < 250",
+        batch_size=32,
+        local=str(tmp_path / "cache"),
+        rank=0,
+        world_size=1,
+    )
     batches = list(ds)
     assert sorted(i for b in batches for i in b["id"].tolist()) == list(range(100, 250))
     assert batches[0]["emb"].shape[1:] == (2,) and batches[0]["x"].dtype == __import__("torch").float32
@@ -92,8 +111,16 @@ def test_files_dataset_over_an_s3_prefix_with_a_glob_resumes_exactly(s3_bucket, 
     cache = tmp_path / "cache"
 
     def open_():
-        return data.files_dataset(f"{s3_bucket}/vol/images", "**/*.jpg", shuffle=True, seed=2, as_bytes=True,
-                                  local=cache, rank=0, world_size=1)
+        return data.files_dataset(
+            f"{s3_bucket}/vol/images",
+            "**/*.jpg",
+            shuffle=True,
+            seed=2,
+            as_bytes=True,
+            local=cache,
+            rank=0,
+            world_size=1,
+        )
 
     everything = list(open_())
     assert sorted(everything) == sorted((f"class{i % 3}/img{i:02d}.jpg", f"image {i}".encode()) for i in range(17))
@@ -128,8 +155,12 @@ def test_a_2_rank_job_reads_an_s3_table_with_credentials_from_its_environment_on
     assert len(parts[0]) == len(parts[1]) and not set(parts[0]) & set(parts[1])
     assert set(parts[0]) | set(parts[1]) <= survivors and len(survivors) - 2 * len(parts[0]) == len(survivors) % 2
     run_dir = settings().staging_root / job.last_job_id
-    leaked = [str(path) for home in (run_dir, tmp_path) for path in home.rglob("*")
-              if path.is_file() and sentinel.encode() in path.read_bytes()]
+    leaked = [
+        str(path)
+        for home in (run_dir, tmp_path)
+        for path in home.rglob("*")
+        if path.is_file() and sentinel.encode() in path.read_bytes()
+    ]
     assert not leaked, f"the AWS secret was written to {leaked}"
 
 
@@ -148,21 +179,29 @@ def test_loader_workers_forked_after_the_parent_read_s3_fetch_their_files_instea
     _, gone = dv_table(tmp_path)
     _upload(tmp_path / "clicks", f"{s3_bucket}/lake/clicks")
 
-    warm = data.files_dataset(f"{s3_bucket}/vol/images", "**/*.jpg", as_bytes=True, local=tmp_path / "warm",
-                              rank=0, world_size=1)
+    warm = data.files_dataset(
+        f"{s3_bucket}/vol/images", "**/*.jpg", as_bytes=True, local=tmp_path / "warm", rank=0, world_size=1
+    )
     assert len(list(warm)) == 12  # the parent's own reads start obstore's runtime here
     assert _object_store._runtime_pid == os.getpid()
 
-    files = data.files_dataset(f"{s3_bucket}/vol/images", "**/*.jpg", as_bytes=True, local=tmp_path / "cold",
-                               rank=0, world_size=1)
-    loader = torch.utils.data.DataLoader(files, batch_size=None, num_workers=2, timeout=60,
-                                         multiprocessing_context="fork")
-    assert sorted(map(tuple, loader)) == sorted((f"class{i % 2}/img{i:02d}.jpg", f"image {i}".encode())
-                                                for i in range(12))
+    files = data.files_dataset(
+        f"{s3_bucket}/vol/images", "**/*.jpg", as_bytes=True, local=tmp_path / "cold", rank=0, world_size=1
+    )
+    loader = torch.utils.data.DataLoader(
+        files, batch_size=None, num_workers=2, timeout=60, multiprocessing_context="fork"
+    )
+    assert sorted(map(tuple, loader)) == sorted(
+        (f"class{i % 2}/img{i:02d}.jpg", f"image {i}".encode()) for i in range(12)
+    )
 
-    rows = data.table_dataset(f"{s3_bucket}/lake/clicks", columns=["id"], batch_size=50, local=str(tmp_path / "rows"),
-                              rank=0, world_size=1)
-    read = [i for batch in rows.loader(num_workers=2, timeout=60, multiprocessing_context="fork")
-            for i in batch["id"].tolist()]
+    rows = data.table_dataset(
+        f"{s3_bucket}/lake/clicks", columns=["id"], batch_size=50, local=str(tmp_path / "rows"), rank=0, world_size=1
+    )
+    read = [
+        i
+        for batch in rows.loader(num_workers=2, timeout=60, multiprocessing_context="fork")
+        for i in batch["id"].tolist()
+    ]
     assert len(read) == len(set(read)) and set(read) <= {i for i in range(600) if i not in gone}
     assert len(read) >= 600 - len(gone) - 50  # the remainder rule leaves out at most one batch's rows

@@ -26,7 +26,7 @@ def ported(tmp_path: Path) -> Path:
     for line in original:
         for old, new in IMPORTS.items():
             if line.startswith(old):
-                line = new + line[len(old):]
+                line = new + line[len(old) :]
                 break
         lines.append(line)
     changed = [new for old, new in zip(original, lines) if old != new]
@@ -38,8 +38,9 @@ def ported(tmp_path: Path) -> Path:
 
 def test_a_databricks_air_ddp_script_runs_with_only_its_imports_changed_on_two_cpu_ranks(tmp_path):
     # No accelerator type given and no GPU here: num_accelerators=2 runs two CPU ranks with gloo.
-    proc = subprocess.run([sys.executable, str(ported(tmp_path))], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ported(tmp_path))], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.split("REPORT ", 1)[1])
 

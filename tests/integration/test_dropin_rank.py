@@ -71,6 +71,8 @@ def run_train(num_epochs: int = 5, batch_size: int = 16):
     weights = [p.detach().clone() for p in ddp_model.module.parameters()]
     cleanup()
     return dist.get_rank(), loss.item(), weights
+
+
 # -----------------------------------------------------------------------------------------------
 
 
@@ -80,7 +82,7 @@ def test_the_databricks_ddp_example_trains_on_two_cpu_ranks():
     (_, loss0, w0), (_, loss1, w1) = results
     assert loss0 == loss0 and loss1 == loss1  # not NaN
     assert all(torch.equal(a, b) for a, b in zip(w0, w1))  # DDP kept the replicas in step
-    log = (settings().staging_root / run_train.last_job_id / "attempts" / "0" / "logs")
+    log = settings().staging_root / run_train.last_job_id / "attempts" / "0" / "logs"
     assert any("'gloo'" in p.read_text() and "init_process_group('nccl')" in p.read_text() for p in log.glob("rank-*"))
 
 
@@ -93,8 +95,15 @@ def test_the_docs_device_selection_on_simulated_gpus(monkeypatch):
         setup()
         local_rank = int(os.environ["LOCAL_RANK"])  # what the docs pass to torch.cuda.set_device
         visible = os.environ[NODE_DEVICES_ENV].split(",")
-        out = (local_rank, visible, visible[local_rank], runtime.gpu_address(), os.environ["CUDA_VISIBLE_DEVICES"],
-               str(runtime.device()), dist.get_backend())
+        out = (
+            local_rank,
+            visible,
+            visible[local_rank],
+            runtime.gpu_address(),
+            os.environ["CUDA_VISIBLE_DEVICES"],
+            str(runtime.device()),
+            dist.get_backend(),
+        )
         cleanup()
         return out
 
@@ -142,12 +151,22 @@ def test_hf_accelerate_sets_up_inside_the_jobs_group_and_end_training_leaves_it_
         kept = dist.is_initialized() and dist.group.WORLD is job_group
         after = torch.tensor([float(dist.get_rank() + 1)])
         dist.all_reduce(after)  # the job's group still serves collectives (sparkgpu's teardown uses it too)
-        return (accelerator.num_processes, accelerator.process_index, type(model).__name__, t.item(), kept,
-                dist.group.WORLD is job_group, after.item(), log.saw("init_process_group('gloo')"),
-                log.saw("destroy_process_group()"))
+        return (
+            accelerator.num_processes,
+            accelerator.process_index,
+            type(model).__name__,
+            t.item(),
+            kept,
+            dist.group.WORLD is job_group,
+            after.item(),
+            log.saw("init_process_group('gloo')"),
+            log.saw("destroy_process_group()"),
+        )
 
-    assert with_accelerate.distributed() == [(2, 0, "DistributedDataParallel", 3.0, True, True, 3.0, True, True),
-                                              (2, 1, "DistributedDataParallel", 3.0, True, True, 3.0, True, True)]
+    assert with_accelerate.distributed() == [
+        (2, 0, "DistributedDataParallel", 3.0, True, True, 3.0, True, True),
+        (2, 1, "DistributedDataParallel", 3.0, True, True, 3.0, True, True),
+    ]
 
 
 def test_lightning_ddp_trainer_fits_twice_inside_the_jobs_group_after_the_script_destroys_it():
@@ -171,8 +190,16 @@ def test_lightning_ddp_trainer_fits_twice_inside_the_jobs_group_after_the_script
                 return torch.optim.SGD(self.parameters(), lr=0.1)
 
         def fit(model):
-            trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, logger=False,
-                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+            trainer = L.Trainer(
+                accelerator="cpu",
+                devices=2,
+                strategy="ddp",
+                max_epochs=1,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+            )
             trainer.fit(model, data)
             return trainer
 
@@ -188,8 +215,14 @@ def test_lightning_ddp_trainer_fits_twice_inside_the_jobs_group_after_the_script
         # A second fit (fine-tuning after pre-training): Lightning's DDP setup calls
         # init_process_group itself unless a group exists; it must find the job's.
         fit(model)
-        return (trainer.world_size, trainer.global_rank, [p.detach().clone() for p in model.parameters()], kept,
-                dist.group.WORLD is job_group, log.saw("destroy_process_group()"))
+        return (
+            trainer.world_size,
+            trainer.global_rank,
+            [p.detach().clone() for p in model.parameters()],
+            kept,
+            dist.group.WORLD is job_group,
+            log.saw("destroy_process_group()"),
+        )
 
     (w0, r0, p0, *checks0), (w1, r1, p1, *checks1) = with_lightning.distributed()
     assert (w0, r0, w1, r1) == (2, 0, 2, 1)

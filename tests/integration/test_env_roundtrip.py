@@ -54,9 +54,21 @@ def make_venv(path: Path) -> tuple[Path, Path]:
 def pip_install(venv: Path, *args: str) -> None:
     """pip of this environment installs into ``venv``, building packages from source with setuptools."""
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--prefix", str(venv), "--no-index", "--no-deps",
-         "--no-build-isolation", *args],
-        check=True, capture_output=True,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--prefix",
+            str(venv),
+            "--no-index",
+            "--no-deps",
+            "--no-build-isolation",
+            *args,
+        ],
+        check=True,
+        capture_output=True,
     )
 
 
@@ -69,8 +81,9 @@ def world(tmp_path_factory):
     make_project(projects, "tinysrc", "0.5", layout="src")
     make_project(projects, "tinybeta", "2.0")
     client_python, client_site = make_venv(root / "client")
-    pip_install(root / "client", str(projects / "tinyalpha"), "-e", str(projects / "tinyedit"),
-                "-e", str(projects / "tinysrc"))
+    pip_install(
+        root / "client", str(projects / "tinyalpha"), "-e", str(projects / "tinyedit"), "-e", str(projects / "tinysrc")
+    )
     worker_python, _ = make_venv(root / "worker")
     notebook = root / "notebook"
     notebook.mkdir()
@@ -81,8 +94,15 @@ def world(tmp_path_factory):
     runner.mkdir()
     for name, data in worker_bootstrap_files().items():  # what the launcher copies next to _air.py
         (runner / name).write_bytes(data)
-    return {"root": root, "projects": projects, "client_python": client_python, "client_site": client_site,
-            "worker_python": worker_python, "notebook": notebook, "hydrate": runner / "_hydrate.py"}
+    return {
+        "root": root,
+        "projects": projects,
+        "client_python": client_python,
+        "client_site": client_site,
+        "worker_python": worker_python,
+        "notebook": notebook,
+        "hydrate": runner / "_hydrate.py",
+    }
 
 
 def stage(world, store: Path):
@@ -92,8 +112,12 @@ def stage(world, store: Path):
 def worker_hydrate(world, manifest: dict, cache: Path, *extra: str) -> subprocess.CompletedProcess:
     path = cache.parent / f"manifest-{abs(hash(json.dumps(manifest, sort_keys=True)))}.json"
     path.write_text(json.dumps(manifest))
-    return subprocess.run([str(world["worker_python"]), "-I", str(world["hydrate"]), str(path), "--cache", str(cache),
-                           *extra], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [str(world["worker_python"]), "-I", str(world["hydrate"]), str(path), "--cache", str(cache), *extra],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 IMPORT_CHECK = textwrap.dedent("""
@@ -132,8 +156,13 @@ def test_round_trip_to_a_bare_worker_then_only_changes_travel(world, tmp_path, m
     assert seen["values"] == ["1.0", "0.3", "0.5", "user code"]
     assert all(f.startswith(str(cache)) for f in seen["files"]), seen["files"]  # nothing read from the client's paths
     # Subprocesses inherit the overlay through PYTHONPATH alone.
-    inherited = subprocess.run([str(world["worker_python"]), "-c", IMPORT_CHECK], capture_output=True, text=True,
-                               env={"PYTHONPATH": hydrated["pythonpath"], "PATH": os.environ["PATH"]}, timeout=60)
+    inherited = subprocess.run(
+        [str(world["worker_python"]), "-c", IMPORT_CHECK],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": hydrated["pythonpath"], "PATH": os.environ["PATH"]},
+        timeout=60,
+    )
     assert inherited.returncode == 0, inherited.stderr
     assert json.loads(inherited.stdout)["versions"] == seen["versions"]
 
@@ -169,8 +198,12 @@ def test_ranks_on_one_node_share_the_cache(world, tmp_path, monkeypatch):
     manifest.write_text(json.dumps(staged.manifest))
     cache = tmp_path / "cache"
     ranks = [
-        subprocess.Popen([str(world["worker_python"]), "-I", str(world["hydrate"]), str(manifest), "--cache", str(cache)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [str(world["worker_python"]), "-I", str(world["hydrate"]), str(manifest), "--cache", str(cache)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for _ in range(4)
     ]
     outputs = [rank.communicate(timeout=120) for rank in ranks]
@@ -196,16 +229,23 @@ def test_worker_with_another_python_refuses_before_extracting(world, tmp_path, m
 
 def test_probe_of_the_worker_drives_what_is_shipped(world, tmp_path, monkeypatch):
     monkeypatch.chdir(world["notebook"])
-    probe = subprocess.run([str(world["client_python"]), "-I", str(world["hydrate"]), "--probe"],
-                           capture_output=True, text=True, check=True, timeout=60)
+    probe = subprocess.run(
+        [str(world["client_python"]), "-I", str(world["hydrate"]), "--probe"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
     image = tmp_path / "image.json"
     image.write_text(probe.stdout)  # a worker image that has the client's packages already
     assert json.loads(probe.stdout)["packages"]["tinyalpha"] == "1.0"
     staged = stage_environment(paths=[str(world["client_site"])], store=str(tmp_path / "store"), worker_has=image)
     shipped = sorted(e["name"] for e in staged.manifest["entries"])
     assert "tinyalpha" not in shipped and {"tinyedit", "tinysrc", "code"} <= set(shipped)  # editables always travel
-    assert any(e["name"] == "tinyalpha" and "the workers have tinyalpha==1.0" == e["reason"]
-               for e in staged.manifest["excluded"])
+    assert any(
+        e["name"] == "tinyalpha" and "the workers have tinyalpha==1.0" == e["reason"]
+        for e in staged.manifest["excluded"]
+    )
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):

@@ -55,11 +55,13 @@ def image_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("images")
     example.make_images(str(folder), PER_CLASS)
     files = sorted(folder.rglob("*.jpg"))
-    table = pa.table({
-        "image": pa.array([f.read_bytes() for f in files], pa.binary()),
-        "label": [int(f.parent.name == example.CLASSES[1]) for f in files],
-        "id": list(range(len(files))),
-    })
+    table = pa.table(
+        {
+            "image": pa.array([f.read_bytes() for f in files], pa.binary()),
+            "label": [int(f.parent.name == example.CLASSES[1]) for f in files],
+            "id": list(range(len(files))),
+        }
+    )
     out = tmp_path_factory.mktemp("mds") / "images"
     to_mds(table, str(out), columns={"image": "jpeg", "label": None, "id": None}, size_limit=1 << 15)  # several shards
     return str(out)
@@ -141,8 +143,9 @@ def uninterrupted(image_dir, tmp_path_factory):
     assert len(steps) == WORLD * TOTAL_STEPS
     assert len({digest for digest, _, _ in steps.values()}) == len(steps)  # augmentations differ per step
     for epoch in range(EPOCHS):
-        ids = sorted(i for (_, step), (_, batch, _) in steps.items() if (step - 1) // STEPS_PER_EPOCH == epoch
-                     for i in batch)
+        ids = sorted(
+            i for (_, step), (_, batch, _) in steps.items() if (step - 1) // STEPS_PER_EPOCH == epoch for i in batch
+        )
         assert ids == list(range(SAMPLES)), f"epoch {epoch} skipped or repeated images"
     return states, steps
 

@@ -44,8 +44,15 @@ def test_four_ranks_see_their_ranks_and_a_gloo_group():
     def who():
         import torch.distributed as dist
 
-        return (runtime.get_global_rank(), runtime.get_local_rank(), runtime.get_world_size(),
-                runtime.is_main_process(), str(runtime.device()), dist.get_backend(), runtime.job_id())
+        return (
+            runtime.get_global_rank(),
+            runtime.get_local_rank(),
+            runtime.get_world_size(),
+            runtime.is_main_process(),
+            str(runtime.device()),
+            dist.get_backend(),
+            runtime.job_id(),
+        )
 
     results = who.distributed()
     assert [r[0] for r in results] == [0, 1, 2, 3]
@@ -388,8 +395,12 @@ def test_a_restart_forks_its_ranks_from_the_jobs_standby_which_ends_with_the_job
 
 
 def test_a_killed_client_takes_its_jobs_standby_with_it(tmp_path, _isolated_sparkgpu_home):
-    client = start_client(tmp_path, _isolated_sparkgpu_home,
-                          ctrl_c_client('@distributed(gpus=2, gpu_type="cpu", max_restarts=1)'), stdout=subprocess.DEVNULL)
+    client = start_client(
+        tmp_path,
+        _isolated_sparkgpu_home,
+        ctrl_c_client('@distributed(gpus=2, gpu_type="cpu", max_restarts=1)'),
+        stdout=subprocess.DEVNULL,
+    )
     standbys = _isolated_sparkgpu_home / "standby"
     _wait_or_fail(client, lambda: any(standbys.glob("*/pool.json")), "the job's standby never started")
     assert processes_of(standbys)

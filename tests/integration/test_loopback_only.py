@@ -88,9 +88,15 @@ def _ray_driver_view():
             continue
     stranger_env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
     stranger = subprocess.run(
-        [sys.executable, "-c", "import ray; ray.init(address=%r); print('IN', ray.cluster_resources())"
-         % os.environ["RAY_ADDRESS"]],
-        env=stranger_env, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-c",
+            "import ray; ray.init(address=%r); print('IN', ray.cluster_resources())" % os.environ["RAY_ADDRESS"],
+        ],
+        env=stranger_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     return listeners, os.environ.get("RAY_AUTH_MODE"), stranger.returncode, stranger.stdout + stranger.stderr[-2000:]
 
@@ -120,8 +126,11 @@ def test_the_spark_servers_of_the_tests_listen_on_loopback_only(spark):
         try:
             if "java" not in process.name():
                 continue
-            listeners += [(process.pid, c.laddr.ip, c.laddr.port) for c in process.net_connections(kind="inet")
-                          if c.status == psutil.CONN_LISTEN]
+            listeners += [
+                (process.pid, c.laddr.ip, c.laddr.port)
+                for c in process.net_connections(kind="inet")
+                if c.status == psutil.CONN_LISTEN
+            ]
         except psutil.NoSuchProcess:
             continue
     assert listeners, "no Spark server of this session was found listening at all"

@@ -35,11 +35,19 @@ def test_a_missing_node_fails_the_rendezvous_after_the_jobs_init_timeout():
     rd.create(job.to_dict(), serialize_payload(one.fn, (), {}, []), key, client_sys_path())
     rd.prepare_attempt(0)
     # Node 0 of two; node 1 never comes. torch's default would wait 600 s for it.
-    command = build_command(sys.executable, str(rd.path), attempt=0, nnodes=2, node_rank=0, nproc=1,
-                            master_addr="127.0.0.1", master_port=free_port(), shutdown_grace=1)
+    command = build_command(
+        sys.executable,
+        str(rd.path),
+        attempt=0,
+        nnodes=2,
+        node_rank=0,
+        nproc=1,
+        master_addr="127.0.0.1",
+        master_port=free_port(),
+        shutdown_grace=1,
+    )
     started = time.monotonic()
-    done = subprocess.run(command, env={**os.environ, KEY_ENV: key.hex()}, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(command, env={**os.environ, KEY_ENV: key.hex()}, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and time.monotonic() - started < 90
     assert "node 0 of 2 gave up meeting the others" in done.stderr and "init_timeout of 3s" in done.stderr
     assert json.loads(rd.node_file(0, 0).read_text())["status"] == 1  # so the other nodes stop too

@@ -73,8 +73,11 @@ def test_a_tampered_entrypoint_starts_no_rank(tmp_path):
     prepared = add_rank._prepare((1,), {}).write()
     marker = tmp_path / "pwned"
     tamper_entrypoint(prepared.run_dir, marker)
-    with pytest.raises(WorkerFailedError, match=r"ranks 0, 1: sparkgpu.errors.PayloadSignatureError: refusing to "
-                                                r"run .*modified after it was staged") as err:
+    with pytest.raises(
+        WorkerFailedError,
+        match=r"ranks 0, 1: sparkgpu.errors.PayloadSignatureError: refusing to "
+        r"run .*modified after it was staged",
+    ) as err:
         Supervisor(prepared.job, prepared.run_dir, prepared.backend, prepared.key, []).run()
     assert isinstance(err.value.__cause__, PayloadSignatureError)
     assert_nothing_started(prepared.run_dir, marker)
@@ -93,8 +96,11 @@ def test_a_pickle_planted_as_a_rank_result_never_runs_on_the_client(tmp_path):
             os._exit(0)  # and rank 1 never writes its own
         return "rank 0"
 
-    with pytest.raises(PayloadSignatureError, match=r"refusing to unpickle .*rank-1.pkl: the result of rank 1 is "
-                                                    r"not signed"):
+    with pytest.raises(
+        PayloadSignatureError,
+        match=r"refusing to unpickle .*rank-1.pkl: the result of rank 1 is "
+        r"not signed",
+    ):
         plant.distributed(str(marker))
     assert not marker.exists()
 
@@ -143,10 +149,23 @@ def run_spark_node(monkeypatch, prepared) -> dict:
     rd = prepared.run_dir
     rd.prepare_attempt(0)
     rd.spark_dir(0).mkdir(parents=True)
-    env = {KEY_ENV: prepared.key.hex(), runtime.ENV_JOB_ID: prepared.job.job_id, runtime.ENV_ATTEMPT: "0",
-           runtime.ENV_RUN_DIR: str(rd.path), runtime.ENV_CHECKPOINT_DIR: str(rd.checkpoints)}
-    launch = NodeLaunch(run_dir=str(rd.path), attempt=0, nnodes=1, nproc=prepared.job.world_size, env=env,
-                        shutdown_grace=2, client_timeout=None, threads_per_rank=1)
+    env = {
+        KEY_ENV: prepared.key.hex(),
+        runtime.ENV_JOB_ID: prepared.job.job_id,
+        runtime.ENV_ATTEMPT: "0",
+        runtime.ENV_RUN_DIR: str(rd.path),
+        runtime.ENV_CHECKPOINT_DIR: str(rd.checkpoints),
+    }
+    launch = NodeLaunch(
+        run_dir=str(rd.path),
+        attempt=0,
+        nnodes=1,
+        nproc=prepared.job.world_size,
+        env=env,
+        shutdown_grace=2,
+        client_timeout=None,
+        threads_per_rank=1,
+    )
     (batch,) = run_node(launch, iter(()))
     return batch.to_pylist()[0]
 

@@ -44,8 +44,7 @@ def test_ray_init_starts_a_local_cluster_with_its_dashboard_on_loopback_and_rejo
     monkeypatch.setenv("HOME", str(tmp_path))
     temp_dir = tempfile.mkdtemp(prefix="rayi-")  # Ray's socket paths must stay under 108 bytes
     try:
-        proc = subprocess.run([sys.executable, "-c", NOTEBOOK, temp_dir], capture_output=True, text=True,
-                              timeout=240)
+        proc = subprocess.run([sys.executable, "-c", NOTEBOOK, temp_dir], capture_output=True, text=True, timeout=240)
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -35,8 +35,12 @@ def ray_processes() -> set[tuple[int, float]]:
             cmdline = " ".join(proc.info["cmdline"] or ())
         except psutil.Error:
             continue
-        if name in _RAY_NAMES or cmdline.startswith("ray::") or "ray.scripts.scripts" in cmdline \
-                or "site-packages/ray/" in cmdline:
+        if (
+            name in _RAY_NAMES
+            or cmdline.startswith("ray::")
+            or "ray.scripts.scripts" in cmdline
+            or "site-packages/ray/" in cmdline
+        ):
             found.add((proc.pid, proc.info["create_time"]))
     return found
 
@@ -103,8 +107,9 @@ def test_task_graph_runs_on_the_ray_nodes_of_both_ranks_and_leaves_no_ray_proces
     monkeypatch.setenv("RAY_metrics_report_interval_ms", "500")
     tracking_uri = f"sqlite:///{tmp_path}/mlflow.db"
     callback = MLflowCallback("/team/ray", tracking_uri=tracking_uri, system_metrics=False, flush_interval=0.5)
-    job = ray_launch(gpus=2, gpu_type="cpu", ray_nodes="per_rank", timeout="6m", metrics_interval=0.5,
-                     callbacks=[callback])(squares_on_every_node)
+    job = ray_launch(
+        gpus=2, gpu_type="cpu", ray_nodes="per_rank", timeout="6m", metrics_interval=0.5, callbacks=[callback]
+    )(squares_on_every_node)
     before, dirs_before = ray_processes(), ray_temp_dirs()
     out = job.distributed(6, hold=8.0)
 

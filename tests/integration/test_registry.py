@@ -134,7 +134,10 @@ def test_register_from_a_checkpoint_takes_its_step_from_the_checkpoint_and_linea
     x = torch.randn(2, 4)
     assert torch.allclose(registry.load(f"{name}/{version.version}")(x), source(x))
     assert {k: version.tags[k] for k in ("sparkgpu.job_id", "sparkgpu.data.version", "sparkgpu.checkpoint.step")} == {
-        "sparkgpu.job_id": "train-42", "sparkgpu.data.version": "12", "sparkgpu.checkpoint.step": "500"}
+        "sparkgpu.job_id": "train-42",
+        "sparkgpu.data.version": "12",
+        "sparkgpu.checkpoint.step": "500",
+    }
     assert version.tags["sparkgpu.checkpoint.path"] == checkpoint and version.run_id == run.info.run_id
 
 
@@ -216,8 +219,20 @@ def test_inside_a_job_the_model_goes_into_the_jobs_run(tmp_path, store, monkeypa
     experiment_id = client.create_experiment(f"job-{time.time_ns()}", artifact_location=(tmp_path / "a").as_uri())
     run = client.create_run(experiment_id, tags={"sparkgpu.job_id": "job-7"})
     spool = SpoolDir(tmp_path / "tracking")
-    spool.write_run_info(JobRunInfo(run.info.run_id, experiment_id, "job", store, store, run.info.artifact_uri,
-                                    "job", "job-7", "me", time.time()))
+    spool.write_run_info(
+        JobRunInfo(
+            run.info.run_id,
+            experiment_id,
+            "job",
+            store,
+            store,
+            run.info.artifact_uri,
+            "job",
+            "job-7",
+            "me",
+            time.time(),
+        )
+    )
     # What a worker sees: MLflow pointed at the spool, the real store named beside it.
     monkeypatch.setenv("MLFLOW_TRACKING_URI", spool.uri)
     monkeypatch.setenv("SPARKGPU_MLFLOW_TRACKING_URI", store)

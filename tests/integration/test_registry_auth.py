@@ -20,8 +20,9 @@ from sparkgpu.tracking import registry
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(importlib.util.find_spec("flask_wtf") is None,
-                       reason="MLflow's basic-auth app needs `pip install mlflow[auth]`"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("flask_wtf") is None, reason="MLflow's basic-auth app needs `pip install mlflow[auth]`"
+    ),
 ]
 
 ADMIN_PASSWORD = "admin-" + secrets.token_hex(8)
@@ -52,14 +53,36 @@ def server(tmp_path_factory):
         "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
     )
     port = _free_port()
-    env = {**os.environ, "MLFLOW_AUTH_CONFIG_PATH": str(config), "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16)}
+    env = {
+        **os.environ,
+        "MLFLOW_AUTH_CONFIG_PATH": str(config),
+        "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16),
+    }
     env.pop("MLFLOW_TRACKING_URI", None)
     log = open(root / "server.log", "w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--app-name", "basic-auth", "--host", "127.0.0.1",
-         "--port", str(port), "--workers", "1", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
-         "--default-artifact-root", (root / "artifacts").as_uri()],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,  # its workers in one group
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--app-name",
+            "basic-auth",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{root}/mlflow.db",
+            "--default-artifact-root",
+            (root / "artifacts").as_uri(),
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its workers in one group
     )
     uri = f"http://127.0.0.1:{port}"
     try:

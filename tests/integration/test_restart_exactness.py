@@ -142,8 +142,7 @@ def test_sigkill_of_a_rank_at_a_random_step_resumes_exactly(dataset_dir, tmp_pat
 
 
 def test_the_runtime_cap_checkpoints_and_resumes_exactly(dataset_dir, tmp_path, uninterrupted):
-    weights, state, batches = run(dataset_dir, tmp_path, "capped", step_sleep=0.8,
-                                  max_runtime=35, checkpoint_grace=10)
+    weights, state, batches = run(dataset_dir, tmp_path, "capped", step_sleep=0.8, max_runtime=35, checkpoint_grace=10)
     assert state["preemptions"] >= 1 and state["restarts"] == 0
     assert state["attempts"][-1]["status"] == "succeeded"
     assert_bitwise_equal(weights[0], uninterrupted[0][0])

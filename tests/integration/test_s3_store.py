@@ -26,8 +26,13 @@ pytestmark = pytest.mark.integration
 
 def _table(rows: int) -> pa.Table:
     rng = np.random.default_rng(3)
-    return pa.table({"id": np.arange(rows, dtype=np.int64), "x": rng.standard_normal(rows).astype(np.float32),
-                     "blob": [bytes(rng.integers(0, 255, 300, dtype=np.uint8)) for _ in range(rows)]})
+    return pa.table(
+        {
+            "id": np.arange(rows, dtype=np.int64),
+            "x": rng.standard_normal(rows).astype(np.float32),
+            "blob": [bytes(rng.integers(0, 255, 300, dtype=np.uint8)) for _ in range(rows)],
+        }
+    )
 
 
 def test_to_mds_writes_to_s3_and_the_loader_reads_it_back_through_the_cache(s3_bucket, tmp_path):
@@ -36,7 +41,7 @@ def test_to_mds_writes_to_s3_and_the_loader_reads_it_back_through_the_cache(s3_b
     data.to_mds(table, url, compression="zstd", hashes=["xxh64"], size_limit=200_000)
 
     fs, root = fsspec.core.url_to_fs(url)
-    names = [path[len(root) + 1:] for path in fs.find(root)]
+    names = [path[len(root) + 1 :] for path in fs.find(root)]
     assert "index.json" in names and any(name.endswith(".mds.zstd") for name in names), names
     assert not [name for name in names if "partial" in name or "/." in f"/{name}"], "no leftover of the writing"
 
@@ -140,7 +145,9 @@ def test_checkpoints_save_and_restore_on_s3(s3_bucket):
     restorer.close()
     for name, value in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[name], value), name
-    assert torch.equal(fresh_opt.state_dict()["state"][0]["momentum_buffer"], opt.state_dict()["state"][0]["momentum_buffer"])
+    assert torch.equal(
+        fresh_opt.state_dict()["state"][0]["momentum_buffer"], opt.state_dict()["state"][0]["momentum_buffer"]
+    )
 
 
 def _double(x):
@@ -162,8 +169,9 @@ def test_the_staging_mirror_carries_payload_logs_and_controls_through_s3(s3_buck
     client_rd.prepare_attempt(0)
     url = f"{s3_bucket}/staging"
     client = ClientMirror(client_rd, StagingStore(url, "job-s3"))
-    node = NodeMirror(StagingStore(url, "job-s3"), RunDir(tmp_path / "node" / "job-s3"), attempt=0, node=0,
-                      log_interval=0.0)
+    node = NodeMirror(
+        StagingStore(url, "job-s3"), RunDir(tmp_path / "node" / "job-s3"), attempt=0, node=0, log_interval=0.0
+    )
 
     client.upload_payload()
     node.download_payload()
@@ -224,8 +232,9 @@ def _train_with_checkpoints_on_s3(directory, kill_at):
     return start, {name: t.clone() for name, t in net.state_dict().items()}
 
 
-def test_a_job_killed_by_sigkill_resumes_from_its_s3_checkpoint_with_no_secret_in_its_run_dir(s3_bucket, s3_server,
-                                                                                             monkeypatch, tmp_path):
+def test_a_job_killed_by_sigkill_resumes_from_its_s3_checkpoint_with_no_secret_in_its_run_dir(
+    s3_bucket, s3_server, monkeypatch, tmp_path
+):
     from sparkgpu import distributed
     from sparkgpu.config import settings
 
@@ -245,6 +254,10 @@ def test_a_job_killed_by_sigkill_resumes_from_its_s3_checkpoint_with_no_secret_i
     state = (run_dir / "state.json").read_text()
     assert '"failed"' in state and '"succeeded"' in state
     homes = [run_dir, Path(os.environ["SPARKGPU_HOME"]), tmp_path]
-    leaked = [str(path) for home in homes for path in home.rglob("*")
-              if path.is_file() and sentinel.encode() in path.read_bytes()]
+    leaked = [
+        str(path)
+        for home in homes
+        for path in home.rglob("*")
+        if path.is_file() and sentinel.encode() in path.read_bytes()
+    ]
     assert not leaked, f"the AWS secret was written to {leaked}"

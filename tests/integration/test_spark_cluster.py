@@ -45,8 +45,15 @@ def where_and_sum(x):
 
     t = torch.tensor([x * (runtime.get_global_rank() + 1)])
     dist.all_reduce(t)
-    return {"rank": runtime.get_global_rank(), "node": runtime.get_node_rank(), "address": runtime.gpu_address(),
-            "pid": os.getpid(), "sum": t.item(), "device": str(runtime.device()), "backend": dist.get_backend()}
+    return {
+        "rank": runtime.get_global_rank(),
+        "node": runtime.get_node_rank(),
+        "address": runtime.gpu_address(),
+        "pid": os.getpid(),
+        "sum": t.item(),
+        "device": str(runtime.device()),
+        "backend": dist.get_backend(),
+    }
 
 
 def test_train_all_reduces_across_four_ranks_on_both_workers(cluster_spark, spark_cluster):
@@ -134,29 +141,39 @@ def test_busy_gpus_make_the_client_wait_then_give_up(cluster_spark, tmp_path, ca
     release = tmp_path / "release"
     with every_gpu_held(cluster_spark, release):
         started = time.monotonic()
-        with pytest.raises(CapacityError, match=r"gave up after waiting \d+s for 1 node\(s\) x 2 A10.*SPARKGPU_SPARK_WAIT_TIMEOUT"):
+        with pytest.raises(
+            CapacityError, match=r"gave up after waiting \d+s for 1 node\(s\) x 2 A10.*SPARKGPU_SPARK_WAIT_TIMEOUT"
+        ):
             cluster_spark.gpu.train(hold_until, gpus=2, gpu_type="A10", args=(str(release),), wait_timeout=8)
         assert 8 <= time.monotonic() - started < 60
         assert "waiting for 1 node(s) x 2 A10 on the Spark cluster" in capsys.readouterr().err
 
 
-CLIENT = ctrl_c_client('@distributed(gpus=4, gpu_type="A10", remote=True)', setup=textwrap.dedent("""
+CLIENT = ctrl_c_client(
+    '@distributed(gpus=4, gpu_type="A10", remote=True)',
+    setup=textwrap.dedent("""
     @distributed(gpus=2, gpu_type="A10", remote=True)
     def where():
         return runtime.get_global_rank(), runtime.gpu_address()
 
     print("RESULTS", where.distributed(), flush=True)
-"""))
+"""),
+)
 
 
 @pytest.mark.usefixtures("no_tracking")
-def test_decorator_uses_sparkgpu_spark_remote_and_ctrl_c_stops_every_process(spark_cluster, tmp_path,
-                                                                             _isolated_sparkgpu_home):
+def test_decorator_uses_sparkgpu_spark_remote_and_ctrl_c_stops_every_process(
+    spark_cluster, tmp_path, _isolated_sparkgpu_home
+):
     script = tmp_path / "client.py"
     script.write_text(CLIENT)
     # os.environ carries this test's worker image lock and SPARKGPU_TRACKING=0.
-    env = {**os.environ, "SPARKGPU_HOME": str(_isolated_sparkgpu_home), "PYTHONPATH": os.getcwd(),
-           "SPARKGPU_SPARK_REMOTE": spark_cluster.connect_url}
+    env = {
+        **os.environ,
+        "SPARKGPU_HOME": str(_isolated_sparkgpu_home),
+        "PYTHONPATH": os.getcwd(),
+        "SPARKGPU_SPARK_REMOTE": spark_cluster.connect_url,
+    }
     client = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True)
     runs = _isolated_sparkgpu_home / "runs"
     deadline = time.monotonic() + 240
@@ -200,12 +217,17 @@ def gpu_tasks_on_every_ray_node(hold):
     holders = [Holder.remote() for _ in range(4)]
     claims = ray.get([h.where.remote() for h in holders])
     time.sleep(hold)  # Ray's agents export what happened, the driver samples it
-    return {"claims": claims, "gpus": ray.cluster_resources().get("GPU"),
-            "nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]), "rank": runtime.get_global_rank()}
+    return {
+        "claims": claims,
+        "gpus": ray.cluster_resources().get("GPU"),
+        "nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]),
+        "rank": runtime.get_global_rank(),
+    }
 
 
 def test_ray_launch_spans_both_executors_with_sparks_gpu_addresses_and_logs_ray_metrics(
-        cluster_spark, spark_cluster, tmp_path, monkeypatch):
+    cluster_spark, spark_cluster, tmp_path, monkeypatch
+):
     pytest.importorskip("ray", reason="@ray_launch needs ray: pip install 'sparkgpu[ray]'")
     from mlflow import MlflowClient
 
@@ -214,10 +236,15 @@ def test_ray_launch_spans_both_executors_with_sparks_gpu_addresses_and_logs_ray_
 
     monkeypatch.setenv("RAY_metrics_report_interval_ms", "500")  # exported sooner than every 10 s
     tracking_uri = f"sqlite:///{tmp_path}/mlflow.db"
-    callback = MLflowCallback("/team/ray-on-spark", tracking_uri=tracking_uri, system_metrics=False,
-                              flush_interval=0.5)
-    job = ray_launch(gpus=4, gpu_type="A10", backend=cluster_spark.gpu.backend(), timeout="4m",
-                     metrics_interval=0.5, callbacks=[callback])(gpu_tasks_on_every_ray_node)
+    callback = MLflowCallback("/team/ray-on-spark", tracking_uri=tracking_uri, system_metrics=False, flush_interval=0.5)
+    job = ray_launch(
+        gpus=4,
+        gpu_type="A10",
+        backend=cluster_spark.gpu.backend(),
+        timeout="4m",
+        metrics_interval=0.5,
+        callbacks=[callback],
+    )(gpu_tasks_on_every_ray_node)
     out = job.distributed(4.0)
 
     assert out["rank"] == 0 and out["gpus"] == 4
@@ -226,8 +253,10 @@ def test_ray_launch_spans_both_executors_with_sparks_gpu_addresses_and_logs_ray_
     for node, visible in out["claims"]:
         by_node.setdefault(node, []).append(visible)
     # Ray hands out exactly the GPU addresses Spark gave each executor's barrier task.
-    assert sorted(sorted(v) for v in by_node.values()) == [spark_cluster.worker_addresses(0),
-                                                            spark_cluster.worker_addresses(1)]
+    assert sorted(sorted(v) for v in by_node.values()) == [
+        spark_cluster.worker_addresses(0),
+        spark_cluster.worker_addresses(1),
+    ]
     info = read_cluster_info(job.last_run_dir, 0)
     assert sorted(n["rank"] for n in info["nodes"]) == ["0", "2"]  # each node's first rank starts it
 

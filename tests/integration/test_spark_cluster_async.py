@@ -59,12 +59,17 @@ def node_states(run_dir, attempt: int) -> list[str]:
 
 @pytest.mark.usefixtures("no_tracking")
 def test_another_process_cancels_through_a_live_client_and_takes_over_from_a_killed_one(
-        spark_cluster, cluster_spark, tmp_path, _isolated_sparkgpu_home):
+    spark_cluster, cluster_spark, tmp_path, _isolated_sparkgpu_home
+):
     script = tmp_path / "client.py"
     script.write_text(CLIENT)
     # os.environ carries this test's worker image lock and SPARKGPU_TRACKING=0.
-    env = {**os.environ, "SPARKGPU_HOME": str(_isolated_sparkgpu_home), "PYTHONPATH": os.getcwd(),
-           "SPARKGPU_SPARK_REMOTE": spark_cluster.connect_url}
+    env = {
+        **os.environ,
+        "SPARKGPU_HOME": str(_isolated_sparkgpu_home),
+        "PYTHONPATH": os.getcwd(),
+        "SPARKGPU_SPARK_REMOTE": spark_cluster.connect_url,
+    }
     client = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True)
     try:
         cancelled_id, resumable_id = client.stdout.readline().split()
@@ -72,8 +77,9 @@ def test_another_process_cancels_through_a_live_client_and_takes_over_from_a_kil
         cancelled = attach(cancelled_id)
 
         def both_jobs_run() -> bool:  # side by side: together they hold all four GPUs
-            return (cancelled.logs().count("started") == 2
-                    and len(list(resumable_dir.glob("checkpoints/progress-*"))) == 2)
+            return (
+                cancelled.logs().count("started") == 2 and len(list(resumable_dir.glob("checkpoints/progress-*"))) == 2
+            )
 
         assert wait_for(both_jobs_run, within=240), "the two jobs never ran side by side"
         assert cancelled._thread is None and cancelled.status() is JobStatus.RUNNING  # observed, not driven

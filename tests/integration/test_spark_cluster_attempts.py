@@ -42,8 +42,9 @@ def test_waiting_for_busy_gpus_is_not_billed_and_giving_up_closes_the_attempt(cl
     with every_gpu_held(cluster_spark, release):
         # 1. Gives up: the attempt is ended (not left "running"), nothing ran, nothing is billed.
         with pytest.raises(CapacityError, match="gave up after waiting"):
-            cluster_spark.gpu.train(rank_of_this_node, gpus=2, gpu_type="A10", wait_timeout=5, callbacks=[meter],
-                                    name="gives_up")
+            cluster_spark.gpu.train(
+                rank_of_this_node, gpus=2, gpu_type="A10", wait_timeout=5, callbacks=[meter], name="gives_up"
+            )
         gave_up = state_of("gives_up")
         (attempt,) = gave_up["attempts"]
         assert gave_up["status"] == "failed" and attempt["status"] == "failed"
@@ -57,8 +58,9 @@ def test_waiting_for_busy_gpus_is_not_billed_and_giving_up_closes_the_attempt(cl
         waiter: dict = {}
 
         def wait_for_gpus():
-            waiter["result"] = cluster_spark.gpu.train(rank_of_this_node, gpus=2, gpu_type="A10", wait_timeout=120,
-                                                       callbacks=[meter], name="waits")
+            waiter["result"] = cluster_spark.gpu.train(
+                rank_of_this_node, gpus=2, gpu_type="A10", wait_timeout=120, callbacks=[meter], name="waits"
+            )
 
         second = threading.Thread(target=wait_for_gpus)
         second.start()
@@ -89,8 +91,12 @@ def stop_when_asked():
 
 @pytest.mark.usefixtures("no_tracking")
 def test_ranks_on_spark_are_asked_to_checkpoint_before_the_cap_and_resume(cluster_spark):
-    assert cluster_spark.gpu.train(stop_when_asked, gpus=2, gpu_type="A10", max_runtime=40, checkpoint_grace=30,
-                                   name="capped") == ["resumed"] * 2
+    assert (
+        cluster_spark.gpu.train(
+            stop_when_asked, gpus=2, gpu_type="A10", max_runtime=40, checkpoint_grace=30, name="capped"
+        )
+        == ["resumed"] * 2
+    )
     state = state_of("capped")
     assert [a["status"] for a in state["attempts"]] == ["preempted", "succeeded"]
     assert state["preemptions"] == 1 and state["restarts"] == 0

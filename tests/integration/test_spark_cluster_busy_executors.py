@@ -25,9 +25,15 @@ pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.usefixture
 def counted_cluster(tmp_path_factory):
     if not java_available():
         pytest.skip("the Spark cluster tests need Java (a JRE 17): install openjdk-17-jre-headless or set JAVA_HOME")
-    cluster = LocalSparkCluster(tmp_path_factory.mktemp("counted-cluster"), workers=2, gpus_per_worker=2,
-                                cores_per_worker=2, gpu_type="A10", simulated=True,
-                                extra_conf={"spark.executor.instances": "2"})
+    cluster = LocalSparkCluster(
+        tmp_path_factory.mktemp("counted-cluster"),
+        workers=2,
+        gpus_per_worker=2,
+        cores_per_worker=2,
+        gpu_type="A10",
+        simulated=True,
+        extra_conf={"spark.executor.instances": "2"},
+    )
     cluster.start()
     try:
         from sparkgpu.session import attach

@@ -121,9 +121,18 @@ def alive(pids) -> list[int]:
 def client_env(**extra) -> dict[str, str]:
     """This test's environment (its SPARKGPU_HOME, the workers' image) for a client process,
     without what an in-process Connect server of this session may have left in it."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("SPARK_CONNECT_AUTHENTICATE_TOKEN", "SPARK_LOCAL_REMOTE", "SPARK_REMOTE",
-                        "SPARK_CONNECT_MODE_ENABLED", "SPARKGPU_SPARK_REMOTE")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "SPARK_CONNECT_AUTHENTICATE_TOKEN",
+            "SPARK_LOCAL_REMOTE",
+            "SPARK_REMOTE",
+            "SPARK_CONNECT_MODE_ENABLED",
+            "SPARKGPU_SPARK_REMOTE",
+        )
+    }
     return {**env, "PYTHONPATH": os.getcwd(), **extra}
 
 
@@ -134,12 +143,20 @@ def test_a_killed_client_s_ranks_stop_on_its_heartbeat_and_resume_continues_on_s
     script.write_text(CLIENT)
     output = tmp_path / "client.log"
     with open(output, "w") as log:
-        client = subprocess.Popen([sys.executable, str(script), clients_cluster.connect_url, str(marks)],
-                                  env=client_env(SPARKGPU_SPARK_CLIENT_TIMEOUT=str(CLIENT_TIMEOUT)),
-                                  stdout=log, stderr=subprocess.STDOUT)
+        client = subprocess.Popen(
+            [sys.executable, str(script), clients_cluster.connect_url, str(marks)],
+            env=client_env(SPARKGPU_SPARK_CLIENT_TIMEOUT=str(CLIENT_TIMEOUT)),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     try:
-        wait_for(lambda: (marks / "a0.step").exists() and (marks / "a0.step").read_text() == "3", 240,
-                 "attempt 0 to checkpoint three steps", client, output)
+        wait_for(
+            lambda: (marks / "a0.step").exists() and (marks / "a0.step").read_text() == "3",
+            240,
+            "attempt 0 to checkpoint three steps",
+            client,
+            output,
+        )
         pids = [int((marks / f"a0-rank{r}.pid").read_text()) for r in range(2)]
     finally:
         killed_at = time.monotonic()
@@ -150,16 +167,22 @@ def test_a_killed_client_s_ranks_stop_on_its_heartbeat_and_resume_continues_on_s
     # Nobody supervises the ranks now; their nodes stop them once the heartbeat stays away.
     wait_for(lambda: not alive(pids), CLIENT_TIMEOUT + 60, "the killed client's ranks to stop")
     stopped_after = time.monotonic() - killed_at
-    assert CLIENT_TIMEOUT - 2 <= stopped_after <= CLIENT_TIMEOUT + 15, \
+    assert CLIENT_TIMEOUT - 2 <= stopped_after <= CLIENT_TIMEOUT + 15, (
         f"the ranks stopped {stopped_after:.1f}s after their client died (timeout {CLIENT_TIMEOUT:g}s)"
+    )
     (run_dir,) = settings().staging_root.glob("client-died-*")
     ended = wait_for(lambda: sorted(run_dir.glob("attempts/0/spark/node-*.ended")), 60, "the node to end")
     assert [json.loads(p.read_text())["state"] for p in ended] == ["client-lost"]
     assert json.loads((run_dir / "state.json").read_text())["status"] == "running"  # left by the dead client
 
     # A fresh process with no session and no SPARKGPU_SPARK_REMOTE: the job says where it ran.
-    resumed = subprocess.run([sys.executable, "-m", "sparkgpu.cli", "resume", run_dir.name], env=client_env(),
-                             capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        [sys.executable, "-m", "sparkgpu.cli", "resume", run_dir.name],
+        env=client_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"job {run_dir.name} succeeded on 2 ranks" in resumed.stdout
 
@@ -181,9 +204,15 @@ def hold_a_gpu(seconds: float) -> dict:
 
     started = time.time()
     time.sleep(seconds)
-    return {"job": runtime.job_id(), "rank": runtime.get_global_rank(), "gpu": runtime.gpu_address(),
-            "visible": os.environ.get("SPARKGPU_NODE_DEVICES"), "cluster": os.environ.get("TEST_SPARK_CLUSTER"),
-            "started": started, "ended": time.time()}
+    return {
+        "job": runtime.job_id(),
+        "rank": runtime.get_global_rank(),
+        "gpu": runtime.gpu_address(),
+        "visible": os.environ.get("SPARKGPU_NODE_DEVICES"),
+        "cluster": os.environ.get("TEST_SPARK_CLUSTER"),
+        "started": started,
+        "ended": time.time(),
+    }
 
 
 def test_three_jobs_on_a_cluster_that_fits_two_queue_and_never_share_a_gpu(clients_cluster, clients_spark):
@@ -193,6 +222,7 @@ def test_three_jobs_on_a_cluster_that_fits_two_queue_and_never_share_a_gpu(clien
     calls = [job.submit(6.0) for _ in range(3)]
     exposed = []
     try:
+
         def two_jobs_run() -> bool:
             started = [list(c.run_dir.path.glob("attempts/0/spark/node-*.started")) for c in calls]
             return sum(len(s) == 2 for s in started) >= 2
@@ -212,8 +242,10 @@ def test_three_jobs_on_a_cluster_that_fits_two_queue_and_never_share_a_gpu(clien
         assert [r["rank"] for r in result] == [0, 1]
         assert len({r["gpu"] for r in result}) == 2, f"two ranks of one job shared a GPU: {result}"
         assert all(r["visible"] == r["gpu"] for r in result)  # each node sees its own GPU only
-        starts = [json.loads(p.read_text())["started_at"]
-                  for p in sorted(call.run_dir.path.glob("attempts/0/spark/node-*.started"))]
+        starts = [
+            json.loads(p.read_text())["started_at"]
+            for p in sorted(call.run_dir.path.glob("attempts/0/spark/node-*.started"))
+        ]
         assert len(starts) == 2 and max(starts) - min(starts) < 5, f"job {call.job_id}'s nodes started apart: {starts}"
         state = json.loads(call.run_dir.state_file.read_text())
         assert [a["status"] for a in state["attempts"]] == ["succeeded"]  # no job failed, none was retried
@@ -224,7 +256,9 @@ def test_three_jobs_on_a_cluster_that_fits_two_queue_and_never_share_a_gpu(clien
     for gpu, users in by_gpu.items():
         users.sort(key=lambda r: r["started"])
         for before, after in zip(users, users[1:]):
-            assert after["started"] >= before["ended"], f"GPU {gpu} served jobs {before['job']} and {after['job']} at once"
+            assert after["started"] >= before["ended"], (
+                f"GPU {gpu} served jobs {before['job']} and {after['job']} at once"
+            )
     # The cluster fits two: the last job to start waited until one of the others ended.
     last = max(results, key=lambda result: min(r["started"] for r in result))
     first_end = min(max(r["ended"] for r in result) for result in results if result is not last)
@@ -240,15 +274,25 @@ def test_a_restarted_connect_server_ends_the_attempt_and_the_job_resumes_on_a_ne
 
     def run():
         try:
-            outcome["result"] = session.gpu.train(train_until_told, gpus=2, gpu_type="A10", args=(str(marks), 6),
-                                                  max_restarts=1, wait_timeout=240, name="connect_restart")
+            outcome["result"] = session.gpu.train(
+                train_until_told,
+                gpus=2,
+                gpu_type="A10",
+                args=(str(marks), 6),
+                max_restarts=1,
+                wait_timeout=240,
+                name="connect_restart",
+            )
         except BaseException as exc:  # surfaced by the assertions below
             outcome["error"] = exc
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    wait_for(lambda: (marks / "a0.step").exists() and (marks / "a0.step").read_text() == "3", 240,
-             "attempt 0 to checkpoint three steps")
+    wait_for(
+        lambda: (marks / "a0.step").exists() and (marks / "a0.step").read_text() == "3",
+        240,
+        "attempt 0 to checkpoint three steps",
+    )
     pids = [int((marks / f"a0-rank{r}.pid").read_text()) for r in range(2)]
     clients_cluster.restart_connect_server()
 
@@ -263,6 +307,7 @@ def test_a_restarted_connect_server_ends_the_attempt_and_the_job_resumes_on_a_ne
     state = json.loads((run_dir / "state.json").read_text())
     assert [a["status"] for a in state["attempts"]] == ["failed", "succeeded"]
     notes = json.loads((run_dir / "attempts" / "0" / "report.json").read_text())["notes"]
-    assert any("restarted or closed this session" in note and f"sparkgpu resume {run_dir.name}" in note
-               for note in notes), notes
+    assert any(
+        "restarted or closed this session" in note and f"sparkgpu resume {run_dir.name}" in note for note in notes
+    ), notes
     assert_no_orphans(run_dir, within=15)

@@ -29,15 +29,23 @@ from tests.integration.test_transformer_restart_exactness import (  # noqa: F401
 pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.usefixtures("workers_share_this_image")]
 
 
-def test_a_sigkilled_rank_on_an_executor_resumes_bitwise_equal(cluster_spark, uninterrupted, token_dir, all_blocks,
-                                                               tmp_path):
+def test_a_sigkilled_rank_on_an_executor_resumes_bitwise_equal(
+    cluster_spark, uninterrupted, token_dir, all_blocks, tmp_path
+):
     plain, plain_steps = uninterrupted("ddp")
     seed = random.randrange(1 << 30)
     kill_step = random.Random(seed).randrange(4, TOTAL_STEPS - 1)
     note = f"(Spark, rank 1 killed after step {kill_step}, seed {seed})"
     record = tmp_path / "spark.jsonl"
-    states = cluster_spark.gpu.train(train_transformer, gpus=WORLD, gpu_type="A10", args=(token_dir, str(record), "ddp"),
-                                     kwargs={"kill_step": kill_step}, max_restarts=1, name="spark_exactness")
+    states = cluster_spark.gpu.train(
+        train_transformer,
+        gpus=WORLD,
+        gpu_type="A10",
+        args=(token_dir, str(record), "ddp"),
+        kwargs={"kill_step": kill_step},
+        max_restarts=1,
+        name="spark_exactness",
+    )
     (run_dir,) = settings().staging_root.glob("spark-exactness-*")
     state = json.loads((run_dir / "state.json").read_text())
     assert [a["status"] for a in state["attempts"]] == ["failed", "succeeded"], note

@@ -143,13 +143,16 @@ def mlflow_run_of(client, job_id: str):
 
 
 def test_a_killed_executor_stops_the_other_node_and_ends_the_attempt_naming_its_host(
-        fault_cluster, fault_spark, tracked, tmp_path):
+    fault_cluster, fault_spark, tracked, tmp_path
+):
     marks = tmp_path / "marks"
     marks.mkdir()
     ledger = UsageLedger(settings().usage_ledger_uri)  # the default callbacks: usage meter and MLflow run
-    thread, outcome = run_in_thread(lambda: fault_spark.gpu.train(
-        hang_in_a_collective, gpus=4, gpu_type="A10", args=(str(marks),), max_restarts=0,
-        name="executor_lost"))
+    thread, outcome = run_in_thread(
+        lambda: fault_spark.gpu.train(
+            hang_in_a_collective, gpus=4, gpu_type="A10", args=(str(marks),), max_restarts=0, name="executor_lost"
+        )
+    )
     pids = wait_for(lambda: rank_pids(marks, 0, 4), 120, "the four ranks to start")
     run_dir = job_files("executor_lost")
     lost = node_of(run_dir, 0, 1)
@@ -189,15 +192,27 @@ def test_a_killed_executor_stops_the_other_node_and_ends_the_attempt_naming_its_
 
 
 def test_a_lost_worker_is_waited_for_and_the_job_resumes_from_its_checkpoint(
-        fault_cluster, fault_spark, tracked, tmp_path):
+    fault_cluster, fault_spark, tracked, tmp_path
+):
     marks = tmp_path / "marks"
     marks.mkdir()
     ledger = UsageLedger(settings().usage_ledger_uri)  # the default callbacks: usage meter and MLflow run
-    thread, outcome = run_in_thread(lambda: fault_spark.gpu.train(
-        train_until_stopped, gpus=4, gpu_type="A10", args=(str(marks), 8), max_restarts=1, wait_timeout=240,
-        name="worker_lost"))
-    wait_for(lambda: (marks / "a0.step").exists() and int((marks / "a0.step").read_text() or 0) >= 3, 150,
-             "attempt 0 to checkpoint three steps")
+    thread, outcome = run_in_thread(
+        lambda: fault_spark.gpu.train(
+            train_until_stopped,
+            gpus=4,
+            gpu_type="A10",
+            args=(str(marks), 8),
+            max_restarts=1,
+            wait_timeout=240,
+            name="worker_lost",
+        )
+    )
+    wait_for(
+        lambda: (marks / "a0.step").exists() and int((marks / "a0.step").read_text() or 0) >= 3,
+        150,
+        "attempt 0 to checkpoint three steps",
+    )
     run_dir = job_files("worker_lost")
     lost = node_of(run_dir, 0, 1)
     _, worker = fault_cluster.executor_pids()[lost["executor"]]

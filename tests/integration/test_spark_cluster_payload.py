@@ -28,22 +28,28 @@ def test_a_tampered_entrypoint_runs_on_no_executor(cluster_spark, tmp_path):
     air = prepared.run_dir.air
     air.write_text(f"open({str(marker)!r}, 'w').write('ran')\n" + air.read_text())
 
-    with pytest.raises(WorkerFailedError, match=r"ranks 0, 1, 2, 3: sparkgpu.errors.PayloadSignatureError: refusing "
-                                                r"to run .*modified after it was staged") as err:
+    with pytest.raises(
+        WorkerFailedError,
+        match=r"ranks 0, 1, 2, 3: sparkgpu.errors.PayloadSignatureError: refusing "
+        r"to run .*modified after it was staged",
+    ) as err:
         Supervisor(prepared.job, prepared.run_dir, prepared.backend, prepared.key, []).run()
     assert isinstance(err.value.__cause__, PayloadSignatureError)
     assert not marker.exists()
     assert not list(prepared.run_dir.attempt_dir(0).glob("logs/rank-*.log"))  # no rank started on any node
     assert prepared.backend.last_attempt.nodes and {n["state"] for n in prepared.backend.last_attempt.nodes} == {
-        "bad-signature"}
+        "bad-signature"
+    }
 
 
 def test_every_rank_on_the_executors_reports_its_environment(cluster_spark):
-    job = distributed(rank_and_node, gpus=4, gpu_type="A10", remote=True, backend=cluster_spark.gpu.backend(),
-                      log_ranks="all")
+    job = distributed(
+        rank_and_node, gpus=4, gpu_type="A10", remote=True, backend=cluster_spark.gpu.backend(), log_ranks="all"
+    )
     assert job.distributed() == [(0, 0), (1, 0), (2, 1), (3, 1)]
     rd = RunDir(settings().staging_root / job.last_job_id)
     reports = rd.read_env_reports(0)
-    assert sorted(reports) == [0, 1, 2, 3] and all(set(r["steps"]) == {"check", "extract", "view"}
-                                                  for r in reports.values())
+    assert sorted(reports) == [0, 1, 2, 3] and all(
+        set(r["steps"]) == {"check", "extract", "view"} for r in reports.values()
+    )
     assert all("sparkgpu: environment rehydrated in" in rd.log_file(0, r).read_text() for r in range(4))

@@ -31,8 +31,15 @@ def pool_clusters(tmp_path_factory):
     if not java_available():
         pytest.skip("the Spark cluster tests need Java (a JRE 17): install openjdk-17-jre-headless or set JAVA_HOME")
     clusters = {
-        kind: LocalSparkCluster(tmp_path_factory.mktemp(f"pool-{kind}"), workers=1, gpus_per_worker=2,
-                                cores_per_worker=1, gpu_type=kind.upper(), simulated=True, name=f"pool-{kind}")
+        kind: LocalSparkCluster(
+            tmp_path_factory.mktemp(f"pool-{kind}"),
+            workers=1,
+            gpus_per_worker=2,
+            cores_per_worker=1,
+            gpu_type=kind.upper(),
+            simulated=True,
+            name=f"pool-{kind}",
+        )
         for kind in ("a10", "h100")
     }
     errors: list[BaseException] = []
@@ -131,7 +138,10 @@ def test_sparkgpu_pools_lists_live_capacity_and_the_unreachable_pool(pools_file,
     assert time.monotonic() - started < 90
     listed = {p["name"]: p for p in json.loads(capsys.readouterr().out)}
     assert {k: (v["gpu_type"], v["reachable"], v["gpus_total"], v["gpus_free"]) for k, v in listed.items()} == {
-        "a10": ("A10", True, 2, 2), "h100": ("H100", True, 2, 2), "l4-down": ("L4", False, None, None)}
+        "a10": ("A10", True, 2, 2),
+        "h100": ("H100", True, 2, 2),
+        "l4-down": ("L4", False, None, None),
+    }
     assert "Connection refused" in listed["l4-down"]["problem"]
 
     assert main(["pools", "--timeout", "60"]) == 0

@@ -45,8 +45,13 @@ def say_where_and_sum(x):
     print(f"hello from rank {rank}", flush=True)
     t = torch.tensor([x * (rank + 1)])
     dist.all_reduce(t)
-    return {"rank": rank, "node": runtime.get_node_rank(), "sum": t.item(), "run_dir": os.environ[runtime.ENV_RUN_DIR],
-            "checkpoints": runtime.checkpoint_dir()}
+    return {
+        "rank": rank,
+        "node": runtime.get_node_rank(),
+        "sum": t.item(),
+        "run_dir": os.environ[runtime.ENV_RUN_DIR],
+        "checkpoints": runtime.checkpoint_dir(),
+    }
 
 
 def started_markers(job_id: str) -> list[dict]:
@@ -82,8 +87,9 @@ def test_train_returns_every_ranks_result_and_output_through_the_store(cluster_s
     assert [e["state"] for e in ended] == ["succeeded", "succeeded"]
     # The store holds the payload the client uploaded and the results the nodes uploaded.
     assert (staging_store / job_id / "payload.sig").exists()
-    assert sorted(p.name for p in (staging_store / job_id / "attempts/0/results").iterdir()) == \
-        [f"rank-{r}.pkl" for r in range(4)]
+    assert sorted(p.name for p in (staging_store / job_id / "attempts/0/results").iterdir()) == [
+        f"rank-{r}.pkl" for r in range(4)
+    ]
 
 
 @pytest.mark.usefixtures("no_tracking")
@@ -122,8 +128,12 @@ def test_a_tracked_job_sends_its_metrics_home_through_the_store(cluster_spark, s
 def test_the_checkpoint_request_reaches_the_nodes_and_the_job_resumes_through_the_store(cluster_spark, staging_store):
     from tests.integration.test_spark_cluster_attempts import stop_when_asked
 
-    assert cluster_spark.gpu.train(stop_when_asked, gpus=2, gpu_type="A10", max_runtime=40, checkpoint_grace=30,
-                                   name="capped") == ["resumed"] * 2
+    assert (
+        cluster_spark.gpu.train(
+            stop_when_asked, gpus=2, gpu_type="A10", max_runtime=40, checkpoint_grace=30, name="capped"
+        )
+        == ["resumed"] * 2
+    )
     job_id = cluster_spark.gpu.last_job_id
     state = json.loads((settings().staging_root / job_id / "state.json").read_text())
     assert [a["status"] for a in state["attempts"]] == ["preempted", "succeeded"]

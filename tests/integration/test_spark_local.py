@@ -108,8 +108,14 @@ def test_train_with_data_probes_and_pickles_once_under_one_job_id(local_spark, t
     monkeypatch.setattr(CountsItsPickling, "pickled", 0)
     frame = local_spark.range(0, 40, numPartitions=2).selectExpr("id", "cast(id as double) as y")
 
-    results = local_spark.gpu.train(samples_seen, gpus=1, gpu_type="cpu", args=(CountsItsPickling(),), data=frame,
-                                    data_volume=str(tmp_path / "volume"))
+    results = local_spark.gpu.train(
+        samples_seen,
+        gpus=1,
+        gpu_type="cpu",
+        args=(CountsItsPickling(),),
+        data=frame,
+        data_volume=str(tmp_path / "volume"),
+    )
 
     assert results == [40]
     assert resolved == [local_spark.gpu.last_job_id]  # one capacity check, for the job that ran

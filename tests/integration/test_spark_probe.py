@@ -18,6 +18,9 @@ def test_a_broken_gpu_discovery_script_is_named_before_anything_launches(spark, 
     script.write_text("#!/bin/sh\necho 'nvidia-smi: command not found' >&2\nexit 3\n")
     script.chmod(0o755)
     confs = {"spark.executor.resource.gpu.discoveryScript": str(script)}
-    with pytest.raises(ConfigurationError, match=r"the GPU discovery script .*getGpus.sh failed on .* exit code 3 "
-                                                 r".*nvidia-smi: command not found.*\(reported by an executor\)"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"the GPU discovery script .*getGpus.sh failed on .* exit code 3 "
+        r".*nvidia-smi: command not found.*\(reported by an executor\)",
+    ):
         _probe(spark, confs, tasks=1, timeout=120, out=io.StringIO())

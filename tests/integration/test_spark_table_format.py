@@ -25,8 +25,11 @@ def parquet_folder(tmp_path):
     folder = tmp_path / "clicks"
     folder.mkdir()
     ids = np.arange(400, dtype=np.int64)
-    pq.write_table(pa.table({"id": ids, "y": ids * 2.0, "tag": [f"t{i % 4}" for i in ids]}), folder / "part-0.parquet",
-                   row_group_size=50)
+    pq.write_table(
+        pa.table({"id": ids, "y": ids * 2.0, "tag": [f"t{i % 4}" for i in ids]}),
+        folder / "part-0.parquet",
+        row_group_size=50,
+    )
     return str(folder)
 
 
@@ -43,10 +46,15 @@ def ids_read_in_place(data_url):
 def test_plain_scan_with_projection_and_filter_is_read_in_place(local_spark, parquet_folder, tmp_path, capsys):
     from pyspark.sql import functions as F
 
-    frame = (local_spark.read.parquet(parquet_folder).select("id", "tag").filter("id >= 104")
-             .filter((F.col("tag") != "t3") & F.col("id").isNotNull()))
-    results = local_spark.gpu.train(ids_read_in_place, gpus=2, gpu_type="cpu", data=frame, data_format="table",
-                                    data_volume=str(tmp_path / "volume"))
+    frame = (
+        local_spark.read.parquet(parquet_folder)
+        .select("id", "tag")
+        .filter("id >= 104")
+        .filter((F.col("tag") != "t3") & F.col("id").isNotNull())
+    )
+    results = local_spark.gpu.train(
+        ids_read_in_place, gpus=2, gpu_type="cpu", data=frame, data_format="table", data_volume=str(tmp_path / "volume")
+    )
     expected = [i for i in range(104, 400) if i % 4 != 3]  # 222 rows: even, none left out
     assert len(results[0][0]) == len(results[1][0]) and sorted(results[0][0] + results[1][0]) == expected
     assert results[0][1] == ["id", "tag"]
@@ -63,7 +71,10 @@ def test_only_plain_file_scans_are_read_in_place(local_spark, parquet_folder):
     scan = local_spark.read.parquet(parquet_folder)
     reference, _ = table_ref_of(scan.select("id").filter(F.col("id").isin(1, 2) | (F.col("tag") == "it's")))
     assert reference == TableRef(parquet_folder, ("id",), """(("id" IN (1, 2)) OR ("tag" = 'it''s'))""")
-    assert [i for b in data.table_dataset(reference, batch_size=8, rank=0, world_size=1) for i in b["id"].tolist()] == [1, 2]
+    assert [i for b in data.table_dataset(reference, batch_size=8, rank=0, world_size=1) for i in b["id"].tolist()] == [
+        1,
+        2,
+    ]
     for frame, why in [
         (scan.selectExpr("id", "y * 2 AS y2"), "computed columns"),
         (scan.groupBy("tag").count(), "aggregate"),

@@ -45,8 +45,9 @@ def test_a_job_the_usage_policy_refuses_raises_before_any_mds_output(gpu_spark, 
     assert_nothing_converted_or_staged(volume)
 
     # The same policy lets a compliant job through, data and all.
-    result = gpu_spark.gpu.train(count_samples, gpus=1, gpu_type="cpu", data=frame, data_volume=str(volume),
-                                 tags={"team": "ml"})
+    result = gpu_spark.gpu.train(
+        count_samples, gpus=1, gpu_type="cpu", data=frame, data_volume=str(volume), tags={"team": "ml"}
+    )
     assert len(result) == 1 and result[0].startswith(str(volume))
 
 
@@ -58,6 +59,7 @@ def test_an_argument_that_cannot_travel_raises_before_any_mds_output(gpu_spark, 
         return data_url
 
     with pytest.raises(SerializationError):
-        gpu_spark.gpu.train(train, gpus=1, gpu_type="cpu", args=(threading.Lock(),), data=frame,
-                            data_volume=str(volume))
+        gpu_spark.gpu.train(
+            train, gpus=1, gpu_type="cpu", args=(threading.Lock(),), data=frame, data_volume=str(volume)
+        )
     assert_nothing_converted_or_staged(volume)

@@ -32,11 +32,22 @@ def table(tmp_path_factory):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((ROWS, FEATURES), dtype=np.float32)
     ids = np.arange(ROWS, dtype=np.int64)
-    frame = pa.table({**{f"f{i}": x[:, i] for i in range(FEATURES)}, "y": x.sum(axis=1), "id": ids,
-                      "part": pa.array([f"p{i % 2}" for i in range(ROWS)])})
+    frame = pa.table(
+        {
+            **{f"f{i}": x[:, i] for i in range(FEATURES)},
+            "y": x.sum(axis=1),
+            "id": ids,
+            "part": pa.array([f"p{i % 2}" for i in range(ROWS)]),
+        }
+    )
     uri = str(tmp_path_factory.mktemp("dvtable") / "t")
-    write_deltalake(uri, frame, partition_by=["part"], configuration={"delta.enableDeletionVectors": "true"},
-                    writer_properties=WriterProperties(max_row_group_size=30))
+    write_deltalake(
+        uri,
+        frame,
+        partition_by=["part"],
+        configuration={"delta.enableDeletionVectors": "true"},
+        writer_properties=WriterProperties(max_row_group_size=30),
+    )
     deleted = set()
     for add in pa.table(DeltaTable(uri).get_add_actions(flatten=True)).to_pylist():
         import pyarrow.parquet as pq
@@ -62,8 +73,15 @@ def train_on_table(uri, row_filter, record_file, kill_rank=None, kill_step=None)
     torch.manual_seed(0)
     model = DDP(torch.nn.Linear(FEATURES, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    rows = data.table_dataset(uri, filter=row_filter, columns=[*(f"f{i}" for i in range(FEATURES)), "y", "id"],
-                              batch_size=BATCH, shuffle=True, seed=11, shuffle_block_size=64)
+    rows = data.table_dataset(
+        uri,
+        filter=row_filter,
+        columns=[*(f"f{i}" for i in range(FEATURES)), "y", "id"],
+        batch_size=BATCH,
+        shuffle=True,
+        seed=11,
+        shuffle_block_size=64,
+    )
     ckpt = Checkpointer(every_steps=4, keep_last=2)
     step = ckpt.restore(model=model, optimizer=opt, loader=rows)
     total = EPOCHS * len(rows)
@@ -109,8 +127,16 @@ def expected_batches(table) -> dict:
     uri, row_filter, _ = table
     batches = {}
     for rank in range(WORLD):
-        rows = data.table_dataset(uri, filter=row_filter, batch_size=BATCH, shuffle=True, seed=11, shuffle_block_size=64,
-                                  rank=rank, world_size=WORLD)
+        rows = data.table_dataset(
+            uri,
+            filter=row_filter,
+            batch_size=BATCH,
+            shuffle=True,
+            seed=11,
+            shuffle_block_size=64,
+            rank=rank,
+            world_size=WORLD,
+        )
         step = 0
         for _ in range(EPOCHS):
             for batch in rows:

@@ -42,8 +42,9 @@ def client_for(uri):
 
 def test_before_job_creates_the_run_with_spec_environment_source_and_data(tracking_uri, tmp_path):
     job = make_job(team="ads")
-    callback = MLflowCallback("/team/ctr", tracking_uri=tracking_uri, fn=train_step,
-                              data_source="/volumes/clicks", data_version=12)
+    callback = MLflowCallback(
+        "/team/ctr", tracking_uri=tracking_uri, fn=train_step, data_source="/volumes/clicks", data_version=12
+    )
     callback.before_job(job, str(tmp_path / job.job_id))
     callback.after_job(job, [1, 1], None)
     client = client_for(tracking_uri)
@@ -51,7 +52,11 @@ def test_before_job_creates_the_run_with_spec_environment_source_and_data(tracki
     assert client.get_experiment(run.info.experiment_id).name == "/team/ctr"
     assert run.info.run_name == job.job_id and run.info.status == "FINISHED"
     assert {k: run.data.params[k] for k in ("gpus", "gpu_type", "backend", "policy.max_restarts")} == {
-        "gpus": "2", "gpu_type": "cpu", "backend": "local", "policy.max_restarts": "0"}
+        "gpus": "2",
+        "gpu_type": "cpu",
+        "backend": "local",
+        "policy.max_restarts": "0",
+    }
     tags = run.data.tags
     assert tags["sparkgpu.job_id"] == job.job_id and tags["team"] == "ads"
     assert tags["sparkgpu.data.source"] == "/volumes/clicks" and tags["sparkgpu.data.version"] == "12"
@@ -90,7 +95,9 @@ def test_restarts_and_outcomes_are_recorded_on_one_run(tracking_uri, tmp_path):
     assert (tags["sparkgpu.attempts"], tags["sparkgpu.restarts"], tags["sparkgpu.resumes"]) == ("3", "1", "1")
     restarts = sorted((m.step, m.value) for m in client.get_metric_history(callback.run_id, "sparkgpu/restarts"))
     assert restarts == [(0, 0.0), (1, 1.0), (2, 1.0)]
-    durations = sorted((m.step, round(m.value)) for m in client.get_metric_history(callback.run_id, "sparkgpu/attempt_duration_s"))
+    durations = sorted(
+        (m.step, round(m.value)) for m in client.get_metric_history(callback.run_id, "sparkgpu/attempt_duration_s")
+    )
     assert durations == [(0, 3), (1, 5), (2, 1)]
     assert len(client.search_runs([run.info.experiment_id])) == 1
 
@@ -149,15 +156,18 @@ def test_embedded_store_is_the_default(tmp_path, monkeypatch, _isolated_sparkgpu
 
 def test_worker_side_logs_system_metrics_keyed_by_node(tracking_uri, tmp_path, monkeypatch):
     job = make_job()
-    callback = MLflowCallback("/team/system", tracking_uri=tracking_uri, system_metrics_interval=0.2, flush_interval=0.2)
+    callback = MLflowCallback(
+        "/team/system", tracking_uri=tracking_uri, system_metrics_interval=0.2, flush_interval=0.2
+    )
     callback.before_job(job, str(tmp_path / job.job_id))
     for key, value in callback.before_attempt(job, 0).items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("SPARKGPU_RUN_DIR", str(tmp_path / job.job_id))  # as the node's launcher sets it
     worker = MLflowCallback.__new__(MLflowCallback)  # the workers' copy, as unpickled from the payload
     worker.__setstate__(callback.__getstate__())
-    ctx = WorkerContext(job.job_id, str(tmp_path), attempt=0, rank=0, local_rank=0, world_size=2, node_rank=1,
-                        device="cpu")
+    ctx = WorkerContext(
+        job.job_id, str(tmp_path), attempt=0, rank=0, local_rank=0, world_size=2, node_rank=1, device="cpu"
+    )
     worker.on_worker_start(ctx)
     time.sleep(1.5)
     worker.on_worker_end(ctx, None)

@@ -47,8 +47,9 @@ def test_a_restarted_two_rank_job_is_one_run_with_everything_in_it(tmp_path, mon
     from sparkgpu import distributed
 
     tracking_uri = f"sqlite:///{tmp_path}/mlflow.db"
-    callback = MLflowCallback("/team/job", tracking_uri=tracking_uri, fn=_train, system_metrics_interval=0.3,
-                              flush_interval=0.3)
+    callback = MLflowCallback(
+        "/team/job", tracking_uri=tracking_uri, fn=_train, system_metrics_interval=0.3, flush_interval=0.3
+    )
     train = distributed(gpus=2, gpu_type="cpu", max_restarts=1, callbacks=[callback], log_ranks=None)(_train)
     assert train.distributed(STEPS) == [0, 1]
 
@@ -61,7 +62,12 @@ def test_a_restarted_two_rank_job_is_one_run_with_everything_in_it(tmp_path, mon
     tags, params, metrics = run.data.tags, run.data.params, run.data.metrics
     assert (tags["sparkgpu.attempt.0.status"], tags["sparkgpu.attempt.1.status"]) == ("failed", "succeeded")
     assert tags["sparkgpu.restarts"] == "1" and tags["sparkgpu.checkpoint.latest_step"] == str(STEPS)
-    assert (params["gpus"], params["world_size"], params["optimizer"], params["optimizer.lr"]) == ("2", "2", "Adam", "0.01")
+    assert (params["gpus"], params["world_size"], params["optimizer"], params["optimizer.lr"]) == (
+        "2",
+        "2",
+        "Adam",
+        "0.01",
+    )
 
     mean = client.get_metric_history(run.info.run_id, "rank_plus_one")
     assert len(mean) == 2 * STEPS and {m.value for m in mean} == {1.5}  # mean of ranks 0 and 1, both attempts
@@ -98,12 +104,20 @@ def test_eight_processes_logging_at_once_into_the_embedded_store_all_land(tmp_pa
     job = JobSpec(job_id=f"many-{time.time_ns()}", name="many", resources=Resources(gpus=8, gpu_type="cpu"))
     callback = MLflowCallback("/team/many", flush_interval=0.05, system_metrics=False)
     callback.before_job(job, str(tmp_path / job.job_id))
-    env = {**os.environ, **callback.before_attempt(job, 0), "SPARKGPU_ATTEMPT": "0",
-           "SPARKGPU_RUN_DIR": str(tmp_path / job.job_id)}  # as the node's launcher sets it
+    env = {
+        **os.environ,
+        **callback.before_attempt(job, 0),
+        "SPARKGPU_ATTEMPT": "0",
+        "SPARKGPU_RUN_DIR": str(tmp_path / job.job_id),
+    }  # as the node's launcher sets it
     go, steps = tmp_path / "go", 150
     writers = [
-        subprocess.Popen([sys.executable, "-c", _WRITER, str(go), str(steps)], env={**env, "RANK": str(rank)},
-                         stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", _WRITER, str(go), str(steps)],
+            env={**env, "RANK": str(rank)},
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for rank in range(8)
     ]
     time.sleep(1.0)

@@ -21,8 +21,11 @@ def test_records_of_every_writer_reach_the_run(mlflow_store, job_run):
     spool, run_id = job_run
     for rank in range(3):
         writer = SpoolWriter(spool, attempt=0, rank=rank)
-        writer.write(metrics=[(f"loss_{rank}", float(step), step, 1000 + step) for step in range(4)],
-                     params=[("lr", "0.1")], tags=[("phase", f"rank{rank}")])
+        writer.write(
+            metrics=[(f"loss_{rank}", float(step), step, 1000 + step) for step in range(4)],
+            params=[("lr", "0.1")],
+            tags=[("phase", f"rank{rank}")],
+        )
     flusher = SpoolFlusher(spool, client, run_id)
     assert flusher.drain() == 3
     run = client.get_run(run_id)
@@ -75,8 +78,9 @@ def test_a_changed_param_is_dropped_with_a_warning(mlflow_store, job_run, caplog
 def test_more_records_than_one_mlflow_batch_holds(mlflow_store, job_run):
     _, client, _ = mlflow_store
     spool, run_id = job_run
-    SpoolWriter(spool, attempt=0, rank=0).write(metrics=[("z", float(i), i, 1000) for i in range(2500)],
-                                                params=[(f"p{i}", str(i)) for i in range(150)])
+    SpoolWriter(spool, attempt=0, rank=0).write(
+        metrics=[("z", float(i), i, 1000) for i in range(2500)], params=[(f"p{i}", str(i)) for i in range(150)]
+    )
     SpoolFlusher(spool, client, run_id).drain()
     assert len(client.get_metric_history(run_id, "z")) == 2500
     assert len(client.get_run(run_id).data.params) == 150

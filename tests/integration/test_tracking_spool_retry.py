@@ -27,7 +27,9 @@ def test_a_retry_by_the_same_flusher_loses_nothing(mlflow_store, job_run, failin
     _, client, _ = mlflow_store
     spool, run_id = job_run
     SpoolWriter(spool, attempt=0, rank=0).write(
-        metrics=[("loss", 0.5, 0, 1000)], params=[("lr", "0.1")], tags=[("phase", "warmup")],
+        metrics=[("loss", 0.5, 0, 1000)],
+        params=[("lr", "0.1")],
+        tags=[("phase", "warmup")],
         checkpoints=[(99, "/ckpt/step-99", 1500)],
     )
     flaky = FlakyClient(client, fail_calls=[failing_call])
@@ -105,7 +107,8 @@ def ended_job_with_unsent_records(uri, tmp_path, *, store_down_for_client: bool,
     callback = MLflowCallback("/team/leftover", tracking_uri=uri, flush_interval=3600)  # only stop() flushes
     callback.before_job(job, str(run_dir))
     SpoolWriter(SpoolDir(run_dir / "tracking"), attempt=0, rank=0).write(
-        metrics=[("loss", 0.25, 7, 1000)], params=[("lr", "0.1")])
+        metrics=[("loss", 0.25, 7, 1000)], params=[("lr", "0.1")]
+    )
     down = FlakyClient(callback._client, fail_calls=range(1, 10**9))
     callback._flusher.client = down
     callback._flusher.stop_backoff = 0.01
@@ -119,8 +122,9 @@ def test_records_a_job_left_unsent_are_forwarded_later_and_the_run_ends_as_the_j
     from sparkgpu.tracking import flush_spool
 
     uri, client, _ = mlflow_store
-    _, run_dir, run_id = ended_job_with_unsent_records(uri, tmp_path, store_down_for_client=True,
-                                                    error=RuntimeError("boom"))
+    _, run_dir, run_id = ended_job_with_unsent_records(
+        uri, tmp_path, store_down_for_client=True, error=RuntimeError("boom")
+    )
     run = client.get_run(run_id)
     assert run.info.status == "RUNNING" and "loss" not in run.data.metrics
     assert flush_spool(run_dir) == 1

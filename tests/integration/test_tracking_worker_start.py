@@ -38,7 +38,10 @@ def rank_env(tmp_path_factory):
     job = JobSpec(job_id=f"ws-{time.time_ns()}", name="ws", resources=Resources(gpus=1, gpu_type="cpu"))
     callback = MLflowCallback("/team/worker-start", tracking_uri=f"sqlite:///{root}/mlflow.db", system_metrics=False)
     callback.before_job(job, str(root / job.job_id))
-    env = {**callback.before_attempt(job, 0), "SPARKGPU_RUN_DIR": str(root / job.job_id)}  # as the node's launcher sets it
+    env = {
+        **callback.before_attempt(job, 0),
+        "SPARKGPU_RUN_DIR": str(root / job.job_id),
+    }  # as the node's launcher sets it
     pickled = root / "callback.pkl"
     pickled.write_bytes(pickle.dumps(callback))
     yield env, pickled
@@ -49,8 +52,13 @@ def _rank(rank_env, imports: str) -> str:
     import os
 
     env, pickled = rank_env
-    result = subprocess.run([sys.executable, "-c", _RANK, str(pickled), imports], env={**os.environ, **env},
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", _RANK, str(pickled), imports],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
 

@@ -131,8 +131,9 @@ def train_transformer(data_dir, record_file, kind, kill_step=None, step_sleep=0.
 
     model = build_model(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    blocks = data.token_dataset(local=data_dir, column="ids", seq_len=SEQ, batch_size=BATCH, eos_id=0,
-                                shuffle=True, seed=11)
+    blocks = data.token_dataset(
+        local=data_dir, column="ids", seq_len=SEQ, batch_size=BATCH, eos_id=0, shuffle=True, seed=11
+    )
     ckpt = Checkpointer(every_steps=3, keep_last=2)
     step = ckpt.restore(model=model, optimizer=opt, loader=blocks)  # steps done
     rank = runtime.get_global_rank()
@@ -147,8 +148,18 @@ def train_transformer(data_dir, record_file, kind, kill_step=None, step_sleep=0.
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 opt.step()
                 step += 1
-                record.write(json.dumps({"attempt": runtime.attempt(), "step": step, "threads": threads,
-                                         "loss": loss.item().hex(), "blocks": [block_hash(b) for b in batch]}) + "\n")
+                record.write(
+                    json.dumps(
+                        {
+                            "attempt": runtime.attempt(),
+                            "step": step,
+                            "threads": threads,
+                            "loss": loss.item().hex(),
+                            "blocks": [block_hash(b) for b in batch],
+                        }
+                    )
+                    + "\n"
+                )
                 record.flush()
                 if runtime.attempt() == 0 and rank == 1 and step == kill_step:
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -190,8 +201,12 @@ def read_records(record) -> dict[tuple[int, int], dict]:
 
 def assert_each_epoch_trains_every_block_once(steps, all_blocks):
     for epoch in range(EPOCHS):
-        seen = [h for (rank, step), entry in steps.items() if (step - 1) // STEPS_PER_EPOCH == epoch
-                for h in entry["blocks"]]
+        seen = [
+            h
+            for (rank, step), entry in steps.items()
+            if (step - 1) // STEPS_PER_EPOCH == epoch
+            for h in entry["blocks"]
+        ]
         assert sorted(seen) == all_blocks, f"epoch {epoch} skipped or repeated blocks"
 
 
@@ -206,8 +221,9 @@ def assert_bitwise_equal(a: dict, b: dict):
 def all_blocks(token_dir):
     from sparkgpu import data
 
-    loader = data.token_dataset(local=token_dir, column="ids", seq_len=SEQ, batch_size=1, eos_id=0, rank=0,
-                                world_size=1)
+    loader = data.token_dataset(
+        local=token_dir, column="ids", seq_len=SEQ, batch_size=1, eos_id=0, rank=0, world_size=1
+    )
     hashes = sorted(block_hash(batch[0]) for batch in loader)
     assert len(hashes) == BLOCKS == len(set(hashes))
     return hashes
@@ -223,8 +239,9 @@ def uninterrupted(token_dir, all_blocks, tmp_path_factory):
             with pytest.MonkeyPatch.context() as mp:  # module-scoped: its own SPARKGPU_HOME
                 mp.setenv("SPARKGPU_HOME", str(tmp_path_factory.mktemp("home")))
                 reset_settings()
-                states, state, steps = run(token_dir, tmp_path_factory.mktemp("plain"), "plain", kind,
-                                           backend=LocalBackend(standby=False))
+                states, state, steps = run(
+                    token_dir, tmp_path_factory.mktemp("plain"), "plain", kind, backend=LocalBackend(standby=False)
+                )
             reset_settings()
             assert len(state["attempts"]) == 1
             assert sorted(steps) == [(rank, step) for rank in range(WORLD) for step in range(1, TOTAL_STEPS + 1)]
@@ -237,8 +254,9 @@ def uninterrupted(token_dir, all_blocks, tmp_path_factory):
 
 
 def assert_same_run(states, steps, plain, plain_steps, all_blocks, note):
-    assert {k: (v["loss"], v["blocks"]) for k, v in steps.items()} == \
-        {k: (v["loss"], v["blocks"]) for k, v in plain_steps.items()}, f"the loss curve or the data differ {note}"
+    assert {k: (v["loss"], v["blocks"]) for k, v in steps.items()} == {
+        k: (v["loss"], v["blocks"]) for k, v in plain_steps.items()
+    }, f"the loss curve or the data differ {note}"
     assert_each_epoch_trains_every_block_once(steps, all_blocks)
     for rank_state in states:
         assert_bitwise_equal(rank_state, plain)
@@ -251,29 +269,34 @@ RESTART_PATHS = {
 }
 
 
-@pytest.mark.parametrize("kind, path", [("ddp", "cold"), ("ddp", "standby"), ("ddp", "pool"),
-                                        ("fsdp", "cold"), ("fsdp", "standby")])
+@pytest.mark.parametrize(
+    "kind, path", [("ddp", "cold"), ("ddp", "standby"), ("ddp", "pool"), ("fsdp", "cold"), ("fsdp", "standby")]
+)
 def test_a_sigkilled_rank_resumes_bitwise_equal_through_each_restart_path(
-        kind, path, uninterrupted, token_dir, all_blocks, tmp_path):
+    kind, path, uninterrupted, token_dir, all_blocks, tmp_path
+):
     plain, plain_steps = uninterrupted(kind)
     seed = random.randrange(1 << 30)
     kill_step = random.Random(seed).randrange(4, TOTAL_STEPS - 1)
     note = f"({kind}, {path}: rank 1 killed after step {kill_step}, seed {seed})"
-    states, state, steps = run(token_dir, tmp_path, path, kind, backend=RESTART_PATHS[path](),
-                               kill_step=kill_step, max_restarts=1)
+    states, state, steps = run(
+        token_dir, tmp_path, path, kind, backend=RESTART_PATHS[path](), kill_step=kill_step, max_restarts=1
+    )
     assert [a["status"] for a in state["attempts"]] == ["failed", "succeeded"], note
     resumed = [entry for entry in steps.values() if entry["attempt"] == 1]
     assert resumed, f"no step ran in the restarted attempt {note}"
     first = [entry for entry in steps.values() if entry["attempt"] == 0]
-    assert {tuple(e["threads"]) for e in resumed} == {tuple(e["threads"]) for e in first}, \
+    assert {tuple(e["threads"]) for e in resumed} == {tuple(e["threads"]) for e in first}, (
         f"the restarted ranks ran with other thread settings {note}"
+    )
     assert_same_run(states, steps, plain, plain_steps, all_blocks, note)
 
 
 def test_the_runtime_cap_stops_and_resumes_bitwise_equal(uninterrupted, token_dir, all_blocks, tmp_path):
     plain, plain_steps = uninterrupted("ddp")
-    states, state, steps = run(token_dir, tmp_path, "capped", "ddp", step_sleep=1.0, max_runtime=20,
-                               checkpoint_grace=10)
+    states, state, steps = run(
+        token_dir, tmp_path, "capped", "ddp", step_sleep=1.0, max_runtime=20, checkpoint_grace=10
+    )
     assert state["preemptions"] >= 1 and state["restarts"] == 0, state
     assert state["attempts"][-1]["status"] == "succeeded"
     assert {e["attempt"] for e in steps.values()} >= {0, 1}
@@ -289,14 +312,19 @@ distributed(gpus=2, gpu_type="cpu")(train_transformer).distributed({data!r}, {re
 
 
 def test_sparkgpu_resume_finishes_a_job_whose_client_was_killed_bitwise_equal(
-        uninterrupted, token_dir, all_blocks, tmp_path, _isolated_sparkgpu_home):
+    uninterrupted, token_dir, all_blocks, tmp_path, _isolated_sparkgpu_home
+):
     from sparkgpu.launch.resume import resume_job
     from tests.integration.processes import assert_no_orphans, start_client, wait_for
 
     plain, plain_steps = uninterrupted("ddp")
     record = tmp_path / "resumed.jsonl"
-    client = start_client(tmp_path, _isolated_sparkgpu_home,
-                          RESUMED_CLIENT.format(data=token_dir, record=str(record)), stdout=subprocess.DEVNULL)
+    client = start_client(
+        tmp_path,
+        _isolated_sparkgpu_home,
+        RESUMED_CLIENT.format(data=token_dir, record=str(record)),
+        stdout=subprocess.DEVNULL,
+    )
     runs = _isolated_sparkgpu_home / "runs"
     if not wait_for(lambda: any(runs.glob("*/checkpoints/step-*/_COMPLETE.json")), within=180):
         client.kill()

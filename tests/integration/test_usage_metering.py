@@ -112,8 +112,12 @@ WRITER = textwrap.dedent("""
 def test_two_clients_appending_at_once_lose_nothing(tmp_path):
     uri = str(tmp_path / "ledger")  # created by whichever writer commits first
     start_at = time.time() + 4.0
-    writers = [subprocess.Popen([sys.executable, "-c", WRITER, uri, name, "15", str(start_at)],
-                                stderr=subprocess.PIPE, text=True) for name in ("a", "b")]
+    writers = [
+        subprocess.Popen(
+            [sys.executable, "-c", WRITER, uri, name, "15", str(start_at)], stderr=subprocess.PIPE, text=True
+        )
+        for name in ("a", "b")
+    ]
     errors = [w.communicate(timeout=120)[1] for w in writers]
     assert [w.returncode for w in writers] == [0, 0], errors
     ledger = UsageLedger(uri)
@@ -128,14 +132,32 @@ def test_an_attempt_whose_client_is_killed_is_billed_by_the_next_client(tmp_path
 
     script = tmp_path / "long.py"
     script.write_text("import time\nprint('training', flush=True)\ntime.sleep(120)\n")
-    client = subprocess.Popen([sys.executable, "-m", "sparkgpu.cli", "run", str(script), "--gpus", "2",
-                               "--gpu-type", "cpu", "--tag", "team=ml"], cwd=tmp_path,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    client = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sparkgpu.cli",
+            "run",
+            str(script),
+            "--gpus",
+            "2",
+            "--gpu-type",
+            "cpu",
+            "--tag",
+            "team=ml",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         journal = settings().home / "usage" / "open"
         while not list(journal.glob("*/*.json")) or "training" not in _logs(settings().staging_root):
-            assert client.poll() is None and time.monotonic() < deadline, client.stdout.read() if client.poll() else "timeout"
+            assert client.poll() is None and time.monotonic() < deadline, (
+                client.stdout.read() if client.poll() else "timeout"
+            )
             time.sleep(0.2)
         time.sleep(6)  # past one heartbeat
     finally:
@@ -145,8 +167,12 @@ def test_an_attempt_whose_client_is_killed_is_billed_by_the_next_client(tmp_path
     ledger = UsageLedger(settings().usage_ledger_uri)
     assert ledger.version() is None
 
-    report = subprocess.run([sys.executable, "-m", "sparkgpu.cli", "usage", "--by", "status", "--json"],
-                            capture_output=True, text=True, timeout=120)
+    report = subprocess.run(
+        [sys.executable, "-m", "sparkgpu.cli", "usage", "--by", "status", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert report.returncode == 0, report.stderr
     assert "recorded 1 attempt(s) whose client stopped" in report.stderr
     rows = ledger.read().to_pylist()

@@ -27,19 +27,33 @@ def gpu_spark(spark):
 def record(job_id, team, gpus, hours_ago, gpu_type="H100", hours=1.0):
     now = time.time()
     return UsageRecord.priced(
-        job_id=job_id, job_name=job_id, attempt=0, user="ana", tags={"team": team} if team else {}, backend="local",
-        gpu_type=gpu_type, gpus=gpus, simulated=False, status="succeeded", started_at=now - hours_ago * HOUR,
-        ended_at=now - (hours_ago - hours) * HOUR, rates=RateCard({"H100": 5.0, "A10": 1.0}),
+        job_id=job_id,
+        job_name=job_id,
+        attempt=0,
+        user="ana",
+        tags={"team": team} if team else {},
+        backend="local",
+        gpu_type=gpu_type,
+        gpus=gpus,
+        simulated=False,
+        status="succeeded",
+        started_at=now - hours_ago * HOUR,
+        ended_at=now - (hours_ago - hours) * HOUR,
+        rates=RateCard({"H100": 5.0, "A10": 1.0}),
     )
 
 
 def test_usage_groups_the_default_ledger_by_team_over_the_last_30_days(gpu_spark):
     # The ledger every job writes to by default (SPARKGPU_USAGE_LEDGER, here the test's own home).
-    UsageLedger(settings().usage_ledger_uri).append([
-        record("a", "ml", 8, 2), record("b", "ml", 2, 5), record("c", "cv", 1, 3, gpu_type="A10"),
-        record("d", None, 4, 2),
-        record("old", "ml", 8, 40 * 24),  # outside the default 30-day window
-    ])
+    UsageLedger(settings().usage_ledger_uri).append(
+        [
+            record("a", "ml", 8, 2),
+            record("b", "ml", 2, 5),
+            record("c", "cv", 1, 3, gpu_type="A10"),
+            record("d", None, 4, 2),
+            record("old", "ml", 8, 40 * 24),  # outside the default 30-day window
+        ]
+    )
 
     frame = gpu_spark.gpu.usage()
     assert type(frame).__name__ == "DataFrame" and type(frame).__module__.startswith("pyspark.sql")
@@ -73,10 +87,13 @@ def test_usage_before_the_first_job_is_an_empty_frame(gpu_spark):
     assert attempts.count() == 0 and dict(attempts.dtypes)["tags"] == "map<string,string>"
 
 
-@pytest.mark.parametrize("arguments, message", [
-    ({"since": "last month"}, "since='last month' is neither a duration"),
-    ({"by": "team,"}, "has an empty key"),
-])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        ({"since": "last month"}, "since='last month' is neither a duration"),
+        ({"by": "team,"}, "has an empty key"),
+    ],
+)
 def test_bad_report_arguments_say_how_to_write_them(gpu_spark, arguments, message):
     with pytest.raises(ConfigurationError, match=message):
         gpu_spark.gpu.usage(**arguments)

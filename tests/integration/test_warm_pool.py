@@ -124,8 +124,10 @@ def test_the_pool_stops_itself_when_idle():
     assert stop_pool() is False
 
 
-CTRL_C_CLIENT = ctrl_c_client('@distributed(gpus=2, gpu_type="cpu", backend=PoolBackend(idle_timeout=120))',
-                              setup="from sparkgpu.launch.pool import PoolBackend")
+CTRL_C_CLIENT = ctrl_c_client(
+    '@distributed(gpus=2, gpu_type="cpu", backend=PoolBackend(idle_timeout=120))',
+    setup="from sparkgpu.launch.pool import PoolBackend",
+)
 
 
 def _start_pool_client(tmp_path, home):
@@ -203,8 +205,9 @@ def test_a_pool_started_with_other_code_is_not_reused_and_retires(pool, monkeypa
     monkeypatch.setattr(pool_module, "code_fingerprint", lambda: "ad0be0ad0be0")
     new_pid = which_pool.distributed()[0]
     assert new_pid != old_pid and pool_status()["code"] == "ad0be0ad0be0"
-    assert wait_for(lambda: not psutil.pid_exists(old_pid) or
-                    psutil.Process(old_pid).status() == psutil.STATUS_ZOMBIE, within=20)
+    assert wait_for(
+        lambda: not psutil.pid_exists(old_pid) or psutil.Process(old_pid).status() == psutil.STATUS_ZOMBIE, within=20
+    )
 
 
 def test_a_tampered_entrypoint_starts_no_rank_in_the_pool(pool, tmp_path):
@@ -219,8 +222,11 @@ def test_a_tampered_entrypoint_starts_no_rank_in_the_pool(pool, tmp_path):
     prepared = add_rank._prepare((1,), {}).write()
     marker = tmp_path / "pwned"
     prepared.run_dir.air.write_text(f"open({str(marker)!r}, 'w').write('ran')\n" + prepared.run_dir.air.read_text())
-    with pytest.raises(WorkerFailedError, match=r"ranks 0, 1: sparkgpu.errors.PayloadSignatureError: refusing to "
-                                                r"run .*modified after it was staged") as err:
+    with pytest.raises(
+        WorkerFailedError,
+        match=r"ranks 0, 1: sparkgpu.errors.PayloadSignatureError: refusing to "
+        r"run .*modified after it was staged",
+    ) as err:
         Supervisor(prepared.job, prepared.run_dir, prepared.backend, prepared.key, []).run()
     assert isinstance(err.value.__cause__, PayloadSignatureError)
     assert not marker.exists()

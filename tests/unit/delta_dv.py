@@ -85,11 +85,22 @@ def delete_rows(table_path: str, file_name: str, rows: list[int], storage_type: 
     os.makedirs(os.path.dirname(dv_path), exist_ok=True)
     with open(dv_path, "wb") as handle:
         handle.write(b"\x01" + struct.pack(">i", len(data)) + data + struct.pack(">I", zlib.crc32(data)))
-    descriptor = {"storageType": storage_type, "pathOrInlineDv": where, "offset": 1,
-                  "sizeInBytes": len(data), "cardinality": len(rows)}
+    descriptor = {
+        "storageType": storage_type,
+        "pathOrInlineDv": where,
+        "offset": 1,
+        "sizeInBytes": len(data),
+        "cardinality": len(rows),
+    }
     now = int(time.time() * 1000)
-    removed = {"path": file_name, "deletionTimestamp": now, "dataChange": True, "extendedFileMetadata": True,
-               "partitionValues": add["partitionValues"], "size": add["size"]}
+    removed = {
+        "path": file_name,
+        "deletionTimestamp": now,
+        "dataChange": True,
+        "extendedFileMetadata": True,
+        "partitionValues": add["partitionValues"],
+        "size": add["size"],
+    }
     if add.get("deletionVector"):
         removed["deletionVector"] = add["deletionVector"]
     re_added = dict(add, deletionVector=descriptor, modificationTime=now)

@@ -398,8 +398,11 @@ def test_inside_a_job_a_save_never_waits_on_mlflow_and_the_job_run_gets_the_line
             ckpt.save(0, **state, wait=True)
     finally:
         autolog._deactivate()
-    records = [json.loads(line) for path in (tmp_path / "tracking" / "records").glob("*.jsonl")
-               for line in path.read_text().splitlines()]
+    records = [
+        json.loads(line)
+        for path in (tmp_path / "tracking" / "records").glob("*.jsonl")
+        for line in path.read_text().splitlines()
+    ]
     assert [c[:2] for r in records for c in r.get("c", ())] == [[0, latest_checkpoint(tmp_path / "ckpt").path]]
 
 
@@ -475,10 +478,14 @@ def test_a_loop_passing_indices_resumes_at_the_next_index(tmp_path):
     assert Checkpointer(tmp_path).restore(**make_training(1)) == 6
 
 
-@pytest.mark.parametrize("saved_by, resumed_by, match", [
-    ("index", "count", r"restore\(\) returned 6 .*should be 6, but maybe_save got 7: the loop would skip 1 step"),
-    ("count", "index", r"restore\(\) returned 6 .*should be 7, but maybe_save got 6: the loop would repeat 1 step"),
-], ids=["index-saved-count-resumed", "count-saved-index-resumed"])
+@pytest.mark.parametrize(
+    "saved_by, resumed_by, match",
+    [
+        ("index", "count", r"restore\(\) returned 6 .*should be 6, but maybe_save got 7: the loop would skip 1 step"),
+        ("count", "index", r"restore\(\) returned 6 .*should be 7, but maybe_save got 6: the loop would repeat 1 step"),
+    ],
+    ids=["index-saved-count-resumed", "count-saved-index-resumed"],
+)
 def test_resuming_with_the_other_habit_is_refused_before_a_step_is_lost(tmp_path, saved_by, resumed_by, match):
     state = make_training(0)
     ckpt = Checkpointer(tmp_path, every_steps=3)

@@ -21,8 +21,14 @@ from tests.fakes.backend import ScriptedBackend
 
 def finished_job(job_id, script, gpus=2, **policy):
     """A run dir left by the real supervisor driving a scripted backend."""
-    job = JobSpec(job_id=job_id, name="train", resources=Resources(gpus, "cpu"), policy=RunPolicy(**policy),
-                  backend="fake", tags={"team": "ml"})
+    job = JobSpec(
+        job_id=job_id,
+        name="train",
+        resources=Resources(gpus, "cpu"),
+        policy=RunPolicy(**policy),
+        backend="fake",
+        tags={"team": "ml"},
+    )
     rd = RunDir(settings().staging_root / job_id)
     rd.create(job.to_dict(), serialize_payload(lambda: 1, (), {}, []), b"k" * 32, [])
     with contextlib.suppress(SparkGPUError):  # failed jobs are part of what `sparkgpu jobs` shows
@@ -65,7 +71,8 @@ def test_jobs_lists_status_attempts_restarts_and_duration(capsys):
     finished_job("flaky-job", ["raise", "ok"], max_restarts=1)
     finished_job("bad-job", ["raise"])
     RunDir(settings().staging_root / "staged-job").create(
-        JobSpec("staged-job", "x", Resources(1, "cpu")).to_dict(), b"", b"k" * 32, [])
+        JobSpec("staged-job", "x", Resources(1, "cpu")).to_dict(), b"", b"k" * 32, []
+    )
     code, out, _ = run_cli(capsys, "jobs")
     assert code == 0
     lines = {line.split()[1]: line for line in out.splitlines() if "-job" in line}
@@ -91,12 +98,15 @@ def test_logs_of_one_rank_all_ranks_and_an_earlier_attempt(capsys):
     assert run_cli(capsys, "logs", "flaky-2026", "--follow")[:2] == (0, "attempt 1 rank 0\n")
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["logs", "nope"], "no job 'nope'"),
-    (["logs", "job-"], "matches 2 jobs"),
-    (["logs", "job-a", "--rank", "5"], "has ranks 0..1"),
-    (["logs", "job-a", "--attempt", "3"], r"has attempts \[0\]"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["logs", "nope"], "no job 'nope'"),
+        (["logs", "job-"], "matches 2 jobs"),
+        (["logs", "job-a", "--rank", "5"], "has ranks 0..1"),
+        (["logs", "job-a", "--attempt", "3"], r"has attempts \[0\]"),
+    ],
+)
 def test_logs_errors_say_what_exists(capsys, argv, match):
     import re
 
@@ -129,11 +139,25 @@ def test_run_refused_by_a_spent_budget(tmp_path, monkeypatch, capsys):
     script.write_text("print('never runs')\n")
     _policy(tmp_path, monkeypatch, "budgets:\n  team=ml: 1 GPU-hours per 1d\n")
     now = time.time()
-    UsageLedger(settings().usage_ledger_uri).append([UsageRecord.priced(
-        job_id="earlier", job_name="x", attempt=0, user="ana", tags={"team": "ml"}, backend="local",
-        gpu_type="cpu", gpus=2, simulated=False, status="succeeded", started_at=now - 3600, ended_at=now - 1800,
-        rates=RateCard(),
-    )])
+    UsageLedger(settings().usage_ledger_uri).append(
+        [
+            UsageRecord.priced(
+                job_id="earlier",
+                job_name="x",
+                attempt=0,
+                user="ana",
+                tags={"team": "ml"},
+                backend="local",
+                gpu_type="cpu",
+                gpus=2,
+                simulated=False,
+                status="succeeded",
+                started_at=now - 3600,
+                ended_at=now - 1800,
+                rates=RateCard(),
+            )
+        ]
+    )
     code, _, err = run_cli(capsys, "run", str(script), "--gpus", "1", "--gpu-type", "cpu", "--tag", "team=ml")
     assert code == cli.EXIT_POLICY and "1.00 GPU-hours of 1.00 GPU-hours" in err
 
@@ -141,18 +165,23 @@ def test_run_refused_by_a_spent_budget(tmp_path, monkeypatch, capsys):
 def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path, capsys):
     script = tmp_path / "train.py"
     script.write_text("print('never runs')\n")
-    code, out, _ = run_cli(capsys, "run", str(script), "--gpus", "2", "--gpu-type", "cpu", "--dry-run", "--", "--lr", "1")
+    code, out, _ = run_cli(
+        capsys, "run", str(script), "--gpus", "2", "--gpu-type", "cpu", "--dry-run", "--", "--lr", "1"
+    )
     assert code == 0 and "backend=local" in out and "ranks_per_node=2" in out
     assert not settings().staging_root.exists() or not any(settings().staging_root.iterdir())
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["run", "missing.py"], "does not exist"),
-    (["run", "notes.txt"], "neither a Python script nor a job file"),
-    (["run", "x.py", "--log-ranks", "odd"], "--log-ranks must be the ranks"),
-    (["usage", "--since", "last tuesday"], "neither a duration"),
-    (["jobs", "--", "extra"], None),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["run", "missing.py"], "does not exist"),
+        (["run", "notes.txt"], "neither a Python script nor a job file"),
+        (["run", "x.py", "--log-ranks", "odd"], "--log-ranks must be the ranks"),
+        (["usage", "--since", "last tuesday"], "neither a duration"),
+        (["jobs", "--", "extra"], None),
+    ],
+)
 def test_bad_input_exits_2_with_the_fix(tmp_path, monkeypatch, capsys, argv, match):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "x.py").write_text("")
@@ -168,11 +197,25 @@ def test_bad_input_exits_2_with_the_fix(tmp_path, monkeypatch, capsys, argv, mat
 def test_usage_table_json_budgets_and_plot(tmp_path, monkeypatch, capsys):
     _policy(tmp_path, monkeypatch, "name: p\nbudgets:\n  team=ml: 10 GPU-hours per 30d\n")
     now = time.time()
-    UsageLedger(settings().usage_ledger_uri).append([UsageRecord.priced(
-        job_id="j1", job_name="x", attempt=0, user="ana", tags={"team": "ml"}, backend="local", gpu_type="H100",
-        gpus=8, simulated=False, status="succeeded", started_at=now - 3600, ended_at=now - 2700,
-        rates=RateCard({"H100": 4.0}),
-    )])
+    UsageLedger(settings().usage_ledger_uri).append(
+        [
+            UsageRecord.priced(
+                job_id="j1",
+                job_name="x",
+                attempt=0,
+                user="ana",
+                tags={"team": "ml"},
+                backend="local",
+                gpu_type="H100",
+                gpus=8,
+                simulated=False,
+                status="succeeded",
+                started_at=now - 3600,
+                ended_at=now - 2700,
+                rates=RateCard({"H100": 4.0}),
+            )
+        ]
+    )
     code, out, err = run_cli(capsys, "usage", "--by", "team,gpu_type", "--budgets", "--plot", str(tmp_path / "u.png"))
     assert code == 0
     assert "ml" in out and "H100" in out and "2.00" in out and "$8.00" in out
@@ -180,7 +223,8 @@ def test_usage_table_json_budgets_and_plot(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "u.png").read_bytes()[:4] == b"\x89PNG" and "wrote" in err
     code, out, _ = run_cli(capsys, "usage", "--json", "--by", "user")
     assert [json.loads(line) for line in out.splitlines()] == [
-        {"user": "ana", "jobs": 1, "attempts": 1, "gpus_max": 8, "gpu_hours": 2.0, "cost_usd": 8.0}]
+        {"user": "ana", "jobs": 1, "attempts": 1, "gpus_max": 8, "gpu_hours": 2.0, "cost_usd": 8.0}
+    ]
 
 
 def test_jobs_shows_a_running_job_whose_client_died_as_lost(capsys):

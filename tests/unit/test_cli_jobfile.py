@@ -28,7 +28,9 @@ def write(tmp_path, text, name="job.yaml"):
 
 
 def test_a_full_yaml_job_file(tmp_path, script):
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
 script: train.py
 args: [--epochs, 3]
 name: ctr-nightly
@@ -41,7 +43,8 @@ max_restarts: 2
 tags: {team: ml, project: ctr}
 env: {OUT_FILE: /tmp/x}
 log_ranks: all
-""")
+""",
+    )
     job = JobFile.load(path)
     assert job.script == str(script) and job.args == ("--epochs", "3")
     fn = job.build()
@@ -55,19 +58,22 @@ def test_toml_and_json_work_too(tmp_path, script):
     assert JobFile.load(write(tmp_path, '{"script": "train.py", "gpu_type": "cpu"}', "job.json")).gpu_type == "cpu"
 
 
-@pytest.mark.parametrize("text, match", [
-    ("script: train.py\ngpu: 2\n", r"unknown field\(s\) 'gpu' \(did you mean 'gpus'\?\)"),
-    ("gpus: 2\n", "field 'script' is required"),
-    ("script: train.py\ngpus: eight\n", "field 'gpus' must be the number of GPUs"),
-    ("script: train.py\nargs: --lr 1\n", "field 'args' must be the list of arguments"),
-    ("script: train.py\ntags: [ml]\n", "field 'tags' must be the mapping of tags"),
-    ("script: train.py\nremote: yes please\n", "field 'remote' must be"),
-    ("script: train.py\nmax_runtime: a week\n", "max_runtime='a week' is not a duration"),
-    ("script: train.py\ngpu_type: V100\n", "unknown gpu_type 'V100'"),
-    ("script: missing.py\n", "script '.*missing.py' does not exist"),
-    ("script: train.py\n  gpus: [\n", "is not valid YAML at line"),
-    ("- script: train.py\n", "must hold a mapping"),
-])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("script: train.py\ngpu: 2\n", r"unknown field\(s\) 'gpu' \(did you mean 'gpus'\?\)"),
+        ("gpus: 2\n", "field 'script' is required"),
+        ("script: train.py\ngpus: eight\n", "field 'gpus' must be the number of GPUs"),
+        ("script: train.py\nargs: --lr 1\n", "field 'args' must be the list of arguments"),
+        ("script: train.py\ntags: [ml]\n", "field 'tags' must be the mapping of tags"),
+        ("script: train.py\nremote: yes please\n", "field 'remote' must be"),
+        ("script: train.py\nmax_runtime: a week\n", "max_runtime='a week' is not a duration"),
+        ("script: train.py\ngpu_type: V100\n", "unknown gpu_type 'V100'"),
+        ("script: missing.py\n", "script '.*missing.py' does not exist"),
+        ("script: train.py\n  gpus: [\n", "is not valid YAML at line"),
+        ("- script: train.py\n", "must hold a mapping"),
+    ],
+)
 def test_bad_job_files_name_the_file_and_the_field(tmp_path, script, text, match):
     with pytest.raises(ConfigurationError, match=match) as err:
         JobFile.load(write(tmp_path, text))

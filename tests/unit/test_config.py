@@ -28,8 +28,14 @@ def test_a_staging_root_url_is_the_store_and_run_dirs_stay_local(tmp_path):
     # the store too, unless set otherwise.
     assert settings.env_store == f"file://{tmp_path}/store/_envstore"
     assert settings.data_volume == f"file://{tmp_path}/store/_mds"
-    chosen = Settings.from_env({"SPARKGPU_HOME": str(tmp_path), "SPARKGPU_STAGING_ROOT": f"file://{tmp_path}/store",
-                                "SPARKGPU_ENV_STORE": "s3://envs", "SPARKGPU_DATA_VOLUME": "/mnt/mds"})
+    chosen = Settings.from_env(
+        {
+            "SPARKGPU_HOME": str(tmp_path),
+            "SPARKGPU_STAGING_ROOT": f"file://{tmp_path}/store",
+            "SPARKGPU_ENV_STORE": "s3://envs",
+            "SPARKGPU_DATA_VOLUME": "/mnt/mds",
+        }
+    )
     assert (chosen.env_store, chosen.data_volume) == ("s3://envs", "/mnt/mds")
 
 
@@ -67,9 +73,11 @@ def test_the_spark_heartbeat_timeouts_are_settings_a_backend_takes_unless_given(
     assert (default.spark_client_timeout, default.spark_node_timeout) == (120.0, 10.0)
     never = Settings.from_env({"SPARKGPU_HOME": str(tmp_path), "SPARKGPU_SPARK_CLIENT_TIMEOUT": "none"})
     assert never.spark_client_timeout is None
-    for name, raw, message in (("SPARKGPU_SPARK_CLIENT_TIMEOUT", "2", "must be at least 6 seconds, or none"),
-                               ("SPARKGPU_SPARK_NODE_TIMEOUT", "-3", "must be at least 3 seconds, e.g."),
-                               ("SPARKGPU_SPARK_NODE_TIMEOUT", "none", "is not a number")):
+    for name, raw, message in (
+        ("SPARKGPU_SPARK_CLIENT_TIMEOUT", "2", "must be at least 6 seconds, or none"),
+        ("SPARKGPU_SPARK_NODE_TIMEOUT", "-3", "must be at least 3 seconds, e.g."),
+        ("SPARKGPU_SPARK_NODE_TIMEOUT", "none", "is not a number"),
+    ):
         with pytest.raises(ConfigurationError, match=f"{name}='{raw}' {message}"):
             Settings.from_env({"SPARKGPU_HOME": str(tmp_path), name: raw})
 
@@ -84,13 +92,21 @@ def test_the_spark_heartbeat_timeouts_are_settings_a_backend_takes_unless_given(
 
 @pytest.mark.parametrize("raw, seconds", [("600", 600.0), ("2h", 7200.0), ("90s", 90.0), ("1.5m", 90.0)])
 def test_duration_variables_take_what_duration_arguments_take(tmp_path, raw, seconds):
-    settings = Settings.from_env({"SPARKGPU_HOME": str(tmp_path), "SPARKGPU_TIMEOUT": raw,
-                                  "SPARKGPU_SPARK_WAIT_TIMEOUT": raw, "SPARKGPU_POOL_IDLE_TIMEOUT": raw})
+    settings = Settings.from_env(
+        {
+            "SPARKGPU_HOME": str(tmp_path),
+            "SPARKGPU_TIMEOUT": raw,
+            "SPARKGPU_SPARK_WAIT_TIMEOUT": raw,
+            "SPARKGPU_POOL_IDLE_TIMEOUT": raw,
+        }
+    )
     assert settings.default_timeout == settings.spark_wait_timeout == settings.pool_idle_timeout == seconds
 
 
 def test_a_duration_variable_that_is_none_names_both_forms(tmp_path):
-    with pytest.raises(ConfigurationError, match=r"SPARKGPU_TIMEOUT='soon' is not a number of seconds or a duration.*=10m"):
+    with pytest.raises(
+        ConfigurationError, match=r"SPARKGPU_TIMEOUT='soon' is not a number of seconds or a duration.*=10m"
+    ):
         Settings.from_env({"SPARKGPU_HOME": str(tmp_path), "SPARKGPU_TIMEOUT": "soon"})
 
 

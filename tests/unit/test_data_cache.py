@@ -26,7 +26,11 @@ def volume_dir(tmp_path):
 def _open(volume_dir, cache_root, limit=None, corrupt=0, threads=1, lookahead=None):
     volume = CountingVolume(volume_dir, corrupt=corrupt)
     directory, index = open_cache_entry(cache_root, volume)
-    return ShardCache(directory, index, volume, limit, download_threads=threads, lookahead_shards=lookahead), volume, index
+    return (
+        ShardCache(directory, index, volume, limit, download_threads=threads, lookahead_shards=lookahead),
+        volume,
+        index,
+    )
 
 
 def _present(cache):
@@ -90,8 +94,16 @@ def test_prefetch_never_evicts_a_shard_needed_sooner(volume_dir, tmp_path):
 
 def test_small_cache_limit_still_yields_every_sample(volume_dir, tmp_path):
     shard_bytes = max(s.raw_bytes for s in _open(volume_dir, tmp_path / "probe")[2].shards)
-    ds = data.dataset(remote=volume_dir, local=tmp_path / "cache", batch_size=20, shuffle=True, seed=2,
-                      shuffle_block_size=60, cache_limit=4 * shard_bytes, download_threads=3)
+    ds = data.dataset(
+        remote=volume_dir,
+        local=tmp_path / "cache",
+        batch_size=20,
+        shuffle=True,
+        seed=2,
+        shuffle_block_size=60,
+        cache_limit=4 * shard_bytes,
+        download_threads=3,
+    )
     for epoch in range(2):
         ids = np.concatenate(collect_ids(ds))
         assert sorted(ids.tolist()) == list(range(400)), f"epoch {epoch}"
@@ -104,7 +116,9 @@ def test_cache_limit_below_one_batch_is_refused_before_downloading(volume_dir, t
     shard_bytes = max(s.raw_bytes for s in _open(volume_dir, tmp_path / "probe")[2].shards)
     with pytest.raises(ConfigurationError, match="cannot hold the largest shard"):
         _open(volume_dir, tmp_path / "c1", limit=shard_bytes // 2)
-    ds = data.dataset(remote=volume_dir, local=tmp_path / "c2", batch_size=400, cache_limit=2 * shard_bytes, prefetch_batches=0)
+    ds = data.dataset(
+        remote=volume_dir, local=tmp_path / "c2", batch_size=400, cache_limit=2 * shard_bytes, prefetch_batches=0
+    )
     with pytest.raises(ConfigurationError, match="smaller than the .* bytes one batch reads at once"):
         next(iter(ds))
     assert not list((tmp_path / "c2").rglob("shard.*.mds"))
@@ -127,7 +141,9 @@ def test_a_shard_damaged_on_the_volume_is_reported_with_its_name(volume_dir, tmp
     ds = data.dataset(remote=volume_dir, local=tmp_path / "cache", batch_size=50)
     with pytest.raises(DataError, match=r"shard\.00003\.mds from volume .*ds failed its integrity check twice.*xxh64"):
         collect_ids(ds)
-    assert not (entry_dir_for(tmp_path / "cache", volume_dir) / "shard.00003.mds").exists(), "nothing half-checked is visible"
+    assert not (entry_dir_for(tmp_path / "cache", volume_dir) / "shard.00003.mds").exists(), (
+        "nothing half-checked is visible"
+    )
 
 
 def test_compressed_shards_are_verified_and_decompressed(tmp_path):
@@ -136,7 +152,9 @@ def test_compressed_shards_are_verified_and_decompressed(tmp_path):
     ds = data.dataset(remote=remote, local=tmp_path / "cache", batch_size=64, shuffle=True)
     assert sorted(np.concatenate(collect_ids(ds)).tolist()) == list(range(300))
     entry = entry_dir_for(tmp_path / "cache", remote)
-    assert sorted(p.name for p in entry.glob("shard.*")) == sorted(n[: -len(".zstd")] for n in os.listdir(remote) if n.endswith(".zstd"))
+    assert sorted(p.name for p in entry.glob("shard.*")) == sorted(
+        n[: -len(".zstd")] for n in os.listdir(remote) if n.endswith(".zstd")
+    )
 
 
 def test_processes_sharing_a_cache_download_each_shard_once(volume_dir, tmp_path):
@@ -212,7 +230,11 @@ def test_cache_entries_and_clear_cache(volume_dir, tmp_path, monkeypatch):
     ds.close()
     [entry] = cache_entries()
     assert entry.remote == volume_dir.rstrip("/") and entry.shards_cached == entry.shards_total == 8
-    assert entry.bytes_cached == entry.bytes_total == sum(os.path.getsize(os.path.join(volume_dir, f"shard.{i:05d}.mds")) for i in range(8))
+    assert (
+        entry.bytes_cached
+        == entry.bytes_total
+        == sum(os.path.getsize(os.path.join(volume_dir, f"shard.{i:05d}.mds")) for i in range(8))
+    )
     assert clear_cache(remote=volume_dir) == entry.bytes_total + os.path.getsize(os.path.join(volume_dir, "index.json"))
     assert cache_entries() == []
 
@@ -285,8 +307,18 @@ def test_evicted_shards_give_their_disk_space_back(volume_dir, tmp_path):
     probe.close()
     shard_bytes = max(s.raw_bytes for s in index.shards)
     limit = 3 * shard_bytes
-    loaders = [data.dataset(remote=volume_dir, local=tmp_path / "cache", batch_size=10, cache_limit=limit, download_threads=2,
-                            rank=rank, world_size=2) for rank in range(2)]
+    loaders = [
+        data.dataset(
+            remote=volume_dir,
+            local=tmp_path / "cache",
+            batch_size=10,
+            cache_limit=limit,
+            download_threads=2,
+            rank=rank,
+            world_size=2,
+        )
+        for rank in range(2)
+    ]
     entry = entry_dir_for(tmp_path / "cache", volume_dir)
     for epoch in range(2):
         seen = []

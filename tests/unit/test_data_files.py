@@ -49,8 +49,15 @@ def test_remote_files_come_through_the_cache_and_transform(folder, tmp_path):
     for path in folder.rglob("*.jpg"):
         memory.pipe(f"/vol/{path.relative_to(folder)}", path.read_bytes())
     cache = tmp_path / "cache"
-    ds = data.files_dataset("memory://vol", "**/*.jpg", local=cache, transform=lambda name, raw: (name, raw.decode()),
-                            as_bytes=True, rank=0, world_size=1)
+    ds = data.files_dataset(
+        "memory://vol",
+        "**/*.jpg",
+        local=cache,
+        transform=lambda name, raw: (name, raw.decode()),
+        as_bytes=True,
+        rank=0,
+        world_size=1,
+    )
     got = dict(ds)
     assert got == {str(p.relative_to(folder)): p.read_text() for p in folder.rglob("*.jpg")}
     assert len([p for p in cache.rglob("*.jpg")]) == 23  # landed in the cache
@@ -64,11 +71,16 @@ def test_resume_mid_epoch_and_workers(folder):
     again = data.files_dataset(str(folder), "**/*.jpg", shuffle=True, seed=4, rank=0, world_size=1)
     again.load_state_dict(ds.state_dict())
     assert head + [n for n, _ in again] == everything
-    loader = torch.utils.data.DataLoader(data.files_dataset(str(folder), "**/*.jpg", shuffle=True, seed=4, rank=0, world_size=1),
-                                         batch_size=None, num_workers=2)
+    loader = torch.utils.data.DataLoader(
+        data.files_dataset(str(folder), "**/*.jpg", shuffle=True, seed=4, rank=0, world_size=1),
+        batch_size=None,
+        num_workers=2,
+    )
     assert sorted(n for n, _ in loader) == sorted(everything)
     with pytest.raises(ConfigurationError, match="seed"):
-        data.files_dataset(str(folder), "**/*.jpg", shuffle=True, seed=5, rank=0, world_size=1).load_state_dict(ds.state_dict())
+        data.files_dataset(str(folder), "**/*.jpg", shuffle=True, seed=5, rank=0, world_size=1).load_state_dict(
+            ds.state_dict()
+        )
 
 
 def test_no_match_is_an_error(folder):

@@ -21,7 +21,7 @@ def picture(i: int, mode: str = "RGB"):
     from PIL import Image
 
     rng = np.random.default_rng(i)
-    pixels = (rng.integers(0, 256, (SIDE, SIDE // 2 + i % 3, 3), dtype=np.uint8))
+    pixels = rng.integers(0, 256, (SIDE, SIDE // 2 + i % 3, 3), dtype=np.uint8)
     return Image.fromarray(pixels, "RGB").convert(mode)
 
 
@@ -54,7 +54,10 @@ def test_decode_image_reads_jpeg_png_webp_in_the_mode_asked():
     assert data.decode_image(pil_tensor(gray), mode="rgb").equal(pil_tensor(gray).expand(3, -1, -1))
     gray_of_decoded = data.decode_image(pil_tensor(image), mode="gray").int()
     assert (gray_of_decoded - data.decode_image(encoded(image, "PNG"), mode="gray").int()).abs().max() <= 1
-    assert [t.shape for t in data.decode_image([encoded(image, "PNG"), encoded(gray, "PNG")])] == [png.shape, (3, SIDE, SIDE // 2 + 1)]
+    assert [t.shape for t in data.decode_image([encoded(image, "PNG"), encoded(gray, "PNG")])] == [
+        png.shape,
+        (3, SIDE, SIDE // 2 + 1),
+    ]
 
 
 def test_decode_image_rejects_what_it_cannot_decode():
@@ -76,10 +79,18 @@ def test_jpeg_png_pil_columns_read_as_image_tensors_in_workers_too(tmp_path):
     for i, jpeg in enumerate(jpeg_bytes):
         (tmp_path / f"{i}.jpg").write_bytes(jpeg)  # an opened file: streaming stores its bytes as they are
     out = tmp_path / "mds"
-    with MDSWriter(out=str(out), columns={"jpg": "jpeg", "png": "png", "pil": "pil", "label": "int64"}, size_limit=4096) as writer:
+    with MDSWriter(
+        out=str(out), columns={"jpg": "jpeg", "png": "png", "pil": "pil", "label": "int64"}, size_limit=4096
+    ) as writer:
         for i, img in enumerate(images):
-            writer.write({"jpg": Image.open(tmp_path / f"{i}.jpg"), "png": img, "pil": img.convert("L") if i % 2 else img,
-                          "label": i})
+            writer.write(
+                {
+                    "jpg": Image.open(tmp_path / f"{i}.jpg"),
+                    "png": img,
+                    "pil": img.convert("L") if i % 2 else img,
+                    "label": i,
+                }
+            )
     for workers in (0, 2):
         seen = 0
         for batch in data.dataset(local=str(out), batch_size=5, num_workers=workers):
@@ -134,12 +145,26 @@ def test_binary_files_from_spark_convert_without_reencoding(spark, tmp_path):
             (folder / label / f"{i}.jpg").write_bytes(encoded(picture(i + (label == "dog") * 3), "JPEG"))
     from pyspark.sql import functions as F
 
-    frame = (spark.read.format("binaryFile").option("pathGlobFilter", "*.jpg").option("recursiveFileLookup", "true").load(str(folder))
-             .select(F.col("content").alias("image"), (F.regexp_extract("path", r"/(\w+)/\d+\.jpg$", 1) == "dog").cast("int").alias("label")))
+    frame = (
+        spark.read.format("binaryFile")
+        .option("pathGlobFilter", "*.jpg")
+        .option("recursiveFileLookup", "true")
+        .load(str(folder))
+        .select(
+            F.col("content").alias("image"),
+            (F.regexp_extract("path", r"/(\w+)/\d+\.jpg$", 1) == "dog").cast("int").alias("label"),
+        )
+    )
     out = tmp_path / "mds"
     data.to_mds(frame, str(out), columns={"image": "jpeg", "label": None})
-    seen = sorted((int(label), image.flatten().tolist()) for batch in data.dataset(local=str(out), batch_size=4)
-                  for image, label in zip(batch["image"], batch["label"]))
-    expected = sorted((int(label == "dog"), data.decode_image((folder / label / f"{i}.jpg").read_bytes()).flatten().tolist())
-                      for label in ("cat", "dog") for i in range(3))
+    seen = sorted(
+        (int(label), image.flatten().tolist())
+        for batch in data.dataset(local=str(out), batch_size=4)
+        for image, label in zip(batch["image"], batch["label"])
+    )
+    expected = sorted(
+        (int(label == "dog"), data.decode_image((folder / label / f"{i}.jpg").read_bytes()).flatten().tolist())
+        for label in ("cat", "dog")
+        for i in range(3)
+    )
     assert seen == expected

@@ -39,8 +39,12 @@ def test_one_rank_reads_every_sample_once_in_dataset_order(tabular, gather_backe
 
 def test_ranks_together_read_every_sample_once_and_drop_fewer_than_world_size(tabular, gather_backend):
     world = 3
-    per_rank = [np.concatenate(collect_ids(data.dataset(local=tabular, batch_size=50, shuffle=True, seed=7, rank=r, world_size=world)))
-                for r in range(world)]
+    per_rank = [
+        np.concatenate(
+            collect_ids(data.dataset(local=tabular, batch_size=50, shuffle=True, seed=7, rank=r, world_size=world))
+        )
+        for r in range(world)
+    ]
     sizes = {len(ids) for ids in per_rank}
     assert sizes == {1003 // world}, "every rank gets the same number of samples, so DDP steps stay in lockstep"
     union = np.concatenate(per_rank)
@@ -78,10 +82,10 @@ def test_shuffle_mixes_neighbouring_shards_only_within_the_block():
     order = epoch_order(sizes, shuffle=True, seed=0, epoch=0, block_size=4000)
     shard_of = order // 1000
     # Any 1,000 consecutive samples come from a handful of shards, not from all 100.
-    windows = [len(np.unique(shard_of[i:i + 1000])) for i in range(0, 100_000, 1000)]
+    windows = [len(np.unique(shard_of[i : i + 1000])) for i in range(0, 100_000, 1000)]
     assert max(windows) <= 10 and np.mean(windows) > 3
     order_big = epoch_order(sizes, shuffle=True, seed=0, epoch=0, block_size=1 << 20)
-    assert np.mean([len(np.unique(order_big[i:i + 1000] // 1000)) for i in range(0, 100_000, 1000)]) > 50
+    assert np.mean([len(np.unique(order_big[i : i + 1000] // 1000)) for i in range(0, 100_000, 1000)]) > 50
 
 
 def test_resume_mid_epoch_yields_exactly_the_rest_bit_identical(tabular, gather_backend):
@@ -156,20 +160,41 @@ def test_epoch_plan_splits_positions_round_robin():
 def test_variable_width_columns_decode_like_they_were_written(tmp_path, gather_backend):
     from streaming import MDSWriter
 
-    columns = {"text": "str", "blob": "bytes", "tokens": "ndarray:int32", "any": "ndarray", "grid": "ndarray:float32:2,3",
-               "meta": "json", "label": "int64", "count": "str_int", "score": "str_float", "w": "float16"}
+    columns = {
+        "text": "str",
+        "blob": "bytes",
+        "tokens": "ndarray:int32",
+        "any": "ndarray",
+        "grid": "ndarray:float32:2,3",
+        "meta": "json",
+        "label": "int64",
+        "count": "str_int",
+        "score": "str_float",
+        "w": "float16",
+    }
     rng = np.random.default_rng(0)
     rows = []
     for i in range(300):
-        rows.append({
-            "text": "é" * (i % 7) + str(i), "blob": bytes(range(i % 13)) + b"!", "tokens": np.arange(i % 9 + 1, dtype=np.int32) * i,
-            "any": rng.random((i % 3 + 1, 2)).astype(np.float64 if i % 2 else np.int16), "grid": np.full((2, 3), i, np.float32),
-            "meta": {"i": i, "odd": bool(i % 2)}, "label": i, "count": i * 3, "score": i / 8, "w": np.float16(i % 50),
-        })
+        rows.append(
+            {
+                "text": "é" * (i % 7) + str(i),
+                "blob": bytes(range(i % 13)) + b"!",
+                "tokens": np.arange(i % 9 + 1, dtype=np.int32) * i,
+                "any": rng.random((i % 3 + 1, 2)).astype(np.float64 if i % 2 else np.int16),
+                "grid": np.full((2, 3), i, np.float32),
+                "meta": {"i": i, "odd": bool(i % 2)},
+                "label": i,
+                "count": i * 3,
+                "score": i / 8,
+                "w": np.float16(i % 50),
+            }
+        )
     with MDSWriter(out=str(tmp_path / "mixed"), columns=columns, size_limit=3000) as writer:
         for row in rows:
             writer.write(row)
-    batches = list(data.dataset(local=str(tmp_path / "mixed"), batch_size=32, shuffle=True, seed=0, shuffle_block_size=64))
+    batches = list(
+        data.dataset(local=str(tmp_path / "mixed"), batch_size=32, shuffle=True, seed=0, shuffle_block_size=64)
+    )
     seen = 0
     for batch in batches:
         assert batch["grid"].shape[1:] == (2, 3) and batch["w"].dtype == torch.float16
@@ -190,7 +215,9 @@ def test_variable_width_columns_decode_like_they_were_written(tmp_path, gather_b
 def test_fixed_width_columns_at_unaligned_offsets_are_copied_out_correctly(tmp_path, gather_backend):
     from streaming import MDSWriter
 
-    with MDSWriter(out=str(tmp_path / "odd"), columns={"a": "uint8", "b": "float64", "c": "ndarray:int16:3"}, size_limit=500) as w:
+    with MDSWriter(
+        out=str(tmp_path / "odd"), columns={"a": "uint8", "b": "float64", "c": "ndarray:int16:3"}, size_limit=500
+    ) as w:
         for i in range(100):
             w.write({"a": np.uint8(i), "b": float(i) / 3, "c": np.array([i, -i, 7], np.int16)})
     batch = next(iter(data.dataset(local=str(tmp_path / "odd"), batch_size=100)))
@@ -238,13 +265,16 @@ def test_gather_native_and_numpy_agree_and_reject_bad_indices():
     np.testing.assert_array_equal(results[0][1], results[1][1])
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"batch_size": 0}, "batch_size=0 must be an integer >= 1"),
-    ({"batch_size": 8, "seed": -1}, "seed=-1"),
-    ({"batch_size": 8, "rank": 2, "world_size": 2}, r"rank=2 must be an integer in \[0, world_size=2\)"),
-    ({"batch_size": 8, "cache_limit": "lots"}, "is not a size"),
-    ({"batch_size": 8, "device": "tpu"}, "device="),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"batch_size": 0}, "batch_size=0 must be an integer >= 1"),
+        ({"batch_size": 8, "seed": -1}, "seed=-1"),
+        ({"batch_size": 8, "rank": 2, "world_size": 2}, r"rank=2 must be an integer in \[0, world_size=2\)"),
+        ({"batch_size": 8, "cache_limit": "lots"}, "is not a size"),
+        ({"batch_size": 8, "device": "tpu"}, "device="),
+    ],
+)
 def test_bad_arguments_fail_before_anything_starts(tabular, kwargs, message):
     with pytest.raises(ConfigurationError, match=message):
         data.dataset(remote=tabular, **kwargs)

@@ -13,7 +13,9 @@ def write_tabular(path, num_samples: int, *, size_limit: int = 1 << 12, compress
     """Writes samples whose every column is derived from ``id``, so any batch can be checked."""
     from streaming import MDSWriter
 
-    with MDSWriter(out=str(path), columns=TABULAR_COLUMNS, size_limit=size_limit, compression=compression, hashes=hashes) as writer:
+    with MDSWriter(
+        out=str(path), columns=TABULAR_COLUMNS, size_limit=size_limit, compression=compression, hashes=hashes
+    ) as writer:
         for i in range(num_samples):
             writer.write({**{f"f{j:02d}": np.float32(i + j / 4) for j in range(4)}, "id": i})
     return str(path)

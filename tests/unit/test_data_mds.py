@@ -63,20 +63,32 @@ def test_every_numeric_width_round_trips_exactly(tmp_path):
 def test_bool_string_binary_and_decimal_round_trip(tmp_path):
     strings = ["", "a", "héllo wörld", "x" * 1000] * (N // 4)
     blobs = [b"", b"\x00\xff", os.urandom(300), b"abc"] * (N // 4)
-    decimals = [decimal.Decimal("1.50"), decimal.Decimal("-12345.678"), decimal.Decimal("0.001"), decimal.Decimal("7")] * (N // 4)
-    table = pa.table({
-        "flag": pa.array([i % 3 == 0 for i in range(N)]),
-        "text": pa.array(strings),
-        "large_text": pa.array(strings, pa.large_string()),
-        "blob": pa.array(blobs, pa.binary()),
-        "fixed_blob": pa.array([bytes([i % 256]) * 4 for i in range(N)], pa.binary(4)),
-        "price": pa.array(decimals, pa.decimal128(12, 3)),
-        "category": pa.array(["red", "green", "blue"] * (N // 3)).dictionary_encode(),
-    })
+    decimals = [
+        decimal.Decimal("1.50"),
+        decimal.Decimal("-12345.678"),
+        decimal.Decimal("0.001"),
+        decimal.Decimal("7"),
+    ] * (N // 4)
+    table = pa.table(
+        {
+            "flag": pa.array([i % 3 == 0 for i in range(N)]),
+            "text": pa.array(strings),
+            "large_text": pa.array(strings, pa.large_string()),
+            "blob": pa.array(blobs, pa.binary()),
+            "fixed_blob": pa.array([bytes([i % 256]) * 4 for i in range(N)], pa.binary(4)),
+            "price": pa.array(decimals, pa.decimal128(12, 3)),
+            "category": pa.array(["red", "green", "blue"] * (N // 3)).dictionary_encode(),
+        }
+    )
     options = write_flat(table, tmp_path, batch_rows=64)
     assert options.columns == {
-        "flag": "uint8", "text": "str", "large_text": "str", "blob": "bytes", "fixed_blob": "bytes",
-        "price": "str_decimal", "category": "str",
+        "flag": "uint8",
+        "text": "str",
+        "large_text": "str",
+        "blob": "bytes",
+        "fixed_blob": "bytes",
+        "price": "str_decimal",
+        "category": "str",
     }
     for i, sample in enumerate(read_all(tmp_path)):
         assert sample["flag"] == (i % 3 == 0)
@@ -92,19 +104,27 @@ def test_arrays_static_and_dynamic_shapes_round_trip(tmp_path):
     lengths = rng.integers(0, 600, N)
     ragged = [rng.standard_normal(int(k)).astype(np.float32) for k in lengths]
     images = rng.integers(0, 255, (N, 2, 3, 4), dtype=np.uint8)
-    table = pa.table({
-        "ragged": pa.array(ragged, pa.list_(pa.float32())),
-        "ragged_bool": pa.array([[True, False][: i % 3] for i in range(N)], pa.large_list(pa.bool_())),
-        "vector": pa.FixedSizeListArray.from_arrays(pa.array(rng.standard_normal(N * 8)), 8),
-        "image": pa.FixedSizeListArray.from_arrays(
-            pa.FixedSizeListArray.from_arrays(pa.FixedSizeListArray.from_arrays(pa.array(images.reshape(-1)), 4), 3), 2
-        ),
-        "tensor": pa.FixedShapeTensorArray.from_numpy_ndarray(rng.standard_normal((N, 3, 5)).astype(np.float32)),
-    })
+    table = pa.table(
+        {
+            "ragged": pa.array(ragged, pa.list_(pa.float32())),
+            "ragged_bool": pa.array([[True, False][: i % 3] for i in range(N)], pa.large_list(pa.bool_())),
+            "vector": pa.FixedSizeListArray.from_arrays(pa.array(rng.standard_normal(N * 8)), 8),
+            "image": pa.FixedSizeListArray.from_arrays(
+                pa.FixedSizeListArray.from_arrays(
+                    pa.FixedSizeListArray.from_arrays(pa.array(images.reshape(-1)), 4), 3
+                ),
+                2,
+            ),
+            "tensor": pa.FixedShapeTensorArray.from_numpy_ndarray(rng.standard_normal((N, 3, 5)).astype(np.float32)),
+        }
+    )
     options = write_flat(table, tmp_path, batch_rows=50)
     assert options.columns == {
-        "ragged": "ndarray:float32", "ragged_bool": "ndarray:uint8", "vector": "ndarray:float64:8",
-        "image": "ndarray:uint8:2,3,4", "tensor": "ndarray:float32:3,5",
+        "ragged": "ndarray:float32",
+        "ragged_bool": "ndarray:uint8",
+        "vector": "ndarray:float64:8",
+        "image": "ndarray:uint8:2,3,4",
+        "tensor": "ndarray:float32:3,5",
     }
     tensors = table["tensor"].combine_chunks().to_numpy_ndarray()
     for i, sample in enumerate(read_all(tmp_path)):
@@ -117,11 +137,13 @@ def test_arrays_static_and_dynamic_shapes_round_trip(tmp_path):
 
 
 def test_encoding_overrides_fix_shape_and_narrow_numbers(tmp_path):
-    table = pa.table({
-        "emb": pa.array([np.full(6, i, np.float64) for i in range(N)], pa.list_(pa.float64())),
-        "label": pa.array(np.arange(N) % 10, pa.int64()),
-        "id": pa.array(np.arange(N), pa.int64()),
-    })
+    table = pa.table(
+        {
+            "emb": pa.array([np.full(6, i, np.float64) for i in range(N)], pa.list_(pa.float64())),
+            "label": pa.array(np.arange(N) % 10, pa.int64()),
+            "id": pa.array(np.arange(N), pa.int64()),
+        }
+    )
     options = write_flat(table, tmp_path, columns={"emb": "ndarray:float32:2,3", "label": "uint8", "id": "int"})
     assert options.columns == {"emb": "ndarray:float32:2,3", "label": "uint8", "id": "int"}
     assert [s.size for s in options.specs] == [24, 8, 1]
@@ -147,17 +169,21 @@ def test_shards_and_index_are_byte_identical_to_mdswriter(tmp_path, compression,
     from streaming import MDSWriter
 
     lengths = rng.integers(1, 40, N)
-    table = pa.table({
-        "x": rng.standard_normal(N).astype(np.float32),
-        "id": np.arange(N),
-        "name": [f"row-{i}" * (i % 4) for i in range(N)],
-        "vec": pa.array([np.arange(k, dtype=np.int32) for k in lengths], pa.list_(pa.int32())),
-        "pair": pa.FixedSizeListArray.from_arrays(pa.array(rng.standard_normal(2 * N)), 2),
-    })
+    table = pa.table(
+        {
+            "x": rng.standard_normal(N).astype(np.float32),
+            "id": np.arange(N),
+            "name": [f"row-{i}" * (i % 4) for i in range(N)],
+            "vec": pa.array([np.arange(k, dtype=np.int32) for k in lengths], pa.list_(pa.int32())),
+            "pair": pa.FixedSizeListArray.from_arrays(pa.array(rng.standard_normal(2 * N)), 2),
+        }
+    )
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
     ours.mkdir()
     options = write_flat(table, ours, batch_rows=37, compression=compression, hashes=hashes, size_limit=size_limit)
-    with MDSWriter(out=str(theirs), columns=options.columns, compression=compression, hashes=sorted(hashes), size_limit=size_limit) as writer:
+    with MDSWriter(
+        out=str(theirs), columns=options.columns, compression=compression, hashes=sorted(hashes), size_limit=size_limit
+    ) as writer:
         for row in table.to_pylist():
             row["vec"] = np.asarray(row["vec"], np.int32)
             row["pair"] = np.asarray(row["pair"], np.float64)

@@ -40,11 +40,14 @@ def test_a_job_ranks_loader_appends_its_figures_to_its_spool_file(tmp_path, monk
     by_key = {}
     for key, value, step, _ in points:
         by_key.setdefault(key, []).append((step, value))
-    assert sorted(by_key) == [f"data/{n}/rank_3" for n in
-                              ("cache_hit_ratio", "download_mbps", "step_s", "wait_fraction", "wait_s")]
+    assert sorted(by_key) == [
+        f"data/{n}/rank_3" for n in ("cache_hit_ratio", "download_mbps", "step_s", "wait_fraction", "wait_s")
+    ]
     assert [s for s, _ in by_key["data/wait_fraction/rank_3"]] == [1, 2, 3, 4]
     assert all(v == 0.75 for _, v in by_key["data/cache_hit_ratio/rank_3"])
-    assert all(0.02 < v < 0.8 for _, v in by_key["data/wait_fraction/rank_3"])  # about 0.25, with room for a loaded machine
+    assert all(
+        0.02 < v < 0.8 for _, v in by_key["data/wait_fraction/rank_3"]
+    )  # about 0.25, with room for a loaded machine
     stats = metrics.snapshot(cache)
     assert stats["batches"] == 4 and stats["downloaded_mb"] == 8.0 and stats["cache_hit_ratio"] == 0.75
     assert stats["step_s"] >= 0.04 and stats["wait_s"] >= 0.01
@@ -77,11 +80,15 @@ def test_compressed_shards_count_the_bytes_fetched_from_the_volume_not_the_bytes
 
     from sparkgpu import data
 
-    with MDSWriter(out=str(tmp_path / "volume"), columns={"x": "int64"}, size_limit=1 << 12, compression="zstd") as writer:
+    with MDSWriter(
+        out=str(tmp_path / "volume"), columns={"x": "int64"}, size_limit=1 << 12, compression="zstd"
+    ) as writer:
         for i in range(2000):
             writer.write({"x": np.int64(i % 7)})  # compresses several times over
     fetched = sum(p.stat().st_size for p in (tmp_path / "volume").glob("*.mds.zstd"))
-    ds = data.dataset(remote=str(tmp_path / "volume"), local=str(tmp_path / "cache"), batch_size=50, rank=0, world_size=1)
+    ds = data.dataset(
+        remote=str(tmp_path / "volume"), local=str(tmp_path / "cache"), batch_size=50, rank=0, world_size=1
+    )
     assert sum(1 for _ in ds) == 40
     assert ds.stats()["downloaded_mb"] == fetched / 1e6  # download_mbps is a network rate
     ds.close()

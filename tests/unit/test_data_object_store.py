@@ -24,8 +24,13 @@ class _Server:
     does with idle keep-alive connections.
     """
 
-    def __init__(self, files: dict[str, bytes], ranges: bool = True, drop_idle: bool = False,
-                 redirects: dict[str, str] | None = None):
+    def __init__(
+        self,
+        files: dict[str, bytes],
+        ranges: bool = True,
+        drop_idle: bool = False,
+        redirects: dict[str, str] | None = None,
+    ):
         server = self
         self.connections = 0
         self.requests = 0
@@ -58,7 +63,7 @@ class _Server:
                 wanted = self.headers.get("Range")
                 if ranges and wanted:
                     first, last = wanted.removeprefix("bytes=").split("-")
-                    body = data[int(first):int(last) + 1 if last else None]
+                    body = data[int(first) : int(last) + 1 if last else None]
                     status, content_range = 206, f"bytes {first}-{int(first) + len(body) - 1}/{len(data)}"
                 self.send_response(status)
                 if content_range:
@@ -113,7 +118,7 @@ def test_a_connection_the_server_dropped_is_replaced():
     with _Server({"f": FILE}, drop_idle=True) as server:
         source = ObjectStoreSource(server.url)
         for start in range(0, 8 * 4096, 4096):
-            assert source.cat("f", start, start + 4096) == FILE[start:start + 4096]
+            assert source.cat("f", start, start + 4096) == FILE[start : start + 4096]
         assert server.connections == 8  # each request after the first found its connection gone
 
 
@@ -128,7 +133,7 @@ def test_a_range_view_is_the_range_without_a_copy(tmp_path):
     with _Server({"f": FILE}) as server:
         view = ObjectStoreSource(server.url).view("f", 4096, 4096 + 65536)
         assert isinstance(view, memoryview) and view.itemsize == 1 and view.readonly
-        assert len(view) == 65536 and view == FILE[4096:4096 + 65536]
+        assert len(view) == 65536 and view == FILE[4096 : 4096 + 65536]
         target = tmp_path / "f"
         with ThreadPoolExecutor(4) as pool:
             Volume(server.url).download("f", str(target), size=len(FILE), pool=pool, part_bytes=65536)
@@ -205,13 +210,17 @@ def test_the_first_download_on_a_slow_link_resizes_its_ranges_after_the_first_an
         first_cut = part_bytes_for(len(payload), 4)
         ranges = []
         part = volume._part
-        volume._part = lambda relative, fd, start, end, ordered: ranges.append((start, end)) or part(relative, fd, start, end, ordered)
+        volume._part = lambda relative, fd, start, end, ordered: (
+            ranges.append((start, end)) or part(relative, fd, start, end, ordered)
+        )
         with RangePool(4) as pool:
             volume.download("shard.mds", str(tmp_path / "copy"), size=len(payload), pool=pool)
         assert (tmp_path / "copy").read_bytes() == payload
         assert ranges[0] == (0, first_cut) and first_cut == 2 << 20
         later = [end - start for start, end in ranges[1:]]
-        assert len(later) < (len(payload) - first_cut) // first_cut, f"the rest was cut as before the first answer: {ranges}"
+        assert len(later) < (len(payload) - first_cut) // first_cut, (
+            f"the rest was cut as before the first answer: {ranges}"
+        )
         assert sum(later) == len(payload) - first_cut
     finally:
         for proc in (proxy, server):

@@ -20,13 +20,15 @@ from tests.unit.delta_dv import delete_rows
 
 def clicks(rows: int, start: int = 0) -> pa.Table:
     ids = np.arange(start, start + rows, dtype=np.int64)
-    return pa.table({
-        "id": ids,
-        "x": (ids * 0.5).astype(np.float32),
-        "day": pa.array([f"2026-11-0{1 + i % 3}" for i in range(rows)]),
-        "name": [f"user-{i}" for i in ids],
-        "emb": pa.FixedSizeListArray.from_arrays(pa.array(np.repeat(ids, 2).astype(np.float32)), 2),
-    })
+    return pa.table(
+        {
+            "id": ids,
+            "x": (ids * 0.5).astype(np.float32),
+            "day": pa.array([f"2026-11-0{1 + i % 3}" for i in range(rows)]),
+            "name": [f"user-{i}" for i in ids],
+            "emb": pa.FixedSizeListArray.from_arrays(pa.array(np.repeat(ids, 2).astype(np.float32)), 2),
+        }
+    )
 
 
 def dv_table(tmp_path, rows=600, deleted=(1, 3, 10, 57, 99), storage_type="u") -> tuple[str, set]:
@@ -39,8 +41,13 @@ def dv_table(tmp_path, rows=600, deleted=(1, 3, 10, 57, 99), storage_type="u") -
     uri = str(tmp_path / "clicks")
     from deltalake import WriterProperties
 
-    write_deltalake(uri, clicks(rows), partition_by=["day"], configuration={"delta.enableDeletionVectors": "true"},
-                    writer_properties=WriterProperties(max_row_group_size=50))  # several row groups per file
+    write_deltalake(
+        uri,
+        clicks(rows),
+        partition_by=["day"],
+        configuration={"delta.enableDeletionVectors": "true"},
+        writer_properties=WriterProperties(max_row_group_size=50),
+    )  # several row groups per file
     gone = set()
     for add in pa.table(DeltaTable(uri).get_add_actions(flatten=True)).to_pylist():
         path = os.path.join(uri, add["path"])
@@ -59,22 +66,35 @@ def test_deletion_vectors_and_filter_give_exactly_the_surviving_rows_once_per_ra
     from deltalake import DeltaTable
 
     uri, gone = dv_table(tmp_path, storage_type=storage_type)
-    actions = [json.loads(line) for log in sorted((tmp_path / "clicks" / "_delta_log").glob("*.json"))
-               for line in log.read_text().splitlines()]
+    actions = [
+        json.loads(line)
+        for log in sorted((tmp_path / "clicks" / "_delta_log").glob("*.json"))
+        for line in log.read_text().splitlines()
+    ]
     descriptors = [a["add"]["deletionVector"] for a in actions if a.get("add", {}).get("deletionVector")]
     assert len(descriptors) == 3 and {d["storageType"] for d in descriptors} == {storage_type}
     if storage_type == "u":  # the vectors are files of the table: <prefix>/deletion_vector_<uuid>.bin
         assert all(len(d["pathOrInlineDv"]) == 2 + 20 for d in descriptors)
         assert sorted(p.parent.name for p in (tmp_path / "clicks").rglob("*.bin")) == ["ab"] * 3
     # deltalake's own engine agrees on which rows the deletion vectors remove.
-    assert sorted(pa.table(DeltaTable(uri).scan(columns=["id"])).column("id").to_pylist()) == sorted(set(range(600)) - gone)
+    assert sorted(pa.table(DeltaTable(uri).scan(columns=["id"])).column("id").to_pylist()) == sorted(
+        set(range(600)) - gone
+    )
     survivors = {i for i in range(600) if i not in gone and i >= 20}
     orders = []
     for epoch in range(2):
         seen, batches = [], []
         for rank in range(2):
-            ds = data.table_dataset(uri, filter="id >= 20", batch_size=16, shuffle=True, seed=3, shuffle_block_size=100,
-                                    rank=rank, world_size=2)
+            ds = data.table_dataset(
+                uri,
+                filter="id >= 20",
+                batch_size=16,
+                shuffle=True,
+                seed=3,
+                shuffle_block_size=100,
+                rank=rank,
+                world_size=2,
+            )
             ds.set_epoch(epoch)
             rank_batches = list(ds)
             batches.append(len(rank_batches))
@@ -114,7 +134,9 @@ def test_row_groups_pruned_by_statistics_and_types(tmp_path):
     assert batch["id"].dtype == torch.int64 and batch["x"].dtype == torch.float32
     assert batch["emb"].shape == (32, 2) and batch["emb"][0].tolist() == [850.0, 850.0]
     assert batch["name"][:2] == ["user-850", "user-851"]
-    assert sorted(ids_of(data.table_dataset(str(folder), filter="id >= 850", batch_size=32, rank=0, world_size=1))) == list(range(850, 1000))
+    assert sorted(
+        ids_of(data.table_dataset(str(folder), filter="id >= 850", batch_size=32, rank=0, world_size=1))
+    ) == list(range(850, 1000))
 
 
 def test_version_and_timestamp_pin_the_table(tmp_path):
@@ -188,13 +210,27 @@ def test_remote_table_files_come_through_the_cache(tmp_path):
         pq.write_table(clicks(200, start=200 * part), sink, row_group_size=50)
         memory.pipe(f"/lake/t/part-{part}.parquet", sink.getvalue().to_pybytes())
     cache = tmp_path / "cache"
-    ds = data.table_dataset("memory://lake/t", filter="id >= 100", batch_size=32, shuffle=True, seed=2,
-                            local=str(cache), rank=0, world_size=1)
+    ds = data.table_dataset(
+        "memory://lake/t",
+        filter="id >= 100",
+        batch_size=32,
+        shuffle=True,
+        seed=2,
+        local=str(cache),
+        rank=0,
+        world_size=1,
+    )
     assert sorted(ids_of(ds)) == list(range(100, 600))
     assert sorted(p.name for p in cache.rglob("*.parquet")) == ["part-0.parquet", "part-1.parquet", "part-2.parquet"]
     # A limit of one file: files are evicted and fetched again as the plan needs them; the rows stay exact.
-    small = data.table_dataset("memory://lake/t", batch_size=40, local=str(tmp_path / "small"), rank=0, world_size=1,
-                               cache_limit=max(len(memory.cat(f"/lake/t/part-{i}.parquet")) for i in range(3)) + 10)
+    small = data.table_dataset(
+        "memory://lake/t",
+        batch_size=40,
+        local=str(tmp_path / "small"),
+        rank=0,
+        world_size=1,
+        cache_limit=max(len(memory.cat(f"/lake/t/part-{i}.parquet")) for i in range(3)) + 10,
+    )
     assert ids_of(small) == list(range(600))
     assert len(list((tmp_path / "small").rglob("*.parquet"))) == 1
 
@@ -204,10 +240,12 @@ def test_shuffled_batches_drawing_from_many_row_groups_keep_every_column_of_a_ro
     table = clicks(2000)
     ids = table.column("id").to_numpy()
     table = table.append_column("even", pa.array(ids % 2 == 0)).append_column(
-        "at", pa.array(ids, type=pa.timestamp("us")))
+        "at", pa.array(ids, type=pa.timestamp("us"))
+    )
     pq.write_table(table, path, row_group_size=70)  # every batch of 64 draws from several row groups
-    ds = data.table_dataset(str(path), batch_size=64, shuffle=True, seed=7, shuffle_block_size=500,
-                            rank=0, world_size=1)
+    ds = data.table_dataset(
+        str(path), batch_size=64, shuffle=True, seed=7, shuffle_block_size=500, rank=0, world_size=1
+    )
     seen = []
     for batch in ds:
         got = batch["id"]

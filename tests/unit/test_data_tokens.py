@@ -56,14 +56,17 @@ def test_blocks_in_order_are_the_token_stream_with_next_token_targets(tokens, eo
     assert blocks.shape == (ds.num_blocks, SEQ + 1) and ds.num_blocks == (len(stream) - 1) // SEQ
     assert blocks.dtype == np.int64
     np.testing.assert_array_equal(blocks[:, :-1].ravel(), stream[: ds.num_blocks * SEQ])  # inputs
-    np.testing.assert_array_equal(blocks[:, 1:].ravel(), stream[1: ds.num_blocks * SEQ + 1])  # targets
+    np.testing.assert_array_equal(blocks[:, 1:].ravel(), stream[1 : ds.num_blocks * SEQ + 1])  # targets
 
 
 def test_disjoint_blocks_without_targets(tokens):
     path, docs = tokens
     stream = _stream(docs, EOS)
-    blocks = _blocks(data.token_dataset(local=path, column="ids", seq_len=SEQ, batch_size=5, eos_id=EOS, targets=False,
-                                        rank=0, world_size=1))
+    blocks = _blocks(
+        data.token_dataset(
+            local=path, column="ids", seq_len=SEQ, batch_size=5, eos_id=EOS, targets=False, rank=0, world_size=1
+        )
+    )
     assert blocks.shape[1] == SEQ
     np.testing.assert_array_equal(blocks.ravel(), stream[: len(blocks) * SEQ])
     assert len(stream) - len(blocks) * SEQ < SEQ  # only the tail after the last whole block is left out
@@ -76,7 +79,7 @@ def _positions(blocks: np.ndarray, stream: np.ndarray) -> np.ndarray:
     for block in blocks:
         j = int(np.flatnonzero(block != EOS)[0])
         start = where[int(block[j])] - j
-        np.testing.assert_array_equal(block, stream[start: start + len(block)])
+        np.testing.assert_array_equal(block, stream[start : start + len(block)])
         positions.append(start)
     return np.array(positions)
 
@@ -85,8 +88,21 @@ def test_shuffled_blocks_over_ranks_cover_the_stream_once_and_ranks_step_togethe
     path, docs = tokens
     stream = _stream(docs, EOS)
     world = 3
-    loaders = [data.token_dataset(local=path, column="ids", seq_len=SEQ, batch_size=4, eos_id=EOS, shuffle=True, seed=5,
-                                  shuffle_block_size=64, rank=r, world_size=world) for r in range(world)]
+    loaders = [
+        data.token_dataset(
+            local=path,
+            column="ids",
+            seq_len=SEQ,
+            batch_size=4,
+            eos_id=EOS,
+            shuffle=True,
+            seed=5,
+            shuffle_block_size=64,
+            rank=r,
+            world_size=world,
+        )
+        for r in range(world)
+    ]
     per_rank = [_positions(_blocks(loader), stream) for loader in loaders]
     assert len({len(p) for p in per_rank}) == 1 and len({len(loader) for loader in loaders}) == 1
     every = np.sort(np.concatenate(per_rank))
@@ -95,25 +111,63 @@ def test_shuffled_blocks_over_ranks_cover_the_stream_once_and_ranks_step_togethe
     assert set(every.tolist()) <= set(range(0, total * SEQ, SEQ))
     in_order = np.concatenate(per_rank)
     assert not np.array_equal(in_order, np.sort(in_order)), "blocks are shuffled"
-    again = _positions(_blocks(data.token_dataset(local=path, column="ids", seq_len=SEQ, batch_size=4, eos_id=EOS, shuffle=True,
-                                                  seed=5, shuffle_block_size=64, rank=1, world_size=world)), stream)
+    again = _positions(
+        _blocks(
+            data.token_dataset(
+                local=path,
+                column="ids",
+                seq_len=SEQ,
+                batch_size=4,
+                eos_id=EOS,
+                shuffle=True,
+                seed=5,
+                shuffle_block_size=64,
+                rank=1,
+                world_size=world,
+            )
+        ),
+        stream,
+    )
     np.testing.assert_array_equal(again, per_rank[1])  # the same for the same (seed, epoch)
 
 
 def test_workers_deliver_the_same_batches_in_the_same_order(tokens):
     path, _ = tokens
-    opened = dict(local=path, column="ids", seq_len=SEQ, batch_size=6, eos_id=EOS, shuffle=True, seed=1, shuffle_block_size=64,
-                  rank=1, world_size=2)
+    opened = dict(
+        local=path,
+        column="ids",
+        seq_len=SEQ,
+        batch_size=6,
+        eos_id=EOS,
+        shuffle=True,
+        seed=1,
+        shuffle_block_size=64,
+        rank=1,
+        world_size=2,
+    )
     alone = _blocks(data.token_dataset(**opened))
     with_workers = _blocks(data.token_dataset(**opened, num_workers=2))
     np.testing.assert_array_equal(with_workers, alone)
 
 
-@pytest.mark.parametrize(("rank", "world", "workers"), [(0, 1, 0), (1, 2, 2)], ids=["one-rank", "rank1-of-2-with-workers"])
+@pytest.mark.parametrize(
+    ("rank", "world", "workers"), [(0, 1, 0), (1, 2, 2)], ids=["one-rank", "rank1-of-2-with-workers"]
+)
 def test_resume_mid_epoch_continues_at_the_next_token(tokens, rank, world, workers):
     path, _ = tokens
-    opened = dict(local=path, column="ids", seq_len=SEQ, batch_size=5, eos_id=EOS, shuffle=True, seed=3, shuffle_block_size=64,
-                  rank=rank, world_size=world, num_workers=workers)
+    opened = dict(
+        local=path,
+        column="ids",
+        seq_len=SEQ,
+        batch_size=5,
+        eos_id=EOS,
+        shuffle=True,
+        seed=3,
+        shuffle_block_size=64,
+        rank=rank,
+        world_size=world,
+        num_workers=workers,
+    )
     whole = [b.numpy() for b in data.token_dataset(**opened)]
     first = data.token_dataset(**opened)
     seen = []
@@ -142,7 +196,9 @@ def test_cut_size_and_shards_kept_mapped_do_not_change_the_blocks(tokens, monkey
 
     path, docs = tokens
     stream = _stream(docs, EOS)
-    opened = dict(local=path, column="ids", seq_len=SEQ, batch_size=3, eos_id=EOS, shuffle=True, seed=5, rank=0, world_size=1)
+    opened = dict(
+        local=path, column="ids", seq_len=SEQ, batch_size=3, eos_id=EOS, shuffle=True, seed=5, rank=0, world_size=1
+    )
     default = _blocks(data.token_dataset(**opened))
     monkeypatch.setattr(token_module, "_CUT_TOKENS", 1)
     monkeypatch.setattr(token_module, "_KEPT_SHARDS", 2)
@@ -151,8 +207,10 @@ def test_cut_size_and_shards_kept_mapped_do_not_change_the_blocks(tokens, monkey
     np.testing.assert_array_equal(_blocks(small), default)
     # A shuffle of the in-order blocks: each exactly once.
     expected = stream[(np.arange(small.num_blocks) * SEQ)[:, None] + np.arange(SEQ + 1)]
-    np.testing.assert_array_equal(np.sort(default.view(f"V{default.itemsize * (SEQ + 1)}").ravel()),
-                                  np.sort(expected.view(f"V{expected.itemsize * (SEQ + 1)}").ravel()))
+    np.testing.assert_array_equal(
+        np.sort(default.view(f"V{default.itemsize * (SEQ + 1)}").ravel()),
+        np.sort(expected.view(f"V{expected.itemsize * (SEQ + 1)}").ravel()),
+    )
 
 
 def test_a_small_cache_of_a_volume_gives_the_same_blocks_and_keeps_no_shard_mapped(tokens, tmp_path):
@@ -179,16 +237,36 @@ def test_a_state_from_another_packing_is_refused(tokens):
 
 def test_dtype_in_each_value_and_fixed_length_documents(tmp_path):
     docs = _documents(50, seed=2)
-    dynamic = _blocks(data.token_dataset(local=_write(tmp_path / "dyn", [d.astype(np.int32) for d in docs], "ndarray"),
-                                         column="ids", seq_len=16, batch_size=3, eos_id=EOS, rank=0, world_size=1))
+    dynamic = _blocks(
+        data.token_dataset(
+            local=_write(tmp_path / "dyn", [d.astype(np.int32) for d in docs], "ndarray"),
+            column="ids",
+            seq_len=16,
+            batch_size=3,
+            eos_id=EOS,
+            rank=0,
+            world_size=1,
+        )
+    )
     assert dynamic.dtype == np.int32
     np.testing.assert_array_equal(dynamic[:, :-1].ravel(), _stream(docs, EOS)[: len(dynamic) * 16])
-    plain = _blocks(data.token_dataset(local=str(tmp_path / "dyn"), column="ids", seq_len=16, batch_size=3, rank=0, world_size=1))
+    plain = _blocks(
+        data.token_dataset(local=str(tmp_path / "dyn"), column="ids", seq_len=16, batch_size=3, rank=0, world_size=1)
+    )
     assert plain.dtype == np.int32  # the values' dtype without an EOS too
     np.testing.assert_array_equal(plain[:, :-1].ravel(), _stream(docs, None)[: len(plain) * 16])
     fixed_docs = [np.arange(i * 8, i * 8 + 8, dtype=np.int32) for i in range(40)]
-    fixed = _blocks(data.token_dataset(local=_write(tmp_path / "fixed", fixed_docs, "ndarray:int32:8"), column="ids", seq_len=10,
-                                       batch_size=4, targets=False, rank=0, world_size=1))
+    fixed = _blocks(
+        data.token_dataset(
+            local=_write(tmp_path / "fixed", fixed_docs, "ndarray:int32:8"),
+            column="ids",
+            seq_len=10,
+            batch_size=4,
+            targets=False,
+            rank=0,
+            world_size=1,
+        )
+    )
     np.testing.assert_array_equal(fixed.ravel(), np.arange(320, dtype=np.int32)[: len(fixed) * 10])
 
 

@@ -45,7 +45,9 @@ def test_transforms_give_the_same_tensors_in_the_caller_and_in_workers_and_every
     # Randomness differs per sample and per epoch, and collation follows the shapes.
     x = torch.cat([b[1] for b in in_caller])
     assert x.shape == (203, 3) and len(torch.unique(x[:, 0])) == 203
-    assert isinstance(in_caller[0][2], list) and all(len(r) == int(i) % 3 + 1 for r, i in zip(in_caller[0][2], in_caller[0][0]))
+    assert isinstance(in_caller[0][2], list) and all(
+        len(r) == int(i) % 3 + 1 for r, i in zip(in_caller[0][2], in_caller[0][0])
+    )
     second_epoch = data.dataset(**kwargs)
     second_epoch.set_epoch(1)
     assert not next(iter(second_epoch))["x"].equal(in_caller[0][1])
@@ -80,7 +82,10 @@ def test_torch_generator_is_restored_and_torchvision_random_resized_crop_repeats
 
     torch.manual_seed(123)
     before = torch.get_rng_state()
-    runs = [torch.cat([b["image"] for b in data.dataset(local=tabular, batch_size=50, seed=1, transform=augment)]) for _ in range(2)]
+    runs = [
+        torch.cat([b["image"] for b in data.dataset(local=tabular, batch_size=50, seed=1, transform=augment)])
+        for _ in range(2)
+    ]
     assert torch.get_rng_state().equal(before), "the caller's torch generator must be left as it was"
     assert runs[0].equal(runs[1])
     assert runs[0].shape == (203, 3, 8, 8)
@@ -91,7 +96,10 @@ def test_batch_transform_runs_after_collation_in_workers_too(tabular):
     def scale(batch):
         return {**batch, "noise": torch.rand(len(batch["id"])), "twice": batch["id"] * 2}
 
-    batches = [list(data.dataset(local=tabular, batch_size=32, shuffle=True, batch_transform=scale, num_workers=w)) for w in (0, 2)]
+    batches = [
+        list(data.dataset(local=tabular, batch_size=32, shuffle=True, batch_transform=scale, num_workers=w))
+        for w in (0, 2)
+    ]
     for a, b in zip(*batches):
         assert a["twice"].equal(a["id"] * 2) and a["noise"].equal(b["noise"]) and a["id"].equal(b["id"])
 
@@ -124,8 +132,12 @@ def test_bad_transforms_are_refused_before_reading(tabular):
 
 
 def test_collate_stacks_what_agrees_and_lists_the_rest():
-    batch = collate([{"a": np.ones(2, np.float32), "b": 1, "c": 0.5, "d": "x", "e": True},
-                     {"a": np.zeros(2, np.float32), "b": 2, "c": 1, "d": "y", "e": False}])
+    batch = collate(
+        [
+            {"a": np.ones(2, np.float32), "b": 1, "c": 0.5, "d": "x", "e": True},
+            {"a": np.zeros(2, np.float32), "b": 2, "c": 1, "d": "y", "e": False},
+        ]
+    )
     assert batch["a"].shape == (2, 2) and batch["b"].dtype == torch.int64 and batch["c"].dtype == torch.float64
     assert batch["d"] == ["x", "y"] and batch["e"].dtype == torch.bool
     with pytest.raises(data.TransformError, match="same keys"):

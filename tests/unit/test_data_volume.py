@@ -49,7 +49,9 @@ def test_a_shard_of_one_part_per_thread_downloads_as_ranges_on_every_thread(blob
     folder, payload = blob
     volume = RecordingVolume(str(folder))
     with RangePool(8) as pool:
-        hasher = volume.download("shard.bin", str(tmp_path / "copy.bin"), size=len(payload), pool=pool, new_hasher=xxhash.xxh64)
+        hasher = volume.download(
+            "shard.bin", str(tmp_path / "copy.bin"), size=len(payload), pool=pool, new_hasher=xxhash.xxh64
+        )
     assert (tmp_path / "copy.bin").read_bytes() == payload
     ranges = sorted((start, end) for _, start, end in volume.reads)
     assert len(ranges) == 8 and all(start is not None for start, _ in ranges), "one range per thread"
@@ -63,7 +65,9 @@ def test_the_hash_follows_file_order_when_ranges_arrive_out_of_order(blob, tmp_p
     volume = RecordingVolume(str(folder), slow_first=0.3)
     volume.ranges_supported = True  # skip the probe: the first range runs on the pool like the others
     with RangePool(4) as pool:
-        hasher = volume.download("shard.bin", str(tmp_path / "copy.bin"), size=len(payload), pool=pool, new_hasher=xxhash.xxh64)
+        hasher = volume.download(
+            "shard.bin", str(tmp_path / "copy.bin"), size=len(payload), pool=pool, new_hasher=xxhash.xxh64
+        )
     assert hasher.hexdigest() == xxhash.xxh64(payload).hexdigest()
     assert (tmp_path / "copy.bin").read_bytes() == payload
 
@@ -74,7 +78,9 @@ def test_a_small_file_is_one_request_hashed_from_memory(tmp_path):
     (tmp_path / "vol" / "small.bin").write_bytes(payload)
     volume = RecordingVolume(str(tmp_path / "vol"))
     with RangePool(8) as pool:
-        hasher = volume.download("small.bin", str(tmp_path / "copy.bin"), size=len(payload), pool=pool, new_hasher=xxhash.xxh64)
+        hasher = volume.download(
+            "small.bin", str(tmp_path / "copy.bin"), size=len(payload), pool=pool, new_hasher=xxhash.xxh64
+        )
     assert volume.reads == [("small.bin", None, None)]
     assert hasher.hexdigest() == xxhash.xxh64(payload).hexdigest()
     assert (tmp_path / "copy.bin").read_bytes() == payload

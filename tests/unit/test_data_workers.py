@@ -25,8 +25,16 @@ def test_table_loader_in_two_workers_keeps_the_position_exact_across_epochs(tmp_
     uri, gone = dv_table(tmp_path)
 
     def open_(rank=0, world_size=1):
-        return data.table_dataset(uri, filter="id >= 20", batch_size=16, shuffle=True, seed=7, shuffle_block_size=100,
-                                  rank=rank, world_size=world_size)
+        return data.table_dataset(
+            uri,
+            filter="id >= 20",
+            batch_size=16,
+            shuffle=True,
+            seed=7,
+            shuffle_block_size=100,
+            rank=rank,
+            world_size=world_size,
+        )
 
     epoch0, epoch1 = ids_of(open_()), ids_of(open_())  # (the second: a fresh dataset, epoch 0 again)
     plain = open_()
@@ -98,7 +106,9 @@ _TRAINER = textwrap.dedent("""
 
 def test_kill_9_mid_epoch_with_workers_resumes_exactly(tmp_path):
     uri, _ = dv_table(tmp_path)
-    expected = ids_of(data.table_dataset(uri, filter="id >= 20", batch_size=8, shuffle=True, seed=2, rank=0, world_size=1))
+    expected = ids_of(
+        data.table_dataset(uri, filter="id >= 20", batch_size=8, shuffle=True, seed=2, rank=0, world_size=1)
+    )
     script, saved, out = tmp_path / "train.py", tmp_path / "state.json", tmp_path / "steps.jsonl"
     script.write_text(_TRAINER)
     env = dict(os.environ, PYTHONPATH=os.getcwd())
@@ -115,4 +125,4 @@ def test_kill_9_mid_epoch_with_workers_resumes_exactly(tmp_path):
     # A step logged after its checkpoint was written is kept; one logged without it is redone.
     subprocess.run([sys.executable, str(script), uri, str(saved), str(out)], env=env, check=True, timeout=300)
     replayed = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [i for step in replayed[:done] + replayed[len(steps):] for i in step] == expected
+    assert [i for step in replayed[:done] + replayed[len(steps) :] for i in step] == expected

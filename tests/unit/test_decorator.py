@@ -20,8 +20,12 @@ def test_bare_decorator_and_num_gpus_alias():
 
 def test_positional_settings_are_databricks_airs_four():
     job = distributed(8, "GPU_8xH100", True, "2h")(lambda: 0)
-    assert (job.num_accelerators, job.accelerator_type, job.resources.remote, job.policy.timeout) == \
-        (8, "GPU_8xH100", True, 7200.0)
+    assert (job.num_accelerators, job.accelerator_type, job.resources.remote, job.policy.timeout) == (
+        8,
+        "GPU_8xH100",
+        True,
+        7200.0,
+    )
     with pytest.raises(ConfigurationError, match="positive integer"):
         distributed("H100")
 

@@ -29,9 +29,14 @@ def _benchmarks_hook():
 
 def test_site_builds_strictly(tmp_path):
     """Broken links, missing anchors, unresolved references and docstring warnings fail the build."""
-    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env={**__import__("os").environ, "NO_MKDOCS_2_WARNING": "1"})
+    out = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     benchmarks = (tmp_path / "site" / "benchmarks" / "index.html").read_text()
     assert "{{" not in benchmarks
@@ -63,21 +68,41 @@ def test_a_figure_missing_from_its_results_file_fails_naming_the_key(tmp_path):
 
 def test_references_format_scale_and_divide(tmp_path):
     hook = _benchmarks_hook()
-    (tmp_path / "r.json").write_text(json.dumps({
-        "peers": {"ceiling: numpy (in order)": {"tokens_per_s": 544614813.7}},
-        "ratios": {"spark: sparkgpu / floor": 0.8}, "samples": [{"n": 3}, {"n": 12}]}))
+    (tmp_path / "r.json").write_text(
+        json.dumps(
+            {
+                "peers": {"ceiling: numpy (in order)": {"tokens_per_s": 544614813.7}},
+                "ratios": {"spark: sparkgpu / floor": 0.8},
+                "samples": [{"n": 3}, {"n": 12}],
+            }
+        )
+    )
     results = hook.ResultsFiles(tmp_path)
-    text = ("{{ r.json/peers/ceiling: numpy (in order)/tokens_per_s | .0fM }} "
-            "{{ r.json/ratios/spark: sparkgpu / floor | .0% }} {{ r.json/samples/1/n }} "
-            "{{ r.json/samples/1/n over r.json/samples/0/n | .1f }}x")
+    text = (
+        "{{ r.json/peers/ceiling: numpy (in order)/tokens_per_s | .0fM }} "
+        "{{ r.json/ratios/spark: sparkgpu / floor | .0% }} {{ r.json/samples/1/n }} "
+        "{{ r.json/samples/1/n over r.json/samples/0/n | .1f }}x"
+    )
     assert hook.render(text, results) == "545M 80% 12 4.0x"
     code = "`{{ r.json/samples/0/n }}` and\n```\n{{ r.json/nowhere }}\n```\n{{ r.json/samples/0/n }}"
     assert hook.render(code, results) == "`{{ r.json/samples/0/n }}` and\n```\n{{ r.json/nowhere }}\n```\n3"
 
 
-PUBLIC_MODULES = ["sparkgpu", "sparkgpu.runtime", "sparkgpu.data", "sparkgpu.train", "sparkgpu.tracking",
-                  "sparkgpu.registry", "sparkgpu.usage", "sparkgpu.env", "sparkgpu.ray", "sparkgpu.errors",
-                  "sparkgpu.units", "sparkgpu.catalog", "sparkgpu.launch.attempt_report"]
+PUBLIC_MODULES = [
+    "sparkgpu",
+    "sparkgpu.runtime",
+    "sparkgpu.data",
+    "sparkgpu.train",
+    "sparkgpu.tracking",
+    "sparkgpu.registry",
+    "sparkgpu.usage",
+    "sparkgpu.env",
+    "sparkgpu.ray",
+    "sparkgpu.errors",
+    "sparkgpu.units",
+    "sparkgpu.catalog",
+    "sparkgpu.launch.attempt_report",
+]
 
 
 def _documented_names() -> set[str]:
@@ -131,7 +156,9 @@ def _run_block(source: str, namespace: dict) -> int:
             exec(compile(ast.Module([node], type_ignores=[]), "quickstart.md", "exec"), namespace)
             continue
         value = eval(compile(ast.Expression(node.value), "quickstart.md", "eval"), namespace)
-        assert value == ast.literal_eval(expected.group(1)), f"{ast.unparse(node)}: {value!r}, the page says {expected.group(1)}"
+        assert value == ast.literal_eval(expected.group(1)), (
+            f"{ast.unparse(node)}: {value!r}, the page says {expected.group(1)}"
+        )
         checked += 1
     return checked
 

@@ -27,10 +27,18 @@ def train(x):
 
 # -- the catalog and node shapes -------------------------------------------------------------
 
-@pytest.mark.parametrize("shape, gpu, per_node", [
-    ("GPU_1xA10", "A10", 1), ("GPU_1xH100", "H100", 1), ("GPU_8xH100", "H100", 8), ("GPU_8xB300", "B300", 8),
-    ("gpu_8xh100", "H100", 8), ("Gpu_4xA100-80GB", "A100-80GB", 4),
-])
+
+@pytest.mark.parametrize(
+    "shape, gpu, per_node",
+    [
+        ("GPU_1xA10", "A10", 1),
+        ("GPU_1xH100", "H100", 1),
+        ("GPU_8xH100", "H100", 8),
+        ("GPU_8xB300", "B300", 8),
+        ("gpu_8xh100", "H100", 8),
+        ("Gpu_4xA100-80GB", "A100-80GB", 4),
+    ],
+)
 def test_node_shapes_name_a_catalog_gpu_and_gpus_per_node(shape, gpu, per_node):
     found = lookup_accelerator_type(shape)
     assert (found.gpu.name, found.gpus_per_node) == (gpu, per_node)
@@ -59,6 +67,7 @@ def test_blackwell_gpus_are_in_the_catalog_classified_and_priced():
 
 # -- @distributed's arguments -------------------------------------------------------------------
 
+
 def test_air_names_and_serverless_gpu_names_build_the_same_job():
     air = distributed(num_accelerators=8, accelerator_type="GPU_8xH100", remote=True)(train)
     legacy = distributed(gpus=8, gpu_type="H100", remote=True)(train)
@@ -74,14 +83,17 @@ def test_a_plain_gpu_type_is_accepted_as_accelerator_type_as_databricks_still_do
     assert job.resources.gpu_type == "H100" and job.accelerator_type is None
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"num_accelerators": 2, "gpus": 4}, "num_accelerators=2 and gpus=4 disagree"),
-    ({"num_accelerators": 2, "num_gpus": 3}, "disagree"),
-    ({"accelerator_type": "GPU_8xH100", "gpu_type": "A10"}, "name different GPUs"),
-    ({"accelerator_type": "GPU_8xH100", "num_accelerators": 12, "remote": True}, "whole number of 8-GPU nodes"),
-    ({"accelerator_type": "GPU_3xA10G", "num_accelerators": 4, "remote": True}, "multiple of 3"),
-    ({"num_accelerators": 0}, "at least 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"num_accelerators": 2, "gpus": 4}, "num_accelerators=2 and gpus=4 disagree"),
+        ({"num_accelerators": 2, "num_gpus": 3}, "disagree"),
+        ({"accelerator_type": "GPU_8xH100", "gpu_type": "A10"}, "name different GPUs"),
+        ({"accelerator_type": "GPU_8xH100", "num_accelerators": 12, "remote": True}, "whole number of 8-GPU nodes"),
+        ({"accelerator_type": "GPU_3xA10G", "num_accelerators": 4, "remote": True}, "multiple of 3"),
+        ({"num_accelerators": 0}, "at least 1"),
+    ],
+)
 def test_contradictory_or_bad_settings_fail_at_decoration(kwargs, message):
     with pytest.raises(ConfigurationError, match=message):
         distributed(**kwargs)
@@ -111,6 +123,7 @@ def test_without_a_count_a_remote_job_takes_one_node_of_its_shape():
 
 # -- with_overrides ----------------------------------------------------------------------------
 
+
 def test_with_overrides_returns_a_new_function_and_leaves_the_original_alone():
     base = distributed(8, "GPU_8xH100", True, 600, tags={"team": "ml"}, max_restarts=2)(train)
     bigger = base.with_overrides(num_accelerators=16, timeout=60)
@@ -138,6 +151,7 @@ def test_with_overrides_validates_like_the_decorator():
 
 # -- names elsewhere ---------------------------------------------------------------------------
 
+
 def test_local_execution_timeout_error_is_the_job_timeout():
     with pytest.raises(LocalExecutionTimeoutError):
         raise JobTimeoutError("ran past its timeout")
@@ -146,14 +160,17 @@ def test_local_execution_timeout_error_is_the_job_timeout():
 
 def test_registry_imports_as_a_module():
     # A fresh interpreter: in this one another test may have imported it already.
-    code = ("import sparkgpu.registry, sparkgpu.tracking.registry as t; "
-            "from sparkgpu import registry; "
-            "assert registry is sparkgpu.registry and registry.register is t.register; "
-            "assert set(registry.__all__) == set(t.__all__)")
+    code = (
+        "import sparkgpu.registry, sparkgpu.tracking.registry as t; "
+        "from sparkgpu import registry; "
+        "assert registry is sparkgpu.registry and registry.register is t.register; "
+        "assert set(registry.__all__) == set(t.__all__)"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 # -- runtime -----------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def clean_rank_env(monkeypatch):
@@ -199,15 +216,20 @@ def test_device_is_cuda_local_rank_as_under_torchrun(clean_rank_env, monkeypatch
 
 # -- a node shape on a Spark pool ----------------------------------------------------------------
 
+
 def test_a_node_shape_sets_the_ranks_per_spark_task():
     from sparkgpu.launch.backends.spark import SparkBackend
     from sparkgpu.launch.backends.spark_capacity import ExecutorInfo, SparkCapacity
     from sparkgpu.spec import JobSpec
 
-    two_by_two = SparkCapacity(master="spark://head:7077", gpus_per_executor=2, gpu_type="A10", simulated=False,
-                               gpu_type_source="conf",
-                               executors=(ExecutorInfo("0", "host-0", 8, ("0", "1")),
-                                          ExecutorInfo("1", "host-1", 8, ("0", "1"))))
+    two_by_two = SparkCapacity(
+        master="spark://head:7077",
+        gpus_per_executor=2,
+        gpu_type="A10",
+        simulated=False,
+        gpu_type_source="conf",
+        executors=(ExecutorInfo("0", "host-0", 8, ("0", "1")), ExecutorInfo("1", "host-1", 8, ("0", "1"))),
+    )
     backend = SparkBackend(spark=object(), client_timeout=None, staging_url="")
 
     def layout(**asked):

@@ -31,8 +31,17 @@ def staged(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "job_helpers.py").write_text("HELP = 'me'\n")
     site = tmp_path / "site-packages"
-    write_dist(site, "alpha", "1.0", {"alpha/__init__.py": "X = 1\n", "alpha/tool.sh": "#!/bin/sh\n",
-                                      "alpha-extra.pth": "alpha_extra_dir\n", "alpha_extra_dir/extra_mod.py": ""})
+    write_dist(
+        site,
+        "alpha",
+        "1.0",
+        {
+            "alpha/__init__.py": "X = 1\n",
+            "alpha/tool.sh": "#!/bin/sh\n",
+            "alpha-extra.pth": "alpha_extra_dir\n",
+            "alpha_extra_dir/extra_mod.py": "",
+        },
+    )
     os.chmod(site / "alpha" / "tool.sh", 0o755)
     write_dist(site, "nvidia-cublas", "12.1", {"nvidia/cublas/lib.so": b"\0\1", "nvidia/__init__.py": ""})
     write_dist(site, "nvidia-nccl", "2.2", {"nvidia/nccl/lib.so": b"\2\3", "nvidia/__init__.py": ""})
@@ -61,15 +70,20 @@ def test_hydrate_builds_a_site_view_and_code_root(staged, tmp_path):
 
 def test_second_hydration_uses_the_cache(staged, tmp_path):
     first = hydrate_environment(staged.manifest, tmp_path / "cache", installed={}, worker=WORKER)
-    again = hydrate_environment(staged.manifest, tmp_path / "cache", installed={}, worker=WORKER,
-                                store_url=str(tmp_path / "gone"))  # nothing is fetched
+    again = hydrate_environment(
+        staged.manifest, tmp_path / "cache", installed={}, worker=WORKER, store_url=str(tmp_path / "gone")
+    )  # nothing is fetched
     assert again.paths == first.paths and again.report.extracted == [] and again.report.fetched_bytes == 0
     assert sorted(again.report.cached) == ["alpha", "code", "nvidia-cublas", "nvidia-nccl"]
 
 
 def test_what_the_worker_has_at_the_same_version_is_skipped(staged, tmp_path):
-    overlay = hydrate_environment(staged.manifest, tmp_path / "cache", worker=WORKER,
-                                  installed={"alpha": "0.9", "nvidia-cublas": "12.1", "code": "0"})
+    overlay = hydrate_environment(
+        staged.manifest,
+        tmp_path / "cache",
+        worker=WORKER,
+        installed={"alpha": "0.9", "nvidia-cublas": "12.1", "code": "0"},
+    )
     assert overlay.report.skipped == {"nvidia-cublas": "the worker has nvidia-cublas==12.1"}
     assert sorted(overlay.report.extracted) == ["alpha", "code", "nvidia-nccl"]  # another version: shipped
     assert os.path.exists(os.path.join(overlay.view, "alpha", "__init__.py"))
@@ -77,8 +91,7 @@ def test_what_the_worker_has_at_the_same_version_is_skipped(staged, tmp_path):
 
 
 def test_workers_gpu_stack_is_never_shadowed(staged, tmp_path):
-    overlay = hydrate_environment(staged.manifest, tmp_path / "cache", worker=WORKER,
-                                  installed={"nvidia-nccl": "2.1"})
+    overlay = hydrate_environment(staged.manifest, tmp_path / "cache", worker=WORKER, installed={"nvidia-nccl": "2.1"})
     assert overlay.report.skipped == {"nvidia-nccl": "the worker's own GPU stack is used (nvidia-nccl==2.1)"}
     assert os.path.exists(os.path.join(overlay.view, "nvidia", "cublas"))
     assert not os.path.exists(os.path.join(overlay.view, "nvidia", "nccl"))
@@ -123,13 +136,17 @@ def test_tampered_blob_is_refused_and_never_cached(staged, tmp_path):
     with pytest.raises(HydrationError, match="alpha: the blob .* does not match its hash"):
         hydrate_environment(staged.manifest, tmp_path / "cache", installed={}, worker=WORKER)
     env = tmp_path / "cache" / "env"
-    assert not (env / entry["hash"]).exists() and not any(p.name.startswith(entry["hash"]) for p in (env / ".tmp").iterdir())
+    assert not (env / entry["hash"]).exists() and not any(
+        p.name.startswith(entry["hash"]) for p in (env / ".tmp").iterdir()
+    )
 
 
 def test_missing_blob_says_to_stage_again(staged, tmp_path):
     entry = next(e for e in staged.manifest["entries"] if e["name"] == "alpha")
     (tmp_path / "store" / entry["object"]).unlink()
-    with pytest.raises(HydrationError, match="alpha .* is missing from the environment store .* stage the environment again"):
+    with pytest.raises(
+        HydrationError, match="alpha .* is missing from the environment store .* stage the environment again"
+    ):
         hydrate_environment(staged.manifest, tmp_path / "cache", installed={}, worker=WORKER)
 
 
@@ -142,8 +159,21 @@ def evil_manifest(tmp_path, name: str) -> dict:
     digest = hashlib.sha256(buf.getvalue()).hexdigest()
     (tmp_path / "store" / "blobs").mkdir(parents=True, exist_ok=True)
     (tmp_path / "store" / "blobs" / f"{digest}.tar").write_bytes(buf.getvalue())
-    return {"format": 1, "store": str(tmp_path / "store"), "client": {}, "entries": [
-        {"name": "evil", "version": "1", "kind": "site", "hash": digest, "object": f"blobs/{digest}.tar", "pure": True}]}
+    return {
+        "format": 1,
+        "store": str(tmp_path / "store"),
+        "client": {},
+        "entries": [
+            {
+                "name": "evil",
+                "version": "1",
+                "kind": "site",
+                "hash": digest,
+                "object": f"blobs/{digest}.tar",
+                "pure": True,
+            }
+        ],
+    }
 
 
 @pytest.mark.parametrize("member", ["site/../../escaped.py", "/abs/escaped.py", "elsewhere/escaped.py"])
@@ -189,7 +219,9 @@ def test_the_report_is_saved_whole_and_summarised_in_the_rank_log(staged, tmp_pa
     log.write_text("earlier line\n")
     record_report(report, str(attempt / "env-rank-1.json"), str(log))
     saved = json.loads((attempt / "env-rank-1.json").read_text())
-    assert saved == report.to_dict() and saved["fetched_bytes"] > 0 and set(saved["steps"]) == {"check", "extract", "view"}
+    assert (
+        saved == report.to_dict() and saved["fetched_bytes"] > 0 and set(saved["steps"]) == {"check", "extract", "view"}
+    )
     assert sorted(os.listdir(attempt)) == ["env-rank-1.json", "logs"]  # no temporary file left
     earlier, summary = log.read_text().splitlines()
     assert earlier == "earlier line" and summary.startswith("sparkgpu: environment rehydrated in ")

@@ -19,21 +19,35 @@ def site(tmp_path, monkeypatch):
 
 
 def write_torch(site, version="2.14.1", cuda="12.6"):
-    write_dist(site, "torch", version, {
-        "torch/__init__.py": "",
-        "torch/version.py": f"from typing import Optional\n__version__ = '{version}'\ncuda: Optional[str] = {cuda!r}\n",
-    }, tag="cp311-cp311-linux_x86_64")
+    write_dist(
+        site,
+        "torch",
+        version,
+        {
+            "torch/__init__.py": "",
+            "torch/version.py": f"from typing import Optional\n__version__ = '{version}'\ncuda: Optional[str] = {cuda!r}\n",
+        },
+        tag="cp311-cp311-linux_x86_64",
+    )
 
 
 def test_distribution_ships_its_site_files_but_not_bytecode_or_scripts(site):
-    write_dist(site, "alpha", "1.0", {"alpha/__init__.py": "X = 1", "alpha/data.json": "{}"},
-               extra_record=("../../../bin/alpha", "alpha/__pycache__/__init__.cpython-311.pyc"))
+    write_dist(
+        site,
+        "alpha",
+        "1.0",
+        {"alpha/__init__.py": "X = 1", "alpha/data.json": "{}"},
+        extra_record=("../../../bin/alpha", "alpha/__pycache__/__init__.cpython-311.pyc"),
+    )
     snap = snapshot_environment(paths=[str(site)])
     alpha = by_name(snap)["alpha"]
     assert alpha.version == "1.0" and alpha.kind == "site" and alpha.pure is True
     assert arcnames(alpha) == [
-        "site/alpha-1.0.dist-info/METADATA", "site/alpha-1.0.dist-info/RECORD", "site/alpha-1.0.dist-info/WHEEL",
-        "site/alpha/__init__.py", "site/alpha/data.json",
+        "site/alpha-1.0.dist-info/METADATA",
+        "site/alpha-1.0.dist-info/RECORD",
+        "site/alpha-1.0.dist-info/WHEEL",
+        "site/alpha/__init__.py",
+        "site/alpha/data.json",
     ]
     assert alpha.size == sum((site / a.removeprefix("site/")).stat().st_size for a in arcnames(alpha))
     assert [c.name for c in snap.components] == ["alpha"]  # the empty cwd adds no code component
@@ -53,8 +67,13 @@ def test_lock_lists_every_distribution_and_marks_editables(site, tmp_path):
     project = tmp_path / "proj"
     (project / "src" / "beta").mkdir(parents=True)
     (project / "src" / "beta" / "__init__.py").write_text("")
-    write_dist(site, "beta", "0.1", {"__editable__.beta-0.1.pth": f"{project / 'src'}\n"},
-               direct_url={"url": project.as_uri(), "dir_info": {"editable": True}})
+    write_dist(
+        site,
+        "beta",
+        "0.1",
+        {"__editable__.beta-0.1.pth": f"{project / 'src'}\n"},
+        direct_url={"url": project.as_uri(), "dir_info": {"editable": True}},
+    )
     snap = snapshot_environment(paths=[str(site)], exclude=["alpha-pkg"])
     lines = snap.lock.splitlines()
     assert lines[0].startswith("# python ")
@@ -67,8 +86,13 @@ def test_path_style_editable_ships_its_source_tree_not_its_pth(site, tmp_path):
     (project / "src" / "beta" / "__pycache__").mkdir(parents=True)
     (project / "src" / "beta" / "__init__.py").write_text("VALUE = 1")
     (project / "src" / "beta" / "__pycache__" / "__init__.cpython-311.pyc").write_bytes(b"x")
-    write_dist(site, "beta", "0.1", {"__editable__.beta-0.1.pth": f"{project / 'src'}\n"},
-               direct_url={"url": project.as_uri(), "dir_info": {"editable": True}})
+    write_dist(
+        site,
+        "beta",
+        "0.1",
+        {"__editable__.beta-0.1.pth": f"{project / 'src'}\n"},
+        direct_url={"url": project.as_uri(), "dir_info": {"editable": True}},
+    )
     beta = by_name(snapshot_environment(paths=[str(site)]))["beta"]
     assert beta.kind == "editable" and beta.paths == 1
     assert "path/0/beta/__init__.py" in arcnames(beta)
@@ -82,26 +106,38 @@ def test_finder_style_editable_ships_mapped_packages_into_site(site, tmp_path):
     (project / "gamma" / "scratch.log").write_text("junk")
     (project / ".gitignore").write_text("# local files\n*.log\n")
     finder = f"MAPPING: dict[str, str] = {{'gamma': {str(project / 'gamma')!r}}}\nNAMESPACES = {{}}\n"
-    write_dist(site, "gamma", "0.3", {
-        "__editable__.gamma-0.3.pth": "import __editable___gamma_0_3_finder; __editable___gamma_0_3_finder.install()",
-        "__editable___gamma_0_3_finder.py": finder,
-    }, direct_url={"url": project.as_uri(), "dir_info": {"editable": True}})
+    write_dist(
+        site,
+        "gamma",
+        "0.3",
+        {
+            "__editable__.gamma-0.3.pth": "import __editable___gamma_0_3_finder; __editable___gamma_0_3_finder.install()",
+            "__editable___gamma_0_3_finder.py": finder,
+        },
+        direct_url={"url": project.as_uri(), "dir_info": {"editable": True}},
+    )
     gamma = by_name(snapshot_environment(paths=[str(site)]))["gamma"]
     assert gamma.kind == "editable" and gamma.paths == 0
     assert arcnames(gamma) == [
-        "site/gamma-0.3.dist-info/METADATA", "site/gamma-0.3.dist-info/RECORD", "site/gamma-0.3.dist-info/WHEEL",
-        "site/gamma-0.3.dist-info/direct_url.json", "site/gamma/__init__.py",
+        "site/gamma-0.3.dist-info/METADATA",
+        "site/gamma-0.3.dist-info/RECORD",
+        "site/gamma-0.3.dist-info/WHEEL",
+        "site/gamma-0.3.dist-info/direct_url.json",
+        "site/gamma/__init__.py",
     ]
 
 
 def test_distribution_without_record_walks_top_level_or_is_skipped_with_a_warning(site, caplog):
-    write_dist(site, "legacy", "0.9", {"legacy/__init__.py": "", "legacy/sub/m.py": ""}, record=False,
-               top_level=["legacy"])
+    write_dist(
+        site, "legacy", "0.9", {"legacy/__init__.py": "", "legacy/sub/m.py": ""}, record=False, top_level=["legacy"]
+    )
     write_dist(site, "opaque", "1.2", {"opaque_mod.py": ""}, record=False)
     with caplog.at_level(logging.WARNING, logger="sparkgpu.env.snapshot"):
         snap = snapshot_environment(paths=[str(site)])
     legacy = by_name(snap)["legacy"]
-    assert {"site/legacy/__init__.py", "site/legacy/sub/m.py", "site/legacy-0.9.dist-info/METADATA"} <= set(arcnames(legacy))
+    assert {"site/legacy/__init__.py", "site/legacy/sub/m.py", "site/legacy-0.9.dist-info/METADATA"} <= set(
+        arcnames(legacy)
+    )
     assert "opaque" not in by_name(snap)
     assert any("opaque==1.2" in w and "not shipped" in w for w in snap.warnings)
     assert "opaque==1.2" in caplog.text
@@ -114,7 +150,9 @@ def test_exclude_by_name_and_pattern(site):
     assert [c.name for c in snap.components] == ["Keep_Me"]
     assert {e.reason for e in snap.excluded} == {"excluded by name (nvidia-*)"}
     assert [c.name for c in snapshot_environment(paths=[str(site)], exclude="keep.me").components] == [
-        "nvidia-cublas-cu12", "nvidia-nccl-cu12"]
+        "nvidia-cublas-cu12",
+        "nvidia-nccl-cu12",
+    ]
 
 
 def test_what_the_workers_have_at_the_same_version_is_not_shipped(site):
@@ -209,21 +247,37 @@ def test_editable_project_as_working_directory_is_not_shipped_twice(site, tmp_pa
     (tmp_path / "gamma").mkdir()
     (tmp_path / "gamma" / "__init__.py").write_text("")
     finder = f"MAPPING = {{'gamma': {str(tmp_path / 'gamma')!r}}}\n"
-    write_dist(site, "gamma", "0.3", {
-        "__editable__.gamma-0.3.pth": "import __editable___gamma_0_3_finder; __editable___gamma_0_3_finder.install()",
-        "__editable___gamma_0_3_finder.py": finder,
-    }, direct_url={"url": tmp_path.as_uri(), "dir_info": {"editable": True}})
+    write_dist(
+        site,
+        "gamma",
+        "0.3",
+        {
+            "__editable__.gamma-0.3.pth": "import __editable___gamma_0_3_finder; __editable___gamma_0_3_finder.install()",
+            "__editable___gamma_0_3_finder.py": finder,
+        },
+        direct_url={"url": tmp_path.as_uri(), "dir_info": {"editable": True}},
+    )
     assert [c.name for c in snapshot_environment(paths=[str(site)]).components] == ["gamma"]
 
 
-@pytest.mark.parametrize("client, worker, expected", [
-    ({"python": "3.11.7"}, {"python": "3.11.2"}, []),
-    ({"python": "3.11.7"}, {"python": "3.12.1"}, ["Python 3.11.7", "Python 3.12.1", "Python 3.12"]),
-    ({"torch": "2.14.1", "torch_cuda": None}, {"torch": "2.14.0", "torch_cuda": "12.6"}, []),  # CPU client, GPU workers
-    ({"torch": "2.14.1", "torch_cuda": "12.6"}, {"torch": "2.14.1", "torch_cuda": "13.0"},
-     ["CUDA 12.6", "CUDA 13.0", "--index-url https://download.pytorch.org/whl/cu130"]),
-    ({"torch": "2.14.1"}, {"torch": None}, []),  # the client's torch is shipped
-])
+@pytest.mark.parametrize(
+    "client, worker, expected",
+    [
+        ({"python": "3.11.7"}, {"python": "3.11.2"}, []),
+        ({"python": "3.11.7"}, {"python": "3.12.1"}, ["Python 3.11.7", "Python 3.12.1", "Python 3.12"]),
+        (
+            {"torch": "2.14.1", "torch_cuda": None},
+            {"torch": "2.14.0", "torch_cuda": "12.6"},
+            [],
+        ),  # CPU client, GPU workers
+        (
+            {"torch": "2.14.1", "torch_cuda": "12.6"},
+            {"torch": "2.14.1", "torch_cuda": "13.0"},
+            ["CUDA 12.6", "CUDA 13.0", "--index-url https://download.pytorch.org/whl/cu130"],
+        ),
+        ({"torch": "2.14.1"}, {"torch": None}, []),  # the client's torch is shipped
+    ],
+)
 def test_compatibility_messages_name_both_sides_and_the_fix(client, worker, expected):
     problems = check_compatibility(client, worker)
     assert bool(problems) == bool(expected)
@@ -245,9 +299,15 @@ def test_build_metadata_in_the_working_directory_does_not_shadow_the_install(sit
     (tmp_path / "gamma.egg-info" / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: gamma\nVersion: 0.0.dev0\n")
     (tmp_path / "gamma.egg-info" / "SOURCES.txt").write_text("gamma/__init__.py\n")
     finder = f"MAPPING = {{'gamma': {str(tmp_path / 'gamma')!r}}}\n"
-    write_dist(site, "gamma", "0.3", {
-        "__editable__.gamma-0.3.pth": "import __editable___gamma_0_3_finder; __editable___gamma_0_3_finder.install()",
-        "__editable___gamma_0_3_finder.py": finder,
-    }, direct_url={"url": tmp_path.as_uri(), "dir_info": {"editable": True}})
+    write_dist(
+        site,
+        "gamma",
+        "0.3",
+        {
+            "__editable__.gamma-0.3.pth": "import __editable___gamma_0_3_finder; __editable___gamma_0_3_finder.install()",
+            "__editable___gamma_0_3_finder.py": finder,
+        },
+        direct_url={"url": tmp_path.as_uri(), "dir_info": {"editable": True}},
+    )
     snap = snapshot_environment(paths=["", str(tmp_path), str(site)])
     assert [(c.name, c.version, c.kind) for c in snap.components] == [("gamma", "0.3", "editable")]

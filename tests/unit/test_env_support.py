@@ -6,9 +6,18 @@ import json
 from pathlib import Path
 
 
-def write_dist(site: Path, name: str, version: str, files: dict[str, bytes | str], *, record: bool = True,
-               top_level: list[str] | None = None, tag: str = "py3-none-any", direct_url: dict | None = None,
-               extra_record: tuple[str, ...] = ()) -> Path:
+def write_dist(
+    site: Path,
+    name: str,
+    version: str,
+    files: dict[str, bytes | str],
+    *,
+    record: bool = True,
+    top_level: list[str] | None = None,
+    tag: str = "py3-none-any",
+    direct_url: dict | None = None,
+    extra_record: tuple[str, ...] = (),
+) -> Path:
     """Writes a distribution into ``site`` as pip lays it out: its files plus a ``.dist-info``.
 
     Args:

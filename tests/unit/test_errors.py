@@ -6,12 +6,23 @@ from sparkgpu import errors
 from sparkgpu.errors import RankFailure, WorkerFailedError
 
 
-@pytest.mark.parametrize("exc", [
-    errors.SparkGPUError("x"), errors.ConfigurationError("bad"), errors.CapacityError("none"),
-    errors.MissingDependencyError("ray_launch", "pip install 'sparkgpu[ray]'"),
-    errors.JobTimeoutError("slow"), errors.DataError("corrupt"), errors.PayloadSignatureError("forged"),
-    WorkerFailedError([RankFailure(1, "ValueError", "boom", "Traceback...\nValueError: boom", timestamp=1.0)], "job-1", "/runs/job-1/attempts/0/logs"),
-])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        errors.SparkGPUError("x"),
+        errors.ConfigurationError("bad"),
+        errors.CapacityError("none"),
+        errors.MissingDependencyError("ray_launch", "pip install 'sparkgpu[ray]'"),
+        errors.JobTimeoutError("slow"),
+        errors.DataError("corrupt"),
+        errors.PayloadSignatureError("forged"),
+        WorkerFailedError(
+            [RankFailure(1, "ValueError", "boom", "Traceback...\nValueError: boom", timestamp=1.0)],
+            "job-1",
+            "/runs/job-1/attempts/0/logs",
+        ),
+    ],
+)
 def test_every_error_survives_pickling_with_its_message(exc):
     again = pickle.loads(pickle.dumps(exc))
     assert type(again) is type(exc)
@@ -28,7 +39,9 @@ def test_missing_dependency_names_the_install_command():
 def test_identical_failures_are_grouped_and_distinct_ones_listed():
     tb = "Traceback (most recent call last):\n  File 'x.py', line 3\nValueError: bad shard 7"
     failures = [RankFailure(r, "ValueError", "bad shard 7", tb, timestamp=10.0 + r) for r in (3, 0, 1)]
-    failures.append(RankFailure(2, None, "the process died from signal SIGSEGV", exitcode=-11, log_tail="Fatal Python error"))
+    failures.append(
+        RankFailure(2, None, "the process died from signal SIGSEGV", exitcode=-11, log_tail="Fatal Python error")
+    )
     exc = WorkerFailedError(failures, job_id="j", logs_dir="/runs/j/attempts/0/logs")
     text = str(exc)
     assert exc.ranks == [0, 1, 2, 3]

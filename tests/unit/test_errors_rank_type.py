@@ -16,8 +16,10 @@ class ShardError(ValueError):
 
 
 def _failures(exc_by_rank):
-    return [RankFailure(r, type(e).__qualname__, str(e), f"Traceback...\n{type(e).__name__}: {e}", timestamp=1.0 + r)
-            for r, e in exc_by_rank.items()]
+    return [
+        RankFailure(r, type(e).__qualname__, str(e), f"Traceback...\n{type(e).__name__}: {e}", timestamp=1.0 + r)
+        for r, e in exc_by_rank.items()
+    ]
 
 
 def test_one_type_on_every_failing_rank_is_caught_by_that_type():
@@ -52,19 +54,24 @@ def test_derived_error_pickles_and_derives_again():
 def test_derived_error_unpickles_as_plain_where_the_type_does_not_exist():
     excs = {0: ShardError(1, "bad")}
     data = pickle.dumps(worker_failed_error(_failures(excs), excs))
-    code = ("import pickle, sys; e = pickle.loads(sys.stdin.buffer.read()); "
-            "print(type(e).__name__, e.ranks, isinstance(e, ValueError))")
+    code = (
+        "import pickle, sys; e = pickle.loads(sys.stdin.buffer.read()); "
+        "print(type(e).__name__, e.ranks, isinstance(e, ValueError))"
+    )
     # The test module is not importable in a fresh interpreter run from elsewhere.
     out = subprocess.run([sys.executable, "-c", code], input=data, capture_output=True, check=True, cwd="/")
     assert out.stdout.decode().split() == ["WorkerFailedError", "[0]", "False"]
 
 
-@pytest.mark.parametrize("excs", [
-    {0: ValueError("a"), 1: TypeError("b")},  # two types
-    {0: ValueError("a"), 1: None},  # rank 1 died without an exception (or it did not unpickle)
-    {0: SystemExit(3)},  # never end the client's interpreter
-    {0: KeyboardInterrupt()},
-])
+@pytest.mark.parametrize(
+    "excs",
+    [
+        {0: ValueError("a"), 1: TypeError("b")},  # two types
+        {0: ValueError("a"), 1: None},  # rank 1 died without an exception (or it did not unpickle)
+        {0: SystemExit(3)},  # never end the client's interpreter
+        {0: KeyboardInterrupt()},
+    ],
+)
 def test_falls_back_to_plain_worker_failed_error(excs):
     failures = [RankFailure(r, None if e is None else type(e).__name__, str(e)) for r, e in excs.items()]
     error = worker_failed_error(failures, {r: e for r, e in excs.items() if e is not None})
@@ -96,8 +103,9 @@ def test_types_that_cannot_be_subclassed_fall_back():
 
 def test_a_quiet_exit_is_the_first_failure_even_when_its_peers_error_was_recorded_just_before():
     peer = RankFailure(0, "RuntimeError", "Connection closed by peer", timestamp=100.00)
-    quiet = RankFailure(1, None, "the process exited with code 0 without returning a result", exitcode=0,
-                        timestamp=100.05)
+    quiet = RankFailure(
+        1, None, "the process exited with code 0 without returning a result", exitcode=0, timestamp=100.05
+    )
     error = WorkerFailedError([peer, quiet])
     assert error.first_failure is quiet and "First to fail: rank 1 (no Python exception)" in str(error)
     much_later = RankFailure(1, None, "exited with code 3", exitcode=3, timestamp=130.0)

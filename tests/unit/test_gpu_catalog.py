@@ -73,12 +73,15 @@ def test_nvidia_smi_memory_tells_the_a100_size(tmp_path, monkeypatch):
     assert host.catalog_type() == "A100-80GB"
 
 
-@pytest.mark.parametrize("device, asked", [
-    ("NVIDIA A100-SXM4-80GB", "A10"),
-    ("NVIDIA A10G", "A100-40GB"),
-    ("NVIDIA L40S", "L4"),
-    ("NVIDIA GH200 480GB", "H200"),
-])
+@pytest.mark.parametrize(
+    "device, asked",
+    [
+        ("NVIDIA A100-SXM4-80GB", "A10"),
+        ("NVIDIA A10G", "A100-40GB"),
+        ("NVIDIA L40S", "L4"),
+        ("NVIDIA GH200 480GB", "H200"),
+    ],
+)
 def test_a_gpu_type_the_host_does_not_have_is_refused_naming_the_host(device, asked):
     host = HostGPUs(names=(device,) * 2, addresses=("0", "1"))
     with warnings.catch_warnings():
@@ -112,10 +115,19 @@ def executors(name):
 
 
 def test_spark_executors_with_a_gpu_outside_the_catalog_refuse_a_gpu_type_naming_it():
-    capacity = SparkCapacity(master="spark://head:7077", executors=executors("NVIDIA L40S"), gpus_per_executor=2,
-                             gpu_type=None, gpu_type_source=None, simulated=False)
-    with pytest.raises(CapacityError, match=r"GPUs are 'NVIDIA L40S', which is not a GPU type sparkgpu knows.*"
-                                            r"gpu_type='L4'.*spark.sparkgpu.gpuType"):
+    capacity = SparkCapacity(
+        master="spark://head:7077",
+        executors=executors("NVIDIA L40S"),
+        gpus_per_executor=2,
+        gpu_type=None,
+        gpu_type_source=None,
+        simulated=False,
+    )
+    with pytest.raises(
+        CapacityError,
+        match=r"GPUs are 'NVIDIA L40S', which is not a GPU type sparkgpu knows.*"
+        r"gpu_type='L4'.*spark.sparkgpu.gpuType",
+    ):
         plan_layout(2, "L4", capacity)
 
 
@@ -126,6 +138,12 @@ def test_spark_executors_classify_their_driver_names_by_model():
     assert _cluster_gpu_type({}, executors("NVIDIA L40S")) == (None, None)
     declared = {"spark.sparkgpu.gpuType": "L4"}  # the admin's word beats the driver's name
     assert _cluster_gpu_type(declared, executors("NVIDIA L40S")) == ("L4", "conf")
-    capacity = SparkCapacity(master="spark://head:7077", executors=executors("NVIDIA L40S"), gpus_per_executor=2,
-                             gpu_type="L4", gpu_type_source="conf", simulated=False)
+    capacity = SparkCapacity(
+        master="spark://head:7077",
+        executors=executors("NVIDIA L40S"),
+        gpus_per_executor=2,
+        gpu_type="L4",
+        gpu_type_source="conf",
+        simulated=False,
+    )
     assert plan_layout(2, "L4", capacity) == NodeLayout(1, 2, 2)

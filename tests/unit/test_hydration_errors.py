@@ -64,29 +64,44 @@ def test_a_bare_worker_raises_the_classes_sparkgpu_imports_later(tmp_path):
     for name, data in worker_bootstrap_files().items():
         (tmp_path / name).write_bytes(data)
     paths = os.pathsep.join([str(REPO_ROOT), *filter(None, sys.path)])  # what the overlay would bring
-    done = subprocess.run([sys.executable, "-I", "-S", "-c", _WORKER, str(tmp_path), paths],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", _WORKER, str(tmp_path), paths], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout)
-    assert seen == {"package_binds_it": True, "hydrate_class_is_root": True, "under_root": True,
-                    "reported_as": "EnvironmentMismatchError", "module": "sparkgpu.errors"}
+    assert seen == {
+        "package_binds_it": True,
+        "hydrate_class_is_root": True,
+        "under_root": True,
+        "reported_as": "EnvironmentMismatchError",
+        "module": "sparkgpu.errors",
+    }
 
 
 def test_the_shipped_hydration_module_needs_the_error_module_beside_it(tmp_path):
     (tmp_path / "_hydrate.py").write_bytes(worker_bootstrap_files()["_hydrate.py"])
-    code = ("import sys, types; h = types.ModuleType('_sparkgpu_hydrate'); h.__file__ = sys.argv[1]; "
-            "exec(compile(open(sys.argv[1]).read(), sys.argv[1], 'exec'), h.__dict__)")
-    done = subprocess.run([sys.executable, "-I", "-S", "-c", code, str(tmp_path / "_hydrate.py")],
-                          capture_output=True, text=True, timeout=60)
+    code = (
+        "import sys, types; h = types.ModuleType('_sparkgpu_hydrate'); h.__file__ = sys.argv[1]; "
+        "exec(compile(open(sys.argv[1]).read(), sys.argv[1], 'exec'), h.__dict__)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", code, str(tmp_path / "_hydrate.py")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode != 0
     assert "ship sparkgpu.env.worker_bootstrap_files()" in done.stderr
 
 
-@pytest.mark.parametrize("raised, reported", [
-    (errors.EnvironmentMismatchError("Python 3.12 vs 3.11"), errors.EnvironmentMismatchError),
-    (errors.HydrationError("blob missing"), errors.HydrationError),
-    (OSError(28, "No space left on device"), errors.HydrationError),
-])
+@pytest.mark.parametrize(
+    "raised, reported",
+    [
+        (errors.EnvironmentMismatchError("Python 3.12 vs 3.11"), errors.EnvironmentMismatchError),
+        (errors.HydrationError("blob missing"), errors.HydrationError),
+        (OSError(28, "No space left on device"), errors.HydrationError),
+    ],
+)
 def test_a_rank_reports_a_failed_hydration_under_its_own_class(raised, reported):
     error = _environment_error(raised)
     assert type(error) is reported

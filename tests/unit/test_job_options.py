@@ -11,9 +11,21 @@ from sparkgpu.job_options import JOB_OPTIONS, PYTHON_ONLY_KEYWORDS
 from sparkgpu.jobfile import JobFile
 
 SAMPLE = {  # a value of every option, as a job file writes it
-    "name": "nightly", "gpus": 2, "gpu_type": "cpu", "accelerator_type": None, "remote": False, "pool": None,
-    "max_runtime": "2h", "checkpoint_grace": "5m", "timeout": 7200, "max_restarts": 2, "tags": {"team": "ml"},
-    "log_ranks": [0, 1], "experiment": "ctr", "register_as": "main.ml.ctr", "ship_environment": False,
+    "name": "nightly",
+    "gpus": 2,
+    "gpu_type": "cpu",
+    "accelerator_type": None,
+    "remote": False,
+    "pool": None,
+    "max_runtime": "2h",
+    "checkpoint_grace": "5m",
+    "timeout": 7200,
+    "max_restarts": 2,
+    "tags": {"team": "ml"},
+    "log_ranks": [0, 1],
+    "experiment": "ctr",
+    "register_as": "main.ml.ctr",
+    "ship_environment": False,
 }
 
 
@@ -29,11 +41,19 @@ def test_distributed_takes_every_option_and_nothing_else_a_file_could_not_give()
 
 def test_a_job_file_gives_every_option_to_the_job(tmp_path):
     (tmp_path / "train.py").write_text("print('hi')\n")
-    job = JobFile.from_dict({"script": "train.py", **{k: v for k, v in SAMPLE.items() if v is not None}},
-                            base_dir=tmp_path, source="job file 'x.yaml'")
+    job = JobFile.from_dict(
+        {"script": "train.py", **{k: v for k, v in SAMPLE.items() if v is not None}},
+        base_dir=tmp_path,
+        source="job file 'x.yaml'",
+    )
     fn = job.build()
     assert (fn.name, fn.resources.gpus, fn.resources.gpu_type) == ("nightly", 2, "cpu")
-    assert (fn.policy.max_runtime, fn.policy.checkpoint_grace, fn.policy.timeout, fn.policy.max_restarts) == (7200, 300, 7200, 2)
+    assert (fn.policy.max_runtime, fn.policy.checkpoint_grace, fn.policy.timeout, fn.policy.max_restarts) == (
+        7200,
+        300,
+        7200,
+        2,
+    )
     assert fn.tags == {"team": "ml"} and fn.log_ranks == (0, 1)
     assert (fn.experiment, fn.register_as, fn.ship_environment) == ("ctr", "main.ml.ctr", False)
 
@@ -41,20 +61,54 @@ def test_a_job_file_gives_every_option_to_the_job(tmp_path):
 def test_the_command_line_has_a_flag_for_every_option_and_overrides_the_file(tmp_path):
     (tmp_path / "train.py").write_text("")
     parser = cli.build_parser()
-    flags = {a for action in parser._subparsers._group_actions[0].choices["run"]._actions for a in action.option_strings}
+    flags = {
+        a for action in parser._subparsers._group_actions[0].choices["run"]._actions for a in action.option_strings
+    }
     for option in JOB_OPTIONS:
         assert option.cli_flag in flags, option.name
-    args = parser.parse_args(["run", str(tmp_path / "train.py"), "--gpus", "3", "--gpu-type", "cpu", "--tag", "a=b",
-                              "--experiment", "exp", "--register-as", "main.ml.m", "--no-ship-environment",
-                              "--log-ranks", "none"])
+    args = parser.parse_args(
+        [
+            "run",
+            str(tmp_path / "train.py"),
+            "--gpus",
+            "3",
+            "--gpu-type",
+            "cpu",
+            "--tag",
+            "a=b",
+            "--experiment",
+            "exp",
+            "--register-as",
+            "main.ml.m",
+            "--no-ship-environment",
+            "--log-ranks",
+            "none",
+        ]
+    )
     args.passthrough = []
     job = cli._load_job(args)
-    assert (job.gpus, job.gpu_type, job.tags, job.experiment, job.register_as) == (3, "cpu", {"a": "b"}, "exp", "main.ml.m")
+    assert (job.gpus, job.gpu_type, job.tags, job.experiment, job.register_as) == (
+        3,
+        "cpu",
+        {"a": "b"},
+        "exp",
+        "main.ml.m",
+    )
     assert job.ship_environment is False and job.build().log_ranks == ()
 
 
-@pytest.mark.parametrize("field, value", [("gpus", "two"), ("remote", "yes"), ("tags", ["ml"]), ("experiment", 3),
-                                          ("ship_environment", "no"), ("log_ranks", "odd"), ("max_runtime", [1])])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("gpus", "two"),
+        ("remote", "yes"),
+        ("tags", ["ml"]),
+        ("experiment", 3),
+        ("ship_environment", "no"),
+        ("log_ranks", "odd"),
+        ("max_runtime", [1]),
+    ],
+)
 def test_a_wrong_shape_names_the_field_and_what_it_takes(tmp_path, field, value):
     (tmp_path / "train.py").write_text("")
     option = next(o for o in JOB_OPTIONS if o.name == field)
@@ -87,7 +141,9 @@ def test_a_file_or_help_gives_the_defaults_distributed_applies(capsys):
 def test_every_spelling_of_log_ranks_in_a_file_reaches_the_job(tmp_path, value, ranks):
     (tmp_path / "train.py").write_text("print('trained')\n")
     path = tmp_path / "job.yaml"
-    path.write_text(f"script: train.py\ngpus: 1\ngpu_type: cpu\nlog_ranks: {value if isinstance(value, str) else list(value)}\n")
+    path.write_text(
+        f"script: train.py\ngpus: 1\ngpu_type: cpu\nlog_ranks: {value if isinstance(value, str) else list(value)}\n"
+    )
     assert JobFile.load(path).build(callbacks=[]).log_ranks == ranks
 
 

@@ -71,10 +71,16 @@ def imports_of(path: Path) -> set[str]:
                 module = node.module or ""
             found.add(module)
             found.update(f"{module}.{alias.name}" for alias in node.names if alias.name != "*")
-        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
-              and isinstance(node.args[0].value, str)
-              and ((isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
-                   or (isinstance(node.func, ast.Name) and node.func.id in ("import_module", "__import__")))):
+        elif (
+            isinstance(node, ast.Call)
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+            and (
+                (isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
+                or (isinstance(node.func, ast.Name) and node.func.id in ("import_module", "__import__"))
+            )
+        ):
             found.add(node.args[0].value)
     return found
 
@@ -109,8 +115,10 @@ def module_edges(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     """Which modules each module's imports run: ``from x import y`` counts as ``x.y`` when that is a
     module, and as ``x`` too (its ``__init__`` runs first); a module's own packages are left out,
     being imported before it anyway."""
-    return {name: {t for t in imported if is_module(t, graph) and t != name and not name.startswith(t + ".")}
-            for name, imported in graph.items()}
+    return {
+        name: {t for t in imported if is_module(t, graph) and t != name and not name.startswith(t + ".")}
+        for name, imported in graph.items()
+    }
 
 
 def cycles(graph: dict[str, set[str]]) -> set[frozenset[str]]:
@@ -163,9 +171,11 @@ def test_the_layers_import_only_downwards():
     found = violations(modules())
     new, stale = found - KNOWN_VIOLATIONS, KNOWN_VIOLATIONS - found
     assert not new, "imports that break the layering (see this test's docstring):\n" + "\n".join(
-        f"  {a} imports {b}" for a, b in sorted(new))
+        f"  {a} imports {b}" for a, b in sorted(new)
+    )
     assert not stale, "these known violations are gone: remove them from KNOWN_VIOLATIONS:\n" + "\n".join(
-        f"  {a} -> {b}" for a, b in sorted(stale))
+        f"  {a} -> {b}" for a, b in sorted(stale)
+    )
 
 
 def test_the_implementations_of_callbacks_import_the_interface_not_the_launcher():
@@ -179,7 +189,9 @@ def test_the_implementations_of_callbacks_import_the_interface_not_the_launcher(
 def test_what_runs_before_sparkgpu_is_importable_uses_the_standard_library_only(name):
     path = PACKAGE.parent.joinpath(*name.split(".")).with_suffix(".py")
     outside = {m for m in imports_of(path) if m.split(".")[0] not in sys.stdlib_module_names | {"__future__"}}
-    assert not outside - OPTIONAL.get(name, set()), f"{name} imports {sorted(outside)}; it must load where only the standard library is"
+    assert not outside - OPTIONAL.get(name, set()), (
+        f"{name} imports {sorted(outside)}; it must load where only the standard library is"
+    )
 
 
 def test_the_rule_checker_sees_function_level_and_relative_imports(tmp_path, monkeypatch):
@@ -192,27 +204,35 @@ def test_the_rule_checker_sees_function_level_and_relative_imports(tmp_path, mon
     found = imports_of(package / "late.py")
     assert {"sparkgpu.launch", "sparkgpu.launch.payload", "sparkgpu.launch.agent"} <= found
     graph = {"sparkgpu.tracking.late": found, "sparkgpu.launch.payload": set(), "sparkgpu.launch.agent": set()}
-    assert violations(graph) == {("sparkgpu.tracking.late", "sparkgpu.launch.payload"),
-                                 ("sparkgpu.tracking.late", "sparkgpu.launch.agent")}
+    assert violations(graph) == {
+        ("sparkgpu.tracking.late", "sparkgpu.launch.payload"),
+        ("sparkgpu.tracking.late", "sparkgpu.launch.agent"),
+    }
 
 
 def test_no_module_imports_itself_around_a_circle():
     found = cycles(modules())
     new, stale = found - KNOWN_CYCLES, KNOWN_CYCLES - found
-    assert not new, ("import circles (move what both sides need into a module below them; a "
-                     "function-level import does not break a circle):\n" + "\n".join(
-                         "  " + " <-> ".join(sorted(c)) for c in sorted(new, key=sorted)))
+    assert not new, (
+        "import circles (move what both sides need into a module below them; a "
+        "function-level import does not break a circle):\n"
+        + "\n".join("  " + " <-> ".join(sorted(c)) for c in sorted(new, key=sorted))
+    )
     assert not stale, "these known circles are gone: remove them from KNOWN_CYCLES:\n" + "\n".join(
-        "  " + " <-> ".join(sorted(c)) for c in sorted(stale, key=sorted))
+        "  " + " <-> ".join(sorted(c)) for c in sorted(stale, key=sorted)
+    )
 
 
 def test_no_module_imports_a_private_module_of_another_sub_package():
     found = private_imports(modules())
     new, stale = found - KNOWN_PRIVATE_IMPORTS, KNOWN_PRIVATE_IMPORTS - found
-    assert not new, ("imports of another sub-package's private module (make the name public there, or "
-                     "move the helper directly under sparkgpu):\n" + "\n".join(f"  {a} imports {b}" for a, b in sorted(new)))
+    assert not new, (
+        "imports of another sub-package's private module (make the name public there, or "
+        "move the helper directly under sparkgpu):\n" + "\n".join(f"  {a} imports {b}" for a, b in sorted(new))
+    )
     assert not stale, "these known private imports are gone: remove them from KNOWN_PRIVATE_IMPORTS:\n" + "\n".join(
-        f"  {a} -> {b}" for a, b in sorted(stale))
+        f"  {a} -> {b}" for a, b in sorted(stale)
+    )
 
 
 def test_the_cycle_and_privacy_checkers_see_what_they_claim():

@@ -52,12 +52,15 @@ def test_the_entrypoint_carries_the_one_check_verbatim(tmp_path):
 
 # The rank's own check, as on a worker where sparkgpu is not importable yet (-I -S): a shipped
 # _hydrate.py runs only as signed. The test's module writes a marker when it runs.
-@pytest.mark.parametrize("tamper, key, runs", [
-    (False, KEY, True),
-    (True, KEY, False),
-    (False, b"k" * 32, False),
-    (False, None, False),
-])
+@pytest.mark.parametrize(
+    "tamper, key, runs",
+    [
+        (False, KEY, True),
+        (True, KEY, False),
+        (False, b"k" * 32, False),
+        (False, None, False),
+    ],
+)
 def test_the_generated_entrypoint_runs_a_shipped_module_only_when_signed(tmp_path, tamper, key, runs):
     marker = tmp_path / "ran"
     rd = stage(tmp_path, f"open({str(marker)!r}, 'w').close()\n".encode())
@@ -67,8 +70,9 @@ def test_the_generated_entrypoint_runs_a_shipped_module_only_when_signed(tmp_pat
     env = {k: v for k, v in os.environ.items() if k != KEY_ENV}
     if key is not None:
         env[KEY_ENV] = key.hex()
-    done = subprocess.run([sys.executable, "-I", "-S", str(rd.air)], env=env, capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-I", "-S", str(rd.air)], env=env, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode != 0  # without sparkgpu importable, a rank that gets past the check stops at its import
     assert marker.exists() is runs
     refused = "refusing to run: the payload is unsigned or was modified" in done.stderr

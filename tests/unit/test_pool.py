@@ -68,10 +68,14 @@ def test_only_a_job_that_may_restart_gets_a_standby_and_only_once_its_attempt_is
     backend = LocalBackend()
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
+
         def attempt(job_id, max_restarts, age):
-            job = JobSpec(job_id=job_id, name="t", resources=Resources(2, "cpu"), policy=RunPolicy(max_restarts=max_restarts))
-            handle = LocalAttempt(attempt=0, process=sleeper, log=open(os.devnull, "wb"), job=job,
-                                  submitted=time.monotonic() - age)
+            job = JobSpec(
+                job_id=job_id, name="t", resources=Resources(2, "cpu"), policy=RunPolicy(max_restarts=max_restarts)
+            )
+            handle = LocalAttempt(
+                attempt=0, process=sleeper, log=open(os.devnull, "wb"), job=job, submitted=time.monotonic() - age
+            )
             assert backend.poll(handle) is None
             return handle
 

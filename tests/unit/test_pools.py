@@ -48,19 +48,40 @@ def test_pools_load_in_file_order_with_catalog_names(pools):
     assert pools[1].reserved and pools[1].pool_id == "0415-abc" and not pools[2].reserved
 
 
-@pytest.mark.parametrize("body, line, words", [
-    ("pools:\n  a:\n    url: http://x:1\n    gpu_type: A10\n    gpus_per_node: 1\n", 3, ["url", "sc://host:15002"]),
-    ("pools:\n  a:\n    url: sc://x:1\n    gpu_type: V100\n    gpus_per_node: 1\n", 4, ["gpu_type", "'V100'", "'H100'"]),
-    ("pools:\n  a:\n    url: sc://x:1\n    gpu_type: A10\n    gpus_per_node: 0\n", 5, ["gpus_per_node", "positive"]),
-    ("pools:\n  a:\n    url: sc://x:1\n    gpu_type: A10\n    gpus_per_node: 1\n    reserved: maybe\n", 6,
-     ["reserved", "true or false"]),
-    ("pools:\n  a:\n    url: sc://x:1\n    gpu_type: A10\n    gpus_per_node: 1\n    gpu: 2\n", 6,
-     ["unknown field", "'gpu'"]),
-    ("pools:\n  a:\n    url: sc://x:1\n    gpus_per_node: 1\n", 2, ["needs gpu_type:"]),
-    ("pool:\n  a: {}\n", 1, ["unknown top-level", "'pool'"]),
-    ("pools:\n  a:\n    url: sc://x:1\n    gpu_type: A10\n    gpus_per_node: 1\n    id: b\n"
-     "  b:\n    url: sc://y:1\n    gpu_type: A10\n    gpus_per_node: 1\n", 7, ["pool 'b': 'b' is already the name or id of pool 'a'", "unique"]),
-])
+@pytest.mark.parametrize(
+    "body, line, words",
+    [
+        ("pools:\n  a:\n    url: http://x:1\n    gpu_type: A10\n    gpus_per_node: 1\n", 3, ["url", "sc://host:15002"]),
+        (
+            "pools:\n  a:\n    url: sc://x:1\n    gpu_type: V100\n    gpus_per_node: 1\n",
+            4,
+            ["gpu_type", "'V100'", "'H100'"],
+        ),
+        (
+            "pools:\n  a:\n    url: sc://x:1\n    gpu_type: A10\n    gpus_per_node: 0\n",
+            5,
+            ["gpus_per_node", "positive"],
+        ),
+        (
+            "pools:\n  a:\n    url: sc://x:1\n    gpu_type: A10\n    gpus_per_node: 1\n    reserved: maybe\n",
+            6,
+            ["reserved", "true or false"],
+        ),
+        (
+            "pools:\n  a:\n    url: sc://x:1\n    gpu_type: A10\n    gpus_per_node: 1\n    gpu: 2\n",
+            6,
+            ["unknown field", "'gpu'"],
+        ),
+        ("pools:\n  a:\n    url: sc://x:1\n    gpus_per_node: 1\n", 2, ["needs gpu_type:"]),
+        ("pool:\n  a: {}\n", 1, ["unknown top-level", "'pool'"]),
+        (
+            "pools:\n  a:\n    url: sc://x:1\n    gpu_type: A10\n    gpus_per_node: 1\n    id: b\n"
+            "  b:\n    url: sc://y:1\n    gpu_type: A10\n    gpus_per_node: 1\n",
+            7,
+            ["pool 'b': 'b' is already the name or id of pool 'a'", "unique"],
+        ),
+    ],
+)
 def test_an_invalid_pools_file_names_its_line_and_field(tmp_path, body, line, words):
     path = write(tmp_path, body)
     with pytest.raises(ConfigurationError) as info:

@@ -112,8 +112,16 @@ def test_train_with_data_prepares_once_and_launches_that_job_with_data_url(tmp_p
     table.mkdir()
     gpu = GPUNamespace(spark=None)
 
-    gpu.train(uses_table, gpus=1, gpu_type="cpu", args=(CountsItsPickling(),), data=str(table),
-              data_format="table", callbacks=[], ship_environment=False)
+    gpu.train(
+        uses_table,
+        gpus=1,
+        gpu_type="cpu",
+        args=(CountsItsPickling(),),
+        data=str(table),
+        data_format="table",
+        callbacks=[],
+        ship_environment=False,
+    )
 
     # One job: checked before the data step and launched after it, under the same id.
     assert backend.resolved == [gpu.last_job_id]
@@ -170,7 +178,8 @@ def test_the_pools_usage_policy_refuses_before_the_backend_probes_anything(tmp_p
     (tmp_path / "policy.yaml").write_text("name: a10-pool\nmax_gpus_per_job: 1\n")
     (tmp_path / "pools.yaml").write_text(
         "pools:\n  a10:\n    url: sc://127.0.0.1:1\n    gpu_type: A10\n    gpus_per_node: 4\n"
-        f"    usage_policy: {tmp_path / 'policy.yaml'}\n")
+        f"    usage_policy: {tmp_path / 'policy.yaml'}\n"
+    )
     monkeypatch.setenv("SPARKGPU_POOLS", str(tmp_path / "pools.yaml"))
     reset_settings()
     backend = PoolBackend([0])

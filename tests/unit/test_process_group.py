@@ -37,10 +37,16 @@ def test_replaces_both_entry_points_and_puts_them_back(group):
     assert dist.init_process_group is ORIGINAL_INIT and c10d.destroy_process_group is ORIGINAL_DESTROY
 
 
-@pytest.mark.parametrize("kwargs", [
-    {}, {"backend": "gloo"}, {"backend": "GLOO", "init_method": "env://", "rank": 0, "world_size": 1},
-    {"backend": "cpu:gloo", "timeout": datetime.timedelta(seconds=1)}, {"backend": None, "store": dist.HashStore()},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"backend": "gloo"},
+        {"backend": "GLOO", "init_method": "env://", "rank": 0, "world_size": 1},
+        {"backend": "cpu:gloo", "timeout": datetime.timedelta(seconds=1)},
+        {"backend": None, "store": dist.HashStore()},
+    ],
+)
 def test_a_second_init_with_a_fitting_backend_reuses_the_group(group, kwargs, caplog):
     before = c10d._get_default_group()
     with caplog.at_level(logging.DEBUG, logger="sparkgpu.launch.process_group"):
@@ -59,11 +65,14 @@ def test_nccl_on_a_cpu_rank_gets_the_jobs_gloo_with_one_warning(group):
     assert dist.get_backend() == "gloo" and t.item() == 1.0
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"backend": "gloo", "world_size": 8}, r"world_size=8\) .*world_size 1: leave world_size out"),
-    ({"rank": 3}, r"rank=3\) .*leave rank out"),
-    ({"backend": "mpi"}, r"init_process_group\('mpi'\) .*without a backend, or with 'gloo'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"backend": "gloo", "world_size": 8}, r"world_size=8\) .*world_size 1: leave world_size out"),
+        ({"rank": 3}, r"rank=3\) .*leave rank out"),
+        ({"backend": "mpi"}, r"init_process_group\('mpi'\) .*without a backend, or with 'gloo'"),
+    ],
+)
 def test_what_the_group_cannot_be_is_a_clear_error(group, kwargs, match):
     with pytest.raises(ConfigurationError, match=match):
         dist.init_process_group(**kwargs)

@@ -25,8 +25,12 @@ def test_a_spark_tasks_addresses_take_precedence_over_the_spec():
 
 def test_simulated_gpus_hide_real_ones_but_keep_the_addresses():
     env = rank_device_env(_spec(["0", "1"], simulated=True), 1, None)
-    assert env == {"SPARKGPU_NODE_DEVICES": "0,1", "SPARKGPU_GPU_ADDRESS": "1", "SPARKGPU_SIMULATED_GPUS": "1",
-                   "CUDA_VISIBLE_DEVICES": ""}
+    assert env == {
+        "SPARKGPU_NODE_DEVICES": "0,1",
+        "SPARKGPU_GPU_ADDRESS": "1",
+        "SPARKGPU_SIMULATED_GPUS": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+    }
 
 
 def test_cpu_ranks_see_no_gpu():

@@ -50,8 +50,9 @@ def test_a_rank_that_reported_may_exit_with_code_zero():
 def test_after_a_crash_only_ranks_that_checkpoint_on_sigterm_are_killed():
     """Those would sit out the shutdown grace waiting for the dead peer; a rank that cleans up on
     SIGTERM (a Ray node) is left to torch's SIGTERM and grace."""
-    with RankExitWatcher("job-0", reported=lambda rank: False, crash_kill_delay=0.5,
-                         checkpoints_on_sigterm=lambda rank: rank == 1) as watcher:
+    with RankExitWatcher(
+        "job-0", reported=lambda rank: False, crash_kill_delay=0.5, checkpoints_on_sigterm=lambda rank: rank == 1
+    ) as watcher:
         crashed = _rank(0, "os._exit(3)")
         checkpointing = _rank(1, "time.sleep(60)")
         cleaning_up = _rank(2, "time.sleep(4); os._exit(0)")

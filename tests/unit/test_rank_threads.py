@@ -19,11 +19,15 @@ def test_the_hosts_cores_are_shared_out_between_its_ranks():
     assert threads_per_rank(1, cpus=8) == 8
 
 
-@pytest.mark.parametrize("environ, expected", [
-    ({}, {"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "3"}),
-    ({"OMP_NUM_THREADS": "5"}, {"OMP_NUM_THREADS": "5", "MKL_NUM_THREADS": "5"}),
-    ({"OMP_NUM_THREADS": "5", "MKL_NUM_THREADS": "2"}, {"OMP_NUM_THREADS": "5", "MKL_NUM_THREADS": "2"}),
-], ids=["launcher", "user-omp", "user-both"])
+@pytest.mark.parametrize(
+    "environ, expected",
+    [
+        ({}, {"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "3"}),
+        ({"OMP_NUM_THREADS": "5"}, {"OMP_NUM_THREADS": "5", "MKL_NUM_THREADS": "5"}),
+        ({"OMP_NUM_THREADS": "5", "MKL_NUM_THREADS": "2"}, {"OMP_NUM_THREADS": "5", "MKL_NUM_THREADS": "2"}),
+    ],
+    ids=["launcher", "user-omp", "user-both"],
+)
 def test_what_the_user_set_is_what_every_attempt_gets(environ, expected):
     assert rank_thread_env(environ, 3) == expected
 
@@ -42,8 +46,14 @@ print(json.dumps([before, pinned, torch.get_num_threads(), torch.get_num_interop
 
 def _rank(variables: dict) -> list:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    out = subprocess.run([sys.executable, "-c", _FORKED_RANK, json.dumps(variables)], env=env,
-                         capture_output=True, text=True, check=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", _FORKED_RANK, json.dumps(variables)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

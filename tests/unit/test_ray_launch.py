@@ -43,8 +43,11 @@ importlib.util.find_spec = lambda name, *a, **k: (
 def ray_installed(monkeypatch):
     real = importlib.util.find_spec
     if real("ray") is None:
-        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: (
-            importlib.machinery.ModuleSpec("ray", None) if name == "ray" else real(name, *a, **k)))
+        monkeypatch.setattr(
+            importlib.util,
+            "find_spec",
+            lambda name, *a, **k: importlib.machinery.ModuleSpec("ray", None) if name == "ray" else real(name, *a, **k),
+        )
 
 
 @pytest.fixture
@@ -60,9 +63,11 @@ def no_ray(monkeypatch, ray_installed):
 # -- decoration --------------------------------------------------------------------------------
 def test_missing_ray_is_reported_at_decoration_time_with_the_install_command(no_ray):
     with pytest.raises(MissingDependencyError) as err:
+
         @ray_launch(gpus=2, gpu_type="cpu")
         def job():
             return 1
+
     assert "pip install 'sparkgpu[ray]'" in str(err.value) and "@ray_launch" in str(err.value)
     with pytest.raises(MissingDependencyError):
         ray_launch(lambda: 1)  # bare use too
@@ -82,8 +87,13 @@ def test_decorating_does_not_import_ray_on_the_client():
         assert "ray" not in sys.modules, "ray was imported"
         print("ok")
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
 
@@ -147,8 +157,14 @@ def test_unpicklable_function_names_the_culprit_before_anything_starts(_isolated
 def ranks(n, *, per_node=None, gpus=True, host_cpus=16, memory=100 * GB, hosts=None):
     per_node = per_node or n
     return [
-        RankResources(rank=r, node_rank=r // per_node, hostname=(hosts or {}).get(r // per_node, f"host{r // per_node}"),
-                      cpus=host_cpus, gpu=str(r % per_node) if gpus else None, memory_available=memory)
+        RankResources(
+            rank=r,
+            node_rank=r // per_node,
+            hostname=(hosts or {}).get(r // per_node, f"host{r // per_node}"),
+            cpus=host_cpus,
+            gpu=str(r % per_node) if gpus else None,
+            memory_available=memory,
+        )
         for r in range(n)
     ]
 
@@ -194,8 +210,15 @@ def test_unknown_layout_is_a_configuration_error():
 def test_head_and_worker_commands():
     head = ray_start_command(RayNodeSpec(0, True, 4, ("0", "1")), "/tmp/sgray-x")
     assert head[1:5] == ["-m", "ray.scripts.scripts", "start", "--block"]
-    for flag in ("--head", "--port=0", "--disable-usage-stats", "--temp-dir=/tmp/sgray-x", "--num-cpus=4",
-                 "--num-gpus=2", "--include-dashboard=false"):
+    for flag in (
+        "--head",
+        "--port=0",
+        "--disable-usage-stats",
+        "--temp-dir=/tmp/sgray-x",
+        "--num-cpus=4",
+        "--num-gpus=2",
+        "--include-dashboard=false",
+    ):
         assert flag in head
     assert any(a.startswith("--dashboard-port=") for a in head)
     assert any(a.startswith("--ray-client-server-port=") for a in head)
@@ -219,13 +242,31 @@ def test_temp_dir_is_short_even_under_a_long_tmpdir(monkeypatch, tmp_path):
 
 
 def test_raylet_environment_drops_the_rank_identity_and_carries_the_nodes_gpus():
-    base = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "h", "MASTER_PORT": "1",
-            "TORCHELASTIC_RUN_ID": "x", "SPARKGPU_GPU_ADDRESS": "1", "CUDA_VISIBLE_DEVICES": "0,1,2,3",
-            "SPARKGPU_NODE_DEVICES": "0,1,2,3",
-            "SPARKGPU_JOB_ID": "job-1", "PYTHONPATH": "/opt/lib", "HOME": "/root"}
+    base = {
+        "RANK": "3",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "4",
+        "MASTER_ADDR": "h",
+        "MASTER_PORT": "1",
+        "TORCHELASTIC_RUN_ID": "x",
+        "SPARKGPU_GPU_ADDRESS": "1",
+        "CUDA_VISIBLE_DEVICES": "0,1,2,3",
+        "SPARKGPU_NODE_DEVICES": "0,1,2,3",
+        "SPARKGPU_JOB_ID": "job-1",
+        "PYTHONPATH": "/opt/lib",
+        "HOME": "/root",
+    }
     env = ray_node_env(RayNodeSpec(0, True, 8, ("0", "1")), base, import_paths=["/srv/proj"])
-    for gone in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-                 "SPARKGPU_GPU_ADDRESS", "SPARKGPU_NODE_DEVICES"):
+    for gone in (
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RUN_ID",
+        "SPARKGPU_GPU_ADDRESS",
+        "SPARKGPU_NODE_DEVICES",
+    ):
         assert gone not in env
     assert env["CUDA_VISIBLE_DEVICES"] == "0,1" and env["SPARKGPU_JOB_ID"] == "job-1"
     assert env["PYTHONPATH"] == os.pathsep.join(["/srv/proj", "/opt/lib"])
@@ -258,8 +299,13 @@ FAKE_RAY_START = textwrap.dedent("""
 
 def fake_node(tmp_path, mode):
     temp_dir = short_temp_dir()
-    return RayNode([sys.executable, "-c", FAKE_RAY_START, temp_dir, mode], dict(os.environ), temp_dir,
-                   tmp_path / "ray" / "start-rank-0.log", keep_logs=tmp_path / "kept")
+    return RayNode(
+        [sys.executable, "-c", FAKE_RAY_START, temp_dir, mode],
+        dict(os.environ),
+        temp_dir,
+        tmp_path / "ray" / "start-rank-0.log",
+        keep_logs=tmp_path / "kept",
+    )
 
 
 def wait_for_pid_file(path, timeout=30):
@@ -309,7 +355,8 @@ def test_a_node_that_never_comes_up_times_out_with_a_hint(tmp_path):
 def test_the_watchdog_kills_the_session_when_the_rank_dies_without_cleanup(tmp_path):
     """A rank killed with SIGKILL runs no cleanup; its watchdog sweeps the node's session."""
     script = tmp_path / "rank.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import os, sys
         sys.path.insert(0, {os.getcwd()!r})
         from pathlib import Path
@@ -325,7 +372,8 @@ def test_the_watchdog_kills_the_session_when_the_rank_dies_without_cleanup(tmp_p
             pass
         print(temp_dir, node.process.pid, worker_pid.read_text(), flush=True)
         os._exit(9)  # no finally, no stop()
-    """))
+    """)
+    )
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 9, out.stderr
     temp_dir, session, worker = out.stdout.split()
@@ -333,8 +381,11 @@ def test_the_watchdog_kills_the_session_when_the_rank_dies_without_cleanup(tmp_p
     deadline = time.monotonic() + 15
     alive = [worker]
     while alive and time.monotonic() < deadline:
-        alive = [pid for pid in (worker, int(session)) if psutil.pid_exists(pid)
-                 and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        alive = [
+            pid
+            for pid in (worker, int(session))
+            if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        ]
         time.sleep(0.1)
     assert alive == []
     deadline = time.monotonic() + 15

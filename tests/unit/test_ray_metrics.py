@@ -60,10 +60,14 @@ def test_logical_resources_become_used_and_total_with_bytes_in_megabytes():
     available = {"CPU": 6.0, "memory": 4e9, "object_store_memory": 7.5e8}  # every GPU taken
     metrics = summarize_resources(total, available)
     assert metrics == {
-        "ray/resources/cpu_used": 2.0, "ray/resources/cpu_total": 8.0,
-        "ray/resources/gpu_used": 2.0, "ray/resources/gpu_total": 2.0,
-        "ray/resources/memory_megabytes_used": 0.0, "ray/resources/memory_megabytes_total": 4000.0,
-        "ray/resources/object_store_megabytes_used": 250.0, "ray/resources/object_store_megabytes_total": 1000.0,
+        "ray/resources/cpu_used": 2.0,
+        "ray/resources/cpu_total": 8.0,
+        "ray/resources/gpu_used": 2.0,
+        "ray/resources/gpu_total": 2.0,
+        "ray/resources/memory_megabytes_used": 0.0,
+        "ray/resources/memory_megabytes_total": 4000.0,
+        "ray/resources/object_store_megabytes_used": 250.0,
+        "ray/resources/object_store_megabytes_total": 1000.0,
     }
 
 
@@ -83,10 +87,12 @@ def test_node_hardware_is_per_node_and_task_counts_add_up_over_nodes():
 
 def test_alive_actors_are_counted_when_ray_splits_them_into_idle_and_busy():
     # Ray 2.60 exports ALIVE_IDLE / ALIVE_RUNNING_TASKS where older releases said ALIVE.
-    text = ('# TYPE ray_actors gauge\n'
-            'ray_actors{Name="Holder",State="ALIVE_IDLE"} 3.0\n'
-            'ray_actors{Name="Holder",State="ALIVE_RUNNING_TASKS"} 1.0\n'
-            'ray_actors{Name="Gone",State="DEAD"} 2.0\n')
+    text = (
+        "# TYPE ray_actors gauge\n"
+        'ray_actors{Name="Holder",State="ALIVE_IDLE"} 3.0\n'
+        'ray_actors{Name="Holder",State="ALIVE_RUNNING_TASKS"} 1.0\n'
+        'ray_actors{Name="Gone",State="DEAD"} 2.0\n'
+    )
     metrics = summarize_node_metrics({"node_0": text})
     assert metrics["ray/actors/alive"] == 4.0
     assert metrics["ray/actors/alive_idle"] == 3.0 and metrics["ray/actors/dead"] == 2.0
@@ -131,7 +137,9 @@ class _Endpoint:
 
 def _ray_with(nodes):
     return types.SimpleNamespace(
-        cluster_resources=lambda: {"CPU": 2.0}, available_resources=lambda: {"CPU": 1.0}, nodes=lambda: nodes,
+        cluster_resources=lambda: {"CPU": 2.0},
+        available_resources=lambda: {"CPU": 1.0},
+        nodes=lambda: nodes,
     )
 
 
@@ -139,8 +147,16 @@ def test_reporter_samples_until_stopped_and_takes_a_last_sample_with_steps_since
     endpoint = _Endpoint(HEAD_TEXT)
     written = []
     try:
-        ray = _ray_with([{"Alive": True, "NodeManagerAddress": "127.0.0.1", "MetricsExportPort": endpoint.port,
-                          "Labels": {RANK_LABEL: "0"}}])
+        ray = _ray_with(
+            [
+                {
+                    "Alive": True,
+                    "NodeManagerAddress": "127.0.0.1",
+                    "MetricsExportPort": endpoint.port,
+                    "Labels": {RANK_LABEL: "0"},
+                }
+            ]
+        )
         reporter = RayMetricsReporter(ray, written.append, interval=0.2, started_at=time.time() - 10).start()
         time.sleep(0.7)
         endpoint.text = HEAD_TEXT.replace("} 37.5", "} 80.0")
@@ -148,8 +164,12 @@ def test_reporter_samples_until_stopped_and_takes_a_last_sample_with_steps_since
     finally:
         endpoint.close()
     assert reporter.samples_written >= 3
-    cpu = [(value, step) for batch in written for key, value, step, _ in batch
-           if key == "ray/node_0/cpu_utilization_percentage"]
+    cpu = [
+        (value, step)
+        for batch in written
+        for key, value, step, _ in batch
+        if key == "ray/node_0/cpu_utilization_percentage"
+    ]
     assert cpu[-1][0] == 80.0  # the last sample is taken at stop()
     steps = [step for _, step in cpu]
     assert steps == sorted(steps) and steps[0] >= 50  # 10 s into the job at 0.2 s per step
@@ -160,11 +180,17 @@ def test_a_node_without_metrics_agent_costs_its_metrics_only_and_is_named_once(c
     endpoint = _Endpoint(WORKER_TEXT)
     written = []
     try:
-        ray = _ray_with([
-            {"Alive": True, "NodeManagerAddress": "127.0.0.1", "MetricsExportPort": endpoint.port,
-             "Labels": {RANK_LABEL: "1"}},
-            {"Alive": True, "NodeManagerAddress": "127.0.0.1", "MetricsExportPort": 1, "Labels": {RANK_LABEL: "0"}},
-        ])
+        ray = _ray_with(
+            [
+                {
+                    "Alive": True,
+                    "NodeManagerAddress": "127.0.0.1",
+                    "MetricsExportPort": endpoint.port,
+                    "Labels": {RANK_LABEL: "1"},
+                },
+                {"Alive": True, "NodeManagerAddress": "127.0.0.1", "MetricsExportPort": 1, "Labels": {RANK_LABEL: "0"}},
+            ]
+        )
         reporter = RayMetricsReporter(ray, written.append, interval=0.1, started_at=time.time()).start()
         time.sleep(0.35)
         with caplog.at_level(logging.WARNING, logger="sparkgpu.ray.metrics"):

@@ -39,8 +39,11 @@ def dead_pid() -> int:
 
 
 def client_record(pid: int, host: str | None = None) -> dict:
-    return {"host": host or socket.gethostname(), "pid": pid, "pid_started": psutil.Process(pid).create_time()
-            if psutil.pid_exists(pid) else None}
+    return {
+        "host": host or socket.gethostname(),
+        "pid": pid,
+        "pid_started": psutil.Process(pid).create_time() if psutil.pid_exists(pid) else None,
+    }
 
 
 def interrupted_job(client: dict, status: str = "running") -> RunDir:
@@ -49,9 +52,16 @@ def interrupted_job(client: dict, status: str = "running") -> RunDir:
     rd = RunDir(settings().staging_root / job.job_id)
     rd.create(job.to_dict(), serialize_payload(lambda: 1, (), {}, []), KEY, [])
     save_key(job.job_id, KEY)
-    state = {"job_id": job.job_id, "status": status, "backend": "fake", "restarts": 0, "preemptions": 0,
-             "created_at": 0.0, "client": client,
-             "attempts": [{"attempt": 0, "started_at": 1.0, "ended_at": None, "status": "running"}]}
+    state = {
+        "job_id": job.job_id,
+        "status": status,
+        "backend": "fake",
+        "restarts": 0,
+        "preemptions": 0,
+        "created_at": 0.0,
+        "client": client,
+        "attempts": [{"attempt": 0, "started_at": 1.0, "ended_at": None, "status": "running"}],
+    }
     atomic_write_bytes(rd.state_file, json.dumps(state).encode())
     return rd
 

@@ -89,9 +89,16 @@ def test_a_half_removed_run_dir_left_by_an_exiting_process_goes_with_the_next_pr
     assert not hidden.exists()
 
 
-@pytest.mark.parametrize("raw, expected", [
-    ("100,30d", (100, 30.0)), ("all", (None, None)), ("5", (5, None)), ("7d", (None, 7.0)), (" 3 , 2d ", (3, 2.0)),
-])
+@pytest.mark.parametrize(
+    "raw, expected",
+    [
+        ("100,30d", (100, 30.0)),
+        ("all", (None, None)),
+        ("5", (5, None)),
+        ("7d", (None, 7.0)),
+        (" 3 , 2d ", (3, 2.0)),
+    ],
+)
 def test_keep_runs_setting(monkeypatch, raw, expected):
     monkeypatch.setenv("SPARKGPU_KEEP_RUNS", raw)
     reset_settings()

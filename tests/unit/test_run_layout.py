@@ -21,7 +21,7 @@ KEY = b"k" * 32
 
 # Stands in for the shipped environment's rehydration: it records the report where the
 # entrypoint says, as the real module does, then ends the rank before any training.
-_HYDRATE_STUB = b'''
+_HYDRATE_STUB = b"""
 import json, os, sys, types
 
 def hydrate(env, cache):
@@ -38,7 +38,7 @@ def record_report(report, report_path, log_path):
     with open(log_path, "a") as f:
         f.write("sparkgpu: environment ready\\n")
     sys.exit(0)
-'''
+"""
 
 
 def _noop():
@@ -47,8 +47,13 @@ def _noop():
 
 def test_the_entrypoint_records_the_environment_report_where_the_client_reads_it(tmp_path):
     rd = RunDir(tmp_path / "job-layout")
-    rd.create({"job_id": "job-layout", "env": {"name": "e1"}}, serialize_payload(_noop, (), {}, []), KEY, [],
-             extra_files={RunLayout.HYDRATE: _HYDRATE_STUB})
+    rd.create(
+        {"job_id": "job-layout", "env": {"name": "e1"}},
+        serialize_payload(_noop, (), {}, []),
+        KEY,
+        [],
+        extra_files={RunLayout.HYDRATE: _HYDRATE_STUB},
+    )
     env = {**os.environ, KEY_ENV: KEY.hex(), "SPARKGPU_ATTEMPT": "2", "RANK": "5"}
     done = subprocess.run([sys.executable, str(rd.air)], env=env, capture_output=True, timeout=60)
     assert done.returncode == 0, done.stderr.decode()
@@ -73,7 +78,14 @@ def test_a_run_dir_reads_only_the_files_the_layout_names(tmp_path):
 
 def test_the_files_a_node_needs_and_the_files_the_client_controls():
     spec = {"signed_files": ["_hydrate.py", "code.tar"]}
-    assert RunLayout.payload_files(spec) == ["_air.py", "spec.json", "payload.pkl", "payload.sig", "_hydrate.py", "code.tar"]
+    assert RunLayout.payload_files(spec) == [
+        "_air.py",
+        "spec.json",
+        "payload.pkl",
+        "payload.sig",
+        "_hydrate.py",
+        "code.tar",
+    ]
     control = RunLayout.control_files(4)
     assert control == ("attempts/4/STOP", "attempts/4/spark/CANCEL", "attempts/4/spark/client.heartbeat")
     assert RunLayout.is_node_end_marker(RunLayout.node_marker(4, 1, "ended"))

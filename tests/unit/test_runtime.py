@@ -7,8 +7,16 @@ from sparkgpu import runtime
 
 @pytest.fixture(autouse=True)
 def _fresh_flag(monkeypatch):
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "SPARKGPU_RUN_DIR", "SPARKGPU_CHECKPOINT_DEADLINE",
-                 "SPARKGPU_ATTEMPT", "SPARKGPU_JOB_ID", "SPARKGPU_CHECKPOINT_DIR"):
+    for name in (
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "SPARKGPU_RUN_DIR",
+        "SPARKGPU_CHECKPOINT_DEADLINE",
+        "SPARKGPU_ATTEMPT",
+        "SPARKGPU_JOB_ID",
+        "SPARKGPU_CHECKPOINT_DIR",
+    ):
         monkeypatch.delenv(name, raising=False)
     runtime._checkpoint_requested.clear()
     yield

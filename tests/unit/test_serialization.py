@@ -18,8 +18,9 @@ def test_a_function_pickled_by_value_keeps_its_file_so_rank_tracebacks_show_the_
     payload = pickle.loads(serialize_payload(fails, (3,), {}, []))
     fn, args, _, _ = unpack_payload(payload)
     assert fn.__code__.co_filename == __file__
-    assert fn.__code__.co_consts and all(c.co_filename == __file__ for c in fn.__code__.co_consts
-                                         if hasattr(c, "co_filename"))  # nested functions too
+    assert fn.__code__.co_consts and all(
+        c.co_filename == __file__ for c in fn.__code__.co_consts if hasattr(c, "co_filename")
+    )  # nested functions too
     try:
         fn(*args)
     except ValueError as exc:

@@ -32,14 +32,26 @@ class BrokenStream:
 
 @pytest.fixture
 def attempt(tmp_path):
-    job = JobSpec(job_id="job-1", name="train", resources=Resources(2, "cpu"), backend="spark",
-                  policy=RunPolicy(shutdown_grace=0.5))
+    job = JobSpec(
+        job_id="job-1",
+        name="train",
+        resources=Resources(2, "cpu"),
+        backend="spark",
+        policy=RunPolicy(shutdown_grace=0.5),
+    )
     rd = RunDir(tmp_path / "job-1")
     rd.create(job.to_dict(), serialize_payload(lambda: 1, (), {}, []), b"k" * 32, [])
     rd.prepare_attempt(0)
     rd.spark_dir(0).mkdir(parents=True)
-    return SparkAttempt(attempt=0, job=job, run_dir=rd, layout=NodeLayout(2, 1, 0), tag="sparkgpu-job-1-0",
-                        submitted_at=time.monotonic(), submitted_wall=time.time())
+    return SparkAttempt(
+        attempt=0,
+        job=job,
+        run_dir=rd,
+        layout=NodeLayout(2, 1, 0),
+        tag="sparkgpu-job-1-0",
+        submitted_at=time.monotonic(),
+        submitted_wall=time.time(),
+    )
 
 
 def start_marker(attempt, node, started_at):
@@ -53,9 +65,16 @@ class RunningNode:
     def __init__(self, attempt, node, peer_timeout=None):
         start_marker(attempt, node, time.time())
         self.agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-        launch = NodeLaunch(run_dir=str(attempt.run_dir.path), attempt=attempt.attempt, nnodes=2, nproc=1, env={},
-                            shutdown_grace=attempt.job.policy.shutdown_grace, client_timeout=None,
-                            peer_timeout=peer_timeout)
+        launch = NodeLaunch(
+            run_dir=str(attempt.run_dir.path),
+            attempt=attempt.attempt,
+            nnodes=2,
+            nproc=1,
+            env={},
+            shutdown_grace=attempt.job.policy.shutdown_grace,
+            client_timeout=None,
+            peer_timeout=peer_timeout,
+        )
         self.thread = threading.Thread(target=_watch, args=(self.agent, attempt.run_dir, launch, node), daemon=True)
         self.thread.start()
 
@@ -149,8 +168,9 @@ def lost_node(attempt, node):
     """A node that started and beat once, then vanished with its executor: no more beats, no end marker."""
     start_marker(attempt, node, time.time())
     sdir = attempt.run_dir.spark_dir(attempt.attempt)
-    (sdir / f"node-{node}.started").write_text(json.dumps({"node": node, "executor": "7", "host": "10.0.0.7",
-                                                           "started_at": time.time()}))
+    (sdir / f"node-{node}.started").write_text(
+        json.dumps({"node": node, "executor": "7", "host": "10.0.0.7", "started_at": time.time()})
+    )
     (sdir / f"node-{node}.beat").write_text("1\n")
 
 

@@ -12,8 +12,14 @@ BUSY = ExecutorInfo("busy-0", "?", 2, busy=True)
 
 
 def cluster(*executors):
-    return SparkCapacity(master="spark://head:7077", executors=executors, gpus_per_executor=2, gpu_type="A10",
-                         gpu_type_source="conf", simulated=False)
+    return SparkCapacity(
+        master="spark://head:7077",
+        executors=executors,
+        gpus_per_executor=2,
+        gpu_type="A10",
+        gpu_type_source="conf",
+        simulated=False,
+    )
 
 
 def test_a_busy_executor_counts_with_the_confs_gpus_so_the_job_waits_for_it():

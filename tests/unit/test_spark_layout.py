@@ -11,19 +11,29 @@ from sparkgpu.launch.backends.spark_capacity import ExecutorInfo, NodeLayout, Sp
 def cluster(*addresses, gpu_type="A10", cores=8, master="spark://head:7077", per_executor=None, **extra):
     executors = tuple(ExecutorInfo(str(i), f"host-{i}", cores, tuple(a)) for i, a in enumerate(addresses))
     per_executor = per_executor if per_executor is not None else max((len(a) for a in addresses), default=0)
-    return SparkCapacity(master=master, executors=executors, gpus_per_executor=per_executor, gpu_type=gpu_type,
-                         gpu_type_source="conf", simulated=False, **extra)
+    return SparkCapacity(
+        master=master,
+        executors=executors,
+        gpus_per_executor=per_executor,
+        gpu_type=gpu_type,
+        gpu_type_source="conf",
+        simulated=False,
+        **extra,
+    )
 
 
 TWO_BY_TWO = cluster(("0", "1"), ("2", "3"))
 
 
-@pytest.mark.parametrize("gpus, expected", [
-    (4, NodeLayout(2, 2, 2)),   # a whole executor per node
-    (2, NodeLayout(1, 2, 2)),   # fits one executor: one node, no network between its ranks
-    (1, NodeLayout(1, 1, 1)),
-    (3, NodeLayout(3, 1, 1)),   # 3 does not split into 2s: one GPU per task
-])
+@pytest.mark.parametrize(
+    "gpus, expected",
+    [
+        (4, NodeLayout(2, 2, 2)),  # a whole executor per node
+        (2, NodeLayout(1, 2, 2)),  # fits one executor: one node, no network between its ranks
+        (1, NodeLayout(1, 1, 1)),
+        (3, NodeLayout(3, 1, 1)),  # 3 does not split into 2s: one GPU per task
+    ],
+)
 def test_gpu_jobs_use_as_few_nodes_as_fit(gpus, expected):
     assert plan_layout(gpus, "A10", TWO_BY_TWO) == expected
 
@@ -142,8 +152,9 @@ def test_a_tagged_action_that_waits_too_long_is_interrupted_and_named():
     session, out = TaggedSession(), io.StringIO()
     started = time.monotonic()
     with pytest.raises(CapacityError, match="gave up waiting for the probe after 1s.*SPARKGPU_SPARK_WAIT_TIMEOUT"):
-        run_tagged(session, lambda: BlockingFrame(session), "probe-1", timeout=1.0, what="the probe", out=out,
-                   notice_after=0.2)
+        run_tagged(
+            session, lambda: BlockingFrame(session), "probe-1", timeout=1.0, what="the probe", out=out, notice_after=0.2
+        )
     assert 1.0 <= time.monotonic() - started < 5
     assert session.interrupted == ["probe-1"]
     assert "still waiting for the probe" in out.getvalue()

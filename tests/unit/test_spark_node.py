@@ -50,8 +50,15 @@ def start_agent(tmp_path, seconds: float, code: int = 0) -> subprocess.Popen:
 
 
 def launch(rd: RunDir, client_timeout=None) -> NodeLaunch:
-    return NodeLaunch(run_dir=str(rd.path), attempt=0, nnodes=2, nproc=2, env={"SPARKGPU_JOB_KEY": "ab" * 32},
-                      shutdown_grace=1, client_timeout=client_timeout)
+    return NodeLaunch(
+        run_dir=str(rd.path),
+        attempt=0,
+        nnodes=2,
+        nproc=2,
+        env={"SPARKGPU_JOB_KEY": "ab" * 32},
+        shutdown_grace=1,
+        client_timeout=client_timeout,
+    )
 
 
 def test_an_agent_that_finishes_is_reported_with_its_exit_code(run_dir, tmp_path):
@@ -94,7 +101,9 @@ def test_a_silent_client_stops_the_node_after_its_timeout(run_dir, tmp_path):
 
 def test_an_agent_that_ignores_sigterm_is_killed_after_the_grace(run_dir, tmp_path):
     script = tmp_path / "stubborn.py"
-    script.write_text("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('up', flush=True)\ntime.sleep(60)\n")
+    script.write_text(
+        "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('up', flush=True)\ntime.sleep(60)\n"
+    )
     agent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     agent.stdout.readline()
     atomic_write_bytes(run_dir.spark_cancel_file(0), b"x")
@@ -132,11 +141,28 @@ def test_the_job_key_stays_out_of_the_launch_repr(run_dir):
 
 
 def test_spark_secrets_are_stripped_and_nothing_else():
-    env = {"_SPARK_AUTH_SECRET": "a", "PYTHON_WORKER_FACTORY_SECRET": "b", "PYSPARK_GATEWAY_SECRET": "c",
-           "_SPARK_SSL_RPC_KEY_STORE_PASSWORD": "d", "_SPARK_SSL_RPC_TRUST_STORE_PASSWORD": "e",
-           "SPARK_HOME": "/opt/spark", "PYTHON_WORKER_FACTORY_PORT": "1", "SPARKGPU_JOB_KEY": "ab", "PATH": "/bin"}
+    env = {
+        "_SPARK_AUTH_SECRET": "a",
+        "PYTHON_WORKER_FACTORY_SECRET": "b",
+        "PYSPARK_GATEWAY_SECRET": "c",
+        "_SPARK_SSL_RPC_KEY_STORE_PASSWORD": "d",
+        "_SPARK_SSL_RPC_TRUST_STORE_PASSWORD": "e",
+        "SPARK_HOME": "/opt/spark",
+        "PYTHON_WORKER_FACTORY_PORT": "1",
+        "SPARKGPU_JOB_KEY": "ab",
+        "PATH": "/bin",
+    }
     removed = strip_spark_secrets(env)
-    assert removed == ["PYSPARK_GATEWAY_SECRET", "PYTHON_WORKER_FACTORY_SECRET", "_SPARK_AUTH_SECRET",
-                       "_SPARK_SSL_RPC_KEY_STORE_PASSWORD", "_SPARK_SSL_RPC_TRUST_STORE_PASSWORD"]
-    assert env == {"SPARK_HOME": "/opt/spark", "PYTHON_WORKER_FACTORY_PORT": "1", "SPARKGPU_JOB_KEY": "ab",
-                   "PATH": "/bin"}
+    assert removed == [
+        "PYSPARK_GATEWAY_SECRET",
+        "PYTHON_WORKER_FACTORY_SECRET",
+        "_SPARK_AUTH_SECRET",
+        "_SPARK_SSL_RPC_KEY_STORE_PASSWORD",
+        "_SPARK_SSL_RPC_TRUST_STORE_PASSWORD",
+    ]
+    assert env == {
+        "SPARK_HOME": "/opt/spark",
+        "PYTHON_WORKER_FACTORY_PORT": "1",
+        "SPARKGPU_JOB_KEY": "ab",
+        "PATH": "/bin",
+    }

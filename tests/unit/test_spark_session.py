@@ -15,8 +15,9 @@ from sparkgpu.session import GPUNamespace
 
 def run_python(code: str) -> str:
     env = {k: v for k, v in os.environ.items() if k != "SPARKGPU_SPARK_REMOTE"}
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
-                            env=env)
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120, env=env
+    )
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -121,8 +122,9 @@ def test_a_session_its_connect_server_closed_is_replaced_or_the_error_says_how_t
     from sparkgpu.launch.backends import spark as spark_backend
 
     def closed_session():  # what pyspark leaves after "[INVALID_HANDLE.SESSION_CHANGED] ... Please reconnect."
-        return SimpleNamespace(is_stopped=True, client=SimpleNamespace(_builder=DefaultChannelBuilder(
-            "sc://head:15002/;token=s3cr3t")))
+        return SimpleNamespace(
+            is_stopped=True, client=SimpleNamespace(_builder=DefaultChannelBuilder("sc://head:15002/;token=s3cr3t"))
+        )
 
     opened = []
     monkeypatch.setattr(spark_backend, "new_connect_session", lambda url: opened.append(url) or "the new session")
@@ -138,6 +140,9 @@ def test_a_session_its_connect_server_closed_is_replaced_or_the_error_says_how_t
 
     monkeypatch.setattr(spark_backend, "new_connect_session", server_down)
     backend = spark_backend.SparkBackend(spark=closed_session(), client_timeout=None, staging_url="", out=out)
-    with pytest.raises(ConfigurationError, match="cannot reconnect to the Spark Connect server at sc://head:15002 "
-                                                 r"\(ConnectionError.*`sparkgpu resume JOB_ID` continues the job"):
+    with pytest.raises(
+        ConfigurationError,
+        match="cannot reconnect to the Spark Connect server at sc://head:15002 "
+        r"\(ConnectionError.*`sparkgpu resume JOB_ID` continues the job",
+    ):
         backend._reconnect_if_closed()

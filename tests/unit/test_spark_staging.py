@@ -26,8 +26,13 @@ from tests.unit.test_spark_attempts import BrokenStream
 
 @pytest.fixture
 def job(tmp_path):
-    job = JobSpec(job_id="job-1", name="train", resources=Resources(2, "cpu"), backend="spark",
-                  policy=RunPolicy(shutdown_grace=0.5))
+    job = JobSpec(
+        job_id="job-1",
+        name="train",
+        resources=Resources(2, "cpu"),
+        backend="spark",
+        policy=RunPolicy(shutdown_grace=0.5),
+    )
     rd = RunDir(tmp_path / "client" / "job-1")
     rd.create(job.to_dict(), serialize_payload(lambda: 1, (), {}, []), b"k" * 32, [])
     rd.prepare_attempt(0)
@@ -45,8 +50,16 @@ class NodeOnItsOwnExecutor:
         assert _claim(self.rd.node_marker(0, node, "started"), {"node": node, "started_at": time.time()})
         self.mirror.start(interval=0.1)
         self.agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-        launch = NodeLaunch(run_dir="/client/only/job-1", attempt=0, nnodes=2, nproc=1, env={}, shutdown_grace=0.5,
-                            client_timeout=None, store_url=url)
+        launch = NodeLaunch(
+            run_dir="/client/only/job-1",
+            attempt=0,
+            nnodes=2,
+            nproc=1,
+            env={},
+            shutdown_grace=0.5,
+            client_timeout=None,
+            store_url=url,
+        )
 
         def run():
             _watch(self.agent, self.rd, launch, node)
@@ -66,8 +79,16 @@ def test_ranks_that_outlive_a_broken_stream_are_stopped_through_the_store(job, t
     job, rd, url = job
     session = TaggedSession()
     backend = SparkBackend(spark=session, client_timeout=None, staging_url=url)
-    handle = SparkAttempt(attempt=0, job=job, run_dir=rd, layout=NodeLayout(2, 1, 0), tag="sparkgpu-job-1-0",
-                          submitted_at=time.monotonic(), submitted_wall=time.time(), mirror=backend._mirror(rd))
+    handle = SparkAttempt(
+        attempt=0,
+        job=job,
+        run_dir=rd,
+        layout=NodeLayout(2, 1, 0),
+        tag="sparkgpu-job-1-0",
+        submitted_at=time.monotonic(),
+        submitted_wall=time.time(),
+        mirror=backend._mirror(rd),
+    )
     handle.mirror.start(0, 0.1)
     nodes = [NodeOnItsOwnExecutor(tmp_path, url, n) for n in range(2)]
     try:

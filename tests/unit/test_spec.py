@@ -8,10 +8,20 @@ from sparkgpu.spec import JobSpec, Resources, RunPolicy, new_job_id
 from sparkgpu.units import parse_duration
 
 
-@pytest.mark.parametrize("value,seconds", [
-    ("7d", 7 * 86400), ("90s", 90), ("30m", 1800), ("1.5h", 5400), (12, 12), (0.5, 0.5),
-    (datetime.timedelta(minutes=2), 120), ("250ms", 0.25), (None, None),
-])
+@pytest.mark.parametrize(
+    "value,seconds",
+    [
+        ("7d", 7 * 86400),
+        ("90s", 90),
+        ("30m", 1800),
+        ("1.5h", 5400),
+        (12, 12),
+        (0.5, 0.5),
+        (datetime.timedelta(minutes=2), 120),
+        ("250ms", 0.25),
+        (None, None),
+    ],
+)
 def test_durations_in_every_form_users_write(value, seconds):
     assert parse_duration(value) == seconds
 
@@ -55,9 +65,15 @@ def test_grace_must_be_shorter_than_the_cap():
 
 
 def test_job_spec_round_trips_through_json_dict():
-    job = JobSpec(job_id=new_job_id("Train CTR!"), name="train", resources=Resources(4, "A10"),
-                  policy=RunPolicy(timeout="1h", max_runtime="7d", max_restarts=2), log_ranks=None,
-                  tags={"team": "ml"}, devices=("0", "1", "2", "3"))
+    job = JobSpec(
+        job_id=new_job_id("Train CTR!"),
+        name="train",
+        resources=Resources(4, "A10"),
+        policy=RunPolicy(timeout="1h", max_runtime="7d", max_restarts=2),
+        log_ranks=None,
+        tags={"team": "ml"},
+        devices=("0", "1", "2", "3"),
+    )
     assert job.job_id.startswith("train-ctr-")
     again = JobSpec.from_dict(job.to_dict())
     assert again == job

@@ -32,8 +32,13 @@ def sides(tmp_path):
     """``(client mirror, node mirror, store root)`` for node 0 of attempt 0 of a staged job."""
     job = JobSpec(job_id="job-1", name="double", resources=Resources(2, "cpu"), backend="spark")
     client_rd = RunDir(tmp_path / "client" / "runs" / "job-1")
-    client_rd.create(job.to_dict(), serialize_payload(double, (21,), {}, []), KEY, [],
-                    extra_files={"_hydrate.py": b"# shipped beside the payload\n"})
+    client_rd.create(
+        job.to_dict(),
+        serialize_payload(double, (21,), {}, []),
+        KEY,
+        [],
+        extra_files={"_hydrate.py": b"# shipped beside the payload\n"},
+    )
     client_rd.prepare_attempt(0)
     (client_rd.attempt_dir(0) / "spark").mkdir()
     url = (tmp_path / "store").as_uri()
@@ -135,8 +140,11 @@ def test_the_final_push_sends_results_and_errors_before_the_nodes_end_markers(si
     node.finish()
 
     assert uploads[-2:] == ["attempts/0/node-0.json", "attempts/0/spark/node-0.ended"]
-    assert set(uploads[:-2]) == {"attempts/0/results/rank-0.pkl", "attempts/0/results/rank-1.error.pkl",
-                                 "attempts/0/logs/rank-1.log"}
+    assert set(uploads[:-2]) == {
+        "attempts/0/results/rank-0.pkl",
+        "attempts/0/results/rank-1.error.pkl",
+        "attempts/0/logs/rank-1.log",
+    }
     client.sync(0)
     client_rd = client.run_dir
     client_rd.key = KEY

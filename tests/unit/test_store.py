@@ -20,9 +20,12 @@ class Cut(Exception):
 def _everything(store: Store) -> list[str]:
     """Every file under the store as its filesystem shows it, temporaries included."""
     if store.is_local:
-        return sorted(os.path.relpath(os.path.join(folder, name), store.url)
-                      for folder, _, names in os.walk(store.url) for name in names)
-    return sorted(path[len(store.root) + 1:] for path in store.fs.find(store.root))
+        return sorted(
+            os.path.relpath(os.path.join(folder, name), store.url)
+            for folder, _, names in os.walk(store.url)
+            for name in names
+        )
+    return sorted(path[len(store.root) + 1 :] for path in store.fs.find(store.root))
 
 
 @pytest.fixture(params=["local", "file-url", "memory"])
@@ -149,7 +152,9 @@ def test_bad_locations_fail_before_anything_is_written():
     with pytest.raises(ConfigurationError, match="the output folder is empty"):
         Store("", what="the output folder")
     if importlib.util.find_spec("gcsfs") is None:
-        with pytest.raises(MissingDependencyError, match="the checkpoint directory gs://bucket/x .*`pip install gcsfs`"):
+        with pytest.raises(
+            MissingDependencyError, match="the checkpoint directory gs://bucket/x .*`pip install gcsfs`"
+        ):
             Store("gs://bucket/x", what="the checkpoint directory")
     with pytest.raises(ConfigurationError, match="knows no filesystem for nosuch://"):
         Store("nosuch://bucket/x")

@@ -58,8 +58,13 @@ def test_success_returns_results_in_rank_order_and_records_state(tmp_path):
     assert sup.run() == [{"rank": 0, "attempt": 0}, {"rank": 1, "attempt": 0}]
     state = json.loads(rd.state_file.read_text())
     assert state["status"] == "succeeded" and [a["status"] for a in state["attempts"]] == ["succeeded"]
-    assert cb.events == ["before_job", "before_attempt:0", "ranks_started:0", "after_attempt:0:succeeded",
-                         "after_job:ok"]
+    assert cb.events == [
+        "before_job",
+        "before_attempt:0",
+        "ranks_started:0",
+        "after_attempt:0:succeeded",
+        "after_job:ok",
+    ]
     env = backend.submitted_env[0]
     assert env["SPARKGPU_ATTEMPT"] == "0" and env["TRACKING_RUN"] == "run-1"
     assert env["SPARKGPU_CHECKPOINT_DIR"] == str(rd.checkpoints)
@@ -213,8 +218,13 @@ def test_an_error_from_the_backend_ends_the_attempt_and_runs_the_callbacks(tmp_p
     (attempt,) = state["attempts"]
     assert attempt["status"] == "failed" and attempt["ended_at"] >= attempt["started_at"]
     assert attempt["cause"] == ["CapacityError: gave up after waiting 600s for 1 node(s) x 2 A10"]
-    assert cb.events == ["before_job", "before_attempt:0", "ranks_started:0", "after_attempt:0:failed",
-                         "after_job:CapacityError"]
+    assert cb.events == [
+        "before_job",
+        "before_attempt:0",
+        "ranks_started:0",
+        "after_attempt:0:failed",
+        "after_job:CapacityError",
+    ]
     assert "attempt 0 rank 0" in out.getvalue()  # the log streamer was drained, not dropped
 
 
@@ -311,7 +321,7 @@ def test_billing_starts_when_the_ranks_start_not_at_submit(tmp_path):
 
     ledger = UsageLedger(str(tmp_path / "ledger"))
     meter = UsageMeter(ledger, policy=False)
-    sup, *_ , rd, out = run_job(tmp_path, ["ok"])
+    sup, *_, rd, out = run_job(tmp_path, ["ok"])
     sup.backend = backend = WaitsForGPUs(["ok"], wait=1.5, meter=meter)
     sup.callbacks.append(meter)
     sup.run()
@@ -405,8 +415,12 @@ class LosingBackend(ScriptedBackend):
         self.script[attempt] = "raise"  # rank errors on both ranks; the report says why
         handle = super().submit(job, run_dir, attempt, env)
         run_dir.error_file(attempt, 1).unlink()  # the lost node's rank never wrote how it ended
-        AttemptReport(attempt, nodes=[NodeReport(1, "7", "10.0.0.7", "lost", [1], cause="no heartbeat for 10s")],
-                      notes=["a note"], lost_at=self.lost_at).write(run_dir.attempt_dir(attempt))
+        AttemptReport(
+            attempt,
+            nodes=[NodeReport(1, "7", "10.0.0.7", "lost", [1], cause="no heartbeat for 10s")],
+            notes=["a note"],
+            lost_at=self.lost_at,
+        ).write(run_dir.attempt_dir(attempt))
         return handle
 
 
@@ -436,7 +450,8 @@ class NotingBackend(ScriptedBackend):
     def submit(self, job, run_dir, attempt, env, layout=None):
         run_dir.prepare_attempt(attempt)
         AttemptReport(attempt, notes=["executor 1 on h cannot see the run dir /x: set SPARKGPU_STAGING_ROOT"]).write(
-            run_dir.attempt_dir(attempt))
+            run_dir.attempt_dir(attempt)
+        )
         return FakeAttempt(attempt=attempt, code=1, polls_left=1)
 
 

@@ -93,8 +93,9 @@ def test_param_groups_and_second_optimizer_get_their_own_names(spool, session):
     hook = OptimizerAutolog(session.writer)
     hook.install()
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
-    grouped = torch.optim.SGD([{"params": model[0].parameters(), "lr": 0.1},
-                               {"params": model[1].parameters(), "lr": 0.01}], momentum=0.9)
+    grouped = torch.optim.SGD(
+        [{"params": model[0].parameters(), "lr": 0.1}, {"params": model[1].parameters(), "lr": 0.01}], momentum=0.9
+    )
     other = torch.optim.Adam(torch.nn.Linear(3, 1).parameters(), lr=1e-3)
     grouped.step()
     other.step()

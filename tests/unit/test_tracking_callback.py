@@ -50,11 +50,23 @@ def test_function_source_and_name():
 
 
 def test_job_spec_becomes_flat_params():
-    spec = {"job_id": "j", "name": "train", "backend": "local", "simulated": False,
-            "resources": {"gpus": 8, "gpu_type": "H100", "remote": True},
-            "policy": {"max_runtime": 604800.0, "max_restarts": 3, "timeout": None}}
-    assert _job_params(spec) == {"gpus": "8", "gpu_type": "H100", "remote": "True", "policy.max_runtime": "604800.0",
-                                 "policy.max_restarts": "3", "backend": "local", "simulated": "False"}
+    spec = {
+        "job_id": "j",
+        "name": "train",
+        "backend": "local",
+        "simulated": False,
+        "resources": {"gpus": 8, "gpu_type": "H100", "remote": True},
+        "policy": {"max_runtime": 604800.0, "max_restarts": 3, "timeout": None},
+    }
+    assert _job_params(spec) == {
+        "gpus": "8",
+        "gpu_type": "H100",
+        "remote": "True",
+        "policy.max_runtime": "604800.0",
+        "policy.max_restarts": "3",
+        "backend": "local",
+        "simulated": "False",
+    }
 
 
 def test_environment_lock_lists_installed_distributions_pip_freeze_style():
@@ -63,8 +75,11 @@ def test_environment_lock_lists_installed_distributions_pip_freeze_style():
     assert lines[0].startswith("# python 3.")
     assert f"torch=={importlib.metadata.version('torch')}" in lines
     assert f"mlflow=={importlib.metadata.version('mlflow')}" in lines
-    names = [re.sub(r"[-_.]+", "-", line.split("==")[0].split(" @ ")[0]).lower()
-             for line in lines[1:] if not line.startswith("-e ")]
+    names = [
+        re.sub(r"[-_.]+", "-", line.split("==")[0].split(" @ ")[0]).lower()
+        for line in lines[1:]
+        if not line.startswith("-e ")
+    ]
     assert names == sorted(names) and len(names) == len(set(names))
 
 
@@ -95,11 +110,14 @@ def test_the_system_metrics_interval_is_a_setting_of_the_default_run(monkeypatch
         default_callbacks()
 
 
-@pytest.mark.parametrize("source, version, kind", [
-    ("main.ml.clicks", None, "spark"),  # a catalog table's name
-    ("s3://bucket/clicks", None, "spark"),
-    ("s3://bucket/clicks", 3, "delta_table"),
-])
+@pytest.mark.parametrize(
+    "source, version, kind",
+    [
+        ("main.ml.clicks", None, "spark"),  # a catalog table's name
+        ("s3://bucket/clicks", None, "spark"),
+        ("s3://bucket/clicks", 3, "delta_table"),
+    ],
+)
 def test_the_data_source_becomes_an_mlflow_dataset_input(source, version, kind):
     dataset = _dataset_input(source, version).dataset
     assert dataset.source_type == kind and dataset.name == source.rsplit("/", 1)[-1]

@@ -13,7 +13,10 @@ def test_tracking_uri_from_the_environment_wins_over_the_embedded_store(monkeypa
     monkeypatch.delenv("MLFLOW_REGISTRY_URI", raising=False)
     target = store.resolve_target()
     assert (target.tracking_uri, target.registry_uri, target.embedded) == (
-        "http://tracking.example:5000", "http://tracking.example:5000", False)
+        "http://tracking.example:5000",
+        "http://tracking.example:5000",
+        False,
+    )
     assert target.artifact_root is None  # a server decides where artifacts go
 
 

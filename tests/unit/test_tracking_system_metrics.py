@@ -78,8 +78,9 @@ def test_steps_count_intervals_since_the_job_started(tmp_path):
 
     started = time.time() - 125
     before = time.time()
-    monitor = NodeMetricsMonitor("r" * 32, node_rank=0, tracking_uri=_uri(tmp_path), interval=10,
-                                 job_started_at=started, gpu_devices=[])
+    monitor = NodeMetricsMonitor(
+        "r" * 32, node_rank=0, tracking_uri=_uri(tmp_path), interval=10, job_started_at=started, gpu_devices=[]
+    )
     after = time.time()
     # A resumed attempt starting 125 s into the job continues the curves at step 12 (or
     # later, when building the monitor itself took seconds on a busy machine).

@@ -10,19 +10,22 @@ from sparkgpu.errors import ConfigurationError
 from sparkgpu.units import parse_duration, parse_size
 
 
-@pytest.mark.parametrize("value, expected", [
-    (4096, 4096),
-    ("100", 100),
-    ("100b", 100),
-    ("64MB", 64_000_000),
-    ("64mb", 64_000_000),          # case does not change the unit
-    ("64 kB", 64_000),
-    ("1.5T", 1_500_000_000_000),
-    ("64MiB", 64 << 20),
-    ("64mib", 64 << 20),
-    ("2GiB", 2 << 30),
-    ("1KiB", 1024),
-])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (4096, 4096),
+        ("100", 100),
+        ("100b", 100),
+        ("64MB", 64_000_000),
+        ("64mb", 64_000_000),  # case does not change the unit
+        ("64 kB", 64_000),
+        ("1.5T", 1_500_000_000_000),
+        ("64MiB", 64 << 20),
+        ("64mib", 64 << 20),
+        ("2GiB", 2 << 30),
+        ("1KiB", 1024),
+    ],
+)
 def test_decimal_and_binary_units(value, expected):
     assert parse_size(value, "x") == expected
 
@@ -48,8 +51,19 @@ def test_every_place_that_takes_a_size_reads_it_the_same_way(monkeypatch):
         parse_size_limit("5GB")
 
 
-@pytest.mark.parametrize("value, seconds", [(None, None), (90, 90.0), ("90s", 90.0), ("250ms", 0.25),
-                                            ("30m", 1800.0), ("12h", 43200.0), ("7d", 604800.0),
-                                            ("1w", 604800.0), (dt.timedelta(minutes=2), 120.0)])
+@pytest.mark.parametrize(
+    "value, seconds",
+    [
+        (None, None),
+        (90, 90.0),
+        ("90s", 90.0),
+        ("250ms", 0.25),
+        ("30m", 1800.0),
+        ("12h", 43200.0),
+        ("7d", 604800.0),
+        ("1w", 604800.0),
+        (dt.timedelta(minutes=2), 120.0),
+    ],
+)
 def test_durations(value, seconds):
     assert parse_duration(value) == seconds

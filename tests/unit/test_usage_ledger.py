@@ -21,9 +21,19 @@ NOW = time.time()
 def record(job_id="job-a", attempt=0, *, hours_ago=1.0, hours=1.0, gpus=8, gpu_type="H100", tags=None, user="ana"):
     end = NOW - hours_ago * 3600
     return UsageRecord.priced(
-        job_id=job_id, job_name="train", attempt=attempt, user=user, tags=tags if tags is not None else {"team": "ml"},
-        backend="local", gpu_type=gpu_type, gpus=gpus, simulated=False, status="succeeded",
-        started_at=end - hours * 3600, ended_at=end, rates=RateCard({"H100": 6.0, "A10": 1.0}),
+        job_id=job_id,
+        job_name="train",
+        attempt=attempt,
+        user=user,
+        tags=tags if tags is not None else {"team": "ml"},
+        backend="local",
+        gpu_type=gpu_type,
+        gpus=gpus,
+        simulated=False,
+        status="succeeded",
+        started_at=end - hours * 3600,
+        ended_at=end,
+        rates=RateCard({"H100": 6.0, "A10": 1.0}),
     )
 
 
@@ -92,9 +102,20 @@ def test_the_ledger_compacts_itself_as_rows_accumulate(tmp_path):
 
 # -- the journal of attempts in progress --------------------------------------------------------
 def _args(job_id="lost-job", attempt=0, started_at=None):
-    return dict(job_id=job_id, job_name="train", attempt=attempt, user="ana", tags={"team": "ml"}, backend="local",
-                gpu_type="H100", gpus=8, simulated=False, status="running",
-                started_at=started_at if started_at is not None else NOW - 600, rate=6.0)
+    return dict(
+        job_id=job_id,
+        job_name="train",
+        attempt=attempt,
+        user="ana",
+        tags={"team": "ml"},
+        backend="local",
+        gpu_type="H100",
+        gpus=8,
+        simulated=False,
+        status="running",
+        started_at=started_at if started_at is not None else NOW - 600,
+        rate=6.0,
+    )
 
 
 def _write(ledger):

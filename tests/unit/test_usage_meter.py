@@ -21,8 +21,14 @@ from tests.fakes.backend import ScriptedBackend
 
 
 def make_job(job_id="job-1", gpus=2, gpu_type="A10", tags=None, **policy):
-    return JobSpec(job_id=job_id, name="train", resources=Resources(gpus, gpu_type), policy=RunPolicy(**policy),
-                   backend="fake", tags=tags if tags is not None else {"team": "ml"})
+    return JobSpec(
+        job_id=job_id,
+        name="train",
+        resources=Resources(gpus, gpu_type),
+        policy=RunPolicy(**policy),
+        backend="fake",
+        tags=tags if tags is not None else {"team": "ml"},
+    )
 
 
 def supervise(tmp_path, job, script, meter):
@@ -56,11 +62,25 @@ def test_every_attempt_gets_a_priced_row_including_failed_ones(tmp_path, monkeyp
 def test_a_budget_spent_mid_run_asks_ranks_to_checkpoint_and_stop(tmp_path):
     ledger = UsageLedger(str(tmp_path / "ledger"))
     # 1 GPU-hour budget, 0.999 already spent: 2 GPUs spend the rest in under 2 seconds.
-    ledger.append([UsageRecord.priced(
-        job_id="earlier", job_name="x", attempt=0, user="ana", tags={"team": "ml"}, backend="local", gpu_type="A10",
-        gpus=1, simulated=False, status="succeeded", started_at=time.time() - 3600, ended_at=time.time() - 3.6,
-        rates=RateCard(),
-    )])
+    ledger.append(
+        [
+            UsageRecord.priced(
+                job_id="earlier",
+                job_name="x",
+                attempt=0,
+                user="ana",
+                tags={"team": "ml"},
+                backend="local",
+                gpu_type="A10",
+                gpus=1,
+                simulated=False,
+                status="succeeded",
+                started_at=time.time() - 3600,
+                ended_at=time.time() - 3.6,
+                rates=RateCard(),
+            )
+        ]
+    )
     policy = UsagePolicy.from_dict({"name": "ml-budget", "budgets": {"team=ml": "1 GPU-hours per 1d"}})
     meter = UsageMeter(ledger, policy=policy)
     sup, rd = supervise(tmp_path, make_job(max_runtime=4, checkpoint_grace=1), ["hang"], meter)

@@ -15,18 +15,36 @@ NOW = time.time()
 
 
 def job(gpus=2, gpu_type="A10", tags=None, max_runtime=None, name="train"):
-    return JobSpec(job_id=f"{name}-1", name=name, resources=Resources(gpus, gpu_type),
-                   policy=RunPolicy(max_runtime=max_runtime), tags=tags if tags is not None else {"team": "ml"})
+    return JobSpec(
+        job_id=f"{name}-1",
+        name=name,
+        resources=Resources(gpus, gpu_type),
+        policy=RunPolicy(max_runtime=max_runtime),
+        tags=tags if tags is not None else {"team": "ml"},
+    )
 
 
 def spend(ledger, gpu_hours, *, tags=None, user="ana", hours_ago=1.0, gpu_type="A10", gpus=1):
     end = NOW - hours_ago * 3600
-    ledger.append([UsageRecord.priced(
-        job_id=f"past-{time.monotonic_ns()}", job_name="past", attempt=0, user=user,
-        tags=tags if tags is not None else {"team": "ml"}, backend="local", gpu_type=gpu_type, gpus=gpus,
-        simulated=False, status="succeeded", started_at=end - gpu_hours / gpus * 3600, ended_at=end,
-        rates=RateCard({"A10": 2.0}),
-    )])
+    ledger.append(
+        [
+            UsageRecord.priced(
+                job_id=f"past-{time.monotonic_ns()}",
+                job_name="past",
+                attempt=0,
+                user=user,
+                tags=tags if tags is not None else {"team": "ml"},
+                backend="local",
+                gpu_type=gpu_type,
+                gpus=gpus,
+                simulated=False,
+                status="succeeded",
+                started_at=end - gpu_hours / gpus * 3600,
+                ended_at=end,
+                rates=RateCard({"A10": 2.0}),
+            )
+        ]
+    )
 
 
 POLICY_YAML = """
@@ -50,8 +68,10 @@ def test_a_yaml_policy_reads_every_rule(tmp_path):
     assert policy.allowed_gpu_types == ("A10", "H100") and policy.max_gpus_per_job == 8
     assert policy.max_runtime == 7 * 86400 and policy.required_tags == ("team",)
     assert [b.label for b in policy.budgets] == [
-        "team=ml: 100 GPU-hours per 30d", "team=ml,project=ctr: $50 per 7d",
-        "team=ml,project=ctr: 2 GPU-hours per 1d", "*: 5000 GPU-hours per 30d",
+        "team=ml: 100 GPU-hours per 30d",
+        "team=ml,project=ctr: $50 per 7d",
+        "team=ml,project=ctr: 2 GPU-hours per 1d",
+        "*: 5000 GPU-hours per 30d",
     ]
 
 
@@ -62,16 +82,19 @@ def test_the_same_policy_in_toml(tmp_path):
     assert policy.max_gpus_per_job == 4 and policy.budgets == (Budget({"user": "bob"}, 10.0, "gpu_hours", "7d"),)
 
 
-@pytest.mark.parametrize("data, match", [
-    ({"max_gpu": 8}, r"unknown key\(s\) \['max_gpu'\]"),
-    ({"allowed_gpu_types": ["V100"]}, "unknown gpu_type 'V100'"),
-    ({"max_gpus_per_job": 0}, "max_gpus_per_job must be a positive integer"),
-    ({"max_runtime": "forever"}, "max_runtime='forever' is not a duration"),
-    ({"budgets": {"team=ml": "100 per 30d"}}, "has no unit"),
-    ({"budgets": {"team=ml": "lots"}}, "not a budget; write e.g. '100 GPU-hours per 30d'"),
-    ({"budgets": {"team": "1 GPU-hours per 1d"}}, "'team' is not key=value"),
-    ({"budgets": ["team=ml: 1 GPU-hours per 1d"]}, "'budgets' must map a selector"),
-])
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        ({"max_gpu": 8}, r"unknown key\(s\) \['max_gpu'\]"),
+        ({"allowed_gpu_types": ["V100"]}, "unknown gpu_type 'V100'"),
+        ({"max_gpus_per_job": 0}, "max_gpus_per_job must be a positive integer"),
+        ({"max_runtime": "forever"}, "max_runtime='forever' is not a duration"),
+        ({"budgets": {"team=ml": "100 per 30d"}}, "has no unit"),
+        ({"budgets": {"team=ml": "lots"}}, "not a budget; write e.g. '100 GPU-hours per 30d'"),
+        ({"budgets": {"team": "1 GPU-hours per 1d"}}, "'team' is not key=value"),
+        ({"budgets": ["team=ml: 1 GPU-hours per 1d"]}, "'budgets' must map a selector"),
+    ],
+)
 def test_invalid_policies_name_the_rule(data, match):
     with pytest.raises(ConfigurationError, match=match):
         UsagePolicy.from_dict(data)
@@ -83,8 +106,13 @@ def test_a_missing_policy_file_says_which_setting_to_fix(tmp_path):
 
 
 def test_every_broken_rule_is_listed_with_its_numbers():
-    policy = UsagePolicy(name="ml-platform", allowed_gpu_types=("A10",), max_gpus_per_job=4,
-                         max_runtime="1d", required_tags=("team", "project"))
+    policy = UsagePolicy(
+        name="ml-platform",
+        allowed_gpu_types=("A10",),
+        max_gpus_per_job=4,
+        max_runtime="1d",
+        required_tags=("team", "project"),
+    )
     with pytest.raises(PolicyViolationError) as err:
         policy.check_launch(job(8, "H100", {"team": "ml"}, max_runtime="7d"), user="ana")
     message = str(err.value)
@@ -98,19 +126,24 @@ def test_every_broken_rule_is_listed_with_its_numbers():
 def test_a_job_within_the_rules_passes():
     policy = UsagePolicy(allowed_gpu_types=("A10",), max_gpus_per_job=4, max_runtime="1d", required_tags=("team",))
     policy.check_launch(job(4, "A10", {"team": "ml"}, max_runtime="12h"), user="ana")
-    policy.check_launch(job(1, "A10", {"team": "ml"}), user="ana")  # no cap asked: the runtime limit applies while it runs
+    policy.check_launch(
+        job(1, "A10", {"team": "ml"}), user="ana"
+    )  # no cap asked: the runtime limit applies while it runs
 
 
 def test_a_spent_budget_refuses_the_launch_and_counts_only_matching_usage(tmp_path):
     ledger = UsageLedger(str(tmp_path / "ledger"))
     policy = UsagePolicy.from_dict({"name": "p", "budgets": {"team=ml": "10 GPU-hours per 1d"}})
     spend(ledger, 6.0)
-    spend(ledger, 50.0, tags={"team": "cv"})     # another team
-    spend(ledger, 50.0, hours_ago=30)             # outside the window
-    policy.check_launch(job(), "ana", ledger)     # 6 of 10 used: allowed
+    spend(ledger, 50.0, tags={"team": "cv"})  # another team
+    spend(ledger, 50.0, hours_ago=30)  # outside the window
+    policy.check_launch(job(), "ana", ledger)  # 6 of 10 used: allowed
     spend(ledger, 4.0)
-    with pytest.raises(PolicyViolationError, match=r"budget 'team=ml: 10 GPU-hours per 1d' is spent: "
-                                                   r"10.00 GPU-hours of 10.00 GPU-hours used in the last 1d"):
+    with pytest.raises(
+        PolicyViolationError,
+        match=r"budget 'team=ml: 10 GPU-hours per 1d' is spent: "
+        r"10.00 GPU-hours of 10.00 GPU-hours used in the last 1d",
+    ):
         policy.check_launch(job(), "ana", ledger)
     policy.check_launch(job(tags={"team": "cv"}), "ana", ledger)  # the budget is not theirs
 

@@ -25,8 +25,19 @@ def test_billing_is_per_started_second():
 def test_an_eight_gpu_attempt_is_priced_from_its_running_seconds():
     card = RateCard({"H100": 6.0})
     record = UsageRecord.priced(
-        job_id="j", job_name="train", attempt=0, user="ana", tags={"team": "ml"}, backend="local", gpu_type="H100",
-        gpus=8, simulated=False, status="succeeded", started_at=1000.0, ended_at=1000.0 + 3599.5, rates=card,
+        job_id="j",
+        job_name="train",
+        attempt=0,
+        user="ana",
+        tags={"team": "ml"},
+        backend="local",
+        gpu_type="H100",
+        gpus=8,
+        simulated=False,
+        status="succeeded",
+        started_at=1000.0,
+        ended_at=1000.0 + 3599.5,
+        rates=card,
     )
     assert record.gpu_seconds == 8 * 3600
     assert record.gpu_hours == 8.0
@@ -45,7 +56,7 @@ def test_inline_card_overrides_some_types_and_keeps_the_rest():
 
 def test_card_from_toml_and_yaml_files(tmp_path):
     toml = tmp_path / "rates.toml"
-    toml.write_text('default = 2.0\n[rates]\nH100 = 9.5\n')
+    toml.write_text("default = 2.0\n[rates]\nH100 = 9.5\n")
     card = RateCard.parse(str(toml))
     assert card.rate("H100") == 9.5 and card.rate("some-new-gpu") == 2.0
     yaml = tmp_path / "rates.yaml"
@@ -54,12 +65,15 @@ def test_card_from_toml_and_yaml_files(tmp_path):
     assert card.rate("H200") == 11.0 and card.rate("A100-40GB") == 3.0
 
 
-@pytest.mark.parametrize("value, match", [
-    ("H100=lots", "rate for 'H100'"),
-    ("H100=5,A10", "'A10' is not TYPE=DOLLARS_PER_GPU_HOUR"),
-    ({"H100": -1}, "number >= 0"),
-    ("/no/such/rates.yaml", "cannot read rate card"),
-])
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        ("H100=lots", "rate for 'H100'"),
+        ("H100=5,A10", "'A10' is not TYPE=DOLLARS_PER_GPU_HOUR"),
+        ({"H100": -1}, "number >= 0"),
+        ("/no/such/rates.yaml", "cannot read rate card"),
+    ],
+)
 def test_bad_cards_name_the_entry(value, match):
     with pytest.raises(ConfigurationError, match=match):
         RateCard.parse(value)

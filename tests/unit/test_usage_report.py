@@ -16,11 +16,25 @@ CARD = RateCard({"H100": 6.0, "A10": 1.0})
 
 
 def add(ledger, job_id, start, hours, *, gpus=1, gpu_type="A10", user="ana", tags=None, attempt=0):
-    ledger.append([UsageRecord.priced(
-        job_id=job_id, job_name=job_id, attempt=attempt, user=user, tags=tags or {}, backend="local",
-        gpu_type=gpu_type, gpus=gpus, simulated=False, status="succeeded", started_at=start,
-        ended_at=start + hours * 3600, rates=CARD,
-    )])
+    ledger.append(
+        [
+            UsageRecord.priced(
+                job_id=job_id,
+                job_name=job_id,
+                attempt=attempt,
+                user=user,
+                tags=tags or {},
+                backend="local",
+                gpu_type=gpu_type,
+                gpus=gpus,
+                simulated=False,
+                status="succeeded",
+                started_at=start,
+                ended_at=start + hours * 3600,
+                rates=CARD,
+            )
+        ]
+    )
 
 
 @pytest.fixture

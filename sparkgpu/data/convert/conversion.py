@@ -144,11 +144,22 @@ def to_mds(
     """
     started = time.monotonic()
     resolved = _resolve(source, version, timestamp, storage_options)
-    options = ShardOptions.create(plan_columns(resolved.schema, columns), compression=compression, hashes=hashes, size_limit=size_limit)
+    options = ShardOptions.create(
+        plan_columns(resolved.schema, columns), compression=compression, hashes=hashes, size_limit=size_limit
+    )
     # The fingerprint is only recorded here, so its Spark round trips run beside the job.
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparkgpu-fingerprint") as pool:
         fingerprint = pool.submit(_fingerprint_or_none, resolved)
-        return _convert(resolved, Store(out, storage_options, what="the output folder"), options, fingerprint, overwrite, max_workers, progress, started)
+        return _convert(
+            resolved,
+            Store(out, storage_options, what="the output folder"),
+            options,
+            fingerprint,
+            overwrite,
+            max_workers,
+            progress,
+            started,
+        )
 
 
 def ensure_mds(
@@ -182,9 +193,20 @@ def ensure_mds(
     """
     started = time.monotonic()
     resolved = _resolve(source, version, timestamp, storage_options)
-    options = ShardOptions.create(plan_columns(resolved.schema, columns), compression=compression, hashes=hashes, size_limit=size_limit)
+    options = ShardOptions.create(
+        plan_columns(resolved.schema, columns), compression=compression, hashes=hashes, size_limit=size_limit
+    )
     fingerprint = resolved.fingerprint()
-    settings = json.dumps({"fingerprint": fingerprint, "columns": options.columns, "compression": options.compression, "hashes": options.hashes, "size_limit": options.size_limit}, sort_keys=True)
+    settings = json.dumps(
+        {
+            "fingerprint": fingerprint,
+            "columns": options.columns,
+            "compression": options.compression,
+            "hashes": options.hashes,
+            "size_limit": options.size_limit,
+        },
+        sort_keys=True,
+    )
     key = hashlib.sha256(settings.encode("utf-8")).hexdigest()[:24]
     volume = Store(volume_root, storage_options, what="the volume").child(f"mds-{key}")
     existing = read_conversion(volume.url, storage_options=storage_options)
@@ -225,7 +247,9 @@ def _fingerprint_or_none(resolved) -> str | None:
         return None
 
 
-def _convert(resolved, volume: Store, options: ShardOptions, fingerprint, overwrite, max_workers, progress, started) -> ConversionResult:
+def _convert(
+    resolved, volume: Store, options: ShardOptions, fingerprint, overwrite, max_workers, progress, started
+) -> ConversionResult:
     """Claims ``volume``, writes the shards, commits; ``fingerprint`` may be a Future."""
     run_id = uuid.uuid4().hex
     folder = OutputFolder(volume, run_id)

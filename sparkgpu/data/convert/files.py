@@ -43,7 +43,9 @@ class FileSource:
         description: What was read, recorded in the output's index (type, path, version).
     """
 
-    def __init__(self, schema: pa.Schema, description: dict, units: Callable[[int], list], fingerprint: Callable[[], str]):
+    def __init__(
+        self, schema: pa.Schema, description: dict, units: Callable[[int], list], fingerprint: Callable[[], str]
+    ):
         self.schema = schema
         self.description = description
         self._units = units
@@ -57,7 +59,9 @@ class FileSource:
         """The same rows read as ``schema`` (a selection of this source's columns), described anew."""
         return FileSource(schema, description, self._units, fingerprint)
 
-    def write(self, volume: Store, options: ShardOptions, *, max_workers: int | None = None, progress=None) -> list[dict]:
+    def write(
+        self, volume: Store, options: ShardOptions, *, max_workers: int | None = None, progress=None
+    ) -> list[dict]:
         """Writes every row as MDS shards under ``volume``; returns the index entries in order.
 
         Args:
@@ -136,14 +140,18 @@ def _dataset_units(dataset: pads.Dataset, workers: int, expression=None) -> list
         # Few files: split them by row group so every worker gets a share. Only then are
         # footers read up front (many remote files would make that slow).
         # The filter prunes row groups by their statistics here.
-        fragments = [piece for fragment in fragments for piece in fragment.split_by_row_group(filter=expression, schema=schema)]
+        fragments = [
+            piece for fragment in fragments for piece in fragment.split_by_row_group(filter=expression, schema=schema)
+        ]
 
     def unit(fragment) -> _Unit:
         # With a filter the count is an upper bound: good enough to balance the writers.
         rows = sum(group.num_rows for group in fragment.row_groups) if split else None
 
         def batches(columns, use_threads):
-            return fragment.to_batches(schema=schema, columns=columns, filter=expression, batch_size=_BATCH_ROWS, use_threads=use_threads)
+            return fragment.to_batches(
+                schema=schema, columns=columns, filter=expression, batch_size=_BATCH_ROWS, use_threads=use_threads
+            )
 
         return _Unit(rows, batches)
 
@@ -160,7 +168,9 @@ def _parquet_source(path: str, storage_options: dict | None, row_filter=None) ->
         return _digest({"type": "parquet", "files": files, "schema": dataset.schema.to_string()})
 
     description = {"type": "parquet", "path": path, "files": len(dataset.files)}
-    return FileSource(dataset.schema, description, lambda workers: _dataset_units(dataset, workers, expression), fingerprint)
+    return FileSource(
+        dataset.schema, description, lambda workers: _dataset_units(dataset, workers, expression), fingerprint
+    )
 
 
 def _delta_source(table, version, timestamp, storage_options: dict | None, row_filter=None) -> FileSource:
@@ -178,7 +188,11 @@ def _delta_source(table, version, timestamp, storage_options: dict | None, row_f
     def units(workers: int) -> list[_Unit]:
         if not snapshot.selection:
             return _dataset_units(snapshot.dataset, workers, expression)
-        fragments = snapshot.dataset.get_fragments(filter=expression) if expression is not None else snapshot.dataset.get_fragments()
+        fragments = (
+            snapshot.dataset.get_fragments(filter=expression)
+            if expression is not None
+            else snapshot.dataset.get_fragments()
+        )
         return [_deleted_rows_unit(fragment, snapshot, expression) for fragment in fragments]
 
     return FileSource(snapshot.dataset.schema, description, units, fingerprint)
@@ -197,7 +211,9 @@ def _deleted_rows_unit(fragment, snapshot, expression=None) -> _Unit:
         projection = {name: pc.field(name) for name in columns}
         if expression is not None:
             projection[KEEP] = expression
-        scanner = pads.Scanner.from_fragment(fragment, schema=schema, columns=projection, batch_size=_BATCH_ROWS, use_threads=False)
+        scanner = pads.Scanner.from_fragment(
+            fragment, schema=schema, columns=projection, batch_size=_BATCH_ROWS, use_threads=False
+        )
         start = 0
         # use_threads=False keeps the batches in file order, which the row positions rely on.
         for batch in scanner.to_batches():
@@ -261,7 +277,9 @@ def _expression(row_filter, schema: pa.Schema):
     return to_expression(row_filter, schema)
 
 
-def open_files(path: str, *, row_filter=None, version=None, timestamp=None, storage_options: dict | None = None) -> FileSource:
+def open_files(
+    path: str, *, row_filter=None, version=None, timestamp=None, storage_options: dict | None = None
+) -> FileSource:
     """The rows of a Delta table or of Parquet files under ``path`` that pass ``row_filter``.
 
     Args:
@@ -318,4 +336,3 @@ def resolve_file_source(source, *, version=None, timestamp=None, storage_options
 def _no_time_travel(version, timestamp, why: str) -> None:
     if version is not None or timestamp is not None:
         raise ConfigurationError(f"version= and timestamp= apply to Delta tables; {why}")
-

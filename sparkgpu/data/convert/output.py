@@ -60,7 +60,9 @@ class OutputFolder:
         try:
             return json.loads(data)
         except ValueError as exc:
-            raise DataError(f"{self.store.path(INDEX_NAME)} is not valid JSON ({exc}); convert again with overwrite=True") from None
+            raise DataError(
+                f"{self.store.path(INDEX_NAME)} is not valid JSON ({exc}); convert again with overwrite=True"
+            ) from None
 
     def begin(self, *, overwrite: bool) -> None:
         """Claims the folder for this run, clearing what an interrupted run left behind.
@@ -84,8 +86,9 @@ class OutputFolder:
             )
         # The marker first: a crash after the old index is gone must still leave a folder that
         # a rerun recognises as an interrupted conversion.
-        self.store.write_bytes(MARKER_NAME, json.dumps({"run_id": self.run_id, "started": time.time()}).encode(),
-                               fsync_folder=True)
+        self.store.write_bytes(
+            MARKER_NAME, json.dumps({"run_id": self.run_id, "started": time.time()}).encode(), fsync_folder=True
+        )
         if has_index:
             self.store.remove(INDEX_NAME)
         for name in entries:
@@ -101,7 +104,12 @@ class OutputFolder:
         from sparkgpu.data.mds.writer import index_document
 
         self._check_still_ours()
-        listed = {shard[key]["basename"].split("/", 1)[0] for shard in shards for key in ("raw_data", "zip_data") if shard.get(key)}
+        listed = {
+            shard[key]["basename"].split("/", 1)[0]
+            for shard in shards
+            for key in ("raw_data", "zip_data")
+            if shard.get(key)
+        }
         for name in self.store.listdir():
             if name not in listed and name not in (MARKER_NAME, INDEX_NAME) and not is_temporary(name):
                 self.store.remove(name)

@@ -46,13 +46,23 @@ def plain_scan_source(df, storage_options: dict | None = None) -> tuple[FileSour
     if "://" not in ref.path and not os.path.exists(ref.path):
         return None, f"its files ({ref.path}) are not visible on this machine"
     try:
-        files = open_files(ref.path, row_filter=ref.filter, version=ref.version, timestamp=ref.timestamp, storage_options=storage_options)
+        files = open_files(
+            ref.path,
+            row_filter=ref.filter,
+            version=ref.version,
+            timestamp=ref.timestamp,
+            storage_options=storage_options,
+        )
     except (ConfigurationError, DataError) as exc:
         return None, f"its files cannot be read here ({exc})"
     spark_schema = _spark_schema(df)
     if spark_schema is None and files.description["type"] != "delta":
         return None, "Spark cannot analyse its plan"
-    names = list(ref.columns) if ref.columns is not None else (spark_schema.names if spark_schema is not None else files.schema.names)
+    names = (
+        list(ref.columns)
+        if ref.columns is not None
+        else (spark_schema.names if spark_schema is not None else files.schema.names)
+    )
     missing = [name for name in names if files.schema.get_field_index(name) < 0]
     if missing:
         return None, f"columns {missing} are not spelled as in the files"
@@ -62,10 +72,19 @@ def plain_scan_source(df, storage_options: dict | None = None) -> tuple[FileSour
             return None, f"Spark names its columns {spark_schema.names}, the files {names}"
         for theirs in spark_schema:
             if not _same_type(schema.field(theirs.name).type, theirs.type):
-                return None, f"column {theirs.name!r} is {schema.field(theirs.name).type} in the files, {theirs.type} in Spark"
+                return (
+                    None,
+                    f"column {theirs.name!r} is {schema.field(theirs.name).type} in the files, {theirs.type} in Spark",
+                )
 
     def fingerprint() -> str:
-        parts = {"type": "spark-scan", "path": ref.path, "columns": names, "filter": ref.filter, "files": files.fingerprint()}
+        parts = {
+            "type": "spark-scan",
+            "path": ref.path,
+            "columns": names,
+            "filter": ref.filter,
+            "files": files.fingerprint(),
+        }
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode("utf-8")).hexdigest()
 
     description = {"type": "spark", "via": "files", "files": files.description, "columns": len(names)}
@@ -83,13 +102,21 @@ def _spark_schema(df) -> pa.Schema | None:
     try:
         spark_schema = df.schema
     except PySparkException as exc:  # Connect reports a missing data source as UnknownException
-        _logger.info("sparkgpu: Spark cannot analyse the DataFrame (%s); its Delta files are read all the same", str(exc).splitlines()[0])
+        _logger.info(
+            "sparkgpu: Spark cannot analyse the DataFrame (%s); its Delta files are read all the same",
+            str(exc).splitlines()[0],
+        )
         return None
     return arrow_schema(spark_schema)
 
 
 def _same_type(ours: pa.DataType, theirs: pa.DataType) -> bool:
     """Equal types, list element names aside (Parquet says "element", Spark's Arrow "item")."""
-    if pa.types.is_list(ours) and pa.types.is_list(theirs) or pa.types.is_large_list(ours) and pa.types.is_large_list(theirs):
+    if (
+        pa.types.is_list(ours)
+        and pa.types.is_list(theirs)
+        or pa.types.is_large_list(ours)
+        and pa.types.is_large_list(theirs)
+    ):
         return _same_type(ours.value_type, theirs.value_type)
     return ours == theirs

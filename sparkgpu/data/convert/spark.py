@@ -88,7 +88,9 @@ class SparkSource:
             parts["semantic_hash"] = df.semanticHash()
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode("utf-8")).hexdigest()
 
-    def write(self, volume: Store, options: ShardOptions, *, max_workers: int | None = None, progress=None) -> list[dict]:
+    def write(
+        self, volume: Store, options: ShardOptions, *, max_workers: int | None = None, progress=None
+    ) -> list[dict]:
         """Runs one Spark job writing every partition's shards; returns the index entries.
 
         Args:
@@ -107,7 +109,9 @@ class SparkSource:
         names = [spec.name for spec in options.specs]
         # mapInArrow resolves its input columns by name and trips over names such as "a.b";
         # plain positional aliases go in, the task puts the real names back.
-        df = self.df.select(*[F.col("`" + name.replace("`", "``") + "`").alias(f"_c{i}") for i, name in enumerate(names)])
+        df = self.df.select(
+            *[F.col("`" + name.replace("`", "``") + "`").alias(f"_c{i}") for i, name in enumerate(names)]
+        )
         task = _PartitionTask(volume, options, names)
         with _shipped_by_value(), _progress_handler(df.sparkSession, progress) as handler:
             try:

@@ -75,8 +75,10 @@ class Producer:
                     batch = decode(readers, source_ids, rows_of[lo:hi])
                 except IndexError as exc:
                     names = ", ".join(r.info.basename for r in readers)
-                    raise DataError(f"a sample in shard(s) {names} points outside its shard ({exc}); the shard is damaged: "
-                                    "clear it from the cache (sparkgpu cache clear) or write the dataset again") from None
+                    raise DataError(
+                        f"a sample in shard(s) {names} points outside its shard ({exc}); the shard is damaged: "
+                        "clear it from the cache (sparkgpu cache clear) or write the dataset again"
+                    ) from None
                 if transforms:
                     shard_names = [self.index.shards[s].basename for s in shard_of[lo:hi].tolist()]
                     batch = transforms(batch, epoch=epoch, sample_ids=plan.samples[lo:hi], shards=shard_names)
@@ -125,7 +127,9 @@ class Producer:
         self._release(keep=set())
 
 
-def _shards_per_batch(shard_of: np.ndarray, batch_size: int, batch_numbers: list[int], num_shards: int) -> list[np.ndarray]:
+def _shards_per_batch(
+    shard_of: np.ndarray, batch_size: int, batch_numbers: list[int], num_shards: int
+) -> list[np.ndarray]:
     """The sorted shard positions each batch reads."""
     if not len(shard_of):
         return [np.empty(0, dtype=np.int64) for _ in batch_numbers]
@@ -142,7 +146,7 @@ def _shards_per_batch(shard_of: np.ndarray, batch_size: int, batch_numbers: list
                 singles[first] = np.array([first], dtype=np.int64)
             steps.append(singles[first])
         else:
-            counts = np.bincount(shard_of[b * batch_size:(b + 1) * batch_size] - first, minlength=last - first + 1)
+            counts = np.bincount(shard_of[b * batch_size : (b + 1) * batch_size] - first, minlength=last - first + 1)
             steps.append(np.flatnonzero(counts) + first)
     return steps
 
@@ -167,10 +171,24 @@ class WorkerBatches(torch.utils.data.IterableDataset):
         s = self.spec
         epoch, start = int(self.position[0]), int(self.position[1])
         if self._order[0] != epoch:
-            self._order = (epoch, epoch_order(s["index"].shard_sizes, shuffle=s["shuffle"], seed=s["seed"], epoch=epoch,
-                                              block_size=s["shuffle_block_size"]))
-        plan = EpochPlan.for_rank(self._order[1], start=start, rank=s["rank"], world_size=s["world_size"],
-                                  batch_size=s["batch_size"], drop_last=s["drop_last"])
+            self._order = (
+                epoch,
+                epoch_order(
+                    s["index"].shard_sizes,
+                    shuffle=s["shuffle"],
+                    seed=s["seed"],
+                    epoch=epoch,
+                    block_size=s["shuffle_block_size"],
+                ),
+            )
+        plan = EpochPlan.for_rank(
+            self._order[1],
+            start=start,
+            rank=s["rank"],
+            world_size=s["world_size"],
+            batch_size=s["batch_size"],
+            drop_last=s["drop_last"],
+        )
         if self._producer is None:
             self._producer = Producer(s, pinned=False)  # the DataLoader pins in the main process
         yield from self._producer.run(plan, range(worker, plan.num_batches, workers), raw_rows=True, epoch=epoch)

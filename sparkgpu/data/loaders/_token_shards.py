@@ -35,7 +35,9 @@ class TokenColumn:
 
     def __post_init__(self):
         column = self.column
-        if column.decode not in (Decode.NDARRAY, Decode.FIXED) or (column.dtype is not None and column.dtype.kind not in "iu"):
+        if column.decode not in (Decode.NDARRAY, Decode.FIXED) or (
+            column.dtype is not None and column.dtype.kind not in "iu"
+        ):
             raise ConfigurationError(
                 f"column {self.name!r} has encoding {column.encoding!r}; token_dataset needs integer arrays "
                 "(write token ids as an int32/int64 array column, e.g. ndarray:int32)"
@@ -47,7 +49,9 @@ class TokenColumn:
             if column.name == self.name:
                 return column
         names = [c.name for c in self.index.columns]
-        raise ConfigurationError(f"the dataset has no column {self.name!r}; its columns are {names}: pass one of them as column=")
+        raise ConfigurationError(
+            f"the dataset has no column {self.name!r}; its columns are {names}: pass one of them as column="
+        )
 
     def spans(self, reader: ShardReader) -> tuple[np.ndarray, np.ndarray, np.dtype]:
         """Byte start and length of every document's values in ``reader``'s shard, and their dtype."""
@@ -76,17 +80,23 @@ class TokenColumn:
         if dtype is None:  # the dtype is the first byte of every value
             codes = np.unique(data[cursor]) if len(cursor) else np.array([_DTYPE_CODE[np.dtype("int64")]])
             if len(codes) != 1 or int(codes[0]) not in _NDARRAY_DTYPE_CODES:
-                raise DataError(f"documents of column {self.name!r} in shard {reader.info.basename} mix dtypes {codes.tolist()}; "
-                                "write the column with one dtype (encoding ndarray:int32)")
+                raise DataError(
+                    f"documents of column {self.name!r} in shard {reader.info.basename} mix dtypes {codes.tolist()}; "
+                    "write the column with one dtype (encoding ndarray:int32)"
+                )
             dtype = np.dtype(_NDARRAY_DTYPE_CODES[int(codes[0])])
             if dtype.kind not in "iu":
-                raise ConfigurationError(f"column {self.name!r} holds {dtype} arrays; token_dataset needs integer token ids")
+                raise ConfigurationError(
+                    f"column {self.name!r} holds {dtype} arrays; token_dataset needs integer token ids"
+                )
             cursor, lengths = cursor + 1, lengths - 1
         if column.shape is None:  # then [ndim << 2 | shape dtype code][shape]
             code = data[cursor].astype(np.int64) if len(cursor) else np.zeros(0, np.int64)
             if np.any(code >> 2 != 1):
-                raise DataError(f"column {self.name!r} in shard {reader.info.basename} holds arrays of more than one "
-                                "dimension; token_dataset reads one 1-D array of token ids per sample")
+                raise DataError(
+                    f"column {self.name!r} in shard {reader.info.basename} holds arrays of more than one "
+                    "dimension; token_dataset reads one 1-D array of token ids per sample"
+                )
             header = 1 + (1 << (code & 3))
             cursor, lengths = cursor + header, lengths - header
         return cursor, lengths, dtype
@@ -137,7 +147,12 @@ class ShardDocuments:
         doc_start = self.starts[doc]
         lo = np.maximum(begins[owner], doc_start)
         hi = np.minimum(ends[owner], doc_start + self.lengths[doc])
-        return owner, lo - begins[owner], self.byte_starts[doc] + (lo - doc_start) * self.dtype.itemsize, np.maximum(hi - lo, 0)
+        return (
+            owner,
+            lo - begins[owner],
+            self.byte_starts[doc] + (lo - doc_start) * self.dtype.itemsize,
+            np.maximum(hi - lo, 0),
+        )
 
     def eos_positions(self, begins: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(range, offset)`` of every EOS token inside the ranges (the token after each document)."""

@@ -99,19 +99,52 @@ def dataset(
     """
     if streams is not None or epoch_size is not None:  # a mixture: each stream opens through open_mds
         if streams is None or remote is not None:
-            raise ConfigurationError("pass remote= for one dataset, or streams=[data.Stream(...), ...] (with an optional epoch_size=) to mix several")
+            raise ConfigurationError(
+                "pass remote= for one dataset, or streams=[data.Stream(...), ...] (with an optional epoch_size=) to mix several"
+            )
         if transform is not None or batch_transform is not None:
-            raise ConfigurationError("transform= and batch_transform= work on one dataset, not yet on streams=; "
-                                     "apply them to the mixture's batches in your loop")
+            raise ConfigurationError(
+                "transform= and batch_transform= work on one dataset, not yet on streams=; "
+                "apply them to the mixture's batches in your loop"
+            )
         return mixture_dataset(
-            streams, local=local, epoch_size=epoch_size, batch_size=batch_size, shuffle=shuffle, seed=seed,
-            shuffle_block_size=shuffle_block_size, drop_last=drop_last, num_workers=num_workers, prefetch_batches=prefetch_batches,
-            device=device, cache_limit=cache_limit, download_threads=download_threads, rank=rank, world_size=world_size,
-            storage_options=storage_options, allow_unsafe_types=allow_unsafe_types, pin_memory=pin_memory)
+            streams,
+            local=local,
+            epoch_size=epoch_size,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            seed=seed,
+            shuffle_block_size=shuffle_block_size,
+            drop_last=drop_last,
+            num_workers=num_workers,
+            prefetch_batches=prefetch_batches,
+            device=device,
+            cache_limit=cache_limit,
+            download_threads=download_threads,
+            rank=rank,
+            world_size=world_size,
+            storage_options=storage_options,
+            allow_unsafe_types=allow_unsafe_types,
+            pin_memory=pin_memory,
+        )
     return open_mds(
-        remote, local, batch_size=batch_size, shuffle=shuffle, seed=seed, shuffle_block_size=shuffle_block_size,
-        drop_last=drop_last, num_workers=num_workers, prefetch_batches=prefetch_batches, pin_memory=pin_memory,
-        device=device, cache_limit=cache_limit, download_threads=download_threads, rank=rank,
-        world_size=world_size, storage_options=storage_options, allow_unsafe_types=allow_unsafe_types,
-        transform=transform, batch_transform=batch_transform,
+        remote,
+        local,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        seed=seed,
+        shuffle_block_size=shuffle_block_size,
+        drop_last=drop_last,
+        num_workers=num_workers,
+        prefetch_batches=prefetch_batches,
+        pin_memory=pin_memory,
+        device=device,
+        cache_limit=cache_limit,
+        download_threads=download_threads,
+        rank=rank,
+        world_size=world_size,
+        storage_options=storage_options,
+        allow_unsafe_types=allow_unsafe_types,
+        transform=transform,
+        batch_transform=batch_transform,
     )

@@ -93,8 +93,11 @@ def files_dataset(
     except OSError as exc:
         raise DataError(f"cannot list {volume.url} ({exc}); check the URL and its credentials") from None
     prefix = volume.root.rstrip("/") + "/"
-    listing = sorted((name[len(prefix):], int(info.get("size") or 0)) for name, info in found.items()
-                     if info.get("type") == "file" and name.startswith(prefix))
+    listing = sorted(
+        (name[len(prefix) :], int(info.get("size") or 0))
+        for name, info in found.items()
+        if info.get("type") == "file" and name.startswith(prefix)
+    )
     if not listing:
         raise DataError(f"no file under {volume.url} matches pattern={pattern!r}")
     protocols = volume.fs.protocol if isinstance(volume.fs.protocol, tuple) else (volume.fs.protocol,)
@@ -103,10 +106,25 @@ def files_dataset(
     if not in_place:
         limit = cache_limit if cache_limit is not None else settings().cache_limit_bytes
         limit = parse_size(limit, "cache_limit") if limit is not None else None
-        cache = _open_cache(local if local is not None else settings().cache_dir, volume, listing, limit, download_threads,
-                            storage_options)
-    return FilesDataset(listing=listing, root=volume.root if in_place else None, cache=cache, shuffle=shuffle, seed=seed,
-                        as_bytes=as_bytes, transform=transform, rank=rank, world_size=world_size)
+        cache = _open_cache(
+            local if local is not None else settings().cache_dir,
+            volume,
+            listing,
+            limit,
+            download_threads,
+            storage_options,
+        )
+    return FilesDataset(
+        listing=listing,
+        root=volume.root if in_place else None,
+        cache=cache,
+        shuffle=shuffle,
+        seed=seed,
+        as_bytes=as_bytes,
+        transform=transform,
+        rank=rank,
+        world_size=world_size,
+    )
 
 
 def _open_cache(cache_root, volume, listing, limit, download_threads, storage_options):
@@ -115,8 +133,11 @@ def _open_cache(cache_root, volume, listing, limit, download_threads, storage_op
     from sparkgpu.data.storage.volume import Volume
 
     raw = json.dumps(listing).encode()
-    index = DatasetIndex(shards=tuple(ShardInfo(i, name, 1, size, {}) for i, (name, size) in enumerate(listing)),
-                         columns=(), fingerprint=hashlib.sha1(raw).hexdigest())
+    index = DatasetIndex(
+        shards=tuple(ShardInfo(i, name, 1, size, {}) for i, (name, size) in enumerate(listing)),
+        columns=(),
+        fingerprint=hashlib.sha1(raw).hexdigest(),
+    )
     entry = cache_module.entry_dir_for(cache_root, volume.url)
     meta = entry / cache_module._META
     meta.mkdir(parents=True, exist_ok=True)
@@ -154,9 +175,16 @@ class FilesDataset(Positioned):
 
     def state_dict(self) -> dict:
         """The position after the last file handed out, as plain JSON (the same on every rank)."""
-        return {"version": _STATE_VERSION, "epoch": self.epoch, "samples_consumed": self._consumed, "seed": self.seed,
-                "shuffle": self.shuffle, "world_size": self.world_size, "num_samples": len(self.names),
-                "dataset": self.fingerprint}
+        return {
+            "version": _STATE_VERSION,
+            "epoch": self.epoch,
+            "samples_consumed": self._consumed,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "world_size": self.world_size,
+            "num_samples": len(self.names),
+            "dataset": self.fingerprint,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Continues from a saved position: the next iteration yields the rest of that epoch.
@@ -165,11 +193,18 @@ class FilesDataset(Positioned):
             ConfigurationError: The state comes from another listing, seed or shuffle.
         """
         if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
-            raise ConfigurationError(f"not a files dataset state (expected a dict from FilesDataset.state_dict(), got {state!r:.200})")
+            raise ConfigurationError(
+                f"not a files dataset state (expected a dict from FilesDataset.state_dict(), got {state!r:.200})"
+            )
         self.epoch, self._consumed = restore_position(
-            state, self.state_dict(), keys=("seed", "shuffle", "num_samples", "dataset"), total=len(self.names),
-            unit=f"listing of {len(self.names)} files", what="dataset",
-            fix="open the same files with the same seed and shuffle to resume")
+            state,
+            self.state_dict(),
+            keys=("seed", "shuffle", "num_samples", "dataset"),
+            total=len(self.names),
+            unit=f"listing of {len(self.names)} files",
+            what="dataset",
+            fix="open the same files with the same seed and shuffle to resume",
+        )
 
     def set_epoch(self, epoch: int) -> None:
         """Starts the next iteration at the beginning of ``epoch``."""
@@ -181,8 +216,12 @@ class FilesDataset(Positioned):
 
     def _plan(self, epoch: int, start: int) -> EpochPlan:
         # One-file "shards" and one-file windows: a uniform seeded permutation per epoch.
-        order = epoch_order(np.ones(len(self.names), dtype=np.int64), shuffle=self.shuffle, seed=self.seed, epoch=epoch, block_size=1)
-        return EpochPlan.for_rank(order, start=start, rank=self.rank, world_size=self.world_size, batch_size=1, drop_last=False)
+        order = epoch_order(
+            np.ones(len(self.names), dtype=np.int64), shuffle=self.shuffle, seed=self.seed, epoch=epoch, block_size=1
+        )
+        return EpochPlan.for_rank(
+            order, start=start, rank=self.rank, world_size=self.world_size, batch_size=1, drop_last=False
+        )
 
     def __iter__(self):
         plan, start = self._begin()

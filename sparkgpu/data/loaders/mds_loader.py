@@ -33,7 +33,14 @@ import torch
 
 from sparkgpu.units import parse_size
 from sparkgpu.data.storage.cache import open_cache_entry
-from sparkgpu.data.loaders.order import DEFAULT_BLOCK_SIZE, EpochPlan, PlannedEpochs, check_int, epoch_order, restore_position
+from sparkgpu.data.loaders.order import (
+    DEFAULT_BLOCK_SIZE,
+    EpochPlan,
+    PlannedEpochs,
+    check_int,
+    epoch_order,
+    restore_position,
+)
 from sparkgpu.data.loaders._pipeline import Producer, WorkerBatches, in_background, prefetch_to_device
 from sparkgpu.data.mds.decode import BatchDecoder
 from sparkgpu.data.loaders.metrics import LoaderMetrics
@@ -92,29 +99,39 @@ def open_mds(
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ConfigurationError(f"rank={rank!r} must be an integer in [0, world_size={world_size})")
     if remote is None and local is None:
-        raise ConfigurationError("pass remote= (the dataset's volume URL), local= (a folder holding the shards), or both")
+        raise ConfigurationError(
+            "pass remote= (the dataset's volume URL), local= (a folder holding the shards), or both"
+        )
     if cache_limit is None and remote is not None:
         cache_limit = settings().cache_limit_bytes
     limit = parse_size(cache_limit, "cache_limit") if cache_limit is not None else None
     if limit is not None and remote is None:
-        raise ConfigurationError("cache_limit applies to a cache of a remote volume; with remote=None the shards in local are the only copy")
+        raise ConfigurationError(
+            "cache_limit applies to a cache of a remote volume; with remote=None the shards in local are the only copy"
+        )
     device = _check_device(device)
     pin_memory = pin_memory or device is not None  # asynchronous host-to-device copies need pinned memory
     if pin_memory and not _cuda_available():
         # stacklevel 3: the line that called data.dataset or data.token_dataset
-        warnings.warn("pin_memory=True needs CUDA, which is not available here; batches stay in ordinary memory", stacklevel=3)
+        warnings.warn(
+            "pin_memory=True needs CUDA, which is not available here; batches stay in ordinary memory", stacklevel=3
+        )
         pin_memory = False
     volume: Volume | None
     directory: str | Path
     if remote is not None:
         volume = Volume(remote, storage_options)
-        directory, index = open_cache_entry(local if local is not None else settings().cache_dir, volume, allow_unsafe_types)
+        directory, index = open_cache_entry(
+            local if local is not None else settings().cache_dir, volume, allow_unsafe_types
+        )
     else:
         assert local is not None  # checked above: remote, local or both
         volume, folder = None, os.fspath(local)
         index_path = os.path.join(folder, INDEX_NAME)
         if not os.path.isfile(index_path):
-            raise DataError(f"{folder} has no {INDEX_NAME}; point local= at a folder written by MDSWriter or sparkgpu.data.to_mds, or pass remote=")
+            raise DataError(
+                f"{folder} has no {INDEX_NAME}; point local= at a folder written by MDSWriter or sparkgpu.data.to_mds, or pass remote="
+            )
         with open(index_path, "rb") as handle:
             index = DatasetIndex.parse(handle.read(), index_path, allow_unsafe_types)
         directory = folder
@@ -124,11 +141,25 @@ def open_mds(
             volume = Volume(folder, storage_options)
             directory, index = open_cache_entry(settings().cache_dir, volume, allow_unsafe_types)
     return MDSLoader(
-        index=index, directory=directory, volume_url=volume.url if volume else None, storage_options=storage_options,
-        batch_size=batch_size, shuffle=shuffle, seed=seed, shuffle_block_size=shuffle_block_size or DEFAULT_BLOCK_SIZE,
-        drop_last=drop_last, num_workers=num_workers, prefetch_batches=prefetch_batches, pin_memory=pin_memory,
-        device=device, cache_limit=limit, download_threads=download_threads, rank=rank, world_size=world_size,
-        transform=transform, batch_transform=batch_transform,
+        index=index,
+        directory=directory,
+        volume_url=volume.url if volume else None,
+        storage_options=storage_options,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        seed=seed,
+        shuffle_block_size=shuffle_block_size or DEFAULT_BLOCK_SIZE,
+        drop_last=drop_last,
+        num_workers=num_workers,
+        prefetch_batches=prefetch_batches,
+        pin_memory=pin_memory,
+        device=device,
+        cache_limit=limit,
+        download_threads=download_threads,
+        rank=rank,
+        world_size=world_size,
+        transform=transform,
+        batch_transform=batch_transform,
     )
 
 
@@ -145,9 +176,29 @@ class MDSLoader(PlannedEpochs):
         epoch: The epoch the next iteration reads.
     """
 
-    def __init__(self, *, index: DatasetIndex, directory, volume_url, storage_options, batch_size, shuffle, seed,
-                 shuffle_block_size, drop_last, num_workers, prefetch_batches, pin_memory, device, cache_limit,
-                 download_threads, rank, world_size, transform=None, batch_transform=None):
+    def __init__(
+        self,
+        *,
+        index: DatasetIndex,
+        directory,
+        volume_url,
+        storage_options,
+        batch_size,
+        shuffle,
+        seed,
+        shuffle_block_size,
+        drop_last,
+        num_workers,
+        prefetch_batches,
+        pin_memory,
+        device,
+        cache_limit,
+        download_threads,
+        rank,
+        world_size,
+        transform=None,
+        batch_transform=None,
+    ):
         self.index = index
         self.directory = os.fspath(directory)
         self.volume_url = volume_url
@@ -173,7 +224,9 @@ class MDSLoader(PlannedEpochs):
         self._orders: dict = {}  # epoch -> Future of its order
         self._order_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._producer: Producer | None = None
-        self._workers: torch.utils.data.DataLoader | None = None  # the DataLoader of num_workers > 0, created on first use
+        self._workers: torch.utils.data.DataLoader | None = (
+            None  # the DataLoader of num_workers > 0, created on first use
+        )
         self._splitter = BatchDecoder(index.columns, allocate=None)
         self.metrics = LoaderMetrics(rank)  # wait and step times, cache figures: stats() and the job's run
 
@@ -208,11 +261,18 @@ class MDSLoader(PlannedEpochs):
             ConfigurationError: The state comes from another dataset or shuffle.
         """
         if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
-            raise ConfigurationError(f"not a loader state (expected a dict from MDSLoader.state_dict(), got {state!r:.200})")
+            raise ConfigurationError(
+                f"not a loader state (expected a dict from MDSLoader.state_dict(), got {state!r:.200})"
+            )
         self.epoch, self._consumed = restore_position(
-            state, self.state_dict(), keys=("seed", "shuffle", "shuffle_block_size", "num_samples", "dataset"),
-            total=self.num_samples, unit=f"dataset of {self.num_samples} samples", what="loader",
-            fix="open the dataset with the same {key} to resume, or start a fresh epoch with set_epoch()")
+            state,
+            self.state_dict(),
+            keys=("seed", "shuffle", "shuffle_block_size", "num_samples", "dataset"),
+            total=self.num_samples,
+            unit=f"dataset of {self.num_samples} samples",
+            what="loader",
+            fix="open the dataset with the same {key} to resume, or start a fresh epoch with set_epoch()",
+        )
 
     # Iteration.
 
@@ -277,12 +337,24 @@ class MDSLoader(PlannedEpochs):
     def _order_future(self, epoch: int):
         if self._order_pool is None:
             self._order_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sparkgpu-order")
-        return self._order_pool.submit(epoch_order, self.index.shard_sizes, shuffle=self.shuffle, seed=self.seed,
-                                       epoch=epoch, block_size=self.shuffle_block_size)
+        return self._order_pool.submit(
+            epoch_order,
+            self.index.shard_sizes,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            epoch=epoch,
+            block_size=self.shuffle_block_size,
+        )
 
     def _plan(self, epoch: int, start: int) -> EpochPlan:
-        return EpochPlan.for_rank(self._epoch_order(epoch), start=start, rank=self.rank, world_size=self.world_size,
-                                  batch_size=self.batch_size, drop_last=self.drop_last)
+        return EpochPlan.for_rank(
+            self._epoch_order(epoch),
+            start=start,
+            rank=self.rank,
+            world_size=self.world_size,
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+        )
 
     def _in_process(self, plan: EpochPlan):
         if self._producer is None:
@@ -296,20 +368,33 @@ class MDSLoader(PlannedEpochs):
         if self._workers is None:
             self._worker_position = multiprocessing.Array("q", 2, lock=False)
             self._workers = torch.utils.data.DataLoader(
-                WorkerBatches(self._producer_spec(), self._worker_position), batch_size=None, num_workers=self.num_workers,
-                pin_memory=self.pin_memory, prefetch_factor=self.prefetch_batches or 2, persistent_workers=True,
+                WorkerBatches(self._producer_spec(), self._worker_position),
+                batch_size=None,
+                num_workers=self.num_workers,
+                pin_memory=self.pin_memory,
+                prefetch_factor=self.prefetch_batches or 2,
+                persistent_workers=True,
             )
         self._worker_position[0], self._worker_position[1] = self.epoch, start
         return iter(self._workers)
 
     def _producer_spec(self) -> dict:
         return {
-            "index": self.index, "directory": self.directory, "volume_url": self.volume_url,
-            "storage_options": self.storage_options, "cache_limit": self.cache_limit,
-            "download_threads": self.download_threads, "shuffle": self.shuffle, "seed": self.seed,
-            "shuffle_block_size": self.shuffle_block_size, "rank": self.rank, "world_size": self.world_size,
-            "batch_size": self.batch_size, "drop_last": self.drop_last,
-            "transform": self.transform, "batch_transform": self.batch_transform,
+            "index": self.index,
+            "directory": self.directory,
+            "volume_url": self.volume_url,
+            "storage_options": self.storage_options,
+            "cache_limit": self.cache_limit,
+            "download_threads": self.download_threads,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "shuffle_block_size": self.shuffle_block_size,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "batch_size": self.batch_size,
+            "drop_last": self.drop_last,
+            "transform": self.transform,
+            "batch_transform": self.batch_transform,
         }
 
 
@@ -323,9 +408,13 @@ def _check_device(device):
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise ConfigurationError(f"device={device!r} is not a torch device ({exc}); pass e.g. 'cuda', 'cuda:1' or 'cpu'") from None
+        raise ConfigurationError(
+            f"device={device!r} is not a torch device ({exc}); pass e.g. 'cuda', 'cuda:1' or 'cpu'"
+        ) from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigurationError(f"device={device} but CUDA is not available on this machine; leave device=None to get CPU batches")
+        raise ConfigurationError(
+            f"device={device} but CUDA is not available on this machine; leave device=None to get CPU batches"
+        )
     if device.type not in ("cuda", "cpu"):
         raise ConfigurationError(f"device={device} is not supported; pass 'cuda[:N]' or 'cpu'")
     return None if device.type == "cpu" else device

@@ -141,8 +141,11 @@ class LoaderMetrics:
             return
         assert self._writer is not None  # in a job exactly when there is a writer
         timestamp = int(time.time() * 1000)
-        records = [(f"data/{name}/rank_{self.rank}", float(value), self.batches, timestamp)
-                   for name, value in figures.items() if name != "batches"]
+        records = [
+            (f"data/{name}/rank_{self.rank}", float(value), self.batches, timestamp)
+            for name, value in figures.items()
+            if name != "batches"
+        ]
         try:
             self._writer.write(metrics=records)
         except OSError as exc:  # a full disk must not stop training over a metric

@@ -82,12 +82,25 @@ class Stream:
     def __post_init__(self):
         if self.remote is None and self.local is None:
             raise ConfigurationError("Stream needs remote= (a volume URL), local= (a folder of shards), or both")
-        weights = {k: v for k, v in (("proportion", self.proportion), ("repeat", self.repeat), ("choose", self.choose)) if v is not None}
+        weights = {
+            k: v
+            for k, v in (("proportion", self.proportion), ("repeat", self.repeat), ("choose", self.choose))
+            if v is not None
+        }
         if len(weights) > 1:
-            raise ConfigurationError(f"Stream takes one of proportion, repeat and choose, got {sorted(weights)}; keep one")
+            raise ConfigurationError(
+                f"Stream takes one of proportion, repeat and choose, got {sorted(weights)}; keep one"
+            )
         for name, value in weights.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (name == "choose" and value != int(value)):
-                raise ConfigurationError(f"Stream {name}={value!r} must be a {'whole ' if name == 'choose' else ''}number >= 0")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or value < 0
+                or (name == "choose" and value != int(value))
+            ):
+                raise ConfigurationError(
+                    f"Stream {name}={value!r} must be a {'whole ' if name == 'choose' else ''}number >= 0"
+                )
 
 
 def samples_per_stream(streams, sizes, epoch_size: int | None, seed: int) -> np.ndarray:
@@ -105,46 +118,92 @@ def samples_per_stream(streams, sizes, epoch_size: int | None, seed: int) -> np.
     sizes = np.asarray(sizes, dtype=np.int64)
     relative = [s.proportion is not None for s in streams]
     if any(relative) and not all(relative):
-        raise ConfigurationError("set proportion on every stream or on none (mix proportions with repeat/choose "
-                                 "by giving every stream a proportion instead)")
+        raise ConfigurationError(
+            "set proportion on every stream or on none (mix proportions with repeat/choose "
+            "by giving every stream a proportion instead)"
+        )
     unweighted = all(s.repeat is None and s.choose is None for s in streams)
     if all(relative) or (unweighted and epoch_size):
         shares = np.array([s.proportion for s in streams] if all(relative) else sizes, dtype=np.float64)
         if shares.sum() <= 0:
-            raise ConfigurationError("the streams' proportions add up to 0; give at least one stream a positive proportion")
+            raise ConfigurationError(
+                "the streams' proportions add up to 0; give at least one stream a positive proportion"
+            )
         total = int(epoch_size) if epoch_size else int(sizes.sum())
         counts = (total * (shares / shares.sum())).astype(np.int64)
         shortfall = total - int(counts.sum())
         counts[np.random.default_rng(seed).choice(len(streams), shortfall, False)] += 1
         return counts
     if epoch_size:
-        raise ConfigurationError("epoch_size= applies to relative weights (proportion, or none at all); with repeat/choose "
-                                 "the epoch is the sum of the streams' samples: leave epoch_size out or use proportions")
-    return np.array([int(s.repeat * n) if s.repeat is not None else int(s.choose) if s.choose is not None else int(n)
-                     for s, n in zip(streams, sizes)], dtype=np.int64)
+        raise ConfigurationError(
+            "epoch_size= applies to relative weights (proportion, or none at all); with repeat/choose "
+            "the epoch is the sum of the streams' samples: leave epoch_size out or use proportions"
+        )
+    return np.array(
+        [
+            int(s.repeat * n) if s.repeat is not None else int(s.choose) if s.choose is not None else int(n)
+            for s, n in zip(streams, sizes)
+        ],
+        dtype=np.int64,
+    )
 
 
-def mixture_dataset(streams, *, local, epoch_size, batch_size, shuffle, seed, shuffle_block_size, drop_last, num_workers,
-                    prefetch_batches, device, cache_limit, download_threads, rank, world_size, storage_options,
-                    allow_unsafe_types, **unsupported) -> "MixtureLoader":
+def mixture_dataset(
+    streams,
+    *,
+    local,
+    epoch_size,
+    batch_size,
+    shuffle,
+    seed,
+    shuffle_block_size,
+    drop_last,
+    num_workers,
+    prefetch_batches,
+    device,
+    cache_limit,
+    download_threads,
+    rank,
+    world_size,
+    storage_options,
+    allow_unsafe_types,
+    **unsupported,
+) -> "MixtureLoader":
     """Opens each stream as :func:`sparkgpu.data.dataset` would and mixes them (see the module doc)."""
     if not isinstance(streams, (list, tuple)) or not streams or not all(isinstance(s, Stream) for s in streams):
         raise ConfigurationError(f"streams= takes a non-empty list of data.Stream, got {streams!r:.200}")
     if epoch_size is not None:
         check_int("epoch_size", epoch_size, 1)
     if num_workers:
-        raise ConfigurationError("mixtures decode batches in the calling process; pass num_workers=0 "
-                                 "(prefetch_batches= decodes ahead on a thread)")
+        raise ConfigurationError(
+            "mixtures decode batches in the calling process; pass num_workers=0 "
+            "(prefetch_batches= decodes ahead on a thread)"
+        )
     bad = sorted(k for k, v in unsupported.items() if v)
     if bad:
         raise ConfigurationError(f"{bad} are not supported with streams=; leave them out")
     opened = []
     for stream in streams:
         where = stream.local if stream.local is not None else (local if stream.remote is not None else None)
-        opened.append(open_mds(stream.remote, where, batch_size=batch_size, shuffle=shuffle, seed=seed,
-                               shuffle_block_size=shuffle_block_size, drop_last=drop_last, prefetch_batches=prefetch_batches,
-                               device=device, cache_limit=cache_limit, download_threads=download_threads, rank=rank,
-                               world_size=world_size, storage_options=storage_options, allow_unsafe_types=allow_unsafe_types))
+        opened.append(
+            open_mds(
+                stream.remote,
+                where,
+                batch_size=batch_size,
+                shuffle=shuffle,
+                seed=seed,
+                shuffle_block_size=shuffle_block_size,
+                drop_last=drop_last,
+                prefetch_batches=prefetch_batches,
+                device=device,
+                cache_limit=cache_limit,
+                download_threads=download_threads,
+                rank=rank,
+                world_size=world_size,
+                storage_options=storage_options,
+                allow_unsafe_types=allow_unsafe_types,
+            )
+        )
     first = opened[0].index.columns
     for number, loader in enumerate(opened[1:], 1):
         if [(c.name, c.encoding) for c in loader.index.columns] != [(c.name, c.encoding) for c in first]:
@@ -244,8 +303,13 @@ class MixtureLoader(PlannedEpochs):
     def state_dict(self) -> dict:
         """The position after the last batch handed out, as plain JSON (the same on every rank)."""
         return {
-            "version": _STATE_VERSION, "epoch": self.epoch, "samples_consumed": self._consumed, "seed": self.seed,
-            "shuffle": self.shuffle, "shuffle_block_size": self.shuffle_block_size, "counts": self.counts.tolist(),
+            "version": _STATE_VERSION,
+            "epoch": self.epoch,
+            "samples_consumed": self._consumed,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "shuffle_block_size": self.shuffle_block_size,
+            "counts": self.counts.tolist(),
             "datasets": [s.index.fingerprint for s in self.streams],
         }
 
@@ -256,11 +320,18 @@ class MixtureLoader(PlannedEpochs):
             ConfigurationError: The state comes from other streams, weights or shuffle.
         """
         if not isinstance(state, dict) or state.get("version") != _STATE_VERSION or "counts" not in state:
-            raise ConfigurationError(f"not a mixture state (expected a dict from MixtureLoader.state_dict(), got {state!r:.200})")
+            raise ConfigurationError(
+                f"not a mixture state (expected a dict from MixtureLoader.state_dict(), got {state!r:.200})"
+            )
         self.epoch, self._consumed = restore_position(
-            state, self.state_dict(), keys=("seed", "shuffle", "shuffle_block_size", "counts", "datasets"),
-            total=self.num_samples, unit=f"epoch of {self.num_samples} samples", what="mixture",
-            fix="open the same streams with the same weights, seed and shuffle to resume")
+            state,
+            self.state_dict(),
+            keys=("seed", "shuffle", "shuffle_block_size", "counts", "datasets"),
+            total=self.num_samples,
+            unit=f"epoch of {self.num_samples} samples",
+            what="mixture",
+            fix="open the same streams with the same weights, seed and shuffle to resume",
+        )
 
     def stats(self) -> dict:
         """This rank's loader figures so far, all streams' caches together."""
@@ -306,8 +377,14 @@ class MixtureLoader(PlannedEpochs):
         self._readers = None
 
     def _plan(self, epoch: int, start: int) -> EpochPlan:
-        return EpochPlan.for_rank(self.epoch_order(epoch), start=start, rank=self.rank, world_size=self.world_size,
-                                  batch_size=self.batch_size, drop_last=self.drop_last)
+        return EpochPlan.for_rank(
+            self.epoch_order(epoch),
+            start=start,
+            rank=self.rank,
+            world_size=self.world_size,
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+        )
 
     def _open_readers(self) -> list[_StreamReader]:
         assert self._readers is not None, "the mixture is closed"  # opened by __iter__ before it reads batches
@@ -342,15 +419,18 @@ class MixtureLoader(PlannedEpochs):
                 readers = [r for s in streams for r in opened[s]]
                 source_ids = None if len(readers) == 1 else np.searchsorted(shards, batch_shards).astype(np.int32)
                 buffer = decoder.allocate(len(rows) * decoder.row_bytes)
-                _gather.gather_rows(buffer.numpy().reshape(len(rows), decoder.row_bytes), [r.rows for r in readers],
-                                    source_ids, rows)
+                _gather.gather_rows(
+                    buffer.numpy().reshape(len(rows), decoder.row_bytes), [r.rows for r in readers], source_ids, rows
+                )
                 yield decoder.split_rows(buffer)
                 continue
             stream_of, parts = stream_of_shard[batch_shards], []
             for s in streams:
                 mine = np.flatnonzero(stream_of == s)
                 readers = opened[s]
-                source_ids = None if len(readers) == 1 else np.searchsorted(shards[of == s], batch_shards[mine]).astype(np.int32)
+                source_ids = (
+                    None if len(readers) == 1 else np.searchsorted(shards[of == s], batch_shards[mine]).astype(np.int32)
+                )
                 parts.append((mine, self._open_readers()[s].decoder.decode(readers, source_ids, rows[mine])))
             yield _merge(parts, len(rows))
 
@@ -358,7 +438,11 @@ class MixtureLoader(PlannedEpochs):
         if self.shuffle:
             rng = np.random.default_rng(np.random.SeedSequence([self.seed, epoch, 0x6D6978]))  # "mix"
             return rng.permutation(np.repeat(np.arange(len(self.counts)), self.counts))
-        spots = np.concatenate([(np.arange(n) + 0.5) / n for n in self.counts.tolist()]) if self.num_samples else np.empty(0)
+        spots = (
+            np.concatenate([(np.arange(n) + 0.5) / n for n in self.counts.tolist()])
+            if self.num_samples
+            else np.empty(0)
+        )
         labels = np.repeat(np.arange(len(self.counts)), self.counts)
         return labels[np.argsort(spots, kind="stable")]
 
@@ -369,8 +453,15 @@ class MixtureLoader(PlannedEpochs):
         orders = []
         for number in range(passes + (1 if rest else 0)):
             seed = int(np.random.SeedSequence([self.seed, stream, number]).generate_state(1)[0]) if self.shuffle else 0
-            orders.append(epoch_order(loader.index.shard_sizes, shuffle=self.shuffle, seed=seed, epoch=epoch,
-                                      block_size=self.shuffle_block_size))
+            orders.append(
+                epoch_order(
+                    loader.index.shard_sizes,
+                    shuffle=self.shuffle,
+                    seed=seed,
+                    epoch=epoch,
+                    block_size=self.shuffle_block_size,
+                )
+            )
         if rest:
             orders[-1] = orders[-1][:rest]
         return np.concatenate(orders) if orders else np.empty(0, dtype=np.int64)

@@ -35,7 +35,9 @@ __all__ = ["epoch_order", "EpochPlan", "DEFAULT_BLOCK_SIZE", "restore_position"]
 DEFAULT_BLOCK_SIZE = 1 << 18
 
 
-def epoch_order(shard_sizes: np.ndarray, *, shuffle: bool, seed: int, epoch: int, block_size: int = DEFAULT_BLOCK_SIZE) -> np.ndarray:
+def epoch_order(
+    shard_sizes: np.ndarray, *, shuffle: bool, seed: int, epoch: int, block_size: int = DEFAULT_BLOCK_SIZE
+) -> np.ndarray:
     """Returns every sample id of the dataset once, in this epoch's order.
 
     Args:
@@ -95,7 +97,9 @@ class EpochPlan:
     dropped: int
 
     @classmethod
-    def for_rank(cls, order: np.ndarray, *, start: int, rank: int, world_size: int, batch_size: int, drop_last: bool) -> "EpochPlan":
+    def for_rank(
+        cls, order: np.ndarray, *, start: int, rank: int, world_size: int, batch_size: int, drop_last: bool
+    ) -> "EpochPlan":
         """Splits ``order[start:]`` over ranks and takes this rank's part.
 
         Args:
@@ -125,8 +129,9 @@ class EpochPlan:
         return len(self.batch(index))
 
 
-def restore_position(state: dict, mine: dict, *, keys, total: int, unit: str, what: str, fix: str,
-                     counter: str = "samples_consumed") -> tuple[int, int]:
+def restore_position(
+    state: dict, mine: dict, *, keys, total: int, unit: str, what: str, fix: str, counter: str = "samples_consumed"
+) -> tuple[int, int]:
     """Checks a saved loader position against this loader's own state; every loader resumes so.
 
     Args:
@@ -147,8 +152,10 @@ def restore_position(state: dict, mine: dict, *, keys, total: int, unit: str, wh
     """
     for key in keys:
         if state.get(key) != mine[key]:
-            raise ConfigurationError(f"the saved state has {key}={state.get(key)!r} but this {what} has "
-                                     f"{key}={mine[key]!r}; {fix.format(key=key)}")
+            raise ConfigurationError(
+                f"the saved state has {key}={state.get(key)!r} but this {what} has "
+                f"{key}={mine[key]!r}; {fix.format(key=key)}"
+            )
     consumed = int(state[counter])
     if not 0 <= consumed <= total:
         raise ConfigurationError(f"{counter}={consumed} is outside this {unit}")

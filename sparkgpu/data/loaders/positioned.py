@@ -80,12 +80,20 @@ class PositionedLoader(torch.utils.data.DataLoader):
     def __init__(self, dataset: Positioned, **options):
         for name in ("batch_size", "sampler", "batch_sampler", "shuffle", "drop_last"):
             if options.get(name) not in (None, False):
-                raise ConfigurationError(f"{name}= is set on the dataset, not its loader: the dataset yields whole "
-                                         f"batches in its own order; drop {name}= from loader()")
+                raise ConfigurationError(
+                    f"{name}= is set on the dataset, not its loader: the dataset yields whole "
+                    f"batches in its own order; drop {name}= from loader()"
+                )
         if options.get("persistent_workers"):
-            raise ConfigurationError("persistent_workers=True would keep the workers' copies of the dataset at an old "
-                                     "position; leave it out (workers start again each epoch)")
-        options = {k: v for k, v in options.items() if k not in ("batch_size", "sampler", "batch_sampler", "shuffle", "drop_last")}
+            raise ConfigurationError(
+                "persistent_workers=True would keep the workers' copies of the dataset at an old "
+                "position; leave it out (workers start again each epoch)"
+            )
+        options = {
+            k: v
+            for k, v in options.items()
+            if k not in ("batch_size", "sampler", "batch_sampler", "shuffle", "drop_last")
+        }
         super().__init__(dataset, batch_size=None, **options)
 
     def __iter__(self):

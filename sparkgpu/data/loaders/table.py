@@ -137,7 +137,9 @@ def table_dataset(
     if missing:
         raise ConfigurationError(f"columns={missing} are not in the table; it has {schema.names}")
     if isinstance(fill_null, dict) and set(fill_null) - set(columns):
-        raise ConfigurationError(f"fill_null names columns {sorted(set(fill_null) - set(columns))} that are not read; columns are {columns}")
+        raise ConfigurationError(
+            f"fill_null names columns {sorted(set(fill_null) - set(columns))} that are not read; columns are {columns}"
+        )
     if isinstance(filter, tuple) and filter[:1] == ("both",):
         table_filter, given_filter = to_expression(filter[1], schema), to_expression(filter[2], schema)
         assert table_filter is not None and given_filter is not None  # neither filter of the pair is None
@@ -148,9 +150,21 @@ def table_dataset(
     cached_files = file_cache(dataset, units, identity, storage_options, local, cache_limit, download_threads)
     identity = dict(identity, columns=columns, filter=str(expression) if expression is not None else None)
     return TableDataset(
-        units=units, schema=schema, columns=columns, expression=expression, selection=selection, identity=identity,
-        batch_size=batch_size, shuffle=shuffle, seed=seed, shuffle_block_size=shuffle_block_size or DEFAULT_BLOCK_SIZE,
-        drop_last=drop_last, fill_null=fill_null, read_threads=read_threads, rank=rank, world_size=world_size,
+        units=units,
+        schema=schema,
+        columns=columns,
+        expression=expression,
+        selection=selection,
+        identity=identity,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        seed=seed,
+        shuffle_block_size=shuffle_block_size or DEFAULT_BLOCK_SIZE,
+        drop_last=drop_last,
+        fill_null=fill_null,
+        read_threads=read_threads,
+        rank=rank,
+        world_size=world_size,
         file_cache=cached_files,
     )
 
@@ -167,8 +181,26 @@ class TableDataset(Positioned):
         epoch: The epoch the next iteration reads.
     """
 
-    def __init__(self, *, units, schema, columns, expression, selection, identity, batch_size, shuffle, seed,
-                 shuffle_block_size, drop_last, fill_null, read_threads, rank, world_size, file_cache=None):
+    def __init__(
+        self,
+        *,
+        units,
+        schema,
+        columns,
+        expression,
+        selection,
+        identity,
+        batch_size,
+        shuffle,
+        seed,
+        shuffle_block_size,
+        drop_last,
+        fill_null,
+        read_threads,
+        rank,
+        world_size,
+        file_cache=None,
+    ):
         self._units = units
         self._sizes = np.array([u.count for u in units], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(self._sizes)]).astype(np.int64)
@@ -196,9 +228,18 @@ class TableDataset(Positioned):
 
     def state_dict(self) -> dict:
         """The position after the last batch handed out, as plain JSON (the same on every rank)."""
-        return {"version": _STATE_VERSION, "epoch": self.epoch, "samples_consumed": self._consumed, "seed": self.seed,
-                "shuffle": self.shuffle, "shuffle_block_size": self.shuffle_block_size, "world_size": self.world_size,
-                "batch_size": self.batch_size, "num_samples": self.num_samples, "dataset": self.fingerprint}
+        return {
+            "version": _STATE_VERSION,
+            "epoch": self.epoch,
+            "samples_consumed": self._consumed,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "shuffle_block_size": self.shuffle_block_size,
+            "world_size": self.world_size,
+            "batch_size": self.batch_size,
+            "num_samples": self.num_samples,
+            "dataset": self.fingerprint,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Continues from a saved position: the next iteration yields the rest of that epoch.
@@ -207,12 +248,19 @@ class TableDataset(Positioned):
             ConfigurationError: The state comes from another table version, filter or shuffle.
         """
         if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
-            raise ConfigurationError(f"not a table dataset state (expected a dict from TableDataset.state_dict(), got {state!r:.200})")
+            raise ConfigurationError(
+                f"not a table dataset state (expected a dict from TableDataset.state_dict(), got {state!r:.200})"
+            )
         self.epoch, self._consumed = restore_position(
-            state, self.state_dict(), keys=("seed", "shuffle", "shuffle_block_size", "num_samples", "dataset"),
-            total=self.num_samples, unit=f"dataset of {self.num_samples} rows", what="dataset",
+            state,
+            self.state_dict(),
+            keys=("seed", "shuffle", "shuffle_block_size", "num_samples", "dataset"),
+            total=self.num_samples,
+            unit=f"dataset of {self.num_samples} rows",
+            what="dataset",
             fix="open the same table version with the same columns, filter, seed and shuffle to resume, or start "
-                "afresh with set_epoch()")
+            "afresh with set_epoch()",
+        )
 
     def set_epoch(self, epoch: int) -> None:
         """Starts the next iteration at the beginning of ``epoch``."""
@@ -238,9 +286,17 @@ class TableDataset(Positioned):
         self.epoch, self._consumed = self.epoch + 1, 0
 
     def _plan(self, epoch: int, start: int) -> EpochPlan:
-        order = epoch_order(self._sizes, shuffle=self.shuffle, seed=self.seed, epoch=epoch, block_size=self.shuffle_block_size)
-        return EpochPlan.for_rank(order, start=start, rank=self.rank, world_size=self.world_size,
-                                  batch_size=self.batch_size, drop_last=self.drop_last)
+        order = epoch_order(
+            self._sizes, shuffle=self.shuffle, seed=self.seed, epoch=epoch, block_size=self.shuffle_block_size
+        )
+        return EpochPlan.for_rank(
+            order,
+            start=start,
+            rank=self.rank,
+            world_size=self.world_size,
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+        )
 
     def _read(self, unit: int, needed_at: int) -> pa.Table:
         group = self._units[unit]
@@ -260,8 +316,10 @@ class TableDataset(Positioned):
         if mask is not None:
             table = table.filter(pa.array(mask))
         if table.num_rows != group.count:
-            raise DataError(f"{group.path} changed since the dataset was opened ({table.num_rows} rows pass, "
-                            f"{group.count} did); open the dataset again (pin a Delta version to avoid this)")
+            raise DataError(
+                f"{group.path} changed since the dataset was opened ({table.num_rows} rows pass, "
+                f"{group.count} did); open the dataset again (pin a Delta version to avoid this)"
+            )
         return table
 
 
@@ -276,7 +334,9 @@ class _Reader:
         self.unit_of, self.offset = unit_of, plan.samples - starts[unit_of]
         # Units in the order the batches first need them, and the last batch needing each.
         batch_of = np.arange(len(plan.samples)) // plan.batch_size
-        wanted = (batch_of >= numbers.start) & (batch_of < numbers.stop) & ((batch_of - numbers.start) % numbers.step == 0)
+        wanted = (
+            (batch_of >= numbers.start) & (batch_of < numbers.stop) & ((batch_of - numbers.start) % numbers.step == 0)
+        )
         unit_w, batch_w = unit_of[wanted], batch_of[wanted]
         first = np.full(len(starts), len(unit_w), dtype=np.int64)
         np.minimum.at(first, unit_w, np.arange(len(unit_w)))
@@ -291,9 +351,11 @@ class _Reader:
         self.files = dataset._file_cache
         if self.files is not None:
             file_of = np.array([self.files.position[u.path] for u in dataset._units], dtype=np.int64)
-            self.steps = [np.unique(file_of[unit_of[n * plan.batch_size:(n + 1) * plan.batch_size]]) for n in numbers]
+            self.steps = [np.unique(file_of[unit_of[n * plan.batch_size : (n + 1) * plan.batch_size]]) for n in numbers]
             self.files.start(self.steps)
-        self.pool = concurrent.futures.ThreadPoolExecutor(dataset.read_threads, thread_name_prefix="sparkgpu-table-read")
+        self.pool = concurrent.futures.ThreadPoolExecutor(
+            dataset.read_threads, thread_name_prefix="sparkgpu-table-read"
+        )
         self.loaded: dict[int, concurrent.futures.Future] = {}
         self.started: set[int] = set()
         self.ahead = 2 * dataset.read_threads

@@ -129,9 +129,13 @@ def _filled(name: str, column: pa.ChunkedArray, fill_null) -> pa.Array:
     fill = fill_null.get(name) if isinstance(fill_null, dict) else fill_null
     if column.null_count:
         if fill is None:
-            raise DataError(f"column {name!r} has {column.null_count} null values; pass fill_null={{{name!r}: value}} "
-                            f"(or filter them out with filter=\"{name} IS NOT NULL\")")
-        column = pc.fill_null(column, pa.scalar(fill).cast(column.type) if not pa.types.is_nested(column.type) else fill)
+            raise DataError(
+                f"column {name!r} has {column.null_count} null values; pass fill_null={{{name!r}: value}} "
+                f'(or filter them out with filter="{name} IS NOT NULL")'
+            )
+        column = pc.fill_null(
+            column, pa.scalar(fill).cast(column.type) if not pa.types.is_nested(column.type) else fill
+        )
     return column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
 
 
@@ -144,7 +148,9 @@ def _fixed_width(name: str, array: pa.Array) -> np.ndarray | None:
         return array.to_numpy(zero_copy_only=False)
     if pa.types.is_temporal(kind):
         return array.cast(pa.int64() if kind.bit_width == 64 else pa.int32()).to_numpy()
-    if pa.types.is_fixed_size_list(kind) and (pa.types.is_integer(kind.value_type) or pa.types.is_floating(kind.value_type)):
+    if pa.types.is_fixed_size_list(kind) and (
+        pa.types.is_integer(kind.value_type) or pa.types.is_floating(kind.value_type)
+    ):
         flat = array.flatten()
         if flat.null_count:
             raise DataError(f"column {name!r} has null elements inside its lists; fill them before reading")
@@ -158,17 +164,28 @@ def _convert(name: str, array: pa.Array):
         # Arrow buffers are read-only; the copy makes a tensor the training step may write to.
         return torch.from_numpy(np.array(array.to_numpy(zero_copy_only=False), copy=True))
     if pa.types.is_temporal(kind):
-        return torch.from_numpy(np.array(array.cast(pa.int64() if kind.bit_width == 64 else pa.int32()).to_numpy(), copy=True))
+        return torch.from_numpy(
+            np.array(array.cast(pa.int64() if kind.bit_width == 64 else pa.int32()).to_numpy(), copy=True)
+        )
     if pa.types.is_dictionary(kind):
         return _convert(name, array.dictionary_decode())
-    if pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
+    if (
+        pa.types.is_string(kind)
+        or pa.types.is_large_string(kind)
+        or pa.types.is_binary(kind)
+        or pa.types.is_large_binary(kind)
+    ):
         return array.to_pylist()
-    if pa.types.is_fixed_size_list(kind) and (pa.types.is_integer(kind.value_type) or pa.types.is_floating(kind.value_type)):
+    if pa.types.is_fixed_size_list(kind) and (
+        pa.types.is_integer(kind.value_type) or pa.types.is_floating(kind.value_type)
+    ):
         if array.flatten().null_count:
             raise DataError(f"column {name!r} has null elements inside its lists; fill them before reading")
         values = array.flatten().to_numpy(zero_copy_only=False)
         return torch.from_numpy(np.array(values.reshape(len(array), kind.list_size), copy=True))
     if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
         return array.to_pylist()
-    raise ConfigurationError(f"column {name!r} has type {kind}, which has no tensor form; leave it out with columns=, "
-                             "or cast it in the table (decimals to double, structs to their fields)")
+    raise ConfigurationError(
+        f"column {name!r} has type {kind}, which has no tensor form; leave it out with columns=, "
+        "or cast it in the table (decimals to double, structs to their fields)"
+    )

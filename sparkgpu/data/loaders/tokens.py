@@ -40,7 +40,14 @@ from sparkgpu.data.loaders._token_shards import ShardDocuments, TokenColumn
 from sparkgpu.data.storage.cache import ShardCache
 from sparkgpu.data.loaders.metrics import LoaderMetrics
 from sparkgpu.data.loaders.mds_loader import open_mds
-from sparkgpu.data.loaders.order import DEFAULT_BLOCK_SIZE, EpochPlan, PlannedEpochs, check_int, epoch_order, restore_position
+from sparkgpu.data.loaders.order import (
+    DEFAULT_BLOCK_SIZE,
+    EpochPlan,
+    PlannedEpochs,
+    check_int,
+    epoch_order,
+    restore_position,
+)
 from sparkgpu.data.mds.reader import ShardReader
 from sparkgpu.data.storage.volume import Volume
 from sparkgpu.errors import ConfigurationError, DataError
@@ -111,18 +118,45 @@ def token_dataset(
     if eos_id is not None:
         check_int("eos_id", eos_id, 0)
     # open_mds() checks and opens everything the two loaders share (volume, cache, rank).
-    opened = open_mds(remote, local, batch_size=batch_size, shuffle=shuffle, seed=seed, shuffle_block_size=shuffle_block_size,
-                      drop_last=drop_last, num_workers=num_workers, cache_limit=cache_limit,
-                      download_threads=download_threads, rank=rank, world_size=world_size, storage_options=storage_options)
+    opened = open_mds(
+        remote,
+        local,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        seed=seed,
+        shuffle_block_size=shuffle_block_size,
+        drop_last=drop_last,
+        num_workers=num_workers,
+        cache_limit=cache_limit,
+        download_threads=download_threads,
+        rank=rank,
+        world_size=world_size,
+        storage_options=storage_options,
+    )
     tokens = TokenColumn(opened.index, column, eos_id)
     tokens.column  # noqa: B018 - raises when the column is missing
     spec = {
-        "index": opened.index, "directory": opened.directory, "volume_url": opened.volume_url,
-        "storage_options": storage_options, "cache_limit": opened.cache_limit, "download_threads": download_threads,
+        "index": opened.index,
+        "directory": opened.directory,
+        "volume_url": opened.volume_url,
+        "storage_options": storage_options,
+        "cache_limit": opened.cache_limit,
+        "download_threads": download_threads,
     }
-    return TokenLoader(spec, tokens, seq_len=seq_len, width=seq_len + (1 if targets else 0), batch_size=batch_size,
-                       shuffle=shuffle, seed=seed, shuffle_block_size=opened.shuffle_block_size, drop_last=drop_last,
-                       num_workers=num_workers, rank=opened.rank, world_size=opened.world_size)
+    return TokenLoader(
+        spec,
+        tokens,
+        seq_len=seq_len,
+        width=seq_len + (1 if targets else 0),
+        batch_size=batch_size,
+        shuffle=shuffle,
+        seed=seed,
+        shuffle_block_size=opened.shuffle_block_size,
+        drop_last=drop_last,
+        num_workers=num_workers,
+        rank=opened.rank,
+        world_size=opened.world_size,
+    )
 
 
 class _TokenSource:
@@ -203,14 +237,30 @@ class TokenLoader(PlannedEpochs):
         epoch: The epoch the next iteration reads.
     """
 
-    def __init__(self, spec: dict, tokens: TokenColumn, *, seq_len, width, batch_size, shuffle, seed, shuffle_block_size,
-                 drop_last, num_workers, rank, world_size):
+    def __init__(
+        self,
+        spec: dict,
+        tokens: TokenColumn,
+        *,
+        seq_len,
+        width,
+        batch_size,
+        shuffle,
+        seed,
+        shuffle_block_size,
+        drop_last,
+        num_workers,
+        rank,
+        world_size,
+    ):
         self._spec, self._tokens = spec, tokens
         self.seq_len, self.width, self.batch_size = seq_len, width, batch_size
         self.shuffle, self.seed, self.shuffle_block_size = shuffle, seed, shuffle_block_size
         self.drop_last, self.num_workers, self.rank, self.world_size = drop_last, num_workers, rank, world_size
         self._source = _TokenSource(spec, tokens)
-        counts = np.array([tokens.counts(self._source.reader(0, s)) for s in range(len(spec["index"].shards))], dtype=np.int64)
+        counts = np.array(
+            [tokens.counts(self._source.reader(0, s)) for s in range(len(spec["index"].shards))], dtype=np.int64
+        )
         self._shard_ends = np.cumsum(counts)
         self._shard_starts = self._shard_ends - counts
         self.num_tokens = int(self._shard_ends[-1])
@@ -219,8 +269,9 @@ class TokenLoader(PlannedEpochs):
         self._check_eos()
         self.num_blocks = max(0, (self.num_tokens - (width - seq_len)) // seq_len)
         first_tokens = np.arange(self.num_blocks, dtype=np.int64) * seq_len
-        self._blocks_per_shard = np.bincount(np.searchsorted(self._shard_ends, first_tokens, side="right"),
-                                             minlength=len(counts)).astype(np.int64)
+        self._blocks_per_shard = np.bincount(
+            np.searchsorted(self._shard_ends, first_tokens, side="right"), minlength=len(counts)
+        ).astype(np.int64)
         self.epoch = 0
         self._consumed = 0
         self.metrics = LoaderMetrics(rank)
@@ -231,17 +282,27 @@ class TokenLoader(PlannedEpochs):
             return
         limit = np.iinfo(self.dtype).max
         if eos > limit:
-            raise ConfigurationError(f"eos_id={eos} does not fit the column's {self.dtype} tokens; pass an id below {limit + 1}")
+            raise ConfigurationError(
+                f"eos_id={eos} does not fit the column's {self.dtype} tokens; pass an id below {limit + 1}"
+            )
 
     # Position.
 
     def state_dict(self) -> dict:
         """The position after the last batch handed out, as plain JSON (the same on every rank)."""
         return {
-            "version": _STATE_VERSION, "epoch": self.epoch, "blocks_consumed": self._consumed, "seed": self.seed,
-            "shuffle": self.shuffle, "shuffle_block_size": self.shuffle_block_size, "seq_len": self.seq_len,
-            "width": self.width, "num_tokens": self.num_tokens, "eos_id": self._tokens.eos_id,
-            "column": self._tokens.name, "dataset": self._spec["index"].fingerprint,
+            "version": _STATE_VERSION,
+            "epoch": self.epoch,
+            "blocks_consumed": self._consumed,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "shuffle_block_size": self.shuffle_block_size,
+            "seq_len": self.seq_len,
+            "width": self.width,
+            "num_tokens": self.num_tokens,
+            "eos_id": self._tokens.eos_id,
+            "column": self._tokens.name,
+            "dataset": self._spec["index"].fingerprint,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -251,12 +312,29 @@ class TokenLoader(PlannedEpochs):
             ConfigurationError: The state comes from another dataset, column, packing or shuffle.
         """
         if not isinstance(state, dict) or state.get("version") != _STATE_VERSION or "blocks_consumed" not in state:
-            raise ConfigurationError(f"not a token loader state (expected a dict from TokenLoader.state_dict(), got {state!r:.200})")
+            raise ConfigurationError(
+                f"not a token loader state (expected a dict from TokenLoader.state_dict(), got {state!r:.200})"
+            )
         self.epoch, self._consumed = restore_position(
-            state, self.state_dict(),
-            keys=("seed", "shuffle", "shuffle_block_size", "seq_len", "width", "num_tokens", "eos_id", "column", "dataset"),
-            total=self.num_blocks, unit=f"stream of {self.num_blocks} blocks", what="loader", counter="blocks_consumed",
-            fix="open the dataset with the same {key} to resume, or start a fresh epoch with set_epoch()")
+            state,
+            self.state_dict(),
+            keys=(
+                "seed",
+                "shuffle",
+                "shuffle_block_size",
+                "seq_len",
+                "width",
+                "num_tokens",
+                "eos_id",
+                "column",
+                "dataset",
+            ),
+            total=self.num_blocks,
+            unit=f"stream of {self.num_blocks} blocks",
+            what="loader",
+            counter="blocks_consumed",
+            fix="open the dataset with the same {key} to resume, or start a fresh epoch with set_epoch()",
+        )
 
     def stats(self) -> dict:
         """This rank's loader figures so far (see :class:`sparkgpu.data.loaders.metrics.LoaderMetrics`)."""
@@ -271,7 +349,9 @@ class TokenLoader(PlannedEpochs):
             plan = self._plan(self.epoch, 0)
         start, step = self._consumed, self.batch_size * self.world_size
         if self.num_workers:
-            source = iter(torch.utils.data.DataLoader(_WorkerBlocks(self, plan), batch_size=None, num_workers=self.num_workers))
+            source = iter(
+                torch.utils.data.DataLoader(_WorkerBlocks(self, plan), batch_size=None, num_workers=self.num_workers)
+            )
         else:
             source = self.batches(plan, range(plan.num_batches))
         for number, batch in enumerate(self.metrics.timed(source, self._source.cache), 1):
@@ -290,8 +370,8 @@ class TokenLoader(PlannedEpochs):
         self._source.cache.set_plan(needs)
         per_cut = max(1, _CUT_TOKENS // (self.batch_size * self.width))
         for step in range(0, len(firsts), per_cut):
-            cut = torch.from_numpy(self._cut(step, firsts[step:step + per_cut], needs[step:step + per_cut]))
-            ends = np.cumsum([len(f) for f in firsts[step:step + per_cut]]).tolist()
+            cut = torch.from_numpy(self._cut(step, firsts[step : step + per_cut], needs[step : step + per_cut]))
+            ends = np.cumsum([len(f) for f in firsts[step : step + per_cut]]).tolist()
             for begin, end in zip([0] + ends[:-1], ends):
                 yield cut[begin:end]
 
@@ -300,10 +380,21 @@ class TokenLoader(PlannedEpochs):
         self._source.close()
 
     def _plan(self, epoch: int, start: int) -> EpochPlan:
-        order = epoch_order(self._blocks_per_shard, shuffle=self.shuffle, seed=self.seed, epoch=epoch,
-                            block_size=self.shuffle_block_size or DEFAULT_BLOCK_SIZE)
-        return EpochPlan.for_rank(order, start=start, rank=self.rank, world_size=self.world_size,
-                                  batch_size=self.batch_size, drop_last=self.drop_last)
+        order = epoch_order(
+            self._blocks_per_shard,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            epoch=epoch,
+            block_size=self.shuffle_block_size or DEFAULT_BLOCK_SIZE,
+        )
+        return EpochPlan.for_rank(
+            order,
+            start=start,
+            rank=self.rank,
+            world_size=self.world_size,
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+        )
 
     def _shards(self, firsts: np.ndarray) -> np.ndarray:
         lo = np.searchsorted(self._shard_ends, firsts, side="right")
@@ -340,14 +431,22 @@ class TokenLoader(PlannedEpochs):
             number = int(shard[group[0]])
             reader, documents = shards[number]
             if documents.dtype != self.dtype:
-                raise DataError(f"shard {reader.info.basename} holds {documents.dtype} tokens but earlier shards "
-                                f"hold {self.dtype}; write the column {self._tokens.name!r} with one dtype")
+                raise DataError(
+                    f"shard {reader.info.basename} holds {documents.dtype} tokens but earlier shards "
+                    f"hold {self.dtype}; write the column {self._tokens.name!r} with one dtype"
+                )
             local_begins = begins[group] - self._shard_starts[number]
             local_ends = ends[group] - self._shard_starts[number]
             owner, offset, byte_starts, counts = documents.pieces(local_begins, local_ends)
             assert reader.data is not None, "the shard reader is closed"
-            _gather.gather_spans(flat.view(np.uint8), (base[group][owner] + offset) * itemsize, [reader.data], None,
-                                 byte_starts, counts * itemsize)
+            _gather.gather_spans(
+                flat.view(np.uint8),
+                (base[group][owner] + offset) * itemsize,
+                [reader.data],
+                None,
+                byte_starts,
+                counts * itemsize,
+            )
             if self._tokens.eos_id is not None:
                 owner, offset = documents.eos_positions(local_begins, local_ends)
                 flat[base[group][owner] + offset] = self._tokens.eos_id

@@ -29,8 +29,17 @@ __all__ = ["ColumnKind", "ColumnSpec", "IMAGE_SIGNATURES", "plan_columns"]
 _SCALARS = {
     name: np.dtype(name)
     for name in (
-        "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-        "float16", "float32", "float64",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
     )
 }
 # Value dtypes streaming's NDArray encoding knows (NDArray._value_dtype2int).
@@ -112,7 +121,9 @@ def plan_columns(schema: pa.Schema, columns=None) -> tuple[ColumnSpec, ...]:
     elif isinstance(columns, Mapping):
         wanted = dict(columns)
     elif isinstance(columns, str):
-        raise ConfigurationError(f"columns must be a list of names or a dict name -> encoding, got the string {columns!r}")
+        raise ConfigurationError(
+            f"columns must be a list of names or a dict name -> encoding, got the string {columns!r}"
+        )
     else:
         wanted = {name: None for name in columns}
     missing = [name for name in wanted if name not in names]
@@ -124,7 +135,9 @@ def plan_columns(schema: pa.Schema, columns=None) -> tuple[ColumnSpec, ...]:
     for name in sorted(wanted):
         field = schema.field(name)
         encoding = wanted[name]
-        specs.append(_default_spec(name, field.type) if encoding is None else _override_spec(name, field.type, encoding))
+        specs.append(
+            _default_spec(name, field.type) if encoding is None else _override_spec(name, field.type, encoding)
+        )
     return tuple(specs)
 
 
@@ -204,7 +217,12 @@ def _default_spec(name: str, arrow_type: pa.DataType) -> ColumnSpec:
 
 
 def _fix_hint(name: str, arrow_type: pa.DataType) -> str:
-    if pa.types.is_timestamp(arrow_type) or pa.types.is_date(arrow_type) or pa.types.is_time(arrow_type) or pa.types.is_duration(arrow_type):
+    if (
+        pa.types.is_timestamp(arrow_type)
+        or pa.types.is_date(arrow_type)
+        or pa.types.is_time(arrow_type)
+        or pa.types.is_duration(arrow_type)
+    ):
         return (
             f"cast it to a number or a string first, e.g. unix_micros({name}) or "
             f"{name}.cast('string') in Spark, pyarrow.compute.cast({name}, pa.int64()) in Arrow"
@@ -264,20 +282,26 @@ def _override_spec(name: str, arrow_type: pa.DataType, encoding: str) -> ColumnS
     if match:
         dtype, shape_text = match.groups()
         if dtype not in _NDARRAY_DTYPES:
-            raise DataError(f"encoding {encoding!r} of column {name!r}: dtype {dtype!r} is not one of {sorted(_NDARRAY_DTYPES)}")
+            raise DataError(
+                f"encoding {encoding!r} of column {name!r}: dtype {dtype!r} is not one of {sorted(_NDARRAY_DTYPES)}"
+            )
         layout = _tensor_layout(value_type)
         list_of_numbers = _is_var_list(value_type) and _numeric_dtype(value_type.value_type) is not None
         if layout is None and not list_of_numbers:
             raise wrong
         if shape_text is None:
             if layout is not None and len(layout[1]) > 1:
-                raise DataError(f"column {name!r} has shape {layout[1]}; give it in the encoding: {_ndarray_encoding(dtype, layout[1])!r}")
+                raise DataError(
+                    f"column {name!r} has shape {layout[1]}; give it in the encoding: {_ndarray_encoding(dtype, layout[1])!r}"
+                )
             return ColumnSpec(name, encoding, None, ColumnKind.NDARRAY_DYNAMIC, dtype)
         shape = tuple(int(d) for d in shape_text.split(","))
         if min(shape) < 1:
             raise DataError(f"encoding {encoding!r} of column {name!r}: every dimension must be at least 1")
         if layout is not None and int(np.prod(layout[1])) != int(np.prod(shape)):
-            raise DataError(f"column {name!r} holds {int(np.prod(layout[1]))} values per row, encoding {encoding!r} wants {int(np.prod(shape))}")
+            raise DataError(
+                f"column {name!r} holds {int(np.prod(layout[1]))} values per row, encoding {encoding!r} wants {int(np.prod(shape))}"
+            )
         size = int(np.prod(shape)) * _SCALARS[dtype].itemsize
         return ColumnSpec(name, _ndarray_encoding(dtype, shape), size, ColumnKind.NDARRAY_STATIC, dtype, shape)
     raise wrong

@@ -77,12 +77,29 @@ class BatchDecoder:
             itemsize = column.dtype.itemsize
             aligned = offset % itemsize == 0 and row_bytes % itemsize == 0
             last = views[-1] if views else None
-            if (last is not None and column.shape == () and last.shape == () and last.dtype == column.dtype
-                    and aligned and last.aligned and last.offset + itemsize * len(last.names) == offset):
+            if (
+                last is not None
+                and column.shape == ()
+                and last.shape == ()
+                and last.dtype == column.dtype
+                and aligned
+                and last.aligned
+                and last.offset + itemsize * len(last.names) == offset
+            ):
                 last.names.append(column.name)
             else:
-                views.append(_ColumnView([column.name], column.dtype, _torch_dtype(self._torch, column.dtype),
-                                         column.shape, offset, column.size, aligned, row_bytes))
+                views.append(
+                    _ColumnView(
+                        [column.name],
+                        column.dtype,
+                        _torch_dtype(self._torch, column.dtype),
+                        column.shape,
+                        offset,
+                        column.size,
+                        aligned,
+                        row_bytes,
+                    )
+                )
             offset += column.size
         return views
 
@@ -114,7 +131,7 @@ class BatchDecoder:
             else:
                 # A column at an offset its dtype cannot be viewed at: copy it out.
                 # (clone, not contiguous(): a one-row slice counts as contiguous and keeps the row stride)
-                raw = buffer.view(n, row_bytes)[:, view.offset: view.offset + view.size].flatten().clone()
+                raw = buffer.view(n, row_bytes)[:, view.offset : view.offset + view.size].flatten().clone()
                 batch[view.names[0]] = raw.view(view.tdtype).reshape(n, *view.shape)
         return batch
 
@@ -161,7 +178,7 @@ class BatchDecoder:
             return self._decode_ndarrays(column, sources, source_ids, starts, lengths)
         _, array, offsets = self._pack(sources, source_ids, starts, lengths)
         blob = array.tobytes()
-        items = [blob[o: o + ln] for o, ln in zip(offsets.tolist(), lengths.tolist())]
+        items = [blob[o : o + ln] for o, ln in zip(offsets.tolist(), lengths.tolist())]
         if column.decode is Decode.BYTES:
             return items
         if column.decode is Decode.STR:
@@ -203,7 +220,7 @@ class BatchDecoder:
             if column.shape is None:
                 code = int(head[cursor])
                 ndim, shape_dtype = code >> 2, np.dtype(_SHAPE_DTYPES[code & 3])
-                shape = tuple(head[cursor + 1: cursor + 1 + ndim * shape_dtype.itemsize].view(shape_dtype).tolist())
+                shape = tuple(head[cursor + 1 : cursor + 1 + ndim * shape_dtype.itemsize].view(shape_dtype).tolist())
                 cursor += 1 + ndim * shape_dtype.itemsize
             else:
                 shape = column.shape
@@ -212,7 +229,9 @@ class BatchDecoder:
             header_lengths[i] = cursor - offset
         value_lengths = lengths - header_lengths
         if column.dtype is not None:
-            packed, _, _ = self._pack(sources, source_ids, starts + header_lengths, value_lengths, align=column.dtype.itemsize)
+            packed, _, _ = self._pack(
+                sources, source_ids, starts + header_lengths, value_lengths, align=column.dtype.itemsize
+            )
             flat = packed[: int(value_lengths.sum())].view(_torch_dtype(torch, column.dtype))
             parts = torch.split(flat, (value_lengths // column.dtype.itemsize).tolist())
             return [part if len(shape) == 1 else part.reshape(shape) for part, shape in zip(parts, shapes)]
@@ -220,7 +239,9 @@ class BatchDecoder:
         for i in range(n):  # the dtype differs per sample: one small gather each
             one = slice(i, i + 1)
             ids = None if source_ids is None else source_ids[one]
-            packed, _, _ = self._pack(sources, ids, starts[one] + header_lengths[one], value_lengths[one], align=dtypes[i].itemsize)
+            packed, _, _ = self._pack(
+                sources, ids, starts[one] + header_lengths[one], value_lengths[one], align=dtypes[i].itemsize
+            )
             values.append(packed[: int(value_lengths[i])].view(_torch_dtype(torch, dtypes[i])).reshape(shapes[i]))
         return values
 
@@ -234,7 +255,7 @@ class _ColumnView:
         self.names, self.dtype, self.tdtype, self.shape = names, dtype, tdtype, shape
         self.offset, self.size, self.aligned = offset, size, aligned
         self._row_items = row_bytes // dtype.itemsize
-        self._inner = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+        self._inner = tuple(int(np.prod(shape[i + 1 :])) for i in range(len(shape)))
 
     def place(self, batch: dict, typed, n: int, base: int) -> None:
         import torch

@@ -55,7 +55,11 @@ class _Fixed:
 
     @property
     def width(self) -> int:
-        return self.values[:1].nbytes if len(self.values) else self.values.dtype.itemsize * int(np.prod(self.values.shape[1:]))
+        return (
+            self.values[:1].nbytes
+            if len(self.values)
+            else self.values.dtype.itemsize * int(np.prod(self.values.shape[1:]))
+        )
 
     @property
     def lengths(self) -> np.ndarray:
@@ -136,7 +140,9 @@ def _pack(parts: list[_Fixed]) -> np.ndarray:
     offsets = np.concatenate([[0], np.cumsum(widths)[:-1]]).tolist()
     names = [f"p{i}" for i in range(len(parts))]
     formats = [(p.values.dtype, p.values.shape[1:]) for p in parts]
-    packed = np.empty(n, dtype=np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": sum(widths)}))
+    packed = np.empty(
+        n, dtype=np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": sum(widths)})
+    )
     for name, part in zip(names, parts):
         packed[name] = part.values
     return packed.view(np.uint8).reshape(n, sum(widths))
@@ -170,7 +176,7 @@ def _assemble(parts: list, n: int) -> EncodedBatch:
                     out[position[:, None] + np.arange(width)] = part.values[first:last]
                 position += width
                 continue
-            offsets = part.offsets[first:last + 1]
+            offsets = part.offsets[first : last + 1]
             part_lengths = np.diff(offsets)
             low, high = int(offsets[0]), int(offsets[-1])
             if high > low:
@@ -198,7 +204,9 @@ def _numbers(array: pa.Array, dtype: str, spec: ColumnSpec) -> np.ndarray:
             try:
                 array = pc.cast(array, pa.from_numpy_dtype(np.dtype(dtype)), safe=True)
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
-                raise DataError(f"column {spec.name!r}: values do not fit {dtype}: {exc}; choose a wider encoding") from None
+                raise DataError(
+                    f"column {spec.name!r}: values do not fit {dtype}: {exc}; choose a wider encoding"
+                ) from None
         values = array.to_numpy(zero_copy_only=False)
     return np.ascontiguousarray(values, dtype=np.dtype(dtype).newbyteorder("<"))
 
@@ -212,14 +220,14 @@ def _binary_part(array: pa.Array, spec: ColumnSpec) -> _Var | _Fixed:
     if pa.types.is_fixed_size_binary(array_type):
         width = array_type.byte_width
         data = np.frombuffer(array.buffers()[1], dtype=np.uint8)
-        return _Fixed(data[array.offset * width:(array.offset + len(array)) * width].reshape(len(array), width))
+        return _Fixed(data[array.offset * width : (array.offset + len(array)) * width].reshape(len(array), width))
     large = pa.types.is_large_string(array_type) or pa.types.is_large_binary(array_type)
     raw_offsets = np.frombuffer(array.buffers()[1], dtype=np.int64 if large else np.int32)
-    offsets = raw_offsets[array.offset:array.offset + len(array) + 1].astype(np.int64)
+    offsets = raw_offsets[array.offset : array.offset + len(array) + 1].astype(np.int64)
     data_buffer = array.buffers()[2]
     data = np.frombuffer(data_buffer, dtype=np.uint8) if data_buffer is not None else np.empty(0, np.uint8)
     first = int(offsets[0])
-    return _Var(data[first:int(offsets[-1])], offsets - first)
+    return _Var(data[first : int(offsets[-1])], offsets - first)
 
 
 def _check_image_bytes(part, spec: ColumnSpec) -> None:
@@ -329,4 +337,3 @@ def _dynamic_ndarray_parts(numbers: np.ndarray, lengths: np.ndarray, n: int) -> 
     value_offsets = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(lengths * numbers.itemsize, out=value_offsets[1:])
     return [header_part, _Var(numbers.view(np.uint8).reshape(-1), value_offsets)]
-

@@ -25,13 +25,34 @@ INDEX_NAME = "index.json"
 
 _SCALARS = {
     name: np.dtype(name)
-    for name in ("uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64", "float16", "float32", "float64")
+    for name in (
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "float16",
+        "float32",
+        "float64",
+    )
 }
 _SCALARS["int"] = np.dtype("int64")
 # MDS ndarray headers name value dtypes by these codes (streaming.base.format.mds.encodings).
 _NDARRAY_DTYPE_CODES = {
-    8: "uint8", 9: "int8", 16: "uint16", 17: "int16", 18: "float16", 32: "uint32",
-    33: "int32", 34: "float32", 64: "uint64", 65: "int64", 66: "float64",
+    8: "uint8",
+    9: "int8",
+    16: "uint16",
+    17: "int16",
+    18: "float16",
+    32: "uint32",
+    33: "int32",
+    34: "float32",
+    64: "uint64",
+    65: "int64",
+    66: "float64",
 }
 # Encodings decoded to uint8 (C, H, W) tensors by sparkgpu.data.images.
 _IMAGES = {"pil", "jpeg", "png"}
@@ -192,7 +213,9 @@ class DatasetIndex:
             obj = json.loads(raw)
             entries = obj["shards"]
         except (ValueError, KeyError, TypeError) as exc:
-            raise DataError(f"{source} is not an MDS index.json ({exc}); point remote/local at a folder written by MDSWriter or sparkgpu.data.to_mds") from None
+            raise DataError(
+                f"{source} is not an MDS index.json ({exc}); point remote/local at a folder written by MDSWriter or sparkgpu.data.to_mds"
+            ) from None
         if not entries:
             raise DataError(f"{source} lists no shards; the dataset is empty: write it again with data in it")
         shards: list[ShardInfo] = []
@@ -258,13 +281,17 @@ class ShardReader:
         with open(self.path, "rb") as handle:
             size = os.fstat(handle.fileno()).st_size
             if size != info.raw_bytes or size < 8:
-                raise DataError(f"shard {info.basename} at {self.path} has {size} bytes, the index says {info.raw_bytes}")
+                raise DataError(
+                    f"shard {info.basename} at {self.path} has {size} bytes, the index says {info.raw_bytes}"
+                )
             self._mmap: mmap.mmap | None = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
         # None once closed (see close()); a reader is used only while open.
         self.data: np.ndarray | None = np.frombuffer(self._mmap, dtype=np.uint8)
         (count,) = self.data[:4].view("<u4")
         if count != info.samples:
-            raise DataError(f"shard {info.basename} at {self.path} holds {count} samples, the index says {info.samples}")
+            raise DataError(
+                f"shard {info.basename} at {self.path} holds {count} samples, the index says {info.samples}"
+            )
         self.offsets: np.ndarray | None = self.data[4 : 4 + 4 * (count + 1)].view("<u4")
         self.rows: np.ndarray | None = None
         if row_bytes is not None:

@@ -76,7 +76,11 @@ def _compress(compression: str, data: bytes) -> bytes:
         return bz2.compress(data, level)
     # The same third-party modules streaming decompresses with; they may be missing where
     # the shards are written (a Spark executor).
-    module_name, package = {"zstd": ("zstd", "zstd"), "br": ("brotli", "brotli"), "snappy": ("snappy", "python-snappy")}[family]
+    module_name, package = {
+        "zstd": ("zstd", "zstd"),
+        "br": ("brotli", "brotli"),
+        "snappy": ("snappy", "python-snappy"),
+    }[family]
     try:
         module = __import__(module_name)
     except ImportError:
@@ -147,7 +151,16 @@ class ShardWriter:
         size_limit: Most bytes of samples (plus their offsets) per shard; ``None``: one shard.
     """
 
-    def __init__(self, volume, subdir: str, specs: Sequence[ColumnSpec], *, compression=None, hashes=(), size_limit=DEFAULT_SIZE_LIMIT):
+    def __init__(
+        self,
+        volume,
+        subdir: str,
+        specs: Sequence[ColumnSpec],
+        *,
+        compression=None,
+        hashes=(),
+        size_limit=DEFAULT_SIZE_LIMIT,
+    ):
         self.volume = volume
         self.subdir = subdir.strip("/")
         self.specs = tuple(specs)
@@ -198,8 +211,8 @@ class ShardWriter:
                         continue
                     take = 1  # a sample larger than the limit gets a shard of its own
             nbytes = int(cumulative[take - 1]) - 4 * take
-            self._pending.append(data[byte:byte + nbytes])
-            self._pending_lengths.append(lengths[row:row + take])
+            self._pending.append(data[byte : byte + nbytes])
+            self._pending_lengths.append(lengths[row : row + take])
             self._pending_size += int(cumulative[take - 1])
             row += take
             byte += nbytes
@@ -222,8 +235,15 @@ class ShardWriter:
         np.cumsum(lengths, out=offsets[1:])
         offsets += 4 + 4 * (n + 1) + len(self._config_bytes)
         if offsets[-1] >= 1 << 32:
-            raise DataError("a shard would exceed 4 GiB (MDS offsets are uint32); lower size_limit or split large values")
-        pieces: list[bytes | np.ndarray] = [np.uint32(n).tobytes(), offsets.astype("<u4").tobytes(), self._config_bytes, *self._pending]
+            raise DataError(
+                "a shard would exceed 4 GiB (MDS offsets are uint32); lower size_limit or split large values"
+            )
+        pieces: list[bytes | np.ndarray] = [
+            np.uint32(n).tobytes(),
+            offsets.astype("<u4").tobytes(),
+            self._config_bytes,
+            *self._pending,
+        ]
         raw_basename = f"shard.{len(self.shards):05}.mds"
         raw_size = int(offsets[-1])
         raw_info: dict[str, Any] = {"basename": self._relpath(raw_basename), "bytes": raw_size, "hashes": {}}
@@ -237,7 +257,11 @@ class ShardWriter:
             if self.compression:
                 packed = _compress(self.compression, raw)
                 zip_basename = f"{raw_basename}.{self.compression.partition(':')[0]}"
-                zip_info = {"basename": self._relpath(zip_basename), "bytes": len(packed), "hashes": self._digest(packed)}
+                zip_info = {
+                    "basename": self._relpath(zip_basename),
+                    "bytes": len(packed),
+                    "hashes": self._digest(packed),
+                }
                 pieces = [packed]
         target = zip_info or raw_info
         self.volume.write_pieces(target["basename"], pieces)
@@ -288,11 +312,15 @@ class ShardOptions:
         Raises:
             ConfigurationError: A compression, hash or size limit that MDS does not know.
         """
-        return cls(tuple(specs), check_compression(compression), tuple(check_hashes(hashes)), parse_size_limit(size_limit))
+        return cls(
+            tuple(specs), check_compression(compression), tuple(check_hashes(hashes)), parse_size_limit(size_limit)
+        )
 
     def writer(self, volume, subdir: str) -> ShardWriter:
         """A :class:`ShardWriter` with these settings writing under ``volume/subdir``."""
-        return ShardWriter(volume, subdir, self.specs, compression=self.compression, hashes=self.hashes, size_limit=self.size_limit)
+        return ShardWriter(
+            volume, subdir, self.specs, compression=self.compression, hashes=self.hashes, size_limit=self.size_limit
+        )
 
     @property
     def columns(self) -> dict[str, str]:

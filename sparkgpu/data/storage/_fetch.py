@@ -55,8 +55,9 @@ def is_stale_partial(name: str) -> bool:
     return False
 
 
-def fetch_shard(volume: Volume, info: ShardInfo, final_path: Path, partial_stem: Path, parts=None,
-                priority: float = 0.0) -> None:
+def fetch_shard(
+    volume: Volume, info: ShardInfo, final_path: Path, partial_stem: Path, parts=None, priority: float = 0.0
+) -> None:
     """Downloads one shard to ``final_path``, verified, decompressed, placed atomically.
 
     A file that fails its check is fetched once more; a second failure is reported.
@@ -103,8 +104,9 @@ def _fetch_once(volume, info, final_path, partial_stem, parts, priority):
             leftover.unlink(missing_ok=True)
 
 
-def _download_checked(volume: Volume, name: str, path: Path, size: int | None, hashes: dict, parts,
-                      priority: float) -> None:
+def _download_checked(
+    volume: Volume, name: str, path: Path, size: int | None, hashes: dict, parts, priority: float
+) -> None:
     """Downloads ``name`` to ``path``; its size and hash (computed as the bytes arrive) must match the index."""
     algorithm = next((a for a in _HASH_PREFERENCE if a in hashes), None) or next(iter(hashes), None)
     # An algorithm this host cannot compute leaves the size check alone.

@@ -67,7 +67,9 @@ def _file_lock(path: Path):
         yield
 
 
-def open_cache_entry(cache_root: str | os.PathLike, volume: Volume, allow_unsafe_types: bool = False) -> tuple[Path, DatasetIndex]:
+def open_cache_entry(
+    cache_root: str | os.PathLike, volume: Volume, allow_unsafe_types: bool = False
+) -> tuple[Path, DatasetIndex]:
     """Reads the volume's index and makes the cache entry match it.
 
     When the volume's ``index.json`` differs from the cached copy (the dataset was written
@@ -90,7 +92,12 @@ def open_cache_entry(cache_root: str | os.PathLike, volume: Volume, allow_unsafe
             if cached.exists():
                 _remove_shards(entry)
             atomic_write_bytes(cached, raw, fsync=False)  # a cache: lost files are fetched again
-        info = {"remote": volume.url, "fingerprint": index.fingerprint, "shards": len(index.shards), "bytes": sum(s.raw_bytes for s in index.shards)}
+        info = {
+            "remote": volume.url,
+            "fingerprint": index.fingerprint,
+            "shards": len(index.shards),
+            "bytes": sum(s.raw_bytes for s in index.shards),
+        }
         atomic_write_bytes(meta / "entry.json", json.dumps(info).encode(), fsync=False)
     return entry, index
 
@@ -125,8 +132,15 @@ class ShardCache:
         ConfigurationError: ``limit_bytes`` cannot hold the largest shard.
     """
 
-    def __init__(self, directory, index: DatasetIndex, volume: Volume | None = None, limit_bytes: int | None = None,
-                 download_threads: int = 8, lookahead_shards: int | None = None):
+    def __init__(
+        self,
+        directory,
+        index: DatasetIndex,
+        volume: Volume | None = None,
+        limit_bytes: int | None = None,
+        download_threads: int = 8,
+        lookahead_shards: int | None = None,
+    ):
         self.directory = Path(directory)
         self.index = index
         self.volume = volume
@@ -284,8 +298,10 @@ class ShardCache:
     def _ensure(self, shard: int, needed_at: int) -> None:
         if self.volume is None:
             if not self._paths[shard].exists():
-                raise DataError(f"shard {self.index.shards[shard].basename} is missing from {self.directory}; "
-                                "the dataset folder is incomplete: write it again, or pass remote= to fetch it")
+                raise DataError(
+                    f"shard {self.index.shards[shard].basename} is missing from {self.directory}; "
+                    "the dataset folder is incomplete: write it again, or pass remote= to fetch it"
+                )
             with self._lock:
                 self._local.add(shard)
             return
@@ -302,8 +318,10 @@ class ShardCache:
             if future.result():
                 return
             if time.monotonic() > deadline:
-                raise DataError(f"shard {self.index.shards[shard].basename} could not get cache space for 10 minutes; "
-                                f"other processes fill cache_limit={self.limit_bytes}: raise it")
+                raise DataError(
+                    f"shard {self.index.shards[shard].basename} could not get cache space for 10 minutes; "
+                    f"other processes fill cache_limit={self.limit_bytes}: raise it"
+                )
             time.sleep(0.05)  # a prefetch gave up for lack of space; try again as a demand fetch
 
     def _download(self, shard: int, needed_at: int, demand: bool) -> bool:
@@ -348,7 +366,9 @@ class ShardCache:
         with self._space, _file_lock(self._meta / "cache.lock"):
             if self.limit_bytes is not None:
                 usage = self._usage()
-                if usage + need > self.limit_bytes and not self._evict(usage + need - self.limit_bytes, shard, needed_at, demand):
+                if usage + need > self.limit_bytes and not self._evict(
+                    usage + need - self.limit_bytes, shard, needed_at, demand
+                ):
                     return False
             Path(f"{stem}.reserved").touch()
         return True
@@ -466,8 +486,17 @@ def cache_entries(cache_dir: str | os.PathLike | None = None) -> list[CacheEntry
             continue
         present = [s for s in index.shards if (folder / s.basename).exists()]
         times = [(folder / s.basename).stat().st_mtime for s in present] + [(folder / INDEX_NAME).stat().st_mtime]
-        entries.append(CacheEntry(folder, meta.get("remote", ""), len(present), len(index.shards),
-                                  sum(s.raw_bytes for s in present), sum(s.raw_bytes for s in index.shards), max(times)))
+        entries.append(
+            CacheEntry(
+                folder,
+                meta.get("remote", ""),
+                len(present),
+                len(index.shards),
+                sum(s.raw_bytes for s in present),
+                sum(s.raw_bytes for s in index.shards),
+                max(times),
+            )
+        )
     return entries
 
 

@@ -43,11 +43,14 @@ class TableFileCache:
         from sparkgpu.data.storage.volume import Volume
 
         prefix = root.rstrip("/") + "/"
-        names = [path[len(prefix):] if path.startswith(prefix) else path.lstrip("/") for path in files]
+        names = [path[len(prefix) :] if path.startswith(prefix) else path.lstrip("/") for path in files]
         self.position = {path: i for i, path in enumerate(files)}
         raw = json.dumps([[n, s] for n, s in zip(names, sizes)]).encode()
-        self.index = DatasetIndex(shards=tuple(ShardInfo(i, n, 1, int(s), {}) for i, (n, s) in enumerate(zip(names, sizes))),
-                                  columns=(), fingerprint=hashlib.sha1(raw).hexdigest())
+        self.index = DatasetIndex(
+            shards=tuple(ShardInfo(i, n, 1, int(s), {}) for i, (n, s) in enumerate(zip(names, sizes))),
+            columns=(),
+            fingerprint=hashlib.sha1(raw).hexdigest(),
+        )
         self._volume_of = (url, storage_options)
         self._volume = (os.getpid(), Volume(url, storage_options))
         self.entry = cache_module.entry_dir_for(cache_root, self.volume.url)
@@ -89,9 +92,12 @@ class TableFileCache:
         path = self.entry / self.index.shards[shard].basename
         if not path.exists():  # evicted by another process since: fetch it again
             path = self._cache.refetch(shard)
-        return pads.ParquetFileFormat().make_fragment(os.fspath(path), filesystem=pafs.LocalFileSystem(),
-                                                      partition_expression=piece.partition_expression,
-                                                      row_groups=[group.id for group in piece.row_groups])
+        return pads.ParquetFileFormat().make_fragment(
+            os.fspath(path),
+            filesystem=pafs.LocalFileSystem(),
+            partition_expression=piece.partition_expression,
+            row_groups=[group.id for group in piece.row_groups],
+        )
 
     def close(self) -> None:
         if self._cache is not None:

@@ -77,8 +77,9 @@ class RangePool(concurrent.futures.Executor):
         self._order = itertools.count()
         self._cv = threading.Condition()
         self._shutdown = False
-        self._workers = [threading.Thread(target=self._work, name=f"sparkgpu-range-{i}", daemon=True)
-                         for i in range(threads)]
+        self._workers = [
+            threading.Thread(target=self._work, name=f"sparkgpu-range-{i}", daemon=True) for i in range(threads)
+        ]
         for worker in self._workers:
             worker.start()
 
@@ -209,8 +210,16 @@ class Volume:
             return self._retrying(relative, lambda: self._direct.cat(relative, start, end))
         return self._retrying(relative, lambda: self.fs.cat_file(self._path(relative), start=start, end=end))
 
-    def download(self, relative: str, local_path: str, size: int | None = None, pool=None, part_bytes: int | None = None,
-                 new_hasher: Callable[[], Hasher] | None = None, priority: float = 0.0) -> Hasher | None:
+    def download(
+        self,
+        relative: str,
+        local_path: str,
+        size: int | None = None,
+        pool=None,
+        part_bytes: int | None = None,
+        new_hasher: Callable[[], Hasher] | None = None,
+        priority: float = 0.0,
+    ) -> Hasher | None:
         """Copies a file from the volume to a local path, hashing its bytes as they arrive.
 
         Given the file's ``size`` and a :class:`RangePool`, a file larger than one part is
@@ -267,8 +276,17 @@ class Volume:
         in_flight = self._direct.link.bytes_in_flight() if self._direct is not None else 0
         return part_bytes_for(size, getattr(pool, "threads", 1), in_flight)
 
-    def _download_ranges(self, relative: str, local_path: str, size: int, pool, part_bytes: int, ordered: _InOrder,
-                         priority: float, fixed_parts: bool) -> bool:
+    def _download_ranges(
+        self,
+        relative: str,
+        local_path: str,
+        size: int,
+        pool,
+        part_bytes: int,
+        ordered: _InOrder,
+        priority: float,
+        fixed_parts: bool,
+    ) -> bool:
         """Fetches ``relative`` as ranges into ``local_path``; False when the store ignores ranges.
 
         Without ``fixed_parts``, the bytes after the volume's first range are split again once
@@ -286,8 +304,10 @@ class Volume:
 
         def submit_from(offset: int) -> list:
             step = part_bytes if fixed_parts else self._part_bytes(size, pool)
-            return [pool.submit(self._part, relative, fd, begin, min(begin + step, size), ordered, **urgency)
-                    for begin in range(offset, size, step)]
+            return [
+                pool.submit(self._part, relative, fd, begin, min(begin + step, size), ordered, **urgency)
+                for begin in range(offset, size, step)
+            ]
 
         try:
             if self.ranges_supported is None:
@@ -325,10 +345,14 @@ class Volume:
             try:
                 return action()
             except FileNotFoundError:
-                raise DataError(f"{relative} is missing from volume {self.url}; is the URL the dataset's folder, and was the dataset written completely?") from None
+                raise DataError(
+                    f"{relative} is missing from volume {self.url}; is the URL the dataset's folder, and was the dataset written completely?"
+                ) from None
             except Exception as exc:  # network clients raise their own types (obstore, aiohttp, botocore, ...)
                 if attempt == self.retries:
-                    raise DataError(f"reading {relative} from volume {self.url} failed {attempt + 1} times: {type(exc).__name__}: {exc}") from exc
+                    raise DataError(
+                        f"reading {relative} from volume {self.url} failed {attempt + 1} times: {type(exc).__name__}: {exc}"
+                    ) from exc
                 time.sleep(0.2 * 2**attempt)
 
 

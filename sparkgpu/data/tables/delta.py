@@ -78,7 +78,9 @@ def open_delta(table, *, version=None, timestamp=None, storage_options: dict | N
                 table.load_as_version(timestamp)
     except Exception as exc:  # deltalake raises its own TableNotFoundError, DeltaError, ...
         at = f" at version {version}" if version is not None else f" as of {timestamp}" if timestamp is not None else ""
-        raise DataError(f"cannot open Delta table {table}{at}: {exc}; check the path and that the version exists") from None
+        raise DataError(
+            f"cannot open Delta table {table}{at}: {exc}; check the path and that the version exists"
+        ) from None
     mapping = table.metadata().configuration.get("delta.columnMapping.mode", "none")
     if mapping != "none":
         # Its Parquet files name columns by physical ids, not by the schema's names: read as
@@ -99,14 +101,17 @@ def open_delta(table, *, version=None, timestamp=None, storage_options: dict | N
         paths.append(f"{root}/{urllib.parse.unquote(row['path'])}")
         partitions.append(_partition_expression(schema, {c: row.get(f"partition.{c}") for c in partition_columns}))
     data_schema = schema
-    dataset = pads.FileSystemDataset.from_paths(paths, schema=data_schema, format=pads.ParquetFileFormat(),
-                                                filesystem=filesystem, partitions=partitions)
+    dataset = pads.FileSystemDataset.from_paths(
+        paths, schema=data_schema, format=pads.ParquetFileFormat(), filesystem=filesystem, partitions=partitions
+    )
     selection = {}
     for batch in pa.table(table.deletion_vectors()).to_pylist():
         name = urllib.parse.unquote(urllib.parse.urlparse(batch["filepath"]).path).rstrip("/")
         match = next((p for p in paths if p == name or name.endswith("/" + p.rsplit("/", 1)[-1])), None)
         if match is None:
-            raise DataError(f"Delta table {table.table_uri} has a deletion vector for {batch['filepath']}, which is not one of its files")
+            raise DataError(
+                f"Delta table {table.table_uri} has a deletion vector for {batch['filepath']}, which is not one of its files"
+            )
         selection[match] = np.asarray(batch["selection_vector"], dtype=bool)
     return DeltaSnapshot(table.table_uri, table.version(), table.metadata().id, dataset, selection, partition_columns)
 
@@ -118,7 +123,11 @@ def _partition_expression(schema: pa.Schema, values: dict) -> pc.Expression:
         if value is None:
             expression = expression & field.is_null()
         else:
-            typed = pa.scalar(value).cast(schema.field(column).type) if not isinstance(value, datetime.datetime) else pa.scalar(value)
+            typed = (
+                pa.scalar(value).cast(schema.field(column).type)
+                if not isinstance(value, datetime.datetime)
+                else pa.scalar(value)
+            )
             expression = expression & (field == typed)
     return expression
 

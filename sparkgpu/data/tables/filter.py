@@ -30,7 +30,9 @@ def to_expression(filter, schema: pa.Schema) -> pc.Expression | None:
     if filter is None or isinstance(filter, pc.Expression):
         return filter
     if not isinstance(filter, str):
-        raise ConfigurationError(f"filter={filter!r} must be a SQL predicate string such as \"day >= '2026-11-01'\" or a pyarrow.compute expression")
+        raise ConfigurationError(
+            f"filter={filter!r} must be a SQL predicate string such as \"day >= '2026-11-01'\" or a pyarrow.compute expression"
+        )
     try:
         import sqlglot
         from sqlglot import exp
@@ -39,17 +41,28 @@ def to_expression(filter, schema: pa.Schema) -> pc.Expression | None:
     try:
         tree = sqlglot.parse_one(filter)
     except sqlglot.errors.ParseError as exc:
-        raise ConfigurationError(f"filter={filter!r} is not a SQL predicate ({exc}); write e.g. \"day >= '2026-11-01' AND label = 1\"") from None
+        raise ConfigurationError(
+            f"filter={filter!r} is not a SQL predicate ({exc}); write e.g. \"day >= '2026-11-01' AND label = 1\""
+        ) from None
     return _Translator(exp, schema, filter).expression(tree)
 
 
 class _Translator:
     def __init__(self, exp, schema: pa.Schema, text: str):
         self.exp, self.schema, self.text = exp, schema, text
-        self.comparisons = {exp.EQ: "__eq__", exp.NEQ: "__ne__", exp.GT: "__gt__", exp.GTE: "__ge__", exp.LT: "__lt__", exp.LTE: "__le__"}
+        self.comparisons = {
+            exp.EQ: "__eq__",
+            exp.NEQ: "__ne__",
+            exp.GT: "__gt__",
+            exp.GTE: "__ge__",
+            exp.LT: "__lt__",
+            exp.LTE: "__le__",
+        }
 
     def fail(self, node, why: str):
-        raise ConfigurationError(f"filter={self.text!r}: {why} (at {node.sql()!r}); use comparisons, AND/OR/NOT, IN, BETWEEN and IS NULL on columns")
+        raise ConfigurationError(
+            f"filter={self.text!r}: {why} (at {node.sql()!r}); use comparisons, AND/OR/NOT, IN, BETWEEN and IS NULL on columns"
+        )
 
     def expression(self, node) -> pc.Expression:
         exp = self.exp
@@ -73,7 +86,9 @@ class _Translator:
             return column.isin(pa.array([v.as_py() for v in values], type=values[0].type if values else None))
         if isinstance(node, exp.Between):
             column = self.operand(node.this)
-            return (column >= self.align(self.operand(node.args["low"]), column)) & (column <= self.align(self.operand(node.args["high"]), column))
+            return (column >= self.align(self.operand(node.args["low"]), column)) & (
+                column <= self.align(self.operand(node.args["high"]), column)
+            )
         if isinstance(node, exp.Is) and isinstance(node.expression, exp.Null):
             return self.operand(node.this).is_null()
         if isinstance(node, exp.Column) or isinstance(node, exp.Boolean):

@@ -20,7 +20,7 @@ def arrow_filesystem(path: str, storage_options: dict | None):
     """``(filesystem, root)`` for pyarrow: ``(None, absolute path)`` for a local path or ``file://``
     URL, else the URL's fsspec filesystem wrapped for pyarrow and the path inside it."""
     if "://" not in path or path.startswith("file://"):
-        local = path[len("file://"):] if path.startswith("file://") else path
+        local = path[len("file://") :] if path.startswith("file://") else path
         return None, os.path.abspath(os.path.expanduser(local))
     import fsspec
     from pyarrow.fs import FSSpecHandler, PyFileSystem
@@ -39,8 +39,9 @@ def open_parquet_dataset(path: str, storage_options: dict | None) -> pads.Datase
     try:
         dataset = pads.dataset(root, format="parquet", filesystem=filesystem, partitioning="hive")
     except (FileNotFoundError, pa.ArrowInvalid, OSError) as exc:
-        raise DataError(f"cannot read {path} as Parquet ({exc}); give a Delta table, a folder of Parquet files "
-                        "or one file") from None
+        raise DataError(
+            f"cannot read {path} as Parquet ({exc}); give a Delta table, a folder of Parquet files or one file"
+        ) from None
     if not dataset.files:
         raise DataError(f"{path} holds no Parquet files")
     return dataset
@@ -49,7 +50,7 @@ def open_parquet_dataset(path: str, storage_options: dict | None) -> pads.Datase
 def is_delta_table(path: str, storage_options: dict | None = None) -> bool:
     """Whether ``path`` is the root of a Delta table (it has a ``_delta_log``)."""
     if "://" not in path or path.startswith("file://"):
-        local = path[len("file://"):] if path.startswith("file://") else path
+        local = path[len("file://") :] if path.startswith("file://") else path
         return os.path.isdir(os.path.join(os.path.expanduser(local), "_delta_log"))
     import fsspec
 

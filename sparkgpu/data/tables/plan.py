@@ -73,7 +73,10 @@ def table_ref_of(df) -> tuple[TableRef | None, str]:
     source = read.data_source
     fmt = (source.format or "").lower()
     if fmt not in ("parquet", "delta") or len(source.paths) != 1:
-        return None, f"it reads {fmt or 'an unknown format'} from {len(source.paths)} paths (only one Parquet or Delta path is read in place)"
+        return (
+            None,
+            f"it reads {fmt or 'an unknown format'} from {len(source.paths)} paths (only one Parquet or Delta path is read in place)",
+        )
     options = {k.lower(): v for k, v in source.options.items()}
     version = options.pop("versionasof", None)
     timestamp = options.pop("timestampasof", None)

@@ -40,8 +40,16 @@ def file_cache(dataset, units, identity, storage_options, local, cache_limit, do
     files = sorted({unit.path for unit in units})
     sizes = [info.size for info in dataset.filesystem.get_file_info(files)]
     _, root = arrow_filesystem(url, storage_options)
-    return TableFileCache(url, root, files, sizes, storage_options, local if local is not None else settings().cache_dir,
-                          limit, download_threads)
+    return TableFileCache(
+        url,
+        root,
+        files,
+        sizes,
+        storage_options,
+        local if local is not None else settings().cache_dir,
+        limit,
+        download_threads,
+    )
 
 
 def open_source(source, version, timestamp, storage_options):
@@ -49,9 +57,15 @@ def open_source(source, version, timestamp, storage_options):
         from deltalake import DeltaTable
     except ImportError:
         DeltaTable = None
-    if (DeltaTable is not None and isinstance(source, DeltaTable)) or is_delta_table(os.fspath(source), storage_options):
-        snapshot = open_delta(source if not isinstance(source, os.PathLike) else os.fspath(source),
-                              version=version, timestamp=timestamp, storage_options=storage_options)
+    if (DeltaTable is not None and isinstance(source, DeltaTable)) or is_delta_table(
+        os.fspath(source), storage_options
+    ):
+        snapshot = open_delta(
+            source if not isinstance(source, os.PathLike) else os.fspath(source),
+            version=version,
+            timestamp=timestamp,
+            storage_options=storage_options,
+        )
         identity = {"type": "delta", "uri": snapshot.uri, "version": snapshot.version, "id": snapshot.table_id}
         return snapshot.dataset, snapshot.selection, identity
     if version is not None or timestamp is not None:
@@ -79,7 +93,11 @@ def row_groups(dataset, expression, selection, threads) -> list[RowGroup]:
         fragment.ensure_complete_metadata()
         metadata = fragment.metadata
         starts = np.cumsum([0] + [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)])
-        pieces = fragment.split_by_row_group(filter=expression, schema=dataset.schema) if expression is not None else fragment.split_by_row_group()
+        pieces = (
+            fragment.split_by_row_group(filter=expression, schema=dataset.schema)
+            if expression is not None
+            else fragment.split_by_row_group()
+        )
         groups = []
         for piece in pieces:
             group_id = piece.row_groups[0].id

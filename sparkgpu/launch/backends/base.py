@@ -108,8 +108,9 @@ class Backend(abc.ABC):
         """
 
     @abc.abstractmethod
-    def submit(self, job: JobSpec, run_dir: RunDir, attempt: int, env: dict[str, str],
-               layout: Any = None) -> AttemptHandle:
+    def submit(
+        self, job: JobSpec, run_dir: RunDir, attempt: int, env: dict[str, str], layout: Any = None
+    ) -> AttemptHandle:
         """Starts one attempt and returns at once.
 
         Args:

@@ -113,8 +113,13 @@ class LocalBackend(Backend):
     #: (:class:`~sparkgpu.launch.pool.Standby`): after the ranks' own start-up, not beside it.
     standby_delay = 2.0
 
-    def __init__(self, host_gpus: HostGPUs | None = None, python: str | None = None,
-                 max_cpu_ranks: int | None = None, standby: bool = True):
+    def __init__(
+        self,
+        host_gpus: HostGPUs | None = None,
+        python: str | None = None,
+        max_cpu_ranks: int | None = None,
+        standby: bool = True,
+    ):
         s = settings()
         self.host_gpus = host_gpus if host_gpus is not None else detect_host_gpus(s.simulate_gpus)
         self.python = python or s.python
@@ -158,26 +163,40 @@ class LocalBackend(Backend):
                 f"asked for {wanted.gpus} x {gpu_type} but this host has {host.describe()}; "
                 f"ask for gpus<={host.count}, or remote=True to run on a GPU pool"
             )
-        return ResolvedJob(dataclasses.replace(
-            job,
-            resources=dataclasses.replace(wanted, gpu_type=gpu_type if gpu_type != "gpu" else wanted.gpu_type),
-            devices=host.addresses[: wanted.gpus],
-            simulated=host.simulated,
-        ))
+        return ResolvedJob(
+            dataclasses.replace(
+                job,
+                resources=dataclasses.replace(wanted, gpu_type=gpu_type if gpu_type != "gpu" else wanted.gpu_type),
+                devices=host.addresses[: wanted.gpus],
+                simulated=host.simulated,
+            )
+        )
 
     # -- attempts ---------------------------------------------------------------------
     def _command(self, job: JobSpec, run_dir: RunDir, attempt: int, port: int, env_on_stdin: bool = False) -> list[str]:
         return build_command(
-            self.python, str(run_dir.path), attempt=attempt, nnodes=1, node_rank=0, nproc=job.world_size,
-            master_addr="127.0.0.1", master_port=port, shutdown_grace=job.policy.shutdown_grace,
+            self.python,
+            str(run_dir.path),
+            attempt=attempt,
+            nnodes=1,
+            node_rank=0,
+            nproc=job.world_size,
+            master_addr="127.0.0.1",
+            master_port=port,
+            shutdown_grace=job.policy.shutdown_grace,
             env_on_stdin=env_on_stdin,
         )
 
     def plan(self, job, run_dir, attempt, env, layout=None) -> LaunchPlan:
         masked = {k: ("***" if k == KEY_ENV else v) for k, v in env.items()}
         return LaunchPlan(
-            backend=self.name, attempt=attempt, nodes=1, ranks_per_node=job.world_size,
-            devices=job.devices, commands=(tuple(self._command(job, run_dir, attempt, 0)),), env=masked,
+            backend=self.name,
+            attempt=attempt,
+            nodes=1,
+            ranks_per_node=job.world_size,
+            devices=job.devices,
+            commands=(tuple(self._command(job, run_dir, attempt, 0)),),
+            env=masked,
         )
 
     def submit(self, job, run_dir, attempt, env, layout=None) -> AttemptHandle:
@@ -205,8 +224,11 @@ class LocalBackend(Backend):
         full_env.update(rank_thread_env(full_env, threads_per_rank(job.world_size)))
         process = subprocess.Popen(
             self._command(job, run_dir, attempt, free_port(), env_on_stdin),
-            env=full_env, stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.PIPE if env_on_stdin else subprocess.DEVNULL, start_new_session=True,
+            env=full_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.PIPE if env_on_stdin else subprocess.DEVNULL,
+            start_new_session=True,
         )
         return LocalAttempt(attempt=attempt, process=process, log=log, job=job)
 
@@ -226,8 +248,13 @@ class LocalBackend(Backend):
         attempts): the standby dies with that thread's process, never with a helper thread.
         """
         job = handle.job
-        if (not self.standby or job is None or job.policy.max_restarts < 1 or job.job_id in self._standbys
-                or time.monotonic() - handle.submitted < self.standby_delay):
+        if (
+            not self.standby
+            or job is None
+            or job.policy.max_restarts < 1
+            or job.job_id in self._standbys
+            or time.monotonic() - handle.submitted < self.standby_delay
+        ):
             return
         from sparkgpu.launch.pool import Standby
 

@@ -154,10 +154,20 @@ class SparkBackend(NodeWatch, Backend):
     #: Seconds between two syncs of a running attempt with the staging store.
     sync_interval = 1.0
 
-    def __init__(self, spark=None, *, wait_timeout: float | None = None, gpus_per_node: int | None = None,
-                 simulated: bool | None = None, client_timeout: float | None | _FromSettings = _FROM_SETTINGS,
-                 node_timeout: float | None = None, out=None, staging_url: str | None = None,
-                 pool: str | None = None, remote: str | None = None):
+    def __init__(
+        self,
+        spark=None,
+        *,
+        wait_timeout: float | None = None,
+        gpus_per_node: int | None = None,
+        simulated: bool | None = None,
+        client_timeout: float | None | _FromSettings = _FROM_SETTINGS,
+        node_timeout: float | None = None,
+        out=None,
+        staging_url: str | None = None,
+        pool: str | None = None,
+        remote: str | None = None,
+    ):
         self._spark = spark
         self.remote = remote
         self.pool_name = pool
@@ -165,8 +175,9 @@ class SparkBackend(NodeWatch, Backend):
         self.wait_timeout = wait_timeout if wait_timeout is not None else settings().spark_wait_timeout
         self.gpus_per_node = gpus_per_node
         self.simulated = simulated
-        self.client_timeout = (settings().spark_client_timeout if isinstance(client_timeout, _FromSettings)
-                               else client_timeout)
+        self.client_timeout = (
+            settings().spark_client_timeout if isinstance(client_timeout, _FromSettings) else client_timeout
+        )
         self.node_timeout = node_timeout if node_timeout is not None else settings().spark_node_timeout
         self.out = out
         self.staging_url = (settings().staging_url if staging_url is None else staging_url) or None
@@ -203,9 +214,13 @@ class SparkBackend(NodeWatch, Backend):
 
     def _layout(self, job: JobSpec, capacity: SparkCapacity | None = None) -> NodeLayout:
         capacity = capacity or self.capacity()
-        return plan_layout(job.resources.gpus, job.resources.gpu_type or "cpu", capacity,
-                           gpus_per_node=self.gpus_per_node or job.resources.gpus_per_node,
-                           max_cpu_ranks_per_node=settings().max_cpu_ranks)
+        return plan_layout(
+            job.resources.gpus,
+            job.resources.gpu_type or "cpu",
+            capacity,
+            gpus_per_node=self.gpus_per_node or job.resources.gpus_per_node,
+            max_cpu_ranks_per_node=settings().max_cpu_ranks,
+        )
 
     def place(self, job: JobSpec) -> JobSpec:
         """Opens the session of the job's pool (without a session given and with a pools file)
@@ -240,21 +255,44 @@ class SparkBackend(NodeWatch, Backend):
         layout = layout if layout is not None else self._layout(job)
         where = f"<node copy of {self.staging_url}/{run_dir.job_id}>" if self.staging_url else str(run_dir.path)
         commands = tuple(
-            tuple(build_command("python", where, attempt=attempt, nnodes=layout.nodes, node_rank=node,
-                                nproc=layout.ranks_per_node, master_addr="<host of node 0>", master_port=0,
-                                shutdown_grace=job.policy.shutdown_grace))
+            tuple(
+                build_command(
+                    "python",
+                    where,
+                    attempt=attempt,
+                    nnodes=layout.nodes,
+                    node_rank=node,
+                    nproc=layout.ranks_per_node,
+                    master_addr="<host of node 0>",
+                    master_port=0,
+                    shutdown_grace=job.policy.shutdown_grace,
+                )
+            )
             for node in range(layout.nodes)
         )
         masked = {k: ("***" if k == KEY_ENV else v) for k, v in env.items()}
         masked["SPARK_TASK_GPUS"] = str(layout.gpus_per_node)
-        return LaunchPlan(backend=self.name, attempt=attempt, nodes=layout.nodes, ranks_per_node=layout.ranks_per_node,
-                          devices=(), commands=commands, env=masked)
+        return LaunchPlan(
+            backend=self.name,
+            attempt=attempt,
+            nodes=layout.nodes,
+            ranks_per_node=layout.ranks_per_node,
+            devices=(),
+            commands=commands,
+            env=masked,
+        )
 
     def _frame(self, job: JobSpec, run_dir: RunDir, attempt: int, env: dict, layout: NodeLayout):
         launch = NodeLaunch(
-            run_dir=str(run_dir.path), attempt=attempt, nnodes=layout.nodes, nproc=layout.ranks_per_node,
-            env=dict(env), shutdown_grace=job.policy.shutdown_grace,
-            client_timeout=self.client_timeout, store_url=self.staging_url, peer_timeout=self.node_timeout,
+            run_dir=str(run_dir.path),
+            attempt=attempt,
+            nnodes=layout.nodes,
+            nproc=layout.ranks_per_node,
+            env=dict(env),
+            shutdown_grace=job.policy.shutdown_grace,
+            client_timeout=self.client_timeout,
+            store_url=self.staging_url,
+            peer_timeout=self.node_timeout,
             threads_per_rank=None if job.uses_cuda else threads_per_rank(layout.ranks_per_node),
         )
         task = functools.partial(run_node, launch)
@@ -278,17 +316,26 @@ class SparkBackend(NodeWatch, Backend):
         run_dir.spark_dir(attempt).mkdir(parents=True, exist_ok=True)
         record_session(self.spark, run_dir)
         now = time.monotonic()
-        handle = SparkAttempt(attempt=attempt, job=job, run_dir=run_dir, layout=layout,
-                              tag=f"sparkgpu-{job.job_id}-{attempt}", submitted_at=now, submitted_wall=time.time(),
-                              next_notice=now + 5.0, mirror=self._mirror(run_dir))
+        handle = SparkAttempt(
+            attempt=attempt,
+            job=job,
+            run_dir=run_dir,
+            layout=layout,
+            tag=f"sparkgpu-{job.job_id}-{attempt}",
+            submitted_at=now,
+            submitted_wall=time.time(),
+            next_notice=now + 5.0,
+            mirror=self._mirror(run_dir),
+        )
         self._beat(handle)
         if handle.mirror is not None:
             handle.mirror.sync(attempt)  # the first heartbeat is up before any node looks for it
             handle.mirror.start(attempt, self.sync_interval)
         with _active(self.spark):
             frame = self._frame(job, run_dir, attempt, env, layout)
-        handle.thread = threading.Thread(target=self._run_action, args=(handle, frame), daemon=True,
-                                         name=f"sparkgpu-{handle.tag}")
+        handle.thread = threading.Thread(
+            target=self._run_action, args=(handle, frame), daemon=True, name=f"sparkgpu-{handle.tag}"
+        )
         handle.thread.start()
         threading.Thread(target=self._heartbeat, args=(handle,), daemon=True, name=f"{handle.tag}-heartbeat").start()
         self.last_attempt = handle
@@ -309,10 +356,15 @@ class SparkBackend(NodeWatch, Backend):
             return
         url = full_url(self._spark)
         if url is None:
-            raise ConfigurationError("the Spark session of this job was stopped; start a new one, then "
-                                     "`sparkgpu resume JOB_ID` continues the job from its last checkpoint")
-        report(f"the Spark Connect server{_at(self._spark)} closed this session (it restarted?); "
-               "opening a new one for the next attempt", out=self._stream)
+            raise ConfigurationError(
+                "the Spark session of this job was stopped; start a new one, then "
+                "`sparkgpu resume JOB_ID` continues the job from its last checkpoint"
+            )
+        report(
+            f"the Spark Connect server{_at(self._spark)} closed this session (it restarted?); "
+            "opening a new one for the next attempt",
+            out=self._stream,
+        )
         try:
             self._spark = new_connect_session(url)
         except Exception as exc:  # whatever gRPC raises for a server that is not back
@@ -339,9 +391,12 @@ class SparkBackend(NodeWatch, Backend):
             return
         error = handle.mirror.finish(handle.attempt)
         if error is not None:
-            self._note(handle, f"the last download of this attempt's files from the staging store "
-                               f"{handle.mirror.store.url} failed ({type(error).__name__}: {error}); its results "
-                               "may be there still")
+            self._note(
+                handle,
+                f"the last download of this attempt's files from the staging store "
+                f"{handle.mirror.store.url} failed ({type(error).__name__}: {error}); its results "
+                "may be there still",
+            )
 
     @staticmethod
     def _sync_now(handle: SparkAttempt) -> None:
@@ -422,8 +477,11 @@ class SparkBackend(NodeWatch, Backend):
             return
         waited = now - handle.submitted_at
         layout = handle.layout
-        what = (f"{layout.nodes} node(s) x {layout.gpus_per_node} {handle.job.resources.gpu_type}"
-                if layout.gpus_per_node else f"{layout.nodes} free task slot(s)")
+        what = (
+            f"{layout.nodes} node(s) x {layout.gpus_per_node} {handle.job.resources.gpu_type}"
+            if layout.gpus_per_node
+            else f"{layout.nodes} free task slot(s)"
+        )
         if waited > self.wait_timeout:
             self.cancel(handle, handle.job.policy.shutdown_grace)
             raise CapacityError(
@@ -431,8 +489,11 @@ class SparkBackend(NodeWatch, Backend):
                 f"jobs; try again later, ask for fewer GPUs, or raise SPARKGPU_SPARK_WAIT_TIMEOUT (now {self.wait_timeout:g}s)"
             )
         if now >= handle.next_notice:
-            report(f"waiting for {what} on the Spark cluster ({waited:.0f}s so far, giving up after "
-                   f"{self.wait_timeout:g}s); other jobs may hold them", out=self._stream)
+            report(
+                f"waiting for {what} on the Spark cluster ({waited:.0f}s so far, giving up after "
+                f"{self.wait_timeout:g}s); other jobs may hold them",
+                out=self._stream,
+            )
             handle.next_notice = now + 30.0
 
     def _outcome(self, handle: SparkAttempt) -> int:
@@ -447,36 +508,53 @@ class SparkBackend(NodeWatch, Backend):
                 text = "\n".join(str(handle.error).splitlines()[:40])
                 self._note(handle, f"the Spark job of this attempt failed: {type(handle.error).__name__}: {text}")
             if connection_closed(self.spark):
-                self._note(handle, f"the Spark Connect server{_at(self.spark)} restarted or closed this session "
-                                   "while the attempt ran; its executors, and the ranks with them, ended with it. "
-                                   "A restart (max_restarts=) opens a new session to the same server; "
-                                   f"`sparkgpu resume {handle.job.job_id}` continues the job from its last checkpoint")
+                self._note(
+                    handle,
+                    f"the Spark Connect server{_at(self.spark)} restarted or closed this session "
+                    "while the attempt ran; its executors, and the ranks with them, ended with it. "
+                    "A restart (max_restarts=) opens a new session to the same server; "
+                    f"`sparkgpu resume {handle.job.job_id}` continues the job from its last checkpoint",
+                )
             self._stop_outliving_nodes(handle)
             self._write_report(handle, rows)
             return 1
         blind = [r for r in rows if r["state"] == NodeState.NO_RUN_DIR]
         if blind:
             where = ", ".join(f"executor {r['executor']} on {r['host']}" for r in blind)
-            self._note(handle, f"{where} cannot see the run dir {rd.path}: set SPARKGPU_STAGING_ROOT to a folder "
-                               "mounted under the same path on the client and on every executor (NFS, or a "
-                               "FUSE-mounted volume)")
-        for state, problem in ((NodeState.STORE_UNREACHABLE, "cannot read or write this job's files on"),
-                               (NodeState.STORE_PUSH_FAILED, "could not upload the results of its ranks to")):
+            self._note(
+                handle,
+                f"{where} cannot see the run dir {rd.path}: set SPARKGPU_STAGING_ROOT to a folder "
+                "mounted under the same path on the client and on every executor (NFS, or a "
+                "FUSE-mounted volume)",
+            )
+        for state, problem in (
+            (NodeState.STORE_UNREACHABLE, "cannot read or write this job's files on"),
+            (NodeState.STORE_PUSH_FAILED, "could not upload the results of its ranks to"),
+        ):
             if lost := [r for r in rows if r["state"] == state]:
                 where = ", ".join(f"executor {r['executor']} on {r['host']}" for r in lost)
                 scheme = scheme_of(self.staging_url) if self.staging_url else "file"
-                fix = ("mount that folder on every executor" if scheme == "file" else
-                       f"every executor needs its filesystem ({install_command(scheme)}) and credentials for it")
-                self._note(handle, f"{where} {problem} the staging store {self.staging_url}: {fix}; the executor's "
-                                   "stderr log (Spark UI) has the error")
+                fix = (
+                    "mount that folder on every executor"
+                    if scheme == "file"
+                    else f"every executor needs its filesystem ({install_command(scheme)}) and credentials for it"
+                )
+                self._note(
+                    handle,
+                    f"{where} {problem} the staging store {self.staging_url}: {fix}; the executor's "
+                    "stderr log (Spark UI) has the error",
+                )
         if len(rows) < len(handle.nodes):
             # Spark lost a task or an executor and re-ran the barrier stage; the re-run tasks
             # started nothing, but the first run's ranks may live on: stop them, name the lost.
             self._stop_outliving_nodes(handle)
             if not handle.report.lost:
-                self._note(handle, "Spark lost a task or an executor of this attempt and re-ran its barrier stage; "
-                                   "the nodes did not start the ranks again (restarts are set with max_restarts=). "
-                                   "The executor logs in the Spark UI say why it was lost.")
+                self._note(
+                    handle,
+                    "Spark lost a task or an executor of this attempt and re-ran its barrier stage; "
+                    "the nodes did not start the ranks again (restarts are set with max_restarts=). "
+                    "The executor logs in the Spark UI say why it was lost.",
+                )
         self._write_report(handle, rows)
         return max((abs(r["exit_code"]) for r in rows), default=1)
 

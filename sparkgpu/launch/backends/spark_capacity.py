@@ -35,16 +35,34 @@ from sparkgpu.catalog import GPU_CATALOG, classify_device, lookup_gpu_type
 from sparkgpu.errors import CapacityError, ConfigurationError, SparkGPUError
 from sparkgpu.launch.backends.spark_probe import IMAGE_DDL, PROBE_DDL, ProbeOptions, probe_executor, probe_image
 
-__all__ = ["ExecutorInfo", "SparkCapacity", "NodeLayout", "discover_capacity", "plan_layout", "read_confs",
-           "run_tagged", "GPU_TYPE_CONF", "SIMULATED_CONF", "clear_capacity_cache", "discover_worker_image",
-           "common_image"]
+__all__ = [
+    "ExecutorInfo",
+    "SparkCapacity",
+    "NodeLayout",
+    "discover_capacity",
+    "plan_layout",
+    "read_confs",
+    "run_tagged",
+    "GPU_TYPE_CONF",
+    "SIMULATED_CONF",
+    "clear_capacity_cache",
+    "discover_worker_image",
+    "common_image",
+]
 
 GPU_TYPE_CONF = "spark.sparkgpu.gpuType"  # catalog name of the cluster's GPUs, set by its admin
 SIMULATED_CONF = "spark.sparkgpu.simulatedGpus"  # "true": the GPU addresses are fake, ranks run on CPU
 _CONFS = (
-    "spark.master", "spark.executor.resource.gpu.amount", "spark.task.resource.gpu.amount",
-    "spark.executor.resource.gpu.discoveryScript", "spark.executor.cores", "spark.executor.instances",
-    "spark.dynamicAllocation.enabled", "spark.task.cpus", GPU_TYPE_CONF, SIMULATED_CONF,
+    "spark.master",
+    "spark.executor.resource.gpu.amount",
+    "spark.task.resource.gpu.amount",
+    "spark.executor.resource.gpu.discoveryScript",
+    "spark.executor.cores",
+    "spark.executor.instances",
+    "spark.dynamicAllocation.enabled",
+    "spark.task.cpus",
+    GPU_TYPE_CONF,
+    SIMULATED_CONF,
 )
 _CACHE_SECONDS = 60.0
 _cache: dict[str, tuple[float, "SparkCapacity"]] = {}
@@ -118,23 +136,33 @@ class SparkCapacity:
         kind = f"{'simulated ' if self.simulated else ''}{self.gpu_type or 'GPU'}"
         if self.total_gpus == 0:
             return f"{len(self.executors)} executor(s) with {self.total_cores} cores and no GPUs at {self.master}"
-        parts = [f"executor {e.executor_id} on {e.host}: {self.gpus_of(e)} x {kind}"
-                 + (f" ({','.join(e.gpu_addresses)})" if e.gpu_addresses else "") for e in self.executors if not e.busy]
+        parts = [
+            f"executor {e.executor_id} on {e.host}: {self.gpus_of(e)} x {kind}"
+            + (f" ({','.join(e.gpu_addresses)})" if e.gpu_addresses else "")
+            for e in self.executors
+            if not e.busy
+        ]
         busy = [e for e in self.executors if e.busy]
         if busy:
-            parts.append(f"{len(busy)} executor(s) with every core busy: {self.gpus_of(busy[0])} x {kind} each "
-                         "per spark.executor.resource.gpu.amount")
+            parts.append(
+                f"{len(busy)} executor(s) with every core busy: {self.gpus_of(busy[0])} x {kind} each "
+                "per spark.executor.resource.gpu.amount"
+            )
         return f"{self.total_gpus} x {kind} at {self.master} ({'; '.join(parts)})"
 
     def __str__(self) -> str:
-        lines = [f"Spark cluster {self.master}: {len(self.executors)} executor(s), {self.total_gpus} GPU(s)"
-                 f"{' of type ' + self.gpu_type if self.gpu_type else ''}"
-                 f"{' (simulated: ranks run on CPU)' if self.simulated else ''}"]
+        lines = [
+            f"Spark cluster {self.master}: {len(self.executors)} executor(s), {self.total_gpus} GPU(s)"
+            f"{' of type ' + self.gpu_type if self.gpu_type else ''}"
+            f"{' (simulated: ranks run on CPU)' if self.simulated else ''}"
+        ]
         width = max([len(e.executor_id) for e in self.executors] + [8])
         lines.append(f"  {'executor':<{width}}  {'host':<20} {'cores':>5}  gpus")
         for e in self.executors:
             gpus = ",".join(e.gpu_addresses) or (str(self.gpus_of(e)) if self.gpus_of(e) else "-")
-            names = f"  [{e.gpu_names[0]}]" if e.gpu_names else ("  [every core busy: did not answer]" if e.busy else "")
+            names = (
+                f"  [{e.gpu_names[0]}]" if e.gpu_names else ("  [every core busy: did not answer]" if e.busy else "")
+            )
             lines.append(f"  {e.executor_id:<{width}}  {e.host:<20} {e.cores:>5}  {gpus}{names}")
         return "\n".join(lines)
 
@@ -229,8 +257,10 @@ def run_tagged(spark, build, tag: str, *, timeout: float, what: str, out=None, n
 
 
 def _probe(spark, confs, *, tasks: int, timeout: float, out) -> tuple[list[ExecutorInfo], float]:
-    options = ProbeOptions(discovery_script=confs.get("spark.executor.resource.gpu.discoveryScript"),
-                           detect_names=not _truthy(confs.get(SIMULATED_CONF)))
+    options = ProbeOptions(
+        discovery_script=confs.get("spark.executor.resource.gpu.discoveryScript"),
+        detect_names=not _truthy(confs.get(SIMULATED_CONF)),
+    )
     started = time.monotonic()
 
     def build():
@@ -240,8 +270,10 @@ def _probe(spark, confs, *, tasks: int, timeout: float, out) -> tuple[list[Execu
     default_task_gpus = float(confs.get("spark.task.resource.gpu.amount") or 0)
     if default_task_gpus > 0:
         # Then every task, this probe's too, waits for a free GPU.
-        what += (f" (every task here asks for GPUs: spark.task.resource.gpu.amount={default_task_gpus:g}; set it to 0 "
-                 "on the cluster, sparkgpu asks for GPUs per stage)")
+        what += (
+            f" (every task here asks for GPUs: spark.task.resource.gpu.amount={default_task_gpus:g}; set it to 0 "
+            "on the cluster, sparkgpu asks for GPUs per stage)"
+        )
     try:
         rows = run_tagged(spark, build, f"sparkgpu-probe-{uuid.uuid4().hex[:8]}", timeout=timeout, what=what, out=out)
     except SparkGPUError:
@@ -260,10 +292,16 @@ def _probe(spark, confs, *, tasks: int, timeout: float, out) -> tuple[list[Execu
         raise
     seen: dict[str, ExecutorInfo] = {}
     for row in rows:
-        seen.setdefault(row.executor, ExecutorInfo(
-            row.executor, row.host, int(row.cores),
-            tuple(a for a in row.gpu_addresses.split(",") if a), tuple(n for n in row.gpu_names.split("|") if n),
-        ))
+        seen.setdefault(
+            row.executor,
+            ExecutorInfo(
+                row.executor,
+                row.host,
+                int(row.cores),
+                tuple(a for a in row.gpu_addresses.split(",") if a),
+                tuple(n for n in row.gpu_names.split("|") if n),
+            ),
+        )
     return sorted(seen.values(), key=lambda e: (len(e.executor_id), e.executor_id)), time.monotonic() - started
 
 
@@ -279,7 +317,7 @@ def _static_executors(confs) -> tuple[int, int]:
 
 
 def _local_cores(master: str) -> int:
-    inside = master[master.find("[") + 1: master.find("]")] if "[" in master else "1"
+    inside = master[master.find("[") + 1 : master.find("]")] if "[" in master else "1"
     if inside.startswith("*") or not inside.split(",")[0].isdigit():
         import os
 
@@ -293,7 +331,9 @@ def _cluster_gpu_type(confs, executors) -> tuple[str | None, str | None]:
         try:
             return lookup_gpu_type(declared).name, "conf"
         except ConfigurationError as exc:
-            raise ConfigurationError(f"the cluster's {GPU_TYPE_CONF}={declared!r} is not a known GPU type: {exc}") from None
+            raise ConfigurationError(
+                f"the cluster's {GPU_TYPE_CONF}={declared!r} is not a known GPU type: {exc}"
+            ) from None
     for executor in executors:
         if executor.gpu_names:
             found = classify_device(executor.gpu_names[0])
@@ -326,10 +366,14 @@ def discover_capacity(spark, *, wait_timeout: float, out=None, refresh: bool = F
         executors += [ExecutorInfo(f"busy-{i}", "?", cores, busy=True) for i in range(instances - len(executors))]
     gpu_type, source = _cluster_gpu_type(confs, executors)
     capacity = SparkCapacity(
-        master=master, executors=tuple(executors),
+        master=master,
+        executors=tuple(executors),
         gpus_per_executor=int(float(confs.get("spark.executor.resource.gpu.amount") or 0)),
-        gpu_type=gpu_type, gpu_type_source=source, simulated=_truthy(confs.get(SIMULATED_CONF)),
-        dynamic_allocation=_truthy(confs.get("spark.dynamicAllocation.enabled")), probe_seconds=seconds,
+        gpu_type=gpu_type,
+        gpu_type_source=source,
+        simulated=_truthy(confs.get(SIMULATED_CONF)),
+        dynamic_allocation=_truthy(confs.get("spark.dynamicAllocation.enabled")),
+        probe_seconds=seconds,
     )
     with _cache_lock:
         _cache[key] = (time.monotonic(), capacity)
@@ -371,13 +415,22 @@ def discover_worker_image(spark, capacity: "SparkCapacity", *, wait_timeout: flo
         return spark.range(0, tasks, 1, tasks).mapInArrow(probe_image, IMAGE_DDL)
 
     try:
-        rows = run_tagged(spark, build, f"sparkgpu-image-{uuid.uuid4().hex[:8]}", timeout=wait_timeout,
-                          what="the Spark executors to describe their Python", out=out)
+        rows = run_tagged(
+            spark,
+            build,
+            f"sparkgpu-image-{uuid.uuid4().hex[:8]}",
+            timeout=wait_timeout,
+            what="the Spark executors to describe their Python",
+            out=out,
+        )
         by_executor = {row.executor: json.loads(row.image) for row in rows}
         image = common_image(list(by_executor.values()))
     except Exception as exc:  # shipping everything is slower, never wrong
-        report(f"could not learn what the executors' Python has ({exc.__class__.__name__}: {exc}); "
-               "the whole environment is shipped. Describe it with SPARKGPU_ENV_WORKER_LOCK to ship less.", out)
+        report(
+            f"could not learn what the executors' Python has ({exc.__class__.__name__}: {exc}); "
+            "the whole environment is shipped. Describe it with SPARKGPU_ENV_WORKER_LOCK to ship less.",
+            out,
+        )
         image = None
     with _cache_lock:
         _images[key] = image
@@ -396,8 +449,14 @@ def _largest_divisor_at_most(n: int, limit: int) -> int:
     return max(d for d in range(1, max(1, min(n, limit)) + 1) if n % d == 0)
 
 
-def plan_layout(gpus: int, gpu_type: str, capacity: SparkCapacity, *, gpus_per_node: int | None = None,
-                max_cpu_ranks_per_node: int = 64) -> NodeLayout:
+def plan_layout(
+    gpus: int,
+    gpu_type: str,
+    capacity: SparkCapacity,
+    *,
+    gpus_per_node: int | None = None,
+    max_cpu_ranks_per_node: int = 64,
+) -> NodeLayout:
     """Splits ``gpus`` ranks into equal nodes that fit the cluster, or says why they cannot.
 
     GPU jobs use as few nodes as possible: each node asks for the largest divisor of ``gpus``

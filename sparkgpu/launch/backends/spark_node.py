@@ -44,10 +44,17 @@ from sparkgpu.launch.staging import (
 
 __all__ = ["NodeLaunch", "run_node", "NODE_SCHEMA", "NODE_DDL", "Heartbeat"]
 
-NODE_SCHEMA = pa.schema([
-    ("node", pa.int32()), ("executor", pa.string()), ("host", pa.string()), ("devices", pa.string()),
-    ("pid", pa.int64()), ("exit_code", pa.int32()), ("state", pa.string()),
-])
+NODE_SCHEMA = pa.schema(
+    [
+        ("node", pa.int32()),
+        ("executor", pa.string()),
+        ("host", pa.string()),
+        ("devices", pa.string()),
+        ("pid", pa.int64()),
+        ("exit_code", pa.int32()),
+        ("state", pa.string()),
+    ]
+)
 # mapInArrow takes the schema as DDL; the Arrow schema above builds the batches that match it.
 NODE_DDL = "node int, executor string, host string, devices string, pid bigint, exit_code int, state string"
 _POLL_SECONDS = 0.2
@@ -114,8 +121,17 @@ def _claim(marker: Path, info: dict) -> bool:
 
 def _row(node, identity, devices, pid, code, state: NodeState):
     return pa.RecordBatch.from_pydict(
-        {"node": [node], "executor": [identity.executor_id], "host": [identity.host], "devices": [",".join(devices)],
-         "pid": [pid], "exit_code": [code], "state": [state.value]}, schema=NODE_SCHEMA)
+        {
+            "node": [node],
+            "executor": [identity.executor_id],
+            "host": [identity.host],
+            "devices": [",".join(devices)],
+            "pid": [pid],
+            "exit_code": [code],
+            "state": [state.value],
+        },
+        schema=NODE_SCHEMA,
+    )
 
 
 def run_node(launch: NodeLaunch, batches):
@@ -130,8 +146,15 @@ def run_node(launch: NodeLaunch, batches):
     gpu = ctx.resources().get("gpu")
     devices = tuple(gpu.addresses) if gpu is not None else ()
     rd, mirror, state = _node_run_dir(launch, node)
-    info = {"node": node, "executor": identity.executor_id, "host": identity.host, "devices": list(devices),
-            "python_pid": os.getpid(), "started_at": time.time(), "run_dir": str(rd.path)}
+    info = {
+        "node": node,
+        "executor": identity.executor_id,
+        "host": identity.host,
+        "devices": list(devices),
+        "python_pid": os.getpid(),
+        "started_at": time.time(),
+        "run_dir": str(rd.path),
+    }
     if state is None:
         claimed = rd.node_marker(launch.attempt, node, "started")
         if (mirror is not None and mirror.claimed_before()) or not _claim(claimed, info) or ctx.attemptNumber() > 0:
@@ -170,8 +193,10 @@ def _node_run_dir(launch: NodeLaunch, node: int) -> tuple[RunDir, NodeMirror | N
         mirror = NodeMirror(StagingStore(launch.store_url, job_id), rd, launch.attempt, node)
         mirror.download_payload()
     except Exception as exc:  # a missing filesystem package, credentials, a store that is down: one answer
-        report(f"node {node} cannot fetch job {job_id} from the staging store {launch.store_url}: "
-               f"{type(exc).__name__}: {exc}")
+        report(
+            f"node {node} cannot fetch job {job_id} from the staging store {launch.store_url}: "
+            f"{type(exc).__name__}: {exc}"
+        )
         _remove_scratch(rd)
         return rd, None, NodeState.STORE_UNREACHABLE
     return rd, mirror, None
@@ -184,8 +209,7 @@ def _start_mirror(mirror: NodeMirror | None) -> NodeState | None:
     try:
         mirror.start()
     except Exception as exc:  # whatever the filesystem raises: this node cannot report, so it does not start
-        report(f"node {mirror.node} cannot write to the staging store {mirror.store.url}: "
-               f"{type(exc).__name__}: {exc}")
+        report(f"node {mirror.node} cannot write to the staging store {mirror.store.url}: {type(exc).__name__}: {exc}")
         return NodeState.STORE_UNREACHABLE
     return None
 
@@ -195,8 +219,10 @@ def _end_mirror(mirror: NodeMirror, state: NodeState) -> NodeState:
     try:
         mirror.finish()
     except Exception as exc:  # a failed task would make Spark re-run the stage: report in the row instead
-        report(f"node {mirror.node} could not upload its last files to the staging store {mirror.store.url} "
-               f"({type(exc).__name__}: {exc}); they stay in {mirror.run_dir.path} on this host")
+        report(
+            f"node {mirror.node} could not upload its last files to the staging store {mirror.store.url} "
+            f"({type(exc).__name__}: {exc}); they stay in {mirror.run_dir.path} on this host"
+        )
         return NodeState.STORE_PUSH_FAILED
     _remove_scratch(mirror.run_dir)
     return state
@@ -211,12 +237,20 @@ def _remove_scratch(rd: RunDir) -> None:
         report(f"could not remove the scratch run dir {rd.path.parent}: {exc}")
 
 
-def _run_agent(rd: RunDir, launch: NodeLaunch, node: int, devices: tuple, master_addr: str,
-               master_port: int) -> tuple[int, int, NodeState]:
+def _run_agent(
+    rd: RunDir, launch: NodeLaunch, node: int, devices: tuple, master_addr: str, master_port: int
+) -> tuple[int, int, NodeState]:
     """Starts the node's agent on ``rd`` and watches it; ``(pid, exit code, state)``."""
     command = build_command(
-        sys.executable, str(rd.path), attempt=launch.attempt, nnodes=launch.nnodes, node_rank=node,
-        nproc=launch.nproc, master_addr=master_addr, master_port=master_port, shutdown_grace=launch.shutdown_grace,
+        sys.executable,
+        str(rd.path),
+        attempt=launch.attempt,
+        nnodes=launch.nnodes,
+        node_rank=node,
+        nproc=launch.nproc,
+        master_addr=master_addr,
+        master_port=master_port,
+        shutdown_grace=launch.shutdown_grace,
     )
     # The agent tells the ranks their run dir (with a store, this node's copy; SPARKGPU_RUN_DIR).
     env = {**os.environ, **launch.env, NODE_DEVICES_ENV: ",".join(devices), "PYTHONUNBUFFERED": "1"}
@@ -238,7 +272,9 @@ def _verify(rd: RunDir, launch: NodeLaunch, node: int) -> NodeState:
     The agent checks again, but refusing here keeps every node of the barrier stage from
     starting an agent at all.
     """
-    verified = verify_or_refuse(rd, launch.env, launch.attempt, node, launch.nproc, log=rd.agent_log(launch.attempt, node))
+    verified = verify_or_refuse(
+        rd, launch.env, launch.attempt, node, launch.nproc, log=rd.agent_log(launch.attempt, node)
+    )
     return NodeState.BAD_SIGNATURE if verified is None else NodeState.READY
 
 

@@ -79,8 +79,16 @@ class NodeWatch:
                 continue
             lost_at = time.time() - beat.silent_for()
             attempt_report.lost_at = min(attempt_report.lost_at or lost_at, lost_at)
-            attempt_report.nodes.append(NodeReport(node, str(info.get("executor", "")), str(info.get("host", "")),
-                                                   NodeState.LOST, self._ranks_of(handle, node), cause=cause))
+            attempt_report.nodes.append(
+                NodeReport(
+                    node,
+                    str(info.get("executor", "")),
+                    str(info.get("host", "")),
+                    NodeState.LOST,
+                    self._ranks_of(handle, node),
+                    cause=cause,
+                )
+            )
             found = True
         if found:
             self._write_report(handle)
@@ -130,8 +138,11 @@ class NodeWatch:
         try:
             self.spark.interruptTag(handle.tag)
         except Exception as exc:  # the broken stream may have taken the session with it
-            self._note(handle, f"could not interrupt the Spark job ({type(exc).__name__}: {exc}); the nodes "
-                               "stop their ranks on the cancel marker")
+            self._note(
+                handle,
+                f"could not interrupt the Spark job ({type(exc).__name__}: {exc}); the nodes "
+                "stop their ranks on the cancel marker",
+            )
         named = tuple(name for found in _LOST_EXECUTOR.findall(str(handle.error or "")) for name in found if name)
         limit = handle.job.policy.shutdown_grace + self.node_stop_margin
         deadline = time.monotonic() + limit
@@ -142,11 +153,16 @@ class NodeWatch:
             self._find_lost(handle, named)
             lost = {n.node for n in self._report_of(handle).lost}
             # A silent node is not waited for: lost, or its task was killed by Spark with its ranks.
-            running = [n for n in rd.nodes_without_end(attempt) if n not in lost and not self._beat_of(handle, n).lost()]
+            running = [
+                n for n in rd.nodes_without_end(attempt) if n not in lost and not self._beat_of(handle, n).lost()
+            ]
         if running:
-            self._note(handle, f"node(s) {', '.join(map(str, running))} did not confirm within {limit:g}s that "
-                               "their ranks stopped (their executor may be lost); any rank left stops when it "
-                               "sees the cancel marker or loses this client's heartbeat")
+            self._note(
+                handle,
+                f"node(s) {', '.join(map(str, running))} did not confirm within {limit:g}s that "
+                "their ranks stopped (their executor may be lost); any rank left stops when it "
+                "sees the cancel marker or loses this client's heartbeat",
+            )
 
     # -- the attempt's report -----------------------------------------------------------
     def _note(self, handle: SparkAttempt, message: str) -> None:
@@ -170,9 +186,17 @@ class NodeWatch:
                 row, end, info = by_node.get(node, {}), ended.get(node, {}), handle.node_infos.get(node, {})
                 code = row.get("exit_code", end.get("exit_code"))
                 state = NodeState(row.get("state", end.get("state", NodeState.UNKNOWN)))
-                nodes.append(NodeReport(node, str(row.get("executor", info.get("executor", ""))),
-                                        str(row.get("host", info.get("host", ""))), state, self._ranks_of(handle, node),
-                                        exit_code=code, signal=-code if code is not None and code < 0 else None))
+                nodes.append(
+                    NodeReport(
+                        node,
+                        str(row.get("executor", info.get("executor", ""))),
+                        str(row.get("host", info.get("host", ""))),
+                        state,
+                        self._ranks_of(handle, node),
+                        exit_code=code,
+                        signal=-code if code is not None and code < 0 else None,
+                    )
+                )
             attempt_report.nodes = nodes
         attempt_report.write(handle.run_dir.attempt_dir(handle.attempt))
 

@@ -22,13 +22,27 @@ import pyarrow as pa
 
 from sparkgpu.errors import ConfigurationError
 
-__all__ = ["ProbeOptions", "probe_executor", "probe_image", "PROBE_SCHEMA", "PROBE_DDL", "IMAGE_DDL",
-           "ExecutorIdentity", "executor_identity"]
+__all__ = [
+    "ProbeOptions",
+    "probe_executor",
+    "probe_image",
+    "PROBE_SCHEMA",
+    "PROBE_DDL",
+    "IMAGE_DDL",
+    "ExecutorIdentity",
+    "executor_identity",
+]
 
-PROBE_SCHEMA = pa.schema([
-    ("executor", pa.string()), ("host", pa.string()), ("cores", pa.int32()), ("gpu_addresses", pa.string()),
-    ("gpu_names", pa.string()), ("python", pa.string()),
-])
+PROBE_SCHEMA = pa.schema(
+    [
+        ("executor", pa.string()),
+        ("host", pa.string()),
+        ("cores", pa.int32()),
+        ("gpu_addresses", pa.string()),
+        ("gpu_names", pa.string()),
+        ("python", pa.string()),
+    ]
+)
 # mapInArrow takes the schema as DDL; the Arrow schema above builds the batches that match it.
 PROBE_DDL = "executor string, host string, cores int, gpu_addresses string, gpu_names string, python string"
 
@@ -83,9 +97,13 @@ def executor_identity() -> ExecutorIdentity:
         if executor_id is None:
             return ExecutorIdentity("driver", socket.gethostname(), 0, None, ancestor.pid)
         cores = _arg(argv, "--cores")
-        return ExecutorIdentity(executor_id, _arg(argv, "--hostname") or socket.gethostname(),
-                                int(cores) if cores and cores.isdigit() else 0, _arg(argv, "--resourcesFile"),
-                                ancestor.pid)
+        return ExecutorIdentity(
+            executor_id,
+            _arg(argv, "--hostname") or socket.gethostname(),
+            int(cores) if cores and cores.isdigit() else 0,
+            _arg(argv, "--resourcesFile"),
+            ancestor.pid,
+        )
     return ExecutorIdentity("unknown", socket.gethostname(), 0, None, os.getppid())
 
 
@@ -134,7 +152,7 @@ def _discover_gpus(identity: ExecutorIdentity, script: str, unreadable: str | No
     except (ValueError, KeyError, TypeError) as exc:
         raise ConfigurationError(
             f"the GPU discovery script {script} on {where} did not print Spark's resource JSON "
-            f"('{{\"name\": \"gpu\", \"addresses\": [\"0\", ...]}}'): {type(exc).__name__}: {exc} ({output}); {fix}"
+            f'(\'{{"name": "gpu", "addresses": ["0", ...]}}\'): {type(exc).__name__}: {exc} ({output}); {fix}'
         ) from exc
     return [str(a) for a in addresses]
 
@@ -168,9 +186,14 @@ def probe_executor(options: ProbeOptions, batches):
 
         found = detect_host_gpus()
         names = [n for a, n in zip(found.addresses, found.names) if a in addresses] or list(found.names)
-    row = {"executor": [identity.executor_id], "host": [identity.host], "cores": [identity.cores],
-           "gpu_addresses": [",".join(addresses)], "gpu_names": ["|".join(names)],
-           "python": [sys.executable]}
+    row = {
+        "executor": [identity.executor_id],
+        "host": [identity.host],
+        "cores": [identity.cores],
+        "gpu_addresses": [",".join(addresses)],
+        "gpu_names": ["|".join(names)],
+        "python": [sys.executable],
+    }
     yield pa.RecordBatch.from_pydict(row, schema=PROBE_SCHEMA)
 
 

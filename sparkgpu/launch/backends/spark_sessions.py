@@ -27,9 +27,20 @@ from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.pools import POOL_TAG, Pool, choose_pool, configured_pools
 from sparkgpu.spec import JobSpec
 
-__all__ = ["active_spark_session", "pool_for_job", "pool_session", "session_for", "close_sessions",
-           "new_connect_session", "connect_url", "full_url", "connection_closed", "record_session", "recorded_remote",
-           "SESSION_FILE"]
+__all__ = [
+    "active_spark_session",
+    "pool_for_job",
+    "pool_session",
+    "session_for",
+    "close_sessions",
+    "new_connect_session",
+    "connect_url",
+    "full_url",
+    "connection_closed",
+    "record_session",
+    "recorded_remote",
+    "SESSION_FILE",
+]
 
 #: Where a job's run dir keeps the Spark Connect URL it ran on, for ``sparkgpu resume``.
 SESSION_FILE = "spark-session.json"
@@ -134,8 +145,10 @@ def pool_for_job(job: JobSpec, pool: str | None = None) -> Pool | None:
     pools = configured_pools()
     if pools is None:
         if pool is not None:
-            raise ConfigurationError(f"pool={pool!r} names a GPU pool, and no pools file is configured: set "
-                                     "SPARKGPU_POOLS to a pools.yaml naming it, or drop pool=")
+            raise ConfigurationError(
+                f"pool={pool!r} names a GPU pool, and no pools file is configured: set "
+                "SPARKGPU_POOLS to a pools.yaml naming it, or drop pool="
+            )
         return None
     s = settings()
     asked = pool or job.tags.get(POOL_TAG) or s.pool

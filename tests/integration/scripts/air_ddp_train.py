@@ -28,8 +28,12 @@ def train(epochs, lr):
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         optimizer.step()
-    return {"rank": rank, "world_size": world_size, "loss": loss.item(),
-            "weights": model.module.weight.detach().cpu().flatten().tolist()}
+    return {
+        "rank": rank,
+        "world_size": world_size,
+        "loss": loss.item(),
+        "weights": model.module.weight.detach().cpu().flatten().tolist(),
+    }
 
 
 @distributed(num_accelerators=2, timeout=2)
