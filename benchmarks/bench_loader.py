@@ -360,7 +360,11 @@ def run(args) -> dict:
         print(f"writing {args.samples:,} samples ({args.samples * ROW_BYTES / 1e6:.0f} MB) ...", flush=True)
         setup, lit = prepare(work, args.samples, args.litdata_samples)
         warm(work)
-        results = {"setup": setup, "litdata": lit, "orders": {"sequential": {}, "shuffled": {}}}
+        results = {
+            "setup": setup,
+            "litdata": {k: v for k, v in lit.items() if k != "dir"},
+            "orders": {"sequential": {}, "shuffled": {}},
+        }
         for name in peers(args.workers, lit is not None):
             print(f"{name}:", flush=True)
             command = [
