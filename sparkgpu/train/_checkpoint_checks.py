@@ -66,7 +66,7 @@ def check_first_step(first_step) -> int | None:
     return first_step
 
 
-def check_resumed_step(step: int, resumed_at: int, steps_done: int, first_step: int) -> None:
+def check_resumed_step(step: int, resumed_at: int, first_step: int) -> None:
     """The first step a loop saves after ``restore()`` must follow the restored one.
 
     ``restore()`` returned ``steps_done``; a loop that counts steps done goes on with
@@ -75,6 +75,7 @@ def check_resumed_step(step: int, resumed_at: int, steps_done: int, first_step: 
     """
     if step == resumed_at:
         return
+    steps_done = resumed_at - first_step  # what restore() returned
     gap = step - resumed_at
     habit = (
         "`step = ckpt.restore(...)`, then `step += 1` after each step and `ckpt.maybe_save(step, ...)`"

@@ -232,7 +232,7 @@ class Checkpointer(CheckpointerInternals):
         first_step = self._counting(step, learn=True)
         if self._resumed_at is not None:
             resumed_at, self._resumed_at = self._resumed_at, None
-            check_resumed_step(step, resumed_at, resumed_at - first_step, first_step)
+            check_resumed_step(step, resumed_at, first_step)
         steps_due = self.every_steps is not None and (step + 1 - first_step) % self.every_steps == 0
         time_due = self.every_minutes is not None and self.clock() - self._last_save_time >= self.every_minutes * 60
         time_due, stop = self._any_rank_one_step_late(time_due, runtime.should_checkpoint())
