@@ -285,9 +285,11 @@ def test_a_sigkilled_rank_resumes_bitwise_equal_through_each_restart_path(
     assert [a["status"] for a in state["attempts"]] == ["failed", "succeeded"], note
     resumed = [entry for entry in steps.values() if entry["attempt"] == 1]
     assert resumed, f"no step ran in the restarted attempt {note}"
-    first = [entry for entry in steps.values() if entry["attempt"] == 0]
-    assert {tuple(e["threads"]) for e in resumed} == {tuple(e["threads"]) for e in first}, (
-        f"the restarted ranks ran with other thread settings {note}"
+    # Compared with the uninterrupted run: the killed attempt's records may all be superseded
+    # when its last checkpoint had not committed before the kill.
+    expected_threads = {tuple(e["threads"]) for e in plain_steps.values()}
+    assert {tuple(e["threads"]) for e in resumed} == expected_threads, (
+        f"the restarted ranks ran with other thread settings than an uninterrupted run {note}"
     )
     assert_same_run(states, steps, plain, plain_steps, all_blocks, note)
 
