@@ -26,7 +26,7 @@ lint: $(STAMP)
 	$(PY) -m mypy sparkgpu
 
 test: lint
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=30
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
