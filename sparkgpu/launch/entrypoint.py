@@ -25,6 +25,7 @@ from sparkgpu._modules import imported
 from sparkgpu._report import report
 from sparkgpu.callbacks import WorkerContext
 from sparkgpu.errors import HydrationError, SparkGPUError
+from sparkgpu.launch.keys import hold_job_key
 from sparkgpu.launch.payload import KEY_ENV
 from sparkgpu.launch.process_group import RankProcessGroup
 from sparkgpu.launch.run_dir import RunDir
@@ -135,6 +136,7 @@ def main(run_dir: str, env_error: BaseException | None = None) -> int:
     key = os.environ.pop(KEY_ENV, "")  # user code never sees the job key
     try:
         spec, parts = rd.load_verified(bytes.fromhex(key) if key else None)
+        hold_job_key(rd.key)
         if env_error is not None:
             raise _environment_error(env_error)
         os.environ.update(rank_device_env(spec, runtime.get_local_rank(), os.environ.get(NODE_DEVICES_ENV)))

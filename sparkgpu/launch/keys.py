@@ -15,7 +15,10 @@ from pathlib import Path
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError
 
-__all__ = ["new_key", "save_key", "load_key", "rank_secrets"]
+__all__ = ["new_key", "save_key", "load_key", "rank_secrets", "derive_key", "hold_job_key", "current_job_key"]
+
+# The key of the job this process is a rank of, once the entrypoint took it (never from the environment).
+_held: bytes | None = None
 
 
 def _keyring() -> Path:
@@ -72,3 +75,22 @@ def rank_secrets(key: bytes, environ) -> dict[str, str]:
         "RAY_AUTH_MODE": "token",
         "RAY_AUTH_TOKEN": hmac.new(key, b"sparkgpu ray token", hashlib.sha256).hexdigest(),
     }
+
+
+def derive_key(key: bytes, purpose: str) -> bytes:
+    """A key for one purpose (``"checkpoints"``, ``"control"``, ...) that gives no way back to the job key."""
+    import hashlib
+    import hmac
+
+    return hmac.new(key, f"sparkgpu {purpose}".encode(), hashlib.sha256).digest()
+
+
+def hold_job_key(key: bytes | None) -> None:
+    """Keeps the job key for this rank's own use (:func:`current_job_key`); the entrypoint calls it."""
+    global _held
+    _held = key or None
+
+
+def current_job_key() -> bytes | None:
+    """The key of the job this process runs a rank of, or ``None`` outside a sparkgpu rank."""
+    return _held
