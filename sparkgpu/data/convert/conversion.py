@@ -10,23 +10,30 @@ data.ensure_mds(spark_df, "s3://bucket/mds-cache")               # converts once
 
 The output is standard MDS (``streaming.StreamingDataset`` reads it unchanged). The index is
 written last and atomically: an interrupted conversion never leaves an index listing missing
-shards, and running it again clears what it left and starts over.
+shards, and running it again clears what it left and starts over. One conversion writes into a
+folder at a time (:mod:`~sparkgpu.data.convert.claim`): a second one started meanwhile waits for
+it, then uses its dataset when it converted the same data with the same settings.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import datetime
 import hashlib
 import json
+import threading
 import time
 import uuid
+from collections.abc import Callable
 
+from sparkgpu.data.convert.claim import DEFAULT_WAIT_S, FolderClaim
 from sparkgpu.data.convert.output import OutputFolder
 from sparkgpu.data.mds.encoding import plan_columns
 from sparkgpu.data.mds.writer import DEFAULT_SIZE_LIMIT, ShardOptions
 from sparkgpu.errors import ConfigurationError, DataError
 from sparkgpu.store import Store
+from sparkgpu.units import parse_duration
 
 __all__ = ["ConversionResult", "to_mds", "ensure_mds", "data_fingerprint", "read_conversion"]
 
@@ -43,8 +50,11 @@ class ConversionResult:
         columns: Column name -> MDS encoding.
         fingerprint: Data fingerprint of the source (see :func:`data_fingerprint`).
         source: What was read: type, path or URI, Delta version.
-        seconds: Time the conversion took (0 when reused).
-        reused: True when :func:`ensure_mds` found a complete conversion and wrote nothing.
+        seconds: Time the conversion took, waiting for another one included (0 when reused
+            without waiting).
+        reused: True when a complete conversion was found and nothing was written: one that
+            :func:`ensure_mds` found, or that another process wrote while this one waited.
+        waited: Seconds spent waiting for another conversion into the same folder.
     """
 
     url: str
@@ -56,6 +66,7 @@ class ConversionResult:
     source: dict
     seconds: float
     reused: bool = False
+    waited: float = 0.0
 
     @property
     def rows_per_second(self) -> float:
@@ -111,8 +122,15 @@ def to_mds(
     max_workers: int | None = None,
     storage_options: dict | None = None,
     progress: bool | None = None,
+    wait: float | str | datetime.timedelta = DEFAULT_WAIT_S,
 ) -> ConversionResult:
     """Converts a Spark DataFrame, Delta table or Parquet files into MDS shards under ``out``.
+
+    Conversions into one folder run one at a time: while another process converts into ``out``,
+    this one waits (up to ``wait``, reporting who converts and how far it got), then returns
+    that conversion (``reused=True``) when it is of the same data (fingerprint) and settings,
+    else converts as if it had started afterwards. A conversion whose process died is taken over
+    once its claim on the folder expires (about a minute; at once on the same machine).
 
     Args:
         source: A Spark DataFrame (classic or Connect): a plain scan of Parquet or Delta files
@@ -133,16 +151,20 @@ def to_mds(
         max_workers: Parallel writers for non-Spark sources (default: CPU count).
         storage_options: fsspec options (credentials, endpoint) for remote paths.
         progress: Show a progress bar; default: when stderr is a terminal or notebook.
+        wait: Longest wait for another conversion into ``out``: seconds or a duration such as
+            ``"2h"`` (default one hour); 0 fails at once.
 
     Returns:
         What was written.
 
     Raises:
-        DataError: A column cannot be stored (raised before anything is written), or the data
-            holds values MDS cannot represent (nulls, arrays not matching a declared shape).
+        DataError: A column cannot be stored (raised before anything is written), the data
+            holds values MDS cannot represent (nulls, arrays not matching a declared shape),
+            or another conversion into ``out`` still runs after ``wait``.
         ConfigurationError: Bad settings, or ``out`` holds a dataset and ``overwrite`` is false.
     """
     started = time.monotonic()
+    wait_s = _wait_seconds(wait)
     resolved = _resolve(source, version, timestamp, storage_options)
     options = ShardOptions.create(
         plan_columns(resolved.schema, columns), compression=compression, hashes=hashes, size_limit=size_limit
@@ -150,15 +172,15 @@ def to_mds(
     # The fingerprint is only recorded here, so its Spark round trips run beside the job.
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparkgpu-fingerprint") as pool:
         fingerprint = pool.submit(_fingerprint_or_none, resolved)
+        volume = Store(out, storage_options, what="the output folder")
+
+        def waited_for(waited: bool) -> ConversionResult | None:
+            # Only a conversion this one waited for: a dataset found there at the start is
+            # replaced (overwrite=True) or refused, as without any other process.
+            return _reusable(volume, options, fingerprint.result()) if waited else None
+
         return _convert(
-            resolved,
-            Store(out, storage_options, what="the output folder"),
-            options,
-            fingerprint,
-            overwrite,
-            max_workers,
-            progress,
-            started,
+            resolved, volume, options, fingerprint, overwrite, max_workers, progress, started, wait_s, waited_for
         )
 
 
@@ -175,14 +197,19 @@ def ensure_mds(
     max_workers: int | None = None,
     storage_options: dict | None = None,
     progress: bool | None = None,
+    wait: float | str | datetime.timedelta = DEFAULT_WAIT_S,
 ) -> ConversionResult:
     """Converts ``source`` once per data fingerprint and settings; afterwards returns at once.
 
     The output goes to ``{volume_root}/mds-{key}``, the key hashing the data fingerprint
     (:func:`data_fingerprint`) and the conversion settings. A complete conversion with the
     same key is returned as is (``reused=True``); an interrupted one is cleared and redone.
+    Processes calling it together for the same data and volume convert once: one converts, the
+    others wait for it (up to ``wait``) and return its dataset (``reused=True``); one whose
+    converting process died takes over once that process's claim expires.
     The other arguments (``columns``, ``compression``, ``hashes``, ``size_limit``, ``version``,
-    ``timestamp``, ``max_workers``, ``storage_options``, ``progress``) are those of :func:`to_mds`.
+    ``timestamp``, ``max_workers``, ``storage_options``, ``progress``, ``wait``) are those of
+    :func:`to_mds`.
 
     Args:
         source: As for :func:`to_mds`; it must be fingerprintable (not a one-shot stream).
@@ -190,8 +217,13 @@ def ensure_mds(
 
     Returns:
         The conversion, with ``reused`` telling whether it was already there.
+
+    Raises:
+        DataError: As :func:`to_mds`; among others, another process still converts the same
+            data after ``wait``.
     """
     started = time.monotonic()
+    wait_s = _wait_seconds(wait)
     resolved = _resolve(source, version, timestamp, storage_options)
     options = ShardOptions.create(
         plan_columns(resolved.schema, columns), compression=compression, hashes=hashes, size_limit=size_limit
@@ -209,10 +241,22 @@ def ensure_mds(
     )
     key = hashlib.sha256(settings.encode("utf-8")).hexdigest()[:24]
     volume = Store(volume_root, storage_options, what="the volume").child(f"mds-{key}")
+    # Without a claim: finding a complete conversion writes nothing, so readers need no write access.
     existing = read_conversion(volume.url, storage_options=storage_options)
     if existing is not None and existing.fingerprint == fingerprint and existing.columns == options.columns:
         return dataclasses.replace(existing, reused=True)
-    return _convert(resolved, volume, options, fingerprint, True, max_workers, progress, started)
+    return _convert(
+        resolved,
+        volume,
+        options,
+        fingerprint,
+        True,
+        max_workers,
+        progress,
+        started,
+        wait_s,
+        lambda _waited: _reusable(volume, options, fingerprint),
+    )
 
 
 def read_conversion(url, *, storage_options: dict | None = None) -> ConversionResult | None:
@@ -225,6 +269,10 @@ def read_conversion(url, *, storage_options: dict | None = None) -> ConversionRe
     index = OutputFolder(volume, run_id="").read_index()
     if index is None:
         return None
+    return _result_of(volume, index)
+
+
+def _result_of(volume: Store, index: dict) -> ConversionResult:
     meta = index.get("sparkgpu") or {}
     shards = index.get("shards", [])
     columns = dict(zip(shards[0]["column_names"], shards[0]["column_encodings"])) if shards else meta.get("columns", {})
@@ -240,6 +288,32 @@ def read_conversion(url, *, storage_options: dict | None = None) -> ConversionRe
     )
 
 
+def _reusable(volume: Store, options: ShardOptions, fingerprint: str | None) -> ConversionResult | None:
+    """The dataset committed in ``volume`` when it is of the data ``fingerprint`` and written with
+    ``options``, as a reused result; else ``None``."""
+    if fingerprint is None:  # a one-shot stream: nothing says what the other one converted
+        return None
+    index = OutputFolder(volume, run_id="").read_index()
+    if index is None or (index.get("sparkgpu") or {}).get("fingerprint") != fingerprint or not index.get("shards"):
+        return None
+    first = index["shards"][0]
+    written = (
+        dict(zip(first["column_names"], first["column_encodings"])),
+        first.get("compression"),
+        list(first.get("hashes") or []),
+        first.get("size_limit"),
+    )
+    if written != (options.columns, options.compression, list(options.hashes), options.size_limit):
+        return None
+    return dataclasses.replace(_result_of(volume, index), reused=True)
+
+
+def _wait_seconds(wait) -> float:
+    if isinstance(wait, (int, float)) and not isinstance(wait, bool) and wait == 0:
+        return 0.0
+    return parse_duration(wait, name="wait")
+
+
 def _fingerprint_or_none(resolved) -> str | None:
     try:
         return resolved.fingerprint()
@@ -248,33 +322,53 @@ def _fingerprint_or_none(resolved) -> str | None:
 
 
 def _convert(
-    resolved, volume: Store, options: ShardOptions, fingerprint, overwrite, max_workers, progress, started
+    resolved,
+    volume: Store,
+    options: ShardOptions,
+    fingerprint,
+    overwrite,
+    max_workers,
+    progress,
+    started,
+    wait_s: float,
+    reusable: Callable[[bool], ConversionResult | None],
 ) -> ConversionResult:
-    """Claims ``volume``, writes the shards, commits; ``fingerprint`` may be a Future."""
+    """Claims ``volume`` (waiting for another conversion into it), writes the shards, commits.
+
+    ``fingerprint`` may be a Future. ``reusable(waited)``, asked once the claim is taken,
+    returns a dataset already there to return instead of converting, or ``None``.
+    """
     run_id = uuid.uuid4().hex
-    folder = OutputFolder(volume, run_id)
-    folder.begin(overwrite=overwrite)
-    bar = _ProgressBar(volume.url) if _show_progress(progress) else None
+    claim = FolderClaim(volume, run_id)
+    found = claim.acquire(wait_s, reusable)
+    if found is not None:
+        return dataclasses.replace(found, seconds=time.monotonic() - started, waited=claim.waited_s)
     try:
-        shards = resolved.write(volume, options, max_workers=max_workers, progress=bar)
-        if not any(s["samples"] for s in shards):
-            raise DataError(f"the source has no rows; nothing was written to {volume.url}")
-        if isinstance(fingerprint, concurrent.futures.Future):
-            fingerprint = fingerprint.result()
-    except BaseException:
-        folder.abort()
-        raise
+        folder = OutputFolder(volume, run_id, claim)
+        folder.begin(overwrite=overwrite)
+        bar = _ProgressBar(volume.url) if _show_progress(progress) else None
+        try:
+            shards = resolved.write(volume, options, max_workers=max_workers, progress=_Progress(bar, claim))
+            if not any(s["samples"] for s in shards):
+                raise DataError(f"the source has no rows; nothing was written to {volume.url}")
+            if isinstance(fingerprint, concurrent.futures.Future):
+                fingerprint = fingerprint.result()
+        except BaseException:
+            folder.abort()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        metadata = {
+            "fingerprint": fingerprint,
+            "source": resolved.description,
+            "columns": options.columns,
+            "run_id": run_id,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        folder.commit(shards, metadata)
     finally:
-        if bar is not None:
-            bar.close()
-    metadata = {
-        "fingerprint": fingerprint,
-        "source": resolved.description,
-        "columns": options.columns,
-        "run_id": run_id,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    folder.commit(shards, metadata)
+        claim.release()
     return ConversionResult(
         url=volume.url,
         samples=sum(s["samples"] for s in shards),
@@ -284,7 +378,40 @@ def _convert(
         fingerprint=fingerprint,
         source=resolved.description,
         seconds=time.monotonic() - started,
+        waited=claim.waited_s,
     )
+
+
+class _Progress:
+    """What a source reports as it writes, passed on to the progress bar (when shown) and to the
+    claim, whose renewals tell waiting conversions how far this one got. A writer of this
+    process stops at its next batch once the claim was taken over."""
+
+    def __init__(self, bar: _ProgressBar | None, claim: FolderClaim):
+        self._bar = bar
+        self._claim = claim
+        self._lock = threading.Lock()
+        self._rows = 0
+        self._total: int | None = None
+
+    def start(self, total: int | None) -> None:
+        self._total = total
+        self._claim.note_progress(0, total, "rows")
+        if self._bar is not None:
+            self._bar.start(total)
+
+    def advance(self, rows: int) -> None:
+        with self._lock:
+            self._rows += rows
+            self._claim.note_progress(self._rows, self._total, "rows")
+        self._claim.raise_if_lost()
+        if self._bar is not None:
+            self._bar.advance(rows)
+
+    def update(self, completed: int, total: int) -> None:
+        self._claim.note_progress(completed, total, "Spark tasks")
+        if self._bar is not None:
+            self._bar.update(completed, total)
 
 
 def _show_progress(progress: bool | None) -> bool:

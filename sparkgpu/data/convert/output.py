@@ -1,6 +1,7 @@
 """The output folder of a conversion (a :class:`~sparkgpu.store.Store`), committed atomically.
 
-``index.json`` is the commit point. A conversion
+``index.json`` is the commit point. A conversion, holding the folder's claim
+(:mod:`~sparkgpu.data.convert.claim`: one conversion per folder at a time),
 
 1. writes a marker file naming its run (from here on, whatever a crash leaves is known to be
    an interrupted conversion's),
@@ -10,8 +11,11 @@
    disk (``fsync``) by its writer,
 4. removes sub-folders no shard of the index lives in (failed Spark task attempts), and
    flushes the folders' entries to disk,
-5. writes ``index.json`` atomically (temporary name + rename locally; one PUT on object stores),
+5. checks that its claim is still its own, and writes ``index.json`` atomically (temporary
+   name + rename locally; one PUT on object stores),
 6. removes the marker.
+
+Claim files are left alone throughout: the claim's holder releases them.
 
 A crash, even a power loss, at any point leaves either a complete index (the shards it lists
 on disk) or no index and the marker (the next run clears the folder and starts over, with or
@@ -25,6 +29,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from sparkgpu._files import is_temporary
+from sparkgpu.data.convert.claim import FolderClaim, is_claim
 from sparkgpu.errors import ConfigurationError, DataError
 from sparkgpu.store import Store
 
@@ -40,11 +45,17 @@ class OutputFolder:
     Args:
         store: Where the dataset goes.
         run_id: Unique id of this conversion, recorded in the marker file.
+        claim: This conversion's claim on the folder, taken before :meth:`begin`; ``None``
+            only for reading.
     """
 
-    def __init__(self, store: Store, run_id: str):
+    def __init__(self, store: Store, run_id: str, claim: FolderClaim | None = None):
         self.store = store
         self.run_id = run_id
+        self.claim = claim
+
+    def _entries(self) -> list[str]:
+        return [name for name in self.store.listdir() if not is_claim(name)]
 
     def _read(self, name: str) -> bytes | None:
         try:
@@ -70,8 +81,11 @@ class OutputFolder:
         Raises:
             ConfigurationError: The folder holds a complete dataset and ``overwrite`` is false,
                 or it holds files no conversion of this package wrote.
+            DataError: Another conversion took the claim over.
         """
-        entries = self.store.listdir()
+        if self.claim is not None:
+            self.claim.check_held()
+        entries = self._entries()
         has_index = INDEX_NAME in entries
         if has_index and not overwrite:
             raise ConfigurationError(
@@ -110,7 +124,7 @@ class OutputFolder:
             for key in ("raw_data", "zip_data")
             if shard.get(key)
         }
-        for name in self.store.listdir():
+        for name in self._entries():
             if name not in listed and name not in (MARKER_NAME, INDEX_NAME) and not is_temporary(name):
                 self.store.remove(name)
         # Writers fsynced the shards' bytes; their names live in these folders.
@@ -120,15 +134,23 @@ class OutputFolder:
 
     def abort(self) -> None:
         """Removes this run's shards after a failure; keeps the marker so a later run may clear
-        anything a still-running writer adds afterwards."""
+        anything a still-running writer adds afterwards. A run whose claim was taken over
+        leaves the folder to its new holder."""
         marker = self._read(MARKER_NAME)
         if marker is None or json.loads(marker).get("run_id") != self.run_id:
             return
-        for name in self.store.listdir():
+        if self.claim is not None:
+            try:
+                self.claim.check_held()
+            except DataError:
+                return
+        for name in self._entries():
             if name != MARKER_NAME:
                 self.store.remove(name)
 
     def _check_still_ours(self) -> None:
+        if self.claim is not None:
+            self.claim.check_held()
         marker = self._read(MARKER_NAME)
         owner = json.loads(marker).get("run_id") if marker else None
         if owner != self.run_id:
