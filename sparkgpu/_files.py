@@ -79,22 +79,30 @@ def atomic_path(path: str | os.PathLike, *, fsync: bool = True, fsync_folder: bo
 
 
 @contextlib.contextmanager
-def atomic_writer(path: str | os.PathLike, *, fsync: bool = True, fsync_folder: bool = False) -> Iterator[BinaryIO]:
+def atomic_writer(
+    path: str | os.PathLike, *, fsync: bool = True, fsync_folder: bool = False, mode: int = 0o666
+) -> Iterator[BinaryIO]:
     """Opens a binary file that appears at ``path``, complete, only when the block succeeds.
 
-    Args are :func:`atomic_path`'s.
+    Args are :func:`atomic_path`'s, and ``mode``: the file's permissions (less the umask), set
+    when it is created, so that a private file is never readable by others even for a moment.
 
     Yields:
         The open temporary file.
     """
-    with atomic_path(path, fsync=False, fsync_folder=fsync_folder) as tmp, open(tmp, "wb") as f:
+    with (
+        atomic_path(path, fsync=False, fsync_folder=fsync_folder) as tmp,
+        os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as f,
+    ):
         yield f
         if fsync:  # while the file is open: no second open just to flush it
             f.flush()
             os.fsync(f.fileno())
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, fsync: bool = True, fsync_folder: bool = False) -> None:
+def atomic_write_bytes(
+    path: str | os.PathLike, data: bytes, *, fsync: bool = True, fsync_folder: bool = False, mode: int = 0o666
+) -> None:
     """Writes ``data`` so that ``path`` appears complete or not at all (see :func:`atomic_writer`)."""
-    with atomic_writer(path, fsync=fsync, fsync_folder=fsync_folder) as f:
+    with atomic_writer(path, fsync=fsync, fsync_folder=fsync_folder, mode=mode) as f:
         f.write(data)

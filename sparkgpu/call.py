@@ -49,7 +49,7 @@ from sparkgpu.errors import (
     SparkGPUError,
 )
 from sparkgpu.launch.attempt_result import read_attempt
-from sparkgpu.launch.keys import load_key
+from sparkgpu._keyring import load_key
 from sparkgpu.launch.logs import LogStreamer
 from sparkgpu.launch.resume import client_is_gone, find_run_dir, take_over
 from sparkgpu.launch.run_dir import RunDir
@@ -320,7 +320,7 @@ class Call:
             self._supervisor.cancel_event.set()
         elif not self.status().is_terminal:
             who = f"cancelled by pid {os.getpid()} on {socket.gethostname()}\n"
-            atomic_write_bytes(self.run_dir.path / CANCEL_REQUEST_FILE, who.encode())
+            self.run_dir.write_control(self.run_dir.cancel_request_file, who.encode())
         return self.wait(timeout)
 
     def _take_over_if_abandoned(self) -> bool:
@@ -338,7 +338,7 @@ class Call:
                 if not state or JobStatus(state["status"]).is_terminal:
                     self._unlock_supervision()
                     return False
-                if (self.run_dir.path / CANCEL_REQUEST_FILE).exists():
+                if self.run_dir.read_control(self.run_dir.cancel_request_file) is not None:
                     _end_cancelled(self.run_dir, state)  # asked to stop: nothing to continue
                     self._unlock_supervision()
                     return True

@@ -23,7 +23,7 @@ from sparkgpu.config import settings
 from sparkgpu.errors import SparkGPUError
 from sparkgpu.launch.backends.base import Backend, LaunchPlan
 from sparkgpu.callbacks import JobCallback
-from sparkgpu.launch.keys import new_key, save_key
+from sparkgpu._keyring import new_key, save_key
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.retention import prune_runs
 from sparkgpu.launch.serialization import add_keyword_arguments, client_sys_path, serialize_payload

@@ -199,6 +199,20 @@ def _stop_file() -> str | None:
     return os.path.join(run_dir, RunLayout.stop(attempt())) if run_dir else None
 
 
+def _genuine_stop(path: str) -> bool:
+    """Whether the stop file is the supervisor's, sealed under the job key (not planted by a writer of the run dir)."""
+    from sparkgpu.launch.control import unseal
+    from sparkgpu._keyring import current_job_key
+    from sparkgpu.launch.run_layout import RunLayout
+
+    try:
+        with open(path, "rb") as f:
+            sealed = f.read()
+    except FileNotFoundError:
+        return False
+    return unseal(current_job_key(), RunLayout.stop(attempt()), sealed) is not None
+
+
 def should_checkpoint() -> bool:
     """True when the job is about to be stopped and this rank should checkpoint now.
 
@@ -213,7 +227,7 @@ def should_checkpoint() -> bool:
     if _checkpoint_requested.is_set():
         return True
     stop_file = _stop_file()
-    if stop_file and os.path.exists(stop_file):
+    if stop_file and os.path.exists(stop_file) and _genuine_stop(stop_file):
         _checkpoint_requested.set()
         return True
     deadline = os.environ.get(ENV_DEADLINE)

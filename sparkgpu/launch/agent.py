@@ -9,8 +9,10 @@ tears the others down and writes their exit codes and signals to ``attempts/<K>/
 for the client, with the time each rank exited; a rank that exits with code 0 without a result
 counts as failed there too (:class:`~sparkgpu.launch.rank_exits.RankExitWatcher`).
 
-Before any rank starts, the agent checks the payload's signature over every signed file,
-``_air.py`` included, with this installed sparkgpu and the job key from its environment, and
+The job key comes as the first line of the agent's stdin, never in its environment or command
+line; the agent makes itself undumpable before reading it and hands each rank its own key file
+(:mod:`sparkgpu.launch.keys`). Before any rank starts, the agent checks the payload's signature
+over every signed file, ``_air.py`` included, with this installed sparkgpu and that key, and
 the ranks run the ``_air.py`` text it checked (``python -c``), not the file, which anyone who
 can write the staging root could swap in the meantime. A payload that fails the check starts
 nothing: each of the node's ranks reports a signed :class:`PayloadSignatureError`.
@@ -23,20 +25,19 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
-from collections.abc import Mapping, MutableMapping
+from collections.abc import MutableMapping
 from pathlib import Path
 
 from sparkgpu import runtime
-from sparkgpu._files import atomic_write_bytes
 from sparkgpu._report import report
 from sparkgpu.errors import PayloadSignatureError
 from sparkgpu.launch.entrypoint import EXIT_FAILED, _die_with_parent
-from sparkgpu.launch.keys import rank_secrets
-from sparkgpu.launch.payload import key_from_environ
+from sparkgpu.launch.keys import KEY_DIR_ENV, hand_to_ranks, make_undumpable, rank_secrets, receive_key
 from sparkgpu.launch.protocol import NodeExit, RankExit
 from sparkgpu.launch.rank_exits import RankExitWatcher
-from sparkgpu.launch.run_dir import RunDir
+from sparkgpu.launch.run_dir import PRIVATE_UMASK, RunDir
 from sparkgpu.launch.run_layout import RunLayout
 
 __all__ = ["main", "build_command", "strip_spark_secrets", "verify_or_refuse", "refuse", "reported"]
@@ -118,28 +119,29 @@ def refuse(rd: RunDir, attempt: int, node_rank: int, nproc: int, exc: PayloadSig
         for rank in range(node_rank * nproc, (node_rank + 1) * nproc):
             rd.write_error(attempt, rank, exc)
     node = NodeExit(node_rank, EXIT_FAILED, refused=str(exc))
-    atomic_write_bytes(rd.node_file(attempt, node_rank), json.dumps(node.to_json()).encode())
+    if rd.key:  # without it nothing can be signed: the launcher reads the agent's exit code instead
+        rd.write_control(rd.node_file(attempt, node_rank), json.dumps(node.to_json()).encode())
 
 
 def verify_or_refuse(
-    rd: RunDir, environ: Mapping[str, str], attempt: int, node_rank: int, nproc: int, log: Path | None = None
+    rd: RunDir, key: bytes | None, attempt: int, node_rank: int, nproc: int, log: Path | None = None
 ) -> dict[str, bytes] | None:
     """The node's check before it starts any rank: the payload's verified files, or a refusal.
 
-    Sets the job key from ``environ`` on ``rd`` and checks the signature
+    Sets the job key on ``rd`` and checks the signature
     (:meth:`RunDir.verify`). When it does not hold, the refusal is reported as :func:`refuse`
     does and ``None`` is returned: the node starts nothing.
 
     Args:
         rd: The run dir the node runs.
-        environ: The environment the node's ranks get (it holds the job key).
+        key: The job key the node was handed; ``None`` when it got none (refused).
         attempt: Attempt number.
         node_rank: The node's index.
         nproc: Ranks per node.
         log: File to append the reason to (the node's agent log); ``sys.stderr`` by default.
     """
     try:
-        rd.key = key_from_environ(environ)
+        rd.key = key
         return rd.verify()
     except PayloadSignatureError as exc:
         if log is None:
@@ -168,19 +170,19 @@ def _parse(argv):
 def main(argv=None) -> int:
     args = _parse(argv)
     _die_with_parent()
+    make_undumpable()  # before the key arrives: same-user processes cannot read it from /proc
+    os.umask(PRIVATE_UMASK)  # what the agent and its ranks write in the run dir is the user's alone
+    key = receive_key(sys.stdin)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s agent %(levelname)s %(message)s")
     strip_spark_secrets(os.environ)  # the ranks inherit this environment
     os.environ["SPARKGPU_ATTEMPT"] = str(args.attempt)
     rd = RunDir(args.run_dir)
-    verified = verify_or_refuse(rd, os.environ, args.attempt, args.node_rank, args.nproc)
+    verified = verify_or_refuse(rd, key, args.attempt, args.node_rank, args.nproc)
     if verified is None:
         return EXIT_FAILED
     init_timeout = json.loads(verified[rd.spec_file.name])["policy"]["init_timeout"]
-
-    from torch.distributed import DistError
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    # torch's import is the agent's longest part: done before an early agent waits for its variables.
+    import torch.distributed.launcher.api  # noqa: F401
 
     from sparkgpu.launch import rendezvous
 
@@ -198,6 +200,23 @@ def main(argv=None) -> int:
     os.environ.update(rendezvous.collective_interface_env(args.master_addr))
     assert rd.key is not None  # the payload verified, which takes the job key
     os.environ.update(rank_secrets(rd.key, os.environ))
+    key_dir = hand_to_ranks(rd.key, args.nproc)
+    os.environ[KEY_DIR_ENV] = str(key_dir)
+    try:
+        return _launch(args, rd, verified[rd.air.name].decode(), init_timeout)
+    finally:
+        shutil.rmtree(key_dir, ignore_errors=True)  # the files of ranks that never started
+
+
+def _launch(args: argparse.Namespace, rd: RunDir, air: str, init_timeout: float) -> int:
+    """Starts the node's ranks on ``air`` (the checked ``_air.py`` text) under torch's elastic
+    agent; writes the node's exit file; returns its status."""
+    from torch.distributed import DistError
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from sparkgpu.launch import rendezvous
 
     run_id = f"{rd.job_id}-{args.attempt}"
     config = LaunchConfig(
@@ -223,7 +242,7 @@ def main(argv=None) -> int:
     )
     try:
         with watcher:
-            elastic_launch(config, sys.executable)("-u", "-c", verified[rd.air.name].decode(), str(rd.path))
+            elastic_launch(config, sys.executable)("-u", "-c", air, str(rd.path))
     except ChildFailedError as exc:
         status = EXIT_FAILED
         for failed_rank, process in exc.failures.items():
@@ -245,7 +264,7 @@ def main(argv=None) -> int:
         if failed in watcher.exits:  # torch's own time is whole seconds, and when it noticed
             failure.time = watcher.exits[failed].time
     node = NodeExit(args.node_rank, status, failures)
-    atomic_write_bytes(rd.node_file(args.attempt, args.node_rank), json.dumps(node.to_json()).encode())
+    rd.write_control(rd.node_file(args.attempt, args.node_rank), json.dumps(node.to_json()).encode())
     return status
 
 

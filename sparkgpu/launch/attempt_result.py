@@ -162,7 +162,7 @@ def read_attempt(
             ],
         )
     missing = silent or list(range(world_size))
-    if rd.node_exit_files(attempt):
+    if any(rd.read_control(path) is not None for path in rd.node_exit_files(attempt).values()):
         # Launchers recorded the attempt but no exit of these ranks: an exit with code 0
         # that could not be watched, or a node whose launcher was lost.
         return AttemptResult(

@@ -25,8 +25,7 @@ from sparkgpu._modules import imported
 from sparkgpu._report import report
 from sparkgpu.callbacks import WorkerContext
 from sparkgpu.errors import HydrationError, SparkGPUError
-from sparkgpu.launch.keys import hold_job_key
-from sparkgpu.launch.payload import KEY_ENV
+from sparkgpu._keyring import hold_job_key
 from sparkgpu.launch.process_group import RankProcessGroup
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.threads import pin_rank_threads
@@ -120,22 +119,23 @@ def _finish_pending_checkpoints() -> None:
         checkpoint.finish_pending_checkpoints()
 
 
-def main(run_dir: str, env_error: BaseException | None = None) -> int:
+def main(run_dir: str, env_error: BaseException | None = None, key: bytes | None = None) -> int:
     """Runs the rank described by the torchrun environment variables; returns the exit code.
 
     Args:
         run_dir: The job's run directory.
         env_error: Why rehydrating the shipped environment failed in ``_air.py``, if it did;
             reported as this rank's failure.
+        key: The job key ``_air.py`` took (:mod:`sparkgpu.launch.keys`); without it the rank
+            runs nothing.
     """
     _die_with_parent()
     rd = RunDir(run_dir)
     rank, attempt = runtime.get_global_rank(), runtime.attempt()
     _redirect_output(rd.log_file(attempt, rank))
 
-    key = os.environ.pop(KEY_ENV, "")  # user code never sees the job key
     try:
-        spec, parts = rd.load_verified(bytes.fromhex(key) if key else None)
+        spec, parts = rd.load_verified(key)
         hold_job_key(rd.key)
         if env_error is not None:
             raise _environment_error(env_error)

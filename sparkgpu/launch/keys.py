@@ -1,56 +1,44 @@
-"""Job signing keys, kept on the client only.
+"""Job signing keys: made on the client, handed to a job's processes without leaving a trace.
 
-A job's key signs its payload; workers get it through their environment. The run dir may be
-on shared storage, so the key is never written there. To let ``sparkgpu resume`` continue a
-job after the client process died, the key is also kept in the user's private keyring
-(``$SPARKGPU_HOME/keys/<job_id>``, mode 0600).
+A job's key signs its payload, its ranks' results and its checkpoints. The run dir may be on
+shared storage, so the key is never written there, and it is never put in a process's
+environment or command line, which any process of the same user can read
+(``/proc/<pid>/environ``, ``ps e``) for as long as the job runs:
+
+- a node agent reads it from the first line of its stdin, a pipe from its launcher
+  (:func:`send_key`, :func:`receive_key`), and makes itself undumpable first
+  (:func:`make_undumpable`), so that its memory and descriptors are root's to read;
+- the agent hands each rank a file of its own, 0600 in a fresh 0700 folder on local disk, that
+  the rank's ``_air.py`` reads and removes before anything else runs (:func:`hand_to_ranks`);
+  a rank forked by a warm pool gets it in memory instead.
+
+To let ``sparkgpu resume`` continue a job after the client process died, the key is also kept
+in the user's private keyring (``$SPARKGPU_HOME/keys/<job_id>``, mode 0600).
 """
 
 from __future__ import annotations
 
 import os
-import secrets
+import tempfile
 from pathlib import Path
+from typing import IO
 
-from sparkgpu.config import settings
-from sparkgpu.errors import ConfigurationError
+# Kept importable from here for code written before the keyring moved below the launcher.
+from sparkgpu._keyring import current_job_key, derive_key, hold_job_key, load_key, new_key, save_key  # noqa: F401
 
-__all__ = ["new_key", "save_key", "load_key", "rank_secrets", "derive_key", "hold_job_key", "current_job_key"]
+__all__ = [
+    "rank_secrets",
+    "send_key",
+    "receive_key",
+    "hand_to_ranks",
+    "make_undumpable",
+    "KEY_DIR_ENV",
+    "RANK_KEY_FILE",
+]
 
-# The key of the job this process is a rank of, once the entrypoint took it (never from the environment).
-_held: bytes | None = None
-
-
-def _keyring() -> Path:
-    path = settings().home / "keys"
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    return path
-
-
-def new_key() -> bytes:
-    return secrets.token_bytes(32)
-
-
-def save_key(job_id: str, key: bytes) -> None:
-    path = _keyring() / job_id
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(key.hex())
-
-
-def load_key(job_id: str) -> bytes:
-    """The key of a job launched from this machine.
-
-    Raises:
-        ConfigurationError: the job was launched elsewhere (or its key was deleted).
-    """
-    try:
-        return bytes.fromhex((_keyring() / job_id).read_text().strip())
-    except FileNotFoundError:
-        raise ConfigurationError(
-            f"no signing key for job {job_id} on this machine; resume it from the machine (and user) "
-            "that launched it, or launch it again"
-        ) from None
+# Names the generated ``_air.py`` reads with the standard library alone (RunLayout has the rest).
+KEY_DIR_ENV = "SPARKGPU_JOB_KEY_DIR"
+RANK_KEY_FILE = "rank-{local_rank}"
 
 
 def rank_secrets(key: bytes, environ) -> dict[str, str]:
@@ -77,20 +65,49 @@ def rank_secrets(key: bytes, environ) -> dict[str, str]:
     }
 
 
-def derive_key(key: bytes, purpose: str) -> bytes:
-    """A key for one purpose (``"checkpoints"``, ``"control"``, ...) that gives no way back to the job key."""
-    import hashlib
-    import hmac
-
-    return hmac.new(key, f"sparkgpu {purpose}".encode(), hashlib.sha256).digest()
+def send_key(stream: IO[bytes], key: bytes) -> None:
+    """Writes ``key`` as the first line of a node agent's stdin (:func:`receive_key` reads it)."""
+    stream.write(key.hex().encode() + b"\n")
+    stream.flush()
 
 
-def hold_job_key(key: bytes | None) -> None:
-    """Keeps the job key for this rank's own use (:func:`current_job_key`); the entrypoint calls it."""
-    global _held
-    _held = key or None
+def receive_key(stream: IO[str]) -> bytes | None:
+    """The key :func:`send_key` wrote, or ``None`` when the launcher sent none (end of input)."""
+    line = stream.readline().strip()
+    try:
+        return bytes.fromhex(line) or None
+    except ValueError:
+        return None
 
 
-def current_job_key() -> bytes | None:
-    """The key of the job this process runs a rank of, or ``None`` outside a sparkgpu rank."""
-    return _held
+def hand_to_ranks(key: bytes, local_ranks: int) -> Path:
+    """Writes one key file per local rank, 0600 in a new 0700 folder on local disk; returns the folder.
+
+    Each rank's ``_air.py`` reads its own file (:data:`RANK_KEY_FILE`) and removes it; the
+    launcher removes the folder, with the files of ranks that never started, when the attempt
+    ends. The folder is named to the ranks in :data:`KEY_DIR_ENV`: a name, not the key.
+    """
+    folder = Path(tempfile.mkdtemp(prefix="sparkgpu-key-"))  # 0700, as mkdtemp makes them
+    for local_rank in range(local_ranks):
+        path = folder / RANK_KEY_FILE.format(local_rank=local_rank)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(key.hex())
+    return folder
+
+
+def make_undumpable(undumpable: bool = True) -> bool:
+    """Marks this process undumpable (``PR_SET_DUMPABLE`` 0): its ``/proc`` files (memory, open
+    descriptors, environment) become root's, so other processes of the same user cannot read
+    the key it holds. A fork inherits the mark; ``undumpable=False`` lifts it (a forked rank,
+    which debuggers of its user may attach to as to any other rank). Returns whether it could
+    (Linux only)."""
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    pr_set_dumpable = 4
+    return libc.prctl(pr_set_dumpable, 0 if undumpable else 1, 0, 0, 0) == 0

@@ -1,4 +1,8 @@
-"""What a worker runs: the generated entrypoint (``_air.py``) and the job key that signs it.
+"""What a worker runs: the generated entrypoint (``_air.py``).
+
+It takes the job key the way :mod:`sparkgpu.launch.keys` hands it over (in memory from a
+forking launcher, or from a file of the rank's own that it removes once read), never from the
+environment.
 
 The run directory that holds the entrypoint, the spec and the payload, and the signing of
 its files, are :mod:`sparkgpu.launch.run_dir`'s; how the payload is pickled is
@@ -7,29 +11,10 @@ its files, are :mod:`sparkgpu.launch.run_dir`'s; how the payload is pickled is
 
 from __future__ import annotations
 
-from sparkgpu.errors import PayloadSignatureError
-
 # Imported from here by the launchers and tests.
 from sparkgpu.launch.serialization import client_sys_path, serialize_payload  # noqa: F401
 
-__all__ = ["serialize_payload", "AIR_TEMPLATE", "key_from_environ", "KEY_ENV"]
-
-KEY_ENV = "SPARKGPU_JOB_KEY"
-
-
-def key_from_environ(environ) -> bytes | None:
-    """The job key a launcher or rank got in its environment, or ``None``.
-
-    Raises:
-        PayloadSignatureError: the variable holds something other than a hex key.
-    """
-    value = environ.get(KEY_ENV, "")
-    try:
-        return bytes.fromhex(value) or None
-    except ValueError:
-        raise PayloadSignatureError(
-            f"{KEY_ENV} is not a hex-encoded job key; only sparkgpu's launchers set it"
-        ) from None
+__all__ = ["serialize_payload", "AIR_TEMPLATE"]
 
 
 # Why "_air.py": Databricks' serverless GPU API (serverless_gpu, now databricks.air), whose users
@@ -44,6 +29,18 @@ if "__file__" in globals():
 else:
     _run_dir = os.path.abspath(sys.argv[1])
 _env_error = None
+# The job key (sparkgpu.launch.keys): in memory from a forking launcher, else this rank's own
+# file, removed once read. Only the folder's name is in the environment, and it leaves it here.
+_key = globals().pop("_sparkgpu_job_key", None)
+_key_dir = os.environ.pop({key_dir_env!r}, "")
+if _key is None and _key_dir:
+    _key_file = os.path.join(_key_dir, {rank_key_file!r}.format(local_rank=os.environ.get("LOCAL_RANK", "0")))
+    try:
+        with open(_key_file) as _f:
+            _key = bytes.fromhex(_f.read().strip()) or None
+        os.unlink(_key_file)
+    except (OSError, ValueError):
+        _key = None
 # -- sparkgpu.launch.payload_signature, as of the client that staged this job --------------
 {verifier}
 # ------------------------------------------------------------------------------------------
@@ -51,10 +48,6 @@ if os.path.exists(os.path.join(_run_dir, "_hydrate.py")):
     # The job ships its environment: check the signature with the standard library alone
     # (sparkgpu itself may arrive with the overlay), then rehydrate before anything else.
     import json, types
-    try:
-        _key = bytes.fromhex(os.environ.get("SPARKGPU_JOB_KEY", ""))
-    except ValueError:
-        _key = None
     # What runs below is exactly what the signature covered: each file was read once.
     _files = verify_payload(_run_dir, _key)
     if _files is None:
@@ -81,5 +74,5 @@ for _p in reversed({sys_path!r}):
     if _p not in sys.path and os.path.isdir(_p):
         sys.path.insert(0, _p)
 from sparkgpu.launch.entrypoint import main
-sys.exit(main(_run_dir, env_error=_env_error))
+sys.exit(main(_run_dir, env_error=_env_error, key=_key))
 """

@@ -255,6 +255,7 @@ def run_on_zygote(directory: Path, job, run_dir, attempt: int, env: dict[str, st
         "attempt": attempt,
         "nproc": job.world_size,
         "env": full_env,
+        "key": run_dir.key.hex(),  # over the user's own socket; the zygote hands it to the ranks in memory
         "grace": job.policy.shutdown_grace,
     }
     conn.sendall((json.dumps(request) + "\n").encode())

@@ -33,10 +33,10 @@ from sparkgpu.runtime import ENV_RUN_DIR
 from sparkgpu.launch.agent import reported, verify_or_refuse
 from sparkgpu.launch.entrypoint import EXIT_PREEMPTED, _die_with_parent
 from sparkgpu.launch.rendezvous import collective_interface_env, listening_socket, serve_store
-from sparkgpu.launch.keys import rank_secrets
+from sparkgpu.launch.keys import make_undumpable, rank_secrets
 from sparkgpu.launch.protocol import NodeExit, RankExit
 from sparkgpu.launch.rank_exits import CRASH_KILL_DELAY
-from sparkgpu.launch.run_dir import RunDir
+from sparkgpu.launch.run_dir import PRIVATE_UMASK, RunDir
 from sparkgpu.launch.run_layout import RunLayout
 
 _REQUEST_TIMEOUT = 10.0  # seconds a client has to send its whole request line
@@ -81,7 +81,8 @@ def _fork_store(nproc: int) -> tuple[int, int]:
 
 
 def _fork_rank(run_dir: RunDir, air: bytes, env: dict[str, str], rank: int, nproc: int, port: int) -> int:
-    """Forks one rank that runs ``air``, the ``_air.py`` text whose signature was checked."""
+    """Forks one rank that runs ``air``, the ``_air.py`` text whose signature was checked, with
+    the job key (``run_dir.key``) handed in memory."""
     pid = os.fork()
     if pid:
         return pid
@@ -105,7 +106,10 @@ def _fork_rank(run_dir: RunDir, air: bytes, env: dict[str, str], rank: int, npro
         )
         # As `python -c <text> RUN_DIR` on the agent's path: the file could be swapped after the check.
         sys.argv = ["-c", str(run_dir.path)]
-        exec(compile(air, str(run_dir.air), "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+        make_undumpable(False)  # a rank, like those an agent starts; the zygote's mark is inherited
+        os.umask(PRIVATE_UMASK)  # as under an agent: what the rank writes is the user's alone
+        scope = {"__name__": "__main__", "__builtins__": __builtins__, "_sparkgpu_job_key": run_dir.key}
+        exec(compile(air, str(run_dir.air), "exec"), scope)
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
@@ -143,6 +147,7 @@ class _Zygote:
         sock_path = self.directory / "pool.sock"
         sock_path.unlink(missing_ok=True)
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        make_undumpable()  # requests carry job keys: this process's memory is not the user's other processes' to read
         old_umask = os.umask(0o077)  # the socket is the user's alone: requests carry job keys
         try:
             server.bind(str(sock_path))
@@ -251,7 +256,8 @@ class _Zygote:
             run_dir.prepare_attempt(attempt)
             env = {**request["env"], "SPARKGPU_ATTEMPT": str(attempt), ENV_RUN_DIR: str(run_dir.path)}
             # The node agent's check: nothing is forked for a payload that is not the job's.
-            verified = verify_or_refuse(run_dir, env, attempt, 0, nproc, log=run_dir.agent_log(attempt, 0))
+            key = bytes.fromhex(request.get("key", ""))
+            verified = verify_or_refuse(run_dir, key or None, attempt, 0, nproc, log=run_dir.agent_log(attempt, 0))
             if verified is None:
                 conn.sendall(b'{"started": true}\n')
                 conn.close()  # the client reads the end of the connection as a failed attempt
@@ -349,7 +355,7 @@ class _Zygote:
         failures = {k: v for k, v in failures.items() if v.exitcode != -signal.SIGTERM} or failures
         status = 1 if failures else 0
         node = NodeExit(0, status, failures)
-        atomic_write_bytes(job.run_dir.node_file(job.attempt, 0), json.dumps(node.to_json()).encode())
+        job.run_dir.write_control(job.run_dir.node_file(job.attempt, 0), json.dumps(node.to_json()).encode())
         try:
             self.selector.unregister(job.conn)
             job.conn.setblocking(True)

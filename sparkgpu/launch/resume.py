@@ -16,11 +16,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from sparkgpu._files import atomic_write_bytes
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError, JobStateError
 from sparkgpu.launch.backends.base import create_backend
-from sparkgpu.launch.keys import load_key
+from sparkgpu._keyring import load_key
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.run_layout import RunLayout
 from sparkgpu.launch.protocol import AttemptStatus, JobState, JobStatus
@@ -177,7 +176,7 @@ def _stop_outliving_nodes(job: JobSpec, run_dir: RunDir, lost: list[int]) -> Non
 
     for attempt in lost:
         if run_dir.spark_dir(attempt).is_dir():
-            atomic_write_bytes(run_dir.spark_cancel_file(attempt), b"its client is gone; the job was taken over\n")
+            run_dir.write_control(run_dir.spark_cancel_file(attempt), b"its client is gone; the job was taken over\n")
     deadline = time.monotonic() + job.policy.shutdown_grace + SparkBackend.node_stop_margin
     while any(run_dir.nodes_without_end(a) for a in lost) and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -30,16 +30,22 @@ from typing import Any
 import cloudpickle
 
 from sparkgpu._files import atomic_write_bytes, atomic_writer
-from sparkgpu.errors import PayloadSignatureError, RankFailure
+from sparkgpu.errors import ConfigurationError, PayloadSignatureError, RankFailure
 from sparkgpu.launch.payload_signature import sign_payload, verifier_source, verify_payload
-from sparkgpu.launch.payload import AIR_TEMPLATE, KEY_ENV
+from sparkgpu.launch.control import seal, unseal
+from sparkgpu.launch.keys import KEY_DIR_ENV, RANK_KEY_FILE
+from sparkgpu.launch.payload import AIR_TEMPLATE
 from sparkgpu.launch.protocol import NodeExit, RankExit
 from sparkgpu.launch.run_layout import RunLayout
 from sparkgpu.launch.serialization import deserialize_error, dump_result, serialize_error, unpack_payload
 
-__all__ = ["RunDir"]
+__all__ = ["RunDir", "PRIVATE_DIR", "PRIVATE_FILE", "PRIVATE_UMASK"]
 
 _SIGNED_MAGIC = b"sparkgpu-signed-v1\n"
+
+#: A run dir is its user's alone (the staging root may be shared): its folders 0700, its files
+#: 0600. The agent and the ranks work under umask 077 (:data:`PRIVATE_UMASK`) for the same.
+PRIVATE_DIR, PRIVATE_FILE, PRIVATE_UMASK = 0o700, 0o600, 0o077
 
 
 class _MacWriter:
@@ -108,6 +114,48 @@ class RunDir:
         """The file named ``rel`` by :class:`RunLayout`."""
         return self.path / rel
 
+    # -- control files (sealed under the job key, sparkgpu.launch.control) ---------------
+    def _known_key(self) -> bytes | None:
+        if not self.key:
+            from sparkgpu._keyring import load_key  # the client's keyring
+
+            try:
+                self.key = load_key(self.job_id)
+            except ConfigurationError:
+                return None
+        return self.key
+
+    def _place(self, path: Path) -> str:
+        return path.relative_to(self.path).as_posix()
+
+    def write_control(self, path: Path, body: bytes) -> None:
+        """Writes a control file of this run dir, sealed under the job key (:func:`seal`).
+
+        Raises:
+            PayloadSignatureError: this process has no key for the job.
+        """
+        key = self._known_key()
+        if not key:
+            raise PayloadSignatureError(f"no job key to sign {self._place(path)} of {self.job_id} with")
+        atomic_write_bytes(path, seal(key, self._place(path), body), mode=PRIVATE_FILE)
+
+    def read_control(self, path: Path) -> bytes | None:
+        """The body of a control file of this run dir, or ``None`` when it is absent or does not
+        verify under the job key (then it is reported once, as :func:`unseal` says)."""
+        try:
+            sealed = path.read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return unseal(self._known_key(), self._place(path), sealed)
+
+    def read_control_json(self, path: Path) -> Any:
+        """:meth:`read_control`, parsed as JSON; ``None`` when absent, forged or not JSON."""
+        body = self.read_control(path)
+        try:
+            return None if body is None else json.loads(body)
+        except ValueError:
+            return None
+
     def attempt_dir(self, attempt: int) -> Path:
         return self.path / RunLayout.attempt(attempt)
 
@@ -157,8 +205,9 @@ class RunDir:
         return dict(sorted(found.items()))
 
     def nodes_without_end(self, attempt: int) -> list[int]:
-        """Spark nodes of the attempt that started and have not written their end marker yet."""
-        return sorted(set(self.node_markers(attempt, "started")) - set(self.node_markers(attempt, "ended")))
+        """Spark nodes of the attempt that started and have not written their (genuine) end marker yet."""
+        ended = {node for node, path in self.node_markers(attempt, "ended").items() if self.read_control(path)}
+        return sorted(set(self.node_markers(attempt, "started")) - ended)
 
     def node_exit_files(self, attempt: int) -> dict[int, Path]:
         """The attempt's node exit files (written by each node's agent), by node."""
@@ -184,28 +233,36 @@ class RunDir:
         extra_files = dict(extra_files or {})
         if extra_files:
             spec_dict = {**spec_dict, "signed_files": sorted(extra_files)}
-        self.path.mkdir(parents=True, exist_ok=False)
-        self.checkpoints.mkdir()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.mkdir(mode=PRIVATE_DIR, exist_ok=False)  # under a shared root, the user's alone
+        self.checkpoints.mkdir(mode=PRIVATE_DIR)
         air = AIR_TEMPLATE.format(
             job_id=spec_dict["job_id"],
             sys_path=sys_path,
             verifier=verifier_source(),
             env_report=RunLayout.env_report("{attempt}", "{rank}"),
             rank_log=RunLayout.rank_log("{attempt}", "{rank}"),
+            key_dir_env=KEY_DIR_ENV,
+            rank_key_file=RANK_KEY_FILE,
         ).encode()
         spec = json.dumps(spec_dict, indent=2, sort_keys=True).encode()
-        atomic_write_bytes(self.air, air)
-        atomic_write_bytes(self.spec_file, spec)
-        atomic_write_bytes(self.payload_file, payload)
+        atomic_write_bytes(self.air, air, mode=PRIVATE_FILE)
+        atomic_write_bytes(self.spec_file, spec, mode=PRIVATE_FILE)
+        atomic_write_bytes(self.payload_file, payload, mode=PRIVATE_FILE)
         for name, data in extra_files.items():
-            atomic_write_bytes(self.path / name, data)
+            atomic_write_bytes(self.path / name, data, mode=PRIVATE_FILE)
         extras = [extra_files[name] for name in sorted(extra_files)]
-        atomic_write_bytes(self.signature_file, sign_payload(key, [air, spec, payload, *extras]).encode())
+        signature = sign_payload(key, [air, spec, payload, *extras]).encode()
+        atomic_write_bytes(self.signature_file, signature, mode=PRIVATE_FILE)
         self.key = key
 
     def prepare_attempt(self, attempt: int) -> None:
+        self.path.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)  # a node's scratch copy may not exist yet
         for folder in (RunLayout.logs(attempt), RunLayout.results(attempt)):
-            (self.path / folder).mkdir(parents=True, exist_ok=True)
+            path = self.path
+            for part in Path(folder).parts:  # each level private (mkdir's parents= would not be)
+                path = path / part
+                path.mkdir(mode=PRIVATE_DIR, exist_ok=True)
 
     # -- reading (worker) --------------------------------------------------------------
     def verify(self, key: bytes | None = None) -> dict[str, bytes]:
@@ -227,7 +284,7 @@ class RunDir:
         key = key if key is not None else self.key
         if not key:
             raise PayloadSignatureError(
-                f"refusing to run {self.path}: the worker got no job key ({KEY_ENV}); "
+                f"refusing to run {self.path}: the worker was handed no job key; "
                 "only payloads launched by sparkgpu with their job's key run"
             )
         files = verify_payload(self.path, key)
@@ -262,12 +319,12 @@ class RunDir:
         if self.key:
             key = self.key
         elif reading:
-            from sparkgpu.launch.keys import load_key  # the client's keyring
+            from sparkgpu._keyring import load_key  # the client's keyring
 
             key = self.key = load_key(self.job_id)
         else:
             raise PayloadSignatureError(
-                f"rank {rank} of {self.job_id} has no job key to sign its {kind} with ({KEY_ENV} was not set); "
+                f"rank {rank} of {self.job_id} has no job key to sign its {kind} with (its launcher handed none); "
                 "only ranks launched by sparkgpu report results"
             )
         # A key of its own for outputs, and the file's place in the job bound into the MAC, so
@@ -346,7 +403,9 @@ class RunDir:
         """Exit information per global rank, merged over the attempt's nodes' :class:`NodeExit` records."""
         exits: dict[int, RankExit] = {}
         for path in self.node_exit_files(attempt).values():
-            exits.update(NodeExit.from_json(json.loads(path.read_text())).failures)
+            record = self.read_control_json(path)
+            if record is not None:
+                exits.update(NodeExit.from_json(record).failures)
         return exits
 
     def log_tail(self, attempt: int, rank: int, lines: int = 20) -> str:

@@ -42,7 +42,6 @@ from sparkgpu.errors import (
 )
 from sparkgpu.launch.attempt_result import AttemptResult, StoppedBy, read_attempt
 from sparkgpu.launch.logs import LogStreamer
-from sparkgpu.launch.payload import KEY_ENV
 from sparkgpu.launch.protocol import AttemptRecord, AttemptStatus, JobState, JobStatus
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.run_layout import RunLayout
@@ -113,6 +112,7 @@ class Supervisor:
         self.backend = backend
         self.layout = layout
         self.key = key
+        self.run_dir.key = key  # the backends hand it to the job's processes (sparkgpu.launch.keys)
         self.callbacks = list(callbacks)
         self.out = out if out is not None else console()
         self.policy = self.failure_policy_cls(job.policy.max_restarts)
@@ -242,7 +242,6 @@ class Supervisor:
     def _base_env(self, attempt: int, submitted: float) -> dict[str, str]:
         """The ranks' environment that needs no callback."""
         env = {
-            KEY_ENV: self.key.hex(),
             runtime.ENV_JOB_ID: self.job.job_id,
             runtime.ENV_ATTEMPT: str(attempt),
             runtime.ENV_RUN_DIR: str(self.run_dir.path),
@@ -382,7 +381,7 @@ class Supervisor:
         return code, None
 
     def _cancel_requested(self) -> bool:
-        return self.cancel_event.is_set() or (self.run_dir.path / CANCEL_REQUEST_FILE).exists()
+        return self.cancel_event.is_set() or self.run_dir.read_control(self.run_dir.cancel_request_file) is not None
 
     def _ranks_started(self, handle, record: AttemptRecord) -> float | None:
         """Records when the attempt's ranks started, once known; returns it on the monotonic clock."""
@@ -400,9 +399,9 @@ class Supervisor:
         return time.monotonic() - (time.time() - started_at)
 
     def _ask_to_checkpoint(self, attempt: int, why: str) -> None:
-        stop_file = self.run_dir.attempt_dir(attempt) / runtime.STOP_FILE
-        if not stop_file.exists():  # a policy's reason, already there, says more
-            atomic_write_bytes(stop_file, f"{why}\n".encode())
+        stop_file = self.run_dir.file(RunLayout.stop(attempt))
+        if self.run_dir.read_control(stop_file) is None:  # a policy's reason, already there, says more
+            self.run_dir.write_control(stop_file, f"{why}\n".encode())
 
     def _abandon(
         self,
@@ -441,7 +440,7 @@ class Supervisor:
             if reason:
                 self.state["stop_reason"] = reason
                 self._save()
-                atomic_write_bytes(self.run_dir.attempt_dir(attempt) / runtime.STOP_FILE, (reason + "\n").encode())
+                self.run_dir.write_control(self.run_dir.file(RunLayout.stop(attempt)), (reason + "\n").encode())
                 report(
                     f"asking every rank to checkpoint and stop within checkpoint_grace "
                     f"({self.job.policy.checkpoint_grace:g}s): {reason}",

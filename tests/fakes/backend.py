@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from sparkgpu._files import atomic_write_bytes
 from sparkgpu.launch.backends.base import AttemptHandle, Backend, LaunchPlan, ResolvedJob
 from sparkgpu.launch.run_dir import RunDir
 
@@ -57,7 +56,7 @@ class ScriptedBackend(Backend):
                 code = 1
         if action == "segv":
             failures = {str(r): {"exitcode": -11, "signal": "SIGSEGV", "pid": 1} for r in range(job.world_size)}
-            atomic_write_bytes(run_dir.node_file(attempt, 0), json.dumps({"failures": failures}).encode())
+            run_dir.write_control(run_dir.node_file(attempt, 0), json.dumps({"failures": failures}).encode())
             code = 1
         polls = 10**9 if action == "hang" else 1
         return FakeAttempt(attempt=attempt, code=code, polls_left=polls)

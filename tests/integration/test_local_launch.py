@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from sparkgpu._keyring import load_key
 from sparkgpu import CapacityError, JobTimeoutError, SerializationError, WorkerFailedError, distributed, runtime
 from sparkgpu.callbacks import JobCallback
 from sparkgpu.errors import ConfigurationError
@@ -239,9 +240,10 @@ def test_job_key_never_reaches_the_run_dir_or_user_code():
 
     assert env_keys.distributed() == [[]]
     run_dir = settings().staging_root / env_keys.last_job_id
+    key = load_key(env_keys.last_job_id)
     for path in run_dir.rglob("*"):
         if path.is_file():
-            assert b"SPARKGPU_JOB_KEY=" not in path.read_bytes()
+            assert key.hex().encode() not in path.read_bytes() and key not in path.read_bytes()
 
 
 CTRL_C_CLIENT = ctrl_c_client('@distributed(gpus=2, gpu_type="cpu")')

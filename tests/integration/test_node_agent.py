@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 import time
@@ -15,8 +14,8 @@ from sparkgpu import distributed, runtime
 from sparkgpu.config import settings
 from sparkgpu.launch.agent import build_command
 from sparkgpu.launch.backends.local import free_port
-from sparkgpu.launch.keys import new_key
-from sparkgpu.launch.payload import KEY_ENV, client_sys_path, serialize_payload
+from sparkgpu._keyring import new_key
+from sparkgpu.launch.payload import client_sys_path, serialize_payload
 from sparkgpu.launch.run_dir import RunDir
 
 pytestmark = pytest.mark.integration
@@ -47,7 +46,7 @@ def test_a_missing_node_fails_the_rendezvous_after_the_jobs_init_timeout():
         shutdown_grace=1,
     )
     started = time.monotonic()
-    done = subprocess.run(command, env={**os.environ, KEY_ENV: key.hex()}, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(command, input=key.hex() + "\n", capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and time.monotonic() - started < 90
     assert "node 0 of 2 gave up meeting the others" in done.stderr and "init_timeout of 3s" in done.stderr
     assert json.loads(rd.node_file(0, 0).read_text())["status"] == 1  # so the other nodes stop too

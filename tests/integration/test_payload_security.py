@@ -17,8 +17,7 @@ from sparkgpu import WorkerFailedError, distributed, runtime
 from sparkgpu.config import settings
 from sparkgpu.errors import PayloadSignatureError
 from sparkgpu.launch.backends.spark_node import NodeLaunch, run_node
-from sparkgpu.launch.keys import load_key
-from sparkgpu.launch.payload import KEY_ENV
+from sparkgpu._keyring import load_key
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.supervisor import Supervisor
 
@@ -115,7 +114,7 @@ def test_spark_secrets_and_the_job_key_never_reach_the_ranks_or_the_run_dir(monk
         return dict(os.environ)
 
     results = leaky.distributed()
-    assert all(set(SPARK_SECRETS).isdisjoint(env) and KEY_ENV not in env for env in results)
+    assert all(set(SPARK_SECRETS).isdisjoint(env) and not any("JOB_KEY" in name for name in env) for env in results)
     key = load_key(leaky.last_job_id)
     secrets = [v.encode() for v in SPARK_SECRETS.values()] + [key, key.hex().encode()]
     assert_never_written(settings().staging_root / leaky.last_job_id, secrets)
@@ -150,7 +149,6 @@ def run_spark_node(monkeypatch, prepared) -> dict:
     rd.prepare_attempt(0)
     rd.spark_dir(0).mkdir(parents=True)
     env = {
-        KEY_ENV: prepared.key.hex(),
         runtime.ENV_JOB_ID: prepared.job.job_id,
         runtime.ENV_ATTEMPT: "0",
         runtime.ENV_RUN_DIR: str(rd.path),
@@ -162,6 +160,7 @@ def run_spark_node(monkeypatch, prepared) -> dict:
         nnodes=1,
         nproc=prepared.job.world_size,
         env=env,
+        key=prepared.key,
         shutdown_grace=2,
         client_timeout=None,
         threads_per_rank=1,
@@ -198,6 +197,6 @@ def test_a_spark_node_strips_spark_secrets_from_the_ranks(monkeypatch):
     assert row["state"] == "succeeded", prepared.run_dir.agent_log(0, 0).read_text()
     client = RunDir(prepared.run_dir.path, key=prepared.key)
     envs = [client.read_result(0, rank) for rank in (0, 1)]
-    assert all(set(SPARK_SECRETS).isdisjoint(env) and KEY_ENV not in env for env in envs)
+    assert all(set(SPARK_SECRETS).isdisjoint(env) and not any("JOB_KEY" in name for name in env) for env in envs)
     secrets = [v.encode() for v in SPARK_SECRETS.values()] + [prepared.key, prepared.key.hex().encode()]
     assert_never_written(prepared.run_dir.path, secrets)

@@ -4,7 +4,7 @@ import threading
 import pytest
 
 from sparkgpu.errors import PayloadSignatureError, SerializationError
-from sparkgpu.launch.payload import KEY_ENV, key_from_environ, serialize_payload
+from sparkgpu.launch.payload import serialize_payload
 from sparkgpu.launch.run_dir import RunDir
 
 KEY = b"k" * 32
@@ -92,12 +92,6 @@ def test_verify_returns_the_checked_bytes_of_every_signed_file(tmp_path):
         RunDir(rd.path, key=KEY).verify()
 
 
-def test_a_key_that_is_not_hex_is_refused_by_name():
-    assert key_from_environ({}) is None and key_from_environ({KEY_ENV: KEY.hex()}) == KEY
-    with pytest.raises(PayloadSignatureError, match=KEY_ENV):
-        key_from_environ({KEY_ENV: "not-a-key"})
-
-
 # -- result and error files: signed by the ranks, checked by the client -------------------
 
 
@@ -112,7 +106,7 @@ class _WritesMarker:
 
 
 def rank_dir(tmp_path) -> tuple[RunDir, RunDir]:
-    """A rank's view of a staged run dir (key from its environment) and the client's."""
+    """A rank's view of a staged run dir (the key its launcher handed it) and the client's."""
     client = stage(tmp_path)
     client.prepare_attempt(0)
     rank = RunDir(client.path)
@@ -184,7 +178,7 @@ def test_a_rank_without_the_key_writes_nothing(tmp_path):
 
 def test_a_new_client_process_checks_with_the_key_in_its_keyring(tmp_path):
     from sparkgpu.errors import ConfigurationError
-    from sparkgpu.launch.keys import save_key
+    from sparkgpu._keyring import save_key
 
     rank, client = rank_dir(tmp_path)
     rank.write_result(0, 0, "ok")

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from sparkgpu.launch.payload import KEY_ENV, serialize_payload
+from sparkgpu.launch.keys import KEY_DIR_ENV, hand_to_ranks
+from sparkgpu.launch.payload import serialize_payload
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.payload_signature import verifier_source, verify_payload
 
@@ -67,9 +68,9 @@ def test_the_generated_entrypoint_runs_a_shipped_module_only_when_signed(tmp_pat
     if tamper:
         hydrate = rd.path / "_hydrate.py"
         hydrate.write_bytes(hydrate.read_bytes() + b"# changed after staging\n")
-    env = {k: v for k, v in os.environ.items() if k != KEY_ENV}
+    env = {k: v for k, v in os.environ.items() if k != KEY_DIR_ENV}
     if key is not None:
-        env[KEY_ENV] = key.hex()
+        env[KEY_DIR_ENV] = str(hand_to_ranks(key, 1))  # as a node agent hands it to its rank
     done = subprocess.run(
         [sys.executable, "-I", "-S", str(rd.air)], env=env, capture_output=True, text=True, timeout=60
     )

@@ -13,7 +13,7 @@ from sparkgpu.config import settings
 from sparkgpu.data.tables.plan import TableRef
 from sparkgpu.errors import SerializationError, SparkGPUError
 from sparkgpu.launch.backends.base import ResolvedJob
-from sparkgpu.launch.keys import load_key
+from sparkgpu._keyring import load_key
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.session import GPUNamespace
 from tests.fakes.backend import ScriptedBackend

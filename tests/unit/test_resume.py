@@ -13,7 +13,7 @@ import pytest
 from sparkgpu._files import atomic_write_bytes
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.launch.keys import save_key
+from sparkgpu._keyring import save_key
 from sparkgpu.launch.payload import serialize_payload
 from sparkgpu.launch.resume import client_is_gone, resume_job
 from sparkgpu.launch.run_dir import RunDir

@@ -11,7 +11,8 @@ import pytest
 
 from sparkgpu.config import reset_settings
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.launch.payload import KEY_ENV, serialize_payload
+from sparkgpu.launch.keys import KEY_DIR_ENV, hand_to_ranks
+from sparkgpu.launch.payload import serialize_payload
 from sparkgpu.launch.protocol import RankExit
 from sparkgpu.launch.resume import find_run_dir
 from sparkgpu.launch.run_dir import RunDir
@@ -54,7 +55,7 @@ def test_the_entrypoint_records_the_environment_report_where_the_client_reads_it
         [],
         extra_files={RunLayout.HYDRATE: _HYDRATE_STUB},
     )
-    env = {**os.environ, KEY_ENV: KEY.hex(), "SPARKGPU_ATTEMPT": "2", "RANK": "5"}
+    env = {**os.environ, KEY_DIR_ENV: str(hand_to_ranks(KEY, 1)), "SPARKGPU_ATTEMPT": "2", "RANK": "5"}
     done = subprocess.run([sys.executable, str(rd.air)], env=env, capture_output=True, timeout=60)
     assert done.returncode == 0, done.stderr.decode()
     assert rd.read_env_reports(2) == {5: {"seconds": 1.5, "env": {"name": "e1"}}}
@@ -62,10 +63,10 @@ def test_the_entrypoint_records_the_environment_report_where_the_client_reads_it
 
 
 def test_a_run_dir_reads_only_the_files_the_layout_names(tmp_path):
-    rd = RunDir(tmp_path / "job-1")
+    rd = RunDir(tmp_path / "job-1", key=KEY)
     rd.prepare_attempt(0)
     for node in (0, 1):
-        rd.node_file(0, node).write_text(json.dumps({"failures": {str(node): {"exitcode": node + 1}}}))
+        rd.write_control(rd.node_file(0, node), json.dumps({"failures": {str(node): {"exitcode": node + 1}}}).encode())
     rd.file(RunLayout.env_report(0, 3)).write_text('{"seconds": 2}')
     # Temporaries of killed writers and files of other kinds sit beside them.
     (rd.attempt_dir(0) / ".node-2.json.5f3a.tmp").write_text("{")
@@ -94,17 +95,18 @@ def test_the_files_a_node_needs_and_the_files_the_client_controls():
 
 
 def test_spark_node_markers_are_read_by_node_and_kind(tmp_path):
-    rd = RunDir(tmp_path / "job-1")
+    rd = RunDir(tmp_path / "job-1", key=KEY)
     rd.spark_dir(2).mkdir(parents=True)
     for node in (0, 1, 3):
         rd.node_marker(2, node, "started").write_text("{}")
-        rd.node_marker(2, node, "beat").write_text("1\n")
-    rd.node_marker(2, 1, "ended").write_text("{}")
+        rd.write_control(rd.node_marker(2, node, "beat"), b"1\n")
+    rd.write_control(rd.node_marker(2, 1, "ended"), b"{}")
+    rd.node_marker(2, 3, "ended").write_text("{}")  # not sealed: a writer of the run dir without the key
     (rd.spark_dir(2) / ".node-0.ended.1a2b.tmp").write_text("{")  # a writer killed mid-write
     (rd.spark_dir(2) / "node-x.started").write_text("{}")  # not a node's marker
     assert list(rd.node_markers(2, "started")) == [0, 1, 3]
-    assert list(rd.node_markers(2, "ended")) == [1]
-    assert rd.nodes_without_end(2) == [0, 3]
+    assert list(rd.node_markers(2, "ended")) == [1, 3]
+    assert rd.nodes_without_end(2) == [0, 3]  # node 3's forged end hides it from no one
     assert rd.nodes_without_end(5) == []  # an attempt that never reached Spark
 
 

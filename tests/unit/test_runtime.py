@@ -2,7 +2,8 @@ import time
 
 import pytest
 
-from sparkgpu import runtime
+from sparkgpu import _keyring, runtime
+from sparkgpu.launch.run_dir import RunDir
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +53,10 @@ def test_should_checkpoint_turns_true_when_the_supervisor_writes_the_stop_file(m
     monkeypatch.setenv("SPARKGPU_ATTEMPT", "2")
     assert not runtime.should_checkpoint()
     (tmp_path / "attempts" / "2").mkdir(parents=True)
-    (tmp_path / "attempts" / "2" / "STOP").write_text("budget")
+    (tmp_path / "attempts" / "2" / "STOP").write_text("budget")  # planted by a writer of the run dir
+    assert not runtime.should_checkpoint()
+    monkeypatch.setattr(_keyring, "_held", b"k" * 32)  # as the entrypoint holds it in a rank
+    RunDir(tmp_path, key=b"k" * 32).write_control(tmp_path / "attempts" / "2" / "STOP", b"budget\n")
     assert runtime.should_checkpoint()
 
 

@@ -40,7 +40,7 @@ def attempt(tmp_path):
         policy=RunPolicy(shutdown_grace=0.5),
     )
     rd = RunDir(tmp_path / "job-1")
-    rd.create(job.to_dict(), serialize_payload(lambda: 1, (), {}, []), b"k" * 32, [])
+    rd.create(job.to_dict(), serialize_payload(lambda: 1, (), {}, []), b"k" * 32, [])  # sets rd.key
     rd.prepare_attempt(0)
     rd.spark_dir(0).mkdir(parents=True)
     return SparkAttempt(
@@ -71,6 +71,7 @@ class RunningNode:
             nnodes=2,
             nproc=1,
             env={},
+            key=b"k" * 32,
             shutdown_grace=attempt.job.policy.shutdown_grace,
             client_timeout=None,
             peer_timeout=peer_timeout,
@@ -95,7 +96,7 @@ def test_ranks_that_outlive_a_broken_stream_are_stopped_before_the_attempt_ends(
         # By the time the supervisor hears "failed" (and may restart), the old ranks are gone.
         assert [n.agent.poll() for n in nodes] == [-15, -15]
         assert sorted(p.name for p in sdir.glob("node-*.ended")) == ["node-0.ended", "node-1.ended"]
-        assert json.loads((sdir / "node-0.ended").read_text())["state"] == "cancelled"
+        assert attempt.run_dir.read_control_json(sdir / "node-0.ended")["state"] == "cancelled"
         assert (sdir / "CANCEL").exists() and session.interrupted == ["sparkgpu-job-1-0"]
         notes = "\n".join(AttemptReport.read(attempt.run_dir.attempt_dir(0)).notes)
         assert "the Spark job of this attempt failed: ConnectionError" in notes and "did not confirm" not in notes
@@ -171,7 +172,7 @@ def lost_node(attempt, node):
     (sdir / f"node-{node}.started").write_text(
         json.dumps({"node": node, "executor": "7", "host": "10.0.0.7", "started_at": time.time()})
     )
-    (sdir / f"node-{node}.beat").write_text("1\n")
+    attempt.run_dir.write_control(sdir / f"node-{node}.beat", b"1\n")
 
 
 def test_a_node_stops_its_ranks_when_a_peer_stops_beating(attempt):
@@ -180,7 +181,7 @@ def test_a_node_stops_its_ranks_when_a_peer_stops_beating(attempt):
     try:
         assert node.agent.wait(15) == -15  # SIGTERM, long before the agent's 120 s
         node.thread.join(10)
-        ended = json.loads((attempt.run_dir.spark_dir(0) / "node-0.ended").read_text())
+        ended = attempt.run_dir.read_control_json(attempt.run_dir.spark_dir(0) / "node-0.ended")
         assert ended["state"] == "peer-lost"
     finally:
         node.stop()

@@ -35,7 +35,7 @@ FAKE_AGENT = textwrap.dedent("""
 @pytest.fixture
 def run_dir(tmp_path, monkeypatch):
     monkeypatch.setattr(spark_node, "_POLL_SECONDS", 0.05)
-    rd = RunDir(tmp_path / "job-1")
+    rd = RunDir(tmp_path / "job-1", key=b"k" * 32)
     rd.prepare_attempt(0)
     rd.spark_dir(0).mkdir(parents=True)
     return rd
@@ -55,7 +55,8 @@ def launch(rd: RunDir, client_timeout=None) -> NodeLaunch:
         attempt=0,
         nnodes=2,
         nproc=2,
-        env={"SPARKGPU_JOB_KEY": "ab" * 32},
+        env={},
+        key=b"k" * 32,
         shutdown_grace=1,
         client_timeout=client_timeout,
     )
@@ -64,7 +65,7 @@ def launch(rd: RunDir, client_timeout=None) -> NodeLaunch:
 def test_an_agent_that_finishes_is_reported_with_its_exit_code(run_dir, tmp_path):
     agent = start_agent(tmp_path, 0.2, code=0)
     assert _watch(agent, run_dir, launch(run_dir), node=0) == (0, "succeeded")
-    ended = json.loads(run_dir.node_marker(0, 0, "ended").read_text())
+    ended = run_dir.read_control_json(run_dir.node_marker(0, 0, "ended"))
     assert ended["state"] == "succeeded" and ended["exit_code"] == 0
     failing = start_agent(tmp_path, 0.1, code=1)
     assert _watch(failing, run_dir, launch(run_dir), node=1) == (1, "failed")
@@ -72,7 +73,7 @@ def test_an_agent_that_finishes_is_reported_with_its_exit_code(run_dir, tmp_path
 
 def test_the_cancel_marker_stops_the_agent_with_sigterm(run_dir, tmp_path):
     agent = start_agent(tmp_path, 60)
-    atomic_write_bytes(run_dir.spark_cancel_file(0), b"x")
+    run_dir.write_control(run_dir.spark_cancel_file(0), b"x")
     started = time.monotonic()
     assert _watch(agent, run_dir, launch(run_dir), node=0) == (143, "cancelled")
     assert time.monotonic() - started < 5
@@ -80,19 +81,19 @@ def test_the_cancel_marker_stops_the_agent_with_sigterm(run_dir, tmp_path):
 
 
 def test_a_failed_peer_node_stops_this_node(run_dir, tmp_path):
-    atomic_write_bytes(run_dir.node_file(0, 1), json.dumps({"node_rank": 1, "status": 1, "failures": {}}).encode())
+    run_dir.write_control(run_dir.node_file(0, 1), json.dumps({"node_rank": 1, "status": 1, "failures": {}}).encode())
     agent = start_agent(tmp_path, 60)
     assert _watch(agent, run_dir, launch(run_dir), node=0) == (143, "peer-failed")
 
 
 def test_a_peer_that_succeeded_does_not_stop_this_node(run_dir, tmp_path):
-    atomic_write_bytes(run_dir.node_file(0, 1), json.dumps({"node_rank": 1, "status": 0, "failures": {}}).encode())
+    run_dir.write_control(run_dir.node_file(0, 1), json.dumps({"node_rank": 1, "status": 0, "failures": {}}).encode())
     agent = start_agent(tmp_path, 0.5)
     assert _watch(agent, run_dir, launch(run_dir), node=0) == (0, "succeeded")
 
 
 def test_a_silent_client_stops_the_node_after_its_timeout(run_dir, tmp_path):
-    atomic_write_bytes(run_dir.client_heartbeat_file(0), b"7\n")  # and never again: the client died
+    run_dir.write_control(run_dir.client_heartbeat_file(0), b"7\n")  # and never again: the client died
     agent = start_agent(tmp_path, 60)
     started = time.monotonic()
     assert _watch(agent, run_dir, launch(run_dir, client_timeout=1.0), node=0) == (143, "client-lost")
@@ -106,27 +107,41 @@ def test_an_agent_that_ignores_sigterm_is_killed_after_the_grace(run_dir, tmp_pa
     )
     agent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     agent.stdout.readline()
-    atomic_write_bytes(run_dir.spark_cancel_file(0), b"x")
+    run_dir.write_control(run_dir.spark_cancel_file(0), b"x")
     started = time.monotonic()
     code, state = _watch(agent, run_dir, launch(run_dir), node=0)  # grace 1 s + 5 s
     assert (code, state) == (-9, "cancelled") and time.monotonic() - started < 12
 
 
-def test_heartbeat_counts_changes_not_clocks(tmp_path, monkeypatch):
-    path = tmp_path / "beat"
+def test_heartbeat_counts_growing_sealed_counts_not_clocks(run_dir, monkeypatch):
+    path = run_dir.node_marker(0, 1, "beat")
     now = [100.0]
     monkeypatch.setattr(spark_node.time, "monotonic", lambda: now[0])
-    beat = Heartbeat(path, timeout=10)
-    path.write_text("1")
+    beat = Heartbeat(run_dir, path, timeout=10)
+    run_dir.write_control(path, b"1\n")
     assert not beat.lost()
     now[0] += 9
-    path.write_text("2")  # a beat: the clock starts over
+    run_dir.write_control(path, b"2\n")  # a beat: the clock starts over
     assert not beat.lost()
     now[0] += 9
     assert not beat.lost()
     now[0] += 2
     assert beat.lost()
-    assert not Heartbeat(path, timeout=None).lost()
+    assert not Heartbeat(run_dir, path, timeout=None).lost()
+
+
+def test_forged_or_replayed_beats_keep_no_lost_node_alive(run_dir, monkeypatch):
+    path = run_dir.node_marker(0, 1, "beat")
+    now = [100.0]
+    monkeypatch.setattr(spark_node.time, "monotonic", lambda: now[0])
+    beat = Heartbeat(run_dir, path, timeout=10)
+    run_dir.write_control(path, b"5\n")
+    genuine_old = path.read_bytes()
+    assert not beat.lost()
+    for step, forged in enumerate([b"6\n", b"7\n--sparkgpu-mac " + b"0" * 64 + b"\n", genuine_old]):
+        now[0] += 4
+        atomic_write_bytes(path, forged)  # a writer of the run dir without the key, or replaying an old beat
+        assert not beat.lost() if step < 2 else beat.lost()
 
 
 def test_the_start_marker_is_claimed_once(tmp_path):
@@ -149,7 +164,6 @@ def test_spark_secrets_are_stripped_and_nothing_else():
         "_SPARK_SSL_RPC_TRUST_STORE_PASSWORD": "e",
         "SPARK_HOME": "/opt/spark",
         "PYTHON_WORKER_FACTORY_PORT": "1",
-        "SPARKGPU_JOB_KEY": "ab",
         "PATH": "/bin",
     }
     removed = strip_spark_secrets(env)
@@ -163,6 +177,5 @@ def test_spark_secrets_are_stripped_and_nothing_else():
     assert env == {
         "SPARK_HOME": "/opt/spark",
         "PYTHON_WORKER_FACTORY_PORT": "1",
-        "SPARKGPU_JOB_KEY": "ab",
         "PATH": "/bin",
     }

@@ -3,7 +3,6 @@ nothing but a real ``file://`` store, and the nodes are spark_node's own watch l
 real "agent" process each, with their mirrors syncing in the background as in a barrier task.
 """
 
-import json
 import subprocess
 import sys
 import threading
@@ -44,7 +43,7 @@ class NodeOnItsOwnExecutor:
     """One node in its own scratch dir: the payload comes from the store, markers go back to it."""
 
     def __init__(self, tmp_path, url, node):
-        self.rd = RunDir(tmp_path / f"executor-{node}" / "job-1")
+        self.rd = RunDir(tmp_path / f"executor-{node}" / "job-1", key=b"k" * 32)  # as the node's check sets it
         self.mirror = NodeMirror(StagingStore(url, "job-1"), self.rd, 0, node, log_interval=0.0)
         self.mirror.download_payload()
         assert _claim(self.rd.node_marker(0, node, "started"), {"node": node, "started_at": time.time()})
@@ -56,6 +55,7 @@ class NodeOnItsOwnExecutor:
             nnodes=2,
             nproc=1,
             env={},
+            key=b"k" * 32,
             shutdown_grace=0.5,
             client_timeout=None,
             store_url=url,
@@ -101,7 +101,7 @@ def test_ranks_that_outlive_a_broken_stream_are_stopped_through_the_store(job, t
         assert backend.poll(handle) == 1
         # The cancel marker went up, the nodes stopped their agents, their end markers came down.
         assert [n.agent.poll() for n in nodes] == [-15, -15]
-        assert [json.loads(rd.node_marker(0, n, "ended").read_text())["state"] for n in (0, 1)] == ["cancelled"] * 2
+        assert [rd.read_control_json(rd.node_marker(0, n, "ended"))["state"] for n in (0, 1)] == ["cancelled"] * 2
         assert (tmp_path / "store" / "job-1" / "attempts/0/spark/CANCEL").exists()
         assert "did not confirm" not in "\n".join(AttemptReport.read(rd.attempt_dir(0)).notes)
     finally:

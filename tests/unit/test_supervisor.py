@@ -7,7 +7,6 @@ import time
 
 import pytest
 
-from sparkgpu._files import atomic_write_bytes
 from sparkgpu.errors import JobTimeoutError, NodeLostError, WorkerFailedError
 from sparkgpu.launch.attempt_report import AttemptReport, NodeReport
 from sparkgpu.launch.attempt_result import read_attempt
@@ -125,7 +124,7 @@ class CapBackend(ScriptedBackend):
             (step_dir / MARKER_NAME).write_text(json.dumps(info.to_json()))
         elif action == "hang+exit75":
             exits = {str(r): {"exitcode": EXIT_PREEMPTED, "pid": 1} for r in range(job.world_size)}
-            atomic_write_bytes(run_dir.node_file(attempt, 0), json.dumps({"failures": exits}).encode())
+            run_dir.write_control(run_dir.node_file(attempt, 0), json.dumps({"failures": exits}).encode())
         return handle
 
 

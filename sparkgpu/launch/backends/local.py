@@ -31,7 +31,7 @@ from sparkgpu.errors import CapacityError
 from sparkgpu.launch.agent import build_command
 from sparkgpu.launch.backends.base import AttemptHandle, Backend, LaunchPlan, ResolvedJob
 from sparkgpu.launch.hardware import HostGPUs, detect_host_gpus
-from sparkgpu.launch.payload import KEY_ENV
+from sparkgpu.launch.keys import send_key
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.threads import rank_thread_env, threads_per_rank
 from sparkgpu.spec import JobSpec
@@ -188,7 +188,6 @@ class LocalBackend(Backend):
         )
 
     def plan(self, job, run_dir, attempt, env, layout=None) -> LaunchPlan:
-        masked = {k: ("***" if k == KEY_ENV else v) for k, v in env.items()}
         return LaunchPlan(
             backend=self.name,
             attempt=attempt,
@@ -196,7 +195,7 @@ class LocalBackend(Backend):
             ranks_per_node=job.world_size,
             devices=job.devices,
             commands=(tuple(self._command(job, run_dir, attempt, 0)),),
-            env=masked,
+            env=dict(env),
         )
 
     def submit(self, job, run_dir, attempt, env, layout=None) -> AttemptHandle:
@@ -227,9 +226,14 @@ class LocalBackend(Backend):
             env=full_env,
             stdout=log,
             stderr=subprocess.STDOUT,
-            stdin=subprocess.PIPE if env_on_stdin else subprocess.DEVNULL,
+            stdin=subprocess.PIPE,  # the job key's way in, then an early agent's variables
             start_new_session=True,
         )
+        assert process.stdin is not None and run_dir.key, "the supervisor sets the job key on its run dir"
+        with contextlib.suppress(BrokenPipeError):  # an agent that died at once: poll() says how
+            send_key(process.stdin, run_dir.key)
+            if not env_on_stdin:
+                process.stdin.close()
         return LocalAttempt(attempt=attempt, process=process, log=log, job=job)
 
     def poll(self, handle) -> int | None:

@@ -31,7 +31,6 @@ import sys
 import threading
 import time
 
-from sparkgpu._files import atomic_write_bytes
 from sparkgpu._report import report
 from sparkgpu._urls import install_command, scheme_of
 from sparkgpu.config import settings
@@ -51,6 +50,7 @@ from sparkgpu.launch.backends.spark_node_watch import NodeWatch
 from sparkgpu.launch.backends.spark_sessions import active as _active
 from sparkgpu.launch.backends.spark_sessions import (
     active_spark_session,
+    check_key_transport,
     connection_closed,
     connect_url,
     full_url,
@@ -59,7 +59,6 @@ from sparkgpu.launch.backends.spark_sessions import (
     pool_session,
     record_session,
 )
-from sparkgpu.launch.payload import KEY_ENV
 from sparkgpu.launch.protocol import NodeState
 from sparkgpu.launch.threads import threads_per_rank
 from sparkgpu.launch.run_dir import RunDir
@@ -239,6 +238,7 @@ class SparkBackend(NodeWatch, Backend):
         if job.resources.gpu_type is None:
             raise ConfigurationError("remote jobs need a gpu_type, e.g. gpu_type='A10' (or 'cpu' for CPU ranks)")
         job = self.place(job)
+        check_key_transport(self.spark, job.job_id)  # before anything starts
         capacity = self.capacity()
         layout = self._layout(job, capacity)
         simulated = capacity.simulated and not job.resources.is_cpu
@@ -270,8 +270,7 @@ class SparkBackend(NodeWatch, Backend):
             )
             for node in range(layout.nodes)
         )
-        masked = {k: ("***" if k == KEY_ENV else v) for k, v in env.items()}
-        masked["SPARK_TASK_GPUS"] = str(layout.gpus_per_node)
+        shown = {**env, "SPARK_TASK_GPUS": str(layout.gpus_per_node)}
         return LaunchPlan(
             backend=self.name,
             attempt=attempt,
@@ -279,8 +278,14 @@ class SparkBackend(NodeWatch, Backend):
             ranks_per_node=layout.ranks_per_node,
             devices=(),
             commands=commands,
-            env=masked,
+            env=shown,
         )
+
+    @staticmethod
+    def _job_key(run_dir: RunDir) -> bytes:
+        if not run_dir.key:
+            raise ConfigurationError(f"job {run_dir.job_id} has no signing key on this client; launch it again")
+        return run_dir.key
 
     def _frame(self, job: JobSpec, run_dir: RunDir, attempt: int, env: dict, layout: NodeLayout):
         launch = NodeLaunch(
@@ -289,6 +294,7 @@ class SparkBackend(NodeWatch, Backend):
             nnodes=layout.nodes,
             nproc=layout.ranks_per_node,
             env=dict(env),
+            key=self._job_key(run_dir),
             shutdown_grace=job.policy.shutdown_grace,
             client_timeout=self.client_timeout,
             store_url=self.staging_url,
@@ -415,7 +421,7 @@ class SparkBackend(NodeWatch, Backend):
             handle.finished.set()
 
     def _beat(self, handle: SparkAttempt, count: int = 0) -> None:
-        atomic_write_bytes(handle.run_dir.client_heartbeat_file(handle.attempt), f"{count}\n".encode())
+        handle.run_dir.write_control(handle.run_dir.client_heartbeat_file(handle.attempt), f"{count}\n".encode())
 
     def _heartbeat(self, handle: SparkAttempt) -> None:
         count = 0
@@ -565,7 +571,7 @@ class SparkBackend(NodeWatch, Backend):
             return
         handle.cancelled = True
         # First the polite way: every node SIGTERMs its agent, which gives the ranks `grace`.
-        atomic_write_bytes(handle.run_dir.spark_cancel_file(handle.attempt), b"cancelled by the client\n")
+        handle.run_dir.write_control(handle.run_dir.spark_cancel_file(handle.attempt), b"cancelled by the client\n")
         self._sync_now(handle)
         if not handle.nodes_started:
             self._find_start(handle)  # also tells the supervisor when they started, for billing

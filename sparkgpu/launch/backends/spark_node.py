@@ -15,6 +15,7 @@ executor that :class:`~sparkgpu.launch.staging.NodeMirror` keeps in step with th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -28,11 +29,11 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from sparkgpu._files import atomic_write_bytes
 from sparkgpu._report import report
 from sparkgpu.launch.agent import build_command, strip_spark_secrets, verify_or_refuse
 from sparkgpu.launch.backends.spark_probe import executor_identity
 from sparkgpu.launch.entrypoint import NODE_DEVICES_ENV
+from sparkgpu.launch.keys import send_key
 from sparkgpu.launch.protocol import NodeExit, NodeState
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.threads import rank_thread_env
@@ -74,7 +75,9 @@ class NodeLaunch:
         attempt: Attempt number.
         nnodes: Number of nodes (barrier tasks).
         nproc: Ranks per node.
-        env: Environment for the ranks, including the job's signing key.
+        env: Environment for the ranks.
+        key: The job's signing key, handed to the node's agent on its stdin
+            (:mod:`sparkgpu.launch.keys`).
         shutdown_grace: Seconds ranks get after SIGTERM.
         client_timeout: Seconds without a client heartbeat after which the node stops its
             ranks (the client died); ``None`` to keep running.
@@ -91,6 +94,7 @@ class NodeLaunch:
     nnodes: int
     nproc: int
     env: dict
+    key: bytes
     shutdown_grace: float
     client_timeout: float | None
     threads_per_rank: int | None = None
@@ -261,7 +265,10 @@ def _run_agent(
     with open(rd.agent_log(launch.attempt, node), "ab") as log:
         # Same session as this Python worker: when Spark kills the worker (job cancelled),
         # the agent dies with it (PR_SET_PDEATHSIG) and the ranks with the agent.
-        agent = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        agent = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE)
+    assert agent.stdin is not None
+    with contextlib.suppress(BrokenPipeError), agent.stdin:  # an agent that died at once: _watch says how
+        send_key(agent.stdin, launch.key)
     code, state = _watch(agent, rd, launch, node)
     return agent.pid, code, state
 
@@ -273,7 +280,7 @@ def _verify(rd: RunDir, launch: NodeLaunch, node: int) -> NodeState:
     starting an agent at all.
     """
     verified = verify_or_refuse(
-        rd, launch.env, launch.attempt, node, launch.nproc, log=rd.agent_log(launch.attempt, node)
+        rd, launch.key, launch.attempt, node, launch.nproc, log=rd.agent_log(launch.attempt, node)
     )
     return NodeState.BAD_SIGNATURE if verified is None else NodeState.READY
 
@@ -281,37 +288,43 @@ def _verify(rd: RunDir, launch: NodeLaunch, node: int) -> NodeState:
 def _peer_failed(rd: RunDir, attempt: int, node: int) -> bool:
     for peer, path in rd.node_exit_files(attempt).items():
         if peer != node:
+            record = rd.read_control_json(path)  # None: being replaced, or forged
             try:
-                if NodeExit.from_json(json.loads(path.read_text())).status != 0:
+                if record is not None and NodeExit.from_json(record).status != 0:
                     return True
-            except (OSError, ValueError, KeyError, TypeError):
-                continue  # written atomically; a read error means it is being replaced
+            except (KeyError, TypeError):
+                continue
     return False
 
 
 class Heartbeat:
     """Notices a client or a node that stopped beating, by content, so clocks of other hosts never matter.
 
+    A beat counts only when its file is sealed under the job key and its count grew: a forged
+    beat, or a genuine old one put back, keeps no lost node alive.
+
     Args:
+        rd: The run dir the file belongs to (its key checks the seal).
         path: The file the other side rewrites with a new count every second or so.
         timeout: Seconds without a change after which it counts as lost (``None``: never).
         seen_first: Judge only once the file was read at least once (a node with a staging
             store may never share its beat with this reader).
     """
 
-    def __init__(self, path: Path, timeout: float | None, seen_first: bool = False):
-        self.path, self.timeout, self.seen_first = path, timeout, seen_first
-        self.last_value: str | None = None
+    def __init__(self, rd: RunDir, path: Path, timeout: float | None, seen_first: bool = False):
+        self.rd, self.path, self.timeout, self.seen_first = rd, path, timeout, seen_first
+        self.last_value: int | None = None
         self.last_change = time.monotonic()
 
     def silent_for(self) -> float:
-        """Seconds since the content last changed, as of now."""
+        """Seconds since the count last grew, as of now."""
+        body = self.rd.read_control(self.path)
         try:
-            value = self.path.read_text()
-        except OSError:
+            value = int(body) if body is not None else None
+        except ValueError:
             value = None
         now = time.monotonic()
-        if value != self.last_value:
+        if value is not None and (self.last_value is None or value > self.last_value):
             self.last_value, self.last_change = value, now
         return now - self.last_change
 
@@ -329,7 +342,7 @@ def _peer_lost(rd: RunDir, attempt: int, node: int, beats: dict[int, Heartbeat],
     for peer in rd.nodes_without_end(attempt):
         if peer == node:
             continue
-        beat = beats.setdefault(peer, Heartbeat(rd.node_marker(attempt, peer, "beat"), timeout, seen_first=True))
+        beat = beats.setdefault(peer, Heartbeat(rd, rd.node_marker(attempt, peer, "beat"), timeout, seen_first=True))
         if beat.lost():
             return True
     return False
@@ -338,17 +351,17 @@ def _peer_lost(rd: RunDir, attempt: int, node: int, beats: dict[int, Heartbeat],
 def _watch(agent: subprocess.Popen, rd: RunDir, launch: NodeLaunch, node: int) -> tuple[int, NodeState]:
     """Waits for the agent; stops it when the client cancels, the client is gone or a peer node failed."""
     attempt = launch.attempt
-    heartbeat = Heartbeat(rd.client_heartbeat_file(attempt), launch.client_timeout)
+    heartbeat = Heartbeat(rd, rd.client_heartbeat_file(attempt), launch.client_timeout)
     peers: dict[int, Heartbeat] = {}
     state, stop_deadline = NodeState.RUNNING, None
     beats, next_beat = 0, 0.0
     while (code := agent.poll()) is None:
         if time.monotonic() >= next_beat:  # the client and the peers tell a lost executor by its silence
             beats, next_beat = beats + 1, time.monotonic() + _BEAT_SECONDS
-            atomic_write_bytes(rd.node_marker(attempt, node, "beat"), f"{beats}\n".encode())
+            rd.write_control(rd.node_marker(attempt, node, "beat"), f"{beats}\n".encode())
         if stop_deadline is None:
             reason = None
-            if rd.spark_cancel_file(attempt).exists():
+            if rd.read_control(rd.spark_cancel_file(attempt)) is not None:
                 reason = NodeState.CANCELLED
             elif heartbeat.lost():
                 reason = NodeState.CLIENT_LOST
@@ -366,5 +379,5 @@ def _watch(agent: subprocess.Popen, rd: RunDir, launch: NodeLaunch, node: int) -
     if state is NodeState.RUNNING:
         state = NodeState.SUCCEEDED if code == 0 else NodeState.FAILED
     done = {"node": node, "exit_code": code, "state": state.value, "ended_at": time.time()}
-    atomic_write_bytes(rd.node_marker(attempt, node, "ended"), json.dumps(done).encode())
+    rd.write_control(rd.node_marker(attempt, node, "ended"), json.dumps(done).encode())
     return code, state

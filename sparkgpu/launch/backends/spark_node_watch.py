@@ -15,7 +15,6 @@ import re
 import time
 from typing import TYPE_CHECKING, Any, TextIO
 
-from sparkgpu._files import atomic_write_bytes
 from sparkgpu._report import report
 from sparkgpu.launch.attempt_report import AttemptReport, NodeReport
 from sparkgpu.launch.protocol import NodeState
@@ -98,14 +97,14 @@ class NodeWatch:
         beat = handle.beats.get(node)
         if beat is None:
             marker = handle.run_dir.node_marker(handle.attempt, node, "beat")
-            beat = handle.beats[node] = Heartbeat(marker, self.node_timeout, seen_first=True)
+            beat = handle.beats[node] = Heartbeat(handle.run_dir, marker, self.node_timeout, seen_first=True)
         return beat
 
     def _stop_for_lost(self, handle: SparkAttempt) -> None:
         """A node is lost while the Spark job runs: stop the others' ranks and end the job now."""
         message = self._report_of(handle).lost_message()
         report(f"{message}; stopping the ranks of the other nodes", self._stream)
-        atomic_write_bytes(handle.run_dir.spark_cancel_file(handle.attempt), f"{message}\n".encode())
+        handle.run_dir.write_control(handle.run_dir.spark_cancel_file(handle.attempt), f"{message}\n".encode())
         self._sync_now(handle)
         try:
             self.spark.interruptTag(handle.tag)  # Spark may wait for the lost executor's slots otherwise
@@ -133,7 +132,7 @@ class NodeWatch:
         checkpoint directory. A node that stops beating meanwhile is not waited for: it is lost.
         """
         rd, attempt = handle.run_dir, handle.attempt
-        atomic_write_bytes(rd.spark_cancel_file(attempt), b"the Spark job of this attempt failed\n")
+        rd.write_control(rd.spark_cancel_file(attempt), b"the Spark job of this attempt failed\n")
         self._sync_now(handle)
         try:
             self.spark.interruptTag(handle.tag)
@@ -205,8 +204,7 @@ def end_markers(run_dir: RunDir, attempt: int) -> dict[int, dict]:
     """The nodes' end markers (exit code, state), by node."""
     found = {}
     for node, path in run_dir.node_markers(attempt, "ended").items():
-        try:
-            found[node] = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue  # written atomically: a read error means it is being replaced
+        marker = run_dir.read_control_json(path)
+        if marker is not None:  # written atomically and sealed: absent, being replaced, or forged otherwise
+            found[node] = marker
     return found

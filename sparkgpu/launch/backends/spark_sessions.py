@@ -39,8 +39,13 @@ __all__ = [
     "connection_closed",
     "record_session",
     "recorded_remote",
+    "check_key_transport",
     "SESSION_FILE",
+    "PLAINTEXT_ENV",
 ]
+
+#: Set to 1 to send job keys over a Spark Connect channel with neither TLS nor a token.
+PLAINTEXT_ENV = "SPARKGPU_ALLOW_PLAINTEXT_CONNECT"
 
 #: Where a job's run dir keeps the Spark Connect URL it ran on, for ``sparkgpu resume``.
 SESSION_FILE = "spark-session.json"
@@ -201,6 +206,45 @@ def full_url(spark) -> str | None:
         return None
     parsed = url.geturl()  # pyspark parses "sc://" URLs as "http://" ones
     return "sc://" + parsed.split("://", 1)[1] if "://" in parsed else None
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: it may resolve anywhere
+        return False
+
+
+def check_key_transport(spark, job_id: str) -> None:
+    """Refuses to send a job's key to a Spark Connect server reached without TLS or a token.
+
+    The key travels in the node tasks' closure, over the session's channel: on a plaintext
+    channel anyone on the network path reads it and can sign results that the client then
+    unpickles. A loopback server, a channel with TLS (``use_ssl=true``) or a bearer token
+    (``token=``, which pyspark sends only over TLS off loopback), and classic sessions (the
+    closure goes over Spark's own RPC, see ``spark.network.crypto.enabled``) pass.
+
+    Raises:
+        ConfigurationError: The channel is plaintext and :data:`PLAINTEXT_ENV` is not set.
+    """
+    builder = getattr(getattr(spark, "client", None), "_builder", None)
+    endpoint, host = getattr(builder, "endpoint", None), getattr(builder, "host", None)
+    if not isinstance(endpoint, str) or not isinstance(host, str):
+        return  # a classic session
+    if getattr(builder, "secure", False) or _is_loopback(host) or os.environ.get(PLAINTEXT_ENV) == "1":
+        return
+    raise ConfigurationError(
+        f"refusing to start job {job_id}: its signing key would travel to the Spark Connect server at "
+        f"{endpoint} in plaintext (the URL sets neither use_ssl=true nor a token), where anyone on the network "
+        "path could read it and forge results that this client unpickles. Connect with TLS and a token "
+        f"(sc://{endpoint}/;use_ssl=true;token=...), or, on a network you trust, set {PLAINTEXT_ENV}=1 to "
+        "accept that risk"
+    )
 
 
 def record_session(spark, run_dir: RunDir) -> None:

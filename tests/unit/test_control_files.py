@@ -1,0 +1,69 @@
+"""Control files obey only the job key: a writer of the run dir without it cannot cancel, stop or fail a job."""
+
+from __future__ import annotations
+
+import json
+
+from sparkgpu.launch.control import seal, unseal
+from sparkgpu.launch.payload import serialize_payload
+from sparkgpu.launch.run_dir import RunDir
+from sparkgpu.launch.run_layout import RunLayout
+from sparkgpu.launch.supervisor import Supervisor
+from sparkgpu.spec import JobSpec, Resources
+from tests.fakes.backend import ScriptedBackend
+
+KEY = b"k" * 32
+
+
+def test_a_sealed_body_opens_only_with_its_key_and_in_its_place(capsys):
+    sealed = seal(KEY, "attempts/0/STOP", b"budget spent\n")
+    assert unseal(KEY, "attempts/0/STOP", sealed) == b"budget spent\n"
+    assert unseal(b"x" * 32, "attempts/0/STOP", sealed) is None  # another job's key
+    assert unseal(KEY, "attempts/1/STOP", sealed) is None  # a genuine file copied to another place
+    assert unseal(KEY, "attempts/0/STOP", sealed.replace(b"budget", b"BUDGET")) is None
+    assert unseal(None, "attempts/2/STOP", sealed) is None
+    reported = capsys.readouterr().err
+    assert "ignoring the control file attempts/1/STOP: not signed with the job's key" in reported
+    assert "ignoring the control file attempts/2/STOP: no job key to check it with" in reported
+
+
+def test_a_forged_file_is_reported_once_not_at_every_poll(capsys):
+    for _ in range(5):
+        assert unseal(KEY, "attempts/9/spark/CANCEL", b"stop now\n") is None
+    assert capsys.readouterr().err.count("attempts/9/spark/CANCEL") == 1
+
+
+def staged(tmp_path) -> tuple[JobSpec, RunDir]:
+    job = JobSpec(job_id="job-1", name="job", resources=Resources(2, "cpu"))
+    rd = RunDir(tmp_path / "job-1")
+    rd.create(job.to_dict(), serialize_payload(lambda: 1, (), {}, []), KEY, [])
+    rd.prepare_attempt(0)
+    return job, rd
+
+
+def test_a_planted_cancel_request_cancels_nothing(tmp_path):
+    job, rd = staged(tmp_path)
+    supervisor = Supervisor(job, rd, ScriptedBackend(["ok"]), KEY)
+    rd.cancel_request_file.write_text("cancelled by a co-tenant\n")
+    assert not supervisor._cancel_requested()
+    rd.write_control(rd.cancel_request_file, b"cancelled by its user\n")
+    assert supervisor._cancel_requested()
+
+
+def test_a_planted_node_exit_fails_no_rank(tmp_path):
+    _, rd = staged(tmp_path)
+    forged = {"node_rank": 0, "status": 1, "failures": {"0": {"exitcode": 1}}}
+    rd.node_file(0, 0).write_text(json.dumps(forged))
+    assert rd.read_node_exits(0) == {}
+    rd.write_control(rd.node_file(0, 0), json.dumps(forged).encode())
+    assert list(rd.read_node_exits(0)) == [0]
+
+
+def test_every_control_file_the_client_writes_is_sealed(tmp_path):
+    _, rd = staged(tmp_path)
+    for rel in RunLayout.control_files(0):
+        path = rd.file(rel)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rd.write_control(path, b"1\n")
+        assert RunDir(rd.path, key=KEY).read_control(path) == b"1\n"
+        assert b"--sparkgpu-mac" in path.read_bytes()
