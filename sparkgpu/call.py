@@ -27,7 +27,6 @@ client; ``attach`` continues them.
 from __future__ import annotations
 
 import atexit
-import fcntl
 import io
 import json
 import os
@@ -54,6 +53,7 @@ from sparkgpu.launch.logs import LogStreamer
 from sparkgpu.launch.resume import client_is_gone, find_run_dir, take_over
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.protocol import AttemptStatus, JobState, JobStatus
+from sparkgpu.launch.supervision_lock import SupervisionLock
 from sparkgpu.launch.supervisor import CANCEL_REQUEST_FILE, Supervisor
 from sparkgpu.spec import JobSpec
 
@@ -62,11 +62,6 @@ __all__ = ["Call", "attach"]
 _POLL_SECONDS = 0.25
 #: Seconds past the job's shutdown grace that exiting waits for a cancelled job's supervisor.
 _EXIT_MARGIN = 30.0
-
-#: In the run dir: locked (flock) by the process whose Call supervises the job, for as long as it
-#: does; the lock goes with the process however it ends, so two attaching processes never both
-#: take over a job whose client is gone.
-_SUPERVISION_LOCK = "supervision.lock"
 
 _supervised: dict[str, "Call"] = {}  # job id -> the Call whose thread supervises it in this process
 _supervised_lock = threading.Lock()
@@ -103,7 +98,9 @@ class Call:
         self._results: list[Any] | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
-        self._lock_fd: int | None = None
+        # Held while this process supervises the job: two attaching processes never both take
+        # over a job whose client is gone, nor one beside `sparkgpu resume`.
+        self._supervision = SupervisionLock(run_dir)
 
     def __repr__(self) -> str:
         role = "supervised here" if self._supervisor is not None else "observed"
@@ -124,24 +121,18 @@ class Call:
 
     def _lock_supervision(self) -> bool:
         """Takes the run dir's supervision lock for this process; False if another process holds it."""
-        fd = os.open(self.run_dir.path / _SUPERVISION_LOCK, os.O_RDWR | os.O_CREAT, 0o600)  # not inherited by ranks
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return False
-        self._lock_fd = fd
-        return True
+        return self._supervision.acquire()
 
     def _unlock_supervision(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # releases the flock
-            self._lock_fd = None
+        self._supervision.release()
 
     def _start(self, supervisor: Supervisor) -> None:
         global _exit_hook_registered
-        if self._lock_fd is None and not self._lock_supervision():
-            raise JobStateError(f"job {self.job_id} is already supervised by another process; attach() to it")
+        if not self._lock_supervision():
+            raise JobStateError(
+                f"job {self.job_id} is already supervised by {self._supervision.holder()}; attach() to it"
+            )
+        supervisor.lock = self._supervision
         supervisor.out = _Discard()
         self._supervisor = supervisor
         self._thread = threading.Thread(
@@ -343,7 +334,7 @@ class Call:
                     self._unlock_supervision()
                     return True
                 report(f"the client of job {self.job_id} is gone; continuing it here from its latest checkpoint")
-                self._start(take_over(self.job_id, backend=self._backend))
+                self._start(take_over(self.job_id, backend=self._backend, lock=self._supervision))
             except BaseException:
                 self._unlock_supervision()
                 raise

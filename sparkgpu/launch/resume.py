@@ -23,6 +23,7 @@ from sparkgpu._keyring import load_key
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.run_layout import RunLayout
 from sparkgpu.launch.protocol import AttemptStatus, JobState, JobStatus
+from sparkgpu.launch.supervision_lock import SupervisionLock
 from sparkgpu.launch.supervisor import CANCEL_REQUEST_FILE, Supervisor
 from sparkgpu.spec import JobSpec
 
@@ -115,8 +116,14 @@ def resume_job(job_id: str, backend=None, out=None, force: bool = False) -> list
     return take_over(job_id, backend=backend, out=out, force=force).run()
 
 
-def take_over(job_id: str, backend=None, out=None, force: bool = False) -> Supervisor:
+def take_over(
+    job_id: str, backend=None, out=None, force: bool = False, lock: SupervisionLock | None = None
+) -> Supervisor:
     """A supervisor that continues ``job_id`` from its run dir, ready to ``run()``; starts nothing.
+
+    It holds the job's supervision lock (``lock``, when the caller took it already) from before
+    it changes anything until its ``run()`` ends: a second ``sparkgpu resume`` or ``attach``
+    meanwhile is refused.
 
     Its attempts left ``RUNNING`` by a client that died are marked ``LOST``. A cancel asked
     for before a job ended cancelled still holds; resuming a job that did end cancelled is
@@ -124,8 +131,24 @@ def take_over(job_id: str, backend=None, out=None, force: bool = False) -> Super
 
     Raises:
         ConfigurationError: as for :func:`resume_job`.
+        JobStateError: another process supervises the job.
     """
     run_dir = find_run_dir(job_id)
+    job_id = run_dir.job_id
+    lock = lock or SupervisionLock(run_dir)
+    if not lock.acquire():
+        raise JobStateError(
+            f"job {job_id} is already supervised by {lock.holder()}; wait for it, or follow it with "
+            f"sparkgpu.attach({job_id!r})"
+        )
+    try:
+        return _take_over_locked(run_dir, backend, out, force, lock)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _take_over_locked(run_dir: RunDir, backend, out, force: bool, lock: SupervisionLock) -> Supervisor:
     job_id = run_dir.job_id
     job = JobSpec.from_dict(json.loads(run_dir.spec_file.read_text()))
     state: JobState | None = json.loads(run_dir.state_file.read_text()) if run_dir.state_file.exists() else None
@@ -138,6 +161,7 @@ def take_over(job_id: str, backend=None, out=None, force: bool = False) -> Super
     callbacks = RunDir.unpack(parts)[3]
     backend = backend or _backend_for(job, run_dir)
     supervisor = Supervisor(job, run_dir, backend, key, callbacks, out=out)
+    supervisor.lock = lock
     if state:
         if JobStatus(state["status"]).is_terminal:
             (run_dir.path / CANCEL_REQUEST_FILE).unlink(missing_ok=True)

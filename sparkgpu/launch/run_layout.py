@@ -58,6 +58,7 @@ class RunLayout:
     SIGNATURE = "payload.sig"
     STATE = "state.json"
     CANCEL_REQUEST = "cancel-request"
+    SUPERVISION_LOCK = "supervision.lock"  # flocked by the process that supervises the job
     CHECKPOINTS = "checkpoints"
     ATTEMPTS = "attempts"
     REPORT = "report.json"  # in an attempt's folder

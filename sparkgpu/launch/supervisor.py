@@ -36,6 +36,7 @@ from sparkgpu.callbacks import AttemptOutcome, JobCallback
 from sparkgpu.errors import (
     EnvironmentMismatchError,
     JobCancelledError,
+    JobStateError,
     JobTimeoutError,
     PayloadSignatureError,
     PolicyViolationError,
@@ -44,6 +45,7 @@ from sparkgpu.launch.attempt_result import AttemptResult, StoppedBy, read_attemp
 from sparkgpu.launch.logs import LogStreamer
 from sparkgpu.launch.protocol import AttemptRecord, AttemptStatus, JobState, JobStatus
 from sparkgpu.launch.run_dir import RunDir
+from sparkgpu.launch.supervision_lock import SupervisionLock
 from sparkgpu.launch.run_layout import RunLayout
 from sparkgpu.spec import JobSpec
 from sparkgpu.train._checkpoint_store import CheckpointStore
@@ -118,6 +120,9 @@ class Supervisor:
         self.policy = self.failure_policy_cls(job.policy.max_restarts)
         #: Set (from any thread) to cancel the job; a CANCEL_REQUEST_FILE does the same from another process.
         self.cancel_event = threading.Event()
+        #: The job's supervision lock, when the caller took it (``attach``, ``resume``); else
+        #: :meth:`run` takes its own for as long as it runs.
+        self.lock: SupervisionLock | None = None
         self.state: JobState = {
             "job_id": job.job_id,
             "status": JobStatus.PENDING.value,
@@ -147,6 +152,7 @@ class Supervisor:
         """Runs attempts until the job ends; returns one result per rank, ordered by rank.
 
         Raises:
+            JobStateError: another process supervises the job (its supervision lock is held).
             WorkerFailedError: ranks failed and no restart is left; derived from their exception
                 type too when they all raised the same one (:func:`~sparkgpu.errors.worker_failed_error`).
             JobTimeoutError: the job ran past ``policy.timeout``.
@@ -154,6 +160,19 @@ class Supervisor:
             Exception: whatever the backend raised while the attempt ran (e.g. ``CapacityError``
                 when Spark's GPUs stayed busy); the attempt was stopped and ended as failed first.
         """
+        lock = self.lock or SupervisionLock(self.run_dir)
+        if not lock.acquire():
+            raise JobStateError(
+                f"job {self.job.job_id} is already supervised by {lock.holder()}; follow it with "
+                f"sparkgpu.attach({self.job.job_id!r})"
+            )
+        try:
+            return self._run_supervised()
+        finally:
+            lock.release()
+            self.lock = None
+
+    def _run_supervised(self) -> list[Any]:
         job_started = time.monotonic()
         # Who drives the job: `sparkgpu jobs` shows a job whose client died as lost.
         # Its start time tells a recycled pid from the client itself.

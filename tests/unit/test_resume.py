@@ -12,7 +12,7 @@ import pytest
 
 from sparkgpu._files import atomic_write_bytes
 from sparkgpu.config import settings
-from sparkgpu.errors import ConfigurationError
+from sparkgpu.errors import ConfigurationError, JobStateError
 from sparkgpu._keyring import save_key
 from sparkgpu.launch.payload import serialize_payload
 from sparkgpu.launch.resume import client_is_gone, resume_job
@@ -108,3 +108,35 @@ def test_a_reused_pid_does_not_pass_for_the_client(live_client):
     assert client_is_gone({**client, "pid_started": client["pid_started"] - 3600})  # same pid, another process
     assert client_is_gone(client_record(dead_pid()))
     assert not client_is_gone(None) and not client_is_gone({**client, "host": "some-other-host"})
+
+
+def test_two_resumes_never_both_supervise_a_job():
+    # Another `sparkgpu resume` (or an attach that took the job over) is running it: it holds the lock.
+    rd = interrupted_job(client_record(dead_pid()))
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from sparkgpu.launch.run_dir import RunDir\n"
+            "from sparkgpu.launch.supervision_lock import SupervisionLock\n"
+            "assert SupervisionLock(RunDir(sys.argv[1])).acquire()\n"
+            "print('held', flush=True)\n"
+            "time.sleep(120)\n",
+            str(rd.path),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        backend = ScriptedBackend(["hang", "ok"])
+        with pytest.raises(JobStateError, match=f"already supervised by pid {holder.pid} on "):
+            resume_job("job-1", backend=backend, out=io.StringIO(), force=True)  # force skips the client check only
+        assert backend.submitted_env == []  # refused before anything started
+        assert json.loads(rd.state_file.read_text())["attempts"][0]["status"] == "running"  # untouched
+    finally:
+        holder.kill()
+        holder.wait()
+    # The holder died: its lock went with it.
+    assert resume_job("job-1", backend=ScriptedBackend(["hang", "ok"]), out=io.StringIO())[0]["attempt"] == 1
