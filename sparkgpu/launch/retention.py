@@ -1,10 +1,14 @@
 """Old run dirs go, so a long session or a busy machine does not fill its disk.
 
-Each new job prunes the run dirs of finished jobs beyond ``SPARKGPU_KEEP_RUNS`` (by default
-it keeps the newest 100 finished jobs, none older than 30 days), with their signing keys and their copies on the
-staging store. A job that may still continue is never pruned by count: one running under a
-live client is kept whatever its age, one whose client died (``sparkgpu resume`` continues
-it) or that a budget stopped only once it is older than the age limit. A run dir is renamed
+Each new job prunes the run dirs of its user's finished jobs beyond ``SPARKGPU_KEEP_RUNS`` (by
+default it keeps the newest 100 finished jobs, none older than 30 days), with their signing keys
+and their copies on the staging store, and says which it removed. The staging root may be
+shared: a job is its user's when its run dir belongs to this OS user and its key is in this
+user's keyring; no one else's job is counted or removed. A job that may still continue is never
+pruned by count: one running under a live client is kept whatever its age; one whose client
+died (``sparkgpu resume`` continues it), that a budget stopped, or that failed, timed out or
+was cancelled with checkpoints to resume from, only once it is older than the age limit. A
+run dir is renamed
 out of sight before it is deleted, so ``sparkgpu jobs`` never lists half of one; the deleting
 happens on a background thread (a job's checkpoints may be large), and what an exiting process
 left half deleted goes with the next prune.
@@ -14,11 +18,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import threading
 import time
 from pathlib import Path
 
+from sparkgpu._report import report
 from sparkgpu.config import Settings, settings
 from sparkgpu.launch.protocol import JobStatus
 from sparkgpu.launch.run_layout import RunLayout
@@ -28,6 +34,7 @@ __all__ = ["prune_runs"]
 log = logging.getLogger(__name__)
 
 _FINISHED = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.TIMED_OUT, JobStatus.CANCELLED}
+_RESUMABLE_IF_CHECKPOINTED = _FINISHED - {JobStatus.SUCCEEDED}
 _RESUMABLE = {JobStatus.STOPPED, JobStatus.RUNNING, JobStatus.PENDING}
 
 
@@ -44,12 +51,32 @@ def _created_at(run_dir: Path, state: dict) -> float:
     return state.get("created_at") or (run_dir / RunLayout.SPEC).stat().st_mtime
 
 
-def _verdict(run_dir: Path, state: dict, now: float, max_age: float | None) -> tuple[bool, bool]:
+def _owned(run_dir: Path, config: Settings) -> bool:
+    """Whether the job is this user's: its run dir is this OS user's and its key is in this user's keyring."""
+    try:
+        return run_dir.stat().st_uid == os.getuid() and (config.home / "keys" / run_dir.name).is_file()
+    except FileNotFoundError:
+        return False
+
+
+def _may_have_checkpoints(run_dir: Path, config: Settings) -> bool:
+    """Whether ``sparkgpu resume`` could continue the job from a checkpoint (on a store: assumed so)."""
+    if config.staging_url:
+        return True
+    try:
+        return any((run_dir / RunLayout.CHECKPOINTS).iterdir())
+    except FileNotFoundError:
+        return False
+
+
+def _verdict(run_dir: Path, state: dict, now: float, max_age: float | None, config: Settings) -> tuple[bool, bool]:
     """``(countable, too_old)``: may the count limit take it, is it past the age limit."""
     from sparkgpu.launch.resume import client_is_gone
 
     too_old = max_age is not None and now - _created_at(run_dir, state) > max_age
     status = state.get("status")
+    if status in _RESUMABLE_IF_CHECKPOINTED and _may_have_checkpoints(run_dir, config):
+        return False, too_old  # `sparkgpu resume` continues it from its checkpoint: only age takes it
     if status in _FINISHED:
         return True, too_old
     if status in _RESUMABLE:
@@ -82,7 +109,7 @@ def prune_runs(
     for spec_file in Path(config.staging_root).glob("*/spec.json"):
         run_dir = spec_file.parent
         state = _read_state(run_dir)
-        if state is None or run_dir.name == keep:
+        if state is None or run_dir.name == keep or not _owned(run_dir, config):
             continue
         try:
             entries.append((_created_at(run_dir, state), run_dir, state))
@@ -91,7 +118,7 @@ def prune_runs(
     entries.sort(key=lambda e: e[0], reverse=True)
     removed, finished_seen = [], 0
     for _, run_dir, state in entries:
-        countable, too_old = _verdict(run_dir, state, now, max_age)
+        countable, too_old = _verdict(run_dir, state, now, max_age, config)
         over_count = countable and config.keep_runs is not None and finished_seen >= config.keep_runs
         finished_seen += countable
         if (too_old or over_count) and _hide(run_dir):
@@ -103,7 +130,10 @@ def prune_runs(
         else:
             threading.Thread(target=_delete, args=(leftovers, config), name="sparkgpu-prune-runs", daemon=True).start()
     if removed:
-        log.info("removing %d old run dirs under %s (SPARKGPU_KEEP_RUNS)", len(removed), config.staging_root)
+        shown = ", ".join(removed[:10]) + (f" and {len(removed) - 10} more" if len(removed) > 10 else "")
+        report(
+            f"removing {len(removed)} of your old run dirs under {config.staging_root} (SPARKGPU_KEEP_RUNS): {shown}"
+        )
     return removed
 
 

@@ -110,3 +110,30 @@ def test_a_bad_keep_runs_setting_names_the_forms_it_takes(monkeypatch):
     reset_settings()
     with pytest.raises(ConfigurationError, match=r"100,30d"):
         settings()
+
+
+def test_a_failed_job_with_checkpoints_is_kept_by_count_but_one_without_goes(capsys):
+    resumable = make_run("failed", 1)  # `sparkgpu resume` continues it from step-1
+    nothing_to_resume = make_run("cancelled", 2)
+    (settings().staging_root / nothing_to_resume / "checkpoints" / "step-1.bin").unlink()
+    newest = make_run("succeeded", 0.1)
+    config = dataclasses.replace(settings(), keep_runs=1, keep_runs_days=30)
+    assert prune_runs(config, now=NOW, wait=True) == [nothing_to_resume]
+    assert remaining() == {resumable, newest}
+    assert (
+        f"removing 1 of your old run dirs under {settings().staging_root} (SPARKGPU_KEEP_RUNS): {nothing_to_resume}"
+        in (capsys.readouterr().err)
+    )
+
+
+def test_a_shared_root_loses_no_other_users_job_and_counts_only_yours():
+    mine = [make_run("succeeded", age) for age in (0.1, 0.2)]
+    other_user = make_run("succeeded", 0.05)
+    os.chown(settings().staging_root / other_user, 54321, 54321)  # another OS user's run dir
+    same_user_other_keyring = make_run("succeeded", 0.06)  # a colleague under a shared account
+    (settings().home / "keys" / same_user_other_keyring).unlink()
+    ancient_other = make_run("succeeded", 400)
+    os.chown(settings().staging_root / ancient_other, 54321, 54321)
+    config = dataclasses.replace(settings(), keep_runs=1, keep_runs_days=30)
+    assert prune_runs(config, now=NOW, wait=True) == [mine[1]]  # the others neither count nor go
+    assert remaining() == {mine[0], other_user, same_user_other_keyring, ancient_other}
