@@ -279,6 +279,7 @@ class PoolBackend(LocalBackend):
         return None  # forking from the pool takes milliseconds: nothing to start ahead
 
     def submit(self, job, run_dir, attempt, env, layout=None) -> PoolAttempt:
+        env = self._lease_devices(job, env)
         return run_on_zygote(ensure_pool(self.python, self.idle_timeout), job, run_dir, attempt, env)
 
 

@@ -31,6 +31,8 @@ from sparkgpu.errors import CapacityError
 from sparkgpu.launch.agent import build_command
 from sparkgpu.launch.backends.base import AttemptHandle, Backend, LaunchPlan, ResolvedJob
 from sparkgpu.launch.hardware import HostGPUs, detect_host_gpus
+from sparkgpu.launch.entrypoint import NODE_DEVICES_ENV
+from sparkgpu.launch.gpu_lease import GpuLease, lease_gpus
 from sparkgpu.launch.keys import send_key
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.threads import rank_thread_env, threads_per_rank
@@ -126,6 +128,7 @@ class LocalBackend(Backend):
         self.max_cpu_ranks = max_cpu_ranks or s.max_cpu_ranks
         self.standby = standby
         self._standbys: dict[str, Any] = {}  # job id -> its Standby
+        self._leases: dict[str, GpuLease] = {}  # job id -> the host GPUs it holds until it ends
 
     # -- capacity ---------------------------------------------------------------------
     def resolve(self, job: JobSpec) -> ResolvedJob:
@@ -198,7 +201,24 @@ class LocalBackend(Backend):
             env=dict(env),
         )
 
+    def _lease_devices(self, job: JobSpec, env: dict[str, str]) -> dict[str, str]:
+        """``env`` with the GPUs the job holds (``NODE_DEVICES_ENV``), leased at its first attempt:
+        two local jobs never share a GPU (:mod:`sparkgpu.launch.gpu_lease`)."""
+        if not job.devices:
+            return env
+        lease = self._leases.get(job.job_id)
+        if lease is None:
+            lease = self._leases[job.job_id] = lease_gpus(
+                self.host_gpus.addresses,
+                len(job.devices),
+                job.job_id,
+                wait=settings().spark_wait_timeout,
+                simulated=job.simulated,
+            )
+        return {**env, NODE_DEVICES_ENV: ",".join(lease.devices)}
+
     def submit(self, job, run_dir, attempt, env, layout=None) -> AttemptHandle:
+        env = self._lease_devices(job, env)
         standby = self._standbys.get(job.job_id)
         if standby is not None:
             handle = standby.submit(job, run_dir, attempt, env)
@@ -213,6 +233,7 @@ class LocalBackend(Backend):
         waits for the callbacks' variables (:meth:`EarlyAgent.start`) before starting any
         rank: no user code runs before the job's MLflow run and usage row exist.
         """
+        env = self._lease_devices(job, env)
         return EarlyAgent(self._start_agent(job, run_dir, attempt, env, env_on_stdin=True), run_dir)
 
     def _start_agent(self, job, run_dir, attempt, env, env_on_stdin: bool = False) -> LocalAttempt:
@@ -265,6 +286,9 @@ class LocalBackend(Backend):
         self._standbys[job.job_id] = Standby(self.python, job.job_id)
 
     def end_job(self, job: JobSpec) -> None:
+        lease = self._leases.pop(job.job_id, None)
+        if lease is not None:
+            lease.release()
         standby = self._standbys.pop(job.job_id, None)
         if standby is not None:
             standby.stop()
