@@ -5,13 +5,15 @@ run on: agreement between ranks (rank 0's bookkeeping handed to every rank, flag
 one step late), building the state each rank saves, writing it with DCP (in the background
 by default: :class:`PendingSave`, and the reused staging memory of :func:`make_stager`),
 committing it on rank 0 once every rank's data is written, pruning old checkpoints, and
-loading a checkpoint back.
+loading a checkpoint back. With a key (inside a job), saves are signed and a checkpoint is
+loaded only once its files match its signed list (``_checkpoint_signing``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import io
 import logging
 import threading
@@ -22,7 +24,8 @@ from typing import Any
 from sparkgpu.errors import CheckpointError, ConfigurationError, SparkGPUError
 from sparkgpu.tracking.autolog import unrecorded_optimizer_steps
 from sparkgpu.train._checkpoint_checks import dcp_errors, describe, local_nbytes, save_failed
-from sparkgpu.train._checkpoint_store import CheckpointInfo, CheckpointStore
+from sparkgpu.train._checkpoint_signing import SaveSigner, check_app_blob, refusal_of, weights_only_planner
+from sparkgpu.train._checkpoint_store import CheckpointInfo, CheckpointStore, SignedCheckpoint
 from sparkgpu.train._rng_state import capture_rng_state, restore_rng_state
 
 __all__ = ["CheckpointerInternals", "PendingSave", "make_stager"]
@@ -41,6 +44,7 @@ class PendingSave:
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     error: CheckpointError | None = None
     mlflow_run_id: str | None = None  # the caller's active MLflow run (runs are per thread)
+    signer: SaveSigner | None = None  # hashes this rank's files, when the store has a key
 
 
 class CheckpointerInternals:
@@ -134,17 +138,57 @@ class CheckpointerInternals:
             )
         return self._store.prepare(step)
 
-    def _choose(self, step: int | None) -> CheckpointInfo | None:
+    def _choose(self, step: int | None) -> SignedCheckpoint | None:
+        """On rank 0: the checkpoint to restore, its marker verified when the store has a key."""
         if step is None:
-            return self._store.latest()
-        info = self._store.get(step)
-        if info is None:
+            return self._store.latest_signed()
+        found = self._store.get_signed(step)
+        if found is None:
             available = [i.step for i in self._store.list_complete()]
             raise CheckpointError(
                 f"there is no complete checkpoint of step {step} in {self.directory!r}; "
                 f"complete steps: {available or 'none'}; pass one of them or step=None for the newest"
             )
-        return info
+        return found
+
+    def _genuine(self, found: SignedCheckpoint | None, step: int | None) -> SignedCheckpoint | None:
+        """``found`` once its files match its signed list (collective); when restoring the
+        newest (``step`` None), a checkpoint whose files do not is skipped for the next older one.
+
+        Raises:
+            CheckpointError: The checkpoint of ``step`` has a changed or missing file.
+        """
+        while found is not None and found.manifest is not None:
+            problems = self._check_files_on_every_rank(found)
+            if not problems:
+                return found
+            reason = "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
+            if step is not None:
+                raise CheckpointError(
+                    f"checkpoint {found.info.path!r} is refused: {reason}. The job did not write it, or it was "
+                    "changed since; nothing of it was loaded. Restore another step (step=None takes the newest "
+                    "genuine one), and check who else can write to the checkpoint directory"
+                )
+            if self.rank == 0:
+                logger.warning(
+                    "ignoring checkpoint %s: %s; it was changed since the job wrote it (check who else can "
+                    "write to the checkpoint directory)",
+                    found.info.path,
+                    reason,
+                )
+            found = self._run_on_rank0(functools.partial(self._store.latest_signed, found.info.step))
+        return found
+
+    def _check_files_on_every_rank(self, found: SignedCheckpoint) -> list[str]:
+        """Hashes the checkpoint's files, each rank its share; every rank gets every problem."""
+        problems = self._store.check_files(found, self.rank, self.world_size)
+        if not self._distributed:
+            return problems
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, problems, group=self._control_group)
+        return sorted(problem for part in gathered for problem in part)
 
     def _build_state_dict(self, model, optimizers, stateful) -> tuple[dict[str, Any], int]:
         import torch
@@ -191,7 +235,8 @@ class CheckpointerInternals:
                     blocking_seconds=round(pending.blocking, 6),
                     write_seconds=round(time.perf_counter() - pending.started, 6),
                 )
-                self._store.commit(info)
+                manifest = pending.signer.manifest(self.world_size) if pending.signer is not None else None
+                self._store.commit(info, manifest)
                 pending.info = info
                 logger.info("step %d: checkpoint committed to %s in %.2f s", info.step, info.path, info.write_seconds)
             except Exception as exc:
@@ -246,6 +291,16 @@ class CheckpointerInternals:
         """
         info, path, started = pending.info, pending.info.path, pending.started
         writer = self._store.writer(path, self.write_threads)
+        if self._store.key is not None:
+            blob = state_dict["app"][f"rank{self.rank}"]
+            pending.signer = SaveSigner(
+                self._store.store,
+                self._store.name_of(path),
+                self.rank,
+                self._store.key,
+                hashlib.sha256(blob).hexdigest(),
+            )
+            pending.signer.attach(writer)
         import torch.distributed.checkpoint as dcp
 
         if self.async_save:
@@ -277,12 +332,15 @@ class CheckpointerInternals:
             self._pending = pending
             self._on_written(pending, None, error=error)
 
-    def _load(self, info: CheckpointInfo, model, optimizers, stateful) -> None:
-        """Loads the checkpoint ``info`` into the given objects (collective).
+    def _load(self, found: SignedCheckpoint, model, optimizers, stateful) -> None:
+        """Loads the checkpoint ``found`` into the given objects (collective).
 
         Model and optimizer are resharded by DCP; the other objects and the RNG states come
-        from this rank's part, or rank 0's on a rank that did not exist at save time.
+        from this rank's part, or rank 0's on a rank that did not exist at save time. A
+        signed checkpoint's files were checked (:meth:`_genuine`); what is unpickled is
+        checked again as it is read.
         """
+        info, manifest = found
         import torch
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -296,19 +354,27 @@ class CheckpointerInternals:
             template["model"] = model_sd
             if optimizers:
                 template["optimizer"] = optim_sd
+        reader = self._store.reader(info.path, manifest)
         try:
             dcp.load(
                 template,
-                storage_reader=self._store.reader(info.path),
+                storage_reader=reader,
+                planner=weights_only_planner() if manifest is not None else None,
                 process_group=self._control_group,
                 no_dist=not self._distributed,
             )
         except dcp_errors() as exc:
+            refusal = refusal_of(reader)
+            if refusal is not None:
+                raise refusal from exc
             raise CheckpointError(
                 f"cannot read checkpoint {info.path!r} ({describe(exc)}); every rank "
                 "must see the checkpoint directory (on several nodes, use a shared filesystem "
                 "or an object-store URL)"
             ) from exc
+        blob = template["app"][app_key]
+        if manifest is not None:
+            check_app_blob(manifest, app_key, blob, info.path)
         if model is not None:
             with unrecorded_optimizer_steps():
                 set_state_dict(
@@ -317,7 +383,7 @@ class CheckpointerInternals:
                     model_state_dict=template["model"],
                     optim_state_dict=template.get("optimizer", {}),
                 )
-        app = torch.load(io.BytesIO(template["app"][app_key]), weights_only=False)
+        app = torch.load(io.BytesIO(blob), weights_only=False)
         if model is not None:
             load_rank_buffers(model, app.get("buffers", {}))
         for name, obj in stateful.items():

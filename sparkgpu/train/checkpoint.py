@@ -41,8 +41,14 @@ How it behaves:
   and calls ``restore``/``maybe_save``/``save``/``wait``/``close`` at the same points.
   Checkpoint traffic uses two gloo groups of its own, so it never interleaves with the
   training's collectives. Without a process group everything runs in the one process.
-* Checkpoints are read back with pickle (as ``torch.load`` does): restore only from a
-  directory you trust.
+* Inside a job, checkpoints are signed: the completion marker lists every file with its
+  SHA-256 and carries an HMAC under a key derived from the job's key (``_checkpoint_keys``,
+  ``_checkpoint_signing``). :meth:`Checkpointer.restore` checks the marker and the files
+  before anything is unpickled; a checkpoint that fails is skipped with a warning when
+  restoring the newest (the job resumes from the newest genuine one) and refused when named
+  by ``step=``. An unsigned checkpoint is never restored inside a job. Outside a job (a
+  plain ``torchrun`` run, a script) there is no key: checkpoints are written and read
+  unsigned, with pickle (as ``torch.load`` does), so restore only from a directory you trust.
 
 This module holds the public API: :class:`Checkpointer` and the module helpers. What its
 methods run on (agreement between ranks, building, writing and committing a save, loading
@@ -72,6 +78,7 @@ from sparkgpu.train._checkpoint_checks import (
     check_step,
 )
 from sparkgpu.train._checkpoint_internals import CheckpointerInternals, PendingSave, make_stager
+from sparkgpu.train._checkpoint_keys import required_key, signing_key
 from sparkgpu.train._checkpoint_store import CheckpointInfo, CheckpointStore
 
 __all__ = ["Checkpointer", "CheckpointInfo", "list_checkpoints", "latest_checkpoint", "finish_pending_checkpoints"]
@@ -111,6 +118,10 @@ class Checkpointer(CheckpointerInternals):
             ``None`` (the default) learns it from the job's first :meth:`maybe_save`: 0 or 1
             there says which; any other value, or a :meth:`save` before any, counts as an
             index. A loop that counts steps done and only calls :meth:`save` passes 1.
+
+    Inside a job, every checkpoint saved is signed with a key derived from the job's, and
+    only checkpoints so signed are restored (see the module's notes); outside one, they are
+    written and read unsigned.
 
     Raises:
         ConfigurationError: An argument is out of range.
@@ -155,7 +166,7 @@ class Checkpointer(CheckpointerInternals):
         self.async_save = async_save
         self.save_rng = save_rng
         self.write_threads = write_threads
-        self._store = self.store_cls(directory)
+        self._store = self.store_cls(directory, key=signing_key(os.fspath(directory)))
         self._distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self._distributed else 0
         self.world_size = dist.get_world_size() if self._distributed else 1
@@ -357,6 +368,10 @@ class Checkpointer(CheckpointerInternals):
     def restore(self, *, model=None, optimizer=None, step: int | None = None, **stateful) -> int:
         """Loads the newest complete checkpoint into the given objects (collective).
 
+        Inside a job, "complete" includes "signed by this job, its files unchanged": the
+        marker and every file are checked before anything is unpickled, and a checkpoint
+        that fails is skipped, with a warning, for the newest one that passes.
+
         Pass the same names as to :meth:`save`. Objects saved but not passed here are
         left alone; objects passed here but missing from the checkpoint are an error.
         With a different number of ranks than at save time, model and optimizer are
@@ -376,8 +391,9 @@ class Checkpointer(CheckpointerInternals):
 
         Raises:
             ConfigurationError: An argument cannot be restored into.
-            CheckpointError: ``step`` has no complete checkpoint, the checkpoint lacks a
-                passed object, or it cannot be read.
+            CheckpointError: ``step`` has no complete checkpoint, or one that is not signed by
+                this job or whose files changed since, the checkpoint lacks a passed object,
+                or it cannot be read.
             ConfigurationError: ``first_step`` was given and differs from the one the
                 checkpoint was saved with.
         """
@@ -387,10 +403,11 @@ class Checkpointer(CheckpointerInternals):
             step = check_step(step)
         self._check_open()
         self.wait()
-        info = self._run_on_rank0(functools.partial(self._choose, step))
-        if info is None:
+        found = self._genuine(self._run_on_rank0(functools.partial(self._choose, step)), step)
+        if found is None:
             logger.info("no complete checkpoint in %s: starting from step 0", self.directory)
             return 0
+        info = found.info
         if self._first_step is not None and self._first_step != info.first_step:
             raise ConfigurationError(
                 f"checkpoint {info.path!r} was saved by a loop whose first step was {info.first_step}, "
@@ -398,7 +415,7 @@ class Checkpointer(CheckpointerInternals):
                 "saving loop did, or leave first_step out to take the checkpoint's"
             )
         check_compatible(info, model, optimizers, stateful)
-        self._load(info, model, optimizers, stateful)
+        self._load(found, model, optimizers, stateful)
 
         self.restored = info
         self._first_step = info.first_step
@@ -440,13 +457,25 @@ class Checkpointer(CheckpointerInternals):
 
 
 def list_checkpoints(directory: str | os.PathLike) -> list[CheckpointInfo]:
-    """Every complete checkpoint under ``directory``, oldest step first."""
-    return CheckpointStore(directory).list_complete()
+    """Every complete checkpoint under ``directory``, oldest step first.
+
+    Where a key applies (a job's own checkpoint directory, in its ranks or on the client
+    that launched it), only checkpoints whose marker is signed with it count; their files
+    are checked when one is loaded.
+    """
+    return _listing_store(directory).list_complete()
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> CheckpointInfo | None:
-    """The newest complete checkpoint under ``directory``, or ``None``."""
-    return CheckpointStore(directory).latest()
+    """The newest complete checkpoint under ``directory``, or ``None`` (signed, where a key
+    applies, as for :func:`list_checkpoints`)."""
+    return _listing_store(directory).latest()
+
+
+def _listing_store(directory: str | os.PathLike) -> CheckpointStore:
+    store = CheckpointStore(directory)
+    store.key = required_key(store.directory)
+    return store
 
 
 def finish_pending_checkpoints() -> None:
