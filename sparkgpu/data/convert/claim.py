@@ -222,7 +222,7 @@ class FolderClaim:
         while True:
             taken, seen = self._try_take()
             if taken:
-                self.waited_s = time.monotonic() - began
+                self.waited_s = time.monotonic() - began if holder is not None else 0.0
                 # Only now: while another conversion holds the folder, an index there may be
                 # the old dataset it is replacing.
                 result = finished(holder is not None)
