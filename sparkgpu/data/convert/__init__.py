@@ -7,5 +7,7 @@
 - :mod:`~sparkgpu.data.convert.scan`: DataFrames that only scan files, converted from the files;
 - :mod:`~sparkgpu.data.convert.files`: Delta, Parquet and Arrow sources converted on this machine,
   in parallel groups that keep the row order;
-- :mod:`~sparkgpu.data.convert.output`: the output folder, committed atomically by its ``index.json``.
+- :mod:`~sparkgpu.data.convert.output`: the output folder, committed atomically by its ``index.json``;
+- :mod:`~sparkgpu.data.convert.claim`: one conversion per folder at a time, the others waiting
+  for it (a lease, taken over when its holder dies).
 """

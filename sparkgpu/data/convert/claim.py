@@ -203,10 +203,9 @@ class FolderClaim:
 
         Args:
             wait_s: Longest wait for a live claim of another conversion; 0 fails at once.
-            finished: Called with whether this conversion waited for another one, after the
-                claim is taken and whenever the other conversion let go of the folder: what it
-                returns, when not ``None``, is returned instead of converting (the claim is
-                then released).
+            finished: Called once the claim is taken, with whether this conversion waited for
+                another one: what it returns, when not ``None``, is returned instead of
+                converting (the claim is then released).
 
         Returns:
             ``None`` when the claim is held (convert now, then :meth:`release`), else what
@@ -225,7 +224,11 @@ class FolderClaim:
                 self.waited_s = time.monotonic() - began if holder is not None else 0.0
                 # Only now: while another conversion holds the folder, an index there may be
                 # the old dataset it is replacing.
-                result = finished(holder is not None)
+                try:
+                    result = finished(holder is not None)
+                except BaseException:
+                    self.release()
+                    raise
                 if result is not None:
                     self.release()
                     return result
