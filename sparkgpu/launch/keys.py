@@ -1,6 +1,8 @@
 """Job signing keys: made on the client, handed to a job's processes without leaving a trace.
 
-A job's key signs its payload, its ranks' results and its checkpoints. The run dir may be on
+The keyring itself (making, keeping and loading keys, per-purpose keys) is
+:mod:`sparkgpu._keyring`'s. A job's key signs its payload, its ranks' results, its control files
+and its checkpoints. The run dir may be on
 shared storage, so the key is never written there, and it is never put in a process's
 environment or command line, which any process of the same user can read
 (``/proc/<pid>/environ``, ``ps e``) for as long as the job runs:
@@ -11,9 +13,6 @@ environment or command line, which any process of the same user can read
 - the agent hands each rank a file of its own, 0600 in a fresh 0700 folder on local disk, that
   the rank's ``_air.py`` reads and removes before anything else runs (:func:`hand_to_ranks`);
   a rank forked by a warm pool gets it in memory instead.
-
-To let ``sparkgpu resume`` continue a job after the client process died, the key is also kept
-in the user's private keyring (``$SPARKGPU_HOME/keys/<job_id>``, mode 0600).
 """
 
 from __future__ import annotations
@@ -23,8 +22,6 @@ import tempfile
 from pathlib import Path
 from typing import IO
 
-# Kept importable from here for code written before the keyring moved below the launcher.
-from sparkgpu._keyring import current_job_key, derive_key, hold_job_key, load_key, new_key, save_key  # noqa: F401
 
 __all__ = [
     "rank_secrets",

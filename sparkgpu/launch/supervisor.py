@@ -44,11 +44,12 @@ from sparkgpu.errors import (
 from sparkgpu.launch.attempt_result import AttemptResult, StoppedBy, read_attempt
 from sparkgpu.launch.logs import LogStreamer
 from sparkgpu.launch.protocol import AttemptRecord, AttemptStatus, JobState, JobStatus
+from sparkgpu._keyring import derive_key
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.supervision_lock import SupervisionLock
 from sparkgpu.launch.run_layout import RunLayout
 from sparkgpu.spec import JobSpec
-from sparkgpu.train._checkpoint_store import CheckpointStore
+from sparkgpu.train._checkpoint_store import CheckpointStore, SigningKey
 
 __all__ = ["Supervisor", "JobStatus", "Decision", "FailurePolicy", "CANCEL_REQUEST_FILE"]
 
@@ -519,7 +520,10 @@ class Supervisor:
         """``(step, created)`` of the newest complete checkpoint in the job's checkpoint dir."""
         directory = self.backend.checkpoint_dir(self.run_dir)
         try:
-            info = CheckpointStore(directory).latest()
+            # Only markers sealed under this job's key count: a planted one would make a capped
+            # attempt pass for a preemption, which uses up no restart.
+            signing = SigningKey(derive_key(self.key, "checkpoints"), self.job.job_id)
+            info = CheckpointStore(directory, key=signing).latest()
         except Exception as exc:  # unreadable (permissions, a store that is down: fsspec raises its own types)
             report(
                 f"cannot read the checkpoints in {directory} ({exc}); an attempt stopped "

@@ -16,7 +16,9 @@ from sparkgpu.launch.payload import serialize_payload
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.supervisor import Supervisor
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
-from sparkgpu.train._checkpoint_store import MARKER_NAME, CheckpointInfo
+from sparkgpu._keyring import derive_key
+from sparkgpu.train._checkpoint_signing import Manifest
+from sparkgpu.train._checkpoint_store import MARKER_NAME, CheckpointInfo, CheckpointStore, SigningKey
 from tests.fakes.backend import FakeAttempt, ScriptedBackend
 
 
@@ -109,19 +111,27 @@ def test_timeout_cancels_the_attempt_and_raises(tmp_path):
 class CapBackend(ScriptedBackend):
     """Adds hung attempts that leave what a checkpointing function leaves at the cap.
 
-    ``"hang+checkpoint"`` commits a complete checkpoint while it runs; ``"hang+exit75"`` has
-    its ranks exit with the "resume me" status (as after ``stop_for_restart``) but no marker.
+    ``"hang+checkpoint"`` commits a complete checkpoint while it runs, signed with the job's
+    key as a rank's Checkpointer signs it; ``"hang+planted"`` has a writer of the checkpoint
+    directory plant an unsigned marker instead; ``"hang+exit75"`` has its ranks exit with the
+    "resume me" status (as after ``stop_for_restart``) but no marker.
     """
 
     def submit(self, job, run_dir, attempt, env, layout=None):
         action = self.script[attempt]
         self.script[attempt] = "hang" if action.startswith("hang") else action
         handle = super().submit(job, run_dir, attempt, env)
-        if action == "hang+checkpoint":
+        if action in ("hang+checkpoint", "hang+planted"):
             step_dir = run_dir.checkpoints / "step-0000000007"
             step_dir.mkdir(parents=True)
             info = CheckpointInfo(step=7, path=str(step_dir), world_size=job.world_size, created=time.time())
-            (step_dir / MARKER_NAME).write_text(json.dumps(info.to_json()))
+            if action == "hang+planted":
+                (step_dir / MARKER_NAME).write_text(json.dumps(info.to_json()))
+            else:
+                signing = SigningKey(derive_key(run_dir.key, "checkpoints"), job.job_id)
+                CheckpointStore(run_dir.checkpoints, key=signing).commit(
+                    info, Manifest({".metadata": (0, "0" * 64)}, {}, job.job_id)
+                )
         elif action == "hang+exit75":
             exits = {str(r): {"exitcode": EXIT_PREEMPTED, "pid": 1} for r in range(job.world_size)}
             run_dir.write_control(run_dir.node_file(attempt, 0), json.dumps({"failures": exits}).encode())
@@ -164,6 +174,13 @@ def test_ranks_that_exit_with_the_resume_status_at_the_cap_count_as_preempted(tm
     sup, backend, cb, rd, out = cap_job(tmp_path, ["hang+exit75", "ok"])
     assert sup.run()[0]["attempt"] == 1
     assert json.loads(rd.state_file.read_text())["preemptions"] == 1
+
+
+def test_a_planted_checkpoint_marker_does_not_make_a_capped_attempt_a_preemption(tmp_path):
+    sup, backend, cb, rd, out = cap_job(tmp_path, ["hang+planted", "ok"])
+    with pytest.raises(WorkerFailedError, match="did not checkpoint before it"):
+        sup.run()  # a preemption uses up no restart: a planted marker would keep a job looping
+    assert json.loads(rd.state_file.read_text())["preemptions"] == 0
 
 
 def test_an_old_checkpoint_does_not_make_a_capped_attempt_a_preemption(tmp_path):
