@@ -14,11 +14,47 @@ Standard library only: the launch path imports it before anything heavy.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 from collections.abc import Iterator
 from typing import BinaryIO
 
-__all__ = ["atomic_path", "atomic_write_bytes", "atomic_writer", "fsync_dir", "is_temporary", "temporary_name"]
+__all__ = [
+    "atomic_path",
+    "atomic_write_bytes",
+    "atomic_writer",
+    "fsync_dir",
+    "is_temporary",
+    "temporary_name",
+    "try_lock_file",
+]
+
+
+def try_lock_file(path: str | os.PathLike, holder: str, mode: int = 0o600) -> int | None:
+    """Takes an exclusive ``flock`` on ``path`` without waiting; the open descriptor, or ``None``
+    when another descriptor holds it.
+
+    The lock lasts until the descriptor is closed, and goes with its process however that
+    ends; the descriptor is not inherited by child processes. The holder writes ``holder`` (who
+    it is) into the file, for whoever finds it locked.
+
+    Args:
+        path: The lock file; created with ``mode`` (set exactly, whatever the umask, when this
+            process owns the file).
+        holder: What to write into the file once it is held.
+        mode: The file's permissions.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, mode)
+    with contextlib.suppress(PermissionError):  # another user's file: only its owner may change it
+        os.fchmod(fd, mode)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    os.ftruncate(fd, 0)
+    os.write(fd, holder.encode())
+    return fd
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

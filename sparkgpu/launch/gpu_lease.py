@@ -12,7 +12,6 @@ ends.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import socket
 import tempfile
@@ -20,6 +19,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from sparkgpu._files import try_lock_file
 from sparkgpu._report import report
 from sparkgpu.errors import CapacityError
 
@@ -46,20 +46,6 @@ class GpuLease:
         for fd in self._fds:
             os.close(fd)  # releases its flock
         self._fds = []
-
-
-def _try_lock(path: Path, holder: str) -> int | None:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    with contextlib.suppress(PermissionError):  # another user's file: only its owner may change its mode
-        os.fchmod(fd, 0o666)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    os.ftruncate(fd, 0)
-    os.write(fd, holder.encode())
-    return fd
 
 
 def _holder(path: Path) -> str:
@@ -96,7 +82,7 @@ def lease_gpus(addresses: Sequence[str], count: int, job_id: str, *, wait: float
             if len(devices) == count:
                 break
             path = folder / f"{prefix}-{address}.lock"
-            fd = _try_lock(path, holder)
+            fd = try_lock_file(path, holder, mode=0o666)  # every user of the machine locks it
             if fd is None:
                 busy[address] = _holder(path)
             else:

@@ -9,10 +9,10 @@ never leaves a job locked; the descriptor is not inherited by the ranks.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import socket
 
+from sparkgpu._files import try_lock_file
 from sparkgpu.launch.run_dir import PRIVATE_FILE, RunDir
 from sparkgpu.launch.run_layout import RunLayout
 
@@ -35,16 +35,8 @@ class SupervisionLock:
         """Takes the lock without waiting; False if another process (or another object) holds it."""
         if self._fd is not None:
             return True
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, PRIVATE_FILE)  # O_CLOEXEC by default in Python
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return False
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
-        self._fd = fd
-        return True
+        self._fd = try_lock_file(self.path, f"pid {os.getpid()} on {socket.gethostname()}\n", PRIVATE_FILE)
+        return self._fd is not None
 
     def holder(self) -> str:
         """Who holds the lock, as its holder wrote it (``"pid 123 on host"``), or ``"another process"``."""
