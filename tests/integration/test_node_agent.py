@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import subprocess
 import sys
 import time
@@ -49,7 +48,7 @@ def test_a_missing_node_fails_the_rendezvous_after_the_jobs_init_timeout():
     done = subprocess.run(command, input=key.hex() + "\n", capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and time.monotonic() - started < 90
     assert "node 0 of 2 gave up meeting the others" in done.stderr and "init_timeout of 3s" in done.stderr
-    assert json.loads(rd.node_file(0, 0).read_text())["status"] == 1  # so the other nodes stop too
+    assert RunDir(rd.path, key=key).read_control_json(rd.node_file(0, 0))["status"] == 1  # the other nodes stop too
 
 
 @distributed(gpus=2, gpu_type="cpu", ship_environment=True, log_ranks="all")

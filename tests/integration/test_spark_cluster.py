@@ -22,6 +22,7 @@ from sparkgpu.config import settings
 from sparkgpu.launch.backends.spark_capacity import clear_capacity_cache
 from tests.integration.processes import assert_no_orphans as _assert_no_orphans, ctrl_c_client, processes_of
 from tests.integration.spark_cluster import every_gpu_held, hold_until
+from tests.sealed import sealed_json
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.usefixtures("workers_share_this_image")]
 
@@ -69,7 +70,7 @@ def test_train_all_reduces_across_four_ranks_on_both_workers(cluster_spark, spar
     assert sorted(by_node.values()) == [spark_cluster.worker_addresses(0), spark_cluster.worker_addresses(1)]
 
     spark_files = settings().staging_root / cluster_spark.gpu.last_job_id / "attempts" / "0" / "spark"
-    ended = [json.loads((spark_files / f"node-{n}.ended").read_text()) for n in (0, 1)]
+    ended = [sealed_json(spark_files / f"node-{n}.ended") for n in (0, 1)]
     assert [e["state"] for e in ended] == ["succeeded", "succeeded"]
     started = [json.loads((spark_files / f"node-{n}.started").read_text()) for n in (0, 1)]
     assert len({s["executor"] for s in started}) == 2  # two executors, on two workers
@@ -200,7 +201,7 @@ def test_decorator_uses_sparkgpu_spark_remote_and_ctrl_c_stops_every_process(
     assert [rank for rank, _ in results] == [0, 1] and len({address for _, address in results}) == 2
     assert_no_orphans(run_dir)
     assert json.loads((run_dir / "state.json").read_text())["status"] == "cancelled"
-    states = [json.loads(p.read_text())["state"] for p in sorted(run_dir.glob("attempts/0/spark/node-*.ended"))]
+    states = [sealed_json(p)["state"] for p in sorted(run_dir.glob("attempts/0/spark/node-*.ended"))]
     assert states == ["cancelled", "cancelled"]  # stopped politely, before Spark had to kill anything
 
 

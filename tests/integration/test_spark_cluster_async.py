@@ -21,6 +21,7 @@ from sparkgpu.config import settings
 from sparkgpu.launch.supervisor import JobStatus
 from tests.integration.processes import assert_no_orphans, wait_for
 from tests.integration.test_spark_cluster import no_tracking  # noqa: F401 (fixture)
+from tests.sealed import sealed_json
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.usefixtures("workers_share_this_image")]
 
@@ -54,7 +55,7 @@ CLIENT = textwrap.dedent("""
 
 
 def node_states(run_dir, attempt: int) -> list[str]:
-    return [json.loads(p.read_text())["state"] for p in sorted(run_dir.glob(f"attempts/{attempt}/spark/node-*.ended"))]
+    return [sealed_json(p)["state"] for p in sorted(run_dir.glob(f"attempts/{attempt}/spark/node-*.ended"))]
 
 
 @pytest.mark.usefixtures("no_tracking")

@@ -26,6 +26,7 @@ import pytest
 from sparkgpu.config import settings
 from tests.integration.processes import assert_no_orphans
 from tests.integration.spark_cluster import cluster_session, disposable_cluster
+from tests.sealed import sealed_json
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.usefixtures("workers_share_this_image")]
 
@@ -172,7 +173,7 @@ def test_a_killed_client_s_ranks_stop_on_its_heartbeat_and_resume_continues_on_s
     )
     (run_dir,) = settings().staging_root.glob("client-died-*")
     ended = wait_for(lambda: sorted(run_dir.glob("attempts/0/spark/node-*.ended")), 60, "the node to end")
-    assert [json.loads(p.read_text())["state"] for p in ended] == ["client-lost"]
+    assert [sealed_json(p)["state"] for p in ended] == ["client-lost"]
     assert json.loads((run_dir / "state.json").read_text())["status"] == "running"  # left by the dead client
 
     # A fresh process with no session and no SPARKGPU_SPARK_REMOTE: the job says where it ran.

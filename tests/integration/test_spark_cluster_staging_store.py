@@ -18,6 +18,7 @@ import pytest
 from sparkgpu import WorkerFailedError, runtime
 from sparkgpu.config import reset_settings, settings
 from tests.integration.processes import assert_no_orphans
+from tests.sealed import sealed_json
 from tests.integration.test_spark_cluster import (  # noqa: F401 (no_tracking: a fixture)
     assert_rank_two_is_named_with_its_traceback,
     corrupt_shard_on_rank_two,
@@ -83,7 +84,7 @@ def test_train_returns_every_ranks_result_and_output_through_the_store(cluster_s
     for rank in range(4):
         assert f"[rank{rank}] hello from rank {rank}" in out
         assert f"hello from rank {rank}" in (client_run_dir / "attempts/0/logs" / f"rank-{rank}.log").read_text()
-    ended = [json.loads((client_run_dir / "attempts/0/spark" / f"node-{n}.ended").read_text()) for n in (0, 1)]
+    ended = [sealed_json(client_run_dir / "attempts/0/spark" / f"node-{n}.ended") for n in (0, 1)]
     assert [e["state"] for e in ended] == ["succeeded", "succeeded"]
     # The store holds the payload the client uploaded and the results the nodes uploaded.
     assert (staging_store / job_id / "payload.sig").exists()
