@@ -30,6 +30,7 @@ from typing import Any
 import cloudpickle
 
 from sparkgpu._files import atomic_write_bytes, atomic_writer
+from sparkgpu._keyring import derive_key
 from sparkgpu.errors import ConfigurationError, PayloadSignatureError, RankFailure
 from sparkgpu.launch.payload_signature import sign_payload, verifier_source, verify_payload
 from sparkgpu.launch.control import seal, unseal
@@ -115,12 +116,21 @@ class RunDir:
         return self.path / rel
 
     # -- control files (sealed under the job key, sparkgpu.launch.control) ---------------
+    def _keyring_key(self) -> bytes:
+        """The job key from this user's keyring (the client's), kept on this run dir.
+
+        Raises:
+            ConfigurationError: the job was launched from another machine or user.
+        """
+        from sparkgpu._keyring import load_key
+
+        self.key = load_key(self.job_id)
+        return self.key
+
     def _known_key(self) -> bytes | None:
         if not self.key:
-            from sparkgpu._keyring import load_key  # the client's keyring
-
             try:
-                self.key = load_key(self.job_id)
+                return self._keyring_key()
             except ConfigurationError:
                 return None
         return self.key
@@ -319,9 +329,7 @@ class RunDir:
         if self.key:
             key = self.key
         elif reading:
-            from sparkgpu._keyring import load_key  # the client's keyring
-
-            key = self.key = load_key(self.job_id)
+            key = self._keyring_key()
         else:
             raise PayloadSignatureError(
                 f"rank {rank} of {self.job_id} has no job key to sign its {kind} with (its launcher handed none); "
@@ -329,7 +337,7 @@ class RunDir:
             )
         # A key of its own for outputs, and the file's place in the job bound into the MAC, so
         # a signed file is never accepted as a payload signature or as another rank's output.
-        output_key = hmac.new(key, b"sparkgpu rank outputs", hashlib.sha256).digest()
+        output_key = derive_key(key, "rank outputs")
         mac = hmac.new(output_key, digestmod=hashlib.sha256)
         mac.update(f"{self.job_id}\0{attempt}\0{rank}\0{kind}\0".encode())
         return mac
