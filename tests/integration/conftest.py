@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.spark_cluster import LocalSparkCluster, java_available
+from tests.integration.spark_cluster import DISPOSABLE_CLUSTER, LocalSparkCluster, java_available
 
 
 @pytest.fixture(scope="session")
@@ -33,6 +33,21 @@ def spark_cluster(tmp_path_factory):
     cluster.stop()
     left = cluster.leftover_processes()
     assert not left, "processes of the test Spark cluster survived its shutdown:\n" + "\n".join(left)
+
+
+@pytest.fixture(scope="session")
+def disposable_spark_cluster(tmp_path_factory):
+    """A second cluster of the same shape for the tests that kill or restart its processes
+    (workers, executors, the Connect server): never the shared :func:`spark_cluster`.
+
+    One per session (a start costs 40-60 s on a busy machine); each module that uses it
+    takes it through :meth:`LocalSparkCluster.repaired`, so a fault one test left behind
+    is mended before the next module starts.
+    """
+    from tests.integration.spark_cluster import disposable_cluster
+
+    with disposable_cluster(tmp_path_factory.mktemp("disposable-cluster"), DISPOSABLE_CLUSTER) as cluster:
+        yield cluster
 
 
 @pytest.fixture

@@ -285,6 +285,20 @@ class LocalSparkCluster:
 
         self._wait(new_app_has_executors, deadline, "the new Connect server's executors to start", "connect")
 
+    def repaired(self, timeout: float = 180.0) -> "LocalSparkCluster":
+        """This cluster with every process a test killed started again (a worker, the Connect
+        server), once the application holds an executor on every worker."""
+        deadline = time.monotonic() + timeout
+        if self._processes["master"].poll() is not None:
+            raise RuntimeError(f"the master of {self.name} is gone; a test must not kill it")
+        if self._processes["connect"].poll() is not None:
+            self._start_connect_server(deadline, port=self.connect_port)
+        for index in range(self.workers):
+            if self._processes[f"worker-{index}"].poll() is not None:
+                self.restart_worker(index, max(1.0, deadline - time.monotonic()))
+        self.wait_for_executors(max(1.0, deadline - time.monotonic()))
+        return self
+
     def wait_for_executors(self, timeout: float = 120.0) -> None:
         """Waits until the application holds an executor on every worker again (after a fault)."""
         self._wait(self._executors_registered, time.monotonic() + timeout, "the executors to be back", "master")
@@ -532,6 +546,10 @@ def _main() -> None:
 
 if __name__ == "__main__":
     _main()
+
+
+#: The name of the session's disposable cluster (``TEST_SPARK_CLUSTER`` on its executors).
+DISPOSABLE_CLUSTER = "sparkgpu-disposable-cluster"
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ import pytest
 
 from sparkgpu.config import settings
 from tests.integration.processes import assert_no_orphans
-from tests.integration.spark_cluster import cluster_session, disposable_cluster
+from tests.integration.spark_cluster import DISPOSABLE_CLUSTER, cluster_session
 from tests.sealed import sealed_json
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.usefixtures("workers_share_this_image")]
@@ -86,10 +86,10 @@ CLIENT = textwrap.dedent("""
 
 
 @pytest.fixture(scope="module")
-def clients_cluster(tmp_path_factory):
-    """Two workers (GPUs 0,1 and 2,3) of its own: these tests kill clients and fill every GPU."""
-    with disposable_cluster(tmp_path_factory.mktemp("clients-cluster"), "sparkgpu-clients-cluster") as cluster:
-        yield cluster
+def clients_cluster(disposable_spark_cluster):
+    """Two workers (GPUs 0,1 and 2,3) that are not the shared cluster's: these tests kill clients,
+    restart its Connect server and fill every GPU."""
+    return disposable_spark_cluster.repaired()
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +238,7 @@ def test_three_jobs_on_a_cluster_that_fits_two_queue_and_never_share_a_gpu(clien
     assert not exposed, f"processes of the cluster or of its jobs listen beyond loopback: {exposed}"
 
     ranks = [r for result in results for r in result]
-    assert all(r["cluster"] == "sparkgpu-clients-cluster" for r in ranks)
+    assert all(r["cluster"] == DISPOSABLE_CLUSTER for r in ranks)
     for call, result in zip(calls, results):
         assert [r["rank"] for r in result] == [0, 1]
         assert len({r["gpu"] for r in result}) == 2, f"two ranks of one job shared a GPU: {result}"

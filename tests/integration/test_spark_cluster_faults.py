@@ -24,7 +24,7 @@ from sparkgpu.config import reset_settings, settings
 from sparkgpu.errors import NodeLostError
 from sparkgpu.usage import UsageLedger
 from sparkgpu.usage.rates import billed_seconds
-from tests.integration.spark_cluster import cluster_session, disposable_cluster
+from tests.integration.spark_cluster import cluster_session
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.usefixtures("workers_share_this_image")]
 
@@ -33,10 +33,9 @@ STOP_BOUND = 15.0
 
 
 @pytest.fixture(scope="module")
-def fault_cluster(tmp_path_factory):
-    """Two workers (GPUs 0,1 and 2,3) of its own: these tests kill their processes."""
-    with disposable_cluster(tmp_path_factory.mktemp("fault-cluster"), "sparkgpu-fault-cluster") as cluster:
-        yield cluster
+def fault_cluster(disposable_spark_cluster):
+    """Two workers (GPUs 0,1 and 2,3) that are not the shared cluster's: these tests kill their processes."""
+    return disposable_spark_cluster.repaired()
 
 
 @pytest.fixture(scope="module")
