@@ -148,11 +148,14 @@ class Backend(abc.ABC):
         """Frees the GPUs ``job`` holds after it checkpointed and stopped for a more urgent job."""
 
     def await_capacity(self, job: JobSpec, wait: float | None) -> None:  # noqa: B027 - a hook, as above
-        """Waits, in the backend's queue, for the GPUs of a job that gave way; before its next
-        attempt starts, so that the wait is no attempt's and nobody is billed for it.
+        """Waits, in the backend's queue, for the job's GPUs: before its first attempt, and after it
+        gave way, before its next one; outside any attempt, so that nobody is billed for the wait.
+
+        Args:
+            wait: Seconds to wait; ``None`` for the backend's default (``SPARKGPU_SPARK_WAIT_TIMEOUT``).
 
         Raises:
-            CapacityError: they did not come free within ``wait`` seconds (``None``: no limit).
+            CapacityError: they did not come free within ``wait`` seconds.
         """
 
     def ranks_started_at(self, handle: AttemptHandle) -> float | None:

@@ -206,7 +206,8 @@ class LocalBackend(Backend):
     def _lease_devices(self, job: JobSpec, env: dict[str, str], wait: float | None = None) -> dict[str, str]:
         """``env`` with the GPUs the job holds (``NODE_DEVICES_ENV``), leased at its first attempt
         (and again after it gave way to a critical job): two local jobs never share a GPU, and
-        waiting ones take turns by priority (:mod:`sparkgpu.launch.gpu_lease`)."""
+        waiting ones take turns by priority (:mod:`sparkgpu.launch.gpu_lease`). ``wait``: seconds
+        to wait for them, ``SPARKGPU_SPARK_WAIT_TIMEOUT`` when ``None``."""
         if not job.devices:
             return env
         lease = self._leases.get(job.job_id)
@@ -239,7 +240,7 @@ class LocalBackend(Backend):
             lease.release()
 
     def await_capacity(self, job: JobSpec, wait: float | None) -> None:
-        self._lease_devices(job, {}, wait=wait if wait is not None else float("inf"))
+        self._lease_devices(job, {}, wait=wait)
 
     def submit(self, job, run_dir, attempt, env, layout=None) -> AttemptHandle:
         env = self._lease_devices(job, env)
