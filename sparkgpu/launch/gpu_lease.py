@@ -24,7 +24,7 @@ from sparkgpu.errors import CapacityError
 from sparkgpu.launch.gpu_queue import GpuHolder, GpuQueue, QueueEntry
 from sparkgpu.priority import Priority
 
-__all__ = ["GpuLease", "lease_gpus", "lock_dir", "pool_of", "waiting_jobs"]
+__all__ = ["GpuLease", "lease_gpus", "lock_dir", "pool_of", "to_preempt", "waiting_jobs"]
 
 _POLL_SECONDS = 0.5
 
@@ -84,6 +84,25 @@ def _try_all(folder: Path, pool: str, addresses: Sequence[str], count: int, hold
     return None, busy
 
 
+def to_preempt(busy: dict[str, GpuHolder | None], *, free: int, count: int) -> list[GpuHolder]:
+    """The best-effort holders whose GPUs, with the ``free`` ones, make up ``count``: the fewest
+    jobs, those holding most first; none when even all of them would not make it up (stopping
+    them would idle their GPUs behind the normal or critical jobs that hold the rest)."""
+    held: dict[GpuHolder, int] = {}
+    for holder in busy.values():
+        if holder is not None and holder.priority.preemptible:
+            held[holder] = held.get(holder, 0) + 1
+    if free + sum(held.values()) < count:
+        return []
+    chosen = []
+    for holder, gpus in sorted(held.items(), key=lambda item: (-item[1], item[0].job_id)):
+        if free >= count:
+            break
+        chosen.append(holder)
+        free += gpus
+    return chosen
+
+
 def lease_gpus(
     addresses: Sequence[str],
     count: int,
@@ -130,7 +149,7 @@ def lease_gpus(
                 if lease is not None:
                     return lease
                 if priority is Priority.CRITICAL:
-                    for gpu_holder in {h for h in busy.values() if h is not None and h.priority.preemptible}:
+                    for gpu_holder in to_preempt(busy, free=len(addresses) - len(busy), count=count):
                         if queue.ask_to_give_way(gpu_holder):
                             report(
                                 f"job {job_id} ({priority.value}) asks best-effort job {gpu_holder.job_id} to checkpoint and give way"

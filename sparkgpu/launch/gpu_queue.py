@@ -18,7 +18,8 @@ first entry may take GPUs: a job that does not fit keeps the ones behind it wait
 queue does (no job overtakes a more urgent or an older one).
 
 **Preemption is a request, judged by its target.** The first entry, when it is ``critical``,
-writes a :class:`PreemptionRequest` for each ``best_effort`` job holding GPUs of its pool. The
+writes a :class:`PreemptionRequest` for as few ``best_effort`` jobs holding GPUs of its pool as
+make up, with the free GPUs, what it needs (:func:`~sparkgpu.launch.gpu_lease.to_preempt`). The
 target's own supervisor reads it (:func:`pending_request`) and honours it only if the
 requester's entry is live, ``critical``, of the same pool and first in the queue, and the
 target itself is ``best_effort``; then it asks its ranks to checkpoint and stop, as at the

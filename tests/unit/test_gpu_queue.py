@@ -16,7 +16,7 @@ import time
 import pytest
 
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.launch.gpu_lease import lease_gpus
+from sparkgpu.launch.gpu_lease import lease_gpus, to_preempt
 from sparkgpu.launch.gpu_queue import GpuHolder, GpuQueue, PreemptionRequest, QueueEntry, pending_request
 from sparkgpu.priority import Priority
 
@@ -192,3 +192,42 @@ def test_a_freed_gpu_goes_to_the_higher_class_though_it_asked_later(tmp_path, mo
     assert got == ["ordinary", "background"]
     assert json.loads((tmp_path / "simulated-gpu-0.lock").read_text())["priority"] == "best_effort"
     assert os.listdir(tmp_path / "queue") == []  # both left the queue once served
+
+
+def test_a_critical_job_asks_only_as_many_best_effort_jobs_as_make_up_its_gpus():
+    big, small = GpuHolder("big", Priority.BEST_EFFORT), GpuHolder("small", Priority.BEST_EFFORT)
+    ordinary = GpuHolder("ordinary", Priority.NORMAL)
+    busy = {"0": big, "1": big, "2": small, "3": ordinary}
+    assert to_preempt(busy, free=0, count=2) == [big]
+    assert to_preempt(busy, free=1, count=2) == [big]  # the fewest jobs: one holding two
+    assert to_preempt(busy, free=0, count=3) == [big, small]
+    # Stopping every best-effort job would still leave it short: nobody is stopped for nothing.
+    assert to_preempt(busy, free=0, count=4) == []
+    assert to_preempt({"0": ordinary, "1": None}, free=0, count=1) == []
+
+
+def test_a_critical_job_first_in_line_writes_its_request_and_takes_it_back_when_served(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARKGPU_GPU_LOCK_DIR", str(tmp_path))
+    from sparkgpu.config import settings
+
+    settings.cache_clear()
+    background = lease_gpus(["0", "1"], 2, "background", wait=5, simulated=True, priority=Priority.BEST_EFFORT)
+    seen: list[tuple[PreemptionRequest, QueueEntry]] = []
+
+    def target_supervisor() -> None:  # polls for a request, then frees its GPUs, as a supervisor does
+        deadline = time.monotonic() + 15
+        while not seen and time.monotonic() < deadline:
+            found = pending_request(tmp_path, "background", Priority.BEST_EFFORT, "simulated-gpu")
+            if found is not None:
+                seen.append(found)
+            time.sleep(0.05)
+        background.release()
+
+    threading.Thread(target=target_supervisor).start()
+    lease = lease_gpus(["0", "1"], 2, "urgent", wait=20, simulated=True, priority=Priority.CRITICAL)
+    try:
+        assert lease.devices == ("0", "1")
+        assert seen[0] is not None and seen[0][0].requester_job_id == "urgent"
+        assert os.listdir(tmp_path / "preempt") == []  # served: its request is gone
+    finally:
+        lease.release()
