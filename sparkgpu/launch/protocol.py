@@ -23,8 +23,8 @@ policy stopped it (its ranks were asked to checkpoint). ``SUCCEEDED`` is final;
 
     RUNNING -> SUCCEEDED | FAILED | PREEMPTED | STOPPED | TIMED_OUT | CANCELLED | LOST
 
-``PREEMPTED``: its ranks checkpointed and stopped (at the runtime cap, or for a restart); the
-next attempt resumes without using up a restart. ``STOPPED``: stopped by a policy without a
+``PREEMPTED``: its ranks checkpointed and stopped (at the runtime cap, for a restart, or to give
+way to a critical job); the next attempt resumes without using up a restart. ``STOPPED``: stopped by a policy without a
 checkpoint. ``TIMED_OUT`` and ``CANCELLED``: as for the job. ``LOST``: its client died while
 it ran; ``sparkgpu resume`` records that when it takes the job over. Every state but
 ``RUNNING`` is final.

@@ -1,8 +1,9 @@
 """The client-side supervisor: an explicit state machine over attempts.
 
 ``PENDING -> RUNNING(attempt k) -> SUCCEEDED``; from ``RUNNING`` an attempt can also end
-``PREEMPTED`` (ranks checkpointed at the runtime cap: a new attempt resumes, no restart is
-used up) or ``FAILED`` (the :class:`FailurePolicy` decides between a restart and raising).
+``PREEMPTED`` (ranks checkpointed at the runtime cap, or to give way to a critical job: a new
+attempt resumes, no restart is used up; a job that gave way first waits for GPUs in the host's
+queue, between two attempts, so the wait is not billed) or ``FAILED`` (the :class:`FailurePolicy` decides between a restart and raising).
 An attempt stopped at the cap counts as preempted only when its ranks stopped for a restart
 or it committed a new checkpoint; otherwise it failed, so a function that never checkpoints
 cannot resume forever. ``TIMED_OUT``, ``CANCELLED`` and ``STOPPED`` (a usage policy's stop:
@@ -34,6 +35,7 @@ from sparkgpu._files import atomic_write_bytes
 from sparkgpu._report import console, report
 from sparkgpu.callbacks import AttemptOutcome, JobCallback
 from sparkgpu.errors import (
+    CapacityError,
     EnvironmentMismatchError,
     JobCancelledError,
     JobStateError,
@@ -255,7 +257,14 @@ class Supervisor:
         report(f"job {self.job.job_id} checkpointed and gave way ({reason}); it resumes once GPUs come free", self.out)
         timeout = self.job.policy.timeout
         left = None if timeout is None else max(0.0, timeout - (time.monotonic() - job_started))
-        self.backend.await_capacity(self.job, left if left is not None else float("inf"))
+        try:
+            self.backend.await_capacity(self.job, left if left is not None else float("inf"))
+        except CapacityError as exc:
+            self._set_status(JobStatus.TIMED_OUT)
+            raise JobTimeoutError(
+                f"job {self.job.job_id} gave way to a critical job and its timeout of {timeout:g}s ran out while "
+                f"it waited for GPUs; continue it with `sparkgpu resume {self.job.job_id}`, or raise timeout="
+            ) from exc
         self.state.pop("waiting", None)
         self._save()
 

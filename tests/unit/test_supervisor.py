@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from sparkgpu.errors import JobTimeoutError, NodeLostError, WorkerFailedError
+from sparkgpu.errors import CapacityError, JobTimeoutError, NodeLostError, WorkerFailedError
 from sparkgpu.launch.attempt_report import AttemptReport, NodeReport
 from sparkgpu.launch.attempt_result import read_attempt
 from sparkgpu.launch.callbacks import JobCallback
@@ -522,3 +522,21 @@ def test_a_job_asked_to_give_way_checkpoints_frees_its_gpus_and_resumes_unbilled
     assert "gave way" in out.getvalue() and "using no restart" in out.getvalue()
     # Billed: the two attempts' spans only; the second starts after the wait in the queue.
     assert outcomes[0].ended_at < backend.waited_until - 0.9 and outcomes[1].started_at >= backend.waited_until
+
+
+class NeverGetsItsGPUsBack(AskedToGiveWay):
+    def await_capacity(self, job, wait):
+        if wait is not None:
+            self.events.append(f"await_capacity:{wait:.0f}")
+            raise CapacityError("busy: GPU 0: urgent-1")
+
+
+def test_a_job_whose_timeout_runs_out_while_it_waits_after_giving_way_times_out_resumably(tmp_path):
+    sup, _, cb, rd, out = run_job(tmp_path, ["hang", "ok"], checkpoint_grace=0.3, timeout=30)
+    sup.backend = backend = NeverGetsItsGPUsBack(["hang", "ok"], queue_wait=0)
+    with pytest.raises(JobTimeoutError, match="gave way to a critical job .* `sparkgpu resume job-1`"):
+        sup.run()
+    assert backend.events[-1] in ("await_capacity:29", "await_capacity:28")  # what was left of its timeout
+    state = json.loads(rd.state_file.read_text())
+    assert state["status"] == "timed_out" and [a["status"] for a in state["attempts"]] == ["preempted"]
+    assert state["restarts"] == 0
