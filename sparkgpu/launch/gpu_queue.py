@@ -41,7 +41,6 @@ import re
 import socket
 import time
 from pathlib import Path
-from typing import Any
 
 from sparkgpu.priority import Priority
 
@@ -332,8 +331,3 @@ def pending_request(
             continue  # only the first in the queue may ask: the others would not get the GPUs
         return request, entry
     return None
-
-
-def describe(entry: QueueEntry, position: int) -> dict[str, Any]:
-    """What ``sparkgpu jobs`` shows of a waiting job."""
-    return {"priority": entry.priority.value, "queue_position": position, "waiting_since": entry.order}
