@@ -227,12 +227,15 @@ def list_jobs(staging_root: Path | None = None) -> list[dict]:
 
     Each has ``job_id``, ``name``, ``status`` (``staged`` when no attempt ever started),
     ``attempts``, ``restarts``, ``preemptions``, ``gpus``, ``gpu_type``, ``backend``, ``tags``,
-    ``started_at``, ``ended_at``, ``duration_s`` and ``stop_reason``.
+    ``started_at``, ``ended_at``, ``duration_s``, ``stop_reason``, ``priority`` and
+    ``queue_position`` (its place in this host's GPU queue while ``waiting``, else ``None``).
     """
     from sparkgpu.config import settings
+    from sparkgpu.launch.gpu_lease import waiting_jobs
     from sparkgpu.launch.resume import client_is_gone
 
     root = Path(staging_root or settings().staging_root)
+    waiting = waiting_jobs()
     jobs = []
     for spec_file in root.glob(f"*/{RunLayout.SPEC}"):
         spec = _read_json(spec_file)
@@ -246,6 +249,9 @@ def list_jobs(staging_root: Path | None = None) -> list[dict]:
         status = state.get("status", ListedStatus.STAGED.value)
         if status == JobStatus.RUNNING and client_is_gone(state.get("client")):
             status = ListedStatus.LOST.value  # its client died: `sparkgpu resume JOB_ID` continues it
+        queued = waiting.get(spec["job_id"])
+        if queued is not None and status in (ListedStatus.STAGED, JobStatus.PENDING, JobStatus.RUNNING):
+            status = ListedStatus.WAITING.value
         end = ended if ended is not None else (time.time() if status == JobStatus.RUNNING else None)
         jobs.append(
             {
@@ -264,6 +270,8 @@ def list_jobs(staging_root: Path | None = None) -> list[dict]:
                 "ended_at": ended,
                 "duration_s": (end - started) if started is not None and end is not None else None,
                 "stop_reason": state.get("stop_reason"),
+                "priority": (spec.get("policy") or {}).get("priority") or "normal",
+                "queue_position": queued[1] if queued is not None else None,
                 "run_dir": str(spec_file.parent),
             }
         )
@@ -297,6 +305,7 @@ _STATUS_STYLE = {
     JobStatus.CANCELLED: "yellow",
     ListedStatus.STAGED: "dim",
     ListedStatus.LOST: "magenta",
+    ListedStatus.WAITING: "blue",
 }
 
 
@@ -320,6 +329,7 @@ def cmd_jobs(args) -> int:
     columns: tuple[tuple[str, Literal["left", "right"]], ...] = (
         ("job id", "left"),
         ("status", "left"),
+        ("priority", "left"),
         ("GPUs", "right"),
         ("attempts", "right"),
         ("restarts", "right"),
@@ -333,7 +343,9 @@ def cmd_jobs(args) -> int:
         style = _STATUS_STYLE.get(job["status"], "")
         table.add_row(
             job["job_id"],
-            f"[{style}]{job['status']}[/]" if style else job["status"],
+            (f"[{style}]{job['status']}[/]" if style else job["status"])
+            + (f" #{job['queue_position']}" if job["queue_position"] else ""),
+            job["priority"],
             f"{job['gpus']} x {job['gpu_type'] or 'auto'}",
             str(job["attempts"]),
             str(job["restarts"]),

@@ -162,6 +162,9 @@ class Settings:
         spark_wait_timeout: Seconds a Spark job waits for busy GPUs (or for busy executors to
             answer the capacity probe) before it gives up (``SPARKGPU_SPARK_WAIT_TIMEOUT``,
             default 600).
+        gpu_lock_dir: The machine-wide folder of local GPU leases and their queue
+            (``SPARKGPU_GPU_LOCK_DIR``; ``<tmp>/sparkgpu-gpus`` by default). Every user of the
+            machine must use the same one, or their jobs share GPUs and skip each other's queue.
         spark_client_timeout: Seconds a Spark job's nodes keep its ranks running without a
             heartbeat from the client that drives it; then they stop them, and ``sparkgpu
             resume JOB_ID`` continues the job (``SPARKGPU_SPARK_CLIENT_TIMEOUT``, default 120, at
@@ -211,6 +214,7 @@ class Settings:
     env_exclude: tuple[str, ...] = ()
     env_worker_lock: str | None = None
     spark_wait_timeout: float = 600.0
+    gpu_lock_dir: str | None = None
     spark_client_timeout: float | None = 120.0
     spark_node_timeout: float = 10.0
     data_volume: str = ""
@@ -267,6 +271,7 @@ class Settings:
             env_exclude=tuple(p.strip() for p in (env.get("SPARKGPU_ENV_EXCLUDE") or "").split(",") if p.strip()),
             env_worker_lock=env.get("SPARKGPU_ENV_WORKER_LOCK") or None,
             spark_wait_timeout=_env_seconds(env, "SPARKGPU_SPARK_WAIT_TIMEOUT", 600.0),
+            gpu_lock_dir=env.get("SPARKGPU_GPU_LOCK_DIR") or None,
             spark_client_timeout=_heartbeat_timeout(
                 env, "SPARKGPU_SPARK_CLIENT_TIMEOUT", 120.0, at_least=6.0, may_be_none=True
             ),

@@ -328,6 +328,7 @@ def distributed(
     max_runtime=None,
     checkpoint_grace="60s",
     max_restarts: int = 0,
+    priority="normal",
     log_ranks="main",
     name: str | None = None,
     tags: dict[str, str] | None = None,
@@ -365,6 +366,10 @@ def distributed(
             default to 7 days, local ones to no cap.
         checkpoint_grace: See ``max_runtime``.
         max_restarts: Attempts restarted after a failure before it is raised.
+        priority: ``"best_effort"``, ``"normal"`` or ``"critical"`` (databricks' ``BEST_EFFORT``
+            / ``NORMAL`` / ``CRITICAL`` too): waiting jobs get free GPUs by class, then in
+            order; a critical job that does not fit asks best-effort jobs to checkpoint and
+            stop, and they resume by themselves, using no restart (:mod:`sparkgpu.priority`).
         log_ranks: Ranks whose output streams to the caller: ``"main"`` (rank 0), ``"all"``,
             ``None`` (none) or a list of ranks. Every rank's output is kept in the run dir.
         name: Job name (the function's name by default).
@@ -404,6 +409,7 @@ def distributed(
         max_runtime=max_runtime,
         checkpoint_grace=checkpoint_grace,
         max_restarts=max_restarts,
+        priority=priority,
     )
 
     if pool is not None:

@@ -84,6 +84,12 @@ JOB_OPTIONS: tuple[JobOption, ...] = (
     JobOption("checkpoint_grace", DURATION, "time before max_runtime at which ranks are asked to checkpoint, e.g. 5m"),
     JobOption("timeout", DURATION, "limit on the whole job, e.g. 12h"),
     JobOption("max_restarts", INT, "number of attempts restarted after a failure"),
+    JobOption(
+        "priority",
+        TEXT,
+        "priority class: best_effort, normal or critical (BEST_EFFORT/NORMAL/CRITICAL too); critical jobs go "
+        "first and may preempt best_effort ones, which checkpoint and resume by themselves",
+    ),
     JobOption("tags", MAPPING, "mapping of tags for tracking and cost attribution, e.g. {team: ml}", flag="--tag"),
     JobOption("log_ranks", RANKS, "ranks whose output streams to the caller: main, all, none or a list such as 0,2"),
     JobOption("experiment", TEXT, "MLflow experiment of the job's run (default: named after the script)"),

@@ -149,7 +149,7 @@ class GPUNamespace:
             gpus_per_node: Ranks per barrier task (default: as many as one executor holds).
             wait_timeout: Seconds to wait for busy GPUs (``SPARKGPU_SPARK_WAIT_TIMEOUT``).
             **distributed_options: As for :func:`sparkgpu.distributed` (``timeout``,
-                ``max_runtime``, ``max_restarts``, ``log_ranks``, ``name``, ``tags``, ``callbacks``).
+                ``max_runtime``, ``max_restarts``, ``priority``, ``log_ranks``, ``name``, ``tags``, ``callbacks``).
 
         Returns:
             One return value per rank, ordered by rank.

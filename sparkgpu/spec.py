@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from sparkgpu.catalog import AcceleratorShape, lookup_accelerator_type, lookup_gpu_type
 from sparkgpu.errors import ConfigurationError
+from sparkgpu.priority import Priority
 from sparkgpu.units import parse_duration
 
 __all__ = ["Resources", "RunPolicy", "JobSpec", "new_job_id", "requested_resources", "log_rank_selection"]
@@ -150,6 +151,8 @@ class RunPolicy:
         max_restarts: Attempts restarted after a failure before the failure is raised.
         shutdown_grace: Seconds ranks get to exit after SIGTERM before SIGKILL.
         init_timeout: Seconds the process group waits for all ranks to join.
+        priority: The job's :class:`~sparkgpu.priority.Priority` class: its place among jobs
+            waiting for GPUs, and whether a ``critical`` job may preempt it.
     """
 
     timeout: float | None = None
@@ -158,8 +161,10 @@ class RunPolicy:
     max_restarts: int = 0
     shutdown_grace: float = 10.0
     init_timeout: float = 600.0
+    priority: Priority = Priority.NORMAL
 
     def __post_init__(self):
+        object.__setattr__(self, "priority", Priority.parse(self.priority))
         for field in ("timeout", "max_runtime"):
             object.__setattr__(self, field, parse_duration(getattr(self, field), name=field))
         for field in ("checkpoint_grace", "shutdown_grace", "init_timeout"):

@@ -27,6 +27,7 @@ class StoppedBy(enum.Enum):
 
     CAP = "cap"  # the attempt reached its runtime cap (max_runtime)
     POLICY = "policy"  # a usage policy asked it to stop, and checkpoint_grace passed
+    PRIORITY = "priority"  # it was asked to give way to a critical job, and checkpoint_grace passed
 
 
 @dataclasses.dataclass
@@ -149,6 +150,9 @@ def read_attempt(
         # Stopped at the cap: resuming makes sense only if this attempt saved progress;
         # otherwise the next attempt would do the same work again, forever.
         if saved_checkpoint is not None and saved_checkpoint():
+            return AttemptResult(AttemptStatus.PREEMPTED)
+        if stopped_by is StoppedBy.PRIORITY:
+            # Its work since the latest checkpoint is lost, but giving way is no failure of its own.
             return AttemptResult(AttemptStatus.PREEMPTED)
         if stopped_by is StoppedBy.POLICY:
             return AttemptResult(AttemptStatus.STOPPED)

@@ -23,15 +23,17 @@ policy stopped it (its ranks were asked to checkpoint). ``SUCCEEDED`` is final;
 
     RUNNING -> SUCCEEDED | FAILED | PREEMPTED | STOPPED | TIMED_OUT | CANCELLED | LOST
 
-``PREEMPTED``: its ranks checkpointed and stopped (at the runtime cap, or for a restart); the
-next attempt resumes without using up a restart. ``STOPPED``: stopped by a policy without a
+``PREEMPTED``: its ranks checkpointed and stopped (at the runtime cap, for a restart, or to give
+way to a critical job); the next attempt resumes without using up a restart. ``STOPPED``: stopped by a policy without a
 checkpoint. ``TIMED_OUT`` and ``CANCELLED``: as for the job. ``LOST``: its client died while
 it ran; ``sparkgpu resume`` records that when it takes the job over. Every state but
 ``RUNNING`` is final.
 
 :class:`ListedStatus`: what ``sparkgpu jobs`` shows beside a :class:`JobStatus`, derived and
 never written: ``STAGED`` (no ``state.json``: a dry run, or a launch that died early) and
-``LOST`` (``RUNNING`` in ``state.json``, but its client process is gone).
+``LOST`` (``RUNNING`` in ``state.json``, but its client process is gone) and ``WAITING`` (its
+client waits in this host's GPU queue: before its first attempt, or after it gave way to a
+critical job).
 
 :class:`NodeState`, the state of one Spark node task (its result row, its ``ended`` marker
 and its entry in the attempt's report). Before the agent starts::
@@ -76,6 +78,7 @@ __all__ = [
     "JobState",
     "AttemptRecord",
     "ClientInfo",
+    "WaitingInfo",
 ]
 
 
@@ -124,6 +127,7 @@ class ListedStatus(_StrEnum):
 
     STAGED = "staged"
     LOST = "lost"
+    WAITING = "waiting"  # in this host's GPU queue (sparkgpu.launch.gpu_queue), its client alive
 
 
 class NodeState(_StrEnum):
@@ -181,11 +185,19 @@ class _JobFields(TypedDict):
     created_at: float
 
 
+class WaitingInfo(TypedDict):
+    """``state.json``'s ``waiting``: a job that checkpointed and gave way waits for GPUs between attempts."""
+
+    since: float  # Unix time it started waiting
+    reason: str  # who it gave way to
+
+
 class JobState(_JobFields, total=False):
     """``state.json``: the supervisor's state, rewritten atomically after every transition."""
 
     client: ClientInfo
     stop_reason: str  # why a usage policy stopped the job
+    waiting: WaitingInfo  # while a job that gave way to a critical one waits for GPUs again
 
 
 @dataclasses.dataclass

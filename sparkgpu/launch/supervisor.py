@@ -1,8 +1,9 @@
 """The client-side supervisor: an explicit state machine over attempts.
 
 ``PENDING -> RUNNING(attempt k) -> SUCCEEDED``; from ``RUNNING`` an attempt can also end
-``PREEMPTED`` (ranks checkpointed at the runtime cap: a new attempt resumes, no restart is
-used up) or ``FAILED`` (the :class:`FailurePolicy` decides between a restart and raising).
+``PREEMPTED`` (ranks checkpointed at the runtime cap, or to give way to a critical job: a new
+attempt resumes, no restart is used up; a job that gave way first waits for GPUs in the host's
+queue, between two attempts, so the wait is not billed) or ``FAILED`` (the :class:`FailurePolicy` decides between a restart and raising).
 An attempt stopped at the cap counts as preempted only when its ranks stopped for a restart
 or it committed a new checkpoint; otherwise it failed, so a function that never checkpoints
 cannot resume forever. ``TIMED_OUT``, ``CANCELLED`` and ``STOPPED`` (a usage policy's stop:
@@ -34,6 +35,7 @@ from sparkgpu._files import atomic_write_bytes
 from sparkgpu._report import console, report
 from sparkgpu.callbacks import AttemptOutcome, JobCallback
 from sparkgpu.errors import (
+    CapacityError,
     EnvironmentMismatchError,
     JobCancelledError,
     JobStateError,
@@ -121,6 +123,8 @@ class Supervisor:
         self.policy = self.failure_policy_cls(job.policy.max_restarts)
         #: Set (from any thread) to cancel the job; a CANCEL_REQUEST_FILE does the same from another process.
         self.cancel_event = threading.Event()
+        #: Why the current attempt was asked to give way to a more urgent job, if it was.
+        self._giving_way: str | None = None
         #: The job's supervision lock, when the caller took it (``attach``, ``resume``); else
         #: :meth:`run` takes its own for as long as it runs.
         self.lock: SupervisionLock | None = None
@@ -182,6 +186,8 @@ class Supervisor:
             "pid": os.getpid(),
             "pid_started": psutil.Process().create_time(),
         }
+        # Waiting for GPUs (in the host's queue, by priority) is no attempt's time: nobody is billed.
+        self.backend.await_capacity(self.job, None)
         # The first attempt's agent starts beside the callbacks (an MLflow run, a usage row);
         # its ranks wait for their variables, so no user code runs untracked.
         early = self._prestart() if self.callbacks else None
@@ -212,6 +218,8 @@ class Supervisor:
                     raise error from outcome.root_exception
                 if outcome.status is AttemptStatus.PREEMPTED:
                     self.state["preemptions"] += 1
+                    if self._giving_way is not None:
+                        self._wait_after_giving_way(self._giving_way, job_started)
                     continue
                 decision = self.policy.decide(self.state["restarts"], outcome.exceptions)
                 if decision is Decision.RESTART:
@@ -239,6 +247,26 @@ class Supervisor:
             finally:
                 for callback in self.callbacks:
                     callback.after_job(self.job, results, error)
+
+    def _wait_after_giving_way(self, reason: str, job_started: float) -> None:
+        """Frees the job's GPUs for the critical job that asked, then waits in the queue for GPUs
+        again; no attempt runs meanwhile, so the wait is neither billed nor a restart."""
+        self.backend.give_way(self.job)
+        self.state["waiting"] = {"since": time.time(), "reason": reason}
+        self._save()
+        report(f"job {self.job.job_id} checkpointed and gave way ({reason}); it resumes once GPUs come free", self.out)
+        timeout = self.job.policy.timeout
+        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - job_started))
+        try:
+            self.backend.await_capacity(self.job, left if left is not None else float("inf"))
+        except CapacityError as exc:
+            self._set_status(JobStatus.TIMED_OUT)
+            raise JobTimeoutError(
+                f"job {self.job.job_id} gave way to a critical job and its timeout of {timeout:g}s ran out while "
+                f"it waited for GPUs; continue it with `sparkgpu resume {self.job.job_id}`, or raise timeout="
+            ) from exc
+        self.state.pop("waiting", None)
+        self._save()
 
     def _stop_message(self, outcome: AttemptResult) -> str:
         job_id, reason = self.job.job_id, self.state["stop_reason"]
@@ -280,6 +308,7 @@ class Supervisor:
         return env
 
     def _run_attempt(self, attempt: int, job_started: float, early=None) -> AttemptResult:
+        self._giving_way = None
         submitted = time.time()
         # started_at: when the ranks started, the start of the billed time and of the cap.
         record: AttemptRecord = {
@@ -369,7 +398,7 @@ class Supervisor:
             ran = now - ranks_started
             if now >= next_policy_check and stop_requested is None and not self.state.get("stop_reason"):
                 next_policy_check = now + 1.0
-                if self._check_stop(attempt, ran):
+                if self._check_stop(attempt, ran) or self._check_preemption(attempt):
                     stop_requested = now
             if stop_requested is not None and now - stop_requested > policy.checkpoint_grace:
                 # Ranks that never call should_checkpoint() would otherwise run on until the cap
@@ -380,7 +409,7 @@ class Supervisor:
                     self.out,
                 )
                 self.backend.cancel(handle, policy.shutdown_grace)
-                return None, StoppedBy.POLICY
+                return None, StoppedBy.PRIORITY if self._giving_way is not None else StoppedBy.POLICY
             if policy.max_runtime is not None:
                 if (
                     not cap_signalled
@@ -468,6 +497,22 @@ class Supervisor:
                 )
                 return True
         return False
+
+    def _check_preemption(self, attempt: int) -> bool:
+        """Asks the ranks to checkpoint and stop when a genuine request of a critical job asks this
+        best-effort job to give way (the backend judges it); the job's own decision, not the requester's."""
+        reason = self.backend.preemption_request(self.job)
+        if reason is None:
+            return False
+        self._giving_way = reason
+        self.run_dir.write_control(self.run_dir.file(RunLayout.stop(attempt)), (reason + "\n").encode())
+        report(
+            f"asking every rank to checkpoint and stop within checkpoint_grace "
+            f"({self.job.policy.checkpoint_grace:g}s) to give way: {reason}; the job resumes by itself, "
+            "using no restart",
+            self.out,
+        )
+        return True
 
     def _end_attempt(
         self,

@@ -9,6 +9,7 @@ from sparkgpu.decorator import distributed
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.job_options import JOB_OPTIONS, PYTHON_ONLY_KEYWORDS
 from sparkgpu.jobfile import JobFile
+from sparkgpu.priority import Priority
 
 SAMPLE = {  # a value of every option, as a job file writes it
     "name": "nightly",
@@ -21,6 +22,7 @@ SAMPLE = {  # a value of every option, as a job file writes it
     "checkpoint_grace": "5m",
     "timeout": 7200,
     "max_restarts": 2,
+    "priority": "BEST_EFFORT",  # databricks' spelling
     "tags": {"team": "ml"},
     "log_ranks": [0, 1],
     "experiment": "ctr",
@@ -55,6 +57,7 @@ def test_a_job_file_gives_every_option_to_the_job(tmp_path):
         2,
     )
     assert fn.tags == {"team": "ml"} and fn.log_ranks == (0, 1)
+    assert fn.policy.priority is Priority.BEST_EFFORT
     assert (fn.experiment, fn.register_as, fn.ship_environment) == ("ctr", "main.ml.ctr", False)
 
 
@@ -83,6 +86,8 @@ def test_the_command_line_has_a_flag_for_every_option_and_overrides_the_file(tmp
             "--no-ship-environment",
             "--log-ranks",
             "none",
+            "--priority",
+            "critical",
         ]
     )
     args.passthrough = []
@@ -95,6 +100,7 @@ def test_the_command_line_has_a_flag_for_every_option_and_overrides_the_file(tmp
         "main.ml.m",
     )
     assert job.ship_environment is False and job.build().log_ranks == ()
+    assert job.build().policy.priority is Priority.CRITICAL
 
 
 @pytest.mark.parametrize(
@@ -107,6 +113,7 @@ def test_the_command_line_has_a_flag_for_every_option_and_overrides_the_file(tmp
         ("ship_environment", "no"),
         ("log_ranks", "odd"),
         ("max_runtime", [1]),
+        ("priority", 2),
     ],
 )
 def test_a_wrong_shape_names_the_field_and_what_it_takes(tmp_path, field, value):

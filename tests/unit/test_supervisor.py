@@ -7,13 +7,14 @@ import time
 
 import pytest
 
-from sparkgpu.errors import JobTimeoutError, NodeLostError, WorkerFailedError
+from sparkgpu.errors import CapacityError, JobTimeoutError, NodeLostError, WorkerFailedError
 from sparkgpu.launch.attempt_report import AttemptReport, NodeReport
 from sparkgpu.launch.attempt_result import read_attempt
 from sparkgpu.launch.callbacks import JobCallback
 from sparkgpu.launch.entrypoint import EXIT_PREEMPTED
 from sparkgpu.launch.payload import serialize_payload
 from sparkgpu.launch.run_dir import RunDir
+from sparkgpu.launch.run_layout import RunLayout
 from sparkgpu.launch.supervisor import Supervisor
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
 from sparkgpu._keyring import derive_key
@@ -478,3 +479,68 @@ def test_the_backends_notes_are_shown_when_no_launcher_recorded_anything(tmp_pat
         sup.run()
     assert not isinstance(err.value, NodeLostError)
     assert "sparkgpu: executor 1 on h cannot see the run dir /x: set SPARKGPU_STAGING_ROOT" in str(err.value)
+
+
+class AskedToGiveWay(ScriptedBackend):
+    """A best-effort job that a critical one asks to give way while its first attempt runs."""
+
+    def __init__(self, script, queue_wait: float):
+        super().__init__(script)
+        self.queue_wait = queue_wait
+        self.events: list[str] = []
+
+    def submit(self, job, run_dir, attempt, env, layout=None):
+        self.events.append(f"submit:{attempt}")
+        return super().submit(job, run_dir, attempt, env)
+
+    def preemption_request(self, job):
+        attempt = len(self.submitted_env) - 1
+        return "critical job urgent-1 needs 2 GPU(s) of this host" if attempt == 0 else None
+
+    def give_way(self, job):
+        self.events.append("give_way")
+
+    def await_capacity(self, job, wait):
+        self.events.append("await_capacity" if wait is None else f"await_capacity:{wait > 0}")
+        if wait is not None:  # after giving way: the critical job runs meanwhile
+            time.sleep(self.queue_wait)
+        self.waited_until = time.time()
+
+
+def test_a_job_asked_to_give_way_checkpoints_frees_its_gpus_and_resumes_unbilled_without_a_restart(tmp_path):
+    sup, _, cb, rd, out = run_job(tmp_path, ["hang", "ok"], checkpoint_grace=0.3, timeout=30)
+    sup.backend = backend = AskedToGiveWay(["hang", "ok"], queue_wait=1.0)
+    outcomes = []
+    cb.after_attempt = lambda job, outcome: outcomes.append(outcome)
+    assert [r["attempt"] for r in sup.run()] == [1, 1]
+    assert backend.events == ["await_capacity", "submit:0", "give_way", "await_capacity:True", "submit:1"]
+    assert rd.read_control(rd.file(RunLayout.stop(0))) == b"critical job urgent-1 needs 2 GPU(s) of this host\n"
+    state = json.loads(rd.state_file.read_text())
+    assert [a["status"] for a in state["attempts"]] == ["preempted", "succeeded"]
+    assert (state["restarts"], state["preemptions"]) == (0, 1)  # max_restarts=0, and nothing failed
+    assert "waiting" not in state
+    assert "gave way" in out.getvalue() and "using no restart" in out.getvalue()
+    # Billed: the two attempts' spans only; the second starts after the wait in the queue.
+    assert outcomes[0].ended_at < backend.waited_until - 0.9 and outcomes[1].started_at >= backend.waited_until
+
+
+class NeverGetsItsGPUsBack(AskedToGiveWay):
+    def __init__(self, script, queue_wait: float):
+        super().__init__(script, queue_wait)
+        self.waits: list[float] = []
+
+    def await_capacity(self, job, wait):
+        if wait is not None:
+            self.waits.append(wait)
+            raise CapacityError("busy: GPU 0: urgent-1")
+
+
+def test_a_job_whose_timeout_runs_out_while_it_waits_after_giving_way_times_out_resumably(tmp_path):
+    sup, _, cb, rd, out = run_job(tmp_path, ["hang", "ok"], checkpoint_grace=0.3, timeout=30)
+    sup.backend = backend = NeverGetsItsGPUsBack(["hang", "ok"], queue_wait=0)
+    with pytest.raises(JobTimeoutError, match="gave way to a critical job .* `sparkgpu resume job-1`"):
+        sup.run()
+    assert 20 < backend.waits[-1] < 30  # what was left of its timeout
+    state = json.loads(rd.state_file.read_text())
+    assert state["status"] == "timed_out" and [a["status"] for a in state["attempts"]] == ["preempted"]
+    assert state["restarts"] == 0

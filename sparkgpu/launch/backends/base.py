@@ -138,6 +138,26 @@ class Backend(abc.ABC):
     def end_job(self, job: JobSpec) -> None:  # noqa: B027 - a hook: a backend that keeps nothing per job has nothing to free
         """Frees what the backend kept for the job's later attempts; called once the job ended."""
 
+    def preemption_request(self, job: JobSpec) -> str | None:
+        """Why a more urgent job asks ``job`` to checkpoint and give way, once the request is
+        judged genuine (:mod:`sparkgpu.priority`); ``None`` when none does. Polled while the job
+        runs; a backend without a shared queue is never asked."""
+        return None
+
+    def give_way(self, job: JobSpec) -> None:  # noqa: B027 - a hook: a backend without a queue holds nothing
+        """Frees the GPUs ``job`` holds after it checkpointed and stopped for a more urgent job."""
+
+    def await_capacity(self, job: JobSpec, wait: float | None) -> None:  # noqa: B027 - a hook, as above
+        """Waits, in the backend's queue, for the job's GPUs: before its first attempt, and after it
+        gave way, before its next one; outside any attempt, so that nobody is billed for the wait.
+
+        Args:
+            wait: Seconds to wait; ``None`` for the backend's default (``SPARKGPU_SPARK_WAIT_TIMEOUT``).
+
+        Raises:
+            CapacityError: they did not come free within ``wait`` seconds.
+        """
+
     def ranks_started_at(self, handle: AttemptHandle) -> float | None:
         """Unix time the attempt's ranks started, ``None`` while they still wait for resources.
 

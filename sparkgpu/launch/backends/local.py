@@ -32,7 +32,8 @@ from sparkgpu.launch.agent import build_command
 from sparkgpu.launch.backends.base import AttemptHandle, Backend, LaunchPlan, ResolvedJob
 from sparkgpu.launch.hardware import HostGPUs, detect_host_gpus
 from sparkgpu.launch.entrypoint import NODE_DEVICES_ENV
-from sparkgpu.launch.gpu_lease import GpuLease, lease_gpus
+from sparkgpu.launch.gpu_lease import GpuLease, lease_gpus, lock_dir, pool_of
+from sparkgpu.launch.gpu_queue import pending_request
 from sparkgpu.launch.keys import send_key
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.threads import rank_thread_env, threads_per_rank
@@ -129,6 +130,7 @@ class LocalBackend(Backend):
         self.standby = standby
         self._standbys: dict[str, Any] = {}  # job id -> its Standby
         self._leases: dict[str, GpuLease] = {}  # job id -> the host GPUs it holds until it ends
+        self._first_asked: dict[str, float] = {}  # job id -> when it first asked for GPUs: its place in the queue
 
     # -- capacity ---------------------------------------------------------------------
     def resolve(self, job: JobSpec) -> ResolvedJob:
@@ -201,21 +203,44 @@ class LocalBackend(Backend):
             env=dict(env),
         )
 
-    def _lease_devices(self, job: JobSpec, env: dict[str, str]) -> dict[str, str]:
-        """``env`` with the GPUs the job holds (``NODE_DEVICES_ENV``), leased at its first attempt:
-        two local jobs never share a GPU (:mod:`sparkgpu.launch.gpu_lease`)."""
+    def _lease_devices(self, job: JobSpec, env: dict[str, str], wait: float | None = None) -> dict[str, str]:
+        """``env`` with the GPUs the job holds (``NODE_DEVICES_ENV``), leased at its first attempt
+        (and again after it gave way to a critical job): two local jobs never share a GPU, and
+        waiting ones take turns by priority (:mod:`sparkgpu.launch.gpu_lease`). ``wait``: seconds
+        to wait for them, ``SPARKGPU_SPARK_WAIT_TIMEOUT`` when ``None``."""
         if not job.devices:
             return env
         lease = self._leases.get(job.job_id)
         if lease is None:
+            # A job that gave way keeps its place within its class: when it first asked.
+            order = self._first_asked.setdefault(job.job_id, time.time())
             lease = self._leases[job.job_id] = lease_gpus(
                 self.host_gpus.addresses,
                 len(job.devices),
                 job.job_id,
-                wait=settings().spark_wait_timeout,
+                wait=settings().spark_wait_timeout if wait is None else wait,
                 simulated=job.simulated,
+                priority=job.policy.priority,
+                order=order,
             )
         return {**env, NODE_DEVICES_ENV: ",".join(lease.devices)}
+
+    def preemption_request(self, job: JobSpec) -> str | None:
+        if job.job_id not in self._leases or not job.policy.priority.preemptible:
+            return None
+        found = pending_request(lock_dir(), job.job_id, job.policy.priority, pool_of(job.simulated))
+        if found is None:
+            return None
+        request, entry = found
+        return f"critical job {request.requester_job_id} needs {entry.gpus} GPU(s) of this host"
+
+    def give_way(self, job: JobSpec) -> None:
+        lease = self._leases.pop(job.job_id, None)
+        if lease is not None:
+            lease.release()
+
+    def await_capacity(self, job: JobSpec, wait: float | None) -> None:
+        self._lease_devices(job, {}, wait=wait)
 
     def submit(self, job, run_dir, attempt, env, layout=None) -> AttemptHandle:
         env = self._lease_devices(job, env)
@@ -286,6 +311,7 @@ class LocalBackend(Backend):
         self._standbys[job.job_id] = Standby(self.python, job.job_id)
 
     def end_job(self, job: JobSpec) -> None:
+        self._first_asked.pop(job.job_id, None)
         lease = self._leases.pop(job.job_id, None)
         if lease is not None:
             lease.release()
