@@ -7,6 +7,9 @@ disk (and in the page cache)?
 Peers, on the same data in the same run:
   * sparkgpu.data.dataset, default settings (and variants: C gathers off, decode thread on,
     DataLoader workers);
+  * the same rows as (x, y) feature matrices: features= (C gather_fields, and its numpy
+    version), beside the dict form followed by the torch.stack of 32 columns it replaces;
+    features_over_ceiling_numpy_gather is the ratio of the features= row to the ceiling;
   * streaming.StreamingDataset + torch DataLoader (same batch size, same workers);
   * litdata (optimize + StreamingDataLoader), on a subset, since its optimize step writes
     about 10 thousand samples/s (skipped when litdata is not installed: pip install litdata);
@@ -23,6 +26,7 @@ and loader.png.
 
     python benchmarks/bench_loader.py                 # about 5 minutes on 2 cores
     python benchmarks/bench_loader.py --samples 200000 --seconds 0.5 --repeats 1   # a quick look
+    python benchmarks/bench_loader.py --only sparkgpu_features,ceiling_numpy_gather --out /tmp/f.json
 """
 
 from __future__ import annotations
