@@ -92,7 +92,8 @@ def dataset(
             ``transform``, in the same place and equally reproducible.
         features: Yield feature matrices instead of dicts: the fixed-width numeric columns
             named here (a list, in ``x``'s column order, or a glob pattern such as ``"f*"``,
-            in the dataset's order) gathered straight from the rows into one
+            in the dataset's order, which for ``to_mds`` output is by name: ``f10`` before
+            ``f2``) gathered straight from the rows into one
             ``(batch, n_features)`` tensor ``x``. One dtype: the columns' own when they
             share it, else the type torch promotes them to (``float32`` with ``int64`` gives
             ``float32``). See :mod:`sparkgpu.data.mds.features`.
