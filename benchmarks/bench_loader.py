@@ -7,6 +7,9 @@ disk (and in the page cache)?
 Peers, on the same data in the same run:
   * sparkgpu.data.dataset, default settings (and variants: C gathers off, decode thread on,
     DataLoader workers);
+  * the same rows as (x, y) feature matrices: features= (C gather_fields, and its numpy
+    version), beside the dict form followed by the torch.stack of 32 columns it replaces;
+    features_over_ceiling_numpy_gather is the ratio of the features= row to the ceiling;
   * streaming.StreamingDataset + torch DataLoader (same batch size, same workers);
   * litdata (optimize + StreamingDataLoader), on a subset, since its optimize step writes
     about 10 thousand samples/s (skipped when litdata is not installed: pip install litdata);
@@ -23,6 +26,7 @@ and loader.png.
 
     python benchmarks/bench_loader.py                 # about 5 minutes on 2 cores
     python benchmarks/bench_loader.py --samples 200000 --seconds 0.5 --repeats 1   # a quick look
+    python benchmarks/bench_loader.py --only sparkgpu_features,ceiling_numpy_gather --out /tmp/f.json
 """
 
 from __future__ import annotations
@@ -154,22 +158,40 @@ def ours(
     workers: int = 0,
     native: bool = True,
     prefetch: int = 0,
+    features: str | None = None,
 ):
+    """sparkgpu.data.dataset; ``features``: "matrix" yields (x, y) with features=, "stack" the dict
+    form with the torch.stack every tabular loop did before features= existed."""
     from sparkgpu import data
     from sparkgpu.data import _gather
 
     previous = _gather.set_native_enabled(native)
     try:
+        names = [f"f{i:02d}" for i in range(32)]
+        matrix = {"features": names, "target": "label"} if features == "matrix" else {}
         ds = data.dataset(
-            local=mds, batch_size=batch_size, shuffle=shuffle, seed=0, num_workers=workers, prefetch_batches=prefetch
+            local=mds,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            seed=0,
+            num_workers=workers,
+            prefetch_batches=prefetch,
+            **matrix,
         )
 
         def epochs():
             while True:  # several epochs when one is shorter than the measuring window
-                yield from ds
+                if features == "stack":
+                    for batch in ds:
+                        yield torch.stack([batch[n] for n in names], 1), batch["label"]
+                else:
+                    yield from ds
 
         label = f"sparkgpu (workers={workers}, native={native}, thread={bool(prefetch)})"
-        return timed(epochs(), lambda b: len(b["label"]), seconds, repeats, label)
+        if features:
+            label = f"sparkgpu (x, y): {'features=' if features == 'matrix' else 'dict + torch.stack'}"
+        count = (lambda b: len(b[1])) if features else (lambda b: len(b["label"]))
+        return timed(epochs(), count, seconds, repeats, label)
     finally:
         _gather.set_native_enabled(previous)
 
@@ -322,6 +344,9 @@ def peers(workers: int, have_litdata: bool) -> dict:
         "sparkgpu": ("ours", {}),
         "sparkgpu_numpy_gather": ("ours", {"native": False}),
         "sparkgpu_decode_thread": ("ours", {"prefetch": 2}),
+        "sparkgpu_features": ("ours", {"features": "matrix"}),
+        "sparkgpu_features_numpy_gather": ("ours", {"features": "matrix", "native": False}),
+        "sparkgpu_dict_stack": ("ours", {"features": "stack"}),
         f"sparkgpu_workers{workers}": ("ours", {"workers": workers}),
         "streaming": ("streaming_peer", {"workers": 0}),
         f"streaming_workers{workers}": ("streaming_peer", {"workers": workers}),
@@ -366,6 +391,8 @@ def run(args) -> dict:
             "orders": {"sequential": {}, "shuffled": {}},
         }
         for name in peers(args.workers, lit is not None):
+            if args.only and name not in args.only.split(","):
+                continue
             print(f"{name}:", flush=True)
             command = [
                 sys.executable,
@@ -414,12 +441,14 @@ def ratios(order: dict, workers: int) -> dict:
         for name, result in order.items()
         if name != "sparkgpu" and result.get("samples_per_s")
     }
-    out["targets"] = {
-        "vs_streaming_100x": best
-        / max(order["streaming"]["samples_per_s"], order[f"streaming_workers{workers}"]["samples_per_s"])
-        >= 100,
-        "vs_numpy_gather_25pct": best / order["ceiling_numpy_gather"]["samples_per_s"] >= 0.25,
-    }
+    out["targets"] = {"vs_numpy_gather_25pct": best / order["ceiling_numpy_gather"]["samples_per_s"] >= 0.25}
+    if "streaming" in order:
+        streaming = max(order["streaming"]["samples_per_s"], order[f"streaming_workers{workers}"]["samples_per_s"])
+        out["targets"]["vs_streaming_100x"] = best / streaming >= 100
+    if "sparkgpu_features" in order:
+        matrix = order["sparkgpu_features"]["samples_per_s"]
+        out["features_over_ceiling_numpy_gather"] = matrix / order["ceiling_numpy_gather"]["samples_per_s"]
+        out["targets"]["features_vs_numpy_gather_50pct"] = out["features_over_ceiling_numpy_gather"] >= 0.5
     return out
 
 
@@ -461,6 +490,7 @@ def main(argv=None) -> None:
     parser.add_argument("--data", help=argparse.SUPPRESS)
     parser.add_argument("--litdata", help=argparse.SUPPRESS)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--only", default="", help="comma-separated rows to run (a quick look; default: all)")
     parser.add_argument("--work-dir", default=None, help="where the temporary dataset goes (default: system temp)")
     parser.add_argument("--out", default=str(RESULTS / "loader.json"))
     args = parser.parse_args(argv)
@@ -479,7 +509,7 @@ def main(argv=None) -> None:
         statistic="median window (best_samples_per_s beside it)",
         workers=f"sparkgpu in-process; the peers' DataLoaders with 0 and {args.workers} workers, named per row",
     )
-    config = {k: v for k, v in vars(args).items() if k not in ("peer", "data", "litdata", "out", "work_dir")}
+    config = {k: v for k, v in vars(args).items() if k not in ("peer", "data", "litdata", "out", "work_dir", "only")}
     results["config"] = config | {
         "row_bytes": ROW_BYTES,
         "native_built": _gather.native_available(),

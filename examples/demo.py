@@ -35,14 +35,15 @@ def train(data_url: str, epochs: int, lr: float):
     net = torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     model = DDP(net)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    ds = data.dataset(remote=data_url, batch_size=256, shuffle=True, seed=0)
+    # x: (256, FEATURES) float32 in the order named, gathered straight from the rows; y: the int64 labels
+    names = [f"f{i}" for i in range(FEATURES)]
+    ds = data.dataset(remote=data_url, batch_size=256, shuffle=True, seed=0, features=names, target="clicked")
     ckpt = Checkpointer(every_steps=20, keep_last=2)
     step = ckpt.restore(model=model, optimizer=opt, loader=ds)
     total = epochs * len(ds)
     while step < total:
-        for batch in ds:
-            x = torch.stack([batch[f"f{i}"] for i in range(FEATURES)], dim=1)
-            loss = F.binary_cross_entropy_with_logits(model(x).squeeze(1), batch["clicked"].float())
+        for x, y in ds:
+            loss = F.binary_cross_entropy_with_logits(model(x).squeeze(1), y.float())
             opt.zero_grad()
             loss.backward()
             opt.step()

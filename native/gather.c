@@ -1,11 +1,13 @@
 /*
  * sparkgpu._native: batch gathers from memory-mapped MDS shards.
  *
- * Two copies numpy cannot do in one pass:
+ * Three copies numpy cannot do in one pass:
  *   gather_rows   fixed-size rows from several shards, in the batch's order, into one
  *                 preallocated (possibly pinned) buffer;
  *   gather_spans  variable-size byte spans from several shards into one buffer, at
- *                 offsets the caller chose (so values stay aligned for their dtype).
+ *                 offsets the caller chose (so values stay aligned for their dtype);
+ *   gather_fields chosen byte ranges of fixed-size rows (the feature columns, the target)
+ *                 straight into their own dense buffers, e.g. a (batch, n_features) matrix.
  *
  * Every index is checked against its source before the GIL is released, so a bad index
  * raises IndexError instead of reading out of bounds. Large batches are split across
@@ -31,9 +33,41 @@ typedef struct {
     const int64_t *dst_offsets; /* NULL in rows mode */
     Py_ssize_t row_bytes;
     Py_ssize_t begin, end;   /* half-open range of items this worker copies */
+    /* Fields mode (fields != NULL): per field f, fields[5f .. 5f+4] = source offset in the row,
+     * length, destination index, offset in the destination row, destination row bytes. */
+    const int64_t *fields;
+    Py_ssize_t nfields;
+    char **dsts;
 } CopyJob;
 
+static void copy_fields(const CopyJob *job) {
+    const char **src = job->src;
+    const int32_t *sid = job->source_ids;
+    const int64_t *st = job->starts;
+    const Py_ssize_t rb = job->row_bytes;
+    const int64_t *fl = job->fields;
+    for (Py_ssize_t f = 0; f < job->nfields; f++, fl += 5) {
+        /* Field by field: each pass writes one destination sequentially. */
+        const int64_t so = fl[0], len = fl[1], drb = fl[4];
+        char *out = job->dsts[fl[2]] + fl[3] + job->begin * drb;
+        if (len == 4) {
+            for (Py_ssize_t i = job->begin; i < job->end; i++, out += drb)
+                memcpy(out, (sid ? src[sid[i]] : src[0]) + st[i] * rb + so, 4);
+        } else if (len == 8) {
+            for (Py_ssize_t i = job->begin; i < job->end; i++, out += drb)
+                memcpy(out, (sid ? src[sid[i]] : src[0]) + st[i] * rb + so, 8);
+        } else {
+            for (Py_ssize_t i = job->begin; i < job->end; i++, out += drb)
+                memcpy(out, (sid ? src[sid[i]] : src[0]) + st[i] * rb + so, (size_t)len);
+        }
+    }
+}
+
 static void copy_range(const CopyJob *job) {
+    if (job->fields) {
+        copy_fields(job);
+        return;
+    }
     /* Four specialised loops keep the per-item work to one memcpy (no branches per row). */
     char *dst = job->dst;
     const char **src = job->src;
@@ -198,7 +232,7 @@ static PyObject *gather_rows(PyObject *self, PyObject *args, PyObject *kwargs) {
             goto done_all;
         }
     }
-    CopyJob job = {(char *)dst.buf, src.ptrs, sid, r, NULL, NULL, row_bytes, 0, 0};
+    CopyJob job = {(char *)dst.buf, src.ptrs, sid, r, NULL, NULL, row_bytes, 0, 0, NULL, 0, NULL};
     Py_BEGIN_ALLOW_THREADS
     run_copy(job, n, n * row_bytes, threads);
     Py_END_ALLOW_THREADS
@@ -257,7 +291,7 @@ static PyObject *gather_spans(PyObject *self, PyObject *args, PyObject *kwargs) 
         }
         total += ln[i];
     }
-    CopyJob job = {(char *)dst.buf, src.ptrs, sid, st, ln, of, 0, 0, 0};
+    CopyJob job = {(char *)dst.buf, src.ptrs, sid, st, ln, of, 0, 0, 0, NULL, 0, NULL};
     Py_BEGIN_ALLOW_THREADS
     run_copy(job, n, total, threads);
     Py_END_ALLOW_THREADS
@@ -278,6 +312,89 @@ done_starts:
     return result;
 }
 
+static PyObject *gather_fields(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"dsts", "sources", "source_ids", "rows", "row_bytes", "fields", "threads", NULL};
+    PyObject *dsts_obj, *sources_obj, *ids_obj, *rows_obj, *fields_obj;
+    Py_ssize_t row_bytes;
+    int threads = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOnO|i", kwlist, &dsts_obj, &sources_obj, &ids_obj,
+                                     &rows_obj, &row_bytes, &fields_obj, &threads))
+        return NULL;
+    if (row_bytes <= 0) {
+        PyErr_SetString(PyExc_ValueError, "row_bytes must be positive");
+        return NULL;
+    }
+    Py_buffer rows = {0}, ids = {0}, fields = {0};
+    Sources src, dst;
+    int have_ids = ids_obj != Py_None;
+    Py_ssize_t n = -1, nvalues = -1;
+    PyObject *result = NULL;
+    char **dst_ptrs = NULL;
+    if (get_index_buffer(rows_obj, &rows, 8, &n, "rows") < 0) return NULL;
+    if (have_ids && get_index_buffer(ids_obj, &ids, 4, &n, "source_ids") < 0) goto done_rows;
+    if (get_index_buffer(fields_obj, &fields, 8, &nvalues, "fields") < 0) goto done_ids;
+    if (nvalues % 5 != 0) {
+        PyErr_SetString(PyExc_ValueError, "fields must hold 5 integers per field");
+        goto done_fields;
+    }
+    if (acquire_sources(sources_obj, &src) < 0) goto done_fields;
+    if (acquire_sources(dsts_obj, &dst) < 0) goto done_src;
+    dst_ptrs = PyMem_Calloc((size_t)dst.count, sizeof(char *));
+    if (!dst_ptrs) {
+        PyErr_NoMemory();
+        goto done_all;
+    }
+    for (Py_ssize_t d = 0; d < dst.count; d++) {
+        if (dst.views[d].readonly) {
+            PyErr_Format(PyExc_ValueError, "destination %zd is read-only", d);
+            goto done_all;
+        }
+        dst_ptrs[d] = (char *)dst.views[d].buf;
+    }
+    const int64_t *fl = (const int64_t *)fields.buf;
+    Py_ssize_t nfields = nvalues / 5, field_bytes = 0;
+    for (Py_ssize_t f = 0; f < nfields; f++) {
+        const int64_t *e = fl + 5 * f;
+        if (e[0] < 0 || e[1] <= 0 || e[0] + e[1] > row_bytes || e[2] < 0 || e[2] >= dst.count || e[3] < 0 ||
+            e[4] <= 0 || e[3] + e[1] > e[4] || n * e[4] > dst.lens[e[2]]) {
+            PyErr_Format(PyExc_IndexError, "field %zd does not fit its row or its destination", f);
+            goto done_all;
+        }
+        field_bytes += e[1];
+    }
+    const int64_t *r = (const int64_t *)rows.buf;
+    const int32_t *sid = have_ids ? (const int32_t *)ids.buf : NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t s = sid ? sid[i] : 0;
+        if (s < 0 || s >= src.count) {
+            PyErr_Format(PyExc_IndexError, "source id %d of item %zd is out of range", s, i);
+            goto done_all;
+        }
+        if (r[i] < 0 || (r[i] + 1) * row_bytes > src.lens[s]) {
+            PyErr_Format(PyExc_IndexError, "row %lld of item %zd is outside its source", (long long)r[i], i);
+            goto done_all;
+        }
+    }
+    CopyJob job = {NULL, src.ptrs, sid, r, NULL, NULL, row_bytes, 0, 0, fl, nfields, dst_ptrs};
+    Py_BEGIN_ALLOW_THREADS
+    run_copy(job, n, n * field_bytes, threads);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done_all:
+    PyMem_Free(dst_ptrs);
+    release_sources(&dst);
+done_src:
+    release_sources(&src);
+done_fields:
+    PyBuffer_Release(&fields);
+done_ids:
+    if (have_ids) PyBuffer_Release(&ids);
+done_rows:
+    PyBuffer_Release(&rows);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"gather_rows", (PyCFunction)(void (*)(void))gather_rows, METH_VARARGS | METH_KEYWORDS,
      "gather_rows(dst, sources, source_ids, rows, row_bytes, threads=1)\n\n"
@@ -287,6 +404,11 @@ static PyMethodDef methods[] = {
      "gather_spans(dst, dst_offsets, sources, source_ids, starts, lengths, threads=1)\n\n"
      "Copies bytes [starts[i], starts[i] + lengths[i]) of sources[source_ids[i]] to dst at\n"
      "dst_offsets[i]."},
+    {"gather_fields", (PyCFunction)(void (*)(void))gather_fields, METH_VARARGS | METH_KEYWORDS,
+     "gather_fields(dsts, sources, source_ids, rows, row_bytes, fields, threads=1)\n\n"
+     "For each field (src_offset, length, dst_index, dst_offset, dst_row_bytes) of the int64\n"
+     "array fields, copies bytes [src_offset, src_offset + length) of row rows[i] of\n"
+     "sources[source_ids[i]] to dsts[dst_index] at i * dst_row_bytes + dst_offset."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,6 +1,8 @@
-"""The two copies every batch is made of, in C when ``sparkgpu._native`` is built, else numpy.
+"""The copies every batch is made of, in C when ``sparkgpu._native`` is built, else numpy.
 
-``gather_rows`` copies fixed-size rows, ``gather_spans`` variable-size byte spans; both take
+``gather_rows`` copies fixed-size rows, ``gather_spans`` variable-size byte spans,
+``gather_fields`` chosen byte ranges of fixed-size rows into dense buffers of their own (a
+feature matrix and its target); all take
 rows from several shards at once and write them in the batch's order into a buffer the
 caller allocated (pinned, when asked). The native versions check every index before they
 release the GIL and split large batches across threads; ``benchmarks/bench_loader.py``
@@ -18,9 +20,18 @@ try:
 except ImportError:  # built without a C compiler: the numpy paths below do the same work
     _native = None
 
-__all__ = ["native_available", "set_native_enabled", "native_enabled", "gather_rows", "gather_spans"]
+__all__ = [
+    "native_available",
+    "set_native_enabled",
+    "native_enabled",
+    "gather_rows",
+    "gather_spans",
+    "gather_fields",
+]
 
 _enabled = _native is not None
+# An extension built before gather_fields existed (an old in-place build): its numpy version.
+_native_fields = hasattr(_native, "gather_fields")
 _THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
@@ -76,6 +87,51 @@ def gather_rows(dst: np.ndarray, sources: list[np.ndarray], source_ids: np.ndarr
         picked = rows[mask]
         _check_rows(picked, len(source))
         out[mask] = np.take(source, picked, axis=0, mode="clip")
+
+
+def gather_fields(
+    dsts: list[np.ndarray],
+    sources: list[np.ndarray],
+    source_ids: np.ndarray | None,
+    rows: np.ndarray,
+    row_bytes: int,
+    fields: np.ndarray,
+) -> None:
+    """Copies byte ranges of fixed-size rows straight into their own dense buffers.
+
+    For every field ``(src_offset, length, dst_index, dst_offset, dst_row_bytes)`` (one row of
+    the ``int64`` array ``fields``), bytes ``[src_offset, src_offset + length)`` of row
+    ``rows[i]`` of ``sources[source_ids[i]]`` go to ``dsts[dst_index]`` at byte
+    ``i * dst_row_bytes + dst_offset``: one pass builds a ``(batch, n_features)`` matrix and
+    its target from the rows, without gathering whole rows first.
+
+    Args:
+        dsts: Writable C-contiguous arrays (any dtype: their bytes are written), one per destination.
+        sources: One ``uint8`` array of shape ``(rows_in_shard, row_bytes)`` per shard.
+        source_ids: ``int32`` shard position of each row, or ``None`` for ``sources[0]``.
+        rows: ``int64`` row index inside its shard, one per batch row.
+        row_bytes: Bytes of one source row.
+        fields: ``int64`` array of shape ``(n_fields, 5)``.
+
+    Raises:
+        IndexError: A row, shard or field lies outside its source or destination.
+    """
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    fields = np.ascontiguousarray(fields, dtype=np.int64).reshape(-1, 5)
+    if source_ids is not None:
+        source_ids = np.ascontiguousarray(source_ids, dtype=np.int32)
+    if _enabled and _native_fields:
+        _native.gather_fields(dsts, sources, source_ids, rows, row_bytes, fields, _THREADS)
+        return
+    n = len(rows)
+    whole = np.empty((n, row_bytes), dtype=np.uint8)
+    gather_rows(whole, sources, source_ids, rows)
+    for src_offset, length, dst_index, dst_offset, dst_row_bytes in fields.tolist():
+        dst = dsts[dst_index].reshape(-1).view(np.uint8)
+        if src_offset + length > row_bytes or dst_offset + length > dst_row_bytes or n * dst_row_bytes > dst.size:
+            raise IndexError("a field does not fit its row or its destination")
+        target = dst.reshape(-1)[: n * dst_row_bytes].reshape(n, dst_row_bytes)
+        target[:, dst_offset : dst_offset + length] = whole[:, src_offset : src_offset + length]
 
 
 def _check_rows(rows: np.ndarray, limit: int) -> None:

@@ -120,6 +120,23 @@ def test_to_mds_stores_encoded_images_verbatim_for_streaming_and_the_loader(tmp_
     assert all(img.equal(data.decode_image(f)) for img, f in zip(ours["image"], files))
 
 
+def test_to_mds_with_an_encoding_for_the_image_keeps_the_other_columns(tmp_path):
+    # The docs' line: naming the image's encoding must not drop the labels beside it.
+    files = [encoded(picture(i), "JPEG") for i in range(5)]
+    table = pa.table(
+        {"image": pa.array(files, pa.binary()), "label": np.arange(5, dtype=np.int64) * 3, "name": list("abcde")}
+    )
+    out = tmp_path / "mds"
+    result = data.to_mds(table, str(out), columns={"image": "jpeg"})
+    assert result.columns == {"image": "jpeg", "label": "int64", "name": "str"}
+    batch = next(iter(data.dataset(local=str(out), batch_size=5)))
+    assert batch["label"].tolist() == [0, 3, 6, 9, 12] and batch["name"] == list("abcde")
+    assert all(img.equal(data.decode_image(f)) for img, f in zip(batch["image"], files))
+    # a list still selects
+    only = data.to_mds(table, str(tmp_path / "only"), columns=["image"])
+    assert list(only.columns) == ["image"]
+
+
 def picture_from(jpeg: bytes):
     from PIL import Image
 

@@ -143,8 +143,8 @@ def test_bad_mixtures_name_the_fix(folders, tmp_path):
             rank=0,
             world_size=1,
         )
-    with pytest.raises(ConfigurationError, match="num_workers=0"):
-        data.dataset(streams=[data.Stream(local=folders[0])], batch_size=4, num_workers=2, rank=0, world_size=1)
+    with pytest.raises(ConfigurationError, match="num_workers=-1 must be an integer >= 0"):
+        data.dataset(streams=[data.Stream(local=folders[0])], batch_size=4, num_workers=-1, rank=0, world_size=1)
     state = data.dataset(
         streams=[data.Stream(local=folders[0], repeat=1)], batch_size=4, rank=0, world_size=1
     ).state_dict()
@@ -179,6 +179,45 @@ def test_streams_on_volumes_each_fill_their_own_cache_folder(folders, tmp_path):
         stats["downloaded_mb"] > 0 and 0 <= stats["cache_hit_ratio"] <= 1 and stats["batches"] == 8
     )  # prefetching may win every race
     loader.close()
+
+
+@pytest.mark.parametrize("variable_width", [False, True], ids=["fixed-width", "variable-width"])
+def test_workers_split_the_batches_and_resume_exactly(folders, tmp_path, variable_width):
+    """Two DataLoader workers: the same batches as in-process, each decoded once, and an exact resume."""
+    if variable_width:  # a text column: batches decoded stream by stream, then merged, in the workers
+        from streaming import MDSWriter
+
+        roots = []
+        for stream, size in enumerate(SIZES):
+            columns = {"id": "int64", "src": "int64", "x": "float32", "text": "str"}
+            with MDSWriter(out=str(tmp_path / f"v{stream}"), columns=columns, size_limit=1 << 10) as writer:
+                for i in range(size):
+                    writer.write({"id": i, "src": stream, "x": np.float32(stream * 1000 + i), "text": f"{stream}:{i}"})
+            roots.append(str(tmp_path / f"v{stream}"))
+    else:
+        roots = folders
+    streams = [data.Stream(local=f, proportion=p) for f, p in zip(roots, (2, 1, 1))]
+    opened = dict(streams=streams, epoch_size=300, batch_size=10, shuffle=True, seed=4, world_size=2, rank=1)
+    whole = _pairs(data.dataset(**opened))
+    with_workers = data.dataset(**opened, num_workers=2)
+    assert _pairs(with_workers) == whole  # worker 0 decodes batches 0, 2, ...; worker 1 the others
+    in_process = data.dataset(**opened)
+    in_process.set_epoch(1)
+    assert _pairs(with_workers) == _pairs(in_process) != whole  # the next epoch, from the same persistent workers
+    with_workers.set_epoch(0)
+    seen = []
+    for batch in with_workers:
+        if variable_width:
+            assert batch["text"] == [f"{s}:{i}" for s, i in zip(batch["src"].tolist(), batch["id"].tolist())]
+        seen += list(zip(batch["src"].tolist(), batch["id"].tolist()))
+        if len(seen) == 70:  # an odd number of batches: the resume starts on the other worker
+            break
+    state = with_workers.state_dict()
+    with_workers.close()
+    resumed = data.dataset(**opened, num_workers=2)
+    resumed.load_state_dict(state)
+    assert seen + _pairs(resumed) == whole
+    resumed.close()
 
 
 def test_streams_with_variable_width_columns_give_the_epochs_order(tmp_path):

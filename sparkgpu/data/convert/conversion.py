@@ -140,8 +140,9 @@ def to_mds(
             ``deltalake.DeltaTable``, a pyarrow Table / RecordBatchReader, or a pandas DataFrame.
         out: Output folder: local path or fsspec URL. With Spark it must be reachable from
             the executors under the same name.
-        columns: ``None`` for all; a list of names; or a dict name -> MDS encoding (``None``
-            for the default), e.g. ``{"emb": "ndarray:float32:128"}``.
+        columns: ``None`` for all; a list of names to keep only those; or a dict name -> MDS
+            encoding for the columns whose encoding you choose (``None`` for the default),
+            e.g. ``{"image": "jpeg"}``: every other column is kept with its default encoding.
         compression: ``None`` or a name as streaming spells it: ``"zstd"``, ``"zstd:7"``, ``"gz"``...
         hashes: Hash names recorded per shard, e.g. ``("sha1", "xxh64")``.
         size_limit: Bytes of samples per shard (int, ``"64MiB"`` or ``"64MB"``: see :mod:`sparkgpu.units`); ``None`` for one shard per writer.

@@ -14,6 +14,7 @@ import torch
 
 from sparkgpu.data.storage.cache import ShardCache
 from sparkgpu.data.mds.decode import BatchDecoder
+from sparkgpu.data.mds.features import FeatureGather
 from sparkgpu.data.loaders.order import EpochPlan, epoch_order
 from sparkgpu.data.mds.reader import ShardReader
 from sparkgpu.data.transforms import BatchTransforms
@@ -44,16 +45,27 @@ class Producer:
         self._evictable = volume is not None
         self._row_bytes = self.decoder.row_bytes
         self.transforms = BatchTransforms(spec.get("transform"), spec.get("batch_transform"), seed=spec["seed"])
+        layout = spec.get("features")
+        self.features = FeatureGather(layout, index.columns, pinned) if layout is not None else None
 
     def run(self, plan: EpochPlan, batch_numbers, raw_rows: bool = False, epoch: int = 0):
         """Yields the decoded (and transformed) batches ``batch_numbers`` of ``plan``, in order.
 
         With ``raw_rows`` and no transforms, a fixed-width batch is yielded as its buffer of
-        gathered rows (:meth:`BatchDecoder.split_rows` turns it into columns). ``epoch``
+        gathered rows (:meth:`BatchDecoder.split_rows` turns it into columns). With
+        ``features``, batches are ``(x, y)`` (:mod:`sparkgpu.data.mds.features`). ``epoch``
         seeds the transforms' randomness.
         """
         transforms = self.transforms
-        if raw_rows and self.decoder.fixed_width and not transforms:
+        features = self.features
+        if features is not None and features.fixed_width:
+            decode = features.gather
+        elif features is not None:
+            decoder, matrix = self.decoder.decode, features.from_columns
+
+            def decode(readers, source_ids, rows):
+                return matrix(decoder(readers, source_ids, rows))
+        elif raw_rows and self.decoder.fixed_width and not transforms:
             decode = self.decoder.gather_rows
         else:
             decode = self.decoder.decode
@@ -237,7 +249,7 @@ def in_background(batches, depth: int):
 
 
 def prefetch_to_device(batches, device):
-    """Copies each batch (a buffer of rows, or a dict) to ``device`` on a side stream, one ahead.
+    """Copies each batch (a buffer of rows, an ``(x, y)`` pair, or a dict) to ``device`` on a side stream, one ahead.
 
     Pinned sources make the copies asynchronous: the next batch crosses the bus while the
     training step runs on the current one.
@@ -248,6 +260,8 @@ def prefetch_to_device(batches, device):
         with torch.cuda.stream(stream):
             if isinstance(batch, torch.Tensor):
                 return batch.to(device, non_blocking=True)
+            if isinstance(batch, tuple):
+                return tuple(t.to(device, non_blocking=True) for t in batch)
             return {k: _to_device(v, device) for k, v in batch.items()}
 
     iterator = iter(batches)
@@ -275,7 +289,8 @@ def _to_device(value, device):
 def _hand_over(batch, stream, device):
     consumer = torch.cuda.current_stream(device)
     consumer.wait_stream(stream)
-    for value in [batch] if isinstance(batch, torch.Tensor) else batch.values():
+    values = [batch] if isinstance(batch, torch.Tensor) else batch if isinstance(batch, tuple) else batch.values()
+    for value in values:
         for tensor in value if isinstance(value, list) else [value]:
             if isinstance(tensor, torch.Tensor):
                 # Memory allocated on the side stream is now used on the consumer's: tell the

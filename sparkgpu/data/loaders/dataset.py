@@ -3,6 +3,7 @@
 ```python
 from sparkgpu import data
 ds = data.dataset(remote="s3://bucket/feats/v1", local="/local_disk0/cache", batch_size=1024, shuffle=True, seed=0)
+xy = data.dataset(remote="s3://bucket/feats/v1", batch_size=1024, features="f*", target="label")  # (x, y)
 mix = data.dataset(streams=[data.Stream(remote="s3://b/web", proportion=0.7),
                             data.Stream(remote="s3://b/code", proportion=0.3)], epoch_size=1_000_000, batch_size=64)
 ```
@@ -46,6 +47,8 @@ def dataset(
     epoch_size: int | None = None,
     transform=None,
     batch_transform=None,
+    features: list[str] | tuple[str, ...] | str | None = None,
+    target: str | None = None,
 ) -> MDSLoader | MixtureLoader:
     """Opens an MDS dataset for training: an iterable of batches with a resumable position.
 
@@ -87,6 +90,15 @@ def dataset(
             otherwise (see :mod:`sparkgpu.data.transforms`).
         batch_transform: ``fn(batch: dict) -> dict`` run on each collated batch, after
             ``transform``, in the same place and equally reproducible.
+        features: Yield feature matrices instead of dicts: the fixed-width numeric columns
+            named here (a list, in ``x``'s column order, or a glob pattern such as ``"f*"``,
+            in the dataset's order, which for ``to_mds`` output is by name: ``f10`` before
+            ``f2``) gathered straight from the rows into one
+            ``(batch, n_features)`` tensor ``x``. One dtype: the columns' own when they
+            share it, else the type torch promotes them to (``float32`` with ``int64`` gives
+            ``float32``). See :mod:`sparkgpu.data.mds.features`.
+        target: With ``features``, the column yielded as ``y`` (shape ``(batch, ...)``, its
+            own dtype): batches are ``(x, y)``; without it, ``x`` alone.
 
     Returns:
         An :class:`MDSLoader` (a :class:`~sparkgpu.data.loaders.mixture.MixtureLoader` with ``streams``).
@@ -102,9 +114,9 @@ def dataset(
             raise ConfigurationError(
                 "pass remote= for one dataset, or streams=[data.Stream(...), ...] (with an optional epoch_size=) to mix several"
             )
-        if transform is not None or batch_transform is not None:
+        if transform is not None or batch_transform is not None or features is not None or target is not None:
             raise ConfigurationError(
-                "transform= and batch_transform= work on one dataset, not yet on streams=; "
+                "transform=, batch_transform=, features= and target= work on one dataset, not yet on streams=; "
                 "apply them to the mixture's batches in your loop"
             )
         return mixture_dataset(
@@ -147,4 +159,6 @@ def dataset(
         allow_unsafe_types=allow_unsafe_types,
         transform=transform,
         batch_transform=batch_transform,
+        features=features,
+        target=target,
     )

@@ -7,6 +7,10 @@ for batch in ds:                # {"column": tensor of shape (batch, ...)} (list
     ...
 state = ds.state_dict()        # plain JSON: save it beside the model
 ds.load_state_dict(state)      # the next iteration yields exactly the rest of that epoch
+
+ds = data.dataset(remote=..., batch_size=1024, features="f*", target="label")
+for x, y in ds:                 # x: (batch, n_features), one tensor gathered from the rows
+    ...
 ```
 
 Each rank reads its share of every epoch (see :mod:`sparkgpu.data.loaders.order` for the shuffle and
@@ -43,6 +47,7 @@ from sparkgpu.data.loaders.order import (
 )
 from sparkgpu.data.loaders._pipeline import Producer, WorkerBatches, in_background, prefetch_to_device
 from sparkgpu.data.mds.decode import BatchDecoder
+from sparkgpu.data.mds.features import resolve_features
 from sparkgpu.data.loaders.metrics import LoaderMetrics
 from sparkgpu.data.mds.reader import INDEX_NAME, DatasetIndex
 from sparkgpu.data.transforms import check_transform
@@ -75,6 +80,8 @@ def open_mds(
     allow_unsafe_types: bool = False,
     transform=None,
     batch_transform=None,
+    features=None,
+    target: str | None = None,
 ) -> "MDSLoader":
     """Opens one MDS dataset: :func:`sparkgpu.data.dataset` without ``streams``.
 
@@ -96,6 +103,15 @@ def open_mds(
         check_int("shuffle_block_size", shuffle_block_size, 1)
     check_transform("transform", transform)
     check_transform("batch_transform", batch_transform)
+    if features is None and target is not None:
+        raise ConfigurationError(
+            f"target={target!r} goes with features= (the columns of x); pass features=[...] or a pattern such as 'f*'"
+        )
+    if features is not None and (transform is not None or batch_transform is not None):
+        raise ConfigurationError(
+            "features= gathers (x, y) straight from the rows, without per-sample dicts for transform= or "
+            "batch_transform= to work on; apply them to x and y in your loop, or drop features="
+        )
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ConfigurationError(f"rank={rank!r} must be an integer in [0, world_size={world_size})")
     if remote is None and local is None:
@@ -160,6 +176,7 @@ def open_mds(
         world_size=world_size,
         transform=transform,
         batch_transform=batch_transform,
+        features=resolve_features(index.columns, features, target) if features is not None else None,
     )
 
 
@@ -198,6 +215,7 @@ class MDSLoader(PlannedEpochs):
         world_size,
         transform=None,
         batch_transform=None,
+        features=None,
     ):
         self.index = index
         self.directory = os.fspath(directory)
@@ -218,6 +236,7 @@ class MDSLoader(PlannedEpochs):
         self.world_size = world_size
         self.transform = transform
         self.batch_transform = batch_transform
+        self.features = features  # a FeatureLayout: batches are (x, y)
         self.num_samples = index.num_samples
         self.epoch = 0
         self._consumed = 0  # samples of self.epoch consumed by all ranks together
@@ -287,7 +306,7 @@ class MDSLoader(PlannedEpochs):
         source = self._in_process(plan) if self.num_workers == 0 else self._in_workers(start)
         if self.device is not None:
             source = prefetch_to_device(source, self.device)
-        if self._splitter.fixed_width:
+        if self._splitter.fixed_width and self.features is None:
             split = self._splitter.split_rows
             source = (split(batch) if isinstance(batch, torch.Tensor) else batch for batch in source)
         timed = self.metrics.timed(source, self._producer.cache if self._producer is not None else None)
@@ -395,6 +414,7 @@ class MDSLoader(PlannedEpochs):
             "drop_last": self.drop_last,
             "transform": self.transform,
             "batch_transform": self.batch_transform,
+            "features": self.features,
         }
 
 

@@ -31,11 +31,17 @@ instead shuffles all streams' shards together and partitions them over nodes and
 the counts per epoch are the same, the order is not. The epoch is then split over ranks as
 any dataset's (:mod:`sparkgpu.data.loaders.order`): the same number of samples and batches on
 every rank, and a position of "samples consumed" that resumes exactly.
+
+Workers. With ``num_workers > 0`` (image mixtures need them), DataLoader worker ``w`` of
+``k`` decodes the rank's batches ``w, w + k, ...`` of the same plan, and the DataLoader hands
+them out one worker after the other: the rank gets the same batches in the same order as
+with ``num_workers=0``, so the position, and a resume from it, are the same too.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import os
 from typing import Any
 
@@ -174,11 +180,7 @@ def mixture_dataset(
         raise ConfigurationError(f"streams= takes a non-empty list of data.Stream, got {streams!r:.200}")
     if epoch_size is not None:
         check_int("epoch_size", epoch_size, 1)
-    if num_workers:
-        raise ConfigurationError(
-            "mixtures decode batches in the calling process; pass num_workers=0 "
-            "(prefetch_batches= decodes ahead on a thread)"
-        )
+    check_int("num_workers", num_workers, 0)
     bad = sorted(k for k, v in unsupported.items() if v)
     if bad:
         raise ConfigurationError(f"{bad} are not supported with streams=; leave them out")
@@ -213,13 +215,39 @@ def mixture_dataset(
                 "convert them with the same schema"
             )
     counts = samples_per_stream(streams, [o.num_samples for o in opened], epoch_size, seed)
-    return MixtureLoader(opened, counts, prefetch_batches=prefetch_batches)
+    return MixtureLoader(opened, counts, prefetch_batches=prefetch_batches, num_workers=num_workers)
+
+
+@dataclasses.dataclass(frozen=True)
+class _StreamSpec:
+    """What a mixture needs of one opened stream: plain data, so worker processes can have it."""
+
+    index: Any
+    num_samples: int
+    directory: str
+    volume_url: str | None
+    storage_options: dict | None
+    cache_limit: int | None
+    download_threads: int
+    batch_size: int
+    shuffle: bool
+    seed: int
+    shuffle_block_size: int
+    drop_last: bool
+    rank: int
+    world_size: int
+    device: Any = None
+
+    @classmethod
+    def of(cls, loader) -> "_StreamSpec":
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**{name: getattr(loader, name) for name in names})
 
 
 class _StreamReader:
     """One stream's cache, open shards and decoder."""
 
-    def __init__(self, loader, pinned: bool):
+    def __init__(self, loader: "_StreamSpec", pinned: bool):
         volume = Volume(loader.volume_url, loader.storage_options) if loader.volume_url else None
         self.index = loader.index
         self.cache = ShardCache(loader.directory, self.index, volume, loader.cache_limit, loader.download_threads)
@@ -283,8 +311,9 @@ class MixtureLoader(PlannedEpochs):
         epoch: The epoch the next iteration reads.
     """
 
-    def __init__(self, streams: list, counts: np.ndarray, prefetch_batches: int = 0):
-        self.streams = streams  # one MDSLoader per stream: its index, location and settings
+    def __init__(self, streams: list, counts: np.ndarray, prefetch_batches: int = 0, num_workers: int = 0):
+        # One stream's index, location and settings each (taken from an MDSLoader opened for it).
+        self.streams = [s if isinstance(s, _StreamSpec) else _StreamSpec.of(s) for s in streams]
         first = streams[0]
         self.counts = counts
         self.num_samples = int(counts.sum())
@@ -292,6 +321,8 @@ class MixtureLoader(PlannedEpochs):
         self.shuffle_block_size, self.drop_last = first.shuffle_block_size, first.drop_last
         self.rank, self.world_size, self.device = first.rank, first.world_size, first.device
         self.prefetch_batches = prefetch_batches
+        self.num_workers = num_workers
+        self._workers: torch.utils.data.DataLoader | None = None  # with num_workers > 0, made on first use
         self._offsets = np.concatenate([[0], np.cumsum(counts)])
         self._readers: list[_StreamReader] | None = None  # opened by the first iteration, dropped by close()
         self.epoch = 0
@@ -357,24 +388,52 @@ class MixtureLoader(PlannedEpochs):
         if plan.num_batches == 0 and self._consumed > 0:
             self.epoch, self._consumed = self.epoch + 1, 0
             plan = self._plan(self.epoch, 0)
-        if self._readers is None:
-            self._readers = [_StreamReader(s, pinned=self.device is not None) for s in self.streams]
         start, step = self._consumed, self.batch_size * self.world_size
-        source = self._batches(plan)
-        if self.prefetch_batches:
-            source = in_background(source, self.prefetch_batches)
+        caches = None
+        if self.num_workers:
+            source = self._in_workers(start)
+        else:
+            if self._readers is None:
+                self._readers = [_StreamReader(s, pinned=self.device is not None) for s in self.streams]
+            caches = [r.cache for r in self._readers]
+            source = self._batches(plan, range(plan.num_batches))
+            if self.prefetch_batches:
+                source = in_background(source, self.prefetch_batches)
         if self.device is not None:
             source = prefetch_to_device(source, self.device)
-        for number, batch in enumerate(self.metrics.timed(source, [r.cache for r in self._readers]), 1):
-            self._consumed = start + min(number * step, len(plan.samples) * self.world_size)
-            yield batch
+        try:
+            for number, batch in enumerate(self.metrics.timed(source, caches), 1):
+                self._consumed = start + min(number * step, len(plan.samples) * self.world_size)
+                yield batch
+        finally:
+            close = getattr(source, "close", None)
+            if close:
+                close()
         self.epoch, self._consumed = self.epoch + 1, 0
+
+    def _in_workers(self, start: int):
+        # As the MDS loader's workers: they persist across epochs, and each iteration tells
+        # them where it starts through shared memory they inherited.
+        if self._workers is None:
+            self._worker_position = multiprocessing.Array("q", 2, lock=False)
+            copy = MixtureLoader(self.streams, self.counts)  # plain data: what a worker needs
+            self._workers = torch.utils.data.DataLoader(
+                _WorkerBatches(copy, self._worker_position),
+                batch_size=None,
+                num_workers=self.num_workers,
+                pin_memory=self.device is not None,
+                prefetch_factor=self.prefetch_batches or 2,
+                persistent_workers=True,
+            )
+        self._worker_position[0], self._worker_position[1] = self.epoch, start
+        return iter(self._workers)
 
     def close(self) -> None:
         """Stops background downloads and frees open shards."""
         for reader in self._readers or ():
             reader.close()
         self._readers = None
+        self._workers = None  # dropping the DataLoader stops its worker processes
 
     def _plan(self, epoch: int, start: int) -> EpochPlan:
         return EpochPlan.for_rank(
@@ -390,7 +449,8 @@ class MixtureLoader(PlannedEpochs):
         assert self._readers is not None, "the mixture is closed"  # opened by __iter__ before it reads batches
         return self._readers
 
-    def _batches(self, plan: EpochPlan):
+    def _batches(self, plan: EpochPlan, batch_numbers):
+        """Yields batches ``batch_numbers`` of ``plan``, in order."""
         from sparkgpu.data import _gather
         from sparkgpu.data.loaders._pipeline import _shards_per_batch
 
@@ -403,13 +463,14 @@ class MixtureLoader(PlannedEpochs):
         shard_of = np.searchsorted(ends, plan.samples, side="right")
         rows_of = plan.samples - (ends - np.concatenate(sizes))[shard_of]
         size = plan.batch_size
-        steps = _shards_per_batch(shard_of, size, list(range(plan.num_batches)), len(ends))
+        numbers = list(batch_numbers)
+        steps = _shards_per_batch(shard_of, size, numbers, len(ends))
         by_stream = [stream_of_shard[shards] for shards in steps]
         for s, reader in enumerate(self._open_readers()):
             reader.plan([shards[of == s] - first_shard[s] for shards, of in zip(steps, by_stream)])
         decoder = self._open_readers()[0].decoder
-        for step, (shards, of) in enumerate(zip(steps, by_stream)):
-            lo, hi = step * size, (step + 1) * size
+        for step, (number, shards, of) in enumerate(zip(numbers, steps, by_stream)):
+            lo, hi = number * size, (number + 1) * size
             streams = np.unique(of).tolist()
             opened = {s: self._open_readers()[s].open(step, shards[of == s] - first_shard[s]) for s in streams}
             batch_shards, rows = shard_of[lo:hi], rows_of[lo:hi]
@@ -465,6 +526,26 @@ class MixtureLoader(PlannedEpochs):
         if rest:
             orders[-1] = orders[-1][:rest]
         return np.concatenate(orders) if orders else np.empty(0, dtype=np.int64)
+
+
+class _WorkerBatches(torch.utils.data.IterableDataset):
+    """What each DataLoader worker iterates: batches ``w, w + k, ...`` of the rank's plan.
+
+    ``position`` holds ``(epoch, samples consumed)`` for the iteration that starts; the
+    worker's caches and open shards live as long as the worker.
+    """
+
+    def __init__(self, mixture: MixtureLoader, position):
+        self.mixture, self.position = mixture, position
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        mixture = self.mixture
+        plan = mixture._plan(int(self.position[0]), int(self.position[1]))
+        if mixture._readers is None:
+            mixture._readers = [_StreamReader(s, pinned=False) for s in mixture.streams]  # pinned by the DataLoader
+        yield from mixture._batches(plan, range(worker, plan.num_batches, workers))
 
 
 def _merge(parts: list, n: int) -> dict:

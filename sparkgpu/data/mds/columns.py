@@ -101,9 +101,12 @@ def plan_columns(schema: pa.Schema, columns=None) -> tuple[ColumnSpec, ...]:
     Args:
         schema: Arrow schema of the source.
         columns: ``None`` for every column; a sequence of names to keep only those; or a
-            mapping name -> encoding (``None`` for the default) to keep those and choose
-            encodings, e.g. ``{"emb": "ndarray:float32:128"}`` to store a Spark array column
-            with a fixed shape, or ``{"label": "int32"}`` to narrow a number.
+            mapping name -> encoding that chooses the encoding of the columns it names
+            (``None``: the default) while every other column is kept with its default
+            encoding, e.g. ``{"image": "jpeg"}`` to store JPEG files as they are beside the
+            labels, ``{"emb": "ndarray:float32:128"}`` to give a Spark array column a fixed
+            shape, or ``{"label": "int32"}`` to narrow a number. (A mapping never drops a
+            column: select columns with a list, or in the source.)
 
     Returns:
         One spec per column, in name order (the order ``MDSWriter`` stores them in).
@@ -119,7 +122,9 @@ def plan_columns(schema: pa.Schema, columns=None) -> tuple[ColumnSpec, ...]:
     if columns is None:
         wanted = {name: None for name in names}
     elif isinstance(columns, Mapping):
-        wanted = dict(columns)
+        # Encodings for the named columns; the others keep theirs (a user naming one column's
+        # encoding does not mean to lose the rest, e.g. the labels beside {"image": "jpeg"}).
+        wanted = {name: None for name in names} | dict(columns)
     elif isinstance(columns, str):
         raise ConfigurationError(
             f"columns must be a list of names or a dict name -> encoding, got the string {columns!r}"

@@ -1,0 +1,176 @@
+"""data.dataset(features=..., target=...): (x, y) batches equal to the dict form stacked, and bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sparkgpu import data
+from sparkgpu.data import _gather
+from sparkgpu.errors import ConfigurationError
+from tests.unit.test_data_loader_support import write_tabular
+
+FEATURES = [f"f{j:02d}" for j in range(4)]
+
+
+@pytest.fixture(scope="module")
+def tabular(tmp_path_factory):
+    return write_tabular(tmp_path_factory.mktemp("mds") / "tabular", 1003)
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """Features of four dtypes (and an array column), with a text column beside them."""
+    from streaming import MDSWriter
+
+    path = tmp_path_factory.mktemp("mds") / "mixed"
+    columns = {"a": "float32", "b": "int32", "vec": "ndarray:float32:3", "c": "float64", "y": "int16"}
+    with MDSWriter(out=str(path), columns=columns, size_limit=1 << 12) as writer:
+        for i in range(501):
+            writer.write(
+                {
+                    "a": np.float32(i / 8),
+                    "b": np.int32(-i),
+                    "vec": np.array([i, i + 0.5, -i], dtype=np.float32),
+                    "c": np.float64(i * 1e-3),
+                    "y": np.int16(i % 7),
+                }
+            )
+    with MDSWriter(out=str(path) + "-text", columns={**columns, "note": "str"}, size_limit=1 << 12) as writer:
+        for i in range(301):
+            writer.write(
+                {
+                    "a": np.float32(i),
+                    "b": np.int32(i),
+                    "vec": np.zeros(3, np.float32) + i,
+                    "c": np.float64(-i),
+                    "y": np.int16(i),
+                    "note": "x" * (i % 5),
+                }
+            )
+    return str(path)
+
+
+@pytest.fixture(params=[True, False], ids=["native", "numpy"])
+def gather_backend(request):
+    if request.param and not _gather.native_available():
+        pytest.skip("sparkgpu._native is not built")
+    previous = _gather.set_native_enabled(request.param)
+    yield request.param
+    _gather.set_native_enabled(previous)
+
+
+def stacked(batch: dict, names, dtype) -> torch.Tensor:
+    return torch.cat([batch[n].reshape(len(batch[n]), -1).to(dtype) for n in names], 1)
+
+
+def assert_same(pairs, dicts, names, target, dtype):
+    pairs, dicts = list(pairs), list(dicts)
+    assert len(pairs) == len(dicts) > 1
+    for (x, y), batch in zip(pairs, dicts):
+        assert x.dtype == dtype and x.shape == (len(batch[target]), x.shape[1]) and x.is_contiguous()
+        torch.testing.assert_close(x, stacked(batch, names, dtype), rtol=0, atol=0)
+        torch.testing.assert_close(y, batch[target], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("shuffle", [False, True], ids=["in-order", "shuffled"])
+def test_feature_matrix_equals_the_stacked_dict_form(tabular, gather_backend, shuffle):
+    options = dict(local=tabular, batch_size=64, shuffle=shuffle, seed=3, shuffle_block_size=300)
+    pairs = data.dataset(**options, features="f*", target="id")
+    dicts = data.dataset(**options)
+    for _ in range(2):  # two epochs: the shuffle differs per epoch, the batches must still agree
+        assert_same(pairs, dicts, FEATURES, "id", torch.float32)
+
+
+def test_mixed_dtypes_are_cast_to_the_promoted_type_in_the_order_named(mixed, gather_backend):
+    names = ["c", "vec", "b", "a"]  # not the row order, and four dtypes
+    pairs = data.dataset(local=mixed, batch_size=50, shuffle=True, features=names, target="y")
+    assert_same(pairs, data.dataset(local=mixed, batch_size=50, shuffle=True), names, "y", torch.float64)
+    # float32 with int32 promotes to float32, as torch does
+    pairs = data.dataset(local=mixed, batch_size=50, features=["b", "a"], target="y")
+    assert_same(pairs, data.dataset(local=mixed, batch_size=50), ["b", "a"], "y", torch.float32)
+
+
+def test_datasets_with_variable_width_columns_give_the_same_matrix(mixed):
+    names = ["a", "b", "vec"]
+    pairs = data.dataset(local=mixed + "-text", batch_size=40, features=names, target="y")
+    assert_same(pairs, data.dataset(local=mixed + "-text", batch_size=40), names, "y", torch.float32)
+
+
+def test_without_a_target_batches_are_x_alone(tabular):
+    first = next(iter(data.dataset(local=tabular, batch_size=8, features=["f01", "f00"])))
+    assert isinstance(first, torch.Tensor) and first.shape == (8, 2)
+    np.testing.assert_array_equal(first[:, 0].numpy(), np.arange(8, dtype=np.float32) + 0.25)
+    # a pattern leaves the target out: "*" means every other column
+    x, y = next(iter(data.dataset(local=tabular, batch_size=8, features="*", target="f02")))
+    assert x.shape == (8, 4) and x.dtype == torch.float32  # f00, f01, f03 and id (int64 -> float32)
+    np.testing.assert_array_equal(x[:, 3].numpy(), y.numpy() - 0.5)
+
+
+def test_resume_mid_epoch_yields_the_rest_of_the_dict_form(tabular, gather_backend):
+    options = dict(local=tabular, batch_size=64, shuffle=True, seed=5, shuffle_block_size=300)
+    first = data.dataset(**options, features=FEATURES, target="id")
+    iterator = iter(first)
+    head = [next(iterator) for _ in range(4)]
+    state = first.state_dict()
+    del iterator
+    resumed = data.dataset(**options, features=FEATURES, target="id")
+    resumed.load_state_dict(state)
+    dicts = list(data.dataset(**options))
+    assert_same(head + list(resumed), dicts, FEATURES, "id", torch.float32)
+
+
+def test_workers_yield_the_same_batches_and_resume_exactly(tabular):
+    options = dict(local=tabular, batch_size=64, shuffle=True, seed=1, shuffle_block_size=300)
+    dicts = list(data.dataset(**options))
+    loader = data.dataset(**options, features="f*", target="id", num_workers=2)
+    iterator = iter(loader)
+    head = [next(iterator) for _ in range(5)]
+    state = loader.state_dict()
+    del iterator
+    loader.close()
+    resumed = data.dataset(**options, features="f*", target="id", num_workers=2)
+    resumed.load_state_dict(state)
+    assert_same(head + list(resumed), dicts, FEATURES, "id", torch.float32)
+    resumed.close()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"features": ["f00", "nope"]}, "does not have"),
+        ({"features": "g*"}, "matches no column"),
+        ({"features": []}, "non-empty list"),
+        ({"features": ["f00", "f00"]}, "twice"),
+        ({"features": ["f00", "f01"], "target": "f00"}, "also in features"),
+        ({"features": "f*", "target": "nope"}, "not a column"),
+        ({"target": "id"}, "goes with features"),
+        ({"features": "f*", "transform": lambda s, rng: s}, "apply them to x and y"),
+    ],
+)
+def test_bad_feature_requests_fail_before_the_epoch_starts(tabular, kwargs, message):
+    with pytest.raises(ConfigurationError, match=message):
+        data.dataset(local=tabular, batch_size=8, **kwargs)
+
+
+def test_a_variable_width_feature_names_the_fix(mixed):
+    with pytest.raises(ConfigurationError, match="not fixed-width.*without features="):
+        data.dataset(local=mixed + "-text", batch_size=8, features=["a", "note"])
+
+
+def test_gather_fields_native_and_numpy_agree_and_reject_bad_fields(gather_backend):
+    rng = np.random.default_rng(0)
+    sources = [rng.integers(0, 255, (50, 24), dtype=np.uint8) for _ in range(2)]
+    ids = rng.integers(0, 2, 30).astype(np.int32)
+    rows = rng.integers(0, 50, 30).astype(np.int64)
+    x, y = np.empty((30, 4), np.float32), np.empty(30, np.int64)
+    fields = np.array([[4, 12, 0, 0, 16], [20, 4, 0, 12, 16], [16, 4, 1, 2, 8]], dtype=np.int64)
+    _gather.gather_fields([x, y], sources, ids, rows, 24, fields)
+    picked = np.stack([sources[s][r] for s, r in zip(ids, rows)])
+    np.testing.assert_array_equal(x.view(np.uint8), np.concatenate([picked[:, 4:16], picked[:, 20:24]], 1))
+    np.testing.assert_array_equal(y.view(np.uint8).reshape(30, 8)[:, 2:6], picked[:, 16:20])
+    with pytest.raises(IndexError):
+        _gather.gather_fields([x, y], sources, ids, rows + 50, 24, fields)
+    with pytest.raises(IndexError):  # a field past the end of the destination row
+        _gather.gather_fields([x, y], sources, ids, rows, 24, np.array([[0, 8, 1, 4, 8]]))
