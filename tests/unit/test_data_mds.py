@@ -165,8 +165,15 @@ def test_column_selection_keeps_only_named_columns(tmp_path):
     "compression, hashes, size_limit",
     [(None, (), 1 << 26), (None, (), 4096), ("zstd", ("sha1", "xxh64"), 4096), ("gz:5", ("md5",), 10_000)],
 )
-def test_shards_and_index_are_byte_identical_to_mdswriter(tmp_path, compression, hashes, size_limit):
+def test_shards_and_index_are_byte_identical_to_mdswriter(tmp_path, monkeypatch, compression, hashes, size_limit):
+    import gzip
+    import types
+
     from streaming import MDSWriter
+
+    # A gzip header holds the time it was written, in seconds: both writers see the same clock,
+    # or the two sets of shards differ whenever the writes straddle a second.
+    monkeypatch.setattr(gzip, "time", types.SimpleNamespace(time=lambda: 1_700_000_000.0))
 
     lengths = rng.integers(1, 40, N)
     table = pa.table(
