@@ -15,7 +15,7 @@ of a ``@distributed`` function), with the module doing each::
      3. backend.place (Spark: the GPU pool, whose usage policy is      launch.backends.local,
         checked at once), then backend.resolve: capacity and gpu_type  .spark, .spark_capacity,
         within seconds (Spark: a probe job on the executors)
-                                                                       .spark_probe; launch.pool
+                                                                       .spark_probe; sparkgpu.pools
      4. callbacks (tracking, metering) and the usage policy            sparkgpu.callbacks,
                                                                        sparkgpu.tracking, .usage
      5. the function, arguments and callbacks pickled                  launch.serialization
@@ -30,7 +30,8 @@ of a ``@distributed`` function), with the module doing each::
         local backend starts the first agent beside the callbacks'
         before_job (backend.prestart) and hands it their variables
      9. backend.submit: one node agent here, a warm-pool fork (also    launch.backends.local,
-        a restart's fork from the job's standby), or one Spark         launch.pool, .pool_zygote,
+        a restart's fork from the job's standby), or one Spark         launch.warm_pool, .pool_zygote,
+                                                                       .backends.warm_pool,
         barrier task per node (the run dir mirrored to an object       launch.backends.spark,
         store when the staging root is one); on Spark, lost nodes      launch.staging,
         stop the others and the attempt's report says how each ended   .spark_node_watch

@@ -1,6 +1,6 @@
 """The warm pool's zygote: the long-lived process that forks a job's ranks with torch imported.
 
-The client side (:mod:`sparkgpu.launch.pool`) starts it as
+The client side (:mod:`sparkgpu.launch.warm_pool`) starts it as
 ``python -m sparkgpu.launch.pool_zygote DIRECTORY IDLE_TIMEOUT FINGERPRINT [standby]`` and talks to it
 over the UNIX socket ``DIRECTORY/pool.sock``, one JSON line per request and per reply
 (``status``, ``stop``, ``retire``, ``run``); it describes itself in ``DIRECTORY/pool.json``.
