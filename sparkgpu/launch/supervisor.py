@@ -49,7 +49,7 @@ from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.supervision_lock import SupervisionLock
 from sparkgpu.launch.run_layout import RunLayout
 from sparkgpu.spec import JobSpec
-from sparkgpu.train._checkpoint_store import CheckpointStore, SigningKey
+from sparkgpu.train.checkpoint_directory import CheckpointDirectory, SigningKey
 
 __all__ = ["Supervisor", "JobStatus", "Decision", "FailurePolicy", "CANCEL_REQUEST_FILE"]
 
@@ -523,7 +523,7 @@ class Supervisor:
             # Only markers sealed under this job's key count: a planted one would make a capped
             # attempt pass for a preemption, which uses up no restart.
             signing = SigningKey(derive_key(self.key, "checkpoints"), self.job.job_id)
-            info = CheckpointStore(directory, key=signing).latest()
+            info = CheckpointDirectory(directory, key=signing).latest()
         except Exception as exc:  # unreadable (permissions, a store that is down: fsspec raises its own types)
             report(
                 f"cannot read the checkpoints in {directory} ({exc}); an attempt stopped "

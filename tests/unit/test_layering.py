@@ -7,9 +7,10 @@
   module, the payload's signature check) imports the standard library only;
 - no two modules import each other, directly or around a circle (a function-level import
   does not hide a circle: it only delays it);
-- a module imports no private module (a ``_name`` path component) of another top-level
-  sub-package; the private modules directly under ``sparkgpu`` (``sparkgpu._files``, ...) are
-  the package's shared helpers, and every module may use them.
+- a module imports no private module (a ``_name`` path component), and no private name
+  (``from sparkgpu.launch.entrypoint import _helper``), of another top-level sub-package; the
+  private modules directly under ``sparkgpu`` (``sparkgpu._files``, ...) are the package's
+  shared helpers, and every module may use their public names.
 """
 
 from __future__ import annotations
@@ -45,10 +46,7 @@ KNOWN_CYCLES: set[frozenset[str]] = {
 }
 
 # Known imports of another sub-package's private module, as (importing module, imported module).
-KNOWN_PRIVATE_IMPORTS: set[tuple[str, str]] = {
-    ("sparkgpu.launch.supervisor", "sparkgpu.train._checkpoint_store"),
-    ("sparkgpu.tracking._checkpoints", "sparkgpu.train._checkpoint_store"),
-}
+KNOWN_PRIVATE_IMPORTS: set[tuple[str, str]] = set()
 
 
 def module_name(path: Path) -> str:
@@ -157,13 +155,20 @@ def top_level(name: str) -> str:
 
 
 def private_imports(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """Imports of a private module, or of a private name (``from m import _f``), of another sub-package."""
     found = set()
-    for name, targets in module_edges(graph).items():
-        for target in targets:
-            parts = target.split(".")
-            # sparkgpu._files and its like (directly under sparkgpu) are shared; deeper _names are not
-            private = len(parts) > 2 and any(part.startswith("_") for part in parts[1:])
-            if private and top_level(name) != top_level(target):
+    for name, imported in graph.items():
+        for target in imported:
+            if not target.startswith("sparkgpu.") or top_level(name) == top_level(target):
+                continue
+            module, _, attribute = target.rpartition(".")
+            if is_module(target, graph):
+                module, attribute = target, ""
+            elif not is_module(module, graph) or module == "sparkgpu" or attribute.startswith("__"):
+                continue  # outside the package; directly under sparkgpu (shared); __version__, __all__
+            # sparkgpu._files and its like (directly under sparkgpu) are shared; deeper _modules are not
+            parts = module.split(".")
+            if any(part.startswith("_") for part in parts[2:]) or attribute.startswith("_"):
                 found.add((name, target))
     return found
 
@@ -243,10 +248,15 @@ def test_the_cycle_and_privacy_checkers_see_what_they_claim():
         "sparkgpu.data.a": {"sparkgpu", "sparkgpu.data", "sparkgpu.data.b", "sparkgpu.data.b.f"},
         "sparkgpu.data.b": {"sparkgpu.data.c"},
         "sparkgpu.data.c": {"sparkgpu.data.a", "sparkgpu.launch._x", "sparkgpu._files", "sparkgpu.data._y"},
+        "sparkgpu.data.d": {"sparkgpu.launch.x", "sparkgpu.launch.x._helper", "sparkgpu.data.a._own"},
+        "sparkgpu.launch.x": set(),
         "sparkgpu.launch._x": set(),
         "sparkgpu._files": set(),
         "sparkgpu.data._y": set(),
     }
     # a -> b -> c -> a is a circle; a module importing its own package ("sparkgpu", "sparkgpu.data") is not
     assert cycles(graph) == {frozenset({"sparkgpu.data.a", "sparkgpu.data.b", "sparkgpu.data.c"})}
-    assert private_imports(graph) == {("sparkgpu.data.c", "sparkgpu.launch._x")}
+    assert private_imports(graph) == {
+        ("sparkgpu.data.c", "sparkgpu.launch._x"),
+        ("sparkgpu.data.d", "sparkgpu.launch.x._helper"),  # a private name of a public module
+    }

@@ -18,7 +18,7 @@ from sparkgpu.launch.supervisor import Supervisor
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
 from sparkgpu._keyring import derive_key
 from sparkgpu.train._checkpoint_signing import Manifest
-from sparkgpu.train._checkpoint_store import MARKER_NAME, CheckpointInfo, CheckpointStore, SigningKey
+from sparkgpu.train.checkpoint_directory import MARKER_NAME, CheckpointInfo, CheckpointDirectory, SigningKey
 from tests.fakes.backend import FakeAttempt, ScriptedBackend
 
 
@@ -129,7 +129,7 @@ class CapBackend(ScriptedBackend):
                 (step_dir / MARKER_NAME).write_text(json.dumps(info.to_json()))
             else:
                 signing = SigningKey(derive_key(run_dir.key, "checkpoints"), job.job_id)
-                CheckpointStore(run_dir.checkpoints, key=signing).commit(
+                CheckpointDirectory(run_dir.checkpoints, key=signing).commit(
                     info, Manifest({".metadata": (0, "0" * 64)}, {}, job.job_id)
                 )
         elif action == "hang+exit75":
