@@ -28,7 +28,7 @@ from sparkgpu._report import PREFIX, report
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.launch.backends.base import RENAMED_BACKENDS, Backend, LaunchPlan, backend_name, create_backend
-from sparkgpu.launch.callbacks import JobCallback
+from sparkgpu.callbacks import JobCallback
 from sparkgpu.prepare import PreparedJob, prepare
 from sparkgpu.spec import JobSpec, Resources, RunPolicy, log_rank_selection, new_job_id, requested_resources
 

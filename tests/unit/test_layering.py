@@ -28,7 +28,7 @@ PACKAGE = Path(sparkgpu.__file__).resolve().parent
 # Lower layers that must not import the launcher.
 BELOW_LAUNCH = ("sparkgpu.data", "sparkgpu.train", "sparkgpu.tracking", "sparkgpu.usage", "sparkgpu.env")
 INTEGRATIONS = ("sparkgpu.tracking", "sparkgpu.usage")
-CALLBACK_INTERFACE = ("sparkgpu.callbacks", "sparkgpu.launch.callbacks")
+CALLBACK_INTERFACE = ("sparkgpu.callbacks",)
 STDLIB_ONLY = ("sparkgpu.errors", "sparkgpu.env.hydrate", "sparkgpu.launch.payload_signature")
 # Guarded imports a stdlib-only module may make: hydration reads a store of another scheme
 # through fsspec, and names it in its error where fsspec is missing.

@@ -10,7 +10,7 @@ import pytest
 from sparkgpu.errors import JobTimeoutError, NodeLostError, WorkerFailedError
 from sparkgpu.launch.attempt_report import AttemptReport, NodeReport
 from sparkgpu.launch.attempt_result import read_attempt
-from sparkgpu.launch.callbacks import JobCallback
+from sparkgpu.callbacks import JobCallback
 from sparkgpu.launch.entrypoint import EXIT_PREEMPTED
 from sparkgpu.launch.payload import serialize_payload
 from sparkgpu.launch.run_dir import RunDir

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from sparkgpu.errors import PolicyViolationError
-from sparkgpu.launch.callbacks import AttemptOutcome
+from sparkgpu.callbacks import AttemptOutcome
 from sparkgpu.launch.payload import serialize_payload
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.supervisor import Supervisor
