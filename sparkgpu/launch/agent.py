@@ -230,7 +230,7 @@ def _launch(args: argparse.Namespace, rd: RunDir, air: str, init_timeout: float)
         max_restarts=0,  # restarts are the supervisor's: it resumes from checkpoints
         monitor_interval=0.1,
         start_method="spawn",
-        logs_specs=DefaultLogsSpecs(log_dir=str(rd.attempt_dir(args.attempt) / "elastic")),
+        logs_specs=DefaultLogsSpecs(log_dir=str(rd.file(RunLayout.elastic(args.attempt)))),
         shutdown_timeout=args.shutdown_grace,
     )
     failures: dict[int, RankExit] = {}

@@ -252,6 +252,8 @@ class RunDir:
             verifier=verifier_source(),
             env_report=RunLayout.env_report("{attempt}", "{rank}"),
             rank_log=RunLayout.rank_log("{attempt}", "{rank}"),
+            hydrate=RunLayout.HYDRATE,
+            spec=RunLayout.SPEC,
             key_dir_env=KEY_DIR_ENV,
             rank_key_file=RANK_KEY_FILE,
         ).encode()

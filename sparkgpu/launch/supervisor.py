@@ -349,7 +349,7 @@ class Supervisor:
                 self._set_status(JobStatus.CANCELLED)
                 raise JobCancelledError(
                     f"job {self.job.job_id} was cancelled; its ranks were stopped. Logs: "
-                    f"{self.run_dir.attempt_dir(attempt) / 'logs'}"
+                    f"{self.run_dir.logs_dir(attempt)}"
                 )
             now = time.monotonic()
             if ranks_started is None and now >= next_start_check:
@@ -361,7 +361,7 @@ class Supervisor:
                 raise JobTimeoutError(
                     f"job {self.job.job_id} ran longer than its timeout of {policy.timeout:g}s and was "
                     f"stopped; raise timeout= (or SPARKGPU_TIMEOUT), or checkpoint and set max_runtime= "
-                    f"so it resumes. Logs: {self.run_dir.attempt_dir(attempt) / 'logs'}"
+                    f"so it resumes. Logs: {self.run_dir.logs_dir(attempt)}"
                 )
             if ranks_started is None:  # waiting for GPUs: nothing runs, nothing is spent
                 time.sleep(_POLL_SECONDS)
