@@ -26,7 +26,7 @@ of a ``@distributed`` function), with the module doing each::
                                                                        launch.keys
      8. the supervisor's attempt loop: submit, watch, stream the       launch.supervisor,
         ranks' logs, restart or raise; state.json for `resume` (its    launch.logs, launch.resume,
-        job, attempt and node states, the node exit record). The       launch.protocol
+        job, attempt and node states, the node exit record). The       sparkgpu.protocol
         local backend starts the first agent beside the callbacks'
         before_job (backend.prestart) and hands it their variables
      9. backend.submit: one node agent here, a warm-pool fork (also    launch.backends.local,

@@ -35,7 +35,7 @@ from sparkgpu._report import report
 from sparkgpu.errors import PayloadSignatureError
 from sparkgpu.launch.entrypoint import EXIT_FAILED, _die_with_parent
 from sparkgpu.launch.keys import KEY_DIR_ENV, hand_to_ranks, make_undumpable, rank_secrets, receive_key
-from sparkgpu.launch.protocol import NodeExit, RankExit
+from sparkgpu.protocol import NodeExit, RankExit
 from sparkgpu.launch.rank_exits import RankExitWatcher
 from sparkgpu.launch.run_dir import PRIVATE_UMASK, RunDir
 from sparkgpu.launch.run_layout import RunLayout

@@ -34,7 +34,7 @@ from sparkgpu.launch.agent import reported, verify_or_refuse
 from sparkgpu.launch.entrypoint import EXIT_PREEMPTED, _die_with_parent
 from sparkgpu.launch.rendezvous import collective_interface_env, listening_socket, serve_store
 from sparkgpu.launch.keys import make_undumpable, rank_secrets
-from sparkgpu.launch.protocol import NodeExit, RankExit
+from sparkgpu.protocol import NodeExit, RankExit
 from sparkgpu.launch.rank_exits import CRASH_KILL_DELAY
 from sparkgpu.launch.run_dir import PRIVATE_UMASK, RunDir
 from sparkgpu.launch.run_layout import RunLayout

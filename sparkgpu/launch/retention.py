@@ -27,7 +27,7 @@ from pathlib import Path
 from sparkgpu._keyring import forget_key, key_file
 from sparkgpu._report import report
 from sparkgpu.config import Settings, settings
-from sparkgpu.launch.protocol import JobStatus
+from sparkgpu.protocol import JobStatus
 from sparkgpu.launch.run_layout import RunLayout
 
 __all__ = ["prune_runs"]

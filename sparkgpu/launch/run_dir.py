@@ -36,7 +36,7 @@ from sparkgpu.launch.payload_signature import sign_payload, verifier_source, ver
 from sparkgpu.launch.control import seal, unseal
 from sparkgpu.launch.keys import KEY_DIR_ENV, RANK_KEY_FILE
 from sparkgpu.launch.payload import AIR_TEMPLATE
-from sparkgpu.launch.protocol import NodeExit, RankExit
+from sparkgpu.protocol import NodeExit, RankExit
 from sparkgpu.launch.run_layout import RunLayout
 from sparkgpu.launch.serialization import deserialize_error, dump_result, serialize_error, unpack_payload
 

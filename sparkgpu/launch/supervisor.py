@@ -8,7 +8,7 @@ or it committed a new checkpoint; otherwise it failed, so a function that never 
 cannot resume forever. ``TIMED_OUT``, ``CANCELLED`` and ``STOPPED`` (a usage policy's stop:
 ranks get ``checkpoint_grace`` to checkpoint, then are stopped) are terminal. The state is
 a small JSON file in the run dir (``state.json``), rewritten atomically after every
-transition; its job and attempt states are :mod:`sparkgpu.launch.protocol`'s.
+transition; its job and attempt states are :mod:`sparkgpu.protocol`'s.
 
 An attempt's runtime cap and billed time start when its ranks start. A backend whose ranks
 may start long after ``submit`` (Spark waiting for busy GPUs: ``waits_for_resources``) says
@@ -43,7 +43,7 @@ from sparkgpu.errors import (
 )
 from sparkgpu.launch.attempt_result import AttemptResult, StoppedBy, read_attempt
 from sparkgpu.launch.logs import LogStreamer
-from sparkgpu.launch.protocol import AttemptRecord, AttemptStatus, JobState, JobStatus
+from sparkgpu.protocol import AttemptRecord, AttemptStatus, JobState, JobStatus
 from sparkgpu._keyring import derive_key
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.supervision_lock import SupervisionLock
@@ -505,7 +505,7 @@ class Supervisor:
                 self.job,
                 AttemptOutcome(
                     attempt=record["attempt"],
-                    status=status.value,
+                    status=status,
                     started_at=started_at,
                     ended_at=ended_at,
                     gpus=self.job.resources.gpus,

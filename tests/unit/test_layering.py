@@ -2,7 +2,8 @@
 
 - data, train, tracking, usage and env import nothing from the launcher (``sparkgpu.launch``);
 - the launcher reaches tracking and usage only through the callback interface
-  (``sparkgpu.callbacks``), which imports none of them;
+  (``sparkgpu.callbacks``), which imports none of them: only the run dir's states
+  (``sparkgpu.protocol``, standard library only), which all of them share;
 - what runs on a worker before sparkgpu may be importable (the error module, the hydration
   module, the payload's signature check) imports the standard library only;
 - no two modules import each other, directly or around a circle (a function-level import
@@ -29,7 +30,9 @@ PACKAGE = Path(sparkgpu.__file__).resolve().parent
 BELOW_LAUNCH = ("sparkgpu.data", "sparkgpu.train", "sparkgpu.tracking", "sparkgpu.usage", "sparkgpu.env")
 INTEGRATIONS = ("sparkgpu.tracking", "sparkgpu.usage")
 CALLBACK_INTERFACE = ("sparkgpu.callbacks",)
-STDLIB_ONLY = ("sparkgpu.errors", "sparkgpu.env.hydrate", "sparkgpu.launch.payload_signature")
+# The run dir's states, below every sub-package: the callback interface hands them on.
+PROTOCOL = "sparkgpu.protocol"
+STDLIB_ONLY = (PROTOCOL, "sparkgpu.errors", "sparkgpu.env.hydrate", "sparkgpu.launch.payload_signature")
 # Guarded imports a stdlib-only module may make: hydration reads a store of another scheme
 # through fsspec, and names it in its error where fsspec is missing.
 OPTIONAL = {"sparkgpu.env.hydrate": {"fsspec"}}
@@ -105,7 +108,11 @@ def violations(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
                 found.add((name, target))
             if within(name, ("sparkgpu.launch",)) and within(target, INTEGRATIONS):
                 found.add((name, target))
-            if name in CALLBACK_INTERFACE and within(target, ("sparkgpu",)) and target not in CALLBACK_INTERFACE:
+            if (
+                name in CALLBACK_INTERFACE
+                and within(target, ("sparkgpu",))
+                and target not in (*CALLBACK_INTERFACE, PROTOCOL)
+            ):
                 found.add((name, target))
     return found
 
@@ -188,7 +195,7 @@ def test_the_implementations_of_callbacks_import_the_interface_not_the_launcher(
     graph = modules()
     assert "sparkgpu.callbacks" in graph["sparkgpu.tracking.mlflow_run"]
     assert "sparkgpu.callbacks" in graph["sparkgpu.usage.meter"]
-    assert not any(within(m, ("sparkgpu",)) for m in graph["sparkgpu.callbacks"])
+    assert not any(within(m, ("sparkgpu",)) and not within(m, (PROTOCOL,)) for m in graph["sparkgpu.callbacks"])
 
 
 @pytest.mark.parametrize("name", STDLIB_ONLY)
