@@ -21,7 +21,7 @@ of a ``@distributed`` function), with the module doing each::
      5. the function, arguments and callbacks pickled                  launch.serialization
      6. with shipping: environment snapshot, staged by content         sparkgpu.env
      7. the run dir written and signed: _air.py, spec.json,            launch.run_dir, .run_layout,
-        payload.pkl (+ _hydrate.py, _errors.py), payload.sig;          launch.payload (template),
+        payload.pkl (+ _hydrate.py, _errors.py), payload.sig;          launch.entrypoint_template,
         the job key kept in this user's keyring                        launch.payload_signature,
                                                                        launch.keys
      8. the supervisor's attempt loop: submit, watch, stream the       launch.supervisor,
@@ -42,7 +42,7 @@ of a ``@distributed`` function), with the module doing each::
         verified _air.py text, record how each exits                   launch.rendezvous,
                                                                        launch.rank_exits
     worker, per rank
-    12. _air.py: with a shipped environment, verify with the           launch.payload (template),
+    12. _air.py: with a shipped environment, verify with the           launch.entrypoint_template,
         standard library alone, then rehydrate it                      sparkgpu.env.hydrate
     13. entrypoint: devices, process group, unpickle, run fn, write    launch.entrypoint,
         the signed result or error                                     launch.process_group

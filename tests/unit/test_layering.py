@@ -96,7 +96,7 @@ def within(name: str, packages) -> bool:
 
 
 def is_module(name: str, graph: dict[str, set[str]]) -> bool:
-    # "from sparkgpu.launch.payload import RunDir" adds "sparkgpu.launch.payload.RunDir": keep modules only.
+    # "from sparkgpu.launch.run_dir import RunDir" adds "sparkgpu.launch.run_dir.RunDir": keep modules only.
     return name in graph
 
 

@@ -12,7 +12,7 @@ from sparkgpu.launch.attempt_report import AttemptReport, NodeReport
 from sparkgpu.launch.attempt_result import read_attempt
 from sparkgpu.callbacks import JobCallback
 from sparkgpu.launch.entrypoint import EXIT_PREEMPTED
-from sparkgpu.launch.payload import serialize_payload
+from sparkgpu.launch.serialization import serialize_payload
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.supervisor import Supervisor
 from sparkgpu.spec import JobSpec, Resources, RunPolicy

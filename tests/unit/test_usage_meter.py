@@ -9,7 +9,7 @@ import pytest
 
 from sparkgpu.errors import PolicyViolationError
 from sparkgpu.callbacks import AttemptOutcome
-from sparkgpu.launch.payload import serialize_payload
+from sparkgpu.launch.serialization import serialize_payload
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.supervisor import Supervisor
 from sparkgpu.spec import JobSpec, Resources, RunPolicy

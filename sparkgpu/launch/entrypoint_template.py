@@ -1,4 +1,4 @@
-"""What a worker runs: the generated entrypoint (``_air.py``).
+"""The template of what a worker runs: the generated entrypoint (``_air.py``).
 
 It takes the job key the way :mod:`sparkgpu.launch.keys` hands it over (in memory from a
 forking launcher, or from a file of the rank's own that it removes once read), never from the
@@ -11,10 +11,7 @@ its files, are :mod:`sparkgpu.launch.run_dir`'s; how the payload is pickled is
 
 from __future__ import annotations
 
-# Imported from here by the launchers and tests.
-from sparkgpu.launch.serialization import client_sys_path, serialize_payload  # noqa: F401
-
-__all__ = ["serialize_payload", "AIR_TEMPLATE"]
+__all__ = ["AIR_TEMPLATE"]
 
 
 # Why "_air.py": Databricks' serverless GPU API (serverless_gpu, now databricks.air), whose users
