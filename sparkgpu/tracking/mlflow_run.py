@@ -37,7 +37,7 @@ from sparkgpu.errors import ConfigurationError
 from sparkgpu.protocol import AttemptStatus
 from sparkgpu.runtime import TRACKING_DIR
 from sparkgpu.tracking._permissions import translate_permission_errors
-from sparkgpu.tracking.store import REAL_TRACKING_URI_ENV, default_experiment_name, ensure_experiment, resolve_target
+from sparkgpu.tracking.target import REAL_TRACKING_URI_ENV, default_experiment_name, ensure_experiment, resolve_target
 
 if TYPE_CHECKING:
     from sparkgpu.tracking.spool import JobRunInfo

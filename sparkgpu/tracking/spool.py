@@ -46,7 +46,7 @@ from typing import Any
 from sparkgpu._files import atomic_write_bytes
 from sparkgpu._run_files import TRACKING_RECORDS_DIR, TRACKING_RUN_FILE
 from sparkgpu.runtime import ENV_RUN_DIR
-from sparkgpu.tracking.store import REAL_TRACKING_URI_ENV, SPOOL_SCHEME
+from sparkgpu.tracking.target import REAL_TRACKING_URI_ENV, SPOOL_SCHEME
 
 __all__ = [
     "JobRunInfo",
