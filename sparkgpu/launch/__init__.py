@@ -4,7 +4,7 @@ How one call runs, hop by hop (``spark.gpu.train(fn, data=df, ...)`` or ``fn.dis
 of a ``@distributed`` function), with the module doing each::
 
     client
-     1. spark.gpu.train: checks its arguments, takes this session's    sparkgpu.session
+     1. spark.gpu.train: checks its arguments, takes this session's    sparkgpu.spark_gpu
         Spark backend; with data=, prepares the job (hops 3-5,
         nothing written), then turns the data into MDS shards on the    sparkgpu.data.convert
         executors (or reads the table in place), adds data_url to the
