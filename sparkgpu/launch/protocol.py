@@ -7,6 +7,26 @@ and its implementations (tracking, metering) use the same states. This module go
 
 from __future__ import annotations
 
-from sparkgpu.protocol import NodeExit, NodeState
+from sparkgpu.protocol import (
+    AttemptRecord,
+    AttemptStatus,
+    ClientInfo,
+    JobState,
+    JobStatus,
+    ListedStatus,
+    NodeExit,
+    NodeState,
+    RankExit,
+)
 
-__all__ = ["NodeExit", "NodeState"]
+__all__ = [
+    "JobStatus",
+    "AttemptStatus",
+    "ListedStatus",
+    "NodeState",
+    "NodeExit",
+    "RankExit",
+    "JobState",
+    "AttemptRecord",
+    "ClientInfo",
+]
