@@ -9,7 +9,7 @@ its next training step, on the same model + SGD-momentum state for every peer, i
     process with torch imported, started while the first attempt runs)
   * the same with the standby off (``LocalBackend(standby=False)``: a new node agent and new
     rank processes, as after a lost node)
-  * the same through the warm pool (``backend="pool"``: every attempt's ranks forked with torch
+  * the same through the warm pool (``backend="warm_pool"``: every attempt's ranks forked with torch
     imported)
   * ``torchrun --standalone --max-restarts=1`` running a script that checkpoints with
     ``torch.save`` on rank 0 and resumes with ``torch.load`` (the usual hand-written loop), with
@@ -236,7 +236,7 @@ def main(argv=None) -> None:
     peers = {
         "sparkgpu": lambda work: run_sparkgpu(args.size_mb, work, "local"),
         "sparkgpu_no_standby": lambda work: run_sparkgpu(args.size_mb, work, cold_backend()),
-        "sparkgpu_warm_pool": lambda work: run_sparkgpu(args.size_mb, work, "pool"),
+        "sparkgpu_warm_pool": lambda work: run_sparkgpu(args.size_mb, work, "warm_pool"),
         "torchrun_torch_save": lambda work: run_torchrun(args.size_mb, work),
         "floor_process_import_torch_load": lambda work: run_floor(args.size_mb, work),
     }
@@ -245,10 +245,10 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-restart-") as tmp:
         os.environ["SPARKGPU_HOME"] = str(Path(tmp) / "home")
         os.environ.setdefault("SPARKGPU_TRACKING", "0")  # restart latency only; tracking is measured apart
-        from sparkgpu.launch.pool import stop_pool
+        from sparkgpu.launch.warm_pool import stop_pool
 
         try:
-            run_sparkgpu(args.size_mb, Path(tmp), "pool")  # starts the warm pool: its start is not a restart
+            run_sparkgpu(args.size_mb, Path(tmp), "warm_pool")  # starts the warm pool: its start is not a restart
             names = list(peers)
             for repeat in range(args.repeats):
                 # Round-robin, the order reversed every other repeat: drift and whatever a side

@@ -104,9 +104,9 @@ def main() -> None:
 
     from tests.integration.spark_cluster import LocalSparkCluster
 
-    import sparkgpu.session
+    import sparkgpu.spark_gpu
 
-    sparkgpu.session.attach()
+    sparkgpu.spark_gpu.attach()
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="sparkgpu-bench-") as tmp:
         os.environ["SPARKGPU_HOME"] = str(Path(tmp) / "home")

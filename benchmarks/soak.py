@@ -156,7 +156,8 @@ def main() -> None:
         )
         from sparkgpu import distributed
         from sparkgpu.config import reset_settings
-        from sparkgpu.launch.pool import PoolBackend, stop_pool
+        from sparkgpu.launch.backends.warm_pool import WarmPoolBackend
+        from sparkgpu.launch.warm_pool import stop_pool
 
         reset_settings()
         samples = [sample("start", 0, 0)]
@@ -167,7 +168,7 @@ def main() -> None:
                 "local cold", args.local_cold, lambda i: cold.distributed(i), samples, args.warmup
             )
         if args.local_warm:
-            warm = distributed(gpus=2, gpu_type="cpu", backend=PoolBackend(idle_timeout=600))(all_reduce_step)
+            warm = distributed(gpus=2, gpu_type="cpu", backend=WarmPoolBackend(idle_timeout=600))(all_reduce_step)
             try:
                 phases["local warm"] = run_phase(
                     "local warm", args.local_warm, lambda i: warm.distributed(i), samples, args.warmup

@@ -122,7 +122,7 @@ def main() -> None:
         parser.error("--remote needs --gpus and --gpu-type")
 
     import sparkgpu  # noqa: F401  (attaches spark.gpu)
-    from sparkgpu.session import attach
+    from sparkgpu.spark_gpu import attach
 
     attach()
     with session(args) as (spark, gpus, gpu_type):

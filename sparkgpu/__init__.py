@@ -69,7 +69,7 @@ __getattr__ = lazy_attributes(__name__, _LAZY)
 
 def _attach_spark_gpu() -> None:
     # `import sparkgpu` gives Spark sessions a `spark.gpu` namespace, without importing pyspark.
-    from sparkgpu.session import attach
+    from sparkgpu.spark_gpu import attach
 
     attach()
 

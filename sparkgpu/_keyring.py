@@ -21,16 +21,37 @@ from pathlib import Path
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError
 
-__all__ = ["new_key", "save_key", "load_key", "derive_key", "hold_job_key", "current_job_key"]
+__all__ = [
+    "new_key",
+    "save_key",
+    "load_key",
+    "key_file",
+    "forget_key",
+    "derive_key",
+    "hold_job_key",
+    "current_job_key",
+]
+
+KEYRING_DIR = "keys"  # under $SPARKGPU_HOME
 
 # The key of the job this process is a rank of, once the entrypoint took it (never from the environment).
 _held: bytes | None = None
 
 
 def _keyring() -> Path:
-    path = settings().home / "keys"
+    path = settings().home / KEYRING_DIR
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     return path
+
+
+def key_file(job_id: str, home: Path | None = None) -> Path:
+    """Where the key of ``job_id`` is kept, in the keyring under ``home`` (``$SPARKGPU_HOME``)."""
+    return (home or settings().home) / KEYRING_DIR / job_id
+
+
+def forget_key(job_id: str, home: Path | None = None) -> None:
+    """Removes the key of ``job_id`` from the keyring (once its run dir is gone)."""
+    key_file(job_id, home).unlink(missing_ok=True)
 
 
 def new_key() -> bytes:

@@ -52,7 +52,7 @@ from sparkgpu._keyring import load_key
 from sparkgpu.launch.logs import LogStreamer
 from sparkgpu.launch.resume import client_is_gone, find_run_dir, take_over
 from sparkgpu.launch.run_dir import RunDir
-from sparkgpu.launch.protocol import AttemptStatus, JobState, JobStatus
+from sparkgpu.protocol import AttemptStatus, JobState, JobStatus
 from sparkgpu.launch.supervision_lock import SupervisionLock
 from sparkgpu.launch.supervisor import CANCEL_REQUEST_FILE, Supervisor
 from sparkgpu.spec import JobSpec

@@ -6,13 +6,16 @@ ones travel to the workers inside the payload.
 
 This module is the one contract between the launcher (:mod:`sparkgpu.launch`) and the
 integrations that implement it (:mod:`sparkgpu.tracking`, :mod:`sparkgpu.usage`): it imports
-none of them, so neither side imports the other (``tests/unit/test_layering.py``).
+none of them, so neither side imports the other (``tests/unit/test_layering.py``), only the
+run dir's states (:mod:`sparkgpu.protocol`), which all of them share.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+from sparkgpu.protocol import AttemptStatus
 
 __all__ = ["JobCallback", "WorkerContext", "AttemptOutcome"]
 
@@ -33,21 +36,24 @@ class WorkerContext:
 
 @dataclasses.dataclass(frozen=True)
 class AttemptOutcome:
-    """How one attempt ended: ``status`` is the value of an
-    :class:`~sparkgpu.launch.protocol.AttemptStatus`: ``"succeeded"``, ``"failed"``, ``"preempted"``
+    """How one attempt ended: ``status`` is an :class:`~sparkgpu.protocol.AttemptStatus` (its
+    value also converts): ``"succeeded"``, ``"failed"``, ``"preempted"``
     (stopped at the runtime cap or a budget after checkpointing), ``"stopped"`` (by a policy,
     without a checkpoint), ``"timed_out"`` or ``"cancelled"``. ``started_at`` is when its ranks started;
     ``cause`` says why a failed attempt failed when the backend knows more than the ranks (a
     lost node: ``"executor 1 on host h was lost (...)"``)."""
 
     attempt: int
-    status: str
+    status: AttemptStatus
     started_at: float
     ended_at: float
     gpus: int
     gpu_type: str
     error: BaseException | None = None
     cause: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", AttemptStatus(self.status))
 
 
 class JobCallback:

@@ -33,7 +33,7 @@ from typing import Literal, Sequence
 
 from sparkgpu.errors import ConfigurationError, PolicyViolationError, SparkGPUError
 from sparkgpu.job_options import add_cli_flags, cli_values, key_value
-from sparkgpu.launch.protocol import JobStatus, ListedStatus
+from sparkgpu.protocol import JobStatus, ListedStatus
 from sparkgpu.launch.run_layout import RunLayout
 
 __all__ = ["main", "COMMANDS", "build_parser", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_POLICY"]

@@ -21,13 +21,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import warnings
 from typing import Any, Callable
 
 from sparkgpu._report import PREFIX, report
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.launch.backends.base import Backend, LaunchPlan, create_backend
-from sparkgpu.launch.callbacks import JobCallback
+from sparkgpu.launch.backends.base import RENAMED_BACKENDS, Backend, LaunchPlan, backend_name, create_backend
+from sparkgpu.callbacks import JobCallback
 from sparkgpu.prepare import PreparedJob, prepare
 from sparkgpu.spec import JobSpec, Resources, RunPolicy, log_rank_selection, new_job_id, requested_resources
 
@@ -175,7 +176,9 @@ class DistributedFunction:
     def _backend(self) -> Backend:
         if isinstance(self.backend, Backend):
             return self.backend
-        name = self.backend or ("spark" if self.resources.remote else ("pool" if settings().warm_pool else "local"))
+        name = self.backend or (
+            "spark" if self.resources.remote else ("warm_pool" if settings().warm_pool else "local")
+        )
         return create_backend(name)
 
     def _ships_environment(self) -> bool:
@@ -357,7 +360,7 @@ def distributed(
             ``"B300"``, ``"L4"``) or ``"cpu"`` for CPU ranks with gloo. ``None`` on local runs
             means this host's GPUs, or CPU when it has none. Remote runs need it (or
             ``accelerator_type``).
-        backend: ``"local"``, ``"pool"`` (local ranks forked from a warm pool; the default for
+        backend: ``"local"``, ``"warm_pool"`` (local ranks forked from a warm pool; the default for
             local jobs when ``SPARKGPU_WARM_POOL=1``), ``"spark"`` or a
             :class:`~sparkgpu.launch.backends.base.Backend`.
         timeout: Limit on the whole call (seconds or ``"2h"``); ``SPARKGPU_TIMEOUT`` by default.
@@ -412,6 +415,14 @@ def distributed(
         priority=priority,
     )
 
+    if isinstance(backend, str):
+        if backend in RENAMED_BACKENDS:
+            warnings.warn(
+                f"backend={backend!r} is now backend={RENAMED_BACKENDS[backend]!r} (pool= names a GPU pool)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        backend = backend_name(backend)
     if pool is not None:
         backend = _pool_backend(pool, remote, backend)
 

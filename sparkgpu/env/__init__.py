@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from sparkgpu._run_files import ERRORS_FILE, HYDRATE_FILE
 from sparkgpu.env.hydrate import (
     HydrationReport,
     Overlay,
@@ -75,6 +76,6 @@ def worker_bootstrap_files() -> dict[str, bytes]:
     the overlay that may bring sparkgpu itself.
     """
     return {
-        "_hydrate.py": hydrate_module_path().read_bytes(),
-        "_errors.py": Path(__file__).parent.parent.joinpath("errors.py").read_bytes(),
+        HYDRATE_FILE: hydrate_module_path().read_bytes(),
+        ERRORS_FILE: Path(__file__).parent.parent.joinpath("errors.py").read_bytes(),
     }

@@ -35,7 +35,7 @@ from sparkgpu._report import report
 from sparkgpu.errors import PayloadSignatureError
 from sparkgpu.launch.entrypoint import EXIT_FAILED, _die_with_parent
 from sparkgpu.launch.keys import KEY_DIR_ENV, hand_to_ranks, make_undumpable, rank_secrets, receive_key
-from sparkgpu.launch.protocol import NodeExit, RankExit
+from sparkgpu.protocol import NodeExit, RankExit
 from sparkgpu.launch.rank_exits import RankExitWatcher
 from sparkgpu.launch.run_dir import PRIVATE_UMASK, RunDir
 from sparkgpu.launch.run_layout import RunLayout
@@ -230,7 +230,7 @@ def _launch(args: argparse.Namespace, rd: RunDir, air: str, init_timeout: float)
         max_restarts=0,  # restarts are the supervisor's: it resumes from checkpoints
         monitor_interval=0.1,
         start_method="spawn",
-        logs_specs=DefaultLogsSpecs(log_dir=str(rd.attempt_dir(args.attempt) / "elastic")),
+        logs_specs=DefaultLogsSpecs(log_dir=str(rd.file(RunLayout.elastic(args.attempt)))),
         shutdown_timeout=args.shutdown_grace,
     )
     failures: dict[int, RankExit] = {}

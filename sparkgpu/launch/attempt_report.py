@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from sparkgpu._files import atomic_write_bytes
-from sparkgpu.launch.protocol import NodeState
+from sparkgpu.protocol import NodeState
 from sparkgpu.launch.run_layout import RunLayout
 
 __all__ = ["AttemptReport", "NodeReport", "REPORT_FILE"]

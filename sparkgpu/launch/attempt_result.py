@@ -16,7 +16,7 @@ from typing import Any
 from sparkgpu.errors import NodeLostError, RankFailure, first_failure, worker_failed_error
 from sparkgpu.launch.attempt_report import AttemptReport
 from sparkgpu.launch.entrypoint import EXIT_PREEMPTED
-from sparkgpu.launch.protocol import AttemptStatus, RankExit
+from sparkgpu.protocol import AttemptStatus, RankExit
 from sparkgpu.launch.run_dir import RunDir
 
 __all__ = ["AttemptResult", "StoppedBy", "read_attempt"]

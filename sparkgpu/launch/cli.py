@@ -1,4 +1,4 @@
-"""``sparkgpu resume``, ``sparkgpu cancel`` and ``sparkgpu pool``: the launcher's subcommands."""
+"""``sparkgpu resume``, ``sparkgpu cancel`` and ``sparkgpu warm-pool``: the launcher's subcommands."""
 
 from __future__ import annotations
 
@@ -46,14 +46,17 @@ def cmd_cancel(args) -> int:
 
 
 def register_pool(subparsers) -> None:
-    p = subparsers.add_parser("pool", help="the warm pool that starts local ranks in well under a second")
+    # "pool" was its name before; "sparkgpu pools" lists GPU pools, another thing.
+    p = subparsers.add_parser(
+        "warm-pool", aliases=["pool"], help="the warm pool that starts local ranks in well under a second"
+    )
     p.add_argument("action", choices=("status", "stop"))
     p.add_argument("--json", action="store_true", help="print the status as JSON")
     p.set_defaults(handler=cmd_pool)
 
 
 def cmd_pool(args) -> int:
-    from sparkgpu.launch.pool import pool_status, stop_pool
+    from sparkgpu.launch.warm_pool import pool_status, stop_pool
 
     if args.action == "stop":
         print("sparkgpu: warm pool stopped" if stop_pool() else "sparkgpu: no warm pool is running")

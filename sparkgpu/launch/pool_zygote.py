@@ -1,6 +1,6 @@
 """The warm pool's zygote: the long-lived process that forks a job's ranks with torch imported.
 
-The client side (:mod:`sparkgpu.launch.pool`) starts it as
+The client side (:mod:`sparkgpu.launch.warm_pool`) starts it as
 ``python -m sparkgpu.launch.pool_zygote DIRECTORY IDLE_TIMEOUT FINGERPRINT [standby]`` and talks to it
 over the UNIX socket ``DIRECTORY/pool.sock``, one JSON line per request and per reply
 (``status``, ``stop``, ``retire``, ``run``); it describes itself in ``DIRECTORY/pool.json``.
@@ -34,7 +34,7 @@ from sparkgpu.launch.agent import reported, verify_or_refuse
 from sparkgpu.launch.entrypoint import EXIT_PREEMPTED, _die_with_parent
 from sparkgpu.launch.rendezvous import collective_interface_env, listening_socket, serve_store
 from sparkgpu.launch.keys import make_undumpable, rank_secrets
-from sparkgpu.launch.protocol import NodeExit, RankExit
+from sparkgpu.protocol import NodeExit, RankExit
 from sparkgpu.launch.rank_exits import CRASH_KILL_DELAY
 from sparkgpu.launch.run_dir import PRIVATE_UMASK, RunDir
 from sparkgpu.launch.run_layout import RunLayout

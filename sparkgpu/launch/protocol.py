@@ -1,72 +1,24 @@
-"""The run dir's protocol: the states its files hold and the records written in more than one place.
+"""The run dir's protocol types, under the name the Spark node modules still import them by.
 
-Every process that reads or writes a job's run dir (the client's supervisor, ``sparkgpu
-resume`` / ``jobs`` / ``logs``, the node agents, the pool zygote, the Spark node tasks)
-takes the states from here; none compares a state as a bare string. The enums are
-``str``-valued, so the JSON on disk holds the same strings as before they existed, and run
-dirs written by older versions read back unchanged.
-
-:class:`JobStatus`, ``state.json``'s ``status`` (the job as a whole)::
-
-    PENDING -> RUNNING -> SUCCEEDED
-                       -> FAILED | TIMED_OUT | CANCELLED | STOPPED
-
-``PENDING``: staged, no attempt submitted yet. ``RUNNING``: an attempt is submitted or runs
-(also between attempts, while a restart is prepared). ``SUCCEEDED``: every rank of the last
-attempt returned. ``FAILED``: an attempt failed and the failure policy raised (or the
-supervisor itself failed). ``TIMED_OUT``: the job ran past ``policy.timeout``.
-``CANCELLED``: cancelled (``Call.cancel``, the cancel file, Ctrl-C). ``STOPPED``: a usage
-policy stopped it (its ranks were asked to checkpoint). ``SUCCEEDED`` is final;
-``sparkgpu resume`` takes every other state back to ``RUNNING``.
-
-:class:`AttemptStatus`, each ``state.json`` attempt's ``status``::
-
-    RUNNING -> SUCCEEDED | FAILED | PREEMPTED | STOPPED | TIMED_OUT | CANCELLED | LOST
-
-``PREEMPTED``: its ranks checkpointed and stopped (at the runtime cap, for a restart, or to give
-way to a critical job); the next attempt resumes without using up a restart. ``STOPPED``: stopped by a policy without a
-checkpoint. ``TIMED_OUT`` and ``CANCELLED``: as for the job. ``LOST``: its client died while
-it ran; ``sparkgpu resume`` records that when it takes the job over. Every state but
-``RUNNING`` is final.
-
-:class:`ListedStatus`: what ``sparkgpu jobs`` shows beside a :class:`JobStatus`, derived and
-never written: ``STAGED`` (no ``state.json``: a dry run, or a launch that died early) and
-``LOST`` (``RUNNING`` in ``state.json``, but its client process is gone) and ``WAITING`` (its
-client waits in this host's GPU queue: before its first attempt, or after it gave way to a
-critical job).
-
-:class:`NodeState`, the state of one Spark node task (its result row, its ``ended`` marker
-and its entry in the attempt's report). Before the agent starts::
-
-    READY | SPARK_RETRY | NO_RUN_DIR | STORE_UNREACHABLE | BAD_SIGNATURE
-    READY -> PEER_NOT_READY          (a peer was not READY: nobody starts)
-    READY -> RUNNING -> SUCCEEDED | FAILED | CANCELLED | CLIENT_LOST | PEER_FAILED | PEER_LOST
-    any -> STORE_PUSH_FAILED          (the node's last files did not reach the staging store)
-
-``SPARK_RETRY``: Spark re-ran the barrier stage; the task starts nothing (restarts are the
-supervisor's). ``NO_RUN_DIR``: the executor cannot see the client's run dir.
-``STORE_UNREACHABLE``: it cannot read or write the staging store. ``BAD_SIGNATURE``: the
-payload's signature does not hold. ``RUNNING`` is the agent's state while it runs, never
-a final one: it ends ``SUCCEEDED`` or ``FAILED`` by the agent's exit code, or by what stopped
-it (``CANCELLED`` by the client, ``CLIENT_LOST``: the client stopped beating,
-``PEER_FAILED``: another node's ranks failed, ``PEER_LOST``: another node stopped beating).
-The client's own account adds ``LOST`` (the node stopped beating without an end marker: its
-executor is gone) and ``UNKNOWN`` (no row and no end marker).
-
-:class:`JobState` / :class:`AttemptRecord` / :class:`ClientInfo`: ``state.json``'s keys, typed
-for the checker; the state stays a plain dict (its ``status`` values are the enums' strings), so
-it is written and read byte for byte as before.
-
-:class:`NodeExit` / :class:`RankExit`: a node's exit record (``attempts/<k>/node-<n>.json``),
-written by the node agent and by the pool zygote, read by the supervisor and by the Spark
-nodes watching their peers.
+They live in :mod:`sparkgpu.protocol`, below the launcher, so that the callback interface
+and its implementations (tracking, metering) use the same states. This module goes once
+``launch.backends.spark``, ``.spark_node`` and ``.spark_node_watch`` import from there.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-from typing import Any, TypedDict
+from sparkgpu.protocol import (
+    AttemptRecord,
+    AttemptStatus,
+    ClientInfo,
+    JobState,
+    JobStatus,
+    ListedStatus,
+    NodeExit,
+    NodeState,
+    RankExit,
+    WaitingInfo,
+)
 
 __all__ = [
     "JobStatus",
@@ -80,184 +32,3 @@ __all__ = [
     "ClientInfo",
     "WaitingInfo",
 ]
-
-
-class _StrEnum(str, enum.Enum):
-    """A ``str`` whose ``str()`` and format are its value (``enum.StrEnum`` from Python 3.11 on)."""
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-    def __format__(self, format_spec: str) -> str:
-        return format(str(self.value), format_spec)
-
-
-class JobStatus(_StrEnum):
-    """A job's status in ``state.json`` (transitions in the module docstring)."""
-
-    PENDING = "pending"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    TIMED_OUT = "timed_out"
-    CANCELLED = "cancelled"
-    STOPPED = "stopped"  # checkpointed and stopped by a policy (budget); resumable by hand
-
-    @property
-    def is_terminal(self) -> bool:
-        """Whether the job ended (its supervisor returned or raised); only ``resume`` continues it."""
-        return self not in (JobStatus.PENDING, JobStatus.RUNNING)
-
-
-class AttemptStatus(_StrEnum):
-    """An attempt's status in ``state.json`` (transitions in the module docstring)."""
-
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    PREEMPTED = "preempted"
-    STOPPED = "stopped"
-    TIMED_OUT = "timed_out"
-    CANCELLED = "cancelled"
-    LOST = "lost"
-
-
-class ListedStatus(_StrEnum):
-    """The statuses ``sparkgpu jobs`` derives beside :class:`JobStatus`'s; never written."""
-
-    STAGED = "staged"
-    LOST = "lost"
-    WAITING = "waiting"  # in this host's GPU queue (sparkgpu.launch.gpu_queue), its client alive
-
-
-class NodeState(_StrEnum):
-    """A Spark node task's state (transitions in the module docstring)."""
-
-    READY = "ready"
-    SPARK_RETRY = "spark-retry"
-    NO_RUN_DIR = "no-run-dir"
-    STORE_UNREACHABLE = "store-unreachable"
-    STORE_PUSH_FAILED = "store-push-failed"
-    BAD_SIGNATURE = "bad-signature"
-    PEER_NOT_READY = "peer-not-ready"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-    CLIENT_LOST = "client-lost"
-    PEER_FAILED = "peer-failed"
-    PEER_LOST = "peer-lost"
-    LOST = "lost"
-    UNKNOWN = "unknown"
-
-
-class ClientInfo(TypedDict):
-    """The process that supervises a job: ``sparkgpu jobs`` shows a job whose client died as lost."""
-
-    host: str
-    pid: int
-    pid_started: float  # the process's start time: tells a recycled pid from the client itself
-
-
-class _AttemptFields(TypedDict):
-    attempt: int
-    submitted_at: float
-    started_at: float | None  # when its ranks started: billing and the runtime cap start there
-    ended_at: float | None
-    status: str  # an AttemptStatus value
-
-
-class AttemptRecord(_AttemptFields, total=False):
-    """One attempt in ``state.json`` (a plain dict on disk and in memory, so the file reads as it always did)."""
-
-    exit_code: int | None
-    lost: list[dict[str, Any]]  # the lost nodes' NodeReport fields
-    cause: list[str]  # at most 8 sentences on why it ended
-
-
-class _JobFields(TypedDict):
-    job_id: str
-    status: str  # a JobStatus value
-    backend: str
-    attempts: list[AttemptRecord]
-    restarts: int
-    preemptions: int
-    created_at: float
-
-
-class WaitingInfo(TypedDict):
-    """``state.json``'s ``waiting``: a job that checkpointed and gave way waits for GPUs between attempts."""
-
-    since: float  # Unix time it started waiting
-    reason: str  # who it gave way to
-
-
-class JobState(_JobFields, total=False):
-    """``state.json``: the supervisor's state, rewritten atomically after every transition."""
-
-    client: ClientInfo
-    stop_reason: str  # why a usage policy stopped the job
-    waiting: WaitingInfo  # while a job that gave way to a critical one waits for GPUs again
-
-
-@dataclasses.dataclass
-class RankExit:
-    """How one rank's process exited, as its node's launcher saw it.
-
-    Attributes:
-        exitcode: Its exit code; ``-N`` when signal ``N`` ended it.
-        signal: The signal's name (``"SIGKILL"``), or ``None`` when it exited.
-        pid: Its process id, when the launcher knew it.
-        time: Unix time it exited, when known: a quiet exit is the cause of its peers' errors.
-    """
-
-    exitcode: int
-    signal: str | None = None
-    pid: int | None = None
-    time: float | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {"exitcode": self.exitcode, "signal": self.signal, "pid": self.pid, "time": self.time}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> RankExit:
-        return cls(exitcode=data["exitcode"], signal=data.get("signal"), pid=data.get("pid"), time=data.get("time"))
-
-
-@dataclasses.dataclass
-class NodeExit:
-    """A node's exit record: its launcher's exit status and the ranks that did not exit cleanly.
-
-    Attributes:
-        node_rank: The node's index.
-        status: The launcher's exit status: ``0``, or non-zero when a rank failed (the other
-            nodes then stop their ranks too).
-        failures: By global rank, the ranks that failed (or exited quietly with code 0).
-        refused: Why the node started none of its ranks (a payload signature that does not
-            hold), or ``None``.
-    """
-
-    node_rank: int
-    status: int
-    failures: dict[int, RankExit] = dataclasses.field(default_factory=dict)
-    refused: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        data: dict[str, Any] = {
-            "node_rank": self.node_rank,
-            "status": self.status,
-            "failures": {str(rank): f.to_json() for rank, f in self.failures.items()},
-        }
-        if self.refused is not None:
-            data["refused"] = self.refused
-        return data
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> NodeExit:
-        """Reads a record; the fields an older or a partial writer left out take their defaults."""
-        return cls(
-            node_rank=data.get("node_rank", -1),
-            status=data.get("status", 0),
-            failures={int(rank): RankExit.from_json(f) for rank, f in data.get("failures", {}).items()},
-            refused=data.get("refused"),
-        )

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import psutil
 
 from sparkgpu.launch.entrypoint import EXIT_PREEMPTED
-from sparkgpu.launch.protocol import RankExit
+from sparkgpu.protocol import RankExit
 
 __all__ = ["RankExitWatcher", "CRASH_KILL_DELAY"]
 

@@ -22,7 +22,7 @@ from sparkgpu.launch.backends.base import create_backend
 from sparkgpu._keyring import load_key
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.run_layout import RunLayout
-from sparkgpu.launch.protocol import AttemptStatus, JobState, JobStatus
+from sparkgpu.protocol import AttemptStatus, JobState, JobStatus
 from sparkgpu.launch.supervision_lock import SupervisionLock
 from sparkgpu.launch.supervisor import CANCEL_REQUEST_FILE, Supervisor
 from sparkgpu.spec import JobSpec

@@ -24,9 +24,10 @@ import threading
 import time
 from pathlib import Path
 
+from sparkgpu._keyring import forget_key, key_file
 from sparkgpu._report import report
 from sparkgpu.config import Settings, settings
-from sparkgpu.launch.protocol import JobStatus
+from sparkgpu.protocol import JobStatus
 from sparkgpu.launch.run_layout import RunLayout
 
 __all__ = ["prune_runs"]
@@ -54,7 +55,7 @@ def _created_at(run_dir: Path, state: dict) -> float:
 def _owned(run_dir: Path, config: Settings) -> bool:
     """Whether the job is this user's: its run dir is this OS user's and its key is in this user's keyring."""
     try:
-        return run_dir.stat().st_uid == os.getuid() and (config.home / "keys" / run_dir.name).is_file()
+        return run_dir.stat().st_uid == os.getuid() and key_file(run_dir.name, config.home).is_file()
     except FileNotFoundError:
         return False
 
@@ -149,7 +150,7 @@ def _delete(hidden_dirs: list[Path], config: Settings) -> None:
     for hidden in hidden_dirs:
         job_id = hidden.name[1 : -len(".removing")]
         shutil.rmtree(hidden, onerror=_report)
-        (config.home / "keys" / job_id).unlink(missing_ok=True)
+        forget_key(job_id, config.home)
         if config.staging_url:
             _remove_from_store(f"{config.staging_url}/{job_id}")
 

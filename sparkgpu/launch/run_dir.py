@@ -14,7 +14,7 @@ itself never touches the run dir.
 
 Every file a reader may see as complete is written to a temporary name and renamed
 (:mod:`sparkgpu._files`). How the payload, the results and the errors are pickled is
-:mod:`sparkgpu.launch.serialization`'s; the entrypoint's text is :mod:`sparkgpu.launch.payload`'s.
+:mod:`sparkgpu.launch.serialization`'s; the entrypoint's text is :mod:`sparkgpu.launch.entrypoint_template`'s.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from sparkgpu.errors import ConfigurationError, PayloadSignatureError, RankFailu
 from sparkgpu.launch.payload_signature import sign_payload, verifier_source, verify_payload
 from sparkgpu.launch.control import seal, unseal
 from sparkgpu.launch.keys import KEY_DIR_ENV, RANK_KEY_FILE
-from sparkgpu.launch.payload import AIR_TEMPLATE
-from sparkgpu.launch.protocol import NodeExit, RankExit
+from sparkgpu.launch.entrypoint_template import AIR_TEMPLATE
+from sparkgpu.protocol import NodeExit, RankExit
 from sparkgpu.launch.run_layout import RunLayout
 from sparkgpu.launch.serialization import deserialize_error, dump_result, serialize_error, unpack_payload
 
@@ -252,6 +252,8 @@ class RunDir:
             verifier=verifier_source(),
             env_report=RunLayout.env_report("{attempt}", "{rank}"),
             rank_log=RunLayout.rank_log("{attempt}", "{rank}"),
+            hydrate=RunLayout.HYDRATE,
+            spec=RunLayout.SPEC,
             key_dir_env=KEY_DIR_ENV,
             rank_key_file=RANK_KEY_FILE,
         ).encode()

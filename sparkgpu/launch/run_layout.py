@@ -8,6 +8,7 @@ names (:class:`~sparkgpu.launch.run_dir.RunDir` is one run dir on a machine). La
                          AI Runtime, ``databricks.air``, whose calls these jobs serve; the
                          name is a convention, nothing depends on it)
     _hydrate.py          the environment's rehydration, when the job ships its environment
+    _errors.py           sparkgpu's errors beside it, which the rehydration raises
     spec.json            the JobSpec
     payload.pkl          cloudpickled function, arguments and worker callbacks
     payload.sig          HMAC-SHA256 of _air.py + spec.json + payload.pkl (key never stored)
@@ -16,6 +17,7 @@ names (:class:`~sparkgpu.launch.run_dir.RunDir` is one run dir on a machine). La
     checkpoints/         shared by all attempts
     tracking/            the job's tracking run and the ranks' spooled records
     attempts/<k>/logs/rank-<r>.log      output of rank r in attempt k (agent-<n>.log: node n's agent)
+    attempts/<k>/elastic/               torch elastic's own logs of the attempt's agents
     attempts/<k>/results/rank-<r>.pkl   its return value (or rank-<r>.error.pkl), signed; beside it
                                         rank-<r>.checkpoints-on-sigterm when SIGTERM asks it to checkpoint
     attempts/<k>/env-rank-<r>.json      what rehydrating the shipped environment cost rank r
@@ -34,7 +36,15 @@ from __future__ import annotations
 
 import re
 
-from sparkgpu._run_files import STOP_FILE, TRACKING_DIR
+from sparkgpu._run_files import (
+    ERRORS_FILE,
+    HYDRATE_FILE,
+    STOP_FILE,
+    TRACKING_DIR,
+    TRACKING_RECORDS_DIR,
+    TRACKING_RUN_FILE,
+)
+from sparkgpu.launch.payload_signature import SIGNATURE_FILE, SIGNED_CORE
 
 __all__ = ["RunLayout"]
 
@@ -51,11 +61,11 @@ class RunLayout:
     another agree.
     """
 
-    ENTRYPOINT = "_air.py"
-    HYDRATE = "_hydrate.py"
-    SPEC = "spec.json"
-    PAYLOAD = "payload.pkl"
-    SIGNATURE = "payload.sig"
+    # The signed files are spelled where the worker checks them, with the standard library alone.
+    ENTRYPOINT, SPEC, PAYLOAD = SIGNED_CORE
+    SIGNATURE = SIGNATURE_FILE
+    HYDRATE = HYDRATE_FILE
+    ERRORS = ERRORS_FILE
     STATE = "state.json"
     CANCEL_REQUEST = "cancel-request"
     SUPERVISION_LOCK = "supervision.lock"  # flocked by the process that supervises the job
@@ -64,10 +74,10 @@ class RunLayout:
     REPORT = "report.json"  # in an attempt's folder
     RAY_CLUSTER = "cluster.json"  # in an attempt's ray/ folder
     TRACKING = TRACKING_DIR
-    TRACKING_RUN = f"{TRACKING}/run.json"
-    TRACKING_RECORDS = f"{TRACKING}/records"
+    TRACKING_RUN = f"{TRACKING}/{TRACKING_RUN_FILE}"
+    TRACKING_RECORDS = f"{TRACKING}/{TRACKING_RECORDS_DIR}"
     #: The signed files every run dir has, in the order the signature covers them.
-    SIGNED = (ENTRYPOINT, SPEC, PAYLOAD)
+    SIGNED = SIGNED_CORE
     SPARK = "spark"  # the folder of an attempt's Spark markers
     SPARK_CANCEL = "CANCEL"
     SPARK_CLIENT_HEARTBEAT = "client.heartbeat"
@@ -84,6 +94,11 @@ class RunLayout:
     @staticmethod
     def logs(attempt: int | str) -> str:
         return f"{RunLayout.attempt(attempt)}/logs"
+
+    @staticmethod
+    def elastic(attempt: int | str) -> str:
+        """The folder of torch elastic's own logs for the attempt (its agents' ``log_dir``)."""
+        return f"{RunLayout.attempt(attempt)}/elastic"
 
     @staticmethod
     def results(attempt: int) -> str:

@@ -9,7 +9,7 @@ or it committed a new checkpoint; otherwise it failed, so a function that never 
 cannot resume forever. ``TIMED_OUT``, ``CANCELLED`` and ``STOPPED`` (a usage policy's stop:
 ranks get ``checkpoint_grace`` to checkpoint, then are stopped) are terminal. The state is
 a small JSON file in the run dir (``state.json``), rewritten atomically after every
-transition; its job and attempt states are :mod:`sparkgpu.launch.protocol`'s.
+transition; its job and attempt states are :mod:`sparkgpu.protocol`'s.
 
 An attempt's runtime cap and billed time start when its ranks start. A backend whose ranks
 may start long after ``submit`` (Spark waiting for busy GPUs: ``waits_for_resources``) says
@@ -45,13 +45,13 @@ from sparkgpu.errors import (
 )
 from sparkgpu.launch.attempt_result import AttemptResult, StoppedBy, read_attempt
 from sparkgpu.launch.logs import LogStreamer
-from sparkgpu.launch.protocol import AttemptRecord, AttemptStatus, JobState, JobStatus
+from sparkgpu.protocol import AttemptRecord, AttemptStatus, JobState, JobStatus
 from sparkgpu._keyring import derive_key
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.supervision_lock import SupervisionLock
 from sparkgpu.launch.run_layout import RunLayout
 from sparkgpu.spec import JobSpec
-from sparkgpu.train._checkpoint_store import CheckpointStore, SigningKey
+from sparkgpu.train.checkpoint_directory import CheckpointDirectory, SigningKey
 
 __all__ = ["Supervisor", "JobStatus", "Decision", "FailurePolicy", "CANCEL_REQUEST_FILE"]
 
@@ -378,7 +378,7 @@ class Supervisor:
                 self._set_status(JobStatus.CANCELLED)
                 raise JobCancelledError(
                     f"job {self.job.job_id} was cancelled; its ranks were stopped. Logs: "
-                    f"{self.run_dir.attempt_dir(attempt) / 'logs'}"
+                    f"{self.run_dir.logs_dir(attempt)}"
                 )
             now = time.monotonic()
             if ranks_started is None and now >= next_start_check:
@@ -390,7 +390,7 @@ class Supervisor:
                 raise JobTimeoutError(
                     f"job {self.job.job_id} ran longer than its timeout of {policy.timeout:g}s and was "
                     f"stopped; raise timeout= (or SPARKGPU_TIMEOUT), or checkpoint and set max_runtime= "
-                    f"so it resumes. Logs: {self.run_dir.attempt_dir(attempt) / 'logs'}"
+                    f"so it resumes. Logs: {self.run_dir.logs_dir(attempt)}"
                 )
             if ranks_started is None:  # waiting for GPUs: nothing runs, nothing is spent
                 time.sleep(_POLL_SECONDS)
@@ -550,7 +550,7 @@ class Supervisor:
                 self.job,
                 AttemptOutcome(
                     attempt=record["attempt"],
-                    status=status.value,
+                    status=status,
                     started_at=started_at,
                     ended_at=ended_at,
                     gpus=self.job.resources.gpus,
@@ -568,7 +568,7 @@ class Supervisor:
             # Only markers sealed under this job's key count: a planted one would make a capped
             # attempt pass for a preemption, which uses up no restart.
             signing = SigningKey(derive_key(self.key, "checkpoints"), self.job.job_id)
-            info = CheckpointStore(directory, key=signing).latest()
+            info = CheckpointDirectory(directory, key=signing).latest()
         except Exception as exc:  # unreadable (permissions, a store that is down: fsspec raises its own types)
             report(
                 f"cannot read the checkpoints in {directory} ({exc}); an attempt stopped "

@@ -29,8 +29,8 @@ _LAZY = {
     "MLflowCallback": ("sparkgpu.tracking.mlflow_run", "MLflowCallback"),
     "environment_lock": ("sparkgpu.tracking.mlflow_run", "environment_lock"),
     "registry": ("sparkgpu.tracking.registry", None),
-    "resolve_target": ("sparkgpu.tracking.store", "resolve_target"),
-    "default_experiment_name": ("sparkgpu.tracking.store", "default_experiment_name"),
+    "resolve_target": ("sparkgpu.tracking.target", "resolve_target"),
+    "default_experiment_name": ("sparkgpu.tracking.target", "default_experiment_name"),
     "flush_spool": ("sparkgpu.tracking.flush", "flush_spool"),
 }
 

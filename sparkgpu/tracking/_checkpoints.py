@@ -3,7 +3,7 @@
 A checkpoint that belongs to a job (it lies in the job's checkpoint directory, or its
 marker names the job) is loaded only once verified with the job's key, from this user's
 keyring on the client or the rank's own in a job: its marker's signature, then the files the
-model is read from, before anything is unpickled (``sparkgpu.train._checkpoint_store``).
+model is read from, before anything is unpickled (``sparkgpu.train.checkpoint_directory``).
 Other checkpoints, and plain DCP directories elsewhere, load unverified, as before: from
 directories the caller trusts.
 """
@@ -40,7 +40,7 @@ def load_checkpoint_into(model, checkpoint: str, key: str | None = None):
     """
     import torch.distributed.checkpoint as dcp
 
-    from sparkgpu.train._checkpoint_store import (
+    from sparkgpu.train.checkpoint_directory import (
         check_checkpoint_files,
         open_checkpoint,
         reader_for,
@@ -123,7 +123,7 @@ def committed_checkpoint(checkpoint: str):
             it belongs to a job and its marker is not signed with that job's key, or that key
             is not on this machine.
     """
-    from sparkgpu.train._checkpoint_store import MARKER_NAME, open_checkpoint
+    from sparkgpu.train.checkpoint_directory import MARKER_NAME, open_checkpoint
 
     found = open_checkpoint(checkpoint)  # verifies its marker where a key applies
     if found is None:

@@ -34,9 +34,10 @@ from typing import TYPE_CHECKING, Any
 
 from sparkgpu.callbacks import AttemptOutcome, JobCallback, WorkerContext
 from sparkgpu.errors import ConfigurationError
+from sparkgpu.protocol import AttemptStatus
 from sparkgpu.runtime import TRACKING_DIR
 from sparkgpu.tracking._permissions import translate_permission_errors
-from sparkgpu.tracking.store import REAL_TRACKING_URI_ENV, default_experiment_name, ensure_experiment, resolve_target
+from sparkgpu.tracking.target import REAL_TRACKING_URI_ENV, default_experiment_name, ensure_experiment, resolve_target
 
 if TYPE_CHECKING:
     from sparkgpu.tracking.spool import JobRunInfo
@@ -376,7 +377,7 @@ class MLflowCallback(JobCallback):
         if info is None:
             raise ConfigurationError("MLflowCallback.before_attempt ran before before_job; call before_job first")
         earlier = [s for a, s in self._attempt_statuses.items() if a < attempt]
-        restarts, resumes = earlier.count("failed"), earlier.count("preempted")
+        restarts, resumes = earlier.count(AttemptStatus.FAILED), earlier.count(AttemptStatus.PREEMPTED)
         self._safely(
             "record attempt start",
             self._client.log_batch,
@@ -404,7 +405,7 @@ class MLflowCallback(JobCallback):
     def after_attempt(self, job, outcome: AttemptOutcome) -> None:
         if self.run_info is None:
             return
-        self._attempt_statuses[outcome.attempt] = outcome.status
+        self._attempt_statuses[outcome.attempt] = outcome.status.value
         duration = max(0.0, outcome.ended_at - outcome.started_at)
         self._safely(
             "record the attempt's outcome",
@@ -413,7 +414,7 @@ class MLflowCallback(JobCallback):
             metrics=_metrics({"sparkgpu/attempt_duration_s": duration}, step=outcome.attempt),
             tags=_tags(
                 {
-                    f"sparkgpu.attempt.{outcome.attempt}.status": outcome.status,
+                    f"sparkgpu.attempt.{outcome.attempt}.status": outcome.status.value,
                     "sparkgpu.attempts": outcome.attempt + 1,
                     **(
                         {f"sparkgpu.attempt.{outcome.attempt}.cause": outcome.cause[:_MAX_TAG_CHARS]}

@@ -40,7 +40,7 @@ from sparkgpu.tracking.names import (
     parse_model_ref,
     validate_alias,
 )
-from sparkgpu.tracking.store import TrackingTarget, default_experiment_name, ensure_experiment, resolve_target
+from sparkgpu.tracking.target import TrackingTarget, default_experiment_name, ensure_experiment, resolve_target
 
 if TYPE_CHECKING:
     from mlflow.entities.model_registry import ModelVersion
@@ -232,7 +232,7 @@ def register(
             an ``input_example``, falling back to pickle for models it cannot trace) or
             ``"pickle"`` (the default without one).
         spark: Session completing short names (the active one by default).
-        tracking_uri: Tracking store for the model's files (see :func:`.store.resolve_target`).
+        tracking_uri: Tracking store for the model's files (see :func:`.target.resolve_target`).
         registry_uri: Registry; by default MLflow's, derived from the tracking store.
 
     Returns:

@@ -44,8 +44,9 @@ from pathlib import Path
 from typing import Any
 
 from sparkgpu._files import atomic_write_bytes
+from sparkgpu._run_files import TRACKING_RECORDS_DIR, TRACKING_RUN_FILE
 from sparkgpu.runtime import ENV_RUN_DIR
-from sparkgpu.tracking.store import REAL_TRACKING_URI_ENV, SPOOL_SCHEME
+from sparkgpu.tracking.target import REAL_TRACKING_URI_ENV, SPOOL_SCHEME
 
 __all__ = [
     "JobRunInfo",
@@ -106,11 +107,11 @@ class SpoolDir:
 
     @property
     def run_file(self) -> Path:
-        return self.path / "run.json"
+        return self.path / TRACKING_RUN_FILE
 
     @property
     def records_dir(self) -> Path:
-        return self.path / "records"
+        return self.path / TRACKING_RECORDS_DIR
 
     @property
     def state_file(self) -> Path:

@@ -9,7 +9,7 @@ import json
 import math
 
 from sparkgpu.errors import CheckpointError, ConfigurationError
-from sparkgpu.train._checkpoint_store import CheckpointInfo
+from sparkgpu.train.checkpoint_directory import CheckpointInfo
 
 # Keyword names of save()/restore() that cannot name a stateful object.
 RESERVED_NAMES = frozenset({"model", "optimizer", "extras", "step", "wait"})

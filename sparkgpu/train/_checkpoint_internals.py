@@ -25,12 +25,12 @@ from sparkgpu.errors import CheckpointError, ConfigurationError, SparkGPUError
 from sparkgpu.tracking.autolog import unrecorded_optimizer_steps
 from sparkgpu.train._checkpoint_checks import dcp_errors, describe, local_nbytes, save_failed
 from sparkgpu.train._checkpoint_signing import SaveSigner, check_app_blob, refusal_of, weights_only_planner
-from sparkgpu.train._checkpoint_store import CheckpointInfo, CheckpointStore, SignedCheckpoint
+from sparkgpu.train.checkpoint_directory import CheckpointInfo, CheckpointDirectory, SignedCheckpoint
 from sparkgpu.train._rng_state import capture_rng_state, restore_rng_state
 
 __all__ = ["CheckpointerInternals", "PendingSave", "make_stager"]
 
-# The Checkpointer's own logger, as in _checkpoint_store: one name for all its records.
+# The Checkpointer's own logger, as in checkpoint_directory: one name for all its records.
 logger = logging.getLogger("sparkgpu.train.checkpoint")
 
 
@@ -60,7 +60,7 @@ class CheckpointerInternals:
     save_rng: bool
     write_threads: int
     # What __init__ sets up.
-    _store: CheckpointStore
+    _directory: CheckpointDirectory
     _distributed: bool
     rank: int
     world_size: int
@@ -75,7 +75,7 @@ class CheckpointerInternals:
     @property
     def directory(self) -> str:
         """The checkpoint directory (path or URL)."""
-        return self._store.directory
+        return self._directory.directory
 
     # -- internals ---------------------------------------------------------------------
 
@@ -129,22 +129,22 @@ class CheckpointerInternals:
             self._flags_in_flight = None
 
     def _prepare(self, step: int, nbytes: int) -> str:
-        free = self._store.free_bytes()
+        free = self._directory.free_bytes()
         if free is not None and nbytes > free:
             raise CheckpointError(
                 f"no room for the checkpoint of step {step}: it needs at least {nbytes / 1e9:.2f} GB, "
                 f"{self.directory!r} has {free / 1e9:.2f} GB free; free space there, lower keep_last, "
                 "or pass another directory"
             )
-        return self._store.prepare(step)
+        return self._directory.prepare(step)
 
     def _choose(self, step: int | None) -> SignedCheckpoint | None:
         """On rank 0: the checkpoint to restore, its marker verified when the store has a key."""
         if step is None:
-            return self._store.latest_signed()
-        found = self._store.get_signed(step)
+            return self._directory.latest_signed()
+        found = self._directory.get_signed(step)
         if found is None:
-            available = [i.step for i in self._store.list_complete()]
+            available = [i.step for i in self._directory.list_complete()]
             raise CheckpointError(
                 f"there is no complete checkpoint of step {step} in {self.directory!r}; "
                 f"complete steps: {available or 'none'}; pass one of them or step=None for the newest"
@@ -176,12 +176,12 @@ class CheckpointerInternals:
                     found.info.path,
                     reason,
                 )
-            found = self._run_on_rank0(functools.partial(self._store.latest_signed, found.info.step))
+            found = self._run_on_rank0(functools.partial(self._directory.latest_signed, found.info.step))
         return found
 
     def _check_files_on_every_rank(self, found: SignedCheckpoint) -> list[str]:
         """Hashes the checkpoint's files, each rank its share; every rank gets every problem."""
-        problems = self._store.check_files(found, self.rank, self.world_size)
+        problems = self._directory.check_files(found, self.rank, self.world_size)
         if not self._distributed:
             return problems
         import torch.distributed as dist
@@ -236,7 +236,7 @@ class CheckpointerInternals:
                     write_seconds=round(time.perf_counter() - pending.started, 6),
                 )
                 manifest = pending.signer.manifest(self.world_size) if pending.signer is not None else None
-                self._store.commit(info, manifest)
+                self._directory.commit(info, manifest)
                 pending.info = info
                 logger.info("step %d: checkpoint committed to %s in %.2f s", info.step, info.path, info.write_seconds)
             except Exception as exc:
@@ -267,7 +267,7 @@ class CheckpointerInternals:
 
     def _prune(self) -> None:
         try:
-            removed = self._store.prune(self.keep_last)
+            removed = self._directory.prune(self.keep_last)
         except OSError as exc:
             # The new checkpoint is committed; old ones are retried at the next commit.
             logger.warning("could not remove old checkpoints in %s: %s", self.directory, exc)
@@ -290,14 +290,14 @@ class CheckpointerInternals:
         ``pending.blocking`` is the time the caller was held since the save started.
         """
         info, path, started = pending.info, pending.info.path, pending.started
-        writer = self._store.writer(path, self.write_threads)
-        if self._store.key is not None:
+        writer = self._directory.writer(path, self.write_threads)
+        if self._directory.key is not None:
             blob = state_dict["app"][f"rank{self.rank}"]
             pending.signer = SaveSigner(
-                self._store.store,
-                self._store.name_of(path),
+                self._directory.store,
+                self._directory.name_of(path),
                 self.rank,
-                self._store.key,
+                self._directory.key,
                 hashlib.sha256(blob).hexdigest(),
             )
             pending.signer.attach(writer)
@@ -354,7 +354,7 @@ class CheckpointerInternals:
             template["model"] = model_sd
             if optimizers:
                 template["optimizer"] = optim_sd
-        reader = self._store.reader(info.path, manifest)
+        reader = self._directory.reader(info.path, manifest)
         try:
             dcp.load(
                 template,

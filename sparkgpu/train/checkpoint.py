@@ -31,7 +31,7 @@ How it behaves:
   is in :attr:`Checkpointer.last_blocking_seconds` and in the log.
 * A checkpoint exists only once rank 0 has written its completion marker, after every
   rank's data reached storage; a process killed at any moment never leaves a checkpoint
-  that loads half (see ``_checkpoint_store``). :meth:`Checkpointer.restore` loads the
+  that loads half (see ``checkpoint_directory``). :meth:`Checkpointer.restore` loads the
   newest complete one.
 * Plain modules, DDP and FSDP models (``fully_shard``; tested on CPU with gloo): model
   and optimizer go through ``torch.distributed.checkpoint.state_dict.get_state_dict`` /
@@ -53,7 +53,7 @@ How it behaves:
 This module holds the public API: :class:`Checkpointer` and the module helpers. What its
 methods run on (agreement between ranks, building, writing and committing a save, loading
 one back) is its base class in ``_checkpoint_internals``; argument checks are in
-``_checkpoint_checks``, the directory layout in ``_checkpoint_store``.
+``_checkpoint_checks``, the directory layout in ``checkpoint_directory``.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ from sparkgpu.train._checkpoint_checks import (
 )
 from sparkgpu.train._checkpoint_internals import CheckpointerInternals, PendingSave, make_stager
 from sparkgpu.train._checkpoint_keys import required_key, signing_key
-from sparkgpu.train._checkpoint_store import CheckpointInfo, CheckpointStore
+from sparkgpu.train.checkpoint_directory import CheckpointInfo, CheckpointDirectory
 
 __all__ = ["Checkpointer", "CheckpointInfo", "list_checkpoints", "latest_checkpoint", "finish_pending_checkpoints"]
 
@@ -130,7 +130,7 @@ class Checkpointer(CheckpointerInternals):
 
     # Seams for tests: the directory layout (and the DCP writers it hands out) and the clock
     # that every_minutes is measured with.
-    store_cls = CheckpointStore
+    directory_cls = CheckpointDirectory
     clock = staticmethod(time.monotonic)
 
     def __init__(
@@ -166,7 +166,7 @@ class Checkpointer(CheckpointerInternals):
         self.async_save = async_save
         self.save_rng = save_rng
         self.write_threads = write_threads
-        self._store = self.store_cls(directory, key=signing_key(os.fspath(directory)))
+        self._directory = self.directory_cls(directory, key=signing_key(os.fspath(directory)))
         self._distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self._distributed else 0
         self.world_size = dist.get_world_size() if self._distributed else 1
@@ -176,7 +176,7 @@ class Checkpointer(CheckpointerInternals):
             # (stop agreement, restore): one group each keeps their order per group.
             self._control_group = dist.new_group(backend="gloo")
             self._save_group = dist.new_group(backend="gloo") if async_save else self._control_group
-        self._run_on_rank0(self._store.ensure_directory)
+        self._run_on_rank0(self._directory.ensure_directory)
         self._stager = make_stager() if async_save else None
         if handle_sigterm:
             runtime.handle_sigterm_as_checkpoint_request()
@@ -463,17 +463,17 @@ def list_checkpoints(directory: str | os.PathLike) -> list[CheckpointInfo]:
     that launched it), only checkpoints whose marker is signed with it count; their files
     are checked when one is loaded.
     """
-    return _listing_store(directory).list_complete()
+    return _listing_directory(directory).list_complete()
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> CheckpointInfo | None:
     """The newest complete checkpoint under ``directory``, or ``None`` (signed, where a key
     applies, as for :func:`list_checkpoints`)."""
-    return _listing_store(directory).latest()
+    return _listing_directory(directory).latest()
 
 
-def _listing_store(directory: str | os.PathLike) -> CheckpointStore:
-    store = CheckpointStore(directory)
+def _listing_directory(directory: str | os.PathLike) -> CheckpointDirectory:
+    store = CheckpointDirectory(directory)
     store.key = required_key(store.directory)
     return store
 

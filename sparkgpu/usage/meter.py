@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 from sparkgpu.callbacks import AttemptOutcome, JobCallback
 from sparkgpu.config import settings
+from sparkgpu.protocol import AttemptStatus
 from sparkgpu.spec import JobSpec
 from sparkgpu.usage.journal import AttemptJournal
 from sparkgpu.usage.ledger import UsageLedger, UsageRecord
@@ -215,7 +216,7 @@ class UsageMeter(JobCallback):
         args = self._record_args(job, outcome.attempt, outcome.started_at)
         args.update(
             ended_at=outcome.ended_at,
-            status=outcome.status,
+            status=outcome.status.value,
             gpus=outcome.gpus,
             gpu_type=outcome.gpu_type or args["gpu_type"],
         )
@@ -255,7 +256,7 @@ class UsageMeter(JobCallback):
             gpu_type=gpu_type,
             gpus=job.resources.gpus,
             simulated=job.simulated,
-            status="running",
+            status=AttemptStatus.RUNNING.value,
             started_at=started_at,
             rate=self.rates.rate(gpu_type),
         )

@@ -575,7 +575,7 @@ def disposable_cluster(folder: Path, name: str):
 @contextlib.contextmanager
 def cluster_session(cluster: LocalSparkCluster):
     """A Spark Connect session on ``cluster`` with ``spark.gpu`` attached and its capacity probed."""
-    from sparkgpu.session import attach
+    from sparkgpu.spark_gpu import attach
 
     attach()
     session = cluster.session()

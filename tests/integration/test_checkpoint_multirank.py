@@ -93,14 +93,14 @@ def _full_model_state(model):
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-class _PausingStore:
+class _PausingDirectory:
     """Builds a store whose writer stops mid-save of one step, so a test can kill it there."""
 
     @staticmethod
     def make(pause_step, pause_at, signal_file):
-        from sparkgpu.train._checkpoint_store import CheckpointStore
+        from sparkgpu.train.checkpoint_directory import CheckpointDirectory
 
-        class PausingStore(CheckpointStore):
+        class PausingDirectory(CheckpointDirectory):
             def writer(self, path, thread_count):
                 writer = super().writer(path, thread_count)
                 if not path.endswith(f"step-{pause_step:010d}"):
@@ -118,7 +118,7 @@ class _PausingStore:
                 setattr(writer, pause_at, paused)
                 return writer
 
-        return PausingStore
+        return PausingDirectory
 
 
 def worker_main(argv):
@@ -176,7 +176,7 @@ def worker_main(argv):
         result.update(stopped=stopped)
 
     elif args.scenario == "kill":
-        Checkpointer.store_cls = _PausingStore.make(7, args.pause_at, f"{out}.paused")
+        Checkpointer.directory_cls = _PausingDirectory.make(7, args.pause_at, f"{out}.paused")
         ckpt = Checkpointer(args.dir)
         for _ in range(4):
             _train_step(state)

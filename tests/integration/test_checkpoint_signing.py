@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from sparkgpu.errors import CheckpointError
-from sparkgpu.train._checkpoint_store import MARKER_NAME
+from sparkgpu.train.checkpoint_directory import MARKER_NAME
 from tests.unit.test_checkpoint_signing import JOB, _Planted, rank_of_job, restore, save_steps
 
 pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]

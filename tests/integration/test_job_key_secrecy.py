@@ -50,7 +50,7 @@ def scan_for_secrets(out_path: str) -> dict:
     "path, backend, launcher",
     [
         ("cold", lambda: LocalBackend(standby=False), b"sparkgpu.launch.agent"),
-        ("pool", lambda: "pool", b"sparkgpu.launch.pool_zygote"),
+        ("pool", lambda: "warm_pool", b"sparkgpu.launch.pool_zygote"),
     ],
 )
 def test_a_running_jobs_key_is_in_no_environment_or_command_line(tmp_path, path, backend, launcher):

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from sparkgpu import distributed
-from sparkgpu.launch import pool as pool_module
-from sparkgpu.launch.pool import PoolBackend, stop_pool
+from sparkgpu.launch import warm_pool as pool_module
+from sparkgpu.launch.backends.warm_pool import WarmPoolBackend
+from sparkgpu.launch.warm_pool import stop_pool
 
 pytestmark = pytest.mark.integration
 
@@ -61,7 +62,7 @@ def test_a_local_job_listens_on_loopback_only():
 def test_a_warm_pool_job_listens_on_loopback_only(monkeypatch):
     monkeypatch.setattr(pool_module, "code_fingerprint", lambda: "l00pbac4")
     try:
-        job = distributed(gpus=2, gpu_type="cpu", backend=PoolBackend(idle_timeout=60))(_job_listeners)
+        job = distributed(gpus=2, gpu_type="cpu", backend=WarmPoolBackend(idle_timeout=60))(_job_listeners)
         _assert_loopback_only(job.distributed())
     finally:
         stop_pool()

@@ -14,7 +14,7 @@ from sparkgpu.config import settings
 from sparkgpu.launch.agent import build_command
 from sparkgpu.launch.backends.local import free_port
 from sparkgpu._keyring import new_key
-from sparkgpu.launch.payload import client_sys_path, serialize_payload
+from sparkgpu.launch.serialization import client_sys_path, serialize_payload
 from sparkgpu.launch.run_dir import RunDir
 
 pytestmark = pytest.mark.integration

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from sparkgpu.launch.callbacks import AttemptOutcome, WorkerContext
+from sparkgpu.callbacks import AttemptOutcome, WorkerContext
 from sparkgpu.spec import JobSpec, Resources
 from sparkgpu.tracking.mlflow_run import MLflowCallback
 

@@ -21,7 +21,7 @@ _RANK = textwrap.dedent("""
     import pickle, sys
     if sys.argv[2] == "lightning":
         import lightning
-    from sparkgpu.launch.callbacks import WorkerContext
+    from sparkgpu.callbacks import WorkerContext
     worker = pickle.loads(open(sys.argv[1], "rb").read())
     ctx = WorkerContext("job", ".", attempt=0, rank=0, local_rank=0, world_size=1, node_rank=0, device="cpu")
     worker.on_worker_start(ctx)

@@ -265,7 +265,7 @@ def assert_same_run(states, steps, plain, plain_steps, all_blocks, note):
 RESTART_PATHS = {
     "cold": lambda: LocalBackend(standby=False),  # a new agent starts new interpreters
     "standby": lambda: LocalBackend(),  # ranks forked from the job's standby zygote
-    "pool": lambda: "pool",  # ranks of both attempts forked from the warm pool's zygote
+    "pool": lambda: "warm_pool",  # ranks of both attempts forked from the warm pool's zygote
 }
 
 

@@ -14,9 +14,10 @@ import pytest
 
 from sparkgpu import JobTimeoutError, WorkerFailedError, distributed, runtime
 from sparkgpu.config import settings
-from sparkgpu.launch import pool as pool_module
+from sparkgpu.launch import warm_pool as pool_module
 from sparkgpu.launch import pool_zygote
-from sparkgpu.launch.pool import PoolBackend, pool_status, stop_pool
+from sparkgpu.launch.backends.warm_pool import WarmPoolBackend
+from sparkgpu.launch.warm_pool import pool_status, stop_pool
 from tests.integration.processes import ctrl_c_client, start_client, wait_for
 
 pytestmark = pytest.mark.integration
@@ -39,7 +40,7 @@ def pool(monkeypatch):
     # Other work may edit the checkout while a test runs; a pool is keyed by its code, so
     # these tests pin the key (test_a_pool_started_with_other_code_... covers a change).
     monkeypatch.setattr(pool_module, "code_fingerprint", lambda: "c0dec0dec0de")
-    backend = PoolBackend(idle_timeout=120)
+    backend = WarmPoolBackend(idle_timeout=120)
     yield backend
     info = pool_status()
     stop_pool()
@@ -110,7 +111,7 @@ def test_timeout_stops_the_ranks_but_keeps_the_pool(pool):
 
 
 def test_the_pool_stops_itself_when_idle():
-    backend = PoolBackend(idle_timeout=2)
+    backend = WarmPoolBackend(idle_timeout=2)
 
     @distributed(gpus=1, gpu_type="cpu", backend=backend)
     def one():
@@ -125,8 +126,8 @@ def test_the_pool_stops_itself_when_idle():
 
 
 CTRL_C_CLIENT = ctrl_c_client(
-    '@distributed(gpus=2, gpu_type="cpu", backend=PoolBackend(idle_timeout=120))',
-    setup="from sparkgpu.launch.pool import PoolBackend",
+    '@distributed(gpus=2, gpu_type="cpu", backend=WarmPoolBackend(idle_timeout=120))',
+    setup="from sparkgpu.launch.backends.warm_pool import WarmPoolBackend",
 )
 
 
@@ -215,7 +216,7 @@ def test_a_tampered_entrypoint_starts_no_rank_in_the_pool(pool, tmp_path):
     from sparkgpu.errors import PayloadSignatureError
     from sparkgpu.launch.supervisor import Supervisor
 
-    @distributed(gpus=2, gpu_type="cpu", backend="pool")
+    @distributed(gpus=2, gpu_type="cpu", backend="warm_pool")
     def add_rank(x):
         return x + runtime.get_global_rank()
 

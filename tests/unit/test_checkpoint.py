@@ -14,7 +14,7 @@ from torch import nn
 from sparkgpu import runtime
 from sparkgpu.errors import CheckpointError, ConfigurationError
 from sparkgpu.train import Checkpointer, latest_checkpoint, list_checkpoints
-from sparkgpu.train._checkpoint_store import CheckpointStore, checkpoint_at
+from sparkgpu.train.checkpoint_directory import CheckpointDirectory, checkpoint_at
 from sparkgpu.train.checkpoint import finish_pending_checkpoints
 
 # pytest resets warning filters per test; the module's own filter for this DCP notice is lost.
@@ -287,7 +287,7 @@ def test_bad_arguments_fail_before_anything_is_written(tmp_path, call, match):
     assert os.listdir(tmp_path) == []
 
 
-class _FailingStore(CheckpointStore):
+class _FailingDirectory(CheckpointDirectory):
     """A store whose DCP writer fails in the background thread, as a full disk would."""
 
     def writer(self, path, thread_count):
@@ -304,7 +304,7 @@ def test_failed_background_write_surfaces_and_commits_nothing(tmp_path, monkeypa
     state = make_training(0)
     ckpt = Checkpointer(tmp_path)
     ckpt.save(0, wait=True, **state)
-    monkeypatch.setattr(Checkpointer, "store_cls", _FailingStore)
+    monkeypatch.setattr(Checkpointer, "directory_cls", _FailingDirectory)
     failing = Checkpointer(tmp_path)
     failing.save(1, **state)  # returns: the write fails later, in the background
     with pytest.raises(CheckpointError, match="step 1 could not be written.*No space left"):
@@ -313,7 +313,7 @@ def test_failed_background_write_surfaces_and_commits_nothing(tmp_path, monkeypa
 
 
 def test_no_room_is_refused_before_writing(tmp_path, monkeypatch):
-    monkeypatch.setattr(CheckpointStore, "free_bytes", lambda self: 10)
+    monkeypatch.setattr(CheckpointDirectory, "free_bytes", lambda self: 10)
     state = make_training(0)
     with pytest.raises(CheckpointError, match="no room for the checkpoint of step 0"):
         Checkpointer(tmp_path).save(0, **state)

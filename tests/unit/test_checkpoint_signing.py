@@ -31,7 +31,7 @@ from sparkgpu.train._checkpoint_signing import (
     verify_marker,
     weights_only_planner,
 )
-from sparkgpu.train._checkpoint_store import MARKER_NAME, CheckpointStore
+from sparkgpu.train.checkpoint_directory import MARKER_NAME, CheckpointDirectory
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -241,7 +241,7 @@ def test_a_metadata_file_changed_after_its_check_is_refused_as_it_is_read(tmp_pa
     sentinel = tmp_path / "pwned"
     with rank_of_job(directory):
         save_steps(directory, [1, 3])
-        monkeypatch.setattr(CheckpointStore, "check_files", lambda self, *args: [])  # changed after the check
+        monkeypatch.setattr(CheckpointDirectory, "check_files", lambda self, *args: [])  # changed after the check
         (directory / "step-0000000003" / ".metadata").write_bytes(pickle.dumps(_Planted(sentinel)))
         with pytest.raises(CheckpointError, match=r"\.metadata differs from its signed hash"):
             restore(directory, step=3)

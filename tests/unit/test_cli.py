@@ -10,7 +10,7 @@ import pytest
 from sparkgpu import cli
 from sparkgpu.config import reset_settings, settings
 from sparkgpu.errors import SparkGPUError
-from sparkgpu.launch.payload import serialize_payload
+from sparkgpu.launch.serialization import serialize_payload
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.supervisor import Supervisor
 from sparkgpu.spec import JobSpec, Resources, RunPolicy

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from sparkgpu.launch.control import seal, unseal
-from sparkgpu.launch.payload import serialize_payload
+from sparkgpu.launch.serialization import serialize_payload
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.run_layout import RunLayout
 from sparkgpu.launch.supervisor import Supervisor

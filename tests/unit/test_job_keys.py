@@ -15,7 +15,7 @@ from pyspark.sql.connect.client.core import DefaultChannelBuilder
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.launch.backends.spark_sessions import PLAINTEXT_ENV, check_key_transport
 from sparkgpu.launch.keys import RANK_KEY_FILE, hand_to_ranks, receive_key, send_key
-from sparkgpu.launch.payload import serialize_payload
+from sparkgpu.launch.serialization import serialize_payload
 from sparkgpu.launch.run_dir import RunDir
 
 KEY = bytes(range(32))

@@ -4,7 +4,7 @@ import threading
 import pytest
 
 from sparkgpu.errors import PayloadSignatureError, SerializationError
-from sparkgpu.launch.payload import serialize_payload
+from sparkgpu.launch.serialization import serialize_payload
 from sparkgpu.launch.run_dir import RunDir
 
 KEY = b"k" * 32

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from sparkgpu.launch.keys import KEY_DIR_ENV, hand_to_ranks
-from sparkgpu.launch.payload import serialize_payload
+from sparkgpu.launch.serialization import serialize_payload
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.payload_signature import verifier_source, verify_payload
 

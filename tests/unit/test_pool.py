@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 
-from sparkgpu.launch.pool import code_fingerprint
+import pytest
+
+from sparkgpu.launch.warm_pool import code_fingerprint
 
 
 def _package(tmp_path):
@@ -59,12 +61,13 @@ def test_only_a_job_that_may_restart_gets_a_standby_and_only_once_its_attempt_is
     import sys
     import time
 
-    from sparkgpu.launch import pool
+    from sparkgpu.launch import warm_pool
+    from sparkgpu.launch.backends.warm_pool import WarmPoolBackend
     from sparkgpu.launch.backends.local import LocalAttempt, LocalBackend
     from sparkgpu.spec import JobSpec, Resources, RunPolicy
 
     started = []
-    monkeypatch.setattr(pool, "Standby", lambda python, job_id: started.append(job_id) or object())
+    monkeypatch.setattr(warm_pool, "Standby", lambda python, job_id: started.append(job_id) or object())
     backend = LocalBackend()
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
@@ -85,7 +88,22 @@ def test_only_a_job_that_may_restart_gets_a_standby_and_only_once_its_attempt_is
         attempt("under-way", 1, age=LocalBackend.standby_delay + 1)
         attempt("under-way", 1, age=LocalBackend.standby_delay + 2)
         assert started == ["under-way"]  # one standby per job
-        assert LocalBackend(standby=False)._standbys == {} and pool.PoolBackend().standby is False
+        assert LocalBackend(standby=False)._standbys == {} and WarmPoolBackend().standby is False
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_the_former_backend_name_pool_still_runs_on_the_warm_pool_and_says_its_new_name():
+    from sparkgpu import distributed
+    from sparkgpu.errors import ConfigurationError
+    from sparkgpu.launch.backends.base import create_backend
+    from sparkgpu.launch.backends.warm_pool import WarmPoolBackend
+
+    with pytest.warns(DeprecationWarning, match="backend='warm_pool'"):
+        job = distributed(gpus=1, gpu_type="cpu", backend="pool")(lambda: None)
+    assert job.backend == "warm_pool"
+    # a job spec written under the old name resumes on the same backend
+    assert isinstance(create_backend("pool"), WarmPoolBackend)
+    with pytest.raises(ConfigurationError, match="'warm_pool'"):
+        distributed(gpus=1, gpu_type="cpu", backend="pools")(lambda: None)

@@ -14,7 +14,7 @@ from sparkgpu._files import atomic_write_bytes
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError, JobStateError
 from sparkgpu._keyring import save_key
-from sparkgpu.launch.payload import serialize_payload
+from sparkgpu.launch.serialization import serialize_payload
 from sparkgpu.launch.resume import client_is_gone, resume_job
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.spec import JobSpec, Resources

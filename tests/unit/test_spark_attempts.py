@@ -17,7 +17,7 @@ from sparkgpu.launch.attempt_report import AttemptReport
 from sparkgpu.launch.backends.spark import SparkAttempt, SparkBackend
 from sparkgpu.launch.backends.spark_capacity import NodeLayout
 from sparkgpu.launch.backends.spark_node import NodeLaunch, _watch
-from sparkgpu.launch.payload import serialize_payload
+from sparkgpu.launch.serialization import serialize_payload
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
 from tests.fakes.spark_session import TaggedSession

@@ -15,7 +15,7 @@ from sparkgpu.launch.attempt_report import AttemptReport
 from sparkgpu.launch.backends.spark import SparkAttempt, SparkBackend
 from sparkgpu.launch.backends.spark_capacity import NodeLayout
 from sparkgpu.launch.backends.spark_node import NodeLaunch, _claim, _watch
-from sparkgpu.launch.payload import serialize_payload
+from sparkgpu.launch.serialization import serialize_payload
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.staging import NodeMirror, StagingStore
 from sparkgpu.spec import JobSpec, Resources, RunPolicy

@@ -11,7 +11,7 @@ import pytest
 
 from sparkgpu import runtime
 from sparkgpu.errors import PayloadSignatureError
-from sparkgpu.launch.payload import serialize_payload
+from sparkgpu.launch.serialization import serialize_payload
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.staging import (
     ClientMirror,

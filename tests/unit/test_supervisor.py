@@ -10,16 +10,16 @@ import pytest
 from sparkgpu.errors import CapacityError, JobTimeoutError, NodeLostError, WorkerFailedError
 from sparkgpu.launch.attempt_report import AttemptReport, NodeReport
 from sparkgpu.launch.attempt_result import read_attempt
-from sparkgpu.launch.callbacks import JobCallback
+from sparkgpu.callbacks import JobCallback
 from sparkgpu.launch.entrypoint import EXIT_PREEMPTED
-from sparkgpu.launch.payload import serialize_payload
+from sparkgpu.launch.serialization import serialize_payload
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.run_layout import RunLayout
 from sparkgpu.launch.supervisor import Supervisor
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
 from sparkgpu._keyring import derive_key
 from sparkgpu.train._checkpoint_signing import Manifest
-from sparkgpu.train._checkpoint_store import MARKER_NAME, CheckpointInfo, CheckpointStore, SigningKey
+from sparkgpu.train.checkpoint_directory import MARKER_NAME, CheckpointInfo, CheckpointDirectory, SigningKey
 from tests.fakes.backend import FakeAttempt, ScriptedBackend
 
 
@@ -130,7 +130,7 @@ class CapBackend(ScriptedBackend):
                 (step_dir / MARKER_NAME).write_text(json.dumps(info.to_json()))
             else:
                 signing = SigningKey(derive_key(run_dir.key, "checkpoints"), job.job_id)
-                CheckpointStore(run_dir.checkpoints, key=signing).commit(
+                CheckpointDirectory(run_dir.checkpoints, key=signing).commit(
                     info, Manifest({".metadata": (0, "0" * 64)}, {}, job.job_id)
                 )
         elif action == "hang+exit75":

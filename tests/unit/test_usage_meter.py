@@ -8,8 +8,8 @@ import time
 import pytest
 
 from sparkgpu.errors import PolicyViolationError
-from sparkgpu.launch.callbacks import AttemptOutcome
-from sparkgpu.launch.payload import serialize_payload
+from sparkgpu.callbacks import AttemptOutcome
+from sparkgpu.launch.serialization import serialize_payload
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.supervisor import Supervisor
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
@@ -148,3 +148,12 @@ def test_the_meter_travels_to_workers_without_its_client_state(tmp_path):
     meter.before_job(job, str(tmp_path))
     clone = pickle.loads(pickle.dumps(meter))
     assert clone._running == {} and clone.policy == meter.policy and clone.ledger.uri == meter.ledger.uri
+
+
+def test_an_attempt_outcome_holds_its_status_as_the_protocol_state():
+    from sparkgpu.protocol import AttemptStatus
+
+    outcome = AttemptOutcome(0, "preempted", 0.0, 1.0, 2, "A10")
+    assert outcome.status is AttemptStatus.PREEMPTED
+    with pytest.raises(ValueError):
+        AttemptOutcome(0, "half-done", 0.0, 1.0, 2, "A10")

@@ -19,7 +19,16 @@ from sparkgpu.errors import ConfigurationError
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.spec import JobSpec, Resources
 
-__all__ = ["Backend", "LaunchPlan", "ResolvedJob", "AttemptHandle", "create_backend", "BACKENDS"]
+__all__ = [
+    "Backend",
+    "LaunchPlan",
+    "ResolvedJob",
+    "AttemptHandle",
+    "create_backend",
+    "backend_name",
+    "BACKENDS",
+    "RENAMED_BACKENDS",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,14 +192,24 @@ class Backend(abc.ABC):
 # Imported lazily so the local path never imports pyspark.
 BACKENDS = {
     "local": "sparkgpu.launch.backends.local",
-    "pool": "sparkgpu.launch.pool",
+    "warm_pool": "sparkgpu.launch.backends.warm_pool",
     "spark": "sparkgpu.launch.backends.spark",
 }
+
+#: Former backend names, still accepted: ``"pool"`` was the warm pool's before ``pool=`` came
+#: to name a GPU pool. Job specs written then name it, so resuming such a job needs it too.
+RENAMED_BACKENDS = {"pool": "warm_pool"}
+
+
+def backend_name(name: str) -> str:
+    """The current name of the backend ``name`` (``"pool"`` is ``"warm_pool"``)."""
+    name = RENAMED_BACKENDS.get(name, name)
+    if name not in BACKENDS:
+        raise ConfigurationError(f"unknown backend {name!r}; use one of {', '.join(map(repr, BACKENDS))}")
+    return name
 
 
 def create_backend(name: str, **options) -> Backend:
     """Instantiates the backend ``name`` through its module's ``create_backend`` factory."""
-    if name not in BACKENDS:
-        raise ConfigurationError(f"unknown backend {name!r}; use one of {', '.join(map(repr, BACKENDS))}")
-    module = importlib.import_module(BACKENDS[name])
+    module = importlib.import_module(BACKENDS[backend_name(name)])
     return module.create_backend(**options)

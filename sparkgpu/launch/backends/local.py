@@ -7,7 +7,7 @@ killed client leaves no orphans.
 
 A job that may restart (``max_restarts`` > 0) gets a standby once its first attempt is under
 way: a process of its own that has imported torch and forks the next attempt's ranks
-(:class:`~sparkgpu.launch.pool.Standby`, the warm pool's zygote private to the job). A
+(:class:`~sparkgpu.launch.warm_pool.Standby`, the warm pool's zygote private to the job). A
 restart then skips the interpreters' start and ``import torch``, as torchrun's agent, which
 outlives its workers, skips its own; the standby stops when the job ends.
 """
@@ -113,7 +113,7 @@ class LocalBackend(Backend):
 
     name = "local"
     #: Seconds an attempt of a job that may restart runs before the job's standby starts
-    #: (:class:`~sparkgpu.launch.pool.Standby`): after the ranks' own start-up, not beside it.
+    #: (:class:`~sparkgpu.launch.warm_pool.Standby`): after the ranks' own start-up, not beside it.
     standby_delay = 2.0
 
     def __init__(
@@ -306,7 +306,7 @@ class LocalBackend(Backend):
             or time.monotonic() - handle.submitted < self.standby_delay
         ):
             return
-        from sparkgpu.launch.pool import Standby
+        from sparkgpu.launch.warm_pool import Standby
 
         self._standbys[job.job_id] = Standby(self.python, job.job_id)
 

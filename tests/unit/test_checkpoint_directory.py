@@ -8,10 +8,10 @@ import os
 import pytest
 
 from sparkgpu.errors import CheckpointError
-from sparkgpu.train._checkpoint_store import MARKER_NAME, CheckpointInfo, CheckpointStore
+from sparkgpu.train.checkpoint_directory import MARKER_NAME, CheckpointInfo, CheckpointDirectory
 
 
-def _fake_checkpoint(store: CheckpointStore, step: int, *, complete: bool) -> str:
+def _fake_checkpoint(store: CheckpointDirectory, step: int, *, complete: bool) -> str:
     path = store.prepare(step)
     os.makedirs(path)
     with open(os.path.join(path, "__0_0.distcp"), "wb") as f:
@@ -22,7 +22,7 @@ def _fake_checkpoint(store: CheckpointStore, step: int, *, complete: bool) -> st
 
 
 def test_only_marked_checkpoints_are_listed(tmp_path):
-    store = CheckpointStore(tmp_path)
+    store = CheckpointDirectory(tmp_path)
     _fake_checkpoint(store, 1, complete=True)
     _fake_checkpoint(store, 5, complete=True)
     _fake_checkpoint(store, 9, complete=False)  # a save killed before its commit
@@ -36,14 +36,14 @@ def test_only_marked_checkpoints_are_listed(tmp_path):
 
 
 def test_commit_leaves_no_temporary_file(tmp_path):
-    store = CheckpointStore(tmp_path)
+    store = CheckpointDirectory(tmp_path)
     path = _fake_checkpoint(store, 3, complete=True)
     assert sorted(os.listdir(path)) == sorted([MARKER_NAME, "__0_0.distcp"])
     assert json.loads(open(os.path.join(path, MARKER_NAME)).read())["step"] == 3
 
 
 def test_damaged_or_mismatched_marker_is_ignored(tmp_path):
-    store = CheckpointStore(tmp_path)
+    store = CheckpointDirectory(tmp_path)
     good = _fake_checkpoint(store, 2, complete=True)
     broken = _fake_checkpoint(store, 4, complete=True)
     with open(os.path.join(broken, MARKER_NAME), "w") as f:
@@ -58,7 +58,7 @@ def test_damaged_or_mismatched_marker_is_ignored(tmp_path):
 
 
 def test_prepare_replaces_a_leftover_directory_marker_first(tmp_path):
-    store = CheckpointStore(tmp_path)
+    store = CheckpointDirectory(tmp_path)
     _fake_checkpoint(store, 7, complete=True)
     path = store.prepare(7)
     assert not os.path.exists(path)
@@ -66,7 +66,7 @@ def test_prepare_replaces_a_leftover_directory_marker_first(tmp_path):
 
 
 def test_prune_keeps_newest_complete_and_in_flight_directories(tmp_path):
-    store = CheckpointStore(tmp_path)
+    store = CheckpointDirectory(tmp_path)
     for step in (1, 3, 5, 7):
         _fake_checkpoint(store, step, complete=True)
     _fake_checkpoint(store, 4, complete=False)  # leftover of a killed save: goes
@@ -80,7 +80,7 @@ def test_prune_keeps_newest_complete_and_in_flight_directories(tmp_path):
 
 
 def test_missing_directory_lists_nothing(tmp_path):
-    store = CheckpointStore(tmp_path / "not-yet")
+    store = CheckpointDirectory(tmp_path / "not-yet")
     assert store.list_complete() == [] and store.latest() is None
 
 
@@ -88,11 +88,11 @@ def test_directory_that_cannot_be_created_names_the_fix(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     with pytest.raises(CheckpointError, match="pass a writable directory"):
-        CheckpointStore(blocker / "ckpt").ensure_directory()
+        CheckpointDirectory(blocker / "ckpt").ensure_directory()
 
 
 def test_file_url_is_a_local_path(tmp_path):
-    store = CheckpointStore(f"file://{tmp_path}")
+    store = CheckpointDirectory(f"file://{tmp_path}")
     assert store.is_local and store.directory == str(tmp_path)
 
 
@@ -100,7 +100,7 @@ def test_fsspec_url_commit_and_prune():
     import fsspec
 
     fs = fsspec.filesystem("memory")
-    store = CheckpointStore("memory://store-test/ckpt")
+    store = CheckpointDirectory("memory://store-test/ckpt")
     assert not store.is_local
     store.ensure_directory()
     for step in (1, 2, 3):

@@ -1,4 +1,4 @@
-"""A warm pool for the local backend: ranks forked from a process with torch already imported.
+"""The warm pool for local ranks: ranks forked from a process with torch already imported.
 
 A cold ``.distributed()`` call pays for an interpreter and ``import torch`` in the agent and
 again in every rank (seconds). The pool keeps one long-lived "zygote" process per
@@ -7,9 +7,10 @@ UNIX socket to fork the ranks, which then run exactly what a cold rank runs (the
 ``_air.py``). The zygote never initialises CUDA, so forked ranks may use GPUs.
 
 This module is the client side: it starts the zygote (:mod:`sparkgpu.launch.pool_zygote`,
-which holds the process itself), asks it for status, stops it, and runs jobs through it
-(:class:`PoolBackend`). The zygote is single-threaded and stops itself after
-``idle_timeout`` without work; ``sparkgpu pool status`` / ``sparkgpu pool stop`` show and
+which holds the process itself), asks it for status, stops it, and forks a job's ranks on
+it (:func:`run_on_zygote`, used by :class:`~sparkgpu.launch.backends.warm_pool.WarmPoolBackend`
+and by a job's :class:`Standby`). The zygote is single-threaded and stops itself after
+``idle_timeout`` without work; ``sparkgpu warm-pool status`` / ``sparkgpu warm-pool stop`` show and
 stop it. If the client disconnects mid-run (Ctrl-C, or the client was killed), the zygote
 kills that job's ranks.
 
@@ -36,10 +37,9 @@ from pathlib import Path
 from sparkgpu.config import settings
 from sparkgpu.errors import SparkGPUError
 from sparkgpu.launch.backends.base import AttemptHandle
-from sparkgpu.launch.backends.local import LocalBackend
 from sparkgpu.launch.threads import rank_thread_env, threads_per_rank
 
-__all__ = ["PoolBackend", "Standby", "create_backend", "ensure_pool", "pool_status", "stop_pool", "run_on_zygote"]
+__all__ = ["Standby", "PoolAttempt", "ensure_pool", "pool_status", "stop_pool", "run_on_zygote"]
 
 _START_TIMEOUT = 120.0
 # A warm job often ends within a fraction of a second: for its first second, poll waits up to
@@ -245,7 +245,7 @@ def run_on_zygote(directory: Path, job, run_dir, attempt: int, env: dict[str, st
     """Asks the zygote at ``directory`` to fork the attempt's ranks; returns once they were forked."""
     conn = _connect(directory)
     if conn is None:
-        raise SparkGPUError(f"the warm pool at {directory} stopped answering; run `sparkgpu pool stop` and retry")
+        raise SparkGPUError(f"the warm pool at {directory} stopped answering; run `sparkgpu warm-pool stop` and retry")
     full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
     # The zygote's torch was imported without these: the forked ranks apply them themselves.
     full_env.update(rank_thread_env(full_env, threads_per_rank(job.world_size)))
@@ -264,23 +264,6 @@ def run_on_zygote(directory: Path, job, run_dir, attempt: int, env: dict[str, st
         raise SparkGPUError(f"the warm pool at {directory} refused the job; see {directory / 'pool.log'}")
     conn.setblocking(False)
     return PoolAttempt(attempt=attempt, conn=conn, node_file=run_dir.node_file(attempt, 0))
-
-
-class PoolBackend(LocalBackend):
-    """The local backend, with ranks forked from the warm pool instead of a fresh agent."""
-
-    name = "pool"
-
-    def __init__(self, idle_timeout: float | None = None, **options):
-        super().__init__(standby=False, **options)  # every attempt starts warm already
-        self.idle_timeout = idle_timeout or settings().pool_idle_timeout
-
-    def prestart(self, job, run_dir, attempt, env) -> None:
-        return None  # forking from the pool takes milliseconds: nothing to start ahead
-
-    def submit(self, job, run_dir, attempt, env, layout=None) -> PoolAttempt:
-        env = self._lease_devices(job, env)
-        return run_on_zygote(ensure_pool(self.python, self.idle_timeout), job, run_dir, attempt, env)
 
 
 class Standby:
@@ -336,7 +319,3 @@ class Standby:
                 self.process.kill()
                 self.process.wait()
         shutil.rmtree(self.directory, ignore_errors=True)
-
-
-def create_backend(**options) -> PoolBackend:
-    return PoolBackend(**options)

@@ -17,8 +17,8 @@ checkpoint that looks finished.
 
 Where a key applies (inside a job: ``_checkpoint_keys``), the marker also lists every file
 with its SHA-256 and carries an HMAC of the whole (``_checkpoint_signing``): a marker that is
-not signed with the key does not make a checkpoint exist. :meth:`CheckpointStore.latest`
-skips it with a warning, and naming it (:meth:`CheckpointStore.get_signed`) is refused.
+not signed with the key does not make a checkpoint exist. :meth:`CheckpointDirectory.latest`
+skips it with a warning, and naming it (:meth:`CheckpointDirectory.get_signed`) is refused.
 
 The directory is a local path or an fsspec URL (``s3://...``, ``gs://...``, ``memory://``).
 """
@@ -53,7 +53,7 @@ __all__ = [
     "MARKER_NAME",
     "CheckpointInfo",
     "SignedCheckpoint",
-    "CheckpointStore",
+    "CheckpointDirectory",
     "checkpoint_at",
     "open_checkpoint",
     "unmarked_in_job",
@@ -62,6 +62,7 @@ __all__ = [
     # What a load through reader_for needs besides, for readers outside this package.
     "refusal_of",
     "weights_only_planner",
+    "SigningKey",
 ]
 
 logger = logging.getLogger("sparkgpu.train.checkpoint")
@@ -141,7 +142,7 @@ class SignedCheckpoint(NamedTuple):
     manifest: Manifest | None
 
 
-class CheckpointStore:
+class CheckpointDirectory:
     """Lists, commits and prunes the checkpoints under one directory.
 
     Args:
@@ -410,7 +411,7 @@ def _share_out(files: dict[str, tuple[int, str]], shares: int) -> list[list[str]
 
 
 def reader_for(path: str, manifest: Manifest | None = None):
-    """A DCP ``StorageReader`` for the checkpoint directory ``path`` (see :meth:`CheckpointStore.reader`)."""
+    """A DCP ``StorageReader`` for the checkpoint directory ``path`` (see :meth:`CheckpointDirectory.reader`)."""
     if path.startswith("file://"):
         path = path[len("file://") :]
     if not is_url(path):
@@ -429,7 +430,7 @@ def reader_for(path: str, manifest: Manifest | None = None):
 
 def _split(path: str | os.PathLike) -> tuple[str, str, str]:
     """``(directory, parent, name)`` of the checkpoint ``path``, normalised as a checkpoint root is."""
-    directory = CheckpointStore(path).directory
+    directory = CheckpointDirectory(path).directory
     parent, _, name = directory.rpartition("/")
     return directory, parent or ("/" if directory.startswith("/") else "."), name
 
@@ -441,7 +442,7 @@ def checkpoint_at(path: str | os.PathLike) -> CheckpointInfo | None:
     Its marker is read, not verified: :func:`open_checkpoint` verifies it before a load.
     """
     directory, parent, name = _split(path)
-    return CheckpointStore(parent)._read_marker(directory, name)
+    return CheckpointDirectory(parent)._read_marker(directory, name)
 
 
 def open_checkpoint(path: str | os.PathLike) -> SignedCheckpoint | None:
@@ -453,11 +454,11 @@ def open_checkpoint(path: str | os.PathLike) -> SignedCheckpoint | None:
             key, or that key is not on this machine.
     """
     directory, parent, name = _split(path)
-    data = CheckpointStore(parent)._marker_data(directory, name)
+    data = CheckpointDirectory(parent)._marker_data(directory, name)
     key = required_key(parent, claimed_job(data) if data is not None else None, directory)
     if data is None:
         return None
-    return CheckpointStore(parent, key=key)._read_signed(directory, name, refuse=True)
+    return CheckpointDirectory(parent, key=key)._read_signed(directory, name, refuse=True)
 
 
 def unmarked_in_job(path: str | os.PathLike) -> bool:
@@ -478,7 +479,7 @@ def check_checkpoint_files(checkpoint: SignedCheckpoint, names: Iterable[str]) -
     names = sorted(set(names))
     problems = [f"{rel} is not among its signed files" for rel in names if rel not in checkpoint.manifest.files]
     listed = [rel for rel in names if rel in checkpoint.manifest.files]
-    problems += check_files(CheckpointStore(parent).store, name, checkpoint.manifest, listed)
+    problems += check_files(CheckpointDirectory(parent).store, name, checkpoint.manifest, listed)
     if problems:
         raise CheckpointError(
             f"checkpoint {directory!r} is refused: {'; '.join(problems[:5])}. The job did not write it, or it was "

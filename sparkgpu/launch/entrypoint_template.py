@@ -1,4 +1,4 @@
-"""What a worker runs: the generated entrypoint (``_air.py``).
+"""The template of what a worker runs: the generated entrypoint (``_air.py``).
 
 It takes the job key the way :mod:`sparkgpu.launch.keys` hands it over (in memory from a
 forking launcher, or from a file of the rank's own that it removes once read), never from the
@@ -11,10 +11,7 @@ its files, are :mod:`sparkgpu.launch.run_dir`'s; how the payload is pickled is
 
 from __future__ import annotations
 
-# Imported from here by the launchers and tests.
-from sparkgpu.launch.serialization import client_sys_path, serialize_payload  # noqa: F401
-
-__all__ = ["serialize_payload", "AIR_TEMPLATE"]
+__all__ = ["AIR_TEMPLATE"]
 
 
 # Why "_air.py": Databricks' serverless GPU API (serverless_gpu, now databricks.air), whose users
@@ -44,7 +41,7 @@ if _key is None and _key_dir:
 # -- sparkgpu.launch.payload_signature, as of the client that staged this job --------------
 {verifier}
 # ------------------------------------------------------------------------------------------
-if os.path.exists(os.path.join(_run_dir, "_hydrate.py")):
+if os.path.exists(os.path.join(_run_dir, {hydrate!r})):
     # The job ships its environment: check the signature with the standard library alone
     # (sparkgpu itself may arrive with the overlay), then rehydrate before anything else.
     import json, types
@@ -52,11 +49,11 @@ if os.path.exists(os.path.join(_run_dir, "_hydrate.py")):
     _files = verify_payload(_run_dir, _key)
     if _files is None:
         sys.exit("sparkgpu: refusing to run: the payload is unsigned or was modified (signature mismatch)")
-    _spec = json.loads(_files["spec.json"])
+    _spec = json.loads(_files[{spec!r}])
     try:
         _h = sys.modules["_sparkgpu_hydrate"] = types.ModuleType("_sparkgpu_hydrate")
-        _h.__file__ = os.path.join(_run_dir, "_hydrate.py")
-        exec(compile(_files["_hydrate.py"], _h.__file__, "exec"), _h.__dict__)
+        _h.__file__ = os.path.join(_run_dir, {hydrate!r})
+        exec(compile(_files[{hydrate!r}], _h.__file__, "exec"), _h.__dict__)
         _cache = os.environ.get("SPARKGPU_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "sparkgpu")
         _overlay = _h.hydrate(_spec["env"], _cache)
         _h.activate(_overlay)
