@@ -34,6 +34,7 @@ from typing import Any, Mapping
 from sparkgpu._files import atomic_write_bytes
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.job_options import JOB_OPTIONS, check_document_value
+from sparkgpu.jobfile_air import is_air_workload, job_fields_from_air_workload
 
 __all__ = ["JobFile", "ScriptRunner", "JOB_FILE_SUFFIXES"]
 
@@ -141,7 +142,8 @@ class JobFile:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "JobFile":
-        """Reads and validates a job file (YAML, TOML or JSON).
+        """Reads and validates a job file (YAML, TOML or JSON): sparkgpu's own fields, or a
+        ``databricks air run`` workload (:mod:`sparkgpu.jobfile_air`).
 
         Raises:
             ConfigurationError: unreadable file, unknown field or wrong value; names the field.
@@ -154,7 +156,12 @@ class JobFile:
         except OSError as exc:
             raise ConfigurationError(f"cannot read job file {str(path)!r} ({exc.strerror})") from None
         data = parse_document(text, path, what="job file")
-        return cls.from_dict(data, base_dir=path.resolve().parent, source=f"job file {str(path)!r}")
+        base_dir, source = path.resolve().parent, f"job file {str(path)!r}"
+        if is_air_workload(data):  # a `databricks air run` workload file, read as it is
+            job = cls(**job_fields_from_air_workload(data, base_dir=base_dir, source=source), source=source)
+            job.build()  # every check @distributed makes (GPU counts per node, pool needs remote, ...)
+            return job
+        return cls.from_dict(data, base_dir=base_dir, source=source)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], base_dir: str | os.PathLike = ".", source: str = "job") -> "JobFile":

@@ -149,10 +149,15 @@ def _hide(run_dir: Path) -> bool:
 def _delete(hidden_dirs: list[Path], config: Settings) -> None:
     for hidden in hidden_dirs:
         job_id = hidden.name[1 : -len(".removing")]
+        prefix: str | None
+        try:  # the prefix the job was staged under (sparkgpu.launch.staging.store_prefix)
+            prefix = (hidden / RunLayout.STAGING_PREFIX).read_text().strip()
+        except OSError:
+            prefix = config.staging_url  # staged before prefixes were recorded, or never staged
         shutil.rmtree(hidden, onerror=_report)
         forget_key(job_id, config.home)
-        if config.staging_url:
-            _remove_from_store(f"{config.staging_url}/{job_id}")
+        if prefix:
+            _remove_from_store(f"{prefix}/{job_id}")
 
 
 def _remove_from_store(url: str) -> None:

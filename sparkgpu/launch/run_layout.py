@@ -28,7 +28,7 @@ names (:class:`~sparkgpu.launch.run_dir.RunDir` is one run dir on a machine). La
                                         cancel marker and heartbeat
 
 With a staging store (``SPARKGPU_STAGING_ROOT`` an fsspec URL) the same layout is mirrored at
-``<url>/<job_id>/`` and each Spark node works on a scratch copy (:mod:`sparkgpu.launch.staging`);
+``<url>/<user>/<job_id>/`` and each Spark node works on a scratch copy (:mod:`sparkgpu.launch.staging`);
 checkpoints then live on the store only.
 """
 
@@ -70,6 +70,7 @@ class RunLayout:
     CANCEL_REQUEST = "cancel-request"
     SUPERVISION_LOCK = "supervision.lock"  # flocked by the process that supervises the job
     CHECKPOINTS = "checkpoints"
+    STAGING_PREFIX = "staging-prefix"  # the staging store prefix that holds the job's folder (client only)
     ATTEMPTS = "attempts"
     REPORT = "report.json"  # in an attempt's folder
     RAY_CLUSTER = "cluster.json"  # in an attempt's ray/ folder

@@ -2,7 +2,11 @@
 
 With ``SPARKGPU_STAGING_ROOT=s3://bucket/runs`` (any fsspec URL) the client keeps its run dirs
 local (``$SPARKGPU_HOME/runs``) and each Spark node task runs in a scratch copy on its
-executor; this module moves files between those local dirs and ``<url>/<job_id>/``.
+executor; this module moves files between those local dirs and ``<url>/<user>/<job_id>/``.
+The user's prefix (:func:`store_prefix`) lets a bucket policy give each user a prefix of a
+shared root that no one else may read or write; the prefix a job started under is recorded in
+its run dir, so ``sparkgpu resume`` finds it again (jobs staged before the prefix existed
+stay at ``<url>/<job_id>/``).
 Everything that runs (agent, ranks, supervisor, log tailer) keeps reading and writing plain
 local files, as with a shared folder.
 
@@ -30,18 +34,20 @@ read from the store may leave the local run dir.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from pathlib import Path
 
-from sparkgpu._files import is_temporary
+from sparkgpu._files import atomic_write_bytes, is_temporary
 from sparkgpu._report import report
 from sparkgpu._urls import scheme_of
+from sparkgpu.errors import ConfigurationError
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.run_layout import RunLayout
 from sparkgpu.store import Store
 
-__all__ = ["StagingStore", "ClientMirror", "NodeMirror", "scratch_run_dir"]
+__all__ = ["StagingStore", "ClientMirror", "NodeMirror", "scratch_run_dir", "store_prefix", "user_prefix"]
 
 
 def _grows(rel: str) -> bool:
@@ -59,6 +65,48 @@ def _local(root: Path, rel: str) -> Path:
 
 def _temporary(rel: str) -> bool:
     return is_temporary(rel) or rel.rsplit("/", 1)[-1].startswith(".")
+
+
+# What a user's prefix may be named: one path segment that a bucket policy can spell as it is.
+_USER_SEGMENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._@+-]*$")
+
+
+def user_prefix(url: str, user: str) -> str:
+    """``<url>/<user>``: the prefix of the staging store under which ``user``'s jobs live.
+
+    Raises:
+        ConfigurationError: ``user`` cannot be one path segment of a URL (a ``/``, a space, ``..``).
+    """
+    if not _USER_SEGMENT.match(user) or user in (".", ".."):
+        raise ConfigurationError(
+            f"the user name {user!r} cannot name a prefix of the staging store {url}: set SPARKGPU_USER to a "
+            "name of letters, digits and . _ @ + - (it is also the name usage is attributed to)"
+        )
+    return f"{url.rstrip('/')}/{user}"
+
+
+def store_prefix(run_dir: RunDir, url: str, user: str, storage_options: dict | None = None) -> str:
+    """The prefix of the staging store that holds the job's folder, ``<prefix>/<job_id>``.
+
+    A job keeps the prefix it was first staged under, recorded in its run dir, whatever
+    ``SPARKGPU_USER`` says when it resumes: ``<url>/<user>`` for a new job, ``<url>`` for one
+    staged before user prefixes existed (found once, by its folder at ``<url>/<job_id>``).
+
+    Raises:
+        ConfigurationError: see :func:`user_prefix`.
+    """
+    record = run_dir.path / RunLayout.STAGING_PREFIX
+    try:
+        return record.read_text().strip()
+    except FileNotFoundError:
+        pass
+    url = url.rstrip("/")
+    if not run_dir.path.is_dir():
+        return user_prefix(url, user)  # a dry run: nothing is written, nothing was staged
+    staged_before = Store(url, storage_options, durable=False).exists(run_dir.job_id)
+    prefix = url if staged_before else user_prefix(url, user)
+    atomic_write_bytes(record, prefix.encode(), fsync=False)
+    return prefix
 
 
 class StagingStore(Store):

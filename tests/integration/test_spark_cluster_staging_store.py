@@ -30,12 +30,14 @@ pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.usefixture
 
 @pytest.fixture
 def staging_store(monkeypatch, tmp_path):
-    """A ``file://`` staging store: a folder the client's run dirs are never in."""
+    """A ``file://`` staging store, a folder the client's run dirs are never in; returns the
+    user's prefix of it, which holds the jobs' folders."""
     store = tmp_path / "store"
     monkeypatch.setenv("SPARKGPU_STAGING_ROOT", store.as_uri())
+    monkeypatch.setenv("SPARKGPU_USER", "ana")
     reset_settings()
     assert settings().staging_url == store.as_uri() and not settings().staging_root.is_relative_to(store)
-    return store
+    return store / "ana"
 
 
 def say_where_and_sum(x):

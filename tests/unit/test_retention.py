@@ -137,3 +137,17 @@ def test_a_shared_root_loses_no_other_users_job_and_counts_only_yours():
     config = dataclasses.replace(settings(), keep_runs=1, keep_runs_days=30)
     assert prune_runs(config, now=NOW, wait=True) == [mine[1]]  # the others neither count nor go
     assert remaining() == {mine[0], other_user, same_user_other_keyring, ancient_other}
+
+
+def test_the_store_copy_goes_from_the_prefix_the_job_was_staged_under(tmp_path):
+    store = tmp_path / "store"
+    staged, legacy = make_run("succeeded", 0.3), make_run("succeeded", 0.4)
+    (settings().staging_root / staged / "staging-prefix").write_text(f"{store.as_uri()}/ana")
+    for folder in (store / "ana" / staged, store / legacy, store / "bob" / legacy):
+        folder.mkdir(parents=True)
+        (folder / "payload.sig").write_bytes(b"s")
+    config = dataclasses.replace(settings(), keep_runs=0, keep_runs_days=None, staging_url=store.as_uri())
+    assert sorted(prune_runs(config, now=NOW, wait=True)) == sorted([staged, legacy])
+    assert not (store / "ana" / staged).exists()  # the recorded prefix
+    assert not (store / legacy).exists()  # staged before prefixes: at the root
+    assert (store / "bob" / legacy).exists()  # another user's prefix is not searched

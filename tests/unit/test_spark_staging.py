@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from sparkgpu.config import reset_settings
 from sparkgpu.launch.backends import spark_node
 from sparkgpu.launch.attempt_report import AttemptReport
 from sparkgpu.launch.backends.spark import SparkAttempt, SparkBackend
@@ -24,7 +25,9 @@ from tests.unit.test_spark_attempts import BrokenStream
 
 
 @pytest.fixture
-def job(tmp_path):
+def job(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARKGPU_USER", "ana")  # the job's folder is <store>/ana/job-1
+    reset_settings()
     job = JobSpec(
         job_id="job-1",
         name="train",
@@ -44,7 +47,7 @@ class NodeOnItsOwnExecutor:
 
     def __init__(self, tmp_path, url, node):
         self.rd = RunDir(tmp_path / f"executor-{node}" / "job-1", key=b"k" * 32)  # as the node's check sets it
-        self.mirror = NodeMirror(StagingStore(url, "job-1"), self.rd, 0, node, log_interval=0.0)
+        self.mirror = NodeMirror(StagingStore(f"{url}/ana", "job-1"), self.rd, 0, node, log_interval=0.0)
         self.mirror.download_payload()
         assert _claim(self.rd.node_marker(0, node, "started"), {"node": node, "started_at": time.time()})
         self.mirror.start(interval=0.1)
@@ -58,7 +61,7 @@ class NodeOnItsOwnExecutor:
             key=b"k" * 32,
             shutdown_grace=0.5,
             client_timeout=None,
-            store_url=url,
+            store_url=f"{url}/ana",
         )
 
         def run():
@@ -102,7 +105,7 @@ def test_ranks_that_outlive_a_broken_stream_are_stopped_through_the_store(job, t
         # The cancel marker went up, the nodes stopped their agents, their end markers came down.
         assert [n.agent.poll() for n in nodes] == [-15, -15]
         assert [rd.read_control_json(rd.node_marker(0, n, "ended"))["state"] for n in (0, 1)] == ["cancelled"] * 2
-        assert (tmp_path / "store" / "job-1" / "attempts/0/spark/CANCEL").exists()
+        assert (tmp_path / "store" / "ana" / "job-1" / "attempts/0/spark/CANCEL").exists()
         assert "did not confirm" not in "\n".join(AttemptReport.read(rd.attempt_dir(0)).notes)
     finally:
         for node in nodes:
@@ -113,7 +116,7 @@ def test_checkpoints_live_on_the_store_and_the_dry_run_names_no_client_path(job)
     job, rd, url = job
     backend = SparkBackend(spark=TaggedSession(), client_timeout=None, staging_url=url)
 
-    assert backend.checkpoint_dir(rd) == f"{url}/job-1/checkpoints"
+    assert backend.checkpoint_dir(rd) == f"{url}/ana/job-1/checkpoints"
     plan = backend.plan(job, rd, 0, {}, layout=NodeLayout(2, 1, 0))
-    assert str(rd.path) not in str(plan) and f"{url}/job-1" in str(plan)
+    assert str(rd.path) not in str(plan) and f"{url}/ana/job-1" in str(plan)
     assert SparkBackend(spark=TaggedSession(), staging_url="").checkpoint_dir(rd) == str(rd.checkpoints)

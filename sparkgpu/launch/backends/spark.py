@@ -62,7 +62,7 @@ from sparkgpu.launch.backends.spark_sessions import (
 from sparkgpu.launch.protocol import NodeState
 from sparkgpu.launch.threads import threads_per_rank
 from sparkgpu.launch.run_dir import RunDir
-from sparkgpu.launch.staging import ClientMirror, StagingStore
+from sparkgpu.launch.staging import ClientMirror, StagingStore, store_prefix, user_prefix
 from sparkgpu.pools import POOL_TAG, Pool
 from sparkgpu.spec import JobSpec, Resources
 
@@ -239,21 +239,30 @@ class SparkBackend(NodeWatch, Backend):
             raise ConfigurationError("remote jobs need a gpu_type, e.g. gpu_type='A10' (or 'cpu' for CPU ranks)")
         job = self.place(job)
         check_key_transport(self.spark, job.job_id)  # before anything starts
+        if self.staging_url:
+            user_prefix(self.staging_url, settings().user)  # a user name no prefix can hold fails here
         capacity = self.capacity()
         layout = self._layout(job, capacity)
         simulated = capacity.simulated and not job.resources.is_cpu
         # Devices are per node and known only at launch: each task's GPU addresses.
         return ResolvedJob(dataclasses.replace(job, devices=(), simulated=simulated), layout)
 
+    def _store_prefix(self, run_dir: RunDir) -> str:
+        """The staging store prefix that holds the job's folder: ``<staging_url>/<user>``."""
+        assert self.staging_url
+        return store_prefix(run_dir, self.staging_url, settings().user)
+
     def checkpoint_dir(self, run_dir: RunDir) -> str:
-        if self.staging_url:
-            return f"{self.staging_url}/{run_dir.job_id}/checkpoints"  # the nodes' run dirs are scratch copies
+        if self.staging_url:  # the nodes' run dirs are scratch copies
+            return f"{self._store_prefix(run_dir)}/{run_dir.job_id}/checkpoints"
         return super().checkpoint_dir(run_dir)
 
     # -- attempts ---------------------------------------------------------------------
     def plan(self, job, run_dir, attempt, env, layout: NodeLayout | None = None) -> LaunchPlan:
         layout = layout if layout is not None else self._layout(job)
-        where = f"<node copy of {self.staging_url}/{run_dir.job_id}>" if self.staging_url else str(run_dir.path)
+        where = (
+            f"<node copy of {self._store_prefix(run_dir)}/{run_dir.job_id}>" if self.staging_url else str(run_dir.path)
+        )
         commands = tuple(
             tuple(
                 build_command(
@@ -297,7 +306,7 @@ class SparkBackend(NodeWatch, Backend):
             key=self._job_key(run_dir),
             shutdown_grace=job.policy.shutdown_grace,
             client_timeout=self.client_timeout,
-            store_url=self.staging_url,
+            store_url=self._store_prefix(run_dir) if self.staging_url else None,
             peer_timeout=self.node_timeout,
             threads_per_rank=None if job.uses_cuda else threads_per_rank(layout.ranks_per_node),
         )
@@ -386,7 +395,7 @@ class SparkBackend(NodeWatch, Backend):
             return None
         mirror = self._mirrors.get(run_dir.job_id)
         if mirror is None:
-            mirror = ClientMirror(run_dir, StagingStore(self.staging_url, run_dir.job_id), out=self._stream)
+            mirror = ClientMirror(run_dir, StagingStore(self._store_prefix(run_dir), run_dir.job_id), out=self._stream)
             mirror.upload_payload()
             self._mirrors[run_dir.job_id] = mirror
         return mirror
