@@ -13,10 +13,11 @@ Who writes what:
   ``attempts/<k>/spark/CANCEL`` and ``attempts/<k>/spark/client.heartbeat``.
 * node -> store: every other file its agent and ranks leave in ``attempts/<k>/`` (logs,
   results, errors, environment reports, node markers) and their tracking records. Object
-  stores cannot append, so a grown log is uploaded again whole, no more often than every few
-  seconds; the end markers go last, after results and errors, so the client never sees a node
-  end without them.
-* store -> client: those node files; a grown log by its new tail only (a ranged read).
+  stores cannot append, so logs go up as appended bundles (:mod:`sparkgpu.launch.log_bundles`),
+  one per node and round, each byte once, no more often than every ``log_interval`` seconds (30 by default, 2 for the ranks
+  the client echoes live); the end markers go last, after results and errors, so the client
+  never sees a node end without them.
+* store -> client: those node files; logs by their new bundles only, appended to the local files.
 * store -> node: the payload, the control files and the other nodes' exit files
   (``node-<n>.json``: a failed peer stops this node's ranks).
 
@@ -37,11 +38,17 @@ from pathlib import Path
 from sparkgpu._files import is_temporary
 from sparkgpu._report import report
 from sparkgpu._urls import scheme_of
+from sparkgpu.launch.log_bundles import LogReader, LogShipper, parse_bundle_name
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.run_layout import RunLayout
 from sparkgpu.store import Store
 
 __all__ = ["StagingStore", "ClientMirror", "NodeMirror", "scratch_run_dir"]
+
+#: Seconds between two shipments of one log's new bytes, unless someone follows it live.
+LOG_INTERVAL = 30.0
+#: The same for a log the client echoes live (``log_ranks=``).
+FOLLOWED_LOG_INTERVAL = 2.0
 
 
 def _grows(rel: str) -> bool:
@@ -141,6 +148,7 @@ class ClientMirror:
         self._stamps: dict[str, tuple] = {}  # whole file -> the store's (size, stamp) last fetched
         self._offsets: dict[str, int] = {}  # growing file -> bytes appended so far
         self._report = _Reporter(out, "the client")
+        self._logs = LogReader(lambda rel: _local(self.run_dir.path, rel), self._report)
         self._loop: _Loop | None = None
 
     def upload_payload(self) -> None:
@@ -187,8 +195,12 @@ class ClientMirror:
         listed.update((rel, v) for rel, v in records.items() if rel.rsplit("/", 1)[-1].startswith(ours))
         skip = set(RunLayout.control_files(attempt))
         changed = 0
+        bundles: dict[str, set[int]] = {}
         for rel, (size, stamp) in sorted(listed.items()):
             if rel in skip or _temporary(rel):
+                continue
+            if (bundle := parse_bundle_name(rel)) is not None:
+                bundles.setdefault(bundle[0], set()).add(bundle[1])
                 continue
             try:
                 local = _local(self.run_dir.path, rel)
@@ -208,7 +220,7 @@ class ClientMirror:
                 self.store.download(rel, local)
                 self._stamps[rel] = (size, stamp)
                 changed += 1
-        return changed
+        return changed + self._logs.fetch(self.store, bundles)
 
     def start(self, attempt: int, interval: float = 1.0) -> None:
         """Syncs in a background thread every ``interval`` seconds until :meth:`finish`."""
@@ -259,19 +271,30 @@ class NodeMirror:
         run_dir: The node's scratch run dir (see :func:`scratch_run_dir`).
         attempt: The attempt the node runs.
         node: The node's rank.
-        log_interval: Least seconds between two uploads of one growing log.
+        log_interval: Least seconds between two shipments of one growing log's new bytes.
+        followed: Logs (names relative to the run dir) someone echoes live: shipped every
+            ``followed_interval`` seconds instead.
         out: Where sync failures are reported (the executor's stderr by default).
     """
 
     def __init__(
-        self, store: StagingStore, run_dir: RunDir, attempt: int, node: int, log_interval: float = 2.0, out=None
+        self,
+        store: StagingStore,
+        run_dir: RunDir,
+        attempt: int,
+        node: int,
+        log_interval: float = LOG_INTERVAL,
+        out=None,
+        followed: frozenset[str] = frozenset(),
+        followed_interval: float = FOLLOWED_LOG_INTERVAL,
     ):
         self.store, self.run_dir, self.attempt, self.node = store, run_dir, attempt, node
-        self.log_interval = log_interval
+        self.log_interval, self.followed, self.followed_interval = log_interval, followed, followed_interval
         self._lock = threading.Lock()
         self._pulled: dict[str, tuple] = {}  # what came from the store: never pushed back
         self._pushed: dict[str, tuple] = {}  # local (size, mtime_ns) last put
-        self._next_put: dict[str, float] = {}
+        self._logs = LogShipper(store, f"{RunLayout.logs(attempt)}/node-{node}")
+        self._last_ship = -float("inf")
         self._report = _Reporter(out, f"node {node}")
         self._loop: _Loop | None = None
 
@@ -314,11 +337,10 @@ class NodeMirror:
     def push(self, final: bool = False) -> None:
         """Puts the node's new and changed files; end markers only when ``final``, and after the rest."""
         with self._lock:
-            now = time.monotonic()
-            for rel, path in sorted(self._outputs().items(), key=lambda item: _push_order(item[0])):
-                if RunLayout.is_node_end_marker(rel) and not final:
-                    continue
-                if _grows(rel) and not final and now < self._next_put.get(rel, 0.0):
+            outputs = self._outputs()
+            self._ship_logs({rel: path for rel, path in outputs.items() if _grows(rel)}, final)
+            for rel, path in sorted(outputs.items(), key=lambda item: _push_order(item[0])):
+                if _grows(rel) or (RunLayout.is_node_end_marker(rel) and not final):
                     continue
                 try:
                     stat = path.stat()
@@ -327,11 +349,19 @@ class NodeMirror:
                 stamp = (stat.st_size, stat.st_mtime_ns)
                 if self._pushed.get(rel) == stamp:
                     continue
-                began = time.monotonic()
                 self.store.upload(path, rel)
                 self._pushed[rel] = stamp
-                # Each put of a grown log re-sends it whole: keep that under a tenth of the time.
-                self._next_put[rel] = now + max(self.log_interval, 10 * (time.monotonic() - began))
+
+    def _ship_logs(self, growing: dict[str, Path], final: bool) -> None:
+        """One bundle of what grew, when its interval is up (all of it when ``final``)."""
+        if final:
+            self._logs.ship_all(growing)
+            return
+        followed = self._logs.pending({rel: path for rel, path in growing.items() if rel in self.followed})
+        interval = self.followed_interval if followed else self.log_interval
+        if time.monotonic() - self._last_ship >= interval and self._logs.ship(growing):
+            if not self._logs.pending(growing):  # a backlog (a big log) goes on next round
+                self._last_ship = time.monotonic()
 
     def _outputs(self) -> dict[str, Path]:
         root = self.run_dir.path

@@ -299,6 +299,7 @@ class SparkBackend(NodeWatch, Backend):
             client_timeout=self.client_timeout,
             store_url=self.staging_url,
             peer_timeout=self.node_timeout,
+            log_ranks=job.log_ranks,
             threads_per_rank=None if job.uses_cuda else threads_per_rank(layout.ranks_per_node),
         )
         task = functools.partial(run_node, launch)

@@ -36,6 +36,7 @@ from sparkgpu.launch.entrypoint import NODE_DEVICES_ENV
 from sparkgpu.launch.keys import send_key
 from sparkgpu.launch.protocol import NodeExit, NodeState
 from sparkgpu.launch.run_dir import RunDir
+from sparkgpu.launch.run_layout import RunLayout
 from sparkgpu.launch.threads import rank_thread_env
 from sparkgpu.launch.staging import (
     NodeMirror,
@@ -87,6 +88,8 @@ class NodeLaunch:
         peer_timeout: Seconds a started peer node may go without a heartbeat (and without
             its end marker) before this node counts it lost and stops its own ranks; ``None``
             to not watch peers.
+        log_ranks: Ranks whose output the client echoes live (``None``: all): with a staging
+            store, their logs ship every few seconds, the others' at the mirror's slower interval.
     """
 
     run_dir: str
@@ -100,6 +103,7 @@ class NodeLaunch:
     threads_per_rank: int | None = None
     store_url: str | None = None
     peer_timeout: float | None = None
+    log_ranks: tuple[int, ...] | None = ()
 
     def __repr__(self) -> str:  # keeps the key out of Spark's logs and error messages
         return f"NodeLaunch(run_dir={self.run_dir!r}, attempt={self.attempt}, nnodes={self.nnodes}, nproc={self.nproc})"
@@ -194,7 +198,11 @@ def _node_run_dir(launch: NodeLaunch, node: int) -> tuple[RunDir, NodeMirror | N
     job_id = Path(launch.run_dir).name
     rd = RunDir(scratch_run_dir(job_id, launch.attempt, node))
     try:
-        mirror = NodeMirror(StagingStore(launch.store_url, job_id), rd, launch.attempt, node)
+        ranks = range(node * launch.nproc, (node + 1) * launch.nproc)
+        followed = frozenset(
+            RunLayout.rank_log(launch.attempt, r) for r in ranks if launch.log_ranks is None or r in launch.log_ranks
+        )
+        mirror = NodeMirror(StagingStore(launch.store_url, job_id), rd, launch.attempt, node, followed=followed)
         mirror.download_payload()
     except Exception as exc:  # a missing filesystem package, credentials, a store that is down: one answer
         report(
