@@ -62,7 +62,9 @@ class LogShipper:
     def ship(self, files: dict[str, Path], limit: int = MAX_BUNDLE) -> bool:
         """Puts one bundle of what grew in ``files`` (name -> local path), at most ``limit`` bytes
         of content; ``True`` if one went up."""
-        header, pieces, budget = [], [], limit
+        header: list[tuple[str, int, int]] = []
+        pieces: list[bytes] = []
+        budget = limit
         for rel, path in sorted(files.items()):
             have = self.shipped.get(rel, 0)
             if budget <= 0 or _size(path) <= have:
@@ -71,7 +73,7 @@ class LogShipper:
                 f.seek(have)
                 data = f.read(budget)
             if data:
-                header.append([rel, have, len(data)])
+                header.append((rel, have, len(data)))
                 pieces.append(data)
                 budget -= len(data)
         if not pieces:
