@@ -304,8 +304,11 @@ def _child(args) -> dict:
             peer_timeout=args.node_timeout,
         )
         agent = agents[node]
+        clock = {}
+        if node_mirror is not None and hasattr(node_mirror, "clock"):  # the design with a store clock
+            clock = {"clock": node_mirror.clock}
         try:
-            _, state = spark_node._watch(agent, nrd, launch, node)
+            _, state = spark_node._watch(agent, nrd, launch, node, **clock)
             ends[node] = state.value
         except _Killed:
             ends[node] = "killed"

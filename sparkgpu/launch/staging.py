@@ -43,12 +43,14 @@ from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.run_layout import RunLayout
 from sparkgpu.store import Store
 
-__all__ = ["StagingStore", "ClientMirror", "NodeMirror", "scratch_run_dir"]
+__all__ = ["StagingStore", "ClientMirror", "NodeMirror", "StoreClock", "scratch_run_dir"]
 
 #: Seconds between two shipments of one log's new bytes, unless someone follows it live.
 LOG_INTERVAL = 30.0
 #: The same for a log the client echoes live (``log_ranks=``).
 FOLLOWED_LOG_INTERVAL = 2.0
+#: Seconds between two pulls of the client's control files by a node.
+CONTROL_INTERVAL = 5.0
 
 
 def _grows(rel: str) -> bool:
@@ -91,6 +93,32 @@ class StagingStore(Store):
 
     def __repr__(self) -> str:
         return f"StagingStore({self.url!r})"
+
+
+class StoreClock:
+    """Seconds during which the store answered: the clock that silences are judged on.
+
+    Each answered sync advances it by the time since the previous one, at most ``max_step``:
+    while the store stalls (S3 ``SlowDown``, an outage) it stands still, so no beat that the
+    store held back counts as missing, and after the stall every side has its full timeout
+    to be heard again.
+    """
+
+    def __init__(self, max_step: float):
+        self.max_step = max_step
+        self._seconds = 0.0
+        self._last: float | None = None
+        self._lock = threading.Lock()
+
+    def answered(self) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if self._last is not None:
+                self._seconds += min(now - self._last, self.max_step)
+            self._last = now
+
+    def __call__(self) -> float:
+        return self._seconds
 
 
 class _Reporter:
@@ -150,6 +178,8 @@ class ClientMirror:
         self._report = _Reporter(out, "the client")
         self._logs = LogReader(lambda rel: _local(self.run_dir.path, rel), self._report)
         self._loop: _Loop | None = None
+        #: Seconds the store answered this client's syncs (nodes' silences are judged on it).
+        self.clock = StoreClock(max_step=3.0)
 
     def upload_payload(self) -> None:
         """Puts the signed payload and the job's tracking run (when it has one) on the store."""
@@ -177,7 +207,9 @@ class ClientMirror:
                 if self._pushed.get(rel) != data:
                     self.store.write_bytes(rel, data)
                     self._pushed[rel] = data
-            return self._pull(attempt)
+            changed = self._pull(attempt)
+            self.clock.answered()
+            return changed
 
     def try_sync(self, attempt: int) -> bool:
         """:meth:`sync`, reporting a failure instead of raising it (for callers busy stopping an attempt)."""
@@ -275,6 +307,8 @@ class NodeMirror:
         followed: Logs (names relative to the run dir) someone echoes live: shipped every
             ``followed_interval`` seconds instead.
         out: Where sync failures are reported (the executor's stderr by default).
+        control_interval: Seconds between two pulls of the client's control files and the
+            peers' exit files (a cancel reaches the node within about this long).
     """
 
     def __init__(
@@ -287,8 +321,12 @@ class NodeMirror:
         out=None,
         followed: frozenset[str] = frozenset(),
         followed_interval: float = FOLLOWED_LOG_INTERVAL,
+        control_interval: float = CONTROL_INTERVAL,
     ):
         self.store, self.run_dir, self.attempt, self.node = store, run_dir, attempt, node
+        self.control_interval = control_interval
+        #: Seconds the store answered this node's pulls (the client's silence is judged on it).
+        self.clock = StoreClock(max_step=2 * control_interval)
         self.log_interval, self.followed, self.followed_interval = log_interval, followed, followed_interval
         self._lock = threading.Lock()
         self._pulled: dict[str, tuple] = {}  # what came from the store: never pushed back
@@ -333,6 +371,7 @@ class NodeMirror:
                 if (rel in wanted or peer) and self._pulled.get(rel) != stamp:
                     self.store.download(rel, _local(self.run_dir.path, rel))
                     self._pulled[rel] = stamp
+            self.clock.answered()
 
     def push(self, final: bool = False) -> None:
         """Puts the node's new and changed files; end markers only when ``final``, and after the rest."""
@@ -381,9 +420,13 @@ class NodeMirror:
         """Pulls the control files now, then pulls and pushes every ``interval`` seconds until :meth:`finish`."""
         self.pull_control()
         self.push()
+        next_pull = time.monotonic() + self.control_interval
 
         def step():
-            self.pull_control()
+            nonlocal next_pull
+            if time.monotonic() >= next_pull:
+                next_pull = time.monotonic() + self.control_interval
+                self.pull_control()
             self.push()
 
         self._loop = _Loop(step, interval, f"sparkgpu-store-node-{self.node}", self._report)

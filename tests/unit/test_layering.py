@@ -40,7 +40,6 @@ KNOWN_VIOLATIONS: set[tuple[str, str]] = set()
 # Known import circles, each as the set of its modules (a strongly connected component).
 KNOWN_CYCLES: set[frozenset[str]] = {
     frozenset({"sparkgpu.launch.backends.local", "sparkgpu.launch.pool"}),
-    frozenset({"sparkgpu.launch.backends.spark", "sparkgpu.launch.backends.spark_node_watch"}),
 }
 
 # Known imports of another sub-package's private module, as (importing module, imported module).

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 
 import pytest
 
@@ -14,6 +15,7 @@ from sparkgpu.errors import PayloadSignatureError
 from sparkgpu.launch.payload import serialize_payload
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch import log_bundles
+from sparkgpu.launch.backends.spark_node import Heartbeat
 from sparkgpu.launch.log_bundles import LogReader, LogShipper, parse_bundle_name
 from sparkgpu.launch.staging import (
     ClientMirror,
@@ -374,3 +376,42 @@ def test_the_ranks_find_the_spool_in_their_nodes_copy_of_the_run_dir(tmp_path):
             SpoolDir.from_uri(JOB_SPOOL_URI)
     assert spool_path_from_env({"SPARKGPU_TRACKING_SPOOL": "/abs/tracking"}) == "/abs/tracking"
     assert spool_path_from_env({}) is None
+
+
+def test_a_store_that_stalls_for_a_minute_loses_no_node_and_a_silent_node_is_still_named(sides, monkeypatch):
+    client, node, _ = sides
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    node.run_dir.key = KEY
+    node.run_dir.prepare_attempt(0)
+    beat_file = node.run_dir.node_marker(0, 0, "beat")
+    beat_file.parent.mkdir(parents=True)
+    node.run_dir.write_control(beat_file, b"1\n")
+    node.push()
+    client.sync(0)
+    seen = client.run_dir.node_marker(0, 0, "beat")
+    on_store_time = Heartbeat(client.run_dir, seen, timeout=10, seen_first=True, clock=client.clock)
+    on_wall_time = Heartbeat(client.run_dir, seen, timeout=10, seen_first=True)
+
+    def tick(seconds: int) -> None:
+        for _ in range(seconds):
+            now[0] += 1
+            client.try_sync(0)
+
+    tick(1)
+    assert not on_store_time.lost() and not on_wall_time.lost()
+    listing = client.store.list
+    with monkeypatch.context() as stalled:
+        stalled.setattr(client.store, "list", lambda *a, **k: (_ for _ in ()).throw(OSError("SlowDown")))
+        tick(60)  # the store answers nothing for a minute; the node's beats cannot get through
+        assert not on_store_time.lost()
+        assert on_wall_time.lost()  # what a wall clock would have concluded: a false loss
+    assert client.store.list == listing
+    node.run_dir.write_control(beat_file, b"2\n")  # the node's next beat, once the store is back
+    node.push()
+    tick(1)
+    assert not on_store_time.lost()
+    tick(9)
+    assert not on_store_time.lost()
+    tick(3)  # now it is silent for longer than its timeout while the store answers: lost
+    assert on_store_time.lost()
