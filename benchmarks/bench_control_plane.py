@@ -340,6 +340,24 @@ def _child(args) -> dict:
         return None
 
     poll_for(args.warmup)
+    if args.phase == "stall":
+        assert server is not None, "a stall needs the S3 server"
+        server.stall(args.stall)
+        poll_for(args.stall + 3 * args.node_timeout)
+        result = {
+            "nodes": nodes,
+            "mode": args.mode,
+            "stall_s": args.stall,
+            "client_named_lost": [n.node for n in handle.report.lost],
+            "nodes_stopped_for_a_lost_peer_or_client": sorted(
+                n for n, s in ends.items() if s in ("peer-lost", "client-lost")
+            ),
+        }
+        result["false_losses"] = len(result["client_named_lost"]) + len(
+            result["nodes_stopped_for_a_lost_peer_or_client"]
+        )
+        _stop(agents, threads, handle, mirror, server, attempt)
+        return result
     cpu0, wall0, first, bytes0 = time.process_time(), time.monotonic(), counts(), log_bytes[0]
     poll_for(args.seconds)
     cpu1, wall1, last, bytes1 = time.process_time(), time.monotonic(), counts(), log_bytes[0]
@@ -347,29 +365,14 @@ def _child(args) -> dict:
     delta = {k: v - first.get(k, 0) for k, v in last.items()}
     lost_early = [n.node for n in handle.report.lost]
 
-    false_loss = None
-    if args.stall and server is not None:
-        server.stall(args.stall)
-        poll_for(args.stall + 3 * args.node_timeout)
-        false_loss = {
-            "client_named_lost": [n.node for n in handle.report.lost],
-            "nodes_stopped_for_a_lost_peer": sorted(n for n, s in ends.items() if s in ("peer-lost", "client-lost")),
-        }
-
     victim = nodes - 1
     killed_at = time.monotonic()
     agents[victim].killed = True
     agents[victim].stop.set()
     named_at = poll_for(60.0, until=lambda: any(n.node == victim for n in handle.report.lost))
-    for agent in agents:
-        agent.end()
-    for t in threads:
-        t.join(60)
-    handle.finished.set()
-    if mirror is not None:
-        mirror.finish(attempt)
-    if server is not None:
-        server.stop()
+    if lost_early:
+        named_at = None  # the client had stopped the job already: no measure of a real loss
+    final = _stop(agents, threads, handle, mirror, server, attempt)
 
     node_hours = nodes * window / 3600.0
     per_node_hour: dict[str, dict[str, float]] = {}
@@ -384,7 +387,7 @@ def _child(args) -> dict:
             client[f"{kind}_{what}"] = round(v / window, 2)
     control = sum(per_node_hour.get("control", {}).values())
     logs = sum(per_node_hour.get("log", {}).values())
-    log_put = delta.get("node|PUT_BYTES|log", 0)
+    log_put = final.get("node|PUT_BYTES|log", 0)  # the whole run, last push included
     return {
         "nodes": nodes,
         "ranks_per_node": per_node,
@@ -396,13 +399,26 @@ def _child(args) -> dict:
         "client_requests_per_s": client,
         "client_requests_per_s_total": round(sum(client.values()), 2),
         "log_bytes_written": bytes1 - bytes0,
-        "put_bytes_per_log_byte": round(log_put / max(1, bytes1 - bytes0), 2) if server is not None else None,
+        "put_bytes_per_log_byte": round(log_put / max(1, log_bytes[0]), 3) if server is not None else None,
         "process_cpu_share": round((cpu1 - cpu0) / window, 2),
-        "lost_during_window": lost_early,
+        "false_losses_during_window": lost_early,
         "seconds_to_name_killed_node": None if named_at is None else round(named_at - killed_at, 1),
-        "stall": None if false_loss is None else {"seconds": args.stall, **false_loss},
         "node_ends": {str(k): v for k, v in sorted(ends.items())},
     }
+
+
+def _stop(agents, threads, handle, mirror, server, attempt) -> dict:
+    for agent in agents:
+        agent.end()
+    for t in threads:
+        t.join(60)
+    handle.finished.set()
+    if mirror is not None:
+        mirror.finish(attempt)
+    final = server.counts() if server is not None else {}
+    if server is not None:
+        server.stop()
+    return final
 
 
 # -- the driver ----------------------------------------------------------------------------
@@ -419,6 +435,32 @@ def _design_root(design: str, base: str, scratch: Path) -> Path:
     return target
 
 
+def _table(runs: list[dict], stalls: list[dict]) -> dict:
+    """``"<mode>, <n> nodes"`` -> design -> the figures the docs quote (and before/after ratios)."""
+    table: dict[str, dict] = {}
+    for run in runs:
+        row = table.setdefault(f"{run['mode']}, {run['nodes']} nodes", {})
+        row[run["design"]] = {
+            "control_per_node_hour": run["control_per_node_hour"],
+            "all_per_node_hour": run["all_per_node_hour"],
+            "client_requests_per_s": run["client_requests_per_s_total"],
+            "put_bytes_per_log_byte": run["put_bytes_per_log_byte"],
+            "seconds_to_name_killed_node": run["seconds_to_name_killed_node"],
+            "false_losses_during_window": len(run["false_losses_during_window"]),
+        }
+    for stall in stalls:
+        row = table.setdefault(f"{stall['mode']}, {stall['nodes']} nodes", {})
+        row.setdefault(stall["design"], {})["false_losses_in_stall"] = stall["false_losses"]
+    for row in table.values():
+        before, after = row.get("before", {}), row.get("after", {})
+        if before.get("all_per_node_hour") and after.get("all_per_node_hour"):
+            row["all_requests_before_over_after"] = round(before["all_per_node_hour"] / after["all_per_node_hour"], 1)
+            row["control_before_over_after"] = round(
+                before["control_per_node_hour"] / max(after["control_per_node_hour"], 1e-9), 1
+            )
+    return table
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nodes", default="2,8", help="node counts, comma-separated")
@@ -426,7 +468,9 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=60.0, help="the counted window")
     p.add_argument("--warmup", type=float, default=5.0)
     p.add_argument("--node-timeout", type=float, default=10.0)
-    p.add_argument("--stall", type=float, default=0.0, help="stall the store this long after the window (s3)")
+    p.add_argument(
+        "--stall", type=float, default=0.0, help="a run whose store stalls this long (s3, the first node count)"
+    )
     p.add_argument("--modes", default="s3,shared")
     p.add_argument("--designs", default="before,after")
     p.add_argument("--base", default="8867c37", help="the commit whose code is the 'before' design")
@@ -434,6 +478,7 @@ def main() -> None:
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", default="s3", help=argparse.SUPPRESS)
+    p.add_argument("--phase", default="steady", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
         _serve()
@@ -448,23 +493,28 @@ def main() -> None:
 
     facts = machine()
     scratch = Path(tempfile.mkdtemp(prefix="bench-cp-designs-"))
-    runs = []
-    for nodes in [int(n) for n in args.nodes.split(",")]:
-        for mode in args.modes.split(","):
+    runs, stalls = [], []
+    phases = [("s3", "steady"), ("shared", "steady"), ("s3", "stall")]
+    counts = [int(n) for n in args.nodes.split(",")]
+    for nodes in counts:
+        for mode, phase in phases:
+            if mode not in args.modes.split(",") or (phase == "stall" and (not args.stall or nodes != counts[0])):
+                continue  # the stall runs at the first node count only: it is a minute and a half per design
             for design in args.designs.split(","):  # the two designs back to back, same load
                 root = _design_root(design, args.base, scratch)
                 env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{HERE}"}
                 command = [sys.executable, __file__, "--child", "--mode", mode, "--nodes", str(nodes)]
+                command += ["--phase", phase]
                 for flag in ("ranks_per_node", "seconds", "warmup", "node_timeout", "stall"):
                     command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-                print(f"{design} {mode} {nodes} nodes ...", file=sys.stderr, flush=True)
+                print(f"{design} {mode} {phase} {nodes} nodes ...", file=sys.stderr, flush=True)
                 done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=str(scratch))
                 if done.returncode != 0:
                     print(done.stderr[-4000:], file=sys.stderr)
-                    raise SystemExit(f"the {design} run at {nodes} nodes ({mode}) failed")
+                    raise SystemExit(f"the {design} run at {nodes} nodes ({mode}, {phase}) failed")
                 result = {"design": design, **json.loads(done.stdout.strip().splitlines()[-1])}
                 print(json.dumps(result), file=sys.stderr)
-                runs.append(result)
+                (stalls if phase == "stall" else runs).append(result)
     out = {
         "benchmark": "control_plane",
         "machine": load_seen(facts),
@@ -481,6 +531,8 @@ def main() -> None:
             not_counted="stat calls in the shared folder; the client's own CPU apart from the nodes' threads",
         ),
         "runs": runs,
+        "stalls": stalls,
+        "table": _table(runs, stalls),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
