@@ -97,7 +97,7 @@ def _serve() -> None:
             kind = method if method in ("GET", "PUT", "HEAD") else "other"
         prefix = next((p[7:] for p in query.split("&") if p.startswith("prefix=")), "")
         name = key or prefix
-        what = "log" if (".log" in name or ".jsonl" in name) else "control"
+        what = "log" if (".log" in name or ".jsonl" in name or "/logs/" in name) else "control"
         size = int(environ.get("CONTENT_LENGTH") or 0) if method == "PUT" else 0
         with lock:
             counts[(side, kind, what)] += 1

@@ -106,14 +106,18 @@ class LogReader:
         self.next_seq: dict[str, int] = {}
         self.offsets: dict[str, int] = {}  # file name -> bytes appended locally
 
-    def fetch(self, store: Store, streams: dict[str, set[int]]) -> int:
-        """Reads the listed bundles (stream -> the seqs listed) that follow what was read, up to
-        each stream's first gap; how many bundles were applied."""
+    def fetch(self, store: Store, streams: dict[str, dict[int, int]]) -> int:
+        """Reads the listed bundles (stream -> seq -> size, as listed) that follow what was read,
+        up to each stream's first gap; how many bundles were applied.
+
+        Each is one ranged read of its listed size: no lookup of its size in a listing cache
+        that may predate it.
+        """
         applied = 0
         for stream, seqs in streams.items():
             seq = self.next_seq.get(stream, 0)
             while seq in seqs:
-                self._apply(store.read_bytes(bundle_name(stream, seq)))
+                self._apply(store.read_bytes(bundle_name(stream, seq), 0, seqs[seq]))
                 seq += 1
                 applied += 1
             self.next_seq[stream] = seq

@@ -227,12 +227,12 @@ class ClientMirror:
         listed.update((rel, v) for rel, v in records.items() if rel.rsplit("/", 1)[-1].startswith(ours))
         skip = set(RunLayout.control_files(attempt))
         changed = 0
-        bundles: dict[str, set[int]] = {}
+        bundles: dict[str, dict[int, int]] = {}
         for rel, (size, stamp) in sorted(listed.items()):
             if rel in skip or _temporary(rel):
                 continue
             if (bundle := parse_bundle_name(rel)) is not None:
-                bundles.setdefault(bundle[0], set()).add(bundle[1])
+                bundles.setdefault(bundle[0], {})[bundle[1]] = size
                 continue
             try:
                 local = _local(self.run_dir.path, rel)

@@ -203,12 +203,12 @@ def test_log_bundles_on_the_s3_server_send_each_byte_once_and_read_back_in_order
     assert shipper.bytes_sent <= 1.1 * content  # headers included: within a tenth
     listed = store.list("attempts/0/logs")
     assert sum(size for size, _ in listed.values()) == shipper.bytes_sent
-    streams: dict[str, set[int]] = {}
-    for rel in listed:
+    streams: dict[str, dict[int, int]] = {}
+    for rel, (size, _) in listed.items():
         stream, seq = parse_bundle_name(rel)
-        streams.setdefault(stream, set()).add(seq)
+        streams.setdefault(stream, {})[seq] = size
     reader = LogReader(lambda rel: tmp_path / "client" / rel, lambda exc: pytest.fail(str(exc)))
-    first = {"attempts/0/logs/node-0": {0, 1}}
+    first = {"attempts/0/logs/node-0": {s: streams["attempts/0/logs/node-0"][s] for s in (0, 1)}}
     assert reader.fetch(store, first) == 2
     assert reader.fetch(store, streams) == 3  # the rest, in order, none read twice
     for rel, data in written.items():
