@@ -17,10 +17,11 @@ Who writes what:
   ``attempts/<k>/spark/CANCEL`` and ``attempts/<k>/spark/client.heartbeat``.
 * node -> store: every other file its agent and ranks leave in ``attempts/<k>/`` (logs,
   results, errors, environment reports, node markers) and their tracking records. Object
-  stores cannot append, so a grown log is uploaded again whole, no more often than every few
-  seconds; the end markers go last, after results and errors, so the client never sees a node
-  end without them.
-* store -> client: those node files; a grown log by its new tail only (a ranged read).
+  stores cannot append, so logs go up as appended bundles (:mod:`sparkgpu.launch.log_bundles`),
+  one per node and round, each byte once, no more often than every ``log_interval`` seconds (30 by default, 2 for the ranks
+  the client echoes live); the end markers go last, after results and errors, so the client
+  never sees a node end without them.
+* store -> client: those node files; logs by their new bundles only, appended to the local files.
 * store -> node: the payload, the control files and the other nodes' exit files
   (``node-<n>.json``: a failed peer stops this node's ranks).
 
@@ -43,11 +44,19 @@ from sparkgpu._files import atomic_write_bytes, is_temporary
 from sparkgpu._report import report
 from sparkgpu._urls import scheme_of
 from sparkgpu.errors import ConfigurationError
+from sparkgpu.launch.log_bundles import LogReader, LogShipper, parse_bundle_name
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.run_layout import RunLayout
 from sparkgpu.store import Store
 
-__all__ = ["StagingStore", "ClientMirror", "NodeMirror", "scratch_run_dir", "store_prefix", "user_prefix"]
+__all__ = ["StagingStore", "ClientMirror", "NodeMirror", "StoreClock", "scratch_run_dir", "store_prefix", "user_prefix"]
+
+#: Seconds between two shipments of one log's new bytes, unless someone follows it live.
+LOG_INTERVAL = 30.0
+#: The same for a log the client echoes live (``log_ranks=``).
+FOLLOWED_LOG_INTERVAL = 2.0
+#: Seconds between two pulls of the client's control files by a node.
+CONTROL_INTERVAL = 5.0
 
 
 def _grows(rel: str) -> bool:
@@ -134,6 +143,32 @@ class StagingStore(Store):
         return f"StagingStore({self.url!r})"
 
 
+class StoreClock:
+    """Seconds during which the store answered: the clock that silences are judged on.
+
+    Each answered sync advances it by the time since the previous one, at most ``max_step``:
+    while the store stalls (S3 ``SlowDown``, an outage) it stands still, so no beat that the
+    store held back counts as missing, and after the stall every side has its full timeout
+    to be heard again.
+    """
+
+    def __init__(self, max_step: float):
+        self.max_step = max_step
+        self._seconds = 0.0
+        self._last: float | None = None
+        self._lock = threading.Lock()
+
+    def answered(self) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if self._last is not None:
+                self._seconds += min(now - self._last, self.max_step)
+            self._last = now
+
+    def __call__(self) -> float:
+        return self._seconds
+
+
 class _Reporter:
     """Says each distinct sync failure once: a store that is down for a while must not flood the log."""
 
@@ -189,7 +224,10 @@ class ClientMirror:
         self._stamps: dict[str, tuple] = {}  # whole file -> the store's (size, stamp) last fetched
         self._offsets: dict[str, int] = {}  # growing file -> bytes appended so far
         self._report = _Reporter(out, "the client")
+        self._logs = LogReader(lambda rel: _local(self.run_dir.path, rel), self._report)
         self._loop: _Loop | None = None
+        #: Seconds the store answered this client's syncs (nodes' silences are judged on it).
+        self.clock = StoreClock(max_step=3.0)
 
     def upload_payload(self) -> None:
         """Puts the signed payload and the job's tracking run (when it has one) on the store."""
@@ -217,7 +255,9 @@ class ClientMirror:
                 if self._pushed.get(rel) != data:
                     self.store.write_bytes(rel, data)
                     self._pushed[rel] = data
-            return self._pull(attempt)
+            changed = self._pull(attempt)
+            self.clock.answered()
+            return changed
 
     def try_sync(self, attempt: int) -> bool:
         """:meth:`sync`, reporting a failure instead of raising it (for callers busy stopping an attempt)."""
@@ -235,8 +275,12 @@ class ClientMirror:
         listed.update((rel, v) for rel, v in records.items() if rel.rsplit("/", 1)[-1].startswith(ours))
         skip = set(RunLayout.control_files(attempt))
         changed = 0
+        bundles: dict[str, dict[int, int]] = {}
         for rel, (size, stamp) in sorted(listed.items()):
             if rel in skip or _temporary(rel):
+                continue
+            if (bundle := parse_bundle_name(rel)) is not None:
+                bundles.setdefault(bundle[0], {})[bundle[1]] = size
                 continue
             try:
                 local = _local(self.run_dir.path, rel)
@@ -256,7 +300,7 @@ class ClientMirror:
                 self.store.download(rel, local)
                 self._stamps[rel] = (size, stamp)
                 changed += 1
-        return changed
+        return changed + self._logs.fetch(self.store, bundles)
 
     def start(self, attempt: int, interval: float = 1.0) -> None:
         """Syncs in a background thread every ``interval`` seconds until :meth:`finish`."""
@@ -307,19 +351,36 @@ class NodeMirror:
         run_dir: The node's scratch run dir (see :func:`scratch_run_dir`).
         attempt: The attempt the node runs.
         node: The node's rank.
-        log_interval: Least seconds between two uploads of one growing log.
+        log_interval: Least seconds between two shipments of one growing log's new bytes.
+        followed: Logs (names relative to the run dir) someone echoes live: shipped every
+            ``followed_interval`` seconds instead.
         out: Where sync failures are reported (the executor's stderr by default).
+        control_interval: Seconds between two pulls of the client's control files and the
+            peers' exit files (a cancel reaches the node within about this long).
     """
 
     def __init__(
-        self, store: StagingStore, run_dir: RunDir, attempt: int, node: int, log_interval: float = 2.0, out=None
+        self,
+        store: StagingStore,
+        run_dir: RunDir,
+        attempt: int,
+        node: int,
+        log_interval: float = LOG_INTERVAL,
+        out=None,
+        followed: frozenset[str] = frozenset(),
+        followed_interval: float = FOLLOWED_LOG_INTERVAL,
+        control_interval: float = CONTROL_INTERVAL,
     ):
         self.store, self.run_dir, self.attempt, self.node = store, run_dir, attempt, node
-        self.log_interval = log_interval
+        self.control_interval = control_interval
+        #: Seconds the store answered this node's pulls (the client's silence is judged on it).
+        self.clock = StoreClock(max_step=2 * control_interval)
+        self.log_interval, self.followed, self.followed_interval = log_interval, followed, followed_interval
         self._lock = threading.Lock()
         self._pulled: dict[str, tuple] = {}  # what came from the store: never pushed back
         self._pushed: dict[str, tuple] = {}  # local (size, mtime_ns) last put
-        self._next_put: dict[str, float] = {}
+        self._logs = LogShipper(store, f"{RunLayout.logs(attempt)}/node-{node}")
+        self._last_ship = -float("inf")
         self._report = _Reporter(out, f"node {node}")
         self._loop: _Loop | None = None
 
@@ -358,15 +419,15 @@ class NodeMirror:
                 if (rel in wanted or peer) and self._pulled.get(rel) != stamp:
                     self.store.download(rel, _local(self.run_dir.path, rel))
                     self._pulled[rel] = stamp
+            self.clock.answered()
 
     def push(self, final: bool = False) -> None:
         """Puts the node's new and changed files; end markers only when ``final``, and after the rest."""
         with self._lock:
-            now = time.monotonic()
-            for rel, path in sorted(self._outputs().items(), key=lambda item: _push_order(item[0])):
-                if RunLayout.is_node_end_marker(rel) and not final:
-                    continue
-                if _grows(rel) and not final and now < self._next_put.get(rel, 0.0):
+            outputs = self._outputs()
+            self._ship_logs({rel: path for rel, path in outputs.items() if _grows(rel)}, final)
+            for rel, path in sorted(outputs.items(), key=lambda item: _push_order(item[0])):
+                if _grows(rel) or (RunLayout.is_node_end_marker(rel) and not final):
                     continue
                 try:
                     stat = path.stat()
@@ -375,11 +436,19 @@ class NodeMirror:
                 stamp = (stat.st_size, stat.st_mtime_ns)
                 if self._pushed.get(rel) == stamp:
                     continue
-                began = time.monotonic()
                 self.store.upload(path, rel)
                 self._pushed[rel] = stamp
-                # Each put of a grown log re-sends it whole: keep that under a tenth of the time.
-                self._next_put[rel] = now + max(self.log_interval, 10 * (time.monotonic() - began))
+
+    def _ship_logs(self, growing: dict[str, Path], final: bool) -> None:
+        """One bundle of what grew, when its interval is up (all of it when ``final``)."""
+        if final:
+            self._logs.ship_all(growing)
+            return
+        followed = self._logs.pending({rel: path for rel, path in growing.items() if rel in self.followed})
+        interval = self.followed_interval if followed else self.log_interval
+        if time.monotonic() - self._last_ship >= interval and self._logs.ship(growing):
+            if not self._logs.pending(growing):  # a backlog (a big log) goes on next round
+                self._last_ship = time.monotonic()
 
     def _outputs(self) -> dict[str, Path]:
         root = self.run_dir.path
@@ -399,9 +468,13 @@ class NodeMirror:
         """Pulls the control files now, then pulls and pushes every ``interval`` seconds until :meth:`finish`."""
         self.pull_control()
         self.push()
+        next_pull = time.monotonic() + self.control_interval
 
         def step():
-            self.pull_control()
+            nonlocal next_pull
+            if time.monotonic() >= next_pull:
+                next_pull = time.monotonic() + self.control_interval
+                self.pull_control()
             self.push()
 
         self._loop = _Loop(step, interval, f"sparkgpu-store-node-{self.node}", self._report)

@@ -42,11 +42,7 @@ OPTIONAL = {"sparkgpu.env.hydrate": {"fsspec"}}
 KNOWN_VIOLATIONS: set[tuple[str, str]] = set()
 
 # Known import circles, each as the set of its modules (a strongly connected component).
-KNOWN_CYCLES: set[frozenset[str]] = {
-    # The node watch is a mixin of SparkBackend that imports it back; it goes when the
-    # Spark control plane is reorganised (the last circle in the package).
-    frozenset({"sparkgpu.launch.backends.spark", "sparkgpu.launch.backends.spark_node_watch"}),
-}
+KNOWN_CYCLES: set[frozenset[str]] = {}
 
 # Known imports of another sub-package's private module, as (importing module, imported module).
 KNOWN_PRIVATE_IMPORTS: set[tuple[str, str]] = set()

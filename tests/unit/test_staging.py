@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 
 import pytest
 
@@ -13,6 +14,9 @@ from sparkgpu import runtime
 from sparkgpu.errors import PayloadSignatureError
 from sparkgpu.launch.serialization import serialize_payload
 from sparkgpu.launch.run_dir import RunDir
+from sparkgpu.launch import log_bundles
+from sparkgpu.launch.backends.spark_node import Heartbeat
+from sparkgpu.launch.log_bundles import LogReader, LogShipper, parse_bundle_name
 from sparkgpu.launch.staging import (
     ClientMirror,
     NodeMirror,
@@ -79,8 +83,21 @@ def test_a_planted_file_name_never_leaves_the_nodes_run_dir(sides, tmp_path):
     assert not list(tmp_path.rglob("outside.py"))
 
 
-def test_a_growing_log_reaches_the_client_by_its_new_tail_only(sides):
-    client, node, _ = sides
+def bundles(store) -> list[dict]:
+    """The node's log bundles on the store, in order: {file: bytes}."""
+    found = []
+    for path in sorted((store / "attempts/0/logs/node-0.parts").iterdir()):
+        head, _, data = path.read_bytes().partition(b"\n")
+        files, position = {}, 0
+        for rel, _offset, length in json.loads(head)["files"]:
+            files[rel] = data[position : position + length]
+            position += length
+        found.append(files)
+    return found
+
+
+def test_a_growing_log_reaches_the_client_by_its_new_bytes_only(sides):
+    client, node, store = sides
     log = node.run_dir.log_file(0, 1)
     log.parent.mkdir(parents=True)
     log.write_bytes(b"step 1\nstep")
@@ -89,30 +106,130 @@ def test_a_growing_log_reaches_the_client_by_its_new_tail_only(sides):
     local = client.run_dir.log_file(0, 1)
     assert local.read_bytes() == b"step 1\nstep"
 
-    ranges = []
+    reads = []
     read_bytes = client.store.read_bytes
-    client.store.read_bytes = lambda rel, start, end: ranges.append((rel, start, end)) or read_bytes(rel, start, end)
+    client.store.read_bytes = lambda rel, *a: reads.append(rel) or read_bytes(rel, *a)
     with open(log, "ab") as f:
         f.write(b" 2\nstep 3\n")
-    node.push(final=True)  # an object store cannot append: the node puts the whole log again
+    node.push(final=True)  # only the new bytes go up, in a bundle of their own
+    assert bundles(store) == [
+        {"attempts/0/logs/rank-1.log": b"step 1\nstep"},
+        {"attempts/0/logs/rank-1.log": b" 2\nstep 3\n"},
+    ]
     assert client.sync(0) == 1
     assert local.read_bytes() == b"step 1\nstep 2\nstep 3\n"
-    assert ranges == [("attempts/0/logs/rank-1.log", 11, 21)]  # the client reads the new bytes only
-    assert client.sync(0) == 0 and len(ranges) == 1  # nothing new: nothing read
+    assert reads == [f"attempts/0/logs/node-0.parts/{1:016d}"]  # the client reads the new bundle only
+    assert client.sync(0) == 0 and len(reads) == 1  # nothing new: nothing read
 
 
-def test_a_growing_log_is_put_again_at_most_every_log_interval_until_the_final_push(sides):
+def test_one_bundle_carries_every_log_of_the_node_and_ships_at_most_every_log_interval(sides):
     client, node, store = sides
     node.log_interval = 3600.0
-    log = node.run_dir.log_file(0, 0)
+    for rank in (0, 1):
+        node.run_dir.log_file(0, rank).parent.mkdir(parents=True, exist_ok=True)
+        node.run_dir.log_file(0, rank).write_text(f"one {rank}\n")
+    node.push()
+    for rank in (0, 1):
+        with open(node.run_dir.log_file(0, rank), "a") as f:
+            f.write("two\n")
+    node.push()
+    assert bundles(store) == [{"attempts/0/logs/rank-0.log": b"one 0\n", "attempts/0/logs/rank-1.log": b"one 1\n"}]
+    node.finish()
+    assert len(bundles(store)) == 2
+    client.sync(0)
+    assert [client.run_dir.log_file(0, r).read_text() for r in (0, 1)] == ["one 0\ntwo\n", "one 1\ntwo\n"]
+
+
+def test_a_followed_log_ships_at_its_own_shorter_interval(sides):
+    client, node, store = sides
+    node.log_interval, node.followed_interval = 3600.0, 0.0
+    node.followed = frozenset({"attempts/0/logs/rank-0.log"})
+    log = node.run_dir.log_file(0, 1)
     log.parent.mkdir(parents=True)
     log.write_text("one\n")
     node.push()
     log.write_text("one\ntwo\n")
     node.push()
-    assert (store / "attempts/0/logs/rank-0.log").read_text() == "one\n"  # throttled
-    node.finish()
-    assert (store / "attempts/0/logs/rank-0.log").read_text() == "one\ntwo\n"
+    assert len(bundles(store)) == 1  # nobody follows rank 1: it waits its interval
+    node.run_dir.log_file(0, 0).write_text("echoed\n")
+    node.push()
+    client.sync(0)
+    assert client.run_dir.log_file(0, 0).read_text() == "echoed\n"  # followed: shipped at once, with the rest
+    assert client.run_dir.log_file(0, 1).read_text() == "one\ntwo\n"
+
+
+def test_a_bundle_not_listed_yet_holds_back_the_ones_after_it(sides):
+    client, node, store = sides
+    log = node.run_dir.log_file(0, 0)
+    log.parent.mkdir(parents=True)
+    for text in ("a\n", "b\n", "c\n"):
+        with open(log, "a") as f:
+            f.write(text)
+        node.push(final=True)
+    middle = store / "attempts/0/logs/node-0.parts" / f"{1:016d}"
+    held = middle.read_bytes()
+    middle.unlink()  # an object store that lists the third bundle before the second
+    client.sync(0)
+    assert client.run_dir.log_file(0, 0).read_text() == "a\n"
+    middle.write_bytes(held)
+    client.sync(0)
+    assert client.run_dir.log_file(0, 0).read_text() == "a\nb\nc\n"
+
+
+def test_a_planted_name_in_a_bundle_is_refused(sides, tmp_path):
+    client, node, store = sides
+    parts = store / "attempts/0/logs/node-0.parts"
+    parts.mkdir(parents=True)
+    (parts / f"{0:016d}").write_bytes(b'{"files":[["../../outside.log",0,3]]}\nbad')
+    client.sync(0)
+    assert not (client.run_dir.path.parent / "outside.log").exists()
+    assert not list(tmp_path.rglob("outside.log"))
+
+
+def test_log_bundles_on_the_s3_server_send_each_byte_once_and_read_back_in_order(s3_bucket, tmp_path):
+    store = StagingStore(s3_bucket, "job-1")
+    shipper = LogShipper(store, "attempts/0/logs/node-0")
+    files = {f"attempts/0/logs/rank-{r}.log": tmp_path / f"rank-{r}.log" for r in range(3)}
+    written = dict.fromkeys(files, b"")
+    for step in range(5):
+        for rel, path in files.items():
+            line = f"{rel} step {step} loss 0.1234 {'.' * 50}\n".encode() * 30  # 30 s of a line a second
+            with open(path, "ab") as f:
+                f.write(line)
+            written[rel] += line
+        assert shipper.ship(files)
+    assert not shipper.ship(files)  # nothing grew: nothing sent
+    content = sum(len(v) for v in written.values())
+    assert shipper.bytes_sent <= 1.1 * content  # headers included: within a tenth
+    listed = store.list("attempts/0/logs")
+    assert sum(size for size, _ in listed.values()) == shipper.bytes_sent
+    streams: dict[str, dict[int, int]] = {}
+    for rel, (size, _) in listed.items():
+        stream, seq = parse_bundle_name(rel)
+        streams.setdefault(stream, {})[seq] = size
+    reader = LogReader(lambda rel: tmp_path / "client" / rel, lambda exc: pytest.fail(str(exc)))
+    first = {"attempts/0/logs/node-0": {s: streams["attempts/0/logs/node-0"][s] for s in (0, 1)}}
+    assert reader.fetch(store, first) == 2
+    assert reader.fetch(store, streams) == 3  # the rest, in order, none read twice
+    for rel, data in written.items():
+        assert (tmp_path / "client" / rel).read_bytes() == data
+
+
+def test_a_big_log_goes_up_in_bounded_bundles_one_a_round(sides, monkeypatch):
+    client, node, store = sides
+    monkeypatch.setattr(log_bundles, "MAX_BUNDLE", 1000)
+    monkeypatch.setattr(LogShipper.ship, "__defaults__", (1000,))
+    node.log_interval = 3600.0
+    log = node.run_dir.log_file(0, 0)
+    log.parent.mkdir(parents=True)
+    log.write_bytes(b"x" * 2500)
+    node.push()
+    assert len(bundles(store)) == 1  # one bundle a round: the node's other files are not held behind it
+    node.push()
+    node.push()
+    assert [len(b["attempts/0/logs/rank-0.log"]) for b in bundles(store)] == [1000, 1000, 500]
+    client.sync(0)
+    assert client.run_dir.log_file(0, 0).read_bytes() == b"x" * 2500
 
 
 def test_the_final_push_sends_results_and_errors_before_the_nodes_end_markers(sides):
@@ -135,15 +252,16 @@ def test_the_final_push_sends_results_and_errors_before_the_nodes_end_markers(si
     rd.node_file(0, 0).write_text('{"node_rank": 0, "status": 1, "failures": {}}')
     (spark / "node-0.ended").write_text('{"state": "failed"}')
     uploads = []
-    upload = node.store.upload
+    upload, write_bytes = node.store.upload, node.store.write_bytes
     node.store.upload = lambda path, rel: uploads.append(rel) or upload(path, rel)
+    node.store.write_bytes = lambda rel, data: uploads.append(rel) or write_bytes(rel, data)
     node.finish()
 
     assert uploads[-2:] == ["attempts/0/node-0.json", "attempts/0/spark/node-0.ended"]
     assert set(uploads[:-2]) == {
         "attempts/0/results/rank-0.pkl",
         "attempts/0/results/rank-1.error.pkl",
-        "attempts/0/logs/rank-1.log",
+        f"attempts/0/logs/node-0.parts/{0:016d}",
     }
     client.sync(0)
     client_rd = client.run_dir
@@ -223,20 +341,20 @@ def test_pulled_files_appear_complete_or_not_at_all(sides, monkeypatch):
 
 def test_uploads_to_a_file_store_appear_complete_or_not_at_all(sides, monkeypatch):
     client, node, store = sides
-    log = node.run_dir.log_file(0, 0)
-    log.parent.mkdir(parents=True)
-    log.write_bytes(b"x" * 1_000_000)
+    report = node.run_dir.attempt_dir(0) / "env-rank-0.json"
+    report.parent.mkdir(parents=True)
+    report.write_bytes(b"x" * 1_000_000)
     seen = []
     copyfile = shutil.copyfile
 
     def watching_copyfile(src, dst, **kwargs):
-        seen.append((os.path.basename(dst).startswith("."), (store / "attempts/0/logs/rank-0.log").exists()))
+        seen.append((os.path.basename(dst).startswith("."), (store / "attempts/0/env-rank-0.json").exists()))
         return copyfile(src, dst, **kwargs)
 
     monkeypatch.setattr(shutil, "copyfile", watching_copyfile)
     node.push()
     assert seen == [(True, False)]
-    assert (store / "attempts/0/logs/rank-0.log").stat().st_size == 1_000_000
+    assert (store / "attempts/0/env-rank-0.json").stat().st_size == 1_000_000
     assert not [p for p in store.rglob(".*") if p.is_file()]
 
 
@@ -258,3 +376,42 @@ def test_the_ranks_find_the_spool_in_their_nodes_copy_of_the_run_dir(tmp_path):
             SpoolDir.from_uri(JOB_SPOOL_URI)
     assert spool_path_from_env({"SPARKGPU_TRACKING_SPOOL": "/abs/tracking"}) == "/abs/tracking"
     assert spool_path_from_env({}) is None
+
+
+def test_a_store_that_stalls_for_a_minute_loses_no_node_and_a_silent_node_is_still_named(sides, monkeypatch):
+    client, node, _ = sides
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    node.run_dir.key = KEY
+    node.run_dir.prepare_attempt(0)
+    beat_file = node.run_dir.node_marker(0, 0, "beat")
+    beat_file.parent.mkdir(parents=True)
+    node.run_dir.write_control(beat_file, b"1\n")
+    node.push()
+    client.sync(0)
+    seen = client.run_dir.node_marker(0, 0, "beat")
+    on_store_time = Heartbeat(client.run_dir, seen, timeout=10, seen_first=True, clock=client.clock)
+    on_wall_time = Heartbeat(client.run_dir, seen, timeout=10, seen_first=True)
+
+    def tick(seconds: int) -> None:
+        for _ in range(seconds):
+            now[0] += 1
+            client.try_sync(0)
+
+    tick(1)
+    assert not on_store_time.lost() and not on_wall_time.lost()
+    listing = client.store.list
+    with monkeypatch.context() as stalled:
+        stalled.setattr(client.store, "list", lambda *a, **k: (_ for _ in ()).throw(OSError("SlowDown")))
+        tick(60)  # the store answers nothing for a minute; the node's beats cannot get through
+        assert not on_store_time.lost()
+        assert on_wall_time.lost()  # what a wall clock would have concluded: a false loss
+    assert client.store.list == listing
+    node.run_dir.write_control(beat_file, b"2\n")  # the node's next beat, once the store is back
+    node.push()
+    tick(1)
+    assert not on_store_time.lost()
+    tick(9)
+    assert not on_store_time.lost()
+    tick(3)  # now it is silent for longer than its timeout while the store answers: lost
+    assert on_store_time.lost()

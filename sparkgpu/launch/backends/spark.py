@@ -30,13 +30,13 @@ import json
 import sys
 import threading
 import time
+from typing import TextIO
 
 from sparkgpu._report import report
 from sparkgpu._urls import install_command, scheme_of
 from sparkgpu.config import settings
 from sparkgpu.errors import CapacityError, ConfigurationError
 from sparkgpu.launch.agent import build_command
-from sparkgpu.launch.attempt_report import AttemptReport
 from sparkgpu.launch.backends.base import AttemptHandle, Backend, LaunchPlan, ResolvedJob
 from sparkgpu.launch.backends.spark_capacity import (
     NodeLayout,
@@ -45,7 +45,8 @@ from sparkgpu.launch.backends.spark_capacity import (
     discover_worker_image,
     plan_layout,
 )
-from sparkgpu.launch.backends.spark_node import NODE_DDL, Heartbeat, NodeLaunch, run_node
+from sparkgpu.launch.backends.spark_node import NODE_DDL, NodeLaunch, run_node
+from sparkgpu.launch.backends.spark_attempt import SparkAttempt, sync_now
 from sparkgpu.launch.backends.spark_node_watch import NodeWatch
 from sparkgpu.launch.backends.spark_sessions import active as _active
 from sparkgpu.launch.backends.spark_sessions import (
@@ -59,7 +60,7 @@ from sparkgpu.launch.backends.spark_sessions import (
     pool_session,
     record_session,
 )
-from sparkgpu.launch.protocol import NodeState
+from sparkgpu.protocol import NodeState
 from sparkgpu.launch.threads import threads_per_rank
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.staging import ClientMirror, StagingStore, store_prefix, user_prefix
@@ -68,7 +69,8 @@ from sparkgpu.spec import JobSpec, Resources
 
 __all__ = ["SparkBackend", "SparkAttempt", "create_backend", "active_spark_session"]
 
-_HEARTBEAT_SECONDS = 2.0
+#: Most seconds between two beats of the client (four per ``client_timeout`` when that is shorter).
+_HEARTBEAT_SECONDS = 10.0
 
 
 class _FromSettings:
@@ -81,42 +83,7 @@ class _FromSettings:
 _FROM_SETTINGS = _FromSettings()
 
 
-@dataclasses.dataclass
-class SparkAttempt(AttemptHandle):
-    """One attempt: a Spark job running in a background thread of the client."""
-
-    attempt: int
-    job: JobSpec
-    run_dir: RunDir
-    layout: NodeLayout
-    tag: str
-    submitted_at: float  # monotonic
-    submitted_wall: float = 0.0
-    thread: threading.Thread | None = None
-    rows: list | None = None
-    error: BaseException | None = None
-    cancelled: bool = False
-    finished: threading.Event = dataclasses.field(default_factory=threading.Event)
-    next_check: float = 0.0
-    next_notice: float = 0.0
-    nodes_started: bool = False
-    started_at: float | None = None  # Unix time the barrier tasks got their GPUs and started
-    exit_code: int | None = None
-    mirror: ClientMirror | None = None  # with a staging store
-    node_infos: dict[int, dict] = dataclasses.field(default_factory=dict)  # the nodes' start markers
-    beats: dict[int, Heartbeat] = dataclasses.field(default_factory=dict)  # the nodes' heartbeats
-    report: AttemptReport = dataclasses.field(init=False)  # written to the attempt's dir as it fills
-
-    def __post_init__(self):
-        self.report = AttemptReport(self.attempt)
-
-    @property
-    def nodes(self) -> list[dict]:
-        """The node tasks' status rows (node, executor, host, devices, pid, exit_code, state)."""
-        return [row.asDict() for row in self.rows or ()]
-
-
-class SparkBackend(NodeWatch, Backend):
+class SparkBackend(Backend):
     """Runs every node of a job as a barrier task on a Spark session's executors.
 
     Args:
@@ -182,6 +149,8 @@ class SparkBackend(NodeWatch, Backend):
         self.staging_url = (settings().staging_url if staging_url is None else staging_url) or None
         self._mirrors: dict[str, ClientMirror] = {}
         self.last_attempt: SparkAttempt | None = None
+        #: Lost nodes, the stop of the others and the attempt's report.
+        self.watch = NodeWatch(self)
 
     @property
     def spark(self):
@@ -190,13 +159,18 @@ class SparkBackend(NodeWatch, Backend):
         return self._spark
 
     @property
-    def _stream(self):
+    def stream(self) -> TextIO:
+        """Where the backend's notices go (``out``, else ``sys.stderr``)."""
         return self.out if self.out is not None else sys.stderr
+
+    def interrupt(self, tag: str) -> None:
+        """Interrupts the Spark jobs under ``tag`` (the session's ``interruptTag``)."""
+        self.spark.interruptTag(tag)
 
     # -- capacity ---------------------------------------------------------------------
     def capacity(self, refresh: bool = False) -> SparkCapacity:
         """Executors, hosts and GPUs this session reaches (probed; cached for a minute)."""
-        capacity = discover_capacity(self.spark, wait_timeout=self.wait_timeout, out=self._stream, refresh=refresh)
+        capacity = discover_capacity(self.spark, wait_timeout=self.wait_timeout, out=self.stream, refresh=refresh)
         if self.simulated is not None:
             capacity = dataclasses.replace(capacity, simulated=self.simulated)
         return capacity
@@ -209,7 +183,7 @@ class SparkBackend(NodeWatch, Backend):
         ``SPARKGPU_ENV_WORKER_LOCK`` describes it instead."""
         if settings().env_worker_lock:
             return None
-        return discover_worker_image(self.spark, self.capacity(), wait_timeout=self.wait_timeout, out=self._stream)
+        return discover_worker_image(self.spark, self.capacity(), wait_timeout=self.wait_timeout, out=self.stream)
 
     def _layout(self, job: JobSpec, capacity: SparkCapacity | None = None) -> NodeLayout:
         capacity = capacity or self.capacity()
@@ -308,6 +282,7 @@ class SparkBackend(NodeWatch, Backend):
             client_timeout=self.client_timeout,
             store_url=self._store_prefix(run_dir) if self.staging_url else None,
             peer_timeout=self.node_timeout,
+            log_ranks=job.log_ranks,
             threads_per_rank=None if job.uses_cuda else threads_per_rank(layout.ranks_per_node),
         )
         task = functools.partial(run_node, launch)
@@ -378,7 +353,7 @@ class SparkBackend(NodeWatch, Backend):
         report(
             f"the Spark Connect server{_at(self._spark)} closed this session (it restarted?); "
             "opening a new one for the next attempt",
-            out=self._stream,
+            out=self.stream,
         )
         try:
             self._spark = new_connect_session(url)
@@ -395,7 +370,7 @@ class SparkBackend(NodeWatch, Backend):
             return None
         mirror = self._mirrors.get(run_dir.job_id)
         if mirror is None:
-            mirror = ClientMirror(run_dir, StagingStore(self._store_prefix(run_dir), run_dir.job_id), out=self._stream)
+            mirror = ClientMirror(run_dir, StagingStore(self._store_prefix(run_dir), run_dir.job_id), out=self.stream)
             mirror.upload_payload()
             self._mirrors[run_dir.job_id] = mirror
         return mirror
@@ -406,18 +381,12 @@ class SparkBackend(NodeWatch, Backend):
             return
         error = handle.mirror.finish(handle.attempt)
         if error is not None:
-            self._note(
+            self.watch.note(
                 handle,
                 f"the last download of this attempt's files from the staging store "
                 f"{handle.mirror.store.url} failed ({type(error).__name__}: {error}); its results "
                 "may be there still",
             )
-
-    @staticmethod
-    def _sync_now(handle: SparkAttempt) -> None:
-        """One sync outside the background thread: a cancel marker must go up now."""
-        if handle.mirror is not None:
-            handle.mirror.try_sync(handle.attempt)
 
     def _run_action(self, handle: SparkAttempt, frame) -> None:
         self.spark.addTag(handle.tag)
@@ -434,12 +403,13 @@ class SparkBackend(NodeWatch, Backend):
 
     def _heartbeat(self, handle: SparkAttempt) -> None:
         count = 0
-        while not handle.finished.wait(_HEARTBEAT_SECONDS):
+        every = min(_HEARTBEAT_SECONDS, (self.client_timeout or 4 * _HEARTBEAT_SECONDS) / 4)
+        while not handle.finished.wait(every):
             count += 1
             try:
                 self._beat(handle, count)
             except OSError as exc:  # a flaky shared volume must not stop the job; the nodes allow gaps
-                report(f"could not write the heartbeat: {exc}", out=self._stream)
+                report(f"could not write the heartbeat: {exc}", out=self.stream)
 
     def poll(self, handle: AttemptHandle) -> int | None:
         assert isinstance(handle, SparkAttempt), "the Spark backend polls only its own attempts"
@@ -448,8 +418,8 @@ class SparkBackend(NodeWatch, Backend):
             if now >= handle.next_check:
                 handle.next_check = now + 1.0
                 self._check_waiting(handle, now)
-                if handle.nodes_started and self._find_lost(handle):
-                    self._stop_for_lost(handle)
+                if handle.nodes_started and self.watch.find_lost(handle):
+                    self.watch.stop_for_lost(handle)
             return None
         if handle.exit_code is None:
             self._last_pull(handle)
@@ -507,7 +477,7 @@ class SparkBackend(NodeWatch, Backend):
             report(
                 f"waiting for {what} on the Spark cluster ({waited:.0f}s so far, giving up after "
                 f"{self.wait_timeout:g}s); other jobs may hold them",
-                out=self._stream,
+                out=self.stream,
             )
             handle.next_notice = now + 30.0
 
@@ -517,26 +487,26 @@ class SparkBackend(NodeWatch, Backend):
         rows = [r for r in handle.nodes if r["state"] != NodeState.SPARK_RETRY]
         if handle.error is not None:
             if handle.cancelled:
-                self._write_report(handle, rows)
+                self.watch.write_report(handle, rows)
                 return 1
             if not handle.report.lost:  # not the interrupt that followed a lost node
                 text = "\n".join(str(handle.error).splitlines()[:40])
-                self._note(handle, f"the Spark job of this attempt failed: {type(handle.error).__name__}: {text}")
+                self.watch.note(handle, f"the Spark job of this attempt failed: {type(handle.error).__name__}: {text}")
             if connection_closed(self.spark):
-                self._note(
+                self.watch.note(
                     handle,
                     f"the Spark Connect server{_at(self.spark)} restarted or closed this session "
                     "while the attempt ran; its executors, and the ranks with them, ended with it. "
                     "A restart (max_restarts=) opens a new session to the same server; "
                     f"`sparkgpu resume {handle.job.job_id}` continues the job from its last checkpoint",
                 )
-            self._stop_outliving_nodes(handle)
-            self._write_report(handle, rows)
+            self.watch.stop_outliving_nodes(handle)
+            self.watch.write_report(handle, rows)
             return 1
         blind = [r for r in rows if r["state"] == NodeState.NO_RUN_DIR]
         if blind:
             where = ", ".join(f"executor {r['executor']} on {r['host']}" for r in blind)
-            self._note(
+            self.watch.note(
                 handle,
                 f"{where} cannot see the run dir {rd.path}: set SPARKGPU_STAGING_ROOT to a folder "
                 "mounted under the same path on the client and on every executor (NFS, or a "
@@ -554,7 +524,7 @@ class SparkBackend(NodeWatch, Backend):
                     if scheme == "file"
                     else f"every executor needs its filesystem ({install_command(scheme)}) and credentials for it"
                 )
-                self._note(
+                self.watch.note(
                     handle,
                     f"{where} {problem} the staging store {self.staging_url}: {fix}; the executor's "
                     "stderr log (Spark UI) has the error",
@@ -562,15 +532,15 @@ class SparkBackend(NodeWatch, Backend):
         if len(rows) < len(handle.nodes):
             # Spark lost a task or an executor and re-ran the barrier stage; the re-run tasks
             # started nothing, but the first run's ranks may live on: stop them, name the lost.
-            self._stop_outliving_nodes(handle)
+            self.watch.stop_outliving_nodes(handle)
             if not handle.report.lost:
-                self._note(
+                self.watch.note(
                     handle,
                     "Spark lost a task or an executor of this attempt and re-ran its barrier stage; "
                     "the nodes did not start the ranks again (restarts are set with max_restarts=). "
                     "The executor logs in the Spark UI say why it was lost.",
                 )
-        self._write_report(handle, rows)
+        self.watch.write_report(handle, rows)
         return max((abs(r["exit_code"]) for r in rows), default=1)
 
     def cancel(self, handle: AttemptHandle, grace: float) -> None:
@@ -581,14 +551,14 @@ class SparkBackend(NodeWatch, Backend):
         handle.cancelled = True
         # First the polite way: every node SIGTERMs its agent, which gives the ranks `grace`.
         handle.run_dir.write_control(handle.run_dir.spark_cancel_file(handle.attempt), b"cancelled by the client\n")
-        self._sync_now(handle)
+        sync_now(handle)
         if not handle.nodes_started:
             self._find_start(handle)  # also tells the supervisor when they started, for billing
         if not handle.nodes_started or not handle.finished.wait(grace + 10):
             self.spark.interruptTag(handle.tag)  # Spark kills the Python workers; agents and ranks follow
             handle.finished.wait(60)
         self._last_pull(handle)
-        self._write_report(handle, [r for r in handle.nodes if r["state"] != NodeState.SPARK_RETRY])
+        self.watch.write_report(handle, [r for r in handle.nodes if r["state"] != NodeState.SPARK_RETRY])
 
 
 def _at(spark) -> str:

@@ -34,8 +34,9 @@ from sparkgpu.launch.agent import build_command, strip_spark_secrets, verify_or_
 from sparkgpu.launch.backends.spark_probe import executor_identity
 from sparkgpu.launch.entrypoint import NODE_DEVICES_ENV
 from sparkgpu.launch.keys import send_key
-from sparkgpu.launch.protocol import NodeExit, NodeState
+from sparkgpu.protocol import NodeExit, NodeState
 from sparkgpu.launch.run_dir import RunDir
+from sparkgpu.launch.run_layout import RunLayout
 from sparkgpu.launch.threads import rank_thread_env
 from sparkgpu.launch.staging import (
     NodeMirror,
@@ -59,7 +60,14 @@ NODE_SCHEMA = pa.schema(
 # mapInArrow takes the schema as DDL; the Arrow schema above builds the batches that match it.
 NODE_DDL = "node int, executor string, host string, devices string, pid bigint, exit_code int, state string"
 _POLL_SECONDS = 0.2
-_BEAT_SECONDS = 1.0
+#: Seconds between two looks at the client's files and the peers' (cancel, beats, exits).
+_CHECK_SECONDS = 1.0
+
+
+def beat_interval(timeout: float | None) -> float:
+    """Seconds between two beats of a node whose silence counts after ``timeout`` seconds:
+    four beats per timeout, at most one a second (a beat is a put on a staging store)."""
+    return max(1.0, (timeout or 10.0) / 4)
 
 
 # -- one node of a job ---------------------------------------------------------------------
@@ -87,6 +95,8 @@ class NodeLaunch:
         peer_timeout: Seconds a started peer node may go without a heartbeat (and without
             its end marker) before this node counts it lost and stops its own ranks; ``None``
             to not watch peers.
+        log_ranks: Ranks whose output the client echoes live (``None``: all): with a staging
+            store, their logs ship every few seconds, the others' at the mirror's slower interval.
     """
 
     run_dir: str
@@ -100,6 +110,7 @@ class NodeLaunch:
     threads_per_rank: int | None = None
     store_url: str | None = None
     peer_timeout: float | None = None
+    log_ranks: tuple[int, ...] | None = ()
 
     def __repr__(self) -> str:  # keeps the key out of Spark's logs and error messages
         return f"NodeLaunch(run_dir={self.run_dir!r}, attempt={self.attempt}, nnodes={self.nnodes}, nproc={self.nproc})"
@@ -177,7 +188,8 @@ def run_node(launch: NodeLaunch, batches):
             state = state if state is not NodeState.READY else NodeState.PEER_NOT_READY
         else:
             master_addr = ctx.getTaskInfos()[0].address.rsplit(":", 1)[0].strip("[]")
-            pid, code, state = _run_agent(rd, launch, node, devices, master_addr, gathered[0]["port"])
+            clock = mirror.clock if mirror is not None else None
+            pid, code, state = _run_agent(rd, launch, node, devices, master_addr, gathered[0]["port"], clock)
     finally:
         # Also when the barrier itself fails: Spark reuses this Python worker, and the sync
         # thread must not outlive the task.
@@ -194,7 +206,11 @@ def _node_run_dir(launch: NodeLaunch, node: int) -> tuple[RunDir, NodeMirror | N
     job_id = Path(launch.run_dir).name
     rd = RunDir(scratch_run_dir(job_id, launch.attempt, node))
     try:
-        mirror = NodeMirror(StagingStore(launch.store_url, job_id), rd, launch.attempt, node)
+        ranks = range(node * launch.nproc, (node + 1) * launch.nproc)
+        followed = frozenset(
+            RunLayout.rank_log(launch.attempt, r) for r in ranks if launch.log_ranks is None or r in launch.log_ranks
+        )
+        mirror = NodeMirror(StagingStore(launch.store_url, job_id), rd, launch.attempt, node, followed=followed)
         mirror.download_payload()
     except Exception as exc:  # a missing filesystem package, credentials, a store that is down: one answer
         report(
@@ -242,7 +258,7 @@ def _remove_scratch(rd: RunDir) -> None:
 
 
 def _run_agent(
-    rd: RunDir, launch: NodeLaunch, node: int, devices: tuple, master_addr: str, master_port: int
+    rd: RunDir, launch: NodeLaunch, node: int, devices: tuple, master_addr: str, master_port: int, clock=None
 ) -> tuple[int, int, NodeState]:
     """Starts the node's agent on ``rd`` and watches it; ``(pid, exit code, state)``."""
     command = build_command(
@@ -269,7 +285,7 @@ def _run_agent(
     assert agent.stdin is not None
     with contextlib.suppress(BrokenPipeError), agent.stdin:  # an agent that died at once: _watch says how
         send_key(agent.stdin, launch.key)
-    code, state = _watch(agent, rd, launch, node)
+    code, state = _watch(agent, rd, launch, node, clock=clock)
     return agent.pid, code, state
 
 
@@ -309,12 +325,16 @@ class Heartbeat:
         timeout: Seconds without a change after which it counts as lost (``None``: never).
         seen_first: Judge only once the file was read at least once (a node with a staging
             store may never share its beat with this reader).
+        clock: Seconds that count towards the silence. With a staging store: the seconds
+            during which the store answered (:class:`~sparkgpu.launch.staging.StoreClock`), so
+            a store that stalls for a minute makes nobody silent.
     """
 
-    def __init__(self, rd: RunDir, path: Path, timeout: float | None, seen_first: bool = False):
+    def __init__(self, rd: RunDir, path: Path, timeout: float | None, seen_first: bool = False, clock=None):
         self.rd, self.path, self.timeout, self.seen_first = rd, path, timeout, seen_first
+        self.clock = clock if clock is not None else time.monotonic
         self.last_value: int | None = None
-        self.last_change = time.monotonic()
+        self.last_change = self.clock()
 
     def silent_for(self) -> float:
         """Seconds since the count last grew, as of now."""
@@ -323,7 +343,7 @@ class Heartbeat:
             value = int(body) if body is not None else None
         except ValueError:
             value = None
-        now = time.monotonic()
+        now = self.clock()
         if value is not None and (self.last_value is None or value > self.last_value):
             self.last_value, self.last_change = value, now
         return now - self.last_change
@@ -348,18 +368,26 @@ def _peer_lost(rd: RunDir, attempt: int, node: int, beats: dict[int, Heartbeat],
     return False
 
 
-def _watch(agent: subprocess.Popen, rd: RunDir, launch: NodeLaunch, node: int) -> tuple[int, NodeState]:
-    """Waits for the agent; stops it when the client cancels, the client is gone or a peer node failed."""
+def _watch(agent: subprocess.Popen, rd: RunDir, launch: NodeLaunch, node: int, clock=None) -> tuple[int, NodeState]:
+    """Waits for the agent; stops it when the client cancels, the client is gone or a peer node failed.
+
+    ``clock`` times the client's silence (the staging store's answered seconds, with one).
+    The agent is polled often; the client's and the peers' files are read once a second and
+    this node beats a few times per ``peer_timeout``, so neither grows with the poll rate.
+    """
     attempt = launch.attempt
-    heartbeat = Heartbeat(rd, rd.client_heartbeat_file(attempt), launch.client_timeout)
+    heartbeat = Heartbeat(rd, rd.client_heartbeat_file(attempt), launch.client_timeout, clock=clock)
     peers: dict[int, Heartbeat] = {}
     state, stop_deadline = NodeState.RUNNING, None
-    beats, next_beat = 0, 0.0
+    beats, next_beat, next_check = 0, 0.0, 0.0
+    every = beat_interval(launch.peer_timeout)
     while (code := agent.poll()) is None:
-        if time.monotonic() >= next_beat:  # the client and the peers tell a lost executor by its silence
-            beats, next_beat = beats + 1, time.monotonic() + _BEAT_SECONDS
+        now = time.monotonic()
+        if now >= next_beat:  # the client and the peers tell a lost executor by its silence
+            beats, next_beat = beats + 1, now + every
             rd.write_control(rd.node_marker(attempt, node, "beat"), f"{beats}\n".encode())
-        if stop_deadline is None:
+        if stop_deadline is None and now >= next_check:
+            next_check = now + _CHECK_SECONDS
             reason = None
             if rd.read_control(rd.spark_cancel_file(attempt)) is not None:
                 reason = NodeState.CANCELLED
@@ -373,7 +401,7 @@ def _watch(agent: subprocess.Popen, rd: RunDir, launch: NodeLaunch, node: int) -
                 state = reason
                 agent.send_signal(signal.SIGTERM)  # the agent forwards it to the ranks
                 stop_deadline = time.monotonic() + launch.shutdown_grace + 5
-        elif time.monotonic() > stop_deadline:
+        elif stop_deadline is not None and now > stop_deadline:
             agent.kill()  # the ranks follow through PR_SET_PDEATHSIG
         time.sleep(_POLL_SECONDS)
     if state is NodeState.RUNNING:

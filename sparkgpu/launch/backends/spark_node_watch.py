@@ -3,9 +3,10 @@
 A node is lost when it started and then fell silent (no heartbeat for ``node_timeout``, no
 end marker), or when Spark names its executor lost. The others are then stopped through the
 cancel marker (and the Spark job's tag), and the attempt's
-:class:`~sparkgpu.launch.attempt_report.AttemptReport` says, per node, how it ended. These are
-:class:`~sparkgpu.launch.backends.spark.SparkBackend`'s methods, kept apart from its
-session and submit logic.
+:class:`~sparkgpu.launch.attempt_report.AttemptReport` says, per node, how it ended. A
+:class:`~sparkgpu.launch.backends.spark.SparkBackend` holds one :class:`NodeWatch`, kept apart from its
+session and submit logic: an object of its own, which reaches its backend through the
+:class:`WatchOwner` interface only.
 """
 
 from __future__ import annotations
@@ -13,39 +14,49 @@ from __future__ import annotations
 import json
 import re
 import time
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Protocol, TextIO
 
 from sparkgpu._report import report
 from sparkgpu.launch.attempt_report import AttemptReport, NodeReport
-from sparkgpu.launch.protocol import NodeState
+from sparkgpu.launch.backends.spark_attempt import SparkAttempt, sync_now
 from sparkgpu.launch.backends.spark_node import Heartbeat
+from sparkgpu.protocol import NodeState
 from sparkgpu.launch.run_dir import RunDir
 
-if TYPE_CHECKING:
-    from sparkgpu.launch.backends.spark import SparkAttempt
-
-__all__ = ["NodeWatch", "end_markers"]
+__all__ = ["NodeWatch", "WatchOwner", "end_markers"]
 
 #: How Spark names the executor it lost in a failed job's message.
 _LOST_EXECUTOR = re.compile(r"ExecutorLostFailure \(executor (\S+?)[ )]|[Ee]xecutor (?:id )?(\S+?) (?:lost|exited)")
 
 
+class WatchOwner(Protocol):
+    """What a :class:`NodeWatch` needs of the backend that holds it (read when used: a test
+    or a setting may change them after the watch was made)."""
+
+    #: Seconds of silence after which a started node without an end marker is lost.
+    node_timeout: float
+    #: Seconds past the shutdown grace that a failed attempt waits for its nodes' end markers.
+    node_stop_margin: float
+
+    @property
+    def stream(self) -> TextIO:
+        """Where notices for the user go."""
+        ...
+
+    def interrupt(self, tag: str) -> None:
+        """Interrupts the Spark job run under ``tag``."""
+        ...
+
+
 class NodeWatch:
-    """The lost-node and report half of :class:`~sparkgpu.launch.backends.spark.SparkBackend`
-    (it provides ``spark``, ``node_timeout``, ``node_stop_margin``, ``_stream`` and ``_sync_now``)."""
+    """Follows an attempt's nodes for a backend: names the lost, stops the others, writes the report.
 
-    if TYPE_CHECKING:  # what SparkBackend provides, as this half uses it
-        node_timeout: float
-        node_stop_margin: float
+    Args:
+        owner: The backend, through :class:`WatchOwner`.
+    """
 
-        @property
-        def spark(self) -> Any: ...
-
-        @property
-        def _stream(self) -> TextIO: ...
-
-        @staticmethod
-        def _sync_now(handle: SparkAttempt) -> None: ...
+    def __init__(self, owner: WatchOwner):
+        self.owner = owner
 
     @staticmethod
     def _report_of(handle: SparkAttempt) -> AttemptReport:
@@ -54,7 +65,7 @@ class NodeWatch:
         return handle.report
 
     # -- lost nodes ---------------------------------------------------------------------
-    def _find_lost(self, handle: SparkAttempt, named: tuple[str, ...] = ()) -> bool:
+    def find_lost(self, handle: SparkAttempt, named: tuple[str, ...] = ()) -> bool:
         """Counts started nodes lost that stopped beating for ``node_timeout`` without an end marker,
         or whose executor Spark names in ``named``; ``True`` when a node is newly lost.
 
@@ -90,26 +101,30 @@ class NodeWatch:
             )
             found = True
         if found:
-            self._write_report(handle)
+            self.write_report(handle)
         return found
 
     def _beat_of(self, handle: SparkAttempt, node: int) -> Heartbeat:
         beat = handle.beats.get(node)
         if beat is None:
             marker = handle.run_dir.node_marker(handle.attempt, node, "beat")
-            beat = handle.beats[node] = Heartbeat(handle.run_dir, marker, self.node_timeout, seen_first=True)
+            # With a staging store, silence counts only while the store answers: a stall loses nobody.
+            clock = handle.mirror.clock if handle.mirror is not None else time.monotonic
+            beat = handle.beats[node] = Heartbeat(
+                handle.run_dir, marker, self.owner.node_timeout, seen_first=True, clock=clock
+            )
         return beat
 
-    def _stop_for_lost(self, handle: SparkAttempt) -> None:
+    def stop_for_lost(self, handle: SparkAttempt) -> None:
         """A node is lost while the Spark job runs: stop the others' ranks and end the job now."""
         message = self._report_of(handle).lost_message()
-        report(f"{message}; stopping the ranks of the other nodes", self._stream)
+        report(f"{message}; stopping the ranks of the other nodes", self.owner.stream)
         handle.run_dir.write_control(handle.run_dir.spark_cancel_file(handle.attempt), f"{message}\n".encode())
-        self._sync_now(handle)
+        sync_now(handle)
         try:
-            self.spark.interruptTag(handle.tag)  # Spark may wait for the lost executor's slots otherwise
+            self.owner.interrupt(handle.tag)  # Spark may wait for the lost executor's slots otherwise
         except Exception as exc:  # the session may be gone with the executor's host: the nodes stop on the marker
-            self._note(handle, f"could not interrupt the Spark job ({type(exc).__name__}: {exc})")
+            self.note(handle, f"could not interrupt the Spark job ({type(exc).__name__}: {exc})")
 
     def _read_node_infos(self, handle: SparkAttempt) -> None:
         for node, marker in handle.run_dir.node_markers(handle.attempt, "started").items():
@@ -124,7 +139,7 @@ class NodeWatch:
         per_node = handle.layout.ranks_per_node
         return list(range(node * per_node, (node + 1) * per_node))
 
-    def _stop_outliving_nodes(self, handle: SparkAttempt) -> None:
+    def stop_outliving_nodes(self, handle: SparkAttempt) -> None:
         """Stops the ranks of a failed Spark job and waits (bounded) until the nodes say they stopped.
 
         The Connect stream can break while the barrier tasks run on: without this, a restart
@@ -133,30 +148,30 @@ class NodeWatch:
         """
         rd, attempt = handle.run_dir, handle.attempt
         rd.write_control(rd.spark_cancel_file(attempt), b"the Spark job of this attempt failed\n")
-        self._sync_now(handle)
+        sync_now(handle)
         try:
-            self.spark.interruptTag(handle.tag)
+            self.owner.interrupt(handle.tag)
         except Exception as exc:  # the broken stream may have taken the session with it
-            self._note(
+            self.note(
                 handle,
                 f"could not interrupt the Spark job ({type(exc).__name__}: {exc}); the nodes "
                 "stop their ranks on the cancel marker",
             )
         named = tuple(name for found in _LOST_EXECUTOR.findall(str(handle.error or "")) for name in found if name)
-        limit = handle.job.policy.shutdown_grace + self.node_stop_margin
+        limit = handle.job.policy.shutdown_grace + self.owner.node_stop_margin
         deadline = time.monotonic() + limit
         running = rd.nodes_without_end(attempt)
         while running and time.monotonic() < deadline:
             time.sleep(0.2)
-            self._sync_now(handle)  # with a store, the end markers arrive by pulls
-            self._find_lost(handle, named)
+            sync_now(handle)  # with a store, the end markers arrive by pulls
+            self.find_lost(handle, named)
             lost = {n.node for n in self._report_of(handle).lost}
             # A silent node is not waited for: lost, or its task was killed by Spark with its ranks.
             running = [
                 n for n in rd.nodes_without_end(attempt) if n not in lost and not self._beat_of(handle, n).lost()
             ]
         if running:
-            self._note(
+            self.note(
                 handle,
                 f"node(s) {', '.join(map(str, running))} did not confirm within {limit:g}s that "
                 "their ranks stopped (their executor may be lost); any rank left stops when it "
@@ -164,12 +179,12 @@ class NodeWatch:
             )
 
     # -- the attempt's report -----------------------------------------------------------
-    def _note(self, handle: SparkAttempt, message: str) -> None:
+    def note(self, handle: SparkAttempt, message: str) -> None:
         """A sentence for the user about the attempt, kept in its report."""
         self._report_of(handle).notes.append(message)
-        self._write_report(handle)
+        self.write_report(handle)
 
-    def _write_report(self, handle: SparkAttempt, rows: list[dict] | None = None) -> None:
+    def write_report(self, handle: SparkAttempt, rows: list[dict] | None = None) -> None:
         """Writes the report; with the node tasks' ``rows`` (or their end markers) it is the final one."""
         attempt_report = self._report_of(handle)
         if rows is not None:

@@ -1,0 +1,544 @@
+"""Control-plane cost of a Spark job: store requests per node-hour, client load, time to name a lost node.
+
+N node agents run through the code a real Spark job's nodes run
+(:func:`sparkgpu.launch.backends.spark_node._watch` beside a
+:class:`~sparkgpu.launch.staging.NodeMirror`), and one client through the code the supervisor
+drives (:meth:`SparkBackend.poll <sparkgpu.launch.backends.spark.SparkBackend.poll>` with its
+heartbeat thread and :class:`~sparkgpu.launch.staging.ClientMirror`). Only the agent is a
+stand-in: its ranks are simulated inside it (no torch), each printing one line per second into
+its log file, so 64 nodes of 8 ranks fit on a 2-core machine. There is no Spark: a "killed" node
+is one whose agent, watch loop and mirror stop at once, without an end marker (its executor is
+gone).
+
+Two run-dir transports, as a job has them:
+
+* ``s3``: a staging store on a moto S3 server in its own process on loopback. The server counts
+  each request by kind (LIST, GET, PUT, HEAD, other), by side (client or node, told apart by the
+  access key each side signs with) and by what it carries (``log``: rank and agent logs and
+  tracking records; ``control``: everything else), and the bytes of every PUT.
+* ``shared``: one folder that client and nodes share (as an NFS mount). File opens and folder
+  listings are counted with an audit hook, by the thread that made them (the nodes' threads are
+  named ``sim-node-*``); ``stat`` calls raise no audit event and are not counted.
+
+Per node count it reports: requests per node-hour by kind (nodes' requests only; the client's
+apart, per second), PUT bytes per byte of log the ranks wrote, the seconds from killing the last
+node to the client naming it lost, and (``--stall``) whether a store that stops answering for
+that many seconds makes the client or a node declare a healthy node lost.
+
+The ``before`` design is the code of a base commit (``--base``, by default the commit before
+the control-plane change), extracted with ``git archive`` and run in the same invocation as the
+current code (``after``), so the ratios are taken on one machine, one load.
+
+Usage::
+
+    python benchmarks/bench_control_plane.py                      # 2 and 8 nodes, 60 s, both designs
+    python benchmarks/bench_control_plane.py --nodes 2,8,64 --seconds 120 --stall 60
+    python benchmarks/bench_control_plane.py --nodes 2 --seconds 20 --out /tmp/cp.json   # quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+NODE_KEY, CLIENT_KEY, SECRET = "sim-node", "sim-client", "sim-secret"
+LINE = b"step %08d loss 0.123456 lr 3.0e-04 tokens/s 123456.7 grad_norm 0.98765 mem 71.2GiB pad........\n"
+
+
+# -- the counting S3 server (its own process) ----------------------------------------------
+
+
+def _serve() -> None:
+    """Runs moto behind a counting, stallable WSGI layer; prints its port, serves until killed."""
+    import logging
+    from collections import Counter
+
+    from moto.server import DomainDispatcherApplication, create_backend_app
+    from werkzeug.serving import make_server
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    app = DomainDispatcherApplication(create_backend_app)
+    counts: Counter = Counter()
+    lock = threading.Lock()
+    stalled_until = [0.0]
+
+    def counting(environ, start_response):
+        path = environ.get("PATH_INFO", "")
+        if path.startswith("/__sim/"):
+            if path == "/__sim/stall":
+                stalled_until[0] = time.monotonic() + float(environ.get("QUERY_STRING", "0") or 0)
+                body = b"{}"
+            else:
+                with lock:
+                    body = json.dumps({"|".join(k): v for k, v in counts.items()}).encode()
+            start_response("200 OK", [("Content-Type", "application/json")])
+            return [body]
+        while time.monotonic() < stalled_until[0]:  # a stalled store: answers nothing for a while
+            time.sleep(0.05)
+        auth = environ.get("HTTP_AUTHORIZATION", "")
+        side = "client" if CLIENT_KEY in auth else "node" if NODE_KEY in auth else "other"
+        method, query = environ["REQUEST_METHOD"], environ.get("QUERY_STRING", "")
+        key = path.split("/", 2)[2] if path.count("/") >= 2 else ""
+        if method == "GET" and (not key or "list-type" in query or "prefix=" in query):
+            kind = "LIST"
+        else:
+            kind = method if method in ("GET", "PUT", "HEAD") else "other"
+        prefix = next((p[7:] for p in query.split("&") if p.startswith("prefix=")), "")
+        name = key or prefix
+        what = "log" if (".log" in name or ".jsonl" in name or "/logs/" in name) else "control"
+        size = int(environ.get("CONTENT_LENGTH") or 0) if method == "PUT" else 0
+        with lock:
+            counts[(side, kind, what)] += 1
+            counts[(side, "PUT_BYTES", what)] += size
+        return app(environ, start_response)
+
+    server = make_server("127.0.0.1", 0, counting, threaded=True)
+    print(server.server_port, flush=True)
+    server.serve_forever()
+
+
+class _Server:
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve"], stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        self.endpoint = f"http://127.0.0.1:{int(self.proc.stdout.readline())}"
+
+    def _get(self, path: str) -> bytes:
+        import urllib.request
+
+        with urllib.request.urlopen(self.endpoint + path, timeout=30) as r:
+            return r.read()
+
+    def counts(self) -> dict:
+        return json.loads(self._get("/__sim/counts"))
+
+    def stall(self, seconds: float) -> None:
+        self._get(f"/__sim/stall?{seconds}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait()
+
+
+# -- shared-folder counting ----------------------------------------------------------------
+
+
+class _FileOps:
+    """Counts opens and listings under one folder, by side, through an audit hook (never removed)."""
+
+    def __init__(self, root: Path):
+        from collections import Counter
+
+        self.root, self.counts = str(root), Counter()
+        sys.addaudithook(self._hook)
+
+    def _hook(self, event: str, args) -> None:
+        if event not in ("open", "os.listdir", "os.scandir") or not args:
+            return
+        path = args[0]
+        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path).startswith(self.root):
+            return
+        side = "node" if threading.current_thread().name.startswith("sim-node") else "client"
+        self.counts[f"{side}|{'open' if event == 'open' else 'listdir'}|control"] += 1
+
+    def snapshot(self) -> dict:
+        return dict(self.counts)
+
+
+# -- stand-in ranks ----------------------------------------------------------------------------
+
+
+class _Killed(BaseException):
+    """Raised into a node's watch loop: its executor is gone (no end marker, nothing more)."""
+
+
+class _Agent:
+    """Looks like the node's agent process to the watch loop; its ranks print a line a second."""
+
+    pid = 0
+
+    def __init__(self, rd, attempt: int, ranks: list[int], counter: list[int]):
+        self.rd, self.attempt, self.ranks, self.counter = rd, attempt, ranks, counter
+        self.code: int | None = None
+        self.killed = False
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._ranks, daemon=True, name=f"sim-node-ranks-{ranks[0]}")
+        self.thread.start()
+
+    def _ranks(self) -> None:
+        files = {r: open(self.rd.log_file(self.attempt, r), "ab") for r in self.ranks}  # noqa: SIM115
+        step = 0
+        try:
+            while not self.stop.wait(1.0):
+                step += 1
+                for f in files.values():
+                    f.write(LINE % step)
+                    f.flush()
+                self.counter[0] += len(LINE) * len(files)
+        finally:
+            for f in files.values():
+                f.close()
+
+    def poll(self):
+        if self.killed:
+            raise _Killed
+        return self.code
+
+    def send_signal(self, sig) -> None:
+        self.stop.set()
+        self.code = -int(sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def end(self) -> None:
+        self.stop.set()
+        self.code = 0 if self.code is None else self.code
+
+
+# -- one run -------------------------------------------------------------------------------
+
+
+def _compat():
+    """The pieces of the package this run drives (they moved between the designs)."""
+    from sparkgpu.launch.backends import spark_node
+
+    return spark_node
+
+
+def _child(args) -> dict:
+    import boto3
+
+    from sparkgpu.launch.backends.spark import SparkAttempt, SparkBackend
+    from sparkgpu.launch.backends.spark_capacity import NodeLayout
+    from sparkgpu.launch.run_dir import RunDir
+    from sparkgpu.launch.staging import ClientMirror, NodeMirror, StagingStore
+    from sparkgpu.spec import JobSpec, Resources
+
+    spark_node = _compat()
+    nodes, per_node, attempt = args.nodes, args.ranks_per_node, 1
+    work = Path(tempfile.mkdtemp(prefix="bench-cp-"))
+    key = os.urandom(32)
+    job_id = f"bench-{uuid.uuid4().hex[:8]}"
+    server = ops = None
+    store_url = None
+    client_options = node_options = None
+    if args.mode == "s3":
+        server = _Server()
+        os.environ.update(
+            AWS_ENDPOINT_URL=server.endpoint, AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true"
+        )
+        bucket = f"b-{uuid.uuid4().hex[:10]}"
+        boto3.client("s3", aws_access_key_id="setup", aws_secret_access_key=SECRET).create_bucket(Bucket=bucket)
+        store_url = f"s3://{bucket}/runs"
+        client_options = {"key": CLIENT_KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": server.endpoint}}
+        node_options = {"key": NODE_KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": server.endpoint}}
+    else:
+        ops = _FileOps(work)
+
+    rd = RunDir(work / "client" / job_id, key)
+    rd.prepare_attempt(attempt)
+    rd.spark_dir(attempt).mkdir(parents=True, exist_ok=True)
+
+    class _Spark:
+        def interruptTag(self, tag):  # noqa: N802 - pyspark's name
+            return None
+
+    backend = SparkBackend(spark=_Spark(), staging_url=store_url or "", node_timeout=args.node_timeout, out=sys.stderr)
+    job = JobSpec(job_id=job_id, name="bench", resources=Resources(gpus=nodes * per_node, gpu_type="cpu"))
+    mirror = ClientMirror(rd, StagingStore(store_url, job_id, client_options)) if store_url else None
+    handle = SparkAttempt(
+        attempt=attempt,
+        job=job,
+        run_dir=rd,
+        layout=NodeLayout(nodes, per_node, 0),
+        tag="bench",
+        submitted_at=time.monotonic(),
+        submitted_wall=time.time(),
+        mirror=mirror,
+    )
+    backend._beat(handle)
+    if mirror is not None:
+        mirror.sync(attempt)
+        mirror.start(attempt, backend.sync_interval)
+    threading.Thread(target=backend._heartbeat, args=(handle,), daemon=True, name="client-heartbeat").start()
+
+    agents: list[_Agent] = []
+    ends: dict[int, str] = {}
+    log_bytes = [0]
+    node_mirrors: dict[int, NodeMirror] = {}
+
+    def run_one(node: int) -> None:
+        nrd = RunDir(work / "nodes" / str(node) / job_id, key) if store_url else rd
+        nrd.prepare_attempt(attempt)
+        info = {"node": node, "executor": str(node), "host": "sim", "started_at": time.time()}
+        node_mirror = None
+        if store_url:
+            node_mirror = NodeMirror(StagingStore(store_url, job_id, node_options), nrd, attempt, node)
+            node_mirrors[node] = node_mirror
+        spark_node._claim(nrd.node_marker(attempt, node, "started"), info)
+        if node_mirror is not None:
+            node_mirror.start()
+        launch = spark_node.NodeLaunch(
+            run_dir=str(nrd.path),
+            attempt=attempt,
+            nnodes=nodes,
+            nproc=per_node,
+            env={},
+            key=key,
+            shutdown_grace=2.0,
+            client_timeout=120.0,
+            store_url=store_url,
+            peer_timeout=args.node_timeout,
+        )
+        agent = agents[node]
+        clock = {}
+        if node_mirror is not None and hasattr(node_mirror, "clock"):  # the design with a store clock
+            clock = {"clock": node_mirror.clock}
+        try:
+            _, state = spark_node._watch(agent, nrd, launch, node, **clock)
+            ends[node] = state.value
+        except _Killed:
+            ends[node] = "killed"
+            if node_mirror is not None and node_mirror._loop is not None:
+                node_mirror._loop.stop()
+            return
+        if node_mirror is not None:
+            node_mirror.finish()
+
+    for node in range(nodes):
+        nrd_path = (work / "nodes" / str(node) / job_id) if store_url else rd.path
+        nrd = RunDir(nrd_path, key)
+        nrd.prepare_attempt(attempt)
+        agents.append(_Agent(nrd, attempt, list(range(node * per_node, (node + 1) * per_node)), log_bytes))
+    threads = [threading.Thread(target=run_one, args=(n,), daemon=True, name=f"sim-node-{n}") for n in range(nodes)]
+    for t in threads:
+        t.start()
+
+    def counts() -> dict:
+        return server.counts() if server is not None else ops.snapshot()  # type: ignore[union-attr]
+
+    def poll_for(seconds: float, until=None) -> float | None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            backend.poll(handle)
+            if until is not None and until():
+                return time.monotonic()
+            time.sleep(0.1)
+        return None
+
+    poll_for(args.warmup)
+    if args.phase == "stall":
+        assert server is not None, "a stall needs the S3 server"
+        server.stall(args.stall)
+        poll_for(args.stall + 3 * args.node_timeout)
+        result = {
+            "nodes": nodes,
+            "mode": args.mode,
+            "stall_s": args.stall,
+            "client_named_lost": [n.node for n in handle.report.lost],
+            "nodes_stopped_for_a_lost_peer_or_client": sorted(
+                n for n, s in ends.items() if s in ("peer-lost", "client-lost")
+            ),
+        }
+        result["false_losses"] = len(result["client_named_lost"]) + len(
+            result["nodes_stopped_for_a_lost_peer_or_client"]
+        )
+        _stop(agents, threads, handle, mirror, server, attempt)
+        return result
+    cpu0, wall0, first, bytes0 = time.process_time(), time.monotonic(), counts(), log_bytes[0]
+    poll_for(args.seconds)
+    cpu1, wall1, last, bytes1 = time.process_time(), time.monotonic(), counts(), log_bytes[0]
+    window = wall1 - wall0
+    delta = {k: v - first.get(k, 0) for k, v in last.items()}
+    lost_early = [n.node for n in handle.report.lost]
+
+    victim = nodes - 1
+    killed_at = time.monotonic()
+    agents[victim].killed = True
+    agents[victim].stop.set()
+    named_at = poll_for(60.0, until=lambda: any(n.node == victim for n in handle.report.lost))
+    if lost_early:
+        named_at = None  # the client had stopped the job already: no measure of a real loss
+    final = _stop(agents, threads, handle, mirror, server, attempt)
+
+    node_hours = nodes * window / 3600.0
+    per_node_hour: dict[str, dict[str, float]] = {}
+    client: dict[str, float] = {}
+    for k, v in delta.items():
+        side, kind, what = k.split("|")
+        if kind == "PUT_BYTES":
+            continue
+        if side == "node":
+            per_node_hour.setdefault(what, {})[kind] = round(v / node_hours, 1)
+        elif side == "client":
+            client[f"{kind}_{what}"] = round(v / window, 2)
+    control = sum(per_node_hour.get("control", {}).values())
+    logs = sum(per_node_hour.get("log", {}).values())
+    log_put = final.get("node|PUT_BYTES|log", 0)  # the whole run, last push included
+    return {
+        "nodes": nodes,
+        "ranks_per_node": per_node,
+        "mode": args.mode,
+        "window_s": round(window, 1),
+        "node_requests_per_node_hour": per_node_hour,
+        "control_per_node_hour": round(control, 1),
+        "all_per_node_hour": round(control + logs, 1),
+        "client_requests_per_s": client,
+        "client_requests_per_s_total": round(sum(client.values()), 2),
+        "log_bytes_written": bytes1 - bytes0,
+        "put_bytes_per_log_byte": round(log_put / max(1, log_bytes[0]), 3) if server is not None else None,
+        "process_cpu_share": round((cpu1 - cpu0) / window, 2),
+        "false_losses_during_window": lost_early,
+        "seconds_to_name_killed_node": None if named_at is None else round(named_at - killed_at, 1),
+        "node_ends": {str(k): v for k, v in sorted(ends.items())},
+    }
+
+
+def _stop(agents, threads, handle, mirror, server, attempt) -> dict:
+    for agent in agents:
+        agent.end()
+    for t in threads:
+        t.join(60)
+    handle.finished.set()
+    if mirror is not None:
+        mirror.finish(attempt)
+    final = server.counts() if server is not None else {}
+    if server is not None:
+        server.stop()
+    return final
+
+
+# -- the driver ----------------------------------------------------------------------------
+
+
+def _design_root(design: str, base: str, scratch: Path) -> Path:
+    if design == "after":
+        return ROOT
+    target = scratch / f"base-{base}"
+    if not target.exists():
+        target.mkdir(parents=True)
+        archive = subprocess.run(["git", "archive", base, "sparkgpu"], cwd=ROOT, check=True, capture_output=True)
+        subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
+    return target
+
+
+def _table(runs: list[dict], stalls: list[dict]) -> dict:
+    """``"<mode>, <n> nodes"`` -> design -> the figures the docs quote (and before/after ratios)."""
+    table: dict[str, dict] = {}
+    for run in runs:
+        row = table.setdefault(f"{run['mode']}, {run['nodes']} nodes", {})
+        row[run["design"]] = {
+            "control_per_node_hour": run["control_per_node_hour"],
+            "all_per_node_hour": run["all_per_node_hour"],
+            "client_requests_per_s": run["client_requests_per_s_total"],
+            "put_bytes_per_log_byte": run["put_bytes_per_log_byte"],
+            "seconds_to_name_killed_node": run["seconds_to_name_killed_node"],
+            "false_losses_during_window": len(run["false_losses_during_window"]),
+        }
+    for stall in stalls:
+        row = table.setdefault(f"{stall['mode']}, {stall['nodes']} nodes", {})
+        row.setdefault(stall["design"], {})["false_losses_in_stall"] = stall["false_losses"]
+    for row in table.values():
+        before, after = row.get("before", {}), row.get("after", {})
+        if before.get("all_per_node_hour") and after.get("all_per_node_hour"):
+            row["all_requests_before_over_after"] = round(before["all_per_node_hour"] / after["all_per_node_hour"], 1)
+            row["control_before_over_after"] = round(
+                before["control_per_node_hour"] / max(after["control_per_node_hour"], 1e-9), 1
+            )
+    return table
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nodes", default="2,8", help="node counts, comma-separated")
+    p.add_argument("--ranks-per-node", type=int, default=8)
+    p.add_argument("--seconds", type=float, default=60.0, help="the counted window")
+    p.add_argument("--warmup", type=float, default=5.0)
+    p.add_argument("--node-timeout", type=float, default=10.0)
+    p.add_argument(
+        "--stall", type=float, default=0.0, help="a run whose store stalls this long (s3, the first node count)"
+    )
+    p.add_argument("--modes", default="s3,shared")
+    p.add_argument("--designs", default="before,after")
+    p.add_argument("--base", default="8867c37", help="the commit whose code is the 'before' design")
+    p.add_argument("--out", default=str(HERE / "results" / "control_plane.json"))
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--mode", default="s3", help=argparse.SUPPRESS)
+    p.add_argument("--phase", default="steady", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.serve:
+        _serve()
+        return
+    if args.child:
+        args.nodes = int(args.nodes)
+        print(json.dumps(_child(args)))
+        return
+
+    sys.path.insert(0, str(HERE))
+    from common import load_seen, machine, method
+
+    facts = machine()
+    scratch = Path(tempfile.mkdtemp(prefix="bench-cp-designs-"))
+    runs, stalls = [], []
+    phases = [("s3", "steady"), ("shared", "steady"), ("s3", "stall")]
+    counts = [int(n) for n in args.nodes.split(",")]
+    for nodes in counts:
+        for mode, phase in phases:
+            if mode not in args.modes.split(",") or (phase == "stall" and (not args.stall or nodes != counts[0])):
+                continue  # the stall runs at the first node count only: it is a minute and a half per design
+            for design in args.designs.split(","):  # the two designs back to back, same load
+                root = _design_root(design, args.base, scratch)
+                env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{HERE}"}
+                command = [sys.executable, __file__, "--child", "--mode", mode, "--nodes", str(nodes)]
+                command += ["--phase", phase]
+                for flag in ("ranks_per_node", "seconds", "warmup", "node_timeout", "stall"):
+                    command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+                print(f"{design} {mode} {phase} {nodes} nodes ...", file=sys.stderr, flush=True)
+                done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=str(scratch))
+                if done.returncode != 0:
+                    print(done.stderr[-4000:], file=sys.stderr)
+                    raise SystemExit(f"the {design} run at {nodes} nodes ({mode}, {phase}) failed")
+                result = {"design": design, **json.loads(done.stdout.strip().splitlines()[-1])}
+                print(json.dumps(result), file=sys.stderr)
+                (stalls if phase == "stall" else runs).append(result)
+    out = {
+        "benchmark": "control_plane",
+        "machine": load_seen(facts),
+        "method": method(
+            "store requests counted at the S3 server (or file opens and listings in a shared folder) during "
+            f"a {args.seconds:g}s window of steady running, after {args.warmup:g}s of start",
+            startup="excluded (the warm-up window)",
+            repeats=1,
+            statistic="one window per design, node count and transport",
+            designs={"before": f"the package at commit {args.base}", "after": "the package of this commit"},
+            ranks="stand-ins inside each node's agent, one log line per rank per second",
+            same_run="both designs run one after the other in one invocation, on the same machine",
+            node_timeout_s=args.node_timeout,
+            not_counted="stat calls in the shared folder; the client's own CPU apart from the nodes' threads",
+        ),
+        "runs": runs,
+        "stalls": stalls,
+        "table": _table(runs, stalls),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        main()
