@@ -193,6 +193,22 @@ static int get_index_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize,
     return 0;
 }
 
+/* Every item's source id and row lie inside its source; else an IndexError naming the item. */
+static int check_rows(const int64_t *r, const int32_t *sid, Py_ssize_t n, Py_ssize_t row_bytes, const Sources *src) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t s = sid ? sid[i] : 0;
+        if (s < 0 || s >= src->count) {
+            PyErr_Format(PyExc_IndexError, "source id %d of item %zd is out of range", s, i);
+            return -1;
+        }
+        if (r[i] < 0 || (r[i] + 1) * row_bytes > src->lens[s]) {
+            PyErr_Format(PyExc_IndexError, "row %lld of item %zd is outside its source", (long long)r[i], i);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 static PyObject *gather_rows(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"dst", "sources", "source_ids", "rows", "row_bytes", "threads", NULL};
     PyObject *dst_obj, *sources_obj, *ids_obj, *rows_obj;
@@ -220,18 +236,7 @@ static PyObject *gather_rows(PyObject *self, PyObject *args, PyObject *kwargs) {
     }
     const int64_t *r = (const int64_t *)rows.buf;
     const int32_t *sid = have_ids ? (const int32_t *)ids.buf : NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int32_t s = sid ? sid[i] : 0;
-        if (s < 0 || s >= src.count) {
-            PyErr_Format(PyExc_IndexError, "source id %d of item %zd is out of range", s, i);
-            goto done_all;
-        }
-        if (r[i] < 0 || (r[i] + 1) * row_bytes > src.lens[s]) {
-            PyErr_Format(PyExc_IndexError, "row %lld of item %zd is outside its source",
-                         (long long)r[i], i);
-            goto done_all;
-        }
-    }
+    if (check_rows(r, sid, n, row_bytes, &src) < 0) goto done_all;
     CopyJob job = {(char *)dst.buf, src.ptrs, sid, r, NULL, NULL, row_bytes, 0, 0, NULL, 0, NULL};
     Py_BEGIN_ALLOW_THREADS
     run_copy(job, n, n * row_bytes, threads);
@@ -364,17 +369,7 @@ static PyObject *gather_fields(PyObject *self, PyObject *args, PyObject *kwargs)
     }
     const int64_t *r = (const int64_t *)rows.buf;
     const int32_t *sid = have_ids ? (const int32_t *)ids.buf : NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int32_t s = sid ? sid[i] : 0;
-        if (s < 0 || s >= src.count) {
-            PyErr_Format(PyExc_IndexError, "source id %d of item %zd is out of range", s, i);
-            goto done_all;
-        }
-        if (r[i] < 0 || (r[i] + 1) * row_bytes > src.lens[s]) {
-            PyErr_Format(PyExc_IndexError, "row %lld of item %zd is outside its source", (long long)r[i], i);
-            goto done_all;
-        }
-    }
+    if (check_rows(r, sid, n, row_bytes, &src) < 0) goto done_all;
     CopyJob job = {NULL, src.ptrs, sid, r, NULL, NULL, row_bytes, 0, 0, fl, nfields, dst_ptrs};
     Py_BEGIN_ALLOW_THREADS
     run_copy(job, n, n * field_bytes, threads);
