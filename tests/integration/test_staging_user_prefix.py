@@ -8,7 +8,7 @@ import pytest
 from sparkgpu.config import reset_settings
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.launch.backends.spark import SparkBackend
-from sparkgpu.launch.payload import serialize_payload
+from sparkgpu.launch.serialization import serialize_payload
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.staging import user_prefix
 from sparkgpu.spec import JobSpec, Resources
