@@ -89,22 +89,32 @@ def test_every_type_reads_back_row_for_row(spark, tmp_path):
     ]
 
 
-def test_fixed_shape_selection_and_compression_through_spark(spark, tmp_path):
+def test_fixed_shape_encoding_and_compression_through_spark_keep_the_other_columns(spark, tmp_path):
     from pyspark.sql import functions as F
 
     df = typed_frame(spark, rows=1000, partitions=2).select("id", "emb", "name", (F.col("id") * 2).alias("x.y"))
     result = data.to_mds(
         df,
         str(tmp_path / "out"),
-        columns={"id": None, "emb": "ndarray:float32:2,2", "x.y": None},
+        columns={"emb": "ndarray:float32:2,2"},  # names one column's encoding; the others keep theirs
         compression="zstd",
         hashes=["sha1"],
         progress=False,
     )
-    assert result.columns == {"id": "int64", "emb": "ndarray:float32:2,2", "x.y": "int64"}
+    assert result.columns == {"id": "int64", "emb": "ndarray:float32:2,2", "name": "str", "x.y": "int64"}
     for i, sample in enumerate(streamed(result.url)):
-        assert sorted(sample) == ["emb", "id", "x.y"] and sample["x.y"] == 2 * i
+        assert sorted(sample) == ["emb", "id", "name", "x.y"] and sample["x.y"] == 2 * i
+        assert sample["name"] == f"user-{i}"
         np.testing.assert_array_equal(sample["emb"], np.arange(i, i + 4, dtype=np.float32).reshape(2, 2))
+
+
+def test_a_list_of_columns_selects_them_through_spark(spark, tmp_path):
+    from pyspark.sql import functions as F
+
+    df = typed_frame(spark, rows=100, partitions=2).select("id", "name", (F.col("id") * 2).alias("x.y"))
+    result = data.to_mds(df, str(tmp_path / "out"), columns=["id", "x.y"], progress=False)
+    assert result.columns == {"id": "int64", "x.y": "int64"}
+    assert [sorted(sample) for sample in streamed(result.url)] == [["id", "x.y"]] * 100
 
 
 def test_unsupported_type_fails_on_the_client_before_any_job(spark, tmp_path):
