@@ -42,7 +42,7 @@ OPTIONAL = {"sparkgpu.env.hydrate": {"fsspec"}}
 KNOWN_VIOLATIONS: set[tuple[str, str]] = set()
 
 # Known import circles, each as the set of its modules (a strongly connected component).
-KNOWN_CYCLES: set[frozenset[str]] = {}
+KNOWN_CYCLES: set[frozenset[str]] = set()
 
 # Known imports of another sub-package's private module, as (importing module, imported module).
 KNOWN_PRIVATE_IMPORTS: set[tuple[str, str]] = set()
