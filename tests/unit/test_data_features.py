@@ -52,15 +52,6 @@ def mixed(tmp_path_factory):
     return str(path)
 
 
-@pytest.fixture(params=[True, False], ids=["native", "numpy"])
-def gather_backend(request):
-    if request.param and not _gather.native_available():
-        pytest.skip("sparkgpu._native is not built")
-    previous = _gather.set_native_enabled(request.param)
-    yield request.param
-    _gather.set_native_enabled(previous)
-
-
 def stacked(batch: dict, names, dtype) -> torch.Tensor:
     return torch.cat([batch[n].reshape(len(batch[n]), -1).to(dtype) for n in names], 1)
 

@@ -21,15 +21,6 @@ def tabular(tmp_path_factory):
     return write_tabular(tmp_path_factory.mktemp("mds") / "tabular", 1003)
 
 
-@pytest.fixture(params=[True, False], ids=["native", "numpy"])
-def gather_backend(request):
-    if request.param and not _gather.native_available():
-        pytest.skip("sparkgpu._native is not built")
-    previous = _gather.set_native_enabled(request.param)
-    yield request.param
-    _gather.set_native_enabled(previous)
-
-
 def test_one_rank_reads_every_sample_once_in_dataset_order(tabular, gather_backend):
     ds = data.dataset(local=tabular, batch_size=64)
     ids = np.concatenate(collect_ids(ds))
