@@ -30,8 +30,6 @@ __all__ = [
 ]
 
 _enabled = _native is not None
-# An extension built before gather_fields existed (an old in-place build): its numpy version.
-_native_fields = hasattr(_native, "gather_fields")
 _THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
@@ -120,7 +118,7 @@ def gather_fields(
     fields = np.ascontiguousarray(fields, dtype=np.int64).reshape(-1, 5)
     if source_ids is not None:
         source_ids = np.ascontiguousarray(source_ids, dtype=np.int32)
-    if _enabled and _native_fields:
+    if _enabled:
         _native.gather_fields(dsts, sources, source_ids, rows, row_bytes, fields, _THREADS)
         return
     n = len(rows)
