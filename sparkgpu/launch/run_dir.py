@@ -24,12 +24,13 @@ import hmac
 import json
 import os
 import pickle
+import time
 from pathlib import Path
 from typing import Any
 
 import cloudpickle
 
-from sparkgpu._files import atomic_write_bytes, atomic_writer
+from sparkgpu._files import atomic_write_bytes, atomic_writer, temporary_name
 from sparkgpu._keyring import derive_key
 from sparkgpu.errors import ConfigurationError, PayloadSignatureError, RankFailure
 from sparkgpu.launch.payload_signature import sign_payload, verifier_source, verify_payload
@@ -71,9 +72,14 @@ class RunDir:
             with it; the client checks them with it (or with the key in its keyring).
     """
 
+    #: Seconds before a run dir without its key looks in the keyring again.
+    KEYRING_RETRY_SECONDS = 30.0
+
     def __init__(self, path: str | os.PathLike, key: bytes | None = None):
         self.path = Path(path)
         self.key = key
+        self._started: dict[int, dict[int, dict]] = {}  # attempt -> node -> its genuine start marker
+        self._keyring_missed_at: float | None = None
 
     def __repr__(self) -> str:  # never shows the key
         return f"RunDir({str(self.path)!r})"
@@ -128,12 +134,18 @@ class RunDir:
         return self.key
 
     def _known_key(self) -> bytes | None:
-        if not self.key:
-            try:
-                return self._keyring_key()
-            except ConfigurationError:
-                return None
-        return self.key
+        """The job key: held, else from the keyring, looked up again at most every
+        ``KEYRING_RETRY_SECONDS`` while it is missing (a poll loop must not read the keyring each time)."""
+        if self.key:
+            return self.key
+        now = time.monotonic()
+        if self._keyring_missed_at is not None and now - self._keyring_missed_at < self.KEYRING_RETRY_SECONDS:
+            return None
+        try:
+            return self._keyring_key()
+        except ConfigurationError:
+            self._keyring_missed_at = now
+            return None
 
     def _place(self, path: Path) -> str:
         return path.relative_to(self.path).as_posix()
@@ -148,6 +160,27 @@ class RunDir:
         if not key:
             raise PayloadSignatureError(f"no job key to sign {self._place(path)} of {self.job_id} with")
         atomic_write_bytes(path, seal(key, self._place(path), body), mode=PRIVATE_FILE)
+
+    def create_control(self, path: Path, body: bytes) -> bool:
+        """Creates a sealed control file that may be written once only (a node's start marker);
+        False when it exists. It never exists half-written: the sealed bytes are linked into place.
+
+        Raises:
+            PayloadSignatureError: this process has no key for the job.
+        """
+        key = self._known_key()
+        if not key:
+            raise PayloadSignatureError(f"no job key to sign {self._place(path)} of {self.job_id} with")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = Path(temporary_name(path))
+        atomic_write_bytes(temporary, seal(key, self._place(path), body), mode=PRIVATE_FILE)
+        try:
+            os.link(temporary, path)
+        except FileExistsError:
+            return False
+        finally:
+            temporary.unlink()
+        return True
 
     def read_control(self, path: Path) -> bytes | None:
         """The body of a control file of this run dir, or ``None`` when it is absent or does not
@@ -217,7 +250,19 @@ class RunDir:
     def nodes_without_end(self, attempt: int) -> list[int]:
         """Spark nodes of the attempt that started and have not written their (genuine) end marker yet."""
         ended = {node for node, path in self.node_markers(attempt, "ended").items() if self.read_control(path)}
-        return sorted(set(self.node_markers(attempt, "started")) - ended)
+        return sorted(set(self.started_nodes(attempt)) - ended)
+
+    def started_nodes(self, attempt: int) -> dict[int, dict]:
+        """The attempt's Spark nodes whose start marker is genuine (sealed under the job key), with
+        what each marker says; a planted marker is no started node. Markers are written once, so
+        each is read until it verifies, then kept."""
+        seen = self._started.setdefault(attempt, {})
+        for node, path in self.node_markers(attempt, "started").items():
+            if node not in seen:
+                info = self.read_control_json(path)
+                if isinstance(info, dict):
+                    seen[node] = info
+        return dict(sorted(seen.items()))
 
     def node_exit_files(self, attempt: int) -> dict[int, Path]:
         """The attempt's node exit files (written by each node's agent), by node."""

@@ -72,7 +72,7 @@ def test_train_all_reduces_across_four_ranks_on_both_workers(cluster_spark, spar
     spark_files = settings().staging_root / cluster_spark.gpu.last_job_id / "attempts" / "0" / "spark"
     ended = [sealed_json(spark_files / f"node-{n}.ended") for n in (0, 1)]
     assert [e["state"] for e in ended] == ["succeeded", "succeeded"]
-    started = [json.loads((spark_files / f"node-{n}.started").read_text()) for n in (0, 1)]
+    started = [sealed_json(spark_files / f"node-{n}.started") for n in (0, 1)]  # sealed, as every node marker
     assert len({s["executor"] for s in started}) == 2  # two executors, on two workers
 
 

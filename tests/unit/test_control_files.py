@@ -67,3 +67,29 @@ def test_every_control_file_the_client_writes_is_sealed(tmp_path):
         rd.write_control(path, b"1\n")
         assert RunDir(rd.path, key=KEY).read_control(path) == b"1\n"
         assert b"--sparkgpu-mac" in path.read_bytes()
+
+
+def test_a_run_dir_without_its_key_looks_in_the_keyring_once_per_interval_not_at_every_poll(tmp_path, monkeypatch):
+    from sparkgpu import _keyring
+    from sparkgpu.errors import ConfigurationError
+
+    _, staged_dir = staged(tmp_path)
+    path = staged_dir.cancel_request_file
+    staged_dir.write_control(path, b"cancelled\n")
+    looked: list[str] = []
+
+    def missing(job_id: str) -> bytes:
+        looked.append(job_id)
+        raise ConfigurationError("no key for this job in this user's keyring")
+
+    monkeypatch.setattr(_keyring, "load_key", missing)
+    clock = [1000.0]
+    monkeypatch.setattr("sparkgpu.launch.run_dir.time.monotonic", lambda: clock[0])
+    observer = RunDir(staged_dir.path)  # a process that did not launch the job: no key held
+    for _ in range(50):  # a poll loop
+        assert observer.read_control(path) is None
+    assert looked == ["job-1"]
+    clock[0] += RunDir.KEYRING_RETRY_SECONDS
+    monkeypatch.setattr(_keyring, "load_key", lambda job_id: looked.append(job_id) or KEY)
+    assert observer.read_control(path) == b"cancelled\n"  # the key came: found at the next look
+    assert looked == ["job-1", "job-1"]

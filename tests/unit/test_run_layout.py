@@ -98,7 +98,7 @@ def test_spark_node_markers_are_read_by_node_and_kind(tmp_path):
     rd = RunDir(tmp_path / "job-1", key=KEY)
     rd.spark_dir(2).mkdir(parents=True)
     for node in (0, 1, 3):
-        rd.node_marker(2, node, "started").write_text("{}")
+        assert rd.create_control(rd.node_marker(2, node, "started"), b"{}")
         rd.write_control(rd.node_marker(2, node, "beat"), b"1\n")
     rd.write_control(rd.node_marker(2, 1, "ended"), b"{}")
     rd.node_marker(2, 3, "ended").write_text("{}")  # not sealed: a writer of the run dir without the key

@@ -55,8 +55,11 @@ def attempt(tmp_path):
 
 
 def start_marker(attempt, node, started_at):
-    path = attempt.run_dir.spark_dir(attempt.attempt) / f"node-{node}.started"
-    path.write_text(json.dumps({"node": node, "started_at": started_at}) if started_at is not None else "")
+    """The node's start marker, sealed under the job key as the node writes it."""
+    rd = attempt.run_dir
+    assert rd.create_control(
+        rd.node_marker(attempt.attempt, node, "started"), json.dumps({"node": node, "started_at": started_at}).encode()
+    )
 
 
 class RunningNode:
@@ -149,10 +152,14 @@ def test_an_executor_clock_off_by_an_hour_neither_bills_the_wait_nor_the_future(
         assert started == attempt.submitted_wall
 
 
-def test_a_start_marker_still_being_written_counts_as_now(attempt):
+def test_a_planted_start_marker_neither_starts_the_bill_nor_the_attempt(attempt):
     backend = SparkBackend(spark=TaggedSession(), client_timeout=None)
     attempt.submitted_wall = time.time() - 100
-    start_marker(attempt, 0, None)  # created, content not written yet
+    planted = attempt.run_dir.node_marker(0, 0, "started")  # by a writer of the run dir without the key
+    planted.write_text(json.dumps({"node": 0, "started_at": attempt.submitted_wall}))
+    assert backend.ranks_started_at(attempt) is None and not attempt.nodes_started
+    planted.unlink()
+    start_marker(attempt, 0, None)  # a genuine marker without a time: this client's clock stands in
     before = time.time()
     assert before <= backend.ranks_started_at(attempt) <= time.time()
 
@@ -167,12 +174,10 @@ def test_the_spark_backend_says_its_ranks_wait_for_gpus():
 
 def lost_node(attempt, node):
     """A node that started and beat once, then vanished with its executor: no more beats, no end marker."""
-    start_marker(attempt, node, time.time())
-    sdir = attempt.run_dir.spark_dir(attempt.attempt)
-    (sdir / f"node-{node}.started").write_text(
-        json.dumps({"node": node, "executor": "7", "host": "10.0.0.7", "started_at": time.time()})
-    )
-    attempt.run_dir.write_control(sdir / f"node-{node}.beat", b"1\n")
+    rd = attempt.run_dir
+    info = {"node": node, "executor": "7", "host": "10.0.0.7", "started_at": time.time()}
+    assert rd.create_control(rd.node_marker(attempt.attempt, node, "started"), json.dumps(info).encode())
+    rd.write_control(rd.node_marker(attempt.attempt, node, "beat"), b"1\n")
 
 
 def test_a_node_stops_its_ranks_when_a_peer_stops_beating(attempt):

@@ -144,11 +144,24 @@ def test_forged_or_replayed_beats_keep_no_lost_node_alive(run_dir, monkeypatch):
         assert not beat.lost() if step < 2 else beat.lost()
 
 
-def test_the_start_marker_is_claimed_once(tmp_path):
-    marker = tmp_path / "spark" / "node-0.started"
-    assert _claim(marker, {"node": 0})
-    assert not _claim(marker, {"node": 0})  # Spark re-running the stage
-    assert json.loads(marker.read_text()) == {"node": 0}
+def test_the_start_marker_is_claimed_once_and_sealed(run_dir):
+    marker = run_dir.node_marker(0, 0, "started")
+    assert _claim(run_dir, marker, {"node": 0, "started_at": 5.0})
+    assert not _claim(run_dir, marker, {"node": 0, "started_at": 6.0})  # Spark re-running the stage
+    assert run_dir.read_control_json(marker) == {"node": 0, "started_at": 5.0}
+    assert [p.name for p in marker.parent.iterdir()] == ["node-0.started"]  # no temporary left
+
+
+def test_a_planted_start_marker_is_no_started_node(run_dir):
+    client = RunDir(run_dir.path, key=b"k" * 32)
+    assert _claim(run_dir, run_dir.node_marker(0, 0, "started"), {"node": 0, "started_at": 5.0})
+    # A writer of the run dir without the key: a node that never ran, and an earlier start to bill from.
+    run_dir.node_marker(0, 1, "started").write_text(json.dumps({"node": 1, "started_at": 1.0}))
+    forged = b'{"node": 2, "started_at": 1.0}\n--sparkgpu-mac ' + b"0" * 64 + b"\n"
+    run_dir.node_marker(0, 2, "started").write_bytes(forged)
+    assert client.started_nodes(0) == {0: {"node": 0, "started_at": 5.0}}
+    assert client.nodes_without_end(0) == [0]  # no peer waits for a planted node's beats
+    assert RunDir(run_dir.path, key=b"x" * 32).started_nodes(0) == {}  # another job's key verifies nothing
 
 
 def test_the_job_key_stays_out_of_the_launch_repr(run_dir):

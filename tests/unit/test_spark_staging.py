@@ -49,7 +49,7 @@ class NodeOnItsOwnExecutor:
         self.rd = RunDir(tmp_path / f"executor-{node}" / "job-1", key=b"k" * 32)  # as the node's check sets it
         self.mirror = NodeMirror(StagingStore(f"{url}/ana", "job-1"), self.rd, 0, node, log_interval=0.0)
         self.mirror.download_payload()
-        assert _claim(self.rd.node_marker(0, node, "started"), {"node": node, "started_at": time.time()})
+        assert _claim(self.rd, self.rd.node_marker(0, node, "started"), {"node": node, "started_at": time.time()})
         self.mirror.start(interval=0.1)
         self.agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
         launch = NodeLaunch(

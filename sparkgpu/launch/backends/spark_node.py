@@ -122,16 +122,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _claim(marker: Path, info: dict) -> bool:
-    """Creates the node's start marker; False if it exists (Spark is re-running the stage)."""
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "w") as f:
-        json.dump(info, f)
-    return True
+def _claim(rd: RunDir, marker: Path, info: dict) -> bool:
+    """Creates the node's start marker, sealed under the job key (the client bills from its time, and
+    a planted one must not pass for a started node); False if it exists (Spark is re-running the stage)."""
+    return rd.create_control(marker, json.dumps(info).encode())
 
 
 def _row(node, identity, devices, pid, code, state: NodeState):
@@ -161,6 +155,7 @@ def run_node(launch: NodeLaunch, batches):
     gpu = ctx.resources().get("gpu")
     devices = tuple(gpu.addresses) if gpu is not None else ()
     rd, mirror, state = _node_run_dir(launch, node)
+    rd.key = launch.key  # the node's markers are sealed under it
     info = {
         "node": node,
         "executor": identity.executor_id,
@@ -172,7 +167,7 @@ def run_node(launch: NodeLaunch, batches):
     }
     if state is None:
         claimed = rd.node_marker(launch.attempt, node, "started")
-        if (mirror is not None and mirror.claimed_before()) or not _claim(claimed, info) or ctx.attemptNumber() > 0:
+        if (mirror is not None and mirror.claimed_before()) or not _claim(rd, claimed, info) or ctx.attemptNumber() > 0:
             # Spark re-ran the stage after a task or executor was lost. Restarts are the
             # supervisor's decision, so this stage reports and ends without training again.
             state = NodeState.SPARK_RETRY

@@ -11,7 +11,6 @@ session and submit logic: an object of its own, which reaches its backend throug
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from typing import Protocol, TextIO
@@ -127,12 +126,8 @@ class NodeWatch:
             self.note(handle, f"could not interrupt the Spark job ({type(exc).__name__}: {exc})")
 
     def _read_node_infos(self, handle: SparkAttempt) -> None:
-        for node, marker in handle.run_dir.node_markers(handle.attempt, "started").items():
-            if node not in handle.node_infos:
-                try:
-                    handle.node_infos[node] = json.loads(marker.read_text())
-                except (OSError, ValueError):
-                    continue  # created before its content is written: read again next time
+        for node, info in handle.run_dir.started_nodes(handle.attempt).items():
+            handle.node_infos.setdefault(node, info)
 
     @staticmethod
     def _ranks_of(handle: SparkAttempt, node: int) -> list[int]:
