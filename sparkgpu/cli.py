@@ -26,6 +26,7 @@ import argparse
 import datetime as _dt
 import importlib
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -35,6 +36,8 @@ from sparkgpu.errors import ConfigurationError, PolicyViolationError, SparkGPUEr
 from sparkgpu.job_options import add_cli_flags, cli_values, key_value
 from sparkgpu.protocol import JobStatus, ListedStatus
 from sparkgpu.launch.run_layout import RunLayout
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["main", "COMMANDS", "build_parser", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_POLICY"]
 
@@ -229,14 +232,15 @@ def list_jobs(staging_root: Path | None = None) -> list[dict]:
     Each has ``job_id``, ``name``, ``status`` (``staged`` when no attempt ever started),
     ``attempts``, ``restarts``, ``preemptions``, ``gpus``, ``gpu_type``, ``backend``, ``tags``,
     ``started_at``, ``ended_at``, ``duration_s``, ``stop_reason``, ``priority`` and
-    ``queue_position`` (its place in this host's GPU queue while ``waiting``, else ``None``).
+    ``queue_position`` (its place in this host's GPU queue, or in its Spark cluster's, while
+    ``waiting``, else ``None``).
     """
     from sparkgpu.config import settings
     from sparkgpu.launch.gpu_lease import waiting_jobs
     from sparkgpu.launch.resume import client_is_gone
 
     root = Path(staging_root or settings().staging_root)
-    waiting = waiting_jobs()
+    waiting: dict[str, tuple[object, int]] = {**waiting_jobs(), **_cluster_waiting_jobs()}
     jobs = []
     for spec_file in root.glob(f"*/{RunLayout.SPEC}"):
         spec = _read_json(spec_file)
@@ -277,6 +281,18 @@ def list_jobs(staging_root: Path | None = None) -> list[dict]:
             }
         )
     return sorted(jobs, key=lambda j: j["created_at"], reverse=True)
+
+
+def _cluster_waiting_jobs() -> dict:
+    """The jobs waiting in the Spark clusters' queues under the staging root; empty when it cannot be read."""
+    from sparkgpu.config import settings
+    from sparkgpu.launch.cluster_queue import cluster_waiting_jobs, queue_root
+
+    try:
+        return cluster_waiting_jobs(queue_root(settings().staging_url))
+    except OSError as exc:  # a store that is down: the list goes on without queue places
+        logger.warning("could not read the Spark clusters' GPU queues: %s", exc)
+        return {}
 
 
 def _format_seconds(seconds: float | None) -> str:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import sys
 import threading
 import time
@@ -48,6 +47,7 @@ from sparkgpu.launch.backends.spark_capacity import (
 from sparkgpu.launch.backends.spark_node import NODE_DDL, NodeLaunch, run_node
 from sparkgpu.launch.backends.spark_attempt import SparkAttempt, sync_now
 from sparkgpu.launch.backends.spark_node_watch import NodeWatch
+from sparkgpu.launch.backends.spark_queue import ClusterSeats
 from sparkgpu.launch.backends.spark_sessions import active as _active
 from sparkgpu.launch.backends.spark_sessions import (
     active_spark_session,
@@ -151,6 +151,8 @@ class SparkBackend(Backend):
         self.last_attempt: SparkAttempt | None = None
         #: Lost nodes, the stop of the others and the attempt's report.
         self.watch = NodeWatch(self)
+        #: The jobs' places in the cluster's GPU queue (priorities, preemption).
+        self.seats = ClusterSeats(self.staging_url, lambda: self.stream)
 
     @property
     def spark(self):
@@ -184,6 +186,26 @@ class SparkBackend(Backend):
         if settings().env_worker_lock:
             return None
         return discover_worker_image(self.spark, self.capacity(), wait_timeout=self.wait_timeout, out=self.stream)
+
+    # -- the cluster's queue: priorities and preemption --------------------------------
+    def await_capacity(self, job: JobSpec, wait: float | None) -> None:
+        """Waits for the job's turn in the cluster's GPU queue (:mod:`sparkgpu.launch.cluster_queue`):
+        by class, then by arrival, and for a critical job, asking best-effort jobs to give way."""
+        if job.resources.is_cpu:
+            return  # CPU ranks take no GPUs: nothing to queue for
+        if self._spark is None and POOL_TAG in job.tags:
+            self.place(job)  # a resumed job queues on its pool's cluster
+        capacity = self.capacity()
+        self.seats.await_turn(job, capacity.master, capacity.total_gpus, self.wait_timeout if wait is None else wait)
+
+    def preemption_request(self, job: JobSpec) -> str | None:
+        return self.seats.request(job)
+
+    def give_way(self, job: JobSpec) -> None:
+        self.seats.give_way(job)
+
+    def end_job(self, job: JobSpec) -> None:
+        self.seats.end(job)
 
     def _layout(self, job: JobSpec, capacity: SparkCapacity | None = None) -> NodeLayout:
         capacity = capacity or self.capacity()
@@ -438,20 +460,23 @@ class SparkBackend(Backend):
         return handle.started_at
 
     def _find_start(self, handle: SparkAttempt) -> None:
-        """Reads the start markers the barrier tasks write as they claim their node."""
-        markers = list(handle.run_dir.node_markers(handle.attempt, "started").values())
-        if not markers:
+        """Reads the start markers the barrier tasks write as they claim their node; only genuine
+        ones (sealed under the job key) count, so a planted marker neither starts the bill nor
+        passes for a started node."""
+        started = handle.run_dir.started_nodes(handle.attempt)
+        if not started:
             return
         seen = time.time()
         times = []
-        for marker in markers:
+        for info in started.values():
             try:
-                times.append(float(json.loads(marker.read_text())["started_at"]))
-            except (OSError, ValueError, KeyError, TypeError):
-                continue  # created before its content is written: this client's clock stands in
+                times.append(float(info["started_at"]))
+            except (KeyError, TypeError, ValueError):
+                continue
         # An executor's clock may be off: never earlier than the submit, never later than seen.
         handle.started_at = min(max(min(times, default=seen), handle.submitted_wall), seen)
         handle.nodes_started = True
+        self.seats.started(handle.job)
 
     def _check_waiting(self, handle: SparkAttempt, now: float) -> None:
         """Says when the nodes wait for GPUs, and gives up after ``wait_timeout``."""
