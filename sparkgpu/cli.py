@@ -257,6 +257,8 @@ def list_jobs(staging_root: Path | None = None) -> list[dict]:
         queued = waiting.get(spec["job_id"])
         if queued is not None and status in (ListedStatus.STAGED, JobStatus.PENDING, JobStatus.RUNNING):
             status = ListedStatus.WAITING.value
+        elif status == JobStatus.RUNNING and attempts and attempts[-1].get("started_at") is None:
+            status = ListedStatus.WAITING.value  # submitted, its ranks wait for GPUs (a busy or shrunk cluster)
         end = ended if ended is not None else (time.time() if status == JobStatus.RUNNING else None)
         jobs.append(
             {

@@ -332,6 +332,7 @@ def distributed(
     checkpoint_grace="60s",
     max_restarts: int = 0,
     priority="normal",
+    capacity_wait=None,
     log_ranks="main",
     name: str | None = None,
     tags: dict[str, str] | None = None,
@@ -373,6 +374,10 @@ def distributed(
             / ``NORMAL`` / ``CRITICAL`` too): waiting jobs get free GPUs by class, then in
             order; a critical job that does not fit asks best-effort jobs to checkpoint and
             stop, and they resume by themselves, using no restart (:mod:`sparkgpu.priority`).
+        capacity_wait: How long a remote attempt may wait for its GPUs (seconds or ``"30m"``):
+            at submit, and after a lost node while the cluster replaces it. ``None``: the
+            job's ``max_runtime`` (7 days for remote jobs), else ``SPARKGPU_SPARK_WAIT_TIMEOUT``.
+            The wait is not billed; ``sparkgpu jobs`` shows the job as ``waiting``.
         log_ranks: Ranks whose output streams to the caller: ``"main"`` (rank 0), ``"all"``,
             ``None`` (none) or a list of ranks. Every rank's output is kept in the run dir.
         name: Job name (the function's name by default).
@@ -413,6 +418,7 @@ def distributed(
         checkpoint_grace=checkpoint_grace,
         max_restarts=max_restarts,
         priority=priority,
+        capacity_wait=capacity_wait,
     )
 
     if isinstance(backend, str):

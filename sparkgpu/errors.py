@@ -297,7 +297,8 @@ class NodeLostError(WorkerFailedError):
         job = f" of job {self.job_id}" if self.job_id else ""
         return (
             f"{self.lost}; the ranks of the other nodes{job} were stopped. Restart from the latest checkpoint "
-            f"with max_restarts= (it waits for capacity up to SPARKGPU_SPARK_WAIT_TIMEOUT).\n" + super()._format()
+            f"with max_restarts= (it waits for capacity up to capacity_wait=, by default the job's max_runtime).\n"
+            + super()._format()
         )
 
 

@@ -90,6 +90,11 @@ JOB_OPTIONS: tuple[JobOption, ...] = (
         "priority class: best_effort, normal or critical (BEST_EFFORT/NORMAL/CRITICAL too); critical jobs go "
         "first and may preempt best_effort ones, which checkpoint and resume by themselves",
     ),
+    JobOption(
+        "capacity_wait",
+        DURATION,
+        "how long a remote attempt may wait for its GPUs, e.g. 2h (default: max_runtime); not billed",
+    ),
     JobOption("tags", MAPPING, "mapping of tags for tracking and cost attribution, e.g. {team: ml}", flag="--tag"),
     JobOption("log_ranks", RANKS, "ranks whose output streams to the caller: main, all, none or a list such as 0,2"),
     JobOption("experiment", TEXT, "MLflow experiment of the job's run (default: named after the script)"),

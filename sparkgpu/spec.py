@@ -153,6 +153,9 @@ class RunPolicy:
         init_timeout: Seconds the process group waits for all ranks to join.
         priority: The job's :class:`~sparkgpu.priority.Priority` class: its place among jobs
             waiting for GPUs, and whether a ``critical`` job may preempt it.
+        capacity_wait: Seconds a remote attempt may wait for its GPUs (at submit, after a lost
+            node, after giving way) before the job fails; ``None``: its ``max_runtime``, else
+            ``SPARKGPU_SPARK_WAIT_TIMEOUT``. Nothing is billed while it waits.
     """
 
     timeout: float | None = None
@@ -162,10 +165,11 @@ class RunPolicy:
     shutdown_grace: float = 10.0
     init_timeout: float = 600.0
     priority: Priority = Priority.NORMAL
+    capacity_wait: float | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "priority", Priority.parse(self.priority))
-        for field in ("timeout", "max_runtime"):
+        for field in ("timeout", "max_runtime", "capacity_wait"):
             object.__setattr__(self, field, parse_duration(getattr(self, field), name=field))
         for field in ("checkpoint_grace", "shutdown_grace", "init_timeout"):
             object.__setattr__(self, field, parse_duration(getattr(self, field), name=field))

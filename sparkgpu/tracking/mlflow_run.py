@@ -383,7 +383,15 @@ class MLflowCallback(JobCallback):
             self._client.log_batch,
             info.run_id,
             metrics=_metrics({"sparkgpu/restarts": restarts, "sparkgpu/resumes": resumes}, step=attempt),
-            tags=_tags({"sparkgpu.attempt": attempt, "sparkgpu.restarts": restarts, "sparkgpu.resumes": resumes}),
+            tags=_tags(
+                {
+                    "sparkgpu.attempt": attempt,
+                    "sparkgpu.restarts": restarts,
+                    "sparkgpu.resumes": resumes,
+                    # Until its ranks start: a remote attempt may wait long for GPUs (unbilled).
+                    f"sparkgpu.attempt.{attempt}.status": "waiting",
+                }
+            ),
         )
         env = {
             # Named relative to the run dir each node's launcher gives its ranks
@@ -401,6 +409,17 @@ class MLflowCallback(JobCallback):
         if devices:
             env[DEVICES_ENV] = ",".join(map(str, devices))
         return env
+
+    def on_ranks_started(self, job, attempt: int, started_at: float) -> None:
+        if self.run_info is None:
+            return
+        self._safely(
+            "record that the attempt's ranks started",
+            self._client.set_tag,
+            self.run_info.run_id,
+            f"sparkgpu.attempt.{attempt}.status",
+            "running",
+        )
 
     def after_attempt(self, job, outcome: AttemptOutcome) -> None:
         if self.run_info is None:

@@ -143,7 +143,7 @@ def test_busy_gpus_make_the_client_wait_then_give_up(cluster_spark, tmp_path, ca
     with every_gpu_held(cluster_spark, release):
         started = time.monotonic()
         with pytest.raises(
-            CapacityError, match=r"gave up after waiting \d+s for 1 node\(s\) x 2 A10.*SPARKGPU_SPARK_WAIT_TIMEOUT"
+            CapacityError, match=r"gave up after waiting \d+s for 1 node\(s\) x 2 A10.*raise capacity_wait= \(now 8s"
         ):
             cluster_spark.gpu.train(hold_until, gpus=2, gpu_type="A10", args=(str(release),), wait_timeout=8)
         assert 8 <= time.monotonic() - started < 60

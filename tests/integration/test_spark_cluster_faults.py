@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from sparkgpu.cli import list_jobs
 from sparkgpu.config import reset_settings, settings
 from sparkgpu.errors import NodeLostError
 from sparkgpu.usage import UsageLedger
@@ -191,8 +192,13 @@ def test_a_killed_executor_stops_the_other_node_and_ends_the_attempt_naming_its_
 
 
 def test_a_lost_worker_is_waited_for_and_the_job_resumes_from_its_checkpoint(
-    fault_cluster, fault_spark, tracked, tmp_path
+    fault_cluster, fault_spark, tracked, tmp_path, monkeypatch
 ):
+    # The replacement takes longer than SPARKGPU_SPARK_WAIT_TIMEOUT (600 s by default, 5 s here
+    # against a 12 s replacement): a job capped by max_runtime (7 days for remote jobs) waits for
+    # it as a state, unbilled, instead of failing.
+    monkeypatch.setenv("SPARKGPU_SPARK_WAIT_TIMEOUT", "5")
+    reset_settings()
     marks = tmp_path / "marks"
     marks.mkdir()
     ledger = UsageLedger(settings().usage_ledger_uri)  # the default callbacks: usage meter and MLflow run
@@ -203,7 +209,6 @@ def test_a_lost_worker_is_waited_for_and_the_job_resumes_from_its_checkpoint(
             gpu_type="A10",
             args=(str(marks), 8),
             max_restarts=1,
-            wait_timeout=240,
             name="worker_lost",
         )
     )
@@ -220,8 +225,12 @@ def test_a_lost_worker_is_waited_for_and_the_job_resumes_from_its_checkpoint(
 
     # Attempt 1 is submitted and waits for the worker's GPUs instead of failing.
     wait_for(lambda: (run_dir / "attempts" / "1" / "spark").is_dir(), 60, "the restart to be submitted")
-    time.sleep(5)
+    time.sleep(12)
     assert thread.is_alive() and not (run_dir / "attempts" / "1" / "spark" / "node-0.started").exists()
+    (listed,) = [j for j in list_jobs() if j["job_id"] == run_dir.name]
+    assert listed["status"] == "waiting"  # sparkgpu jobs says so
+    waiting_run = mlflow_run_of(tracked, run_dir.name)
+    assert waiting_run.data.tags["sparkgpu.attempt.1.status"] == "waiting"  # and so does the MLflow run
     fault_cluster.restart_worker(worker)
     thread.join(240)
     assert not thread.is_alive()
@@ -235,7 +244,7 @@ def test_a_lost_worker_is_waited_for_and_the_job_resumes_from_its_checkpoint(
     assert state["status"] == "succeeded" and (first["status"], second["status"]) == ("failed", "succeeded")
     assert [(n["executor"], n["host"]) for n in first["lost"]] == [(lost["executor"], lost["host"])]
     assert first["ended_at"] <= killed_at + 5.0
-    assert second["started_at"] - second["submitted_at"] >= 5  # it waited for capacity
+    assert second["started_at"] - second["submitted_at"] >= 12  # it waited for capacity, past the setting
 
     rows = sorted(ledger.read().to_pylist(), key=lambda r: r["attempt"])
     assert [(r["attempt"], r["status"]) for r in rows] == [(0, "failed"), (1, "succeeded")]

@@ -23,6 +23,7 @@ SAMPLE = {  # a value of every option, as a job file writes it
     "timeout": 7200,
     "max_restarts": 2,
     "priority": "BEST_EFFORT",  # databricks' spelling
+    "capacity_wait": "30m",
     "tags": {"team": "ml"},
     "log_ranks": [0, 1],
     "experiment": "ctr",
@@ -57,7 +58,7 @@ def test_a_job_file_gives_every_option_to_the_job(tmp_path):
         2,
     )
     assert fn.tags == {"team": "ml"} and fn.log_ranks == (0, 1)
-    assert fn.policy.priority is Priority.BEST_EFFORT
+    assert fn.policy.priority is Priority.BEST_EFFORT and fn.policy.capacity_wait == 1800
     assert (fn.experiment, fn.register_as, fn.ship_environment) == ("ctr", "main.ml.ctr", False)
 
 

@@ -90,8 +90,9 @@ class SparkBackend(Backend):
         spark: The session (Connect or classic). When omitted: the session of the job's pool
             when a pools file is configured (``SPARKGPU_POOLS``), else the active one (or
             ``SPARKGPU_SPARK_REMOTE``), looked up on first use.
-        wait_timeout: Seconds to wait for busy GPUs before giving up
-            (``SPARKGPU_SPARK_WAIT_TIMEOUT`` by default).
+        wait_timeout: Seconds an attempt waits for busy GPUs before giving up, for jobs without
+            ``capacity_wait=`` (:meth:`capacity_wait_of`); by default a job's ``max_runtime``,
+            else ``SPARKGPU_SPARK_WAIT_TIMEOUT``.
         gpus_per_node: Force this many ranks per barrier task; by default as many as one
             executor holds (GPU jobs) or an even spread over the executors (CPU jobs).
         simulated: Treat the cluster's GPU addresses as fake and run ranks on CPU with gloo;
@@ -139,6 +140,7 @@ class SparkBackend(Backend):
         self.pool_name = pool
         self.pool: Pool | None = None  # the pool the session belongs to, once chosen
         self.wait_timeout = wait_timeout if wait_timeout is not None else settings().spark_wait_timeout
+        self._wait_timeout_given = wait_timeout is not None
         self.gpus_per_node = gpus_per_node
         self.simulated = simulated
         self.client_timeout = (
@@ -187,6 +189,17 @@ class SparkBackend(Backend):
             return None
         return discover_worker_image(self.spark, self.capacity(), wait_timeout=self.wait_timeout, out=self.stream)
 
+    def capacity_wait_of(self, job: JobSpec) -> float:
+        """Seconds an attempt of ``job`` may wait for its GPUs: its ``capacity_wait=``, else this
+        backend's ``wait_timeout`` when one was given, else its ``max_runtime`` (a job capped at 7
+        days waits as long for a lost node's replacement), else ``SPARKGPU_SPARK_WAIT_TIMEOUT``."""
+        policy = job.policy
+        if policy.capacity_wait is not None:
+            return policy.capacity_wait
+        if self._wait_timeout_given or policy.max_runtime is None:
+            return self.wait_timeout
+        return policy.max_runtime
+
     # -- the cluster's queue: priorities and preemption --------------------------------
     def await_capacity(self, job: JobSpec, wait: float | None) -> None:
         """Waits for the job's turn in the cluster's GPU queue (:mod:`sparkgpu.launch.cluster_queue`):
@@ -196,7 +209,9 @@ class SparkBackend(Backend):
         if self._spark is None and POOL_TAG in job.tags:
             self.place(job)  # a resumed job queues on its pool's cluster
         capacity = self.capacity()
-        self.seats.await_turn(job, capacity.master, capacity.total_gpus, self.wait_timeout if wait is None else wait)
+        self.seats.await_turn(
+            job, capacity.master, capacity.total_gpus, self.capacity_wait_of(job) if wait is None else wait
+        )
 
     def preemption_request(self, job: JobSpec) -> str | None:
         return self.seats.request(job)
@@ -479,7 +494,7 @@ class SparkBackend(Backend):
         self.seats.started(handle.job)
 
     def _check_waiting(self, handle: SparkAttempt, now: float) -> None:
-        """Says when the nodes wait for GPUs, and gives up after ``wait_timeout``."""
+        """Says when the nodes wait for GPUs, and gives up after :meth:`capacity_wait_of` the job."""
         if handle.nodes_started:
             return
         self._find_start(handle)
@@ -492,16 +507,18 @@ class SparkBackend(Backend):
             if layout.gpus_per_node
             else f"{layout.nodes} free task slot(s)"
         )
-        if waited > self.wait_timeout:
+        limit = self.capacity_wait_of(handle.job)
+        if waited > limit:
             self.cancel(handle, handle.job.policy.shutdown_grace)
             raise CapacityError(
                 f"gave up after waiting {waited:.0f}s for {what} on the Spark cluster: they stayed busy with other "
-                f"jobs; try again later, ask for fewer GPUs, or raise SPARKGPU_SPARK_WAIT_TIMEOUT (now {self.wait_timeout:g}s)"
+                f"jobs or were not replaced; try again later, ask for fewer GPUs, or raise capacity_wait= (now "
+                f"{limit:g}s; SPARKGPU_SPARK_WAIT_TIMEOUT for jobs without max_runtime)"
             )
         if now >= handle.next_notice:
             report(
                 f"waiting for {what} on the Spark cluster ({waited:.0f}s so far, giving up after "
-                f"{self.wait_timeout:g}s); other jobs may hold them",
+                f"{limit:g}s; not billed); other jobs may hold them, or a lost node is being replaced",
                 out=self.stream,
             )
             handle.next_notice = now + 30.0

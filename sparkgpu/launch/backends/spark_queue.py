@@ -101,7 +101,7 @@ class ClusterSeats:
                     raise CapacityError(
                         f"job {job.job_id} ({job.policy.priority.value}) gave up after waiting {now - started:.0f}s "
                         f"for {job.resources.gpus} GPUs on the Spark cluster: {why}; try again later, ask for "
-                        "fewer GPUs, give the job a higher priority=, or raise SPARKGPU_SPARK_WAIT_TIMEOUT"
+                        "fewer GPUs, give the job a higher priority=, or raise capacity_wait="
                     )
                 if now >= next_notice:
                     report(
