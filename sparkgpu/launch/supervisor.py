@@ -186,8 +186,14 @@ class Supervisor:
             "pid": os.getpid(),
             "pid_started": psutil.Process().create_time(),
         }
-        # Waiting for GPUs (in the host's queue, by priority) is no attempt's time: nobody is billed.
-        self.backend.await_capacity(self.job, None)
+        # Waiting for GPUs (in the host's or the cluster's queue, by priority) is no attempt's time:
+        # nobody is billed. A job that gives up there ends failed, with nothing of it left in line.
+        try:
+            self.backend.await_capacity(self.job, None)
+        except BaseException as exc:
+            self._set_status(JobStatus.CANCELLED if isinstance(exc, KeyboardInterrupt) else JobStatus.FAILED)
+            self.backend.end_job(self.job)
+            raise
         # The first attempt's agent starts beside the callbacks (an MLflow run, a usage row);
         # its ranks wait for their variables, so no user code runs untracked.
         early = self._prestart() if self.callbacks else None

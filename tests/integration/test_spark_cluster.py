@@ -138,9 +138,15 @@ def test_a_failing_rank_raises_with_its_remote_traceback(cluster_spark):
 
 
 @pytest.mark.usefixtures("no_tracking")
-def test_busy_gpus_make_the_client_wait_then_give_up(cluster_spark, tmp_path, capsys):
+def test_gpus_busy_outside_the_queue_make_the_barrier_stage_wait_then_give_up(
+    cluster_spark, tmp_path, capsys, monkeypatch
+):
     release = tmp_path / "release"
     with every_gpu_held(cluster_spark, release):
+        # The holder's ticket is in another queue folder: to this client the GPUs are held by work
+        # outside its queue (a plain Spark job, another tool), so it submits and Spark's barrier waits.
+        monkeypatch.setenv("SPARKGPU_GPU_LOCK_DIR", str(tmp_path / "another-queue"))
+        settings.cache_clear()
         started = time.monotonic()
         with pytest.raises(
             CapacityError, match=r"gave up after waiting \d+s for 1 node\(s\) x 2 A10.*raise capacity_wait= \(now 8s"

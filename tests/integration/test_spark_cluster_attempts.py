@@ -1,5 +1,6 @@
 """Attempt bookkeeping on a real Spark standalone cluster: the time spent waiting for busy GPUs
-is not billed, and a job that gives up waiting leaves a closed, failed attempt behind.
+is not billed, and a job that gives up waiting in the cluster's queue ends failed, having
+submitted nothing.
 
 Named ``test_spark_cluster_*`` so the session orders it with the other cluster tests (before
 the in-process Connect server exists).
@@ -15,6 +16,7 @@ import pytest
 
 from sparkgpu import CapacityError
 from sparkgpu.config import settings
+from sparkgpu.launch.cluster_queue import cluster_waiting_jobs, queue_root
 from sparkgpu.usage import UsageLedger, UsageMeter
 from sparkgpu.usage.rates import billed_seconds
 from tests.integration.spark_cluster import every_gpu_held
@@ -35,24 +37,24 @@ def state_of(job_name: str) -> dict:
 
 
 @pytest.mark.usefixtures("no_tracking")
-def test_waiting_for_busy_gpus_is_not_billed_and_giving_up_closes_the_attempt(cluster_spark, tmp_path):
+def test_waiting_for_busy_gpus_is_not_billed_and_giving_up_ends_the_job(cluster_spark, tmp_path):
     ledger = UsageLedger(str(tmp_path / "ledger"))
     meter = UsageMeter(ledger, policy=False)
     release = tmp_path / "release"
     with every_gpu_held(cluster_spark, release):
-        # 1. Gives up: the attempt is ended (not left "running"), nothing ran, nothing is billed.
-        with pytest.raises(CapacityError, match="gave up after waiting"):
+        # 1. Gives up in the cluster's queue: the job ends failed (not left "running"), no attempt
+        #    was submitted, nothing is billed, and it leaves the line.
+        started = time.monotonic()
+        with pytest.raises(CapacityError, match="gave up after waiting .* the queued jobs hold 4 of the cluster's 4"):
             cluster_spark.gpu.train(
                 rank_of_this_node, gpus=2, gpu_type="A10", wait_timeout=5, callbacks=[meter], name="gives_up"
             )
+        assert time.monotonic() - started >= 5
         gave_up = state_of("gives_up")
-        (attempt,) = gave_up["attempts"]
-        assert gave_up["status"] == "failed" and attempt["status"] == "failed"
-        assert attempt["cause"][0].startswith("CapacityError: gave up after waiting")
-        assert attempt["started_at"] == attempt["ended_at"] >= attempt["submitted_at"] + 5
-        (row,) = ledger.read().to_pylist()
-        assert (row["status"], row["gpu_seconds"]) == ("failed", 0)
+        assert gave_up["status"] == "failed" and gave_up["attempts"] == []
+        assert ledger.read().to_pylist() == []  # no attempt ran: no row
         assert not list(meter.journal.directory.glob("*.json"))  # nothing for a later client_lost row
+        assert "gives-up" not in str(cluster_waiting_jobs(queue_root(None)))
 
         # 2. Waits, then gets the GPUs: billed from when its nodes started, not from submit.
         waiter: dict = {}
@@ -62,6 +64,7 @@ def test_waiting_for_busy_gpus_is_not_billed_and_giving_up_closes_the_attempt(cl
                 rank_of_this_node, gpus=2, gpu_type="A10", wait_timeout=120, callbacks=[meter], name="waits"
             )
 
+        asked_at = time.time()
         second = threading.Thread(target=wait_for_gpus)
         second.start()
         time.sleep(8)
@@ -70,11 +73,11 @@ def test_waiting_for_busy_gpus_is_not_billed_and_giving_up_closes_the_attempt(cl
         assert waiter.get("result") == [0, 1]
 
     (attempt,) = state_of("waits")["attempts"]
-    assert attempt["started_at"] - attempt["submitted_at"] >= 6  # it waited for the first job
+    assert attempt["started_at"] - asked_at >= 6  # it waited for the first job (in the queue, before submitting)
     row = next(r for r in ledger.read().to_pylist() if r["job_name"] == "waits")
     assert row["started_at"].timestamp() == pytest.approx(attempt["started_at"], abs=1e-5)
     assert row["gpu_seconds"] == 2 * billed_seconds(attempt["started_at"], attempt["ended_at"])
-    assert row["gpu_seconds"] < 2 * (attempt["ended_at"] - attempt["submitted_at"] - 5)
+    assert row["gpu_seconds"] < 2 * (attempt["ended_at"] - asked_at - 5)
 
 
 def stop_when_asked():

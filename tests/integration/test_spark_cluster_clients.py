@@ -244,8 +244,7 @@ def test_three_jobs_on_a_cluster_that_fits_two_queue_and_never_share_a_gpu(clien
         assert len({r["gpu"] for r in result}) == 2, f"two ranks of one job shared a GPU: {result}"
         assert all(r["visible"] == r["gpu"] for r in result)  # each node sees its own GPU only
         starts = [
-            json.loads(p.read_text())["started_at"]
-            for p in sorted(call.run_dir.path.glob("attempts/0/spark/node-*.started"))
+            sealed_json(p)["started_at"] for p in sorted(call.run_dir.path.glob("attempts/0/spark/node-*.started"))
         ]
         assert len(starts) == 2 and max(starts) - min(starts) < 5, f"job {call.job_id}'s nodes started apart: {starts}"
         state = json.loads(call.run_dir.state_file.read_text())

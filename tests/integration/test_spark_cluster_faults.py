@@ -26,6 +26,7 @@ from sparkgpu.errors import NodeLostError
 from sparkgpu.usage import UsageLedger
 from sparkgpu.usage.rates import billed_seconds
 from tests.integration.spark_cluster import cluster_session
+from tests.sealed import sealed_json
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.usefixtures("workers_share_this_image")]
 
@@ -129,7 +130,7 @@ def job_files(name: str) -> Path:
 
 
 def node_of(run_dir: Path, attempt: int, node: int) -> dict:
-    return json.loads((run_dir / "attempts" / str(attempt) / "spark" / f"node-{node}.started").read_text())
+    return sealed_json(run_dir / "attempts" / str(attempt) / "spark" / f"node-{node}.started")
 
 
 def alive(pids) -> list[int]:

@@ -59,7 +59,7 @@ def say_where_and_sum(x):
 
 def started_markers(job_id: str) -> list[dict]:
     spark = settings().staging_root / job_id / "attempts" / "0" / "spark"
-    return [json.loads((spark / f"node-{n}.started").read_text()) for n in (0, 1)]
+    return [sealed_json(spark / f"node-{n}.started") for n in (0, 1)]
 
 
 @pytest.mark.usefixtures("no_tracking")
