@@ -12,8 +12,17 @@ PY=${PY:-.venv/bin/python}
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tokens table images convert restart loader volume)
 
+settle() {  # waits (3 min at most) for the load of the step before to die down: each results file's load is its own
+    for _ in $(seq 36); do
+        awk -v cpus="$(nproc)" '{exit !($1 < 0.25 * cpus)}' /proc/loadavg && return
+        sleep 5
+    done
+    echo "   the machine is still busy: $(cut -d' ' -f1-3 /proc/loadavg); the results file records it"
+}
+
 run() {  # run NAME COMMAND...: times each step, stops at the first failure
     local name=$1; shift
+    settle
     echo "== $name: $*"
     local started=$SECONDS
     "$@"
