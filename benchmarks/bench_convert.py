@@ -126,10 +126,10 @@ def measure(cases: list[Case], rows: int, scratch: Path) -> dict:
 
 
 def spark_session():
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    from pyspark.sql import SparkSession
+    """A local Spark Connect server of 2 cores, listening on 127.0.0.1 only, without the UI."""
+    from sparkgpu.local_spark import local_session
 
-    return SparkSession.builder.remote("local[2]").config("spark.ui.showConsoleProgress", "false").getOrCreate()
+    return local_session(cores=2)
 
 
 def convert_files_on_executors(spark, parquet_dir: str, out: str) -> None:
@@ -197,6 +197,8 @@ def peers_on_spark(spark, parquet_dir: str, rows: int, repeats: int, peer_repeat
             None,
             False,
             time.monotonic(),
+            wait_s=0.0,  # a fresh folder: nobody else converts into it
+            reusable=lambda _waited: None,
         )
 
     def on_executors(out):

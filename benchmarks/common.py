@@ -24,6 +24,8 @@ def machine() -> dict:
         "cpus": cpus,
         "system": platform.system(),
         "arch": platform.machine(),
+        # The kernel build tells one host from another when figures are compared (no host name).
+        "platform": platform.platform(),
         "python": platform.python_version(),
         "load_average_at_start": [round(x, 2) for x in load],
         # Another job was running if the 1-minute load already used a quarter of the cores.
