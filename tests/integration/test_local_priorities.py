@@ -15,10 +15,14 @@ import time
 import pytest
 
 from sparkgpu import distributed
-from sparkgpu.cli import list_jobs
 from sparkgpu.config import settings
 from sparkgpu.usage import UsageLedger, UsageMeter
-from sparkgpu.usage.rates import billed_seconds
+from tests.integration.preemption import (
+    assert_billed_only_while_running,
+    steps_recorded,
+    urgent,
+    wait_until_it_waits_first_in_line,
+)
 from tests.integration.test_restart_exactness import (  # noqa: F401  (dataset_dir: a fixture)
     WORLD,
     assert_bitwise_equal,
@@ -39,23 +43,8 @@ def two_gpus(monkeypatch, tmp_path):
     settings.cache_clear()
 
 
-def urgent(seconds: float) -> tuple[float, float]:
-    import time
-
-    started = time.time()
-    time.sleep(seconds)
-    return started, time.time()
-
-
 def _state(job_id: str) -> dict:
     return json.loads((settings().staging_root / job_id / "state.json").read_text())
-
-
-def _steps_recorded(record) -> int:
-    try:
-        return sum(1 for _ in open(f"{record}.0"))
-    except FileNotFoundError:
-        return 0
 
 
 def test_a_critical_job_preempts_a_best_effort_one_which_resumes_exactly_and_unbilled(dataset_dir, tmp_path, two_gpus):
@@ -68,18 +57,13 @@ def test_a_critical_job_preempts_a_best_effort_one_which_resumes_exactly_and_unb
     record = tmp_path / "background.jsonl"
     call = background.submit(dataset_dir, str(record), step_sleep=0.4)
     deadline = time.monotonic() + 240  # a loaded machine starts agents slowly
-    while _steps_recorded(record) < 6:  # past its first checkpoint (every 4 steps)
+    while steps_recorded(record) < 6:  # past its first checkpoint (every 4 steps)
         assert time.monotonic() < deadline and not call.done(), "the best-effort job never got going"
         time.sleep(0.1)
 
     critical = distributed(gpus=WORLD, gpu_type="H100", priority="critical", callbacks=[])(urgent)
     urgent_call = critical.submit(4.0)
-    listed: dict = {}
-    # It gives way, then waits first in line (once the critical job took its GPUs and left the queue).
-    while (listed.get("status"), listed.get("queue_position")) != ("waiting", 1):
-        assert time.monotonic() < deadline and not call.done(), f"the best-effort job never gave way: {listed}"
-        time.sleep(0.2)
-        listed = next(j for j in list_jobs() if j["job_id"] == call.job_id)
+    listed = wait_until_it_waits_first_in_line(call, deadline)
     assert listed["priority"] == "best_effort"
     spans = urgent_call.result(timeout=120)
     urgent_started, urgent_ended = min(s for s, _ in spans), max(e for _, e in spans)
@@ -96,9 +80,4 @@ def test_a_critical_job_preempts_a_best_effort_one_which_resumes_exactly_and_unb
     assert first["ended_at"] <= urgent_started  # the critical job ran on GPUs it had left ...
     assert second["started_at"] >= urgent_ended  # ... and it resumed only once they were free
 
-    rows = sorted((r for r in ledger.read().to_pylist() if r["job_id"] == call.job_id), key=lambda r: r["attempt"])
-    assert [(r["attempt"], r["status"]) for r in rows] == [(0, "preempted"), (1, "succeeded")]
-    for row, attempt in zip(rows, state["attempts"]):
-        assert row["gpu_seconds"] == WORLD * billed_seconds(attempt["started_at"], attempt["ended_at"])
-    # Nothing billed while it waited: its two attempts' spans leave the critical job's run out.
-    assert rows[0]["ended_at"].timestamp() <= urgent_started and rows[1]["started_at"].timestamp() >= urgent_ended
+    assert_billed_only_while_running(ledger, call.job_id, state, WORLD, (urgent_started, urgent_ended))

@@ -4,7 +4,8 @@ The shared standalone cluster (two workers of two simulated A10s). A best-effort
 runs on one executor's two GPUs; a critical job asks for all four. Through the cluster's GPU
 queue (:mod:`sparkgpu.launch.cluster_queue`) the critical job asks the best-effort one to give
 way; it checkpoints and stops, the critical job runs, and the best-effort job resumes by itself
-once the GPUs are free, using no restart, and ends bitwise equal to an uninterrupted run.
+once the GPUs are free, using no restart and billed for none of its wait, and ends bitwise
+equal to an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -14,8 +15,14 @@ import time
 
 import pytest
 
-from sparkgpu.cli import list_jobs
 from sparkgpu.config import settings
+from sparkgpu.usage import UsageLedger, UsageMeter
+from tests.integration.preemption import (
+    assert_billed_only_while_running,
+    steps_recorded,
+    urgent,
+    wait_until_it_waits_first_in_line,
+)
 from tests.integration.test_transformer_restart_exactness import (  # noqa: F401 - fixtures
     WORLD,
     all_blocks,
@@ -29,14 +36,6 @@ from tests.integration.test_transformer_restart_exactness import (  # noqa: F401
 pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.usefixtures("workers_share_this_image")]
 
 
-def urgent(seconds: float) -> tuple[float, float]:
-    import time
-
-    started = time.time()
-    time.sleep(seconds)
-    return started, time.time()
-
-
 @pytest.fixture
 def own_queue(monkeypatch, tmp_path):
     # Without a staging URL the cluster's queue lives beside this machine's GPU locks: the test's own.
@@ -46,35 +45,27 @@ def own_queue(monkeypatch, tmp_path):
     settings.cache_clear()
 
 
-def _steps_recorded(record) -> int:
-    try:
-        return sum(1 for _ in open(f"{record}.0"))
-    except FileNotFoundError:
-        return 0
-
-
 def test_a_critical_job_preempts_a_best_effort_one_on_the_cluster_which_resumes_exactly(
     cluster_spark, uninterrupted, token_dir, all_blocks, tmp_path, own_queue
 ):
     plain, plain_steps = uninterrupted("ddp")
     record = tmp_path / "background.jsonl"
+    ledger = UsageLedger(str(tmp_path / "ledger"))
+    meter = UsageMeter(ledger, rates={"A10": 1.0}, user="ana")
     background = cluster_spark.gpu.distributed(
-        train_transformer, gpus=WORLD, gpu_type="A10", priority="best_effort", name="background"
+        train_transformer, gpus=WORLD, gpu_type="A10", priority="best_effort", name="background", callbacks=[meter]
     )
     call = background.submit(token_dir, str(record), "ddp", step_sleep=0.5)
     deadline = time.monotonic() + 300  # a loaded machine starts executors' ranks slowly
-    while _steps_recorded(record) < 4:  # past its first checkpoint (every 3 steps)
+    while steps_recorded(record) < 4:  # past its first checkpoint (every 3 steps)
         assert time.monotonic() < deadline and not call.done(), "the best-effort job never got going"
         time.sleep(0.2)
 
-    critical = cluster_spark.gpu.distributed(urgent, gpus=4, gpu_type="A10", priority="CRITICAL", name="urgent")
+    critical = cluster_spark.gpu.distributed(
+        urgent, gpus=4, gpu_type="A10", priority="CRITICAL", name="urgent", callbacks=[]
+    )
     urgent_call = critical.submit(3.0)
-    listed: dict = {}
-    # It gives way, then waits first in line once the critical job has left the line.
-    while (listed.get("status"), listed.get("queue_position")) != ("waiting", 1):
-        assert time.monotonic() < deadline and not call.done(), f"the best-effort job never gave way: {listed}"
-        time.sleep(0.2)
-        listed = next(j for j in list_jobs() if j["job_id"] == call.job_id)
+    listed = wait_until_it_waits_first_in_line(call, deadline)
     assert listed["priority"] == "best_effort"
     spans = urgent_call.result(timeout=240)
     assert len(spans) == 4
@@ -90,3 +81,5 @@ def test_a_critical_job_preempts_a_best_effort_one_on_the_cluster_which_resumes_
     assert first["ended_at"] <= urgent_started  # the critical job ran on GPUs it had left ...
     assert second["started_at"] >= urgent_ended  # ... and it resumed only once they were free
     assert not list((tmp_path / "gpu-locks" / "spark-queue").glob("*/jobs/*.json"))  # both left the line
+
+    assert_billed_only_while_running(ledger, call.job_id, state, WORLD, (urgent_started, urgent_ended))
