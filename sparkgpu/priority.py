@@ -15,10 +15,14 @@ Within a class, waiting jobs are served in the order they asked.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
+from typing import TypeVar
 
 from sparkgpu.errors import ConfigurationError
 
-__all__ = ["Priority"]
+__all__ = ["Priority", "fewest_to_stop"]
+
+_Job = TypeVar("_Job")
 
 
 class Priority(str, enum.Enum):
@@ -62,3 +66,19 @@ class Priority(str, enum.Enum):
 
 
 _RANKS = {Priority.BEST_EFFORT: 0, Priority.NORMAL: 1, Priority.CRITICAL: 2}
+
+
+def fewest_to_stop(held: Sequence[tuple[_Job, int]], *, free: int, need: int) -> list[_Job]:
+    """The preemptible jobs a critical job asks to give way: the first of ``held`` (each job with
+    the GPUs it holds, in the caller's order of preference, most GPUs first for the fewest jobs)
+    whose GPUs, with the ``free`` ones, make up ``need``. None when even all of them would not:
+    stopping them would only idle their GPUs behind the jobs that hold the rest."""
+    if free + sum(gpus for _, gpus in held) < need:
+        return []
+    chosen = []
+    for job, gpus in held:
+        if free >= need:
+            break
+        chosen.append(job)
+        free += gpus
+    return chosen

@@ -15,7 +15,7 @@ client then runs on one machine). ``<cluster>`` is a digest of the cluster's ``s
 **A ticket is alive while its client beats.** A client rewrites its job's ticket every
 :data:`BEAT_SECONDS` with the time of the beat; a ticket whose beat is older than
 :data:`STALE_SECONDS` belongs to a client that died or lost the store, and is ignored
-(:func:`live_tickets`). So the clients' clocks must agree to well under a minute (NTP).
+(:meth:`ClusterQueue.tickets`). So the clients' clocks must agree to well under a minute (NTP).
 
 **States** (:class:`TicketState`): ``waiting`` (not submitted), ``starting`` (its barrier stage
 is submitted and waits for Spark to place it) and ``running`` (its ranks hold GPUs). A job that
@@ -25,7 +25,7 @@ gave way to a critical one is ``waiting`` again, with its first ``order``: it ke
 waiting job submits when no waiting ticket goes before it and the cluster's GPUs less those of
 ``starting`` and ``running`` tickets fit it; Spark's own barrier scheduling then places it. GPUs
 held by work that is not in the queue (plain Spark jobs, another tool) are not counted: the
-barrier stage waits for them, up to ``wait_timeout``, as before.
+barrier stage waits for them, up to the job's ``capacity_wait=``.
 
 **Preemption is a request, judged by its target**, under the host queue's rules: the first
 waiting ticket, when it is ``critical`` and does not fit, asks as few ``running``
@@ -52,7 +52,7 @@ import time
 from collections.abc import Callable
 
 from sparkgpu.launch.gpu_queue import PreemptionRequest
-from sparkgpu.priority import Priority
+from sparkgpu.priority import Priority, fewest_to_stop
 from sparkgpu.store import Store
 
 __all__ = [
@@ -200,13 +200,8 @@ def next_turn(mine: Ticket, tickets: list[Ticket], total_gpus: int) -> Turn:
     if mine.priority is not Priority.CRITICAL:
         return Turn(False, (), free)
     preemptible = [t for t in others if t.state is TicketState.RUNNING and t.priority.preemptible]
-    if free + sum(t.gpus for t in preemptible) < mine.gpus:
-        return Turn(False, (), free)  # stopping them would idle their GPUs behind the jobs that hold the rest
-    chosen: list[Ticket] = []
-    for ticket in sorted(preemptible, key=lambda t: (-t.gpus, -t.order, t.job_id)):  # fewest jobs, newest first
-        if free + sum(t.gpus for t in chosen) >= mine.gpus:
-            break
-        chosen.append(ticket)
+    ordered = sorted(preemptible, key=lambda t: (-t.gpus, -t.order, t.job_id))  # fewest jobs, newest first
+    chosen = fewest_to_stop([(t, t.gpus) for t in ordered], free=free, need=mine.gpus)
     return Turn(False, (), free, tuple(chosen))
 
 
@@ -319,16 +314,14 @@ class QueueSeat:
 
     def start(self) -> QueueSeat:
         """Writes the ticket and starts its beat."""
-        self._beat()
+        self._write()
         self._thread = threading.Thread(target=self._beat_loop, daemon=True, name=f"queue-{self._ticket.job_id}")
         self._thread.start()
         return self
 
     def set_state(self, state: TicketState) -> None:
         """Moves the ticket to ``state`` (written at once); leaving ``waiting`` withdraws the job's requests."""
-        with self._lock:
-            self._ticket = dataclasses.replace(self._ticket, state=state, beat_at=time.time())
-            self.queue.put(self._ticket)
+        self._write(state=state)
         if state is not TicketState.WAITING and self._asked:
             self.queue.withdraw(self._ticket.job_id, self._asked)
             self._asked = set()
@@ -365,15 +358,16 @@ class QueueSeat:
         self.queue.withdraw(self._ticket.job_id, self._asked)
         self.queue.remove(self._ticket.job_id)
 
-    def _beat(self) -> None:
+    def _write(self, **changes) -> None:
+        """Writes the ticket with ``changes`` and a fresh beat."""
         with self._lock:  # held while writing: a beat never puts back a state set meanwhile
-            self._ticket = dataclasses.replace(self._ticket, beat_at=time.time())
+            self._ticket = dataclasses.replace(self._ticket, **changes, beat_at=time.time())
             self.queue.put(self._ticket)
 
     def _beat_loop(self) -> None:
         while not self._stopped.wait(BEAT_SECONDS):
             try:
-                self._beat()
+                self._write()
             except Exception as exc:  # a store that is down: the ticket goes stale, the job does not stop
                 if self._on_error is not None:
                     self._on_error(exc)

@@ -22,7 +22,7 @@ from sparkgpu._files import try_lock_file
 from sparkgpu._report import report
 from sparkgpu.errors import CapacityError
 from sparkgpu.launch.gpu_queue import GpuHolder, GpuQueue, QueueEntry
-from sparkgpu.priority import Priority
+from sparkgpu.priority import Priority, fewest_to_stop
 
 __all__ = ["GpuLease", "lease_gpus", "lock_dir", "pool_of", "to_preempt", "waiting_jobs"]
 
@@ -92,15 +92,8 @@ def to_preempt(busy: dict[str, GpuHolder | None], *, free: int, count: int) -> l
     for holder in busy.values():
         if holder is not None and holder.priority.preemptible:
             held[holder] = held.get(holder, 0) + 1
-    if free + sum(held.values()) < count:
-        return []
-    chosen = []
-    for holder, gpus in sorted(held.items(), key=lambda item: (-item[1], item[0].job_id)):
-        if free >= count:
-            break
-        chosen.append(holder)
-        free += gpus
-    return chosen
+    ordered = sorted(held.items(), key=lambda item: (-item[1], item[0].job_id))
+    return fewest_to_stop(ordered, free=free, need=count)
 
 
 def lease_gpus(

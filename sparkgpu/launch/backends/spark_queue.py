@@ -18,7 +18,15 @@ from typing import TextIO
 from sparkgpu._report import report
 from sparkgpu.config import settings
 from sparkgpu.errors import CapacityError
-from sparkgpu.launch.cluster_queue import ClusterQueue, QueueSeat, Ticket, TicketState, cluster_key, queue_root
+from sparkgpu.launch.cluster_queue import (
+    ClusterQueue,
+    QueueSeat,
+    Ticket,
+    TicketState,
+    Turn,
+    cluster_key,
+    queue_root,
+)
 from sparkgpu.spec import JobSpec
 
 __all__ = ["ClusterSeats"]
@@ -73,30 +81,19 @@ class ClusterSeats:
         total = self._totals[job.job_id]
         started = time.monotonic()
         next_notice = started + 5.0
-        why = "the queue could not be read yet"
         try:
             while True:
                 try:
                     turn = seat.turn(total)
                 except OSError as exc:  # a store that is down: wait on, within ``wait``
                     self._beat_failed(exc)
-                    if time.monotonic() - started > wait:
-                        raise CapacityError(
-                            f"job {job.job_id} gave up after waiting {time.monotonic() - started:.0f}s for its turn "
-                            f"on the Spark cluster: {why}; {exc}"
-                        ) from exc
-                    time.sleep(self.poll_seconds)
-                    continue
-                if turn.go:
-                    seat.set_state(TicketState.STARTING)
-                    return
-                now = time.monotonic()
-                if turn.ahead:
-                    why = f"{len(turn.ahead)} job(s) ahead in the queue ({', '.join(map(str, turn.ahead))})"
+                    why = f"the cluster's queue could not be read ({exc})"
                 else:
-                    why = f"the queued jobs hold {total - turn.free} of the cluster's {total} GPUs"
-                    if turn.preempt:
-                        why += f"; asked {', '.join(t.job_id for t in turn.preempt)} (best effort) to give way"
+                    if turn.go:
+                        seat.set_state(TicketState.STARTING)
+                        return
+                    why = _why_waiting(turn, total)
+                now = time.monotonic()
                 if now - started > wait:
                     raise CapacityError(
                         f"job {job.job_id} ({job.policy.priority.value}) gave up after waiting {now - started:.0f}s "
@@ -155,6 +152,7 @@ class ClusterSeats:
         seat = self._seats.pop(job.job_id, None)
         self._totals.pop(job.job_id, None)
         self._next_look.pop(job.job_id, None)
+        self._first_asked.pop(job.job_id, None)  # a long-lived client keeps nothing of ended jobs
         if seat is not None:
             try:
                 seat.stop()
@@ -163,3 +161,13 @@ class ClusterSeats:
 
     def _beat_failed(self, exc: BaseException) -> None:
         report(f"could not update this job's place in the cluster's GPU queue: {exc}", out=self._out())
+
+
+def _why_waiting(turn: Turn, total: int) -> str:
+    """What a job that may not submit yet waits for, in words."""
+    if turn.ahead:
+        return f"{len(turn.ahead)} job(s) ahead in the queue ({', '.join(map(str, turn.ahead))})"
+    why = f"the queued jobs hold {total - turn.free} of the cluster's {total} GPUs"
+    if turn.preempt:
+        why += f"; asked {', '.join(t.job_id for t in turn.preempt)} (best effort) to give way"
+    return why
