@@ -422,6 +422,26 @@ class _RawTail:
         self.pump()
 
 
+class _FollowRequest:
+    """Asks the process that supervises a job with a staging store to read these ranks' logs live
+    (by default it reads only node 0's and those of ``log_ranks=`` while the attempt runs): a
+    file in the client's run dir, renewed while the follower runs, void 30 s after it stops."""
+
+    def __init__(self, rd, ranks: list[int] | None):
+        self.rd, self.ranks, self.next = rd, ranks, 0.0
+
+    def renew(self, attempt: int) -> None:
+        from sparkgpu._files import atomic_write_bytes
+        from sparkgpu.launch.run_layout import RunLayout
+
+        now = time.time()
+        path = self.rd.file(RunLayout.follow_request(attempt))
+        if now < self.next or not path.parent.is_dir():
+            return
+        self.next = now + 10
+        atomic_write_bytes(path, json.dumps({"ranks": self.ranks, "until": now + 30}).encode(), fsync=False)
+
+
 def cmd_logs(args) -> int:
     from sparkgpu.launch.logs import LogStreamer
 
@@ -442,12 +462,14 @@ def cmd_logs(args) -> int:
         return _RawTail(rd.log_file(k, args.rank), sys.stdout)
 
     tail = tail_for(attempt)
+    ask = _FollowRequest(rd, None if args.all else [args.rank])
     if not args.follow:
         if not args.all and not rd.log_file(attempt, args.rank).exists():
             raise ConfigurationError(f"job {rd.job_id} has no log for rank {args.rank} in attempt {attempt} yet")
         tail.finish()
         return EXIT_OK
     while True:
+        ask.renew(attempt)
         tail.pump()
         state = _read_json(rd.state_file) or {}
         newest = len(state.get("attempts") or []) - 1

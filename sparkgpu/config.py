@@ -169,10 +169,14 @@ class Settings:
             heartbeat from the client that drives it; then they stop them, and ``sparkgpu
             resume JOB_ID`` continues the job (``SPARKGPU_SPARK_CLIENT_TIMEOUT``, default 120, at
             least 6: the client beats every 2 s; ``none`` keeps them running, unsupervised).
-        spark_node_timeout: Seconds a started Spark node may go without a heartbeat (and without
-            saying how its ranks ended) before the client and the other nodes count its executor
-            lost and stop the attempt (``SPARKGPU_SPARK_NODE_TIMEOUT``, default 10, at least 3: nodes
-            beat every second).
+        spark_node_timeout: Seconds a started Spark node may go without a beat to node 0 (and
+            without saying how its ranks ended) before node 0 counts its executor lost and stops
+            the attempt; the same silence of node 0 makes the others count it lost
+            (``SPARKGPU_SPARK_NODE_TIMEOUT``, default 10, at least 3: nodes beat four times per timeout).
+        spark_control_interval: Most seconds between two looks of a Spark job's node 0 at the
+            client's files: a cancel or a stop request reaches the ranks within about this
+            long, and with a staging store each look is one request
+            (``SPARKGPU_SPARK_CONTROL_INTERVAL``, default 20).
         data_volume: Folder or fsspec URL where ``spark.gpu.train(data=...)`` keeps its MDS
             conversions; the ranks must reach it (``SPARKGPU_DATA_VOLUME``, default
             ``<home>/volumes/mds``, or ``<staging_url>/_mds`` with a staging store).
@@ -217,6 +221,7 @@ class Settings:
     gpu_lock_dir: str | None = None
     spark_client_timeout: float | None = 120.0
     spark_node_timeout: float = 10.0
+    spark_control_interval: float = 20.0
     data_volume: str = ""
     keep_runs: int | None = 100
     keep_runs_days: float | None = 30.0
@@ -276,6 +281,7 @@ class Settings:
                 env, "SPARKGPU_SPARK_CLIENT_TIMEOUT", 120.0, at_least=6.0, may_be_none=True
             ),
             spark_node_timeout=_heartbeat_timeout(env, "SPARKGPU_SPARK_NODE_TIMEOUT", 10.0, at_least=3.0),
+            spark_control_interval=_heartbeat_timeout(env, "SPARKGPU_SPARK_CONTROL_INTERVAL", 20.0, at_least=0.5),
             **_keep_runs(env.get("SPARKGPU_KEEP_RUNS") or "100,30d"),
             data_volume=env.get("SPARKGPU_DATA_VOLUME")
             or (f"{staging_url}/_mds" if staging_url else str(home / "volumes" / "mds")),

@@ -105,6 +105,7 @@ class PreparedJob:
             sys_path = []  # the caller's code travels in the overlay, not as client paths
         self.run_dir.create(spec, self.payload, self.key, sys_path, extra_files)
         save_key(self.job.job_id, self.key)
+        self.backend.job_written(self.job, self.run_dir)
         prune_runs(keep=self.job.job_id)
         return dataclasses.replace(self, environment=environment, written=True)
 

@@ -131,6 +131,8 @@ class Store:
             FileNotFoundError: There is no such file.
         """
         if not self.is_local:
+            if start is None and end is None and self.scheme in ("s3", "s3a"):
+                start = 0  # then one ranged GET: s3fs looks the size up first (a HEAD) when neither end is given
             return self.fs.cat_file(self._remote(rel), start=start, end=end)
         with open(self.path(rel), "rb") as f:
             if start:

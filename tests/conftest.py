@@ -47,6 +47,10 @@ def _isolated_sparkgpu_home(tmp_path_factory, monkeypatch, _worker_image_lock):
     # Remote jobs ship only what the workers lack: in tests the workers run this environment,
     # so editable installs and the caller's code travel (as on a real cluster with a matching image).
     monkeypatch.setenv("SPARKGPU_ENV_WORKER_LOCK", _worker_image_lock)
+    # Node 0 of a Spark job looks at the client's files every 20 s by default (one store request
+    # each); a cancel or stop request waits for that look. Tests look every 2 s, to run quickly;
+    # tests/unit/test_config.py checks the default.
+    monkeypatch.setenv("SPARKGPU_SPARK_CONTROL_INTERVAL", "2")
     reset_settings()
     yield home
     reset_settings()

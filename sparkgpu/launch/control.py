@@ -2,13 +2,14 @@
 
 The run dir and the staging prefix can be written by more than the job: an S3 prefix shared by a
 team, a folder on a shared file system. The files that make the job's processes act (a cancel
-request, a stop request, a node's exit record, its end marker and heartbeats, the client's
-heartbeat) therefore carry a MAC under a key derived from the job key (:func:`seal`), over the
+request, a stop request, a node's exit record, its end marker, node 0's state of the attempt,
+the client's heartbeat) therefore carry a MAC under a key derived from the job key (:func:`seal`), over the
 file's place in the run dir and its content. A reader (:func:`unseal`) obeys only a file whose
 MAC holds; a forged or damaged one is ignored and reported once, in the log of the process that
 found it. A copy of a genuine file in another place does not verify either (the place is in the
-MAC); heartbeats carry a count that must grow (:class:`~sparkgpu.launch.backends.spark_node.Heartbeat`),
-so that replaying an old beat keeps no dead node alive.
+MAC); heartbeats carry a count that must grow
+(:class:`~sparkgpu.launch.backends.spark_node_channel.Heartbeat`; the beats between nodes,
+:mod:`~sparkgpu.launch.backends.spark_hub`), so that replaying an old beat keeps no dead node alive.
 """
 
 from __future__ import annotations
@@ -20,14 +21,15 @@ import threading
 from sparkgpu._keyring import derive_key
 from sparkgpu._report import report
 
-__all__ = ["seal", "unseal", "MAC_MARK"]
+__all__ = ["seal", "unseal", "mac", "MAC_MARK"]
 
 MAC_MARK = b"\n--sparkgpu-mac "
 _forged_seen: set[str] = set()
 _lock = threading.Lock()
 
 
-def _mac(key: bytes, place: str, body: bytes) -> str:
+def mac(key: bytes, place: str, body: bytes) -> str:
+    """The hex MAC of ``body`` under the job key, bound to ``place``: what :func:`seal` appends."""
     mac = hmac.new(derive_key(key, "control"), place.encode() + b"\0", hashlib.sha256)
     mac.update(body)
     return mac.hexdigest()
@@ -35,7 +37,7 @@ def _mac(key: bytes, place: str, body: bytes) -> str:
 
 def seal(key: bytes, place: str, body: bytes) -> bytes:
     """``body`` followed by its MAC under the job key, bound to ``place`` (the file's name in the run dir)."""
-    return body + MAC_MARK + _mac(key, place, body).encode() + b"\n"
+    return body + MAC_MARK + mac(key, place, body).encode() + b"\n"
 
 
 def unseal(key: bytes | None, place: str, sealed: bytes) -> bytes | None:
@@ -50,8 +52,8 @@ def unseal(key: bytes | None, place: str, sealed: bytes) -> bytes | None:
         place: The file's name relative to the run dir (:class:`~sparkgpu.launch.run_layout.RunLayout`).
         sealed: The file's bytes.
     """
-    body, mark, mac = sealed.rpartition(MAC_MARK)
-    if key and mark and hmac.compare_digest(mac.strip(), _mac(key, place, body).encode()):
+    body, mark, given = sealed.rpartition(MAC_MARK)
+    if key and mark and hmac.compare_digest(given.strip(), mac(key, place, body).encode()):
         return body
     with _lock:
         first = place not in _forged_seen

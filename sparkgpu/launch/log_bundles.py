@@ -123,6 +123,20 @@ class LogReader:
             self.next_seq[stream] = seq
         return applied
 
+    def follow(self, store: Store, stream: str) -> int:
+        """Reads the bundles of one stream that follow what was read, by name, without a listing
+        (one request when nothing is new); how many were applied."""
+        seq, applied = self.next_seq.get(stream, 0), 0
+        while True:
+            try:
+                body = store.read_bytes(bundle_name(stream, seq))
+            except FileNotFoundError:
+                break
+            self._apply(body)
+            seq, applied = seq + 1, applied + 1
+        self.next_seq[stream] = seq
+        return applied
+
     def _apply(self, body: bytes) -> None:
         head, _, data = body.partition(b"\n")
         try:

@@ -224,7 +224,7 @@ class RunDir:
         return self.path / RunLayout.agent_log(attempt, node_rank)
 
     def spark_dir(self, attempt: int) -> Path:
-        """The folder of the attempt's Spark markers (nodes' start, end and beat; the client's cancel and beat)."""
+        """The folder of the attempt's Spark markers (nodes' start and end, node 0's state; the client's cancel and beat)."""
         return self.path / RunLayout.spark(attempt)
 
     def spark_cancel_file(self, attempt: int) -> Path:
@@ -234,7 +234,7 @@ class RunDir:
         return self.path / RunLayout.client_heartbeat(attempt)
 
     def node_marker(self, attempt: int, node: int, kind: str) -> Path:
-        """A Spark node's marker: ``kind`` is ``"started"``, ``"ended"`` or ``"beat"``."""
+        """A Spark node's marker: ``kind`` is ``"started"`` or ``"ended"``."""
         return self.path / RunLayout.node_marker(attempt, node, kind)
 
     def node_markers(self, attempt: int, kind: str) -> dict[int, Path]:

@@ -50,7 +50,7 @@ __all__ = ["RunLayout"]
 
 _ENV_REPORT = re.compile(r"^env-rank-(\d+)\.json$")
 _NODE_EXITS = re.compile(r"^node-(\d+)\.json$")
-_NODE_MARKER = re.compile(r"^node-(\d+)\.(started|ended|beat)$")
+_NODE_MARKER = re.compile(r"^node-(\d+)\.(started|ended)$")
 
 
 class RunLayout:
@@ -82,6 +82,8 @@ class RunLayout:
     SPARK = "spark"  # the folder of an attempt's Spark markers
     SPARK_CANCEL = "CANCEL"
     SPARK_CLIENT_HEARTBEAT = "client.heartbeat"
+    SPARK_CONTROL = "control"  # the client's control files in one object, on a staging store
+    SPARK_STATE = "state"  # node 0's summary of the attempt (sparkgpu.launch.backends.spark_hub)
 
     @staticmethod
     def payload_files(spec: dict) -> list[str]:
@@ -95,6 +97,11 @@ class RunLayout:
     @staticmethod
     def logs(attempt: int | str) -> str:
         return f"{RunLayout.attempt(attempt)}/logs"
+
+    @staticmethod
+    def log_stream(attempt: int | str, node: int) -> str:
+        """The name of node ``node``'s stream of log bundles on a staging store (:mod:`sparkgpu.launch.log_bundles`)."""
+        return f"{RunLayout.logs(attempt)}/node-{node}"
 
     @staticmethod
     def elastic(attempt: int | str) -> str:
@@ -180,8 +187,21 @@ class RunLayout:
         return f"{RunLayout.spark(attempt)}/{RunLayout.SPARK_CLIENT_HEARTBEAT}"
 
     @staticmethod
+    def spark_control(attempt: int) -> str:
+        return f"{RunLayout.spark(attempt)}/{RunLayout.SPARK_CONTROL}"
+
+    @staticmethod
+    def follow_request(attempt: int) -> str:
+        """Ranks ``sparkgpu logs --follow`` asks the client to read live (the client's own file)."""
+        return f"{RunLayout.spark(attempt)}/follow"
+
+    @staticmethod
+    def spark_state(attempt: int) -> str:
+        return f"{RunLayout.spark(attempt)}/{RunLayout.SPARK_STATE}"
+
+    @staticmethod
     def node_marker(attempt: int, node: int, kind: str) -> str:
-        """A Spark node's marker: ``kind`` is ``"started"``, ``"ended"`` or ``"beat"``."""
+        """A Spark node's marker: ``kind`` is ``"started"`` or ``"ended"``."""
         return f"{RunLayout.spark(attempt)}/node-{node}.{kind}"
 
     @staticmethod

@@ -13,17 +13,22 @@ local files, as with a shared folder.
 Who writes what:
 
 * client -> store: the signed payload and the job's tracking run (``tracking/run.json``),
-  at the job's first submit; while an attempt runs, its control files: ``attempts/<k>/STOP``,
-  ``attempts/<k>/spark/CANCEL`` and ``attempts/<k>/spark/client.heartbeat``.
+  at the job's first submit; while an attempt runs, its control files (``attempts/<k>/STOP``,
+  ``attempts/<k>/spark/CANCEL``, ``attempts/<k>/spark/client.heartbeat``), together as one
+  object, ``attempts/<k>/spark/control``, put again when one of them changes.
 * node -> store: every other file its agent and ranks leave in ``attempts/<k>/`` (logs,
   results, errors, environment reports, node markers) and their tracking records. Object
   stores cannot append, so logs go up as appended bundles (:mod:`sparkgpu.launch.log_bundles`),
   one per node and round, each byte once, no more often than every ``log_interval`` seconds (30 by default, 2 for the ranks
   the client echoes live); the end markers go last, after results and errors, so the client
   never sees a node end without them.
-* store -> client: those node files; logs by their new bundles only, appended to the local files.
-* store -> node: the payload, the control files and the other nodes' exit files
-  (``node-<n>.json``: a failed peer stops this node's ranks).
+* store -> client: while the attempt runs, the files of its ``spark/`` folder (the nodes' start
+  and end markers, node 0's state) and the new bundles of the streams it follows (node 0's,
+  which carries rank 0's logs and tracking records, and those of ``log_ranks=``); when the
+  attempt ends, everything else. Logs arrive by their new bundles only, appended to the local files.
+* store -> node: the payload; to node 0 alone, the client's control object, every
+  ``control_interval`` seconds. The other nodes hear of a cancel, a stop request or a failed
+  peer from node 0 (:mod:`sparkgpu.launch.backends.spark_hub`), never from the store.
 
 Visibility: a file pulled into a local dir appears complete or not at all (temp name, then
 rename); an upload is one whole-object put (on a ``file://`` store: temp name, then rename).
@@ -34,6 +39,8 @@ read from the store may leave the local run dir.
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import re
 import threading
@@ -55,8 +62,8 @@ __all__ = ["StagingStore", "ClientMirror", "NodeMirror", "StoreClock", "scratch_
 LOG_INTERVAL = 30.0
 #: The same for a log the client echoes live (``log_ranks=``).
 FOLLOWED_LOG_INTERVAL = 2.0
-#: Seconds between two pulls of the client's control files by a node.
-CONTROL_INTERVAL = 5.0
+#: Seconds between two pulls of the client's control object by node 0.
+CONTROL_INTERVAL = 20.0
 
 
 def _grows(rel: str) -> bool:
@@ -170,31 +177,53 @@ class StoreClock:
 
 
 class _Reporter:
-    """Says each distinct sync failure once: a store that is down for a while must not flood the log."""
+    """Says each distinct sync failure once, and when the store answers again: a store that is
+    down for a while must not flood the log, nor its end go unsaid."""
 
     def __init__(self, out, who: str):
         self.out, self.who = out, who
         self.seen: set[str] = set()
+        self.failing_since: float | None = None
 
     def __call__(self, exc: BaseException) -> None:
+        if self.failing_since is None:
+            self.failing_since = time.monotonic()
         text = f"{type(exc).__name__}: {exc}"
         if text not in self.seen:
             self.seen.add(text)
-            report(f"{self.who} could not sync with the staging store (retrying): {text}", self.out)
+            report(f"{self.who} could not sync with the staging store (retrying, with backoff): {text}", self.out)
+
+    def answered(self) -> None:
+        if self.failing_since is not None:
+            report(
+                f"{self.who} reaches the staging store again, after {time.monotonic() - self.failing_since:.0f}s",
+                self.out,
+            )
+            self.failing_since = None
+
+
+#: Most seconds between two tries of a sync loop while the store does not answer.
+MAX_BACKOFF = 8.0
 
 
 class _Loop:
-    """A daemon thread calling ``step`` every ``interval`` seconds until stopped."""
+    """A daemon thread calling ``step`` every ``interval`` seconds until stopped; while ``step``
+    fails, the wait doubles up to :data:`MAX_BACKOFF` (an S3 ``SlowDown`` asks for exactly that)."""
 
-    def __init__(self, step, interval: float, name: str, report):
+    def __init__(self, step, interval: float, name: str, reporter: _Reporter):
         self._stop = threading.Event()
 
         def run():
-            while not self._stop.wait(interval):
+            wait = interval
+            while not self._stop.wait(wait):
                 try:
                     step()
                 except Exception as exc:  # fsspec filesystems raise their own types; the next round retries
-                    report(exc)
+                    reporter(exc)
+                    wait = min(max(wait, interval) * 2, max(MAX_BACKOFF, interval))
+                    continue
+                reporter.answered()
+                wait = interval
 
         self._thread = threading.Thread(target=run, daemon=True, name=name)
         self._thread.start()
@@ -220,7 +249,9 @@ class ClientMirror:
     def __init__(self, run_dir: RunDir, store: StagingStore, out=None):
         self.run_dir, self.store = run_dir, store
         self._lock = threading.Lock()
-        self._pushed: dict[str, bytes] = {}  # control file -> the content last put
+        self._pushed: bytes | None = None  # the control object last put
+        self._followed: tuple[int, ...] = (0,)  # nodes whose log streams are read while the attempt runs
+        self._nodes, self._ranks_per_node = 1, 1
         self._stamps: dict[str, tuple] = {}  # whole file -> the store's (size, stamp) last fetched
         self._offsets: dict[str, int] = {}  # growing file -> bytes appended so far
         self._report = _Reporter(out, "the client")
@@ -231,8 +262,6 @@ class ClientMirror:
 
     def upload_payload(self) -> None:
         """Puts the signed payload and the job's tracking run (when it has one) on the store."""
-        import json
-
         spec = json.loads(self.run_dir.spec_file.read_text())
         names = RunLayout.payload_files(spec)
         if (self.run_dir.path / RunLayout.TRACKING_RUN).exists():
@@ -240,22 +269,29 @@ class ClientMirror:
         for rel in names:
             self.store.upload(_local(self.run_dir.path, rel), rel)
 
-    def sync(self, attempt: int) -> int:
-        """Pushes the attempt's changed control files, then pulls its new node files.
+    def sync(self, attempt: int, everything: bool = False) -> int:
+        """Pushes the attempt's control files (one object) when they changed, then pulls what its nodes wrote.
+
+        Args:
+            attempt: The attempt.
+            everything: Pull every file of the attempt (it ended), not only its ``spark/``
+                folder and the log streams followed live.
 
         Returns:
             How many local files changed.
         """
         with self._lock:
+            control = {}
             for rel in RunLayout.control_files(attempt):
                 try:
-                    data = _local(self.run_dir.path, rel).read_bytes()
+                    control[rel] = base64.b64encode(_local(self.run_dir.path, rel).read_bytes()).decode()
                 except FileNotFoundError:
                     continue
-                if self._pushed.get(rel) != data:
-                    self.store.write_bytes(rel, data)
-                    self._pushed[rel] = data
-            changed = self._pull(attempt)
+            body = json.dumps(control, sort_keys=True).encode()
+            if body != self._pushed:
+                self.store.write_bytes(RunLayout.spark_control(attempt), body)
+                self._pushed = body
+            changed = self._pull(attempt) if everything else self._pull_live(attempt)
             self.clock.answered()
             return changed
 
@@ -268,12 +304,38 @@ class ClientMirror:
             return False
         return True
 
+    def _pull_live(self, attempt: int) -> int:
+        """The files of the attempt's ``spark/`` folder that changed (one listing) and the new
+        bundles of the followed streams (one read each when nothing is new): a number of
+        requests that does not grow with the attempt's nodes."""
+        changed = self._pull_listed(attempt, self.store.list(RunLayout.spark(attempt), recursive=False))
+        for node in sorted({*self._followed, *self._asked(attempt)}):
+            changed += self._logs.follow(self.store, RunLayout.log_stream(attempt, node))
+        return changed
+
+    def _asked(self, attempt: int) -> set[int]:
+        """Nodes whose ranks ``sparkgpu logs --follow`` (another process) asks for, while it asks."""
+        try:
+            request = json.loads(_local(self.run_dir.path, RunLayout.follow_request(attempt)).read_text())
+            if float(request["until"]) < time.time():
+                return set()
+            ranks = request["ranks"]
+            if ranks is None:
+                return set(range(self._nodes))
+            return {int(r) // self._ranks_per_node for r in ranks if 0 <= int(r) // self._ranks_per_node < self._nodes}
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            return set()
+
     def _pull(self, attempt: int) -> int:
+        """Every file of the attempt that changed."""
         listed = self.store.list(RunLayout.attempt(attempt))
         records = self.store.list(RunLayout.TRACKING_RECORDS, recursive=False)
         ours = RunLayout.tracking_records_of(attempt)
         listed.update((rel, v) for rel, v in records.items() if rel.rsplit("/", 1)[-1].startswith(ours))
-        skip = set(RunLayout.control_files(attempt))
+        return self._pull_listed(attempt, listed)
+
+    def _pull_listed(self, attempt: int, listed: dict[str, tuple]) -> int:
+        skip = {*RunLayout.control_files(attempt), RunLayout.spark_control(attempt)}
         changed = 0
         bundles: dict[str, dict[int, int]] = {}
         for rel, (size, stamp) in sorted(listed.items()):
@@ -302,8 +364,19 @@ class ClientMirror:
                 changed += 1
         return changed + self._logs.fetch(self.store, bundles)
 
-    def start(self, attempt: int, interval: float = 1.0) -> None:
-        """Syncs in a background thread every ``interval`` seconds until :meth:`finish`."""
+    def start(
+        self,
+        attempt: int,
+        interval: float = 1.0,
+        followed: tuple[int, ...] = (0,),
+        nodes: int = 1,
+        ranks_per_node: int = 1,
+    ) -> None:
+        """Syncs in a background thread every ``interval`` seconds until :meth:`finish`, reading
+        the log streams of the ``followed`` nodes as they grow, and of the nodes whose ranks
+        ``sparkgpu logs --follow`` asks for (the attempt has ``nodes`` of ``ranks_per_node``)."""
+        self._followed = tuple(sorted(set(followed)))
+        self._nodes, self._ranks_per_node = nodes, max(1, ranks_per_node)
         self._loop = _Loop(
             lambda: self.sync(attempt), interval, f"sparkgpu-store-{self.run_dir.job_id}-{attempt}", self._report
         )
@@ -318,7 +391,7 @@ class ClientMirror:
             self._loop.stop()
         for tried in range(1, tries + 1):
             try:
-                self.sync(attempt)
+                self.sync(attempt, everything=True)
                 return None
             except Exception as exc:  # whatever the filesystem raises: tried again, then returned
                 if tried == tries:
@@ -355,8 +428,8 @@ class NodeMirror:
         followed: Logs (names relative to the run dir) someone echoes live: shipped every
             ``followed_interval`` seconds instead.
         out: Where sync failures are reported (the executor's stderr by default).
-        control_interval: Seconds between two pulls of the client's control files and the
-            peers' exit files (a cancel reaches the node within about this long).
+        control_interval: Seconds between two pulls of the client's control object by node 0
+            (a cancel reaches the ranks within about this long).
     """
 
     def __init__(
@@ -377,7 +450,7 @@ class NodeMirror:
         self.clock = StoreClock(max_step=2 * control_interval)
         self.log_interval, self.followed, self.followed_interval = log_interval, followed, followed_interval
         self._lock = threading.Lock()
-        self._pulled: dict[str, tuple] = {}  # what came from the store: never pushed back
+        self._pulled: dict[str, str] = {}  # control files that came from the store: never pushed back
         self._pushed: dict[str, tuple] = {}  # local (size, mtime_ns) last put
         self._logs = LogShipper(store, f"{RunLayout.logs(attempt)}/node-{node}")
         self._last_ship = -float("inf")
@@ -390,8 +463,6 @@ class NodeMirror:
         Raises:
             FileNotFoundError: The store holds no payload for the job.
         """
-        import json
-
         self.store.download(RunLayout.SPEC, self.run_dir.spec_file)
         names = [
             n for n in RunLayout.payload_files(json.loads(self.run_dir.spec_file.read_text())) if n != RunLayout.SPEC
@@ -406,19 +477,31 @@ class NodeMirror:
         return self.store.exists(RunLayout.node_marker(self.attempt, self.node, "started"))
 
     def pull_control(self) -> None:
-        """Fetches the client's new control files and the other nodes' exit files."""
+        """Fetches the client's control object and writes the files in it that changed (node 0 only:
+        the other nodes hear of them from node 0)."""
+        if self.node != 0:
+            return
         with self._lock:
-            listed = {
-                **self.store.list(RunLayout.attempt(self.attempt), recursive=False),
-                **self.store.list(RunLayout.spark(self.attempt), recursive=False),
-            }
             wanted = set(RunLayout.control_files(self.attempt))
-            own = RunLayout.node_exits(self.attempt, self.node)
-            for rel, stamp in listed.items():
-                peer = RunLayout.is_node_exits(rel) and rel != own
-                if (rel in wanted or peer) and self._pulled.get(rel) != stamp:
-                    self.store.download(rel, _local(self.run_dir.path, rel))
-                    self._pulled[rel] = stamp
+            try:
+                files = json.loads(self.store.read_bytes(RunLayout.spark_control(self.attempt)))
+            except FileNotFoundError:
+                files = {}
+            except ValueError as exc:
+                self._report(ValueError(f"the client's control object is not JSON: {exc}"))
+                files = {}
+            for rel, text in files.items() if isinstance(files, dict) else ():
+                if rel not in wanted or self._pulled.get(rel) == text:
+                    continue
+                try:
+                    data = base64.b64decode(text, validate=True)
+                except (ValueError, TypeError) as exc:
+                    self._report(ValueError(f"the client's control object holds a malformed {rel}: {exc}"))
+                    continue
+                local = _local(self.run_dir.path, rel)
+                local.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_bytes(local, data, fsync=False)  # sealed by the client: checked on read
+                self._pulled[rel] = text
             self.clock.answered()
 
     def push(self, final: bool = False) -> None:

@@ -1,5 +1,6 @@
 """Clients on a real Spark standalone cluster: a client killed mid-job (its nodes stop their ranks
-when its heartbeat stops, and ``sparkgpu resume`` continues the job from its checkpoint), three
+when its heartbeat stops, and ``sparkgpu resume`` continues the job from its checkpoint), a client
+killed while its job waits for GPUs (``sparkgpu resume`` continues it once they free up), three
 jobs competing for a cluster that fits two (they queue: none fails, none is half-scheduled, no GPU
 serves two jobs at once), and every port of the cluster and of its jobs on loopback only.
 
@@ -263,6 +264,67 @@ def test_three_jobs_on_a_cluster_that_fits_two_queue_and_never_share_a_gpu(clien
     last = max(results, key=lambda result: min(r["started"] for r in result))
     first_end = min(max(r["ended"] for r in result) for result in results if result is not last)
     assert min(r["started"] for r in last) >= first_end
+
+
+#: A client whose job must wait: every GPU of the cluster is held by another job.
+WAITING_CLIENT = textwrap.dedent("""
+    import sys
+
+    from pyspark.sql import SparkSession
+
+    import sparkgpu
+
+    spark = SparkSession.builder.remote(sys.argv[1]).getOrCreate()
+    print(spark.gpu.train(sum, gpus=2, gpu_type="A10", args=([1, 2],), name="waited"))
+""")
+
+
+def test_a_client_killed_while_its_job_waits_for_gpus_is_continued_by_resume(clients_cluster, clients_spark, tmp_path):
+    holder = clients_spark.gpu.distributed(hold_a_gpu, gpus=4, gpu_type="A10").submit(45.0)
+    script, output = tmp_path / "client.py", tmp_path / "client.log"
+    script.write_text(WAITING_CLIENT)
+    client = None
+    try:
+        wait_for(
+            lambda: len(list(holder.run_dir.path.glob("attempts/0/spark/node-*.started"))) == 2,
+            240,
+            "the job holding every GPU to start",
+        )
+        with open(output, "w") as log:
+            client = subprocess.Popen(
+                [sys.executable, str(script), clients_cluster.connect_url],
+                env=client_env(SPARKGPU_SPARK_CLIENT_TIMEOUT=str(CLIENT_TIMEOUT)),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        wait_for(
+            lambda: "waits for 2 GPUs" in output.read_text(), 120, "the client's job to queue for GPUs", client, output
+        )
+        (run_dir,) = settings().staging_root.glob("waited-*")
+        client.send_signal(signal.SIGKILL)  # dies while its job waits: nobody runs it now
+        client.wait(timeout=30)
+        # It never got its GPUs: no attempt was recorded, or one that never started.
+        state = json.loads((run_dir / "state.json").read_text()) if (run_dir / "state.json").exists() else None
+        assert state is None or all(a["started_at"] is None for a in state["attempts"])
+        assert [r["rank"] for r in holder.result(timeout=240)] == [0, 1, 2, 3]
+    finally:
+        if client is not None and client.poll() is None:
+            client.kill()
+        holder.cancel(timeout=60)
+
+    # A fresh process with no session: the job says where it ran, waits its turn and runs.
+    resumed = subprocess.run(
+        [sys.executable, "-m", "sparkgpu.cli", "resume", run_dir.name],
+        env=client_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:] + resumed.stdout[-2000:]
+    assert f"job {run_dir.name} succeeded on 2 ranks" in resumed.stdout
+    state = json.loads((run_dir / "state.json").read_text())
+    assert state["status"] == "succeeded" and state["attempts"][-1]["status"] == "succeeded"
+    assert_no_orphans(run_dir, within=15)
 
 
 def test_a_restarted_connect_server_ends_the_attempt_and_the_job_resumes_on_a_new_session(clients_cluster, tmp_path):

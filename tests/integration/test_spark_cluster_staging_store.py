@@ -9,6 +9,7 @@ the in-process Connect server exists).
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 from pathlib import Path
@@ -142,5 +143,7 @@ def test_the_checkpoint_request_reaches_the_nodes_and_the_job_resumes_through_th
     assert [a["status"] for a in state["attempts"]] == ["preempted", "succeeded"]
     first = state["attempts"][0]
     assert 10 <= first["ended_at"] - first["started_at"] < 40  # the STOP file reached the ranks before the cap
-    assert "runtime cap" in (staging_store / job_id / "attempts/0/STOP").read_text()
+    # The client's control files travel as one object, which node 0 fetched and handed on.
+    control = json.loads((staging_store / job_id / "attempts/0/spark/control").read_text())
+    assert "runtime cap" in base64.b64decode(control["attempts/0/STOP"]).decode()
     assert (settings().staging_root / job_id / "attempts/0/results/rank-0.preempted").exists()

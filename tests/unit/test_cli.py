@@ -98,6 +98,15 @@ def test_logs_of_one_rank_all_ranks_and_an_earlier_attempt(capsys):
     assert run_cli(capsys, "logs", "flaky-2026", "--follow")[:2] == (0, "attempt 1 rank 0\n")
 
 
+def test_following_a_spark_attempts_rank_asks_its_client_to_read_that_ranks_logs_live(capsys):
+    rd = finished_job("spark-20260101-000000-abcdef", ["ok"])
+    rd.spark_dir(0).mkdir(parents=True)  # an attempt on Spark: its client reads node 0's logs live
+    before = time.time()
+    assert run_cli(capsys, "logs", "spark-2026", "--rank", "1", "--follow")[0] == 0
+    request = json.loads(rd.file("attempts/0/spark/follow").read_text())
+    assert request["ranks"] == [1] and before + 29 <= request["until"] <= time.time() + 30
+
+
 @pytest.mark.parametrize(
     "argv, match",
     [

@@ -71,21 +71,24 @@ def test_the_spark_heartbeat_timeouts_are_settings_a_backend_takes_unless_given(
 
     default = Settings.from_env({"SPARKGPU_HOME": str(tmp_path)})
     assert (default.spark_client_timeout, default.spark_node_timeout) == (120.0, 10.0)
+    assert default.spark_control_interval == 20.0  # one store request per look of node 0: 180 an hour
     never = Settings.from_env({"SPARKGPU_HOME": str(tmp_path), "SPARKGPU_SPARK_CLIENT_TIMEOUT": "none"})
     assert never.spark_client_timeout is None
     for name, raw, message in (
         ("SPARKGPU_SPARK_CLIENT_TIMEOUT", "2", "must be at least 6 seconds, or none"),
         ("SPARKGPU_SPARK_NODE_TIMEOUT", "-3", "must be at least 3 seconds, e.g."),
         ("SPARKGPU_SPARK_NODE_TIMEOUT", "none", "is not a number"),
+        ("SPARKGPU_SPARK_CONTROL_INTERVAL", "0", "must be at least 0.5 seconds, e.g."),
     ):
         with pytest.raises(ConfigurationError, match=f"{name}='{raw}' {message}"):
             Settings.from_env({"SPARKGPU_HOME": str(tmp_path), name: raw})
 
     monkeypatch.setenv("SPARKGPU_SPARK_CLIENT_TIMEOUT", "30")
     monkeypatch.setenv("SPARKGPU_SPARK_NODE_TIMEOUT", "25")
+    monkeypatch.setenv("SPARKGPU_SPARK_CONTROL_INTERVAL", "5")
     reset_settings()
     backend = SparkBackend(spark=object(), staging_url="")
-    assert (backend.client_timeout, backend.node_timeout) == (30.0, 25.0)
+    assert (backend.client_timeout, backend.node_timeout, backend.control_interval) == (30.0, 25.0, 5.0)
     given = SparkBackend(spark=object(), staging_url="", client_timeout=None, node_timeout=4.0)
     assert (given.client_timeout, given.node_timeout) == (None, 4.0)  # None: the nodes never stop on it
 

@@ -99,7 +99,7 @@ def test_spark_node_markers_are_read_by_node_and_kind(tmp_path):
     rd.spark_dir(2).mkdir(parents=True)
     for node in (0, 1, 3):
         assert rd.create_control(rd.node_marker(2, node, "started"), b"{}")
-        rd.write_control(rd.node_marker(2, node, "beat"), b"1\n")
+        rd.write_control(rd.spark_dir(2) / "state", b"{}")  # node 0's state: no node's marker
     rd.write_control(rd.node_marker(2, 1, "ended"), b"{}")
     rd.node_marker(2, 3, "ended").write_text("{}")  # not sealed: a writer of the run dir without the key
     (rd.spark_dir(2) / ".node-0.ended.1a2b.tmp").write_text("{")  # a writer killed mid-write

@@ -16,7 +16,8 @@ import pytest
 from sparkgpu.launch.attempt_report import AttemptReport
 from sparkgpu.launch.backends.spark import SparkAttempt, SparkBackend
 from sparkgpu.launch.backends.spark_capacity import NodeLayout
-from sparkgpu.launch.backends.spark_node import NodeLaunch, _watch
+from sparkgpu.launch.backends.spark_hub import HubLink
+from sparkgpu.launch.backends.spark_node import NodeLaunch, NodeLink, NodeZero, _watch, open_hub
 from sparkgpu.launch.serialization import serialize_payload
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
@@ -63,9 +64,10 @@ def start_marker(attempt, node, started_at):
 
 
 class RunningNode:
-    """One node of the attempt: an agent process watched by spark_node's loop in a thread."""
+    """One node of the attempt: an agent process watched by spark_node's loop in a thread; node 0
+    serves the hub that the others beat to (``hub`` is node 0's RunningNode for them)."""
 
-    def __init__(self, attempt, node, peer_timeout=None):
+    def __init__(self, attempt, node, peer_timeout=None, hub=None):
         start_marker(attempt, node, time.time())
         self.agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
         launch = NodeLaunch(
@@ -78,8 +80,15 @@ class RunningNode:
             shutdown_grace=attempt.job.policy.shutdown_grace,
             client_timeout=None,
             peer_timeout=peer_timeout,
+            control_interval=0.5,
         )
-        self.thread = threading.Thread(target=_watch, args=(self.agent, attempt.run_dir, launch, node), daemon=True)
+        if node == 0:
+            self.channel = NodeZero(open_hub(launch, "127.0.0.1"), attempt.run_dir, launch)
+        else:
+            link = HubLink(launch.key, attempt.attempt, node, ("127.0.0.1", hub.channel.hub.port), 10.0)
+            self.channel = NodeLink(link, attempt.run_dir, launch)
+        args = (self.agent, attempt.run_dir, launch, node, self.channel)
+        self.thread = threading.Thread(target=_watch, args=args, daemon=True)
         self.thread.start()
 
     def stop(self):
@@ -88,10 +97,15 @@ class RunningNode:
         self.thread.join(10)
 
 
+def two_nodes(attempt):
+    first = RunningNode(attempt, 0)
+    return [first, RunningNode(attempt, 1, hub=first)]
+
+
 def test_ranks_that_outlive_a_broken_stream_are_stopped_before_the_attempt_ends(attempt):
     session = TaggedSession()
-    backend = SparkBackend(spark=session, client_timeout=None)
-    nodes = [RunningNode(attempt, n) for n in range(2)]
+    backend = SparkBackend(spark=session, client_timeout=None, control_interval=0.5)
+    nodes = two_nodes(attempt)
     try:
         backend._run_action(attempt, BrokenStream())  # the action thread's work, in this thread
         assert backend.poll(attempt) == 1
@@ -104,20 +118,20 @@ def test_ranks_that_outlive_a_broken_stream_are_stopped_before_the_attempt_ends(
         notes = "\n".join(AttemptReport.read(attempt.run_dir.attempt_dir(0)).notes)
         assert "the Spark job of this attempt failed: ConnectionError" in notes and "did not confirm" not in notes
     finally:
-        for node in nodes:
+        for node in reversed(nodes):
             node.stop()
 
 
 def test_nodes_that_never_confirm_are_waited_for_a_bounded_time(attempt):
-    backend = SparkBackend(spark=TaggedSession(), client_timeout=None)
+    backend = SparkBackend(spark=TaggedSession(), client_timeout=None, control_interval=0.5)
     backend.node_stop_margin = 0.5
     start_marker(attempt, 0, time.time())  # a node whose executor is gone: it never writes its end
     backend._run_action(attempt, BrokenStream())
     started = time.monotonic()
     assert backend.poll(attempt) == 1
-    assert 1.0 <= time.monotonic() - started < 5  # shutdown_grace 0.5 + margin 0.5
+    assert 1.5 <= time.monotonic() - started < 6  # shutdown_grace 0.5 + control interval 0.5 + margin 0.5
     (note,) = [n for n in AttemptReport.read(attempt.run_dir.attempt_dir(0)).notes if "did not confirm" in n]
-    assert "node(s) 0 did not confirm within 1s that their ranks stopped" in note
+    assert "node(s) 0 did not confirm within 1.5s that their ranks stopped" in note
 
 
 def test_a_cancelled_attempt_does_not_wait_again(attempt):
@@ -173,14 +187,13 @@ def test_the_spark_backend_says_its_ranks_wait_for_gpus():
 
 
 def lost_node(attempt, node):
-    """A node that started and beat once, then vanished with its executor: no more beats, no end marker."""
+    """A node that started, then vanished with its executor before its first beat: no end marker."""
     rd = attempt.run_dir
     info = {"node": node, "executor": "7", "host": "10.0.0.7", "started_at": time.time()}
     assert rd.create_control(rd.node_marker(attempt.attempt, node, "started"), json.dumps(info).encode())
-    rd.write_control(rd.node_marker(attempt.attempt, node, "beat"), b"1\n")
 
 
-def test_a_node_stops_its_ranks_when_a_peer_stops_beating(attempt):
+def test_node_0_stops_its_ranks_when_a_node_stops_beating_and_names_it(attempt):
     lost_node(attempt, 1)
     node = RunningNode(attempt, 0, peer_timeout=1.0)
     try:
@@ -188,16 +201,17 @@ def test_a_node_stops_its_ranks_when_a_peer_stops_beating(attempt):
         node.thread.join(10)
         ended = attempt.run_dir.read_control_json(attempt.run_dir.spark_dir(0) / "node-0.ended")
         assert ended["state"] == "peer-lost"
+        state = attempt.run_dir.read_control_json(attempt.run_dir.spark_dir(0) / "state")
+        assert list(state["lost"]) == ["1"] and state["stop"][0] == "peer-lost"
     finally:
         node.stop()
 
 
-def test_the_client_counts_a_silent_node_lost_stops_the_others_and_reports_its_host(attempt):
+def test_the_client_names_the_node_node_0_lost_stops_the_others_and_reports_its_host(attempt):
     session = TaggedSession()
-    backend = SparkBackend(spark=session, client_timeout=None)
-    backend.node_timeout = 3.0  # node 0 beats every second: a loaded machine must not make it look lost
+    backend = SparkBackend(spark=session, client_timeout=None, control_interval=0.5)
     lost_node(attempt, 1)
-    survivor = RunningNode(attempt, 0)  # watches no peers: the client's cancel marker stops it
+    survivor = RunningNode(attempt, 0, peer_timeout=3.0)  # a loaded machine must not make a node look lost
     try:
         deadline = time.monotonic() + 15
         while not session.interrupted and time.monotonic() < deadline:
@@ -209,9 +223,23 @@ def test_the_client_counts_a_silent_node_lost_stops_the_others_and_reports_its_h
         assert backend.poll(attempt) == 1
         report = AttemptReport.read(attempt.run_dir.attempt_dir(0))
         assert [(n.node, n.executor, n.host, n.ranks) for n in report.lost] == [(1, "7", "10.0.0.7", [1])]
-        assert report.lost_message().startswith("executor 7 on host 10.0.0.7 was lost (no heartbeat from it")
+        assert report.lost_message().startswith("executor 7 on host 10.0.0.7 was lost (node 0 heard no beat from it")
         assert report.lost_at is not None and report.lost_at <= time.time()
-        assert [n.state for n in report.nodes] == ["cancelled", "lost"]
+        assert [n.state for n in report.nodes] == ["peer-lost", "lost"]
         assert not any("the Spark job of this attempt failed" in note for note in report.notes)
     finally:
         survivor.stop()
+
+
+def test_the_client_names_node_0_lost_when_the_other_nodes_lost_it(attempt):
+    session = TaggedSession()
+    backend = SparkBackend(spark=session, client_timeout=None, control_interval=0.5)
+    lost_node(attempt, 0)  # node 0 vanished: its hub answers nobody
+    start_marker(attempt, 1, time.time())
+    rd = attempt.run_dir
+    ended = {"node": 1, "exit_code": -15, "state": "peer-lost", "lost": [0]}
+    rd.write_control(rd.node_marker(0, 1, "ended"), json.dumps(ended).encode())
+    assert backend.poll(attempt) is None
+    assert session.interrupted == ["sparkgpu-job-1-0"]
+    (lost,) = AttemptReport.read(rd.attempt_dir(0)).lost
+    assert lost.node == 0 and "node 1 heard nothing from it" in lost.cause

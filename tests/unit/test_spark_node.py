@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -17,7 +18,8 @@ import pytest
 from sparkgpu._files import atomic_write_bytes
 from sparkgpu.launch.agent import strip_spark_secrets
 from sparkgpu.launch.backends import spark_node
-from sparkgpu.launch.backends.spark_node import Heartbeat, NodeLaunch, _claim, _watch
+from sparkgpu.launch.backends.spark_hub import HubLink
+from sparkgpu.launch.backends.spark_node import Heartbeat, NodeLaunch, NodeLink, NodeZero, _claim, _watch, open_hub
 from sparkgpu.launch.run_dir import RunDir
 
 FAKE_AGENT = textwrap.dedent("""
@@ -49,54 +51,96 @@ def start_agent(tmp_path, seconds: float, code: int = 0) -> subprocess.Popen:
     return proc
 
 
-def launch(rd: RunDir, client_timeout=None) -> NodeLaunch:
+def launch(rd: RunDir, client_timeout=None, nnodes=1) -> NodeLaunch:
     return NodeLaunch(
         run_dir=str(rd.path),
         attempt=0,
-        nnodes=2,
+        nnodes=nnodes,
         nproc=2,
         env={},
         key=b"k" * 32,
         shutdown_grace=1,
         client_timeout=client_timeout,
+        peer_timeout=3.0,
+        control_interval=0.5,
     )
 
 
+def zero(rd: RunDir, node_launch: NodeLaunch) -> NodeZero:
+    """Node 0's channel, its hub on loopback."""
+    return NodeZero(open_hub(node_launch, "127.0.0.1"), rd, node_launch)
+
+
+def link(rd: RunDir, node_launch: NodeLaunch, hub_of: NodeZero, node: int = 1) -> NodeLink:
+    address = ("127.0.0.1", hub_of.hub.port)
+    return NodeLink(HubLink(node_launch.key, 0, node, address, node_launch.peer_timeout), rd, node_launch)
+
+
+def watch_both(run_dir, tmp_path, seconds0, code0, seconds1, code1):
+    """Node 0 and node 1 of one attempt, each watching its own agent; ``{node: (code, state)}``."""
+    both = launch(run_dir, nnodes=2)
+    first = zero(run_dir, both)
+    second = link(run_dir, both, first)
+    agents = {0: start_agent(tmp_path, seconds0, code0), 1: start_agent(tmp_path, seconds1, code1)}
+    ends = {}
+    threads = [
+        threading.Thread(target=lambda n=n, c=c: ends.__setitem__(n, _watch(agents[n], run_dir, both, n, c)))
+        for n, c in ((0, first), (1, second))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return ends
+
+
 def test_an_agent_that_finishes_is_reported_with_its_exit_code(run_dir, tmp_path):
+    alone = launch(run_dir)
     agent = start_agent(tmp_path, 0.2, code=0)
-    assert _watch(agent, run_dir, launch(run_dir), node=0) == (0, "succeeded")
+    assert _watch(agent, run_dir, alone, 0, zero(run_dir, alone)) == (0, "succeeded")
     ended = run_dir.read_control_json(run_dir.node_marker(0, 0, "ended"))
     assert ended["state"] == "succeeded" and ended["exit_code"] == 0
-    failing = start_agent(tmp_path, 0.1, code=1)
-    assert _watch(failing, run_dir, launch(run_dir), node=1) == (1, "failed")
+    state = run_dir.read_control_json(run_dir.file("attempts/0/spark/state"))
+    assert state["ended"]["0"]["state"] == "succeeded" and state["lost"] == {} and state["stop"] is None
 
 
 def test_the_cancel_marker_stops_the_agent_with_sigterm(run_dir, tmp_path):
+    alone = launch(run_dir)
     agent = start_agent(tmp_path, 60)
     run_dir.write_control(run_dir.spark_cancel_file(0), b"x")
     started = time.monotonic()
-    assert _watch(agent, run_dir, launch(run_dir), node=0) == (143, "cancelled")
+    assert _watch(agent, run_dir, alone, 0, zero(run_dir, alone)) == (143, "cancelled")
     assert time.monotonic() - started < 5
     assert "agent got SIGTERM" in agent.stdout.read()
 
 
-def test_a_failed_peer_node_stops_this_node(run_dir, tmp_path):
-    run_dir.write_control(run_dir.node_file(0, 1), json.dumps({"node_rank": 1, "status": 1, "failures": {}}).encode())
-    agent = start_agent(tmp_path, 60)
-    assert _watch(agent, run_dir, launch(run_dir), node=0) == (143, "peer-failed")
+def test_the_cancel_marker_reaches_every_node_through_node_0(run_dir, tmp_path):
+    run_dir.write_control(run_dir.spark_cancel_file(0), b"cancelled by the client\n")
+    assert watch_both(run_dir, tmp_path, 60, 0, 60, 0) == {0: (143, "cancelled"), 1: (143, "cancelled")}
 
 
-def test_a_peer_that_succeeded_does_not_stop_this_node(run_dir, tmp_path):
-    run_dir.write_control(run_dir.node_file(0, 1), json.dumps({"node_rank": 1, "status": 0, "failures": {}}).encode())
-    agent = start_agent(tmp_path, 0.5)
-    assert _watch(agent, run_dir, launch(run_dir), node=0) == (0, "succeeded")
+def test_a_failed_node_stops_the_others(run_dir, tmp_path):
+    assert watch_both(run_dir, tmp_path, 60, 0, 0.3, 1) == {0: (143, "peer-failed"), 1: (1, "failed")}
+    state = run_dir.read_control_json(run_dir.file("attempts/0/spark/state"))
+    assert state["stop"][0] == "peer-failed" and state["ended"]["1"]["state"] == "failed"
+
+
+def test_a_failed_node_0_stops_the_others(run_dir, tmp_path):
+    assert watch_both(run_dir, tmp_path, 0.3, 1, 60, 0) == {0: (1, "failed"), 1: (143, "peer-failed")}
+
+
+def test_a_node_that_succeeded_stops_nobody(run_dir, tmp_path):
+    assert watch_both(run_dir, tmp_path, 1.0, 0, 0.2, 0) == {0: (0, "succeeded"), 1: (0, "succeeded")}
+    state = run_dir.read_control_json(run_dir.file("attempts/0/spark/state"))
+    assert state["stop"] is None and set(state["ended"]) == {"0", "1"}
 
 
 def test_a_silent_client_stops_the_node_after_its_timeout(run_dir, tmp_path):
     run_dir.write_control(run_dir.client_heartbeat_file(0), b"7\n")  # and never again: the client died
+    alone = launch(run_dir, client_timeout=1.0)
     agent = start_agent(tmp_path, 60)
     started = time.monotonic()
-    assert _watch(agent, run_dir, launch(run_dir, client_timeout=1.0), node=0) == (143, "client-lost")
+    assert _watch(agent, run_dir, alone, 0, zero(run_dir, alone)) == (143, "client-lost")
     assert 1.0 <= time.monotonic() - started < 6
 
 
@@ -109,12 +153,13 @@ def test_an_agent_that_ignores_sigterm_is_killed_after_the_grace(run_dir, tmp_pa
     agent.stdout.readline()
     run_dir.write_control(run_dir.spark_cancel_file(0), b"x")
     started = time.monotonic()
-    code, state = _watch(agent, run_dir, launch(run_dir), node=0)  # grace 1 s + 5 s
+    alone = launch(run_dir)
+    code, state = _watch(agent, run_dir, alone, 0, zero(run_dir, alone))  # grace 1 s + 5 s
     assert (code, state) == (-9, "cancelled") and time.monotonic() - started < 12
 
 
 def test_heartbeat_counts_growing_sealed_counts_not_clocks(run_dir, monkeypatch):
-    path = run_dir.node_marker(0, 1, "beat")
+    path = run_dir.client_heartbeat_file(0)
     now = [100.0]
     monkeypatch.setattr(spark_node.time, "monotonic", lambda: now[0])
     beat = Heartbeat(run_dir, path, timeout=10)
@@ -130,8 +175,8 @@ def test_heartbeat_counts_growing_sealed_counts_not_clocks(run_dir, monkeypatch)
     assert not Heartbeat(run_dir, path, timeout=None).lost()
 
 
-def test_forged_or_replayed_beats_keep_no_lost_node_alive(run_dir, monkeypatch):
-    path = run_dir.node_marker(0, 1, "beat")
+def test_forged_or_replayed_beats_keep_no_lost_client_alive(run_dir, monkeypatch):
+    path = run_dir.client_heartbeat_file(0)
     now = [100.0]
     monkeypatch.setattr(spark_node.time, "monotonic", lambda: now[0])
     beat = Heartbeat(run_dir, path, timeout=10)

@@ -15,7 +15,8 @@ from sparkgpu.launch.backends import spark_node
 from sparkgpu.launch.attempt_report import AttemptReport
 from sparkgpu.launch.backends.spark import SparkAttempt, SparkBackend
 from sparkgpu.launch.backends.spark_capacity import NodeLayout
-from sparkgpu.launch.backends.spark_node import NodeLaunch, _claim, _watch
+from sparkgpu.launch.backends.spark_hub import HubLink
+from sparkgpu.launch.backends.spark_node import NodeLaunch, NodeLink, NodeZero, _claim, _watch, open_hub
 from sparkgpu.launch.serialization import serialize_payload
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.staging import NodeMirror, StagingStore
@@ -45,9 +46,11 @@ def job(tmp_path, monkeypatch):
 class NodeOnItsOwnExecutor:
     """One node in its own scratch dir: the payload comes from the store, markers go back to it."""
 
-    def __init__(self, tmp_path, url, node):
+    def __init__(self, tmp_path, url, node, hub=None):
         self.rd = RunDir(tmp_path / f"executor-{node}" / "job-1", key=b"k" * 32)  # as the node's check sets it
-        self.mirror = NodeMirror(StagingStore(f"{url}/ana", "job-1"), self.rd, 0, node, log_interval=0.0)
+        self.mirror = NodeMirror(
+            StagingStore(f"{url}/ana", "job-1"), self.rd, 0, node, log_interval=0.0, control_interval=0.5
+        )
         self.mirror.download_payload()
         assert _claim(self.rd, self.rd.node_marker(0, node, "started"), {"node": node, "started_at": time.time()})
         self.mirror.start(interval=0.1)
@@ -62,10 +65,16 @@ class NodeOnItsOwnExecutor:
             shutdown_grace=0.5,
             client_timeout=None,
             store_url=f"{url}/ana",
+            control_interval=0.5,
         )
+        if node == 0:  # node 0 serves the hub; the other node beats to it
+            self.channel = NodeZero(open_hub(launch, "127.0.0.1"), self.rd, launch, self.mirror.clock)
+        else:
+            link = HubLink(launch.key, 0, node, ("127.0.0.1", hub.channel.hub.port), 10.0)
+            self.channel = NodeLink(link, self.rd, launch)
 
         def run():
-            _watch(self.agent, self.rd, launch, node)
+            _watch(self.agent, self.rd, launch, node, self.channel)
             self.mirror.finish()  # as run_node does: the end marker goes up last
 
         self.thread = threading.Thread(target=run, daemon=True)
@@ -81,7 +90,7 @@ def test_ranks_that_outlive_a_broken_stream_are_stopped_through_the_store(job, t
     monkeypatch.setattr(spark_node, "_POLL_SECONDS", 0.05)
     job, rd, url = job
     session = TaggedSession()
-    backend = SparkBackend(spark=session, client_timeout=None, staging_url=url)
+    backend = SparkBackend(spark=session, client_timeout=None, staging_url=url, control_interval=0.5)
     handle = SparkAttempt(
         attempt=0,
         job=job,
@@ -93,7 +102,8 @@ def test_ranks_that_outlive_a_broken_stream_are_stopped_through_the_store(job, t
         mirror=backend._mirror(rd),
     )
     handle.mirror.start(0, 0.1)
-    nodes = [NodeOnItsOwnExecutor(tmp_path, url, n) for n in range(2)]
+    first = NodeOnItsOwnExecutor(tmp_path, url, 0)
+    nodes = [first, NodeOnItsOwnExecutor(tmp_path, url, 1, hub=first)]
     try:
         deadline = time.monotonic() + 10
         while backend.ranks_started_at(handle) is None and time.monotonic() < deadline:
@@ -105,10 +115,11 @@ def test_ranks_that_outlive_a_broken_stream_are_stopped_through_the_store(job, t
         # The cancel marker went up, the nodes stopped their agents, their end markers came down.
         assert [n.agent.poll() for n in nodes] == [-15, -15]
         assert [rd.read_control_json(rd.node_marker(0, n, "ended"))["state"] for n in (0, 1)] == ["cancelled"] * 2
-        assert (tmp_path / "store" / "ana" / "job-1" / "attempts/0/spark/CANCEL").exists()
+        # One object carries the client's control files; node 0 alone read it and told node 1.
+        assert (tmp_path / "store" / "ana" / "job-1" / "attempts/0/spark/control").exists()
         assert "did not confirm" not in "\n".join(AttemptReport.read(rd.attempt_dir(0)).notes)
     finally:
-        for node in nodes:
+        for node in reversed(nodes):
             node.stop()
 
 

@@ -15,7 +15,7 @@ from sparkgpu.errors import PayloadSignatureError
 from sparkgpu.launch.serialization import serialize_payload
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch import log_bundles
-from sparkgpu.launch.backends.spark_node import Heartbeat
+from sparkgpu.launch.backends.spark_node_channel import Heartbeat
 from sparkgpu.launch.log_bundles import LogReader, LogShipper, parse_bundle_name
 from sparkgpu.launch.staging import (
     ClientMirror,
@@ -118,8 +118,9 @@ def test_a_growing_log_reaches_the_client_by_its_new_bytes_only(sides):
     ]
     assert client.sync(0) == 1
     assert local.read_bytes() == b"step 1\nstep 2\nstep 3\n"
-    assert reads == [f"attempts/0/logs/node-0.parts/{1:016d}"]  # the client reads the new bundle only
-    assert client.sync(0) == 0 and len(reads) == 1  # nothing new: nothing read
+    # The client reads the new bundle by its name, then finds no next one: no listing of the logs.
+    assert reads == [f"attempts/0/logs/node-0.parts/{n:016d}" for n in (1, 2)]
+    assert client.sync(0) == 0 and reads[2:] == [f"attempts/0/logs/node-0.parts/{2:016d}"]  # nothing new: one read
 
 
 def test_one_bundle_carries_every_log_of_the_node_and_ships_at_most_every_log_interval(sides):
@@ -156,6 +157,32 @@ def test_a_followed_log_ships_at_its_own_shorter_interval(sides):
     client.sync(0)
     assert client.run_dir.log_file(0, 0).read_text() == "echoed\n"  # followed: shipped at once, with the rest
     assert client.run_dir.log_file(0, 1).read_text() == "one\ntwo\n"
+
+
+def test_while_an_attempt_runs_the_client_reads_node_0_and_the_nodes_someone_follows(sides, tmp_path):
+    client, _, store = sides
+    other = NodeMirror(client.store, RunDir(tmp_path / "executor-1" / "job-1"), attempt=0, node=1, log_interval=0.0)
+    log = other.run_dir.log_file(0, 3)  # rank 3 lives on node 1 (2 ranks per node)
+    log.parent.mkdir(parents=True)
+    log.write_text("step 1\n")
+    other.push()
+    client._followed, client._nodes, client._ranks_per_node = (0,), 2, 2  # as start() sets them
+    client.sync(0)
+    assert not client.run_dir.log_file(0, 3).exists()  # node 1 is not followed: its logs wait for the end
+
+    follow = client.run_dir.file("attempts/0/spark/follow")  # `sparkgpu logs JOB --rank 3 --follow`
+    follow.write_text(json.dumps({"ranks": [3], "until": time.time() + 30}))
+    client.sync(0)
+    assert client.run_dir.log_file(0, 3).read_text() == "step 1\n"
+
+    follow.write_text(json.dumps({"ranks": [3], "until": time.time() - 1}))  # the follower stopped
+    with open(log, "a") as f:
+        f.write("step 2\n")
+    other.push()
+    client.sync(0)
+    assert client.run_dir.log_file(0, 3).read_text() == "step 1\n"
+    client.sync(0, everything=True)  # the attempt ended: every node's logs come down
+    assert client.run_dir.log_file(0, 3).read_text() == "step 1\nstep 2\n"
 
 
 def test_a_bundle_not_listed_yet_holds_back_the_ones_after_it(sides):
@@ -263,7 +290,10 @@ def test_the_final_push_sends_results_and_errors_before_the_nodes_end_markers(si
         "attempts/0/results/rank-1.error.pkl",
         f"attempts/0/logs/node-0.parts/{0:016d}",
     }
-    client.sync(0)
+    client.sync(0)  # while the attempt runs, only its spark/ folder and the followed logs come down
+    assert not client.run_dir.result_file(0, 0).exists()
+    assert (client.run_dir.attempt_dir(0) / "spark" / "node-0.ended").exists()
+    client.sync(0, everything=True)  # the attempt ended: everything
     client_rd = client.run_dir
     client_rd.key = KEY
     assert client_rd.read_result(0, 0) == {"rank": 0}  # signed by the rank, checked on the client
@@ -283,7 +313,7 @@ def test_the_end_marker_waits_for_the_final_push(sides):
     assert (store / "attempts/0/spark/node-0.ended").exists()
 
 
-def test_control_files_reach_the_node_and_are_never_pushed_back(sides):
+def test_control_files_reach_node_0_as_one_object_and_are_never_pushed_back(sides, tmp_path):
     client, node, store = sides
     cancel = client.run_dir.spark_cancel_file(0)
     heartbeat = client.run_dir.client_heartbeat_file(0)
@@ -294,18 +324,29 @@ def test_control_files_reach_the_node_and_are_never_pushed_back(sides):
     assert node.run_dir.client_heartbeat_file(0).read_text() == "1\n"
     assert not node.run_dir.spark_cancel_file(0).exists()
 
+    puts = []
+    write_bytes = client.store.write_bytes
+    client.store.write_bytes = lambda rel, data: puts.append(rel) or write_bytes(rel, data)
+    client.sync(0)
+    assert puts == []  # nothing changed: nothing put
     heartbeat.write_text("2\n")  # same size: the node must notice by content, not by size
     stop.write_text("the runtime cap is near\n")
     cancel.write_text("cancelled by the client\n")
-    # Another node's exit file, as that node pushed it: a failed peer stops this node's ranks.
-    (store / "attempts/0").mkdir(parents=True, exist_ok=True)
-    (store / "attempts/0/node-1.json").write_text('{"node_rank": 1, "status": 1}')
     client.sync(0)
+    assert puts == ["attempts/0/spark/control"]  # three changed files, one object
+    reads = []
+    read_bytes = node.store.read_bytes
+    node.store.read_bytes = lambda rel, *a: reads.append(rel) or read_bytes(rel, *a)
     node.pull_control()
+    assert reads == ["attempts/0/spark/control"]  # one request per look
     assert node.run_dir.client_heartbeat_file(0).read_text() == "2\n"
     assert node.run_dir.spark_cancel_file(0).read_text() == "cancelled by the client\n"
     assert (node.run_dir.attempt_dir(0) / runtime.STOP_FILE).read_text() == "the runtime cap is near\n"
-    assert json.loads(node.run_dir.node_file(0, 1).read_text())["status"] == 1
+
+    # Any other node hears of them from node 0, never from the store.
+    other = NodeMirror(node.store, RunDir(tmp_path / "executor-2" / "job-1"), attempt=0, node=1)
+    other.pull_control()
+    assert reads == ["attempts/0/spark/control"] and not other.run_dir.path.exists()
 
     uploads = []
     upload = node.store.upload
@@ -332,7 +373,7 @@ def test_pulled_files_appear_complete_or_not_at_all(sides, monkeypatch):
         return copyfile(src, dst, **kwargs)
 
     monkeypatch.setattr(shutil, "copyfile", watching_copyfile)
-    client.sync(0)
+    client.sync(0, everything=True)
     assert seen == [(True, False)]  # fetched under another name; the result appeared by rename
     client.run_dir.key = KEY
     assert client.run_dir.read_result(0, 0) == list(range(100_000))
@@ -378,40 +419,70 @@ def test_the_ranks_find_the_spool_in_their_nodes_copy_of_the_run_dir(tmp_path):
     assert spool_path_from_env({}) is None
 
 
-def test_a_store_that_stalls_for_a_minute_loses_no_node_and_a_silent_node_is_still_named(sides, monkeypatch):
+def test_a_store_that_stalls_for_a_minute_makes_node_0_count_no_silence_of_the_client(sides, monkeypatch):
     client, node, _ = sides
     now = [1000.0]
     monkeypatch.setattr(time, "monotonic", lambda: now[0])
-    node.run_dir.key = KEY
-    node.run_dir.prepare_attempt(0)
-    beat_file = node.run_dir.node_marker(0, 0, "beat")
-    beat_file.parent.mkdir(parents=True)
-    node.run_dir.write_control(beat_file, b"1\n")
-    node.push()
+    client.run_dir.key = node.run_dir.key = KEY
+    beat_file = client.run_dir.client_heartbeat_file(0)
+    client.run_dir.write_control(beat_file, b"1\n")
     client.sync(0)
-    seen = client.run_dir.node_marker(0, 0, "beat")
-    on_store_time = Heartbeat(client.run_dir, seen, timeout=10, seen_first=True, clock=client.clock)
-    on_wall_time = Heartbeat(client.run_dir, seen, timeout=10, seen_first=True)
+    node.pull_control()
+    seen = node.run_dir.client_heartbeat_file(0)
+    on_store_time = Heartbeat(node.run_dir, seen, timeout=10, clock=node.clock)
+    on_wall_time = Heartbeat(node.run_dir, seen, timeout=10)
 
     def tick(seconds: int) -> None:
         for _ in range(seconds):
             now[0] += 1
-            client.try_sync(0)
+            try:
+                node.pull_control()
+            except OSError:
+                continue  # the mirror's loop reports it and tries again
 
     tick(1)
     assert not on_store_time.lost() and not on_wall_time.lost()
-    listing = client.store.list
+    read_bytes = node.store.read_bytes
     with monkeypatch.context() as stalled:
-        stalled.setattr(client.store, "list", lambda *a, **k: (_ for _ in ()).throw(OSError("SlowDown")))
-        tick(60)  # the store answers nothing for a minute; the node's beats cannot get through
+        stalled.setattr(node.store, "read_bytes", lambda *a, **k: (_ for _ in ()).throw(OSError("SlowDown")))
+        tick(60)  # the store answers nothing for a minute; the client's beats cannot get through
         assert not on_store_time.lost()
         assert on_wall_time.lost()  # what a wall clock would have concluded: a false loss
-    assert client.store.list == listing
-    node.run_dir.write_control(beat_file, b"2\n")  # the node's next beat, once the store is back
-    node.push()
+    assert node.store.read_bytes == read_bytes
+    client.run_dir.write_control(beat_file, b"2\n")  # the client's next beat, once the store is back
+    client.sync(0)
     tick(1)
     assert not on_store_time.lost()
     tick(9)
     assert not on_store_time.lost()
     tick(3)  # now it is silent for longer than its timeout while the store answers: lost
     assert on_store_time.lost()
+
+
+def test_a_store_that_fails_is_retried_with_backoff_said_once_and_its_return_said(monkeypatch):
+    import io
+
+    from sparkgpu.launch import staging
+
+    monkeypatch.setattr(staging, "MAX_BACKOFF", 0.8)
+    out, calls, failing = io.StringIO(), [], [True]
+
+    def step():
+        calls.append((time.monotonic(), failing[0]))
+        if failing[0]:
+            raise OSError("SlowDown")
+
+    loop = staging._Loop(step, 0.05, "test-loop", staging._Reporter(out, "node 3"))
+    time.sleep(2.0)
+    failing[0] = False
+    time.sleep(1.2)
+    loop.stop()
+    failed = [t for t, fails in calls if fails]
+    gaps = [b - a for a, b in zip(failed, failed[1:])]
+    assert len(failed) < 10, f"{len(failed)} tries in 2 s: no backoff"  # 40 without it
+    assert max(gaps) >= 0.7  # the wait doubled up to its bound
+    answered = [t for t, fails in calls if not fails]
+    assert len(answered) >= 10  # once the store answers, back to every interval
+    said = out.getvalue()
+    assert said.count("could not sync with the staging store") == 1 and "OSError: SlowDown" in said
+    assert "node 3 reaches the staging store again, after 2s" in said or "again, after 1s" in said

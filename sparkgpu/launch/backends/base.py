@@ -144,6 +144,10 @@ class Backend(abc.ABC):
         """
         return None
 
+    def job_written(self, job: JobSpec, run_dir: RunDir) -> None:  # noqa: B027 - a hook: most backends keep nothing
+        """The job's run dir was just written: keep in it what ``sparkgpu resume`` in another process
+        needs, even if this client dies before the first attempt (while the job waits for GPUs)."""
+
     def end_job(self, job: JobSpec) -> None:  # noqa: B027 - a hook: a backend that keeps nothing per job has nothing to free
         """Frees what the backend kept for the job's later attempts; called once the job ended."""
 

@@ -100,9 +100,12 @@ class SparkBackend(Backend):
         client_timeout: Seconds the nodes keep running without a heartbeat from this client
             before they stop their ranks (``SPARKGPU_SPARK_CLIENT_TIMEOUT``, 120 by default;
             ``None``: run on when the client dies).
-        node_timeout: Seconds a started node may go without a heartbeat (and without its end
-            marker) before the client and the other nodes count its executor lost and stop the
-            attempt (``SPARKGPU_SPARK_NODE_TIMEOUT``, 10 by default).
+        node_timeout: Seconds a started node may go without a beat to node 0 (and without its
+            end marker) before node 0 counts its executor lost and stops the attempt
+            (``SPARKGPU_SPARK_NODE_TIMEOUT``, 10 by default).
+        control_interval: Most seconds between two looks of node 0 at this client's files (a
+            cancel or stop request reaches the ranks within about this long;
+            ``SPARKGPU_SPARK_CONTROL_INTERVAL``, 20 by default).
         remote: Spark Connect URL to open when no session is given, none is active and
             ``SPARKGPU_SPARK_REMOTE`` is unset: where a resumed job ran before.
         out: Stream for "waiting for GPUs" lines (``sys.stderr`` by default).
@@ -130,6 +133,7 @@ class SparkBackend(Backend):
         simulated: bool | None = None,
         client_timeout: float | None | _FromSettings = _FROM_SETTINGS,
         node_timeout: float | None = None,
+        control_interval: float | None = None,
         out=None,
         staging_url: str | None = None,
         pool: str | None = None,
@@ -147,6 +151,7 @@ class SparkBackend(Backend):
             settings().spark_client_timeout if isinstance(client_timeout, _FromSettings) else client_timeout
         )
         self.node_timeout = node_timeout if node_timeout is not None else settings().spark_node_timeout
+        self.control_interval = control_interval if control_interval is not None else settings().spark_control_interval
         self.out = out
         self.staging_url = (settings().staging_url if staging_url is None else staging_url) or None
         self._mirrors: dict[str, ClientMirror] = {}
@@ -320,6 +325,7 @@ class SparkBackend(Backend):
             store_url=self._store_prefix(run_dir) if self.staging_url else None,
             peer_timeout=self.node_timeout,
             log_ranks=job.log_ranks,
+            control_interval=self.control_interval,
             threads_per_rank=None if job.uses_cuda else threads_per_rank(layout.ranks_per_node),
         )
         task = functools.partial(run_node, launch)
@@ -357,7 +363,13 @@ class SparkBackend(Backend):
         self._beat(handle)
         if handle.mirror is not None:
             handle.mirror.sync(attempt)  # the first heartbeat is up before any node looks for it
-            handle.mirror.start(attempt, self.sync_interval)
+            handle.mirror.start(
+                attempt,
+                self.sync_interval,
+                followed=self._followed_nodes(job, layout),
+                nodes=layout.nodes,
+                ranks_per_node=layout.ranks_per_node,
+            )
         with _active(self.spark):
             frame = self._frame(job, run_dir, attempt, env, layout)
         handle.thread = threading.Thread(
@@ -367,6 +379,25 @@ class SparkBackend(Backend):
         threading.Thread(target=self._heartbeat, args=(handle,), daemon=True, name=f"{handle.tag}-heartbeat").start()
         self.last_attempt = handle
         return handle
+
+    @staticmethod
+    def _followed_nodes(job: JobSpec, layout: NodeLayout) -> tuple[int, ...]:
+        """The nodes whose logs the client reads while the attempt runs: node 0 (rank 0's logs and
+        tracking records) and the nodes of the ranks it echoes (``log_ranks=``); the others' when it ends."""
+        if job.log_ranks is None:
+            return tuple(range(layout.nodes))
+        per_node = max(1, layout.ranks_per_node)
+        return tuple(sorted({0, *(r // per_node for r in job.log_ranks if r // per_node < layout.nodes)}))
+
+    def job_written(self, job: JobSpec, run_dir: RunDir) -> None:
+        """Keeps the Connect URL in the run dir at once: a client that dies while its job waits in
+        the cluster's queue leaves a job that ``sparkgpu resume`` can continue."""
+        record_session(self.spark, run_dir)
+
+    def session_gone(self) -> bool:
+        """Whether the Connect server closed this backend's session (it restarted): its executors,
+        and the ranks with them, ended with the old server."""
+        return self._spark is not None and connection_closed(self._spark)
 
     def _reconnect_if_closed(self) -> None:
         """Opens a new session to the same Connect server when the last one was closed under it.
@@ -534,7 +565,8 @@ class SparkBackend(Backend):
             if not handle.report.lost:  # not the interrupt that followed a lost node
                 text = "\n".join(str(handle.error).splitlines()[:40])
                 self.watch.note(handle, f"the Spark job of this attempt failed: {type(handle.error).__name__}: {text}")
-            if connection_closed(self.spark):
+            self.watch.stop_outliving_nodes(handle)  # its interrupt also tells whether the session is gone
+            if self.session_gone():
                 self.watch.note(
                     handle,
                     f"the Spark Connect server{_at(self.spark)} restarted or closed this session "
@@ -542,7 +574,6 @@ class SparkBackend(Backend):
                     "A restart (max_restarts=) opens a new session to the same server; "
                     f"`sparkgpu resume {handle.job.job_id}` continues the job from its last checkpoint",
                 )
-            self.watch.stop_outliving_nodes(handle)
             self.watch.write_report(handle, rows)
             return 1
         blind = [r for r in rows if r["state"] == NodeState.NO_RUN_DIR]
@@ -596,7 +627,8 @@ class SparkBackend(Backend):
         sync_now(handle)
         if not handle.nodes_started:
             self._find_start(handle)  # also tells the supervisor when they started, for billing
-        if not handle.nodes_started or not handle.finished.wait(grace + 10):
+        # Node 0 looks at the cancel marker every control_interval; then the ranks get `grace`.
+        if not handle.nodes_started or not handle.finished.wait(grace + self.control_interval + 10):
             self.spark.interruptTag(handle.tag)  # Spark kills the Python workers; agents and ranks follow
             handle.finished.wait(60)
         self._last_pull(handle)

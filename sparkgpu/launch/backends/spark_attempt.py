@@ -13,7 +13,6 @@ import threading
 from sparkgpu.launch.attempt_report import AttemptReport
 from sparkgpu.launch.backends.base import AttemptHandle
 from sparkgpu.launch.backends.spark_capacity import NodeLayout
-from sparkgpu.launch.backends.spark_node import Heartbeat
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.staging import ClientMirror
 from sparkgpu.spec import JobSpec
@@ -44,7 +43,6 @@ class SparkAttempt(AttemptHandle):
     exit_code: int | None = None
     mirror: ClientMirror | None = None  # with a staging store
     node_infos: dict[int, dict] = dataclasses.field(default_factory=dict)  # the nodes' start markers
-    beats: dict[int, Heartbeat] = dataclasses.field(default_factory=dict)  # the nodes' heartbeats
     report: AttemptReport = dataclasses.field(init=False)  # written to the attempt's dir as it fills
 
     def __post_init__(self):

@@ -16,7 +16,6 @@ executor that :class:`~sparkgpu.launch.staging.NodeMirror` keeps in step with th
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import shutil
@@ -31,10 +30,19 @@ import pyarrow as pa
 
 from sparkgpu._report import report
 from sparkgpu.launch.agent import build_command, strip_spark_secrets, verify_or_refuse
+from sparkgpu.launch.backends.spark_hub import HubLink
+from sparkgpu.launch.backends.spark_node_channel import (
+    Heartbeat,
+    NodeLink,
+    NodeZero,
+    control_interval,
+    open_hub,
+)
+from sparkgpu.launch.backends.spark_node_launch import NodeLaunch
 from sparkgpu.launch.backends.spark_probe import executor_identity
 from sparkgpu.launch.entrypoint import NODE_DEVICES_ENV
 from sparkgpu.launch.keys import send_key
-from sparkgpu.protocol import NodeExit, NodeState
+from sparkgpu.protocol import NodeState
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.run_layout import RunLayout
 from sparkgpu.launch.threads import rank_thread_env
@@ -44,7 +52,7 @@ from sparkgpu.launch.staging import (
     scratch_run_dir,
 )
 
-__all__ = ["NodeLaunch", "run_node", "NODE_SCHEMA", "NODE_DDL", "Heartbeat"]
+__all__ = ["NodeLaunch", "run_node", "NODE_SCHEMA", "NODE_DDL", "Heartbeat", "NodeZero", "NodeLink", "open_hub"]
 
 NODE_SCHEMA = pa.schema(
     [
@@ -60,60 +68,9 @@ NODE_SCHEMA = pa.schema(
 # mapInArrow takes the schema as DDL; the Arrow schema above builds the batches that match it.
 NODE_DDL = "node int, executor string, host string, devices string, pid bigint, exit_code int, state string"
 _POLL_SECONDS = 0.2
-#: Seconds between two looks at the client's files and the peers' (cancel, beats, exits).
-_CHECK_SECONDS = 1.0
-
-
-def beat_interval(timeout: float | None) -> float:
-    """Seconds between two beats of a node whose silence counts after ``timeout`` seconds:
-    four beats per timeout, at most one a second (a beat is a put on a staging store)."""
-    return max(1.0, (timeout or 10.0) / 4)
 
 
 # -- one node of a job ---------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class NodeLaunch:
-    """Everything a node task needs; pickled into the task closure (so the key never touches disk).
-
-    Attributes:
-        run_dir: The job's run directory on the client: reachable from the executors under
-            this path, unless ``store_url`` is set (then only its name, the job id, is used).
-        attempt: Attempt number.
-        nnodes: Number of nodes (barrier tasks).
-        nproc: Ranks per node.
-        env: Environment for the ranks.
-        key: The job's signing key, handed to the node's agent on its stdin
-            (:mod:`sparkgpu.launch.keys`).
-        shutdown_grace: Seconds ranks get after SIGTERM.
-        client_timeout: Seconds without a client heartbeat after which the node stops its
-            ranks (the client died); ``None`` to keep running.
-        threads_per_rank: ``OMP_NUM_THREADS`` for CPU ranks.
-        store_url: The staging store (``SPARKGPU_STAGING_ROOT`` as an fsspec URL), or ``None``
-            when the executors share the client's run dir.
-        peer_timeout: Seconds a started peer node may go without a heartbeat (and without
-            its end marker) before this node counts it lost and stops its own ranks; ``None``
-            to not watch peers.
-        log_ranks: Ranks whose output the client echoes live (``None``: all): with a staging
-            store, their logs ship every few seconds, the others' at the mirror's slower interval.
-    """
-
-    run_dir: str
-    attempt: int
-    nnodes: int
-    nproc: int
-    env: dict
-    key: bytes
-    shutdown_grace: float
-    client_timeout: float | None
-    threads_per_rank: int | None = None
-    store_url: str | None = None
-    peer_timeout: float | None = None
-    log_ranks: tuple[int, ...] | None = ()
-
-    def __repr__(self) -> str:  # keeps the key out of Spark's logs and error messages
-        return f"NodeLaunch(run_dir={self.run_dir!r}, attempt={self.attempt}, nnodes={self.nnodes}, nproc={self.nproc})"
 
 
 def _free_port() -> int:
@@ -174,20 +131,36 @@ def run_node(launch: NodeLaunch, batches):
         else:
             state = _start_mirror(mirror) or _verify(rd, launch, node)
 
-    pid, code = 0, 1
+    pid, code, hub = 0, 1, None
     try:
+        master_addr = ctx.getTaskInfos()[0].address.rsplit(":", 1)[0].strip("[]")
+        port = hub_port = 0
+        if node == 0 and state is NodeState.READY:
+            port = _free_port()
+            try:
+                hub = open_hub(launch, master_addr)
+                hub_port = hub.port
+            except OSError as exc:
+                report(f"node 0 cannot listen on {master_addr} for the other nodes' beats: {exc}")
+                state = NodeState.FAILED
         # Every task reaches allGather exactly once, whatever it decides (barrier semantics).
-        port = _free_port() if node == 0 and state is NodeState.READY else 0
-        gathered = [json.loads(m) for m in ctx.allGather(json.dumps({"port": port, "state": state.value}))]
+        message = {"port": port, "hub": hub_port, "state": state.value}
+        gathered = [json.loads(m) for m in ctx.allGather(json.dumps(message))]
         if state is not NodeState.READY or any(m["state"] != NodeState.READY for m in gathered):
             state = state if state is not NodeState.READY else NodeState.PEER_NOT_READY
         else:
-            master_addr = ctx.getTaskInfos()[0].address.rsplit(":", 1)[0].strip("[]")
             clock = mirror.clock if mirror is not None else None
-            pid, code, state = _run_agent(rd, launch, node, devices, master_addr, gathered[0]["port"], clock)
+            if hub is not None:
+                channel: NodeZero | NodeLink = NodeZero(hub, rd, launch, clock)
+            else:
+                address = (master_addr, int(gathered[0]["hub"]))
+                channel = NodeLink(HubLink(launch.key, launch.attempt, node, address, _hub_timeout(launch)), rd, launch)
+            pid, code, state = _run_agent(rd, launch, node, devices, master_addr, gathered[0]["port"], channel)
     finally:
-        # Also when the barrier itself fails: Spark reuses this Python worker, and the sync
-        # thread must not outlive the task.
+        # Also when the barrier itself fails: Spark reuses this Python worker, and neither the
+        # hub nor the sync thread may outlive the task.
+        if hub is not None:
+            hub.close()
         if mirror is not None:
             state = _end_mirror(mirror, state)
     yield _row(node, identity, devices, pid, code, state)
@@ -205,7 +178,14 @@ def _node_run_dir(launch: NodeLaunch, node: int) -> tuple[RunDir, NodeMirror | N
         followed = frozenset(
             RunLayout.rank_log(launch.attempt, r) for r in ranks if launch.log_ranks is None or r in launch.log_ranks
         )
-        mirror = NodeMirror(StagingStore(launch.store_url, job_id), rd, launch.attempt, node, followed=followed)
+        mirror = NodeMirror(
+            StagingStore(launch.store_url, job_id),
+            rd,
+            launch.attempt,
+            node,
+            followed=followed,
+            control_interval=control_interval(launch),
+        )
         mirror.download_payload()
     except Exception as exc:  # a missing filesystem package, credentials, a store that is down: one answer
         report(
@@ -252,8 +232,12 @@ def _remove_scratch(rd: RunDir) -> None:
         report(f"could not remove the scratch run dir {rd.path.parent}: {exc}")
 
 
+def _hub_timeout(launch: NodeLaunch) -> float:
+    return launch.peer_timeout or 10.0
+
+
 def _run_agent(
-    rd: RunDir, launch: NodeLaunch, node: int, devices: tuple, master_addr: str, master_port: int, clock=None
+    rd: RunDir, launch: NodeLaunch, node: int, devices: tuple, master_addr: str, master_port: int, channel
 ) -> tuple[int, int, NodeState]:
     """Starts the node's agent on ``rd`` and watches it; ``(pid, exit code, state)``."""
     command = build_command(
@@ -280,7 +264,7 @@ def _run_agent(
     assert agent.stdin is not None
     with contextlib.suppress(BrokenPipeError), agent.stdin:  # an agent that died at once: _watch says how
         send_key(agent.stdin, launch.key)
-    code, state = _watch(agent, rd, launch, node, clock=clock)
+    code, state = _watch(agent, rd, launch, node, channel)
     return agent.pid, code, state
 
 
@@ -296,111 +280,30 @@ def _verify(rd: RunDir, launch: NodeLaunch, node: int) -> NodeState:
     return NodeState.BAD_SIGNATURE if verified is None else NodeState.READY
 
 
-def _peer_failed(rd: RunDir, attempt: int, node: int) -> bool:
-    for peer, path in rd.node_exit_files(attempt).items():
-        if peer != node:
-            record = rd.read_control_json(path)  # None: being replaced, or forged
-            try:
-                if record is not None and NodeExit.from_json(record).status != 0:
-                    return True
-            except (KeyError, TypeError):
-                continue
-    return False
+def _watch(agent: subprocess.Popen, rd: RunDir, launch: NodeLaunch, node: int, channel) -> tuple[int, NodeState]:
+    """Waits for the agent; stops it when the channel says so (cancel, lost client, lost or failed node).
 
-
-class Heartbeat:
-    """Notices a client or a node that stopped beating, by content, so clocks of other hosts never matter.
-
-    A beat counts only when its file is sealed under the job key and its count grew: a forged
-    beat, or a genuine old one put back, keeps no lost node alive.
-
-    Args:
-        rd: The run dir the file belongs to (its key checks the seal).
-        path: The file the other side rewrites with a new count every second or so.
-        timeout: Seconds without a change after which it counts as lost (``None``: never).
-        seen_first: Judge only once the file was read at least once (a node with a staging
-            store may never share its beat with this reader).
-        clock: Seconds that count towards the silence. With a staging store: the seconds
-            during which the store answered (:class:`~sparkgpu.launch.staging.StoreClock`), so
-            a store that stalls for a minute makes nobody silent.
+    ``channel`` is :class:`NodeZero` on node 0 and :class:`NodeLink` elsewhere: the node beats
+    and hears of the others through node 0, never through the store. The agent is polled often;
+    the channel does its work on its own clock, so nothing grows with the poll rate.
     """
-
-    def __init__(self, rd: RunDir, path: Path, timeout: float | None, seen_first: bool = False, clock=None):
-        self.rd, self.path, self.timeout, self.seen_first = rd, path, timeout, seen_first
-        self.clock = clock if clock is not None else time.monotonic
-        self.last_value: int | None = None
-        self.last_change = self.clock()
-
-    def silent_for(self) -> float:
-        """Seconds since the count last grew, as of now."""
-        body = self.rd.read_control(self.path)
-        try:
-            value = int(body) if body is not None else None
-        except ValueError:
-            value = None
-        now = self.clock()
-        if value is not None and (self.last_value is None or value > self.last_value):
-            self.last_value, self.last_change = value, now
-        return now - self.last_change
-
-    def lost(self) -> bool:
-        if self.timeout is None:
-            return False
-        silent = self.silent_for()
-        return silent > self.timeout and (self.last_value is not None or not self.seen_first)
-
-
-def _peer_lost(rd: RunDir, attempt: int, node: int, beats: dict[int, Heartbeat], timeout: float | None) -> bool:
-    """Whether a peer node started, never ended and stopped beating: its executor is gone."""
-    if timeout is None:
-        return False
-    for peer in rd.nodes_without_end(attempt):
-        if peer == node:
-            continue
-        beat = beats.setdefault(peer, Heartbeat(rd, rd.node_marker(attempt, peer, "beat"), timeout, seen_first=True))
-        if beat.lost():
-            return True
-    return False
-
-
-def _watch(agent: subprocess.Popen, rd: RunDir, launch: NodeLaunch, node: int, clock=None) -> tuple[int, NodeState]:
-    """Waits for the agent; stops it when the client cancels, the client is gone or a peer node failed.
-
-    ``clock`` times the client's silence (the staging store's answered seconds, with one).
-    The agent is polled often; the client's and the peers' files are read once a second and
-    this node beats a few times per ``peer_timeout``, so neither grows with the poll rate.
-    """
-    attempt = launch.attempt
-    heartbeat = Heartbeat(rd, rd.client_heartbeat_file(attempt), launch.client_timeout, clock=clock)
-    peers: dict[int, Heartbeat] = {}
     state, stop_deadline = NodeState.RUNNING, None
-    beats, next_beat, next_check = 0, 0.0, 0.0
-    every = beat_interval(launch.peer_timeout)
     while (code := agent.poll()) is None:
         now = time.monotonic()
-        if now >= next_beat:  # the client and the peers tell a lost executor by its silence
-            beats, next_beat = beats + 1, now + every
-            rd.write_control(rd.node_marker(attempt, node, "beat"), f"{beats}\n".encode())
-        if stop_deadline is None and now >= next_check:
-            next_check = now + _CHECK_SECONDS
-            reason = None
-            if rd.read_control(rd.spark_cancel_file(attempt)) is not None:
-                reason = NodeState.CANCELLED
-            elif heartbeat.lost():
-                reason = NodeState.CLIENT_LOST
-            elif _peer_failed(rd, attempt, node):
-                reason = NodeState.PEER_FAILED
-            elif _peer_lost(rd, attempt, node, peers, launch.peer_timeout):
-                reason = NodeState.PEER_LOST
-            if reason:
-                state = reason
-                agent.send_signal(signal.SIGTERM)  # the agent forwards it to the ranks
-                stop_deadline = time.monotonic() + launch.shutdown_grace + 5
+        reason = channel.step(now)  # also while the ranks stop: the others still hear of this node
+        if stop_deadline is None and reason is not None:
+            state = reason[0]
+            report(f"node {node} stops its ranks: {reason[1]}", out=sys.stderr)
+            agent.send_signal(signal.SIGTERM)  # the agent forwards it to the ranks
+            stop_deadline = now + launch.shutdown_grace + 5
         elif stop_deadline is not None and now > stop_deadline:
             agent.kill()  # the ranks follow through PR_SET_PDEATHSIG
         time.sleep(_POLL_SECONDS)
     if state is NodeState.RUNNING:
         state = NodeState.SUCCEEDED if code == 0 else NodeState.FAILED
     done = {"node": node, "exit_code": code, "state": state.value, "ended_at": time.time()}
-    rd.write_control(rd.node_marker(attempt, node, "ended"), json.dumps(done).encode())
+    if channel.lost:
+        done["lost"] = list(channel.lost)
+    rd.write_control(rd.node_marker(launch.attempt, node, "ended"), json.dumps(done).encode())
+    channel.end(done)
     return code, state

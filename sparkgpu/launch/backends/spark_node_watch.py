@@ -1,8 +1,11 @@
 """How the Spark backend follows an attempt's nodes: lost ones, the stop of the others, the report.
 
-A node is lost when it started and then fell silent (no heartbeat for ``node_timeout``, no
-end marker), or when Spark names its executor lost. The others are then stopped through the
-cancel marker (and the Spark job's tag), and the attempt's
+A node is lost when it started and then fell silent: node 0 names it in the attempt's state
+(no beat to node 0's hub for ``node_timeout``, :mod:`sparkgpu.launch.backends.spark_hub`), the
+other nodes name node 0 in their end markers (it stopped answering), or Spark names its
+executor lost. The client reads those files only, never a beat of each node, so what it reads
+does not grow with the node count. The others are then stopped through the cancel marker (and
+the Spark job's tag), and the attempt's
 :class:`~sparkgpu.launch.attempt_report.AttemptReport` says, per node, how it ended. A
 :class:`~sparkgpu.launch.backends.spark.SparkBackend` holds one :class:`NodeWatch`, kept apart from its
 session and submit logic: an object of its own, which reaches its backend through the
@@ -18,11 +21,11 @@ from typing import Protocol, TextIO
 from sparkgpu._report import report
 from sparkgpu.launch.attempt_report import AttemptReport, NodeReport
 from sparkgpu.launch.backends.spark_attempt import SparkAttempt, sync_now
-from sparkgpu.launch.backends.spark_node import Heartbeat
 from sparkgpu.protocol import NodeState
 from sparkgpu.launch.run_dir import RunDir
+from sparkgpu.launch.run_layout import RunLayout
 
-__all__ = ["NodeWatch", "WatchOwner", "end_markers"]
+__all__ = ["NodeWatch", "WatchOwner", "end_markers", "silent_nodes"]
 
 #: How Spark names the executor it lost in a failed job's message.
 _LOST_EXECUTOR = re.compile(r"ExecutorLostFailure \(executor (\S+?)[ )]|[Ee]xecutor (?:id )?(\S+?) (?:lost|exited)")
@@ -32,10 +35,10 @@ class WatchOwner(Protocol):
     """What a :class:`NodeWatch` needs of the backend that holds it (read when used: a test
     or a setting may change them after the watch was made)."""
 
-    #: Seconds of silence after which a started node without an end marker is lost.
-    node_timeout: float
     #: Seconds past the shutdown grace that a failed attempt waits for its nodes' end markers.
     node_stop_margin: float
+    #: Most seconds before node 0 sees the cancel marker.
+    control_interval: float
 
     @property
     def stream(self) -> TextIO:
@@ -44,6 +47,11 @@ class WatchOwner(Protocol):
 
     def interrupt(self, tag: str) -> None:
         """Interrupts the Spark job run under ``tag``."""
+        ...
+
+    def session_gone(self) -> bool:
+        """Whether the Spark session is closed under the backend (its server restarted): the
+        executors, and every node with them, are gone."""
         ...
 
 
@@ -65,8 +73,8 @@ class NodeWatch:
 
     # -- lost nodes ---------------------------------------------------------------------
     def find_lost(self, handle: SparkAttempt, named: tuple[str, ...] = ()) -> bool:
-        """Counts started nodes lost that stopped beating for ``node_timeout`` without an end marker,
-        or whose executor Spark names in ``named``; ``True`` when a node is newly lost.
+        """Counts started nodes lost that node 0 (or, for node 0, another node) found silent without
+        an end marker, or whose executor Spark names in ``named``; ``True`` when a node is newly lost.
 
         Only the first nodes to fall silent count by their silence: once Spark notices a lost
         executor it kills the barrier stage's other tasks, and their nodes fall silent after.
@@ -74,19 +82,18 @@ class NodeWatch:
         self._read_node_infos(handle)
         attempt_report = self._report_of(handle)
         known = {n.node for n in attempt_report.lost}
+        silent = silent_nodes(handle.run_dir, handle.attempt)
         found = False
         for node in handle.run_dir.nodes_without_end(handle.attempt):
             if node in known:
                 continue
-            beat = self._beat_of(handle, node)
             info = handle.node_infos.get(node, {})
             if str(info.get("executor")) in named:
-                cause = "Spark reported its executor lost"
-            elif not known and beat.lost():
-                cause = f"no heartbeat from it for {beat.silent_for():.0f}s and no word on how its ranks ended"
+                cause, lost_at = "Spark reported its executor lost", time.time()
+            elif not known and node in silent:
+                cause, lost_at = silent[node]
             else:
                 continue
-            lost_at = time.time() - beat.silent_for()
             attempt_report.lost_at = min(attempt_report.lost_at or lost_at, lost_at)
             attempt_report.nodes.append(
                 NodeReport(
@@ -102,17 +109,6 @@ class NodeWatch:
         if found:
             self.write_report(handle)
         return found
-
-    def _beat_of(self, handle: SparkAttempt, node: int) -> Heartbeat:
-        beat = handle.beats.get(node)
-        if beat is None:
-            marker = handle.run_dir.node_marker(handle.attempt, node, "beat")
-            # With a staging store, silence counts only while the store answers: a stall loses nobody.
-            clock = handle.mirror.clock if handle.mirror is not None else time.monotonic
-            beat = handle.beats[node] = Heartbeat(
-                handle.run_dir, marker, self.owner.node_timeout, seen_first=True, clock=clock
-            )
-        return beat
 
     def stop_for_lost(self, handle: SparkAttempt) -> None:
         """A node is lost while the Spark job runs: stop the others' ranks and end the job now."""
@@ -152,19 +148,19 @@ class NodeWatch:
                 f"could not interrupt the Spark job ({type(exc).__name__}: {exc}); the nodes "
                 "stop their ranks on the cancel marker",
             )
+        if self.owner.session_gone():
+            return  # the server's executors ended with it, and the ranks with them: nobody to wait for
         named = tuple(name for found in _LOST_EXECUTOR.findall(str(handle.error or "")) for name in found if name)
-        limit = handle.job.policy.shutdown_grace + self.owner.node_stop_margin
+        limit = handle.job.policy.shutdown_grace + self.owner.control_interval + self.owner.node_stop_margin
         deadline = time.monotonic() + limit
         running = rd.nodes_without_end(attempt)
         while running and time.monotonic() < deadline:
             time.sleep(0.2)
             sync_now(handle)  # with a store, the end markers arrive by pulls
             self.find_lost(handle, named)
-            lost = {n.node for n in self._report_of(handle).lost}
             # A silent node is not waited for: lost, or its task was killed by Spark with its ranks.
-            running = [
-                n for n in rd.nodes_without_end(attempt) if n not in lost and not self._beat_of(handle, n).lost()
-            ]
+            gone = {n.node for n in self._report_of(handle).lost} | set(silent_nodes(rd, attempt))
+            running = [n for n in rd.nodes_without_end(attempt) if n not in gone]
         if running:
             self.note(
                 handle,
@@ -208,6 +204,26 @@ class NodeWatch:
                 )
             attempt_report.nodes = nodes
         attempt_report.write(handle.run_dir.attempt_dir(handle.attempt))
+
+
+def silent_nodes(run_dir: RunDir, attempt: int) -> dict[int, tuple[str, float]]:
+    """Nodes found silent, by node: why, and when they were last heard of (Unix time).
+
+    Node 0 names the nodes that stopped beating to it in the attempt's state; a node whose
+    beats node 0 stopped answering names node 0 in its end marker.
+    """
+    found: dict[int, tuple[str, float]] = {}
+    state = run_dir.read_control_json(run_dir.file(RunLayout.spark_state(attempt)))
+    for node, last in (state.get("lost") or {}).items() if isinstance(state, dict) else ():
+        try:
+            found[int(node)] = ("node 0 heard no beat from it and no word on how its ranks ended", float(last))
+        except (TypeError, ValueError):
+            continue
+    for node, marker in end_markers(run_dir, attempt).items():
+        for peer in marker.get("lost") or () if isinstance(marker, dict) else ():
+            if isinstance(peer, int) and peer not in found:
+                found[peer] = (f"node {node} heard nothing from it and it said nothing of its ranks", time.time())
+    return found
 
 
 def end_markers(run_dir: RunDir, attempt: int) -> dict[int, dict]:

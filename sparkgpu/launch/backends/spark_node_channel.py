@@ -1,0 +1,210 @@
+"""How a Spark node hears of the others: node 0's duties and every other node's beats.
+
+Node 0 serves the hub (:mod:`sparkgpu.launch.backends.spark_hub`) and is the only node that
+reads the client's files (a cancel, a stop request, the client's heartbeat); it decides when
+the attempt stops and tells every node in its answers to their beats, and it writes the
+attempt's state for the client. Every other node only beats to node 0. A node's watch loop
+(:func:`sparkgpu.launch.backends.spark_node._watch`) calls its channel's ``step`` and ``end``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+from sparkgpu._files import atomic_write_bytes
+from sparkgpu.launch.backends.spark_hub import KEEPALIVE, Hub, HubLink, beat_interval
+from sparkgpu.launch.backends.spark_node_launch import CONTROL_INTERVAL, NodeLaunch
+from sparkgpu.launch.run_dir import RunDir
+from sparkgpu.launch.run_layout import RunLayout
+from sparkgpu.protocol import NodeState
+
+__all__ = ["Heartbeat", "NodeZero", "NodeLink", "Stop", "open_hub", "control_interval", "CONTROL_INTERVAL"]
+
+#: Seconds between two looks of node 0 at its local copies of the client's files (with a store).
+CHECK_SECONDS = 1.0
+#: Seconds node 0 waits between two looks whether the other nodes ended.
+_LINGER_POLL = 0.2
+
+
+class Heartbeat:
+    """Notices a client that stopped beating, by content, so clocks of other hosts never matter.
+
+    A beat counts only when its file is sealed under the job key and its count grew: a forged
+    beat, or a genuine old one put back, keeps no lost client alive.
+
+    Args:
+        rd: The run dir the file belongs to (its key checks the seal).
+        path: The file the other side rewrites with a new count every few seconds.
+        timeout: Seconds without a change after which it counts as lost (``None``: never).
+        clock: Seconds that count towards the silence. With a staging store: the seconds
+            during which the store answered (:class:`~sparkgpu.launch.staging.StoreClock`), so
+            a store that stalls for a minute makes nobody silent.
+    """
+
+    def __init__(self, rd: RunDir, path: Path, timeout: float | None, clock=None):
+        self.rd, self.path, self.timeout = rd, path, timeout
+        self.clock = clock if clock is not None else time.monotonic
+        self.last_value: int | None = None
+        self.last_change = self.clock()
+
+    def silent_for(self) -> float:
+        """Seconds since the count last grew, as of now."""
+        body = self.rd.read_control(self.path)
+        try:
+            value = int(body) if body is not None else None
+        except ValueError:
+            value = None
+        now = self.clock()
+        if value is not None and (self.last_value is None or value > self.last_value):
+            self.last_value, self.last_change = value, now
+        return now - self.last_change
+
+    def lost(self) -> bool:
+        return self.timeout is not None and self.silent_for() > self.timeout
+
+
+# -- how a node hears of the others ------------------------------------------------------------
+
+#: A reason to stop the ranks: the node's state, and why.
+Stop = tuple[NodeState, str]
+
+
+def control_interval(launch: NodeLaunch) -> float:
+    """Seconds between two looks of node 0 at the client's files: ``launch.control_interval``, and
+    at most a third of the client's timeout (a silence is judged between two looks)."""
+    if launch.client_timeout is None:
+        return launch.control_interval
+    return min(launch.control_interval, launch.client_timeout / 3)
+
+
+def open_hub(launch: NodeLaunch, host: str) -> Hub:
+    """Node 0's hub, listening on ``host`` (the address the other nodes reach this host by)."""
+    return Hub(launch.key, launch.attempt, launch.nnodes, host, launch.peer_timeout or math.inf)
+
+
+class NodeZero:
+    """Node 0's part: serves the hub, reads the client's files, keeps the state object the client reads.
+
+    Args:
+        hub: The hub the other nodes beat to.
+        rd: This node's run dir.
+        launch: The attempt's launch.
+        clock: Times the client's silence (the staging store's answered seconds, with one).
+    """
+
+    def __init__(self, hub: Hub, rd: RunDir, launch: NodeLaunch, clock=None):
+        self.hub, self.rd, self.launch = hub, rd, launch
+        self.client = Heartbeat(rd, rd.client_heartbeat_file(launch.attempt), launch.client_timeout, clock=clock)
+        # With a store the client's files arrive through the mirror: reading the local copies is free.
+        self.check_every = CHECK_SECONDS if launch.store_url else control_interval(launch)
+        self.next_check = 0.0
+        self.written: tuple[int, float] = (-1, 0.0)  # (version, monotonic time) of the last state written
+        hub.begin()
+
+    def step(self, now: float) -> Stop | None:
+        if now >= self.next_check:
+            self.next_check = now + self.check_every
+            self._read_client()
+        self.hub.check()
+        self._write_state(now)
+        return (NodeState(self.hub.stop[0]), self.hub.stop[1]) if self.hub.stop else None
+
+    def _read_client(self) -> None:
+        rd, attempt = self.rd, self.launch.attempt
+        cancel = rd.read_control(rd.spark_cancel_file(attempt))
+        if cancel is not None:
+            self.hub.set_stop(NodeState.CANCELLED, cancel.decode(errors="replace").strip() or "cancelled")
+        elif self.client.lost():
+            self.hub.set_stop(
+                NodeState.CLIENT_LOST, f"no heartbeat from the client for {self.client.silent_for():.0f}s"
+            )
+        if self.launch.store_url:  # a shared run dir shows every node the client's stop request itself
+            stop = RunLayout.stop(attempt)
+            try:
+                self.hub.relay({stop: rd.file(stop).read_bytes()})
+            except FileNotFoundError:
+                pass
+
+    def _write_state(self, now: float, force: bool = False) -> None:
+        version, at = self.written
+        if force or self.hub.version != version or now - at >= KEEPALIVE:
+            summary = self.hub.summary()
+            self.rd.write_control(
+                self.rd.file(RunLayout.spark_state(self.launch.attempt)), json.dumps(summary).encode()
+            )
+            self.written = (summary["version"], now)
+
+    def end(self, done: dict) -> None:
+        """Says how node 0 ended, then serves the others until each ended or is lost."""
+        if done["state"] != NodeState.SUCCEEDED.value:
+            self.hub.set_stop(NodeState.PEER_FAILED, f"node 0 ended {done['state']}")
+        self.hub.end_own(done)
+        # With no node timeout nobody is ever counted lost: then node 0 waits long enough for the
+        # others to hear why to stop and to stop, not for ever.
+        bound = time.monotonic() + self.launch.shutdown_grace + 2 * beat_interval(self.launch.peer_timeout) + 10
+        while not self.hub.done() and (math.isfinite(self.hub.timeout) or time.monotonic() < bound):
+            time.sleep(_LINGER_POLL)
+            self.hub.check()
+            self._write_state(time.monotonic())
+        self._write_state(time.monotonic(), force=True)
+        self.hub.close()
+
+    lost: tuple[int, ...] = ()
+
+
+class NodeLink:
+    """The part of every node but node 0: beats to node 0's hub and takes its answers.
+
+    Args:
+        link: The connection to node 0's hub.
+        rd: This node's run dir.
+        launch: The attempt's launch.
+    """
+
+    def __init__(self, link: HubLink, rd: RunDir, launch: NodeLaunch):
+        self.link, self.rd, self.launch = link, rd, launch
+        self.every = beat_interval(launch.peer_timeout)
+        self.next_beat = 0.0
+        self.stop: Stop | None = None
+        self.relayed: dict[str, bytes] = {}
+        #: Nodes this one found lost (node 0, when it stopped answering).
+        self.lost: tuple[int, ...] = ()
+
+    def step(self, now: float) -> Stop | None:
+        if now < self.next_beat:
+            return self.stop
+        self.next_beat = now + self.every
+        reply = self.link.beat()
+        if reply is None:
+            silent = self.link.silent_for()
+            if self.stop is None and self.launch.peer_timeout is not None and silent > self.launch.peer_timeout:
+                self.stop, self.lost = (NodeState.PEER_LOST, f"node 0 answered no beat for {silent:.0f}s"), (0,)
+            return self.stop
+        if self.launch.store_url:
+            self._take(HubLink.relayed(reply))
+        if self.stop is None and reply.get("stop"):
+            try:
+                self.stop = (NodeState(reply["stop"][0]), str(reply["stop"][1]))
+            except (ValueError, IndexError, TypeError):
+                self.stop = (NodeState.PEER_FAILED, "node 0 asked to stop")
+        return self.stop
+
+    def _take(self, files: dict[str, bytes]) -> None:
+        """Writes the client's control files node 0 handed on (the ranks read them here)."""
+        wanted = set(RunLayout.control_files(self.launch.attempt))
+        for rel, data in files.items():
+            if rel in wanted and self.relayed.get(rel) != data:
+                self.rd.file(rel).parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_bytes(self.rd.file(rel), data, fsync=False)  # sealed by the client: verified on read
+                self.relayed[rel] = data
+
+    def end(self, done: dict) -> None:
+        """Tells node 0 how this node ended (a few tries: it stops the others on a failure)."""
+        for _ in range(3):
+            if self.link.beat(ended=done) is not None:
+                break
+            time.sleep(_LINGER_POLL)
+        self.link.close()

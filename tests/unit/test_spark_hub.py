@@ -1,0 +1,126 @@
+"""Node 0's hub: the beats of a Spark attempt's nodes, over real loopback sockets, with the job key."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+
+from sparkgpu.launch.backends import spark_hub
+from sparkgpu.launch.backends.spark_hub import Hub, HubLink
+from sparkgpu.launch.backends.spark_node import NodeLaunch, NodeLink, NodeZero
+from sparkgpu.launch.run_dir import RunDir
+from sparkgpu.protocol import NodeState
+
+KEY = b"k" * 32
+
+
+@pytest.fixture
+def hub():
+    hub = Hub(KEY, attempt=0, nnodes=3, host="127.0.0.1", timeout=1.0)
+    hub.begin()
+    yield hub
+    hub.close()
+
+
+def link_to(hub: Hub, node: int, key: bytes = KEY, attempt: int = 0) -> HubLink:
+    return HubLink(key, attempt, node, ("127.0.0.1", hub.port), timeout=1.0)
+
+
+def test_the_hub_listens_on_the_address_it_is_given_only(hub):
+    assert hub._server.server_address[0] == "127.0.0.1"
+
+
+def test_beating_nodes_stay_and_a_silent_one_is_named_lost_and_stops_the_others(hub):
+    one, two = link_to(hub, 1), link_to(hub, 2)
+    assert one.beat()["stop"] is None and two.beat()["stop"] is None
+    for _ in range(6):  # node 2 falls silent; node 1 beats on
+        time.sleep(0.25)
+        assert one.beat() is not None
+        hub.check()
+    summary = hub.summary()
+    assert set(summary["lost"]) == {"2"} and summary["stop"][0] == NodeState.PEER_LOST.value
+    assert one.beat()["stop"][0] == "peer-lost"  # node 1 hears it in the answer to its next beat
+    assert "node 2" in one.beat()["stop"][1]
+
+
+def test_a_beat_sealed_with_another_key_is_refused_and_keeps_nobody_alive(hub):
+    stranger = link_to(hub, 1, key=b"x" * 32)
+    for _ in range(6):
+        assert stranger.beat() is None
+        time.sleep(0.25)
+    hub.check()
+    assert "1" in hub.summary()["lost"]
+
+
+def test_a_replayed_beat_keeps_no_dead_node_alive(hub):
+    genuine = spark_hub._frame(KEY, spark_hub._place(0, "beat"), {"node": 1, "count": 5, "ended": None})
+    with socket.create_connection(("127.0.0.1", hub.port)) as sock:
+        reader = sock.makefile("rb")
+        sock.sendall(genuine)
+        assert json.loads(reader.readline())  # the first time it counts
+        for _ in range(6):  # someone who saw it on the wire sends it again and again
+            time.sleep(0.25)
+            sock.sendall(genuine)
+            reader.readline()
+    hub.check()
+    assert "1" in hub.summary()["lost"]
+
+
+def test_an_answer_of_another_attempt_or_an_old_answer_is_not_taken(hub):
+    assert link_to(hub, 1, attempt=1).beat() is None  # the hub of attempt 0 does not verify attempt 1's beat
+    one = link_to(hub, 1)
+    assert one.beat() is not None
+    one.count -= 1  # the next beat repeats a count: the hub answers nothing it would not answer
+    assert one.beat() is not None or one.silent_for() < 1.0
+
+
+def test_a_node_whose_hub_is_gone_stops_and_names_node_0(tmp_path):
+    rd = RunDir(tmp_path / "job", key=KEY)
+    rd.prepare_attempt(0)
+    rd.spark_dir(0).mkdir(parents=True)
+    launch = NodeLaunch(str(rd.path), 0, 2, 1, {}, KEY, 1, None, peer_timeout=1.0)
+    hub = Hub(KEY, 0, 2, "127.0.0.1", timeout=1.0)
+    node = NodeLink(HubLink(KEY, 0, 1, ("127.0.0.1", hub.port), 1.0), rd, launch)
+    assert node.step(time.monotonic()) is None
+    hub.close()  # node 0's executor is gone
+    started = time.monotonic()
+    while (stop := node.step(time.monotonic())) is None and time.monotonic() - started < 10:
+        time.sleep(0.05)
+    assert stop is not None and stop[0] is NodeState.PEER_LOST and node.lost == (0,)
+    assert 1.0 <= node.link.silent_for() < 3  # counted from its last answer
+
+
+def test_node_0_hands_the_clients_stop_request_to_every_node(tmp_path):
+    zero_rd, other_rd = RunDir(tmp_path / "n0" / "job", key=KEY), RunDir(tmp_path / "n1" / "job", key=KEY)
+    for rd in (zero_rd, other_rd):
+        rd.prepare_attempt(0)
+        rd.spark_dir(0).mkdir(parents=True)
+    launch = NodeLaunch(str(zero_rd.path), 0, 2, 1, {}, KEY, 1, None, store_url="memory://x", peer_timeout=2.0)
+    zero = NodeZero(Hub(KEY, 0, 2, "127.0.0.1", 2.0), zero_rd, launch)
+    other = NodeLink(HubLink(KEY, 0, 1, ("127.0.0.1", zero.hub.port), 2.0), other_rd, launch)
+    try:
+        zero_rd.write_control(zero_rd.file("attempts/0/STOP"), b"the runtime cap is near\n")  # as the mirror fetched it
+        zero.step(time.monotonic())
+        assert other.step(time.monotonic()) is None  # a stop request is for the ranks: the node runs on
+        assert other_rd.read_control(other_rd.file("attempts/0/STOP")) == b"the runtime cap is near\n"
+    finally:
+        zero.hub.close()
+
+
+def test_one_hub_serves_256_nodes(tmp_path):
+    hub = Hub(KEY, 0, 257, "127.0.0.1", timeout=30.0)
+    links = [link_to(hub, n) for n in range(1, 257)]
+    try:
+        started = time.monotonic()
+        for _ in range(3):
+            assert all(link.beat() is not None for link in links)
+        elapsed = time.monotonic() - started
+        assert all(m.count == 3 for m in hub.members.values())
+        assert elapsed < 10, f"768 beats took {elapsed:.1f}s"
+    finally:
+        for link in links:
+            link.close()
+        hub.close()
