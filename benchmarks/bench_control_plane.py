@@ -40,8 +40,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -60,7 +62,7 @@ LINE = b"step %08d loss 0.123456 lr 3.0e-04 tokens/s 123456.7 grad_norm 0.98765 
 # -- the counting S3 server (its own process) ----------------------------------------------
 
 
-def _serve() -> None:
+def _serve(ranks_per_node: int) -> None:
     """Runs moto behind a counting, stallable WSGI layer; prints its port, serves until killed."""
     import logging
     from collections import Counter
@@ -99,9 +101,14 @@ def _serve() -> None:
         name = key or prefix
         what = "log" if (".log" in name or ".jsonl" in name or "/logs/" in name) else "control"
         size = int(environ.get("CONTENT_LENGTH") or 0) if method == "PUT" else 0
+        # Whose log it is: a bundle names its node, a whole log (the earlier design) its rank.
+        node = re.search(r"node-(\d+)\.parts", name) or re.search(r"rank-(\d+)\.log", name)
         with lock:
             counts[(side, kind, what)] += 1
             counts[(side, "PUT_BYTES", what)] += size
+            if node is not None and what == "log" and method == "PUT":
+                number = int(node.group(1)) // (ranks_per_node if "rank-" in node.group(0) else 1)
+                counts[(side, "PUT_BYTES_OF_NODE", str(number))] += size
         return app(environ, start_response)
 
     server = make_server("127.0.0.1", 0, counting, threaded=True)
@@ -110,8 +117,9 @@ def _serve() -> None:
 
 
 class _Server:
-    def __init__(self):
-        self.proc = subprocess.Popen([sys.executable, __file__, "--serve"], stdout=subprocess.PIPE, text=True)
+    def __init__(self, ranks_per_node: int):
+        command = [sys.executable, __file__, "--serve", "--ranks-per-node", str(ranks_per_node)]
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         self.endpoint = f"http://127.0.0.1:{int(self.proc.stdout.readline())}"
 
@@ -171,6 +179,7 @@ class _Agent:
 
     def __init__(self, rd, attempt: int, ranks: list[int], counter: list[int]):
         self.rd, self.attempt, self.ranks, self.counter = rd, attempt, ranks, counter
+        self.written = 0  # log bytes this node's ranks wrote
         self.code: int | None = None
         self.killed = False
         self.stop = threading.Event()
@@ -187,6 +196,7 @@ class _Agent:
                     f.write(LINE % step)
                     f.flush()
                 self.counter[0] += len(LINE) * len(files)
+                self.written += len(LINE) * len(files)
         finally:
             for f in files.values():
                 f.close()
@@ -218,6 +228,12 @@ def _compat():
     return spark_node
 
 
+def _hub_module():
+    from sparkgpu.launch.backends import spark_hub
+
+    return spark_hub
+
+
 def _child(args) -> dict:
     import boto3
 
@@ -228,6 +244,7 @@ def _child(args) -> dict:
     from sparkgpu.spec import JobSpec, Resources
 
     spark_node = _compat()
+    spark_hub = _hub_module() if hasattr(spark_node, "open_hub") else None
     nodes, per_node, attempt = args.nodes, args.ranks_per_node, 1
     work = Path(tempfile.mkdtemp(prefix="bench-cp-"))
     key = os.urandom(32)
@@ -236,7 +253,7 @@ def _child(args) -> dict:
     store_url = None
     client_options = node_options = None
     if args.mode == "s3":
-        server = _Server()
+        server = _Server(args.ranks_per_node)
         os.environ.update(
             AWS_ENDPOINT_URL=server.endpoint, AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true"
         )
@@ -280,18 +297,11 @@ def _child(args) -> dict:
     log_bytes = [0]
     node_mirrors: dict[int, NodeMirror] = {}
 
-    def run_one(node: int) -> None:
-        nrd = RunDir(work / "nodes" / str(node) / job_id, key) if store_url else rd
-        nrd.prepare_attempt(attempt)
-        info = {"node": node, "executor": str(node), "host": "sim", "started_at": time.time()}
-        node_mirror = None
-        if store_url:
-            node_mirror = NodeMirror(StagingStore(store_url, job_id, node_options), nrd, attempt, node)
-            node_mirrors[node] = node_mirror
-        spark_node._claim(nrd.node_marker(attempt, node, "started"), info)
-        if node_mirror is not None:
-            node_mirror.start()
-        launch = spark_node.NodeLaunch(
+    hub_design = hasattr(spark_node, "open_hub")  # the design where nodes beat to node 0, not the store
+
+    def node_launch(nrd) -> object:
+        options = {"control_interval": args.control_interval} if hub_design else {}
+        return spark_node.NodeLaunch(
             run_dir=str(nrd.path),
             attempt=attempt,
             nnodes=nodes,
@@ -302,18 +312,51 @@ def _child(args) -> dict:
             client_timeout=120.0,
             store_url=store_url,
             peer_timeout=args.node_timeout,
+            **options,
         )
+
+    hub = None
+    if hub_design:  # node 0's task opens its hub before the barrier, on the address the others reach
+        hub = spark_node.open_hub(node_launch(rd), "127.0.0.1")
+
+    def run_one(node: int) -> None:
+        nrd = RunDir(work / "nodes" / str(node) / job_id, key) if store_url else rd
+        nrd.prepare_attempt(attempt)
+        info = {"node": node, "executor": str(node), "host": "sim", "started_at": time.time()}
+        launch = node_launch(nrd)
+        node_mirror = None
+        if store_url:
+            options = {"control_interval": spark_node.control_interval(launch)} if hub_design else {}
+            node_mirror = NodeMirror(StagingStore(store_url, job_id, node_options), nrd, attempt, node, **options)
+            node_mirrors[node] = node_mirror
+        marker = nrd.node_marker(attempt, node, "started")
+        if len(inspect.signature(spark_node._claim).parameters) == 3:  # sealed start markers
+            spark_node._claim(nrd, marker, info)
+        else:
+            spark_node._claim(marker, info)
+        if node_mirror is not None:
+            node_mirror.start()
         agent = agents[node]
-        clock = {}
-        if node_mirror is not None and hasattr(node_mirror, "clock"):  # the design with a store clock
-            clock = {"clock": node_mirror.clock}
+        clock = node_mirror.clock if node_mirror is not None and hasattr(node_mirror, "clock") else None
+        if hub_design:
+            if node == 0:
+                kick = node_mirror.kick if node_mirror is not None else None  # as run_node passes it
+                channel = spark_node.NodeZero(hub, nrd, launch, clock, written=kick)
+            else:
+                link = spark_hub.HubLink(key, attempt, node, ("127.0.0.1", hub.port), args.node_timeout)
+                channel = spark_node.NodeLink(link, nrd, launch)
+            watch = lambda: spark_node._watch(agent, nrd, launch, node, channel)  # noqa: E731
+        else:
+            watch = lambda: spark_node._watch(agent, nrd, launch, node, **({"clock": clock} if clock else {}))  # noqa: E731
         try:
-            _, state = spark_node._watch(agent, nrd, launch, node, **clock)
+            _, state = watch()
             ends[node] = state.value
         except _Killed:
             ends[node] = "killed"
             if node_mirror is not None and node_mirror._loop is not None:
                 node_mirror._loop.stop()
+            if hub_design and node != 0:
+                channel.link.close()  # its executor is gone, and its connection with it
             return
         if node_mirror is not None:
             node_mirror.finish()
@@ -339,15 +382,28 @@ def _child(args) -> dict:
             time.sleep(0.1)
         return None
 
+    # Start-up is not steady running: every node's start marker must have reached the client
+    # (256 nodes take a while to start on two cores), then the warm-up.
+    poll_for(600, until=lambda: len(list(rd.spark_dir(attempt).glob("node-*.started"))) >= nodes)
     poll_for(args.warmup)
-    if args.phase == "stall":
-        assert server is not None, "a stall needs the S3 server"
-        server.stall(args.stall)
-        poll_for(args.stall + 3 * args.node_timeout)
+    if args.phase in ("stall", "biglog"):
+        assert server is not None, "a stall or a big log needs the S3 server"
+        if args.phase == "stall":
+            server.stall(args.stall)
+            poll_for(args.stall + 3 * args.node_timeout)
+        else:  # rank 0 (node 0's, which the client follows live) writes a big log at once
+            big = agents[0].rd.log_file(attempt, 0)
+            chunk = LINE * ((8 << 20) // len(LINE))
+            with open(big, "ab") as f:
+                for _ in range((args.big_log_mb << 20) // len(chunk)):
+                    f.write(chunk)
+            poll_for(args.seconds)
         result = {
             "nodes": nodes,
             "mode": args.mode,
-            "stall_s": args.stall,
+            "phase": args.phase,
+            "stall_s": args.stall if args.phase == "stall" else 0,
+            "big_log_mb": args.big_log_mb if args.phase == "biglog" else 0,
             "client_named_lost": [n.node for n in handle.report.lost],
             "nodes_stopped_for_a_lost_peer_or_client": sorted(
                 n for n, s in ends.items() if s in ("peer-lost", "client-lost")
@@ -379,7 +435,7 @@ def _child(args) -> dict:
     client: dict[str, float] = {}
     for k, v in delta.items():
         side, kind, what = k.split("|")
-        if kind == "PUT_BYTES":
+        if kind.startswith("PUT_BYTES"):
             continue
         if side == "node":
             per_node_hour.setdefault(what, {})[kind] = round(v / node_hours, 1)
@@ -387,7 +443,11 @@ def _child(args) -> dict:
             client[f"{kind}_{what}"] = round(v / window, 2)
     control = sum(per_node_hour.get("control", {}).values())
     logs = sum(per_node_hour.get("log", {}).values())
-    log_put = final.get("node|PUT_BYTES|log", 0)  # the whole run, last push included
+    # Bytes put per log byte, over the whole run, last push included, of the nodes that ended
+    # (the killed node never sends what its ranks wrote after its last shipment).
+    survivors = [n for n in range(nodes) if n != victim]
+    log_put = sum(final.get(f"node|PUT_BYTES_OF_NODE|{n}", 0) for n in survivors)
+    survivors_wrote = sum(agents[n].written for n in survivors)
     return {
         "nodes": nodes,
         "ranks_per_node": per_node,
@@ -399,7 +459,7 @@ def _child(args) -> dict:
         "client_requests_per_s": client,
         "client_requests_per_s_total": round(sum(client.values()), 2),
         "log_bytes_written": bytes1 - bytes0,
-        "put_bytes_per_log_byte": round(log_put / max(1, log_bytes[0]), 3) if server is not None else None,
+        "put_bytes_per_log_byte": round(log_put / max(1, survivors_wrote), 3) if server is not None else None,
         "process_cpu_share": round((cpu1 - cpu0) / window, 2),
         "false_losses_during_window": lost_early,
         "seconds_to_name_killed_node": None if named_at is None else round(named_at - killed_at, 1),
@@ -419,6 +479,52 @@ def _stop(agents, threads, handle, mirror, server, attempt) -> dict:
     if server is not None:
         server.stop()
     return final
+
+
+# -- the plot ------------------------------------------------------------------------------
+
+
+def plot(result: dict, path: Path) -> None:
+    """Requests per node-hour against the node count, per design (S3), with the goals drawn in."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    styles = {"before": ("#c44e52", "o"), "after": ("#4c72b0", "s")}
+    for design, (color, marker) in styles.items():
+        runs = sorted(
+            (r for r in result["runs"] if r["design"] == design and r["mode"] == "s3"), key=lambda r: r["nodes"]
+        )
+        if not runs:
+            continue
+        nodes = [r["nodes"] for r in runs]
+        name = "before" if design == "before" else "now"
+        left.plot(
+            nodes, [r["control_per_node_hour"] for r in runs], marker=marker, color=color, label=f"{name}: control"
+        )
+        left.plot(
+            nodes, [r["all_per_node_hour"] for r in runs], marker=marker, color=color, ls="--", label=f"{name}: all"
+        )
+        named = [(r["nodes"], r["seconds_to_name_killed_node"]) for r in runs if r["seconds_to_name_killed_node"]]
+        right.plot(*zip(*named), marker=marker, color=color, label=name) if named else None
+    left.axhline(120, color="grey", lw=0.8, ls=":")
+    left.axhline(240, color="grey", lw=0.8, ls="-.")
+    left.text(2, 120, "goal: control 120", va="bottom", fontsize=8)
+    left.text(2, 240, "goal: all 240", va="bottom", fontsize=8)
+    for axis in (left, right):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("nodes (8 stand-in ranks each)")
+        axis.legend(fontsize=8)
+    left.set_yscale("log")
+    left.set_ylabel("S3 requests per node-hour (nodes' own)")
+    left.set_title("staging-store requests per node-hour")
+    right.axhline(15, color="grey", lw=0.8, ls=":")
+    right.set_ylabel("seconds")
+    right.set_title("from killing a node to the client naming it lost")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 # -- the driver ----------------------------------------------------------------------------
@@ -450,7 +556,8 @@ def _table(runs: list[dict], stalls: list[dict]) -> dict:
         }
     for stall in stalls:
         row = table.setdefault(f"{stall['mode']}, {stall['nodes']} nodes", {})
-        row.setdefault(stall["design"], {})["false_losses_in_stall"] = stall["false_losses"]
+        what = "false_losses_in_stall" if stall.get("phase", "stall") == "stall" else "false_losses_with_big_log"
+        row.setdefault(stall["design"], {})[what] = stall["false_losses"]
     for row in table.values():
         before, after = row.get("before", {}), row.get("after", {})
         if before.get("all_per_node_hour") and after.get("all_per_node_hour"):
@@ -469,23 +576,34 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=5.0)
     p.add_argument("--node-timeout", type=float, default=10.0)
     p.add_argument(
+        "--control-interval", type=float, default=20.0, help="node 0's look at the client's files (the hub design)"
+    )
+    p.add_argument(
         "--stall", type=float, default=0.0, help="a run whose store stalls this long (s3, the first node count)"
     )
+    p.add_argument(
+        "--big-log-mb", type=int, default=0, help="a run where rank 0 writes this many MB at once (s3, first count)"
+    )
+    p.add_argument("--before-nodes", default="", help="node counts the 'before' design runs at (default: all)")
     p.add_argument("--modes", default="s3,shared")
     p.add_argument("--designs", default="before,after")
     p.add_argument("--base", default="8867c37", help="the commit whose code is the 'before' design")
     p.add_argument("--out", default=str(HERE / "results" / "control_plane.json"))
+    p.add_argument("--plot-only", action="store_true", help="redraw the plot from --out")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", default="s3", help=argparse.SUPPRESS)
     p.add_argument("--phase", default="steady", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
-        _serve()
+        _serve(args.ranks_per_node)
         return
     if args.child:
         args.nodes = int(args.nodes)
         print(json.dumps(_child(args)))
+        return
+    if args.plot_only:
+        plot(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png"))
         return
 
     sys.path.insert(0, str(HERE))
@@ -494,18 +612,34 @@ def main() -> None:
     facts = machine()
     scratch = Path(tempfile.mkdtemp(prefix="bench-cp-designs-"))
     runs, stalls = [], []
-    phases = [("s3", "steady"), ("shared", "steady"), ("s3", "stall")]
+    phases = [("s3", "steady"), ("shared", "steady"), ("s3", "stall"), ("s3", "biglog")]
     counts = [int(n) for n in args.nodes.split(",")]
+    before_at = {int(n) for n in args.before_nodes.split(",")} if args.before_nodes else set(counts)
     for nodes in counts:
         for mode, phase in phases:
-            if mode not in args.modes.split(",") or (phase == "stall" and (not args.stall or nodes != counts[0])):
+            if mode not in args.modes.split(","):
+                continue
+            if phase == "stall" and (not args.stall or nodes != counts[0]):
                 continue  # the stall runs at the first node count only: it is a minute and a half per design
+            if phase == "biglog" and (not args.big_log_mb or nodes != counts[0]):
+                continue
             for design in args.designs.split(","):  # the two designs back to back, same load
+                if design == "before" and (nodes not in before_at or phase == "biglog"):
+                    continue  # the earlier design puts a growing log whole, again and again: not with 1 GB
                 root = _design_root(design, args.base, scratch)
                 env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{HERE}"}
                 command = [sys.executable, __file__, "--child", "--mode", mode, "--nodes", str(nodes)]
                 command += ["--phase", phase]
-                for flag in ("ranks_per_node", "seconds", "warmup", "node_timeout", "stall"):
+                flags = (
+                    "ranks_per_node",
+                    "seconds",
+                    "warmup",
+                    "node_timeout",
+                    "control_interval",
+                    "stall",
+                    "big_log_mb",
+                )
+                for flag in flags:
                     command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
                 print(f"{design} {mode} {phase} {nodes} nodes ...", file=sys.stderr, flush=True)
                 done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=str(scratch))
@@ -514,14 +648,15 @@ def main() -> None:
                     raise SystemExit(f"the {design} run at {nodes} nodes ({mode}, {phase}) failed")
                 result = {"design": design, **json.loads(done.stdout.strip().splitlines()[-1])}
                 print(json.dumps(result), file=sys.stderr)
-                (stalls if phase == "stall" else runs).append(result)
+                (stalls if phase in ("stall", "biglog") else runs).append(result)
     out = {
         "benchmark": "control_plane",
         "machine": load_seen(facts),
         "method": method(
             "store requests counted at the S3 server (or file opens and listings in a shared folder) during "
-            f"a {args.seconds:g}s window of steady running, after {args.warmup:g}s of start",
-            startup="excluded (the warm-up window)",
+            f"a {args.seconds:g}s window of steady running, {args.warmup:g}s after every node's start marker "
+            "reached the client",
+            startup="excluded (until every node started, then the warm-up)",
             repeats=1,
             statistic="one window per design, node count and transport",
             designs={"before": f"the package at commit {args.base}", "after": "the package of this commit"},
@@ -536,7 +671,8 @@ def main() -> None:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {args.out}", file=sys.stderr)
+    plot(out, Path(args.out).with_suffix(".png"))
+    print(f"wrote {args.out} and its plot", file=sys.stderr)
 
 
 if __name__ == "__main__":

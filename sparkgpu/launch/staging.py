@@ -211,11 +211,11 @@ class _Loop:
     fails, the wait doubles up to :data:`MAX_BACKOFF` (an S3 ``SlowDown`` asks for exactly that)."""
 
     def __init__(self, step, interval: float, name: str, reporter: _Reporter):
-        self._stop = threading.Event()
+        self._stop, self._wake = threading.Event(), threading.Event()
 
         def run():
             wait = interval
-            while not self._stop.wait(wait):
+            while not self._stopped_after(wait):
                 try:
                     step()
                 except Exception as exc:  # fsspec filesystems raise their own types; the next round retries
@@ -228,8 +228,19 @@ class _Loop:
         self._thread = threading.Thread(target=run, daemon=True, name=name)
         self._thread.start()
 
+    def _stopped_after(self, wait: float) -> bool:
+        """Waits ``wait`` seconds, or less when kicked; whether the loop is to stop."""
+        self._wake.wait(wait)
+        self._wake.clear()
+        return self._stop.is_set()
+
+    def kick(self) -> None:
+        """Runs the next step now (something worth sending at once was written)."""
+        self._wake.set()
+
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not threading.current_thread():
             self._thread.join()
 
@@ -561,6 +572,11 @@ class NodeMirror:
             self.push()
 
         self._loop = _Loop(step, interval, f"sparkgpu-store-node-{self.node}", self._report)
+
+    def kick(self) -> None:
+        """Pushes now rather than at the next round (node 0's state changed: a node is lost)."""
+        if self._loop is not None:
+            self._loop.kick()
 
     def finish(self, tries: int = 3) -> None:
         """Stops the background sync and pushes everything left, end markers last.

@@ -484,7 +484,7 @@ class SparkBackend(Backend):
         if not handle.finished.is_set():
             now = time.monotonic()
             if now >= handle.next_check:
-                handle.next_check = now + 1.0
+                handle.next_check = now + 0.5
                 self._check_waiting(handle, now)
                 if handle.nodes_started and self.watch.find_lost(handle):
                     self.watch.stop_for_lost(handle)

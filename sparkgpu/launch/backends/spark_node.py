@@ -151,7 +151,8 @@ def run_node(launch: NodeLaunch, batches):
         else:
             clock = mirror.clock if mirror is not None else None
             if hub is not None:
-                channel: NodeZero | NodeLink = NodeZero(hub, rd, launch, clock)
+                kick = mirror.kick if mirror is not None else None
+                channel: NodeZero | NodeLink = NodeZero(hub, rd, launch, clock, written=kick)
             else:
                 address = (master_addr, int(gathered[0]["hub"]))
                 channel = NodeLink(HubLink(launch.key, launch.attempt, node, address, _hub_timeout(launch)), rd, launch)

@@ -93,10 +93,11 @@ class NodeZero:
         rd: This node's run dir.
         launch: The attempt's launch.
         clock: Times the client's silence (the staging store's answered seconds, with one).
+        written: Called when a changed state was written (the mirror then sends it at once).
     """
 
-    def __init__(self, hub: Hub, rd: RunDir, launch: NodeLaunch, clock=None):
-        self.hub, self.rd, self.launch = hub, rd, launch
+    def __init__(self, hub: Hub, rd: RunDir, launch: NodeLaunch, clock=None, written=None):
+        self.hub, self.rd, self.launch, self.on_written = hub, rd, launch, written
         self.client = Heartbeat(rd, rd.client_heartbeat_file(launch.attempt), launch.client_timeout, clock=clock)
         # With a store the client's files arrive through the mirror: reading the local copies is free.
         self.check_every = CHECK_SECONDS if launch.store_url else control_interval(launch)
@@ -135,6 +136,8 @@ class NodeZero:
             self.rd.write_control(
                 self.rd.file(RunLayout.spark_state(self.launch.attempt)), json.dumps(summary).encode()
             )
+            if summary["version"] != version and self.on_written is not None:
+                self.on_written()
             self.written = (summary["version"], now)
 
     def end(self, done: dict) -> None:
