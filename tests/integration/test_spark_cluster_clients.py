@@ -138,6 +138,20 @@ def client_env(**extra) -> dict[str, str]:
     return {**env, "PYTHONPATH": os.getcwd(), **extra}
 
 
+def resume_in_a_fresh_process(run_dir: Path) -> None:
+    """``sparkgpu resume`` in a process with no session and no SPARKGPU_SPARK_REMOTE (the job says
+    where it ran); it must finish the job."""
+    resumed = subprocess.run(
+        [sys.executable, "-m", "sparkgpu.cli", "resume", run_dir.name],
+        env=client_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:] + resumed.stdout[-2000:]
+    assert f"job {run_dir.name} succeeded on 2 ranks" in resumed.stdout
+
+
 def test_a_killed_client_s_ranks_stop_on_its_heartbeat_and_resume_continues_on_spark(clients_cluster, tmp_path):
     marks = tmp_path / "marks"
     marks.mkdir()
@@ -177,16 +191,7 @@ def test_a_killed_client_s_ranks_stop_on_its_heartbeat_and_resume_continues_on_s
     assert [sealed_json(p)["state"] for p in ended] == ["client-lost"]
     assert json.loads((run_dir / "state.json").read_text())["status"] == "running"  # left by the dead client
 
-    # A fresh process with no session and no SPARKGPU_SPARK_REMOTE: the job says where it ran.
-    resumed = subprocess.run(
-        [sys.executable, "-m", "sparkgpu.cli", "resume", run_dir.name],
-        env=client_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"job {run_dir.name} succeeded on 2 ranks" in resumed.stdout
+    resume_in_a_fresh_process(run_dir)
 
     state = json.loads((run_dir / "state.json").read_text())
     assert state["status"] == "succeeded"
@@ -312,16 +317,7 @@ def test_a_client_killed_while_its_job_waits_for_gpus_is_continued_by_resume(cli
             client.kill()
         holder.cancel(timeout=60)
 
-    # A fresh process with no session: the job says where it ran, waits its turn and runs.
-    resumed = subprocess.run(
-        [sys.executable, "-m", "sparkgpu.cli", "resume", run_dir.name],
-        env=client_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:] + resumed.stdout[-2000:]
-    assert f"job {run_dir.name} succeeded on 2 ranks" in resumed.stdout
+    resume_in_a_fresh_process(run_dir)  # it waits its turn, then runs
     state = json.loads((run_dir / "state.json").read_text())
     assert state["status"] == "succeeded" and state["attempts"][-1]["status"] == "succeeded"
     assert_no_orphans(run_dir, within=15)

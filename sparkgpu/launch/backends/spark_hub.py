@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import io
 import hmac
 import json
 import math
@@ -259,7 +260,7 @@ class HubLink:
         self.count = 0
         self.last_answer = time.monotonic()
         self._sock: socket.socket | None = None
-        self._file = None
+        self._file: io.BufferedReader | None = None
 
     def beat(self, ended: dict | None = None) -> dict | None:
         """One beat (saying how this node ended, when given); node 0's answer, or ``None`` if none came."""

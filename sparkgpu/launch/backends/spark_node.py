@@ -302,7 +302,7 @@ def _watch(agent: subprocess.Popen, rd: RunDir, launch: NodeLaunch, node: int, c
         time.sleep(_POLL_SECONDS)
     if state is NodeState.RUNNING:
         state = NodeState.SUCCEEDED if code == 0 else NodeState.FAILED
-    done = {"node": node, "exit_code": code, "state": state.value, "ended_at": time.time()}
+    done: dict[str, object] = {"node": node, "exit_code": code, "state": state.value, "ended_at": time.time()}
     if channel.lost:
         done["lost"] = list(channel.lost)
     rd.write_control(rd.node_marker(launch.attempt, node, "ended"), json.dumps(done).encode())
