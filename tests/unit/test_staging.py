@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 
@@ -485,4 +486,4 @@ def test_a_store_that_fails_is_retried_with_backoff_said_once_and_its_return_sai
     assert len(answered) >= 10  # once the store answers, back to every interval
     said = out.getvalue()
     assert said.count("could not sync with the staging store") == 1 and "OSError: SlowDown" in said
-    assert "node 3 reaches the staging store again, after 2s" in said or "again, after 1s" in said
+    assert re.search(r"node 3 reaches the staging store again, after [1-4]s", said)
