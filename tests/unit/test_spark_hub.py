@@ -19,7 +19,7 @@ KEY = b"k" * 32
 
 @pytest.fixture
 def hub():
-    hub = Hub(KEY, attempt=0, nnodes=3, host="127.0.0.1", timeout=1.0)
+    hub = Hub(KEY, attempt=0, nnodes=3, host="127.0.0.1", timeout=2.0)
     hub.begin()
     yield hub
     hub.close()
@@ -36,7 +36,7 @@ def test_the_hub_listens_on_the_address_it_is_given_only(hub):
 def test_beating_nodes_stay_and_a_silent_one_is_named_lost_and_stops_the_others(hub):
     one, two = link_to(hub, 1), link_to(hub, 2)
     assert one.beat()["stop"] is None and two.beat()["stop"] is None
-    for _ in range(6):  # node 2 falls silent; node 1 beats on
+    for _ in range(10):  # node 2 falls silent; node 1 beats on
         time.sleep(0.25)
         assert one.beat() is not None
         hub.check()
@@ -48,7 +48,7 @@ def test_beating_nodes_stay_and_a_silent_one_is_named_lost_and_stops_the_others(
 
 def test_a_beat_sealed_with_another_key_is_refused_and_keeps_nobody_alive(hub):
     stranger = link_to(hub, 1, key=b"x" * 32)
-    for _ in range(6):
+    for _ in range(10):
         assert stranger.beat() is None
         time.sleep(0.25)
     hub.check()
@@ -61,7 +61,7 @@ def test_a_replayed_beat_keeps_no_dead_node_alive(hub):
         reader = sock.makefile("rb")
         sock.sendall(genuine)
         assert json.loads(reader.readline())  # the first time it counts
-        for _ in range(6):  # someone who saw it on the wire sends it again and again
+        for _ in range(10):  # someone who saw it on the wire sends it again and again
             time.sleep(0.25)
             sock.sendall(genuine)
             reader.readline()
@@ -73,8 +73,10 @@ def test_an_answer_of_another_attempt_or_an_old_answer_is_not_taken(hub):
     assert link_to(hub, 1, attempt=1).beat() is None  # the hub of attempt 0 does not verify attempt 1's beat
     one = link_to(hub, 1)
     assert one.beat() is not None
-    one.count -= 1  # the next beat repeats a count: the hub answers nothing it would not answer
-    assert one.beat() is not None or one.silent_for() < 1.0
+    heard = hub.members[1].last_change
+    one.count -= 1  # the next beat repeats a count: answered, but it does not count as a sign of life
+    assert one.beat() is not None
+    assert (hub.members[1].count, hub.members[1].last_change) == (1, heard)
 
 
 def test_a_node_whose_hub_is_gone_stops_and_names_node_0(tmp_path):
