@@ -207,7 +207,7 @@ def test_node_0_stops_its_ranks_when_a_node_stops_beating_and_names_it(attempt):
         node.stop()
 
 
-def test_the_client_names_the_node_node_0_lost_stops_the_others_and_reports_its_host(attempt):
+def test_the_client_names_the_node_that_node_0_lost_stops_the_others_and_reports_its_host(attempt):
     session = TaggedSession()
     backend = SparkBackend(spark=session, client_timeout=None, control_interval=0.5)
     lost_node(attempt, 1)
