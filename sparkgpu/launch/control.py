@@ -14,6 +14,7 @@ MAC); heartbeats carry a count that must grow
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import threading
@@ -21,7 +22,7 @@ import threading
 from sparkgpu._keyring import derive_key
 from sparkgpu._report import report
 
-__all__ = ["seal", "unseal", "mac", "MAC_MARK"]
+__all__ = ["seal", "unseal", "mac", "pack_files", "unpack_files", "MAC_MARK"]
 
 MAC_MARK = b"\n--sparkgpu-mac "
 _forged_seen: set[str] = set()
@@ -62,3 +63,22 @@ def unseal(key: bytes | None, place: str, sealed: bytes) -> bytes | None:
         why = "no job key to check it with" if not key else "not signed with the job's key (forged or damaged)"
         report(f"ignoring the control file {place}: {why}")
     return None
+
+
+def pack_files(files: dict[str, bytes]) -> dict[str, str]:
+    """Sealed control files as JSON text (base64), by name in the run dir: how they travel together,
+    in the client's control object and in node 0's answers to the other nodes."""
+    return {rel: base64.b64encode(data).decode() for rel, data in files.items()}
+
+
+def unpack_files(packed: object) -> tuple[dict[str, bytes], list[str]]:
+    """The files :func:`pack_files` packed, and the names of the entries that were not base64
+    (skipped). The files are still sealed: whoever reads them checks them."""
+    files: dict[str, bytes] = {}
+    malformed: list[str] = []
+    for rel, text in packed.items() if isinstance(packed, dict) else ():
+        try:
+            files[str(rel)] = base64.b64decode(text, validate=True)
+        except (ValueError, TypeError):
+            malformed.append(str(rel))
+    return files, malformed

@@ -26,6 +26,7 @@ import os
 import pickle
 import time
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 import cloudpickle
@@ -247,10 +248,25 @@ class RunDir:
                 found[node] = path
         return dict(sorted(found.items()))
 
-    def nodes_without_end(self, attempt: int) -> list[int]:
-        """Spark nodes of the attempt that started and have not written their (genuine) end marker yet."""
-        ended = {node for node, path in self.node_markers(attempt, "ended").items() if self.read_control(path)}
-        return sorted(set(self.started_nodes(attempt)) - ended)
+    def write_control_copies(self, attempt: int, files: dict[str, bytes], have: dict[str, bytes]) -> None:
+        """Writes the attempt's control files received from elsewhere (the store, node 0), as they
+        came: still sealed, checked when read. Only the names of
+        :meth:`RunLayout.control_files`, and only those that changed since ``have``, which it updates.
+        """
+        wanted = set(RunLayout.control_files(attempt))
+        for rel, data in files.items():
+            if rel in wanted and have.get(rel) != data:
+                path = self.file(rel)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_bytes(path, data, fsync=False)
+                have[rel] = data
+
+    def nodes_without_end(self, attempt: int, ended: Iterable[int] | None = None) -> list[int]:
+        """Spark nodes of the attempt that started and have not written their (genuine) end marker yet;
+        ``ended``: the nodes whose end markers the caller read already (else they are read here)."""
+        if ended is None:
+            ended = {node for node, path in self.node_markers(attempt, "ended").items() if self.read_control(path)}
+        return sorted(set(self.started_nodes(attempt)) - set(ended))
 
     def started_nodes(self, attempt: int) -> dict[int, dict]:
         """The attempt's Spark nodes whose start marker is genuine (sealed under the job key), with

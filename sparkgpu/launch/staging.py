@@ -39,7 +39,6 @@ read from the store may leave the local run dir.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import re
@@ -51,6 +50,7 @@ from sparkgpu._files import atomic_write_bytes, is_temporary
 from sparkgpu._report import report
 from sparkgpu._urls import scheme_of
 from sparkgpu.errors import ConfigurationError
+from sparkgpu.launch.control import pack_files, unpack_files
 from sparkgpu.launch.log_bundles import LogReader, LogShipper, parse_bundle_name
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.run_layout import RunLayout
@@ -62,7 +62,8 @@ __all__ = ["StagingStore", "ClientMirror", "NodeMirror", "StoreClock", "scratch_
 LOG_INTERVAL = 30.0
 #: The same for a log the client echoes live (``log_ranks=``).
 FOLLOWED_LOG_INTERVAL = 2.0
-#: Seconds between two pulls of the client's control object by node 0.
+#: Seconds between two pulls of the client's control object by node 0, by default
+#: (``SPARKGPU_SPARK_CONTROL_INTERVAL``).
 CONTROL_INTERVAL = 20.0
 
 
@@ -220,7 +221,7 @@ class _Loop:
                     step()
                 except Exception as exc:  # fsspec filesystems raise their own types; the next round retries
                     reporter(exc)
-                    wait = min(max(wait, interval) * 2, max(MAX_BACKOFF, interval))
+                    wait = min(wait * 2, max(MAX_BACKOFF, interval))
                     continue
                 reporter.answered()
                 wait = interval
@@ -295,10 +296,10 @@ class ClientMirror:
             control = {}
             for rel in RunLayout.control_files(attempt):
                 try:
-                    control[rel] = base64.b64encode(_local(self.run_dir.path, rel).read_bytes()).decode()
+                    control[rel] = _local(self.run_dir.path, rel).read_bytes()
                 except FileNotFoundError:
                     continue
-            body = json.dumps(control, sort_keys=True).encode()
+            body = json.dumps(pack_files(control), sort_keys=True).encode()
             if body != self._pushed:
                 self.store.write_bytes(RunLayout.spark_control(attempt), body)
                 self._pushed = body
@@ -461,7 +462,7 @@ class NodeMirror:
         self.clock = StoreClock(max_step=2 * control_interval)
         self.log_interval, self.followed, self.followed_interval = log_interval, followed, followed_interval
         self._lock = threading.Lock()
-        self._pulled: dict[str, str] = {}  # control files that came from the store: never pushed back
+        self._pulled: dict[str, bytes] = {}  # control files that came from the store: never pushed back
         self._pushed: dict[str, tuple] = {}  # local (size, mtime_ns) last put
         self._logs = LogShipper(store, f"{RunLayout.logs(attempt)}/node-{node}")
         self._last_ship = -float("inf")
@@ -493,26 +494,17 @@ class NodeMirror:
         if self.node != 0:
             return
         with self._lock:
-            wanted = set(RunLayout.control_files(self.attempt))
             try:
-                files = json.loads(self.store.read_bytes(RunLayout.spark_control(self.attempt)))
+                packed = json.loads(self.store.read_bytes(RunLayout.spark_control(self.attempt)))
             except FileNotFoundError:
-                files = {}
+                packed = {}
             except ValueError as exc:
                 self._report(ValueError(f"the client's control object is not JSON: {exc}"))
-                files = {}
-            for rel, text in files.items() if isinstance(files, dict) else ():
-                if rel not in wanted or self._pulled.get(rel) == text:
-                    continue
-                try:
-                    data = base64.b64decode(text, validate=True)
-                except (ValueError, TypeError) as exc:
-                    self._report(ValueError(f"the client's control object holds a malformed {rel}: {exc}"))
-                    continue
-                local = _local(self.run_dir.path, rel)
-                local.parent.mkdir(parents=True, exist_ok=True)
-                atomic_write_bytes(local, data, fsync=False)  # sealed by the client: checked on read
-                self._pulled[rel] = text
+                packed = {}
+            files, malformed = unpack_files(packed)
+            for rel in malformed:
+                self._report(ValueError(f"the client's control object holds a malformed {rel}"))
+            self.run_dir.write_control_copies(self.attempt, files, self._pulled)
             self.clock.answered()
 
     def push(self, final: bool = False) -> None:

@@ -22,7 +22,6 @@ reaches node 0: a stranger can hold a connection, not speak for a node.
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import io
 import hmac
@@ -34,7 +33,7 @@ import threading
 import time
 
 from sparkgpu._report import report
-from sparkgpu.launch.control import mac
+from sparkgpu.launch.control import mac, pack_files, unpack_files
 from sparkgpu.launch.run_layout import RunLayout
 from sparkgpu.protocol import NodeState
 
@@ -196,10 +195,9 @@ class Hub:
 
     def relay(self, files: dict[str, bytes]) -> None:
         """Hands the client's control files (sealed bytes, by name in the run dir) to every node."""
-        encoded = {rel: base64.b64encode(data).decode() for rel, data in files.items()}
+        packed = pack_files(files)
         with self._lock:
-            if encoded != self.control:
-                self.control = encoded
+            self.control = packed
 
     def end_own(self, done: dict) -> None:
         with self._lock:
@@ -289,13 +287,7 @@ class HubLink:
     @staticmethod
     def relayed(reply: dict) -> dict[str, bytes]:
         """The control files a reply hands on (sealed bytes, by name in the run dir)."""
-        files = {}
-        for rel, text in (reply.get("control") or {}).items():
-            try:
-                files[str(rel)] = base64.b64decode(text, validate=True)
-            except (ValueError, TypeError):
-                continue
-        return files
+        return unpack_files(reply.get("control"))[0]  # node 0 packed them: nothing malformed to report
 
     def close(self) -> None:
         for thing in (self._file, self._sock):

@@ -14,7 +14,6 @@ import math
 import time
 from pathlib import Path
 
-from sparkgpu._files import atomic_write_bytes
 from sparkgpu.launch.backends.spark_hub import KEEPALIVE, Hub, HubLink, beat_interval
 from sparkgpu.launch.backends.spark_node_launch import CONTROL_INTERVAL, NodeLaunch
 from sparkgpu.launch.run_dir import RunDir
@@ -103,6 +102,8 @@ class NodeZero:
         self.check_every = CHECK_SECONDS if launch.store_url else control_interval(launch)
         self.next_check = 0.0
         self.written: tuple[int, float] = (-1, 0.0)  # (version, monotonic time) of the last state written
+        #: Nodes this one found lost itself: none (node 0 names the lost in its state).
+        self.lost: tuple[int, ...] = ()
         hub.begin()
 
     def step(self, now: float) -> Stop | None:
@@ -155,8 +156,6 @@ class NodeZero:
         self._write_state(time.monotonic(), force=True)
         self.hub.close()
 
-    lost: tuple[int, ...] = ()
-
 
 class NodeLink:
     """The part of every node but node 0: beats to node 0's hub and takes its answers.
@@ -186,23 +185,14 @@ class NodeLink:
             if self.stop is None and self.launch.peer_timeout is not None and silent > self.launch.peer_timeout:
                 self.stop, self.lost = (NodeState.PEER_LOST, f"node 0 answered no beat for {silent:.0f}s"), (0,)
             return self.stop
-        if self.launch.store_url:
-            self._take(HubLink.relayed(reply))
+        if self.launch.store_url:  # the ranks read the client's stop request here
+            self.rd.write_control_copies(self.launch.attempt, HubLink.relayed(reply), self.relayed)
         if self.stop is None and reply.get("stop"):
             try:
                 self.stop = (NodeState(reply["stop"][0]), str(reply["stop"][1]))
             except (ValueError, IndexError, TypeError):
                 self.stop = (NodeState.PEER_FAILED, "node 0 asked to stop")
         return self.stop
-
-    def _take(self, files: dict[str, bytes]) -> None:
-        """Writes the client's control files node 0 handed on (the ranks read them here)."""
-        wanted = set(RunLayout.control_files(self.launch.attempt))
-        for rel, data in files.items():
-            if rel in wanted and self.relayed.get(rel) != data:
-                self.rd.file(rel).parent.mkdir(parents=True, exist_ok=True)
-                atomic_write_bytes(self.rd.file(rel), data, fsync=False)  # sealed by the client: verified on read
-                self.relayed[rel] = data
 
     def end(self, done: dict) -> None:
         """Tells node 0 how this node ended (a few tries: it stops the others on a failure)."""

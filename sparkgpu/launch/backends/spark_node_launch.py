@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["NodeLaunch", "CONTROL_INTERVAL"]
+from sparkgpu.launch.staging import CONTROL_INTERVAL
 
-#: Seconds between two looks of node 0 at the client's files, by default (``SPARKGPU_SPARK_CONTROL_INTERVAL``).
-CONTROL_INTERVAL = 20.0
+__all__ = ["NodeLaunch", "CONTROL_INTERVAL"]
 
 
 @dataclasses.dataclass(frozen=True)

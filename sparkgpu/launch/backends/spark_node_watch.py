@@ -82,9 +82,10 @@ class NodeWatch:
         self._read_node_infos(handle)
         attempt_report = self._report_of(handle)
         known = {n.node for n in attempt_report.lost}
-        silent = silent_nodes(handle.run_dir, handle.attempt)
+        ended = end_markers(handle.run_dir, handle.attempt)  # read once for both questions
+        silent = silent_nodes(handle.run_dir, handle.attempt, ended)
         found = False
-        for node in handle.run_dir.nodes_without_end(handle.attempt):
+        for node in handle.run_dir.nodes_without_end(handle.attempt, ended):
             if node in known:
                 continue
             info = handle.node_infos.get(node, {})
@@ -159,8 +160,9 @@ class NodeWatch:
             sync_now(handle)  # with a store, the end markers arrive by pulls
             self.find_lost(handle, named)
             # A silent node is not waited for: lost, or its task was killed by Spark with its ranks.
-            gone = {n.node for n in self._report_of(handle).lost} | set(silent_nodes(rd, attempt))
-            running = [n for n in rd.nodes_without_end(attempt) if n not in gone]
+            ended = end_markers(rd, attempt)
+            gone = {n.node for n in self._report_of(handle).lost} | set(silent_nodes(rd, attempt, ended))
+            running = [n for n in rd.nodes_without_end(attempt, ended) if n not in gone]
         if running:
             self.note(
                 handle,
@@ -206,11 +208,11 @@ class NodeWatch:
         attempt_report.write(handle.run_dir.attempt_dir(handle.attempt))
 
 
-def silent_nodes(run_dir: RunDir, attempt: int) -> dict[int, tuple[str, float]]:
+def silent_nodes(run_dir: RunDir, attempt: int, ended: dict[int, dict]) -> dict[int, tuple[str, float]]:
     """Nodes found silent, by node: why, and when they were last heard of (Unix time).
 
     Node 0 names the nodes that stopped beating to it in the attempt's state; a node whose
-    beats node 0 stopped answering names node 0 in its end marker.
+    beats node 0 stopped answering names node 0 in its end marker (``ended``: :func:`end_markers`).
     """
     found: dict[int, tuple[str, float]] = {}
     state = run_dir.read_control_json(run_dir.file(RunLayout.spark_state(attempt)))
@@ -219,7 +221,7 @@ def silent_nodes(run_dir: RunDir, attempt: int) -> dict[int, tuple[str, float]]:
             found[int(node)] = ("node 0 heard no beat from it and no word on how its ranks ended", float(last))
         except (TypeError, ValueError):
             continue
-    for node, marker in end_markers(run_dir, attempt).items():
+    for node, marker in ended.items():
         for peer in marker.get("lost") or () if isinstance(marker, dict) else ():
             if isinstance(peer, int) and peer not in found:
                 found[peer] = (f"node {node} heard nothing from it and it said nothing of its ranks", time.time())
