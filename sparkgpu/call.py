@@ -229,7 +229,9 @@ class Call:
         logs = self.run_dir.logs_dir(last.get("attempt", 0))
         if status is JobStatus.SUCCEEDED:
             signed = RunDir(self.run_dir.path, load_key(self.job_id))
-            return [signed.read_result(last["attempt"], rank) for rank in range(self._spec.world_size)]
+            # An elastic job may end on fewer ranks than it asked for: one result per rank of the last attempt.
+            ranks = last.get("gpus", self._spec.world_size)
+            return [signed.read_result(last["attempt"], rank) for rank in range(ranks)]
         if status is JobStatus.CANCELLED:
             raise JobCancelledError(f"job {self.job_id} was cancelled; its ranks were stopped. Logs: {logs}")
         if status is JobStatus.TIMED_OUT:
@@ -246,7 +248,8 @@ class Call:
         if last.get("exit_code") is not None or last.get("status") == AttemptStatus.FAILED:
             # Read back the way the supervisor that ran it did: same failures, same root cause.
             run_dir = RunDir(self.run_dir.path, load_key(self.job_id))
-            outcome = read_attempt(run_dir, last["attempt"], self._spec.world_size, self._spec.policy)
+            ranks = last.get("gpus", self._spec.world_size)
+            outcome = read_attempt(run_dir, last["attempt"], ranks, self._spec.policy)
             if outcome.failures:
                 # The same error class the live call raised: `except ValueError` catches it here too.
                 error = outcome.error(self.job_id, str(logs))

@@ -39,7 +39,9 @@ class AttemptOutcome:
     """How one attempt ended: ``status`` is an :class:`~sparkgpu.protocol.AttemptStatus` (its
     value also converts): ``"succeeded"``, ``"failed"``, ``"preempted"``
     (stopped at the runtime cap or a budget after checkpointing), ``"stopped"`` (by a policy,
-    without a checkpoint), ``"timed_out"`` or ``"cancelled"``. ``started_at`` is when its ranks started;
+    without a checkpoint), ``"timed_out"``, ``"cancelled"`` or ``"resized"`` (an elastic job's
+    attempt withdrawn before its ranks started, to go on with fewer GPUs). ``gpus`` is what the
+    attempt ran on (an elastic job's may be fewer than it asked for). ``started_at`` is when its ranks started;
     ``cause`` says why a failed attempt failed when the backend knows more than the ranks (a
     lost node: ``"executor 1 on host h was lost (...)"``)."""
 

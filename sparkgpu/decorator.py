@@ -319,12 +319,12 @@ def _world_of_one():
 
 
 def distributed(
-    num_accelerators: int | Callable | None = None,
+    num_accelerators: int | tuple[int, int] | Callable | None = None,
     accelerator_type: str | None = None,
     remote: bool = False,
     timeout=None,
     *,
-    gpus: int | None = None,
+    gpus: int | tuple[int, int] | None = None,
     num_gpus: int | None = None,
     gpu_type: str | None = None,
     backend: str | Backend | None = None,
@@ -333,6 +333,8 @@ def distributed(
     max_restarts: int = 0,
     priority="normal",
     capacity_wait=None,
+    min_gpus: int | None = None,
+    elastic_wait=None,
     log_ranks="main",
     name: str | None = None,
     tags: dict[str, str] | None = None,
@@ -352,6 +354,7 @@ def distributed(
             same setting. ``None``: on local runs every GPU of this host (one rank on a host
             without GPUs or with ``gpu_type="cpu"``); on remote runs one node of
             ``accelerator_type``, else one GPU. Bare ``@distributed`` passes the function here.
+            A ``(min, max)`` pair asks for ``max`` and makes the job elastic (``min_gpus=min``).
         accelerator_type: Node shape ``"GPU_<N>x<TYPE>"`` (case-insensitive): ``"GPU_1xA10"``,
             ``"GPU_1xH100"``, ``"GPU_8xH100"``, ``"GPU_8xB300"``, or any catalog type with up to
             its per-node maximum. Remote jobs then run on nodes of N GPUs each, and the count
@@ -378,6 +381,14 @@ def distributed(
             at submit, and after a lost node while the cluster replaces it. ``None``: the
             job's ``max_runtime`` (7 days for remote jobs), else ``SPARKGPU_SPARK_WAIT_TIMEOUT``.
             The wait is not billed; ``sparkgpu jobs`` shows the job as ``waiting``.
+        min_gpus: Makes a remote job elastic: when all its GPUs do not come back within
+            ``elastic_wait`` (a lost node not yet replaced, a busy cluster at submit), it goes on
+            from its last checkpoint with as many whole nodes as are free, down to ``min_gpus``,
+            and grows back at its next checkpoint once they are free. ``num_accelerators=(min,
+            max)`` says the same. The function must checkpoint (``sparkgpu.train.Checkpointer``)
+            and take the world size from the job, not a constant.
+        elastic_wait: How long an elastic job waits for all its GPUs before going on with fewer
+            (seconds or ``"20m"``; default 15 minutes).
         log_ranks: Ranks whose output streams to the caller: ``"main"`` (rank 0), ``"all"``,
             ``None`` (none) or a list of ranks. Every rank's output is kept in the run dir.
         name: Job name (the function's name by default).
@@ -407,8 +418,13 @@ def distributed(
         num_gpus=num_gpus,
         gpu_type=gpu_type,
         remote=remote,
+        min_gpus=min_gpus,
         host_gpu_count=_host_gpu_count,
     )
+    if elastic_wait is not None and resources.min_gpus is None:
+        raise ConfigurationError(
+            "elastic_wait= applies to elastic jobs; set min_gpus= (or num_accelerators=(min, max)) too, or drop it"
+        )
     ranks = log_rank_selection(log_ranks)
     if max_runtime is None and remote:
         max_runtime = REMOTE_MAX_RUNTIME  # remote pools cap every run; resume past the cap
@@ -419,6 +435,7 @@ def distributed(
         max_restarts=max_restarts,
         priority=priority,
         capacity_wait=capacity_wait,
+        elastic_wait=elastic_wait,
     )
 
     if isinstance(backend, str):

@@ -95,6 +95,17 @@ JOB_OPTIONS: tuple[JobOption, ...] = (
         DURATION,
         "how long a remote attempt may wait for its GPUs, e.g. 2h (default: max_runtime); not billed",
     ),
+    JobOption(
+        "min_gpus",
+        INT,
+        "fewest GPUs a remote job may go on with when a lost node is not replaced within elastic_wait "
+        "(it grows back at a checkpoint)",
+    ),
+    JobOption(
+        "elastic_wait",
+        DURATION,
+        "how long an elastic job (min_gpus) waits for all its GPUs before going on with fewer, e.g. 20m",
+    ),
     JobOption("tags", MAPPING, "mapping of tags for tracking and cost attribution, e.g. {team: ml}", flag="--tag"),
     JobOption("log_ranks", RANKS, "ranks whose output streams to the caller: main, all, none or a list such as 0,2"),
     JobOption("experiment", TEXT, "MLflow experiment of the job's run (default: named after the script)"),

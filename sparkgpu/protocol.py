@@ -23,10 +23,13 @@ policy stopped it (its ranks were asked to checkpoint). ``SUCCEEDED`` is final;
 
 :class:`AttemptStatus`, each ``state.json`` attempt's ``status``::
 
-    RUNNING -> SUCCEEDED | FAILED | PREEMPTED | STOPPED | TIMED_OUT | CANCELLED | LOST
+    RUNNING -> SUCCEEDED | FAILED | PREEMPTED | STOPPED | TIMED_OUT | CANCELLED | LOST | RESIZED
 
-``PREEMPTED``: its ranks checkpointed and stopped (at the runtime cap, for a restart, or to give
-way to a critical job); the next attempt resumes without using up a restart. ``STOPPED``: stopped by a policy without a
+``PREEMPTED``: its ranks checkpointed and stopped (at the runtime cap, for a restart, to give
+way to a critical job, or for an elastic job to grow back to all its GPUs); the next attempt
+resumes without using up a restart. ``RESIZED``: an elastic job's attempt that waited
+``elastic_wait`` for its GPUs was withdrawn before its ranks started; the next attempt goes on
+with fewer (the record's ``gpus``), using no restart and billing nothing. ``STOPPED``: stopped by a policy without a
 checkpoint. ``TIMED_OUT`` and ``CANCELLED``: as for the job. ``LOST``: its client died while
 it ran; ``sparkgpu resume`` records that when it takes the job over. Every state but
 ``RUNNING`` is final.
@@ -122,6 +125,7 @@ class AttemptStatus(_StrEnum):
     TIMED_OUT = "timed_out"
     CANCELLED = "cancelled"
     LOST = "lost"
+    RESIZED = "resized"  # an elastic job's attempt withdrawn before its ranks started, to go on with fewer GPUs
 
 
 class ListedStatus(_StrEnum):
@@ -175,6 +179,7 @@ class AttemptRecord(_AttemptFields, total=False):
     exit_code: int | None
     lost: list[dict[str, Any]]  # the lost nodes' NodeReport fields
     cause: list[str]  # at most 8 sentences on why it ended
+    gpus: int  # the ranks it ran on: fewer than the job's for an elastic job short of GPUs
 
 
 class _JobFields(TypedDict):

@@ -112,7 +112,7 @@ class GPUNamespace:
         self,
         fn: Callable,
         *,
-        gpus: int,
+        gpus: int | tuple[int, int],
         gpu_type: str,
         args: tuple = (),
         kwargs: dict | None = None,
@@ -128,7 +128,8 @@ class GPUNamespace:
 
         Args:
             fn: The training function; runs once per rank with a process group set up.
-            gpus: Number of ranks, one GPU each.
+            gpus: Number of ranks, one GPU each; a ``(min, max)`` pair asks for ``max`` and lets
+                the job go on with as few as ``min`` while lost nodes are not replaced (``min_gpus=``).
             gpu_type: GPU type (``"A10"``, ``"H100"``, ...) or ``"cpu"`` for CPU ranks.
             args: Positional arguments for ``fn``.
             kwargs: Keyword arguments for ``fn``.
@@ -149,7 +150,8 @@ class GPUNamespace:
             gpus_per_node: Ranks per barrier task (default: as many as one executor holds).
             wait_timeout: Seconds to wait for busy GPUs (``SPARKGPU_SPARK_WAIT_TIMEOUT``).
             **distributed_options: As for :func:`sparkgpu.distributed` (``timeout``,
-                ``max_runtime``, ``max_restarts``, ``priority``, ``log_ranks``, ``name``, ``tags``, ``callbacks``).
+                ``max_runtime``, ``max_restarts``, ``priority``, ``min_gpus``, ``elastic_wait``, ``log_ranks``,
+                ``name``, ``tags``, ``callbacks``).
 
         Returns:
             One return value per rank, ordered by rank.

@@ -19,7 +19,20 @@ from sparkgpu.errors import ConfigurationError
 from sparkgpu.priority import Priority
 from sparkgpu.units import parse_duration
 
-__all__ = ["Resources", "RunPolicy", "JobSpec", "new_job_id", "requested_resources", "log_rank_selection"]
+__all__ = [
+    "Resources",
+    "RunPolicy",
+    "JobSpec",
+    "ELASTIC_WAIT",
+    "new_job_id",
+    "requested_resources",
+    "log_rank_selection",
+]
+
+#: Seconds an elastic job waits for all its GPUs before going on with fewer, unless it says.
+#: Replacing a cloud GPU node takes 10 to 30 minutes; a quarter of an hour keeps most of a
+#: replacement's time and loses little when none comes.
+ELASTIC_WAIT = 15 * 60.0
 
 
 def new_job_id(name: str) -> str:
@@ -41,12 +54,17 @@ class Resources:
         gpus_per_node: GPUs each node of the pool carries, when a node shape was asked for
             (``accelerator_type="GPU_8xH100"``: 8); ``None`` lets the backend choose. A
             remote job's ``gpus`` must then be a whole number of nodes.
+        min_gpus: Makes a remote job elastic: when its ``gpus`` do not come back within
+            ``elastic_wait`` (after a lost node, or at submit), it goes on from its last
+            checkpoint with as many as are free, down to ``min_gpus``, and grows back to
+            ``gpus`` at a checkpoint once they are free again. ``None``: always ``gpus``.
     """
 
     gpus: int = 1
     gpu_type: str | None = None
     remote: bool = False
     gpus_per_node: int | None = None
+    min_gpus: int | None = None
 
     def __post_init__(self):
         if isinstance(self.gpus, bool) or not isinstance(self.gpus, int):
@@ -72,9 +90,39 @@ class Resources:
                     f"of {per_node} (e.g. {per_node * max(1, round(self.gpus / per_node))})"
                 )
 
+        self._check_min_gpus()
+
+    def _check_min_gpus(self) -> None:
+        low = self.min_gpus
+        if low is None:
+            return
+        if isinstance(low, bool) or not isinstance(low, int) or not 1 <= low <= self.gpus:
+            raise ConfigurationError(f"min_gpus must be an integer from 1 to gpus={self.gpus}, got {low!r}")
+        if not self.remote:
+            raise ConfigurationError(
+                "min_gpus= makes a remote job elastic (its nodes may be lost and replaced); a local job runs on "
+                "this host's GPUs: drop min_gpus=, or pass remote=True"
+            )
+        per_node = self.gpus_per_node
+        if per_node is not None and low % per_node:
+            raise ConfigurationError(
+                f"min_gpus={low} is not a whole number of {per_node}-GPU nodes; ask for a multiple of {per_node}"
+            )
+
     @property
     def is_cpu(self) -> bool:
         return self.gpu_type == "cpu"
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the job may run on fewer GPUs than it asks for (``min_gpus`` below ``gpus``)."""
+        return self.min_gpus is not None and self.min_gpus < self.gpus
+
+    def resized(self, gpus: int) -> "Resources":
+        """The same request for ``gpus`` ranks: what one attempt of an elastic job runs on."""
+        return dataclasses.replace(
+            self, gpus=gpus, min_gpus=None if self.min_gpus is None else min(self.min_gpus, gpus)
+        )
 
 
 def requested_resources(
@@ -85,6 +133,7 @@ def requested_resources(
     num_gpus=None,
     gpu_type=None,
     remote: bool = False,
+    min_gpus=None,
     host_gpu_count: Callable[[], int] = lambda: 0,
 ) -> Resources:
     """The :class:`Resources` that ``@distributed``'s arguments ask for, in either API's names.
@@ -92,7 +141,8 @@ def requested_resources(
     ``num_accelerators`` / ``gpus`` / ``num_gpus`` name the count and ``accelerator_type`` /
     ``gpu_type`` the hardware; names of one meaning may be combined only when they agree.
     ``accelerator_type`` is a node shape (``"GPU_8xH100"``) or, as Databricks still accepts, a
-    plain GPU type (``"H100"``).
+    plain GPU type (``"H100"``). A ``(min, max)`` pair as the count asks for ``max`` GPUs and
+    makes the job elastic down to ``min`` (the same as ``min_gpus=min``).
 
     Args:
         host_gpu_count: Called for the count when none is given on a local GPU job: every GPU
@@ -107,6 +157,14 @@ def requested_resources(
         for name, value in (("num_accelerators", num_accelerators), ("gpus", gpus), ("num_gpus", num_gpus))
         if value is not None
     }
+    for name, value in list(counts.items()):
+        if isinstance(value, (tuple, list)):  # (min, max): an elastic job
+            if len(value) != 2:
+                raise ConfigurationError(f"{name}={value!r}: give one count, or a (min, max) pair such as (8, 16)")
+            low, counts[name] = value
+            if min_gpus is not None and min_gpus != low:
+                raise ConfigurationError(f"{name}={value!r} and min_gpus={min_gpus!r} disagree; pass only one")
+            min_gpus = low
     if len(set(map(repr, counts.values()))) > 1:
         given = " and ".join(f"{k}={v!r}" for k, v in counts.items())
         raise ConfigurationError(f"{given} disagree; pass only num_accelerators=")
@@ -135,7 +193,11 @@ def requested_resources(
         else:
             count = host_gpu_count() or 1
     return Resources(
-        gpus=count, gpu_type=chosen_type, remote=remote, gpus_per_node=shape.gpus_per_node if shape else None
+        gpus=count,
+        gpu_type=chosen_type,
+        remote=remote,
+        gpus_per_node=shape.gpus_per_node if shape else None,
+        min_gpus=min_gpus,
     )
 
 
@@ -156,6 +218,8 @@ class RunPolicy:
         capacity_wait: Seconds a remote attempt may wait for its GPUs (at submit, after a lost
             node, after giving way) before the job fails; ``None``: its ``max_runtime``, else
             ``SPARKGPU_SPARK_WAIT_TIMEOUT``. Nothing is billed while it waits.
+        elastic_wait: Seconds an elastic job's attempt waits for all its GPUs before it goes on
+            with fewer (:attr:`Resources.min_gpus`); ``None``: :data:`ELASTIC_WAIT`.
     """
 
     timeout: float | None = None
@@ -166,10 +230,11 @@ class RunPolicy:
     init_timeout: float = 600.0
     priority: Priority = Priority.NORMAL
     capacity_wait: float | None = None
+    elastic_wait: float | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "priority", Priority.parse(self.priority))
-        for field in ("timeout", "max_runtime", "capacity_wait"):
+        for field in ("timeout", "max_runtime", "capacity_wait", "elastic_wait"):
             object.__setattr__(self, field, parse_duration(getattr(self, field), name=field))
         for field in ("checkpoint_grace", "shutdown_grace", "init_timeout"):
             object.__setattr__(self, field, parse_duration(getattr(self, field), name=field))
@@ -211,6 +276,17 @@ class JobSpec:
     @property
     def world_size(self) -> int:
         return self.resources.gpus
+
+    @property
+    def elastic_wait(self) -> float:
+        """Seconds an attempt of this elastic job waits for all its GPUs before going on with fewer."""
+        return ELASTIC_WAIT if self.policy.elastic_wait is None else self.policy.elastic_wait
+
+    def resized(self, gpus: int) -> "JobSpec":
+        """This job as one attempt that runs on ``gpus`` ranks (an elastic job short of GPUs)."""
+        if gpus == self.resources.gpus:
+            return self
+        return dataclasses.replace(self, resources=self.resources.resized(gpus))
 
     @property
     def uses_cuda(self) -> bool:

@@ -28,6 +28,7 @@ class StoppedBy(enum.Enum):
     CAP = "cap"  # the attempt reached its runtime cap (max_runtime)
     POLICY = "policy"  # a usage policy asked it to stop, and checkpoint_grace passed
     PRIORITY = "priority"  # it was asked to give way to a critical job, and checkpoint_grace passed
+    RESIZE = "resize"  # an elastic job was asked to stop to grow back to all its GPUs, and checkpoint_grace passed
 
 
 @dataclasses.dataclass
@@ -151,7 +152,7 @@ def read_attempt(
         # otherwise the next attempt would do the same work again, forever.
         if saved_checkpoint is not None and saved_checkpoint():
             return AttemptResult(AttemptStatus.PREEMPTED)
-        if stopped_by is StoppedBy.PRIORITY:
+        if stopped_by in (StoppedBy.PRIORITY, StoppedBy.RESIZE):
             # Its work since the latest checkpoint is lost, but giving way is no failure of its own.
             return AttemptResult(AttemptStatus.PREEMPTED)
         if stopped_by is StoppedBy.POLICY:

@@ -326,6 +326,15 @@ class QueueSeat:
             self.queue.withdraw(self._ticket.job_id, self._asked)
             self._asked = set()
 
+    def set_gpus(self, gpus: int) -> None:
+        """Says the job now holds ``gpus`` (an elastic job's attempt on fewer, or all again)."""
+        if gpus != self._ticket.gpus:
+            self._write(gpus=gpus)
+
+    def held_by_others(self) -> int:
+        """GPUs that the other live jobs of the queue hold or are about to hold."""
+        return sum(t.gpus for t in self.queue.tickets() if t.job_id != self._ticket.job_id and t.state.holds_gpus)
+
     def turn(self, total_gpus: int) -> Turn:
         """What the job may do now; asks the best-effort jobs :func:`next_turn` names to give way."""
         turn = next_turn(self._ticket, self.queue.tickets(), total_gpus)

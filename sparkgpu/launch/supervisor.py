@@ -44,6 +44,7 @@ from sparkgpu.errors import (
     PolicyViolationError,
 )
 from sparkgpu.launch.attempt_result import AttemptResult, StoppedBy, read_attempt
+from sparkgpu.launch.elastic import ElasticPlan
 from sparkgpu.launch.logs import LogStreamer
 from sparkgpu.protocol import AttemptRecord, AttemptStatus, JobState, JobStatus
 from sparkgpu._keyring import derive_key
@@ -59,6 +60,14 @@ _POLL_SECONDS = 0.1
 
 #: In the run dir: asks whichever process supervises the job to cancel it (its text says who asked).
 CANCEL_REQUEST_FILE = RunLayout.CANCEL_REQUEST
+
+
+class _Resized(Exception):
+    """An elastic job's attempt waited ``elastic_wait`` for its GPUs: it goes on with ``gpus``."""
+
+    def __init__(self, gpus: int, why: str):
+        super().__init__(why)
+        self.gpus = gpus
 
 
 class Decision(enum.Enum):
@@ -125,6 +134,14 @@ class Supervisor:
         self.cancel_event = threading.Event()
         #: Why the current attempt was asked to give way to a more urgent job, if it was.
         self._giving_way: str | None = None
+        #: When and how an elastic job changes size (``min_gpus=``); ``None`` for a fixed one.
+        self.elastic = ElasticPlan(job, backend.available_gpus) if job.resources.elastic else None
+        #: GPUs of the next attempt: all the job's, unless an elastic attempt was withdrawn to go on with fewer.
+        self._next_gpus = job.resources.gpus
+        #: Why the current attempt was asked to stop to grow back to all its GPUs, if it was.
+        self._growing: str | None = None
+        #: The job as the current attempt runs it (resized, for an elastic job short of GPUs).
+        self._attempt_job = job
         #: The job's supervision lock, when the caller took it (``attach``, ``resume``); else
         #: :meth:`run` takes its own for as long as it runs.
         self.lock: SupervisionLock | None = None
@@ -222,6 +239,8 @@ class Supervisor:
                     self._set_status(JobStatus.STOPPED)
                     error = PolicyViolationError(self._stop_message(outcome))
                     raise error from outcome.root_exception
+                if outcome.status is AttemptStatus.RESIZED:
+                    continue  # withdrawn before its ranks started: the next attempt runs on fewer GPUs
                 if outcome.status is AttemptStatus.PREEMPTED:
                     self.state["preemptions"] += 1
                     if self._giving_way is not None:
@@ -307,14 +326,20 @@ class Supervisor:
             env[runtime.ENV_DEADLINE] = repr(deadline)
         return env
 
-    def _attempt_env(self, attempt: int, submitted: float) -> dict[str, str]:
+    def _attempt_env(self, job: JobSpec, attempt: int, submitted: float) -> dict[str, str]:
         env = self._base_env(attempt, submitted)
         for callback in self.callbacks:
-            env.update(callback.before_attempt(self.job, attempt))
+            env.update(callback.before_attempt(job, attempt))
         return env
 
     def _run_attempt(self, attempt: int, job_started: float, early=None) -> AttemptResult:
-        self._giving_way = None
+        self._giving_way = self._growing = None
+        # An elastic job's attempt may run on fewer GPUs than the job asks for: everything about
+        # this attempt (its ranks, results, bill) is about this one.
+        job = self._attempt_job = self.job.resized(self._next_gpus)
+        self._next_gpus = self.job.resources.gpus
+        if job is not self.job:
+            early = None  # the agent started ahead was the full job's (it is never started for a resized one)
         submitted = time.time()
         # started_at: when the ranks started, the start of the billed time and of the cap.
         record: AttemptRecord = {
@@ -323,6 +348,7 @@ class Supervisor:
             "started_at": None,
             "ended_at": None,
             "status": AttemptStatus.RUNNING.value,
+            "gpus": job.resources.gpus,
         }
         self.state["attempts"].append(record)
         self._set_status(JobStatus.RUNNING)
@@ -330,7 +356,7 @@ class Supervisor:
         try:
             checkpoint_before = self._latest_checkpoint()
             try:
-                env = self._attempt_env(attempt, submitted)
+                env = self._attempt_env(job, attempt, submitted)
             except BaseException:
                 if early is not None:
                     early.discard()
@@ -338,20 +364,26 @@ class Supervisor:
             if early is not None:
                 handle = early.start(env)
             else:
-                handle = self.backend.submit(self.job, self.run_dir, attempt, env, layout=self.layout)
-            streamer = LogStreamer(self.run_dir, attempt, self.job.world_size, self.job.log_ranks, self.out)
-            code, stopped_by = self._watch(attempt, handle, streamer, record, job_started)
+                layout = self.layout if job is self.job else None  # a resized attempt is placed anew
+                handle = self.backend.submit(job, self.run_dir, attempt, env, layout=layout)
+            streamer = LogStreamer(self.run_dir, attempt, job.world_size, job.log_ranks, self.out)
+            code, stopped_by = self._watch(job, attempt, handle, streamer, record, job_started)
             streamer.finish()
             outcome = read_attempt(
                 self.run_dir,
                 attempt,
-                self.job.world_size,
-                self.job.policy,
+                job.world_size,
+                job.policy,
                 stopped_by=stopped_by,
                 saved_checkpoint=lambda: self._latest_checkpoint() != checkpoint_before,
             )
             self._end_attempt(record, outcome.status, code, outcome)
             return outcome
+        except _Resized as resized:
+            self._abandon(record, handle, streamer, AttemptStatus.RESIZED, None, cause=[str(resized)])
+            self._next_gpus = resized.gpus
+            report(f"{resized}", self.out)
+            return AttemptResult(AttemptStatus.RESIZED)
         except KeyboardInterrupt:
             if record["ended_at"] is None:
                 self._abandon(record, handle, streamer, AttemptStatus.CANCELLED, None)
@@ -365,14 +397,20 @@ class Supervisor:
                 self._abandon(record, handle, streamer, AttemptStatus.FAILED, exc)
             raise
 
-    def _watch(self, attempt: int, handle, streamer: LogStreamer, record: AttemptRecord, job_started: float):
-        """Polls the attempt until it ends or a limit stops it.
+    def _watch(
+        self, job: JobSpec, attempt: int, handle, streamer: LogStreamer, record: AttemptRecord, job_started: float
+    ):
+        """Polls the attempt (of ``job``, resized for this attempt) until it ends or a limit stops it.
 
         Returns:
             ``(exit code, stopped_by)``: the code is ``None`` and ``stopped_by`` a :class:`StoppedBy`
             when the supervisor stopped the ranks itself.
+
+        Raises:
+            _Resized: an elastic job's ranks waited ``elastic_wait`` for their GPUs and fewer are free.
         """
-        policy = self.job.policy
+        policy = job.policy
+        size = job.resources.gpus
         ranks_started: float | None = None  # monotonic
         next_start_check = next_policy_check = time.monotonic()
         stop_requested: float | None = None
@@ -399,12 +437,25 @@ class Supervisor:
                     f"so it resumes. Logs: {self.run_dir.logs_dir(attempt)}"
                 )
             if ranks_started is None:  # waiting for GPUs: nothing runs, nothing is spent
+                if self.elastic is not None:
+                    smaller = self.elastic.shrink_to(size, time.time() - record["submitted_at"], now)
+                    if smaller is not None and self._ranks_started(handle, record) is None:
+                        raise _Resized(
+                            smaller,
+                            f"attempt {attempt} waited {self.job.elastic_wait:g}s (elastic_wait) for {size} GPUs; going "
+                            f"on from the latest checkpoint with the {smaller} free (min_gpus={self.elastic.minimum}), "
+                            f"growing back to {self.elastic.target} at a checkpoint once they are free",
+                        )
                 time.sleep(_POLL_SECONDS)
                 continue
             ran = now - ranks_started
             if now >= next_policy_check and stop_requested is None and not self.state.get("stop_reason"):
                 next_policy_check = now + 1.0
-                if self._check_stop(attempt, ran) or self._check_preemption(attempt):
+                if (
+                    self._check_stop(job, attempt, ran)
+                    or self._check_preemption(attempt)
+                    or self._check_growth(attempt, size, now)
+                ):
                     stop_requested = now
             if stop_requested is not None and now - stop_requested > policy.checkpoint_grace:
                 # Ranks that never call should_checkpoint() would otherwise run on until the cap
@@ -415,7 +466,9 @@ class Supervisor:
                     self.out,
                 )
                 self.backend.cancel(handle, policy.shutdown_grace)
-                return None, StoppedBy.PRIORITY if self._giving_way is not None else StoppedBy.POLICY
+                if self._giving_way is not None:
+                    return None, StoppedBy.PRIORITY
+                return None, StoppedBy.RESIZE if self._growing is not None else StoppedBy.POLICY
             if policy.max_runtime is not None:
                 if (
                     not cap_signalled
@@ -450,7 +503,7 @@ class Supervisor:
             started_at = record["started_at"] = min(started, time.time())
             self._save()
             for callback in self.callbacks:
-                callback.on_ranks_started(self.job, record["attempt"], started_at)
+                callback.on_ranks_started(self._attempt_job, record["attempt"], started_at)
         return time.monotonic() - (time.time() - started_at)
 
     def _ask_to_checkpoint(self, attempt: int, why: str) -> None:
@@ -465,9 +518,11 @@ class Supervisor:
         streamer: LogStreamer | None,
         status: AttemptStatus,
         exc: BaseException | None,
+        cause: list[str] | None = None,
     ) -> None:
-        """Stops and ends an attempt that an exception interrupted, recording the exception as its cause."""
-        cause = [f"{type(exc).__name__}: {exc}"] if exc is not None else []
+        """Stops and ends an attempt that an exception interrupted, recording the exception (else
+        ``cause``) as its cause."""
+        cause = [f"{type(exc).__name__}: {exc}"] if exc is not None else list(cause or [])
         if handle is not None:
             try:
                 self.backend.cancel(handle, self.job.policy.shutdown_grace)
@@ -488,10 +543,11 @@ class Supervisor:
                 cause.append(f"reading the ranks' logs failed: {log_exc}")
         self._end_attempt(record, status, None, cause=cause, error=exc)
 
-    def _check_stop(self, attempt: int, attempt_seconds: float) -> bool:
-        """Asks the callbacks whether the job must stop; if so, asks the ranks to checkpoint."""
+    def _check_stop(self, job: JobSpec, attempt: int, attempt_seconds: float) -> bool:
+        """Asks the callbacks whether the job (``job``: as this attempt runs it) must stop; if so,
+        asks the ranks to checkpoint."""
         for callback in self.callbacks:
-            reason = callback.stop_reason(self.job, attempt, attempt_seconds)
+            reason = callback.stop_reason(job, attempt, attempt_seconds)
             if reason:
                 self.state["stop_reason"] = reason
                 self._save()
@@ -516,6 +572,22 @@ class Supervisor:
             f"asking every rank to checkpoint and stop within checkpoint_grace "
             f"({self.job.policy.checkpoint_grace:g}s) to give way: {reason}; the job resumes by itself, "
             "using no restart",
+            self.out,
+        )
+        return True
+
+    def _check_growth(self, attempt: int, size: int, now: float) -> bool:
+        """Asks an elastic attempt on fewer GPUs than the job's to checkpoint and stop once all of
+        them are free: the next attempt resumes on every GPU, using no restart."""
+        if self.elastic is None or not self.elastic.grows(size, now):
+            return False
+        target = self.elastic.target
+        self._growing = f"all {target} GPUs of the job are free again; growing back from {size}"
+        self.run_dir.write_control(self.run_dir.file(RunLayout.stop(attempt)), (self._growing + "\n").encode())
+        report(
+            f"asking every rank to checkpoint and stop within checkpoint_grace "
+            f"({self.job.policy.checkpoint_grace:g}s): {self._growing}; the job resumes on {target} GPUs by "
+            "itself, using no restart",
             self.out,
         )
         return True
@@ -553,13 +625,13 @@ class Supervisor:
             error = outcome.root_exception
         for callback in self.callbacks:
             callback.after_attempt(
-                self.job,
+                self._attempt_job,
                 AttemptOutcome(
                     attempt=record["attempt"],
                     status=status,
                     started_at=started_at,
                     ended_at=ended_at,
-                    gpus=self.job.resources.gpus,
+                    gpus=self._attempt_job.resources.gpus,
                     gpu_type=self.job.resources.gpu_type or "",
                     error=error,
                     cause=outcome.lost if outcome is not None else "",

@@ -434,6 +434,7 @@ class MLflowCallback(JobCallback):
             tags=_tags(
                 {
                     f"sparkgpu.attempt.{outcome.attempt}.status": outcome.status.value,
+                    f"sparkgpu.attempt.{outcome.attempt}.gpus": outcome.gpus,  # an elastic job's may differ
                     "sparkgpu.attempts": outcome.attempt + 1,
                     **(
                         {f"sparkgpu.attempt.{outcome.attempt}.cause": outcome.cause[:_MAX_TAG_CHARS]}

@@ -24,6 +24,8 @@ SAMPLE = {  # a value of every option, as a job file writes it
     "max_restarts": 2,
     "priority": "BEST_EFFORT",  # databricks' spelling
     "capacity_wait": "30m",
+    "min_gpus": None,  # remote jobs only: tests/unit/test_elastic.py gives it
+    "elastic_wait": None,
     "tags": {"team": "ml"},
     "log_ranks": [0, 1],
     "experiment": "ctr",

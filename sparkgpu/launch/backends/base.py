@@ -171,6 +171,12 @@ class Backend(abc.ABC):
             CapacityError: they did not come free within ``wait`` seconds.
         """
 
+    def available_gpus(self, job: JobSpec) -> int | None:
+        """How many GPUs an elastic ``job`` could run on now, counting those it holds, in whole
+        nodes of its shape and at most ``job.resources.gpus``; ``None`` when the backend cannot
+        tell (the job then always waits for all its GPUs)."""
+        return None
+
     def ranks_started_at(self, handle: AttemptHandle) -> float | None:
         """Unix time the attempt's ranks started, ``None`` while they still wait for resources.
 

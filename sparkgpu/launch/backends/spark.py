@@ -258,10 +258,53 @@ class SparkBackend(Backend):
         if self.staging_url:
             user_prefix(self.staging_url, settings().user)  # a user name no prefix can hold fails here
         capacity = self.capacity()
-        layout = self._layout(job, capacity)
+        if job.resources.elastic and not job.resources.is_cpu:
+            job, layout = self._elastic_layout(job, capacity)
+        else:
+            layout = self._layout(job, capacity)
         simulated = capacity.simulated and not job.resources.is_cpu
         # Devices are per node and known only at launch: each task's GPU addresses.
         return ResolvedJob(dataclasses.replace(job, devices=(), simulated=simulated), layout)
+
+    def _elastic_layout(self, job: JobSpec, capacity: SparkCapacity) -> tuple[JobSpec, NodeLayout]:
+        """The layout of an elastic job, and the job with its node shape fixed, so that every
+        attempt, whatever its size, runs on nodes of the same GPUs. A cluster short of nodes now
+        (one lost, not yet replaced) takes the job when it could run ``min_gpus`` of it.
+
+        Raises:
+            CapacityError: not even ``min_gpus`` fit the cluster.
+            ConfigurationError: ``min_gpus`` is not a whole number of the chosen nodes.
+        """
+        low = job.resources.min_gpus
+        assert low is not None
+        try:
+            layout = self._layout(job, capacity)
+        except CapacityError:
+            smallest = self._layout(job.resized(low), capacity)  # raises when even min_gpus never fit
+            per_node = smallest.gpus_per_node
+            if job.resources.gpus % per_node:
+                raise
+            layout = NodeLayout(job.resources.gpus // per_node, per_node, per_node)
+        per_node = layout.gpus_per_node
+        if low % per_node:
+            raise ConfigurationError(
+                f"min_gpus={low} is not a whole number of this cluster's {per_node}-GPU nodes; ask for a multiple "
+                f"of {per_node}"
+            )
+        resources = dataclasses.replace(job.resources, gpus_per_node=per_node)
+        return dataclasses.replace(job, resources=resources), layout
+
+    def available_gpus(self, job: JobSpec) -> int | None:
+        """The GPUs of the cluster's live executors (probed anew), in whole nodes of the job's
+        shape, less those other queued jobs hold; at most the job's. Executors whose every core
+        is busy count as present (the probe cannot reach them)."""
+        if not job.resources.elastic or job.resources.is_cpu:
+            return None
+        capacity = self.capacity(refresh=True)
+        per_node = job.resources.gpus_per_node or 1
+        nodes = sum(min(capacity.gpus_of(e) // per_node, e.cores or 1) for e in capacity.executors)
+        free = nodes * per_node - self.seats.held_by_others(job)
+        return max(0, min(job.resources.gpus, free // per_node * per_node))
 
     def _store_prefix(self, run_dir: RunDir) -> str:
         """The staging store prefix that holds the job's folder: ``<staging_url>/<user>``."""
@@ -344,7 +387,9 @@ class SparkBackend(Backend):
         if self._spark is None and POOL_TAG in job.tags:
             self.place(job)  # a resumed job goes back to its pool
         self._reconnect_if_closed()
-        layout = layout if layout is not None else self._layout(job)  # a resumed job is placed anew
+        if layout is None:  # a resumed or resized job is placed anew
+            layout = self._elastic_layout(job, self.capacity())[1] if job.resources.elastic else self._layout(job)
+        self.seats.resize(job)
         run_dir.prepare_attempt(attempt)
         run_dir.spark_dir(attempt).mkdir(parents=True, exist_ok=True)
         record_session(self.spark, run_dir)

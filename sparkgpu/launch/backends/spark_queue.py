@@ -141,6 +141,20 @@ class ClusterSeats:
         _, requester = found
         return f"critical job {requester.job_id} needs {requester.gpus} GPU(s) of the Spark cluster"
 
+    def resize(self, job: JobSpec) -> None:
+        """The job's next attempt runs on ``job.resources.gpus`` (an elastic job): its ticket says so."""
+        seat = self._seats.get(job.job_id)
+        if seat is not None:
+            try:
+                seat.set_gpus(job.resources.gpus)
+            except OSError as exc:  # the next beat writes it
+                self._beat_failed(exc)
+
+    def held_by_others(self, job: JobSpec) -> int:
+        """GPUs of the cluster that other queued jobs hold (0 when ``job`` has no seat)."""
+        seat = self._seats.get(job.job_id)
+        return 0 if seat is None else seat.held_by_others()
+
     def give_way(self, job: JobSpec) -> None:
         """The job checkpointed and stopped for a critical one: its GPUs no longer count as held."""
         seat = self._seats.get(job.job_id)
