@@ -230,7 +230,8 @@ def list_jobs(staging_root: Path | None = None) -> list[dict]:
     """One summary per run dir under ``staging_root``, newest first.
 
     Each has ``job_id``, ``name``, ``status`` (``staged`` when no attempt ever started),
-    ``attempts``, ``restarts``, ``preemptions``, ``gpus``, ``gpu_type``, ``backend``, ``tags``,
+    ``attempts``, ``restarts``, ``preemptions``, ``gpus`` (its latest attempt's: an elastic job may
+    run on fewer), ``gpus_asked``, ``gpu_type``, ``backend``, ``tags``,
     ``started_at``, ``ended_at``, ``duration_s``, ``stop_reason``, ``priority`` and
     ``queue_position`` (its place in this host's GPU queue, or in its Spark cluster's, while
     ``waiting``, else ``None``).
@@ -268,7 +269,8 @@ def list_jobs(staging_root: Path | None = None) -> list[dict]:
                 "attempts": len(attempts),
                 "restarts": state.get("restarts", 0),
                 "preemptions": state.get("preemptions", 0),
-                "gpus": spec["resources"]["gpus"],
+                "gpus": attempts[-1].get("gpus", spec["resources"]["gpus"]) if attempts else spec["resources"]["gpus"],
+                "gpus_asked": spec["resources"]["gpus"],
                 "gpu_type": spec["resources"].get("gpu_type"),
                 "backend": spec.get("backend"),
                 "tags": spec.get("tags") or {},
@@ -365,7 +367,8 @@ def cmd_jobs(args) -> int:
             (f"[{style}]{job['status']}[/]" if style else job["status"])
             + (f" #{job['queue_position']}" if job["queue_position"] else ""),
             job["priority"],
-            f"{job['gpus']} x {job['gpu_type'] or 'auto'}",
+            f"{job['gpus']}{'' if job['gpus'] == job['gpus_asked'] else '/' + str(job['gpus_asked'])} x "
+            f"{job['gpu_type'] or 'auto'}",
             str(job["attempts"]),
             str(job["restarts"]),
             _format_time(job["started_at"]),

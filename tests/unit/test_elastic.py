@@ -209,3 +209,22 @@ def test_a_fixed_size_job_never_asks_what_is_free(tmp_path):
 
     backend = Refuses(["ok"], free=[2])
     assert len(Supervisor(job, rd, backend, b"k" * 32, [], out=io.StringIO()).run()) == 4
+
+
+def test_a_job_that_ends_on_fewer_gpus_returns_their_results_and_sparkgpu_jobs_shows_both_counts(monkeypatch, capsys):
+    from sparkgpu import cli
+    from sparkgpu.config import settings
+
+    monkeypatch.setattr("sparkgpu.launch.elastic.CHECK_SECONDS", 0.05)
+    job = JobSpec("elastic-job", "train", Resources(4, "A10", True, 2, 2), RunPolicy(elastic_wait=0.2, timeout=60))
+    rd = RunDir(settings().staging_root / "elastic-job")
+    rd.create(job.to_dict(), serialize_payload(lambda: 1, (), {}, []), b"k" * 32, [])
+    backend = ElasticCluster(["wait", "ok"], free=[2])  # the replacement never comes
+    results = Supervisor(job, rd, backend, b"k" * 32, [], out=io.StringIO()).run()
+    assert [r["rank"] for r in results] == [0, 1]
+
+    assert cli.main(["jobs", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert (listed["gpus"], listed["gpus_asked"], listed["status"]) == (2, 4, "succeeded")
+    assert cli.main(["jobs"]) == 0
+    assert "2/4 x A10" in capsys.readouterr().out
