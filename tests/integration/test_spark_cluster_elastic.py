@@ -24,23 +24,12 @@ import pytest
 from sparkgpu.config import settings
 from sparkgpu.usage import UsageLedger
 from sparkgpu.usage.rates import billed_seconds
-from tests.integration.spark_cluster import cluster_session
+from tests.integration.test_spark_cluster_faults import fault_cluster, fault_spark, wait_for  # noqa: F401 - fixtures
 from tests.sealed import sealed_json
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.usefixtures("workers_share_this_image")]
 
 SEQ, BATCH, BLOCKS, EPOCHS = 32, 4, 64, 2
-
-
-@pytest.fixture(scope="module")
-def elastic_cluster(disposable_spark_cluster):
-    return disposable_spark_cluster.repaired()
-
-
-@pytest.fixture(scope="module")
-def elastic_spark(elastic_cluster):
-    with cluster_session(elastic_cluster) as session:
-        yield session
 
 
 @pytest.fixture(scope="module")
@@ -117,14 +106,6 @@ def train_elastically(data_dir, record_dir, marks):
     return {"rank": rank, "world": world, "start": start, "steps": step}
 
 
-def wait_for(check, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        assert time.monotonic() < deadline, f"timed out after {timeout:g}s waiting for {what}"
-        time.sleep(0.2)
-    return value
-
-
 def step_of(marks: Path, attempt: int) -> int:
     path = marks / f"a{attempt}.step"
     return int(path.read_text() or 0) if path.exists() else 0
@@ -142,7 +123,7 @@ def counted_steps(record_dir: Path) -> list[dict]:
 
 
 def test_an_elastic_job_shrinks_when_a_worker_is_not_replaced_and_grows_back_training_every_block_once(
-    elastic_cluster, elastic_spark, pattern_tokens, tmp_path, monkeypatch
+    fault_cluster, fault_spark, pattern_tokens, tmp_path, monkeypatch
 ):
     from tests.integration.test_transformer_restart_exactness import block_hash
 
@@ -155,7 +136,7 @@ def test_an_elastic_job_shrinks_when_a_worker_is_not_replaced_and_grows_back_tra
 
     def run():
         try:
-            outcome["result"] = elastic_spark.gpu.train(
+            outcome["result"] = fault_spark.gpu.train(
                 train_elastically,
                 gpus=(2, 4),
                 gpu_type="A10",
@@ -177,12 +158,12 @@ def test_an_elastic_job_shrinks_when_a_worker_is_not_replaced_and_grows_back_tra
     wait_for(lambda: reached(0, 2), 240, "attempt 0 to checkpoint two steps")
     (run_dir,) = settings().staging_root.glob("elastic-*")
     node = sealed_json(run_dir / "attempts" / "0" / "spark" / "node-1.started")
-    _, worker = elastic_cluster.executor_pids()[node["executor"]]
-    elastic_cluster.kill_worker(worker)
+    _, worker = fault_cluster.executor_pids()[node["executor"]]
+    fault_cluster.kill_worker(worker)
 
     # Attempt 1 waits for 4 GPUs, is withdrawn after elastic_wait; attempt 2 goes on with 2.
     wait_for(lambda: reached(2, 3), 240, "the job to go on with 2 GPUs")
-    elastic_cluster.restart_worker(worker)
+    fault_cluster.restart_worker(worker)
     thread.join(300)
     assert not thread.is_alive(), "the job did not grow back and end"
     assert "error" not in outcome, outcome.get("error")
