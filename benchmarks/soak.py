@@ -13,11 +13,27 @@ count however many jobs ran.
 
 Writes benchmarks/results/soak.json. The figures compare the end of a phase with the point
 after its first ``--warmup`` jobs (imports, pools and Python workers are one-off costs).
+
+Every phase also records a curve: the client's RSS, threads (by name: ``tokio-rt-worker`` are
+deltalake's, which the usage ledger loads) and descriptors every ``--every`` jobs, and the
+slope of RSS, threads and live Python objects over the phase's second half, per 100 jobs
+(least squares; the curve's own points add one object each). A flat client has slopes near
+zero however long the phase; a leak shows as a steady slope. A week of notebook jobs is a
+thousand or more, so ``--local-warm 1000`` (0.3-0.5 s a job: 5-8 minutes on two cores) is the
+long run; ``--output`` keeps it apart from the committed soak.json, with its figure beside it
+(``--plot``, the output's name with ``.png``).
+
+    python benchmarks/soak.py --local-cold 0 --spark 0 --local-warm 1000 \
+        --output benchmarks/results/soak_client.json
+    python benchmarks/soak.py --local-cold 0 --spark 0 --local-warm 1000 --ledger-checkpoint-every 0 \
+        --output benchmarks/results/soak_client_before.json     # the ledger as it was before
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import gc
 import json
 import os
 import platform
@@ -106,9 +122,51 @@ def sample(label: str, jobs_done: int, failures: int) -> dict:
     }
 
 
-def run_phase(name: str, count: int, call, samples: list, warmup: int) -> tuple[int, int]:
+def thread_names() -> dict[str, int]:
+    """The client's OS threads by name (``/proc/self/task/*/comm``); empty where there is no /proc."""
+    names: collections.Counter[str] = collections.Counter()
+    tasks = Path("/proc/self/task")
+    for task in tasks.iterdir() if tasks.is_dir() else ():
+        try:
+            names[(task / "comm").read_text().strip()] += 1
+        except OSError:  # the thread ended meanwhile
+            continue
+    return dict(names.most_common())
+
+
+def curve_point(jobs_done: int, started: float) -> dict:
+    """A cheap sample of the client for the curve (no disk walks): RSS, threads, descriptors."""
+    import psutil
+
+    gc.collect()  # what stays after a collection is held, not merely not yet collected
+    me = psutil.Process()
+    return {
+        "jobs": jobs_done,
+        "seconds": round(time.perf_counter() - started, 2),
+        "client_rss_mb": round(me.memory_info().rss / 1e6, 2),
+        "client_threads": me.num_threads(),
+        "client_fds": me.num_fds(),
+        "python_objects": len(gc.get_objects()),
+        "thread_names": thread_names(),
+    }
+
+
+def slope_per_100(points: list[dict], key: str) -> float | None:
+    """Least-squares slope of ``key`` per 100 jobs over the second half of the curve's jobs."""
+    last = points[-1]["jobs"] if points else 0
+    half = [p for p in points if p["jobs"] >= last / 2]
+    if len(half) < 2:
+        return None
+    xs, ys = [p["jobs"] for p in half], [p[key] for p in half]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    return round(100 * sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var, 3) if var else None
+
+
+def run_phase(name: str, count: int, call, samples: list, warmup: int, every: int = 50) -> tuple[int, float, dict]:
     failures = 0
     started = time.perf_counter()
+    points = [curve_point(0, started)]
     for i in range(count):
         try:
             assert call(i) == [float(i * 2 + 1)] * 2
@@ -117,10 +175,55 @@ def run_phase(name: str, count: int, call, samples: list, warmup: int) -> tuple[
             print(f"{name} job {i} failed: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr, flush=True)
         if i + 1 == min(warmup, count):
             samples.append(sample(f"{name}: after warm-up", i + 1, failures))
+        if every and ((i + 1) % every == 0 or i + 1 == count):
+            points.append(curve_point(i + 1, started))
+            p = points[-1]
+            print(f"{name}: {i + 1} jobs, RSS {p['client_rss_mb']:.1f} MB, {p['client_threads']} threads", flush=True)
     samples.append(sample(f"{name}: end", count, failures))
     seconds = time.perf_counter() - started
     print(f"{name}: {count} jobs, {failures} failed, {seconds:.0f} s", flush=True)
-    return failures, seconds
+    curve = {
+        "every": every,
+        "slope_second_half_per_100_jobs": {
+            "client_rss_mb": slope_per_100(points, "client_rss_mb"),
+            "client_threads": slope_per_100(points, "client_threads"),
+            "python_objects": slope_per_100(points, "python_objects"),
+        },
+        "points": points,
+    }
+    return failures, seconds, curve
+
+
+def plot_curves(curves: dict, path: Path) -> None:
+    """RSS and threads against jobs, one line per phase (matplotlib via the package's helper)."""
+    from sparkgpu._plotting import pyplot
+
+    plt = pyplot("plotting the soak")
+    fig, (rss, threads) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, curve in curves.items():
+        jobs = [p["jobs"] for p in curve["points"]]
+        slope = curve["slope_second_half_per_100_jobs"]
+        rss.plot(
+            jobs,
+            [p["client_rss_mb"] for p in curve["points"]],
+            marker=".",
+            label=f"{name} ({slope['client_rss_mb']} MB/100 jobs)",
+        )
+        threads.plot(
+            jobs,
+            [p["client_threads"] for p in curve["points"]],
+            marker=".",
+            label=f"{name} ({slope['client_threads']}/100 jobs)",
+        )
+    rss.set_ylabel("client RSS (MB)")
+    threads.set_ylabel("client OS threads")
+    for ax in (rss, threads):
+        ax.set_xlabel("jobs run by this client")
+        ax.set_ylim(bottom=0)
+        ax.legend(title="slope over the second half")
+    fig.suptitle("one client, many 2-rank jobs: what the client holds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def growth(samples: list, name: str) -> dict:
@@ -140,6 +243,15 @@ def growth(samples: list, name: str) -> dict:
     return {k: round(last[k] - first[k], 2) for k in keys}
 
 
+def _ledger_checkpoints_every(commits: int) -> None:
+    """Every usage ledger this process opens checkpoints after ``commits`` commits (0: only when compacting)."""
+    import functools
+
+    from sparkgpu.usage import ledger
+
+    ledger.UsageLedger.__init__ = functools.partialmethod(ledger.UsageLedger.__init__, checkpoint_every=commits)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--local-cold", type=int, default=100)
@@ -147,8 +259,21 @@ def main() -> None:
     parser.add_argument("--spark", type=int, default=50)
     parser.add_argument("--keep-runs", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--every", type=int, default=50, help="jobs between the points of each phase's curve")
     parser.add_argument("--output", default=str(RESULTS / "soak.json"))
+    parser.add_argument(
+        "--plot", default=None, help="figure of the curves (default: the output with .png; 'none' to skip)"
+    )
+    parser.add_argument(
+        "--ledger-checkpoint-every",
+        type=int,
+        default=None,
+        help="the usage ledger's checkpoint interval (default: the ledger's own); 0 runs the design before "
+        "it checkpointed between compactions, for a before-and-after pair",
+    )
     args = parser.parse_args()
+    if args.ledger_checkpoint_every is not None:
+        _ledger_checkpoints_every(args.ledger_checkpoint_every)
 
     with tempfile.TemporaryDirectory(prefix="sparkgpu-soak-") as tmp:
         os.environ.update(
@@ -165,13 +290,13 @@ def main() -> None:
         if args.local_cold:
             cold = distributed(gpus=2, gpu_type="cpu")(all_reduce_step)
             phases["local cold"] = run_phase(
-                "local cold", args.local_cold, lambda i: cold.distributed(i), samples, args.warmup
+                "local cold", args.local_cold, lambda i: cold.distributed(i), samples, args.warmup, args.every
             )
         if args.local_warm:
             warm = distributed(gpus=2, gpu_type="cpu", backend=WarmPoolBackend(idle_timeout=600))(all_reduce_step)
             try:
                 phases["local warm"] = run_phase(
-                    "local warm", args.local_warm, lambda i: warm.distributed(i), samples, args.warmup
+                    "local warm", args.local_warm, lambda i: warm.distributed(i), samples, args.warmup, args.every
                 )
             finally:
                 stop_pool()
@@ -194,11 +319,12 @@ def main() -> None:
                     ),
                     samples,
                     args.warmup,
+                    args.every,
                 )
                 spark.stop()
             CLUSTER_DIR = None
         samples.append(
-            sample("end", args.local_cold + args.local_warm + args.spark, sum(f for f, _ in phases.values()))
+            sample("end", args.local_cold + args.local_warm + args.spark, sum(f for f, _, _ in phases.values()))
         )
 
     report = {
@@ -212,17 +338,20 @@ def main() -> None:
                 "seconds": round(seconds, 1),
                 "growth_after_warmup": growth(samples, name),
             }
-            for name, count, (failed, seconds) in [
+            for name, count, (failed, seconds, _) in [
                 (n, {"local cold": args.local_cold, "local warm": args.local_warm, "spark": args.spark}[n], v)
                 for n, v in phases.items()
             ]
         },
+        "curves": {name: curve for name, (_, _, curve) in phases.items()},
         "samples": samples,
     }
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=2))
+    if args.plot != "none" and report["curves"] and args.every:
+        plot_curves(report["curves"], Path(args.plot or Path(args.output).with_suffix(".png")))
     for name, phase in report["phases"].items():
-        print(name, json.dumps(phase))
+        print(name, json.dumps(phase), json.dumps(report["curves"][name]["slope_second_half_per_100_jobs"]))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ running time), ``gpu_seconds`` (billed: ``gpus`` x whole seconds, rounded up),
 from __future__ import annotations
 
 import dataclasses
+import logging
 import socket
 import time
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
 __all__ = ["UsageRecord", "UsageLedger", "ledger_schema", "clip_to_window"]
 
 _COMMIT_RETRIES = 8
+
+_logger = logging.getLogger(__name__)
 
 
 def ledger_schema():
@@ -145,12 +148,26 @@ class UsageLedger:
         compact_every: Compact the table after every this many commits (0: never). One row
             per commit means one small file per attempt, and reading N small files costs
             milliseconds each (budget checks read the ledger); compaction keeps reads flat.
+        checkpoint_every: Write a log checkpoint after every this many commits (0: only when
+            compacting). Each append opens the table, which replays every commit since the
+            last checkpoint; deltalake reads those files concurrently on blocking threads of
+            its tokio runtime, and the threads stay while jobs keep coming. At deltalake's
+            interval of 100, a client running job after job came to hold ~100 idle
+            ``tokio-rt-worker`` threads and their memory; every 10 (Spark's interval) keeps
+            both small and flat.
     """
 
-    def __init__(self, uri: str, storage_options: dict[str, str] | None = None, compact_every: int = 100):
+    def __init__(
+        self,
+        uri: str,
+        storage_options: dict[str, str] | None = None,
+        compact_every: int = 100,
+        checkpoint_every: int = 10,
+    ):
         self.uri = str(uri)
         self.storage_options = storage_options
         self.compact_every = compact_every
+        self.checkpoint_every = checkpoint_every
 
     def __repr__(self) -> str:
         return f"UsageLedger({self.uri!r})"
@@ -200,8 +217,16 @@ class UsageLedger:
                 if attempt == _COMMIT_RETRIES - 1 or not (isinstance(exc, CommitFailedError) or _is_retryable(exc)):
                     raise
                 time.sleep(0.05 * (attempt + 1))
-        if table is not None and self.compact_every and table.version() % self.compact_every == 0:
+        if table is not None:
+            self._maintain(table)
+
+    def _maintain(self, table) -> None:
+        """Compacts or checkpoints ``table`` (just written) when its version is due."""
+        version = table.version()
+        if self.compact_every and version % self.compact_every == 0:
             self._compact_quietly()
+        elif self.checkpoint_every and version % self.checkpoint_every == 0:
+            self._checkpoint_quietly(table)
 
     def _compact_quietly(self) -> bool:
         from deltalake.exceptions import CommitFailedError
@@ -211,6 +236,17 @@ class UsageLedger:
             return True
         except CommitFailedError:
             return False  # another writer committed meanwhile; compaction runs again at the next multiple
+
+    @staticmethod
+    def _checkpoint_quietly(table) -> bool:
+        from deltalake.exceptions import DeltaError
+
+        try:
+            table.create_checkpoint()
+            return True
+        except (DeltaError, OSError) as exc:  # a checkpoint only speeds reads up; the row is committed
+            _logger.debug("usage ledger: no checkpoint at version %s: %s", table.version(), exc)
+            return False
 
     def read(self, since: float | None = None, until: float | None = None) -> pyarrow.Table:
         """Rows of attempts that overlap ``[since, until]`` (unix seconds; ``None`` for open ends).
