@@ -122,8 +122,13 @@ def test_ranks_that_outlive_a_broken_stream_are_stopped_before_the_attempt_ends(
             node.stop()
 
 
+class UninterruptibleSession(TaggedSession):
+    def interruptTag(self, tag: str) -> list[str]:
+        raise ConnectionError("the session went with the stream")
+
+
 def test_nodes_that_never_confirm_are_waited_for_a_bounded_time(attempt):
-    backend = SparkBackend(spark=TaggedSession(), client_timeout=None, control_interval=0.5)
+    backend = SparkBackend(spark=UninterruptibleSession(), client_timeout=None, control_interval=0.5)
     backend.node_stop_margin = 0.5
     start_marker(attempt, 0, time.time())  # a node whose executor is gone: it never writes its end
     backend._run_action(attempt, BrokenStream())
@@ -131,7 +136,22 @@ def test_nodes_that_never_confirm_are_waited_for_a_bounded_time(attempt):
     assert backend.poll(attempt) == 1
     assert 1.5 <= time.monotonic() - started < 6  # shutdown_grace 0.5 + control interval 0.5 + margin 0.5
     (note,) = [n for n in AttemptReport.read(attempt.run_dir.attempt_dir(0)).notes if "did not confirm" in n]
-    assert "node(s) 0 did not confirm within 1.5s that their ranks stopped" in note
+    assert "node(s) 0 did not confirm within 1.5s that their ranks stopped (their executor may be lost)" in note
+
+
+def test_nodes_of_a_job_spark_interrupted_are_waited_for_only_the_shutdown_grace_and_the_kill(attempt, monkeypatch):
+    # Spark kills the tasks of an interrupted job (their Python workers, and the agents and ranks
+    # with them): they write no end marker, so waiting for the cancel marker's round trip and the
+    # node timeout (50 s with the defaults) would only delay the restart.
+    monkeypatch.setattr("sparkgpu.launch.backends.spark_node_watch.KILLED_TASK_SECONDS", 0.5)
+    backend = SparkBackend(spark=TaggedSession(), client_timeout=None, control_interval=30)
+    start_marker(attempt, 0, time.time())
+    backend._run_action(attempt, BrokenStream())
+    started = time.monotonic()
+    assert backend.poll(attempt) == 1
+    assert 1.0 <= time.monotonic() - started < 5  # shutdown_grace 0.5 + 0.5, not 30 + 20
+    (note,) = [n for n in AttemptReport.read(attempt.run_dir.attempt_dir(0)).notes if "did not confirm" in n]
+    assert "within 1s that their ranks stopped (Spark killed their tasks when the job was interrupted)" in note
 
 
 def test_a_cancelled_attempt_does_not_wait_again(attempt):

@@ -6,6 +6,7 @@ the run dir is a real folder.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -142,6 +143,18 @@ def test_a_silent_client_stops_the_node_after_its_timeout(run_dir, tmp_path):
     started = time.monotonic()
     assert _watch(agent, run_dir, alone, 0, zero(run_dir, alone)) == (143, "client-lost")
     assert 1.0 <= time.monotonic() - started < 6
+
+
+def test_node_0_looks_at_a_shared_run_dirs_client_files_six_times_per_client_timeout(run_dir):
+    # The client's silence is judged between two looks: a dead client's ranks stop within about
+    # the timeout and a third. The defaults (20 s looks, a 120 s timeout) keep one look per 20 s.
+    slow = dataclasses.replace(launch(run_dir, client_timeout=12.0), control_interval=20.0)
+    looks = []
+    for timeout in (12.0, 120.0, None):
+        channel = zero(run_dir, dataclasses.replace(slow, client_timeout=timeout))
+        looks.append(channel.check_every)
+        channel.hub.close()
+    assert looks == [pytest.approx(2.0), 20.0, 20.0]
 
 
 def test_an_agent_that_ignores_sigterm_is_killed_after_the_grace(run_dir, tmp_path):

@@ -79,6 +79,16 @@ def control_interval(launch: NodeLaunch) -> float:
     return min(launch.control_interval, launch.client_timeout / 3)
 
 
+def folder_check_interval(launch: NodeLaunch) -> float:
+    """Seconds between two looks of node 0 at the client's files in a shared run dir: the control
+    interval, and at most a sixth of the client's timeout. A look is one read of a few small files
+    by node 0 alone, and a dead client's silence is judged between two looks, so its ranks stop
+    within about the timeout and a third (the defaults, 20 s and 120 s, look every 20 s)."""
+    if launch.client_timeout is None:
+        return control_interval(launch)
+    return min(control_interval(launch), launch.client_timeout / 6)
+
+
 def open_hub(launch: NodeLaunch, host: str) -> Hub:
     """Node 0's hub, listening on ``host`` (the address the other nodes reach this host by)."""
     return Hub(launch.key, launch.attempt, launch.nnodes, host, launch.peer_timeout or math.inf)
@@ -99,7 +109,7 @@ class NodeZero:
         self.hub, self.rd, self.launch, self.on_written = hub, rd, launch, written
         self.client = Heartbeat(rd, rd.client_heartbeat_file(launch.attempt), launch.client_timeout, clock=clock)
         # With a store the client's files arrive through the mirror: reading the local copies is free.
-        self.check_every = CHECK_SECONDS if launch.store_url else control_interval(launch)
+        self.check_every = CHECK_SECONDS if launch.store_url else folder_check_interval(launch)
         self.next_check = 0.0
         self.written: tuple[int, float] = (-1, 0.0)  # (version, monotonic time) of the last state written
         #: Nodes this one found lost itself: none (node 0 names the lost in its state).

@@ -28,6 +28,9 @@ from sparkgpu.launch.run_layout import RunLayout
 __all__ = ["NodeWatch", "WatchOwner", "end_markers", "silent_nodes"]
 
 #: How Spark names the executor it lost in a failed job's message.
+#: Seconds, beyond the shutdown grace, that the client waits for the nodes of a Spark job it
+#: interrupted to confirm that their ranks stopped (Spark kills the rest with their tasks).
+KILLED_TASK_SECONDS = 5.0
 _LOST_EXECUTOR = re.compile(r"ExecutorLostFailure \(executor (\S+?)[ )]|[Ee]xecutor (?:id )?(\S+?) (?:lost|exited)")
 
 
@@ -141,9 +144,11 @@ class NodeWatch:
         rd, attempt = handle.run_dir, handle.attempt
         rd.write_control(rd.spark_cancel_file(attempt), b"the Spark job of this attempt failed\n")
         sync_now(handle)
+        interrupted = True
         try:
             self.owner.interrupt(handle.tag)
         except Exception as exc:  # the broken stream may have taken the session with it
+            interrupted = False
             self.note(
                 handle,
                 f"could not interrupt the Spark job ({type(exc).__name__}: {exc}); the nodes "
@@ -152,7 +157,13 @@ class NodeWatch:
         if self.owner.session_gone():
             return  # the server's executors ended with it, and the ranks with them: nobody to wait for
         named = tuple(name for found in _LOST_EXECUTOR.findall(str(handle.error or "")) for name in found if name)
-        limit = handle.job.policy.shutdown_grace + self.owner.control_interval + self.owner.node_stop_margin
+        # Spark kills the tasks of a job it interrupted, their Python workers within its kill timeout
+        # (spark.python.task.killTimeout, 2 s) and the agents and ranks with them (PR_SET_PDEATHSIG):
+        # such a node writes no end marker, so only nodes that stop on their own are waited for.
+        # Without the interrupt, the nodes stop on the cancel marker, which node 0 reads every
+        # control interval.
+        margin = KILLED_TASK_SECONDS if interrupted else self.owner.control_interval + self.owner.node_stop_margin
+        limit = handle.job.policy.shutdown_grace + margin
         deadline = time.monotonic() + limit
         running = rd.nodes_without_end(attempt)
         while running and time.monotonic() < deadline:
@@ -167,8 +178,13 @@ class NodeWatch:
             self.note(
                 handle,
                 f"node(s) {', '.join(map(str, running))} did not confirm within {limit:g}s that "
-                "their ranks stopped (their executor may be lost); any rank left stops when it "
-                "sees the cancel marker or loses this client's heartbeat",
+                "their ranks stopped ("
+                + (
+                    "Spark killed their tasks when the job was interrupted"
+                    if interrupted
+                    else "their executor may be lost"
+                )
+                + "); any rank left stops when it sees the cancel marker or loses this client's heartbeat",
             )
 
     # -- the attempt's report -----------------------------------------------------------
