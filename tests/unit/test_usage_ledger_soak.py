@@ -10,36 +10,16 @@ import json
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
-from sparkgpu.usage.ledger import UsageLedger, UsageRecord
-from sparkgpu.usage.rates import RateCard
-
-
-def _record(i: int) -> UsageRecord:
-    now = time.time()
-    return UsageRecord.priced(
-        job_id=f"job-{i}",
-        job_name="train",
-        attempt=0,
-        user="ana",
-        tags={"team": "ml"},
-        backend="local",
-        gpu_type="cpu",
-        gpus=2,
-        simulated=True,
-        status="succeeded",
-        started_at=now - 1,
-        ended_at=now,
-        rates=RateCard({}, default=0.0),
-    )
+from sparkgpu.usage.ledger import UsageLedger
+from tests.unit.test_usage_ledger import record
 
 
 def test_opening_the_ledger_replays_at_most_a_checkpoint_interval_of_commits(tmp_path):
     ledger = UsageLedger(str(tmp_path / "ledger"), checkpoint_every=10, compact_every=100)
     for i in range(45):
-        ledger.append([_record(i)])
+        ledger.append([record(f"job-{i}")])
     log = tmp_path / "ledger" / "_delta_log"
     checkpoint = json.loads((log / "_last_checkpoint").read_text())["version"]
     after = [p for p in log.glob("*.json") if int(p.stem) > checkpoint]
@@ -52,7 +32,7 @@ _LOOP = textwrap.dedent(
     """
     import gc, json, os, sys, time
     from sparkgpu.usage.ledger import UsageLedger
-    from tests.unit.test_usage_ledger_soak import _record
+    from tests.unit.test_usage_ledger import record
 
     def tokio_threads():
         names = []
@@ -66,7 +46,7 @@ _LOOP = textwrap.dedent(
     ledger = UsageLedger(sys.argv[1])
     seen = {}
     for i in range(1, 101):
-        ledger.append([_record(i)])
+        ledger.append([record(f"job-{i}")])
         if i in (20, 100):
             gc.collect()
             seen[i] = {"threads": tokio_threads(), "objects": len(gc.get_objects())}
