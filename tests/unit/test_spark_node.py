@@ -26,7 +26,7 @@ from sparkgpu.launch.run_dir import RunDir
 FAKE_AGENT = textwrap.dedent("""
     import signal, sys, time
     def stop(*_):
-        print("agent got SIGTERM", flush=True)
+        print(f"agent got SIGTERM at {time.time()}", flush=True)
         sys.exit(143)
     signal.signal(signal.SIGTERM, stop)
     print("agent up", flush=True)
@@ -118,6 +118,30 @@ def test_the_cancel_marker_stops_the_agent_with_sigterm(run_dir, tmp_path):
 def test_the_cancel_marker_reaches_every_node_through_node_0(run_dir, tmp_path):
     run_dir.write_control(run_dir.spark_cancel_file(0), b"cancelled by the client\n")
     assert watch_both(run_dir, tmp_path, 60, 0, 60, 0) == {0: (143, "cancelled"), 1: (143, "cancelled")}
+
+
+def test_a_stop_for_everyone_reaches_every_nodes_agent_at_the_same_moment(run_dir, tmp_path):
+    # Node 1 hears node 0 only when it beats (every 2.5 s for a 10 s node timeout): applied on
+    # hearing, the agents would get SIGTERM up to 2.5 s apart, and ranks that left their loop
+    # first would wait in a collective for peers still stepping until the grace kills them.
+    both = dataclasses.replace(launch(run_dir, nnodes=2), peer_timeout=10.0)
+    first = zero(run_dir, both)
+    second = link(run_dir, both, first)
+    agents = {0: start_agent(tmp_path, 60), 1: start_agent(tmp_path, 60)}
+    ends = {}
+    threads = [
+        threading.Thread(target=lambda n=n, c=c: ends.__setitem__(n, _watch(agents[n], run_dir, both, n, c)))
+        for n, c in ((0, first), (1, second))
+    ]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)  # both are beating
+    run_dir.write_control(run_dir.spark_cancel_file(0), b"cancelled by the client\n")
+    for t in threads:
+        t.join(60)
+    assert ends == {0: (143, "cancelled"), 1: (143, "cancelled")}
+    stopped = [float(agents[n].stdout.read().split("at ")[-1]) for n in (0, 1)]
+    assert abs(stopped[0] - stopped[1]) < 0.4, stopped
 
 
 def test_a_failed_node_stops_the_others(run_dir, tmp_path):

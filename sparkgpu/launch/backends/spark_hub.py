@@ -18,6 +18,13 @@ attempt and the direction: a frame of another job, another attempt or the other 
 not verify. A beat's count must grow, so a replayed beat keeps no dead node alive; a reply
 echoes the count it answers, so a replayed reply answers nothing. The port is open to whoever
 reaches node 0: a stranger can hold a connection, not speak for a node.
+
+**A stop node 0 decides on for everyone at once** (the client is lost or cancelled the job) is
+set :data:`TOGETHER` beat periods ahead: every node hears it within one beat period, each reply
+says how long until it applies (``stop_in``), and every node, node 0 included, stops its ranks
+at about the same moment. Ranks that left their loop one beat apart would otherwise wait in a
+collective for peers still stepping, until the shutdown grace kills them. A stop a failed or
+lost node calls for applies at once: its peers are blocked already.
 """
 
 from __future__ import annotations
@@ -37,12 +44,18 @@ from sparkgpu.launch.control import mac, pack_files, unpack_files
 from sparkgpu.launch.run_layout import RunLayout
 from sparkgpu.protocol import NodeState
 
-__all__ = ["Hub", "HubLink", "KEEPALIVE", "beat_interval"]
+__all__ = ["Hub", "HubLink", "KEEPALIVE", "beat_interval", "together_delay"]
 
 #: Most seconds between two writes of node 0's state object while nothing changes.
 KEEPALIVE = 120.0
 #: The longest frame either side reads (a beat is ~100 bytes; a reply carries small control files).
 _MAX_FRAME = 1 << 16
+
+
+def together_delay(timeout: float | None) -> float:
+    """Seconds between node 0 deciding on a stop for everyone and every node applying it: one
+    beat period, in which every node beats and hears it, and a margin."""
+    return beat_interval(timeout) + 0.5
 
 
 def beat_interval(timeout: float | None) -> float:
@@ -102,6 +115,7 @@ class Hub:
         self.members = {n: _Member(now, wall) for n in range(1, nnodes)}
         self._lock = threading.Lock()
         self.stop: tuple[str, str] | None = None  # (a NodeState value, why)
+        self.stop_at = 0.0  # monotonic: when the stop applies (later than set for a stop together)
         self.control: dict[str, str] = {}  # relayed control file -> its sealed bytes, base64
         self.own_end: dict | None = None
         self.version = 0  # grows with every change the client should see
@@ -182,16 +196,26 @@ class Hub:
                 if isinstance(ended, dict) and member.ended is None:
                     member.ended = {"state": str(ended.get("state")), "exit_code": ended.get("exit_code")}
                     self.version += 1
-            body = {"ack": count, "stop": list(self.stop) if self.stop else None, "control": self.control}
+            body: dict[str, object] = {"ack": count, "stop": list(self.stop) if self.stop else None}
+            body["control"] = self.control
+            if self.stop:
+                body["stop_in"] = round(max(0.0, self.stop_at - time.monotonic()), 3)
         return _frame(self.key, _place(self.attempt, "reply"), body)
 
     # -- node 0's decisions -------------------------------------------------------------
-    def set_stop(self, state: NodeState, why: str) -> None:
-        """Tells every node to stop its ranks (the first reason stays)."""
+    def set_stop(self, state: NodeState, why: str, together: float = 0.0) -> None:
+        """Tells every node to stop its ranks (the first reason stays), ``together`` seconds from
+        now (:func:`together_delay`: long enough for every node to hear it first)."""
         with self._lock:
             if self.stop is None:
                 self.stop = (state.value, why)
+                self.stop_at = time.monotonic() + (together if self.members else 0.0)
                 self.version += 1
+
+    def stop_due(self) -> tuple[str, str] | None:
+        """The stop, once it applies; ``None`` before."""
+        with self._lock:
+            return self.stop if self.stop is not None and time.monotonic() >= self.stop_at else None
 
     def relay(self, files: dict[str, bytes]) -> None:
         """Hands the client's control files (sealed bytes, by name in the run dir) to every node."""
@@ -215,10 +239,12 @@ class Hub:
                     if self.stop is None:
                         silent = now - member.last_change
                         self.stop = (NodeState.PEER_LOST.value, f"node {node} sent no beat for {silent:.0f}s")
+                        self.stop_at = now
             if self.stop is None:
                 for node, member in self.members.items():
                     if member.ended is not None and member.ended["state"] != NodeState.SUCCEEDED.value:
                         self.stop = (NodeState.PEER_FAILED.value, f"node {node} ended {member.ended['state']}")
+                        self.stop_at = now
                         self.version += 1
                         break
 

@@ -14,7 +14,7 @@ import math
 import time
 from pathlib import Path
 
-from sparkgpu.launch.backends.spark_hub import KEEPALIVE, Hub, HubLink, beat_interval
+from sparkgpu.launch.backends.spark_hub import KEEPALIVE, Hub, HubLink, beat_interval, together_delay
 from sparkgpu.launch.backends.spark_node_launch import CONTROL_INTERVAL, NodeLaunch
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.run_layout import RunLayout
@@ -122,17 +122,19 @@ class NodeZero:
             self._read_client()
         self.hub.check()
         self._write_state(now)
-        return (NodeState(self.hub.stop[0]), self.hub.stop[1]) if self.hub.stop else None
+        stop = self.hub.stop_due()
+        return (NodeState(stop[0]), stop[1]) if stop else None
 
     def _read_client(self) -> None:
         rd, attempt = self.rd, self.launch.attempt
+        together = together_delay(self.launch.peer_timeout)  # every node stops its ranks at once
         cancel = rd.read_control(rd.spark_cancel_file(attempt))
         if cancel is not None:
-            self.hub.set_stop(NodeState.CANCELLED, cancel.decode(errors="replace").strip() or "cancelled")
+            why = cancel.decode(errors="replace").strip() or "cancelled"
+            self.hub.set_stop(NodeState.CANCELLED, why, together)
         elif self.client.lost():
-            self.hub.set_stop(
-                NodeState.CLIENT_LOST, f"no heartbeat from the client for {self.client.silent_for():.0f}s"
-            )
+            why = f"no heartbeat from the client for {self.client.silent_for():.0f}s"
+            self.hub.set_stop(NodeState.CLIENT_LOST, why, together)
         if self.launch.store_url:  # a shared run dir shows every node the client's stop request itself
             stop = RunLayout.stop(attempt)
             try:
@@ -181,20 +183,25 @@ class NodeLink:
         self.every = beat_interval(launch.peer_timeout)
         self.next_beat = 0.0
         self.stop: Stop | None = None
+        self.stop_at = 0.0  # monotonic: when ``stop`` applies here
         self.relayed: dict[str, bytes] = {}
         #: Nodes this one found lost (node 0, when it stopped answering).
         self.lost: tuple[int, ...] = ()
 
     def step(self, now: float) -> Stop | None:
-        if now < self.next_beat:
-            return self.stop
-        self.next_beat = now + self.every
+        if now >= self.next_beat:
+            self.next_beat = now + self.every
+            self._beat(now)
+        return self.stop if self.stop is not None and now >= self.stop_at else None
+
+    def _beat(self, now: float) -> None:
         reply = self.link.beat()
         if reply is None:
             silent = self.link.silent_for()
             if self.stop is None and self.launch.peer_timeout is not None and silent > self.launch.peer_timeout:
                 self.stop, self.lost = (NodeState.PEER_LOST, f"node 0 answered no beat for {silent:.0f}s"), (0,)
-            return self.stop
+                self.stop_at = now
+            return
         if self.launch.store_url:  # the ranks read the client's stop request here
             self.rd.write_control_copies(self.launch.attempt, HubLink.relayed(reply), self.relayed)
         if self.stop is None and reply.get("stop"):
@@ -202,7 +209,10 @@ class NodeLink:
                 self.stop = (NodeState(reply["stop"][0]), str(reply["stop"][1]))
             except (ValueError, IndexError, TypeError):
                 self.stop = (NodeState.PEER_FAILED, "node 0 asked to stop")
-        return self.stop
+            try:  # a stop for everyone at once applies when node 0 applies it
+                self.stop_at = now + min(float(reply.get("stop_in") or 0.0), 60.0)
+            except (TypeError, ValueError):
+                self.stop_at = now
 
     def end(self, done: dict) -> None:
         """Tells node 0 how this node ended (a few tries: it stops the others on a failure)."""
