@@ -77,19 +77,29 @@ def link(rd: RunDir, node_launch: NodeLaunch, hub_of: NodeZero, node: int = 1) -
     return NodeLink(HubLink(node_launch.key, 0, node, address, node_launch.peer_timeout), rd, node_launch)
 
 
-def watch_both(run_dir, tmp_path, seconds0, code0, seconds1, code1):
-    """Node 0 and node 1 of one attempt, each watching its own agent; ``{node: (code, state)}``."""
+def watch_both(run_dir, tmp_path, seconds0, code0, seconds1, code1, *, peer_timeout=None, meanwhile=None, agents=None):
+    """Node 0 and node 1 of one attempt, each watching its own agent; ``{node: (code, state)}``.
+
+    ``peer_timeout`` replaces the launch's; ``meanwhile()`` runs once both watch; ``agents``
+    (a dict) gets the agents' processes.
+    """
     both = launch(run_dir, nnodes=2)
+    if peer_timeout is not None:
+        both = dataclasses.replace(both, peer_timeout=peer_timeout)
     first = zero(run_dir, both)
     second = link(run_dir, both, first)
-    agents = {0: start_agent(tmp_path, seconds0, code0), 1: start_agent(tmp_path, seconds1, code1)}
+    started = {0: start_agent(tmp_path, seconds0, code0), 1: start_agent(tmp_path, seconds1, code1)}
+    if agents is not None:
+        agents.update(started)
     ends = {}
     threads = [
-        threading.Thread(target=lambda n=n, c=c: ends.__setitem__(n, _watch(agents[n], run_dir, both, n, c)))
+        threading.Thread(target=lambda n=n, c=c: ends.__setitem__(n, _watch(started[n], run_dir, both, n, c)))
         for n, c in ((0, first), (1, second))
     ]
     for t in threads:
         t.start()
+    if meanwhile is not None:
+        meanwhile()
     for t in threads:
         t.join(60)
     return ends
@@ -124,21 +134,14 @@ def test_a_stop_for_everyone_reaches_every_nodes_agent_at_the_same_moment(run_di
     # Node 1 hears node 0 only when it beats (every 2.5 s for a 10 s node timeout): applied on
     # hearing, the agents would get SIGTERM up to 2.5 s apart, and ranks that left their loop
     # first would wait in a collective for peers still stepping until the grace kills them.
-    both = dataclasses.replace(launch(run_dir, nnodes=2), peer_timeout=10.0)
-    first = zero(run_dir, both)
-    second = link(run_dir, both, first)
-    agents = {0: start_agent(tmp_path, 60), 1: start_agent(tmp_path, 60)}
-    ends = {}
-    threads = [
-        threading.Thread(target=lambda n=n, c=c: ends.__setitem__(n, _watch(agents[n], run_dir, both, n, c)))
-        for n, c in ((0, first), (1, second))
-    ]
-    for t in threads:
-        t.start()
-    time.sleep(1.0)  # both are beating
-    run_dir.write_control(run_dir.spark_cancel_file(0), b"cancelled by the client\n")
-    for t in threads:
-        t.join(60)
+    def cancel_once_both_beat():
+        time.sleep(1.0)
+        run_dir.write_control(run_dir.spark_cancel_file(0), b"cancelled by the client\n")
+
+    agents: dict = {}
+    ends = watch_both(
+        run_dir, tmp_path, 60, 0, 60, 0, peer_timeout=10.0, meanwhile=cancel_once_both_beat, agents=agents
+    )
     assert ends == {0: (143, "cancelled"), 1: (143, "cancelled")}
     stopped = [float(agents[n].stdout.read().split("at ")[-1]) for n in (0, 1)]
     assert abs(stopped[0] - stopped[1]) < 0.4, stopped
