@@ -551,14 +551,19 @@ class Supervisor:
             if reason:
                 self.state["stop_reason"] = reason
                 self._save()
-                self.run_dir.write_control(self.run_dir.file(RunLayout.stop(attempt)), (reason + "\n").encode())
-                report(
-                    f"asking every rank to checkpoint and stop within checkpoint_grace "
-                    f"({self.job.policy.checkpoint_grace:g}s): {reason}",
-                    self.out,
-                )
+                self._ask_to_stop(attempt, reason, f": {reason}")
                 return True
         return False
+
+    def _ask_to_stop(self, attempt: int, reason: str, said: str) -> None:
+        """Writes ``reason`` into the attempt's stop file (ranks then checkpoint and stop) and tells
+        the caller, ``said`` following "within checkpoint_grace (...)"."""
+        self.run_dir.write_control(self.run_dir.file(RunLayout.stop(attempt)), (reason + "\n").encode())
+        report(
+            f"asking every rank to checkpoint and stop within checkpoint_grace "
+            f"({self.job.policy.checkpoint_grace:g}s){said}",
+            self.out,
+        )
 
     def _check_preemption(self, attempt: int) -> bool:
         """Asks the ranks to checkpoint and stop when a genuine request of a critical job asks this
@@ -567,13 +572,7 @@ class Supervisor:
         if reason is None:
             return False
         self._giving_way = reason
-        self.run_dir.write_control(self.run_dir.file(RunLayout.stop(attempt)), (reason + "\n").encode())
-        report(
-            f"asking every rank to checkpoint and stop within checkpoint_grace "
-            f"({self.job.policy.checkpoint_grace:g}s) to give way: {reason}; the job resumes by itself, "
-            "using no restart",
-            self.out,
-        )
+        self._ask_to_stop(attempt, reason, f" to give way: {reason}; the job resumes by itself, using no restart")
         return True
 
     def _check_growth(self, attempt: int, size: int, now: float) -> bool:
@@ -583,12 +582,8 @@ class Supervisor:
             return False
         target = self.elastic.target
         self._growing = f"all {target} GPUs of the job are free again; growing back from {size}"
-        self.run_dir.write_control(self.run_dir.file(RunLayout.stop(attempt)), (self._growing + "\n").encode())
-        report(
-            f"asking every rank to checkpoint and stop within checkpoint_grace "
-            f"({self.job.policy.checkpoint_grace:g}s): {self._growing}; the job resumes on {target} GPUs by "
-            "itself, using no restart",
-            self.out,
+        self._ask_to_stop(
+            attempt, self._growing, f": {self._growing}; the job resumes on {target} GPUs by itself, using no restart"
         )
         return True
 
