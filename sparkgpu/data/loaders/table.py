@@ -389,9 +389,15 @@ class _Reader:
             self.loaded[unit] = self.pool.submit(self._columns, unit)
 
     def _columns(self, unit: int) -> UnitColumns:
-        columns = UnitColumns(self.dataset._read(unit, self.first_step.get(unit, 0)), self.dataset.fill_null)
-        if self.dataset.shuffle:
-            columns.pack()  # here, in a read thread, rather than when the first batch gathers from it
+        # The copies batches need are made here, in a read thread, rather than when a batch is
+        # asked for: in order, writable columns that batches are views of; shuffled, the packed rows
+        # batches gather from.
+        shuffle = self.dataset.shuffle
+        columns = UnitColumns(
+            self.dataset._read(unit, self.first_step.get(unit, 0)), self.dataset.fill_null, own=not shuffle
+        )
+        if shuffle:
+            columns.pack()
         return columns
 
     def close(self) -> None:

@@ -31,14 +31,19 @@ class UnitColumns:
     Args:
         table: The row group's rows (filtered, deletion vectors applied).
         fill_null: Value replacing nulls: one for all columns or ``{column: value}``.
+        own: Copy the fixed-width columns out of Arrow's read-only buffers now (on the read
+            thread that builds this), so that a batch of consecutive rows is a view of them
+            rather than a copy made when the batch is asked for. Each row goes to one batch
+            per epoch, so a training step writing to its batch changes no other batch.
 
     Raises:
         DataError: A column has nulls and no ``fill_null`` for it.
         ConfigurationError: A column's type has no batch form.
     """
 
-    def __init__(self, table: pa.Table, fill_null=None):
+    def __init__(self, table: pa.Table, fill_null=None, own: bool = False):
         self.num_rows = table.num_rows
+        self.owned = own
         self.names = table.column_names
         self.fixed: dict[str, np.ndarray] = {}  # name -> its rows as a (rows, row_bytes) uint8 array
         self.shapes: dict[str, tuple[np.dtype, tuple]] = {}  # name -> element dtype and shape of one row
@@ -52,7 +57,8 @@ class UnitColumns:
             else:
                 self.shapes[name] = (values.dtype, values.shape[1:])
                 row_bytes = values.dtype.itemsize * int(np.prod(values.shape[1:], dtype=np.int64))
-                self.fixed[name] = np.ascontiguousarray(values).view(np.uint8).reshape(len(values), row_bytes)
+                values = np.array(values, order="C", copy=True) if own else np.ascontiguousarray(values)
+                self.fixed[name] = values.view(np.uint8).reshape(len(values), row_bytes)
         # name -> (word size, first word, end word) in a packed row. Each column starts at a
         # multiple of the largest word (8, 4, 2 or 1 bytes) dividing its width, so a batch splits
         # the packed rows into columns with copies of whole words rather than of single bytes.
@@ -112,7 +118,10 @@ def gather_batch(units: list[UnitColumns], unit_ids: np.ndarray, rows: np.ndarra
             dtype, shape = first.shapes[name]
             if runs is not None:
                 pieces = [u.fixed[name][a:b] for u, a, b in runs]
-                out = np.concatenate(pieces) if len(pieces) > 1 else pieces[0].copy()
+                if len(pieces) > 1:
+                    out = np.concatenate(pieces)
+                else:  # Arrow's buffers are read-only: a batch the step may write to is a copy of them
+                    out = pieces[0] if runs[0][0].owned else pieces[0].copy()
             else:
                 word, begin, end = first.layout[name]
                 out = np.ascontiguousarray(packed.view(_WORDS[word])[:, begin:end]).view(np.uint8)
