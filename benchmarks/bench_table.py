@@ -4,13 +4,19 @@ Question: how fast do the rows of a Parquet/Delta table (32 float32 + 1 int64 co
 the training loop as torch tensors, in order and shuffled, with no conversion step?
 
 Peers, on the same table in the same run, one whole epoch each in a fresh process per repeat
-(``--repeats`` for every peer, the peers' order alternating from repeat to repeat):
-  * sparkgpu.data.table_dataset on the Delta table (and on its Parquet files);
-  * pyarrow.dataset ``to_batches`` into torch (shuffled: fragments in random order, rows
-    permuted within each batch — a weaker shuffle than ours);
-  * Ray Data ``read_parquet(...).iter_torch_batches`` (shuffled: ``local_shuffle_buffer_size``);
-  * the MDS path: ``to_mds`` of the table, then ``sparkgpu.data.dataset``, its conversion time
-    counted in its total.
+(``--repeats`` for every peer, the peers' order alternating from repeat to repeat), in three
+orders, each side doing the same work:
+  * in order: sparkgpu.data.table_dataset on the Delta table (and on its Parquet files);
+    pyarrow.dataset ``to_batches`` into torch; Ray Data ``read_parquet(...).iter_torch_batches``;
+    the MDS path (``to_mds`` of the table, then ``sparkgpu.data.dataset``, its conversion time
+    counted in its total);
+  * "fragments" shuffle: ``table_dataset(shuffle="fragments")`` against pyarrow reading the
+    same row groups (``split_by_row_group``) in a random order, each batch permuted: the same
+    shuffle written by hand;
+  * "shuffled" (rows mixed across a window of row groups): ``table_dataset(shuffle=True)``
+    against pyarrow reading the row groups in a random order into windows of the same 262,144
+    rows, each window permuted (``take``) and cut into batches; Ray Data with
+    ``local_shuffle_buffer_size``; the MDS path shuffled.
 Ceiling: a sequential read of the table's Parquet bytes (page cache warm).
 
 Two figures per peer, taken the same way for all: start-up, from the reader's imports and construction
@@ -87,9 +93,19 @@ def epoch(batches, started: float) -> dict:
     }
 
 
-def run_peer(name: str, uri: str, batch_size: int, shuffle: bool, work: Path) -> dict:
+# Orders: the suffix of each result key, and the peers that run in it.
+ORDERS = {
+    "": ("table_dataset", "table_dataset_parquet", "pyarrow_to_batches", "ray_data", "mds_with_conversion"),
+    " fragments": ("table_dataset", "pyarrow_to_batches"),
+    " shuffled": ("table_dataset", "table_dataset_parquet", "pyarrow_window", "ray_data", "mds_with_conversion"),
+}
+WINDOW = 1 << 18  # rows mixed together by the windowed shuffles (table_dataset's default)
+
+
+def run_peer(name: str, uri: str, batch_size: int, order: str, work: Path) -> dict:
     import torch
 
+    shuffle = {"": False, " fragments": "fragments", " shuffled": True}[order]
     started = time.perf_counter()
     if name == "table_dataset":
         from sparkgpu import data
@@ -115,13 +131,38 @@ def run_peer(name: str, uri: str, batch_size: int, shuffle: bool, work: Path) ->
         def batches():
             rng = np.random.default_rng(0)
             fragments = list(pads.dataset(parquet_files(uri), format="parquet").get_fragments())
-            if shuffle:
+            if shuffle:  # row groups, as table_dataset shuffles them, in a random order
+                fragments = [group for fragment in fragments for group in fragment.split_by_row_group()]
                 fragments = [fragments[i] for i in rng.permutation(len(fragments))]
             for fragment in fragments:
                 for record in fragment.to_batches(batch_size=batch_size):
-                    order = rng.permutation(record.num_rows) if shuffle else None
-                    if order is not None:
-                        record = record.take(order)
+                    if shuffle:
+                        record = record.take(rng.permutation(record.num_rows))
+                    yield {c: torch.from_numpy(record.column(c).to_numpy()) for c in record.schema.names}
+
+        return epoch(batches(), started)
+    if name == "pyarrow_window":
+        import pyarrow as pa
+        import pyarrow.dataset as pads
+
+        def batches():
+            rng = np.random.default_rng(0)
+            groups = [
+                g
+                for f in pads.dataset(parquet_files(uri), format="parquet").get_fragments()
+                for g in f.split_by_row_group()
+            ]
+            pending, held = [], 0
+            for position, index in enumerate(rng.permutation(len(groups))):
+                table = groups[index].to_table()
+                pending.append(table)
+                held += table.num_rows
+                if held < WINDOW and position < len(groups) - 1:
+                    continue
+                window = pa.concat_tables(pending).combine_chunks()
+                window = window.take(rng.permutation(window.num_rows))
+                pending, held = [], 0
+                for record in window.to_batches(max_chunksize=batch_size):
                     yield {c: torch.from_numpy(record.column(c).to_numpy()) for c in record.schema.names}
 
         return epoch(batches(), started)
@@ -148,7 +189,14 @@ def run_peer(name: str, uri: str, batch_size: int, shuffle: bool, work: Path) ->
     raise ValueError(name)
 
 
-PEERS = ("table_dataset", "table_dataset_parquet", "pyarrow_to_batches", "ray_data", "mds_with_conversion")
+PEERS = (
+    "table_dataset",
+    "table_dataset_parquet",
+    "pyarrow_to_batches",
+    "pyarrow_window",
+    "ray_data",
+    "mds_with_conversion",
+)
 
 
 def sequential_read(uri: str) -> dict:
@@ -176,10 +224,10 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=str(RESULTS / "table.json"))
     parser.add_argument("--peer", help=argparse.SUPPRESS)
     parser.add_argument("--uri", help=argparse.SUPPRESS)
-    parser.add_argument("--shuffle", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--order", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.peer:
-        result = run_peer(args.peer, args.uri, args.batch_size, args.shuffle, Path(args.work_dir))
+        result = run_peer(args.peer, args.uri, args.batch_size, args.order, Path(args.work_dir))
         print(json.dumps(result))
         return
     facts = machine()  # before writing the table: that load is the benchmark's own
@@ -197,8 +245,9 @@ def main(argv=None) -> None:
         runs: dict[str, list[dict]] = {}
         peers = args.peers.split(",")
         for repeat in range(args.repeats):
-            for shuffle in (False, True):
-                for peer in peers if repeat % 2 == 0 else peers[::-1]:
+            for order, in_order in ORDERS.items():
+                chosen = [p for p in peers if p in in_order]
+                for peer in chosen if repeat % 2 == 0 else chosen[::-1]:
                     command = [
                         sys.executable,
                         __file__,
@@ -210,9 +259,9 @@ def main(argv=None) -> None:
                         str(args.batch_size),
                         "--work-dir",
                         str(work),
-                    ] + (["--shuffle"] if shuffle else [])
+                    ] + ["--order", order]
                     done = subprocess.run(command, capture_output=True, text=True, check=False)
-                    key = f"{peer}{' shuffled' if shuffle else ''}"
+                    key = f"{peer}{order}"
                     if done.returncode != 0:
                         result = {
                             "error": done.stderr.strip().splitlines()[-1]
@@ -259,6 +308,7 @@ def main(argv=None) -> None:
         results["workers"] = {
             "table_dataset": "the main process (no loader workers)",
             "pyarrow_to_batches": "the main process; pyarrow's own thread pool decodes",
+            "pyarrow_window": "the main process; pyarrow's own thread pool decodes",
             "ray_data": f"ray.init(num_cpus={os.cpu_count()}): Ray's default of one worker per core",
             "mds_with_conversion": "the main process",
         }
@@ -285,9 +335,9 @@ def _ratios(peers: dict) -> dict:
     out: dict[str, object] = {
         "method": "medians over repeats; steady = rows after the first batch over the time after it"
     }
-    for suffix in ("", " shuffled"):
+    for suffix in ORDERS:
         ours = peers.get(f"table_dataset{suffix}", {})
-        for peer in ("pyarrow_to_batches", "ray_data"):
+        for peer in ("pyarrow_to_batches", "pyarrow_window", "ray_data"):
             theirs = peers.get(f"{peer}{suffix}", {})
             if "rows_per_s" in ours and "rows_per_s" in theirs:
                 out[f"table_dataset / {peer}{suffix}, steady"] = ours["rows_per_s"] / theirs["rows_per_s"]

@@ -256,3 +256,45 @@ def test_shuffled_batches_drawing_from_many_row_groups_keep_every_column_of_a_ro
         batch["x"] += 1  # batches are writable and share nothing with the next one
         seen += got.tolist()
     assert sorted(seen) == list(range(2000)) and seen != sorted(seen)
+
+
+def test_fragment_shuffle_reads_row_groups_whole_in_a_random_order_and_mixes_rows_within_each_step(tmp_path):
+    uri, gone = dv_table(tmp_path)
+    options = dict(batch_size=8, shuffle="fragments", seed=3)
+    plain = data.table_dataset(uri, batch_size=8, rank=0, world_size=1)
+    groups = [set(g) for g in _row_groups_of(plain)]
+    ranks = [data.table_dataset(uri, **options, rank=r, world_size=2) for r in range(2)]
+    epochs = []
+    for _ in range(2):
+        batches = [[b["id"].tolist() for b in rank] for rank in ranks]
+        steps = [a + b for a, b in zip(*batches)]  # one step of both ranks: 16 rows of the order
+        seen = [i for step in steps for i in step]
+        every = {i for g in groups for i in g}
+        # Each row once; the remainder rule leaves fewer than world_size rows out of the epoch.
+        assert len(set(seen)) == len(seen) and set(seen) <= every and len(every) - len(seen) < 2
+        assert not set(seen) & gone
+        # Row groups come whole and one after another: each group's rows sit in one stretch of
+        # the epoch, widened by less than a step at each end by the shuffle within steps.
+        where = {i: p for p, i in enumerate(seen)}
+        for group in groups:
+            spots = sorted(where[i] for i in group if i in where)
+            assert spots[-1] - spots[0] < len(group) + 2 * 16
+        # Within a step the order is shuffled, and the layout of groups differs per epoch.
+        assert any(step != sorted(step) for step in steps)
+        epochs.append(seen)
+    assert epochs[0] != epochs[1]
+    # Resumable like any order: the rest of an epoch after a saved position.
+    first = data.table_dataset(uri, **options, rank=0, world_size=1)
+    iterator = iter(first)
+    head = [i for _ in range(3) for i in next(iterator)["id"].tolist()]
+    again = data.table_dataset(uri, **options, rank=0, world_size=1)
+    again.load_state_dict(first.state_dict())
+    assert head + ids_of(again) == ids_of(data.table_dataset(uri, **options, rank=0, world_size=1))
+    with pytest.raises(ConfigurationError, match="'fragments'"):
+        data.table_dataset(uri, batch_size=8, shuffle="rows", rank=0, world_size=1)
+
+
+def _row_groups_of(dataset) -> list[list[int]]:
+    ids = ids_of(dataset)
+    bounds = np.cumsum([0, *dataset._sizes.tolist()])
+    return [ids[a:b] for a, b in zip(bounds[:-1], bounds[1:])]

@@ -30,7 +30,7 @@ import numpy as np
 
 from sparkgpu.errors import ConfigurationError
 
-__all__ = ["epoch_order", "EpochPlan", "DEFAULT_BLOCK_SIZE", "restore_position"]
+__all__ = ["epoch_order", "fragment_order", "locate", "EpochPlan", "DEFAULT_BLOCK_SIZE", "restore_position"]
 
 DEFAULT_BLOCK_SIZE = 1 << 18
 
@@ -64,6 +64,64 @@ def epoch_order(
     return _argsort_ties_by_id(position)
 
 
+def fragment_order(shard_sizes: np.ndarray, *, seed: int, epoch: int, window: int) -> np.ndarray:
+    """A cheap shuffle: shards in a random order, rows shuffled only within windows of ``window``.
+
+    The shuffle ``pyarrow.dataset`` users write by hand (fragments in a random order, each
+    record batch permuted), as an order: every shard is read whole and in one piece, so no
+    batch mixes more than the two shards at a boundary. With ``window`` = batch size x world
+    size, each rank's batch is a permutation of the rows it would get unshuffled. Depends only
+    on ``(seed, epoch)`` and the sizes.
+
+    Args:
+        shard_sizes: Samples per shard, in index order.
+        seed: Seed of the run.
+        epoch: Epoch number.
+        window: Rows shuffled together (the last window of the epoch may be shorter).
+    """
+    sizes = np.asarray(shard_sizes, dtype=np.int64)
+    rng = np.random.default_rng(np.random.SeedSequence([seed, epoch, 1]))
+    layout = rng.permutation(len(sizes))
+    starts = np.cumsum(sizes) - sizes
+    # Each shard's ids, shards in layout order: one repeat and one cumulative sum, no loop.
+    lengths = sizes[layout]
+    order = np.arange(int(lengths.sum()), dtype=np.int64)
+    order += np.repeat(starts[layout] - (np.cumsum(lengths) - lengths), lengths)
+    whole = len(order) - len(order) % window
+    order[:whole] = rng.permuted(order[:whole].reshape(-1, window), axis=1).reshape(-1)
+    order[whole:] = rng.permutation(order[whole:])
+    return order
+
+
+def locate(samples: np.ndarray, shard_sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The shard and the row inside it of each sample id.
+
+    Args:
+        samples: ``int64`` sample ids.
+        shard_sizes: Samples per shard, in index order.
+
+    Returns:
+        ``(shards, rows)``: ``int32`` shard position and ``int64`` row of each sample.
+    """
+    sizes = np.asarray(shard_sizes, dtype=np.int64)
+    if len(sizes) and sizes[0] > 0 and np.all(sizes[:-1] == sizes[0]) and sizes[-1] <= sizes[0]:
+        # Shards of one size (all but a shorter last one, as a size limit writes them): one
+        # division per sample instead of a binary search, about 8x faster on a shuffled order.
+        shards = samples // sizes[0]
+        return shards.astype(np.int32), samples - shards * sizes[0]
+    ends = np.cumsum(sizes)
+    shards = np.searchsorted(ends, samples, side="right")
+    return shards.astype(np.int32), samples - (ends - sizes)[shards]
+
+
+def located_order(
+    shard_sizes: np.ndarray, *, shuffle: bool, seed: int, epoch: int, block_size: int = DEFAULT_BLOCK_SIZE
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`epoch_order` and :func:`locate` of it: ``(order, shards, rows)``."""
+    order = epoch_order(shard_sizes, shuffle=shuffle, seed=seed, epoch=epoch, block_size=block_size)
+    return (order, *locate(order, shard_sizes))
+
+
 def _argsort_ties_by_id(keys: np.ndarray) -> np.ndarray:
     # Quicksort is 2-3x faster than a stable sort, but which of two equal keys comes first
     # would then depend on the numpy build and CPU (SIMD sorts), and ranks on different
@@ -89,16 +147,29 @@ class EpochPlan:
         batch_size: Samples per batch.
         drop_last: Leave out a short last batch.
         dropped: Samples of the epoch (from ``start``) that no rank gets (see module doc).
+        shards: The shard of each of ``samples`` (:func:`locate`), when it was worked out
+            ahead; ``None`` otherwise.
+        rows: The row of each of ``samples`` inside its shard, with ``shards``.
     """
 
     samples: np.ndarray
     batch_size: int
     drop_last: bool
     dropped: int
+    shards: np.ndarray | None = None
+    rows: np.ndarray | None = None
 
     @classmethod
     def for_rank(
-        cls, order: np.ndarray, *, start: int, rank: int, world_size: int, batch_size: int, drop_last: bool
+        cls,
+        order: np.ndarray,
+        *,
+        start: int,
+        rank: int,
+        world_size: int,
+        batch_size: int,
+        drop_last: bool,
+        located: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> "EpochPlan":
         """Splits ``order[start:]`` over ranks and takes this rank's part.
 
@@ -109,11 +180,14 @@ class EpochPlan:
             world_size: Number of ranks.
             batch_size: Samples per batch.
             drop_last: Leave out a short last batch.
+            located: ``(shards, rows)`` of every sample of ``order`` (:func:`located_order`),
+                split the same way into the plan's ``shards`` and ``rows``.
         """
         remaining = len(order) - start
         usable = remaining - remaining % world_size
-        samples = order[start + rank : start + usable : world_size]
-        return cls(samples, batch_size, drop_last, remaining - usable)
+        part = slice(start + rank, start + usable, world_size)
+        shards, rows = (located[0][part], located[1][part]) if located is not None else (None, None)
+        return cls(order[part], batch_size, drop_last, remaining - usable, shards, rows)
 
     @property
     def num_batches(self) -> int:

@@ -38,7 +38,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from sparkgpu.data.loaders.order import DEFAULT_BLOCK_SIZE, EpochPlan, check_int, epoch_order, restore_position
+from sparkgpu.data.loaders.order import (
+    DEFAULT_BLOCK_SIZE,
+    EpochPlan,
+    check_int,
+    epoch_order,
+    fragment_order,
+    restore_position,
+)
 from sparkgpu.data.loaders.positioned import Positioned
 from sparkgpu.data.tables.filter import KEEP, to_expression
 from sparkgpu.data.tables.plan import TableRef
@@ -86,7 +93,11 @@ def table_dataset(
             or a ``pyarrow.compute`` expression. Prunes partitions and row groups before reading.
         version: Delta table version (default: the latest).
         timestamp: Delta table as of this time (``datetime`` or ISO-8601 string).
-        shuffle: Shuffle rows, differently each epoch, the same for the same seed.
+        shuffle: ``True``: shuffle rows, differently each epoch, the same for the same seed
+            (row groups in a random layout, rows mixed across neighbouring row groups within
+            ``shuffle_block_size``). ``"fragments"``: the cheap shuffle ``pyarrow.dataset``
+            users write by hand: row groups in a random order, each read whole, rows shuffled
+            only within each step's batches (batch size x world size rows). ``False``: in order.
         seed: Seed of the shuffle; every rank must use the same one.
         shuffle_block_size: Rows of neighbouring row groups mix within windows of this many
             rows (default 262144); it is also about the most rows held in memory at once.
@@ -123,6 +134,11 @@ def table_dataset(
             filter = ref.filter if filter is None else ("both", ref.filter, filter)
     check_int("batch_size", batch_size, 1)
     check_int("seed", seed, 0)
+    if shuffle not in (True, False, "fragments"):
+        raise ConfigurationError(
+            f"shuffle={shuffle!r} is not a table shuffle; pass True (rows mixed across row groups), "
+            "'fragments' (row groups in a random order, rows mixed within each batch) or False"
+        )
     check_int("world_size", world_size, 1)
     check_int("read_threads", read_threads, 1)
     if shuffle_block_size is not None:
@@ -286,9 +302,13 @@ class TableDataset(Positioned):
         self.epoch, self._consumed = self.epoch + 1, 0
 
     def _plan(self, epoch: int, start: int) -> EpochPlan:
-        order = epoch_order(
-            self._sizes, shuffle=self.shuffle, seed=self.seed, epoch=epoch, block_size=self.shuffle_block_size
-        )
+        if self.shuffle == "fragments":
+            window = self.batch_size * self.world_size
+            order = fragment_order(self._sizes, seed=self.seed, epoch=epoch, window=window)
+        else:
+            order = epoch_order(
+                self._sizes, shuffle=bool(self.shuffle), seed=self.seed, epoch=epoch, block_size=self.shuffle_block_size
+            )
         return EpochPlan.for_rank(
             order,
             start=start,
@@ -392,7 +412,7 @@ class _Reader:
         # The copies batches need are made here, in a read thread, rather than when a batch is
         # asked for: in order, writable columns that batches are views of; shuffled, the packed rows
         # batches gather from.
-        shuffle = self.dataset.shuffle
+        shuffle = bool(self.dataset.shuffle)
         columns = UnitColumns(
             self.dataset._read(unit, self.first_step.get(unit, 0)), self.dataset.fill_null, own=not shuffle
         )
