@@ -8,8 +8,13 @@ The set is made here: --images JPEGs of 500x375 (random smooth content plus nois
 --noise; the default 24 makes them about 110 KB at quality 90, as ImageNet's average; --noise 10
 gives the 71 KB of earlier runs), in 10 class folders. Readers, each over the same files, each
 decoding as its own docs show (the decoder is recorded per reader in the results):
-  * sparkgpu.data.dataset over MDS written by to_mds (JPEG bytes stored as they are),
-    transform= in its worker processes, decoding with sparkgpu.data.decode_image (torchvision.io);
+  * sparkgpu.data.dataset over MDS written by to_mds (JPEG bytes stored as they are), with
+    decode={"image": data.RandomResizedCrop(224)}: the fused path its docs recommend (the crop
+    and flip decided from the JPEG header, only the crop's region decoded, resized and flipped
+    into the batch's uint8 buffer, in its worker processes);
+  * the same dataset through its generic path ("sparkgpu_transform"): the jpeg column decoded
+    whole with sparkgpu.data.decode_image (torchvision.io), then transform= runs the v2
+    augmentation every peer runs;
   * streaming.StreamingDataset (the same MDS shards, whose ``jpeg`` column it decodes to a PIL
     image) + torch DataLoader: PIL, converted to a tensor;
   * litdata StreamingDataLoader over litdata.optimize of ``PIL.Image.open(path)`` items, as its
@@ -17,9 +22,12 @@ decoding as its own docs show (the decoder is recorded per reader in the results
     (decode_jpeg) (skipped when litdata is not installed: pip install litdata);
   * torchvision ImageFolder + DataLoader over the files themselves, with ImageFolder's default
     loader: PIL, converted to a tensor.
-Ceiling in the same run: torchvision.io decode + the augmentation alone in a process pool of the
-same size, over the bytes already in memory. Every reader augments the uint8 tensor with the
-same torchvision.transforms.v2 pipeline.
+Ceilings in the same run, each in a process pool of the same size over the bytes already in
+memory: torchvision.io decode + the augmentation ("ceiling", the full-decode path every peer
+takes), and sparkgpu's fused decoder alone ("ceiling_fused"). Every peer augments the uint8
+tensor with the same torchvision.transforms.v2 pipeline; the fused path draws its crops from the
+same distribution (tested against torchvision's). Each row also gives images/s per core (the
+rate over the cores the worker processes can use).
 
 Each reader runs one epoch in a fresh process per repeat (--repeats for every reader, the
 readers' order alternating from repeat to repeat). Two figures each: start-up (construction
@@ -27,6 +35,7 @@ to first batch) and the steady rate from the first batch on; ratios divide their
 Results: benchmarks/results/images.json and images.png.
 
     python benchmarks/bench_images.py             # 20,000 images x 3 repeats: about 20 minutes on 2 cores
+    python benchmarks/bench_images.py --noise 10 --out benchmarks/results/images-71kb.json   # the 71 KB set
     python benchmarks/bench_images.py --small     # 768 images, to check it runs end to end
 """
 
@@ -134,6 +143,20 @@ def write_litdata(files, out: Path, workers: int) -> None:
 
 
 def ours(work: Path, batch: int, workers: int):
+    """The fused path: decode=, the crop decided from the header, only its region decoded."""
+    from sparkgpu import data
+
+    return data.dataset(
+        local=str(work / "mds"),
+        batch_size=batch,
+        shuffle=True,
+        decode={"image": data.RandomResizedCrop(CROP)},
+        num_workers=workers,
+    )
+
+
+def ours_transform(work: Path, batch: int, workers: int):
+    """The generic path: the jpeg column decoded whole, then the transform= every peer runs."""
     from sparkgpu import data
 
     return data.dataset(
@@ -214,10 +237,39 @@ def ceiling(work: Path, batch: int, workers: int) -> dict:
     return {"images_per_s": images / seconds, "images": images, "seconds": seconds, "startup_s": None}
 
 
-READERS = {"sparkgpu": ours, "streaming": streaming_peer, "litdata": litdata_peer, "imagefolder": imagefolder_peer}
+def _fused_chunk(args) -> int:
+    from sparkgpu import data
+
+    first, encoded = args
+    crop = data.RandomResizedCrop(CROP)
+    return len(crop.batch(encoded, seed=0, epoch=0, indices=np.arange(first, first + len(encoded))))
+
+
+def ceiling_fused(work: Path, batch: int, workers: int) -> dict:
+    """The fused decode-and-crop alone (sparkgpu's decoder), in a process pool over bytes in memory."""
+    files = image_files(work / "images")
+    chunks = [(i, [Path(p).read_bytes() for p, _ in files[i : i + batch]]) for i in range(0, len(files), batch)]
+    with concurrent.futures.ProcessPoolExecutor(workers, initializer=_one_torch_thread) as pool:
+        list(pool.map(_fused_chunk, chunks[:workers]))
+        started = time.perf_counter()
+        images = sum(pool.map(_fused_chunk, chunks))
+        seconds = time.perf_counter() - started
+    return {"images_per_s": images / seconds, "images": images, "seconds": seconds, "startup_s": None}
+
+
+READERS = {
+    "sparkgpu": ours,
+    "sparkgpu_transform": ours_transform,
+    "streaming": streaming_peer,
+    "litdata": litdata_peer,
+    "imagefolder": imagefolder_peer,
+}
+CEILINGS = {"ceiling": ceiling, "ceiling_fused": ceiling_fused}
 DECODERS = {
-    "ceiling": "torchvision.io.decode_image",
-    "sparkgpu": "torchvision.io (sparkgpu.data.decode_image)",
+    "ceiling": "torchvision.io.decode_image, then the v2 augmentation",
+    "ceiling_fused": "sparkgpu's fused decoder (region of interest, resize and flip in one pass)",
+    "sparkgpu": "sparkgpu's fused decoder (decode={'image': data.RandomResizedCrop(224)})",
+    "sparkgpu_transform": "torchvision.io (sparkgpu.data.decode_image), then the v2 augmentation in transform=",
     "streaming": "PIL (its MDS jpeg encoding), then pil_to_tensor",
     "litdata": "torchvision.io.decode_jpeg (its JPEG serializer)",
     "imagefolder": "PIL (ImageFolder's default loader), then pil_to_tensor",
@@ -225,8 +277,8 @@ DECODERS = {
 
 
 def measure(name: str, work: Path, batch: int, workers: int) -> dict:
-    if name == "ceiling":
-        return ceiling(work, batch, workers)
+    if name in CEILINGS:
+        return CEILINGS[name](work, batch, workers)
     started = time.perf_counter()
     iterator = iter(READERS[name](work, batch, workers))
     first = next(iterator)
@@ -261,7 +313,10 @@ def plot(results: dict, path: Path) -> None:
     ax.barh(
         [k for k, _ in entries],
         [v for _, v in entries],
-        color=["tab:green" if k == "sparkgpu" else "tab:gray" if k == "ceiling" else "tab:blue" for k, _ in entries],
+        color=[
+            "tab:green" if k.startswith("sparkgpu") else "tab:gray" if k.startswith("ceiling") else "tab:blue"
+            for k, _ in entries
+        ],
     )
     for i, (_, v) in enumerate(entries):
         ax.text(v, i, f" {v:,.0f}", va="center", fontsize=8)
@@ -295,10 +350,10 @@ def main(argv=None) -> None:
     try:
         import litdata  # noqa: F401
 
-        readers = ["ceiling", "sparkgpu", "streaming", "litdata", "imagefolder"]
+        readers = ["ceiling", "ceiling_fused", "sparkgpu", "sparkgpu_transform", "streaming", "litdata", "imagefolder"]
     except ImportError:
         print("litdata is not installed (pip install litdata): skipping that peer")
-        readers = ["ceiling", "sparkgpu", "streaming", "imagefolder"]
+        readers = ["ceiling", "ceiling_fused", "sparkgpu", "sparkgpu_transform", "streaming", "imagefolder"]
     facts = machine()  # before making the images: that load is the benchmark's own
     with tempfile.TemporaryDirectory(prefix="sparkgpu-bench-images-", dir=args.work_dir) as tmp:
         work = Path(tmp)
@@ -324,6 +379,9 @@ def main(argv=None) -> None:
             "workers_per_reader": {name: args.workers for name in readers},
             "readers": {},
         }
+        # Every reader's worker processes share the machine's cores: per core divides by those it can use.
+        cores = min(args.workers, os.cpu_count() or 1)
+        results["cores"] = cores
         runs: dict[str, list[dict]] = {name: [] for name in readers}
         for repeat in range(args.repeats):
             for name in readers if repeat % 2 == 0 else readers[::-1]:
@@ -348,8 +406,8 @@ def main(argv=None) -> None:
                 result = json.loads(lines[-1][len("RESULT ") :])
                 runs[name].append(result)
                 print(
-                    f"  repeat {repeat} {name:12s} {result['images_per_s']:10,.0f} images/s  "
-                    f"(start-up {result['startup_s'] or 0:.1f} s)",
+                    f"  repeat {repeat} {name:18s} {result['images_per_s']:10,.0f} images/s  "
+                    f"{result['images_per_s'] / cores:8,.0f} per core  (start-up {result['startup_s'] or 0:.1f} s)",
                     flush=True,
                 )
         for name, attempts in runs.items():
@@ -360,6 +418,7 @@ def main(argv=None) -> None:
             steady = spread([r["images_per_s"] for r in ok], higher_is_better=True)
             row = {
                 "images_per_s": steady["median"],
+                "images_per_s_per_core": steady["median"] / cores,
                 "images_per_s_spread": steady,
                 "images": ok[0]["images"],
                 "decoder": DECODERS[name],
@@ -384,10 +443,15 @@ def main(argv=None) -> None:
         )
         results["machine"] = load_seen(facts)
     rates = {k: v.get("images_per_s") for k, v in results["readers"].items() if v.get("images_per_s")}
-    peers = [v for k, v in rates.items() if k not in ("sparkgpu", "ceiling")]
+    peers = [v for k, v in rates.items() if not k.startswith(("sparkgpu", "ceiling"))]
     if "sparkgpu" in rates:
         results["vs_best_peer"] = rates["sparkgpu"] / max(peers) if peers else None
+        results["best_peer"] = max((k for k in rates if rates[k] in peers), key=rates.get) if peers else None
         results["of_ceiling"] = rates["sparkgpu"] / rates["ceiling"] if "ceiling" in rates else None
+        results["of_fused_ceiling"] = rates["sparkgpu"] / rates["ceiling_fused"] if "ceiling_fused" in rates else None
+        results["fused_ceiling_over_ceiling"] = (
+            rates["ceiling_fused"] / rates["ceiling"] if {"ceiling", "ceiling_fused"} <= set(rates) else None
+        )
         results["ratios_method"] = (
             "medians of the steady rate (from the first batch on), the same repeats for every reader"
         )

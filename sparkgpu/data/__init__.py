@@ -16,6 +16,9 @@ Where things are, following the data from source to batch:
   files), their sample order, resumable position and metrics;
 - :mod:`sparkgpu.data.images` and :mod:`sparkgpu.data.transforms`: image decoding and
   reproducible per-sample transforms;
+- :mod:`sparkgpu.data.augment`: JPEG decoding fused with the crop, resize and flip
+  (``decode=`` of :func:`~sparkgpu.data.loaders.dataset.dataset`), seeded per sample, on the CPU
+  or the GPU, and ``normalize`` on the device;
 - ``_gather``: the native (or numpy) row and span copies that batches are made of;
 - :mod:`sparkgpu.data.report` and ``cli``: ``sparkgpu data bench|convert`` and ``sparkgpu cache``.
 """
@@ -38,6 +41,9 @@ _NAMES = {
     "files_dataset": "sparkgpu.data.loaders.files",
     "decode_image": "sparkgpu.data.images",
     "TransformError": "sparkgpu.data.transforms",
+    "RandomResizedCrop": "sparkgpu.data.augment.crops",
+    "CenterCrop": "sparkgpu.data.augment.crops",
+    "normalize": "sparkgpu.data.augment.crops",
 }
 
 __all__ = list(_NAMES)

@@ -99,6 +99,40 @@ def test_without_a_target_batches_are_x_alone(tabular):
     np.testing.assert_array_equal(x[:, 3].numpy(), y.numpy() - 0.5)
 
 
+@pytest.fixture(scope="module")
+def large_shards(tmp_path_factory):
+    """Two shards of about 500 samples: in order, most batches read one shard."""
+    return write_tabular(tmp_path_factory.mktemp("mds") / "large", 1003, size_limit=600 * 24)
+
+
+@pytest.mark.parametrize("drop_last", [False, True], ids=["short-last", "drop-last"])
+def test_consecutive_batches_of_one_shard_are_gathered_together_and_equal_the_dict_form(large_shards, drop_last):
+    options = dict(local=large_shards, batch_size=64, drop_last=drop_last)
+    loader = data.dataset(**options, features="f*", target="id")
+    pairs = list(loader)
+    assert_same(pairs, data.dataset(**options), FEATURES, "id", torch.float32)
+    # Gathered as blocks: the first shard's batches are views of one buffer, in order.
+    first_shard = pairs[: int(loader.index.shard_sizes[0]) // 64]
+    assert len(first_shard) > 4
+    assert len({x.untyped_storage().data_ptr() for x, _ in first_shard}) == 1
+    # A batch is a view of its own rows only: writing into it leaves its neighbours alone.
+    pairs[0][0].fill_(-1)
+    assert float(pairs[1][0].min()) >= 0
+    assert sum(len(y) for _, y in pairs) == (1003 // 64) * 64 if drop_last else 1003
+
+
+def test_resume_inside_a_gathered_block_yields_the_rest(large_shards):
+    options = dict(local=large_shards, batch_size=64)
+    first = data.dataset(**options, features=FEATURES, target="id")
+    iterator = iter(first)
+    head = [next(iterator) for _ in range(3)]
+    state = first.state_dict()
+    del iterator
+    resumed = data.dataset(**options, features=FEATURES, target="id")
+    resumed.load_state_dict(state)
+    assert_same(head + list(resumed), data.dataset(**options), FEATURES, "id", torch.float32)
+
+
 def test_resume_mid_epoch_yields_the_rest_of_the_dict_form(tabular, gather_backend):
     options = dict(local=tabular, batch_size=64, shuffle=True, seed=5, shuffle_block_size=300)
     first = data.dataset(**options, features=FEATURES, target="id")

@@ -10,7 +10,7 @@ import torch
 
 from sparkgpu import data
 from sparkgpu.data import _gather
-from sparkgpu.data.loaders.order import EpochPlan, epoch_order
+from sparkgpu.data.loaders.order import EpochPlan, epoch_order, locate, located_order
 from sparkgpu.errors import ConfigurationError, DataError
 from tests.unit.test_data_loader_support import check_tabular_batch, collect_ids, write_tabular
 
@@ -331,3 +331,26 @@ def test_a_local_folder_of_compressed_shards_reads_through_the_cache(tmp_path):
     to_mds(pa.table({"x": np.arange(1000, dtype=np.int64)}), str(out), compression="zstd", size_limit=2048)
     ids = [int(v) for batch in dataset(local=str(out), batch_size=100) for v in batch["x"]]
     assert sorted(ids) == list(range(1000))
+
+
+@pytest.mark.parametrize("sizes", [[100, 100, 100, 37], [100, 100, 100], [50, 100, 7, 100], [100, 100, 120]], ids=str)
+def test_locate_finds_every_samples_shard_and_row(sizes):
+    # Equal shards take the division path, uneven ones the search: both must agree with a scan.
+    order = epoch_order(np.array(sizes), shuffle=True, seed=1, epoch=2, block_size=64)
+    shards, rows = locate(order, np.array(sizes))
+    starts = np.cumsum([0, *sizes[:-1]])
+    expected_shard = np.array([np.flatnonzero(starts <= s)[-1] for s in order])
+    np.testing.assert_array_equal(shards, expected_shard)
+    np.testing.assert_array_equal(rows, order - starts[expected_shard])
+    assert shards.dtype == np.int32 and rows.dtype == np.int64
+    plan = EpochPlan.for_rank(
+        *located_order(np.array(sizes), shuffle=True, seed=1, epoch=2, block_size=64)[:1],
+        start=5,
+        rank=1,
+        world_size=3,
+        batch_size=8,
+        drop_last=False,
+        located=(shards, rows),
+    )
+    np.testing.assert_array_equal(plan.shards, expected_shard[6::3][: len(plan.samples)])
+    np.testing.assert_array_equal(plan.rows, plan.samples - starts[plan.shards])

@@ -12,10 +12,11 @@ from collections.abc import Collection
 import numpy as np
 import torch
 
+from sparkgpu.data.augment.columns import ColumnCrops
 from sparkgpu.data.storage.cache import ShardCache
 from sparkgpu.data.mds.decode import BatchDecoder
 from sparkgpu.data.mds.features import FeatureGather
-from sparkgpu.data.loaders.order import EpochPlan, epoch_order
+from sparkgpu.data.loaders.order import EpochPlan, epoch_order, locate
 from sparkgpu.data.mds.reader import ShardReader
 from sparkgpu.data.transforms import BatchTransforms
 from sparkgpu.data.storage.volume import Volume
@@ -24,6 +25,8 @@ from sparkgpu.errors import DataError
 __all__ = ["Producer", "WorkerBatches", "in_background", "prefetch_to_device"]
 
 _MAX_OPEN_SHARDS = 32
+# Feature batches of consecutive steps are gathered together up to this many bytes.
+_FEATURE_BLOCK_BYTES = 1 << 20
 
 
 class Producer:
@@ -34,10 +37,15 @@ class Producer:
         volume = Volume(spec["volume_url"], spec["storage_options"]) if spec["volume_url"] else None
         self.index = index
         self.cache = ShardCache(spec["directory"], index, volume, spec["cache_limit"], spec["download_threads"])
-        self.decoder = BatchDecoder(index.columns, lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=pinned))
+        # decode= columns stay encoded bytes here; self.crops decodes them, cropped, per batch.
+        self.crops = ColumnCrops(spec.get("decode"), seed=spec["seed"], pinned=pinned)
+        self.decoder = BatchDecoder(
+            index.columns,
+            lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=pinned),
+            encoded=tuple(self.crops.decode),
+        )
         sizes = index.shard_sizes
         self._ends = np.cumsum(sizes)
-        self._starts = self._ends - sizes
         self._readers: dict[int, ShardReader] = {}
         self._last_shards: np.ndarray | None = None
         self._last_readers: list[ShardReader] = []
@@ -72,11 +80,16 @@ class Producer:
         batch_numbers = list(batch_numbers)
         size = plan.batch_size
         # Whole-epoch arrays once, so each batch costs slices, not searches.
-        shard_of = np.searchsorted(self._ends, plan.samples, side="right")
-        rows_of = plan.samples - self._starts[shard_of]
+        if plan.shards is not None and plan.rows is not None:
+            shard_of, rows_of = plan.shards, plan.rows  # worked out ahead, with the epoch's order
+        else:
+            shard_of, rows_of = locate(plan.samples, self.index.shard_sizes)
         steps = _shards_per_batch(shard_of, size, batch_numbers, len(self._ends))
         self.cache.set_plan(steps)
         self._last_shards = None
+        if features is not None and features.fixed_width and not transforms:
+            yield from self._feature_blocks(plan, batch_numbers, steps, shard_of, rows_of)
+            return
         try:
             for step, number in enumerate(batch_numbers):
                 shards = steps[step]
@@ -86,16 +99,57 @@ class Producer:
                 try:
                     batch = decode(readers, source_ids, rows_of[lo:hi])
                 except IndexError as exc:
-                    names = ", ".join(r.info.basename for r in readers)
-                    raise DataError(
-                        f"a sample in shard(s) {names} points outside its shard ({exc}); the shard is damaged: "
-                        "clear it from the cache (sparkgpu cache clear) or write the dataset again"
-                    ) from None
+                    raise _damaged(readers, exc) from None
+                if self.crops:  # before the transforms, which see the cropped images
+                    batch = self.crops(batch, epoch=epoch, sample_ids=plan.samples[lo:hi])
                 if transforms:
                     shard_names = [self.index.shards[s].basename for s in shard_of[lo:hi].tolist()]
                     batch = transforms(batch, epoch=epoch, sample_ids=plan.samples[lo:hi], shards=shard_names)
                 del readers
                 yield batch
+        finally:
+            if self._evictable:
+                self._release(keep=())
+
+    def _feature_blocks(self, plan: EpochPlan, batch_numbers: list[int], steps, shard_of, rows_of):
+        # (x, y) batches cost a few microseconds of copying each, so the per-call work around
+        # the copy (allocation, argument checks, this loop) would be most of their time.
+        # Consecutive batches over the same shards are gathered in one call instead and
+        # handed out as views of the block, in the same order and with the same rows.
+        features = self.features
+        assert features is not None
+        size, total = plan.batch_size, len(plan.samples)
+        block = max(1, _FEATURE_BLOCK_BYTES // max(1, size * features.batch_row_bytes))
+        count = len(batch_numbers)
+        try:
+            step = 0
+            while step < count:
+                shards = steps[step]
+                end = step + 1
+                while (
+                    end < count
+                    and end - step < block
+                    and steps[end] is shards
+                    and batch_numbers[end] == batch_numbers[end - 1] + 1
+                ):
+                    end += 1
+                readers = self._open(step, shards)
+                lo, hi = batch_numbers[step] * size, min((batch_numbers[end - 1] + 1) * size, total)
+                source_ids = None if len(shards) == 1 else np.searchsorted(shards, shard_of[lo:hi]).astype(np.int32)
+                try:
+                    gathered = features.gather(readers, source_ids, rows_of[lo:hi])
+                except IndexError as exc:
+                    raise _damaged(readers, exc) from None
+                del readers
+                if end - step == 1:
+                    yield gathered
+                else:
+                    x, y = gathered if isinstance(gathered, tuple) else (gathered, None)
+                    for start in range(0, hi - lo, size):
+                        yield (
+                            x[start : start + size] if y is None else (x[start : start + size], y[start : start + size])
+                        )
+                step = end
         finally:
             if self._evictable:
                 self._release(keep=())
@@ -137,6 +191,14 @@ class Producer:
     def close(self) -> None:
         self.cache.close()
         self._release(keep=set())
+
+
+def _damaged(readers: list[ShardReader], exc: IndexError) -> DataError:
+    names = ", ".join(r.info.basename for r in readers)
+    return DataError(
+        f"a sample in shard(s) {names} points outside its shard ({exc}); the shard is damaged: "
+        "clear it from the cache (sparkgpu cache clear) or write the dataset again"
+    )
 
 
 def _shards_per_batch(

@@ -49,6 +49,7 @@ def dataset(
     batch_transform=None,
     features: list[str] | tuple[str, ...] | str | None = None,
     target: str | None = None,
+    decode: dict | None = None,
 ) -> MDSLoader | MixtureLoader:
     """Opens an MDS dataset for training: an iterable of batches with a resumable position.
 
@@ -99,6 +100,12 @@ def dataset(
             ``float32``). See :mod:`sparkgpu.data.mds.features`.
         target: With ``features``, the column yielded as ``y`` (shape ``(batch, ...)``, its
             own dtype): batches are ``(x, y)``; without it, ``x`` alone.
+        decode: ``{column: crop}``: JPEG columns decoded, cropped, resized and flipped in one
+            fused step (``data.RandomResizedCrop(224)`` for training, ``data.CenterCrop(224)``
+            for evaluation), each into one ``(batch, 3, H, W)`` ``uint8`` tensor instead of a
+            list of whole images; crops are seeded from ``(seed, epoch, sample index)``, so they
+            repeat after a resume. Runs before ``transform=``. ``jpeg`` (or ``bytes``) columns
+            only: see :mod:`sparkgpu.data.augment`.
 
     Returns:
         An :class:`MDSLoader` (a :class:`~sparkgpu.data.loaders.mixture.MixtureLoader` with ``streams``).
@@ -114,10 +121,10 @@ def dataset(
             raise ConfigurationError(
                 "pass remote= for one dataset, or streams=[data.Stream(...), ...] (with an optional epoch_size=) to mix several"
             )
-        if transform is not None or batch_transform is not None or features is not None or target is not None:
+        if any(arg is not None for arg in (transform, batch_transform, features, target, decode)):
             raise ConfigurationError(
-                "transform=, batch_transform=, features= and target= work on one dataset, not yet on streams=; "
-                "apply them to the mixture's batches in your loop"
+                "transform=, batch_transform=, features=, target= and decode= work on one dataset, not yet on "
+                "streams=; apply them to the mixture's batches in your loop"
             )
         return mixture_dataset(
             streams,
@@ -161,4 +168,5 @@ def dataset(
         batch_transform=batch_transform,
         features=features,
         target=target,
+        decode=decode,
     )

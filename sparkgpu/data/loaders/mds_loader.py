@@ -36,13 +36,14 @@ import numpy as np
 import torch
 
 from sparkgpu.units import parse_size
+from sparkgpu.data.augment.columns import check_decode, check_decode_columns, check_decode_device
 from sparkgpu.data.storage.cache import open_cache_entry
 from sparkgpu.data.loaders.order import (
     DEFAULT_BLOCK_SIZE,
     EpochPlan,
     PlannedEpochs,
     check_int,
-    epoch_order,
+    located_order,
     restore_position,
 )
 from sparkgpu.data.loaders._pipeline import Producer, WorkerBatches, in_background, prefetch_to_device
@@ -82,6 +83,7 @@ def open_mds(
     batch_transform=None,
     features=None,
     target: str | None = None,
+    decode: dict | None = None,
 ) -> "MDSLoader":
     """Opens one MDS dataset: :func:`sparkgpu.data.dataset` without ``streams``.
 
@@ -103,6 +105,7 @@ def open_mds(
         check_int("shuffle_block_size", shuffle_block_size, 1)
     check_transform("transform", transform)
     check_transform("batch_transform", batch_transform)
+    decode = check_decode(decode)
     if features is None and target is not None:
         raise ConfigurationError(
             f"target={target!r} goes with features= (the columns of x); pass features=[...] or a pattern such as 'f*'"
@@ -112,6 +115,13 @@ def open_mds(
             "features= gathers (x, y) straight from the rows, without per-sample dicts for transform= or "
             "batch_transform= to work on; apply them to x and y in your loop, or drop features="
         )
+    if features is not None and decode is not None:
+        raise ConfigurationError(
+            "features= gathers (x, y) from fixed-width numeric columns, decode= crops image columns of dict "
+            "batches: drop features= (and target=) to read images with decode="
+        )
+    if decode is not None:
+        check_decode_device(decode, num_workers, _cuda_available())
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ConfigurationError(f"rank={rank!r} must be an integer in [0, world_size={world_size})")
     if remote is None and local is None:
@@ -156,6 +166,8 @@ def open_mds(
             # cache, which decompresses each shard once.
             volume = Volume(folder, storage_options)
             directory, index = open_cache_entry(settings().cache_dir, volume, allow_unsafe_types)
+    if decode is not None:
+        check_decode_columns(decode, index.columns)
     return MDSLoader(
         index=index,
         directory=directory,
@@ -177,6 +189,7 @@ def open_mds(
         transform=transform,
         batch_transform=batch_transform,
         features=resolve_features(index.columns, features, target) if features is not None else None,
+        decode=decode,
     )
 
 
@@ -216,6 +229,7 @@ class MDSLoader(PlannedEpochs):
         transform=None,
         batch_transform=None,
         features=None,
+        decode=None,
     ):
         self.index = index
         self.directory = os.fspath(directory)
@@ -237,6 +251,7 @@ class MDSLoader(PlannedEpochs):
         self.transform = transform
         self.batch_transform = batch_transform
         self.features = features  # a FeatureLayout: batches are (x, y)
+        self.decode = decode  # {column: crop} of the fused JPEG path
         self.num_samples = index.num_samples
         self.epoch = 0
         self._consumed = 0  # samples of self.epoch consumed by all ranks together
@@ -344,20 +359,26 @@ class MDSLoader(PlannedEpochs):
             return
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
-        # A shuffled order costs a sort of the whole dataset (about 0.1 s per million samples);
-        # the next epoch's is computed on a background thread while this epoch is read.
-        if epoch not in self._orders:
-            self._orders[epoch] = self._order_future(epoch)
-        order = self._orders[epoch].result()
+        return self._located_order(epoch)[0]
+
+    def _located_order(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        # A shuffled order costs a sort of the whole dataset (about 0.1 s per million samples)
+        # and finding each sample's shard and row some 10 ms more; the next epoch's is worked
+        # out on a background thread while this epoch is read. An unshuffled order is the
+        # same every epoch: worked out once.
+        key = epoch if self.shuffle else 0
+        if key not in self._orders:
+            self._orders[key] = self._order_future(key)
+        located = self._orders[key].result()
         if self.shuffle and epoch + 1 not in self._orders:
             self._orders = {epoch: self._orders[epoch], epoch + 1: self._order_future(epoch + 1)}
-        return order
+        return located
 
     def _order_future(self, epoch: int):
         if self._order_pool is None:
             self._order_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sparkgpu-order")
         return self._order_pool.submit(
-            epoch_order,
+            located_order,
             self.index.shard_sizes,
             shuffle=self.shuffle,
             seed=self.seed,
@@ -366,13 +387,15 @@ class MDSLoader(PlannedEpochs):
         )
 
     def _plan(self, epoch: int, start: int) -> EpochPlan:
+        order, shards, rows = self._located_order(epoch)
         return EpochPlan.for_rank(
-            self._epoch_order(epoch),
+            order,
             start=start,
             rank=self.rank,
             world_size=self.world_size,
             batch_size=self.batch_size,
             drop_last=self.drop_last,
+            located=(shards, rows),
         )
 
     def _in_process(self, plan: EpochPlan):
@@ -415,6 +438,7 @@ class MDSLoader(PlannedEpochs):
             "transform": self.transform,
             "batch_transform": self.batch_transform,
             "features": self.features,
+            "decode": self.decode,
         }
 
 

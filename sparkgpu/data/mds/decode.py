@@ -5,12 +5,16 @@ size, so a batch is one row gather from the shard bodies into one buffer, and ea
 a strided view of that buffer: no per-sample Python at all. Variable-width columns (``str``,
 ``bytes``, arrays of varying shape, ...) are gathered column by column into packed buffers,
 then split.
+
+Image columns (``jpeg``, ``png``, ``pil``) become lists of decoded tensors, except the ones
+named in ``encoded=``: those stay lists of the files' bytes (views of one packed buffer), for
+the fused crop-and-decode of the loaders' ``decode=`` (:mod:`sparkgpu.data.augment.columns`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import numpy as np
@@ -30,14 +34,22 @@ class BatchDecoder:
         columns: The dataset's columns.
         allocate: ``allocate(nbytes) -> torch.Tensor`` of ``uint8``; where batch buffers come
             from (plain or pinned memory).
+        encoded: Image (or bytes) columns to hand over undecoded, as ``memoryview`` objects of
+            their encoded bytes.
     """
 
-    def __init__(self, columns: tuple[Column, ...], allocate: Callable[[int], Any] | None):
+    def __init__(
+        self,
+        columns: tuple[Column, ...],
+        allocate: Callable[[int], Any] | None,
+        encoded: Collection[str] = (),
+    ):
         import torch
 
         self._torch = torch
         self.columns = columns
         self.allocate = allocate
+        self.encoded = frozenset(encoded)
         sizes = [column.size for column in columns]
         fixed_sizes = [size for size in sizes if size is not None]
         self.fixed_width = len(fixed_sizes) == len(sizes)
@@ -177,6 +189,10 @@ class BatchDecoder:
         if column.decode is Decode.NDARRAY:
             return self._decode_ndarrays(column, sources, source_ids, starts, lengths)
         _, array, offsets = self._pack(sources, source_ids, starts, lengths)
+        if column.name in self.encoded:
+            # For the fused decoder, which reads buffers: views of the packed bytes, not copies.
+            packed = memoryview(array)
+            return [packed[o : o + ln] for o, ln in zip(offsets.tolist(), lengths.tolist())]
         blob = array.tobytes()
         items = [blob[o : o + ln] for o, ln in zip(offsets.tolist(), lengths.tolist())]
         if column.decode is Decode.BYTES:

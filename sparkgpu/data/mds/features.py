@@ -175,6 +175,8 @@ class FeatureGather:
         self._x_dtype = torch.empty(0, dtype=x_dtype).numpy().dtype
         self._y_dtype = target.dtype if target is not None else None
         self._y_shape: tuple[int, ...] = (target.shape or ()) if target is not None else ()
+        self.batch_row_bytes = layout.width * itemsize + (target.size or 0 if target is not None else 0)
+        """Bytes of ``x`` and ``y`` per sample."""
 
     def gather(self, readers: list, source_ids: np.ndarray | None, rows: np.ndarray):
         """The batch's ``(x, y)`` (``x`` alone without a target), from fixed-width rows.
