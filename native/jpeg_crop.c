@@ -500,10 +500,10 @@ static int decode_one(Decoder *d, Batch *b, Py_ssize_t i, char *message) {
      * only each block's mean, which aliases (26-30 dB) unless the resize after it still halves
      * (35-38 dB): only while the scaled box keeps twice the output's pixels. */
     int denom = 1;
-    for (int d = 8; d >= 2; d >>= 1) {
-        const int64_t need = d == 8 ? 2 : 1;
-        if (bh / d >= need * out_h && bw / d >= need * out_w) {
-            denom = d;
+    for (int scale = 8; scale >= 2; scale >>= 1) {
+        const int64_t need = scale == 8 ? 2 : 1;
+        if (bh / scale >= need * out_h && bw / scale >= need * out_w) {
+            denom = scale;
             break;
         }
     }

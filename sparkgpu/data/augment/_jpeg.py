@@ -54,7 +54,12 @@ _FAIL_DATA, _FAIL_BOX = 1, 2
 _load_lock = threading.Lock()
 _load_tried = False
 _library: str | None = None
-_unavailable: str | None = None if _ext is not None else "the C extension sparkgpu._jpeg is not built"
+_unavailable: str | None = (
+    None
+    if _ext is not None
+    else "the C extension sparkgpu._jpeg is not built (it needs a C compiler: pip install -e . or "
+    "python setup.py build_ext --inplace)"
+)
 _enabled = True
 
 
