@@ -121,29 +121,24 @@ def test_consecutive_batches_of_one_shard_are_gathered_together_and_equal_the_di
     assert sum(len(y) for _, y in pairs) == (1003 // 64) * 64 if drop_last else 1003
 
 
-def test_resume_inside_a_gathered_block_yields_the_rest(large_shards):
-    options = dict(local=large_shards, batch_size=64)
+@pytest.mark.parametrize(
+    "source, options, taken",
+    [
+        ("tabular", dict(shuffle=True, seed=5, shuffle_block_size=300), 4),
+        ("large_shards", {}, 3),  # in order: the position falls inside a gathered block
+    ],
+    ids=["shuffled", "inside-a-block"],
+)
+def test_resume_mid_epoch_yields_the_rest_of_the_dict_form(request, gather_backend, source, options, taken):
+    options = dict(local=request.getfixturevalue(source), batch_size=64, **options)
     first = data.dataset(**options, features=FEATURES, target="id")
     iterator = iter(first)
-    head = [next(iterator) for _ in range(3)]
+    head = [next(iterator) for _ in range(taken)]
     state = first.state_dict()
     del iterator
     resumed = data.dataset(**options, features=FEATURES, target="id")
     resumed.load_state_dict(state)
     assert_same(head + list(resumed), data.dataset(**options), FEATURES, "id", torch.float32)
-
-
-def test_resume_mid_epoch_yields_the_rest_of_the_dict_form(tabular, gather_backend):
-    options = dict(local=tabular, batch_size=64, shuffle=True, seed=5, shuffle_block_size=300)
-    first = data.dataset(**options, features=FEATURES, target="id")
-    iterator = iter(first)
-    head = [next(iterator) for _ in range(4)]
-    state = first.state_dict()
-    del iterator
-    resumed = data.dataset(**options, features=FEATURES, target="id")
-    resumed.load_state_dict(state)
-    dicts = list(data.dataset(**options))
-    assert_same(head + list(resumed), dicts, FEATURES, "id", torch.float32)
 
 
 def test_workers_yield_the_same_batches_and_resume_exactly(tabular):
