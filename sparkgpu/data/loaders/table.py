@@ -44,6 +44,7 @@ from sparkgpu.data.loaders.order import (
     check_int,
     epoch_order,
     fragment_order,
+    locate,
     restore_position,
 )
 from sparkgpu.data.loaders.positioned import Positioned
@@ -350,8 +351,8 @@ class _Reader:
         self.dataset = dataset
         self.plan = plan
         starts = dataset._starts
-        unit_of = np.searchsorted(starts, plan.samples, side="right") - 1
-        self.unit_of, self.offset = unit_of, plan.samples - starts[unit_of]
+        unit_of, self.offset = locate(plan.samples, dataset._sizes)  # row groups play the part of shards
+        self.unit_of = unit_of
         # Units in the order the batches first need them, and the last batch needing each.
         batch_of = np.arange(len(plan.samples)) // plan.batch_size
         wanted = (
