@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import re
 
 __all__ = [
     "SparkGPUError",
@@ -190,6 +191,20 @@ def _strip_rank_noise(traceback: str) -> str:
 
 _MAX_TRACEBACK_LINES = 60
 _EXIT_TIME_SKEW = 2.0  # seconds; see first_failure
+_PEER_GONE_SKEW = 20.0  # seconds; see first_failure
+#: What a rank's collective raises when a peer process is gone (gloo, NCCL, the TCP store).
+_PEER_GONE = re.compile(
+    r"connection (closed|reset) by peer|broken pipe|remote process exited|communicator was aborted"
+    r"|connection refused|socket closed",
+    re.IGNORECASE,
+)
+
+
+def _peer_gone(failure: RankFailure) -> bool:
+    """True when ``failure`` is a collective's error that says a peer left, not a cause of its own."""
+    if failure.exc_type is None:
+        return False
+    return failure.exc_type.endswith("DistBackendError") or bool(_PEER_GONE.search(failure.message))
 
 
 def first_failure(failures) -> RankFailure:
@@ -197,14 +212,17 @@ def first_failure(failures) -> RankFailure:
 
     A process that ended without a Python exception (a quiet exit, a signal) counts as first
     also when a peer's error is up to two seconds older: its time is when its launcher saw it
-    end, which can trail the error it caused in a peer waiting in a collective ("Connection
-    closed by peer").
+    end, which can trail the error it caused in a peer waiting in a collective. When that
+    error says a peer left ("Connection closed by peer", an NCCL abort), the death counts as
+    first for up to twenty seconds: on a node whose cores are busy the launcher has been seen to
+    trail by more than two.
     """
     timed = [f for f in failures if f.timestamp is not None]
     if not timed:
         return failures[0]
     first = min(timed, key=lambda f: f.timestamp)
-    deaths = [f for f in timed if f.exc_type is None and f.timestamp - first.timestamp <= _EXIT_TIME_SKEW]
+    skew = _PEER_GONE_SKEW if _peer_gone(first) else _EXIT_TIME_SKEW
+    deaths = [f for f in timed if f.exc_type is None and f.timestamp - first.timestamp <= skew]
     return min(deaths, key=lambda f: f.timestamp) if deaths else first
 
 

@@ -110,3 +110,17 @@ def test_a_quiet_exit_is_the_first_failure_even_when_its_peers_error_was_recorde
     assert error.first_failure is quiet and "First to fail: rank 1 (no Python exception)" in str(error)
     much_later = RankFailure(1, None, "exited with code 3", exitcode=3, timestamp=130.0)
     assert WorkerFailedError([peer, much_later]).first_failure is peer
+
+
+def test_a_quiet_exit_seen_late_on_a_busy_node_is_still_the_cause_of_its_peers_collective_error():
+    # The launcher noticed the exit seconds after the peer's all_reduce failed because of it.
+    quiet = RankFailure(1, None, "the process exited with code 0", exitcode=0, timestamp=104.5)
+    for exc_type, message in [
+        ("RuntimeError", "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error: Connection reset by peer"),
+        ("torch.distributed.DistBackendError", "NCCL error: remote process exited or there was a network error"),
+    ]:
+        peer = RankFailure(0, exc_type, message, timestamp=100.0)
+        assert WorkerFailedError([peer, quiet]).first_failure is quiet
+    # An error of the rank's own (not a peer leaving) is still first when the exit came seconds later.
+    own = RankFailure(0, "ValueError", "label column has NaN", timestamp=100.0)
+    assert WorkerFailedError([own, quiet]).first_failure is own
