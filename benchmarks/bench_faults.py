@@ -23,7 +23,12 @@ Peers:
 The floor measured in the same run: a new ``python`` that imports torch and loads the
 checkpoint's bytes.
 
-    python benchmarks/bench_faults.py [--faults rank,executor,client] [--limit 120]
+``--base REV`` (default: the commit before the node-0 hub) measures sparkgpu as it was at ``REV``
+first, in the same run: a checkout of ``REV`` with its own virtual environment (``make venv``
+there: its editable install is what its jobs ship), its own cluster of the same shape, its own
+``bench_faults.py``; then this checkout's peers. ``before_after`` holds the ratios.
+
+    python benchmarks/bench_faults.py [--faults rank,executor,client] [--limit 120] [--base REV]
 
 Writes benchmarks/results/faults.json.
 """
@@ -337,6 +342,53 @@ def run_client_death(peer: str, cluster, folder: Path, limit: float) -> dict:
     return _with_outcome(figures, resume, limit)
 
 
+#: The commit before the control plane moved to node 0's hub (#24): "no worse" is measured against it.
+BASE = "8867c37"
+_TIMES = ("fault_to_ranks_stopped_s", "fault_to_first_step_after_s")
+
+
+def run_base(rev: str, faults: str, limit: float, folder: Path) -> dict:
+    """sparkgpu's figures at commit ``rev``, measured by that commit's own bench_faults.py in a
+    checkout of it with its own virtual environment; keyed ``sparkgpu@REV, FAULT SIGKILL``."""
+    tree = folder / f"sparkgpu-{rev}"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), rev], check=True)
+    try:
+        subprocess.run(["make", "-C", str(tree), "venv"], check=True, stdout=subprocess.DEVNULL)
+        out = folder / "base.json"
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "SPARKGPU_HOME", "VIRTUAL_ENV")}
+        command = [str(tree / ".venv" / "bin" / "python"), str(tree / "benchmarks" / "bench_faults.py")]
+        command += ["--faults", faults, "--peers", "sparkgpu", "--limit", str(limit), "--out", str(out)]
+        subprocess.run(command, cwd=tree, env=env, check=True)
+        measured = json.loads(out.read_text())
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+    results = {
+        key.replace("sparkgpu,", f"sparkgpu@{rev},", 1): value
+        for key, value in measured["results"].items()
+        if key.startswith("sparkgpu,")
+    }
+    results[f"floor at sparkgpu@{rev}'s run (s)"] = measured["results"][
+        "floor: python + import torch + load the checkpoint (s)"
+    ]
+    return results
+
+
+def before_after(results: dict, rev: str) -> dict:
+    """For each fault: this checkout's seconds over ``rev``'s (below 1: faster now)."""
+    ratios: dict[str, dict] = {}
+    for key, now in results.items():
+        if not key.startswith("sparkgpu,"):
+            continue
+        then = results.get(key.replace("sparkgpu,", f"sparkgpu@{rev},", 1), {})
+        ratios[key.removeprefix("sparkgpu, ")] = {
+            name: round(now[name] / then[name], 2)
+            if isinstance(now.get(name), (int, float)) and isinstance(then.get(name), (int, float))
+            else "not comparable: one of the two has no figure"
+            for name in _TIMES
+        }
+    return ratios
+
+
 def floor(folder: Path) -> float:
     """A new python that imports torch and loads the checkpoint's bytes."""
     import torch
@@ -357,6 +409,7 @@ def main() -> None:
     parser.add_argument("--peers", default="sparkgpu,TorchDistributor")
     parser.add_argument("--limit", type=float, default=120.0, help="seconds each measurement waits at most")
     parser.add_argument("--out", default=str(RESULTS / "faults.json"))
+    parser.add_argument("--base", default=BASE, help="measure sparkgpu at this commit first ('' to skip)")
     args = parser.parse_args()
 
     from bench_spark_launch import _workers_share_this_python
@@ -369,6 +422,9 @@ def main() -> None:
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="sparkgpu-bench-faults-") as tmp:
         folder = Path(tmp)
+        if args.base and "sparkgpu" in args.peers.split(","):
+            print(f"bench_faults: sparkgpu@{args.base}, faults {args.faults}", flush=True)
+            results.update(run_base(args.base, args.faults, args.limit, folder))
         os.environ["SPARKGPU_HOME"] = str(folder / "home")
         os.environ["SPARKGPU_TRACKING"] = "0"  # TorchDistributor tracks nothing either
         _workers_share_this_python(folder)
@@ -408,6 +464,11 @@ def main() -> None:
         },
         "results": results,
     }
+    if args.base:
+        report["base"] = (
+            f"sparkgpu@{args.base}: the same figures measured first in this run, from a checkout of {args.base}"
+        )
+        report["before_after"] = before_after(results, args.base)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps(results, indent=2))

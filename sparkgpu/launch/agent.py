@@ -33,7 +33,7 @@ from pathlib import Path
 from sparkgpu import runtime
 from sparkgpu._report import report
 from sparkgpu.errors import PayloadSignatureError
-from sparkgpu.launch.entrypoint import EXIT_FAILED, _die_with_parent
+from sparkgpu.launch.entrypoint import EXIT_FAILED, _die_with_parent, leave_quickly
 from sparkgpu.launch.keys import KEY_DIR_ENV, hand_to_ranks, make_undumpable, rank_secrets, receive_key
 from sparkgpu.protocol import NodeExit, RankExit
 from sparkgpu.launch.rank_exits import RankExitWatcher
@@ -206,6 +206,7 @@ def main(argv=None) -> int:
         return _launch(args, rd, verified[rd.air.name].decode(), init_timeout)
     finally:
         shutil.rmtree(key_dir, ignore_errors=True)  # the files of ranks that never started
+        leave_quickly()  # the node's exit file is written
 
 
 def _launch(args: argparse.Namespace, rd: RunDir, air: str, init_timeout: float) -> int:

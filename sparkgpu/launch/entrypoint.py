@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import faulthandler
+import gc
 import os
 import signal
 import sys
@@ -122,6 +123,9 @@ def _finish_pending_checkpoints() -> None:
 def main(run_dir: str, env_error: BaseException | None = None, key: bytes | None = None) -> int:
     """Runs the rank described by the torchrun environment variables; returns the exit code.
 
+    The rank's outcome is written when this returns; :func:`leave_quickly` then keeps the
+    interpreter's exit from sweeping the rank's objects (see there).
+
     Args:
         run_dir: The job's run directory.
         env_error: Why rehydrating the shipped environment failed in ``_air.py``, if it did;
@@ -129,6 +133,23 @@ def main(run_dir: str, env_error: BaseException | None = None, key: bytes | None
         key: The job key ``_air.py`` took (:mod:`sparkgpu.launch.keys`); without it the rank
             runs nothing.
     """
+    code = _run(run_dir, env_error, key)
+    leave_quickly()
+    return code
+
+
+def leave_quickly() -> None:
+    """Takes every object out of the garbage collector's sight once the outcome is written.
+
+    A rank or agent that imported torch and trained holds millions of objects; the collections
+    of the interpreter's exit walk them all, which takes seconds on a busy host, and the node
+    hears that the process ended only after. Nothing those collections would free matters
+    then: what must outlive the process is written already.
+    """
+    gc.freeze()
+
+
+def _run(run_dir: str, env_error: BaseException | None, key: bytes | None) -> int:
     _die_with_parent()
     rd = RunDir(run_dir)
     rank, attempt = runtime.get_global_rank(), runtime.attempt()

@@ -126,3 +126,64 @@ def test_one_hub_serves_256_nodes(tmp_path):
         for link in links:
             link.close()
         hub.close()
+
+
+def _two_nodes(tmp_path, client_timeout: float, peer_timeout: float = 8.0) -> tuple[NodeZero, NodeLink, RunDir]:
+    """Node 0 and node 1 of an attempt on a shared run dir, node 1 beating every ``peer_timeout / 4`` s."""
+    rd = RunDir(tmp_path / "job", key=KEY)
+    rd.prepare_attempt(0)
+    rd.spark_dir(0).mkdir(parents=True, exist_ok=True)
+    launch = NodeLaunch(
+        str(rd.path), 0, 2, 1, {}, KEY, 1, client_timeout, peer_timeout=peer_timeout, control_interval=0.5
+    )
+    zero = NodeZero(Hub(KEY, 0, 2, "127.0.0.1", peer_timeout), rd, launch)
+    other = NodeLink(HubLink(KEY, 0, 1, ("127.0.0.1", zero.hub.port), peer_timeout), rd, launch)
+    return zero, other, rd
+
+
+def _until_both_stop(zero: NodeZero, other: NodeLink, limit: float) -> dict[str, float]:
+    """Steps both nodes as their watch loops do (every 0.2 s); when each applied its stop."""
+    stopped: dict[str, float] = {}
+    end = time.monotonic() + limit
+    while len(stopped) < 2 and time.monotonic() < end:
+        now = time.monotonic()
+        for name, node in (("zero", zero), ("other", other)):
+            if name not in stopped and node.step(now) is not None:
+                stopped[name] = now
+        time.sleep(0.2)
+    return stopped
+
+
+def test_a_lost_client_stops_every_node_at_once_as_soon_as_its_silence_counts(tmp_path):
+    # Node 1 beats every 2 s. Told when the client's silence will count, it beats at that moment,
+    # so it stops with node 0, one second after the loss is due, not up to a beat period later.
+    zero, other, rd = _two_nodes(tmp_path, client_timeout=3.0)
+    try:
+        rd.write_control(rd.client_heartbeat_file(0), b"1\n")
+        last_beat = time.monotonic()
+        stopped = _until_both_stop(zero, other, limit=15)
+        assert set(stopped) == {"zero", "other"}
+        assert zero.hub.stop[0] == NodeState.CLIENT_LOST.value and other.stop[0] is NodeState.CLIENT_LOST
+        assert "no heartbeat from the client for 3s" in other.stop[1]
+        assert abs(stopped["zero"] - stopped["other"]) < 0.5, stopped  # together
+        for at in stopped.values():  # due 3 s after the beat; applied FORESEEN_TOGETHER later
+            assert 3.0 + spark_hub.FORESEEN_TOGETHER - 0.3 <= at - last_beat < 3.0 + spark_hub.FORESEEN_TOGETHER + 1.0
+    finally:
+        zero.hub.close()
+
+
+def test_a_client_that_beats_before_its_silence_counts_stops_nobody(tmp_path):
+    zero, other, rd = _two_nodes(tmp_path, client_timeout=2.0)
+    try:
+        end, count = time.monotonic() + 7, 0
+        while time.monotonic() < end:
+            count += 1
+            rd.write_control(rd.client_heartbeat_file(0), f"{count}\n".encode())  # a beat every 1.5 s
+            beat_until = time.monotonic() + 1.5
+            while time.monotonic() < beat_until:
+                now = time.monotonic()
+                assert zero.step(now) is None and other.step(now) is None
+                time.sleep(0.2)
+        assert zero.hub.stop is None and 0 < zero.hub.client_due_at - time.monotonic() <= 2.0
+    finally:
+        zero.hub.close()

@@ -25,6 +25,12 @@ says how long until it applies (``stop_in``), and every node, node 0 included, s
 at about the same moment. Ranks that left their loop one beat apart would otherwise wait in a
 collective for peers still stepping, until the shutdown grace kills them. A stop a failed or
 lost node calls for applies at once: its peers are blocked already.
+
+**A lost client is foreseen.** Its silence counts from the last beat node 0 saw, so node 0 knows
+when it will count as lost, and every reply says how long until then (``due_in``). Node 0 looks
+at the client's beat at that moment, and every node beats then: the stop, set
+:data:`FORESEEN_TOGETHER` seconds ahead, reaches every node at once instead of within a beat
+period. A client beat that arrives before moves the moment on, and nobody stops.
 """
 
 from __future__ import annotations
@@ -44,10 +50,13 @@ from sparkgpu.launch.control import mac, pack_files, unpack_files
 from sparkgpu.launch.run_layout import RunLayout
 from sparkgpu.protocol import NodeState
 
-__all__ = ["Hub", "HubLink", "KEEPALIVE", "beat_interval", "together_delay"]
+__all__ = ["Hub", "HubLink", "KEEPALIVE", "FORESEEN_TOGETHER", "beat_interval", "together_delay"]
 
 #: Most seconds between two writes of node 0's state object while nothing changes.
 KEEPALIVE = 120.0
+#: Seconds between node 0 deciding on a stop every node foresaw (a lost client) and every node
+#: applying it: each node beats at the moment the stop became due, and hears it then.
+FORESEEN_TOGETHER = 1.0
 #: The longest frame either side reads (a beat is ~100 bytes; a reply carries small control files).
 _MAX_FRAME = 1 << 16
 
@@ -118,6 +127,7 @@ class Hub:
         self.stop_at = 0.0  # monotonic: when the stop applies (later than set for a stop together)
         self.control: dict[str, str] = {}  # relayed control file -> its sealed bytes, base64
         self.own_end: dict | None = None
+        self.client_due_at: float | None = None  # monotonic: when the client's silence will count as lost
         self.version = 0  # grows with every change the client should see
         self._refused = False
         self._open: set[socket.socket] = set()  # the nodes' connections, closed with the hub
@@ -200,6 +210,8 @@ class Hub:
             body["control"] = self.control
             if self.stop:
                 body["stop_in"] = round(max(0.0, self.stop_at - time.monotonic()), 3)
+            elif self.client_due_at is not None:
+                body["due_in"] = round(max(0.0, self.client_due_at - time.monotonic()), 3)
         return _frame(self.key, _place(self.attempt, "reply"), body)
 
     # -- node 0's decisions -------------------------------------------------------------
@@ -211,6 +223,12 @@ class Hub:
                 self.stop = (state.value, why)
                 self.stop_at = time.monotonic() + (together if self.members else 0.0)
                 self.version += 1
+
+    def foresee_client_loss(self, due_in: float | None) -> None:
+        """Tells every node, in its next replies, that the client counts as lost ``due_in``
+        seconds from now unless it beats (``None``: never)."""
+        with self._lock:
+            self.client_due_at = None if due_in is None else time.monotonic() + due_in
 
     def stop_due(self) -> tuple[str, str] | None:
         """The stop, once it applies; ``None`` before."""

@@ -14,7 +14,14 @@ import math
 import time
 from pathlib import Path
 
-from sparkgpu.launch.backends.spark_hub import KEEPALIVE, Hub, HubLink, beat_interval, together_delay
+from sparkgpu.launch.backends.spark_hub import (
+    FORESEEN_TOGETHER,
+    KEEPALIVE,
+    Hub,
+    HubLink,
+    beat_interval,
+    together_delay,
+)
 from sparkgpu.launch.backends.spark_node_launch import CONTROL_INTERVAL, NodeLaunch
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.run_layout import RunLayout
@@ -24,6 +31,8 @@ __all__ = ["Heartbeat", "NodeZero", "NodeLink", "Stop", "open_hub", "control_int
 
 #: Seconds between two looks of node 0 at its local copies of the client's files (with a store).
 CHECK_SECONDS = 1.0
+#: Seconds after a stop was due at which a node that foresaw it beats again, when the answer had no stop yet.
+_DUE_MARGIN = 0.1
 #: Seconds node 0 waits between two looks whether the other nodes ended.
 _LINGER_POLL = 0.2
 
@@ -61,8 +70,10 @@ class Heartbeat:
             self.last_value, self.last_change = value, now
         return now - self.last_change
 
-    def lost(self) -> bool:
-        return self.timeout is not None and self.silent_for() > self.timeout
+    def due_in(self) -> float | None:
+        """Seconds, on :attr:`clock`, until the silence counts as lost (negative once it does);
+        ``None`` when it never does."""
+        return None if self.timeout is None else self.timeout - self.silent_for()
 
 
 # -- how a node hears of the others ------------------------------------------------------------
@@ -118,29 +129,36 @@ class NodeZero:
 
     def step(self, now: float) -> Stop | None:
         if now >= self.next_check:
-            self.next_check = now + self.check_every
-            self._read_client()
+            due_in = self._read_client()
+            # Judged at the moment the client's silence counts, not at the next look after it.
+            wait = self.check_every if due_in is None else min(self.check_every, max(due_in, 0.0) + _DUE_MARGIN)
+            self.next_check = now + wait
         self.hub.check()
         self._write_state(now)
         stop = self.hub.stop_due()
         return (NodeState(stop[0]), stop[1]) if stop else None
 
-    def _read_client(self) -> None:
+    def _read_client(self) -> float | None:
+        """Looks at the client's files; seconds until its silence counts as lost (``None``: never)."""
         rd, attempt = self.rd, self.launch.attempt
-        together = together_delay(self.launch.peer_timeout)  # every node stops its ranks at once
         cancel = rd.read_control(rd.spark_cancel_file(attempt))
+        due_in = self.client.due_in()
         if cancel is not None:
             why = cancel.decode(errors="replace").strip() or "cancelled"
-            self.hub.set_stop(NodeState.CANCELLED, why, together)
-        elif self.client.lost():
-            why = f"no heartbeat from the client for {self.client.silent_for():.0f}s"
-            self.hub.set_stop(NodeState.CLIENT_LOST, why, together)
+            # Every node hears it within a beat period, and stops its ranks at the same moment.
+            self.hub.set_stop(NodeState.CANCELLED, why, together_delay(self.launch.peer_timeout))
+        elif due_in is not None and due_in < 0:
+            why = f"no heartbeat from the client for {(self.client.timeout or 0.0) - due_in:.0f}s"
+            self.hub.set_stop(NodeState.CLIENT_LOST, why, FORESEEN_TOGETHER)  # every node beats at this moment
+            due_in = None
+        self.hub.foresee_client_loss(due_in)
         if self.launch.store_url:  # a shared run dir shows every node the client's stop request itself
             stop = RunLayout.stop(attempt)
             try:
                 self.hub.relay({stop: rd.file(stop).read_bytes()})
             except FileNotFoundError:
                 pass
+        return due_in
 
     def _write_state(self, now: float, force: bool = False) -> None:
         version, at = self.written
@@ -204,6 +222,10 @@ class NodeLink:
             return
         if self.launch.store_url:  # the ranks read the client's stop request here
             self.rd.write_control_copies(self.launch.attempt, HubLink.relayed(reply), self.relayed)
+        due_in = reply.get("due_in")
+        if self.stop is None and not reply.get("stop") and isinstance(due_in, (int, float)):
+            # Beat again when a stop node 0 foresees falls due (a lost client), to hear it at once.
+            self.next_beat = min(self.next_beat, now + max(0.0, due_in) + _DUE_MARGIN)
         if self.stop is None and reply.get("stop"):
             try:
                 self.stop = (NodeState(reply["stop"][0]), str(reply["stop"][1]))
