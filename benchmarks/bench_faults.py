@@ -23,12 +23,14 @@ Peers:
 The floor measured in the same run: a new ``python`` that imports torch and loads the
 checkpoint's bytes.
 
-``--base REV`` (default: the commit before the node-0 hub) measures sparkgpu as it was at ``REV``
-first, in the same run: a checkout of ``REV`` with its own virtual environment (``make venv``
-there: its editable install is what its jobs ship), its own cluster of the same shape, its own
-``bench_faults.py``; then this checkout's peers. ``before_after`` holds the ratios.
+``--repeats N`` (3) passes over the faults, each in a fresh process on a fresh cluster; every
+figure is the median of the passes, with its spread. ``--base REV`` (default: the commit before the
+node-0 hub) measures sparkgpu as it was at ``REV`` beside each pass, in the same run: a checkout of
+``REV`` with its own virtual environment (``make venv`` there: its editable install is what its jobs
+ship), its own cluster of the same shape, its own ``bench_faults.py``; the two alternate which goes
+first. ``before_after`` holds the ratios of the medians and whether the spreads are apart.
 
-    python benchmarks/bench_faults.py [--faults rank,executor,client] [--limit 120] [--base REV]
+    python benchmarks/bench_faults.py [--faults rank,executor,client] [--limit 120] [--repeats 3] [--base REV]
 
 Writes benchmarks/results/faults.json.
 """
@@ -36,10 +38,12 @@ Writes benchmarks/results/faults.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
 import platform
+import statistics
 import signal
 import subprocess
 import sys
@@ -52,6 +56,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).parent))
+
+from common import load_seen, machine, method, separated, spread  # noqa: E402
 
 KILL_STEP = 3
 RANKS = 4
@@ -345,48 +352,123 @@ def run_client_death(peer: str, cluster, folder: Path, limit: float) -> dict:
 #: The commit before the control plane moved to node 0's hub (#24): "no worse" is measured against it.
 BASE = "8867c37"
 _TIMES = ("fault_to_ranks_stopped_s", "fault_to_first_step_after_s")
+_FLOOR = "floor: python + import torch + load the checkpoint (s)"
 
 
-def run_base(rev: str, faults: str, limit: float, folder: Path) -> dict:
-    """sparkgpu's figures at commit ``rev``, measured by that commit's own bench_faults.py in a
-    checkout of it with its own virtual environment; keyed ``sparkgpu@REV, FAULT SIGKILL``."""
+@contextlib.contextmanager
+def base_checkout(rev: str, folder: Path):
+    """A checkout of ``rev`` with its own virtual environment (its editable install is what its
+    jobs ship); yields the command that runs its bench_faults.py."""
     tree = folder / f"sparkgpu-{rev}"
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), rev], check=True)
     try:
         subprocess.run(["make", "-C", str(tree), "venv"], check=True, stdout=subprocess.DEVNULL)
-        out = folder / "base.json"
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "SPARKGPU_HOME", "VIRTUAL_ENV")}
-        command = [str(tree / ".venv" / "bin" / "python"), str(tree / "benchmarks" / "bench_faults.py")]
-        command += ["--faults", faults, "--peers", "sparkgpu", "--limit", str(limit), "--out", str(out)]
-        subprocess.run(command, cwd=tree, env=env, check=True)
-        measured = json.loads(out.read_text())
+        yield [str(tree / ".venv" / "bin" / "python"), str(tree / "benchmarks" / "bench_faults.py")], tree
     finally:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
-    results = {
-        key.replace("sparkgpu,", f"sparkgpu@{rev},", 1): value
-        for key, value in measured["results"].items()
-        if key.startswith("sparkgpu,")
-    }
-    results[f"floor at sparkgpu@{rev}'s run (s)"] = measured["results"][
-        "floor: python + import torch + load the checkpoint (s)"
-    ]
-    return results
+
+
+def run_once(command: list[str], cwd: Path, args, out: Path, peers: str) -> dict:
+    """One pass over the faults by ``command`` (this script, or the base's) in a fresh process
+    with its own cluster; its results."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "SPARKGPU_HOME", "VIRTUAL_ENV")}
+    command = command + ["--faults", args.faults, "--peers", peers, "--limit", str(args.limit), "--out", str(out)]
+    subprocess.run(command, cwd=cwd, env=env, check=True)
+    return json.loads(out.read_text())["results"]
+
+
+def combine(runs: list[dict]) -> dict:
+    """The runs' results per key: each time as the median of the runs (with its spread), the
+    outcomes as they came."""
+    combined: dict[str, dict] = {}
+    for key in runs[0]:
+        values = [run[key] for run in runs if key in run]
+        entry: dict[str, object] = {}
+        for name in values[0]:
+            seen = [v.get(name) for v in values]
+            numbers = [x for x in seen if isinstance(x, (int, float)) and not isinstance(x, bool)]
+            if len(numbers) == len(seen):
+                entry[name] = round(statistics.median(numbers), 2)
+                entry[f"{name}_spread"] = spread(numbers)
+            elif name in ("outcome", "first_step_after_is_step") or not numbers:
+                entry[name] = seen[0] if len(set(map(str, seen))) == 1 else seen
+            else:  # some runs had no figure (a limit reached): said, not averaged away
+                entry[name] = f"{len(numbers)} of {len(seen)} runs had a figure: {seen}"
+        combined[key] = entry
+    return combined
 
 
 def before_after(results: dict, rev: str) -> dict:
-    """For each fault: this checkout's seconds over ``rev``'s (below 1: faster now)."""
+    """For each fault: this checkout's median seconds over ``rev``'s (below 1: faster now), and
+    whether the two spreads are apart (their interquartile ranges do not overlap)."""
     ratios: dict[str, dict] = {}
     for key, now in results.items():
         if not key.startswith("sparkgpu,"):
             continue
         then = results.get(key.replace("sparkgpu,", f"sparkgpu@{rev},", 1), {})
-        ratios[key.removeprefix("sparkgpu, ")] = {
-            name: round(now[name] / then[name], 2)
-            if isinstance(now.get(name), (int, float)) and isinstance(then.get(name), (int, float))
-            else "not comparable: one of the two has no figure"
-            for name in _TIMES
-        }
+        entry: dict[str, object] = {}
+        for name in _TIMES:
+            if isinstance(now.get(name), (int, float)) and isinstance(then.get(name), (int, float)):
+                entry[name] = round(now[name] / then[name], 2)
+                entry[f"{name}_beyond_noise"] = separated(now[f"{name}_spread"], then[f"{name}_spread"])
+            else:
+                entry[name] = "not comparable: one of the two has no figure"
+        ratios[key.removeprefix("sparkgpu, ")] = entry
     return ratios
+
+
+def repeated(args) -> None:
+    """``--repeats`` passes, each in a fresh process with its own cluster; with ``--base``, a pass
+    of the base commit beside each, the two alternating which goes first."""
+    facts = machine()
+    runs: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="sparkgpu-bench-faults-") as tmp, contextlib.ExitStack() as stack:
+        folder = Path(tmp)
+        base = stack.enter_context(base_checkout(args.base, folder)) if args.base else None
+        here = [sys.executable, str(Path(__file__).resolve()), "--repeats", "1", "--base", ""]
+        for repeat in range(args.repeats):
+            passes = [("here", here, ROOT, args.peers)]
+            if base is not None:
+                passes.append(("base", base[0], base[1], "sparkgpu"))
+            merged: dict[str, dict] = {}
+            for which, command, cwd, peers in passes if repeat % 2 == 0 else passes[::-1]:
+                print(f"bench_faults: repeat {repeat}, {which}", flush=True)
+                results = run_once(command, cwd, args, folder / f"{which}-{repeat}.json", peers)
+                if which == "base":
+                    results = {
+                        k.replace("sparkgpu,", f"sparkgpu@{args.base},", 1).replace(_FLOOR, f"{_FLOOR} @{args.base}"): v
+                        for k, v in results.items()
+                        if k.startswith("sparkgpu,") or k == _FLOOR
+                    }
+                merged.update(results)
+            runs.append(merged)
+    report = {
+        "question": "fault -> every rank of the attempt stopped -> first training step after it, on a Spark cluster",
+        "setup": (
+            f"standalone master + 2 workers (2 cores, 2 simulated GPUs each) + Spark Connect server on this host, "
+            f"started afresh for every pass; {RANKS} gloo ranks; sparkgpu: 2 nodes x 2 ranks, max_restarts=1, client "
+            f"heartbeat timeout {CLIENT_TIMEOUT:g}s; TorchDistributor: {RANKS} tasks x 1 process"
+        ),
+        "limit_s": args.limit,
+        "method": method(
+            "from the fault (the SIGKILL) to every rank of the attempt gone, and to the first training step after it",
+            startup="counted: the next attempt's scheduling and start-up are what a restart costs",
+            repeats=args.repeats,
+            statistic="median over the passes of each figure",
+            order=f"each pass a fresh process and cluster; this checkout's pass and sparkgpu@{args.base}'s alternate "
+            "which goes first"
+            if args.base
+            else "each pass a fresh process and cluster",
+        ),
+        "results": combine(runs),
+        "machine": load_seen(facts),
+    }
+    if args.base:
+        report["base"] = f"sparkgpu@{args.base}: measured by that commit's own bench_faults.py, from a checkout of it"
+        report["before_after"] = before_after(report["results"], args.base)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(json.dumps(report.get("before_after", report["results"]), indent=2))
 
 
 def floor(folder: Path) -> float:
@@ -409,8 +491,11 @@ def main() -> None:
     parser.add_argument("--peers", default="sparkgpu,TorchDistributor")
     parser.add_argument("--limit", type=float, default=120.0, help="seconds each measurement waits at most")
     parser.add_argument("--out", default=str(RESULTS / "faults.json"))
-    parser.add_argument("--base", default=BASE, help="measure sparkgpu at this commit first ('' to skip)")
+    parser.add_argument("--base", default=BASE, help="measure sparkgpu at this commit beside ('' to skip)")
+    parser.add_argument("--repeats", type=int, default=3, help="passes over the faults, each on a fresh cluster")
     args = parser.parse_args()
+    if args.repeats > 1 or args.base:
+        return repeated(args)
 
     from bench_spark_launch import _workers_share_this_python
 
@@ -422,9 +507,6 @@ def main() -> None:
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="sparkgpu-bench-faults-") as tmp:
         folder = Path(tmp)
-        if args.base and "sparkgpu" in args.peers.split(","):
-            print(f"bench_faults: sparkgpu@{args.base}, faults {args.faults}", flush=True)
-            results.update(run_base(args.base, args.faults, args.limit, folder))
         os.environ["SPARKGPU_HOME"] = str(folder / "home")
         os.environ["SPARKGPU_TRACKING"] = "0"  # TorchDistributor tracks nothing either
         _workers_share_this_python(folder)
@@ -464,11 +546,6 @@ def main() -> None:
         },
         "results": results,
     }
-    if args.base:
-        report["base"] = (
-            f"sparkgpu@{args.base}: the same figures measured first in this run, from a checkout of {args.base}"
-        )
-        report["before_after"] = before_after(results, args.base)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps(results, indent=2))
