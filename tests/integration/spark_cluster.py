@@ -464,7 +464,7 @@ class LocalSparkCluster:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.master_ui_port}/json/", timeout=2) as r:
                 return json.loads(r.read())
-        except OSError:
+        except (OSError, ValueError):  # not up yet, or an empty answer while its UI starts: ask again
             return {}
 
     def _workers_registered(self) -> bool:
