@@ -71,6 +71,8 @@ __all__ = ["SparkBackend", "SparkAttempt", "create_backend", "active_spark_sessi
 
 #: Most seconds between two beats of the client (four per ``client_timeout`` when that is shorter).
 _HEARTBEAT_SECONDS = 10.0
+#: Seconds between two probes of the executors while a lost node is being replaced.
+_SLOT_POLL_SECONDS = 1.0
 
 
 class _FromSettings:
@@ -389,6 +391,8 @@ class SparkBackend(Backend):
         self._reconnect_if_closed()
         if layout is None:  # a resumed or resized job is placed anew
             layout = self._elastic_layout(job, self.capacity())[1] if job.resources.elastic else self._layout(job)
+        previous = self.last_attempt
+        after_loss = previous is not None and previous.job.job_id == job.job_id and bool(previous.report.lost)
         self.seats.resize(job)
         run_dir.prepare_attempt(attempt)
         run_dir.spark_dir(attempt).mkdir(parents=True, exist_ok=True)
@@ -418,7 +422,7 @@ class SparkBackend(Backend):
         with _active(self.spark):
             frame = self._frame(job, run_dir, attempt, env, layout)
         handle.thread = threading.Thread(
-            target=self._run_action, args=(handle, frame), daemon=True, name=f"sparkgpu-{handle.tag}"
+            target=self._run_action, args=(handle, frame, after_loss), daemon=True, name=f"sparkgpu-{handle.tag}"
         )
         handle.thread.start()
         threading.Thread(target=self._heartbeat, args=(handle,), daemon=True, name=f"{handle.tag}-heartbeat").start()
@@ -501,9 +505,11 @@ class SparkBackend(Backend):
                 "may be there still",
             )
 
-    def _run_action(self, handle: SparkAttempt, frame) -> None:
+    def _run_action(self, handle: SparkAttempt, frame, after_loss: bool = False) -> None:
         self.spark.addTag(handle.tag)
         try:
+            if after_loss and not self._await_slots(handle):
+                raise CapacityError("the attempt was cancelled while the lost node was being replaced")
             handle.rows = frame.collect()
         except BaseException as exc:  # read by poll() in the supervisor's thread
             handle.error = exc
@@ -568,6 +574,33 @@ class SparkBackend(Backend):
         handle.started_at = min(max(min(times, default=seen), handle.submitted_wall), seen)
         handle.nodes_started = True
         self.seats.started(handle.job)
+
+    def _await_slots(self, handle: SparkAttempt) -> bool:
+        """After a lost node: holds the attempt's Spark job back until the cluster has slots for
+        every node again; ``False`` when the attempt was cancelled meanwhile.
+
+        Spark compares a barrier stage's tasks with the cluster's slots when the stage is
+        submitted and, when short, compares again only every
+        ``spark.scheduler.barrier.maxConcurrentTasksCheck.interval`` (15 s): an attempt submitted
+        while the lost executor is being replaced would start up to that long after the
+        replacement came. The attempt counts as submitted and waiting (unbilled, cancelled at
+        its capacity wait as any waiting attempt) while the executors are probed, a small job
+        about a second apart, until their slots suffice.
+        """
+        layout = handle.layout
+
+        def slots() -> int:
+            try:
+                capacity = self.capacity(refresh=True)
+            except CapacityError:  # no executor answered: none is left until the replacement comes
+                return 0
+            if not layout.gpus_per_node:
+                return len(capacity.executors)
+            return sum(capacity.gpus_of(e) // layout.gpus_per_node for e in capacity.executors)
+
+        while not handle.cancelled and slots() < layout.nodes:
+            time.sleep(_SLOT_POLL_SECONDS)
+        return not handle.cancelled
 
     def _check_waiting(self, handle: SparkAttempt, now: float) -> None:
         """Says when the nodes wait for GPUs, and gives up after :meth:`capacity_wait_of` the job."""
