@@ -192,19 +192,17 @@ def _strip_rank_noise(traceback: str) -> str:
 _MAX_TRACEBACK_LINES = 60
 _EXIT_TIME_SKEW = 2.0  # seconds; see first_failure
 _PEER_GONE_SKEW = 20.0  # seconds; see first_failure
-#: What a rank's collective raises when a peer process is gone (gloo, NCCL, the TCP store).
+#: What a rank's collective raises when a peer process is gone (gloo, NCCL).
 _PEER_GONE = re.compile(
-    r"connection (closed|reset) by peer|broken pipe|remote process exited|communicator was aborted"
-    r"|connection refused|socket closed",
-    re.IGNORECASE,
+    r"connection (closed|reset) by peer|remote process exited|communicator was aborted", re.IGNORECASE
 )
+#: Signals the launchers send to stop a rank (after a peer failed, at the shutdown grace).
+_STOP_SIGNALS = (-9, -15)
 
 
 def _peer_gone(failure: RankFailure) -> bool:
     """True when ``failure`` is a collective's error that says a peer left, not a cause of its own."""
-    if failure.exc_type is None:
-        return False
-    return failure.exc_type.endswith("DistBackendError") or bool(_PEER_GONE.search(failure.message))
+    return failure.exc_type is not None and bool(_PEER_GONE.search(failure.message))
 
 
 def first_failure(failures) -> RankFailure:
@@ -213,16 +211,23 @@ def first_failure(failures) -> RankFailure:
     A process that ended without a Python exception (a quiet exit, a signal) counts as first
     also when a peer's error is up to two seconds older: its time is when its launcher saw it
     end, which can trail the error it caused in a peer waiting in a collective. When that
-    error says a peer left ("Connection closed by peer", an NCCL abort), the death counts as
-    first for up to twenty seconds: on a node whose cores are busy the launcher has been seen to
-    trail by more than two.
+    error says a peer left ("Connection closed by peer", an NCCL abort), an exit of its own (a
+    quiet exit, an exit code, a crash) counts as first for up to twenty seconds: on a node whose
+    cores are busy the launcher has been seen to trail by more than two. A rank stopped by
+    SIGKILL or SIGTERM does not get that margin: the launchers stop a failed rank's peers so,
+    seconds after the failure.
     """
     timed = [f for f in failures if f.timestamp is not None]
     if not timed:
         return failures[0]
     first = min(timed, key=lambda f: f.timestamp)
-    skew = _PEER_GONE_SKEW if _peer_gone(first) else _EXIT_TIME_SKEW
-    deaths = [f for f in timed if f.exc_type is None and f.timestamp - first.timestamp <= skew]
+
+    def margin(death: RankFailure) -> float:
+        if _peer_gone(first) and death.exitcode not in _STOP_SIGNALS:
+            return _PEER_GONE_SKEW
+        return _EXIT_TIME_SKEW
+
+    deaths = [f for f in timed if f.exc_type is None and f.timestamp - first.timestamp <= margin(f)]
     return min(deaths, key=lambda f: f.timestamp) if deaths else first
 
 

@@ -124,3 +124,7 @@ def test_a_quiet_exit_seen_late_on_a_busy_node_is_still_the_cause_of_its_peers_c
     # An error of the rank's own (not a peer leaving) is still first when the exit came seconds later.
     own = RankFailure(0, "ValueError", "label column has NaN", timestamp=100.0)
     assert WorkerFailedError([own, quiet]).first_failure is own
+    # A peer the launcher killed seconds after an NCCL abort is a consequence, not the cause.
+    nccl = RankFailure(0, "torch.distributed.DistBackendError", "NCCL communicator was aborted", timestamp=100.0)
+    killed = RankFailure(1, None, "killed by SIGKILL", exitcode=-9, timestamp=102.5)
+    assert WorkerFailedError([nccl, killed]).first_failure is nccl

@@ -187,3 +187,43 @@ def test_a_client_that_beats_before_its_silence_counts_stops_nobody(tmp_path):
         assert zero.hub.stop is None and 0 < zero.hub.client_due_at - time.monotonic() <= 2.0
     finally:
         zero.hub.close()
+
+
+def test_the_moment_is_not_told_once_node_0_ended_nor_long_after_it_passed(tmp_path):
+    zero, other, rd = _two_nodes(tmp_path, client_timeout=30.0)
+    try:
+        rd.write_control(rd.client_heartbeat_file(0), b"1\n")
+        zero.step(time.monotonic())
+        assert 29 < other.link.beat()["due_in"] <= 30  # told while node 0 watches the client
+        zero.hub.foresee_client_loss(0.0)  # due now, and node 0 stalls instead of judging
+        time.sleep(spark_hub._DUE_STALE + 0.2)
+        assert "due_in" not in other.link.beat()  # no node beats fast for a stalled node 0
+        zero.hub.foresee_client_loss(10.0)
+        zero.end({"node": 0, "exit_code": 0, "state": NodeState.SUCCEEDED.value, "ended_at": time.time()})
+    finally:
+        zero.hub.close()
+    assert zero.hub.client_due_at is None  # node 0 ended: it no longer looks at the client
+
+
+def test_with_a_staging_store_the_moment_is_not_foreseen_and_a_lost_client_stops_within_a_beat_period(tmp_path):
+    # The client's beat arrives with each pull of its files: its silence is timed at pulls, so
+    # nobody is told a moment, and the stop is set a beat period ahead as for a cancel.
+    rd = RunDir(tmp_path / "job", key=KEY)
+    rd.prepare_attempt(0)
+    rd.spark_dir(0).mkdir(parents=True, exist_ok=True)
+    launch = NodeLaunch(
+        str(rd.path), 0, 2, 1, {}, KEY, 1, 1.0, store_url="memory://x", peer_timeout=8.0, control_interval=0.5
+    )
+    zero = NodeZero(Hub(KEY, 0, 2, "127.0.0.1", 8.0), rd, launch)
+    other = NodeLink(HubLink(KEY, 0, 1, ("127.0.0.1", zero.hub.port), 8.0), rd, launch)
+    try:
+        rd.write_control(rd.client_heartbeat_file(0), b"1\n")
+        beat = time.monotonic()
+        zero.step(beat)
+        assert "due_in" not in other.link.beat()
+        stopped = _until_both_stop(zero, other, limit=15)
+        assert set(stopped) == {"zero", "other"} and other.stop[0] is NodeState.CLIENT_LOST
+        assert abs(stopped["zero"] - stopped["other"]) < 0.5, stopped  # together, a beat period (2.5 s) after
+        assert stopped["zero"] - beat >= 1.0 + spark_hub.together_delay(8.0) - 0.3
+    finally:
+        zero.hub.close()

@@ -212,7 +212,7 @@ def _shards_per_batch(
     bounds = np.arange(0, len(shard_of), batch_size)
     low, high = np.minimum.reduceat(shard_of, bounds), np.maximum.reduceat(shard_of, bounds)
     singles = {}
-    steps = []
+    steps: list[np.ndarray] = []
     for b in batch_numbers:
         first, last = int(low[b]), int(high[b])
         if first == last:
@@ -221,7 +221,12 @@ def _shards_per_batch(
             steps.append(singles[first])
         else:
             counts = np.bincount(shard_of[b * batch_size : (b + 1) * batch_size] - first, minlength=last - first + 1)
-            steps.append(np.flatnonzero(counts) + first)
+            shards = np.flatnonzero(counts) + first
+            # A shuffled window's batches mostly read the same shards as the batch before: the
+            # same object then, so the reader opens nothing and gathers them as one block.
+            if steps and np.array_equal(steps[-1], shards):
+                shards = steps[-1]
+            steps.append(shards)
     return steps
 
 

@@ -57,6 +57,8 @@ KEEPALIVE = 120.0
 #: Seconds between node 0 deciding on a stop every node foresaw (a lost client) and every node
 #: applying it: each node beats at the moment the stop became due, and hears it then.
 FORESEEN_TOGETHER = 1.0
+#: Seconds after the foreseen moment at which, with no judgement from node 0, it is no longer told.
+_DUE_STALE = 1.0
 #: The longest frame either side reads (a beat is ~100 bytes; a reply carries small control files).
 _MAX_FRAME = 1 << 16
 
@@ -210,7 +212,7 @@ class Hub:
             body["control"] = self.control
             if self.stop:
                 body["stop_in"] = round(max(0.0, self.stop_at - time.monotonic()), 3)
-            elif self.client_due_at is not None:
+            elif self.client_due_at is not None and time.monotonic() - self.client_due_at < _DUE_STALE:
                 body["due_in"] = round(max(0.0, self.client_due_at - time.monotonic()), 3)
         return _frame(self.key, _place(self.attempt, "reply"), body)
 

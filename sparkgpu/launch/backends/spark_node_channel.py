@@ -123,6 +123,7 @@ class NodeZero:
         self.check_every = CHECK_SECONDS if launch.store_url else folder_check_interval(launch)
         self.next_check = 0.0
         self.written: tuple[int, float] = (-1, 0.0)  # (version, monotonic time) of the last state written
+        self.due_at: float | None = None  # monotonic: when the client's silence counts, as the nodes were told
         #: Nodes this one found lost itself: none (node 0 names the lost in its state).
         self.lost: tuple[int, ...] = ()
         hub.begin()
@@ -139,18 +140,26 @@ class NodeZero:
         return (NodeState(stop[0]), stop[1]) if stop else None
 
     def _read_client(self) -> float | None:
-        """Looks at the client's files; seconds until its silence counts as lost (``None``: never)."""
+        """Looks at the client's files; seconds until its silence counts as lost, when foreseen."""
         rd, attempt = self.rd, self.launch.attempt
         cancel = rd.read_control(rd.spark_cancel_file(attempt))
         due_in = self.client.due_in()
+        now = time.monotonic()
         if cancel is not None:
             why = cancel.decode(errors="replace").strip() or "cancelled"
             # Every node hears it within a beat period, and stops its ranks at the same moment.
             self.hub.set_stop(NodeState.CANCELLED, why, together_delay(self.launch.peer_timeout))
         elif due_in is not None and due_in < 0:
             why = f"no heartbeat from the client for {(self.client.timeout or 0.0) - due_in:.0f}s"
-            self.hub.set_stop(NodeState.CLIENT_LOST, why, FORESEEN_TOGETHER)  # every node beats at this moment
+            # Every node was told to beat at this moment when it was foreseen; else within a beat period.
+            foreseen = self.due_at is not None and self.due_at <= now + 2 * _DUE_MARGIN
+            together = FORESEEN_TOGETHER if foreseen else together_delay(self.launch.peer_timeout)
+            self.hub.set_stop(NodeState.CLIENT_LOST, why, together)
+        # With a staging store the client's beat arrives, and its silence is timed, at each pull of
+        # the client's files: the moment it counts is not known ahead.
+        if self.hub.stop is not None or self.launch.store_url:
             due_in = None
+        self.due_at = None if due_in is None else now + due_in
         self.hub.foresee_client_loss(due_in)
         if self.launch.store_url:  # a shared run dir shows every node the client's stop request itself
             stop = RunLayout.stop(attempt)
@@ -175,6 +184,7 @@ class NodeZero:
         """Says how node 0 ended, then serves the others until each ended or is lost."""
         if done["state"] != NodeState.SUCCEEDED.value:
             self.hub.set_stop(NodeState.PEER_FAILED, f"node 0 ended {done['state']}")
+        self.hub.foresee_client_loss(None)  # node 0 no longer looks at the client
         self.hub.end_own(done)
         # With no node timeout nobody is ever counted lost: then node 0 waits long enough for the
         # others to hear why to stop and to stop, not for ever.
