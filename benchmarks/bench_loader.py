@@ -387,7 +387,7 @@ def run(args) -> dict:
         warm(work)
         results = {
             "setup": setup,
-            "litdata": {k: v for k, v in lit.items() if k != "dir"},
+            "litdata": {k: v for k, v in lit.items() if k != "dir"} if lit else "not installed: its peer was skipped",
             "orders": {"sequential": {}, "shuffled": {}},
         }
         for name in peers(args.workers, lit is not None):
