@@ -70,6 +70,9 @@ class Heartbeat:
             self.last_value, self.last_change = value, now
         return now - self.last_change
 
+    def lost(self) -> bool:
+        return self.timeout is not None and self.silent_for() > self.timeout
+
     def due_in(self) -> float | None:
         """Seconds, on :attr:`clock`, until the silence counts as lost (negative once it does);
         ``None`` when it never does."""
