@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import importlib
 import re
+import signal
 
 __all__ = [
     "SparkGPUError",
@@ -197,7 +198,7 @@ _PEER_GONE = re.compile(
     r"connection (closed|reset) by peer|remote process exited|communicator was aborted", re.IGNORECASE
 )
 #: Signals the launchers send to stop a rank (after a peer failed, at the shutdown grace).
-_STOP_SIGNALS = (-9, -15)
+_STOP_SIGNALS = (-signal.SIGKILL, -signal.SIGTERM)
 
 
 def _peer_gone(failure: RankFailure) -> bool:

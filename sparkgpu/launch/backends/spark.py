@@ -304,7 +304,7 @@ class SparkBackend(Backend):
             return None
         capacity = self.capacity(refresh=True)
         per_node = job.resources.gpus_per_node or 1
-        nodes = sum(min(capacity.gpus_of(e) // per_node, e.cores or 1) for e in capacity.executors)
+        nodes = capacity.node_slots(per_node)
         free = nodes * per_node - self.seats.held_by_others(job)
         return max(0, min(job.resources.gpus, free // per_node * per_node))
 
@@ -591,12 +591,9 @@ class SparkBackend(Backend):
 
         def slots() -> int:
             try:
-                capacity = self.capacity(refresh=True)
+                return self.capacity(refresh=True).node_slots(layout.gpus_per_node)
             except CapacityError:  # no executor answered: none is left until the replacement comes
                 return 0
-            if not layout.gpus_per_node:
-                return len(capacity.executors)
-            return sum(capacity.gpus_of(e) // layout.gpus_per_node for e in capacity.executors)
 
         while not handle.cancelled and slots() < layout.nodes:
             time.sleep(_SLOT_POLL_SECONDS)

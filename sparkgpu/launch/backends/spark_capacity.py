@@ -127,6 +127,13 @@ class SparkCapacity:
     def total_cores(self) -> int:
         return sum(e.cores for e in self.executors)
 
+    def node_slots(self, gpus_per_node: int) -> int:
+        """Barrier tasks of ``gpus_per_node`` GPUs each (0: CPU tasks) the executors can run at
+        once, as Spark counts them: each takes its GPUs and one core."""
+        if not gpus_per_node:
+            return self.total_cores
+        return sum(min(self.gpus_of(e) // gpus_per_node, e.cores or 1) for e in self.executors)
+
     def gpus_of(self, executor: ExecutorInfo) -> int:
         """GPUs of one executor: its assigned addresses, else the static conf."""
         return len(executor.gpu_addresses) or (self.gpus_per_executor if not self.local_mode else 0)
@@ -475,7 +482,7 @@ def plan_layout(
     if gpus_per_node is not None and (gpus_per_node < 1 or gpus % gpus_per_node):
         raise ConfigurationError(f"gpus_per_node={gpus_per_node} must be a positive divisor of gpus={gpus}")
     if gpu_type == "cpu":
-        slots = max(1, capacity.total_cores)
+        slots = max(1, capacity.node_slots(0))
         per_node = gpus_per_node or gpus // _largest_divisor_at_most(gpus, max(1, len(capacity.executors)))
         nodes = gpus // per_node
         if per_node > max_cpu_ranks_per_node or nodes > slots:
@@ -488,7 +495,7 @@ def plan_layout(
     per_executor = max(capacity.gpus_of(e) for e in capacity.executors)
     per_node = gpus_per_node or _largest_divisor_at_most(gpus, per_executor)
     nodes = gpus // per_node
-    slots = sum(min(capacity.gpus_of(e) // per_node, e.cores or 1) for e in capacity.executors)
+    slots = capacity.node_slots(per_node)
     if per_node > per_executor or nodes > slots:
         raise CapacityError(
             f"asked for {gpus} x {gpu_type} ({nodes} node(s) of {per_node}) but the Spark session reaches "
