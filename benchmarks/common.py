@@ -17,9 +17,10 @@ __all__ = ["machine", "load_seen", "spread", "separated", "method"]
 
 
 def machine() -> dict:
-    """Cores, platform and the load average seen as the benchmark starts (``load_seen`` at the end)."""
+    """Cores, platform and the load seen as the benchmark starts (``load_seen`` at the end)."""
     load = os.getloadavg()
     cpus = os.cpu_count() or 1
+    busy = busy_cores()
     return {
         "cpus": cpus,
         "system": platform.system(),
@@ -28,9 +29,34 @@ def machine() -> dict:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "load_average_at_start": [round(x, 2) for x in load],
-        # Another job was running if the 1-minute load already used a quarter of the cores.
-        "other_load_at_start": load[0] > 0.25 * cpus,
+        "busy_cores_at_start": None if busy is None else round(busy, 2),
+        # Another job was running if it kept a quarter of the cores busy as this one started. The
+        # 1-minute load average trails by minutes (a benchmark started right after another still
+        # sees its load): it decides only where the kernel's CPU counters cannot be read.
+        "other_load_at_start": (busy if busy is not None else load[0]) > 0.25 * cpus,
     }
+
+
+def busy_cores(seconds: float = 1.0) -> float | None:
+    """Cores kept busy by every process over the next ``seconds`` (from ``/proc/stat``), or None."""
+    import time
+
+    def totals() -> tuple[int, int] | None:
+        try:
+            with open("/proc/stat") as stat:
+                fields = [int(v) for v in stat.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return sum(fields), idle
+
+    before = totals()
+    time.sleep(seconds)
+    after = totals()
+    if before is None or after is None or after[0] == before[0]:
+        return None
+    share = 1 - (after[1] - before[1]) / (after[0] - before[0])
+    return share * (os.cpu_count() or 1)
 
 
 def load_seen(facts: dict) -> dict:

@@ -10,7 +10,15 @@ import torch
 
 from sparkgpu import data
 from sparkgpu.data import _gather
-from sparkgpu.data.loaders.order import EpochPlan, epoch_order, locate, located_order
+from sparkgpu.data.loaders.order import (
+    EpochOrders,
+    EpochPlan,
+    epoch_order,
+    fragment_order,
+    locate,
+    located_order,
+    shard_spans,
+)
 from sparkgpu.errors import ConfigurationError, DataError
 from tests.unit.test_data_loader_support import check_tabular_batch, collect_ids, write_tabular
 
@@ -333,13 +341,18 @@ def test_a_local_folder_of_compressed_shards_reads_through_the_cache(tmp_path):
     assert sorted(ids) == list(range(1000))
 
 
-@pytest.mark.parametrize("sizes", [[100, 100, 100, 37], [100, 100, 100], [50, 100, 7, 100], [100, 100, 120]], ids=str)
+@pytest.mark.parametrize(
+    "sizes",
+    [[100, 100, 100, 37], [100, 100, 100], [50, 100, 7, 100], [100, 100, 120], [3, 0, 1, 0, 0, 9, 2, 500, 1]],
+    ids=str,
+)
 def test_locate_finds_every_samples_shard_and_row(sizes):
-    # Equal shards take the division path, uneven ones the search: both must agree with a scan.
+    # Equal shards take the division path, uneven ones (empty ones too) the table look-up: both
+    # must agree with a scan.
     order = epoch_order(np.array(sizes), shuffle=True, seed=1, epoch=2, block_size=64)
     shards, rows = locate(order, np.array(sizes))
     starts = np.cumsum([0, *sizes[:-1]])
-    expected_shard = np.array([np.flatnonzero(starts <= s)[-1] for s in order])
+    expected_shard = np.array([np.flatnonzero((starts <= s) & (s < starts + np.array(sizes)))[0] for s in order])
     np.testing.assert_array_equal(shards, expected_shard)
     np.testing.assert_array_equal(rows, order - starts[expected_shard])
     assert shards.dtype == np.int32 and rows.dtype == np.int64
@@ -354,3 +367,63 @@ def test_locate_finds_every_samples_shard_and_row(sizes):
     )
     np.testing.assert_array_equal(plan.shards, expected_shard[6::3][: len(plan.samples)])
     np.testing.assert_array_equal(plan.rows, plan.samples - starts[plan.shards])
+
+
+@pytest.mark.parametrize("kind", ["in order", "fragments", "shuffled"])
+def test_shard_spans_bound_each_shards_batches_on_every_rank(kind):
+    # A reader plans its reads ahead from these bounds alone: a shard must never be needed by a
+    # batch outside its span (it would be dropped before use), and in order the span is exact.
+    sizes = np.array([5, 17, 1, 64, 30, 9, 40, 3])
+    if kind == "in order":
+        order, given = np.arange(sizes.sum(), dtype=np.int64), None
+    elif kind == "fragments":
+        order = given = fragment_order(sizes, seed=3, epoch=1, window=12)
+    else:
+        order = given = epoch_order(sizes, shuffle=True, seed=3, epoch=1, block_size=50)
+    first, last = shard_spans(given, sizes)
+    shard_at = locate(order, sizes)[0]
+    for shard in range(len(sizes)):
+        positions = np.flatnonzero(shard_at == shard)
+        assert (first[shard], last[shard]) == (positions.min(), positions.max())
+    for start, world_size, rank, drop_last in [(0, 1, 0, False), (7, 3, 1, False), (7, 3, 2, True), (101, 4, 3, False)]:
+        plan = EpochPlan.for_rank(
+            order, start=start, rank=rank, world_size=world_size, batch_size=5, drop_last=drop_last
+        )
+        low, high = plan.batches_between(first, last)
+        shard_of_row = locate(plan.samples, sizes)[0]
+        for shard in range(len(sizes)):
+            batches = {int(j) // 5 for j in np.flatnonzero(shard_of_row == shard) if j // 5 < plan.num_batches}
+            if batches:
+                assert low[shard] <= min(batches) and max(batches) <= high[shard], (shard, batches)
+            if kind == "in order":
+                assert (low[shard], high[shard]) == ((min(batches), max(batches)) if batches else (1, 0))
+
+
+def test_epoch_orders_work_each_epoch_out_once_and_the_next_one_ahead(tmp_path):
+    import functools
+    import operator
+    import pickle
+    import time
+
+    calls = []
+
+    def compute(epoch):
+        calls.append(epoch)
+        return epoch * 10
+
+    shuffled = EpochOrders(compute, per_epoch=True)
+    assert shuffled.get(0) == 0 and shuffled.get(0) == 0
+    deadline = time.monotonic() + 10
+    while 1 not in calls and time.monotonic() < deadline:  # epoch 1 is worked out in the background
+        time.sleep(0.01)
+    assert calls == [0, 1]
+    assert shuffled.get(1) == 10 and shuffled.get(3) == 30
+    assert calls.count(1) == 1 and 3 in calls
+    shuffled.close()
+    fixed = EpochOrders(compute, per_epoch=False)
+    calls.clear()
+    assert fixed.get(0) == fixed.get(7) == 0 and calls == [0]
+    # A DataLoader worker gets a copy without the parent's thread or results, and works on.
+    copied = pickle.loads(pickle.dumps(EpochOrders(functools.partial(operator.mul, 10), per_epoch=True)))
+    assert copied.get(4) == 40
+    copied.close()

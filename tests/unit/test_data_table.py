@@ -181,10 +181,11 @@ def test_resume_mid_epoch_yields_exactly_the_rest(tmp_path):
         other.load_state_dict(state)
 
 
-def test_dataloader_workers_yield_the_same_batches_in_the_same_order(tmp_path):
+@pytest.mark.parametrize("shuffle", [True, False, "fragments"])
+def test_dataloader_workers_yield_the_same_batches_in_the_same_order(tmp_path, shuffle):
     uri, _ = dv_table(tmp_path)
-    plain = ids_of(data.table_dataset(uri, batch_size=16, shuffle=True, seed=1, rank=0, world_size=1))
-    ds = data.table_dataset(uri, batch_size=16, shuffle=True, seed=1, rank=0, world_size=1)
+    plain = ids_of(data.table_dataset(uri, batch_size=16, shuffle=shuffle, seed=1, rank=0, world_size=1))
+    ds = data.table_dataset(uri, batch_size=16, shuffle=shuffle, seed=1, rank=0, world_size=1)
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
     assert [i for b in loader for i in b["id"].tolist()] == plain
 
@@ -298,3 +299,116 @@ def _row_groups_of(dataset) -> list[list[int]]:
     ids = ids_of(dataset)
     bounds = np.cumsum([0, *dataset._sizes.tolist()])
     return [ids[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def test_batches_in_order_are_writable_and_a_write_reaches_no_other_batch_or_epoch(tmp_path):
+    import warnings
+
+    path = tmp_path / "clicks.parquet"
+    pq.write_table(clicks(1000), path, row_group_size=100)
+    rows = data.table_dataset(str(path), columns=["id", "x", "emb"], batch_size=64, rank=0, world_size=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns when it is handed memory it may not write
+        first = list(rows)
+        for batch in first:
+            batch["x"].mul_(-1)
+            batch["emb"].zero_()
+    assert [i for b in first for i in b["id"].tolist()] == list(range(1000))
+    assert all(bool((b["x"] == -0.5 * b["id"]).all()) and not b["emb"].any() for b in first)
+    again = list(rows)  # the next epoch reads the table again, untouched by the writes
+    assert all(b["x"].tolist() == (0.5 * b["id"]).tolist() for b in again)
+    assert all(b["emb"][:, 0].tolist() == b["id"].float().tolist() for b in again)
+
+
+def test_row_groups_take_over_the_buffers_arrow_decoded_for_them_and_copy_shared_ones(tmp_path):
+    from sparkgpu.data.loaders.table_tensors import UnitColumns
+
+    path = tmp_path / "clicks.parquet"
+    pq.write_table(clicks(100), path)
+    decoded = pq.read_table(path, columns=["x", "emb"])
+    columns = UnitColumns(decoded, own=True)
+    buffer = decoded.column("x").chunk(0).buffers()[1]
+    assert np.shares_memory(columns.fixed["x"], np.frombuffer(buffer, dtype=np.uint8))  # no copy
+    assert columns.fixed["x"].flags.writeable and columns.fixed["emb"].flags.writeable
+    values = np.arange(100, dtype=np.float32)
+    shared = pa.Array.from_buffers(pa.float32(), 100, [None, pa.py_buffer(values.tobytes())])  # immutable
+    assert not shared.buffers()[1].is_mutable
+    owned = UnitColumns(pa.table({"x": shared}), own=True).fixed["x"]
+    assert owned.flags.writeable and not np.shares_memory(owned, np.frombuffer(shared.buffers()[1], dtype=np.uint8))
+    assert owned.view(np.float32).ravel().tolist() == values.tolist()
+
+
+def test_the_first_batch_locates_only_its_own_stretch_of_the_epoch(tmp_path, monkeypatch):
+    # Finding every row's row group for a whole epoch before the first batch would make start-up
+    # grow with the table; only the first stretch of batches is located before it, and in order
+    # no row is located at all (batches are cut at row group boundaries).
+    from sparkgpu.data.loaders import table as table_module
+
+    located = []
+    real = table_module.locate
+    monkeypatch.setattr(
+        table_module, "locate", lambda samples, sizes: located.append(len(samples)) or real(samples, sizes)
+    )
+    path = tmp_path / "ids.parquet"
+    pq.write_table(pa.table({"id": np.arange(200_000, dtype=np.int64)}), path, row_group_size=10_000)
+    for shuffle in (False, True, "fragments"):
+        rows = data.table_dataset(str(path), batch_size=100, shuffle=shuffle, seed=0, rank=0, world_size=1)
+        located.clear()
+        batch = next(iter(rows))
+        assert located == ([table_module._Reader._STRETCH * 100] if shuffle else []), shuffle
+        assert len(batch["id"]) == 100
+
+
+def test_a_remote_tables_first_batch_reads_its_row_groups_by_range_before_any_whole_file(tmp_path, monkeypatch):
+    import struct
+
+    import fsspec
+
+    from sparkgpu.data.storage.volume import Volume
+
+    memory = fsspec.filesystem("memory")
+    wide = {f"c{i:03d}": np.arange(300, dtype=np.float32) + i for i in range(300)}  # a footer over 64 KB
+    footers = []
+    for part, day in enumerate(("2026-11-01", "2026-11-02")):
+        sink = pa.BufferOutputStream()
+        pq.write_table(pa.table({"id": np.arange(300, dtype=np.int64) + 300 * part, **wide}), sink, row_group_size=100)
+        raw = sink.getvalue().to_pybytes()
+        footers.append(struct.unpack("<i", raw[-8:-4])[0])
+        memory.pipe(f"/lake/wide/day={day}/part-0.parquet", raw)
+    assert min(footers) > 64 << 10  # the footer takes a second range
+    events = []
+    read_bytes, download = Volume.read_bytes, Volume.download
+
+    def ranged(self, relative, start=None, end=None):
+        events.append(("range", relative, start, end))
+        return read_bytes(self, relative, start, end)
+
+    def whole(self, relative, *args, **kwargs):
+        events.append(("file", relative))
+        return download(self, relative, *args, **kwargs)
+
+    monkeypatch.setattr(Volume, "read_bytes", ranged)
+    monkeypatch.setattr(Volume, "download", whole)
+    rows = data.table_dataset(
+        "memory://lake/wide",
+        columns=["id", "day", "c299"],
+        filter="id >= 10 AND id != 15",
+        batch_size=20,
+        local=str(tmp_path / "cache"),
+        rank=0,
+        world_size=1,
+    )
+    iterator = iter(rows)
+    first = next(iterator)
+    kept = [i for i in range(10, 600) if i != 15]
+    assert first["id"].tolist() == kept[:20] and first["day"] == ["2026-11-01"] * 20
+    assert first["c299"].tolist() == [float(i % 300 + 299) for i in kept[:20]]
+    fetched = [e for e in events if e[0] == "range"]
+    assert fetched and {e[1] for e in fetched} == {"day=2026-11-01/part-0.parquet"}
+    assert events.index(fetched[-1]) < min((i for i, e in enumerate(events) if e[0] == "file"), default=len(events))
+    rest = [i for batch in iterator for i in batch["id"].tolist()]
+    assert first["id"].tolist() + rest == kept
+    assert {e[1] for e in events if e[0] == "file"} == {
+        "day=2026-11-01/part-0.parquet",
+        "day=2026-11-02/part-0.parquet",
+    }

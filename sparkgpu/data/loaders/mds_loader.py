@@ -26,7 +26,6 @@ the number of workers.
 
 from __future__ import annotations
 
-import concurrent.futures
 import multiprocessing
 import os
 import warnings
@@ -40,6 +39,7 @@ from sparkgpu.data.augment.columns import check_decode, check_decode_columns, ch
 from sparkgpu.data.storage.cache import open_cache_entry
 from sparkgpu.data.loaders.order import (
     DEFAULT_BLOCK_SIZE,
+    EpochOrders,
     EpochPlan,
     PlannedEpochs,
     check_int,
@@ -255,8 +255,7 @@ class MDSLoader(PlannedEpochs):
         self.num_samples = index.num_samples
         self.epoch = 0
         self._consumed = 0  # samples of self.epoch consumed by all ranks together
-        self._orders: dict = {}  # epoch -> Future of its order
-        self._order_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._orders = EpochOrders(self._located_order_of, per_epoch=bool(shuffle))
         self._producer: Producer | None = None
         self._workers: torch.utils.data.DataLoader | None = (
             None  # the DataLoader of num_workers > 0, created on first use
@@ -347,10 +346,7 @@ class MDSLoader(PlannedEpochs):
             self._producer.close()
             self._producer = None
         self._workers = None  # dropping the DataLoader stops its worker processes
-        if self._order_pool is not None:
-            self._order_pool.shutdown(wait=False, cancel_futures=True)
-            self._order_pool = None
-            self._orders = {}
+        self._orders.close()
 
     def __del__(self):
         try:
@@ -362,23 +358,12 @@ class MDSLoader(PlannedEpochs):
         return self._located_order(epoch)[0]
 
     def _located_order(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        # A shuffled order costs a sort of the whole dataset (about 0.1 s per million samples)
-        # and finding each sample's shard and row some 10 ms more; the next epoch's is worked
-        # out on a background thread while this epoch is read. An unshuffled order is the
-        # same every epoch: worked out once.
-        key = epoch if self.shuffle else 0
-        if key not in self._orders:
-            self._orders[key] = self._order_future(key)
-        located = self._orders[key].result()
-        if self.shuffle and epoch + 1 not in self._orders:
-            self._orders = {epoch: self._orders[epoch], epoch + 1: self._order_future(epoch + 1)}
-        return located
+        # Finding each sample's shard and row costs some 10 ms per million samples beside the
+        # shuffle's sort; both are worked out ahead (EpochOrders).
+        return self._orders.get(epoch)
 
-    def _order_future(self, epoch: int):
-        if self._order_pool is None:
-            self._order_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sparkgpu-order")
-        return self._order_pool.submit(
-            located_order,
+    def _located_order_of(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return located_order(
             self.index.shard_sizes,
             shuffle=self.shuffle,
             seed=self.seed,

@@ -24,13 +24,25 @@ different samples each epoch. Within a rank, the last batch may be short unless
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
+from typing import Any, Callable
 
 import numpy as np
 
 from sparkgpu.errors import ConfigurationError
 
-__all__ = ["epoch_order", "fragment_order", "locate", "EpochPlan", "DEFAULT_BLOCK_SIZE", "restore_position"]
+__all__ = [
+    "epoch_order",
+    "fragment_order",
+    "locate",
+    "shard_spans",
+    "EpochPlan",
+    "DEFAULT_BLOCK_SIZE",
+    "restore_position",
+    "EpochOrders",
+]
 
 DEFAULT_BLOCK_SIZE = 1 << 18
 
@@ -110,8 +122,45 @@ def locate(samples: np.ndarray, shard_sizes: np.ndarray) -> tuple[np.ndarray, np
         shards = samples // sizes[0]
         return shards.astype(np.int32), samples - shards * sizes[0]
     ends = np.cumsum(sizes)
-    shards = np.searchsorted(ends, samples, side="right")
-    return shards.astype(np.int32), samples - (ends - sizes)[shards]
+    if not len(samples):
+        return np.empty(0, np.int32), np.empty(0, np.int64)
+    # Uneven shards: one table look-up per sample instead of a binary search (about 3x faster).
+    # The table holds the shard of the first sample of every block of `block` samples; with
+    # blocks no larger than the smallest shard, a sample lies in that shard or a later one,
+    # which a comparison or two finds. Blocks grow where the table would pass 4M entries.
+    block = 1 << int(np.log2(max(1, int(sizes[sizes > 0].min()))))
+    block = max(block, 1 << (int(ends[-1]) >> 22).bit_length())
+    shift = block.bit_length() - 1
+    table = np.searchsorted(ends, np.arange(0, int(ends[-1]), block, dtype=np.int64), side="right")
+    shards = table.astype(np.int32)[samples >> shift]
+    while True:
+        past = samples >= ends[shards]
+        if not past.any():
+            return shards, samples - (ends - sizes)[shards]
+        shards += past
+
+
+def shard_spans(order: np.ndarray | None, shard_sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where each shard's samples lie in the epoch's order: its first and last position.
+
+    Knowing these, a reader can plan which shards to fetch ahead and when to drop them from
+    sizes alone, without finding the shard of every sample first.
+
+    Args:
+        order: The epoch's order (:func:`epoch_order`), or ``None`` for the dataset's own order.
+        shard_sizes: Samples per shard, in index order; every shard holds at least one.
+
+    Returns:
+        ``(first, last)``: ``int64`` arrays, one entry per shard (both inclusive).
+    """
+    sizes = np.asarray(shard_sizes, dtype=np.int64)
+    ends = np.cumsum(sizes)
+    if order is None:
+        return ends - sizes, ends - 1
+    position = np.empty(len(order), dtype=np.int64)
+    position[order] = np.arange(len(order), dtype=np.int64)
+    starts = ends - sizes
+    return np.minimum.reduceat(position, starts), np.maximum.reduceat(position, starts)
 
 
 def located_order(
@@ -150,6 +199,8 @@ class EpochPlan:
         shards: The shard of each of ``samples`` (:func:`locate`), when it was worked out
             ahead; ``None`` otherwise.
         rows: The row of each of ``samples`` inside its shard, with ``shards``.
+        first_position: Position in the epoch's order of ``samples[0]``.
+        stride: Positions of the order between consecutive ``samples`` (the world size).
     """
 
     samples: np.ndarray
@@ -158,6 +209,8 @@ class EpochPlan:
     dropped: int
     shards: np.ndarray | None = None
     rows: np.ndarray | None = None
+    first_position: int = 0
+    stride: int = 1
 
     @classmethod
     def for_rank(
@@ -187,7 +240,7 @@ class EpochPlan:
         usable = remaining - remaining % world_size
         part = slice(start + rank, start + usable, world_size)
         shards, rows = (located[0][part], located[1][part]) if located is not None else (None, None)
-        return cls(order[part], batch_size, drop_last, remaining - usable, shards, rows)
+        return cls(order[part], batch_size, drop_last, remaining - usable, shards, rows, start + rank, world_size)
 
     @property
     def num_batches(self) -> int:
@@ -201,6 +254,24 @@ class EpochPlan:
     def batch_samples(self, index: int) -> int:
         """Number of samples in batch ``index``."""
         return len(self.batch(index))
+
+    def batches_between(self, first: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The first and last of this rank's batches holding a position of the order in ``[first, last]``.
+
+        Args:
+            first: First positions of the epoch's order (one per span, :func:`shard_spans`).
+            last: Last positions, inclusive.
+
+        Returns:
+            ``(first_batch, last_batch)``; ``first_batch > last_batch`` where none of the span's
+            positions fall to this rank (before the plan's start, dropped, or another rank's).
+        """
+        lo = -((self.first_position - np.asarray(first, dtype=np.int64)) // self.stride)  # rounded up
+        hi = (np.asarray(last, dtype=np.int64) - self.first_position) // self.stride
+        lo = np.maximum(lo, 0)
+        hi = np.minimum(hi, min(self.num_batches * self.batch_size, len(self.samples)) - 1)
+        none = lo > hi
+        return np.where(none, 1, lo // self.batch_size), np.where(none, 0, hi // self.batch_size)
 
 
 def restore_position(
@@ -261,3 +332,60 @@ class PlannedEpochs:
     def __len__(self) -> int:
         """Batches this rank reads in a whole epoch."""
         return self._plan(self.epoch, 0).num_batches
+
+
+class EpochOrders:
+    """Each epoch's order (with what a loader derives from it), worked out once per epoch.
+
+    A shuffled order costs a sort of the whole dataset, about 0.1 s per million samples. When
+    the order changes from epoch to epoch and ``ahead`` is set, the next epoch's is worked out
+    on a background thread while this one is read, so only the first epoch's first batch waits
+    for one. An unshuffled order is the same every epoch: worked out once. The thread is the
+    process's own: a forked DataLoader worker starts its own, and work its parent left pending
+    is redone.
+
+    Args:
+        compute: ``compute(epoch)``: the epoch's order and whatever the loader derives from it.
+        per_epoch: Whether ``compute``'s result differs from epoch to epoch.
+        ahead: Work out the next epoch's while this one is read (otherwise when it is asked for).
+    """
+
+    def __init__(self, compute: Callable[[int], Any], per_epoch: bool, ahead: bool = True):
+        self.compute, self.per_epoch, self.ahead = compute, per_epoch, ahead
+        self._results: dict[int, concurrent.futures.Future] = {}
+        self._pool: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
+
+    def get(self, epoch: int):
+        """``compute(epoch)``, from its earlier or background run when there was one."""
+        key = epoch if self.per_epoch else 0
+        if self._pool is not None and self._pool[0] != os.getpid():  # forked: the parent's thread is not here
+            self._pool = None
+            self._results = {k: f for k, f in self._results.items() if f.done()}
+        if key not in self._results:
+            self._results[key] = self._submit(key)
+        result = self._results[key].result()
+        if self.per_epoch and key + 1 not in self._results:
+            self._results = {key: self._results[key]}
+            if self.ahead:
+                self._results[key + 1] = self._submit(key + 1)
+        return result
+
+    def _submit(self, epoch: int) -> concurrent.futures.Future:
+        if self._pool is None:
+            self._pool = (os.getpid(), concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sparkgpu-order"))
+        return self._pool[1].submit(self.compute, epoch)
+
+    def close(self) -> None:
+        """Stops background work and forgets every order."""
+        if self._pool is not None and self._pool[0] == os.getpid():
+            self._pool[1].shutdown(wait=False, cancel_futures=True)
+        self._pool, self._results = None, {}
+
+    def __getstate__(self) -> dict:
+        return {
+            "compute": self.compute,
+            "per_epoch": self.per_epoch,
+            "ahead": self.ahead,
+            "_results": {},
+            "_pool": None,
+        }

@@ -29,6 +29,7 @@ rank's plan, which the DataLoader hands out in order: the same batches as withou
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import hashlib
 import json
@@ -40,18 +41,20 @@ import pyarrow.compute as pc
 
 from sparkgpu.data.loaders.order import (
     DEFAULT_BLOCK_SIZE,
+    EpochOrders,
     EpochPlan,
     check_int,
     epoch_order,
     fragment_order,
     locate,
     restore_position,
+    shard_spans,
 )
 from sparkgpu.data.loaders.positioned import Positioned
 from sparkgpu.data.tables.filter import KEEP, to_expression
 from sparkgpu.data.tables.plan import TableRef
 from sparkgpu.data.tables.source import file_cache, keep_mask, open_source, row_groups, scan
-from sparkgpu.data.loaders.table_tensors import UnitColumns, gather_batch
+from sparkgpu.data.loaders.table_tensors import UnitColumns, gather_batch, gather_runs
 from sparkgpu.errors import ConfigurationError, DataError
 
 __all__ = ["table_dataset", "TableDataset"]
@@ -240,6 +243,8 @@ class TableDataset(Positioned):
         self.num_samples = int(self._sizes.sum())
         self.epoch = 0
         self._consumed = 0
+        # Not worked out ahead: reading a table is CPU work that the next epoch's sort would slow.
+        self._orders = EpochOrders(self._order_of, per_epoch=bool(shuffle), ahead=False)
 
     # Position (the same rules as MDSLoader).
 
@@ -292,7 +297,7 @@ class TableDataset(Positioned):
     def __iter__(self):
         plan, start = self._begin()
         numbers = self._batch_numbers(plan)
-        reader = _Reader(self, plan, numbers)
+        reader = _Reader(self, plan, numbers, self._orders.get(self.epoch)[1])
         try:
             for number in numbers:
                 batch = reader.batch(number)
@@ -303,15 +308,8 @@ class TableDataset(Positioned):
         self.epoch, self._consumed = self.epoch + 1, 0
 
     def _plan(self, epoch: int, start: int) -> EpochPlan:
-        if self.shuffle == "fragments":
-            window = self.batch_size * self.world_size
-            order = fragment_order(self._sizes, seed=self.seed, epoch=epoch, window=window)
-        else:
-            order = epoch_order(
-                self._sizes, shuffle=bool(self.shuffle), seed=self.seed, epoch=epoch, block_size=self.shuffle_block_size
-            )
         return EpochPlan.for_rank(
-            order,
+            self._orders.get(epoch)[0],
             start=start,
             rank=self.rank,
             world_size=self.world_size,
@@ -319,13 +317,28 @@ class TableDataset(Positioned):
             drop_last=self.drop_last,
         )
 
-    def _read(self, unit: int, needed_at: int) -> pa.Table:
+    def _order_of(self, epoch: int) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+        # The epoch's order, and where each row group's rows lie in it (what the reader plans by).
+        if self.shuffle == "fragments":
+            window = self.batch_size * self.world_size
+            order = fragment_order(self._sizes, seed=self.seed, epoch=epoch, window=window)
+        elif self.shuffle:
+            order = epoch_order(
+                self._sizes, shuffle=True, seed=self.seed, epoch=epoch, block_size=self.shuffle_block_size
+            )
+        else:
+            return np.arange(self.num_samples, dtype=np.int64), shard_spans(None, self._sizes)
+        return order, shard_spans(order, self._sizes)
+
+    def _read(self, unit: int, needed_at: int, by_range: bool = False) -> pa.Table:
         group = self._units[unit]
         projection = {name: pc.field(name) for name in self.columns}
         if self._expression is not None:
             projection[KEEP] = self._expression
         if self._file_cache is None:
             table = scan(group.piece, self.schema, projection)
+        elif by_range:
+            table = scan(self._file_cache.remote_piece(group.piece), self.schema, projection)
         else:
             try:
                 table = scan(self._file_cache.local_piece(group.piece, needed_at), self.schema, projection)
@@ -345,79 +358,149 @@ class TableDataset(Positioned):
 
 
 class _Reader:
-    """Reads the row groups of a plan ahead of need and builds its batches."""
+    """Reads the row groups of a plan ahead of need and builds its batches.
 
-    def __init__(self, dataset: TableDataset, plan: EpochPlan, numbers: range):
+    Which row groups to read, in what order and until when, comes from where each one's rows
+    lie in the epoch's order (``spans``, from :func:`~sparkgpu.data.loaders.order.shard_spans`):
+    no pass over every row of the plan before the first batch. In order, and with the fragment
+    shuffle, a row group is needed by every batch between its first and its last; with the
+    windowed shuffle by most of them, and one read ahead of a batch that ends up not using it
+    is dropped after its last possible use. Which row group and row each batch row comes from
+    is worked out a stretch of this process's batches at a time.
+    """
+
+    _STRETCH = 32  # batches located at once
+
+    def __init__(self, dataset: TableDataset, plan: EpochPlan, numbers: range, spans: tuple[np.ndarray, np.ndarray]):
         self.dataset = dataset
         self.plan = plan
-        starts = dataset._starts
-        unit_of, self.offset = locate(plan.samples, dataset._sizes)  # row groups play the part of shards
-        self.unit_of = unit_of
-        # Units in the order the batches first need them, and the last batch needing each.
-        batch_of = np.arange(len(plan.samples)) // plan.batch_size
-        wanted = (
-            (batch_of >= numbers.start) & (batch_of < numbers.stop) & ((batch_of - numbers.start) % numbers.step == 0)
-        )
-        unit_w, batch_w = unit_of[wanted], batch_of[wanted]
-        first = np.full(len(starts), len(unit_w), dtype=np.int64)
-        np.minimum.at(first, unit_w, np.arange(len(unit_w)))
-        last = np.full(len(starts), -1, dtype=np.int64)
-        np.maximum.at(last, unit_w, batch_w)
-        units = np.flatnonzero(first < len(unit_w))
-        self.queue = units[np.argsort(first[units], kind="stable")].tolist()
         self.numbers = numbers
-        # Steps count this process's batches (with DataLoader workers, every W-th batch).
-        self.first_step = dict(zip(units.tolist(), ((batch_w[first[units]] - numbers.start) // numbers.step).tolist()))
+        first_batch, last_batch = plan.batches_between(*spans)
+        # The first and last of this process's batches (with DataLoader workers, every W-th) in each span.
+        begin, step = numbers.start, numbers.step
+        first = begin - ((begin - np.maximum(first_batch, begin)) // step) * step
+        last = begin + ((np.minimum(last_batch, numbers.stop - 1) - begin) // step) * step
+        units = np.flatnonzero((first <= last) & (first_batch <= last_batch))
+        units = units[np.lexsort((spans[0][units], first[units]))]
+        self.queue = collections.deque(units.tolist())
+        self.first_step = dict(zip(units.tolist(), ((first[units] - begin) // step).tolist()))
         self.last_use = dict(zip(units.tolist(), last[units].tolist()))
-        self.files = dataset._file_cache
-        if self.files is not None:
-            file_of = np.array([self.files.position[u.path] for u in dataset._units], dtype=np.int64)
-            self.steps = [np.unique(file_of[unit_of[n * plan.batch_size : (n + 1) * plan.batch_size]]) for n in numbers]
-            self.files.start(self.steps)
         self.pool = concurrent.futures.ThreadPoolExecutor(
             dataset.read_threads, thread_name_prefix="sparkgpu-table-read"
         )
         self.loaded: dict[int, concurrent.futures.Future] = {}
         self.started: set[int] = set()
         self.ahead = 2 * dataset.read_threads
+        self._first = True
+        # Read in order by one rank, a batch is consecutive rows: it is cut from its row groups by
+        # their boundaries, with no row located one by one.
+        self._consecutive = not dataset.shuffle and plan.stride == 1
+        self._stretch = -1
+        self._located: tuple[np.ndarray, np.ndarray] = (np.empty(0, np.int32), np.empty(0, np.int64))
+        self._located_at: list[int] = []
+        self.files = dataset._file_cache
+        self.early: list[int] = []  # the first batch's row groups, read by byte range (see table_cache)
+        if self.files is not None:
+            file_of = np.array([self.files.position[u.path] for u in dataset._units], dtype=np.int64)
+            self.steps = _files_by_step(
+                file_of[units], (first[units] - begin) // step, (last[units] - begin) // step, len(numbers)
+            )
+            if len(numbers):
+                first_units = (
+                    self._runs(numbers.start)[0]
+                    if self._consecutive
+                    else np.unique(self._locate(numbers.start)[0]).tolist()
+                )
+                self.early = [u for u in first_units if not self.files.is_local(dataset._units[u].path)]
+            for unit in self.early:
+                self.started.add(unit)
+                self.loaded[unit] = self.pool.submit(self._columns, unit, True)
+            if not self.early:
+                self.files.start(self.steps)
 
     def batch(self, number: int) -> dict:
-        begin, end = number * self.plan.batch_size, (number + 1) * self.plan.batch_size
-        units, offsets = self.unit_of[begin:end], self.offset[begin:end]
-        needed = list(dict.fromkeys(units.tolist()))
+        if self._consecutive:
+            needed, runs = self._runs(number)
+        else:
+            units, offsets = self._locate(number)
+            present = np.zeros(len(self.dataset._units), dtype=bool)
+            present[units] = True
+            needed = np.flatnonzero(present).tolist()
         if self.files is not None:
             step = (number - self.numbers.start) // self.numbers.step
-            self.files.reached(step, self.steps[step])
+            if self.early:  # the whole-file downloads start once the first batch's row groups are in
+                concurrent.futures.wait([self.loaded[u] for u in self.early])
+                self.early = []
+                self.files.start(self.steps)
+            else:
+                self.files.reached(step, self.steps[step])
         self._fill(needed)
         columns = [self.loaded[u].result() for u in needed]
-        position = np.full(max(needed) + 1, -1, dtype=np.int32)
-        position[needed] = np.arange(len(needed), dtype=np.int32)
-        batch = gather_batch(columns, position[units], np.ascontiguousarray(offsets, dtype=np.int64))
-        for unit in needed:
-            if self.last_use[unit] <= number:
-                self.loaded.pop(unit)
+        if self._consecutive:
+            batch = gather_runs([(columns[i], begin, end) for i, begin, end in runs])
+        else:
+            position = (np.cumsum(present, dtype=np.int32) - 1)[units]  # each row's place in `needed`
+            batch = gather_batch(columns, position, np.ascontiguousarray(offsets, dtype=np.int64))
+        for unit in [u for u in self.loaded if self.last_use[u] <= number]:
+            self.loaded.pop(unit)
         return batch
+
+    def _runs(self, number: int) -> tuple[list[int], list[tuple[int, int, int]]]:
+        """Batch ``number`` of consecutive rows: its row groups, and ``(which, first row, end row)`` of each."""
+        size, starts = self.plan.batch_size, self.dataset._starts
+        samples = self.plan.samples[number * size : (number + 1) * size]
+        begin, end = int(samples[0]), int(samples[-1]) + 1
+        first = int(np.searchsorted(starts, begin, side="right")) - 1
+        last = int(np.searchsorted(starts, end - 1, side="right")) - 1
+        needed = list(range(first, last + 1))
+        runs = [
+            (i, max(begin, int(starts[u])) - int(starts[u]), min(end, int(starts[u + 1])) - int(starts[u]))
+            for i, u in enumerate(needed)
+        ]
+        return needed, runs
+
+    def _locate(self, number: int) -> tuple[np.ndarray, np.ndarray]:
+        """The row group and row of each row of batch ``number``."""
+        step = (number - self.numbers.start) // self.numbers.step
+        stretch = step // self._STRETCH
+        if stretch != self._stretch:
+            size = self.plan.batch_size
+            numbers = self.numbers[stretch * self._STRETCH : (stretch + 1) * self._STRETCH]
+            if numbers.step == 1:
+                samples = self.plan.samples[numbers.start * size : numbers.stop * size]
+            else:
+                samples = np.concatenate([self.plan.samples[n * size : (n + 1) * size] for n in numbers])
+            self._located = locate(samples, self.dataset._sizes)
+            lengths = [len(self.plan.samples[n * size : (n + 1) * size]) for n in numbers]
+            self._located_at = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+            self._stretch = stretch
+        at = step - stretch * self._STRETCH
+        begin, end = self._located_at[at], self._located_at[at + 1]
+        return self._located[0][begin:end], self._located[1][begin:end]
 
     def _fill(self, needed: list[int]) -> None:
         for unit in needed:
             self._start(unit)
+        if self._first:  # the first batch's row groups get the cores to themselves: nothing is ahead yet
+            self._first = False
+            concurrent.futures.wait([self.loaded[u] for u in needed])
         while self.queue and (self.queue[0] in self.started or len(self.loaded) < len(needed) + self.ahead):
-            self._start(self.queue.pop(0))
+            self._start(self.queue.popleft())
 
     def _start(self, unit: int) -> None:
         if unit not in self.started:
             self.started.add(unit)
             self.loaded[unit] = self.pool.submit(self._columns, unit)
 
-    def _columns(self, unit: int) -> UnitColumns:
-        # The copies batches need are made here, in a read thread, rather than when a batch is
-        # asked for: in order, writable columns that batches are views of; shuffled, the packed rows
-        # batches gather from.
-        shuffle = bool(self.dataset.shuffle)
+    def _columns(self, unit: int, by_range: bool = False) -> UnitColumns:
+        # What batches need is made here, in a read thread, rather than when a batch is asked for:
+        # read in order by one rank, writable columns that batches are views of; shuffled or split
+        # over ranks (every world_size-th row), the packed rows batches gather from.
+        gathered = bool(self.dataset.shuffle) or self.plan.stride > 1
         columns = UnitColumns(
-            self.dataset._read(unit, self.first_step.get(unit, 0)), self.dataset.fill_null, own=not shuffle
+            self.dataset._read(unit, self.first_step.get(unit, 0), by_range), self.dataset.fill_null, own=not gathered
         )
-        if shuffle:
+        if gathered:
             columns.pack()
         return columns
 
@@ -426,3 +509,15 @@ class _Reader:
         self.loaded.clear()
         if self.files is not None:
             self.files.close()
+
+
+def _files_by_step(files: np.ndarray, first: np.ndarray, last: np.ndarray, steps: int) -> list[np.ndarray]:
+    """The files each step reads, when row group ``i`` (in file ``files[i]``) is read by steps ``first[i]..last[i]``."""
+    counts = last - first + 1
+    total = int(counts.sum())
+    offsets = np.repeat(np.cumsum(counts) - counts, counts)
+    step_of = np.repeat(first, counts) + (np.arange(total, dtype=np.int64) - offsets)
+    width = int(files.max()) + 1 if len(files) else 1
+    pairs = np.unique(step_of * width + np.repeat(files, counts))  # by step, then file, each once
+    bounds = np.searchsorted(pairs // width, np.arange(steps + 1))
+    return [pairs[bounds[i] : bounds[i + 1]] % width for i in range(steps)]

@@ -15,7 +15,7 @@ import torch
 
 from sparkgpu.errors import ConfigurationError, DataError
 
-__all__ = ["UnitColumns", "gather_batch"]
+__all__ = ["UnitColumns", "gather_batch", "gather_runs"]
 
 
 class UnitColumns:
@@ -31,10 +31,11 @@ class UnitColumns:
     Args:
         table: The row group's rows (filtered, deletion vectors applied).
         fill_null: Value replacing nulls: one for all columns or ``{column: value}``.
-        own: Copy the fixed-width columns out of Arrow's read-only buffers now (on the read
-            thread that builds this), so that a batch of consecutive rows is a view of them
-            rather than a copy made when the batch is asked for. Each row goes to one batch
-            per epoch, so a training step writing to its batch changes no other batch.
+        own: Make the fixed-width columns writable now (on the read thread that builds this),
+            so that a batch of consecutive rows is a view of them rather than a copy made when
+            the batch is asked for. A buffer Arrow decoded for this read alone (a mutable one)
+            is taken over as it is; any other is copied. Each row goes to one batch per epoch,
+            so a training step writing to its batch changes no other batch.
 
     Raises:
         DataError: A column has nulls and no ``fill_null`` for it.
@@ -57,7 +58,7 @@ class UnitColumns:
             else:
                 self.shapes[name] = (values.dtype, values.shape[1:])
                 row_bytes = values.dtype.itemsize * int(np.prod(values.shape[1:], dtype=np.int64))
-                values = np.array(values, order="C", copy=True) if own else np.ascontiguousarray(values)
+                values = _writable(array, values) if own else np.ascontiguousarray(values)
                 self.fixed[name] = values.view(np.uint8).reshape(len(values), row_bytes)
         # name -> (word size, first word, end word) in a packed row. Each column starts at a
         # multiple of the largest word (8, 4, 2 or 1 bytes) dividing its width, so a batch splits
@@ -86,12 +87,13 @@ class UnitColumns:
 
 _WORDS = {8: np.uint64, 4: np.uint32, 2: np.uint16, 1: np.uint8}
 
-# A batch made of at most this many runs of consecutive rows is sliced; more are gathered.
-_MAX_RUNS = 8
-
 
 def gather_batch(units: list[UnitColumns], unit_ids: np.ndarray, rows: np.ndarray) -> dict:
     """The batch whose row ``i`` is row ``rows[i]`` of ``units[unit_ids[i]]``: tensors and lists by column.
+
+    Fixed-width columns come from one native gather of whole packed rows (:meth:`UnitColumns.pack`),
+    split into columns after; the rest from an Arrow ``take``. For batches of consecutive rows,
+    :func:`gather_runs` is the cheaper way.
 
     Args:
         units: The row groups the batch draws from.
@@ -100,37 +102,47 @@ def gather_batch(units: list[UnitColumns], unit_ids: np.ndarray, rows: np.ndarra
     """
     n = len(rows)
     unit_ids = np.ascontiguousarray(unit_ids, dtype=np.int32)
-    breaks = np.flatnonzero((np.diff(rows) != 1) | (np.diff(unit_ids) != 0)) + 1
-    runs = None
-    if len(breaks) < _MAX_RUNS or not units[0].fixed:  # (nothing to gather without fixed-width columns)
-        starts = np.concatenate(([0], breaks))
-        ends = np.concatenate((breaks, [n]))
-        runs = [(units[unit_ids[a]], int(rows[a]), int(rows[a] + b - a)) for a, b in zip(starts, ends)]
-    else:
-        packed = np.empty((n, units[0].row_bytes), dtype=np.uint8)
+    first = units[0]
+    packed = np.empty((n, first.row_bytes), dtype=np.uint8)
+    if first.fixed:
         from sparkgpu.data._gather import gather_rows
 
         gather_rows(packed, [u.pack() for u in units], unit_ids if len(units) > 1 else None, rows)
     batch = {}
-    first = units[0]
     for name in first.names:
         if name in first.fixed:
             dtype, shape = first.shapes[name]
-            if runs is not None:
-                pieces = [u.fixed[name][a:b] for u, a, b in runs]
-                if len(pieces) > 1:
-                    out = np.concatenate(pieces)
-                else:  # Arrow's buffers are read-only: a batch the step may write to is a copy of them
-                    out = pieces[0] if runs[0][0].owned else pieces[0].copy()
-            else:
-                word, begin, end = first.layout[name]
-                out = np.ascontiguousarray(packed.view(_WORDS[word])[:, begin:end]).view(np.uint8)
+            word, begin, end = first.layout[name]
+            out = np.ascontiguousarray(packed.view(_WORDS[word])[:, begin:end]).view(np.uint8)
             batch[name] = torch.from_numpy(out.view(dtype).reshape((n,) + shape))
         else:
             chunks = pa.chunked_array([u.other[name] for u in units])
             base = np.cumsum([0] + [u.num_rows for u in units[:-1]]).astype(np.int64)
             taken = chunks.take(pa.array(rows + base[unit_ids]))
             batch[name] = _convert(name, taken.combine_chunks() if taken.num_chunks != 1 else taken.chunk(0))
+    return batch
+
+
+def gather_runs(runs: list[tuple[UnitColumns, int, int]]) -> dict:
+    """The batch made of rows ``a`` to ``b`` (exclusive) of each ``(unit, a, b)`` of ``runs``, in turn.
+
+    A batch of one run of an owned row group is a view of it; several runs are concatenated.
+    """
+    n = sum(b - a for _, a, b in runs)
+    batch = {}
+    first = runs[0][0]
+    for name in first.names:
+        if name in first.fixed:
+            dtype, shape = first.shapes[name]
+            pieces = [u.fixed[name][a:b] for u, a, b in runs]
+            if len(pieces) > 1:
+                out = np.concatenate(pieces)
+            else:  # Arrow's buffers are read-only: a batch the step may write to is a copy of them
+                out = pieces[0] if first.owned else pieces[0].copy()
+            batch[name] = torch.from_numpy(out.view(dtype).reshape((n,) + shape))
+        else:
+            parts = [u.other[name].slice(a, b - a) for u, a, b in runs]
+            batch[name] = _convert(name, pa.concat_arrays(parts) if len(parts) > 1 else parts[0])
     return batch
 
 
@@ -165,6 +177,24 @@ def _fixed_width(name: str, array: pa.Array) -> np.ndarray | None:
             raise DataError(f"column {name!r} has null elements inside its lists; fill them before reading")
         return flat.to_numpy(zero_copy_only=False).reshape(len(array), kind.list_size)
     return None
+
+
+def _writable(array: pa.Array, values: np.ndarray) -> np.ndarray:
+    """``values`` (what :func:`_fixed_width` made of ``array``) as a writable array of its own.
+
+    Parquet decoding fills new, mutable Arrow buffers that nothing else refers to; numpy views
+    of Arrow data are marked read-only all the same. Such a buffer is taken over without a
+    copy (the view keeps it alive); shared or immutable buffers (a memory-mapped file, a
+    decoded dictionary's values) and converted values are copied.
+    """
+    flat = array.flatten() if pa.types.is_fixed_size_list(array.type) else array
+    if pa.types.is_integer(flat.type) or pa.types.is_floating(flat.type):
+        data = flat.buffers()[1]
+        if data is not None and data.is_mutable and values.flags.c_contiguous:
+            view = np.frombuffer(data, dtype=values.dtype, count=values.size, offset=flat.offset * values.itemsize)
+            if view.flags.writeable:
+                return view.reshape(values.shape)
+    return np.array(values, order="C", copy=True)
 
 
 def _convert(name: str, array: pa.Array):
