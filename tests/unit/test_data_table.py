@@ -412,3 +412,11 @@ def test_a_remote_tables_first_batch_reads_its_row_groups_by_range_before_any_wh
         "day=2026-11-01/part-0.parquet",
         "day=2026-11-02/part-0.parquet",
     }
+
+
+def test_the_cache_plan_lists_each_steps_files_once_from_the_row_groups_spans():
+    from sparkgpu.data.loaders.table import _files_by_step
+
+    # Row groups 0 and 1 in file 0 (steps 0-1 and 1-2), 2 in file 1 (steps 1-3), 3 in file 2 (step 3).
+    steps = _files_by_step(np.array([0, 0, 1, 2]), np.array([0, 1, 1, 3]), np.array([1, 2, 3, 3]), 5)
+    assert [s.tolist() for s in steps] == [[0], [0, 1], [0, 1], [1, 2], []]
