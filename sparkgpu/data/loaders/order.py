@@ -338,20 +338,18 @@ class EpochOrders:
     """Each epoch's order (with what a loader derives from it), worked out once per epoch.
 
     A shuffled order costs a sort of the whole dataset, about 0.1 s per million samples. When
-    the order changes from epoch to epoch and ``ahead`` is set, the next epoch's is worked out
-    on a background thread while this one is read, so only the first epoch's first batch waits
-    for one. An unshuffled order is the same every epoch: worked out once. The thread is the
-    process's own: a forked DataLoader worker starts its own, and work its parent left pending
-    is redone.
+    the order changes from epoch to epoch, the next epoch's is worked out on a background
+    thread while this one is read, so only the first epoch's first batch waits for one. An
+    unshuffled order is the same every epoch: worked out once. The thread is the process's
+    own: a forked DataLoader worker starts its own, and work its parent left pending is redone.
 
     Args:
         compute: ``compute(epoch)``: the epoch's order and whatever the loader derives from it.
         per_epoch: Whether ``compute``'s result differs from epoch to epoch.
-        ahead: Work out the next epoch's while this one is read (otherwise when it is asked for).
     """
 
-    def __init__(self, compute: Callable[[int], Any], per_epoch: bool, ahead: bool = True):
-        self.compute, self.per_epoch, self.ahead = compute, per_epoch, ahead
+    def __init__(self, compute: Callable[[int], Any], per_epoch: bool):
+        self.compute, self.per_epoch = compute, per_epoch
         self._results: dict[int, concurrent.futures.Future] = {}
         self._pool: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
 
@@ -365,9 +363,7 @@ class EpochOrders:
             self._results[key] = self._submit(key)
         result = self._results[key].result()
         if self.per_epoch and key + 1 not in self._results:
-            self._results = {key: self._results[key]}
-            if self.ahead:
-                self._results[key + 1] = self._submit(key + 1)
+            self._results = {key: self._results[key], key + 1: self._submit(key + 1)}
         return result
 
     def _submit(self, epoch: int) -> concurrent.futures.Future:
@@ -382,10 +378,4 @@ class EpochOrders:
         self._pool, self._results = None, {}
 
     def __getstate__(self) -> dict:
-        return {
-            "compute": self.compute,
-            "per_epoch": self.per_epoch,
-            "ahead": self.ahead,
-            "_results": {},
-            "_pool": None,
-        }
+        return {"compute": self.compute, "per_epoch": self.per_epoch, "_results": {}, "_pool": None}

@@ -243,8 +243,7 @@ class TableDataset(Positioned):
         self.num_samples = int(self._sizes.sum())
         self.epoch = 0
         self._consumed = 0
-        # Not worked out ahead: reading a table is CPU work that the next epoch's sort would slow.
-        self._orders = EpochOrders(self._order_of, per_epoch=bool(shuffle), ahead=False)
+        self._orders = EpochOrders(self._order_of, per_epoch=bool(shuffle))
 
     # Position (the same rules as MDSLoader).
 
