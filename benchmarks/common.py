@@ -13,14 +13,19 @@ import os
 import platform
 import statistics
 
-__all__ = ["machine", "load_seen", "spread", "separated", "method"]
+__all__ = ["machine", "load_seen", "spread", "separated", "method", "cpu_mark", "other_cpu_share"]
+
+# Where the machine's and this process's CPU counters stood when machine() was last called.
+_cpu_at_start: tuple[float, float, float] | None = None
 
 
 def machine() -> dict:
     """Cores, platform and the load seen as the benchmark starts (``load_seen`` at the end)."""
+    global _cpu_at_start
     load = os.getloadavg()
     cpus = os.cpu_count() or 1
     busy = busy_cores()
+    _cpu_at_start = cpu_mark()
     return {
         "cpus": cpus,
         "system": platform.system(),
@@ -60,11 +65,61 @@ def busy_cores(seconds: float = 1.0) -> float | None:
 
 
 def load_seen(facts: dict) -> dict:
-    """``facts`` with the load average at the end added; call once the timed work is over."""
+    """``facts`` with what other processes did during the run added; call once the timed work is over.
+
+    Other processes' CPU time is the machine's busy time since :func:`machine` (the kernel's
+    counters) less this process's and its finished children's own. Where the counters cannot be
+    read, a 1-minute load average above the cores decides, which also counts the benchmark's own
+    processes (a peer's worker pool).
+    """
     load = os.getloadavg()
     facts = dict(facts, load_average_at_end=[round(x, 2) for x in load])
-    facts["other_load_seen"] = facts["other_load_at_start"] or load[0] > 1.25 * facts["cpus"]
+    share = other_cpu_share(_cpu_at_start)
+    if share is not None:
+        facts["other_cpu_share_during_run"] = round(share, 3)
+        seen = share > 0.1
+    else:
+        seen = load[0] > 1.25 * facts["cpus"]
+    facts["other_load_seen"] = facts["other_load_at_start"] or seen
     return facts
+
+
+def cpu_mark() -> tuple[float, float, float] | None:
+    """Where the machine's busy time, this process's own CPU time and the clock stand now."""
+    totals = _cpu_totals()
+    return None if totals is None else (totals[0], _own_cpu_s(), totals[2])
+
+
+def other_cpu_share(mark: tuple[float, float, float] | None) -> float | None:
+    """The share of all cores that processes other than this one and its finished children
+    used since ``mark`` (:func:`cpu_mark`), or None where the counters cannot be read. A
+    grandchild that outlives its parent (a worker pool's daemons) is counted as other."""
+    now = cpu_mark()
+    if mark is None or now is None:
+        return None
+    other = max(0.0, (now[0] - mark[0]) - (now[1] - mark[1]))
+    return other / (max(now[2] - mark[2], 1e-9) * (os.cpu_count() or 1))
+
+
+def _cpu_totals() -> tuple[float, float, float] | None:
+    """(busy CPU seconds of the whole machine, 0, wall seconds) from ``/proc/stat``, or None."""
+    import time
+
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(v) for v in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    ticks = os.sysconf("SC_CLK_TCK")
+    busy = sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)
+    return busy / ticks, 0.0, time.monotonic()
+
+
+def _own_cpu_s() -> float:
+    import resource
+
+    mine, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return mine.ru_utime + mine.ru_stime + children.ru_utime + children.ru_stime
 
 
 def spread(values: list[float], *, higher_is_better: bool = False) -> dict:
