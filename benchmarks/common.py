@@ -46,22 +46,12 @@ def busy_cores(seconds: float = 1.0) -> float | None:
     """Cores kept busy by every process over the next ``seconds`` (from ``/proc/stat``), or None."""
     import time
 
-    def totals() -> tuple[int, int] | None:
-        try:
-            with open("/proc/stat") as stat:
-                fields = [int(v) for v in stat.readline().split()[1:]]
-        except (OSError, ValueError):
-            return None
-        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-        return sum(fields), idle
-
-    before = totals()
+    before = _cpu_totals()
     time.sleep(seconds)
-    after = totals()
-    if before is None or after is None or after[0] == before[0]:
+    after = _cpu_totals()
+    if before is None or after is None:
         return None
-    share = 1 - (after[1] - before[1]) / (after[0] - before[0])
-    return share * (os.cpu_count() or 1)
+    return (after[0] - before[0]) / max(after[1] - before[1], 1e-9)
 
 
 def load_seen(facts: dict) -> dict:
@@ -87,7 +77,7 @@ def load_seen(facts: dict) -> dict:
 def cpu_mark() -> tuple[float, float, float] | None:
     """Where the machine's busy time, this process's own CPU time and the clock stand now."""
     totals = _cpu_totals()
-    return None if totals is None else (totals[0], _own_cpu_s(), totals[2])
+    return None if totals is None else (totals[0], _own_cpu_s(), totals[1])
 
 
 def other_cpu_share(mark: tuple[float, float, float] | None) -> float | None:
@@ -101,8 +91,8 @@ def other_cpu_share(mark: tuple[float, float, float] | None) -> float | None:
     return other / (max(now[2] - mark[2], 1e-9) * (os.cpu_count() or 1))
 
 
-def _cpu_totals() -> tuple[float, float, float] | None:
-    """(busy CPU seconds of the whole machine, 0, wall seconds) from ``/proc/stat``, or None."""
+def _cpu_totals() -> tuple[float, float] | None:
+    """(busy CPU seconds of the whole machine, the clock) from ``/proc/stat``, or None."""
     import time
 
     try:
@@ -110,9 +100,8 @@ def _cpu_totals() -> tuple[float, float, float] | None:
             fields = [int(v) for v in stat.readline().split()[1:]]
     except (OSError, ValueError):
         return None
-    ticks = os.sysconf("SC_CLK_TCK")
-    busy = sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)
-    return busy / ticks, 0.0, time.monotonic()
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK"), time.monotonic()
 
 
 def _own_cpu_s() -> float:

@@ -495,11 +495,12 @@ class _Reader:
         # What batches need is made here, in a read thread, rather than when a batch is asked for:
         # read in order by one rank, writable columns that batches are views of; shuffled or split
         # over ranks (every world_size-th row), the packed rows batches gather from.
-        gathered = bool(self.dataset.shuffle) or self.plan.stride > 1
         columns = UnitColumns(
-            self.dataset._read(unit, self.first_step.get(unit, 0), by_range), self.dataset.fill_null, own=not gathered
+            self.dataset._read(unit, self.first_step.get(unit, 0), by_range),
+            self.dataset.fill_null,
+            own=self._consecutive,
         )
-        if gathered:
+        if not self._consecutive:
             columns.pack()
         return columns
 
