@@ -11,6 +11,11 @@ $(STAMP): $(BUILD_INPUTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	@# The interop tests read our shards with MosaicML Streaming. It declares transformers<5 and
+	@# numpy<2.2, which the [hf] stack cannot share, yet imports neither pin's versions: install it
+	@# without its declared requirements, plus the modules it imports. Users of [hf] never get it.
+	$(PY) -m pip install -q -c constraints.txt --no-deps 'mosaicml-streaming==0.13.0'
+	$(PY) -m pip install -q -c constraints.txt brotli python-snappy zstd catalogue tqdm
 	@touch $(STAMP)
 
 venv: $(STAMP)

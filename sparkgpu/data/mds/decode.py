@@ -21,6 +21,7 @@ import numpy as np
 
 from sparkgpu.data import _gather
 from sparkgpu.data.mds.reader import _NDARRAY_DTYPE_CODES, Column, Decode, ShardReader
+from sparkgpu.errors import MissingDependencyError
 
 __all__ = ["BatchDecoder"]
 
@@ -213,7 +214,12 @@ class BatchDecoder:
             from sparkgpu.data.images import decode_image_column
 
             return decode_image_column(column.encoding, items)
-        from streaming.base.format.mds.encodings import mds_decode
+        try:
+            from streaming.base.format.mds.encodings import mds_decode
+        except ImportError:
+            raise MissingDependencyError(
+                f"Decoding the MDS encoding {column.encoding!r}", "pip install 'sparkgpu[streaming]'"
+            ) from None
 
         return [mds_decode(column.encoding, item) for item in items]
 

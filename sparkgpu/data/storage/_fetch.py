@@ -18,7 +18,7 @@ from pathlib import Path
 
 from sparkgpu.data.mds.reader import ShardInfo
 from sparkgpu.data.storage.volume import Volume
-from sparkgpu.errors import DataError
+from sparkgpu.errors import DataError, MissingDependencyError
 
 __all__ = ["fetch_shard", "partial_token", "is_stale_partial", "ShardCorrupt"]
 
@@ -152,8 +152,14 @@ def _decompress(compression: str, source: Path, target: Path) -> None:
             with open(source, "rb") as fin, open(target, "wb") as fout:
                 _zstd_local.decompressor.copy_stream(fin, fout, read_size=_CHUNK, write_size=_CHUNK)
             return
-        from streaming.base.compression import decompress
-
+        try:
+            from streaming.base.compression import decompress
+        except ImportError:
+            raise MissingDependencyError(
+                f"Reading {compression}-compressed shards", "pip install 'sparkgpu[streaming]'"
+            ) from None
         target.write_bytes(decompress(compression, source.read_bytes()))
+    except MissingDependencyError:
+        raise
     except Exception as exc:
         raise ShardCorrupt(f"{source.name} does not decompress as {compression}: {exc}") from None
