@@ -225,7 +225,7 @@ class DistributedFunction:
             CapacityError: more (or other) GPUs were asked for than the backend has.
             JobTimeoutError: the call ran past ``timeout``.
             ConfigurationError: ``register_as`` was given and rank 0 returned no
-                ``torch.nn.Module`` (the job itself succeeded; see above).
+                ``torch.nn.Module`` or transformers model (the job itself succeeded; see above).
         """
         self.last_results = self.last_model_version = None
         return self._launch(self._prepare(args, kwargs))
@@ -288,16 +288,18 @@ class DistributedFunction:
 
 
 def _register_result(model, name: str, prepared: PreparedJob):
-    """Registers rank 0's return value (a ``torch.nn.Module``) under ``name``, with lineage."""
+    """Registers rank 0's return value (a ``torch.nn.Module``, or a transformers model as
+    ``{"model": ..., "tokenizer": ...}``) under ``name``, with lineage."""
     import torch
 
     from sparkgpu.tracking import registry
+    from sparkgpu.tracking._transformers import is_transformers_model
 
-    if not isinstance(model, torch.nn.Module):
+    if not isinstance(model, torch.nn.Module) and not is_transformers_model(model):
         raise ConfigurationError(
-            f"register_as={name!r} registers rank 0's return value, which must be a torch.nn.Module; "
-            f"it returned {type(model).__name__}. Return the model from rank 0, or call "
-            "sparkgpu.registry.register(...) yourself"
+            f"register_as={name!r} registers rank 0's return value, which must be a torch.nn.Module "
+            f"or {{'model': model, 'tokenizer': tokenizer}} for a transformers model; it returned "
+            f"{type(model).__name__}. Return the model from rank 0, or call sparkgpu.registry.register(...) yourself"
         )
     run_id = next((getattr(c, "run_id", None) for c in prepared.callbacks if getattr(c, "run_id", None)), None)
     return registry.register(model, name, run_id=run_id, tags={"sparkgpu.job_id": prepared.job.job_id})
@@ -396,7 +398,8 @@ def distributed(
         callbacks: Job callbacks; the defaults (usage metering, MLflow tracking) when ``None``.
         experiment: MLflow experiment of the job's run (default: named after the calling
             script or notebook).
-        register_as: Register rank 0's return value (a ``torch.nn.Module``) under this
+        register_as: Register rank 0's return value (a ``torch.nn.Module``, or
+            ``{"model": ..., "tokenizer": ...}`` for a transformers or PEFT model) under this
             ``catalog.schema.model`` name when the job succeeds.
         ship_environment: Snapshot this environment and rehydrate it on the workers
             (default: for ``remote=True`` jobs).
