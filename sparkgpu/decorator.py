@@ -42,10 +42,15 @@ _TYPE_NAMES = frozenset({"accelerator_type", "gpu_type"})
 
 def default_callbacks(fn: Callable | None = None, experiment: str | None = None) -> list[JobCallback]:
     """Callbacks every job gets unless the caller passes ``callbacks=`` explicitly:
-    usage metering (ledger, policies) and, unless ``SPARKGPU_TRACKING=0``, one MLflow run."""
+    usage metering (ledger, policies), unless ``SPARKGPU_TRACKING=0`` one MLflow run, and unless
+    ``SPARKGPU_LIGHTNING_CHECKPOINTS=0`` Lightning's checkpoints in the job's store."""
     from sparkgpu.usage.meter import UsageMeter
 
     callbacks: list[JobCallback] = [UsageMeter()]
+    if settings().lightning_checkpoints:
+        from sparkgpu.train.lightning_patch import LightningCheckpoints
+
+        callbacks.append(LightningCheckpoints())
     if settings().tracking:
         from sparkgpu.tracking.mlflow_run import MLflowCallback
 
@@ -293,9 +298,8 @@ def _register_result(model, name: str, prepared: PreparedJob):
     import torch
 
     from sparkgpu.tracking import registry
-    from sparkgpu.tracking._transformers import is_transformers_model
 
-    if not isinstance(model, torch.nn.Module) and not is_transformers_model(model):
+    if not isinstance(model, torch.nn.Module) and not registry.is_transformers_model(model):
         raise ConfigurationError(
             f"register_as={name!r} registers rank 0's return value, which must be a torch.nn.Module "
             f"or {{'model': model, 'tokenizer': tokenizer}} for a transformers model; it returned "

@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ModelVersionInfo",
+    "is_transformers_model",
     "register",
     "load",
     "get_version",
