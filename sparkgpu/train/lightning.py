@@ -158,6 +158,11 @@ class JobCheckpoints(pl.Callback):
             runtime.handle_sigterm_as_checkpoint_request()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        # Between two batches of one gradient accumulation the accumulated gradients are in no
+        # checkpoint: the ranks decide (and save) only once the optimizer stepped.
+        accumulating = getattr(trainer.fit_loop.epoch_loop, "_should_accumulate", None)
+        if accumulating is not None and accumulating():
+            return
         stop = bool(trainer.strategy.reduce_boolean_decision(runtime.should_checkpoint(), all=False))
         step = trainer.global_step
         every = self.every_n_train_steps

@@ -80,8 +80,12 @@ def patch_trainer(trainer_cls) -> None:
             if ours is None:
                 ours = JobCheckpoints()
                 self.callbacks.append(ours)
+            if not ours.resume:
+                return original(self, *args, **kwargs)
+            if "ckpt_path" not in signature.parameters:  # not the fit this was written for: left as it is
+                return original(self, *args, **kwargs)
             bound = signature.bind(self, *args, **kwargs)
-            if bound.arguments.get("ckpt_path") is None and ours.resume:
+            if bound.arguments.get("ckpt_path") is None:
                 bound.arguments["ckpt_path"] = latest_checkpoint_path(ours.dirpath)
             return original(*bound.args, **bound.kwargs)
 

@@ -165,3 +165,53 @@ def test_a_killed_rank_resumes_from_the_last_periodic_checkpoint_exactly(tmp_pat
     assert [a["status"] for a in state["attempts"]] == ["failed", "succeeded"] and state["restarts"] == 1
     assert_bitwise_equal(weights[0], uninterrupted[0][0])
     assert batches == uninterrupted[1]
+
+
+def test_a_stop_asked_for_inside_a_gradient_accumulation_waits_for_its_optimizer_step(tmp_path, monkeypatch):
+    """In one process: a request between two accumulated batches saves after the step, and resumes exactly."""
+    import lightning.pytorch as pl
+    import torch
+
+    from sparkgpu import runtime
+    from sparkgpu.train.lightning import JobCheckpoints, latest_checkpoint_path
+
+    monkeypatch.setenv("SPARKGPU_CHECKPOINT_DIR", str(tmp_path / "checkpoints"))
+    monkeypatch.setattr(runtime, "_checkpoint_requested", __import__("threading").Event())
+
+    class TinyLM(pl.LightningModule):
+        def __init__(self, stop_at_batch=None):
+            super().__init__()
+            torch.manual_seed(0)
+            self.embed, self.head = torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, VOCAB)
+            self.stop_at_batch, self.batches = stop_at_batch, 0
+
+        def training_step(self, batch, batch_idx):
+            self.batches += 1
+            if self.batches == self.stop_at_batch:
+                runtime.request_checkpoint()
+            logits = self.head(self.embed(batch[:, :-1]))
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+    def fit(model, ckpt_path=None):
+        trainer = pl.Trainer(
+            max_epochs=EPOCHS,
+            accumulate_grad_batches=2,
+            callbacks=[JobCheckpoints(handle_sigterm=False)],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(model, train_dataloaders=RankBatches(0, 1), ckpt_path=ckpt_path)
+
+    fit(plain := TinyLM())
+    with pytest.raises(runtime.StopForRestart):
+        fit(TinyLM(stop_at_batch=3))  # the first batch of the second accumulation
+    runtime._checkpoint_requested.clear()
+    resumed_from = latest_checkpoint_path()
+    assert resumed_from.endswith("step-0000000002.ckpt")  # after the second optimizer step, not before
+    fit(resumed := TinyLM(), ckpt_path=resumed_from)
+    assert_bitwise_equal(resumed.state_dict(), plain.state_dict())
