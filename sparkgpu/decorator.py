@@ -399,7 +399,8 @@ def distributed(
             ``None`` (none) or a list of ranks. Every rank's output is kept in the run dir.
         name: Job name (the function's name by default).
         tags: Free-form tags for tracking and cost attribution.
-        callbacks: Job callbacks; the defaults (usage metering, MLflow tracking) when ``None``.
+        callbacks: Job callbacks; the defaults (usage metering, Lightning checkpoints, MLflow
+            tracking) when ``None``.
         experiment: MLflow experiment of the job's run (default: named after the calling
             script or notebook).
         register_as: Register rank 0's return value (a ``torch.nn.Module``, or
