@@ -4,7 +4,10 @@ A tiny transformer language model trains with ``Trainer(strategy="ddp")`` on 2 g
 a user writes it. Once, one rank alone is asked to checkpoint mid-epoch (what the runtime
 cap, a usage budget or SIGTERM do): the ranks agree, save, stop for a restart, and the next
 attempt resumes by itself. It ends bitwise equal to an uninterrupted run, having trained on
-the same batches. Once, a rank is killed after the periodic save of ``JobCheckpoints``.
+the same batches. Once, a rank is killed after the periodic save of ``JobCheckpoints``. Once,
+the saved checkpoint is replaced by a pickle that runs code: the next attempt does not load it
+and trains from the start. One test in a single process: a stop asked for in the middle of a
+gradient accumulation waits for the optimizer step.
 """
 
 from __future__ import annotations
@@ -55,7 +58,19 @@ class RankBatches:
         self.epoch, self.position = state["epoch"], state["position"]
 
 
-def fit_tiny_transformer(record: str, stop_step=None, kill_step=None, every_n_train_steps=None):
+class Planted:
+    """Unpickling it creates ``path``: the proof that a forged checkpoint was loaded."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        import os
+
+        return (os.makedirs, (self.path,))
+
+
+def fit_tiny_transformer(record: str, stop_step=None, kill_step=None, every_n_train_steps=None, forge=None):
     """The user's function: a LightningModule and a Trainer, nothing of sparkgpu but the test's triggers."""
     import os
     import signal
@@ -105,6 +120,17 @@ def fit_tiny_transformer(record: str, stop_step=None, kill_step=None, every_n_tr
         enable_progress_bar=False,
         enable_model_summary=False,
     )
+    if forge is not None and runtime.attempt() == 1:
+        import pickle
+
+        import torch.distributed as dist
+
+        if rank == 0:  # someone who can write to the job's store replaces its checkpoint
+            folder = f"{runtime.checkpoint_dir()}/lightning"
+            (name,) = [n for n in os.listdir(folder) if n.endswith(".ckpt")]
+            with open(f"{folder}/{name}", "wb") as f:
+                f.write(pickle.dumps(Planted(forge)))
+        dist.barrier()
     model = TinyLM()
     trainer.fit(model, train_dataloaders=RankBatches(rank, 2))
     return {name: t.detach().clone() for name, t in model.state_dict().items()}
@@ -158,6 +184,17 @@ def test_a_checkpoint_request_saves_signed_stops_and_the_next_attempt_resumes_ex
     saved = settings().staging_root / job_id / "checkpoints" / "lightning"
     marker = json.loads((saved / f"step-{BATCHES + 3:010d}.ckpt.signed.json").read_text())
     assert marker["signed"]["job_id"] == job_id and len(marker["mac"]) == 64
+
+
+def test_a_changed_checkpoint_is_not_loaded_and_the_next_attempt_starts_over(tmp_path, uninterrupted):
+    forged = tmp_path / "the-forgery-ran"
+    weights, state, batches, _ = run(tmp_path, "forged", stop_step=4, forge=str(forged))
+    assert len(state["attempts"]) == 2 and state["attempts"][-1]["status"] == "succeeded"
+    assert not forged.exists()
+    attempts = [json.loads(line)[:2] for line in open(tmp_path / "forged.jsonl.0")]
+    assert attempts[4:6] == [[0, 4], [1, 0]]  # the second attempt trained from its first step
+    assert_bitwise_equal(weights[0], uninterrupted[0][0])  # from scratch, to the same end
+    assert batches == uninterrupted[1]
 
 
 def test_a_killed_rank_resumes_from_the_last_periodic_checkpoint_exactly(tmp_path, uninterrupted):
