@@ -146,18 +146,40 @@ class JobCheckpoints(pl.Callback):
         self.keep_last = keep_last
         self.resume = resume
         self.handle_sigterm = handle_sigterm
+        self.active = False  # set in setup(): whether this trainer's strategy is one it handles
         self.last_saved: str | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        strategy = trainer.strategy
+        supported = isinstance(strategy, (pl.strategies.DDPStrategy, pl.strategies.SingleDeviceStrategy)) and not any(
+            cls.__name__ == "DeepSpeedStrategy" for cls in type(strategy).__mro__
+        )
+        plain_io = type(strategy.checkpoint_io) in (TorchCheckpointIO, SignedCheckpointIO)
+        if not (supported and plain_io):
+            # Sharded (FSDP, DeepSpeed) and custom checkpoint IO write other files than one .ckpt:
+            # they are left as they are rather than half-signed; the job does not resume them.
+            _logger.warning(
+                "sparkgpu: JobCheckpoints handles the single-file checkpoints of DDP and single-device "
+                "strategies with Lightning's own checkpoint IO; this trainer has %s with %s, so it saves "
+                "nothing for the job and does not stop it. Save and resume with sparkgpu.train.Checkpointer "
+                "instead, or set SPARKGPU_LIGHTNING_CHECKPOINTS=0 to silence this",
+                type(strategy).__name__,
+                type(strategy.checkpoint_io).__name__,
+            )
+            self.active = False
+            return
+        self.active = True
         # Before Lightning restores ckpt_path: that load goes through the verifying IO too.
-        if not isinstance(trainer.strategy.checkpoint_io, SignedCheckpointIO):
-            trainer.strategy.checkpoint_io = SignedCheckpointIO()
+        if not isinstance(strategy.checkpoint_io, SignedCheckpointIO):
+            strategy.checkpoint_io = SignedCheckpointIO()
         if self.dirpath is None:
             self.dirpath = os.path.join(trainer.default_root_dir, "sparkgpu-checkpoints")
         if self.handle_sigterm and runtime.checkpoint_dir():
             runtime.handle_sigterm_as_checkpoint_request()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if not self.active:
+            return
         # Between two batches of one gradient accumulation the accumulated gradients are in no
         # checkpoint: the ranks decide (and save) only once the optimizer stepped.
         accumulating = getattr(trainer.fit_loop.epoch_loop, "_should_accumulate", None)

@@ -252,3 +252,47 @@ def test_a_stop_asked_for_inside_a_gradient_accumulation_waits_for_its_optimizer
     assert resumed_from.endswith("step-0000000002.ckpt")  # after the second optimizer step, not before
     fit(resumed := TinyLM(), ckpt_path=resumed_from)
     assert_bitwise_equal(resumed.state_dict(), plain.state_dict())
+
+
+def test_a_trainer_with_a_checkpoint_io_of_its_own_is_left_alone_with_a_warning(tmp_path, monkeypatch, caplog):
+    import logging
+    import threading
+
+    import lightning.pytorch as pl
+    import torch
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    from sparkgpu import runtime
+    from sparkgpu.train.lightning import JobCheckpoints
+
+    monkeypatch.setenv("SPARKGPU_CHECKPOINT_DIR", str(tmp_path / "checkpoints"))
+    monkeypatch.setattr(runtime, "_checkpoint_requested", threading.Event())
+    runtime.request_checkpoint()
+
+    class TheirIO(TorchCheckpointIO):
+        pass
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Linear(SEQ, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.head(batch.float()).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    trainer = pl.Trainer(
+        max_epochs=1,
+        plugins=[TheirIO()],
+        callbacks=[JobCheckpoints(handle_sigterm=False)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with caplog.at_level(logging.WARNING, logger="sparkgpu.train.lightning"):
+        trainer.fit(Tiny(), train_dataloaders=RankBatches(0, 1))  # no stop: it saves nothing for the job
+    assert type(trainer.strategy.checkpoint_io) is TheirIO and "TheirIO" in caplog.text
+    assert not (tmp_path / "checkpoints").exists()
