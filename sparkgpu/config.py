@@ -148,6 +148,9 @@ class Settings:
             (``SPARKGPU_POOL_IDLE_TIMEOUT``, default 3600).
         tracking: Every job gets an MLflow run (``SPARKGPU_TRACKING``, default on; ``0`` turns
             it off).
+        lightning_checkpoints: Lightning's ``Trainer.fit`` in a job saves signed checkpoints
+            into the job's store and resumes from them (``SPARKGPU_LIGHTNING_CHECKPOINTS``,
+            default on; ``0`` turns it off).
         system_metrics_interval: Seconds between two samples of each node's system metrics in
             the job's run (``SPARKGPU_SYSTEM_METRICS_INTERVAL``, default 10).
         env_size_limit: Most bytes of client environment shipped to the workers
@@ -212,6 +215,7 @@ class Settings:
     warm_pool: bool = False
     pool_idle_timeout: float = 3600.0
     tracking: bool = True
+    lightning_checkpoints: bool = True
     system_metrics_interval: float = 10.0
     env_size_limit: int = 15 * 1000**3
     env_store: str = ""
@@ -267,6 +271,8 @@ class Settings:
             warm_pool=(env.get("SPARKGPU_WARM_POOL") or "0").lower() in ("1", "true", "yes", "on"),
             pool_idle_timeout=_env_seconds(env, "SPARKGPU_POOL_IDLE_TIMEOUT", 3600.0),
             tracking=(env.get("SPARKGPU_TRACKING") or "1").lower() not in ("0", "false", "no", "off"),
+            lightning_checkpoints=(env.get("SPARKGPU_LIGHTNING_CHECKPOINTS") or "1").lower()
+            not in ("0", "false", "no", "off"),
             system_metrics_interval=_env_seconds(env, "SPARKGPU_SYSTEM_METRICS_INTERVAL", 10.0),
             env_size_limit=parse_size(env.get("SPARKGPU_ENV_SIZE_LIMIT") or "15GB", "SPARKGPU_ENV_SIZE_LIMIT"),
             # With a staging store the executors share no folder with the client: shipped

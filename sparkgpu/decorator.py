@@ -42,10 +42,15 @@ _TYPE_NAMES = frozenset({"accelerator_type", "gpu_type"})
 
 def default_callbacks(fn: Callable | None = None, experiment: str | None = None) -> list[JobCallback]:
     """Callbacks every job gets unless the caller passes ``callbacks=`` explicitly:
-    usage metering (ledger, policies) and, unless ``SPARKGPU_TRACKING=0``, one MLflow run."""
+    usage metering (ledger, policies), unless ``SPARKGPU_TRACKING=0`` one MLflow run, and unless
+    ``SPARKGPU_LIGHTNING_CHECKPOINTS=0`` Lightning's checkpoints in the job's store."""
     from sparkgpu.usage.meter import UsageMeter
 
     callbacks: list[JobCallback] = [UsageMeter()]
+    if settings().lightning_checkpoints:
+        from sparkgpu.train.lightning_patch import LightningCheckpoints
+
+        callbacks.append(LightningCheckpoints())
     if settings().tracking:
         from sparkgpu.tracking.mlflow_run import MLflowCallback
 
@@ -225,7 +230,7 @@ class DistributedFunction:
             CapacityError: more (or other) GPUs were asked for than the backend has.
             JobTimeoutError: the call ran past ``timeout``.
             ConfigurationError: ``register_as`` was given and rank 0 returned no
-                ``torch.nn.Module`` (the job itself succeeded; see above).
+                ``torch.nn.Module`` or transformers model (the job itself succeeded; see above).
         """
         self.last_results = self.last_model_version = None
         return self._launch(self._prepare(args, kwargs))
@@ -288,16 +293,17 @@ class DistributedFunction:
 
 
 def _register_result(model, name: str, prepared: PreparedJob):
-    """Registers rank 0's return value (a ``torch.nn.Module``) under ``name``, with lineage."""
+    """Registers rank 0's return value (a ``torch.nn.Module``, or a transformers model as
+    ``{"model": ..., "tokenizer": ...}``) under ``name``, with lineage."""
     import torch
 
     from sparkgpu.tracking import registry
 
-    if not isinstance(model, torch.nn.Module):
+    if not isinstance(model, torch.nn.Module) and not registry.is_transformers_model(model):
         raise ConfigurationError(
-            f"register_as={name!r} registers rank 0's return value, which must be a torch.nn.Module; "
-            f"it returned {type(model).__name__}. Return the model from rank 0, or call "
-            "sparkgpu.registry.register(...) yourself"
+            f"register_as={name!r} registers rank 0's return value, which must be a torch.nn.Module "
+            f"or {{'model': model, 'tokenizer': tokenizer}} for a transformers model; it returned "
+            f"{type(model).__name__}. Return the model from rank 0, or call sparkgpu.registry.register(...) yourself"
         )
     run_id = next((getattr(c, "run_id", None) for c in prepared.callbacks if getattr(c, "run_id", None)), None)
     return registry.register(model, name, run_id=run_id, tags={"sparkgpu.job_id": prepared.job.job_id})
@@ -393,10 +399,12 @@ def distributed(
             ``None`` (none) or a list of ranks. Every rank's output is kept in the run dir.
         name: Job name (the function's name by default).
         tags: Free-form tags for tracking and cost attribution.
-        callbacks: Job callbacks; the defaults (usage metering, MLflow tracking) when ``None``.
+        callbacks: Job callbacks; the defaults (usage metering, Lightning checkpoints, MLflow
+            tracking) when ``None``.
         experiment: MLflow experiment of the job's run (default: named after the calling
             script or notebook).
-        register_as: Register rank 0's return value (a ``torch.nn.Module``) under this
+        register_as: Register rank 0's return value (a ``torch.nn.Module``, or
+            ``{"model": ..., "tokenizer": ...}`` for a transformers or PEFT model) under this
             ``catalog.schema.model`` name when the job succeeds.
         ship_environment: Snapshot this environment and rehydrate it on the workers
             (default: for ``remote=True`` jobs).

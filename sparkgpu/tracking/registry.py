@@ -12,6 +12,14 @@ Example::
     model = registry.load("main.ml.ctr@champion")      # or "main.ml.ctr/3", or "ctr@champion"
     registry.register("/runs/job/checkpoints/step-900", "main.ml.ctr", model=CTRNet())
 
+A Hugging Face model registers as MLflow's ``transformers`` flavour: give ``{"model": model,
+"tokenizer": tokenizer}`` (a ``PeftModel`` registers its adapter with its base model named, or
+merged with ``merge=True``); :func:`load` gives the same dict back::
+
+    registry.register({"model": peft_model, "tokenizer": tok}, "main.ml.chat", alias="champion")
+    loaded = registry.load("main.ml.chat@champion")
+    loaded["model"].generate(**loaded["tokenizer"]("Hi", return_tensors="pt"))
+
 Every model version carries lineage tags: ``sparkgpu.run_id``, ``sparkgpu.job_id``,
 ``sparkgpu.checkpoint.path`` and ``sparkgpu.checkpoint.step``, ``sparkgpu.data.source`` and
 ``sparkgpu.data.version`` (whichever are known).
@@ -32,6 +40,7 @@ from sparkgpu._modules import imported
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.tracking._checkpoints import committed_checkpoint, load_checkpoint_into
 from sparkgpu.tracking._permissions import translate_permission_errors
+from sparkgpu.tracking._transformers import is_transformers_model
 from sparkgpu.tracking.names import (
     ModelName,
     decode_from_store,
@@ -47,6 +56,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ModelVersionInfo",
+    "is_transformers_model",
     "register",
     "load",
     "get_version",
@@ -195,6 +205,10 @@ def register(
     model=None,
     alias: str | None = None,
     input_example=None,
+    tokenizer=None,
+    merge: bool = False,
+    base_model_path: str | None = None,
+    task: str | None = None,
     tags: dict | None = None,
     description: str | None = None,
     run_id: str | None = None,
@@ -211,12 +225,22 @@ def register(
     """Registers a model (or a checkpoint loaded into one) as a new version of ``name``.
 
     Args:
-        model_or_checkpoint: A ``torch.nn.Module``, or the directory of one complete
-            checkpoint of ``sparkgpu.train.Checkpointer`` to load into ``model``.
+        model_or_checkpoint: A ``torch.nn.Module``; a transformers or PEFT model, alone (with
+            ``tokenizer``) or as ``{"model": ..., "tokenizer": ...}``; or the directory of one
+            complete checkpoint of ``sparkgpu.train.Checkpointer`` to load into ``model``.
         name: ``catalog.schema.model``; shorter names are completed (see :mod:`.names`).
         model: The module a checkpoint is loaded into (required with a checkpoint).
         alias: Alias to point at the new version (``"champion"``).
-        input_example: One batch of input; the signature is inferred from it and the output.
+        input_example: One batch of input; the signature is inferred from it and the output
+            (``torch.nn.Module`` only).
+        tokenizer: The tokenizer of a transformers model given alone.
+        merge: Register a PEFT model's merged weights (a plain transformers model) instead of
+            its adapter and base model.
+        base_model_path: A PEFT model's base model folder, reachable wherever the model is
+            loaded: only the adapter is stored, the base is loaded from there. By default the
+            base model's weights are stored beside the adapter.
+        task: The transformers pipeline task (``"text-generation"``); by default read from the
+            model's class (causal and seq2seq LMs, sequence and token classification).
         tags: Extra version tags.
         description: Version description.
         run_id: Run holding the model's files; by default the job's run inside a job, the
@@ -239,7 +263,9 @@ def register(
         The new version.
 
     Raises:
-        ConfigurationError: bad name, alias, tags, input example, or a checkpoint without ``model``.
+        ConfigurationError: bad name, alias, tags, input example, a checkpoint without ``model``,
+            a transformers model without its tokenizer, or ``merge`` / ``base_model_path``
+            on a model without an adapter.
         CheckpointError: the checkpoint's save did not finish (no completion marker), or it
             does not fit the model.
         PermissionDeniedError: the registry refused; the message names the missing permission.
@@ -254,25 +280,36 @@ def register(
     if tags is not None and not isinstance(tags, dict):
         raise ConfigurationError(f"tags must be a dict of name -> value, got {type(tags).__name__}")
     checkpoint = None
-    if isinstance(model_or_checkpoint, torch.nn.Module):
-        module = model_or_checkpoint
-    elif isinstance(model_or_checkpoint, (str, os.PathLike)):
-        if not isinstance(model, torch.nn.Module):
-            raise ConfigurationError(
-                f"registering checkpoint {model_or_checkpoint} needs the module to load it into: "
-                "register(path, name, model=YourModel())"
-            )
-        checkpoint = os.fspath(model_or_checkpoint)
-        committed = committed_checkpoint(checkpoint)  # before loading: a partial save is refused at once
-        module = load_checkpoint_into(model, checkpoint, checkpoint_key)
-        if checkpoint_step is None:
-            checkpoint_step = committed.step
-    else:
-        raise ConfigurationError(
-            f"register() takes a torch.nn.Module or a checkpoint directory, got {type(model_or_checkpoint).__name__}"
+    if is_transformers_model(model_or_checkpoint):
+        save, extra_tags = _transformers_saver(
+            model_or_checkpoint, tokenizer, merge, base_model_path, task, input_example, pip_requirements, code_paths
         )
-    example = _as_array(input_example) if input_example is not None else None
-    signature = _signature(module, example) if example is not None else None
+        tags = {**extra_tags, **(tags or {})}
+    else:
+        if tokenizer is not None or merge or base_model_path is not None or task is not None:
+            raise ConfigurationError(
+                "tokenizer=, merge=, base_model_path= and task= are for transformers and PEFT models; "
+                f"got {type(model_or_checkpoint).__name__}"
+            )
+        if isinstance(model_or_checkpoint, torch.nn.Module):
+            module = model_or_checkpoint
+        elif isinstance(model_or_checkpoint, (str, os.PathLike)):
+            if not isinstance(model, torch.nn.Module):
+                raise ConfigurationError(
+                    f"registering checkpoint {model_or_checkpoint} needs the module to load it into: "
+                    "register(path, name, model=YourModel())"
+                )
+            checkpoint = os.fspath(model_or_checkpoint)
+            committed = committed_checkpoint(checkpoint)  # before loading: a partial save is refused at once
+            module = load_checkpoint_into(model, checkpoint, checkpoint_key)
+            if checkpoint_step is None:
+                checkpoint_step = committed.step
+        else:
+            raise ConfigurationError(
+                "register() takes a torch.nn.Module or a checkpoint directory (or a transformers model, "
+                f"as {{'model': model, 'tokenizer': tokenizer}}), got {type(model_or_checkpoint).__name__}"
+            )
+        save = _torch_saver(module, input_example, pip_requirements, code_paths, serialization_format)
 
     reg = _Registry(tracking_uri, registry_uri)
     run_id, own_run = _run_for_registration(reg, run_id, parsed)
@@ -281,13 +318,8 @@ def register(
         version = _register_files(
             reg,
             parsed,
-            module,
+            save,
             run_id,
-            signature,
-            example,
-            pip_requirements,
-            code_paths,
-            serialization_format,
             checkpoint,
             checkpoint_step,
             data_version,
@@ -323,25 +355,61 @@ def _save_model(module, path, signature, example, requirements, code_paths, seri
         mlflow.pytorch.save_model(module, path, serialization_format="pickle", **kwargs)
 
 
+def _torch_saver(module, input_example, pip_requirements, code_paths, serialization_format):
+    """Checks a torch module's input example now; returns what writes its MLflow model to a folder."""
+    import cloudpickle
+    import numpy
+    import torch
+
+    example = _as_array(input_example) if input_example is not None else None
+    signature = _signature(module, example) if example is not None else None
+    requirements = pip_requirements or [
+        f"torch=={torch.__version__.split('+')[0]}",
+        f"numpy=={numpy.__version__}",
+        f"cloudpickle=={cloudpickle.__version__}",
+    ]
+
+    def save(path: str) -> None:
+        _save_model(module, path, signature, example, requirements, code_paths, serialization_format)
+
+    return save
+
+
+def _transformers_saver(obj, tokenizer, merge, base_model_path, task, input_example, pip_requirements, code_paths):
+    """Checks a transformers model's parts now; returns what writes it to a folder, and its tags."""
+    from sparkgpu.tracking import _transformers as hf
+
+    if input_example is not None:
+        raise ConfigurationError("input_example is for torch.nn.Module models; drop it for a transformers model")
+    components = hf.transformers_components(obj, tokenizer)
+    tags = hf.version_tags(components, merge, base_model_path)
+    requirements = pip_requirements or hf.default_requirements(components, merge)
+
+    def save(path: str) -> None:
+        hf.save_transformers_model(
+            components,
+            path,
+            merge=merge,
+            base_model_path=base_model_path,
+            task=task,
+            requirements=requirements,
+            code_paths=code_paths,
+        )
+
+    return save, tags
+
+
 def _register_files(
     reg,
     parsed,
-    module,
+    save,
     run_id,
-    signature,
-    example,
-    pip_requirements,
-    code_paths,
-    serialization_format,
     checkpoint,
     checkpoint_step,
     data_version,
     tags,
     description,
 ) -> int:
-    import cloudpickle
-    import numpy
-    import torch
     from mlflow.exceptions import MlflowException
 
     client, stored, label = reg.client, reg.stored(parsed), f"registered model '{parsed}'"
@@ -358,15 +426,10 @@ def _register_files(
     if checkpoint_step is not None:
         lineage["sparkgpu.checkpoint.step"] = str(checkpoint_step)
     version_tags = {**lineage, **{str(k): str(v) for k, v in (tags or {}).items()}}
-    requirements = pip_requirements or [
-        f"torch=={torch.__version__.split('+')[0]}",
-        f"numpy=={numpy.__version__}",
-        f"cloudpickle=={cloudpickle.__version__}",
-    ]
     artifact_path = f"models/{parsed.model}-{secrets.token_hex(4)}"
     with tempfile.TemporaryDirectory(prefix="sparkgpu-model-") as tmp:
         local = os.path.join(tmp, "model")
-        _save_model(module, local, signature, example, requirements, code_paths, serialization_format)
+        save(local)
         with reg.guard(f"store the model's files in run {run_id}", "EDIT permission on the run's experiment"):
             client.log_artifacts(run_id, local, artifact_path)
     with reg.guard(f"create {label}", "permission to create registered models"):
@@ -402,13 +465,15 @@ def load(ref: str, *, map_location=None, spark=None, tracking_uri: str | None = 
 
     Args:
         ref: Model reference.
-        map_location: Passed to ``torch.load`` (``"cpu"`` to load GPU-trained weights on CPU).
+        map_location: Passed to ``torch.load`` (``"cpu"`` to load GPU-trained weights on CPU);
+            for a transformers model, the device to load it on.
         spark: Session completing short names.
         tracking_uri: Tracking store (for runs-relative artifact locations).
         registry_uri: Registry.
 
     Returns:
-        The ``torch.nn.Module``.
+        The ``torch.nn.Module``; for a transformers model, ``{"model": ..., "tokenizer": ...}``
+        (a PEFT model with its adapter on its base model, unless it was registered merged).
 
     Raises:
         ConfigurationError: bad reference, or the model has no versions.
@@ -416,6 +481,9 @@ def load(ref: str, *, map_location=None, spark=None, tracking_uri: str | None = 
     """
     import mlflow.artifacts
     import mlflow.pytorch
+    from mlflow.models import Model
+
+    from sparkgpu.tracking import _transformers as _transformers_flavor
 
     parsed = parse_model_ref(ref, spark=spark)
     reg = _Registry(tracking_uri, registry_uri)
@@ -427,6 +495,8 @@ def load(ref: str, *, map_location=None, spark=None, tracking_uri: str | None = 
             local = mlflow.artifacts.download_artifacts(
                 artifact_uri=uri, dst_path=tmp, tracking_uri=reg.target.tracking_uri
             )
+            if _transformers_flavor.FLAVOR in Model.load(local).flavors:
+                return _transformers_flavor.load_transformers_model(local, device=map_location)
             return mlflow.pytorch.load_model(local, map_location=map_location)
 
 
