@@ -1,0 +1,159 @@
+"""spark.gpu.predict's executor side and Delta commit, without Spark: chunks, skips, generation, evaluation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from deltalake import DeltaTable
+
+from sparkgpu.errors import ConfigurationError
+from sparkgpu.predict import GenerationConfig, resolve_model
+from sparkgpu.predict.delta_output import commit_chunks
+from sparkgpu.predict.evaluation import compute_metrics
+from sparkgpu.predict.executor import scoring
+from sparkgpu.predict.executor.generation import generate_completions
+from sparkgpu.predict.executor.scoring import ScoringPlan, score_partition
+from tests.fakes import tiny_models
+
+CALLS: list[int] = []
+
+
+def make_doubler():
+    def predict(x, y):
+        CALLS.append(len(x))
+        return x * 2 + y
+
+    return predict
+
+
+def batches(rows: int, size: int):
+    ids = np.arange(rows)
+    for start in range(0, rows, size):
+        part = ids[start : start + size]
+        yield pa.RecordBatch.from_pydict({"x": part.astype(np.float64), "y": np.ones(len(part)), "id": part})
+
+
+def plan(tmp_path=None, **changes) -> ScoringPlan:
+    options = dict(
+        source=resolve_model(make_doubler),
+        task="predict",
+        input_cols=("x", "y"),
+        output_col="prediction",
+        result_type=pa.float64(),
+        batch_size=10,
+        chunk_rows=30,
+        output_uri=str(tmp_path) if tmp_path else None,
+        run_id="r1",
+    )
+    options.update(changes)
+    return ScoringPlan(**options)
+
+
+def test_rows_come_back_with_their_prediction_in_batches_of_the_batch_size():
+    CALLS.clear()
+    out = pa.Table.from_batches(list(score_partition(plan(), batches(95, 7))))
+    assert out.column_names == ["x", "y", "id", "prediction"]
+    assert out.column("id").to_pylist() == list(range(95))
+    assert out.column("prediction").to_pylist() == [2.0 * i + 1 for i in range(95)]
+    assert max(CALLS) == 10 and sum(CALLS) == 95
+
+
+def test_a_model_is_loaded_once_per_process_and_kept_across_tasks():
+    def make_tripler():
+        return lambda x, y: x * 3
+
+    before = scoring.loads_in_process()
+    source = resolve_model(make_tripler)
+    assert resolve_model(make_tripler).key == source.key
+    for _ in range(3):
+        list(score_partition(plan(source=source), batches(20, 10)))
+    assert scoring.loads_in_process() - before == 1
+
+
+def test_a_rerun_task_scores_only_the_chunks_its_earlier_attempt_did_not_finish(tmp_path):
+    source = resolve_model(make_doubler)
+    first = pa.Table.from_batches(list(score_partition(plan(tmp_path, source=source), batches(95, 7))))
+    assert first.column("rows").to_pylist() == [30, 30, 30, 5] and not any(first.column("reused").to_pylist())
+    (tmp_path / scoring.chunk_name("r1", 0, 2)).unlink()  # as if the task died while writing chunk 2
+    CALLS.clear()
+    second = pa.Table.from_batches(list(score_partition(plan(tmp_path, source=source), batches(95, 7))))
+    assert second.column("reused").to_pylist() == [True, True, False, True]
+    assert sum(CALLS) == 30
+    chunks = second.to_pylist()
+    version, committed = commit_chunks(
+        str(tmp_path), chunks, pa.parquet.read_schema(tmp_path / chunks[0]["path"]), "r1"
+    )
+    assert (version, committed) == (0, True)
+    assert commit_chunks(str(tmp_path), chunks, None, "r1") == (0, False)  # the same run commits once
+    table = DeltaTable(str(tmp_path)).to_pyarrow_table()
+    assert sorted(table.column("id").to_pylist()) == list(range(95))
+
+
+def test_generation_pads_per_batch_and_seeds_each_row_from_its_key(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = tiny_models.llama_dir(tmp_path / "base")
+    model = AutoModelForCausalLM.from_pretrained(base).eval()
+    tok = AutoTokenizer.from_pretrained(base)
+    prompts = ["the cat sat", "what is two plus two", "a dog", "the answer is"]
+    greedy = GenerationConfig(max_new_tokens=5, batch_size=4)
+    together = generate_completions(model, tok, prompts, prompts, greedy)
+    alone = [generate_completions(model, tok, [p], [p], greedy)[0] for p in prompts]
+    assert together == alone and all(together)
+    sampled = GenerationConfig(max_new_tokens=6, do_sample=True, seed=7, batch_size=2, top_k=20)
+    keys = [10, 11, 12, 13]
+    first = generate_completions(model, tok, prompts, keys, sampled)
+    reordered = generate_completions(model, tok, prompts[::-1], keys[::-1], dataclasses_replace(sampled, batch_size=3))
+    assert first == reordered[::-1]
+    other_seed = generate_completions(model, tok, prompts, keys, dataclasses_replace(sampled, seed=8))
+    assert other_seed != first
+    torch.manual_seed(0)  # the global generator plays no part
+    assert generate_completions(model, tok, prompts, keys, sampled) == first
+
+
+def dataclasses_replace(config, **changes):
+    import dataclasses
+
+    return dataclasses.replace(config, **changes)
+
+
+def test_a_peft_adapter_directory_loads_on_its_base_and_changes_the_completions(tmp_path):
+    base = tiny_models.llama_dir(tmp_path / "base")
+    adapter = tiny_models.adapter_dir(base, tmp_path / "adapter")
+    prompts = ["the cat sat", "what is two plus two"]
+    out = {}
+    for name, path in (("base", base), ("adapter", adapter)):
+        generate_plan = plan(
+            source=resolve_model(str(path)),
+            task="generate",
+            input_cols=(),
+            output_col="completion",
+            result_type=pa.string(),
+            prompt_col="prompt",
+            generation=GenerationConfig(max_new_tokens=6),
+            batch_size=2,
+            chunk_rows=2,
+        )
+        rows = pa.RecordBatch.from_pydict({"prompt": prompts})
+        out[name] = pa.Table.from_batches(list(score_partition(generate_plan, [rows]))).column("completion").to_pylist()
+    assert resolve_model(str(adapter)).kind == "peft"
+    assert out["base"] != out["adapter"]
+
+
+def test_metrics_accuracy_of_probabilities_and_a_user_function():
+    table = pa.table({"prediction": [0.9, 0.2, 0.7, 0.4], "label": [1, 0, 0, 0]})
+    assert compute_metrics(table, "accuracy", "prediction", "label") == {"accuracy": 0.75}
+    assert compute_metrics(table, lambda t: {"mean": float(np.mean(t["prediction"]))}, "prediction", None) == {
+        "mean": pytest.approx(0.55)
+    }
+    with pytest.raises(ConfigurationError, match="label_col"):
+        compute_metrics(table, "accuracy", "prediction", None)
+
+
+def test_a_model_that_is_none_of_the_accepted_forms_is_refused_naming_them(tmp_path):
+    with pytest.raises(ConfigurationError, match="registry name"):
+        resolve_model(42)
+    with pytest.raises(ConfigurationError, match="adapter_config.json"):
+        resolve_model(str(tmp_path))
