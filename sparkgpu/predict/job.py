@@ -146,7 +146,53 @@ def predict(
     tracking_uri: str | None = None,
     registry_uri: str | None = None,
 ):
-    """Scores ``df`` with ``model`` on the session's GPU executors; see :meth:`GPUNamespace.predict`."""
+    """Scores ``df`` with ``model`` on the session's GPU executors (``spark.gpu.predict``).
+
+    Args:
+        spark: The session.
+        df: The rows to score.
+        model: A registry reference (``"main.ml.ctr@champion"``), an MLflow model URI, a
+            transformers or PEFT adapter directory, or a function returning a predict function
+            (see :mod:`sparkgpu.predict.models`).
+        gpus: GPUs used at once; ``gpus // gpus_per_task`` tasks run together.
+        gpu_type: GPU type, checked against the executors', or ``"cpu"``.
+        task: ``"predict"`` or ``"generate"`` (a prompt column in, a completion column out).
+        input_cols: Columns handed to the model (default: all but ``label_col`` and ``key_col``).
+        output_col: Output column (``"prediction"``, or ``"completion"`` when generating).
+        result_type: ``"double"``, ``"float"``, ``"int"``, ``"long"``, ``"string"``,
+            ``"array<float>"`` or ``"array<double>"``.
+        batch_size: Rows per model call (1024; for generation, the config's).
+        chunk_rows: Rows per chunk, the unit a re-run task skips (8 batches by default).
+        gpus_per_task: GPUs of one task (one model replica).
+        output: A Delta table path or URL: written exactly once, and a
+            :class:`PredictionResult` is returned instead of a DataFrame.
+        mode: ``"append"`` or ``"overwrite"`` for ``output``.
+        run_id: Names the run's chunk files and Delta transaction; pass a previous result's
+            ``run_id`` to finish an interrupted run without duplicates.
+        prompt_col: Prompt column (generation).
+        key_col: Column whose value seeds each row's sampling (default: the prompt).
+        generation: A :class:`GenerationConfig` or a dict of its fields.
+        base_model: Base model directory of a PEFT adapter whose config names none.
+        metric: ``"accuracy"`` or ``fn(table) -> number | dict``, computed over the written
+            rows and logged to MLflow (needs ``output``).
+        label_col: Label column for ``metric``.
+        experiment: MLflow experiment of the evaluation run (default: the model's training run's).
+        name: Job name in the usage ledger.
+        tags: Tags for cost attribution and budgets.
+        priority: Priority class, recorded on the job.
+        callbacks: Job callbacks; a :class:`~sparkgpu.usage.meter.UsageMeter` by default.
+        tracking_uri: Tracking store of the registry's model files.
+        registry_uri: Registry.
+
+    Returns:
+        A lazy DataFrame of ``df``'s columns and ``output_col``; with ``output``, a
+        :class:`PredictionResult`.
+
+    Raises:
+        CapacityError: the executors have another GPU type, or fewer GPUs than a task needs.
+        ConfigurationError: bad arguments, or a model that is none of the accepted forms.
+        PolicyViolationError: the usage policy refuses the job.
+    """
     from sparkgpu.priority import Priority
     from sparkgpu.usage.meter import UsageMeter, enforce_policy, enforce_pool_policy
 
@@ -245,8 +291,13 @@ def _scoring_stage(df, plan: ScoringPlan, capacity, gpu_type: str, gpus_per_task
         return df.mapInArrow(score, schema)
     from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
 
+    from sparkgpu.launch.backends.spark_sessions import active
+
     requests = TaskResourceRequests().cpus(1).resource("gpu", float(gpus_per_task))
-    return df.mapInArrow(score, schema, profile=ResourceProfileBuilder().require(requests).build)
+    profile = ResourceProfileBuilder().require(requests).build
+    with active(df.sparkSession):
+        _ = profile.id  # Connect registers the profile on the server now, from this thread
+    return df.mapInArrow(score, schema, profile=profile)
 
 
 _SPARK_OF_ARROW = {"int32": "int", "int64": "bigint", "string": "string", "bool": "boolean", "float64": "double"}

@@ -128,7 +128,7 @@ def _load_hf(path: str, device: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(path)
-    model.to(device)
+    model.to(device)  # type: ignore[arg-type]  # transformers types .to() for modules it wraps
     return model, AutoTokenizer.from_pretrained(path)
 
 
