@@ -8,6 +8,7 @@
 - an MLflow model URI, ``"runs:/<run>/model"`` or ``"models:/<name>/<version>"``;
 - a local directory of a transformers causal LM (``config.json``) or of a PEFT adapter
   (``adapter_config.json``; its base comes from ``base_model=`` or the adapter's config);
+- a ``torch.nn.Module`` object, shipped in the task closure;
 - a function taking no argument that returns a predict function (the contract of
   ``pyspark.ml.functions.predict_batch_udf``'s ``make_predict_fn``): ``predict(*arrays)``
   gets one numpy array per input column and returns an array, or a dict of arrays for
@@ -47,7 +48,7 @@ class ModelSource:
     """A model pinned to one version, as the executors load it.
 
     Attributes:
-        kind: ``"registry"``, ``"mlflow"``, ``"hf"``, ``"peft"`` or ``"function"``.
+        kind: ``"registry"``, ``"mlflow"``, ``"hf"``, ``"peft"``, ``"module"`` or ``"function"``.
         uri: What is loaded: ``models:/<name>/<version>``, an MLflow URI, a directory.
         key: The process cache's key: the same key, the same loaded model.
         name: Registered model name (registry versions only).
@@ -58,6 +59,7 @@ class ModelSource:
         tracking_uri: Tracking store the executors read MLflow artifacts from.
         registry_uri: Registry the executors read versions from.
         make_predict_fn: The user's function, for ``kind="function"``.
+        module: The user's ``torch.nn.Module``, for ``kind="module"`` (shipped in the task closure).
     """
 
     kind: str
@@ -71,6 +73,7 @@ class ModelSource:
     tracking_uri: str | None = None
     registry_uri: str | None = None
     make_predict_fn: Callable | None = None
+    module: Any = None
 
     def load(self, device: str) -> "LoadedModel":
         """Loads the model on ``device``: runs on an executor, once per process (see the cache)."""
@@ -87,6 +90,10 @@ class ModelSource:
         kind = self.tags.get(KIND_TAG)
         if kind is not None and kind in _LOADERS:
             return _LOADERS[kind](self, device)
+        if self.kind == "module":
+            import copy
+
+            return copy.deepcopy(self.module).to(device)
         if self.kind == "hf":
             return _load_hf(self.uri, device)
         if self.kind == "peft":
@@ -165,7 +172,7 @@ def resolve_model(
     """
     if isinstance(model, ModelSource):
         return model
-    if callable(model):
+    if callable(model) and not hasattr(model, "state_dict"):
         import hashlib
 
         import cloudpickle
@@ -174,6 +181,13 @@ def resolve_model(
         name = getattr(model, "__qualname__", type(model).__name__)
         digest = hashlib.sha256(cloudpickle.dumps(model)).hexdigest()[:16]
         return ModelSource(kind="function", uri=name, key=f"function:{name}:{digest}", make_predict_fn=model)
+    if hasattr(model, "state_dict") and hasattr(model, "forward"):
+        import hashlib
+
+        import cloudpickle
+
+        digest = hashlib.sha256(cloudpickle.dumps(model)).hexdigest()[:16]
+        return ModelSource(kind="module", uri=type(model).__name__, key=f"module:{digest}", module=model)
     if not isinstance(model, (str, os.PathLike)):
         raise ConfigurationError(
             f"model= must be a registry name ('main.ml.ctr@champion'), an MLflow model URI, a model "

@@ -102,8 +102,10 @@ def cached_model(source: ModelSource, device: str) -> tuple[LoadedModel, bool]:
 
 
 def _device(plan: ScoringPlan, context) -> str:
-    if not plan.use_cuda or context is None:
+    if not plan.use_cuda:
         return "cpu"
+    if context is None:  # outside Spark (a benchmark, a test): the current CUDA device
+        return "cuda"
     gpus = context.resources().get("gpu")
     if gpus is None or not gpus.addresses:
         return "cuda"
