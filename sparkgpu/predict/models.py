@@ -80,6 +80,11 @@ class ModelSource:
         if self.kind == "function":
             assert self.make_predict_fn is not None
             return LoadedModel(predict_fn=self.make_predict_fn())
+        if self.kind in ("hf", "peft") and device.startswith("cuda"):
+            from sparkgpu.predict.executor.generation import vllm_usable
+
+            if vllm_usable():
+                return _load_vllm(self, device)
         loaded = self._load_module(device)
         model, tokenizer = loaded if isinstance(loaded, tuple) else (loaded, None)
         if hasattr(model, "eval"):
@@ -125,10 +130,31 @@ class LoadedModel:
     tokenizer: Any = None
     device: str = "cpu"
     predict_fn: Callable | None = None
+    vllm: Any = None
+    lora_request: Any = None
 
     @property
     def generates(self) -> bool:
         return self.module is not None and hasattr(self.module, "generate")
+
+
+def _load_vllm(source: ModelSource, device: str) -> LoadedModel:
+    """A ``vllm.LLM`` on the task's GPU; a PEFT adapter is served as a LoRA on its base model."""
+    import json
+
+    from vllm import LLM
+
+    if ":" in device and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        os.environ["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]  # vLLM takes the first visible GPU
+    if source.kind == "peft":
+        from vllm.lora.request import LoRARequest
+
+        with open(os.path.join(source.uri, "adapter_config.json")) as f:
+            base = source.base_model or json.load(f).get("base_model_name_or_path")
+        return LoadedModel(
+            vllm=LLM(model=base, enable_lora=True), lora_request=LoRARequest("adapter", 1, source.uri), device=device
+        )
+    return LoadedModel(vllm=LLM(model=source.uri), device=device)
 
 
 def _load_hf(path: str, device: str):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -157,3 +159,78 @@ def test_a_model_that_is_none_of_the_accepted_forms_is_refused_naming_them(tmp_p
         resolve_model(42)
     with pytest.raises(ConfigurationError, match="adapter_config.json"):
         resolve_model(str(tmp_path))
+
+
+class FakeVLLM:
+    """The slice of vLLM's API generation uses: ``LLM(model=, enable_lora=)``, ``generate``,
+    ``SamplingParams``, ``LoRARequest`` (as vLLM's docs show them)."""
+
+    def __init__(self):
+        import types
+
+        self.llms: list = []
+        outer = self
+
+        class SamplingParams:
+            def __init__(self, **kwargs):
+                self.kwargs = kwargs
+
+        class LLM:
+            def __init__(self, model, enable_lora=False):
+                self.model, self.enable_lora, self.calls = model, enable_lora, []
+                outer.llms.append(self)
+
+            def generate(self, prompts, params, lora_request=None, use_tqdm=True):
+                self.calls.append((prompts, params, lora_request))
+                return [
+                    types.SimpleNamespace(outputs=[types.SimpleNamespace(text=f"{p}|{s.kwargs.get('seed')}")])
+                    for p, s in zip(prompts, params)
+                ]
+
+        class LoRARequest:
+            def __init__(self, name, number, path):
+                self.name, self.number, self.path = name, number, path
+
+        self.module = types.ModuleType("vllm")
+        self.module.LLM, self.module.SamplingParams = LLM, SamplingParams
+        self.lora = types.ModuleType("vllm.lora")
+        self.lora_request = types.ModuleType("vllm.lora.request")
+        self.lora_request.LoRARequest = LoRARequest
+
+
+def test_with_vllm_and_a_gpu_an_adapter_is_served_as_a_lora_with_one_seed_per_row(tmp_path, monkeypatch):
+    import sys
+
+    from sparkgpu.predict.executor import generation
+    from sparkgpu.predict.executor.generation import row_seed
+
+    fake = FakeVLLM()
+    monkeypatch.setitem(sys.modules, "vllm", fake.module)
+    monkeypatch.setitem(sys.modules, "vllm.lora", fake.lora)
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", fake.lora_request)
+    monkeypatch.setattr(generation, "vllm_usable", lambda: True)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"base_model_name_or_path": "/models/base"}')
+
+    loaded = resolve_model(str(adapter)).load("cuda:3")
+    assert loaded.module is None and fake.llms[0].model == "/models/base" and fake.llms[0].enable_lora
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "3"
+    generate_plan = plan(
+        source=resolve_model(str(adapter)),
+        task="generate",
+        input_cols=(),
+        output_col="completion",
+        result_type=pa.string(),
+        prompt_col="prompt",
+        key_col="id",
+        generation=GenerationConfig(max_new_tokens=5, do_sample=True, seed=4, top_k=0),
+        use_cuda=True,
+    )
+    rows = pa.RecordBatch.from_pydict({"id": [7, 8], "prompt": ["a", "b"]})
+    out = pa.Table.from_batches(list(score_partition(generate_plan, [rows])))
+    assert out.column("completion").to_pylist() == [f"a|{row_seed(4, 7)}", f"b|{row_seed(4, 8)}"]
+    (_, params, lora) = fake.llms[-1].calls[0]
+    assert params[0].kwargs["top_k"] == -1 and params[0].kwargs["max_tokens"] == 5
+    assert lora.path == str(adapter)

@@ -150,3 +150,38 @@ def generate_completions(
         for j, i in enumerate(rows):
             completions[i] = tokenizer.decode(new_tokens[j], skip_special_tokens=True)
     return completions
+
+
+def vllm_usable() -> bool:
+    """vLLM is installed and a CUDA device is there (vLLM needs one)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def vllm_sampling(config: GenerationConfig, seed: int):
+    """vLLM ``SamplingParams`` of one row: greedy is temperature 0; a sampled row carries its own seed."""
+    from vllm import SamplingParams
+
+    if not config.do_sample:
+        return SamplingParams(max_tokens=config.max_new_tokens, temperature=0.0)
+    return SamplingParams(
+        max_tokens=config.max_new_tokens,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        top_k=config.top_k if config.top_k else -1,
+        seed=seed,
+    )
+
+
+def generate_with_vllm(
+    llm, prompts: Sequence[str], keys: Sequence[Any], config: GenerationConfig, lora_request=None
+) -> list[str]:
+    """Completions of ``prompts`` by a ``vllm.LLM`` (its scheduler batches them), one seed per row."""
+    params = [vllm_sampling(config, row_seed(config.seed, key)) for key in keys]
+    outputs = llm.generate(list(prompts), params, lora_request=lora_request, use_tqdm=False)
+    return [output.outputs[0].text for output in outputs]

@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Any, Iterator
 
-from sparkgpu.predict.executor.generation import GenerationConfig, generate_completions
+from sparkgpu.predict.executor.generation import GenerationConfig, generate_completions, generate_with_vllm
 from sparkgpu.predict.models import LoadedModel, ModelSource
 
 __all__ = ["ScoringPlan", "MANIFEST_FIELDS", "score_partition", "chunk_name", "cached_model", "loads_in_process"]
@@ -155,6 +155,9 @@ def _predict(model: LoadedModel, plan: ScoringPlan, table):
         prompts = table.column(plan.prompt_col).to_pylist()
         keys = table.column(plan.key_col).to_pylist() if plan.key_col else prompts
         assert plan.generation is not None
+        if model.vllm is not None:
+            completions = generate_with_vllm(model.vllm, prompts, keys, plan.generation, model.lora_request)
+            return pa.array(completions, type=pa.string())
         completions = generate_completions(
             model.module, model.tokenizer, prompts, keys, plan.generation, device=model.device
         )
