@@ -10,6 +10,10 @@ DataFrame with the same model through the same session, 4 tasks at once:
     the model, ``batch_size`` as ours, features as ``struct(*columns)``;
   * a plain ``mapInPandas`` that loads the model in each task and scores each pandas batch.
 
+Ours ships this checkout to the executors' Python workers on every call (the executors run this
+venv, as a cluster whose image has the same packages: ``SPARKGPU_ENV_WORKER_LOCK``), and reuses the
+session's capacity probe; both costs are inside its timings.
+
 Two models: a tabular MLP (32 float features -> 128 -> 128 -> 1) over ``--rows`` rows, and a
 tiny Llama (2 layers, hidden 64) generating ``--new-tokens`` tokens greedily for ``--prompts``
 prompts of 3 to 40 words (every side forced to the same number of new tokens). The timed
@@ -249,6 +253,21 @@ def run_sides(sides: dict, frame, rows: int, repeats: int) -> dict:
     return out
 
 
+def workers_share_this_python(folder: Path) -> None:
+    """The executors run this venv: our jobs ship only this checkout, as on a cluster with the same image."""
+    import subprocess
+
+    from sparkgpu.config import reset_settings
+    from sparkgpu.env import hydrate_module_path
+
+    probe = subprocess.run(
+        [sys.executable, str(hydrate_module_path()), "--probe"], capture_output=True, text=True, check=True
+    ).stdout
+    (folder / "worker-image.json").write_text(probe)
+    os.environ["SPARKGPU_ENV_WORKER_LOCK"] = str(folder / "worker-image.json")
+    reset_settings()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=400_000)
@@ -272,6 +291,7 @@ def main() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
         os.environ["SPARKGPU_HOME"] = str(Path(tmp) / "home")
         os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp}/mlflow.db"
+        workers_share_this_python(Path(tmp))
         model = mlp()
         model_file = str(Path(tmp) / "mlp.pt")
         torch.save(model, model_file)

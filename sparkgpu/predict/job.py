@@ -12,6 +12,9 @@ tasks do, and the run is metered in the usage ledger by the same :class:`UsageMe
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
+import json
 import logging
 import secrets
 import time
@@ -29,6 +32,9 @@ from sparkgpu.spec import JobSpec, Resources, RunPolicy, new_job_id
 __all__ = ["PredictionResult", "predict", "RESULT_TYPES"]
 
 _logger = logging.getLogger(__name__)
+
+#: Seconds a session's capacity probe is reused for scoring calls.
+CAPACITY_MAX_AGE = 3600.0
 
 #: ``result_type=`` names: Spark type name -> (Spark DDL, Arrow type name).
 RESULT_TYPES = {
@@ -94,7 +100,12 @@ def _check_capacity(spark, gpu_type: str, gpus: int, gpus_per_task: int):
     """The session's capacity; raises when the pool can never run this scoring job."""
     from sparkgpu.catalog import lookup_gpu_type
 
-    capacity = spark.gpu.capacity()
+    from sparkgpu.config import settings
+    from sparkgpu.launch.backends.spark_capacity import discover_capacity
+
+    # Scoring tasks ask Spark for their GPUs one by one: the session's last probe (up to
+    # CAPACITY_MAX_AGE old) is enough to refuse a wrong type, and a probe job per call is not.
+    capacity = discover_capacity(spark, wait_timeout=settings().spark_wait_timeout, max_age=CAPACITY_MAX_AGE)
     if gpu_type.lower() == "cpu":
         return capacity, "cpu"
     canonical = lookup_gpu_type(gpu_type).name
@@ -143,6 +154,7 @@ def predict(
     tags: dict | None = None,
     priority: str | None = None,
     callbacks: Sequence[JobCallback] | None = None,
+    ship_environment: bool = True,
     tracking_uri: str | None = None,
     registry_uri: str | None = None,
 ):
@@ -181,6 +193,9 @@ def predict(
         tags: Tags for cost attribution and budgets.
         priority: Priority class, recorded on the job.
         callbacks: Job callbacks; a :class:`~sparkgpu.usage.meter.UsageMeter` by default.
+        ship_environment: Snapshot this Python environment and rehydrate it in the executors'
+            Python workers before scoring, as training jobs do (``SPARKGPU_ENV_*`` settings);
+            ``False`` to use the executors' own packages.
         tracking_uri: Tracking store of the registry's model files.
         registry_uri: Registry.
 
@@ -267,19 +282,43 @@ def predict(
         use_cuda=canonical != "cpu" and not capacity.simulated,
     )
     tasks_at_once = gpus // gpus_per_task
+    shipped = _shipped(plan, ship_environment)
     scored = _scoring_stage(
-        df.coalesce(tasks_at_once), plan, capacity, canonical, gpus_per_task, output_col, result_ddl
+        df.coalesce(tasks_at_once), plan, shipped, capacity, canonical, gpus_per_task, output_col, result_ddl
     )
     if output is None:
         return scored
     return _run_to_delta(scored, plan, job, callbacks, mode, metric, label_col, experiment, source)
 
 
-def _scoring_stage(df, plan: ScoringPlan, capacity, gpu_type: str, gpus_per_task: int, output_col: str, ddl: str):
-    """The lazy ``mapInArrow`` stage, with a task ResourceProfile asking each task for its GPUs."""
+def _shipped(plan: ScoringPlan, ship_environment: bool) -> dict:
+    """What the tasks receive: the scoring function and plan, pickled, and the environment to activate first."""
+    from pyspark import cloudpickle
 
-    def score(batches):
-        return score_partition(plan, batches)
+    from sparkgpu.predict.executor import bootstrap
+
+    # The bootstrap runs before the executor may import sparkgpu: it travels by value.
+    cloudpickle.register_pickle_by_value(bootstrap)
+    shipped: dict[str, Any] = {"manifest": None, "files": {}, "key": None}
+    if ship_environment:
+        from sparkgpu.env import stage_environment, worker_bootstrap_files
+
+        staged = stage_environment()
+        shipped["manifest"] = staged.manifest
+        shipped["files"] = worker_bootstrap_files()
+        shipped["key"] = hashlib.sha256(json.dumps(staged.manifest, sort_keys=True).encode()).hexdigest()
+        _logger.info("environment staged for scoring: %s", staged.report)
+    shipped["payload"] = cloudpickle.dumps((score_partition, plan))
+    return shipped
+
+
+def _scoring_stage(
+    df, plan: ScoringPlan, shipped: dict, capacity, gpu_type: str, gpus_per_task: int, output_col: str, ddl: str
+):
+    """The lazy ``mapInArrow`` stage, with a task ResourceProfile asking each task for its GPUs."""
+    from sparkgpu.predict.executor.bootstrap import score_shipped
+
+    score = functools.partial(score_shipped, shipped)
 
     if plan.output_uri is None:
         schema = ", ".join(

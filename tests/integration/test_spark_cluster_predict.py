@@ -21,7 +21,7 @@ from sparkgpu.usage import UsageLedger
 from tests.fakes import tiny_models
 from tests.integration.spark_cluster import cluster_session
 
-pytestmark = [pytest.mark.integration, pytest.mark.spark]
+pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.usefixtures("workers_share_this_image")]
 
 FEATURES = [f"f{i}" for i in range(4)]
 
