@@ -234,3 +234,19 @@ def test_with_vllm_and_a_gpu_an_adapter_is_served_as_a_lora_with_one_seed_per_ro
     (_, params, lora) = fake.llms[-1].calls[0]
     assert params[0].kwargs["top_k"] == -1 and params[0].kwargs["max_tokens"] == 5
     assert lora.path == str(adapter)
+
+
+def test_the_task_function_carries_its_bootstrap_by_value_and_scores_after_it():
+    import functools
+    import pickle
+
+    from pyspark import cloudpickle
+
+    from sparkgpu.predict.executor.bootstrap import score_shipped
+    from sparkgpu.predict.job import _shipped
+
+    shipped = _shipped(plan(), ship_environment=False)
+    task = cloudpickle.dumps(functools.partial(score_shipped, shipped))
+    assert b"sparkgpu.predict.executor.bootstrap" not in task.split(b"payload")[0]  # by value, not an import
+    out = pa.Table.from_batches(list(pickle.loads(task)(batches(40, 10))))
+    assert out.column("prediction").to_pylist() == [2.0 * i + 1 for i in range(40)]
