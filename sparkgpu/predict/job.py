@@ -147,6 +147,7 @@ def predict(
     key_col: str | None = None,
     generation: GenerationConfig | dict | None = None,
     base_model: str | None = None,
+    tokenizer: str | None = None,
     metric: str | Callable | None = None,
     label_col: str | None = None,
     experiment: str | None = None,
@@ -185,6 +186,8 @@ def predict(
         key_col: Column whose value seeds each row's sampling (default: the prompt).
         generation: A :class:`GenerationConfig` or a dict of its fields.
         base_model: Base model directory of a PEFT adapter whose config names none.
+        tokenizer: Tokenizer directory of a language model that has none with it (a registry
+            version, a module).
         metric: ``"accuracy"`` or ``fn(table) -> number | dict``, computed over the written
             rows and logged to MLflow (needs ``output``).
         label_col: Label column for ``metric``.
@@ -249,7 +252,7 @@ def predict(
         raise ConfigurationError(f"chunk_rows={chunk} must be a multiple of the batch size {batch}")
 
     source: ModelSource = resolve_model(
-        model, base_model=base_model, tracking_uri=tracking_uri, registry_uri=registry_uri
+        model, base_model=base_model, tokenizer=tokenizer, tracking_uri=tracking_uri, registry_uri=registry_uri
     )
     capacity, canonical = _check_capacity(spark, gpu_type, gpus, gpus_per_task)
     job = JobSpec(

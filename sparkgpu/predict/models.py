@@ -60,6 +60,8 @@ class ModelSource:
         registry_uri: Registry the executors read versions from.
         make_predict_fn: The user's function, for ``kind="function"``.
         module: The user's ``torch.nn.Module``, for ``kind="module"`` (shipped in the task closure).
+        tokenizer: Directory of the tokenizer of a language model whose source has none (a
+            registry version or a module); a directory's own tokenizer is used otherwise.
     """
 
     kind: str
@@ -74,6 +76,7 @@ class ModelSource:
     registry_uri: str | None = None
     make_predict_fn: Callable | None = None
     module: Any = None
+    tokenizer: str | None = None
 
     def load(self, device: str) -> "LoadedModel":
         """Loads the model on ``device``: runs on an executor, once per process (see the cache)."""
@@ -87,6 +90,10 @@ class ModelSource:
                 return _load_vllm(self, device)
         loaded = self._load_module(device)
         model, tokenizer = loaded if isinstance(loaded, tuple) else (loaded, None)
+        if self.tokenizer is not None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(self.tokenizer)
         if hasattr(model, "eval"):
             model.eval()
         return LoadedModel(module=model, tokenizer=tokenizer, device=device)
@@ -189,15 +196,26 @@ def _directory_key(path: str) -> str:
 
 
 def resolve_model(
-    model, *, base_model: str | None = None, tracking_uri: str | None = None, registry_uri: str | None = None
+    model,
+    *,
+    base_model: str | None = None,
+    tokenizer: str | None = None,
+    tracking_uri: str | None = None,
+    registry_uri: str | None = None,
 ) -> ModelSource:
     """Pins ``model=`` to one loadable version (on the client, before anything runs).
+
+    ``tokenizer`` (a directory) gives a language model without one its tokenizer.
 
     Raises:
         ConfigurationError: ``model`` is none of the accepted forms, or the version does not exist.
     """
     if isinstance(model, ModelSource):
         return model
+    if tokenizer is not None:
+        source = resolve_model(model, base_model=base_model, tracking_uri=tracking_uri, registry_uri=registry_uri)
+        key = f"{source.key}+tokenizer:{_directory_key(os.fspath(tokenizer))}"
+        return dataclasses.replace(source, tokenizer=os.path.abspath(os.fspath(tokenizer)), key=key)
     if callable(model) and not hasattr(model, "state_dict"):
         import hashlib
 

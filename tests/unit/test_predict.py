@@ -250,3 +250,24 @@ def test_the_task_function_carries_its_bootstrap_by_value_and_scores_after_it():
     assert b"sparkgpu.predict.executor.bootstrap" not in task.split(b"payload")[0]  # by value, not an import
     out = pa.Table.from_batches(list(pickle.loads(task)(batches(40, 10))))
     assert out.column("prediction").to_pylist() == [2.0 * i + 1 for i in range(40)]
+
+
+def test_a_language_model_without_a_tokenizer_generates_with_tokenizer_and_is_refused_without(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    base = tiny_models.llama_dir(tmp_path / "base")
+    module = AutoModelForCausalLM.from_pretrained(base)
+    rows = pa.RecordBatch.from_pydict({"prompt": ["the cat sat", "a dog"]})
+    options = dict(
+        task="generate",
+        input_cols=(),
+        output_col="completion",
+        result_type=pa.string(),
+        prompt_col="prompt",
+        generation=GenerationConfig(max_new_tokens=4),
+    )
+    with_tokenizer = plan(source=resolve_model(module, tokenizer=str(base)), **options)
+    out = pa.Table.from_batches(list(score_partition(with_tokenizer, [rows])))
+    assert all(out.column("completion").to_pylist())
+    with pytest.raises(ConfigurationError, match="tokenizer="):
+        list(score_partition(plan(source=resolve_model(module), **options), [rows]))

@@ -155,6 +155,13 @@ def _predict(model: LoadedModel, plan: ScoringPlan, table):
         prompts = table.column(plan.prompt_col).to_pylist()
         keys = table.column(plan.key_col).to_pylist() if plan.key_col else prompts
         assert plan.generation is not None
+        if model.vllm is None and (model.tokenizer is None or not model.generates):
+            from sparkgpu.errors import ConfigurationError
+
+            raise ConfigurationError(
+                f"{plan.source.uri} cannot generate: it needs a causal LM with generate() and a tokenizer; "
+                "pass tokenizer= (a tokenizer directory) for a registered model or a module"
+            )
         if model.vllm is not None:
             completions = generate_with_vllm(model.vllm, prompts, keys, plan.generation, model.lora_request)
             return pa.array(completions, type=pa.string())
