@@ -271,3 +271,19 @@ def test_a_language_model_without_a_tokenizer_generates_with_tokenizer_and_is_re
     assert all(out.column("completion").to_pylist())
     with pytest.raises(ConfigurationError, match="tokenizer="):
         list(score_partition(plan(source=resolve_model(module), **options), [rows]))
+
+
+def test_an_overwrite_commit_replaces_the_tables_rows_with_the_runs(tmp_path):
+    import pyarrow.parquet as pq
+
+    table = pa.table({"x": [1, 2, 3]})
+
+    def staged(run: str) -> list[dict]:
+        (tmp_path / f"sparkgpu-{run}").mkdir()
+        path = f"sparkgpu-{run}/p00000-c000000.parquet"
+        pq.write_table(table, tmp_path / path)
+        return [{"path": path, "bytes": (tmp_path / path).stat().st_size, "rows": 3}]
+
+    commit_chunks(str(tmp_path), staged("a"), table.schema, "a")
+    assert commit_chunks(str(tmp_path), staged("b"), table.schema, "b", mode="overwrite") == (1, True)
+    assert DeltaTable(str(tmp_path)).file_uris() == [str(tmp_path / "sparkgpu-b/p00000-c000000.parquet")]
