@@ -1,7 +1,7 @@
 """The GPU side in one command: NCCL, host-to-device copies, nvJPEG, and a ResNet-50 waiting on data.
 
 Question: when a GPU machine is lent for a few minutes, what does the data path cost the GPU?
-Four parts, each in its own process (one that fails, hangs or crashes is recorded as failed
+Five parts, each in its own process (one that fails, hangs or crashes is recorded as failed
 and the others still run), in this order:
 
   * ``nccl``: ``torchrun --nproc-per-node=<GPU count>`` on 127.0.0.1; every rank calls
@@ -25,6 +25,10 @@ and the others still run), in this order:
     when the shards are in the local cache and when they come from a volume (a plain folder as
     ``remote=``, read into a fresh, cold cache), beside the same steps on one batch already on
     the GPU (the ceiling), and the loader alone from both sources.
+
+  * ``predict``: ``spark.gpu.predict``'s executor path on the GPU without Spark: Arrow batches
+    scored by an MLP against predict_batch_udf's pandas round trip, and length-sorted batched
+    generation by a small Llama against the same batches in input order.
 
 Without CUDA every GPU measurement is reported as skipped with the reason, and the CPU-side
 ones (the CPU JPEG paths, the loader alone) still run. Every part has a cap on its time within
@@ -66,7 +70,7 @@ from common import load_seen, machine, method, spread  # noqa: E402
 RESULTS = HERE / "results"
 MiB = 1 << 20
 
-PARTS = ("nccl", "h2d", "jpeg", "resnet_wait")
+PARTS = ("nccl", "h2d", "jpeg", "resnet_wait", "predict")
 # What each part measures, named before it runs: a part stopped half-way still lists the rest.
 PLANNED = {
     "nccl": ("all_reduce",),
@@ -80,11 +84,12 @@ PLANNED = {
         "cache_loader_only",
         "volume_loader_only",
     ),
+    "predict": ("tabular", "generate"),
 }
 # Parts with nothing to run without CUDA; the others keep their CPU-side measurements.
-GPU_ONLY = ("nccl", "h2d")
+GPU_ONLY = ("nccl", "h2d", "predict")
 # Seconds each part may take; a part that finishes early leaves its time to those after it.
-CAPS_S = {"nccl": 90, "h2d": 60, "jpeg": 120, "resnet_wait": 210}
+CAPS_S = {"nccl": 90, "h2d": 60, "jpeg": 120, "resnet_wait": 210, "predict": 90}
 MIN_PART_S = 20  # a part is not started with less than this left of the budget
 FACTS_TIMEOUT_S = 90
 STOP_GRACE_S = 15  # SIGTERM first: torchrun passes it on to its ranks, SIGKILL would orphan them
@@ -106,6 +111,10 @@ _SIZES: dict[str, tuple[Any, Any]] = {
     "resnet_warmup": (10, 2),
     "resnet_timed": (50, 4),
     "resnet_unique": (1024, 16),  # distinct JPEGs, repeated to fill the steps
+    "predict_rows": (2_000_000, 20_000),  # tabular rows scored per sample
+    "predict_prompts": (512, 16),
+    "predict_new_tokens": (32, 4),
+    "predict_repeats": (3, 1),
 }
 SIZES = {small: {key: pair[small] for key, pair in _SIZES.items()} for small in (False, True)}
 CROP = 224
@@ -1119,7 +1128,157 @@ def make_train_step():
     return step
 
 
-PART_FUNCTIONS = {"nccl": part_nccl, "h2d": part_h2d, "jpeg": part_jpeg, "resnet_wait": part_resnet_wait}
+def part_predict(record: PartRecord, work: Path, sizes: dict, small: bool) -> None:
+    """spark.gpu.predict's executor path on the GPU, without Spark: Arrow batches as Spark hands
+    them (10,000 rows) scored by an MLP, against predict_batch_udf's data path (each batch to
+    pandas, to numpy, to the device, back); and batched generation by a small Llama with its
+    prompts sorted by length, against the same batches in input order."""
+    import numpy as np
+    import pyarrow as pa
+    import torch
+
+    sys.path.insert(0, str(HERE.parent))
+    from sparkgpu.predict import GenerationConfig, resolve_model
+    from sparkgpu.predict.executor.generation import generate_completions
+    from sparkgpu.predict.executor.scoring import ScoringPlan, score_partition
+
+    rows, features, batch = sizes["predict_rows"], 32, 8192
+    record.data["config"] = {"rows": rows, "features": features, "batch_size": batch, "spark_batch_rows": 10_000}
+    record.data["method"] = method(
+        "wall time to score every row (tabular) or generate every completion, torch.cuda.synchronize() at the end",
+        startup="excluded: one untimed pass per side first (model on the device, CUDA kernels loaded)",
+        repeats=sizes["predict_repeats"],
+        statistic="median",
+    )
+    rng = np.random.default_rng(0)
+    data = rng.normal(size=(rows, features)).astype(np.float32)
+    names = [f"f{i}" for i in range(features)]
+    batches = [
+        pa.RecordBatch.from_arrays([pa.array(data[s : s + 10_000, j]) for j in range(features)], names=names)
+        for s in range(0, rows, 10_000)
+    ]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(features, 512),
+        torch.nn.ReLU(),
+        torch.nn.Linear(512, 512),
+        torch.nn.ReLU(),
+        torch.nn.Linear(512, 1),
+    )
+
+    def timed(fn) -> list[float]:
+        fn()
+        out = []
+        for _ in range(sizes["predict_repeats"]):
+            started = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            out.append(time.perf_counter() - started)
+        return out
+
+    def tabular() -> dict:
+        plan = ScoringPlan(
+            source=resolve_model(model),
+            task="predict",
+            input_cols=tuple(names),
+            output_col="prediction",
+            result_type=pa.float32(),
+            batch_size=batch,
+            chunk_rows=batch * 8,
+            use_cuda=True,
+        )
+        on_device = model.to("cuda").eval()
+
+        def ours():
+            for _ in score_partition(plan, iter(batches)):
+                pass
+
+        def pandas_path():  # predict_batch_udf: Arrow -> pandas -> numpy -> the model -> pandas -> Arrow
+            for record_batch in batches:
+                frame = record_batch.to_pandas()
+                x = frame.to_numpy(np.float32)
+                outputs = []
+                with torch.inference_mode():
+                    for s in range(0, len(x), batch):
+                        outputs.append(on_device(torch.from_numpy(x[s : s + batch]).to("cuda")).cpu().numpy()[:, 0])
+                frame["prediction"] = np.concatenate(outputs)
+                pa.RecordBatch.from_pandas(frame)
+
+        ours_s, pandas_s = timed(ours), timed(pandas_path)
+        ratio = statistics_median(pandas_s) / statistics_median(ours_s)
+        return {
+            "ours_rows_per_s": spread([rows / t for t in ours_s], higher_is_better=True),
+            "pandas_path_rows_per_s": spread([rows / t for t in pandas_s], higher_is_better=True),
+            "ratio": ratio,
+            "summary": f"{rows / statistics_median(ours_s):,.0f} rows/s, {ratio:.2f}x the pandas path",
+        }
+
+    def generate() -> dict:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        vocab, count, new = 512, sizes["predict_prompts"], sizes["predict_new_tokens"]
+        config = LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            max_position_embeddings=512,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+        lm = LlamaForCausalLM(config).to("cuda").eval()
+
+        class Words:  # a tokenizer of numbers: "17 4 99" -> [17, 4, 99]
+            pad_token_id, eos_token, pad_token, padding_side = 0, "2", "0", "left"
+
+            def __call__(self, texts, add_special_tokens=True):
+                return {"input_ids": [[int(w) for w in t.split()] for t in texts]}
+
+            def decode(self, ids, skip_special_tokens=True):
+                return " ".join(str(int(i)) for i in ids)
+
+        prompts = [
+            " ".join(str(int(v)) for v in rng.integers(3, vocab, size=int(n))) for n in rng.integers(4, 200, size=count)
+        ]
+        settings = GenerationConfig(max_new_tokens=new, batch_size=32, extra={"min_new_tokens": new})
+        tokens = count * new
+
+        def ours():
+            generate_completions(lm, Words(), prompts, prompts, settings, device="cuda")
+
+        def in_order():  # the same batches without sorting by length
+            for s in range(0, count, 32):
+                generate_completions(lm, Words(), prompts[s : s + 32], prompts[s : s + 32], settings, device="cuda")
+
+        ours_s, order_s = timed(ours), timed(in_order)
+        ratio = statistics_median(order_s) / statistics_median(ours_s)
+        return {
+            "ours_tokens_per_s": spread([tokens / t for t in ours_s], higher_is_better=True),
+            "in_order_tokens_per_s": spread([tokens / t for t in order_s], higher_is_better=True),
+            "ratio": ratio,
+            "summary": f"{tokens / statistics_median(ours_s):,.0f} new tokens/s, {ratio:.2f}x unsorted batches",
+        }
+
+    record.measure("tabular", tabular, needs_cuda=True)
+    record.measure("generate", generate, needs_cuda=True)
+
+
+def statistics_median(values: list[float]) -> float:
+    import statistics
+
+    return statistics.median(values)
+
+
+PART_FUNCTIONS = {
+    "nccl": part_nccl,
+    "h2d": part_h2d,
+    "jpeg": part_jpeg,
+    "resnet_wait": part_resnet_wait,
+    "predict": part_predict,
+}
 
 
 def run_part_here(args) -> None:

@@ -38,6 +38,7 @@ __all__ = [
     "attach",
     "log",
     "registry",
+    "predict",
     "data",
     "runtime",
     "SparkGPUError",
@@ -61,6 +62,7 @@ _LAZY = {
     "data": ("sparkgpu.data", None),
     "log": ("sparkgpu.tracking.autolog", "log"),
     "registry": ("sparkgpu.registry", None),
+    "predict": ("sparkgpu.predict", None),
 }
 
 

@@ -5,6 +5,7 @@ spark = SparkSession.builder.remote("sc://host:15002").getOrCreate()
 import sparkgpu                                   # attaches spark.gpu
 spark.gpu.capacity()                              # executors, hosts, GPU addresses and type
 results = spark.gpu.train(train_fn, gpus=4, gpu_type="A10", args=(...), data=features_df)
+scored = spark.gpu.predict(features_df, "main.ml.ctr@champion", gpus=4, gpu_type="A10")
 ```
 
 ``import sparkgpu`` calls :func:`attach`, which adds a ``gpu`` property to both SparkSession
@@ -192,6 +193,47 @@ class GPUNamespace:
         finally:
             self.last_job_id = getattr(job, "last_job_id", None)
             self.last_run_dir = getattr(job, "last_run_dir", None)
+
+    def predict(self, df, model, *, gpus: int, gpu_type: str, **options):
+        """Scores ``df`` with ``model`` on this session's GPU executors.
+
+        Args:
+            df: The rows to score (a Spark DataFrame).
+            model: ``"main.ml.ctr@champion"`` (a registry version, pinned here), an MLflow model
+                URI, a transformers or PEFT adapter directory, or a function returning a predict
+                function (``predict_batch_udf``'s ``make_predict_fn``).
+            gpus: GPUs the job uses at once: ``gpus // gpus_per_task`` tasks run together (the
+                input is coalesced to that many partitions when it has more).
+            gpu_type: GPU type (``"A10"``, ``"H100"``, ...), checked against the executors', or ``"cpu"``.
+            **options: As for :func:`sparkgpu.predict.predict`: ``input_cols``, ``output_col``,
+                ``result_type``, ``batch_size``, ``chunk_rows``, ``gpus_per_task``, ``output`` (a
+                Delta table: written exactly once, returns a
+                :class:`~sparkgpu.predict.PredictionResult`), ``mode``, ``run_id``, ``metric``,
+                ``label_col``, ``experiment``, ``name``, ``tags``, ``priority``, ``callbacks``.
+
+        Returns:
+            A lazy DataFrame of ``df``'s columns plus ``output_col``; with ``output=``, a
+            :class:`~sparkgpu.predict.PredictionResult` once the rows are committed.
+
+        Raises:
+            CapacityError: the executors have another GPU type, or fewer GPUs than a task needs.
+            ConfigurationError: bad arguments (named), or the model version does not exist.
+            PolicyViolationError: the usage policy refuses the job.
+        """
+        from sparkgpu.predict.job import predict
+
+        return predict(self._spark, df, model, gpus=gpus, gpu_type=gpu_type, **options)
+
+    def generate(self, df, model, *, gpus: int, gpu_type: str, prompt_col: str = "prompt", **options):
+        """Completions of ``df``'s ``prompt_col`` by a causal LM or PEFT adapter: :meth:`predict` with
+        ``task="generate"``; ``generation=`` takes a :class:`~sparkgpu.predict.GenerationConfig` or its
+        fields as a dict (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+        ``seed``, ``batch_size``); ``key_col=`` seeds each row's sampling (default: its prompt)."""
+        from sparkgpu.predict.job import predict
+
+        return predict(
+            self._spark, df, model, gpus=gpus, gpu_type=gpu_type, task="generate", prompt_col=prompt_col, **options
+        )
 
     def _table_ref(self, data):
         from sparkgpu.data.tables.paths import is_delta_table

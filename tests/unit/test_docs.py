@@ -95,6 +95,7 @@ PUBLIC_MODULES = [
     "sparkgpu.train",
     "sparkgpu.tracking",
     "sparkgpu.registry",
+    "sparkgpu.predict",
     "sparkgpu.usage",
     "sparkgpu.env",
     "sparkgpu.ray",

@@ -349,8 +349,13 @@ def _cluster_gpu_type(confs, executors) -> tuple[str | None, str | None]:
     return None, None
 
 
-def discover_capacity(spark, *, wait_timeout: float, out=None, refresh: bool = False) -> SparkCapacity:
+def discover_capacity(
+    spark, *, wait_timeout: float, out=None, refresh: bool = False, max_age: float | None = None
+) -> SparkCapacity:
     """What ``spark`` can reach: confs plus a probe job (cached per session for a minute).
+
+    ``max_age`` (seconds) accepts an older cached answer: scoring jobs, whose tasks ask Spark
+    for their GPUs one by one, use the last probe of the session rather than probe per call.
 
     Raises:
         CapacityError: no executor answered within ``wait_timeout``.
@@ -359,7 +364,7 @@ def discover_capacity(spark, *, wait_timeout: float, out=None, refresh: bool = F
     key = _session_key(spark)
     with _cache_lock:
         cached = _cache.get(key)
-    if cached and not refresh and time.monotonic() - cached[0] < _CACHE_SECONDS:
+    if cached and not refresh and time.monotonic() - cached[0] < (max_age or _CACHE_SECONDS):
         return cached[1]
     confs = read_confs(spark)
     master = confs.get("spark.master") or "unknown"

@@ -1,0 +1,1 @@
+"""Code of ``spark.gpu.predict`` that runs inside the executors' Python workers."""
