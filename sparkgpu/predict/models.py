@@ -39,6 +39,8 @@ def register_loader(kind: str, loader: Callable[["ModelSource", str], Any]) -> N
 
     The loader runs on the executors (it must be importable there) and returns a
     ``torch.nn.Module``, or a ``(model, tokenizer)`` pair for a language model.
+    Registry versions of transformers models (``register_as=`` of a PEFT or transformers
+    model) need no loader: the registry returns them with their tokenizer.
     """
     _LOADERS[kind] = loader
 
@@ -89,7 +91,10 @@ class ModelSource:
             if vllm_usable():
                 return _load_vllm(self, device)
         loaded = self._load_module(device)
-        model, tokenizer = loaded if isinstance(loaded, tuple) else (loaded, None)
+        if isinstance(loaded, dict):  # the registry's transformers models: {"model", "tokenizer"}
+            model, tokenizer = loaded["model"], loaded.get("tokenizer")
+        else:
+            model, tokenizer = loaded if isinstance(loaded, tuple) else (loaded, None)
         if self.tokenizer is not None:
             from transformers import AutoTokenizer
 
