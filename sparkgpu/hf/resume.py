@@ -1,0 +1,261 @@
+"""A Trainer inside a job saves into the job's checkpoint store, signed, and resumes from it by itself.
+
+The Trainer keeps saving in its own format (so its own ``resume_from_checkpoint`` restores
+model, optimizer, scheduler, RNG states and data position exactly); :class:`JobCheckpointCallback`
+then seals each ``checkpoint-N`` folder into ``<checkpoint_dir>/hf`` (every file's SHA-256 in a
+marker MAC'd with the job's checkpoint key, :mod:`sparkgpu.train.sealed_files`). A patched
+``Trainer.train`` picks the newest checkpoint whose seal and files verify, copies it, checked,
+into ``output_dir`` and passes it as ``resume_from_checkpoint``: no unverified pickle is loaded.
+
+When ``runtime.should_checkpoint()`` turns true on any rank (runtime cap, preemption, budget,
+SIGTERM), every rank learns it at the end of the step (one all-reduce of a flag), the Trainer
+saves, the callback seals and every rank calls ``runtime.stop_for_restart()``.
+
+Outside a job (no job key) all of this stays out of the way: the Trainer is plain transformers.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any
+
+from sparkgpu.hf._requirements import require_transformers
+
+require_transformers("sparkgpu.hf")
+
+import torch  # noqa: E402
+from transformers import Trainer, TrainerCallback  # noqa: E402
+
+from sparkgpu import runtime  # noqa: E402
+from sparkgpu.errors import CheckpointError  # noqa: E402
+from sparkgpu.store import Store  # noqa: E402
+from sparkgpu.train import sealed_files  # noqa: E402
+
+__all__ = ["JobCheckpointCallback", "resumable", "patch_trainer", "HF_FOLDER"]
+
+logger = logging.getLogger("sparkgpu.hf")
+
+HF_FOLDER = sealed_files.TRAINER_FOLDER
+_PATCHED = "_sparkgpu_resumes"
+
+
+def _job_store() -> Store | None:
+    """The store of the job's sealed Trainer checkpoints; ``None`` outside a job."""
+    directory = runtime.checkpoint_dir()
+    if directory is None or sealed_files.job_key_for_sealing() is None:
+        return None
+    return Store(directory, what="the job's checkpoint store").child(HF_FOLDER)
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _flag_device():
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank (every rank must call it)."""
+    if not _distributed():
+        return flag
+    import torch.distributed as dist
+
+    tensor = torch.tensor([1 if flag else 0], device=_flag_device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return bool(tensor.item())
+
+
+def _gather(obj: Any) -> list[Any]:
+    if not _distributed():
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _broadcast(obj: Any) -> Any:
+    if not _distributed():
+        return obj
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _files_under(folder: str) -> list[str]:
+    found = []
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            if os.path.isfile(path) and not os.path.islink(path):
+                found.append(os.path.relpath(path, folder).replace(os.sep, "/"))
+    return sorted(found)
+
+
+def _node_leader() -> bool:
+    return runtime.get_local_rank() == 0
+
+
+def seal_checkpoint(store: Store, folder: str, step: int, keep_last: int | None = None) -> None:
+    """Seals the Trainer's ``folder`` (saved for ``step``) into ``store``; every rank calls it.
+
+    One rank per node lists the folder (so node-local and shared ``output_dir`` both work);
+    each file is copied by the first node that has it, and rank 0 writes the marker over
+    every node's hashes.
+    """
+    key = sealed_files.job_key_for_sealing()
+    assert key is not None
+    name = sealed_files.sealed_name(step)
+    # The first exchange is also the barrier after which every rank's own files are written.
+    _gather(None)
+    listing = _files_under(folder) if _node_leader() and os.path.isdir(folder) else None
+    listings = _gather(listing)
+    owner: dict[str, int] = {}
+    for rank, files in enumerate(listings):
+        for rel in files or ():
+            owner.setdefault(rel, rank)
+    rank = runtime.get_global_rank()
+    mine = {}
+    for rel, who in owner.items():
+        if who == rank:
+            mine[rel] = sealed_files.copy_hashed(os.path.join(folder, *rel.split("/")), store, f"{name}/{rel}")
+    hashes: dict[str, tuple[int, str]] = {}
+    for part in _gather(mine):
+        hashes.update(part)
+    if rank == 0:
+        sealed_files.write_marker(store, name, step, hashes, key)
+        if keep_last:
+            for old_step, old in sealed_files.sealed_folders(store)[keep_last:]:
+                if old_step != step:
+                    store.remove(old)
+        logger.info("sealed checkpoint %s (%d files) into %s", name, len(hashes), store.path())
+
+
+def restore_latest(store: Store, output_dir: str) -> str | None:
+    """Copies the newest genuine sealed checkpoint into ``output_dir``; its local path, or ``None``.
+
+    Every rank calls it. Rank 0 picks the candidates whose seals verify; each node's first
+    rank copies a candidate, checking every file; a candidate that fails anywhere is skipped
+    with a warning and the next older one is tried.
+    """
+    key = sealed_files.job_key_for_sealing()
+    assert key is not None
+    candidates = None
+    if runtime.get_global_rank() == 0:
+        candidates = []
+        for step, name in sealed_files.sealed_folders(store):
+            try:
+                _, files = sealed_files.read_marker(store, name, key)
+            except CheckpointError as exc:
+                logger.warning("checkpoint %s is skipped: %s", store.path(name), exc)
+                continue
+            candidates.append((step, name, files))
+    candidates = _broadcast(candidates)
+    for step, name, files in candidates:
+        local = os.path.join(output_dir, name)
+        problem = None
+        if _node_leader():
+            try:
+                sealed_files.restore_folder(store, name, files, local)
+            except (CheckpointError, OSError) as exc:
+                problem = str(exc)
+        problems = [p for p in _gather(problem) if p]
+        if not problems:
+            logger.info("resuming from step %d: the job's sealed checkpoint %s", step, store.path(name))
+            return local
+        logger.warning("checkpoint %s is skipped: %s", store.path(name), problems[0])
+    logger.info("no genuine checkpoint of this job: training from the start")
+    return None
+
+
+class JobCheckpointCallback(TrainerCallback):
+    """Seals every checkpoint a Trainer saves into the job, and saves and stops when the job must stop.
+
+    Args:
+        store: Where to seal; the job's ``<checkpoint_dir>/hf`` by default. Outside a job
+            (no store) the callback does nothing.
+    """
+
+    def __init__(self, store: Store | None = None):
+        self.store = store if store is not None else _job_store()
+        self.stopping = False
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.store is not None:
+            runtime.handle_sigterm_as_checkpoint_request()
+        return control
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.store is None:
+            return control
+        # One flag for all: SIGTERM or a stop file may reach one rank a step before another.
+        if _any_rank(runtime.should_checkpoint()):
+            self.stopping = True
+            control.should_save = True
+            control.should_training_stop = True
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.store is None:
+            return control
+        folder = os.path.join(args.output_dir, sealed_files.sealed_name(state.global_step))
+        seal_checkpoint(self.store, folder, state.global_step, args.save_total_limit)
+        if self.stopping:
+            logger.info("checkpointed at step %d; stopping for a new attempt", state.global_step)
+            runtime.stop_for_restart()
+        return control
+
+
+def _attach(trainer) -> JobCheckpointCallback | None:
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, JobCheckpointCallback):
+            return callback
+    store = _job_store()
+    if store is None:
+        return None
+    callback = JobCheckpointCallback(store)
+    trainer.add_callback(callback)
+    return callback
+
+
+def _resuming_train(train):
+    @functools.wraps(train)
+    def wrapper(self, resume_from_checkpoint=None, *args, **kwargs):
+        callback = _attach(self)
+        if callback is not None and resume_from_checkpoint in (None, True):
+            # True asks for the last checkpoint: inside a job that is the newest genuine one.
+            resume_from_checkpoint = restore_latest(callback.store, self.args.output_dir)
+        return train(self, resume_from_checkpoint, *args, **kwargs)
+
+    setattr(wrapper, _PATCHED, True)
+    return wrapper
+
+
+def patch_trainer(trainer_class: type = Trainer) -> None:
+    """Makes every ``trainer_class`` (and subclass) inside a job seal its checkpoints and resume."""
+    if not getattr(trainer_class.train, _PATCHED, False):
+        trainer_class.train = _resuming_train(trainer_class.train)
+
+
+def resumable(trainer):
+    """Makes one Trainer seal its checkpoints into the job and resume from them; returns it.
+
+    Needed only where the automatic patch is off (``SPARKGPU_HF_RESUME=0``) or the Trainer
+    class overrides ``train``. Outside a job it changes nothing.
+    """
+    if not getattr(type(trainer).train, _PATCHED, False):
+        trainer.train = _resuming_train(type(trainer).train).__get__(trainer)
+    _attach(trainer)
+    return trainer

@@ -1,0 +1,238 @@
+"""A Hugging Face Trainer written as for GPUs runs at the job's world size and resumes by itself.
+
+Two gloo CPU ranks train a tiny Llama (built from a config: no hub) with a plain
+``Trainer(...)``: no ``use_cpu``, no ``resume_from_checkpoint``, nothing from sparkgpu. A
+forward hook records, per rank and step, the samples trained on and the loss. Rank 1 is killed
+with SIGKILL late in the run, or the runtime cap stops the job; the restarted attempt must end
+bitwise equal to an uninterrupted run (weights, optimizer state, the loss of every step) with
+every sample trained on once per epoch. A writer of the checkpoint store plants checkpoints
+that must be refused without being unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+
+from sparkgpu import distributed
+from sparkgpu.config import settings
+
+pytestmark = pytest.mark.integration
+
+WORLD, BATCH, SAMPLES, EPOCHS, SEQ, VOCAB = 2, 4, 48, 2, 12, 64
+STEPS_PER_EPOCH = SAMPLES // (BATCH * WORLD)
+TOTAL_STEPS = EPOCHS * STEPS_PER_EPOCH  # 12
+SAVE_STEPS = 3
+
+
+class Planted:
+    """Unpickles as ``open(path, "w")``: the file appears if anything unpickles it."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def tiny_llama():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=SEQ,
+    )
+    return LlamaForCausalLM(config)
+
+
+class Samples:
+    """A map-style dataset whose first two tokens name the sample."""
+
+    def __len__(self):
+        return SAMPLES
+
+    def __getitem__(self, i):
+        import torch
+
+        g = torch.Generator().manual_seed(i)
+        ids = torch.randint(3, VOCAB, (SEQ,), generator=g)
+        ids[0], ids[1] = 1 + i // VOCAB, i % VOCAB
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _plant(store_dir: str, sentinel: str) -> None:
+    """What a writer of the job's checkpoint store can do once the job sealed steps 3, 6 and 9."""
+    import shutil
+    from pathlib import Path
+
+    root = Path(store_dir) / "hf"
+    payload = pickle.dumps(Planted(sentinel))
+    (root / "checkpoint-9" / "optimizer.pt").write_bytes(payload)  # a genuine seal, a changed file
+    for step, keep_mac in ((99, True), (98, False)):
+        planted = root / f"checkpoint-{step}"
+        shutil.copytree(root / "checkpoint-6", planted)
+        marker = json.loads((planted / "_SEALED.json").read_text())
+        marker["step"] = step  # its MAC no longer matches
+        if not keep_mac:
+            marker.pop("mac")
+        (planted / "_SEALED.json").write_text(json.dumps(marker))
+        (planted / "optimizer.pt").write_bytes(payload)
+        (planted / "rng_state_0.pth").write_bytes(payload)
+
+
+def train_plainly(record_file, kill_step=None, step_sleep=0.0, plant=None):
+    """A Trainer as people write it for GPUs; the test's only additions are the hook and the faults."""
+    import os
+    import signal
+    import time
+
+    from transformers import Trainer, TrainingArguments
+
+    from sparkgpu import runtime
+
+    model = tiny_llama()
+    args = TrainingArguments(
+        output_dir="out",
+        per_device_train_batch_size=BATCH,
+        num_train_epochs=EPOCHS,
+        learning_rate=3e-3,
+        weight_decay=0.1,
+        save_steps=SAVE_STEPS,
+        logging_steps=1,
+        report_to="none",
+        seed=7,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=Samples())
+    rank = runtime.get_global_rank()
+    record = open(f"{record_file}.{rank}", "a")
+
+    def on_forward(module, inputs, kwargs, output):
+        if not module.training:
+            return
+        step = trainer.state.global_step + 1
+        if kill_step is not None and runtime.attempt() == 0 and step == kill_step + 1:
+            if rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if plant:
+                _plant(runtime.checkpoint_dir(), plant)
+        ids = kwargs["input_ids"]
+        entry = {
+            "attempt": runtime.attempt(),
+            "step": step,
+            "loss": output.loss.item().hex(),
+            "samples": [int(r[0]) * VOCAB + int(r[1]) - VOCAB for r in ids],
+        }
+        record.write(json.dumps(entry) + "\n")
+        record.flush()
+        if runtime.attempt() == 0:
+            time.sleep(step_sleep)
+
+    model.register_forward_hook(on_forward, with_kwargs=True)
+    trainer.train()
+    record.close()
+    optimizer = trainer.optimizer.state_dict()
+    return {
+        "world_size": trainer.args.world_size,
+        "process_zero": trainer.is_world_process_zero(),
+        "device": str(trainer.args.device),
+        "model": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+        "optimizer": {f"{p}.{k}": v.clone() for p, s in optimizer["state"].items() for k, v in s.items()},
+    }
+
+
+def run(tmp_path, tag, **options):
+    record = tmp_path / f"{tag}.jsonl"
+    policy = {k: options.pop(k) for k in ("max_restarts", "max_runtime", "checkpoint_grace") if k in options}
+    job = distributed(gpus=WORLD, gpu_type="cpu", **policy)(train_plainly)
+    states = job.distributed(str(record), **options)
+    state = json.loads((settings().staging_root / job.last_job_id / "state.json").read_text())
+    return states, state, read_records(record), job.last_job_id
+
+
+def read_records(record) -> dict[tuple[int, int], dict]:
+    """(rank, step) -> what that step trained on, from the last attempt that ran it."""
+    steps = {}
+    for rank in range(WORLD):
+        for line in open(f"{record}.{rank}"):
+            entry = json.loads(line)
+            steps[(rank, entry["step"])] = entry
+    return steps
+
+
+def assert_every_sample_once_per_epoch(steps):
+    for epoch in range(EPOCHS):
+        seen = [
+            s for (rank, step), e in steps.items() if (step - 1) // STEPS_PER_EPOCH == epoch for s in e["samples"]
+        ]
+        assert sorted(seen) == list(range(SAMPLES)), f"epoch {epoch} skipped or repeated samples"
+
+
+def assert_bitwise_equal(a: dict, b: dict):
+    for part in ("model", "optimizer"):
+        assert a[part].keys() == b[part].keys()
+        for name in a[part]:
+            assert a[part][name].equal(b[part][name]), f"{part} {name} differs"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    from sparkgpu.config import reset_settings
+
+    with pytest.MonkeyPatch.context() as mp:  # module-scoped: its own SPARKGPU_HOME
+        mp.setenv("SPARKGPU_HOME", str(tmp_path_factory.mktemp("home")))
+        reset_settings()
+        states, state, steps, _ = run(tmp_path_factory.mktemp("plain"), "plain")
+    reset_settings()
+    return states, state, steps
+
+
+def test_a_plain_trainer_trains_at_the_job_world_size(uninterrupted):
+    states, state, steps = uninterrupted
+    assert len(state["attempts"]) == 1
+    assert [s["world_size"] for s in states] == [WORLD, WORLD]
+    assert [s["process_zero"] for s in states] == [True, False], "one rank, not both, logs as process zero"
+    assert {s["device"].split(":")[0] for s in states} == {"cpu"}
+    assert sorted(steps) == [(r, s) for r in range(WORLD) for s in range(1, TOTAL_STEPS + 1)]
+    assert_every_sample_once_per_epoch(steps)
+    assert_bitwise_equal(states[0], states[1])
+
+
+def assert_same_run(states, steps, uninterrupted, note):
+    plain_states, _, plain_steps = uninterrupted
+    assert {k: (v["loss"], v["samples"]) for k, v in steps.items()} == {
+        k: (v["loss"], v["samples"]) for k, v in plain_steps.items()
+    }, f"the loss curve or the data differ {note}"
+    assert_every_sample_once_per_epoch(steps)
+    for rank_state in states:
+        assert_bitwise_equal(rank_state, plain_states[0])
+
+
+def test_a_sigkilled_rank_resumes_bitwise_equal_and_planted_checkpoints_are_refused(
+    uninterrupted, tmp_path, capfd
+):
+    sentinel = tmp_path / "unpickled"
+    states, state, steps, job_id = run(tmp_path, "killed", kill_step=10, max_restarts=1, plant=str(sentinel))
+    assert [a["status"] for a in state["attempts"]] == ["failed", "succeeded"]
+    assert not sentinel.exists(), "a planted checkpoint was unpickled"
+    # checkpoint-9's seal is genuine but a file changed: the attempt resumes from step 6.
+    assert min(e["step"] for e in steps.values() if e["attempt"] == 1) == 7
+    assert_same_run(states, steps, uninterrupted, "(rank 1 killed after step 10)")
+    err = capfd.readouterr().err
+    assert "restarting from step 9 " in err, err[-2000:]
+
+
+def test_the_runtime_cap_saves_stops_and_resumes_bitwise_equal(uninterrupted, tmp_path):
+    states, state, steps, _ = run(tmp_path, "capped", step_sleep=1.0, max_runtime=25, checkpoint_grace=12)
+    assert state["preemptions"] >= 1 and state["restarts"] == 0, state
+    assert state["attempts"][-1]["status"] == "succeeded"
+    assert {e["attempt"] for e in steps.values()} >= {0, 1}
+    assert_same_run(states, steps, uninterrupted, "(runtime cap)")
