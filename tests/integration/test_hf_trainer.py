@@ -226,12 +226,13 @@ def test_a_sigkilled_rank_resumes_bitwise_equal_and_planted_checkpoints_are_refu
     # checkpoint-9's seal is genuine but a file changed: the attempt resumes from step 6.
     assert min(e["step"] for e in steps.values() if e["attempt"] == 1) == 7
     assert_same_run(states, steps, uninterrupted, "(rank 1 killed after step 10)")
-    err = capfd.readouterr().err
-    assert "restarting from step 9 " in err, err[-2000:]
+    # The client names the newest checkpoint whose seal verifies (its files are hashed by the ranks).
+    out = capfd.readouterr().out
+    assert "restarting from step 9 (restart 1 of 1)" in out, out[-2000:]
 
 
 def test_the_runtime_cap_saves_stops_and_resumes_bitwise_equal(uninterrupted, tmp_path):
-    states, state, steps, _ = run(tmp_path, "capped", step_sleep=1.0, max_runtime=25, checkpoint_grace=12)
+    states, state, steps, _ = run(tmp_path, "capped", step_sleep=3.0, max_runtime=80, checkpoint_grace=40)
     assert state["preemptions"] >= 1 and state["restarts"] == 0, state
     assert state["attempts"][-1]["status"] == "succeeded"
     assert {e["attempt"] for e in steps.values()} >= {0, 1}
