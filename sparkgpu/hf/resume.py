@@ -29,8 +29,10 @@ import torch  # noqa: E402
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
 from sparkgpu import runtime  # noqa: E402
+from sparkgpu._report import report  # noqa: E402
 from sparkgpu.errors import CheckpointError  # noqa: E402
 from sparkgpu.store import Store  # noqa: E402
+from sparkgpu.hf import datasets as loaders  # noqa: E402
 from sparkgpu.train import sealed_files  # noqa: E402
 
 __all__ = ["JobCheckpointCallback", "resumable", "patch_trainer", "HF_FOLDER"]
@@ -173,10 +175,12 @@ def restore_latest(store: Store, output_dir: str) -> str | None:
                 problem = str(exc)
         problems = [p for p in _gather(problem) if p]
         if not problems:
-            logger.info("resuming from step %d: the job's sealed checkpoint %s", step, store.path(name))
+            if runtime.is_main_process():
+                report(f"the Trainer resumes from step {step} (the job's sealed checkpoint {store.path(name)})")
             return local
         logger.warning("checkpoint %s is skipped: %s", store.path(name), problems[0])
-    logger.info("no genuine checkpoint of this job: training from the start")
+    if runtime.is_main_process():
+        report("the Trainer starts from the start: the job has no genuine checkpoint")
     return None
 
 
@@ -188,8 +192,9 @@ class JobCheckpointCallback(TrainerCallback):
             (no store) the callback does nothing.
     """
 
-    def __init__(self, store: Store | None = None):
+    def __init__(self, store: Store | None = None, dataset: Any = None):
         self.store = store if store is not None else _job_store()
+        self.dataset = dataset  # a sparkgpu loader whose position is saved beside each checkpoint
         self.stopping = False
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -211,6 +216,8 @@ class JobCheckpointCallback(TrainerCallback):
         if self.store is None:
             return control
         folder = os.path.join(args.output_dir, sealed_files.sealed_name(state.global_step))
+        if self.dataset is not None and runtime.is_main_process():
+            loaders.save_position(self.dataset, folder)
         seal_checkpoint(self.store, folder, state.global_step, args.save_total_limit)
         if self.stopping:
             logger.info("checkpointed at step %d; stopping for a new attempt", state.global_step)
@@ -219,13 +226,15 @@ class JobCheckpointCallback(TrainerCallback):
 
 
 def _attach(trainer) -> JobCheckpointCallback | None:
+    dataset = trainer.train_dataset if loaders.is_loader(trainer.train_dataset) else None
     for callback in trainer.callback_handler.callbacks:
         if isinstance(callback, JobCheckpointCallback):
+            callback.dataset = dataset
             return callback
     store = _job_store()
     if store is None:
         return None
-    callback = JobCheckpointCallback(store)
+    callback = JobCheckpointCallback(store, dataset)
     trainer.add_callback(callback)
     return callback
 
@@ -237,25 +246,67 @@ def _resuming_train(train):
         if callback is not None and resume_from_checkpoint in (None, True):
             # True asks for the last checkpoint: inside a job that is the newest genuine one.
             resume_from_checkpoint = restore_latest(callback.store, self.args.output_dir)
+        if isinstance(resume_from_checkpoint, str) and loaders.is_loader(self.train_dataset):
+            loaders.load_position(self.train_dataset, resume_from_checkpoint)
         return train(self, resume_from_checkpoint, *args, **kwargs)
 
     setattr(wrapper, _PATCHED, True)
     return wrapper
 
 
+def _loader_aware(get_train_dataloader):
+    @functools.wraps(get_train_dataloader)
+    def wrapper(self):
+        if loaders.is_loader(self.train_dataset):
+            # Each rank reads its own share: no sampler, no re-batching, no dispatch by Accelerate.
+            return loaders.dataloader_for(self.train_dataset)
+        return get_train_dataloader(self)
+
+    setattr(wrapper, _PATCHED, True)
+    return wrapper
+
+
+def _skip_unless_positioned(skip_first_batches):
+    """The Trainer's batch skipping on resume, except for a loader that resumed at its position."""
+
+    @functools.wraps(skip_first_batches)
+    def wrapper(dataloader, num_batches=0):
+        if getattr(dataloader, "sparkgpu_positioned", False):
+            return dataloader
+        return skip_first_batches(dataloader, num_batches)
+
+    setattr(wrapper, _PATCHED, True)
+    return wrapper
+
+
+def _patch_skipping() -> None:
+    import transformers.trainer as trainer_module
+
+    if not getattr(trainer_module.skip_first_batches, _PATCHED, False):
+        trainer_module.skip_first_batches = _skip_unless_positioned(trainer_module.skip_first_batches)
+
+
 def patch_trainer(trainer_class: type = Trainer) -> None:
-    """Makes every ``trainer_class`` (and subclass) inside a job seal its checkpoints and resume."""
+    """Makes every ``trainer_class`` (and subclass) inside a job seal its checkpoints and resume,
+    and read a sparkgpu loader given as ``train_dataset`` rank by rank."""
     if not getattr(trainer_class.train, _PATCHED, False):
         trainer_class.train = _resuming_train(trainer_class.train)
+    if not getattr(trainer_class.get_train_dataloader, _PATCHED, False):
+        trainer_class.get_train_dataloader = _loader_aware(trainer_class.get_train_dataloader)
+    _patch_skipping()
 
 
 def resumable(trainer):
     """Makes one Trainer seal its checkpoints into the job and resume from them; returns it.
 
-    Needed only where the automatic patch is off (``SPARKGPU_HF_RESUME=0``) or the Trainer
-    class overrides ``train``. Outside a job it changes nothing.
+    Needed only where the automatic patch is off (``SPARKGPU_HF_RESUME=0``), outside a job
+    (there it only lets a sparkgpu loader be the ``train_dataset``), or where the Trainer
+    class overrides ``train``.
     """
     if not getattr(type(trainer).train, _PATCHED, False):
         trainer.train = _resuming_train(type(trainer).train).__get__(trainer)
+    if not getattr(type(trainer).get_train_dataloader, _PATCHED, False):
+        trainer.get_train_dataloader = _loader_aware(type(trainer).get_train_dataloader).__get__(trainer)
+    _patch_skipping()
     _attach(trainer)
     return trainer

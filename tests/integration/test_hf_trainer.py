@@ -232,8 +232,138 @@ def test_a_sigkilled_rank_resumes_bitwise_equal_and_planted_checkpoints_are_refu
 
 
 def test_the_runtime_cap_saves_stops_and_resumes_bitwise_equal(uninterrupted, tmp_path):
-    states, state, steps, _ = run(tmp_path, "capped", step_sleep=3.0, max_runtime=80, checkpoint_grace=40)
+    states, state, steps, _ = run(tmp_path, "capped", step_sleep=10.0, max_runtime=200, checkpoint_grace=100)
     assert state["preemptions"] >= 1 and state["restarts"] == 0, state
     assert state["attempts"][-1]["status"] == "succeeded"
     assert {e["attempt"] for e in steps.values()} >= {0, 1}
     assert_same_run(states, steps, uninterrupted, "(runtime cap)")
+
+
+# -- a sparkgpu loader as the Trainer's train_dataset ---------------------------------------
+
+BLOCKS = 32  # token blocks per epoch: 4 steps of 4 blocks on each of 2 ranks
+LOADER_BATCH = 4
+LOADER_STEPS = EPOCHS * BLOCKS // (LOADER_BATCH * WORLD)  # 8
+
+
+@pytest.fixture(scope="module")
+def token_dir(tmp_path_factory):
+    """Documents of random tokens that cut into exactly ``BLOCKS`` blocks of ``SEQ`` tokens."""
+    import numpy as np
+    from streaming import MDSWriter
+
+    rng = np.random.default_rng(0)
+    wanted = BLOCKS * (SEQ - 1) + 1  # blocks of SEQ tokens overlap by one
+    docs, total = [], 0
+    while total < wanted:
+        length = min(int(rng.integers(5, 40)), wanted - total - 1) or 1
+        docs.append(rng.integers(1, VOCAB, length, dtype=np.int64))
+        total += length + 1
+    out = tmp_path_factory.mktemp("tokens") / "mds"
+    with MDSWriter(out=str(out), columns={"ids": "ndarray:int64"}, size_limit=1 << 10) as writer:
+        for doc in docs:
+            writer.write({"ids": doc})
+    return str(out)
+
+
+def train_on_loader(data_dir, record_file, dispatch_batches=None, kill_step=None):
+    """A Trainer whose train_dataset is ``data.token_dataset(...)`` as it is."""
+    import hashlib
+    import os
+    import signal
+
+    from transformers import Trainer, TrainingArguments
+
+    from sparkgpu import data, runtime
+
+    blocks = data.token_dataset(
+        local=data_dir, column="ids", seq_len=SEQ - 1, batch_size=LOADER_BATCH, eos_id=0, shuffle=True, seed=3
+    )
+    accelerator_config = {} if dispatch_batches is None else {"dispatch_batches": dispatch_batches}
+    args = TrainingArguments(
+        output_dir="out",
+        num_train_epochs=EPOCHS,
+        learning_rate=3e-3,
+        save_steps=3,
+        report_to="none",
+        seed=7,
+        accelerator_config=accelerator_config,
+    )
+    model = tiny_llama()
+    trainer = Trainer(model=model, args=args, train_dataset=blocks)
+    rank = runtime.get_global_rank()
+    record = open(f"{record_file}.{rank}", "a")
+
+    def on_forward(module, inputs, kwargs, output):
+        step = trainer.state.global_step + 1
+        if kill_step is not None and runtime.attempt() == 0 and rank == 1 and step == kill_step + 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        ids = kwargs["input_ids"]
+        entry = {
+            "attempt": runtime.attempt(),
+            "step": step,
+            "loss": output.loss.item().hex(),
+            "samples": [hashlib.sha256(r.numpy().tobytes()).hexdigest()[:16] for r in ids],
+        }
+        record.write(json.dumps(entry) + "\n")
+        record.flush()
+
+    model.register_forward_hook(on_forward, with_kwargs=True)
+    trainer.train()
+    record.close()
+    return {"world_size": trainer.args.world_size, "stats": blocks.state_dict()}
+
+
+@pytest.fixture(scope="module")
+def all_blocks(token_dir):
+    import hashlib
+
+    from sparkgpu import data
+
+    loader = data.token_dataset(
+        local=token_dir, column="ids", seq_len=SEQ - 1, batch_size=1, eos_id=0, rank=0, world_size=1
+    )
+    hashes = sorted(hashlib.sha256(b[0].numpy().tobytes()).hexdigest()[:16] for b in loader)
+    assert len(hashes) == BLOCKS == len(set(hashes))
+    return hashes
+
+
+def run_loader(token_dir, tmp_path, tag, **options):
+    record = tmp_path / f"{tag}.jsonl"
+    policy = {k: options.pop(k) for k in ("max_restarts",) if k in options}
+    job = distributed(gpus=WORLD, gpu_type="cpu", **policy)(train_on_loader)
+    states = job.distributed(token_dir, str(record), **options)
+    state = json.loads((settings().staging_root / job.last_job_id / "state.json").read_text())
+    run_dir = settings().staging_root / job.last_job_id
+    return states, state, read_records(record), run_dir
+
+
+def assert_every_block_once_per_epoch(steps, all_blocks):
+    per_epoch = LOADER_STEPS // EPOCHS
+    assert sorted(steps) == [(r, s) for r in range(WORLD) for s in range(1, LOADER_STEPS + 1)]
+    for epoch in range(EPOCHS):
+        seen = [h for (rank, step), e in steps.items() if (step - 1) // per_epoch == epoch for h in e["samples"]]
+        assert sorted(seen) == all_blocks, f"epoch {epoch} skipped or repeated blocks"
+
+
+def test_a_loader_as_train_dataset_gives_each_rank_its_share_whatever_the_dispatch(token_dir, all_blocks, tmp_path):
+    runs = {}
+    for dispatch in (None, False):
+        states, state, steps, _ = run_loader(token_dir, tmp_path, f"dispatch-{dispatch}", dispatch_batches=dispatch)
+        assert [s["world_size"] for s in states] == [WORLD, WORLD]
+        assert_every_block_once_per_epoch(steps, all_blocks)
+        runs[dispatch] = {k: (v["loss"], v["samples"]) for k, v in steps.items()}
+    assert runs[None] == runs[False]
+
+
+def test_a_resumed_trainer_restores_the_loader_position_without_replay(token_dir, all_blocks, tmp_path):
+    plain_states, _, plain, _ = run_loader(token_dir, tmp_path, "plain")
+    states, state, steps, run_dir = run_loader(token_dir, tmp_path, "killed", kill_step=5, max_restarts=1)
+    assert [a["status"] for a in state["attempts"]] == ["failed", "succeeded"]
+    assert min(e["step"] for e in steps.values() if e["attempt"] == 1) == 4  # resumed from checkpoint-3
+    assert_every_block_once_per_epoch(steps, all_blocks)
+    assert {k: (v["loss"], v["samples"]) for k, v in steps.items()} == {
+        k: (v["loss"], v["samples"]) for k, v in plain.items()
+    }
+    log = (run_dir / "attempts" / "1" / "logs" / "rank-1.log").read_text()
+    assert "resumes at its saved position" in log
