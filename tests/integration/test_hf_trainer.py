@@ -170,9 +170,7 @@ def read_records(record) -> dict[tuple[int, int], dict]:
 
 def assert_every_sample_once_per_epoch(steps):
     for epoch in range(EPOCHS):
-        seen = [
-            s for (rank, step), e in steps.items() if (step - 1) // STEPS_PER_EPOCH == epoch for s in e["samples"]
-        ]
+        seen = [s for (rank, step), e in steps.items() if (step - 1) // STEPS_PER_EPOCH == epoch for s in e["samples"]]
         assert sorted(seen) == list(range(SAMPLES)), f"epoch {epoch} skipped or repeated samples"
 
 
@@ -216,9 +214,7 @@ def assert_same_run(states, steps, uninterrupted, note):
         assert_bitwise_equal(rank_state, plain_states[0])
 
 
-def test_a_sigkilled_rank_resumes_bitwise_equal_and_planted_checkpoints_are_refused(
-    uninterrupted, tmp_path, capfd
-):
+def test_a_sigkilled_rank_resumes_bitwise_equal_and_planted_checkpoints_are_refused(uninterrupted, tmp_path, capfd):
     sentinel = tmp_path / "unpickled"
     states, state, steps, job_id = run(tmp_path, "killed", kill_step=10, max_restarts=1, plant=str(sentinel))
     assert [a["status"] for a in state["attempts"]] == ["failed", "succeeded"]
@@ -367,3 +363,120 @@ def test_a_resumed_trainer_restores_the_loader_position_without_replay(token_dir
     }
     log = (run_dir / "attempts" / "1" / "logs" / "rank-1.log").read_text()
     assert "resumes at its saved position" in log
+
+
+# -- Accelerator() and TRL's SFTTrainer with a LoRA adapter ---------------------------------
+
+
+def plain_accelerator():
+    import torch
+    from accelerate import Accelerator
+
+    accelerator = Accelerator()
+    ranks = accelerator.gather(torch.tensor([accelerator.process_index]))
+    return accelerator.num_processes, accelerator.process_index, str(accelerator.device), ranks.tolist()
+
+
+def test_a_plain_accelerator_sees_the_job_world():
+    results = distributed(gpus=WORLD, gpu_type="cpu")(plain_accelerator).distributed()
+    assert results == [(2, 0, "cpu", [0, 1]), (2, 1, "cpu", [0, 1])]
+
+
+def word_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = [f"w{i}" for i in range(VOCAB - 3)]
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def sft_with_lora(record_file, kill_step=None):
+    """TRL's SFTTrainer with a peft LoraConfig, as written for GPUs."""
+    import os
+    import random
+    import signal
+
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import SFTConfig, SFTTrainer
+
+    from sparkgpu import runtime
+
+    rng = random.Random(0)
+    texts = [" ".join(f"w{rng.randrange(VOCAB - 3)}" for _ in range(rng.randrange(4, SEQ - 2))) for _ in range(32)]
+    texts = [f"w{i} {t}" for i, t in enumerate(texts)]  # the first word names the sample
+    config = SFTConfig(
+        output_dir="out",
+        per_device_train_batch_size=2,
+        num_train_epochs=1,
+        learning_rate=1e-2,
+        save_steps=3,
+        max_length=SEQ,
+        report_to="none",
+        seed=7,
+    )
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.1)
+    trainer = SFTTrainer(
+        model=tiny_llama(),
+        args=config,
+        train_dataset=Dataset.from_dict({"text": texts}),
+        processing_class=word_tokenizer(),
+        peft_config=lora,
+    )
+    rank = runtime.get_global_rank()
+    record = open(f"{record_file}.{rank}", "a")
+
+    def on_forward(module, inputs, kwargs, output):
+        if not module.training:
+            return
+        step = trainer.state.global_step + 1
+        if kill_step is not None and runtime.attempt() == 0 and rank == 1 and step == kill_step + 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        entry = {
+            "attempt": runtime.attempt(),
+            "step": step,
+            "loss": output.loss.item().hex(),
+            "samples": [int(r[0]) - 3 for r in kwargs["input_ids"]],
+        }
+        record.write(json.dumps(entry) + "\n")
+        record.flush()
+
+    trainer.model.register_forward_hook(on_forward, with_kwargs=True)
+    trainer.train()
+    record.close()
+    adapter = {k: v.detach().clone() for k, v in trainer.model.state_dict().items() if "lora_" in k}
+    optimizer = trainer.optimizer.state_dict()
+    return {
+        "world_size": trainer.args.world_size,
+        "process_zero": trainer.is_world_process_zero(),
+        "model": adapter,
+        "optimizer": {f"{p}.{k}": v.clone() for p, s in optimizer["state"].items() for k, v in s.items()},
+    }
+
+
+def test_sft_trainer_with_lora_trains_at_the_job_world_size_and_resumes_bitwise_equal(tmp_path):
+    results = {}
+    for tag, options in (("plain", {}), ("killed", {"kill_step": 4, "max_restarts": 1})):
+        record = tmp_path / f"sft-{tag}.jsonl"
+        policy = {k: options.pop(k) for k in ("max_restarts",) if k in options}
+        job = distributed(gpus=WORLD, gpu_type="cpu", **policy)(sft_with_lora)
+        states = job.distributed(str(record), **options)
+        state = json.loads((settings().staging_root / job.last_job_id / "state.json").read_text())
+        results[tag] = states, state, read_records(record)
+    states, state, steps = results["plain"]
+    assert [s["world_size"] for s in states] == [WORLD, WORLD]
+    assert [s["process_zero"] for s in states] == [True, False]
+    assert states[0]["model"], "no LoRA weights"
+    seen = sorted(s for e in steps.values() for s in e["samples"])
+    assert seen == list(range(32)), "each sample once across the ranks"
+    killed_states, killed_state, killed_steps = results["killed"]
+    assert [a["status"] for a in killed_state["attempts"]] == ["failed", "succeeded"]
+    assert min(e["step"] for e in killed_steps.values() if e["attempt"] == 1) == 4  # from checkpoint-3
+    assert {k: (v["loss"], v["samples"]) for k, v in killed_steps.items()} == {
+        k: (v["loss"], v["samples"]) for k, v in steps.items()
+    }
+    for rank_state in killed_states:
+        assert_bitwise_equal(rank_state, states[0])
