@@ -48,7 +48,9 @@ def _job_store() -> Store | None:
     directory = runtime.checkpoint_dir()
     if directory is None or sealed_files.job_key_for_sealing() is None:
         return None
-    return Store(directory, what="the job's checkpoint store").child(HF_FOLDER)
+    # Not flushed file by file (durable=False): the restore hashes every byte, so a copy that a
+    # crash cut short is refused and the next older checkpoint used.
+    return Store(directory, durable=False, what="the job's checkpoint store").child(HF_FOLDER)
 
 
 def _distributed() -> bool:
@@ -132,7 +134,8 @@ def seal_checkpoint(store: Store, folder: str, step: int, keep_last: int | None 
     mine = {}
     for rel, who in owner.items():
         if who == rank:
-            mine[rel] = sealed_files.copy_hashed(os.path.join(folder, *rel.split("/")), store, f"{name}/{rel}")
+            source = os.path.join(folder, *rel.split("/"))
+            mine[rel] = sealed_files.copy_hashed(source, store, f"{name}/{rel}", link=True)
     hashes: dict[str, tuple[int, str]] = {}
     for part in _gather(mine):
         hashes.update(part)

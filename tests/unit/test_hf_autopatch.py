@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -42,3 +43,22 @@ def test_a_missing_transformers_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(MissingDependencyError, match=r"pip install 'sparkgpu\[hf\]'"):
         require_transformers("sparkgpu.hf")
+
+
+ARGUMENTS = """
+from sparkgpu.hf import autopatch
+autopatch.install()
+from transformers import TrainingArguments
+args = TrainingArguments(output_dir="out", bf16=True, report_to="none")
+print(args.use_cpu)
+"""
+
+
+def test_arguments_written_for_gpus_use_the_cpu_on_a_cpu_rank(tmp_path):
+    # TRL's configs turn bf16 on; without use_cpu, TrainingArguments refuses that on a host without a GPU.
+    env = {**os.environ, "SPARKGPU_JOB_ID": "job-1", "ACCELERATE_USE_CPU": "true", "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run(
+        [sys.executable, "-c", ARGUMENTS], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "True"
