@@ -19,6 +19,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
+import threading
 from typing import Any
 
 from sparkgpu.hf._requirements import require_transformers
@@ -35,7 +37,7 @@ from sparkgpu.store import Store  # noqa: E402
 from sparkgpu.hf import datasets as loaders  # noqa: E402
 from sparkgpu.train import sealed_files  # noqa: E402
 
-__all__ = ["JobCheckpointCallback", "resumable", "patch_trainer", "HF_FOLDER"]
+__all__ = ["JobCheckpointCallback", "PendingSeal", "resumable", "patch_trainer", "seal_checkpoint", "HF_FOLDER"]
 
 logger = logging.getLogger("sparkgpu.hf")
 
@@ -78,13 +80,13 @@ def _any_rank(flag: bool) -> bool:
     return bool(tensor.item())
 
 
-def _gather(obj: Any) -> list[Any]:
+def _gather(obj: Any, group=None) -> list[Any]:
     if not _distributed():
         return [obj]
     import torch.distributed as dist
 
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -112,12 +114,66 @@ def _node_leader() -> bool:
     return runtime.get_local_rank() == 0
 
 
-def seal_checkpoint(store: Store, folder: str, step: int, keep_last: int | None = None) -> None:
+_seal_groups: dict[int, Any] = {}
+
+
+def _seal_group():
+    """A gloo group of its own for the sealing thread (every rank creates it at its first seal):
+    collectives on the training's group may run meanwhile on the main thread."""
+    if not _distributed():
+        return None
+    import torch.distributed as dist
+
+    key = id(dist.group.WORLD)
+    if key not in _seal_groups:
+        _seal_groups[key] = dist.new_group(backend="gloo")
+    return _seal_groups[key]
+
+
+class PendingSeal:
+    """A seal finishing on a thread: files linked or copied and hashed, then rank 0's marker."""
+
+    def __init__(self, work, name: str):
+        self.name = name
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(work,), name=f"sparkgpu-seal-{name}", daemon=True)
+        self._thread.start()
+
+    def _run(self, work) -> None:
+        try:
+            work()
+        except BaseException as exc:  # raised to the training thread by wait()
+            self.error = exc
+
+    def wait(self) -> None:
+        """Blocks until the seal is written.
+
+        Raises:
+            CheckpointError: Sealing failed; the checkpoint cannot be resumed from.
+        """
+        self._thread.join()
+        if self.error is not None:
+            raise CheckpointError(
+                f"checkpoint {self.name} could not be sealed into the job: {self.error}"
+            ) from self.error
+
+
+def seal_checkpoint(
+    store: Store, folder: str, step: int, keep_last: int | None = None, *, background: bool = False
+) -> PendingSeal | None:
     """Seals the Trainer's ``folder`` (saved for ``step``) into ``store``; every rank calls it.
 
     One rank per node lists the folder (so node-local and shared ``output_dir`` both work);
-    each file is copied by the first node that has it, and rank 0 writes the marker over
-    every node's hashes.
+    each file is linked or copied by the first node that has it, and rank 0 writes the marker
+    over every node's hashes.
+
+    Args:
+        store: The job's store of sealed Trainer checkpoints.
+        folder: The Trainer's ``checkpoint-<step>`` folder.
+        step: Its step.
+        keep_last: Sealed checkpoints to keep (the Trainer's ``save_total_limit``).
+        background: Hash and write the marker on a thread; the caller must ``wait()`` on the
+            returned seal before the folder may change (the Trainer's next save rotates).
     """
     key = sealed_files.job_key_for_sealing()
     assert key is not None
@@ -126,26 +182,37 @@ def seal_checkpoint(store: Store, folder: str, step: int, keep_last: int | None 
     _gather(None)
     listing = _files_under(folder) if _node_leader() and os.path.isdir(folder) else None
     listings = _gather(listing)
+    group = _seal_group() if background else None
     owner: dict[str, int] = {}
     for rank, files in enumerate(listings):
         for rel in files or ():
             owner.setdefault(rel, rank)
     rank = runtime.get_global_rank()
-    mine = {}
-    for rel, who in owner.items():
-        if who == rank:
-            source = os.path.join(folder, *rel.split("/"))
-            mine[rel] = sealed_files.copy_hashed(source, store, f"{name}/{rel}", link=True)
-    hashes: dict[str, tuple[int, str]] = {}
-    for part in _gather(mine):
-        hashes.update(part)
-    if rank == 0:
-        sealed_files.write_marker(store, name, step, hashes, key)
-        if keep_last:
-            for old_step, old in sealed_files.sealed_folders(store)[keep_last:]:
-                if old_step != step:
-                    store.remove(old)
-        logger.info("sealed checkpoint %s (%d files) into %s", name, len(hashes), store.path())
+
+    def work() -> None:
+        mine = {}
+        for rel, who in owner.items():
+            if who == rank:
+                source = os.path.join(folder, *rel.split("/"))
+                # Copied, not linked: the Trainer may write the same path again (a step saved
+                # anew after a restart, an output_dir that another run reuses), and a link
+                # would carry that write into the sealed copy.
+                mine[rel] = sealed_files.copy_hashed(source, store, f"{name}/{rel}")
+        hashes: dict[str, tuple[int, str]] = {}
+        for part in _gather(mine, group):
+            hashes.update(part)
+        if rank == 0:
+            sealed_files.write_marker(store, name, step, hashes, key)
+            if keep_last:
+                for old_step, old in sealed_files.sealed_folders(store)[keep_last:]:
+                    if old_step != step:
+                        store.remove(old)
+            logger.info("sealed checkpoint %s (%d files) into %s", name, len(hashes), store.path())
+
+    if background:
+        return PendingSeal(work, name)
+    work()
+    return None
 
 
 def restore_latest(store: Store, output_dir: str) -> str | None:
@@ -199,6 +266,13 @@ class JobCheckpointCallback(TrainerCallback):
         self.store = store if store is not None else _job_store()
         self.dataset = dataset  # a sparkgpu loader whose position is saved beside each checkpoint
         self.stopping = False
+        self.pending: PendingSeal | None = None
+
+    def wait(self) -> None:
+        """Waits for the seal in progress, if any (before the Trainer saves, rotates or ends)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.wait()
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.store is not None:
@@ -213,6 +287,29 @@ class JobCheckpointCallback(TrainerCallback):
             self.stopping = True
             control.should_save = True
             control.should_training_stop = True
+        if control.should_save:
+            self._before_save(args, state)
+        return control
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if self.store is not None and control.should_save:
+            self._before_save(args, state)
+        return control
+
+    def _before_save(self, args, state) -> None:
+        """Every rank, before the Trainer saves ``checkpoint-<step>``: the previous seal is finished
+        (the save may rotate its folder), and the folder holds nothing from an earlier run (the
+        Trainer writes into an existing folder without clearing it, and a stale file, such as a
+        full model beside an adapter, would be sealed and loaded with it)."""
+        self.wait()
+        if _node_leader():
+            shutil.rmtree(
+                os.path.join(args.output_dir, sealed_files.sealed_name(state.global_step)), ignore_errors=True
+            )
+        _gather(None)  # no rank saves before every node cleared its folder
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.wait()
         return control
 
     def on_save(self, args, state, control, **kwargs):
@@ -221,8 +318,10 @@ class JobCheckpointCallback(TrainerCallback):
         folder = os.path.join(args.output_dir, sealed_files.sealed_name(state.global_step))
         if self.dataset is not None and runtime.is_main_process():
             loaders.save_position(self.dataset, folder)
-        seal_checkpoint(self.store, folder, state.global_step, args.save_total_limit)
+        self.wait()
+        self.pending = seal_checkpoint(self.store, folder, state.global_step, args.save_total_limit, background=True)
         if self.stopping:
+            self.wait()
             logger.info("checkpointed at step %d; stopping for a new attempt", state.global_step)
             runtime.stop_for_restart()
         return control

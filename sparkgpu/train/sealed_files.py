@@ -8,8 +8,8 @@ plant a checkpoint nor change one. Layout in the store::
     <store>/checkpoint-<N>/<the framework's files, sub-folders included>
     <store>/checkpoint-<N>/_SEALED.json     {"format", "step", "signed": {"files", "job_id"}, "mac"}
 
-Files are copied (or hard-linked, in a local store on the same file system) first and hashed;
-the marker, written last, makes the folder count. Nothing needs to be flushed to disk for that:
+Files are copied (or hard-linked, where the caller knows nothing rewrites them) first and
+hashed; the marker, written last, makes the folder count. Nothing needs to be flushed to disk for that:
 a file that a crash left short or empty fails its hash on restore, and the next older checkpoint
 is used. Restoring copies every file back to a local folder, hashing the very
 bytes it writes, so what the framework then unpickles is what the job sealed. The key is the

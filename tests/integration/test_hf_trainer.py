@@ -12,6 +12,7 @@ that must be refused without being unpickled.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 
 import pytest
@@ -20,6 +21,13 @@ from sparkgpu import distributed
 from sparkgpu.config import settings
 
 pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(autouse=True)
+def _in_a_folder_of_its_own(tmp_path, monkeypatch):
+    """Ranks run in the client's folder, and the Trainers write ``output_dir="out"`` there."""
+    monkeypatch.chdir(tmp_path)
+
 
 WORLD, BATCH, SAMPLES, EPOCHS, SEQ, VOCAB = 2, 4, 48, 2, 12, 64
 STEPS_PER_EPOCH = SAMPLES // (BATCH * WORLD)
@@ -187,6 +195,7 @@ def uninterrupted(tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as mp:  # module-scoped: its own SPARKGPU_HOME
         mp.setenv("SPARKGPU_HOME", str(tmp_path_factory.mktemp("home")))
+        mp.chdir(tmp_path_factory.mktemp("cwd"))
         reset_settings()
         states, state, steps, _ = run(tmp_path_factory.mktemp("plain"), "plain")
     reset_settings()
@@ -463,6 +472,8 @@ def sft_with_lora(record_file, kill_step=None):
 def test_sft_trainer_with_lora_trains_at_the_job_world_size_and_resumes_bitwise_equal(tmp_path):
     results = {}
     for tag, options in (("plain", {}), ("killed", {"kill_step": 4, "max_restarts": 1})):
+        (tmp_path / tag).mkdir()
+        os.chdir(tmp_path / tag)  # each job its own output_dir (the fixture restores the folder)
         record = tmp_path / f"sft-{tag}.jsonl"
         policy = {k: options.pop(k) for k in ("max_restarts",) if k in options}
         job = distributed(gpus=WORLD, gpu_type="cpu", **policy)(sft_with_lora)
