@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Any
 
 from sparkgpu import runtime
 
@@ -24,7 +25,7 @@ def _cpu_rank() -> bool:
     return runtime.job_id() is not None and flag in ("1", "true", "yes", "on")
 
 
-def patch_training_arguments(arguments_class: type) -> None:
+def patch_training_arguments(arguments_class: Any) -> None:
     """Makes ``arguments_class`` (``TrainingArguments`` and its subclasses) use the CPU on CPU ranks."""
     post_init = arguments_class.__post_init__
     if getattr(post_init, _PATCHED, False):

@@ -388,7 +388,7 @@ def _patch_skipping() -> None:
         trainer_module.skip_first_batches = _skip_unless_positioned(trainer_module.skip_first_batches)
 
 
-def patch_trainer(trainer_class: type = Trainer) -> None:
+def patch_trainer(trainer_class: Any = Trainer) -> None:
     """Makes every ``trainer_class`` (and subclass) inside a job seal its checkpoints and resume,
     and read a sparkgpu loader given as ``train_dataset`` rank by rank."""
     if not getattr(trainer_class.train, _PATCHED, False):
