@@ -10,12 +10,15 @@ this module does not import ``transformers``.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from typing import Any
 
 from sparkgpu import runtime
 
 __all__ = ["patch_training_arguments"]
+
+logger = logging.getLogger("sparkgpu.hf")
 
 _PATCHED = "_sparkgpu_cpu_rank"
 
@@ -35,6 +38,9 @@ def patch_training_arguments(arguments_class: Any) -> None:
     def __post_init__(self, *args, **kwargs):
         if not self.use_cpu and _cpu_rank():
             self.use_cpu = True
+        if self.fsdp and _cpu_rank():
+            # Accelerate applies its FSDP plugin to GPU-like worlds only: on CPU ranks it trains as DDP.
+            logger.warning("fsdp=%r is ignored on CPU ranks: Accelerate trains them as plain DDP", self.fsdp)
         return post_init(self, *args, **kwargs)
 
     setattr(__post_init__, _PATCHED, True)
