@@ -195,6 +195,9 @@ class Settings:
             Databricks alias ``DATABRICKS_REMOTE_GPU_POOL_ID``), ``None`` to choose by GPU type.
         use_reserved_pool: Choose only reserved pools (``SPARKGPU_USE_RESERVED_POOL``, or the
             Databricks alias ``DATABRICKS_USE_RESERVED_GPU_POOL``).
+        hf_resume: In a rank, patch ``transformers.Trainer`` when it is imported so that it seals
+            its checkpoints into the job and resumes from them (``SPARKGPU_HF_RESUME``, default on;
+            ``0`` turns it off: then ``sparkgpu.hf.resumable(trainer)`` does it for one Trainer).
     """
 
     home: Path
@@ -234,6 +237,7 @@ class Settings:
     pools_path: str | None = None
     pool: str | None = None
     use_reserved_pool: bool = False
+    hf_resume: bool = True
 
     @classmethod
     def from_env(cls, env=None) -> "Settings":
@@ -298,6 +302,7 @@ class Settings:
                 env.get("SPARKGPU_USE_RESERVED_POOL") or env.get("DATABRICKS_USE_RESERVED_GPU_POOL") or "0"
             ).lower()
             in ("1", "true", "yes", "on"),
+            hf_resume=(env.get("SPARKGPU_HF_RESUME") or "1").lower() not in ("0", "false", "no", "off"),
         )
 
 

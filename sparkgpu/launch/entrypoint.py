@@ -37,6 +37,7 @@ __all__ = ["main", "rank_device_env", "EXIT_FAILED", "EXIT_PREEMPTED", "NODE_DEV
 # task's GPU addresses); takes precedence over the spec's devices.
 NODE_DEVICES_ENV = runtime.ENV_NODE_DEVICES
 
+ACCELERATE_USE_CPU = "ACCELERATE_USE_CPU"
 EXIT_FAILED = 1
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: checkpointed and stopped on request; resume in a new attempt
 _PR_SET_PDEATHSIG = 1
@@ -91,7 +92,28 @@ def rank_device_env(spec: dict, local_rank: int, node_devices: str | None) -> di
         env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
     elif spec["resources"]["gpu_type"] == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
+    if env.get("CUDA_VISIBLE_DEVICES") == "":
+        # Accelerate (and a Trainer through it) joins a multi-process CPU world only when told
+        # to; without it every CPU rank trains alone as process 0 of a world of one.
+        env[ACCELERATE_USE_CPU] = "true"
     return env
+
+
+def _set_device_env(env: dict[str, str]) -> None:
+    """Exports the rank's device variables; a user's own ``ACCELERATE_USE_CPU`` wins."""
+    if ACCELERATE_USE_CPU in os.environ:
+        env = {k: v for k, v in env.items() if k != ACCELERATE_USE_CPU}
+    os.environ.update(env)
+
+
+def _install_framework_patches() -> None:
+    """Patches ``transformers.Trainer`` when the user's code imports it (sealed checkpoints, resume)."""
+    from sparkgpu.config import settings
+
+    if settings().hf_resume:
+        from sparkgpu.hf import autopatch
+
+        autopatch.install()
 
 
 def _process_group(spec: dict) -> RankProcessGroup:
@@ -160,11 +182,12 @@ def _run(run_dir: str, env_error: BaseException | None, key: bytes | None) -> in
         hold_job_key(rd.key)
         if env_error is not None:
             raise _environment_error(env_error)
-        os.environ.update(rank_device_env(spec, runtime.get_local_rank(), os.environ.get(NODE_DEVICES_ENV)))
+        _set_device_env(rank_device_env(spec, runtime.get_local_rank(), os.environ.get(NODE_DEVICES_ENV)))
         # Before any user code: the same thread counts in every attempt, whatever forked it.
         pin_rank_threads()
         group = _process_group(spec)
         group.install()
+        _install_framework_patches()
         fn, args, kwargs, callbacks = RunDir.unpack(parts)
     except BaseException as exc:
         rd.write_error(attempt, rank, exc)

@@ -52,6 +52,8 @@ from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.launch.supervision_lock import SupervisionLock
 from sparkgpu.launch.run_layout import RunLayout
 from sparkgpu.spec import JobSpec
+from sparkgpu.store import Store
+from sparkgpu.train import sealed_files
 from sparkgpu.train.checkpoint_directory import CheckpointDirectory, SigningKey
 
 __all__ = ["Supervisor", "JobStatus", "Decision", "FailurePolicy", "CANCEL_REQUEST_FILE"]
@@ -252,7 +254,7 @@ class Supervisor:
                     self._save()
                     why = f": {outcome.lost}" if outcome.lost else ""
                     report(
-                        f"attempt {attempt} failed{why}; restarting from the latest checkpoint "
+                        f"attempt {attempt} failed{why}; restarting {self._restart_point()} "
                         f"(restart {self.state['restarts']} of {self.job.policy.max_restarts})",
                         self.out,
                     )
@@ -635,13 +637,16 @@ class Supervisor:
 
     # -- reading an attempt back -------------------------------------------------------
     def _latest_checkpoint(self) -> tuple[int, float] | None:
-        """``(step, created)`` of the newest complete checkpoint in the job's checkpoint dir."""
+        """``(step, created)`` of the newest complete checkpoint in the job's checkpoint dir:
+        a Checkpointer's, or a Trainer's sealed one (``created`` 0 for those)."""
         directory = self.backend.checkpoint_dir(self.run_dir)
         try:
             # Only markers sealed under this job's key count: a planted one would make a capped
             # attempt pass for a preemption, which uses up no restart.
             signing = SigningKey(derive_key(self.key, "checkpoints"), self.job.job_id)
             info = CheckpointDirectory(directory, key=signing).latest()
+            store = Store(directory, what="the job's checkpoint store")
+            sealed = sealed_files.latest_sealed(store.child(sealed_files.TRAINER_FOLDER), signing)
         except Exception as exc:  # unreadable (permissions, a store that is down: fsspec raises its own types)
             report(
                 f"cannot read the checkpoints in {directory} ({exc}); an attempt stopped "
@@ -649,4 +654,12 @@ class Supervisor:
                 self.out,
             )
             return None
-        return None if info is None else (info.step, info.created)
+        found = [] if info is None else [(info.step, info.created)]
+        if sealed is not None:
+            found.append((sealed[0], 0.0))
+        return max(found) if found else None
+
+    def _restart_point(self) -> str:
+        """Where the next attempt starts, for the restart message: the step of the newest checkpoint."""
+        latest = self._latest_checkpoint()
+        return "from the start: no checkpoint" if latest is None else f"from step {latest[0]}"

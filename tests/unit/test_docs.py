@@ -93,6 +93,7 @@ PUBLIC_MODULES = [
     "sparkgpu.runtime",
     "sparkgpu.data",
     "sparkgpu.train",
+    "sparkgpu.hf",
     "sparkgpu.tracking",
     "sparkgpu.registry",
     "sparkgpu.predict",

@@ -27,7 +27,7 @@ import sparkgpu
 PACKAGE = Path(sparkgpu.__file__).resolve().parent
 
 # Lower layers that must not import the launcher.
-BELOW_LAUNCH = ("sparkgpu.data", "sparkgpu.train", "sparkgpu.tracking", "sparkgpu.usage", "sparkgpu.env")
+BELOW_LAUNCH = ("sparkgpu.data", "sparkgpu.train", "sparkgpu.hf", "sparkgpu.tracking", "sparkgpu.usage", "sparkgpu.env")
 INTEGRATIONS = ("sparkgpu.tracking", "sparkgpu.usage")
 CALLBACK_INTERFACE = ("sparkgpu.callbacks",)
 # The run dir's states, below every sub-package: the callback interface hands them on.

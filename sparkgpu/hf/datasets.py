@@ -1,0 +1,118 @@
+"""A sparkgpu loader as a Trainer's ``train_dataset``: each rank reads its own share, resumed by position.
+
+sparkgpu's loaders (``data.token_dataset``, ``data.dataset``, ...) hand out whole batches of
+this rank's share of the data. A Trainer would index them, or batch their batches, and
+Accelerate's ``dispatch_batches`` would read rank 0's share only and send it to every rank. A
+patched Trainer (:mod:`sparkgpu.hf.resume`) instead reads such a loader through a plain
+``DataLoader`` that Accelerate does not touch (``batch_size=None``: the loader's batches as
+they are), saves the loader's ``state_dict()`` beside every checkpoint, and on resume loads
+it instead of letting the Trainer replay the batches it skips.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+
+from sparkgpu._report import report
+
+__all__ = ["LOADER_STATE", "LoaderDataset", "train_dataset", "is_loader", "loader_of", "batches_of"]
+
+logger = logging.getLogger("sparkgpu.hf")
+
+LOADER_STATE = "sparkgpu_loader_state.json"  # in each checkpoint-N folder, written by rank 0
+
+
+def is_loader(dataset: Any) -> bool:
+    """Whether ``dataset`` is a sparkgpu loader (batches of this rank's share, with a position)."""
+    if isinstance(dataset, LoaderDataset):
+        return True
+    module = type(dataset).__module__ or ""
+    return (
+        module.startswith("sparkgpu.data")
+        and callable(getattr(dataset, "state_dict", None))
+        and callable(getattr(dataset, "load_state_dict", None))
+    )
+
+
+def loader_of(dataset: Any):
+    """The sparkgpu loader behind ``dataset`` (a :class:`LoaderDataset` or the loader itself)."""
+    return dataset.loader if isinstance(dataset, LoaderDataset) else dataset
+
+
+class LoaderDataset(torch.utils.data.IterableDataset):
+    """A sparkgpu loader seen as a Trainer's dataset of ready-made batches.
+
+    Args:
+        loader: The loader; it reads this rank's share by itself.
+        names: What a tensor batch is handed to the model as: ``("input_ids", "labels")``
+            by default (a causal LM shifts the labels itself). A batch that is a dict already
+            (an SFT loader's ``input_ids``, ``labels``, ``position_ids``) goes as it is.
+    """
+
+    def __init__(self, loader, names: tuple[str, ...] = ("input_ids", "labels")):
+        self.loader = loader
+        self.names = names
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        for batch in self.loader:
+            yield batches_of(batch, self.names)
+
+
+def batches_of(batch: Any, names: tuple[str, ...] = ("input_ids", "labels")) -> Any:
+    """The model's keyword arguments for one loader batch."""
+    if isinstance(batch, torch.Tensor):
+        return {name: batch for name in names}
+    return batch
+
+
+def train_dataset(loader, names: tuple[str, ...] = ("input_ids", "labels")) -> LoaderDataset:
+    """Wraps a sparkgpu loader as a Trainer's ``train_dataset`` (a loader passed as it is works too).
+
+    Args:
+        loader: ``data.token_dataset(...)``, ``data.dataset(...)`` or another sparkgpu loader.
+        names: The model's argument names a tensor batch is passed as.
+    """
+    return LoaderDataset(loader, names)
+
+
+class LoaderBatches(torch.utils.data.DataLoader):
+    """The DataLoader a patched Trainer reads a sparkgpu loader through (Accelerate leaves it alone)."""
+
+    sparkgpu_positioned = True
+
+    def __init__(self, dataset: LoaderDataset):
+        super().__init__(dataset, batch_size=None, num_workers=0)
+
+
+def dataloader_for(dataset: Any) -> LoaderBatches:
+    """The DataLoader of a sparkgpu loader or a :class:`LoaderDataset`."""
+    if not isinstance(dataset, LoaderDataset):
+        dataset = LoaderDataset(dataset)
+    return LoaderBatches(dataset)
+
+
+def save_position(dataset: Any, folder: str) -> None:
+    """Writes the loader's position into a Trainer checkpoint folder (its state is the same on every rank)."""
+    state = loader_of(dataset).state_dict()
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, LOADER_STATE), "w") as f:
+        json.dump(state, f)
+
+
+def load_position(dataset: Any, folder: str) -> bool:
+    """Restores the loader's position from a checkpoint folder; False when it holds none."""
+    path = os.path.join(folder, LOADER_STATE)
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        loader_of(dataset).load_state_dict(json.load(f))
+    report("the loader resumes at its saved position: no batch is replayed")
+    return True
