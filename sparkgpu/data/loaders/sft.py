@@ -406,27 +406,27 @@ class SFTLoader(PlannedEpochs):
             )
         keys = ["seed", "shuffle", "shuffle_block_size", "seq_len", "overflow", "pack_window", "columns", "dataset"]
         epoch = int(state.get("epoch", 0))
-        if state.get("world_size") != self.world_size:
-            # Rows before the epoch's last window are the same for any world size; only that
-            # window's rows are divided so that every rank gets as many.
-            rows = self._rows.get(epoch)
-            if int(state["rows_consumed"]) > rows.last_window:
-                raise ConfigurationError(
-                    f"the saved state was taken with world_size={state.get('world_size')} in the last "
-                    f"{rows.num_rows - rows.last_window} rows of epoch {epoch}, whose packing depends on the "
-                    f"world size; resume with world_size={state.get('world_size')}, or start the next epoch "
-                    "with set_epoch()"
-                )
-        self.epoch, self._consumed = restore_position(
+        rows = self._rows.get(epoch) if isinstance(state.get("epoch"), int) and state["epoch"] >= 0 else None
+        epoch, consumed = restore_position(
             state,
             self.state_dict(),
             keys=keys,
-            total=self._rows.get(epoch).num_rows,
-            unit=f"epoch of {self._rows.get(epoch).num_rows} rows",
+            total=rows.num_rows if rows is not None else 0,
+            unit=f"epoch of {rows.num_rows if rows is not None else 0} rows",
             what="loader",
             counter="rows_consumed",
             fix="open the dataset with the same {key} to resume, or start a fresh epoch with set_epoch()",
         )
+        # Rows before the epoch's last window are the same for any world size; only that
+        # window's rows are divided so that every rank gets as many.
+        if state.get("world_size") != self.world_size and rows is not None and consumed > rows.last_window:
+            raise ConfigurationError(
+                f"the saved state was taken with world_size={state.get('world_size')} in the last "
+                f"{rows.num_rows - rows.last_window} rows of epoch {epoch}, whose packing depends on the "
+                f"world size; resume with world_size={state.get('world_size')}, or start the next epoch "
+                "with set_epoch()"
+            )
+        self.epoch, self._consumed = epoch, consumed
 
     def stats(self) -> dict:
         """This rank's loader figures so far (see :class:`sparkgpu.data.loaders.metrics.LoaderMetrics`)."""
