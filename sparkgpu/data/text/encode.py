@@ -174,7 +174,9 @@ class TextEncoder:
             self._backend = self.tokenizer.load()
         texts, spans = self._texts(batch)
         special = self.format != "messages"  # a chat template writes its own special tokens
-        encodings = self._backend.encode_batch(texts, add_special_tokens=special)
+        # Without target spans no offsets are needed: the library's faster call skips them.
+        encode = self._backend.encode_batch if spans is not None else self._encode_fast
+        encodings = encode(texts, add_special_tokens=special)
         lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(encodings))
         ids = np.fromiter(
             itertools.chain.from_iterable(e.ids for e in encodings), dtype=np.int32, count=int(lengths.sum())
@@ -204,6 +206,11 @@ class TextEncoder:
             schema=OUTPUT_SCHEMA,
         )
 
+    def _encode_fast(self, texts: list[str], add_special_tokens: bool):
+        fast = getattr(self._backend, "encode_batch_fast", None)  # tokenizers >= 0.21
+        encode = fast if fast is not None else self._backend.encode_batch
+        return encode(texts, add_special_tokens=add_special_tokens)
+
     def _column(self, batch: pa.RecordBatch, field: str) -> list:
         name = self.columns[field]
         values = batch.column(batch.schema.get_field_index(name)).to_pylist()
@@ -219,8 +226,28 @@ class TextEncoder:
             prompts, completions = self._column(batch, "prompt"), self._column(batch, "completion")
             texts = [p + c for p, c in zip(prompts, completions)]
             return texts, [[(len(p), len(t))] for p, t in zip(prompts, texts)]
-        chats = [_plain_messages(m) for m in self._column(batch, "messages")]
-        return self._render(chats)
+        return self._render(self._messages(batch))
+
+    def _messages(self, batch: pa.RecordBatch) -> list[list[dict]]:
+        """The messages column as HF wants it: lists of dicts, without the fields a row leaves null.
+
+        A list of structs is taken apart field by field (a string list per field is several
+        times faster to convert than dicts of a struct array); other types go through Python.
+        """
+        name = self.columns["messages"]
+        array = batch.column(batch.schema.get_field_index(name))
+        if array.null_count:
+            raise DataError(f"column {name!r} holds nulls; drop or fill those rows before tokenizing")
+        kind = array.type
+        if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_struct(kind.value_type):
+            return [_plain_messages(m) for m in array.to_pylist()]
+        offsets = array.offsets.to_numpy()
+        structs = array.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+        names = [structs.type.field(i).name for i in range(structs.type.num_fields)]
+        fields = [structs.field(i).to_pylist() for i in range(len(names))]
+        messages = [{k: v for k, v in zip(names, values) if v is not None} for values in zip(*fields)]
+        bounds = (offsets - offsets[0]).tolist()
+        return [messages[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
     def _render(self, chats: list[list[dict]]) -> tuple[list[str], list[list[tuple[int, int]]]]:
         try:

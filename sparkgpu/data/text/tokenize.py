@@ -95,9 +95,16 @@ def tokenize(
         chat_template: Jinja template to use instead of the tokenizer's.
         eos_token: Text of the end-of-sequence token, for a ``tokenizers.Tokenizer``.
         add_eos: Append EOS to text and completions that do not end with it.
-        version: Delta table version. timestamp: Delta table as of this time.
-        compression, size_limit, overwrite, max_workers, storage_options, progress, wait: As
-            for :func:`sparkgpu.data.to_mds`.
+        version: Delta table version to read (default: latest).
+        timestamp: Read the Delta table as of this time instead.
+        compression: As for :func:`~sparkgpu.data.convert.conversion.to_mds`.
+        size_limit: As for ``to_mds``.
+        overwrite: Replace a dataset of other data or another tokenizer in ``out`` (one of the
+            same is returned as is, without it).
+        max_workers: Parallel writers for sources read in this process.
+        storage_options: fsspec options for remote paths.
+        progress: Show a progress bar; default: when stderr is a terminal or notebook.
+        wait: Longest wait for another conversion into ``out``, as for ``to_mds``.
 
     Returns:
         The dataset written, or found already written (``reused=True``), with ``stats``.
