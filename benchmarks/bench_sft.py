@@ -180,7 +180,7 @@ def tokenize_section(args, work: Path, rows: dict, tok) -> dict:
         "datasets.map num_proc=2": lambda fmt, n: run_datasets(paths, tok, fmt, str(work / f"hf-{fmt}-{n}"), 2),
     }
     # A first, untimed run of every side: JVM classes, Python worker daemons, imports.
-    for name, run in sides.items():
+    for run in sides.values():
         run(args.formats[0], "warm")
     for fmt in args.formats:
         seconds: dict[str, list[float]] = {name: [] for name in sides}
