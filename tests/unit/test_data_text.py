@@ -129,3 +129,14 @@ def test_a_delta_table_is_tokenized_from_its_path(tmp_path):
     assert result.source["type"] == "delta" and result.samples == 3
     targets = sorted(tok.convert_ids_to_tokens(ids[mask == 1].tolist()) for ids, mask in _read(result.url))
     assert targets == [["eats", "</s>"], ["runs", "</s>"], ["you", "</s>"]]
+
+
+def test_a_tokenizer_folder_gives_the_same_dataset_as_the_tokenizer(tmp_path):
+    tok = build_tokenizer()
+    tok.save_pretrained(str(tmp_path / "tok"))
+    table = pa.table({"messages": _chats(10, seed=2)})
+    from_object = data.tokenize(table, str(tmp_path / "a"), tokenizer=tok)
+    from_folder = data.tokenize(table, str(tmp_path / "b"), tokenizer=str(tmp_path / "tok"))
+    assert from_folder.text["tokenizer"]["eos_token_id"] == 3
+    for (ids, mask), (ids2, mask2) in zip(_read(from_object.url), _read(from_folder.url)):
+        assert ids.tolist() == ids2.tolist() and mask.tolist() == mask2.tolist()
