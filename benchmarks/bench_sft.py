@@ -339,7 +339,7 @@ def loader_section(args, work: Path, lengths: np.ndarray) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, default=10_000, help="chats (and texts) to tokenize")
+    parser.add_argument("--rows", type=int, default=4_000, help="chats (and texts) to tokenize")
     parser.add_argument("--formats", nargs="+", default=["messages", "text"])
     parser.add_argument("--docs", type=int, default=50_000, help="documents to pack and load")
     parser.add_argument("--seq-len", type=int, default=4096)
