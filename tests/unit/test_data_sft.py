@@ -145,6 +145,16 @@ def test_attention_mask_marks_real_tokens_on_request(corpus):
     np.testing.assert_array_equal(batch["attention_mask"].numpy(), (batch["input_ids"] >= 10).numpy().astype(int))
 
 
+def test_flatten_joins_a_batch_into_one_row(corpus):
+    path, _, _ = corpus
+    batch = next(iter(_open(path)))
+    flat = next(iter(_open(path, flatten=True)))
+    for key in batch:
+        assert torch.equal(flat[key], batch[key].reshape(1, -1))
+    with pytest.raises(ConfigurationError, match="batch_size"):
+        _open(path, flatten=True, batch_size=None)
+
+
 def test_best_fit_decreasing_packs_no_worse_than_trl_bfd():
     trl_data = pytest.importorskip("trl.data_utils")
     import pyarrow as pa
@@ -207,6 +217,8 @@ def test_packed_loss_equals_the_documents_run_one_at_a_time(corpus):
                 total += model(input_ids=ids, labels=labels).loss * n
                 count += n
     torch.testing.assert_close(packed, total / count, rtol=1e-5, atol=1e-6)
+    flat = {key: value.reshape(1, -1) for key, value in batch.items()}  # what flatten=True yields
+    torch.testing.assert_close(model(**flat, use_cache=False).loss, packed, rtol=1e-5, atol=1e-6)
     # Llama's config has use_cache=True: a cache is then built even in training, and transformers
     # reads position_ids restarts as separate documents only without one.
     leaky = model(**batch).loss

@@ -29,7 +29,9 @@ flash-attention's varlen path likewise), but only when the model is called **wit
 ``attention_mask`` and **without a cache**: pass ``use_cache=False`` (Llama's config defaults
 to ``use_cache=True``, which builds a cache even in training, and the documents then see each
 other). ``attention_mask=True`` adds a 0/1 mask of real tokens for models that need one; HF
-models given it stop separating the documents.
+models given it stop separating the documents. Flash-attention (``_is_packed_sequence``) looks
+for packed documents only in a batch of one row: ``flatten=True`` yields each batch as one
+row of ``batch_size * seq_len`` tokens, which every row's restart at 0 keeps apart.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ def sft_dataset(
     pack_window: int = _DEFAULT_WINDOW,
     pad_id: int | None = None,
     attention_mask: bool = False,
+    flatten: bool = False,
     shuffle: bool = False,
     seed: int = 0,
     shuffle_block_size: int | None = None,
@@ -110,6 +113,9 @@ def sft_dataset(
             else its EOS id, else 0); padding is never a label.
         attention_mask: Add ``attention_mask`` (1 on tokens, 0 on padding); see the module
             docstring for why HF models should not get one.
+        flatten: Yield each batch as one row of ``batch_size * seq_len`` tokens (shape
+            ``(1, batch_size * seq_len)``): transformers 5's flash-attention path finds packed
+            documents from ``position_ids`` only in a batch of one row.
         shuffle: Shuffle documents (and rows within each window), differently each epoch.
         seed: Seed of the shuffle; every rank must use the same one.
         shuffle_block_size: Documents of neighbouring shards mix within windows of this many
@@ -137,6 +143,8 @@ def sft_dataset(
         raise ConfigurationError(f"overflow={overflow!r} must be one of {OVERFLOW}")
     if pad_id is not None:
         check_int("pad_id", pad_id, 0)
+    if flatten and batch_size is None:
+        raise ConfigurationError("flatten=True joins the rows of a batch into one; pass batch_size=")
     opened = open_mds(
         remote,
         local,
@@ -174,6 +182,7 @@ def sft_dataset(
         pack_window=pack_window,
         pad_id=pad_id,
         attention_mask=attention_mask,
+        flatten=flatten,
         shuffle=shuffle,
         seed=seed,
         shuffle_block_size=opened.shuffle_block_size,
@@ -310,6 +319,7 @@ class SFTLoader(PlannedEpochs):
         pack_window,
         pad_id,
         attention_mask,
+        flatten,
         shuffle,
         seed,
         shuffle_block_size,
@@ -320,7 +330,7 @@ class SFTLoader(PlannedEpochs):
     ):
         self._spec, self._ids, self._mask = spec, ids, mask
         self.seq_len, self.batch_size, self.overflow, self.pack_window = seq_len, batch_size, overflow, pack_window
-        self.pad_id, self.attention_mask = pad_id, attention_mask
+        self.pad_id, self.attention_mask, self.flatten = pad_id, attention_mask, flatten
         self.shuffle, self.seed, self.shuffle_block_size = shuffle, seed, shuffle_block_size
         self.drop_last, self.num_workers, self.rank, self.world_size = drop_last, num_workers, rank, world_size
         self._source = _ShardSource(spec)
@@ -460,7 +470,7 @@ class SFTLoader(PlannedEpochs):
             else:
                 handed += len(batch["input_ids"])
                 self._consumed = start + handed * self.world_size
-                yield batch
+                yield {key: value.reshape(1, -1) for key, value in batch.items()} if self.flatten else batch
         self.epoch, self._consumed = self.epoch + 1, 0
 
     def batches(self, rows: PackedRows, plan: EpochPlan, numbers):
