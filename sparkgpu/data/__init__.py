@@ -9,6 +9,7 @@ ds = data.dataset(remote="s3://bucket/feats/v1", local="/local_disk0/cache", bat
 Where things are, following the data from source to batch:
 
 - :mod:`sparkgpu.data.convert`: DataFrames, Delta tables, Parquet and Arrow -> MDS on a volume;
+- :mod:`sparkgpu.data.text`: text, prompt/completion and chat rows -> token ids and a loss mask;
 - :mod:`sparkgpu.data.tables`: Delta tables and Parquet files read in place (no Spark);
 - :mod:`sparkgpu.data.mds`: the MDS format itself: columns, encoding, writer, reader, batch decoding;
 - :mod:`sparkgpu.data.storage`: volumes, object stores and the local NVMe cache;
@@ -37,6 +38,8 @@ _NAMES = {
     "dataset": "sparkgpu.data.loaders.dataset",
     "Stream": "sparkgpu.data.loaders.mixture",
     "token_dataset": "sparkgpu.data.loaders.tokens",
+    "tokenize": "sparkgpu.data.text.tokenize",
+    "sft_dataset": "sparkgpu.data.loaders.sft",
     "table_dataset": "sparkgpu.data.loaders.table",
     "files_dataset": "sparkgpu.data.loaders.files",
     "decode_image": "sparkgpu.data.images",

@@ -35,7 +35,7 @@ from sparkgpu.errors import ConfigurationError, DataError
 from sparkgpu.store import Store
 from sparkgpu.units import parse_duration
 
-__all__ = ["ConversionResult", "to_mds", "ensure_mds", "data_fingerprint", "read_conversion"]
+__all__ = ["ConversionResult", "to_mds", "ensure_mds", "data_fingerprint", "read_conversion", "write_source"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,6 +252,51 @@ def ensure_mds(
         options,
         fingerprint,
         True,
+        max_workers,
+        progress,
+        started,
+        wait_s,
+        lambda _waited: _reusable(volume, options, fingerprint),
+    )
+
+
+def write_source(
+    resolved,
+    out,
+    *,
+    compression: str | None = None,
+    hashes=None,
+    size_limit: int | str | None = DEFAULT_SIZE_LIMIT,
+    overwrite: bool = False,
+    max_workers: int | None = None,
+    storage_options: dict | None = None,
+    progress: bool | None = None,
+    wait: float | str | datetime.timedelta = DEFAULT_WAIT_S,
+) -> ConversionResult:
+    """Writes a source other modules resolved into ``out``, unless ``out`` already holds it.
+
+    ``resolved`` has what the sources of this package have: ``schema`` (of the rows written),
+    ``description`` (read after writing), ``fingerprint()`` and ``write(volume, options, *,
+    max_workers, progress)``. A complete dataset in ``out`` of the same fingerprint and settings
+    is returned as is (``reused=True``); otherwise the folder is claimed and written as
+    :func:`to_mds` does (the other arguments are its).
+    """
+    started = time.monotonic()
+    wait_s = _wait_seconds(wait)
+    options = ShardOptions.create(
+        plan_columns(resolved.schema, None), compression=compression, hashes=hashes, size_limit=size_limit
+    )
+    fingerprint = resolved.fingerprint()
+    volume = Store(out, storage_options, what="the output folder")
+    existing = _reusable(volume, options, fingerprint)
+    if existing is not None:
+        return dataclasses.replace(existing, seconds=time.monotonic() - started)
+    return _convert(
+        resolved,
+        volume,
+        options,
+        fingerprint,
+        overwrite,
         max_workers,
         progress,
         started,

@@ -60,7 +60,7 @@ class FileSource:
         return FileSource(schema, description, self._units, fingerprint)
 
     def write(
-        self, volume: Store, options: ShardOptions, *, max_workers: int | None = None, progress=None
+        self, volume: Store, options: ShardOptions, *, max_workers: int | None = None, progress=None, transform=None
     ) -> list[dict]:
         """Writes every row as MDS shards under ``volume``; returns the index entries in order.
 
@@ -69,9 +69,11 @@ class FileSource:
             options: Encodings and shard settings.
             max_workers: Parallel writers; defaults to the number of CPUs.
             progress: Optional object with ``start(total)`` and ``advance(rows)``.
+            transform: Optional thread-safe callable turning each record batch of its
+                ``input_columns`` into the batch written (``options`` then describes its output).
         """
         workers = max(1, max_workers or os.cpu_count() or 1)
-        columns = [spec.name for spec in options.specs]
+        columns = list(transform.input_columns) if transform is not None else [spec.name for spec in options.specs]
         groups = _balanced_groups(self._units(workers), workers)
         if progress is not None:
             progress.start(sum(unit.rows or 0 for group in groups for unit in group) or None)
@@ -84,7 +86,7 @@ class FileSource:
                 for batch in unit.batches(columns, use_threads=single):
                     if stop.is_set():
                         return []
-                    writer.write_batch(batch)
+                    writer.write_batch(transform(batch) if transform is not None else batch)
                     if progress is not None:
                         progress.advance(batch.num_rows)
             return writer.finish()

@@ -28,7 +28,7 @@ from sparkgpu.store import Store
 __all__ = ["SparkSource", "spark_source", "is_spark_dataframe"]
 
 _logger = logging.getLogger(__name__)
-_RESULT_SCHEMA = "partition int, shards string"
+_RESULT_SCHEMA = "partition int, shards string, summary string"
 _MAX_TO_STRING_FIELDS = "spark.sql.debug.maxToStringFields"
 
 
@@ -89,7 +89,7 @@ class SparkSource:
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode("utf-8")).hexdigest()
 
     def write(
-        self, volume: Store, options: ShardOptions, *, max_workers: int | None = None, progress=None
+        self, volume: Store, options: ShardOptions, *, max_workers: int | None = None, progress=None, transform=None
     ) -> list[dict]:
         """Runs one Spark job writing every partition's shards; returns the index entries.
 
@@ -98,6 +98,9 @@ class SparkSource:
             options: Encodings and shard settings.
             max_workers: Ignored: Spark decides how many tasks run at once.
             progress: Optional object with ``update(completed, total)``.
+            transform: Optional picklable callable run in every task on each record batch of its
+                ``input_columns``, returning the batch written (``options`` describes its output);
+                each task's ``transform.summary()`` is passed to ``transform.add()`` here.
 
         Raises:
             DataError: A task failed on the data (nulls, wrong array lengths...), with the
@@ -106,13 +109,13 @@ class SparkSource:
         from pyspark.sql import functions as F
 
         del max_workers
-        names = [spec.name for spec in options.specs]
+        names = list(transform.input_columns) if transform is not None else [spec.name for spec in options.specs]
         # mapInArrow resolves its input columns by name and trips over names such as "a.b";
         # plain positional aliases go in, the task puts the real names back.
         df = self.df.select(
             *[F.col("`" + name.replace("`", "``") + "`").alias(f"_c{i}") for i, name in enumerate(names)]
         )
-        task = _PartitionTask(volume, options, names)
+        task = _PartitionTask(volume, options, names, transform)
         with _shipped_by_value(), _progress_handler(df.sparkSession, progress) as handler:
             try:
                 rows = df.mapInArrow(task, _RESULT_SCHEMA).collect()
@@ -128,16 +131,19 @@ class SparkSource:
         shards = []
         for row in sorted(rows, key=lambda r: r["partition"]):
             shards.extend(json.loads(row["shards"]))
+            if transform is not None:
+                transform.add(json.loads(row["summary"]))
         return shards
 
 
 class _PartitionTask:
     """What each Spark task runs: its record batches in, one metadata row out."""
 
-    def __init__(self, volume: Store, options: ShardOptions, names: list[str]):
+    def __init__(self, volume: Store, options: ShardOptions, names: list[str], transform=None):
         self.volume = volume
         self.options = options
         self.names = names
+        self.transform = transform
 
     def __call__(self, batches):
         from pyspark import TaskContext
@@ -147,12 +153,15 @@ class _PartitionTask:
         # One folder per task attempt: a retried or speculative attempt never writes into the
         # files of another; the commit removes folders the index does not list.
         writer = self.options.writer(self.volume, f"part-{partition:05d}-{context.taskAttemptId()}")
+        transform = self.transform
         for batch in batches:
-            writer.write_batch(pa.RecordBatch.from_arrays(batch.columns, names=self.names))
+            batch = pa.RecordBatch.from_arrays(batch.columns, names=self.names)
+            writer.write_batch(transform(batch) if transform is not None else batch)
         shards = writer.finish()
+        summary = json.dumps(transform.summary()) if transform is not None else "{}"
         yield pa.RecordBatch.from_pydict(
-            {"partition": [partition], "shards": [json.dumps(shards)]},
-            schema=pa.schema([("partition", pa.int32()), ("shards", pa.string())]),
+            {"partition": [partition], "shards": [json.dumps(shards)], "summary": [summary]},
+            schema=pa.schema([("partition", pa.int32()), ("shards", pa.string()), ("summary", pa.string())]),
         )
 
 
