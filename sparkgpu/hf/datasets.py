@@ -20,7 +20,15 @@ import torch
 
 from sparkgpu._report import report
 
-__all__ = ["LOADER_STATE", "LoaderDataset", "train_dataset", "is_loader", "loader_of", "batches_of"]
+__all__ = [
+    "LOADER_STATE",
+    "LoaderDataset",
+    "train_dataset",
+    "is_loader",
+    "loader_of",
+    "batches_of",
+    "keep_documents_apart",
+]
 
 logger = logging.getLogger("sparkgpu.hf")
 
@@ -97,6 +105,19 @@ def dataloader_for(dataset: Any) -> LoaderBatches:
     if not isinstance(dataset, LoaderDataset):
         dataset = LoaderDataset(dataset)
     return LoaderBatches(dataset)
+
+
+def keep_documents_apart(model: Any, dataset: Any) -> None:
+    """Turns the model's key/value cache off for a loader that packs documents into rows.
+
+    HF models keep packed documents apart by ``position_ids`` only without an attention mask and
+    without a cache; a model whose config says ``use_cache=True`` (Llama's default) builds one in
+    training too, and every document would then attend to the ones before it in its row.
+    """
+    config = getattr(model, "config", None)
+    if getattr(loader_of(dataset), "packs_documents", False) and getattr(config, "use_cache", False):
+        config.use_cache = False
+        logger.info("use_cache turned off for training: the loader packs documents, kept apart by position_ids")
 
 
 def save_position(dataset: Any, folder: str) -> None:

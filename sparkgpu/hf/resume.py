@@ -360,6 +360,7 @@ def _loader_aware(get_train_dataloader):
     @functools.wraps(get_train_dataloader)
     def wrapper(self):
         if loaders.is_loader(self.train_dataset):
+            loaders.keep_documents_apart(self.model, self.train_dataset)
             # Each rank reads its own share: no sampler, no re-batching, no dispatch by Accelerate.
             return loaders.dataloader_for(self.train_dataset)
         return get_train_dataloader(self)

@@ -223,3 +223,19 @@ def test_packed_loss_equals_the_documents_run_one_at_a_time(corpus):
     # reads position_ids restarts as separate documents only without one.
     leaky = model(**batch).loss
     assert not torch.allclose(leaky, packed, rtol=1e-5, atol=1e-6)
+
+
+def test_a_trainer_reading_the_loader_keeps_packed_documents_apart(corpus, tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from sparkgpu.hf import resumable
+
+    path, docs, _ = corpus
+    model = _llama(int(docs[-1][-1]) + 1)
+    assert model.config.use_cache  # Llama's default, which lets packed documents see each other
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1)
+    trainer = resumable(Trainer(model=model, args=args, train_dataset=_open(path, shuffle=True, seed=1)))
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert model.config.use_cache is False
+    # What the Trainer computes is the packed loss of documents kept apart.
+    torch.testing.assert_close(model(**batch).loss, model(**batch, use_cache=False).loss)

@@ -305,7 +305,12 @@ class SFTLoader(PlannedEpochs):
         num_documents: Documents in the dataset (empty ones included).
         num_tokens: Their tokens.
         epoch: The epoch the next iteration reads.
+        packs_documents: True: a row holds several documents, kept apart by ``position_ids``
+            alone, which a model's key/value cache undoes (HF models build one in training when
+            ``use_cache`` is on); a Trainer reading this loader turns the cache off.
     """
+
+    packs_documents = True
 
     def __init__(
         self,
