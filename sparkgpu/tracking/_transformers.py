@@ -68,10 +68,12 @@ def transformers_components(obj, tokenizer=None) -> dict[str, Any]:
     return components
 
 
-def _tuner_layer_cls():
+def _wrapper_classes() -> tuple[type, ...]:
+    """PEFT's modules that wrap a base model's module: tuner layers and ``modules_to_save`` copies."""
     from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
 
-    return BaseTunerLayer
+    return (BaseTunerLayer, AuxiliaryTrainingWrapper)
 
 
 def _unwrapped_base(peft_model):
@@ -80,28 +82,35 @@ def _unwrapped_base(peft_model):
     return peft_model.base_model if config is not None and config.is_prompt_learning else peft_model.base_model.model
 
 
+# Where PEFT's wrappers keep the base model's own weights: a tuner layer's ``base_layer`` (LoRA's
+# q_proj), a ``modules_to_save`` wrapper's ``original_module`` (a trained lm_head's untrained original).
+_BASE_WEIGHTS_IN_WRAPPERS = ("base_layer.", "original_module.")
+
+
 def base_state_dict(peft_model) -> dict:
     """The base model's own weights, under the base model's own names, without copying tensors.
 
     PEFT's LoRA-like tuners replace a ``q_proj`` by a layer holding ``q_proj.base_layer`` and
-    the adapter's ``q_proj.lora_A...``; the base model saved as it stands would carry those
+    the adapter's ``q_proj.lora_A...`` (and ``modules_to_save=["lm_head"]`` keeps the original
+    as ``lm_head.original_module``); the base model saved as it stands would carry those
     names, and loading it as the base architecture would leave ``q_proj.weight`` missing
     (randomly initialised). MLflow 3's flavour saves it so: sparkgpu writes this instead.
     """
     base = _unwrapped_base(peft_model)
-    tuner = _tuner_layer_cls()
+    wrappers = _wrapper_classes()
     state = base.state_dict()
-    layers = sorted((name for name, module in base.named_modules() if isinstance(module, tuner)), key=len, reverse=True)
+    layers = sorted(
+        (name for name, module in base.named_modules() if isinstance(module, wrappers)), key=len, reverse=True
+    )
     clean: dict = {}
     for key, value in state.items():
         for layer in layers:
             prefix = f"{layer}." if layer else ""
             if key.startswith(prefix):
                 rest = key[len(prefix) :]
-                if not rest.startswith("base_layer."):
-                    key = None  # the adapter's own weights: they are in peft/
-                else:
-                    key = prefix + rest[len("base_layer.") :]
+                own = next((p for p in _BASE_WEIGHTS_IN_WRAPPERS if rest.startswith(p)), None)
+                # The adapter's own weights (lora_A, modules_to_save copies) are in peft/.
+                key = None if own is None else prefix + rest[len(own) :]
                 break
         if key is not None:
             clean[key] = value
