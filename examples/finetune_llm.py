@@ -52,14 +52,15 @@ def build_tokenizer(folder: str):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    specials = ["<pad>", "<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "\n"]
+    specials = ["<pad>", "<unk>", "<s>", "<|im_start|>", "<|im_end|>", "\n"]
     vocab = {token: i for i, token in enumerate(specials + ["user", "assistant"] + sorted(set(WORDS)))}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.add_special_tokens(specials)
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.decoder = decoders.WordPiece()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+        # As chat models do, a turn's end is the end of a generation.
+        tokenizer_object=backend, bos_token="<s>", eos_token="<|im_end|>", pad_token="<pad>", unk_token="<unk>"
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(folder)
@@ -67,9 +68,9 @@ def build_tokenizer(folder: str):
 
 
 def question(thing: str, rng: random.Random) -> str:
-    return rng.choice(["what color is the {}", "tell me the color of the {}", "what is the color of the {} please"]).format(
-        thing
-    )
+    return rng.choice(
+        ["what color is the {}", "tell me the color of the {}", "what is the color of the {} please"]
+    ).format(thing)
 
 
 def train(data_url: str, tokenizer_dir: str, output_dir: str, steps: int):
@@ -180,7 +181,12 @@ def main() -> None:
         train,
         gpus=2,
         gpu_type="cpu",
-        kwargs={"data_url": tokens.url, "tokenizer_dir": tokenizer_dir, "output_dir": os.path.join(work, "trainer-out"), "steps": 60},
+        kwargs={
+            "data_url": tokens.url,
+            "tokenizer_dir": tokenizer_dir,
+            "output_dir": os.path.join(work, "trainer-out"),
+            "steps": 60,
+        },
         experiment="/sparkgpu/finetune",
         register_as="main.demo.chat",
         max_restarts=1,
@@ -197,7 +203,12 @@ def main() -> None:
     held_out = [(thing, question(thing, random.Random(7 + i))) for i, thing in enumerate(THINGS)]
     prompts = spark.createDataFrame(
         [
-            (thing, tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True))
+            (
+                thing,
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+                ),
+            )
             for thing, q in held_out
         ],
         "thing string, prompt string",
