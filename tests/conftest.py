@@ -106,6 +106,14 @@ def _session_gpu_lock_dir(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
+def _piped_terminal(monkeypatch):
+    """Every test sees output piped, as in CI: the CLI sizes its tables from ``COLUMNS`` where it
+    is set, and xdist's workers have ``COLUMNS=80`` in their environment."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.delenv("LINES", raising=False)
+
+
+@pytest.fixture(autouse=True)
 def _isolated_sparkgpu_home(tmp_path_factory, monkeypatch, _worker_image_lock):
     """Every test gets its own SPARKGPU_HOME, so runs, caches and ledgers never leak."""
     from sparkgpu.config import reset_settings
