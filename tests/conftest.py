@@ -3,16 +3,76 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
 from tests.s3_server import s3_bucket, s3_server  # noqa: F401  (fixtures: a real S3 server on loopback)
 
 
+#: Session fixtures that start a server, and the xdist group of the tests that take each: under
+#: ``pytest -n N`` (``make test``) a group runs on one worker, so each server starts once. The
+#: clusters come first: a test taking both gets the group of the first listed.
+_SERVER_GROUPS = (
+    ("spark_cluster", "spark-cluster"),
+    ("disposable_spark_cluster", "disposable-spark-cluster"),
+    ("spark", "spark-local"),
+)
+#: Modules of tests on Spark clusters (``test_spark_cluster*.py``); one that starts a cluster of
+#: its own (a module fixture) is one group too.
+_CLUSTER_MODULE = "test_spark_cluster"
+
+
+def server_group(item) -> str | None:
+    """The xdist group of a test: that of the first server fixture it takes (directly or through
+    another fixture), else its module's if that is a Spark cluster module; None where it may run
+    on any worker."""
+    names = set(getattr(item, "fixturenames", ()))
+    group = next((group for fixture, group in _SERVER_GROUPS if fixture in names), None)
+    module = item.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
+    if group is None and module.startswith(_CLUSTER_MODULE):
+        group = module
+    return group
+
+
+def _before_local_spark(item, group: str | None) -> bool:
+    """Whether a test's Connect clients must run before the in-process `spark` server exists in
+    its process: once it does, pyspark redirects and re-authenticates every other Connect client."""
+    return _CLUSTER_MODULE in item.nodeid or group in ("spark-cluster", "disposable-spark-cluster")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the items' groups
 def pytest_collection_modifyitems(config, items):
-    """Tests on the standalone Spark cluster run first: once the shared in-process `spark`
-    server exists, pyspark redirects and re-authenticates every other Connect client."""
-    items.sort(key=lambda item: 0 if "test_spark_cluster" in item.nodeid else 1)
+    """Tests on the standalone Spark clusters run first, and the tests sharing a server are
+    grouped (:func:`server_group`).
+
+    ``make test`` hands groups to its workers in this order (``--dist loadgroup
+    --no-loadscope-reorder``, in pyproject.toml's addopts), and a worker runs its groups in the
+    order it gets them: every worker runs its cluster tests before any other.
+    """
+    groups = {item: server_group(item) for item in items}
+    items.sort(key=lambda item: 0 if _before_local_spark(item, groups[item]) else 1)
+    for item in items:
+        if groups[item] and not any(item.iter_markers("xdist_group")):
+            item.add_marker(pytest.mark.xdist_group(groups[item]))
+
+
+@pytest.hookimpl(tryfirst=True)  # before the xdist worker sends its test ids to the controller
+def pytest_collection_finish(session):
+    """Under ``--dist loadgroup``, each grouped test's id ends in ``@<group>``, which is what the
+    controller groups by. xdist 3.8 writes that suffix where pytest 9 no longer reads a test's id
+    (``item._nodeid``); here it goes where pytest 9 keeps it."""
+    if not getattr(session.config.option, "loadgroup", False):  # set in xdist workers only
+        return
+    for item in session.items:
+        groups = sorted(
+            {
+                str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+                for mark in item.iter_markers("xdist_group")
+            }
+        )
+        if groups and "@" not in item.nodeid.rsplit("]", 1)[-1] and hasattr(item, "_id"):
+            item._id = type(item._id).parse(f"{item.nodeid}@{'_'.join(groups)}")
 
 
 @pytest.fixture(scope="session")
@@ -29,6 +89,28 @@ def _worker_image_lock(tmp_path_factory):
     path = tmp_path_factory.mktemp("worker-image") / "probe.json"
     path.write_text(probe)
     return str(path)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_gpu_lock_dir(tmp_path_factory):
+    """The simulated hosts' GPU leases and queues of this test session (of this xdist worker):
+    the default, ``<tmp>/sparkgpu-gpus``, is the machine's, shared with every other test session
+    on it. In the process environment, so the Spark clusters' executors get it too."""
+    saved = os.environ.get("SPARKGPU_GPU_LOCK_DIR")
+    os.environ["SPARKGPU_GPU_LOCK_DIR"] = str(tmp_path_factory.mktemp("gpu-locks"))
+    yield
+    if saved is None:
+        os.environ.pop("SPARKGPU_GPU_LOCK_DIR", None)
+    else:
+        os.environ["SPARKGPU_GPU_LOCK_DIR"] = saved
+
+
+@pytest.fixture(autouse=True)
+def _piped_terminal(monkeypatch):
+    """Every test sees output piped, as in CI: the CLI sizes its tables from ``COLUMNS`` where it
+    is set, and xdist's workers have ``COLUMNS=80`` in their environment."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.delenv("LINES", raising=False)
 
 
 @pytest.fixture(autouse=True)
@@ -86,8 +168,6 @@ _MOSAIC_SHM = r"^\d{6}_[a-z_]+$"  # Mosaic's shared-memory names: 000042_locals,
 
 
 def _remove_mosaic_shared_memory(names) -> None:
-    import re
-
     for name in names:
         if re.match(_MOSAIC_SHM, name):
             try:
@@ -96,10 +176,12 @@ def _remove_mosaic_shared_memory(names) -> None:
                 continue
 
 
-def _open_anywhere() -> set[str]:
-    """The /dev/shm names some live process has open."""
+def _open_anywhere(but: int | None = None) -> set[str]:
+    """The /dev/shm names some live process (other than ``but``) has open."""
     held = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
+        if pid == str(but):
+            continue
         try:
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 target = os.readlink(f"/proc/{pid}/fd/{fd}")
@@ -122,7 +204,12 @@ def _mosaic_shared_memory_released(_mosaic_shared_memory_stale_removed):
     import sys
 
     if "streaming" in sys.modules:
-        _remove_mosaic_shared_memory(set(os.listdir("/dev/shm")) - before)
+        new = set(os.listdir("/dev/shm")) - before
+        # Names another process holds open are not this test's: another xdist worker's (or
+        # another test session's) dataset made them meanwhile.
+        if any(re.match(_MOSAIC_SHM, name) for name in new):
+            new -= _open_anywhere(but=os.getpid())
+        _remove_mosaic_shared_memory(new)
 
 
 @pytest.fixture(scope="session")

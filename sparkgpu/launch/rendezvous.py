@@ -105,7 +105,10 @@ def register() -> None:
             if self._store is None and self.rank == 0:
                 from torch.distributed import TCPStore
 
+                # Port 0 (a one-node job): the store listens on a port taken here, not on one found
+                # free earlier, which another process can take meanwhile on a busy machine.
                 self._listener = listening_socket(self.master_addr, self.master_port)
+                self.master_port = self._listener.getsockname()[1]
                 self._store = TCPStore(
                     self.master_addr,
                     self.master_port,

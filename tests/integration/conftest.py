@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.spark_cluster import DISPOSABLE_CLUSTER, LocalSparkCluster, java_available
+from tests.integration.spark_cluster import DISPOSABLE_CLUSTER, LocalSparkCluster, NO_JAVA, java_available
 
 
 @pytest.fixture(scope="session")
@@ -15,7 +15,7 @@ def spark_cluster(tmp_path_factory):
     it started must be gone.
     """
     if not java_available():
-        pytest.skip("the Spark cluster tests need Java (a JRE 17): install openjdk-17-jre-headless or set JAVA_HOME")
+        pytest.skip(NO_JAVA)
     cluster = LocalSparkCluster(
         tmp_path_factory.mktemp("spark-cluster"),
         workers=2,

@@ -21,7 +21,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -31,13 +30,15 @@ import time
 import urllib.request
 from pathlib import Path
 
+from sparkgpu._java import java_available, java_environment
+
 __all__ = ["LocalSparkCluster", "java_available", "spark_home", "is_loopback", "disposable_cluster", "cluster_session"]
 
 _CONNECT_SERVER = "org.apache.spark.sql.connect.service.SparkConnectServer"
 
 
-def java_available() -> bool:
-    return shutil.which("java") is not None or bool(os.environ.get("JAVA_HOME"))
+#: Why the Spark cluster tests are skipped where :func:`java_available` is false.
+NO_JAVA = "the Spark cluster tests need Java 17: pip install 'sparkgpu[java]', or install Java 17 and set JAVA_HOME"
 
 
 def spark_home() -> Path:
@@ -342,7 +343,7 @@ class LocalSparkCluster:
         # SPARK_LOCAL_IP: every JVM binds its RPC, block manager and web UI there (the UIs
         # of the master and workers bind every interface otherwise, whatever --host says).
         full_env = {
-            **os.environ,
+            **java_environment(),
             "SPARK_HOME": str(spark_home()),
             "SPARK_LOG_DIR": str(self.workdir),
             "SPARK_LOCAL_IP": "127.0.0.1",
@@ -559,7 +560,7 @@ def disposable_cluster(folder: Path, name: str):
     import pytest
 
     if not java_available():
-        pytest.skip("the Spark cluster tests need Java (a JRE 17): install openjdk-17-jre-headless or set JAVA_HOME")
+        pytest.skip(NO_JAVA)
     cluster = LocalSparkCluster(
         folder, workers=2, gpus_per_worker=2, cores_per_worker=2, gpu_type="A10", simulated=True, name=name
     )

@@ -109,7 +109,14 @@ def test_exception_on_one_rank_names_the_rank_and_the_remote_traceback():
     assert "rank 1: " in text and "ShardError: shard 7 is corrupt" in text
     assert "Remote traceback" in text and 'raise ShardError("shard 7 is corrupt")' in text
     assert isinstance(err.value.__cause__, ShardError)  # the original exception, chained
-    assert "First to fail: rank 1" in text
+    # Rank 0 fails too where its all_reduce sees rank 1 leave before the launcher stops it; where
+    # the launcher is first (a busy machine), rank 0 was torn down, which is no failure of its own.
+    # Either way rank 1 is the one named first.
+    assert err.value.first_failure.rank == 1
+    if err.value.ranks == [0, 1]:
+        assert "2 rank(s) failed" in text and "First to fail: rank 1 (" in text
+    else:
+        assert err.value.ranks == [1] and text.startswith("1 rank(s) failed") and "First to fail" not in text
     assert_no_orphans(settings().staging_root / flaky.last_job_id)
 
 

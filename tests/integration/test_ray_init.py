@@ -13,7 +13,8 @@ import pytest
 
 pytest.importorskip("ray", reason="ray_init needs ray: pip install 'sparkgpu[ray]'")
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+# One worker runs the Ray tests: they look for Ray processes and temp dirs machine-wide.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300), pytest.mark.xdist_group("ray")]
 
 NOTEBOOK = textwrap.dedent("""
     import json, sys

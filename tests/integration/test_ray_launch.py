@@ -21,7 +21,8 @@ from sparkgpu.ray import ray_launch, read_cluster_info
 
 pytest.importorskip("ray", reason="@ray_launch needs ray: pip install 'sparkgpu[ray]'")
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+# One worker runs the Ray tests: they look for Ray processes and temp dirs machine-wide.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420), pytest.mark.xdist_group("ray")]
 
 _RAY_NAMES = ("raylet", "gcs_server")
 

@@ -16,7 +16,7 @@ import pytest
 
 from sparkgpu import runtime
 from sparkgpu.config import settings
-from tests.integration.spark_cluster import LocalSparkCluster, java_available
+from tests.integration.spark_cluster import LocalSparkCluster, NO_JAVA, java_available
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.usefixtures("workers_share_this_image")]
 
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.usefixture
 @pytest.fixture(scope="module")
 def counted_cluster(tmp_path_factory):
     if not java_available():
-        pytest.skip("the Spark cluster tests need Java (a JRE 17): install openjdk-17-jre-headless or set JAVA_HOME")
+        pytest.skip(NO_JAVA)
     cluster = LocalSparkCluster(
         tmp_path_factory.mktemp("counted-cluster"),
         workers=2,

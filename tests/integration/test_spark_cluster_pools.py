@@ -20,7 +20,7 @@ from sparkgpu.cli import main
 from sparkgpu.config import reset_settings, settings
 from sparkgpu.decorator import distributed
 from sparkgpu.errors import CapacityError, ConfigurationError, PolicyViolationError
-from tests.integration.spark_cluster import LocalSparkCluster, _free_port, java_available
+from tests.integration.spark_cluster import NO_JAVA, LocalSparkCluster, _free_port, java_available
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.usefixtures("workers_share_this_image")]
 
@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.usefixture
 def pool_clusters(tmp_path_factory):
     """``{"a10": cluster, "h100": cluster}``, started in parallel."""
     if not java_available():
-        pytest.skip("the Spark cluster tests need Java (a JRE 17): install openjdk-17-jre-headless or set JAVA_HOME")
+        pytest.skip(NO_JAVA)
     clusters = {
         kind: LocalSparkCluster(
             tmp_path_factory.mktemp(f"pool-{kind}"),

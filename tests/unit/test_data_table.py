@@ -364,6 +364,7 @@ def test_a_remote_tables_first_batch_reads_its_row_groups_by_range_before_any_wh
 
     import fsspec
 
+    from sparkgpu.data.storage.table_cache import TableFileCache
     from sparkgpu.data.storage.volume import Volume
 
     memory = fsspec.filesystem("memory")
@@ -376,8 +377,11 @@ def test_a_remote_tables_first_batch_reads_its_row_groups_by_range_before_any_wh
         footers.append(struct.unpack("<i", raw[-8:-4])[0])
         memory.pipe(f"/lake/wide/day={day}/part-0.parquet", raw)
     assert min(footers) > 64 << 10  # the footer takes a second range
+    # Whole-file downloads read through read_bytes too (a small file in one request, a large one
+    # in ranges), on their own threads: a read is the first batch's when it comes before the end
+    # of the first batch's row group read, which comes before any download starts.
     events = []
-    read_bytes, download = Volume.read_bytes, Volume.download
+    read_bytes, download, remote_piece = Volume.read_bytes, Volume.download, TableFileCache.remote_piece
 
     def ranged(self, relative, start=None, end=None):
         events.append(("range", relative, start, end))
@@ -387,8 +391,14 @@ def test_a_remote_tables_first_batch_reads_its_row_groups_by_range_before_any_wh
         events.append(("file", relative))
         return download(self, relative, *args, **kwargs)
 
+    def row_group_by_range(self, piece):
+        fragment = remote_piece(self, piece)
+        events.append(("row group read", piece.path))
+        return fragment
+
     monkeypatch.setattr(Volume, "read_bytes", ranged)
     monkeypatch.setattr(Volume, "download", whole)
+    monkeypatch.setattr(TableFileCache, "remote_piece", row_group_by_range)
     rows = data.table_dataset(
         "memory://lake/wide",
         columns=["id", "day", "c299"],
@@ -403,9 +413,12 @@ def test_a_remote_tables_first_batch_reads_its_row_groups_by_range_before_any_wh
     kept = [i for i in range(10, 600) if i != 15]
     assert first["id"].tolist() == kept[:20] and first["day"] == ["2026-11-01"] * 20
     assert first["c299"].tolist() == [float(i % 300 + 299) for i in kept[:20]]
-    fetched = [e for e in events if e[0] == "range"]
-    assert fetched and {e[1] for e in fetched} == {"day=2026-11-01/part-0.parquet"}
-    assert events.index(fetched[-1]) < min((i for i, e in enumerate(events) if e[0] == "file"), default=len(events))
+    read = [i for i, e in enumerate(events) if e[0] == "row group read"]
+    assert len(read) == 1 and events[read[0]][1].endswith("day=2026-11-01/part-0.parquet")
+    assert read[0] < min((i for i, e in enumerate(events) if e[0] == "file"), default=len(events))
+    fetched = events[: read[0]]  # the first batch's reads: by range, of its own file only
+    assert fetched and all(e[0] == "range" and e[2] is not None and e[3] is not None for e in fetched)
+    assert {e[1] for e in fetched} == {"day=2026-11-01/part-0.parquet"}
     rest = [i for batch in iterator for i in batch["id"].tolist()]
     assert first["id"].tolist() + rest == kept
     assert {e[1] for e in events if e[0] == "file"} == {

@@ -268,7 +268,7 @@ class LocalBackend(Backend):
         # The host's cores shared out between the ranks, as every attempt's ranks apply them.
         full_env.update(rank_thread_env(full_env, threads_per_rank(job.world_size)))
         process = subprocess.Popen(
-            self._command(job, run_dir, attempt, free_port(), env_on_stdin),
+            self._command(job, run_dir, attempt, 0, env_on_stdin),  # the agent takes a free port for its store
             env=full_env,
             stdout=log,
             stderr=subprocess.STDOUT,
