@@ -60,7 +60,11 @@ def build_tokenizer(folder: str):
     backend.decoder = decoders.WordPiece()
     tokenizer = PreTrainedTokenizerFast(
         # As chat models do, a turn's end is the end of a generation.
-        tokenizer_object=backend, bos_token="<s>", eos_token="<|im_end|>", pad_token="<pad>", unk_token="<unk>"
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="<|im_end|>",
+        pad_token="<pad>",
+        unk_token="<unk>",
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(folder)

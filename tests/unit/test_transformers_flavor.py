@@ -20,7 +20,7 @@ def test_the_stored_base_has_the_base_models_own_names_and_weights():
     # LoRA layers wrap q_proj/v_proj; modules_to_save keeps a trained copy of lm_head beside the original.
     model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"]))
     with torch.no_grad():
-        for name, parameter in model.named_parameters():
+        for parameter in model.parameters():
             if parameter.requires_grad:
                 parameter.add_(1.0)  # "trained": the adapter and the saved lm_head copy move
     stored = base_state_dict(model)
