@@ -60,35 +60,17 @@ def train(data_url: str, epochs: int, lr: float):
     return net if runtime.is_main_process() else None
 
 
-def _local_workers_run_this_environment() -> None:
-    """The demo's executors are local processes of this venv: tell the environment shipper,
-    so that only editable installs and this script's folder travel (as with a cluster image
-    that matches the client)."""
-    import subprocess
-    import tempfile
-
-    from sparkgpu.env import hydrate_module_path
-
-    if "SPARKGPU_ENV_WORKER_LOCK" in os.environ:
-        return
-    probe = subprocess.run(
-        [sys.executable, str(hydrate_module_path()), "--probe"], capture_output=True, text=True, check=True
-    ).stdout
-    path = os.path.join(tempfile.mkdtemp(prefix="sparkgpu-demo-"), "workers.json")
-    with open(path, "w") as f:
-        f.write(probe)
-    os.environ["SPARKGPU_ENV_WORKER_LOCK"] = path
-
-
 def main() -> None:
     started = time.time()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    _local_workers_run_this_environment()
+    from sparkgpu.local_spark import local_session, workers_run_this_environment
+
+    # The local executors are processes of this venv: only editable installs and this script travel.
+    workers_run_this_environment()
     from pyspark.sql import functions as F
 
     import sparkgpu  # noqa: F401 - attaches spark.gpu
     from sparkgpu import registry
-    from sparkgpu.local_spark import local_session
 
     print("starting a local Spark Connect server ...", flush=True)
     # In this process, on loopback only, no UI; with a cluster: SparkSession.builder.remote("sc://host:15002").

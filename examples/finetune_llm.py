@@ -133,31 +133,16 @@ def train(data_url: str, tokenizer_dir: str, output_dir: str, steps: int):
     return None
 
 
-def _local_workers_run_this_environment() -> None:
-    """The example's executors are local processes of this venv (as in examples/demo.py)."""
-    import subprocess
-
-    from sparkgpu.env import hydrate_module_path
-
-    if "SPARKGPU_ENV_WORKER_LOCK" in os.environ:
-        return
-    probe = subprocess.run(
-        [sys.executable, str(hydrate_module_path()), "--probe"], capture_output=True, text=True, check=True
-    ).stdout
-    path = os.path.join(tempfile.mkdtemp(prefix="sparkgpu-finetune-"), "workers.json")
-    with open(path, "w") as f:
-        f.write(probe)
-    os.environ["SPARKGPU_ENV_WORKER_LOCK"] = path
-
-
 def main() -> None:
     started = time.time()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    _local_workers_run_this_environment()
+    from sparkgpu.local_spark import local_session, workers_run_this_environment
+
+    # The local executors are processes of this venv: only editable installs and this script travel.
+    workers_run_this_environment()
 
     import sparkgpu  # noqa: F401 - attaches spark.gpu
     from sparkgpu import data, registry
-    from sparkgpu.local_spark import local_session
 
     work = tempfile.mkdtemp(prefix="sparkgpu-finetune-")
     tokenizer_dir = os.path.join(work, "tokenizer")

@@ -19,7 +19,7 @@ from typing import Any
 from sparkgpu._java import java_home
 from sparkgpu.config import settings
 
-__all__ = ["local_session"]
+__all__ = ["local_session", "workers_run_this_environment"]
 
 # Spark's JVM log: warnings stay (the level Spark's own shells use, so it announces no change of
 # level), the start-up notices of a laptop without native Hadoop libraries do not.
@@ -90,3 +90,27 @@ def local_session(cores: int = 2, *, conf: dict[str, Any] | None = None, quiet: 
     os.environ["SPARK_CONNECT_MODE_ENABLED"] = "1"
     # "localhost": pyspark sends the session's token over a local channel only to that name.
     return ConnectSession.builder.remote(f"sc://localhost:{port}").getOrCreate()
+
+
+def workers_run_this_environment() -> None:
+    """Tells environment shipping that the local executors run this very Python environment.
+
+    A local session's executors are processes of this machine and this environment: only editable
+    installs and the caller's own code need to travel to them, as with a cluster whose image
+    matches the client. Does nothing when ``SPARKGPU_ENV_WORKER_LOCK`` already names the workers'
+    environment.
+    """
+    import subprocess
+    import tempfile
+
+    from sparkgpu.env import hydrate_module_path
+
+    if "SPARKGPU_ENV_WORKER_LOCK" in os.environ:
+        return
+    probe = subprocess.run(
+        [sys.executable, str(hydrate_module_path()), "--probe"], capture_output=True, text=True, check=True
+    ).stdout
+    path = os.path.join(tempfile.mkdtemp(prefix="sparkgpu-workers-"), "workers.json")
+    with open(path, "w") as f:
+        f.write(probe)
+    os.environ["SPARKGPU_ENV_WORKER_LOCK"] = path
