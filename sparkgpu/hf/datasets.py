@@ -115,7 +115,7 @@ def keep_documents_apart(model: Any, dataset: Any) -> None:
     training too, and every document would then attend to the ones before it in its row.
     """
     config: Any = getattr(model, "config", None)
-    if config is not None and getattr(loader_of(dataset), "packs_documents", False) and config.use_cache:
+    if getattr(loader_of(dataset), "packs_documents", False) and getattr(config, "use_cache", False):
         config.use_cache = False
         logger.info("use_cache turned off for training: the loader packs documents, kept apart by position_ids")
 
