@@ -8,8 +8,7 @@ plant a checkpoint nor change one. Layout in the store::
     <store>/checkpoint-<N>/<the framework's files, sub-folders included>
     <store>/checkpoint-<N>/_SEALED.json     {"format", "step", "signed": {"files", "job_id"}, "mac"}
 
-Files are copied (or hard-linked, where the caller knows nothing rewrites them) first and
-hashed; the marker, written last, makes the folder count. Nothing needs to be flushed to disk for that:
+Files are copied first and hashed; the marker, written last, makes the folder count. Nothing needs to be flushed to disk for that:
 a file that a crash left short or empty fails its hash on restore, and the next older checkpoint
 is used. Restoring copies every file back to a local folder, hashing the very
 bytes it writes, so what the framework then unpickles is what the job sealed. The key is the
@@ -92,43 +91,23 @@ def _mac(key: bytes, body: dict[str, Any]) -> str:
     return hmac.new(key, _DOMAIN + canonical.encode(), hashlib.sha256).hexdigest()
 
 
-def copy_hashed(local: str | os.PathLike, store: Store, rel: str, *, link: bool = False) -> tuple[int, str]:
-    """Puts the local file ``local`` at ``rel`` in ``store``; returns its size and SHA-256.
+def copy_hashed(local: str | os.PathLike, store: Store, rel: str) -> tuple[int, str]:
+    """Copies the local file ``local`` to ``rel`` in ``store``; returns its size and SHA-256.
+
+    A copy, never a hard link: the framework may write the same path again (a step saved anew
+    after a restart), and a link would carry that write into the sealed file.
 
     Args:
         local: The file.
         store: The checkpoint store.
         rel: Its name there.
-        link: In a local store on the same file system, hard-link instead of copying (the
-            framework never rewrites a saved file; a restore copies and checks every byte).
     """
-    if link and store.is_local:
-        target = store.path(rel)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        try:
-            if os.path.lexists(target):
-                os.unlink(target)
-            os.link(local, target)
-        except OSError:
-            pass  # another file system, or links refused: copy
-        else:
-            return _hash_file(target)
     digest = hashlib.sha256()
     size = 0
     with open(local, "rb", buffering=0) as src, store.writer(rel) as dst:
         while chunk := src.read(_CHUNK):
             digest.update(chunk)
             dst.write(chunk)
-            size += len(chunk)
-    return size, digest.hexdigest()
-
-
-def _hash_file(path: str) -> tuple[int, str]:
-    digest = hashlib.sha256()
-    size = 0
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
             size += len(chunk)
     return size, digest.hexdigest()
 

@@ -79,16 +79,14 @@ def test_a_seal_that_names_another_step_or_a_path_outside_is_refused(tmp_path):
         sealed_files.read_marker(store, "checkpoint-5", KEY)
 
 
-def test_a_local_store_hard_links_and_a_change_through_the_link_is_still_caught(tmp_path):
+def test_a_sealed_copy_outlives_the_trainers_rotation_and_a_change_in_the_store_is_caught(tmp_path):
     src = tmp_path / "out" / "checkpoint-4"
     src.mkdir(parents=True)
     (src / "optimizer.pt").write_bytes(b"state")
     store = Store(tmp_path / "store", durable=False)
-    files = {
-        "optimizer.pt": sealed_files.copy_hashed(src / "optimizer.pt", store, "checkpoint-4/optimizer.pt", link=True)
-    }
+    files = {"optimizer.pt": sealed_files.copy_hashed(src / "optimizer.pt", store, "checkpoint-4/optimizer.pt")}
     sealed_files.write_marker(store, "checkpoint-4", 4, files, KEY)
-    assert os.path.samefile(src / "optimizer.pt", tmp_path / "store" / "checkpoint-4" / "optimizer.pt")
+    assert not os.path.samefile(src / "optimizer.pt", tmp_path / "store" / "checkpoint-4" / "optimizer.pt")
     (src / "optimizer.pt").unlink()  # the Trainer's rotation
     _, listed = sealed_files.read_marker(store, "checkpoint-4", KEY)
     sealed_files.restore_folder(store, "checkpoint-4", listed, tmp_path / "restored")
