@@ -17,6 +17,8 @@ import pickle
 
 import pytest
 
+from tests.integration.test_transformer_restart_exactness import assert_bitwise_equal
+
 from sparkgpu import distributed
 from sparkgpu.config import settings
 
@@ -180,13 +182,6 @@ def assert_every_sample_once_per_epoch(steps):
     for epoch in range(EPOCHS):
         seen = [s for (rank, step), e in steps.items() if (step - 1) // STEPS_PER_EPOCH == epoch for s in e["samples"]]
         assert sorted(seen) == list(range(SAMPLES)), f"epoch {epoch} skipped or repeated samples"
-
-
-def assert_bitwise_equal(a: dict, b: dict):
-    for part in ("model", "optimizer"):
-        assert a[part].keys() == b[part].keys()
-        for name in a[part]:
-            assert a[part][name].equal(b[part][name]), f"{part} {name} differs"
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,8 @@ import json
 
 import pytest
 
+from tests.integration.test_restart_exactness import assert_bitwise_equal
+
 from sparkgpu import distributed
 from sparkgpu.config import settings
 
@@ -153,12 +155,6 @@ def trained_batches(record) -> dict[tuple[int, int], list[int]]:
             _, step, firsts = json.loads(line)
             batches[(rank, step)] = firsts
     return batches
-
-
-def assert_bitwise_equal(a, b):
-    assert a.keys() == b.keys()
-    for name in a:
-        assert a[name].equal(b[name]), f"{name} differs"
 
 
 @pytest.fixture(scope="module")
