@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import tempfile
 import time
+import uuid
 
 import psutil
 import pytest
@@ -25,29 +27,48 @@ pytest.importorskip("ray", reason="@ray_launch needs ray: pip install 'sparkgpu[
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420), pytest.mark.xdist_group("ray")]
 
 _RAY_NAMES = ("raylet", "gcs_server")
+#: Set in the test's environment, whence every rank, raylet and Ray worker the job starts inherits
+#: it: Ray processes of other tests running beside these (other xdist workers) do not carry it.
+_TAG = "SPARKGPU_TEST_RAY_TAG"
+
+
+@pytest.fixture(autouse=True)
+def ray_tag(monkeypatch):
+    """Tags this test's Ray processes and gives its Ray nodes a temp root of their own."""
+    tag = uuid.uuid4().hex
+    root = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths stay under 108 bytes
+    monkeypatch.setenv(_TAG, tag)
+    monkeypatch.setenv("TMPDIR", root)
+    yield tag, root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _is_ray(proc) -> bool:
+    name = proc.info["name"] or ""
+    cmdline = " ".join(proc.info["cmdline"] or ())
+    return (
+        name in _RAY_NAMES
+        or cmdline.startswith("ray::")
+        or "ray.scripts.scripts" in cmdline
+        or "site-packages/ray/" in cmdline
+    )
 
 
 def ray_processes() -> set[tuple[int, float]]:
-    """Ray's processes on this host: daemons, `ray start`, agents and worker processes."""
+    """Ray's processes on this host started by this test: daemons, `ray start`, agents, workers."""
+    tag = os.environ[_TAG]
     found = set()
     for proc in psutil.process_iter(["name", "cmdline", "create_time"]):
         try:
-            name = proc.info["name"] or ""
-            cmdline = " ".join(proc.info["cmdline"] or ())
+            if _is_ray(proc) and proc.environ().get(_TAG) == tag:
+                found.add((proc.pid, proc.info["create_time"]))
         except psutil.Error:
             continue
-        if (
-            name in _RAY_NAMES
-            or cmdline.startswith("ray::")
-            or "ray.scripts.scripts" in cmdline
-            or "site-packages/ray/" in cmdline
-        ):
-            found.add((proc.pid, proc.info["create_time"]))
     return found
 
 
 def ray_temp_dirs() -> set[str]:
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "sgray-*")) + glob.glob("/tmp/sgray-*"))
+    return set(glob.glob(os.path.join(os.environ["TMPDIR"], "sgray-*")))
 
 
 def assert_no_new_ray_process(before: set, temp_dirs_before: set, within: float = 15.0) -> None:
