@@ -14,14 +14,30 @@ from sparkgpu._modules import lazy_attributes
 # exists, and the import system binds a submodule to its package only when it loads it itself.
 from sparkgpu import errors  # noqa: F401
 from sparkgpu.errors import (
+    CallNotFinishedError,
     CapacityError,
+    CheckpointError,
     ConfigurationError,
+    DataError,
+    EnvironmentMismatchError,
+    EnvironmentTooLargeError,
+    HydrationError,
+    JobCancelledError,
+    JobStateError,
     JobTimeoutError,
     LocalExecutionTimeoutError,
+    MissingDependencyError,
+    NodeLostError,
+    PayloadSignatureError,
+    PermissionDeniedError,
+    PolicyViolationError,
+    RankFailure,
+    RayClusterError,
     SerializationError,
     SparkGPUError,
     WorkerFailedError,
 )
+from sparkgpu.protocol import AttemptStatus, JobStatus
 
 __version__ = "0.1.0"
 
@@ -41,13 +57,30 @@ __all__ = [
     "predict",
     "data",
     "runtime",
+    "JobStatus",
+    "AttemptStatus",
     "SparkGPUError",
     "ConfigurationError",
+    "JobStateError",
     "CapacityError",
     "SerializationError",
+    "MissingDependencyError",
     "JobTimeoutError",
     "LocalExecutionTimeoutError",
+    "JobCancelledError",
+    "CallNotFinishedError",
     "WorkerFailedError",
+    "NodeLostError",
+    "RankFailure",
+    "PayloadSignatureError",
+    "DataError",
+    "CheckpointError",
+    "PolicyViolationError",
+    "PermissionDeniedError",
+    "EnvironmentTooLargeError",
+    "EnvironmentMismatchError",
+    "HydrationError",
+    "RayClusterError",
     "__version__",
 ]
 

@@ -153,32 +153,23 @@ def _load_job(args):
     return job.with_overrides(env=dict(args.env) if args.env else None, **cli_values(args))
 
 
-def _callbacks(experiment: str | None = None):
-    """The default callbacks (the job's run in ``experiment``), plus a usage meter when the
-    defaults do not carry one yet."""
-    from sparkgpu.decorator import default_callbacks
-    from sparkgpu.usage.meter import UsageMeter
-
-    callbacks = default_callbacks(experiment=experiment)
-    if not any(isinstance(c, UsageMeter) for c in callbacks):
-        callbacks.append(UsageMeter())
-    return callbacks
-
-
 def cmd_run(args) -> int:
     from sparkgpu.usage.meter import UsageMeter
 
     job_file = _load_job(args)
-    callbacks = _callbacks(job_file.experiment)  # explicit callbacks: distributed() would not pass it on
+    from sparkgpu.decorator import default_callbacks
+
+    # Passed explicitly, so that the summary below reads the same usage meter the job used.
+    callbacks = default_callbacks(experiment=job_file.experiment)
     fn = job_file.build(callbacks=callbacks)
     with console(stderr=True).status(f"validating {fn.name} ({fn.resources.gpus} x {fn.resources.gpu_type or 'auto'})"):
-        prepared = fn._prepare((), {})  # capacity, usage policy, picklability: refused before anything is written
+        prepared = fn.prepare((), {})  # capacity, usage policy, picklability: refused before anything is written
     if args.dry_run:
         print(prepared.plan())
         return EXIT_OK
     started = time.time()
     try:
-        fn._launch(prepared)
+        fn.launch(prepared)
         status, code = JobStatus.SUCCEEDED, EXIT_OK
     except PolicyViolationError:
         raise

@@ -21,13 +21,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import warnings
 from typing import Any, Callable
 
 from sparkgpu._report import PREFIX, report
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.launch.backends.base import RENAMED_BACKENDS, Backend, LaunchPlan, backend_name, create_backend
+from sparkgpu.launch.backends.base import Backend, LaunchPlan, backend_name, create_backend
 from sparkgpu.callbacks import JobCallback
 from sparkgpu.prepare import PreparedJob, prepare
 from sparkgpu.spec import JobSpec, Resources, RunPolicy, log_rank_selection, new_job_id, requested_resources
@@ -190,7 +189,7 @@ class DistributedFunction:
         # Local ranks run in this very environment; remote ones get it shipped.
         return self.ship_environment if self.ship_environment is not None else self.resources.remote
 
-    def _prepare(self, args: tuple, kwargs: dict) -> PreparedJob:
+    def prepare(self, args: tuple, kwargs: dict) -> PreparedJob:
         """Resolves, checks and pickles one call of the function once; writes and starts nothing."""
         backend = self._backend()
         spec = JobSpec(
@@ -233,9 +232,9 @@ class DistributedFunction:
                 ``torch.nn.Module`` or transformers model (the job itself succeeded; see above).
         """
         self.last_results = self.last_model_version = None
-        return self._launch(self._prepare(args, kwargs))
+        return self.launch(self.prepare(args, kwargs))
 
-    def _launch(self, prepared: PreparedJob) -> list[Any]:
+    def launch(self, prepared: PreparedJob) -> list[Any]:
         """Writes a prepared call of this function, runs it to the end and registers its model."""
         prepared = prepared.write()
         self.last_job_id, self.last_run_dir = prepared.job.job_id, str(prepared.run_dir.path)
@@ -279,7 +278,7 @@ class DistributedFunction:
                 f"submit() does not register models; drop register_as={self.register_as!r} and call "
                 f"sparkgpu.registry.register(call.result()[0], {self.register_as!r}), or use .distributed()"
             )
-        prepared = self._prepare(args, kwargs).write()
+        prepared = self.prepare(args, kwargs).write()
         self.last_job_id, self.last_run_dir = prepared.job.job_id, str(prepared.run_dir.path)
         return Call._supervise(prepared.supervisor())
 
@@ -289,7 +288,7 @@ class DistributedFunction:
         The same checks as ``.distributed()`` (capacity, usage policy, arguments that pickle),
         made once; nothing is written (no run dir, no key, no shipped environment).
         """
-        return self._prepare(args, kwargs).plan()
+        return self.prepare(args, kwargs).plan()
 
 
 def _register_result(model, name: str, prepared: PreparedJob):
@@ -447,12 +446,6 @@ def distributed(
     )
 
     if isinstance(backend, str):
-        if backend in RENAMED_BACKENDS:
-            warnings.warn(
-                f"backend={backend!r} is now backend={RENAMED_BACKENDS[backend]!r} (pool= names a GPU pool)",
-                DeprecationWarning,
-                stacklevel=2,
-            )
         backend = backend_name(backend)
     if pool is not None:
         backend = _pool_backend(pool, remote, backend)

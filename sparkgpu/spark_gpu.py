@@ -186,10 +186,10 @@ class GPUNamespace:
             # Prepared once: capacity and gpu_type, usage policy and picklability are checked
             # before the possibly long conversion, and the job launched after it is this one,
             # with data_url added to its already pickled arguments.
-            prepared = job._prepare(args, kwargs)
+            prepared = job.prepare(args, kwargs)
             reference = self._table_ref(data) if data_format == "table" else None
             data_url = reference or self._convert(data, data_volume, data_options or {})
-            return job._launch(prepared.with_kwargs(data_url=data_url))
+            return job.launch(prepared.with_kwargs(data_url=data_url))
         finally:
             self.last_job_id = getattr(job, "last_job_id", None)
             self.last_run_dir = getattr(job, "last_run_dir", None)

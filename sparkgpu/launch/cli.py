@@ -47,9 +47,7 @@ def cmd_cancel(args) -> int:
 
 def register_pool(subparsers) -> None:
     # "pool" was its name before; "sparkgpu pools" lists GPU pools, another thing.
-    p = subparsers.add_parser(
-        "warm-pool", aliases=["pool"], help="the warm pool that starts local ranks in well under a second"
-    )
+    p = subparsers.add_parser("warm-pool", help="the warm pool that starts local ranks in well under a second")
     p.add_argument("action", choices=("status", "stop"))
     p.add_argument("--json", action="store_true", help="print the status as JSON")
     p.set_defaults(handler=cmd_pool)

@@ -30,7 +30,7 @@ def test_a_shipping_job_runs_on_its_rehydrated_environment(workers_share_this_im
 def test_a_tampered_hydration_module_never_runs(workers_share_this_image, tmp_path):
     from sparkgpu.launch.supervisor import Supervisor
 
-    prepared = where_is_sparkgpu._prepare((), {}).write()
+    prepared = where_is_sparkgpu.prepare((), {}).write()
     marker = tmp_path / "pwned"
     hydrate = prepared.run_dir.path / "_hydrate.py"
     hydrate.write_text(f"open({str(marker)!r}, 'w').write('x')\n" + hydrate.read_text())

@@ -232,7 +232,7 @@ def test_large_results_come_back_whole():
 def test_tampered_payload_is_refused_by_the_workers():
     from sparkgpu.launch.supervisor import Supervisor
 
-    prepared = all_reduce_step._prepare((10,), {}).write()
+    prepared = all_reduce_step.prepare((10,), {}).write()
     parts = pickle.loads(prepared.run_dir.payload_file.read_bytes())
     parts["args"] = [pickle.dumps(99)]
     prepared.run_dir.payload_file.write_bytes(pickle.dumps(parts))

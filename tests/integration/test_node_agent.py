@@ -26,7 +26,7 @@ def one():
 
 
 def test_a_missing_node_fails_the_rendezvous_after_the_jobs_init_timeout():
-    prepared = one._prepare((), {})
+    prepared = one.prepare((), {})
     job = dataclasses.replace(prepared.job, policy=dataclasses.replace(prepared.job.policy, init_timeout=3))
     rd = RunDir(settings().staging_root / job.job_id)
     key = new_key()

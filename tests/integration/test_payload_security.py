@@ -69,7 +69,7 @@ def assert_never_written(run_dir, secrets: list[bytes]) -> None:
 
 
 def test_a_tampered_entrypoint_starts_no_rank(tmp_path):
-    prepared = add_rank._prepare((1,), {}).write()
+    prepared = add_rank.prepare((1,), {}).write()
     marker = tmp_path / "pwned"
     tamper_entrypoint(prepared.run_dir, marker)
     with pytest.raises(
@@ -170,7 +170,7 @@ def run_spark_node(monkeypatch, prepared) -> dict:
 
 
 def test_a_spark_node_refuses_a_tampered_entrypoint_before_starting_an_agent(monkeypatch, tmp_path):
-    prepared = add_rank._prepare((1,), {}).write()
+    prepared = add_rank.prepare((1,), {}).write()
     marker = tmp_path / "pwned"
     tamper_entrypoint(prepared.run_dir, marker)
     row = run_spark_node(monkeypatch, prepared)
@@ -192,7 +192,7 @@ def test_a_spark_node_strips_spark_secrets_from_the_ranks(monkeypatch):
         print(f"environment: {dict(os.environ)}", flush=True)
         return dict(os.environ)
 
-    prepared = leaky._prepare((), {}).write()
+    prepared = leaky.prepare((), {}).write()
     row = run_spark_node(monkeypatch, prepared)
     assert row["state"] == "succeeded", prepared.run_dir.agent_log(0, 0).read_text()
     client = RunDir(prepared.run_dir.path, key=prepared.key)

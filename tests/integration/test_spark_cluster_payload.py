@@ -23,7 +23,7 @@ def rank_and_node():
 
 def test_a_tampered_entrypoint_runs_on_no_executor(cluster_spark, tmp_path):
     job = distributed(rank_and_node, gpus=4, gpu_type="A10", remote=True, backend=cluster_spark.gpu.backend())
-    prepared = job._prepare((), {}).write()
+    prepared = job.prepare((), {}).write()
     marker = tmp_path / "pwned"  # the executors run on this host: the tampered code would create it
     air = prepared.run_dir.air
     air.write_text(f"open({str(marker)!r}, 'w').write('ran')\n" + air.read_text())

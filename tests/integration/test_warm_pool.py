@@ -220,7 +220,7 @@ def test_a_tampered_entrypoint_starts_no_rank_in_the_pool(pool, tmp_path):
     def add_rank(x):
         return x + runtime.get_global_rank()
 
-    prepared = add_rank._prepare((1,), {}).write()
+    prepared = add_rank.prepare((1,), {}).write()
     marker = tmp_path / "pwned"
     prepared.run_dir.air.write_text(f"open({str(marker)!r}, 'w').write('ran')\n" + prepared.run_dir.air.read_text())
     with pytest.raises(

@@ -94,16 +94,11 @@ def test_only_a_job_that_may_restart_gets_a_standby_and_only_once_its_attempt_is
         sleeper.wait()
 
 
-def test_the_former_backend_name_pool_still_runs_on_the_warm_pool_and_says_its_new_name():
+def test_an_unknown_backend_name_is_refused_naming_the_known_ones():
     from sparkgpu import distributed
     from sparkgpu.errors import ConfigurationError
-    from sparkgpu.launch.backends.base import create_backend
-    from sparkgpu.launch.backends.warm_pool import WarmPoolBackend
 
-    with pytest.warns(DeprecationWarning, match="backend='warm_pool'"):
-        job = distributed(gpus=1, gpu_type="cpu", backend="pool")(lambda: None)
-    assert job.backend == "warm_pool"
-    # a job spec written under the old name resumes on the same backend
-    assert isinstance(create_backend("pool"), WarmPoolBackend)
+    with pytest.raises(ConfigurationError, match="'warm_pool'"):
+        distributed(gpus=1, gpu_type="cpu", backend="pool")(lambda: None)
     with pytest.raises(ConfigurationError, match="'warm_pool'"):
         distributed(gpus=1, gpu_type="cpu", backend="pools")(lambda: None)

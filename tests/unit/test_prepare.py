@@ -132,7 +132,7 @@ def test_train_with_data_prepares_once_and_launches_that_job_with_data_url(tmp_p
 
 
 def test_added_keyword_arguments_are_the_only_ones_pickled_again():
-    prepared = job_on(PlacingBackend(["ok"]))._prepare((CountsItsPickling(),), {"x": 2})
+    prepared = job_on(PlacingBackend(["ok"])).prepare((CountsItsPickling(),), {"x": 2})
 
     with_url = prepared.with_kwargs(data_url="s3://bucket/shards")
 
@@ -146,7 +146,7 @@ def test_added_keyword_arguments_are_the_only_ones_pickled_again():
 
 
 def test_a_prepared_job_launches_only_once_written_and_is_written_once():
-    prepared = job_on(PlacingBackend(["ok"]))._prepare((CountsItsPickling(),), {})
+    prepared = job_on(PlacingBackend(["ok"])).prepare((CountsItsPickling(),), {})
     with pytest.raises(SparkGPUError, match=r"call write\(\) first"):
         prepared.supervisor()
 

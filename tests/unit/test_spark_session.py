@@ -146,15 +146,3 @@ def test_a_session_its_connect_server_closed_is_replaced_or_the_error_says_how_t
         r"\(ConnectionError.*`sparkgpu resume JOB_ID` continues the job",
     ):
         backend._reconnect_if_closed()
-
-
-def test_the_former_module_name_still_imports_and_says_the_new_one(monkeypatch):
-    import importlib
-    import sys
-
-    import sparkgpu.spark_gpu
-
-    monkeypatch.delitem(sys.modules, "sparkgpu.session", raising=False)
-    with pytest.warns(DeprecationWarning, match="sparkgpu.spark_gpu"):
-        former = importlib.import_module("sparkgpu.session")
-    assert former.GPUNamespace is sparkgpu.spark_gpu.GPUNamespace and former.attach is sparkgpu.spark_gpu.attach

@@ -27,7 +27,6 @@ __all__ = [
     "create_backend",
     "backend_name",
     "BACKENDS",
-    "RENAMED_BACKENDS",
 ]
 
 
@@ -206,14 +205,9 @@ BACKENDS = {
     "spark": "sparkgpu.launch.backends.spark",
 }
 
-#: Former backend names, still accepted: ``"pool"`` was the warm pool's before ``pool=`` came
-#: to name a GPU pool. Job specs written then name it, so resuming such a job needs it too.
-RENAMED_BACKENDS = {"pool": "warm_pool"}
-
 
 def backend_name(name: str) -> str:
-    """The current name of the backend ``name`` (``"pool"`` is ``"warm_pool"``)."""
-    name = RENAMED_BACKENDS.get(name, name)
+    """``name`` itself, checked against the known backends."""
     if name not in BACKENDS:
         raise ConfigurationError(f"unknown backend {name!r}; use one of {', '.join(map(repr, BACKENDS))}")
     return name
