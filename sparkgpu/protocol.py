@@ -160,9 +160,10 @@ class NodeState(_StrEnum):
 class ClientInfo(TypedDict):
     """The process that supervises a job: ``sparkgpu jobs`` shows a job whose client died as lost."""
 
-    host: str
+    host: str  # for people
+    machine: str | None  # host, boot and PID namespace (sparkgpu._process.machine_id)
     pid: int
-    pid_started: float  # the process's start time: tells a recycled pid from the client itself
+    pid_started: str | None  # its start in clock ticks since boot: tells a recycled pid from the client
 
 
 class _AttemptFields(TypedDict):

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import glob
 import json
-import socket
 import time
 from collections.abc import Mapping
 from typing import Any
 
+from sparkgpu._process import ProcessRef
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError, JobStateError
 from sparkgpu.launch.backends.base import create_backend
@@ -31,30 +31,9 @@ __all__ = ["resume_job", "take_over", "find_run_dir", "client_is_gone"]
 
 
 def client_is_gone(client: Mapping[str, Any] | None) -> bool:
-    """True when the client process recorded in a job's state has certainly exited.
-
-    Args:
-        client: The state's ``client``: ``host``, ``pid`` and ``pid_started`` (the process's
-            start time, so that a recycled pid is not taken for the client).
-
-    Returns:
-        False when it runs, or when that cannot be told from here (another host, a process
-        that cannot be inspected).
-    """
-    import psutil
-
-    if not client or client.get("host") != socket.gethostname():
-        return False
-    try:
-        process = psutil.Process(client["pid"])
-        if process.status() == psutil.STATUS_ZOMBIE:
-            return True  # exited; only its parent has not reaped it yet
-        started = client.get("pid_started")
-        return started is not None and abs(process.create_time() - started) >= 1
-    except psutil.NoSuchProcess:
-        return True
-    except psutil.AccessDenied:
-        return False
+    """True when the client process recorded in a job's state (a :meth:`ProcessRef.record`) has
+    certainly exited; False while it runs, or when that cannot be told from here (another machine)."""
+    return bool(client) and ProcessRef.from_record(client).is_gone()  # type: ignore[arg-type]
 
 
 def _check_no_live_client(job_id: str, state: JobState) -> None:
@@ -64,7 +43,7 @@ def _check_no_live_client(job_id: str, state: JobState) -> None:
     if not client or client_is_gone(client):
         return
     force = f"pass --force (resume_job({job_id!r}, force=True)) only if you are sure it no longer drives the job"
-    if client.get("host") != socket.gethostname():
+    if not ProcessRef.from_record(client).on_this_machine():
         raise JobStateError(
             f"job {job_id} is {state['status']}, driven by a client on {client.get('host')} (pid {client.get('pid')}), "
             f"which cannot be checked from here; resume it on that host, or {force}"

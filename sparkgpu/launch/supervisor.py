@@ -21,17 +21,15 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
-import os
-import socket
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
-import psutil
 
 from sparkgpu import runtime
 from sparkgpu._files import atomic_write_bytes
+from sparkgpu._process import ProcessRef
 from sparkgpu._report import console, report
 from sparkgpu.callbacks import AttemptOutcome, JobCallback
 from sparkgpu.errors import (
@@ -200,11 +198,7 @@ class Supervisor:
         job_started = time.monotonic()
         # Who drives the job: `sparkgpu jobs` shows a job whose client died as lost.
         # Its start time tells a recycled pid from the client itself.
-        self.state["client"] = {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "pid_started": psutil.Process().create_time(),
-        }
+        self.state["client"] = ProcessRef.current().record()  # type: ignore[typeddict-item]
         # Waiting for GPUs (in the host's or the cluster's queue, by priority) is no attempt's time:
         # nobody is billed. A job that gives up there ends failed, with nothing of it left in line.
         try:

@@ -34,6 +34,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from sparkgpu._process import pid_gone
 from sparkgpu.config import settings
 from sparkgpu.errors import SparkGPUError
 from sparkgpu.launch.backends.base import AttemptHandle
@@ -189,11 +190,7 @@ def stop_pool(python: str | None = None) -> bool:
         stopped = True
         pid = info["pid"]
         deadline = time.monotonic() + 10
-        while pid and time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
+        while pid and not pid_gone(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
     return stopped
 

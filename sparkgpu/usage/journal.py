@@ -13,25 +13,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from pathlib import Path
 from typing import Any
 
 from sparkgpu._files import atomic_write_bytes
+from sparkgpu._process import ProcessRef, pid_gone
 
 __all__ = ["AttemptJournal"]
 
 _SUFFIX = ".json"
-
-
-def _process_start(pid: int) -> float | None:
-    import psutil
-
-    try:
-        return psutil.Process(pid).create_time()
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return None
 
 
 class AttemptJournal:
@@ -53,10 +44,9 @@ class AttemptJournal:
     def open(self, job_id: str, attempt: int, record: dict[str, Any]) -> Path:
         """Journals a running attempt; ``record`` holds the :meth:`UsageRecord.priced` arguments but ``ended_at``."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        pid = os.getpid()
         entry = {
             "record": record,
-            "owner": {"host": socket.gethostname(), "pid": pid, "pid_started": _process_start(pid)},
+            "owner": ProcessRef.current().record(),
             "heartbeat": time.time(),
             "ended_at": None,
         }
@@ -91,20 +81,16 @@ class AttemptJournal:
     def _abandoned(self, entry: dict, now: float) -> bool:
         if entry.get("ended_at") is not None:
             return True
-        owner = entry.get("owner") or {}
-        if owner.get("host") == socket.gethostname() and owner.get("pid"):
-            started = _process_start(owner["pid"])
-            alive = started is not None and (
-                owner.get("pid_started") is None or abs(started - owner["pid_started"]) < 1
-            )
-            return not alive
+        owner = ProcessRef.from_record(entry.get("owner") or {})
+        if owner.on_this_machine() and owner.pid:
+            return owner.is_gone()
         return now - entry.get("heartbeat", now) > self.stale_after
 
     def _release_dead_claims(self) -> None:
         # A client that died between claiming an entry and writing it leaves a claim behind.
         for claim in self.directory.glob(f"*{_SUFFIX}.claimed-*"):
             pid = claim.name.rsplit("-", 1)[-1]
-            if pid.isdigit() and int(pid) != os.getpid() and _process_start(int(pid)) is None:
+            if pid.isdigit() and int(pid) != os.getpid() and pid_gone(int(pid)):
                 try:
                     os.rename(claim, claim.with_name(claim.name.split(".claimed-")[0]))
                 except FileNotFoundError:

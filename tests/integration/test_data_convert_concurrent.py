@@ -42,7 +42,7 @@ def _convert_in_child(job: dict, barrier) -> None:
     claim.FolderClaim.lease_s = job["lease_s"]
     claim.FolderClaim.poll_s = 0.2
     if job.get("machine"):  # as if this process ran on that host: pids are not compared
-        claim._machine = lambda: job["machine"]
+        claim.machine_id = lambda: job["machine"]
     write_pieces = Store.write_pieces
     gate = job.get("gate")
     written = []

@@ -12,7 +12,7 @@ import time
 import pyarrow as pa
 import pytest
 
-from sparkgpu.data.convert import claim as claim_module
+from sparkgpu._process import machine_id
 from sparkgpu.data.convert.claim import CLAIM_PREFIX, ClaimRecord, FolderClaim, is_claim
 from sparkgpu.errors import DataError
 from sparkgpu.store import Store
@@ -120,12 +120,12 @@ def test_a_holder_whose_renewal_finds_the_claim_taken_over_stops_its_writers(tmp
 
 def test_the_claim_of_a_process_gone_from_this_machine_is_taken_over_at_once(tmp_path, monkeypatch):
     monkeypatch.setattr(FolderClaim, "lease_s", 30.0)
-    if claim_module._machine() is None:
+    if machine_id() is None:
         pytest.skip("needs /proc to tell this machine's processes")
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     pid = int(gone.stdout)
     store = Store(str(tmp_path / "out"))
-    dead = ClaimRecord("dead-run", 1, "here", claim_module._machine(), pid, None, time.time(), 3, 30.0, {})
+    dead = ClaimRecord("dead-run", 1, "here", machine_id(), pid, None, time.time(), 3, 30.0, {})
     store.write_bytes(f"{CLAIM_PREFIX}0000000001", dead.to_bytes())
 
     began = time.monotonic()

@@ -3,11 +3,9 @@
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 
-import psutil
 import pytest
 
 from sparkgpu._files import atomic_write_bytes
@@ -15,6 +13,7 @@ from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError, JobStateError
 from sparkgpu._keyring import save_key
 from sparkgpu.launch.serialization import serialize_payload
+from sparkgpu._process import ProcessRef
 from sparkgpu.launch.resume import client_is_gone, resume_job
 from sparkgpu.launch.run_dir import RunDir
 from sparkgpu.spec import JobSpec, Resources
@@ -39,11 +38,10 @@ def dead_pid() -> int:
 
 
 def client_record(pid: int, host: str | None = None) -> dict:
-    return {
-        "host": host or socket.gethostname(),
-        "pid": pid,
-        "pid_started": psutil.Process(pid).create_time() if psutil.pid_exists(pid) else None,
-    }
+    record = ProcessRef.of(pid).record()
+    if host is not None:  # a client on another machine: its pid cannot be looked up here
+        record.update(host=host, machine=f"{host}/boot/pid:[1]")
+    return record
 
 
 def interrupted_job(client: dict, status: str = "running") -> RunDir:
@@ -105,9 +103,12 @@ def test_a_job_that_ended_is_resumed_whatever_its_client_does(live_client):
 def test_a_reused_pid_does_not_pass_for_the_client(live_client):
     client = client_record(live_client.pid)
     assert not client_is_gone(client)
-    assert client_is_gone({**client, "pid_started": client["pid_started"] - 3600})  # same pid, another process
+    assert client_is_gone(
+        {**client, "pid_started": str(int(client["pid_started"]) - 3600)}
+    )  # same pid, another process
     assert client_is_gone(client_record(dead_pid()))
-    assert not client_is_gone(None) and not client_is_gone({**client, "host": "some-other-host"})
+    assert not client_is_gone(None) and not client_is_gone(client_record(live_client.pid, host="some-other-host"))
+    assert not client_is_gone({"host": client["host"], "pid": live_client.pid})  # no machine recorded: cannot tell
 
 
 def test_two_resumes_never_both_supervise_a_job():

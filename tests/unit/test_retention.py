@@ -5,12 +5,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import time
 
-import psutil
 import pytest
 
+from sparkgpu._process import ProcessRef
 from sparkgpu.config import reset_settings, settings
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.launch.retention import prune_runs
@@ -40,12 +39,11 @@ def remaining() -> set[str]:
 
 
 def this_client() -> dict:
-    me = psutil.Process()
-    return {"host": socket.gethostname(), "pid": os.getpid(), "pid_started": me.create_time()}
+    return ProcessRef.current().record()
 
 
 def dead_client() -> dict:
-    return {"host": socket.gethostname(), "pid": 2**22 + 12345, "pid_started": 1.0}
+    return {**ProcessRef.current().record(), "pid": 2**22 + 12345, "pid_started": "1"}
 
 
 def test_finished_jobs_beyond_the_count_go_with_their_keys_newest_kept():

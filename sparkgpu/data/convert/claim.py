@@ -36,6 +36,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from sparkgpu._files import fsync_dir, temporary_name
+from sparkgpu._process import ProcessRef, machine_id, start_ticks
 from sparkgpu._report import report
 from sparkgpu.errors import DataError
 from sparkgpu.store import Store
@@ -61,47 +62,6 @@ def _claim_name(generation: int) -> str:
     return f"{CLAIM_PREFIX}{generation:010d}"
 
 
-def _machine() -> str | None:
-    """Host name, boot and PID namespace: processes with the same value can see each other's
-    process ids. ``None`` where that cannot be told (no ``/proc``)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        namespace = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return None
-    return f"{socket.gethostname()}/{boot}/{namespace}"
-
-
-def _process_start(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (tells a reused pid apart), if known."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return fields[19] if len(fields) > 19 else None
-
-
-def _process_gone(pid: int, started: str | None) -> bool:
-    """Whether the process ``pid`` of this machine, started at ``started``, no longer runs."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # another user's process: it exists
-        pass
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    if state in ("Z", "X"):  # exited, not reaped yet by its parent
-        return True
-    now = _process_start(pid)
-    return started is not None and now is not None and now != started
-
-
 @dataclasses.dataclass(frozen=True)
 class ClaimRecord:
     """The content of a claim file: who holds the folder, and how far it got.
@@ -110,7 +70,7 @@ class ClaimRecord:
         run_id: The conversion's id (also in its marker and its index).
         generation: The claim's number; a takeover creates the next one.
         host: Host name of the holder, for people.
-        machine: Host, boot and PID namespace (see :func:`_machine`), or ``None``.
+        machine: Host, boot and PID namespace (:func:`sparkgpu._process.machine_id`), or ``None``.
         pid: Process id of the holder.
         pid_started: Its start time in ticks since boot, to tell a reused pid apart.
         started: When the claim was taken (Unix time, the holder's clock; for people).
@@ -184,7 +144,7 @@ class FolderClaim:
         self.run_id = run_id
         self.generation: int | None = None
         self.waited_s = 0.0
-        self._machine = _machine()
+        self._machine = machine_id()
         self._pid = os.getpid()
         self._started = time.time()
         self._beats = 0
@@ -288,9 +248,8 @@ class FolderClaim:
     def _stale(self, sight: _Sight) -> str | None:
         """Why the claim ``sight`` may be taken over, or ``None`` while it is live."""
         record = sight.record
-        if record is not None and record.machine is not None and record.machine == self._machine:
-            if _process_gone(record.pid, record.pid_started):
-                return f"its process (pid {record.pid}) is gone from this machine"
+        if record is not None and ProcessRef(record.machine, record.pid, record.pid_started).is_gone():
+            return f"its process (pid {record.pid}) is gone from this machine"
         now = time.monotonic()
         key = (sight.generation, sight.raw)
         if key != self._seen:
@@ -393,7 +352,7 @@ class FolderClaim:
             host=socket.gethostname(),
             machine=self._machine,
             pid=self._pid,
-            pid_started=_process_start(self._pid),
+            pid_started=start_ticks(self._pid),
             started=self._started,
             beats=self._beats,
             lease_s=self.lease_s,

@@ -16,6 +16,7 @@ import threading
 import uuid
 from pathlib import Path
 
+from sparkgpu._process import pid_gone
 from sparkgpu.data.mds.reader import ShardInfo
 from sparkgpu.data.storage.volume import Volume
 from sparkgpu.errors import DataError, MissingDependencyError
@@ -46,13 +47,7 @@ def is_stale_partial(name: str) -> bool:
         pid = int(parts[2])
     except ValueError:
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+    return pid_gone(pid)
 
 
 def fetch_shard(
