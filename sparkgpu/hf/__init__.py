@@ -5,7 +5,8 @@ TRL's ``SFTTrainer``, a subclass) written as for GPUs needs nothing from this mo
 environment makes Accelerate see the job, and the rank patches ``Trainer.train`` when
 ``transformers`` is imported, so that checkpoints are sealed into the job's checkpoint store and
 a restarted attempt resumes from the newest genuine one (``SPARKGPU_HF_RESUME=0`` turns the
-patch off). :func:`resumable` does the same for one Trainer explicitly.
+patch off). :func:`resumable` does the same for one Trainer explicitly. A sparkgpu loader is a
+Trainer's ``train_dataset`` as it is; TRL's ``SFTTrainer`` takes it through :func:`as_hf_dataset`.
 
 Names load lazily: importing this package does not import ``transformers``.
 """
@@ -14,12 +15,13 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["resumable", "JobCheckpointCallback", "train_dataset"]
+__all__ = ["resumable", "JobCheckpointCallback", "train_dataset", "as_hf_dataset"]
 
 _LAZY = {
     "resumable": "sparkgpu.hf.resume",
     "JobCheckpointCallback": "sparkgpu.hf.resume",
     "train_dataset": "sparkgpu.hf.datasets",
+    "as_hf_dataset": "sparkgpu.hf.sft",
 }
 
 

@@ -35,9 +35,14 @@ logger = logging.getLogger("sparkgpu.hf")
 LOADER_STATE = "sparkgpu_loader_state.json"  # in each checkpoint-N folder, written by rank 0
 
 
+def _wraps_loader(dataset: Any) -> bool:
+    """Whether ``dataset`` wraps a sparkgpu loader (a :class:`LoaderDataset`, ``as_hf_dataset``'s view)."""
+    return isinstance(dataset, LoaderDataset) or getattr(type(dataset), "wraps_sparkgpu_loader", False) is True
+
+
 def is_loader(dataset: Any) -> bool:
     """Whether ``dataset`` is a sparkgpu loader (batches of this rank's share, with a position)."""
-    if isinstance(dataset, LoaderDataset):
+    if _wraps_loader(dataset):
         return True
     module = type(dataset).__module__ or ""
     return (
@@ -48,8 +53,8 @@ def is_loader(dataset: Any) -> bool:
 
 
 def loader_of(dataset: Any):
-    """The sparkgpu loader behind ``dataset`` (a :class:`LoaderDataset` or the loader itself)."""
-    return dataset.loader if isinstance(dataset, LoaderDataset) else dataset
+    """The sparkgpu loader behind ``dataset`` (a :class:`LoaderDataset`, ``as_hf_dataset``'s view, or the loader)."""
+    return dataset.loader if _wraps_loader(dataset) else dataset
 
 
 class LoaderDataset(torch.utils.data.IterableDataset):
@@ -101,9 +106,13 @@ class LoaderBatches(torch.utils.data.DataLoader):
 
 
 def dataloader_for(dataset: Any) -> LoaderBatches:
-    """The DataLoader of a sparkgpu loader or a :class:`LoaderDataset`."""
-    if not isinstance(dataset, LoaderDataset):
-        dataset = LoaderDataset(dataset)
+    """The DataLoader of a sparkgpu loader, a :class:`LoaderDataset` or ``as_hf_dataset``'s view.
+
+    The view is read through a plain :class:`LoaderDataset` of its loader: the loader's batches,
+    each rank its own share, not the view's rows.
+    """
+    if type(dataset) is not LoaderDataset:
+        dataset = LoaderDataset(loader_of(dataset), getattr(dataset, "names", ("input_ids", "labels")))
     return LoaderBatches(dataset)
 
 
