@@ -42,7 +42,6 @@ import contextlib
 import dataclasses
 import enum
 import hashlib
-import json
 import logging
 import os
 import re
@@ -51,6 +50,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from sparkgpu.launch.queue_record import QueueRecord
 from sparkgpu.launch.gpu_queue import PreemptionRequest
 from sparkgpu.priority import Priority, fewest_to_stop
 from sparkgpu.store import Store
@@ -94,14 +94,11 @@ class TicketState(str, enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
-class Ticket:
-    """One job in the cluster's queue.
+class Ticket(QueueRecord):
+    """One job in the cluster's queue (``gpus`` counts task slots for a CPU job; ``order`` is
+    kept when it gives way).
 
     Attributes:
-        job_id: The job.
-        priority: Its class.
-        gpus: GPUs it needs (task slots for a CPU job).
-        order: Unix time it first asked; earlier goes first within a class, kept when it gives way.
         state: Where it is.
         beat_at: Unix time of its client's last beat.
         user: Who submitted it (``SPARKGPU_USER``).
@@ -109,10 +106,6 @@ class Ticket:
         pid: Its client's process.
     """
 
-    job_id: str
-    priority: Priority
-    gpus: int
-    order: float
     state: TicketState = TicketState.WAITING
     beat_at: float = dataclasses.field(default_factory=time.time)
     user: str = ""
@@ -122,27 +115,6 @@ class Ticket:
     @property
     def file_name(self) -> str:
         return f"{self.job_id}.json"
-
-    def sort_key(self) -> tuple[int, float, str]:
-        return (-self.priority.rank, self.order, self.job_id)
-
-    def to_json(self) -> str:
-        return json.dumps({**dataclasses.asdict(self), "priority": self.priority.value, "state": self.state.value})
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> Ticket:
-        data = json.loads(text)
-        return cls(
-            job_id=str(data["job_id"]),
-            priority=Priority.parse(data["priority"]),
-            gpus=int(data["gpus"]),
-            order=float(data["order"]),
-            state=TicketState(data["state"]),
-            beat_at=float(data["beat_at"]),
-            user=str(data["user"]),
-            host=str(data["host"]),
-            pid=int(data["pid"]),
-        )
 
     def __str__(self) -> str:
         return f"{self.job_id} ({self.priority.value}, {self.gpus} GPU(s), {self.state.value}, user {self.user or '?'})"

@@ -130,7 +130,7 @@ def lease_gpus(
     pool = pool_of(simulated)
     holder = GpuHolder(job_id, priority)
     queue = GpuQueue(folder)
-    queue.enter(QueueEntry(job_id, priority, count, pool, order if order is not None else time.time()))
+    queue.enter(QueueEntry(job_id, priority, count, order if order is not None else time.time(), pool=pool))
     deadline = None if wait is None else time.monotonic() + wait
     said = ""
     try:

@@ -42,6 +42,7 @@ import socket
 import time
 from pathlib import Path
 
+from sparkgpu.launch.queue_record import QueueRecord
 from sparkgpu.priority import Priority
 
 __all__ = [
@@ -75,25 +76,17 @@ def shared_dir(root: Path, name: str) -> Path:
 
 
 @dataclasses.dataclass(frozen=True)
-class QueueEntry:
+class QueueEntry(QueueRecord):
     """A job waiting for ``gpus`` GPUs of ``pool`` (``gpu`` or ``simulated-gpu``) on this host.
 
     Attributes:
-        job_id: The waiting job.
-        priority: Its class.
-        gpus: How many GPUs it needs.
         pool: Which GPUs of the host: real ones or simulated ones.
-        order: Unix time the job first asked for GPUs; earlier goes first within a class.
         pid: The waiting process (its supervisor).
         host: This host's name.
         uid: The waiting process's user.
     """
 
-    job_id: str
-    priority: Priority
-    gpus: int
     pool: str
-    order: float
     pid: int = dataclasses.field(default_factory=os.getpid)
     host: str = dataclasses.field(default_factory=socket.gethostname)
     uid: int = dataclasses.field(default_factory=os.getuid)
@@ -101,26 +94,6 @@ class QueueEntry:
     @property
     def file_name(self) -> str:
         return f"{self.pool}.{self.job_id}.{self.pid}.json"
-
-    def sort_key(self) -> tuple[int, float, str]:
-        return (-self.priority.rank, self.order, self.job_id)
-
-    def to_json(self) -> str:
-        return json.dumps({**dataclasses.asdict(self), "priority": self.priority.value})
-
-    @classmethod
-    def from_json(cls, text: str) -> QueueEntry:
-        data = json.loads(text)
-        return cls(
-            job_id=str(data["job_id"]),
-            priority=Priority.parse(data["priority"]),
-            gpus=int(data["gpus"]),
-            pool=str(data["pool"]),
-            order=float(data["order"]),
-            pid=int(data["pid"]),
-            host=str(data["host"]),
-            uid=int(data["uid"]),
-        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -216,3 +216,16 @@ def test_a_critical_job_waits_while_the_best_effort_one_gives_way_then_goes(seat
     background_seats.give_way(background)
     assert done.wait(10)
     assert urgent_seats.seat("urgent").state is STARTING
+
+
+def test_both_queues_records_round_trip_through_their_json_files():
+    from sparkgpu.launch.gpu_queue import QueueEntry
+
+    ticket = Ticket("j", CRITICAL, 4, 12.5, TicketState.RUNNING, beat_at=99.0, user="ana")
+    assert Ticket.from_json(ticket.to_json()) == ticket
+    entry = QueueEntry("k", Priority.BEST_EFFORT, 2, 3.0, pool="simulated-gpu")
+    assert QueueEntry.from_json(entry.to_json()) == entry
+    assert json.loads(entry.to_json())["priority"] == Priority.BEST_EFFORT.value  # plain strings on disk
+    assert sorted([entry, ticket], key=lambda r: r.sort_key())[0] is ticket  # one line order for both
+    with pytest.raises(KeyError):
+        Ticket.from_json(json.dumps({"job_id": "j"}))  # a foreign file is not a record
