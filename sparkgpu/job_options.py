@@ -120,7 +120,7 @@ PYTHON_ONLY_KEYWORDS = frozenset({"num_accelerators", "num_gpus", "backend", "ca
 
 def check_document_value(option: JobOption, value, source: str, *, subject: str | None = None):
     """``value`` of ``option`` as a job document gave it, checked for shape (``log_ranks``:
-    ``"none"`` stays a word, :meth:`JobFile.build` turns it into ``None``).
+    ``"none"`` stays a word, :meth:`~sparkgpu.jobfile.JobFile.build` turns it into ``None``).
 
     Raises:
         ConfigurationError: the value has the wrong shape; names the field and what it takes.

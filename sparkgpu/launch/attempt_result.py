@@ -75,7 +75,7 @@ def read_attempt(
         rd: The job's run dir.
         attempt: The attempt to read.
         world_size: The job's ranks.
-        policy: The job's :class:`~sparkgpu.spec.JobPolicy` (its cap names the fix when an attempt
+        policy: The job's :class:`~sparkgpu.spec.RunPolicy` (its cap names the fix when an attempt
             stopped at the cap had not checkpointed).
         stopped_by: Why the supervisor stopped the attempt, when it did; else ``None``.
         saved_checkpoint: Whether the attempt committed a new checkpoint; asked only for an

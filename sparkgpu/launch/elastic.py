@@ -41,7 +41,7 @@ class ElasticPlan:
 
     Attributes:
         job: The job as asked for (its full size).
-        available: The backend's :meth:`available_gpus` for the job.
+        available: The backend's :meth:`~sparkgpu.launch.backends.base.Backend.available_gpus` for the job.
         check_seconds: Seconds between two asks (:data:`CHECK_SECONDS` by default).
     """
 

@@ -462,7 +462,7 @@ class RunDir:
         return sorted(folder.iterdir()) if folder.is_dir() else []
 
     def read_env_reports(self, attempt: int) -> dict[int, dict]:
-        """Per rank, what rehydrating the shipped environment cost (:class:`HydrationReport` as a dict)."""
+        """Per rank, what rehydrating the shipped environment cost (:class:`~sparkgpu.env.hydrate.HydrationReport` as a dict)."""
         reports = {}
         for path in self._attempt_files(attempt):
             rank = RunLayout.env_report_rank(path.name)

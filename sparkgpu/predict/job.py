@@ -5,7 +5,7 @@ start together nor talk to each other, and Spark may re-run any one of them alon
 shares with training is everything around the stage: the GPU type is checked against the
 session's capacity probe, the job against the usage policy (and the pool's) before anything
 runs, each task asks for its GPUs through a task-level ResourceProfile as training's barrier
-tasks do, and the run is metered in the usage ledger by the same :class:`UsageMeter`, as
+tasks do, and the run is metered in the usage ledger by the same :class:`~sparkgpu.usage.meter.UsageMeter`, as
 ``gpus`` x its running time.
 """
 

@@ -10,7 +10,7 @@ directory, ``<run_dir>/tracking``; the client's
 that resumes the job does not forward anything twice.
 
 Workers reach the spool through MLflow itself: their ``MLFLOW_TRACKING_URI`` is
-``sparkgpu-spool:///<spool dir>`` and :class:`SpoolStore` serves that scheme, so
+``sparkgpu-spool:///<spool dir>`` and ``SpoolStore`` serves that scheme, so
 ``mlflow.log_metric`` in user code lands in the job's run too. Writes to the job's run go to
 the spool; everything else (artifacts, other runs, logged models) goes to the real store.
 
@@ -376,7 +376,7 @@ def _spool_store_class():
 
 
 def spool_store(store_uri: str, artifact_uri: str | None = None):
-    """Builds the :class:`SpoolStore` for a ``sparkgpu-spool://`` URI.
+    """Builds the ``SpoolStore`` for a ``sparkgpu-spool://`` URI.
 
     MLflow calls it for that scheme once :func:`register_spool_scheme` ran, or in any process
     when the package declares it as a ``mlflow.tracking_store`` entry point.

@@ -42,7 +42,7 @@ class AttemptJournal:
         return self.directory / f"{job_id}.{attempt}{_SUFFIX}"
 
     def open(self, job_id: str, attempt: int, record: dict[str, Any]) -> Path:
-        """Journals a running attempt; ``record`` holds the :meth:`UsageRecord.priced` arguments but ``ended_at``."""
+        """Journals a running attempt; ``record`` holds the :meth:`~sparkgpu.usage.ledger.UsageRecord.priced` arguments but ``ended_at``."""
         self.directory.mkdir(parents=True, exist_ok=True)
         entry = {
             "record": record,

@@ -145,7 +145,7 @@ class ShardWriter:
     Args:
         volume: Where files go: a :class:`~sparkgpu.store.Store` (any object with ``write_pieces(relpath, pieces)``).
         subdir: Folder under the volume for this writer's shards ("" for the top).
-        specs: Result of :func:`plan_columns`.
+        specs: Result of :func:`~sparkgpu.data.mds.columns.plan_columns`.
         compression: Name as :func:`check_compression` accepts, or ``None``.
         hashes: Names as :func:`check_hashes` accepts.
         size_limit: Most bytes of samples (plus their offsets) per shard; ``None``: one shard.

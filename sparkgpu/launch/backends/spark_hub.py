@@ -20,8 +20,8 @@ echoes the count it answers, so a replayed reply answers nothing. The port is op
 reaches node 0: a stranger can hold a connection, not speak for a node.
 
 **A stop node 0 decides on for everyone at once** (the client is lost or cancelled the job) is
-set :data:`TOGETHER` beat periods ahead: every node hears it within one beat period, each reply
-says how long until it applies (``stop_in``), and every node, node 0 included, stops its ranks
+set :func:`together_delay` ahead (a beat period and a margin): every node hears it within one
+beat period, each reply says how long until it applies (``stop_in``), and every node, node 0 included, stops its ranks
 at about the same moment. Ranks that left their loop one beat apart would otherwise wait in a
 collective for peers still stepping, until the shutdown grace kills them. A stop a failed or
 lost node calls for applies at once: its peers are blocked already.
