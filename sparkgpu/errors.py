@@ -56,7 +56,7 @@ class JobStateError(ConfigurationError):
     """The job is in a state that does not allow the operation (already succeeded, not ended yet,
     supervised by another live client); the message says what to do instead.
 
-    A :class:`ConfigurationError` as well, which it was before it had a class of its own.
+    A :class:`ConfigurationError` as well, so ``except ConfigurationError`` catches it.
     """
 
 

@@ -5,8 +5,7 @@ resume`` / ``jobs`` / ``logs``, the node agents, the pool zygote, the Spark node
 the callbacks that hear how an attempt ended (tracking, metering: ``AttemptOutcome.status``),
 take the states from here; none compares a state as a bare string. It sits below every
 sub-package and uses the standard library only. The enums are
-``str``-valued, so the JSON on disk holds the same strings as before they existed, and run
-dirs written by older versions read back unchanged.
+``str``-valued: the JSON on disk holds plain strings.
 
 :class:`JobStatus`, ``state.json``'s ``status`` (the job as a whole)::
 
@@ -59,8 +58,7 @@ The client's own account adds ``LOST`` (the node stopped beating without an end 
 executor is gone) and ``UNKNOWN`` (no row and no end marker).
 
 :class:`JobState` / :class:`AttemptRecord` / :class:`ClientInfo`: ``state.json``'s keys, typed
-for the checker; the state stays a plain dict (its ``status`` values are the enums' strings), so
-it is written and read byte for byte as before.
+for the checker; the state stays a plain dict (its ``status`` values are the enums' strings).
 
 :class:`NodeExit` / :class:`RankExit`: a node's exit record (``attempts/<k>/node-<n>.json``),
 written by the node agent and by the pool zygote, read by the supervisor and by the Spark

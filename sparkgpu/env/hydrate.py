@@ -115,7 +115,7 @@ def _root_errors():
     )
 
 
-# The root's classes (see _root_errors); importable from here as before.
+# The root's classes (see _root_errors): what this module raises.
 _errors = _root_errors()
 HydrationError = _errors.HydrationError
 EnvironmentMismatchError = _errors.EnvironmentMismatchError

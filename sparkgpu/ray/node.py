@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from sparkgpu._report import report
-from sparkgpu.ray.plan import RayClusterError
+from sparkgpu.errors import RayClusterError
 
 __all__ = ["RayNode", "ADDRESS_FILE"]
 

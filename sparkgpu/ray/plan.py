@@ -13,13 +13,12 @@ import sys
 import tempfile
 
 from sparkgpu import runtime
-from sparkgpu.errors import ConfigurationError, RayClusterError  # RayClusterError: importable here as before
+from sparkgpu.errors import ConfigurationError, RayClusterError
 from sparkgpu.launch.entrypoint import NODE_DEVICES_ENV
 
 RANK_LABEL = "sparkgpu-rank"  # Ray node label: the job rank that started the node
 
 __all__ = [
-    "RayClusterError",
     "RankResources",
     "RayNodeSpec",
     "NODE_LAYOUTS",

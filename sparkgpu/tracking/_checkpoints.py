@@ -4,7 +4,7 @@ A checkpoint that belongs to a job (it lies in the job's checkpoint directory, o
 marker names the job) is loaded only once verified with the job's key, from this user's
 keyring on the client or the rank's own in a job: its marker's signature, then the files the
 model is read from, before anything is unpickled (``sparkgpu.train.checkpoint_directory``).
-Other checkpoints, and plain DCP directories elsewhere, load unverified, as before: from
+Other checkpoints, and plain DCP directories elsewhere, load unverified: they come from
 directories the caller trusts.
 """
 

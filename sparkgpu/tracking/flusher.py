@@ -22,7 +22,7 @@ from sparkgpu.tracking.spool import SpoolDir
 
 __all__ = ["SpoolFlusher"]
 
-# Named as before the flusher left sparkgpu.tracking.spool, so logging set-ups keep working.
+# The spool's one logger name, which users' logging set-ups configure.
 _logger = logging.getLogger("sparkgpu.tracking.spool")
 
 _MAX_METRICS_PER_CALL = 1000  # MLflow's log_batch limits
