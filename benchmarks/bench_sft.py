@@ -28,6 +28,25 @@ long-tailed documents: start-up (open to first batch) and the steady rate after 
 
     python benchmarks/bench_sft.py                                    # about 10 minutes on 2 cores
     python benchmarks/bench_sft.py --rows 2000 --docs 3000 --repeats 1 --out /tmp/sft.json   # a quick look
+    python benchmarks/bench_sft.py --sections training                # question 4 alone, about 4 minutes
+    python benchmarks/bench_sft.py --sections training --train-steps 4 --repeats 1 --out /tmp/sft.json
+
+Sections not named by ``--sections`` keep the figures already in ``--out``.
+
+Question 4 (training): real (non-pad) tokens per second of the same tiny Llama on 2 gloo CPU ranks
+(``sparkgpu.distributed(gpus=2, gpu_type="cpu")``, one job per repeat running every side in turn,
+the order rotating), the same documents (question 2's long-tailed mix scaled to ``--train-seq-len``),
+rows of at most ``seq_len``, the same rows per step and the same number of steps:
+
+  * sparkgpu: ``data.sft_dataset`` (packed rows, ``position_ids`` per document) as a plain
+    ``transformers.Trainer``'s ``train_dataset``;
+  * TRL ``SFTTrainer(packing=True, packing_strategy="bfd")``, padding-free as it sets that up;
+  * TRL ``SFTTrainer`` without packing: each batch of documents padded to its longest;
+  * two diagnostics, not peers, that split the gap: our loader with ``flatten=True`` (TRL bfd's
+    layout, a batch as one row) under the plain Trainer, and our loader's rows under
+    ``SFTTrainer`` through ``sparkgpu.hf.as_hf_dataset``.
+
+  Start-up (data opened or prepared, to the end of the first step) apart from the steady rate.
 
 Results: benchmarks/results/sft.json.
 """
@@ -48,6 +67,7 @@ import numpy as np
 from common import load_seen, machine, method, spread
 
 RESULTS = Path(__file__).resolve().parent / "results"
+SECTIONS = ("packing", "loader", "tokenize", "training")
 SYLLABLES = "ka lo mi ne ru ta so vi pe da gu li mo na re si to va be ze".split()
 
 CHATML = (
@@ -337,6 +357,262 @@ def loader_section(args, work: Path, lengths: np.ndarray) -> dict:
     }
 
 
+# Question 4.
+
+TRAIN_VOCAB, TRAIN_PAD = 2048, 0
+OURS, TRL_BFD, TRL_PADDED = "sparkgpu loader + Trainer", "trl bfd (padding-free)", "trl no packing"
+# Diagnostics, not peers: our rows in TRL bfd's layout (each batch flattened into one row) under the
+# plain Trainer, and our rows under SFTTrainer (through as_hf_dataset). They tell the cost of the
+# layout and of SFTTrainer's step apart from the data each side trains on.
+OURS_FLAT, OURS_IN_TRL = "sparkgpu loader, flatten=True", "sparkgpu loader + SFTTrainer"
+TRAIN_SIDES = (OURS, TRL_BFD, TRL_PADDED, OURS_FLAT, OURS_IN_TRL)
+TRAIN_RATIOS = {
+    "sparkgpu / trl bfd": (OURS, TRL_BFD),
+    "sparkgpu / trl no packing": (OURS, TRL_PADDED),
+    "flattened layout: sparkgpu / sparkgpu flatten=True": (OURS, OURS_FLAT),
+    "same layout: sparkgpu flatten=True / trl bfd": (OURS_FLAT, TRL_BFD),
+    "same rows: sparkgpu + Trainer / sparkgpu + SFTTrainer": (OURS, OURS_IN_TRL),
+    "same trainer: sparkgpu + SFTTrainer / trl bfd": (OURS_IN_TRL, TRL_BFD),
+}
+
+
+def training_lengths(args) -> np.ndarray:
+    """The packing section's long-tailed lengths, scaled by ``train_seq_len / 4096``: the same mix
+    relative to the row, at a size a tiny model on two cores trains in seconds."""
+    lengths = long_tailed_lengths(args.train_docs, seed=4)
+    return np.maximum(4, lengths * args.train_seq_len // 4096)
+
+
+def train_sides(order, mds_url: str, arrow_dir: str, opts: dict) -> dict:
+    """One rank of the comparison: each side in ``order`` builds its trainer and trains ``steps`` steps.
+
+    The same tiny Llama (rebuilt from the same seed per side), the same documents, rows of at
+    most ``seq_len`` tokens and ``batch`` rows a step per rank; fp32, no gradient checkpointing,
+    no checkpoints. A forward pre-hook counts the real (non-pad) tokens of every step, the same
+    way for every side; a callback takes the time at the end of every step.
+    """
+    import time
+
+    import torch
+    from datasets import load_from_disk
+
+    import sparkgpu.hf
+    from tokenizers import Tokenizer, models
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
+    from trl import SFTConfig, SFTTrainer
+
+    from sparkgpu import data
+
+    seq, batch, steps, vocab, pad = opts["seq_len"], opts["batch"], opts["steps"], opts["vocab"], opts["pad"]
+    words = {"<pad>": pad, "<eos>": 1, **{f"t{i}": i for i in range(2, vocab)}}
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(words, unk_token="<eos>")), pad_token="<pad>", eos_token="<eos>"
+    )
+
+    def model():
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=64,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=seq,
+        )
+        return LlamaForCausalLM(config)
+
+    # Untimed: the first forward and backward of the process (thread pools, allocator).
+    warm = model()
+    warm(
+        input_ids=torch.ones(batch, seq, dtype=torch.long), labels=torch.ones(batch, seq, dtype=torch.long)
+    ).loss.backward()
+    del warm
+
+    common = dict(
+        output_dir="out",
+        per_device_train_batch_size=batch,
+        max_steps=steps,
+        learning_rate=1e-3,
+        seed=7,
+        bf16=False,
+        gradient_checkpointing=False,
+        save_strategy="no",
+        logging_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+    )
+    results = {}
+    for side in order:
+        tokens: list[int] = []
+        ends: list[float] = []
+        counted = [0]
+        shapes: list[list[int]] = []
+
+        class Clock(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                ends.append(time.perf_counter())
+                tokens.append(counted[0])
+                counted[0] = 0
+
+        def count(module, args, kwargs):
+            counted[0] += int((kwargs["input_ids"] != pad).sum())
+            shapes.append(list(kwargs["input_ids"].shape))
+
+        net = model()
+        net.register_forward_pre_hook(count, with_kwargs=True)
+        started = time.perf_counter()
+        if side in (OURS, OURS_FLAT):
+            rows = data.sft_dataset(
+                local=mds_url, seq_len=seq, batch_size=batch, shuffle=True, seed=0, flatten=side == OURS_FLAT
+            )
+            trainer = Trainer(model=net, args=TrainingArguments(**common), train_dataset=rows, callbacks=[Clock()])
+        elif side == OURS_IN_TRL:
+            rows = data.sft_dataset(local=mds_url, seq_len=seq, batch_size=batch, shuffle=True, seed=0)
+            trainer = SFTTrainer(
+                model=net,
+                args=SFTConfig(**common, dataset_kwargs={"skip_prepare_dataset": True}),
+                train_dataset=sparkgpu.hf.as_hf_dataset(rows),
+                processing_class=tokenizer,
+                callbacks=[Clock()],
+            )
+        else:
+            config = SFTConfig(**common, max_length=seq, packing=side == TRL_BFD, packing_strategy="bfd")
+            trainer = SFTTrainer(
+                model=net,
+                args=config,
+                train_dataset=load_from_disk(arrow_dir),
+                processing_class=tokenizer,
+                callbacks=[Clock()],
+            )
+        trainer.train()
+        assert len(ends) == steps, (side, len(ends))
+        results[side] = {
+            "startup_s": ends[0] - started,
+            "steady_s": ends[-1] - ends[0],
+            "steady_tokens": sum(tokens[1:]),
+            "tokens_per_step": tokens,
+            "first_batch_shape": shapes[0],
+            "attention": net.config._attn_implementation,
+        }
+    results["threads"] = torch.get_num_threads()
+    return results
+
+
+def training_section(args, work: Path) -> dict:
+    import datasets
+    import pyarrow as pa
+
+    from sparkgpu import data, distributed
+
+    lengths = training_lengths(args)
+    rng = np.random.default_rng(5)
+    docs = [rng.integers(2, TRAIN_VOCAB, n, dtype=np.int32) for n in lengths.tolist()]
+    ones = [np.ones(n, np.uint8) for n in lengths.tolist()]
+    url = data.to_mds(pa.table({"input_ids": docs, "loss_mask": ones}), str(work / "train-mds"), progress=False).url
+    arrow = str(work / "train-arrow")
+    datasets.Dataset.from_dict({"input_ids": [d.tolist() for d in docs]}).save_to_disk(arrow)
+    opts = {
+        "seq_len": args.train_seq_len,
+        "batch": args.train_batch,
+        "steps": args.train_steps,
+        "vocab": TRAIN_VOCAB,
+        "pad": TRAIN_PAD,
+    }
+    job = distributed(gpus=2, gpu_type="cpu", log_ranks=None)(train_sides)
+    runs: dict[str, dict[str, list[float]]] = {side: {"startup": [], "rate": []} for side in TRAIN_SIDES}
+    per_step: dict[str, list[float]] = {side: [] for side in TRAIN_SIDES}
+    paired: dict[str, list[float]] = {name: [] for name in TRAIN_RATIOS}
+    here = os.getcwd()
+    threads = None
+    for repeat in range(args.repeats):
+        turn = repeat % len(TRAIN_SIDES)
+        order = TRAIN_SIDES[turn:] + TRAIN_SIDES[:turn]
+        folder = work / f"train-{repeat}"
+        folder.mkdir()
+        os.chdir(folder)
+        try:
+            ranks = job.distributed(list(order), url, arrow, opts)
+        finally:
+            os.chdir(here)
+        threads = ranks[0]["threads"]
+        for side in TRAIN_SIDES:
+            first = ranks[0][side]
+            steady_tokens = sum(r[side]["steady_tokens"] for r in ranks)
+            runs[side]["startup"].append(first["startup_s"])
+            runs[side]["rate"].append(steady_tokens / first["steady_s"])
+            per_step[side].append(steady_tokens / (args.train_steps - 1))
+            print(
+                f"  training {side:30s} start-up {first['startup_s']:6.2f} s, "
+                f"{steady_tokens / first['steady_s']:9,.0f} real tokens/s",
+                file=sys.stderr,
+            )
+        for name, (top, bottom) in TRAIN_RATIOS.items():
+            paired[name].append(runs[top]["rate"][-1] / runs[bottom]["rate"][-1])
+        facts = {side: (ranks[0][side]["first_batch_shape"], ranks[0][side]["attention"]) for side in TRAIN_SIDES}
+    peers = {
+        side: {
+            "startup_s": spread(runs[side]["startup"]),
+            "real_tokens_per_s": spread(runs[side]["rate"], higher_is_better=True),
+            "real_tokens_per_step": statistics.median(per_step[side]),
+            "first_batch_shape": facts[side][0],
+            "attention": facts[side][1],
+        }
+        for side in TRAIN_SIDES
+    }
+    rate = {side: peers[side]["real_tokens_per_s"]["median"] for side in TRAIN_SIDES}
+    return {
+        "documents": len(lengths),
+        "tokens": int(lengths.sum()),
+        "length_p50": float(np.median(lengths)),
+        "length_max": int(lengths.max()),
+        "seq_len": args.train_seq_len,
+        "rows_per_step_per_rank": args.train_batch,
+        "steps": args.train_steps,
+        "ranks": 2,
+        "threads_per_rank": threads,
+        "model": "LlamaForCausalLM, vocab 2048, hidden 64, 2 layers, 4 heads, fp32",
+        "peers": peers,
+        "ratios": {name: rate[top] / rate[bottom] for name, (top, bottom) in TRAIN_RATIOS.items()},
+        "paired_ratios": {name: spread(values, higher_is_better=True) for name, values in paired.items()},
+        "goals": {"sparkgpu / trl bfd": 1.0, "sparkgpu / trl no packing": 1.5},
+        "method": method(
+            f"real (non-pad) tokens of both ranks per second of rank 0's clock, from the end of step 1 to the end "
+            f"of step {args.train_steps}; every step's tokens counted by one forward pre-hook (input_ids != pad)",
+            startup="apart as startup_s: from building the trainer's data (sft_dataset opening and planning the "
+            "epoch; load_from_disk of the same documents saved as an Arrow dataset, TRL's preparation and packing "
+            "inside) to the end of step 1; imports and a first forward/backward of the process are before it",
+            repeats=args.repeats,
+            statistic="ratios: median rate of one side over median rate of the other; paired_ratios: the two "
+            "sides' ratio within each repeat (the same job, minutes apart), their median and spread beside it",
+            launcher="one sparkgpu.distributed(gpus=2, gpu_type='cpu') job per repeat, 2 gloo ranks, every side in "
+            "it in turn; the order of the sides rotates from repeat to repeat",
+            budget=f"rows of at most seq_len={args.train_seq_len}, {args.train_batch} rows a step per rank for "
+            "every side: our loader's packed rows; TRL bfd's packed rows (padding-free: the batch flattened into one "
+            "row, as SFTTrainer sets it up for packing_strategy='bfd'); TRL without packing: documents truncated to "
+            "max_length, each batch padded to its longest",
+            configuration="the same model from the same seed, fp32, no gradient checkpointing (TRL's default turns it "
+            "on: off for every side), learning rate 1e-3, no checkpoints, no logging; SFTTrainer with its own loss "
+            "(fused LM head) and collator; Trainer with the model's loss; attention 'sdpa' on every side (no "
+            "flash-attention kernel on CPU)",
+            diagnostic="not peers, they split the gap: 'sparkgpu loader, flatten=True' is our loader with each "
+            "batch flattened into one row of batch x seq_len tokens (TRL bfd's padding-free layout, which under sdpa "
+            "builds one block-diagonal mask over the whole flattened batch) under the plain Trainer; 'sparkgpu "
+            "loader + SFTTrainer' is our loader's rows under SFTTrainer through sparkgpu.hf.as_hf_dataset "
+            "(its fused-LM-head loss, its per-step entropy and token-accuracy metrics gathered across ranks)",
+            data="the packing section's long-tailed lengths scaled by seq_len/4096 (4 tokens at least), random ids; "
+            "the same documents written once as MDS (sparkgpu) and as an Arrow dataset (TRL), both warm local folders",
+        ),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=4_000, help="chats (and texts) to tokenize")
@@ -347,24 +623,46 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-tokenize", action="store_true")
+    parser.add_argument(
+        "--sections",
+        nargs="+",
+        choices=SECTIONS,
+        default=[s for s in SECTIONS if s != "training"],
+        help="sections to run; the others keep their figures from --out (default: all but training)",
+    )
+    parser.add_argument("--train-docs", type=int, default=2_000, help="documents of the training section")
+    parser.add_argument("--train-seq-len", type=int, default=512)
+    parser.add_argument("--train-batch", type=int, default=4, help="rows per step per rank")
+    parser.add_argument("--train-steps", type=int, default=14)
     parser.add_argument("--out", type=Path, default=RESULTS / "sft.json")
     args = parser.parse_args()
+    sections = [s for s in args.sections if not (s == "tokenize" and args.skip_tokenize)]
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    # Sections not run keep their figures (and the machine they were measured on).
+    report: dict = json.loads(args.out.read_text()) if args.out.exists() else {}
     facts = machine()
-    report: dict = {}
     with tempfile.TemporaryDirectory(prefix="bench-sft-") as tmp:
         work = Path(tmp)
         lengths = long_tailed_lengths(args.docs)
-        report["packing"] = packing_section(args, lengths)
-        print(json.dumps(report["packing"]["pad_share"], indent=1), file=sys.stderr)
-        report["loader"] = loader_section(args, work, lengths)
-        print(f"loader {report['loader']['row_tokens_per_s']['median']:,.0f} tokens/s", file=sys.stderr)
-        if not args.skip_tokenize:
+        if "packing" in sections:
+            report["packing"] = packing_section(args, lengths)
+            print(json.dumps(report["packing"]["pad_share"], indent=1), file=sys.stderr)
+        if "loader" in sections:
+            report["loader"] = loader_section(args, work, lengths)
+            print(f"loader {report['loader']['row_tokens_per_s']['median']:,.0f} tokens/s", file=sys.stderr)
+        if "tokenize" in sections:
             rows = make_rows(args.rows)
             report["tokenize"] = tokenize_section(args, work, rows, build_tokenizer(rows))
             for fmt, figures in report["tokenize"]["formats"].items():
                 print(fmt, json.dumps(figures["ratios"]), file=sys.stderr)
-    report["machine"] = load_seen(facts)
+        if "training" in sections:
+            report["training"] = training_section(args, work)
+            print("training", json.dumps(report["training"]["ratios"]), file=sys.stderr)
+    seen = load_seen(facts)
+    if "training" in sections:
+        report["training"]["machine"] = seen
+    if set(sections) & {"packing", "loader", "tokenize"}:
+        report["machine"] = seen
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"written to {args.out}")
