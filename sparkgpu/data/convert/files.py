@@ -9,7 +9,6 @@ contiguous, so the dataset keeps the source's row order.
 from __future__ import annotations
 
 import concurrent.futures
-import datetime
 import hashlib
 import json
 import os
@@ -20,9 +19,10 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 
 from sparkgpu.data.mds.writer import ShardOptions
-from sparkgpu.data.tables.delta import open_delta, row_group_mask
+from sparkgpu.data.tables.delta import row_group_mask
 from sparkgpu.data.tables.filter import KEEP, to_expression
-from sparkgpu.data.tables.paths import is_delta_table, open_parquet_dataset
+from sparkgpu.data.tables.paths import is_delta_table_object
+from sparkgpu.data.tables.source import OpenedTable, open_table
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.store import Store
 
@@ -160,52 +160,27 @@ def _dataset_units(dataset: pads.Dataset, workers: int, expression=None) -> list
     return [unit(fragment) for fragment in fragments]
 
 
-def _parquet_source(path: str, storage_options: dict | None, row_filter=None) -> FileSource:
-    dataset = open_parquet_dataset(path, storage_options)
+def _opened_source(opened: OpenedTable, row_filter=None) -> FileSource:
+    """The rows of an opened Delta table or Parquet files that pass ``row_filter``."""
+    dataset = opened.dataset
     expression = _expression(row_filter, dataset.schema)
-
-    def fingerprint() -> str:
-        infos = dataset.filesystem.get_file_info(sorted(dataset.files))
-        files = [[info.path, info.size, info.mtime_ns] for info in infos]
-        return _digest({"type": "parquet", "files": files, "schema": dataset.schema.to_string()})
-
-    description = {"type": "parquet", "path": path, "files": len(dataset.files)}
-    return FileSource(
-        dataset.schema, description, lambda workers: _dataset_units(dataset, workers, expression), fingerprint
-    )
-
-
-def _delta_source(table, version, timestamp, storage_options: dict | None, row_filter=None) -> FileSource:
-    snapshot = open_delta(table, version=version, timestamp=timestamp, storage_options=storage_options)
-    expression = _expression(row_filter, snapshot.dataset.schema)
-    description = {"type": "delta", "uri": snapshot.uri, "version": snapshot.version}
-    if timestamp is not None:
-        description["timestamp"] = timestamp.isoformat() if isinstance(timestamp, datetime.datetime) else str(timestamp)
-    if snapshot.selection:
-        description["deletion_vectors"] = len(snapshot.selection)
-
-    def fingerprint() -> str:
-        return _digest({"type": "delta", "uri": snapshot.uri, "version": snapshot.version, "id": snapshot.table_id})
+    fingerprint = _digest({**opened.identity, "schema": dataset.schema.to_string()})
 
     def units(workers: int) -> list[_Unit]:
-        if not snapshot.selection:
-            return _dataset_units(snapshot.dataset, workers, expression)
-        fragments = (
-            snapshot.dataset.get_fragments(filter=expression)
-            if expression is not None
-            else snapshot.dataset.get_fragments()
-        )
-        return [_deleted_rows_unit(fragment, snapshot, expression) for fragment in fragments]
+        if not opened.selection:
+            return _dataset_units(dataset, workers, expression)
+        fragments = dataset.get_fragments(filter=expression) if expression is not None else dataset.get_fragments()
+        return [_deleted_rows_unit(fragment, opened, expression) for fragment in fragments]
 
-    return FileSource(snapshot.dataset.schema, description, units, fingerprint)
+    return FileSource(dataset.schema, opened.description, units, lambda: fingerprint)
 
 
-def _deleted_rows_unit(fragment, snapshot, expression=None) -> _Unit:
+def _deleted_rows_unit(fragment, opened: OpenedTable, expression=None) -> _Unit:
     """A whole file, its deleted rows (its deletion vector) and the rows ``expression`` rejects left out."""
     import pyarrow.compute as pc
 
-    selection = snapshot.selection.get(fragment.path)
-    schema = snapshot.dataset.schema
+    selection = opened.selection.get(fragment.path)
+    schema = opened.dataset.schema
 
     def batches(columns, use_threads):
         # The filter cannot go to the scanner: rows it drops would shift the positions the
@@ -295,10 +270,7 @@ def open_files(
         ConfigurationError: A filter this reader cannot evaluate, or time travel on Parquet.
         DataError: The path cannot be read.
     """
-    if is_delta_table(path, storage_options):
-        return _delta_source(path, version, timestamp, storage_options, row_filter)
-    _no_time_travel(version, timestamp, f"{path} is not a Delta table (no _delta_log)")
-    return _parquet_source(path, storage_options, row_filter)
+    return _opened_source(open_table(path, version, timestamp, storage_options), row_filter)
 
 
 def resolve_file_source(source, *, version=None, timestamp=None, storage_options: dict | None = None) -> FileSource:
@@ -309,17 +281,8 @@ def resolve_file_source(source, *, version=None, timestamp=None, storage_options
             a source type this function does not know.
         DataError: The path cannot be read.
     """
-    delta = None
-    try:
-        from deltalake import DeltaTable
-
-        delta = DeltaTable
-    except ImportError:
-        pass
-    if delta is not None and isinstance(source, delta):
-        return _delta_source(source, version, timestamp, storage_options)
-    if isinstance(source, (str, os.PathLike)):
-        return open_files(os.fspath(source), version=version, timestamp=timestamp, storage_options=storage_options)
+    if is_delta_table_object(source) or isinstance(source, (str, os.PathLike)):
+        return _opened_source(open_table(source, version, timestamp, storage_options))
     _no_time_travel(version, timestamp, "only Delta tables have versions")
     if isinstance(source, pa.RecordBatch):
         source = pa.Table.from_batches([source])

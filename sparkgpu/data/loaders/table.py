@@ -53,7 +53,7 @@ from sparkgpu.data.loaders.order import (
 from sparkgpu.data.loaders.positioned import Positioned
 from sparkgpu.data.tables.filter import KEEP, to_expression
 from sparkgpu.data.tables.plan import TableRef
-from sparkgpu.data.tables.source import file_cache, keep_mask, open_source, row_groups, scan
+from sparkgpu.data.tables.source import file_cache, keep_mask, open_table, row_groups, scan
 from sparkgpu.data.loaders.table_tensors import UnitColumns, gather_batch, gather_runs
 from sparkgpu.errors import ConfigurationError, DataError
 
@@ -149,7 +149,8 @@ def table_dataset(
         check_int("shuffle_block_size", shuffle_block_size, 1)
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ConfigurationError(f"rank={rank!r} must be an integer in [0, world_size={world_size})")
-    dataset, selection, identity = open_source(path_or_url, version, timestamp, storage_options)
+    opened = open_table(path_or_url, version, timestamp, storage_options)
+    dataset, selection, identity = opened.dataset, opened.selection, opened.identity
     schema = dataset.schema
     if columns is None:
         columns = list(schema.names)

@@ -47,6 +47,15 @@ def open_parquet_dataset(path: str, storage_options: dict | None) -> pads.Datase
     return dataset
 
 
+def is_delta_table_object(source) -> bool:
+    """Whether ``source`` is a ``deltalake.DeltaTable`` (False when deltalake is not installed)."""
+    try:
+        from deltalake import DeltaTable
+    except ImportError:
+        return False
+    return isinstance(source, DeltaTable)
+
+
 def is_delta_table(path: str, storage_options: dict | None = None) -> bool:
     """Whether ``path`` is the root of a Delta table (it has a ``_delta_log``)."""
     if "://" not in path or path.startswith("file://"):

@@ -10,6 +10,8 @@ columns alone.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import datetime
 import os
 
 import numpy as np
@@ -20,10 +22,10 @@ import pyarrow.dataset as pads
 from sparkgpu.data.loaders.order import check_int
 from sparkgpu.data.tables.delta import open_delta, row_group_mask
 from sparkgpu.data.tables.filter import KEEP
-from sparkgpu.data.tables.paths import arrow_filesystem, is_delta_table, open_parquet_dataset
+from sparkgpu.data.tables.paths import arrow_filesystem, is_delta_table, is_delta_table_object, open_parquet_dataset
 from sparkgpu.errors import ConfigurationError, DataError
 
-__all__ = ["open_source", "row_groups", "file_cache", "keep_mask", "count_rows", "scan", "RowGroup"]
+__all__ = ["OpenedTable", "open_table", "row_groups", "file_cache", "keep_mask", "count_rows", "scan", "RowGroup"]
 
 
 def file_cache(dataset, units, identity, storage_options, local, cache_limit, download_threads):
@@ -52,14 +54,33 @@ def file_cache(dataset, units, identity, storage_options, local, cache_limit, do
     )
 
 
-def open_source(source, version, timestamp, storage_options):
-    try:
-        from deltalake import DeltaTable
-    except ImportError:
-        DeltaTable = None
-    if (DeltaTable is not None and isinstance(source, DeltaTable)) or is_delta_table(
-        os.fspath(source), storage_options
-    ):
+@dataclasses.dataclass(frozen=True)
+class OpenedTable:
+    """A Delta table at one version, or Parquet files as they are now: what readers and conversions read.
+
+    Attributes:
+        dataset: The live files as a ``pyarrow.dataset``.
+        selection: Per file path, the rows its deletion vector keeps (Delta only; empty otherwise).
+        identity: What names these exact rows: ``{"type": "delta", "uri", "version", "id"}`` or
+            ``{"type": "parquet", "path", "files": [[path, size, mtime_ns], ...]}``.
+        description: What was read, for people and for an output's index.
+    """
+
+    dataset: pads.Dataset
+    selection: dict
+    identity: dict
+    description: dict
+
+
+def open_table(source, version=None, timestamp=None, storage_options: dict | None = None) -> OpenedTable:
+    """Opens a Delta table (a path, URL or ``deltalake.DeltaTable``; time travel with ``version``
+    or ``timestamp``) or Parquet files under a path.
+
+    Raises:
+        ConfigurationError: ``version``/``timestamp`` for Parquet files.
+        DataError: The path cannot be read.
+    """
+    if is_delta_table_object(source) or is_delta_table(os.fspath(source), storage_options):
         snapshot = open_delta(
             source if not isinstance(source, os.PathLike) else os.fspath(source),
             version=version,
@@ -67,14 +88,23 @@ def open_source(source, version, timestamp, storage_options):
             storage_options=storage_options,
         )
         identity = {"type": "delta", "uri": snapshot.uri, "version": snapshot.version, "id": snapshot.table_id}
-        return snapshot.dataset, snapshot.selection, identity
+        description: dict = {"type": "delta", "uri": snapshot.uri, "version": snapshot.version}
+        if timestamp is not None:
+            description["timestamp"] = (
+                timestamp.isoformat() if isinstance(timestamp, datetime.datetime) else str(timestamp)
+            )
+        if snapshot.selection:
+            description["deletion_vectors"] = len(snapshot.selection)
+        return OpenedTable(snapshot.dataset, snapshot.selection, identity, description)
     if version is not None or timestamp is not None:
-        raise ConfigurationError(f"version= and timestamp= apply to Delta tables; {source} has no _delta_log")
+        raise ConfigurationError(
+            f"version= and timestamp= apply to Delta tables; {os.fspath(source)} is not a Delta table (no _delta_log)"
+        )
     path = os.fspath(source)
     dataset = open_parquet_dataset(path, storage_options)
     infos = dataset.filesystem.get_file_info(sorted(dataset.files))
     identity = {"type": "parquet", "path": path, "files": [[i.path, i.size, i.mtime_ns] for i in infos]}
-    return dataset, {}, identity
+    return OpenedTable(dataset, {}, identity, {"type": "parquet", "path": path, "files": len(dataset.files)})
 
 
 class RowGroup:
