@@ -17,21 +17,30 @@ prompts, padding and each document's first token, ``position_ids`` restarting at
 document), whatever Accelerate's ``dispatch_batches`` says, and a resumed trainer restores the
 loader's position. TRL's own preparation (tokenizing, truncating, packing) must be skipped:
 the rows are packed already, and a re-mapped copy would lose the loader.
+:func:`patch_sft_trainer` makes an ``SFTTrainer`` class do both by itself for a loader given as
+it is.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
+import logging
 from typing import Any
 
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.hf.datasets import LoaderDataset, loader_of
+from sparkgpu.hf.datasets import LoaderDataset, is_loader, loader_of
 
-__all__ = ["as_hf_dataset", "SKIP_PREPARATION"]
+__all__ = ["as_hf_dataset", "patch_sft_trainer", "SKIP_PREPARATION"]
+
+logger = logging.getLogger("sparkgpu.hf")
+_PATCHED = "_sparkgpu_takes_loaders"
 
 
 SKIP_PREPARATION = {"skip_prepare_dataset": True}  # SFTConfig(dataset_kwargs=...) for a loader
 _COLUMNS = ("input_ids", "labels", "position_ids")
+_NAMES = ("input_ids", "labels")
 
 
 def _refuse(name: str):
@@ -113,7 +122,7 @@ def _view_class():
 _VIEW: Any = None
 
 
-def as_hf_dataset(loader, names: tuple[str, ...] = ("input_ids", "labels")):
+def as_hf_dataset(loader, names: tuple[str, ...] = _NAMES):
     """A sparkgpu loader as a ``datasets.IterableDataset``, for trainers that accept nothing else.
 
     Args:
@@ -130,3 +139,33 @@ def as_hf_dataset(loader, names: tuple[str, ...] = ("input_ids", "labels")):
     require_transformers("sparkgpu.hf.as_hf_dataset")
     loader = loader_of(loader)
     return _view_class()(loader, names)
+
+
+def patch_sft_trainer(trainer_class: Any) -> None:
+    """Makes ``trainer_class`` (TRL's ``SFTTrainer``) take a sparkgpu loader as ``train_dataset`` as it is.
+
+    A loader (or :func:`as_hf_dataset`'s view) given as ``train_dataset`` is wrapped by
+    :func:`as_hf_dataset`, and the trainer's ``SFTConfig`` told to skip TRL's preparation.
+    Reading it rank by rank and resuming it by position still need the patched ``Trainer``
+    (inside a job) or :func:`sparkgpu.hf.resumable`.
+    """
+    init = trainer_class.__init__
+    if getattr(init, _PATCHED, False):
+        return
+    signature = inspect.signature(init)
+
+    @functools.wraps(init)
+    def wrapper(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        dataset = bound.arguments.get("train_dataset")
+        if dataset is not None and is_loader(dataset):
+            if not getattr(type(dataset), "wraps_sparkgpu_loader", False):  # a loader, or a LoaderDataset
+                bound.arguments["train_dataset"] = as_hf_dataset(dataset, getattr(dataset, "names", _NAMES))
+            config = bound.arguments.get("args")
+            if config is not None and hasattr(config, "dataset_kwargs"):
+                config.dataset_kwargs = {**(config.dataset_kwargs or {}), **SKIP_PREPARATION}
+                logger.info("TRL's dataset preparation skipped: the sparkgpu loader's rows are tokenized and packed")
+        return init(*bound.args, **bound.kwargs)
+
+    setattr(wrapper, _PATCHED, True)
+    trainer_class.__init__ = wrapper

@@ -211,3 +211,31 @@ def test_the_view_leaves_the_loader_position_and_refuses_trl_preparation(sft_dat
     config = SFTConfig(output_dir="out", report_to="none", use_cpu=True)  # no skip_prepare_dataset
     with pytest.raises(ConfigurationError, match="skip_prepare_dataset"):
         SFTTrainer(model=tiny_llama(), args=config, train_dataset=view, processing_class=word_tokenizer())
+
+
+def test_a_patched_sft_trainer_takes_the_loader_as_it_is(sft_data, monkeypatch):
+    """What the rank's patch on importing TRL would give: ``train_dataset=data.sft_dataset(...)`` as written."""
+    from trl import SFTConfig, SFTTrainer
+
+    import sparkgpu.hf
+    from sparkgpu import data
+    from sparkgpu.hf.sft import patch_sft_trainer
+
+    monkeypatch.setattr(SFTTrainer, "__init__", SFTTrainer.__init__)  # put back after the test
+    patch_sft_trainer(SFTTrainer)
+    rows = data.sft_dataset(local=sft_data, seq_len=SEQ, batch_size=BATCH, rank=0, world_size=1)
+    config = SFTConfig(output_dir="out", report_to="none", use_cpu=True, max_steps=2, save_strategy="no")
+    trainer = sparkgpu.hf.resumable(
+        SFTTrainer(model=tiny_llama(), args=config, train_dataset=rows, processing_class=word_tokenizer())
+    )
+    assert config.dataset_kwargs == {"skip_prepare_dataset": True}
+    shapes = []
+    trainer.model.register_forward_hook(
+        lambda module, args, kwargs, out: shapes.append(
+            sorted((k, tuple(v.shape)) for k, v in kwargs.items() if k.endswith("_ids") or k == "labels")
+        ),
+        with_kwargs=True,
+    )
+    trainer.train()
+    assert shapes == [[("input_ids", (BATCH, SEQ)), ("labels", (BATCH, SEQ)), ("position_ids", (BATCH, SEQ))]] * 2
+    assert rows.state_dict()["rows_consumed"] == 2 * BATCH, "the trainer read the loader itself, two batches"
