@@ -105,8 +105,8 @@ def run_stopped(tmp_path, tag, stop, **options):
     finally:
         ended.set()
         stopper.join(timeout=300)
-    if failures:
-        raise failures[0]
+    if failures:  # with the job's own error, if it failed, as the cause
+        raise failures[0] from (outcome if isinstance(outcome, Exception) else None)
     return outcome, job.last_job_id, record
 
 
