@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["resumable", "JobCheckpointCallback", "train_dataset"]
+__all__ = ["resumable", "JobCheckpointCallback", "train_dataset", "as_hf_dataset"]
 
 _LAZY = {
     "resumable": "sparkgpu.hf.resume",
