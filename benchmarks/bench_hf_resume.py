@@ -12,12 +12,31 @@ One process, one Trainer over a Llama built from a config (no hub), AdamW state 
     the sealed side needs none: a restore hashes every byte, and hard-links where it can)
 
 Both sides save into the same file system, alternate between repeats, and make a fresh folder
-each repeat. The time from a rank's SIGKILL to the first resumed step (ours vs the Trainer's
-own ``resume_from_checkpoint``) is not measured by this script yet.
+each repeat.
 
-    python benchmarks/bench_hf_resume.py [--hidden 512] [--layers 8] [--repeats 3] [--dir DIR]
+``--part restart``: SIGKILL of a rank -> the first resumed step, in a 2-rank gloo job launched
+by ``@distributed(max_restarts=1)`` for both sides, the same tiny Llama, the same token blocks,
+the same step of the kill; rank 1 kills itself at the step after the checkpoint of step
+``--kill-step`` is complete:
 
-Writes benchmarks/results/hf_resume.json.
+  * ``sparkgpu``: the plain Trainer inside the job, ``train_dataset`` the token loader
+    (``data.token_dataset`` over MDS shards): the next attempt restores the newest sealed
+    checkpoint by itself (copied out and hashed) and the loader's saved position; no batch is read again
+  * ``trainer_resume_from_checkpoint``: ``SPARKGPU_HF_RESUME=0`` and the resume written by hand as
+    the transformers examples do (``train(resume_from_checkpoint=get_last_checkpoint(output_dir))``),
+    ``train_dataset`` the same blocks streamed from Parquet with ``datasets``
+    (``load_dataset(..., streaming=True)``, the documented way for data that is not loaded
+    whole): the Trainer reads and drops every batch of the epoch before the checkpoint
+    (Accelerate's ``skip_first_batches``) to find its place
+
+Timed from the kill (rank 1's clock, just before SIGKILL) to the end of the first step of the
+restarted attempt (rank 0's clock): failure detection, the restart, imports, model build, the
+restore and the replay are inside for both.
+
+    python benchmarks/bench_hf_resume.py [--part blocking|restart|all] [--hidden 512] [--layers 8]
+        [--repeats 3] [--kill-step 300] [--dir DIR]
+
+Writes benchmarks/results/hf_resume.json (a part run alone keeps the other part's figures).
 """
 
 from __future__ import annotations
@@ -26,13 +45,14 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import load_seen, machine, method, spread  # noqa: E402
+from common import load_seen, machine, method, separated, spread  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "hf_resume.json"
 
@@ -63,14 +83,8 @@ def _folder_bytes(folder: str) -> int:
     return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dir", default=None, help="where to save (default: a temporary folder)")
-    opts = parser.parse_args()
-
+def measure_blocking(opts) -> dict:
+    """The Trainer's own save vs the same save sealed into the job, blocking time."""
     from sparkgpu.hf.resume import seal_checkpoint
     from sparkgpu.store import Store
     from sparkgpu.train import sealed_files
@@ -116,7 +130,8 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     spreads = {side: spread(values) for side, values in times.items()}
-    result = {
+    print(json.dumps({k: v["median"] for k, v in spreads.items()}, indent=2))
+    return {
         "question": "checkpoint blocking time inside a Trainer: its own save vs the save sealed into the job",
         "checkpoint_bytes": size,
         "model": {"hidden": opts.hidden, "layers": opts.layers},
@@ -129,12 +144,287 @@ def main() -> None:
             order="alternating between repeats",
             processes="one; torch threads as the machine gives",
         ),
-        "not_measured": "SIGKILL of a rank -> first resumed step, ours vs the Trainer's resume_from_checkpoint",
         "machine": load_seen(facts),
     }
+
+
+# -- SIGKILL of a rank -> the first resumed step ---------------------------------------------
+
+VOCAB, SEQ, BATCH, WORLD = 256, 64, 8, 2
+SIDES = ("sparkgpu", "trainer_resume_from_checkpoint")
+# Batches read ahead of the step: Accelerate's dispatcher fetches the next one to see the end coming.
+LOOKAHEAD = {"sparkgpu": 0, "trainer_resume_from_checkpoint": 1}
+
+
+def finetune(side: str, mds_dir: str, parquet: str, timeline: str, kill_step: int, total_steps: int):
+    """A plain Trainer as written for GPUs; rank 1 dies at the step after ``kill_step``'s checkpoint.
+
+    Only the callback is the benchmark's: it kills, waits for the checkpoint to be complete
+    first (sealed, on the sparkgpu side), and records the times and how many blocks the resumed
+    attempt read before its first step ended.
+    """
+    import json
+    import os
+    import signal
+    import time
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from sparkgpu import data, runtime
+
+    rank, attempt = runtime.get_global_rank(), runtime.attempt()
+    started = time.time()  # the launcher's restart and the imports above are over
+    rows_read = [0]
+    if side == "sparkgpu":
+        dataset = data.token_dataset(local=mds_dir, column="ids", seq_len=SEQ - 1, batch_size=BATCH, eos_id=0)
+    else:
+        from datasets import load_dataset
+
+        def with_labels(row):
+            rows_read[0] += 1
+            return {"input_ids": row["input_ids"], "labels": row["input_ids"]}
+
+        dataset = load_dataset("parquet", data_files=parquet, split="train", streaming=True).map(with_labels)
+
+    def record(event: str, **facts) -> None:
+        with open(timeline, "a") as f:
+            f.write(json.dumps({"event": event, "time": time.time(), "rank": rank, **facts}) + "\n")
+
+    def blocks_read() -> int:
+        return dataset.state_dict()["blocks_consumed"] if side == "sparkgpu" else rows_read[0]
+
+    class Timeline(TrainerCallback):
+        def __init__(self):
+            self.read_at_start = None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.read_at_start = blocks_read()
+            if attempt > 0 and rank == 0:
+                record("function_started", at=started)
+                record("trainer_built", at=built)
+                record("train_begin", step=state.global_step)  # the restore is done
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if attempt == 0 and rank == 1 and state.global_step == kill_step + 1:
+                folder = os.path.join(args.output_dir, f"checkpoint-{kill_step}")
+                done = os.path.join(runtime.checkpoint_dir(), "hf", f"checkpoint-{kill_step}", "_SEALED.json")
+                if side != "sparkgpu":
+                    done = os.path.join(folder, "trainer_state.json")
+                while not os.path.exists(done):  # the resume must find it, on both sides
+                    time.sleep(0.01)
+                record("killed", step=state.global_step)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if attempt > 0:
+                if rank == 0:
+                    read = blocks_read() - (self.read_at_start or 0)
+                    record("first_resumed_step", step=state.global_step, blocks_read=read)
+                control.should_training_stop = True
+            return control
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=SEQ,
+    )
+    args = TrainingArguments(
+        output_dir="out",
+        per_device_train_batch_size=BATCH,
+        max_steps=total_steps,
+        learning_rate=1e-3,
+        save_steps=kill_step,
+        logging_steps=total_steps,
+        report_to="none",
+        disable_tqdm=True,
+        seed=7,
+    )
+    trainer = Trainer(model=LlamaForCausalLM(config), args=args, train_dataset=dataset, callbacks=[Timeline()])
+    built = time.time()  # imports, the dataset, the model and the Trainer are ready
+    if side == "sparkgpu":
+        trainer.train()  # resumes by itself
+    else:
+        last = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
+        trainer.train(resume_from_checkpoint=last)
+    return trainer.state.global_step
+
+
+def write_blocks(root: Path, total_steps: int) -> tuple[str, str, int]:
+    """The same token blocks as MDS shards (documents) and as Parquet rows (blocks of ``SEQ`` tokens)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from streaming import MDSWriter
+
+    from sparkgpu import data
+
+    blocks = (total_steps + 2) * BATCH * WORLD
+    rng = np.random.default_rng(0)
+    wanted, docs, total = blocks * (SEQ - 1) + 1, [], 0
+    while total < wanted:
+        length = min(int(rng.integers(20, 400)), wanted - total - 1) or 1
+        docs.append(rng.integers(1, VOCAB, length, dtype=np.int64))
+        total += length + 1
+    mds = root / "mds"
+    with MDSWriter(out=str(mds), columns={"ids": "ndarray:int64"}, size_limit=1 << 20) as writer:
+        for doc in docs:
+            writer.write({"ids": doc})
+    loader = data.token_dataset(
+        local=str(mds), column="ids", seq_len=SEQ - 1, batch_size=256, eos_id=0, rank=0, world_size=1
+    )
+    rows = [r.tolist() for batch in loader for r in batch]
+    parquet = root / "blocks.parquet"
+    pq.write_table(pa.table({"input_ids": rows}), parquet, row_group_size=1024)
+    return str(mds), str(parquet), len(rows)
+
+
+def run_restart(side: str, mds: str, parquet: str, work: Path, kill_step: int, total_steps: int) -> dict:
+    from sparkgpu import distributed
+    from sparkgpu.config import settings
+
+    folder = work / f"{side}-{time.monotonic_ns()}"
+    folder.mkdir()
+    timeline = folder / "timeline.jsonl"
+    os.environ["SPARKGPU_HF_RESUME"] = "1" if side == "sparkgpu" else "0"
+    settings.cache_clear()
+    here = os.getcwd()
+    os.chdir(folder)  # the ranks' output_dir="out": a fresh one per run
+    try:
+        job = distributed(gpus=WORLD, gpu_type="cpu", max_restarts=1, log_ranks=None)(finetune)
+        job.distributed(side, mds, parquet, str(timeline), kill_step, total_steps)
+    finally:
+        os.chdir(here)
+    events = {e["event"]: e for e in map(json.loads, timeline.read_text().splitlines())}
+    killed, resumed = events["killed"], events["first_resumed_step"]
+    assert killed["step"] == kill_step + 1 and resumed["step"] == kill_step + 1, (killed, resumed)
+    state = json.loads((settings().staging_root / job.last_job_id / "state.json").read_text())
+    first, second = state["attempts"]
+    shutil.rmtree(folder, ignore_errors=True)
+    return {
+        "seconds": resumed["time"] - killed["time"],
+        "blocks_read": resumed["blocks_read"],
+        # Where the time went, from the kill: the failed attempt ended, the new ranks started, the
+        # function ran, imports + dataset + model + Trainer were ready, train() began (the restore
+        # done), then the first step ended (the replay included).
+        "attempt_ended_s": first["ended_at"] - killed["time"],
+        "ranks_started_s": second["started_at"] - killed["time"],
+        "function_started_s": events["function_started"]["at"] - killed["time"],
+        "trainer_built_s": events["trainer_built"]["at"] - killed["time"],
+        "train_begin_s": events["train_begin"]["time"] - killed["time"],
+    }
+
+
+def measure_restart(opts) -> dict:
+    """SIGKILL of a rank -> the first resumed step, ours vs the Trainer's own resume_from_checkpoint."""
+    facts = machine()
+    total_steps = opts.kill_step + 4
+    runs: dict[str, list[dict]] = {side: [] for side in SIDES}
+    with tempfile.TemporaryDirectory(prefix="bench-hf-restart-", dir=opts.dir) as tmp:
+        os.environ["SPARKGPU_HOME"] = str(Path(tmp) / "home")
+        os.environ.setdefault("SPARKGPU_TRACKING", "0")  # restart latency only
+        mds, parquet, blocks = write_blocks(Path(tmp), total_steps)
+        for repeat in range(opts.repeats):
+            for side in SIDES if repeat % 2 == 0 else SIDES[::-1]:
+                runs[side].append(run_restart(side, mds, parquet, Path(tmp), opts.kill_step, total_steps))
+                print(f"repeat {repeat} {side}: {runs[side][-1]}", flush=True)
+    spreads = {side: spread([r["seconds"] for r in values]) for side, values in runs.items()}
+    # The function ran -> the first step ended: what the two sides do differently (the launcher's
+    # restart before it is the same code for both, and most of the noise on a shared machine).
+    in_function = {
+        side: spread([r["seconds"] - r["function_started_s"] for r in values]) for side, values in runs.items()
+    }
+    # train() began -> the first step ended: the restore is done, what is left is the first step and
+    # whatever the resume reads again to find its place (the part that grows with the step of the kill).
+    in_train = {side: spread([r["seconds"] - r["train_begin_s"] for r in values]) for side, values in runs.items()}
+    step_batch = BATCH * WORLD
+    return {
+        "question": "SIGKILL of a rank at a late step -> the first resumed step: sparkgpu's automatic resume "
+        "vs the Trainer's own resume_from_checkpoint written by hand",
+        "kill_after_step": opts.kill_step,
+        "checkpoint_step": opts.kill_step,
+        "batches_before_the_checkpoint_in_its_epoch": opts.kill_step,
+        "blocks": blocks,
+        "blocks_per_step": step_batch,
+        "model": {"llama_hidden": 64, "layers": 2, "vocab": VOCAB, "seq_len": SEQ, "per_rank_batch": BATCH},
+        "seconds": spreads,
+        "blocks_read_before_the_first_resumed_step": {
+            side: statistics.median(r["blocks_read"] for r in values) for side, values in runs.items()
+        },
+        "batches_replayed": {
+            side: round(statistics.median(r["blocks_read"] for r in values) / step_batch) - 1 - LOOKAHEAD[side]
+            for side, values in runs.items()
+        },
+        "breakdown_median_s": {
+            side: {
+                part: statistics.median(r[part] for r in values)
+                for part in (
+                    "attempt_ended_s",
+                    "ranks_started_s",
+                    "function_started_s",
+                    "trainer_built_s",
+                    "train_begin_s",
+                    "seconds",
+                )
+            }
+            for side, values in runs.items()
+        },
+        "trainer_over_sparkgpu": spreads["trainer_resume_from_checkpoint"]["median"] / spreads["sparkgpu"]["median"],
+        "medians_separated": separated(spreads["sparkgpu"], spreads["trainer_resume_from_checkpoint"]),
+        "function_started_to_first_step_s": in_function,
+        "function_started_to_first_step_separated": separated(
+            in_function["sparkgpu"], in_function["trainer_resume_from_checkpoint"]
+        ),
+        "train_begin_to_first_step_s": in_train,
+        "train_begin_to_first_step_separated": separated(
+            in_train["sparkgpu"], in_train["trainer_resume_from_checkpoint"]
+        ),
+        "method": method(
+            "rank 1's SIGKILL (its clock, once the checkpoint of kill_after_step is complete) to the end "
+            "of the restarted attempt's first step (rank 0's clock)",
+            startup="inside for both: failure detection, the restart by the same launcher "
+            "(@distributed(max_restarts=1), local backend, 2 gloo CPU ranks), imports, model build, restore",
+            repeats=opts.repeats,
+            statistic="median, with quartiles and every run",
+            order="sides alternate, the order reversed every other repeat",
+            data="the same token blocks: MDS shards read by data.token_dataset (sparkgpu) / one Parquet file "
+            "streamed by datasets.load_dataset(streaming=True), dispatched by Accelerate as its default "
+            "for iterable datasets (Trainer)",
+            replay="blocks_read_before_the_first_resumed_step counts blocks read on rank 0 in the resumed "
+            "attempt up to the end of its first step (the Trainer's rank 0 reads for both ranks); "
+            "batches_replayed is that over blocks_per_step, less the step itself and the batch Accelerate's "
+            "dispatcher reads ahead",
+        ),
+        "runs": runs,
+        "machine": load_seen(facts),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=("blocking", "restart", "all"), default="all")
+    parser.add_argument("--hidden", type=int, default=512, help="blocking part: the Llama's width")
+    parser.add_argument("--layers", type=int, default=8, help="blocking part: the Llama's layers")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kill-step", type=int, default=300, help="restart part: the step of the checkpoint")
+    parser.add_argument("--dir", default=None, help="where to save (default: a temporary folder)")
+    opts = parser.parse_args()
+
+    result = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    result.pop("not_measured", None)
+    if opts.part in ("blocking", "all"):
+        result.update(measure_blocking(opts))
+    if opts.part in ("restart", "all"):
+        result["restart"] = measure_restart(opts)
+        print(json.dumps({k: v["median"] for k, v in result["restart"]["seconds"].items()}, indent=2))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: v["median"] for k, v in spreads.items()}, indent=2))
 
 
 if __name__ == "__main__":
