@@ -339,11 +339,31 @@ def main(argv=None) -> None:
         help="s3-like: 30 ms to the first byte and 100 MB/s per connection, through a proxy",
     )
     parser.add_argument("--table", action="store_true", help="a Delta table on S3 read by table_dataset instead of MDS")
+    parser.add_argument(
+        "--peers",
+        action="store_true",
+        help="sparkgpu, Mosaic Streaming and litdata reading the same samples from one S3 bucket (s3-like link)",
+    )
+    parser.add_argument(
+        "--real-size",
+        action="store_true",
+        help="with --peers: 6 GB of shards and a 1.5 GB cache limit (eviction on the measured path)",
+    )
+    parser.add_argument("--sample-bytes", type=int, default=100_000, help="--peers: payload bytes per sample")
+    parser.add_argument("--workers", type=int, default=2, help="--peers: DataLoader workers, every reader alike")
+    parser.add_argument(
+        "--connections", type=int, default=2, help="--peers: connection budget (raw download threads; sparkgpu's total)"
+    )
+    parser.add_argument("--cache-limit", type=int, default=None, help="--peers: cache bytes for every reader")
+    parser.add_argument("--reader-timeout", type=int, default=1800, help="--peers: seconds for one reader's two epochs")
+    parser.add_argument("--orders", choices=["both", "in_order", "shuffled"], default="both")
     parser.add_argument("--work-dir", default=None)
     parser.add_argument(
         "--out", default=None, help="default results/volume.json (volume-s3-like.json with that profile)"
     )
     args = parser.parse_args(argv)
+    if args.peers:
+        return main_peers(parser, args, argv or [])
     if args.out is None:
         name = "volume-table" if args.table else "volume"
         args.out = str(RESULTS / (f"{name}.json" if args.profile == "loopback" else f"{name}-{args.profile}.json"))
@@ -366,6 +386,57 @@ def main(argv=None) -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2, default=str))
     print(f"wrote {args.out} and {args.out_png}")
+
+
+def main_peers(parser, args, argv: list[str]) -> None:
+    from volume_peers import run_peers
+
+    given = {a.split("=")[0] for a in (argv if argv else __import__("sys").argv[1:])}
+    if "--shard-bytes" not in given:
+        args.shard_bytes = 64 << 20  # Mosaic's and litdata's usual shard size, for all three
+    if "--samples" not in given:
+        args.samples = 60_000 if args.real_size else 4_000  # 6 GB / 400 MB of 100 kB samples
+    if "--batch-size" not in given:
+        args.batch_size = 64  # 6.4 MB of 100 kB samples
+    if args.real_size and args.cache_limit is None:
+        args.cache_limit = 1_500_000_000
+    name = "volume-peers-real-size" if args.real_size else "volume-peers"
+    args.out = args.out or str(RESULTS / f"{name}.json")
+    facts = machine()
+    results = run_peers(args)
+    results["machine"] = load_seen(facts)
+    results["heavy_other_load"] = results["machine"]["other_load_seen"]
+    results["config"] = {
+        k: v for k, v in vars(args).items() if k not in ("out", "out_png", "work_dir", "shuffle_now", "table")
+    }
+    results["connections"] = {
+        "raw_parallel_download": args.connections,
+        "sparkgpu": f"{args.workers} workers x {max(1, args.connections // max(1, args.workers))} download threads",
+        "mosaic_streaming": f"{args.workers} workers, one shard download at a time each (its prepare thread)",
+        "litdata": f"{args.workers} workers, its own downloader (max_pre_download=2); its obstore chunk GETs "
+        "given allow_http, which the http:// endpoint needs (the one change to its setup)",
+        "measured": "peak_open_connections per epoch and side, counted at the proxy",
+    }
+    results["workers"] = {reader: args.workers for reader in ("sparkgpu", "mosaic_streaming", "litdata")}
+    results["method"] = method(
+        "each reader's whole epoch over its own copy of the same samples (its own writer, same shard size) in one "
+        "bucket, through one S3-like proxy; epoch 1 with a new, empty cache, epoch 2 on the same loader object; "
+        "MB/s are payload bytes delivered per second; raw: the sparkgpu shards fetched by http.client with the "
+        "connection budget as threads and the loader's range sizes, through the same proxy",
+        startup="mb_per_s includes it; first_batch_s (loader built to first batch) and steady_mb_per_s (after it) "
+        "reported apart, for every reader alike",
+        repeats=args.repeats,
+        statistic="median over repeats of each side's figure; ratios divide medians; the best peer is the faster "
+        "of Mosaic Streaming and litdata on that figure",
+        order_of_sides="rotates between repeats; raw download first in every repeat and order",
+        bytes_downloaded="answer bytes counted at the proxy during each epoch (HTTP headers included)",
+    )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2, default=str))
+    print(f"wrote {args.out}")
+    for order, section in results["orders"].items():
+        print(f"{order}: ratios {json.dumps(section['ratios'], indent=None)}")
+        print(f"{order}: goals {section['goals']}")
 
 
 if __name__ == "__main__":
