@@ -16,12 +16,7 @@ tabular samples (32 float32 + 1 int64). Measured in one run:
     (from the cache), through sparkgpu.data.report.volume_report; each of the --repeats
     runs measures the raw rate right before its epoch 1, and the score is each run's own
     epoch 1 / raw ratio (best and median reported, the target judged on the median);
-  * no peer. Mosaic Streaming's StreamingDataset was one, with a downloader written by this
-    benchmark (it has none for http://), 2 DataLoader workers against the loader's 8
-    connections and 20 s of a partial epoch: not how its docs set it up. Its own path is an
-    s3:// remote read with boto3; measuring it needs the MDS shards on the S3 server of
-    ``--table`` with the same connection count, which is not built yet. Its rate from a
-    local cache is in bench_loader.py.
+  * peers: not in this mode (Mosaic Streaming has no http:// downloader); they are in ``--peers``.
 Two profiles: ``loopback`` (the server as it is) and ``s3-like`` (a TCP proxy in front of it,
 in its own process: 30 ms before each request reaches the server, 100 MB/s per connection
 for the answers; what a training node sees of an object store). Every client, the raw
@@ -40,6 +35,22 @@ table peers are in bench_table.py.
     python benchmarks/bench_volume.py --profile s3-like
     python benchmarks/bench_volume.py --table --profile s3-like
     python benchmarks/bench_volume.py --samples 500000    # a quick look
+
+With ``--peers`` (volume_peers.py) the peers read the same samples from one S3 bucket:
+sparkgpu.data.dataset, Mosaic Streaming's StreamingDataset (boto3, ``S3_ENDPOINT_URL``) and
+litdata's StreamingDataset (``storage_options``), each from shards its own writer made
+(to_mds, MDSWriter, litdata.optimize; 64 MB shards, samples of a 100 kB payload and a label),
+each in a process of its own with the same DataLoader workers (``--workers``), behind one
+S3-like proxy that counts bytes and connections; the raw parallel download with the connection
+budget (``--connections``) beside them. Epoch 1 (cold) and epoch 2 (warm), in order and
+shuffled, start-up and steady rate apart, medians of ``--repeats``; results in
+volume-peers.json. ``--real-size`` holds every reader's cache to ``--cache-limit`` (default
+1.5 GB) on 6 GB of shards, so eviction and re-download are on the measured path
+(volume-peers-real-size.json):
+
+    python benchmarks/bench_volume.py --peers                    # 400 MB, about 5 minutes
+    python benchmarks/bench_volume.py --peers --real-size        # 6 GB x 3 in the S3 server's memory
+    python benchmarks/bench_volume.py --peers --real-size --samples 20000 --cache-limit 600000000
 """
 
 from __future__ import annotations
@@ -66,8 +77,7 @@ from sparkgpu.testing.simulated_link import PROFILES, serve_folder, start_proxy
 ROW_BYTES = 32 * 4 + 8
 STREAMING_DROPPED = (
     "Mosaic Streaming has no http:// downloader; its documented remote path (s3:// through boto3) "
-    "needs the MDS shards on the S3 server with the loader's connection count, not built yet; "
-    "its rate from a local cache is in bench_loader.py"
+    "is measured by --peers (volume-peers*.json), beside litdata, on the same S3 bucket"
 )
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -352,7 +362,7 @@ def main(argv=None) -> None:
     parser.add_argument("--sample-bytes", type=int, default=100_000, help="--peers: payload bytes per sample")
     parser.add_argument("--workers", type=int, default=2, help="--peers: DataLoader workers, every reader alike")
     parser.add_argument(
-        "--connections", type=int, default=2, help="--peers: connection budget (raw download threads; sparkgpu's total)"
+        "--connections", type=int, default=4, help="--peers: connection budget (raw download threads; sparkgpu's total)"
     )
     parser.add_argument("--cache-limit", type=int, default=None, help="--peers: cache bytes for every reader")
     parser.add_argument("--reader-timeout", type=int, default=1800, help="--peers: seconds for one reader's two epochs")

@@ -16,7 +16,15 @@ connections opened, the most open at once. Readers, each set up as its docs show
     ``download.py``: ``endpoint_url=os.environ.get('S3_ENDPOINT_URL')``);
   * ``litdata.StreamingDataset("s3://...", cache_dir=..., storage_options={"endpoint_url": ...})``
     under ``litdata.StreamingDataLoader(num_workers=W)`` (its S3 client passes
-    ``storage_options`` to boto3; chunk GETs go through obstore built from that client).
+    ``storage_options`` to boto3; chunk GETs go through obstore built from that client). One
+    change to its setup: obstore refuses a plain ``http://`` endpoint unless told
+    ``allow_http``, which litdata 0.2.76 does not pass (the GET fails with "builder error"), so
+    the benchmark adds it to litdata's obstore client options; a real S3 endpoint is https.
+
+The connection budget (``--connections``) is the raw download's thread count and sparkgpu's
+download threads over all its workers. Neither peer has a setting for it: Mosaic downloads one
+shard at a time per worker, litdata ``max_pre_download`` chunks per worker over a pool; the
+proxy's count of connections open at once, per epoch and side, is in the results.
 
 Each repeat, in order and shuffled: the raw parallel download of the sparkgpu shards (the
 plain http.client baseline of ``bench_volume.py``, the same proxy, the connection budget as its
@@ -237,6 +245,8 @@ class Reader:
         if name == "sparkgpu":
             from sparkgpu import data
 
+            # Each worker keeps its own downloader over the one shared cache: the budget is
+            # split between them (the peak at the proxy says what was used).
             threads = max(1, args.connections // max(1, args.workers))
             self.connections = {"download_threads_per_worker": threads, "budget": threads * max(1, args.workers)}
             self.loader = data.dataset(
