@@ -56,6 +56,10 @@ import numpy as np
 from common import spread
 
 READERS = ("sparkgpu", "mosaic_streaming", "litdata")
+# Not a side of any ratio: sparkgpu as its docs set it up for columns that cost nothing to decode
+# (num_workers=0, the default: batches decoded in the training process, one downloader with the
+# whole budget), to tell the loader's download rate from what its worker processes do to it.
+DIAGNOSTICS = ("sparkgpu_in_process",)
 
 # The S3-like link of sparkgpu.testing.simulated_link, with counters: a connection to the control
 # port gets one JSON line of what passed since the start ("peak" first resets the most-open count).
@@ -242,7 +246,20 @@ class Reader:
         self.name = name
         self.connections = None
         limit = args.cache_limit
-        if name == "sparkgpu":
+        if name == "sparkgpu_in_process":
+            from sparkgpu import data
+
+            self.connections = {"download_threads": args.connections, "budget": args.connections, "num_workers": 0}
+            self.loader = data.dataset(
+                remote=url.replace("/sparkgpu_in_process", "/sparkgpu"),
+                local=cache,
+                batch_size=args.batch_size,
+                shuffle=args.shuffle_now,
+                download_threads=args.connections,
+                cache_limit=limit,
+            )
+            self._iterable = lambda: self.loader
+        elif name == "sparkgpu":
             from sparkgpu import data
 
             # Each worker keeps its own downloader over the one shared cache: the budget is
@@ -388,7 +405,7 @@ def run_peers(args) -> dict:
             )["shards"]
         )
         orders = ["in_order", "shuffled"] if args.orders == "both" else [args.orders]
-        runs: dict = {order: {"raw": [], **{r: [] for r in READERS}} for order in orders}
+        runs: dict = {order: {"raw": [], **{r: [] for r in READERS + DIAGNOSTICS}} for order in orders}
         for repeat in range(args.repeats):
             for order in orders:
                 args.shuffle_now = order == "shuffled"
@@ -405,7 +422,7 @@ def run_peers(args) -> dict:
                     f"{raw['mb_per_s']:.0f} MB/s",
                     flush=True,
                 )
-                rotation = READERS[repeat % 3 :] + READERS[: repeat % 3]
+                rotation = READERS[repeat % 3 :] + READERS[: repeat % 3] + DIAGNOSTICS
                 for name in rotation:
                     cache = work / "cache" / name
                     shutil.rmtree(cache, ignore_errors=True)
@@ -434,6 +451,9 @@ def run_peers(args) -> dict:
                         cwd=Path(__file__).parent,
                     )
                     shutil.rmtree(cache, ignore_errors=True)
+                    if child.returncode != 0 and name in DIAGNOSTICS:
+                        print(f"  {name} failed (exit {child.returncode}); left out", flush=True)
+                        continue
                     if child.returncode != 0:
                         raise RuntimeError(f"{name} failed (exit {child.returncode}); its errors are above")
                     epochs, connections = json.loads(child.stdout.strip().splitlines()[-1])
@@ -472,7 +492,7 @@ def summarize(runs: dict, written: dict, args, profile: dict, total: int) -> dic
             "raw_parallel_download_mb_per_s": spread([r["mb_per_s"] for r in sides["raw"]], higher_is_better=True),
             "raw_parallel_download": sides["raw"],
         }
-        for name in READERS:
+        for name in READERS + tuple(d for d in DIAGNOSTICS if sides[d]):
             repeats = sides[name]
             side: dict = {"connections": {k: v for k, v in repeats[0].items() if k not in ("epoch1", "epoch2")}}
             for epoch in ("epoch1", "epoch2"):
@@ -483,7 +503,7 @@ def summarize(runs: dict, written: dict, args, profile: dict, total: int) -> dic
                     "first_batch_s": spread([e["first_batch_s"] for e in es]),
                     "bytes_downloaded": spread([e["bytes_downloaded"] for e in es]),
                     "bytes_downloaded_over_data": statistics.median(e["bytes_downloaded"] for e in es)
-                    / written[name]["bytes"],
+                    / written[name.removesuffix("_in_process")]["bytes"],
                     "peak_open_connections": max(e["peak_open_connections"] for e in es),
                     "samples_seen": sorted({e["samples"] for e in es}),
                     "every_sample_once": all(
@@ -508,7 +528,7 @@ def summarize(runs: dict, written: dict, args, profile: dict, total: int) -> dic
         ratios["epoch1_steady_vs_raw_parallel_download"] = (
             section["sparkgpu"]["epoch1"]["steady_mb_per_s"]["median"] / raw
         )
-        for name in READERS[1:]:
+        for name in READERS[1:] + tuple(d for d in DIAGNOSTICS if sides[d]):
             ratios[f"{name}_epoch1_vs_raw_parallel_download"] = section[name]["epoch1"]["mb_per_s"]["median"] / raw
         section["best_peer"] = best_peer
         section["ratios"] = ratios
