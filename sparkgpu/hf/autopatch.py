@@ -1,9 +1,10 @@
-"""Patches ``transformers.Trainer`` and ``TrainingArguments`` in a rank as soon as the user's code imports them.
+"""Patches ``transformers.Trainer``, ``TrainingArguments`` and TRL's ``SFTTrainer`` in a rank as soon as the user's code imports them.
 
 The rank's entrypoint calls :func:`install` before it unpickles the user's function; nothing
 of ``transformers`` is imported unless the user's code imports it. Then ``Trainer.train``
-gains the job's sealed checkpoints and resume (:mod:`sparkgpu.hf.resume`), and
-``TrainingArguments`` uses the CPU on CPU ranks (:mod:`sparkgpu.hf.arguments`).
+gains the job's sealed checkpoints and resume (:mod:`sparkgpu.hf.resume`),
+``TrainingArguments`` uses the CPU on CPU ranks (:mod:`sparkgpu.hf.arguments`), and
+``SFTTrainer`` takes a sparkgpu loader as its ``train_dataset`` as it is (:mod:`sparkgpu.hf.sft`).
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ import importlib.machinery
 import logging
 import sys
 
-__all__ = ["install", "TRAINER_MODULE", "ARGUMENTS_MODULE"]
+__all__ = ["install", "TRAINER_MODULE", "ARGUMENTS_MODULE", "SFT_TRAINER_MODULE"]
 
 logger = logging.getLogger("sparkgpu.hf")
 
 TRAINER_MODULE = "transformers.trainer"
 ARGUMENTS_MODULE = "transformers.training_args"
+SFT_TRAINER_MODULE = "trl.trainer.sft_trainer"
 
 
 def _patch(module) -> None:
@@ -31,6 +33,14 @@ def _patch(module) -> None:
         except Exception as exc:
             logger.warning("TrainingArguments are not told about CPU ranks: %s", exc)
         return
+    if module.__name__ == SFT_TRAINER_MODULE:
+        try:
+            from sparkgpu.hf.sft import patch_sft_trainer
+
+            patch_sft_trainer(module.SFTTrainer)
+        except Exception as exc:
+            logger.warning("TRL's SFTTrainer takes sparkgpu loaders only through sparkgpu.hf.as_hf_dataset: %s", exc)
+        return
     try:
         from sparkgpu.hf.resume import patch_trainer
 
@@ -39,7 +49,7 @@ def _patch(module) -> None:
         logger.warning("transformers' Trainer runs without the job's checkpoints: %s", exc)
 
 
-_MODULES = (ARGUMENTS_MODULE, TRAINER_MODULE)
+_MODULES = (ARGUMENTS_MODULE, TRAINER_MODULE, SFT_TRAINER_MODULE)
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):

@@ -15,7 +15,11 @@ import sys
 {install}
 from transformers import Trainer
 from trl import SFTTrainer
-print(getattr(Trainer.train, "_sparkgpu_resumes", False), getattr(SFTTrainer.train, "_sparkgpu_resumes", False))
+print(
+    getattr(Trainer.train, "_sparkgpu_resumes", False),
+    getattr(SFTTrainer.train, "_sparkgpu_resumes", False),
+    getattr(SFTTrainer.__init__, "_sparkgpu_takes_loaders", False),
+)
 """
 
 
@@ -24,17 +28,17 @@ def _run(install: str) -> str:
         [sys.executable, "-c", CHECK.format(install=install)], capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stderr
-    return out.stdout.split()[-2:]
+    return out.stdout.split()[-3:]
 
 
 def test_the_trainer_is_patched_when_the_users_code_imports_it():
     # Installing imports nothing of transformers; the import of transformers.trainer then patches it.
     install = "from sparkgpu.hf import autopatch; autopatch.install(); assert 'transformers' not in sys.modules"
-    assert _run(install) == ["True", "True"]
+    assert _run(install) == ["True", "True", "True"]  # SFTTrainer also takes a loader as it is
 
 
 def test_without_the_hook_the_trainer_is_plain_transformers():
-    assert _run("") == ["False", "False"]
+    assert _run("") == ["False", "False", "False"]
 
 
 def test_a_missing_transformers_names_the_extra(monkeypatch):
