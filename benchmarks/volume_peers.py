@@ -239,6 +239,14 @@ def upload(endpoint: str, key: str, secret: str, bucket: str, folder: Path, pref
 # --- readers ---------------------------------------------------------------------------------
 
 
+def shuffle_block_size(args) -> int | None:
+    """sparkgpu's shuffle window under a cache limit: as its error message asks, a window whose
+    shards fit the cache (half of it, in samples); None (its default, 262,144) without a limit."""
+    if not args.cache_limit:
+        return None
+    return max(args.batch_size, args.cache_limit // (2 * args.sample_bytes))
+
+
 class Reader:
     """One reader over its own copy of the data, with a new cache: ``epoch()`` iterates once."""
 
@@ -255,6 +263,7 @@ class Reader:
                 local=cache,
                 batch_size=args.batch_size,
                 shuffle=args.shuffle_now,
+                shuffle_block_size=shuffle_block_size(args),
                 download_threads=args.connections,
                 cache_limit=limit,
             )
@@ -271,6 +280,7 @@ class Reader:
                 local=cache,
                 batch_size=args.batch_size,
                 shuffle=args.shuffle_now,
+                shuffle_block_size=shuffle_block_size(args),
                 num_workers=args.workers,
                 download_threads=threads,
                 cache_limit=limit,
@@ -440,7 +450,14 @@ def run_peers(args) -> dict:
                         "sample_bytes": sample_bytes,
                         "args": {
                             k: getattr(args, k)
-                            for k in ("cache_limit", "connections", "workers", "batch_size", "shuffle_now")
+                            for k in (
+                                "cache_limit",
+                                "connections",
+                                "workers",
+                                "batch_size",
+                                "shuffle_now",
+                                "sample_bytes",
+                            )
                         },
                     }
                     child = subprocess.run(
@@ -543,6 +560,7 @@ def summarize(runs: dict, written: dict, args, profile: dict, total: int) -> dic
         out["orders"][order] = section
     out["data_bytes"] = total
     out["cache_limit"] = args.cache_limit
+    out["sparkgpu_shuffle_block_size"] = shuffle_block_size(args) or "default (262,144 samples)"
     out["data_over_cache_limit"] = None if not args.cache_limit else total / args.cache_limit
     return out
 
