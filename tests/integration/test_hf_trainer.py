@@ -99,12 +99,19 @@ def _plant(store_dir: str, sentinel: str) -> None:
         (planted / "rng_state_0.pth").write_bytes(payload)
 
 
-def train_plainly(record_file, kill_step=None, step_sleep=0.0, plant=None):
-    """A Trainer as people write it for GPUs; the test's only additions are the hook and the faults."""
+def train_plainly(
+    record_file, kill_step=None, step_sleep=0.0, plant=None, kill_executor_of=None, save_steps=SAVE_STEPS
+):
+    """A Trainer as people write it for GPUs; the test's only additions are the hook and the faults.
+
+    Faults in the first attempt, at step ``kill_step + 1``: rank 1 kills itself (SIGKILL), or,
+    with ``kill_executor_of``, that rank kills the Spark executor it runs under (a lost machine).
+    """
     import os
     import signal
     import time
 
+    import psutil
     from transformers import Trainer, TrainingArguments
 
     from sparkgpu import runtime
@@ -116,7 +123,7 @@ def train_plainly(record_file, kill_step=None, step_sleep=0.0, plant=None):
         num_train_epochs=EPOCHS,
         learning_rate=3e-3,
         weight_decay=0.1,
-        save_steps=SAVE_STEPS,
+        save_steps=save_steps,
         logging_steps=1,
         report_to="none",
         seed=7,
@@ -130,7 +137,11 @@ def train_plainly(record_file, kill_step=None, step_sleep=0.0, plant=None):
             return
         step = trainer.state.global_step + 1
         if kill_step is not None and runtime.attempt() == 0 and step == kill_step + 1:
-            if rank == 1:
+            if kill_executor_of is not None and rank == kill_executor_of:
+                parents = psutil.Process().parents()
+                (executor,) = [p for p in parents if "CoarseGrainedExecutorBackend" in p.cmdline()]
+                os.kill(executor.pid, signal.SIGKILL)  # the machine is gone: this rank goes with it
+            elif kill_executor_of is None and rank == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
             if plant:
                 _plant(runtime.checkpoint_dir(), plant)

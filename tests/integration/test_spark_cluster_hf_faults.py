@@ -19,7 +19,7 @@ import re
 import pytest
 
 from sparkgpu.config import settings
-from tests.integration.test_hf_trainer import SAMPLES, VOCAB, Samples, tiny_llama
+from tests.integration.test_hf_trainer import BATCH, EPOCHS, SAMPLES, train_plainly
 from tests.integration.test_spark_cluster_faults import fault_cluster, fault_spark  # noqa: F401 - fixtures
 from tests.integration.test_transformer_restart_exactness import assert_bitwise_equal
 
@@ -30,75 +30,21 @@ pytestmark = [
     pytest.mark.usefixtures("workers_share_this_image"),
 ]
 
-WORLD, BATCH, EPOCHS, SAVE_STEPS = 4, 4, 2, 2
+WORLD, SAVE_STEPS = 4, 2  # two nodes of two ranks; test_hf_trainer's batch of 4 and 2 epochs
 STEPS_PER_EPOCH = SAMPLES // (BATCH * WORLD)  # 3
 TOTAL_STEPS = EPOCHS * STEPS_PER_EPOCH  # 6
 KILL_AT = 5  # rank 2 kills its executor in the forward pass of step 5, after checkpoint-4 was saved
 
 
-def train_on_the_cluster(record_file, kill=False):
-    """A Trainer as written for GPUs; the test adds a forward hook that records each step, and the fault."""
-    import os
-    import signal
-
-    import psutil
-    from transformers import Trainer, TrainingArguments
-
-    from sparkgpu import runtime
-
-    model = tiny_llama()
-    args = TrainingArguments(
-        output_dir="out",
-        per_device_train_batch_size=BATCH,
-        num_train_epochs=EPOCHS,
-        learning_rate=3e-3,
-        weight_decay=0.1,
-        save_steps=SAVE_STEPS,
-        logging_steps=1,
-        report_to="none",
-        seed=7,
-    )
-    trainer = Trainer(model=model, args=args, train_dataset=Samples())
-    rank = runtime.get_global_rank()
-    record = open(f"{record_file}.{rank}", "a")
-
-    def on_forward(module, inputs, kwargs, output):
-        if not module.training:
-            return
-        step = trainer.state.global_step + 1
-        if kill and runtime.attempt() == 0 and step == KILL_AT and rank == 2:
-            (executor,) = [p for p in psutil.Process().parents() if "CoarseGrainedExecutorBackend" in p.cmdline()]
-            os.kill(executor.pid, signal.SIGKILL)  # the machine is gone: this rank goes with it
-        ids = kwargs["input_ids"]
-        entry = {
-            "attempt": runtime.attempt(),
-            "step": step,
-            "loss": output.loss.item().hex(),
-            "samples": [int(r[0]) * VOCAB + int(r[1]) - VOCAB for r in ids],
-        }
-        record.write(json.dumps(entry) + "\n")
-        record.flush()
-
-    model.register_forward_hook(on_forward, with_kwargs=True)
-    trainer.train()
-    record.close()
-    optimizer = trainer.optimizer.state_dict()
-    return {
-        "world_size": trainer.args.world_size,
-        "model": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
-        "optimizer": {f"{p}.{k}": v.clone() for p, s in optimizer["state"].items() for k, v in s.items()},
-    }
-
-
 def train(spark, tmp_path, tag, **options):
     record = tmp_path / f"{tag}.jsonl"
-    kill = options.pop("kill", False)
+    fault = {"kill_step": KILL_AT - 1, "kill_executor_of": 2} if options.pop("kill", False) else {}
     states = spark.gpu.train(
-        train_on_the_cluster,
+        train_plainly,
         gpus=WORLD,
         gpu_type="A10",
         args=(str(record),),
-        kwargs={"kill": kill},
+        kwargs={"save_steps": SAVE_STEPS, **fault},
         name=tag,
         **options,
     )
