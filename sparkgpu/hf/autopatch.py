@@ -9,6 +9,7 @@ gains the job's sealed checkpoints and resume (:mod:`sparkgpu.hf.resume`),
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.machinery
 import logging
@@ -23,33 +24,37 @@ ARGUMENTS_MODULE = "transformers.training_args"
 SFT_TRAINER_MODULE = "trl.trainer.sft_trainer"
 
 
+#: Module -> (the module holding its patch, the patch, the class it patches, what the user's
+#: training goes without when the patch fails).
+_PATCHES = {
+    ARGUMENTS_MODULE: (
+        "sparkgpu.hf.arguments",
+        "patch_training_arguments",
+        "TrainingArguments",
+        "TrainingArguments are not told about CPU ranks",
+    ),
+    TRAINER_MODULE: (
+        "sparkgpu.hf.resume",
+        "patch_trainer",
+        "Trainer",
+        "transformers' Trainer runs without the job's checkpoints",
+    ),
+    SFT_TRAINER_MODULE: (
+        "sparkgpu.hf.sft",
+        "patch_sft_trainer",
+        "SFTTrainer",
+        "TRL's SFTTrainer takes sparkgpu loaders only through sparkgpu.hf.as_hf_dataset",
+    ),
+}
+_MODULES = tuple(_PATCHES)
+
+
 def _patch(module) -> None:
-    # The user's training must not fail because a patch did.
-    if module.__name__ == ARGUMENTS_MODULE:
-        try:
-            from sparkgpu.hf.arguments import patch_training_arguments
-
-            patch_training_arguments(module.TrainingArguments)
-        except Exception as exc:
-            logger.warning("TrainingArguments are not told about CPU ranks: %s", exc)
-        return
-    if module.__name__ == SFT_TRAINER_MODULE:
-        try:
-            from sparkgpu.hf.sft import patch_sft_trainer
-
-            patch_sft_trainer(module.SFTTrainer)
-        except Exception as exc:
-            logger.warning("TRL's SFTTrainer takes sparkgpu loaders only through sparkgpu.hf.as_hf_dataset: %s", exc)
-        return
+    where, patch, cls, without = _PATCHES[module.__name__]
     try:
-        from sparkgpu.hf.resume import patch_trainer
-
-        patch_trainer(module.Trainer)
-    except Exception as exc:
-        logger.warning("transformers' Trainer runs without the job's checkpoints: %s", exc)
-
-
-_MODULES = (ARGUMENTS_MODULE, TRAINER_MODULE, SFT_TRAINER_MODULE)
+        getattr(importlib.import_module(where), patch)(getattr(module, cls))
+    except Exception as exc:  # the user's training must not fail because a patch did
+        logger.warning("%s: %s", without, exc)
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
