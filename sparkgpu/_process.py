@@ -49,6 +49,16 @@ def start_ticks(pid: int) -> str | None:
     return fields[19] if fields is not None and len(fields) > 19 else None
 
 
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it exists
+        return True
+    return True
+
+
 def pid_gone(pid: int, started: str | None = None) -> bool:
     """Whether process ``pid`` of this machine has certainly exited.
 
@@ -61,12 +71,8 @@ def pid_gone(pid: int, started: str | None = None) -> bool:
         True when no such process runs (a zombie counts as exited); False when it runs, or
         when that cannot be told (another user's process on a system that hides ``/proc``).
     """
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not _exists(pid):
         return True
-    except PermissionError:  # another user's process: it exists
-        pass
     fields = _stat_fields(pid)
     if fields is None:
         return False
