@@ -1,7 +1,7 @@
-"""The GPU side in one command: NCCL, host-to-device copies, nvJPEG, and a ResNet-50 waiting on data.
+"""The GPU side in one command: NCCL, host-to-device copies, nvJPEG, a ResNet-50 and an LLM fine-tune waiting on data, scoring.
 
 Question: when a GPU machine is lent for a few minutes, what does the data path cost the GPU?
-Five parts, each in its own process (one that fails, hangs or crashes is recorded as failed
+Six parts, each in its own process (one that fails, hangs or crashes is recorded as failed
 and the others still run), in this order:
 
   * ``nccl``: ``torchrun --nproc-per-node=<GPU count>`` on 127.0.0.1; every rank calls
@@ -29,6 +29,9 @@ and the others still run), in this order:
   * ``predict``: ``spark.gpu.predict``'s executor path on the GPU without Spark: Arrow batches
     scored by an MLP against predict_batch_udf's pandas round trip, and length-sorted batched
     generation by a small Llama against the same batches in input order.
+  * ``sft``: whether the packed SFT loader (``data.sft_dataset``) keeps a GPU fed: row tokens/s
+    it hands out alone, beside a Llama's bf16 training steps on one batch resident on the GPU
+    (the ceiling) and the same steps fed by the loader (pinned, non-blocking copies).
 
 Without CUDA every GPU measurement is reported as skipped with the reason, and the CPU-side
 ones (the CPU JPEG paths, the loader alone) still run. Every part has a cap on its time within
@@ -70,7 +73,7 @@ from common import load_seen, machine, method, spread  # noqa: E402
 RESULTS = HERE / "results"
 MiB = 1 << 20
 
-PARTS = ("nccl", "h2d", "jpeg", "resnet_wait", "predict")
+PARTS = ("nccl", "h2d", "jpeg", "resnet_wait", "predict", "sft")
 # What each part measures, named before it runs: a part stopped half-way still lists the rest.
 PLANNED = {
     "nccl": ("all_reduce",),
@@ -85,11 +88,12 @@ PLANNED = {
         "volume_loader_only",
     ),
     "predict": ("tabular", "generate"),
+    "sft": ("loader_only", "step_resident", "step_fed"),
 }
 # Parts with nothing to run without CUDA; the others keep their CPU-side measurements.
 GPU_ONLY = ("nccl", "h2d", "predict")
 # Seconds each part may take; a part that finishes early leaves its time to those after it.
-CAPS_S = {"nccl": 90, "h2d": 60, "jpeg": 120, "resnet_wait": 210, "predict": 90}
+CAPS_S = {"nccl": 90, "h2d": 60, "jpeg": 120, "resnet_wait": 210, "predict": 90, "sft": 90}
 MIN_PART_S = 20  # a part is not started with less than this left of the budget
 FACTS_TIMEOUT_S = 90
 STOP_GRACE_S = 15  # SIGTERM first: torchrun passes it on to its ranks, SIGKILL would orphan them
@@ -115,6 +119,13 @@ _SIZES: dict[str, tuple[Any, Any]] = {
     "predict_prompts": (512, 16),
     "predict_new_tokens": (32, 4),
     "predict_repeats": (3, 1),
+    "sft_documents": (20_000, 400),  # long-tailed lengths, 20 to 4,096 tokens (clipped to seq_len)
+    "sft_seq_len": (4096, 256),
+    "sft_batch": (8, 4),
+    "sft_loader_s": (10.0, 1.0),  # the loader alone: a timed window of whole epochs
+    "sft_steps": (30, 3),  # timed training steps per side, after 3 untimed ones
+    "sft_hidden": (1024, 64),
+    "sft_layers": (8, 2),
 }
 SIZES = {small: {key: pair[small] for key, pair in _SIZES.items()} for small in (False, True)}
 CROP = 224
@@ -1266,6 +1277,109 @@ def part_predict(record: PartRecord, work: Path, sizes: dict, small: bool) -> No
     record.measure("generate", generate, needs_cuda=True)
 
 
+def part_sft(record: PartRecord, work: Path, sizes: dict, small: bool) -> None:
+    """The SFT loader against what a training step consumes: the loader alone (on any machine),
+    a Llama's training steps on one batch resident on the GPU, and the same steps fed by the loader."""
+    import numpy as np
+    import pyarrow as pa
+    import torch
+
+    sys.path.insert(0, str(HERE.parent))
+    from sparkgpu import data
+
+    seq_len, batch = sizes["sft_seq_len"], sizes["sft_batch"]
+    rng = np.random.default_rng(1)
+    lengths = np.clip(rng.lognormal(5.0, 1.2, sizes["sft_documents"]).astype(int), 20, seq_len)
+    ids = [rng.integers(3, 32000, n, dtype=np.int32) for n in lengths.tolist()]
+    masks = [np.r_[np.zeros(n // 3, np.uint8), np.ones(n - n // 3, np.uint8)] for n in lengths.tolist()]
+    url = data.to_mds(pa.table({"input_ids": ids, "loss_mask": masks}), str(work / "sft"), progress=False).url
+    record.data["config"] = {
+        "documents": len(lengths),
+        "tokens": int(lengths.sum()),
+        "seq_len": seq_len,
+        "batch_size": batch,
+        "model": f"LlamaForCausalLM, hidden {sizes['sft_hidden']}, {sizes['sft_layers']} layers, bf16, sdpa",
+    }
+    record.data["method"] = method(
+        "row tokens (batch x seq_len) per second: the loader over whole epochs for a window; training "
+        "steps (forward, backward, AdamW) with torch.cuda.synchronize() at the end",
+        startup="excluded: the loader's first batch, and 3 untimed training steps per side",
+        repeats=1,
+        workers="none (num_workers=0), one process",
+    )
+
+    def loader():
+        return data.sft_dataset(local=url, seq_len=seq_len, batch_size=batch, shuffle=True, rank=0, world_size=1)
+
+    def loader_only() -> dict:
+        rows = loader()
+        first, count = None, 0
+        while first is None or time.perf_counter() - first < sizes["sft_loader_s"]:
+            for item in rows:
+                if first is None:
+                    first = time.perf_counter()
+                    continue
+                count += item["input_ids"].numel()
+        rate = count / (time.perf_counter() - first)
+        rows.close()
+        return {"row_tokens_per_s": rate, "summary": f"{rate:,.0f} row tokens/s"}
+
+    def steps(fed: bool) -> dict:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        hidden = sizes["sft_hidden"]
+        config = LlamaConfig(
+            vocab_size=32000,
+            hidden_size=hidden,
+            intermediate_size=hidden * 4,
+            num_hidden_layers=sizes["sft_layers"],
+            num_attention_heads=max(1, hidden // 64),
+            num_key_value_heads=max(1, hidden // 128),
+            max_position_embeddings=seq_len,
+            use_cache=False,
+        )
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).to("cuda", dtype=torch.bfloat16).train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        rows = loader()
+        source = iter(rows)
+
+        def next_batch() -> dict:
+            nonlocal source
+            try:
+                item = next(source)
+            except StopIteration:  # a new epoch
+                source = iter(rows)
+                item = next(source)
+            keys = ("input_ids", "labels", "position_ids")
+            return {k: item[k].pin_memory().to("cuda", non_blocking=True) for k in keys}
+
+        resident = next_batch()
+        for index in range(3 + sizes["sft_steps"]):
+            if index == 3:
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+            inputs = next_batch() if fed else resident
+            loss = model(**inputs).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        rate = sizes["sft_steps"] * batch * seq_len / (time.perf_counter() - started)
+        rows.close()
+        return {"row_tokens_per_s": rate, "summary": f"{rate:,.0f} row tokens/s"}
+
+    alone = record.measure("loader_only", loader_only)
+    resident = record.measure("step_resident", lambda: steps(fed=False), needs_cuda=True)
+    fed = record.measure("step_fed", lambda: steps(fed=True), needs_cuda=True)
+    if all(entry["status"] == "ok" for entry in (alone, resident, fed)):
+        record.data["ratios"] = {
+            "loader alone / resident steps": alone["row_tokens_per_s"] / resident["row_tokens_per_s"],
+            "fed steps / resident steps": fed["row_tokens_per_s"] / resident["row_tokens_per_s"],
+        }
+        record.write()
+
+
 def statistics_median(values: list[float]) -> float:
     import statistics
 
@@ -1278,6 +1392,7 @@ PART_FUNCTIONS = {
     "jpeg": part_jpeg,
     "resnet_wait": part_resnet_wait,
     "predict": part_predict,
+    "sft": part_sft,
 }
 
 

@@ -73,6 +73,8 @@ def test_small_run_gives_every_part_and_measurement_a_status(suite, tmp_path):
     ):
         assert measured[key]["status"] == "ok", measured[key]
         assert measured[key]["images_per_s"] > 0
+    assert measured[("sft", "loader_only")]["status"] == "ok", measured[("sft", "loader_only")]
+    assert measured[("sft", "loader_only")]["row_tokens_per_s"] > 0
     assert measured[("jpeg", "cpu_fused")]["status"] in {"ok", "skipped"}
     if not torch.cuda.is_available():
         for part in ("nccl", "h2d"):
@@ -83,6 +85,7 @@ def test_small_run_gives_every_part_and_measurement_a_status(suite, tmp_path):
         gpu_keys += [
             ("resnet_wait", key) for key in ("model_only", "cache_train", "volume_train", "cache_train_transform")
         ]
+        gpu_keys += [("sft", "step_resident"), ("sft", "step_fed")]
         for key in gpu_keys:
             assert measured[key] == {"status": "skipped", "reason": suite.NO_CUDA}, key
     for part in ("jpeg", "resnet_wait"):
