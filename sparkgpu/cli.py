@@ -154,11 +154,10 @@ def _load_job(args):
 
 
 def cmd_run(args) -> int:
+    from sparkgpu.decorator import default_callbacks
     from sparkgpu.usage.meter import UsageMeter
 
     job_file = _load_job(args)
-    from sparkgpu.decorator import default_callbacks
-
     # Passed explicitly, so that the summary below reads the same usage meter the job used.
     callbacks = default_callbacks(experiment=job_file.experiment)
     fn = job_file.build(callbacks=callbacks)

@@ -54,8 +54,6 @@ class QueueRecord:
 
 
 def _parse(kind: Any, value: Any) -> Any:
-    if kind is Priority:
-        return Priority.parse(value)
-    if isinstance(kind, type) and issubclass(kind, enum.Enum):
-        return kind(value)
-    return kind(value)
+    # Priority.parse also takes the classes' other spellings; every other type (str, int, float,
+    # a str-valued enum) is its own constructor.
+    return Priority.parse(value) if kind is Priority else kind(value)

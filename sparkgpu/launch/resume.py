@@ -33,7 +33,7 @@ __all__ = ["resume_job", "take_over", "find_run_dir", "client_is_gone"]
 def client_is_gone(client: Mapping[str, Any] | None) -> bool:
     """True when the client process recorded in a job's state (a :meth:`ProcessRef.record`) has
     certainly exited; False while it runs, or when that cannot be told from here (another machine)."""
-    return bool(client) and ProcessRef.from_record(client).is_gone()  # type: ignore[arg-type]
+    return client is not None and ProcessRef.from_record(client).is_gone()
 
 
 def _check_no_live_client(job_id: str, state: JobState) -> None:

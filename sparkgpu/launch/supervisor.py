@@ -26,7 +26,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-
 from sparkgpu import runtime
 from sparkgpu._files import atomic_write_bytes
 from sparkgpu._process import ProcessRef
