@@ -1,12 +1,25 @@
-"""What the preemption tests share: a critical job's function, and the checks that a preempted
-best-effort job gave way, waited first in line and was billed for none of its wait."""
+"""What the preemption tests share: two simulated GPUs, a critical job's function, and the checks
+that a preempted best-effort job gave way, waited first in line and was billed for none of its wait."""
 
 from __future__ import annotations
 
 import time
 
+import pytest
+
 from sparkgpu.cli import list_jobs
+from sparkgpu.config import settings
 from sparkgpu.usage.rates import billed_seconds
+
+
+@pytest.fixture
+def two_gpus(monkeypatch, tmp_path):
+    """Two simulated H100s, and a host GPU queue of the test's own."""
+    monkeypatch.setenv("SPARKGPU_SIMULATE_GPUS", "H100:2")
+    monkeypatch.setenv("SPARKGPU_GPU_LOCK_DIR", str(tmp_path / "gpu-locks"))
+    settings.cache_clear()
+    yield
+    settings.cache_clear()
 
 
 def urgent(seconds: float) -> tuple[float, float]:

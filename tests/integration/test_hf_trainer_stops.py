@@ -27,7 +27,7 @@ from sparkgpu.errors import PolicyViolationError
 from sparkgpu.usage import UsageLedger, UsageMeter, UsagePolicy
 from sparkgpu.usage.ledger import UsageRecord
 from sparkgpu.usage.rates import RateCard
-from tests.integration.preemption import urgent
+from tests.integration.preemption import two_gpus, urgent  # noqa: F401  (two_gpus: a fixture)
 from tests.integration.test_hf_trainer import (  # noqa: F401  (_in_a_folder_of_its_own, uninterrupted: fixtures)
     SAVE_STEPS,
     STEPS_PER_EPOCH,
@@ -132,15 +132,6 @@ def assert_resumed_from_the_stop(states, steps, uninterrupted, note):
     assert max(by_attempt[0]) == STOP_STEP, f"the first attempt did not stop at step {STOP_STEP} {note}"
     assert min(by_attempt[1]) == STOP_STEP + 1, f"the resumed attempt did not start after step {STOP_STEP} {note}"
     assert_same_run(states, steps, uninterrupted, note)
-
-
-@pytest.fixture
-def two_gpus(monkeypatch, tmp_path):
-    monkeypatch.setenv("SPARKGPU_SIMULATE_GPUS", "H100:2")
-    monkeypatch.setenv("SPARKGPU_GPU_LOCK_DIR", str(tmp_path / "gpu-locks"))  # this test's own host queue
-    settings.cache_clear()
-    yield
-    settings.cache_clear()
 
 
 def test_a_trainer_preempted_by_a_critical_job_resumes_by_itself_bitwise_equal(

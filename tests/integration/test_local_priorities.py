@@ -17,9 +17,10 @@ import pytest
 from sparkgpu import distributed
 from sparkgpu.config import settings
 from sparkgpu.usage import UsageLedger, UsageMeter
-from tests.integration.preemption import (
+from tests.integration.preemption import (  # noqa: F401  (two_gpus: a fixture)
     assert_billed_only_while_running,
     steps_recorded,
+    two_gpus,
     urgent,
     wait_until_it_waits_first_in_line,
 )
@@ -32,15 +33,6 @@ from tests.integration.test_restart_exactness import (  # noqa: F401  (dataset_d
 )
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def two_gpus(monkeypatch, tmp_path):
-    monkeypatch.setenv("SPARKGPU_SIMULATE_GPUS", "H100:2")
-    monkeypatch.setenv("SPARKGPU_GPU_LOCK_DIR", str(tmp_path / "gpu-locks"))  # this test's own host queue
-    settings.cache_clear()
-    yield
-    settings.cache_clear()
 
 
 def _state(job_id: str) -> dict:
