@@ -56,11 +56,9 @@ def _refuse(name: str):
     return method
 
 
+@functools.cache
 def _view_class():
     """The ``datasets.IterableDataset`` subclass, made on first use (``datasets`` loads lazily)."""
-    global _VIEW
-    if _VIEW is not None:
-        return _VIEW
     # datasets ships no type information; it is the project's [hf] extra, imported on first use.
     datasets: Any = importlib.import_module("datasets")
 
@@ -115,11 +113,7 @@ def _view_class():
         def __repr__(self) -> str:
             return f"LoaderRows({type(self.loader).__name__}, rows of a sparkgpu loader)"
 
-    _VIEW = LoaderRows
-    return _VIEW
-
-
-_VIEW: Any = None
+    return LoaderRows
 
 
 def as_hf_dataset(loader, names: tuple[str, ...] = _NAMES):
