@@ -61,86 +61,14 @@ READERS = ("sparkgpu", "mosaic_streaming", "litdata")
 # whole budget), to tell the loader's download rate from what its worker processes do to it.
 DIAGNOSTICS = ("sparkgpu_in_process",)
 
-# The S3-like link of sparkgpu.testing.simulated_link, with counters: a connection to the control
-# port gets one JSON line of what passed since the start ("peak" first resets the most-open count).
-_PROXY = """
-import asyncio, json, sys, time
-upstream, latency, rate = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
-state = {"bytes_down": 0, "bytes_up": 0, "connections": 0, "open": 0, "peak_open": 0}
-
-async def requests(reader, writer):
-    while data := await reader.read(1 << 16):
-        state["bytes_up"] += len(data)
-        await asyncio.sleep(latency)
-        writer.write(data)
-        await writer.drain()
-    writer.close()
-
-async def answers(reader, writer):
-    free_at = time.monotonic()
-    while data := await reader.read(1 << 18):
-        free_at = max(free_at, time.monotonic()) + len(data) / rate
-        await asyncio.sleep(max(0.0, free_at - time.monotonic()))
-        writer.write(data)
-        await writer.drain()
-        state["bytes_down"] += len(data)
-    writer.close()
-
-async def connection(client_reader, client_writer):
-    state["connections"] += 1
-    state["open"] += 1
-    state["peak_open"] = max(state["peak_open"], state["open"])
-    try:
-        server_reader, server_writer = await asyncio.open_connection("127.0.0.1", upstream)
-        await asyncio.gather(requests(client_reader, server_writer), answers(server_reader, client_writer),
-                             return_exceptions=True)
-    finally:
-        state["open"] -= 1
-
-async def control(reader, writer):
-    line = await reader.readline()
-    if line.strip() == b"peak":
-        state["peak_open"] = state["open"]
-    writer.write((json.dumps(state) + "\\n").encode())
-    await writer.drain()
-    writer.close()
-
-async def main():
-    server = await asyncio.start_server(connection, "127.0.0.1", 0, backlog=1024)
-    control_server = await asyncio.start_server(control, "127.0.0.1", 0)
-    print(server.sockets[0].getsockname()[1], control_server.sockets[0].getsockname()[1], flush=True)
-    await asyncio.gather(server.serve_forever(), control_server.serve_forever())
-
-asyncio.run(main())
-"""
-
-
-def ask_proxy(control: int, command: str = "count") -> dict:
-    """What the counting proxy on control port ``control`` has seen (``"peak"``: resets the peak first)."""
-    import socket
-
-    with socket.create_connection(("127.0.0.1", control)) as sock:
-        sock.sendall(command.encode() + b"\n")
-        return json.loads(sock.makefile().readline())
-
 
 class CountingProxy:
     """The S3-like link in front of ``upstream`` (a URL on 127.0.0.1), counting what passes."""
 
     def __init__(self, upstream: str, latency_s: float, mb_per_s_per_connection: float):
-        port = urllib.parse.urlsplit(upstream).port
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _PROXY, str(port), str(latency_s), str(mb_per_s_per_connection * 1e6)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        ports = self.proc.stdout.readline().split()
-        if len(ports) != 2:
-            self.close()
-            raise RuntimeError("the counting proxy did not start")
-        self.url = f"http://127.0.0.1:{ports[0]}"
-        self.control = int(ports[1])
+        from sparkgpu.testing.simulated_link import start_counted_proxy
+
+        self.proc, self.url, self.control = start_counted_proxy(upstream, latency_s, mb_per_s_per_connection)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -333,7 +261,9 @@ class Reader:
             raise ValueError(name)
 
     def epoch(self, control: int, payload_bytes: int) -> dict:
-        before = ask_proxy(control, "peak")
+        from sparkgpu.testing.simulated_link import link_counts
+
+        before = link_counts(control, reset_peak=True)
         started = time.perf_counter()
         first = None
         samples = label_sum = 0
@@ -344,7 +274,7 @@ class Reader:
             samples += len(batch["label"])
             label_sum += int(np.asarray(batch["label"]).sum())
         seconds = time.perf_counter() - started
-        after = ask_proxy(control)
+        after = link_counts(control)
         steady_s = max(seconds - first, 1e-9)
         return {
             "samples": samples,

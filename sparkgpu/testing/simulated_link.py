@@ -18,7 +18,7 @@ from pathlib import Path
 from sparkgpu._urls import is_url, scheme_of
 from sparkgpu.errors import ConfigurationError
 
-__all__ = ["PROFILES", "simulated_link", "start_proxy", "serve_folder"]
+__all__ = ["PROFILES", "simulated_link", "start_proxy", "start_counted_proxy", "link_counts", "serve_folder"]
 
 PROFILES: dict[str, dict | None] = {
     "loopback": None,
@@ -26,13 +26,16 @@ PROFILES: dict[str, dict | None] = {
 }
 
 # Each request from the client waits LATENCY before it reaches the server; each connection's
-# answers flow back no faster than RATE bytes/s.
+# answers flow back no faster than RATE bytes/s. A connection to the control port gets one JSON
+# line of what passed since the start (a first line "peak" resets the most-open count first).
 _PROXY = """
-import asyncio, sys, time
+import asyncio, json, sys, time
 upstream, latency, rate = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+state = {"bytes_down": 0, "bytes_up": 0, "connections": 0, "open": 0, "peak_open": 0}
 
 async def requests(reader, writer):
     while data := await reader.read(1 << 16):
+        state["bytes_up"] += len(data)
         await asyncio.sleep(latency)
         writer.write(data)
         await writer.drain()
@@ -45,17 +48,32 @@ async def answers(reader, writer):
         await asyncio.sleep(max(0.0, free_at - time.monotonic()))
         writer.write(data)
         await writer.drain()
+        state["bytes_down"] += len(data)
     writer.close()
 
 async def connection(client_reader, client_writer):
-    server_reader, server_writer = await asyncio.open_connection("127.0.0.1", upstream)
-    await asyncio.gather(requests(client_reader, server_writer), answers(server_reader, client_writer),
-                         return_exceptions=True)
+    state["connections"] += 1
+    state["open"] += 1
+    state["peak_open"] = max(state["peak_open"], state["open"])
+    try:
+        server_reader, server_writer = await asyncio.open_connection("127.0.0.1", upstream)
+        await asyncio.gather(requests(client_reader, server_writer), answers(server_reader, client_writer),
+                             return_exceptions=True)
+    finally:
+        state["open"] -= 1
+
+async def control(reader, writer):
+    if (await reader.readline()).strip() == b"peak":
+        state["peak_open"] = state["open"]
+    writer.write((json.dumps(state) + "\\n").encode())
+    await writer.drain()
+    writer.close()
 
 async def main():
     server = await asyncio.start_server(connection, "127.0.0.1", 0, backlog=1024)
-    print(server.sockets[0].getsockname()[1], flush=True)
-    await server.serve_forever()
+    control_server = await asyncio.start_server(control, "127.0.0.1", 0)
+    print(server.sockets[0].getsockname()[1], control_server.sockets[0].getsockname()[1], flush=True)
+    await asyncio.gather(server.serve_forever(), control_server.serve_forever())
 
 asyncio.run(main())
 """
@@ -108,31 +126,52 @@ server.serve_forever()
 """
 
 
-def _start(script: str, *args: str) -> tuple[subprocess.Popen, int]:
+def _start(script: str, *args: str) -> tuple[subprocess.Popen, list[int]]:
+    """Starts ``script``; returns the process and the ports it prints on its first line."""
     proc = subprocess.Popen(
         [sys.executable, "-c", script, *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )
     assert proc.stdout is not None  # a pipe
-    line = proc.stdout.readline()
-    if not line.strip().isdigit():
+    ports = proc.stdout.readline().split()
+    if not ports or not all(port.isdigit() for port in ports):
         proc.kill()
         proc.wait()
         raise RuntimeError("the loopback server of the simulated link did not start")
-    return proc, int(line)
+    return proc, [int(port) for port in ports]
 
 
 def serve_folder(folder: str | Path) -> tuple[subprocess.Popen, str]:
     """Serves ``folder`` over HTTP with byte ranges on 127.0.0.1; returns the process and its URL."""
-    proc, port = _start(_SERVER, str(folder))
+    proc, (port,) = _start(_SERVER, str(folder))
     return proc, f"http://127.0.0.1:{port}"
+
+
+def start_counted_proxy(
+    server_url: str, latency_s: float, mb_per_s_per_connection: float
+) -> tuple[subprocess.Popen, str, int]:
+    """The simulated link in front of the loopback server ``server_url``: the process, its URL, and
+    the control port :func:`link_counts` asks what passed through it."""
+    proc, (port, control) = _start(
+        _PROXY, str(urllib.parse.urlsplit(server_url).port), str(latency_s), str(mb_per_s_per_connection * 1e6)
+    )
+    return proc, f"http://127.0.0.1:{port}", control
 
 
 def start_proxy(server_url: str, latency_s: float, mb_per_s_per_connection: float) -> tuple[subprocess.Popen, str]:
     """The simulated link in front of the loopback HTTP server ``server_url``; returns the process and its URL."""
-    proc, port = _start(
-        _PROXY, str(urllib.parse.urlsplit(server_url).port), str(latency_s), str(mb_per_s_per_connection * 1e6)
-    )
-    return proc, f"http://127.0.0.1:{port}"
+    proc, url, _ = start_counted_proxy(server_url, latency_s, mb_per_s_per_connection)
+    return proc, url
+
+
+def link_counts(control: int, reset_peak: bool = False) -> dict:
+    """What passed through the link since it started: ``bytes_down``, ``bytes_up``,
+    ``connections``, ``open`` and ``peak_open`` (reset to ``open`` first with ``reset_peak``)."""
+    import json
+    import socket
+
+    with socket.create_connection(("127.0.0.1", control)) as sock:
+        sock.sendall(b"peak\n" if reset_peak else b"count\n")
+        return json.loads(sock.makefile().readline())
 
 
 @contextlib.contextmanager
