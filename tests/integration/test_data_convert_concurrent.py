@@ -299,8 +299,10 @@ def test_a_waiter_gives_up_after_its_wait_and_says_how_to_wait_longer(tmp_path):
     source, _ = _source(tmp_path)
     volume = str(tmp_path / "volume")
     impatient = _job(tmp_path, "impatient", source, volume, wait=1)
-    # Converting until the other one gave up.
-    holder = _job(tmp_path, "holder", source, volume, gate={"after": 1, "log": impatient["log"], "text": "DataError"})
+    # Holding its claim, mid-conversion, until the test has looked (it is killed then): released
+    # at the impatient one's DataError, it could finish before the test saw the other one exit.
+    released = str(tmp_path / "released")
+    holder = _job(tmp_path, "holder", source, volume, gate={"after": 1, "log": released, "text": "released"})
     (holder_process,), _ = _start([holder], together=False)
     _wait_for(lambda: len(_lines(holder["writes"])) >= 1, what="the holder's first shard", unless=holder_process)
     (process,), _ = _start([impatient], together=False)
