@@ -1,4 +1,4 @@
-"""Async calls: ``fn.submit(...)`` returns a :class:`Call` at once; :func:`attach` finds it again.
+"""Async calls: ``fn.submit(...)`` returns a :class:`DistributedFunctionCall` at once; :func:`attach` finds it again.
 
 ```python
 call = train.submit(epochs=3)      # validated and started; returns at once
@@ -33,7 +33,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sparkgpu._files import atomic_write_bytes
@@ -57,25 +57,26 @@ from sparkgpu.launch.supervision_lock import SupervisionLock
 from sparkgpu.launch.supervisor import CANCEL_REQUEST_FILE, Supervisor
 from sparkgpu.spec import JobSpec
 
-__all__ = ["Call", "attach"]
+__all__ = ["DistributedFunctionCall", "attach", "collect_outputs_or_raise"]
 
 _POLL_SECONDS = 0.25
 #: Seconds past the job's shutdown grace that exiting waits for a cancelled job's supervisor.
 _EXIT_MARGIN = 30.0
 
-_supervised: dict[str, "Call"] = {}  # job id -> the Call whose thread supervises it in this process
+#: job id -> the call whose thread supervises that job in this process
+_supervised: dict[str, "DistributedFunctionCall"] = {}
 _supervised_lock = threading.Lock()
 _exit_hook_registered = False
 
 
 class _Discard(io.TextIOBase):
-    """Where a background job's live output goes: it stays in the run dir for ``Call.logs``."""
+    """Where a background job's live output goes: it stays in the run dir for ``DistributedFunctionCall.logs``."""
 
     def write(self, text: str) -> int:
         return len(text)
 
 
-class Call:
+class DistributedFunctionCall:
     """A distributed call that runs in the background: one job, supervised here or elsewhere.
 
     Built by ``fn.submit(...)`` (this process supervises the job) or :func:`attach` /
@@ -104,16 +105,16 @@ class Call:
 
     def __repr__(self) -> str:
         role = "supervised here" if self._supervisor is not None else "observed"
-        return f"<Call {self.job_id} {self.status().value} ({role})>"
+        return f"<DistributedFunctionCall {self.job_id} {self.status().value} ({role})>"
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
-    def from_job_id(cls, job_id: str, backend=None) -> "Call":
+    def from_job_id(cls, job_id: str, backend=None) -> "DistributedFunctionCall":
         """The call of ``job_id``: see :func:`attach`."""
         return attach(job_id, backend=backend)
 
     @classmethod
-    def _supervise(cls, supervisor: Supervisor) -> "Call":
+    def _supervise(cls, supervisor: Supervisor) -> "DistributedFunctionCall":
         """Starts ``supervisor`` in a background thread of this process and returns its call."""
         call = cls(supervisor.job.job_id, supervisor.run_dir)
         call._start(supervisor)
@@ -344,8 +345,8 @@ class Call:
             return True
 
 
-def attach(job_id: str, backend=None) -> Call:
-    """The :class:`Call` of a job started by ``submit`` or ``.distributed()``, here or in another process.
+def attach(job_id: str, backend=None) -> DistributedFunctionCall:
+    """The :class:`DistributedFunctionCall` of a job started by ``submit`` or ``.distributed()``, here or in another process.
 
     While the job's client runs, the call observes it: ``status``, ``logs``, ``result`` (read
     from the run dir once the job ended) and ``cancel`` (a request the client acts on). When
@@ -370,9 +371,44 @@ def attach(job_id: str, backend=None) -> Call:
 
         backend = create_backend(backend)
     run_dir = find_run_dir(job_id)
-    call = Call(run_dir.job_id, run_dir, backend)
+    call = DistributedFunctionCall(run_dir.job_id, run_dir, backend)
     call._take_over_if_abandoned()
     return call
+
+
+def collect_outputs_or_raise(
+    calls: DistributedFunctionCall | Sequence[DistributedFunctionCall], timeout: float | None = None
+) -> Any:
+    """Waits for one call or a sweep of calls and returns their per-rank results, or raises.
+
+    Every call is waited for before anything is raised, so a sweep's failure never leaves its
+    other jobs unobserved; the error raised is that of the first failed call in the order given.
+
+    Args:
+        calls: One call (``fn.distributed(...)`` with ``run_async=True``, ``fn.submit(...)``,
+            :func:`attach`), or a list of them.
+        timeout: Seconds to wait for all of them together; ``None`` waits as long as they run.
+
+    Returns:
+        For one call, its results (one per rank); for a list, a list of those, in order.
+
+    Raises:
+        CallNotFinishedError: ``timeout`` passed first; the jobs run on.
+        WorkerFailedError, JobTimeoutError, JobCancelledError, ...: a job failed, as
+            :meth:`DistributedFunctionCall.result` raises it.
+    """
+    if isinstance(calls, DistributedFunctionCall):
+        return collect_outputs_or_raise([calls], timeout)[0]
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for call in calls:
+        call.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    unfinished = [call.job_id for call in calls if not call.done()]
+    if unfinished:
+        raise CallNotFinishedError(
+            f"{len(unfinished)} of {len(calls)} jobs still run after {timeout:g}s ({', '.join(unfinished)}); "
+            "collect them again, or cancel() them"
+        )
+    return [call.result() for call in calls]
 
 
 def _end_cancelled(run_dir: RunDir, state: JobState) -> None:

@@ -78,6 +78,7 @@ class DistributedFunction:
         experiment: str | None = None,
         register_as: str | None = None,
         ship_environment: bool | None = None,
+        run_async: bool = False,
         options: dict[str, Any] | None = None,
     ):
         if not callable(fn):
@@ -94,6 +95,7 @@ class DistributedFunction:
         self.experiment = experiment
         self.register_as = register_as
         self.ship_environment = ship_environment
+        self.run_async = run_async
         # The @distributed arguments this was built from, for with_overrides().
         self._options = dict(options or {})
         # What the last .distributed() call left behind (None before the first call).
@@ -212,15 +214,17 @@ class DistributedFunction:
             ship_environment=self._ships_environment(),
         )
 
-    def distributed(self, *args, **kwargs) -> list[Any]:
+    def distributed(self, *args, **kwargs) -> Any:
         """Runs the function on every rank with these arguments.
 
-        With ``register_as``, rank 0's return value is registered once the job succeeded; if
+        With ``run_async=True`` (a setting of :func:`distributed`) it returns at once, as
+        :meth:`submit` does. With ``register_as``, rank 0's return value is registered once the job succeeded; if
         that fails, the registration's error is raised, and the job's results stay reachable:
         on :attr:`last_results` and on the error's ``results`` attribute.
 
         Returns:
-            One return value per rank, ordered by rank.
+            One return value per rank, ordered by rank; with ``run_async=True``, the job's
+            :class:`~sparkgpu.call.DistributedFunctionCall`.
 
         Raises:
             WorkerFailedError: a rank raised or died; names each failing rank with its remote
@@ -231,6 +235,8 @@ class DistributedFunction:
             ConfigurationError: ``register_as`` was given and rank 0 returned no
                 ``torch.nn.Module`` or transformers model (the job itself succeeded; see above).
         """
+        if self.run_async:
+            return self.submit(*args, **kwargs)
         self.last_results = self.last_model_version = None
         return self.launch(self.prepare(args, kwargs))
 
@@ -262,7 +268,7 @@ class DistributedFunction:
 
     def submit(self, *args, **kwargs):
         """Starts ``.distributed(*args, **kwargs)`` in the background and returns its
-        :class:`~sparkgpu.call.Call` at once.
+        :class:`~sparkgpu.call.DistributedFunctionCall` at once.
 
         Everything ``.distributed()`` checks before it starts (arguments that pickle, capacity,
         usage policy) is checked here, so those errors raise from ``submit`` itself.
@@ -271,7 +277,7 @@ class DistributedFunction:
             ConfigurationError: the function has ``register_as`` (register ``call.result()[0]``
                 with ``sparkgpu.registry.register`` instead), or as for ``.distributed()``.
         """
-        from sparkgpu.call import Call
+        from sparkgpu.call import DistributedFunctionCall
 
         if self.register_as is not None:
             raise ConfigurationError(
@@ -280,7 +286,7 @@ class DistributedFunction:
             )
         prepared = self.prepare(args, kwargs).write()
         self.last_job_id, self.last_run_dir = prepared.job.job_id, str(prepared.run_dir.path)
-        return Call._supervise(prepared.supervisor())
+        return DistributedFunctionCall._supervise(prepared.supervisor())
 
     def dryrun(self, *args, **kwargs) -> LaunchPlan:
         """What ``.distributed(*args, **kwargs)`` would launch, validated but not started.
@@ -348,6 +354,7 @@ def distributed(
     register_as: str | None = None,
     ship_environment: bool | None = None,
     pool: str | None = None,
+    run_async: bool = False,
 ):
     """Decorates a function so that ``fn.distributed(...)`` runs it on ``num_accelerators`` ranks.
 
@@ -409,6 +416,10 @@ def distributed(
             (default: for ``remote=True`` jobs).
         pool: Run on this GPU pool (its name or id in the ``SPARKGPU_POOLS`` file) instead of
             the one ``gpu_type`` chooses; needs ``remote=True``.
+        run_async: ``fn.distributed(...)`` returns the job's
+            :class:`~sparkgpu.call.DistributedFunctionCall` at once instead of waiting for the
+            results (as ``fn.submit(...)`` does): for sweeps of many jobs. Collect them with
+            :func:`~sparkgpu.call.collect_outputs_or_raise`.
 
     Raises:
         ConfigurationError: an argument is invalid, or names of one setting disagree
@@ -445,6 +456,11 @@ def distributed(
         elastic_wait=elastic_wait,
     )
 
+    if run_async and register_as is not None:
+        raise ConfigurationError(
+            f"run_async=True returns before the job ends, so nothing is registered; drop register_as={register_as!r} "
+            f"and call sparkgpu.registry.register(call.result()[0], {register_as!r}), or drop run_async"
+        )
     if isinstance(backend, str):
         backend = backend_name(backend)
     if pool is not None:
@@ -463,6 +479,7 @@ def distributed(
             experiment=experiment,
             register_as=register_as,
             ship_environment=ship_environment,
+            run_async=run_async,
             options=options,
         )
 

@@ -89,11 +89,11 @@ LocalExecutionTimeoutError = JobTimeoutError
 
 
 class JobCancelledError(SparkGPUError):
-    """The job was cancelled (``Call.cancel()``, from this process or another one) before it ended."""
+    """The job was cancelled (``DistributedFunctionCall.cancel()``, from this process or another one) before it ended."""
 
 
 class CallNotFinishedError(SparkGPUError, TimeoutError):
-    """``Call.result(timeout=)`` gave up waiting; the job itself runs on."""
+    """``DistributedFunctionCall.result(timeout=)`` gave up waiting; the job itself runs on."""
 
 
 class PayloadSignatureError(SparkGPUError):

@@ -16,7 +16,7 @@ sub-package and uses the standard library only. The enums are
 (also between attempts, while a restart is prepared). ``SUCCEEDED``: every rank of the last
 attempt returned. ``FAILED``: an attempt failed and the failure policy raised (or the
 supervisor itself failed). ``TIMED_OUT``: the job ran past ``policy.timeout``.
-``CANCELLED``: cancelled (``Call.cancel``, the cancel file, Ctrl-C). ``STOPPED``: a usage
+``CANCELLED``: cancelled (``DistributedFunctionCall.cancel``, the cancel file, Ctrl-C). ``STOPPED``: a usage
 policy stopped it (its ranks were asked to checkpoint). ``SUCCEEDED`` is final;
 ``sparkgpu resume`` takes every other state back to ``RUNNING``.
 

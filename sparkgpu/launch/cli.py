@@ -35,12 +35,12 @@ def register_cancel(subparsers) -> None:
 
 
 def cmd_cancel(args) -> int:
-    from sparkgpu.call import Call
+    from sparkgpu.call import DistributedFunctionCall
     from sparkgpu.launch.resume import find_run_dir
 
     # Observed, not attached: a job whose client is gone is ended here, not continued first.
     run_dir = find_run_dir(args.job_id)
-    status = Call(run_dir.job_id, run_dir).cancel(timeout=args.timeout)
+    status = DistributedFunctionCall(run_dir.job_id, run_dir).cancel(timeout=args.timeout)
     print(f"sparkgpu: job {run_dir.job_id} is {status.value}")
     return 0 if status.is_terminal else 1
 

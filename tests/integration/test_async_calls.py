@@ -11,7 +11,15 @@ import time
 
 import pytest
 
-from sparkgpu import Call, SerializationError, WorkerFailedError, attach, distributed, runtime
+from sparkgpu import (
+    DistributedFunctionCall,
+    SerializationError,
+    WorkerFailedError,
+    attach,
+    collect_outputs_or_raise,
+    distributed,
+    runtime,
+)
 from sparkgpu.config import settings
 from sparkgpu.errors import CallNotFinishedError, ConfigurationError, JobCancelledError
 from sparkgpu.launch.supervisor import JobStatus
@@ -47,7 +55,7 @@ def fails():
     raise ValueError("bad batch 7")
 
 
-def _started(call: Call) -> bool:
+def _started(call: DistributedFunctionCall) -> bool:
     return "started" in call.logs()
 
 
@@ -100,10 +108,28 @@ def test_a_failing_rank_raises_as_distributed_does():
         call.result(timeout=120)
     assert isinstance(err.value.__cause__, ValueError)
     # Read back by another observer from the run dir: the same failure, the same cause.
-    observer = Call(call.job_id, call.run_dir)
+    observer = DistributedFunctionCall(call.job_id, call.run_dir)
     with pytest.raises(WorkerFailedError, match="bad batch 7") as again:
         observer.result()
     assert isinstance(again.value.__cause__, ValueError) and again.value.ranks == [0]
+
+
+def test_a_run_async_sweep_returns_calls_at_once_and_collects_every_result_before_raising(tmp_path):
+    """The serverless_gpu way: ``run_async=True`` makes ``.distributed()`` return the call."""
+    sweep = meet.with_overrides(run_async=True)
+    first, second = sweep.distributed("a", "b", str(tmp_path)), sweep.distributed("b", "a", str(tmp_path))
+    assert isinstance(first, DistributedFunctionCall) and first.job_id != second.job_id
+    assert collect_outputs_or_raise([first, second], timeout=120) == [
+        [("a", first.job_id)],
+        [("b", second.job_id)],
+    ]
+    assert collect_outputs_or_raise(first) == [("a", first.job_id)]
+
+    failing = fails.with_overrides(run_async=True).distributed()
+    slow = meet.with_overrides(run_async=True).distributed("c", "c", str(tmp_path))
+    with pytest.raises(WorkerFailedError, match="bad batch 7"):
+        collect_outputs_or_raise([failing, slow], timeout=120)
+    assert slow.done(), "the sweep's other job is waited for before the failure is raised"
 
 
 def test_attach_to_a_job_of_this_process_returns_its_call_and_unknown_ids_fail():
@@ -199,8 +225,8 @@ def test_attach_takes_over_a_job_whose_client_was_killed(tmp_path, _isolated_spa
     call = attach(job_id)
     assert call._thread is not None  # taken over: this process supervises it now
     # Another observer that saw the dead client too cannot take over a second time.
-    assert Call(job_id, call.run_dir)._lock_supervision() is False
-    assert Call(job_id, call.run_dir)._take_over_if_abandoned() is False
+    assert DistributedFunctionCall(job_id, call.run_dir)._lock_supervision() is False
+    assert DistributedFunctionCall(job_id, call.run_dir)._take_over_if_abandoned() is False
     assert call.result(timeout=120) == [("resumed", 1, "500")]
     state = json.loads((run_dir / "state.json").read_text())
     assert [a["status"] for a in state["attempts"]] == ["lost", "succeeded"]
