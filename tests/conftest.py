@@ -21,6 +21,13 @@ _SERVER_GROUPS = (
 #: Modules of tests on Spark clusters (``test_spark_cluster*.py``); one that starts a cluster of
 #: its own (a module fixture) is one group too.
 _CLUSTER_MODULE = "test_spark_cluster"
+#: The disposable cluster's tests are the suite's longest chain (faults, elastic jobs, killed
+#: clients: ten minutes on one worker). These modules form a second group, which a second worker
+#: runs on a disposable cluster of its own (the fixture is per session, and each xdist worker
+#: is a session), so the two halves run side by side.
+_SECOND_DISPOSABLE_MODULES = frozenset(
+    {"test_spark_cluster_faults", "test_spark_cluster_elastic", "test_spark_cluster_hf_faults"}
+)
 
 
 def server_group(item) -> str | None:
@@ -32,13 +39,15 @@ def server_group(item) -> str | None:
     module = item.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
     if group is None and module.startswith(_CLUSTER_MODULE):
         group = module
+    if group == "disposable-spark-cluster" and module in _SECOND_DISPOSABLE_MODULES:
+        group = "disposable-spark-cluster-faults"
     return group
 
 
 def _before_local_spark(item, group: str | None) -> bool:
     """Whether a test's Connect clients must run before the in-process `spark` server exists in
     its process: once it does, pyspark redirects and re-authenticates every other Connect client."""
-    return _CLUSTER_MODULE in item.nodeid or group in ("spark-cluster", "disposable-spark-cluster")
+    return _CLUSTER_MODULE in item.nodeid or (group or "").startswith(("spark-cluster", "disposable-spark-cluster"))
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the items' groups
