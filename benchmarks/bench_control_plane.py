@@ -23,7 +23,9 @@ Two run-dir transports, as a job has them:
 Per node count it reports: requests per node-hour by kind (nodes' requests only; the client's
 apart, per second), PUT bytes per byte of log the ranks wrote, the seconds from killing the last
 node to the client naming it lost, and (``--stall``) whether a store that stops answering for
-that many seconds makes the client or a node declare a healthy node lost.
+that many seconds makes the client or a node declare a healthy node lost. The ``quiet`` phase
+is steady running with nobody reading the ranks' output live (``log_ranks=None``): the client's
+own requests per second, which its quiet clock keeps to a few per control interval.
 
 The ``before`` design is the code of a base commit (``--base``, by default the commit before
 the control-plane change), extracted with ``git archive`` and run in the same invocation as the
@@ -34,6 +36,8 @@ Usage::
     python benchmarks/bench_control_plane.py                      # 2 and 8 nodes, 60 s, both designs
     python benchmarks/bench_control_plane.py --nodes 2,8,64 --seconds 120 --stall 60
     python benchmarks/bench_control_plane.py --nodes 2 --seconds 20 --out /tmp/cp.json   # quick check
+    python benchmarks/bench_control_plane.py --nodes 2 --seconds 75 --modes s3 --phases quiet \
+        --base <commit> --out benchmarks/results/control_plane-quiet.json   # the quiet client
 """
 
 from __future__ import annotations
@@ -289,7 +293,12 @@ def _child(args) -> dict:
     backend._beat(handle)
     if mirror is not None:
         mirror.sync(attempt)
-        mirror.start(attempt, backend.sync_interval)
+        quiet = {}
+        if args.phase == "quiet" and "live" in inspect.signature(mirror.start).parameters:
+            # Nobody reads the ranks' output live (log_ranks=None): the client's quiet clock. The
+            # design before it has no such clock, and syncs as it always does.
+            quiet = {"live": False, "quiet_interval": args.control_interval}
+        mirror.start(attempt, backend.sync_interval, **quiet)
     threading.Thread(target=backend._heartbeat, args=(handle,), daemon=True, name="client-heartbeat").start()
 
     agents: list[_Agent] = []
@@ -452,6 +461,7 @@ def _child(args) -> dict:
         "nodes": nodes,
         "ranks_per_node": per_node,
         "mode": args.mode,
+        "phase": args.phase,
         "window_s": round(window, 1),
         "node_requests_per_node_hour": per_node_hour,
         "control_per_node_hour": round(control, 1),
@@ -545,7 +555,8 @@ def _table(runs: list[dict], stalls: list[dict]) -> dict:
     """``"<mode>, <n> nodes"`` -> design -> the figures the docs quote (and before/after ratios)."""
     table: dict[str, dict] = {}
     for run in runs:
-        row = table.setdefault(f"{run['mode']}, {run['nodes']} nodes", {})
+        quiet = ", quiet client" if run.get("phase") == "quiet" else ""
+        row = table.setdefault(f"{run['mode']}, {run['nodes']} nodes{quiet}", {})
         row[run["design"]] = {
             "control_per_node_hour": run["control_per_node_hour"],
             "all_per_node_hour": run["all_per_node_hour"],
@@ -586,6 +597,11 @@ def main() -> None:
     )
     p.add_argument("--before-nodes", default="", help="node counts the 'before' design runs at (default: all)")
     p.add_argument("--modes", default="s3,shared")
+    p.add_argument(
+        "--phases",
+        default="steady,stall,biglog,quiet",
+        help="steady running; a store stall; a big log; steady running with nobody reading logs live (quiet)",
+    )
     p.add_argument("--designs", default="before,after")
     p.add_argument("--base", default="8867c37", help="the commit whose code is the 'before' design")
     p.add_argument("--out", default=str(HERE / "results" / "control_plane.json"))
@@ -612,7 +628,11 @@ def main() -> None:
     facts = machine()
     scratch = Path(tempfile.mkdtemp(prefix="bench-cp-designs-"))
     runs, stalls = [], []
-    phases = [("s3", "steady"), ("shared", "steady"), ("s3", "stall"), ("s3", "biglog")]
+    phases = [
+        (mode, phase)
+        for mode, phase in [("s3", "steady"), ("shared", "steady"), ("s3", "stall"), ("s3", "biglog"), ("s3", "quiet")]
+        if phase in args.phases.split(",")
+    ]
     counts = [int(n) for n in args.nodes.split(",")]
     before_at = {int(n) for n in args.before_nodes.split(",")} if args.before_nodes else set(counts)
     for nodes in counts:
@@ -623,6 +643,8 @@ def main() -> None:
                 continue  # the stall runs at the first node count only: it is a minute and a half per design
             if phase == "biglog" and (not args.big_log_mb or nodes != counts[0]):
                 continue
+            if phase == "quiet" and nodes != counts[0]:
+                continue  # the client's own requests do not grow with the nodes
             for design in args.designs.split(","):  # the two designs back to back, same load
                 if design == "before" and (nodes not in before_at or phase == "biglog"):
                     continue  # the earlier design puts a growing log whole, again and again: not with 1 GB

@@ -271,6 +271,13 @@ class ClientMirror:
         self._loop: _Loop | None = None
         #: Seconds the store answered this client's syncs (nodes' silences are judged on it).
         self.clock = StoreClock(max_step=3.0)
+        # The quiet clock (see start()): whether the caller reads logs live, the seconds between
+        # two full syncs when nobody does, when the next one is due, and the urgent control files
+        # (stop, cancel) as last put.
+        self._live = True
+        self._quiet_interval = 0.0
+        self._next_full = 0.0
+        self._pushed_urgent: dict[str, bytes] = {}
 
     def upload_payload(self) -> None:
         """Puts the signed payload and the job's tracking run (when it has one) on the store."""
@@ -293,19 +300,46 @@ class ClientMirror:
             How many local files changed.
         """
         with self._lock:
-            control = {}
-            for rel in RunLayout.control_files(attempt):
-                try:
-                    control[rel] = _local(self.run_dir.path, rel).read_bytes()
-                except FileNotFoundError:
-                    continue
+            control = self._control(attempt)
             body = json.dumps(pack_files(control), sort_keys=True).encode()
             if body != self._pushed:
                 self.store.write_bytes(RunLayout.spark_control(attempt), body)
                 self._pushed = body
+            self._pushed_urgent = self._urgent(control)
             changed = self._pull(attempt) if everything else self._pull_live(attempt)
             self.clock.answered()
             return changed
+
+    def _control(self, attempt: int) -> dict[str, bytes]:
+        """The attempt's control files as they are here (local reads only)."""
+        control = {}
+        for rel in RunLayout.control_files(attempt):
+            try:
+                control[rel] = _local(self.run_dir.path, rel).read_bytes()
+            except FileNotFoundError:
+                continue
+        return control
+
+    @staticmethod
+    def _urgent(control: dict[str, bytes]) -> dict[str, bytes]:
+        """The control files a quiet client still sends at once: all but its heartbeat (stop, cancel)."""
+        return {rel: data for rel, data in control.items() if not rel.endswith(RunLayout.SPARK_CLIENT_HEARTBEAT)}
+
+    def _round(self, attempt: int) -> None:
+        """One round of the background loop.
+
+        Syncs fully when someone reads the attempt live (log lines echoed to the caller, or a
+        ``sparkgpu logs --follow``), until every node has started, and once every quiet
+        interval; in between it only puts a changed stop or cancel request, which costs no
+        request at all while there is none.
+        """
+        now = time.monotonic()
+        live = self._live or bool(self._asked(attempt)) or len(self.run_dir.started_nodes(attempt)) < self._nodes
+        if live or now >= self._next_full:
+            self.sync(attempt)
+            self._next_full = now + self._quiet_interval
+        elif self._urgent(self._control(attempt)) != self._pushed_urgent:
+            self.sync(attempt)
 
     def try_sync(self, attempt: int) -> bool:
         """:meth:`sync`, reporting a failure instead of raising it (for callers busy stopping an attempt)."""
@@ -383,14 +417,32 @@ class ClientMirror:
         followed: tuple[int, ...] = (0,),
         nodes: int = 1,
         ranks_per_node: int = 1,
+        live: bool = True,
+        quiet_interval: float = 20.0,
     ) -> None:
-        """Syncs in a background thread every ``interval`` seconds until :meth:`finish`, reading
-        the log streams of the ``followed`` nodes as they grow, and of the nodes whose ranks
-        ``sparkgpu logs --follow`` asks for (the attempt has ``nodes`` of ``ranks_per_node``)."""
+        """Syncs in a background thread until :meth:`finish`, reading the log streams of the
+        ``followed`` nodes as they grow, and of the nodes whose ranks ``sparkgpu logs --follow``
+        asks for (the attempt has ``nodes`` of ``ranks_per_node``).
+
+        ==================================================  =======================================
+        the attempt                                         a full sync (a listing, the followed
+                                                            streams, the control files if changed)
+        ==================================================  =======================================
+        ``live`` (its caller echoes rank output), a         every ``interval`` seconds
+        ``logs --follow`` asks, or a node not started yet
+        running with nobody reading it live                 every ``quiet_interval`` seconds, and
+                                                            at once for a stop or cancel request
+        ==================================================  =======================================
+
+        ``quiet_interval`` is node 0's own pace at the client's files (its control interval):
+        a quiet client reads what node 0 says no more often than node 0 reads what it says.
+        """
         self._followed = tuple(sorted(set(followed)))
         self._nodes, self._ranks_per_node = nodes, max(1, ranks_per_node)
+        self._live, self._quiet_interval = live, max(interval, quiet_interval)
+        self._next_full = time.monotonic() + self._quiet_interval
         self._loop = _Loop(
-            lambda: self.sync(attempt), interval, f"sparkgpu-store-{self.run_dir.job_id}-{attempt}", self._report
+            lambda: self._round(attempt), interval, f"sparkgpu-store-{self.run_dir.job_id}-{attempt}", self._report
         )
 
     def finish(self, attempt: int, tries: int = 3) -> BaseException | None:

@@ -131,3 +131,55 @@ def test_checkpoints_live_on_the_store_and_the_dry_run_names_no_client_path(job)
     plan = backend.plan(job, rd, 0, {}, layout=NodeLayout(2, 1, 0))
     assert str(rd.path) not in str(plan) and f"{url}/ana/job-1" in str(plan)
     assert SparkBackend(spark=TaggedSession(), staging_url="").checkpoint_dir(rd) == str(rd.checkpoints)
+
+
+def test_a_quiet_client_lists_the_store_once_per_quiet_interval_and_sends_a_stop_request_at_once(
+    job, tmp_path, monkeypatch
+):
+    """Nobody reads the ranks' output live (``log_ranks=None``): once every node has started, the
+    client's mirror reads the store only every quiet interval, and a stop request still goes up
+    within one round (node 0 reads it at its own pace)."""
+    import json
+
+    from sparkgpu.launch.run_layout import RunLayout
+
+    monkeypatch.setattr(spark_node, "_POLL_SECONDS", 0.05)
+    job, rd, url = job
+    backend = SparkBackend(spark=TaggedSession(), client_timeout=None, staging_url=url, control_interval=0.5)
+    handle = SparkAttempt(
+        attempt=0,
+        job=job,
+        run_dir=rd,
+        layout=NodeLayout(2, 1, 0),
+        tag="sparkgpu-job-1-0",
+        submitted_at=time.monotonic(),
+        submitted_wall=time.time(),
+        mirror=backend._mirror(rd),
+    )
+    mirror = handle.mirror
+    listings: list[float] = []
+    real_list = mirror.store.list
+    monkeypatch.setattr(mirror.store, "list", lambda *a, **k: listings.append(time.monotonic()) or real_list(*a, **k))
+    mirror.start(0, 0.05, nodes=2, live=False, quiet_interval=60.0)
+    first = NodeOnItsOwnExecutor(tmp_path, url, 0)
+    nodes = [first, NodeOnItsOwnExecutor(tmp_path, url, 1, hub=first)]
+    try:
+        deadline = time.monotonic() + 10
+        while len(rd.started_nodes(0)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(rd.started_nodes(0)) == 2, "until every node has started, the quiet client syncs every round"
+        time.sleep(0.2)  # the round that brought the last start marker is over
+        before = len(listings)
+        time.sleep(1.5)  # 30 rounds
+        assert len(listings) == before, f"{len(listings) - before} listings in 1.5 s of a 60 s quiet interval"
+
+        rd.write_control(rd.file(RunLayout.stop(0)), b"the runtime cap is near\n")
+        control = tmp_path / "store" / "ana" / "job-1" / "attempts" / "0" / "spark" / "control"
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline and RunLayout.stop(0) not in json.loads(control.read_text()):
+            time.sleep(0.05)
+        assert RunLayout.stop(0) in json.loads(control.read_text()), "the stop request waited for the quiet clock"
+    finally:
+        mirror.finish(0)
+        for node in nodes:
+            node.stop()

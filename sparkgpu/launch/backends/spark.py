@@ -418,6 +418,8 @@ class SparkBackend(Backend):
                 followed=self._followed_nodes(job, layout),
                 nodes=layout.nodes,
                 ranks_per_node=layout.ranks_per_node,
+                live=job.log_ranks != (),
+                quiet_interval=self.control_interval,
             )
         with _active(self.spark):
             frame = self._frame(job, run_dir, attempt, env, layout)
