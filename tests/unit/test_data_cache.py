@@ -346,3 +346,90 @@ def test_the_prefetcher_stops_quietly_when_its_download_threads_are_shut_down(vo
     cache._planner.join(10)
     assert not cache._planner.is_alive() and errors == []
     cache.close()
+
+
+class _HeldVolume(CountingVolume):
+    """A volume whose download of ``held`` waits until the test lets it go (or fail)."""
+
+    def __init__(self, url, held: str):
+        super().__init__(url)
+        self.held, self.started, self.go = held, threading.Event(), threading.Event()
+        self.fail = False
+
+    def download(self, relative, local_path, *args, **kwargs):
+        if relative == self.held:
+            self.started.set()
+            assert self.go.wait(60), "the test never let the held download go"
+            if self.fail:
+                raise DataError(f"{relative}: the other process's download failed")
+        return super().download(relative, local_path, *args, **kwargs)
+
+
+def _wait_for(condition, seconds=30.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.mark.parametrize("other_fails", [False, True], ids=["other-lands-it", "other-fails"])
+def test_prefetch_passes_over_a_shard_another_process_is_downloading(volume_dir, tmp_path, other_fails):
+    # Another rank or DataLoader worker on the node is downloading shard 0 (it holds the shard's
+    # lock). With one download thread, this cache's prefetch must fetch the next shards
+    # meanwhile instead of waiting on that lock; only the reader, needing shard 0 now, waits.
+    root = tmp_path / "cache"
+    other_volume = _HeldVolume(volume_dir, held="shard.00000.mds")
+    entry, index = open_cache_entry(root, other_volume)
+    other = ShardCache(entry, index, other_volume, download_threads=1)
+    other_error = []
+
+    def other_reads():
+        try:
+            other.acquire(0, np.array([0]))
+        except DataError as exc:
+            other_error.append(exc)
+
+    holder = threading.Thread(target=other_reads)
+    holder.start()
+    try:
+        assert other_volume.started.wait(30)
+        cache, volume, _ = _open(volume_dir, root, threads=1, lookahead=4)
+        plan = [np.array([i]) for i in range(8)]
+        with cache:
+            cache.set_plan(plan)
+            if not other_fails:  # the reader needs shard 0 now: it waits for the other's download
+                first = threading.Thread(target=cache.acquire, args=(0, plan[0]))
+                first.start()
+            # Shards 1-3 land while shard 0's download (the other's) has not moved: nothing but
+            # the reader waited for it. Without the skip, the one download thread sits on shard
+            # 0's lock; with the reader's wait taking that thread, nothing is prefetched either.
+            assert _wait_for(lambda: {1, 2, 3} <= _present(cache)), (
+                f"prefetch fetched {sorted(_present(cache))} while another process held shard 0"
+            )
+            assert 0 not in _present(cache) and "shard.00000.mds" not in volume.downloads
+            other_volume.fail = other_fails
+            other_volume.go.set()
+            holder.join(30)
+            if not other_fails:
+                first.join(30)
+                assert not first.is_alive()
+            # Fetched once in all: by the other process, or (its download failed) by this cache's
+            # prefetcher coming back to the shard it passed over, before the reader asks.
+            assert cache.wait_idle(30)
+            assert 0 in _present(cache)
+            for step, shards in enumerate(plan):
+                cache.acquire(step, shards)
+    finally:
+        other_volume.go.set()
+        holder.join(30)
+        other.close()
+    assert bool(other_error) == other_fails
+    downloads = dict(volume.downloads)
+    for name, count in other_volume.downloads.items():
+        downloads[name] = downloads.get(name, 0) + count
+    assert downloads == {f"shard.{i:05d}.mds": 1 for i in range(8)}
+    assert ("shard.00000.mds" in volume.downloads) == other_fails

@@ -13,8 +13,12 @@ it never evicts a shard needed sooner than the one it would fetch, and stops pre
 instead.
 
 Sharing. Every rank and loader worker on a node may use the same cache folder: a per-shard
-file lock makes one process download a shard while the others wait for it, and a cache-wide
-lock serialises the space accounting (which counts in-flight downloads at their final size).
+file lock makes one process download a shard, and a cache-wide lock serialises the space
+accounting (which counts in-flight downloads at their final size). Only a reader that needs a
+shard now waits for another process's download of it; the prefetcher passes over a shard whose
+lock another process holds and fetches the next ones, coming back to it later. DataLoader
+workers of one rank read the same shards (their batches interleave), so their prefetchers
+split the shards between them this way instead of queueing behind each other.
 A process that finds a shard evicted under it fetches it again; shards already memory-mapped
 stay readable after eviction (POSIX keeps an unlinked file's pages until the last mapping goes).
 That space is outside ``limit_bytes``, so loaders map only the shards of the batch they read
@@ -27,6 +31,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+import enum
 import hashlib
 import json
 import os
@@ -49,6 +54,17 @@ __all__ = ["ShardCache", "CacheEntry", "open_cache_entry", "cache_entries", "cle
 
 _META = ".sparkgpu"
 _LOCK_POLL = 0.005
+# A prefetch that found a shard's lock held by another process tries it again after this long
+# (the other's download may fail or give up for space), unless the shard appeared meanwhile.
+_BUSY_RETRY_S = 0.2
+
+
+class _Outcome(enum.Enum):
+    """How one download attempt of a shard ended."""
+
+    PRESENT = "present"  # the shard is on disk (fetched now, or by another process)
+    NO_ROOM = "no room"  # no space without evicting shards needed sooner: the prefetch stops
+    BUSY = "busy"  # a prefetch found another process downloading it: skipped, not waited for
 
 
 def entry_dir_for(cache_root: str | os.PathLike, remote: str) -> Path:
@@ -65,6 +81,24 @@ def _file_lock(path: Path):
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path), poll_interval=_LOCK_POLL):
         yield
+
+
+@contextlib.contextmanager
+def _try_file_lock(path: Path, wait: bool):
+    """Holds the lock at ``path``; yields True, or False at once without ``wait`` when another holds it."""
+    from filelock import FileLock, Timeout
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(path), poll_interval=_LOCK_POLL)
+    try:
+        lock.acquire(timeout=-1 if wait else 0)
+    except Timeout:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        lock.release()
 
 
 def open_cache_entry(
@@ -126,7 +160,8 @@ class ShardCache:
         volume: Where missing shards come from, or ``None``.
         limit_bytes: Most bytes of shards kept, or ``None`` for no limit.
         download_threads: Parallel downloads.
-        lookahead_shards: Most shards fetched ahead of the one being read.
+        lookahead_shards: Most shards fetched ahead of the one being read, by this cache
+            (shards it finds another process fetching are left to it and not counted).
 
     Raises:
         ConfigurationError: ``limit_bytes`` cannot hold the largest shard.
@@ -159,7 +194,11 @@ class ShardCache:
         self._wake = threading.Condition(self._lock)
         self._space = threading.Lock()  # one thread of this process in the space accounting at a time
         self._local = {i for i, p in enumerate(self._paths) if p.exists()}
-        self._inflight: dict[int, Future] = {}
+        self._inflight: dict[int, Future] = {}  # downloads running: prefetches, and demand fetches
+        self._prefetching = 0  # prefetches among them, at most download_threads
+        # Shards a prefetch found another process downloading (their lock held), with when: the
+        # prefetcher passes over them until they land or _BUSY_RETRY_S has gone by.
+        self._elsewhere: dict[int, float] = {}
         self._failed: dict[int, BaseException] = {}  # shards whose download failed: not retried in the background
         self._uses: list[np.ndarray] = []
         self._first_uses: list[tuple[int, int]] = []
@@ -251,6 +290,10 @@ class ShardCache:
         paths = []
         for shard in shards.tolist():
             path = self._paths[shard]
+            if shard not in self._local and path.exists():  # fetched by another process (a worker, a rank)
+                with self._lock:
+                    self._local.add(shard)
+                    self._elsewhere.pop(shard, None)
             if shard not in self._local:
                 self.misses += 1
                 self._ensure(shard, step)
@@ -305,30 +348,42 @@ class ShardCache:
             with self._lock:
                 self._local.add(shard)
             return
-        assert self._pool is not None  # made with the volume
         deadline = time.monotonic() + 600
         while True:
             with self._lock:
                 if shard in self._failed:
                     raise self._failed[shard]  # already reported by the fetch (after its retries)
-                future = self._inflight.get(shard)
-                if future is None:
-                    future = self._pool.submit(self._download, shard, needed_at, True)
-                    self._inflight[shard] = future
-            if future.result():
+                running = self._inflight.get(shard)
+                demand = running is None
+                future = Future() if running is None else running
+                self._inflight[shard] = future
+            if demand:
+                # Fetched (or waited for, when another process is fetching it) on this thread,
+                # which needs the shard now: never queued behind prefetches for a download slot.
+                try:
+                    outcome = self._download(shard, needed_at, True)
+                except BaseException as exc:
+                    future.set_exception(exc)
+                    raise
+                future.set_result(outcome)
+            else:
+                outcome = future.result()
+            if outcome is _Outcome.PRESENT:
                 return
-            if time.monotonic() > deadline:
-                raise DataError(
-                    f"shard {self.index.shards[shard].basename} could not get cache space for 10 minutes; "
-                    f"other processes fill cache_limit={self.limit_bytes}: raise it"
-                )
-            time.sleep(0.05)  # a prefetch gave up for lack of space; try again as a demand fetch
+            if demand:  # no room even for a demand fetch: shards other processes need now fill the cache
+                if time.monotonic() > deadline:
+                    raise DataError(
+                        f"shard {self.index.shards[shard].basename} could not get cache space for 10 minutes; "
+                        f"other processes fill cache_limit={self.limit_bytes}: raise it"
+                    )
+                time.sleep(0.05)
+            # Otherwise a prefetch skipped the shard or found no room for it: again, as a demand fetch.
 
-    def _download(self, shard: int, needed_at: int, demand: bool) -> bool:
-        fetched = False
+    def _download(self, shard: int, needed_at: int, demand: bool) -> _Outcome:
+        outcome = None
         try:
-            fetched = self._download_locked(shard, needed_at, demand)
-            return fetched
+            outcome = self._download_locked(shard, needed_at, demand)
+            return outcome
         except BaseException as exc:
             with self._lock:
                 self._failed[shard] = exc
@@ -336,20 +391,30 @@ class ShardCache:
         finally:
             with self._lock:
                 self._inflight.pop(shard, None)
-                if not fetched and not demand:
-                    self._stalled_at = self._position
+                if not demand:
+                    self._prefetching -= 1
+                if outcome is _Outcome.BUSY:
+                    self._elsewhere[shard] = time.monotonic()
+                else:
+                    self._elsewhere.pop(shard, None)
+                    if outcome is not _Outcome.PRESENT and not demand:
+                        self._stalled_at = self._position
                 self._wake.notify_all()
 
-    def _download_locked(self, shard, needed_at, demand) -> bool:
+    def _download_locked(self, shard: int, needed_at: int, demand: bool) -> _Outcome:
         info, final = self.index.shards[shard], self._paths[shard]
-        with _file_lock(self._meta / "locks" / f"{shard}.lock"):
-            if final.exists():  # another process fetched it while we waited for the lock
+        # A demand fetch waits for the shard's lock; a prefetch finding it held by another
+        # process (which is fetching the shard) leaves the shard to it and moves on.
+        with _try_file_lock(self._meta / "locks" / f"{shard}.lock", wait=demand) as held:
+            if not held:
+                return _Outcome.BUSY
+            if final.exists():  # another process fetched it before we took the lock
                 with self._lock:
                     self._local.add(shard)
-                return True
+                return _Outcome.PRESENT
             stem = self._partial / f"{shard}.{_fetch.partial_token()}"
             if not self._reserve(shard, needed_at, demand, stem):
-                return False
+                return _Outcome.NO_ROOM
             try:
                 assert self.volume is not None  # only caches of a volume download
                 _fetch.fetch_shard(self.volume, info, final, stem, self._parts, priority=needed_at)
@@ -357,8 +422,9 @@ class ShardCache:
                 Path(f"{stem}.reserved").unlink(missing_ok=True)
         with self._lock:
             self._local.add(shard)
-            self.downloaded_bytes += info.zip_bytes if info.zip_basename else info.raw_bytes  # what crossed the network
-        return True
+            # What crossed the network: the compressed file, when there is one.
+            self.downloaded_bytes += info.zip_bytes if info.zip_basename and info.zip_bytes else info.raw_bytes
+        return _Outcome.PRESENT
 
     def _reserve(self, shard: int, needed_at: int, demand: bool, stem: Path) -> bool:
         """Makes room for ``shard`` (evicting by next use) and marks the space as taken."""
@@ -415,9 +481,12 @@ class ShardCache:
             with self._lock:
                 if self._closed:
                     return
+                retry = None
                 if self._stalled_at != self._position:
-                    for shard, step in self._upcoming():
-                        if len(self._inflight) >= self._download_threads:
+                    wanted, retry = self._upcoming()
+                    for shard, step in wanted:
+                        # Demand fetches run on the readers' threads, beside these.
+                        if self._prefetching >= self._download_threads:
                             break
                         if shard not in self._inflight and shard not in self._failed:
                             try:
@@ -426,24 +495,48 @@ class ShardCache:
                                 self._closed = True
                                 self._wake.notify_all()
                                 return
-                self._idle = not self._inflight
+                            self._prefetching += 1
+                self._idle = not self._inflight and retry is None
                 self._wake.notify_all()  # for wait_idle
-                self._wake.wait(timeout=1.0)
+                # A skipped shard is tried again when its time comes, if a download slot is free
+                # then; a slot that frees up wakes this loop anyway.
+                timeout = 1.0
+                if retry is not None and self._prefetching < self._download_threads:
+                    timeout = min(timeout, max(0.01, retry))
+                self._wake.wait(timeout=timeout)
 
-    def _upcoming(self) -> list[tuple[int, int]]:
+    def _upcoming(self) -> tuple[list[tuple[int, int]], float | None]:
+        """The shards to fetch next (with the step first needing each), in first-use order, and the
+        seconds until a shard passed over now (another process is fetching it) is tried again."""
         if not self._first_uses or len(self._local) == len(self._paths):
-            return []
-        seen, wanted = set(), []
+            return [], None
+        now = time.monotonic()
+        seen: set[int] = set()
+        wanted: list[tuple[int, int]] = []
+        retry = None
+        ahead = 0
         for i in range(bisect.bisect_left(self._first_use_steps, self._position), len(self._first_uses)):
             step, shard = self._first_uses[i]
             if shard in seen:
                 continue
             seen.add(shard)
+            tried = self._elsewhere.get(shard)
+            if tried is not None and shard not in self._local:
+                if self._paths[shard].exists():  # the other process's download landed
+                    self._local.add(shard)
+                    del self._elsewhere[shard]
+                elif now - tried < _BUSY_RETRY_S:
+                    # Another process's download, not counted in this one's lookahead: the shards
+                    # after it are fetched here meanwhile.
+                    left = tried + _BUSY_RETRY_S - now
+                    retry = left if retry is None else min(retry, left)
+                    continue
             if shard not in self._local:
                 wanted.append((shard, step))
-            if len(seen) >= self._lookahead:
+            ahead += 1
+            if ahead >= self._lookahead:
                 break
-        return wanted
+        return wanted, retry
 
 
 @dataclasses.dataclass(frozen=True)
