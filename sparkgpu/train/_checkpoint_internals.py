@@ -6,7 +6,9 @@ one step late), building the state each rank saves, writing it with DCP (in the 
 by default: :class:`PendingSave`, and the reused staging memory of :func:`make_stager`),
 committing it on rank 0 once every rank's data is written, pruning old checkpoints, and
 loading a checkpoint back. With a key (inside a job), saves are signed and a checkpoint is
-loaded only once its files match its signed list (``_checkpoint_signing``).
+loaded only once its files match its signed list (``_checkpoint_signing``). Files are written
+through ``_checkpoint_writes``: hashed beside the write, fsynced once, each phase timed
+(:attr:`CheckpointerInternals.last_save_phases`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from sparkgpu.errors import CheckpointError, ConfigurationError, SparkGPUError
 from sparkgpu.tracking.autolog import unrecorded_optimizer_steps
 from sparkgpu.train._checkpoint_checks import dcp_errors, describe, local_nbytes, save_failed
 from sparkgpu.train._checkpoint_signing import SaveSigner, check_app_blob, refusal_of, weights_only_planner
+from sparkgpu.train._checkpoint_writes import SaveTimings, attach_streams
 from sparkgpu.train.checkpoint_directory import CheckpointInfo, CheckpointDirectory, SignedCheckpoint
 from sparkgpu.train._rng_state import capture_rng_state, restore_rng_state
 
@@ -41,10 +44,46 @@ class PendingSave:
     info: CheckpointInfo
     started: float
     blocking: float = 0.0
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)  # committed, or failed
+    # Old checkpoints pruned after the commit: the next save, restore and close wait for it,
+    # wait() does not (the checkpoint is committed before).
+    settled: threading.Event = dataclasses.field(default_factory=threading.Event)
     error: CheckpointError | None = None
     mlflow_run_id: str | None = None  # the caller's active MLflow run (runs are per thread)
-    signer: SaveSigner | None = None  # hashes this rank's files, when the store has a key
+    signer: SaveSigner | None = None  # lists and signs this rank's files, when the store has a key
+    timings: SaveTimings = dataclasses.field(default_factory=SaveTimings)
+    # perf_counter() at the points of the save that split it into phases (see phases()).
+    marks: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = time.perf_counter()
+
+    def phases(self) -> dict[str, float]:
+        """Seconds per phase of this save on this rank, as far as it got.
+
+        ``build_s`` (the state dict and the pickled app state), ``stage_s`` (the copy into
+        staging memory, async saves), ``plan_s`` (DCP's planning), ``data_s`` (DCP writing
+        the data files: ``write_s`` into the files, ``hash_s`` beside it, ``hash_wait_s`` of
+        it not hidden by the writes, ``writeback_s`` beside it, and ``fsync_s``), ``lists_s``
+        (signed file lists), ``metadata_s`` (DCP's ``.metadata``), ``commit_s`` (the marker),
+        ``committed_s`` (from the start of the save to its commit), and once the old
+        checkpoints are removed after it, ``prune_s``.
+        """
+        m = self.marks
+        spans = {
+            "build_s": ("started", "built"),
+            "stage_s": ("built", "staged"),
+            "plan_s": ("staged", "data"),
+            "data_s": ("data", "data_written"),
+            "lists_s": ("data_written", "listed"),
+            "metadata_s": ("listed", "written"),
+            "commit_s": ("written", "committed"),
+            "committed_s": ("started", "committed"),
+        }
+        out = {name: m[b] - m[a] for name, (a, b) in spans.items() if a in m and b in m}
+        out["blocking_s"] = self.blocking
+        out.update({k: v for k, v in self.timings.as_dict().items()})
+        return out
 
 
 class CheckpointerInternals:
@@ -68,9 +107,11 @@ class CheckpointerInternals:
     _save_group: Any
     _stager: Any  # torch's DefaultStager with async_save
     _pending: PendingSave | None
+    _unsettled: PendingSave | None  # a committed save whose pruning may still run
     _flags_in_flight: tuple[Any, Any] | None  # (torch Work, tensor) of the last flag reduction
     _closed: bool
     last_write_seconds: float | None
+    last_save_phases: dict[str, float] | None
 
     @property
     def directory(self) -> str:
@@ -223,9 +264,14 @@ class CheckpointerInternals:
         return state_dict, local_nbytes(state_dict) + len(blob)
 
     def _on_written(self, pending: PendingSave, future: Future | None, error: BaseException | None = None) -> None:
-        """Runs once this rank's part of a save ended; rank 0 then commits and prunes."""
+        """Runs once this rank's part of a save ended; rank 0 then commits and prunes.
+
+        The save counts as done once committed; old checkpoints are pruned after that, on the
+        same thread (``pending.settled``).
+        """
         if future is not None:
             error = future.exception()
+        pending.mark("written")
         info = pending.info
         if error is None and self.rank == 0:
             try:
@@ -237,13 +283,13 @@ class CheckpointerInternals:
                 )
                 manifest = pending.signer.manifest(self.world_size) if pending.signer is not None else None
                 self._directory.commit(info, manifest)
+                pending.mark("committed")
                 pending.info = info
                 logger.info("step %d: checkpoint committed to %s in %.2f s", info.step, info.path, info.write_seconds)
             except Exception as exc:
                 error = exc
             else:
                 self._record_lineage(info, pending.mlflow_run_id)
-                self._prune()
         if error is not None:
             if not isinstance(error, CheckpointError):
                 wrapped = save_failed(info, error)
@@ -252,7 +298,24 @@ class CheckpointerInternals:
             pending.error = error
             logger.error("%s", error)
         self.last_write_seconds = time.perf_counter() - pending.started
+        self.last_save_phases = phases = pending.phases()
         pending.done.set()
+        if error is None and self.rank == 0:
+            # On a thread of its own: a synchronous save runs this on the training loop's.
+            threading.Thread(
+                target=self._prune_after, args=(pending, phases), name="sparkgpu-checkpoint-prune", daemon=True
+            ).start()
+        else:
+            pending.settled.set()
+
+    def _prune_after(self, pending: PendingSave, phases: dict[str, float]) -> None:
+        started = time.perf_counter()
+        try:
+            self._prune()
+            phases["prune_s"] = time.perf_counter() - started
+            logger.debug("step %d: checkpoint phases %s", pending.info.step, phases)
+        finally:
+            pending.settled.set()
 
     @staticmethod
     def _record_lineage(info: CheckpointInfo, mlflow_run_id: str | None) -> None:
@@ -280,7 +343,14 @@ class CheckpointerInternals:
         if pending is None:
             return None
         pending.done.wait()
+        self._unsettled = pending
         return pending.error
+
+    def _settle(self) -> None:
+        """Waits for the pruning that followed the last commit (see :meth:`_on_written`)."""
+        unsettled, self._unsettled = self._unsettled, None
+        if unsettled is not None:
+            unsettled.settled.wait()
 
     def _write(self, state_dict: dict[str, Any], pending: PendingSave) -> None:
         """Writes this rank's ``state_dict`` into ``pending.info.path``.
@@ -291,16 +361,20 @@ class CheckpointerInternals:
         """
         info, path, started = pending.info, pending.info.path, pending.started
         writer = self._directory.writer(path, self.write_threads)
+        signer = None
         if self._directory.key is not None:
             blob = state_dict["app"][f"rank{self.rank}"]
-            pending.signer = SaveSigner(
+            signer = pending.signer = SaveSigner(
                 self._directory.store,
                 self._directory.name_of(path),
                 self.rank,
                 self._directory.key,
                 hashlib.sha256(blob).hexdigest(),
             )
-            pending.signer.attach(writer)
+        attach_streams(
+            writer, pending.timings, hashed=signer is not None, on_written=signer.record if signer is not None else None
+        )
+        _mark_write_data(writer, pending)
         import torch.distributed.checkpoint as dcp
 
         if self.async_save:
@@ -309,7 +383,7 @@ class CheckpointerInternals:
                     state_dict,
                     storage_writer=writer,
                     process_group=self._save_group,
-                    async_stager=self._stager,
+                    async_stager=_MarkedStager(self._stager, pending),
                     no_dist=not self._distributed,
                 )
             except dcp_errors() as exc:
@@ -322,6 +396,7 @@ class CheckpointerInternals:
             future.add_done_callback(functools.partial(self._on_written, pending))
         else:
             error = None
+            pending.mark("staged")  # nothing to stage: DCP writes from the live state
             try:
                 dcp.save(
                     state_dict, storage_writer=writer, process_group=self._save_group, no_dist=not self._distributed
@@ -395,6 +470,40 @@ class CheckpointerInternals:
                 logger.warning(
                     "rank %d did not exist when step %d was saved: RNG state not restored", self.rank, info.step
                 )
+
+
+class _MarkedStager:
+    """The Checkpointer's stager, marking when a save's staging copy is done."""
+
+    def __init__(self, stager, pending: PendingSave):
+        self._stager = stager
+        self._pending = pending
+
+    def stage(self, state_dict, **kwargs):
+        staged = self._stager.stage(state_dict, **kwargs)
+        self._pending.mark("staged")
+        return staged
+
+    def __getattr__(self, name):
+        return getattr(self._stager, name)
+
+
+def _mark_write_data(writer, pending: PendingSave) -> None:
+    """Marks when DCP's ``write_data`` of ``writer`` starts and ends, and once it has, has the
+    save's signer (if any) list the files it wrote."""
+    write_data = writer.write_data
+
+    def marked(plan, planner):
+        pending.mark("data")
+        future = write_data(plan, planner)
+        results = future.wait()
+        pending.mark("data_written")
+        if pending.signer is not None:
+            pending.signer.write_rank_files(results)
+        pending.mark("listed")
+        return future
+
+    writer.write_data = marked
 
 
 def _buffer_key(name: str) -> str:

@@ -8,8 +8,9 @@ planting a checkpoint or by changing one. Where a key applies (``_checkpoint_key
 Saving:
 
 * each rank hashes (SHA-256) the files DCP writes for it as it writes them
-  (:meth:`SaveSigner.attach`), and the bytes of its app-state blob; only rank 0 writes the
-  marker, so each rank puts that list, MAC'd, beside its files (``_FILES.rank<r>.json``);
+  (``_checkpoint_writes``: on a helper thread, beside the write of the same bytes), and the
+  bytes of its app-state blob; only rank 0 writes the marker, so each rank puts that list,
+  MAC'd, beside its files (``_FILES.rank<r>.json``);
 * rank 0 checks every rank's list, adds ``.metadata`` (hashed as DCP wrote it) and writes
   the marker with the whole list under ``"signed"`` and an HMAC-SHA256 of the rest under
   ``"mac"`` (:func:`sign_marker`).
@@ -263,56 +264,14 @@ def check_app_blob(manifest: Manifest, key: str, blob: bytes, path: str) -> None
         )
 
 
-# -- saving: hashing as DCP writes -------------------------------------------------------
-
-
-class _HashingStream:
-    """A DCP output stream that hashes what goes through it (DCP writes each file in order)."""
-
-    def __init__(self, raw):
-        self._raw = raw
-        self._digest = hashlib.sha256()
-        self.size = 0
-
-    def write(self, data) -> int:
-        written = self._raw.write(data)
-        view = memoryview(data).cast("B")
-        if written is not None:
-            view = view[:written]
-        self._digest.update(view)
-        self.size += len(view)
-        return len(view) if written is None else written
-
-    def hexdigest(self) -> str:
-        return self._digest.hexdigest()
-
-    def __getattr__(self, name):
-        return getattr(self._raw, name)
-
-
-class _HashingFileSystem:
-    """DCP's filesystem object of one writer, reporting each file it wrote with its hash."""
-
-    def __init__(self, fs, on_written):
-        self._fs = fs
-        self._on_written = on_written
-
-    def __getattr__(self, name):
-        return getattr(self._fs, name)
-
-    @contextlib.contextmanager
-    def create_stream(self, path, mode: str) -> Iterator[Any]:
-        with self._fs.create_stream(path, mode) as raw:
-            if "w" not in mode and "a" not in mode:
-                yield raw
-                return
-            stream = _HashingStream(raw)
-            yield stream
-        self._on_written(os.path.basename(os.fspath(path)), stream.size, stream.hexdigest())
+# -- saving: signing what was hashed as DCP wrote it -------------------------------------
 
 
 class SaveSigner:
-    """Hashes one rank's files of one save as DCP writes them, and signs their list.
+    """Collects the hashes of one rank's files of one save, taken as DCP writes them, and signs their list.
+
+    The hashing itself is done by the streams DCP writes through (``_checkpoint_writes``), which
+    report each file to :meth:`record`.
 
     Args:
         store: The checkpoint root.
@@ -331,21 +290,14 @@ class SaveSigner:
         self._written: dict[str, tuple[int, str]] = {}
         self._lock = threading.Lock()  # DCP writes files from several threads
 
-    def attach(self, writer) -> None:
-        """Makes the DCP ``StorageWriter`` hash its files and, once written, sign their list."""
-        writer.fs = _HashingFileSystem(writer.fs, self._record)
-        write_data = writer.write_data
-
-        def write_and_list(plan, planner):
-            future = write_data(plan, planner)
-            self._write_rank_files(sorted({result.storage_data.relative_path for result in future.wait()}))
-            return future
-
-        writer.write_data = write_and_list
-
-    def _record(self, name: str, size: int, sha: str) -> None:
+    def record(self, name: str, size: int, sha: str) -> None:
+        """A file of this save, written and hashed (called from DCP's writing threads)."""
         with self._lock:
             self._written[name] = (size, sha)
+
+    def write_rank_files(self, results) -> None:
+        """Signs and writes the list of the files DCP's ``write_data`` wrote (its results)."""
+        self._write_rank_files(sorted({result.storage_data.relative_path for result in results}))
 
     def _digest(self, name: str) -> tuple[int, str]:
         with self._lock:

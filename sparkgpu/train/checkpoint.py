@@ -28,7 +28,9 @@ How it behaves:
 * Saves are asynchronous by default (``dcp.async_save``): the training loop waits only for
   the state to be copied into host memory (reused between saves); a background thread
   writes it. The next save first waits for the previous one. The time the loop was blocked
-  is in :attr:`Checkpointer.last_blocking_seconds` and in the log.
+  is in :attr:`Checkpointer.last_blocking_seconds` and in the log; where the last save's
+  time went, phase by phase (staging, planning, writing, hashing, fsync, commit), in
+  :attr:`Checkpointer.last_save_phases`.
 * A checkpoint exists only once rank 0 has written its completion marker, after every
   rank's data reached storage; a process killed at any moment never leaves a checkpoint
   that loads half (see ``checkpoint_directory``). :meth:`Checkpointer.restore` loads the
@@ -182,6 +184,7 @@ class Checkpointer(CheckpointerInternals):
             runtime.handle_sigterm_as_checkpoint_request()
 
         self._pending: PendingSave | None = None
+        self._unsettled: PendingSave | None = None
         self._flags_in_flight = None
         self._last_saved_step: int | None = None
         self._resumed_at: int | None = None  # the step the loop must save first after restore()
@@ -190,6 +193,7 @@ class Checkpointer(CheckpointerInternals):
         self._closed = False
         self.last_blocking_seconds: float | None = None
         self.last_write_seconds: float | None = None
+        self.last_save_phases: dict[str, float] | None = None
         self.last_restore_seconds: float | None = None
         self.restored: CheckpointInfo | None = None
         _LIVE.add(self)
@@ -287,7 +291,9 @@ class Checkpointer(CheckpointerInternals):
                 self.wait()
             return
         self.wait()
+        self._settle()  # the last save's pruning, before this one's directory is prepared
 
+        began = time.perf_counter()
         state_dict, nbytes = self._build_state_dict(model, optimizers, stateful)
         path = self._run_on_rank0(functools.partial(self._prepare, step, nbytes))
         info = CheckpointInfo(
@@ -303,6 +309,7 @@ class Checkpointer(CheckpointerInternals):
             first_step=first_step,
         )
         pending = PendingSave(info=info, started=started, mlflow_run_id=_caller_mlflow_run_id())
+        pending.marks.update(started=began, built=time.perf_counter())
         self._write(state_dict, pending)
         self.last_blocking_seconds = pending.blocking
         self._last_saved_step = step
@@ -345,6 +352,7 @@ class Checkpointer(CheckpointerInternals):
         try:
             self._drain_flags()
             self.wait()
+            self._settle()
         finally:
             self._closed = True
             if self._stager is not None:
@@ -403,6 +411,7 @@ class Checkpointer(CheckpointerInternals):
             step = check_step(step)
         self._check_open()
         self.wait()
+        self._settle()
         found = self._genuine(self._run_on_rank0(functools.partial(self._choose, step)), step)
         if found is None:
             logger.info("no complete checkpoint in %s: starting from step 0", self.directory)
@@ -488,7 +497,10 @@ def finish_pending_checkpoints() -> None:
     Raises:
         CheckpointError: A pending save failed.
     """
-    errors = [e for e in (c._finish_pending_locally() for c in list(_LIVE)) if e is not None]
+    live = list(_LIVE)
+    errors = [e for e in (c._finish_pending_locally() for c in live) if e is not None]
+    for checkpointer in live:
+        checkpointer._settle()
     if errors:
         raise errors[0]
 

@@ -9,7 +9,8 @@ A job's checkpoint directory holds one sub-directory per saved step::
         _COMPLETE.json            the completion marker, written last
 
 The marker is what makes a checkpoint exist. Rank 0 writes it (temp name, fsync, rename)
-only after every rank's data and DCP's own ``.metadata`` are on storage, so a process
+only after every rank's data and DCP's own ``.metadata`` are on storage (each file fsynced,
+then the checkpoint's folder and the root), so a process
 killed at any moment leaves either a marked, loadable checkpoint or an unmarked directory
 that discovery ignores. DCP's ``.metadata`` alone is not enough: it is written before the
 caller learns that every rank's write succeeded, and a kill between the two would leave a
@@ -33,6 +34,7 @@ import re
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
+from sparkgpu._files import fsync_dir
 from sparkgpu._urls import is_url
 from sparkgpu.errors import CheckpointError
 from sparkgpu.store import Store
@@ -338,8 +340,14 @@ class CheckpointDirectory:
                 raise CheckpointError(f"cannot commit checkpoint {info.path!r} unsigned: a key signs this directory")
             marker = sign_marker(marker, manifest, self.key.key)
         data = json.dumps(marker, indent=1, sort_keys=True).encode()
+        name = self.name_of(info.path)
         try:
-            self.store.write_bytes(_marker_of(self.name_of(info.path)), data, fsync_folder=True)
+            if self.is_local and self.store.durable:
+                # Every file was fsynced as it was closed; their names, and the checkpoint's
+                # own in the root, are made durable before the marker can be.
+                fsync_dir(self.store.path(name))
+                fsync_dir(self.store.path(""))
+            self.store.write_bytes(_marker_of(name), data, fsync_folder=True)
         except OSError as exc:
             raise CheckpointError(
                 f"cannot commit checkpoint {info.path!r} ({exc}); check free space and "

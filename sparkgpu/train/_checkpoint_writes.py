@@ -1,0 +1,242 @@
+"""How a checkpoint's files reach storage: hashed alongside the writes, fsynced once, timed by phase.
+
+DCP writes each rank's files through its filesystem object's ``create_stream``.
+:func:`attach_streams` puts :class:`SaveStreams` in its place, whose streams:
+
+* hash what goes through them when the save is signed, on a helper thread *while* the same
+  bytes are written (SHA-256 runs at about the speed of a write to the page cache, and
+  ``hashlib`` and file writes both release the GIL): the hash costs no second pass over the
+  data and, on two cores or more, next to no time of its own. Each large write waits for its
+  hash before it returns, so DCP's buffers are never read after DCP reuses them;
+* on local storage start writing dirty pages to disk as they go (an ``fdatasync`` on a helper
+  thread every so many bytes), so the fsync that makes the file durable, once, when it is
+  closed, has little left to wait for. DCP's own per-file fsync is switched off for it: every
+  file written for the checkpoint (data files and ``.metadata``) is fsynced before its stream
+  is closed, and the completion marker, written last, fsyncs the folder;
+* add their seconds to a :class:`SaveTimings`, which the Checkpointer keeps per save
+  (``Checkpointer.last_save_phases``) to show where a save's time goes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import hashlib
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+__all__ = ["SaveTimings", "SaveStreams", "attach_streams"]
+
+# Writes at least this large are hashed on a helper thread while they are written; smaller
+# ones (DCP's headers and pickles) are hashed in place, where a thread hop would cost more.
+_OVERLAP_BYTES = 1 << 20
+# Dirty pages of a local file are handed to the disk every this many bytes.
+_WRITEBACK_BYTES = 64 << 20
+
+
+@dataclasses.dataclass
+class SaveTimings:
+    """Seconds one save spent per phase on this rank (thread-safe to add to).
+
+    The write-side phases overlap: ``hash_s`` runs on helper threads while ``write_s`` runs,
+    and only ``hash_wait_s`` (the writer waiting for a hash that took longer than its write)
+    adds to the save's time.
+    """
+
+    write_s: float = 0.0  # copying into the file (the page cache, for a local disk)
+    hash_s: float = 0.0  # SHA-256 of the data, beside the writes
+    hash_wait_s: float = 0.0  # writes held for their hash to finish
+    fsync_s: float = 0.0  # the final fsync of every file (what early writeback left to do)
+    writeback_s: float = 0.0  # early writeback on a helper thread, beside the writes
+    bytes: int = 0
+    files: int = 0
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **seconds: float) -> None:
+        with self._lock:
+            for name, value in seconds.items():
+                setattr(self, name, getattr(self, name) + value)
+
+    def as_dict(self) -> dict[str, float]:
+        with self._lock:
+            return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
+
+
+class _Stream:
+    """DCP's output stream of one file; see the module's notes."""
+
+    def __init__(self, raw, timings: SaveTimings, hashed: bool, durable: bool):
+        self._raw = raw
+        self._timings = timings
+        self._digest = hashlib.sha256() if hashed else None
+        self._durable = durable
+        self._helpers: concurrent.futures.ThreadPoolExecutor | None = None
+        self._writeback: concurrent.futures.Future | None = None
+        self._unflushed = 0
+        self.size = 0
+        self.closed = False
+
+    def _helper(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._helpers is None:
+            # One thread for the hash, one for early writeback: each runs one job at a time.
+            self._helpers = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="sparkgpu-checkpoint-io")
+        return self._helpers
+
+    def _hash(self, view: memoryview) -> float:
+        started = time.perf_counter()
+        assert self._digest is not None
+        self._digest.update(view)
+        return time.perf_counter() - started
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        hashing = None
+        if self._digest is not None:
+            if len(view) >= _OVERLAP_BYTES:
+                hashing = self._helper().submit(self._hash, view)
+            else:
+                self._timings.add(hash_s=self._hash(view))
+        started = time.perf_counter()
+        try:
+            written = self._raw.write(view)
+        finally:
+            wrote = time.perf_counter() - started
+            if hashing is not None:
+                # Never return while the hash still reads the caller's buffer.
+                hashed = hashing.result()
+                self._timings.add(hash_s=hashed, hash_wait_s=time.perf_counter() - started - wrote)
+        if written is not None and written != len(view):
+            raise OSError(f"short write: {written} of {len(view)} bytes")
+        self.size += len(view)
+        self._timings.add(write_s=wrote, bytes=len(view))
+        self._unflushed += len(view)
+        if self._durable and self._unflushed >= _WRITEBACK_BYTES:
+            self._start_writeback()
+        return len(view)
+
+    def _start_writeback(self) -> None:
+        if self._writeback is not None and not self._writeback.done():
+            return  # the disk is still busy with the last stretch: the next write hands it more
+        self._unflushed = 0
+        self._raw.flush()
+        fd = self._raw.fileno()
+
+        def writeback() -> None:
+            started = time.perf_counter()
+            os.fdatasync(fd)
+            self._timings.add(writeback_s=time.perf_counter() - started)
+
+        self._writeback = self._helper().submit(writeback)
+
+    def _wait_writeback(self) -> None:
+        if self._writeback is not None:
+            self._writeback.result()
+            self._writeback = None
+
+    def hexdigest(self) -> str:
+        assert self._digest is not None
+        return self._digest.hexdigest()
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def close(self) -> None:
+        """Flushes the file to storage (fsync on a local disk) and closes it."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._raw.flush()
+            self._wait_writeback()
+            if self._durable:
+                started = time.perf_counter()
+                os.fsync(self._raw.fileno())
+                self._timings.add(fsync_s=time.perf_counter() - started, files=1)
+            else:
+                self._timings.add(files=1)
+        finally:
+            self._shutdown()
+            self._raw.close()
+
+    def _shutdown(self) -> None:
+        with contextlib.suppress(Exception):
+            self._wait_writeback()
+        if self._helpers is not None:
+            self._helpers.shutdown(wait=True)
+            self._helpers = None
+
+    def __getattr__(self, name):
+        return getattr(self._raw, name)
+
+
+class SaveStreams:
+    """DCP's filesystem object of one writer, writing its files through :class:`_Stream`.
+
+    Args:
+        fs: DCP's own filesystem object.
+        timings: Where the streams add their seconds.
+        hashed: Hash every file written (a signed save).
+        durable: fsync every file before it is closed (a local disk).
+        on_written: ``on_written(name, size, sha256)`` once a hashed file is closed.
+    """
+
+    def __init__(
+        self,
+        fs,
+        timings: SaveTimings,
+        *,
+        hashed: bool,
+        durable: bool,
+        on_written: Callable[[str, int, str], None] | None = None,
+    ):
+        self._fs = fs
+        self._timings = timings
+        self._hashed = hashed
+        self._durable = durable
+        self._on_written = on_written
+
+    def __getattr__(self, name):
+        return getattr(self._fs, name)
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str) -> Iterator[Any]:
+        with self._fs.create_stream(path, mode) as raw:
+            if "w" not in mode and "a" not in mode:
+                yield raw
+                return
+            stream = _Stream(raw, self._timings, self._hashed, self._durable)
+            try:
+                yield stream
+                stream.close()  # DCP closes data files itself, .metadata on leaving this block
+            finally:
+                stream._shutdown()
+            if self._hashed and self._on_written is not None:
+                self._on_written(os.path.basename(os.fspath(path)), stream.size, stream.hexdigest())
+
+
+def attach_streams(
+    writer,
+    timings: SaveTimings,
+    *,
+    hashed: bool,
+    on_written: Callable[[str, int, str], None] | None = None,
+) -> None:
+    """Makes the DCP ``StorageWriter`` write through :class:`SaveStreams`.
+
+    A writer that fsyncs its files (``sync_files``, a local disk) leaves that to the streams,
+    which fsync each file once, after early writeback.
+    """
+    durable = bool(getattr(writer, "sync_files", False))
+    writer.fs = SaveStreams(writer.fs, timings, hashed=hashed, durable=durable, on_written=on_written)
+    if durable:
+        writer.sync_files = False  # the streams fsync every file before closing it

@@ -1,0 +1,131 @@
+"""How a checkpoint's files are written: hashed beside the writes, fsynced once each before the
+marker, every phase of a save timed."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from sparkgpu._keyring import hold_job_key
+from sparkgpu.train import Checkpointer
+from sparkgpu.train import _checkpoint_writes
+from sparkgpu.train._checkpoint_writes import SaveStreams, SaveTimings
+from sparkgpu.train.checkpoint_directory import MARKER_NAME
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+JOB = "train-20250101-120000-a1b2c3"
+
+
+@pytest.fixture
+def small_thresholds(monkeypatch):
+    # Tensors of a test model are small: let them take the helper-thread paths of a large save.
+    monkeypatch.setattr(_checkpoint_writes, "_OVERLAP_BYTES", 1 << 10)
+    monkeypatch.setattr(_checkpoint_writes, "_WRITEBACK_BYTES", 64 << 10)
+
+
+@pytest.fixture
+def in_a_job(monkeypatch):
+    monkeypatch.setenv("SPARKGPU_JOB_ID", JOB)
+    hold_job_key(bytes(range(32)))
+    yield
+    hold_job_key(None)
+
+
+def training(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 256)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_signed_save_lists_the_hashes_of_the_bytes_on_disk_and_restores(
+    tmp_path, small_thresholds, in_a_job, async_save
+):
+    model, optimizer = training()
+    ckpt = Checkpointer(tmp_path, async_save=async_save, handle_sigterm=False)
+    ckpt.save(3, model=model, optimizer=optimizer, wait=True)
+    ckpt.close()
+
+    path = tmp_path / "step-0000000003"
+    listed = json.loads((path / MARKER_NAME).read_text())["signed"]["files"]
+    assert set(listed) == {".metadata", "__0_0.distcp"}
+    for name, entry in listed.items():
+        data = (path / name).read_bytes()
+        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+    phases = ckpt.last_save_phases
+    assert phases is not None
+    assert phases["bytes"] == sum(entry["size"] for entry in listed.values())
+    assert phases["files"] == 2  # the data file and .metadata, each fsynced once
+    for name in ("build_s", "stage_s", "plan_s", "data_s", "lists_s", "metadata_s", "commit_s", "committed_s"):
+        assert phases[name] >= 0, name
+    assert phases["hash_s"] > 0 and phases["write_s"] > 0
+    assert phases["committed_s"] >= phases["data_s"] + phases["commit_s"]
+
+    fresh, fresh_optimizer = training(seed=1)
+    restorer = Checkpointer(tmp_path, handle_sigterm=False)
+    assert restorer.restore(model=fresh, optimizer=fresh_optimizer) == 4
+    restorer.close()
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+
+
+def test_every_file_and_folder_is_fsynced_before_the_marker_appears(tmp_path, small_thresholds, monkeypatch):
+    events = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        name = os.readlink(f"/proc/self/fd/{fd}") if os.path.exists(f"/proc/self/fd/{fd}") else str(fd)
+        events.append(("fsync", os.path.basename(name)))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    for name in ("rename", "replace"):
+        real = getattr(os, name)
+
+        def moved(src, dst, real=real):
+            events.append(("rename", os.path.basename(os.fspath(dst))))
+            real(src, dst)
+
+        monkeypatch.setattr(os, name, moved)
+    model, optimizer = training()
+    ckpt = Checkpointer(tmp_path, handle_sigterm=False)
+    ckpt.save(0, model=model, optimizer=optimizer, wait=True)
+    ckpt.close()
+
+    marker = events.index(("rename", MARKER_NAME))
+    before = events[:marker]
+    assert ("fsync", "__0_0.distcp") in before
+    assert ("fsync", ".metadata.tmp") in before or ("fsync", ".metadata") in before
+    # The checkpoint's folder, then the root, after every file and before the marker.
+    folders = [i for i, e in enumerate(before) if e in (("fsync", "step-0000000000"), ("fsync", tmp_path.name))]
+    assert len(folders) >= 2 and folders[-1] > before.index(("fsync", "__0_0.distcp"))
+    assert events.count(("fsync", "__0_0.distcp")) == 1  # once, not DCP's and ours
+
+
+def test_a_stream_hashes_large_writes_beside_them_and_never_returns_before_its_hash(tmp_path, small_thresholds):
+    timings = SaveTimings()
+    seen = {}
+
+    class Fs:
+        def create_stream(self, path, mode):
+            return open(path, mode)
+
+    streams = SaveStreams(Fs(), timings, hashed=True, durable=True, on_written=lambda *a: seen.setdefault(a[0], a))
+    buffer = bytearray(os.urandom(300_000))
+    with streams.create_stream(tmp_path / "f", "wb") as stream:
+        stream.write(b"head")
+        stream.write(memoryview(buffer))
+        buffer[:] = bytes(len(buffer))  # the caller reuses its buffer once write returned
+        stream.write(torch.arange(1000, dtype=torch.float32).numpy())
+    data = (tmp_path / "f").read_bytes()
+    assert seen["f"] == ("f", len(data), hashlib.sha256(data).hexdigest())
+    assert timings.files == 1 and timings.bytes == len(data) and timings.fsync_s > 0
