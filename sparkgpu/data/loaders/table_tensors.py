@@ -25,8 +25,8 @@ class UnitColumns:
     instead of an Arrow ``take`` over the concatenated groups and a conversion per batch. Runs
     of consecutive rows (reading in order) are sliced column by column. Rows drawn at random
     (shuffled) come from a row-major copy of the fixed-width columns, made once per row group
-    with :meth:`pack`: one gather of whole rows per batch touches each row's memory once, where
-    one gather per column would miss the cache once per column and row.
+    with :meth:`pack`: a batch's rows are then a few cache lines each, and one native pass
+    copies every column's bytes of them straight into that column's tensor.
 
     Args:
         table: The row group's rows (filtered, deletion vectors applied).
@@ -72,6 +72,14 @@ class UnitColumns:
             self.layout[name] = (word, width // word, (width + size) // word)
             width += size
         self.row_bytes = -(-width // 8) * 8
+        # One row per column for gather_fields: (byte offset in a packed row, bytes, column, 0, bytes).
+        self.fields = np.array(
+            [
+                (begin * word, (end - begin) * word, index, 0, (end - begin) * word)
+                for index, (word, begin, end) in enumerate(self.layout.values())
+            ],
+            dtype=np.int64,
+        ).reshape(-1, 5)
         self.packed: np.ndarray | None = None
 
     def pack(self) -> np.ndarray:
@@ -91,9 +99,10 @@ _WORDS = {8: np.uint64, 4: np.uint32, 2: np.uint16, 1: np.uint8}
 def gather_batch(units: list[UnitColumns], unit_ids: np.ndarray, rows: np.ndarray) -> dict:
     """The batch whose row ``i`` is row ``rows[i]`` of ``units[unit_ids[i]]``: tensors and lists by column.
 
-    Fixed-width columns come from one native gather of whole packed rows (:meth:`UnitColumns.pack`),
-    split into columns after; the rest from an Arrow ``take``. For batches of consecutive rows,
-    :func:`gather_runs` is the cheaper way.
+    Fixed-width columns come from one native pass over the packed rows (:meth:`UnitColumns.pack`)
+    that writes each column's bytes straight into that column's own array (``gather_fields``):
+    no batch of whole rows to split into columns after. The rest come from an Arrow ``take``.
+    For batches of consecutive rows, :func:`gather_runs` is the cheaper way.
 
     Args:
         units: The row groups the batch draws from.
@@ -103,18 +112,22 @@ def gather_batch(units: list[UnitColumns], unit_ids: np.ndarray, rows: np.ndarra
     n = len(rows)
     unit_ids = np.ascontiguousarray(unit_ids, dtype=np.int32)
     first = units[0]
-    packed = np.empty((n, first.row_bytes), dtype=np.uint8)
-    if first.fixed:
-        from sparkgpu.data._gather import gather_rows
+    fixed = {name: np.empty((n,) + shape, dtype=dtype) for name, (dtype, shape) in first.shapes.items()}
+    if fixed:
+        from sparkgpu.data._gather import gather_fields
 
-        gather_rows(packed, [u.pack() for u in units], unit_ids if len(units) > 1 else None, rows)
+        gather_fields(
+            list(fixed.values()),
+            [u.pack() for u in units],
+            unit_ids if len(units) > 1 else None,
+            rows,
+            first.row_bytes,
+            first.fields,
+        )
     batch = {}
     for name in first.names:
-        if name in first.fixed:
-            dtype, shape = first.shapes[name]
-            word, begin, end = first.layout[name]
-            out = np.ascontiguousarray(packed.view(_WORDS[word])[:, begin:end]).view(np.uint8)
-            batch[name] = torch.from_numpy(out.view(dtype).reshape((n,) + shape))
+        if name in fixed:
+            batch[name] = torch.from_numpy(fixed[name])
         else:
             chunks = pa.chunked_array([u.other[name] for u in units])
             base = np.cumsum([0] + [u.num_rows for u in units[:-1]]).astype(np.int64)
