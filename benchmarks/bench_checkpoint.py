@@ -1,10 +1,13 @@
 """Checkpoint blocking time: how long one checkpoint of a ~1 GB training state stops the loop.
 
 Peers in the same run, on the same model + AdamW state (parameters and both moments):
-  * sparkgpu ``Checkpointer`` (async, the default): time the loop is blocked, for the first
-    save (staging memory allocated) and the following ones (staging memory reused), and the
-    time until the checkpoint is committed
-  * sparkgpu ``Checkpointer(async_save=False)``
+  * sparkgpu ``Checkpointer`` (async, the default), signed as inside a job (every file hashed,
+    a MAC'd marker) and durable (files and folders fsynced before the marker): time the loop
+    is blocked, for the first save (staging memory allocated) and the following ones (staging
+    memory reused), and the time until the checkpoint is committed; where that time goes, phase
+    by phase (``Checkpointer.last_save_phases``: staging copy, planning, writing, hashing beside
+    the writes, fsync, commit); and the same save unsigned (outside a job)
+  * sparkgpu ``Checkpointer(async_save=False)``, signed
   * ``torch.save`` of the model and optimizer ``state_dict()`` to one file, then fsync (the
     other peers make their data durable too)
   * ``torch.distributed.checkpoint.save`` (synchronous, FileSystemWriter defaults)
@@ -15,9 +18,12 @@ Ceilings measured in the same run:
     time when the state lives in host memory (on a GPU it is a device-to-host copy)
 Restore, the part of "restart -> first resumed step" after the process is up (page cache warm,
 files just written):
-  * ``Checkpointer.restore`` into a fresh model and optimizer
+  * ``Checkpointer.restore`` into a fresh model and optimizer, of the signed checkpoint (every
+    file hashed and checked against the marker before anything is loaded)
   * ``torch.load`` + ``load_state_dict``
   * one sequential read of the same bytes into preallocated memory
+Every timed save starts with the disk synced (``os.sync``, untimed), so that no peer pays for
+the writes of the one before it.
 Per-step cost of ``maybe_save`` when no checkpoint is due, 2 gloo ranks with 5 ms steps (it
 agrees on stop requests across ranks, reading the reduction one step late) next to an
 ``all_reduce`` of the same flags that each step waits for.
@@ -47,6 +53,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import cpu_mark, other_cpu_share  # noqa: E402
+from sparkgpu._keyring import hold_job_key  # noqa: E402
 from sparkgpu.train import Checkpointer  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -88,12 +96,25 @@ def _fsync_file(path):
 
 
 def timed(fn) -> float:
+    os.sync()  # every peer starts with no other peer's writes still going to disk
     started = time.perf_counter()
     fn()
     return time.perf_counter() - started
 
 
-def bench_saves(model, opt, root: Path, repeats: int) -> dict:
+def signed(make):
+    """``make()`` as inside a job: its Checkpointer signs with (and requires) a job's key."""
+    hold_job_key(JOB_KEY)
+    try:
+        return make()
+    finally:
+        hold_job_key(None)
+
+
+JOB_KEY = os.urandom(32)
+
+
+def bench_saves(model, opt, root: Path, repeats: int, phases: dict[str, list[dict]]) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -101,6 +122,7 @@ def bench_saves(model, opt, root: Path, repeats: int) -> dict:
         "sparkgpu_async_blocking_first": [],
         "sparkgpu_async_blocking": [],
         "sparkgpu_async_until_committed": [],
+        "sparkgpu_async_until_committed_unsigned": [],
         "sparkgpu_sync": [],
         "torch_save_fsync": [],
         "dcp_save_sync": [],
@@ -111,10 +133,12 @@ def bench_saves(model, opt, root: Path, repeats: int) -> dict:
     total = sum(t.numel() for t in tensors)
     flat = torch.zeros(total, dtype=torch.float32)  # touched once: no page faults while timed
 
-    ours = Checkpointer(root / "sparkgpu_async", keep_last=1)
-    ours_sync = Checkpointer(root / "sparkgpu_sync", keep_last=1, async_save=False)
+    ours = signed(lambda: Checkpointer(root / "sparkgpu_async", keep_last=1))
+    ours_sync = signed(lambda: Checkpointer(root / "sparkgpu_sync", keep_last=1, async_save=False))
+    unsigned = Checkpointer(root / "sparkgpu_unsigned", keep_last=1)
     for rep in range(repeats + 1):
         touch(model)  # a training step; then every peer saves this same state
+        os.sync()
         started = time.perf_counter()
         ours.save(rep, model=model, optimizer=opt)
         key = "sparkgpu_async_blocking_first" if rep == 0 else "sparkgpu_async_blocking"
@@ -123,9 +147,17 @@ def bench_saves(model, opt, root: Path, repeats: int) -> dict:
         out["sparkgpu_async_until_committed"].append(time.perf_counter() - started)
         if rep == 0:
             continue  # the others run `repeats` times
+        phases["sparkgpu_async"].append(dict(getattr(ours, "last_save_phases", None) or {}))
 
-        ours_sync.save(rep, model=model, optimizer=opt)
-        out["sparkgpu_sync"].append(ours_sync.last_blocking_seconds)
+        os.sync()
+        started = time.perf_counter()
+        unsigned.save(rep, model=model, optimizer=opt, wait=True)
+        out["sparkgpu_async_until_committed_unsigned"].append(time.perf_counter() - started)
+        phases["sparkgpu_async_unsigned"].append(dict(getattr(unsigned, "last_save_phases", None) or {}))
+
+        # What the loop sees: the whole call, its commit included.
+        out["sparkgpu_sync"].append(timed(lambda: ours_sync.save(rep, model=model, optimizer=opt)))
+        phases["sparkgpu_sync"].append(dict(getattr(ours_sync, "last_save_phases", None) or {}))
 
         path = root / "torch_save.pt"
 
@@ -166,6 +198,7 @@ def bench_saves(model, opt, root: Path, repeats: int) -> dict:
         out["ceiling_sequential_write"].append(timed(sequential_write))
     ours.close()
     ours_sync.close()
+    unsigned.close()
     return out
 
 
@@ -175,7 +208,7 @@ def bench_restores(model, opt, root: Path, repeats: int, size_mb: int) -> dict:
     raw = root / "sequential.bin"
     buffer = bytearray(os.path.getsize(raw))
     for _ in range(repeats):
-        ckpt = Checkpointer(root / "sparkgpu_async")
+        ckpt = signed(lambda: Checkpointer(root / "sparkgpu_async"))
         out["sparkgpu_restore"].append(timed(lambda: ckpt.restore(model=fresh_model, optimizer=fresh_opt)))
         ckpt.close()
         _assert_same(fresh_model, model)
@@ -271,6 +304,12 @@ def bench_step_overhead(root: Path, steps: int = 500, world: int = 2) -> dict:
     return result
 
 
+def phase_medians(runs: list[dict]) -> dict:
+    """The median of each phase over the repeats (seconds; bytes and files as counted)."""
+    names = sorted({name for run in runs for name in run})
+    return {name: statistics.median(run.get(name, 0.0) for run in runs) for name in names}
+
+
 def summarise(samples: dict[str, list[float]]) -> dict:
     return {
         name: {"median_s": statistics.median(values), "min_s": min(values), "samples_s": values}
@@ -289,6 +328,7 @@ def plot(summary: dict, path: Path, state_gb: float) -> None:
         ("sparkgpu_async_blocking", "sparkgpu async: blocking"),
         ("sparkgpu_async_blocking_first", "sparkgpu async: blocking (1st save)"),
         ("ceiling_memcpy", "ceiling: memcpy"),
+        ("sparkgpu_async_until_committed", "sparkgpu async: until committed"),
         ("sparkgpu_sync", "sparkgpu sync"),
         ("dcp_save_sync", "dcp.save (sync)"),
         ("torch_save_fsync", "torch.save + fsync"),
@@ -300,7 +340,7 @@ def plot(summary: dict, path: Path, state_gb: float) -> None:
     bars = ax.barh(labels, values, color=["#2b7bba" if "sparkgpu" in label else "#999999" for label in labels])
     ax.bar_label(bars, fmt="%.3f s", padding=3)
     ax.invert_yaxis()
-    ax.set_xlabel("seconds the training loop is blocked (median)")
+    ax.set_xlabel("seconds the training loop is blocked (median); sparkgpu signed, as in a job")
     ax.set_title(f"One checkpoint of {state_gb:.2f} GB (model + AdamW) in host memory, {os.cpu_count()} CPUs")
     ax.set_xlim(0, max(values) * 1.25)
     fig.tight_layout()
@@ -317,11 +357,15 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     root = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir))
+    load_at_start = os.getloadavg()
+    mark = cpu_mark()
+    phases: dict[str, list[dict]] = {"sparkgpu_async": [], "sparkgpu_async_unsigned": [], "sparkgpu_sync": []}
     try:
         model, opt = build_state(args.size_mb)
         state_bytes = sum(t.numel() * t.element_size() for t in state_tensors(model, opt))
         print(f"state: {state_bytes / 1e9:.2f} GB in {len(model)} layers, writing under {root}", flush=True)
-        samples = bench_saves(model, opt, root, args.repeats)
+        samples = bench_saves(model, opt, root, args.repeats, phases)
+        other_share = other_cpu_share(mark)
         samples.update(bench_restores(model, opt, root, args.repeats, args.size_mb))
         summary = summarise(samples)
         overhead = None if args.skip_ranks else bench_step_overhead(root)
@@ -340,14 +384,23 @@ def main(argv=None):
             "torch": torch.__version__,
             "device": "cpu (state in host memory)",
             "load_average_1min": os.getloadavg()[0],
+            "load_average_at_start": [round(x, 2) for x in load_at_start],
+            # Other processes' share of all cores while the saves ran (the kernel's counters).
+            "other_cpu_share_during_saves": None if other_share is None else round(other_share, 3),
         },
         "state_bytes": state_bytes,
         "repeats": args.repeats,
+        "signed": "sparkgpu's saves and restores as inside a job (signed), but sparkgpu_async_until_committed_unsigned",
         "results": summary,
+        # Medians over the repeats of Checkpointer.last_save_phases. The write-side phases overlap:
+        # hash_s and writeback_s run on helper threads beside write_s; hash_wait_s is what of the
+        # hashing the writes did not hide, fsync_s the final fsync of every file.
+        "phases": {name: phase_medians(runs) for name, runs in phases.items() if runs},
         "throughput_gb_per_s": {
             key: round(gbps(key), 3)
             for key in (
                 "sparkgpu_async_until_committed",
+                "sparkgpu_async_until_committed_unsigned",
                 "sparkgpu_sync",
                 "torch_save_fsync",
                 "dcp_save_sync",
@@ -363,6 +416,10 @@ def main(argv=None):
             "dcp_save_sync_over_sparkgpu_async_blocking": med["dcp_save_sync"] / med["sparkgpu_async_blocking"],
             "sparkgpu_async_blocking_over_memcpy_ceiling": med["sparkgpu_async_blocking"] / med["ceiling_memcpy"],
             "sparkgpu_sync_over_sequential_write_ceiling": med["sparkgpu_sync"] / med["ceiling_sequential_write"],
+            # The goal of issue #40: committed (signed, durable) in at most 1.3x DCP's synchronous save.
+            "sparkgpu_async_until_committed_over_dcp_save_sync": med["sparkgpu_async_until_committed"]
+            / med["dcp_save_sync"],
+            "sparkgpu_sync_over_dcp_save_sync": med["sparkgpu_sync"] / med["dcp_save_sync"],
             "sparkgpu_restore_over_sequential_read_ceiling": med["sparkgpu_restore"] / med["ceiling_sequential_read"],
             "torch_load_over_sparkgpu_restore": med["torch_load"] / med["sparkgpu_restore"],
         },
@@ -377,6 +434,8 @@ def main(argv=None):
         print(f"{key:<{width}}  median {value['median_s']:.3f} s  min {value['min_s']:.3f} s")
     for key, value in report["ratios"].items():
         print(f"{key}: {value:.2f}")
+    for name, medians in report["phases"].items():
+        print(f"{name} phases: " + ", ".join(f"{k} {v:.3f}" for k, v in medians.items() if k.endswith("_s")))
     if overhead:
         print(
             f"per-step overhead, {overhead['ranks']} gloo ranks, {overhead['step_seconds'] * 1e3:.0f} ms steps: "
