@@ -28,7 +28,11 @@ seconds to start, so a rate with start-up inside would mostly measure start-up; 
 too (``rows_per_s_including_startup``).
 Ratios divide medians of the steady rate. Beside both, the seconds of full garbage collections
 inside the epoch (``full_gc_s``, and after the first batch): such a pause falls on whichever
-reader makes the objects that cross the interpreter's threshold.
+reader makes the objects that cross the interpreter's threshold. Every peer's window starts from
+a collected heap (``gc.collect()`` after ``import torch``, before the clock starts): where the
+interpreter's counters stood after torch's import would otherwise decide which reader pays for a
+collection of torch's objects (one did in every ``table_dataset`` run and in no pyarrow run, for
+the ~2,000 objects its imports add to pyarrow's 39,000).
 
 Results: benchmarks/results/table.json.
 
@@ -39,6 +43,7 @@ Results: benchmarks/results/table.json.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -148,6 +153,7 @@ def run_peer(name: str, uri: str, batch_size: int, order: str, work: Path, count
     import torch
 
     shuffle = {"": False, " fragments": "fragments", " shuffled": True}[order]
+    gc.collect()  # every reader starts from the same collected heap (see the module's notes)
     collections = FullCollections()
     started = time.perf_counter()
     if name in ("table_dataset", "table_dataset_parquet"):
