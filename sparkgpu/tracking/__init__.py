@@ -31,7 +31,7 @@ _LAZY = {
     "registry": ("sparkgpu.tracking.registry", None),
     "resolve_target": ("sparkgpu.tracking.target", "resolve_target"),
     "default_experiment_name": ("sparkgpu.tracking.target", "default_experiment_name"),
-    "flush_spool": ("sparkgpu.tracking.flush", "flush_spool"),
+    "flush_spool": ("sparkgpu.tracking.flusher", "flush_spool"),
 }
 
 

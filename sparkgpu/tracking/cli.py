@@ -18,7 +18,7 @@ def register_tracking(subparsers) -> None:
 
 def cmd_flush(args) -> int:
     from sparkgpu.cli import find_run_dir  # how every command finds a job by its id (or a prefix of it)
-    from sparkgpu.tracking.flush import flush_spool
+    from sparkgpu.tracking.flusher import flush_spool
 
     sent = flush_spool(find_run_dir(args.job_id).path, tracking_uri=args.tracking_uri)
     print(f"sparkgpu: forwarded {sent} record{'' if sent == 1 else 's'} of job {args.job_id} to its MLflow run")

@@ -13,7 +13,7 @@
   rank 0 of each node runs the system-metrics monitor.
 * ``after_attempt`` / ``after_job`` (client): attempt statuses and durations; the last
   records are flushed (a failing store is retried a few times; what it still refuses stays
-  in the spool for :func:`~sparkgpu.tracking.flush.flush_spool`) and the run ends FINISHED,
+  in the spool for :func:`~sparkgpu.tracking.flusher.flush_spool`) and the run ends FINISHED,
   FAILED or KILLED.
 """
 
@@ -446,7 +446,7 @@ class MLflowCallback(JobCallback):
         )
 
     def after_job(self, job, results, error: BaseException | None) -> None:
-        from sparkgpu.tracking.flush import UNSENT_TAG
+        from sparkgpu.tracking.flusher import UNSENT_TAG
 
         if self.run_info is None:
             return

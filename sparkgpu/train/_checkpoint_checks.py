@@ -1,4 +1,4 @@
-"""Argument checks and error messages of the Checkpointer, kept apart from its logic.
+"""The Checkpointer's argument checks and their error messages.
 
 Every check runs before anything is written, and each message says what to pass instead.
 """

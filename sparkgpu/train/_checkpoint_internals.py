@@ -1,4 +1,4 @@
-"""The machinery behind :class:`~sparkgpu.train.checkpoint.Checkpointer`, kept apart from its API.
+"""What :class:`~sparkgpu.train.checkpoint.Checkpointer`'s public methods run on.
 
 :class:`CheckpointerInternals`, the Checkpointer's base class, holds what its public methods
 run on: agreement between ranks (rank 0's bookkeeping handed to every rank, flags reduced
