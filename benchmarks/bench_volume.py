@@ -62,6 +62,7 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -401,7 +402,7 @@ def main(argv=None) -> None:
 def main_peers(parser, args, argv: list[str]) -> None:
     from volume_peers import run_peers
 
-    given = {a.split("=")[0] for a in (argv if argv else __import__("sys").argv[1:])}
+    given = {a.split("=")[0] for a in (argv if argv else sys.argv[1:])}
     if "--shard-bytes" not in given:
         args.shard_bytes = 64 << 20  # Mosaic's and litdata's usual shard size, for all three
     if "--samples" not in given:
@@ -414,6 +415,7 @@ def main_peers(parser, args, argv: list[str]) -> None:
     args.out = args.out or str(RESULTS / f"{name}.json")
     facts = machine()
     results = run_peers(args)
+    results["command"] = " ".join(["python benchmarks/bench_volume.py", *(argv or sys.argv[1:])])
     results["machine"] = load_seen(facts)
     results["heavy_other_load"] = results["machine"]["other_load_seen"]
     results["config"] = {

@@ -33,6 +33,9 @@ repeats) with a new cache folder: epoch 1 (cold) and epoch 2 (warm, the same loa
 Each epoch reports time to the first batch, the steady rate after it, the whole-epoch rate,
 and bytes the proxy answered during it. With ``--cache-limit`` every reader's cache is held to
 that many bytes (sparkgpu ``cache_limit``, Mosaic ``cache_limit``, litdata ``max_cache_size``).
+A peer that has not finished its two epochs after ``--reader-timeout`` seconds is stopped, with
+its workers, and recorded (``<peer>_stopped``: when, and the bytes the link answered it by then)
+instead of measured; sparkgpu stopped that way fails the run.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import gc
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -304,7 +308,7 @@ class Reader:
 def run_peers(args) -> dict:
     from bench_volume import in_flight_bytes, plain_parallel_download
     from sparkgpu.testing import simulated_s3
-    from sparkgpu.testing.simulated_link import PROFILES
+    from sparkgpu.testing.simulated_link import PROFILES, link_counts
 
     profile = PROFILES["s3-like"]
     sample_bytes = args.sample_bytes
@@ -347,6 +351,7 @@ def run_peers(args) -> dict:
         orders = ["in_order", "shuffled"] if args.orders == "both" else [args.orders]
         runs: dict = {order: {"raw": [], **{r: [] for r in READERS + DIAGNOSTICS}} for order in orders}
         failures: dict = {}
+        stops: dict = {}  # peers stopped at --reader-timeout
         for repeat in range(args.repeats):
             for order in orders:
                 args.shuffle_now = order == "shuffled"
@@ -391,19 +396,42 @@ def run_peers(args) -> dict:
                             )
                         },
                     }
-                    child = subprocess.run(
+                    link_before = link_counts(proxy.control)
+                    started = time.perf_counter()
+                    # A session of its own: a reader stopped at --reader-timeout goes with its workers.
+                    child = subprocess.Popen(
                         [sys.executable, __file__, json.dumps(spec)],
                         stdout=subprocess.PIPE,
                         stderr=subprocess.PIPE,
                         text=True,
-                        timeout=args.reader_timeout,
                         cwd=Path(__file__).parent,
+                        start_new_session=True,
                     )
+                    try:
+                        stdout, stderr = child.communicate(timeout=args.reader_timeout)
+                    except subprocess.TimeoutExpired:
+                        os.killpg(child.pid, signal.SIGKILL)
+                        child.communicate()
+                        shutil.rmtree(cache, ignore_errors=True)
+                        if name == "sparkgpu":
+                            raise
+                        # A peer that finishes no two epochs in time is stopped and recorded with
+                        # what it downloaded by then; the run goes on.
+                        stopped = {
+                            "repeat": repeat + 1,
+                            "stopped_after_s": round(time.perf_counter() - started),
+                            "bytes_downloaded_by_then": link_counts(proxy.control)["bytes_down"]
+                            - link_before["bytes_down"],
+                            "data_bytes": written[name]["bytes"],
+                        }
+                        stops.setdefault(order, {}).setdefault(name, []).append(stopped)
+                        print(f"  {name} stopped after {stopped['stopped_after_s']} s: {stopped}", flush=True)
+                        continue
                     shutil.rmtree(cache, ignore_errors=True)
-                    sys.stderr.write(child.stderr)
+                    sys.stderr.write(stderr)
                     if child.returncode != 0 and name != "sparkgpu":
                         # A peer that fails is recorded with its error, not measured; the run goes on.
-                        error = [line for line in child.stderr.strip().splitlines() if line.strip()][-1:]
+                        error = [line for line in stderr.strip().splitlines() if line.strip()][-1:]
                         failures.setdefault(order, {}).setdefault(name, []).append(
                             {"exit": child.returncode, "error": error[0][:600] if error else ""}
                         )
@@ -411,7 +439,7 @@ def run_peers(args) -> dict:
                         continue
                     if child.returncode != 0:
                         raise RuntimeError(f"{name} failed (exit {child.returncode}); its errors are above")
-                    epochs, connections = json.loads(child.stdout.strip().splitlines()[-1])
+                    epochs, connections = json.loads(stdout.strip().splitlines()[-1])
                     runs[order][name].append({"epoch1": epochs[0], "epoch2": epochs[1], **connections})
                     print(
                         "  "
@@ -424,7 +452,7 @@ def run_peers(args) -> dict:
                         ),
                         flush=True,
                     )
-        return summarize(runs, written, args, profile, total, failures)
+        return summarize(runs, written, args, profile, total, failures, stops)
     finally:
         for key_, value in saved.items():
             if value is None:
@@ -440,7 +468,7 @@ def run_peers(args) -> dict:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def summarize(runs: dict, written: dict, args, profile: dict, total: int, failures: dict) -> dict:
+def summarize(runs: dict, written: dict, args, profile: dict, total: int, failures: dict, stops: dict) -> dict:
     out: dict = {"profile": {"name": "s3-like", **profile}, "written": written, "orders": {}}
     for order, sides in runs.items():
         section: dict = {
@@ -449,6 +477,12 @@ def summarize(runs: dict, written: dict, args, profile: dict, total: int, failur
         }
         for name, fails in failures.get(order, {}).items():
             section[f"{name}_failures"] = fails
+        for name, attempts in stops.get(order, {}).items():
+            section[f"{name}_stopped"] = {
+                "what": f"no two epochs within --reader-timeout={args.reader_timeout} s: the reader (and its "
+                "workers) stopped, with the bytes the link answered it by then",
+                "attempts": attempts,
+            }
         measured = tuple(r for r in READERS + DIAGNOSTICS if sides[r])
         for name in measured:
             repeats = sides[name]
