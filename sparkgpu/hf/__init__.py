@@ -7,6 +7,9 @@ environment makes Accelerate see the job, and the rank patches ``Trainer.train``
 a restarted attempt resumes from the newest genuine one (``SPARKGPU_HF_RESUME=0`` turns the
 patch off). :func:`resumable` does the same for one Trainer explicitly. A sparkgpu loader is a
 Trainer's ``train_dataset`` as it is; TRL's ``SFTTrainer`` takes it through :func:`as_hf_dataset`.
+With such a loader a resumed Trainer takes its epoch and step accounting from the loader's
+position, so an elastic job's attempt of another world size trains each sample once
+(:mod:`sparkgpu.hf.elastic`).
 
 Names load lazily: importing this package does not import ``transformers``.
 """

@@ -129,6 +129,33 @@ def keep_documents_apart(model: Any, dataset: Any) -> None:
         logger.info("use_cache turned off for training: the loader packs documents, kept apart by position_ids")
 
 
+def position(dataset: Any) -> tuple[int, int] | None:
+    """``(epoch, batches)``: the epoch the loader reads next and the batches this rank has left
+    of it at this world size; ``None`` for a loader that does not plan its epochs.
+
+    A loader's position counts the samples of the epoch all ranks consumed together, so the
+    rest is this rank's share at whatever world size the loader was opened with.
+    """
+    loader = loader_of(dataset)
+    plan = getattr(loader, "_plan", None)  # every sparkgpu loader's plan of an epoch from a position
+    try:
+        epoch, consumed = int(loader.epoch), int(loader._consumed)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    if not callable(plan):
+        return None
+
+    def batches(epoch: int, start: int) -> int:
+        planned = plan(epoch, start)
+        # A loader without a batch size (packed rows) hands out its rows one by one.
+        return planned.num_batches if getattr(loader, "batch_size", 1) else len(planned.samples)
+
+    left = batches(epoch, consumed)
+    if left == 0 and consumed > 0:  # saved right after the epoch's last batch: the next one is whole
+        epoch, left = epoch + 1, batches(epoch + 1, 0)
+    return epoch, left
+
+
 def save_position(dataset: Any, folder: str) -> None:
     """Writes the loader's position into a Trainer checkpoint folder (its state is the same on every rank)."""
     state = loader_of(dataset).state_dict()

@@ -11,6 +11,10 @@ When ``runtime.should_checkpoint()`` turns true on any rank (runtime cap, preemp
 SIGTERM), every rank learns it at the end of the step (one all-reduce of a flag), the Trainer
 saves, the callback seals and every rank calls ``runtime.stop_for_restart()``.
 
+Each checkpoint also records the world size that saved it and, for a sparkgpu loader as
+``train_dataset``, the loader's position; a resumed Trainer counts its epochs and steps from
+that position (:mod:`sparkgpu.hf.elastic`), right at any world size.
+
 Outside a job (no job key) all of this stays out of the way: the Trainer is plain transformers.
 """
 
@@ -35,6 +39,7 @@ from sparkgpu._report import report  # noqa: E402
 from sparkgpu.errors import CheckpointError  # noqa: E402
 from sparkgpu.store import Store  # noqa: E402
 from sparkgpu.hf import datasets as loaders  # noqa: E402
+from sparkgpu.hf import elastic  # noqa: E402
 from sparkgpu.train import sealed_files  # noqa: E402
 
 __all__ = ["JobCheckpointCallback", "PendingSeal", "resumable", "patch_trainer", "seal_checkpoint", "HF_FOLDER"]
@@ -316,8 +321,10 @@ class JobCheckpointCallback(TrainerCallback):
         if self.store is None:
             return control
         folder = os.path.join(args.output_dir, sealed_files.sealed_name(state.global_step))
-        if self.dataset is not None and runtime.is_main_process():
-            loaders.save_position(self.dataset, folder)
+        if runtime.is_main_process():
+            elastic.save_world(folder, args.world_size)
+            if self.dataset is not None:
+                loaders.save_position(self.dataset, folder)
         self.wait()
         self.pending = seal_checkpoint(self.store, folder, state.global_step, args.save_total_limit, background=True)
         if self.stopping:
@@ -348,9 +355,18 @@ def _resuming_train(train):
         if callback is not None and resume_from_checkpoint in (None, True):
             # True asks for the last checkpoint: inside a job that is the newest genuine one.
             resume_from_checkpoint = restore_latest(callback.store, self.args.output_dir)
-        if isinstance(resume_from_checkpoint, str) and loaders.is_loader(self.train_dataset):
-            loaders.load_position(self.train_dataset, resume_from_checkpoint)
-        return train(self, resume_from_checkpoint, *args, **kwargs)
+        resume = None
+        if isinstance(resume_from_checkpoint, str):
+            positioned = loaders.is_loader(self.train_dataset) and loaders.load_position(
+                self.train_dataset, resume_from_checkpoint
+            )
+            # Epochs and steps counted from the loader's position: right at any world size.
+            resume = elastic.resume_point(self, resume_from_checkpoint, positioned)
+        elastic.set_resume(self, resume)
+        try:
+            return train(self, resume_from_checkpoint, *args, **kwargs)
+        finally:
+            elastic.set_resume(self, None)
 
     setattr(wrapper, _PATCHED, True)
     return wrapper
@@ -389,6 +405,17 @@ def _patch_skipping() -> None:
         trainer_module.skip_first_batches = _skip_unless_positioned(trainer_module.skip_first_batches)
 
 
+def _patch_counting(target: Any) -> None:
+    """Resumed epochs and steps counted from a sparkgpu loader's position (:mod:`sparkgpu.hf.elastic`)
+    for a Trainer class, or one Trainer; inert for a Trainer that is not resuming with a loader."""
+    if not elastic.patch_training_values(target):
+        logger.warning(
+            "%s has no set_initial_training_values/_init_training_state: a resumed run counts its epochs and "
+            "steps by the Trainer's own figures, right only at the world size the checkpoint was saved at",
+            getattr(target, "__name__", type(target).__name__),
+        )
+
+
 def patch_trainer(trainer_class: Any = Trainer) -> None:
     """Makes every ``trainer_class`` (and subclass) inside a job seal its checkpoints and resume,
     and read a sparkgpu loader given as ``train_dataset`` rank by rank."""
@@ -396,6 +423,7 @@ def patch_trainer(trainer_class: Any = Trainer) -> None:
         trainer_class.train = _resuming_train(trainer_class.train)
     if not getattr(trainer_class.get_train_dataloader, _PATCHED, False):
         trainer_class.get_train_dataloader = _loader_aware(trainer_class.get_train_dataloader)
+    _patch_counting(trainer_class)
     _patch_skipping()
 
 
@@ -410,6 +438,7 @@ def resumable(trainer):
         trainer.train = _resuming_train(type(trainer).train).__get__(trainer)
     if not getattr(type(trainer).get_train_dataloader, _PATCHED, False):
         trainer.get_train_dataloader = _loader_aware(type(trainer).get_train_dataloader).__get__(trainer)
+    _patch_counting(trainer)
     _patch_skipping()
     _attach(trainer)
     return trainer
