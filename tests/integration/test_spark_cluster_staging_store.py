@@ -122,7 +122,10 @@ def test_a_tracked_job_sends_its_metrics_home_through_the_store(cluster_spark, s
 
     tracking_uri = f"sqlite:///{tmp_path}/mlflow.db"
     callback = MLflowCallback("/team/store", tracking_uri=tracking_uri, system_metrics=False, flush_interval=0.5)
-    assert cluster_spark.gpu.train(log_a_metric, gpus=2, gpu_type="A10", callbacks=[callback]) == [0, 1]
+    # Nobody reads the ranks' output live: the client syncs on its quiet clock, and the metrics
+    # still come home (at the latest with the attempt's last sync).
+    train = cluster_spark.gpu.train
+    assert train(log_a_metric, gpus=2, gpu_type="A10", callbacks=[callback], log_ranks=None) == [0, 1]
 
     history = MlflowClient(tracking_uri).get_metric_history(callback.run_id, "loss")
     assert [(m.value, m.step) for m in history] == [(0.25, 3)]  # spooled on the executor, forwarded by the client
@@ -134,7 +137,13 @@ def test_the_checkpoint_request_reaches_the_nodes_and_the_job_resumes_through_th
 
     assert (
         cluster_spark.gpu.train(
-            stop_when_asked, gpus=2, gpu_type="A10", max_runtime=40, checkpoint_grace=30, name="capped"
+            stop_when_asked,
+            gpus=2,
+            gpu_type="A10",
+            max_runtime=40,
+            checkpoint_grace=30,
+            name="capped",
+            log_ranks=None,  # a quiet client still puts the stop request up at once
         )
         == ["resumed"] * 2
     )
