@@ -52,8 +52,8 @@ def bench_sparkgpu(ranks: int, repeats: int, callbacks=None) -> list[float]:
 
 def bench_sparkgpu_warm(ranks: int, repeats: int) -> list[float]:
     from sparkgpu import distributed
-    from sparkgpu.launch.backends.warm_pool import WarmPoolBackend
-    from sparkgpu.launch.warm_pool import stop_pool
+    from sparkgpu.launch.backends.local.warm import WarmPoolBackend
+    from sparkgpu.launch.backends.local.zygote_client import stop_pool
 
     job = distributed(
         gpus=ranks, gpu_type="cpu", log_ranks=None, backend=WarmPoolBackend(idle_timeout=300), callbacks=[]

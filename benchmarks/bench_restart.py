@@ -221,7 +221,7 @@ def run_floor(size_mb: int, work: Path) -> float:
 
 
 def cold_backend():
-    from sparkgpu.launch.backends.local import LocalBackend
+    from sparkgpu.launch.backends.local.backend import LocalBackend
 
     return LocalBackend(standby=False)
 
@@ -245,7 +245,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-restart-") as tmp:
         os.environ["SPARKGPU_HOME"] = str(Path(tmp) / "home")
         os.environ.setdefault("SPARKGPU_TRACKING", "0")  # restart latency only; tracking is measured apart
-        from sparkgpu.launch.warm_pool import stop_pool
+        from sparkgpu.launch.backends.local.zygote_client import stop_pool
 
         try:
             run_sparkgpu(args.size_mb, Path(tmp), "warm_pool")  # starts the warm pool: its start is not a restart

@@ -118,7 +118,7 @@ def main() -> None:
             # The test helper leaves the process without a default session; TorchDistributor
             # takes the active one, so this one must be it.
             type(spark)._set_default_and_active_session(spark)
-            from sparkgpu.launch.backends.spark_capacity import plan_layout
+            from sparkgpu.launch.backends.spark.capacity import plan_layout
 
             nodes = plan_layout(args.ranks, "A10", spark.gpu.capacity()).nodes  # how our ranks map onto tasks
             peers: dict[str, list[float] | str] = {

@@ -281,8 +281,8 @@ def main() -> None:
         )
         from sparkgpu import distributed
         from sparkgpu.config import reset_settings
-        from sparkgpu.launch.backends.warm_pool import WarmPoolBackend
-        from sparkgpu.launch.warm_pool import stop_pool
+        from sparkgpu.launch.backends.local.warm import WarmPoolBackend
+        from sparkgpu.launch.backends.local.zygote_client import stop_pool
 
         reset_settings()
         samples = [sample("start", 0, 0)]

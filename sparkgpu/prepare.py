@@ -24,9 +24,9 @@ from sparkgpu.errors import SparkGPUError
 from sparkgpu.launch.backends.base import Backend, LaunchPlan
 from sparkgpu.callbacks import JobCallback
 from sparkgpu._keyring import new_key, save_key
-from sparkgpu.launch.run_dir import RunDir
-from sparkgpu.launch.retention import prune_runs
-from sparkgpu.launch.serialization import add_keyword_arguments, client_sys_path, serialize_payload
+from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.launch.client.retention import prune_runs
+from sparkgpu.launch.rundir.serialization import add_keyword_arguments, client_sys_path, serialize_payload
 from sparkgpu.spec import JobSpec
 from sparkgpu.usage.meter import enforce_policy, enforce_pool_policy
 
@@ -110,12 +110,12 @@ class PreparedJob:
         return dataclasses.replace(self, environment=environment, written=True)
 
     def supervisor(self, out=None):
-        """A :class:`~sparkgpu.launch.supervisor.Supervisor` for this written job; starts nothing.
+        """A :class:`~sparkgpu.launch.client.supervisor.Supervisor` for this written job; starts nothing.
 
         Raises:
             SparkGPUError: the job is not written yet.
         """
-        from sparkgpu.launch.supervisor import Supervisor
+        from sparkgpu.launch.client.supervisor import Supervisor
 
         if not self.written:
             raise SparkGPUError(f"job {self.job.job_id} is not written yet; call write() first")

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from sparkgpu import distributed
-from sparkgpu.launch import warm_pool as pool_module
-from sparkgpu.launch.backends.warm_pool import WarmPoolBackend
-from sparkgpu.launch.warm_pool import stop_pool
+from sparkgpu.launch.backends.local.backend import zygote_client as pool_module
+from sparkgpu.launch.backends.local.warm import WarmPoolBackend
+from sparkgpu.launch.backends.local.zygote_client import stop_pool
 
 pytestmark = pytest.mark.integration
 

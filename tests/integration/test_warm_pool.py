@@ -14,10 +14,10 @@ import pytest
 
 from sparkgpu import JobTimeoutError, WorkerFailedError, distributed, runtime
 from sparkgpu.config import settings
-from sparkgpu.launch import warm_pool as pool_module
-from sparkgpu.launch import pool_zygote
-from sparkgpu.launch.backends.warm_pool import WarmPoolBackend
-from sparkgpu.launch.warm_pool import pool_status, stop_pool
+from sparkgpu.launch.backends.local.backend import zygote_client as pool_module
+from sparkgpu.launch.backends.local.backend import zygote as pool_zygote
+from sparkgpu.launch.backends.local.warm import WarmPoolBackend
+from sparkgpu.launch.backends.local.zygote_client import pool_status, stop_pool
 from tests.integration.processes import ctrl_c_client, start_client, wait_for
 
 pytestmark = pytest.mark.integration
@@ -127,7 +127,7 @@ def test_the_pool_stops_itself_when_idle():
 
 CTRL_C_CLIENT = ctrl_c_client(
     '@distributed(gpus=2, gpu_type="cpu", backend=WarmPoolBackend(idle_timeout=120))',
-    setup="from sparkgpu.launch.backends.warm_pool import WarmPoolBackend",
+    setup="from sparkgpu.launch.backends.local.warm import WarmPoolBackend",
 )
 
 
@@ -214,7 +214,7 @@ def test_a_pool_started_with_other_code_is_not_reused_and_retires(pool, monkeypa
 def test_a_tampered_entrypoint_starts_no_rank_in_the_pool(pool, tmp_path):
     # The pool checks the payload as the node agent does, and runs the text it checked.
     from sparkgpu.errors import PayloadSignatureError
-    from sparkgpu.launch.supervisor import Supervisor
+    from sparkgpu.launch.client.supervisor import Supervisor
 
     @distributed(gpus=2, gpu_type="cpu", backend="warm_pool")
     def add_rank(x):

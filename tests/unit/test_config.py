@@ -67,7 +67,7 @@ def test_an_unknown_scheme_is_refused_naming_urls_that_work(tmp_path):
 
 def test_the_spark_heartbeat_timeouts_are_settings_a_backend_takes_unless_given(tmp_path, monkeypatch):
     from sparkgpu.config import reset_settings
-    from sparkgpu.launch.backends.spark import SparkBackend
+    from sparkgpu.launch.backends.spark.backend import SparkBackend
 
     default = Settings.from_env({"SPARKGPU_HOME": str(tmp_path)})
     assert (default.spark_client_timeout, default.spark_node_timeout) == (120.0, 10.0)

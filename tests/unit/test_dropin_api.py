@@ -218,8 +218,8 @@ def test_device_is_cuda_local_rank_as_under_torchrun(clean_rank_env, monkeypatch
 
 
 def test_a_node_shape_sets_the_ranks_per_spark_task():
-    from sparkgpu.launch.backends.spark import SparkBackend
-    from sparkgpu.launch.backends.spark_capacity import ExecutorInfo, SparkCapacity
+    from sparkgpu.launch.backends.spark.backend import SparkBackend
+    from sparkgpu.launch.backends.spark.capacity import ExecutorInfo, SparkCapacity
     from sparkgpu.spec import JobSpec
 
     two_by_two = SparkCapacity(

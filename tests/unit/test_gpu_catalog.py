@@ -6,12 +6,12 @@ import warnings
 
 import pytest
 
-import sparkgpu.launch.hardware as hardware
+import sparkgpu.launch.node.hardware as hardware
 from sparkgpu.catalog import GPU_CATALOG, classify_device
 from sparkgpu.errors import CapacityError
-from sparkgpu.launch.backends.local import LocalBackend
-from sparkgpu.launch.backends.spark_capacity import ExecutorInfo, NodeLayout, SparkCapacity, plan_layout
-from sparkgpu.launch.hardware import HostGPUs, UnknownGPUWarning, detect_host_gpus
+from sparkgpu.launch.backends.local.backend import LocalBackend
+from sparkgpu.launch.backends.spark.capacity import ExecutorInfo, NodeLayout, SparkCapacity, plan_layout
+from sparkgpu.launch.node.hardware import HostGPUs, UnknownGPUWarning, detect_host_gpus
 from sparkgpu.spec import JobSpec, Resources
 
 # Names exactly as NVML / nvidia-smi report them.
@@ -132,7 +132,7 @@ def test_spark_executors_with_a_gpu_outside_the_catalog_refuse_a_gpu_type_naming
 
 
 def test_spark_executors_classify_their_driver_names_by_model():
-    from sparkgpu.launch.backends.spark_capacity import _cluster_gpu_type
+    from sparkgpu.launch.backends.spark.capacity import _cluster_gpu_type
 
     assert _cluster_gpu_type({}, executors("NVIDIA A100-SXM4-80GB")) == ("A100-80GB", "driver")
     assert _cluster_gpu_type({}, executors("NVIDIA L40S")) == (None, None)

@@ -16,14 +16,14 @@ import time
 import pytest
 
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.launch.gpu_lease import lease_gpus, to_preempt
-from sparkgpu.launch.gpu_queue import GpuHolder, GpuQueue, PreemptionRequest, QueueEntry, pending_request
+from sparkgpu.launch.scheduling.gpu_lease import lease_gpus, to_preempt
+from sparkgpu.launch.scheduling.gpu_queue import GpuHolder, GpuQueue, PreemptionRequest, QueueEntry, pending_request
 from sparkgpu.priority import Priority
 
 WAITER = """
 import sys, time
 from pathlib import Path
-from sparkgpu.launch.gpu_queue import GpuQueue, QueueEntry
+from sparkgpu.launch.scheduling.gpu_queue import GpuQueue, QueueEntry
 from sparkgpu.priority import Priority
 root, job, priority, order = sys.argv[1:5]
 queue = GpuQueue(Path(root))

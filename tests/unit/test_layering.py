@@ -9,7 +9,7 @@
 - no two modules import each other, directly or around a circle (a function-level import
   does not hide a circle: it only delays it);
 - a module imports no private module (a ``_name`` path component), and no private name
-  (``from sparkgpu.launch.entrypoint import _helper``), of another top-level sub-package; the
+  (``from sparkgpu.launch.rank.entrypoint import _helper``), of another top-level sub-package; the
   private modules directly under ``sparkgpu`` (``sparkgpu._files``, ...) are the package's
   shared helpers, and every module may use their public names.
 """
@@ -32,7 +32,7 @@ INTEGRATIONS = ("sparkgpu.tracking", "sparkgpu.usage")
 CALLBACK_INTERFACE = ("sparkgpu.callbacks",)
 # The run dir's states, below every sub-package: the callback interface hands them on.
 PROTOCOL = "sparkgpu.protocol"
-STDLIB_ONLY = (PROTOCOL, "sparkgpu.errors", "sparkgpu.env.hydrate", "sparkgpu.launch.payload_signature")
+STDLIB_ONLY = (PROTOCOL, "sparkgpu.errors", "sparkgpu.env.hydrate", "sparkgpu.launch.rundir.signature")
 # Guarded imports a stdlib-only module may make: hydration reads a store of another scheme
 # through fsspec, and names it in its error where fsspec is missing.
 OPTIONAL = {"sparkgpu.env.hydrate": {"fsspec"}}
@@ -92,7 +92,7 @@ def within(name: str, packages) -> bool:
 
 
 def is_module(name: str, graph: dict[str, set[str]]) -> bool:
-    # "from sparkgpu.launch.run_dir import RunDir" adds "sparkgpu.launch.run_dir.RunDir": keep modules only.
+    # "from sparkgpu.launch.rundir.directory import RunDir" adds "sparkgpu.launch.rundir.directory.RunDir": keep modules only.
     return name in graph
 
 
@@ -208,14 +208,16 @@ def test_the_rule_checker_sees_function_level_and_relative_imports(tmp_path, mon
     package.mkdir(parents=True)
     (tmp_path / "sparkgpu" / "__init__.py").write_text("")
     (package / "__init__.py").write_text("")
-    (package / "late.py").write_text("def f():\n    from ..launch import payload\n    import sparkgpu.launch.agent\n")
+    (package / "late.py").write_text(
+        "def f():\n    from ..launch import payload\n    import sparkgpu.launch.node.agent\n"
+    )
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path / "sparkgpu")
     found = imports_of(package / "late.py")
-    assert {"sparkgpu.launch", "sparkgpu.launch.payload", "sparkgpu.launch.agent"} <= found
-    graph = {"sparkgpu.tracking.late": found, "sparkgpu.launch.payload": set(), "sparkgpu.launch.agent": set()}
+    assert {"sparkgpu.launch", "sparkgpu.launch.payload", "sparkgpu.launch.node.agent"} <= found
+    graph = {"sparkgpu.tracking.late": found, "sparkgpu.launch.payload": set(), "sparkgpu.launch.node.agent": set()}
     assert violations(graph) == {
         ("sparkgpu.tracking.late", "sparkgpu.launch.payload"),
-        ("sparkgpu.tracking.late", "sparkgpu.launch.agent"),
+        ("sparkgpu.tracking.late", "sparkgpu.launch.node.agent"),
     }
 
 

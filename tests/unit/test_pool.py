@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from sparkgpu.launch.warm_pool import code_fingerprint
+from sparkgpu.launch.backends.local.zygote_client import code_fingerprint
 
 
 def _package(tmp_path):
@@ -61,9 +61,9 @@ def test_only_a_job_that_may_restart_gets_a_standby_and_only_once_its_attempt_is
     import sys
     import time
 
-    from sparkgpu.launch import warm_pool
-    from sparkgpu.launch.backends.warm_pool import WarmPoolBackend
-    from sparkgpu.launch.backends.local import LocalAttempt, LocalBackend
+    from sparkgpu.launch.backends.local.backend import zygote_client as warm_pool
+    from sparkgpu.launch.backends.local.warm import WarmPoolBackend
+    from sparkgpu.launch.backends.local.backend import LocalAttempt, LocalBackend
     from sparkgpu.spec import JobSpec, Resources, RunPolicy
 
     started = []

@@ -14,7 +14,7 @@ from sparkgpu.data.tables.plan import TableRef
 from sparkgpu.errors import SerializationError, SparkGPUError
 from sparkgpu.launch.backends.base import ResolvedJob
 from sparkgpu._keyring import load_key
-from sparkgpu.launch.run_dir import RunDir
+from sparkgpu.launch.rundir.directory import RunDir
 from sparkgpu.spark_gpu import GPUNamespace
 from tests.fakes.backend import ScriptedBackend
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sparkgpu.errors import CapacityError
-from sparkgpu.launch.backends.spark_capacity import ExecutorInfo, NodeLayout, SparkCapacity, plan_layout
+from sparkgpu.launch.backends.spark.capacity import ExecutorInfo, NodeLayout, SparkCapacity, plan_layout
 
 ANSWERED = ExecutorInfo("0", "host-0", 2, ("0", "1"))
 BUSY = ExecutorInfo("busy-0", "?", 2, busy=True)

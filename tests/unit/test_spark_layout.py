@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sparkgpu.errors import CapacityError, ConfigurationError
-from sparkgpu.launch.backends.spark_capacity import ExecutorInfo, NodeLayout, SparkCapacity, plan_layout, read_confs
+from sparkgpu.launch.backends.spark.capacity import ExecutorInfo, NodeLayout, SparkCapacity, plan_layout, read_confs
 
 
 def cluster(*addresses, gpu_type="A10", cores=8, master="spark://head:7077", per_executor=None, **extra):
@@ -146,7 +146,7 @@ def test_a_tagged_action_that_waits_too_long_is_interrupted_and_named():
     import io
     import time
 
-    from sparkgpu.launch.backends.spark_capacity import run_tagged
+    from sparkgpu.launch.backends.spark.capacity import run_tagged
     from tests.fakes.spark_session import BlockingFrame, TaggedSession
 
     session, out = TaggedSession(), io.StringIO()
@@ -161,7 +161,7 @@ def test_a_tagged_action_that_waits_too_long_is_interrupted_and_named():
 
 
 def test_a_tagged_action_returns_its_rows_and_runs_under_its_tag():
-    from sparkgpu.launch.backends.spark_capacity import run_tagged
+    from sparkgpu.launch.backends.spark.capacity import run_tagged
     from tests.fakes.spark_session import BlockingFrame, TaggedSession
 
     session = TaggedSession()

@@ -11,15 +11,15 @@ import time
 import pytest
 
 from sparkgpu.config import reset_settings
-from sparkgpu.launch.backends import spark_node
-from sparkgpu.launch.attempt_report import AttemptReport
-from sparkgpu.launch.backends.spark import SparkAttempt, SparkBackend
-from sparkgpu.launch.backends.spark_capacity import NodeLayout
-from sparkgpu.launch.backends.spark_hub import HubLink
-from sparkgpu.launch.backends.spark_node import NodeLaunch, NodeLink, NodeZero, _claim, _watch, open_hub
-from sparkgpu.launch.serialization import serialize_payload
-from sparkgpu.launch.run_dir import RunDir
-from sparkgpu.launch.staging import NodeMirror, StagingStore
+from sparkgpu.launch.backends.spark.backend.executor import node as spark_node
+from sparkgpu.launch.client.attempt_report import AttemptReport
+from sparkgpu.launch.backends.spark.backend import SparkAttempt, SparkBackend
+from sparkgpu.launch.backends.spark.capacity import NodeLayout
+from sparkgpu.launch.backends.spark.executor.hub import HubLink
+from sparkgpu.launch.backends.spark.executor.node import NodeLaunch, NodeLink, NodeZero, _claim, _watch, open_hub
+from sparkgpu.launch.rundir.serialization import serialize_payload
+from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.launch.rundir.staging import NodeMirror, StagingStore
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
 from tests.fakes.spark_session import TaggedSession
 from tests.unit.test_spark_attempts import BrokenStream

@@ -8,14 +8,14 @@ import time
 import pytest
 
 from sparkgpu.errors import CapacityError, JobTimeoutError, NodeLostError, WorkerFailedError
-from sparkgpu.launch.attempt_report import AttemptReport, NodeReport
-from sparkgpu.launch.attempt_result import read_attempt
+from sparkgpu.launch.client.attempt_report import AttemptReport, NodeReport
+from sparkgpu.launch.client.attempt_result import read_attempt
 from sparkgpu.callbacks import JobCallback
-from sparkgpu.launch.entrypoint import EXIT_PREEMPTED
-from sparkgpu.launch.serialization import serialize_payload
-from sparkgpu.launch.run_dir import RunDir
-from sparkgpu.launch.run_layout import RunLayout
-from sparkgpu.launch.supervisor import Supervisor
+from sparkgpu.launch.rank.entrypoint import EXIT_PREEMPTED
+from sparkgpu.launch.rundir.serialization import serialize_payload
+from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.launch.rundir.layout import RunLayout
+from sparkgpu.launch.client.supervisor import Supervisor
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
 from sparkgpu._keyring import derive_key
 from sparkgpu.train._checkpoint_signing import Manifest
@@ -396,7 +396,7 @@ def test_a_failure_no_restart_can_fix_is_raised_at_once(tmp_path):
     # A tampered payload fails the same way on every attempt: restarting it only spends GPU time.
     from sparkgpu.env.hydrate import EnvironmentMismatchError as RaisedByHydration
     from sparkgpu.errors import PayloadSignatureError
-    from sparkgpu.launch.supervisor import Decision, FailurePolicy
+    from sparkgpu.launch.client.supervisor import Decision, FailurePolicy
 
     policy = FailurePolicy(max_restarts=3)
     refused = {0: PayloadSignatureError("modified after it was staged")}

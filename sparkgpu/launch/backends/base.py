@@ -16,7 +16,7 @@ import importlib
 from typing import Any
 
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.launch.run_dir import RunDir
+from sparkgpu.launch.rundir.directory import RunDir
 from sparkgpu.spec import JobSpec, Resources
 
 __all__ = [
@@ -37,7 +37,7 @@ class ResolvedJob:
     Attributes:
         job: The spec with what the backend decided filled in (GPU type, devices, simulated).
         layout: How the backend places the ranks (the Spark backend's
-            :class:`~sparkgpu.launch.backends.spark_capacity.NodeLayout`); ``None`` when ``job``
+            :class:`~sparkgpu.launch.backends.spark.capacity.NodeLayout`); ``None`` when ``job``
             says it all. Pass it back to ``plan`` and ``submit``.
     """
 
@@ -200,9 +200,9 @@ class Backend(abc.ABC):
 
 # Imported lazily so the local path never imports pyspark.
 BACKENDS = {
-    "local": "sparkgpu.launch.backends.local",
-    "warm_pool": "sparkgpu.launch.backends.warm_pool",
-    "spark": "sparkgpu.launch.backends.spark",
+    "local": "sparkgpu.launch.backends.local.backend",
+    "warm_pool": "sparkgpu.launch.backends.local.warm",
+    "spark": "sparkgpu.launch.backends.spark.backend",
 }
 
 
