@@ -238,7 +238,7 @@ def _child(args) -> dict:
     import boto3
 
     from sparkgpu.launch.backends.spark.backend import SparkAttempt, SparkBackend
-    from sparkgpu.launch.backends.spark.capacity import NodeLayout
+    from sparkgpu.launch.backends.spark.capacity import RankPlacement
     from sparkgpu.launch.rundir.directory import RunDir
     from sparkgpu.launch.rundir.staging import ClientMirror, NodeMirror, StagingStore
     from sparkgpu.spec import JobSpec, Resources
@@ -280,7 +280,7 @@ def _child(args) -> dict:
         attempt=attempt,
         job=job,
         run_dir=rd,
-        layout=NodeLayout(nodes, per_node, 0),
+        placement=RankPlacement(nodes, per_node, 0),
         tag="bench",
         submitted_at=time.monotonic(),
         submitted_wall=time.time(),

@@ -50,7 +50,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("sparkgpu.usage.cli", "register"),
     ("sparkgpu.launch.client.cli", "register_resume"),
     ("sparkgpu.launch.client.cli", "register_cancel"),
-    ("sparkgpu.launch.client.cli", "register_pool"),
+    ("sparkgpu.launch.client.cli", "register_warm_pool"),
     ("sparkgpu.tracking.cli", "register_tracking"),
     ("sparkgpu.data.cli", "register_data"),
     ("sparkgpu.data.cli", "register_cache"),

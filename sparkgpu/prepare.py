@@ -39,7 +39,7 @@ class PreparedJob:
 
     Attributes:
         job: The spec as the backend resolved it (GPU type, devices, simulated GPUs, pool tag).
-        layout: The backend's placement of the ranks, as ``resolve`` returned it; handed back
+        placement: The backend's placement of the ranks, as ``resolve`` returned it; handed back
             to the backend's ``plan`` and ``submit``. ``None`` when the spec says it all.
         backend: The backend that resolved the job and runs it.
         callbacks: The job's callbacks (they travel inside the payload too).
@@ -52,7 +52,7 @@ class PreparedJob:
     """
 
     job: JobSpec
-    layout: Any
+    placement: Any
     backend: Backend
     callbacks: list[JobCallback]
     payload: bytes
@@ -65,7 +65,7 @@ class PreparedJob:
     def plan(self, attempt: int = 0) -> LaunchPlan:
         """What the backend will start for ``attempt``: the printable dry run."""
         return self.backend.plan(
-            self.job, self.run_dir, attempt, {"SPARKGPU_JOB_ID": self.job.job_id}, layout=self.layout
+            self.job, self.run_dir, attempt, {"SPARKGPU_JOB_ID": self.job.job_id}, placement=self.placement
         )
 
     def with_kwargs(self, **extra: Any) -> "PreparedJob":
@@ -119,7 +119,9 @@ class PreparedJob:
 
         if not self.written:
             raise SparkGPUError(f"job {self.job.job_id} is not written yet; call write() first")
-        return Supervisor(self.job, self.run_dir, self.backend, self.key, self.callbacks, out=out, layout=self.layout)
+        return Supervisor(
+            self.job, self.run_dir, self.backend, self.key, self.callbacks, out=out, placement=self.placement
+        )
 
 
 def prepare(
@@ -159,7 +161,7 @@ def prepare(
     payload = serialize_payload(fn, args, kwargs, callbacks)  # picklability, naming the culprit
     return PreparedJob(
         job=job,
-        layout=resolved.layout,
+        placement=resolved.placement,
         backend=backend,
         callbacks=list(callbacks),
         payload=payload,

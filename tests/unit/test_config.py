@@ -103,7 +103,7 @@ def test_duration_variables_take_what_duration_arguments_take(tmp_path, raw, sec
             "SPARKGPU_POOL_IDLE_TIMEOUT": raw,
         }
     )
-    assert settings.default_timeout == settings.spark_wait_timeout == settings.pool_idle_timeout == seconds
+    assert settings.default_timeout == settings.spark_wait_timeout == settings.warm_idle_timeout == seconds
 
 
 def test_a_duration_variable_that_is_none_names_both_forms(tmp_path):

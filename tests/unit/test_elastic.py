@@ -133,7 +133,7 @@ class ElasticCluster(ScriptedBackend):
         self.sizes: list[int] = []
         self.run_dir: RunDir | None = None
 
-    def submit(self, job, run_dir, attempt, env, layout=None):
+    def submit(self, job, run_dir, attempt, env, placement=None):
         self.sizes.append(job.world_size)
         self.run_dir = run_dir
         action = self.script[attempt]

@@ -27,7 +27,7 @@ from sparkgpu.launch.scheduling.gpu_queue import GpuQueue, QueueEntry
 from sparkgpu.priority import Priority
 root, job, priority, order = sys.argv[1:5]
 queue = GpuQueue(Path(root))
-queue.enter(QueueEntry(job, Priority.parse(priority), 2, float(order), pool="simulated-gpu"))
+queue.enter(QueueEntry(job, Priority.parse(priority), 2, float(order), gpu_kind="simulated-gpu"))
 print(queue.entry.file_name, flush=True)
 sys.stdin.read()  # until the test closes our stdin
 """
@@ -94,7 +94,7 @@ def test_waiting_jobs_are_ordered_by_class_then_by_arrival(tmp_path, waiters):
         "late-normal": 3,
         "early-best-effort": 4,
     }
-    queue.enter(QueueEntry("me", Priority.NORMAL, 1, 15.0, pool="simulated-gpu"))
+    queue.enter(QueueEntry("me", Priority.NORMAL, 1, 15.0, gpu_kind="simulated-gpu"))
     try:
         assert [e.job_id for e in queue.ahead()] == ["late-critical", "early-normal"]
     finally:
@@ -115,7 +115,7 @@ def test_the_entry_of_a_dead_process_holds_nobody_up(tmp_path, waiters):
 
 def test_a_forged_entry_file_not_held_by_a_process_is_ignored(tmp_path):
     queue = GpuQueue(tmp_path)
-    forged = QueueEntry("forged", Priority.CRITICAL, 2, 0.0, pool="simulated-gpu")
+    forged = QueueEntry("forged", Priority.CRITICAL, 2, 0.0, gpu_kind="simulated-gpu")
     (queue.queue_dir / forged.file_name).write_text(forged.to_json())
     assert queue.live_entries() == []
 

@@ -15,7 +15,7 @@ import pytest
 
 from sparkgpu.launch.client.attempt_report import AttemptReport
 from sparkgpu.launch.backends.spark.backend import SparkAttempt, SparkBackend
-from sparkgpu.launch.backends.spark.capacity import NodeLayout
+from sparkgpu.launch.backends.spark.capacity import RankPlacement
 from sparkgpu.launch.backends.spark.executor.hub import HubLink
 from sparkgpu.launch.backends.spark.executor.node import NodeLaunch, NodeLink, NodeZero, _watch, open_hub
 from sparkgpu.launch.rundir.serialization import serialize_payload
@@ -48,7 +48,7 @@ def attempt(tmp_path):
         attempt=0,
         job=job,
         run_dir=rd,
-        layout=NodeLayout(2, 1, 0),
+        placement=RankPlacement(2, 1, 0),
         tag="sparkgpu-job-1-0",
         submitted_at=time.monotonic(),
         submitted_wall=time.time(),

@@ -118,7 +118,7 @@ class CapBackend(ScriptedBackend):
     "resume me" status (as after ``stop_for_restart``) but no marker.
     """
 
-    def submit(self, job, run_dir, attempt, env, layout=None):
+    def submit(self, job, run_dir, attempt, env, placement=None):
         action = self.script[attempt]
         self.script[attempt] = "hang" if action.startswith("hang") else action
         handle = super().submit(job, run_dir, attempt, env)
@@ -270,7 +270,7 @@ class CheckpointOnSigterm(ScriptedBackend):
         for rank in range(2):
             self.run_dir.preempted_file(handle.attempt, rank).write_text("x")
 
-    def submit(self, job, run_dir, attempt, env, layout=None):
+    def submit(self, job, run_dir, attempt, env, placement=None):
         self.run_dir = run_dir
         return super().submit(job, run_dir, attempt, env)
 
@@ -316,7 +316,7 @@ class WaitsForGPUs(ScriptedBackend):
         self.wait, self.meter = wait, meter
         self.journaled_while_waiting = False
 
-    def submit(self, job, run_dir, attempt, env, layout=None):
+    def submit(self, job, run_dir, attempt, env, placement=None):
         self.submitted_at = time.time()
         handle = super().submit(job, run_dir, attempt, env)
         if self.script[attempt] == "ok":
@@ -426,7 +426,7 @@ class LosingBackend(ScriptedBackend):
 
     lost_at = time.time() - 3600  # long before the attempt ends: the bill must stop there, not at the end
 
-    def submit(self, job, run_dir, attempt, env, layout=None):
+    def submit(self, job, run_dir, attempt, env, placement=None):
         if self.script[attempt] != "lost":
             return super().submit(job, run_dir, attempt, env)
         self.script[attempt] = "raise"  # rank errors on both ranks; the report says why
@@ -464,7 +464,7 @@ def test_a_lost_node_in_the_backends_report_fails_the_attempt_naming_its_host(tm
 class NotingBackend(ScriptedBackend):
     """Its nodes never started a launcher; the report's note says why."""
 
-    def submit(self, job, run_dir, attempt, env, layout=None):
+    def submit(self, job, run_dir, attempt, env, placement=None):
         run_dir.prepare_attempt(attempt)
         AttemptReport(attempt, notes=["executor 1 on h cannot see the run dir /x: set SPARKGPU_STAGING_ROOT"]).write(
             run_dir.attempt_dir(attempt)
@@ -489,7 +489,7 @@ class AskedToGiveWay(ScriptedBackend):
         self.queue_wait = queue_wait
         self.events: list[str] = []
 
-    def submit(self, job, run_dir, attempt, env, layout=None):
+    def submit(self, job, run_dir, attempt, env, placement=None):
         self.events.append(f"submit:{attempt}")
         return super().submit(job, run_dir, attempt, env)
 

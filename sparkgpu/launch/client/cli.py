@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 
-__all__ = ["register_resume", "register_cancel", "register_pool"]
+__all__ = ["register_resume", "register_cancel", "register_warm_pool"]
 
 
 def register_resume(subparsers) -> None:
@@ -45,21 +45,21 @@ def cmd_cancel(args) -> int:
     return 0 if status.is_terminal else 1
 
 
-def register_pool(subparsers) -> None:
+def register_warm_pool(subparsers) -> None:
     # "pool" was its name before; "sparkgpu pools" lists GPU pools, another thing.
     p = subparsers.add_parser("warm-pool", help="the warm pool that starts local ranks in well under a second")
     p.add_argument("action", choices=("status", "stop"))
     p.add_argument("--json", action="store_true", help="print the status as JSON")
-    p.set_defaults(handler=cmd_pool)
+    p.set_defaults(handler=cmd_warm_pool)
 
 
-def cmd_pool(args) -> int:
-    from sparkgpu.launch.backends.local.zygote_client import pool_status, stop_pool
+def cmd_warm_pool(args) -> int:
+    from sparkgpu.launch.backends.local.zygote_client import warm_zygote_status, stop_warm_zygote
 
     if args.action == "stop":
-        print("sparkgpu: warm pool stopped" if stop_pool() else "sparkgpu: no warm pool is running")
+        print("sparkgpu: warm pool stopped" if stop_warm_zygote() else "sparkgpu: no warm pool is running")
         return 0
-    info = pool_status()
+    info = warm_zygote_status()
     if args.json:
         print(json.dumps(info))
     elif info is None:

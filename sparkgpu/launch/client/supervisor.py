@@ -104,7 +104,7 @@ class Supervisor:
         key: The job's signing key; travels to the workers in their environment only.
         callbacks: Tracking, metering, ... hooks.
         out: Where the ranks' live output goes (``sys.stdout`` by default).
-        layout: The backend's placement of the ranks from ``resolve``, passed to every
+        placement: The backend's placement of the ranks from ``resolve``, passed to every
             ``submit``; ``None`` for a job continued from its run dir (placed anew).
     """
 
@@ -118,12 +118,12 @@ class Supervisor:
         key: bytes,
         callbacks: Sequence[JobCallback] = (),
         out=None,
-        layout=None,
+        placement=None,
     ):
         self.job = job
         self.run_dir = run_dir
         self.backend = backend
-        self.layout = layout
+        self.placement = placement
         self.key = key
         self.run_dir.key = key  # the backends hand it to the job's processes (sparkgpu.launch.rundir.keys)
         self.callbacks = list(callbacks)
@@ -359,8 +359,8 @@ class Supervisor:
             if early is not None:
                 handle = early.start(env)
             else:
-                layout = self.layout if job is self.job else None  # a resized attempt is placed anew
-                handle = self.backend.submit(job, self.run_dir, attempt, env, layout=layout)
+                placement = self.placement if job is self.job else None  # a resized attempt is placed anew
+                handle = self.backend.submit(job, self.run_dir, attempt, env, placement=placement)
             streamer = LogStreamer(self.run_dir, attempt, job.world_size, job.log_ranks, self.out)
             code, stopped_by = self._watch(job, attempt, handle, streamer, record, job_started)
             streamer.finish()

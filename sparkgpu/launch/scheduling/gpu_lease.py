@@ -24,7 +24,7 @@ from sparkgpu.errors import CapacityError
 from sparkgpu.launch.scheduling.gpu_queue import GpuHolder, GpuQueue, QueueEntry
 from sparkgpu.priority import Priority, fewest_to_stop
 
-__all__ = ["GpuLease", "lease_gpus", "lock_dir", "pool_of", "to_preempt", "waiting_jobs"]
+__all__ = ["GpuLease", "lease_gpus", "lock_dir", "gpu_kind_of", "to_preempt", "waiting_jobs"]
 
 _POLL_SECONDS = 0.5
 
@@ -45,8 +45,8 @@ def waiting_jobs() -> dict[str, tuple[QueueEntry, int]]:
     return GpuQueue(lock_dir()).positions()
 
 
-def pool_of(simulated: bool) -> str:
-    """The name of the host's GPUs' pool: simulated GPUs' locks and queue are apart from real ones'."""
+def gpu_kind_of(simulated: bool) -> str:
+    """The kind of the host's GPUs a job uses: simulated GPUs' locks and queue are apart from real ones'."""
     return "simulated-gpu" if simulated else "gpu"
 
 
@@ -62,7 +62,7 @@ class GpuLease:
         self._fds = []
 
 
-def _try_all(folder: Path, pool: str, addresses: Sequence[str], count: int, holder: GpuHolder):
+def _try_all(folder: Path, gpu_kind: str, addresses: Sequence[str], count: int, holder: GpuHolder):
     """All or nothing: ``(lease, {})`` or ``(None, busy address -> its holder or None)``."""
     fds: list[int] = []
     devices: list[str] = []
@@ -70,7 +70,7 @@ def _try_all(folder: Path, pool: str, addresses: Sequence[str], count: int, hold
     for address in addresses:
         if len(devices) == count:
             break
-        path = folder / f"{pool}-{address}.lock"
+        path = folder / f"{gpu_kind}-{address}.lock"
         fd = try_lock_file(path, holder.to_json(), mode=0o666)  # every user of the machine locks it
         if fd is None:
             busy[address] = GpuHolder.read(path)
@@ -127,10 +127,10 @@ def lease_gpus(
             and the jobs ahead in the queue.
     """
     folder = lock_dir()
-    pool = pool_of(simulated)
+    gpu_kind = gpu_kind_of(simulated)
     holder = GpuHolder(job_id, priority)
     queue = GpuQueue(folder)
-    queue.enter(QueueEntry(job_id, priority, count, order if order is not None else time.time(), pool=pool))
+    queue.enter(QueueEntry(job_id, priority, count, order if order is not None else time.time(), gpu_kind=gpu_kind))
     deadline = None if wait is None else time.monotonic() + wait
     said = ""
     try:
@@ -138,7 +138,7 @@ def lease_gpus(
             ahead = queue.ahead()
             busy: dict[str, GpuHolder | None] = {}
             if not ahead:
-                lease, busy = _try_all(folder, pool, addresses, count, holder)
+                lease, busy = _try_all(folder, gpu_kind, addresses, count, holder)
                 if lease is not None:
                     return lease
                 if priority is Priority.CRITICAL:

@@ -4,7 +4,7 @@ It lives beside the GPU locks (:mod:`sparkgpu.launch.scheduling.gpu_lease`), in 
 folder (``<tmp>/sparkgpu-gpus``, mode 1777), so that two users' jobs on one machine see one
 queue::
 
-    queue/<pool>.<job id>.<pid>.json     a waiting job (QueueEntry), flock'ed by its process
+    queue/<kind>.<job id>.<pid>.json     a waiting job (QueueEntry), flock'ed by its process
     preempt/<target>.<requester>.json    a critical job's request (PreemptionRequest)
 
 **Entries are alive only while flock'ed.** A waiting process creates its entry under a
@@ -18,10 +18,10 @@ first entry may take GPUs: a job that does not fit keeps the ones behind it wait
 queue does (no job overtakes a more urgent or an older one).
 
 **Preemption is a request, judged by its target.** The first entry, when it is ``critical``,
-writes a :class:`PreemptionRequest` for as few ``best_effort`` jobs holding GPUs of its pool as
+writes a :class:`PreemptionRequest` for as few ``best_effort`` jobs holding GPUs of its kind as
 make up, with the free GPUs, what it needs (:func:`~sparkgpu.launch.scheduling.gpu_lease.to_preempt`). The
 target's own supervisor reads it (:func:`pending_request`) and honours it only if the
-requester's entry is live, ``critical``, of the same pool and first in the queue, and the
+requester's entry is live, ``critical``, of the same kind of GPUs and first in the queue, and the
 target itself is ``best_effort``; then it asks its ranks to checkpoint and stop, as at the
 runtime cap, and frees its GPUs. A request cannot stop a ``normal`` or ``critical`` job,
 cannot cancel anything, and a stale one (its requester gone) is ignored. Anyone on the
@@ -77,23 +77,23 @@ def shared_dir(root: Path, name: str) -> Path:
 
 @dataclasses.dataclass(frozen=True)
 class QueueEntry(QueueRecord):
-    """A job waiting for ``gpus`` GPUs of ``pool`` (``gpu`` or ``simulated-gpu``) on this host.
+    """A job waiting for ``gpus`` GPUs of ``gpu_kind`` (``gpu`` or ``simulated-gpu``) on this host.
 
     Attributes:
-        pool: Which GPUs of the host: real ones or simulated ones.
+        gpu_kind: Which GPUs of the host: real ones or simulated ones.
         pid: The waiting process (its supervisor).
         host: This host's name.
         uid: The waiting process's user.
     """
 
-    pool: str
+    gpu_kind: str
     pid: int = dataclasses.field(default_factory=os.getpid)
     host: str = dataclasses.field(default_factory=socket.gethostname)
     uid: int = dataclasses.field(default_factory=os.getuid)
 
     @property
     def file_name(self) -> str:
-        return f"{self.pool}.{self.job_id}.{self.pid}.json"
+        return f"{self.gpu_kind}.{self.job_id}.{self.pid}.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,10 +212,10 @@ class GpuQueue:
         self._fd, self.entry, self._asked = None, None, set()
 
     def ahead(self) -> list[QueueEntry]:
-        """The live entries of this job's pool that go before it."""
+        """The live entries of this job's kind of GPUs that go before it."""
         assert self.entry is not None, "enter() the queue first"
         mine = self.entry.sort_key()
-        return [e for e in self.live_entries(self.entry.pool) if e.sort_key() < mine]
+        return [e for e in self.live_entries(self.entry.gpu_kind) if e.sort_key() < mine]
 
     def ask_to_give_way(self, holder: GpuHolder) -> bool:
         """Writes a request that best-effort ``holder`` checkpoint and stop; True when newly asked."""
@@ -238,8 +238,8 @@ class GpuQueue:
         return True
 
     # -- readers -------------------------------------------------------------------------
-    def live_entries(self, pool: str | None = None) -> list[QueueEntry]:
-        """Live entries (of ``pool``, or all), in queue order; stale ones are ignored, and removed when ours."""
+    def live_entries(self, gpu_kind: str | None = None) -> list[QueueEntry]:
+        """Live entries (of GPU kind ``gpu_kind``, or all), in queue order; stale ones are ignored, and removed when ours."""
         entries = []
         for path in self.queue_dir.glob("*.json"):
             liveness = _liveness(path)
@@ -254,23 +254,23 @@ class GpuQueue:
                 entry = QueueEntry.from_json(path.read_text())
             except (OSError, ValueError, KeyError, TypeError):
                 continue
-            if entry.file_name != path.name or (pool is not None and entry.pool != pool):
+            if entry.file_name != path.name or (gpu_kind is not None and entry.gpu_kind != gpu_kind):
                 continue  # a file that does not say what its name says is not an entry
             entries.append(entry)
         return sorted(entries, key=QueueEntry.sort_key)
 
     def positions(self) -> dict[str, tuple[QueueEntry, int]]:
-        """Job id -> (its entry, its 1-based place in its pool's queue)."""
+        """Job id -> (its entry, its 1-based place among its kind of GPUs' entries)."""
         places: dict[str, tuple[QueueEntry, int]] = {}
         counts: dict[str, int] = {}
         for entry in self.live_entries():
-            counts[entry.pool] = counts.get(entry.pool, 0) + 1
-            places[entry.job_id] = (entry, counts[entry.pool])
+            counts[entry.gpu_kind] = counts.get(entry.gpu_kind, 0) + 1
+            places[entry.job_id] = (entry, counts[entry.gpu_kind])
         return places
 
 
 def pending_request(
-    root: Path, job_id: str, priority: Priority, pool: str
+    root: Path, job_id: str, priority: Priority, gpu_kind: str
 ) -> tuple[PreemptionRequest, QueueEntry] | None:
     """The genuine request that ``job_id`` give way, if any: see the module's rules.
 
@@ -278,7 +278,7 @@ def pending_request(
         root: The lease folder.
         job_id: The running job that may be asked.
         priority: Its class: only a preemptible one is ever asked.
-        pool: The pool of GPUs it holds.
+        gpu_kind: The kind of GPUs it holds (real or simulated).
     """
     if not priority.preemptible:
         return None
@@ -297,9 +297,13 @@ def pending_request(
             entry = QueueEntry.from_json(entry_path.read_text())
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if entry.job_id != request.requester_job_id or entry.priority is not Priority.CRITICAL or entry.pool != pool:
+        if (
+            entry.job_id != request.requester_job_id
+            or entry.priority is not Priority.CRITICAL
+            or entry.gpu_kind != gpu_kind
+        ):
             continue
-        live = queue.live_entries(pool)
+        live = queue.live_entries(gpu_kind)
         if not live or live[0].file_name != entry.file_name:
             continue  # only the first in the queue may ask: the others would not get the GPUs
         return request, entry

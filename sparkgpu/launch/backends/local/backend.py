@@ -32,7 +32,7 @@ from sparkgpu.launch.node.agent import build_command
 from sparkgpu.launch.backends.base import AttemptHandle, Backend, LaunchPlan, ResolvedJob
 from sparkgpu.launch.node.hardware import HostGPUs, detect_host_gpus
 from sparkgpu.launch.rank.entrypoint import NODE_DEVICES_ENV
-from sparkgpu.launch.scheduling.gpu_lease import GpuLease, lease_gpus, lock_dir, pool_of
+from sparkgpu.launch.scheduling.gpu_lease import GpuLease, lease_gpus, lock_dir, gpu_kind_of
 from sparkgpu.launch.scheduling.gpu_queue import pending_request
 from sparkgpu.launch.rundir.keys import send_key
 from sparkgpu.launch.rundir.directory import RunDir
@@ -134,7 +134,7 @@ class LocalBackend(Backend):
 
     # -- capacity ---------------------------------------------------------------------
     def resolve(self, job: JobSpec) -> ResolvedJob:
-        # One node: the resolved spec says where every rank goes, so there is no layout.
+        # One node: the resolved spec says where every rank goes, so there is no placement.
         wanted = job.resources
         host = self.host_gpus
         gpu_type = wanted.gpu_type
@@ -192,7 +192,7 @@ class LocalBackend(Backend):
             env_on_stdin=env_on_stdin,
         )
 
-    def plan(self, job, run_dir, attempt, env, layout=None) -> LaunchPlan:
+    def plan(self, job, run_dir, attempt, env, placement=None) -> LaunchPlan:
         return LaunchPlan(
             backend=self.name,
             attempt=attempt,
@@ -228,7 +228,7 @@ class LocalBackend(Backend):
     def preemption_request(self, job: JobSpec) -> str | None:
         if job.job_id not in self._leases or not job.policy.priority.preemptible:
             return None
-        found = pending_request(lock_dir(), job.job_id, job.policy.priority, pool_of(job.simulated))
+        found = pending_request(lock_dir(), job.job_id, job.policy.priority, gpu_kind_of(job.simulated))
         if found is None:
             return None
         request, entry = found
@@ -242,7 +242,7 @@ class LocalBackend(Backend):
     def await_capacity(self, job: JobSpec, wait: float | None) -> None:
         self._lease_devices(job, {}, wait=wait)
 
-    def submit(self, job, run_dir, attempt, env, layout=None) -> AttemptHandle:
+    def submit(self, job, run_dir, attempt, env, placement=None) -> AttemptHandle:
         env = self._lease_devices(job, env)
         standby = self._standbys.get(job.job_id)
         if standby is not None:

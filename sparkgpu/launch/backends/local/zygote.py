@@ -102,7 +102,7 @@ def _fork_rank(run_dir: RunDir, air: bytes, env: dict[str, str], rank: int, npro
             ROLE_RANK=str(rank),
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
-            TORCHELASTIC_USE_AGENT_STORE="True",  # the pool's store child serves it, as torch's agent would
+            TORCHELASTIC_USE_AGENT_STORE="True",  # the zygote's store child serves it, as torch's agent would
         )
         # As `python -c <text> RUN_DIR` on the agent's path: the file could be swapped after the check.
         sys.argv = ["-c", str(run_dir.path)]
@@ -170,7 +170,7 @@ class _Zygote:
                 self._reap()
                 if not self.jobs and time.monotonic() - self.last_active > self.idle_timeout:
                     return
-        except _StopPool:
+        except _StopZygote:
             return
         finally:
             for job in self.jobs:
@@ -218,7 +218,7 @@ class _Zygote:
         request.conn.setblocking(True)  # replies are one short line
         try:
             self._handle(request.conn, message)
-        except _StopPool:
+        except _StopZygote:
             raise
         except Exception as exc:  # one bad request must not take down the other jobs' ranks
             report(f"pool: request {message.get('op')!r} failed: {exc!r}")
@@ -243,9 +243,9 @@ class _Zygote:
         elif op == "stop":
             conn.sendall(b'{"stopping": true}\n')
             conn.close()
-            raise _StopPool
+            raise _StopZygote
         elif op == "retire":
-            # A newer pool took over: finish the running jobs, then stop.
+            # A newer zygote took over: finish the running jobs, then stop.
             self.idle_timeout = 0.0
             conn.sendall(b'{"retiring": true}\n')
             conn.close()
@@ -368,14 +368,14 @@ class _Zygote:
         self.write_info()
 
 
-class _StopPool(Exception):
+class _StopZygote(Exception):
     pass
 
 
 def _serve(argv: list[str]) -> None:
     directory, idle_timeout = Path(argv[0]), float(argv[1])
     fingerprint = argv[2] if len(argv) > 2 else ""
-    if argv[3:4] == ["standby"]:  # one job's standby (pool.Standby): it lives no longer than its client
+    if argv[3:4] == ["standby"]:  # one job's standby (zygote_client.Standby): it lives no longer than its client
         _die_with_parent()
     # What every rank needs, imported once here so that forked ranks start warm.
     import cloudpickle  # noqa: F401

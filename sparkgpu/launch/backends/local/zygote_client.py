@@ -1,22 +1,22 @@
 """The warm pool for local ranks: ranks forked from a process with torch already imported.
 
 A cold ``.distributed()`` call pays for an interpreter and ``import torch`` in the agent and
-again in every rank (seconds). The pool keeps one long-lived "zygote" process per
+again in every rank (seconds). The warm pool keeps one long-lived "zygote" process per
 interpreter that has imported torch and sparkgpu once; each call asks it over a private
 UNIX socket to fork the ranks, which then run exactly what a cold rank runs (the generated
 ``_air.py``). The zygote never initialises CUDA, so forked ranks may use GPUs.
 
 This module is the client side: it starts the zygote (:mod:`sparkgpu.launch.backends.local.zygote`,
 which holds the process itself), asks it for status, stops it, and forks a job's ranks on
-it (:func:`run_on_zygote`, used by :class:`~sparkgpu.launch.backends.local.warm.WarmPoolBackend`
+it (:func:`run_on_zygote`, used by :class:`~sparkgpu.launch.backends.local.warm.WarmBackend`
 and by a job's :class:`Standby`). The zygote is single-threaded and stops itself after
 ``idle_timeout`` without work; ``sparkgpu warm-pool status`` / ``sparkgpu warm-pool stop`` show and
 stop it. If the client disconnects mid-run (Ctrl-C, or the client was killed), the zygote
 kills that job's ranks.
 
-A pool runs the code it imported when it started, so it is keyed by the interpreter and by a
+A warm zygote runs the code it imported when it started, so it is keyed by the interpreter and by a
 fingerprint of that code (sparkgpu's files, torch's, numpy's and cloudpickle's): after an
-upgrade or an edit the next call starts a new pool, and the outdated one stops once its
+upgrade or an edit the next call starts a new one, and the outdated one stops once its
 running jobs end.
 """
 
@@ -40,7 +40,7 @@ from sparkgpu.errors import SparkGPUError
 from sparkgpu.launch.backends.base import AttemptHandle
 from sparkgpu.launch.rank.threads import rank_thread_env, threads_per_rank
 
-__all__ = ["Standby", "PoolAttempt", "ensure_pool", "pool_status", "stop_pool", "run_on_zygote"]
+__all__ = ["Standby", "ZygoteAttempt", "ensure_warm_zygote", "warm_zygote_status", "stop_warm_zygote", "run_on_zygote"]
 
 _START_TIMEOUT = 120.0
 # A warm job often ends within a fraction of a second: for its first second, poll waits up to
@@ -48,7 +48,7 @@ _START_TIMEOUT = 120.0
 # supervisor poll (and sleep) later.
 _EARLY_RESULT_WAIT = 0.25
 _EARLY_SECONDS = 1.0
-# What the zygote imports before it forks (pool_zygote._serve); the ranks inherit these
+# What the zygote imports before it forks (zygote._serve); the ranks inherit these
 # modules as they were then.
 _PRELOADED = ("torch", "numpy", "cloudpickle")
 
@@ -57,18 +57,18 @@ def _interpreter_tag(python: str) -> str:
     return hashlib.sha256(os.path.realpath(python).encode()).hexdigest()[:12]
 
 
-def _pool_dir(python: str, fingerprint: str | None = None) -> Path:
-    # One pool per interpreter and code: a pool started from another venv, or before an
+def _warm_zygote_dir(python: str, fingerprint: str | None = None) -> Path:
+    # One warm zygote per interpreter and code: one started from another venv, or before an
     # upgrade or an edit of sparkgpu, would run other code than a cold call does.
     return settings().home / "pool" / f"{_interpreter_tag(python)}-{fingerprint or code_fingerprint()}"
 
 
 def code_fingerprint(package_dir: Path | None = None, preloaded: tuple[str, ...] = _PRELOADED) -> str:
-    """A short hash of the code a pool would preload: path, size and mtime of every file of
+    """A short hash of the code a warm zygote would preload: path, size and mtime of every file of
     the sparkgpu package and of the entry files of ``preloaded``; no module is imported.
 
     Reinstalling or upgrading a distribution rewrites its files, so their mtimes change.
-    This describes this process's environment, which is the pool's unless
+    This describes this process's environment, which is the warm zygote's unless
     ``SPARKGPU_PYTHON`` names another interpreter (that one is part of the key anyway).
 
     Args:
@@ -120,7 +120,7 @@ def _connect(directory: Path) -> socket.socket | None:
 
 
 def _request(directory: Path, message: dict) -> dict | None:
-    """Sends one request; ``None`` when no pool answers (also one that stopped meanwhile)."""
+    """Sends one request; ``None`` when no zygote answers (also one that stopped meanwhile)."""
     sock = _connect(directory)
     if sock is None:
         return None
@@ -133,15 +133,15 @@ def _request(directory: Path, message: dict) -> dict | None:
     return json.loads(reply) if reply else None
 
 
-def ensure_pool(python: str, idle_timeout: float) -> Path:
+def ensure_warm_zygote(python: str, idle_timeout: float) -> Path:
     """Starts the zygote for ``python`` and the current code unless it runs already; returns
     its directory. Pools of the same interpreter with outdated code are asked to stop once
     their running jobs end."""
     fingerprint = code_fingerprint()
-    directory = _pool_dir(python, fingerprint)
+    directory = _warm_zygote_dir(python, fingerprint)
     if _request(directory, {"op": "status"}) is not None:
         return directory
-    for outdated in _pool_dirs(python):
+    for outdated in _warm_zygote_dirs(python):
         if outdated != directory:
             _request(outdated, {"op": "retire"})
     directory.mkdir(parents=True, exist_ok=True)
@@ -163,27 +163,27 @@ def ensure_pool(python: str, idle_timeout: float) -> Path:
     raise SparkGPUError(f"the warm pool did not start within {_START_TIMEOUT:g}s; see {directory / 'pool.log'}")
 
 
-def pool_status(python: str | None = None) -> dict | None:
-    """The running pool's pid, start time, idle timeout, code fingerprint and jobs; ``None``
-    when none runs. The pool of the current code if it runs, else an outdated one that is
+def warm_zygote_status(python: str | None = None) -> dict | None:
+    """The running warm zygote's pid, start time, idle timeout, code fingerprint and jobs; ``None``
+    when none runs. The one of the current code if it runs, else an outdated one that is
     still finishing its jobs."""
     python = python or settings().python
-    current = _pool_dir(python)
-    for directory in [current] + [d for d in _pool_dirs(python) if d != current]:
+    current = _warm_zygote_dir(python)
+    for directory in [current] + [d for d in _warm_zygote_dirs(python) if d != current]:
         info = _request(directory, {"op": "status"})
         if info is not None:
             return info
     return None
 
 
-def stop_pool(python: str | None = None) -> bool:
-    """Stops the pools of ``python`` (killing ranks they still run), outdated ones included.
+def stop_warm_zygote(python: str | None = None) -> bool:
+    """Stops the warm zygotes of ``python`` (killing ranks they still run), outdated ones included.
 
     Returns:
         False when none was running.
     """
     stopped = False
-    for directory in _pool_dirs(python or settings().python):
+    for directory in _warm_zygote_dirs(python or settings().python):
         info = _request(directory, {"op": "status"})
         if info is None or _request(directory, {"op": "stop"}) is None:
             continue
@@ -195,14 +195,14 @@ def stop_pool(python: str | None = None) -> bool:
     return stopped
 
 
-def _pool_dirs(python: str) -> list[Path]:
-    """Directories of every pool of ``python``, whatever code it was started with (also
-    those of versions that keyed pools by interpreter alone)."""
+def _warm_zygote_dirs(python: str) -> list[Path]:
+    """Directories of every warm zygote of ``python``, whatever code it was started with (also
+    those of versions that keyed them by interpreter alone)."""
     return sorted((settings().home / "pool").glob(f"{_interpreter_tag(python)}*"))
 
 
 @dataclasses.dataclass
-class PoolAttempt(AttemptHandle):
+class ZygoteAttempt(AttemptHandle):
     """An attempt whose ranks a zygote forked; the zygote answers on ``conn`` when they ended."""
 
     attempt: int
@@ -238,7 +238,7 @@ class PoolAttempt(AttemptHandle):
             time.sleep(0.05)
 
 
-def run_on_zygote(directory: Path, job, run_dir, attempt: int, env: dict[str, str]) -> PoolAttempt:
+def run_on_zygote(directory: Path, job, run_dir, attempt: int, env: dict[str, str]) -> ZygoteAttempt:
     """Asks the zygote at ``directory`` to fork the attempt's ranks; returns once they were forked."""
     conn = _connect(directory)
     if conn is None:
@@ -260,7 +260,7 @@ def run_on_zygote(directory: Path, job, run_dir, attempt: int, env: dict[str, st
         conn.close()
         raise SparkGPUError(f"the warm pool at {directory} refused the job; see {directory / 'pool.log'}")
     conn.setblocking(False)
-    return PoolAttempt(attempt=attempt, conn=conn, node_file=run_dir.node_file(attempt, 0))
+    return ZygoteAttempt(attempt=attempt, conn=conn, node_file=run_dir.node_file(attempt, 0))
 
 
 class Standby:
@@ -301,7 +301,7 @@ class Standby:
             time.sleep(0.02)
         return False
 
-    def submit(self, job, run_dir, attempt: int, env: dict[str, str]) -> PoolAttempt | None:
+    def submit(self, job, run_dir, attempt: int, env: dict[str, str]) -> ZygoteAttempt | None:
         """The attempt, its ranks forked here; ``None`` when the standby cannot serve it."""
         if not self.ready():
             return None

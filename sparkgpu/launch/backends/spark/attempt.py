@@ -12,7 +12,7 @@ import threading
 
 from sparkgpu.launch.client.attempt_report import AttemptReport
 from sparkgpu.launch.backends.base import AttemptHandle
-from sparkgpu.launch.backends.spark.capacity import NodeLayout
+from sparkgpu.launch.backends.spark.capacity import RankPlacement
 from sparkgpu.launch.rundir.directory import RunDir
 from sparkgpu.launch.rundir.staging import ClientMirror
 from sparkgpu.spec import JobSpec
@@ -27,7 +27,7 @@ class SparkAttempt(AttemptHandle):
     attempt: int
     job: JobSpec
     run_dir: RunDir
-    layout: NodeLayout
+    placement: RankPlacement
     tag: str
     submitted_at: float  # monotonic
     submitted_wall: float = 0.0

@@ -38,11 +38,11 @@ from sparkgpu.errors import CapacityError, ConfigurationError
 from sparkgpu.launch.node.agent import build_command
 from sparkgpu.launch.backends.base import AttemptHandle, Backend, LaunchPlan, ResolvedJob
 from sparkgpu.launch.backends.spark.capacity import (
-    NodeLayout,
+    RankPlacement,
     SparkCapacity,
     discover_capacity,
     discover_worker_image,
-    plan_layout,
+    plan_placement,
 )
 from sparkgpu.launch.backends.spark.executor.node import NODE_DDL, NodeLaunch, run_node
 from sparkgpu.launch.backends.spark.attempt import SparkAttempt, sync_now
@@ -229,9 +229,9 @@ class SparkBackend(Backend):
     def end_job(self, job: JobSpec) -> None:
         self.seats.end(job)
 
-    def _layout(self, job: JobSpec, capacity: SparkCapacity | None = None) -> NodeLayout:
+    def _placement(self, job: JobSpec, capacity: SparkCapacity | None = None) -> RankPlacement:
         capacity = capacity or self.capacity()
-        return plan_layout(
+        return plan_placement(
             job.resources.gpus,
             job.resources.gpu_type or "cpu",
             capacity,
@@ -261,15 +261,15 @@ class SparkBackend(Backend):
             user_prefix(self.staging_url, settings().user)  # a user name no prefix can hold fails here
         capacity = self.capacity()
         if job.resources.elastic and not job.resources.is_cpu:
-            job, layout = self._elastic_layout(job, capacity)
+            job, placement = self._elastic_placement(job, capacity)
         else:
-            layout = self._layout(job, capacity)
+            placement = self._placement(job, capacity)
         simulated = capacity.simulated and not job.resources.is_cpu
         # Devices are per node and known only at launch: each task's GPU addresses.
-        return ResolvedJob(dataclasses.replace(job, devices=(), simulated=simulated), layout)
+        return ResolvedJob(dataclasses.replace(job, devices=(), simulated=simulated), placement)
 
-    def _elastic_layout(self, job: JobSpec, capacity: SparkCapacity) -> tuple[JobSpec, NodeLayout]:
-        """The layout of an elastic job, and the job with its node shape fixed, so that every
+    def _elastic_placement(self, job: JobSpec, capacity: SparkCapacity) -> tuple[JobSpec, RankPlacement]:
+        """The placement of an elastic job, and the job with its node shape fixed, so that every
         attempt, whatever its size, runs on nodes of the same GPUs. A cluster short of nodes now
         (one lost, not yet replaced) takes the job when it could run ``min_gpus`` of it.
 
@@ -280,21 +280,21 @@ class SparkBackend(Backend):
         low = job.resources.min_gpus
         assert low is not None
         try:
-            layout = self._layout(job, capacity)
+            placement = self._placement(job, capacity)
         except CapacityError:
-            smallest = self._layout(job.resized(low), capacity)  # raises when even min_gpus never fit
+            smallest = self._placement(job.resized(low), capacity)  # raises when even min_gpus never fit
             per_node = smallest.gpus_per_node
             if job.resources.gpus % per_node:
                 raise
-            layout = NodeLayout(job.resources.gpus // per_node, per_node, per_node)
-        per_node = layout.gpus_per_node
+            placement = RankPlacement(job.resources.gpus // per_node, per_node, per_node)
+        per_node = placement.gpus_per_node
         if low % per_node:
             raise ConfigurationError(
                 f"min_gpus={low} is not a whole number of this cluster's {per_node}-GPU nodes; ask for a multiple "
                 f"of {per_node}"
             )
         resources = dataclasses.replace(job.resources, gpus_per_node=per_node)
-        return dataclasses.replace(job, resources=resources), layout
+        return dataclasses.replace(job, resources=resources), placement
 
     def available_gpus(self, job: JobSpec) -> int | None:
         """The GPUs of the cluster's live executors (probed anew), in whole nodes of the job's
@@ -319,8 +319,8 @@ class SparkBackend(Backend):
         return super().checkpoint_dir(run_dir)
 
     # -- attempts ---------------------------------------------------------------------
-    def plan(self, job, run_dir, attempt, env, layout: NodeLayout | None = None) -> LaunchPlan:
-        layout = layout if layout is not None else self._layout(job)
+    def plan(self, job, run_dir, attempt, env, placement: RankPlacement | None = None) -> LaunchPlan:
+        placement = placement if placement is not None else self._placement(job)
         where = (
             f"<node copy of {self._store_prefix(run_dir)}/{run_dir.job_id}>" if self.staging_url else str(run_dir.path)
         )
@@ -330,22 +330,22 @@ class SparkBackend(Backend):
                     "python",
                     where,
                     attempt=attempt,
-                    nnodes=layout.nodes,
+                    nnodes=placement.nodes,
                     node_rank=node,
-                    nproc=layout.ranks_per_node,
+                    nproc=placement.ranks_per_node,
                     master_addr="<host of node 0>",
                     master_port=0,
                     shutdown_grace=job.policy.shutdown_grace,
                 )
             )
-            for node in range(layout.nodes)
+            for node in range(placement.nodes)
         )
-        shown = {**env, "SPARK_TASK_GPUS": str(layout.gpus_per_node)}
+        shown = {**env, "SPARK_TASK_GPUS": str(placement.gpus_per_node)}
         return LaunchPlan(
             backend=self.name,
             attempt=attempt,
-            nodes=layout.nodes,
-            ranks_per_node=layout.ranks_per_node,
+            nodes=placement.nodes,
+            ranks_per_node=placement.ranks_per_node,
             devices=(),
             commands=commands,
             env=shown,
@@ -357,12 +357,12 @@ class SparkBackend(Backend):
             raise ConfigurationError(f"job {run_dir.job_id} has no signing key on this client; launch it again")
         return run_dir.key
 
-    def _frame(self, job: JobSpec, run_dir: RunDir, attempt: int, env: dict, layout: NodeLayout):
+    def _frame(self, job: JobSpec, run_dir: RunDir, attempt: int, env: dict, placement: RankPlacement):
         launch = NodeLaunch(
             run_dir=str(run_dir.path),
             attempt=attempt,
-            nnodes=layout.nodes,
-            nproc=layout.ranks_per_node,
+            nnodes=placement.nodes,
+            nproc=placement.ranks_per_node,
             env=dict(env),
             key=self._job_key(run_dir),
             shutdown_grace=job.policy.shutdown_grace,
@@ -371,26 +371,28 @@ class SparkBackend(Backend):
             peer_timeout=self.node_timeout,
             log_ranks=job.log_ranks,
             control_interval=self.control_interval,
-            threads_per_rank=None if job.uses_cuda else threads_per_rank(layout.ranks_per_node),
+            threads_per_rank=None if job.uses_cuda else threads_per_rank(placement.ranks_per_node),
         )
         task = functools.partial(run_node, launch)
-        frame = self.spark.range(0, layout.nodes, 1, layout.nodes)
-        if layout.gpus_per_node == 0:
+        frame = self.spark.range(0, placement.nodes, 1, placement.nodes)
+        if placement.gpus_per_node == 0:
             return frame.mapInArrow(task, NODE_DDL, barrier=True)
         from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
 
-        requests = TaskResourceRequests().cpus(1).resource("gpu", float(layout.gpus_per_node))
+        requests = TaskResourceRequests().cpus(1).resource("gpu", float(placement.gpus_per_node))
         profile = ResourceProfileBuilder().require(requests).build
         with _active(self.spark):
             _ = profile.id  # Connect registers the profile on the server now, from this thread
         return frame.mapInArrow(task, NODE_DDL, barrier=True, profile=profile)
 
-    def submit(self, job, run_dir, attempt, env, layout: NodeLayout | None = None) -> SparkAttempt:
+    def submit(self, job, run_dir, attempt, env, placement: RankPlacement | None = None) -> SparkAttempt:
         if self._spark is None and POOL_TAG in job.tags:
             self.place(job)  # a resumed job goes back to its pool
         self._reconnect_if_closed()
-        if layout is None:  # a resumed or resized job is placed anew
-            layout = self._elastic_layout(job, self.capacity())[1] if job.resources.elastic else self._layout(job)
+        if placement is None:  # a resumed or resized job is placed anew
+            placement = (
+                self._elastic_placement(job, self.capacity())[1] if job.resources.elastic else self._placement(job)
+            )
         previous = self.last_attempt
         after_loss = previous is not None and previous.job.job_id == job.job_id and bool(previous.report.lost)
         self.seats.resize(job)
@@ -402,7 +404,7 @@ class SparkBackend(Backend):
             attempt=attempt,
             job=job,
             run_dir=run_dir,
-            layout=layout,
+            placement=placement,
             tag=f"sparkgpu-{job.job_id}-{attempt}",
             submitted_at=now,
             submitted_wall=time.time(),
@@ -415,12 +417,12 @@ class SparkBackend(Backend):
             handle.mirror.start(
                 attempt,
                 self.sync_interval,
-                followed=self._followed_nodes(job, layout),
-                nodes=layout.nodes,
-                ranks_per_node=layout.ranks_per_node,
+                followed=self._followed_nodes(job, placement),
+                nodes=placement.nodes,
+                ranks_per_node=placement.ranks_per_node,
             )
         with _active(self.spark):
-            frame = self._frame(job, run_dir, attempt, env, layout)
+            frame = self._frame(job, run_dir, attempt, env, placement)
         handle.thread = threading.Thread(
             target=self._run_action, args=(handle, frame, after_loss), daemon=True, name=f"sparkgpu-{handle.tag}"
         )
@@ -430,13 +432,13 @@ class SparkBackend(Backend):
         return handle
 
     @staticmethod
-    def _followed_nodes(job: JobSpec, layout: NodeLayout) -> tuple[int, ...]:
+    def _followed_nodes(job: JobSpec, placement: RankPlacement) -> tuple[int, ...]:
         """The nodes whose logs the client reads while the attempt runs: node 0 (rank 0's logs and
         tracking records) and the nodes of the ranks it echoes (``log_ranks=``); the others' when it ends."""
         if job.log_ranks is None:
-            return tuple(range(layout.nodes))
-        per_node = max(1, layout.ranks_per_node)
-        return tuple(sorted({0, *(r // per_node for r in job.log_ranks if r // per_node < layout.nodes)}))
+            return tuple(range(placement.nodes))
+        per_node = max(1, placement.ranks_per_node)
+        return tuple(sorted({0, *(r // per_node for r in job.log_ranks if r // per_node < placement.nodes)}))
 
     def job_written(self, job: JobSpec, run_dir: RunDir) -> None:
         """Keeps the Connect URL in the run dir at once: a client that dies while its job waits in
@@ -587,15 +589,15 @@ class SparkBackend(Backend):
         its capacity wait as any waiting attempt) while the executors are probed, a small job
         about a second apart, until their slots suffice.
         """
-        layout = handle.layout
+        placement = handle.placement
 
         def slots() -> int:
             try:
-                return self.capacity(refresh=True).node_slots(layout.gpus_per_node)
+                return self.capacity(refresh=True).node_slots(placement.gpus_per_node)
             except CapacityError:  # no executor answered: none is left until the replacement comes
                 return 0
 
-        while not handle.cancelled and slots() < layout.nodes:
+        while not handle.cancelled and slots() < placement.nodes:
             time.sleep(_SLOT_POLL_SECONDS)
         return not handle.cancelled
 
@@ -607,11 +609,11 @@ class SparkBackend(Backend):
         if handle.nodes_started:
             return
         waited = now - handle.submitted_at
-        layout = handle.layout
+        placement = handle.placement
         what = (
-            f"{layout.nodes} node(s) x {layout.gpus_per_node} {handle.job.resources.gpu_type}"
-            if layout.gpus_per_node
-            else f"{layout.nodes} free task slot(s)"
+            f"{placement.nodes} node(s) x {placement.gpus_per_node} {handle.job.resources.gpu_type}"
+            if placement.gpus_per_node
+            else f"{placement.nodes} free task slot(s)"
         )
         limit = self.capacity_wait_of(handle.job)
         if waited > limit:

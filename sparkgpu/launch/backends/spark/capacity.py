@@ -44,9 +44,9 @@ from sparkgpu.launch.backends.spark.executor.probe import (
 __all__ = [
     "ExecutorInfo",
     "SparkCapacity",
-    "NodeLayout",
+    "RankPlacement",
     "discover_capacity",
-    "plan_layout",
+    "plan_placement",
     "read_confs",
     "run_tagged",
     "GPU_TYPE_CONF",
@@ -184,7 +184,7 @@ class SparkCapacity:
 
 
 @dataclasses.dataclass(frozen=True)
-class NodeLayout:
+class RankPlacement:
     """How a job's ranks map onto barrier tasks.
 
     Attributes:
@@ -460,21 +460,21 @@ def _session_key(spark) -> str:
     return str(session_id or id(spark))
 
 
-# -- layout ---------------------------------------------------------------------------------
+# -- placement ---------------------------------------------------------------------------------
 
 
 def _largest_divisor_at_most(n: int, limit: int) -> int:
     return max(d for d in range(1, max(1, min(n, limit)) + 1) if n % d == 0)
 
 
-def plan_layout(
+def plan_placement(
     gpus: int,
     gpu_type: str,
     capacity: SparkCapacity,
     *,
     gpus_per_node: int | None = None,
     max_cpu_ranks_per_node: int = 64,
-) -> NodeLayout:
+) -> RankPlacement:
     """Splits ``gpus`` ranks into equal nodes that fit the cluster, or says why they cannot.
 
     GPU jobs use as few nodes as possible: each node asks for the largest divisor of ``gpus``
@@ -501,7 +501,7 @@ def plan_layout(
                 f"asked for {gpus} CPU ranks but the Spark session reaches {capacity.describe()}; at most "
                 f"{max_cpu_ranks_per_node} CPU ranks run per node (SPARKGPU_MAX_CPU_RANKS); ask for fewer"
             )
-        return NodeLayout(nodes, per_node, 0)
+        return RankPlacement(nodes, per_node, 0)
     _check_gpu_cluster(gpus, gpu_type, capacity)
     per_executor = max(capacity.gpus_of(e) for e in capacity.executors)
     per_node = gpus_per_node or _largest_divisor_at_most(gpus, per_executor)
@@ -512,7 +512,7 @@ def plan_layout(
             f"asked for {gpus} x {gpu_type} ({nodes} node(s) of {per_node}) but the Spark session reaches "
             f"{capacity.describe()}; ask for gpus<={capacity.total_gpus}, or add GPU executors to the cluster"
         )
-    return NodeLayout(nodes, per_node, per_node)
+    return RankPlacement(nodes, per_node, per_node)
 
 
 def _check_gpu_cluster(gpus: int, gpu_type: str, capacity: SparkCapacity) -> None:

@@ -131,7 +131,7 @@ class NodeWatch:
 
     @staticmethod
     def _ranks_of(handle: SparkAttempt, node: int) -> list[int]:
-        per_node = handle.layout.ranks_per_node
+        per_node = handle.placement.ranks_per_node
         return list(range(node * per_node, (node + 1) * per_node))
 
     def stop_outliving_nodes(self, handle: SparkAttempt) -> None:

@@ -62,7 +62,7 @@ def test_only_a_job_that_may_restart_gets_a_standby_and_only_once_its_attempt_is
     import time
 
     from sparkgpu.launch.backends.local.backend import zygote_client as warm_pool
-    from sparkgpu.launch.backends.local.warm import WarmPoolBackend
+    from sparkgpu.launch.backends.local.warm import WarmBackend
     from sparkgpu.launch.backends.local.backend import LocalAttempt, LocalBackend
     from sparkgpu.spec import JobSpec, Resources, RunPolicy
 
@@ -88,7 +88,7 @@ def test_only_a_job_that_may_restart_gets_a_standby_and_only_once_its_attempt_is
         attempt("under-way", 1, age=LocalBackend.standby_delay + 1)
         attempt("under-way", 1, age=LocalBackend.standby_delay + 2)
         assert started == ["under-way"]  # one standby per job
-        assert LocalBackend(standby=False)._standbys == {} and WarmPoolBackend().standby is False
+        assert LocalBackend(standby=False)._standbys == {} and WarmBackend().standby is False
     finally:
         sleeper.kill()
         sleeper.wait()

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from sparkgpu.errors import CapacityError, ConfigurationError
-from sparkgpu.launch.backends.spark.capacity import ExecutorInfo, NodeLayout, SparkCapacity, plan_layout, read_confs
+from sparkgpu.launch.backends.spark.capacity import (
+    ExecutorInfo,
+    RankPlacement,
+    SparkCapacity,
+    plan_placement,
+    read_confs,
+)
 
 
 def cluster(*addresses, gpu_type="A10", cores=8, master="spark://head:7077", per_executor=None, **extra):
@@ -28,26 +34,26 @@ TWO_BY_TWO = cluster(("0", "1"), ("2", "3"))
 @pytest.mark.parametrize(
     "gpus, expected",
     [
-        (4, NodeLayout(2, 2, 2)),  # a whole executor per node
-        (2, NodeLayout(1, 2, 2)),  # fits one executor: one node, no network between its ranks
-        (1, NodeLayout(1, 1, 1)),
-        (3, NodeLayout(3, 1, 1)),  # 3 does not split into 2s: one GPU per task
+        (4, RankPlacement(2, 2, 2)),  # a whole executor per node
+        (2, RankPlacement(1, 2, 2)),  # fits one executor: one node, no network between its ranks
+        (1, RankPlacement(1, 1, 1)),
+        (3, RankPlacement(3, 1, 1)),  # 3 does not split into 2s: one GPU per task
     ],
 )
 def test_gpu_jobs_use_as_few_nodes_as_fit(gpus, expected):
-    assert plan_layout(gpus, "A10", TWO_BY_TWO) == expected
+    assert plan_placement(gpus, "A10", TWO_BY_TWO) == expected
 
 
 def test_eight_gpu_executors_take_an_eight_gpu_job_on_one_node():
     big = cluster(tuple(str(i) for i in range(8)), tuple(str(i) for i in range(8)), gpu_type="H100")
-    assert plan_layout(8, "H100", big) == NodeLayout(1, 8, 8)
-    assert plan_layout(16, "H100", big) == NodeLayout(2, 8, 8)
-    assert plan_layout(12, "H100", big) == NodeLayout(2, 6, 6)
+    assert plan_placement(8, "H100", big) == RankPlacement(1, 8, 8)
+    assert plan_placement(16, "H100", big) == RankPlacement(2, 8, 8)
+    assert plan_placement(12, "H100", big) == RankPlacement(2, 6, 6)
 
 
 def test_too_many_gpus_names_what_exists():
     with pytest.raises(CapacityError) as err:
-        plan_layout(6, "A10", TWO_BY_TWO)
+        plan_placement(6, "A10", TWO_BY_TWO)
     text = str(err.value)
     assert "asked for 6 x A10" in text and "4 x A10 at spark://head:7077" in text
     assert "executor 0 on host-0: 2 x A10 (0,1)" in text and "gpus<=4" in text
@@ -55,53 +61,53 @@ def test_too_many_gpus_names_what_exists():
 
 def test_wrong_gpu_type_names_the_clusters_type():
     with pytest.raises(CapacityError, match=r"gpu_type='H100' .*spark.sparkgpu.gpuType.*gpu_type='A10'"):
-        plan_layout(2, "H100", TWO_BY_TWO)
+        plan_placement(2, "H100", TWO_BY_TWO)
 
 
 def test_unknown_gpu_type_is_not_held_against_the_request():
-    assert plan_layout(2, "H100", cluster(("0", "1"), gpu_type=None)) == NodeLayout(1, 2, 2)
+    assert plan_placement(2, "H100", cluster(("0", "1"), gpu_type=None)) == RankPlacement(1, 2, 2)
 
 
 def test_no_gpus_and_local_mode_say_what_to_do_instead():
     with pytest.raises(CapacityError, match=r"no GPUs .*spark.executor.resource.gpu.amount is not set"):
-        plan_layout(1, "A10", cluster((), (), gpu_type=None))
+        plan_placement(1, "A10", cluster((), (), gpu_type=None))
     with pytest.raises(CapacityError, match=r"local mode \(local\[2\]\).*gpu_type='cpu'"):
-        plan_layout(1, "A10", cluster((), master="local[2]"))
+        plan_placement(1, "A10", cluster((), master="local[2]"))
 
 
 def test_dynamic_allocation_is_refused_with_the_reason():
     with pytest.raises(ConfigurationError, match="SPARK-24942"):
-        plan_layout(2, "A10", cluster(("0", "1"), dynamic_allocation=True))
+        plan_placement(2, "A10", cluster(("0", "1"), dynamic_allocation=True))
 
 
 def test_executor_gpus_come_from_the_conf_when_the_probe_saw_no_addresses():
     unseen = cluster((), (), per_executor=4)
     assert unseen.total_gpus == 8
-    assert plan_layout(8, "A10", unseen) == NodeLayout(2, 4, 4)
+    assert plan_placement(8, "A10", unseen) == RankPlacement(2, 4, 4)
 
 
 def test_cpu_jobs_spread_over_the_executors():
-    assert plan_layout(4, "cpu", TWO_BY_TWO) == NodeLayout(2, 2, 0)
-    assert plan_layout(3, "cpu", TWO_BY_TWO) == NodeLayout(1, 3, 0)
+    assert plan_placement(4, "cpu", TWO_BY_TWO) == RankPlacement(2, 2, 0)
+    assert plan_placement(3, "cpu", TWO_BY_TWO) == RankPlacement(1, 3, 0)
     local = cluster((), master="local[2]", gpu_type=None, cores=2)
-    assert plan_layout(4, "cpu", local) == NodeLayout(1, 4, 0)
+    assert plan_placement(4, "cpu", local) == RankPlacement(1, 4, 0)
     with pytest.raises(CapacityError, match="at most 4 CPU ranks run per node"):
-        plan_layout(6, "cpu", local, max_cpu_ranks_per_node=4)
+        plan_placement(6, "cpu", local, max_cpu_ranks_per_node=4)
 
 
 def test_gpus_per_node_is_honoured_and_checked():
-    assert plan_layout(4, "A10", TWO_BY_TWO, gpus_per_node=1) == NodeLayout(4, 1, 1)
+    assert plan_placement(4, "A10", TWO_BY_TWO, gpus_per_node=1) == RankPlacement(4, 1, 1)
     with pytest.raises(ConfigurationError, match="divisor"):
-        plan_layout(4, "A10", TWO_BY_TWO, gpus_per_node=3)
+        plan_placement(4, "A10", TWO_BY_TWO, gpus_per_node=3)
     with pytest.raises(CapacityError):
-        plan_layout(4, "A10", TWO_BY_TWO, gpus_per_node=4)  # no executor holds 4
+        plan_placement(4, "A10", TWO_BY_TWO, gpus_per_node=4)  # no executor holds 4
 
 
 def test_tasks_per_executor_are_limited_by_its_cores():
     one_core = cluster(("0", "1"), ("2", "3"), cores=1)
-    assert plan_layout(2, "A10", one_core) == NodeLayout(1, 2, 2)
+    assert plan_placement(2, "A10", one_core) == RankPlacement(1, 2, 2)
     with pytest.raises(CapacityError):
-        plan_layout(4, "A10", one_core, gpus_per_node=1)  # 4 tasks, 2 task slots
+        plan_placement(4, "A10", one_core, gpus_per_node=1)  # 4 tasks, 2 task slots
 
 
 def test_capacity_prints_as_a_table():
