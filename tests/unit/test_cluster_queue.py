@@ -223,7 +223,7 @@ def test_both_queues_records_round_trip_through_their_json_files():
 
     ticket = Ticket("j", CRITICAL, 4, 12.5, TicketState.RUNNING, beat_at=99.0, user="ana")
     assert Ticket.from_json(ticket.to_json()) == ticket
-    entry = QueueEntry("k", Priority.BEST_EFFORT, 2, 3.0, pool="simulated-gpu")
+    entry = QueueEntry("k", Priority.BEST_EFFORT, 2, 3.0, gpu_kind="simulated-gpu")
     assert QueueEntry.from_json(entry.to_json()) == entry
     assert json.loads(entry.to_json())["priority"] == Priority.BEST_EFFORT.value  # plain strings on disk
     assert sorted([entry, ticket], key=lambda r: r.sort_key())[0] is ticket  # one line order for both

@@ -120,6 +120,14 @@ def test_a_forged_entry_file_not_held_by_a_process_is_ignored(tmp_path):
     assert queue.live_entries() == []
 
 
+def test_an_entry_keeps_the_json_keys_every_version_writes():
+    entry = QueueEntry("job", Priority.NORMAL, 1, 5.0, gpu_kind="simulated-gpu", pid=7, host="h", uid=3)
+    written = json.loads(entry.to_json())
+    assert written["pool"] == "simulated-gpu" and "gpu_kind" not in written  # clients of two versions share the queue
+    assert QueueEntry.from_json(entry.to_json()) == entry
+    assert entry.file_name == "simulated-gpu.job.7.json"
+
+
 def _request(tmp_path, target: str, requester: str, entry_name: str) -> None:
     queue = GpuQueue(tmp_path)
     (queue.preempt_dir / f"{target}.{requester}.json").write_text(

@@ -41,6 +41,7 @@ import re
 import socket
 import time
 from pathlib import Path
+from typing import ClassVar
 
 from sparkgpu.launch.scheduling.queue_record import QueueRecord
 from sparkgpu.priority import Priority
@@ -90,6 +91,8 @@ class QueueEntry(QueueRecord):
     pid: int = dataclasses.field(default_factory=os.getpid)
     host: str = dataclasses.field(default_factory=socket.gethostname)
     uid: int = dataclasses.field(default_factory=os.getuid)
+
+    json_keys: ClassVar[dict[str, str]] = {"gpu_kind": "pool"}  # what every version writes
 
     @property
     def file_name(self) -> str:

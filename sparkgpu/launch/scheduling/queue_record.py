@@ -6,7 +6,7 @@ import dataclasses
 import enum
 import json
 import typing
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from sparkgpu.priority import Priority
 
@@ -34,13 +34,19 @@ class QueueRecord:
     gpus: int
     order: float
 
+    # A field's key in the JSON where it differs from the field's name: the key stays what
+    # every version writes, so that clients of two versions share one queue.
+    json_keys: ClassVar[dict[str, str]] = {}
+
     def sort_key(self) -> tuple[int, float, str]:
         return (-self.priority.rank, self.order, self.job_id)
 
     def to_json(self) -> str:
         return json.dumps(
             {
-                field.name: value.value if isinstance(value := getattr(self, field.name), enum.Enum) else value
+                self.json_keys.get(field.name, field.name): (
+                    value.value if isinstance(value := getattr(self, field.name), enum.Enum) else value
+                )
                 for field in dataclasses.fields(self)
             }
         )
@@ -50,7 +56,12 @@ class QueueRecord:
         """The record in ``text``; ``ValueError``, ``KeyError`` or ``TypeError`` when it is none."""
         data = json.loads(text)
         types = typing.get_type_hints(cls)
-        return cls(**{field.name: _parse(types[field.name], data[field.name]) for field in dataclasses.fields(cls)})
+        return cls(
+            **{
+                field.name: _parse(types[field.name], data[cls.json_keys.get(field.name, field.name)])
+                for field in dataclasses.fields(cls)
+            }
+        )
 
 
 def _parse(kind: Any, value: Any) -> Any:
