@@ -143,7 +143,7 @@ def test_nodes_of_a_job_spark_interrupted_are_waited_for_only_the_shutdown_grace
     # Spark kills the tasks of an interrupted job (their Python workers, and the agents and ranks
     # with them): they write no end marker, so waiting for the cancel marker's round trip and the
     # node timeout (50 s with the defaults) would only delay the restart.
-    monkeypatch.setattr("sparkgpu.launch.backends.spark.node_watch.KILLED_TASK_SECONDS", 0.5)
+    monkeypatch.setattr("sparkgpu.launch.backends.spark.attempt.KILLED_TASK_SECONDS", 0.5)
     backend = SparkBackend(spark=TaggedSession(), client_timeout=None, control_interval=30)
     start_marker(attempt, 0, time.time())
     backend._run_action(attempt, BrokenStream())

@@ -45,8 +45,7 @@ from sparkgpu.launch.backends.spark.capacity import (
     plan_placement,
 )
 from sparkgpu.launch.backends.spark.executor.node import NODE_DDL, NodeLaunch, run_node
-from sparkgpu.launch.backends.spark.attempt import SparkAttempt, sync_now
-from sparkgpu.launch.backends.spark.node_watch import NodeWatch
+from sparkgpu.launch.backends.spark.attempt import NodeWatch, SparkAttempt, sync_now
 from sparkgpu.launch.backends.spark.seats import ClusterSeats
 from sparkgpu.launch.backends.spark.sessions import active as _active
 from sparkgpu.launch.backends.spark.sessions import (
