@@ -223,13 +223,13 @@ class _Agent:
 
 def _compat():
     """The pieces of the package this run drives (they moved between the designs)."""
-    from sparkgpu.launch.backends.spark.backend.executor import node as spark_node
+    from sparkgpu.launch.backends.spark.executor import node as spark_node
 
     return spark_node
 
 
 def _hub_module():
-    from sparkgpu.launch.backends.spark.backend.executor import hub as spark_hub
+    from sparkgpu.launch.backends.spark.executor import hub as spark_hub
 
     return spark_hub
 

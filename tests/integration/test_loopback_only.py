@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from sparkgpu import distributed
-from sparkgpu.launch.backends.local.backend import zygote_client
+from sparkgpu.launch.backends.local import zygote_client
 from sparkgpu.launch.backends.local.warm import WarmBackend
 from sparkgpu.launch.backends.local.zygote_client import stop_warm_zygote
 

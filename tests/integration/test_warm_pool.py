@@ -14,8 +14,8 @@ import pytest
 
 from sparkgpu import JobTimeoutError, WorkerFailedError, distributed, runtime
 from sparkgpu.config import settings
-from sparkgpu.launch.backends.local.backend import zygote_client
-from sparkgpu.launch.backends.local.backend import zygote
+from sparkgpu.launch.backends.local import zygote_client
+from sparkgpu.launch.backends.local import zygote
 from sparkgpu.launch.backends.local.warm import WarmBackend
 from sparkgpu.launch.backends.local.zygote_client import warm_zygote_status, stop_warm_zygote
 from tests.integration.processes import ctrl_c_client, start_client, wait_for

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from sparkgpu.launch.backends.spark.backend.executor import hub as spark_hub
+from sparkgpu.launch.backends.spark.executor import hub as spark_hub
 from sparkgpu.launch.backends.spark.executor.hub import Hub, HubLink
 from sparkgpu.launch.backends.spark.executor.node import NodeLaunch, NodeLink, NodeZero
 from sparkgpu.launch.rundir.directory import RunDir

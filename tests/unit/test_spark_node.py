@@ -18,7 +18,7 @@ import pytest
 
 from sparkgpu._files import atomic_write_bytes
 from sparkgpu.launch.node.agent import strip_spark_secrets
-from sparkgpu.launch.backends.spark.backend.executor import node as spark_node
+from sparkgpu.launch.backends.spark.executor import node as spark_node
 from sparkgpu.launch.backends.spark.executor.hub import HubLink
 from sparkgpu.launch.backends.spark.executor.node import (
     Heartbeat,

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.launch.backends.spark.backend.executor import probe as spark_probe
+from sparkgpu.launch.backends.spark.executor import probe as spark_probe
 from sparkgpu.launch.backends.spark.executor.probe import executor_identity
 
 

@@ -119,7 +119,7 @@ def test_a_session_its_connect_server_closed_is_replaced_or_the_error_says_how_t
 
     from pyspark.sql.connect.client.core import DefaultChannelBuilder
 
-    from sparkgpu.launch.backends.spark.backend import backend as spark_backend
+    from sparkgpu.launch.backends.spark import backend as spark_backend
 
     def closed_session():  # what pyspark leaves after "[INVALID_HANDLE.SESSION_CHANGED] ... Please reconnect."
         return SimpleNamespace(

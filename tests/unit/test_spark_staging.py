@@ -11,7 +11,7 @@ import time
 import pytest
 
 from sparkgpu.config import reset_settings
-from sparkgpu.launch.backends.spark.backend.executor import node as spark_node
+from sparkgpu.launch.backends.spark.executor import node as spark_node
 from sparkgpu.launch.client.attempt_report import AttemptReport
 from sparkgpu.launch.backends.spark.backend import SparkAttempt, SparkBackend
 from sparkgpu.launch.backends.spark.capacity import RankPlacement

@@ -61,13 +61,13 @@ def test_only_a_job_that_may_restart_gets_a_standby_and_only_once_its_attempt_is
     import sys
     import time
 
-    from sparkgpu.launch.backends.local.backend import zygote_client as warm_pool
+    from sparkgpu.launch.backends.local import zygote_client
     from sparkgpu.launch.backends.local.warm import WarmBackend
     from sparkgpu.launch.backends.local.backend import LocalAttempt, LocalBackend
     from sparkgpu.spec import JobSpec, Resources, RunPolicy
 
     started = []
-    monkeypatch.setattr(warm_pool, "Standby", lambda python, job_id: started.append(job_id) or object())
+    monkeypatch.setattr(zygote_client, "Standby", lambda python, job_id: started.append(job_id) or object())
     backend = LocalBackend()
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
