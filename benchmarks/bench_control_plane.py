@@ -1,10 +1,10 @@
 """Control-plane cost of a Spark job: store requests per node-hour, client load, time to name a lost node.
 
 N node agents run through the code a real Spark job's nodes run
-(:func:`sparkgpu.launch.backends.spark_node._watch` beside a
-:class:`~sparkgpu.launch.staging.NodeMirror`), and one client through the code the supervisor
-drives (:meth:`SparkBackend.poll <sparkgpu.launch.backends.spark.SparkBackend.poll>` with its
-heartbeat thread and :class:`~sparkgpu.launch.staging.ClientMirror`). Only the agent is a
+(:func:`sparkgpu.launch.backends.spark.executor.node._watch` beside a
+:class:`~sparkgpu.launch.rundir.staging.NodeMirror`), and one client through the code the supervisor
+drives (:meth:`SparkBackend.poll <sparkgpu.launch.backends.spark.backend.SparkBackend.poll>` with its
+heartbeat thread and :class:`~sparkgpu.launch.rundir.staging.ClientMirror`). Only the agent is a
 stand-in: its ranks are simulated inside it (no torch), each printing one line per second into
 its log file, so 64 nodes of 8 ranks fit on a 2-core machine. There is no Spark: a "killed" node
 is one whose agent, watch loop and mirror stop at once, without an end marker (its executor is
@@ -227,13 +227,13 @@ class _Agent:
 
 def _compat():
     """The pieces of the package this run drives (they moved between the designs)."""
-    from sparkgpu.launch.backends import spark_node
+    from sparkgpu.launch.backends.spark.executor import node as spark_node
 
     return spark_node
 
 
 def _hub_module():
-    from sparkgpu.launch.backends import spark_hub
+    from sparkgpu.launch.backends.spark.executor import hub as spark_hub
 
     return spark_hub
 
@@ -241,10 +241,10 @@ def _hub_module():
 def _child(args) -> dict:
     import boto3
 
-    from sparkgpu.launch.backends.spark import SparkAttempt, SparkBackend
-    from sparkgpu.launch.backends.spark_capacity import NodeLayout
-    from sparkgpu.launch.run_dir import RunDir
-    from sparkgpu.launch.staging import ClientMirror, NodeMirror, StagingStore
+    from sparkgpu.launch.backends.spark.backend import SparkAttempt, SparkBackend
+    from sparkgpu.launch.backends.spark.capacity import RankPlacement
+    from sparkgpu.launch.rundir.directory import RunDir
+    from sparkgpu.launch.rundir.staging import ClientMirror, NodeMirror, StagingStore
     from sparkgpu.spec import JobSpec, Resources
 
     spark_node = _compat()
@@ -284,7 +284,7 @@ def _child(args) -> dict:
         attempt=attempt,
         job=job,
         run_dir=rd,
-        layout=NodeLayout(nodes, per_node, 0),
+        placement=RankPlacement(nodes, per_node, 0),
         tag="bench",
         submitted_at=time.monotonic(),
         submitted_wall=time.time(),

@@ -52,17 +52,17 @@ def bench_sparkgpu(ranks: int, repeats: int, callbacks=None) -> list[float]:
 
 def bench_sparkgpu_warm(ranks: int, repeats: int) -> list[float]:
     from sparkgpu import distributed
-    from sparkgpu.launch.backends.warm_pool import WarmPoolBackend
-    from sparkgpu.launch.warm_pool import stop_pool
+    from sparkgpu.launch.backends.local.warm import WarmBackend
+    from sparkgpu.launch.backends.local.zygote_client import stop_warm_zygote
 
-    job = distributed(
-        gpus=ranks, gpu_type="cpu", log_ranks=None, backend=WarmPoolBackend(idle_timeout=300), callbacks=[]
-    )(trivial_all_reduce)
+    job = distributed(gpus=ranks, gpu_type="cpu", log_ranks=None, backend=WarmBackend(idle_timeout=300), callbacks=[])(
+        trivial_all_reduce
+    )
     try:
         job.distributed()  # starts the pool: the cold cost, paid once per interpreter
         return time_calls(lambda: job.distributed(), repeats)
     finally:
-        stop_pool()
+        stop_warm_zygote()
 
 
 def bench_torchrun(ranks: int, repeats: int) -> list[float]:

@@ -1,7 +1,7 @@
 """Rendezvous at scale: node 0's store, met by every rank of 2 to 256 nodes of 8 ranks at once.
 
 A job's ranks meet at one TCPStore that node 0's agent serves on a socket of its own
-(:func:`sparkgpu.launch.rendezvous.listening_socket`, backlog 1024, handed to the store with
+(:func:`sparkgpu.launch.node.rendezvous.listening_socket`, backlog 1024, handed to the store with
 ``master_listen_fd``, as the ``sparkgpu-static`` rendezvous does). Every rank then does what
 ``init_process_group`` asks of the store: it connects, publishes its address, counts itself in
 and waits until every rank has (the store-based barrier), and reads the key rank 0 published
@@ -82,7 +82,7 @@ def _client(port: int, ranks: list[int], world: int, go: float, queue) -> None:
 
 def plain_connects(count: int) -> float:
     """Seconds for ``count`` threads to connect at once to a socket listening as the store's does."""
-    from sparkgpu.launch.rendezvous import listening_socket
+    from sparkgpu.launch.node.rendezvous import listening_socket
 
     listener = listening_socket(HOST, 0)
     port = listener.getsockname()[1]
@@ -114,7 +114,7 @@ def plain_connects(count: int) -> float:
 def one_round(nodes: int, per_node: int, processes: int) -> dict:
     from torch.distributed import TCPStore
 
-    from sparkgpu.launch.rendezvous import listening_socket
+    from sparkgpu.launch.node.rendezvous import listening_socket
 
     world = nodes * per_node
     listener = listening_socket(HOST, 0)

@@ -221,7 +221,7 @@ def run_floor(size_mb: int, work: Path) -> float:
 
 
 def cold_backend():
-    from sparkgpu.launch.backends.local import LocalBackend
+    from sparkgpu.launch.backends.local.backend import LocalBackend
 
     return LocalBackend(standby=False)
 
@@ -245,7 +245,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-restart-") as tmp:
         os.environ["SPARKGPU_HOME"] = str(Path(tmp) / "home")
         os.environ.setdefault("SPARKGPU_TRACKING", "0")  # restart latency only; tracking is measured apart
-        from sparkgpu.launch.warm_pool import stop_pool
+        from sparkgpu.launch.backends.local.zygote_client import stop_warm_zygote
 
         try:
             run_sparkgpu(args.size_mb, Path(tmp), "warm_pool")  # starts the warm pool: its start is not a restart
@@ -257,7 +257,7 @@ def main(argv=None) -> None:
                     samples[name].append(peers[name](Path(tmp)))
                     print(f"repeat {repeat} {name}: {samples[name][-1]:.2f} s", flush=True)
         finally:
-            stop_pool()  # the pool would outlive the run for an hour, in a deleted SPARKGPU_HOME
+            stop_warm_zygote()  # the pool would outlive the run for an hour, in a deleted SPARKGPU_HOME
 
     medians = {name: statistics.median(values) for name, values in samples.items()}
     spreads = {name: spread(values) for name, values in samples.items()}

@@ -118,9 +118,9 @@ def main() -> None:
             # The test helper leaves the process without a default session; TorchDistributor
             # takes the active one, so this one must be it.
             type(spark)._set_default_and_active_session(spark)
-            from sparkgpu.launch.backends.spark_capacity import plan_layout
+            from sparkgpu.launch.backends.spark.capacity import plan_placement
 
-            nodes = plan_layout(args.ranks, "A10", spark.gpu.capacity()).nodes  # how our ranks map onto tasks
+            nodes = plan_placement(args.ranks, "A10", spark.gpu.capacity()).nodes  # how our ranks map onto tasks
             peers: dict[str, list[float] | str] = {
                 "python -c pass (floor)": bench_floor("pass", args.ranks, args.repeats),
                 "python -c 'import torch' (floor)": bench_floor("import torch", args.ranks, args.repeats),

@@ -281,8 +281,8 @@ def main() -> None:
         )
         from sparkgpu import distributed
         from sparkgpu.config import reset_settings
-        from sparkgpu.launch.backends.warm_pool import WarmPoolBackend
-        from sparkgpu.launch.warm_pool import stop_pool
+        from sparkgpu.launch.backends.local.warm import WarmBackend
+        from sparkgpu.launch.backends.local.zygote_client import stop_warm_zygote
 
         reset_settings()
         samples = [sample("start", 0, 0)]
@@ -293,13 +293,13 @@ def main() -> None:
                 "local cold", args.local_cold, lambda i: cold.distributed(i), samples, args.warmup, args.every
             )
         if args.local_warm:
-            warm = distributed(gpus=2, gpu_type="cpu", backend=WarmPoolBackend(idle_timeout=600))(all_reduce_step)
+            warm = distributed(gpus=2, gpu_type="cpu", backend=WarmBackend(idle_timeout=600))(all_reduce_step)
             try:
                 phases["local warm"] = run_phase(
                     "local warm", args.local_warm, lambda i: warm.distributed(i), samples, args.warmup, args.every
                 )
             finally:
-                stop_pool()
+                stop_warm_zygote()
         if args.spark:
             sys.path.insert(0, str(ROOT / "benchmarks"))
             from bench_spark_launch import _workers_share_this_python

@@ -11,7 +11,7 @@ call.cancel()                      # stops the ranks wherever the job is supervi
 ```
 
 The process that submits a job supervises it in a background thread: the same
-:class:`~sparkgpu.launch.supervisor.Supervisor` as ``.distributed()``, writing the same
+:class:`~sparkgpu.launch.client.supervisor.Supervisor` as ``.distributed()``, writing the same
 ``state.json`` in the job's run dir. Any other process reads that state. When the client
 that supervises a job is gone (killed, or its machine rebooted) and the job has not ended,
 :func:`attach` takes the supervision over exactly as ``sparkgpu resume`` does: the next
@@ -47,14 +47,14 @@ from sparkgpu.errors import (
     PolicyViolationError,
     SparkGPUError,
 )
-from sparkgpu.launch.attempt_result import read_attempt
+from sparkgpu.launch.client.attempt_result import read_attempt
 from sparkgpu._keyring import load_key
-from sparkgpu.launch.logs import LogStreamer
-from sparkgpu.launch.resume import client_is_gone, find_run_dir, take_over
-from sparkgpu.launch.run_dir import RunDir
+from sparkgpu.launch.client.logs import LogStreamer
+from sparkgpu.launch.client.resume import client_is_gone, find_run_dir, take_over
+from sparkgpu.launch.rundir.directory import RunDir
 from sparkgpu.protocol import AttemptStatus, JobState, JobStatus
-from sparkgpu.launch.supervision_lock import SupervisionLock
-from sparkgpu.launch.supervisor import CANCEL_REQUEST_FILE, Supervisor
+from sparkgpu.launch.client.supervision_lock import SupervisionLock
+from sparkgpu.launch.client.supervisor import CANCEL_REQUEST_FILE, Supervisor
 from sparkgpu.spec import JobSpec
 
 __all__ = ["DistributedFunctionCall", "attach", "collect_outputs_or_raise"]

@@ -35,7 +35,7 @@ from typing import Literal, Sequence
 from sparkgpu.errors import ConfigurationError, PolicyViolationError, SparkGPUError
 from sparkgpu.job_options import add_cli_flags, cli_values, key_value
 from sparkgpu.protocol import JobStatus, ListedStatus
-from sparkgpu.launch.run_layout import RunLayout
+from sparkgpu.launch.rundir.layout import RunLayout
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +48,9 @@ COMMANDS: list[tuple[str, str]] = [
     ("sparkgpu.cli", "register_jobs"),
     ("sparkgpu.cli", "register_logs"),
     ("sparkgpu.usage.cli", "register"),
-    ("sparkgpu.launch.cli", "register_resume"),
-    ("sparkgpu.launch.cli", "register_cancel"),
-    ("sparkgpu.launch.cli", "register_pool"),
+    ("sparkgpu.launch.client.cli", "register_resume"),
+    ("sparkgpu.launch.client.cli", "register_cancel"),
+    ("sparkgpu.launch.client.cli", "register_warm_pool"),
     ("sparkgpu.tracking.cli", "register_tracking"),
     ("sparkgpu.data.cli", "register_data"),
     ("sparkgpu.data.cli", "register_cache"),
@@ -227,8 +227,8 @@ def list_jobs(staging_root: Path | None = None) -> list[dict]:
     ``waiting``, else ``None``).
     """
     from sparkgpu.config import settings
-    from sparkgpu.launch.gpu_lease import waiting_jobs
-    from sparkgpu.launch.resume import client_is_gone
+    from sparkgpu.launch.scheduling.gpu_lease import waiting_jobs
+    from sparkgpu.launch.client.resume import client_is_gone
 
     root = Path(staging_root or settings().staging_root)
     waiting: dict[str, tuple[object, int]] = {**waiting_jobs(), **_cluster_waiting_jobs()}
@@ -280,7 +280,7 @@ def list_jobs(staging_root: Path | None = None) -> list[dict]:
 def _cluster_waiting_jobs() -> dict:
     """The jobs waiting in the Spark clusters' queues under the staging root; empty when it cannot be read."""
     from sparkgpu.config import settings
-    from sparkgpu.launch.cluster_queue import cluster_waiting_jobs, queue_root
+    from sparkgpu.launch.scheduling.cluster_queue import cluster_waiting_jobs, queue_root
 
     try:
         return cluster_waiting_jobs(queue_root(settings().staging_url))
@@ -383,8 +383,8 @@ def register_logs(subparsers) -> None:
 
 def find_run_dir(job_id: str):
     """The run dir of ``job_id`` or of the one job whose id starts with it (see
-    :func:`sparkgpu.launch.resume.find_run_dir`); for the commands of lower layers."""
-    from sparkgpu.launch.resume import find_run_dir as find
+    :func:`sparkgpu.launch.client.resume.find_run_dir`); for the commands of lower layers."""
+    from sparkgpu.launch.client.resume import find_run_dir as find
 
     return find(job_id)
 
@@ -425,7 +425,7 @@ class _FollowRequest:
 
     def renew(self, attempt: int) -> None:
         from sparkgpu._files import atomic_write_bytes
-        from sparkgpu.launch.run_layout import RunLayout
+        from sparkgpu.launch.rundir.layout import RunLayout
 
         now = time.time()
         path = self.rd.file(RunLayout.follow_request(attempt))
@@ -436,7 +436,7 @@ class _FollowRequest:
 
 
 def cmd_logs(args) -> int:
-    from sparkgpu.launch.logs import LogStreamer
+    from sparkgpu.launch.client.logs import LogStreamer
 
     rd = find_run_dir(args.job_id)
     run_dir = rd.path

@@ -144,7 +144,7 @@ class Settings:
         user: Name usage is attributed to (``SPARKGPU_USER``, default the login name).
         warm_pool: Local jobs fork their ranks from a warm pool with torch already imported
             (``SPARKGPU_WARM_POOL=1``).
-        pool_idle_timeout: Seconds the warm pool waits for work before it stops itself
+        warm_idle_timeout: Seconds the warm pool waits for work before it stops itself
             (``SPARKGPU_POOL_IDLE_TIMEOUT``, default 3600).
         tracking: Every job gets an MLflow run (``SPARKGPU_TRACKING``, default on; ``0`` turns
             it off).
@@ -216,7 +216,7 @@ class Settings:
     usage_rates: str | None = None
     user: str = ""
     warm_pool: bool = False
-    pool_idle_timeout: float = 3600.0
+    warm_idle_timeout: float = 3600.0
     tracking: bool = True
     lightning_checkpoints: bool = True
     system_metrics_interval: float = 10.0
@@ -273,7 +273,7 @@ class Settings:
             usage_rates=env.get("SPARKGPU_USAGE_RATES") or None,
             user=env.get("SPARKGPU_USER") or _login_name(env),
             warm_pool=(env.get("SPARKGPU_WARM_POOL") or "0").lower() in ("1", "true", "yes", "on"),
-            pool_idle_timeout=_env_seconds(env, "SPARKGPU_POOL_IDLE_TIMEOUT", 3600.0),
+            warm_idle_timeout=_env_seconds(env, "SPARKGPU_POOL_IDLE_TIMEOUT", 3600.0),
             tracking=(env.get("SPARKGPU_TRACKING") or "1").lower() not in ("0", "false", "no", "off"),
             lightning_checkpoints=(env.get("SPARKGPU_LIGHTNING_CHECKPOINTS") or "1").lower()
             not in ("0", "false", "no", "off"),

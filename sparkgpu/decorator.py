@@ -498,7 +498,7 @@ def _pool_backend(pool: str, remote: bool, backend) -> Backend:
 
 
 def _host_gpu_count() -> int:
-    from sparkgpu.launch.hardware import detect_host_gpus
+    from sparkgpu.launch.node.hardware import detect_host_gpus
 
     return detect_host_gpus(settings().simulate_gpus).count
 

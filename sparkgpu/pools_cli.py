@@ -66,8 +66,8 @@ def _connect_address(url: str) -> tuple[str, int]:
 def pool_status(pool: Pool, timeout: float) -> PoolStatus:
     """Probes one pool; never raises for an unreachable or failing pool, and returns within
     about ``timeout`` seconds plus the probe's own start."""
-    from sparkgpu.launch.backends.spark_capacity import discover_capacity
-    from sparkgpu.launch.backends.spark_sessions import pool_session
+    from sparkgpu.launch.backends.spark.capacity import discover_capacity
+    from sparkgpu.launch.backends.spark.sessions import pool_session
 
     host, port = _connect_address(pool.url)
     try:

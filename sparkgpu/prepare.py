@@ -24,9 +24,9 @@ from sparkgpu.errors import SparkGPUError
 from sparkgpu.launch.backends.base import Backend, LaunchPlan
 from sparkgpu.callbacks import JobCallback
 from sparkgpu._keyring import new_key, save_key
-from sparkgpu.launch.run_dir import RunDir
-from sparkgpu.launch.retention import prune_runs
-from sparkgpu.launch.serialization import add_keyword_arguments, client_sys_path, serialize_payload
+from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.launch.client.retention import prune_runs
+from sparkgpu.launch.rundir.serialization import add_keyword_arguments, client_sys_path, serialize_payload
 from sparkgpu.spec import JobSpec
 from sparkgpu.usage.meter import enforce_policy, enforce_pool_policy
 
@@ -39,7 +39,7 @@ class PreparedJob:
 
     Attributes:
         job: The spec as the backend resolved it (GPU type, devices, simulated GPUs, pool tag).
-        layout: The backend's placement of the ranks, as ``resolve`` returned it; handed back
+        placement: The backend's placement of the ranks, as ``resolve`` returned it; handed back
             to the backend's ``plan`` and ``submit``. ``None`` when the spec says it all.
         backend: The backend that resolved the job and runs it.
         callbacks: The job's callbacks (they travel inside the payload too).
@@ -52,7 +52,7 @@ class PreparedJob:
     """
 
     job: JobSpec
-    layout: Any
+    placement: Any
     backend: Backend
     callbacks: list[JobCallback]
     payload: bytes
@@ -65,7 +65,7 @@ class PreparedJob:
     def plan(self, attempt: int = 0) -> LaunchPlan:
         """What the backend will start for ``attempt``: the printable dry run."""
         return self.backend.plan(
-            self.job, self.run_dir, attempt, {"SPARKGPU_JOB_ID": self.job.job_id}, layout=self.layout
+            self.job, self.run_dir, attempt, {"SPARKGPU_JOB_ID": self.job.job_id}, placement=self.placement
         )
 
     def with_kwargs(self, **extra: Any) -> "PreparedJob":
@@ -110,16 +110,18 @@ class PreparedJob:
         return dataclasses.replace(self, environment=environment, written=True)
 
     def supervisor(self, out=None):
-        """A :class:`~sparkgpu.launch.supervisor.Supervisor` for this written job; starts nothing.
+        """A :class:`~sparkgpu.launch.client.supervisor.Supervisor` for this written job; starts nothing.
 
         Raises:
             SparkGPUError: the job is not written yet.
         """
-        from sparkgpu.launch.supervisor import Supervisor
+        from sparkgpu.launch.client.supervisor import Supervisor
 
         if not self.written:
             raise SparkGPUError(f"job {self.job.job_id} is not written yet; call write() first")
-        return Supervisor(self.job, self.run_dir, self.backend, self.key, self.callbacks, out=out, layout=self.layout)
+        return Supervisor(
+            self.job, self.run_dir, self.backend, self.key, self.callbacks, out=out, placement=self.placement
+        )
 
 
 def prepare(
@@ -159,7 +161,7 @@ def prepare(
     payload = serialize_payload(fn, args, kwargs, callbacks)  # picklability, naming the culprit
     return PreparedJob(
         job=job,
-        layout=resolved.layout,
+        placement=resolved.placement,
         backend=backend,
         callbacks=list(callbacks),
         payload=payload,

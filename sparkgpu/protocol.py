@@ -131,7 +131,7 @@ class ListedStatus(_StrEnum):
 
     STAGED = "staged"
     LOST = "lost"
-    WAITING = "waiting"  # in this host's GPU queue (sparkgpu.launch.gpu_queue), its client alive
+    WAITING = "waiting"  # in this host's GPU queue (sparkgpu.launch.scheduling.gpu_queue), its client alive
 
 
 class NodeState(_StrEnum):

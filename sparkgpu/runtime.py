@@ -41,7 +41,7 @@ __all__ = [
     "stop_for_restart",
 ]
 
-# Environment set by the launcher for each worker (see sparkgpu.launch.entrypoint).
+# Environment set by the launcher for each worker (see sparkgpu.launch.rank.entrypoint).
 ENV_JOB_ID = "SPARKGPU_JOB_ID"
 ENV_ATTEMPT = "SPARKGPU_ATTEMPT"
 ENV_RUN_DIR = "SPARKGPU_RUN_DIR"
@@ -193,7 +193,7 @@ def request_checkpoint() -> None:
 
 
 def _stop_file() -> str | None:
-    from sparkgpu.launch.run_layout import RunLayout  # it names the stop file's place in an attempt
+    from sparkgpu.launch.rundir.layout import RunLayout  # it names the stop file's place in an attempt
 
     run_dir = os.environ.get(ENV_RUN_DIR)
     return os.path.join(run_dir, RunLayout.stop(attempt())) if run_dir else None
@@ -201,9 +201,9 @@ def _stop_file() -> str | None:
 
 def _genuine_stop(path: str) -> bool:
     """Whether the stop file is the supervisor's, sealed under the job key (not planted by a writer of the run dir)."""
-    from sparkgpu.launch.control import unseal
+    from sparkgpu.launch.rundir.control import unseal
     from sparkgpu._keyring import current_job_key
-    from sparkgpu.launch.run_layout import RunLayout
+    from sparkgpu.launch.rundir.layout import RunLayout
 
     try:
         with open(path, "rb") as f:
@@ -263,7 +263,7 @@ def _tell_the_launcher_sigterm_checkpoints() -> None:
     """Marks this rank, for its node's launcher, as one that sits out SIGTERM to checkpoint:
     after a peer crashed it is killed (it could only wait for the dead peer), while ranks that
     clean up on SIGTERM (a Ray node) get the whole shutdown grace."""
-    from sparkgpu.launch.run_layout import RunLayout
+    from sparkgpu.launch.rundir.layout import RunLayout
 
     run_dir = os.environ.get(ENV_RUN_DIR)
     if run_dir and os.environ.get("RANK") is not None:

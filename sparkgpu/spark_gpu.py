@@ -49,13 +49,13 @@ class GPUNamespace:
         return f"<spark.gpu of {type(self._spark).__module__}.SparkSession>"
 
     def backend(self, **options):
-        """A :class:`~sparkgpu.launch.backends.spark.SparkBackend` on this session.
+        """A :class:`~sparkgpu.launch.backends.spark.backend.SparkBackend` on this session.
 
         Args:
             **options: ``wait_timeout``, ``gpus_per_node``, ``simulated``, ``client_timeout``, ``out``,
                 ``staging_url``.
         """
-        from sparkgpu.launch.backends.spark import SparkBackend
+        from sparkgpu.launch.backends.spark.backend import SparkBackend
 
         return SparkBackend(self._spark, **options)
 
@@ -66,7 +66,7 @@ class GPUNamespace:
             refresh: Probe again instead of using the answer of the last minute.
 
         Returns:
-            A :class:`~sparkgpu.launch.backends.spark_capacity.SparkCapacity`; it prints as a table.
+            A :class:`~sparkgpu.launch.backends.spark.capacity.SparkCapacity`; it prints as a table.
         """
         return self.backend().capacity(refresh=refresh)
 

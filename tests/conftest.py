@@ -147,7 +147,7 @@ def _isolated_sparkgpu_home(tmp_path_factory, monkeypatch, _worker_image_lock):
     # A warm pool a test started (and did not stop) would wait out its idle timeout, an hour,
     # after the suite; the tests that check stopping stop theirs themselves.
     for directory in (home / "pool").glob("*"):
-        from sparkgpu.launch.warm_pool import _request
+        from sparkgpu.launch.backends.local.zygote_client import _request
 
         _request(directory, {"op": "stop"})
     reset_settings()

@@ -12,43 +12,48 @@ of a ``@distributed`` function), with the module doing each::
      2. .distributed(): the frozen JobSpec, then prepare() runs         sparkgpu.decorator, .spec,
         hops 3-5 once (a dryrun stops there: the plan, nothing          sparkgpu.prepare
         written) and PreparedJob.write() hops 6-7
-     3. backend.place (Spark: the GPU pool, whose usage policy is      launch.backends.local,
-        checked at once), then backend.resolve: capacity and gpu_type  .spark, .spark_capacity,
-        within seconds (Spark: a probe job on the executors)
-                                                                       .spark_probe; sparkgpu.pools
+     3. backend.place (Spark: the GPU pool, whose usage policy is      launch.backends.local.backend,
+        checked at once), then backend.resolve: capacity, gpu_type     launch.backends.spark.backend,
+        and rank placement within seconds (Spark: a probe job on the   .capacity, .executor.probe;
+        executors)                                                     sparkgpu.pools
      4. callbacks (tracking, metering) and the usage policy            sparkgpu.callbacks,
                                                                        sparkgpu.tracking, .usage
-     5. the function, arguments and callbacks pickled                  launch.serialization
+     5. the function, arguments and callbacks pickled                  launch.rundir.serialization
      6. with shipping: environment snapshot, staged by content         sparkgpu.env
-     7. the run dir written and signed: _air.py, spec.json,            launch.run_dir, .run_layout,
-        payload.pkl (+ _hydrate.py, _errors.py), payload.sig;          launch.entrypoint_template,
-        the job key kept in this user's keyring                        launch.payload_signature,
-                                                                       launch.keys
-     8. the supervisor's attempt loop: submit, watch, stream the       launch.supervisor,
-        ranks' logs, restart or raise; state.json for `resume` (its    launch.logs, launch.resume,
-        job, attempt and node states, the node exit record). The       sparkgpu.protocol
-        local backend starts the first agent beside the callbacks'
-        before_job (backend.prestart) and hands it their variables
-     9. backend.submit: one node agent here, a warm-pool fork (also    launch.backends.local,
-        a restart's fork from the job's standby), or one Spark         launch.warm_pool, .pool_zygote,
-                                                                       .backends.warm_pool,
-        barrier task per node (the run dir mirrored to an object       launch.backends.spark,
-        store when the staging root is one); on Spark, lost nodes      launch.staging,
-        stop the others and the attempt's report says how each ended   .spark_node_watch
+     7. the run dir written and signed: _air.py, spec.json,            launch.rundir.directory,
+        payload.pkl (+ _hydrate.py, _errors.py), payload.sig;          .layout, .entrypoint_template,
+        the job key kept in this user's keyring                        .signature, .keys
+     8. the supervisor's attempt loop: submit, watch, stream the       launch.client.supervisor,
+        ranks' logs, restart or raise; state.json for `resume` (its    .logs, .resume;
+        job, attempt and node states, the node exit record). The       sparkgpu.protocol;
+        local backend starts the first agent beside the callbacks'     launch.scheduling (GPU
+        before_job (backend.prestart) and hands it their variables     queues, leases, elastic)
+     9. backend.submit: one node agent here, a warm-pool fork (also    launch.backends.local
+        a restart's fork from the job's standby), or one Spark         (.backend, .warm,
+        barrier task per node (the run dir mirrored to an object       .zygote_client, .zygote),
+        store when the staging root is one); on Spark, lost nodes      launch.backends.spark,
+        stop the others and the attempt's report says how each ended   launch.rundir.staging
     worker, per node
-    10. Spark node task: verify the payload, start the agent, watch    launch.backends.spark_node
-        it, beat for the client and the peer nodes
-    11. node agent: verify, rendezvous, start the ranks with the       launch.agent,
-        verified _air.py text, record how each exits                   launch.rendezvous,
-                                                                       launch.rank_exits
+    10. Spark node task: verify the payload, start the agent, watch    launch.backends.spark
+        it, beat for the client and the peer nodes                     .executor (.node, .hub)
+    11. node agent: verify, rendezvous, start the ranks with the       launch.node.agent,
+        verified _air.py text, record how each exits                   .rendezvous, .rank_exits
     worker, per rank
-    12. _air.py: with a shipped environment, verify with the           launch.entrypoint_template,
-        standard library alone, then rehydrate it                      sparkgpu.env.hydrate
-    13. entrypoint: devices, process group, unpickle, run fn, write    launch.entrypoint,
-        the signed result or error                                     launch.process_group
+    12. _air.py: with a shipped environment, verify with the           launch.rundir
+        standard library alone, then rehydrate it                      .entrypoint_template,
+                                                                       sparkgpu.env.hydrate
+    13. entrypoint: devices, process group, unpickle, run fn, write    launch.rank.entrypoint,
+        the signed result or error                                     .process_group
     client again
-    14. results and errors read back and checked; failures grouped     launch.attempt_result,
-        per rank into one error (attach(...).result() reads a          launch.attempt_report,
-        finished job the same way); the outcome to the callbacks       launch.supervisor,
-                                                                       sparkgpu.errors
+    14. results and errors read back and checked; failures grouped     launch.client
+        per rank into one error (attach(...).result() reads a          .attempt_result,
+        finished job the same way); the outcome to the callbacks       .attempt_report,
+                                                                       .supervisor; sparkgpu.errors
+
+Each sub-package is named for where its code runs: ``client`` (the caller's process),
+``scheduling`` (who gets GPUs when, decided on the client), ``rundir`` (the run dir's format,
+written on the client and read on every worker), ``node`` (once per node, beside its ranks),
+``rank`` (inside each rank), ``backends`` (where a job runs: ``local``, and ``spark`` whose
+``executor`` sub-package is what runs inside the Spark tasks). Rank, node and executor code never
+imports client code (``tests/unit/test_layering.py``).
 """

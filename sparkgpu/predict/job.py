@@ -101,7 +101,7 @@ def _check_capacity(spark, gpu_type: str, gpus: int, gpus_per_task: int):
     from sparkgpu.catalog import lookup_gpu_type
 
     from sparkgpu.config import settings
-    from sparkgpu.launch.backends.spark_capacity import discover_capacity
+    from sparkgpu.launch.backends.spark.capacity import discover_capacity
 
     # Scoring tasks ask Spark for their GPUs one by one: the session's last probe (up to
     # CAPACITY_MAX_AGE old) is enough to refuse a wrong type, and a probe job per call is not.
@@ -333,7 +333,7 @@ def _scoring_stage(
         return df.mapInArrow(score, schema)
     from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
 
-    from sparkgpu.launch.backends.spark_sessions import active
+    from sparkgpu.launch.backends.spark.sessions import active
 
     requests = TaskResourceRequests().cpus(1).resource("gpu", float(gpus_per_task))
     profile = ResourceProfileBuilder().require(requests).build

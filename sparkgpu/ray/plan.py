@@ -14,7 +14,7 @@ import tempfile
 
 from sparkgpu import runtime
 from sparkgpu.errors import ConfigurationError, RayClusterError
-from sparkgpu.launch.entrypoint import NODE_DEVICES_ENV
+from sparkgpu.launch.rank.entrypoint import NODE_DEVICES_ENV
 
 RANK_LABEL = "sparkgpu-rank"  # Ray node label: the job rank that started the node
 
@@ -185,7 +185,7 @@ def ray_start_command(
     Raises:
         RayClusterError: a worker node has no head address to join.
     """
-    from sparkgpu.launch.backends.local import free_port
+    from sparkgpu.launch.backends.local.backend import free_port
 
     cmd = [
         python or sys.executable,

@@ -10,7 +10,7 @@ import dataclasses
 import json
 
 from sparkgpu.launch.backends.base import AttemptHandle, Backend, LaunchPlan, ResolvedJob
-from sparkgpu.launch.run_dir import RunDir
+from sparkgpu.launch.rundir.directory import RunDir
 
 
 @dataclasses.dataclass
@@ -33,10 +33,10 @@ class ScriptedBackend(Backend):
     def resolve(self, job):
         return ResolvedJob(job)
 
-    def plan(self, job, run_dir, attempt, env, layout=None):
+    def plan(self, job, run_dir, attempt, env, placement=None):
         return LaunchPlan(self.name, attempt, 1, job.world_size, (), (("fake",),), env)
 
-    def submit(self, job, run_dir: RunDir, attempt, env, layout=None):
+    def submit(self, job, run_dir: RunDir, attempt, env, placement=None):
         self.submitted_env.append(dict(env))
         run_dir.prepare_attempt(attempt)
         action = self.script[attempt]

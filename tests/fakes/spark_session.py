@@ -1,6 +1,6 @@
 """A Spark session stand-in for the job-tag plumbing: actions block until their tag is interrupted.
 
-Only what :func:`sparkgpu.launch.backends.spark_capacity.run_tagged` touches: ``addTag`` /
+Only what :func:`sparkgpu.launch.backends.spark.capacity.run_tagged` touches: ``addTag`` /
 ``removeTag`` (thread-local, as in Spark Connect), ``interruptTag``, and a frame whose
 ``collect`` runs until it finishes or its tag is interrupted.
 """

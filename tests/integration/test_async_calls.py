@@ -22,7 +22,7 @@ from sparkgpu import (
 )
 from sparkgpu.config import settings
 from sparkgpu.errors import CallNotFinishedError, ConfigurationError, JobCancelledError
-from sparkgpu.launch.supervisor import JobStatus
+from sparkgpu.launch.client.supervisor import JobStatus
 from tests.integration.processes import assert_no_orphans, start_client, wait_for
 
 pytestmark = pytest.mark.integration

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from sparkgpu.launch.cluster_queue import (
+from sparkgpu.launch.scheduling.cluster_queue import (
     ClusterQueue,
     QueueSeat,
     Ticket,
@@ -15,7 +15,7 @@ from sparkgpu.launch.cluster_queue import (
     cluster_waiting_jobs,
     queue_root,
 )
-from sparkgpu.launch.gpu_queue import PreemptionRequest
+from sparkgpu.launch.scheduling.gpu_queue import PreemptionRequest
 from sparkgpu.priority import Priority
 
 pytestmark = pytest.mark.integration

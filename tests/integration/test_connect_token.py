@@ -4,7 +4,7 @@ refused, and sparkgpu lets a job's key travel over such a channel."""
 
 import pytest
 
-from sparkgpu.launch.backends.spark_sessions import check_key_transport
+from sparkgpu.launch.backends.spark.sessions import check_key_transport
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
 

@@ -9,7 +9,7 @@ import pytest
 
 from sparkgpu import WorkerFailedError, distributed, runtime
 from sparkgpu.config import settings
-from sparkgpu.launch.entrypoint import NODE_DEVICES_ENV
+from sparkgpu.launch.rank.entrypoint import NODE_DEVICES_ENV
 
 pytestmark = pytest.mark.integration
 
@@ -126,7 +126,7 @@ class _PatchLog:
         self.lines = []
         handler = logging.Handler(logging.DEBUG)
         handler.emit = lambda record: self.lines.append(record.getMessage())
-        logger = logging.getLogger("sparkgpu.launch.process_group")
+        logger = logging.getLogger("sparkgpu.launch.rank.process_group")
         logger.addHandler(handler)
         logger.setLevel(logging.DEBUG)
 

@@ -28,7 +28,7 @@ def test_a_shipping_job_runs_on_its_rehydrated_environment(workers_share_this_im
 
 
 def test_a_tampered_hydration_module_never_runs(workers_share_this_image, tmp_path):
-    from sparkgpu.launch.supervisor import Supervisor
+    from sparkgpu.launch.client.supervisor import Supervisor
 
     prepared = where_is_sparkgpu.prepare((), {}).write()
     marker = tmp_path / "pwned"

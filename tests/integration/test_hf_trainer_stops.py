@@ -173,7 +173,7 @@ def test_sigterm_to_the_ranks_saves_stops_and_resumes_bitwise_equal(uninterrupte
 
 
 def test_a_spent_budget_stops_the_trainer_and_sparkgpu_resume_finishes_it_bitwise_equal(uninterrupted, tmp_path, capfd):
-    from sparkgpu.launch.resume import resume_job
+    from sparkgpu.launch.client.resume import resume_job
 
     ledger = UsageLedger(str(tmp_path / "ledger"))
     # 900 GPU-seconds per 20 s: more than the job spends in an attempt; a 1,024-GPU job of the

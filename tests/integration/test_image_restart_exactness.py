@@ -22,7 +22,7 @@ import cloudpickle
 import pytest
 
 from sparkgpu import distributed
-from sparkgpu.launch.backends.local import LocalBackend
+from sparkgpu.launch.backends.local.backend import LocalBackend
 
 pytestmark = pytest.mark.integration
 

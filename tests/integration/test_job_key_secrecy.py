@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from sparkgpu import distributed
-from sparkgpu.launch.backends.local import LocalBackend
+from sparkgpu.launch.backends.local.backend import LocalBackend
 from sparkgpu._keyring import load_key
 
 
@@ -49,8 +49,8 @@ def scan_for_secrets(out_path: str) -> dict:
 @pytest.mark.parametrize(
     "path, backend, launcher",
     [
-        ("cold", lambda: LocalBackend(standby=False), b"sparkgpu.launch.agent"),
-        ("pool", lambda: "warm_pool", b"sparkgpu.launch.pool_zygote"),
+        ("cold", lambda: LocalBackend(standby=False), b"sparkgpu.launch.node.agent"),
+        ("pool", lambda: "warm_pool", b"sparkgpu.launch.backends.local.zygote"),
     ],
 )
 def test_a_running_jobs_key_is_in_no_environment_or_command_line(tmp_path, path, backend, launcher):

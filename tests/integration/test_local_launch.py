@@ -230,7 +230,7 @@ def test_large_results_come_back_whole():
 
 
 def test_tampered_payload_is_refused_by_the_workers():
-    from sparkgpu.launch.supervisor import Supervisor
+    from sparkgpu.launch.client.supervisor import Supervisor
 
     prepared = all_reduce_step.prepare((10,), {}).write()
     parts = pickle.loads(prepared.run_dir.payload_file.read_bytes())
@@ -315,7 +315,7 @@ RESUMABLE_CLIENT = textwrap.dedent("""
 def test_resume_continues_a_job_whose_client_died(tmp_path, _isolated_sparkgpu_home):
     import json
 
-    from sparkgpu.launch.resume import resume_job
+    from sparkgpu.launch.client.resume import resume_job
 
     client = start_client(tmp_path, _isolated_sparkgpu_home, RESUMABLE_CLIENT, stdout=subprocess.DEVNULL)
     runs = _isolated_sparkgpu_home / "runs"
@@ -339,7 +339,7 @@ def test_resume_continues_a_job_whose_client_died(tmp_path, _isolated_sparkgpu_h
 
 def test_resume_refuses_unknown_and_finished_jobs():
     from sparkgpu import ConfigurationError
-    from sparkgpu.launch.resume import resume_job
+    from sparkgpu.launch.client.resume import resume_job
 
     with pytest.raises(ConfigurationError, match="sparkgpu jobs"):
         resume_job("no-such-job")
@@ -379,7 +379,7 @@ def test_a_crashed_rank_does_not_leave_a_checkpointing_peer_to_sit_out_the_shutd
 def test_a_restart_forks_its_ranks_from_the_jobs_standby_which_ends_with_the_job():
     """A job that may restart gets a standby with torch imported once its attempt is under way;
     the restart's ranks are forked from it (no new interpreter), and it ends with the job."""
-    from sparkgpu.launch.backends.local import LocalBackend
+    from sparkgpu.launch.backends.local.backend import LocalBackend
 
     @distributed(gpus=2, gpu_type="cpu", max_restarts=1, log_ranks=None)
     def crash_once(wait):
@@ -398,7 +398,7 @@ def test_a_restart_forks_its_ranks_from_the_jobs_standby_which_ends_with_the_job
     results = crash_once.distributed(LocalBackend.standby_delay + 1.5)
     assert [r[0] for r in results] == [1, 1]
     (standby_pid,) = {r[1] for r in results}
-    assert all("sparkgpu.launch.pool_zygote" in r[2] and r[2][-1] == "standby" for r in results)
+    assert all("sparkgpu.launch.backends.local.zygote" in r[2] and r[2][-1] == "standby" for r in results)
     assert not psutil.pid_exists(standby_pid) or psutil.Process(standby_pid).status() == psutil.STATUS_ZOMBIE
     assert list((settings().home / "standby").iterdir()) == []
 
@@ -424,7 +424,7 @@ class _SlowCallback(JobCallback):
 
     def before_job(self, job, run_dir):
         time.sleep(1.0)
-        agents = [p for p in processes_of(run_dir) if "sparkgpu.launch.agent" in " ".join(p.cmdline())]
+        agents = [p for p in processes_of(run_dir) if "sparkgpu.launch.node.agent" in " ".join(p.cmdline())]
         ranks = list((Path(run_dir) / "attempts").glob("*/logs/rank-*.log"))
         self.seen = (len(agents), len(ranks))
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from sparkgpu import distributed
-from sparkgpu.launch import warm_pool as pool_module
-from sparkgpu.launch.backends.warm_pool import WarmPoolBackend
-from sparkgpu.launch.warm_pool import stop_pool
+from sparkgpu.launch.backends.local import zygote_client
+from sparkgpu.launch.backends.local.warm import WarmBackend
+from sparkgpu.launch.backends.local.zygote_client import stop_warm_zygote
 
 pytestmark = pytest.mark.integration
 
@@ -60,12 +60,12 @@ def test_a_local_job_listens_on_loopback_only():
 
 
 def test_a_warm_pool_job_listens_on_loopback_only(monkeypatch):
-    monkeypatch.setattr(pool_module, "code_fingerprint", lambda: "l00pbac4")
+    monkeypatch.setattr(zygote_client, "code_fingerprint", lambda: "l00pbac4")
     try:
-        job = distributed(gpus=2, gpu_type="cpu", backend=WarmPoolBackend(idle_timeout=60))(_job_listeners)
+        job = distributed(gpus=2, gpu_type="cpu", backend=WarmBackend(idle_timeout=60))(_job_listeners)
         _assert_loopback_only(job.distributed())
     finally:
-        stop_pool()
+        stop_warm_zygote()
 
 
 def _ray_driver_view():

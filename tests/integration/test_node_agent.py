@@ -11,11 +11,11 @@ import pytest
 
 from sparkgpu import distributed, runtime
 from sparkgpu.config import settings
-from sparkgpu.launch.agent import build_command
-from sparkgpu.launch.backends.local import free_port
+from sparkgpu.launch.node.agent import build_command
+from sparkgpu.launch.backends.local.backend import free_port
 from sparkgpu._keyring import new_key
-from sparkgpu.launch.serialization import client_sys_path, serialize_payload
-from sparkgpu.launch.run_dir import RunDir
+from sparkgpu.launch.rundir.serialization import client_sys_path, serialize_payload
+from sparkgpu.launch.rundir.directory import RunDir
 
 pytestmark = pytest.mark.integration
 

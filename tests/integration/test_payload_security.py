@@ -16,10 +16,10 @@ import pytest
 from sparkgpu import WorkerFailedError, distributed, runtime
 from sparkgpu.config import settings
 from sparkgpu.errors import PayloadSignatureError
-from sparkgpu.launch.backends.spark_node import NodeLaunch, run_node
+from sparkgpu.launch.backends.spark.executor.node import NodeLaunch, run_node
 from sparkgpu._keyring import load_key
-from sparkgpu.launch.run_dir import RunDir
-from sparkgpu.launch.supervisor import Supervisor
+from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.launch.client.supervisor import Supervisor
 
 pytestmark = pytest.mark.integration
 

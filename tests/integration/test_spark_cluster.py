@@ -19,7 +19,7 @@ import pytest
 
 from sparkgpu import CapacityError, WorkerFailedError, runtime
 from sparkgpu.config import settings
-from sparkgpu.launch.backends.spark_capacity import clear_capacity_cache
+from sparkgpu.launch.backends.spark.capacity import clear_capacity_cache
 from tests.integration.processes import assert_no_orphans as _assert_no_orphans, ctrl_c_client, processes_of
 from tests.integration.spark_cluster import every_gpu_held, hold_until
 from tests.sealed import sealed_json

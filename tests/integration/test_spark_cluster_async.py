@@ -18,7 +18,7 @@ import pytest
 
 from sparkgpu import attach
 from sparkgpu.config import settings
-from sparkgpu.launch.supervisor import JobStatus
+from sparkgpu.launch.client.supervisor import JobStatus
 from tests.integration.processes import assert_no_orphans, wait_for
 from tests.integration.test_spark_cluster import no_tracking  # noqa: F401 (fixture)
 from tests.sealed import sealed_json

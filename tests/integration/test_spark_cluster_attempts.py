@@ -16,7 +16,7 @@ import pytest
 
 from sparkgpu import CapacityError
 from sparkgpu.config import settings
-from sparkgpu.launch.cluster_queue import cluster_waiting_jobs, queue_root
+from sparkgpu.launch.scheduling.cluster_queue import cluster_waiting_jobs, queue_root
 from sparkgpu.usage import UsageLedger, UsageMeter
 from sparkgpu.usage.rates import billed_seconds
 from tests.integration.spark_cluster import every_gpu_held

@@ -64,7 +64,7 @@ def test_a_job_that_needs_an_executor_with_every_core_busy_waits_for_it(counted_
 
         import pyarrow as pa
 
-        from sparkgpu.launch.backends.spark_probe import executor_identity
+        from sparkgpu.launch.backends.spark.executor.probe import executor_identity
 
         for _ in batches:
             pass

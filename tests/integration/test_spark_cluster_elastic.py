@@ -127,7 +127,7 @@ def test_an_elastic_job_shrinks_when_a_worker_is_not_replaced_and_grows_back_tra
 ):
     from tests.integration.test_transformer_restart_exactness import block_hash
 
-    monkeypatch.setattr("sparkgpu.launch.elastic.CHECK_SECONDS", 2.0)
+    monkeypatch.setattr("sparkgpu.launch.scheduling.elastic.CHECK_SECONDS", 2.0)
     marks, records = tmp_path / "marks", tmp_path / "records"
     marks.mkdir()
     records.mkdir()

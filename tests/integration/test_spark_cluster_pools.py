@@ -60,7 +60,7 @@ def pool_clusters(tmp_path_factory):
             raise errors[0]
         yield clusters
     finally:
-        from sparkgpu.launch.backends.spark_sessions import close_sessions
+        from sparkgpu.launch.backends.spark.sessions import close_sessions
 
         close_sessions()  # before their servers go: a client of a stopped server retries at exit
         for cluster in clusters.values():

@@ -2,7 +2,7 @@
 
 The shared standalone cluster (two workers of two simulated A10s). A best-effort transformer job
 runs on one executor's two GPUs; a critical job asks for all four. Through the cluster's GPU
-queue (:mod:`sparkgpu.launch.cluster_queue`) the critical job asks the best-effort one to give
+queue (:mod:`sparkgpu.launch.scheduling.cluster_queue`) the critical job asks the best-effort one to give
 way; it checkpoints and stops, the critical job runs, and the best-effort job resumes by itself
 once the GPUs are free, using no restart and billed for none of its wait, and ends bitwise
 equal to an uninterrupted run.

@@ -95,7 +95,7 @@ def samples_seen(counter, data_url):
 
 
 def test_train_with_data_probes_and_pickles_once_under_one_job_id(local_spark, tmp_path, monkeypatch):
-    from sparkgpu.launch.backends.spark import SparkBackend
+    from sparkgpu.launch.backends.spark.backend import SparkBackend
 
     resolved = []
     real_resolve = SparkBackend.resolve

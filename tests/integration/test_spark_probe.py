@@ -8,7 +8,7 @@ import io
 import pytest
 
 from sparkgpu import ConfigurationError
-from sparkgpu.launch.backends.spark_capacity import _probe
+from sparkgpu.launch.backends.spark.capacity import _probe
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
 

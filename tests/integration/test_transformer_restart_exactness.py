@@ -30,7 +30,7 @@ import pytest
 
 from sparkgpu import distributed
 from sparkgpu.config import reset_settings, settings
-from sparkgpu.launch.backends.local import LocalBackend
+from sparkgpu.launch.backends.local.backend import LocalBackend
 
 pytestmark = pytest.mark.integration
 
@@ -317,7 +317,7 @@ distributed(gpus=2, gpu_type="cpu")(train_transformer).distributed({data!r}, {re
 def test_sparkgpu_resume_finishes_a_job_whose_client_was_killed_bitwise_equal(
     uninterrupted, token_dir, all_blocks, tmp_path, _isolated_sparkgpu_home
 ):
-    from sparkgpu.launch.resume import resume_job
+    from sparkgpu.launch.client.resume import resume_job
     from tests.integration.processes import assert_no_orphans, start_client, wait_for
 
     plain, plain_steps = uninterrupted("ddp")

@@ -14,10 +14,10 @@ import pytest
 
 from sparkgpu import JobTimeoutError, WorkerFailedError, distributed, runtime
 from sparkgpu.config import settings
-from sparkgpu.launch import warm_pool as pool_module
-from sparkgpu.launch import pool_zygote
-from sparkgpu.launch.backends.warm_pool import WarmPoolBackend
-from sparkgpu.launch.warm_pool import pool_status, stop_pool
+from sparkgpu.launch.backends.local import zygote_client
+from sparkgpu.launch.backends.local import zygote
+from sparkgpu.launch.backends.local.warm import WarmBackend
+from sparkgpu.launch.backends.local.zygote_client import warm_zygote_status, stop_warm_zygote
 from tests.integration.processes import ctrl_c_client, start_client, wait_for
 
 pytestmark = pytest.mark.integration
@@ -29,7 +29,7 @@ def assert_pool_runs_no_ranks(within: float = 15.0) -> None:
     Forked ranks keep the pool's command line, so they are found as its child processes, not
     by the run dir in their command line.
     """
-    zygote = psutil.Process(pool_status()["pid"])
+    zygote = psutil.Process(warm_zygote_status()["pid"])
     wait_for(lambda: not zygote.children(recursive=True), within=within, interval=0.1)
     left = [f"{p.pid} {p.status()}" for p in zygote.children(recursive=True)]
     assert left == [], f"ranks of the pool still alive: {left}"
@@ -39,11 +39,11 @@ def assert_pool_runs_no_ranks(within: float = 15.0) -> None:
 def pool(monkeypatch):
     # Other work may edit the checkout while a test runs; a pool is keyed by its code, so
     # these tests pin the key (test_a_pool_started_with_other_code_... covers a change).
-    monkeypatch.setattr(pool_module, "code_fingerprint", lambda: "c0dec0dec0de")
-    backend = WarmPoolBackend(idle_timeout=120)
+    monkeypatch.setattr(zygote_client, "code_fingerprint", lambda: "c0dec0dec0de")
+    backend = WarmBackend(idle_timeout=120)
     yield backend
-    info = pool_status()
-    stop_pool()
+    info = warm_zygote_status()
+    stop_warm_zygote()
     if info:
         assert not psutil.pid_exists(info["pid"]) or psutil.Process(info["pid"]).status() == psutil.STATUS_ZOMBIE
 
@@ -60,11 +60,11 @@ def test_repeated_calls_reuse_the_pool_and_behave_like_cold_ones(pool, capsys):
         return t.item(), runtime.get_world_size(), runtime.get_local_rank()
 
     assert step.distributed(10) == [(30, 2, 0), (30, 2, 1)]
-    first_pid = pool_status()["pid"]
+    first_pid = warm_zygote_status()["pid"]
     started = time.monotonic()
     assert step.distributed(1) == [(3, 2, 0), (3, 2, 1)]
     warm_seconds = time.monotonic() - started
-    assert pool_status()["pid"] == first_pid and pool_status()["jobs_run"] == 2
+    assert warm_zygote_status()["pid"] == first_pid and warm_zygote_status()["jobs_run"] == 2
     assert f"[rank0] rank 0 of job {step.last_job_id}" in capsys.readouterr().out
     # Not a timing assertion of speed (see benchmarks/bench_launch.py), only that no new
     # interpreter was started: that alone takes seconds here.
@@ -107,11 +107,11 @@ def test_timeout_stops_the_ranks_but_keeps_the_pool(pool):
     with pytest.raises(JobTimeoutError):
         sleepy.distributed()
     assert_pool_runs_no_ranks()
-    assert pool_status() is not None
+    assert warm_zygote_status() is not None
 
 
 def test_the_pool_stops_itself_when_idle():
-    backend = WarmPoolBackend(idle_timeout=2)
+    backend = WarmBackend(idle_timeout=2)
 
     @distributed(gpus=1, gpu_type="cpu", backend=backend)
     def one():
@@ -119,15 +119,15 @@ def test_the_pool_stops_itself_when_idle():
 
     assert one.distributed() == ["done"]
     deadline = time.monotonic() + 20
-    while pool_status() is not None and time.monotonic() < deadline:
+    while warm_zygote_status() is not None and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert pool_status() is None
-    assert stop_pool() is False
+    assert warm_zygote_status() is None
+    assert stop_warm_zygote() is False
 
 
 CTRL_C_CLIENT = ctrl_c_client(
-    '@distributed(gpus=2, gpu_type="cpu", backend=WarmPoolBackend(idle_timeout=120))',
-    setup="from sparkgpu.launch.backends.warm_pool import WarmPoolBackend",
+    '@distributed(gpus=2, gpu_type="cpu", backend=WarmBackend(idle_timeout=120))',
+    setup="from sparkgpu.launch.backends.local.warm import WarmBackend",
 )
 
 
@@ -142,7 +142,7 @@ def _start_pool_client(tmp_path, home):
         client.kill()
         out, _ = client.communicate()
         pytest.fail(f"ranks never started:\n{out}")
-    assert len(psutil.Process(pool_status()["pid"]).children()) == 3  # two ranks and the job's rendezvous store
+    assert len(psutil.Process(warm_zygote_status()["pid"]).children()) == 3  # two ranks and the job's rendezvous store
     return client
 
 
@@ -154,7 +154,7 @@ def test_ctrl_c_in_the_caller_stops_the_pools_ranks(pool, tmp_path, _isolated_sp
     assert_pool_runs_no_ranks()
     run_dir = next((_isolated_sparkgpu_home / "runs").iterdir())
     assert json.loads((run_dir / "state.json").read_text())["status"] == "cancelled"
-    assert pool_status() is not None  # the pool outlives its client
+    assert warm_zygote_status() is not None  # the pool outlives its client
 
 
 def test_killed_client_leaves_no_ranks_in_the_pool(pool, tmp_path, _isolated_sparkgpu_home):
@@ -170,8 +170,8 @@ def test_a_silent_or_malformed_client_holds_up_no_job(pool):
         return runtime.get_global_rank()
 
     assert step.distributed() == [0, 1]  # the pool runs
-    info = pool_status()
-    directory = pool_module._pool_dir(settings().python)
+    info = warm_zygote_status()
+    directory = zygote_client._warm_zygote_dir(settings().python)
     silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     silent.connect(str(directory / "pool.sock"))  # and never sends a request
     try:
@@ -185,8 +185,8 @@ def test_a_silent_or_malformed_client_holds_up_no_job(pool):
         runner.start()
         runner.join(timeout=90)
         assert outcome == [[0, 1]], "a client that sends nothing froze the pool"
-        assert pool_status()["pid"] == info["pid"]
-        silent.settimeout(pool_zygote._REQUEST_TIMEOUT + 10)
+        assert warm_zygote_status()["pid"] == info["pid"]
+        silent.settimeout(zygote._REQUEST_TIMEOUT + 10)
         assert silent.recv(64) == b""  # dropped after the request timeout
     finally:
         silent.close()
@@ -199,13 +199,13 @@ def test_a_pool_started_with_other_code_is_not_reused_and_retires(pool, monkeypa
 
         return os.getppid()
 
-    monkeypatch.setattr(pool_module, "code_fingerprint", lambda: "0ld0ld0ld0ld")
+    monkeypatch.setattr(zygote_client, "code_fingerprint", lambda: "0ld0ld0ld0ld")
     old_pid = which_pool.distributed()[0]
-    assert pool_status()["pid"] == old_pid and pool_status()["code"] == "0ld0ld0ld0ld"
+    assert warm_zygote_status()["pid"] == old_pid and warm_zygote_status()["code"] == "0ld0ld0ld0ld"
     # What an upgrade of torch or an edit of sparkgpu looks like to the client.
-    monkeypatch.setattr(pool_module, "code_fingerprint", lambda: "ad0be0ad0be0")
+    monkeypatch.setattr(zygote_client, "code_fingerprint", lambda: "ad0be0ad0be0")
     new_pid = which_pool.distributed()[0]
-    assert new_pid != old_pid and pool_status()["code"] == "ad0be0ad0be0"
+    assert new_pid != old_pid and warm_zygote_status()["code"] == "ad0be0ad0be0"
     assert wait_for(
         lambda: not psutil.pid_exists(old_pid) or psutil.Process(old_pid).status() == psutil.STATUS_ZOMBIE, within=20
     )
@@ -214,7 +214,7 @@ def test_a_pool_started_with_other_code_is_not_reused_and_retires(pool, monkeypa
 def test_a_tampered_entrypoint_starts_no_rank_in_the_pool(pool, tmp_path):
     # The pool checks the payload as the node agent does, and runs the text it checked.
     from sparkgpu.errors import PayloadSignatureError
-    from sparkgpu.launch.supervisor import Supervisor
+    from sparkgpu.launch.client.supervisor import Supervisor
 
     @distributed(gpus=2, gpu_type="cpu", backend="warm_pool")
     def add_rank(x):

@@ -10,9 +10,9 @@ import pytest
 from sparkgpu import cli
 from sparkgpu.config import reset_settings, settings
 from sparkgpu.errors import SparkGPUError
-from sparkgpu.launch.serialization import serialize_payload
-from sparkgpu.launch.run_dir import RunDir
-from sparkgpu.launch.supervisor import Supervisor
+from sparkgpu.launch.rundir.serialization import serialize_payload
+from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.launch.client.supervisor import Supervisor
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
 from sparkgpu.usage.ledger import UsageLedger, UsageRecord
 from sparkgpu.usage.rates import RateCard

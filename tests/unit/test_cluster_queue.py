@@ -14,8 +14,8 @@ import time
 import pytest
 
 from sparkgpu.errors import CapacityError
-from sparkgpu.launch.backends.spark_queue import ClusterSeats
-from sparkgpu.launch.cluster_queue import (
+from sparkgpu.launch.backends.spark.seats import ClusterSeats
+from sparkgpu.launch.scheduling.cluster_queue import (
     ClusterQueue,
     QueueSeat,
     Ticket,
@@ -25,7 +25,7 @@ from sparkgpu.launch.cluster_queue import (
     genuine_request,
     next_turn,
 )
-from sparkgpu.launch.gpu_queue import PreemptionRequest
+from sparkgpu.launch.scheduling.gpu_queue import PreemptionRequest
 from sparkgpu.priority import Priority
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
 
@@ -133,7 +133,7 @@ def test_two_clients_take_turns_and_a_best_effort_job_gives_way_to_a_critical_on
 
 
 def test_a_ticket_keeps_beating_and_says_its_state(queue, monkeypatch):
-    monkeypatch.setattr("sparkgpu.launch.cluster_queue.BEAT_SECONDS", 0.05)
+    monkeypatch.setattr("sparkgpu.launch.scheduling.cluster_queue.BEAT_SECONDS", 0.05)
     seat = QueueSeat(queue, ticket("job", NORMAL, 1, 1.0)).start()
     first = json.loads(queue.store.read_bytes("jobs/job.json"))["beat_at"]
     time.sleep(0.3)
@@ -219,11 +219,11 @@ def test_a_critical_job_waits_while_the_best_effort_one_gives_way_then_goes(seat
 
 
 def test_both_queues_records_round_trip_through_their_json_files():
-    from sparkgpu.launch.gpu_queue import QueueEntry
+    from sparkgpu.launch.scheduling.gpu_queue import QueueEntry
 
     ticket = Ticket("j", CRITICAL, 4, 12.5, TicketState.RUNNING, beat_at=99.0, user="ana")
     assert Ticket.from_json(ticket.to_json()) == ticket
-    entry = QueueEntry("k", Priority.BEST_EFFORT, 2, 3.0, pool="simulated-gpu")
+    entry = QueueEntry("k", Priority.BEST_EFFORT, 2, 3.0, gpu_kind="simulated-gpu")
     assert QueueEntry.from_json(entry.to_json()) == entry
     assert json.loads(entry.to_json())["priority"] == Priority.BEST_EFFORT.value  # plain strings on disk
     assert sorted([entry, ticket], key=lambda r: r.sort_key())[0] is ticket  # one line order for both

@@ -67,7 +67,7 @@ def test_an_unknown_scheme_is_refused_naming_urls_that_work(tmp_path):
 
 def test_the_spark_heartbeat_timeouts_are_settings_a_backend_takes_unless_given(tmp_path, monkeypatch):
     from sparkgpu.config import reset_settings
-    from sparkgpu.launch.backends.spark import SparkBackend
+    from sparkgpu.launch.backends.spark.backend import SparkBackend
 
     default = Settings.from_env({"SPARKGPU_HOME": str(tmp_path)})
     assert (default.spark_client_timeout, default.spark_node_timeout) == (120.0, 10.0)
@@ -103,7 +103,7 @@ def test_duration_variables_take_what_duration_arguments_take(tmp_path, raw, sec
             "SPARKGPU_POOL_IDLE_TIMEOUT": raw,
         }
     )
-    assert settings.default_timeout == settings.spark_wait_timeout == settings.pool_idle_timeout == seconds
+    assert settings.default_timeout == settings.spark_wait_timeout == settings.warm_idle_timeout == seconds
 
 
 def test_a_duration_variable_that_is_none_names_both_forms(tmp_path):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 
-from sparkgpu.launch.control import seal, unseal
-from sparkgpu.launch.serialization import serialize_payload
-from sparkgpu.launch.run_dir import RunDir
-from sparkgpu.launch.run_layout import RunLayout
-from sparkgpu.launch.supervisor import Supervisor
+from sparkgpu.launch.rundir.control import seal, unseal
+from sparkgpu.launch.rundir.serialization import serialize_payload
+from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.launch.rundir.layout import RunLayout
+from sparkgpu.launch.client.supervisor import Supervisor
 from sparkgpu.spec import JobSpec, Resources
 from tests.fakes.backend import ScriptedBackend
 
@@ -84,7 +84,7 @@ def test_a_run_dir_without_its_key_looks_in_the_keyring_once_per_interval_not_at
 
     monkeypatch.setattr(_keyring, "load_key", missing)
     clock = [1000.0]
-    monkeypatch.setattr("sparkgpu.launch.run_dir.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("sparkgpu.launch.rundir.directory.time.monotonic", lambda: clock[0])
     observer = RunDir(staged_dir.path)  # a process that did not launch the job: no key held
     for _ in range(50):  # a poll loop
         assert observer.read_control(path) is None

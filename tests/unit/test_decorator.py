@@ -1,8 +1,8 @@
 import pytest
 
 from sparkgpu import ConfigurationError, distributed, runtime
-from sparkgpu.launch.backends.local import LocalBackend
-from sparkgpu.launch.hardware import HostGPUs
+from sparkgpu.launch.backends.local.backend import LocalBackend
+from sparkgpu.launch.node.hardware import HostGPUs
 
 
 def test_bare_decorator_and_num_gpus_alias():
@@ -63,7 +63,7 @@ def test_dryrun_validates_and_prints_the_plan_without_starting_anything(_isolate
     plan = train.dryrun(1e-3)
     text = str(plan)
     assert "ranks_per_node=2" in text and "devices=['0', '1']" in text
-    assert "sparkgpu.launch.agent" in text
+    assert "sparkgpu.launch.node.agent" in text
     assert not (_isolated_sparkgpu_home / "runs").exists()
 
 

@@ -103,7 +103,7 @@ PUBLIC_MODULES = [
     "sparkgpu.errors",
     "sparkgpu.units",
     "sparkgpu.catalog",
-    "sparkgpu.launch.attempt_report",
+    "sparkgpu.launch.client.attempt_report",
 ]
 
 

@@ -78,7 +78,7 @@ def test_every_docstring_reference_names_something_that_exists():
 
 
 def test_a_stale_reference_is_caught():
-    from sparkgpu.launch import supervisor
+    from sparkgpu.launch.client import supervisor
 
     source = Path(supervisor.__file__).read_text()
     assert _resolves("Supervisor", supervisor, source)

@@ -218,8 +218,8 @@ def test_device_is_cuda_local_rank_as_under_torchrun(clean_rank_env, monkeypatch
 
 
 def test_a_node_shape_sets_the_ranks_per_spark_task():
-    from sparkgpu.launch.backends.spark import SparkBackend
-    from sparkgpu.launch.backends.spark_capacity import ExecutorInfo, SparkCapacity
+    from sparkgpu.launch.backends.spark.backend import SparkBackend
+    from sparkgpu.launch.backends.spark.capacity import ExecutorInfo, SparkCapacity
     from sparkgpu.spec import JobSpec
 
     two_by_two = SparkCapacity(
@@ -232,14 +232,14 @@ def test_a_node_shape_sets_the_ranks_per_spark_task():
     )
     backend = SparkBackend(spark=object(), client_timeout=None, staging_url="")
 
-    def layout(**asked):
+    def placement(**asked):
         job = distributed(remote=True, **asked)(train)
         spec = JobSpec(job_id="j", name="j", resources=job.resources, backend="spark")
-        return backend._layout(spec, two_by_two)
+        return backend._placement(spec, two_by_two)
 
-    assert layout(gpus=2, gpu_type="A10").gpus_per_node == 2  # the backend packs both on one executor
-    assert layout(num_accelerators=2, accelerator_type="GPU_1xA10").gpus_per_node == 1  # one GPU per node
+    assert placement(gpus=2, gpu_type="A10").gpus_per_node == 2  # the backend packs both on one executor
+    assert placement(num_accelerators=2, accelerator_type="GPU_1xA10").gpus_per_node == 1  # one GPU per node
     spec = JobSpec(job_id="j", name="j", resources=distributed(4, "GPU_4xA10", True)(train).resources, backend="spark")
     assert JobSpec.from_dict(spec.to_dict()) == spec  # the shape survives the run dir
     with pytest.raises(CapacityError):
-        backend._layout(spec, two_by_two)  # no executor holds 4 A10s
+        backend._placement(spec, two_by_two)  # no executor holds 4 A10s

@@ -15,11 +15,11 @@ from sparkgpu.callbacks import JobCallback
 from sparkgpu.decorator import distributed
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.jobfile import JobFile
-from sparkgpu.launch.elastic import ElasticPlan
-from sparkgpu.launch.run_dir import RunDir
-from sparkgpu.launch.run_layout import RunLayout
-from sparkgpu.launch.serialization import serialize_payload
-from sparkgpu.launch.supervisor import Supervisor
+from sparkgpu.launch.scheduling.elastic import ElasticPlan
+from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.launch.rundir.layout import RunLayout
+from sparkgpu.launch.rundir.serialization import serialize_payload
+from sparkgpu.launch.client.supervisor import Supervisor
 from sparkgpu.spec import ELASTIC_WAIT, JobSpec, Resources, RunPolicy, requested_resources
 from tests.fakes.backend import ScriptedBackend
 
@@ -112,7 +112,7 @@ def test_a_smaller_attempt_grows_once_every_gpu_is_free_and_a_probe_that_fails_c
     assert plan.grows(6, now=1.0)
     assert not plan.grows(8, now=5.0)  # full size already
     free[0] = OSError("probe failed")
-    with caplog.at_level(logging.WARNING, logger="sparkgpu.launch.elastic"):
+    with caplog.at_level(logging.WARNING, logger="sparkgpu.launch.scheduling.elastic"):
         assert not plan.grows(6, now=9.0)
     assert "keeping the job's size" in caplog.text
 
@@ -133,7 +133,7 @@ class ElasticCluster(ScriptedBackend):
         self.sizes: list[int] = []
         self.run_dir: RunDir | None = None
 
-    def submit(self, job, run_dir, attempt, env, layout=None):
+    def submit(self, job, run_dir, attempt, env, placement=None):
         self.sizes.append(job.world_size)
         self.run_dir = run_dir
         action = self.script[attempt]
@@ -170,7 +170,7 @@ class Bills(JobCallback):
 def test_a_waiting_attempt_is_withdrawn_unbilled_and_the_job_goes_on_with_fewer_gpus_then_grows_back(
     tmp_path, monkeypatch
 ):
-    monkeypatch.setattr("sparkgpu.launch.elastic.CHECK_SECONDS", 0.05)
+    monkeypatch.setattr("sparkgpu.launch.scheduling.elastic.CHECK_SECONDS", 0.05)
     job = JobSpec(
         "job-1",
         "job",
@@ -215,7 +215,7 @@ def test_a_job_that_ends_on_fewer_gpus_returns_their_results_and_sparkgpu_jobs_s
     from sparkgpu import cli
     from sparkgpu.config import settings
 
-    monkeypatch.setattr("sparkgpu.launch.elastic.CHECK_SECONDS", 0.05)
+    monkeypatch.setattr("sparkgpu.launch.scheduling.elastic.CHECK_SECONDS", 0.05)
     job = JobSpec("elastic-job", "train", Resources(4, "A10", True, 2, 2), RunPolicy(elastic_wait=0.2, timeout=60))
     rd = RunDir(settings().staging_root / "elastic-job")
     rd.create(job.to_dict(), serialize_payload(lambda: 1, (), {}, []), b"k" * 32, [])

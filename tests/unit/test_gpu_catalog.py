@@ -6,12 +6,12 @@ import warnings
 
 import pytest
 
-import sparkgpu.launch.hardware as hardware
+import sparkgpu.launch.node.hardware as hardware
 from sparkgpu.catalog import GPU_CATALOG, classify_device
 from sparkgpu.errors import CapacityError
-from sparkgpu.launch.backends.local import LocalBackend
-from sparkgpu.launch.backends.spark_capacity import ExecutorInfo, NodeLayout, SparkCapacity, plan_layout
-from sparkgpu.launch.hardware import HostGPUs, UnknownGPUWarning, detect_host_gpus
+from sparkgpu.launch.backends.local.backend import LocalBackend
+from sparkgpu.launch.backends.spark.capacity import ExecutorInfo, RankPlacement, SparkCapacity, plan_placement
+from sparkgpu.launch.node.hardware import HostGPUs, UnknownGPUWarning, detect_host_gpus
 from sparkgpu.spec import JobSpec, Resources
 
 # Names exactly as NVML / nvidia-smi report them.
@@ -128,11 +128,11 @@ def test_spark_executors_with_a_gpu_outside_the_catalog_refuse_a_gpu_type_naming
         match=r"GPUs are 'NVIDIA L40S', which is not a GPU type sparkgpu knows.*"
         r"gpu_type='L4'.*spark.sparkgpu.gpuType",
     ):
-        plan_layout(2, "L4", capacity)
+        plan_placement(2, "L4", capacity)
 
 
 def test_spark_executors_classify_their_driver_names_by_model():
-    from sparkgpu.launch.backends.spark_capacity import _cluster_gpu_type
+    from sparkgpu.launch.backends.spark.capacity import _cluster_gpu_type
 
     assert _cluster_gpu_type({}, executors("NVIDIA A100-SXM4-80GB")) == ("A100-80GB", "driver")
     assert _cluster_gpu_type({}, executors("NVIDIA L40S")) == (None, None)
@@ -146,4 +146,4 @@ def test_spark_executors_classify_their_driver_names_by_model():
         gpu_type_source="conf",
         simulated=False,
     )
-    assert plan_layout(2, "L4", capacity) == NodeLayout(1, 2, 2)
+    assert plan_placement(2, "L4", capacity) == RankPlacement(1, 2, 2)

@@ -16,18 +16,18 @@ import time
 import pytest
 
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.launch.gpu_lease import lease_gpus, to_preempt
-from sparkgpu.launch.gpu_queue import GpuHolder, GpuQueue, PreemptionRequest, QueueEntry, pending_request
+from sparkgpu.launch.scheduling.gpu_lease import lease_gpus, to_preempt
+from sparkgpu.launch.scheduling.gpu_queue import GpuHolder, GpuQueue, PreemptionRequest, QueueEntry, pending_request
 from sparkgpu.priority import Priority
 
 WAITER = """
 import sys, time
 from pathlib import Path
-from sparkgpu.launch.gpu_queue import GpuQueue, QueueEntry
+from sparkgpu.launch.scheduling.gpu_queue import GpuQueue, QueueEntry
 from sparkgpu.priority import Priority
 root, job, priority, order = sys.argv[1:5]
 queue = GpuQueue(Path(root))
-queue.enter(QueueEntry(job, Priority.parse(priority), 2, float(order), pool="simulated-gpu"))
+queue.enter(QueueEntry(job, Priority.parse(priority), 2, float(order), gpu_kind="simulated-gpu"))
 print(queue.entry.file_name, flush=True)
 sys.stdin.read()  # until the test closes our stdin
 """
@@ -94,7 +94,7 @@ def test_waiting_jobs_are_ordered_by_class_then_by_arrival(tmp_path, waiters):
         "late-normal": 3,
         "early-best-effort": 4,
     }
-    queue.enter(QueueEntry("me", Priority.NORMAL, 1, 15.0, pool="simulated-gpu"))
+    queue.enter(QueueEntry("me", Priority.NORMAL, 1, 15.0, gpu_kind="simulated-gpu"))
     try:
         assert [e.job_id for e in queue.ahead()] == ["late-critical", "early-normal"]
     finally:
@@ -115,9 +115,17 @@ def test_the_entry_of_a_dead_process_holds_nobody_up(tmp_path, waiters):
 
 def test_a_forged_entry_file_not_held_by_a_process_is_ignored(tmp_path):
     queue = GpuQueue(tmp_path)
-    forged = QueueEntry("forged", Priority.CRITICAL, 2, 0.0, pool="simulated-gpu")
+    forged = QueueEntry("forged", Priority.CRITICAL, 2, 0.0, gpu_kind="simulated-gpu")
     (queue.queue_dir / forged.file_name).write_text(forged.to_json())
     assert queue.live_entries() == []
+
+
+def test_an_entry_keeps_the_json_keys_every_version_writes():
+    entry = QueueEntry("job", Priority.NORMAL, 1, 5.0, gpu_kind="simulated-gpu", pid=7, host="h", uid=3)
+    written = json.loads(entry.to_json())
+    assert written["pool"] == "simulated-gpu" and "gpu_kind" not in written  # clients of two versions share the queue
+    assert QueueEntry.from_json(entry.to_json()) == entry
+    assert entry.file_name == "simulated-gpu.job.7.json"
 
 
 def _request(tmp_path, target: str, requester: str, entry_name: str) -> None:

@@ -15,7 +15,7 @@ import pytest
 import sparkgpu
 from sparkgpu import errors
 from sparkgpu.env import HydrationError, WorkerEnvironmentMismatchError, worker_bootstrap_files
-from sparkgpu.launch.entrypoint import _environment_error
+from sparkgpu.launch.rank.entrypoint import _environment_error
 
 REPO_ROOT = Path(sparkgpu.__file__).resolve().parent.parent
 
@@ -40,7 +40,7 @@ except Exception as exc:
     error = exc
 sys.path[:0] = paths  # sparkgpu and its dependencies arrive (with the overlay, in a real job)
 from sparkgpu.errors import EnvironmentMismatchError, SparkGPUError
-from sparkgpu.launch.entrypoint import _environment_error
+from sparkgpu.launch.rank.entrypoint import _environment_error
 import sparkgpu.errors
 print(json.dumps({
     "package_binds_it": sparkgpu.errors.EnvironmentMismatchError is type(error),

@@ -8,8 +8,14 @@
   module, the payload's signature check) imports the standard library only;
 - no two modules import each other, directly or around a circle (a function-level import
   does not hide a circle: it only delays it);
+- the launcher's code says where it runs by its sub-package, and a side imports only what runs
+  there too: rank, node and Spark executor code never imports client code (the caller's
+  process: ``launch.client``, ``launch.scheduling``, the backends' client side, the decorator);
+  a rank imports none of the node or executor code that starts it; the node agent imports no
+  backend; the run dir's format (``launch.rundir``), shared by both sides, and scheduling import
+  no other part of the launcher's sides; every launcher module is on one side;
 - a module imports no private module (a ``_name`` path component), and no private name
-  (``from sparkgpu.launch.entrypoint import _helper``), of another top-level sub-package; the
+  (``from sparkgpu.launch.rank.entrypoint import _helper``), of another top-level sub-package; the
   private modules directly under ``sparkgpu`` (``sparkgpu._files``, ...) are the package's
   shared helpers, and every module may use their public names.
 """
@@ -32,10 +38,48 @@ INTEGRATIONS = ("sparkgpu.tracking", "sparkgpu.usage")
 CALLBACK_INTERFACE = ("sparkgpu.callbacks",)
 # The run dir's states, below every sub-package: the callback interface hands them on.
 PROTOCOL = "sparkgpu.protocol"
-STDLIB_ONLY = (PROTOCOL, "sparkgpu.errors", "sparkgpu.env.hydrate", "sparkgpu.launch.payload_signature")
+STDLIB_ONLY = (PROTOCOL, "sparkgpu.errors", "sparkgpu.env.hydrate", "sparkgpu.launch.rundir.signature")
 # Guarded imports a stdlib-only module may make: hydration reads a store of another scheme
 # through fsspec, and names it in its error where fsspec is missing.
 OPTIONAL = {"sparkgpu.env.hydrate": {"fsspec"}}
+
+# Where the launcher's code runs: each of its modules is on one of these sides.
+CLIENT_SIDE = (
+    "sparkgpu.launch.client",  # the caller's process: supervisor, attempts read back, resume, CLI
+    "sparkgpu.launch.scheduling",  # who gets GPUs when, decided on the client
+    "sparkgpu.launch.backends",  # where a job runs (but for the worker-side modules below)
+    "sparkgpu.decorator",
+    "sparkgpu.prepare",
+    "sparkgpu.call",
+    "sparkgpu.spark_gpu",
+    "sparkgpu.cli",
+    "sparkgpu.pools",
+    "sparkgpu.pools_cli",
+)
+RANK = ("sparkgpu.launch.rank",)
+NODE = ("sparkgpu.launch.node", "sparkgpu.launch.backends.local.zygote")  # the agent, the warm zygote
+EXECUTOR = ("sparkgpu.launch.backends.spark.executor",)  # inside Spark tasks
+WORKER_SIDE = RANK + NODE + EXECUTOR
+RUN_DIR_FORMAT = ("sparkgpu.launch.rundir",)  # written on the client, read on every worker
+SCHEDULING = ("sparkgpu.launch.scheduling",)
+SIDES = ("sparkgpu.launch.client", "sparkgpu.launch.backends") + SCHEDULING + WORKER_SIDE + RUN_DIR_FORMAT
+# (rule, the modules it binds, what they may not import); a module of the bound side itself
+# is always allowed (the executor's modules sit inside the backends, the zygote in the local one).
+WHERE_RULES = (
+    ("rank, node and executor code imports no client code", WORKER_SIDE, CLIENT_SIDE),
+    ("a rank imports none of the node or executor code that starts it", RANK, NODE + EXECUTOR),
+    ("the node agent imports no backend", ("sparkgpu.launch.node",), ("sparkgpu.launch.backends",)),
+    (
+        "the run dir's format imports no other part of the launcher",
+        RUN_DIR_FORMAT,
+        tuple(s for s in SIDES if s not in RUN_DIR_FORMAT),
+    ),
+    (
+        "scheduling imports no client, backend, node or rank code",
+        SCHEDULING,
+        ("sparkgpu.launch.client", "sparkgpu.launch.backends") + WORKER_SIDE,
+    ),
+)
 
 # Known violations, as (importing module, imported module). Each entry is removed when its
 # import goes; the test fails on a stale entry as on a new violation.
@@ -92,7 +136,7 @@ def within(name: str, packages) -> bool:
 
 
 def is_module(name: str, graph: dict[str, set[str]]) -> bool:
-    # "from sparkgpu.launch.run_dir import RunDir" adds "sparkgpu.launch.run_dir.RunDir": keep modules only.
+    # "from sparkgpu.launch.rundir.directory import RunDir" adds "sparkgpu.launch.rundir.directory.RunDir": keep modules only.
     return name in graph
 
 
@@ -110,6 +154,19 @@ def violations(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
                 and target not in (*CALLBACK_INTERFACE, PROTOCOL)
             ):
                 found.add((name, target))
+    return found
+
+
+def where_violations(graph: dict[str, set[str]]) -> set[tuple[str, str, str]]:
+    """Imports that cross from one side of the launcher to another it may not reach, as (rule, importer, imported)."""
+    found = set()
+    for rule, bound, forbidden in WHERE_RULES:
+        for name, imported in graph.items():
+            if not within(name, bound):
+                continue
+            for target in filter(lambda t: is_module(t, graph), imported):
+                if within(target, forbidden) and not within(target, bound):
+                    found.add((rule, name, target))
     return found
 
 
@@ -187,6 +244,45 @@ def test_the_layers_import_only_downwards():
     )
 
 
+def test_each_side_of_the_launcher_imports_only_what_runs_there_too():
+    found = where_violations(modules())
+    assert not found, "imports across the launcher's sides (see this test's docstring):\n" + "\n".join(
+        f"  {a} imports {b}: {rule}" for rule, a, b in sorted(found)
+    )
+
+
+def test_every_module_of_the_launcher_says_where_it_runs():
+    packages = ("sparkgpu.launch", "sparkgpu.launch.backends")  # the hop map; the backends' registry
+    unplaced = [
+        name
+        for name in modules()
+        if within(name, ("sparkgpu.launch",)) and name not in packages and not within(name, SIDES)
+    ]
+    assert unplaced == [], f"put these in the sub-package named for where they run: {unplaced}"
+
+
+def test_the_side_checker_sees_what_it_claims():
+    graph = {
+        "sparkgpu.launch.node.agent": {"sparkgpu.launch.client.supervisor", "sparkgpu.launch.rank.entrypoint"},
+        "sparkgpu.launch.rank.entrypoint": {"sparkgpu.launch.node.agent", "sparkgpu.launch.rundir.layout"},
+        "sparkgpu.launch.backends.spark.executor.node": {
+            "sparkgpu.launch.backends.spark.executor.hub",  # its own side, inside the backends
+            "sparkgpu.launch.backends.spark.backend",
+            "sparkgpu.launch.node.agent",
+        },
+        "sparkgpu.launch.backends.spark.executor.hub": set(),
+        "sparkgpu.launch.backends.spark.backend": {"sparkgpu.launch.backends.spark.executor.node"},
+        "sparkgpu.launch.rundir.layout": {"sparkgpu.launch.rank.entrypoint"},
+        "sparkgpu.launch.client.supervisor": {"sparkgpu.launch.node.agent"},
+    }
+    assert {(a, b) for _, a, b in where_violations(graph)} == {
+        ("sparkgpu.launch.node.agent", "sparkgpu.launch.client.supervisor"),
+        ("sparkgpu.launch.rank.entrypoint", "sparkgpu.launch.node.agent"),
+        ("sparkgpu.launch.backends.spark.executor.node", "sparkgpu.launch.backends.spark.backend"),
+        ("sparkgpu.launch.rundir.layout", "sparkgpu.launch.rank.entrypoint"),
+    }
+
+
 def test_the_implementations_of_callbacks_import_the_interface_not_the_launcher():
     graph = modules()
     assert "sparkgpu.callbacks" in graph["sparkgpu.tracking.mlflow_run"]
@@ -208,14 +304,16 @@ def test_the_rule_checker_sees_function_level_and_relative_imports(tmp_path, mon
     package.mkdir(parents=True)
     (tmp_path / "sparkgpu" / "__init__.py").write_text("")
     (package / "__init__.py").write_text("")
-    (package / "late.py").write_text("def f():\n    from ..launch import payload\n    import sparkgpu.launch.agent\n")
+    (package / "late.py").write_text(
+        "def f():\n    from ..launch import payload\n    import sparkgpu.launch.node.agent\n"
+    )
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path / "sparkgpu")
     found = imports_of(package / "late.py")
-    assert {"sparkgpu.launch", "sparkgpu.launch.payload", "sparkgpu.launch.agent"} <= found
-    graph = {"sparkgpu.tracking.late": found, "sparkgpu.launch.payload": set(), "sparkgpu.launch.agent": set()}
+    assert {"sparkgpu.launch", "sparkgpu.launch.payload", "sparkgpu.launch.node.agent"} <= found
+    graph = {"sparkgpu.tracking.late": found, "sparkgpu.launch.payload": set(), "sparkgpu.launch.node.agent": set()}
     assert violations(graph) == {
         ("sparkgpu.tracking.late", "sparkgpu.launch.payload"),
-        ("sparkgpu.tracking.late", "sparkgpu.launch.agent"),
+        ("sparkgpu.tracking.late", "sparkgpu.launch.node.agent"),
     }
 
 

@@ -5,8 +5,8 @@ import time
 import pytest
 
 from sparkgpu.errors import CapacityError, ConfigurationError
-from sparkgpu.launch.backends.local import LocalBackend
-from sparkgpu.launch.hardware import HostGPUs, detect_host_gpus, parse_simulated
+from sparkgpu.launch.backends.local.backend import LocalBackend
+from sparkgpu.launch.node.hardware import HostGPUs, detect_host_gpus, parse_simulated
 from sparkgpu.spec import JobSpec, Resources
 
 H100_X2 = HostGPUs(names=("NVIDIA H100 80GB HBM3",) * 2, addresses=("0", "1"))
@@ -66,7 +66,7 @@ def test_bad_simulation_setting_says_how_to_write_it(value):
 
 
 def test_cuda_visible_devices_narrows_the_host(monkeypatch):
-    import sparkgpu.launch.hardware as hw
+    import sparkgpu.launch.node.hardware as hw
 
     monkeypatch.setattr(hw, "_from_nvml", lambda: [(str(i), "NVIDIA A10G", 22.5) for i in range(3)])
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,2")

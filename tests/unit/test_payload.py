@@ -4,8 +4,8 @@ import threading
 import pytest
 
 from sparkgpu.errors import PayloadSignatureError, SerializationError
-from sparkgpu.launch.serialization import serialize_payload
-from sparkgpu.launch.run_dir import RunDir
+from sparkgpu.launch.rundir.serialization import serialize_payload
+from sparkgpu.launch.rundir.directory import RunDir
 
 KEY = b"k" * 32
 _LOCK = threading.Lock()

@@ -1,5 +1,5 @@
 """A call is prepared once (one resolve, one job id, each argument pickled once) and launched from
-what was prepared: the backend gets its own layout back explicitly at every plan and submit."""
+what was prepared: the backend gets its own placement back explicitly at every plan and submit."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from sparkgpu.data.tables.plan import TableRef
 from sparkgpu.errors import SerializationError, SparkGPUError
 from sparkgpu.launch.backends.base import ResolvedJob
 from sparkgpu._keyring import load_key
-from sparkgpu.launch.run_dir import RunDir
+from sparkgpu.launch.rundir.directory import RunDir
 from sparkgpu.spark_gpu import GPUNamespace
 from tests.fakes.backend import ScriptedBackend
 
@@ -25,18 +25,18 @@ class PlacingBackend(ScriptedBackend):
     def __init__(self, script):
         super().__init__(script)
         self.resolved: list[str] = []  # the job id of every resolve
-        self.layouts: list = []  # the layout every plan and submit got
+        self.placements: list = []  # the placement every plan and submit got
 
     def resolve(self, job):
         self.resolved.append(job.job_id)
-        return ResolvedJob(job, layout=("layout of", job.job_id))
+        return ResolvedJob(job, placement=("placement of", job.job_id))
 
-    def plan(self, job, run_dir, attempt, env, layout=None):
-        self.layouts.append(layout)
+    def plan(self, job, run_dir, attempt, env, placement=None):
+        self.placements.append(placement)
         return super().plan(job, run_dir, attempt, env)
 
-    def submit(self, job, run_dir, attempt, env, layout=None):
-        self.layouts.append(layout)
+    def submit(self, job, run_dir, attempt, env, placement=None):
+        self.placements.append(placement)
         return super().submit(job, run_dir, attempt, env)
 
 
@@ -72,7 +72,7 @@ def test_dryrun_prepares_once_and_writes_nothing():
     plan = job_on(backend).dryrun(CountsItsPickling(), x=1)
 
     (job_id,) = backend.resolved
-    assert backend.layouts == [("layout of", job_id)]
+    assert backend.placements == [("placement of", job_id)]
     assert CountsItsPickling.pickled == 1  # picklability is checked, once
     assert plan.backend == "fake" and plan.env == {"SPARKGPU_JOB_ID": job_id}
     assert not settings().staging_root.exists()
@@ -86,7 +86,7 @@ def test_a_call_is_resolved_once_and_every_attempt_gets_its_layout():
 
     assert [r["attempt"] for r in results] == [1, 1]
     assert backend.resolved == [job.last_job_id]
-    assert backend.layouts == [("layout of", job.last_job_id)] * 2  # the restart reuses it, unasked
+    assert backend.placements == [("placement of", job.last_job_id)] * 2  # the restart reuses it, unasked
     assert CountsItsPickling.pickled == 1
 
 
@@ -97,7 +97,7 @@ def test_submit_launches_the_job_it_prepared():
     call = job.submit(CountsItsPickling())
 
     assert call.result(timeout=60) == [{"rank": 0, "attempt": 0}, {"rank": 1, "attempt": 0}]
-    assert backend.resolved == [call.job_id] and backend.layouts == [("layout of", call.job_id)]
+    assert backend.resolved == [call.job_id] and backend.placements == [("placement of", call.job_id)]
     assert CountsItsPickling.pickled == 1
 
 
@@ -125,7 +125,7 @@ def test_train_with_data_prepares_once_and_launches_that_job_with_data_url(tmp_p
 
     # One job: checked before the data step and launched after it, under the same id.
     assert backend.resolved == [gpu.last_job_id]
-    assert backend.layouts == [("layout of", gpu.last_job_id)]
+    assert backend.placements == [("placement of", gpu.last_job_id)]
     assert CountsItsPickling.pickled == 1
     assert [p.name for p in settings().staging_root.iterdir()] == [gpu.last_job_id]
     assert payload_kwargs(gpu.last_run_dir, gpu.last_job_id)["data_url"] == TableRef(str(table))
@@ -157,7 +157,7 @@ def test_a_prepared_job_launches_only_once_written_and_is_written_once():
         written.with_kwargs(data_url="x")
     with pytest.raises(SparkGPUError, match="written already"):
         written.write()
-    assert written.supervisor().layout == ("layout of", written.job.job_id)
+    assert written.supervisor().placement == ("placement of", written.job.job_id)
 
 
 class PoolBackend(PlacingBackend):

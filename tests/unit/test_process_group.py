@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.launch.process_group import RankProcessGroup
+from sparkgpu.launch.rank.process_group import RankProcessGroup
 
 ORIGINAL_INIT, ORIGINAL_DESTROY = c10d.init_process_group, c10d.destroy_process_group
 
@@ -49,7 +49,7 @@ def test_replaces_both_entry_points_and_puts_them_back(group):
 )
 def test_a_second_init_with_a_fitting_backend_reuses_the_group(group, kwargs, caplog):
     before = c10d._get_default_group()
-    with caplog.at_level(logging.DEBUG, logger="sparkgpu.launch.process_group"):
+    with caplog.at_level(logging.DEBUG, logger="sparkgpu.launch.rank.process_group"):
         assert dist.init_process_group(**kwargs) is None
         dist.init_process_group(**kwargs)
     assert c10d._get_default_group() is before

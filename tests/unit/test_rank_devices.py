@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from sparkgpu.launch.entrypoint import rank_device_env
+from sparkgpu.launch.rank.entrypoint import rank_device_env
 
 
 def _spec(devices=(), simulated=False, gpu_type="H100"):
@@ -46,7 +46,7 @@ def test_gpu_ranks_leave_accelerate_to_pick_cuda_local_rank():
 
 
 def test_a_users_own_accelerate_setting_wins(monkeypatch):
-    from sparkgpu.launch import entrypoint
+    from sparkgpu.launch.rank import entrypoint
 
     monkeypatch.setenv("ACCELERATE_USE_CPU", "false")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)

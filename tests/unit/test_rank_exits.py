@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from sparkgpu.launch.rank_exits import RankExitWatcher
+from sparkgpu.launch.node.rank_exits import RankExitWatcher
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "waitid"), reason="waitid: Linux")
 

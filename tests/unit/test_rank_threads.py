@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from sparkgpu.launch.threads import rank_thread_env, threads_per_rank
+from sparkgpu.launch.rank.threads import rank_thread_env, threads_per_rank
 
 
 def test_the_hosts_cores_are_shared_out_between_its_ranks():
@@ -38,7 +38,7 @@ import json, os, sys
 import torch
 before = torch.get_num_threads()
 os.environ.update(json.loads(sys.argv[1]))
-from sparkgpu.launch.threads import pin_rank_threads
+from sparkgpu.launch.rank.threads import pin_rank_threads
 pinned = pin_rank_threads()
 print(json.dumps([before, pinned, torch.get_num_threads(), torch.get_num_interop_threads()]))
 """

@@ -12,10 +12,10 @@ from sparkgpu._files import atomic_write_bytes
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError, JobStateError
 from sparkgpu._keyring import save_key
-from sparkgpu.launch.serialization import serialize_payload
+from sparkgpu.launch.rundir.serialization import serialize_payload
 from sparkgpu._process import ProcessRef
-from sparkgpu.launch.resume import client_is_gone, resume_job
-from sparkgpu.launch.run_dir import RunDir
+from sparkgpu.launch.client.resume import client_is_gone, resume_job
+from sparkgpu.launch.rundir.directory import RunDir
 from sparkgpu.spec import JobSpec, Resources
 from tests.fakes.backend import ScriptedBackend
 
@@ -119,8 +119,8 @@ def test_two_resumes_never_both_supervise_a_job():
             sys.executable,
             "-c",
             "import sys, time\n"
-            "from sparkgpu.launch.run_dir import RunDir\n"
-            "from sparkgpu.launch.supervision_lock import SupervisionLock\n"
+            "from sparkgpu.launch.rundir.directory import RunDir\n"
+            "from sparkgpu.launch.client.supervision_lock import SupervisionLock\n"
             "assert SupervisionLock(RunDir(sys.argv[1])).acquire()\n"
             "print('held', flush=True)\n"
             "time.sleep(120)\n",

@@ -12,7 +12,7 @@ import pytest
 from sparkgpu._process import ProcessRef
 from sparkgpu.config import reset_settings, settings
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.launch.retention import prune_runs
+from sparkgpu.launch.client.retention import prune_runs
 
 DAY = 86400.0
 NOW = time.time()

@@ -11,12 +11,12 @@ import pytest
 
 from sparkgpu.config import reset_settings
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.launch.keys import KEY_DIR_ENV, hand_to_ranks
-from sparkgpu.launch.serialization import serialize_payload
+from sparkgpu.launch.rundir.keys import KEY_DIR_ENV, hand_to_ranks
+from sparkgpu.launch.rundir.serialization import serialize_payload
 from sparkgpu.protocol import RankExit
-from sparkgpu.launch.resume import find_run_dir
-from sparkgpu.launch.run_dir import RunDir
-from sparkgpu.launch.run_layout import RunLayout
+from sparkgpu.launch.client.resume import find_run_dir
+from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.launch.rundir.layout import RunLayout
 
 KEY = b"k" * 32
 

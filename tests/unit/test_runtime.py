@@ -3,7 +3,7 @@ import time
 import pytest
 
 from sparkgpu import _keyring, runtime
-from sparkgpu.launch.run_dir import RunDir
+from sparkgpu.launch.rundir.directory import RunDir
 
 
 @pytest.fixture(autouse=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pickle
 import traceback
 
-from sparkgpu.launch.serialization import serialize_payload, unpack_payload
+from sparkgpu.launch.rundir.serialization import serialize_payload, unpack_payload
 
 
 def test_a_function_pickled_by_value_keeps_its_file_so_rank_tracebacks_show_the_users_lines():

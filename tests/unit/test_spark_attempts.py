@@ -13,13 +13,13 @@ import time
 
 import pytest
 
-from sparkgpu.launch.attempt_report import AttemptReport
-from sparkgpu.launch.backends.spark import SparkAttempt, SparkBackend
-from sparkgpu.launch.backends.spark_capacity import NodeLayout
-from sparkgpu.launch.backends.spark_hub import HubLink
-from sparkgpu.launch.backends.spark_node import NodeLaunch, NodeLink, NodeZero, _watch, open_hub
-from sparkgpu.launch.serialization import serialize_payload
-from sparkgpu.launch.run_dir import RunDir
+from sparkgpu.launch.client.attempt_report import AttemptReport
+from sparkgpu.launch.backends.spark.backend import SparkAttempt, SparkBackend
+from sparkgpu.launch.backends.spark.capacity import RankPlacement
+from sparkgpu.launch.backends.spark.executor.hub import HubLink
+from sparkgpu.launch.backends.spark.executor.node import NodeLaunch, NodeLink, NodeZero, _watch, open_hub
+from sparkgpu.launch.rundir.serialization import serialize_payload
+from sparkgpu.launch.rundir.directory import RunDir
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
 from tests.fakes.spark_session import TaggedSession
 
@@ -48,7 +48,7 @@ def attempt(tmp_path):
         attempt=0,
         job=job,
         run_dir=rd,
-        layout=NodeLayout(2, 1, 0),
+        placement=RankPlacement(2, 1, 0),
         tag="sparkgpu-job-1-0",
         submitted_at=time.monotonic(),
         submitted_wall=time.time(),
@@ -143,7 +143,7 @@ def test_nodes_of_a_job_spark_interrupted_are_waited_for_only_the_shutdown_grace
     # Spark kills the tasks of an interrupted job (their Python workers, and the agents and ranks
     # with them): they write no end marker, so waiting for the cancel marker's round trip and the
     # node timeout (50 s with the defaults) would only delay the restart.
-    monkeypatch.setattr("sparkgpu.launch.backends.spark_node_watch.KILLED_TASK_SECONDS", 0.5)
+    monkeypatch.setattr("sparkgpu.launch.backends.spark.attempt.KILLED_TASK_SECONDS", 0.5)
     backend = SparkBackend(spark=TaggedSession(), client_timeout=None, control_interval=30)
     start_marker(attempt, 0, time.time())
     backend._run_action(attempt, BrokenStream())
@@ -200,8 +200,8 @@ def test_a_planted_start_marker_neither_starts_the_bill_nor_the_attempt(attempt)
 
 def test_the_spark_backend_says_its_ranks_wait_for_gpus():
     # The supervisor bills and caps an attempt from ranks_started_at only for such backends.
-    from sparkgpu.launch.backends.local import LocalBackend
-    from sparkgpu.launch.backends.spark import SparkBackend
+    from sparkgpu.launch.backends.local.backend import LocalBackend
+    from sparkgpu.launch.backends.spark.backend import SparkBackend
 
     assert SparkBackend.waits_for_resources and not LocalBackend.waits_for_resources
 

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from sparkgpu.launch.backends import spark_hub
-from sparkgpu.launch.backends.spark_hub import Hub, HubLink
-from sparkgpu.launch.backends.spark_node import NodeLaunch, NodeLink, NodeZero
-from sparkgpu.launch.run_dir import RunDir
+from sparkgpu.launch.backends.spark.executor import hub as spark_hub
+from sparkgpu.launch.backends.spark.executor.hub import Hub, HubLink
+from sparkgpu.launch.backends.spark.executor.node import NodeLaunch, NodeLink, NodeZero
+from sparkgpu.launch.rundir.directory import RunDir
 from sparkgpu.protocol import NodeState
 
 KEY = b"k" * 32

@@ -17,11 +17,19 @@ import time
 import pytest
 
 from sparkgpu._files import atomic_write_bytes
-from sparkgpu.launch.agent import strip_spark_secrets
-from sparkgpu.launch.backends import spark_node
-from sparkgpu.launch.backends.spark_hub import HubLink
-from sparkgpu.launch.backends.spark_node import Heartbeat, NodeLaunch, NodeLink, NodeZero, _claim, _watch, open_hub
-from sparkgpu.launch.run_dir import RunDir
+from sparkgpu.launch.node.agent import strip_spark_secrets
+from sparkgpu.launch.backends.spark.executor import node as spark_node
+from sparkgpu.launch.backends.spark.executor.hub import HubLink
+from sparkgpu.launch.backends.spark.executor.node import (
+    Heartbeat,
+    NodeLaunch,
+    NodeLink,
+    NodeZero,
+    _claim,
+    _watch,
+    open_hub,
+)
+from sparkgpu.launch.rundir.directory import RunDir
 
 FAKE_AGENT = textwrap.dedent("""
     import signal, sys, time

@@ -10,8 +10,8 @@ import json
 import pytest
 
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.launch.backends import spark_probe
-from sparkgpu.launch.backends.spark_probe import executor_identity
+from sparkgpu.launch.backends.spark.executor import probe as spark_probe
+from sparkgpu.launch.backends.spark.executor.probe import executor_identity
 
 
 def test_identity_outside_an_executor_is_unknown_but_usable():

@@ -79,7 +79,7 @@ def test_train_refuses_another_backend():
 
 def test_remote_without_a_session_says_how_to_get_one():
     out = run_python("""
-        from sparkgpu.launch.backends.spark import active_spark_session
+        from sparkgpu.launch.backends.spark.backend import active_spark_session
         from sparkgpu.errors import ConfigurationError
         try:
             active_spark_session()
@@ -94,8 +94,8 @@ def test_the_connect_url_a_job_records_for_resume_never_holds_its_token(tmp_path
 
     from pyspark.sql.connect.client.core import DefaultChannelBuilder
 
-    from sparkgpu.launch.backends.spark_sessions import connect_url, record_session, recorded_remote
-    from sparkgpu.launch.run_dir import RunDir
+    from sparkgpu.launch.backends.spark.sessions import connect_url, record_session, recorded_remote
+    from sparkgpu.launch.rundir.directory import RunDir
 
     def session(url):
         return SimpleNamespace(client=SimpleNamespace(_builder=DefaultChannelBuilder(url)))
@@ -119,7 +119,7 @@ def test_a_session_its_connect_server_closed_is_replaced_or_the_error_says_how_t
 
     from pyspark.sql.connect.client.core import DefaultChannelBuilder
 
-    from sparkgpu.launch.backends import spark as spark_backend
+    from sparkgpu.launch.backends.spark import backend as spark_backend
 
     def closed_session():  # what pyspark leaves after "[INVALID_HANDLE.SESSION_CHANGED] ... Please reconnect."
         return SimpleNamespace(

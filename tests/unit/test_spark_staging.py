@@ -11,15 +11,15 @@ import time
 import pytest
 
 from sparkgpu.config import reset_settings
-from sparkgpu.launch.backends import spark_node
-from sparkgpu.launch.attempt_report import AttemptReport
-from sparkgpu.launch.backends.spark import SparkAttempt, SparkBackend
-from sparkgpu.launch.backends.spark_capacity import NodeLayout
-from sparkgpu.launch.backends.spark_hub import HubLink
-from sparkgpu.launch.backends.spark_node import NodeLaunch, NodeLink, NodeZero, _claim, _watch, open_hub
-from sparkgpu.launch.serialization import serialize_payload
-from sparkgpu.launch.run_dir import RunDir
-from sparkgpu.launch.staging import NodeMirror, StagingStore
+from sparkgpu.launch.backends.spark.executor import node as spark_node
+from sparkgpu.launch.client.attempt_report import AttemptReport
+from sparkgpu.launch.backends.spark.backend import SparkAttempt, SparkBackend
+from sparkgpu.launch.backends.spark.capacity import RankPlacement
+from sparkgpu.launch.backends.spark.executor.hub import HubLink
+from sparkgpu.launch.backends.spark.executor.node import NodeLaunch, NodeLink, NodeZero, _claim, _watch, open_hub
+from sparkgpu.launch.rundir.serialization import serialize_payload
+from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.launch.rundir.staging import NodeMirror, StagingStore
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
 from tests.fakes.spark_session import TaggedSession
 from tests.unit.test_spark_attempts import BrokenStream
@@ -95,7 +95,7 @@ def test_ranks_that_outlive_a_broken_stream_are_stopped_through_the_store(job, t
         attempt=0,
         job=job,
         run_dir=rd,
-        layout=NodeLayout(2, 1, 0),
+        placement=RankPlacement(2, 1, 0),
         tag="sparkgpu-job-1-0",
         submitted_at=time.monotonic(),
         submitted_wall=time.time(),
@@ -128,7 +128,7 @@ def test_checkpoints_live_on_the_store_and_the_dry_run_names_no_client_path(job)
     backend = SparkBackend(spark=TaggedSession(), client_timeout=None, staging_url=url)
 
     assert backend.checkpoint_dir(rd) == f"{url}/ana/job-1/checkpoints"
-    plan = backend.plan(job, rd, 0, {}, layout=NodeLayout(2, 1, 0))
+    plan = backend.plan(job, rd, 0, {}, placement=RankPlacement(2, 1, 0))
     assert str(rd.path) not in str(plan) and f"{url}/ana/job-1" in str(plan)
     assert SparkBackend(spark=TaggedSession(), staging_url="").checkpoint_dir(rd) == str(rd.checkpoints)
 
@@ -141,7 +141,7 @@ def test_a_quiet_client_lists_the_store_once_per_quiet_interval_and_sends_a_stop
     within one round (node 0 reads it at its own pace)."""
     import json
 
-    from sparkgpu.launch.run_layout import RunLayout
+    from sparkgpu.launch.rundir.layout import RunLayout
 
     monkeypatch.setattr(spark_node, "_POLL_SECONDS", 0.05)
     job, rd, url = job
@@ -150,7 +150,7 @@ def test_a_quiet_client_lists_the_store_once_per_quiet_interval_and_sends_a_stop
         attempt=0,
         job=job,
         run_dir=rd,
-        layout=NodeLayout(2, 1, 0),
+        placement=RankPlacement(2, 1, 0),
         tag="sparkgpu-job-1-0",
         submitted_at=time.monotonic(),
         submitted_wall=time.time(),

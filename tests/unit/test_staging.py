@@ -13,12 +13,12 @@ import pytest
 
 from sparkgpu import runtime
 from sparkgpu.errors import PayloadSignatureError
-from sparkgpu.launch.serialization import serialize_payload
-from sparkgpu.launch.run_dir import RunDir
-from sparkgpu.launch import log_bundles
-from sparkgpu.launch.backends.spark_node_channel import Heartbeat
-from sparkgpu.launch.log_bundles import LogReader, LogShipper, parse_bundle_name
-from sparkgpu.launch.staging import (
+from sparkgpu.launch.rundir.serialization import serialize_payload
+from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.launch.rundir import log_bundles
+from sparkgpu.launch.backends.spark.executor.channel import Heartbeat
+from sparkgpu.launch.rundir.log_bundles import LogReader, LogShipper, parse_bundle_name
+from sparkgpu.launch.rundir.staging import (
     ClientMirror,
     NodeMirror,
     StagingStore,
@@ -463,7 +463,7 @@ def test_a_store_that_stalls_for_a_minute_makes_node_0_count_no_silence_of_the_c
 def test_a_store_that_fails_is_retried_with_backoff_said_once_and_its_return_said(monkeypatch):
     import io
 
-    from sparkgpu.launch import staging
+    from sparkgpu.launch.rundir import staging
 
     monkeypatch.setattr(staging, "MAX_BACKOFF", 0.8)
     out, calls, failing = io.StringIO(), [], [True]

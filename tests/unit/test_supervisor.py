@@ -8,14 +8,14 @@ import time
 import pytest
 
 from sparkgpu.errors import CapacityError, JobTimeoutError, NodeLostError, WorkerFailedError
-from sparkgpu.launch.attempt_report import AttemptReport, NodeReport
-from sparkgpu.launch.attempt_result import read_attempt
+from sparkgpu.launch.client.attempt_report import AttemptReport, NodeReport
+from sparkgpu.launch.client.attempt_result import read_attempt
 from sparkgpu.callbacks import JobCallback
-from sparkgpu.launch.entrypoint import EXIT_PREEMPTED
-from sparkgpu.launch.serialization import serialize_payload
-from sparkgpu.launch.run_dir import RunDir
-from sparkgpu.launch.run_layout import RunLayout
-from sparkgpu.launch.supervisor import Supervisor
+from sparkgpu.launch.rank.entrypoint import EXIT_PREEMPTED
+from sparkgpu.launch.rundir.serialization import serialize_payload
+from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.launch.rundir.layout import RunLayout
+from sparkgpu.launch.client.supervisor import Supervisor
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
 from sparkgpu._keyring import derive_key
 from sparkgpu.train._checkpoint_signing import Manifest
@@ -118,7 +118,7 @@ class CapBackend(ScriptedBackend):
     "resume me" status (as after ``stop_for_restart``) but no marker.
     """
 
-    def submit(self, job, run_dir, attempt, env, layout=None):
+    def submit(self, job, run_dir, attempt, env, placement=None):
         action = self.script[attempt]
         self.script[attempt] = "hang" if action.startswith("hang") else action
         handle = super().submit(job, run_dir, attempt, env)
@@ -270,7 +270,7 @@ class CheckpointOnSigterm(ScriptedBackend):
         for rank in range(2):
             self.run_dir.preempted_file(handle.attempt, rank).write_text("x")
 
-    def submit(self, job, run_dir, attempt, env, layout=None):
+    def submit(self, job, run_dir, attempt, env, placement=None):
         self.run_dir = run_dir
         return super().submit(job, run_dir, attempt, env)
 
@@ -316,7 +316,7 @@ class WaitsForGPUs(ScriptedBackend):
         self.wait, self.meter = wait, meter
         self.journaled_while_waiting = False
 
-    def submit(self, job, run_dir, attempt, env, layout=None):
+    def submit(self, job, run_dir, attempt, env, placement=None):
         self.submitted_at = time.time()
         handle = super().submit(job, run_dir, attempt, env)
         if self.script[attempt] == "ok":
@@ -396,7 +396,7 @@ def test_a_failure_no_restart_can_fix_is_raised_at_once(tmp_path):
     # A tampered payload fails the same way on every attempt: restarting it only spends GPU time.
     from sparkgpu.env.hydrate import EnvironmentMismatchError as RaisedByHydration
     from sparkgpu.errors import PayloadSignatureError
-    from sparkgpu.launch.supervisor import Decision, FailurePolicy
+    from sparkgpu.launch.client.supervisor import Decision, FailurePolicy
 
     policy = FailurePolicy(max_restarts=3)
     refused = {0: PayloadSignatureError("modified after it was staged")}
@@ -426,7 +426,7 @@ class LosingBackend(ScriptedBackend):
 
     lost_at = time.time() - 3600  # long before the attempt ends: the bill must stop there, not at the end
 
-    def submit(self, job, run_dir, attempt, env, layout=None):
+    def submit(self, job, run_dir, attempt, env, placement=None):
         if self.script[attempt] != "lost":
             return super().submit(job, run_dir, attempt, env)
         self.script[attempt] = "raise"  # rank errors on both ranks; the report says why
@@ -464,7 +464,7 @@ def test_a_lost_node_in_the_backends_report_fails_the_attempt_naming_its_host(tm
 class NotingBackend(ScriptedBackend):
     """Its nodes never started a launcher; the report's note says why."""
 
-    def submit(self, job, run_dir, attempt, env, layout=None):
+    def submit(self, job, run_dir, attempt, env, placement=None):
         run_dir.prepare_attempt(attempt)
         AttemptReport(attempt, notes=["executor 1 on h cannot see the run dir /x: set SPARKGPU_STAGING_ROOT"]).write(
             run_dir.attempt_dir(attempt)
@@ -489,7 +489,7 @@ class AskedToGiveWay(ScriptedBackend):
         self.queue_wait = queue_wait
         self.events: list[str] = []
 
-    def submit(self, job, run_dir, attempt, env, layout=None):
+    def submit(self, job, run_dir, attempt, env, placement=None):
         self.events.append(f"submit:{attempt}")
         return super().submit(job, run_dir, attempt, env)
 

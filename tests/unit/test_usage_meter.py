@@ -9,9 +9,9 @@ import pytest
 
 from sparkgpu.errors import PolicyViolationError
 from sparkgpu.callbacks import AttemptOutcome
-from sparkgpu.launch.serialization import serialize_payload
-from sparkgpu.launch.run_dir import RunDir
-from sparkgpu.launch.supervisor import Supervisor
+from sparkgpu.launch.rundir.serialization import serialize_payload
+from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.launch.client.supervisor import Supervisor
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
 from sparkgpu.usage.ledger import UsageLedger, UsageRecord
 from sparkgpu.usage.meter import UsageMeter

@@ -2,7 +2,7 @@
 
 A backend turns a validated :class:`~sparkgpu.spec.JobSpec` plus a staged run directory
 into running ranks. ``resolve`` checks capacity once per job and returns a
-:class:`ResolvedJob`, whose ``layout`` the caller hands back to every ``plan`` and ``submit``
+:class:`ResolvedJob`, whose ``placement`` the caller hands back to every ``plan`` and ``submit``
 of that job: a backend keeps no per-job state between them. The supervisor drives it through
 ``plan`` (a printable dry run), ``submit``, ``poll`` and ``cancel``; results, tracebacks and
 logs come back through the run directory, never through the backend's own channels.
@@ -16,7 +16,7 @@ import importlib
 from typing import Any
 
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.launch.run_dir import RunDir
+from sparkgpu.launch.rundir.directory import RunDir
 from sparkgpu.spec import JobSpec, Resources
 
 __all__ = [
@@ -36,13 +36,13 @@ class ResolvedJob:
 
     Attributes:
         job: The spec with what the backend decided filled in (GPU type, devices, simulated).
-        layout: How the backend places the ranks (the Spark backend's
-            :class:`~sparkgpu.launch.backends.spark_capacity.NodeLayout`); ``None`` when ``job``
+        placement: How the backend places the ranks (the Spark backend's
+            :class:`~sparkgpu.launch.backends.spark.capacity.RankPlacement`); ``None`` when ``job``
             says it all. Pass it back to ``plan`` and ``submit``.
     """
 
     job: JobSpec
-    layout: Any = None
+    placement: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,22 +107,24 @@ class Backend(abc.ABC):
         """
 
     @abc.abstractmethod
-    def plan(self, job: JobSpec, run_dir: RunDir, attempt: int, env: dict[str, str], layout: Any = None) -> LaunchPlan:
+    def plan(
+        self, job: JobSpec, run_dir: RunDir, attempt: int, env: dict[str, str], placement: Any = None
+    ) -> LaunchPlan:
         """The dry run of one attempt.
 
         Args:
-            layout: The :attr:`ResolvedJob.layout` of ``job``; ``None`` (a job continued from
+            placement: The :attr:`ResolvedJob.placement` of ``job``; ``None`` (a job continued from
                 its run dir) places the ranks anew.
         """
 
     @abc.abstractmethod
     def submit(
-        self, job: JobSpec, run_dir: RunDir, attempt: int, env: dict[str, str], layout: Any = None
+        self, job: JobSpec, run_dir: RunDir, attempt: int, env: dict[str, str], placement: Any = None
     ) -> AttemptHandle:
         """Starts one attempt and returns at once.
 
         Args:
-            layout: As for :meth:`plan`.
+            placement: As for :meth:`plan`.
         """
 
     @abc.abstractmethod
@@ -200,9 +202,9 @@ class Backend(abc.ABC):
 
 # Imported lazily so the local path never imports pyspark.
 BACKENDS = {
-    "local": "sparkgpu.launch.backends.local",
-    "warm_pool": "sparkgpu.launch.backends.warm_pool",
-    "spark": "sparkgpu.launch.backends.spark",
+    "local": "sparkgpu.launch.backends.local.backend",
+    "warm_pool": "sparkgpu.launch.backends.local.warm",
+    "spark": "sparkgpu.launch.backends.spark.backend",
 }
 
 

@@ -1,0 +1,226 @@
+"""How an attempt ended, read back from the run dir: :class:`AttemptResult` and :func:`read_attempt`.
+
+The supervisor reads each attempt this way when its launchers are done, and a later
+``attach(job_id).result()`` reads a finished job's last attempt the same way, so both raise the
+same error with the same root cause.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import signal
+from collections.abc import Callable
+from typing import Any
+
+from sparkgpu.errors import NodeLostError, RankFailure, first_failure, worker_failed_error
+from sparkgpu.launch.client.attempt_report import AttemptReport
+from sparkgpu.launch.rank.entrypoint import EXIT_PREEMPTED
+from sparkgpu.protocol import AttemptStatus, RankExit
+from sparkgpu.launch.rundir.directory import RunDir
+
+__all__ = ["AttemptResult", "StoppedBy", "read_attempt"]
+
+
+class StoppedBy(enum.Enum):
+    """Why the supervisor stopped an attempt's ranks itself."""
+
+    CAP = "cap"  # the attempt reached its runtime cap (max_runtime)
+    POLICY = "policy"  # a usage policy asked it to stop, and checkpoint_grace passed
+    PRIORITY = "priority"  # it was asked to give way to a critical job, and checkpoint_grace passed
+    RESIZE = "resize"  # an elastic job was asked to stop to grow back to all its GPUs, and checkpoint_grace passed
+
+
+@dataclasses.dataclass
+class AttemptResult:
+    """How one attempt ended, read back from the run dir."""
+
+    status: AttemptStatus  # SUCCEEDED, PREEMPTED, FAILED or STOPPED (by a policy, without a checkpoint)
+    results: list[Any] | None = None
+    failures: list[RankFailure] = dataclasses.field(default_factory=list)
+    exceptions: dict[int, BaseException] = dataclasses.field(default_factory=dict)
+    report: AttemptReport | None = None  # the backend's account of its nodes, when it wrote one
+
+    @property
+    def lost(self) -> str:
+        """``"executor 1 on host h was lost (...)"`` when the backend lost a node of the attempt, else ``""``."""
+        return self.report.lost_message() if self.report is not None and self.report.lost else ""
+
+    def error(self, job_id: str, logs_dir: str):
+        """The error a failed attempt raises on the client (the live call and ``attach(...).result()`` alike)."""
+        if self.lost:
+            return NodeLostError(self.failures, job_id, logs_dir, lost=self.lost)
+        return worker_failed_error(self.failures, self.exceptions, job_id, logs_dir)
+
+    @property
+    def root_exception(self) -> BaseException | None:
+        """The unpickled exception of the rank that failed first, when it unpickles."""
+        if not self.failures:
+            return None
+        return self.exceptions.get(first_failure(self.failures).rank)
+
+
+def read_attempt(
+    rd: RunDir,
+    attempt: int,
+    world_size: int,
+    policy,
+    *,
+    stopped_by: StoppedBy | None = None,
+    saved_checkpoint: Callable[[], bool] | None = None,
+) -> AttemptResult:
+    """How attempt ``attempt`` ended, from what its ranks, launchers and backend left in the run dir.
+
+    Args:
+        rd: The job's run dir.
+        attempt: The attempt to read.
+        world_size: The job's ranks.
+        policy: The job's :class:`~sparkgpu.spec.RunPolicy` (its cap names the fix when an attempt
+            stopped at the cap had not checkpointed).
+        stopped_by: Why the supervisor stopped the attempt, when it did; else ``None``.
+        saved_checkpoint: Whether the attempt committed a new checkpoint; asked only for an
+            attempt the supervisor stopped whose ranks did not stop for a restart.
+
+    A rank's result, error or preemption marker is its own account; a rank that left none is
+    judged from its launcher's exit record, then from the backend's :class:`AttemptReport`
+    (a lost node names the cause before its peers' errors), then from node 0's launcher log.
+    """
+    results: dict[int, Any] = {}
+    failures: list[RankFailure] = []
+    exceptions: dict[int, BaseException] = {}
+    preempted, silent = [], []
+    for rank in range(world_size):
+        if rd.result_file(attempt, rank).exists():
+            results[rank] = rd.read_result(attempt, rank)
+        elif rd.error_file(attempt, rank).exists():
+            failure, exc = rd.read_error(attempt, rank)
+            failures.append(failure)
+            if exc is not None:
+                exceptions[rank] = exc
+        elif rd.preempted_file(attempt, rank).exists():
+            preempted.append(rank)
+        else:
+            silent.append(rank)
+    exits = rd.read_node_exits(attempt)
+    report = AttemptReport.read(rd.attempt_dir(attempt))
+    own_failure = bool(failures) or any(
+        i.exitcode not in (EXIT_PREEMPTED, -signal.SIGTERM) for r, i in exits.items() if r in silent
+    )
+    for rank in silent:
+        info = exits.get(rank)
+        if info is None:
+            continue  # stopped by the agent because another rank failed
+        if info.exitcode == EXIT_PREEMPTED:
+            preempted.append(rank)  # stopped for a restart; its marker may be lost with the node
+            continue
+        if own_failure and info.exitcode == -signal.SIGTERM:
+            continue  # torn down after another rank failed: not a failure of its own
+        if stopped_by and info.exitcode in (-signal.SIGTERM, -signal.SIGKILL):
+            continue  # the supervisor stopped it (cap or policy): judged below
+        failures.append(
+            RankFailure(
+                rank,
+                None,
+                _describe_exit(info),
+                exitcode=info.exitcode,
+                log_tail=rd.log_tail(attempt, rank),
+                timestamp=info.time,  # when it exited: a quiet exit is the cause of its peers' errors
+            )
+        )
+    if report is not None and report.lost:
+        # The lost node's ranks are silent; the others' errors (a peer left the collective) follow from it.
+        lost = [
+            RankFailure(rank, None, f"{node.where} was lost: {node.cause}", timestamp=report.lost_at)
+            for node in report.lost
+            for rank in node.ranks
+        ]
+        lost_ranks = {f.rank for f in lost}
+        return AttemptResult(
+            AttemptStatus.FAILED,
+            failures=lost + [f for f in failures if f.rank not in lost_ranks],
+            exceptions=exceptions,
+            report=report,
+        )
+    if failures:
+        return AttemptResult(AttemptStatus.FAILED, failures=failures, exceptions=exceptions, report=report)
+    if len(results) == world_size:
+        return AttemptResult(AttemptStatus.SUCCEEDED, results=[results[r] for r in range(world_size)])
+    if preempted:
+        return AttemptResult(AttemptStatus.PREEMPTED)
+    if stopped_by:
+        # Stopped at the cap: resuming makes sense only if this attempt saved progress;
+        # otherwise the next attempt would do the same work again, forever.
+        if saved_checkpoint is not None and saved_checkpoint():
+            return AttemptResult(AttemptStatus.PREEMPTED)
+        if stopped_by in (StoppedBy.PRIORITY, StoppedBy.RESIZE):
+            # Its work since the latest checkpoint is lost, but giving way is no failure of its own.
+            return AttemptResult(AttemptStatus.PREEMPTED)
+        if stopped_by is StoppedBy.POLICY:
+            return AttemptResult(AttemptStatus.STOPPED)
+        message = _not_checkpointed_message(policy)
+        return AttemptResult(
+            AttemptStatus.FAILED,
+            failures=[
+                RankFailure(r, None, message, log_tail=rd.log_tail(attempt, r))
+                for r in range(world_size)
+                if r not in results
+            ],
+        )
+    missing = silent or list(range(world_size))
+    if any(rd.read_control(path) is not None for path in rd.node_exit_files(attempt).values()):
+        # Launchers recorded the attempt but no exit of these ranks: an exit with code 0
+        # that could not be watched, or a node whose launcher was lost.
+        return AttemptResult(
+            AttemptStatus.FAILED,
+            failures=[
+                RankFailure(
+                    r,
+                    None,
+                    "the process ended without returning a result or raising an exception, and "
+                    "its launcher recorded no failure for it (an exit with code 0, as after os._exit(0), "
+                    "or its node's launcher was lost)",
+                    log_tail=rd.log_tail(attempt, r),
+                )
+                for r in missing
+            ],
+        )
+    # No launcher recorded anything: it failed itself (bad interpreter, port clash, ...).
+    agent_log = rd.agent_log(attempt, 0)
+    tail = "\n".join(agent_log.read_text(errors="replace").splitlines()[-30:]) if agent_log.exists() else ""
+    if report is not None and report.notes:  # what the backend knows that no launcher could write
+        tail = "\n".join([*(f"sparkgpu: {note}" for note in report.notes), tail])
+    return AttemptResult(
+        AttemptStatus.FAILED,
+        failures=[
+            RankFailure(
+                r,
+                None,
+                "the rank never reported a result: its node's launcher ended without recording "
+                "how its ranks ended (the launcher's log is below)",
+                log_tail=tail,
+            )
+            for r in missing
+        ],
+    )
+
+
+def _not_checkpointed_message(policy) -> str:
+    return (
+        f"the attempt reached its runtime cap (max_runtime={policy.max_runtime:g}s) and was stopped, but the "
+        "function did not checkpoint before it: no rank stopped for a restart and no new complete checkpoint "
+        "was saved, so resuming would only repeat the same work. Save with sparkgpu.train.Checkpointer "
+        "(ckpt.maybe_save(step, ...) after every step) and call runtime.stop_for_restart() once ckpt.should_stop "
+        f"is True (runtime.should_checkpoint() turns True checkpoint_grace={policy.checkpoint_grace:g}s before "
+        "the cap), or raise max_runtime="
+    )
+
+
+def _describe_exit(info: RankExit) -> str:
+    if info.signal:
+        return f"the process died from signal {info.signal} (exit code {info.exitcode}) without a Python exception"
+    if info.exitcode == 0:
+        return (
+            "the process exited with code 0 without returning a result or raising an exception "
+            "(os._exit(0), or a library that calls exit(0))"
+        )
+    return f"the process exited with code {info.exitcode} without a Python exception"

@@ -1,0 +1,229 @@
+"""The names of a run directory's files: everything a worker needs, and everything it leaves behind.
+
+:class:`RunLayout` names every file of a run dir, relative to it; nothing else spells those
+names (:class:`~sparkgpu.launch.rundir.directory.RunDir` is one run dir on a machine). Layout of
+``<staging_root>/<job_id>/``::
+
+    _air.py              generated entrypoint: ``python _air.py`` runs one rank ("air" after the
+                         AI Runtime, ``databricks.air``, whose calls these jobs serve; the
+                         name is a convention, nothing depends on it)
+    _hydrate.py          the environment's rehydration, when the job ships its environment
+    _errors.py           sparkgpu's errors beside it, which the rehydration raises
+    spec.json            the JobSpec
+    payload.pkl          cloudpickled function, arguments and worker callbacks
+    payload.sig          HMAC-SHA256 of _air.py + spec.json + payload.pkl (key never stored)
+    state.json           the supervisor's state (attempts, status)
+    cancel-request       written by another process to cancel the job
+    checkpoints/         shared by all attempts
+    tracking/            the job's tracking run and the ranks' spooled records
+    attempts/<k>/logs/rank-<r>.log      output of rank r in attempt k (agent-<n>.log: node n's agent)
+    attempts/<k>/elastic/               torch elastic's own logs of the attempt's agents
+    attempts/<k>/results/rank-<r>.pkl   its return value (or rank-<r>.error.pkl), signed; beside it
+                                        rank-<r>.checkpoints-on-sigterm when SIGTERM asks it to checkpoint
+    attempts/<k>/env-rank-<r>.json      what rehydrating the shipped environment cost rank r
+    attempts/<k>/node-<n>.json          exit codes of the node's ranks, from the agent
+    attempts/<k>/report.json            the attempt's report (per node: state, exit, cause)
+    attempts/<k>/STOP                   the supervisor asks the ranks to checkpoint and stop
+    attempts/<k>/spark/                 Spark nodes' start and end markers, beats; the client's
+                                        cancel marker and heartbeat
+
+With a staging store (``SPARKGPU_STAGING_ROOT`` an fsspec URL) the same layout is mirrored at
+``<url>/<user>/<job_id>/`` and each Spark node works on a scratch copy (:mod:`sparkgpu.launch.rundir.staging`);
+checkpoints then live on the store only.
+"""
+
+from __future__ import annotations
+
+import re
+
+from sparkgpu._run_files import (
+    ERRORS_FILE,
+    HYDRATE_FILE,
+    STOP_FILE,
+    TRACKING_DIR,
+    TRACKING_RECORDS_DIR,
+    TRACKING_RUN_FILE,
+)
+from sparkgpu.launch.rundir.signature import SIGNATURE_FILE, SIGNED_CORE
+
+__all__ = ["RunLayout"]
+
+_ENV_REPORT = re.compile(r"^env-rank-(\d+)\.json$")
+_NODE_EXITS = re.compile(r"^node-(\d+)\.json$")
+_NODE_MARKER = re.compile(r"^node-(\d+)\.(started|ended)$")
+
+
+class RunLayout:
+    """The names of a run dir's files, relative to it and ``/``-separated (see the module docstring).
+
+    The one place they are spelled: the client, the agents, the ranks, the Spark nodes and
+    the staging mirror all ask here, so a run dir read on one machine and a copy of it on
+    another agree.
+    """
+
+    # The signed files are spelled where the worker checks them, with the standard library alone.
+    ENTRYPOINT, SPEC, PAYLOAD = SIGNED_CORE
+    SIGNATURE = SIGNATURE_FILE
+    HYDRATE = HYDRATE_FILE
+    ERRORS = ERRORS_FILE
+    STATE = "state.json"
+    CANCEL_REQUEST = "cancel-request"
+    SUPERVISION_LOCK = "supervision.lock"  # flocked by the process that supervises the job
+    CHECKPOINTS = "checkpoints"
+    STAGING_PREFIX = "staging-prefix"  # the staging store prefix that holds the job's folder (client only)
+    ATTEMPTS = "attempts"
+    REPORT = "report.json"  # in an attempt's folder
+    RAY_CLUSTER = "cluster.json"  # in an attempt's ray/ folder
+    TRACKING = TRACKING_DIR
+    TRACKING_RUN = f"{TRACKING}/{TRACKING_RUN_FILE}"
+    TRACKING_RECORDS = f"{TRACKING}/{TRACKING_RECORDS_DIR}"
+    #: The signed files every run dir has, in the order the signature covers them.
+    SIGNED = SIGNED_CORE
+    SPARK = "spark"  # the folder of an attempt's Spark markers
+    SPARK_CANCEL = "CANCEL"
+    SPARK_CLIENT_HEARTBEAT = "client.heartbeat"
+    SPARK_CONTROL = "control"  # the client's control files in one object, on a staging store
+    SPARK_STATE = "state"  # node 0's summary of the attempt (sparkgpu.launch.backends.spark.executor.hub)
+
+    @staticmethod
+    def payload_files(spec: dict) -> list[str]:
+        """The files a node needs to run the job: the signed ones and their signature."""
+        return [*RunLayout.SIGNED, RunLayout.SIGNATURE, *sorted(spec.get("signed_files", []))]
+
+    @staticmethod
+    def attempt(attempt: int | str) -> str:
+        return f"{RunLayout.ATTEMPTS}/{attempt}"
+
+    @staticmethod
+    def logs(attempt: int | str) -> str:
+        return f"{RunLayout.attempt(attempt)}/logs"
+
+    @staticmethod
+    def log_stream(attempt: int | str, node: int) -> str:
+        """The name of node ``node``'s stream of log bundles on a staging store (:mod:`sparkgpu.launch.rundir.log_bundles`)."""
+        return f"{RunLayout.logs(attempt)}/node-{node}"
+
+    @staticmethod
+    def elastic(attempt: int | str) -> str:
+        """The folder of torch elastic's own logs for the attempt (its agents' ``log_dir``)."""
+        return f"{RunLayout.attempt(attempt)}/elastic"
+
+    @staticmethod
+    def results(attempt: int) -> str:
+        return f"{RunLayout.attempt(attempt)}/results"
+
+    @staticmethod
+    def rank_log(attempt: int | str, rank: int | str) -> str:
+        return f"{RunLayout.logs(attempt)}/rank-{rank}.log"
+
+    @staticmethod
+    def agent_log(attempt: int, node: int) -> str:
+        return f"{RunLayout.logs(attempt)}/agent-{node}.log"
+
+    @staticmethod
+    def result(attempt: int, rank: int) -> str:
+        return f"{RunLayout.results(attempt)}/rank-{rank}.pkl"
+
+    @staticmethod
+    def error(attempt: int, rank: int) -> str:
+        return f"{RunLayout.results(attempt)}/rank-{rank}.error.pkl"
+
+    @staticmethod
+    def preempted(attempt: int, rank: int) -> str:
+        return f"{RunLayout.results(attempt)}/rank-{rank}.preempted"
+
+    @staticmethod
+    def checkpoints_on_sigterm(attempt: int, rank: int) -> str:
+        """Written by a rank whose SIGTERM asks for a checkpoint (its launcher kills it after a peer's crash)."""
+        return f"{RunLayout.results(attempt)}/rank-{rank}.checkpoints-on-sigterm"
+
+    @staticmethod
+    def env_report(attempt: int | str, rank: int | str) -> str:
+        return f"{RunLayout.attempt(attempt)}/env-rank-{rank}.json"
+
+    @staticmethod
+    def env_report_rank(name: str) -> int | None:
+        """The rank whose environment report is the file ``name`` of an attempt's folder, or ``None``."""
+        match = _ENV_REPORT.match(name)
+        return int(match.group(1)) if match else None
+
+    @staticmethod
+    def node_exits(attempt: int, node: int) -> str:
+        return f"{RunLayout.attempt(attempt)}/node-{node}.json"
+
+    @staticmethod
+    def node_exits_node(name: str) -> int | None:
+        """The node whose exit file is the file ``name`` of an attempt's folder, or ``None``."""
+        match = _NODE_EXITS.match(name)
+        return int(match.group(1)) if match else None
+
+    @staticmethod
+    def report(attempt: int) -> str:
+        return f"{RunLayout.attempt(attempt)}/{RunLayout.REPORT}"
+
+    @staticmethod
+    def stop(attempt: int | str) -> str:
+        return f"{RunLayout.attempt(attempt)}/{STOP_FILE}"
+
+    @staticmethod
+    def ray(attempt: int | str) -> str:
+        """The folder of a Ray job's attempt: its cluster's description and logs."""
+        return f"{RunLayout.attempt(attempt)}/ray"
+
+    @staticmethod
+    def ray_cluster(attempt: int | str) -> str:
+        return f"{RunLayout.ray(attempt)}/{RunLayout.RAY_CLUSTER}"
+
+    @staticmethod
+    def spark(attempt: int) -> str:
+        return f"{RunLayout.attempt(attempt)}/{RunLayout.SPARK}"
+
+    @staticmethod
+    def spark_cancel(attempt: int) -> str:
+        return f"{RunLayout.spark(attempt)}/{RunLayout.SPARK_CANCEL}"
+
+    @staticmethod
+    def client_heartbeat(attempt: int) -> str:
+        return f"{RunLayout.spark(attempt)}/{RunLayout.SPARK_CLIENT_HEARTBEAT}"
+
+    @staticmethod
+    def spark_control(attempt: int) -> str:
+        return f"{RunLayout.spark(attempt)}/{RunLayout.SPARK_CONTROL}"
+
+    @staticmethod
+    def follow_request(attempt: int) -> str:
+        """Ranks ``sparkgpu logs --follow`` asks the client to read live (the client's own file)."""
+        return f"{RunLayout.spark(attempt)}/follow"
+
+    @staticmethod
+    def spark_state(attempt: int) -> str:
+        return f"{RunLayout.spark(attempt)}/{RunLayout.SPARK_STATE}"
+
+    @staticmethod
+    def node_marker(attempt: int, node: int, kind: str) -> str:
+        """A Spark node's marker: ``kind`` is ``"started"`` or ``"ended"``."""
+        return f"{RunLayout.spark(attempt)}/node-{node}.{kind}"
+
+    @staticmethod
+    def node_marker_node(name: str, kind: str) -> int | None:
+        """The node whose ``kind`` marker is the file ``name`` of an attempt's Spark folder, or ``None``."""
+        match = _NODE_MARKER.match(name)
+        return int(match.group(1)) if match and match.group(2) == kind else None
+
+    @staticmethod
+    def is_node_end_marker(rel: str) -> bool:
+        return f"/{RunLayout.SPARK}/node-" in rel and rel.endswith(".ended")
+
+    @staticmethod
+    def is_node_exits(rel: str) -> bool:
+        return RunLayout.node_exits_node(rel.rsplit("/", 1)[-1]) is not None
+
+    @staticmethod
+    def control_files(attempt: int) -> tuple[str, ...]:
+        """The files the client writes while attempt ``attempt`` runs."""
+        return (RunLayout.stop(attempt), RunLayout.spark_cancel(attempt), RunLayout.client_heartbeat(attempt))
+
+    @staticmethod
+    def tracking_records_of(attempt: int) -> str:
+        """The prefix of the names of attempt ``attempt``'s files in :attr:`TRACKING_RECORDS`."""
+        return f"a{attempt}."
