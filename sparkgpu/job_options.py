@@ -115,7 +115,8 @@ JOB_OPTIONS: tuple[JobOption, ...] = (
     ),
 )
 
-PYTHON_ONLY_KEYWORDS = frozenset({"num_accelerators", "num_gpus", "backend", "callbacks"})
+#: ``run_async``: a job file or ``sparkgpu run`` waits for its job (``sparkgpu attach`` follows one).
+PYTHON_ONLY_KEYWORDS = frozenset({"num_accelerators", "num_gpus", "backend", "callbacks", "run_async"})
 
 
 def check_document_value(option: JobOption, value, source: str, *, subject: str | None = None):
