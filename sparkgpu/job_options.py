@@ -115,7 +115,7 @@ JOB_OPTIONS: tuple[JobOption, ...] = (
     ),
 )
 
-#: ``run_async``: a job file or ``sparkgpu run`` waits for its job (``sparkgpu attach`` follows one).
+#: ``run_async``: a job file or ``sparkgpu run`` waits for its job (``sparkgpu logs --follow`` watches one).
 PYTHON_ONLY_KEYWORDS = frozenset({"num_accelerators", "num_gpus", "backend", "callbacks", "run_async"})
 
 
