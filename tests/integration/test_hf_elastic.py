@@ -2,7 +2,7 @@
 back, training every block of every epoch once, with its step accounting continuous.
 
 The job is elastic (``min_gpus=1`` of 2) and its decisions are the supervisor's own
-(:class:`~sparkgpu.launch.elastic.ElasticPlan`); only the cluster is played by this host: a
+(:class:`~sparkgpu.launch.scheduling.elastic.ElasticPlan`); only the cluster is played by this host: a
 local backend whose ranks wait for GPUs when it counts fewer free than an attempt asks for,
 and that counts one of its two GPUs lost from when rank 1 kills itself until the shrunken
 attempt says its node is back. No Spark cluster is needed for the Trainer's part, which is
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkgpu.launch.backends.local import LocalBackend
+from sparkgpu.launch.backends.local.backend import LocalBackend
 from tests.integration.test_hf_trainer import (  # noqa: F401 - fixtures
     BLOCKS,
     EPOCHS,
@@ -177,7 +177,7 @@ def test_a_trainer_shrinks_after_a_lost_node_and_grows_back_training_every_block
     from sparkgpu.prepare import prepare
     from sparkgpu.spec import JobSpec, Resources, RunPolicy, new_job_id
 
-    monkeypatch.setattr("sparkgpu.launch.elastic.CHECK_SECONDS", 0.5)
+    monkeypatch.setattr("sparkgpu.launch.scheduling.elastic.CHECK_SECONDS", 0.5)
     marks, records = tmp_path / "marks", tmp_path / "records"
     marks.mkdir()
     records.mkdir()
