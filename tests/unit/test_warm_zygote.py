@@ -1,8 +1,9 @@
-"""The warm pool's key: a pool is reused only while the code it preloaded is unchanged."""
+"""The warm pool's key: a warm zygote is reused only while the code it preloaded is unchanged."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -54,6 +55,13 @@ def test_by_default_torch_numpy_and_cloudpickle_are_covered(tmp_path):
     root = _package(tmp_path)
     assert len(code_fingerprint()) == 12
     assert code_fingerprint(root) != code_fingerprint(root, ())
+
+
+def test_by_default_the_whole_sparkgpu_package_is_covered():
+    import sparkgpu
+
+    package = Path(sparkgpu.__file__).resolve().parent
+    assert code_fingerprint() == code_fingerprint(package)  # not only the folder this module sits in
 
 
 def test_only_a_job_that_may_restart_gets_a_standby_and_only_once_its_attempt_is_under_way(monkeypatch):

@@ -26,6 +26,7 @@ from typing import Any
 
 import cloudpickle
 
+import sparkgpu
 from sparkgpu.errors import RankFailure, SerializationError
 
 __all__ = [
@@ -195,7 +196,7 @@ def client_sys_path() -> list[str]:
     """Import paths the workers need so the caller's own modules unpickle there too."""
     paths = [os.getcwd()]
     paths += [p for p in sys.path if p and os.path.isdir(p) and "site-packages" not in p and "lib/python" not in p]
-    package_root = str(Path(__file__).resolve().parents[2])
+    package_root = str(Path(sparkgpu.__file__).resolve().parent.parent)  # where sparkgpu itself imports from
     paths.append(package_root)
     seen, ordered = set(), []
     for p in paths:

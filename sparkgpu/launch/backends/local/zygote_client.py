@@ -34,6 +34,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import sparkgpu
 from sparkgpu._process import pid_gone
 from sparkgpu.config import settings
 from sparkgpu.errors import SparkGPUError
@@ -76,7 +77,7 @@ def code_fingerprint(package_dir: Path | None = None, preloaded: tuple[str, ...]
         preloaded: Top-level modules whose entry file is included.
     """
     digest = hashlib.sha256()
-    root = package_dir or Path(__file__).resolve().parents[1]
+    root = package_dir or Path(sparkgpu.__file__).resolve().parent
     for folder, dirs, files in os.walk(root):
         dirs[:] = sorted(d for d in dirs if d != "__pycache__")
         for name in sorted(files):
