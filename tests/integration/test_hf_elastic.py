@@ -68,11 +68,11 @@ class ElasticHost(LocalBackend):
     def available_gpus(self, job) -> int:
         return 1 if (self.marks / "lost").exists() and not (self.marks / "back").exists() else 2
 
-    def submit(self, job, run_dir, attempt, env, layout=None):
+    def submit(self, job, run_dir, attempt, env, placement=None):
         if job.world_size > self.available_gpus(job):
             run_dir.prepare_attempt(attempt)
             return _Waiting(attempt)
-        handle = super().submit(job, run_dir, attempt, env, layout)
+        handle = super().submit(job, run_dir, attempt, env, placement)
         self._started[id(handle)] = time.time()
         return handle
 
