@@ -86,11 +86,10 @@ class NodeOnItsOwnExecutor:
         self.thread.join(10)
 
 
-def test_ranks_that_outlive_a_broken_stream_are_stopped_through_the_store(job, tmp_path, monkeypatch):
-    monkeypatch.setattr(spark_node, "_POLL_SECONDS", 0.05)
-    job, rd, url = job
-    session = TaggedSession()
-    backend = SparkBackend(spark=session, client_timeout=None, staging_url=url, control_interval=0.5)
+def staged_attempt(job, rd, url):
+    """A Spark backend with a staging store and attempt 0 of ``job`` on 2 nodes of 1 rank, its
+    client mirror made (not started)."""
+    backend = SparkBackend(spark=TaggedSession(), client_timeout=None, staging_url=url, control_interval=0.5)
     handle = SparkAttempt(
         attempt=0,
         job=job,
@@ -101,6 +100,13 @@ def test_ranks_that_outlive_a_broken_stream_are_stopped_through_the_store(job, t
         submitted_wall=time.time(),
         mirror=backend._mirror(rd),
     )
+    return backend, handle
+
+
+def test_ranks_that_outlive_a_broken_stream_are_stopped_through_the_store(job, tmp_path, monkeypatch):
+    monkeypatch.setattr(spark_node, "_POLL_SECONDS", 0.05)
+    job, rd, url = job
+    backend, handle = staged_attempt(job, rd, url)
     handle.mirror.start(0, 0.1)
     first = NodeOnItsOwnExecutor(tmp_path, url, 0)
     nodes = [first, NodeOnItsOwnExecutor(tmp_path, url, 1, hub=first)]
@@ -145,17 +151,7 @@ def test_a_quiet_client_lists_the_store_once_per_quiet_interval_and_sends_a_stop
 
     monkeypatch.setattr(spark_node, "_POLL_SECONDS", 0.05)
     job, rd, url = job
-    backend = SparkBackend(spark=TaggedSession(), client_timeout=None, staging_url=url, control_interval=0.5)
-    handle = SparkAttempt(
-        attempt=0,
-        job=job,
-        run_dir=rd,
-        placement=RankPlacement(2, 1, 0),
-        tag="sparkgpu-job-1-0",
-        submitted_at=time.monotonic(),
-        submitted_wall=time.time(),
-        mirror=backend._mirror(rd),
-    )
+    _, handle = staged_attempt(job, rd, url)
     mirror = handle.mirror
     listings: list[float] = []
     real_list = mirror.store.list
