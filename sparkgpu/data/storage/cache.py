@@ -76,10 +76,8 @@ def entry_dir_for(cache_root: str | os.PathLike, remote: str) -> Path:
 
 @contextlib.contextmanager
 def _file_lock(path: Path):
-    from filelock import FileLock
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(path), poll_interval=_LOCK_POLL):
+    """Holds the lock at ``path``, waiting for it as long as another process holds it."""
+    with _try_file_lock(path, wait=True):
         yield
 
 
