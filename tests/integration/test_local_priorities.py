@@ -47,9 +47,9 @@ def test_a_critical_job_preempts_a_best_effort_one_which_resumes_exactly_and_unb
     meter = UsageMeter(ledger, rates={"H100": 3.6}, user="ana")
     background = distributed(gpus=WORLD, gpu_type="H100", priority="BEST_EFFORT", callbacks=[meter])(train_exactly)
     record = tmp_path / "background.jsonl"
-    call = background.submit(dataset_dir, str(record), step_sleep=0.4)
+    call = background.submit(dataset_dir, str(record), step_sleep=0.4, hold_from=5)
     deadline = time.monotonic() + 240  # a loaded machine starts agents slowly
-    while steps_recorded(record) < 6:  # past its first checkpoint (every 4 steps)
+    while steps_recorded(record) < 6:  # past its first checkpoint (every 4 steps), where it holds until asked to stop
         assert time.monotonic() < deadline and not call.done(), "the best-effort job never got going"
         time.sleep(0.1)
 

@@ -41,7 +41,9 @@ def dataset_dir(tmp_path_factory):
     return str(out)
 
 
-def train_exactly(data_dir, record_file, kill_rank=None, kill_step=None, step_sleep=0.0):
+def train_exactly(data_dir, record_file, kill_rank=None, kill_step=None, step_sleep=0.0, hold_from=None):
+    """``hold_from``: from that step on, the first attempt waits after each step until it is asked
+    to stop (for a preemption test, whose critical job may take a loaded machine long to queue)."""
     import signal
     import time
 
@@ -73,6 +75,10 @@ def train_exactly(data_dir, record_file, kill_rank=None, kill_step=None, step_sl
                     os.kill(os.getpid(), signal.SIGKILL)
                 if runtime.attempt() == 0:  # only the attempt the runtime cap stops is slowed down
                     time.sleep(step_sleep)
+                    held = time.monotonic()
+                    while hold_from is not None and step >= hold_from and not runtime.should_checkpoint():
+                        assert time.monotonic() - held < 240, "the held attempt was never asked to stop"
+                        time.sleep(0.1)
                 ckpt.maybe_save(step, model=model, optimizer=opt, loader=ds)
                 if ckpt.should_stop:
                     ckpt.close()

@@ -55,9 +55,9 @@ def test_a_critical_job_preempts_a_best_effort_one_on_the_cluster_which_resumes_
     background = cluster_spark.gpu.distributed(
         train_transformer, gpus=WORLD, gpu_type="A10", priority="best_effort", name="background", callbacks=[meter]
     )
-    call = background.submit(token_dir, str(record), "ddp", step_sleep=0.5)
+    call = background.submit(token_dir, str(record), "ddp", step_sleep=0.5, hold_from=4)
     deadline = time.monotonic() + 300  # a loaded machine starts executors' ranks slowly
-    while steps_recorded(record) < 4:  # past its first checkpoint (every 3 steps)
+    while steps_recorded(record) < 4:  # past its first checkpoint (every 3 steps), where it holds until asked to stop
         assert time.monotonic() < deadline and not call.done(), "the best-effort job never got going"
         time.sleep(0.2)
 

@@ -112,11 +112,13 @@ def build_model(kind: str):
     return model
 
 
-def train_transformer(data_dir, record_file, kind, kill_step=None, step_sleep=0.0):
+def train_transformer(data_dir, record_file, kind, kill_step=None, step_sleep=0.0, hold_from=None):
     """Trains TOTAL_STEPS steps, counting steps done; records what each step trained on and its loss.
 
     ``kill_step``: rank 1 of the first attempt kills itself after that step. ``step_sleep``:
     seconds each step of the first attempt lasts longer (for the runtime cap to stop it).
+    ``hold_from``: from that step on, the first attempt waits after each step until it is asked to
+    stop (for a preemption test, whose critical job may take a loaded machine long to queue).
     """
     import os
     import signal
@@ -165,6 +167,10 @@ def train_transformer(data_dir, record_file, kind, kill_step=None, step_sleep=0.
                     os.kill(os.getpid(), signal.SIGKILL)
                 if runtime.attempt() == 0:
                     time.sleep(step_sleep)
+                    held = time.monotonic()
+                    while hold_from is not None and step >= hold_from and not runtime.should_checkpoint():
+                        assert time.monotonic() - held < 240, "the held attempt was never asked to stop"
+                        time.sleep(0.1)
                 ckpt.maybe_save(step, model=model, optimizer=opt, loader=blocks)
                 if ckpt.should_stop:
                     ckpt.close()
