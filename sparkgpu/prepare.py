@@ -22,6 +22,7 @@ from sparkgpu._report import report
 from sparkgpu.config import settings
 from sparkgpu.errors import SparkGPUError
 from sparkgpu.launch.backends.base import Backend, LaunchPlan
+from sparkgpu.launch.backends.capabilities import Reattachable
 from sparkgpu.callbacks import JobCallback
 from sparkgpu._keyring import new_key, save_key
 from sparkgpu.launch.rundir.directory import RunDir
@@ -105,7 +106,8 @@ class PreparedJob:
             sys_path = []  # the caller's code travels in the overlay, not as client paths
         self.run_dir.create(spec, self.payload, self.key, sys_path, extra_files)
         save_key(self.job.job_id, self.key)
-        self.backend.job_written(self.job, self.run_dir)
+        if isinstance(self.backend, Reattachable):  # what `sparkgpu resume` needs, before any attempt
+            self.backend.job_written(self.job, self.run_dir)
         prune_runs(keep=self.job.job_id)
         return dataclasses.replace(self, environment=environment, written=True)
 

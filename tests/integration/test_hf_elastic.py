@@ -56,9 +56,8 @@ class _Waiting:
 class ElasticHost(LocalBackend):
     """This host's CPU ranks, with a cluster's answers to an elastic job: 2 GPUs, one of them
     lost from the file ``lost`` in ``marks`` until the file ``back``. An attempt asking for more
-    than are free waits for them, as a Spark attempt does, until the supervisor withdraws it."""
-
-    waits_for_resources = True
+    than are free waits for them, as a Spark attempt does, until the supervisor withdraws it
+    (``DeferredStart`` and ``ElasticCapacity``, beside the local backend's own capabilities)."""
 
     def __init__(self, marks: Path):
         super().__init__(standby=False)

@@ -123,9 +123,8 @@ def test_a_smaller_attempt_grows_once_every_gpu_is_free_and_a_probe_that_fails_c
 class ElasticCluster(ScriptedBackend):
     """Attempts whose ranks may wait for GPUs: ``"wait"`` never starts them; ``"until_asked"``
     runs until the stop file asks it to checkpoint, then stops as ranks that saved do.
-    ``free`` lists what :meth:`available_gpus` answers, the last answer repeating."""
-
-    waits_for_resources = True
+    ``free`` lists what :meth:`available_gpus` answers, the last answer repeating. It has the
+    capabilities of a Spark cluster the supervisor uses here: ``DeferredStart`` and ``ElasticCapacity``."""
 
     def __init__(self, script, free):
         super().__init__(script)

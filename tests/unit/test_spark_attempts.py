@@ -200,10 +200,11 @@ def test_a_planted_start_marker_neither_starts_the_bill_nor_the_attempt(attempt)
 
 def test_the_spark_backend_says_its_ranks_wait_for_gpus():
     # The supervisor bills and caps an attempt from ranks_started_at only for such backends.
+    from sparkgpu.launch.backends.capabilities import DeferredStart
     from sparkgpu.launch.backends.local.backend import LocalBackend
-    from sparkgpu.launch.backends.spark.backend import SparkBackend
 
-    assert SparkBackend.waits_for_resources and not LocalBackend.waits_for_resources
+    assert isinstance(SparkBackend(spark=TaggedSession()), DeferredStart)
+    assert not issubclass(LocalBackend, DeferredStart)
 
 
 def lost_node(attempt, node):

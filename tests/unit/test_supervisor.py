@@ -307,9 +307,8 @@ def test_ranks_that_checkpoint_on_sigterm_after_a_policy_stop_end_preempted(tmp_
 
 
 class WaitsForGPUs(ScriptedBackend):
-    """Ranks start ``wait`` seconds after submit, as on a Spark cluster whose GPUs are busy."""
-
-    waits_for_resources = True
+    """Ranks start ``wait`` seconds after submit, as on a Spark cluster whose GPUs are busy
+    (a :class:`~sparkgpu.launch.backends.capabilities.DeferredStart` backend)."""
 
     def __init__(self, script, wait, meter=None):
         super().__init__(script)
@@ -371,13 +370,18 @@ def test_ranks_that_started_late_are_asked_to_checkpoint_before_the_cap(tmp_path
     assert stop.stat().st_mtime - started == pytest.approx(0.5, abs=0.3)
 
 
+class NeverStarts(PollRaises):
+    """Ranks that wait for GPUs until ``poll`` raises: they never start."""
+
+    def ranks_started_at(self, handle):
+        return None
+
+
 def test_an_attempt_whose_ranks_never_started_bills_nothing(tmp_path):
     from sparkgpu.errors import CapacityError
 
     sup, *_, rd, out = run_job(tmp_path, ["hang"])
-    sup.backend = PollRaises(["hang"], CapacityError("gave up"))
-    sup.backend.waits_for_resources = True
-    sup.backend.ranks_started_at = lambda handle: None
+    sup.backend = NeverStarts(["hang"], CapacityError("gave up"))
     with pytest.raises(CapacityError):
         sup.run()
     (attempt,) = json.loads(rd.state_file.read_text())["attempts"]
@@ -413,9 +417,7 @@ def test_callbacks_hear_when_ranks_start_only_once_they_run(tmp_path):
     from sparkgpu.errors import CapacityError
 
     sup, _, cb, rd, _ = run_job(tmp_path, ["hang"])
-    sup.backend = PollRaises(["hang"], CapacityError("gave up"))
-    sup.backend.waits_for_resources = True
-    sup.backend.ranks_started_at = lambda handle: None
+    sup.backend = NeverStarts(["hang"], CapacityError("gave up"))
     with pytest.raises(CapacityError):
         sup.run()
     assert "ranks_started:0" not in cb.events and "after_attempt:0:failed" in cb.events

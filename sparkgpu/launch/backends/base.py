@@ -3,9 +3,37 @@
 A backend turns a validated :class:`~sparkgpu.spec.JobSpec` plus a staged run directory
 into running ranks. ``resolve`` checks capacity once per job and returns a
 :class:`ResolvedJob`, whose ``placement`` the caller hands back to every ``plan`` and ``submit``
-of that job: a backend keeps no per-job state between them. The supervisor drives it through
-``plan`` (a printable dry run), ``submit``, ``poll`` and ``cancel``; results, tracebacks and
-logs come back through the run directory, never through the backend's own channels.
+of that job (``None`` for a job continued from its run dir: the backend places it anew). The
+supervisor drives it through ``plan`` (a printable dry run), ``submit``, ``poll`` and ``cancel``;
+results, tracebacks and logs come back through the run directory, never through the backend's
+own channels. A backend may keep what a job holds between its attempts (the local backend's
+GPU lease and standby, the Spark backend's place in the cluster's queue and staging mirror),
+keyed by job id; ``end_job`` frees it once the job ended.
+
+The core is what every backend needs; what only some backends can do is a capability, a
+protocol of :mod:`sparkgpu.launch.backends.capabilities` that callers check with ``isinstance``:
+
+================  ===============================================================  =====  =====
+Part              What it holds, and why there                                     local  spark
+================  ===============================================================  =====  =====
+core, abstract    ``resolve``, ``plan``, ``submit``, ``poll``, ``cancel``: what    yes    yes
+                  running a job is
+core, hooks       ``place``, ``prestart``, ``checkpoint_dir``, ``worker_image``,   yes    yes
+                  ``end_job``: their defaults fit any backend (the job unchanged,
+                  nothing started ahead, ``<run dir>/checkpoints``, image
+                  unknown, nothing to free)
+QueuedCapacity    ``await_capacity``: jobs wait for GPUs in a queue, by priority   yes    yes
+Preemptible       ``preemption_request``, ``give_way``: a running job gives way    yes    yes
+                  to an urgent one, then waits in the queue again
+ElasticCapacity   ``available_gpus``: the GPUs free now, for elastic jobs          no     yes
+DeferredStart     ``ranks_started_at``: ranks may start long after ``submit``      no     yes
+Reattachable      ``job_written``, ``reattach``, ``stop_lost_attempts``: a         no     yes
+                  resumed job reaches where it ran; its nodes outlive a dead
+                  client
+================  ===============================================================  =====  =====
+
+The ``warm_pool`` backend is the local one with warm ranks, capabilities included. ``prestart``
+stays a hook: its ``None`` lets the warm pool, a local backend, start nothing ahead.
 """
 
 from __future__ import annotations
@@ -17,7 +45,7 @@ from typing import Any
 
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.spec import JobSpec, Resources
+from sparkgpu.spec import JobSpec
 
 __all__ = [
     "Backend",
@@ -25,6 +53,7 @@ __all__ = [
     "ResolvedJob",
     "AttemptHandle",
     "create_backend",
+    "backend_class",
     "backend_name",
     "BACKENDS",
 ]
@@ -84,13 +113,10 @@ class AttemptHandle(abc.ABC):
 
 
 class Backend(abc.ABC):
-    """Runs attempts of jobs somewhere."""
+    """Runs attempts of jobs somewhere: the core every backend has (the capabilities beyond it are
+    :mod:`sparkgpu.launch.backends.capabilities`)."""
 
     name: str = ""
-    #: Whether an attempt's ranks may start long after ``submit`` (waiting for busy GPUs).
-    #: Such a backend says when they did through :meth:`ranks_started_at`; the supervisor
-    #: bills the attempt and counts its runtime cap from then instead of from ``submit``.
-    waits_for_resources: bool = False
 
     def place(self, job: JobSpec) -> JobSpec:
         """Where the job goes, before any capacity probe: e.g. the GPU pool it runs on, as a tag
@@ -145,54 +171,13 @@ class Backend(abc.ABC):
         """
         return None
 
-    def job_written(self, job: JobSpec, run_dir: RunDir) -> None:  # noqa: B027 - a hook: most backends keep nothing
-        """The job's run dir was just written: keep in it what ``sparkgpu resume`` in another process
-        needs, even if this client dies before the first attempt (while the job waits for GPUs)."""
-
     def end_job(self, job: JobSpec) -> None:  # noqa: B027 - a hook: a backend that keeps nothing per job has nothing to free
         """Frees what the backend kept for the job's later attempts; called once the job ended."""
-
-    def preemption_request(self, job: JobSpec) -> str | None:
-        """Why a more urgent job asks ``job`` to checkpoint and give way, once the request is
-        judged genuine (:mod:`sparkgpu.priority`); ``None`` when none does. Polled while the job
-        runs; a backend without a shared queue is never asked."""
-        return None
-
-    def give_way(self, job: JobSpec) -> None:  # noqa: B027 - a hook: a backend without a queue holds nothing
-        """Frees the GPUs ``job`` holds after it checkpointed and stopped for a more urgent job."""
-
-    def await_capacity(self, job: JobSpec, wait: float | None) -> None:  # noqa: B027 - a hook, as above
-        """Waits, in the backend's queue, for the job's GPUs: before its first attempt, and after it
-        gave way, before its next one; outside any attempt, so that nobody is billed for the wait.
-
-        Args:
-            wait: Seconds to wait; ``None`` for the backend's default (``SPARKGPU_SPARK_WAIT_TIMEOUT``).
-
-        Raises:
-            CapacityError: they did not come free within ``wait`` seconds.
-        """
-
-    def available_gpus(self, job: JobSpec) -> int | None:
-        """How many GPUs an elastic ``job`` could run on now, counting those it holds, in whole
-        nodes of its shape and at most ``job.resources.gpus``; ``None`` when the backend cannot
-        tell (the job then always waits for all its GPUs)."""
-        return None
-
-    def ranks_started_at(self, handle: AttemptHandle) -> float | None:
-        """Unix time the attempt's ranks started, ``None`` while they still wait for resources.
-
-        Asked only of backends with :attr:`waits_for_resources`; the others start their ranks
-        at ``submit``.
-        """
-        raise NotImplementedError(f"the {self.name or type(self).__name__} backend starts its ranks at submit")
 
     def checkpoint_dir(self, run_dir: RunDir) -> str:
         """Where the job's ranks keep checkpoints, shared by all its attempts: a path or fsspec
         URL that every rank and this client reach (``<run dir>/checkpoints`` by default)."""
         return str(run_dir.checkpoints)
-
-    def describe_capacity(self, resources: Resources) -> str:  # pragma: no cover - informative
-        return ""
 
     def worker_image(self) -> dict | None:
         """What the workers' Python already has (a ``hydrate --probe`` dict), so that shipping
@@ -200,11 +185,12 @@ class Backend(abc.ABC):
         return None
 
 
-# Imported lazily so the local path never imports pyspark.
+#: Each backend's name, and its class as ``module:class``; imported lazily so the local path
+#: never imports pyspark.
 BACKENDS = {
-    "local": "sparkgpu.launch.backends.local.backend",
-    "warm_pool": "sparkgpu.launch.backends.local.warm",
-    "spark": "sparkgpu.launch.backends.spark.backend",
+    "local": "sparkgpu.launch.backends.local.backend:LocalBackend",
+    "warm_pool": "sparkgpu.launch.backends.local.warm:WarmBackend",
+    "spark": "sparkgpu.launch.backends.spark.backend:SparkBackend",
 }
 
 
@@ -215,7 +201,13 @@ def backend_name(name: str) -> str:
     return name
 
 
+def backend_class(name: str) -> type[Backend]:
+    """The class of the backend ``name``, its module imported: what its capabilities are, before
+    any instance exists (``sparkgpu resume`` rebuilds a job's backend through it)."""
+    module, _, cls = BACKENDS[backend_name(name)].partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
 def create_backend(name: str, **options) -> Backend:
-    """Instantiates the backend ``name`` through its module's ``create_backend`` factory."""
-    module = importlib.import_module(BACKENDS[backend_name(name)])
-    return module.create_backend(**options)
+    """Instantiates the backend ``name`` with ``options``."""
+    return backend_class(name)(**options)

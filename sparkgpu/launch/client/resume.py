@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import glob
 import json
-import time
 from collections.abc import Mapping
 from typing import Any
 
 from sparkgpu._process import ProcessRef
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError, JobStateError
-from sparkgpu.launch.backends.base import create_backend
+from sparkgpu.launch.backends.base import BACKENDS, Backend, backend_class, create_backend
+from sparkgpu.launch.backends.capabilities import Reattachable
 from sparkgpu._keyring import load_key
 from sparkgpu.launch.rundir.directory import RunDir
 from sparkgpu.launch.rundir.layout import RunLayout
@@ -155,31 +155,27 @@ def _take_over_locked(run_dir: RunDir, backend, out, force: bool, lock: Supervis
     return supervisor
 
 
-def _backend_for(job: JobSpec, run_dir: RunDir):
-    """The job's own backend; a Spark job reconnects to the Connect server it ran on when this
-    process has no session and ``SPARKGPU_SPARK_REMOTE`` is unset."""
-    if job.backend != "spark":
-        return create_backend(job.backend)
-    from sparkgpu.launch.backends.spark.sessions import recorded_remote
+def _backend_for(job: JobSpec, run_dir: RunDir) -> Backend:
+    """The job's own backend, for this process.
 
-    return create_backend("spark", remote=recorded_remote(run_dir))
+    A :class:`~sparkgpu.launch.backends.capabilities.Reattachable` one is rebuilt from the run dir
+    to reach where the job ran (a Spark job's Connect server).
+    """
+    kind = backend_class(job.backend)
+    if issubclass(kind, Reattachable):
+        return kind.reattach(run_dir)
+    return create_backend(job.backend)
 
 
 def _stop_outliving_nodes(job: JobSpec, run_dir: RunDir, lost: list[int]) -> None:
-    """Stops the Spark nodes of attempts whose client died, and waits (bounded) until they did.
+    """Stops the nodes of lost attempts that outlive their dead client.
 
-    Local ranks die with their client; Spark nodes run on until they miss its heartbeat
-    (minutes). The next attempt must not run beside them on the same GPUs and checkpoints.
-    With a staging store the nodes read the marker from the store, which only a live client
-    mirrors: they stop on the lost heartbeat instead.
+    Only the nodes of a :class:`~sparkgpu.launch.backends.capabilities.Reattachable` backend do
+    (Spark's run until they miss the heartbeat); local ranks die with their client. The next
+    attempt must not run beside them on the same GPUs and checkpoints.
     """
-    if job.backend != "spark" or not lost:
+    if not lost or job.backend not in BACKENDS:  # an unregistered backend (given as an instance): nothing to ask
         return
-    from sparkgpu.launch.backends.spark.backend import SparkBackend
-
-    for attempt in lost:
-        if run_dir.spark_dir(attempt).is_dir():
-            run_dir.write_control(run_dir.spark_cancel_file(attempt), b"its client is gone; the job was taken over\n")
-    deadline = time.monotonic() + job.policy.shutdown_grace + SparkBackend.node_stop_margin
-    while any(run_dir.nodes_without_end(a) for a in lost) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    kind = backend_class(job.backend)
+    if issubclass(kind, Reattachable):
+        kind.stop_lost_attempts(job, run_dir, lost)

@@ -12,8 +12,10 @@ a small JSON file in the run dir (``state.json``), rewritten atomically after ev
 transition; its job and attempt states are :mod:`sparkgpu.protocol`'s.
 
 An attempt's runtime cap and billed time start when its ranks start. A backend whose ranks
-may start long after ``submit`` (Spark waiting for busy GPUs: ``waits_for_resources``) says
-when through ``ranks_started_at(handle)``; its ranks then learn of the cap from the stop file.
+may start long after ``submit`` (Spark waiting for busy GPUs: a
+:class:`~sparkgpu.launch.backends.capabilities.DeferredStart` one) says when through
+``ranks_started_at(handle)``; its ranks then learn of the cap from the stop file. The backend's
+other capabilities (a queue, preemption, elastic capacity) are used where it has them.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from sparkgpu.errors import (
     PayloadSignatureError,
     PolicyViolationError,
 )
+from sparkgpu.launch.backends.base import Backend
+from sparkgpu.launch.backends.capabilities import DeferredStart, ElasticCapacity, Preemptible, QueuedCapacity
 from sparkgpu.launch.client.attempt_result import AttemptResult, StoppedBy, read_attempt
 from sparkgpu.launch.scheduling.elastic import ElasticPlan
 from sparkgpu.launch.client.logs import LogStreamer
@@ -114,7 +118,7 @@ class Supervisor:
         self,
         job: JobSpec,
         run_dir: RunDir,
-        backend,
+        backend: Backend,
         key: bytes,
         callbacks: Sequence[JobCallback] = (),
         out=None,
@@ -133,8 +137,13 @@ class Supervisor:
         self.cancel_event = threading.Event()
         #: Why the current attempt was asked to give way to a more urgent job, if it was.
         self._giving_way: str | None = None
-        #: When and how an elastic job changes size (``min_gpus=``); ``None`` for a fixed one.
-        self.elastic = ElasticPlan(job, backend.available_gpus) if job.resources.elastic else None
+        #: When and how an elastic job changes size (``min_gpus=``); ``None`` for a fixed one, and
+        #: on a backend that cannot tell what is free (the job then waits for all its GPUs).
+        self.elastic = (
+            ElasticPlan(job, backend.available_gpus)
+            if job.resources.elastic and isinstance(backend, ElasticCapacity)
+            else None
+        )
         #: GPUs of the next attempt: all the job's, unless an elastic attempt was withdrawn to go on with fewer.
         self._next_gpus = job.resources.gpus
         #: Why the current attempt was asked to stop to grow back to all its GPUs, if it was.
@@ -201,7 +210,8 @@ class Supervisor:
         # Waiting for GPUs (in the host's or the cluster's queue, by priority) is no attempt's time:
         # nobody is billed. A job that gives up there ends failed, with nothing of it left in line.
         try:
-            self.backend.await_capacity(self.job, None)
+            if isinstance(self.backend, QueuedCapacity):
+                self.backend.await_capacity(self.job, None)
         except BaseException as exc:
             self._set_status(JobStatus.CANCELLED if isinstance(exc, KeyboardInterrupt) else JobStatus.FAILED)
             self.backend.end_job(self.job)
@@ -271,14 +281,16 @@ class Supervisor:
     def _wait_after_giving_way(self, reason: str, job_started: float) -> None:
         """Frees the job's GPUs for the critical job that asked, then waits in the queue for GPUs
         again; no attempt runs meanwhile, so the wait is neither billed nor a restart."""
-        self.backend.give_way(self.job)
+        backend = self.backend
+        assert isinstance(backend, Preemptible), "only a preemptible backend asks its jobs to give way"
+        backend.give_way(self.job)
         self.state["waiting"] = {"since": time.time(), "reason": reason}
         self._save()
         report(f"job {self.job.job_id} checkpointed and gave way ({reason}); it resumes once GPUs come free", self.out)
         timeout = self.job.policy.timeout
         left = None if timeout is None else max(0.0, timeout - (time.monotonic() - job_started))
         try:
-            self.backend.await_capacity(self.job, left if left is not None else float("inf"))
+            backend.await_capacity(self.job, left if left is not None else float("inf"))
         except CapacityError as exc:
             self._set_status(JobStatus.TIMED_OUT)
             raise JobTimeoutError(
@@ -315,7 +327,7 @@ class Supervisor:
             runtime.ENV_RUN_DIR: str(self.run_dir.path),
             runtime.ENV_CHECKPOINT_DIR: self.backend.checkpoint_dir(self.run_dir),
         }
-        if self.job.policy.max_runtime is not None and not self.backend.waits_for_resources:
+        if self.job.policy.max_runtime is not None and not isinstance(self.backend, DeferredStart):
             # Ranks start at submit here; elsewhere the supervisor writes the stop file in time.
             deadline = submitted + self.job.policy.max_runtime - self.job.policy.checkpoint_grace
             env[runtime.ENV_DEADLINE] = repr(deadline)
@@ -467,7 +479,7 @@ class Supervisor:
             if policy.max_runtime is not None:
                 if (
                     not cap_signalled
-                    and self.backend.waits_for_resources
+                    and isinstance(self.backend, DeferredStart)
                     and ran >= policy.max_runtime - policy.checkpoint_grace
                 ):
                     cap_signalled = True
@@ -490,9 +502,8 @@ class Supervisor:
         """Records when the attempt's ranks started, once known; returns it on the monotonic clock."""
         started_at = record["started_at"]
         if started_at is None:
-            started = (
-                self.backend.ranks_started_at(handle) if self.backend.waits_for_resources else record["submitted_at"]
-            )
+            backend = self.backend
+            started = backend.ranks_started_at(handle) if isinstance(backend, DeferredStart) else record["submitted_at"]
             if started is None:
                 return None
             started_at = record["started_at"] = min(started, time.time())
@@ -563,6 +574,8 @@ class Supervisor:
     def _check_preemption(self, attempt: int) -> bool:
         """Asks the ranks to checkpoint and stop when a genuine request of a critical job asks this
         best-effort job to give way (the backend judges it); the job's own decision, not the requester's."""
+        if not isinstance(self.backend, Preemptible):
+            return False
         reason = self.backend.preemption_request(self.job)
         if reason is None:
             return False

@@ -2,7 +2,7 @@
 
 An elastic job (``min_gpus=`` below ``gpus=``) runs each attempt on a number of GPUs between
 the two, in whole nodes. Two moments decide it, both from the backend's
-:meth:`~sparkgpu.launch.backends.base.Backend.available_gpus`:
+:meth:`~sparkgpu.launch.backends.capabilities.ElasticCapacity.available_gpus`:
 
 * **Shrink.** An attempt whose GPUs have not all come ``elastic_wait`` after it was submitted
   (a lost node not yet replaced, a cluster busy at submit) is withdrawn before its ranks start
@@ -41,7 +41,8 @@ class ElasticPlan:
 
     Attributes:
         job: The job as asked for (its full size).
-        available: The backend's :meth:`~sparkgpu.launch.backends.base.Backend.available_gpus` for the job.
+        available: The backend's :meth:`~sparkgpu.launch.backends.capabilities.ElasticCapacity.available_gpus`
+            for the job.
         check_seconds: Seconds between two asks (:data:`CHECK_SECONDS` by default).
     """
 

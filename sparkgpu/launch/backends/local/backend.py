@@ -30,6 +30,7 @@ from sparkgpu.config import settings
 from sparkgpu.errors import CapacityError
 from sparkgpu.launch.node.agent import build_command
 from sparkgpu.launch.backends.base import AttemptHandle, Backend, LaunchPlan, ResolvedJob
+from sparkgpu.launch.backends.capabilities import Preemptible
 from sparkgpu.launch.node.hardware import HostGPUs, detect_host_gpus
 from sparkgpu.launch.rank.entrypoint import NODE_DEVICES_ENV
 from sparkgpu.launch.scheduling.gpu_lease import GpuLease, lease_gpus, lock_dir, gpu_kind_of
@@ -101,8 +102,9 @@ class EarlyAgent:
         shutil.rmtree(self.run_dir.attempt_dir(self.handle.attempt), ignore_errors=True)
 
 
-class LocalBackend(Backend):
-    """Runs every rank of a job on this host.
+class LocalBackend(Backend, Preemptible):
+    """Runs every rank of a job on this host; its jobs queue for the host's GPUs and give way to
+    urgent ones (:mod:`sparkgpu.launch.scheduling.gpu_lease`).
 
     Args:
         host_gpus: The host's GPUs; detected (or simulated per ``SPARKGPU_SIMULATE_GPUS``)

@@ -37,6 +37,7 @@ from sparkgpu.config import settings
 from sparkgpu.errors import CapacityError, ConfigurationError
 from sparkgpu.launch.node.agent import build_command
 from sparkgpu.launch.backends.base import AttemptHandle, Backend, LaunchPlan, ResolvedJob
+from sparkgpu.launch.backends.capabilities import DeferredStart, ElasticCapacity, Preemptible, Reattachable
 from sparkgpu.launch.backends.spark.capacity import (
     RankPlacement,
     SparkCapacity,
@@ -58,13 +59,14 @@ from sparkgpu.launch.backends.spark.sessions import (
     pool_for_job,
     pool_session,
     record_session,
+    recorded_remote,
 )
 from sparkgpu.protocol import NodeState
 from sparkgpu.launch.rank.threads import threads_per_rank
 from sparkgpu.launch.rundir.directory import RunDir
 from sparkgpu.launch.rundir.staging import ClientMirror, StagingStore, store_prefix, user_prefix
 from sparkgpu.pools import POOL_TAG, Pool
-from sparkgpu.spec import JobSpec, Resources
+from sparkgpu.spec import JobSpec
 
 __all__ = ["SparkBackend", "SparkAttempt", "create_backend", "active_spark_session"]
 
@@ -84,8 +86,12 @@ class _FromSettings:
 _FROM_SETTINGS = _FromSettings()
 
 
-class SparkBackend(Backend):
+class SparkBackend(Backend, Preemptible, ElasticCapacity, DeferredStart, Reattachable):
     """Runs every node of a job as a barrier task on a Spark session's executors.
+
+    It has every capability: its jobs queue for the cluster's GPUs and give way to urgent ones,
+    elastic jobs shrink and grow with its executors, its ranks start once the barrier stage gets
+    its GPUs, and a resumed job reconnects to the Connect server it ran on.
 
     Args:
         spark: The session (Connect or classic). When omitted: the session of the job's pool
@@ -118,7 +124,6 @@ class SparkBackend(Backend):
     """
 
     name = "spark"
-    waits_for_resources = True  # the barrier stage waits for busy GPUs
     #: Seconds past the job's shutdown grace that a failed attempt waits for its nodes to
     #: confirm that their ranks stopped (a test seam).
     node_stop_margin = 20.0
@@ -184,9 +189,6 @@ class SparkBackend(Backend):
         if self.simulated is not None:
             capacity = dataclasses.replace(capacity, simulated=self.simulated)
         return capacity
-
-    def describe_capacity(self, resources: Resources) -> str:
-        return str(self.capacity())
 
     def worker_image(self) -> dict | None:
         """What the executors' Python has, probed once per session; ``None`` when
@@ -441,10 +443,34 @@ class SparkBackend(Backend):
         per_node = max(1, placement.ranks_per_node)
         return tuple(sorted({0, *(r // per_node for r in job.log_ranks if r // per_node < placement.nodes)}))
 
+    # -- resuming in another process ---------------------------------------------------
     def job_written(self, job: JobSpec, run_dir: RunDir) -> None:
         """Keeps the Connect URL in the run dir at once: a client that dies while its job waits in
         the cluster's queue leaves a job that ``sparkgpu resume`` can continue."""
         record_session(self.spark, run_dir)
+
+    @classmethod
+    def reattach(cls, run_dir: RunDir) -> SparkBackend:
+        """A backend for the job in ``run_dir`` that reconnects to the Connect server it ran on, when
+        this process has no session and ``SPARKGPU_SPARK_REMOTE`` is unset."""
+        return cls(remote=recorded_remote(run_dir))
+
+    @classmethod
+    def stop_lost_attempts(cls, job: JobSpec, run_dir: RunDir, attempts: list[int]) -> None:
+        """Asks the nodes of ``attempts`` to stop, and waits (bounded) until they did.
+
+        Spark nodes run on until they miss their client's heartbeat (minutes), unlike local ranks,
+        which die with their client. With a staging store the nodes read the cancel marker from
+        the store, which only a live client mirrors: they stop on the lost heartbeat instead.
+        """
+        for attempt in attempts:
+            if run_dir.spark_dir(attempt).is_dir():
+                run_dir.write_control(
+                    run_dir.spark_cancel_file(attempt), b"its client is gone; the job was taken over\n"
+                )
+        deadline = time.monotonic() + job.policy.shutdown_grace + cls.node_stop_margin
+        while any(run_dir.nodes_without_end(a) for a in attempts) and time.monotonic() < deadline:
+            time.sleep(0.2)
 
     def session_gone(self) -> bool:
         """Whether the Connect server closed this backend's session (it restarted): its executors,

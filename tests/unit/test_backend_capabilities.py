@@ -1,0 +1,126 @@
+"""Which capabilities each backend has, and the callers that go through them instead of its name."""
+
+import io
+import json
+
+import pytest
+
+from sparkgpu._files import atomic_write_bytes
+from sparkgpu._keyring import save_key
+from sparkgpu.config import settings
+from sparkgpu.launch.backends.base import BACKENDS, backend_class, create_backend
+from sparkgpu.launch.backends.capabilities import (
+    DeferredStart,
+    ElasticCapacity,
+    Preemptible,
+    QueuedCapacity,
+    Reattachable,
+)
+from sparkgpu.launch.backends.local.backend import LocalBackend
+from sparkgpu.launch.backends.spark.backend import SparkBackend
+from sparkgpu.launch.backends.spark.sessions import SESSION_FILE
+from sparkgpu.launch.client.resume import take_over
+from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.launch.rundir.serialization import serialize_payload
+from sparkgpu.spec import JobSpec, Resources
+from tests.fakes.backend import ScriptedBackend
+from tests.fakes.spark_session import TaggedSession
+
+CAPABILITIES = (QueuedCapacity, Preemptible, ElasticCapacity, DeferredStart, Reattachable)
+KEY = b"k" * 32
+REMOTE = "sc://head:15002"
+
+
+def capabilities(backend) -> set[str]:
+    check = issubclass if isinstance(backend, type) else isinstance
+    return {c.__name__ for c in CAPABILITIES if check(backend, c)}
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("local", {"QueuedCapacity", "Preemptible"}),
+        ("warm_pool", {"QueuedCapacity", "Preemptible"}),
+        ("spark", {"QueuedCapacity", "Preemptible", "ElasticCapacity", "DeferredStart", "Reattachable"}),
+    ],
+)
+def test_each_backend_has_its_capabilities(name, expected):
+    assert capabilities(backend_class(name)) == expected
+
+
+def test_every_registered_backend_is_listed_above():
+    assert set(BACKENDS) == {"local", "warm_pool", "spark"}
+
+
+def test_instances_have_their_class_capabilities_and_the_core_none():
+    assert capabilities(LocalBackend(standby=False)) == {"QueuedCapacity", "Preemptible"}
+    assert capabilities(SparkBackend(spark=TaggedSession())) == {c.__name__ for c in CAPABILITIES}
+    assert capabilities(ScriptedBackend([])) == set()  # the core alone: the supervisor runs it all the same
+
+
+def interrupted(backend: str) -> RunDir:
+    """A run dir whose client died while attempt 0 ran, with the Connect URL a Spark job keeps."""
+    job = JobSpec(job_id="job-1", name="train", resources=Resources(2, "cpu"), backend=backend)
+    rd = RunDir(settings().staging_root / job.job_id)
+    rd.create(job.to_dict(), serialize_payload(lambda: 1, (), {}, []), KEY, [])
+    save_key(job.job_id, KEY)
+    (rd.path / SESSION_FILE).write_text(json.dumps({"remote": REMOTE}))
+    rd.spark_dir(0).mkdir(parents=True)
+    state = {
+        "job_id": job.job_id,
+        "status": "running",
+        "backend": backend,
+        "restarts": 0,
+        "preemptions": 0,
+        "created_at": 0.0,
+        "client": None,
+        "attempts": [{"attempt": 0, "started_at": 1.0, "ended_at": None, "status": "running"}],
+    }
+    atomic_write_bytes(rd.state_file, json.dumps(state).encode())
+    return rd
+
+
+def test_resume_rebuilds_a_spark_jobs_backend_and_stops_its_lost_nodes_through_the_capability(monkeypatch):
+    rd = interrupted("spark")
+    reattached, stopped = [], []
+    reattach, stop = SparkBackend.reattach.__func__, SparkBackend.stop_lost_attempts.__func__
+
+    def spy_reattach(cls, run_dir):
+        reattached.append(run_dir.job_id)
+        return reattach(cls, run_dir)
+
+    def spy_stop(cls, job, run_dir, attempts):
+        stopped.append(list(attempts))
+        stop(cls, job, run_dir, attempts)
+
+    monkeypatch.setattr(SparkBackend, "reattach", classmethod(spy_reattach))
+    monkeypatch.setattr(SparkBackend, "stop_lost_attempts", classmethod(spy_stop))
+    supervisor = take_over("job-1", out=io.StringIO())
+    try:
+        assert isinstance(supervisor.backend, SparkBackend) and supervisor.backend.remote == REMOTE
+        assert reattached == ["job-1"] and stopped == [[0]]
+        rd.key = KEY
+        assert rd.read_control(rd.spark_cancel_file(0)) == b"its client is gone; the job was taken over\n"
+    finally:
+        supervisor.lock.release()
+
+
+def test_resume_creates_a_local_jobs_backend_anew_and_stops_nothing():
+    rd = interrupted("local")
+    supervisor = take_over("job-1", out=io.StringIO())
+    try:
+        assert type(supervisor.backend) is LocalBackend
+        assert not rd.spark_cancel_file(0).exists()  # its ranks died with their client
+    finally:
+        supervisor.lock.release()
+
+
+def test_a_given_backend_is_used_as_it_is_and_the_jobs_own_stops_the_lost_nodes():
+    rd = interrupted("spark")
+    given = create_backend("spark", spark=TaggedSession())
+    supervisor = take_over("job-1", backend=given, out=io.StringIO())
+    try:
+        assert supervisor.backend is given
+        assert rd.spark_cancel_file(0).exists()
+    finally:
+        supervisor.lock.release()
