@@ -100,12 +100,20 @@ def _plant(store_dir: str, sentinel: str) -> None:
 
 
 def train_plainly(
-    record_file, kill_step=None, step_sleep=0.0, plant=None, kill_executor_of=None, save_steps=SAVE_STEPS
+    record_file,
+    kill_step=None,
+    step_sleep=0.0,
+    plant=None,
+    kill_executor_of=None,
+    save_steps=SAVE_STEPS,
+    hold_from=None,
 ):
     """A Trainer as people write it for GPUs; the test's only additions are the hook and the faults.
 
     Faults in the first attempt, at step ``kill_step + 1``: rank 1 kills itself (SIGKILL), or,
     with ``kill_executor_of``, that rank kills the Spark executor it runs under (a lost machine).
+    ``hold_from``: from that step on, the first attempt waits in each step until it is asked to
+    checkpoint (the runtime cap's request), so the cap always lands mid-training.
     """
     import os
     import signal
@@ -156,6 +164,10 @@ def train_plainly(
         record.flush()
         if runtime.attempt() == 0:
             time.sleep(step_sleep)
+            held = time.monotonic()
+            while hold_from is not None and step >= hold_from and not runtime.should_checkpoint():
+                assert time.monotonic() - held < 300, "the held attempt was never asked to checkpoint"
+                time.sleep(0.1)
 
     model.register_forward_hook(on_forward, with_kwargs=True)
     trainer.train()
@@ -243,8 +255,10 @@ def test_a_sigkilled_rank_resumes_bitwise_equal_and_planted_checkpoints_are_refu
 
 
 def test_the_runtime_cap_saves_stops_and_resumes_bitwise_equal(uninterrupted, tmp_path):
-    states, state, steps, _ = run(tmp_path, "capped", step_sleep=10.0, max_runtime=200, checkpoint_grace=100)
-    assert state["preemptions"] >= 1 and state["restarts"] == 0, state
+    # The first attempt holds at step 3 until the cap's request, 30 s after its ranks started (a
+    # loaded machine may take most of that to build the Trainer: then it stops at step 1).
+    states, state, steps, _ = run(tmp_path, "capped", hold_from=3, max_runtime=60, checkpoint_grace=30)
+    assert state["preemptions"] == 1 and state["restarts"] == 0, state
     assert state["attempts"][-1]["status"] == "succeeded"
     assert {e["attempt"] for e in steps.values()} >= {0, 1}
     assert_same_run(states, steps, uninterrupted, "(runtime cap)")
