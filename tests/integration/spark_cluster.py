@@ -35,6 +35,10 @@ from sparkgpu._java import java_available, java_environment
 __all__ = ["LocalSparkCluster", "java_available", "spark_home", "is_loopback", "disposable_cluster", "cluster_session"]
 
 _CONNECT_SERVER = "org.apache.spark.sql.connect.service.SparkConnectServer"
+#: Every JVM of a test cluster (master, workers, Connect server, executors) compiles with C1
+#: only and collects with one serial thread: they serve a few RPCs, and the optimizing compiler's
+#: and parallel collector's threads would otherwise take CPU from the tests on a small machine.
+TEST_JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 
 
 #: Why the Spark cluster tests are skipped where :func:`java_available` is false.
@@ -349,6 +353,8 @@ class LocalSparkCluster:
             "SPARK_LOCAL_IP": "127.0.0.1",
             "PYSPARK_PYTHON": sys.executable,
             "SPARK_DAEMON_MEMORY": "256m",
+            "SPARK_DAEMON_JAVA_OPTS": TEST_JVM_OPTIONS,
+            "SPARK_SUBMIT_OPTS": TEST_JVM_OPTIONS,
             "SPARK_NO_DAEMONIZE": "1",
             **self.env,
             **env,
@@ -434,6 +440,7 @@ class LocalSparkCluster:
             "spark.pyspark.python": sys.executable,
             "spark.ui.enabled": "false",
             "spark.sql.shuffle.partitions": "4",
+            "spark.executor.extraJavaOptions": TEST_JVM_OPTIONS,
         }
         if self.gpu_type:
             conf["spark.sparkgpu.gpuType"] = self.gpu_type
