@@ -36,7 +36,6 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sparkgpu._files import atomic_write_bytes
 from sparkgpu._report import console, report
 from sparkgpu.errors import (
     CallNotFinishedError,
@@ -49,6 +48,7 @@ from sparkgpu.errors import (
 )
 from sparkgpu.launch.client.attempt_result import read_attempt
 from sparkgpu._keyring import load_key
+from sparkgpu.launch.client.job_state import JobBook
 from sparkgpu.launch.client.logs import LogStreamer
 from sparkgpu.launch.client.resume import client_is_gone, find_run_dir, take_over
 from sparkgpu.launch.rundir.directory import RunDir
@@ -413,14 +413,7 @@ def collect_outputs_or_raise(
 
 def _end_cancelled(run_dir: RunDir, state: JobState) -> None:
     """Records that an abandoned job whose cancel was asked for is cancelled, without running it again."""
-    now = time.time()
-    for attempt in state.get("attempts") or ():
-        if attempt.get("status") == AttemptStatus.RUNNING:
-            attempt["status"], attempt["ended_at"] = AttemptStatus.CANCELLED.value, now
-            if attempt.get("started_at") is None:
-                attempt["started_at"] = now
-    state["status"] = JobStatus.CANCELLED.value
-    atomic_write_bytes(run_dir.state_file, json.dumps(state, indent=2).encode())
+    JobBook(run_dir.state_file, state).cancel_abandoned()
     (run_dir.path / CANCEL_REQUEST_FILE).unlink(missing_ok=True)
 
 

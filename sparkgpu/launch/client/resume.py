@@ -22,7 +22,8 @@ from sparkgpu.launch.backends.capabilities import Reattachable
 from sparkgpu._keyring import load_key
 from sparkgpu.launch.rundir.directory import RunDir
 from sparkgpu.launch.rundir.layout import RunLayout
-from sparkgpu.protocol import AttemptStatus, JobState, JobStatus
+from sparkgpu.protocol import JobState, JobStatus
+from sparkgpu.launch.client.job_state import JobBook
 from sparkgpu.launch.client.supervision_lock import SupervisionLock
 from sparkgpu.launch.client.supervisor import CANCEL_REQUEST_FILE, Supervisor
 from sparkgpu.spec import JobSpec
@@ -130,7 +131,8 @@ def take_over(
 def _take_over_locked(run_dir: RunDir, backend, out, force: bool, lock: SupervisionLock) -> Supervisor:
     job_id = run_dir.job_id
     job = JobSpec.from_dict(json.loads(run_dir.spec_file.read_text()))
-    state: JobState | None = json.loads(run_dir.state_file.read_text()) if run_dir.state_file.exists() else None
+    book = JobBook.read(run_dir.state_file)
+    state: JobState | None = book.state if book is not None else None
     if state and state["status"] == JobStatus.SUCCEEDED:
         raise JobStateError(f"job {job_id} already succeeded; nothing to resume")
     if state and not force:
@@ -141,16 +143,11 @@ def _take_over_locked(run_dir: RunDir, backend, out, force: bool, lock: Supervis
     backend = backend or _backend_for(job, run_dir)
     supervisor = Supervisor(job, run_dir, backend, key, callbacks, out=out)
     supervisor.lock = lock
-    if state:
-        if JobStatus(state["status"]).is_terminal:
+    if book is not None and book.state:
+        if book.status.is_terminal:
             (run_dir.path / CANCEL_REQUEST_FILE).unlink(missing_ok=True)
-        lost = []
-        for attempt in state["attempts"]:
-            if attempt["status"] == AttemptStatus.RUNNING:  # the client died while it ran
-                attempt["status"] = AttemptStatus.LOST.value
-                lost.append(attempt["attempt"])
-        state.pop("stop_reason", None)
-        supervisor.load_state_dict(state)
+        lost = book.mark_lost_attempts()  # the client died while they ran
+        supervisor.load_state_dict(book.state)
         _stop_outliving_nodes(job, run_dir, lost)
     return supervisor
 

@@ -1,21 +1,31 @@
-"""The client-side supervisor: an explicit state machine over attempts.
+"""The client-side supervisor: a job's attempts as explicit states, their transitions in one table.
 
-``PENDING -> RUNNING(attempt k) -> SUCCEEDED``; from ``RUNNING`` an attempt can also end
-``PREEMPTED`` (ranks checkpointed at the runtime cap, or to give way to a critical job: a new
-attempt resumes, no restart is used up; a job that gave way first waits for GPUs in the host's
-queue, between two attempts, so the wait is not billed) or ``FAILED`` (the :class:`FailurePolicy` decides between a restart and raising).
-An attempt stopped at the cap counts as preempted only when its ranks stopped for a restart
-or it committed a new checkpoint; otherwise it failed, so a function that never checkpoints
-cannot resume forever. ``TIMED_OUT``, ``CANCELLED`` and ``STOPPED`` (a usage policy's stop:
-ranks get ``checkpoint_grace`` to checkpoint, then are stopped) are terminal. The state is
-a small JSON file in the run dir (``state.json``), rewritten atomically after every
-transition; its job and attempt states are :mod:`sparkgpu.protocol`'s.
+The job's status (``state.json``, written only by :class:`~sparkgpu.launch.client.job_state.JobBook`,
+whose table says which changes are legal)::
 
-An attempt's runtime cap and billed time start when its ranks start. A backend whose ranks
-may start long after ``submit`` (Spark waiting for busy GPUs: a
-:class:`~sparkgpu.launch.backends.capabilities.DeferredStart` one) says when through
-``ranks_started_at(handle)``; its ranks then learn of the cap from the stop file. The backend's
-other capabilities (a queue, preemption, elastic capacity) are used where it has them.
+    PENDING --GPUs granted (the queue)--> RUNNING (attempt k) --next_step--> RUNNING (attempt k+1)
+                                                                         \\-> SUCCEEDED | STOPPED | FAILED | TIMED_OUT
+
+How attempt k ended -> the job's next step (:func:`next_step`)::
+
+    SUCCEEDED                        FINISH           the job SUCCEEDED; its results are returned
+    any, once a usage policy stopped STOP             the job is STOPPED (PolicyViolationError)
+    RESIZED                          RESIZE           attempt k+1 on the GPUs that are free (elastic)
+    PREEMPTED, having given way      WAIT_FOR_GPUS    GPUs freed, wait in the queue (unbilled), attempt k+1
+    PREEMPTED (cap, growing back)    RESUME           attempt k+1 from the checkpoint
+    FAILED, STOPPED                  RESTART_OR_FAIL  the FailurePolicy: attempt k+1 (a restart), or FAILED
+
+Only RESTART_OR_FAIL uses up a restart. While an attempt runs, its monitors
+(:mod:`~sparkgpu.launch.client.monitors`) decide what happens to it; they may end the job
+``CANCELLED`` or ``TIMED_OUT`` at once (Ctrl-C ends it ``CANCELLED``, any other error
+``FAILED``). An attempt stopped at the runtime cap counts as preempted only when its ranks
+stopped for a restart or it committed a new checkpoint; otherwise it failed, so a function
+that never checkpoints cannot resume forever.
+
+An attempt's runtime cap and billed time start when its ranks start: a
+:class:`~sparkgpu.launch.backends.capabilities.DeferredStart` backend says when
+(``ranks_started_at``), and its ranks learn of the cap from the stop file. The backend's other
+capabilities (a queue, preemption, elastic capacity) are used where it has them.
 """
 
 from __future__ import annotations
@@ -29,14 +39,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from sparkgpu import runtime
-from sparkgpu._files import atomic_write_bytes
 from sparkgpu._process import ProcessRef
 from sparkgpu._report import console, report
 from sparkgpu.callbacks import AttemptOutcome, JobCallback
 from sparkgpu.errors import (
     CapacityError,
     EnvironmentMismatchError,
-    JobCancelledError,
     JobStateError,
     JobTimeoutError,
     PayloadSignatureError,
@@ -45,6 +53,18 @@ from sparkgpu.errors import (
 from sparkgpu.launch.backends.base import Backend
 from sparkgpu.launch.backends.capabilities import DeferredStart, ElasticCapacity, Preemptible, QueuedCapacity
 from sparkgpu.launch.client.attempt_result import AttemptResult, StoppedBy, read_attempt
+from sparkgpu.launch.client.job_state import JobBook
+from sparkgpu.launch.client.monitors import (
+    CONTINUE,
+    ENDING,
+    AskToCheckpoint,
+    AskToStop,
+    AttemptView,
+    EndJob,
+    Resize,
+    StopNow,
+    attempt_monitors,
+)
 from sparkgpu.launch.scheduling.elastic import ElasticPlan
 from sparkgpu.launch.client.logs import LogStreamer
 from sparkgpu.protocol import AttemptRecord, AttemptStatus, JobState, JobStatus
@@ -57,20 +77,12 @@ from sparkgpu.store import Store
 from sparkgpu.train import sealed_files
 from sparkgpu.train.checkpoint_directory import CheckpointDirectory, SigningKey
 
-__all__ = ["Supervisor", "JobStatus", "Decision", "FailurePolicy", "CANCEL_REQUEST_FILE"]
+__all__ = ["Supervisor", "JobStatus", "Decision", "FailurePolicy", "CANCEL_REQUEST_FILE", "JobStep", "next_step"]
 
 _POLL_SECONDS = 0.1
 
 #: In the run dir: asks whichever process supervises the job to cancel it (its text says who asked).
 CANCEL_REQUEST_FILE = RunLayout.CANCEL_REQUEST
-
-
-class _Resized(Exception):
-    """An elastic job's attempt waited ``elastic_wait`` for its GPUs: it goes on with ``gpus``."""
-
-    def __init__(self, gpus: int, why: str):
-        super().__init__(why)
-        self.gpus = gpus
 
 
 class Decision(enum.Enum):
@@ -96,6 +108,61 @@ class FailurePolicy:
         if any(isinstance(exc, self.PERMANENT) for exc in exceptions.values()):
             return Decision.RAISE
         return Decision.RESTART if restarts_used < self.max_restarts else Decision.RAISE
+
+
+class JobStep(enum.Enum):
+    """What the job does once an attempt ended (the module docstring's table)."""
+
+    FINISH = "finish"
+    STOP = "stop"
+    RESIZE = "resize"
+    WAIT_FOR_GPUS = "wait_for_gpus"
+    RESUME = "resume"
+    RESTART_OR_FAIL = "restart_or_fail"
+
+
+_NEXT_STEP: dict[AttemptStatus, JobStep] = {
+    AttemptStatus.SUCCEEDED: JobStep.FINISH,
+    AttemptStatus.RESIZED: JobStep.RESIZE,
+    AttemptStatus.PREEMPTED: JobStep.RESUME,
+    AttemptStatus.FAILED: JobStep.RESTART_OR_FAIL,
+    AttemptStatus.STOPPED: JobStep.RESTART_OR_FAIL,
+}
+
+
+def next_step(status: AttemptStatus, asked: StoppedBy | None, policy_stopped: bool) -> JobStep:
+    """The job's next step after an attempt ended ``status``, ``asked`` to stop that way (or not).
+
+    A policy stop ends the job however the attempt ended: a restart would keep spending what
+    the policy said is spent.
+    """
+    step = _NEXT_STEP[status]
+    if step is not JobStep.FINISH and policy_stopped:
+        return JobStep.STOP
+    if step is JobStep.RESUME and asked is StoppedBy.PRIORITY:
+        return JobStep.WAIT_FOR_GPUS
+    return step
+
+
+@dataclasses.dataclass
+class _Attempt:
+    """One attempt as the supervisor drives it."""
+
+    job: JobSpec  # as this attempt runs it: resized, for an elastic job short of GPUs
+    record: AttemptRecord
+    handle: Any = None
+    streamer: LogStreamer | None = None
+    #: The stop asked of its ranks (policy, giving way, growing back), why, and when (monotonic).
+    asked: StoppedBy | None = None
+    why: str = ""
+    asked_at: float | None = None
+    #: How it ended: read back from the run dir, or RESIZED with the GPUs of the next attempt.
+    outcome: AttemptResult | None = None
+    resize_to: int | None = None
+
+    @property
+    def index(self) -> int:
+        return self.record["attempt"]
 
 
 class Supervisor:
@@ -135,8 +202,6 @@ class Supervisor:
         self.policy = self.failure_policy_cls(job.policy.max_restarts)
         #: Set (from any thread) to cancel the job; a CANCEL_REQUEST_FILE does the same from another process.
         self.cancel_event = threading.Event()
-        #: Why the current attempt was asked to give way to a more urgent job, if it was.
-        self._giving_way: str | None = None
         #: When and how an elastic job changes size (``min_gpus=``); ``None`` for a fixed one, and
         #: on a backend that cannot tell what is free (the job then waits for all its GPUs).
         self.elastic = (
@@ -144,38 +209,23 @@ class Supervisor:
             if job.resources.elastic and isinstance(backend, ElasticCapacity)
             else None
         )
-        #: GPUs of the next attempt: all the job's, unless an elastic attempt was withdrawn to go on with fewer.
-        self._next_gpus = job.resources.gpus
-        #: Why the current attempt was asked to stop to grow back to all its GPUs, if it was.
-        self._growing: str | None = None
-        #: The job as the current attempt runs it (resized, for an elastic job short of GPUs).
-        self._attempt_job = job
         #: The job's supervision lock, when the caller took it (``attach``, ``resume``); else
         #: :meth:`run` takes its own for as long as it runs.
         self.lock: SupervisionLock | None = None
-        self.state: JobState = {
-            "job_id": job.job_id,
-            "status": JobStatus.PENDING.value,
-            "backend": backend.name,
-            "attempts": [],
-            "restarts": 0,
-            "preemptions": 0,
-            "created_at": time.time(),
-        }
+        #: The job's ``state.json``: every change to it goes through the book.
+        self.book = JobBook.new(run_dir.state_file, job.job_id, backend.name)
 
     # -- state -------------------------------------------------------------------------
+    @property
+    def state(self) -> JobState:
+        """The job's state, live (the supervising thread changes it): read it, never change it."""
+        return self.book.state
+
     def state_dict(self) -> JobState:
-        return json.loads(json.dumps(self.state))
+        return json.loads(json.dumps(self.book.state))
 
     def load_state_dict(self, state: JobState) -> None:
-        self.state = json.loads(json.dumps(state))
-
-    def _save(self) -> None:
-        atomic_write_bytes(self.run_dir.state_file, json.dumps(self.state, indent=2).encode())
-
-    def _set_status(self, status: JobStatus) -> None:
-        self.state["status"] = status.value
-        self._save()
+        self.book.state = json.loads(json.dumps(state))
 
     # -- the loop ------------------------------------------------------------------------
     def run(self) -> list[Any]:
@@ -203,17 +253,18 @@ class Supervisor:
             self.lock = None
 
     def _run_supervised(self) -> list[Any]:
+        book = self.book
         job_started = time.monotonic()
         # Who drives the job: `sparkgpu jobs` shows a job whose client died as lost.
         # Its start time tells a recycled pid from the client itself.
-        self.state["client"] = ProcessRef.current().record()  # type: ignore[typeddict-item]
+        book.set_client(ProcessRef.current().record())
         # Waiting for GPUs (in the host's or the cluster's queue, by priority) is no attempt's time:
         # nobody is billed. A job that gives up there ends failed, with nothing of it left in line.
         try:
             if isinstance(self.backend, QueuedCapacity):
                 self.backend.await_capacity(self.job, None)
         except BaseException as exc:
-            self._set_status(JobStatus.CANCELLED if isinstance(exc, KeyboardInterrupt) else JobStatus.FAILED)
+            book.set_status(JobStatus.CANCELLED if isinstance(exc, KeyboardInterrupt) else JobStatus.FAILED)
             self.backend.end_job(self.job)
             raise
         # The first attempt's agent starts beside the callbacks (an MLflow run, a usage row);
@@ -228,48 +279,47 @@ class Supervisor:
             raise
         results: list[Any] | None = None
         error: BaseException | None = None
+        gpus = self.job.resources.gpus
         try:
             while True:
-                attempt = len(self.state["attempts"])
-                outcome = self._run_attempt(attempt, job_started, early)
-                early = None
-                if outcome.status is AttemptStatus.SUCCEEDED:
-                    self._set_status(JobStatus.SUCCEEDED)
+                attempt = self._run_attempt(len(book.state["attempts"]), gpus, job_started, early)
+                early, gpus = None, self.job.resources.gpus
+                outcome = attempt.outcome
+                assert outcome is not None  # set by _run_attempt whenever it returns
+                step = next_step(outcome.status, attempt.asked, policy_stopped=bool(book.stop_reason))
+                if step is JobStep.FINISH:
+                    book.set_status(JobStatus.SUCCEEDED)
                     results = outcome.results
                     assert results is not None  # a succeeded attempt has every rank's result
                     return results
-                if self.state.get("stop_reason"):
-                    # A policy stop ends the job however the attempt ended: a restart would
-                    # keep spending what the policy said is spent.
-                    self._set_status(JobStatus.STOPPED)
+                if step is JobStep.STOP:
+                    book.set_status(JobStatus.STOPPED)
                     error = PolicyViolationError(self._stop_message(outcome))
                     raise error from outcome.root_exception
-                if outcome.status is AttemptStatus.RESIZED:
-                    continue  # withdrawn before its ranks started: the next attempt runs on fewer GPUs
-                if outcome.status is AttemptStatus.PREEMPTED:
-                    self.state["preemptions"] += 1
-                    if self._giving_way is not None:
-                        self._wait_after_giving_way(self._giving_way, job_started)
-                    continue
-                decision = self.policy.decide(self.state["restarts"], outcome.exceptions)
-                if decision is Decision.RESTART:
-                    self.state["restarts"] += 1
-                    self._save()
+                if step is JobStep.RESIZE:
+                    assert attempt.resize_to is not None
+                    gpus = attempt.resize_to
+                elif step in (JobStep.RESUME, JobStep.WAIT_FOR_GPUS):
+                    book.count_preemption()
+                    if step is JobStep.WAIT_FOR_GPUS:
+                        self._wait_after_giving_way(attempt.why, job_started)
+                elif self.policy.decide(book.state["restarts"], outcome.exceptions) is Decision.RESTART:
+                    restarts = book.count_restart()
                     why = f": {outcome.lost}" if outcome.lost else ""
                     report(
-                        f"attempt {attempt} failed{why}; restarting {self._restart_point()} "
-                        f"(restart {self.state['restarts']} of {self.job.policy.max_restarts})",
+                        f"attempt {attempt.index} failed{why}; restarting {self._restart_point()} "
+                        f"(restart {restarts} of {self.job.policy.max_restarts})",
                         self.out,
                     )
-                    continue
-                self._set_status(JobStatus.FAILED)
-                logs = self.run_dir.logs_dir(attempt)
-                error = outcome.error(self.job.job_id, str(logs))
-                raise error from outcome.root_exception
+                else:
+                    book.set_status(JobStatus.FAILED)
+                    logs = self.run_dir.logs_dir(attempt.index)
+                    error = outcome.error(self.job.job_id, str(logs))
+                    raise error from outcome.root_exception
         except BaseException as exc:
             error = error or exc
-            if not JobStatus(self.state["status"]).is_terminal:
-                self._set_status(JobStatus.CANCELLED if isinstance(exc, KeyboardInterrupt) else JobStatus.FAILED)
+            if not book.status.is_terminal:
+                book.set_status(JobStatus.CANCELLED if isinstance(exc, KeyboardInterrupt) else JobStatus.FAILED)
             raise
         finally:
             try:
@@ -284,25 +334,23 @@ class Supervisor:
         backend = self.backend
         assert isinstance(backend, Preemptible), "only a preemptible backend asks its jobs to give way"
         backend.give_way(self.job)
-        self.state["waiting"] = {"since": time.time(), "reason": reason}
-        self._save()
+        self.book.start_waiting(reason)
         report(f"job {self.job.job_id} checkpointed and gave way ({reason}); it resumes once GPUs come free", self.out)
         timeout = self.job.policy.timeout
         left = None if timeout is None else max(0.0, timeout - (time.monotonic() - job_started))
         try:
             backend.await_capacity(self.job, left if left is not None else float("inf"))
         except CapacityError as exc:
-            self._set_status(JobStatus.TIMED_OUT)
+            self.book.set_status(JobStatus.TIMED_OUT)
             raise JobTimeoutError(
                 f"job {self.job.job_id} gave way to a critical job and its timeout of {timeout:g}s ran out while "
                 f"it waited for GPUs; continue it with `sparkgpu resume {self.job.job_id}`, or raise timeout="
             ) from exc
-        self.state.pop("waiting", None)
-        self._save()
+        self.book.stop_waiting()
 
     def _stop_message(self, outcome: AttemptResult) -> str:
-        job_id, reason = self.job.job_id, self.state["stop_reason"]
-        logs = self.run_dir.logs_dir(len(self.state["attempts"]) - 1)
+        job_id, reason = self.job.job_id, self.book.stop_reason
+        logs = self.run_dir.logs_dir(len(self.book.state["attempts"]) - 1)
         if outcome.status is AttemptStatus.PREEMPTED:
             what = "checkpointed and stopped"
         elif outcome.status is AttemptStatus.FAILED:
@@ -316,7 +364,7 @@ class Supervisor:
 
     def _prestart(self):
         """The next attempt's agent, started ahead of its environment, or ``None`` where the backend cannot."""
-        attempt = len(self.state["attempts"])
+        attempt = len(self.book.state["attempts"])
         return self.backend.prestart(self.job, self.run_dir, attempt, self._base_env(attempt, time.time()))
 
     def _base_env(self, attempt: int, submitted: float) -> dict[str, str]:
@@ -339,177 +387,147 @@ class Supervisor:
             env.update(callback.before_attempt(job, attempt))
         return env
 
-    def _run_attempt(self, attempt: int, job_started: float, early=None) -> AttemptResult:
-        self._giving_way = self._growing = None
+    # -- one attempt ---------------------------------------------------------------------
+    def _run_attempt(self, index: int, gpus: int, job_started: float, early=None) -> _Attempt:
+        """Runs attempt ``index`` on ``gpus`` GPUs until it ends; its ``outcome`` says how."""
         # An elastic job's attempt may run on fewer GPUs than the job asks for: everything about
         # this attempt (its ranks, results, bill) is about this one.
-        job = self._attempt_job = self.job.resized(self._next_gpus)
-        self._next_gpus = self.job.resources.gpus
+        job = self.job.resized(gpus)
         if job is not self.job:
             early = None  # the agent started ahead was the full job's (it is never started for a resized one)
         submitted = time.time()
-        # started_at: when the ranks started, the start of the billed time and of the cap.
-        record: AttemptRecord = {
-            "attempt": attempt,
-            "submitted_at": submitted,
-            "started_at": None,
-            "ended_at": None,
-            "status": AttemptStatus.RUNNING.value,
-            "gpus": job.resources.gpus,
-        }
-        self.state["attempts"].append(record)
-        self._set_status(JobStatus.RUNNING)
-        handle = streamer = None
+        attempt = _Attempt(job, self.book.begin_attempt(index, submitted, job.resources.gpus))
         try:
             checkpoint_before = self._latest_checkpoint()
             try:
-                env = self._attempt_env(job, attempt, submitted)
+                env = self._attempt_env(job, index, submitted)
             except BaseException:
                 if early is not None:
                     early.discard()
                 raise
             if early is not None:
-                handle = early.start(env)
+                attempt.handle = early.start(env)
             else:
                 placement = self.placement if job is self.job else None  # a resized attempt is placed anew
-                handle = self.backend.submit(job, self.run_dir, attempt, env, placement=placement)
-            streamer = LogStreamer(self.run_dir, attempt, job.world_size, job.log_ranks, self.out)
-            code, stopped_by = self._watch(job, attempt, handle, streamer, record, job_started)
-            streamer.finish()
-            outcome = read_attempt(
+                attempt.handle = self.backend.submit(job, self.run_dir, index, env, placement=placement)
+            attempt.streamer = LogStreamer(self.run_dir, index, job.world_size, job.log_ranks, self.out)
+            end = self._watch(attempt, job_started)
+            stopped_by = None
+            if isinstance(end, EndJob):
+                self._abandon(attempt, end.attempt_status, None)
+                self.book.set_status(end.job_status)
+                raise end.error
+            if isinstance(end, Resize):
+                self._abandon(attempt, AttemptStatus.RESIZED, None, cause=[end.why])
+                attempt.resize_to = end.gpus
+                report(end.why, self.out)
+                attempt.outcome = AttemptResult(AttemptStatus.RESIZED)
+                return attempt
+            if isinstance(end, StopNow):
+                if end.note:
+                    report(end.note, self.out)
+                self.backend.cancel(attempt.handle, job.policy.shutdown_grace)
+                code, stopped_by = None, end.kind
+            else:
+                code = end
+            attempt.streamer.finish()
+            outcome = attempt.outcome = read_attempt(
                 self.run_dir,
-                attempt,
+                index,
                 job.world_size,
                 job.policy,
                 stopped_by=stopped_by,
                 saved_checkpoint=lambda: self._latest_checkpoint() != checkpoint_before,
             )
-            self._end_attempt(record, outcome.status, code, outcome)
-            return outcome
-        except _Resized as resized:
-            self._abandon(record, handle, streamer, AttemptStatus.RESIZED, None, cause=[str(resized)])
-            self._next_gpus = resized.gpus
-            report(f"{resized}", self.out)
-            return AttemptResult(AttemptStatus.RESIZED)
+            self._end_attempt(attempt, outcome.status, code, outcome)
+            return attempt
         except KeyboardInterrupt:
-            if record["ended_at"] is None:
-                self._abandon(record, handle, streamer, AttemptStatus.CANCELLED, None)
-                self._set_status(JobStatus.CANCELLED)
+            if attempt.record["ended_at"] is None:
+                self._abandon(attempt, AttemptStatus.CANCELLED, None)
+                self.book.set_status(JobStatus.CANCELLED)
             raise
         except BaseException as exc:
             # The backend (e.g. Spark giving up on busy GPUs), a callback, the run dir: whatever
             # broke, the ranks are stopped and the attempt is ended, so callbacks close their
             # books (the usage journal) instead of leaving it "running" forever.
-            if record["ended_at"] is None:
-                self._abandon(record, handle, streamer, AttemptStatus.FAILED, exc)
+            if attempt.record["ended_at"] is None:
+                self._abandon(attempt, AttemptStatus.FAILED, exc)
             raise
 
-    def _watch(
-        self, job: JobSpec, attempt: int, handle, streamer: LogStreamer, record: AttemptRecord, job_started: float
-    ):
-        """Polls the attempt (of ``job``, resized for this attempt) until it ends or a limit stops it.
+    def _watch(self, attempt: _Attempt, job_started: float) -> int | StopNow | EndJob | Resize:
+        """Polls the attempt, asking its monitors at every poll, until it ends or a decision ends the watch.
 
         Returns:
-            ``(exit code, stopped_by)``: the code is ``None`` and ``stopped_by`` a :class:`StoppedBy`
-            when the supervisor stopped the ranks itself.
-
-        Raises:
-            _Resized: an elastic job's ranks waited ``elastic_wait`` for their GPUs and fewer are free.
+            The ranks' exit code when they ended by themselves; else the monitor's decision that
+            ends the watch (applied by the caller).
         """
-        policy = job.policy
-        size = job.resources.gpus
+        job, handle, streamer = attempt.job, attempt.handle, attempt.streamer
+        assert streamer is not None
+        monitors = attempt_monitors(
+            job,
+            self.job,
+            self.backend,
+            self.callbacks,
+            self.elastic,
+            self._cancel_requested,
+            str(self.run_dir.logs_dir(attempt.index)),
+        )
         ranks_started: float | None = None  # monotonic
-        next_start_check = next_policy_check = time.monotonic()
-        stop_requested: float | None = None
-        cap_signalled = False
+        next_start_check = time.monotonic()
         while (code := self.backend.poll(handle)) is None:
             streamer.pump()
-            if self._cancel_requested():
-                self._abandon(record, handle, streamer, AttemptStatus.CANCELLED, None)
-                self._set_status(JobStatus.CANCELLED)
-                raise JobCancelledError(
-                    f"job {self.job.job_id} was cancelled; its ranks were stopped. Logs: "
-                    f"{self.run_dir.logs_dir(attempt)}"
-                )
             now = time.monotonic()
             if ranks_started is None and now >= next_start_check:
                 next_start_check = now + 1.0
-                ranks_started = self._ranks_started(handle, record)
-            if policy.timeout is not None and now - job_started > policy.timeout:
-                self._abandon(record, handle, streamer, AttemptStatus.TIMED_OUT, None)
-                self._set_status(JobStatus.TIMED_OUT)
-                raise JobTimeoutError(
-                    f"job {self.job.job_id} ran longer than its timeout of {policy.timeout:g}s and was "
-                    f"stopped; raise timeout= (or SPARKGPU_TIMEOUT), or checkpoint and set max_runtime= "
-                    f"so it resumes. Logs: {self.run_dir.logs_dir(attempt)}"
-                )
-            if ranks_started is None:  # waiting for GPUs: nothing runs, nothing is spent
-                if self.elastic is not None:
-                    smaller = self.elastic.shrink_to(size, time.time() - record["submitted_at"], now)
-                    if smaller is not None and self._ranks_started(handle, record) is None:
-                        raise _Resized(
-                            smaller,
-                            f"attempt {attempt} waited {self.job.elastic_wait:g}s (elastic_wait) for {size} GPUs; going "
-                            f"on from the latest checkpoint with the {smaller} free (min_gpus={self.elastic.minimum}), "
-                            f"growing back to {self.elastic.target} at a checkpoint once they are free",
-                        )
-                time.sleep(_POLL_SECONDS)
-                continue
-            ran = now - ranks_started
-            if now >= next_policy_check and stop_requested is None and not self.state.get("stop_reason"):
-                next_policy_check = now + 1.0
-                if (
-                    self._check_stop(job, attempt, ran)
-                    or self._check_preemption(attempt)
-                    or self._check_growth(attempt, size, now)
-                ):
-                    stop_requested = now
-            if stop_requested is not None and now - stop_requested > policy.checkpoint_grace:
-                # Ranks that never call should_checkpoint() would otherwise run on until the cap
-                # (7 days remotely). SIGTERM first: a Checkpointer takes it as a save request.
-                report(
-                    f"the ranks did not stop within checkpoint_grace ({policy.checkpoint_grace:g}s) "
-                    f"of the request; stopping them (SIGTERM, SIGKILL after {policy.shutdown_grace:g}s)",
-                    self.out,
-                )
-                self.backend.cancel(handle, policy.shutdown_grace)
-                if self._giving_way is not None:
-                    return None, StoppedBy.PRIORITY
-                return None, StoppedBy.RESIZE if self._growing is not None else StoppedBy.POLICY
-            if policy.max_runtime is not None:
-                if (
-                    not cap_signalled
-                    and isinstance(self.backend, DeferredStart)
-                    and ran >= policy.max_runtime - policy.checkpoint_grace
-                ):
-                    cap_signalled = True
-                    self._ask_to_checkpoint(
-                        attempt, f"the runtime cap of {policy.max_runtime:g}s is {policy.checkpoint_grace:g}s away"
-                    )
-                if ran > policy.max_runtime:
-                    # Ranks had checkpoint_grace to checkpoint and stop; the cap is hard.
-                    self.backend.cancel(handle, policy.shutdown_grace)
-                    return None, StoppedBy.CAP
+                ranks_started = self._ranks_started(attempt)
+            view = AttemptView(
+                attempt=attempt.index,
+                gpus=job.resources.gpus,
+                now=now,
+                job_seconds=now - job_started,
+                waited=time.time() - attempt.record["submitted_at"],
+                ran=None if ranks_started is None else now - ranks_started,
+                asked=attempt.asked,
+                asked_at=attempt.asked_at,
+            )
+            for monitor in monitors:
+                decision = monitor.check(view)
+                if decision is CONTINUE:
+                    continue
+                if isinstance(decision, Resize) and self._ranks_started(attempt) is not None:
+                    continue  # they started after all, since the view was taken: nothing to withdraw
+                if isinstance(decision, ENDING):
+                    return decision
+                if isinstance(decision, AskToStop):
+                    self._ask_to_stop(attempt, decision, now)
+                    view = dataclasses.replace(view, asked=attempt.asked, asked_at=attempt.asked_at)
+                elif isinstance(decision, AskToCheckpoint):
+                    self._ask_to_checkpoint(attempt.index, decision.why)
             time.sleep(_POLL_SECONDS)
         if ranks_started is None:
-            self._ranks_started(handle, record)  # they may have started and ended between two checks
-        return code, None
+            self._ranks_started(attempt)  # they may have started and ended between two checks
+        return code
 
     def _cancel_requested(self) -> bool:
         return self.cancel_event.is_set() or self.run_dir.read_control(self.run_dir.cancel_request_file) is not None
 
-    def _ranks_started(self, handle, record: AttemptRecord) -> float | None:
+    def _ranks_started(self, attempt: _Attempt) -> float | None:
         """Records when the attempt's ranks started, once known; returns it on the monotonic clock."""
+        record = attempt.record
         started_at = record["started_at"]
         if started_at is None:
             backend = self.backend
-            started = backend.ranks_started_at(handle) if isinstance(backend, DeferredStart) else record["submitted_at"]
+            started = (
+                backend.ranks_started_at(attempt.handle)
+                if isinstance(backend, DeferredStart)
+                else record["submitted_at"]
+            )
             if started is None:
                 return None
-            started_at = record["started_at"] = min(started, time.time())
-            self._save()
+            started_at = min(started, time.time())
+            self.book.ranks_started(record, started_at)
             for callback in self.callbacks:
-                callback.on_ranks_started(self._attempt_job, record["attempt"], started_at)
+                callback.on_ranks_started(attempt.job, attempt.index, started_at)
         return time.monotonic() - (time.time() - started_at)
 
     def _ask_to_checkpoint(self, attempt: int, why: str) -> None:
@@ -517,124 +535,76 @@ class Supervisor:
         if self.run_dir.read_control(stop_file) is None:  # a policy's reason, already there, says more
             self.run_dir.write_control(stop_file, f"{why}\n".encode())
 
-    def _abandon(
-        self,
-        record: AttemptRecord,
-        handle,
-        streamer: LogStreamer | None,
-        status: AttemptStatus,
-        exc: BaseException | None,
-        cause: list[str] | None = None,
-    ) -> None:
-        """Stops and ends an attempt that an exception interrupted, recording the exception (else
-        ``cause``) as its cause."""
-        cause = [f"{type(exc).__name__}: {exc}"] if exc is not None else list(cause or [])
-        if handle is not None:
-            try:
-                self.backend.cancel(handle, self.job.policy.shutdown_grace)
-            except Exception as cancel_exc:  # the original error is what the caller must see
-                cause.append(f"stopping the ranks failed too: {type(cancel_exc).__name__}: {cancel_exc}")
-                report(
-                    f"could not stop attempt {record['attempt']}'s ranks ({cancel_exc}); they may still be running",
-                    self.out,
-                )
-            try:
-                self._ranks_started(handle, record)  # bill what ran before the error, if anything did
-            except Exception as start_exc:
-                cause.append(f"when its ranks started is unknown: {type(start_exc).__name__}: {start_exc}")
-        if streamer is not None:
-            try:
-                streamer.finish()
-            except OSError as log_exc:
-                cause.append(f"reading the ranks' logs failed: {log_exc}")
-        self._end_attempt(record, status, None, cause=cause, error=exc)
-
-    def _check_stop(self, job: JobSpec, attempt: int, attempt_seconds: float) -> bool:
-        """Asks the callbacks whether the job (``job``: as this attempt runs it) must stop; if so,
-        asks the ranks to checkpoint."""
-        for callback in self.callbacks:
-            reason = callback.stop_reason(job, attempt, attempt_seconds)
-            if reason:
-                self.state["stop_reason"] = reason
-                self._save()
-                self._ask_to_stop(attempt, reason, f": {reason}")
-                return True
-        return False
-
-    def _ask_to_stop(self, attempt: int, reason: str, said: str) -> None:
-        """Writes ``reason`` into the attempt's stop file (ranks then checkpoint and stop) and tells
-        the caller, ``said`` following "within checkpoint_grace (...)"."""
-        self.run_dir.write_control(self.run_dir.file(RunLayout.stop(attempt)), (reason + "\n").encode())
+    def _ask_to_stop(self, attempt: _Attempt, ask: AskToStop, now: float) -> None:
+        """Writes the reason into the attempt's stop file (ranks then checkpoint and stop) and tells the caller."""
+        if ask.kind is StoppedBy.POLICY:
+            self.book.set_stop_reason(ask.reason)
+        attempt.asked, attempt.why, attempt.asked_at = ask.kind, ask.reason, now
+        self.run_dir.write_control(self.run_dir.file(RunLayout.stop(attempt.index)), (ask.reason + "\n").encode())
         report(
             f"asking every rank to checkpoint and stop within checkpoint_grace "
-            f"({self.job.policy.checkpoint_grace:g}s){said}",
+            f"({self.job.policy.checkpoint_grace:g}s){ask.said}",
             self.out,
         )
 
-    def _check_preemption(self, attempt: int) -> bool:
-        """Asks the ranks to checkpoint and stop when a genuine request of a critical job asks this
-        best-effort job to give way (the backend judges it); the job's own decision, not the requester's."""
-        if not isinstance(self.backend, Preemptible):
-            return False
-        reason = self.backend.preemption_request(self.job)
-        if reason is None:
-            return False
-        self._giving_way = reason
-        self._ask_to_stop(attempt, reason, f" to give way: {reason}; the job resumes by itself, using no restart")
-        return True
-
-    def _check_growth(self, attempt: int, size: int, now: float) -> bool:
-        """Asks an elastic attempt on fewer GPUs than the job's to checkpoint and stop once all of
-        them are free: the next attempt resumes on every GPU, using no restart."""
-        if self.elastic is None or not self.elastic.grows(size, now):
-            return False
-        target = self.elastic.target
-        self._growing = f"all {target} GPUs of the job are free again; growing back from {size}"
-        self._ask_to_stop(
-            attempt, self._growing, f": {self._growing}; the job resumes on {target} GPUs by itself, using no restart"
-        )
-        return True
+    def _abandon(
+        self, attempt: _Attempt, status: AttemptStatus, exc: BaseException | None, cause: list[str] | None = None
+    ) -> None:
+        """Stops and ends an attempt that an exception or a monitor interrupted, recording the
+        exception (else ``cause``) as its cause."""
+        cause = [f"{type(exc).__name__}: {exc}"] if exc is not None else list(cause or [])
+        if attempt.handle is not None:
+            try:
+                self.backend.cancel(attempt.handle, self.job.policy.shutdown_grace)
+            except Exception as cancel_exc:  # the original error is what the caller must see
+                cause.append(f"stopping the ranks failed too: {type(cancel_exc).__name__}: {cancel_exc}")
+                report(
+                    f"could not stop attempt {attempt.index}'s ranks ({cancel_exc}); they may still be running",
+                    self.out,
+                )
+            try:
+                self._ranks_started(attempt)  # bill what ran before the error, if anything did
+            except Exception as start_exc:
+                cause.append(f"when its ranks started is unknown: {type(start_exc).__name__}: {start_exc}")
+        if attempt.streamer is not None:
+            try:
+                attempt.streamer.finish()
+            except OSError as log_exc:
+                cause.append(f"reading the ranks' logs failed: {log_exc}")
+        self._end_attempt(attempt, status, None, cause=cause, error=exc)
 
     def _end_attempt(
         self,
-        record: AttemptRecord,
+        attempt: _Attempt,
         status: AttemptStatus,
         code: int | None,
         outcome: AttemptResult | None = None,
-        cause: tuple[str, ...] | list[str] = (),
+        cause: Sequence[str] = (),
         error: BaseException | None = None,
-    ):
-        cause = tuple(cause)
-        ended_at = record["ended_at"] = time.time()
-        record["status"] = status.value
-        record["exit_code"] = code
-        started_at = record["started_at"]
-        if started_at is None:
-            started_at = record["started_at"] = ended_at  # its ranks never started: nothing ran, nothing is billed
-        if outcome is not None and outcome.report is not None and outcome.lost:
-            # Billed up to when the node was last seen alive, not to when the client noticed.
-            lost_at = outcome.report.lost_at or ended_at
-            ended_at = record["ended_at"] = max(started_at, min(ended_at, lost_at))
-            record["lost"] = [dataclasses.asdict(n) for n in outcome.report.lost]
-            cause += (outcome.lost,)
+    ) -> None:
+        causes = list(cause)
+        report_ = outcome.report if outcome is not None else None
+        lost = report_.lost if report_ is not None and outcome is not None and outcome.lost else []
+        if lost:
+            assert outcome is not None
+            causes.append(outcome.lost)
         if outcome is not None and outcome.failures:
-            record["cause"] = (
-                list(cause) + [f"rank {f.rank}: {f.exc_type or 'exit'}: {f.message}" for f in outcome.failures]
-            )[:8]
-        elif cause:
-            record["cause"] = list(cause)[:8]
-        self._save()
+            causes += [f"rank {f.rank}: {f.exc_type or 'exit'}: {f.message}" for f in outcome.failures]
+        started_at, ended_at = self.book.end_attempt(
+            attempt.record, status, code, causes, lost_at=report_.lost_at if report_ else None, lost=lost
+        )
         if error is None and outcome is not None:
             error = outcome.root_exception
+        job = attempt.job
         for callback in self.callbacks:
             callback.after_attempt(
-                self._attempt_job,
+                job,
                 AttemptOutcome(
-                    attempt=record["attempt"],
+                    attempt=attempt.index,
                     status=status,
                     started_at=started_at,
                     ended_at=ended_at,
-                    gpus=self._attempt_job.resources.gpus,
+                    gpus=job.resources.gpus,
                     gpu_type=self.job.resources.gpu_type or "",
                     error=error,
                     cause=outcome.lost if outcome is not None else "",
