@@ -40,7 +40,7 @@ from sparkgpu.launch.rundir.directory import RunDir
 from sparkgpu.launch.rank.threads import rank_thread_env, threads_per_rank
 from sparkgpu.spec import JobSpec
 
-__all__ = ["LocalBackend", "create_backend", "free_port"]
+__all__ = ["LocalBackend", "free_port"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -320,7 +320,3 @@ class LocalBackend(Backend, Preemptible):
         standby = self._standbys.pop(job.job_id, None)
         if standby is not None:
             standby.stop()
-
-
-def create_backend(**options) -> LocalBackend:
-    return LocalBackend(**options)

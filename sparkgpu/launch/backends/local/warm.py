@@ -13,7 +13,7 @@ from sparkgpu.config import settings
 from sparkgpu.launch.backends.local.backend import LocalBackend
 from sparkgpu.launch.backends.local.zygote_client import ZygoteAttempt, ensure_warm_zygote, run_on_zygote
 
-__all__ = ["WarmBackend", "create_backend"]
+__all__ = ["WarmBackend"]
 
 
 class WarmBackend(LocalBackend):
@@ -31,7 +31,3 @@ class WarmBackend(LocalBackend):
     def submit(self, job, run_dir, attempt, env, placement=None) -> ZygoteAttempt:
         env = self._lease_devices(job, env)
         return run_on_zygote(ensure_warm_zygote(self.python, self.idle_timeout), job, run_dir, attempt, env)
-
-
-def create_backend(**options) -> WarmBackend:
-    return WarmBackend(**options)

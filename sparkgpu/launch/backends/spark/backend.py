@@ -68,7 +68,7 @@ from sparkgpu.launch.rundir.staging import ClientMirror, StagingStore, store_pre
 from sparkgpu.pools import POOL_TAG, Pool
 from sparkgpu.spec import JobSpec
 
-__all__ = ["SparkBackend", "SparkAttempt", "create_backend", "active_spark_session"]
+__all__ = ["SparkBackend", "SparkAttempt", "active_spark_session"]
 
 #: Most seconds between two beats of the client (four per ``client_timeout`` when that is shorter).
 _HEARTBEAT_SECONDS = 10.0
@@ -742,7 +742,3 @@ class SparkBackend(Backend, Preemptible, ElasticCapacity, DeferredStart, Reattac
 def _at(spark) -> str:
     url = connect_url(spark)
     return f" at {url}" if url else ""
-
-
-def create_backend(**options) -> SparkBackend:
-    return SparkBackend(**options)
