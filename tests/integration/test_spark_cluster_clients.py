@@ -202,15 +202,17 @@ def test_a_killed_client_s_ranks_stop_on_its_heartbeat_and_resume_continues_on_s
     assert_no_orphans(run_dir, within=15)
 
 
-def hold_a_gpu(seconds: float) -> dict:
-    """A rank that holds its GPU for ``seconds`` and says which one, on which cluster, when."""
+def hold_a_gpu(seconds: float, release: str | None = None) -> dict:
+    """A rank that holds its GPU for ``seconds`` (or until the file ``release`` exists, if sooner)
+    and says which one, on which cluster, when."""
     import os
     import time
 
     from sparkgpu import runtime
 
     started = time.time()
-    time.sleep(seconds)
+    while time.time() - started < seconds and not (release and os.path.exists(release)):
+        time.sleep(0.1)
     return {
         "job": runtime.job_id(),
         "rank": runtime.get_global_rank(),
@@ -285,7 +287,8 @@ WAITING_CLIENT = textwrap.dedent("""
 
 
 def test_a_client_killed_while_its_job_waits_for_gpus_is_continued_by_resume(clients_cluster, clients_spark, tmp_path):
-    holder = clients_spark.gpu.distributed(hold_a_gpu, gpus=4, gpu_type="A10").submit(45.0)
+    release = tmp_path / "release"
+    holder = clients_spark.gpu.distributed(hold_a_gpu, gpus=4, gpu_type="A10").submit(240.0, str(release))
     script, output = tmp_path / "client.py", tmp_path / "client.log"
     script.write_text(WAITING_CLIENT)
     client = None
@@ -311,6 +314,7 @@ def test_a_client_killed_while_its_job_waits_for_gpus_is_continued_by_resume(cli
         # It never got its GPUs: no attempt was recorded, or one that never started.
         state = json.loads((run_dir / "state.json").read_text()) if (run_dir / "state.json").exists() else None
         assert state is None or all(a["started_at"] is None for a in state["attempts"])
+        release.touch()  # the GPUs come free only now: the job never ran while its client lived
         assert [r["rank"] for r in holder.result(timeout=240)] == [0, 1, 2, 3]
     finally:
         if client is not None and client.poll() is None:
