@@ -53,6 +53,7 @@ from sparkgpu.errors import (
 from sparkgpu.launch.backends.base import Backend
 from sparkgpu.launch.backends.capabilities import DeferredStart, ElasticCapacity, Preemptible, QueuedCapacity
 from sparkgpu.launch.client.attempt_result import AttemptResult, StoppedBy, read_attempt
+from sparkgpu.launch.client.checkpoint_progress import latest_checkpoint, restart_point
 from sparkgpu.launch.client.job_state import JobBook
 from sparkgpu.launch.client.monitors import (
     CONTINUE,
@@ -68,14 +69,10 @@ from sparkgpu.launch.client.monitors import (
 from sparkgpu.launch.scheduling.elastic import ElasticPlan
 from sparkgpu.launch.client.logs import LogStreamer
 from sparkgpu.protocol import AttemptRecord, AttemptStatus, JobState, JobStatus
-from sparkgpu._keyring import derive_key
 from sparkgpu.launch.rundir.directory import RunDir
 from sparkgpu.launch.client.supervision_lock import SupervisionLock
 from sparkgpu.launch.rundir.layout import RunLayout
 from sparkgpu.spec import JobSpec
-from sparkgpu.store import Store
-from sparkgpu.train import sealed_files
-from sparkgpu.train.checkpoint_directory import CheckpointDirectory, SigningKey
 
 __all__ = ["Supervisor", "JobStatus", "Decision", "FailurePolicy", "CANCEL_REQUEST_FILE", "JobStep", "next_step"]
 
@@ -307,7 +304,7 @@ class Supervisor:
                     restarts = book.count_restart()
                     why = f": {outcome.lost}" if outcome.lost else ""
                     report(
-                        f"attempt {attempt.index} failed{why}; restarting {self._restart_point()} "
+                        f"attempt {attempt.index} failed{why}; restarting {restart_point(self._latest_checkpoint())} "
                         f"(restart {restarts} of {self.job.policy.max_restarts})",
                         self.out,
                     )
@@ -611,31 +608,5 @@ class Supervisor:
                 ),
             )
 
-    # -- reading an attempt back -------------------------------------------------------
     def _latest_checkpoint(self) -> tuple[int, float] | None:
-        """``(step, created)`` of the newest complete checkpoint in the job's checkpoint dir:
-        a Checkpointer's, or a Trainer's sealed one (``created`` 0 for those)."""
-        directory = self.backend.checkpoint_dir(self.run_dir)
-        try:
-            # Only markers sealed under this job's key count: a planted one would make a capped
-            # attempt pass for a preemption, which uses up no restart.
-            signing = SigningKey(derive_key(self.key, "checkpoints"), self.job.job_id)
-            info = CheckpointDirectory(directory, key=signing).latest()
-            store = Store(directory, what="the job's checkpoint store")
-            sealed = sealed_files.latest_sealed(store.child(sealed_files.TRAINER_FOLDER), signing)
-        except Exception as exc:  # unreadable (permissions, a store that is down: fsspec raises its own types)
-            report(
-                f"cannot read the checkpoints in {directory} ({exc}); an attempt stopped "
-                "at the runtime cap counts as preempted only if its ranks stop for a restart",
-                self.out,
-            )
-            return None
-        found = [] if info is None else [(info.step, info.created)]
-        if sealed is not None:
-            found.append((sealed[0], 0.0))
-        return max(found) if found else None
-
-    def _restart_point(self) -> str:
-        """Where the next attempt starts, for the restart message: the step of the newest checkpoint."""
-        latest = self._latest_checkpoint()
-        return "from the start: no checkpoint" if latest is None else f"from step {latest[0]}"
+        return latest_checkpoint(self.backend.checkpoint_dir(self.run_dir), self.key, self.job.job_id, self.out)
