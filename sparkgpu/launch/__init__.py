@@ -24,7 +24,7 @@ of a ``@distributed`` function), with the module doing each::
         payload.pkl (+ _hydrate.py, _errors.py), payload.sig;          .layout, .entrypoint_template,
         the job key kept in this user's keyring                        .signature, .keys
      8. the supervisor's attempt loop: submit, watch, stream the       launch.client.supervisor,
-        ranks' logs, restart or raise; state.json for `resume` (its    .logs, .resume;
+        ranks' logs, restart or raise; state.json for `resume` (its    .attempt_runner, .logs, .resume;
         job, attempt and node states, the node exit record). The       sparkgpu.protocol;
         local backend starts the first agent beside the callbacks'     launch.scheduling (GPU
         before_job (backend.prestart) and hands it their variables     queues, leases, elastic)
