@@ -433,3 +433,30 @@ def test_prefetch_passes_over_a_shard_another_process_is_downloading(volume_dir,
         downloads[name] = downloads.get(name, 0) + count
     assert downloads == {f"shard.{i:05d}.mds": 1 for i in range(8)}
     assert ("shard.00000.mds" in volume.downloads) == other_fails
+
+
+def test_a_shard_our_prefetch_put_in_place_is_read_once_its_download_is_counted(volume_dir, tmp_path, monkeypatch):
+    """A prefetch renames a shard into place, then counts it: a reader finding the file in that
+    moment waits for the count (the file is this cache's own download, not another process's),
+    so the loader's ``downloaded_mb`` after its last batch holds every shard."""
+    import threading
+    import time
+
+    from sparkgpu.data.storage import _fetch
+
+    fetch_shard = _fetch.fetch_shard
+
+    def lands_then_counts_late(*args, **kwargs):
+        fetch_shard(*args, **kwargs)
+        if threading.current_thread().name.startswith("sparkgpu-download"):  # a prefetch
+            time.sleep(0.5)
+
+    monkeypatch.setattr(_fetch, "fetch_shard", lands_then_counts_late)
+    cache, volume, index = _open(volume_dir, tmp_path / "cache", threads=2)
+    plan = [np.array([i]) for i in range(8)]
+    with cache:
+        cache.set_plan(plan)
+        cache.acquire(0, plan[0])  # on this thread: counted at once
+        assert _wait_for(lambda: cache._paths[1].exists()), "the prefetch never put shard 1 in place"
+        cache.acquire(1, plan[1])
+        assert cache.downloaded_bytes >= index.shards[0].raw_bytes + index.shards[1].raw_bytes

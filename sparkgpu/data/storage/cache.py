@@ -288,10 +288,13 @@ class ShardCache:
         paths = []
         for shard in shards.tolist():
             path = self._paths[shard]
-            if shard not in self._local and path.exists():  # fetched by another process (a worker, a rank)
+            if shard not in self._local and path.exists():
                 with self._lock:
-                    self._local.add(shard)
-                    self._elsewhere.pop(shard, None)
+                    # Fetched by another process (a worker, a rank). A download of this cache's
+                    # own that renamed the file but is not counted yet is waited for below.
+                    if shard not in self._inflight:
+                        self._local.add(shard)
+                        self._elsewhere.pop(shard, None)
             if shard not in self._local:
                 self.misses += 1
                 self._ensure(shard, step)
