@@ -5,9 +5,6 @@ import json
 
 import pytest
 
-from sparkgpu._files import atomic_write_bytes
-from sparkgpu._keyring import save_key
-from sparkgpu.config import settings
 from sparkgpu.launch.backends.base import BACKENDS, backend_class, create_backend
 from sparkgpu.launch.backends.capabilities import (
     DeferredStart,
@@ -21,13 +18,11 @@ from sparkgpu.launch.backends.spark.backend import SparkBackend
 from sparkgpu.launch.backends.spark.sessions import SESSION_FILE
 from sparkgpu.launch.client.resume import take_over
 from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir.serialization import serialize_payload
-from sparkgpu.spec import JobSpec, Resources
 from tests.fakes.backend import ScriptedBackend
 from tests.fakes.spark_session import TaggedSession
+from tests.unit.test_resume import KEY, interrupted_job
 
 CAPABILITIES = (QueuedCapacity, Preemptible, ElasticCapacity, DeferredStart, Reattachable)
-KEY = b"k" * 32
 REMOTE = "sc://head:15002"
 
 
@@ -60,23 +55,9 @@ def test_instances_have_their_class_capabilities_and_the_core_none():
 
 def interrupted(backend: str) -> RunDir:
     """A run dir whose client died while attempt 0 ran, with the Connect URL a Spark job keeps."""
-    job = JobSpec(job_id="job-1", name="train", resources=Resources(2, "cpu"), backend=backend)
-    rd = RunDir(settings().staging_root / job.job_id)
-    rd.create(job.to_dict(), serialize_payload(lambda: 1, (), {}, []), KEY, [])
-    save_key(job.job_id, KEY)
+    rd = interrupted_job(None, backend=backend)
     (rd.path / SESSION_FILE).write_text(json.dumps({"remote": REMOTE}))
     rd.spark_dir(0).mkdir(parents=True)
-    state = {
-        "job_id": job.job_id,
-        "status": "running",
-        "backend": backend,
-        "restarts": 0,
-        "preemptions": 0,
-        "created_at": 0.0,
-        "client": None,
-        "attempts": [{"attempt": 0, "started_at": 1.0, "ended_at": None, "status": "running"}],
-    }
-    atomic_write_bytes(rd.state_file, json.dumps(state).encode())
     return rd
 
 

@@ -44,16 +44,16 @@ def client_record(pid: int, host: str | None = None) -> dict:
     return record
 
 
-def interrupted_job(client: dict, status: str = "running") -> RunDir:
+def interrupted_job(client: dict | None, status: str = "running", backend: str = "fake") -> RunDir:
     """A run dir as a client leaves it when it stops mid-attempt: attempt 0 still "running"."""
-    job = JobSpec(job_id="job-1", name="train", resources=Resources(2, "cpu"), backend="fake")
+    job = JobSpec(job_id="job-1", name="train", resources=Resources(2, "cpu"), backend=backend)
     rd = RunDir(settings().staging_root / job.job_id)
     rd.create(job.to_dict(), serialize_payload(lambda: 1, (), {}, []), KEY, [])
     save_key(job.job_id, KEY)
     state = {
         "job_id": job.job_id,
         "status": status,
-        "backend": "fake",
+        "backend": backend,
         "restarts": 0,
         "preemptions": 0,
         "created_at": 0.0,
