@@ -252,20 +252,27 @@ class UsageLedger:
         """Rows of attempts that overlap ``[since, until]`` (unix seconds; ``None`` for open ends).
 
         An absent table reads as empty, so reports and budgets work before the first job.
+
+        The rows are read by deltalake's own query engine, not through ``to_pyarrow_dataset``:
+        a pyarrow scan over deltalake's Python file handler finishes releasing its buffers on
+        Arrow's I/O threads after ``to_table`` returns, and a process that exits right after
+        reading (the CLI printing a job's GPU-hours) then aborts in interpreter shutdown
+        ("terminate called without an active exception", apache/arrow#34314).
         """
         import pyarrow as pa
-        import pyarrow.dataset as ds
+        from deltalake import QueryBuilder
 
         table = self._table()
         if table is None:
             return ledger_schema().empty_table()
-        condition = None
+        conditions = []
         if since is not None:
-            condition = ds.field("ended_at") >= pa.scalar(int(since * 1_000_000), pa.timestamp("us", tz="UTC"))
+            conditions.append(f"ended_at >= {_sql_timestamp(since)}")
         if until is not None:
-            before = ds.field("started_at") <= pa.scalar(int(until * 1_000_000), pa.timestamp("us", tz="UTC"))
-            condition = before if condition is None else condition & before
-        rows = table.to_pyarrow_dataset().to_table(filter=condition)
+            conditions.append(f"started_at <= {_sql_timestamp(until)}")
+        where = f" WHERE {' AND '.join(conditions)}" if conditions else ""
+        reader = QueryBuilder().register("ledger", table).execute(f"SELECT * FROM ledger{where}")
+        rows = pa.table(reader.read_all())
         return rows.select(ledger_schema().names).cast(ledger_schema())
 
     def version(self) -> int | None:
@@ -284,6 +291,11 @@ class UsageLedger:
         metrics = table.optimize.compact()
         table.create_checkpoint()
         return metrics
+
+
+def _sql_timestamp(seconds: float) -> str:
+    """A UTC microsecond timestamp literal for deltalake's SQL (the ledger's column type)."""
+    return f"arrow_cast({int(seconds * 1_000_000)}, 'Timestamp(Microsecond, Some(\"UTC\"))')"
 
 
 def _is_retryable(exc: Exception) -> bool:

@@ -69,6 +69,33 @@ def test_read_returns_attempts_overlapping_the_window(tmp_path):
     assert sorted(ledger.read(until=NOW - 30 * 3600)["job_id"].to_pylist()) == ["old"]
 
 
+# What the CLI does after a job: read the ledger for its GPU-hours line, print, exit.
+_READ_THEN_EXIT = """
+import sys
+from sparkgpu.usage.ledger import UsageLedger
+print(UsageLedger(sys.argv[1]).read(since=0.0).num_rows)
+"""
+
+
+def test_a_process_that_exits_right_after_reading_the_ledger_exits_cleanly(tmp_path):
+    # A pyarrow scan through deltalake's Python file handler aborted about one such exit in
+    # three ("terminate called without an active exception", rc -6), after printing success.
+    ledger = UsageLedger(str(tmp_path / "ledger"))
+    ledger.append([record("job-a"), record("job-b", attempt=1)])
+    for _ in range(4):
+        runs = [
+            subprocess.Popen(
+                [sys.executable, "-c", _READ_THEN_EXIT, ledger.uri],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(3)
+        ]
+        for run in runs:
+            out, err = run.communicate(timeout=120)
+            assert (run.returncode, out) == (0, "2\n"), err
+
 def test_clipping_counts_only_the_share_inside_the_window(tmp_path):
     ledger = UsageLedger(str(tmp_path / "ledger"))
     # Ran from 25h ago to 23h ago: half of it lies inside "the last 24h".
