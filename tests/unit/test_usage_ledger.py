@@ -96,6 +96,7 @@ def test_a_process_that_exits_right_after_reading_the_ledger_exits_cleanly(tmp_p
             out, err = run.communicate(timeout=120)
             assert (run.returncode, out) == (0, "2\n"), err
 
+
 def test_clipping_counts_only_the_share_inside_the_window(tmp_path):
     ledger = UsageLedger(str(tmp_path / "ledger"))
     # Ran from 25h ago to 23h ago: half of it lies inside "the last 24h".
