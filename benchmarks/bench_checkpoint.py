@@ -23,7 +23,8 @@ files just written):
   * ``torch.load`` + ``load_state_dict``
   * one sequential read of the same bytes into preallocated memory
 Every timed save starts with the disk synced (``os.sync``, untimed), so that no peer pays for
-the writes of the one before it.
+the writes of the one before it, and each repeat runs the peers in a rotated order: on this
+disk the first save after the last repeat's writes is slower whichever peer makes it.
 Per-step cost of ``maybe_save`` when no checkpoint is due, 2 gloo ranks with 5 ms steps (it
 agrees on stop requests across ranks, reading the reduction one step late) next to an
 ``all_reduce`` of the same flags that each step waits for.
@@ -136,66 +137,82 @@ def bench_saves(model, opt, root: Path, repeats: int, phases: dict[str, list[dic
     ours = signed(lambda: Checkpointer(root / "sparkgpu_async", keep_last=1))
     ours_sync = signed(lambda: Checkpointer(root / "sparkgpu_sync", keep_last=1, async_save=False))
     unsigned = Checkpointer(root / "sparkgpu_unsigned", keep_last=1)
-    for rep in range(repeats + 1):
-        touch(model)  # a training step; then every peer saves this same state
-        os.sync()
+
+    def ours_async(rep):
         started = time.perf_counter()
         ours.save(rep, model=model, optimizer=opt)
         key = "sparkgpu_async_blocking_first" if rep == 0 else "sparkgpu_async_blocking"
         out[key].append(ours.last_blocking_seconds)
         ours.wait()
-        out["sparkgpu_async_until_committed"].append(time.perf_counter() - started)
-        if rep == 0:
-            continue  # the others run `repeats` times
-        phases["sparkgpu_async"].append(dict(getattr(ours, "last_save_phases", None) or {}))
+        if rep:  # the first save is reported by its blocking time only: every peer runs `repeats` times
+            out["sparkgpu_async_until_committed"].append(time.perf_counter() - started)
+            phases["sparkgpu_async"].append(dict(getattr(ours, "last_save_phases", None) or {}))
 
-        os.sync()
+    def ours_unsigned(rep):
         started = time.perf_counter()
         unsigned.save(rep, model=model, optimizer=opt, wait=True)
         out["sparkgpu_async_until_committed_unsigned"].append(time.perf_counter() - started)
         phases["sparkgpu_async_unsigned"].append(dict(getattr(unsigned, "last_save_phases", None) or {}))
 
+    def ours_synchronous(rep):
         # What the loop sees: the whole call, its commit included.
         out["sparkgpu_sync"].append(timed(lambda: ours_sync.save(rep, model=model, optimizer=opt)))
         phases["sparkgpu_sync"].append(dict(getattr(ours_sync, "last_save_phases", None) or {}))
 
-        path = root / "torch_save.pt"
+    path = root / "torch_save.pt"
 
-        def torch_save():
-            with open(path, "wb") as f:
-                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, f)
-                f.flush()
-                os.fsync(f.fileno())
+    def torch_save():
+        with open(path, "wb") as f:
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, f)
+            f.flush()
+            os.fsync(f.fileno())
 
-        out["torch_save_fsync"].append(timed(torch_save))
+    dcp_dir = root / "dcp_sync"
 
-        dcp_dir = root / "dcp_sync"
+    def dcp_save():
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(dcp_dir))
+
+    def memcpy():
+        offset = 0
+        for t in tensors:
+            n = t.numel()
+            flat[offset : offset + n].copy_(t.reshape(-1))
+            offset += n
+
+    raw = root / "sequential.bin"
+
+    def sequential_write():
+        with open(raw, "wb") as f:
+            f.write(memoryview(flat.numpy()).cast("B"))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def dcp_fresh(rep):
         shutil.rmtree(dcp_dir, ignore_errors=True)
-
-        def dcp_save():
-            model_sd, optim_sd = get_state_dict(model, opt)
-            dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(dcp_dir))
-
         out["dcp_save_sync"].append(timed(dcp_save))
 
-        def memcpy():
-            offset = 0
-            for t in tensors:
-                n = t.numel()
-                flat[offset : offset + n].copy_(t.reshape(-1))
-                offset += n
-
-        out["ceiling_memcpy"].append(timed(memcpy))
-
-        raw = root / "sequential.bin"
-
-        def sequential_write():
-            with open(raw, "wb") as f:
-                f.write(memoryview(flat.numpy()).cast("B"))
-                f.flush()
-                os.fsync(f.fileno())
-
-        out["ceiling_sequential_write"].append(timed(sequential_write))
+    peers = [
+        ours_async,
+        ours_unsigned,
+        ours_synchronous,
+        lambda rep: out["torch_save_fsync"].append(timed(torch_save)),
+        dcp_fresh,
+        lambda rep: out["ceiling_memcpy"].append(timed(memcpy)),
+        lambda rep: out["ceiling_sequential_write"].append(timed(sequential_write)),
+    ]
+    touch(model)
+    os.sync()
+    ours_async(0)  # the first save allocates the staging memory: reported apart, not rotated
+    for rep in range(1, repeats + 1):
+        touch(model)  # a training step; then every peer saves this same state
+        # Each repeat starts with the next peer: the first save after the last repeat's writes
+        # (1 GB written, fsynced and freed just before) is measurably slower on this disk,
+        # whichever peer it is, so no peer may always take that place.
+        shift = (rep - 1) % len(peers)
+        for peer in peers[shift:] + peers[:shift]:
+            os.sync()
+            peer(rep)
     ours.close()
     ours_sync.close()
     unsigned.close()
