@@ -139,6 +139,7 @@ def bench_saves(model, opt, root: Path, repeats: int, phases: dict[str, list[dic
     unsigned = Checkpointer(root / "sparkgpu_unsigned", keep_last=1)
 
     def ours_async(rep):
+        os.sync()  # as timed() does for the others
         started = time.perf_counter()
         ours.save(rep, model=model, optimizer=opt)
         key = "sparkgpu_async_blocking_first" if rep == 0 else "sparkgpu_async_blocking"
@@ -149,6 +150,7 @@ def bench_saves(model, opt, root: Path, repeats: int, phases: dict[str, list[dic
             phases["sparkgpu_async"].append(dict(getattr(ours, "last_save_phases", None) or {}))
 
     def ours_unsigned(rep):
+        os.sync()
         started = time.perf_counter()
         unsigned.save(rep, model=model, optimizer=opt, wait=True)
         out["sparkgpu_async_until_committed_unsigned"].append(time.perf_counter() - started)
@@ -202,16 +204,14 @@ def bench_saves(model, opt, root: Path, repeats: int, phases: dict[str, list[dic
         lambda rep: out["ceiling_sequential_write"].append(timed(sequential_write)),
     ]
     touch(model)
-    os.sync()
     ours_async(0)  # the first save allocates the staging memory: reported apart, not rotated
     for rep in range(1, repeats + 1):
         touch(model)  # a training step; then every peer saves this same state
         # Each repeat starts with the next peer: the first save after the last repeat's writes
-        # (1 GB written, fsynced and freed just before) is measurably slower on this disk,
-        # whichever peer it is, so no peer may always take that place.
+        # (written, fsynced and freed just before) is measurably slower on this disk, whichever
+        # peer it is, so no peer may always take that place. Each peer syncs the disk first.
         shift = (rep - 1) % len(peers)
         for peer in peers[shift:] + peers[:shift]:
-            os.sync()
             peer(rep)
     ours.close()
     ours_sync.close()
