@@ -48,7 +48,10 @@ def test_a_missing_node_fails_the_rendezvous_after_the_jobs_init_timeout():
     done = subprocess.run(command, input=key.hex() + "\n", capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and time.monotonic() - started < 90
     assert "node 0 of 2 gave up meeting the others" in done.stderr and "init_timeout of 3s" in done.stderr
-    assert RunDir(rd.path, key=key).read_control_json(rd.node_file(0, 0))["status"] == 1  # the other nodes stop too
+    node_exit = RunDir(rd.path, key=key).read_control_json(rd.node_file(0, 0))
+    files = sorted(str(p.relative_to(rd.path)) for p in rd.attempt_dir(0).rglob("*"))
+    assert node_exit is not None, f"no genuine node exit file; the attempt holds {files}; the agent said:\n{done.stderr}"
+    assert node_exit["status"] == 1  # the other nodes stop too
 
 
 @distributed(gpus=2, gpu_type="cpu", ship_environment=True, log_ranks="all")
