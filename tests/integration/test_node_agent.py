@@ -50,7 +50,9 @@ def test_a_missing_node_fails_the_rendezvous_after_the_jobs_init_timeout():
     assert "node 0 of 2 gave up meeting the others" in done.stderr and "init_timeout of 3s" in done.stderr
     node_exit = RunDir(rd.path, key=key).read_control_json(rd.node_file(0, 0))
     files = sorted(str(p.relative_to(rd.path)) for p in rd.attempt_dir(0).rglob("*"))
-    assert node_exit is not None, f"no genuine node exit file; the attempt holds {files}; the agent said:\n{done.stderr}"
+    assert node_exit is not None, (
+        f"no genuine node exit file; the attempt holds {files}; the agent said:\n{done.stderr}"
+    )
     assert node_exit["status"] == 1  # the other nodes stop too
 
 
