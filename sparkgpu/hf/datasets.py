@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from sparkgpu._report import report
+from sparkgpu.data.loaders.order import PlannedEpochs
 
 __all__ = [
     "LOADER_STATE",
@@ -131,29 +132,14 @@ def keep_documents_apart(model: Any, dataset: Any) -> None:
 
 def position(dataset: Any) -> tuple[int, int] | None:
     """``(epoch, batches)``: the epoch the loader reads next and the batches this rank has left
-    of it at this world size; ``None`` for a loader that does not plan its epochs.
+    of it at this world size (:meth:`~sparkgpu.data.loaders.order.PlannedEpochs.position`);
+    ``None`` for a loader that does not plan its epochs.
 
     A loader's position counts the samples of the epoch all ranks consumed together, so the
     rest is this rank's share at whatever world size the loader was opened with.
     """
     loader = loader_of(dataset)
-    plan = getattr(loader, "_plan", None)  # every sparkgpu loader's plan of an epoch from a position
-    try:
-        epoch, consumed = int(loader.epoch), int(loader._consumed)
-    except (AttributeError, TypeError, ValueError):
-        return None
-    if not callable(plan):
-        return None
-
-    def batches(epoch: int, start: int) -> int:
-        planned = plan(epoch, start)
-        # A loader without a batch size (packed rows) hands out its rows one by one.
-        return planned.num_batches if getattr(loader, "batch_size", 1) else len(planned.samples)
-
-    left = batches(epoch, consumed)
-    if left == 0 and consumed > 0:  # saved right after the epoch's last batch: the next one is whole
-        epoch, left = epoch + 1, batches(epoch + 1, 0)
-    return epoch, left
+    return loader.position() if isinstance(loader, PlannedEpochs) else None
 
 
 def save_position(dataset: Any, folder: str) -> None:

@@ -124,6 +124,26 @@ def test_single_rows_and_their_position(corpus):
     assert torch.equal(torch.stack([r["input_ids"] for r in rows]), torch.cat([b["input_ids"] for b in batches]))
 
 
+def test_position_counts_what_this_rank_has_left_and_rolls_over_at_the_epochs_end(corpus):
+    path, _, _ = corpus
+    loader = _open(path, batch_size=4)
+    whole = len(_epoch(_open(path, batch_size=4)))
+    assert loader.position() == (0, whole) and len(loader) == whole
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    assert loader.position() == (0, whole - 3)
+    list(it)
+    assert loader.position() == (1, whole) and loader.epoch == 1
+    rows = _open(path, batch_size=None)  # single rows: what is left is counted in rows
+    next(iter(rows))
+    assert rows.position() == (0, rows.packed_rows().num_rows - 1)
+    rows.set_epoch(2)
+    assert rows.position() == (2, rows.packed_rows().num_rows)
+    with pytest.raises(ConfigurationError, match="epoch"):
+        rows.set_epoch(-1)
+
+
 def test_another_world_size_resumes_only_before_the_last_window(corpus):
     path, _, _ = corpus
     loader = _open(path, world_size=2, pack_window=100)

@@ -206,10 +206,6 @@ class FilesDataset(Positioned):
             fix="open the same files with the same seed and shuffle to resume",
         )
 
-    def set_epoch(self, epoch: int) -> None:
-        """Starts the next iteration at the beginning of ``epoch``."""
-        self.epoch, self._consumed = int(epoch), 0
-
     def __len__(self) -> int:
         """Files this rank reads in a whole epoch."""
         return len(self._plan(self.epoch, 0).samples)
@@ -224,7 +220,7 @@ class FilesDataset(Positioned):
         )
 
     def __iter__(self):
-        plan, start = self._begin()
+        plan, start = self._begin_epoch(), self._consumed
         steps = self._batch_numbers(plan)
         cache = self._new_cache() if self._new_cache is not None else None
         try:

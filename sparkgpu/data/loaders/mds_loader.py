@@ -310,10 +310,7 @@ class MDSLoader(PlannedEpochs):
     # Iteration.
 
     def __iter__(self):
-        plan = self._plan(self.epoch, self._consumed)
-        if plan.num_batches == 0 and self._consumed > 0:  # stopped right after the last batch
-            self.epoch, self._consumed = self.epoch + 1, 0
-            plan = self._plan(self.epoch, 0)
+        plan = self._begin_epoch()
         start, step = self._consumed, self.batch_size * self.world_size
         # Fixed-width batches travel as one buffer of gathered rows (one shared-memory transfer
         # from a worker, one pin, one host-to-device copy) and become column views at the end.

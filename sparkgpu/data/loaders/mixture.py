@@ -384,10 +384,7 @@ class MixtureLoader(PlannedEpochs):
     def __iter__(self):
         from sparkgpu.data.loaders._pipeline import in_background, prefetch_to_device
 
-        plan = self._plan(self.epoch, self._consumed)
-        if plan.num_batches == 0 and self._consumed > 0:
-            self.epoch, self._consumed = self.epoch + 1, 0
-            plan = self._plan(self.epoch, 0)
+        plan = self._begin_epoch()
         start, step = self._consumed, self.batch_size * self.world_size
         caches = None
         if self.num_workers:

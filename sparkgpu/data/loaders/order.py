@@ -314,8 +314,8 @@ def check_int(name: str, value, minimum: int) -> None:
 
 
 class PlannedEpochs:
-    """``set_epoch`` and ``len()`` for a loader that plans each epoch (``_plan(epoch, start)``
-    returns an :class:`EpochPlan` for this rank) and counts what it consumed of the current one."""
+    """The position of a loader that plans each epoch (``_plan(epoch, start)`` returns an
+    :class:`EpochPlan` for this rank) and counts the samples all ranks consumed of the current one."""
 
     epoch: int
     _consumed: int
@@ -327,11 +327,33 @@ class PlannedEpochs:
     def set_epoch(self, epoch: int) -> None:
         """Starts the next iteration at the beginning of ``epoch``."""
         check_int("epoch", epoch, 0)
-        self.epoch, self._consumed = epoch, 0
+        self.epoch, self._consumed = int(epoch), 0
 
     def __len__(self) -> int:
         """Batches this rank reads in a whole epoch."""
         return self._plan(self.epoch, 0).num_batches
+
+    def position(self) -> tuple[int, int]:
+        """``(epoch, left)``: the epoch the next iteration reads and what this rank has left of it at
+        this world size, in batches (in rows for a loader that hands out single rows, ``batch_size=None``)."""
+
+        def left(epoch: int, start: int) -> int:
+            plan = self._plan(epoch, start)
+            return plan.num_batches if getattr(self, "batch_size", 1) else len(plan.samples)
+
+        remaining = left(self.epoch, self._consumed)
+        if remaining == 0 and self._consumed > 0:  # read to its end: the next iteration reads the next epoch
+            return self.epoch + 1, left(self.epoch + 1, 0)
+        return self.epoch, remaining
+
+    def _begin_epoch(self) -> EpochPlan:
+        """This rank's plan of the next iteration: the rest of the current epoch, or the next epoch
+        whole when the current one was read to its end (a checkpoint taken after its last batch)."""
+        plan = self._plan(self.epoch, self._consumed)
+        if plan.num_batches == 0 and self._consumed > 0:
+            self.epoch, self._consumed = self.epoch + 1, 0
+            plan = self._plan(self.epoch, 0)
+        return plan
 
 
 class EpochOrders:

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import torch
 
+from sparkgpu.data.loaders.order import PlannedEpochs
 from sparkgpu.errors import ConfigurationError
 
 __all__ = ["Positioned", "PositionedLoader"]
 
 
-class Positioned(torch.utils.data.IterableDataset):
+class Positioned(PlannedEpochs, torch.utils.data.IterableDataset):
     """An iterable dataset with an epoch and a count of rows consumed by all ranks in it.
 
     Subclasses define ``_plan(epoch, start)`` (an :class:`~sparkgpu.data.loaders.order.EpochPlan`),
@@ -26,12 +27,6 @@ class Positioned(torch.utils.data.IterableDataset):
     """
 
     world_size: int
-    epoch: int
-    _consumed: int
-
-    def __len__(self) -> int:
-        """Batches this rank reads in a whole epoch (each dataset's own)."""
-        raise NotImplementedError
 
     def loader(self, num_workers: int = 2, **dataloader_options) -> "PositionedLoader":
         """A DataLoader reading this dataset in ``num_workers`` worker processes, keeping its position.
@@ -49,14 +44,6 @@ class Positioned(torch.utils.data.IterableDataset):
                 ``sampler``, ``persistent_workers=True``).
         """
         return PositionedLoader(self, num_workers=num_workers, **dataloader_options)
-
-    def _begin(self):
-        """The plan and start of the next iteration (the next epoch when this one is read out)."""
-        plan = self._plan(self.epoch, self._consumed)
-        if plan.num_batches == 0 and self._consumed > 0:  # stopped right after the last batch
-            self.epoch, self._consumed = self.epoch + 1, 0
-            plan = self._plan(self.epoch, 0)
-        return plan, self._consumed
 
     def _advance(self, plan, start: int, batches: int) -> None:
         """Sets the position to just after the rank's first ``batches`` batches of ``plan``."""
@@ -98,7 +85,7 @@ class PositionedLoader(torch.utils.data.DataLoader):
 
     def __iter__(self):
         dataset = self.dataset
-        plan, start = dataset._begin()  # before the workers copy the dataset
+        plan, start = dataset._begin_epoch(), dataset._consumed  # before the workers copy the dataset
         received = 0
         for batch in super().__iter__():
             received += 1

@@ -450,10 +450,7 @@ class SFTLoader(PlannedEpochs):
     # Iteration.
 
     def __iter__(self):
-        plan = self._plan(self.epoch, self._consumed)
-        if plan.num_batches == 0 and self._consumed > 0:
-            self.epoch, self._consumed = self.epoch + 1, 0
-            plan = self._plan(self.epoch, 0)
+        plan = self._begin_epoch()
         rows = self._rows.get(self.epoch)
         start = self._consumed
         if self.num_workers:

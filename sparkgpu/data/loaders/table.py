@@ -284,18 +284,10 @@ class TableDataset(Positioned):
             "afresh with set_epoch()",
         )
 
-    def set_epoch(self, epoch: int) -> None:
-        """Starts the next iteration at the beginning of ``epoch``."""
-        self.epoch, self._consumed = int(epoch), 0
-
-    def __len__(self) -> int:
-        """Batches this rank reads in a whole epoch."""
-        return self._plan(self.epoch, 0).num_batches
-
     # Iteration.
 
     def __iter__(self):
-        plan, start = self._begin()
+        plan, start = self._begin_epoch(), self._consumed
         numbers = self._batch_numbers(plan)
         reader = _Reader(self, plan, numbers, self._orders.get(self.epoch)[1])
         try:

@@ -343,10 +343,7 @@ class TokenLoader(PlannedEpochs):
     # Iteration.
 
     def __iter__(self):
-        plan = self._plan(self.epoch, self._consumed)
-        if plan.num_batches == 0 and self._consumed > 0:
-            self.epoch, self._consumed = self.epoch + 1, 0
-            plan = self._plan(self.epoch, 0)
+        plan = self._begin_epoch()
         start, step = self._consumed, self.batch_size * self.world_size
         if self.num_workers:
             source = iter(
