@@ -16,6 +16,7 @@ import pytest
 from sparkgpu import data
 from sparkgpu._files import is_temporary
 from sparkgpu.data.convert.output import INDEX_NAME, MARKER_NAME
+from tests.mosaic import streaming_dataset
 
 pytestmark = pytest.mark.integration
 
@@ -41,9 +42,7 @@ def listed_in_index(folder) -> set[str]:
 
 
 def read_ids(url: str) -> list[int]:
-    from streaming import StreamingDataset
-
-    dataset = StreamingDataset(local=url, shuffle=False, batch_size=1)
+    dataset = streaming_dataset(local=url, shuffle=False, batch_size=1)
     return [int(dataset[i]["id"]) for i in range(len(dataset))]
 
 

@@ -14,6 +14,7 @@ import pytest
 from sparkgpu import data
 from sparkgpu.data.convert.conversion import data_fingerprint, ensure_mds, read_conversion
 from sparkgpu.errors import ConfigurationError, DataError
+from tests.mosaic import streaming_dataset
 
 pytestmark = pytest.mark.integration
 
@@ -32,10 +33,8 @@ def feature_table(rows: int, seed: int = 0, start: int = 0) -> pa.Table:
 
 
 def streamed_rows(url: str, **kwargs) -> list[dict]:
-    from streaming import StreamingDataset
-
     kwargs.setdefault("local", url)
-    dataset = StreamingDataset(shuffle=False, batch_size=1, **kwargs)
+    dataset = streaming_dataset(shuffle=False, batch_size=1, **kwargs)
     return [dataset[i] for i in range(len(dataset))]
 
 

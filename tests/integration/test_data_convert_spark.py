@@ -16,6 +16,7 @@ from sparkgpu import data
 from sparkgpu.data.convert.conversion import data_fingerprint, ensure_mds
 from sparkgpu.data.convert.output import INDEX_NAME, MARKER_NAME
 from sparkgpu.errors import ConfigurationError, DataError
+from tests.mosaic import streaming_dataset
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
 
@@ -41,9 +42,7 @@ def typed_frame(spark, rows: int = 3000, partitions: int = 3):
 
 
 def streamed(url: str) -> list[dict]:
-    from streaming import StreamingDataset
-
-    dataset = StreamingDataset(local=url, shuffle=False, batch_size=1)
+    dataset = streaming_dataset(local=url, shuffle=False, batch_size=1)
     return [dataset[i] for i in range(len(dataset))]
 
 

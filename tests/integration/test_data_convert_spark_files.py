@@ -13,6 +13,7 @@ import pytest
 from sparkgpu import data
 from sparkgpu.data.convert.conversion import ensure_mds
 from tests.unit.delta_dv import delete_rows
+from tests.mosaic import streaming_dataset
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
 
@@ -31,9 +32,7 @@ def clicks(ids) -> pa.Table:
 
 def mds_rows(url: str) -> list[tuple]:
     """Every row of the MDS dataset as a sorted list of tuples, columns in name order."""
-    from streaming import StreamingDataset
-
-    dataset = StreamingDataset(local=url, shuffle=False, batch_size=1)
+    dataset = streaming_dataset(local=url, shuffle=False, batch_size=1)
     rows = [dataset[i] for i in range(len(dataset))]
     return sorted(tuple(_plain(row[k]) for k in sorted(row)) for row in rows)
 

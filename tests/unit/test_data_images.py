@@ -13,6 +13,7 @@ import torch
 
 from sparkgpu import data
 from sparkgpu.errors import ConfigurationError, DataError
+from tests.mosaic import streaming_dataset
 
 SIDE = 32
 
@@ -103,8 +104,6 @@ def test_jpeg_png_pil_columns_read_as_image_tensors_in_workers_too(tmp_path):
 
 
 def test_to_mds_stores_encoded_images_verbatim_for_streaming_and_the_loader(tmp_path):
-    from streaming import StreamingDataset
-
     files = [encoded(picture(i), "JPEG") for i in range(6)]
     table = pa.table({"image": pa.array(files, pa.binary()), "label": np.arange(6, dtype=np.int64)})
     out = tmp_path / "mds"
@@ -113,7 +112,7 @@ def test_to_mds_stores_encoded_images_verbatim_for_streaming_and_the_loader(tmp_
     assert index["shards"][0]["column_encodings"] == ["jpeg", "int64"]
     shards = b"".join((out / shard["raw_data"]["basename"]).read_bytes() for shard in index["shards"])
     assert all(f in shards for f in files), "the files' bytes are stored as they are, not re-encoded"
-    theirs = StreamingDataset(local=str(out), batch_size=2)
+    theirs = streaming_dataset(local=str(out), batch_size=2)
     assert [theirs[i]["image"].format for i in range(6)] == ["JPEG"] * 6
     assert np.array_equal(np.asarray(theirs[3]["image"]), np.asarray(picture_from(files[3])))
     ours = next(iter(data.dataset(local=str(out), batch_size=6)))

@@ -15,6 +15,7 @@ from sparkgpu.data.mds.encoding import encode_batch, plan_columns
 from sparkgpu.data.mds.writer import ShardOptions, check_compression, check_hashes, index_document, parse_size_limit
 from sparkgpu.errors import ConfigurationError, DataError
 from sparkgpu.store import Store
+from tests.mosaic import streaming_dataset
 
 
 def write_flat(table: pa.Table, folder, *, columns=None, batch_rows=1000, **settings) -> ShardOptions:
@@ -28,9 +29,7 @@ def write_flat(table: pa.Table, folder, *, columns=None, batch_rows=1000, **sett
 
 
 def read_all(folder, **kwargs) -> list[dict]:
-    from streaming import StreamingDataset
-
-    dataset = StreamingDataset(local=str(folder), shuffle=False, batch_size=1, **kwargs)
+    dataset = streaming_dataset(local=str(folder), shuffle=False, batch_size=1, **kwargs)
     return [dataset[i] for i in range(len(dataset))]
 
 

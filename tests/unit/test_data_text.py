@@ -11,6 +11,7 @@ import pytest
 from sparkgpu import data
 from sparkgpu.errors import ConfigurationError, DataError
 from tests.text_tokenizer import CHATML_PLAIN, WORDS, build_tokenizer
+from tests.mosaic import streaming_dataset
 
 
 def _chats(count: int, seed: int = 0) -> list[list[dict]]:
@@ -27,9 +28,7 @@ def _chats(count: int, seed: int = 0) -> list[list[dict]]:
 
 def _read(url: str) -> list[tuple[np.ndarray, np.ndarray]]:
     """Every document's ids and mask, read with Mosaic's reader (the output is standard MDS)."""
-    from streaming import StreamingDataset
-
-    dataset = StreamingDataset(local=url, batch_size=1, shuffle=False)
+    dataset = streaming_dataset(local=url, batch_size=1, shuffle=False)
     return [(s["input_ids"], s["loss_mask"]) for s in dataset]
 
 
