@@ -206,10 +206,6 @@ class FilesDataset(Positioned):
             fix="open the same files with the same seed and shuffle to resume",
         )
 
-    def __len__(self) -> int:
-        """Files this rank reads in a whole epoch."""
-        return len(self._plan(self.epoch, 0).samples)
-
     def _plan(self, epoch: int, start: int) -> EpochPlan:
         # One-file "shards" and one-file windows: a uniform seeded permutation per epoch.
         order = epoch_order(

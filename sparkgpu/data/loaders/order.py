@@ -330,30 +330,31 @@ class PlannedEpochs:
         self.epoch, self._consumed = int(epoch), 0
 
     def __len__(self) -> int:
-        """Batches this rank reads in a whole epoch."""
-        return self._plan(self.epoch, 0).num_batches
+        """Batches (rows for a loader that hands out single rows, ``batch_size=None``) this rank reads in a whole epoch."""
+        return self._handed_out(self._plan(self.epoch, 0))
 
     def position(self) -> tuple[int, int]:
         """``(epoch, left)``: the epoch the next iteration reads and what this rank has left of it at
-        this world size, in batches (in rows for a loader that hands out single rows, ``batch_size=None``)."""
+        this world size, counted as ``len()`` counts."""
+        epoch, _, plan = self._next_plan()
+        return epoch, self._handed_out(plan)
 
-        def left(epoch: int, start: int) -> int:
-            plan = self._plan(epoch, start)
-            return plan.num_batches if getattr(self, "batch_size", 1) else len(plan.samples)
-
-        remaining = left(self.epoch, self._consumed)
-        if remaining == 0 and self._consumed > 0:  # read to its end: the next iteration reads the next epoch
-            return self.epoch + 1, left(self.epoch + 1, 0)
-        return self.epoch, remaining
+    def _handed_out(self, plan: EpochPlan) -> int:
+        """What iterating ``plan`` yields: its batches, or its rows one by one with ``batch_size=None``."""
+        return plan.num_batches if getattr(self, "batch_size", 1) else len(plan.samples)
 
     def _begin_epoch(self) -> EpochPlan:
-        """This rank's plan of the next iteration: the rest of the current epoch, or the next epoch
-        whole when the current one was read to its end (a checkpoint taken after its last batch)."""
+        """Moves to where the next iteration starts (:meth:`_next_plan`) and returns this rank's plan of it."""
+        self.epoch, self._consumed, plan = self._next_plan()
+        return plan
+
+    def _next_plan(self) -> tuple[int, int, EpochPlan]:
+        """``(epoch, start, plan)`` of the next iteration: the rest of the current epoch, or the next
+        epoch whole when the current one was read to its end (a checkpoint taken after its last batch)."""
         plan = self._plan(self.epoch, self._consumed)
         if plan.num_batches == 0 and self._consumed > 0:
-            self.epoch, self._consumed = self.epoch + 1, 0
-            plan = self._plan(self.epoch, 0)
-        return plan
+            return self.epoch + 1, 0, self._plan(self.epoch + 1, 0)
+        return self.epoch, self._consumed, plan
 
 
 class EpochOrders:

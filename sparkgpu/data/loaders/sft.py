@@ -385,11 +385,6 @@ class SFTLoader(PlannedEpochs):
             drop_last=self.drop_last,
         )
 
-    def __len__(self) -> int:
-        """Batches (rows with ``batch_size=None``) this rank reads in a whole epoch."""
-        plan = self._plan(self.epoch, 0)
-        return plan.num_batches if self.batch_size else len(plan.samples)
-
     # Position.
 
     def state_dict(self) -> dict:
