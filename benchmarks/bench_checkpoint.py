@@ -16,6 +16,8 @@ Ceilings measured in the same run:
     any synchronous save
   * a memcpy of the same bytes into preallocated host memory: the floor of the async blocking
     time when the state lives in host memory (on a GPU it is a device-to-host copy)
+  * the CPU time of hashing the same bytes on one thread, with the signed saves' BLAKE3 and with
+    SHA-256 (what they hashed with before): a signed save spends it on the core beside the writes
 Restore, the part of "restart -> first resumed step" after the process is up (page cache warm,
 files just written):
   * ``Checkpointer.restore`` into a fresh model and optimizer, of the signed checkpoint (every
@@ -321,6 +323,25 @@ def bench_step_overhead(root: Path, steps: int = 500, world: int = 2) -> dict:
     return result
 
 
+def bench_hashes(model, opt, repeats: int) -> dict:
+    """CPU seconds of one thread hashing the whole state, per algorithm (medians of ``repeats``)."""
+    import hashlib
+
+    from sparkgpu.train._digests import new_hasher
+
+    views = [memoryview(t.detach().reshape(-1).numpy()).cast("B") for t in state_tensors(model, opt)]
+    makers = {"blake3": new_hasher, "sha256": hashlib.sha256}
+    seconds: dict[str, list[float]] = {name: [] for name in makers}
+    for _ in range(repeats):
+        for name, make in makers.items():
+            hasher = make()
+            started = time.thread_time()
+            for view in views:
+                hasher.update(view)
+            seconds[name].append(time.thread_time() - started)
+    return {name: round(statistics.median(values), 4) for name, values in seconds.items()}
+
+
 def phase_medians(runs: list[dict]) -> dict:
     """The median of each phase over the repeats (seconds; bytes and files as counted)."""
     names = sorted({name for run in runs for name in run})
@@ -383,6 +404,7 @@ def main(argv=None):
         print(f"state: {state_bytes / 1e9:.2f} GB in {len(model)} layers, writing under {root}", flush=True)
         samples = bench_saves(model, opt, root, args.repeats, phases)
         other_share = other_cpu_share(mark)
+        hash_cpu = bench_hashes(model, opt, args.repeats)
         samples.update(bench_restores(model, opt, root, args.repeats, args.size_mb))
         summary = summarise(samples)
         overhead = None if args.skip_ranks else bench_step_overhead(root)
@@ -409,6 +431,9 @@ def main(argv=None):
         "repeats": args.repeats,
         "signed": "sparkgpu's saves and restores as inside a job (signed), but sparkgpu_async_until_committed_unsigned",
         "results": summary,
+        # One thread's CPU seconds to hash the whole state: the work a signed save adds.
+        "hash_cpu_seconds": hash_cpu,
+        "hash_cpu_blake3_over_sha256": round(hash_cpu["blake3"] / hash_cpu["sha256"], 3),
         # Medians over the repeats of Checkpointer.last_save_phases. The write-side phases overlap:
         # hash_s and writeback_s run on helper threads beside write_s; hash_wait_s is what of the
         # hashing the writes did not hide, fsync_s the final fsync of every file.
@@ -451,6 +476,10 @@ def main(argv=None):
         print(f"{key:<{width}}  median {value['median_s']:.3f} s  min {value['min_s']:.3f} s")
     for key, value in report["ratios"].items():
         print(f"{key}: {value:.2f}")
+    print(
+        "hash CPU, one thread, whole state: "
+        + ", ".join(f"{name} {seconds:.3f} s" for name, seconds in report["hash_cpu_seconds"].items())
+    )
     for name, medians in report["phases"].items():
         print(f"{name} phases: " + ", ".join(f"{k} {v:.3f}" for k, v in medians.items() if k.endswith("_s")))
     if overhead:

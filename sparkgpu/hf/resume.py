@@ -2,7 +2,7 @@
 
 The Trainer keeps saving in its own format (so its own ``resume_from_checkpoint`` restores
 model, optimizer, scheduler, RNG states and data position exactly); :class:`JobCheckpointCallback`
-then seals each ``checkpoint-N`` folder into ``<checkpoint_dir>/hf`` (every file's SHA-256 in a
+then seals each ``checkpoint-N`` folder into ``<checkpoint_dir>/hf`` (every file's BLAKE3 digest in a
 marker MAC'd with the job's checkpoint key, :mod:`sparkgpu.train.sealed_files`). A patched
 ``Trainer.train`` picks the newest checkpoint whose seal and files verify, copies it, checked,
 into ``output_dir`` and passes it as ``resume_from_checkpoint``: no unverified pickle is loaded.

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import io
 import logging
 import threading
@@ -28,6 +27,7 @@ from sparkgpu.tracking.autolog import unrecorded_optimizer_steps
 from sparkgpu.train._checkpoint_checks import dcp_errors, describe, local_nbytes, save_failed
 from sparkgpu.train._checkpoint_signing import SaveSigner, check_app_blob, refusal_of, weights_only_planner
 from sparkgpu.train._checkpoint_writes import SaveTimings, attach_streams
+from sparkgpu.train._digests import digest_of
 from sparkgpu.train.checkpoint_directory import CheckpointInfo, CheckpointDirectory, SignedCheckpoint
 from sparkgpu.train._rng_state import capture_rng_state, restore_rng_state
 
@@ -369,7 +369,7 @@ class CheckpointerInternals:
                 self._directory.name_of(path),
                 self.rank,
                 self._directory.key,
-                hashlib.sha256(blob).hexdigest(),
+                digest_of(blob),
             )
         attach_streams(
             writer, pending.timings, hashed=signer is not None, on_written=signer.record if signer is not None else None

@@ -7,7 +7,7 @@ planting a checkpoint or by changing one. Where a key applies (``_checkpoint_key
 
 Saving:
 
-* each rank hashes (SHA-256) the files DCP writes for it as it writes them
+* each rank hashes (BLAKE3, :mod:`._digests`) the files DCP writes for it as it writes them
   (``_checkpoint_writes``: on a helper thread, beside the write of the same bytes), and the
   bytes of its app-state blob; only rank 0 writes the marker, so each rank puts that list,
   MAC'd, beside its files (``_FILES.rank<r>.json``);
@@ -46,6 +46,7 @@ from typing import Any
 
 from sparkgpu.errors import CheckpointError
 from sparkgpu.store import Store
+from sparkgpu.train._digests import digest_of, file_entry, finish, is_digest, new_hasher, parse_file_entry
 
 __all__ = [
     "METADATA_NAME",
@@ -55,7 +56,7 @@ __all__ = [
     "verify_marker",
     "is_signed",
     "claimed_job",
-    "sha256_of",
+    "digest_of_file",
     "check_files",
     "check_app_blob",
     "SaveSigner",
@@ -91,19 +92,19 @@ class Manifest:
     """What a signed marker vouches for.
 
     Attributes:
-        files: Name inside the checkpoint -> ``(size, SHA-256 hex)`` of every file DCP wrote.
-        app_sha256: ``"rank<r>"`` -> SHA-256 of that rank's app-state blob.
+        files: Name inside the checkpoint -> ``(size, digest)`` of every file DCP wrote.
+        app_digests: ``"rank<r>"`` -> digest of that rank's app-state blob.
         job_id: The job whose key signed it.
     """
 
     files: dict[str, tuple[int, str]]
-    app_sha256: dict[str, str]
+    app_digests: dict[str, str]
     job_id: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
             "files": _files_json(self.files),
-            "app_sha256": dict(sorted(self.app_sha256.items())),
+            "app_digests": dict(sorted(self.app_digests.items())),
             "job_id": self.job_id,
         }
 
@@ -113,19 +114,22 @@ class Manifest:
         if not isinstance(data, dict):
             raise ValueError("no file list")
         files = _parse_files(data.get("files"))
-        app = data.get("app_sha256", {})
-        if not isinstance(app, dict) or not all(isinstance(k, str) and _is_sha256(v) for k, v in app.items()):
-            raise ValueError("bad app-state hashes")
+        app = data.get("app_digests")
+        if app is None:  # signed before digests named their algorithm
+            legacy = data.get("app_sha256", {})
+            app = {k: f"sha256:{v}" for k, v in legacy.items()} if isinstance(legacy, dict) else None
+        if not isinstance(app, dict) or not all(isinstance(k, str) and is_digest(v) for k, v in app.items()):
+            raise ValueError("bad app-state digests")
         job_id = data.get("job_id")
         if job_id is not None and not isinstance(job_id, str):
             raise ValueError("bad job id")
         if METADATA_NAME not in files:
             raise ValueError(f"{METADATA_NAME} is not listed")
-        return cls(files=files, app_sha256=dict(app), job_id=job_id)
+        return cls(files=files, app_digests=dict(app), job_id=job_id)
 
 
 def _files_json(files: dict[str, tuple[int, str]]) -> dict[str, dict[str, Any]]:
-    return {name: {"size": size, "sha256": sha} for name, (size, sha) in sorted(files.items())}
+    return {name: file_entry(size, digest) for name, (size, digest) in sorted(files.items())}
 
 
 def _parse_files(data: Any) -> dict[str, tuple[int, str]]:
@@ -133,23 +137,18 @@ def _parse_files(data: Any) -> dict[str, tuple[int, str]]:
         raise ValueError("no file list")
     files = {}
     for name, entry in data.items():
-        size = entry.get("size") if isinstance(entry, dict) else None
-        sha = entry.get("sha256") if isinstance(entry, dict) else None
-        if not _plain_name(name) or not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        if not _plain_name(name):
             raise ValueError(f"bad file entry {name!r}")
-        if not _is_sha256(sha):
-            raise ValueError(f"bad file entry {name!r}")
-        files[str(name)] = (size, str(sha))
+        try:
+            files[str(name)] = parse_file_entry(entry)
+        except ValueError:
+            raise ValueError(f"bad file entry {name!r}") from None
     return files
 
 
 def _plain_name(name: Any) -> bool:
     """A file name directly inside the checkpoint: no folder, no way out of it."""
     return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
-
-
-def _is_sha256(value: Any) -> bool:
-    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
 def _mac(key: bytes, domain: bytes, data: dict[str, Any]) -> str:
@@ -206,13 +205,18 @@ def verify_marker(data: dict[str, Any], key: bytes) -> Manifest:
 # -- hashing and checking stored files ---------------------------------------------------
 
 
-def sha256_of(store: Store, rel: str) -> tuple[int, str]:
-    """Size and SHA-256 of the stored file ``rel``, read in chunks (never whole into memory).
+def digest_of_file(store: Store, rel: str, like: str | None = None) -> tuple[int, str]:
+    """Size and digest of the stored file ``rel``, read in chunks (never whole into memory).
+
+    Args:
+        store: The checkpoint root.
+        rel: The file inside it.
+        like: A digest to compare with: the result is in its algorithm.
 
     Raises:
         FileNotFoundError: There is no such file.
     """
-    digest = hashlib.sha256()
+    digest = new_hasher(like)
     size = 0
     if store.is_local:
         buffer = bytearray(_CHUNK)
@@ -221,7 +225,7 @@ def sha256_of(store: Store, rel: str) -> tuple[int, str]:
             while n := f.readinto(buffer):
                 digest.update(view[:n])
                 size += n
-        return size, digest.hexdigest()
+        return size, finish(digest)
     total = store.size(rel)
     while size < total:
         chunk = store.read_bytes(rel, size, min(size + _CHUNK, total))
@@ -229,7 +233,7 @@ def sha256_of(store: Store, rel: str) -> tuple[int, str]:
             break
         digest.update(chunk)
         size += len(chunk)
-    return size, digest.hexdigest()
+    return size, finish(digest)
 
 
 def check_files(store: Store, name: str, manifest: Manifest, names: Iterable[str]) -> list[str]:
@@ -239,24 +243,24 @@ def check_files(store: Store, name: str, manifest: Manifest, names: Iterable[str
     """
     problems = []
     for rel in names:
-        size, sha = manifest.files[rel]
+        size, digest = manifest.files[rel]
         try:
-            found = sha256_of(store, f"{name}/{rel}")
+            found = digest_of_file(store, f"{name}/{rel}", like=digest)
         except FileNotFoundError:
             problems.append(f"{rel} is missing")
             continue
         except Exception as exc:
             problems.append(f"{rel} cannot be read ({type(exc).__name__}: {exc})")
             continue
-        if found[0] != size or not hmac.compare_digest(found[1], sha):
+        if found[0] != size or not hmac.compare_digest(found[1], digest):
             problems.append(f"{rel} differs from its signed hash")
     return problems
 
 
 def check_app_blob(manifest: Manifest, key: str, blob: bytes, path: str) -> None:
     """Raises CheckpointError unless ``blob`` is the app state the marker lists under ``key``."""
-    expected = manifest.app_sha256.get(key)
-    if expected is None or not hmac.compare_digest(hashlib.sha256(blob).hexdigest(), expected):
+    expected = manifest.app_digests.get(key)
+    if expected is None or not hmac.compare_digest(digest_of(blob, like=expected), expected):
         raise CheckpointError(
             f"checkpoint {path!r} is refused: its {key} training state differs from its signed hash (it was "
             "changed while being read); nothing of it was unpickled. Check who else can write to the checkpoint "
@@ -278,22 +282,22 @@ class SaveSigner:
         name: The checkpoint's directory inside it (``step-0000000900``).
         rank: This rank.
         key: The signing key.
-        app_sha256: SHA-256 of this rank's app-state blob.
+        app_digest: Digest of this rank's app-state blob.
     """
 
-    def __init__(self, store: Store, name: str, rank: int, key: SigningKey, app_sha256: str):
+    def __init__(self, store: Store, name: str, rank: int, key: SigningKey, app_digest: str):
         self.store = store
         self.name = name
         self.rank = rank
         self.key = key
-        self.app_sha256 = app_sha256
+        self.app_digest = app_digest
         self._written: dict[str, tuple[int, str]] = {}
         self._lock = threading.Lock()  # DCP writes files from several threads
 
-    def record(self, name: str, size: int, sha: str) -> None:
+    def record(self, name: str, size: int, digest: str) -> None:
         """A file of this save, written and hashed (called from DCP's writing threads)."""
         with self._lock:
-            self._written[name] = (size, sha)
+            self._written[name] = (size, digest)
 
     def write_rank_files(self, results) -> None:
         """Signs and writes the list of the files DCP's ``write_data`` wrote (its results)."""
@@ -307,14 +311,14 @@ class SaveSigner:
         # A file DCP wrote some other way than through its filesystem object: hashed back,
         # which leaves a moment in which a writer of the directory could change it first.
         logger.warning("%s/%s was not hashed as it was written; hashing it back", self.name, name)
-        return sha256_of(self.store, f"{self.name}/{name}")
+        return digest_of_file(self.store, f"{self.name}/{name}")
 
     def _write_rank_files(self, names: list[str]) -> None:
         body = {
             "step": self.name,
             "rank": self.rank,
             "files": _files_json({name: self._digest(name) for name in names}),
-            "app_sha256": self.app_sha256,
+            "app_digest": self.app_digest,
         }
         data = {**body, "mac": _mac(self.key.key, _RANK_DOMAIN, body)}
         self.store.write_bytes(f"{self.name}/{RANK_FILES.format(rank=self.rank)}", json.dumps(data).encode())
@@ -337,20 +341,20 @@ class SaveSigner:
                 if not valid or data.get("step") != self.name or data.get("rank") != rank:
                     raise ValueError("its signature does not match")
                 listed = _parse_files(data["files"])
-                if not _is_sha256(data["app_sha256"]):
-                    raise ValueError("bad app-state hash")
+                if not is_digest(data["app_digest"]):
+                    raise ValueError("bad app-state digest")
             except (OSError, ValueError, TypeError, KeyError) as exc:
                 raise CheckpointError(
                     f"cannot commit checkpoint {self.name!r}: the file list of rank {rank} ({rel}) is missing "
                     f"or invalid ({exc}); check who else writes to the checkpoint directory"
                 ) from exc
             files.update(listed)
-            app[f"rank{rank}"] = data["app_sha256"]
+            app[f"rank{rank}"] = data["app_digest"]
         # DCP writes .metadata under a temporary name, then renames it.
         with self._lock:
             metadata = self._written.get(METADATA_NAME) or self._written.get(f"{METADATA_NAME}.tmp")
         files[METADATA_NAME] = metadata or self._digest(METADATA_NAME)
-        return Manifest(files=files, app_sha256=app, job_id=self.key.job_id)
+        return Manifest(files=files, app_digests=app, job_id=self.key.job_id)
 
 
 # -- loading: checking what is read ------------------------------------------------------
@@ -390,10 +394,10 @@ class VerifyingFileSystem:
             with self._fs.create_stream(path, mode) as stream:
                 yield stream
             return
-        size, sha = listed
+        size, digest = listed
         with self._fs.create_stream(path, mode) as stream:
             data = stream.read(size + 1)  # one byte more tells a longer file
-        if len(data) != size or not hmac.compare_digest(hashlib.sha256(data).hexdigest(), sha):
+        if len(data) != size or not hmac.compare_digest(digest_of(data, like=digest), digest):
             raise self._refuse(
                 f"its {METADATA_NAME} differs from its signed hash (it was changed while being read); nothing "
                 "of it was unpickled. Check who else can write to the checkpoint directory, and load it again"

@@ -4,8 +4,8 @@ DCP writes each rank's files through its filesystem object's ``create_stream``.
 :func:`attach_streams` puts :class:`SaveStreams` in its place, whose streams:
 
 * hash what goes through them when the save is signed, on a helper thread *while* the same
-  bytes are written (SHA-256 runs at about the speed of a write to the page cache, and
-  ``hashlib`` and file writes both release the GIL): the hash costs no second pass over the
+  bytes are written (BLAKE3, :mod:`._digests`, hashes faster than a write to the page cache,
+  and the hash and file writes both release the GIL): the hash costs no second pass over the
   data and, on two cores or more, next to no time of its own. Each large write waits for its
   hash before it returns, so DCP's buffers are never read after DCP reuses them;
 * on local storage start writing dirty pages to disk as they go (an ``fdatasync`` on a helper
@@ -22,12 +22,13 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import hashlib
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
+
+from sparkgpu.train._digests import Hasher, finish, new_hasher
 
 __all__ = ["SaveTimings", "SaveStreams", "attach_streams"]
 
@@ -48,7 +49,7 @@ class SaveTimings:
     """
 
     write_s: float = 0.0  # copying into the file (the page cache, for a local disk)
-    hash_s: float = 0.0  # SHA-256 of the data, beside the writes
+    hash_s: float = 0.0  # the digest of the data, beside the writes
     hash_wait_s: float = 0.0  # writes held for their hash to finish
     fsync_s: float = 0.0  # the final fsync of every file (what early writeback left to do)
     writeback_s: float = 0.0  # early writeback on a helper thread, beside the writes
@@ -72,7 +73,7 @@ class _Stream:
     def __init__(self, raw, timings: SaveTimings, hashed: bool, durable: bool):
         self._raw = raw
         self._timings = timings
-        self._digest = hashlib.sha256() if hashed else None
+        self._digest: Hasher | None = new_hasher() if hashed else None
         self._durable = durable
         self._helpers: concurrent.futures.ThreadPoolExecutor | None = None
         self._writeback: concurrent.futures.Future | None = None
@@ -137,9 +138,9 @@ class _Stream:
             self._writeback.result()
             self._writeback = None
 
-    def hexdigest(self) -> str:
+    def digest(self) -> str:
         assert self._digest is not None
-        return self._digest.hexdigest()
+        return finish(self._digest)
 
     def tell(self) -> int:
         return self._raw.tell()
@@ -187,7 +188,7 @@ class SaveStreams:
         timings: Where the streams add their seconds.
         hashed: Hash every file written (a signed save).
         durable: fsync every file before it is closed (a local disk).
-        on_written: ``on_written(name, size, sha256)`` once a hashed file is closed.
+        on_written: ``on_written(name, size, digest)`` once a hashed file is closed.
     """
 
     def __init__(
@@ -221,7 +222,7 @@ class SaveStreams:
             finally:
                 stream._shutdown()
             if self._hashed and self._on_written is not None:
-                self._on_written(os.path.basename(os.fspath(path)), stream.size, stream.hexdigest())
+                self._on_written(os.path.basename(os.fspath(path)), stream.size, stream.digest())
 
 
 def attach_streams(

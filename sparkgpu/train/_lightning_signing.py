@@ -1,7 +1,7 @@
-"""Signed Lightning checkpoints: one ``.ckpt`` file and a MAC'd marker with its size and SHA-256.
+"""Signed Lightning checkpoints: one ``.ckpt`` file and a MAC'd marker with its size and digest.
 
 Lightning writes a checkpoint as one ``torch.save`` pickle from rank 0. Saving writes it, then
-the marker ``<name>.ckpt.signed.json`` (the commit point): the file's size and SHA-256 under
+the marker ``<name>.ckpt.signed.json`` (the commit point): the file's size and digest under
 ``"signed"``, an HMAC-SHA256 of the marker under the job's checkpoint key under ``"mac"``
 (the key of :mod:`._checkpoint_keys`, the hashing and MAC of :mod:`._checkpoint_signing`).
 Loading checks the marker's MAC, reads the file once, checks those bytes against the marker
@@ -11,7 +11,6 @@ job, a directory of one's own) the marker carries the hash unsigned.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import io
 import json
@@ -22,6 +21,7 @@ from sparkgpu.errors import CheckpointError
 from sparkgpu.store import Store
 from sparkgpu.train._checkpoint_keys import _normalized, rank_key, required_key, signing_key
 from sparkgpu.train._checkpoint_signing import _files_json, _mac, _parse_files
+from sparkgpu.train._digests import digest_of
 
 __all__ = ["MARKER_SUFFIX", "write_signed", "read_verified", "load_verified", "is_committed", "in_job_store", "split"]
 
@@ -41,7 +41,7 @@ def write_signed(path: str, data: bytes, extra: dict[str, Any]) -> None:
     store.write_bytes(name, data)
     key = signing_key(store.url)
     signed: dict[str, Any] = {
-        "files": _files_json({name: (len(data), hashlib.sha256(data).hexdigest())}),
+        "files": _files_json({name: (len(data), digest_of(data))}),
         "job_id": None,
     }
     marker: dict[str, Any] = {**extra, "file": name, "signed": signed}
@@ -105,9 +105,9 @@ def read_verified(path: str) -> bytes:
             raise refuse("the signature of its marker does not match the job's key")
     if name not in listed:
         raise refuse("its marker does not list it")
-    size, sha = listed[name]
+    size, digest = listed[name]
     data = store.read_bytes(name)
-    if len(data) != size or not hmac.compare_digest(hashlib.sha256(data).hexdigest(), sha):
+    if len(data) != size or not hmac.compare_digest(digest_of(data, like=digest), digest):
         raise refuse("it differs from the hash in its marker")
     return data
 

@@ -44,7 +44,7 @@ How it behaves:
   Checkpoint traffic uses two gloo groups of its own, so it never interleaves with the
   training's collectives. Without a process group everything runs in the one process.
 * Inside a job, checkpoints are signed: the completion marker lists every file with its
-  SHA-256 and carries an HMAC under a key derived from the job's key (``_checkpoint_keys``,
+  BLAKE3 digest and carries an HMAC under a key derived from the job's key (``_checkpoint_keys``,
   ``_checkpoint_signing``). :meth:`Checkpointer.restore` checks the marker and the files
   before anything is unpickled; a checkpoint that fails is skipped with a warning when
   restoring the newest (the job resumes from the newest genuine one) and refused when named

@@ -17,7 +17,7 @@ caller learns that every rank's write succeeded, and a kill between the two woul
 checkpoint that looks finished.
 
 Where a key applies (inside a job: ``_checkpoint_keys``), the marker also lists every file
-with its SHA-256 and carries an HMAC of the whole (``_checkpoint_signing``): a marker that is
+with its BLAKE3 digest and carries an HMAC of the whole (``_checkpoint_signing``): a marker that is
 not signed with the key does not make a checkpoint exist. :meth:`CheckpointDirectory.latest`
 skips it with a warning, and naming it (:meth:`CheckpointDirectory.get_signed`) is refused.
 

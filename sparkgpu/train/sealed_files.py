@@ -31,6 +31,7 @@ from sparkgpu.errors import CheckpointError
 from sparkgpu.store import Store
 from sparkgpu.train._checkpoint_keys import keyring_key, rank_key
 from sparkgpu.train._checkpoint_signing import SigningKey
+from sparkgpu.train._digests import file_entry, finish, new_hasher, parse_file_entry
 
 __all__ = [
     "SEALED_MARKER",
@@ -57,7 +58,7 @@ _DOMAIN = b"sparkgpu sealed folder\n"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 _CHUNK = 8 << 20
 
-SealedFolder = dict  # rel path -> (size, sha256 hex), the files a marker vouches for
+SealedFolder = dict  # rel path -> (size, digest), the files a marker vouches for
 
 
 def sealed_name(step: int) -> str:
@@ -92,7 +93,7 @@ def _mac(key: bytes, body: dict[str, Any]) -> str:
 
 
 def copy_hashed(local: str | os.PathLike, store: Store, rel: str) -> tuple[int, str]:
-    """Copies the local file ``local`` to ``rel`` in ``store``; returns its size and SHA-256.
+    """Copies the local file ``local`` to ``rel`` in ``store``; returns its size and digest.
 
     A copy, never a hard link: the framework may write the same path again (a step saved anew
     after a restart), and a link would carry that write into the sealed file.
@@ -102,20 +103,20 @@ def copy_hashed(local: str | os.PathLike, store: Store, rel: str) -> tuple[int, 
         store: The checkpoint store.
         rel: Its name there.
     """
-    digest = hashlib.sha256()
+    digest = new_hasher()
     size = 0
     with open(local, "rb", buffering=0) as src, store.writer(rel) as dst:
         while chunk := src.read(_CHUNK):
             digest.update(chunk)
             dst.write(chunk)
             size += len(chunk)
-    return size, digest.hexdigest()
+    return size, finish(digest)
 
 
 def write_marker(store: Store, name: str, step: int, files: SealedFolder, key: SigningKey) -> None:
     """Seals ``name`` in ``store``: its marker lists ``files`` under a MAC by ``key``."""
     signed = {
-        "files": {rel: {"size": size, "sha256": sha} for rel, (size, sha) in sorted(files.items())},
+        "files": {rel: file_entry(size, digest) for rel, (size, digest) in sorted(files.items())},
         "job_id": key.job_id,
     }
     body = {"format": FORMAT_VERSION, "step": step, "signed": signed}
@@ -150,11 +151,12 @@ def read_marker(store: Store, name: str, key: SigningKey) -> tuple[int, SealedFo
         raise CheckpointError("its seal names another step")
     files: SealedFolder = {}
     for rel, entry in (signed.get("files") or {}).items():
-        size = entry.get("size") if isinstance(entry, dict) else None
-        sha = entry.get("sha256") if isinstance(entry, dict) else None
-        if not _safe_rel(rel) or not isinstance(size, int) or not isinstance(sha, str) or len(sha) != 64:
-            raise CheckpointError(f"its seal lists a bad entry {rel!r}")
-        files[rel] = (size, sha)
+        try:
+            if not _safe_rel(rel):
+                raise ValueError("not a path inside the folder")
+            files[rel] = parse_file_entry(entry)
+        except ValueError:
+            raise CheckpointError(f"its seal lists a bad entry {rel!r}") from None
     return step, files
 
 
@@ -171,16 +173,16 @@ def restore_folder(store: Store, name: str, files: SealedFolder, local: str | os
     staging = f"{local}.restoring-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        for rel, (size, sha) in files.items():
+        for rel, (size, expected) in files.items():
             target = os.path.join(staging, *rel.split("/"))
             os.makedirs(os.path.dirname(target), exist_ok=True)
-            digest, written = hashlib.sha256(), 0
+            digest, written = new_hasher(like=expected), 0
             with open(target, "wb") as out:
                 for chunk in _read_chunks(store, f"{name}/{rel}", size):
                     digest.update(chunk)
                     out.write(chunk)
                     written += len(chunk)
-            if written != size or digest.hexdigest() != sha:
+            if written != size or not hmac.compare_digest(finish(digest), expected):
                 raise CheckpointError(f"its file {rel!r} differs from the one the job sealed")
         shutil.rmtree(local, ignore_errors=True)
         os.makedirs(os.path.dirname(local) or ".", exist_ok=True)

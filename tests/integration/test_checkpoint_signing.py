@@ -9,10 +9,10 @@ never appears.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import pickle
 
+import blake3
 import pytest
 import torch
 
@@ -103,7 +103,9 @@ def test_signed_checkpoints_on_s3(s3_bucket, tmp_path):
         save_steps(directory, [1, 3])
         marker = json.loads(fs.cat_file(f"{root}/step-0000000003/{MARKER_NAME}"))
         for name, entry in marker["signed"]["files"].items():
-            assert hashlib.sha256(fs.cat_file(f"{root}/step-0000000003/{name}")).hexdigest() == entry["sha256"]
+            assert (
+                "blake3:" + blake3.blake3(fs.cat_file(f"{root}/step-0000000003/{name}")).hexdigest() == entry["digest"]
+            )
 
         fs.pipe_file(f"{root}/step-0000000003/.metadata", pickle.dumps(_Planted(sentinel)))
         assert restore(directory)[0] == 2

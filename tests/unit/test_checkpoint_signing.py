@@ -16,6 +16,7 @@ import os
 import pickle
 import shutil
 
+import blake3
 import pytest
 import torch
 from torch import nn
@@ -25,7 +26,9 @@ from sparkgpu.errors import CheckpointError
 from sparkgpu.tracking._checkpoints import committed_checkpoint, load_checkpoint_into
 from sparkgpu.train import Checkpointer, latest_checkpoint, list_checkpoints
 from sparkgpu.train._checkpoint_signing import (
+    _MARKER_DOMAIN,
     Manifest,
+    _mac,
     check_app_blob,
     sign_marker,
     verify_marker,
@@ -127,7 +130,7 @@ def marker_of(path):
 
 def files_in(path):
     return {
-        name: hashlib.sha256((path / name).read_bytes()).hexdigest()
+        name: "blake3:" + blake3.blake3((path / name).read_bytes()).hexdigest()
         for name in os.listdir(path)
         if name != MARKER_NAME and not name.startswith("_FILES.")
     }
@@ -136,7 +139,7 @@ def files_in(path):
 # -- what a signed marker holds --------------------------------------------------------
 
 
-def test_a_marker_lists_every_file_with_its_sha256_under_a_mac(tmp_path):
+def test_a_marker_lists_every_file_with_its_blake3_digest_under_a_mac(tmp_path):
     directory = tmp_path / JOB / "checkpoints"
     with rank_of_job(directory):
         save_steps(directory, [1])
@@ -144,12 +147,12 @@ def test_a_marker_lists_every_file_with_its_sha256_under_a_mac(tmp_path):
     data = marker_of(path)
 
     listed = data["signed"]["files"]
-    assert {name: entry["sha256"] for name, entry in listed.items()} == files_in(path)
+    assert {name: entry["digest"] for name, entry in listed.items()} == files_in(path)
     assert {name: entry["size"] for name, entry in listed.items()} == {
         name: (path / name).stat().st_size for name in listed
     }
     assert set(listed) == {".metadata", "__0_0.distcp"}
-    assert data["signed"]["job_id"] == JOB and set(data["signed"]["app_sha256"]) == {"rank0"}
+    assert data["signed"]["job_id"] == JOB and set(data["signed"]["app_digests"]) == {"rank0"}
 
     key = derive_key(KEY, "checkpoints")
     assert verify_marker(data, key).files["__0_0.distcp"] == (
@@ -163,6 +166,57 @@ def test_a_marker_lists_every_file_with_its_sha256_under_a_mac(tmp_path):
         verify_marker(data, derive_key(b"another job's key".ljust(32), "checkpoints"))
     with pytest.raises(CheckpointError, match="not signed"):
         verify_marker({k: v for k, v in data.items() if k != "mac"}, key)
+
+
+def _resigned(path, signed):
+    """The marker of ``path`` with ``signed`` as its file list, signed with the job's key."""
+    data = {k: v for k, v in marker_of(path).items() if k not in ("mac", "signed")}
+    data = {**data, "signed": signed}
+    data["mac"] = _mac(derive_key(KEY, "checkpoints"), _MARKER_DOMAIN, data)
+    (path / MARKER_NAME).write_text(json.dumps(data))
+
+
+def test_a_checkpoint_signed_with_sha256_digests_by_an_earlier_version_restores_and_is_still_checked(
+    tmp_path, monkeypatch
+):
+    from sparkgpu.train import _digests
+
+    directory = tmp_path / JOB / "checkpoints"
+    with rank_of_job(directory):
+        monkeypatch.setattr(_digests, "ALGORITHM", "sha256")  # hashed as an earlier version did
+        saved = save_steps(directory, [3])
+        monkeypatch.undo()
+        path = directory / "step-0000000003"
+        signed = marker_of(path)["signed"]
+        bare = {name: entry["digest"].removeprefix("sha256:") for name, entry in signed["files"].items()}
+        assert bare == {name: hashlib.sha256((path / name).read_bytes()).hexdigest() for name in bare}
+        # The earlier marker's shape: bare hex digests, named by their key.
+        older = {
+            "files": {name: {"size": entry["size"], "sha256": bare[name]} for name, entry in signed["files"].items()},
+            "app_sha256": {rank: digest.removeprefix("sha256:") for rank, digest in signed["app_digests"].items()},
+            "job_id": JOB,
+        }
+        _resigned(path, older)
+        steps, state = restore(directory)
+        assert steps == 4 and state["loader"].position == saved["loader"].position
+
+        data = (path / "__0_0.distcp").read_bytes()
+        (path / "__0_0.distcp").write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+        with pytest.raises(CheckpointError, match="__0_0.distcp differs from its signed hash"):
+            restore(directory, step=3)
+
+
+def test_a_digest_of_an_unknown_algorithm_is_refused_even_under_a_valid_mac(tmp_path):
+    directory = tmp_path / JOB / "checkpoints"
+    with rank_of_job(directory):
+        save_steps(directory, [3])
+        path = directory / "step-0000000003"
+        signed = marker_of(path)["signed"]
+        entry = signed["files"]["__0_0.distcp"]
+        signed["files"]["__0_0.distcp"] = {**entry, "digest": "md5:" + entry["digest"].partition(":")[2]}
+        _resigned(path, signed)
+        with pytest.raises(CheckpointError, match="signed file list cannot be read"):
+            restore(directory, step=3)
 
 
 def test_outside_a_job_checkpoints_are_written_and_restored_unsigned(tmp_path):
@@ -193,7 +247,7 @@ def _plant(directory, forgery, sentinel, tmp_path) -> int:
         if forgery == "signed_by_another_key":
             data = marker_of(planted)
             files = {name: ((planted / name).stat().st_size, sha) for name, sha in files_in(planted).items()}
-            manifest = Manifest(files=files, app_sha256={}, job_id=JOB)
+            manifest = Manifest(files=files, app_digests={}, job_id=JOB)
             data = sign_marker(data, manifest, derive_key(b"another job's key".ljust(32), "checkpoints"))
             (planted / MARKER_NAME).write_text(json.dumps(data))
         return 9
@@ -254,7 +308,7 @@ def test_an_app_state_that_differs_from_its_signed_hash_is_not_unpickled(tmp_pat
         save_steps(directory, [3])
         path = directory / "step-0000000003"
         data = marker_of(path)
-        data["signed"]["app_sha256"]["rank0"] = hashlib.sha256(b"another state").hexdigest()
+        data["signed"]["app_digests"]["rank0"] = "blake3:" + blake3.blake3(b"another state").hexdigest()
         data = sign_marker(
             {k: v for k, v in data.items() if k not in ("mac", "signed")},
             Manifest.from_json(data["signed"]),
@@ -274,7 +328,9 @@ def test_dcp_byte_items_are_unpickled_weights_only(tmp_path):
         weights_only_planner().load_bytes(None, buffer)
     assert not sentinel.exists()
     with pytest.raises(CheckpointError, match="differs from its signed hash"):
-        check_app_blob(Manifest(files={}, app_sha256={"rank0": hashlib.sha256(b"a").hexdigest()}), "rank0", b"b", "p")
+        check_app_blob(
+            Manifest(files={}, app_digests={"rank0": "blake3:" + blake3.blake3(b"a").hexdigest()}), "rank0", b"b", "p"
+        )
 
 
 def test_signed_checkpoints_on_an_fsspec_url(tmp_path):

@@ -3,10 +3,10 @@ marker, every phase of a save timed."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 
+import blake3
 import pytest
 import torch
 from torch import nn
@@ -60,7 +60,7 @@ def test_a_signed_save_lists_the_hashes_of_the_bytes_on_disk_and_restores(
     assert set(listed) == {".metadata", "__0_0.distcp"}
     for name, entry in listed.items():
         data = (path / name).read_bytes()
-        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        assert entry == {"size": len(data), "digest": "blake3:" + blake3.blake3(data).hexdigest()}
 
     phases = ckpt.last_save_phases
     assert phases is not None
@@ -127,5 +127,5 @@ def test_a_stream_hashes_large_writes_beside_them_and_never_returns_before_its_h
         buffer[:] = bytes(len(buffer))  # the caller reuses its buffer once write returned
         stream.write(torch.arange(1000, dtype=torch.float32).numpy())
     data = (tmp_path / "f").read_bytes()
-    assert seen["f"] == ("f", len(data), hashlib.sha256(data).hexdigest())
+    assert seen["f"] == ("f", len(data), "blake3:" + blake3.blake3(data).hexdigest())
     assert timings.files == 1 and timings.bytes == len(data) and timings.fsync_s > 0

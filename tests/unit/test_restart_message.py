@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import hashlib
+
+import blake3
 
 from sparkgpu._keyring import derive_key
 from sparkgpu.store import Store
@@ -15,7 +16,7 @@ def _seal(checkpoints, step: int, key: bytes) -> None:
     store = Store(checkpoints).child(sealed_files.TRAINER_FOLDER)
     name = sealed_files.sealed_name(step)
     store.write_bytes(f"{name}/trainer_state.json", b"{}")
-    files = {"trainer_state.json": (2, hashlib.sha256(b"{}").hexdigest())}
+    files = {"trainer_state.json": (2, "blake3:" + blake3.blake3(b"{}").hexdigest())}
     sealed_files.write_marker(store, name, step, files, SigningKey(key, "job-1"))
 
 
