@@ -6,6 +6,7 @@ import contextlib
 import os
 import shutil
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -433,6 +434,43 @@ def test_prefetch_passes_over_a_shard_another_process_is_downloading(volume_dir,
         downloads[name] = downloads.get(name, 0) + count
     assert downloads == {f"shard.{i:05d}.mds": 1 for i in range(8)}
     assert ("shard.00000.mds" in volume.downloads) == other_fails
+
+
+def test_a_shard_the_reader_waits_for_another_process_to_fetch_is_not_counted_in_the_lookahead(volume_dir, tmp_path):
+    # The reader asks for shard 0 before the prefetcher ever tries it, and waits on the lock of
+    # the other process fetching it. Like a shard the prefetcher found held, it does not count:
+    # a lookahead of 2 fetches shards 1 and 2 meanwhile, and not 3.
+    root = tmp_path / "cache"
+    other_volume = _HeldVolume(volume_dir, held="shard.00000.mds")
+    entry, index = open_cache_entry(root, other_volume)
+    other = ShardCache(entry, index, other_volume, download_threads=1)
+    holder = threading.Thread(target=other.acquire, args=(0, np.array([0])))
+    holder.start()
+    try:
+        assert other_volume.started.wait(30)
+        cache, volume, _ = _open(volume_dir, root, threads=1, lookahead=2)
+        plan = [np.array([i]) for i in range(8)]
+        with cache:
+            reader = threading.Thread(target=cache.acquire, args=(0, plan[0]))
+            reader.start()
+            assert _wait_for(lambda: 0 in cache._inflight)  # the reader's own fetch, waiting on the lock
+            cache.set_plan(plan)
+            assert _wait_for(lambda: {1, 2} <= _present(cache)), (
+                f"prefetch fetched {sorted(_present(cache))} while the reader waited for shard 0"
+            )
+            # Not idle (the reader's fetch is still waiting): the prefetcher has nothing running
+            # and, given time for another pass, still holds the lookahead to shards 1 and 2.
+            assert _wait_for(lambda: cache._prefetching == 0)
+            time.sleep(0.5)
+            assert _present(cache) == {1, 2} and cache._prefetching == 0
+            other_volume.go.set()
+            reader.join(30)
+            assert not reader.is_alive() and 0 in _present(cache)
+    finally:
+        other_volume.go.set()
+        holder.join(30)
+        other.close()
+    assert "shard.00000.mds" not in volume.downloads
 
 
 def test_a_shard_our_prefetch_put_in_place_is_read_once_its_download_is_counted(volume_dir, tmp_path, monkeypatch):

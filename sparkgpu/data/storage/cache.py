@@ -197,6 +197,9 @@ class ShardCache:
         # Shards a prefetch found another process downloading (their lock held), with when: the
         # prefetcher passes over them until they land or _BUSY_RETRY_S has gone by.
         self._elsewhere: dict[int, float] = {}
+        # Shards this process's readers wait for while another process fetches them: like the
+        # current shard, they are not counted in the lookahead, so prefetching goes on past them.
+        self._awaited_elsewhere: set[int] = set()
         self._failed: dict[int, BaseException] = {}  # shards whose download failed: not retried in the background
         self._uses: list[np.ndarray] = []
         self._first_uses: list[tuple[int, int]] = []
@@ -403,24 +406,39 @@ class ShardCache:
                 self._wake.notify_all()
 
     def _download_locked(self, shard: int, needed_at: int, demand: bool) -> _Outcome:
+        # A prefetch finding the shard's lock held by another process (which is fetching the
+        # shard) leaves the shard to it and moves on. A demand fetch waits for the lock, and
+        # meanwhile lets the prefetcher fetch past the shard.
+        lock = self._meta / "locks" / f"{shard}.lock"
+        with _try_file_lock(lock, wait=False) as held:
+            if held:
+                return self._download_holding_lock(shard, needed_at, demand)
+        if not demand:
+            return _Outcome.BUSY
+        with self._lock:
+            self._awaited_elsewhere.add(shard)
+            self._wake.notify_all()
+        try:
+            with _try_file_lock(lock, wait=True):
+                return self._download_holding_lock(shard, needed_at, demand)
+        finally:
+            with self._lock:
+                self._awaited_elsewhere.discard(shard)
+
+    def _download_holding_lock(self, shard: int, needed_at: int, demand: bool) -> _Outcome:
         info, final = self.index.shards[shard], self._paths[shard]
-        # A demand fetch waits for the shard's lock; a prefetch finding it held by another
-        # process (which is fetching the shard) leaves the shard to it and moves on.
-        with _try_file_lock(self._meta / "locks" / f"{shard}.lock", wait=demand) as held:
-            if not held:
-                return _Outcome.BUSY
-            if final.exists():  # another process fetched it before we took the lock
-                with self._lock:
-                    self._local.add(shard)
-                return _Outcome.PRESENT
-            stem = self._partial / f"{shard}.{_fetch.partial_token()}"
-            if not self._reserve(shard, needed_at, demand, stem):
-                return _Outcome.NO_ROOM
-            try:
-                assert self.volume is not None  # only caches of a volume download
-                _fetch.fetch_shard(self.volume, info, final, stem, self._parts, priority=needed_at)
-            finally:
-                Path(f"{stem}.reserved").unlink(missing_ok=True)
+        if final.exists():  # another process fetched it before we took the lock
+            with self._lock:
+                self._local.add(shard)
+            return _Outcome.PRESENT
+        stem = self._partial / f"{shard}.{_fetch.partial_token()}"
+        if not self._reserve(shard, needed_at, demand, stem):
+            return _Outcome.NO_ROOM
+        try:
+            assert self.volume is not None  # only caches of a volume download
+            _fetch.fetch_shard(self.volume, info, final, stem, self._parts, priority=needed_at)
+        finally:
+            Path(f"{stem}.reserved").unlink(missing_ok=True)
         with self._lock:
             self._local.add(shard)
             # What crossed the network: the compressed file, when there is one.
@@ -521,6 +539,8 @@ class ShardCache:
             if shard in seen:
                 continue
             seen.add(shard)
+            if shard in self._awaited_elsewhere:
+                continue
             tried = self._elsewhere.get(shard)
             if tried is not None and shard not in self._local:
                 if self._paths[shard].exists():  # the other process's download landed
