@@ -74,7 +74,7 @@ def test_a_seal_that_names_another_step_or_a_path_outside_is_refused(tmp_path):
     os.rename(tmp_path / "store" / name, tmp_path / "store" / "checkpoint-99")
     with pytest.raises(CheckpointError, match="another step"):
         sealed_files.read_marker(store, "checkpoint-99", KEY)
-    sealed_files.write_marker(store, "checkpoint-5", 5, {"../escape": (1, "0" * 64)}, KEY)
+    sealed_files.write_marker(store, "checkpoint-5", 5, {"../escape": (1, "blake3:" + "0" * 64)}, KEY)
     with pytest.raises(CheckpointError, match="bad entry"):
         sealed_files.read_marker(store, "checkpoint-5", KEY)
 

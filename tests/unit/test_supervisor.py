@@ -131,7 +131,7 @@ class CapBackend(ScriptedBackend):
             else:
                 signing = SigningKey(derive_key(run_dir.key, "checkpoints"), job.job_id)
                 CheckpointDirectory(run_dir.checkpoints, key=signing).commit(
-                    info, Manifest({".metadata": (0, "0" * 64)}, {}, job.job_id)
+                    info, Manifest({".metadata": (0, "blake3:" + "0" * 64)}, {}, job.job_id)
                 )
         elif action == "hang+exit75":
             exits = {str(r): {"exitcode": EXIT_PREEMPTED, "pid": 1} for r in range(job.world_size)}
