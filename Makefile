@@ -33,7 +33,10 @@ lint: $(STAMP)
 # Integration tests mostly wait on servers and subprocesses: workers overlap them; tests sharing a
 # session server run on one worker (tests/conftest.py). TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 3
+# The suite starts about a thousand Python processes (agents, ranks): each would compile the
+# package's modules from source again where byte code is not written (PYTHONDONTWRITEBYTECODE).
 test: lint
+	$(PY) -m compileall -q sparkgpu tests benchmarks examples
 	$(PY) -m pytest -q -ra --durations=30 -n $(TEST_WORKERS)
 
 test-unit: $(STAMP)
