@@ -377,27 +377,47 @@ def _wait_for(condition, seconds=30.0) -> bool:
     return True
 
 
+class _OtherProcess:
+    """Another rank or DataLoader worker of the node, downloading shard 0 into the same cache
+    (holding the shard's lock) until the test lets it go: its own ShardCache, on a thread."""
+
+    def __init__(self, volume_dir, root):
+        self.volume = _HeldVolume(volume_dir, held="shard.00000.mds")
+        entry, index = open_cache_entry(root, self.volume)
+        self.cache = ShardCache(entry, index, self.volume, download_threads=1)
+        self.errors: list[DataError] = []
+        self.thread = threading.Thread(target=self._read)
+
+    def _read(self):
+        try:
+            self.cache.acquire(0, np.array([0]))
+        except DataError as exc:
+            self.errors.append(exc)
+
+    def __enter__(self):
+        self.thread.start()
+        assert self.volume.started.wait(30)
+        return self
+
+    def let_go(self, fail: bool = False) -> None:
+        """Ends its download of shard 0 (landed, or failed) and waits for it."""
+        self.volume.fail = fail
+        self.volume.go.set()
+        self.thread.join(30)
+
+    def __exit__(self, *exc):
+        self.volume.go.set()
+        self.thread.join(30)
+        self.cache.close()
+
+
 @pytest.mark.parametrize("other_fails", [False, True], ids=["other-lands-it", "other-fails"])
 def test_prefetch_passes_over_a_shard_another_process_is_downloading(volume_dir, tmp_path, other_fails):
     # Another rank or DataLoader worker on the node is downloading shard 0 (it holds the shard's
     # lock). With one download thread, this cache's prefetch must fetch the next shards
     # meanwhile instead of waiting on that lock; only the reader, needing shard 0 now, waits.
     root = tmp_path / "cache"
-    other_volume = _HeldVolume(volume_dir, held="shard.00000.mds")
-    entry, index = open_cache_entry(root, other_volume)
-    other = ShardCache(entry, index, other_volume, download_threads=1)
-    other_error = []
-
-    def other_reads():
-        try:
-            other.acquire(0, np.array([0]))
-        except DataError as exc:
-            other_error.append(exc)
-
-    holder = threading.Thread(target=other_reads)
-    holder.start()
-    try:
-        assert other_volume.started.wait(30)
+    with _OtherProcess(volume_dir, root) as other:
         cache, volume, _ = _open(volume_dir, root, threads=1, lookahead=4)
         plan = [np.array([i]) for i in range(8)]
         with cache:
@@ -412,9 +432,7 @@ def test_prefetch_passes_over_a_shard_another_process_is_downloading(volume_dir,
                 f"prefetch fetched {sorted(_present(cache))} while another process held shard 0"
             )
             assert 0 not in _present(cache) and "shard.00000.mds" not in volume.downloads
-            other_volume.fail = other_fails
-            other_volume.go.set()
-            holder.join(30)
+            other.let_go(fail=other_fails)
             if not other_fails:
                 first.join(30)
                 assert not first.is_alive()
@@ -424,13 +442,9 @@ def test_prefetch_passes_over_a_shard_another_process_is_downloading(volume_dir,
             assert 0 in _present(cache)
             for step, shards in enumerate(plan):
                 cache.acquire(step, shards)
-    finally:
-        other_volume.go.set()
-        holder.join(30)
-        other.close()
-    assert bool(other_error) == other_fails
+    assert bool(other.errors) == other_fails
     downloads = dict(volume.downloads)
-    for name, count in other_volume.downloads.items():
+    for name, count in other.volume.downloads.items():
         downloads[name] = downloads.get(name, 0) + count
     assert downloads == {f"shard.{i:05d}.mds": 1 for i in range(8)}
     assert ("shard.00000.mds" in volume.downloads) == other_fails
@@ -441,13 +455,7 @@ def test_a_shard_the_reader_waits_for_another_process_to_fetch_is_not_counted_in
     # the other process fetching it. Like a shard the prefetcher found held, it does not count:
     # a lookahead of 2 fetches shards 1 and 2 meanwhile, and not 3.
     root = tmp_path / "cache"
-    other_volume = _HeldVolume(volume_dir, held="shard.00000.mds")
-    entry, index = open_cache_entry(root, other_volume)
-    other = ShardCache(entry, index, other_volume, download_threads=1)
-    holder = threading.Thread(target=other.acquire, args=(0, np.array([0])))
-    holder.start()
-    try:
-        assert other_volume.started.wait(30)
+    with _OtherProcess(volume_dir, root) as other:
         cache, volume, _ = _open(volume_dir, root, threads=1, lookahead=2)
         plan = [np.array([i]) for i in range(8)]
         with cache:
@@ -463,13 +471,9 @@ def test_a_shard_the_reader_waits_for_another_process_to_fetch_is_not_counted_in
             assert _wait_for(lambda: cache._prefetching == 0)
             time.sleep(0.5)
             assert _present(cache) == {1, 2} and cache._prefetching == 0
-            other_volume.go.set()
+            other.let_go()
             reader.join(30)
             assert not reader.is_alive() and 0 in _present(cache)
-    finally:
-        other_volume.go.set()
-        holder.join(30)
-        other.close()
     assert "shard.00000.mds" not in volume.downloads
 
 
