@@ -46,7 +46,7 @@ from typing import Any
 
 from sparkgpu.errors import CheckpointError
 from sparkgpu.store import Store
-from sparkgpu.train._digests import digest_of, file_entry, finish, is_digest, new_hasher, parse_file_entry
+from sparkgpu.train._digests import digest_of, files_json, finish, is_digest, new_hasher, parse_file_entry
 
 __all__ = [
     "METADATA_NAME",
@@ -103,7 +103,7 @@ class Manifest:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "files": _files_json(self.files),
+            "files": files_json(self.files),
             "app_digests": dict(sorted(self.app_digests.items())),
             "job_id": self.job_id,
         }
@@ -126,10 +126,6 @@ class Manifest:
         if METADATA_NAME not in files:
             raise ValueError(f"{METADATA_NAME} is not listed")
         return cls(files=files, app_digests=dict(app), job_id=job_id)
-
-
-def _files_json(files: dict[str, tuple[int, str]]) -> dict[str, dict[str, Any]]:
-    return {name: file_entry(size, digest) for name, (size, digest) in sorted(files.items())}
 
 
 def _parse_files(data: Any) -> dict[str, tuple[int, str]]:
@@ -317,7 +313,7 @@ class SaveSigner:
         body = {
             "step": self.name,
             "rank": self.rank,
-            "files": _files_json({name: self._digest(name) for name in names}),
+            "files": files_json({name: self._digest(name) for name in names}),
             "app_digest": self.app_digest,
         }
         data = {**body, "mac": _mac(self.key.key, _RANK_DOMAIN, body)}

@@ -20,8 +20,8 @@ from sparkgpu import runtime
 from sparkgpu.errors import CheckpointError
 from sparkgpu.store import Store
 from sparkgpu.train._checkpoint_keys import _normalized, rank_key, required_key, signing_key
-from sparkgpu.train._checkpoint_signing import _files_json, _mac, _parse_files
-from sparkgpu.train._digests import digest_of
+from sparkgpu.train._checkpoint_signing import _mac, _parse_files
+from sparkgpu.train._digests import digest_of, files_json
 
 __all__ = ["MARKER_SUFFIX", "write_signed", "read_verified", "load_verified", "is_committed", "in_job_store", "split"]
 
@@ -41,7 +41,7 @@ def write_signed(path: str, data: bytes, extra: dict[str, Any]) -> None:
     store.write_bytes(name, data)
     key = signing_key(store.url)
     signed: dict[str, Any] = {
-        "files": _files_json({name: (len(data), digest_of(data))}),
+        "files": files_json({name: (len(data), digest_of(data))}),
         "job_id": None,
     }
     marker: dict[str, Any] = {**extra, "file": name, "signed": signed}

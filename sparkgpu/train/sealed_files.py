@@ -31,7 +31,7 @@ from sparkgpu.errors import CheckpointError
 from sparkgpu.store import Store
 from sparkgpu.train._checkpoint_keys import keyring_key, rank_key
 from sparkgpu.train._checkpoint_signing import SigningKey
-from sparkgpu.train._digests import file_entry, finish, new_hasher, parse_file_entry
+from sparkgpu.train._digests import files_json, finish, new_hasher, parse_file_entry
 
 __all__ = [
     "SEALED_MARKER",
@@ -116,7 +116,7 @@ def copy_hashed(local: str | os.PathLike, store: Store, rel: str) -> tuple[int, 
 def write_marker(store: Store, name: str, step: int, files: SealedFolder, key: SigningKey) -> None:
     """Seals ``name`` in ``store``: its marker lists ``files`` under a MAC by ``key``."""
     signed = {
-        "files": {rel: file_entry(size, digest) for rel, (size, digest) in sorted(files.items())},
+        "files": files_json(files),
         "job_id": key.job_id,
     }
     body = {"format": FORMAT_VERSION, "step": step, "signed": signed}
