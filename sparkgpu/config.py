@@ -198,6 +198,9 @@ class Settings:
         hf_resume: In a rank, patch ``transformers.Trainer`` when it is imported so that it seals
             its checkpoints into the job and resumes from them (``SPARKGPU_HF_RESUME``, default on;
             ``0`` turns it off: then ``sparkgpu.hf.resumable(trainer)`` does it for one Trainer).
+        fork_ranks: A node's agent forks its ranks with torch already imported instead of
+            starting each as a new interpreter (``SPARKGPU_FORK_RANKS``, default on; ``0`` turns it
+            off; a job that ships its environment always starts new interpreters).
     """
 
     home: Path
@@ -238,6 +241,7 @@ class Settings:
     pool: str | None = None
     use_reserved_pool: bool = False
     hf_resume: bool = True
+    fork_ranks: bool = True
 
     @classmethod
     def from_env(cls, env=None) -> "Settings":
@@ -303,6 +307,7 @@ class Settings:
             ).lower()
             in ("1", "true", "yes", "on"),
             hf_resume=(env.get("SPARKGPU_HF_RESUME") or "1").lower() not in ("0", "false", "no", "off"),
+            fork_ranks=(env.get("SPARKGPU_FORK_RANKS") or "1").lower() not in ("0", "false", "no", "off"),
         )
 
 

@@ -49,11 +49,14 @@ def scan_for_secrets(out_path: str) -> dict:
 @pytest.mark.parametrize(
     "path, backend, launcher",
     [
-        ("cold", lambda: LocalBackend(standby=False), b"sparkgpu.launch.node.agent"),
+        ("forked", lambda: LocalBackend(standby=False), b"sparkgpu.launch.node.agent"),
+        ("exec", lambda: LocalBackend(standby=False), b"sparkgpu.launch.node.agent"),
         ("pool", lambda: "warm_pool", b"sparkgpu.launch.backends.local.zygote"),
     ],
 )
-def test_a_running_jobs_key_is_in_no_environment_or_command_line(tmp_path, path, backend, launcher):
+def test_a_running_jobs_key_is_in_no_environment_or_command_line(tmp_path, monkeypatch, path, backend, launcher):
+    if path == "exec":  # each rank a new interpreter, as for a job that ships its environment
+        monkeypatch.setenv("SPARKGPU_FORK_RANKS", "0")
     job = distributed(gpus=2, gpu_type="cpu", backend=backend())(scan_for_secrets)
     out = tmp_path / "proc.bin"
     results = job.distributed(str(out))
@@ -63,6 +66,9 @@ def test_a_running_jobs_key_is_in_no_environment_or_command_line(tmp_path, path,
     for secret in (key.hex().encode(), key.hex().upper().encode(), key):
         assert secret not in scanned, f"the job key is readable in /proc ({path})"
     assert all(r["env_names"] == [] for r in results)  # and user code sees no key variable
-    if path == "cold":  # an agent (its command line names the run dir) hands each rank a file, gone once read
+    if path != "pool":  # the agent's command line names the run dir
         assert job.last_job_id.encode() in scanned
+    if path == "exec":  # the agent hands each new interpreter a file, gone once read
         assert all(r["key_dir"] and r["key_files_left"] == [] for r in results), results
+    else:  # forked ranks take it in memory: no file, and no folder named to them
+        assert all(r["key_dir"] == "" for r in results), results

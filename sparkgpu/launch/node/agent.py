@@ -10,17 +10,20 @@ for the client, with the time each rank exited; a rank that exits with code 0 wi
 counts as failed there too (:class:`~sparkgpu.launch.node.rank_exits.RankExitWatcher`).
 
 The job key comes as the first line of the agent's stdin, never in its environment or command
-line; the agent makes itself undumpable before reading it and hands each rank its own key file
-(:mod:`sparkgpu.launch.rundir.keys`). Before any rank starts, the agent checks the payload's signature
-over every signed file, ``_air.py`` included, with this installed sparkgpu and that key, and
-the ranks run the ``_air.py`` text it checked (``python -c``), not the file, which anyone who
-can write the staging root could swap in the meantime. A payload that fails the check starts
+line; the agent makes itself undumpable before reading it. Before any rank starts, the agent
+checks the payload's signature over every signed file, ``_air.py`` included, with this
+installed sparkgpu and that key, and the ranks run the ``_air.py`` text it checked, not the
+file, which anyone who can write the staging root could swap in the meantime. The agent forks
+them with torch imported and the key in memory (:mod:`~sparkgpu.launch.node.forked_ranks`); a
+job that ships its environment, or ``SPARKGPU_FORK_RANKS=0``, starts each as a new interpreter
+(``python -c``) with a key file of its own (:mod:`sparkgpu.launch.rundir.keys`). A payload that fails the check starts
 nothing: each of the node's ranks reports a signed :class:`PayloadSignatureError`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -32,10 +35,12 @@ from pathlib import Path
 
 from sparkgpu import runtime
 from sparkgpu._report import report
+from sparkgpu.config import settings
 from sparkgpu.errors import PayloadSignatureError
 from sparkgpu.launch.rank.entrypoint import EXIT_FAILED, _die_with_parent, leave_quickly
 from sparkgpu.launch.rundir.keys import KEY_DIR_ENV, hand_to_ranks, make_undumpable, rank_secrets, receive_key
 from sparkgpu.protocol import NodeExit, RankExit
+from sparkgpu.launch.node.forked_ranks import RankSpares, can_fork, forking_ranks
 from sparkgpu.launch.node.rank_exits import RankExitWatcher
 from sparkgpu.launch.rundir.directory import PRIVATE_UMASK, RunDir
 from sparkgpu.launch.rundir.layout import RunLayout
@@ -186,32 +191,43 @@ def main(argv=None) -> int:
 
     from sparkgpu.launch.node import rendezvous
 
-    if args.env_on_stdin:  # started before the client's callbacks ran: their variables come now
-        line = sys.stdin.readline()
-        if not line.strip():
-            report(f"node {args.node_rank} starts none of its ranks: the client withdrew the attempt")
-            return EXIT_FAILED
-        os.environ.update(json.loads(line))
-    # The run dir of this node (on Spark with a staging store, its scratch copy): the ranks find
-    # their files, the tracking spool included, relative to it.
-    os.environ[runtime.ENV_RUN_DIR] = str(rd.path)
-    rendezvous.register()
-    # The ranks inherit these.
-    os.environ.update(rendezvous.collective_interface_env(args.master_addr))
     assert rd.key is not None  # the payload verified, which takes the job key
-    os.environ.update(rank_secrets(rd.key, os.environ))
-    key_dir = hand_to_ranks(rd.key, args.nproc)
-    os.environ[KEY_DIR_ENV] = str(key_dir)
+    air = verified[rd.air.name].decode()
+    # Forked now, before the agent starts a thread or waits for anyone: each becomes one rank.
+    forks = can_fork(ships_environment=rd.file(RunLayout.HYDRATE).exists(), wanted=settings().fork_ranks)
+    spares = RankSpares(args.nproc, air, str(rd.air), rd.path, rd.key) if forks else None
     try:
-        return _launch(args, rd, verified[rd.air.name].decode(), init_timeout)
+        if args.env_on_stdin:  # started before the client's callbacks ran: their variables come now
+            line = sys.stdin.readline()
+            if not line.strip():
+                report(f"node {args.node_rank} starts none of its ranks: the client withdrew the attempt")
+                return EXIT_FAILED
+            os.environ.update(json.loads(line))
+        # The run dir of this node (on Spark with a staging store, its scratch copy): the ranks find
+        # their files, the tracking spool included, relative to it.
+        os.environ[runtime.ENV_RUN_DIR] = str(rd.path)
+        rendezvous.register()
+        # The ranks inherit these.
+        os.environ.update(rendezvous.collective_interface_env(args.master_addr))
+        os.environ.update(rank_secrets(rd.key, os.environ))
+        key_dir = None if spares else hand_to_ranks(rd.key, args.nproc)  # spares hold the key in memory
+        if key_dir is not None:
+            os.environ[KEY_DIR_ENV] = str(key_dir)
+        try:
+            return _launch(args, rd, air, init_timeout, spares)
+        finally:
+            if key_dir is not None:
+                shutil.rmtree(key_dir, ignore_errors=True)  # the files of ranks that never started
+            leave_quickly()  # the node's exit file is written
     finally:
-        shutil.rmtree(key_dir, ignore_errors=True)  # the files of ranks that never started
-        leave_quickly()  # the node's exit file is written
+        if spares is not None:
+            spares.close()
 
 
-def _launch(args: argparse.Namespace, rd: RunDir, air: str, init_timeout: float) -> int:
+def _launch(args: argparse.Namespace, rd: RunDir, air: str, init_timeout: float, spares: RankSpares | None) -> int:
     """Starts the node's ranks on ``air`` (the checked ``_air.py`` text) under torch's elastic
-    agent; writes the node's exit file; returns its status."""
+    agent: ``spares`` when given (:mod:`~sparkgpu.launch.node.forked_ranks`), else new
+    interpreters; writes the node's exit file; returns its status."""
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -241,8 +257,9 @@ def _launch(args: argparse.Namespace, rd: RunDir, air: str, init_timeout: float)
         lambda rank: reported(rd, args.attempt, rank),
         checkpoints_on_sigterm=lambda rank: rd.file(RunLayout.checkpoints_on_sigterm(args.attempt, rank)).exists(),
     )
+    starting = forking_ranks(spares, started=watcher.adopt) if spares else contextlib.nullcontext()
     try:
-        with watcher:
+        with watcher, starting:
             elastic_launch(config, sys.executable)("-u", "-c", air, str(rd.path))
     except ChildFailedError as exc:
         status = EXIT_FAILED

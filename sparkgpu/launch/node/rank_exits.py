@@ -5,7 +5,7 @@ notices (it polls). A rank that leaves with code 0 and no result (``os._exit(0)`
 code, a library calling ``exit(0)``) is not a failure there: its peers then fail in the next
 collective ("Connection closed by peer") or hang in it, and they would be reported as the
 cause. :class:`RankExitWatcher` runs in the node's agent, beside torch's: it finds the rank
-processes among the agent's children and waits for each with ``waitid(WNOWAIT)``, which
+processes among the agent's children (or is told of those the agent forked) and waits for each with ``waitid(WNOWAIT)``, which
 reads the exit status without reaping the process, so torch's own bookkeeping is untouched.
 A rank that exits with code 0 without leaving a result, an error or a preemption marker is a
 failure: the watcher stops the node's other ranks (SIGTERM, as torch does after a failure)
@@ -89,15 +89,32 @@ class RankExitWatcher:
         me = psutil.Process()
         while not self._stop.is_set():
             for child in me.children():
-                if child.pid in self._seen:
-                    continue
+                with self._lock:
+                    if child.pid in self._seen:
+                        continue
                 rank = self._rank_of(child)
                 if rank is not None:
-                    self._seen.add(child.pid)
                     with self._lock:
+                        if child.pid in self._seen:  # adopted meanwhile
+                            continue
+                        self._seen.add(child.pid)
                         self._ranks[child.pid] = (child, rank)
                     threading.Thread(target=self._wait, args=(child, rank), daemon=True).start()
             self._stop.wait(self.poll_interval)
+
+    def adopt(self, pid: int, rank: int) -> None:
+        """Watches a rank this agent forked (:mod:`~sparkgpu.launch.node.forked_ranks`): its
+        environment in ``/proc`` is the agent's, so the rank is named here, not found there."""
+        if not hasattr(os, "waitid"):
+            return
+        try:
+            child = psutil.Process(pid)
+        except psutil.NoSuchProcess:  # gone already: torch's report covers it
+            return
+        with self._lock:
+            self._seen.add(pid)
+            self._ranks[pid] = (child, rank)
+        threading.Thread(target=self._wait, args=(child, rank), daemon=True).start()
 
     def _rank_of(self, child: psutil.Process) -> int | None:
         try:
