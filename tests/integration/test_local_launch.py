@@ -152,6 +152,35 @@ def test_segfault_reports_the_signal_and_the_log_tail():
     assert_no_orphans(settings().staging_root / crash.last_job_id)
 
 
+def _how_the_rank_started():
+    import traceback
+
+    import psutil
+
+    agent = psutil.Process(os.getppid())
+    return {
+        "agent": "sparkgpu.launch.node.agent" in agent.cmdline(),
+        "own_cmdline": psutil.Process().cmdline(),
+        "agent_cmdline": agent.cmdline(),
+        "torch_launcher_frames": [f.filename for f in traceback.extract_stack() if "torch/distributed" in f.filename],
+    }
+
+
+@pytest.mark.parametrize("fork", ["1", "0"])
+def test_ranks_are_forked_from_their_agent_unless_told_to_start_new_interpreters(monkeypatch, fork):
+    """Forked, a rank skips its own interpreter's start and torch's import; its stack holds no
+    frame of torch's launcher (a crash dump shows the user's frames, not the agent's)."""
+    monkeypatch.setenv("SPARKGPU_FORK_RANKS", fork)
+    job = distributed(gpus=2, gpu_type="cpu", log_ranks=None)(_how_the_rank_started)
+    for seen in job.distributed():
+        assert seen["agent"], seen
+        assert not seen["torch_launcher_frames"], seen
+        if fork == "1":
+            assert seen["own_cmdline"] == seen["agent_cmdline"]
+        else:
+            assert seen["own_cmdline"][1:3] == ["-u", "-c"]
+
+
 def test_os_exit_reports_the_exit_code():
     @distributed(gpus=2, gpu_type="cpu")
     def quit_hard():

@@ -199,15 +199,15 @@ class RankSpares:
             self.close()
             raise
 
-    @staticmethod
-    def _fork(text: str, filename: str, run_dir: Path, key: bytes) -> tuple[int, int]:
+    def _fork(self, text: str, filename: str, run_dir: Path, key: bytes) -> tuple[int, int]:
         orders_r, orders_w = os.pipe()
         ready_r, ready_w = os.pipe()
         pid = os.fork()
         if pid == 0:
             try:
-                os.close(orders_w)
-                os.close(ready_r)
+                # Only the agent writes orders: a spare holding another's pipe would keep it from its end of file.
+                for fd in (orders_w, ready_r, *(w for _, w in self._waiting)):
+                    os.close(fd)
                 os.setsid()  # torch's handler stops a rank by its process group, as a new one's
                 _die_with_parent()
                 os.close(ready_w)
