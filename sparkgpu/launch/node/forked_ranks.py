@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -192,6 +193,10 @@ class RankSpares:
 
     def __init__(self, count: int, text: str, filename: str, run_dir: Path, key: bytes):
         self._waiting: list[tuple[int, int]] = []  # (pid, write end of its pipe), in the order ranks take them
+        # What torch's import made stays out of every collection, the ranks' included: a rank's
+        # collections then write to none of the pages it shares with the agent (Python's advice
+        # for fork without exec).
+        gc.freeze()
         try:
             for _ in range(count):
                 self._waiting.append(self._fork(text, filename, run_dir, key))
