@@ -60,3 +60,28 @@ def test_after_a_crash_only_ranks_that_checkpoint_on_sigterm_are_killed():
         assert crashed.wait(timeout=5) == 3
         assert cleaning_up.wait(timeout=10) == 0  # never killed: it ended on its own
     assert watcher.exits[0].exitcode == 3 and watcher.exits[1].signal == "SIGKILL"
+
+
+def test_ranks_named_to_it_are_watched_without_looking_for_any():
+    """Forked ranks carry the agent's environment in /proc: the agent names them (adopt)."""
+    with RankExitWatcher("job-0", reported=lambda rank: False, ranks=0) as watcher:
+        assert not watcher._thread.is_alive()  # no scan of the host's processes
+        quiet = subprocess.Popen([sys.executable, "-c", "import os; os._exit(0)"])  # no rank variables at all
+        waiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        watcher.adopt(waiting.pid, 0)
+        watcher.adopt(quiet.pid, 1)
+        assert waiting.wait(timeout=15) == -signal.SIGTERM  # the quiet exit stopped it
+        assert quiet.wait(timeout=5) == 0  # a zombie until here: the watcher read it without reaping
+    assert watcher.quiet == [1]
+
+
+def test_the_watcher_stops_looking_once_it_found_every_rank():
+    with RankExitWatcher("job-0", reported=lambda rank: True, ranks=2) as watcher:
+        ranks = [_rank(0, "os._exit(0)"), _rank(1, "os._exit(5)")]
+        watcher._thread.join(timeout=30)
+        assert not watcher._thread.is_alive()  # both found: no more scans
+        deadline = time.monotonic() + 30
+        while len(watcher.exits) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)  # reap only after the watcher saw them, as torch's agent does
+        assert [r.wait(timeout=10) for r in ranks] == [0, 5]
+    assert watcher.exits[1].exitcode == 5

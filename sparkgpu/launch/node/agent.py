@@ -256,6 +256,7 @@ def _launch(args: argparse.Namespace, rd: RunDir, air: str, init_timeout: float,
         run_id,
         lambda rank: reported(rd, args.attempt, rank),
         checkpoints_on_sigterm=lambda rank: rd.file(RunLayout.checkpoints_on_sigterm(args.attempt, rank)).exists(),
+        ranks=0 if spares else args.nproc,  # forked ranks are named to it as they start
     )
     starting = forking_ranks(spares, started=watcher.adopt) if spares else contextlib.nullcontext()
     try:

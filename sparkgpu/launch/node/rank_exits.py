@@ -50,6 +50,9 @@ class RankExitWatcher:
             running and checkpointing on SIGTERM, are killed.
         checkpoints_on_sigterm: ``checkpoints_on_sigterm(rank)`` is True when the rank turned
             SIGTERM into a checkpoint request (:func:`sparkgpu.runtime.handle_sigterm_as_checkpoint_request`).
+        ranks: How many ranks the node starts: the watcher stops looking for new ones once it
+            has them all (``None``: it looks until it is closed). ``0``: it never looks, and
+            knows only the ranks it is told of (:meth:`adopt`).
 
     Attributes:
         exits: Global rank -> :class:`RankExit` (exit code, signal, time; no pid) of every rank seen exiting.
@@ -63,7 +66,9 @@ class RankExitWatcher:
         poll_interval: float = 0.05,
         crash_kill_delay: float = CRASH_KILL_DELAY,
         checkpoints_on_sigterm: Callable[[int], bool] = lambda rank: True,
+        ranks: int | None = None,
     ):
+        self.expected = ranks
         self.run_id = run_id
         self.reported = reported
         self.checkpoints_on_sigterm = checkpoints_on_sigterm
@@ -78,7 +83,7 @@ class RankExitWatcher:
         self._thread = threading.Thread(target=self._discover, name="sparkgpu-rank-exits", daemon=True)
 
     def __enter__(self) -> "RankExitWatcher":
-        if hasattr(os, "waitid"):  # Linux; elsewhere torch's own report is all there is
+        if hasattr(os, "waitid") and self.expected != 0:  # Linux; elsewhere torch's own report is all there is
             self._thread.start()
         return self
 
@@ -87,7 +92,9 @@ class RankExitWatcher:
 
     def _discover(self) -> None:
         me = psutil.Process()
-        while not self._stop.is_set():
+        # Each look reads every process of the host (psutil's children()): once all ranks are
+        # found, there is nothing left to look for.
+        while not self._stop.is_set() and (self.expected is None or len(self._seen) < self.expected):
             for child in me.children():
                 with self._lock:
                     if child.pid in self._seen:
