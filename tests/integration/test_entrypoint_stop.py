@@ -44,15 +44,27 @@ def test_a_rank_leaves_its_objects_to_the_os_once_its_outcome_is_written(tmp_pat
         import atexit
         import gc
         import os
+        import weakref
 
         import torch
 
+        class Cycle:
+            pass
+
         model = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(32, 4, batch_first=True), 2)
         model(torch.randn(2, 8, 32)).sum().backward()
+        garbage = Cycle()
+        garbage.itself = garbage
+        gone = weakref.ref(garbage)
+        del garbage
+        gc.collect()
         where = f"{path}-{os.environ['RANK']}"
         atexit.register(lambda: open(where, "w").write(str(gc.get_freeze_count())))
-        return gc.get_freeze_count()
+        # A forked rank starts with its agent's import-time objects frozen (never the user's).
+        return gc.get_freeze_count(), gone() is None, sum(1 for o in gc.get_objects() if o is model)
 
-    assert train_then_return.distributed(str(seen)) == [0, 0]  # nothing frozen while the user's code runs
-    for rank in (0, 1):
-        assert int(open(f"{seen}-{rank}").read()) > 10_000  # by exit, torch's objects and the model's
+    results = train_then_return.distributed(str(seen))
+    for rank, (frozen_while_running, cycle_collected, model_tracked) in enumerate(results):
+        assert cycle_collected and model_tracked == 1  # the user's objects are the collector's while it runs
+        # By exit, the model's and everything else the rank made are frozen too.
+        assert int(open(f"{seen}-{rank}").read()) > frozen_while_running
