@@ -100,11 +100,11 @@ def make_undumpable(undumpable: bool = True) -> bool:
     which debuggers of its user may attach to as to any other rank). Returns whether it could
     (Linux only)."""
     import ctypes
-    import ctypes.util
     import sys
 
     if not sys.platform.startswith("linux"):
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    # The interpreter's own symbols include libc's: find_library would run ldconfig in a subprocess.
+    libc = ctypes.CDLL(None, use_errno=True)
     pr_set_dumpable = 4
     return libc.prctl(pr_set_dumpable, 0 if undumpable else 1, 0, 0, 0) == 0
