@@ -18,7 +18,10 @@ _HARNESS = textwrap.dedent(
     """
     import json, os, sys
     from pathlib import Path
+    from sparkgpu.config import settings
     from sparkgpu.launch.node.forked_ranks import ForkedRank, RankSpares
+
+    assert settings().hf_resume  # read and cached here, as the agent does before it forks
 
     text = sys.stdin.read()
     out = Path(sys.argv[1])
@@ -26,7 +29,7 @@ _HARNESS = textwrap.dedent(
     try:
         codes = []
         for rank in range(int(sys.argv[3])):
-            env = {"RANK": str(rank), "ONLY_THIS": "1", "PATH": os.environ.get("PATH", "")}
+            env = {"RANK": str(rank), "ONLY_THIS": "1", "SPARKGPU_HF_RESUME": "0", "PATH": os.environ.get("PATH", "")}
             pid = spares.take(env, None, None)
             codes.append(ForkedRank(pid, ("rank",)).wait(timeout=30))
     finally:
@@ -64,6 +67,7 @@ def test_a_rank_runs_the_text_as_main_with_its_variables_argv_key_and_own_sessio
             "session_leader": os.getsid(0) == os.getpid(),
             "fds": fds,
             "handlers": [str(signal) for signal in (2, 15)],
+            "hf_resume": __import__("sparkgpu.config").config.settings().hf_resume,
         }
         import signal
         seen["handlers"] = [signal.getsignal(s) == signal.SIG_DFL for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)]
@@ -80,7 +84,13 @@ def test_a_rank_runs_the_text_as_main_with_its_variables_argv_key_and_own_sessio
         assert seen["argv"] == ["-c", str(tmp_path)]
         assert seen["key"] == "k" * 32
         assert seen["env"]["RANK"] == str(rank) and seen["env"]["ONLY_THIS"] == "1"
-        assert set(seen["env"]) <= {"RANK", "ONLY_THIS", "PATH"}  # exactly what torch's agent gave it
+        assert set(seen["env"]) <= {
+            "RANK",
+            "ONLY_THIS",
+            "SPARKGPU_HF_RESUME",
+            "PATH",
+        }  # exactly what torch's agent gave it
+        assert seen["hf_resume"] is False  # settings read from the rank's variables, not the agent's cache
         assert seen["session_leader"]
         assert seen["fds"][:3] == [0, 1, 2] and len(seen["fds"]) == 4  # the three, and listdir's own
         assert all(seen["handlers"])

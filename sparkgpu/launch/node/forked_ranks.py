@@ -36,6 +36,7 @@ import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from sparkgpu.config import reset_settings
 from sparkgpu.launch.rank.entrypoint import _die_with_parent
 from sparkgpu.launch.rundir.keys import make_undumpable
 
@@ -143,6 +144,7 @@ def _become_rank(
         os.closerange(3, os.sysconf("SC_OPEN_MAX"))
         os.environ.clear()
         os.environ.update(env)
+        reset_settings()  # the agent's were read from its environment, before the callbacks' variables came
         logging.root.handlers.clear()  # the agent's format says "agent"; the rank sets up its own
         logging.root.setLevel(logging.WARNING)
         atexit._clear()  # the agent's exit functions are the agent's
