@@ -35,14 +35,13 @@ import traceback
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NoReturn
 
 from sparkgpu.config import reset_settings
 from sparkgpu.launch.rank.entrypoint import _die_with_parent
 from sparkgpu.launch.rundir.keys import make_undumpable
 
-__all__ = ["ForkedRank", "RankSpares", "can_fork", "forking_ranks"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["ForkedRank", "RankSpares", "become_rank", "can_fork", "forking_ranks"]
 
 # What torch's agent catches in its main thread while its ranks run; a rank starts with none of it.
 _AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -128,10 +127,17 @@ def _exit_status(exc: SystemExit) -> int:
     return 1
 
 
-def _become_rank(
-    text: str, filename: str, run_dir: Path, key: bytes, env: dict[str, str], streams: tuple[str | None, str | None]
-):
-    """In a spare: becomes a rank as ``python -c <text> RUN_DIR`` would be one; never returns."""
+def become_rank(
+    text: str | bytes,
+    filename: str,
+    run_dir: Path,
+    key: bytes,
+    env: dict[str, str],
+    streams: tuple[str | None, str | None] = (None, None),
+) -> NoReturn:
+    """In a forked process (a spare, or a warm pool's fork): becomes a rank as ``python -c <text>
+    RUN_DIR`` would be one, with exactly the variables ``env``; never returns. The caller has
+    given it its process group or session."""
     code = 1
     try:
         for sig in _AGENT_SIGNALS:
@@ -226,7 +232,7 @@ class RankSpares:
             except BaseException:
                 traceback.print_exc()
                 os._exit(1)
-            _become_rank(text, filename, run_dir, key, order["env"], (order["stdout"], order["stderr"]))
+            become_rank(text, filename, run_dir, key, order["env"], (order["stdout"], order["stderr"]))
         os.close(orders_r)
         os.close(ready_w)
         try:

@@ -31,6 +31,7 @@ from sparkgpu._files import atomic_write_bytes
 from sparkgpu._report import report
 from sparkgpu.runtime import ENV_RUN_DIR
 from sparkgpu.launch.node.agent import reported, verify_or_refuse
+from sparkgpu.launch.node.forked_ranks import become_rank
 from sparkgpu.launch.rank.entrypoint import EXIT_PREEMPTED, _die_with_parent
 from sparkgpu.launch.node.rendezvous import collective_interface_env, listening_socket, serve_store
 from sparkgpu.launch.rundir.keys import make_undumpable, rank_secrets
@@ -83,38 +84,29 @@ def _fork_store(nproc: int) -> tuple[int, int]:
 def _fork_rank(run_dir: RunDir, air: bytes, env: dict[str, str], rank: int, nproc: int, port: int) -> int:
     """Forks one rank that runs ``air``, the ``_air.py`` text whose signature was checked, with
     the job key (``run_dir.key``) handed in memory."""
+    assert run_dir.key is not None, "the zygote forks ranks only for a payload it verified"
     pid = os.fork()
     if pid:
         return pid
-    code = 1
     try:
         os.setpgrp()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.environ.clear()
-        os.environ.update(env)
-        os.environ.update(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(nproc),
-            LOCAL_WORLD_SIZE=str(nproc),
-            GROUP_RANK="0",
-            ROLE_RANK=str(rank),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            TORCHELASTIC_USE_AGENT_STORE="True",  # the zygote's store child serves it, as torch's agent would
-        )
-        # As `python -c <text> RUN_DIR` on the agent's path: the file could be swapped after the check.
-        sys.argv = ["-c", str(run_dir.path)]
-        make_undumpable(False)  # a rank, like those an agent starts; the zygote's mark is inherited
         os.umask(PRIVATE_UMASK)  # as under an agent: what the rank writes is the user's alone
-        scope = {"__name__": "__main__", "__builtins__": __builtins__, "_sparkgpu_job_key": run_dir.key}
-        exec(compile(air, str(run_dir.air), "exec"), scope)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    finally:
-        os._exit(code)
+        rank_env = {
+            **env,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "GROUP_RANK": "0",
+            "ROLE_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",  # the zygote's store child serves it, as torch's agent would
+        }
+    except BaseException:
+        os._exit(1)
+    # As an agent's spare does: `python -c <text> RUN_DIR`, for the file could be swapped after the check.
+    become_rank(air, str(run_dir.air), run_dir.path, run_dir.key, rank_env)
 
 
 class _Zygote:
