@@ -36,8 +36,9 @@ of a ``@distributed`` function), with the module doing each::
     worker, per node
     10. Spark node task: verify the payload, start the agent, watch    launch.backends.spark
         it, beat for the client and the peer nodes                     .executor (.node, .hub)
-    11. node agent: verify, fork one spare per rank, rendezvous,       launch.node.agent,
-        start the ranks (the spares, or new interpreters) with the     .forked_ranks,
+    11. node agent: verify, fork one spare per rank (a shipped         launch.node.agent,
+        environment rehydrated and compared first), rendezvous,        .forked_ranks,
+        start the ranks (the spares, or new interpreters) with the     .shipped_overlay,
         verified _air.py text, record how each exits                   .rendezvous, .rank_exits
     worker, per rank
     12. _air.py: with a shipped environment, verify with the           launch.rundir

@@ -41,8 +41,11 @@ def assert_no_orphans(run_dir, within: float = 10.0):
 
 
 def where_and_sum(x):
+    import psutil
     import torch
     import torch.distributed as dist
+
+    import sparkgpu
 
     t = torch.tensor([x * (runtime.get_global_rank() + 1)])
     dist.all_reduce(t)
@@ -54,6 +57,8 @@ def where_and_sum(x):
         "sum": t.item(),
         "device": str(runtime.device()),
         "backend": dist.get_backend(),
+        "forked": psutil.Process().cmdline() == psutil.Process(os.getppid()).cmdline(),
+        "sparkgpu": sparkgpu.__file__,
     }
 
 
@@ -65,6 +70,9 @@ def test_train_all_reduces_across_four_ranks_on_both_workers(cluster_spark, spar
     assert {(r["device"], r["backend"]) for r in results} == {("cpu", "gloo")}  # simulated GPUs
     assert [r["node"] for r in results] == [0, 0, 1, 1]
     assert len({r["pid"] for r in results}) == 4
+    # The executors run the client's image: the ranks are forked from their node's agent, and run
+    # the shipped sparkgpu (docs/guides/launch.md, "How ranks start").
+    assert all(r["forked"] and "/env/views/" in r["sparkgpu"] for r in results), results
     # Each node's ranks got the GPU addresses of the task Spark scheduled: one worker each.
     by_node = {n: sorted(r["address"] for r in results if r["node"] == n) for n in (0, 1)}
     assert sorted(by_node.values()) == [spark_cluster.worker_addresses(0), spark_cluster.worker_addresses(1)]

@@ -41,6 +41,7 @@ from sparkgpu.launch.rank.entrypoint import EXIT_FAILED, _die_with_parent, leave
 from sparkgpu.launch.rundir.keys import KEY_DIR_ENV, hand_to_ranks, make_undumpable, rank_secrets, receive_key
 from sparkgpu.protocol import NodeExit, RankExit
 from sparkgpu.launch.node.forked_ranks import RankSpares, can_fork, forking_ranks
+from sparkgpu.launch.node.shipped_overlay import forkable_overlay, node_cache_dir
 from sparkgpu.launch.node.rank_exits import RankExitWatcher
 from sparkgpu.launch.rundir.directory import PRIVATE_UMASK, RunDir
 from sparkgpu.launch.rundir.layout import RunLayout
@@ -194,8 +195,18 @@ def main(argv=None) -> int:
     assert rd.key is not None  # the payload verified, which takes the job key
     air = verified[rd.air.name].decode()
     # Forked now, before the agent starts a thread or waits for anyone: each becomes one rank.
-    forks = can_fork(ships_environment=rd.file(RunLayout.HYDRATE).exists(), wanted=settings().fork_ranks)
-    spares = RankSpares(args.nproc, air, str(rd.air), rd.path, rd.key) if forks else None
+    forks = can_fork(wanted=settings().fork_ranks)
+    shared = None
+    if forks and RunLayout.HYDRATE in verified:  # the job ships its environment
+        shared = forkable_overlay(
+            verified[RunLayout.HYDRATE],
+            str(rd.file(RunLayout.HYDRATE)),
+            json.loads(verified[rd.spec_file.name])["env"],
+            node_cache_dir(),
+        )
+        forks = shared is not None
+    prelude = shared.rebase if shared is not None else None
+    spares = RankSpares(args.nproc, air, str(rd.air), rd.path, rd.key, prelude) if forks else None
     try:
         if args.env_on_stdin:  # started before the client's callbacks ran: their variables come now
             line = sys.stdin.readline()

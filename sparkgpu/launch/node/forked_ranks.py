@@ -14,8 +14,9 @@ the default signal handlers, the process variables torch's agent gave it, no des
 the agent's beyond the standard three, and the exit status ``python -c`` would have given.
 
 The agent never initialises CUDA, so forked ranks may use GPUs. A job that ships its
-environment still starts new interpreters: its ranks must import the shipped packages, not
-the agent's. ``SPARKGPU_FORK_RANKS=0`` starts new interpreters for every job.
+environment forks its ranks only where the shipped packages hold the agent's modules byte for
+byte (:mod:`~sparkgpu.launch.node.shipped_overlay`). ``SPARKGPU_FORK_RANKS=0`` starts new
+interpreters for every job.
 """
 
 from __future__ import annotations
@@ -59,10 +60,10 @@ def _handler_module():
     return api
 
 
-def can_fork(ships_environment: bool, wanted: bool) -> bool:
-    """Whether this node's agent forks its ranks: asked for (``SPARKGPU_FORK_RANKS``), the job
-    does not ship its environment, the platform forks, and torch builds its handlers as known."""
-    return wanted and not ships_environment and hasattr(os, "fork") and _handler_module() is not None
+def can_fork(wanted: bool) -> bool:
+    """Whether this node's agent may fork its ranks: asked for (``SPARKGPU_FORK_RANKS``), the
+    platform forks, and torch builds its handlers as known."""
+    return wanted and hasattr(os, "fork") and _handler_module() is not None
 
 
 class ForkedRank:
@@ -134,10 +135,11 @@ def become_rank(
     key: bytes,
     env: dict[str, str],
     streams: tuple[str | None, str | None] = (None, None),
+    prelude: Callable[[], None] | None = None,
 ) -> NoReturn:
     """In a forked process (a spare, or a warm pool's fork): becomes a rank as ``python -c <text>
     RUN_DIR`` would be one, with exactly the variables ``env``; never returns. The caller has
-    given it its process group or session."""
+    given it its process group or session. ``prelude`` runs just before the text."""
     code = 1
     try:
         for sig in _AGENT_SIGNALS:
@@ -159,6 +161,8 @@ def become_rank(
         main.__dict__.update(__builtins__=__builtins__, _sparkgpu_job_key=key)
         sys.modules["__main__"] = main
         sys.argv = ["-c", str(run_dir)]
+        if prelude is not None:
+            prelude()
         exec(compile(text, filename, "exec"), main.__dict__)
         code = 0
     except SystemExit as exc:
@@ -197,9 +201,19 @@ class RankSpares:
         filename: The name its tracebacks give it (the run dir's ``_air.py``).
         run_dir: The run dir (this node's copy), each rank's ``sys.argv[1]``.
         key: The job key, which each rank gets in memory.
+        prelude: Run in each rank before the text (:func:`become_rank`).
     """
 
-    def __init__(self, count: int, text: str, filename: str, run_dir: Path, key: bytes):
+    def __init__(
+        self,
+        count: int,
+        text: str,
+        filename: str,
+        run_dir: Path,
+        key: bytes,
+        prelude: Callable[[], None] | None = None,
+    ):
+        self._prelude = prelude
         self._waiting: list[tuple[int, int]] = []  # (pid, write end of its pipe), in the order ranks take them
         # What torch's import made stays out of every collection, the ranks' included: a rank's
         # collections then write to none of the pages it shares with the agent (Python's advice
@@ -232,7 +246,7 @@ class RankSpares:
             except BaseException:
                 traceback.print_exc()
                 os._exit(1)
-            become_rank(text, filename, run_dir, key, order["env"], (order["stdout"], order["stderr"]))
+            become_rank(text, filename, run_dir, key, order["env"], (order["stdout"], order["stderr"]), self._prelude)
         os.close(orders_r)
         os.close(ready_w)
         try:
