@@ -443,6 +443,25 @@ class LosingBackend(ScriptedBackend):
         return handle
 
 
+@pytest.mark.parametrize("peer_marker", [True, False], ids=["marker", "exit-record-only"])
+def test_a_rank_torn_down_as_its_peer_stops_for_a_restart_is_no_failure(tmp_path, peer_marker):
+    """Rank 0 stops for a restart; torch's agent stops rank 1 with SIGTERM before it gets there."""
+    sup, *_ = run_job(tmp_path, [])
+    rd = sup.run_dir
+    rd.prepare_attempt(0)
+    if peer_marker:
+        rd.preempted_file(0, 0).write_text("stopped for a restart")
+    exits = {"0": {"exitcode": EXIT_PREEMPTED, "pid": 1}, "1": {"exitcode": -15, "pid": 2}}
+    rd.write_control(rd.node_file(0, 0), json.dumps({"status": 1, "failures": exits}).encode())
+    assert read_attempt(rd, 0, 2, sup.job.policy).status.value == "preempted"
+    # Without a peer stopping for a restart, the same SIGTERM is the rank's own end: a failure.
+    alone = {"1": {"exitcode": -15, "pid": 2}}
+    rd.preempted_file(0, 0).unlink(missing_ok=True)
+    rd.write_control(rd.node_file(0, 0), json.dumps({"status": 1, "failures": alone}).encode())
+    failed = read_attempt(rd, 0, 2, sup.job.policy)
+    assert failed.status.value == "failed" and [f.rank for f in failed.failures] == [1]
+
+
 def test_a_lost_node_in_the_backends_report_fails_the_attempt_naming_its_host(tmp_path):
     sup, _, cb, rd, out = run_job(tmp_path, [], max_restarts=1)
     sup.backend = LosingBackend(["lost", "lost"])

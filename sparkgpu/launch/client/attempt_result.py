@@ -106,6 +106,9 @@ def read_attempt(
     own_failure = bool(failures) or any(
         i.exitcode not in (EXIT_PREEMPTED, -signal.SIGTERM) for r, i in exits.items() if r in silent
     )
+    # A rank that stopped for a restart ends its node's ranks: torch's agent stops the others with
+    # SIGTERM, which can reach one a moment before it stops for the restart itself.
+    restarting = bool(preempted) or any(i.exitcode == EXIT_PREEMPTED for r, i in exits.items() if r in silent)
     for rank in silent:
         info = exits.get(rank)
         if info is None:
@@ -113,8 +116,8 @@ def read_attempt(
         if info.exitcode == EXIT_PREEMPTED:
             preempted.append(rank)  # stopped for a restart; its marker may be lost with the node
             continue
-        if own_failure and info.exitcode == -signal.SIGTERM:
-            continue  # torn down after another rank failed: not a failure of its own
+        if (own_failure or restarting) and info.exitcode == -signal.SIGTERM:
+            continue  # torn down after another rank failed or stopped for a restart: not a failure of its own
         if stopped_by and info.exitcode in (-signal.SIGTERM, -signal.SIGKILL):
             continue  # the supervisor stopped it (cap or policy): judged below
         failures.append(
