@@ -69,7 +69,8 @@ def test_each_rank_reports_what_rehydrating_its_environment_cost(workers_share_t
     for report in reports.values():
         assert set(report["steps"]) == {"check", "extract", "view"} and report["seconds"] > 0
         assert report["extracted"] or report["cached"]  # the caller's code travels at least
-    # The ranks share the node's cache: what one extracted, the other found there.
+    # The ranks share the node's cache: what one extracted, the other found there. Forked from the
+    # agent (which rehydrates before it forks them), the node's first rank reports the agent's work.
     assert sum(r["fetched_bytes"] for r in reports.values()) > 0
     for rank in (0, 1):
         assert "sparkgpu: environment rehydrated in" in rd.log_file(0, rank).read_text()

@@ -205,7 +205,7 @@ def main(argv=None) -> int:
             node_cache_dir(),
         )
         forks = shared is not None
-    prelude = shared.rebase if shared is not None else None
+    prelude = shared.enter_rank if shared is not None else None
     spares = RankSpares(args.nproc, air, str(rd.air), rd.path, rd.key, prelude) if forks else None
     try:
         if args.env_on_stdin:  # started before the client's callbacks ran: their variables come now

@@ -39,9 +39,20 @@ class SharedModules:
     Attributes:
         roots: Top-level name -> (where the agent imported it from, the overlay's copy): a
             package's folder, or a module's file.
+        hydration: What the agent's rehydration did (``HydrationReport.to_dict()``), the node's
+            cost of the environment, which its first rank reports.
     """
 
     roots: Mapping[str, tuple[str, str]]
+    hydration: dict | None = None
+
+    def enter_rank(self) -> None:
+        """In a forked rank, before ``_air.py``: :meth:`rebase`, and on the node's first rank hand
+        ``_air.py`` the agent's rehydration report to record as its own (``_air.py``'s own
+        rehydration finds everything in the cache)."""
+        self.rebase()
+        if self.hydration is not None and os.environ.get("LOCAL_RANK") == "0":
+            sys.modules["__main__"].__dict__["_sparkgpu_node_hydration"] = self.hydration
 
     def rebase(self, modules: dict[str, types.ModuleType] | None = None) -> None:
         """In a forked rank: the shared modules become the overlay's copies, as a new interpreter
@@ -183,4 +194,5 @@ def forkable_overlay(hydrate_text: bytes, filename: str, manifest: dict, cache_d
         return None
     finally:
         del sys.modules[hydration.__name__]
-    return shared_with_overlay(list(overlay.paths))
+    shared = shared_with_overlay(list(overlay.paths))
+    return dataclasses.replace(shared, hydration=overlay.report.to_dict()) if shared is not None else None

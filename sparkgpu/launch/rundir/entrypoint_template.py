@@ -29,6 +29,9 @@ _env_error = None
 # The job key (sparkgpu.launch.rundir.keys): in memory from a forking launcher, else this rank's own
 # file, removed once read. Only the folder's name is in the environment, and it leaves it here.
 _key = globals().pop("_sparkgpu_job_key", None)
+# A rank forked from its node's agent, which rehydrated the environment for the node's ranks,
+# reports on its node's first rank what that cost (sparkgpu.launch.node.shipped_overlay).
+_node_hydration = globals().pop("_sparkgpu_node_hydration", None)
 _key_dir = os.environ.pop({key_dir_env!r}, "")
 if _key is None and _key_dir:
     _key_file = os.path.join(_key_dir, {rank_key_file!r}.format(local_rank=os.environ.get("LOCAL_RANK", "0")))
@@ -56,6 +59,8 @@ if os.path.exists(os.path.join(_run_dir, {hydrate!r})):
         exec(compile(_files[{hydrate!r}], _h.__file__, "exec"), _h.__dict__)
         _cache = os.environ.get("SPARKGPU_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "sparkgpu")
         _overlay = _h.hydrate(_spec["env"], _cache)
+        if _node_hydration is not None:
+            _overlay.report = _h.HydrationReport(**_node_hydration)
         _h.activate(_overlay)
     except Exception as _exc:
         _env_error = _exc
