@@ -27,6 +27,7 @@ from sparkgpu.callbacks import JobCallback
 from sparkgpu._keyring import new_key, save_key
 from sparkgpu.launch.rundir.directory import RunDir
 from sparkgpu.launch.client.retention import prune_runs
+from sparkgpu.launch.rundir.preload import modules_to_preload
 from sparkgpu.launch.rundir.serialization import add_keyword_arguments, client_sys_path, serialize_payload
 from sparkgpu.spec import JobSpec
 from sparkgpu.usage.meter import enforce_policy, enforce_pool_policy
@@ -62,6 +63,7 @@ class PreparedJob:
     ship_environment: bool = False
     environment: dict | None = None
     written: bool = False
+    preload: list = dataclasses.field(default_factory=list)  # launch.rundir.preload
 
     def plan(self, attempt: int = 0) -> LaunchPlan:
         """What the backend will start for ``attempt``: the printable dry run."""
@@ -96,6 +98,8 @@ class PreparedJob:
         if self.written:
             raise SparkGPUError(f"job {self.job.job_id} is written already; prepare a new job to launch again")
         spec, extra_files, sys_path, environment = self.job.to_dict(), {}, client_sys_path(), None
+        if self.preload:
+            spec["preload"] = self.preload
         if self.ship_environment:
             from sparkgpu.env import stage_environment, worker_bootstrap_files
 
@@ -170,4 +174,5 @@ def prepare(
         run_dir=RunDir(settings().staging_root / job.job_id),
         key=new_key(),
         ship_environment=ship_environment,
+        preload=modules_to_preload(fn),
     )

@@ -36,10 +36,11 @@ of a ``@distributed`` function), with the module doing each::
     worker, per node
     10. Spark node task: verify the payload, start the agent, watch    launch.backends.spark
         it, beat for the client and the peer nodes                     .executor (.node, .hub)
-    11. node agent: verify, fork one spare per rank (a shipped         launch.node.agent,
-        environment rehydrated and compared first), rendezvous,        .forked_ranks,
-        start the ranks (the spares, or new interpreters) with the     .shipped_overlay,
-        verified _air.py text, record how each exits                   .rendezvous, .rank_exits
+    11. node agent: verify, preload the libraries the function         launch.node.agent,
+        imports, fork one spare per rank (a shipped environment        .forked_ranks,
+        rehydrated and compared first), rendezvous, start the ranks    .shipped_overlay,
+        (the spares, or new interpreters) with the verified _air.py    .rendezvous, .rank_exits,
+        text, record how each exits                                    launch.rundir.preload
     worker, per rank
     12. _air.py: with a shipped environment, verify with the           launch.rundir
         standard library alone, then rehydrate it                      .entrypoint_template,

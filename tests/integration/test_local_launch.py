@@ -487,3 +487,43 @@ def test_a_callback_that_fails_before_the_job_leaves_no_agent_and_no_attempt():
     run_dir = settings().staging_root / never_runs.last_job_id
     assert_no_orphans(run_dir)
     assert not (run_dir / "attempts").exists() or list((run_dir / "attempts").iterdir()) == []
+
+
+def _what_the_rank_had_imported():
+    import sys
+
+    already = "transformers.trainer" in sys.modules  # before this function's own import below
+    from transformers import Trainer  # noqa: F401
+
+    return already
+
+
+@pytest.mark.parametrize("fork", ["1", "0"])
+def test_libraries_the_function_imports_are_imported_once_by_the_agent_before_the_fork(monkeypatch, fork):
+    """transformers' Trainer costs each rank about 3.5 s of CPU to import: a forked rank finds it
+    imported by its agent (docs/guides/launch.md, "How ranks start")."""
+    monkeypatch.setenv("SPARKGPU_FORK_RANKS", fork)
+    job = distributed(gpus=2, gpu_type="cpu", log_ranks=None)(_what_the_rank_had_imported)
+    assert job.distributed() == [fork == "1"] * 2
+
+
+def _imported_at_the_restart():
+    import sys
+    import time
+
+    import psutil
+
+    already = "transformers.trainer" in sys.modules
+    from transformers import Trainer  # noqa: F401
+
+    if runtime.attempt() == 0:
+        time.sleep(4)  # the job's standby starts 2 s into the attempt
+        if runtime.get_global_rank() == 1:
+            os._exit(3)
+        time.sleep(60)  # stopped by its agent once rank 1 is gone
+    return already, "sparkgpu.launch.backends.local.zygote" in " ".join(psutil.Process(os.getppid()).cmdline())
+
+
+def test_a_restart_from_the_standby_finds_the_libraries_imported_too():
+    job = distributed(gpus=2, gpu_type="cpu", log_ranks=None, max_restarts=1)(_imported_at_the_restart)
+    assert job.distributed() == [(True, True)] * 2  # forked by the standby, transformers imported there

@@ -75,7 +75,7 @@ def test_only_a_job_that_may_restart_gets_a_standby_and_only_once_its_attempt_is
     from sparkgpu.spec import JobSpec, Resources, RunPolicy
 
     started = []
-    monkeypatch.setattr(zygote_client, "Standby", lambda python, job_id: started.append(job_id) or object())
+    monkeypatch.setattr(zygote_client, "Standby", lambda python, job_id, preload: started.append(job_id) or object())
     backend = LocalBackend()
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:

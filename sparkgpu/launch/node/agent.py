@@ -42,6 +42,7 @@ from sparkgpu.launch.rundir.keys import KEY_DIR_ENV, hand_to_ranks, make_undumpa
 from sparkgpu.protocol import NodeExit, RankExit
 from sparkgpu.launch.node.forked_ranks import RankSpares, can_fork, forking_ranks
 from sparkgpu.launch.node.shipped_overlay import forkable_overlay, node_cache_dir
+from sparkgpu.launch.rundir.preload import fork_hazard, preload
 from sparkgpu.launch.node.rank_exits import RankExitWatcher
 from sparkgpu.launch.rundir.directory import PRIVATE_UMASK, RunDir
 from sparkgpu.launch.rundir.layout import RunLayout
@@ -186,7 +187,8 @@ def main(argv=None) -> int:
     verified = verify_or_refuse(rd, key, args.attempt, args.node_rank, args.nproc)
     if verified is None:
         return EXIT_FAILED
-    init_timeout = json.loads(verified[rd.spec_file.name])["policy"]["init_timeout"]
+    spec = json.loads(verified[rd.spec_file.name])
+    init_timeout = spec["policy"]["init_timeout"]
     # torch's import is the agent's longest part: done before an early agent waits for its variables.
     import torch.distributed.launcher.api  # noqa: F401
 
@@ -196,13 +198,16 @@ def main(argv=None) -> int:
     air = verified[rd.air.name].decode()
     # Forked now, before the agent starts a thread or waits for anyone: each becomes one rank.
     forks = can_fork(wanted=settings().fork_ranks)
+    if forks and spec.get("preload"):  # what the job's function imports, so that no rank imports it again
+        preloaded = preload(spec["preload"])
+        hazard = fork_hazard()
+        if hazard is not None:
+            logging.warning("the ranks start as new interpreters: after importing %s, %s", preloaded, hazard)
+            forks = False
     shared = None
     if forks and RunLayout.HYDRATE in verified:  # the job ships its environment
         shared = forkable_overlay(
-            verified[RunLayout.HYDRATE],
-            str(rd.file(RunLayout.HYDRATE)),
-            json.loads(verified[rd.spec_file.name])["env"],
-            node_cache_dir(),
+            verified[RunLayout.HYDRATE], str(rd.file(RunLayout.HYDRATE)), spec["env"], node_cache_dir()
         )
         forks = shared is not None
     prelude = shared.enter_rank if shared is not None else None

@@ -56,6 +56,7 @@ class LocalAttempt(AttemptHandle):
     log: IO[bytes]
     job: JobSpec | None = None
     submitted: float = dataclasses.field(default_factory=time.monotonic)
+    run_dir: RunDir | None = None
 
     def poll(self) -> int | None:
         code = self.process.poll()
@@ -282,7 +283,7 @@ class LocalBackend(Backend, Preemptible):
             send_key(process.stdin, run_dir.key)
             if not env_on_stdin:
                 process.stdin.close()
-        return LocalAttempt(attempt=attempt, process=process, log=log, job=job)
+        return LocalAttempt(attempt=attempt, process=process, log=log, job=job, run_dir=run_dir)
 
     def poll(self, handle) -> int | None:
         code = handle.poll()
@@ -310,7 +311,9 @@ class LocalBackend(Backend, Preemptible):
             return
         from sparkgpu.launch.backends.local.zygote_client import Standby
 
-        self._standbys[job.job_id] = Standby(self.python, job.job_id)
+        # The libraries the job's function imports (launch.rundir.preload), from the spec this client wrote.
+        spec = json.loads(handle.run_dir.spec_file.read_text()) if handle.run_dir is not None else {}
+        self._standbys[job.job_id] = Standby(self.python, job.job_id, spec.get("preload", []))
 
     def end_job(self, job: JobSpec) -> None:
         self._first_asked.pop(job.job_id, None)

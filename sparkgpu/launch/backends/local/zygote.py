@@ -1,7 +1,7 @@
 """The warm pool's zygote: the long-lived process that forks a job's ranks with torch imported.
 
 The client side (:mod:`sparkgpu.launch.backends.local.zygote_client`) starts it as
-``python -m sparkgpu.launch.backends.local.zygote DIRECTORY IDLE_TIMEOUT FINGERPRINT [standby]`` and talks to it
+``python -m sparkgpu.launch.backends.local.zygote DIRECTORY IDLE_TIMEOUT FINGERPRINT [standby PRELOAD]`` and talks to it
 over the UNIX socket ``DIRECTORY/pool.sock``, one JSON line per request and per reply
 (``status``, ``stop``, ``retire``, ``run``); it describes itself in ``DIRECTORY/pool.json``.
 
@@ -39,6 +39,7 @@ from sparkgpu.protocol import NodeExit, RankExit
 from sparkgpu.launch.node.rank_exits import CRASH_KILL_DELAY
 from sparkgpu.launch.rundir.directory import PRIVATE_UMASK, RunDir
 from sparkgpu.launch.rundir.layout import RunLayout
+from sparkgpu.launch.rundir.preload import fork_hazard, preload
 
 _REQUEST_TIMEOUT = 10.0  # seconds a client has to send its whole request line
 
@@ -378,6 +379,12 @@ def _serve(argv: list[str]) -> None:
 
     import sparkgpu.launch.rank.entrypoint  # noqa: F401
 
+    if argv[4:5]:  # a standby imports what its job's function imports, as the job's agent does
+        preloaded = preload(json.loads(argv[4]))
+        hazard = fork_hazard()
+        if hazard is not None:  # the job's restarts start cold instead
+            report(f"this standby forks no rank: after importing {preloaded}, {hazard}")
+            sys.exit(1)
     _Zygote(directory, idle_timeout, fingerprint).serve()
 
 

@@ -276,16 +276,27 @@ class Standby:
     Args:
         python: The interpreter of the job's ranks.
         job_id: The job it serves.
+        preload: The libraries the job's function imports, which it imports before it forks
+            (:mod:`sparkgpu.launch.rundir.preload`).
     """
 
-    def __init__(self, python: str, job_id: str):
+    def __init__(self, python: str, job_id: str, preload: list | None = None):
         self.job_id = job_id
         name = hashlib.sha256(job_id.encode()).hexdigest()[:12]  # a UNIX socket's path is short
         self.directory = settings().home / "standby" / name
         self.directory.mkdir(parents=True, exist_ok=True)
         with open(self.directory / "pool.log", "ab") as log:
             self.process = subprocess.Popen(
-                [python, "-m", "sparkgpu.launch.backends.local.zygote", str(self.directory), "inf", "", "standby"],
+                [
+                    python,
+                    "-m",
+                    "sparkgpu.launch.backends.local.zygote",
+                    str(self.directory),
+                    "inf",
+                    "",
+                    "standby",
+                    json.dumps(preload or []),
+                ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

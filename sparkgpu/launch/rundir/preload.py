@@ -1,0 +1,138 @@
+"""Libraries a node's agent imports before it forks the job's ranks, so that no rank imports them again.
+
+A forked rank (:mod:`sparkgpu.launch.node.forked_ranks`) starts with what its agent imported:
+torch, and sparkgpu's launch code. A fine-tuning job then imports transformers' ``Trainer`` in
+every rank at every attempt: about 3.5 s of CPU each, more than the rest of a rank's start. So
+the client notes which of a few well-known libraries the job's function imports or refers to
+(:func:`modules_to_preload`, read from its code, not run), the run dir's spec carries the list
+(``"preload"``, signed with it), and the agent imports them before it forks (:func:`preload`).
+
+Only the libraries of :data:`PRELOADABLE` are ever imported by an agent: they read no rank
+variable at import and start nothing. The agent checks that anyway: a process that has a second
+thread, or CUDA initialised, after the imports is no process to fork (:func:`fork_hazard`), and
+its ranks then start as new interpreters.
+"""
+
+from __future__ import annotations
+
+import dis
+import importlib
+import logging
+import sys
+import threading
+import types
+from collections.abc import Callable, Iterable
+
+__all__ = ["PRELOADABLE", "fork_hazard", "modules_to_preload", "preload"]
+
+log = logging.getLogger(__name__)
+
+#: Top-level packages an agent may import on a job's behalf.
+PRELOADABLE = frozenset(
+    {"transformers", "peft", "trl", "accelerate", "datasets", "lightning", "pytorch_lightning", "torchvision"}
+)
+_DEPTH = 3  # functions of the caller's module followed from the job's function
+
+
+def _imports(code: types.CodeType) -> Iterable[tuple[str, tuple[str, ...]]]:
+    """``(module, names)`` of each absolute import statement in ``code`` and the code nested in it."""
+    instructions = list(dis.get_instructions(code))
+    for i, instruction in enumerate(instructions):
+        if instruction.opname != "IMPORT_NAME" or i < 2:
+            continue
+        level, fromlist = instructions[i - 2].argval, instructions[i - 1].argval
+        if level == 0:
+            yield instruction.argval, tuple(fromlist or ())
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _imports(const)
+
+
+def _names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
+def modules_to_preload(fn: Callable) -> list[list]:
+    """The :data:`PRELOADABLE` modules ``fn`` imports or refers to, as ``[module, [names]]``.
+
+    Read from the code of ``fn``, of the functions it refers to in its own module (a few
+    levels deep) and of the objects it refers to; nothing is run. ``names`` are what a ``from
+    module import ...`` takes: transformers imports its classes' modules when they are asked for.
+    """
+    found: dict[str, set[str]] = {}
+
+    def note(module: str, names: Iterable[str] = ()) -> None:
+        if module.partition(".")[0] in PRELOADABLE:
+            found.setdefault(module, set()).update(n for n in names if n != "*")
+
+    seen: set[int] = set()
+
+    def visit(function, depth: int) -> None:
+        code = getattr(function, "__code__", None)
+        if code is None or id(code) in seen:
+            return
+        seen.add(id(code))
+        for module, names in _imports(code):
+            note(module, names)
+        scope = dict(getattr(function, "__globals__", {}))
+        for cell in getattr(function, "__closure__", None) or ():
+            try:
+                scope[f"<cell {id(cell)}>"] = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+        wanted = _names(code) | {name for name in scope if name.startswith("<cell ")}
+        for name in wanted:
+            value = scope.get(name)
+            if value is None:
+                continue
+            if isinstance(value, types.ModuleType):
+                note(value.__name__)
+            elif isinstance(getattr(value, "__module__", None), str):
+                note(value.__module__)
+                same_module = value.__module__ == getattr(function, "__module__", None)
+                if isinstance(value, types.FunctionType) and same_module and depth < _DEPTH:
+                    visit(value, depth + 1)
+
+    visit(fn, 0)
+    return [[module, sorted(names)] for module, names in sorted(found.items())]
+
+
+def preload(entries: list) -> list[str]:
+    """Imports the spec's ``preload`` entries of :data:`PRELOADABLE` (the agent, before it forks).
+
+    A library that fails to import is left to the ranks, which report the error as their own.
+
+    Returns:
+        The modules imported.
+    """
+    done = []
+    for module, names in entries:
+        if module.partition(".")[0] not in PRELOADABLE:
+            continue  # a spec is signed, but only these are known to be safe to import here
+        try:
+            imported = importlib.import_module(module)
+            for name in names:
+                getattr(imported, name, None)  # a lazy module imports the name's own module now
+        except Exception as exc:  # noqa: BLE001  # the ranks meet it again and report it
+            log.info("could not preload %s for the ranks (%s): they import it themselves", module, exc)
+            continue
+        done.append(module)
+    return done
+
+
+def fork_hazard() -> str | None:
+    """Why this process should not fork its ranks now, or ``None``: a Python thread besides the
+    main one (a lock it holds would stay held in the child), or CUDA initialised (no child could
+    use it). Native thread pools that handle a fork themselves (OpenBLAS, which numpy and scipy
+    start at import, jemalloc's) are no hazard."""
+    others = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    if others:
+        return f"Python threads run in the agent: {', '.join(sorted(others))}"
+    cuda = sys.modules.get("torch.cuda")
+    if cuda is not None and cuda.is_initialized():
+        return "CUDA is initialised in the agent"
+    return None
