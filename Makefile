@@ -23,7 +23,7 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
-# Lint and type checks (configured in pyproject.toml) run before the tests, so CI fails on a new finding.
+# Lint and type checks (configured in pyproject.toml); `make test` runs them too, so CI fails on a new finding.
 LINT_PATHS := sparkgpu tests benchmarks examples
 lint: $(STAMP)
 	$(PY) -m ruff check $(LINT_PATHS)
@@ -35,9 +35,17 @@ lint: $(STAMP)
 TEST_WORKERS ?= 3
 # The suite starts about a thousand Python processes (agents, ranks): each would compile the
 # package's modules from source again where byte code is not written (PYTHONDONTWRITEBYTECODE).
-test: lint
+# The type check (one core for most of a minute) runs beside the tests, while their workers start
+# servers; it prints when the tests end, and either failing fails the target.
+test: $(STAMP)
+	$(PY) -m ruff check $(LINT_PATHS)
+	$(PY) -m ruff format --check $(LINT_PATHS)
 	$(PY) -m compileall -q sparkgpu tests benchmarks examples
-	$(PY) -m pytest -q -ra --durations=30 -n $(TEST_WORKERS)
+	@types=$$(mktemp); $(PY) -m mypy sparkgpu > $$types 2>&1 & mypy=$$!; \
+	echo "$(PY) -m mypy sparkgpu (beside the tests)"; \
+	$(PY) -m pytest -q -ra --durations=30 -n $(TEST_WORKERS); tests=$$?; \
+	wait $$mypy; typed=$$?; cat $$types; rm -f $$types; \
+	test $$tests -eq 0 && test $$typed -eq 0
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
