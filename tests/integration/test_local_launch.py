@@ -427,7 +427,7 @@ def test_a_restart_forks_its_ranks_from_the_jobs_standby_which_ends_with_the_job
     results = crash_once.distributed(LocalBackend.standby_delay + 1.5)
     assert [r[0] for r in results] == [1, 1]
     (standby_pid,) = {r[1] for r in results}
-    assert all("sparkgpu.launch.backends.local.zygote" in r[2] and r[2][-1] == "standby" for r in results)
+    assert all("sparkgpu.launch.backends.local.zygote" in r[2] and "standby" in r[2] for r in results)
     assert not psutil.pid_exists(standby_pid) or psutil.Process(standby_pid).status() == psutil.STATUS_ZOMBIE
     assert list((settings().home / "standby").iterdir()) == []
 
