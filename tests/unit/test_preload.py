@@ -59,3 +59,20 @@ def test_a_python_thread_in_the_agent_is_a_hazard_to_forking():
     finally:
         stop.set()
         thread.join()
+
+
+class _RaisingProxy:
+    def __getattribute__(self, name):
+        raise RuntimeError(f"a proxy that resolves {name} remotely")
+
+
+PROXY = _RaisingProxy()
+
+
+def test_a_global_that_raises_on_attribute_access_is_passed_over():
+    def uses_a_proxy():
+        from transformers import Trainer
+
+        return PROXY, Trainer
+
+    assert modules_to_preload(uses_a_proxy) == [["transformers", ["Trainer"]]]

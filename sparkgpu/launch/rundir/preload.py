@@ -89,13 +89,17 @@ def modules_to_preload(fn: Callable) -> list[list]:
             value = scope.get(name)
             if value is None:
                 continue
-            if isinstance(value, types.ModuleType):
-                note(value.__name__)
-            elif isinstance(getattr(value, "__module__", None), str):
-                note(value.__module__)
-                same_module = value.__module__ == getattr(function, "__module__", None)
-                if isinstance(value, types.FunctionType) and same_module and depth < _DEPTH:
-                    visit(value, depth + 1)
+            try:  # a proxy may raise on any attribute, __class__ included: then there is nothing to learn
+                function_here = isinstance(value, types.FunctionType)
+                owner = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
+            except Exception:  # noqa: BLE001
+                log.debug("%s refers to %s, whose module cannot be read", function, name, exc_info=True)
+                continue
+            if not isinstance(owner, str):
+                continue
+            note(owner)
+            if function_here and owner == getattr(function, "__module__", None) and depth < _DEPTH:
+                visit(value, depth + 1)
 
     visit(fn, 0)
     return [[module, sorted(names)] for module, names in sorted(found.items())]
