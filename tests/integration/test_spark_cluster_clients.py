@@ -35,9 +35,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.usefixture
 CLIENT_TIMEOUT = 8.0
 
 
-def train_until_told(marks, steps):
+def train_until_told(marks, steps, returns_when_told=True):
     """DDP with a checkpoint after every step; attempt 0 stops after step 3 until told to stop
-    (SIGTERM asks a checkpointing rank for a checkpoint), as a job stuck until its fault."""
+    (SIGTERM asks a checkpointing rank for a checkpoint), as a job stuck until its fault. With
+    ``returns_when_told=False`` it is not told: it stays stuck until its ranks are killed."""
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -62,7 +63,7 @@ def train_until_told(marks, steps):
         if rank == 0:
             Path(marks, f"a{attempt}.step").write_text(str(step))
         if attempt == 0 and step == 3:
-            while not runtime.should_checkpoint():
+            while not (returns_when_told and runtime.should_checkpoint()):
                 time.sleep(0.2)
             ckpt.close()
             return "stopped"
@@ -340,7 +341,9 @@ def test_a_restarted_connect_server_ends_the_attempt_and_the_job_resumes_on_a_ne
                 train_until_told,
                 gpus=2,
                 gpu_type="A10",
-                args=(str(marks), 6),
+                # Stuck until the application ends: a rank that returned when its teardown's
+                # SIGTERM reached it would end the attempt as succeeded, with that result.
+                args=(str(marks), 6, False),
                 max_restarts=1,
                 wait_timeout=240,
                 name="connect_restart",
