@@ -68,6 +68,7 @@ __all__ = [
     "hydrate",
     "activate",
     "record_report",
+    "default_cache_dir",
 ]
 
 MANIFEST_FORMAT = 1
@@ -295,6 +296,11 @@ def _human_bytes(count: int) -> str:
         if value < 1000:
             return f"{value:.1f} {unit}"
     return f"{value / 1000:.1f} GB"
+
+
+def default_cache_dir() -> str:
+    """The node's cache that ranks rehydrate into: ``SPARKGPU_CACHE_DIR``, else ``~/.cache/sparkgpu``."""
+    return os.environ.get("SPARKGPU_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "sparkgpu")
 
 
 def record_report(report: HydrationReport, report_path: str, log_path: str) -> None:

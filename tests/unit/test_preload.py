@@ -6,7 +6,7 @@ import threading
 import transformers
 from transformers import PretrainedConfig
 
-from sparkgpu.launch.rundir.preload import fork_hazard, modules_to_preload, preload
+from sparkgpu.launch.rundir.preload import fork_hazard, modules_to_preload, preload, preload_before_fork
 
 
 def _helper():
@@ -56,6 +56,7 @@ def test_a_python_thread_in_the_agent_is_a_hazard_to_forking():
     thread.start()
     try:
         assert "left-running" in fork_hazard()
+        assert preload_before_fork([["transformers", []]]).startswith("after importing ['transformers'], ")
     finally:
         stop.set()
         thread.join()

@@ -41,8 +41,8 @@ from sparkgpu.launch.rank.entrypoint import EXIT_FAILED, _die_with_parent, leave
 from sparkgpu.launch.rundir.keys import KEY_DIR_ENV, hand_to_ranks, make_undumpable, rank_secrets, receive_key
 from sparkgpu.protocol import NodeExit, RankExit
 from sparkgpu.launch.node.forked_ranks import RankSpares, can_fork, forking_ranks
-from sparkgpu.launch.node.shipped_overlay import forkable_overlay, node_cache_dir
-from sparkgpu.launch.rundir.preload import fork_hazard, preload
+from sparkgpu.launch.node.shipped_overlay import forkable_overlay
+from sparkgpu.launch.rundir.preload import preload_before_fork
 from sparkgpu.launch.node.rank_exits import RankExitWatcher
 from sparkgpu.launch.rundir.directory import PRIVATE_UMASK, RunDir
 from sparkgpu.launch.rundir.layout import RunLayout
@@ -199,16 +199,13 @@ def main(argv=None) -> int:
     # Forked now, before the agent starts a thread or waits for anyone: each becomes one rank.
     forks = can_fork(wanted=settings().fork_ranks)
     if forks and spec.get("preload"):  # what the job's function imports, so that no rank imports it again
-        preloaded = preload(spec["preload"])
-        hazard = fork_hazard()
+        hazard = preload_before_fork(spec["preload"])
         if hazard is not None:
-            logging.warning("the ranks start as new interpreters: after importing %s, %s", preloaded, hazard)
+            logging.warning("the ranks start as new interpreters: %s", hazard)
             forks = False
     shared = None
     if forks and RunLayout.HYDRATE in verified:  # the job ships its environment
-        shared = forkable_overlay(
-            verified[RunLayout.HYDRATE], str(rd.file(RunLayout.HYDRATE)), spec["env"], node_cache_dir()
-        )
+        shared = forkable_overlay(verified[RunLayout.HYDRATE], str(rd.file(RunLayout.HYDRATE)), spec["env"])
         forks = shared is not None
     prelude = shared.enter_rank if shared is not None else None
     spares = RankSpares(args.nproc, air, str(rd.air), rd.path, rd.key, prelude) if forks else None

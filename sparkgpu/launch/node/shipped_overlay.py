@@ -25,7 +25,7 @@ import types
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-__all__ = ["SharedModules", "forkable_overlay", "node_cache_dir", "shared_with_overlay"]
+__all__ = ["SharedModules", "forkable_overlay", "shared_with_overlay"]
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def _top_level(entry: os.DirEntry) -> str | None:
     """The top-level module name an entry of an import root provides, if any."""
     name = entry.name
     if entry.is_dir():
-        return name if name.isidentifier() else None  # skips *.dist-info, __pycache__ is no module either
+        return name if name.isidentifier() and name != "__pycache__" else None  # not *.dist-info either
     if name.endswith(".py"):
         return name[:-3] if name[:-3].isidentifier() else None
     for suffix in _EXTENSION_SUFFIXES:
@@ -112,7 +112,7 @@ def _provided(paths: list[str]) -> Iterator[tuple[str, str]]:
             continue
         for entry in entries:
             name = _top_level(entry)
-            if name and name != "__pycache__" and name not in seen:
+            if name and name not in seen:
                 seen.add(name)
                 yield name, entry.path
 
@@ -171,14 +171,10 @@ def shared_with_overlay(
     return SharedModules(roots)
 
 
-def node_cache_dir() -> str:
-    """Where ``_air.py`` rehydrates environments on this node (its rule, for the agent)."""
-    return os.environ.get("SPARKGPU_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "sparkgpu")
-
-
-def forkable_overlay(hydrate_text: bytes, filename: str, manifest: dict, cache_dir: str) -> SharedModules | None:
-    """Rehydrates the job's overlay with the job's own (checked) hydration module, as its ranks
-    would, and compares it with what the agent imported (:func:`shared_with_overlay`).
+def forkable_overlay(hydrate_text: bytes, filename: str, manifest: dict) -> SharedModules | None:
+    """Rehydrates the job's overlay with the job's own (checked) hydration module into the node's
+    cache, as its ranks would, and compares it with what the agent imported
+    (:func:`shared_with_overlay`).
 
     ``None`` when the ranks must start as new interpreters: the overlay differs, or it could not
     be rehydrated (the ranks then meet that error and report it as their own).
@@ -188,7 +184,7 @@ def forkable_overlay(hydrate_text: bytes, filename: str, manifest: dict, cache_d
     sys.modules[hydration.__name__] = hydration  # its dataclasses look their module up
     try:
         exec(compile(hydrate_text, filename, "exec"), hydration.__dict__)
-        overlay = hydration.hydrate(manifest, cache_dir)
+        overlay = hydration.hydrate(manifest, hydration.default_cache_dir())
     except Exception as exc:  # noqa: BLE001  # the ranks report it: each rehydrates for itself
         log.info("the agent could not rehydrate the job's environment (%s): ranks start anew", exc)
         return None

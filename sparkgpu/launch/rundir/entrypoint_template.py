@@ -57,8 +57,7 @@ if os.path.exists(os.path.join(_run_dir, {hydrate!r})):
         _h = sys.modules["_sparkgpu_hydrate"] = types.ModuleType("_sparkgpu_hydrate")
         _h.__file__ = os.path.join(_run_dir, {hydrate!r})
         exec(compile(_files[{hydrate!r}], _h.__file__, "exec"), _h.__dict__)
-        _cache = os.environ.get("SPARKGPU_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "sparkgpu")
-        _overlay = _h.hydrate(_spec["env"], _cache)
+        _overlay = _h.hydrate(_spec["env"], _h.default_cache_dir())
         if _node_hydration is not None:
             _overlay.report = _h.HydrationReport(**_node_hydration)
         _h.activate(_overlay)

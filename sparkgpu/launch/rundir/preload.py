@@ -8,9 +8,9 @@ the client notes which of a few well-known libraries the job's function imports 
 (``"preload"``, signed with it), and the agent imports them before it forks (:func:`preload`).
 
 Only the libraries of :data:`PRELOADABLE` are ever imported by an agent: they read no rank
-variable at import and start nothing. The agent checks that anyway: a process that has a second
-thread, or CUDA initialised, after the imports is no process to fork (:func:`fork_hazard`), and
-its ranks then start as new interpreters.
+variable at import and start no Python thread. The agent checks that anyway: a process with a
+Python thread besides its main one, or CUDA initialised, after the imports is no process to fork
+(:func:`preload_before_fork`), and its ranks then start as new interpreters.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import threading
 import types
 from collections.abc import Callable, Iterable
 
-__all__ = ["PRELOADABLE", "fork_hazard", "modules_to_preload", "preload"]
+__all__ = ["PRELOADABLE", "fork_hazard", "modules_to_preload", "preload", "preload_before_fork"]
 
 log = logging.getLogger(__name__)
 
@@ -140,3 +140,11 @@ def fork_hazard() -> str | None:
     if cuda is not None and cuda.is_initialized():
         return "CUDA is initialised in the agent"
     return None
+
+
+def preload_before_fork(entries: list) -> str | None:
+    """:func:`preload`, then :func:`fork_hazard`: why this process should no longer fork its ranks
+    (naming what it imported), or ``None``. The node's agent and a job's standby call it."""
+    preloaded = preload(entries)
+    hazard = fork_hazard()
+    return None if hazard is None else f"after importing {preloaded}, {hazard}"

@@ -39,7 +39,7 @@ from sparkgpu.protocol import NodeExit, RankExit
 from sparkgpu.launch.node.rank_exits import CRASH_KILL_DELAY
 from sparkgpu.launch.rundir.directory import PRIVATE_UMASK, RunDir
 from sparkgpu.launch.rundir.layout import RunLayout
-from sparkgpu.launch.rundir.preload import fork_hazard, preload
+from sparkgpu.launch.rundir.preload import preload_before_fork
 
 _REQUEST_TIMEOUT = 10.0  # seconds a client has to send its whole request line
 
@@ -380,10 +380,9 @@ def _serve(argv: list[str]) -> None:
     import sparkgpu.launch.rank.entrypoint  # noqa: F401
 
     if argv[4:5]:  # a standby imports what its job's function imports, as the job's agent does
-        preloaded = preload(json.loads(argv[4]))
-        hazard = fork_hazard()
+        hazard = preload_before_fork(json.loads(argv[4]))
         if hazard is not None:  # the job's restarts start cold instead
-            report(f"this standby forks no rank: after importing {preloaded}, {hazard}")
+            report(f"this standby forks no rank: {hazard}")
             sys.exit(1)
     _Zygote(directory, idle_timeout, fingerprint).serve()
 
