@@ -25,6 +25,9 @@ KEY = b"k" * 32
 _HYDRATE_STUB = b"""
 import json, os, sys, types
 
+def default_cache_dir():
+    return os.path.join(os.path.expanduser("~"), ".cache", "sparkgpu")
+
 def hydrate(env, cache):
     return types.SimpleNamespace(report={"seconds": 1.5, "env": env})
 
