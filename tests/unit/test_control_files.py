@@ -31,6 +31,10 @@ def test_a_forged_file_is_reported_once_not_at_every_poll(capsys):
     for _ in range(5):
         assert unseal(KEY, "attempts/9/spark/CANCEL", b"stop now\n") is None
     assert capsys.readouterr().err.count("attempts/9/spark/CANCEL") == 1
+    # The next job this client runs has its own run dir, with the same names in it: its bad file
+    # is reported too.
+    assert unseal(b"j" * 32, "attempts/9/spark/CANCEL", b"stop the next job now\n") is None
+    assert capsys.readouterr().err.count("attempts/9/spark/CANCEL") == 1
 
 
 def staged(tmp_path) -> tuple[JobSpec, RunDir]:

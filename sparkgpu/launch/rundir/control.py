@@ -25,7 +25,7 @@ from sparkgpu._report import report
 __all__ = ["seal", "unseal", "mac", "pack_files", "unpack_files", "MAC_MARK"]
 
 MAC_MARK = b"\n--sparkgpu-mac "
-_forged_seen: set[str] = set()
+_forged_seen: set[tuple[str, bytes]] = set()
 _lock = threading.Lock()
 
 
@@ -44,9 +44,10 @@ def seal(key: bytes, place: str, body: bytes) -> bytes:
 def unseal(key: bytes | None, place: str, sealed: bytes) -> bytes | None:
     """The body of a file :func:`seal` wrote for ``place``, or ``None`` when its MAC does not hold.
 
-    A file that does not verify is reported the first time this process sees it (where
+    A file that does not verify is to be treated as absent. It is reported (where
     :func:`sparkgpu._report.report` writes: the job's console on the client, the agent's or
-    rank's log on a worker) and is to be treated as absent.
+    rank's log on a worker) the first time this process sees those bytes in that place: the
+    jobs one client runs share place names, and each job's bad file is reported once.
 
     Args:
         key: The job key; without it nothing verifies.
@@ -56,9 +57,10 @@ def unseal(key: bytes | None, place: str, sealed: bytes) -> bytes | None:
     body, mark, given = sealed.rpartition(MAC_MARK)
     if key and mark and hmac.compare_digest(given.strip(), mac(key, place, body).encode()):
         return body
+    seen = (place, hashlib.blake2b(sealed, digest_size=16).digest())
     with _lock:
-        first = place not in _forged_seen
-        _forged_seen.add(place)
+        first = seen not in _forged_seen
+        _forged_seen.add(seen)
     if first:
         why = "no job key to check it with" if not key else "not signed with the job's key (forged or damaged)"
         report(f"ignoring the control file {place}: {why}")
