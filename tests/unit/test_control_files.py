@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from sparkgpu.launch.rundir import control
 from sparkgpu.launch.rundir.control import seal, unseal
 from sparkgpu.launch.rundir.serialization import serialize_payload
 from sparkgpu.launch.rundir.directory import RunDir
@@ -13,6 +16,13 @@ from sparkgpu.spec import JobSpec, Resources
 from tests.fakes.backend import ScriptedBackend
 
 KEY = b"k" * 32
+
+
+@pytest.fixture(autouse=True)
+def _no_file_reported_yet(monkeypatch):
+    """What this worker reported before (another test's job, with the same place names) is not
+    this test's to see."""
+    monkeypatch.setattr(control, "_forged_seen", set())
 
 
 def test_a_sealed_body_opens_only_with_its_key_and_in_its_place(capsys):
@@ -28,8 +38,8 @@ def test_a_sealed_body_opens_only_with_its_key_and_in_its_place(capsys):
 
 
 def test_a_forged_file_is_reported_once_not_at_every_poll(capsys):
-    for _ in range(5):
-        assert unseal(KEY, "attempts/9/spark/CANCEL", b"stop now\n") is None
+    for poll in range(5):  # a writer that changes the file at every poll adds no line
+        assert unseal(KEY, "attempts/9/spark/CANCEL", b"stop now %d\n" % poll) is None
     assert capsys.readouterr().err.count("attempts/9/spark/CANCEL") == 1
     # The next job this client runs has its own run dir, with the same names in it: its bad file
     # is reported too.

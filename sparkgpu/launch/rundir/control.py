@@ -46,8 +46,8 @@ def unseal(key: bytes | None, place: str, sealed: bytes) -> bytes | None:
 
     A file that does not verify is to be treated as absent. It is reported (where
     :func:`sparkgpu._report.report` writes: the job's console on the client, the agent's or
-    rank's log on a worker) the first time this process sees those bytes in that place: the
-    jobs one client runs share place names, and each job's bad file is reported once.
+    rank's log on a worker) once per job (its key) and place: the jobs one client runs share
+    place names, and a writer that changes the file at every poll adds no line.
 
     Args:
         key: The job key; without it nothing verifies.
@@ -57,7 +57,7 @@ def unseal(key: bytes | None, place: str, sealed: bytes) -> bytes | None:
     body, mark, given = sealed.rpartition(MAC_MARK)
     if key and mark and hmac.compare_digest(given.strip(), mac(key, place, body).encode()):
         return body
-    seen = (place, hashlib.blake2b(sealed, digest_size=16).digest())
+    seen = (place, hashlib.blake2b(key or b"", digest_size=16).digest())  # the job, not its key
     with _lock:
         first = seen not in _forged_seen
         _forged_seen.add(seen)
