@@ -56,7 +56,10 @@ def test_after_a_crash_only_ranks_that_checkpoint_on_sigterm_are_killed():
         crashed = _rank(0, "os._exit(3)")
         checkpointing = _rank(1, "time.sleep(60)")
         cleaning_up = _rank(2, "time.sleep(4); os._exit(0)")
-        assert checkpointing.wait(timeout=10) == -signal.SIGKILL
+        deadline = time.monotonic() + 10
+        while not {0, 1} <= watcher.exits.keys() and time.monotonic() < deadline:
+            time.sleep(0.05)  # reap only after the watcher saw them (torch's agent polls, it does not block)
+        assert checkpointing.wait(timeout=5) == -signal.SIGKILL
         assert crashed.wait(timeout=5) == 3
         assert cleaning_up.wait(timeout=10) == 0  # never killed: it ended on its own
     assert watcher.exits[0].exitcode == 3 and watcher.exits[1].signal == "SIGKILL"
