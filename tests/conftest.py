@@ -153,6 +153,60 @@ def _isolated_sparkgpu_home(tmp_path_factory, monkeypatch, _worker_image_lock):
     reset_settings()
 
 
+def _process_state() -> dict:
+    """What one test may change in the test process that the next test on the worker would
+    inherit: the working directory and MLflow's process-wide state (its environment variables,
+    the tracking URI set with ``mlflow.set_tracking_uri``, the active runs of this thread)."""
+    import sys
+
+    fluent = sys.modules.get("mlflow.tracking.fluent")
+    uris = sys.modules.get("mlflow.tracking._tracking_service.utils")
+    return {
+        "cwd": os.getcwd(),
+        "env": {key: value for key, value in os.environ.items() if key.startswith("MLFLOW_")},
+        "active runs": [run.info.run_id for run in fluent._active_run_stack.get()] if fluent else [],
+        "active experiment": fluent._active_experiment_id if fluent else None,
+        "tracking uri": uris._tracking_uri if uris else None,
+    }
+
+
+_STATE_BEFORE = pytest.StashKey[dict]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    item.stash[_STATE_BEFORE] = _process_state()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """A test that leaves the working directory or MLflow's process state changed (its fixtures
+    torn down) fails here, by name, and the state is put back: otherwise a later test on the
+    same worker fails instead (an active run it did not start, another test's store), depending
+    on which tests the worker ran before it."""
+    result = yield
+    before = item.stash.get(_STATE_BEFORE, None)
+    after = _process_state()
+    left = {key: (before[key], value) for key, value in after.items() if before is not None and before[key] != value}
+    if left:
+        _restore(before, after)
+        pytest.fail(f"{item.nodeid} left process state behind (before, after): {left}", pytrace=False)
+    return result
+
+
+def _restore(before: dict, after: dict) -> None:
+    import mlflow
+    import mlflow.tracking.fluent as fluent
+
+    fluent._active_run_stack.get().clear()  # not ended: its store may be gone with the test's tmp_path
+    fluent._active_experiment_id = before["active experiment"]
+    mlflow.set_tracking_uri(before["tracking uri"])  # also sets or unsets MLFLOW_TRACKING_URI
+    for key in set(after["env"]) | {"MLFLOW_TRACKING_URI"}:
+        os.environ.pop(key, None)
+    os.environ.update(before["env"])
+    os.chdir(before["cwd"])
+
+
 @pytest.fixture(scope="session")
 def spark():
     """A real Spark Connect session on a local server (started once, about 20 s).

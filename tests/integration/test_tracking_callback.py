@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import os
 import time
 
 import pytest
@@ -143,6 +142,9 @@ def test_an_unreachable_tracking_server_stops_the_job_before_it_starts(tmp_path,
 
 def test_embedded_store_is_the_default(tmp_path, monkeypatch, _isolated_sparkgpu_home):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(
+        tmp_path
+    )  # MLflow's own default writes here; other workers' tests may write to the suite's folder
     job = make_job()
     callback = MLflowCallback("/team/embedded")
     callback.before_job(job, str(tmp_path / job.job_id))
@@ -151,7 +153,7 @@ def test_embedded_store_is_the_default(tmp_path, monkeypatch, _isolated_sparkgpu
     assert db.exists()
     run = client_for(f"sqlite:///{db}").get_run(callback.run_id)
     assert run.info.artifact_uri.startswith((_isolated_sparkgpu_home / "mlflow" / "artifacts").as_uri())
-    assert not (tmp_path / "mlruns").exists() and not os.path.exists("mlruns")
+    assert not (tmp_path / "mlruns").exists() and not (tmp_path / "mlflow.db").exists()
 
 
 def test_worker_side_logs_system_metrics_keyed_by_node(tracking_uri, tmp_path, monkeypatch):
