@@ -233,6 +233,7 @@ class MLflowCallback(JobCallback):
         self._monitor_starter: threading.Thread | None = None
         self._monitor_lock = threading.Lock()
         self._worker_ended = False
+        self._lightning_autologged = False  # worker side: this callback turned MLflow's Lightning autolog on
 
     def __getstate__(self):
         # Travels to the workers in the payload: configuration only, never clients or threads.
@@ -247,6 +248,7 @@ class MLflowCallback(JobCallback):
             "_monitor_starter",
             "_monitor_lock",
             "_worker_ended",
+            "_lightning_autologged",
         ):
             state.pop(key, None)
         return state
@@ -513,7 +515,7 @@ class MLflowCallback(JobCallback):
         if lightning_patched:
             # The function's module imported Lightning when it was unpickled: patch its
             # Trainer before the function can call fit (importing MLflow costs seconds).
-            _lightning_autolog()
+            self._lightning_autologged = _lightning_autolog()
         # Importing MLflow takes seconds; the training function need not wait for it, nor a
         # short job's end. Until the scheme is registered here, MLflow finds the spool store
         # through this package's `mlflow.tracking_store` entry point.
@@ -532,9 +534,14 @@ class MLflowCallback(JobCallback):
             register_spool_scheme()
         except Exception as exc:  # the entry point still serves plain MLflow calls
             _logger.warning("sparkgpu: could not register the spool store with MLflow: %s", exc)
-        if self.autolog and not lightning_patched and _lightning_imported():
+        if self.autolog and not lightning_patched and _lightning_imported() and not self._worker_ended:
             # Imported inside the function's body: patched as soon as MLflow is ready here.
-            _lightning_autolog()
+            on = _lightning_autolog()
+            with self._monitor_lock:
+                ended = self._worker_ended  # the function finished meanwhile: undone at once
+                self._lightning_autologged = on and not ended
+            if on and ended:
+                _lightning_autolog(disable=True)
         if self.system_metrics and ctx.local_rank == 0:
             self._start_monitor(ctx, info, spool_uri)
 
@@ -567,9 +574,14 @@ class MLflowCallback(JobCallback):
         with self._monitor_lock:
             self._worker_ended = True
             monitor, self._monitor = self._monitor, None
+            autologged, self._lightning_autologged = self._lightning_autologged, False
         self._monitor_starter = None
         if monitor is not None:
             monitor.finish()
+        if autologged:
+            # MLflow patches Lightning's Trainer for the whole process: a process that runs
+            # more than this job (a notebook's, a test's) must not log its next fit as this job.
+            _lightning_autolog(disable=True)
         _autolog._deactivate()
 
 
@@ -577,13 +589,16 @@ def _lightning_imported() -> bool:
     return "lightning" in sys.modules or "pytorch_lightning" in sys.modules
 
 
-def _lightning_autolog() -> None:
+def _lightning_autolog(disable: bool = False) -> bool:
+    """Turns MLflow's autologging of Lightning's Trainer on (or off); whether it did."""
     try:
         import mlflow.pytorch
 
-        mlflow.pytorch.autolog(log_models=False, checkpoint=False, silent=True)
+        mlflow.pytorch.autolog(log_models=False, checkpoint=False, silent=True, disable=disable)
     except Exception as exc:  # autologging is an extra: training goes on without it
         _logger.warning("sparkgpu: Lightning autologging is off: %s", exc)
+        return False
+    return True
 
 
 def _metrics(values: dict, step: int):

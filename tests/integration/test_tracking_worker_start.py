@@ -70,3 +70,22 @@ def test_a_rank_that_does_not_use_lightning_does_not_import_mlflow_before_its_fu
 
 def test_a_rank_whose_module_imported_lightning_is_autologged_before_its_function(rank_env):
     assert _rank(rank_env, "lightning") == "patched"
+
+
+def test_a_rank_s_lightning_autologging_ends_with_its_job(rank_env, monkeypatch):
+    """MLflow patches Lightning's Trainer for the whole process: in a process that outlives the
+    job (a notebook's, a test's), a later fit must not be logged as the ended job's run."""
+    import lightning  # noqa: F401  (the function's module imported it)
+    from mlflow.utils.autologging_utils import autologging_is_disabled
+
+    from sparkgpu.callbacks import WorkerContext
+
+    env, pickled = rank_env
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    worker = pickle.loads(pickled.read_bytes())
+    ctx = WorkerContext("job", ".", attempt=0, rank=0, local_rank=0, world_size=1, node_rank=0, device="cpu")
+    worker.on_worker_start(ctx)
+    assert not autologging_is_disabled("pytorch")
+    worker.on_worker_end(ctx, None)
+    assert autologging_is_disabled("pytorch")
