@@ -50,70 +50,17 @@ def _before_local_spark(item, group: str | None) -> bool:
     return _CLUSTER_MODULE in item.nodeid or (group or "").startswith(("spark-cluster", "disposable-spark-cluster"))
 
 
-def _module_group(item) -> str | None:
-    """The xdist group of a test that takes a module-scoped fixture (a reference training run, a
-    server, a dataset): its module's, so the fixture is made once, on one worker."""
-    info = getattr(item, "_fixtureinfo", None)
-    definitions = info.name2fixturedefs.values() if info is not None else ()
-    if any(found and found[-1].scope == "module" for found in definitions):
-        return "module-" + item.nodeid.split("::")[0].removeprefix("tests/").removesuffix(".py")
-    return None
-
-
-#: Every how many free unit tests one is kept for the end of the run (see :func:`_spread`).
-_TAIL_STRIDE = 4
-
-
-def _spread(items: list) -> list:
-    """Tests in no group, in the order that keeps both cores busy: the unit tests spread evenly
-    among the integration tests, a share of them kept for the end.
-
-    Unit tests are short, and many wait on a timer more than they compute; integration tests
-    keep a core busy for tens of seconds. Run all unit tests last, or a module of waiting tests on
-    every worker at once, and a core sits idle; spread out, a worker waiting in one lends its
-    core to the others. Each module's unit tests are spread over the whole run, and every
-    ``_TAIL_STRIDE``-th comes last, so the workers finish close together.
-    """
-    unit = [item for item in items if item.nodeid.startswith("tests/unit/")]
-    others = [item for item in items if not item.nodeid.startswith("tests/unit/")]
-    by_module: dict[str, list] = {}
-    for item in unit:
-        by_module.setdefault(item.nodeid.split("::")[0], []).append(item)
-    placed = sorted(
-        ((index + 0.5) / len(tests), order, item)
-        for order, tests in enumerate(by_module.values())
-        for index, item in enumerate(tests)
-    )
-    unit = [item for _, _, item in placed]
-    tail = unit[::_TAIL_STRIDE]
-    spread = [item for index, item in enumerate(unit) if index % _TAIL_STRIDE]
-    merged: list = []
-    per_other = len(spread) / max(len(others), 1)
-    taken = 0
-    for position, item in enumerate(others, start=1):
-        merged.append(item)
-        due = round(position * per_other)
-        merged.extend(spread[taken:due])
-        taken = due
-    return merged + spread[taken:] + tail
-
-
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the items' groups
 def pytest_collection_modifyitems(config, items):
-    """The order and groups in which ``make test``'s workers run the tests.
+    """Tests on the standalone Spark clusters run first, and the tests sharing a server are
+    grouped (:func:`server_group`).
 
-    Tests sharing a server are grouped (:func:`server_group`), and so are the tests of a module
-    sharing a module-scoped fixture (:func:`_module_group`). The tests on the standalone Spark
-    clusters come first, the other groups next (the long chains start early), then the tests in
-    no group (:func:`_spread`). ``make test`` hands groups to its workers in this order (``--dist
-    loadgroup --no-loadscope-reorder``, in pyproject.toml's addopts), and a worker runs its
-    groups in the order it gets them: every worker runs its cluster tests before any other.
+    ``make test`` hands groups to its workers in this order (``--dist loadgroup
+    --no-loadscope-reorder``, in pyproject.toml's addopts), and a worker runs its groups in the
+    order it gets them: every worker runs its cluster tests before any other.
     """
-    groups = {item: server_group(item) or _module_group(item) for item in items}
-    first = [item for item in items if _before_local_spark(item, groups[item])]
-    grouped = [item for item in items if groups[item] and not _before_local_spark(item, groups[item])]
-    free = [item for item in items if not groups[item]]
-    items[:] = first + grouped + _spread(free)
+    groups = {item: server_group(item) for item in items}
+    items.sort(key=lambda item: 0 if _before_local_spark(item, groups[item]) else 1)
     for item in items:
         if groups[item] and not any(item.iter_markers("xdist_group")):
             item.add_marker(pytest.mark.xdist_group(groups[item]))
