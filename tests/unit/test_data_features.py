@@ -179,6 +179,26 @@ def test_a_variable_width_feature_names_the_fix(mixed):
         data.dataset(local=mixed + "-text", batch_size=8, features=["a", "note"])
 
 
+def test_gather_fields_copies_many_columns_of_random_rows_from_many_sources(gather_backend):
+    """A wide table's shuffled batch: more fields than one pass sets up (64), of 1 to 8 bytes,
+    rows at random from several row groups, more rows than are fetched ahead; the large batch
+    is split across threads."""
+    rng = np.random.default_rng(1)
+    widths = [4, 8, 2, 1, 4, 8, 3] * 11  # 77 fields
+    row_bytes = sum(widths) + 3
+    sources = [rng.integers(0, 255, (n, row_bytes), dtype=np.uint8) for n in (300, 1, 4000)]
+    n = 20_000
+    ids = rng.integers(0, 3, n).astype(np.int32)
+    rows = (rng.random(n) * np.array([300, 1, 4000])[ids]).astype(np.int64)
+    dsts = [np.empty((n, width), np.uint8) for width in widths]
+    offsets = np.concatenate([[0], np.cumsum(widths)[:-1]])
+    fields = np.array([[o, w, f, 0, w] for f, (o, w) in enumerate(zip(offsets, widths))], dtype=np.int64)
+    _gather.gather_fields(dsts, sources, ids, rows, row_bytes, fields)
+    picked = np.stack([sources[s][r] for s, r in zip(ids, rows)])
+    for f, (o, w) in enumerate(zip(offsets, widths)):
+        np.testing.assert_array_equal(dsts[f], picked[:, o : o + w])
+
+
 def test_gather_fields_native_and_numpy_agree_and_reject_bad_fields(gather_backend):
     rng = np.random.default_rng(0)
     sources = [rng.integers(0, 255, (50, 24), dtype=np.uint8) for _ in range(2)]
