@@ -433,3 +433,23 @@ def test_the_cache_plan_lists_each_steps_files_once_from_the_row_groups_spans():
     # Row groups 0 and 1 in file 0 (steps 0-1 and 1-2), 2 in file 1 (steps 1-3), 3 in file 2 (step 3).
     steps = _files_by_step(np.array([0, 0, 1, 2]), np.array([0, 1, 1, 3]), np.array([1, 2, 3, 3]), 5)
     assert [s.tolist() for s in steps] == [[0], [0, 1], [0, 1], [1, 2], []]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_script_that_stops_reading_mid_epoch_exits_quietly(tmp_path, shuffle):
+    """A loop broken off at the end of a script leaves its iteration open until the interpreter
+    exits; closing it then must not print an ignored exception (the read threads' pool)."""
+    import subprocess
+    import sys
+
+    pq.write_table(clicks(5000), tmp_path / "part-0.parquet", row_group_size=500)
+    script = (
+        "from sparkgpu import data\n"
+        f"rows = data.table_dataset({str(tmp_path)!r}, batch_size=64, shuffle={shuffle}, columns=['id', 'x'])\n"
+        "batches = iter(rows)\n"
+        "print(len(next(batches)['id']))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "64"
+    assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -29,11 +29,13 @@ rank's plan, which the DataLoader hands out in order: the same batches as withou
 
 from __future__ import annotations
 
+import atexit
 import collections
 import concurrent.futures
 import hashlib
 import json
 import os
+import weakref
 
 import numpy as np
 import pyarrow as pa
@@ -60,6 +62,17 @@ from sparkgpu.errors import ConfigurationError, DataError
 __all__ = ["table_dataset", "TableDataset"]
 
 _STATE_VERSION = 1
+
+# Iterations not run to their end. One still open when the interpreter exits is closed here,
+# while the modules its read threads' shutdown needs still exist; otherwise the interpreter's
+# teardown would close it later and print "Exception ignored in ... __iter__".
+_open_iterations: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_iterations() -> None:
+    for batches in list(_open_iterations):
+        batches.close()
 
 
 def table_dataset(
@@ -287,6 +300,11 @@ class TableDataset(Positioned):
     # Iteration.
 
     def __iter__(self):
+        batches = self._batches()
+        _open_iterations.add(batches)
+        return batches
+
+    def _batches(self):
         plan, start = self._begin_epoch(), self._consumed
         numbers = self._batch_numbers(plan)
         reader = _Reader(self, plan, numbers, self._orders.get(self.epoch)[1])
