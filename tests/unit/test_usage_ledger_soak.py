@@ -62,7 +62,10 @@ def test_a_hundred_ledger_writes_leave_the_thread_and_object_counts_where_twenty
     )
     assert out.returncode == 0, out.stderr[-2000:]
     seen = {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
-    # With a checkpoint every 100 commits the threads went from ~20 to 50-80 here; with one
-    # every 10 they stay within a couple of the count after 20 writes.
-    assert seen[100]["threads"] - seen[20]["threads"] <= 8, seen
+    # With a checkpoint every 100 commits the threads went from ~20 to 50-80 here (one per
+    # commit file replayed, kept alive while jobs come). With one every 10, an open replays at
+    # most 10 files: on an idle machine the count stays within a couple of the count after 20
+    # writes, on a loaded one slower reads keep up to about one thread per file alive at once
+    # (CI saw 9 more); the bound is that, with room, and well below the bug's 30-60 more.
+    assert seen[100]["threads"] - seen[20]["threads"] <= 16, seen
     assert seen[100]["objects"] - seen[20]["objects"] <= 500, seen
