@@ -142,9 +142,9 @@ def test_an_unreachable_tracking_server_stops_the_job_before_it_starts(tmp_path,
 
 def test_embedded_store_is_the_default(tmp_path, monkeypatch, _isolated_sparkgpu_home):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.chdir(
-        tmp_path
-    )  # MLflow's own default writes here; other workers' tests may write to the suite's folder
+    # MLflow's own default store would be written here; the suite's folder is shared with the
+    # processes of other workers' tests.
+    monkeypatch.chdir(tmp_path)
     job = make_job()
     callback = MLflowCallback("/team/embedded")
     callback.before_job(job, str(tmp_path / job.job_id))

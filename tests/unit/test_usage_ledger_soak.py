@@ -66,6 +66,6 @@ def test_a_hundred_ledger_writes_leave_the_thread_and_object_counts_where_twenty
     # commit file replayed, kept alive while jobs come). With one every 10, an open replays at
     # most 10 files: on an idle machine the count stays within a couple of the count after 20
     # writes, on a loaded one slower reads keep up to about one thread per file alive at once
-    # (CI saw 9 more); the bound is that, with room, and well below the bug's 30-60 more.
+    # (a fresh-clone run here saw 9 more); the bound is that, with room, and well below the bug's 30-60 more.
     assert seen[100]["threads"] - seen[20]["threads"] <= 16, seen
     assert seen[100]["objects"] - seen[20]["objects"] <= 500, seen
