@@ -17,6 +17,7 @@ import re
 import signal
 import struct
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -80,7 +81,9 @@ def _job(tmp_path, name: str, source: str, target: str, call: str = "ensure_mds"
         "call": call,
         "source": source,
         "target": target,
-        "lease_s": 2.0,
+        # Long enough that no renewal misses it on a loaded machine (a renewal fsyncs, which
+        # can take seconds behind other tests' writes); the tests of expiry set their own.
+        "lease_s": 30.0,
         "shard_delay_s": 0.03,
         "wait": 120,
         "log": str(tmp_path / f"{name}.log"),
@@ -102,13 +105,15 @@ def _start(jobs: list[dict], together: bool = True) -> tuple[list, object]:
     return processes, barrier
 
 
-def _finish(processes, timeout: float = 120) -> None:
+def _finish(processes, timeout: float = 120, logs: Sequence[str] = ()) -> None:
+    """Waits for the children; a failed one's log (its traceback) is in the failure message."""
     for process in processes:
         process.join(timeout)
     for process in processes:
         if process.is_alive():
             process.kill()
-    assert [p.exitcode for p in processes] == [0] * len(processes)
+    told = "".join(f"\n--- {log}:\n{_text(log)[-3000:]}" for log in logs)
+    assert [p.exitcode for p in processes] == [0] * len(processes), told
 
 
 def _text(path) -> str:
@@ -210,7 +215,7 @@ def test_two_processes_ensuring_the_same_table_convert_it_once_and_both_get_it(t
     jobs = [_job(tmp_path, name, source, volume) for name in ("a", "b")]
     _gate_on_each_other(jobs)
     processes, _barrier = _start(jobs)
-    _finish(processes)
+    _finish(processes, logs=[job["log"] for job in jobs])
 
     results = [_result(job) for job in jobs]
     assert results[0]["url"] == results[1]["url"] and {r["samples"] for r in results} == {ROWS}
@@ -232,7 +237,7 @@ def test_two_processes_writing_the_same_data_with_to_mds_into_one_folder_write_i
     jobs = [_job(tmp_path, name, source, out, call="to_mds") for name in ("a", "b")]
     _gate_on_each_other(jobs)
     processes, _barrier = _start(jobs)
-    _finish(processes)
+    _finish(processes, logs=[job["log"] for job in jobs])
 
     results = [_result(job) for job in jobs]
     assert sorted(r["reused"] for r in results) == [False, True]
@@ -260,7 +265,7 @@ def _kill_mid_conversion(tmp_path, volume: str, holder_settings: dict, waiter_se
         )
         os.kill(holder_process.pid, signal.SIGKILL)
         killed = time.monotonic()
-        _finish([waiter_process])
+        _finish([waiter_process], logs=[waiter["log"], holder["log"]])
         after_kill = time.monotonic() - killed
     finally:
         holder_process.kill()
