@@ -7,15 +7,29 @@ BUILD_INPUTS := pyproject.toml constraints.txt $(wildcard setup.py native/*.c na
 
 .PHONY: venv demo lint test test-unit docs docs-serve bench clean
 
+# Byte code is written by the first process that imports a module: neither uv nor this checkout
+# compiles any ahead, and the suite starts about a thousand Python processes (agents, ranks), each
+# of which would compile what it imports again where PYTHONDONTWRITEBYTECODE is set.
+export PYTHONDONTWRITEBYTECODE :=
+
+# The interop tests read our shards with MosaicML Streaming. It declares transformers<5 and
+# numpy<2.2, which the [hf] stack cannot share, yet imports neither pin's versions: it is installed
+# without its declared requirements, plus the modules it imports. Users of [hf] never get it.
+#
+# uv installs what pip would from the same constraints (the same versions), in a fraction of the
+# time: its cache keeps wheels unpacked, and it compiles no byte code up front (above). INSTALLER=pip
+# installs with pip instead, e.g. where pip's own configuration names a private index.
+INSTALLER ?= uv
 $(STAMP): $(BUILD_INPUTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
-	@# The interop tests read our shards with MosaicML Streaming. It declares transformers<5 and
-	@# numpy<2.2, which the [hf] stack cannot share, yet imports neither pin's versions: install it
-	@# without its declared requirements, plus the modules it imports. Users of [hf] never get it.
-	$(PY) -m pip install -q -c constraints.txt --no-deps 'mosaicml-streaming==0.13.0'
-	$(PY) -m pip install -q -c constraints.txt brotli python-snappy zstd catalogue tqdm
+	@if [ "$(INSTALLER)" = uv ] && $(PY) -m pip install -q -c constraints.txt uv; then \
+		install="$(VENV)/bin/uv pip install --python $(PY) -q"; \
+	else \
+		$(PY) -m pip install -q --upgrade pip && install="$(PY) -m pip install -q"; \
+	fi; set -x; \
+	$$install -c constraints.txt -e '.[dev]' && \
+	$$install -c constraints.txt --no-deps 'mosaicml-streaming==0.13.0' && \
+	$$install -c constraints.txt brotli python-snappy zstd catalogue tqdm
 	@touch $(STAMP)
 
 venv: $(STAMP)
@@ -25,24 +39,24 @@ demo: $(STAMP)
 
 # Lint and type checks (configured in pyproject.toml); `make test` runs them too, so CI fails on a new finding.
 LINT_PATHS := sparkgpu tests benchmarks examples
+# The type check's cache lives with pip's and uv's, not in the checkout: in a fresh clone mypy
+# rechecks only the files whose contents differ from the cache's (it compares their hashes).
+MYPY := $(PY) -m mypy --cache-dir $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/sparkgpu/mypy
 lint: $(STAMP)
 	$(PY) -m ruff check $(LINT_PATHS)
 	$(PY) -m ruff format --check $(LINT_PATHS)
-	$(PY) -m mypy sparkgpu
+	$(MYPY) sparkgpu
 
 # Integration tests mostly wait on servers and subprocesses: workers overlap them; tests sharing a
 # session server run on one worker (tests/conftest.py). TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 3
-# The suite starts about a thousand Python processes (agents, ranks): each would compile the
-# package's modules from source again where byte code is not written (PYTHONDONTWRITEBYTECODE).
-# The type check (one core for most of a minute) runs beside the tests, while their workers start
+# The type check (one core for most of a minute where its cache is cold) runs beside the tests, while their workers start
 # servers; it prints when the tests end, and either failing fails the target.
 test: $(STAMP)
 	$(PY) -m ruff check $(LINT_PATHS)
 	$(PY) -m ruff format --check $(LINT_PATHS)
-	$(PY) -m compileall -q sparkgpu tests benchmarks examples
-	@types=$$(mktemp); $(PY) -m mypy sparkgpu > $$types 2>&1 & mypy=$$!; \
-	echo "$(PY) -m mypy sparkgpu (beside the tests)"; \
+	@types=$$(mktemp); $(MYPY) sparkgpu > $$types 2>&1 & mypy=$$!; \
+	echo "$(MYPY) sparkgpu (beside the tests)"; \
 	$(PY) -m pytest -q -ra --durations=30 -n $(TEST_WORKERS); tests=$$?; \
 	wait $$mypy; typed=$$?; cat $$types; rm -f $$types; \
 	test $$tests -eq 0 && test $$typed -eq 0
