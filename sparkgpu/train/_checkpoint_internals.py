@@ -13,6 +13,7 @@ through ``_checkpoint_writes``: hashed beside the write, fsynced once, each phas
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import io
@@ -26,7 +27,7 @@ from sparkgpu.errors import CheckpointError, ConfigurationError, SparkGPUError
 from sparkgpu.tracking.autolog import unrecorded_optimizer_steps
 from sparkgpu.train._checkpoint_checks import dcp_errors, describe, local_nbytes, save_failed
 from sparkgpu.train._checkpoint_signing import SaveSigner, check_app_blob, refusal_of, weights_only_planner
-from sparkgpu.train._checkpoint_writes import SaveTimings, attach_streams
+from sparkgpu.train._checkpoint_writes import SaveTimings, attach_streams, without_torch_crc32
 from sparkgpu.train._digests import digest_of
 from sparkgpu.train.checkpoint_directory import CheckpointInfo, CheckpointDirectory, SignedCheckpoint
 from sparkgpu.train._rng_state import capture_rng_state, restore_rng_state
@@ -495,8 +496,10 @@ def _mark_write_data(writer, pending: PendingSave) -> None:
 
     def marked(plan, planner):
         pending.mark("data")
-        future = write_data(plan, planner)
-        results = future.wait()
+        # Signed: every byte is hashed, so torch's own checksum of each tensor is skipped.
+        with without_torch_crc32() if pending.signer is not None else contextlib.nullcontext():
+            future = write_data(plan, planner)
+            results = future.wait()
         pending.mark("data_written")
         if pending.signer is not None:
             pending.signer.write_rank_files(results)

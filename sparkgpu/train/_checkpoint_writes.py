@@ -15,6 +15,12 @@ DCP writes each rank's files through its filesystem object's ``create_stream``.
   is closed, and the completion marker, written last, fsyncs the folder;
 * add their seconds to a :class:`SaveTimings`, which the Checkpointer keeps per save
   (``Checkpointer.last_save_phases``) to show where a save's time goes.
+
+A signed save also writes its tensors without torch's CRC32 (:func:`without_torch_crc32`): DCP
+writes each tensor with ``torch.save``, whose zip writer checksums every record on the writing
+thread (half a second of CPU per GB here, most of a synchronous save's time beyond the write
+itself), where the BLAKE3 digest of every byte, checked against the signed marker before
+anything is loaded, already tells a changed or torn file. ``torch.load`` reads such records.
 """
 
 from __future__ import annotations
@@ -30,13 +36,44 @@ from typing import Any
 
 from sparkgpu.train._digests import Hasher, finish, new_hasher
 
-__all__ = ["SaveTimings", "SaveStreams", "attach_streams"]
+__all__ = ["SaveTimings", "SaveStreams", "attach_streams", "without_torch_crc32"]
 
 # Writes at least this large are hashed on a helper thread while they are written; smaller
 # ones (DCP's headers and pickles) are hashed in place, where a thread hop would cost more.
 _OVERLAP_BYTES = 1 << 20
 # Dirty pages of a local file are handed to the disk every this many bytes.
 _WRITEBACK_BYTES = 64 << 20
+
+
+_crc32_lock = threading.Lock()
+_crc32_holders = 0
+_crc32_before = True
+
+
+@contextlib.contextmanager
+def without_torch_crc32() -> Iterator[None]:
+    """``torch.save`` writes no CRC32 while any signed save is inside this block.
+
+    torch keeps the setting per process (``torch.serialization.set_crc32_options``), so it is
+    switched off when the first save enters and back to what it was when the last one leaves;
+    a ``torch.save`` of other code in that window writes records that ``torch.load`` reads as
+    usual (zip tools would report their checksums).
+    """
+    global _crc32_holders, _crc32_before
+    import torch.serialization as serialization
+
+    with _crc32_lock:
+        if _crc32_holders == 0:
+            _crc32_before = serialization.get_crc32_options()
+            serialization.set_crc32_options(False)
+        _crc32_holders += 1
+    try:
+        yield
+    finally:
+        with _crc32_lock:
+            _crc32_holders -= 1
+            if _crc32_holders == 0:
+                serialization.set_crc32_options(_crc32_before)
 
 
 @dataclasses.dataclass

@@ -129,3 +129,50 @@ def test_a_stream_hashes_large_writes_beside_them_and_never_returns_before_its_h
     data = (tmp_path / "f").read_bytes()
     assert seen["f"] == ("f", len(data), "blake3:" + blake3.blake3(data).hexdigest())
     assert timings.files == 1 and timings.bytes == len(data) and timings.fsync_s > 0
+
+
+def _tensor_record_checksums(path) -> list[int]:
+    """The CRC32 fields of the tensor records DCP wrote with ``torch.save`` into the data file."""
+    import io
+    import pickle
+    import zipfile
+
+    with open(path / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    data = (path / "__0_0.distcp").read_bytes()
+    checksums = []
+    for info in metadata.storage_data.values():
+        record = data[info.offset : info.offset + info.length]
+        if record[:2] == b"PK":  # a tensor's zip archive; the app's bytes are written raw
+            with zipfile.ZipFile(io.BytesIO(record)) as archive:
+                checksums += [entry.CRC for entry in archive.infolist() if "/data/" in entry.filename]
+    return checksums
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_signed_save_skips_torchs_checksum_of_each_tensor_and_an_unsigned_one_keeps_it(
+    tmp_path, monkeypatch, async_save
+):
+    model, optimizer = training()
+    unsigned = Checkpointer(tmp_path / "unsigned", async_save=async_save, handle_sigterm=False)
+    unsigned.save(1, model=model, optimizer=optimizer, wait=True)
+    unsigned.close()
+    kept = _tensor_record_checksums(tmp_path / "unsigned" / "step-0000000001")
+    assert kept and all(kept)  # 2 Linear layers and AdamW: every tensor record has its CRC32
+
+    monkeypatch.setenv("SPARKGPU_JOB_ID", JOB)
+    hold_job_key(bytes(range(32)))
+    try:
+        signed = Checkpointer(tmp_path / "signed", async_save=async_save, handle_sigterm=False)
+        signed.save(1, model=model, optimizer=optimizer, wait=True)
+        signed.close()
+        assert torch.serialization.get_crc32_options()  # the process's own setting is back
+        skipped = _tensor_record_checksums(tmp_path / "signed" / "step-0000000001")
+        assert len(skipped) == len(kept) and not any(skipped)
+        fresh, fresh_optimizer = training(seed=1)
+        restorer = Checkpointer(tmp_path / "signed", handle_sigterm=False)
+        assert restorer.restore(model=fresh, optimizer=fresh_optimizer) == 2
+        restorer.close()
+    finally:
+        hold_job_key(None)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
