@@ -51,8 +51,8 @@ lint: $(STAMP)
 # session server run on one worker (tests/conftest.py). TEST_WORKERS=0 runs them in this process.
 # On 2 cores, 4 workers kept the CPU 94% busy (19:08 for the tests) where 3 kept it 91% (20:17).
 TEST_WORKERS ?= 4
-# The type check (one core for most of a minute where its cache is cold) runs beside the tests, while their workers start
-# servers; it prints when the tests end, and either failing fails the target.
+# The type check (one core for most of a minute where its cache is cold) runs beside the tests,
+# while their workers start servers; it prints when the tests end, and either failing fails the target.
 test: $(STAMP)
 	$(PY) -m ruff check $(LINT_PATHS)
 	$(PY) -m ruff format --check $(LINT_PATHS)
