@@ -42,6 +42,47 @@ def test_the_imports_and_references_of_the_function_and_its_helpers_are_found_wi
     assert modules_to_preload(plain) == []
 
 
+def test_a_job_wrapping_its_model_in_ddp_or_fsdp_gets_torch_dynamo_also_from_its_other_modules(tmp_path, monkeypatch):
+    # A helper in another module of the caller's code (a project's package), as jobs are written.
+    (tmp_path / "my_training_helpers.py").write_text(
+        "import torch\n"
+        "def wrap(model):\n"
+        "    from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "    return DDP(model)\n"
+        "def shard(model):\n"
+        "    torch.distributed.fsdp.fully_shard(model)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from my_training_helpers import shard, wrap
+
+    def ddp_job():
+        return wrap(None)
+
+    def fsdp_job():
+        return shard(None)
+
+    def plain():
+        import torch
+
+        return torch.zeros(1)
+
+    assert modules_to_preload(ddp_job) == [["torch._dynamo", []]]
+    assert modules_to_preload(fsdp_job) == [["torch._dynamo", []]]  # reached through ``torch``'s attributes
+    assert modules_to_preload(plain) == []
+    # An installed library's functions are not read: json's own code imports nothing preloadable
+    # either way, but sparkgpu's and the standard library's are not the caller's code.
+    import json
+
+    from sparkgpu import runtime
+
+    assert modules_to_preload(lambda: (json.dumps, runtime.get_rank)) == []
+
+
+def test_torch_dynamo_is_the_one_torch_module_an_agent_preloads():
+    assert preload([["torch._dynamo", []], ["torch.cuda", []]]) == ["torch._dynamo"]
+    assert "torch._dynamo" in sys.modules
+
+
 def test_only_known_libraries_are_preloaded_and_a_failing_one_is_left_to_the_ranks():
     assert "this_module_does_not_exist" not in sys.modules
     assert preload([["json", []], ["transformers.no_such_module", []], ["transformers", ["__version__"]]]) == [

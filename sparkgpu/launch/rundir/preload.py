@@ -7,8 +7,13 @@ the client notes which of a few well-known libraries the job's function imports 
 (:func:`modules_to_preload`, read from its code, not run), the run dir's spec carries the list
 (``"preload"``, signed with it), and the agent imports them before it forks (:func:`preload`).
 
-Only the libraries of :data:`PRELOADABLE` are ever imported by an agent: they read no rank
-variable at import and start no Python thread. The agent checks that anyway: a process with a
+A job that wraps its model in DDP or FSDP2 imports ``torch._dynamo`` in every rank too (both
+import it when they wrap a model: about 1 s of CPU a rank), so a function that imports or names
+them has it preloaded (:data:`NEEDS_DYNAMO`). The job's own helpers are read wherever they live
+in the caller's code: its other modules too, not installed libraries.
+
+Only the libraries of :data:`PRELOADABLE` and the modules of :data:`PRELOADABLE_MODULES` are ever
+imported by an agent: they read no rank variable at import and start no Python thread. The agent checks that anyway: a process with a
 Python thread besides its main one, or CUDA initialised, after the imports is no process to fork
 (:func:`preload_before_fork`), and its ranks then start as new interpreters.
 """
@@ -16,14 +21,26 @@ Python thread besides its main one, or CUDA initialised, after the imports is no
 from __future__ import annotations
 
 import dis
+import functools
 import importlib
 import logging
+import os
+import site
 import sys
+import sysconfig
 import threading
 import types
 from collections.abc import Callable, Iterable
 
-__all__ = ["PRELOADABLE", "fork_hazard", "modules_to_preload", "preload", "preload_before_fork"]
+__all__ = [
+    "NEEDS_DYNAMO",
+    "PRELOADABLE",
+    "PRELOADABLE_MODULES",
+    "fork_hazard",
+    "modules_to_preload",
+    "preload",
+    "preload_before_fork",
+]
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +48,37 @@ log = logging.getLogger(__name__)
 PRELOADABLE = frozenset(
     {"transformers", "peft", "trl", "accelerate", "datasets", "lightning", "pytorch_lightning", "torchvision"}
 )
-_DEPTH = 3  # functions of the caller's module followed from the job's function
+#: Single modules an agent may import on a job's behalf (not their whole package).
+PRELOADABLE_MODULES = frozenset({"torch._dynamo"})
+#: Modules whose use imports ``torch._dynamo`` in the rank (DDP's and FSDP2's wrappers), and the
+#: names by which a function may reach them through ``torch`` (``torch.nn.parallel.DistributedDataParallel``).
+NEEDS_DYNAMO = ("torch.nn.parallel", "torch.distributed.fsdp", "torch.distributed._composable")
+_DYNAMO_NAMES = frozenset({"DistributedDataParallel", "FullyShardedDataParallel", "fully_shard"})
+_DEPTH = 3  # functions of the caller's own code followed from the job's function
+
+
+def _preloadable(module: str) -> bool:
+    return module.partition(".")[0] in PRELOADABLE or module in PRELOADABLE_MODULES
+
+
+@functools.cache
+def _library_roots() -> tuple[str, ...]:
+    """Folders of installed code: the standard library and site-packages (the user's included)."""
+    paths = sysconfig.get_paths()
+    roots = [paths.get(key) for key in ("stdlib", "platstdlib", "purelib", "platlib")]
+    roots.append(site.getusersitepackages())
+    return tuple(os.path.join(os.path.realpath(root), "") for root in roots if root)
+
+
+def _callers_code(module_name: str) -> bool:
+    """Whether a module is the caller's own code (a notebook's, a project's), not an installed
+    library or sparkgpu: its functions are read for what they import."""
+    if module_name == "__main__":
+        return True
+    if module_name.partition(".")[0] == "sparkgpu":
+        return False
+    path = getattr(sys.modules.get(module_name), "__file__", None)
+    return bool(path) and not os.path.realpath(path).startswith(_library_roots())
 
 
 def _imports(code: types.CodeType) -> Iterable[tuple[str, tuple[str, ...]]]:
@@ -59,14 +106,17 @@ def _names(code: types.CodeType) -> set[str]:
 def modules_to_preload(fn: Callable) -> list[list]:
     """The :data:`PRELOADABLE` modules ``fn`` imports or refers to, as ``[module, [names]]``.
 
-    Read from the code of ``fn``, of the functions it refers to in its own module (a few
-    levels deep) and of the objects it refers to; nothing is run. ``names`` are what a ``from
+    Read from the code of ``fn``, of the functions of the caller's own code it refers to (a few
+    levels deep) and of the objects it refers to; nothing is run. A function that uses DDP or
+    FSDP2 (:data:`NEEDS_DYNAMO`) gets ``torch._dynamo``. ``names`` are what a ``from
     module import ...`` takes: transformers imports its classes' modules when they are asked for.
     """
     found: dict[str, set[str]] = {}
 
     def note(module: str, names: Iterable[str] = ()) -> None:
-        if module.partition(".")[0] in PRELOADABLE:
+        if module.startswith(NEEDS_DYNAMO):
+            found.setdefault("torch._dynamo", set())
+        elif _preloadable(module):
             found.setdefault(module, set()).update(n for n in names if n != "*")
 
     seen: set[int] = set()
@@ -84,7 +134,10 @@ def modules_to_preload(fn: Callable) -> list[list]:
                 scope[f"<cell {id(cell)}>"] = cell.cell_contents
             except ValueError:  # an empty cell
                 continue
-        wanted = _names(code) | {name for name in scope if name.startswith("<cell ")}
+        names = _names(code)
+        if names & _DYNAMO_NAMES:
+            note(NEEDS_DYNAMO[0])
+        wanted = names | {name for name in scope if name.startswith("<cell ")}
         for name in wanted:
             value = scope.get(name)
             if value is None:
@@ -98,7 +151,7 @@ def modules_to_preload(fn: Callable) -> list[list]:
             if not isinstance(owner, str):
                 continue
             note(owner)
-            if function_here and owner == getattr(function, "__module__", None) and depth < _DEPTH:
+            if function_here and depth < _DEPTH and _callers_code(owner):
                 visit(value, depth + 1)
 
     visit(fn, 0)
@@ -115,7 +168,7 @@ def preload(entries: list) -> list[str]:
     """
     done = []
     for module, names in entries:
-        if module.partition(".")[0] not in PRELOADABLE:
+        if not _preloadable(module):
             continue  # a spec is signed, but only these are known to be safe to import here
         try:
             imported = importlib.import_module(module)
