@@ -1,7 +1,7 @@
 """The GPU side in one command: NCCL, host-to-device copies, nvJPEG, a ResNet-50 and an LLM fine-tune waiting on data, scoring.
 
 Question: when a GPU machine is lent for a few minutes, what does the data path cost the GPU?
-Six parts, each in its own process (one that fails, hangs or crashes is recorded as failed
+Seven parts, each in its own process (one that fails, hangs or crashes is recorded as failed
 and the others still run), in this order:
 
   * ``nccl``: ``torchrun --nproc-per-node=<GPU count>`` on 127.0.0.1; every rank calls
@@ -9,6 +9,11 @@ and the others still run), in this order:
     as training scripts do, then all_reduces 1 MiB ... 1 GiB of float32, checks the sums and
     reports algorithm and bus bandwidth (nccl-tests' busbw = algbw x 2(n-1)/n). With one GPU
     it checks the ``cuda:LOCAL_RANK`` path and NCCL start-up; bandwidth means nothing there.
+  * ``hf``: the Hugging Face stack in sparkgpu jobs on the GPU (``gpu_hf.py``): a Trainer with a
+    PEFT LoRA adapter, through Accelerate's FSDP2 plugin, and through DeepSpeed ZeRO-3, each
+    written as for GPUs, killed once and resumed by itself: the device it trained on, the step it
+    resumed from, the time from the kill to the first resumed step, and whether every step's loss
+    and the final weights equal an uninterrupted run's.
   * ``h2d``: host-to-device copies from pinned and from pageable memory, 1 MiB ... 1 GiB,
     beside the PCIe link's limit read from ``nvidia-smi`` (generation x width); a batch of
     256x3x224x224 images as uint8 and as float32 (4x the bytes), and normalising the uint8
@@ -69,14 +74,16 @@ if str(HERE) not in sys.path:  # common.py and bench_images.py, also when this f
     sys.path.insert(0, str(HERE))
 
 from common import load_seen, machine, method, spread  # noqa: E402
+from gpu_hf import MODES, part_hf  # noqa: E402
 
 RESULTS = HERE / "results"
 MiB = 1 << 20
 
-PARTS = ("nccl", "h2d", "jpeg", "resnet_wait", "predict", "sft")
+PARTS = ("nccl", "hf", "h2d", "jpeg", "resnet_wait", "predict", "sft")
 # What each part measures, named before it runs: a part stopped half-way still lists the rest.
 PLANNED = {
     "nccl": ("all_reduce",),
+    "hf": MODES,
     "h2d": ("pinned_vs_pageable", "image_batch"),
     "jpeg": ("nvjpeg_decode", "nvjpeg_decode_crop_flip", "cpu_torchvision", "cpu_fused"),
     "resnet_wait": (
@@ -91,9 +98,9 @@ PLANNED = {
     "sft": ("loader_only", "step_resident", "step_fed"),
 }
 # Parts with nothing to run without CUDA; the others keep their CPU-side measurements.
-GPU_ONLY = ("nccl", "h2d", "predict")
+GPU_ONLY = ("nccl", "hf", "h2d", "predict")
 # Seconds each part may take; a part that finishes early leaves its time to those after it.
-CAPS_S = {"nccl": 90, "h2d": 60, "jpeg": 120, "resnet_wait": 210, "predict": 90, "sft": 90}
+CAPS_S = {"nccl": 90, "hf": 200, "h2d": 60, "jpeg": 120, "resnet_wait": 210, "predict": 90, "sft": 90}
 MIN_PART_S = 20  # a part is not started with less than this left of the budget
 FACTS_TIMEOUT_S = 90
 STOP_GRACE_S = 15  # SIGTERM first: torchrun passes it on to its ranks, SIGKILL would orphan them
@@ -126,6 +133,13 @@ _SIZES: dict[str, tuple[Any, Any]] = {
     "sft_steps": (30, 3),  # timed training steps per side, after 3 untimed ones
     "sft_hidden": (1024, 64),
     "sft_layers": (8, 2),
+    "hf_hidden": (512, 64),  # the hf part's Llama (gpu_hf.py)
+    "hf_layers": (4, 2),
+    "hf_seq": (256, 32),
+    "hf_batch": (8, 2),
+    "hf_steps": (24, 6),
+    "hf_save_steps": (8, 2),
+    "hf_kill_step": (16, 4),  # the rank dies at the step after this one's checkpoint
 }
 SIZES = {small: {key: pair[small] for key, pair in _SIZES.items()} for small in (False, True)}
 CROP = 224
@@ -1388,6 +1402,7 @@ def statistics_median(values: list[float]) -> float:
 
 PART_FUNCTIONS = {
     "nccl": part_nccl,
+    "hf": part_hf,
     "h2d": part_h2d,
     "jpeg": part_jpeg,
     "resnet_wait": part_resnet_wait,
