@@ -237,6 +237,15 @@ def main(argv=None) -> int:
             spares.close()
 
 
+def _shutdown_grace(config_type, seconds: int) -> dict:
+    """``shutdown_timeout=seconds`` where this torch's ``LaunchConfig`` takes it (2.12 and later);
+    older ones stop ranks with their own grace."""
+    import dataclasses
+
+    names = {field.name for field in dataclasses.fields(config_type)}
+    return {"shutdown_timeout": seconds} if "shutdown_timeout" in names else {}
+
+
 def _launch(args: argparse.Namespace, rd: RunDir, air: str, init_timeout: float, spares: RankSpares | None) -> int:
     """Starts the node's ranks on ``air`` (the checked ``_air.py`` text) under torch's elastic
     agent: ``spares`` when given (:mod:`~sparkgpu.launch.node.forked_ranks`), else new
@@ -261,7 +270,7 @@ def _launch(args: argparse.Namespace, rd: RunDir, air: str, init_timeout: float,
         monitor_interval=0.1,
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(rd.file(RunLayout.elastic(args.attempt)))),
-        shutdown_timeout=args.shutdown_grace,
+        **_shutdown_grace(LaunchConfig, args.shutdown_grace),
     )
     failures: dict[int, RankExit] = {}
     status = 0

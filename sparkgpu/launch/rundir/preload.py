@@ -78,7 +78,7 @@ def _callers_code(module_name: str) -> bool:
     if module_name.partition(".")[0] == "sparkgpu":
         return False
     path = getattr(sys.modules.get(module_name), "__file__", None)
-    return bool(path) and not os.path.realpath(path).startswith(_library_roots())
+    return isinstance(path, str) and not os.path.realpath(path).startswith(_library_roots())
 
 
 def _imports(code: types.CodeType) -> Iterable[tuple[str, tuple[str, ...]]]:
@@ -134,10 +134,10 @@ def modules_to_preload(fn: Callable) -> list[list]:
                 scope[f"<cell {id(cell)}>"] = cell.cell_contents
             except ValueError:  # an empty cell
                 continue
-        names = _names(code)
-        if names & _DYNAMO_NAMES:
+        referenced = _names(code)
+        if referenced & _DYNAMO_NAMES:
             note(NEEDS_DYNAMO[0])
-        wanted = names | {name for name in scope if name.startswith("<cell ")}
+        wanted = referenced | {name for name in scope if name.startswith("<cell ")}
         for name in wanted:
             value = scope.get(name)
             if value is None:
