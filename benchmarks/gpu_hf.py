@@ -198,8 +198,16 @@ def _run(mode: str, work: Path, size: dict, kill_step: int, gpu_type: str | None
     for event in events:
         if event["event"] == "step":
             steps[event["step"]] = event["loss"]  # the resumed attempt's, where a step ran twice
-    state = json.loads((settings().staging_root / job.last_job_id / "state.json").read_text())
+    run_dir = settings().staging_root / job.last_job_id
+    state = json.loads((run_dir / "state.json").read_text())
+    failures = []  # what each failed attempt's processes said last, for the record
+    for attempt in state["attempts"]:
+        if attempt.get("status") == "failed":
+            logs = sorted((run_dir / "attempts" / str(attempt["attempt"]) / "logs").glob("*.log"))
+            tails = {log.name: log.read_text(errors="replace")[-2500:] for log in logs}
+            failures.append({"attempt": attempt["attempt"], "cause": attempt.get("cause"), "logs": tails})
     result.update(
+        failures=failures,
         seconds=time.time() - started,
         attempts=len(state["attempts"]),
         losses=[steps[s] for s in sorted(steps)],
@@ -221,6 +229,10 @@ def measure_mode(mode: str, work: Path, size: dict, gpu_type: str | None = None)
     killed = _run(mode, work, size, size["kill_step"], gpu_type)
     events = killed.pop("events")
     whole.pop("events")
+    expected = {"uninterrupted": (whole, 1), "killed": (killed, 2)}
+    unexpected = {name: run["failures"] for name, (run, n) in expected.items() if run["attempts"] != n}
+    if unexpected or not any(e["event"] == "killed" for e in events):
+        return {"error": "a run did not go as planned (attempts or the kill)", "failures": unexpected}
     kill = next(e for e in events if e["event"] == "killed")
     resumed = [e for e in events if e["attempt"] > 0]
     begin = next(e for e in resumed if e["event"] == "train_begin")

@@ -238,8 +238,8 @@ def main(argv=None) -> int:
 
 
 def _shutdown_grace(config_type, seconds: int) -> dict:
-    """``shutdown_timeout=seconds`` where this torch's ``LaunchConfig`` takes it (2.12 and later);
-    older ones stop ranks with their own grace."""
+    """``shutdown_timeout=seconds`` where this torch's ``LaunchConfig`` takes it (2.11's does not:
+    it stops ranks with its own grace)."""
     import dataclasses
 
     names = {field.name for field in dataclasses.fields(config_type)}
