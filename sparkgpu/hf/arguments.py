@@ -5,6 +5,10 @@ Arguments written for GPUs (TRL's configs turn ``bf16`` on by default) are refus
 ``ACCELERATE_USE_CPU`` already puts Accelerate on the CPU. In a rank, the patch below sets
 ``use_cpu`` where the rank's environment says CPU and the user did not say otherwise. Importing
 this module does not import ``transformers``.
+
+``fsdp=`` and ``deepspeed=`` are for GPU worlds: Accelerate makes neither from a CPU world and
+trains CPU ranks as plain DDP. On a CPU rank the patch says so; it drops ``deepspeed=``, whose
+configuration would otherwise need DeepSpeed installed on a machine where it is never used.
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ def patch_training_arguments(arguments_class: Any) -> None:
         if self.fsdp and _cpu_rank():
             # Accelerate applies its FSDP plugin to GPU-like worlds only: on CPU ranks it trains as DDP.
             logger.warning("fsdp=%r is ignored on CPU ranks: Accelerate trains them as plain DDP", self.fsdp)
+        if self.deepspeed and _cpu_rank():
+            logger.warning("deepspeed= is ignored on CPU ranks: Accelerate trains them as plain DDP")
+            self.deepspeed = None
         return post_init(self, *args, **kwargs)
 
     setattr(__post_init__, _PATCHED, True)

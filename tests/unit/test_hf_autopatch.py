@@ -66,3 +66,28 @@ def test_arguments_written_for_gpus_use_the_cpu_on_a_cpu_rank(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-1] == "True"
+
+
+GPU_WORLD_ARGUMENTS = """
+import logging
+logging.basicConfig(level=logging.WARNING)
+from sparkgpu.hf import autopatch
+autopatch.install()
+from transformers import TrainingArguments
+zero3 = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto"}
+args = TrainingArguments(output_dir="out", report_to="none", fsdp="full_shard", deepspeed=zero3)
+print(args.deepspeed, args.use_cpu)
+"""
+
+
+def test_fsdp_and_deepspeed_written_for_gpus_are_said_to_be_ignored_on_a_cpu_rank(tmp_path):
+    # Accelerate trains CPU ranks as DDP whatever these say; a DeepSpeed configuration would
+    # also need DeepSpeed installed (it is not here) only to be unused.
+    env = {**os.environ, "SPARKGPU_JOB_ID": "job-1", "ACCELERATE_USE_CPU": "true", "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run(
+        [sys.executable, "-c", GPU_WORLD_ARGUMENTS], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["None", "True"]
+    assert "fsdp='full_shard' is ignored on CPU ranks" in out.stderr
+    assert "deepspeed= is ignored on CPU ranks: Accelerate trains them as plain DDP" in out.stderr
