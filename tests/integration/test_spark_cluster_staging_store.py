@@ -155,4 +155,8 @@ def test_the_checkpoint_request_reaches_the_nodes_and_the_job_resumes_through_th
     # The client's control files travel as one object, which node 0 fetched and handed on.
     control = json.loads((staging_store / job_id / "attempts/0/spark/control").read_text())
     assert "runtime cap" in base64.b64decode(control["attempts/0/STOP"]).decode()
-    assert (settings().staging_root / job_id / "attempts/0/results/rank-0.preempted").exists()
+    # The ranks' markers came home through the store. Only the first rank to stop surely leaves
+    # one: when it exits, torch's agent stops its node's other ranks (SIGTERM), which can reach
+    # one a moment before it stops for the restart itself (read_attempt counts it preempted).
+    results = settings().staging_root / job_id / "attempts/0/results"
+    assert sorted(results.glob("rank-*.preempted")), sorted(p.name for p in results.glob("*"))
