@@ -1,5 +1,6 @@
 """Which libraries a node's agent imports for a job's ranks before it forks them."""
 
+import os
 import sys
 import threading
 
@@ -76,6 +77,22 @@ def test_a_job_wrapping_its_model_in_ddp_or_fsdp_gets_torch_dynamo_also_from_its
     from sparkgpu import runtime
 
     assert modules_to_preload(lambda: (json.dumps, runtime.get_rank)) == []
+
+
+def test_a_job_function_of_an_installed_package_still_has_its_own_modules_helpers_read(tmp_path, monkeypatch):
+    # A project installed as a wheel (into site-packages): its job function's helpers beside it
+    # are read, as they were before other modules of the caller's code were.
+    from sparkgpu.launch.rundir import preload as preload_module
+
+    (tmp_path / "installed_project.py").write_text(
+        "def helper():\n    from peft import LoraConfig\n    return LoraConfig\ndef job():\n    return helper()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(preload_module, "_library_roots", lambda: (os.path.join(str(tmp_path), ""),))
+    from installed_project import job
+
+    assert not preload_module._callers_code("installed_project")
+    assert modules_to_preload(job) == [["peft", ["LoraConfig"]]]
 
 
 def test_torch_dynamo_is_the_one_torch_module_an_agent_preloads():

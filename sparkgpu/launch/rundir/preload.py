@@ -10,12 +10,14 @@ the client notes which of a few well-known libraries the job's function imports 
 A job that wraps its model in DDP or FSDP2 imports ``torch._dynamo`` in every rank too (both
 import it when they wrap a model: about 1 s of CPU a rank), so a function that imports or names
 them has it preloaded (:data:`NEEDS_DYNAMO`). The job's own helpers are read wherever they live
-in the caller's code: its other modules too, not installed libraries.
+in the caller's code (its other modules too) and in the job function's own module; the code of
+other installed libraries is not read.
 
-Only the libraries of :data:`PRELOADABLE` and the modules of :data:`PRELOADABLE_MODULES` are ever
-imported by an agent: they read no rank variable at import and start no Python thread. The agent checks that anyway: a process with a
-Python thread besides its main one, or CUDA initialised, after the imports is no process to fork
-(:func:`preload_before_fork`), and its ranks then start as new interpreters.
+Only the libraries of :data:`PRELOADABLE` and the modules of :data:`PRELOADABLE_MODULES` are
+ever imported by an agent: they read no rank variable at import and start no Python thread. The
+agent checks that anyway: a process with a Python thread besides its main one, or CUDA
+initialised, after the imports is no process to fork (:func:`preload_before_fork`), and its ranks
+then start as new interpreters.
 """
 
 from __future__ import annotations
@@ -48,8 +50,9 @@ log = logging.getLogger(__name__)
 PRELOADABLE = frozenset(
     {"transformers", "peft", "trl", "accelerate", "datasets", "lightning", "pytorch_lightning", "torchvision"}
 )
+_DYNAMO = "torch._dynamo"
 #: Single modules an agent may import on a job's behalf (not their whole package).
-PRELOADABLE_MODULES = frozenset({"torch._dynamo"})
+PRELOADABLE_MODULES = frozenset({_DYNAMO})
 #: Modules whose use imports ``torch._dynamo`` in the rank (DDP's and FSDP2's wrappers), and the
 #: names by which a function may reach them through ``torch`` (``torch.nn.parallel.DistributedDataParallel``).
 NEEDS_DYNAMO = ("torch.nn.parallel", "torch.distributed.fsdp", "torch.distributed._composable")
@@ -106,16 +109,17 @@ def _names(code: types.CodeType) -> set[str]:
 def modules_to_preload(fn: Callable) -> list[list]:
     """The :data:`PRELOADABLE` modules ``fn`` imports or refers to, as ``[module, [names]]``.
 
-    Read from the code of ``fn``, of the functions of the caller's own code it refers to (a few
-    levels deep) and of the objects it refers to; nothing is run. A function that uses DDP or
-    FSDP2 (:data:`NEEDS_DYNAMO`) gets ``torch._dynamo``. ``names`` are what a ``from
-    module import ...`` takes: transformers imports its classes' modules when they are asked for.
+    Read from the code of ``fn``, of the functions of its own module and of the caller's other
+    code it refers to (a few levels deep) and of the objects it refers to; nothing is run. A
+    function that uses DDP or FSDP2 (:data:`NEEDS_DYNAMO`) gets ``torch._dynamo``. ``names`` are
+    what a ``from module import ...`` takes: transformers imports its classes' modules when they
+    are asked for.
     """
     found: dict[str, set[str]] = {}
 
     def note(module: str, names: Iterable[str] = ()) -> None:
         if module.startswith(NEEDS_DYNAMO):
-            found.setdefault("torch._dynamo", set())
+            found.setdefault(_DYNAMO, set())
         elif _preloadable(module):
             found.setdefault(module, set()).update(n for n in names if n != "*")
 
@@ -135,8 +139,8 @@ def modules_to_preload(fn: Callable) -> list[list]:
             except ValueError:  # an empty cell
                 continue
         referenced = _names(code)
-        if referenced & _DYNAMO_NAMES:
-            note(NEEDS_DYNAMO[0])
+        if referenced & _DYNAMO_NAMES:  # DDP or FSDP reached through ``torch``'s attributes
+            found.setdefault(_DYNAMO, set())
         wanted = referenced | {name for name in scope if name.startswith("<cell ")}
         for name in wanted:
             value = scope.get(name)
@@ -151,7 +155,8 @@ def modules_to_preload(fn: Callable) -> list[list]:
             if not isinstance(owner, str):
                 continue
             note(owner)
-            if function_here and depth < _DEPTH and _callers_code(owner):
+            own_module = owner == getattr(function, "__module__", None)
+            if function_here and depth < _DEPTH and (own_module or _callers_code(owner)):
                 visit(value, depth + 1)
 
     visit(fn, 0)
