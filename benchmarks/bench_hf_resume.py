@@ -173,6 +173,7 @@ def finetune(side: str, mds_dir: str, parquet: str, timeline: str, kill_step: in
     from transformers.trainer_utils import get_last_checkpoint
 
     from sparkgpu import data, runtime
+    from sparkgpu.train import sealed_files
 
     rank, attempt = runtime.get_global_rank(), runtime.attempt()
     started = time.time()  # the launcher's restart and the imports above are over
@@ -209,7 +210,12 @@ def finetune(side: str, mds_dir: str, parquet: str, timeline: str, kill_step: in
         def on_step_begin(self, args, state, control, **kwargs):
             if attempt == 0 and rank == 1 and state.global_step == kill_step + 1:
                 folder = os.path.join(args.output_dir, f"checkpoint-{kill_step}")
-                done = os.path.join(runtime.checkpoint_dir(), "hf", f"checkpoint-{kill_step}", "_SEALED.json")
+                done = os.path.join(
+                    runtime.checkpoint_dir(),
+                    sealed_files.TRAINER_FOLDER,
+                    f"checkpoint-{kill_step}",
+                    sealed_files.SEALED_MARKER,
+                )
                 if side != "sparkgpu":
                     done = os.path.join(folder, "trainer_state.json")
                 while not os.path.exists(done):  # the resume must find it, on both sides

@@ -27,11 +27,15 @@ import shutil
 import time
 from pathlib import Path
 
+from common import method
+
 MODES = ("lora", "fsdp2", "zero3")
 VOCAB = 32000
 
 
-def _llama(hidden: int, layers: int, seq: int):
+def llama(hidden: int, layers: int, seq: int, attention: str):
+    """A Llama of ``hidden`` x ``layers`` from a config (no hub), seeded: the same weights each call.
+    Also the sft part's model (gpu_suite.py)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -45,7 +49,7 @@ def _llama(hidden: int, layers: int, seq: int):
         num_key_value_heads=max(1, hidden // 128),
         max_position_embeddings=seq,
         use_cache=False,
-        attn_implementation="eager",
+        attn_implementation=attention,
     )
     return LlamaForCausalLM(config)
 
@@ -117,6 +121,7 @@ def finetune(mode: str, folder: str, steps: int, save_steps: int, kill_step: int
     from transformers import Trainer, TrainerCallback
 
     from sparkgpu import runtime
+    from sparkgpu.train import sealed_files
 
     attempt, rank = runtime.attempt(), runtime.get_global_rank()
     # TrainingArguments(full_determinism=True) without its error for an op torch has no
@@ -130,7 +135,7 @@ def finetune(mode: str, folder: str, steps: int, save_steps: int, kill_step: int
         with open(timeline, "a") as f:
             f.write(json.dumps({"event": event, "time": time.time(), "attempt": attempt, "rank": rank, **facts}) + "\n")
 
-    model = _llama(size["hidden"], size["layers"], size["seq"])
+    model = llama(size["hidden"], size["layers"], size["seq"], attention="eager")
     if mode == "lora":
         from peft import LoraConfig, get_peft_model
 
@@ -151,7 +156,8 @@ def finetune(mode: str, folder: str, steps: int, save_steps: int, kill_step: int
         def on_step_end(self, args, state, control, **kwargs):
             record("step", step=state.global_step, loss=losses[-1] if losses else None)
             if attempt == 0 and kill_step and state.global_step == kill_step + 1:
-                sealed = Path(runtime.checkpoint_dir()) / "hf" / f"checkpoint-{kill_step}" / "_SEALED.json"
+                folder = Path(runtime.checkpoint_dir(), sealed_files.TRAINER_FOLDER, f"checkpoint-{kill_step}")
+                sealed = folder / sealed_files.SEALED_MARKER
                 while not sealed.exists():  # the next attempt must find it
                     time.sleep(0.01)
                 record("killed", step=state.global_step)
@@ -237,6 +243,8 @@ def measure_mode(mode: str, work: Path, size: dict, gpu_type: str | None = None)
     resumed = [e for e in events if e["attempt"] > 0]
     begin = next(e for e in resumed if e["event"] == "train_begin")
     first = next(e for e in resumed if e["event"] == "step")
+    losses_equal = killed["losses"] == whole["losses"]
+    weights_equal = killed["weights_sha256"] == whole["weights_sha256"]
     figures = {
         "device": killed["device"],
         "cuda_device": killed["cuda_device"],
@@ -246,15 +254,14 @@ def measure_mode(mode: str, work: Path, size: dict, gpu_type: str | None = None)
         "attempts": killed["attempts"],
         "resumed_from_step": begin["step"],
         "kill_to_first_resumed_step_s": first["time"] - kill["time"],
-        "losses_bitwise_equal": killed["losses"] == whole["losses"],
+        "losses_bitwise_equal": losses_equal,
         "steps": len(killed["losses"]),
-        "weights_bitwise_equal": killed["weights_sha256"] == whole["weights_sha256"],
+        "weights_bitwise_equal": weights_equal,
         "job_seconds": {"whole": whole["seconds"], "killed": killed["seconds"]},
         "summary": (
             f"{killed['device']} {killed['wrapped']}, resumed from step {begin['step']} "
             f"{first['time'] - kill['time']:.1f} s after the kill; losses "
-            f"{'equal' if killed['losses'] == whole['losses'] else 'DIFFER'}, weights "
-            f"{'equal' if killed['weights_sha256'] == whole['weights_sha256'] else 'DIFFER'}"
+            f"{'equal' if losses_equal else 'DIFFER'}, weights {'equal' if weights_equal else 'DIFFER'}"
         ),
     }
     checks = {
@@ -286,13 +293,14 @@ def part_hf(record, work: Path, sizes: dict, small: bool) -> None:
         "seq_len": size["seq"],
         "job": "@distributed(gpus=1, max_restarts=1), local backend",
     }
-    record.data["method"] = {
-        "what": "each mode run uninterrupted, then with its rank SIGKILLed at the step after the checkpoint of "
+    record.data["method"] = method(
+        "from the kill (the rank's clock, just before SIGKILL) to the end of the first resumed step",
+        startup="inside the timed span: failure detection, the restart, imports, the model, the restore",
+        repeats=1,
+        statistic="the one run",
+        what="each mode run uninterrupted, then with its rank SIGKILLed at the step after the checkpoint of "
         "kill_after_step is sealed; the job restarts and the Trainer resumes by itself",
-        "timed": "from the kill (the rank's clock, just before SIGKILL) to the end of the first resumed step: "
-        "failure detection, the restart, imports, the model, the restore",
-        "repeats": 1,
-    }
+    )
     for mode in MODES:
         entry = record.measure(mode, lambda mode=mode: measure_mode(mode, work, size), needs_cuda=True)
         if "skipped" in entry:  # DeepSpeed missing: a skip with its reason, not a failure

@@ -74,7 +74,7 @@ if str(HERE) not in sys.path:  # common.py and bench_images.py, also when this f
     sys.path.insert(0, str(HERE))
 
 from common import load_seen, machine, method, spread  # noqa: E402
-from gpu_hf import MODES, part_hf  # noqa: E402
+from gpu_hf import MODES, llama, part_hf  # noqa: E402
 
 RESULTS = HERE / "results"
 MiB = 1 << 20
@@ -1339,21 +1339,8 @@ def part_sft(record: PartRecord, work: Path, sizes: dict, small: bool) -> None:
         return {"row_tokens_per_s": rate, "summary": f"{rate:,.0f} row tokens/s"}
 
     def steps(fed: bool) -> dict:
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        hidden = sizes["sft_hidden"]
-        config = LlamaConfig(
-            vocab_size=32000,
-            hidden_size=hidden,
-            intermediate_size=hidden * 4,
-            num_hidden_layers=sizes["sft_layers"],
-            num_attention_heads=max(1, hidden // 64),
-            num_key_value_heads=max(1, hidden // 128),
-            max_position_embeddings=seq_len,
-            use_cache=False,
-        )
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config).to("cuda", dtype=torch.bfloat16).train()
+        model = llama(sizes["sft_hidden"], sizes["sft_layers"], seq_len, attention="sdpa")
+        model = model.to("cuda", dtype=torch.bfloat16).train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
         rows = loader()
         source = iter(rows)
