@@ -287,9 +287,11 @@ def test_a_converter_killed_on_another_machine_is_taken_over_once_its_lease_expi
     )
     log = _text(waiter["log"])
     unrenewed = float(re.search(r"not renewed for ([\d.]+) s", log).group(1))
-    # A lease after the holder's last renewal (at most a third of a lease before the kill), not
-    # sooner, and while the holder lived its renewals kept the waiter waiting.
-    assert lease <= unrenewed < lease + 1.0
+    # Taken over a lease after the holder's last renewal, not sooner; and that renewal came at most
+    # a lease before the kill (the holder renews every third of a lease): while the holder lived,
+    # its renewals kept the waiter waiting. The takeover itself may come late on a loaded machine,
+    # so its lateness is bounded by the kill-to-end time the test measured, not by a constant.
+    assert lease <= unrenewed < lease + after_kill
     assert "took over" in log and "pid" in log
     assert after_kill < 30
 

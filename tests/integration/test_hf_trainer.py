@@ -123,6 +123,7 @@ def train_plainly(
     from transformers import Trainer, TrainingArguments
 
     from sparkgpu import runtime
+    from sparkgpu.train import sealed_files
 
     model = tiny_llama()
     args = TrainingArguments(
@@ -145,6 +146,14 @@ def train_plainly(
             return
         step = trainer.state.global_step + 1
         if kill_step is not None and runtime.attempt() == 0 and step == kill_step + 1:
+            # The newest save's seal is written on a thread: wait for its marker, or on a loaded
+            # machine the fault may come first and the restart truly starts from an older one.
+            newest = f"checkpoint-{kill_step // save_steps * save_steps}"
+            sealed = os.path.join(
+                runtime.checkpoint_dir(), sealed_files.TRAINER_FOLDER, newest, sealed_files.SEALED_MARKER
+            )
+            while not os.path.exists(sealed):
+                time.sleep(0.01)
             if kill_executor_of is not None and rank == kill_executor_of:
                 parents = psutil.Process().parents()
                 (executor,) = [p for p in parents if "CoarseGrainedExecutorBackend" in p.cmdline()]
