@@ -427,3 +427,12 @@ def test_epoch_orders_work_each_epoch_out_once_and_the_next_one_ahead(tmp_path):
     copied = pickle.loads(pickle.dumps(EpochOrders(functools.partial(operator.mul, 10), per_epoch=True)))
     assert copied.get(4) == 40
     copied.close()
+    # What is finished after a result is handed out runs on the background thread, once per result.
+    finished = []
+    finishing = EpochOrders(compute, per_epoch=True, finish=finished.append)
+    assert finishing.get(0) == 0
+    deadline = time.monotonic() + 10
+    while len(finished) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert finished == [0, 10]
+    finishing.close()

@@ -62,18 +62,21 @@ def epoch_order(
     Returns:
         ``int64`` array of length ``shard_sizes.sum()``.
     """
-    sizes = np.asarray(shard_sizes, dtype=np.int64)
-    total = int(sizes.sum())
     if not shuffle:
-        return np.arange(total, dtype=np.int64)
+        return np.arange(int(np.sum(shard_sizes)), dtype=np.int64)
+    return argsort_ties_by_id(shuffle_positions(shard_sizes, seed=seed, epoch=epoch, block_size=block_size))
+
+
+def shuffle_positions(shard_sizes: np.ndarray, *, seed: int, epoch: int, block_size: int) -> np.ndarray:
+    """Each sample's random position (``float64``, by sample id); the shuffled order sorts by it, ties by id."""
+    sizes = np.asarray(shard_sizes, dtype=np.int64)
     rng = np.random.default_rng(np.random.SeedSequence([seed, epoch]))
     layout = rng.permutation(len(sizes))
     starts = np.empty(len(sizes), dtype=np.float64)
     starts[layout] = np.cumsum(sizes[layout]) - sizes[layout]
     width = np.maximum(sizes, block_size).astype(np.float64)
     low = starts + sizes / 2.0 - width / 2.0
-    position = np.repeat(low, sizes) + rng.random(total) * np.repeat(width, sizes)
-    return _argsort_ties_by_id(position)
+    return np.repeat(low, sizes) + rng.random(int(sizes.sum())) * np.repeat(width, sizes)
 
 
 def fragment_order(shard_sizes: np.ndarray, *, seed: int, epoch: int, window: int) -> np.ndarray:
@@ -171,7 +174,8 @@ def located_order(
     return (order, *locate(order, shard_sizes))
 
 
-def _argsort_ties_by_id(keys: np.ndarray) -> np.ndarray:
+def argsort_ties_by_id(keys: np.ndarray) -> np.ndarray:
+    """The order that sorts ``keys``, equal keys by index: the same on every machine."""
     # Quicksort is 2-3x faster than a stable sort, but which of two equal keys comes first
     # would then depend on the numpy build and CPU (SIMD sorts), and ranks on different
     # machines must agree on every position. Equal float64 keys are rare, so reorder just
@@ -362,17 +366,22 @@ class EpochOrders:
 
     A shuffled order costs a sort of the whole dataset, about 0.1 s per million samples. When
     the order changes from epoch to epoch, the next epoch's is worked out on a background
-    thread while this one is read, so only the first epoch's first batch waits for one. An
+    thread while this one is read, so only the first epoch's first batch waits for one (for
+    the first bands of it alone, where the loader sorts a
+    :class:`~sparkgpu.data.loaders.banded_order.BandedOrder` with ``finish``). An
     unshuffled order is the same every epoch: worked out once. The thread is the process's
     own: a forked DataLoader worker starts its own, and work its parent left pending is redone.
 
     Args:
         compute: ``compute(epoch)``: the epoch's order and whatever the loader derives from it.
         per_epoch: Whether ``compute``'s result differs from epoch to epoch.
+        finish: ``finish(result)``: work on a result that may come after it is handed out (the
+            rest of a :class:`~sparkgpu.data.loaders.banded_order.BandedOrder`'s sort), run
+            on the background thread right after ``compute``.
     """
 
-    def __init__(self, compute: Callable[[int], Any], per_epoch: bool):
-        self.compute, self.per_epoch = compute, per_epoch
+    def __init__(self, compute: Callable[[int], Any], per_epoch: bool, finish: Callable[[Any], None] | None = None):
+        self.compute, self.per_epoch, self.finish = compute, per_epoch, finish
         self._results: dict[int, concurrent.futures.Future] = {}
         self._pool: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
 
@@ -382,6 +391,8 @@ class EpochOrders:
         if self._pool is not None and self._pool[0] != os.getpid():  # forked: the parent's thread is not here
             self._pool = None
             self._results = {k: f for k, f in self._results.items() if f.done()}
+            for future in self._results.values():  # what the parent's thread had left to finish
+                self._finish(future)
         if key not in self._results:
             self._results[key] = self._submit(key)
         result = self._results[key].result()
@@ -390,9 +401,19 @@ class EpochOrders:
         return result
 
     def _submit(self, epoch: int) -> concurrent.futures.Future:
+        future = self._executor().submit(self.compute, epoch)
+        self._finish(future)
+        return future
+
+    def _finish(self, future: concurrent.futures.Future) -> None:
+        if self.finish is not None:
+            finish = self.finish
+            self._executor().submit(lambda: future.exception() is None and finish(future.result()))
+
+    def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._pool is None:
             self._pool = (os.getpid(), concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sparkgpu-order"))
-        return self._pool[1].submit(self.compute, epoch)
+        return self._pool[1]
 
     def close(self) -> None:
         """Stops background work and forgets every order."""
@@ -401,4 +422,10 @@ class EpochOrders:
         self._pool, self._results = None, {}
 
     def __getstate__(self) -> dict:
-        return {"compute": self.compute, "per_epoch": self.per_epoch, "_results": {}, "_pool": None}
+        return {
+            "compute": self.compute,
+            "per_epoch": self.per_epoch,
+            "finish": self.finish,
+            "_results": {},
+            "_pool": None,
+        }

@@ -46,13 +46,13 @@ from sparkgpu.data.loaders.order import (
     EpochOrders,
     EpochPlan,
     check_int,
-    epoch_order,
     fragment_order,
     locate,
     restore_position,
     shard_spans,
 )
 from sparkgpu.data.loaders.positioned import Positioned
+from sparkgpu.data.loaders.banded_order import BandedOrder
 from sparkgpu.data.tables.filter import KEEP, to_expression
 from sparkgpu.data.tables.plan import TableRef
 from sparkgpu.data.tables.source import file_cache, keep_mask, open_table, row_groups, scan
@@ -257,7 +257,7 @@ class TableDataset(Positioned):
         self.num_samples = int(self._sizes.sum())
         self.epoch = 0
         self._consumed = 0
-        self._orders = EpochOrders(self._order_of, per_epoch=bool(shuffle))
+        self._orders = EpochOrders(self._order_of, per_epoch=bool(shuffle), finish=_sort_the_rest)
 
     # Position (the same rules as MDSLoader).
 
@@ -307,7 +307,8 @@ class TableDataset(Positioned):
     def _batches(self):
         plan, start = self._begin_epoch(), self._consumed
         numbers = self._batch_numbers(plan)
-        reader = _Reader(self, plan, numbers, self._orders.get(self.epoch)[1])
+        order, spans = self._orders.get(self.epoch)
+        reader = _Reader(self, plan, numbers, spans, order if isinstance(order, BandedOrder) else None)
         try:
             for number in numbers:
                 batch = reader.batch(number)
@@ -318,8 +319,9 @@ class TableDataset(Positioned):
         self.epoch, self._consumed = self.epoch + 1, 0
 
     def _plan(self, epoch: int, start: int) -> EpochPlan:
+        order = self._orders.get(epoch)[0]
         return EpochPlan.for_rank(
-            self._orders.get(epoch)[0],
+            order.order if isinstance(order, BandedOrder) else order,
             start=start,
             rank=self.rank,
             world_size=self.world_size,
@@ -327,15 +329,15 @@ class TableDataset(Positioned):
             drop_last=self.drop_last,
         )
 
-    def _order_of(self, epoch: int) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+    def _order_of(self, epoch: int) -> tuple[np.ndarray | BandedOrder, tuple[np.ndarray, np.ndarray]]:
         # The epoch's order, and where each row group's rows lie in it (what the reader plans by).
+        # The windowed shuffle's is sorted a band at a time: a first batch waits for its own.
         if self.shuffle == "fragments":
             window = self.batch_size * self.world_size
             order = fragment_order(self._sizes, seed=self.seed, epoch=epoch, window=window)
         elif self.shuffle:
-            order = epoch_order(
-                self._sizes, shuffle=True, seed=self.seed, epoch=epoch, block_size=self.shuffle_block_size
-            )
+            banded = BandedOrder(self._sizes, seed=self.seed, epoch=epoch, block_size=self.shuffle_block_size)
+            return banded, banded.spans()
         else:
             return np.arange(self.num_samples, dtype=np.int64), shard_spans(None, self._sizes)
         return order, shard_spans(order, self._sizes)
@@ -367,6 +369,11 @@ class TableDataset(Positioned):
         return table
 
 
+def _sort_the_rest(result: tuple[np.ndarray | BandedOrder, tuple[np.ndarray, np.ndarray]]) -> None:
+    if isinstance(result[0], BandedOrder):
+        result[0].complete()
+
+
 class _Reader:
     """Reads the row groups of a plan ahead of need and builds its batches.
 
@@ -381,9 +388,17 @@ class _Reader:
 
     _STRETCH = 32  # batches located at once
 
-    def __init__(self, dataset: TableDataset, plan: EpochPlan, numbers: range, spans: tuple[np.ndarray, np.ndarray]):
+    def __init__(
+        self,
+        dataset: TableDataset,
+        plan: EpochPlan,
+        numbers: range,
+        spans: tuple[np.ndarray, np.ndarray],
+        banded: BandedOrder | None = None,
+    ):
         self.dataset = dataset
         self.plan = plan
+        self.banded = banded  # the plan's samples are final only as far as it has been sorted
         self.numbers = numbers
         first_batch, last_batch = plan.batches_between(*spans)
         # The first and last of this process's batches (with DataLoader workers, every W-th) in each span.
@@ -476,6 +491,9 @@ class _Reader:
         if stretch != self._stretch:
             size = self.plan.batch_size
             numbers = self.numbers[stretch * self._STRETCH : (stretch + 1) * self._STRETCH]
+            if self.banded is not None and len(numbers):
+                last = min(len(self.plan.samples), (numbers[-1] + 1) * size) - 1
+                self.banded.ensure(self.plan.first_position + last * self.plan.stride + 1)
             if numbers.step == 1:
                 samples = self.plan.samples[numbers.start * size : numbers.stop * size]
             else:
