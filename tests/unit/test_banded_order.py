@@ -1,0 +1,109 @@
+"""A shuffled order sorted a band at a time is the epoch order, wherever it is cut, shared or forked."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+
+import numpy as np
+import pytest
+
+from sparkgpu.data.loaders import banded_order
+from sparkgpu.data.loaders.banded_order import BandedOrder
+from sparkgpu.data.loaders.order import epoch_order, shard_spans
+
+SIZES = {
+    "row groups of a 2M-row table": np.r_[np.full(30, 65536), 33920],
+    "uneven shards": np.random.default_rng(3).integers(1, 5000, size=200),
+    "one sample": np.array([7]),
+    "one-sample shards": np.array([1, 1, 1]),
+    "a shard larger than the window": np.array([300_000, 5, 1_000_000]),
+}
+
+
+@pytest.mark.parametrize("block_size", [1 << 18, 1000, 1])
+@pytest.mark.parametrize("name", list(SIZES))
+def test_every_prefix_the_whole_order_and_the_spans_are_the_epoch_orders(name, block_size):
+    sizes = SIZES[name]
+    for epoch in (0, 1):
+        expected = epoch_order(sizes, shuffle=True, seed=5, epoch=epoch, block_size=block_size)
+        order = BandedOrder(sizes, seed=5, epoch=epoch, block_size=block_size)
+        first, last = order.spans()
+        want_first, want_last = shard_spans(expected, sizes)
+        assert (first == want_first).all() and (last == want_last).all()
+        for end in (1, len(expected) // 7, len(expected) // 2):
+            got = order.ensure(end)
+            assert order.sorted_until >= end
+            assert (got[:end] == expected[:end]).all()
+        assert (order.complete() == expected).all() and order.sorted_until == len(expected)
+
+
+def test_equal_positions_keep_sample_id_order_in_the_order_and_the_spans(monkeypatch):
+    def rounded(sizes, *, seed, epoch, block_size):  # whole numbers: most positions tie
+        rng = np.random.default_rng(seed)
+        return np.floor(rng.random(int(np.sum(sizes))) * 200.0)
+
+    monkeypatch.setattr(banded_order, "shuffle_positions", rounded)
+    sizes = np.array([40, 300, 17, 900, 3])
+    order = BandedOrder(sizes, seed=1, epoch=0, block_size=64)
+    positions = rounded(sizes, seed=1, epoch=0, block_size=64)
+    expected = np.argsort(positions, kind="stable")  # by position, equal ones by id
+    first, last = order.spans()
+    want_first, want_last = shard_spans(expected, sizes)
+    assert (first == want_first).all() and (last == want_last).all()
+    assert (order.complete() == expected).all()
+
+
+def test_threads_that_need_different_prefixes_sort_each_band_once(monkeypatch):
+    sorted_sizes = []
+    real = banded_order.argsort_ties_by_id
+
+    def counting(keys):
+        sorted_sizes.append(len(keys))
+        return real(keys)
+
+    monkeypatch.setattr(banded_order, "argsort_ties_by_id", counting)
+    sizes = SIZES["row groups of a 2M-row table"]
+    expected = epoch_order(sizes, shuffle=True, seed=2, epoch=3, block_size=1 << 18)
+    order = BandedOrder(sizes, seed=2, epoch=3, block_size=1 << 18)
+    ends = [len(expected), 4096, 1, 500_000, len(expected) // 2, 4096 * 32]
+    seen: dict[int, bool] = {}
+
+    def need(end):
+        seen[end] = bool((order.ensure(end)[:end] == expected[:end]).all())
+
+    threads = [threading.Thread(target=need, args=(end,)) for end in ends]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert seen == {end: True for end in ends}
+    assert (order.order == expected).all()
+    bands = len(order._bounds) - 1
+    assert len(sorted_sizes) == bands and sum(sorted_sizes) == len(expected)
+
+
+def _finish_in_child(order: BandedOrder, expected: np.ndarray, out) -> None:
+    out.send(bool((order.complete() == expected).all()))
+
+
+def test_a_forked_child_sorts_the_bands_its_parents_thread_had_claimed():
+    sizes = SIZES["uneven shards"]
+    expected = epoch_order(sizes, shuffle=True, seed=9, epoch=0, block_size=1000)
+    order = BandedOrder(sizes, seed=9, epoch=0, block_size=1000)
+    order.ensure(len(expected) // 4)
+    # The parent's background thread is mid-way through the next bands when the worker forks.
+    with order._changed:
+        order._claimed = min(order._final + 3, len(order._done))
+        receive, send = multiprocessing.Pipe(duplex=False)
+        child = multiprocessing.get_context("fork").Process(
+            target=_finish_in_child, args=(order, expected, send), daemon=True
+        )
+        child.start()
+    try:
+        assert receive.poll(60), "the child never finished the order: a band claimed before the fork was lost"
+        assert receive.recv() is True
+        child.join(10)
+        assert child.exitcode == 0
+    finally:
+        child.kill()
