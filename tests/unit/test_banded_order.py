@@ -87,21 +87,26 @@ def _finish_in_child(order: BandedOrder, expected: np.ndarray, out) -> None:
     out.send(bool((order.complete() == expected).all()))
 
 
-def test_a_forked_child_sorts_the_bands_its_parents_thread_had_claimed():
+@pytest.mark.parametrize("when", ["bands claimed, not sorted", "bands sorted, not yet passed"])
+def test_a_forked_child_finishes_what_its_parents_threads_were_doing(when):
     sizes = SIZES["uneven shards"]
     expected = epoch_order(sizes, shuffle=True, seed=9, epoch=0, block_size=1000)
     order = BandedOrder(sizes, seed=9, epoch=0, block_size=1000)
     order.ensure(len(expected) // 4)
-    # The parent's background thread is mid-way through the next bands when the worker forks.
-    with order._changed:
-        order._claimed = min(order._final + 3, len(order._done))
+    with order._changed:  # what the parent's sorting threads left when the DataLoader worker forked
+        if when == "bands claimed, not sorted":
+            order._claimed = min(order._final + 3, len(order._done))
+        else:  # every band sorted, the order not yet moved past them
+            order.order[:] = expected
+            order._done[:] = True
+            order._claimed = len(order._done)
         receive, send = multiprocessing.Pipe(duplex=False)
         child = multiprocessing.get_context("fork").Process(
             target=_finish_in_child, args=(order, expected, send), daemon=True
         )
         child.start()
     try:
-        assert receive.poll(60), "the child never finished the order: a band claimed before the fork was lost"
+        assert receive.poll(60), "the child never finished the order"
         assert receive.recv() is True
         child.join(10)
         assert child.exitcode == 0

@@ -150,8 +150,11 @@ def _after_fork() -> None:
     # A band the parent's background thread was sorting at the fork is never finished in the
     # child, where that thread does not exist, and a lock it held stays held: each order gets a
     # fresh lock and gives such bands back, to be sorted again.
+    # A fork between a band's sort and the advance past it leaves that advance to the child.
     for order in list(_live):
         order._changed = threading.Condition()
+        while order._final < len(order._done) and order._done[order._final]:
+            order._final += 1
         order._claimed = order._final
 
 
