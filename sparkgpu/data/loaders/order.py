@@ -368,7 +368,7 @@ class EpochOrders:
     the order changes from epoch to epoch, the next epoch's is worked out on a background
     thread while this one is read, so only the first epoch's first batch waits for one (for
     the first bands of it alone, where the loader sorts a
-    :class:`~sparkgpu.data.loaders.banded_order.BandedOrder` with ``finish``). An
+    :class:`~sparkgpu.data.loaders.lazy_orders.BandedOrder` with ``finish``). An
     unshuffled order is the same every epoch: worked out once. The thread is the process's
     own: a forked DataLoader worker starts its own, and work its parent left pending is redone.
 
@@ -376,7 +376,7 @@ class EpochOrders:
         compute: ``compute(epoch)``: the epoch's order and whatever the loader derives from it.
         per_epoch: Whether ``compute``'s result differs from epoch to epoch.
         finish: ``finish(result)``: work on a result that may come after it is handed out (the
-            rest of a :class:`~sparkgpu.data.loaders.banded_order.BandedOrder`'s sort), run
+            rest of a :class:`~sparkgpu.data.loaders.lazy_orders.BandedOrder`'s sort), run
             on the background thread right after ``compute``.
     """
 

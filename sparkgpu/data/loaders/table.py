@@ -46,13 +46,12 @@ from sparkgpu.data.loaders.order import (
     EpochOrders,
     EpochPlan,
     check_int,
-    fragment_order,
     locate,
     restore_position,
     shard_spans,
 )
 from sparkgpu.data.loaders.positioned import Positioned
-from sparkgpu.data.loaders.banded_order import BandedOrder
+from sparkgpu.data.loaders.lazy_orders import BandedOrder, FragmentOrder, LazyOrder
 from sparkgpu.data.tables.filter import KEEP, to_expression
 from sparkgpu.data.tables.plan import TableRef
 from sparkgpu.data.tables.source import file_cache, keep_mask, open_table, row_groups, scan
@@ -257,7 +256,7 @@ class TableDataset(Positioned):
         self.num_samples = int(self._sizes.sum())
         self.epoch = 0
         self._consumed = 0
-        self._orders = EpochOrders(self._order_of, per_epoch=bool(shuffle), finish=_sort_the_rest)
+        self._orders = EpochOrders(self._order_of, per_epoch=bool(shuffle), finish=_work_out_the_rest)
 
     # Position (the same rules as MDSLoader).
 
@@ -308,7 +307,7 @@ class TableDataset(Positioned):
         plan, start = self._begin_epoch(), self._consumed
         numbers = self._batch_numbers(plan)
         order, spans = self._orders.get(self.epoch)
-        reader = _Reader(self, plan, numbers, spans, order if isinstance(order, BandedOrder) else None)
+        reader = _Reader(self, plan, numbers, spans, order if isinstance(order, LazyOrder) else None)
         try:
             for number in numbers:
                 batch = reader.batch(number)
@@ -321,7 +320,7 @@ class TableDataset(Positioned):
     def _plan(self, epoch: int, start: int) -> EpochPlan:
         order = self._orders.get(epoch)[0]
         return EpochPlan.for_rank(
-            order.order if isinstance(order, BandedOrder) else order,
+            order.order if isinstance(order, LazyOrder) else order,
             start=start,
             rank=self.rank,
             world_size=self.world_size,
@@ -329,18 +328,17 @@ class TableDataset(Positioned):
             drop_last=self.drop_last,
         )
 
-    def _order_of(self, epoch: int) -> tuple[np.ndarray | BandedOrder, tuple[np.ndarray, np.ndarray]]:
+    def _order_of(self, epoch: int) -> tuple[np.ndarray | LazyOrder, tuple[np.ndarray, np.ndarray]]:
         # The epoch's order, and where each row group's rows lie in it (what the reader plans by).
-        # The windowed shuffle's is sorted a band at a time: a first batch waits for its own.
+        # Shuffled orders are worked out as far as batches need them: a first batch waits for its own.
+        lazy: LazyOrder
         if self.shuffle == "fragments":
-            window = self.batch_size * self.world_size
-            order = fragment_order(self._sizes, seed=self.seed, epoch=epoch, window=window)
+            lazy = FragmentOrder(self._sizes, seed=self.seed, epoch=epoch, window=self.batch_size * self.world_size)
         elif self.shuffle:
-            banded = BandedOrder(self._sizes, seed=self.seed, epoch=epoch, block_size=self.shuffle_block_size)
-            return banded, banded.spans()
+            lazy = BandedOrder(self._sizes, seed=self.seed, epoch=epoch, block_size=self.shuffle_block_size)
         else:
             return np.arange(self.num_samples, dtype=np.int64), shard_spans(None, self._sizes)
-        return order, shard_spans(order, self._sizes)
+        return lazy, lazy.spans()
 
     def _read(self, unit: int, needed_at: int, by_range: bool = False) -> pa.Table:
         group = self._units[unit]
@@ -369,8 +367,8 @@ class TableDataset(Positioned):
         return table
 
 
-def _sort_the_rest(result: tuple[np.ndarray | BandedOrder, tuple[np.ndarray, np.ndarray]]) -> None:
-    if isinstance(result[0], BandedOrder):
+def _work_out_the_rest(result: tuple[np.ndarray | LazyOrder, tuple[np.ndarray, np.ndarray]]) -> None:
+    if isinstance(result[0], LazyOrder):
         result[0].complete()
 
 
@@ -394,11 +392,11 @@ class _Reader:
         plan: EpochPlan,
         numbers: range,
         spans: tuple[np.ndarray, np.ndarray],
-        banded: BandedOrder | None = None,
+        lazy: LazyOrder | None = None,
     ):
         self.dataset = dataset
         self.plan = plan
-        self.banded = banded  # the plan's samples are final only as far as it has been sorted
+        self.lazy = lazy  # the plan's samples are final only as far as it has been worked out
         self.numbers = numbers
         first_batch, last_batch = plan.batches_between(*spans)
         # The first and last of this process's batches (with DataLoader workers, every W-th) in each span.
@@ -491,9 +489,9 @@ class _Reader:
         if stretch != self._stretch:
             size = self.plan.batch_size
             numbers = self.numbers[stretch * self._STRETCH : (stretch + 1) * self._STRETCH]
-            if self.banded is not None and len(numbers):
+            if self.lazy is not None and len(numbers):
                 last = min(len(self.plan.samples), (numbers[-1] + 1) * size) - 1
-                self.banded.ensure(self.plan.first_position + last * self.plan.stride + 1)
+                self.lazy.ensure(self.plan.first_position + last * self.plan.stride + 1)
             if numbers.step == 1:
                 samples = self.plan.samples[numbers.start * size : numbers.stop * size]
             else:

@@ -1,4 +1,4 @@
-"""A shuffled order sorted a band at a time is the epoch order, wherever it is cut, shared or forked."""
+"""Shuffled orders worked out a part at a time are the whole orders, wherever they are cut, shared or forked."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import threading
 import numpy as np
 import pytest
 
-from sparkgpu.data.loaders import banded_order
-from sparkgpu.data.loaders.banded_order import BandedOrder
-from sparkgpu.data.loaders.order import epoch_order, shard_spans
+from sparkgpu.data.loaders import lazy_orders
+from sparkgpu.data.loaders.lazy_orders import BandedOrder, FragmentOrder
+from sparkgpu.data.loaders.order import epoch_order, fragment_order, shard_spans
 
 SIZES = {
     "row groups of a 2M-row table": np.r_[np.full(30, 65536), 33920],
@@ -38,12 +38,31 @@ def test_every_prefix_the_whole_order_and_the_spans_are_the_epoch_orders(name, b
         assert (order.complete() == expected).all() and order.sorted_until == len(expected)
 
 
+@pytest.mark.parametrize("window", [4096, 16, 1, 7000])
+@pytest.mark.parametrize("name", list(SIZES))
+def test_a_fragment_order_is_the_whole_permutation_and_its_spans_hold_every_row(name, window):
+    sizes = SIZES[name]
+    for epoch in (0, 1):
+        expected = fragment_order(sizes, seed=5, epoch=epoch, window=window)
+        order = FragmentOrder(sizes, seed=5, epoch=epoch, window=window)
+        for end in (1, len(expected) // 7, len(expected) // 2):
+            got = order.ensure(end)
+            assert order.sorted_until >= end
+            assert (got[:end] == expected[:end]).all()
+        assert (order.complete() == expected).all() and order.sorted_until == len(expected)
+        # Each span holds the shard's rows and is widened to whole windows, by less than one at each end.
+        first, last = order.spans()
+        want_first, want_last = shard_spans(expected, sizes)
+        assert (first <= want_first).all() and (last >= want_last).all()
+        assert (want_first - first < window).all() and (last - want_last < window).all()
+
+
 def test_equal_positions_keep_sample_id_order_in_the_order_and_the_spans(monkeypatch):
     def rounded(sizes, *, seed, epoch, block_size):  # whole numbers: most positions tie
         rng = np.random.default_rng(seed)
         return np.floor(rng.random(int(np.sum(sizes))) * 200.0)
 
-    monkeypatch.setattr(banded_order, "shuffle_positions", rounded)
+    monkeypatch.setattr(lazy_orders, "shuffle_positions", rounded)
     sizes = np.array([40, 300, 17, 900, 3])
     order = BandedOrder(sizes, seed=1, epoch=0, block_size=64)
     positions = rounded(sizes, seed=1, epoch=0, block_size=64)
@@ -54,15 +73,33 @@ def test_equal_positions_keep_sample_id_order_in_the_order_and_the_spans(monkeyp
     assert (order.complete() == expected).all()
 
 
+def test_threads_that_need_a_fragment_orders_different_prefixes_agree():
+    sizes = SIZES["row groups of a 2M-row table"]
+    expected = fragment_order(sizes, seed=2, epoch=3, window=64)
+    order = FragmentOrder(sizes, seed=2, epoch=3, window=64)
+    ends = [len(expected), 4096, 1, 500_000, len(expected) // 2]
+    seen: dict[int, bool] = {}
+
+    def need(end):
+        seen[end] = bool((order.ensure(end)[:end] == expected[:end]).all())
+
+    threads = [threading.Thread(target=need, args=(end,)) for end in ends]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert seen == {end: True for end in ends} and (order.order == expected).all()
+
+
 def test_threads_that_need_different_prefixes_sort_each_band_once(monkeypatch):
     sorted_sizes = []
-    real = banded_order.argsort_ties_by_id
+    real = lazy_orders.argsort_ties_by_id
 
     def counting(keys):
         sorted_sizes.append(len(keys))
         return real(keys)
 
-    monkeypatch.setattr(banded_order, "argsort_ties_by_id", counting)
+    monkeypatch.setattr(lazy_orders, "argsort_ties_by_id", counting)
     sizes = SIZES["row groups of a 2M-row table"]
     expected = epoch_order(sizes, shuffle=True, seed=2, epoch=3, block_size=1 << 18)
     order = BandedOrder(sizes, seed=2, epoch=3, block_size=1 << 18)
@@ -85,6 +122,26 @@ def test_threads_that_need_different_prefixes_sort_each_band_once(monkeypatch):
 
 def _finish_in_child(order: BandedOrder, expected: np.ndarray, out) -> None:
     out.send(bool((order.complete() == expected).all()))
+
+
+def test_a_forked_child_goes_on_with_a_fragment_order_its_parents_thread_was_working_out():
+    sizes = SIZES["uneven shards"]
+    expected = fragment_order(sizes, seed=9, epoch=0, window=16)
+    order = FragmentOrder(sizes, seed=9, epoch=0, window=16)
+    order.ensure(len(expected) // 4)
+    with order._lock:  # the parent's thread is working out the next windows when the worker forks
+        receive, send = multiprocessing.Pipe(duplex=False)
+        child = multiprocessing.get_context("fork").Process(
+            target=_finish_in_child, args=(order, expected, send), daemon=True
+        )
+        child.start()
+    try:
+        assert receive.poll(60), "the child never finished the order"
+        assert receive.recv() is True
+        child.join(10)
+        assert child.exitcode == 0
+    finally:
+        child.kill()
 
 
 @pytest.mark.parametrize("when", ["bands claimed, not sorted", "bands sorted, not yet passed"])
