@@ -120,6 +120,49 @@ def test_threads_that_need_different_prefixes_sort_each_band_once(monkeypatch):
     assert len(sorted_sizes) == bands and sum(sorted_sizes) == len(expected)
 
 
+@pytest.mark.parametrize("kind", ["banded", "fragments"])
+def test_a_batch_needing_the_first_part_does_not_wait_for_the_background_to_finish(kind, monkeypatch):
+    sizes = SIZES["row groups of a 2M-row table"]
+    if kind == "banded":
+        order = BandedOrder(sizes, seed=1, epoch=0, block_size=1 << 18)
+        last_part = len(order._bounds) - 2
+        real = lazy_orders.argsort_ties_by_id
+        parts: list[int] = []
+
+        def work(keys):
+            parts.append(len(keys))
+            if len(parts) == last_part + 1:  # the background's last band waits for the batch's return
+                assert returned.wait(30)
+            return real(keys)
+
+        monkeypatch.setattr(lazy_orders, "argsort_ties_by_id", work)
+        expected = epoch_order(sizes, shuffle=True, seed=1, epoch=0, block_size=1 << 18)
+    else:
+        order = FragmentOrder(sizes, seed=1, epoch=0, window=4096)
+        real_step = order._step
+        steps: list[int] = []
+
+        def step(done, state):
+            steps.append(done)
+            if done > 4 * FragmentOrder._STEP:  # the background's later steps wait for the batch's return
+                assert returned.wait(30)
+            return real_step(done, state)
+
+        order._step = step
+        expected = fragment_order(sizes, seed=1, epoch=0, window=4096)
+    returned = threading.Event()
+    background = threading.Thread(target=order.complete)
+    background.start()
+    batch = threading.Thread(target=lambda: order.ensure(4096 * 32) is not None and returned.set())
+    batch.start()
+    batch.join(30)
+    finished_first = returned.is_set()
+    returned.set()
+    background.join(30)
+    assert finished_first, "the first batch waited for the background's whole order"
+    assert (order.order == expected).all()
+
+
 def _finish_in_child(order: BandedOrder, expected: np.ndarray, out) -> None:
     out.send(bool((order.complete() == expected).all()))
 
@@ -129,7 +172,8 @@ def test_a_forked_child_goes_on_with_a_fragment_order_its_parents_thread_was_wor
     expected = fragment_order(sizes, seed=9, epoch=0, window=16)
     order = FragmentOrder(sizes, seed=9, epoch=0, window=16)
     order.ensure(len(expected) // 4)
-    with order._lock:  # the parent's thread is working out the next windows when the worker forks
+    with order._advanced:  # the parent's thread is drawing the next windows when the worker forks
+        order._drawing = True
         receive, send = multiprocessing.Pipe(duplex=False)
         child = multiprocessing.get_context("fork").Process(
             target=_finish_in_child, args=(order, expected, send), daemon=True

@@ -196,7 +196,7 @@ class FragmentOrder(LazyOrder):
         window: Rows permuted together (the last window of the epoch may be shorter).
     """
 
-    _CHUNK = 1 << 16  # rows permuted at once at least: one generator call for many small windows
+    _STEP = 1 << 16  # rows permuted per step (whole windows): one generator call for many small windows
 
     def __init__(self, shard_sizes: np.ndarray, *, seed: int, epoch: int, window: int):
         self._sizes = np.asarray(shard_sizes, dtype=np.int64)
@@ -215,7 +215,8 @@ class FragmentOrder(LazyOrder):
         self._whole = total - total % window
         # (positions final, the generator's state there), replaced whole: a fork sees both or neither.
         self._progress = (0, rng.bit_generator.state)
-        self._lock = threading.Lock()
+        self._drawing = False  # a thread is permuting the next step (outside the lock)
+        self._advanced = threading.Condition()
         _live.add(self)
 
     @property
@@ -224,25 +225,39 @@ class FragmentOrder(LazyOrder):
         return self._progress[0]
 
     def ensure(self, end: int) -> np.ndarray:
-        total = len(self.order)
-        end = min(end, total)
-        while self._progress[0] < end:
-            with self._lock:
+        # Windows come from one generator in turn, so one thread draws at a time, a step at a time,
+        # and a thread that needs less than another is drawing waits only until its part is done.
+        end = min(end, len(self.order))
+        with self._advanced:
+            while self._progress[0] < end:
+                if self._drawing:
+                    self._advanced.wait()
+                    continue
+                self._drawing = True
                 done, state = self._progress
-                if done >= end:
-                    break
-                rng = np.random.default_rng()
-                rng.bit_generator.state = state
-                if done < self._whole:
-                    rows = max(end - done, self._CHUNK)
-                    stop = min(self._whole, done + -(-rows // self._window) * self._window)
-                    windows = self._unshuffled(done, stop).reshape(-1, self._window)
-                    self.order[done:stop] = rng.permuted(windows, axis=1).reshape(-1)
-                else:
-                    stop = total
-                    self.order[done:] = rng.permutation(self._unshuffled(done, stop))
-                self._progress = (stop, rng.bit_generator.state)
+                self._advanced.release()
+                try:
+                    stop, state = self._step(done, state)
+                finally:
+                    self._advanced.acquire()
+                    self._drawing = False
+                    self._advanced.notify_all()
+                self._progress = (stop, state)
         return self.order
+
+    def _step(self, done: int, state: dict) -> tuple[int, dict]:
+        """Permutes the windows after position ``done`` from generator ``state``; returns where it
+        stopped and the generator's state there."""
+        rng = np.random.default_rng()
+        rng.bit_generator.state = state
+        if done < self._whole:
+            stop = min(self._whole, done + -(-self._STEP // self._window) * self._window)
+            windows = self._unshuffled(done, stop).reshape(-1, self._window)
+            self.order[done:stop] = rng.permuted(windows, axis=1).reshape(-1)
+        else:
+            stop = len(self.order)
+            self.order[done:] = rng.permutation(self._unshuffled(done, stop))
+        return stop, rng.bit_generator.state
 
     def _unshuffled(self, begin: int, end: int) -> np.ndarray:
         """Positions ``[begin, end)`` of the layout before any window is permuted."""
@@ -262,17 +277,19 @@ class FragmentOrder(LazyOrder):
 
     def _forked(self) -> None:
         # Positions and generator state move together, so the child goes on from a consistent
-        # point; only the lock, if a parent's thread held it, is replaced.
-        self._lock = threading.Lock()
+        # point; a step a parent's thread was drawing is drawn again, and a lock it held replaced.
+        self._advanced = threading.Condition()
+        self._drawing = False
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        del state["_lock"]
+        del state["_advanced"]
+        state["_drawing"] = False
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self._advanced = threading.Condition()
         _live.add(self)
 
 
