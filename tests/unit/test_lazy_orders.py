@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from sparkgpu.data.loaders import lazy_orders
-from sparkgpu.data.loaders.lazy_orders import BandedOrder, FragmentOrder
+from sparkgpu.data.loaders.lazy_orders import BandedOrder, FragmentOrder, LazyOrder
 from sparkgpu.data.loaders.order import epoch_order, fragment_order, shard_spans
 
 SIZES = {
@@ -73,11 +73,8 @@ def test_equal_positions_keep_sample_id_order_in_the_order_and_the_spans(monkeyp
     assert (order.complete() == expected).all()
 
 
-def test_threads_that_need_a_fragment_orders_different_prefixes_agree():
-    sizes = SIZES["row groups of a 2M-row table"]
-    expected = fragment_order(sizes, seed=2, epoch=3, window=64)
-    order = FragmentOrder(sizes, seed=2, epoch=3, window=64)
-    ends = [len(expected), 4096, 1, 500_000, len(expected) // 2]
+def _assert_threads_agree(order: LazyOrder, expected: np.ndarray, ends: list[int]) -> None:
+    """Threads needing different prefixes at once each get theirs, and the order ends whole."""
     seen: dict[int, bool] = {}
 
     def need(end):
@@ -88,7 +85,15 @@ def test_threads_that_need_a_fragment_orders_different_prefixes_agree():
         thread.start()
     for thread in threads:
         thread.join()
-    assert seen == {end: True for end in ends} and (order.order == expected).all()
+    assert seen == {end: True for end in ends}
+    assert (order.order == expected).all()
+
+
+def test_threads_that_need_a_fragment_orders_different_prefixes_agree():
+    sizes = SIZES["row groups of a 2M-row table"]
+    expected = fragment_order(sizes, seed=2, epoch=3, window=64)
+    order = FragmentOrder(sizes, seed=2, epoch=3, window=64)
+    _assert_threads_agree(order, expected, [len(expected), 4096, 1, 500_000, len(expected) // 2])
 
 
 def test_threads_that_need_different_prefixes_sort_each_band_once(monkeypatch):
@@ -103,19 +108,7 @@ def test_threads_that_need_different_prefixes_sort_each_band_once(monkeypatch):
     sizes = SIZES["row groups of a 2M-row table"]
     expected = epoch_order(sizes, shuffle=True, seed=2, epoch=3, block_size=1 << 18)
     order = BandedOrder(sizes, seed=2, epoch=3, block_size=1 << 18)
-    ends = [len(expected), 4096, 1, 500_000, len(expected) // 2, 4096 * 32]
-    seen: dict[int, bool] = {}
-
-    def need(end):
-        seen[end] = bool((order.ensure(end)[:end] == expected[:end]).all())
-
-    threads = [threading.Thread(target=need, args=(end,)) for end in ends]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert seen == {end: True for end in ends}
-    assert (order.order == expected).all()
+    _assert_threads_agree(order, expected, [len(expected), 4096, 1, 500_000, len(expected) // 2, 4096 * 32])
     bands = len(order._bounds) - 1
     assert len(sorted_sizes) == bands and sum(sorted_sizes) == len(expected)
 
@@ -163,8 +156,25 @@ def test_a_batch_needing_the_first_part_does_not_wait_for_the_background_to_fini
     assert (order.order == expected).all()
 
 
-def _finish_in_child(order: BandedOrder, expected: np.ndarray, out) -> None:
+def _finish_in_child(order: LazyOrder, expected: np.ndarray, out) -> None:
     out.send(bool((order.complete() == expected).all()))
+
+
+def _assert_a_forked_child_finishes(order: LazyOrder, expected: np.ndarray) -> None:
+    """Forks (as a DataLoader starts its workers) while the caller holds the order's state as a
+    parent's thread would, and checks the child works the whole order out by itself."""
+    receive, send = multiprocessing.Pipe(duplex=False)
+    child = multiprocessing.get_context("fork").Process(
+        target=_finish_in_child, args=(order, expected, send), daemon=True
+    )
+    child.start()
+    try:
+        assert receive.poll(60), "the child never finished the order"
+        assert receive.recv() is True
+        child.join(10)
+        assert child.exitcode == 0
+    finally:
+        child.kill()
 
 
 def test_a_forked_child_goes_on_with_a_fragment_order_its_parents_thread_was_working_out():
@@ -174,18 +184,7 @@ def test_a_forked_child_goes_on_with_a_fragment_order_its_parents_thread_was_wor
     order.ensure(len(expected) // 4)
     with order._advanced:  # the parent's thread is drawing the next windows when the worker forks
         order._drawing = True
-        receive, send = multiprocessing.Pipe(duplex=False)
-        child = multiprocessing.get_context("fork").Process(
-            target=_finish_in_child, args=(order, expected, send), daemon=True
-        )
-        child.start()
-    try:
-        assert receive.poll(60), "the child never finished the order"
-        assert receive.recv() is True
-        child.join(10)
-        assert child.exitcode == 0
-    finally:
-        child.kill()
+        _assert_a_forked_child_finishes(order, expected)
 
 
 @pytest.mark.parametrize("when", ["bands claimed, not sorted", "bands sorted, not yet passed"])
@@ -201,15 +200,4 @@ def test_a_forked_child_finishes_what_its_parents_threads_were_doing(when):
             order.order[:] = expected
             order._done[:] = True
             order._claimed = len(order._done)
-        receive, send = multiprocessing.Pipe(duplex=False)
-        child = multiprocessing.get_context("fork").Process(
-            target=_finish_in_child, args=(order, expected, send), daemon=True
-        )
-        child.start()
-    try:
-        assert receive.poll(60), "the child never finished the order"
-        assert receive.recv() is True
-        child.join(10)
-        assert child.exitcode == 0
-    finally:
-        child.kill()
+        _assert_a_forked_child_finishes(order, expected)
