@@ -26,6 +26,8 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -245,7 +247,7 @@ class FragmentOrder(LazyOrder):
                 self._progress = (stop, state)
         return self.order
 
-    def _step(self, done: int, state: dict) -> tuple[int, dict]:
+    def _step(self, done: int, state: Mapping[str, Any]) -> tuple[int, Mapping[str, Any]]:
         """Permutes the windows after position ``done`` from generator ``state``; returns where it
         stopped and the generator's state there."""
         rng = np.random.default_rng()
