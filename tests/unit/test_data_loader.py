@@ -10,11 +10,11 @@ import torch
 
 from sparkgpu import data
 from sparkgpu.data import _gather
+from sparkgpu.data.loaders.lazy_orders import FragmentOrder
 from sparkgpu.data.loaders.order import (
     EpochOrders,
     EpochPlan,
     epoch_order,
-    fragment_order,
     locate,
     located_order,
     shard_spans,
@@ -377,7 +377,7 @@ def test_shard_spans_bound_each_shards_batches_on_every_rank(kind):
     if kind == "in order":
         order, given = np.arange(sizes.sum(), dtype=np.int64), None
     elif kind == "fragments":
-        order = given = fragment_order(sizes, seed=3, epoch=1, window=12)
+        order = given = FragmentOrder(sizes, seed=3, epoch=1, window=12).complete()
     else:
         order = given = epoch_order(sizes, shuffle=True, seed=3, epoch=1, block_size=50)
     first, last = shard_spans(given, sizes)

@@ -10,7 +10,24 @@ import pytest
 
 from sparkgpu.data.loaders import lazy_orders
 from sparkgpu.data.loaders.lazy_orders import BandedOrder, FragmentOrder, LazyOrder
-from sparkgpu.data.loaders.order import epoch_order, fragment_order, shard_spans
+from sparkgpu.data.loaders.order import epoch_order, shard_spans
+
+
+def fragment_order(shard_sizes: np.ndarray, *, seed: int, epoch: int, window: int) -> np.ndarray:
+    """The fragment shuffle worked out whole, in one permutation of every window: what
+    :class:`FragmentOrder` must equal however it is cut."""
+    sizes = np.asarray(shard_sizes, dtype=np.int64)
+    rng = np.random.default_rng(np.random.SeedSequence([seed, epoch, 1]))
+    layout = rng.permutation(len(sizes))
+    starts = np.cumsum(sizes) - sizes
+    lengths = sizes[layout]
+    order = np.arange(int(lengths.sum()), dtype=np.int64)
+    order += np.repeat(starts[layout] - (np.cumsum(lengths) - lengths), lengths)
+    whole = len(order) - len(order) % window
+    order[:whole] = rng.permuted(order[:whole].reshape(-1, window), axis=1).reshape(-1)
+    order[whole:] = rng.permutation(order[whole:])
+    return order
+
 
 SIZES = {
     "row groups of a 2M-row table": np.r_[np.full(30, 65536), 33920],

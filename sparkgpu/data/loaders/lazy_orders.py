@@ -1,11 +1,11 @@
 """Shuffled epoch orders worked out as far as batches need them, so a first batch waits for its own part only.
 
-:func:`~sparkgpu.data.loaders.order.epoch_order` sorts one random position per sample and
-:func:`~sparkgpu.data.loaders.order.fragment_order` permutes every window: on the 2M rows of the
-table benchmark, 0.1-0.4 s before the first batch of an epoch can even be planned. These give
-exactly the same orders, worked out a part at a time: the part a batch needs when it is first
-needed, the rest on a background task (``EpochOrders``' ``finish``). A saved position therefore
-means the same thing with either.
+:func:`~sparkgpu.data.loaders.order.epoch_order` sorts one random position per sample, and the
+fragment shuffle permutes every window of its layout: on the 2M rows of the table benchmark,
+0.1-0.4 s before the first batch of an epoch can even be planned when done whole. These work the
+same orders out a part at a time: the part a batch needs when it is first needed, the rest on a
+background task (``EpochOrders``' ``finish``). A saved position therefore means the same thing
+however far the order had been worked out.
 
 * :class:`BandedOrder` (the windowed shuffle) cuts the random positions into bands of
   ``BAND_WIDTH`` positions (one radix pass on 16-bit band numbers) and sorts each band, equal
@@ -96,13 +96,12 @@ class BandedOrder(LazyOrder):
             # is centred on its place, which lies between 0 and the total.
             spill = float(np.max(np.maximum(self._sizes, block_size) - self._sizes)) / 2.0
             low, span = -spill, total + 2.0 * spill
-            width = max(float(BAND_WIDTH), span / (_MAX_BANDS - 1))
-            band = ((self._positions - low) / width).astype(np.uint16)
+            self._low, self._width = low, max(float(BAND_WIDTH), span / (_MAX_BANDS - 1))
+            band = self._band_of(self._positions)
             self._members = np.argsort(band, kind="stable")  # each band's samples, by id
-            self._band_of = band
             ends = np.cumsum(np.bincount(band))
         else:
-            self._members, self._band_of, ends = np.empty(0, np.int64), np.empty(0, np.uint16), np.empty(0, np.int64)
+            self._members, ends = np.empty(0, np.int64), np.empty(0, np.int64)
         self._bounds = np.concatenate([[0], ends]).astype(np.int64)
         self._done = np.zeros(len(ends), dtype=bool)
         self._final = 0  # bands [0, _final) are sorted into `order`
@@ -115,15 +114,17 @@ class BandedOrder(LazyOrder):
         """Positions of :attr:`order` already final."""
         return int(self._bounds[self._final])
 
+    def _band_of(self, positions: np.ndarray) -> np.ndarray:
+        return ((positions - self._low) / self._width).astype(np.uint16)
+
     def ensure(self, end: int) -> np.ndarray:
         """Sorts the bands that hold positions before ``end``; returns :attr:`order`.
 
         Safe from several threads: each band is sorted once, by the first thread to claim it,
         so a thread that needs the first bands does not wait for a background sort of the rest.
         """
-        needed = int(
-            np.searchsorted(self._bounds[:-1], min(end, len(self.order)), side="left")
-        )  # bands starting before
+        # The bands that start before `end`.
+        needed = int(np.searchsorted(self._bounds[:-1], min(end, len(self.order)), side="left"))
         while True:
             with self._changed:
                 if self._final >= needed:
@@ -158,7 +159,7 @@ class BandedOrder(LazyOrder):
     def _places(self, samples: np.ndarray) -> np.ndarray:
         """Each sample's position in the order: the samples before its band, and those before it in it."""
         places = np.empty(len(samples), dtype=np.int64)
-        bands = self._band_of[samples]
+        bands = self._band_of(self._positions[samples])
         for band in np.unique(bands).tolist():
             lo, hi = self._bounds[band], self._bounds[band + 1]
             members = self._members[lo:hi]
@@ -190,6 +191,13 @@ class BandedOrder(LazyOrder):
 
 class FragmentOrder(LazyOrder):
     """The fragment shuffle's order: shards in a random layout, rows permuted within windows.
+
+    The shuffle ``pyarrow.dataset`` users write by hand (fragments in a random order, each
+    record batch permuted), as an order: every shard is read whole and in one piece, so no
+    batch mixes more than the two shards at a boundary. With ``window`` = batch size x world
+    size, each rank's batch is a permutation of the rows it would get unshuffled. Depends only
+    on ``(seed, epoch)`` and the sizes: the layout is one permutation of the shards, then each
+    whole window is permuted in turn from the same generator, then the shorter last one.
 
     Args:
         shard_sizes: Samples per shard, in index order.

@@ -35,7 +35,6 @@ from sparkgpu.errors import ConfigurationError
 
 __all__ = [
     "epoch_order",
-    "fragment_order",
     "locate",
     "shard_spans",
     "EpochPlan",
@@ -77,35 +76,6 @@ def shuffle_positions(shard_sizes: np.ndarray, *, seed: int, epoch: int, block_s
     width = np.maximum(sizes, block_size).astype(np.float64)
     low = starts + sizes / 2.0 - width / 2.0
     return np.repeat(low, sizes) + rng.random(int(sizes.sum())) * np.repeat(width, sizes)
-
-
-def fragment_order(shard_sizes: np.ndarray, *, seed: int, epoch: int, window: int) -> np.ndarray:
-    """A cheap shuffle: shards in a random order, rows shuffled only within windows of ``window``.
-
-    The shuffle ``pyarrow.dataset`` users write by hand (fragments in a random order, each
-    record batch permuted), as an order: every shard is read whole and in one piece, so no
-    batch mixes more than the two shards at a boundary. With ``window`` = batch size x world
-    size, each rank's batch is a permutation of the rows it would get unshuffled. Depends only
-    on ``(seed, epoch)`` and the sizes.
-
-    Args:
-        shard_sizes: Samples per shard, in index order.
-        seed: Seed of the run.
-        epoch: Epoch number.
-        window: Rows shuffled together (the last window of the epoch may be shorter).
-    """
-    sizes = np.asarray(shard_sizes, dtype=np.int64)
-    rng = np.random.default_rng(np.random.SeedSequence([seed, epoch, 1]))
-    layout = rng.permutation(len(sizes))
-    starts = np.cumsum(sizes) - sizes
-    # Each shard's ids, shards in layout order: one repeat and one cumulative sum, no loop.
-    lengths = sizes[layout]
-    order = np.arange(int(lengths.sum()), dtype=np.int64)
-    order += np.repeat(starts[layout] - (np.cumsum(lengths) - lengths), lengths)
-    whole = len(order) - len(order) % window
-    order[:whole] = rng.permuted(order[:whole].reshape(-1, window), axis=1).reshape(-1)
-    order[whole:] = rng.permutation(order[whole:])
-    return order
 
 
 def locate(samples: np.ndarray, shard_sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -367,8 +337,8 @@ class EpochOrders:
     A shuffled order costs a sort of the whole dataset, about 0.1 s per million samples. When
     the order changes from epoch to epoch, the next epoch's is worked out on a background
     thread while this one is read, so only the first epoch's first batch waits for one (for
-    the first bands of it alone, where the loader sorts a
-    :class:`~sparkgpu.data.loaders.lazy_orders.BandedOrder` with ``finish``). An
+    the part of it that batch needs alone, where the loader's order is a
+    :class:`~sparkgpu.data.loaders.lazy_orders.LazyOrder` finished with ``finish``). An
     unshuffled order is the same every epoch: worked out once. The thread is the process's
     own: a forked DataLoader worker starts its own, and work its parent left pending is redone.
 
@@ -376,8 +346,8 @@ class EpochOrders:
         compute: ``compute(epoch)``: the epoch's order and whatever the loader derives from it.
         per_epoch: Whether ``compute``'s result differs from epoch to epoch.
         finish: ``finish(result)``: work on a result that may come after it is handed out (the
-            rest of a :class:`~sparkgpu.data.loaders.lazy_orders.BandedOrder`'s sort), run
-            on the background thread right after ``compute``.
+            rest of a :class:`~sparkgpu.data.loaders.lazy_orders.LazyOrder`), run on the
+            background thread right after ``compute``.
     """
 
     def __init__(self, compute: Callable[[int], Any], per_epoch: bool, finish: Callable[[Any], None] | None = None):

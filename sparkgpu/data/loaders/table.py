@@ -306,8 +306,8 @@ class TableDataset(Positioned):
     def _batches(self):
         plan, start = self._begin_epoch(), self._consumed
         numbers = self._batch_numbers(plan)
-        order, spans = self._orders.get(self.epoch)
-        reader = _Reader(self, plan, numbers, spans, order if isinstance(order, LazyOrder) else None)
+        _, spans, lazy = self._orders.get(self.epoch)
+        reader = _Reader(self, plan, numbers, spans, lazy)
         try:
             for number in numbers:
                 batch = reader.batch(number)
@@ -318,9 +318,8 @@ class TableDataset(Positioned):
         self.epoch, self._consumed = self.epoch + 1, 0
 
     def _plan(self, epoch: int, start: int) -> EpochPlan:
-        order = self._orders.get(epoch)[0]
         return EpochPlan.for_rank(
-            order.order if isinstance(order, LazyOrder) else order,
+            self._orders.get(epoch)[0],
             start=start,
             rank=self.rank,
             world_size=self.world_size,
@@ -328,17 +327,17 @@ class TableDataset(Positioned):
             drop_last=self.drop_last,
         )
 
-    def _order_of(self, epoch: int) -> tuple[np.ndarray | LazyOrder, tuple[np.ndarray, np.ndarray]]:
-        # The epoch's order, and where each row group's rows lie in it (what the reader plans by).
-        # Shuffled orders are worked out as far as batches need them: a first batch waits for its own.
+    def _order_of(self, epoch: int) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray], LazyOrder | None]:
+        # The epoch's order, where each row group's rows lie in it (what the reader plans by), and,
+        # shuffled, what works the order out as far as batches need it: a first batch waits for its own.
         lazy: LazyOrder
         if self.shuffle == "fragments":
             lazy = FragmentOrder(self._sizes, seed=self.seed, epoch=epoch, window=self.batch_size * self.world_size)
         elif self.shuffle:
             lazy = BandedOrder(self._sizes, seed=self.seed, epoch=epoch, block_size=self.shuffle_block_size)
         else:
-            return np.arange(self.num_samples, dtype=np.int64), shard_spans(None, self._sizes)
-        return lazy, lazy.spans()
+            return np.arange(self.num_samples, dtype=np.int64), shard_spans(None, self._sizes), None
+        return lazy.order, lazy.spans(), lazy
 
     def _read(self, unit: int, needed_at: int, by_range: bool = False) -> pa.Table:
         group = self._units[unit]
@@ -367,9 +366,9 @@ class TableDataset(Positioned):
         return table
 
 
-def _work_out_the_rest(result: tuple[np.ndarray | LazyOrder, tuple[np.ndarray, np.ndarray]]) -> None:
-    if isinstance(result[0], LazyOrder):
-        result[0].complete()
+def _work_out_the_rest(result: tuple[np.ndarray, tuple[np.ndarray, np.ndarray], LazyOrder | None]) -> None:
+    if result[2] is not None:
+        result[2].complete()
 
 
 class _Reader:
