@@ -65,7 +65,8 @@ class PendingSave:
         ``build_s`` (the state dict and the pickled app state), ``stage_s`` (the copy into
         staging memory, async saves), ``plan_s`` (DCP's planning), ``data_s`` (DCP writing
         the data files: ``write_s`` into the files, ``hash_s`` beside it, ``hash_wait_s`` of
-        it not hidden by the writes, ``writeback_s`` beside it, and ``fsync_s``), ``lists_s``
+        it not hidden by the writes, ``writeback_s`` handing pages to the disk between them, and
+        ``fsync_s``), ``lists_s``
         (signed file lists), ``metadata_s`` (DCP's ``.metadata``), ``commit_s`` (the marker),
         ``committed_s`` (from the start of the save to its commit), and once the old
         checkpoints are removed after it, ``prune_s``.

@@ -26,7 +26,7 @@ JOB = "train-20250101-120000-a1b2c3"
 def small_thresholds(monkeypatch):
     # Tensors of a test model are small: let them take the helper-thread paths of a large save.
     monkeypatch.setattr(_checkpoint_writes, "_OVERLAP_BYTES", 1 << 10)
-    monkeypatch.setattr(_checkpoint_writes, "_WRITEBACK_BYTES", 64 << 10)
+    monkeypatch.setattr(_checkpoint_writes, "WRITEOUT_BYTES", 64 << 10)
 
 
 @pytest.fixture
@@ -129,6 +129,62 @@ def test_a_stream_hashes_large_writes_beside_them_and_never_returns_before_its_h
     data = (tmp_path / "f").read_bytes()
     assert seen["f"] == ("f", len(data), "blake3:" + blake3.blake3(data).hexdigest())
     assert timings.files == 1 and timings.bytes == len(data) and timings.fsync_s > 0
+
+
+def _write_in_stretches(path, streams, pieces):
+    with streams.create_stream(path, "wb") as stream:
+        for piece in pieces:
+            stream.write(piece)
+
+
+@pytest.mark.parametrize("platform_has_it", [True, False])
+def test_a_durable_stream_hands_each_stretch_to_the_disk_as_it_goes_and_fsyncs_once(
+    tmp_path, small_thresholds, monkeypatch, platform_has_it
+):
+    handed, fsynced = [], []
+    real_writeout, real_fsync = _checkpoint_writes.start_writeout, os.fsync
+
+    def writeout(fd, offset, length):
+        # The bytes handed over are in the file already (flushed from Python's buffer).
+        assert os.fstat(fd).st_size >= offset + length
+        handed.append((offset, length))
+        return real_writeout(fd, offset, length) if platform_has_it else False
+
+    monkeypatch.setattr(_checkpoint_writes, "start_writeout", writeout)
+    monkeypatch.setattr(os, "fsync", lambda fd: (fsynced.append(fd), real_fsync(fd)))
+
+    class Fs:
+        def create_stream(self, path, mode):
+            return open(path, mode)
+
+    timings = SaveTimings()
+    pieces = [os.urandom(40 << 10) for _ in range(8)]  # 320 KiB in stretches of 64 KiB
+    _write_in_stretches(tmp_path / "f", SaveStreams(Fs(), timings, hashed=False, durable=True), pieces)
+    assert (tmp_path / "f").read_bytes() == b"".join(pieces)
+    assert len(fsynced) == 1 and timings.fsync_s > 0
+    if platform_has_it:
+        # Every stretch once, in order, each beginning where the last one ended.
+        assert handed[0][0] == 0 and len(handed) == 4
+        assert all(a + n == b for (a, n), (b, _) in zip(handed, handed[1:]))
+        assert sum(n for _, n in handed) == 4 * (80 << 10)
+    else:
+        assert len(handed) == 1  # asked once; the final fsync then writes everything
+
+    handed.clear()
+    _write_in_stretches(tmp_path / "g", SaveStreams(Fs(), SaveTimings(), hashed=False, durable=False), pieces)
+    assert handed == []  # remote stores have no pages to hand over
+
+
+def test_start_writeout_reports_an_error_the_kernel_gives():
+    if _checkpoint_writes._sync_file_range() is None:
+        pytest.skip("this platform has no sync_file_range")
+    read, write = os.pipe()
+    os.close(write)
+    try:
+        with pytest.raises(OSError, match="sync_file_range"):
+            _checkpoint_writes.start_writeout(read, 0, 1)  # a pipe is no file: ESPIPE
+    finally:
+        os.close(read)
 
 
 def _tensor_record_checksums(path) -> list[int]:
