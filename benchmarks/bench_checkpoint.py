@@ -12,8 +12,11 @@ Peers in the same run, on the same model + AdamW state (parameters and both mome
     other peers make their data durable too)
   * ``torch.distributed.checkpoint.save`` (synchronous, FileSystemWriter defaults)
 Ceilings measured in the same run:
-  * one sequential write (+ fsync) of the same number of bytes from one buffer: the floor of
-    any synchronous save
+  * one sequential write (+ fsync) of the same number of bytes from one buffer, in 64 MB
+    stretches: the floor of a synchronous save that leaves all writing to disk to its fsync;
+    and the same with each stretch handed to the disk as it is written, by ``fdatasync`` (what
+    the Checkpointer did before) or by ``sync_file_range`` (what it does), which a save can
+    come in under the plain write's time with
   * a memcpy of the same bytes into preallocated host memory: the floor of the async blocking
     time when the state lives in host memory (on a GPU it is a device-to-host copy)
   * the CPU time of hashing the same bytes on one thread, with the signed saves' BLAKE3 and with
@@ -24,9 +27,12 @@ files just written):
     file hashed and checked against the marker before anything is loaded)
   * ``torch.load`` + ``load_state_dict``
   * one sequential read of the same bytes into preallocated memory
-Every timed save starts with the disk synced (``os.sync``, untimed), so that no peer pays for
-the writes of the one before it, and each repeat runs the peers in a rotated order: on this
-disk the first save after the last repeat's writes is slower whichever peer makes it.
+Every timed save starts with the disk synced (``os.sync``, untimed) and with the files of its
+own last save already removed (untimed: the Checkpointer's pruning of the older checkpoint, which
+runs on a thread after the commit, is waited for; the others' old files are deleted before the
+clock starts), so that no peer pays for the writes or deletes of another: on a disk mounted with
+online discard a delete of 1 GB slows the writes after it. Each repeat runs the peers in an order
+drawn afresh (seeded), so that no peer always follows the same one.
 Per-step cost of ``maybe_save`` when no checkpoint is due, 2 gloo ranks with 5 ms steps (it
 agrees on stop requests across ranks, reading the reduction one step late) next to an
 ``all_reduce`` of the same flags that each step waits for.
@@ -43,6 +49,7 @@ import json
 import math
 import os
 import platform
+import random
 import shutil
 import socket
 import statistics
@@ -51,6 +58,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -59,10 +67,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import cpu_mark, other_cpu_share  # noqa: E402
 from sparkgpu._keyring import hold_job_key  # noqa: E402
 from sparkgpu.train import Checkpointer  # noqa: E402
+from sparkgpu.train._checkpoint_writes import WRITEOUT_BYTES, start_writeout  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 WIDTH = 2048
 STEP_SECONDS = 0.005
+STRETCH = WRITEOUT_BYTES  # the sequential writes' pieces: the stretch the Checkpointer hands to disk early
 
 
 def build_state(size_mb: int):
@@ -98,11 +108,38 @@ def _fsync_file(path):
         os.fsync(f.fileno())
 
 
+def settled() -> None:
+    """What every timed save starts from: memory the machine holds, and a synced disk.
+
+    On a virtual machine whose balloon reports free memory back to the host, a write into
+    page-cache pages the host took back costs the guest's kernel about ten times the CPU of a
+    write into pages it holds (``copy_folio_from_iter_atomic`` under ``perf``); which save got
+    such pages depended on how long ago other saves had freed theirs. Touching and freeing
+    twice the state's size just before the clock starts gives every save pages the host
+    backs, as on a machine without such a balloon. The sync: no peer pays for the writes of
+    the one before it.
+    """
+    held = np.empty(2 * STATE_BYTES[0], dtype=np.uint8)
+    held.fill(1)
+    del held
+    os.sync()
+
+
+STATE_BYTES = [1 << 30]  # set by main() to the state's size
+
+
 def timed(fn) -> float:
-    os.sync()  # every peer starts with no other peer's writes still going to disk
+    settled()
     started = time.perf_counter()
     fn()
     return time.perf_counter() - started
+
+
+def pruned(checkpointer) -> None:
+    """Waits for the pruning that follows a Checkpointer's commit (on a thread of its own), so
+    that its deletes land before the next peer's clock starts, not inside it."""
+    checkpointer._settle()
+    os.sync()
 
 
 def signed(make):
@@ -130,6 +167,8 @@ def bench_saves(model, opt, root: Path, repeats: int, phases: dict[str, list[dic
         "torch_save_fsync": [],
         "dcp_save_sync": [],
         "ceiling_sequential_write": [],
+        "ceiling_sequential_write_fdatasync_early": [],
+        "ceiling_sequential_write_writeout_early": [],
         "ceiling_memcpy": [],
     }
     tensors = state_tensors(model, opt)
@@ -141,7 +180,7 @@ def bench_saves(model, opt, root: Path, repeats: int, phases: dict[str, list[dic
     unsigned = Checkpointer(root / "sparkgpu_unsigned", keep_last=1)
 
     def ours_async(rep):
-        os.sync()  # as timed() does for the others
+        settled()  # as timed() does for the others
         started = time.perf_counter()
         ours.save(rep, model=model, optimizer=opt)
         key = "sparkgpu_async_blocking_first" if rep == 0 else "sparkgpu_async_blocking"
@@ -150,20 +189,27 @@ def bench_saves(model, opt, root: Path, repeats: int, phases: dict[str, list[dic
         if rep:  # the first save is reported by its blocking time only: every peer runs `repeats` times
             out["sparkgpu_async_until_committed"].append(time.perf_counter() - started)
             phases["sparkgpu_async"].append(dict(getattr(ours, "last_save_phases", None) or {}))
+        pruned(ours)
 
     def ours_unsigned(rep):
-        os.sync()
+        settled()
         started = time.perf_counter()
         unsigned.save(rep, model=model, optimizer=opt, wait=True)
         out["sparkgpu_async_until_committed_unsigned"].append(time.perf_counter() - started)
         phases["sparkgpu_async_unsigned"].append(dict(getattr(unsigned, "last_save_phases", None) or {}))
+        pruned(unsigned)
 
     def ours_synchronous(rep):
         # What the loop sees: the whole call, its commit included.
         out["sparkgpu_sync"].append(timed(lambda: ours_sync.save(rep, model=model, optimizer=opt)))
         phases["sparkgpu_sync"].append(dict(getattr(ours_sync, "last_save_phases", None) or {}))
+        pruned(ours_sync)
 
     path = root / "torch_save.pt"
+
+    def torch_save_fresh(rep):
+        path.unlink(missing_ok=True)  # its last file goes before the clock starts, as DCP's folder does
+        out["torch_save_fsync"].append(timed(torch_save))
 
     def torch_save():
         with open(path, "wb") as f:
@@ -186,10 +232,29 @@ def bench_saves(model, opt, root: Path, repeats: int, phases: dict[str, list[dic
 
     raw = root / "sequential.bin"
 
-    def sequential_write():
-        with open(raw, "wb") as f:
-            f.write(memoryview(flat.numpy()).cast("B"))
-            f.flush()
+    def sequential_write_fresh(early: str):
+        key = (
+            "ceiling_sequential_write" + {"": "", "fdatasync": "_fdatasync_early", "writeout": "_writeout_early"}[early]
+        )
+
+        def peer(rep):
+            raw.unlink(missing_ok=True)
+            out[key].append(timed(lambda: sequential_write(early)))
+
+        return peer
+
+    def sequential_write(early: str = ""):
+        """One buffer written in 64 MB stretches, then fsynced. ``early``: every stretch is
+        handed to the disk as it is written, by ``fdatasync`` or by ``sync_file_range``
+        (what the Checkpointer's streams do), or not at all."""
+        data = memoryview(flat.numpy()).cast("B")
+        with open(raw, "wb", buffering=0) as f:
+            for offset in range(0, len(data), STRETCH):
+                f.write(data[offset : offset + STRETCH])
+                if early == "fdatasync":
+                    os.fdatasync(f.fileno())
+                elif early == "writeout":
+                    start_writeout(f.fileno(), offset, STRETCH)
             os.fsync(f.fileno())
 
     def dcp_fresh(rep):
@@ -200,20 +265,21 @@ def bench_saves(model, opt, root: Path, repeats: int, phases: dict[str, list[dic
         ours_async,
         ours_unsigned,
         ours_synchronous,
-        lambda rep: out["torch_save_fsync"].append(timed(torch_save)),
+        torch_save_fresh,
         dcp_fresh,
         lambda rep: out["ceiling_memcpy"].append(timed(memcpy)),
-        lambda rep: out["ceiling_sequential_write"].append(timed(sequential_write)),
+        sequential_write_fresh(""),
+        sequential_write_fresh("fdatasync"),
+        sequential_write_fresh("writeout"),
     ]
     touch(model)
-    ours_async(0)  # the first save allocates the staging memory: reported apart, not rotated
+    ours_async(0)  # the first save allocates the staging memory: reported apart, not in the draw
+    order = random.Random(0)
     for rep in range(1, repeats + 1):
         touch(model)  # a training step; then every peer saves this same state
-        # Each repeat starts with the next peer: the first save after the last repeat's writes
-        # (written, fsynced and freed just before) is measurably slower on this disk, whichever
-        # peer it is, so no peer may always take that place. Each peer syncs the disk first.
-        shift = (rep - 1) % len(peers)
-        for peer in peers[shift:] + peers[:shift]:
+        # A fresh order each repeat: a rotation would keep each peer behind the same one, and
+        # on this disk what the save before did (written, fsynced, freed) shows in the next.
+        for peer in order.sample(peers, len(peers)):
             peer(rep)
     ours.close()
     ours_sync.close()
@@ -401,6 +467,7 @@ def main(argv=None):
     try:
         model, opt = build_state(args.size_mb)
         state_bytes = sum(t.numel() * t.element_size() for t in state_tensors(model, opt))
+        STATE_BYTES[0] = state_bytes
         print(f"state: {state_bytes / 1e9:.2f} GB in {len(model)} layers, writing under {root}", flush=True)
         samples = bench_saves(model, opt, root, args.repeats, phases)
         other_share = other_cpu_share(mark)
@@ -434,9 +501,10 @@ def main(argv=None):
         # One thread's CPU seconds to hash the whole state: the work a signed save adds.
         "hash_cpu_seconds": hash_cpu,
         "hash_cpu_blake3_over_sha256": round(hash_cpu["blake3"] / hash_cpu["sha256"], 3),
-        # Medians over the repeats of Checkpointer.last_save_phases. The write-side phases overlap:
-        # hash_s and writeback_s run on helper threads beside write_s; hash_wait_s is what of the
-        # hashing the writes did not hide, fsync_s the final fsync of every file.
+        # Medians over the repeats of Checkpointer.last_save_phases. hash_s runs on a helper
+        # thread beside write_s; hash_wait_s is what of the hashing the writes did not hide,
+        # writeback_s handing pages to the disk between the writes, fsync_s the final fsync of
+        # every file.
         "phases": {name: phase_medians(runs) for name, runs in phases.items() if runs},
         "throughput_gb_per_s": {
             key: round(gbps(key), 3)
@@ -447,6 +515,8 @@ def main(argv=None):
                 "torch_save_fsync",
                 "dcp_save_sync",
                 "ceiling_sequential_write",
+                "ceiling_sequential_write_fdatasync_early",
+                "ceiling_sequential_write_writeout_early",
                 "ceiling_memcpy",
                 "sparkgpu_restore",
                 "torch_load",
@@ -462,6 +532,9 @@ def main(argv=None):
             "sparkgpu_async_until_committed_over_dcp_save_sync": med["sparkgpu_async_until_committed"]
             / med["dcp_save_sync"],
             "sparkgpu_sync_over_dcp_save_sync": med["sparkgpu_sync"] / med["dcp_save_sync"],
+            # Handing each 64 MB to the disk early, by sync_file_range, over by fdatasync.
+            "writeout_early_over_fdatasync_early": med["ceiling_sequential_write_writeout_early"]
+            / med["ceiling_sequential_write_fdatasync_early"],
             "sparkgpu_restore_over_sequential_read_ceiling": med["sparkgpu_restore"] / med["ceiling_sequential_read"],
             "torch_load_over_sparkgpu_restore": med["torch_load"] / med["sparkgpu_restore"],
         },
