@@ -25,7 +25,9 @@ Two figures per peer, taken the same way for all: start-up, from the reader's im
 and the steady rate, rows after the first batch over the time after it, through every epoch
 of the window (what a reader does at each epoch's start is inside it). Ray's workers take
 seconds to start, so a rate with start-up inside would mostly measure start-up; it is recorded
-too (``rows_per_s_including_startup``).
+too (``rows_per_s_including_startup``). For ``table_dataset`` and the pyarrow ``to_batches`` code,
+start-up is also marked where the reader's imports end (``imported_s``) and where its
+construction ends (``opened_s``), in seconds from the same clock.
 Ratios divide medians of the steady rate. Beside both, the seconds of full garbage collections
 inside the epoch (``full_gc_s``, and after the first batch): such a pause falls on whichever
 reader makes the objects that cross the interpreter's threshold. Every peer's window starts from
@@ -112,7 +114,9 @@ class FullCollections:
         return sum(took for began, took in self.runs if began >= after)
 
 
-def epochs(batches_of_epoch, count: int, started: float, collections: FullCollections) -> dict:
+def epochs(
+    batches_of_epoch, count: int, started: float, collections: FullCollections, marks: dict[str, float] | None = None
+) -> dict:
     """``count`` epochs in one timed window; ``started`` is when the reader's construction began.
 
     ``batches_of_epoch()`` gives one epoch's batches; it is called once per epoch, so whatever a
@@ -137,6 +141,9 @@ def epochs(batches_of_epoch, count: int, started: float, collections: FullCollec
         "rows_per_s_including_startup": rows / seconds,
         "full_gc_s": collections.seconds(started),
         "full_gc_after_first_batch_s": collections.seconds(started + first) if first is not None else 0.0,
+        # Where start-up goes, for the readers that mark it: seconds from the clock's start to the
+        # end of the reader's imports and to the end of its construction; the first batch after.
+        **({name: at - started for name, at in marks.items()} if marks else {}),
     }
 
 
@@ -157,8 +164,10 @@ def run_peer(name: str, uri: str, batch_size: int, order: str, work: Path, count
     collections = FullCollections()
     started = time.perf_counter()
     if name in ("table_dataset", "table_dataset_parquet"):
+        import sparkgpu.data.loaders.table  # noqa: F401  (what data.table_dataset imports on first use)
         from sparkgpu import data
 
+        marks = {"imported_s": time.perf_counter()}
         source = uri
         if name == "table_dataset_parquet":
             folder = work / "parquet"
@@ -168,14 +177,17 @@ def run_peer(name: str, uri: str, batch_size: int, order: str, work: Path, count
                     os.link(path, folder / Path(path).name)
             source = str(folder)
         rows = data.table_dataset(source, batch_size=batch_size, shuffle=shuffle, seed=0, rank=0, world_size=1)
-        return epochs(lambda: rows, count, started, collections)  # each iteration reads the next epoch
+        marks["opened_s"] = time.perf_counter()
+        return epochs(lambda: rows, count, started, collections, marks)  # each iteration reads the next epoch
     if name == "pyarrow_to_batches":
         import pyarrow.dataset as pads
 
+        marks = {"imported_s": time.perf_counter()}
         rng = np.random.default_rng(0)
         fragments = list(pads.dataset(parquet_files(uri), format="parquet").get_fragments())
         if shuffle:  # row groups, as table_dataset shuffles them
             fragments = [group for fragment in fragments for group in fragment.split_by_row_group()]
+        marks["opened_s"] = time.perf_counter()
 
         def batches():
             chosen = [fragments[i] for i in rng.permutation(len(fragments))] if shuffle else fragments
@@ -185,7 +197,7 @@ def run_peer(name: str, uri: str, batch_size: int, order: str, work: Path, count
                         record = record.take(rng.permutation(record.num_rows))
                     yield {c: torch.from_numpy(record.column(c).to_numpy()) for c in record.schema.names}
 
-        return epochs(batches, count, started, collections)
+        return epochs(batches, count, started, collections, marks)
     if name == "pyarrow_window":
         import pyarrow as pa
         import pyarrow.dataset as pads
@@ -357,6 +369,11 @@ def main(argv=None) -> None:
                 "full_gc_after_first_batch_s_per_run": [r.get("full_gc_after_first_batch_s", 0.0) for r in ok],
                 "other_cpu_share_per_run": [r.get("other_cpu_share") for r in ok],
                 "failed_runs": len(attempts) - len(ok),
+                **{
+                    phase: spread([r[phase] for r in ok])["median"]
+                    for phase in ("imported_s", "opened_s")
+                    if all(phase in r for r in ok)
+                },
                 **(
                     {"conversion_s": spread([r["conversion_s"] for r in ok])["median"]}
                     if "conversion_s" in ok[0]
