@@ -414,7 +414,6 @@ class _Reader:
         self.started: set[int] = set()
         self.ahead = 2 * dataset.read_threads
         self._first = True
-        self._spare: list[np.ndarray] = []  # packed rows of row groups done with, to pack into again
         # Read in order by one rank, a batch is consecutive rows: it is cut from its row groups by
         # their boundaries, with no row located one by one.
         self._consecutive = not dataset.shuffle and plan.stride == 1
@@ -465,13 +464,7 @@ class _Reader:
             position = (np.cumsum(present, dtype=np.int32) - 1)[units]  # each row's place in `needed`
             batch = gather_batch(columns, position, np.ascontiguousarray(offsets, dtype=np.int64))
         for unit in [u for u in self.loaded if self.last_use[u] <= number]:
-            done = self.loaded.pop(unit)
-            packed = done.result().packed if done.done() and done.exception() is None else None
-            if packed is not None:
-                # Its packed rows were copied out by every batch that used them: the next row
-                # group packs into the same memory. (Batches of consecutive rows are views of
-                # the columns, which are never packed.)
-                self._spare.append(packed)
+            self.loaded.pop(unit)
         return batch
 
     def _runs(self, number: int) -> tuple[list[int], list[tuple[int, int, int]]]:
@@ -534,14 +527,8 @@ class _Reader:
             own=self._consecutive,
         )
         if not self._consecutive:
-            columns.pack(self._take_spare())
+            columns.pack()
         return columns
-
-    def _take_spare(self) -> np.ndarray | None:
-        try:
-            return self._spare.pop()  # list.pop is atomic: read threads may ask at once
-        except IndexError:
-            return None
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

@@ -82,18 +82,10 @@ class UnitColumns:
         ).reshape(-1, 5)
         self.packed: np.ndarray | None = None
 
-    def pack(self, spare: np.ndarray | None = None) -> np.ndarray:
-        """The fixed-width columns side by side, one row per row: ``(rows, row_bytes)`` uint8.
-
-        Args:
-            spare: A buffer of a row group done with, written over when its shape fits: memory
-                in use already, rather than fresh pages for every row group. The padding
-                between columns is left as it was: no batch reads it.
-        """
+    def pack(self) -> np.ndarray:
+        """The fixed-width columns side by side, one row per row: ``(rows, row_bytes)`` uint8."""
         if self.packed is None:
-            shape = (self.num_rows, self.row_bytes)
-            fits = spare is not None and spare.shape == shape and spare.dtype == np.uint8
-            packed = spare if fits and spare is not None else np.empty(shape, dtype=np.uint8)
+            packed = np.zeros((self.num_rows, self.row_bytes), dtype=np.uint8)
             for name, (word, begin, end) in self.layout.items():
                 words = packed.view(_WORDS[word])
                 words[:, begin:end] = self.fixed[name].view(_WORDS[word])
