@@ -14,7 +14,7 @@ DCP writes each rank's files through its filesystem object's ``create_stream``.
   file durable, once, when it is closed, has little left to wait for. An ``fdatasync`` per
   stretch, which this used before, also commits the file system's journal and flushes the
   disk's cache each time (``bench_checkpoint.py`` times the three ways of writing the same
-  bytes side by side). DCP's own per-file fsync is switched off for it: DCP's own per-file fsync is switched off for it: every
+  bytes side by side). DCP's own per-file fsync is switched off for it: every
   file written for the checkpoint (data files and ``.metadata``) is fsynced before its stream
   is closed, and the completion marker, written last, fsyncs the folder;
 * add their seconds to a :class:`SaveTimings`, which the Checkpointer keeps per save
@@ -150,7 +150,6 @@ class _Stream:
         self._helpers: concurrent.futures.ThreadPoolExecutor | None = None
         self._writeout = durable  # early writeback, until the platform says it has none
         self._handed = 0  # bytes from the start already handed to the disk
-        self._unflushed = 0
         self.size = 0
         self.closed = False
 
@@ -187,15 +186,11 @@ class _Stream:
             raise OSError(f"short write: {written} of {len(view)} bytes")
         self.size += len(view)
         self._timings.add(write_s=wrote, bytes=len(view))
-        self._unflushed += len(view)
-        if self._durable and self._unflushed >= WRITEOUT_BYTES:
+        if self._writeout and self.size - self._handed >= WRITEOUT_BYTES:
             self._start_writeback()
         return len(view)
 
     def _start_writeback(self) -> None:
-        self._unflushed = 0
-        if not self._writeout:
-            return
         self._raw.flush()
         started = time.perf_counter()
         self._writeout = start_writeout(self._raw.fileno(), self._handed, self.size - self._handed)
