@@ -171,6 +171,23 @@ def upload(endpoint: str, key: str, secret: str, bucket: str, folder: Path, pref
 # --- readers ---------------------------------------------------------------------------------
 
 
+def drop_page_cache(enabled: bool) -> str:
+    """Writes dirty pages back and drops the clean ones (root on Linux), so the next clock starts cold.
+
+    Everything a reader finds in memory then comes from its own cache files on disk or over the
+    link, the S3 server's copies of the shards included; on a machine that refuses, the state is
+    reported instead of hidden.
+    """
+    if not enabled:
+        return "kept"
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+    except OSError as error:
+        return f"not dropped: /proc/sys/vm/drop_caches refused ({error.strerror}); a run as root drops it"
+    return "dropped"
+
+
 def shuffle_block_size(args) -> int | None:
     """sparkgpu's shuffle window under a cache limit: as its error message asks, a window whose
     shards fit the cache (half of it, in samples); None (its default, 262,144) without a limit."""
@@ -352,9 +369,11 @@ def run_peers(args) -> dict:
         runs: dict = {order: {"raw": [], **{r: [] for r in READERS + DIAGNOSTICS}} for order in orders}
         failures: dict = {}
         stops: dict = {}  # peers stopped at --reader-timeout
+        page_cache: set[str] = set()  # what drop_page_cache did before each clock
         for repeat in range(args.repeats):
             for order in orders:
                 args.shuffle_now = order == "shuffled"
+                page_cache.add(drop_page_cache(args.drop_page_cache))
                 raw = plain_parallel_download(
                     f"{proxy.url}/{bucket}/sparkgpu",
                     sparkgpu_shards,
@@ -393,6 +412,7 @@ def run_peers(args) -> dict:
                                 "batch_size",
                                 "shuffle_now",
                                 "sample_bytes",
+                                "drop_page_cache",
                             )
                         },
                     }
@@ -440,6 +460,7 @@ def run_peers(args) -> dict:
                     if child.returncode != 0:
                         raise RuntimeError(f"{name} failed (exit {child.returncode}); its errors are above")
                     epochs, connections = json.loads(stdout.strip().splitlines()[-1])
+                    page_cache.update(e.pop("page_cache") for e in epochs)
                     runs[order][name].append({"epoch1": epochs[0], "epoch2": epochs[1], **connections})
                     print(
                         "  "
@@ -452,7 +473,9 @@ def run_peers(args) -> dict:
                         ),
                         flush=True,
                     )
-        return summarize(runs, written, args, profile, total, failures, stops)
+        results = summarize(runs, written, args, profile, total, failures, stops)
+        results["page_cache_before_each_clock"] = sorted(page_cache)
+        return results
     finally:
         for key_, value in saved.items():
             if value is None:
@@ -550,7 +573,10 @@ def reader_main(spec: dict) -> None:
     args = argparse.Namespace(**spec["args"])
     reader = Reader(spec["name"], spec["url"], Path(spec["cache"]), args, spec["endpoint"], tuple(spec["credentials"]))
     try:
-        epochs = [reader.epoch(spec["control"], spec["sample_bytes"]) for _ in range(2)]
+        epochs = []
+        for _ in range(2):
+            dropped = drop_page_cache(args.drop_page_cache)
+            epochs.append(reader.epoch(spec["control"], spec["sample_bytes"]) | {"page_cache": dropped})
     finally:
         reader.close()
     print(json.dumps([epochs, reader.connections]), flush=True)
