@@ -46,10 +46,11 @@ budget (``--connections``) beside them. Epoch 1 (cold) and epoch 2 (warm), in or
 shuffled, start-up and steady rate apart, medians of ``--repeats``; results in
 volume-peers.json. ``--real-size`` holds every reader's cache to ``--cache-limit`` (default
 1.5 GB) on 6 GB of shards, so eviction and re-download are on the measured path
-(volume-peers-real-size.json):
+(volume-peers-real-size.json), and the page cache is dropped (as root) before every epoch and raw
+download, so nothing is read from memory a run before left behind:
 
     python benchmarks/bench_volume.py --peers                    # 400 MB, about 5 minutes
-    python benchmarks/bench_volume.py --peers --real-size        # 6 GB x 3 in the S3 server's memory
+    python benchmarks/bench_volume.py --peers --real-size        # 3 x 6 GB on disk, about an hour
     python benchmarks/bench_volume.py --peers --real-size --samples 20000 --cache-limit 600000000
 """
 
