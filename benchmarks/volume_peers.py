@@ -106,19 +106,24 @@ def write_sparkgpu(path: Path, samples: int, sample_bytes: int, shard_bytes: int
 
     from sparkgpu import data
 
+    # A stream of 256 MB batches, as the other writers take samples one at a time: a whole
+    # table of the real size (6 GB) would stay in this process's memory for the whole run.
+    schema = pa.schema([("x", pa.binary()), ("label", pa.int64())])
     step = max(1, (256 << 20) // sample_bytes)
-    batches = [
-        pa.record_batch(
-            {
-                "x": pa.array(
-                    [payload(i, sample_bytes) for i in range(start, min(start + step, samples))], pa.binary()
-                ),
-                "label": pa.array(np.arange(start, min(start + step, samples), dtype=np.int64)),
-            }
-        )
-        for start in range(0, samples, step)
-    ]
-    data.to_mds(pa.Table.from_batches(batches), str(path), size_limit=shard_bytes, progress=False)
+
+    def batches():
+        for start in range(0, samples, step):
+            stop = min(start + step, samples)
+            yield pa.record_batch(
+                [
+                    pa.array([payload(i, sample_bytes) for i in range(start, stop)], pa.binary()),
+                    pa.array(np.arange(start, stop, dtype=np.int64)),
+                ],
+                schema=schema,
+            )
+
+    stream = pa.RecordBatchReader.from_batches(schema, batches())
+    data.to_mds(stream, str(path), size_limit=shard_bytes, progress=False)
 
 
 def write_mosaic(path: Path, samples: int, sample_bytes: int, shard_bytes: int) -> None:
