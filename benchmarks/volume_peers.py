@@ -33,6 +33,8 @@ repeats) with a new cache folder: epoch 1 (cold) and epoch 2 (warm, the same loa
 Each epoch reports time to the first batch, the steady rate after it, the whole-epoch rate,
 and bytes the proxy answered during it. With ``--cache-limit`` every reader's cache is held to
 that many bytes (sparkgpu ``cache_limit``, Mosaic ``cache_limit``, litdata ``max_cache_size``).
+With ``drop_page_cache`` (``--real-size``) the page cache is dropped before each raw download and
+each reader's every epoch, so no clock starts with shards in memory from before it.
 A peer that has not finished its two epochs after ``--reader-timeout`` seconds is stopped, with
 its workers, and recorded (``<peer>_stopped``: when, and the bytes the link answered it by then)
 instead of measured; sparkgpu stopped that way fails the run.
