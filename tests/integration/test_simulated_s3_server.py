@@ -36,9 +36,10 @@ def _mapped_files(pid: int) -> dict[str, int]:
     with open(f"/proc/{pid}/maps") as maps:
         for line in maps:
             fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].strip():
+            name = fields[5].strip() if len(fields) == 6 else ""
+            if name:
                 start, end = (int(x, 16) for x in fields[0].split("-"))
-                sizes[fields[5].strip()] = sizes.get(fields[5].strip(), 0) + end - start
+                sizes[name] = sizes.get(name, 0) + end - start
     return sizes
 
 
