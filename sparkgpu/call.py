@@ -10,18 +10,19 @@ call = sparkgpu.attach(job_id)     # from another process or notebook
 call.cancel()                      # stops the ranks wherever the job is supervised
 ```
 
-The process that submits a job supervises it in a background thread: the same
-:class:`~sparkgpu.launch.client.supervisor.Supervisor` as ``.distributed()``, writing the same
-``state.json`` in the job's run dir. Any other process reads that state. When the client
-that supervises a job is gone (killed, or its machine rebooted) and the job has not ended,
-:func:`attach` takes the supervision over exactly as ``sparkgpu resume`` does: the next
-attempt starts from the latest checkpoint. While that client lives, an attached call only
-observes; its ``cancel()`` leaves a request in the run dir that the supervising client acts on.
+A submitted job is supervised by processes of its own (:mod:`~sparkgpu.launch.client.detached`:
+a keeper in its own session runs the :class:`~sparkgpu.launch.client.supervisor.Supervisor`
+and replaces it should it die), not by the caller: the caller only observes, through the job's
+run dir (``state.json``, the logs, a cancel request). A script that submits and exits, a killed
+notebook, a closed terminal change nothing for the job; ``attach`` from any process of the
+machine finds it again. A job supervised by its caller instead (``.distributed()`` without
+``detach=True``, or a backend given as an object, which another process cannot rebuild) runs in
+a background thread of that caller, and an interpreter that exits normally cancels those jobs.
 
-An interpreter that exits normally cancels the jobs it still supervises (their ranks stop,
-the state says ``cancelled``): local ranks could not outlive it anyway, and remote GPUs are
-not left running unwatched. A client that is killed leaves its jobs ``running`` with a dead
-client; ``attach`` continues them.
+When the process that supervises a job is gone for good (its keeper too: both killed, or
+the machine rebooted) and the job has not ended, :func:`attach` takes the supervision over as
+``sparkgpu resume`` does: the next attempt starts from the latest checkpoint, under a new
+keeper for a job that was detached.
 """
 
 from __future__ import annotations
@@ -47,11 +48,13 @@ from sparkgpu.errors import (
     SparkGPUError,
 )
 from sparkgpu.launch.client.attempt_result import read_attempt
+from sparkgpu.launch.client.detached import keeper_alive, start_keeper, supervision_record
 from sparkgpu._keyring import load_key
 from sparkgpu.launch.client.job_state import JobBook
 from sparkgpu.launch.client.logs import LogStreamer
 from sparkgpu.launch.client.resume import client_is_gone, find_run_dir, take_over
 from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.launch.rundir.layout import RunLayout
 from sparkgpu.protocol import AttemptStatus, JobState, JobStatus
 from sparkgpu.launch.client.supervision_lock import SupervisionLock
 from sparkgpu.launch.client.supervisor import CANCEL_REQUEST_FILE, Supervisor
@@ -112,6 +115,12 @@ class DistributedFunctionCall:
     def from_job_id(cls, job_id: str, backend=None) -> "DistributedFunctionCall":
         """The call of ``job_id``: see :func:`attach`."""
         return attach(job_id, backend=backend)
+
+    @classmethod
+    def _detach(cls, run_dir: RunDir) -> "DistributedFunctionCall":
+        """Starts the keeper of the job written in ``run_dir`` (its key on it) and returns its observing call."""
+        start_keeper(run_dir)
+        return cls(run_dir.job_id, run_dir)
 
     @classmethod
     def _supervise(cls, supervisor: Supervisor) -> "DistributedFunctionCall":
@@ -226,7 +235,7 @@ class DistributedFunctionCall:
         state: Mapping[str, Any] = self._state() or {}
         attempts = state.get("attempts") or []
         last = attempts[-1] if attempts else {}
-        cause = "; ".join(last.get("cause") or ()) or "no cause was recorded"
+        cause = "; ".join(last.get("cause") or ()) or state.get("cause") or "no cause was recorded"
         logs = self.run_dir.logs_dir(last.get("attempt", 0))
         if status is JobStatus.SUCCEEDED:
             signed = RunDir(self.run_dir.path, load_key(self.job_id))
@@ -273,12 +282,17 @@ class DistributedFunctionCall:
         if rank is not None and not 0 <= rank < world:
             raise ConfigurationError(f"rank={rank}: job {self.job_id} has ranks 0..{world - 1}")
         ranks = None if rank is None else [rank]
-        attempt = self._latest_attempt()
         if not follow:
             text = io.StringIO()
-            LogStreamer(self.run_dir, attempt, world, ranks, text).finish()
+            LogStreamer(self.run_dir, self._latest_attempt(), world, ranks, text).finish()
             return text.getvalue()
-        out = out if out is not None else console()
+        self._follow_logs(out if out is not None else console(), ranks)
+        return None
+
+    def _follow_logs(self, out, ranks: Sequence[int] | None) -> None:
+        """Streams the logs of ``ranks`` (every rank: ``None``) to ``out`` until the job ends."""
+        world = self._spec.world_size
+        attempt = self._latest_attempt()
         streamer = LogStreamer(self.run_dir, attempt, world, ranks, out)
         while True:
             streamer.pump()
@@ -291,9 +305,16 @@ class DistributedFunctionCall:
                 continue
             if ended:
                 streamer.finish()
-                return None
+                return
             self._take_over_if_abandoned()
             time.sleep(_POLL_SECONDS)
+
+    def tracking_run_id(self) -> str | None:
+        """The id of the job's MLflow run, once its supervisor started it; ``None`` untracked."""
+        try:
+            return json.loads((self.run_dir.path / RunLayout.TRACKING_RUN).read_text()).get("run_id")
+        except (FileNotFoundError, ValueError):
+            return None
 
     def _latest_attempt(self) -> int:
         state = self._state()
@@ -318,24 +339,38 @@ class DistributedFunctionCall:
             self.run_dir.write_control(self.run_dir.cancel_request_file, who.encode())
         return self.wait(timeout)
 
+    def _abandoned(self, state: JobState | None) -> bool:
+        """Whether nobody supervises the job any more and nobody will: its supervisor and its keeper are gone."""
+        if state is None:
+            # Staged, never started: abandoned only if a keeper was started and died before its supervisor ran.
+            return supervision_record(self.run_dir) is not None and not keeper_alive(self.run_dir)
+        if JobStatus(state["status"]).is_terminal or not client_is_gone(state.get("client")):
+            return False
+        return not keeper_alive(self.run_dir)  # a live keeper starts the next supervisor itself
+
     def _take_over_if_abandoned(self) -> bool:
-        """Takes the supervision of an observed job over when its client is gone; True if it did."""
+        """Takes the supervision of an observed job over when it is abandoned (:meth:`_abandoned`); True if it did.
+
+        A job that was detached gets a new keeper; any other is supervised by this process from then on.
+        """
         with self._lock:
-            if self._thread is not None:
-                return False
-            state = self._state()
-            if not state or JobStatus(state["status"]).is_terminal or not client_is_gone(state.get("client")):
+            if self._thread is not None or not self._abandoned(self._state()):
                 return False
             if not self._lock_supervision():
                 return False  # another process is taking it over: observe that one
             try:
                 state = self._state()  # as it is now that nobody else can take over
-                if not state or JobStatus(state["status"]).is_terminal:
+                if not self._abandoned(state):
                     self._unlock_supervision()
                     return False
-                if self.run_dir.read_control(self.run_dir.cancel_request_file) is not None:
+                if state is not None and self.run_dir.read_control(self.run_dir.cancel_request_file) is not None:
                     _end_cancelled(self.run_dir, state)  # asked to stop: nothing to continue
                     self._unlock_supervision()
+                    return True
+                if supervision_record(self.run_dir) is not None and self._backend is None:
+                    report(f"the supervisor of job {self.job_id} is gone; starting another, detached")
+                    start_keeper(RunDir(self.run_dir.path, load_key(self.job_id)))
+                    self._unlock_supervision()  # the new keeper's supervisor waits for it
                     return True
                 report(f"the client of job {self.job_id} is gone; continuing it here from its latest checkpoint")
                 self._start(take_over(self.job_id, backend=self._backend, lock=self._supervision))

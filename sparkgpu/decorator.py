@@ -80,6 +80,8 @@ class DistributedFunction:
         ship_environment: bool | None = None,
         run_async: bool = False,
         options: dict[str, Any] | None = None,
+        detach: bool | None = None,
+        idempotency_key: str | None = None,
     ):
         if not callable(fn):
             raise ConfigurationError(f"@distributed decorates a function, got {fn!r}")
@@ -96,6 +98,8 @@ class DistributedFunction:
         self.register_as = register_as
         self.ship_environment = ship_environment
         self.run_async = run_async
+        self.detach = detach
+        self.idempotency_key = idempotency_key
         # The @distributed arguments this was built from, for with_overrides().
         self._options = dict(options or {})
         # What the last .distributed() call left behind (None before the first call).
@@ -238,6 +242,8 @@ class DistributedFunction:
         if self.run_async:
             return self.submit(*args, **kwargs)
         self.last_results = self.last_model_version = None
+        if self._detaches(submitting=False):
+            return self._follow(self._submit_detached(args, kwargs))
         return self.launch(self.prepare(args, kwargs))
 
     def launch(self, prepared: PreparedJob) -> list[Any]:
@@ -245,16 +251,21 @@ class DistributedFunction:
         prepared = prepared.write()
         self.last_job_id, self.last_run_dir = prepared.job.job_id, str(prepared.run_dir.path)
         results = prepared.supervisor().run()
+        run_id = next((getattr(c, "run_id", None) for c in prepared.callbacks if getattr(c, "run_id", None)), None)
+        return self._registered(results, prepared.job.job_id, run_id)
+
+    def _registered(self, results: list[Any], job_id: str, run_id: str | None) -> list[Any]:
+        """``results``, once rank 0's model is registered (with ``register_as``)."""
         # Set before registering: a registry that fails must not cost the results of a job
         # that may have trained for days.
         self.last_results = results
         if self.register_as is not None:
             try:
-                self.last_model_version = _register_result(results[0], self.register_as, prepared)
+                self.last_model_version = _register_result(results[0], self.register_as, job_id, run_id)
             except Exception as exc:
                 exc.results = results  # type: ignore[attr-defined]  # documented: the results ride on the error
                 note = (
-                    f"job {prepared.job.job_id} succeeded, only registering its model as "
+                    f"job {job_id} succeeded, only registering its model as "
                     f"{self.register_as!r} failed; its per-rank results are on this error's `.results` "
                     "and on the decorated function's `.last_results`: register them with "
                     f"sparkgpu.registry.register(results[0], {self.register_as!r})"
@@ -267,9 +278,11 @@ class DistributedFunction:
         return results
 
     def submit(self, *args, **kwargs):
-        """Starts ``.distributed(*args, **kwargs)`` in the background and returns its
+        """Starts ``.distributed(*args, **kwargs)`` and returns its
         :class:`~sparkgpu.call.DistributedFunctionCall` at once.
 
+        A local job is supervised by processes of its own (``detach``): it runs on when this
+        process exits or is killed, and ``sparkgpu.attach(call.job_id)`` finds it again.
         Everything ``.distributed()`` checks before it starts (arguments that pickle, capacity,
         usage policy) is checked here, so those errors raise from ``submit`` itself.
 
@@ -284,9 +297,59 @@ class DistributedFunction:
                 f"submit() does not register models; drop register_as={self.register_as!r} and call "
                 f"sparkgpu.registry.register(call.result()[0], {self.register_as!r}), or use .distributed()"
             )
+        if self._detaches(submitting=True):
+            return self._submit_detached(args, kwargs)
         prepared = self.prepare(args, kwargs).write()
         self.last_job_id, self.last_run_dir = prepared.job.job_id, str(prepared.run_dir.path)
         return DistributedFunctionCall._supervise(prepared.supervisor())
+
+    def _detaches(self, submitting: bool) -> bool:
+        """Whether this call's job is supervised by processes of its own (``detach``).
+
+        Raises:
+            ConfigurationError: ``detach=True`` with a backend given as an object, which another
+                process cannot rebuild; raised before anything is prepared.
+        """
+        named = not isinstance(self.backend, Backend)
+        if self.detach is None:
+            # Remote jobs stay supervised by their caller until the cluster keeps their supervisor.
+            return submitting and named and not self.resources.remote
+        if self.detach and not named:
+            raise ConfigurationError(
+                f"detach=True supervises the job in processes of its own, which cannot use the backend object "
+                f"{self.backend!r} of this process; name the backend (backend={self.backend.name!r}), or drop detach"
+            )
+        return self.detach
+
+    def _submit_detached(self, args: tuple, kwargs: dict):
+        """Writes the job and starts its keeper; its observing call (an earlier one's, for a used idempotency key)."""
+        from sparkgpu.call import DistributedFunctionCall, attach
+        from sparkgpu.launch.client.idempotency import claim_key, claimed_job
+
+        if self.idempotency_key is not None and (earlier := claimed_job(self.idempotency_key)) is not None:
+            self.last_job_id = earlier
+            return attach(earlier)
+        prepared = self.prepare(args, kwargs).write()
+        job_id = prepared.job.job_id
+        if self.idempotency_key is not None and (winner := claim_key(self.idempotency_key, job_id)) != job_id:
+            prepared.discard()  # another submission with the key got there first; nothing of ours started
+            self.last_job_id = winner
+            return attach(winner)
+        self.last_job_id, self.last_run_dir = job_id, str(prepared.run_dir.path)
+        return DistributedFunctionCall._detach(prepared.run_dir)
+
+    def _follow(self, call) -> list[Any]:
+        """Streams a detached job's logs here until it ends; its results, registered. Ctrl-C cancels it."""
+        from sparkgpu._report import console
+
+        try:
+            call._follow_logs(console(), self.log_ranks)
+            results = call.result()
+        except KeyboardInterrupt:
+            report(f"cancelling job {call.job_id} (Ctrl-C)")
+            call.cancel(timeout=self.policy.shutdown_grace + 30)
+            raise
+        return self._registered(results, call.job_id, call.tracking_run_id())
 
     def dryrun(self, *args, **kwargs) -> LaunchPlan:
         """What ``.distributed(*args, **kwargs)`` would launch, validated but not started.
@@ -297,7 +360,7 @@ class DistributedFunction:
         return self.prepare(args, kwargs).plan()
 
 
-def _register_result(model, name: str, prepared: PreparedJob):
+def _register_result(model, name: str, job_id: str, run_id: str | None):
     """Registers rank 0's return value (a ``torch.nn.Module``, or a transformers model as
     ``{"model": ..., "tokenizer": ...}``) under ``name``, with lineage."""
     import torch
@@ -310,8 +373,7 @@ def _register_result(model, name: str, prepared: PreparedJob):
             f"or {{'model': model, 'tokenizer': tokenizer}} for a transformers model; it returned "
             f"{type(model).__name__}. Return the model from rank 0, or call sparkgpu.registry.register(...) yourself"
         )
-    run_id = next((getattr(c, "run_id", None) for c in prepared.callbacks if getattr(c, "run_id", None)), None)
-    return registry.register(model, name, run_id=run_id, tags={"sparkgpu.job_id": prepared.job.job_id})
+    return registry.register(model, name, run_id=run_id, tags={"sparkgpu.job_id": job_id})
 
 
 @contextlib.contextmanager
@@ -355,6 +417,8 @@ def distributed(
     ship_environment: bool | None = None,
     pool: str | None = None,
     run_async: bool = False,
+    detach: bool | None = None,
+    idempotency_key: str | None = None,
 ):
     """Decorates a function so that ``fn.distributed(...)`` runs it on ``num_accelerators`` ranks.
 
@@ -420,6 +484,14 @@ def distributed(
             :class:`~sparkgpu.call.DistributedFunctionCall` at once instead of waiting for the
             results (as ``fn.submit(...)`` does): for sweeps of many jobs. Collect them with
             :func:`~sparkgpu.call.collect_outputs_or_raise`.
+        detach: Supervise the job in processes of its own (:mod:`sparkgpu.launch.client.detached`),
+            so that it outlives this process: ``submit`` returns at once, ``.distributed()``
+            follows the job's logs to its end (Ctrl-C still cancels it) and a killed caller
+            leaves it running; ``sparkgpu.attach(job_id)`` finds it again from any process.
+            ``None``: ``submit`` detaches local jobs, ``.distributed()`` supervises here.
+        idempotency_key: A submission with a key that an earlier one of this user used returns
+            that job (still running or ended) instead of starting another: a retried
+            ``submit`` (a notebook cell run twice, a flaky scheduler) never trains twice.
 
     Raises:
         ConfigurationError: an argument is invalid, or names of one setting disagree
@@ -481,6 +553,8 @@ def distributed(
             ship_environment=ship_environment,
             run_async=run_async,
             options=options,
+            detach=detach,
+            idempotency_key=idempotency_key,
         )
 
     if fn is not None:

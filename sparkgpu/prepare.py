@@ -24,7 +24,7 @@ from sparkgpu.errors import SparkGPUError
 from sparkgpu.launch.backends.base import Backend, LaunchPlan
 from sparkgpu.launch.backends.capabilities import Reattachable
 from sparkgpu.callbacks import JobCallback
-from sparkgpu._keyring import new_key, save_key
+from sparkgpu._keyring import forget_key, new_key, save_key
 from sparkgpu.launch.rundir.directory import RunDir
 from sparkgpu.launch.client.retention import prune_runs
 from sparkgpu.launch.rundir.preload import modules_to_preload
@@ -114,6 +114,13 @@ class PreparedJob:
             self.backend.job_written(self.job, self.run_dir)
         prune_runs(keep=self.job.job_id)
         return dataclasses.replace(self, environment=environment, written=True)
+
+    def discard(self) -> None:
+        """Removes a written job that never started: its run dir and its key."""
+        import shutil
+
+        shutil.rmtree(self.run_dir.path, ignore_errors=True)
+        forget_key(self.job.job_id)
 
     def supervisor(self, out=None):
         """A :class:`~sparkgpu.launch.client.supervisor.Supervisor` for this written job; starts nothing.

@@ -150,7 +150,23 @@ def _isolated_sparkgpu_home(tmp_path_factory, monkeypatch, _worker_image_lock):
         from sparkgpu.launch.backends.local.zygote_client import _request
 
         _request(directory, {"op": "stop"})
+    _stop_detached_jobs(home)
     reset_settings()
+
+
+def _stop_detached_jobs(home) -> None:
+    """Kills what a test's detached jobs left running (their keepers, supervisors, agents and ranks):
+    a detached job outlives the test that submitted it, as it outlives any caller."""
+    import signal
+
+    from tests.integration.processes import processes_of
+
+    for proc in processes_of(home):
+        if "sparkgpu.launch.client.detached" in " ".join(proc.info["cmdline"] or ()):
+            try:
+                os.killpg(os.getpgid(proc.pid), signal.SIGKILL)  # the keeper's group: it and its supervisor
+            except (ProcessLookupError, PermissionError):
+                continue  # ended meanwhile
 
 
 def _process_state() -> dict:

@@ -112,11 +112,12 @@ def build_model(kind: str):
     return model
 
 
-def train_transformer(data_dir, record_file, kind, kill_step=None, step_sleep=0.0, hold_from=None):
+def train_transformer(data_dir, record_file, kind, kill_step=None, step_sleep=0.0, hold_from=None, slow_attempts=1):
     """Trains TOTAL_STEPS steps, counting steps done; records what each step trained on and its loss.
 
     ``kill_step``: rank 1 of the first attempt kills itself after that step. ``step_sleep``:
-    seconds each step of the first attempt lasts longer (for the runtime cap to stop it).
+    seconds each step of the first ``slow_attempts`` attempts lasts longer (for the runtime cap
+    to stop it, or a test to kill something meanwhile).
     ``hold_from``: from that step on, the first attempt waits after each step until it is asked to
     stop (for a preemption test, whose critical job may take a loaded machine long to queue).
     """
@@ -165,8 +166,9 @@ def train_transformer(data_dir, record_file, kind, kill_step=None, step_sleep=0.
                 record.flush()
                 if runtime.attempt() == 0 and rank == 1 and step == kill_step:
                     os.kill(os.getpid(), signal.SIGKILL)
-                if runtime.attempt() == 0:
+                if runtime.attempt() < slow_attempts:
                     time.sleep(step_sleep)
+                if runtime.attempt() == 0:
                     held = time.monotonic()
                     while hold_from is not None and step >= hold_from and not runtime.should_checkpoint():
                         assert time.monotonic() - held < 240, "the held attempt was never asked to stop"
@@ -347,3 +349,54 @@ def test_sparkgpu_resume_finishes_a_job_whose_client_was_killed_bitwise_equal(
     state = json.loads((run_dir / "state.json").read_text())
     assert [a["status"] for a in state["attempts"]] == ["lost", "succeeded"]
     assert_same_run(states, read_records(record), plain, plain_steps, all_blocks, "(sparkgpu resume)")
+
+
+DETACHED_CLIENT = """
+import os, signal
+from sparkgpu import distributed
+from tests.integration.test_transformer_restart_exactness import train_transformer
+
+job = distributed(gpus=2, gpu_type="cpu", max_restarts=1)(train_transformer)
+call = job.submit({data!r}, {record!r}, "ddp", kill_step={kill_step}, step_sleep=0.5, slow_attempts=2)
+print(call.job_id, flush=True)
+os.killpg(0, signal.SIGKILL)  # the submitter and its whole process group, the moment it submitted
+"""
+
+
+def test_a_detached_job_ends_bitwise_equal_with_its_submitter_a_rank_and_its_supervisor_killed(
+    uninterrupted, token_dir, all_blocks, tmp_path, _isolated_sparkgpu_home
+):
+    import os
+    import signal
+
+    from sparkgpu import attach
+    from tests.integration.processes import start_client, wait_for
+
+    plain, plain_steps = uninterrupted("ddp")
+    record = tmp_path / "detached.jsonl"
+    kill_step = 4
+    client = start_client(
+        tmp_path,
+        _isolated_sparkgpu_home,
+        DETACHED_CLIENT.format(data=token_dir, record=str(record), kill_step=kill_step),
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    job_id = client.stdout.readline().strip()
+    assert client.wait(timeout=60) == -signal.SIGKILL
+    state_file = settings().staging_root / job_id / "state.json"
+
+    rank_0 = tmp_path / "detached.jsonl.0"
+
+    def in_attempt_1() -> bool:  # rank 1 died after step 4 and the restarted attempt is training
+        lines = rank_0.read_text().split("\n")[:-1] if rank_0.exists() else []  # whole lines only
+        return any(json.loads(line)["attempt"] == 1 for line in lines)
+
+    assert wait_for(in_attempt_1, within=300), "the job never restarted after its rank was killed"
+    os.kill(json.loads(state_file.read_text())["client"]["pid"], signal.SIGKILL)  # the supervisor itself
+    states = attach(job_id).result(timeout=300)
+    state = json.loads(state_file.read_text())
+    assert [a["status"] for a in state["attempts"]] == ["failed", "lost", "succeeded"], state
+    note = f"(detached: submitter killed, rank 1 killed after step {kill_step}, supervisor killed in attempt 1)"
+    assert_same_run(states, read_records(record), plain, plain_steps, all_blocks, note)

@@ -22,6 +22,7 @@ from sparkgpu.launch.backends.capabilities import Reattachable
 from sparkgpu._keyring import load_key
 from sparkgpu.launch.rundir.directory import RunDir
 from sparkgpu.launch.rundir.layout import RunLayout
+from sparkgpu.launch.rundir.serialization import unpack_callbacks
 from sparkgpu.protocol import JobState, JobStatus
 from sparkgpu.launch.client.job_state import JobBook
 from sparkgpu.launch.client.supervision_lock import SupervisionLock
@@ -97,7 +98,12 @@ def resume_job(job_id: str, backend=None, out=None, force: bool = False) -> list
 
 
 def take_over(
-    job_id: str, backend=None, out=None, force: bool = False, lock: SupervisionLock | None = None
+    job_id: str,
+    backend=None,
+    out=None,
+    force: bool = False,
+    lock: SupervisionLock | None = None,
+    run_dir: RunDir | None = None,
 ) -> Supervisor:
     """A supervisor that continues ``job_id`` from its run dir, ready to ``run()``; starts nothing.
 
@@ -109,11 +115,15 @@ def take_over(
     for before a job ended cancelled still holds; resuming a job that did end cancelled is
     a new decision, so the old request is dropped.
 
+    Args:
+        run_dir: The job's run dir, when the caller knows it (a detached supervisor); else found
+            under the staging root.
+
     Raises:
         ConfigurationError: as for :func:`resume_job`.
         JobStateError: another process supervises the job.
     """
-    run_dir = find_run_dir(job_id)
+    run_dir = run_dir or find_run_dir(job_id)
     job_id = run_dir.job_id
     lock = lock or SupervisionLock(run_dir)
     if not lock.acquire():
@@ -139,7 +149,7 @@ def _take_over_locked(run_dir: RunDir, backend, out, force: bool, lock: Supervis
         _check_no_live_client(job_id, state)
     key = load_key(job_id)
     _, parts = run_dir.load_verified(key)
-    callbacks = RunDir.unpack(parts)[3]
+    callbacks = unpack_callbacks(parts)  # the function itself is the ranks' to import, not the supervisor's
     backend = backend or _backend_for(job, run_dir)
     supervisor = Supervisor(job, run_dir, backend, key, callbacks, out=out)
     supervisor.lock = lock

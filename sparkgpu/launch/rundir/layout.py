@@ -14,6 +14,8 @@ names (:class:`~sparkgpu.launch.rundir.directory.RunDir` is one run dir on a mac
     payload.sig          HMAC-SHA256 of _air.py + spec.json + payload.pkl (key never stored)
     state.json           the supervisor's state (attempts, status)
     cancel-request       written by another process to cancel the job
+    supervision.json     a detached job's keeper process and the caller's sys.path, sealed
+    supervisor.log       what a detached job's keeper and supervisors report
     checkpoints/         shared by all attempts
     tracking/            the job's tracking run and the ranks' spooled records
     attempts/<k>/logs/rank-<r>.log      output of rank r in attempt k (agent-<n>.log: node n's agent)
@@ -69,6 +71,8 @@ class RunLayout:
     STATE = "state.json"
     CANCEL_REQUEST = "cancel-request"
     SUPERVISION_LOCK = "supervision.lock"  # flocked by the process that supervises the job
+    SUPERVISION = "supervision.json"  # a detached job's keeper, sealed (launch.client.detached)
+    SUPERVISOR_LOG = "supervisor.log"  # a detached job's keeper and supervisors write here
     CHECKPOINTS = "checkpoints"
     STAGING_PREFIX = "staging-prefix"  # the staging store prefix that holds the job's folder (client only)
     ATTEMPTS = "attempts"

@@ -33,6 +33,7 @@ __all__ = [
     "serialize_payload",
     "add_keyword_arguments",
     "unpack_payload",
+    "unpack_callbacks",
     "dump_result",
     "serialize_error",
     "deserialize_error",
@@ -149,8 +150,16 @@ def unpack_payload(parts: dict) -> tuple[Any, tuple, dict, list]:
     fn = _unpickle(parts["fn"], "the function")
     args = tuple(_unpickle(a, f"positional argument {i}") for i, a in enumerate(parts["args"]))
     kwargs = {k: _unpickle(v, f"keyword argument {k!r}") for k, v in parts["kwargs"].items()}
-    callbacks = _unpickle(parts["callbacks"], "job callbacks")
-    return fn, args, kwargs, callbacks
+    return fn, args, kwargs, unpack_callbacks(parts)
+
+
+def unpack_callbacks(parts: dict) -> list:
+    """The job callbacks of a payload's parts alone: what a supervisor needs, without the user's function.
+
+    Raises:
+        SerializationError: a callback needs a module this environment lacks.
+    """
+    return _unpickle(parts["callbacks"], "job callbacks")
 
 
 def dump_result(value: Any, f, rank: int) -> None:

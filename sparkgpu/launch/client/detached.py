@@ -1,0 +1,216 @@
+"""A job supervised by processes of its own, so that it outlives the caller that submitted it.
+
+``fn.submit()`` (and ``detach=True``) start, for the job, a *keeper*: a small process in a
+session of its own (``python -m sparkgpu.launch.client.detached RUN_DIR``) whose only work is
+to run the job's :class:`~sparkgpu.launch.client.supervisor.Supervisor` in a child process and,
+should that child die before the job ended (SIGKILL, the host's OOM killer), start another,
+which takes the job over from its run dir exactly as ``sparkgpu resume`` does: the attempt that
+ran is marked lost and the next one resumes from the latest checkpoint. The caller then only
+observes (``status``, ``logs``, ``result``, ``cancel`` through the run dir), and killing it, its
+process group or its terminal changes nothing for the job.
+
+Processes and what each outlives::
+
+    caller (notebook, script, CLI)       submits, observes; may exit or be killed at any time
+      keeper (own session)               restarts the supervisor; ends when the job ends
+        supervisor (keeper's child)      runs attempts; holds the run dir's supervision lock
+          node agent -> ranks            die with the supervisor (PR_SET_PDEATHSIG)
+
+The keeper is named in the run dir's sealed ``supervision.json`` (its process, and the
+caller's ``sys.path`` so that the supervisor can unpickle the job's callbacks): an observer
+takes a job over only when both its supervisor and its keeper are gone
+(:func:`keeper_alive`). The keeper reads nothing secret: the supervisor takes the job's key
+from the user's private keyring, as ``sparkgpu resume`` does, never from its environment or
+command line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from sparkgpu._process import ProcessRef
+from sparkgpu.launch.rundir.directory import PRIVATE_FILE, RunDir
+from sparkgpu.launch.rundir.layout import RunLayout
+
+__all__ = ["start_keeper", "keeper_alive", "supervision_record", "main", "RESPAWN_LIMIT"]
+
+_MODULE = "sparkgpu.launch.client.detached"  # run as ``python -m`` (where ``__name__`` is ``__main__``)
+
+logger = logging.getLogger(__name__)
+
+#: Supervisors the keeper starts one after another at most before it gives up (each after the last died).
+RESPAWN_LIMIT = 20
+#: Seconds a supervisor must have run for its death not to count towards a quick-respawn backoff.
+_STEADY_SECONDS = 60.0
+#: Seconds a new supervisor waits for the supervision lock that the observer which started its keeper holds.
+_LOCK_WAIT = 30.0
+
+
+def supervision_record(run_dir: RunDir) -> dict | None:
+    """The run dir's ``supervision.json`` (who keeps the job), or ``None`` (an attached job, or forged)."""
+    record = run_dir.read_control_json(run_dir.path / RunLayout.SUPERVISION)
+    return record if isinstance(record, dict) else None
+
+
+def keeper_alive(run_dir: RunDir) -> bool:
+    """Whether the job's keeper still runs (then it, not an observer, replaces a dead supervisor)."""
+    record = supervision_record(run_dir)
+    keeper = record.get("keeper") if record else None
+    return isinstance(keeper, dict) and not ProcessRef.from_record(keeper).is_gone()
+
+
+def start_keeper(run_dir: RunDir, python: str | None = None) -> ProcessRef:
+    """Starts the keeper of the written job in ``run_dir``; returns at once.
+
+    Its output (and its supervisors') goes to the run dir's ``supervisor.log``. The caller's
+    working directory and environment are the keeper's, as they would be the supervisor's in
+    the caller's own process.
+
+    Args:
+        run_dir: The job's run dir, written and holding the job key (:attr:`RunDir.key`).
+        python: The interpreter; this one by default.
+    """
+    log_path = run_dir.path / RunLayout.SUPERVISOR_LOG
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, PRIVATE_FILE)
+    try:
+        process = subprocess.Popen(
+            [python or sys.executable, "-m", _MODULE, str(run_dir.path)],
+            stdin=subprocess.DEVNULL,
+            stdout=log_fd,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # no signal of the caller's terminal or process group reaches it
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    finally:
+        os.close(log_fd)
+    keeper = ProcessRef.of(process.pid)
+    record = {"keeper": keeper.record(), "sys_path": [p for p in sys.path if p], "started_at": time.time()}
+    run_dir.write_control(run_dir.path / RunLayout.SUPERVISION, json.dumps(record).encode())
+    # The keeper is nobody's child to wait for: a caller that lives on must not keep it a zombie.
+    _forget(process)
+    return keeper
+
+
+def _forget(process: subprocess.Popen) -> None:
+    """Lets ``process`` be reaped by whoever reaps this process's children, without a zombie left here."""
+    import threading
+
+    threading.Thread(target=process.wait, daemon=True, name=f"sparkgpu-keeper-{process.pid}").start()
+
+
+# -- the keeper and the supervisor it runs ------------------------------------------------------
+def _job_ended(run_dir: RunDir) -> bool:
+    from sparkgpu.launch.client.job_state import JobBook
+
+    book = JobBook.read(run_dir.state_file)
+    return book is not None and book.status.is_terminal
+
+
+def keep(run_dir: RunDir) -> int:
+    """The keeper's loop: a supervisor at a time until the job has ended; the exit code of the last."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal is not the job's end
+    quick_deaths = 0
+    for started in range(RESPAWN_LIMIT):
+        began = time.monotonic()
+        child = subprocess.Popen([sys.executable, "-m", _MODULE, "--supervise", str(run_dir.path)])
+        code = child.wait()
+        if code >= 0 or _job_ended(run_dir):
+            # Only a supervisor killed by a signal is replaced: one that exited reported why
+            # (a job it cannot run is ended failed in its state), and another would exit the same way.
+            return code
+        ran = time.monotonic() - began
+        quick_deaths = quick_deaths + 1 if ran < _STEADY_SECONDS else 0
+        how = f"signal {-code}" if code < 0 else f"exit code {code}"
+        logger.warning(
+            "the supervisor of job %s (pid %d) died (%s) after %.0fs before the job ended; starting another (%d of %d)",
+            run_dir.job_id,
+            child.pid,
+            how,
+            ran,
+            started + 1,
+            RESPAWN_LIMIT,
+        )
+        time.sleep(min(30.0, 0.5 * 2 ** max(0, quick_deaths - 1)) if quick_deaths > 1 else 0.0)
+    logger.error(
+        "job %s: %d supervisors died one after another; giving up. `sparkgpu resume %s` continues it",
+        run_dir.job_id,
+        RESPAWN_LIMIT,
+        run_dir.job_id,
+    )
+    return 1
+
+
+def supervise(run_dir: RunDir) -> int:
+    """Runs the job to its end as its supervisor; 0 once it ended (however it ended), 1 if it cannot run it."""
+    from sparkgpu._report import report
+    from sparkgpu.errors import JobStateError
+    from sparkgpu.launch.client.resume import take_over
+    from sparkgpu.launch.client.supervision_lock import SupervisionLock
+
+    lock = SupervisionLock(run_dir)
+    deadline = time.monotonic() + _LOCK_WAIT
+    while not lock.acquire() and time.monotonic() < deadline:
+        time.sleep(0.1)  # an observer that started this keeper may hold it for a moment more
+    try:
+        _import_like_the_caller(run_dir)
+        supervisor = take_over(run_dir.job_id, run_dir=run_dir, out=sys.stdout, lock=lock)
+    except JobStateError as exc:  # supervised elsewhere (an `attach`, `sparkgpu resume`), or succeeded
+        report(f"job {run_dir.job_id} is not supervised here: {exc}", sys.stdout)
+        return 0
+    except Exception as exc:  # no key here, a payload that does not verify: no supervisor could run it
+        logger.exception("job %s cannot be supervised", run_dir.job_id)
+        _end_unsupervisable(run_dir, exc)
+        lock.release()
+        return 1
+    try:
+        supervisor.run()
+    except BaseException as exc:  # noqa: BLE001 - the job's end is in its state; the run dir keeps the error
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        report(f"job {run_dir.job_id} ended: {type(exc).__name__}: {exc}", sys.stdout)
+    else:
+        report(f"job {run_dir.job_id} succeeded", sys.stdout)
+    return 0
+
+
+def _import_like_the_caller(run_dir: RunDir) -> None:
+    """Puts the caller's ``sys.path`` before this process's: its callbacks' classes unpickle from there."""
+    from sparkgpu._keyring import load_key
+
+    record = supervision_record(RunDir(run_dir.path, load_key(run_dir.job_id)))
+    for entry in reversed((record or {}).get("sys_path") or []):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+
+
+def _end_unsupervisable(run_dir: RunDir, exc: Exception) -> None:
+    """Ends ``FAILED`` a job that no supervisor can take over, with why, for whoever observes it."""
+    from sparkgpu.launch.client.job_state import JobBook
+    from sparkgpu.protocol import JobStatus
+
+    backend = json.loads(run_dir.spec_file.read_text()).get("backend", "local")
+    book = JobBook.read(run_dir.state_file) or JobBook.new(run_dir.state_file, run_dir.job_id, backend)
+    if not book.status.is_terminal:
+        book.state["cause"] = f"{type(exc).__name__}: {exc}"
+        book.set_status(JobStatus.FAILED)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s sparkgpu %(levelname)s %(message)s", stream=sys.stdout)
+    os.umask(0o077)
+    if args[:1] == ["--supervise"]:
+        return supervise(RunDir(Path(args[1])))
+    return keep(RunDir(Path(args[0])))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""Submit and walk away: a local job supervised by processes of its own outlives whoever submitted it.
+
+Every test here kills, or lets exit, the process that submitted the job before the job has
+done anything worth keeping, and then checks what a user relies on: the job ran to its end,
+nothing restarted that should not have, a rank killed meanwhile restarted from its checkpoint,
+its supervisor killed meanwhile was replaced, and ``attach``, ``cancel``, ``result`` and the CLI
+work from another process. The bitwise-exact restart of a transformer with its submitter and
+its supervisor killed is in ``test_transformer_restart_exactness.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import textwrap
+
+import pytest
+
+from sparkgpu import attach, distributed, runtime
+from sparkgpu.config import settings
+from sparkgpu.errors import ConfigurationError, JobCancelledError, WorkerFailedError
+from sparkgpu.launch.client.detached import keeper_alive, supervision_record
+from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.protocol import JobStatus
+from tests.integration.processes import assert_no_orphans, processes_of, start_client, wait_for
+
+pytestmark = pytest.mark.integration
+
+#: A job of 2 CPU ranks that counts STEPS steps, checkpointing every step (a file per rank), and
+#: waits at each step for the test's go-ahead file: the test decides when it moves on.
+JOB = textwrap.dedent("""
+    import json, os, time
+    from sparkgpu import distributed, runtime
+
+    STEPS = 6
+
+    def count(where):
+        rank, attempt = runtime.get_global_rank(), runtime.attempt()
+        progress = os.path.join(runtime.checkpoint_dir(), f"rank-{rank}")
+        step = int(open(progress).read()) if os.path.exists(progress) else 0
+        with open(os.path.join(where, f"attempts-{rank}"), "a") as f:
+            f.write(f"{attempt}:{step}\\n")
+        while step < STEPS:
+            gate = os.path.join(where, f"go-{step}")
+            while not os.path.exists(gate):
+                time.sleep(0.05)
+            step += 1
+            with open(progress + ".tmp", "w") as f:
+                f.write(str(step))
+            os.replace(progress + ".tmp", progress)
+            with open(os.path.join(where, f"step-{rank}-{step}"), "w") as f:
+                f.write(str(attempt))
+            if os.path.exists(os.path.join(where, f"kill-rank-{rank}-at-{step}")) and attempt == 0:
+                os.kill(os.getpid(), 9)
+        return {"rank": rank, "steps": step, "attempt": attempt, "pid": os.getpid()}
+
+    job = distributed(gpus=2, gpu_type="cpu", max_restarts=1)(count)
+""")
+
+
+def _job_module(tmp_path) -> None:
+    (tmp_path / "walkaway_job.py").write_text(JOB)
+
+
+def _client(tmp_path, home, body: str, **popen) -> subprocess.Popen:
+    """A client process (its own process group) that imports the job module and runs ``body``."""
+    _job_module(tmp_path)
+    source = f"import sys\nsys.path.insert(0, {str(tmp_path)!r})\nfrom walkaway_job import job\n" + textwrap.dedent(
+        body
+    )
+    return start_client(tmp_path, home, source, stdout=subprocess.PIPE, text=True, start_new_session=True, **popen)
+
+
+def _go(where, *steps: int) -> None:
+    for step in steps:
+        (where / f"go-{step}").touch()
+
+
+def _stepped(where, step: int) -> bool:
+    return all((where / f"step-{rank}-{step}").exists() for rank in range(2))
+
+
+def _state(job_id: str) -> dict:
+    return json.loads((settings().staging_root / job_id / "state.json").read_text())
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    os.killpg(process.pid, signal.SIGKILL)  # the client and everything in its process group
+    process.wait()
+
+
+SUBMIT_AND_WAIT = """
+    call = job.submit({where!r})
+    print(call.job_id, flush=True)
+    call.wait()
+"""
+
+
+def test_a_job_runs_on_to_its_end_when_its_submitter_is_killed_with_its_process_group(
+    tmp_path, _isolated_sparkgpu_home
+):
+    where = tmp_path / "steps"
+    where.mkdir()
+    client = _client(tmp_path, _isolated_sparkgpu_home, SUBMIT_AND_WAIT.format(where=str(where)))
+    job_id = client.stdout.readline().strip()
+    _go(where, 0, 1, 2)
+    assert wait_for(lambda: _stepped(where, 3), within=120), "the job never reached step 3"
+    _kill_group(client)  # at step 3 of 6, as a closed laptop or a culled notebook pod would
+    assert client.returncode == -signal.SIGKILL
+    _go(where, 3, 4, 5)
+    results = attach(job_id).result(timeout=120)
+    assert [(r["rank"], r["steps"], r["attempt"]) for r in results] == [(0, 6, 0), (1, 6, 0)]
+    state = _state(job_id)
+    assert state["status"] == "succeeded" and [a["status"] for a in state["attempts"]] == ["succeeded"]
+    assert state["restarts"] == 0  # the ranks never stopped: nothing was lost to restart
+    assert state["client"]["pid"] not in (client.pid, os.getpid())  # supervised by neither caller
+    assert_no_orphans(settings().staging_root / job_id, within=30)
+
+
+def test_a_script_that_exits_normally_leaves_its_job_running(tmp_path, _isolated_sparkgpu_home):
+    where = tmp_path / "steps"
+    where.mkdir()
+    client = _client(
+        tmp_path,
+        _isolated_sparkgpu_home,
+        f"""
+        call = job.submit({str(where)!r})
+        print(call.job_id, flush=True)
+        """,
+    )
+    job_id = client.stdout.readline().strip()
+    assert client.wait(timeout=60) == 0  # the script ends as soon as it submitted
+    _go(where, *range(6))
+    call = attach(job_id)
+    assert call._thread is None  # observed: its own keeper supervises it, not this process
+    assert [r["steps"] for r in call.result(timeout=120)] == [6, 6]
+    assert _state(job_id)["status"] == "succeeded"
+
+
+def test_a_rank_killed_with_no_client_alive_restarts_from_its_checkpoint(tmp_path, _isolated_sparkgpu_home):
+    where = tmp_path / "steps"
+    where.mkdir()
+    (where / "kill-rank-1-at-2").touch()
+    client = _client(tmp_path, _isolated_sparkgpu_home, SUBMIT_AND_WAIT.format(where=str(where)))
+    job_id = client.stdout.readline().strip()
+    _kill_group(client)  # dead from the first minute
+    _go(where, *range(6))
+    results = attach(job_id).result(timeout=180)
+    assert [(r["steps"], r["attempt"]) for r in results] == [(6, 1), (6, 1)]
+    state = _state(job_id)
+    assert [a["status"] for a in state["attempts"]] == ["failed", "succeeded"] and state["restarts"] == 1
+    # Attempt 1 started from the checkpoint of the step rank 1 died at, not from the beginning.
+    assert (where / "attempts-1").read_text().splitlines() == ["0:0", "1:2"]
+
+
+def test_the_supervisor_killed_is_replaced_and_the_job_resumes_from_its_checkpoint(tmp_path, _isolated_sparkgpu_home):
+    where = tmp_path / "steps"
+    where.mkdir()
+    client = _client(tmp_path, _isolated_sparkgpu_home, SUBMIT_AND_WAIT.format(where=str(where)))
+    job_id = client.stdout.readline().strip()
+    _kill_group(client)
+    _go(where, 0, 1)
+    assert wait_for(lambda: _stepped(where, 2), within=120), "the job never reached step 2"
+    run_dir = RunDir(settings().staging_root / job_id)
+    first = _state(job_id)["client"]["pid"]
+    os.kill(first, signal.SIGKILL)  # the supervisor itself; its agent and ranks die with it
+    assert wait_for(lambda: len(_state(job_id)["attempts"]) == 2, within=120), "no supervisor took over"
+    _go(where, *range(2, 6))
+    results = attach(job_id).result(timeout=120)
+    assert [(r["steps"], r["attempt"]) for r in results] == [(6, 1), (6, 1)]
+    state = _state(job_id)
+    assert [a["status"] for a in state["attempts"]] == ["lost", "succeeded"]
+    assert state["restarts"] == 0  # a supervisor's death is not the job's failure
+    assert state["client"]["pid"] != first
+    assert (where / "attempts-0").read_text().splitlines() == ["0:0", "1:2"]  # resumed at its checkpoint
+    assert "died (signal 9)" in (run_dir.path / "supervisor.log").read_text()
+    assert not keeper_alive(run_dir) or wait_for(lambda: not keeper_alive(run_dir), within=30)
+
+
+@distributed(gpus=1, gpu_type="cpu")
+def _forever(where: str):
+    import pathlib
+    import time
+
+    pathlib.Path(where, f"started-{runtime.attempt()}").touch()
+    time.sleep(600)
+
+
+def test_cancel_from_another_process_stops_a_detached_job_and_nothing_is_left(tmp_path, capsys):
+    from sparkgpu.cli import main
+
+    call = _forever.submit(str(tmp_path))
+    assert wait_for(lambda: (tmp_path / "started-0").exists(), within=90), "the rank never started"
+    assert main(["cancel", call.job_id, "--timeout", "60"]) == 0
+    assert f"job {call.job_id} is cancelled" in capsys.readouterr().out
+    with pytest.raises(JobCancelledError):
+        call.result(timeout=60)
+    run_dir = settings().staging_root / call.job_id
+    assert_no_orphans(run_dir, within=30)  # keeper, supervisor, agent and rank all ended
+    assert [a["status"] for a in _state(call.job_id)["attempts"]] == ["cancelled"]
+
+
+@distributed(gpus=1, gpu_type="cpu")
+def _fails():
+    raise KeyError("no column 'label' in batch 7")
+
+
+def test_a_failed_detached_job_raises_the_remote_error_wherever_its_result_is_read():
+    call = _fails.submit()
+    with pytest.raises(WorkerFailedError, match="no column 'label'") as caught:
+        call.result(timeout=120)
+    assert isinstance(caught.value, KeyError)  # `except KeyError` catches it, as after .distributed()
+    with pytest.raises(KeyError):
+        attach(call.job_id).result()
+
+
+@distributed(gpus=1, gpu_type="cpu")
+def _once(where: str):
+    import pathlib
+
+    with open(pathlib.Path(where, "ran"), "a") as f:
+        f.write("x")
+    return runtime.job_id()
+
+
+def test_a_submission_with_a_used_idempotency_key_returns_the_same_job(tmp_path):
+    keyed = _once.with_overrides(idempotency_key="nightly-2026-12-02")
+    first = keyed.submit(str(tmp_path))
+    second = keyed.submit(str(tmp_path))
+    assert second.job_id == first.job_id
+    assert first.result(timeout=120) == [first.job_id]
+    assert keyed.submit(str(tmp_path)).job_id == first.job_id  # ended: still the same job
+    assert (tmp_path / "ran").read_text() == "x"  # it ran once
+    runs = [p.name for p in settings().staging_root.iterdir() if (p / "spec.json").exists()]
+    assert runs == [first.job_id]  # the second submission wrote nothing that stayed
+    other = _once.with_overrides(idempotency_key="nightly-2026-12-03").submit(str(tmp_path))
+    assert other.job_id != first.job_id
+    other.result(timeout=120)
+    with pytest.raises(ConfigurationError, match="idempotency_key"):
+        _once.with_overrides(idempotency_key="  ").submit(str(tmp_path))
+
+
+def test_the_keeper_is_named_sealed_and_needs_no_secret_on_its_command_line(tmp_path):
+    call = _forever.submit(str(tmp_path))
+    try:
+        run_dir = RunDir(settings().staging_root / call.job_id)
+        assert wait_for(lambda: (tmp_path / "started-0").exists(), within=90), "the rank never started"
+        record = supervision_record(run_dir)
+        assert record is not None and keeper_alive(run_dir)
+        key = (settings().home / "keys" / call.job_id).read_bytes()
+        for proc in processes_of(run_dir.path):
+            environ = open(f"/proc/{proc.pid}/environ", "rb").read()
+            cmdline = open(f"/proc/{proc.pid}/cmdline", "rb").read()
+            assert key not in environ and key.hex().encode() not in environ
+            assert key not in cmdline and key.hex().encode() not in cmdline
+        assert os.stat(run_dir.path / "supervision.json").st_mode & 0o077 == 0
+        assert os.stat(run_dir.path / "supervisor.log").st_mode & 0o077 == 0
+        # A forged record (not sealed with the job's key) names no keeper.
+        (run_dir.path / "supervision.json").write_text(json.dumps(record))
+        assert supervision_record(run_dir) is None
+    finally:
+        call.cancel(timeout=60)
+    assert call.status() is JobStatus.CANCELLED
