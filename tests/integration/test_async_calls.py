@@ -1,5 +1,7 @@
-"""`fn.submit(...)` and `sparkgpu.attach(job_id)` on real processes: background supervision,
-several jobs at once, cancelling, and reattaching from another process to a live or killed client."""
+"""`fn.submit(...)` and `sparkgpu.attach(job_id)` on real processes: several jobs at once,
+cancelling, and, for jobs their caller supervises (``detach=False``), reattaching from another
+process to a live or killed client. Detached jobs, which outlive their caller, are in
+``test_detached_jobs.py``."""
 
 from __future__ import annotations
 
@@ -133,7 +135,7 @@ def test_a_run_async_sweep_returns_calls_at_once_and_collects_every_result_befor
 
 
 def test_attach_to_a_job_of_this_process_returns_its_call_and_unknown_ids_fail():
-    call = forever.submit()
+    call = forever.with_overrides(detach=False).submit()  # supervised by this process
     try:
         assert attach(call.job_id) is call
     finally:
@@ -157,6 +159,8 @@ LIVE_CLIENT = textwrap.dedent("""
         print("started", flush=True)
         time.sleep(600)
 
+    # Supervised by this client (detach=False), not by processes of their own.
+    quick, forever = quick.with_overrides(detach=False), forever.with_overrides(detach=False)
     done, waited, left = quick.submit(21), forever.submit(), forever.submit()
     done.wait()
     print(done.job_id, waited.job_id, left.job_id, flush=True)
@@ -206,7 +210,7 @@ KILLED_CLIENT = textwrap.dedent("""
         print("checkpointed", flush=True)
         time.sleep(600)
 
-    call = train.submit()
+    call = train.with_overrides(detach=False).submit()  # supervised by this client, which dies
     print(call.job_id, flush=True)
     call.wait()
 """)
