@@ -54,7 +54,6 @@ from sparkgpu.launch.client.job_state import JobBook
 from sparkgpu.launch.client.logs import LogStreamer
 from sparkgpu.launch.client.resume import client_is_gone, find_run_dir, take_over
 from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir.layout import RunLayout
 from sparkgpu.protocol import AttemptStatus, JobState, JobStatus
 from sparkgpu.launch.client.supervision_lock import SupervisionLock
 from sparkgpu.launch.client.supervisor import CANCEL_REQUEST_FILE, Supervisor
@@ -181,8 +180,16 @@ class DistributedFunctionCall:
         return JobStatus(state["status"]) if state else JobStatus.PENDING
 
     def done(self) -> bool:
-        """True once the job has ended, however it ended."""
-        return self._done.is_set() if self._thread is not None else self.status().is_terminal
+        """True once the job has ended, however it ended, and its supervisor is done with it
+        (its MLflow run ended, its model registered)."""
+        return self._done.is_set() if self._thread is not None else self._ended(self._state())
+
+    @staticmethod
+    def _ended(state: JobState | None) -> bool:
+        if not state or not JobStatus(state["status"]).is_terminal:
+            return False
+        # Its supervisor marks it finished after its callbacks; one that died before has nothing more to do.
+        return state.get("finished_at") is not None or client_is_gone(state.get("client"))
 
     def wait(self, timeout: float | None = None) -> JobStatus:
         """Blocks until the job ends or ``timeout`` seconds pass; returns its status then.
@@ -194,8 +201,9 @@ class DistributedFunctionCall:
             if self._thread is not None:
                 self._done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
                 return self.status()
-            status = self.status()
-            if status.is_terminal:
+            state = self._state()
+            status = JobStatus(state["status"]) if state else JobStatus.PENDING
+            if self._ended(state):
                 return status
             if self._take_over_if_abandoned():
                 continue
@@ -308,13 +316,6 @@ class DistributedFunctionCall:
                 return
             self._take_over_if_abandoned()
             time.sleep(_POLL_SECONDS)
-
-    def tracking_run_id(self) -> str | None:
-        """The id of the job's MLflow run, once its supervisor started it; ``None`` untracked."""
-        try:
-            return json.loads((self.run_dir.path / RunLayout.TRACKING_RUN).read_text()).get("run_id")
-        except (FileNotFoundError, ValueError):
-            return None
 
     def _latest_attempt(self) -> int:
         state = self._state()

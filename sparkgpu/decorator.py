@@ -195,8 +195,11 @@ class DistributedFunction:
         # Local ranks run in this very environment; remote ones get it shipped.
         return self.ship_environment if self.ship_environment is not None else self.resources.remote
 
-    def prepare(self, args: tuple, kwargs: dict) -> PreparedJob:
-        """Resolves, checks and pickles one call of the function once; writes and starts nothing."""
+    def prepare(self, args: tuple, kwargs: dict, *, detached: bool = False) -> PreparedJob:
+        """Resolves, checks and pickles one call of the function once; writes and starts nothing.
+
+        ``detached``: the job's own supervisor registers its model (``register_as``), not the caller.
+        """
         backend = self._backend()
         spec = JobSpec(
             job_id=new_job_id(self.name),
@@ -208,6 +211,10 @@ class DistributedFunction:
             tags=self.tags,
         )
         callbacks = default_callbacks(self.fn, self.experiment) if self.callbacks is None else list(self.callbacks)
+        if detached and self.register_as is not None:
+            from sparkgpu.tracking.registration import ModelRegistration
+
+            callbacks.append(ModelRegistration(self.register_as))
         return prepare(
             spec,
             self.fn,
@@ -255,13 +262,15 @@ class DistributedFunction:
         return self._registered(results, prepared.job.job_id, run_id)
 
     def _registered(self, results: list[Any], job_id: str, run_id: str | None) -> list[Any]:
-        """``results``, once rank 0's model is registered (with ``register_as``)."""
+        """``results``, once rank 0's model is registered (with ``register_as``) here."""
+        from sparkgpu.tracking.registration import register_result
+
         # Set before registering: a registry that fails must not cost the results of a job
         # that may have trained for days.
         self.last_results = results
         if self.register_as is not None:
             try:
-                self.last_model_version = _register_result(results[0], self.register_as, job_id, run_id)
+                self.last_model_version = register_result(results[0], self.register_as, job_id, run_id)
             except Exception as exc:
                 exc.results = results  # type: ignore[attr-defined]  # documented: the results ride on the error
                 note = (
@@ -287,21 +296,20 @@ class DistributedFunction:
         usage policy) is checked here, so those errors raise from ``submit`` itself.
 
         Raises:
-            ConfigurationError: the function has ``register_as`` (register ``call.result()[0]``
-                with ``sparkgpu.registry.register`` instead), or as for ``.distributed()``.
+            ConfigurationError: the function has ``register_as`` and its caller supervises it
+                (``detach=False``, a remote job): register ``call.result()[0]`` with
+                ``sparkgpu.registry.register`` instead; or as for ``.distributed()``.
         """
-        from sparkgpu.call import DistributedFunctionCall
 
-        if self.register_as is not None:
+        detached = self._detaches(submitting=True)
+        if not detached and self.register_as is not None:
             raise ConfigurationError(
-                f"submit() does not register models; drop register_as={self.register_as!r} and call "
-                f"sparkgpu.registry.register(call.result()[0], {self.register_as!r}), or use .distributed()"
+                f"submit() of a job its caller supervises does not register models; drop "
+                f"register_as={self.register_as!r} and call sparkgpu.registry.register(call.result()[0], "
+                f"{self.register_as!r}), or submit it detached (detach=True)"
             )
-        if self._detaches(submitting=True):
-            return self._submit_detached(args, kwargs)
-        prepared = self.prepare(args, kwargs).write()
-        self.last_job_id, self.last_run_dir = prepared.job.job_id, str(prepared.run_dir.path)
-        return DistributedFunctionCall._supervise(prepared.supervisor())
+        # A detached job's own supervisor registers its model (register_as).
+        return self.submit_prepared(lambda: self.prepare(args, kwargs, detached=detached))
 
     def _detaches(self, submitting: bool) -> bool:
         """Whether this call's job is supervised by processes of its own (``detach``).
@@ -310,11 +318,10 @@ class DistributedFunction:
             ConfigurationError: ``detach=True`` with a backend given as an object, which another
                 process cannot rebuild; raised before anything is prepared.
         """
-        named = not isinstance(self.backend, Backend)
         if self.detach is None:
             # Remote jobs stay supervised by their caller until the cluster keeps their supervisor.
-            return submitting and named and not self.resources.remote
-        if self.detach and not named:
+            return submitting and not isinstance(self.backend, Backend) and not self.resources.remote
+        if self.detach and isinstance(self.backend, Backend):
             raise ConfigurationError(
                 f"detach=True supervises the job in processes of its own, which cannot use the backend object "
                 f"{self.backend!r} of this process; name the backend (backend={self.backend.name!r}), or drop detach"
@@ -323,24 +330,37 @@ class DistributedFunction:
 
     def _submit_detached(self, args: tuple, kwargs: dict):
         """Writes the job and starts its keeper; its observing call (an earlier one's, for a used idempotency key)."""
+        return self.submit_prepared(lambda: self.prepare(args, kwargs, detached=True))
+
+    def submit_prepared(self, prepare: Callable[[], PreparedJob]):
+        """:meth:`submit` for a job ``prepare()`` prepares (``self.prepare(..., detached=True)``), not yet written.
+
+        For callers that must see the prepared job before it is written (the CLI seals a job
+        file's secrets under its key). ``prepare`` is not called when an earlier submission
+        holds the idempotency key: that job's call is returned.
+        """
         from sparkgpu.call import DistributedFunctionCall, attach
         from sparkgpu.launch.client.idempotency import claim_key, claimed_job
 
         if self.idempotency_key is not None and (earlier := claimed_job(self.idempotency_key)) is not None:
             self.last_job_id = earlier
             return attach(earlier)
-        prepared = self.prepare(args, kwargs).write()
+        prepared = prepare().write()
         job_id = prepared.job.job_id
         if self.idempotency_key is not None and (winner := claim_key(self.idempotency_key, job_id)) != job_id:
             prepared.discard()  # another submission with the key got there first; nothing of ours started
             self.last_job_id = winner
             return attach(winner)
         self.last_job_id, self.last_run_dir = job_id, str(prepared.run_dir.path)
+        if not self._detaches(submitting=True):
+            return DistributedFunctionCall._supervise(prepared.supervisor())
         return DistributedFunctionCall._detach(prepared.run_dir)
 
     def _follow(self, call) -> list[Any]:
         """Streams a detached job's logs here until it ends; its results, registered. Ctrl-C cancels it."""
         from sparkgpu._report import console
+
+        from sparkgpu.tracking.registration import read_registration
 
         try:
             call._follow_logs(console(), self.log_ranks)
@@ -349,7 +369,13 @@ class DistributedFunction:
             report(f"cancelling job {call.job_id} (Ctrl-C)")
             call.cancel(timeout=self.policy.shutdown_grace + 30)
             raise
-        return self._registered(results, call.job_id, call.tracking_run_id())
+        self.last_results = results
+        try:  # registered by the job's own supervisor (ModelRegistration), as it ended
+            self.last_model_version = read_registration(call.run_dir.path)
+        except ConfigurationError as exc:
+            exc.results = results  # type: ignore[attr-defined]  # as for an attached call
+            raise
+        return results
 
     def dryrun(self, *args, **kwargs) -> LaunchPlan:
         """What ``.distributed(*args, **kwargs)`` would launch, validated but not started.
@@ -358,22 +384,6 @@ class DistributedFunction:
         made once; nothing is written (no run dir, no key, no shipped environment).
         """
         return self.prepare(args, kwargs).plan()
-
-
-def _register_result(model, name: str, job_id: str, run_id: str | None):
-    """Registers rank 0's return value (a ``torch.nn.Module``, or a transformers model as
-    ``{"model": ..., "tokenizer": ...}``) under ``name``, with lineage."""
-    import torch
-
-    from sparkgpu.tracking import registry
-
-    if not isinstance(model, torch.nn.Module) and not registry.is_transformers_model(model):
-        raise ConfigurationError(
-            f"register_as={name!r} registers rank 0's return value, which must be a torch.nn.Module "
-            f"or {{'model': model, 'tokenizer': tokenizer}} for a transformers model; it returned "
-            f"{type(model).__name__}. Return the model from rank 0, or call sparkgpu.registry.register(...) yourself"
-        )
-    return registry.register(model, name, run_id=run_id, tags={"sparkgpu.job_id": job_id})
 
 
 @contextlib.contextmanager

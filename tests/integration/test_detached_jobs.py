@@ -263,3 +263,88 @@ def test_the_keeper_is_named_sealed_and_needs_no_secret_on_its_command_line(tmp_
     finally:
         call.cancel(timeout=60)
     assert call.status() is JobStatus.CANCELLED
+
+
+def test_a_blocking_detached_call_streams_the_logs_here_and_returns_every_rank_result(tmp_path, capsys):
+    @distributed(gpus=2, gpu_type="cpu", detach=True, log_ranks="all")
+    def shout(word: str):
+        print(f"{word} from rank {runtime.get_global_rank()}", flush=True)
+        return word.upper(), runtime.get_global_rank()
+
+    assert shout.distributed("hello") == [("HELLO", 0), ("HELLO", 1)]
+    out = capsys.readouterr().out
+    assert "[rank0] hello from rank 0" in out and "[rank1] hello from rank 1" in out
+    state = _state(shout.last_job_id)
+    assert state["status"] == "succeeded" and state["client"]["pid"] != os.getpid()  # not supervised here
+
+
+TRACKED_CLIENT = """
+import os, signal, sys
+import torch
+from sparkgpu import distributed, log, runtime
+
+@distributed(gpus=2, gpu_type="cpu", experiment="/team/walk-away", register_as="main.ml.walkaway")
+def train(where):
+    import time
+    torch.manual_seed(0)
+    model = torch.nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, batch_first=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(4, 8, 16)
+    for step in range(4):
+        while not os.path.exists(os.path.join(where, "go")):  # the submitter is dead before step 0
+            time.sleep(0.05)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        log({{"loss": loss.item()}}, step=step)
+    model.eval()
+    return model if runtime.is_main_process() else None
+
+call = train.submit({where!r})
+print(call.job_id, flush=True)
+os.killpg(0, signal.SIGKILL)
+"""
+
+
+def test_with_no_client_the_mlflow_run_finishes_the_model_is_registered_and_usage_is_metered(
+    tmp_path, monkeypatch, _isolated_sparkgpu_home
+):
+    import mlflow
+    import pyarrow.compute as pc
+    import torch
+
+    from sparkgpu import registry
+    from sparkgpu.config import reset_settings
+    from sparkgpu.tracking import resolve_target
+    from sparkgpu.usage.meter import UsageMeter
+
+    monkeypatch.setenv("SPARKGPU_TRACKING", "1")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    reset_settings()
+    client = start_client(
+        tmp_path,
+        _isolated_sparkgpu_home,
+        TRACKED_CLIENT.format(where=str(tmp_path)),
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    job_id = client.stdout.readline().strip()
+    assert client.wait(timeout=60) == -signal.SIGKILL
+    (tmp_path / "go").touch()
+    results = attach(job_id).result(timeout=180)
+    tracking = mlflow.MlflowClient(resolve_target().tracking_uri)
+    experiment = tracking.get_experiment_by_name("/team/walk-away")
+    (run,) = tracking.search_runs([experiment.experiment_id])
+    assert run.info.status == "FINISHED"
+    assert len(tracking.get_metric_history(run.info.run_id, "loss")) == 4
+    version = registry.get_version("main.ml.walkaway")
+    assert version.version == 1 and version.run_id == run.info.run_id
+    assert version.tags["sparkgpu.job_id"] == job_id
+    loaded = registry.load("main.ml.walkaway/1")
+    x = torch.randn(2, 8, 16)
+    assert torch.allclose(loaded(x), results[0](x))
+    rows = UsageMeter().ledger.read()
+    rows = rows.filter(pc.equal(rows["job_id"], job_id))
+    assert rows.num_rows == 1 and pc.sum(rows["gpu_seconds"]).as_py() > 0

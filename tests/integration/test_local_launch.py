@@ -299,10 +299,13 @@ def _wait_or_fail(client, predicate, failure: str) -> None:
         pytest.fail(failure)
 
 
-def test_ctrl_c_in_the_caller_stops_every_rank(tmp_path, _isolated_sparkgpu_home):
+@pytest.mark.parametrize("detach", [False, True], ids=["supervised-by-the-caller", "detached"])
+def test_ctrl_c_in_the_caller_stops_every_rank(detach, tmp_path, _isolated_sparkgpu_home):
+    """Ctrl-C in a blocking ``.distributed()`` cancels the job, also one whose supervisor is detached."""
     import json
 
-    client = start_client(tmp_path, _isolated_sparkgpu_home, CTRL_C_CLIENT, stdout=subprocess.PIPE, text=True)
+    source = ctrl_c_client('@distributed(gpus=2, gpu_type="cpu", detach=True)') if detach else CTRL_C_CLIENT
+    client = start_client(tmp_path, _isolated_sparkgpu_home, source, stdout=subprocess.PIPE, text=True)
     runs = _isolated_sparkgpu_home / "runs"
     _wait_or_fail(client, lambda: _both_ranks_run(runs), "ranks never started")
     client.send_signal(signal.SIGINT)

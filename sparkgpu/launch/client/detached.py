@@ -201,6 +201,7 @@ def _end_unsupervisable(run_dir: RunDir, exc: Exception) -> None:
     if not book.status.is_terminal:
         book.state["cause"] = f"{type(exc).__name__}: {exc}"
         book.set_status(JobStatus.FAILED)
+        book.finish()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -112,6 +112,17 @@ class JobBook:
         self.state["status"] = status.value
         self.save()
 
+    def finish(self) -> None:
+        """Records that the job's supervisor is done with it: its status is final and its
+        callbacks (the MLflow run's end, a model's registration) have run."""
+        self.state["finished_at"] = time.time()
+        self.save()
+
+    @property
+    def finished(self) -> bool:
+        """Whether the supervisor that ended the job is done with it (:meth:`finish`)."""
+        return self.status.is_terminal and self.state.get("finished_at") is not None
+
     def set_client(self, client: dict[str, Any]) -> None:
         """Records the process that drives the job (written with the next change)."""
         self.state["client"] = client  # type: ignore[typeddict-item]
@@ -221,3 +232,4 @@ class JobBook:
                 if record.get("started_at") is None:
                     record["started_at"] = now
         self.set_status(JobStatus.CANCELLED)
+        self.finish()

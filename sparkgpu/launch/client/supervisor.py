@@ -285,8 +285,12 @@ class Supervisor:
             try:
                 self.backend.end_job(self.job)
             finally:
-                for callback in self.callbacks:
-                    callback.after_job(self.job, results, error)
+                try:
+                    for callback in self.callbacks:
+                        callback.after_job(self.job, results, error)
+                finally:
+                    if book.status.is_terminal:
+                        book.finish()  # observers in other processes now read the end as final
 
     def _attempt_runner(self) -> AttemptRunner:
         """Runs this job's attempts with the supervisor's collaborators as they are now."""
