@@ -8,8 +8,9 @@ One process, one Trainer over a Llama built from a config (no hub), AdamW state 
     ``JobCheckpointCallback.on_save``: the folder listed, then on a thread every file linked or
     copied into the job's checkpoint store with its SHA-256, and the MAC'd marker); blocking
     time until training may go on, and ``sealed_committed`` until the marker is written
-  * ceiling: one sequential read + write + fsync of the same bytes (a copy that must be durable;
-    the sealed side needs none: a restore hashes every byte, and hard-links where it can)
+  * ceiling: one sequential read + write of the same bytes into one file, no fsync: neither side
+    syncs (the Trainer's save does not, and the seal's store is written with ``durable=False``:
+    a restore hashes every byte)
 
 Both sides save into the same file system, alternate between repeats, and make a fresh folder
 each repeat.
@@ -22,19 +23,24 @@ the same step of the kill; rank 1 kills itself at the step after the checkpoint 
   * ``sparkgpu``: the plain Trainer inside the job, ``train_dataset`` the token loader
     (``data.token_dataset`` over MDS shards): the next attempt restores the newest sealed
     checkpoint by itself (copied out and hashed) and the loader's saved position; no batch is read again
-  * ``trainer_resume_from_checkpoint``: ``SPARKGPU_HF_RESUME=0`` and the resume written by hand as
-    the transformers examples do (``train(resume_from_checkpoint=get_last_checkpoint(output_dir))``),
-    ``train_dataset`` the same blocks streamed from Parquet with ``datasets``
+  * ``trainer_map_style``: ``SPARKGPU_HF_RESUME=0`` and the resume written by hand as the
+    transformers examples do (``train(resume_from_checkpoint=get_last_checkpoint(output_dir))``),
+    ``train_dataset`` the same blocks as a map-style ``datasets.Dataset``
+    (``load_dataset("parquet", ..., split="train")``, as the examples load data): the Trainer
+    skips the batches of the epoch before the checkpoint by index (Accelerate's
+    ``skip_first_batches`` over its sampler), reading none of them
+  * ``trainer_streaming``: the same, the blocks streamed instead
     (``load_dataset(..., streaming=True)``, the documented way for data that is not loaded
-    whole): the Trainer reads and drops every batch of the epoch before the checkpoint
-    (Accelerate's ``skip_first_batches``) to find its place
+    whole): an iterable dataset has no index, so the Trainer reads and drops every batch of the
+    epoch before the checkpoint to find its place
 
 Timed from the kill (rank 1's clock, just before SIGKILL) to the end of the first step of the
 restarted attempt (rank 0's clock): failure detection, the restart, imports, model build, the
 restore and the replay are inside for both.
 
     python benchmarks/bench_hf_resume.py [--part blocking|restart|all] [--hidden 512] [--layers 8]
-        [--repeats 3] [--kill-step 300] [--dir DIR]
+        [--repeats 3] [--kill-step 300] [--dir DIR] [--out FILE]
+    python benchmarks/bench_hf_resume.py --part restart --kill-step 5 --repeats 1 --out /tmp/hf.json  # a check
 
 Writes benchmarks/results/hf_resume.json (a part run alone keeps the other part's figures).
 """
@@ -116,15 +122,13 @@ def measure_blocking(opts) -> dict:
                     pending.wait()
                     times["sealed_committed"].append(time.perf_counter() - start)
                 size = _folder_bytes(folder)
-            # Ceiling: the same bytes read and written once, as one file.
+            # Ceiling: the same bytes read and written once, as one file; no fsync, as neither side syncs.
             blob = root / "blob"
             start = time.perf_counter()
             with open(blob, "wb") as out:
                 for path in sorted(Path(folder).rglob("*")):
                     if path.is_file():
                         out.write(path.read_bytes())
-                out.flush()
-                os.fsync(out.fileno())
             times["ceiling"].append(time.perf_counter() - start)
             blob.unlink()
     finally:
@@ -143,7 +147,12 @@ def measure_blocking(opts) -> dict:
             repeats=opts.repeats,
             order="alternating between repeats",
             processes="one; torch threads as the machine gives",
+            ceiling="the checkpoint's files read and written once into one file, no fsync (neither side syncs)",
+            spread="quartiles and every run per row: a difference inside the quartiles is a tie",
         ),
+        "medians_separated": {
+            "sealed vs trainer": separated(spreads["sealed"], spreads["trainer"]),
+        },
         "machine": load_seen(facts),
     }
 
@@ -151,9 +160,14 @@ def measure_blocking(opts) -> dict:
 # -- SIGKILL of a rank -> the first resumed step ---------------------------------------------
 
 VOCAB, SEQ, BATCH, WORLD = 256, 64, 8, 2
-SIDES = ("sparkgpu", "trainer_resume_from_checkpoint")
-# Batches read ahead of the step: Accelerate's dispatcher fetches the next one to see the end coming.
-LOOKAHEAD = {"sparkgpu": 0, "trainer_resume_from_checkpoint": 1}
+MAP_STYLE, STREAMING = "trainer_map_style", "trainer_streaming"
+SIDES = ("sparkgpu", MAP_STYLE, STREAMING)
+# Blocks rank 0 reads for one step: the sparkgpu loader counts both ranks' blocks, a map-style
+# dataset is read by each rank for itself, and Accelerate's dispatcher reads a streamed one on rank
+# 0 for every rank.
+READ_PER_STEP = {"sparkgpu": BATCH * WORLD, MAP_STYLE: BATCH, STREAMING: BATCH * WORLD}
+# Batches read ahead of the step: Accelerate's loaders fetch the next one to see the end coming.
+LOOKAHEAD = {"sparkgpu": 0, MAP_STYLE: 1, STREAMING: 1}
 
 
 def finetune(side: str, mds_dir: str, parquet: str, timeline: str, kill_step: int, total_steps: int):
@@ -180,7 +194,7 @@ def finetune(side: str, mds_dir: str, parquet: str, timeline: str, kill_step: in
     rows_read = [0]
     if side == "sparkgpu":
         dataset = data.token_dataset(local=mds_dir, column="ids", seq_len=SEQ - 1, batch_size=BATCH, eos_id=0)
-    else:
+    elif side == STREAMING:
         from datasets import load_dataset
 
         def with_labels(row):
@@ -188,6 +202,14 @@ def finetune(side: str, mds_dir: str, parquet: str, timeline: str, kill_step: in
             return {"input_ids": row["input_ids"], "labels": row["input_ids"]}
 
         dataset = load_dataset("parquet", data_files=parquet, split="train", streaming=True).map(with_labels)
+    else:
+        from datasets import load_dataset
+
+        def rows_with_labels(rows):  # applied as rows are read: counts what the resume reads
+            rows_read[0] += len(rows["input_ids"])
+            return {"input_ids": rows["input_ids"], "labels": rows["input_ids"]}
+
+        dataset = load_dataset("parquet", data_files=parquet, split="train").with_transform(rows_with_labels)
 
     def record(event: str, **facts) -> None:
         with open(timeline, "a") as f:
@@ -251,6 +273,9 @@ def finetune(side: str, mds_dir: str, parquet: str, timeline: str, kill_step: in
         report_to="none",
         disable_tqdm=True,
         seed=7,
+        # The map-style rows get their labels from a transform as they are read, which the
+        # Trainer's pruning of unused columns would drop; the other sides are not datasets.Dataset.
+        remove_unused_columns=side != MAP_STYLE,
     )
     trainer = Trainer(model=LlamaForCausalLM(config), args=args, train_dataset=dataset, callbacks=[Timeline()])
     built = time.time()  # imports, the dataset, the model and the Trainer are ready
@@ -364,7 +389,7 @@ def measure_restart(opts) -> dict:
             side: statistics.median(r["blocks_read"] for r in values) for side, values in runs.items()
         },
         "batches_replayed": {
-            side: round(statistics.median(r["blocks_read"] for r in values) / step_batch) - 1 - LOOKAHEAD[side]
+            side: round(statistics.median(r["blocks_read"] for r in values) / READ_PER_STEP[side]) - 1 - LOOKAHEAD[side]
             for side, values in runs.items()
         },
         "breakdown_median_s": {
@@ -381,16 +406,19 @@ def measure_restart(opts) -> dict:
             }
             for side, values in runs.items()
         },
-        "trainer_over_sparkgpu": spreads["trainer_resume_from_checkpoint"]["median"] / spreads["sparkgpu"]["median"],
-        "medians_separated": separated(spreads["sparkgpu"], spreads["trainer_resume_from_checkpoint"]),
+        # The map-style Trainer is the main peer; the streamed one is the second row.
+        "trainer_over_sparkgpu": {
+            peer: spreads[peer]["median"] / spreads["sparkgpu"]["median"] for peer in (MAP_STYLE, STREAMING)
+        },
+        "medians_separated": {peer: separated(spreads["sparkgpu"], spreads[peer]) for peer in (MAP_STYLE, STREAMING)},
         "function_started_to_first_step_s": in_function,
-        "function_started_to_first_step_separated": separated(
-            in_function["sparkgpu"], in_function["trainer_resume_from_checkpoint"]
-        ),
+        "function_started_to_first_step_separated": {
+            peer: separated(in_function["sparkgpu"], in_function[peer]) for peer in (MAP_STYLE, STREAMING)
+        },
         "train_begin_to_first_step_s": in_train,
-        "train_begin_to_first_step_separated": separated(
-            in_train["sparkgpu"], in_train["trainer_resume_from_checkpoint"]
-        ),
+        "train_begin_to_first_step_separated": {
+            peer: separated(in_train["sparkgpu"], in_train[peer]) for peer in (MAP_STYLE, STREAMING)
+        },
         "method": method(
             "rank 1's SIGKILL (its clock, once the checkpoint of kill_after_step is complete) to the end "
             "of the restarted attempt's first step (rank 0's clock)",
@@ -400,12 +428,14 @@ def measure_restart(opts) -> dict:
             statistic="median, with quartiles and every run",
             order="sides alternate, the order reversed every other repeat",
             data="the same token blocks: MDS shards read by data.token_dataset (sparkgpu) / one Parquet file "
-            "streamed by datasets.load_dataset(streaming=True), dispatched by Accelerate as its default "
-            "for iterable datasets (Trainer)",
+            "as a map-style datasets.Dataset, labels added by a transform as rows are read, each rank "
+            "sampling its share (trainer_map_style) / the same file streamed by "
+            "datasets.load_dataset(streaming=True), dispatched by Accelerate as its default for iterable "
+            "datasets (trainer_streaming)",
             replay="blocks_read_before_the_first_resumed_step counts blocks read on rank 0 in the resumed "
-            "attempt up to the end of its first step (the Trainer's rank 0 reads for both ranks); "
-            "batches_replayed is that over blocks_per_step, less the step itself and the batch Accelerate's "
-            "dispatcher reads ahead",
+            "attempt up to the end of its first step (for a streamed dataset rank 0 reads for both ranks, "
+            "for a map-style one each rank its own); batches_replayed is that over what rank 0 reads for "
+            "one step, less the step itself and the batch Accelerate's loaders read ahead",
         ),
         "runs": runs,
         "machine": load_seen(facts),
@@ -420,17 +450,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kill-step", type=int, default=300, help="restart part: the step of the checkpoint")
     parser.add_argument("--dir", default=None, help="where to save (default: a temporary folder)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results file (a quick check: not over results/)")
     opts = parser.parse_args()
 
-    result = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    result = json.loads(opts.out.read_text()) if opts.out.exists() else {}
     result.pop("not_measured", None)
     if opts.part in ("blocking", "all"):
         result.update(measure_blocking(opts))
     if opts.part in ("restart", "all"):
         result["restart"] = measure_restart(opts)
         print(json.dumps({k: v["median"] for k, v in result["restart"]["seconds"].items()}, indent=2))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    opts.out.parent.mkdir(parents=True, exist_ok=True)
+    opts.out.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

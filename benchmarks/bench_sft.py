@@ -40,10 +40,14 @@ rows of at most ``seq_len``, the same rows per step and the same number of steps
 
   * sparkgpu: ``data.sft_dataset`` (packed rows, ``position_ids`` per document) as a plain
     ``transformers.Trainer``'s ``train_dataset``;
-  * TRL ``SFTTrainer(packing=True, packing_strategy="bfd")``, padding-free as it sets that up;
+  * TRL ``SFTTrainer(packing=True)`` with the packing TRL documents for the attention the model
+    runs: ``packing_strategy="bfd"`` (which turns padding-free on) where the model runs
+    FlashAttention, the only attention TRL documents padding-free for; ``"wrapped"`` (rows of
+    exactly ``max_length``, documents cut across rows, no padding-free) elsewhere, so with sdpa on
+    these CPU ranks. The strategy each run used is in the results (``packing_strategy``);
   * TRL ``SFTTrainer`` without packing: each batch of documents padded to its longest;
   * two diagnostics, not peers, that split the gap: our loader with ``flatten=True`` (TRL bfd's
-    layout, a batch as one row) under the plain Trainer, and our loader's rows under
+    padding-free layout, a batch as one row) under the plain Trainer, and our loader's rows under
     ``SFTTrainer`` through ``sparkgpu.hf.as_hf_dataset``.
 
   Start-up (data opened or prepared, to the end of the first step) apart from the steady rate.
@@ -360,20 +364,26 @@ def loader_section(args, work: Path, lengths: np.ndarray) -> dict:
 # Question 4.
 
 TRAIN_VOCAB, TRAIN_PAD = 2048, 0
-OURS, TRL_BFD, TRL_PADDED = "sparkgpu loader + Trainer", "trl bfd (padding-free)", "trl no packing"
+OURS, TRL_PACKED, TRL_PADDED = "sparkgpu loader + Trainer", "trl packing", "trl no packing"
 # Diagnostics, not peers: our rows in TRL bfd's layout (each batch flattened into one row) under the
 # plain Trainer, and our rows under SFTTrainer (through as_hf_dataset). They tell the cost of the
 # layout and of SFTTrainer's step apart from the data each side trains on.
 OURS_FLAT, OURS_IN_TRL = "sparkgpu loader, flatten=True", "sparkgpu loader + SFTTrainer"
-TRAIN_SIDES = (OURS, TRL_BFD, TRL_PADDED, OURS_FLAT, OURS_IN_TRL)
+TRAIN_SIDES = (OURS, TRL_PACKED, TRL_PADDED, OURS_FLAT, OURS_IN_TRL)
 TRAIN_RATIOS = {
-    "sparkgpu / trl bfd": (OURS, TRL_BFD),
+    "sparkgpu / trl packing": (OURS, TRL_PACKED),
     "sparkgpu / trl no packing": (OURS, TRL_PADDED),
     "flattened layout: sparkgpu / sparkgpu flatten=True": (OURS, OURS_FLAT),
-    "same layout: sparkgpu flatten=True / trl bfd": (OURS_FLAT, TRL_BFD),
+    "sparkgpu flatten=True / trl packing": (OURS_FLAT, TRL_PACKED),
     "same rows: sparkgpu + Trainer / sparkgpu + SFTTrainer": (OURS, OURS_IN_TRL),
-    "same trainer: sparkgpu + SFTTrainer / trl bfd": (OURS_IN_TRL, TRL_BFD),
+    "same trainer: sparkgpu + SFTTrainer / trl packing": (OURS_IN_TRL, TRL_PACKED),
 }
+
+
+def trl_packing_strategy(attention: str) -> str:
+    """The packing TRL documents for a model's attention: ``bfd`` (padding-free) under FlashAttention,
+    the only attention its docs support padding-free with; ``wrapped`` under any other (sdpa, eager)."""
+    return "bfd" if attention.startswith("flash_attention") else "wrapped"
 
 
 def training_lengths(args) -> np.ndarray:
@@ -468,6 +478,7 @@ def train_sides(order, mds_url: str, arrow_dir: str, opts: dict) -> dict:
 
         net = model()
         net.register_forward_pre_hook(count, with_kwargs=True)
+        strategy = None
         started = time.perf_counter()
         if side in (OURS, OURS_FLAT):
             rows = data.sft_dataset(
@@ -484,7 +495,9 @@ def train_sides(order, mds_url: str, arrow_dir: str, opts: dict) -> dict:
                 callbacks=[Clock()],
             )
         else:
-            config = SFTConfig(**common, max_length=seq, packing=side == TRL_BFD, packing_strategy="bfd")
+            strategy = trl_packing_strategy(net.config._attn_implementation)
+            packing = {"packing": True, "packing_strategy": strategy} if side == TRL_PACKED else {"packing": False}
+            config = SFTConfig(**common, max_length=seq, **packing)
             trainer = SFTTrainer(
                 model=net,
                 args=config,
@@ -501,6 +514,8 @@ def train_sides(order, mds_url: str, arrow_dir: str, opts: dict) -> dict:
             "tokens_per_step": tokens,
             "first_batch_shape": shapes[0],
             "attention": net.config._attn_implementation,
+            "packing_strategy": strategy if side == TRL_PACKED else None,
+            "padding_free": bool(getattr(trainer, "padding_free", False)),
         }
     results["threads"] = torch.get_num_threads()
     return results
@@ -556,14 +571,16 @@ def training_section(args, work: Path) -> dict:
             )
         for name, (top, bottom) in TRAIN_RATIOS.items():
             paired[name].append(runs[top]["rate"][-1] / runs[bottom]["rate"][-1])
-        facts = {side: (ranks[0][side]["first_batch_shape"], ranks[0][side]["attention"]) for side in TRAIN_SIDES}
+        facts = {side: ranks[0][side] for side in TRAIN_SIDES}
     peers = {
         side: {
             "startup_s": spread(runs[side]["startup"]),
             "real_tokens_per_s": spread(runs[side]["rate"], higher_is_better=True),
             "real_tokens_per_step": statistics.median(per_step[side]),
-            "first_batch_shape": facts[side][0],
-            "attention": facts[side][1],
+            "first_batch_shape": facts[side]["first_batch_shape"],
+            "attention": facts[side]["attention"],
+            "packing_strategy": facts[side]["packing_strategy"],
+            "padding_free": facts[side]["padding_free"],
         }
         for side in TRAIN_SIDES
     }
@@ -582,7 +599,7 @@ def training_section(args, work: Path) -> dict:
         "peers": peers,
         "ratios": {name: rate[top] / rate[bottom] for name, (top, bottom) in TRAIN_RATIOS.items()},
         "paired_ratios": {name: spread(values, higher_is_better=True) for name, values in paired.items()},
-        "goals": {"sparkgpu / trl bfd": 1.0, "sparkgpu / trl no packing": 1.5},
+        "goals": {"sparkgpu / trl packing": 1.0, "sparkgpu / trl no packing": 1.5},
         "method": method(
             f"real (non-pad) tokens of both ranks per second of rank 0's clock, from the end of step 1 to the end "
             f"of step {args.train_steps}; every step's tokens counted by one forward pre-hook (input_ids != pad)",
@@ -595,13 +612,15 @@ def training_section(args, work: Path) -> dict:
             launcher="one sparkgpu.distributed(gpus=2, gpu_type='cpu') job per repeat, 2 gloo ranks, every side in "
             "it in turn; the order of the sides rotates from repeat to repeat",
             budget=f"rows of at most seq_len={args.train_seq_len}, {args.train_batch} rows a step per rank for "
-            "every side: our loader's packed rows; TRL bfd's packed rows (padding-free: the batch flattened into one "
-            "row, as SFTTrainer sets it up for packing_strategy='bfd'); TRL without packing: documents truncated to "
-            "max_length, each batch padded to its longest",
+            "every side: our loader's packed rows; TRL's packed rows with the strategy its docs give for the "
+            "attention the model runs (packing_strategy: 'bfd', padding-free, under FlashAttention, the only "
+            "attention TRL documents padding-free for; 'wrapped', rows of exactly max_length with documents cut "
+            "across rows, under sdpa); TRL without packing: documents truncated to max_length, each batch padded "
+            "to its longest",
             configuration="the same model from the same seed, fp32, no gradient checkpointing (TRL's default turns it "
             "on: off for every side), learning rate 1e-3, no checkpoints, no logging; SFTTrainer with its own loss "
             "(fused LM head) and collator; Trainer with the model's loss; attention 'sdpa' on every side (no "
-            "flash-attention kernel on CPU)",
+            "flash-attention kernel on CPU), so TRL packs 'wrapped' here",
             diagnostic="not peers, they split the gap: 'sparkgpu loader, flatten=True' is our loader with each "
             "batch flattened into one row of batch x seq_len tokens (TRL bfd's padding-free layout, which under sdpa "
             "builds one block-diagonal mask over the whole flattened batch) under the plain Trainer; 'sparkgpu "

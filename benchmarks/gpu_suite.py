@@ -43,7 +43,9 @@ ones (the CPU JPEG paths, the loader alone) still run. Every part has a cap on i
 ``--budget-s`` (default 480 s); a part that no longer fits is reported as skipped for the
 budget, and one stopped at its cap keeps what it measured before. Results:
 ``benchmarks/results/gpu-<part>.json`` per part (rewritten after every measurement) and
-``gpu-suite.json`` for the whole run (rewritten after every part); a table at the end.
+``gpu-suite.json``, which holds every run: each invocation appends its own entry to ``runs``
+(its options and command, the machine, every part's record), rewrites that entry after every
+part, and leaves the earlier entries and the file's other keys as they were; a table at the end.
 
     python benchmarks/gpu_suite.py                          # within --budget-s (480 s by default)
     python benchmarks/gpu_suite.py --only nccl,h2d
@@ -1495,13 +1497,48 @@ def table(records: dict) -> str:
     return "\n".join(lines)
 
 
+def suite_command(small: bool, selected: list[str], budget_s: float) -> str:
+    """The command line of a run, from its options (no folder of this machine goes in)."""
+    words = ["python", "benchmarks/gpu_suite.py", "--budget-s", f"{budget_s:g}"]
+    if selected != list(PARTS):
+        words += ["--only", ",".join(selected)]
+    return " ".join(words + (["--small"] if small else []))
+
+
+class SuiteFile:
+    """``gpu-suite.json``: every run's entry, this invocation's appended last and rewritten as it goes.
+
+    The file is read once, before this run writes anything: the earlier entries of ``runs`` and the
+    file's other keys are written back exactly as read, so a run never edits another's record.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self.document = json.loads(path.read_text())
+        except FileNotFoundError:
+            self.document = {"suite": "gpu", "runs": []}
+        except ValueError as error:
+            raise SystemExit(
+                f"{path.name} is not JSON ({error}): move it aside, or pass another --out, before running the suite"
+            ) from None
+        if not isinstance(self.document.get("runs", []), list):
+            raise SystemExit(f"{path.name}: 'runs' is not a list; move the file aside or pass another --out")
+        self.earlier = list(self.document.get("runs", []))
+
+    def write(self, run: dict) -> None:
+        write_json(self.path, {**self.document, "runs": [*self.earlier, run]})
+
+
 def run_suite(args) -> dict:
     started = time.monotonic()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     selected = [p for p in PARTS if p in args.only]
+    suite_file = SuiteFile(out / "gpu-suite.json")
     suite: dict = {
-        "suite": "gpu",
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": suite_command(args.small, selected, args.budget_s),
         "options": {"small": args.small, "only": selected, "budget_s": args.budget_s},
         "parts": {},
     }
@@ -1513,7 +1550,7 @@ def run_suite(args) -> dict:
         facts = machine()
         facts["gpu"] = run_facts(work)
         suite["machine"] = facts
-        write_json(out / "gpu-suite.json", suite)
+        suite_file.write(suite)
         facts_path = work / "facts.json"
         write_json(facts_path, facts)
         cuda = facts["gpu"].get("cuda_available")  # None: unknown, the parts find out themselves
@@ -1540,9 +1577,9 @@ def run_suite(args) -> dict:
             suite["parts"][part] = record
             suite["seconds"] = time.monotonic() - started
             suite["machine"] = load_seen(facts)
-            write_json(out / "gpu-suite.json", suite)
+            suite_file.write(suite)
     suite["seconds"] = time.monotonic() - started
-    write_json(out / "gpu-suite.json", suite)
+    suite_file.write(suite)
     print(table(suite["parts"]), flush=True)
     return suite
 

@@ -10,6 +10,9 @@ benchmark updates every page that quotes it and a figure can never disagree with
 - after ``|`` an optional Python format spec; a trailing ``k``, ``M`` or ``G`` scales the value
   and appends the letter (``{{ ... | .0fM }}`` renders 266356792 as ``266M``);
 - ``A over B`` renders the ratio of two references (``{{ a.json/x over a.json/y | .1f }}x``);
+- ``A versus B`` compares two spreads (``common.spread()``: median and quartiles): ``a tie`` where
+  their interquartile ranges overlap, the difference being inside the noise of the repeats, and
+  otherwise the ratio of their medians followed by ``x`` (``{{ a.json/x versus a.json/y | .2f }}``);
 - inside code (a fenced block or a backtick span) a reference is shown as written.
 
 A reference to a missing file or key fails the build, naming the file, the key and the keys
@@ -107,6 +110,21 @@ def _format(value: object, spec: str | None) -> str:
         raise BenchmarkReferenceError(f"cannot format {value!r} with {spec!r}: {exc}") from exc
 
 
+TIE = "a tie"
+
+
+def _compare(first: object, second: object, first_name: str, second_name: str, spec: str | None) -> str:
+    """``a tie`` where two spreads' interquartile ranges overlap, else the ratio of their medians."""
+    for name, value in ((first_name, first), (second_name, second)):
+        if not (isinstance(value, dict) and {"median", "q1", "q3"} <= value.keys()):
+            raise BenchmarkReferenceError(
+                f"{name.strip()}: 'versus' compares spreads (median, q1, q3), this is {value!r}")
+    a, b = first, second
+    if not (a["q3"] < b["q1"] or b["q3"] < a["q1"]):
+        return TIE
+    return _format(a["median"] / b["median"], spec or ".2f") + "x"
+
+
 def render(markdown: str, results: ResultsFiles) -> str:
     """Replaces every ``{{ file.json/key... | spec }}`` of a page by its formatted value.
 
@@ -123,6 +141,9 @@ def render(markdown: str, results: ResultsFiles) -> str:
 
     def replace(match: re.Match) -> str:
         expr = match.group("expr")
+        if " versus " in expr:
+            first, second = expr.split(" versus ", 1)
+            return _compare(results.value(first), results.value(second), first, second, match.group("spec"))
         if " over " in expr:
             numerator, denominator = expr.split(" over ", 1)
             value = results.value(numerator) / results.value(denominator)

@@ -53,7 +53,9 @@ def test_small_run_gives_every_part_and_measurement_a_status(suite, tmp_path):
 
     files = _run(tmp_path, "--small")
     assert set(files) == {"gpu-suite.json"} | {f"gpu-{part}.json" for part in suite.PARTS}
-    whole = files["gpu-suite.json"]
+    assert len(files["gpu-suite.json"]["runs"]) == 1
+    whole = files["gpu-suite.json"]["runs"][0]
+    assert whole["command"] == "python benchmarks/gpu_suite.py --budget-s 480 --small"
     assert list(whole["parts"]) == list(suite.PARTS)
     assert whole["machine"]["gpu"]["torch"] == torch.__version__
     for part in suite.PARTS:
@@ -98,12 +100,48 @@ def _all_keys(suite):
 
 def test_parts_that_do_not_fit_the_budget_are_skipped_and_the_rest_not_selected(suite, tmp_path):
     files = _run(tmp_path, "--only", "jpeg", "--budget-s", "1")
-    parts = files["gpu-suite.json"]["parts"]
+    parts = files["gpu-suite.json"]["runs"][-1]["parts"]
     assert parts["jpeg"]["status"] == "skipped" and parts["jpeg"]["reason"] == "budget"
     assert all(entry["reason"] == "budget" for entry in parts["jpeg"]["measurements"].values())
     for part in ("nccl", "h2d", "resnet_wait"):
         assert parts[part] == {"part": part, "status": "skipped", "reason": "not selected (--only)"}
         assert f"gpu-{part}.json" not in files  # an earlier run's results for it are left alone
+
+
+def test_each_run_is_appended_and_earlier_runs_are_left_as_they_were(tmp_path):
+    out = tmp_path / "results"
+    out.mkdir()
+    # A file from before the suite kept its runs itself: its keys and entries stay as written.
+    earlier = {
+        "suite": "gpu",
+        "machine": {"cpus": 16},
+        "runs": [{"parts": ["nccl"], "command": "python benchmarks/gpu_suite.py --only nccl", "note": "by hand"}],
+    }
+    (out / "gpu-suite.json").write_text(json.dumps(earlier))
+    first = _run(tmp_path, "--only", "jpeg", "--budget-s", "1")["gpu-suite.json"]
+    assert {k: v for k, v in first.items() if k != "runs"} == {k: v for k, v in earlier.items() if k != "runs"}
+    assert first["runs"][0] == earlier["runs"][0] and len(first["runs"]) == 2
+    assert first["runs"][1]["command"] == "python benchmarks/gpu_suite.py --budget-s 1 --only jpeg"
+    assert first["runs"][1]["parts"]["jpeg"]["reason"] == "budget"
+    second = _run(tmp_path, "--only", "h2d,jpeg", "--budget-s", "1")["gpu-suite.json"]
+    assert second["runs"][:2] == first["runs"]
+    assert len(second["runs"]) == 3 and second["runs"][2]["options"]["only"] == ["h2d", "jpeg"]
+
+
+def test_a_suite_file_that_is_not_json_stops_the_run_before_any_part(tmp_path):
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "gpu-suite.json").write_text("{ half written")
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--only", "jpeg", "--out", str(out), "--work-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert done.returncode != 0 and "move it aside, or pass another --out" in done.stderr
+    assert (out / "gpu-suite.json").read_text() == "{ half written"
+    assert not (out / "gpu-jpeg.json").exists()
 
 
 def test_only_rejects_an_unknown_part(tmp_path):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -50,6 +52,30 @@ def plan(tmp_path=None, **changes) -> ScoringPlan:
     )
     options.update(changes)
     return ScoringPlan(**options)
+
+
+def test_a_partition_is_scored_outside_spark_where_pyspark_is_not_installed():
+    """The GPU suite scores a torch module with this code path on a machine that has torch and CUDA
+    but no pyspark (here on the CPU)."""
+    script = (
+        "import sys; sys.modules['pyspark'] = None  # as if pyspark were not installed\n"
+        "import numpy as np, pyarrow as pa, torch\n"
+        "from sparkgpu.predict import resolve_model\n"
+        "from sparkgpu.predict.executor.scoring import ScoringPlan, score_partition\n"
+        "model = torch.nn.Linear(2, 1)\n"
+        "with torch.no_grad(): model.weight.copy_(torch.tensor([[2.0, 1.0]])); model.bias.zero_()\n"
+        "plan = ScoringPlan(source=resolve_model(model), task='predict', input_cols=('x', 'y'),\n"
+        "    output_col='prediction', result_type=pa.float32(), batch_size=8, chunk_rows=16)\n"
+        "ids = np.arange(40, dtype=np.float32)\n"
+        "batch = pa.RecordBatch.from_pydict({'x': ids, 'y': np.ones(40, np.float32)})\n"
+        "out = pa.Table.from_batches(list(score_partition(plan, iter([batch]))))\n"
+        "assert 'pyspark' not in {m.split('.')[0] for m in sys.modules if sys.modules[m] is not None}\n"
+        "print(out.column('prediction').to_pylist())\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == str([2.0 * i + 1 for i in range(40)])
 
 
 def test_rows_come_back_with_their_prediction_in_batches_of_the_batch_size():

@@ -235,12 +235,20 @@ def _write_chunk(fs, root: str, relative: str, table) -> int:
     return fs.get_file_info(final).size
 
 
+def _task_context():
+    """The Spark task this runs in, or None outside Spark, where pyspark need not be installed."""
+    try:
+        from pyspark import TaskContext
+    except ImportError:  # a benchmark or a GPU machine scoring without Spark: no task to ask
+        return None
+    return TaskContext.get()
+
+
 def score_partition(plan: ScoringPlan, batches) -> Iterator:
     """Scores one partition: yields output record batches, or manifest rows with a Delta output."""
     import pyarrow as pa
-    from pyspark import TaskContext
 
-    context = TaskContext.get()
+    context = _task_context()
     partition = context.partitionId() if context is not None else 0
     attempt = context.attemptNumber() if context is not None else 0
     model: LoadedModel | None = None
