@@ -61,7 +61,10 @@ def test_override_sets_a_field_by_dotted_path(workload, capsys):
 @pytest.mark.parametrize(
     "argv, match",
     [
-        (["--override", "compute.gpus=2"], "'compute.gpus' is not a field (did you mean 'compute'?); known: experiment_name"),
+        (
+            ["--override", "compute.gpus=2"],
+            "'compute.gpus' is not a field (did you mean 'compute'?); known: experiment_name",
+        ),
         (["--override", "timeout_minutes=soon"], "timeout_minutes must be a number of minutes above 0, got 'soon'"),
         (["--override", "max_retries"], "give FIELD.PATH=VALUE"),
     ],
