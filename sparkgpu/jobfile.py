@@ -114,6 +114,7 @@ class ScriptRunner:
         from sparkgpu import runtime
 
         folder = Path(os.environ.get(runtime.ENV_RUN_DIR) or Path.home() / ".cache" / "sparkgpu")
+        folder.mkdir(parents=True, exist_ok=True)
         target = folder / PARAMETERS_FILE
         # Every rank of a node writes the same bytes; atomically, so that none reads half a file.
         atomic_write_bytes(target, yaml.safe_dump(dict(self.parameters or {}), sort_keys=False).encode(), fsync=False)

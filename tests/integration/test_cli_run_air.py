@@ -25,6 +25,7 @@ with open(out, "w") as f:
 
 WORKLOAD = """\
 experiment_name: /team/air-workload
+mlflow_run_name: lr-0.001
 environment:
   version: '4'
   dependencies:
@@ -75,7 +76,9 @@ def test_an_air_workload_runs_its_script_on_every_rank(tmp_path, monkeypatch):
 
     client = mlflow.MlflowClient(resolve_target().tracking_uri)
     experiment = client.get_experiment_by_name("/team/air-workload")  # experiment_name
-    assert experiment is not None and len(client.search_runs([experiment.experiment_id])) == 1
+    assert experiment is not None
+    runs = client.search_runs([experiment.experiment_id])
+    assert [run.info.run_name for run in runs] == ["lr-0.001"]  # mlflow_run_name
 
     bad = tmp_path / "workloads" / "piped.yaml"
     bad.write_text(WORKLOAD.replace("--data ${CODE_SOURCE_PATH}/data", "| tee log.txt"))
