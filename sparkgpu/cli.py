@@ -3,6 +3,8 @@
 ```
 sparkgpu run train.py --gpus 8 --gpu-type H100 --max-runtime 7d --tag team=ml -- --lr 3e-4
 sparkgpu run job.yaml                 # the same fields in a file (cron, Airflow, CI)
+sparkgpu run train.yaml [--watch]     # an `air run` workload: returns at submit (prints the job id)
+sparkgpu result JOB_ID                # per-rank results, or the remote traceback, of a job that ended
 sparkgpu jobs                         # run dirs with status, attempts, restarts, duration
 sparkgpu logs JOB_ID [--rank N | --all] [--attempt K] [--follow]
 sparkgpu cancel JOB_ID                # stop its ranks, whichever process supervises the job
@@ -47,6 +49,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("sparkgpu.cli", "register_run"),
     ("sparkgpu.cli", "register_jobs"),
     ("sparkgpu.cli", "register_logs"),
+    ("sparkgpu.cli_submit", "register_result"),
     ("sparkgpu.usage.cli", "register"),
     ("sparkgpu.launch.client.cli", "register_resume"),
     ("sparkgpu.launch.client.cli", "register_cancel"),
@@ -131,6 +134,23 @@ def register_run(subparsers) -> None:
         help="environment variable for the script (repeat)",
     )
     p.add_argument("--dry-run", action="store_true", help="validate and print the launch plan; start nothing")
+    p.add_argument(
+        "--override",
+        action="append",
+        metavar="FIELD.PATH=VALUE",
+        help="set a field of the job file by dotted path, typed as YAML reads VALUE (repeat), "
+        "e.g. compute.num_accelerators=16",
+    )
+    p.add_argument(
+        "--idempotency-key",
+        metavar="KEY",
+        help="a second submission with the same key returns the same job instead of starting another",
+    )
+    when = p.add_mutually_exclusive_group()
+    when.add_argument(
+        "--watch", action="store_true", help="follow the job's logs until it ends, then exit with its status"
+    )
+    when.add_argument("--detach", action="store_true", help="print the job id once it is submitted and return")
     p.set_defaults(handler=cmd_run, accepts_passthrough=True)
 
 
@@ -139,9 +159,11 @@ def _load_job(args):
 
     target = Path(args.target)
     if target.suffix.lower() in JOB_FILE_SUFFIXES:
-        job = JobFile.load(target)
+        job = JobFile.load(target, overrides=args.override or ())
         if args.passthrough:
             job = job.with_overrides(args=tuple(args.passthrough))
+    elif args.override:
+        raise ConfigurationError(f"--override sets fields of a job file; {args.target!r} is a script: pass flags")
     elif target.suffix.lower() == ".py" or target.is_file():
         job = JobFile(
             script=str(target.resolve()), args=tuple(args.passthrough), source=f"`sparkgpu run {args.target}`"
@@ -150,7 +172,9 @@ def _load_job(args):
         raise ConfigurationError(
             f"{args.target!r} is neither a Python script nor a job file ({', '.join(JOB_FILE_SUFFIXES)})"
         )
-    return job.with_overrides(env=dict(args.env) if args.env else None, **cli_values(args))
+    return job.with_overrides(
+        env=dict(args.env) if args.env else None, idempotency_key=args.idempotency_key, **cli_values(args)
+    )
 
 
 def cmd_run(args) -> int:
@@ -160,12 +184,27 @@ def cmd_run(args) -> int:
     job_file = _load_job(args)
     # Passed explicitly, so that the summary below reads the same usage meter the job used.
     callbacks = default_callbacks(experiment=job_file.experiment)
+    if job_file.run_name is not None:
+        for callback in callbacks:
+            if hasattr(callback, "run_name"):  # the MLflow run's callback (absent with SPARKGPU_TRACKING=0)
+                callback.run_name = job_file.run_name
     fn = job_file.build(callbacks=callbacks)
-    with console(stderr=True).status(f"validating {fn.name} ({fn.resources.gpus} x {fn.resources.gpu_type or 'auto'})"):
-        prepared = fn.prepare((), {})  # capacity, usage policy, picklability: refused before anything is written
+    # `air run` returns once the workload is submitted; sparkgpu's own job files wait, as they always did.
+    submit = args.detach or args.watch or job_file.air or job_file.idempotency_key is not None
+    if args.dry_run or not submit or job_file.secret_values:
+        with console(stderr=True).status(
+            f"validating {fn.name} ({fn.resources.gpus} x {fn.resources.gpu_type or 'auto'})"
+        ):
+            prepared = fn.prepare((), {})  # capacity, usage policy, picklability: refused before anything is written
     if args.dry_run:
         print(prepared.plan())
+        print(describe_job_file(job_file))
         return EXIT_OK
+    if submit:
+        from sparkgpu.cli_submit import submit_job
+
+        return submit_job(fn, job_file, job_file.seal_secrets(prepared) if job_file.secret_values else None, args.watch)
+    prepared = job_file.seal_secrets(prepared)
     started = time.time()
     try:
         fn.launch(prepared)
@@ -182,6 +221,29 @@ def cmd_run(args) -> int:
             _print_run_summary(job_id, started, meter)
     print(f"sparkgpu: job {job_id} {status}", file=sys.stderr)
     return code
+
+
+def describe_job_file(job) -> str:
+    """What the job file maps to, for ``--dry-run``: options and fields, secrets by name (never a value)."""
+    lines = [f"job file: {job.source}", f"  script: {job.script} {' '.join(job.args)}".rstrip()]
+    if job.cwd:
+        lines.append(f"  starts in: {job.cwd}")
+    for name, value in sorted(job.options.items()):
+        lines.append(f"  {name}: {value}")
+    if job.air and "max_restarts" in job.options:
+        lines.append("  (max_restarts: air's max_retries, 3 when the workload gives none)")
+    if job.run_name:
+        lines.append(f"  mlflow run name: {job.run_name}")
+    if job.idempotency_key:
+        lines.append(f"  idempotency key: {job.idempotency_key}")
+    if job.parameters is not None:
+        lines.append(f"  parameters ($HYPERPARAMETERS_PATH): {', '.join(map(str, job.parameters)) or '(empty)'}")
+    if job.secret_refs:
+        named = ", ".join(f"{n} <- {r}" for n, r in job.secret_refs.items())
+        lines.append(f"  secrets (sparkgpu.runtime.secret(NAME), never in the environment): {named}")
+    if job.env:
+        lines.append(f"  env: {', '.join(f'{k}={v}' for k, v in job.env.items())}")
+    return "\n".join(lines)
 
 
 def _print_run_summary(job_id: str, started: float, meter) -> None:

@@ -29,16 +29,20 @@ import os
 import runpy
 import sys
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from sparkgpu._files import atomic_write_bytes
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.job_options import JOB_OPTIONS, check_document_value
-from sparkgpu.jobfile_air import is_air_workload, job_fields_from_air_workload
+from sparkgpu.job_secrets import parse_secret_refs, read_secrets
+from sparkgpu.jobfile_air import air_field_paths, is_air_workload, job_fields_from_air_workload
 
-__all__ = ["JobFile", "ScriptRunner", "JOB_FILE_SUFFIXES"]
+__all__ = ["JobFile", "ScriptRunner", "JOB_FILE_SUFFIXES", "PARAMETERS_ENV", "PARAMETERS_FILE"]
 
 JOB_FILE_SUFFIXES = (".yaml", ".yml", ".toml", ".json")
+#: The variable that names the parameters file to the script, as ``air run`` names it.
+PARAMETERS_ENV = "HYPERPARAMETERS_PATH"
+PARAMETERS_FILE = "parameters.yaml"  # in the run dir
 
 
 @dataclasses.dataclass(frozen=True, slots=True)  # slots: no __dict__ for functools.update_wrapper to copy
@@ -50,15 +54,20 @@ class ScriptRunner:
         source: Its text, for workers where the path does not hold the same file.
         argv: Arguments after the script name.
         env: Environment variables set before the script starts.
+        parameters: The job file's ``parameters``, written to a file of the run dir that
+            ``HYPERPARAMETERS_PATH`` names to the script; ``None`` when it gives none.
+        cwd: Folder the script starts in (an ``air run`` command's ``cd``), when it exists on the node.
     """
 
     path: str
     source: str
     argv: tuple[str, ...] = ()
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    parameters: Mapping[str, Any] | None = None
+    cwd: str | None = None
 
     @classmethod
-    def from_path(cls, path: str | os.PathLike, argv=(), env=None) -> "ScriptRunner":
+    def from_path(cls, path: str | os.PathLike, argv=(), env=None, parameters=None, cwd=None) -> "ScriptRunner":
         """Reads the script now, so the job runs the code as it was at launch.
 
         Raises:
@@ -71,7 +80,8 @@ class ScriptRunner:
             source = path.read_text()
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigurationError(f"cannot read script {str(path)!r}: {exc}") from None
-        return cls(str(path), source, tuple(str(a) for a in argv), {str(k): str(v) for k, v in (env or {}).items()})
+        env = {str(k): str(v) for k, v in (env or {}).items()}
+        return cls(str(path), source, tuple(str(a) for a in argv), env, parameters, cwd)
 
     @property
     def __name__(self) -> str:  # DistributedFunction names the job after its function
@@ -97,9 +107,33 @@ class ScriptRunner:
             atomic_write_bytes(target, self.source.encode(), fsync=False)
         return str(target)
 
-    def __call__(self) -> None:
+    def _parameters_file(self) -> str:
+        """Writes :attr:`parameters` as YAML into the rank's run dir (private: 0700) and returns its path."""
+        import yaml
+
+        from sparkgpu import runtime
+
+        folder = Path(os.environ.get(runtime.ENV_RUN_DIR) or Path.home() / ".cache" / "sparkgpu")
+        folder.mkdir(parents=True, exist_ok=True)
+        target = folder / PARAMETERS_FILE
+        # Every rank of a node writes the same bytes; atomically, so that none reads half a file.
+        atomic_write_bytes(target, yaml.safe_dump(dict(self.parameters or {}), sort_keys=False).encode(), fsync=False)
+        return str(target)
+
+    def __call__(self, sealed_secrets: bytes | None = None) -> None:
+        """Runs the script; ``sealed_secrets`` are the job's secrets, sealed under its key
+        (:mod:`sparkgpu.job_secrets`), which this rank opens and holds in memory."""
+        if sealed_secrets is not None:
+            from sparkgpu import job_secrets
+            from sparkgpu._keyring import current_job_key
+
+            job_secrets.hold(job_secrets.unseal(current_job_key(), sealed_secrets))
         script = self._script_file()
         os.environ.update(self.env)
+        if self.parameters is not None:
+            os.environ[PARAMETERS_ENV] = self._parameters_file()  # a path, not a secret
+        if self.cwd and os.path.isdir(self.cwd):
+            os.chdir(self.cwd)
         saved_argv, saved_path = sys.argv[:], sys.path[:]
         sys.argv = [script, *self.argv]
         sys.path.insert(0, os.path.dirname(script))
@@ -117,7 +151,12 @@ _FILE_FIELDS: dict[str, str] = {
     "script": "path of the .py file, relative to the job file",
     "args": "list of arguments passed to the script",
     "env": "mapping of environment variables for the script",
+    "parameters": "mapping written to a YAML file whose path the script finds in $HYPERPARAMETERS_PATH",
+    "secrets": "mapping of names to 'scope/key' secrets, read by the script with sparkgpu.runtime.secret(NAME)",
+    "idempotency_key": "key of the submission: a job submitted again with the same key is the same job",
 }
+# Fields whose value is a mapping of the user's own keys: `--override env.A=1` may name any key.
+_OPEN_MAPPINGS = ("env", "tags", "parameters", "secrets")
 _OPTIONS = {option.name: option for option in JOB_OPTIONS}
 _FIELDS: dict[str, str] = {**_FILE_FIELDS, **{name: option.help for name, option in _OPTIONS.items()}}
 
@@ -133,6 +172,18 @@ class JobFile:
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     source: str = "command line"
+    #: ``parameters``: written into the run dir, its path in ``HYPERPARAMETERS_PATH``.
+    parameters: Mapping[str, Any] | None = None
+    #: ``secrets``: name -> ``scope/key``; their values, read when the file was read, are never printed.
+    secret_refs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    secret_values: Mapping[str, str] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    #: The MLflow run's name (an ``air run`` workload's ``mlflow_run_name``).
+    run_name: str | None = None
+    idempotency_key: str | None = None
+    #: Folder the script starts in (an ``air run`` command's ``cd``).
+    cwd: str | None = None
+    #: Whether the file is an ``air run`` workload (``sparkgpu run`` then returns once it is submitted).
+    air: bool = False
 
     def __getattr__(self, name: str):
         option = _OPTIONS.get(name)
@@ -141,12 +192,17 @@ class JobFile:
         return self.options.get(name, option.default)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "JobFile":
+    def load(cls, path: str | os.PathLike, overrides: Sequence[str] = ()) -> "JobFile":
         """Reads and validates a job file (YAML, TOML or JSON): sparkgpu's own fields, or a
         ``databricks air run`` workload (:mod:`sparkgpu.jobfile_air`).
 
+        Args:
+            path: The file.
+            overrides: ``a.b=VALUE`` settings of fields by dotted path, applied before anything
+                is checked; ``VALUE`` is typed as YAML reads it (``3``, ``true``, ``[a, b]``).
+
         Raises:
-            ConfigurationError: unreadable file, unknown field or wrong value; names the field.
+            ConfigurationError: unreadable file, unknown field or path, or wrong value; names the field.
         """
         from sparkgpu._documents import parse_document
 
@@ -157,8 +213,12 @@ class JobFile:
             raise ConfigurationError(f"cannot read job file {str(path)!r} ({exc.strerror})") from None
         data = parse_document(text, path, what="job file")
         base_dir, source = path.resolve().parent, f"job file {str(path)!r}"
-        if is_air_workload(data):  # a `databricks air run` workload file, read as it is
-            job = cls(**job_fields_from_air_workload(data, base_dir=base_dir, source=source), source=source)
+        air = is_air_workload(data)
+        if overrides:
+            known, open_mappings = air_field_paths() if air else (list(_FIELDS), _OPEN_MAPPINGS)
+            data = apply_overrides(data, overrides, known, open_mappings)
+        if air:  # a `databricks air run` workload file, read as it is
+            job = cls(**job_fields_from_air_workload(data, base_dir=base_dir, source=source), source=source, air=True)
             job.build()  # every check @distributed makes (GPU counts per node, pool needs remote, ...)
             return job
         return cls.from_dict(data, base_dir=base_dir, source=source)
@@ -192,6 +252,12 @@ class JobFile:
             raise bad("args", args)
         if not isinstance(env, Mapping) or any(isinstance(v, (dict, list)) for v in env.values()):
             raise bad("env", env)
+        parameters, idempotency_key = data.get("parameters"), data.get("idempotency_key")
+        if parameters is not None and not isinstance(parameters, Mapping):
+            raise bad("parameters", parameters)
+        if idempotency_key is not None and (not isinstance(idempotency_key, str) or not idempotency_key):
+            raise bad("idempotency_key", idempotency_key)
+        refs = parse_secret_refs(data.get("secrets") or {}, source)
         options = {
             name: check_document_value(_OPTIONS[name], value, source)
             for name, value in data.items()
@@ -203,6 +269,10 @@ class JobFile:
             env={str(k): str(v) for k, v in env.items()},
             options=options,
             source=source,
+            parameters=parameters,
+            secret_refs=refs,
+            secret_values=read_secrets(refs, source),
+            idempotency_key=idempotency_key,
         )
         job.build()  # every other check (durations, gpu_type, log_ranks) as @distributed does it
         return job
@@ -211,7 +281,9 @@ class JobFile:
         """A copy with the fields the command line gave (``None`` means "not given"); tags and
         environment variables add to the file's."""
         given = {k: v for k, v in overrides.items() if v is not None}
-        fields: dict[str, Any] = {k: given.pop(k) for k in ("script", "args", "source") if k in given}
+        fields: dict[str, Any] = {
+            k: given.pop(k) for k in ("script", "args", "source", "idempotency_key") if k in given
+        }
         if "env" in given:
             fields["env"] = {**self.env, **given.pop("env")}
         if "tags" in given:
@@ -224,7 +296,16 @@ class JobFile:
         return dataclasses.replace(self, options={**self.options, **given}, **fields)
 
     def runner(self) -> ScriptRunner:
-        return ScriptRunner.from_path(self.script, self.args, self.env)
+        return ScriptRunner.from_path(self.script, self.args, self.env, self.parameters, self.cwd)
+
+    def seal_secrets(self, prepared):
+        """``prepared`` (a :class:`~sparkgpu.prepare.PreparedJob` not yet written) with this job's
+        secrets sealed under its key as an argument of the script's runner; as it is without secrets."""
+        if not self.secret_values:
+            return prepared
+        from sparkgpu.job_secrets import seal
+
+        return prepared.with_kwargs(sealed_secrets=seal(prepared.key, self.secret_values))
 
     def build(self, callbacks=None):
         """The :class:`~sparkgpu.decorator.DistributedFunction` that runs this job.
@@ -236,7 +317,72 @@ class JobFile:
 
         options = dict(self.options)  # what the file and command line gave; distributed() has the defaults
         options.setdefault("name", Path(self.script).stem)
+        if self.idempotency_key is not None:
+            if not supports_idempotency_keys():
+                raise ConfigurationError(
+                    f"{self.source}: idempotency keys need a sparkgpu whose distributed() takes idempotency_key=; "
+                    "this one does not: drop the key (idempotency_token, --idempotency-key)"
+                )
+            options["idempotency_key"] = self.idempotency_key
         try:
             return distributed(self.runner(), callbacks=callbacks, **options)
         except ConfigurationError as exc:
             raise ConfigurationError(f"{self.source}: {exc}") from None
+
+
+def supports_idempotency_keys() -> bool:
+    """Whether :func:`sparkgpu.distributed` takes ``idempotency_key=`` (a submission made twice is one job)."""
+    import inspect
+
+    from sparkgpu.decorator import distributed
+
+    return "idempotency_key" in inspect.signature(distributed).parameters
+
+
+def apply_overrides(
+    data: Mapping[str, Any], overrides: Sequence[str], known: Sequence[str], open_mappings: Sequence[str] = ()
+) -> dict:
+    """``data`` with ``a.b=VALUE`` settings applied; ``VALUE`` is typed as YAML reads it.
+
+    Args:
+        data: The job document.
+        overrides: The settings, each ``dotted.path=VALUE``.
+        known: The dotted paths a setting may name.
+        open_mappings: Fields whose keys are the user's own (``env_variables.ANY``, ``parameters.a.b``).
+
+    Raises:
+        ConfigurationError: a setting without ``=``, or a path that is not a field; names the known ones.
+    """
+    import copy
+
+    import yaml
+
+    result = copy.deepcopy(dict(data))
+    for override in overrides:
+        path, equals, text = override.partition("=")
+        path = path.strip()
+        if not equals or not path:
+            raise ConfigurationError(f"--override {override!r}: give FIELD.PATH=VALUE, e.g. compute.num_accelerators=8")
+        if path not in known and not any(path.startswith(m + ".") for m in open_mappings):
+            close = difflib.get_close_matches(path, list(known), n=1)
+            raise ConfigurationError(
+                f"--override {override!r}: {path!r} is not a field"
+                + (f" (did you mean {close[0]!r}?)" if close else "")
+                + f"; known: {', '.join(known)}"
+                + (f", and any key under {', '.join(open_mappings)}" if open_mappings else "")
+            )
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError as exc:
+            raise ConfigurationError(f"--override {override!r}: the value does not read as YAML ({exc})") from None
+        *parents, leaf = path.split(".")
+        node = result
+        for part in parents:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = node[part] = {} if child is None else child
+            if not isinstance(child, dict):
+                raise ConfigurationError(f"--override {override!r}: {part!r} holds {child!r}, not a mapping")
+            node = child
+        node[leaf] = value
+    return result

@@ -40,8 +40,17 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from sparkgpu.errors import ConfigurationError
+from sparkgpu.job_secrets import SecretRef, parse_secret_refs, read_secrets
 
-__all__ = ["AIR_FIELDS", "is_air_workload", "job_fields_from_air_workload", "unmet_requirements", "ScriptCommand"]
+__all__ = [
+    "AIR_FIELDS",
+    "AIR_DEFAULT_MAX_RETRIES",
+    "air_field_paths",
+    "is_air_workload",
+    "job_fields_from_air_workload",
+    "unmet_requirements",
+    "ScriptCommand",
+]
 
 # Field -> what it holds, for error messages and the porting guide.
 AIR_FIELDS: dict[str, str] = {
@@ -51,7 +60,22 @@ AIR_FIELDS: dict[str, str] = {
     "environment": "mapping with dependencies (a list of requirements or a requirements file) and version",
     "code_source": "mapping with type: snapshot and snapshot: {root_path: PATH}",
     "env_variables": "mapping of environment variables for the command",
+    "mlflow_run_name": "name of the job's MLflow run",
+    "mlflow_experiment_directory": "folder of the MLflow experiment, e.g. /Users/me@example.com",
+    "mlflow_artifact_location": "where MLflow artifacts are written",
+    "secrets": "mapping of names to 'scope/key' secrets, read by the script with sparkgpu.runtime.secret(NAME)",
+    "max_retries": "number of attempts restarted after a failure (default 3)",
+    "parameters": "mapping written to a YAML file whose path the script finds in $HYPERPARAMETERS_PATH",
+    "timeout_minutes": "limit on the whole job, in minutes",
+    "idempotency_token": "key of the submission: a workload submitted again with the same token is the same job",
+    "usage_policy_name": "usage policy the job runs under, by name",
+    "usage_policy_id": "usage policy the job runs under, by id (sparkgpu's policies have names: the same as the name)",
+    "permissions": "grants on the job to other users (refused unless empty: a job is its launching user's alone)",
 }
+#: ``max_retries`` when the workload gives none, as ``air run`` has it (sparkgpu's own default is 0).
+AIR_DEFAULT_MAX_RETRIES = 3
+# Fields whose keys are the user's own: `--override parameters.lr=0.1` may name any key under them.
+_OPEN_MAPPINGS = ("env_variables", "secrets", "parameters")
 _SECTIONS: dict[str, dict[str, str]] = {
     "compute": {
         "accelerator_type": "node shape such as GPU_8xH100",
@@ -101,6 +125,14 @@ def is_air_workload(data: Mapping[str, Any]) -> bool:
     return "script" not in data and any(key in data for key in _REQUIRED)
 
 
+def air_field_paths() -> tuple[list[str], tuple[str, ...]]:
+    """The dotted paths ``--override`` may set in a workload, and the fields whose keys are the user's own."""
+    paths = list(AIR_FIELDS)
+    for section in ("compute", "environment", "code_source", "code_source.snapshot"):
+        paths += [f"{section}.{name}" for name in _SECTIONS[section] if f"{section}.{name}" not in _SECTIONS]
+    return paths, _OPEN_MAPPINGS
+
+
 def _unknown(keys, known: Mapping[str, str], where: str, source: str) -> ConfigurationError | None:
     unknown = [k for k in keys if k not in known]
     if not unknown:
@@ -136,6 +168,7 @@ class ScriptCommand:
         ranks_per_node: ``torchrun --nproc_per_node``, when given as a number.
         nodes: ``torchrun --nnodes``, when given.
         max_restarts: ``torchrun --max_restarts``, when given.
+        cwd: The folder a ``cd`` line of the command moved to, when one did.
     """
 
     script: str
@@ -145,35 +178,78 @@ class ScriptCommand:
     nodes: int | None = None
     max_restarts: int | None = None
 
+    cwd: str | None = None
+
     @classmethod
     def parse(cls, command: str, variables: Mapping[str, str], base_dir: Path, source: str) -> "ScriptCommand":
         """Reads ``command`` as a shell would, for the forms sparkgpu runs (:data:`_SUPPORTED_COMMANDS`).
 
+        A multi-line command may set up before its program: blank lines, comments, ``cd DIR``
+        (relative paths after it start there, and so does the script), ``export NAME=VALUE``,
+        ``NAME=VALUE`` (a shell variable for the lines after it) and ``set`` options
+        (``set -euo pipefail``: one program, whose failure fails the job either way).
+
         Raises:
-            ConfigurationError: the command is something else (several commands, a pipe, a
-                redirection, another program, ``python -m``), or uses a variable that is
-                neither ``$CODE_SOURCE_PATH`` nor one of ``env_variables``.
+            ConfigurationError: any other line (naming it), a line after the program, several
+                commands on a line, a pipe, a redirection, another program, ``python -m``, or a
+                variable that is neither ``$CODE_SOURCE_PATH`` nor one of ``env_variables``.
         """
 
-        def refuse(why: str) -> ConfigurationError:
+        def refuse(why: str, line: str | None = None, number: int | None = None) -> ConfigurationError:
+            what = f"command line {number} {line!r}" if number is not None else f"command {command.strip()!r}"
             return ConfigurationError(
-                f"{source}: command {command.strip()!r} {why}; sparkgpu runs {_SUPPORTED_COMMANDS}"
+                f"{source}: {what} {why}; sparkgpu runs {_SUPPORTED_COMMANDS}, after lines that only set up "
+                f"({_SETUP_LINES})"
             )
 
-        text = re.sub(r"\\\r?\n", " ", command).strip()  # backslash-newline continues a line
-        if "\n" in text:
-            raise refuse("holds several commands (one per line)")
-        if "`" in text or "$(" in text:
-            raise refuse("uses command substitution")
-        lexer = shlex.shlex(text, posix=True, punctuation_chars=True)
-        lexer.whitespace_split = True
-        try:
-            words = list(lexer)
-        except ValueError as exc:  # an unclosed quote
-            raise refuse(f"does not parse ({exc})") from None
-        operators = [w for w in words if w and set(w) <= set("();<>|&")]
-        if operators:
-            raise refuse(f"uses the shell operator {operators[0]!r}")
+        lines = re.sub(r"\\\r?\n", " ", command).splitlines()  # backslash-newline continues a line
+        several = sum(1 for line in lines if line.strip() and not line.strip().startswith("#")) > 1
+        known, env, base, cwd = dict(variables), {}, base_dir, None
+        program: list[str] | None = None
+        for number, line in enumerate(lines, 1):
+            text = line.strip()
+            if not text or text.startswith("#"):
+                continue
+
+            def refuse_line(why: str, text=text, number=number) -> ConfigurationError:
+                return refuse(why, text, number) if several else refuse(why)
+
+            if program is not None:
+                raise refuse_line("comes after the program; sparkgpu runs one program, on the last line")
+            words = _words(text, refuse_line)
+            if not words:
+                continue  # a line holding a comment only
+            if words[0] == "cd":
+                if len(words) != 2 or words[1] == "-":
+                    raise refuse_line("is not `cd DIR`")
+                base = (base / _expand(words[1], known, refuse_line)).resolve()
+                cwd = str(base)
+            elif words[0] == "export":
+                for word in words[1:]:
+                    name, has_value, value = word.partition("=")
+                    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+                        raise refuse_line(f"exports {word!r}, which is not NAME=VALUE")
+                    if has_value:
+                        env[name] = known[name] = _expand(value, known, refuse_line)
+                    elif name not in known:
+                        raise refuse_line(f"exports ${name}, which is not set")
+            elif words[0] == "set" and all(
+                re.fullmatch(r"[-+][a-zA-Z]+|pipefail|errexit|nounset|xtrace", w) for w in words[1:]
+            ):
+                continue  # shell options: one program runs, and its failure fails the job either way
+            elif all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", w) for w in words) and several:
+                for word in words:  # shell variables, not exported: for the lines below only
+                    name, _, value = word.partition("=")
+                    known[name] = _expand(value, known, refuse_line)
+            else:
+                program = words
+                parsed = cls._program(words, known, base, refuse_line)
+        if program is None:
+            raise refuse("runs no program")
+        return dataclasses.replace(parsed, env={**env, **parsed.env}, cwd=cwd)
+
+    @classmethod
+    def _program(cls, words: list[str], variables: Mapping[str, str], base_dir: Path, refuse) -> "ScriptCommand":
         env: dict[str, str] = {}
         while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
             name, _, value = words.pop(0).partition("=")
@@ -196,6 +272,25 @@ class ScriptCommand:
         path = (base_dir / script).resolve()
         args = tuple(_expand(arg, {**variables, **env}, refuse) for arg in rest[1:])
         return cls(str(path), args, env, parsed.get("nproc_per_node"), parsed.get("nnodes"), parsed.get("max_restarts"))
+
+
+_SETUP_LINES = "comments, cd DIR, export NAME=VALUE, NAME=VALUE, set -euo pipefail"
+
+
+def _words(text: str, refuse) -> list[str]:
+    """One line's words as a shell splits them; refuses what would run more than one program."""
+    if "`" in text or "$(" in text:
+        raise refuse("uses command substitution")
+    lexer = shlex.shlex(text, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    try:
+        words = list(lexer)
+    except ValueError as exc:  # an unclosed quote
+        raise refuse(f"does not parse ({exc})") from None
+    operators = [w for w in words if w and set(w) <= set("();<>|&")]
+    if operators:
+        raise refuse(f"uses the shell operator {operators[0]!r}")
+    return words
 
 
 def _expand(word: str, variables: Mapping[str, str], refuse) -> str:
@@ -422,10 +517,17 @@ def job_fields_from_air_workload(data: Mapping[str, Any], base_dir: str | os.Pat
             f"{source}: env_variables must be a {AIR_FIELDS['env_variables']}, got {env_variables!r}"
         )
     env = {CODE_SOURCE_VARIABLE: str(code_root), **{str(k): str(v) for k, v in env_variables.items()}}
+    secret_refs = parse_secret_refs(data.get("secrets") or {}, source)
+    clash = sorted(set(secret_refs) & set(env_variables))
+    if clash:
+        raise ConfigurationError(
+            f"{source}: {', '.join(clash)} named in both env_variables and secrets; a name is a plain value or a secret"
+        )
     parsed = ScriptCommand.parse(command, env, code_root, source)
     _check_ranks(parsed, gpus, shape.gpus_per_node, command, source)
-    if parsed.max_restarts is not None:
-        options["max_restarts"] = parsed.max_restarts
+    options["max_restarts"] = _max_restarts(data.get("max_retries"), parsed.max_restarts, source)
+    extra = _optional_fields(data, options, source)
+    _check_secret_reads(parsed.script, secret_refs, source)
 
     if environment.get("dependencies") is not None:
         unmet = unmet_requirements(_requirement_lines(environment["dependencies"], base_dir, source), source)
@@ -436,7 +538,79 @@ def job_fields_from_air_workload(data: Mapping[str, Any], base_dir: str | os.Pat
                 f"(and is shipped to remote workers; sparkgpu installs nothing): {'; '.join(unmet)}. "
                 f"Install them here: pip install {install}"
             )
-    return {"script": parsed.script, "args": parsed.args, "env": {**env, **parsed.env}, "options": options}
+    return {
+        "script": parsed.script,
+        "args": parsed.args,
+        "env": {**env, **parsed.env},
+        "options": options,
+        "cwd": parsed.cwd,
+        "secret_refs": secret_refs,
+        # Read now, when the file is read: a missing or exposed secret file stops the job before it starts.
+        "secret_values": read_secrets(secret_refs, source),
+        **extra,
+    }
+
+
+def _max_restarts(max_retries, torchrun_restarts: int | None, source: str) -> int:
+    """``max_retries`` (``air run``'s default of 3 when absent), agreeing with ``torchrun --max_restarts``."""
+    if max_retries is not None and (
+        isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0
+    ):
+        raise ConfigurationError(f"{source}: max_retries must be a number of retries (0 or more), got {max_retries!r}")
+    if max_retries is not None and torchrun_restarts is not None and max_retries != torchrun_restarts:
+        raise ConfigurationError(
+            f"{source}: max_retries is {max_retries} but the command's torchrun --max_restarts is {torchrun_restarts}; "
+            "give one of them"
+        )
+    for given in (max_retries, torchrun_restarts):
+        if given is not None:
+            return given
+    return AIR_DEFAULT_MAX_RETRIES
+
+
+def _optional_fields(data: Mapping[str, Any], options: dict[str, Any], source: str) -> dict[str, Any]:
+    """Maps the optional fields onto ``options`` (timeout, experiment folder) and returns the
+    :class:`~sparkgpu.jobfile.JobFile` fields they give; refuses those sparkgpu has no counterpart of."""
+    extra: dict[str, Any] = {}
+    run_name = data.get("mlflow_run_name")
+    if run_name is not None:
+        if not isinstance(run_name, str) or not run_name.strip():
+            raise ConfigurationError(f"{source}: mlflow_run_name must be a run name, got {run_name!r}")
+        extra["run_name"] = run_name
+    folder = data.get("mlflow_experiment_directory")
+    if folder is not None:
+        if not isinstance(folder, str) or not folder.startswith("/"):
+            raise ConfigurationError(
+                f"{source}: mlflow_experiment_directory must be a folder such as /Users/me@example.com, got {folder!r}"
+            )
+        options["experiment"] = f"{folder.rstrip('/')}/{options['experiment']}"  # MLflow names experiments by path
+    if data.get("mlflow_artifact_location") is not None:
+        raise ConfigurationError(
+            f"{source}: mlflow_artifact_location is not supported: the tracking store places a new experiment's "
+            "artifacts under its own artifact root (MLflow's --default-artifact-root, or sparkgpu's store beside "
+            "the embedded tracking database), and an existing experiment keeps its location; drop the field, or "
+            "set the artifact root of the tracking server"
+        )
+    minutes = data.get("timeout_minutes")
+    if minutes is not None:
+        if isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or minutes <= 0:
+            raise ConfigurationError(f"{source}: timeout_minutes must be a number of minutes above 0, got {minutes!r}")
+        options["timeout"] = minutes * 60
+    parameters = data.get("parameters")
+    if parameters is not None:
+        if not isinstance(parameters, Mapping):
+            raise ConfigurationError(
+                f"{source}: parameters must be a mapping such as {{lr: 0.001}}, got {parameters!r}"
+            )
+        extra["parameters"] = dict(parameters)
+    token = data.get("idempotency_token")
+    if token is not None:
+        if not isinstance(token, str) or not token:
+            raise ConfigurationError(f"{source}: idempotency_token must be a non-empty text, got {token!r}")
+        extra["idempotency_key"] = token
+    _check_usage_policy(data.get("usage_policy_name"), data.get("usage_policy_id"), options.get("pool"), source)
+    _check_permissions(data.get("permissions"), source)
+    return extra
 
 
 def _code_root(code_source: Mapping[str, Any], source: str) -> str | None:
@@ -471,3 +645,100 @@ def _check_ranks(command: ScriptCommand, gpus: int, per_node: int, text: str, so
             f"{source}: command {text.strip()!r} asks for {command.nodes} node(s), but compute gives {nodes} "
             f"({gpus} GPUs, {per_node} per node): set --nnodes={nodes} or drop it"
         )
+
+
+def _known_usage_policies() -> list[tuple[str, str, str | None]]:
+    """``(name, file, pool)`` of each usage policy configured here: ``SPARKGPU_USAGE_POLICY``'s
+    (every job's; pool ``None``), then each pool's of ``SPARKGPU_POOLS``."""
+    from sparkgpu.config import settings
+    from sparkgpu.pools import configured_pools
+    from sparkgpu.usage.policy import UsagePolicy
+
+    known: list[tuple[str, str, str | None]] = []
+    path = settings().usage_policy_path
+    if path is not None:
+        known.append((UsagePolicy.from_file(path).name, str(path), None))
+    for pool in configured_pools() or []:
+        if pool.usage_policy:
+            known.append((UsagePolicy.from_file(pool.usage_policy).name, pool.usage_policy, pool.name))
+    return known
+
+
+def _check_usage_policy(name, policy_id, pool: str | None, source: str) -> None:
+    """sparkgpu has no per-job choice of policy: ``SPARKGPU_USAGE_POLICY`` governs every job, and a
+    pool's ``usage_policy`` every job on that pool. The named policy must be one of those that
+    govern this job; anything else is refused, naming the known ones."""
+    if name is None and policy_id is None:
+        return
+    if name is not None and policy_id is not None:
+        raise ConfigurationError(f"{source}: give usage_policy_name or usage_policy_id, not both")
+    field, wanted = ("usage_policy_name", name) if name is not None else ("usage_policy_id", policy_id)
+    if not isinstance(wanted, str) or not wanted:
+        raise ConfigurationError(f"{source}: {field} must be a policy's name, got {wanted!r}")
+    known = _known_usage_policies()
+    match = [k for k in known if wanted.lower() in (k[0].lower(), k[1].lower())]
+    if any(p is None or (pool is not None and p == pool) for _, _, p in match):
+        return  # the policy that governs this job anyway: checked before it starts, metered while it runs
+    listing = "; ".join(f"{n!r} ({'every job' if p is None else 'jobs on pool ' + repr(p)})" for n, _, p in known)
+    if match:
+        pools = ", ".join(repr(p) for _, _, p in match)
+        raise ConfigurationError(
+            f"{source}: {field} {wanted!r} governs jobs on pool {pools}, and this job does not run there: "
+            f"set compute.pool_id to it, or drop {field}"
+        )
+    raise ConfigurationError(
+        f"{source}: {field} {wanted!r} is not a usage policy configured here (a job runs under "
+        f"SPARKGPU_USAGE_POLICY and its pool's usage_policy); known: {listing or 'none'}. "
+        f"Name one of those, or drop {field}"
+    )
+
+
+_PRINCIPALS = ("user_name", "group_name", "service_principal_name")
+
+
+def _check_permissions(permissions, source: str) -> None:
+    """A job is reachable by the OS user who launched it alone (its key is theirs, its run dir
+    0700): there is nothing to grant. Grants to that very user change nothing and are accepted."""
+    if permissions is None or permissions == []:
+        return
+    if not isinstance(permissions, list) or not all(isinstance(p, Mapping) for p in permissions):
+        raise ConfigurationError(
+            f"{source}: permissions must be a list of {{user_name|group_name|service_principal_name, level}}, "
+            f"got {permissions!r}"
+        )
+    from sparkgpu.config import settings
+
+    me = settings().user
+    for entry in permissions:
+        principals = [k for k in _PRINCIPALS if k in entry]
+        if len(principals) != 1 or "level" not in entry:
+            raise ConfigurationError(
+                f"{source}: permissions entry {dict(entry)!r} needs exactly one of {', '.join(_PRINCIPALS)} and a level"
+            )
+        if principals[0] == "user_name" and str(entry["user_name"]).split("@")[0] == me:
+            continue  # the launching user has every right already
+        raise ConfigurationError(
+            f"{source}: permissions entry {dict(entry)!r} cannot be granted: a sparkgpu job is reachable only by "
+            f"the OS user who launched it (its key is in their $SPARKGPU_HOME/keys, its run dir is mode 0700), "
+            "and sparkgpu has no grants. Drop the entry; to let someone else read or resume a job, they need "
+            "that user's key file (docs: Security, the trust model)"
+        )
+
+
+def _check_secret_reads(script: str, refs: Mapping[str, SecretRef], source: str) -> None:
+    """``air run`` sets each secret as an environment variable; sparkgpu does not (any process of
+    the user reads ``/proc/<pid>/environ``): a script that reads one there is refused, naming the call."""
+    if not refs:
+        return
+    try:
+        text = Path(script).read_text()
+    except (OSError, UnicodeDecodeError):
+        return  # JobFile reports an unreadable script
+    for name in refs:
+        pattern = rf"(environ\s*(\.get\s*\(|\[)|getenv\s*\()\s*['\"]{re.escape(name)}['\"]"
+        if re.search(pattern, text):
+            raise ConfigurationError(
+                f"{source}: {script} reads the secret {name} from the environment; sparkgpu never puts secrets in "
+                f"the ranks' environment (every process of the user can read it): read it with "
+                f"sparkgpu.runtime.secret({name!r})"
+            )

@@ -34,6 +34,7 @@ __all__ = [
     "job_id",
     "attempt",
     "checkpoint_dir",
+    "secret",
     "should_checkpoint",
     "request_checkpoint",
     "handle_sigterm_as_checkpoint_request",
@@ -162,6 +163,20 @@ def attempt() -> int:
 def checkpoint_dir() -> str | None:
     """The job's checkpoint directory, shared by all attempts (``None`` outside a job)."""
     return os.environ.get(ENV_CHECKPOINT_DIR)
+
+
+def secret(name: str) -> str:
+    """The value of one of the job's secrets, by its name in the job file (``secrets: {HF_TOKEN: scope/key}``).
+
+    The value was read on the client from a file of the user's own and sealed under the job key;
+    it is held in this rank's memory only, never in its environment (see :mod:`sparkgpu.job_secrets`).
+
+    Raises:
+        KeyError: the job has no secret of that name; the message lists those it has.
+    """
+    from sparkgpu.job_secrets import secret as held_secret
+
+    return held_secret(name)
 
 
 class StopForRestart(BaseException):
