@@ -195,7 +195,8 @@ def cmd_run(args) -> int:
         with console(stderr=True).status(
             f"validating {fn.name} ({fn.resources.gpus} x {fn.resources.gpu_type or 'auto'})"
         ):
-            prepared = fn.prepare((), {})  # capacity, usage policy, picklability: refused before anything is written
+            # Capacity, usage policy, picklability: refused before anything is written.
+            prepared = fn.prepare((), {}, detached=submit and fn.submit_detaches)
     if args.dry_run:
         print(prepared.plan())
         print(describe_job_file(job_file))
@@ -290,7 +291,9 @@ def list_jobs(staging_root: Path | None = None) -> list[dict]:
     """
     from sparkgpu.config import settings
     from sparkgpu.launch.scheduling.gpu_lease import waiting_jobs
+    from sparkgpu.launch.client.detached import keeper_alive
     from sparkgpu.launch.client.resume import client_is_gone
+    from sparkgpu.launch.rundir.directory import RunDir
 
     root = Path(staging_root or settings().staging_root)
     waiting: dict[str, tuple[object, int]] = {**waiting_jobs(), **_cluster_waiting_jobs()}
@@ -305,8 +308,12 @@ def list_jobs(staging_root: Path | None = None) -> list[dict]:
         started = (attempts[0].get("started_at") or attempts[0].get("submitted_at")) if attempts else None
         ended = attempts[-1].get("ended_at") if attempts else None
         status = state.get("status", ListedStatus.STAGED.value)
-        if status == JobStatus.RUNNING and client_is_gone(state.get("client")):
-            status = ListedStatus.LOST.value  # its client died: `sparkgpu resume JOB_ID` continues it
+        if (
+            status == JobStatus.RUNNING
+            and client_is_gone(state.get("client"))
+            and not keeper_alive(RunDir(spec_file.parent))
+        ):
+            status = ListedStatus.LOST.value  # its supervisor died, and no keeper replaces it: `sparkgpu resume`
         queued = waiting.get(spec["job_id"])
         if queued is not None and status in (ListedStatus.STAGED, JobStatus.PENDING, JobStatus.RUNNING):
             status = ListedStatus.WAITING.value

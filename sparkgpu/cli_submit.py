@@ -24,29 +24,6 @@ __all__ = ["submit_job", "register_result", "cmd_result"]
 EXIT_OK, EXIT_FAILED = 0, 1
 
 
-def detached_submit() -> bool:
-    """Whether ``fn.submit()`` hands the job to a supervisor of its own that outlives this process.
-
-    The same change brings ``idempotency_key=`` to :func:`sparkgpu.distributed`; until a sparkgpu
-    has it, a submitted job is supervised by the process that submitted it, which must then stay.
-    """
-    from sparkgpu.jobfile import supports_idempotency_keys
-
-    return supports_idempotency_keys()
-
-
-def _submit_prepared(fn, prepared):
-    """Submits a job prepared here (its secrets sealed under its key), as ``fn.submit()`` would."""
-    hook = getattr(fn, "submit_prepared", None)
-    if hook is not None:
-        return hook(prepared)
-    from sparkgpu.call import DistributedFunctionCall
-
-    written = prepared.write()
-    fn.last_job_id, fn.last_run_dir = written.job.job_id, str(written.run_dir.path)
-    return DistributedFunctionCall._supervise(written.supervisor())
-
-
 def submit_job(fn, job_file, prepared, watch: bool) -> int:
     """Submits the job, prints its id and returns; with ``watch``, follows its logs to the end first.
 
@@ -60,24 +37,19 @@ def submit_job(fn, job_file, prepared, watch: bool) -> int:
     Returns:
         The exit code: 0 once submitted (or succeeded, with ``watch``), 1 when it failed.
     """
-    if prepared is not None and job_file.idempotency_key is not None and not hasattr(fn, "submit_prepared"):
-        raise ConfigurationError(
-            f"{job_file.source}: an idempotency key and secrets together need a sparkgpu that submits a prepared "
-            "job (DistributedFunction.submit_prepared); drop the key or the secrets"
-        )
-    call = _submit_prepared(fn, prepared) if prepared is not None else fn.submit()
+    # A job prepared here (its secrets sealed under its key) is submitted as fn.submit() would.
+    call = fn.submit_prepared(lambda: prepared) if prepared is not None else fn.submit()
     print(call.job_id, flush=True)  # stdout holds the job id alone, for scripts
-    detached = detached_submit() and (prepared is None or hasattr(fn, "submit_prepared"))
     if not watch:
-        if detached:
+        if fn.submit_detaches:
             print(
                 f"sparkgpu: job {call.job_id} submitted; `sparkgpu logs {call.job_id} --follow` follows it",
                 file=sys.stderr,
             )
             return EXIT_OK
-        # This sparkgpu supervises the job in the process that submitted it: leaving would stop it.
+        # A remote job is supervised by the process that submitted it: leaving would stop it.
         print(
-            f"sparkgpu: job {call.job_id} submitted; this sparkgpu supervises it from here, so this command waits "
+            f"sparkgpu: job {call.job_id} submitted; it is supervised from here, so this command waits "
             "for it to end (Ctrl-C stops it; `sparkgpu logs --follow` watches it)",
             file=sys.stderr,
         )

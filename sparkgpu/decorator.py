@@ -311,6 +311,11 @@ class DistributedFunction:
         # A detached job's own supervisor registers its model (register_as).
         return self.submit_prepared(lambda: self.prepare(args, kwargs, detached=detached))
 
+    @property
+    def submit_detaches(self) -> bool:
+        """Whether :meth:`submit` hands the job to processes of its own, so that it outlives this one."""
+        return self._detaches(submitting=True)
+
     def _detaches(self, submitting: bool) -> bool:
         """Whether this call's job is supervised by processes of its own (``detach``).
 

@@ -318,25 +318,11 @@ class JobFile:
         options = dict(self.options)  # what the file and command line gave; distributed() has the defaults
         options.setdefault("name", Path(self.script).stem)
         if self.idempotency_key is not None:
-            if not supports_idempotency_keys():
-                raise ConfigurationError(
-                    f"{self.source}: idempotency keys need a sparkgpu whose distributed() takes idempotency_key=; "
-                    "this one does not: drop the key (idempotency_token, --idempotency-key)"
-                )
             options["idempotency_key"] = self.idempotency_key
         try:
             return distributed(self.runner(), callbacks=callbacks, **options)
         except ConfigurationError as exc:
             raise ConfigurationError(f"{self.source}: {exc}") from None
-
-
-def supports_idempotency_keys() -> bool:
-    """Whether :func:`sparkgpu.distributed` takes ``idempotency_key=`` (a submission made twice is one job)."""
-    import inspect
-
-    from sparkgpu.decorator import distributed
-
-    return "idempotency_key" in inspect.signature(distributed).parameters
 
 
 def apply_overrides(

@@ -211,15 +211,6 @@ def test_a_detached_job_file_prints_its_id_and_its_result_is_read_later(tmp_path
     assert result.stdout.splitlines() == ["[rank0] None", "[rank1] None"]
 
 
-def _idempotency_api() -> bool:
-    from sparkgpu.jobfile import supports_idempotency_keys
-
-    return supports_idempotency_keys()
-
-
-@pytest.mark.skipif(
-    not _idempotency_api(), reason="needs distributed(idempotency_key=) and a fn.submit() that returns at once"
-)
 def test_the_same_idempotency_key_submits_one_job(tmp_path, monkeypatch):
     (tmp_path / "train.py").write_text(
         "import os, time\n"

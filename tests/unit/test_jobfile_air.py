@@ -400,15 +400,10 @@ def test_a_script_that_reads_a_secret_from_the_environment_is_told_the_runtime_c
 
 
 def test_an_idempotency_token_is_the_jobs_idempotency_key(project):
-    from sparkgpu.jobfile import supports_idempotency_keys
-
     (project / "train.py").write_text("")
-    text = WORKLOAD + "idempotency_token: nightly-2026-12-02\n"
-    if supports_idempotency_keys():
-        assert load(project, text).idempotency_key == "nightly-2026-12-02"
-    else:  # until distributed() takes idempotency_key=: refused when the file is read, not ignored
-        with pytest.raises(ConfigurationError, match="idempotency keys need a sparkgpu whose distributed"):
-            load(project, text)
+    job = load(project, WORKLOAD + "idempotency_token: nightly-2026-12-02\n")
+    assert job.idempotency_key == "nightly-2026-12-02"
+    assert job.build(callbacks=[]).idempotency_key == "nightly-2026-12-02"
 
 
 def test_a_multi_line_command_folds_its_set_up_lines_in(project):
