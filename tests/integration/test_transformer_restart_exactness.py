@@ -190,7 +190,7 @@ def train_transformer(data_dir, record_file, kind, kill_step=None, step_sleep=0.
 
 def run(token_dir, tmp_path, tag, kind, backend=None, **options):
     record = tmp_path / f"{tag}.jsonl"
-    policy = {k: options.pop(k) for k in ("max_restarts", "max_runtime", "checkpoint_grace") if k in options}
+    policy = {k: options.pop(k) for k in ("max_restarts", "max_runtime", "checkpoint_grace", "detach") if k in options}
     job = distributed(gpus=WORLD, gpu_type="cpu", backend=backend, **policy)(train_transformer)
     states = job.distributed(token_dir, str(record), kind, **options)
     state = json.loads((settings().staging_root / job.last_job_id / "state.json").read_text())
@@ -305,8 +305,9 @@ def test_a_sigkilled_rank_resumes_bitwise_equal_through_each_restart_path(
 
 def test_the_runtime_cap_stops_and_resumes_bitwise_equal(uninterrupted, token_dir, all_blocks, tmp_path):
     plain, plain_steps = uninterrupted("ddp")
+    # Detached: the cap's checkpoint-and-resume is the job's own supervisor's work, not this process's.
     states, state, steps = run(
-        token_dir, tmp_path, "capped", "ddp", step_sleep=1.0, max_runtime=20, checkpoint_grace=10
+        token_dir, tmp_path, "capped", "ddp", step_sleep=1.0, max_runtime=20, checkpoint_grace=10, detach=True
     )
     assert state["preemptions"] >= 1 and state["restarts"] == 0, state
     assert state["attempts"][-1]["status"] == "succeeded"
