@@ -102,6 +102,7 @@ def test_signed_checkpoints_on_s3(s3_bucket, tmp_path):
     with rank_of_job(directory):
         save_steps(directory, [1, 3])
         marker = json.loads(fs.cat_file(f"{root}/step-0000000003/{MARKER_NAME}"))
+        assert marker["signed"]["files"], marker  # the step's files are signed, and each is checked below
         for name, entry in marker["signed"]["files"].items():
             assert (
                 "blake3:" + blake3.blake3(fs.cat_file(f"{root}/step-0000000003/{name}")).hexdigest() == entry["digest"]

@@ -148,7 +148,7 @@ def test_a_server_that_ignores_byte_ranges_gets_whole_file_downloads(tmp_path):
 def test_batches_arrive_on_the_gpu_equal_to_the_cpu_batches(volume):
     cpu = list(data.dataset(local=volume, batch_size=100, shuffle=True, seed=2))
     gpu = list(data.dataset(local=volume, batch_size=100, shuffle=True, seed=2, pin_memory=True, device="cuda"))
-    assert len(cpu) == len(gpu)
+    assert len(cpu) == len(gpu) > 0
     for want, got in zip(cpu, gpu):
         for name, tensor in want.items():
             assert got[name].device.type == "cuda"

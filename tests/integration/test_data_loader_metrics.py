@@ -69,6 +69,7 @@ def test_every_ranks_loader_metrics_reach_the_jobs_run_and_count_the_downloads(s
     train = distributed(gpus=2, gpu_type="cpu", callbacks=[callback], log_ranks=None)(_train)
     results = train.distributed(remote, str(tmp_path / "cache"))
 
+    assert len(results) == 2, results  # one answer per rank
     for handed, (cold, warm) in results:
         assert handed == [BATCHES, BATCHES] and (cold["batches"], warm["batches"]) == (BATCHES, 2 * BATCHES)
         # Samples are dealt to ranks in turn, so each rank reads (and downloads) every shard, once.

@@ -64,6 +64,7 @@ def test_a_rank_leaves_its_objects_to_the_os_once_its_outcome_is_written(tmp_pat
         return gc.get_freeze_count(), gone() is None, sum(1 for o in gc.get_objects() if o is model)
 
     results = train_then_return.distributed(str(seen))
+    assert len(results) == 2, results  # one answer per rank
     for rank, (frozen_while_running, cycle_collected, model_tracked) in enumerate(results):
         assert cycle_collected and model_tracked == 1  # the user's objects are the collector's while it runs
         # By exit, the model's and everything else the rank made are frozen too.

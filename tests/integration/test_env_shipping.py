@@ -62,7 +62,9 @@ def test_a_shipping_job_forks_its_ranks_where_the_overlay_holds_the_agents_modul
     """The workers run the client's image, so the shipped sparkgpu is the agent's byte for byte: the
     ranks are forked, and their modules are the overlay's, as a new interpreter's would be."""
     job = distributed(gpus=2, gpu_type="cpu", ship_environment=True, log_ranks=None)(_where_the_rank_came_from)
-    for seen in job.distributed():
+    ranks = job.distributed()
+    assert len(ranks) == 2, ranks  # one answer per rank
+    for seen in ranks:
         assert seen["own_cmdline"] == seen["agent_cmdline"], seen
         assert all(f.startswith(str(tmp_path / "node-cache")) for f in seen["files"]), seen
         assert not seen["patched"]
@@ -94,5 +96,7 @@ def test_a_module_the_agent_imported_otherwise_than_shipped_starts_new_interpret
     job = distributed(gpus=2, gpu_type="cpu", ship_environment=True, log_ranks=None)(where_the_rank_came_from)
     prepared = job.prepare((), {}).write()
     (code / "typing_extensions.py").write_text(original + "\nSHIPPED_BY_THE_TEST = 'edited later'\n")
-    for cmdline, shipped in Supervisor(prepared.job, prepared.run_dir, prepared.backend, prepared.key, []).run():
+    ranks = Supervisor(prepared.job, prepared.run_dir, prepared.backend, prepared.key, []).run()
+    assert len(ranks) == 2, ranks  # one answer per rank
+    for cmdline, shipped in ranks:
         assert cmdline[1:3] == ["-u", "-c"] and shipped == "shipped", (cmdline, shipped)

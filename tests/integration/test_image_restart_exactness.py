@@ -166,6 +166,7 @@ def test_sigkill_mid_epoch_resumes_with_the_same_augmented_images(path, uninterr
     states, state, steps = run(image_dir, tmp_path, path, RESTART_PATHS[path](), kill_step=kill_step)
     assert [a["status"] for a in state["attempts"]] == ["failed", "succeeded"], note
     assert steps == plain_steps, f"after the restart the ranks saw other augmented images or losses {note}"
+    assert len(states) == len(plain) == WORLD  # a state per rank, in both runs
     for rank, (rank_state, plain_state) in enumerate(zip(states, plain)):  # batch-norm statistics are per rank
         for part in ("model", "optimizer"):
             assert rank_state[part].keys() == plain_state[part].keys()

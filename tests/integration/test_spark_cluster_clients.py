@@ -246,6 +246,7 @@ def test_three_jobs_on_a_cluster_that_fits_two_queue_and_never_share_a_gpu(clien
             call.cancel(timeout=60)
     assert not exposed, f"processes of the cluster or of its jobs listen beyond loopback: {exposed}"
 
+    assert len(results) == len(calls) == 3
     ranks = [r for result in results for r in result]
     assert all(r["cluster"] == DISPOSABLE_CLUSTER for r in ranks)
     for call, result in zip(calls, results):
@@ -262,6 +263,7 @@ def test_three_jobs_on_a_cluster_that_fits_two_queue_and_never_share_a_gpu(clien
     by_gpu: dict[str, list[dict]] = {}
     for rank in ranks:
         by_gpu.setdefault(rank["gpu"], []).append(rank)
+    assert sorted(len(users) for users in by_gpu.values()) == [3, 3]  # each GPU served a rank of every job
     for gpu, users in by_gpu.items():
         users.sort(key=lambda r: r["started"])
         for before, after in zip(users, users[1:]):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-
+import threading
 import time
 
 import pytest
@@ -156,7 +156,34 @@ def test_embedded_store_is_the_default(tmp_path, monkeypatch, _isolated_sparkgpu
     assert not (tmp_path / "mlruns").exists() and not (tmp_path / "mlflow.db").exists()
 
 
+class _Count:
+    """Events counted from other threads; :meth:`wait_for` waits for them, not for a time."""
+
+    def __init__(self):
+        self.value = 0
+        self._changed = threading.Condition()
+
+    def add(self) -> None:
+        with self._changed:
+            self.value += 1
+            self._changed.notify_all()
+
+    def wait_for(self, count: int) -> None:
+        with self._changed:  # 120 s only guards against a hang
+            assert self._changed.wait_for(lambda: self.value >= count, timeout=120), f"{self.value} in 120 s"
+
+
 def test_worker_side_logs_system_metrics_keyed_by_node(tracking_uri, tmp_path, monkeypatch):
+    from sparkgpu.tracking.system_metrics import NodeMetricsMonitor
+
+    published = _Count()
+    publish = NodeMetricsMonitor.publish_metrics
+
+    def counted(monitor, metrics):
+        publish(monitor, metrics)
+        published.add()
+
+    monkeypatch.setattr(NodeMetricsMonitor, "publish_metrics", counted)
     job = make_job()
     callback = MLflowCallback(
         "/team/system", tracking_uri=tracking_uri, system_metrics_interval=0.2, flush_interval=0.2
@@ -171,7 +198,7 @@ def test_worker_side_logs_system_metrics_keyed_by_node(tracking_uri, tmp_path, m
         job.job_id, str(tmp_path), attempt=0, rank=0, local_rank=0, world_size=2, node_rank=1, device="cpu"
     )
     worker.on_worker_start(ctx)
-    time.sleep(1.5)
+    published.wait_for(2)  # two samples of the node's monitor, however long MLflow takes to import
     worker.on_worker_end(ctx, None)
     callback.after_job(job, [0, 0], None)
     client = client_for(tracking_uri)

@@ -1,6 +1,7 @@
 """Metering and policies on real jobs: torch elastic ranks on gloo, a real Delta ledger, real processes."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -78,17 +79,22 @@ def test_an_exhausted_budget_checkpoints_and_stops_the_job(tmp_path):
     assert rows[0]["gpu_seconds"] >= 7.2  # the running attempt's spend is what tripped the budget
 
 
-def test_a_job_the_policy_refuses_starts_no_process(tmp_path):
+def test_a_job_the_policy_refuses_starts_no_process(tmp_path, monkeypatch):
     meter = UsageMeter(str(tmp_path / "ledger"), policy=UsagePolicy(name="small-jobs", max_gpus_per_job=1))
 
     @distributed(gpus=2, gpu_type="cpu", callbacks=[meter])
     def never():
         raise AssertionError("a refused job must not run")
 
-    started = time.monotonic()
-    with pytest.raises(PolicyViolationError, match="(?s)'small-jobs'.*2 GPUs asked for, at most 1 per job"):
-        never.distributed()
-    assert time.monotonic() - started < 5
+    def no_process(*args, **kwargs):
+        raise AssertionError(f"a refused job started a process: {args[:1]}")
+
+    # Refused before anything starts: no rank, no agent, no helper process of any kind.
+    with monkeypatch.context() as starts:
+        starts.setattr(subprocess, "Popen", no_process)
+        starts.setattr(os, "fork", no_process)
+        with pytest.raises(PolicyViolationError, match="(?s)'small-jobs'.*2 GPUs asked for, at most 1 per job"):
+            never.distributed()
     assert not list(settings().staging_root.glob("*/attempts"))
     assert UsageLedger(str(tmp_path / "ledger")).version() is None
 
@@ -154,12 +160,12 @@ def test_an_attempt_whose_client_is_killed_is_billed_by_the_next_client(tmp_path
     try:
         deadline = time.monotonic() + 120
         journal = settings().home / "usage" / "open"
-        while not list(journal.glob("*/*.json")) or "training" not in _logs(settings().staging_root):
+        # Until the journal holds a heartbeat 5 s past the start: what the next client bills.
+        while _beat_past(journal) < 5 or "training" not in _logs(settings().staging_root):
             assert client.poll() is None and time.monotonic() < deadline, (
                 client.stdout.read() if client.poll() else "timeout"
             )
             time.sleep(0.2)
-        time.sleep(6)  # past one heartbeat
     finally:
         os.kill(client.pid, signal.SIGKILL)  # no after_attempt, no ledger row from this client
         client.wait()
@@ -179,6 +185,17 @@ def test_an_attempt_whose_client_is_killed_is_billed_by_the_next_client(tmp_path
     assert [(r["status"], r["gpus"], dict(r["tags"])) for r in rows] == [("client_lost", 2, {"team": "ml"})]
     assert rows[0]["gpu_seconds"] >= 2 * 5
     assert json.loads(report.stdout.splitlines()[0])["status"] == "client_lost"
+
+
+def _beat_past(journal) -> float:
+    """Seconds from the journaled attempt's start to its last heartbeat; -1 before it is journaled."""
+    for path in journal.glob("*/*.json"):
+        try:
+            entry = json.loads(path.read_text())
+        except (OSError, ValueError):  # replaced between the listing and the read
+            continue
+        return entry["heartbeat"] - entry["record"]["started_at"]
+    return -1.0
 
 
 def _logs(staging_root) -> str:

@@ -75,7 +75,9 @@ def test_a_planted_node_exit_fails_no_rank(tmp_path):
 
 def test_every_control_file_the_client_writes_is_sealed(tmp_path):
     _, rd = staged(tmp_path)
-    for rel in RunLayout.control_files(0):
+    control_files = RunLayout.control_files(0)
+    assert len(control_files) == 3  # the stop file, Spark's cancel marker, the client's heartbeat
+    for rel in control_files:
         path = rd.file(rel)
         path.parent.mkdir(parents=True, exist_ok=True)
         rd.write_control(path, b"1\n")

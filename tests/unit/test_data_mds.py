@@ -89,7 +89,9 @@ def test_bool_string_binary_and_decimal_round_trip(tmp_path):
         "price": "str_decimal",
         "category": "str",
     }
-    for i, sample in enumerate(read_all(tmp_path)):
+    samples = read_all(tmp_path)
+    assert len(samples) == N  # every row, not only the ones the loop happens to see
+    for i, sample in enumerate(samples):
         assert sample["flag"] == (i % 3 == 0)
         assert sample["text"] == strings[i] and sample["large_text"] == strings[i]
         assert sample["blob"] == blobs[i]
@@ -126,7 +128,9 @@ def test_arrays_static_and_dynamic_shapes_round_trip(tmp_path):
         "tensor": "ndarray:float32:3,5",
     }
     tensors = table["tensor"].combine_chunks().to_numpy_ndarray()
-    for i, sample in enumerate(read_all(tmp_path)):
+    samples = read_all(tmp_path)
+    assert len(samples) == N  # every row, not only the ones the loop happens to see
+    for i, sample in enumerate(samples):
         np.testing.assert_array_equal(sample["ragged"], ragged[i])
         assert sample["ragged"].dtype == np.float32
         np.testing.assert_array_equal(sample["ragged_bool"], np.array([1, 0][: i % 3], np.uint8))
@@ -146,7 +150,9 @@ def test_encoding_overrides_fix_shape_and_narrow_numbers(tmp_path):
     options = write_flat(table, tmp_path, columns={"emb": "ndarray:float32:2,3", "label": "uint8", "id": "int"})
     assert options.columns == {"emb": "ndarray:float32:2,3", "label": "uint8", "id": "int"}
     assert [s.size for s in options.specs] == [24, 8, 1]
-    for i, sample in enumerate(read_all(tmp_path)):
+    samples = read_all(tmp_path)
+    assert len(samples) == N  # every row, not only the ones the loop happens to see
+    for i, sample in enumerate(samples):
         assert sample["emb"].shape == (2, 3) and sample["emb"].dtype == np.float32
         assert np.all(sample["emb"] == i)
         assert sample["label"] == i % 10 and isinstance(sample["label"], np.uint8)

@@ -66,9 +66,13 @@ def test_augmentations_do_not_depend_on_world_size_or_resume(tabular):
         first.close()
         resumed = data.dataset(**kwargs, batch_size=7, rank=rank, world_size=2)
         resumed.load_state_dict(state)
+        after = 0
         for batch in resumed:
             for i, x in zip(batch["id"].tolist(), batch["x"]):
                 assert x.equal(whole[i]), f"sample {i} was augmented differently on rank {rank} after resume"
+                after += 1
+        share = sum(len(b["id"]) for b in data.dataset(**kwargs, batch_size=7, rank=rank, world_size=2))
+        assert after == share - 7 > 0  # the rank's samples but its first batch
 
 
 def test_torch_generator_is_restored_and_torchvision_random_resized_crop_repeats(tabular):
@@ -100,6 +104,7 @@ def test_batch_transform_runs_after_collation_in_workers_too(tabular):
         list(data.dataset(local=tabular, batch_size=32, shuffle=True, batch_transform=scale, num_workers=w))
         for w in (0, 2)
     ]
+    assert len(batches[0]) == len(batches[1]) == 7  # 203 rows, 32 a batch
     for a, b in zip(*batches):
         assert a["twice"].equal(a["id"] * 2) and a["noise"].equal(b["noise"]) and a["id"].equal(b["id"])
 

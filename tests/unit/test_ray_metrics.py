@@ -143,9 +143,25 @@ def _ray_with(nodes):
     )
 
 
+class _Written(list):
+    """The batches a reporter wrote; :meth:`wait_for` waits for its thread's samples themselves."""
+
+    def __init__(self):
+        super().__init__()
+        self._changed = threading.Condition()
+
+    def append(self, batch) -> None:
+        with self._changed:
+            super().append(batch)
+            self._changed.notify_all()
+
+    def wait_for(self, count: int) -> None:
+        with self._changed:  # 30 s only guards against a hang
+            assert self._changed.wait_for(lambda: len(self) >= count, timeout=30), f"{len(self)} samples in 30 s"
+
+
 def test_reporter_samples_until_stopped_and_takes_a_last_sample_with_steps_since_the_job_started():
     endpoint = _Endpoint(HEAD_TEXT)
-    written = []
     try:
         ray = _ray_with(
             [
@@ -157,13 +173,14 @@ def test_reporter_samples_until_stopped_and_takes_a_last_sample_with_steps_since
                 }
             ]
         )
+        written = _Written()
         reporter = RayMetricsReporter(ray, written.append, interval=0.2, started_at=time.time() - 10).start()
-        time.sleep(0.7)
+        written.wait_for(3)
         endpoint.text = HEAD_TEXT.replace("} 37.5", "} 80.0")
         reporter.stop()
     finally:
         endpoint.close()
-    assert reporter.samples_written >= 3
+    assert reporter.samples_written == len(written) >= 4  # the thread's, and the last one at stop()
     cpu = [
         (value, step)
         for batch in written
@@ -178,7 +195,6 @@ def test_reporter_samples_until_stopped_and_takes_a_last_sample_with_steps_since
 
 def test_a_node_without_metrics_agent_costs_its_metrics_only_and_is_named_once(caplog):
     endpoint = _Endpoint(WORKER_TEXT)
-    written = []
     try:
         ray = _ray_with(
             [
@@ -191,8 +207,9 @@ def test_a_node_without_metrics_agent_costs_its_metrics_only_and_is_named_once(c
                 {"Alive": True, "NodeManagerAddress": "127.0.0.1", "MetricsExportPort": 1, "Labels": {RANK_LABEL: "0"}},
             ]
         )
+        written = _Written()
         reporter = RayMetricsReporter(ray, written.append, interval=0.1, started_at=time.time()).start()
-        time.sleep(0.35)
+        written.wait_for(3)  # the silent node is said once, not once per sample
         with caplog.at_level(logging.WARNING, logger="sparkgpu.ray.metrics"):
             reporter.stop()
     finally:

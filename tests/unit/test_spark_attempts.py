@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import pytest
 
@@ -122,24 +123,42 @@ def test_ranks_that_outlive_a_broken_stream_are_stopped_before_the_attempt_ends(
             node.stop()
 
 
+@pytest.fixture
+def clock(monkeypatch) -> list[float]:
+    """The Spark backend's clock, moved only by its own pauses: ``clock[0]`` is now."""
+    from sparkgpu.launch.backends.spark import attempt as spark_attempt
+    from sparkgpu.launch.backends.spark import backend as spark_backend
+
+    now = [1000.0]
+    fake = types.SimpleNamespace(
+        monotonic=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s), time=time.time
+    )
+    monkeypatch.setattr(spark_attempt, "time", fake)
+    monkeypatch.setattr(spark_backend, "time", fake)
+    return now
+
+
 class UninterruptibleSession(TaggedSession):
     def interruptTag(self, tag: str) -> list[str]:
         raise ConnectionError("the session went with the stream")
 
 
-def test_nodes_that_never_confirm_are_waited_for_a_bounded_time(attempt):
+def test_nodes_that_never_confirm_are_waited_for_a_bounded_time(attempt, clock):
     backend = SparkBackend(spark=UninterruptibleSession(), client_timeout=None, control_interval=0.5)
     backend.node_stop_margin = 0.5
     start_marker(attempt, 0, time.time())  # a node whose executor is gone: it never writes its end
     backend._run_action(attempt, BrokenStream())
-    started = time.monotonic()
+    started = clock[0]
     assert backend.poll(attempt) == 1
-    assert 1.5 <= time.monotonic() - started < 6  # shutdown_grace 0.5 + control interval 0.5 + margin 0.5
+    # shutdown_grace 0.5 + control interval 0.5 + margin 0.5, to the next look (every 0.2 s)
+    assert 1.5 <= clock[0] - started <= 1.5 + 0.2 + 1e-9
     (note,) = [n for n in AttemptReport.read(attempt.run_dir.attempt_dir(0)).notes if "did not confirm" in n]
     assert "node(s) 0 did not confirm within 1.5s that their ranks stopped (their executor may be lost)" in note
 
 
-def test_nodes_of_a_job_spark_interrupted_are_waited_for_only_the_shutdown_grace_and_the_kill(attempt, monkeypatch):
+def test_nodes_of_a_job_spark_interrupted_are_waited_for_only_the_shutdown_grace_and_the_kill(
+    attempt, monkeypatch, clock
+):
     # Spark kills the tasks of an interrupted job (their Python workers, and the agents and ranks
     # with them): they write no end marker, so waiting for the cancel marker's round trip and the
     # node timeout (50 s with the defaults) would only delay the restart.
@@ -147,20 +166,20 @@ def test_nodes_of_a_job_spark_interrupted_are_waited_for_only_the_shutdown_grace
     backend = SparkBackend(spark=TaggedSession(), client_timeout=None, control_interval=30)
     start_marker(attempt, 0, time.time())
     backend._run_action(attempt, BrokenStream())
-    started = time.monotonic()
+    started = clock[0]
     assert backend.poll(attempt) == 1
-    assert 1.0 <= time.monotonic() - started < 5  # shutdown_grace 0.5 + 0.5, not 30 + 20
+    assert 1.0 <= clock[0] - started <= 1.0 + 0.2 + 1e-9  # shutdown_grace 0.5 + 0.5, not 30 + 20
     (note,) = [n for n in AttemptReport.read(attempt.run_dir.attempt_dir(0)).notes if "did not confirm" in n]
     assert "within 1s that their ranks stopped (Spark killed their tasks when the job was interrupted)" in note
 
 
-def test_a_cancelled_attempt_does_not_wait_again(attempt):
+def test_a_cancelled_attempt_does_not_wait_again(attempt, clock):
     backend = SparkBackend(spark=TaggedSession(), client_timeout=None)
     start_marker(attempt, 0, time.time())
     attempt.cancelled = True  # cancel() already stopped the nodes and waited
     backend._run_action(attempt, BrokenStream())
-    started = time.monotonic()
-    assert backend.poll(attempt) == 1 and time.monotonic() - started < 1
+    started = clock[0]
+    assert backend.poll(attempt) == 1 and clock[0] == started  # no pause at all
 
 
 def test_the_ranks_start_is_when_the_first_node_started(attempt):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import time
 
@@ -466,24 +465,32 @@ def test_a_store_that_fails_is_retried_with_backoff_said_once_and_its_return_sai
     from sparkgpu.launch.rundir import staging
 
     monkeypatch.setattr(staging, "MAX_BACKOFF", 0.8)
-    out, calls, failing = io.StringIO(), [], [True]
+    out, calls, waits, now = io.StringIO(), [], [], [0.0]
+
+    # The loop's waits advance this clock instead of taking time: the store fails for the
+    # first 2 s and answers for the next 1.2 s, however busy the machine is.
+    def waited(loop, wait):
+        waits.append(wait)
+        now[0] += wait
+        return now[0] >= 3.2
 
     def step():
-        calls.append((time.monotonic(), failing[0]))
-        if failing[0]:
+        calls.append((now[0], now[0] < 2.0))
+        if now[0] < 2.0:
             raise OSError("SlowDown")
 
-    loop = staging._Loop(step, 0.05, "test-loop", staging._Reporter(out, "node 3"))
-    time.sleep(2.0)
-    failing[0] = False
-    time.sleep(1.2)
+    monkeypatch.setattr(staging._Loop, "_stopped_after", waited)
+    loop = staging._Loop(step, 0.05, "test-loop", staging._Reporter(out, "node 3", clock=lambda: now[0]))
+    loop._thread.join(30)  # a hang guard: the loop stops itself at 3.2 s of its own clock
+    assert not loop._thread.is_alive()
     loop.stop()
     failed = [t for t, fails in calls if fails]
-    gaps = [b - a for a, b in zip(failed, failed[1:])]
-    assert len(failed) < 10, f"{len(failed)} tries in 2 s: no backoff"  # 40 without it
-    assert max(gaps) >= 0.7  # the wait doubled up to its bound
+    assert len(failed) == 5, f"{len(failed)} tries in 2 s"  # 40 without backoff
+    assert waits[:6] == [0.05, 0.1, 0.2, 0.4, 0.8, 0.8]  # the wait doubled up to its bound
     answered = [t for t, fails in calls if not fails]
-    assert len(answered) >= 10  # once the store answers, back to every interval
+    assert [fails for _, fails in calls] == [True] * 5 + [False] * len(answered)
+    assert len(answered) >= 10 and set(waits[6:]) == {0.05}  # once the store answers, back to every interval
     said = out.getvalue()
     assert said.count("could not sync with the staging store") == 1 and "OSError: SlowDown" in said
-    assert re.search(r"node 3 reaches the staging store again, after [1-4]s", said)
+    # Failing from 0.05 s (the first try) to 2.35 s (the first answer after the 1.55 s try's 0.8 s wait).
+    assert "node 3 reaches the staging store again, after 2s" in said

@@ -127,8 +127,9 @@ class _Sight:
 class FolderClaim:
     """This conversion's claim on its output folder (see the module docstring).
 
-    The lease, the polling interval and how often a waiter reports are class attributes:
-    tests shorten them.
+    The lease, the polling interval, how often a waiter reports, and the clock and pause a
+    waiter measures its wait with are class attributes: tests shorten them, or advance time
+    themselves.
 
     Args:
         store: The output folder.
@@ -138,6 +139,8 @@ class FolderClaim:
     lease_s: float = 60.0
     poll_s: float = 1.0
     report_every_s: float = 30.0
+    clock = staticmethod(time.monotonic)
+    sleep = staticmethod(time.sleep)
 
     def __init__(self, store: Store, run_id: str):
         self.store = store
@@ -174,14 +177,14 @@ class FolderClaim:
         Raises:
             DataError: Another conversion still holds a live claim after ``wait_s``.
         """
-        began = time.monotonic()
+        began = self.clock()
         deadline = began + wait_s
         holder: _Sight | None = None
         last_report = began
         while True:
             taken, seen = self._try_take()
             if taken:
-                self.waited_s = time.monotonic() - began if holder is not None else 0.0
+                self.waited_s = self.clock() - began if holder is not None else 0.0
                 # Only now: while another conversion holds the folder, an index there may be
                 # the old dataset it is replacing.
                 try:
@@ -195,7 +198,7 @@ class FolderClaim:
                 self._renewer = threading.Thread(target=self._renew, name="sparkgpu-claim", daemon=True)
                 self._renewer.start()
                 return None
-            now = time.monotonic()
+            now = self.clock()
             if seen is not None:
                 if holder is None:
                     report(
@@ -209,7 +212,7 @@ class FolderClaim:
             if now >= deadline:
                 raise self._timeout_error(wait_s, holder)
             pause = self._poll(seen) if seen is not None else 0.05  # 0.05: the folder changed under the look
-            time.sleep(max(0.0, min(pause, deadline - now)))
+            self.sleep(max(0.0, min(pause, deadline - now)))
 
     def _poll(self, seen: _Sight) -> float:
         lease = seen.record.lease_s if seen.record else self.lease_s
@@ -250,7 +253,7 @@ class FolderClaim:
         record = sight.record
         if record is not None and ProcessRef(record.machine, record.pid, record.pid_started).is_gone():
             return f"its process (pid {record.pid}) is gone from this machine"
-        now = time.monotonic()
+        now = self.clock()
         key = (sight.generation, sight.raw)
         if key != self._seen:
             self._seen, self._seen_since = key, now
@@ -262,7 +265,7 @@ class FolderClaim:
 
     def _timeout_error(self, wait_s: float, holder: _Sight | None) -> DataError:
         who = holder.describe() if holder is not None else "another conversion"
-        unchanged = time.monotonic() - self._seen_since if self._seen is not None else 0.0
+        unchanged = self.clock() - self._seen_since if self._seen is not None else 0.0
         path = self.store.path(_claim_name(holder.generation)) if holder is not None else self.store.url
         return DataError(
             f"{self.store.url} is still being converted by {who} after waiting {wait_s:g} s (its claim "

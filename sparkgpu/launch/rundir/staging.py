@@ -44,6 +44,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from sparkgpu._files import atomic_write_bytes, is_temporary
@@ -179,16 +180,18 @@ class StoreClock:
 
 class _Reporter:
     """Says each distinct sync failure once, and when the store answers again: a store that is
-    down for a while must not flood the log, nor its end go unsaid."""
+    down for a while must not flood the log, nor its end go unsaid.
 
-    def __init__(self, out, who: str):
-        self.out, self.who = out, who
+    ``clock`` measures how long the store was gone (tests pass their own)."""
+
+    def __init__(self, out, who: str, clock: Callable[[], float] = time.monotonic):
+        self.out, self.who, self.clock = out, who, clock
         self.seen: set[str] = set()
         self.failing_since: float | None = None
 
     def __call__(self, exc: BaseException) -> None:
         if self.failing_since is None:
-            self.failing_since = time.monotonic()
+            self.failing_since = self.clock()
         text = f"{type(exc).__name__}: {exc}"
         if text not in self.seen:
             self.seen.add(text)
@@ -197,7 +200,7 @@ class _Reporter:
     def answered(self) -> None:
         if self.failing_since is not None:
             report(
-                f"{self.who} reaches the staging store again, after {time.monotonic() - self.failing_since:.0f}s",
+                f"{self.who} reaches the staging store again, after {self.clock() - self.failing_since:.0f}s",
                 self.out,
             )
             self.failing_since = None
