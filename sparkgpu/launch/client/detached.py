@@ -185,7 +185,11 @@ def _import_like_the_caller(run_dir: RunDir) -> None:
     """Puts the caller's ``sys.path`` before this process's: its callbacks' classes unpickle from there."""
     from sparkgpu._keyring import load_key
 
-    record = supervision_record(RunDir(run_dir.path, load_key(run_dir.job_id)))
+    signed = RunDir(run_dir.path, load_key(run_dir.job_id))
+    deadline = time.monotonic() + _LOCK_WAIT
+    # The caller writes the record right after starting the keeper: a quick supervisor may look first.
+    while (record := supervision_record(signed)) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
     for entry in reversed((record or {}).get("sys_path") or []):
         if entry not in sys.path:
             sys.path.insert(0, entry)
