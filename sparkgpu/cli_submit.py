@@ -82,7 +82,7 @@ def cmd_result(args) -> int:
     import json
 
     import sparkgpu
-    from sparkgpu.cli import find_run_dir
+    from sparkgpu.launch.client.resume import find_run_dir
 
     rd = find_run_dir(args.job_id)
     try:

@@ -75,7 +75,7 @@ def start_keeper(run_dir: RunDir, python: str | None = None) -> ProcessRef:
     the caller's own process.
 
     Args:
-        run_dir: The job's run dir, written and holding the job key (:attr:`RunDir.key`).
+        run_dir: The job's run dir, written, with the job key set on it.
         python: The interpreter; this one by default.
     """
     log_path = run_dir.path / RunLayout.SUPERVISOR_LOG
