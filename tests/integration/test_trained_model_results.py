@@ -121,7 +121,7 @@ def test_a_bf16_sft_trainer_returns_and_registers_its_model_without_a_restart(tm
         assert torch.equal(loaded["model"](torch.tensor(IDS)).logits, logits)
 
 
-def test_a_result_that_cannot_be_pickled_ends_the_job_at_once_with_its_model_saved(tmp_path):
+def test_a_result_that_cannot_be_pickled_ends_the_job_at_once_with_its_model_saved(tmp_path, capfd):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -138,6 +138,7 @@ def test_a_result_that_cannot_be_pickled_ends_the_job_at_once_with_its_model_sav
     state = job_state(job.last_job_id)
     assert state["restarts"] == 0 and len(state["attempts"]) == 1
     assert sorted((r["attempt"], r["rank"]) for r in runs(runs_file)) == [(0, 0), (0, 1)]  # trained once
+    assert "attempt 0 failed after its function returned" in capfd.readouterr().out
 
     saved = re.search(r"'model' at (\S+/rank-0\.models/model)", message)
     assert saved is not None, message

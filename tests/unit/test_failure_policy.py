@@ -43,6 +43,7 @@ def test_a_failure_after_the_function_returned_is_raised_with_restarts_left():
     assert policy.decide(0, {0: error}, [failure]) is Decision.RAISE
     # Known by its type's name too, where the exception did not unpickle on the client.
     assert policy.decide(0, {}, [failure]) is Decision.RAISE
+    assert policy.unrestartable({}, [failure]) == "after its function returned: its result could not be written back"
 
 
 def test_the_same_exception_at_the_same_place_twice_is_raised():
@@ -51,6 +52,8 @@ def test_the_same_exception_at_the_same_place_twice_is_raised():
     again, exc_again = raised(lambda: bad_batch(7))  # another message, the same place
     assert policy.decide(0, {0: exc}, [first]) is Decision.RESTART
     assert policy.decide(1, {0: exc_again}, [again], previous=[first]) is Decision.RAISE
+    why = policy.unrestartable({0: exc_again}, [again], previous=[first])
+    assert why is not None and why.startswith("with ValueError at ") and "in bad_batch again" in why
 
 
 def test_an_exception_at_another_place_is_restarted_while_restarts_are_left():

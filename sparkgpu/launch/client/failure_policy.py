@@ -93,15 +93,28 @@ class FailurePolicy:
             failures: The failed attempt's :class:`~sparkgpu.errors.RankFailure` of every failed rank.
             previous: Those of the job's previous failed attempt, if any.
         """
-        if any(isinstance(exc, self.PERMANENT) for exc in exceptions.values()):
-            return Decision.RAISE
-        permanent = _names(self.PERMANENT)  # for a rank whose exception did not unpickle here
-        if any(f.exc_type in permanent for f in failures):
-            return Decision.RAISE
-        here = failure_location(failures)
-        if here is not None and here == failure_location(previous):
+        if self.unrestartable(exceptions, failures, previous) is not None:
             return Decision.RAISE
         return Decision.RESTART if restarts_used < self.max_restarts else Decision.RAISE
+
+    def unrestartable(
+        self,
+        exceptions: dict[int, BaseException],
+        failures: Sequence[RankFailure] = (),
+        previous: Sequence[RankFailure] = (),
+    ) -> str | None:
+        """Why no restart can fix the failure (``"it failed after ..."``), or ``None`` when one may; args as :meth:`decide`'s."""
+        permanent = _names(self.PERMANENT)  # for a rank whose exception did not unpickle here
+        found = [type(exc) for exc in exceptions.values() if isinstance(exc, self.PERMANENT)]
+        found_names = [f.exc_type for f in failures if f.exc_type in permanent]
+        if any(issubclass(cls, ResultError) for cls in found) or _names([ResultError]) & set(found_names):
+            return "after its function returned: its result could not be written back"
+        if found or found_names:
+            return f"with {(found[0].__name__ if found else found_names[0])}, which the same payload meets again"
+        here = failure_location(failures)
+        if here is not None and here == failure_location(previous):
+            return f"with {here[0]} at {here[1]} again, as the attempt before it"
+        return None
 
 
 def _names(classes: Iterable[type]) -> frozenset[str]:

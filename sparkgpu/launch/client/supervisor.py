@@ -256,6 +256,9 @@ class Supervisor:
                         self.out,
                     )
                 else:
+                    permanent = self.policy.unrestartable(outcome.exceptions, outcome.failures, failed_before)
+                    if permanent is not None and book.state["restarts"] < self.job.policy.max_restarts:
+                        report(f"attempt {attempt.index} failed {permanent}; a restart cannot fix that", self.out)
                     book.set_status(JobStatus.FAILED)
                     logs = self.run_dir.logs_dir(attempt.index)
                     error = outcome.error(self.job.job_id, str(logs))
