@@ -190,7 +190,8 @@ def dump_result(value: Any, f, rank: int) -> None:
         item = _unpicklable_item(value)
         where = f"; the part that does not is its item {item}" if item else ""
         raise SerializationError(
-            f"the return value of rank {rank} ({_describe(value)}) cannot be pickled: {type(exc).__name__}: {exc}"
+            f"the return value of rank {rank} ({_describe(value)}) cannot be pickled: "
+            f"{type(exc).__name__}: {str(exc).rstrip('.')}"
             f"{where}. Return plain data (numbers, arrays, tensors, state dicts, models) and leave locks, "
             "generators, open files and connections out of it"
         ) from exc
