@@ -22,6 +22,7 @@ __all__ = [
     "JobStateError",
     "CapacityError",
     "SerializationError",
+    "ResultError",
     "MissingDependencyError",
     "JobTimeoutError",
     "LocalExecutionTimeoutError",
@@ -66,6 +67,22 @@ class CapacityError(SparkGPUError):
 
 class SerializationError(SparkGPUError):
     """The function, an argument or a result cannot be pickled or unpickled."""
+
+
+class ResultError(SerializationError):
+    """A rank's function returned, but what it returned could not be written back (it does not pickle).
+
+    Never restarted: a new attempt would run the whole function again only to fail the same
+    way at its end. ``saved`` maps the place of each model in the return value (``"model"``)
+    to where the rank saved it in the job's run dir before failing; the message says the same.
+    """
+
+    def __init__(self, message: str, saved: dict[str, str] | None = None):
+        super().__init__(message)
+        self.saved = dict(saved or {})
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.saved))
 
 
 class MissingDependencyError(SparkGPUError, ImportError):

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 from sparkgpu._modules import imported
 from sparkgpu.errors import ConfigurationError
+from sparkgpu.launch.rundir.trained_models import unwrap_model, unwrap_models
 from sparkgpu.tracking._checkpoints import committed_checkpoint, load_checkpoint_into
 from sparkgpu.tracking._permissions import translate_permission_errors
 from sparkgpu.tracking._transformers import is_transformers_model
@@ -227,7 +228,9 @@ def register(
     Args:
         model_or_checkpoint: A ``torch.nn.Module``; a transformers or PEFT model, alone (with
             ``tokenizer``) or as ``{"model": ..., "tokenizer": ...}``; or the directory of one
-            complete checkpoint of ``sparkgpu.train.Checkpointer`` to load into ``model``.
+            complete checkpoint of ``sparkgpu.train.Checkpointer`` to load into ``model``. A model
+            that training wrapped (Accelerate's mixed precision, DDP, FSDP, DeepSpeed,
+            ``torch.compile``) is registered as the plain module inside (a PEFT model stays one).
         name: ``catalog.schema.model``; shorter names are completed (see :mod:`.names`).
         model: The module a checkpoint is loaded into (required with a checkpoint).
         alias: Alias to point at the new version (``"champion"``).
@@ -279,6 +282,9 @@ def register(
         validate_alias(alias)
     if tags is not None and not isinstance(tags, dict):
         raise ConfigurationError(f"tags must be a dict of name -> value, got {type(tags).__name__}")
+    # What training wrapped (Accelerate's mixed precision, DDP, FSDP, DeepSpeed, torch.compile)
+    # is registered as the plain module: the wrappers cannot be saved, nor loaded elsewhere.
+    model_or_checkpoint, model = unwrap_models(model_or_checkpoint), unwrap_model(model)
     checkpoint = None
     if is_transformers_model(model_or_checkpoint):
         save, extra_tags = _transformers_saver(

@@ -87,6 +87,27 @@ def test_signature_is_inferred_from_the_input_example(tmp_path):
     assert signature.outputs.inputs[0].shape == (-1, 2)
 
 
+def test_a_model_wrapped_for_training_registers_as_the_plain_module(tmp_path):
+    """Accelerate's bf16 forward (a Trainer's model with mixed precision) inside DDP registers as the module."""
+    import torch.distributed as dist
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    name, x, model = unique("wrapped"), torch.randn(3, 4), trained(3)
+    expected = model(x).detach()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        wrapped = DDP(Accelerator(mixed_precision="bf16", cpu=True).prepare(model))
+        version = registry.register(wrapped, name)
+    finally:
+        dist.destroy_process_group()
+        AcceleratorState._reset_state(reset_partial_state=True)
+    loaded = registry.load(f"{name}/{version.version}")
+    assert type(loaded) is TinyNet and "_original_forward" not in vars(loaded)
+    assert torch.equal(loaded(x), expected)
+
+
 def test_aliases_move_and_tags_are_set(tmp_path):
     name = unique("alias")
     registry.register(trained(1), name, alias="champion")

@@ -15,7 +15,9 @@ How attempt k ended -> the job's next step (:func:`next_step`)::
     PREEMPTED (cap, growing back)    RESUME           attempt k+1 from the checkpoint
     FAILED, STOPPED                  RESTART_OR_FAIL  the FailurePolicy: attempt k+1 (a restart), or FAILED
 
-Only RESTART_OR_FAIL uses up a restart. Each attempt runs in an
+Only RESTART_OR_FAIL uses up a restart; the
+:class:`~sparkgpu.launch.client.failure_policy.FailurePolicy` fails the job at once where no
+restart can help (a failure after the function returned, the same error at the same place again). Each attempt runs in an
 :class:`~sparkgpu.launch.client.attempt_runner.AttemptRunner`: while it runs, its monitors
 (:mod:`~sparkgpu.launch.client.monitors`) decide what happens to it; they may end the job
 ``CANCELLED`` or ``TIMED_OUT`` at once (Ctrl-C ends it ``CANCELLED``, any other error
@@ -40,17 +42,17 @@ from sparkgpu._report import console, report
 from sparkgpu.callbacks import JobCallback
 from sparkgpu.errors import (
     CapacityError,
-    EnvironmentMismatchError,
     JobStateError,
     JobTimeoutError,
-    PayloadSignatureError,
     PolicyViolationError,
+    RankFailure,
 )
 from sparkgpu.launch.backends.base import Backend
 from sparkgpu.launch.backends.capabilities import ElasticCapacity, Preemptible, QueuedCapacity
 from sparkgpu.launch.client.attempt_result import AttemptResult, StoppedBy
 from sparkgpu.launch.client.attempt_runner import AttemptRunner
 from sparkgpu.launch.client.checkpoint_progress import restart_point
+from sparkgpu.launch.client.failure_policy import Decision, FailurePolicy
 from sparkgpu.launch.client.job_state import JobBook
 from sparkgpu.launch.scheduling.elastic import ElasticPlan
 from sparkgpu.protocol import AttemptStatus, JobState, JobStatus
@@ -63,31 +65,6 @@ __all__ = ["Supervisor", "JobStatus", "Decision", "FailurePolicy", "CANCEL_REQUE
 
 #: In the run dir: asks whichever process supervises the job to cancel it (its text says who asked).
 CANCEL_REQUEST_FILE = RunLayout.CANCEL_REQUEST
-
-
-class Decision(enum.Enum):
-    RESTART = "restart"
-    RAISE = "raise"
-
-
-class FailurePolicy:
-    """Restart a failed attempt while restarts are left, then raise.
-
-    Failures that the same payload on the same workers meets again — a payload whose
-    signature does not match, a worker environment that does not fit the client's — are
-    raised at once: restarting them only spends GPU time.
-    """
-
-    PERMANENT = (PayloadSignatureError, EnvironmentMismatchError)
-
-    def __init__(self, max_restarts: int):
-        self.max_restarts = max_restarts
-
-    def decide(self, restarts_used: int, exceptions: dict[int, BaseException]) -> Decision:
-        """Restart or raise, given the ranks' exceptions (those that unpickled here) by rank."""
-        if any(isinstance(exc, self.PERMANENT) for exc in exceptions.values()):
-            return Decision.RAISE
-        return Decision.RESTART if restarts_used < self.max_restarts else Decision.RAISE
 
 
 class JobStep(enum.Enum):
@@ -240,6 +217,9 @@ class Supervisor:
         results: list[Any] | None = None
         error: BaseException | None = None
         gpus = self.job.resources.gpus
+        # The ranks' failures of the latest attempt that failed and was restarted: the same
+        # error at the same place again is not restarted a second time.
+        failed_before: list[RankFailure] = []
         try:
             while True:
                 attempt = attempts.run(len(book.state["attempts"]), gpus, job_started, early)
@@ -263,7 +243,11 @@ class Supervisor:
                     book.count_preemption()
                     if step is JobStep.WAIT_FOR_GPUS:
                         self._wait_after_giving_way(attempt.why, job_started)
-                elif self.policy.decide(book.state["restarts"], outcome.exceptions) is Decision.RESTART:
+                elif (
+                    self.policy.decide(book.state["restarts"], outcome.exceptions, outcome.failures, failed_before)
+                    is Decision.RESTART
+                ):
+                    failed_before = outcome.failures
                     restarts = book.count_restart()
                     why = f": {outcome.lost}" if outcome.lost else ""
                     report(
@@ -272,6 +256,9 @@ class Supervisor:
                         self.out,
                     )
                 else:
+                    permanent = self.policy.unrestartable(outcome.exceptions, outcome.failures, failed_before)
+                    if permanent is not None and book.state["restarts"] < self.job.policy.max_restarts:
+                        report(f"attempt {attempt.index} failed {permanent}; a restart cannot fix that", self.out)
                     book.set_status(JobStatus.FAILED)
                     logs = self.run_dir.logs_dir(attempt.index)
                     error = outcome.error(self.job.job_id, str(logs))

@@ -25,10 +25,11 @@ from sparkgpu import runtime
 from sparkgpu._modules import imported
 from sparkgpu._report import report
 from sparkgpu.callbacks import WorkerContext
-from sparkgpu.errors import HydrationError, SparkGPUError
+from sparkgpu.errors import HydrationError, ResultError, SparkGPUError
 from sparkgpu._keyring import hold_job_key
 from sparkgpu.launch.rank.process_group import RankProcessGroup
 from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.launch.rundir.trained_models import save_models, unwrap_models
 from sparkgpu.launch.rank.threads import pin_rank_threads
 
 __all__ = ["main", "rank_device_env", "EXIT_FAILED", "EXIT_PREEMPTED", "NODE_DEVICES_ENV"]
@@ -236,9 +237,46 @@ def _run(run_dir: str, env_error: BaseException | None, key: bytes | None) -> in
         sys.stdout.flush()
         sys.stderr.flush()
 
+    return _write_result(rd, attempt, rank, result)
+
+
+def _write_result(rd: RunDir, attempt: int, rank: int, result) -> int:
+    """Writes the rank's return value, its models unwrapped (:func:`unwrap_models`); returns the exit code.
+
+    A value that cannot be written fails the rank with a :class:`ResultError`, which is never
+    restarted; its models are saved into the run dir first, and the error says where.
+    """
     try:
+        result = unwrap_models(result)
         rd.write_result(attempt, rank, result)
-    except BaseException as exc:
+        return 0
+    except Exception as exc:
+        error = _result_error(rd, attempt, rank, result, exc)
+    except BaseException as exc:  # SystemExit, KeyboardInterrupt: reported as they are
         rd.write_error(attempt, rank, exc)
         return EXIT_FAILED
-    return 0
+    rd.write_error(attempt, rank, error)
+    report(f"rank {rank} failed: {error}")
+    return EXIT_FAILED
+
+
+def _result_error(rd: RunDir, attempt: int, rank: int, result, exc: Exception) -> ResultError:
+    """The rank's :class:`ResultError` for ``exc``, once the models in ``result`` are saved."""
+    folder = rd.saved_models_dir(attempt, rank)
+    saved = {where: os.path.relpath(path, rd.path) for where, path in save_models(result, folder).items()}
+    if saved:
+        places = ", ".join(f"{where!r} at {path}" for where, path in saved.items())
+        kept = (
+            f" The models it returned were saved first, in the job's run dir {rd.path}: {places} "
+            "(a folder: load it with from_pretrained; a .pt file: model.load_state_dict(torch.load(path)))."
+        )
+    else:
+        kept = ""
+    cause = exc if isinstance(exc, SparkGPUError) else f"{type(exc).__name__}: {exc}"
+    error = ResultError(
+        f"rank {rank}'s function returned, but its result could not be written back: {cause}.{kept} The job is "
+        "not restarted: a new attempt would run the function again only to fail the same way at its end.",
+        saved,
+    )
+    error.__cause__ = exc
+    return error

@@ -215,6 +215,9 @@ class RunDir:
     def error_file(self, attempt: int, rank: int) -> Path:
         return self.path / RunLayout.error(attempt, rank)
 
+    def saved_models_dir(self, attempt: int, rank: int) -> Path:
+        return self.path / RunLayout.saved_models(attempt, rank)
+
     def preempted_file(self, attempt: int, rank: int) -> Path:
         return self.path / RunLayout.preempted(attempt, rank)
 

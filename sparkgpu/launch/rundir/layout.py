@@ -21,7 +21,8 @@ names (:class:`~sparkgpu.launch.rundir.directory.RunDir` is one run dir on a mac
     attempts/<k>/logs/rank-<r>.log      output of rank r in attempt k (agent-<n>.log: node n's agent)
     attempts/<k>/elastic/               torch elastic's own logs of the attempt's agents
     attempts/<k>/results/rank-<r>.pkl   its return value (or rank-<r>.error.pkl), signed; beside it
-                                        rank-<r>.checkpoints-on-sigterm when SIGTERM asks it to checkpoint
+                                        rank-<r>.checkpoints-on-sigterm when SIGTERM asks it to checkpoint,
+                                        and rank-<r>.models/ the models of a return value that did not pickle
     attempts/<k>/env-rank-<r>.json      what rehydrating the shipped environment cost rank r
     attempts/<k>/node-<n>.json          exit codes of the node's ranks, from the agent
     attempts/<k>/report.json            the attempt's report (per node: state, exit, cause)
@@ -135,6 +136,11 @@ class RunLayout:
     @staticmethod
     def preempted(attempt: int, rank: int) -> str:
         return f"{RunLayout.results(attempt)}/rank-{rank}.preempted"
+
+    @staticmethod
+    def saved_models(attempt: int, rank: int) -> str:
+        """The folder where rank ``rank`` saves the models of a return value that does not pickle."""
+        return f"{RunLayout.results(attempt)}/rank-{rank}.models"
 
     @staticmethod
     def checkpoints_on_sigterm(attempt: int, rank: int) -> str:

@@ -162,18 +162,47 @@ def unpack_callbacks(parts: dict) -> list:
     return _unpickle(parts["callbacks"], "job callbacks")
 
 
+class _Discard:
+    """A file that keeps nothing: what a pickle of it would hold does not matter, only whether it pickles."""
+
+    def write(self, data) -> int:
+        return len(data)
+
+
+def _unpicklable_item(value: Any) -> str | None:
+    """Names the first item of a returned dict, list or tuple that fails to pickle, at any depth."""
+    if type(value) is dict:
+        items: list[tuple[str, Any]] = [(repr(k), v) for k, v in value.items()]
+    elif type(value) in (list, tuple):
+        items = [(str(i), v) for i, v in enumerate(value)]
+    else:
+        return None
+    for label, item in items:
+        try:
+            cloudpickle.dump(item, _Discard(), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:
+            inner = _unpicklable_item(item)
+            return f"[{label}]{inner}" if inner and inner.startswith("[") else f"[{label}] ({_describe(item)})"
+    return None
+
+
 def dump_result(value: Any, f, rank: int) -> None:
-    """Pickles rank ``rank``'s return value into the file ``f``.
+    """Pickles rank ``rank``'s return value into the file ``f``; models in it should be unwrapped first
+    (:func:`~sparkgpu.launch.rundir.trained_models.unwrap_models`).
 
     Raises:
-        SerializationError: the value does not pickle.
+        SerializationError: the value does not pickle; names the item of a returned container that does not.
     """
     try:
         cloudpickle.dump(value, f, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:
+        item = _unpicklable_item(value)
+        where = f"; the part that does not is its item {item}" if item else ""
         raise SerializationError(
-            f"the return value of rank {rank} ({_describe(value)}) cannot be pickled: {exc}; "
-            "return plain data (numbers, arrays, tensors, state dicts) instead"
+            f"the return value of rank {rank} ({_describe(value)}) cannot be pickled: "
+            f"{type(exc).__name__}: {str(exc).rstrip('.')}"
+            f"{where}. Return plain data (numbers, arrays, tensors, state dicts, models) and leave locks, "
+            "generators, open files and connections out of it"
         ) from exc
 
 
