@@ -7,6 +7,13 @@ patched Trainer (:mod:`sparkgpu.hf.resume`) instead reads such a loader through 
 ``DataLoader`` that Accelerate does not touch (``batch_size=None``: the loader's batches as
 they are), saves the loader's ``state_dict()`` beside every checkpoint, and on resume loads
 it instead of letting the Trainer replay the batches it skips.
+
+Token ids are stored in whatever dtype the data was written with (``int32`` from
+``data.tokenize``, ``uint16`` or ``int32`` from Megatron and litdata pipelines), and the loaders
+hand them out in that dtype. HF models index embeddings and compute their loss with ``int64``
+only (``cross_entropy`` refuses ``int32`` targets, ``embedding`` refuses ``uint16`` indices), so
+:func:`batches_of`, which every batch a Trainer reads passes through, makes the integer tensors a
+model takes as ids or masks ``int64``: one conversion per batch, none on disk.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from sparkgpu.data.loaders.order import PlannedEpochs
 
 __all__ = [
     "LOADER_STATE",
+    "INDEX_ARGUMENTS",
     "LoaderDataset",
     "train_dataset",
     "is_loader",
@@ -34,6 +42,10 @@ __all__ = [
 logger = logging.getLogger("sparkgpu.hf")
 
 LOADER_STATE = "sparkgpu_loader_state.json"  # in each checkpoint-N folder, written by rank 0
+
+#: The model arguments that hold token ids, positions or 0/1 masks: an integer tensor under one
+#: of these names reaches the model as ``int64``. Other values (pixels, features) keep their dtype.
+INDEX_ARGUMENTS = frozenset({"input_ids", "labels", "position_ids", "attention_mask", "token_type_ids"})
 
 
 def _wraps_loader(dataset: Any) -> bool:
@@ -65,7 +77,8 @@ class LoaderDataset(torch.utils.data.IterableDataset):
         loader: The loader; it reads this rank's share by itself.
         names: What a tensor batch is handed to the model as: ``("input_ids", "labels")``
             by default (a causal LM shifts the labels itself). A batch that is a dict already
-            (an SFT loader's ``input_ids``, ``labels``, ``position_ids``) goes as it is.
+            (an SFT loader's ``input_ids``, ``labels``, ``position_ids``) keeps its keys.
+            Token ids and masks are handed out as ``int64`` (:func:`batches_of`).
     """
 
     def __init__(self, loader, names: tuple[str, ...] = ("input_ids", "labels")):
@@ -81,10 +94,30 @@ class LoaderDataset(torch.utils.data.IterableDataset):
 
 
 def batches_of(batch: Any, names: tuple[str, ...] = ("input_ids", "labels")) -> Any:
-    """The model's keyword arguments for one loader batch."""
+    """The model's keyword arguments for one loader batch.
+
+    A tensor batch goes under each of ``names`` (one tensor, converted once); a dict batch keeps
+    its keys. Integer tensors under the names in :data:`INDEX_ARGUMENTS` become ``int64``,
+    whatever dtype the tokens were stored in.
+    """
     if isinstance(batch, torch.Tensor):
-        return {name: batch for name in names}
+        ids = _as_int64(batch) if INDEX_ARGUMENTS.intersection(names) else batch
+        return {name: ids if name in INDEX_ARGUMENTS else batch for name in names}
+    if isinstance(batch, dict):
+        return {key: _as_int64(value) if key in INDEX_ARGUMENTS else value for key, value in batch.items()}
     return batch
+
+
+def _as_int64(value: Any) -> Any:
+    """``value`` as ``int64`` when it is a tensor of another integer dtype (bool and floats stay)."""
+    if (
+        isinstance(value, torch.Tensor)
+        and value.dtype not in (torch.int64, torch.bool)
+        and not value.is_floating_point()
+        and not value.is_complex()
+    ):
+        return value.long()
+    return value
 
 
 def train_dataset(loader, names: tuple[str, ...] = ("input_ids", "labels")) -> LoaderDataset:

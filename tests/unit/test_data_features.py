@@ -118,7 +118,7 @@ def test_consecutive_batches_of_one_shard_are_gathered_together_and_equal_the_di
     # A batch is a view of its own rows only: writing into it leaves its neighbours alone.
     pairs[0][0].fill_(-1)
     assert float(pairs[1][0].min()) >= 0
-    assert sum(len(y) for _, y in pairs) == (1003 // 64) * 64 if drop_last else 1003
+    assert sum(len(y) for _, y in pairs) == ((1003 // 64) * 64 if drop_last else 1003)
 
 
 @pytest.mark.parametrize(

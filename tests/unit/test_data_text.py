@@ -139,3 +139,74 @@ def test_a_tokenizer_folder_gives_the_same_dataset_as_the_tokenizer(tmp_path):
     assert from_folder.text["tokenizer"]["eos_token_id"] == 3
     for (ids, mask), (ids2, mask2) in zip(_read(from_object.url), _read(from_folder.url)):
         assert ids.tolist() == ids2.tolist() and mask.tolist() == mask2.tolist()
+
+
+GOOD = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "yes"}]
+STRUCT = pa.struct([("role", pa.string()), ("content", pa.string())])
+
+
+@pytest.mark.parametrize(
+    "column, row, message",
+    [
+        (
+            pa.array([GOOD, [{"role": "user", "content": None}, GOOD[1]]]),
+            1,
+            r"message 0 \(user\) has null content.*fill it",
+        ),
+        (pa.array([GOOD, [GOOD[0], {"role": "bot", "content": "yes"}]]), 1, r"message 1 has role 'bot', not one of"),
+        (pa.array([GOOD, []], type=pa.list_(STRUCT)), 1, r"is an empty conversation; drop rows without messages"),
+        (
+            pa.array([[{"role": "user", "content": [{"type": "text", "text": "hello"}]}]]),
+            0,
+            r"message 0 \(user\) has content of type list; content must be a string",
+        ),
+        (pa.array([["hello", "yes"]]), 0, r"message 0 is 'hello', not a mapping with 'role' and 'content'"),
+        (
+            pa.array([[{"role": "user", "text": "hello"}]]),
+            0,
+            r"message 0 is \{'role': 'user', 'text': 'hello'\}, not a mapping with 'role' and 'content'",
+        ),
+        (pa.array(['[{"role": "user", "content": "hello"}]']), 0, r"is a str, not a list of"),
+    ],
+    ids=["null-content", "unknown-role", "empty", "non-string-content", "not-a-mapping", "no-content", "json-text"],
+)
+def test_malformed_chats_are_refused_naming_the_row_and_nothing_is_committed(tmp_path, column, row, message):
+    out = str(tmp_path / "out")
+    with pytest.raises(DataError, match=message) as raised:
+        # One writer reads the table as one batch, so the row's place in it is its place in the table.
+        data.tokenize(
+            pa.table({"messages": column}), out, tokenizer=build_tokenizer(), format="messages", max_workers=1
+        )
+    assert f"row {row} of a batch of {len(column)} in column 'messages'" in str(raised.value)
+    assert "\n" not in str(raised.value)  # Spark's report of an executor's error keeps one line
+    assert data.read_conversion(out) is None
+
+
+def test_a_tool_call_without_content_is_a_turn_not_an_error(tmp_path):
+    call = {"role": "assistant", "content": None, "tool_calls": [{"name": "search", "arguments": "cat"}]}
+    chats = [GOOD, [GOOD[0], call, {"role": "tool", "content": "a cat"}, GOOD[1]]]
+    result = data.tokenize(pa.table({"messages": chats}), str(tmp_path / "out"), tokenizer=build_tokenizer())
+    assert result.samples == 2
+
+
+def test_rows_without_an_assistant_turn_are_counted_or_refused(tmp_path):
+    tok = build_tokenizer()
+    table = pa.table({"messages": [GOOD, [{"role": "system", "content": "you answer"}, GOOD[0]], GOOD]})
+    counted = data.tokenize(table, str(tmp_path / "counted"), tokenizer=tok)  # the default: written and counted
+    assert counted.samples == 3 and counted.stats["no_loss"] == 1
+    assert [int(mask.sum()) > 0 for _, mask in _read(counted.url)] == [True, False, True]
+    with pytest.raises(DataError, match=r"row 1 of a batch of 3 \(.*\) has no assistant turn.*on_no_loss='count'"):
+        data.tokenize(table, str(tmp_path / "refused"), tokenizer=tok, on_no_loss="error", max_workers=1)
+    assert data.read_conversion(str(tmp_path / "refused")) is None
+    # The same data already written with "count" is not handed back as if it had none.
+    with pytest.raises(DataError, match="1 rows without a target token"):
+        data.tokenize(table, counted.url, tokenizer=tok, on_no_loss="error")
+    assert data.tokenize(table[::2], str(tmp_path / "clean"), tokenizer=tok, on_no_loss="error").samples == 2
+
+
+def test_an_unknown_on_no_loss_is_refused_before_anything_runs(tmp_path):
+    with pytest.raises(ConfigurationError, match=r"on_no_loss='skip' must be one of \('count', 'error'\)"):
+        data.tokenize(
+            pa.table({"messages": [GOOD]}), str(tmp_path / "out"), tokenizer=build_tokenizer(), on_no_loss="skip"
+        )
+    assert not (tmp_path / "out").exists()

@@ -17,6 +17,14 @@ Templates without generation markers use a fallback: the span of assistant turn 
 the end of the conversation's first ``i`` messages rendered with ``add_generation_prompt=True``
 to the end of its first ``i + 1`` messages, provided both renders are prefixes of the whole
 conversation's (else the row is refused, naming the fix).
+
+Chats are checked before a batch is rendered: an empty conversation, a message that is not a
+mapping with ``role`` and ``content``, a role outside :data:`ROLES`, or content that is null or
+not a string (null is allowed on a message that carries ``tool_calls``) is refused with a
+:class:`~sparkgpu.errors.DataError` naming the row, so no batch holding one is written. Rows with
+tokens but no target (a chat without an assistant turn) are counted as ``no_loss``, or refused
+with ``on_no_loss="error"``. Messages are one line, so that Spark's report of an executor's
+error carries them whole to the client.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import itertools
 import re
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -32,9 +41,15 @@ import pyarrow as pa
 from sparkgpu.data.text.tokenizer import TokenizerSpec
 from sparkgpu.errors import ConfigurationError, DataError
 
-__all__ = ["TextEncoder", "FORMATS", "OUTPUT_SCHEMA", "LengthStats"]
+__all__ = ["TextEncoder", "FORMATS", "ROLES", "NO_LOSS", "OUTPUT_SCHEMA", "LengthStats", "check_no_loss"]
 
 FORMATS = ("text", "prompt_completion", "messages")
+#: Roles a chat message may have (those of HF's and OpenAI's chat formats).
+ROLES = ("system", "developer", "user", "assistant", "tool")
+#: What ``on_no_loss`` may say about rows without a target token: count them, or refuse them.
+NO_LOSS = ("count", "error")
+# How much of a row an error message quotes.
+_PREVIEW = 160
 OUTPUT_SCHEMA = pa.schema([("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.uint8()))])
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # Length histogram: bucket b holds lengths in [2^(b/4), 2^((b+1)/4)), about 19% wide.
@@ -108,6 +123,15 @@ class LengthStats:
         return out
 
 
+def check_no_loss(on_no_loss: Any) -> None:
+    """Raises :class:`ConfigurationError` unless ``on_no_loss`` is one of :data:`NO_LOSS`."""
+    if not isinstance(on_no_loss, str) or on_no_loss not in NO_LOSS:
+        raise ConfigurationError(
+            f"on_no_loss={on_no_loss!r} must be one of {NO_LOSS}: 'count' keeps rows without a target token "
+            "and counts them (stats['no_loss']), 'error' refuses them"
+        )
+
+
 class TextEncoder:
     """A picklable batch transform: rows of one text format in, ``input_ids`` and ``loss_mask`` out.
 
@@ -117,9 +141,23 @@ class TextEncoder:
         columns: Format field -> source column (``{"text": "body"}``).
         add_eos: Append the end-of-sequence token to text and completions that lack it (a chat
             template ends turns itself).
+        on_no_loss: Rows with tokens but no target token: ``"count"`` (written, counted as
+            ``no_loss``) or ``"error"`` (refused with a ``DataError``).
+
+    Raises:
+        ConfigurationError: An unknown format or ``on_no_loss``, or a tokenizer that lacks what the
+            format needs.
     """
 
-    def __init__(self, tokenizer: TokenizerSpec, format: str, columns: dict[str, str], add_eos: bool):
+    def __init__(
+        self,
+        tokenizer: TokenizerSpec,
+        format: str,
+        columns: dict[str, str],
+        add_eos: bool,
+        on_no_loss: str = "count",
+    ):
+        check_no_loss(on_no_loss)
         if format not in FORMATS:
             raise ConfigurationError(f"format={format!r} must be one of {FORMATS}")
         if add_eos and format != "messages" and tokenizer.eos_token_id is None:
@@ -130,6 +168,7 @@ class TextEncoder:
         if format == "messages" and tokenizer.chat_template is None:
             raise ConfigurationError("messages need a chat template: the tokenizer has none; pass chat_template='...'")
         self.tokenizer, self.format, self.columns, self.add_eos = tokenizer, format, dict(columns), add_eos
+        self.on_no_loss = on_no_loss
         self.input_columns = list(dict.fromkeys(self.columns.values()))
         self.schema = OUTPUT_SCHEMA
         self.generation_markers = format == "messages" and bool(_GENERATION.search(tokenizer.chat_template or ""))
@@ -167,8 +206,9 @@ class TextEncoder:
         """Encodes one batch of rows.
 
         Raises:
-            DataError: A null text, a message that is not a dict, or a template the fallback
-                cannot find assistant turns in.
+            DataError: A null text, a malformed chat (see the module docstring), a row without a
+                target token under ``on_no_loss="error"``, or a template the fallback cannot find
+                assistant turns in.
         """
         if self._backend is None:
             self._backend = self.tokenizer.load()
@@ -195,6 +235,8 @@ class TextEncoder:
         ends = np.cumsum(lengths)
         loss = np.add.reduceat(mask.astype(np.int64), ends - lengths) if len(mask) else np.zeros(len(lengths), np.int64)
         loss = np.where(lengths > 0, loss, 0)
+        if self.on_no_loss == "error":
+            self._refuse_no_loss(texts, lengths, loss)
         with self._lock:
             self._stats.add_batch(lengths, loss)
         offsets32 = np.concatenate([[0], ends]).astype(np.int32)
@@ -204,6 +246,18 @@ class TextEncoder:
                 pa.ListArray.from_arrays(pa.array(offsets32), pa.array(mask, type=pa.uint8())),
             ],
             schema=OUTPUT_SCHEMA,
+        )
+
+    def _refuse_no_loss(self, texts: list[str], lengths: np.ndarray, loss: np.ndarray) -> None:
+        bad = np.flatnonzero((loss == 0) & (lengths > 0))
+        if not len(bad):
+            return
+        row = int(bad[0])
+        what = "no assistant turn" if self.format == "messages" else "nothing to predict"
+        raise DataError(
+            f"row {row} of a batch of {len(texts)} ({texts[row]!r:.{_PREVIEW}}) has {what}: none of its tokens is a "
+            f"target ({len(bad)} such rows in the batch); drop those rows, or pass on_no_loss='count' to keep "
+            "and count them"
         )
 
     def _encode_fast(self, texts: list[str], add_special_tokens: bool):
@@ -240,14 +294,19 @@ class TextEncoder:
             raise DataError(f"column {name!r} holds nulls; drop or fill those rows before tokenizing")
         kind = array.type
         if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_struct(kind.value_type):
-            return [_plain_messages(m) for m in array.to_pylist()]
-        offsets = array.offsets.to_numpy()
-        structs = array.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
-        names = [structs.type.field(i).name for i in range(structs.type.num_fields)]
-        fields = [structs.field(i).to_pylist() for i in range(len(names))]
-        messages = [{k: v for k, v in zip(names, values) if v is not None} for values in zip(*fields)]
-        bounds = (offsets - offsets[0]).tolist()
-        return [messages[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+            chats = array.to_pylist()
+        else:
+            offsets = array.offsets.to_numpy()
+            structs = array.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+            names = [structs.type.field(i).name for i in range(structs.type.num_fields)]
+            fields = [structs.field(i).to_pylist() for i in range(len(names))]
+            messages = [dict(zip(names, values)) for values in zip(*fields)]
+            bounds = (offsets - offsets[0]).tolist()
+            chats = [messages[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        for row, chat in enumerate(chats):
+            _check_chat(chat, row, len(chats), name)
+        # HF templates test for a field's presence (``'tool_calls' in m``), not for null.
+        return [[{k: v for k, v in m.items() if v is not None} for m in chat] for chat in chats]
 
     def _render(self, chats: list[list[dict]]) -> tuple[list[str], list[list[tuple[int, int]]]]:
         try:
@@ -278,11 +337,33 @@ class TextEncoder:
         return ids, mask, lengths + ~has
 
 
-def _plain_messages(messages) -> list[dict]:
-    """Arrow's list of structs as HF wants messages: dicts without the fields a row leaves null."""
-    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-        raise DataError(f"a messages value must be a list of {{'role', 'content'}} structs, got {messages!r:.200}")
-    return [{k: v for k, v in m.items() if v is not None} for m in messages]
+def _check_chat(chat: Any, row: int, rows: int, column: str) -> None:
+    """Raises a :class:`DataError` naming row ``row`` of a batch of ``rows`` when ``chat`` is not a
+    conversation a chat template can render as meant."""
+    where = f"row {row} of a batch of {rows} in column {column!r} ({chat!r:.{_PREVIEW}})"
+    fix = "fix or drop that row before tokenizing"
+    if not isinstance(chat, list):
+        raise DataError(f"{where} is a {type(chat).__name__}, not a list of {{'role', 'content'}} messages; {fix}")
+    if not chat:
+        raise DataError(f"{where} is an empty conversation; drop rows without messages before tokenizing")
+    for number, message in enumerate(chat):
+        if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
+            raise DataError(
+                f"{where}: message {number} is {message!r:.{_PREVIEW}}, not a mapping with 'role' and 'content'; {fix}"
+            )
+        role, content = message["role"], message["content"]
+        if not isinstance(role, str) or role not in ROLES:
+            raise DataError(f"{where}: message {number} has role {role!r}, not one of {ROLES}; {fix}")
+        if content is None and message.get("tool_calls") is None:
+            raise DataError(
+                f"{where}: message {number} ({role}) has null content, which the template would render as an "
+                f"empty turn; fill it (an empty string for a turn meant to be empty) or {fix}"
+            )
+        if content is not None and not isinstance(content, str):
+            raise DataError(
+                f"{where}: message {number} ({role}) has content of type {type(content).__name__}; content must "
+                f"be a string: {fix}"
+            )
 
 
 def _prefix_spans(chat: list[dict], text: str, template: str, special: dict) -> list[tuple[int, int]]:

@@ -27,9 +27,9 @@ from typing import Any
 from sparkgpu.data.convert.claim import DEFAULT_WAIT_S
 from sparkgpu.data.convert.conversion import ConversionResult, write_source
 from sparkgpu.data.mds.writer import DEFAULT_SIZE_LIMIT
-from sparkgpu.data.text.encode import OUTPUT_SCHEMA, TextEncoder
+from sparkgpu.data.text.encode import OUTPUT_SCHEMA, TextEncoder, check_no_loss
 from sparkgpu.data.text.tokenizer import TokenizerSpec
-from sparkgpu.errors import ConfigurationError
+from sparkgpu.errors import ConfigurationError, DataError
 
 __all__ = ["tokenize", "TokenizedResult"]
 
@@ -64,6 +64,7 @@ def tokenize(
     chat_template: str | None = None,
     eos_token: str | None = None,
     add_eos: bool = True,
+    on_no_loss: str = "count",
     version: int | None = None,
     timestamp=None,
     compression: str | None = None,
@@ -95,6 +96,10 @@ def tokenize(
         chat_template: Jinja template to use instead of the tokenizer's.
         eos_token: Text of the end-of-sequence token, for a ``tokenizers.Tokenizer``.
         add_eos: Append EOS to text and completions that do not end with it.
+        on_no_loss: Rows with tokens but no target token (a chat without an assistant turn):
+            ``"count"`` writes them and counts them in ``stats["no_loss"]``; ``"error"`` refuses
+            them with a ``DataError`` naming the row (a dataset already written is refused too
+            when its statistics count such rows).
         version: Delta table version to read (default: latest).
         timestamp: Read the Delta table as of this time instead.
         compression: As for :func:`~sparkgpu.data.convert.conversion.to_mds`.
@@ -110,12 +115,17 @@ def tokenize(
         The dataset written, or found already written (``reused=True``), with ``stats``.
 
     Raises:
-        ConfigurationError: Unknown format or columns, a tokenizer that cannot be used, or
-            ``out`` holding another dataset without ``overwrite``.
-        DataError: Null text, malformed messages, a template whose assistant turns cannot be
-            found, or another conversion into ``out`` still running after ``wait``.
+        ConfigurationError: Unknown format, columns or ``on_no_loss``, a tokenizer that cannot
+            be used, or ``out`` holding another dataset without ``overwrite``.
+        DataError: Null text; a malformed chat (an empty conversation, a message that is not a
+            mapping with ``role`` and ``content``, a role not in
+            :data:`~sparkgpu.data.text.encode.ROLES`, null or non-string content), naming the
+            row; a row without a target under ``on_no_loss="error"``; a template whose assistant
+            turns cannot be found; or another conversion into ``out`` still running after ``wait``.
     """
     from sparkgpu.data.convert.spark import SparkSource, is_spark_dataframe
+
+    check_no_loss(on_no_loss)
 
     spec = TokenizerSpec.of(tokenizer, chat_template=chat_template, eos_token=eos_token)
     inner: Any
@@ -126,14 +136,14 @@ def tokenize(
                 "time-travel in the read: spark.read.format('delta').option('versionAsOf', 12)"
             )
         format, mapping = _fields(format, columns, list(source.columns))
-        encoder = TextEncoder(spec, format, mapping, add_eos)
+        encoder = TextEncoder(spec, format, mapping, add_eos, on_no_loss)
         inner = SparkSource(source.select(*[_quoted(c) for c in encoder.input_columns]))
     else:
         from sparkgpu.data.convert.files import resolve_file_source
 
         inner = resolve_file_source(source, version=version, timestamp=timestamp, storage_options=storage_options)
         format, mapping = _fields(format, columns, list(inner.schema.names))
-        encoder = TextEncoder(spec, format, mapping, add_eos)
+        encoder = TextEncoder(spec, format, mapping, add_eos, on_no_loss)
     result = write_source(
         _TokenizedSource(inner, encoder),
         out,
@@ -145,7 +155,16 @@ def tokenize(
         progress=progress,
         wait=wait,
     )
-    return TokenizedResult(**{f.name: getattr(result, f.name) for f in dataclasses.fields(result)})
+    tokenized = TokenizedResult(**{f.name: getattr(result, f.name) for f in dataclasses.fields(result)})
+    # on_no_loss does not change what is written, so a dataset written with "count" is reused as
+    # is; its statistics say whether it holds rows "error" refuses.
+    no_loss = tokenized.stats.get("no_loss", 0)
+    if on_no_loss == "error" and no_loss:
+        raise DataError(
+            f"{tokenized.url} already holds this data tokenized, with {no_loss} rows without a target token; "
+            "drop those rows from the source and tokenize again with overwrite=True, or pass on_no_loss='count'"
+        )
+    return tokenized
 
 
 class _TokenizedSource:
