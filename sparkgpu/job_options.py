@@ -116,7 +116,11 @@ JOB_OPTIONS: tuple[JobOption, ...] = (
 )
 
 #: ``run_async``: a job file or ``sparkgpu run`` waits for its job (``sparkgpu logs --follow`` watches one).
-PYTHON_ONLY_KEYWORDS = frozenset({"num_accelerators", "num_gpus", "backend", "callbacks", "run_async"})
+#: ``detach``: ``sparkgpu run --detach`` says it for the command, not the file. ``idempotency_key``: a
+#: field of the file beside its options (:class:`~sparkgpu.jobfile.JobFile`), and ``--idempotency-key``.
+PYTHON_ONLY_KEYWORDS = frozenset(
+    {"num_accelerators", "num_gpus", "backend", "callbacks", "run_async", "detach", "idempotency_key"}
+)
 
 
 def check_document_value(option: JobOption, value, source: str, *, subject: str | None = None):
