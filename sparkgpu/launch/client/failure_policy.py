@@ -158,7 +158,7 @@ class FailurePolicy:
                 "restart_on= with cuda_oom among the classes to retry anyway"
             )
         if found.cls is FailureClass.ENVIRONMENT_ERROR:
-            return f"with {found.detail.split(':', 1)[0]}, which the same payload meets again"
+            return f"({found}), which the same payload meets again"
         return f"({found}): {DEFAULT_POLICY[found.cls][1]}"
 
 
