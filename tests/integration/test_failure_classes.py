@@ -108,3 +108,19 @@ def test_restart_on_retries_a_cuda_oom_and_is_checked_at_decoration(capsys):
         distributed(gpus=2, gpu_type="cpu", restart_on=["oom"])(_fail)
     with pytest.raises(ConfigurationError, match="restart_on= got 'oom'"):
         job.with_overrides(restart_on="oom")
+
+
+def test_the_failure_class_is_a_tag_of_the_jobs_mlflow_run(tmp_path):
+    from mlflow import MlflowClient
+
+    from sparkgpu.tracking.mlflow_run import MLflowCallback
+
+    tracking_uri = f"sqlite:///{tmp_path}/mlflow.db"
+    callback = MLflowCallback("/team/failures", tracking_uri=tracking_uri, fn=_fail, flush_interval=0.3)
+    job = distributed(gpus=2, gpu_type="cpu", max_restarts=2, callbacks=[callback], log_ranks=None)(_fail)
+    with pytest.raises(WorkerFailedError):
+        job.distributed("data")
+    client = MlflowClient(tracking_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("/team/failures").experiment_id])
+    assert run.data.tags["sparkgpu.failure_class"] == "data_error"
+    assert run.info.status == "FAILED"
