@@ -110,7 +110,7 @@ def classify(
     """The class of an attempt's failure: its root cause rank's, with a one-line detail.
 
     Args:
-        failures: The attempt's failed ranks (:attr:`AttemptResult.failures`).
+        failures: The attempt's failed ranks (``AttemptResult.failures``).
         exceptions: Their exceptions that unpickled on this side, by rank: their type decides
             where present (a subclass of ``DataError`` counts as one); else the qualified type
             name and the message do.
