@@ -6,6 +6,7 @@ of an exception really raised, of torch's own classes where torch has one.
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -19,11 +20,15 @@ import torch.distributed as dist
 from sparkgpu.data.transforms import TransformError
 from sparkgpu.errors import ConfigurationError, EnvironmentMismatchError, RankFailure, ResultError
 from sparkgpu.failure_class import OOM_KILLED, FailureClass, classify, oom_kills, own_cgroup
+from sparkgpu.launch.client.attempt_result import read_attempt
 from sparkgpu.launch.client.failure_policy import Decision, FailurePolicy
+from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.launch.rundir.serialization import serialize_payload
 from sparkgpu.launch.node.rank_exits import RankExitWatcher
-from sparkgpu.protocol import RankExit
-from sparkgpu.spec import RunPolicy
+from sparkgpu.protocol import NodeExit, RankExit
+from sparkgpu.spec import JobSpec, Resources, RunPolicy
 
+KEY = b"k" * 32
 #: The message torch's NCCL watchdog raises when a collective times out.
 WATCHDOG = (
     "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=812, OpType=ALLREDUCE, "
@@ -210,3 +215,19 @@ def _exited(watcher: RankExitWatcher, rank: int) -> None:
     while rank not in watcher.exits:
         assert time.monotonic() < deadline, f"rank {rank}'s exit was never recorded"
         time.sleep(0.01)
+
+
+def test_a_node_exit_record_with_the_oom_evidence_reads_back_as_host_oom(tmp_path):
+    job = JobSpec(job_id="job-1", name="job", resources=Resources(2, "cpu"))
+    rd = RunDir(tmp_path / "job-1")
+    rd.create(job.to_dict(), serialize_payload(lambda: 1, (), {}, []), KEY, [])
+    for attempt, oom_killed in ((0, True), (1, False)):
+        rd.prepare_attempt(attempt)
+        killed = RankExit(-signal.SIGKILL, signal="SIGKILL", time=1.0, oom_killed=oom_killed)
+        node = NodeExit(0, 1, {1: killed})
+        rd.write_control(rd.node_file(attempt, 0), json.dumps(node.to_json()).encode())
+        rd.write_result(attempt, 0, 0)  # rank 0 returned; rank 1 was killed
+    oom = read_attempt(rd, 0, 2, job.policy)
+    assert classify(oom.failures, oom.exceptions).cls is FailureClass.HOST_OOM
+    plain = read_attempt(rd, 1, 2, job.policy)
+    assert classify(plain.failures, plain.exceptions).cls is FailureClass.KILLED
