@@ -287,7 +287,8 @@ def list_jobs(staging_root: Path | None = None) -> list[dict]:
     run on fewer), ``gpus_asked``, ``gpu_type``, ``backend``, ``tags``,
     ``started_at``, ``ended_at``, ``duration_s``, ``stop_reason``, ``priority`` and
     ``queue_position`` (its place in this host's GPU queue, or in its Spark cluster's, while
-    ``waiting``, else ``None``).
+    ``waiting``, else ``None``), ``failure_class`` and ``failure_detail`` (those of its latest
+    failed attempt, or ``None``: :mod:`sparkgpu.failure_class`).
     """
     from sparkgpu.config import settings
     from sparkgpu.launch.scheduling.gpu_lease import waiting_jobs
@@ -320,6 +321,7 @@ def list_jobs(staging_root: Path | None = None) -> list[dict]:
         elif status == JobStatus.RUNNING and attempts and attempts[-1].get("started_at") is None:
             status = ListedStatus.WAITING.value  # submitted, its ranks wait for GPUs (a busy or shrunk cluster)
         end = ended if ended is not None else (time.time() if status == JobStatus.RUNNING else None)
+        failed = [a for a in attempts if a.get("failure_class")]
         jobs.append(
             {
                 "job_id": spec["job_id"],
@@ -340,6 +342,8 @@ def list_jobs(staging_root: Path | None = None) -> list[dict]:
                 "stop_reason": state.get("stop_reason"),
                 "priority": (spec.get("policy") or {}).get("priority") or "normal",
                 "queue_position": queued[1] if queued is not None else None,
+                "failure_class": failed[-1]["failure_class"] if failed else None,
+                "failure_detail": failed[-1].get("failure_detail") if failed else None,
                 "run_dir": str(spec_file.parent),
             }
         )

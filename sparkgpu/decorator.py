@@ -419,6 +419,7 @@ def distributed(
     max_runtime=None,
     checkpoint_grace="60s",
     max_restarts: int = 0,
+    restart_on=None,
     priority="normal",
     capacity_wait=None,
     min_gpus: int | None = None,
@@ -464,6 +465,10 @@ def distributed(
             default to 7 days, local ones to no cap.
         checkpoint_grace: See ``max_runtime``.
         max_restarts: Attempts restarted after a failure before it is raised.
+        restart_on: The failure classes restarted while restarts are left (``["nccl",
+            "cuda_oom"]``); ``None``: the default policy (a CUDA out-of-memory, a data error,
+            an environment error and a result error are raised at once). See "Failure classes"
+            in the launch guide.
         priority: ``"best_effort"``, ``"normal"`` or ``"critical"`` (databricks' ``BEST_EFFORT``
             / ``NORMAL`` / ``CRITICAL`` too): waiting jobs get free GPUs by class, then in
             order; a critical job that does not fit asks best-effort jobs to checkpoint and
@@ -538,6 +543,7 @@ def distributed(
         max_runtime=max_runtime,
         checkpoint_grace=checkpoint_grace,
         max_restarts=max_restarts,
+        restart_on=restart_on,
         priority=priority,
         capacity_wait=capacity_wait,
         elastic_wait=elastic_wait,

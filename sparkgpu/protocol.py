@@ -179,6 +179,8 @@ class AttemptRecord(_AttemptFields, total=False):
     lost: list[dict[str, Any]]  # the lost nodes' NodeReport fields
     cause: list[str]  # at most 8 sentences on why it ended
     gpus: int  # the ranks it ran on: fewer than the job's for an elastic job short of GPUs
+    failure_class: str  # a failed attempt's class (a sparkgpu.failure_class.FailureClass value)
+    failure_detail: str  # one line on it ("CUDA out of memory: tried to allocate ...")
 
 
 class _JobFields(TypedDict):
@@ -217,19 +219,31 @@ class RankExit:
         signal: The signal's name (``"SIGKILL"``), or ``None`` when it exited.
         pid: Its process id, when the launcher knew it.
         time: Unix time it exited, when known: a quiet exit is the cause of its peers' errors.
+        oom_killed: True when its node's cgroup counted an OOM kill (``memory.events``'
+            ``oom_kill``) while it ran and it died from SIGKILL: the host's OOM killer.
     """
 
     exitcode: int
     signal: str | None = None
     pid: int | None = None
     time: float | None = None
+    oom_killed: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {"exitcode": self.exitcode, "signal": self.signal, "pid": self.pid, "time": self.time}
+        data: dict[str, Any] = {"exitcode": self.exitcode, "signal": self.signal, "pid": self.pid, "time": self.time}
+        if self.oom_killed:
+            data["oom_killed"] = True
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RankExit:
-        return cls(exitcode=data["exitcode"], signal=data.get("signal"), pid=data.get("pid"), time=data.get("time"))
+        return cls(
+            exitcode=data["exitcode"],
+            signal=data.get("signal"),
+            pid=data.get("pid"),
+            time=data.get("time"),
+            oom_killed=bool(data.get("oom_killed", False)),
+        )
 
 
 @dataclasses.dataclass

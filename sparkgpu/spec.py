@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from sparkgpu.catalog import AcceleratorShape, lookup_accelerator_type, lookup_gpu_type
 from sparkgpu.errors import ConfigurationError
+from sparkgpu.failure_class import parse_failure_classes
 from sparkgpu.priority import Priority
 from sparkgpu.units import parse_duration
 
@@ -220,6 +221,9 @@ class RunPolicy:
             ``SPARKGPU_SPARK_WAIT_TIMEOUT``. Nothing is billed while it waits.
         elastic_wait: Seconds an elastic job's attempt waits for all its GPUs before it goes on
             with fewer (:attr:`Resources.min_gpus`); ``None``: :data:`ELASTIC_WAIT`.
+        restart_on: The failure classes (:class:`~sparkgpu.failure_class.FailureClass` values)
+            restarted while restarts are left; ``None``: the default policy's
+            (:data:`~sparkgpu.launch.client.failure_policy.DEFAULT_POLICY`).
     """
 
     timeout: float | None = None
@@ -231,8 +235,14 @@ class RunPolicy:
     priority: Priority = Priority.NORMAL
     capacity_wait: float | None = None
     elastic_wait: float | None = None
+    restart_on: tuple[str, ...] | None = None
 
     def __post_init__(self):
+        if self.restart_on is not None:
+            try:
+                object.__setattr__(self, "restart_on", parse_failure_classes(self.restart_on))
+            except ValueError as exc:
+                raise ConfigurationError(str(exc)) from None
         object.__setattr__(self, "priority", Priority.parse(self.priority))
         for field in ("timeout", "max_runtime", "capacity_wait", "elastic_wait"):
             object.__setattr__(self, field, parse_duration(getattr(self, field), name=field))

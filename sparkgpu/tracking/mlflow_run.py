@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sparkgpu.callbacks import AttemptOutcome, JobCallback, WorkerContext
-from sparkgpu.errors import ConfigurationError
+from sparkgpu.errors import ConfigurationError, NodeLostError, WorkerFailedError, first_failure
+from sparkgpu.failure_class import classify
 from sparkgpu.protocol import AttemptStatus
 from sparkgpu.runtime import TRACKING_DIR
 from sparkgpu.tracking._permissions import translate_permission_errors
@@ -473,6 +474,11 @@ class MLflowCallback(JobCallback):
                 self._safely("flag the run's unsent records", self._client.set_tag, run_id, UNSENT_TAG, hint)
         if message is not None:
             self._safely("record the job's error", self._client.set_tag, run_id, "sparkgpu.error", message)
+        found = _failure_class(error)
+        if found is not None:
+            self._safely(
+                "record the job's failure class", self._client.set_tag, run_id, "sparkgpu.failure_class", found
+            )
         self._safely("end the run", self._client.set_terminated, run_id, status)
 
     def _safely(self, what: str, fn, *args, **kwargs) -> None:
@@ -612,3 +618,14 @@ def _tags(values: dict):
     from mlflow.entities import RunTag
 
     return [RunTag(k, str(v)) for k, v in values.items()]
+
+
+def _failure_class(error: BaseException | None) -> str | None:
+    """The class of a job's failure (:func:`~sparkgpu.failure_class.classify`), when its ranks failed."""
+    if not isinstance(error, WorkerFailedError) or not error.failures:
+        return None
+    root = first_failure(error.failures)
+    # The supervisor raises the ranks' error from the root cause rank's own exception.
+    exceptions = {root.rank: error.__cause__} if error.__cause__ is not None else {}
+    lost = error.lost if isinstance(error, NodeLostError) else ""
+    return classify(error.failures, exceptions, lost=lost).cls.value

@@ -476,7 +476,7 @@ def test_a_lost_node_in_the_backends_report_fails_the_attempt_naming_its_host(tm
     assert [(n["node"], n["executor"], n["host"]) for n in first["lost"]] == [(1, "7", "10.0.0.7")]
     assert first["cause"][0] == "executor 7 on host 10.0.0.7 was lost (no heartbeat for 10s)"
     assert first["ended_at"] == first["started_at"]  # lost before it started here: nothing billed after the loss
-    assert "attempt 0 failed: executor 7 on host 10.0.0.7 was lost" in out.getvalue()
+    assert "attempt 0 failed (lost_node: executor 7 on host 10.0.0.7 was lost" in out.getvalue()
     # Read back later (attach(job_id).result()), the job raises the same error.
     again = read_attempt(rd, 1, 2, sup.job.policy).error("job-1", "logs")
     assert isinstance(again, NodeLostError) and again.lost == err.value.lost and again.ranks == err.value.ranks

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sparkgpu.errors import NodeLostError, RankFailure, first_failure, worker_failed_error
+from sparkgpu.failure_class import OOM_KILLED
 from sparkgpu.launch.client.attempt_report import AttemptReport
 from sparkgpu.launch.rank.entrypoint import EXIT_PREEMPTED
 from sparkgpu.protocol import AttemptStatus, RankExit
@@ -220,7 +221,8 @@ def _not_checkpointed_message(policy) -> str:
 
 def _describe_exit(info: RankExit) -> str:
     if info.signal:
-        return f"the process died from signal {info.signal} (exit code {info.exitcode}) without a Python exception"
+        died = f"the process died from signal {info.signal} (exit code {info.exitcode}) without a Python exception"
+        return f"{died}: {OOM_KILLED}" if info.oom_killed else died
     if info.exitcode == 0:
         return (
             "the process exited with code 0 without returning a result or raising an exception "

@@ -47,6 +47,7 @@ from sparkgpu.errors import (
     PolicyViolationError,
     RankFailure,
 )
+from sparkgpu.failure_class import Classified, classify
 from sparkgpu.launch.backends.base import Backend
 from sparkgpu.launch.backends.capabilities import ElasticCapacity, Preemptible, QueuedCapacity
 from sparkgpu.launch.client.attempt_result import AttemptResult, StoppedBy
@@ -135,7 +136,7 @@ class Supervisor:
         self.run_dir.key = key  # the backends hand it to the job's processes (sparkgpu.launch.rundir.keys)
         self.callbacks = list(callbacks)
         self.out = out if out is not None else console()
-        self.policy = self.failure_policy_cls(job.policy.max_restarts)
+        self.policy = self.failure_policy_cls(job.policy.max_restarts, job.policy.restart_on)
         #: Set (from any thread) to cancel the job; a CANCEL_REQUEST_FILE does the same from another process.
         self.cancel_event = threading.Event()
         #: When and how an elastic job changes size (``min_gpus=``); ``None`` for a fixed one, and
@@ -244,19 +245,23 @@ class Supervisor:
                     if step is JobStep.WAIT_FOR_GPUS:
                         self._wait_after_giving_way(attempt.why, job_started)
                 elif (
-                    self.policy.decide(book.state["restarts"], outcome.exceptions, outcome.failures, failed_before)
+                    self.policy.decide(
+                        book.state["restarts"], outcome.exceptions, outcome.failures, failed_before, outcome.lost
+                    )
                     is Decision.RESTART
                 ):
                     failed_before = outcome.failures
                     restarts = book.count_restart()
-                    why = f": {outcome.lost}" if outcome.lost else ""
                     report(
-                        f"attempt {attempt.index} failed{why}; restarting {restart_point(attempts.latest_checkpoint())} "
-                        f"(restart {restarts} of {self.job.policy.max_restarts})",
+                        f"attempt {attempt.index} failed ({self._classify(attempt)}); restarting "
+                        f"{restart_point(attempts.latest_checkpoint())} (restart {restarts} of {self.job.policy.max_restarts})",
                         self.out,
                     )
                 else:
-                    permanent = self.policy.unrestartable(outcome.exceptions, outcome.failures, failed_before)
+                    self._classify(attempt)
+                    permanent = self.policy.unrestartable(
+                        outcome.exceptions, outcome.failures, failed_before, outcome.lost
+                    )
                     if permanent is not None and book.state["restarts"] < self.job.policy.max_restarts:
                         report(f"attempt {attempt.index} failed {permanent}; a restart cannot fix that", self.out)
                     book.set_status(JobStatus.FAILED)
@@ -278,6 +283,15 @@ class Supervisor:
                 finally:
                     if book.status.is_terminal:
                         book.finish()  # observers in other processes now read the end as final
+
+    def _classify(self, attempt) -> Classified:
+        """The failed attempt's class, recorded in its ``state.json`` record (``failure_class``, ``failure_detail``)."""
+        outcome = attempt.outcome
+        found = classify(outcome.failures, outcome.exceptions, lost=outcome.lost)
+        attempt.record["failure_class"] = found.cls.value
+        attempt.record["failure_detail"] = found.detail
+        self.book.save()
+        return found
 
     def _attempt_runner(self) -> AttemptRunner:
         """Runs this job's attempts with the supervisor's collaborators as they are now."""

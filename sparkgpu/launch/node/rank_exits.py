@@ -26,9 +26,11 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import psutil
 
+from sparkgpu.failure_class import oom_kills, own_cgroup
 from sparkgpu.launch.rank.entrypoint import EXIT_PREEMPTED
 from sparkgpu.protocol import RankExit
 
@@ -53,6 +55,8 @@ class RankExitWatcher:
         ranks: How many ranks the node starts: the watcher stops looking for new ones once it
             has them all (``None``: it looks until it is closed). ``0``: it never looks, and
             knows only the ranks it is told of (:meth:`adopt`).
+        cgroup: The cgroup (v2) directory whose ``memory.events`` tells an OOM kill from
+            another SIGKILL; ``None``: this process's own (:func:`~sparkgpu.failure_class.own_cgroup`).
 
     Attributes:
         exits: Global rank -> :class:`RankExit` (exit code, signal, time; no pid) of every rank seen exiting.
@@ -67,8 +71,12 @@ class RankExitWatcher:
         crash_kill_delay: float = CRASH_KILL_DELAY,
         checkpoints_on_sigterm: Callable[[int], bool] = lambda rank: True,
         ranks: int | None = None,
+        cgroup: str | Path | None = None,
     ):
         self.expected = ranks
+        self.cgroup = cgroup if cgroup is not None else own_cgroup()
+        # The OOM kills its cgroup counted before any rank ran: a rise at a SIGKILL is the host's OOM killer.
+        self._oom_kills = oom_kills(self.cgroup) if self.cgroup is not None else None
         self.run_id = run_id
         self.reported = reported
         self.checkpoints_on_sigterm = checkpoints_on_sigterm
@@ -143,10 +151,12 @@ class RankExitWatcher:
         if info is None:
             return
         exited = info.si_code == os.CLD_EXITED
+        record_signal = None if exited else signal.Signals(info.si_status).name
         record = RankExit(
             info.si_status if exited else -info.si_status,
-            signal=None if exited else signal.Signals(info.si_status).name,
+            signal=record_signal,
             time=time.time(),
+            oom_killed=record_signal == "SIGKILL" and self._oom_killed(),
         )
         self.exits[rank] = record
         if exited and info.si_status == 0 and not self.reported(rank):
@@ -154,6 +164,13 @@ class RankExitWatcher:
             self._stop_other_ranks()
         elif record.exitcode not in (0, EXIT_PREEMPTED, -signal.SIGTERM):
             threading.Timer(self.crash_kill_delay, self._kill_other_ranks).start()
+
+    def _oom_killed(self) -> bool:
+        """Whether the cgroup counted an OOM kill since the watcher started (``False`` where unreadable)."""
+        if self.cgroup is None or self._oom_kills is None:
+            return False
+        now = oom_kills(self.cgroup)
+        return now is not None and now > self._oom_kills
 
     def _kill_other_ranks(self) -> None:
         with self._lock:
