@@ -118,8 +118,9 @@ JOB_OPTIONS: tuple[JobOption, ...] = (
 #: ``run_async``: a job file or ``sparkgpu run`` waits for its job (``sparkgpu logs --follow`` watches one).
 #: ``detach``: ``sparkgpu run --detach`` says it for the command, not the file. ``idempotency_key``: a
 #: field of the file beside its options (:class:`~sparkgpu.jobfile.JobFile`), and ``--idempotency-key``.
+#: ``restart_on``: not a job-file option yet (a list of failure classes; the default policy applies).
 PYTHON_ONLY_KEYWORDS = frozenset(
-    {"num_accelerators", "num_gpus", "backend", "callbacks", "run_async", "detach", "idempotency_key"}
+    {"num_accelerators", "num_gpus", "backend", "callbacks", "run_async", "detach", "idempotency_key", "restart_on"}
 )
 
 

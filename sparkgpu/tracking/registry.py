@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 from sparkgpu._modules import imported
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.launch.rundir.trained_models import unwrap_model, unwrap_models
+from sparkgpu.train.trained_models import unwrap_model, unwrap_models
 from sparkgpu.tracking._checkpoints import committed_checkpoint, load_checkpoint_into
 from sparkgpu.tracking._permissions import translate_permission_errors
 from sparkgpu.tracking._transformers import is_transformers_model

@@ -19,7 +19,7 @@ from tests.fakes.tiny_models import tokenizer as word_tokenizer
 
 from sparkgpu.errors import ResultError, SerializationError
 from sparkgpu.launch.rundir.serialization import dump_result
-from sparkgpu.launch.rundir.trained_models import find_models, save_models, unwrap_model, unwrap_models
+from sparkgpu.train.trained_models import find_models, save_models, unwrap_model, unwrap_models
 
 
 def tiny_llama(seed: int = 0):

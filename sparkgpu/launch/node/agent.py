@@ -304,6 +304,7 @@ def _launch(args: argparse.Namespace, rd: RunDir, air: str, init_timeout: float,
     for failed, failure in failures.items():
         if failed in watcher.exits:  # torch's own time is whole seconds, and when it noticed
             failure.time = watcher.exits[failed].time
+            failure.oom_killed = watcher.exits[failed].oom_killed  # torch's record cannot tell the OOM killer
     node = NodeExit(args.node_rank, status, failures)
     rd.write_control(rd.node_file(args.attempt, args.node_rank), json.dumps(node.to_json()).encode())
     return status

@@ -29,7 +29,7 @@ from sparkgpu.errors import HydrationError, ResultError, SparkGPUError
 from sparkgpu._keyring import hold_job_key
 from sparkgpu.launch.rank.process_group import RankProcessGroup
 from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir.trained_models import save_models, unwrap_models
+from sparkgpu.train.trained_models import save_models, unwrap_models
 from sparkgpu.launch.rank.threads import pin_rank_threads
 
 __all__ = ["main", "rank_device_env", "EXIT_FAILED", "EXIT_PREEMPTED", "NODE_DEVICES_ENV"]

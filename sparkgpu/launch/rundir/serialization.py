@@ -188,7 +188,7 @@ def _unpicklable_item(value: Any) -> str | None:
 
 def dump_result(value: Any, f, rank: int) -> None:
     """Pickles rank ``rank``'s return value into the file ``f``; models in it should be unwrapped first
-    (:func:`~sparkgpu.launch.rundir.trained_models.unwrap_models`).
+    (:func:`~sparkgpu.train.trained_models.unwrap_models`).
 
     Raises:
         SerializationError: the value does not pickle; names the item of a returned container that does not.
