@@ -33,26 +33,36 @@ def tokenizer():
     )
 
 
-def llama_dir(path: Path, seed: int = 0) -> Path:
-    """A 2-layer Llama of hidden size 32 with its tokenizer, saved with ``save_pretrained``."""
+def tiny_llama(vocab_size: int = 32, seed: int = 0, max_positions: int = 32, **token_ids):
+    """A 2-layer Llama of hidden size 32, built from its config (``token_ids``: pad/bos/eos ids)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tok = tokenizer()
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=len(tok),
+        vocab_size=vocab_size,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=128,
+        max_position_embeddings=max_positions,
+        **token_ids,
+    )
+    return LlamaForCausalLM(config)
+
+
+def llama_dir(path: Path, seed: int = 0) -> Path:
+    """A 2-layer Llama of hidden size 32 with its tokenizer, saved with ``save_pretrained``."""
+    tok = tokenizer()
+    model = tiny_llama(
+        len(tok),
+        seed,
+        max_positions=128,
         pad_token_id=tok.pad_token_id,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
     )
-    model = LlamaForCausalLM(config)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-import traceback
 
 import pytest
 import torch
@@ -27,6 +26,7 @@ from sparkgpu.launch.rundir.serialization import serialize_payload
 from sparkgpu.launch.node.rank_exits import RankExitWatcher
 from sparkgpu.protocol import NodeExit, RankExit
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
+from tests.rank_failures import raised
 
 KEY = b"k" * 32
 #: The message torch's NCCL watchdog raises when a collective times out.
@@ -39,17 +39,6 @@ OOM = (
     "1.05 GiB is free. Of the allocated memory 79.1 GiB is allocated by PyTorch, and 12.0 MiB is reserved "
     "by PyTorch but unallocated."
 )
-
-
-def raised(fn, rank: int = 0, at: float = 1.0) -> tuple[RankFailure, BaseException]:
-    """The RankFailure a rank writes for what ``fn`` raises (as serialize_error builds it)."""
-    try:
-        fn()
-    except Exception as exc:
-        name = f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins.")
-        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        return RankFailure(rank, name, str(exc), text, timestamp=at), exc
-    raise AssertionError("fn raised nothing")
 
 
 def train_step(step: int):

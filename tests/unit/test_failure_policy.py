@@ -7,21 +7,10 @@ made from real exceptions raised in real functions.
 from __future__ import annotations
 
 import json
-import traceback
 
 from sparkgpu.errors import RankFailure, ResultError
 from sparkgpu.launch.client.failure_policy import Decision, FailurePolicy, failure_location
-
-
-def raised(fn, rank: int = 0, at: float = 1.0) -> tuple[RankFailure, BaseException]:
-    """The RankFailure a rank writes for what ``fn`` raises (as serialize_error builds it)."""
-    try:
-        fn()
-    except Exception as exc:
-        name = f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins.")
-        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        return RankFailure(rank, name, str(exc), text, timestamp=at), exc
-    raise AssertionError("fn raised nothing")
+from tests.rank_failures import raised
 
 
 def bad_batch(step: int = 3):

@@ -20,22 +20,11 @@ from tests.fakes.tiny_models import tokenizer as word_tokenizer
 from sparkgpu.errors import ResultError, SerializationError
 from sparkgpu.launch.rundir.serialization import dump_result
 from sparkgpu.train.trained_models import find_models, save_models, unwrap_model, unwrap_models
+from tests.fakes import tiny_models
 
 
 def tiny_llama(seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=32,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    return LlamaForCausalLM(config)
+    return tiny_models.tiny_llama(seed=seed)
 
 
 @pytest.fixture
