@@ -4,8 +4,8 @@ A job file names its secrets (an ``air run`` workload's ``secrets: {HF_TOKEN: my
 each value is read on the client, when the file is read, from a file of the user's own:
 ``$SPARKGPU_SECRETS_DIR/<scope>/<key>`` (by default ``$SPARKGPU_HOME/secrets/<scope>/<key>``),
 which must be readable by its owner only (mode 0600 or stricter). The values then travel the way
-the job's payload does, encrypted under a key derived from the job key (:func:`seal`): the run
-dir, a staging store and the payload hold only ciphertext. Each rank decrypts them with the job
+the job's payload does, encrypted (AES-256-GCM, from ``cryptography``) under a key derived from
+the job key (:func:`seal`): the run dir, a staging store and the payload hold only ciphertext. Each rank decrypts them with the job
 key it already holds in memory (:func:`sparkgpu._keyring.current_job_key`) and keeps them there;
 the script reads one with :func:`sparkgpu.runtime.secret`.
 
@@ -16,8 +16,6 @@ or a file of the run dir.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import os
 import re
@@ -33,7 +31,8 @@ __all__ = ["SECRETS_DIR_ENV", "SecretRef", "parse_secret_refs", "read_secrets", 
 SECRETS_DIR_ENV = "SPARKGPU_SECRETS_DIR"
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _PART = re.compile(r"[A-Za-z0-9_.@+-]+")  # one path segment: no '/', no '..' alone (checked below)
-_NONCE, _TAG, _BLOCK = 16, 32, 32
+_NONCE = 12  # AES-GCM's standard nonce
+_CONTEXT = b"sparkgpu job secrets"  # authenticated with the values: a sealed blob of another kind does not open
 
 _held: dict[str, str] = {}
 _held_lock = threading.Lock()
@@ -133,28 +132,18 @@ def read_secrets(refs: Mapping[str, SecretRef], source: str) -> dict[str, str]:
     return values
 
 
-def _keys(job_key: bytes) -> tuple[bytes, bytes]:
+def _cipher(job_key: bytes):
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
     from sparkgpu._keyring import derive_key
 
-    return derive_key(job_key, "secrets encryption"), derive_key(job_key, "secrets mac")
-
-
-def _keystream(key: bytes, nonce: bytes, length: int) -> bytes:
-    # HMAC-SHA256 as a pseudo-random function in counter mode: the standard library alone.
-    blocks = (length + _BLOCK - 1) // _BLOCK
-    return b"".join(hmac.new(key, nonce + i.to_bytes(8, "big"), hashlib.sha256).digest() for i in range(blocks))[
-        :length
-    ]
+    return AESGCM(derive_key(job_key, "secrets encryption"))
 
 
 def seal(job_key: bytes, values: Mapping[str, str]) -> bytes:
-    """``values`` encrypted and authenticated under keys derived from the job key (encrypt, then MAC)."""
-    plain = json.dumps(dict(values)).encode()
-    encryption, authentication = _keys(job_key)
+    """``values`` encrypted and authenticated (AES-256-GCM) under a key derived from the job key."""
     nonce = os.urandom(_NONCE)
-    cipher = bytes(a ^ b for a, b in zip(plain, _keystream(encryption, nonce, len(plain))))
-    tag = hmac.new(authentication, nonce + cipher, hashlib.sha256).digest()
-    return nonce + cipher + tag
+    return nonce + _cipher(job_key).encrypt(nonce, json.dumps(dict(values)).encode(), _CONTEXT)
 
 
 def unseal(job_key: bytes | None, sealed: bytes) -> dict[str, str]:
@@ -163,15 +152,16 @@ def unseal(job_key: bytes | None, sealed: bytes) -> dict[str, str]:
     Raises:
         SparkGPUError: no job key here (not a rank of the job), or the sealed bytes were changed.
     """
+    from cryptography.exceptions import InvalidTag
+
     if not job_key:
         raise SparkGPUError("the job's secrets can be opened only in a rank of the job, which holds its key")
-    encryption, authentication = _keys(job_key)
-    nonce, cipher, tag = sealed[:_NONCE], sealed[_NONCE:-_TAG], sealed[-_TAG:]
-    if len(sealed) < _NONCE + _TAG or not hmac.compare_digest(
-        tag, hmac.new(authentication, nonce + cipher, hashlib.sha256).digest()
-    ):
-        raise SparkGPUError("the job's sealed secrets do not verify under its key; they were changed on the way")
-    plain = bytes(a ^ b for a, b in zip(cipher, _keystream(encryption, nonce, len(cipher))))
+    try:
+        plain = _cipher(job_key).decrypt(sealed[:_NONCE], sealed[_NONCE:], _CONTEXT)
+    except (InvalidTag, ValueError):  # changed bytes, or too few to hold a nonce and a tag
+        raise SparkGPUError(
+            "the job's sealed secrets do not verify under its key; they were changed on the way"
+        ) from None
     return json.loads(plain)
 
 
