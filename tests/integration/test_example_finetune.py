@@ -23,7 +23,7 @@ def test_the_finetuning_example_resumes_by_itself_registers_and_answers_held_out
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-6000:]
     # Rank 1 died at step 24; the sealed step-20 checkpoint and the loader's position were used.
-    assert "attempt 0 failed; restarting from step 20" in out, out[-6000:]
+    assert "attempt 0 failed (killed: the process was killed by SIGKILL); restarting from step 20" in out, out[-6000:]
     assert "the Trainer resumes from step 20" in out
     assert "the loader resumes at its saved position: no batch is replayed" in out
     assert re.search(r"registered main\.demo\.chat version \d+ \(PeftModel\), alias champion", out)

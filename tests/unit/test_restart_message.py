@@ -23,7 +23,10 @@ def _seal(checkpoints, step: int, key: bytes) -> None:
 def test_with_no_checkpoint_the_message_says_from_the_start(tmp_path):
     sup, _, _, _, out = run_job(tmp_path, ["segv", "ok"], max_restarts=1)
     sup.run()
-    assert "attempt 0 failed; restarting from the start: no checkpoint (restart 1 of 1)" in out.getvalue()
+    assert (
+        "attempt 0 failed (native_crash: the process died from SIGSEGV); restarting from the start: no checkpoint "
+        "(restart 1 of 1)" in out.getvalue()
+    )
 
 
 def test_a_trainers_sealed_checkpoint_is_named_and_a_forged_one_is_not(tmp_path):

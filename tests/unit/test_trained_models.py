@@ -33,6 +33,8 @@ def bf16_accelerator():
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
+    # A process-wide singleton: an earlier test of this worker (a Trainer's) may have set it up otherwise.
+    AcceleratorState._reset_state(reset_partial_state=True)
     accelerator = Accelerator(mixed_precision="bf16", cpu=True)
     yield accelerator
     AcceleratorState._reset_state(reset_partial_state=True)  # a process-wide singleton: leave none behind
