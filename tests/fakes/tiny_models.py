@@ -33,8 +33,8 @@ def tokenizer():
     )
 
 
-def tiny_llama(vocab_size: int = 32, seed: int = 0, max_positions: int = 32, **token_ids):
-    """A 2-layer Llama of hidden size 32, built from its config (``token_ids``: pad/bos/eos ids)."""
+def tiny_llama(vocab_size: int = 32, seed: int = 0, max_positions: int = 32, **config):
+    """A 2-layer Llama of hidden size 32, built from its config (``config``: more of its fields)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -47,7 +47,7 @@ def tiny_llama(vocab_size: int = 32, seed: int = 0, max_positions: int = 32, **t
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=max_positions,
-        **token_ids,
+        **config,
     )
     return LlamaForCausalLM(config)
 

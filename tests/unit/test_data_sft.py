@@ -201,20 +201,9 @@ def test_rows_are_made_a_multiple_of_the_world_size():
 
 
 def _llama(vocab_size: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.fakes.tiny_models import tiny_llama
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-        attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(config).train()
+    return tiny_llama(vocab_size, max_positions=SEQ, attn_implementation="sdpa").train()
 
 
 def test_packed_loss_equals_the_documents_run_one_at_a_time(corpus):

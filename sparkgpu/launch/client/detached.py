@@ -138,7 +138,8 @@ def keep(run_dir: RunDir) -> int:
             started + 1,
             RESPAWN_LIMIT,
         )
-        time.sleep(min(30.0, 0.5 * 2 ** max(0, quick_deaths - 1)) if quick_deaths > 1 else 0.0)
+        if quick_deaths > 1:  # dying again at once: back off 1, 2, 4 ... 30 s before the next
+            time.sleep(min(30.0, 2.0 ** (quick_deaths - 2)))
     logger.error(
         "job %s: %d supervisors died one after another; giving up. `sparkgpu resume %s` continues it",
         run_dir.job_id,
