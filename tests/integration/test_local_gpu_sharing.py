@@ -9,6 +9,7 @@ import pytest
 from sparkgpu import distributed
 from sparkgpu.config import settings
 from sparkgpu.errors import CapacityError
+from sparkgpu.launch.scheduling.gpu_lease import waiting_jobs
 
 
 @pytest.fixture
@@ -41,14 +42,24 @@ def test_concurrent_local_jobs_get_different_gpus_or_wait_for_them(two_gpus, tmp
     assert {a, b} == {"0", "1"}  # not both on GPU 0, as every job took 0..n-1 before
 
     both = distributed(gpus=2, gpu_type="H100")(hold)
-    early = both.submit(str(tmp_path / "early"))
-    late = both.submit(str(tmp_path / "late"))  # needs the GPUs `early` holds: waits for them
-    time.sleep(3)
+    calls = {"early": both.submit(str(tmp_path / "early")), "late": both.submit(str(tmp_path / "late"))}
+    # Each job has its own supervisor, so either may take the GPUs first; the other must wait in
+    # the host's queue for them (seen there, not guessed from a clock) while the first runs.
+    deadline = time.monotonic() + 120
+    while True:
+        running = [n for n, c in calls.items() if list((settings().staging_root / c.job_id).glob("attempts/0/logs/*"))]
+        queued = [n for n, c in calls.items() if c.job_id in waiting_jobs()]
+        if len(running) == 1 and queued == [n for n in calls if n not in running]:
+            break
+        assert len(running) < 2, "both jobs started on the same two GPUs"
+        assert time.monotonic() < deadline, f"running {running}, queued {queued}"
+        time.sleep(0.1)
     (tmp_path / "early").touch()
     (tmp_path / "late").touch()
-    early_ended = max(end for _, _, end in early.result(timeout=120))
-    late_started = min(start for _, start, _ in late.result(timeout=120))
-    assert late_started >= early_ended  # never on the same GPUs at once
+    first, waited = calls[running[0]], calls[queued[0]]
+    first_ended = max(end for _, _, end in first.result(timeout=120))
+    waited_started = min(start for _, start, _ in waited.result(timeout=120))
+    assert waited_started >= first_ended  # never on the same GPUs at once
 
 
 def test_a_job_that_cannot_get_gpus_in_time_names_the_busy_ones(two_gpus, tmp_path, monkeypatch):
