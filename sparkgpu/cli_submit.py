@@ -47,7 +47,7 @@ def submit_job(fn, job_file, prepared, watch: bool) -> int:
                 file=sys.stderr,
             )
             return EXIT_OK
-        # A remote job is supervised by the process that submitted it: leaving would stop it.
+        # A job this process supervises (detach=False, a classic Spark session): leaving would stop it.
         print(
             f"sparkgpu: job {call.job_id} submitted; it is supervised from here, so this command waits "
             "for it to end (Ctrl-C stops it; `sparkgpu logs --follow` watches it)",

@@ -324,14 +324,40 @@ class DistributedFunction:
                 process cannot rebuild; raised before anything is prepared.
         """
         if self.detach is None:
-            # Remote jobs stay supervised by their caller until the cluster keeps their supervisor.
-            return submitting and not isinstance(self.backend, Backend) and not self.resources.remote
-        if self.detach and isinstance(self.backend, Backend):
+            return submitting and self._detach_refusal() is None
+        if self.detach and (refusal := self._detach_refusal()) is not None:
             raise ConfigurationError(
-                f"detach=True supervises the job in processes of its own, which cannot use the backend object "
-                f"{self.backend!r} of this process; name the backend (backend={self.backend.name!r}), or drop detach"
+                f"detach=True supervises the job in processes of its own, and this one cannot be: {refusal}; "
+                "or drop detach (this process then supervises the job, and it ends with this process)"
             )
         return self.detach
+
+    def _detach_refusal(self) -> str | None:
+        """Why another process could not supervise this function's job; ``None`` when one can.
+
+        A named backend is built there anew; a backend object only when it can be rebuilt from the
+        run dir (a Spark backend on a Spark Connect session).
+        """
+        backend = self.backend
+        if isinstance(backend, Backend):
+            refusal = getattr(backend, "detach_refusal", None)
+            if callable(refusal):
+                return refusal()
+            return (
+                f"it runs on the backend object {backend!r} of this process, which another process cannot rebuild; "
+                f"name the backend (backend={backend.name!r})"
+            )
+        if self.resources.remote:
+            from sparkgpu.launch.backends.spark.sessions import active_spark_session, detach_refusal
+            from sparkgpu.pools import configured_pools
+
+            if configured_pools() is not None or settings().spark_remote:
+                return None  # sessions opened by URL
+            try:
+                return detach_refusal(active_spark_session())
+            except ConfigurationError:
+                return None  # no session at all: preparing the job says so
+        return None
 
     def _submit_detached(self, args: tuple, kwargs: dict):
         """Writes the job and starts its keeper; its observing call (an earlier one's, for a used idempotency key)."""

@@ -100,3 +100,19 @@ def test_a_registry_that_fails_keeps_the_jobs_results_reachable(monkeypatch, tmp
 
     assert err.value.results[1] == 1 and isinstance(err.value.results[0], torch.nn.Linear)
     assert job.last_results is err.value.results
+
+
+def test_detach_true_with_a_backend_no_other_process_can_rebuild_is_refused_before_anything_is_written(
+    _isolated_sparkgpu_home,
+):
+    from sparkgpu.config import settings
+    from sparkgpu.launch.backends.spark.backend import SparkBackend
+
+    with pytest.raises(ConfigurationError, match=r"cannot be: .*backend=.local."):
+        distributed(gpus=1, gpu_type="cpu", backend=LocalBackend(), detach=True)(sum).submit([1])
+    classic = SparkBackend(object())  # a classic SparkSession: its driver is this process
+    with pytest.raises(ConfigurationError, match=r"classic SparkSession .*SparkSession.builder.remote"):
+        distributed(gpus=1, gpu_type="A10", remote=True, backend=classic, detach=True)(sum).submit([1])
+    # submit() without detach= keeps such jobs supervised here, as before
+    assert not distributed(gpus=1, gpu_type="A10", remote=True, backend=classic)(sum).submit_detaches
+    assert not list(settings().staging_root.glob("*"))  # nothing was written for the refused ones

@@ -113,6 +113,37 @@ def test_the_connect_url_a_job_records_for_resume_never_holds_its_token(tmp_path
     assert "s3cr3t" not in "".join(p.read_text() for p in run_dir.path.iterdir())
 
 
+def test_a_detached_supervisor_rebuilds_the_backend_with_its_settings_and_the_sealed_token(tmp_path):
+    import os
+    from types import SimpleNamespace
+
+    from pyspark.sql.connect.client.core import DefaultChannelBuilder
+
+    from sparkgpu.launch.backends.spark.backend import SparkBackend
+    from sparkgpu.launch.backends.spark.sessions import record_session, recorded_remote
+    from sparkgpu.launch.rundir.directory import RunDir
+
+    url = "sc://head:443/;use_ssl=true;token=s3cr3t;user_id=ana"
+    spark = SimpleNamespace(client=SimpleNamespace(_builder=DefaultChannelBuilder(url)))
+    backend = SparkBackend(spark, client_timeout=8.0, wait_timeout=300.0, gpus_per_node=1, staging_url="")
+    assert backend.detach_refusal() is None
+    key = os.urandom(32)
+    run_dir = RunDir(tmp_path / "job-1", key)
+    run_dir.path.mkdir()
+    backend.job_written(None, run_dir)
+    assert all(b"s3cr3t" not in p.read_bytes() for p in run_dir.path.iterdir())  # sealed, never in the clear
+    assert recorded_remote(RunDir(run_dir.path)) == "sc://head:443/;use_ssl=true;user_id=ana"  # no key: no token
+    assert recorded_remote(run_dir) == url  # the job's own processes open it
+
+    record_session(spark, run_dir)  # an attempt records the URL again: the settings stay
+    rebuilt = SparkBackend.reattach(run_dir)
+    assert (rebuilt.remote, rebuilt.client_timeout, rebuilt.wait_timeout, rebuilt.gpus_per_node) == (url, 8.0, 300.0, 1)
+    assert rebuilt.staging_url is None
+
+    classic = SparkBackend(object())  # a classic session lives in this process only
+    assert "classic SparkSession" in classic.detach_refusal()
+
+
 def test_a_session_its_connect_server_closed_is_replaced_or_the_error_says_how_to_resume(monkeypatch):
     import io
     from types import SimpleNamespace

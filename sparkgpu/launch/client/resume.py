@@ -150,7 +150,7 @@ def _take_over_locked(run_dir: RunDir, backend, out, force: bool, lock: Supervis
     key = load_key(job_id)
     _, parts = run_dir.load_verified(key)
     callbacks = unpack_callbacks(parts)  # the function itself is the ranks' to import, not the supervisor's
-    backend = backend or _backend_for(job, run_dir)
+    backend = backend or _backend_for(job, RunDir(run_dir.path, key))  # the key opens a sealed Connect token
     supervisor = Supervisor(job, run_dir, backend, key, callbacks, out=out)
     supervisor.lock = lock
     if book is not None and book.state:

@@ -59,6 +59,8 @@ from sparkgpu.launch.backends.spark.sessions import (
     pool_for_job,
     pool_session,
     record_session,
+    detach_refusal,
+    recorded_options,
     recorded_remote,
 )
 from sparkgpu.protocol import NodeState
@@ -445,15 +447,36 @@ class SparkBackend(Backend, Preemptible, ElasticCapacity, DeferredStart, Reattac
 
     # -- resuming in another process ---------------------------------------------------
     def job_written(self, job: JobSpec, run_dir: RunDir) -> None:
-        """Keeps the Connect URL in the run dir at once: a client that dies while its job waits in
-        the cluster's queue leaves a job that ``sparkgpu resume`` can continue."""
-        record_session(self.spark, run_dir)
+        """Keeps the Connect URL and this backend's settings in the run dir at once: a client that
+        dies while its job waits in the cluster's queue leaves a job that ``sparkgpu resume`` can
+        continue, and a detached job's supervisor runs it as this backend would."""
+        record_session(self.spark, run_dir, self.rebuild_options())
+
+    def rebuild_options(self) -> dict:
+        """This backend's settings, as keywords that rebuild it in another process (JSON)."""
+        options = {
+            "gpus_per_node": self.gpus_per_node,
+            "simulated": self.simulated,
+            "client_timeout": self.client_timeout,
+            "node_timeout": self.node_timeout,
+            "control_interval": self.control_interval,
+            "staging_url": self.staging_url or "",
+            "pool": self.pool_name,
+        }
+        if self._wait_timeout_given:
+            options["wait_timeout"] = self.wait_timeout
+        return options
+
+    def detach_refusal(self) -> str | None:
+        """Why this backend's jobs cannot be supervised by processes of their own; ``None`` when they can."""
+        return detach_refusal(self._spark)
 
     @classmethod
     def reattach(cls, run_dir: RunDir) -> SparkBackend:
-        """A backend for the job in ``run_dir`` that reconnects to the Connect server it ran on, when
-        this process has no session and ``SPARKGPU_SPARK_REMOTE`` is unset."""
-        return cls(remote=recorded_remote(run_dir))
+        """A backend for the job in ``run_dir``, with the settings it was written with, that reconnects
+        to the Connect server it ran on when this process has no session and
+        ``SPARKGPU_SPARK_REMOTE`` is unset."""
+        return cls(remote=recorded_remote(run_dir), **recorded_options(run_dir))
 
     @classmethod
     def stop_lost_attempts(cls, job: JobSpec, run_dir: RunDir, attempts: list[int]) -> None:

@@ -39,6 +39,8 @@ __all__ = [
     "connection_closed",
     "record_session",
     "recorded_remote",
+    "recorded_options",
+    "detach_refusal",
     "check_key_transport",
     "SESSION_FILE",
     "PLAINTEXT_ENV",
@@ -49,6 +51,8 @@ PLAINTEXT_ENV = "SPARKGPU_ALLOW_PLAINTEXT_CONNECT"
 
 #: Where a job's run dir keeps the Spark Connect URL it ran on, for ``sparkgpu resume``.
 SESSION_FILE = "spark-session.json"
+#: Beside it: the URL with its token, sealed under the job key (only where the URL has one).
+SEALED_URL_FILE = "spark-session.sealed"
 
 _remote_sessions: dict[str, Any] = {}  # Connect sessions: pyspark imported on first use
 _lock = threading.Lock()
@@ -247,17 +251,79 @@ def check_key_transport(spark, job_id: str) -> None:
     )
 
 
-def record_session(spark, run_dir: RunDir) -> None:
-    """Keeps the Connect URL a job runs on in its run dir: ``sparkgpu resume`` in a fresh
-    process reconnects there when nothing else names a session."""
+def record_session(spark, run_dir: RunDir, options: dict | None = None) -> None:
+    """Keeps the Connect URL a job runs on in its run dir: ``sparkgpu resume`` and a detached
+    job's supervisor, in fresh processes, reconnect there when nothing else names a session.
+
+    Args:
+        options: The backend's own settings (``SparkBackend.rebuild_options``), for a process
+            that rebuilds it. Kept when omitted (each attempt records the URL again).
+
+    The URL is kept without its credentials; a ``token=`` it carries is sealed under the job key
+    beside it (:data:`SEALED_URL_FILE`), for the job's own processes only.
+    """
     url = connect_url(spark)
-    if url is not None:
-        atomic_write_bytes(run_dir.path / SESSION_FILE, json.dumps({"remote": url}).encode())
+    if url is None:
+        return
+    record: dict = {"remote": url}
+    if options is None:
+        previous = _read_record(run_dir)
+        if isinstance(previous.get("backend"), dict):
+            record["backend"] = previous["backend"]
+    else:
+        record["backend"] = options
+    atomic_write_bytes(run_dir.path / SESSION_FILE, json.dumps(record).encode())
+    full = full_url(spark)
+    if full is not None and _has_credentials(full) and run_dir.key:
+        from sparkgpu.job_secrets import seal
+
+        atomic_write_bytes(run_dir.path / SEALED_URL_FILE, seal(run_dir.key, {"url": full}))
+
+
+def _has_credentials(url: str) -> bool:
+    return any(part.split("=", 1)[0].lower() == "token" for part in url.split(";")[1:])
+
+
+def _read_record(run_dir: RunDir) -> dict:
+    try:
+        record = json.loads((run_dir.path / SESSION_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def recorded_remote(run_dir: RunDir) -> str | None:
-    """The Connect URL :func:`record_session` kept for the job, if any."""
-    try:
-        return json.loads((run_dir.path / SESSION_FILE).read_text())["remote"]
-    except (OSError, ValueError, KeyError, TypeError):
+    """The Connect URL :func:`record_session` kept for the job, if any: with its sealed token
+    when the run dir holds the job key to open it."""
+    url = _read_record(run_dir).get("remote")
+    if not isinstance(url, str):
         return None
+    if run_dir.key:
+        try:
+            sealed = (run_dir.path / SEALED_URL_FILE).read_bytes()
+        except FileNotFoundError:
+            return url
+        from sparkgpu.job_secrets import unseal
+
+        return unseal(run_dir.key, sealed).get("url", url)
+    return url
+
+
+def recorded_options(run_dir: RunDir) -> dict:
+    """The backend settings :func:`record_session` kept for the job (``{}`` when none)."""
+    options = _read_record(run_dir).get("backend")
+    return options if isinstance(options, dict) else {}
+
+
+def detach_refusal(spark) -> str | None:
+    """Why a job on ``spark`` cannot be supervised by processes of its own; ``None`` when it can.
+
+    Another process reaches a Spark Connect server by its URL; a classic session lives only in
+    this process.
+    """
+    if spark is None or connect_url(spark) is not None:
+        return None
+    return (
+        "its session is a classic SparkSession of this process, which no other process can reach; "
+        "connect through Spark Connect (SparkSession.builder.remote('sc://host:15002')) to submit detached jobs"
+    )
