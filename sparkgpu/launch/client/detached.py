@@ -2,7 +2,8 @@
 
 ``fn.submit()`` (and ``detach=True``) start, for the job, a *keeper*: a small process in a
 session of its own (``python -m sparkgpu.launch.client.detached RUN_DIR``) whose only work is
-to run the job's :class:`~sparkgpu.launch.client.supervisor.Supervisor` in a child process and,
+to run the job's :class:`~sparkgpu.launch.client.supervisor.Supervisor` in a child process (a fork
+of the keeper, which imported the launcher once) and,
 should that child die before the job ended (SIGKILL, the host's OOM killer), start another,
 which takes the job over from its run dir exactly as ``sparkgpu resume`` does: the attempt that
 ran is marked lost and the next one resumes from the latest checkpoint. The caller then only
@@ -26,6 +27,7 @@ command line.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -117,11 +119,13 @@ def _job_ended(run_dir: RunDir) -> bool:
 def keep(run_dir: RunDir) -> int:
     """The keeper's loop: a supervisor at a time until the job has ended; the exit code of the last."""
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal is not the job's end
+    import sparkgpu.launch.client.resume  # noqa: F401 - imported once, here: each supervisor forks with it
+
     quick_deaths = 0
     for started in range(RESPAWN_LIMIT):
         began = time.monotonic()
-        child = subprocess.Popen([sys.executable, "-m", _MODULE, "--supervise", str(run_dir.path)])
-        code = child.wait()
+        pid = _fork_supervisor(run_dir)
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
         if code >= 0 or _job_ended(run_dir):
             # Only a supervisor killed by a signal is replaced: one that exited reported why
             # (a job it cannot run is ended failed in its state), and another would exit the same way.
@@ -132,7 +136,7 @@ def keep(run_dir: RunDir) -> int:
         logger.warning(
             "the supervisor of job %s (pid %d) died (%s) after %.0fs before the job ended; starting another (%d of %d)",
             run_dir.job_id,
-            child.pid,
+            pid,
             how,
             ran,
             started + 1,
@@ -147,6 +151,27 @@ def keep(run_dir: RunDir) -> int:
         run_dir.job_id,
     )
     return 1
+
+
+def _fork_supervisor(run_dir: RunDir) -> int:
+    """Starts a supervisor of the job as a fork of this keeper, which has imported what it runs:
+    it starts within milliseconds, where a fresh interpreter would import the launcher again
+    before the job's first attempt. Returns its pid."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        code = supervise(run_dir)
+    except BaseException:  # noqa: BLE001 - this process ends here whatever happened; the log keeps why
+        logger.exception("the supervisor of job %s stopped", run_dir.job_id)
+    finally:
+        atexit._run_exitfuncs()  # what a process that returns from main runs (the supervisor's own exit hooks)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # never back into the keeper's loop
 
 
 def supervise(run_dir: RunDir) -> int:
@@ -213,8 +238,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s sparkgpu %(levelname)s %(message)s", stream=sys.stdout)
     os.umask(0o077)
-    if args[:1] == ["--supervise"]:
-        return supervise(RunDir(Path(args[1])))
     return keep(RunDir(Path(args[0])))
 
 
