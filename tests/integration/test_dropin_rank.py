@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
@@ -231,7 +230,8 @@ def test_lightning_ddp_trainer_fits_twice_inside_the_jobs_group_after_the_script
 
 
 def test_a_rank_that_exits_quietly_is_named_as_the_first_failure():
-    @distributed(gpus=2, gpu_type="cpu")
+    # Stuck in the collective, the job would end at its timeout (JobTimeoutError), not as below.
+    @distributed(gpus=2, gpu_type="cpu", timeout=240)
     def leaves_early():
         if int(os.environ["RANK"]) == 1:
             os._exit(0)
@@ -239,10 +239,8 @@ def test_a_rank_that_exits_quietly_is_named_as_the_first_failure():
         dist.all_reduce(t)  # rank 0 waits for rank 1, which is gone
         return t.item()
 
-    started = time.monotonic()
     with pytest.raises(WorkerFailedError) as err:
         leaves_early.distributed()
-    assert time.monotonic() - started < 60  # neither stuck in the collective nor in the job's timeout
     first = err.value.first_failure
     assert (first.rank, first.exc_type, first.exitcode) == (1, None, 0)
     assert "First to fail: rank 1" in str(err.value) or err.value.ranks == [1]

@@ -236,7 +236,8 @@ def test_a_tampered_entrypoint_starts_no_rank_in_the_pool(pool, tmp_path):
 
 
 def test_a_pool_rank_that_exits_quietly_is_named_as_the_first_failure(pool):
-    @distributed(gpus=2, gpu_type="cpu", backend=pool)
+    # Stuck in the collective, the job would end at its timeout (JobTimeoutError), not as below.
+    @distributed(gpus=2, gpu_type="cpu", backend=pool, timeout=240)
     def leaves_early():
         import os
 
@@ -249,10 +250,8 @@ def test_a_pool_rank_that_exits_quietly_is_named_as_the_first_failure(pool):
         dist.all_reduce(t)  # rank 0 waits for rank 1, which is gone
         return t.item()
 
-    started = time.monotonic()
     with pytest.raises(WorkerFailedError) as err:
         leaves_early.distributed()
-    assert time.monotonic() - started < 60  # neither stuck in the collective nor in the job's timeout
     first = err.value.first_failure
     assert (first.rank, first.exitcode) == (1, 0)
     assert "rank 1: the process exited with code 0 without returning a result" in str(err.value)
