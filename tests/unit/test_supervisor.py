@@ -284,7 +284,7 @@ def test_ranks_that_ignore_a_policy_stop_are_stopped_after_checkpoint_grace(tmp_
     started = time.monotonic()
     with pytest.raises(PolicyViolationError, match="stopped [(]its ranks did not checkpoint when asked") as err:
         sup.run()
-    assert 0.5 <= time.monotonic() - started < 5
+    assert 0.5 <= time.monotonic() - started < 15  # the fallback after checkpoint_grace, not the 20 s timeout
     assert "budget team=ml is spent" in str(err.value) and "sparkgpu resume job-1" in str(err.value)
     assert backend.cancelled == [0]
     assert "did not stop within checkpoint_grace (0.5s)" in out.getvalue()
