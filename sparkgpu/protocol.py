@@ -207,6 +207,7 @@ class JobState(_JobFields, total=False):
     stop_reason: str  # why a usage policy stopped the job
     cause: str  # why a job ended that no supervisor could run (launch.client.detached)
     finished_at: float  # when its supervisor was done with it: status final, callbacks run
+    failed_before: list[dict[str, Any]]  # the last restarted attempt's rank failures (the failure policy's memory)
     waiting: WaitingInfo  # while a job that gave way to a critical one waits for GPUs again
 
 

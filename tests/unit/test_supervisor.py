@@ -565,3 +565,17 @@ def test_a_job_whose_timeout_runs_out_while_it_waits_after_giving_way_times_out_
     state = json.loads(rd.state_file.read_text())
     assert state["status"] == "timed_out" and [a["status"] for a in state["attempts"]] == ["preempted"]
     assert state["restarts"] == 0
+
+
+def test_the_same_failure_after_a_supervisor_took_the_job_over_is_not_restarted_again(tmp_path):
+    first, _, _, rd, _ = run_job(tmp_path / "a", ["raise", "ok"], max_restarts=3)
+    assert first.run()[0] == {"rank": 0, "attempt": 1}
+    remembered = json.loads(rd.state_file.read_text())["failed_before"]
+    assert remembered and remembered[0]["exc_type"].endswith("ValueError")
+    # A supervisor that takes the job over reads the failure policy's memory from the job's state.
+    second, _, _, rd2, out = run_job(tmp_path / "b", ["raise", "ok"], max_restarts=3)
+    second.book.state["failed_before"] = remembered
+    with pytest.raises(WorkerFailedError):
+        second.run()
+    assert "again, as the attempt before it" in out.getvalue()
+    assert json.loads(rd2.state_file.read_text())["restarts"] == 0

@@ -219,8 +219,9 @@ class Supervisor:
         error: BaseException | None = None
         gpus = self.job.resources.gpus
         # The ranks' failures of the latest attempt that failed and was restarted: the same
-        # error at the same place again is not restarted a second time.
-        failed_before: list[RankFailure] = []
+        # error at the same place again is not restarted a second time, also after a supervisor
+        # took the job over (kept in its state).
+        failed_before = [RankFailure(**f) for f in book.state.get("failed_before", ())]
         try:
             while True:
                 attempt = attempts.run(len(book.state["attempts"]), gpus, job_started, early)
@@ -251,6 +252,7 @@ class Supervisor:
                     is Decision.RESTART
                 ):
                     failed_before = outcome.failures
+                    book.state["failed_before"] = [_failure_record(f) for f in failed_before]
                     restarts = book.count_restart()
                     report(
                         f"attempt {attempt.index} failed ({self._classify(attempt)}); restarting "
@@ -344,3 +346,14 @@ class Supervisor:
 
     def _cancel_requested(self) -> bool:
         return self.cancel_event.is_set() or self.run_dir.read_control(self.run_dir.cancel_request_file) is not None
+
+
+def _failure_record(failure: RankFailure) -> dict:
+    """What the failure policy compares of a restarted attempt's failure, for the job's state."""
+    return {
+        "rank": failure.rank,
+        "exc_type": failure.exc_type,
+        "message": failure.message[:2000],
+        "traceback": failure.traceback[-20000:],
+        "exitcode": failure.exitcode,
+    }
