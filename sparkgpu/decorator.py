@@ -195,11 +195,14 @@ class DistributedFunction:
         # Local ranks run in this very environment; remote ones get it shipped.
         return self.ship_environment if self.ship_environment is not None else self.resources.remote
 
-    def prepare(self, args: tuple, kwargs: dict, *, detached: bool = False) -> PreparedJob:
+    def prepare(self, args: tuple, kwargs: dict, *, detached: bool | None = None) -> PreparedJob:
         """Resolves, checks and pickles one call of the function once; writes and starts nothing.
 
-        ``detached``: the job's own supervisor registers its model (``register_as``), not the caller.
+        ``detached``: the job's own supervisor registers its model (``register_as``), not the
+        caller; by default as a blocking call of it (:meth:`launch`) would run it.
         """
+        if detached is None:
+            detached = self._detaches(submitting=False)
         backend = self._backend()
         spec = JobSpec(
             job_id=new_job_id(self.name),
@@ -249,12 +252,16 @@ class DistributedFunction:
         if self.run_async:
             return self.submit(*args, **kwargs)
         self.last_results = self.last_model_version = None
-        if self._detaches(submitting=False):
-            return self._follow(self._submit_detached(args, kwargs))
         return self.launch(self.prepare(args, kwargs))
 
     def launch(self, prepared: PreparedJob) -> list[Any]:
-        """Writes a prepared call of this function, runs it to the end and registers its model."""
+        """Writes a prepared call of this function, runs it to the end and registers its model.
+
+        With ``detach=True`` its own processes supervise it (:meth:`prepare` it the same way),
+        and this call follows its logs to the end; Ctrl-C cancels it.
+        """
+        if self._detaches(submitting=False):
+            return self._follow(self.submit_prepared(lambda: prepared))
         prepared = prepared.write()
         self.last_job_id, self.last_run_dir = prepared.job.job_id, str(prepared.run_dir.path)
         results = prepared.supervisor().run()
@@ -358,10 +365,6 @@ class DistributedFunction:
             except ConfigurationError:
                 return None  # no session at all: preparing the job says so
         return None
-
-    def _submit_detached(self, args: tuple, kwargs: dict):
-        """Writes the job and starts its keeper; its observing call (an earlier one's, for a used idempotency key)."""
-        return self.submit_prepared(lambda: self.prepare(args, kwargs, detached=True))
 
     def submit_prepared(self, prepare: Callable[[], PreparedJob]):
         """:meth:`submit` for a job ``prepare()`` prepares (``self.prepare(..., detached=True)``), not yet written.
