@@ -28,7 +28,7 @@ def test_a_quiet_exit_is_recorded_and_stops_the_other_ranks():
             time.sleep(0.05)  # reap only after the watcher saw them (torch's agent polls, it does not block)
         assert waiting.wait(timeout=5) == -signal.SIGTERM
         assert quiet.wait(timeout=5) == 0  # still the parent's to reap: WNOWAIT left it
-    assert time.monotonic() - started < 20
+    assert time.monotonic() - started < 45  # stopped for its peer's exit, not at the end of its 60 s sleep
     assert watcher.quiet == [1]
     assert watcher.exits[1].exitcode == 0 and watcher.exits[1].signal is None
     assert watcher.exits[0].signal == "SIGTERM"

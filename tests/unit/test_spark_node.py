@@ -214,7 +214,7 @@ def test_a_silent_client_stops_the_node_after_its_timeout(run_dir, tmp_path):
     agent = start_agent(tmp_path, 60)
     started = time.monotonic()
     assert _watch(agent, run_dir, alone, 0, zero(run_dir, alone)) == (143, "client-lost")
-    assert 1.0 <= time.monotonic() - started < 6
+    assert 1.0 <= time.monotonic() - started < 30  # the 1 s timeout stopped it, not the agent's own 60 s
 
 
 def test_node_0_looks_at_a_shared_run_dirs_client_files_six_times_per_client_timeout(run_dir):
@@ -240,7 +240,7 @@ def test_an_agent_that_ignores_sigterm_is_killed_after_the_grace(run_dir, tmp_pa
     started = time.monotonic()
     alone = launch(run_dir)
     code, state = _watch(agent, run_dir, alone, 0, zero(run_dir, alone))  # grace 1 s + 5 s
-    assert (code, state) == (-9, "cancelled") and time.monotonic() - started < 12
+    assert (code, state) == (-9, "cancelled") and time.monotonic() - started < 40  # killed, not its 60 s sleep
 
 
 def test_heartbeat_counts_growing_sealed_counts_not_clocks(run_dir, monkeypatch):
