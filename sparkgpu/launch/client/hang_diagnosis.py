@@ -43,7 +43,7 @@ _FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<name
 _LIBRARY = re.compile(
     r"[/\\](site|dist)-packages[/\\]|[/\\]lib[/\\]python\d+(\.\d+)?[/\\]|^<frozen |[/\\]sparkgpu[/\\]|_air\.py$"
 )
-_MODULE_ROOT = re.compile(r".*[/\\](?:site-packages|dist-packages|python\d+(?:\.\d+)?)[/\\]")
+_MODULE_ROOT = re.compile(r".*[/\\](?:site-packages|dist-packages|python\d+(?:\.\d+)?)[/\\]|.*[/\\](?=sparkgpu[/\\])")
 #: torch's collectives and point-to-point calls: a rank inside one waits for its peers.
 _COLLECTIVES = frozenset(
     {
