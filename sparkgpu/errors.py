@@ -35,6 +35,7 @@ __all__ = [
     "RankFailure",
     "PayloadSignatureError",
     "DataError",
+    "HangError",
     "CheckpointError",
     "PolicyViolationError",
     "PermissionDeniedError",

@@ -151,7 +151,9 @@ def test_when_every_rank_waits_in_a_collective_those_that_noted_least_are_behind
     same = diagnose(stacks, {0: _record(7), 1: _record(7)}, {0: 4.0, 1: 4.0}, 3.0, 2)
     assert same.behind == (0, 1)
     assert same.summary.startswith("no rank made progress for 4.0s (progress_timeout=3s): ")
-    assert same.summary.endswith("every rank waits in a collective: they called different collectives, or a peer's link is stuck")
+    assert same.summary.endswith(
+        "every rank waits in a collective: they called different collectives, or a peer's link is stuck"
+    )
 
 
 def test_a_rank_without_stacks_is_named_so():
