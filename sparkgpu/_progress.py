@@ -25,12 +25,13 @@ import struct
 import time
 from pathlib import Path
 
-__all__ = ["RankProgress", "note", "read", "start", "stop", "RECORD_SIZE"]
+__all__ = ["RankProgress", "note", "read", "start", "finish", "stop", "RECORD_SIZE"]
 
-# seq, pid, node, count, step (-1: none), last note (Unix time), longest gap between two notes, start (Unix time)
-_BODY = struct.Struct("<qqqqddd")
+# seq; pid, node, count, step (-1: none), last note (Unix time), longest gap between two notes, start
+# (Unix time), done (1 once the rank's function returned or raised)
+_BODY = struct.Struct("<qqqqdddq")
 _SEQ = struct.Struct("<Q")
-RECORD_SIZE = _SEQ.size + _BODY.size  # 64 bytes
+RECORD_SIZE = _SEQ.size + _BODY.size  # 72 bytes
 _NO_STEP = -1
 _READ_TRIES = 50
 
@@ -47,6 +48,7 @@ class RankProgress:
         last: Unix time of the latest note (its start, before the first).
         slowest: The longest gap in seconds between two consecutive notes so far (0 before two).
         started: Unix time the rank began recording.
+        done: The rank's function returned or raised: it makes no more progress, and is not hung.
     """
 
     pid: int
@@ -56,10 +58,11 @@ class RankProgress:
     last: float
     slowest: float
     started: float
+    done: bool = False
 
 
 class _Record:
-    __slots__ = ("map", "seq", "pid", "node", "count", "step", "last", "slowest", "started")
+    __slots__ = ("map", "seq", "pid", "node", "count", "step", "last", "slowest", "started", "done")
 
     def __init__(self, path: Path, node: int):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -74,13 +77,23 @@ class _Record:
         self.count, self.step = 0, _NO_STEP
         self.started = self.last = time.time()
         self.slowest = 0.0
+        self.done = 0
         self.write()
 
     def write(self) -> None:
         self.seq += 1  # odd: a write is under way
         _SEQ.pack_into(self.map, 0, self.seq)
         _BODY.pack_into(
-            self.map, _SEQ.size, self.pid, self.node, self.count, self.step, self.last, self.slowest, self.started
+            self.map,
+            _SEQ.size,
+            self.pid,
+            self.node,
+            self.count,
+            self.step,
+            self.last,
+            self.slowest,
+            self.started,
+            self.done,
         )
         self.seq += 1
         _SEQ.pack_into(self.map, 0, self.seq)
@@ -105,6 +118,14 @@ def start(path: str | os.PathLike, node: int = 0) -> None:
     """Begins recording this process's progress in ``path`` (the rank entrypoint calls it once)."""
     global _record
     _record = _Record(Path(path), node)
+
+
+def finish() -> None:
+    """Marks the rank's function as ended (returned or raised): the rank is not judged any more."""
+    record = _record
+    if record is not None:
+        record.done = 1
+        record.write()
 
 
 def stop() -> None:
@@ -135,8 +156,10 @@ def read(path: str | os.PathLike) -> RankProgress | None:
             body = _BODY.unpack_from(view, _SEQ.size)
             (after,) = _SEQ.unpack_from(view, 0)
             if before == after and before % 2 == 0 and before > 0:
-                pid, node, count, step, last, slowest, started = body
-                return RankProgress(pid, node, count, None if step == _NO_STEP else step, last, slowest, started)
+                pid, node, count, step, last, slowest, started, done = body
+                return RankProgress(
+                    pid, node, count, None if step == _NO_STEP else step, last, slowest, started, bool(done)
+                )
     return None
 
 

@@ -42,6 +42,9 @@ def test_heartbeat_notes_progress_in_the_ranks_record(rank_record):
     record = _progress.read(rank_record)
     assert record is not None and (record.count, record.step) == (2, 7)
     assert record.last >= first.last and 0 <= record.slowest <= record.last - first.started
+    _progress.finish()
+    ended = _progress.read(rank_record)
+    assert ended is not None and ended.done and not record.done and ended.count == 2
 
 
 def test_a_process_forked_from_the_rank_notes_nothing(rank_record):
@@ -93,6 +96,19 @@ def test_a_rank_without_progress_for_the_timeout_hangs_the_attempt_while_its_pee
     assert hang.summary.startswith("rank 1 on node 0 gave no stacks; no progress for 3.6s (progress_timeout=3s)")
     assert hang.stacks == str(rd.file(RunLayout.hang_stacks(0))) and hang.summary in decision.note
     assert rd.file(RunLayout.hang_stacks(0)).read_text().startswith(hang.summary)
+
+
+def test_once_a_ranks_function_ended_nothing_is_judged(tmp_path):
+    rd = RunDir(tmp_path)
+    records = _records(rd, 2)
+    watch = ProgressWatch(rd, 2, progress_timeout=3.0, local=False)
+    for record in records:
+        record.note(0)
+    assert watch.check(_view(0.0)) is CONTINUE
+    records[1].done = 1  # rank 1 returned; rank 0 uploads its model for long after its last step
+    records[1].write()
+    assert watch.check(_view(100.0)) is CONTINUE
+    assert HangRecord.read(rd, 0) is None
 
 
 def test_the_default_timeout_waits_ten_times_the_slowest_gap_and_at_least_ten_minutes(tmp_path):

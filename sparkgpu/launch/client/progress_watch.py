@@ -13,6 +13,9 @@ or when some do and others do not. The default timeout (``progress_timeout=None`
 :data:`DEFAULT_FACTOR` times the longest gap seen between two notes of any rank, so a slow
 step, a checkpoint or an evaluation seen once does not count as a hang later.
 
+Once a rank's function returned (or raised), nothing is judged any more: the attempt is ending,
+and a rank that uploads its model at the end while its peers wait is not hung.
+
 When it hangs the watch, on a backend whose ranks run on this host
 (:class:`~sparkgpu.launch.backends.capabilities.LocalRanks`):
 
@@ -153,8 +156,8 @@ class ProgressWatch:
                 self._seen[rank] = _Seen(record.count, view.now)
             if record.count and self._tracking_since is None:
                 self._tracking_since = view.now
-        if self._tracking_since is None:
-            return CONTINUE
+        if self._tracking_since is None or any(r.done for r in records.values()):
+            return CONTINUE  # before the first progress; or a rank's function ended: the attempt is ending
         limit = self.progress_timeout or default_progress_timeout(max(r.slowest for r in records.values()))
         stalled = {}
         for rank in range(self.world_size):
@@ -203,10 +206,14 @@ def _stacks_text(summary: str, places, nodes, stacks: dict[int, RankStacks | Non
 
 
 def _kill(records: dict[int, RankProgress]) -> None:
-    """SIGKILL for every rank: a hung rank cannot checkpoint, and waiting the shutdown grace helps nobody."""
+    """SIGKILL for every rank, and its process group where it leads one (its loader workers, its
+    subprocesses): a hung rank cannot checkpoint, and waiting the shutdown grace helps nobody."""
     for rank, record in records.items():
         try:
-            os.kill(record.pid, signal.SIGKILL)
+            if os.getpgid(record.pid) == record.pid:
+                os.killpg(record.pid, signal.SIGKILL)
+            else:
+                os.kill(record.pid, signal.SIGKILL)
         except ProcessLookupError:
             continue  # it ended meanwhile
         except OSError as exc:

@@ -28,7 +28,7 @@ from sparkgpu.callbacks import WorkerContext
 from sparkgpu.errors import HydrationError, ResultError, SparkGPUError
 from sparkgpu._keyring import hold_job_key
 from sparkgpu.launch.rank.process_group import RankProcessGroup
-from sparkgpu.launch.rank.progress import watch_rank
+from sparkgpu.launch.rank.progress import finish_progress, watch_rank
 from sparkgpu.launch.rundir.directory import RunDir
 from sparkgpu.train.trained_models import save_models, unwrap_models
 from sparkgpu.launch.rank.threads import pin_rank_threads
@@ -231,6 +231,7 @@ def _run(run_dir: str, env_error: BaseException | None, key: bytes | None) -> in
         report(f"rank {rank} failed: {type(exc).__name__}: {exc}")
         return EXIT_FAILED
     finally:
+        finish_progress()  # the function ended: no more progress to judge on this rank
         for callback in callbacks:
             try:
                 callback.on_worker_end(ctx, error)

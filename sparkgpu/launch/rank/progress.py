@@ -29,7 +29,7 @@ from sparkgpu import _progress
 from sparkgpu.launch.rundir.directory import RunDir
 from sparkgpu.launch.rundir.layout import RunLayout
 
-__all__ = ["DUMP_SIGNAL", "STACKS_HEADER", "note", "watch_rank", "nccl_trace_env"]
+__all__ = ["DUMP_SIGNAL", "STACKS_HEADER", "note", "finish_progress", "watch_rank", "nccl_trace_env"]
 
 #: The signal that makes a rank dump its threads' stacks into its stacks file.
 DUMP_SIGNAL = signal.SIGUSR1
@@ -39,6 +39,7 @@ STACKS_HEADER = "sparkgpu rank {rank} on node {node}, pid {pid}, main thread 0x{
 NCCL_TRACE_ENTRIES = 2000
 
 note = _progress.note
+finish_progress = _progress.finish
 
 _stacks: IO[str] | None = None  # kept open: faulthandler writes to its descriptor from a signal handler
 
