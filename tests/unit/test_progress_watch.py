@@ -146,6 +146,14 @@ def test_a_hung_attempt_fails_its_ranks_behind_as_hang_which_the_default_policy_
     assert classify(error.failures).cls is FailureClass.HANG  # as tracking classifies the job's error
 
 
+def test_a_hung_attempt_without_its_record_still_fails_as_hang(tmp_path):
+    rd = RunDir(tmp_path)
+    rd.prepare_attempt(0)
+    outcome = read_attempt(rd, 0, 2, RunPolicy(), stopped_by=StoppedBy.HANG)
+    assert outcome.status is AttemptStatus.FAILED and [f.rank for f in outcome.failures] == [0, 1]
+    assert classify(outcome.failures, outcome.exceptions).cls is FailureClass.HANG
+
+
 def test_the_mlflow_tag_of_a_job_that_ended_hung_is_hang(tmp_path):
     from sparkgpu.tracking.mlflow_run import _failure_class
 

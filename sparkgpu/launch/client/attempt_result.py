@@ -20,6 +20,7 @@ from sparkgpu.launch.client.hang_record import HangRecord
 from sparkgpu.launch.rank.entrypoint import EXIT_PREEMPTED
 from sparkgpu.protocol import AttemptStatus, RankExit
 from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.launch.rundir.layout import RunLayout
 
 __all__ = ["AttemptResult", "StoppedBy", "read_attempt"]
 
@@ -106,8 +107,11 @@ def read_attempt(
             silent.append(rank)
     exits = rd.read_node_exits(attempt)
     report = AttemptReport.read(rd.attempt_dir(attempt))
-    hang = HangRecord.read(rd, attempt) if stopped_by is StoppedBy.HANG and len(results) < world_size else None
-    if hang is not None:
+    if stopped_by is StoppedBy.HANG and len(results) < world_size:
+        unfinished = [r for r in range(world_size) if r not in results]
+        hang = HangRecord.read(rd, attempt) or HangRecord.unrecorded(
+            unfinished, str(rd.file(RunLayout.hang_stacks(attempt)))
+        )
         # What the ranks wrote once they were killed (a peer left the collective) follows from the hang.
         hung, hung_exceptions = hang.failures()
         return AttemptResult(AttemptStatus.FAILED, failures=hung, exceptions=hung_exceptions, report=report)

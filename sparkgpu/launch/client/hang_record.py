@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from typing import Any
 
 from sparkgpu._files import atomic_write_bytes
@@ -41,6 +42,11 @@ class HangRecord:
     summary: str
     stacks: str
     ranks: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def unrecorded(cls, ranks: list[int], stacks: str) -> HangRecord:
+        """What stands for a hung attempt whose record could not be read back: its unfinished ranks."""
+        return cls(time.time(), 0.0, ranks, "the attempt hung; its diagnosis could not be read back", stacks)
 
     @property
     def message(self) -> str:
