@@ -19,6 +19,7 @@ import pytest
 from sparkgpu import distributed, runtime
 from sparkgpu.cli import list_jobs
 from sparkgpu.config import settings
+from sparkgpu.launch.client.hang_diagnosis import DUMP_MARKER
 
 pytestmark = pytest.mark.integration
 
@@ -117,6 +118,11 @@ def test_each_kind_of_hang_is_found_named_with_every_ranks_stacks_and_resumed(ca
         assert stacks.startswith(summary)
         assert "=== rank 0 on node 0: waits in `all_reduce`" in stacks and "=== rank 1 on node 0: " in stacks
         assert "(most recent call first)" in stacks and "in _train" in stacks
+        own = (folder / "stacks" / "rank-1.txt").read_text()  # the rank's own file: its header, then the dump asked
+        assert (
+            own.startswith("sparkgpu rank 1 on node 0, pid ")
+            and "(most recent call first)" in own.split(DUMP_MARKER)[1]
+        )
         assert f"attempt {attempt} hung: {summary}" in said
         assert f"attempt {attempt} failed (hang: rank 1 on node 0 {where}" in said
         assert f"restarting from step {attempt} (restart {attempt + 1} of {last})" in said

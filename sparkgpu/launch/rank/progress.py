@@ -61,7 +61,8 @@ def watch_rank(rd: RunDir, attempt: int, rank: int, node: int, nccl: bool) -> No
     _progress.start(rd.file(RunLayout.progress(attempt, rank)), node)
     path = Path(rd.file(RunLayout.stacks(attempt, rank)))
     path.parent.mkdir(parents=True, exist_ok=True)
-    _stacks = open(path, "w", encoding="utf-8")
+    # Appending: the supervisor appends a marker before each dump it asks for, and the dump follows it.
+    _stacks = open(path, "a", encoding="utf-8")
     thread = threading.main_thread().ident or 0
     _stacks.write(STACKS_HEADER.format(rank=rank, node=node, pid=os.getpid(), thread=thread))
     _stacks.flush()
