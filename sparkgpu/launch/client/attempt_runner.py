@@ -223,8 +223,10 @@ class AttemptRunner:
             str(self.run_dir.logs_dir(attempt.index)),
         )
         # 10 (monitors' docstring): hang detection, once the ranks started and while no stop was asked.
-        local = isinstance(self.backend, LocalRanks) and self.backend.ranks_on_this_host()
-        monitors.append(ProgressWatch(self.run_dir, job.world_size, job.policy.progress_timeout, local))
+        # Only where the ranks run on this host: their records are then read from this host's memory
+        # (elsewhere a shared file system shows them late; they are to ride the nodes' beats instead).
+        if isinstance(self.backend, LocalRanks) and self.backend.ranks_on_this_host():
+            monitors.append(ProgressWatch(self.run_dir, job.world_size, job.policy.progress_timeout, local=True))
         ranks_started: float | None = None  # monotonic
         next_start_check = time.monotonic()
         while (code := self.backend.poll(handle)) is None:

@@ -16,8 +16,10 @@ step, a checkpoint or an evaluation seen once does not count as a hang later.
 Once a rank's function returned (or raised), nothing is judged any more: the attempt is ending,
 and a rank that uploads its model at the end while its peers wait is not hung.
 
-When it hangs the watch, on a backend whose ranks run on this host
-(:class:`~sparkgpu.launch.backends.capabilities.LocalRanks`):
+The attempt runner watches only where the ranks run on this host
+(:class:`~sparkgpu.launch.backends.capabilities.LocalRanks`): their records are then read from
+this host's memory. (A Spark node's records are to ride its beats to node 0; not yet.) When an
+attempt hangs, the watch:
 
 1. asks every rank to dump every thread's Python stack (:data:`~sparkgpu.launch.rank.progress.DUMP_SIGNAL`,
    served by :mod:`faulthandler` in the rank) and waits up to :data:`DUMP_WAIT` seconds for them;
