@@ -178,3 +178,16 @@ def test_a_negative_progress_timeout_is_refused_at_decoration_naming_the_fix():
     with pytest.raises(ConfigurationError, match="progress_timeout='soon' is not a duration"):
         RunPolicy(progress_timeout="soon")
     assert json.loads(json.dumps(RunPolicy(progress_timeout="off").progress_timeout)) == 0.0
+
+
+def test_an_nccl_rank_gets_the_flight_recorder_and_its_dump_on_timeout_into_the_attempt(tmp_path):
+    from sparkgpu.launch.rank.progress import NCCL_TRACE_ENTRIES, nccl_trace_env
+
+    rd = RunDir(tmp_path)
+    assert nccl_trace_env(rd, 2, environ={}) == {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(NCCL_TRACE_ENTRIES),
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "attempts" / "2" / "nccl-trace" / "rank-"),
+    }
+    kept = nccl_trace_env(rd, 2, environ={"TORCH_NCCL_TRACE_BUFFER_SIZE": "50", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"})
+    assert set(kept) == {"TORCH_NCCL_DEBUG_INFO_TEMP_FILE"}  # what the user set is theirs
