@@ -191,3 +191,29 @@ def test_an_nccl_rank_gets_the_flight_recorder_and_its_dump_on_timeout_into_the_
     }
     kept = nccl_trace_env(rd, 2, environ={"TORCH_NCCL_TRACE_BUFFER_SIZE": "50", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"})
     assert set(kept) == {"TORCH_NCCL_DEBUG_INFO_TEMP_FILE"}  # what the user set is theirs
+
+
+def test_a_patched_trainers_steps_and_evaluation_batches_are_progress(rank_record):
+    from types import SimpleNamespace
+
+    pytest.importorskip("transformers")
+    from sparkgpu.hf.resume import JobCheckpointCallback
+
+    callback = JobCheckpointCallback(store=None)  # outside a job: it seals nothing, but still notes
+    control = SimpleNamespace(should_save=False)
+    callback.on_step_end(None, SimpleNamespace(global_step=12), control)
+    callback.on_prediction_step(None, SimpleNamespace(global_step=12), control)
+    record = _progress.read(rank_record)
+    assert record is not None and (record.count, record.step) == (2, 12)
+
+
+def test_a_lightning_trainers_batches_are_progress(rank_record):
+    from types import SimpleNamespace
+
+    pytest.importorskip("lightning")
+    from sparkgpu.train.lightning import JobCheckpoints
+
+    callbacks = JobCheckpoints()  # not set up for a strategy: it checkpoints nothing, but still notes
+    callbacks.on_train_batch_end(SimpleNamespace(global_step=4), None, None, None, 0)
+    record = _progress.read(rank_record)
+    assert record is not None and (record.count, record.step) == (1, 4)
