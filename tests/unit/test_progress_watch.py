@@ -217,3 +217,29 @@ def test_a_lightning_trainers_batches_are_progress(rank_record):
     callbacks.on_train_batch_end(SimpleNamespace(global_step=4), None, None, None, 0)
     record = _progress.read(rank_record)
     assert record is not None and (record.count, record.step) == (1, 4)
+
+
+def test_each_batch_a_sparkgpu_loader_hands_the_rank_is_progress(rank_record):
+    from sparkgpu.data.loaders.positioned import Positioned
+
+    class ThreeBatches(Positioned):
+        world_size, epoch, _consumed = 1, 0, 0
+
+        def __init__(self):  # no plan, no storage: only the loader's own bookkeeping runs
+            pass
+
+        def _begin_epoch(self):
+            return None
+
+        def _advance(self, plan, start, batches):
+            self._consumed = batches
+
+        def __iter__(self):
+            yield from range(3)
+
+        def __len__(self):
+            return 3
+
+    assert list(ThreeBatches().loader(num_workers=0)) == [0, 1, 2]
+    record = _progress.read(rank_record)
+    assert record is not None and record.count == 3 and record.step is None
