@@ -449,6 +449,7 @@ def distributed(
     checkpoint_grace="60s",
     max_restarts: int = 0,
     restart_on=None,
+    progress_timeout=None,
     priority="normal",
     capacity_wait=None,
     min_gpus: int | None = None,
@@ -498,6 +499,14 @@ def distributed(
             "cuda_oom"]``); ``None``: the default policy (a CUDA out-of-memory, a data error,
             an environment error and a result error are raised at once). See "Failure classes"
             in the launch guide.
+        progress_timeout: How long a rank may go without progress (optimizer steps of a
+            patched Trainer or Lightning, ``Checkpointer`` steps, sparkgpu loader batches,
+            ``runtime.heartbeat()``) before the attempt counts as hung (seconds or ``"5m"``):
+            every rank's stacks are written to the run dir, the rank(s) behind are named, and the
+            attempt fails as ``hang`` (restarted from the latest checkpoint while restarts are
+            left). ``None``: off until a rank first makes progress, then the larger of 10
+            minutes and 10 times the longest gap between two progress notes seen; ``"off"``:
+            never. See the "When a job stops" guide.
         priority: ``"best_effort"``, ``"normal"`` or ``"critical"`` (databricks' ``BEST_EFFORT``
             / ``NORMAL`` / ``CRITICAL`` too): waiting jobs get free GPUs by class, then in
             order; a critical job that does not fit asks best-effort jobs to checkpoint and
@@ -573,6 +582,7 @@ def distributed(
         checkpoint_grace=checkpoint_grace,
         max_restarts=max_restarts,
         restart_on=restart_on,
+        progress_timeout=progress_timeout,
         priority=priority,
         capacity_wait=capacity_wait,
         elastic_wait=elastic_wait,

@@ -35,6 +35,7 @@ __all__ = [
     "RankFailure",
     "PayloadSignatureError",
     "DataError",
+    "HangError",
     "CheckpointError",
     "PolicyViolationError",
     "PermissionDeniedError",
@@ -119,6 +120,14 @@ class PayloadSignatureError(SparkGPUError):
 
 class DataError(SparkGPUError):
     """Input data cannot be converted or read (unsupported column type, corrupt shard, ...)."""
+
+
+class HangError(SparkGPUError):
+    """A rank made no progress for the job's ``progress_timeout``: the attempt was stopped as hung.
+
+    The message names the rank(s) behind and where each rank was; every rank's Python stacks are
+    in the attempt's ``hang.txt`` in the run dir.
+    """
 
 
 class CheckpointError(SparkGPUError):

@@ -24,6 +24,7 @@ from pathlib import Path
 from sparkgpu.errors import (
     DataError,
     EnvironmentMismatchError,
+    HangError,
     HydrationError,
     PayloadSignatureError,
     RankFailure,
@@ -44,7 +45,7 @@ class FailureClass(str, enum.Enum):
     HOST_OOM = "host_oom"  # SIGKILL with the cgroup's oom_kill counter risen
     KILLED = "killed"  # a signal from outside
     LOST_NODE = "lost_node"  # the backend lost a node of the attempt
-    HANG = "hang"  # reserved for a hang detector: nothing classifies a failure so yet
+    HANG = "hang"  # no progress for progress_timeout: sparkgpu.errors.HangError, named by the supervisor
     DATA_ERROR = "data_error"  # sparkgpu.errors.DataError and its subclasses
     ENVIRONMENT_ERROR = "environment_error"  # environment mismatch, an import that fails, hydration
     RESULT_ERROR = "result_error"  # the function returned, its result could not be written back
@@ -133,6 +134,8 @@ def classify(
     name = root.exc_type
     short = name.rsplit(".", 1)[-1]
     text = f"{root.message}\n{root.traceback}"
+    if _is(exc, name, HangError):
+        return Classified(FailureClass.HANG, message)
     if _is(exc, name, ResultError):
         return Classified(FailureClass.RESULT_ERROR, f"{short}: {message}")
     if _is(exc, name, DataError):

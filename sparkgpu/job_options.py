@@ -119,8 +119,19 @@ JOB_OPTIONS: tuple[JobOption, ...] = (
 #: ``detach``: ``sparkgpu run --detach`` says it for the command, not the file. ``idempotency_key``: a
 #: field of the file beside its options (:class:`~sparkgpu.jobfile.JobFile`), and ``--idempotency-key``.
 #: ``restart_on``: not a job-file option yet (a list of failure classes; the default policy applies).
+#: ``progress_timeout``: not a job-file option yet (a duration or "off"; the default applies).
 PYTHON_ONLY_KEYWORDS = frozenset(
-    {"num_accelerators", "num_gpus", "backend", "callbacks", "run_async", "detach", "idempotency_key", "restart_on"}
+    {
+        "num_accelerators",
+        "num_gpus",
+        "backend",
+        "callbacks",
+        "run_async",
+        "detach",
+        "idempotency_key",
+        "restart_on",
+        "progress_timeout",
+    }
 )
 
 

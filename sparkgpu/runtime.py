@@ -40,6 +40,7 @@ __all__ = [
     "handle_sigterm_as_checkpoint_request",
     "StopForRestart",
     "stop_for_restart",
+    "heartbeat",
 ]
 
 # Environment set by the launcher for each worker (see sparkgpu.launch.rank.entrypoint).
@@ -197,6 +198,19 @@ def stop_for_restart() -> None:
         StopForRestart: always.
     """
     raise StopForRestart("checkpointed; the job resumes in a new attempt")
+
+
+def heartbeat(step: int | None = None) -> None:
+    """Tells sparkgpu this rank is making progress (optionally: it finished ``step``).
+
+    Patched Trainers, Lightning, ``Checkpointer`` and sparkgpu's loaders note progress by
+    themselves; call this from a loop none of them sees, on every rank. A rank that notes no
+    progress for ``progress_timeout`` counts as hung. Costs a few stores into shared memory:
+    call it every step. A no-op outside a job.
+    """
+    from sparkgpu import _progress
+
+    _progress.note(step)
 
 
 _checkpoint_requested = threading.Event()

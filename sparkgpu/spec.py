@@ -202,6 +202,29 @@ def requested_resources(
     )
 
 
+#: What turns hang detection off (``progress_timeout="off"`` or ``False``); held as 0 in the policy.
+PROGRESS_OFF = ("off", "none", False, 0, 0.0)
+
+
+def parse_progress_timeout(value) -> float | None:
+    """``progress_timeout=`` as the policy holds it: seconds, ``None`` (the default) or 0 (off).
+
+    Raises:
+        ConfigurationError: a negative or malformed value; the message names what it takes.
+    """
+    if value is None:
+        return None
+    if (isinstance(value, str) and value.strip().lower() in PROGRESS_OFF) or (
+        not isinstance(value, str) and value in PROGRESS_OFF
+    ):
+        return 0.0
+    fix = "pass seconds or a duration such as '10m', None for the default, or 'off' to turn hang detection off"
+    try:
+        return parse_duration(value, name="progress_timeout")
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"{exc}; {fix}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class RunPolicy:
     """How long a job may run and how it recovers.
@@ -224,6 +247,12 @@ class RunPolicy:
         restart_on: The failure classes (:class:`~sparkgpu.failure_class.FailureClass` values)
             restarted while restarts are left; ``None``: the default policy's
             (:data:`~sparkgpu.launch.client.failure_policy.DEFAULT_POLICY`).
+        progress_timeout: Seconds a rank may go without progress (optimizer steps, checkpoint
+            steps, loader batches, ``runtime.heartbeat()``) before the attempt counts as hung:
+            every rank's stacks are dumped, the ranks are stopped and the failure is ``hang``
+            (restarted from the latest checkpoint by the default policy). ``None``: the default,
+            :func:`~sparkgpu.launch.client.progress_watch.default_progress_timeout` once a rank
+            made progress; ``0``: off (``"off"`` or ``False`` as given to ``distributed``).
     """
 
     timeout: float | None = None
@@ -236,8 +265,10 @@ class RunPolicy:
     capacity_wait: float | None = None
     elastic_wait: float | None = None
     restart_on: tuple[str, ...] | None = None
+    progress_timeout: float | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "progress_timeout", parse_progress_timeout(self.progress_timeout))
         if self.restart_on is not None:
             try:
                 object.__setattr__(self, "restart_on", parse_failure_classes(self.restart_on))

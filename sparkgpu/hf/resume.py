@@ -34,7 +34,7 @@ require_transformers("sparkgpu.hf")
 import torch  # noqa: E402
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
-from sparkgpu import runtime  # noqa: E402
+from sparkgpu import _progress, runtime  # noqa: E402
 from sparkgpu._report import report  # noqa: E402
 from sparkgpu.errors import CheckpointError  # noqa: E402
 from sparkgpu.store import Store  # noqa: E402
@@ -284,7 +284,12 @@ class JobCheckpointCallback(TrainerCallback):
             runtime.handle_sigterm_as_checkpoint_request()
         return control
 
+    def on_prediction_step(self, args, state, control, **kwargs):
+        _progress.note()  # an evaluation's batches are progress too, for hang detection
+        return control
+
     def on_step_end(self, args, state, control, **kwargs):
+        _progress.note(state.global_step)  # what hang detection watches (sparkgpu._progress)
         if self.store is None:
             return control
         # One flag for all: SIGTERM or a stop file may reach one rank a step before another.

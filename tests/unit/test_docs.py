@@ -180,6 +180,8 @@ CONSTANTS: list[tuple[str, str, str]] = [
     ("guides/launch.md", "dropped after 10 s and never", _SETTING),
     ("guides/launch.md", "2 s into its", _SETTING),
     ("guides/predict.md", "goal of 1.3x the best", _GOAL),
+    ("guides/when-a-job-stops.md", "larger of 10 minutes and", _SETTING),
+    ("guides/when-a-job-stops.md", "and 10 times the longest", _SETTING),
     ("guides/spark.md", "job's (code) (7 days for remote", _SETTING),
     ("guides/spark.md", "after (code) (600 s); an explicit", _SETTING),
     ("guides/spark.md", "grace and 5 s", _SETTING),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from sparkgpu import _progress
 from sparkgpu.data.loaders.order import PlannedEpochs
 from sparkgpu.errors import ConfigurationError
 
@@ -90,6 +91,7 @@ class PositionedLoader(torch.utils.data.DataLoader):
         for batch in super().__iter__():
             received += 1
             dataset._advance(plan, start, received)
+            _progress.note()  # a batch reached the rank: progress, for hang detection
             yield batch
         dataset.epoch, dataset._consumed = dataset.epoch + 1, 0
 

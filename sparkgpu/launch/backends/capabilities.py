@@ -15,7 +15,17 @@ if TYPE_CHECKING:
     from sparkgpu.launch.rundir.directory import RunDir
     from sparkgpu.spec import JobSpec
 
-__all__ = ["QueuedCapacity", "Preemptible", "ElasticCapacity", "DeferredStart", "Reattachable"]
+__all__ = ["QueuedCapacity", "Preemptible", "ElasticCapacity", "DeferredStart", "Reattachable", "LocalRanks"]
+
+
+@runtime_checkable
+class LocalRanks(Protocol):
+    """The attempt's ranks may run on the client's host, where the supervisor can signal them by pid
+    (to dump their stacks, to kill a hung attempt at once)."""
+
+    def ranks_on_this_host(self) -> bool:
+        """Whether they do for this backend."""
+        ...
 
 
 @runtime_checkable

@@ -16,9 +16,11 @@ from typing import Any
 from sparkgpu.errors import NodeLostError, RankFailure, first_failure, worker_failed_error
 from sparkgpu.failure_class import OOM_KILLED
 from sparkgpu.launch.client.attempt_report import AttemptReport
+from sparkgpu.launch.client.hang_record import HangRecord
 from sparkgpu.launch.rank.entrypoint import EXIT_PREEMPTED
 from sparkgpu.protocol import AttemptStatus, RankExit
 from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.launch.rundir.layout import RunLayout
 
 __all__ = ["AttemptResult", "StoppedBy", "read_attempt"]
 
@@ -30,6 +32,7 @@ class StoppedBy(enum.Enum):
     POLICY = "policy"  # a usage policy asked it to stop, and checkpoint_grace passed
     PRIORITY = "priority"  # it was asked to give way to a critical job, and checkpoint_grace passed
     RESIZE = "resize"  # an elastic job was asked to stop to grow back to all its GPUs, and checkpoint_grace passed
+    HANG = "hang"  # its ranks made no progress for progress_timeout (launch.client.progress_watch)
 
 
 @dataclasses.dataclass
@@ -104,6 +107,14 @@ def read_attempt(
             silent.append(rank)
     exits = rd.read_node_exits(attempt)
     report = AttemptReport.read(rd.attempt_dir(attempt))
+    if stopped_by is StoppedBy.HANG and len(results) < world_size:
+        unfinished = [r for r in range(world_size) if r not in results]
+        hang = HangRecord.read(rd, attempt) or HangRecord.unrecorded(
+            unfinished, str(rd.file(RunLayout.hang_stacks(attempt)))
+        )
+        # What the ranks wrote once they were killed (a peer left the collective) follows from the hang.
+        hung, hung_exceptions = hang.failures()
+        return AttemptResult(AttemptStatus.FAILED, failures=hung, exceptions=hung_exceptions, report=report)
     own_failure = bool(failures) or any(
         i.exitcode not in (EXIT_PREEMPTED, -signal.SIGTERM) for r, i in exits.items() if r in silent
     )

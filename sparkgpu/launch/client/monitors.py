@@ -14,8 +14,11 @@ that was asked) and ends the watch at the first :data:`ENDING` one:
 8. :class:`CapNear`: ``checkpoint_grace`` before the runtime cap, ranks that started late -> :class:`AskToCheckpoint`.
 9. :class:`CapReached`: the attempt ran past ``max_runtime`` -> :class:`StopNow` (``CAP``).
 
-3 is asked only while the ranks wait to start, 4-9 only once they started; 4-6 at most once a
-second (each may ask a callback or the cluster), and only while no stop was asked.
+10. :class:`~sparkgpu.launch.client.progress_watch.ProgressWatch` (added by the attempt runner):
+    no progress for ``progress_timeout`` -> the stacks dumped, :class:`StopNow` (``HANG``).
+
+3 is asked only while the ranks wait to start, 4-10 only once they started; 4-6 at most once a
+second (each may ask a callback or the cluster), 10 twice a second, and only while no stop was asked.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from sparkgpu.callbacks import WorkerContext
 from sparkgpu.errors import HydrationError, ResultError, SparkGPUError
 from sparkgpu._keyring import hold_job_key
 from sparkgpu.launch.rank.process_group import RankProcessGroup
+from sparkgpu.launch.rank.progress import finish_progress, watch_rank
 from sparkgpu.launch.rundir.directory import RunDir
 from sparkgpu.train.trained_models import save_models, unwrap_models
 from sparkgpu.launch.rank.threads import pin_rank_threads
@@ -187,6 +188,8 @@ def _run(run_dir: str, env_error: BaseException | None, key: bytes | None) -> in
         # Before any user code: the same thread counts in every attempt, whatever forked it.
         pin_rank_threads()
         group = _process_group(spec)
+        # Progress and stacks on request, before any user code; NCCL's flight recorder before its group.
+        watch_rank(rd, attempt, rank, runtime.get_node_rank(), nccl=group.backend == "nccl")
         group.install()
         _install_framework_patches()
         fn, args, kwargs, callbacks = RunDir.unpack(parts)
@@ -228,6 +231,7 @@ def _run(run_dir: str, env_error: BaseException | None, key: bytes | None) -> in
         report(f"rank {rank} failed: {type(exc).__name__}: {exc}")
         return EXIT_FAILED
     finally:
+        finish_progress()  # the function ended: no more progress to judge on this rank
         for callback in callbacks:
             try:
                 callback.on_worker_end(ctx, error)

@@ -27,6 +27,9 @@ names (:class:`~sparkgpu.launch.rundir.directory.RunDir` is one run dir on a mac
     attempts/<k>/node-<n>.json          exit codes of the node's ranks, from the agent
     attempts/<k>/report.json            the attempt's report (per node: state, exit, cause)
     attempts/<k>/STOP                   the supervisor asks the ranks to checkpoint and stop
+    attempts/<k>/progress/rank-<r>      rank r's progress record, shared memory (sparkgpu._progress)
+    attempts/<k>/stacks/rank-<r>.txt    rank r's Python stacks, dumped when the supervisor asks
+    attempts/<k>/hang.json, hang.txt    a hang's diagnosis, and it with every rank's stacks
     attempts/<k>/spark/                 Spark nodes' start and end markers, beats; the client's
                                         cancel marker and heartbeat
 
@@ -78,6 +81,8 @@ class RunLayout:
     STAGING_PREFIX = "staging-prefix"  # the staging store prefix that holds the job's folder (client only)
     ATTEMPTS = "attempts"
     REPORT = "report.json"  # in an attempt's folder
+    HANG = "hang.json"  # in an attempt's folder: a hang's diagnosis (launch.client.progress_watch)
+    HANG_STACKS = "hang.txt"  # in an attempt's folder: the diagnosis and every rank's stacks
     RAY_CLUSTER = "cluster.json"  # in an attempt's ray/ folder
     TRACKING = TRACKING_DIR
     TRACKING_RUN = f"{TRACKING}/{TRACKING_RUN_FILE}"
@@ -166,6 +171,24 @@ class RunLayout:
         """The node whose exit file is the file ``name`` of an attempt's folder, or ``None``."""
         match = _NODE_EXITS.match(name)
         return int(match.group(1)) if match else None
+
+    @staticmethod
+    def progress(attempt: int | str, rank: int | str) -> str:
+        """Rank ``rank``'s progress record (:mod:`sparkgpu._progress`), on the rank's node."""
+        return f"{RunLayout.attempt(attempt)}/progress/rank-{rank}"
+
+    @staticmethod
+    def stacks(attempt: int | str, rank: int | str) -> str:
+        """Where rank ``rank`` dumps its threads' Python stacks when asked (SIGUSR1)."""
+        return f"{RunLayout.attempt(attempt)}/stacks/rank-{rank}.txt"
+
+    @staticmethod
+    def hang(attempt: int | str) -> str:
+        return f"{RunLayout.attempt(attempt)}/{RunLayout.HANG}"
+
+    @staticmethod
+    def hang_stacks(attempt: int | str) -> str:
+        return f"{RunLayout.attempt(attempt)}/{RunLayout.HANG_STACKS}"
 
     @staticmethod
     def report(attempt: int) -> str:

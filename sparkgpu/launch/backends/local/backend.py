@@ -30,7 +30,7 @@ from sparkgpu.config import settings
 from sparkgpu.errors import CapacityError
 from sparkgpu.launch.node.agent import build_command
 from sparkgpu.launch.backends.base import AttemptHandle, Backend, LaunchPlan, ResolvedJob
-from sparkgpu.launch.backends.capabilities import Preemptible
+from sparkgpu.launch.backends.capabilities import LocalRanks, Preemptible
 from sparkgpu.launch.node.hardware import HostGPUs, detect_host_gpus
 from sparkgpu.launch.rank.entrypoint import NODE_DEVICES_ENV
 from sparkgpu.launch.scheduling.gpu_lease import GpuLease, lease_gpus, lock_dir, gpu_kind_of
@@ -103,7 +103,7 @@ class EarlyAgent:
         shutil.rmtree(self.run_dir.attempt_dir(self.handle.attempt), ignore_errors=True)
 
 
-class LocalBackend(Backend, Preemptible):
+class LocalBackend(Backend, Preemptible, LocalRanks):
     """Runs every rank of a job on this host; its jobs queue for the host's GPUs and give way to
     urgent ones (:mod:`sparkgpu.launch.scheduling.gpu_lease`).
 
@@ -293,6 +293,9 @@ class LocalBackend(Backend, Preemptible):
 
     def cancel(self, handle, grace: float) -> None:
         handle.cancel(grace)
+
+    def ranks_on_this_host(self) -> bool:
+        return True
 
     def _prepare_standby(self, handle: LocalAttempt) -> None:
         """Starts the job's standby once its attempt is under way, if the job may restart.
