@@ -59,6 +59,7 @@ __all__ = [
     "predict",
     "data",
     "runtime",
+    "sweep",
     "JobStatus",
     "AttemptStatus",
     "SparkGPUError",
@@ -100,6 +101,7 @@ _LAZY = {
     "log": ("sparkgpu.tracking.autolog", "log"),
     "registry": ("sparkgpu.registry", None),
     "predict": ("sparkgpu.predict", None),
+    "sweep": ("sparkgpu.sweeps.api", "sweep"),
 }
 
 
