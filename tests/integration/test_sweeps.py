@@ -140,7 +140,9 @@ RESUMABLE = textwrap.dedent("""
 """)
 
 
-def test_a_sweep_resumed_after_its_driver_was_killed_runs_no_finished_trial_twice(tmp_path, _isolated_sparkgpu_home):
+def test_a_sweep_resumed_after_its_driver_was_killed_runs_no_finished_trial_twice(
+    tmp_path, _isolated_sparkgpu_home, capsys
+):
     where = tmp_path / "records"
     where.mkdir()
     driver = start_client(
@@ -156,9 +158,22 @@ def test_a_sweep_resumed_after_its_driver_was_killed_runs_no_finished_trial_twic
     os.killpg(driver.pid, signal.SIGKILL)
     driver.wait()
     (folder,) = list_sweeps()
-    result = sparkgpu.sweeps.resume_sweep(folder.sweep_id)
-    assert [t.state.name for t in result.study.trials] == ["COMPLETE", "COMPLETE", "COMPLETE"]
+    assert _cli(capsys, "sweeps", "--json")[0]["state"] == "lost"
+    assert _cli(capsys, "sweep", "resume", folder.sweep_id) == []  # runs the sweep here to its end
+    trials = _cli(capsys, "sweep", folder.sweep_id, "--json")
+    assert [t["state"] for t in trials] == ["COMPLETE", "COMPLETE", "COMPLETE"]
     for number in range(3):
         starts = [e for e in events(where, number, 0) if e["event"] == "start"]
         assert len(starts) == 1, f"trial {number} started {len(starts)} times: {starts}"
-    assert len({t.user_attrs["sparkgpu.job_id"] for t in result.study.trials}) == 3
+    assert len({t["job_id"] for t in trials}) == 3
+    assert _cli(capsys, "sweeps", "--json")[0]["state"] == "finished"
+
+
+def _cli(capsys, *argv: str) -> list[dict]:
+    """Runs ``sparkgpu ARGV`` here; the JSON lines it printed (none for a command that prints text)."""
+    from sparkgpu.cli import main
+
+    capsys.readouterr()
+    assert main(list(argv)) == 0
+    lines = capsys.readouterr().out.splitlines()
+    return [json.loads(line) for line in lines if line.startswith("{")]
