@@ -38,8 +38,14 @@ def _value(value) -> str:
     return "" if value is None else f"{value:.6g}"
 
 
+def _time(ts: float | None) -> str:
+    import datetime
+
+    return "" if ts is None else datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
 def cmd_sweeps(args) -> int:
-    from sparkgpu.cli import _format_time, console
+    from sparkgpu.cli import console
     from sparkgpu.sweeps.folder import list_sweeps
     from sparkgpu.sweeps.summary import sweep_row
 
@@ -65,7 +71,7 @@ def cmd_sweeps(args) -> int:
             row["state"],
             f"{done}/{row['n_trials']}" + (f" ({states})" if states else ""),
             _value(row["best_value"]),
-            _format_time(row["created_at"]),
+            _time(row["created_at"]),
         )
     out.print(table)
     return EXIT_OK

@@ -2,8 +2,7 @@
 
 Where the study lives by default: Optuna's ``JournalStorage`` with its file backend, in the
 sweep's folder under the staging root (``study.journal``). It needs no server (an RDB needs one;
-MLflow's ``MlflowStorage`` needs a tracking server and makes a request per trial operation),
-it is an append-only log that Optuna replays, so a driver killed mid-write loses at most its
+MLflow's ``MlflowStorage`` keeps the study as runs of a tracking server), it is an append-only log that Optuna replays, so a driver killed mid-write loses at most its
 last record, and it sits beside the trials' run dirs, so a resume finds both in one place. A
 caller who wants the study elsewhere passes a study of their own (an RDB URL:
 ``optuna.create_study(storage="postgresql://...")``).
@@ -90,16 +89,19 @@ def sweep(
         n_trials: Trials of the sweep in all (a resume goes on to this many).
         study: An Optuna study of your own (its sampler, pruner, storage); else ``direction``.
         direction: ``"minimize"`` or ``"maximize"``, for a study in the sweep's folder.
-        sampler, pruner: For that study (Optuna's defaults: TPE, median pruner).
+        sampler: For that study (Optuna's default: TPE).
+        pruner: For that study (Optuna's default: the median pruner).
         max_concurrent: Trials at once at most; more wait for GPUs as jobs do.
-        gpus, gpu_type: Each trial's ranks and their GPU type (default: ``train``'s).
+        gpus: Each trial's ranks (default: ``train``'s).
+        gpu_type: Their GPU type (default: ``train``'s).
         max_failures: Failed trials tolerated; one more stops new trials (``None``: no limit).
         budget: GPU-hours of all trials (``"40 GPU-hours"``) after which no new trial starts.
         priority: The trials' job priority (``"best_effort"`` trials give way to critical jobs).
         register_best_as: Registers the best trial's model (rank 0's return value, or its
             ``"model"``) as ``catalog.schema.model``.
         experiment: MLflow experiment of the sweep's parent run and its trials' runs.
-        args, kwargs: Fixed arguments of ``train``.
+        args: Fixed positional arguments of ``train``.
+        kwargs: Fixed keyword arguments of ``train``.
         resume: A sweep id: go on with that sweep (its finished trials are not run again; the
             jobs of its running ones are found again).
         name: The trials' job names start with it (``train``'s name by default).

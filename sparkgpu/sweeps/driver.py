@@ -122,8 +122,9 @@ class SweepDriver:
         train: The trial function, decorated (a :class:`~sparkgpu.decorator.DistributedFunction`).
         space: ``{name: optuna distribution}`` (``study.ask(fixed_distributions=...)``) or a
             function of an Optuna trial that suggests the parameters (on the sweep's side).
-        args, kwargs: The function's fixed arguments; the trial's parameters are added as
-            keyword arguments where the function takes them.
+        args: The function's fixed positional arguments.
+        kwargs: Its fixed keyword arguments; the trial's parameters are added to them where the
+            function takes them.
         sweep_run: The MLflow parent run, or ``None`` untracked.
     """
 

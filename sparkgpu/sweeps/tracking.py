@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,7 @@ class SweepRun:
     def __init__(self, run_id: str, experiment: str):
         self.run_id = run_id
         self.experiment = experiment
-        self._client = None
+        self._client: Any = None
 
     @property
     def client(self):
@@ -91,10 +92,11 @@ class SweepRun:
         if run_id is None:
             logger.warning("trial %d has no MLflow run (its job ran untracked); nothing recorded for it", number)
             return
-        metrics = [Metric(VALUE_METRIC, v, 0, step) for step, v in reports]
+        now = int(time.time() * 1000)
+        metrics = [Metric(VALUE_METRIC, v, now, step) for step, v in reports]
         tags = [RunTag("sparkgpu.trial.state", state), RunTag("sparkgpu.trial.number", str(number))]
         if value is not None:
-            metrics.append(Metric("trial_final_value", float(value), 0, reports[-1][0] if reports else 0))
+            metrics.append(Metric("trial_final_value", float(value), now, reports[-1][0] if reports else 0))
         # Job params already on the run (its spec) use other names; trial params get a prefix.
         batch_params = [Param(f"trial.{k}", str(v)) for k, v in sorted(params.items())]
         for start in range(0, max(len(metrics), 1), 1000):
@@ -111,8 +113,9 @@ class SweepRun:
 
         tags = [RunTag(f"best.{k}", str(v)) for k, v in sorted(params.items())]
         tags.append(RunTag("best.trial", str(number)))
-        metrics = [Metric("best_value", float(value), 0, number)]
-        metrics += [Metric(f"trials_{state.lower()}", n, 0, 0) for state, n in sorted(counts.items())]
+        now = int(time.time() * 1000)
+        metrics = [Metric("best_value", float(value), now, number)]
+        metrics += [Metric(f"trials_{state.lower()}", n, now, 0) for state, n in sorted(counts.items())]
         self.client.log_batch(self.run_id, metrics=metrics, tags=tags)
 
     def end(self, status: str) -> None:
