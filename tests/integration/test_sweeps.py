@@ -66,7 +66,7 @@ def test_a_pruned_trial_stops_all_its_ranks_at_one_step_a_failed_one_does_not_st
     study.enqueue_trial({"offset": 0.0, "fail": False})  # completes
     study.enqueue_trial({"offset": 10.0, "fail": False})  # above the threshold from its first report: pruned
     study.enqueue_trial({"offset": 0.0, "fail": True})  # rank 1 raises at step 1
-    steps = 300
+    steps = 150  # the pruned trial stops well before; the others take a few seconds
     result = sparkgpu.sweep(
         train,
         study=study,
@@ -105,11 +105,11 @@ def test_a_pruned_trial_stops_all_its_ranks_at_one_step_a_failed_one_does_not_st
     assert parent.data.metrics["best_value"] == pytest.approx(complete.value)
 
 
-def test_a_budget_stops_new_trials_and_max_concurrent_one_runs_them_one_after_another(tmp_path):
+def test_a_budget_stops_new_trials(tmp_path):
     result = sparkgpu.sweep(
         train,
         direction="minimize",
-        space=SPACE,
+        space={"offset": SPACE["offset"]},
         n_trials=3,
         max_concurrent=1,
         gpus=2,
@@ -117,7 +117,8 @@ def test_a_budget_stops_new_trials_and_max_concurrent_one_runs_them_one_after_an
         budget="0.000001 GPU-hours",  # spent by the first trial's first second
         kwargs={"where": str(tmp_path), "steps": 3},
     )
-    assert len(result.study.trials) == 1
+    (only,) = result.study.trials
+    assert only.state.name == "COMPLETE"
     assert "budget of 1e-06 GPU-hours is spent" in result.stopped_because
 
 
@@ -132,7 +133,7 @@ RESUMABLE = textwrap.dedent("""
         direction="minimize",
         space={{"offset": optuna.distributions.FloatDistribution(0.0, 1.0)}},
         sampler=optuna.samplers.RandomSampler(seed=0),
-        n_trials=3,
+        n_trials=2,
         gpus=2,
         gpu_type="cpu",
         kwargs={{"where": {where!r}, "steps": {steps}}},
@@ -152,7 +153,8 @@ def test_a_sweep_resumed_after_its_driver_was_killed_runs_no_finished_trial_twic
         stdout=subprocess.DEVNULL,
         start_new_session=True,
     )
-    # Killed once trial 0 has ended and trial 1's ranks run: one trial finished, one unfinished.
+    # Killed once trial 0 has ended and trial 1's ranks run: one trial finished, one unfinished
+    # (its job, detached, runs on without the driver).
     started_1 = lambda: any(e["event"] == "start" for e in events(where, 1, 0))  # noqa: E731
     assert wait_for(started_1, within=240), "trial 1 never started"
     os.killpg(driver.pid, signal.SIGKILL)
@@ -161,11 +163,11 @@ def test_a_sweep_resumed_after_its_driver_was_killed_runs_no_finished_trial_twic
     assert _cli(capsys, "sweeps", "--json")[0]["state"] == "lost"
     assert _cli(capsys, "sweep", "resume", folder.sweep_id) == []  # runs the sweep here to its end
     trials = _cli(capsys, "sweep", folder.sweep_id, "--json")
-    assert [t["state"] for t in trials] == ["COMPLETE", "COMPLETE", "COMPLETE"]
-    for number in range(3):
+    assert [t["state"] for t in trials] == ["COMPLETE", "COMPLETE"]
+    for number in range(2):
         starts = [e for e in events(where, number, 0) if e["event"] == "start"]
         assert len(starts) == 1, f"trial {number} started {len(starts)} times: {starts}"
-    assert len({t["job_id"] for t in trials}) == 3
+    assert len({t["job_id"] for t in trials}) == 2
     assert _cli(capsys, "sweeps", "--json")[0]["state"] == "finished"
 
 
