@@ -116,6 +116,8 @@ def sweep(
     optuna = _optuna()
     from sparkgpu.sweeps.driver import check_space
 
+    if resume is not None and space is None:
+        space = _saved(find_sweep(resume)).get("space")  # as the sweep was started
     check_space(space)
     budget_hours = parse_budget(budget)
     fn = _decorated(train, gpus, gpu_type)
@@ -242,25 +244,32 @@ def _resume(folder: SweepFolder, fn, space, study, args, kwargs, sampler, pruner
     return _drive(folder, options, study, fn, space, args, kwargs)
 
 
+def _saved(folder: SweepFolder) -> dict[str, Any]:
+    """What the sweep kept of its caller (function, arguments, space, sampler, pruner); ``{}`` if nothing."""
+    import pickle
+
+    if not folder.driver_file.is_file():
+        return {}
+    paths = folder.path.joinpath("sys_path.txt")
+    if paths.is_file():  # the caller's modules unpickle from where the caller found them
+        for entry in reversed(paths.read_text().splitlines()):
+            if entry and entry not in sys.path:
+                sys.path.insert(0, entry)
+    return pickle.loads(folder.driver_file.read_bytes())
+
+
 def resume_sweep(sweep_id: str):
     """Goes on with sweep ``sweep_id`` from what its folder kept (its function, space, sampler, pruner).
 
     Raises:
         ConfigurationError: no such sweep, or it kept no function (resume it with ``sweep(..., resume=ID)``).
     """
-    import pickle
-
     folder = find_sweep(sweep_id)
-    if not folder.driver_file.is_file():
+    payload = _saved(folder)
+    if not payload:
         raise ConfigurationError(
             f"sweep {folder.sweep_id} kept no function (it did not pickle); resume it with sweep(train, ..., resume={folder.sweep_id!r})"
         )
-    paths = folder.path.joinpath("sys_path.txt")
-    if paths.is_file():
-        for entry in reversed(paths.read_text().splitlines()):
-            if entry and entry not in sys.path:
-                sys.path.insert(0, entry)
-    payload = pickle.loads(folder.driver_file.read_bytes())
     return sweep(
         payload["fn"],
         space=payload["space"],

@@ -167,15 +167,24 @@ class SweepDriver:
             SweepStoppedError: more than ``max_failures`` trials failed (after the running ones ended).
         """
         self._resume_running()
-        while True:
-            for number in list(self.running):
-                self._poll(self.running[number])
-            if self._may_start():
-                self._start_trial()
-                continue
-            if not self.running:
-                break
-            time.sleep(POLL_SECONDS)
+        try:
+            while True:
+                for number in list(self.running):
+                    self._poll(self.running[number])
+                if self._may_start():
+                    self._start_trial()
+                    continue
+                if not self.running:
+                    break
+                time.sleep(POLL_SECONDS)
+        except KeyboardInterrupt:
+            logger.warning(
+                "sweep %s interrupted; its running trials' jobs run on (`sparkgpu jobs`): go on with "
+                "`sparkgpu sweep resume %s`, or stop them with `sparkgpu cancel JOB_ID`",
+                self.sweep_id,
+                self.sweep_id,
+            )
+            raise
         self._record_best()
         if self.sweep_run is not None:
             self.sweep_run.end("FINISHED" if self.stopped_because is None else "FAILED")
@@ -248,6 +257,9 @@ class SweepDriver:
             self._tell_failed(trial, None, f"{type(exc).__name__}: {exc}")
             self._stop(f"a usage policy refused trial {number}: {exc}")
             return
+        except Exception as exc:  # the trial cannot be submitted (its arguments do not pickle, ...): nor could the next
+            self._tell_failed(trial, None, f"{type(exc).__name__}: {exc}")
+            raise
         trial.set_user_attr(ATTR_JOB, call.job_id)
         logger.info("sweep %s: trial %d runs as job %s with %s", self.sweep_id, number, call.job_id, params)
         self.running[number] = _Running(trial, call, params)

@@ -3,7 +3,7 @@
 Every rank records what it did into ``where`` (one JSON line per event: start, each step, the
 stop, the end), so a test reads from the ranks themselves which step each stopped at and when
 each trial ran. ``offset`` is added to the reported loss (a pruner's threshold then decides);
-``fail`` makes rank 1 raise at step 1.
+``fail`` makes rank 1 raise at step 1; ``return_model`` returns ``{"value": ..., "model": ...}``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ def _record(where: str, number, rank: int, **event) -> None:
         f.write(json.dumps({"time": time.time(), **event}) + "\n")
 
 
-def train(where: str, steps: int = 300, lr: float = 0.05, offset: float = 0.0, fail: bool = False):
+def train(
+    where: str, steps: int = 300, lr: float = 0.05, offset: float = 0.0, fail: bool = False, return_model: bool = False
+):
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -53,7 +55,7 @@ def train(where: str, steps: int = 300, lr: float = 0.05, offset: float = 0.0, f
             break
         time.sleep(0.01)  # the workload's pace: a few seconds per trial at most
     _record(where, number, rank, event="end")
-    return value
+    return {"value": value, "model": model.module} if return_model else value
 
 
 def events(where, number: int, rank: int) -> list[dict]:

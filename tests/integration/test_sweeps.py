@@ -3,7 +3,7 @@
 What each test checks comes from the ranks' own records (``sweep_trials.events``), the trials'
 job states and the study, never from a clock: a pruned trial's ranks stop at one step, a failing
 trial is FAIL and the sweep goes on, ``max_concurrent`` holds, a budget stops new trials, the
-parent MLflow run has one child per trial, and a sweep whose driver was killed resumes without
+parent MLflow run has one child per trial, the best trial's model is registered, and a sweep whose driver was killed resumes without
 running a finished trial again.
 """
 
@@ -76,7 +76,8 @@ def test_a_pruned_trial_stops_all_its_ranks_at_one_step_a_failed_one_does_not_st
         gpus=2,
         gpu_type="cpu",
         experiment="test_sweeps",
-        kwargs={"where": str(tmp_path), "steps": steps},
+        register_best_as="main.ml.sweep_best",
+        kwargs={"where": str(tmp_path), "steps": steps, "return_model": True},
     )
     complete, pruned, failed = result.study.trials
     assert [t.state.name for t in result.study.trials] == ["COMPLETE", "PRUNED", "FAIL"]
@@ -103,6 +104,10 @@ def test_a_pruned_trial_stops_all_its_ranks_at_one_step_a_failed_one_does_not_st
     assert sorted(m.step for m in history) == sorted(pruned.intermediate_values)
     assert parent.data.tags["best.trial"] == "0" and parent.data.tags["best.offset"] == "0.0"
     assert parent.data.metrics["best_value"] == pytest.approx(complete.value)
+    # The best trial's model (rank 0's "model"), registered with its job as lineage.
+    version = result.model_version
+    assert version.name == "main.ml.sweep_best"
+    assert version.tags["sparkgpu.job_id"] == complete.user_attrs["sparkgpu.job_id"]
 
 
 def test_a_budget_stops_new_trials(tmp_path):
