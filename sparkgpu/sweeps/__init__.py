@@ -16,13 +16,14 @@ from __future__ import annotations
 
 from sparkgpu._modules import lazy_attributes
 
-__all__ = ["sweep", "resume_sweep", "SweepResult", "SweepStoppedError", "list_sweeps", "find_sweep"]
+__all__ = ["sweep", "resume_sweep", "DetachedSweep", "SweepResult", "SweepStoppedError", "list_sweeps", "find_sweep"]
 
 __getattr__ = lazy_attributes(
     __name__,
     {
         "sweep": ("sparkgpu.sweeps.api", "sweep"),
         "resume_sweep": ("sparkgpu.sweeps.api", "resume_sweep"),
+        "DetachedSweep": ("sparkgpu.sweeps.api", "DetachedSweep"),
         "SweepResult": ("sparkgpu.sweeps.driver", "SweepResult"),
         "SweepStoppedError": ("sparkgpu.sweeps.driver", "SweepStoppedError"),
         "list_sweeps": ("sparkgpu.sweeps.folder", "list_sweeps"),

@@ -19,7 +19,7 @@ from sparkgpu.errors import ConfigurationError, MissingDependencyError
 from sparkgpu.sweeps.folder import SweepFolder, find_sweep, new_sweep_id, sweeps_root
 from sparkgpu.sweeps.options import SweepOptions, parse_budget
 
-__all__ = ["sweep", "resume_sweep"]
+__all__ = ["sweep", "resume_sweep", "DetachedSweep"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ def sweep(
     kwargs: dict | None = None,
     resume: str | None = None,
     name: str | None = None,
+    detach: bool = False,
 ):
     """Searches ``train``'s parameters with Optuna, each trial a sparkgpu job of ``gpus`` ranks.
 
@@ -105,9 +106,12 @@ def sweep(
         resume: A sweep id: go on with that sweep (its finished trials are not run again; the
             jobs of its running ones are found again).
         name: The trials' job names start with it (``train``'s name by default).
+        detach: Drive the sweep in a process of its own (``sparkgpu sweep resume`` started in a
+            session of its own), so that it runs on when this process exits; returns at once.
 
     Returns:
-        A :class:`~sparkgpu.sweeps.driver.SweepResult` (``study``, ``best_params``, ``best_value``).
+        A :class:`~sparkgpu.sweeps.driver.SweepResult` (``study``, ``best_params``, ``best_value``);
+        with ``detach=True``, a :class:`DetachedSweep` to wait for it.
 
     Raises:
         ConfigurationError: bad settings, raised before any trial starts.
@@ -132,6 +136,11 @@ def sweep(
     if study is None and direction not in ("minimize", "maximize"):
         raise ConfigurationError(
             f"direction={direction!r}: give 'minimize' or 'maximize' (or study=optuna.create_study(...))"
+        )
+    if detach and study is not None:
+        raise ConfigurationError(
+            "detach=True keeps the study in the sweep's folder, where its own process finds it: drop study= "
+            "and give direction= (with sampler=, pruner=)"
         )
     if study is not None and len(study.directions) != 1:
         raise ConfigurationError(
@@ -161,9 +170,16 @@ def sweep(
         study = optuna.create_study(
             study_name=sweep_id, storage=_journal(folder), direction=direction, sampler=sampler, pruner=pruner
         )
-    _save_driver(folder, fn, args, kwargs or {}, space, sampler, pruner)
+    saved = _save_driver(folder, fn, args, kwargs or {}, space, sampler, pruner)
     record: dict[str, Any] = {"sweep_id": sweep_id, "options": options.to_json(), "created_at": time.time()}
     folder.write(record)
+    if detach:
+        if not saved:
+            raise ConfigurationError(
+                "detach=True: the function, its arguments, space, sampler or pruner do not pickle, so "
+                "no other process can drive the sweep; make them importable, or drop detach"
+            )
+        return DetachedSweep.start(folder)
     return _drive(folder, options, study, fn, space, args, kwargs or {})
 
 
@@ -204,7 +220,8 @@ def _register_best(result, name: str):
     return register_result(model, name, call.job_id, child_run_id(call.run_dir.path))
 
 
-def _save_driver(folder: SweepFolder, fn, args, kwargs, space, sampler, pruner) -> None:
+def _save_driver(folder: SweepFolder, fn, args, kwargs, space, sampler, pruner) -> bool:
+    """Keeps what another process needs to drive the sweep; False (and a warning) when it does not pickle."""
     import cloudpickle
 
     from sparkgpu._files import atomic_write_bytes
@@ -223,9 +240,87 @@ def _save_driver(folder: SweepFolder, fn, args, kwargs, space, sampler, pruner) 
         logger.warning(
             "sweep %s: the function does not pickle (%s); resume it with sweep(..., resume=ID)", folder.sweep_id, exc
         )
-        return
+        return False
     atomic_write_bytes(folder.driver_file, body, mode=0o600)
     folder.path.joinpath("sys_path.txt").write_text("\n".join(p for p in sys.path if p))
+    return True
+
+
+class DetachedSweep:
+    """A sweep driven by a process of its own (``sweep(..., detach=True)``); any process may wait for it.
+
+    Its driver is ``python -m sparkgpu.cli sweep resume SWEEP_ID``, in a session of its own (no
+    signal of the caller's terminal reaches it), writing to ``driver.log`` in the sweep's folder.
+    Should it die, ``sparkgpu sweep resume SWEEP_ID`` goes on as after any driver's death.
+    """
+
+    def __init__(self, sweep_id: str):
+        self.sweep_id = find_sweep(sweep_id).sweep_id
+
+    def __repr__(self) -> str:
+        return f"<DetachedSweep {self.sweep_id} {self.state()}>"
+
+    @classmethod
+    def start(cls, folder: SweepFolder) -> "DetachedSweep":
+        import os
+        import subprocess
+        import threading
+
+        from sparkgpu._process import ProcessRef
+
+        log = os.open(folder.path / "driver.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "sparkgpu.cli", "sweep", "resume", folder.sweep_id],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        finally:
+            os.close(log)
+        folder.update(driver=ProcessRef.of(process.pid).record())  # running from now on, for whoever looks
+        # Nobody's child to wait for: a caller that lives on must not keep it a zombie.
+        threading.Thread(target=process.wait, daemon=True, name=f"sparkgpu-sweep-{process.pid}").start()
+        return cls(folder.sweep_id)
+
+    def state(self) -> str:
+        """``running``, ``finished``, ``stopped`` or ``lost`` (see ``sparkgpu sweeps``)."""
+        from sparkgpu.sweeps.summary import sweep_state
+
+        return sweep_state(find_sweep(self.sweep_id).read())
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Waits until the sweep no longer runs (or ``timeout`` seconds passed); returns its state then."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (state := self.state()) == "running" and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.5)
+        return state
+
+    def result(self, timeout: float | None = None):
+        """The :class:`~sparkgpu.sweeps.driver.SweepResult` once the sweep ended.
+
+        Raises:
+            CallNotFinishedError: it still runs after ``timeout`` seconds.
+            JobStateError: its driver died first (``sparkgpu sweep resume SWEEP_ID`` goes on).
+        """
+        from sparkgpu.errors import CallNotFinishedError, JobStateError
+        from sparkgpu.sweeps.driver import SweepResult
+
+        state = self.wait(timeout)
+        if state == "running":
+            raise CallNotFinishedError(f"sweep {self.sweep_id} still runs after {timeout}s")
+        folder = find_sweep(self.sweep_id)
+        if state == "lost":
+            raise JobStateError(
+                f"the driver of sweep {self.sweep_id} died (see {folder.path / 'driver.log'}); "
+                f"go on with `sparkgpu sweep resume {self.sweep_id}`"
+            )
+        record = folder.read()
+        options = SweepOptions.from_json(record["options"])
+        study = _optuna().load_study(study_name=options.study_name, storage=_journal(folder))
+        return SweepResult(self.sweep_id, study, record.get("stopped_because"), record.get("parent_run_id"))
 
 
 def _resume(folder: SweepFolder, fn, space, study, args, kwargs, sampler, pruner):

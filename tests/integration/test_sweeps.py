@@ -3,7 +3,8 @@
 What each test checks comes from the ranks' own records (``sweep_trials.events``), the trials'
 job states and the study, never from a clock: a pruned trial's ranks stop at one step, a failing
 trial is FAIL and the sweep goes on, ``max_concurrent`` holds, a budget stops new trials, the
-parent MLflow run has one child per trial, the best trial's model is registered, and a sweep whose driver was killed resumes without
+parent MLflow run has one child per trial, the best trial's model is registered, a detached sweep
+runs on after its caller exited, and a sweep whose driver was killed resumes without
 running a finished trial again.
 """
 
@@ -31,6 +32,18 @@ SPACE = {
     "offset": optuna.distributions.FloatDistribution(0.0, 10.0),
     "fail": optuna.distributions.CategoricalDistribution([False, True]),
 }
+
+
+@pytest.fixture(autouse=True)
+def _no_sweep_driver_left(_isolated_sparkgpu_home):
+    """A detached sweep's driver (a session of its own) outlives a test that failed before it ended."""
+    yield
+    from sparkgpu._process import ProcessRef
+
+    for folder in list_sweeps():
+        driver = folder.read().get("driver")
+        if driver and driver["pid"] != os.getpid() and not ProcessRef.from_record(driver).is_gone():
+            os.killpg(driver["pid"], signal.SIGKILL)
 
 
 def _intervals(study) -> list[tuple[float, float]]:
@@ -110,21 +123,39 @@ def test_a_pruned_trial_stops_all_its_ranks_at_one_step_a_failed_one_does_not_st
     assert version.tags["sparkgpu.job_id"] == complete.user_attrs["sparkgpu.job_id"]
 
 
-def test_a_budget_stops_new_trials(tmp_path):
-    result = sparkgpu.sweep(
+DETACHED = textwrap.dedent("""
+    import optuna, sparkgpu
+    from tests.integration.sweep_trials import train
+
+    detached = sparkgpu.sweep(
         train,
         direction="minimize",
-        space={"offset": SPACE["offset"]},
+        space={{"offset": optuna.distributions.FloatDistribution(0.0, 1.0)}},
         n_trials=3,
-        max_concurrent=1,
         gpus=2,
         gpu_type="cpu",
         budget="0.000001 GPU-hours",  # spent by the first trial's first second
-        kwargs={"where": str(tmp_path), "steps": 3},
+        kwargs={{"where": {where!r}, "steps": 3}},
+        detach=True,
     )
-    (only,) = result.study.trials
+    print(detached.sweep_id, flush=True)
+""")
+
+
+def test_a_detached_sweep_runs_on_after_its_caller_exits_and_its_budget_stops_new_trials(
+    tmp_path, _isolated_sparkgpu_home
+):
+    caller = start_client(
+        tmp_path, _isolated_sparkgpu_home, DETACHED.format(where=str(tmp_path)), stdout=subprocess.PIPE, text=True
+    )
+    out, _ = caller.communicate(timeout=120)
+    assert caller.returncode == 0
+    sweep_id = out.split()[-1]
+    result = sparkgpu.sweeps.DetachedSweep(sweep_id).result(timeout=240)
+    (only,) = result.study.trials  # the budget was spent by the first: no second trial started
     assert only.state.name == "COMPLETE"
     assert "budget of 1e-06 GPU-hours is spent" in result.stopped_because
+    assert sparkgpu.sweeps.DetachedSweep(sweep_id).state() == "stopped"
 
 
 RESUMABLE = textwrap.dedent("""
