@@ -110,18 +110,15 @@ def test_outside_a_sweep_trial_nothing_is_recorded_and_defaults_are_the_params(t
     assert reports.read_reports(path) == []
 
 
-def test_hyperparameter_search_inside_a_job_is_refused_pointing_to_sparkgpu_sweep(tmp_path):
+def test_hyperparameter_search_inside_a_job_is_refused_pointing_to_sparkgpu_sweep():
     transformers = pytest.importorskip("transformers")
     from sparkgpu.hf.resume import patch_trainer
-    from tests.fakes.tiny_models import tiny_llama
 
-    class JobTrainer(transformers.Trainer):  # patched as the job's rank patches transformers' Trainer
+    class JobTrainer(transformers.Trainer):  # patched as a job's rank patches transformers' Trainer
         pass
 
     patch_trainer(JobTrainer)
-    trainer = JobTrainer(
-        model=tiny_llama(), args=transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True)
-    )
     with pytest.raises(ConfigurationError, match=r"sparkgpu\.sweep\(train") as raised:
-        trainer.hyperparameter_search(backend="optuna", n_trials=2)
+        JobTrainer.hyperparameter_search(object.__new__(JobTrainer), backend="optuna", n_trials=2)
     assert "every rank" in str(raised.value)
+    assert transformers.Trainer.hyperparameter_search is not JobTrainer.hyperparameter_search  # only the patched class
