@@ -29,7 +29,7 @@ def register_sweeps(subparsers) -> None:
     p = subparsers.add_parser(
         "sweep", help="one sweep's trials (sparkgpu sweep SWEEP_ID), or resume one (sparkgpu sweep resume SWEEP_ID)"
     )
-    p.add_argument("words", nargs="+", metavar="SWEEP_ID | resume SWEEP_ID")
+    p.add_argument("words", nargs="+", metavar="SWEEP_ID", help="a sweep id (or a unique prefix), or: resume SWEEP_ID")
     p.add_argument("--json", action="store_true", help="one JSON object per trial")
     p.set_defaults(handler=cmd_sweep)
 
@@ -112,7 +112,7 @@ def cmd_sweep(args) -> int:
             state,
             _value(row["value"]),
             "" if row["last_step"] is None else str(row["last_step"]),
-            ", ".join(f"{k}={v}" for k, v in row["params"].items()),
+            ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row["params"].items()),
             row["job_id"] or "",
         )
     out.print(table)
