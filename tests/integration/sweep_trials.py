@@ -3,7 +3,8 @@
 Every rank records what it did into ``where`` (one JSON line per event: start, each step, the
 stop, the end), so a test reads from the ranks themselves which step each stopped at and when
 each trial ran. ``offset`` is added to the reported loss (a pruner's threshold then decides);
-``fail`` makes rank 1 raise at step 1; ``return_model`` returns ``{"value": ..., "model": ...}``.
+``fail`` makes rank 1 raise at step 1; ``return_model`` returns ``{"value": ..., "model": ...}``; a
+trial whose offset is above ``prune_above`` runs until it is pruned (no clock decides).
 """
 
 from __future__ import annotations
@@ -18,8 +19,18 @@ def _record(where: str, number, rank: int, **event) -> None:
         f.write(json.dumps({"time": time.time(), **event}) + "\n")
 
 
+#: Steps of a trial that waits to be pruned: its stop must come from the prune, long before these run out.
+UNTIL_PRUNED = 20_000
+
+
 def train(
-    where: str, steps: int = 300, lr: float = 0.05, offset: float = 0.0, fail: bool = False, return_model: bool = False
+    where: str,
+    steps: int = 300,
+    lr: float = 0.05,
+    offset: float = 0.0,
+    fail: bool = False,
+    return_model: bool = False,
+    prune_above: float | None = None,
 ):
     import torch
     import torch.distributed as dist
@@ -37,6 +48,8 @@ def train(
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     generator = torch.Generator().manual_seed(rank)
     value = float("nan")
+    if prune_above is not None and float(params["offset"]) > prune_above:
+        steps = UNTIL_PRUNED  # runs until the sweep prunes it, however long the prune takes to arrive
     for step in range(steps):
         tokens = torch.randint(0, 16, (4, 8), generator=generator)
         logits = model(tokens)
@@ -53,7 +66,7 @@ def train(
         if runtime.report(step, value):
             _record(where, number, rank, event="stopped", step=step)
             break
-        time.sleep(0.01)  # the workload's pace: a few seconds per trial at most
+        time.sleep(0.01)  # the workload's pace
     _record(where, number, rank, event="end")
     return {"value": value, "model": model.module} if return_model else value
 

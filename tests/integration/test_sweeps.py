@@ -24,7 +24,7 @@ import sparkgpu  # noqa: E402
 from sparkgpu.config import settings  # noqa: E402
 from sparkgpu.sweeps.folder import list_sweeps  # noqa: E402
 from tests.integration.processes import start_client, wait_for  # noqa: E402
-from tests.integration.sweep_trials import events, train  # noqa: E402
+from tests.integration.sweep_trials import UNTIL_PRUNED, events, train  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -79,7 +79,7 @@ def test_a_pruned_trial_stops_all_its_ranks_at_one_step_a_failed_one_does_not_st
     study.enqueue_trial({"offset": 0.0, "fail": False})  # completes
     study.enqueue_trial({"offset": 10.0, "fail": False})  # above the threshold from its first report: pruned
     study.enqueue_trial({"offset": 0.0, "fail": True})  # rank 1 raises at step 1
-    steps = 400  # the pruned trial stops long before, even on a busy machine; the complete one takes seconds
+    steps = 20  # the complete trial's; the one above the threshold runs until pruned (UNTIL_PRUNED at most)
     result = sparkgpu.sweep(
         train,
         study=study,
@@ -90,14 +90,14 @@ def test_a_pruned_trial_stops_all_its_ranks_at_one_step_a_failed_one_does_not_st
         gpu_type="cpu",
         experiment="test_sweeps",
         register_best_as="main.ml.sweep_best",
-        kwargs={"where": str(tmp_path), "steps": steps, "return_model": True},
+        kwargs={"where": str(tmp_path), "steps": steps, "return_model": True, "prune_above": 5.0},
     )
     complete, pruned, failed = result.study.trials
     assert [t.state.name for t in result.study.trials] == ["COMPLETE", "PRUNED", "FAIL"]
     # Every rank of the pruned trial left the loop at the same step, well before its end.
     stops = [[e["step"] for e in events(tmp_path, 1, rank) if e["event"] == "stopped"] for rank in (0, 1)]
     assert len(stops[0]) == 1 and stops[0] == stops[1], stops
-    assert stops[0][0] < steps - 1
+    assert stops[0][0] < UNTIL_PRUNED - 1
     assert all(any(e["event"] == "end" for e in events(tmp_path, 1, rank)) for rank in (0, 1))
     # Recorded with its last reported value, as Optuna does for a pruned trial.
     assert pruned.value == pruned.intermediate_values[max(pruned.intermediate_values)]
