@@ -60,6 +60,7 @@ __all__ = [
     "predict",
     "data",
     "runtime",
+    "sweep",
     "JobStatus",
     "AttemptStatus",
     "SparkGPUError",
@@ -102,6 +103,7 @@ _LAZY = {
     "log": ("sparkgpu.tracking.autolog", "log"),
     "registry": ("sparkgpu.registry", None),
     "predict": ("sparkgpu.predict", None),
+    "sweep": ("sparkgpu.sweeps.api", "sweep"),
 }
 
 

@@ -50,6 +50,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("sparkgpu.cli", "register_jobs"),
     ("sparkgpu.cli", "register_logs"),
     ("sparkgpu.cli_submit", "register_result"),
+    ("sparkgpu.cli_sweep", "register_sweeps"),
     ("sparkgpu.usage.cli", "register"),
     ("sparkgpu.launch.client.cli", "register_resume"),
     ("sparkgpu.launch.client.cli", "register_cancel"),

@@ -41,6 +41,8 @@ __all__ = [
     "StopForRestart",
     "stop_for_restart",
     "heartbeat",
+    "trial",
+    "report",
 ]
 
 # Environment set by the launcher for each worker (see sparkgpu.launch.rank.entrypoint).
@@ -300,3 +302,37 @@ def _tell_the_launcher_sigterm_checkpoints() -> None:
         os.makedirs(os.path.dirname(marker), exist_ok=True)
         with open(marker, "w") as f:
             f.write("SIGTERM asks this rank for a checkpoint\n")
+
+
+def trial(defaults: dict | None = None) -> dict:
+    """The parameters of the sweep trial this job runs (:func:`sparkgpu.sweep`), the same on every rank.
+
+    Sampled once, on the sweep's side, and handed to every rank; ``defaults`` fills in the names
+    the trial does not set. Outside a sweep trial (a plain call, a job of its own) a copy of
+    ``defaults``, or ``{}``.
+    """
+    from sparkgpu.sweeps.reports import trial_params
+
+    return trial_params(defaults)
+
+
+def report(step: int, value: float) -> bool:
+    """Reports the value a sweep optimizes at ``step``; True when every rank should stop now.
+
+    Call it on every rank at the same point of the loop (rank 0's value is recorded): the sweep's
+    pruner reads it, and when it prunes the trial, the job asks its ranks to stop
+    (:func:`should_checkpoint` turns True) and this returns True on every rank at the same step,
+    so that no rank is left waiting in a collective. Then leave the loop and return the value.
+    Outside a sweep it records nothing and returns :func:`should_checkpoint` (agreed by all ranks).
+
+    Raises:
+        ValueError: ``step`` is not an int >= 0, or ``value`` not a finite number.
+    """
+    from sparkgpu import _progress
+    from sparkgpu.launch.rundir.layout import RunLayout
+    from sparkgpu.sweeps.reports import report as record
+
+    _progress.note(step)  # a report is progress too (the hang watch)
+    run_dir = os.environ.get(ENV_RUN_DIR)
+    path = os.path.join(run_dir, RunLayout.trial_reports(attempt())) if run_dir else None
+    return record(step, value, path=path, is_main=is_main_process(), stop_requested=should_checkpoint)

@@ -423,7 +423,11 @@ def _patch_counting(target: Any) -> None:
 
 def patch_trainer(trainer_class: Any = Trainer) -> None:
     """Makes every ``trainer_class`` (and subclass) inside a job seal its checkpoints and resume,
-    and read a sparkgpu loader given as ``train_dataset`` rank by rank."""
+    and read a sparkgpu loader given as ``train_dataset`` rank by rank; its ``hyperparameter_search``
+    is refused there (:mod:`sparkgpu.hf.search`)."""
+    from sparkgpu.hf.search import patch_hyperparameter_search
+
+    patch_hyperparameter_search(trainer_class)
     if not getattr(trainer_class.train, _PATCHED, False):
         trainer_class.train = _resuming_train(trainer_class.train)
     if not getattr(trainer_class.get_train_dataloader, _PATCHED, False):

@@ -1,4 +1,4 @@
-"""Tiny models built in a test, no downloads: a tabular MLP, a Llama with its tokenizer, a LoRA adapter."""
+"""Tiny models built in a test, no downloads: a tabular MLP, a small torch transformer, a Llama with its tokenizer, a LoRA adapter."""
 
 from __future__ import annotations
 
@@ -18,6 +18,26 @@ def tabular_model(features: int = 4, seed: int = 0):
 
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(features, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1), torch.nn.Sigmoid())
+
+
+def tiny_transformer(vocab_size: int = 16, width: int = 16, seed: int = 0):
+    """A 1-layer transformer encoder over ``vocab_size`` tokens with a token-level head, pure torch (no download, no HF)."""
+    import torch
+
+    torch.manual_seed(seed)
+
+    class TinyTransformer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(vocab_size, width)
+            layer = torch.nn.TransformerEncoderLayer(width, nhead=2, dim_feedforward=2 * width, batch_first=True)
+            self.encoder = torch.nn.TransformerEncoder(layer, num_layers=1, enable_nested_tensor=False)
+            self.head = torch.nn.Linear(width, vocab_size)
+
+        def forward(self, tokens):
+            return self.head(self.encoder(self.embed(tokens)))
+
+    return TinyTransformer()
 
 
 def tokenizer():

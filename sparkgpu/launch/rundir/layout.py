@@ -14,6 +14,7 @@ names (:class:`~sparkgpu.launch.rundir.directory.RunDir` is one run dir on a mac
     payload.sig          HMAC-SHA256 of _air.py + spec.json + payload.pkl (key never stored)
     state.json           the supervisor's state (attempts, status)
     cancel-request       written by another process to cancel the job
+    sweep-stop           a sweep asks its trial job to stop (pruned), sealed (sparkgpu.sweeps)
     supervision.json     a detached job's keeper process and the caller's sys.path, sealed
     supervisor.log       what a detached job's keeper and supervisors report
     checkpoints/         shared by all attempts
@@ -30,6 +31,7 @@ names (:class:`~sparkgpu.launch.rundir.directory.RunDir` is one run dir on a mac
     attempts/<k>/progress/rank-<r>      rank r's progress record, shared memory (sparkgpu._progress)
     attempts/<k>/stacks/rank-<r>.txt    rank r's Python stacks, dumped when the supervisor asks
     attempts/<k>/hang.json, hang.txt    a hang's diagnosis, and it with every rank's stacks
+    attempts/<k>/trial-reports.json     a sweep trial's intermediate values, from rank 0 (runtime.report)
     attempts/<k>/spark/                 Spark nodes' start and end markers, beats; the client's
                                         cancel marker and heartbeat
 
@@ -74,6 +76,7 @@ class RunLayout:
     ERRORS = ERRORS_FILE
     STATE = "state.json"
     CANCEL_REQUEST = "cancel-request"
+    SWEEP_STOP = "sweep-stop"  # a sweep's request that its trial job stop (pruned), sealed (sparkgpu.sweeps)
     SUPERVISION_LOCK = "supervision.lock"  # flocked by the process that supervises the job
     SUPERVISION = "supervision.json"  # a detached job's keeper, sealed (launch.client.detached)
     SUPERVISOR_LOG = "supervisor.log"  # a detached job's keeper and supervisors write here
@@ -193,6 +196,10 @@ class RunLayout:
     @staticmethod
     def report(attempt: int) -> str:
         return f"{RunLayout.attempt(attempt)}/{RunLayout.REPORT}"
+
+    @staticmethod
+    def trial_reports(attempt: int | str) -> str:
+        return f"{RunLayout.attempt(attempt)}/trial-reports.json"
 
     @staticmethod
     def stop(attempt: int | str) -> str:
