@@ -48,7 +48,7 @@ from sparkgpu.errors import (
     SparkGPUError,
 )
 from sparkgpu.launch.client.attempt_result import read_attempt
-from sparkgpu.launch.client.detached import keeper_alive, start_keeper, supervision_record
+from sparkgpu.launch.client.detached import Keeper, keeper_alive, start_keeper, supervision_record
 from sparkgpu._keyring import load_key
 from sparkgpu.launch.client.job_state import JobBook
 from sparkgpu.launch.client.logs import LogStreamer
@@ -116,9 +116,13 @@ class DistributedFunctionCall:
         return attach(job_id, backend=backend)
 
     @classmethod
-    def _detach(cls, run_dir: RunDir) -> "DistributedFunctionCall":
-        """Starts the keeper of the job written in ``run_dir`` (its key on it) and returns its observing call."""
-        start_keeper(run_dir)
+    def _detach(cls, run_dir: RunDir, keeper: Keeper | None = None) -> "DistributedFunctionCall":
+        """Hands the job written in ``run_dir`` (its key on it) to ``keeper``, or to a keeper started
+        now, and returns its observing call."""
+        if keeper is not None:
+            keeper.hand(run_dir)
+        else:
+            start_keeper(run_dir)
         return cls(run_dir.job_id, run_dir)
 
     @classmethod

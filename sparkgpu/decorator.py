@@ -374,21 +374,42 @@ class DistributedFunction:
         holds the idempotency key: that job's call is returned.
         """
         from sparkgpu.call import DistributedFunctionCall, attach
-        from sparkgpu.launch.client.idempotency import claim_key, claimed_job
+        from sparkgpu.launch.client.idempotency import claimed_job
 
         if self.idempotency_key is not None and (earlier := claimed_job(self.idempotency_key)) is not None:
             self.last_job_id = earlier
             return attach(earlier)
-        prepared = prepare().write()
+        if not self._detaches(submitting=True):
+            prepared = self._written(prepare())
+            if isinstance(prepared, str):
+                return attach(prepared)
+            return DistributedFunctionCall._supervise(prepared.supervisor())
+        from sparkgpu.launch.client.detached import Keeper
+
+        # Its interpreter starts and imports the launcher while this process prepares and stages the job.
+        keeper = Keeper()
+        try:
+            prepared = self._written(prepare())
+        except BaseException:
+            keeper.abandon()
+            raise
+        if isinstance(prepared, str):
+            keeper.abandon()
+            return attach(prepared)
+        return DistributedFunctionCall._detach(prepared.run_dir, keeper)
+
+    def _written(self, prepared: PreparedJob) -> PreparedJob | str:
+        """``prepared``, written; or the id of the job an earlier submission with the idempotency key started."""
+        from sparkgpu.launch.client.idempotency import claim_key
+
+        prepared = prepared.write()
         job_id = prepared.job.job_id
         if self.idempotency_key is not None and (winner := claim_key(self.idempotency_key, job_id)) != job_id:
             prepared.discard()  # another submission with the key got there first; nothing of ours started
             self.last_job_id = winner
-            return attach(winner)
+            return winner
         self.last_job_id, self.last_run_dir = job_id, str(prepared.run_dir.path)
-        if not self._detaches(submitting=True):
-            return DistributedFunctionCall._supervise(prepared.supervisor())
-        return DistributedFunctionCall._detach(prepared.run_dir)
+        return prepared
 
     def _follow(self, call) -> list[Any]:
         """Streams a detached job's logs here until it ends; its results, registered. Ctrl-C cancels it."""

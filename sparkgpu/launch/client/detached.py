@@ -42,7 +42,7 @@ from sparkgpu._process import ProcessRef
 from sparkgpu.launch.rundir.directory import PRIVATE_FILE, RunDir
 from sparkgpu.launch.rundir.layout import RunLayout
 
-__all__ = ["start_keeper", "keeper_alive", "supervision_record", "main", "RESPAWN_LIMIT"]
+__all__ = ["Keeper", "start_keeper", "keeper_alive", "supervision_record", "main", "RESPAWN_LIMIT"]
 
 _MODULE = "sparkgpu.launch.client.detached"  # run as ``python -m`` (where ``__name__`` is ``__main__``)
 
@@ -69,6 +69,45 @@ def keeper_alive(run_dir: RunDir) -> bool:
     return isinstance(keeper, dict) and not ProcessRef.from_record(keeper).is_gone()
 
 
+class Keeper:
+    """A keeper started before its job is written, so that its interpreter starts and imports
+    the launcher while the caller prepares and stages the job (:meth:`hand` then names the run
+    dir). A keeper that is never handed a job (the job was refused, or an earlier submission
+    holds its idempotency key) exits at once when :meth:`abandon` closes its pipe.
+    """
+
+    def __init__(self, python: str | None = None):
+        self.process = subprocess.Popen(
+            [python or sys.executable, "-m", _MODULE],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,  # until it knows its run dir's supervisor.log
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # no signal of the caller's terminal or process group reaches it
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+    def hand(self, run_dir: RunDir) -> ProcessRef:
+        """Gives the keeper its written job (``run_dir``, with the job key set on it) and names
+        it in the run dir; a keeper that died meanwhile is replaced by a new one."""
+        assert self.process.stdin is not None
+        try:
+            self.process.stdin.write(f"{run_dir.path}\n".encode())
+            self.process.stdin.close()
+        except BrokenPipeError:  # it could not start (its log says nothing yet): start one the plain way
+            _forget(self.process)
+            return start_keeper(run_dir)
+        return _named(run_dir, self.process)
+
+    def abandon(self) -> None:
+        """Ends the keeper that no job was handed to."""
+        assert self.process.stdin is not None
+        try:
+            self.process.stdin.close()
+        except BrokenPipeError:
+            logger.debug("an unused keeper had ended already")
+        _forget(self.process)
+
+
 def start_keeper(run_dir: RunDir, python: str | None = None) -> ProcessRef:
     """Starts the keeper of the written job in ``run_dir``; returns at once.
 
@@ -80,25 +119,35 @@ def start_keeper(run_dir: RunDir, python: str | None = None) -> ProcessRef:
         run_dir: The job's run dir, written, with the job key set on it.
         python: The interpreter; this one by default.
     """
-    log_path = run_dir.path / RunLayout.SUPERVISOR_LOG
-    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, PRIVATE_FILE)
-    try:
-        process = subprocess.Popen(
-            [python or sys.executable, "-m", _MODULE, str(run_dir.path)],
-            stdin=subprocess.DEVNULL,
-            stdout=log_fd,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # no signal of the caller's terminal or process group reaches it
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-    finally:
-        os.close(log_fd)
+    process = subprocess.Popen(
+        [python or sys.executable, "-m", _MODULE, str(run_dir.path)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,  # the keeper appends to the run dir's supervisor.log itself
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    return _named(run_dir, process)
+
+
+def _named(run_dir: RunDir, process: subprocess.Popen) -> ProcessRef:
+    """Names ``process`` as the job's keeper in its sealed ``supervision.json``."""
     keeper = ProcessRef.of(process.pid)
     record = {"keeper": keeper.record(), "sys_path": [p for p in sys.path if p], "started_at": time.time()}
     run_dir.write_control(run_dir.path / RunLayout.SUPERVISION, json.dumps(record).encode())
     # The keeper is nobody's child to wait for: a caller that lives on must not keep it a zombie.
     _forget(process)
     return keeper
+
+
+def _log_to(run_dir: RunDir) -> None:
+    """Sends this process's output (and its supervisors') to the run dir's ``supervisor.log``."""
+    log_fd = os.open(run_dir.path / RunLayout.SUPERVISOR_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, PRIVATE_FILE)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
 
 
 def _forget(process: subprocess.Popen) -> None:
@@ -235,10 +284,22 @@ def _end_unsupervisable(run_dir: RunDir, exc: Exception) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m sparkgpu.launch.client.detached [RUN_DIR]``: keeps the job in ``RUN_DIR``, or in
+    the run dir its starter writes on stdin once the job is written (:class:`Keeper`)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s sparkgpu %(levelname)s %(message)s", stream=sys.stdout)
     os.umask(0o077)
-    return keep(RunDir(Path(args[0])))
+    if args:
+        path = args[0]
+    else:
+        import sparkgpu.launch.client.resume  # noqa: F401 - while the caller still stages the job
+
+        path = sys.stdin.readline().strip()
+        if not path:  # abandoned: the job was never written
+            return 0
+    run_dir = RunDir(Path(path))
+    _log_to(run_dir)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s sparkgpu %(levelname)s %(message)s", stream=sys.stdout)
+    return keep(run_dir)
 
 
 if __name__ == "__main__":
