@@ -27,6 +27,7 @@ from sparkgpu._report import PREFIX, report
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.launch.backends.base import Backend, LaunchPlan, backend_name, create_backend
+from sparkgpu.launch.backends.capabilities import Reattachable
 from sparkgpu.callbacks import JobCallback
 from sparkgpu.prepare import PreparedJob, prepare
 from sparkgpu.spec import JobSpec, Resources, RunPolicy, log_rank_selection, new_job_id, requested_resources
@@ -346,10 +347,9 @@ class DistributedFunction:
         run dir (a Spark backend on a Spark Connect session).
         """
         backend = self.backend
+        if isinstance(backend, Reattachable):
+            return backend.detach_refusal()
         if isinstance(backend, Backend):
-            refusal = getattr(backend, "detach_refusal", None)
-            if callable(refusal):
-                return refusal()
             return (
                 f"it runs on the backend object {backend!r} of this process, which another process cannot rebuild; "
                 f"name the backend (backend={backend.name!r})"

@@ -9,6 +9,7 @@ from sparkgpu.launch.backends.base import BACKENDS, backend_class, create_backen
 from sparkgpu.launch.backends.capabilities import (
     DeferredStart,
     ElasticCapacity,
+    LocalRanks,
     Preemptible,
     QueuedCapacity,
     Reattachable,
@@ -22,7 +23,7 @@ from tests.fakes.backend import ScriptedBackend
 from tests.fakes.spark_session import TaggedSession
 from tests.unit.test_resume import KEY, interrupted_job
 
-CAPABILITIES = (QueuedCapacity, Preemptible, ElasticCapacity, DeferredStart, Reattachable)
+CAPABILITIES = (QueuedCapacity, Preemptible, ElasticCapacity, DeferredStart, Reattachable, LocalRanks)
 REMOTE = "sc://head:15002"
 
 
@@ -34,8 +35,8 @@ def capabilities(backend) -> set[str]:
 @pytest.mark.parametrize(
     "name, expected",
     [
-        ("local", {"QueuedCapacity", "Preemptible"}),
-        ("warm_pool", {"QueuedCapacity", "Preemptible"}),
+        ("local", {"QueuedCapacity", "Preemptible", "LocalRanks"}),
+        ("warm_pool", {"QueuedCapacity", "Preemptible", "LocalRanks"}),
         ("spark", {"QueuedCapacity", "Preemptible", "ElasticCapacity", "DeferredStart", "Reattachable"}),
     ],
 )
@@ -48,8 +49,8 @@ def test_every_registered_backend_is_listed_above():
 
 
 def test_instances_have_their_class_capabilities_and_the_core_none():
-    assert capabilities(LocalBackend(standby=False)) == {"QueuedCapacity", "Preemptible"}
-    assert capabilities(SparkBackend(spark=TaggedSession())) == {c.__name__ for c in CAPABILITIES}
+    assert capabilities(LocalBackend(standby=False)) == {"QueuedCapacity", "Preemptible", "LocalRanks"}
+    assert capabilities(SparkBackend(spark=TaggedSession())) == {c.__name__ for c in CAPABILITIES} - {"LocalRanks"}
     assert capabilities(ScriptedBackend([])) == set()  # the core alone: the supervisor runs it all the same
 
 

@@ -27,9 +27,11 @@ Preemptible       ``preemption_request``, ``give_way``: a running job gives way 
                   to an urgent one, then waits in the queue again
 ElasticCapacity   ``available_gpus``: the GPUs free now, for elastic jobs          no     yes
 DeferredStart     ``ranks_started_at``: ranks may start long after ``submit``      no     yes
-Reattachable      ``job_written``, ``reattach``, ``stop_lost_attempts``: a         no     yes
-                  resumed job reaches where it ran; its nodes outlive a dead
-                  client
+Reattachable      ``job_written``, ``reattach``, ``stop_lost_attempts``,           no     yes
+                  ``detach_refusal``: a resumed or detached job reaches where it
+                  ran; its nodes outlive a dead client
+LocalRanks        ``ranks_on_this_host``: the supervisor reads its ranks'          yes    no
+                  progress and signals them by pid (hang detection)
 ================  ===============================================================  =====  =====
 
 The ``warm_pool`` backend is the local one with warm ranks, capabilities included. ``prestart``

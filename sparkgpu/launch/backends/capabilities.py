@@ -116,6 +116,11 @@ class Reattachable(Protocol):
         """
         ...
 
+    def detach_refusal(self) -> str | None:
+        """Why this backend's jobs cannot be continued by a process of their own now (a detached
+        job's keeper rebuilds the backend with :meth:`reattach`); ``None`` when they can."""
+        ...
+
     @classmethod
     def reattach(cls, run_dir: RunDir) -> Backend:
         """The backend for the job in ``run_dir``, continued in this process: where it ran before."""

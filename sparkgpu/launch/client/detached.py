@@ -77,14 +77,7 @@ class Keeper:
     """
 
     def __init__(self, python: str | None = None):
-        self.process = subprocess.Popen(
-            [python or sys.executable, "-m", _MODULE],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,  # until it knows its run dir's supervisor.log
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,  # no signal of the caller's terminal or process group reaches it
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+        self.process = _spawn(python, [], stdin=subprocess.PIPE)
 
     def hand(self, run_dir: RunDir) -> ProcessRef:
         """Gives the keeper its written job (``run_dir``, with the job key set on it) and names
@@ -119,15 +112,20 @@ def start_keeper(run_dir: RunDir, python: str | None = None) -> ProcessRef:
         run_dir: The job's run dir, written, with the job key set on it.
         python: The interpreter; this one by default.
     """
-    process = subprocess.Popen(
-        [python or sys.executable, "-m", _MODULE, str(run_dir.path)],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,  # the keeper appends to the run dir's supervisor.log itself
+    return _named(run_dir, _spawn(python, [str(run_dir.path)], stdin=subprocess.DEVNULL))
+
+
+def _spawn(python: str | None, args: list[str], stdin: int) -> subprocess.Popen:
+    """A keeper process, in a session of its own: no signal of the caller's terminal or process group
+    reaches it. It writes to the run dir's ``supervisor.log`` itself, once it knows its run dir."""
+    return subprocess.Popen(
+        [python or sys.executable, "-m", _MODULE, *args],
+        stdin=stdin,
+        stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-    return _named(run_dir, process)
 
 
 def _named(run_dir: RunDir, process: subprocess.Popen) -> ProcessRef:
@@ -168,8 +166,6 @@ def _job_ended(run_dir: RunDir) -> bool:
 def keep(run_dir: RunDir) -> int:
     """The keeper's loop: a supervisor at a time until the job has ended; the exit code of the last."""
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal is not the job's end
-    import sparkgpu.launch.client.resume  # noqa: F401 - imported once, here: each supervisor forks with it
-
     quick_deaths = 0
     for started in range(RESPAWN_LIMIT):
         began = time.monotonic()
@@ -288,11 +284,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     the run dir its starter writes on stdin once the job is written (:class:`Keeper`)."""
     args = list(sys.argv[1:] if argv is None else argv)
     os.umask(0o077)
+    # Imported once, here (while a Keeper's caller still stages the job): each supervisor forks with it.
+    import sparkgpu.launch.client.resume  # noqa: F401
+
     if args:
         path = args[0]
     else:
-        import sparkgpu.launch.client.resume  # noqa: F401 - while the caller still stages the job
-
         path = sys.stdin.readline().strip()
         if not path:  # abandoned: the job was never written
             return 0
