@@ -219,9 +219,9 @@ class SweepDriver:
 
     def _gpu_hours(self) -> float:
         """GPU-hours the sweep's trials used: their jobs' attempts, from when their ranks started."""
-        import json
-
         from sparkgpu.config import settings
+        from sparkgpu.launch.client.job_state import JobBook
+        from sparkgpu.launch.rundir.layout import RunLayout
 
         now, seconds = time.time(), 0.0
         for frozen in self._own_trials():
@@ -229,13 +229,16 @@ class SweepDriver:
             if not job_id:
                 continue
             try:
-                state = json.loads((settings().staging_root / job_id / "state.json").read_text())
-            except (FileNotFoundError, ValueError):
+                book = JobBook.read(settings().staging_root / job_id / RunLayout.STATE)
+            except ValueError:
                 continue
-            for attempt in state.get("attempts") or []:
-                if attempt.get("started_at") is not None:
+            if book is None:
+                continue
+            for attempt in book.state.get("attempts") or []:
+                started = attempt.get("started_at")
+                if started is not None:
                     end = attempt.get("ended_at") or now
-                    seconds += max(0.0, end - attempt["started_at"]) * attempt.get("gpus", self._gpus())
+                    seconds += max(0.0, end - started) * attempt.get("gpus", self._gpus())
         return seconds / 3600.0
 
     def _gpus(self) -> int:
