@@ -283,3 +283,36 @@ def test_the_client_names_node_0_lost_when_the_other_nodes_lost_it(attempt):
     assert session.interrupted == ["sparkgpu-job-1-0"]
     (lost,) = AttemptReport.read(rd.attempt_dir(0)).lost
     assert lost.node == 0 and "node 1 heard nothing from it" in lost.cause
+
+
+class SlowProbeSession(TaggedSession):
+    """A standalone cluster of two one-core executors whose capacity probe answers only after
+    ``seconds``, as the first tasks on a replacement executor do while it starts their Python worker."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds, self.probes = seconds, 0
+        self.conf = types.SimpleNamespace(getAll={"spark.master": "spark://127.0.0.1:7077"})
+
+    def range(self, *args):
+        return self
+
+    def mapInArrow(self, fn, schema):
+        from tests.fakes.spark_session import BlockingFrame
+
+        self.probes += 1
+        rows = [
+            types.SimpleNamespace(executor=str(i), host="127.0.0.1", cores=1, gpu_addresses="", gpu_names="")
+            for i in range(2)
+        ]
+        return BlockingFrame(self, rows, self.seconds)
+
+
+def test_after_a_lost_node_a_probe_slower_than_the_wait_timeout_still_sees_the_replacement(attempt):
+    # A short wait_timeout (5 s in the faults test) bounds how long the job waits, not how long one
+    # probe of the replacement may take: interrupting it killed the executor's fresh Python worker,
+    # every probe paid that start again, and the attempt waited for slots it had.
+    session = SlowProbeSession(seconds=0.6)
+    backend = SparkBackend(spark=session, client_timeout=None, wait_timeout=0.2)
+    assert backend._await_slots(attempt) is True
+    assert session.probes == 1 and session.interrupted == []

@@ -76,6 +76,11 @@ __all__ = ["SparkBackend", "SparkAttempt", "active_spark_session"]
 _HEARTBEAT_SECONDS = 10.0
 #: Seconds between two probes of the executors while a lost node is being replaced.
 _SLOT_POLL_SECONDS = 1.0
+#: Seconds one probe of the slots after a lost node may take: its tasks may be the first on the
+#: replacement executor, which starts a Python worker for them. Not the job's ``wait_timeout``:
+#: a probe interrupted at a short ``wait_timeout`` kills that Python worker, so every later probe
+#: pays the start again and the replacement is never seen.
+_SLOT_PROBE_SECONDS = 120.0
 
 
 class _FromSettings:
@@ -185,9 +190,11 @@ class SparkBackend(Backend, Preemptible, ElasticCapacity, DeferredStart, Reattac
         self.spark.interruptTag(tag)
 
     # -- capacity ---------------------------------------------------------------------
-    def capacity(self, refresh: bool = False) -> SparkCapacity:
-        """Executors, hosts and GPUs this session reaches (probed; cached for a minute)."""
-        capacity = discover_capacity(self.spark, wait_timeout=self.wait_timeout, out=self.stream, refresh=refresh)
+    def capacity(self, refresh: bool = False, probe_timeout: float | None = None) -> SparkCapacity:
+        """Executors, hosts and GPUs this session reaches (probed; cached for a minute); the probe
+        gives up after ``probe_timeout`` seconds (the backend's ``wait_timeout`` by default)."""
+        timeout = self.wait_timeout if probe_timeout is None else probe_timeout
+        capacity = discover_capacity(self.spark, wait_timeout=timeout, out=self.stream, refresh=refresh)
         if self.simulated is not None:
             capacity = dataclasses.replace(capacity, simulated=self.simulated)
         return capacity
@@ -643,7 +650,8 @@ class SparkBackend(Backend, Preemptible, ElasticCapacity, DeferredStart, Reattac
 
         def slots() -> int:
             try:
-                return self.capacity(refresh=True).node_slots(placement.gpus_per_node)
+                probe_timeout = max(self.wait_timeout, _SLOT_PROBE_SECONDS)
+                return self.capacity(refresh=True, probe_timeout=probe_timeout).node_slots(placement.gpus_per_node)
             except CapacityError:  # no executor answered: none is left until the replacement comes
                 return 0
 
