@@ -22,7 +22,7 @@ from sparkgpu import runtime
 
 __all__ = ["patch_training_arguments"]
 
-logger = logging.getLogger("sparkgpu.hf")
+logger = logging.getLogger(__name__)
 
 _PATCHED = "_sparkgpu_cpu_rank"
 

@@ -17,7 +17,7 @@ import sys
 
 __all__ = ["install", "TRAINER_MODULE", "ARGUMENTS_MODULE", "SFT_TRAINER_MODULE"]
 
-logger = logging.getLogger("sparkgpu.hf")
+logger = logging.getLogger(__name__)
 
 TRAINER_MODULE = "transformers.trainer"
 ARGUMENTS_MODULE = "transformers.training_args"

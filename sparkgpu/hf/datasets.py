@@ -39,7 +39,7 @@ __all__ = [
     "keep_documents_apart",
 ]
 
-logger = logging.getLogger("sparkgpu.hf")
+logger = logging.getLogger(__name__)
 
 LOADER_STATE = "sparkgpu_loader_state.json"  # in each checkpoint-N folder, written by rank 0
 

@@ -44,7 +44,7 @@ from sparkgpu.train import sealed_files  # noqa: E402
 
 __all__ = ["JobCheckpointCallback", "PendingSeal", "resumable", "patch_trainer", "seal_checkpoint", "HF_FOLDER"]
 
-logger = logging.getLogger("sparkgpu.hf")
+logger = logging.getLogger(__name__)
 
 HF_FOLDER = sealed_files.TRAINER_FOLDER
 _PATCHED = "_sparkgpu_resumes"

@@ -34,7 +34,7 @@ from sparkgpu.hf.datasets import LoaderDataset, is_loader, loader_of
 
 __all__ = ["as_hf_dataset", "patch_sft_trainer", "SKIP_PREPARATION"]
 
-logger = logging.getLogger("sparkgpu.hf")
+logger = logging.getLogger(__name__)
 _PATCHED = "_sparkgpu_takes_loaders"
 
 

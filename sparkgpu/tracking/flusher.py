@@ -33,7 +33,7 @@ from sparkgpu.tracking.spool import SpoolDir
 __all__ = ["SpoolFlusher", "flush_spool", "UNSENT_TAG"]
 
 # The spool's one logger name, which users' logging set-ups configure.
-_logger = logging.getLogger("sparkgpu.tracking.spool")
+_logger = logging.getLogger(__name__)
 
 _MAX_METRICS_PER_CALL = 1000  # MLflow's log_batch limits
 _MAX_PARAMS_TAGS_PER_CALL = 100

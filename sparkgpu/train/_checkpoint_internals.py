@@ -35,7 +35,7 @@ from sparkgpu.train._rng_state import capture_rng_state, restore_rng_state
 __all__ = ["CheckpointerInternals", "PendingSave", "make_stager"]
 
 # The Checkpointer's own logger, as in checkpoint_directory: one name for all its records.
-logger = logging.getLogger("sparkgpu.train.checkpoint")
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass

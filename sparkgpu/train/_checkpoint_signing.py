@@ -65,7 +65,7 @@ __all__ = [
     "weights_only_planner",
 ]
 
-logger = logging.getLogger("sparkgpu.train.checkpoint")
+logger = logging.getLogger(__name__)
 
 METADATA_NAME = ".metadata"  # DCP's own name for the pickled metadata of a checkpoint
 RANK_FILES = "_FILES.rank{rank}.json"

@@ -85,7 +85,7 @@ from sparkgpu.train.checkpoint_directory import CheckpointInfo, CheckpointDirect
 
 __all__ = ["Checkpointer", "CheckpointInfo", "list_checkpoints", "latest_checkpoint", "finish_pending_checkpoints"]
 
-logger = logging.getLogger("sparkgpu.train.checkpoint")
+logger = logging.getLogger(__name__)
 
 # DCP warns on every save and load without a process group; for a single process that is
 # the intended mode, so only that exact message is silenced.

@@ -67,7 +67,7 @@ __all__ = [
     "SigningKey",
 ]
 
-logger = logging.getLogger("sparkgpu.train.checkpoint")
+logger = logging.getLogger(__name__)
 
 MARKER_NAME = "_COMPLETE.json"
 FORMAT_VERSION = 1

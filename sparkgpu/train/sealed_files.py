@@ -49,7 +49,7 @@ __all__ = [
     "client_key",
 ]
 
-logger = logging.getLogger("sparkgpu.train.sealed")
+logger = logging.getLogger(__name__)
 
 SEALED_MARKER = "_SEALED.json"
 TRAINER_FOLDER = "hf"  # <checkpoint_dir>/hf: a Trainer's sealed checkpoints, beside Checkpointer's step-N

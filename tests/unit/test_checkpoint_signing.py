@@ -269,7 +269,7 @@ def test_a_rank_skips_a_forged_checkpoint_for_the_newest_genuine_one_and_runs_no
         save_steps(directory, [1, 3])
     planted = _plant(directory, forgery, sentinel, tmp_path)
 
-    with rank_of_job(directory), caplog.at_level(logging.WARNING, logger="sparkgpu.train.checkpoint"):
+    with rank_of_job(directory), caplog.at_level(logging.WARNING, logger="sparkgpu.train"):
         steps, state = restore(directory)
         newest_genuine = 1 if planted == 3 else 3
         assert steps == newest_genuine + 1 and state["loader"].position == newest_genuine + 1

@@ -361,3 +361,21 @@ def test_the_cycle_and_privacy_checkers_see_what_they_claim():
         ("sparkgpu.data.c", "sparkgpu.launch._x"),
         ("sparkgpu.data.d", "sparkgpu.launch.x._helper"),  # a private name of a public module
     }
+
+
+def test_every_library_logger_is_named_by_its_module():
+    # docs/guides/tests.md: diagnostics go through logging.getLogger(__name__), so a user silences
+    # or raises one module, or a sub-package, by the name they import.
+    hand_named = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "getLogger"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and str(node.args[0].value).startswith("sparkgpu")
+            ):
+                hand_named.append(f"{module_name(path)}:{node.lineno} names its logger {node.args[0].value!r}")
+    assert not hand_named, "use logging.getLogger(__name__):\n" + "\n".join(hand_named)
