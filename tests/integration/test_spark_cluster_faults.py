@@ -32,6 +32,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.usefixture
 
 #: Seconds from the fault to every surviving rank gone (node heartbeats time out after 10 s).
 STOP_BOUND = 15.0
+#: Seconds a step of these tests may take before the test gives up on it: a guard against a hang,
+#: not a claim. The suite starts every cluster at once, and on two busy cores a job took 150 s to
+#: reach its third step; what the tests claim in time is STOP_BOUND and the billing bounds.
+GUARD = 600.0
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +158,7 @@ def test_a_killed_executor_stops_the_other_node_and_ends_the_attempt_naming_its_
             hang_in_a_collective, gpus=4, gpu_type="A10", args=(str(marks),), max_restarts=0, name="executor_lost"
         )
     )
-    pids = wait_for(lambda: rank_pids(marks, 0, 4), 120, "the four ranks to start")
+    pids = wait_for(lambda: rank_pids(marks, 0, 4), GUARD, "the four ranks to start")
     run_dir = job_files("executor_lost")
     lost = node_of(run_dir, 0, 1)
     jvm_pid, _ = fault_cluster.executor_pids()[lost["executor"]]
@@ -164,7 +168,7 @@ def test_a_killed_executor_stops_the_other_node_and_ends_the_attempt_naming_its_
     # The surviving node's ranks (0 and 1) stop without waiting for a collective's timeout.
     wait_for(lambda: not alive([pids[0], pids[1]]), STOP_BOUND + 30, "the surviving ranks to stop")
     stopped_after = time.time() - killed_at
-    thread.join(120)
+    thread.join(GUARD)
     assert not thread.is_alive()
     assert stopped_after < STOP_BOUND, f"the surviving ranks ran on for {stopped_after:.1f}s after the kill"
 
@@ -214,10 +218,13 @@ def test_a_lost_worker_is_waited_for_and_the_job_resumes_from_its_checkpoint(
         )
     )
     wait_for(
-        lambda: (marks / "a0.step").exists() and int((marks / "a0.step").read_text() or 0) >= 3,
-        150,
+        lambda: (
+            not thread.is_alive() or (marks / "a0.step").exists() and int((marks / "a0.step").read_text() or 0) >= 3
+        ),
+        GUARD,
         "attempt 0 to checkpoint three steps",
     )
+    assert thread.is_alive(), outcome
     run_dir = job_files("worker_lost")
     lost = node_of(run_dir, 0, 1)
     _, worker = fault_cluster.executor_pids()[lost["executor"]]
@@ -225,7 +232,7 @@ def test_a_lost_worker_is_waited_for_and_the_job_resumes_from_its_checkpoint(
     fault_cluster.kill_worker(worker)
 
     # Attempt 1 is submitted and waits for the worker's GPUs instead of failing.
-    wait_for(lambda: (run_dir / "attempts" / "1" / "spark").is_dir(), 60, "the restart to be submitted")
+    wait_for(lambda: (run_dir / "attempts" / "1" / "spark").is_dir(), GUARD, "the restart to be submitted")
     time.sleep(12)
     assert thread.is_alive() and not (run_dir / "attempts" / "1" / "spark" / "node-0.started").exists()
     (listed,) = [j for j in list_jobs() if j["job_id"] == run_dir.name]
@@ -233,7 +240,7 @@ def test_a_lost_worker_is_waited_for_and_the_job_resumes_from_its_checkpoint(
     waiting_run = mlflow_run_of(tracked, run_dir.name)
     assert waiting_run.data.tags["sparkgpu.attempt.1.status"] == "waiting"  # and so does the MLflow run
     fault_cluster.restart_worker(worker)
-    thread.join(240)
+    thread.join(GUARD)
     assert not thread.is_alive()
 
     assert "error" not in outcome, outcome.get("error")
