@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from sparkgpu._modules import lazy_attributes
+from sparkgpu._util.modules import lazy_attributes
 
 # Bound explicitly: on a worker, sparkgpu.env.hydrate loads this submodule before the package
 # exists, and the import system binds a submodule to its package only when it loads it itself.
@@ -44,7 +44,7 @@ from sparkgpu.protocol import AttemptStatus, JobStatus
 __version__ = "0.1.0"
 
 # The library logs under this one logger and stays silent until the application configures
-# logging; what a user must see goes through sparkgpu._report instead.
+# logging; what a user must see goes through sparkgpu._util.report instead.
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [

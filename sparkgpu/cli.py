@@ -498,7 +498,7 @@ class _FollowRequest:
         self.rd, self.ranks, self.next = rd, ranks, 0.0
 
     def renew(self, attempt: int) -> None:
-        from sparkgpu._files import atomic_write_bytes
+        from sparkgpu._util.files import atomic_write_bytes
         from sparkgpu.launch.rundir.layout import RunLayout
 
         now = time.time()

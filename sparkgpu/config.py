@@ -91,7 +91,7 @@ def _staging(raw: str | None, home: Path) -> tuple[Path, str | None]:
             ``pip install``; the executors need it too).
         ConfigurationError: fsspec knows no filesystem for the URL's scheme.
     """
-    from sparkgpu._urls import check_url, is_url, scheme_of
+    from sparkgpu._util.urls import check_url, is_url, scheme_of
 
     if not raw:
         return home / "runs", None

@@ -23,7 +23,7 @@ import functools
 import inspect
 from typing import Any, Callable
 
-from sparkgpu._report import PREFIX, report
+from sparkgpu._util.report import PREFIX, report
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.launch.backends.base import Backend, LaunchPlan, backend_name, create_backend
@@ -413,7 +413,7 @@ class DistributedFunction:
 
     def _follow(self, call) -> list[Any]:
         """Streams a detached job's logs here until it ends; its results, registered. Ctrl-C cancels it."""
-        from sparkgpu._report import console
+        from sparkgpu._util.report import console
 
         from sparkgpu.tracking.registration import read_registration
 

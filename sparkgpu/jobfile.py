@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from sparkgpu._files import atomic_write_bytes
+from sparkgpu._util.files import atomic_write_bytes
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.job_options import JOB_OPTIONS, check_document_value
 from sparkgpu.job_secrets import parse_secret_refs, read_secrets
@@ -204,7 +204,7 @@ class JobFile:
         Raises:
             ConfigurationError: unreadable file, unknown field or path, or wrong value; names the field.
         """
-        from sparkgpu._documents import parse_document
+        from sparkgpu._util.documents import parse_document
 
         path = Path(path)
         try:

@@ -346,7 +346,7 @@ def _requirement_lines(dependencies, base_dir: Path, source: str) -> list[str]:
     """The requirement strings of ``environment.dependencies``: its list, or the list of the
     requirements YAML file it names."""
     if isinstance(dependencies, str):
-        from sparkgpu._documents import parse_document
+        from sparkgpu._util.documents import parse_document
 
         path = base_dir / dependencies
         try:

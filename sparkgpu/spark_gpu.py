@@ -22,7 +22,7 @@ import sys
 import threading
 from typing import Any, Callable
 
-from sparkgpu._report import report
+from sparkgpu._util.report import report
 from sparkgpu.errors import ConfigurationError
 
 __all__ = ["GPUNamespace", "attach"]

@@ -20,7 +20,7 @@ import secrets
 import time
 from typing import Any, Callable, Sequence
 
-from sparkgpu._report import report
+from sparkgpu._util.report import report
 from sparkgpu.callbacks import AttemptOutcome, JobCallback
 from sparkgpu.errors import CapacityError, ConfigurationError
 from sparkgpu.predict.executor.generation import GenerationConfig

@@ -184,7 +184,7 @@ def sweep(
 
 
 def _drive(folder: SweepFolder, options: SweepOptions, study, fn, space, args, kwargs):
-    from sparkgpu._process import ProcessRef
+    from sparkgpu._util.process import ProcessRef
     from sparkgpu.config import settings
     from sparkgpu.sweeps.driver import SweepDriver
 
@@ -224,7 +224,7 @@ def _save_driver(folder: SweepFolder, fn, args, kwargs, space, sampler, pruner) 
     """Keeps what another process needs to drive the sweep; False (and a warning) when it does not pickle."""
     import cloudpickle
 
-    from sparkgpu._files import atomic_write_bytes
+    from sparkgpu._util.files import atomic_write_bytes
 
     payload = {
         "fn": fn,
@@ -266,7 +266,7 @@ class DetachedSweep:
         import subprocess
         import threading
 
-        from sparkgpu._process import ProcessRef
+        from sparkgpu._util.process import ProcessRef
 
         log = os.open(folder.path / "driver.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:

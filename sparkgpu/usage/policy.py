@@ -254,7 +254,7 @@ class UsagePolicy:
         Raises:
             ConfigurationError: the file is missing or invalid; the message names it.
         """
-        from sparkgpu._documents import parse_document
+        from sparkgpu._util.documents import parse_document
 
         path = Path(path)
         try:

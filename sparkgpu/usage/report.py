@@ -222,7 +222,7 @@ def plot_usage(path, ledger=None, since="30d", until=None, by="team") -> str:
     Raises:
         MissingDependencyError: matplotlib is not installed.
     """
-    from sparkgpu._plotting import pyplot
+    from sparkgpu._util.plotting import pyplot
 
     plt = pyplot("plotting usage")
     import pandas as pd

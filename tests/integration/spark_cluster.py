@@ -30,7 +30,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from sparkgpu._java import java_available, java_environment
+from sparkgpu._util.java import java_available, java_environment
 
 __all__ = ["LocalSparkCluster", "java_available", "spark_home", "is_loopback", "disposable_cluster", "cluster_session"]
 

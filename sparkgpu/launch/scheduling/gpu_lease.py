@@ -18,8 +18,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from sparkgpu._files import try_lock_file
-from sparkgpu._report import report
+from sparkgpu._util.files import try_lock_file
+from sparkgpu._util.report import report
 from sparkgpu.errors import CapacityError
 from sparkgpu.launch.scheduling.gpu_queue import GpuHolder, GpuQueue, QueueEntry
 from sparkgpu.priority import Priority, fewest_to_stop

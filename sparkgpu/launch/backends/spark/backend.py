@@ -31,8 +31,8 @@ import threading
 import time
 from typing import TextIO
 
-from sparkgpu._report import report
-from sparkgpu._urls import install_command, scheme_of
+from sparkgpu._util.report import report
+from sparkgpu._util.urls import install_command, scheme_of
 from sparkgpu.config import settings
 from sparkgpu.errors import CapacityError, ConfigurationError
 from sparkgpu.launch.node.agent import build_command

@@ -30,7 +30,7 @@ import threading
 import time
 import uuid
 
-from sparkgpu._report import report
+from sparkgpu._util.report import report
 from sparkgpu.catalog import GPU_CATALOG, classify_device, lookup_gpu_type
 from sparkgpu.errors import CapacityError, ConfigurationError, SparkGPUError
 from sparkgpu.launch.backends.spark.executor.probe import (
