@@ -91,13 +91,13 @@ __all__ = [
 ]
 
 _LAZY = {
-    "distributed": ("sparkgpu.decorator", "distributed"),
-    "DistributedFunction": ("sparkgpu.decorator", "DistributedFunction"),
+    "distributed": ("sparkgpu.api.decorator", "distributed"),
+    "DistributedFunction": ("sparkgpu.api.decorator", "DistributedFunction"),
     "ray_launch": ("sparkgpu.ray", "ray_launch"),
     "ray_init": ("sparkgpu.ray", "ray_init"),
-    "DistributedFunctionCall": ("sparkgpu.call", "DistributedFunctionCall"),
-    "attach": ("sparkgpu.call", "attach"),
-    "collect_outputs_or_raise": ("sparkgpu.call", "collect_outputs_or_raise"),
+    "DistributedFunctionCall": ("sparkgpu.api.call", "DistributedFunctionCall"),
+    "attach": ("sparkgpu.api.call", "attach"),
+    "collect_outputs_or_raise": ("sparkgpu.api.call", "collect_outputs_or_raise"),
     "runtime": ("sparkgpu.runtime", None),
     "data": ("sparkgpu.data", None),
     "log": ("sparkgpu.tracking.autolog", "log"),
@@ -112,7 +112,7 @@ __getattr__ = lazy_attributes(__name__, _LAZY)
 
 def _attach_spark_gpu() -> None:
     # `import sparkgpu` gives Spark sessions a `spark.gpu` namespace, without importing pyspark.
-    from sparkgpu.spark_gpu import attach
+    from sparkgpu.api.spark_gpu import attach
 
     attach()
 

@@ -179,7 +179,7 @@ def _load_job(args):
 
 
 def cmd_run(args) -> int:
-    from sparkgpu.decorator import default_callbacks
+    from sparkgpu.api.decorator import default_callbacks
     from sparkgpu.usage.meter import UsageMeter
 
     job_file = _load_job(args)

@@ -63,7 +63,7 @@ class JobOption:
         own default for it, the one place it is set."""
         import inspect
 
-        from sparkgpu.decorator import distributed
+        from sparkgpu.api.decorator import distributed
 
         return inspect.signature(distributed).parameters[self.name].default
 

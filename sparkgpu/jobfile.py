@@ -299,7 +299,7 @@ class JobFile:
         return ScriptRunner.from_path(self.script, self.args, self.env, self.parameters, self.cwd)
 
     def seal_secrets(self, prepared):
-        """``prepared`` (a :class:`~sparkgpu.prepare.PreparedJob` not yet written) with this job's
+        """``prepared`` (a :class:`~sparkgpu.api.prepare.PreparedJob` not yet written) with this job's
         secrets sealed under its key as an argument of the script's runner; as it is without secrets."""
         if not self.secret_values:
             return prepared
@@ -308,12 +308,12 @@ class JobFile:
         return prepared.with_kwargs(sealed_secrets=seal(prepared.key, self.secret_values))
 
     def build(self, callbacks=None):
-        """The :class:`~sparkgpu.decorator.DistributedFunction` that runs this job.
+        """The :class:`~sparkgpu.api.decorator.DistributedFunction` that runs this job.
 
         Raises:
             ConfigurationError: a field is invalid; the message names the job file.
         """
-        from sparkgpu.decorator import distributed
+        from sparkgpu.api.decorator import distributed
 
         options = dict(self.options)  # what the file and command line gave; distributed() has the defaults
         options.setdefault("name", Path(self.script).stem)

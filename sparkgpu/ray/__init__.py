@@ -46,7 +46,7 @@ import importlib.util
 import inspect
 from typing import Any, Callable
 
-from sparkgpu.decorator import DistributedFunction, distributed
+from sparkgpu.api.decorator import DistributedFunction, distributed
 from sparkgpu.errors import ConfigurationError, MissingDependencyError
 from sparkgpu.errors import RayClusterError
 from sparkgpu.ray.plan import NODE_LAYOUTS, RankResources, RayNodeSpec, plan_ray_nodes

@@ -42,7 +42,7 @@ def _journal(folder: SweepFolder):
 
 
 def _decorated(train, gpus, gpu_type):
-    from sparkgpu.decorator import DistributedFunction, distributed
+    from sparkgpu.api.decorator import DistributedFunction, distributed
 
     if isinstance(train, DistributedFunction):
         return train
@@ -208,7 +208,7 @@ def _drive(folder: SweepFolder, options: SweepOptions, study, fn, space, args, k
 
 def _register_best(result, name: str):
     """Registers the best trial's model: its job's rank-0 return value (or its ``"model"``)."""
-    from sparkgpu.call import attach
+    from sparkgpu.api.call import attach
     from sparkgpu.sweeps.driver import ATTR_JOB
     from sparkgpu.sweeps.tracking import child_run_id
     from sparkgpu.tracking.registration import register_result

@@ -583,7 +583,7 @@ def disposable_cluster(folder: Path, name: str):
 @contextlib.contextmanager
 def cluster_session(cluster: LocalSparkCluster):
     """A Spark Connect session on ``cluster`` with ``spark.gpu`` attached and its capacity probed."""
-    from sparkgpu.spark_gpu import attach
+    from sparkgpu.api.spark_gpu import attach
 
     attach()
     session = cluster.session()

@@ -12,7 +12,7 @@ import logging
 import pytest
 
 from sparkgpu.callbacks import JobCallback
-from sparkgpu.decorator import distributed
+from sparkgpu.api.decorator import distributed
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.jobfile import JobFile
 from sparkgpu.launch.scheduling.elastic import ElasticPlan

@@ -5,7 +5,7 @@ import inspect
 import pytest
 
 from sparkgpu import cli
-from sparkgpu.decorator import distributed
+from sparkgpu.api.decorator import distributed
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.job_options import JOB_OPTIONS, PYTHON_ONLY_KEYWORDS
 from sparkgpu.jobfile import JobFile

@@ -48,10 +48,7 @@ CLIENT_SIDE = (
     "sparkgpu.launch.client",  # the caller's process: supervisor, attempts read back, resume, CLI
     "sparkgpu.launch.scheduling",  # who gets GPUs when, decided on the client
     "sparkgpu.launch.backends",  # where a job runs (but for the worker-side modules below)
-    "sparkgpu.decorator",
-    "sparkgpu.prepare",
-    "sparkgpu.call",
-    "sparkgpu.spark_gpu",
+    "sparkgpu.api",  # the entry points a user calls: decorator, prepare, call, spark_gpu
     "sparkgpu.cli",
     "sparkgpu.pools",
     "sparkgpu.pools_cli",

@@ -15,7 +15,7 @@ from sparkgpu.errors import SerializationError, SparkGPUError
 from sparkgpu.launch.backends.base import ResolvedJob
 from sparkgpu._keyring import load_key
 from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.spark_gpu import GPUNamespace
+from sparkgpu.api.spark_gpu import GPUNamespace
 from tests.fakes.backend import ScriptedBackend
 
 

@@ -29,7 +29,7 @@ from sparkgpu.errors import ConfigurationError
 from sparkgpu.launch.backends.base import Backend, LaunchPlan, backend_name, create_backend
 from sparkgpu.launch.backends.capabilities import Reattachable
 from sparkgpu.callbacks import JobCallback
-from sparkgpu.prepare import PreparedJob, prepare
+from sparkgpu.api.prepare import PreparedJob, prepare
 from sparkgpu.spec import JobSpec, Resources, RunPolicy, log_rank_selection, new_job_id, requested_resources
 
 __all__ = ["distributed", "DistributedFunction", "default_callbacks", "REMOTE_MAX_RUNTIME"]
@@ -239,7 +239,7 @@ class DistributedFunction:
 
         Returns:
             One return value per rank, ordered by rank; with ``run_async=True``, the job's
-            :class:`~sparkgpu.call.DistributedFunctionCall`.
+            :class:`~sparkgpu.api.call.DistributedFunctionCall`.
 
         Raises:
             WorkerFailedError: a rank raised or died; names each failing rank with its remote
@@ -296,7 +296,7 @@ class DistributedFunction:
 
     def submit(self, *args, **kwargs):
         """Starts ``.distributed(*args, **kwargs)`` and returns its
-        :class:`~sparkgpu.call.DistributedFunctionCall` at once.
+        :class:`~sparkgpu.api.call.DistributedFunctionCall` at once.
 
         A local job is supervised by processes of its own (``detach``): it runs on when this
         process exits or is killed, and ``sparkgpu.attach(call.job_id)`` finds it again.
@@ -373,7 +373,7 @@ class DistributedFunction:
         file's secrets under its key). ``prepare`` is not called when an earlier submission
         holds the idempotency key: that job's call is returned.
         """
-        from sparkgpu.call import DistributedFunctionCall, attach
+        from sparkgpu.api.call import DistributedFunctionCall, attach
         from sparkgpu.launch.client.idempotency import claimed_job
 
         if self.idempotency_key is not None and (earlier := claimed_job(self.idempotency_key)) is not None:
@@ -560,9 +560,9 @@ def distributed(
         pool: Run on this GPU pool (its name or id in the ``SPARKGPU_POOLS`` file) instead of
             the one ``gpu_type`` chooses; needs ``remote=True``.
         run_async: ``fn.distributed(...)`` returns the job's
-            :class:`~sparkgpu.call.DistributedFunctionCall` at once instead of waiting for the
+            :class:`~sparkgpu.api.call.DistributedFunctionCall` at once instead of waiting for the
             results (as ``fn.submit(...)`` does): for sweeps of many jobs. Collect them with
-            :func:`~sparkgpu.call.collect_outputs_or_raise`.
+            :func:`~sparkgpu.api.call.collect_outputs_or_raise`.
         detach: Supervise the job in processes of its own (:mod:`sparkgpu.launch.client.detached`),
             so that it outlives this process: ``submit`` returns at once, ``.distributed()``
             follows the job's logs to its end (Ctrl-C still cancels it) and a killed caller
