@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Literal, Sequence
 
 from sparkgpu.errors import ConfigurationError, PolicyViolationError, SparkGPUError
-from sparkgpu.job_options import add_cli_flags, cli_values, key_value
+from sparkgpu.spec.options import add_cli_flags, cli_values, key_value
 from sparkgpu.protocol import JobStatus, ListedStatus
 from sparkgpu.launch.rundir.layout import RunLayout
 
@@ -156,7 +156,7 @@ def register_run(subparsers) -> None:
 
 
 def _load_job(args):
-    from sparkgpu.jobfile import JOB_FILE_SUFFIXES, JobFile
+    from sparkgpu.spec.jobfile import JOB_FILE_SUFFIXES, JobFile
 
     target = Path(args.target)
     if target.suffix.lower() in JOB_FILE_SUFFIXES:

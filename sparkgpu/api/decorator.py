@@ -356,7 +356,7 @@ class DistributedFunction:
             )
         if self.resources.remote:
             from sparkgpu.launch.backends.spark.sessions import active_spark_session, detach_refusal
-            from sparkgpu.pools import configured_pools
+            from sparkgpu.spec.pools import configured_pools
 
             if configured_pools() is not None or settings().spark_remote:
                 return None  # sessions opened by URL
@@ -531,7 +531,7 @@ def distributed(
         priority: ``"best_effort"``, ``"normal"`` or ``"critical"`` (databricks' ``BEST_EFFORT``
             / ``NORMAL`` / ``CRITICAL`` too): waiting jobs get free GPUs by class, then in
             order; a critical job that does not fit asks best-effort jobs to checkpoint and
-            stop, and they resume by themselves, using no restart (:mod:`sparkgpu.priority`).
+            stop, and they resume by themselves, using no restart (:mod:`sparkgpu.spec.priority`).
         capacity_wait: How long a remote attempt may wait for its GPUs (seconds or ``"30m"``):
             at submit, and after a lost node while the cluster replaces it. ``None``: the
             job's ``max_runtime`` (7 days for remote jobs), else ``SPARKGPU_SPARK_WAIT_TIMEOUT``.

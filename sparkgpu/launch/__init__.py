@@ -15,7 +15,7 @@ of a ``@distributed`` function), with the module doing each::
      3. backend.place (Spark: the GPU pool, whose usage policy is      launch.backends.local.backend,
         checked at once), then backend.resolve: capacity, gpu_type     launch.backends.spark.backend,
         and rank placement within seconds (Spark: a probe job on the   .capacity, .executor.probe;
-        executors)                                                     sparkgpu.pools
+        executors)                                                     sparkgpu.spec.pools
      4. callbacks (tracking, metering) and the usage policy            sparkgpu.callbacks,
                                                                        sparkgpu.tracking, .usage
      5. the function, arguments and callbacks pickled                  launch.rundir.serialization

@@ -443,7 +443,7 @@ def _register_files(
             client.create_registered_model(
                 stored,
                 tags={
-                    "sparkgpu.catalog": parsed.catalog,
+                    "sparkgpu.spec.catalog": parsed.catalog,
                     "sparkgpu.schema": parsed.schema,
                     "sparkgpu.model": parsed.model,
                 },

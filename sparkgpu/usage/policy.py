@@ -31,10 +31,10 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from sparkgpu.catalog import lookup_gpu_type
+from sparkgpu.spec.catalog import lookup_gpu_type
 from sparkgpu.errors import ConfigurationError, PolicyViolationError
 from sparkgpu.spec import JobSpec
-from sparkgpu.units import parse_duration
+from sparkgpu.spec.units import parse_duration
 
 __all__ = ["Budget", "UsagePolicy", "job_attributes", "format_duration"]
 

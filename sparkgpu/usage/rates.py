@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Mapping
 
-from sparkgpu.catalog import lookup_gpu_type
+from sparkgpu.spec.catalog import lookup_gpu_type
 from sparkgpu.errors import ConfigurationError
 
 __all__ = ["DEFAULT_RATES", "RateCard", "billed_seconds"]

@@ -11,7 +11,7 @@ import time
 from typing import Sequence
 
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.units import parse_duration
+from sparkgpu.spec.units import parse_duration
 
 __all__ = ["parse_since", "usage_rows", "usage_table", "render_usage_table", "plot_usage", "usage_dataframe"]
 

@@ -379,8 +379,8 @@ PUBLIC_MODULES = [
     "sparkgpu.env",
     "sparkgpu.ray",
     "sparkgpu.errors",
-    "sparkgpu.units",
-    "sparkgpu.catalog",
+    "sparkgpu.spec.units",
+    "sparkgpu.spec.catalog",
     "sparkgpu.launch.client.attempt_report",
 ]
 

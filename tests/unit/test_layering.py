@@ -50,7 +50,7 @@ CLIENT_SIDE = (
     "sparkgpu.launch.backends",  # where a job runs (but for the worker-side modules below)
     "sparkgpu.api",  # the entry points a user calls: decorator, prepare, call, spark_gpu
     "sparkgpu.cli",
-    "sparkgpu.pools",
+    "sparkgpu.spec.pools",
     "sparkgpu.pools_cli",
 )
 RANK = ("sparkgpu.launch.rank",)

@@ -166,7 +166,7 @@ class PoolBackend(PlacingBackend):
     def place(self, job):
         import dataclasses
 
-        from sparkgpu.pools import POOL_TAG
+        from sparkgpu.spec.pools import POOL_TAG
 
         return dataclasses.replace(job, tags={**job.tags, POOL_TAG: "a10"})
 

@@ -75,7 +75,7 @@ def files_dataset(
     """
     from sparkgpu import runtime
     from sparkgpu.config import settings
-    from sparkgpu.units import parse_size
+    from sparkgpu.spec.units import parse_size
     from sparkgpu.data.storage.volume import Volume
 
     rank = runtime.get_global_rank() if rank is None else rank

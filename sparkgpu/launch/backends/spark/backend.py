@@ -67,7 +67,7 @@ from sparkgpu.protocol import NodeState
 from sparkgpu.launch.rank.threads import threads_per_rank
 from sparkgpu.launch.rundir.directory import RunDir
 from sparkgpu.launch.rundir.staging import ClientMirror, StagingStore, store_prefix, user_prefix
-from sparkgpu.pools import POOL_TAG, Pool
+from sparkgpu.spec.pools import POOL_TAG, Pool
 from sparkgpu.spec import JobSpec
 
 __all__ = ["SparkBackend", "SparkAttempt", "active_spark_session"]

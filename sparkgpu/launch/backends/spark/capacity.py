@@ -31,7 +31,7 @@ import time
 import uuid
 
 from sparkgpu._util.report import report
-from sparkgpu.catalog import GPU_CATALOG, classify_device, lookup_gpu_type
+from sparkgpu.spec.catalog import GPU_CATALOG, classify_device, lookup_gpu_type
 from sparkgpu.errors import CapacityError, ConfigurationError, SparkGPUError
 from sparkgpu.launch.backends.spark.executor.probe import (
     IMAGE_DDL,

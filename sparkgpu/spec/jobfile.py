@@ -33,9 +33,9 @@ from typing import Any, Mapping, Sequence
 
 from sparkgpu._util.files import atomic_write_bytes
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.job_options import JOB_OPTIONS, check_document_value
+from sparkgpu.spec.options import JOB_OPTIONS, check_document_value
 from sparkgpu.job_secrets import parse_secret_refs, read_secrets
-from sparkgpu.jobfile_air import air_field_paths, is_air_workload, job_fields_from_air_workload
+from sparkgpu.spec.jobfile_air import air_field_paths, is_air_workload, job_fields_from_air_workload
 
 __all__ = ["JobFile", "ScriptRunner", "JOB_FILE_SUFFIXES", "PARAMETERS_ENV", "PARAMETERS_FILE"]
 
@@ -164,7 +164,7 @@ _FIELDS: dict[str, str] = {**_FILE_FIELDS, **{name: option.help for name, option
 @dataclasses.dataclass(frozen=True)
 class JobFile:
     """A job as a file describes it: the script, its arguments and environment, and the job
-    options (:data:`sparkgpu.job_options.JOB_OPTIONS`) it gives; ``job.gpus`` and the like
+    options (:data:`sparkgpu.spec.options.JOB_OPTIONS`) it gives; ``job.gpus`` and the like
     read an option or its default."""
 
     script: str
@@ -194,7 +194,7 @@ class JobFile:
     @classmethod
     def load(cls, path: str | os.PathLike, overrides: Sequence[str] = ()) -> "JobFile":
         """Reads and validates a job file (YAML, TOML or JSON): sparkgpu's own fields, or a
-        ``databricks air run`` workload (:mod:`sparkgpu.jobfile_air`).
+        ``databricks air run`` workload (:mod:`sparkgpu.spec.jobfile_air`).
 
         Args:
             path: The file.

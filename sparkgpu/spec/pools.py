@@ -29,7 +29,7 @@ import dataclasses
 from pathlib import Path
 from typing import Sequence
 
-from sparkgpu.catalog import lookup_gpu_type
+from sparkgpu.spec.catalog import lookup_gpu_type
 from sparkgpu.errors import CapacityError, ConfigurationError
 from sparkgpu.spec import Resources
 
