@@ -49,9 +49,8 @@ CLIENT_SIDE = (
     "sparkgpu.launch.scheduling",  # who gets GPUs when, decided on the client
     "sparkgpu.launch.backends",  # where a job runs (but for the worker-side modules below)
     "sparkgpu.api",  # the entry points a user calls: decorator, prepare, call, spark_gpu
-    "sparkgpu.cli",
+    "sparkgpu.cli",  # the command line, every sub-command's module included
     "sparkgpu.spec.pools",
-    "sparkgpu.pools_cli",
 )
 RANK = ("sparkgpu.launch.rank",)
 NODE = ("sparkgpu.launch.node", "sparkgpu.launch.backends.local.zygote")  # the agent, the warm zygote
