@@ -127,7 +127,7 @@ def measure(cases: list[Case], rows: int, scratch: Path) -> dict:
 
 def spark_session():
     """A local Spark Connect server of 2 cores, listening on 127.0.0.1 only, without the UI."""
-    from sparkgpu.local_spark import local_session
+    from sparkgpu.testing.local_spark import local_session
 
     return local_session(cores=2)
 

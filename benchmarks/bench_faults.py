@@ -499,10 +499,10 @@ def main() -> None:
 
     from bench_spark_launch import _workers_share_this_python
 
-    import sparkgpu.spark_gpu
+    import sparkgpu.api.spark_gpu
     from tests.integration.spark_cluster import LocalSparkCluster
 
-    sparkgpu.spark_gpu.attach()
+    sparkgpu.api.spark_gpu.attach()
     load_before = os.getloadavg()[0]
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="sparkgpu-bench-faults-") as tmp:

@@ -295,11 +295,11 @@ def main() -> None:
 
     import torch
 
-    import sparkgpu.spark_gpu
+    import sparkgpu.api.spark_gpu
     from sparkgpu import registry
     from tests.integration.spark_cluster import LocalSparkCluster
 
-    sparkgpu.spark_gpu.attach()
+    sparkgpu.api.spark_gpu.attach()
     facts = machine()
     with tempfile.TemporaryDirectory(prefix="sparkgpu-bench-predict-") as tmp:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])

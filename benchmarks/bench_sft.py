@@ -191,7 +191,7 @@ def run_datasets(paths, tok, fmt: str, cache: str, workers: int) -> tuple[float,
 
 
 def tokenize_section(args, work: Path, rows: dict, tok) -> dict:
-    from sparkgpu.local_spark import local_session
+    from sparkgpu.testing.local_spark import local_session
 
     paths = write_parquet(work / "parquet", rows)
     started = time.perf_counter()

@@ -104,9 +104,9 @@ def main() -> None:
 
     from tests.integration.spark_cluster import LocalSparkCluster
 
-    import sparkgpu.spark_gpu
+    import sparkgpu.api.spark_gpu
 
-    sparkgpu.spark_gpu.attach()
+    sparkgpu.api.spark_gpu.attach()
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="sparkgpu-bench-") as tmp:
         os.environ["SPARKGPU_HOME"] = str(Path(tmp) / "home")

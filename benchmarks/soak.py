@@ -196,7 +196,7 @@ def run_phase(name: str, count: int, call, samples: list, warmup: int, every: in
 
 def plot_curves(curves: dict, path: Path) -> None:
     """RSS and threads against jobs, one line per phase (matplotlib via the package's helper)."""
-    from sparkgpu._plotting import pyplot
+    from sparkgpu._util.plotting import pyplot
 
     plt = pyplot("plotting the soak")
     fig, (rss, threads) = plt.subplots(1, 2, figsize=(12, 4.5))

@@ -63,7 +63,7 @@ def train(data_url: str, epochs: int, lr: float):
 def main() -> None:
     started = time.time()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    from sparkgpu.local_spark import local_session, workers_run_this_environment
+    from sparkgpu.testing.local_spark import local_session, workers_run_this_environment
 
     # The local executors are processes of this venv: only editable installs and this script travel.
     workers_run_this_environment()

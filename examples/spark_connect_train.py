@@ -104,7 +104,7 @@ def session(args):
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
         with tempfile.TemporaryDirectory(prefix="sparkgpu-example-") as tmp:
             workers_share_this_python(tmp)
-            from sparkgpu.local_spark import local_session
+            from sparkgpu.testing.local_spark import local_session
 
             yield local_session(cores=2), args.gpus or 2, "cpu"
 
@@ -122,7 +122,7 @@ def main() -> None:
         parser.error("--remote needs --gpus and --gpu-type")
 
     import sparkgpu  # noqa: F401  (attaches spark.gpu)
-    from sparkgpu.spark_gpu import attach
+    from sparkgpu.api.spark_gpu import attach
 
     attach()
     with session(args) as (spark, gpus, gpu_type):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from sparkgpu._modules import lazy_attributes
+from sparkgpu._util.modules import lazy_attributes
 
 # Bound explicitly: on a worker, sparkgpu.env.hydrate loads this submodule before the package
 # exists, and the import system binds a submodule to its package only when it loads it itself.
@@ -44,7 +44,7 @@ from sparkgpu.protocol import AttemptStatus, JobStatus
 __version__ = "0.1.0"
 
 # The library logs under this one logger and stays silent until the application configures
-# logging; what a user must see goes through sparkgpu._report instead.
+# logging; what a user must see goes through sparkgpu._util.report instead.
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
@@ -91,13 +91,13 @@ __all__ = [
 ]
 
 _LAZY = {
-    "distributed": ("sparkgpu.decorator", "distributed"),
-    "DistributedFunction": ("sparkgpu.decorator", "DistributedFunction"),
+    "distributed": ("sparkgpu.api.decorator", "distributed"),
+    "DistributedFunction": ("sparkgpu.api.decorator", "DistributedFunction"),
     "ray_launch": ("sparkgpu.ray", "ray_launch"),
     "ray_init": ("sparkgpu.ray", "ray_init"),
-    "DistributedFunctionCall": ("sparkgpu.call", "DistributedFunctionCall"),
-    "attach": ("sparkgpu.call", "attach"),
-    "collect_outputs_or_raise": ("sparkgpu.call", "collect_outputs_or_raise"),
+    "DistributedFunctionCall": ("sparkgpu.api.call", "DistributedFunctionCall"),
+    "attach": ("sparkgpu.api.call", "attach"),
+    "collect_outputs_or_raise": ("sparkgpu.api.call", "collect_outputs_or_raise"),
     "runtime": ("sparkgpu.runtime", None),
     "data": ("sparkgpu.data", None),
     "log": ("sparkgpu.tracking.autolog", "log"),
@@ -112,7 +112,7 @@ __getattr__ = lazy_attributes(__name__, _LAZY)
 
 def _attach_spark_gpu() -> None:
     # `import sparkgpu` gives Spark sessions a `spark.gpu` namespace, without importing pyspark.
-    from sparkgpu.spark_gpu import attach
+    from sparkgpu.api.spark_gpu import attach
 
     attach()
 

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.units import parse_duration, parse_size
+from sparkgpu.spec.units import parse_duration, parse_size
 
 __all__ = ["Settings", "settings", "reset_settings"]
 
@@ -32,7 +32,7 @@ def _login_name(env) -> str:
 
 def _env_seconds(env, name, default):
     """A duration variable: seconds (``600``) or a duration such as ``90s``, ``30m``, ``2h``, ``7d``
-    (:func:`sparkgpu.units.parse_duration`, as the arguments of the same settings take)."""
+    (:func:`sparkgpu.spec.units.parse_duration`, as the arguments of the same settings take)."""
     raw = env.get(name)
     if raw in (None, ""):
         return default
@@ -91,7 +91,7 @@ def _staging(raw: str | None, home: Path) -> tuple[Path, str | None]:
             ``pip install``; the executors need it too).
         ConfigurationError: fsspec knows no filesystem for the URL's scheme.
     """
-    from sparkgpu._urls import check_url, is_url, scheme_of
+    from sparkgpu._util.urls import check_url, is_url, scheme_of
 
     if not raw:
         return home / "runs", None
@@ -190,7 +190,7 @@ class Settings:
             every one); ``None`` for no count limit.
         keep_runs_days: Age in days past which a finished job's run dir goes; ``None`` for none.
         pools_path: Pools file naming the Spark clusters ``remote=True`` jobs choose from by
-            GPU type (``SPARKGPU_POOLS``; :mod:`sparkgpu.pools`), ``None`` for none.
+            GPU type (``SPARKGPU_POOLS``; :mod:`sparkgpu.spec.pools`), ``None`` for none.
         pool: Pool every remote job runs on, by name or id (``SPARKGPU_POOL``, or the
             Databricks alias ``DATABRICKS_REMOTE_GPU_POOL_ID``), ``None`` to choose by GPU type.
         use_reserved_pool: Choose only reserved pools (``SPARKGPU_USE_RESERVED_POOL``, or the

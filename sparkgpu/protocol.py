@@ -159,7 +159,7 @@ class ClientInfo(TypedDict):
     """The process that supervises a job: ``sparkgpu jobs`` shows a job whose client died as lost."""
 
     host: str  # for people
-    machine: str | None  # host, boot and PID namespace (sparkgpu._process.machine_id)
+    machine: str | None  # host, boot and PID namespace (sparkgpu._util.process.machine_id)
     pid: int
     pid_started: str | None  # its start in clock ticks since boot: tells a recycled pid from the client
 

@@ -5,7 +5,7 @@ store, the staging mirror, checkpoints) goes through :class:`Store`, so "put the
 this URL so that a reader sees them whole or not at all" is decided in one place:
 
 * a local folder (a plain path or ``file://``): a hidden temporary beside the target,
-  ``fsync``, rename (:mod:`sparkgpu._files`); the folder too for commit points;
+  ``fsync``, rename (:mod:`sparkgpu._util.files`); the folder too for commit points;
 * an object store (``s3://``, ``gs://``, ``az://``...): one PUT, which publishes the object
   only once it is whole;
 * any other fsspec filesystem (``memory://``, ``sftp://``...): a temporary name, then a move.
@@ -22,8 +22,8 @@ import shutil
 from collections.abc import Iterator, Mapping, Sequence
 from typing import BinaryIO
 
-from sparkgpu._files import atomic_path, atomic_writer, fsync_dir, is_temporary, temporary_name
-from sparkgpu._urls import check_url, is_url, scheme_of
+from sparkgpu._util.files import atomic_path, atomic_writer, fsync_dir, is_temporary, temporary_name
+from sparkgpu._util.urls import check_url, is_url, scheme_of
 from sparkgpu.errors import ConfigurationError
 
 __all__ = ["Store", "OBJECT_STORE_SCHEMES"]
@@ -279,7 +279,7 @@ class Store:
     def writer(self, rel: str) -> Iterator[BinaryIO]:
         """Opens ``rel`` for writing; it appears, whole, only when the block succeeds.
 
-        A ``rel`` that is itself a temporary name (:func:`~sparkgpu._files.is_temporary`),
+        A ``rel`` that is itself a temporary name (:func:`~sparkgpu._util.files.is_temporary`),
         to be renamed once the content decides the final name, is written in place on URLs.
         """
         if self.is_local:

@@ -231,11 +231,11 @@ def spark():
     """A real Spark Connect session on a local server (started once, about 20 s).
 
     The server listens on 127.0.0.1 on a free port, as users get it from
-    :func:`sparkgpu.local_spark.local_session`: ``remote("local[2]")`` would bind every
+    :func:`sparkgpu.testing.local_spark.local_session`: ``remote("local[2]")`` would bind every
     interface on the fixed port 15002, reachable from the network and clashing with any other
     test session on the machine.
     """
-    from sparkgpu.local_spark import local_session
+    from sparkgpu.testing.local_spark import local_session
 
     session = local_session(cores=2, conf={"spark.sql.shuffle.partitions": "4"})
     yield session

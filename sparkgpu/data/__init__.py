@@ -26,7 +26,7 @@ Where things are, following the data from source to batch:
 
 from __future__ import annotations
 
-from sparkgpu._modules import lazy_attributes
+from sparkgpu._util.modules import lazy_attributes
 
 # Public name -> the module that defines it; imported on first use, so `import sparkgpu.data`
 # stays cheap.

@@ -281,7 +281,7 @@ def plot_volume_report(report: dict, path: str | os.PathLike, extra: dict | None
     Raises:
         MissingDependencyError: matplotlib is not installed.
     """
-    from sparkgpu._plotting import pyplot
+    from sparkgpu._util.plotting import pyplot
 
     plt = pyplot("drawing the volume report")
     bars = {

@@ -19,7 +19,7 @@ import os
 import time
 from pathlib import Path
 
-from sparkgpu._files import atomic_write_bytes
+from sparkgpu._util.files import atomic_write_bytes
 from sparkgpu.env._pack import tar_digest, write_blob
 from sparkgpu.env.hydrate import MANIFEST_FORMAT
 from sparkgpu.env.snapshot import Component, Snapshot, snapshot_environment

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import re
 
-from sparkgpu._files import temporary_name
+from sparkgpu._util.files import temporary_name
 from sparkgpu.store import Store
 
 __all__ = ["BlobStore"]

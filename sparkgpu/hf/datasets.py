@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from sparkgpu._report import report
+from sparkgpu._util.report import report
 from sparkgpu.data.loaders.order import PlannedEpochs
 
 __all__ = [

@@ -35,7 +35,7 @@ import math
 import os
 from typing import Any
 
-from sparkgpu._report import report
+from sparkgpu._util.report import report
 from sparkgpu.hf import datasets as loaders
 
 __all__ = ["WORLD_FILE", "Resume", "patch_training_values", "save_world", "resume_point"]

@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
 from sparkgpu import _progress, runtime  # noqa: E402
-from sparkgpu._report import report  # noqa: E402
+from sparkgpu._util.report import report  # noqa: E402
 from sparkgpu.errors import CheckpointError  # noqa: E402
 from sparkgpu.store import Store  # noqa: E402
 from sparkgpu.hf import datasets as loaders  # noqa: E402

@@ -4,18 +4,18 @@ How one call runs, hop by hop (``spark.gpu.train(fn, data=df, ...)`` or ``fn.dis
 of a ``@distributed`` function), with the module doing each::
 
     client
-     1. spark.gpu.train: checks its arguments, takes this session's    sparkgpu.spark_gpu
+     1. spark.gpu.train: checks its arguments, takes this session's    sparkgpu.api.spark_gpu
         Spark backend; with data=, prepares the job (hops 3-5,
         nothing written), then turns the data into MDS shards on the    sparkgpu.data.convert
         executors (or reads the table in place), adds data_url to the
         prepared arguments and goes on at hop 6 with that same job
-     2. .distributed(): the frozen JobSpec, then prepare() runs         sparkgpu.decorator, .spec,
-        hops 3-5 once (a dryrun stops there: the plan, nothing          sparkgpu.prepare
+     2. .distributed(): the frozen JobSpec, then prepare() runs         sparkgpu.api.decorator, .spec,
+        hops 3-5 once (a dryrun stops there: the plan, nothing          sparkgpu.api.prepare
         written) and PreparedJob.write() hops 6-7
      3. backend.place (Spark: the GPU pool, whose usage policy is      launch.backends.local.backend,
         checked at once), then backend.resolve: capacity, gpu_type     launch.backends.spark.backend,
         and rank placement within seconds (Spark: a probe job on the   .capacity, .executor.probe;
-        executors)                                                     sparkgpu.pools
+        executors)                                                     sparkgpu.spec.pools
      4. callbacks (tracking, metering) and the usage policy            sparkgpu.callbacks,
                                                                        sparkgpu.tracking, .usage
      5. the function, arguments and callbacks pickled                  launch.rundir.serialization

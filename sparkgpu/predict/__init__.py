@@ -6,7 +6,7 @@ result = spark.gpu.generate(prompts, "/models/adapter", gpus=2, gpu_type="H100",
                             output="/tables/answers", generation={"max_new_tokens": 64})
 ```
 
-See :meth:`sparkgpu.spark_gpu.GPUNamespace.predict` and the "Scoring and generation" guide.
+See :meth:`sparkgpu.api.spark_gpu.GPUNamespace.predict` and the "Scoring and generation" guide.
 """
 
 from __future__ import annotations

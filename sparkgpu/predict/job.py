@@ -20,7 +20,7 @@ import secrets
 import time
 from typing import Any, Callable, Sequence
 
-from sparkgpu._report import report
+from sparkgpu._util.report import report
 from sparkgpu.callbacks import AttemptOutcome, JobCallback
 from sparkgpu.errors import CapacityError, ConfigurationError
 from sparkgpu.predict.executor.generation import GenerationConfig
@@ -98,7 +98,7 @@ def _arrow_type(spark_ddl: str):
 
 def _check_capacity(spark, gpu_type: str, gpus: int, gpus_per_task: int):
     """The session's capacity; raises when the pool can never run this scoring job."""
-    from sparkgpu.catalog import lookup_gpu_type
+    from sparkgpu.spec.catalog import lookup_gpu_type
 
     from sparkgpu.config import settings
     from sparkgpu.launch.backends.spark.capacity import discover_capacity
@@ -211,7 +211,7 @@ def predict(
         ConfigurationError: bad arguments, or a model that is none of the accepted forms.
         PolicyViolationError: the usage policy refuses the job.
     """
-    from sparkgpu.priority import Priority
+    from sparkgpu.spec.priority import Priority
     from sparkgpu.usage.meter import UsageMeter, enforce_policy, enforce_pool_policy
 
     if task not in ("predict", "generate"):

@@ -46,12 +46,12 @@ import importlib.util
 import inspect
 from typing import Any, Callable
 
-from sparkgpu.decorator import DistributedFunction, distributed
+from sparkgpu.api.decorator import DistributedFunction, distributed
 from sparkgpu.errors import ConfigurationError, MissingDependencyError
 from sparkgpu.errors import RayClusterError
 from sparkgpu.ray.plan import NODE_LAYOUTS, RankResources, RayNodeSpec, plan_ray_nodes
 from sparkgpu.ray.rank import INSTALL_HINT, RayOptions, read_cluster_info, run_rank
-from sparkgpu.units import parse_duration
+from sparkgpu.spec.units import parse_duration
 
 __all__ = [
     "ray_launch",

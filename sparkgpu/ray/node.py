@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from sparkgpu._report import report
+from sparkgpu._util.report import report
 from sparkgpu.errors import RayClusterError
 
 __all__ = ["RayNode", "ADDRESS_FILE"]

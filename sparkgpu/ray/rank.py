@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sparkgpu import runtime
-from sparkgpu._report import report
+from sparkgpu._util.report import report
 from sparkgpu.errors import MissingDependencyError
 from sparkgpu.launch.rundir.layout import RunLayout
 from sparkgpu.ray.node import RayNode
@@ -248,7 +248,7 @@ def _wait_for_nodes(ray, expected: int, timeout: float) -> list[dict]:
 
 
 def _write_cluster_info(ray_dir: Path, address: str, nodes: list[dict]) -> None:
-    from sparkgpu._files import atomic_write_bytes
+    from sparkgpu._util.files import atomic_write_bytes
 
     info = {
         "address": address,

@@ -14,7 +14,7 @@ imported only once a sweep runs: ``import sparkgpu`` does not need it.
 
 from __future__ import annotations
 
-from sparkgpu._modules import lazy_attributes
+from sparkgpu._util.modules import lazy_attributes
 
 __all__ = ["sweep", "resume_sweep", "DetachedSweep", "SweepResult", "SweepStoppedError", "list_sweeps", "find_sweep"]
 

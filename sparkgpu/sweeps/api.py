@@ -42,7 +42,7 @@ def _journal(folder: SweepFolder):
 
 
 def _decorated(train, gpus, gpu_type):
-    from sparkgpu.decorator import DistributedFunction, distributed
+    from sparkgpu.api.decorator import DistributedFunction, distributed
 
     if isinstance(train, DistributedFunction):
         return train
@@ -184,7 +184,7 @@ def sweep(
 
 
 def _drive(folder: SweepFolder, options: SweepOptions, study, fn, space, args, kwargs):
-    from sparkgpu._process import ProcessRef
+    from sparkgpu._util.process import ProcessRef
     from sparkgpu.config import settings
     from sparkgpu.sweeps.driver import SweepDriver
 
@@ -208,7 +208,7 @@ def _drive(folder: SweepFolder, options: SweepOptions, study, fn, space, args, k
 
 def _register_best(result, name: str):
     """Registers the best trial's model: its job's rank-0 return value (or its ``"model"``)."""
-    from sparkgpu.call import attach
+    from sparkgpu.api.call import attach
     from sparkgpu.sweeps.driver import ATTR_JOB
     from sparkgpu.sweeps.tracking import child_run_id
     from sparkgpu.tracking.registration import register_result
@@ -224,7 +224,7 @@ def _save_driver(folder: SweepFolder, fn, args, kwargs, space, sampler, pruner) 
     """Keeps what another process needs to drive the sweep; False (and a warning) when it does not pickle."""
     import cloudpickle
 
-    from sparkgpu._files import atomic_write_bytes
+    from sparkgpu._util.files import atomic_write_bytes
 
     payload = {
         "fn": fn,
@@ -266,7 +266,7 @@ class DetachedSweep:
         import subprocess
         import threading
 
-        from sparkgpu._process import ProcessRef
+        from sparkgpu._util.process import ProcessRef
 
         log = os.open(folder.path / "driver.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:

@@ -119,7 +119,7 @@ class SweepDriver:
         folder: The sweep's folder (``sweep.json`` written).
         options: Its settings.
         study: Its Optuna study.
-        train: The trial function, decorated (a :class:`~sparkgpu.decorator.DistributedFunction`).
+        train: The trial function, decorated (a :class:`~sparkgpu.api.decorator.DistributedFunction`).
         space: ``{name: optuna distribution}`` (``study.ask(fixed_distributions=...)``) or a
             function of an Optuna trial that suggests the parameters (on the sweep's side).
         args: The function's fixed positional arguments.
@@ -268,7 +268,7 @@ class SweepDriver:
         self.running[number] = _Running(trial, call, params)
 
     def _trial_function(self, number: int, params: dict[str, Any]):
-        from sparkgpu.decorator import default_callbacks
+        from sparkgpu.api.decorator import default_callbacks
 
         base = self.train
         callbacks = (

@@ -21,7 +21,7 @@ import datetime as _dt
 from pathlib import Path
 from typing import Any
 
-from sparkgpu._files import atomic_write_bytes
+from sparkgpu._util.files import atomic_write_bytes
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError
 

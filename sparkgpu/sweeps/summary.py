@@ -12,7 +12,7 @@ __all__ = ["sweep_state", "trial_rows", "sweep_row"]
 def sweep_state(record: dict[str, Any]) -> str:
     """``finished``, ``stopped`` (it started no more trials: budget, failures, a policy), ``running``
     (its driver process is alive) or ``lost`` (its driver died: ``sparkgpu sweep resume ID``)."""
-    from sparkgpu._process import ProcessRef
+    from sparkgpu._util.process import ProcessRef
 
     if record.get("finished_at"):
         return "stopped" if record.get("stopped_because") else "finished"

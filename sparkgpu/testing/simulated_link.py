@@ -15,7 +15,7 @@ import sys
 import urllib.parse
 from pathlib import Path
 
-from sparkgpu._urls import is_url, scheme_of
+from sparkgpu._util.urls import is_url, scheme_of
 from sparkgpu.errors import ConfigurationError
 
 __all__ = ["PROFILES", "simulated_link", "start_proxy", "start_counted_proxy", "link_counts", "serve_folder"]

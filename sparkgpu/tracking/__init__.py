@@ -10,7 +10,7 @@ Importing this package is cheap; MLflow is imported when a callback or the regis
 
 from __future__ import annotations
 
-from sparkgpu._modules import lazy_attributes
+from sparkgpu._util.modules import lazy_attributes
 
 from sparkgpu.tracking.autolog import log, log_checkpoint
 

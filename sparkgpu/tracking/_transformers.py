@@ -17,7 +17,7 @@ import os
 import shutil
 from typing import Any
 
-from sparkgpu._modules import imported
+from sparkgpu._util.modules import imported
 from sparkgpu.errors import ConfigurationError
 
 __all__ = ["is_transformers_model", "transformers_components", "save_transformers_model", "load_transformers_model"]

@@ -37,7 +37,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING
 
-from sparkgpu._modules import imported
+from sparkgpu._util.modules import imported
 from sparkgpu.errors import ConfigurationError
 
 if TYPE_CHECKING:

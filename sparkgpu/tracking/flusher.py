@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sparkgpu._files import atomic_write_bytes
+from sparkgpu._util.files import atomic_write_bytes
 from sparkgpu.errors import ConfigurationError, JobStateError, SparkGPUError
 from sparkgpu.runtime import TRACKING_DIR
 from sparkgpu.tracking.spool import SpoolDir

@@ -36,7 +36,7 @@ import shutil
 import tempfile
 from typing import TYPE_CHECKING
 
-from sparkgpu._modules import imported
+from sparkgpu._util.modules import imported
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.train.trained_models import unwrap_model, unwrap_models
 from sparkgpu.tracking._checkpoints import committed_checkpoint, load_checkpoint_into
@@ -443,7 +443,7 @@ def _register_files(
             client.create_registered_model(
                 stored,
                 tags={
-                    "sparkgpu.catalog": parsed.catalog,
+                    "sparkgpu.spec.catalog": parsed.catalog,
                     "sparkgpu.schema": parsed.schema,
                     "sparkgpu.model": parsed.model,
                 },

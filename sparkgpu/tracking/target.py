@@ -20,7 +20,7 @@ import sys
 import urllib.parse
 from pathlib import Path
 
-from sparkgpu._modules import imported
+from sparkgpu._util.modules import imported
 from sparkgpu.config import settings
 
 __all__ = [

@@ -9,7 +9,7 @@ start = ckpt.restore(model=model, optimizer=opt, loader=ds)
 
 from __future__ import annotations
 
-from sparkgpu._modules import lazy_attributes
+from sparkgpu._util.modules import lazy_attributes
 
 __all__ = ["Checkpointer", "CheckpointInfo", "list_checkpoints", "latest_checkpoint"]
 

@@ -67,7 +67,7 @@ import time
 import warnings
 import weakref
 
-from sparkgpu._modules import imported
+from sparkgpu._util.modules import imported
 from sparkgpu import _progress, runtime
 from sparkgpu.errors import CheckpointError, ConfigurationError
 from sparkgpu.train._checkpoint_checks import (

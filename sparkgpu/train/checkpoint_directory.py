@@ -34,8 +34,8 @@ import re
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
-from sparkgpu._files import fsync_dir
-from sparkgpu._urls import is_url
+from sparkgpu._util.files import fsync_dir
+from sparkgpu._util.urls import is_url
 from sparkgpu.errors import CheckpointError
 from sparkgpu.store import Store
 from sparkgpu.train._checkpoint_keys import required_key

@@ -25,7 +25,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from sparkgpu._modules import imported
+from sparkgpu._util.modules import imported
 
 __all__ = ["unwrap_model", "unwrap_models", "find_models", "save_models"]
 

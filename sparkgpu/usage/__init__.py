@@ -9,7 +9,7 @@ Names are imported lazily so ``import sparkgpu.usage`` costs nothing until used.
 
 from __future__ import annotations
 
-from sparkgpu._modules import lazy_attributes
+from sparkgpu._util.modules import lazy_attributes
 
 __all__ = [
     "UsageMeter",

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sparkgpu._files import atomic_write_bytes
-from sparkgpu._process import ProcessRef, pid_gone
+from sparkgpu._util.files import atomic_write_bytes
+from sparkgpu._util.process import ProcessRef, pid_gone
 
 __all__ = ["AttemptJournal"]
 

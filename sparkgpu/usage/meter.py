@@ -291,14 +291,14 @@ def enforce_policy(job: JobSpec, callbacks: Sequence[JobCallback] = ()) -> None:
 def enforce_pool_policy(job: JobSpec) -> None:
     """Checks ``job`` against the usage policy of the GPU pool it was placed on, if any.
 
-    The pool is the one its :data:`~sparkgpu.pools.POOL_TAG` names in the pools file
+    The pool is the one its :data:`~sparkgpu.spec.pools.POOL_TAG` names in the pools file
     (``usage_policy:`` there); jobs outside pools, and pools without a policy, pass.
 
     Raises:
         PolicyViolationError: the pool's policy refuses the job.
         ConfigurationError: the pools file or the policy file is missing or invalid.
     """
-    from sparkgpu.pools import POOL_TAG, configured_pools
+    from sparkgpu.spec.pools import POOL_TAG, configured_pools
 
     name = job.tags.get(POOL_TAG)
     if not name:

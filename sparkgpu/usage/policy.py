@@ -31,10 +31,10 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from sparkgpu.catalog import lookup_gpu_type
+from sparkgpu.spec.catalog import lookup_gpu_type
 from sparkgpu.errors import ConfigurationError, PolicyViolationError
 from sparkgpu.spec import JobSpec
-from sparkgpu.units import parse_duration
+from sparkgpu.spec.units import parse_duration
 
 __all__ = ["Budget", "UsagePolicy", "job_attributes", "format_duration"]
 
@@ -254,7 +254,7 @@ class UsagePolicy:
         Raises:
             ConfigurationError: the file is missing or invalid; the message names it.
         """
-        from sparkgpu._documents import parse_document
+        from sparkgpu._util.documents import parse_document
 
         path = Path(path)
         try:

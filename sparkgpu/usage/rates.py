@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Mapping
 
-from sparkgpu.catalog import lookup_gpu_type
+from sparkgpu.spec.catalog import lookup_gpu_type
 from sparkgpu.errors import ConfigurationError
 
 __all__ = ["DEFAULT_RATES", "RateCard", "billed_seconds"]
@@ -136,6 +136,6 @@ def _read_file(path: Path) -> dict:
             f"cannot read rate card {str(path)!r} ({exc.strerror}); set SPARKGPU_USAGE_RATES to a TOML/YAML file "
             f"or to an inline card such as 'H100=6.5,A10=1.2'"
         ) from None
-    from sparkgpu._documents import parse_document
+    from sparkgpu._util.documents import parse_document
 
     return parse_document(text, path, what="rate card")

@@ -11,7 +11,7 @@ import time
 from typing import Sequence
 
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.units import parse_duration
+from sparkgpu.spec.units import parse_duration
 
 __all__ = ["parse_since", "usage_rows", "usage_table", "render_usage_table", "plot_usage", "usage_dataframe"]
 
@@ -222,7 +222,7 @@ def plot_usage(path, ledger=None, since="30d", until=None, by="team") -> str:
     Raises:
         MissingDependencyError: matplotlib is not installed.
     """
-    from sparkgpu._plotting import pyplot
+    from sparkgpu._util.plotting import pyplot
 
     plt = pyplot("plotting usage")
     import pandas as pd

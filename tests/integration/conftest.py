@@ -70,7 +70,7 @@ def workers_share_this_image(monkeypatch, tmp_path):
 @pytest.fixture(scope="session")
 def cluster_spark(spark_cluster):
     """A Spark Connect session to :func:`spark_cluster` with ``spark.gpu`` attached and warmed up."""
-    from sparkgpu.spark_gpu import attach
+    from sparkgpu.api.spark_gpu import attach
 
     attach()
     session = spark_cluster.session()

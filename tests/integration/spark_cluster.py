@@ -30,7 +30,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from sparkgpu._java import java_available, java_environment
+from sparkgpu._util.java import java_available, java_environment
 
 __all__ = ["LocalSparkCluster", "java_available", "spark_home", "is_loopback", "disposable_cluster", "cluster_session"]
 
@@ -583,7 +583,7 @@ def disposable_cluster(folder: Path, name: str):
 @contextlib.contextmanager
 def cluster_session(cluster: LocalSparkCluster):
     """A Spark Connect session on ``cluster`` with ``spark.gpu`` attached and its capacity probed."""
-    from sparkgpu.spark_gpu import attach
+    from sparkgpu.api.spark_gpu import attach
 
     attach()
     session = cluster.session()

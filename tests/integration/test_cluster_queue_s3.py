@@ -16,7 +16,7 @@ from sparkgpu.launch.scheduling.cluster_queue import (
     queue_root,
 )
 from sparkgpu.launch.scheduling.gpu_queue import PreemptionRequest
-from sparkgpu.priority import Priority
+from sparkgpu.spec.priority import Priority
 
 pytestmark = pytest.mark.integration
 

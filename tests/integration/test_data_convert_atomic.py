@@ -14,7 +14,7 @@ import pyarrow as pa
 import pytest
 
 from sparkgpu import data
-from sparkgpu._files import is_temporary
+from sparkgpu._util.files import is_temporary
 from sparkgpu.data.convert.output import INDEX_NAME, MARKER_NAME
 from tests.mosaic import streaming_dataset
 

@@ -173,7 +173,7 @@ def counted_steps(records: Path) -> list[dict]:
 def test_a_trainer_shrinks_after_a_lost_node_and_grows_back_training_every_block_once(
     token_dir, all_blocks, tmp_path, monkeypatch, capfd
 ):
-    from sparkgpu.prepare import prepare
+    from sparkgpu.api.prepare import prepare
     from sparkgpu.spec import JobSpec, Resources, RunPolicy, new_job_id
 
     monkeypatch.setattr("sparkgpu.launch.scheduling.elastic.CHECK_SECONDS", 0.5)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from sparkgpu import data
-from sparkgpu._files import is_temporary
+from sparkgpu._util.files import is_temporary
 from sparkgpu.env.store import BlobStore
 from sparkgpu.errors import DataError
 from sparkgpu.train import Checkpointer

@@ -36,7 +36,7 @@ def counted_cluster(tmp_path_factory):
     )
     cluster.start()
     try:
-        from sparkgpu.spark_gpu import attach
+        from sparkgpu.api.spark_gpu import attach
 
         attach()
         session = cluster.session()

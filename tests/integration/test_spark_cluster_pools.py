@@ -18,7 +18,7 @@ import yaml
 from sparkgpu import runtime
 from sparkgpu.cli import main
 from sparkgpu.config import reset_settings, settings
-from sparkgpu.decorator import distributed
+from sparkgpu.api.decorator import distributed
 from sparkgpu.errors import CapacityError, ConfigurationError, PolicyViolationError
 from tests.integration.spark_cluster import NO_JAVA, LocalSparkCluster, _free_port, java_available
 

@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.usefixture
 
 @pytest.fixture
 def gpu_spark(spark):
-    from sparkgpu.spark_gpu import attach
+    from sparkgpu.api.spark_gpu import attach
 
     attach()
     return spark

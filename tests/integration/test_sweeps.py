@@ -38,7 +38,7 @@ SPACE = {
 def _no_sweep_driver_left(_isolated_sparkgpu_home):
     """A detached sweep's driver (a session of its own) outlives a test that failed before it ended."""
     yield
-    from sparkgpu._process import ProcessRef
+    from sparkgpu._util.process import ProcessRef
 
     for folder in list_sweeps():
         driver = folder.read().get("driver")

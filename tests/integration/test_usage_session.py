@@ -18,7 +18,7 @@ HOUR = 3600.0
 
 @pytest.fixture
 def gpu_spark(spark):
-    from sparkgpu.spark_gpu import attach
+    from sparkgpu.api.spark_gpu import attach
 
     attach()
     return spark

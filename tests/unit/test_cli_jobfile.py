@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.jobfile import JobFile, ScriptRunner
+from sparkgpu.spec.jobfile import JobFile, ScriptRunner
 
 
 @pytest.fixture
@@ -123,5 +123,5 @@ def test_the_runner_pickles_by_reference(script):
 
     runner = ScriptRunner.from_path(script, ["a"])
     data = cloudpickle.dumps(runner)
-    assert b"sparkgpu.jobfile" in data and cloudpickle.loads(data) == runner
+    assert b"sparkgpu.spec.jobfile" in data and cloudpickle.loads(data) == runner
     assert os.path.basename(runner.path) == "train.py" and runner.__name__ == "train"

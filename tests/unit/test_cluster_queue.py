@@ -26,7 +26,7 @@ from sparkgpu.launch.scheduling.cluster_queue import (
     next_turn,
 )
 from sparkgpu.launch.scheduling.gpu_queue import PreemptionRequest
-from sparkgpu.priority import Priority
+from sparkgpu.spec.priority import Priority
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
 
 BE, NORMAL, CRITICAL = Priority.BEST_EFFORT, Priority.NORMAL, Priority.CRITICAL

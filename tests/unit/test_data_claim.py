@@ -12,7 +12,7 @@ import time
 import pyarrow as pa
 import pytest
 
-from sparkgpu._process import machine_id
+from sparkgpu._util.process import machine_id
 from sparkgpu.data.convert.claim import CLAIM_PREFIX, ClaimRecord, FolderClaim, is_claim
 from sparkgpu.errors import DataError
 from sparkgpu.store import Store

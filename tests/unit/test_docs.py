@@ -43,7 +43,10 @@ def test_site_builds_strictly(tmp_path):
     launch = json.loads((ROOT / "benchmarks" / "results" / "launch.json").read_text())
     assert f"{launch['results']['torchrun CLI']['median_s']:.2f} s" in benchmarks
     assert (tmp_path / "site" / "benchmarks" / "results" / "launch.png").is_file()
-    assert "sparkgpu.decorator.distributed" in (tmp_path / "site" / "reference" / "sparkgpu" / "index.html").read_text()
+    assert (
+        "sparkgpu.api.decorator.distributed"
+        in (tmp_path / "site" / "reference" / "sparkgpu" / "index.html").read_text()
+    )
 
 
 def test_every_reference_in_the_docs_resolves_in_its_results_file():
@@ -376,8 +379,8 @@ PUBLIC_MODULES = [
     "sparkgpu.env",
     "sparkgpu.ray",
     "sparkgpu.errors",
-    "sparkgpu.units",
-    "sparkgpu.catalog",
+    "sparkgpu.spec.units",
+    "sparkgpu.spec.catalog",
     "sparkgpu.launch.client.attempt_report",
 ]
 

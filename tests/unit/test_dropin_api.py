@@ -16,7 +16,7 @@ from sparkgpu import (
     distributed,
     runtime,
 )
-from sparkgpu.catalog import ACCELERATOR_TYPES, GPU_CATALOG, classify_device, lookup_accelerator_type
+from sparkgpu.spec.catalog import ACCELERATOR_TYPES, GPU_CATALOG, classify_device, lookup_accelerator_type
 from sparkgpu.config import reset_settings
 from sparkgpu.usage.rates import RateCard
 

@@ -12,9 +12,9 @@ import logging
 import pytest
 
 from sparkgpu.callbacks import JobCallback
-from sparkgpu.decorator import distributed
+from sparkgpu.api.decorator import distributed
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.jobfile import JobFile
+from sparkgpu.spec.jobfile import JobFile
 from sparkgpu.launch.scheduling.elastic import ElasticPlan
 from sparkgpu.launch.rundir.directory import RunDir
 from sparkgpu.launch.rundir.layout import RunLayout

@@ -7,7 +7,7 @@ import warnings
 import pytest
 
 import sparkgpu.launch.node.hardware as hardware
-from sparkgpu.catalog import GPU_CATALOG, classify_device
+from sparkgpu.spec.catalog import GPU_CATALOG, classify_device
 from sparkgpu.errors import CapacityError
 from sparkgpu.launch.backends.local.backend import LocalBackend
 from sparkgpu.launch.backends.spark.capacity import ExecutorInfo, RankPlacement, SparkCapacity, plan_placement

@@ -18,13 +18,13 @@ import pytest
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.launch.scheduling.gpu_lease import lease_gpus, to_preempt
 from sparkgpu.launch.scheduling.gpu_queue import GpuHolder, GpuQueue, PreemptionRequest, QueueEntry, pending_request
-from sparkgpu.priority import Priority
+from sparkgpu.spec.priority import Priority
 
 WAITER = """
 import sys, time
 from pathlib import Path
 from sparkgpu.launch.scheduling.gpu_queue import GpuQueue, QueueEntry
-from sparkgpu.priority import Priority
+from sparkgpu.spec.priority import Priority
 root, job, priority, order = sys.argv[1:5]
 queue = GpuQueue(Path(root))
 queue.enter(QueueEntry(job, Priority.parse(priority), 2, float(order), gpu_kind="simulated-gpu"))

@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from sparkgpu import _java
+from sparkgpu._util import java as _java
 from sparkgpu.errors import MissingDependencyError
 
 

@@ -1,15 +1,15 @@
-"""The job options are defined once (sparkgpu.job_options); every way to give one must take each."""
+"""The job options are defined once (sparkgpu.spec.options); every way to give one must take each."""
 
 import inspect
 
 import pytest
 
 from sparkgpu import cli
-from sparkgpu.decorator import distributed
+from sparkgpu.api.decorator import distributed
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.job_options import JOB_OPTIONS, PYTHON_ONLY_KEYWORDS
-from sparkgpu.jobfile import JobFile
-from sparkgpu.priority import Priority
+from sparkgpu.spec.options import JOB_OPTIONS, PYTHON_ONLY_KEYWORDS
+from sparkgpu.spec.jobfile import JobFile
+from sparkgpu.spec.priority import Priority
 
 SAMPLE = {  # a value of every option, as a job file writes it
     "name": "nightly",

@@ -4,7 +4,7 @@ import pytest
 
 from sparkgpu import job_secrets, runtime
 from sparkgpu.errors import SparkGPUError
-from sparkgpu.jobfile import ScriptRunner
+from sparkgpu.spec.jobfile import ScriptRunner
 
 KEY = bytes(range(32))
 

@@ -5,8 +5,8 @@ import textwrap
 import pytest
 
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.jobfile import JobFile
-from sparkgpu.jobfile_air import unmet_requirements
+from sparkgpu.spec.jobfile import JobFile
+from sparkgpu.spec.jobfile_air import unmet_requirements
 
 
 @pytest.fixture

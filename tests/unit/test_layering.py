@@ -16,7 +16,7 @@
   no other part of the launcher's sides; every launcher module is on one side;
 - a module imports no private module (a ``_name`` path component), and no private name
   (``from sparkgpu.launch.rank.entrypoint import _helper``), of another top-level sub-package; the
-  private modules directly under ``sparkgpu`` (``sparkgpu._files``, ...) are the package's
+  modules of the private package ``sparkgpu._util`` (``sparkgpu._util.files``, ...) are the package's
   shared helpers, and every module may use their public names.
 """
 
@@ -48,13 +48,9 @@ CLIENT_SIDE = (
     "sparkgpu.launch.client",  # the caller's process: supervisor, attempts read back, resume, CLI
     "sparkgpu.launch.scheduling",  # who gets GPUs when, decided on the client
     "sparkgpu.launch.backends",  # where a job runs (but for the worker-side modules below)
-    "sparkgpu.decorator",
-    "sparkgpu.prepare",
-    "sparkgpu.call",
-    "sparkgpu.spark_gpu",
-    "sparkgpu.cli",
-    "sparkgpu.pools",
-    "sparkgpu.pools_cli",
+    "sparkgpu.api",  # the entry points a user calls: decorator, prepare, call, spark_gpu
+    "sparkgpu.cli",  # the command line, every sub-command's module included
+    "sparkgpu.spec.pools",
 )
 RANK = ("sparkgpu.launch.rank",)
 NODE = ("sparkgpu.launch.node", "sparkgpu.launch.backends.local.zygote")  # the agent, the warm zygote
@@ -226,7 +222,7 @@ def private_imports(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
                 module, attribute = target, ""
             elif not is_module(module, graph) or module == "sparkgpu" or attribute.startswith("__"):
                 continue  # outside the package; directly under sparkgpu (shared); __version__, __all__
-            # sparkgpu._files and its like (directly under sparkgpu) are shared; deeper _modules are not
+            # sparkgpu._util.files and its like (a private package directly under sparkgpu) are shared; deeper _modules are not
             parts = module.split(".")
             if any(part.startswith("_") for part in parts[2:]) or attribute.startswith("_"):
                 found.add((name, target))
@@ -348,11 +344,11 @@ def test_the_cycle_and_privacy_checkers_see_what_they_claim():
         "sparkgpu.data": set(),
         "sparkgpu.data.a": {"sparkgpu", "sparkgpu.data", "sparkgpu.data.b", "sparkgpu.data.b.f"},
         "sparkgpu.data.b": {"sparkgpu.data.c"},
-        "sparkgpu.data.c": {"sparkgpu.data.a", "sparkgpu.launch._x", "sparkgpu._files", "sparkgpu.data._y"},
+        "sparkgpu.data.c": {"sparkgpu.data.a", "sparkgpu.launch._x", "sparkgpu._util.files", "sparkgpu.data._y"},
         "sparkgpu.data.d": {"sparkgpu.launch.x", "sparkgpu.launch.x._helper", "sparkgpu.data.a._own"},
         "sparkgpu.launch.x": set(),
         "sparkgpu.launch._x": set(),
-        "sparkgpu._files": set(),
+        "sparkgpu._util.files": set(),
         "sparkgpu.data._y": set(),
     }
     # a -> b -> c -> a is a circle; a module importing its own package ("sparkgpu", "sparkgpu.data") is not

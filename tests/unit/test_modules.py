@@ -5,7 +5,7 @@ import sys
 import threading
 import types
 
-from sparkgpu._modules import imported
+from sparkgpu._util.modules import imported
 
 
 def test_a_module_nobody_imported_is_none_and_stays_unimported():

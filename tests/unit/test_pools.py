@@ -7,9 +7,9 @@ import textwrap
 import pytest
 
 from sparkgpu.config import reset_settings, settings
-from sparkgpu.decorator import distributed
+from sparkgpu.api.decorator import distributed
 from sparkgpu.errors import CapacityError, ConfigurationError
-from sparkgpu.pools import Pool, choose_pool, configured_pools, load_pools
+from sparkgpu.spec.pools import Pool, choose_pool, configured_pools, load_pools
 from sparkgpu.spec import Resources
 
 POOLS = """\

@@ -15,7 +15,7 @@ from sparkgpu.errors import SerializationError, SparkGPUError
 from sparkgpu.launch.backends.base import ResolvedJob
 from sparkgpu._keyring import load_key
 from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.spark_gpu import GPUNamespace
+from sparkgpu.api.spark_gpu import GPUNamespace
 from tests.fakes.backend import ScriptedBackend
 
 
@@ -166,7 +166,7 @@ class PoolBackend(PlacingBackend):
     def place(self, job):
         import dataclasses
 
-        from sparkgpu.pools import POOL_TAG
+        from sparkgpu.spec.pools import POOL_TAG
 
         return dataclasses.replace(job, tags={**job.tags, POOL_TAG: "a10"})
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from sparkgpu._process import ProcessRef, machine_id, pid_gone, start_ticks
+from sparkgpu._util.process import ProcessRef, machine_id, pid_gone, start_ticks
 
 pytestmark = pytest.mark.skipif(machine_id() is None, reason="needs /proc to tell this machine's processes")
 

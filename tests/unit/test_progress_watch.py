@@ -12,7 +12,7 @@ import os
 import pytest
 
 from sparkgpu import _progress, runtime
-from sparkgpu.decorator import distributed
+from sparkgpu.api.decorator import distributed
 from sparkgpu.errors import ConfigurationError, HangError, WorkerFailedError, worker_failed_error
 from sparkgpu.failure_class import FailureClass, classify
 from sparkgpu.launch.client.attempt_result import StoppedBy, read_attempt

@@ -7,7 +7,7 @@ import typing
 
 import sparkgpu
 from sparkgpu import errors
-from sparkgpu.call import DistributedFunctionCall
+from sparkgpu.api.call import DistributedFunctionCall
 
 
 def test_every_error_the_package_raises_is_importable_from_sparkgpu():

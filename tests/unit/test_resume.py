@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-from sparkgpu._files import atomic_write_bytes
+from sparkgpu._util.files import atomic_write_bytes
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError, JobStateError
 from sparkgpu._keyring import save_key
 from sparkgpu.launch.rundir.serialization import serialize_payload
-from sparkgpu._process import ProcessRef
+from sparkgpu._util.process import ProcessRef
 from sparkgpu.launch.client.resume import client_is_gone, resume_job
 from sparkgpu.launch.rundir.directory import RunDir
 from sparkgpu.spec import JobSpec, Resources

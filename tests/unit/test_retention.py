@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from sparkgpu._process import ProcessRef
+from sparkgpu._util.process import ProcessRef
 from sparkgpu.config import reset_settings, settings
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.launch.client.retention import prune_runs

@@ -17,7 +17,7 @@ import types
 
 import pytest
 
-from sparkgpu._files import atomic_write_bytes
+from sparkgpu._util.files import atomic_write_bytes
 from sparkgpu.launch.node.agent import strip_spark_secrets
 from sparkgpu.launch.backends.spark.executor import node as spark_node
 from sparkgpu.launch.backends.spark.executor.hub import HubLink

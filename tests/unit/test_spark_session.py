@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.spark_gpu import GPUNamespace
+from sparkgpu.api.spark_gpu import GPUNamespace
 
 
 def run_python(code: str) -> str:
@@ -25,7 +25,7 @@ def run_python(code: str) -> str:
 def test_attach_does_not_import_pyspark_and_patches_both_sessions_when_it_is_imported():
     out = run_python("""
         import sys
-        from sparkgpu.spark_gpu import attach
+        from sparkgpu.api.spark_gpu import attach
         attach()
         attach()  # idempotent
         print("pyspark loaded:", "pyspark" in sys.modules)
@@ -39,7 +39,7 @@ def test_attach_does_not_import_pyspark_and_patches_both_sessions_when_it_is_imp
 def test_attach_after_pyspark_was_imported_patches_at_once():
     out = run_python("""
         from pyspark.sql.connect.session import SparkSession as ConnectSession
-        from sparkgpu.spark_gpu import attach
+        from sparkgpu.api.spark_gpu import attach
         attach()
         print(type(ConnectSession.gpu).__name__)
     """)
@@ -49,7 +49,7 @@ def test_attach_after_pyspark_was_imported_patches_at_once():
 def test_each_session_keeps_one_namespace():
     from pyspark.sql.connect.session import SparkSession as ConnectSession
 
-    from sparkgpu.spark_gpu import attach
+    from sparkgpu.api.spark_gpu import attach
 
     attach()
     session = object.__new__(ConnectSession)  # no server needed to look the property up

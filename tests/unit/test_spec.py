@@ -2,10 +2,10 @@ import datetime
 
 import pytest
 
-from sparkgpu.catalog import GPU_CATALOG, lookup_gpu_type
+from sparkgpu.spec.catalog import GPU_CATALOG, lookup_gpu_type
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.spec import JobSpec, Resources, RunPolicy, new_job_id
-from sparkgpu.units import parse_duration
+from sparkgpu.spec.units import parse_duration
 
 
 @pytest.mark.parametrize(

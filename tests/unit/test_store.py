@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 
-from sparkgpu._files import atomic_path, atomic_write_bytes, atomic_writer, is_temporary, temporary_name
+from sparkgpu._util.files import atomic_path, atomic_write_bytes, atomic_writer, is_temporary, temporary_name
 from sparkgpu.errors import ConfigurationError, MissingDependencyError
 from sparkgpu.store import Store
 

@@ -96,7 +96,7 @@ def test_environment_lock_is_kept_until_a_distribution_is_installed(tmp_path, mo
 
 def test_the_system_metrics_interval_is_a_setting_of_the_default_run(monkeypatch):
     from sparkgpu.config import reset_settings
-    from sparkgpu.decorator import default_callbacks
+    from sparkgpu.api.decorator import default_callbacks
     from sparkgpu.tracking.mlflow_run import MLflowCallback
 
     monkeypatch.setenv("SPARKGPU_TRACKING", "1")

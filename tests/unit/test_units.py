@@ -7,7 +7,7 @@ import pytest
 from sparkgpu.config import Settings
 from sparkgpu.data.mds.writer import parse_size_limit
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.units import parse_duration, parse_size
+from sparkgpu.spec.units import parse_duration, parse_size
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,7 @@
 
 import pytest
 
-from sparkgpu.catalog import GPU_CATALOG
+from sparkgpu.spec.catalog import GPU_CATALOG
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.usage.ledger import UsageRecord
 from sparkgpu.usage.rates import DEFAULT_RATES, RateCard, billed_seconds

@@ -35,9 +35,9 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from sparkgpu._files import fsync_dir, temporary_name
-from sparkgpu._process import ProcessRef, machine_id, start_ticks
-from sparkgpu._report import report
+from sparkgpu._util.files import fsync_dir, temporary_name
+from sparkgpu._util.process import ProcessRef, machine_id, start_ticks
+from sparkgpu._util.report import report
 from sparkgpu.errors import DataError
 from sparkgpu.store import Store
 
@@ -70,7 +70,7 @@ class ClaimRecord:
         run_id: The conversion's id (also in its marker and its index).
         generation: The claim's number; a takeover creates the next one.
         host: Host name of the holder, for people.
-        machine: Host, boot and PID namespace (:func:`sparkgpu._process.machine_id`), or ``None``.
+        machine: Host, boot and PID namespace (:func:`sparkgpu._util.process.machine_id`), or ``None``.
         pid: Process id of the holder.
         pid_started: Its start time in ticks since boot, to tell a reused pid apart.
         started: When the claim was taken (Unix time, the holder's clock; for people).

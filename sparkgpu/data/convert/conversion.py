@@ -33,7 +33,7 @@ from sparkgpu.data.mds.encoding import plan_columns
 from sparkgpu.data.mds.writer import DEFAULT_SIZE_LIMIT, ShardOptions
 from sparkgpu.errors import ConfigurationError, DataError
 from sparkgpu.store import Store
-from sparkgpu.units import parse_duration
+from sparkgpu.spec.units import parse_duration
 
 __all__ = ["ConversionResult", "to_mds", "ensure_mds", "data_fingerprint", "read_conversion", "write_source"]
 
@@ -145,7 +145,7 @@ def to_mds(
             e.g. ``{"image": "jpeg"}``: every other column is kept with its default encoding.
         compression: ``None`` or a name as streaming spells it: ``"zstd"``, ``"zstd:7"``, ``"gz"``...
         hashes: Hash names recorded per shard, e.g. ``("sha1", "xxh64")``.
-        size_limit: Bytes of samples per shard (int, ``"64MiB"`` or ``"64MB"``: see :mod:`sparkgpu.units`); ``None`` for one shard per writer.
+        size_limit: Bytes of samples per shard (int, ``"64MiB"`` or ``"64MB"``: see :mod:`sparkgpu.spec.units`); ``None`` for one shard per writer.
         version: Delta table version to read (default: latest).
         timestamp: Read the Delta table as of this time instead.
         overwrite: Replace an existing dataset (or other files) in ``out``.

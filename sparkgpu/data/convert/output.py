@@ -28,7 +28,7 @@ import json
 import time
 from collections.abc import Mapping, Sequence
 
-from sparkgpu._files import is_temporary
+from sparkgpu._util.files import is_temporary
 from sparkgpu.data.convert.claim import FolderClaim, is_claim
 from sparkgpu.errors import ConfigurationError, DataError
 from sparkgpu.store import Store

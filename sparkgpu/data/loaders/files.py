@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from sparkgpu._files import atomic_write_bytes
+from sparkgpu._util.files import atomic_write_bytes
 from sparkgpu.data.loaders.order import EpochPlan, check_int, epoch_order, restore_position
 from sparkgpu.data.loaders.positioned import Positioned
 from sparkgpu.errors import ConfigurationError, DataError
@@ -75,7 +75,7 @@ def files_dataset(
     """
     from sparkgpu import runtime
     from sparkgpu.config import settings
-    from sparkgpu.units import parse_size
+    from sparkgpu.spec.units import parse_size
     from sparkgpu.data.storage.volume import Volume
 
     rank = runtime.get_global_rank() if rank is None else rank

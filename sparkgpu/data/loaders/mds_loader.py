@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sparkgpu.units import parse_size
+from sparkgpu.spec.units import parse_size
 from sparkgpu.data.augment.columns import check_decode, check_decode_columns, check_decode_device
 from sparkgpu.data.storage.cache import open_cache_entry
 from sparkgpu.data.loaders.order import (

@@ -16,7 +16,7 @@ import pyarrow as pa
 
 from sparkgpu.data.mds.encoding import ColumnSpec, EncodedBatch, encode_batch
 from sparkgpu.errors import ConfigurationError, DataError, MissingDependencyError
-from sparkgpu.units import parse_size
+from sparkgpu.spec.units import parse_size
 
 __all__ = [
     "DEFAULT_SIZE_LIMIT",
@@ -129,7 +129,7 @@ def check_hashes(hashes: Iterable[str] | None) -> list[str]:
 
 
 def parse_size_limit(size_limit: int | str | None) -> int | None:
-    """Shard size limit in bytes (:func:`sparkgpu.units.parse_size`); ``None``: one shard.
+    """Shard size limit in bytes (:func:`sparkgpu.spec.units.parse_size`); ``None``: one shard.
 
     Raises:
         ConfigurationError: Not a positive size below 4 GiB (sample offsets are uint32).

@@ -16,7 +16,7 @@ import threading
 import uuid
 from pathlib import Path
 
-from sparkgpu._process import pid_gone
+from sparkgpu._util.process import pid_gone
 from sparkgpu.data.mds.reader import ShardInfo
 from sparkgpu.data.storage.volume import Volume
 from sparkgpu.errors import DataError, MissingDependencyError

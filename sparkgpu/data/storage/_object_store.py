@@ -16,7 +16,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from sparkgpu._urls import scheme_of
+from sparkgpu._util.urls import scheme_of
 
 if TYPE_CHECKING:
     from obstore.store import ClientConfig, S3Config

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sparkgpu._files import atomic_write_bytes
+from sparkgpu._util.files import atomic_write_bytes
 from sparkgpu.data.storage import _fetch
 from sparkgpu.data.mds.reader import INDEX_NAME, DatasetIndex
 from sparkgpu.data.storage.volume import RangePool, Volume

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from sparkgpu._urls import scheme_of
+from sparkgpu._util.urls import scheme_of
 from sparkgpu.data.storage._object_store import DIRECT_SCHEMES, ObjectStoreSource, usable_here
 from sparkgpu.errors import DataError
 from sparkgpu.store import Store

@@ -30,7 +30,7 @@ __all__ = ["OpenedTable", "open_table", "row_groups", "file_cache", "keep_mask",
 
 def file_cache(dataset, units, identity, storage_options, local, cache_limit, download_threads):
     from sparkgpu.config import settings
-    from sparkgpu.units import parse_size
+    from sparkgpu.spec.units import parse_size
     from sparkgpu.data.storage.table_cache import TableFileCache
 
     url = identity.get("uri") or identity.get("path")

@@ -122,7 +122,7 @@ class Backend(abc.ABC):
 
     def place(self, job: JobSpec) -> JobSpec:
         """Where the job goes, before any capacity probe: e.g. the GPU pool it runs on, as a tag
-        (:data:`~sparkgpu.pools.POOL_TAG`) whose usage policy is checked before :meth:`resolve`.
+        (:data:`~sparkgpu.spec.pools.POOL_TAG`) whose usage policy is checked before :meth:`resolve`.
         Cheap and idempotent; the job unchanged by default."""
         return job
 

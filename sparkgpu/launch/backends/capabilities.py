@@ -58,7 +58,7 @@ class Preemptible(QueuedCapacity, Protocol):
     def preemption_request(self, job: JobSpec) -> str | None:
         """Why a more urgent job asks ``job`` to give way; ``None`` when none does.
 
-        Only a request judged genuine counts (:mod:`sparkgpu.priority`). Polled while the job runs.
+        Only a request judged genuine counts (:mod:`sparkgpu.spec.priority`). Polled while the job runs.
         """
         ...
 

@@ -13,7 +13,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from sparkgpu._files import atomic_write_bytes
+from sparkgpu._util.files import atomic_write_bytes
 from sparkgpu.protocol import NodeState
 from sparkgpu.launch.rundir.layout import RunLayout
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from sparkgpu import runtime
-from sparkgpu._report import report
+from sparkgpu._util.report import report
 from sparkgpu.callbacks import AttemptOutcome, JobCallback
 from sparkgpu.launch.backends.base import Backend
 from sparkgpu.launch.backends.capabilities import DeferredStart, LocalRanks

@@ -35,7 +35,7 @@ def register_cancel(subparsers) -> None:
 
 
 def cmd_cancel(args) -> int:
-    from sparkgpu.call import DistributedFunctionCall
+    from sparkgpu.api.call import DistributedFunctionCall
     from sparkgpu.launch.client.resume import find_run_dir
 
     # Observed, not attached: a job whose client is gone is ended here, not continued first.

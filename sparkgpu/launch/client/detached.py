@@ -38,7 +38,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from sparkgpu._process import ProcessRef
+from sparkgpu._util.process import ProcessRef
 from sparkgpu.launch.rundir.directory import PRIVATE_FILE, RunDir
 from sparkgpu.launch.rundir.layout import RunLayout
 
@@ -221,7 +221,7 @@ def _fork_supervisor(run_dir: RunDir) -> int:
 
 def supervise(run_dir: RunDir) -> int:
     """Runs the job to its end as its supervisor; 0 once it ended (however it ended), 1 if it cannot run it."""
-    from sparkgpu._report import report
+    from sparkgpu._util.report import report
     from sparkgpu.errors import JobStateError
     from sparkgpu.launch.client.resume import take_over
     from sparkgpu.launch.client.supervision_lock import SupervisionLock

@@ -12,7 +12,7 @@ import json
 import time
 from typing import Any
 
-from sparkgpu._files import atomic_write_bytes
+from sparkgpu._util.files import atomic_write_bytes
 from sparkgpu.errors import HangError, RankFailure
 from sparkgpu.launch.rundir.directory import RunDir
 from sparkgpu.launch.rundir.layout import RunLayout

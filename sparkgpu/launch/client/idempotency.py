@@ -13,7 +13,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from sparkgpu._files import atomic_write_bytes, temporary_name
+from sparkgpu._util.files import atomic_write_bytes, temporary_name
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sparkgpu._files import atomic_write_bytes
+from sparkgpu._util.files import atomic_write_bytes
 from sparkgpu.protocol import AttemptRecord, AttemptStatus, JobState, JobStatus
 
 __all__ = ["JobBook", "IllegalTransition", "JOB_TRANSITIONS", "ATTEMPT_TRANSITIONS"]

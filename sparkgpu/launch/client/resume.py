@@ -14,7 +14,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from sparkgpu._process import ProcessRef
+from sparkgpu._util.process import ProcessRef
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError, JobStateError
 from sparkgpu.launch.backends.base import BACKENDS, Backend, backend_class, create_backend

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from sparkgpu._keyring import forget_key, key_file
-from sparkgpu._report import report
+from sparkgpu._util.report import report
 from sparkgpu.config import Settings, settings
 from sparkgpu.protocol import JobStatus
 from sparkgpu.launch.rundir.layout import RunLayout

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import socket
 
-from sparkgpu._files import try_lock_file
+from sparkgpu._util.files import try_lock_file
 from sparkgpu.launch.rundir.directory import PRIVATE_FILE, RunDir
 from sparkgpu.launch.rundir.layout import RunLayout
 

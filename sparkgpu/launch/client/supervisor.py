@@ -37,8 +37,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from sparkgpu._process import ProcessRef
-from sparkgpu._report import console, report
+from sparkgpu._util.process import ProcessRef
+from sparkgpu._util.report import console, report
 from sparkgpu.callbacks import JobCallback
 from sparkgpu.errors import (
     CapacityError,

@@ -34,7 +34,7 @@ from collections.abc import MutableMapping
 from pathlib import Path
 
 from sparkgpu import runtime
-from sparkgpu._report import report
+from sparkgpu._util.report import report
 from sparkgpu.config import settings
 from sparkgpu.errors import PayloadSignatureError
 from sparkgpu.launch.rank.entrypoint import EXIT_FAILED, _die_with_parent, leave_quickly

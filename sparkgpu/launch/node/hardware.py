@@ -14,7 +14,7 @@ import subprocess
 import threading
 import warnings
 
-from sparkgpu.catalog import GPU_CATALOG, classify_device, lookup_gpu_type
+from sparkgpu.spec.catalog import GPU_CATALOG, classify_device, lookup_gpu_type
 from sparkgpu.errors import ConfigurationError
 
 __all__ = ["HostGPUs", "UnknownGPUWarning", "detect_host_gpus", "parse_simulated"]

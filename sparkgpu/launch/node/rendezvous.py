@@ -22,7 +22,7 @@ import os
 import signal
 import socket
 
-from sparkgpu._report import report
+from sparkgpu._util.report import report
 
 __all__ = [
     "listening_socket",

@@ -22,8 +22,8 @@ import signal
 import sys
 
 from sparkgpu import runtime
-from sparkgpu._modules import imported
-from sparkgpu._report import report
+from sparkgpu._util.modules import imported
+from sparkgpu._util.report import report
 from sparkgpu.callbacks import WorkerContext
 from sparkgpu.errors import HydrationError, ResultError, SparkGPUError
 from sparkgpu._keyring import hold_job_key

@@ -20,7 +20,7 @@ import hmac
 import threading
 
 from sparkgpu._keyring import derive_key
-from sparkgpu._report import report
+from sparkgpu._util.report import report
 
 __all__ = ["seal", "unseal", "mac", "pack_files", "unpack_files", "MAC_MARK"]
 
@@ -45,7 +45,7 @@ def unseal(key: bytes | None, place: str, sealed: bytes) -> bytes | None:
     """The body of a file :func:`seal` wrote for ``place``, or ``None`` when its MAC does not hold.
 
     A file that does not verify is to be treated as absent. It is reported (where
-    :func:`sparkgpu._report.report` writes: the job's console on the client, the agent's or
+    :func:`sparkgpu._util.report.report` writes: the job's console on the client, the agent's or
     rank's log on a worker) once per job (its key) and place: the jobs one client runs share
     place names, and a writer that changes the file at every poll adds no line.
 

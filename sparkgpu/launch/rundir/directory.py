@@ -13,7 +13,7 @@ unpickles only result and error files that the job's ranks signed with that key.
 itself never touches the run dir.
 
 Every file a reader may see as complete is written to a temporary name and renamed
-(:mod:`sparkgpu._files`). How the payload, the results and the errors are pickled is
+(:mod:`sparkgpu._util.files`). How the payload, the results and the errors are pickled is
 :mod:`sparkgpu.launch.rundir.serialization`'s; the entrypoint's text is :mod:`sparkgpu.launch.rundir.entrypoint_template`'s.
 """
 
@@ -31,7 +31,7 @@ from typing import Any
 
 import cloudpickle
 
-from sparkgpu._files import atomic_write_bytes, atomic_writer, temporary_name
+from sparkgpu._util.files import atomic_write_bytes, atomic_writer, temporary_name
 from sparkgpu._keyring import derive_key
 from sparkgpu.errors import ConfigurationError, PayloadSignatureError, RankFailure
 from sparkgpu.launch.rundir.signature import sign_payload, verifier_source, verify_payload

@@ -47,9 +47,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from sparkgpu._files import atomic_write_bytes, is_temporary
-from sparkgpu._report import report
-from sparkgpu._urls import scheme_of
+from sparkgpu._util.files import atomic_write_bytes, is_temporary
+from sparkgpu._util.report import report
+from sparkgpu._util.urls import scheme_of
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.launch.rundir.control import pack_files, unpack_files
 from sparkgpu.launch.rundir.log_bundles import LogReader, LogShipper, parse_bundle_name

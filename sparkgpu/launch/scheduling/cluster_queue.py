@@ -52,7 +52,7 @@ from collections.abc import Callable
 
 from sparkgpu.launch.scheduling.queue_record import QueueRecord
 from sparkgpu.launch.scheduling.gpu_queue import PreemptionRequest
-from sparkgpu.priority import Priority, fewest_to_stop
+from sparkgpu.spec.priority import Priority, fewest_to_stop
 from sparkgpu.store import Store
 
 __all__ = [

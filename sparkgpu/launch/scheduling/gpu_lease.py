@@ -18,11 +18,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from sparkgpu._files import try_lock_file
-from sparkgpu._report import report
+from sparkgpu._util.files import try_lock_file
+from sparkgpu._util.report import report
 from sparkgpu.errors import CapacityError
 from sparkgpu.launch.scheduling.gpu_queue import GpuHolder, GpuQueue, QueueEntry
-from sparkgpu.priority import Priority, fewest_to_stop
+from sparkgpu.spec.priority import Priority, fewest_to_stop
 
 __all__ = ["GpuLease", "lease_gpus", "lock_dir", "gpu_kind_of", "to_preempt", "waiting_jobs"]
 

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from sparkgpu.launch.scheduling.queue_record import QueueRecord
-from sparkgpu.priority import Priority
+from sparkgpu.spec.priority import Priority
 
 __all__ = [
     "Liveness",

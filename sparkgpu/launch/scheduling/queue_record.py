@@ -8,7 +8,7 @@ import json
 import typing
 from typing import Any, ClassVar, TypeVar
 
-from sparkgpu.priority import Priority
+from sparkgpu.spec.priority import Priority
 
 __all__ = ["QueueRecord"]
 

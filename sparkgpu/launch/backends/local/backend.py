@@ -25,7 +25,7 @@ import subprocess
 import time
 from typing import IO, Any
 
-from sparkgpu.catalog import lookup_gpu_type
+from sparkgpu.spec.catalog import lookup_gpu_type
 from sparkgpu.config import settings
 from sparkgpu.errors import CapacityError
 from sparkgpu.launch.node.agent import build_command

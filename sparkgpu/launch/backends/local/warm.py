@@ -3,7 +3,7 @@
 The warm zygote process is :mod:`sparkgpu.launch.backends.local.zygote`, the client that starts
 and talks to it :mod:`sparkgpu.launch.backends.local.zygote_client`; this backend is the local one
 with each attempt's ranks forked there instead of started by a fresh agent. Inside the package,
-"pool" alone is a GPU pool (``pool=``, a Spark cluster jobs run on, :mod:`sparkgpu.pools`); the
+"pool" alone is a GPU pool (``pool=``, a Spark cluster jobs run on, :mod:`sparkgpu.spec.pools`); the
 on-disk names under ``SPARKGPU_HOME/pool/`` keep their name so that running zygotes stay found.
 """
 

@@ -27,8 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-from sparkgpu._files import atomic_write_bytes
-from sparkgpu._report import report
+from sparkgpu._util.files import atomic_write_bytes
+from sparkgpu._util.report import report
 from sparkgpu.runtime import ENV_RUN_DIR
 from sparkgpu.launch.node.agent import reported, verify_or_refuse
 from sparkgpu.launch.node.forked_ranks import become_rank

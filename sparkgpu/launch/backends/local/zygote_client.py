@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import sparkgpu
-from sparkgpu._process import pid_gone
+from sparkgpu._util.process import pid_gone
 from sparkgpu.config import settings
 from sparkgpu.errors import SparkGPUError
 from sparkgpu.launch.backends.base import AttemptHandle

@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Protocol, TextIO
 
-from sparkgpu._report import report
+from sparkgpu._util.report import report
 from sparkgpu.launch.backends.base import AttemptHandle
 from sparkgpu.launch.backends.spark.capacity import RankPlacement
 from sparkgpu.launch.client.attempt_report import AttemptReport, NodeReport

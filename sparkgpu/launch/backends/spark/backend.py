@@ -31,8 +31,8 @@ import threading
 import time
 from typing import TextIO
 
-from sparkgpu._report import report
-from sparkgpu._urls import install_command, scheme_of
+from sparkgpu._util.report import report
+from sparkgpu._util.urls import install_command, scheme_of
 from sparkgpu.config import settings
 from sparkgpu.errors import CapacityError, ConfigurationError
 from sparkgpu.launch.node.agent import build_command
@@ -67,7 +67,7 @@ from sparkgpu.protocol import NodeState
 from sparkgpu.launch.rank.threads import threads_per_rank
 from sparkgpu.launch.rundir.directory import RunDir
 from sparkgpu.launch.rundir.staging import ClientMirror, StagingStore, store_prefix, user_prefix
-from sparkgpu.pools import POOL_TAG, Pool
+from sparkgpu.spec.pools import POOL_TAG, Pool
 from sparkgpu.spec import JobSpec
 
 __all__ = ["SparkBackend", "SparkAttempt", "active_spark_session"]

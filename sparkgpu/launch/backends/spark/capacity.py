@@ -30,8 +30,8 @@ import threading
 import time
 import uuid
 
-from sparkgpu._report import report
-from sparkgpu.catalog import GPU_CATALOG, classify_device, lookup_gpu_type
+from sparkgpu._util.report import report
+from sparkgpu.spec.catalog import GPU_CATALOG, classify_device, lookup_gpu_type
 from sparkgpu.errors import CapacityError, ConfigurationError, SparkGPUError
 from sparkgpu.launch.backends.spark.executor.probe import (
     IMAGE_DDL,

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-from sparkgpu._report import report
+from sparkgpu._util.report import report
 from sparkgpu.config import settings
 from sparkgpu.errors import CapacityError
 from sparkgpu.launch.scheduling.cluster_queue import (

@@ -1,7 +1,7 @@
 """Which Spark session a ``remote=True`` job runs on.
 
 Without a pools file: the caller's active session, else one to ``SPARKGPU_SPARK_REMOTE``.
-With one (``SPARKGPU_POOLS``, :mod:`sparkgpu.pools`): the session of the pool the job's GPU
+With one (``SPARKGPU_POOLS``, :mod:`sparkgpu.spec.pools`): the session of the pool the job's GPU
 type (or its ``pool=``) chooses, opened once per URL and reused. A pool's session is a
 handle of the backend's own: it never becomes the process's default or active session, so
 the caller's ``SparkSession.getActiveSession()`` stays what it was.
@@ -22,9 +22,9 @@ from typing import Any
 
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError
-from sparkgpu._files import atomic_write_bytes
+from sparkgpu._util.files import atomic_write_bytes
 from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.pools import POOL_TAG, Pool, choose_pool, configured_pools
+from sparkgpu.spec.pools import POOL_TAG, Pool, choose_pool, configured_pools
 from sparkgpu.spec import JobSpec
 
 __all__ = [
@@ -144,7 +144,7 @@ def pool_for_job(job: JobSpec, pool: str | None = None) -> Pool | None:
     """The pool ``job`` runs on, or ``None`` when no pools file is configured.
 
     Args:
-        job: The job; a resumed job's :data:`~sparkgpu.pools.POOL_TAG` names its pool.
+        job: The job; a resumed job's :data:`~sparkgpu.spec.pools.POOL_TAG` names its pool.
         pool: The pool asked for by name or id (``pool=``); ``SPARKGPU_POOL`` when ``None``.
 
     Raises:

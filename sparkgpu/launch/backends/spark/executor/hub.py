@@ -45,7 +45,7 @@ import socketserver
 import threading
 import time
 
-from sparkgpu._report import report
+from sparkgpu._util.report import report
 from sparkgpu.launch.rundir.control import mac, pack_files, unpack_files
 from sparkgpu.launch.rundir.layout import RunLayout
 from sparkgpu.protocol import NodeState

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from sparkgpu._report import report
+from sparkgpu._util.report import report
 from sparkgpu.launch.node.agent import build_command, strip_spark_secrets, verify_or_refuse
 from sparkgpu.launch.backends.spark.executor.hub import HubLink
 from sparkgpu.launch.backends.spark.executor.channel import (

@@ -28,7 +28,7 @@ def submit_job(fn, job_file, prepared, watch: bool) -> int:
     """Submits the job, prints its id and returns; with ``watch``, follows its logs to the end first.
 
     Args:
-        fn: The job's decorated function (:meth:`sparkgpu.jobfile.JobFile.build`).
+        fn: The job's decorated function (:meth:`sparkgpu.spec.jobfile.JobFile.build`).
         job_file: The job file it was built from.
         prepared: The job prepared here with its secrets sealed in, or ``None`` to let
             ``fn.submit()`` prepare it.

@@ -23,13 +23,13 @@ import functools
 import inspect
 from typing import Any, Callable
 
-from sparkgpu._report import PREFIX, report
+from sparkgpu._util.report import PREFIX, report
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.launch.backends.base import Backend, LaunchPlan, backend_name, create_backend
 from sparkgpu.launch.backends.capabilities import Reattachable
 from sparkgpu.callbacks import JobCallback
-from sparkgpu.prepare import PreparedJob, prepare
+from sparkgpu.api.prepare import PreparedJob, prepare
 from sparkgpu.spec import JobSpec, Resources, RunPolicy, log_rank_selection, new_job_id, requested_resources
 
 __all__ = ["distributed", "DistributedFunction", "default_callbacks", "REMOTE_MAX_RUNTIME"]
@@ -239,7 +239,7 @@ class DistributedFunction:
 
         Returns:
             One return value per rank, ordered by rank; with ``run_async=True``, the job's
-            :class:`~sparkgpu.call.DistributedFunctionCall`.
+            :class:`~sparkgpu.api.call.DistributedFunctionCall`.
 
         Raises:
             WorkerFailedError: a rank raised or died; names each failing rank with its remote
@@ -296,7 +296,7 @@ class DistributedFunction:
 
     def submit(self, *args, **kwargs):
         """Starts ``.distributed(*args, **kwargs)`` and returns its
-        :class:`~sparkgpu.call.DistributedFunctionCall` at once.
+        :class:`~sparkgpu.api.call.DistributedFunctionCall` at once.
 
         A local job is supervised by processes of its own (``detach``): it runs on when this
         process exits or is killed, and ``sparkgpu.attach(call.job_id)`` finds it again.
@@ -356,7 +356,7 @@ class DistributedFunction:
             )
         if self.resources.remote:
             from sparkgpu.launch.backends.spark.sessions import active_spark_session, detach_refusal
-            from sparkgpu.pools import configured_pools
+            from sparkgpu.spec.pools import configured_pools
 
             if configured_pools() is not None or settings().spark_remote:
                 return None  # sessions opened by URL
@@ -373,7 +373,7 @@ class DistributedFunction:
         file's secrets under its key). ``prepare`` is not called when an earlier submission
         holds the idempotency key: that job's call is returned.
         """
-        from sparkgpu.call import DistributedFunctionCall, attach
+        from sparkgpu.api.call import DistributedFunctionCall, attach
         from sparkgpu.launch.client.idempotency import claimed_job
 
         if self.idempotency_key is not None and (earlier := claimed_job(self.idempotency_key)) is not None:
@@ -413,7 +413,7 @@ class DistributedFunction:
 
     def _follow(self, call) -> list[Any]:
         """Streams a detached job's logs here until it ends; its results, registered. Ctrl-C cancels it."""
-        from sparkgpu._report import console
+        from sparkgpu._util.report import console
 
         from sparkgpu.tracking.registration import read_registration
 
@@ -531,7 +531,7 @@ def distributed(
         priority: ``"best_effort"``, ``"normal"`` or ``"critical"`` (databricks' ``BEST_EFFORT``
             / ``NORMAL`` / ``CRITICAL`` too): waiting jobs get free GPUs by class, then in
             order; a critical job that does not fit asks best-effort jobs to checkpoint and
-            stop, and they resume by themselves, using no restart (:mod:`sparkgpu.priority`).
+            stop, and they resume by themselves, using no restart (:mod:`sparkgpu.spec.priority`).
         capacity_wait: How long a remote attempt may wait for its GPUs (seconds or ``"30m"``):
             at submit, and after a lost node while the cluster replaces it. ``None``: the
             job's ``max_runtime`` (7 days for remote jobs), else ``SPARKGPU_SPARK_WAIT_TIMEOUT``.
@@ -560,9 +560,9 @@ def distributed(
         pool: Run on this GPU pool (its name or id in the ``SPARKGPU_POOLS`` file) instead of
             the one ``gpu_type`` chooses; needs ``remote=True``.
         run_async: ``fn.distributed(...)`` returns the job's
-            :class:`~sparkgpu.call.DistributedFunctionCall` at once instead of waiting for the
+            :class:`~sparkgpu.api.call.DistributedFunctionCall` at once instead of waiting for the
             results (as ``fn.submit(...)`` does): for sweeps of many jobs. Collect them with
-            :func:`~sparkgpu.call.collect_outputs_or_raise`.
+            :func:`~sparkgpu.api.call.collect_outputs_or_raise`.
         detach: Supervise the job in processes of its own (:mod:`sparkgpu.launch.client.detached`),
             so that it outlives this process: ``submit`` returns at once, ``.distributed()``
             follows the job's logs to its end (Ctrl-C still cancels it) and a killed caller

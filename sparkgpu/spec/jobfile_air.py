@@ -15,7 +15,7 @@ env_variables: {BATCH_SIZE: "32"}
 command: torchrun --nproc_per_node=8 $CODE_SOURCE_PATH/train.py --lr 1e-4
 ```
 
-Each field becomes the job option sparkgpu's own job files use (:mod:`sparkgpu.jobfile`):
+Each field becomes the job option sparkgpu's own job files use (:mod:`sparkgpu.spec.jobfile`):
 ``experiment_name`` -> ``experiment``, ``compute.num_accelerators`` -> ``gpus``,
 ``compute.accelerator_type`` -> ``accelerator_type``, ``compute.pool_id`` -> ``pool`` (a
 remote job), ``compute.priority_class`` -> ``priority``, ``env_variables`` -> ``env``. The
@@ -346,7 +346,7 @@ def _requirement_lines(dependencies, base_dir: Path, source: str) -> list[str]:
     """The requirement strings of ``environment.dependencies``: its list, or the list of the
     requirements YAML file it names."""
     if isinstance(dependencies, str):
-        from sparkgpu._documents import parse_document
+        from sparkgpu._util.documents import parse_document
 
         path = base_dir / dependencies
         try:
@@ -434,7 +434,7 @@ def unmet_requirements(requirements: list[str], source: str = "environment.depen
 
 
 def job_fields_from_air_workload(data: Mapping[str, Any], base_dir: str | os.PathLike, source: str) -> dict:
-    """The fields of the :class:`~sparkgpu.jobfile.JobFile` an ``air run`` workload describes:
+    """The fields of the :class:`~sparkgpu.spec.jobfile.JobFile` an ``air run`` workload describes:
     ``script``, ``args``, ``env`` and ``options``.
 
     Raises:
@@ -442,7 +442,7 @@ def job_fields_from_air_workload(data: Mapping[str, Any], base_dir: str | os.Pat
             sparkgpu runs, it disagrees with ``compute``, or ``environment.dependencies``
             are not met here; each names the field and the fix. Nothing has started.
     """
-    from sparkgpu.catalog import lookup_accelerator_type
+    from sparkgpu.spec.catalog import lookup_accelerator_type
 
     base_dir = Path(base_dir)
     error = _unknown(data, AIR_FIELDS, "the workload", source)
@@ -570,7 +570,7 @@ def _max_restarts(max_retries, torchrun_restarts: int | None, source: str) -> in
 
 def _optional_fields(data: Mapping[str, Any], options: dict[str, Any], source: str) -> dict[str, Any]:
     """Maps the optional fields onto ``options`` (timeout, experiment folder) and returns the
-    :class:`~sparkgpu.jobfile.JobFile` fields they give; refuses those sparkgpu has no counterpart of."""
+    :class:`~sparkgpu.spec.jobfile.JobFile` fields they give; refuses those sparkgpu has no counterpart of."""
     extra: dict[str, Any] = {}
     run_name = data.get("mlflow_run_name")
     if run_name is not None:
@@ -651,7 +651,7 @@ def _known_usage_policies() -> list[tuple[str, str, str | None]]:
     """``(name, file, pool)`` of each usage policy configured here: ``SPARKGPU_USAGE_POLICY``'s
     (every job's; pool ``None``), then each pool's of ``SPARKGPU_POOLS``."""
     from sparkgpu.config import settings
-    from sparkgpu.pools import configured_pools
+    from sparkgpu.spec.pools import configured_pools
     from sparkgpu.usage.policy import UsagePolicy
 
     known: list[tuple[str, str, str | None]] = []

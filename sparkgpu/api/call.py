@@ -37,7 +37,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sparkgpu._report import console, report
+from sparkgpu._util.report import console, report
 from sparkgpu.errors import (
     CallNotFinishedError,
     ConfigurationError,

@@ -15,7 +15,7 @@ import sys
 from urllib.parse import urlsplit
 
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.pools import Pool, configured_pools
+from sparkgpu.spec.pools import Pool, configured_pools
 
 __all__ = ["register_pools", "PoolStatus", "pool_status"]
 

@@ -3,12 +3,12 @@
 Each :class:`JobOption` names a keyword of :func:`sparkgpu.distributed` (and so of
 ``spark.gpu.train``), says what a value looks like when it comes from a file or the command
 line, and carries the one help text all of them show. The job file's fields and validation
-(:mod:`sparkgpu.jobfile`) and the ``sparkgpu run`` flags (:mod:`sparkgpu.cli`) are generated
+(:mod:`sparkgpu.spec.jobfile`) and the ``sparkgpu run`` flags (:mod:`sparkgpu.cli`) are generated
 from :data:`JOB_OPTIONS`; a test checks that ``distributed`` takes every one of them. Keywords
 that only make sense in Python (``backend``, ``callbacks``, the ``num_accelerators`` /
 ``num_gpus`` spellings of ``gpus``) are not options of a file or a command line.
 
-Values are checked where ``distributed`` checks them (durations by :mod:`sparkgpu.units`, GPU
+Values are checked where ``distributed`` checks them (durations by :mod:`sparkgpu.spec.units`, GPU
 types by the catalog); here only their shape in a document is.
 """
 
@@ -63,7 +63,7 @@ class JobOption:
         own default for it, the one place it is set."""
         import inspect
 
-        from sparkgpu.decorator import distributed
+        from sparkgpu.api.decorator import distributed
 
         return inspect.signature(distributed).parameters[self.name].default
 
@@ -117,7 +117,7 @@ JOB_OPTIONS: tuple[JobOption, ...] = (
 
 #: ``run_async``: a job file or ``sparkgpu run`` waits for its job (``sparkgpu logs --follow`` watches one).
 #: ``detach``: ``sparkgpu run --detach`` says it for the command, not the file. ``idempotency_key``: a
-#: field of the file beside its options (:class:`~sparkgpu.jobfile.JobFile`), and ``--idempotency-key``.
+#: field of the file beside its options (:class:`~sparkgpu.spec.jobfile.JobFile`), and ``--idempotency-key``.
 #: ``restart_on``: not a job-file option yet (a list of failure classes; the default policy applies).
 #: ``progress_timeout``: not a job-file option yet (a duration or "off"; the default applies).
 PYTHON_ONLY_KEYWORDS = frozenset(
@@ -137,7 +137,7 @@ PYTHON_ONLY_KEYWORDS = frozenset(
 
 def check_document_value(option: JobOption, value, source: str, *, subject: str | None = None):
     """``value`` of ``option`` as a job document gave it, checked for shape (``log_ranks``:
-    ``"none"`` stays a word, :meth:`~sparkgpu.jobfile.JobFile.build` turns it into ``None``).
+    ``"none"`` stays a word, :meth:`~sparkgpu.spec.jobfile.JobFile.build` turns it into ``None``).
 
     Raises:
         ConfigurationError: the value has the wrong shape; names the field and what it takes.

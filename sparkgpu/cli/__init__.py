@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Literal, Sequence
 
 from sparkgpu.errors import ConfigurationError, PolicyViolationError, SparkGPUError
-from sparkgpu.job_options import add_cli_flags, cli_values, key_value
+from sparkgpu.spec.options import add_cli_flags, cli_values, key_value
 from sparkgpu.protocol import JobStatus, ListedStatus
 from sparkgpu.launch.rundir.layout import RunLayout
 
@@ -49,16 +49,16 @@ COMMANDS: list[tuple[str, str]] = [
     ("sparkgpu.cli", "register_run"),
     ("sparkgpu.cli", "register_jobs"),
     ("sparkgpu.cli", "register_logs"),
-    ("sparkgpu.cli_submit", "register_result"),
-    ("sparkgpu.cli_sweep", "register_sweeps"),
-    ("sparkgpu.usage.cli", "register"),
+    ("sparkgpu.cli.submit", "register_result"),
+    ("sparkgpu.cli.sweep", "register_sweeps"),
+    ("sparkgpu.cli.usage", "register"),
     ("sparkgpu.launch.client.cli", "register_resume"),
     ("sparkgpu.launch.client.cli", "register_cancel"),
     ("sparkgpu.launch.client.cli", "register_warm_pool"),
-    ("sparkgpu.tracking.cli", "register_tracking"),
-    ("sparkgpu.data.cli", "register_data"),
-    ("sparkgpu.data.cli", "register_cache"),
-    ("sparkgpu.pools_cli", "register_pools"),
+    ("sparkgpu.cli.tracking", "register_tracking"),
+    ("sparkgpu.cli.data", "register_data"),
+    ("sparkgpu.cli.data", "register_cache"),
+    ("sparkgpu.cli.pools", "register_pools"),
 ]
 
 
@@ -156,7 +156,7 @@ def register_run(subparsers) -> None:
 
 
 def _load_job(args):
-    from sparkgpu.jobfile import JOB_FILE_SUFFIXES, JobFile
+    from sparkgpu.spec.jobfile import JOB_FILE_SUFFIXES, JobFile
 
     target = Path(args.target)
     if target.suffix.lower() in JOB_FILE_SUFFIXES:
@@ -179,7 +179,7 @@ def _load_job(args):
 
 
 def cmd_run(args) -> int:
-    from sparkgpu.decorator import default_callbacks
+    from sparkgpu.api.decorator import default_callbacks
     from sparkgpu.usage.meter import UsageMeter
 
     job_file = _load_job(args)
@@ -203,7 +203,7 @@ def cmd_run(args) -> int:
         print(describe_job_file(job_file))
         return EXIT_OK
     if submit:
-        from sparkgpu.cli_submit import submit_job
+        from sparkgpu.cli.submit import submit_job
 
         return submit_job(fn, job_file, job_file.seal_secrets(prepared) if job_file.secret_values else None, args.watch)
     prepared = job_file.seal_secrets(prepared)
@@ -498,7 +498,7 @@ class _FollowRequest:
         self.rd, self.ranks, self.next = rd, ranks, 0.0
 
     def renew(self, attempt: int) -> None:
-        from sparkgpu._files import atomic_write_bytes
+        from sparkgpu._util.files import atomic_write_bytes
         from sparkgpu.launch.rundir.layout import RunLayout
 
         now = time.time()
@@ -550,7 +550,3 @@ def cmd_logs(args) -> int:
             tail.finish()
             return EXIT_OK
         time.sleep(0.25)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -31,11 +31,11 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from sparkgpu._files import atomic_write_bytes
+from sparkgpu._util.files import atomic_write_bytes
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.job_options import JOB_OPTIONS, check_document_value
+from sparkgpu.spec.options import JOB_OPTIONS, check_document_value
 from sparkgpu.job_secrets import parse_secret_refs, read_secrets
-from sparkgpu.jobfile_air import air_field_paths, is_air_workload, job_fields_from_air_workload
+from sparkgpu.spec.jobfile_air import air_field_paths, is_air_workload, job_fields_from_air_workload
 
 __all__ = ["JobFile", "ScriptRunner", "JOB_FILE_SUFFIXES", "PARAMETERS_ENV", "PARAMETERS_FILE"]
 
@@ -164,7 +164,7 @@ _FIELDS: dict[str, str] = {**_FILE_FIELDS, **{name: option.help for name, option
 @dataclasses.dataclass(frozen=True)
 class JobFile:
     """A job as a file describes it: the script, its arguments and environment, and the job
-    options (:data:`sparkgpu.job_options.JOB_OPTIONS`) it gives; ``job.gpus`` and the like
+    options (:data:`sparkgpu.spec.options.JOB_OPTIONS`) it gives; ``job.gpus`` and the like
     read an option or its default."""
 
     script: str
@@ -194,7 +194,7 @@ class JobFile:
     @classmethod
     def load(cls, path: str | os.PathLike, overrides: Sequence[str] = ()) -> "JobFile":
         """Reads and validates a job file (YAML, TOML or JSON): sparkgpu's own fields, or a
-        ``databricks air run`` workload (:mod:`sparkgpu.jobfile_air`).
+        ``databricks air run`` workload (:mod:`sparkgpu.spec.jobfile_air`).
 
         Args:
             path: The file.
@@ -204,7 +204,7 @@ class JobFile:
         Raises:
             ConfigurationError: unreadable file, unknown field or path, or wrong value; names the field.
         """
-        from sparkgpu._documents import parse_document
+        from sparkgpu._util.documents import parse_document
 
         path = Path(path)
         try:
@@ -299,7 +299,7 @@ class JobFile:
         return ScriptRunner.from_path(self.script, self.args, self.env, self.parameters, self.cwd)
 
     def seal_secrets(self, prepared):
-        """``prepared`` (a :class:`~sparkgpu.prepare.PreparedJob` not yet written) with this job's
+        """``prepared`` (a :class:`~sparkgpu.api.prepare.PreparedJob` not yet written) with this job's
         secrets sealed under its key as an argument of the script's runner; as it is without secrets."""
         if not self.secret_values:
             return prepared
@@ -308,12 +308,12 @@ class JobFile:
         return prepared.with_kwargs(sealed_secrets=seal(prepared.key, self.secret_values))
 
     def build(self, callbacks=None):
-        """The :class:`~sparkgpu.decorator.DistributedFunction` that runs this job.
+        """The :class:`~sparkgpu.api.decorator.DistributedFunction` that runs this job.
 
         Raises:
             ConfigurationError: a field is invalid; the message names the job file.
         """
-        from sparkgpu.decorator import distributed
+        from sparkgpu.api.decorator import distributed
 
         options = dict(self.options)  # what the file and command line gave; distributed() has the defaults
         options.setdefault("name", Path(self.script).stem)

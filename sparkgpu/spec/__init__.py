@@ -14,11 +14,11 @@ import re
 import secrets
 from typing import Any, Callable
 
-from sparkgpu.catalog import AcceleratorShape, lookup_accelerator_type, lookup_gpu_type
+from sparkgpu.spec.catalog import AcceleratorShape, lookup_accelerator_type, lookup_gpu_type
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.failure_class import parse_failure_classes
-from sparkgpu.priority import Priority
-from sparkgpu.units import parse_duration
+from sparkgpu.spec.priority import Priority
+from sparkgpu.spec.units import parse_duration
 
 __all__ = [
     "Resources",
@@ -237,7 +237,7 @@ class RunPolicy:
         max_restarts: Attempts restarted after a failure before the failure is raised.
         shutdown_grace: Seconds ranks get to exit after SIGTERM before SIGKILL.
         init_timeout: Seconds the process group waits for all ranks to join.
-        priority: The job's :class:`~sparkgpu.priority.Priority` class: its place among jobs
+        priority: The job's :class:`~sparkgpu.spec.priority.Priority` class: its place among jobs
             waiting for GPUs, and whether a ``critical`` job may preempt it.
         capacity_wait: Seconds a remote attempt may wait for its GPUs (at submit, after a lost
             node, after giving way) before the job fails; ``None``: its ``max_runtime``, else

@@ -22,7 +22,7 @@ import sys
 import threading
 from typing import Any, Callable
 
-from sparkgpu._report import report
+from sparkgpu._util.report import report
 from sparkgpu.errors import ConfigurationError
 
 __all__ = ["GPUNamespace", "attach"]
@@ -100,7 +100,7 @@ class GPUNamespace:
 
     def distributed(self, fn: Callable | None = None, **options):
         """``@spark.gpu.distributed(gpus=..., gpu_type=...)``: :func:`sparkgpu.distributed` on this session."""
-        from sparkgpu.decorator import distributed
+        from sparkgpu.api.decorator import distributed
 
         if "backend" in options:
             raise ConfigurationError("spark.gpu.distributed runs on this session's Spark backend; drop backend=")
@@ -165,7 +165,7 @@ class GPUNamespace:
             SerializationError: ``fn`` or an argument cannot be sent to the executors.
             WorkerFailedError: a rank failed; names it, with its remote traceback.
         """
-        from sparkgpu.decorator import distributed
+        from sparkgpu.api.decorator import distributed
 
         if "backend" in distributed_options or "remote" in distributed_options:
             raise ConfigurationError(

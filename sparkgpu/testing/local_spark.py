@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sparkgpu._java import java_home
+from sparkgpu._util.java import java_home
 from sparkgpu.config import settings
 
 __all__ = ["local_session", "workers_run_this_environment"]

@@ -29,7 +29,7 @@ import dataclasses
 from pathlib import Path
 from typing import Sequence
 
-from sparkgpu.catalog import lookup_gpu_type
+from sparkgpu.spec.catalog import lookup_gpu_type
 from sparkgpu.errors import CapacityError, ConfigurationError
 from sparkgpu.spec import Resources
 
@@ -107,7 +107,7 @@ def load_pools(path: str | Path) -> list[Pool]:
         ConfigurationError: the file is missing, does not parse, or a pool is invalid; the
             message names the file, the line and the field, and what a valid one looks like.
     """
-    from sparkgpu._documents import parse_document
+    from sparkgpu._util.documents import parse_document
 
     path = Path(path)
     try:
