@@ -19,7 +19,9 @@ _ROLE = re.compile(r":(?:class|func|meth|data|mod|attr|exc|obj):`~?([^`<>]+?)`")
 
 
 def _modules() -> list[str]:
-    return sorted(info.name for info in pkgutil.walk_packages(sparkgpu.__path__, "sparkgpu."))
+    """Every module of the package but ``__main__`` ones: those are scripts, which importing runs."""
+    found = (info.name for info in pkgutil.walk_packages(sparkgpu.__path__, "sparkgpu."))
+    return sorted(name for name in found if not name.endswith(".__main__"))
 
 
 def _lookup(start: object, parts: list[str]) -> bool:
