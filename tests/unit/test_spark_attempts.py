@@ -22,7 +22,7 @@ from sparkgpu.launch.backends.spark.executor.node import NodeLaunch, NodeLink, N
 from sparkgpu.launch.rundir.serialization import serialize_payload
 from sparkgpu.launch.rundir.directory import RunDir
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
-from tests.fakes.spark_session import TaggedSession
+from tests.fakes.spark_session import BlockingFrame, TaggedSession
 
 
 class BrokenStream:
@@ -298,8 +298,6 @@ class SlowProbeSession(TaggedSession):
         return self
 
     def mapInArrow(self, fn, schema):
-        from tests.fakes.spark_session import BlockingFrame
-
         self.probes += 1
         rows = [
             types.SimpleNamespace(executor=str(i), host="127.0.0.1", cores=1, gpu_addresses="", gpu_names="")

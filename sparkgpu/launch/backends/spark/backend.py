@@ -647,10 +647,10 @@ class SparkBackend(Backend, Preemptible, ElasticCapacity, DeferredStart, Reattac
         about a second apart, until their slots suffice.
         """
         placement = handle.placement
+        probe_timeout = max(self.wait_timeout, _SLOT_PROBE_SECONDS)
 
         def slots() -> int:
             try:
-                probe_timeout = max(self.wait_timeout, _SLOT_PROBE_SECONDS)
                 return self.capacity(refresh=True, probe_timeout=probe_timeout).node_slots(placement.gpus_per_node)
             except CapacityError:  # no executor answered: none is left until the replacement comes
                 return 0
