@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from sparkgpu import data
 from sparkgpu.data.tables.plan import TableRef
 from sparkgpu.data.tables.resolve import ResolvedSource, SourceKind, resolve_source
 from sparkgpu.errors import ConfigurationError, DataError
@@ -145,3 +146,12 @@ def test_bad_sources_and_time_travel_fail_naming_the_fix(parquet):
         resolve_source(spark_frame(parquet_scan(parquet)), timestamp="2026-01-01")
     with pytest.raises(ConfigurationError, match="only Delta tables have versions"):
         resolve_source(pa.table({"id": [1]}), version=1)
+
+
+def test_conversion_and_table_reader_take_a_resolved_source(delta, tmp_path):
+    resolved = resolve_source(delta, version=0)
+    result = data.to_mds(resolved, str(tmp_path / "out"), progress=False)
+    assert result.samples == 2 and result.source["version"] == 0
+    assert data.data_fingerprint(resolved) == data.data_fingerprint(delta, version=0)
+    with pytest.raises(ConfigurationError, match="not a table's files"):
+        data.table_dataset(pa.table({"id": [1]}), batch_size=8, rank=0, world_size=1)
