@@ -6,6 +6,7 @@ Spark Connect would send (the resolver reads that plan on the client, with no se
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import pandas as pd
@@ -13,10 +14,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import sparkgpu
 from sparkgpu import data
 from sparkgpu.data.tables.plan import TableRef
 from sparkgpu.data.tables.resolve import ResolvedSource, SourceKind, resolve_source
 from sparkgpu.errors import ConfigurationError, DataError
+
+PACKAGE = Path(sparkgpu.__file__).resolve().parent
 
 
 class _Plan:
@@ -155,3 +159,58 @@ def test_conversion_and_table_reader_take_a_resolved_source(delta, tmp_path):
     assert data.data_fingerprint(resolved) == data.data_fingerprint(delta, version=0)
     with pytest.raises(ConfigurationError, match="not a table's files"):
         data.table_dataset(pa.table({"id": [1]}), batch_size=8, rank=0, world_size=1)
+
+
+# Where a source's kind may be told: the resolver alone. Kind checks are its predicates and
+# isinstance tests against the types a source can have.
+KIND_PREDICATES = {
+    "is_spark_dataframe",
+    "is_delta_table",
+    "is_delta_table_object",
+    "_is_delta_table_object",
+    "table_ref_of",
+}
+SOURCE_TYPES = {"DeltaTable", "Table", "RecordBatch", "RecordBatchReader", "PathLike"}
+RESOLVER = "data/tables/resolve.py"
+# open_delta's own argument is a path or an opened deltalake table, as deltalake's is.
+ALLOWED = {("data/tables/delta.py", "DeltaTable")}
+
+
+def _name(node) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return None
+
+
+def kind_checks(path: Path) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if not isinstance(node, ast.Call):
+            continue
+        name = _name(node.func)
+        if name in KIND_PREDICATES:
+            found.append((node.lineno, name))
+        elif name == "isinstance" and len(node.args) == 2:
+            classes = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+            found += [(node.lineno, c) for c in map(_name, classes) if c in SOURCE_TYPES]
+    return found
+
+
+def test_only_the_resolver_tells_a_source_s_kind():
+    """The conversion path (convert/, tables/, the entry points, tokenize) and every other module
+    call no kind predicate; those on the conversion path test no source type either."""
+    on_path = ("data/convert/", "data/tables/", "api/", "data/text/tokenize.py")
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE).as_posix()
+        if relative == RESOLVER:
+            continue
+        for line, check in kind_checks(path):
+            if (relative, check) in ALLOWED:
+                continue
+            if check in KIND_PREDICATES or relative.startswith(on_path):
+                offenders.append(f"{relative}:{line} {check}")
+    assert offenders == [], offenders
+    assert kind_checks(PACKAGE / RESOLVER)  # the check sees the resolver's own
