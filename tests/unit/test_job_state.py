@@ -1,13 +1,14 @@
 """The job's state file: its one owner (JobBook), its transition tables, and the supervisor's step table."""
 
+import itertools
 import json
 
 import pytest
 
 from sparkgpu.launch.client.attempt_result import StoppedBy
-from sparkgpu.launch.client.job_state import ATTEMPT_TRANSITIONS, JOB_TRANSITIONS, IllegalTransition, JobBook
+from sparkgpu.launch.client.job_state import IllegalTransition, JobBook
 from sparkgpu.launch.client.supervisor import JobStep, next_step
-from sparkgpu.protocol import AttemptStatus, JobStatus
+from sparkgpu.protocol import ATTEMPT_TRANSITIONS, JOB_TRANSITIONS, AttemptStatus, JobStatus
 
 
 @pytest.fixture
@@ -26,6 +27,21 @@ def test_every_status_has_its_row_and_only_succeeded_is_final():
     for status in JobStatus:
         if status.is_terminal and status is not JobStatus.SUCCEEDED:
             assert JobStatus.RUNNING in JOB_TRANSITIONS[status]  # `sparkgpu resume` continues it
+
+
+def test_the_table_draws_every_legal_step_and_refuses_the_rest(book):
+    S = JobStatus
+    assert JOB_TRANSITIONS[S.PENDING] == {S.RUNNING, S.FAILED, S.CANCELLED}  # it may end before its first attempt
+    assert JOB_TRANSITIONS[S.RUNNING] == set(S) - {S.PENDING}
+    for source, target in itertools.product(JobStatus, JobStatus):
+        fresh = JobBook(book.path, {**JobBook.new(book.path, "job-1", "fake").state, "status": source.value})
+        if target in JOB_TRANSITIONS[source]:
+            fresh.set_status(target)
+            assert on_disk(fresh)["status"] == target.value
+        else:
+            with pytest.raises(IllegalTransition, match=f"job job-1 cannot go from {source} to {target}"):
+                fresh.set_status(target)
+    assert all(JobStatus.PENDING not in to for to in JOB_TRANSITIONS.values())  # nothing goes back to staged
 
 
 def test_an_illegal_job_transition_is_refused_before_anything_is_written(book):

@@ -1,17 +1,9 @@
 """The one owner of a job's ``state.json``: every change to it goes through :class:`JobBook`.
 
-The job's status changes only along :data:`JOB_TRANSITIONS` (an attempt's along
-:data:`ATTEMPT_TRANSITIONS`); any other change is a bug in sparkgpu and raises
-:class:`IllegalTransition` before anything is written. The states are
-:mod:`sparkgpu.protocol`'s; the file stays a plain JSON dict, rewritten atomically.
-
-Job statuses (``*`` any of FAILED, TIMED_OUT, CANCELLED, STOPPED: a job that ``sparkgpu
-resume`` may continue)::
-
-    PENDING   -> RUNNING | FAILED | CANCELLED          (it ended before its first attempt)
-    RUNNING   -> RUNNING (the next attempt) | SUCCEEDED | FAILED | TIMED_OUT | CANCELLED | STOPPED
-    *         -> RUNNING (resumed) | FAILED | CANCELLED (resumed, and ended before its attempt)
-    SUCCEEDED -> (final)
+The job's status changes only along :data:`~sparkgpu.protocol.JOB_TRANSITIONS` (an attempt's
+along :data:`~sparkgpu.protocol.ATTEMPT_TRANSITIONS`), the protocol's one drawing of them; any
+other change is a bug in sparkgpu and raises :class:`IllegalTransition` before anything is
+written. The file stays a plain JSON dict, rewritten atomically.
 """
 
 from __future__ import annotations
@@ -24,29 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from sparkgpu._util.files import atomic_write_bytes
-from sparkgpu.protocol import AttemptRecord, AttemptStatus, JobState, JobStatus
+from sparkgpu.protocol import ATTEMPT_TRANSITIONS, JOB_TRANSITIONS, AttemptRecord, AttemptStatus, JobState, JobStatus
 
-__all__ = ["JobBook", "IllegalTransition", "JOB_TRANSITIONS", "ATTEMPT_TRANSITIONS"]
-
-_S = JobStatus
-_RESUMABLE = frozenset({_S.RUNNING, _S.FAILED, _S.CANCELLED})
-
-#: The job's status -> the statuses it may change to.
-JOB_TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
-    _S.PENDING: frozenset({_S.RUNNING, _S.FAILED, _S.CANCELLED}),
-    _S.RUNNING: frozenset({_S.RUNNING, _S.SUCCEEDED, _S.FAILED, _S.TIMED_OUT, _S.CANCELLED, _S.STOPPED}),
-    _S.FAILED: _RESUMABLE,
-    _S.TIMED_OUT: _RESUMABLE,
-    _S.CANCELLED: _RESUMABLE,
-    _S.STOPPED: _RESUMABLE,
-    _S.SUCCEEDED: frozenset(),
-}
-
-#: An attempt's status -> the statuses it may change to: a running attempt ends once, in any way.
-ATTEMPT_TRANSITIONS: dict[AttemptStatus, frozenset[AttemptStatus]] = {
-    status: frozenset(AttemptStatus) - {AttemptStatus.RUNNING} if status is AttemptStatus.RUNNING else frozenset()
-    for status in AttemptStatus
-}
+__all__ = ["JobBook", "IllegalTransition"]
 
 
 class IllegalTransition(RuntimeError):
@@ -105,7 +77,7 @@ class JobBook:
         """Moves the job to ``status`` and writes it.
 
         Raises:
-            IllegalTransition: :data:`JOB_TRANSITIONS` does not allow it.
+            IllegalTransition: :data:`~sparkgpu.protocol.JOB_TRANSITIONS` does not allow it.
         """
         if status not in JOB_TRANSITIONS[self.status]:
             raise IllegalTransition(f"job {self.state['job_id']} cannot go from {self.status} to {status}")

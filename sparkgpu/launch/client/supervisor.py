@@ -1,10 +1,7 @@
 """The client-side supervisor: a job's attempts as explicit states, their transitions in one table.
 
-The job's status (``state.json``, written only by :class:`~sparkgpu.launch.client.job_state.JobBook`,
-whose table says which changes are legal)::
-
-    PENDING --GPUs granted (the queue)--> RUNNING (attempt k) --next_step--> RUNNING (attempt k+1)
-                                                                         \\-> SUCCEEDED | STOPPED | FAILED | TIMED_OUT
+The job's status (``state.json``, written only by :class:`~sparkgpu.launch.client.job_state.JobBook`)
+changes only along :data:`~sparkgpu.protocol.JOB_TRANSITIONS`.
 
 How attempt k ended -> the job's next step (:func:`next_step`)::
 
