@@ -3,7 +3,9 @@
 The job's status changes only along :data:`~sparkgpu.protocol.JOB_TRANSITIONS` (an attempt's
 along :data:`~sparkgpu.protocol.ATTEMPT_TRANSITIONS`), the protocol's one drawing of them; any
 other change is a bug in sparkgpu and raises :class:`IllegalTransition` before anything is
-written. The file stays a plain JSON dict, rewritten atomically.
+written. Only the supervisor (:mod:`~sparkgpu.launch.client.supervisor`) moves the job's status
+(:meth:`JobBook.set_status`); the book's other methods never do. The file stays a plain JSON
+dict, rewritten atomically.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class JobBook:
         atomic_write_bytes(self.path, json.dumps(self.state, indent=2).encode())
 
     def set_status(self, status: JobStatus) -> None:
-        """Moves the job to ``status`` and writes it.
+        """Moves the job to ``status`` and writes it: the supervisor's, and the only writer of the status.
 
         Raises:
             IllegalTransition: :data:`~sparkgpu.protocol.JOB_TRANSITIONS` does not allow it.
@@ -128,7 +130,8 @@ class JobBook:
 
     # -- its attempts ----------------------------------------------------------------------
     def begin_attempt(self, attempt: int, submitted: float, gpus: int) -> AttemptRecord:
-        """Adds a ``RUNNING`` attempt submitted at ``submitted`` on ``gpus`` GPUs; the job is ``RUNNING``."""
+        """Adds a ``RUNNING`` attempt submitted at ``submitted`` on ``gpus`` GPUs, in memory: it is
+        written with the job's ``RUNNING``, which the supervisor sets next."""
         # started_at: when the ranks started, the start of the billed time and of the cap.
         record: AttemptRecord = {
             "attempt": attempt,
@@ -139,7 +142,6 @@ class JobBook:
             "gpus": gpus,
         }
         self.state["attempts"].append(record)
-        self.set_status(JobStatus.RUNNING)
         return record
 
     def ranks_started(self, record: AttemptRecord, started_at: float) -> None:
@@ -194,8 +196,9 @@ class JobBook:
         self.state.pop("stop_reason", None)
         return lost
 
-    def cancel_abandoned(self) -> None:
-        """Ends cancelled a job whose client died and whose cancel was asked for, without running it again."""
+    def cancel_running_attempts(self) -> None:
+        """Ends ``CANCELLED`` the attempts that a client which died left ``RUNNING``, in memory: the
+        supervisor's end of the abandoned job (``CANCELLED``) writes them."""
         now = time.time()
         for record in self.state.get("attempts") or ():
             if record.get("status") == AttemptStatus.RUNNING:
@@ -203,5 +206,3 @@ class JobBook:
                 record["status"], record["ended_at"] = AttemptStatus.CANCELLED.value, now
                 if record.get("started_at") is None:
                     record["started_at"] = now
-        self.set_status(JobStatus.CANCELLED)
-        self.finish()

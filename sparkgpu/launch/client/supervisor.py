@@ -1,7 +1,11 @@
-"""The client-side supervisor: a job's attempts as explicit states, their transitions in one table.
+"""The client-side supervisor: a job's attempts as explicit states, the steps between them in one table.
 
-The job's status (``state.json``, written only by :class:`~sparkgpu.launch.client.job_state.JobBook`)
-changes only along :data:`~sparkgpu.protocol.JOB_TRANSITIONS`.
+The supervisor is the one writer of the job's status (``state.json``'s, through
+:meth:`~sparkgpu.launch.client.job_state.JobBook.set_status`): the attempt runner, the
+failure policy and the monitors return what happened or what to do as data, and the
+supervisor applies it; the jobs that no supervisor runs end through this module too
+(:func:`fail_unsupervisable`, :func:`cancel_abandoned`). Which changes are legal is
+:data:`~sparkgpu.protocol.JOB_TRANSITIONS`.
 
 How attempt k ended -> the job's next step (:func:`next_step`)::
 
@@ -17,8 +21,8 @@ Only RESTART_OR_FAIL uses up a restart; the
 restart can help (a failure after the function returned, the same error at the same place again). Each attempt runs in an
 :class:`~sparkgpu.launch.client.attempt_runner.AttemptRunner`: while it runs, its monitors
 (:mod:`~sparkgpu.launch.client.monitors`) decide what happens to it; they may end the job
-``CANCELLED`` or ``TIMED_OUT`` at once (Ctrl-C ends it ``CANCELLED``, any other error
-``FAILED``). An attempt stopped at the runtime cap counts as preempted only when its ranks
+``CANCELLED`` or ``TIMED_OUT`` at once (the attempt's ``ended_job``; Ctrl-C ends it
+``CANCELLED``, any other error ``FAILED``). An attempt stopped at the runtime cap counts as preempted only when its ranks
 stopped for a restart or it committed a new checkpoint; otherwise it failed, so a function
 that never checkpoints cannot resume forever.
 
@@ -59,7 +63,17 @@ from sparkgpu.launch.client.supervision_lock import SupervisionLock
 from sparkgpu.launch.rundir.layout import RunLayout
 from sparkgpu.spec import JobSpec
 
-__all__ = ["Supervisor", "JobStatus", "Decision", "FailurePolicy", "CANCEL_REQUEST_FILE", "JobStep", "next_step"]
+__all__ = [
+    "Supervisor",
+    "JobStatus",
+    "Decision",
+    "FailurePolicy",
+    "CANCEL_REQUEST_FILE",
+    "JobStep",
+    "next_step",
+    "fail_unsupervisable",
+    "cancel_abandoned",
+]
 
 #: In the run dir: asks whichever process supervises the job to cancel it (its text says who asked).
 CANCEL_REQUEST_FILE = RunLayout.CANCEL_REQUEST
@@ -221,8 +235,14 @@ class Supervisor:
         failed_before = [RankFailure(**f) for f in book.state.get("failed_before", ())]
         try:
             while True:
-                attempt = attempts.run(len(book.state["attempts"]), gpus, job_started, early)
+                attempt = attempts.begin(len(book.state["attempts"]), gpus)
+                book.set_status(JobStatus.RUNNING)
+                attempt = attempts.run(attempt, job_started, early)
                 early, gpus = None, self.job.resources.gpus
+                if attempt.ended_job is not None:  # a monitor ended the job: cancelled, timed out
+                    book.set_status(attempt.ended_job.job_status)
+                    error = attempt.ended_job.error
+                    raise error
                 outcome = attempt.outcome
                 assert outcome is not None  # set by AttemptRunner.run whenever it returns
                 step = next_step(outcome.status, attempt.asked, policy_stopped=bool(book.stop_reason))
@@ -343,6 +363,21 @@ class Supervisor:
 
     def _cancel_requested(self) -> bool:
         return self.cancel_event.is_set() or self.run_dir.read_control(self.run_dir.cancel_request_file) is not None
+
+
+def fail_unsupervisable(book: JobBook, cause: str) -> None:
+    """Ends ``FAILED``, with ``cause``, a job that no supervisor can take over (unless it ended)."""
+    if not book.status.is_terminal:
+        book.state["cause"] = cause
+        book.set_status(JobStatus.FAILED)
+        book.finish()
+
+
+def cancel_abandoned(book: JobBook) -> None:
+    """Ends ``CANCELLED`` a job whose client died and whose cancel was asked for, without running it again."""
+    book.cancel_running_attempts()
+    book.set_status(JobStatus.CANCELLED)
+    book.finish()
 
 
 def _failure_record(failure: RankFailure) -> dict:
