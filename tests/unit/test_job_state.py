@@ -139,7 +139,7 @@ def test_waiting_after_giving_way_is_recorded_and_cleared(book):
 
 
 @pytest.mark.parametrize(
-    "status, asked, policy_stopped, step",
+    "status, asked, usage_stopped, step",
     [
         (AttemptStatus.SUCCEEDED, None, False, JobStep.FINISH),
         (AttemptStatus.SUCCEEDED, StoppedBy.POLICY, True, JobStep.FINISH),
@@ -154,5 +154,5 @@ def test_waiting_after_giving_way_is_recorded_and_cleared(book):
         (AttemptStatus.FAILED, None, False, JobStep.RESTART_OR_FAIL),
     ],
 )
-def test_how_an_attempt_ended_decides_the_jobs_next_step(status, asked, policy_stopped, step):
-    assert next_step(status, asked, policy_stopped) is step
+def test_how_an_attempt_ended_decides_the_jobs_next_step(status, asked, usage_stopped, step):
+    assert next_step(status, asked, usage_stopped) is step

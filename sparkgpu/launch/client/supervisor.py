@@ -99,14 +99,14 @@ _NEXT_STEP: dict[AttemptStatus, JobStep] = {
 }
 
 
-def next_step(status: AttemptStatus, asked: StoppedBy | None, policy_stopped: bool) -> JobStep:
+def next_step(status: AttemptStatus, asked: StoppedBy | None, usage_stopped: bool) -> JobStep:
     """The job's next step after an attempt ended ``status``, ``asked`` to stop that way (or not).
 
-    A policy stop ends the job however the attempt ended: a restart would keep spending what
-    the policy said is spent.
+    A usage policy's stop (``usage_stopped``) ends the job however the attempt ended: a restart
+    would keep spending what the usage policy said is spent.
     """
     step = _NEXT_STEP[status]
-    if step is not JobStep.FINISH and policy_stopped:
+    if step is not JobStep.FINISH and usage_stopped:
         return JobStep.STOP
     if step is JobStep.RESUME and asked is StoppedBy.PRIORITY:
         return JobStep.WAIT_FOR_GPUS
@@ -147,7 +147,9 @@ class Supervisor:
         self.run_dir.key = key  # the backends hand it to the job's processes (sparkgpu.launch.rundir.keys)
         self.callbacks = list(callbacks)
         self.out = out if out is not None else console()
-        self.policy = self.failure_policy_cls(job.policy.max_restarts, job.policy.restart_on)
+        #: Whether a failed attempt is restarted: the failure policy (``job.policy`` is the job's
+        #: RunPolicy; a usage policy's stop is the book's ``stop_reason``).
+        self.failure_policy = self.failure_policy_cls(job.policy.max_restarts, job.policy.restart_on)
         #: Set (from any thread) to cancel the job; a CANCEL_REQUEST_FILE does the same from another process.
         self.cancel_event = threading.Event()
         #: When and how an elastic job changes size (``min_gpus=``); ``None`` for a fixed one, and
@@ -183,7 +185,7 @@ class Supervisor:
             JobStateError: another process supervises the job (its supervision lock is held).
             WorkerFailedError: ranks failed and no restart is left; derived from their exception
                 type too when they all raised the same one (:func:`~sparkgpu.errors.worker_failed_error`).
-            JobTimeoutError: the job ran past ``policy.timeout``.
+            JobTimeoutError: the job ran past ``job.policy.timeout``.
             KeyboardInterrupt: the caller pressed Ctrl-C; every rank was stopped first.
             Exception: whatever the backend raised while the attempt ran (e.g. ``CapacityError``
                 when Spark's GPUs stayed busy); the attempt was stopped and ended as failed first.
@@ -245,7 +247,7 @@ class Supervisor:
                     raise error
                 outcome = attempt.outcome
                 assert outcome is not None  # set by AttemptRunner.run whenever it returns
-                step = next_step(outcome.status, attempt.asked, policy_stopped=bool(book.stop_reason))
+                step = next_step(outcome.status, attempt.asked, usage_stopped=bool(book.stop_reason))
                 if step is JobStep.FINISH:
                     book.set_status(JobStatus.SUCCEEDED)
                     results = outcome.results
@@ -263,7 +265,7 @@ class Supervisor:
                     if step is JobStep.WAIT_FOR_GPUS:
                         self._wait_after_giving_way(attempt.why, job_started)
                 elif (
-                    self.policy.decide(
+                    self.failure_policy.decide(
                         book.state["restarts"], outcome.exceptions, outcome.failures, failed_before, outcome.lost
                     )
                     is Decision.RESTART
@@ -278,7 +280,7 @@ class Supervisor:
                     )
                 else:
                     self._classify(attempt)
-                    permanent = self.policy.unrestartable(
+                    permanent = self.failure_policy.unrestartable(
                         outcome.exceptions, outcome.failures, failed_before, outcome.lost
                     )
                     if permanent is not None and book.state["restarts"] < self.job.policy.max_restarts:
