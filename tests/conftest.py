@@ -189,6 +189,31 @@ def _process_state() -> dict:
 _STATE_BEFORE = pytest.StashKey[dict]()
 
 
+def pytest_configure(config):
+    """With ``SPARKGPU_TEST_TIMELINE`` set, every test's wall and CPU time is recorded (tests/timeline.py)."""
+    from tests.timeline import VARIABLE, Recorder
+
+    if os.environ.get(VARIABLE):
+        config.pluginmanager.register(_Timeline(Recorder(os.environ[VARIABLE])), "sparkgpu-timeline")
+
+
+class _Timeline:
+    def __init__(self, recorder) -> None:
+        self.recorder = recorder
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        import time
+
+        from tests.timeline import _cpu
+
+        started, before = time.time(), _cpu()
+        try:
+            return (yield)
+        finally:
+            self.recorder.record(item.nodeid, started, before)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     item.stash[_STATE_BEFORE] = _process_state()
