@@ -16,6 +16,7 @@ from sparkgpu.data.augment.columns import ColumnCrops
 from sparkgpu.data.storage.cache import ShardCache
 from sparkgpu.data.mds.decode import BatchDecoder
 from sparkgpu.data.mds.features import FeatureGather
+from sparkgpu.data.loaders._base import worker_batches
 from sparkgpu.data.loaders.order import EpochPlan, epoch_order, locate
 from sparkgpu.data.mds.reader import ShardReader
 from sparkgpu.data.transforms import BatchTransforms
@@ -245,8 +246,6 @@ class WorkerBatches(torch.utils.data.IterableDataset):
         self._order = (None, None)
 
     def __iter__(self):
-        info = torch.utils.data.get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         s = self.spec
         epoch, start = int(self.position[0]), int(self.position[1])
         if self._order[0] != epoch:
@@ -270,7 +269,7 @@ class WorkerBatches(torch.utils.data.IterableDataset):
         )
         if self._producer is None:
             self._producer = Producer(s, pinned=False)  # the DataLoader pins in the main process
-        yield from self._producer.run(plan, range(worker, plan.num_batches, workers), raw_rows=True, epoch=epoch)
+        yield from self._producer.run(plan, worker_batches(plan.num_batches), raw_rows=True, epoch=epoch)
 
 
 def in_background(batches, depth: int):

@@ -37,15 +37,8 @@ import torch
 from sparkgpu.spec.units import parse_size
 from sparkgpu.data.augment.columns import check_decode, check_decode_columns, check_decode_device
 from sparkgpu.data.storage.cache import open_cache_entry
-from sparkgpu.data.loaders.order import (
-    DEFAULT_BLOCK_SIZE,
-    EpochOrders,
-    EpochPlan,
-    PlannedEpochs,
-    check_int,
-    located_order,
-    restore_position,
-)
+from sparkgpu.data.loaders._base import ReadOptions, Resumable, StateLayout, job_rank
+from sparkgpu.data.loaders.order import DEFAULT_BLOCK_SIZE, EpochOrders, EpochPlan, check_int, located_order
 from sparkgpu.data.loaders._pipeline import Producer, WorkerBatches, in_background, prefetch_to_device
 from sparkgpu.data.mds.decode import BatchDecoder
 from sparkgpu.data.mds.features import resolve_features
@@ -57,27 +50,23 @@ from sparkgpu.errors import ConfigurationError, DataError
 
 __all__ = ["open_mds", "MDSLoader"]
 
-_STATE_VERSION = 1
+# The loader's attributes that say where its shards are and how the cache fetches them, and the
+# ones that say which batches are made and how.
+_SOURCE = ("index", "directory", "volume_url", "storage_options", "cache_limit", "download_threads")
+_PRODUCER = (
+    *("shuffle", "seed", "shuffle_block_size", "rank", "world_size", "batch_size", "drop_last"),
+    *("transform", "batch_transform", "features", "decode"),
+)
 
 
 def open_mds(
-    remote: str | None = None,
-    local: str | os.PathLike | None = None,
+    remote: str | None,
+    local: str | os.PathLike | None,
+    options: ReadOptions,
     *,
-    batch_size: int,
-    shuffle: bool = False,
-    seed: int = 0,
-    shuffle_block_size: int | None = None,
-    drop_last: bool = False,
-    num_workers: int = 0,
     prefetch_batches: int = 0,
     pin_memory: bool = False,
     device=None,
-    cache_limit: int | str | None = None,
-    download_threads: int = 8,
-    rank: int | None = None,
-    world_size: int | None = None,
-    storage_options: dict | None = None,
     allow_unsafe_types: bool = False,
     transform=None,
     batch_transform=None,
@@ -87,22 +76,20 @@ def open_mds(
 ) -> "MDSLoader":
     """Opens one MDS dataset: :func:`sparkgpu.data.dataset` without ``streams``.
 
-    The arguments, the checks and the errors are :func:`~sparkgpu.data.loaders.dataset.dataset`'s;
-    mixtures open each of their streams through here.
+    The arguments (``options``: the shared ones), the checks and the errors are
+    :func:`~sparkgpu.data.loaders.dataset.dataset`'s; mixtures open each of their streams
+    through here.
     """
-    from sparkgpu import runtime
     from sparkgpu.config import settings
 
-    rank = runtime.get_global_rank() if rank is None else rank
-    world_size = runtime.get_world_size() if world_size is None else world_size
-    check_int("batch_size", batch_size, 1)
-    check_int("seed", seed, 0)
-    check_int("world_size", world_size, 1)
-    check_int("num_workers", num_workers, 0)
+    rank, world_size = job_rank(options.rank, options.world_size)
+    check_int("batch_size", options.batch_size, 1)
+    check_int("seed", options.seed, 0)
+    check_int("num_workers", options.num_workers, 0)
     check_int("prefetch_batches", prefetch_batches, 0)
-    check_int("download_threads", download_threads, 1)
-    if shuffle_block_size is not None:
-        check_int("shuffle_block_size", shuffle_block_size, 1)
+    check_int("download_threads", options.download_threads, 1)
+    if options.shuffle_block_size is not None:
+        check_int("shuffle_block_size", options.shuffle_block_size, 1)
     check_transform("transform", transform)
     check_transform("batch_transform", batch_transform)
     decode = check_decode(decode)
@@ -121,13 +108,12 @@ def open_mds(
             "batches: drop features= (and target=) to read images with decode="
         )
     if decode is not None:
-        check_decode_device(decode, num_workers, _cuda_available())
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ConfigurationError(f"rank={rank!r} must be an integer in [0, world_size={world_size})")
+        check_decode_device(decode, options.num_workers, _cuda_available())
     if remote is None and local is None:
         raise ConfigurationError(
             "pass remote= (the dataset's volume URL), local= (a folder holding the shards), or both"
         )
+    cache_limit, storage_options = options.cache_limit, options.storage_options
     if cache_limit is None and remote is not None:
         cache_limit = settings().cache_limit_bytes
     limit = parse_size(cache_limit, "cache_limit") if cache_limit is not None else None
@@ -173,17 +159,17 @@ def open_mds(
         directory=directory,
         volume_url=volume.url if volume else None,
         storage_options=storage_options,
-        batch_size=batch_size,
-        shuffle=shuffle,
-        seed=seed,
-        shuffle_block_size=shuffle_block_size or DEFAULT_BLOCK_SIZE,
-        drop_last=drop_last,
-        num_workers=num_workers,
+        batch_size=options.batch_size,
+        shuffle=options.shuffle,
+        seed=options.seed,
+        shuffle_block_size=options.shuffle_block_size or DEFAULT_BLOCK_SIZE,
+        drop_last=options.drop_last,
+        num_workers=options.num_workers,
         prefetch_batches=prefetch_batches,
         pin_memory=pin_memory,
         device=device,
         cache_limit=limit,
-        download_threads=download_threads,
+        download_threads=options.download_threads,
         rank=rank,
         world_size=world_size,
         transform=transform,
@@ -193,7 +179,7 @@ def open_mds(
     )
 
 
-class MDSLoader(PlannedEpochs):
+class MDSLoader(Resumable):
     """An epoch-by-epoch iterable of batches with an exact, JSON-able position.
 
     Built by :func:`sparkgpu.data.dataset` (through :func:`open_mds`). Iterating yields the rest of the current epoch (all of it, unless
@@ -270,18 +256,7 @@ class MDSLoader(PlannedEpochs):
 
         Ranks step in lockstep, so every rank's state is the same; saving rank 0's is enough.
         """
-        return {
-            "version": _STATE_VERSION,
-            "epoch": self.epoch,
-            "samples_consumed": self._consumed,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "shuffle_block_size": self.shuffle_block_size,
-            "world_size": self.world_size,
-            "batch_size": self.batch_size,
-            "num_samples": self.num_samples,
-            "dataset": self.index.fingerprint,
-        }
+        return self._saved_state()
 
     def load_state_dict(self, state: dict) -> None:
         """Continues from a saved position: the next iteration yields the rest of that epoch.
@@ -293,19 +268,18 @@ class MDSLoader(PlannedEpochs):
         Raises:
             ConfigurationError: The state comes from another dataset or shuffle.
         """
-        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
-            raise ConfigurationError(
-                f"not a loader state (expected a dict from MDSLoader.state_dict(), got {state!r:.200})"
-            )
-        self.epoch, self._consumed = restore_position(
-            state,
-            self.state_dict(),
-            keys=("seed", "shuffle", "shuffle_block_size", "num_samples", "dataset"),
-            total=self.num_samples,
-            unit=f"dataset of {self.num_samples} samples",
-            what="loader",
-            fix="open the dataset with the same {key} to resume, or start a fresh epoch with set_epoch()",
-        )
+        self.epoch, self._consumed = self._restored_position(state)
+
+    _layout = StateLayout(
+        fields=("seed", "shuffle", "shuffle_block_size", "world_size", "batch_size", "num_samples"),
+        checked=("seed", "shuffle", "shuffle_block_size", "num_samples", "dataset"),
+    )
+
+    def _state_identity(self) -> dict:
+        return {"dataset": self.index.fingerprint}
+
+    def _state_extent(self, state: dict) -> tuple[int, str]:
+        return self.num_samples, f"dataset of {self.num_samples} samples"
 
     # Iteration.
 
@@ -402,26 +376,13 @@ class MDSLoader(PlannedEpochs):
         self._worker_position[0], self._worker_position[1] = self.epoch, start
         return iter(self._workers)
 
+    def _source_spec(self) -> dict:
+        """Where the shards are and how the cache fetches them: what a loader reading them needs."""
+        return {name: getattr(self, name) for name in _SOURCE}
+
     def _producer_spec(self) -> dict:
-        return {
-            "index": self.index,
-            "directory": self.directory,
-            "volume_url": self.volume_url,
-            "storage_options": self.storage_options,
-            "cache_limit": self.cache_limit,
-            "download_threads": self.download_threads,
-            "shuffle": self.shuffle,
-            "seed": self.seed,
-            "shuffle_block_size": self.shuffle_block_size,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "batch_size": self.batch_size,
-            "drop_last": self.drop_last,
-            "transform": self.transform,
-            "batch_transform": self.batch_transform,
-            "features": self.features,
-            "decode": self.decode,
-        }
+        """What decodes this loader's batches (:class:`~sparkgpu.data.loaders._pipeline.Producer`), here or in a worker."""
+        return {name: getattr(self, name) for name in (*_SOURCE, *_PRODUCER)}
 
 
 def _cuda_available() -> bool:

@@ -52,14 +52,14 @@ from sparkgpu.data.storage.cache import ShardCache
 from sparkgpu.data.mds.decode import BatchDecoder
 from sparkgpu.data.loaders.metrics import LoaderMetrics
 from sparkgpu.data.loaders.mds_loader import open_mds
-from sparkgpu.data.loaders.order import EpochPlan, PlannedEpochs, check_int, epoch_order, restore_position
+from sparkgpu.data.loaders._base import ReadOptions, Resumable, StateLayout, worker_batches
+from sparkgpu.data.loaders.order import EpochPlan, check_int, epoch_order
 from sparkgpu.data.mds.reader import ShardReader
 from sparkgpu.data.storage.volume import Volume
 from sparkgpu.errors import ConfigurationError
 
 __all__ = ["Stream", "MixtureLoader", "samples_per_stream"]
 
-_STATE_VERSION = 1
 _MAX_OPEN_SHARDS = 32  # shards a local stream keeps mapped between batches
 
 
@@ -156,22 +156,12 @@ def samples_per_stream(streams, sizes, epoch_size: int | None, seed: int) -> np.
 
 def mixture_dataset(
     streams,
+    options: ReadOptions,
     *,
     local,
     epoch_size,
-    batch_size,
-    shuffle,
-    seed,
-    shuffle_block_size,
-    drop_last,
-    num_workers,
     prefetch_batches,
     device,
-    cache_limit,
-    download_threads,
-    rank,
-    world_size,
-    storage_options,
     allow_unsafe_types,
     **unsupported,
 ) -> "MixtureLoader":
@@ -180,10 +170,11 @@ def mixture_dataset(
         raise ConfigurationError(f"streams= takes a non-empty list of data.Stream, got {streams!r:.200}")
     if epoch_size is not None:
         check_int("epoch_size", epoch_size, 1)
-    check_int("num_workers", num_workers, 0)
+    check_int("num_workers", options.num_workers, 0)
     bad = sorted(k for k, v in unsupported.items() if v)
     if bad:
         raise ConfigurationError(f"{bad} are not supported with streams=; leave them out")
+    in_process = dataclasses.replace(options, num_workers=0)  # each stream's loader; the mixture has the workers
     opened = []
     for stream in streams:
         where = stream.local if stream.local is not None else (local if stream.remote is not None else None)
@@ -191,18 +182,9 @@ def mixture_dataset(
             open_mds(
                 stream.remote,
                 where,
-                batch_size=batch_size,
-                shuffle=shuffle,
-                seed=seed,
-                shuffle_block_size=shuffle_block_size,
-                drop_last=drop_last,
+                in_process,
                 prefetch_batches=prefetch_batches,
                 device=device,
-                cache_limit=cache_limit,
-                download_threads=download_threads,
-                rank=rank,
-                world_size=world_size,
-                storage_options=storage_options,
                 allow_unsafe_types=allow_unsafe_types,
             )
         )
@@ -214,8 +196,8 @@ def mixture_dataset(
                 f"{[(c.name, c.encoding) for c in first]}; mixed streams need the same columns and encodings: "
                 "convert them with the same schema"
             )
-    counts = samples_per_stream(streams, [o.num_samples for o in opened], epoch_size, seed)
-    return MixtureLoader(opened, counts, prefetch_batches=prefetch_batches, num_workers=num_workers)
+    counts = samples_per_stream(streams, [o.num_samples for o in opened], epoch_size, options.seed)
+    return MixtureLoader(opened, counts, prefetch_batches=prefetch_batches, num_workers=options.num_workers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,7 +282,7 @@ class _StreamReader:
         self.cache.close()
 
 
-class MixtureLoader(PlannedEpochs):
+class MixtureLoader(Resumable):
     """An epoch-by-epoch iterable of batches mixed from several streams, with an exact position.
 
     Built by :func:`sparkgpu.data.dataset` with ``streams=``.
@@ -333,16 +315,7 @@ class MixtureLoader(PlannedEpochs):
 
     def state_dict(self) -> dict:
         """The position after the last batch handed out, as plain JSON (the same on every rank)."""
-        return {
-            "version": _STATE_VERSION,
-            "epoch": self.epoch,
-            "samples_consumed": self._consumed,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "shuffle_block_size": self.shuffle_block_size,
-            "counts": self.counts.tolist(),
-            "datasets": [s.index.fingerprint for s in self.streams],
-        }
+        return self._saved_state()
 
     def load_state_dict(self, state: dict) -> None:
         """Continues from a saved position: the next iteration yields the rest of that epoch.
@@ -350,19 +323,22 @@ class MixtureLoader(PlannedEpochs):
         Raises:
             ConfigurationError: The state comes from other streams, weights or shuffle.
         """
-        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION or "counts" not in state:
-            raise ConfigurationError(
-                f"not a mixture state (expected a dict from MixtureLoader.state_dict(), got {state!r:.200})"
-            )
-        self.epoch, self._consumed = restore_position(
-            state,
-            self.state_dict(),
-            keys=("seed", "shuffle", "shuffle_block_size", "counts", "datasets"),
-            total=self.num_samples,
-            unit=f"epoch of {self.num_samples} samples",
-            what="mixture",
-            fix="open the same streams with the same weights, seed and shuffle to resume",
-        )
+        self.epoch, self._consumed = self._restored_position(state)
+
+    _layout = StateLayout(
+        fields=("seed", "shuffle", "shuffle_block_size"),
+        checked=("seed", "shuffle", "shuffle_block_size", "counts", "datasets"),
+        fix="open the same streams with the same weights, seed and shuffle to resume",
+        marks=("counts",),
+        name="a mixture",
+        what="mixture",
+    )
+
+    def _state_identity(self) -> dict:
+        return {"counts": self.counts.tolist(), "datasets": [s.index.fingerprint for s in self.streams]}
+
+    def _state_extent(self, state: dict) -> tuple[int, str]:
+        return self.num_samples, f"epoch of {self.num_samples} samples"
 
     def stats(self) -> dict:
         """This rank's loader figures so far, all streams' caches together."""
@@ -536,13 +512,11 @@ class _WorkerBatches(torch.utils.data.IterableDataset):
         self.mixture, self.position = mixture, position
 
     def __iter__(self):
-        info = torch.utils.data.get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         mixture = self.mixture
         plan = mixture._plan(int(self.position[0]), int(self.position[1]))
         if mixture._readers is None:
             mixture._readers = [_StreamReader(s, pinned=False) for s in mixture.streams]  # pinned by the DataLoader
-        yield from mixture._batches(plan, range(worker, plan.num_batches, workers))
+        yield from mixture._batches(plan, worker_batches(plan.num_batches))
 
 
 def _merge(parts: list, n: int) -> dict:
