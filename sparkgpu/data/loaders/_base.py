@@ -2,7 +2,8 @@
 a rank's batches over DataLoader workers.
 
 - :class:`ReadOptions`: the options every loader of MDS shards takes (``dataset``, mixtures,
-  ``token_dataset``, ``sft_dataset``), gathered once by the entry point and passed along whole;
+  ``token_dataset``, ``sft_dataset``), gathered once by the entry point and passed along whole,
+  and :class:`ReadSettings`, the loaders that keep them as attributes;
 - :class:`StateLayout` and :class:`Resumable`: a loader's ``state_dict()`` built from the entries
   it declares, and ``load_state_dict()`` checking a saved one against them;
 - :func:`job_rank`: this process's rank and the world size, given or the job's;
@@ -17,10 +18,19 @@ from typing import Any
 
 import torch
 
-from sparkgpu.data.loaders.order import PlannedEpochs, check_int, restore_position
+from sparkgpu.data.loaders.order import EpochPlan, PlannedEpochs, check_int, restore_position
 from sparkgpu.errors import ConfigurationError
 
-__all__ = ["ReadOptions", "StateLayout", "Resumable", "job_rank", "worker_batches", "WorkerCuts", "STATE_VERSION"]
+__all__ = [
+    "ReadOptions",
+    "ReadSettings",
+    "StateLayout",
+    "Resumable",
+    "job_rank",
+    "worker_batches",
+    "WorkerCuts",
+    "STATE_VERSION",
+]
 
 # The layout version of every loader's state; a state of another version is refused.
 STATE_VERSION = 1
@@ -51,6 +61,31 @@ class ReadOptions:
     def of(cls, arguments: dict[str, Any]) -> ReadOptions:
         """The options among an entry point's ``arguments`` (its ``locals()``), the rest left out."""
         return cls(**{field.name: arguments[field.name] for field in dataclasses.fields(cls)})
+
+
+class ReadSettings:
+    """A loader's read options as attributes of the same names, taken from resolved
+    :class:`ReadOptions` (rank, world size, block size and cache limit worked out)."""
+
+    batch_size: int
+    shuffle: bool
+    seed: int
+    shuffle_block_size: int
+    drop_last: bool
+    num_workers: int
+    cache_limit: int | None
+    download_threads: int
+    rank: int
+    world_size: int
+    storage_options: dict | None
+
+    def _read_with(self, options: ReadOptions) -> None:
+        for field in dataclasses.fields(options):
+            setattr(self, field.name, getattr(options, field.name))
+
+    def _read_options(self) -> ReadOptions:
+        """The options this loader reads with, resolved: for a loader that reads the same shards."""
+        return ReadOptions(**{field.name: getattr(self, field.name) for field in dataclasses.fields(ReadOptions)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +122,10 @@ class Resumable(PlannedEpochs):
     """
 
     _layout: StateLayout
+    rank: int
+    world_size: int
+    batch_size: int  # None in a loader of single rows, which passes the batches it plans in to _rank_plan
+    drop_last: bool
 
     def _state_identity(self) -> dict:
         raise NotImplementedError
@@ -132,6 +171,48 @@ class Resumable(PlannedEpochs):
             fix=layout.fix,
             counter=layout.counter,
         )
+
+    def _rank_plan(
+        self,
+        order,
+        start: int,
+        *,
+        batch_size: int | None = None,
+        drop_last: bool | None = None,
+        located: tuple | None = None,
+    ) -> EpochPlan:
+        """This rank's plan of an epoch in ``order``, from position ``start`` of all ranks on, in
+        the loader's batches (``batch_size`` and ``drop_last``: others instead)."""
+        size = batch_size if batch_size is not None else self.batch_size
+        assert size is not None, "a loader of single rows names the batches it plans in"
+        return EpochPlan.for_rank(
+            order,
+            start=start,
+            rank=self.rank,
+            world_size=self.world_size,
+            batch_size=size,
+            drop_last=self.drop_last if drop_last is None else drop_last,
+            located=located,
+        )
+
+    def _advance(self, plan: EpochPlan, start: int, batches: int) -> None:
+        """Sets the position to just after the rank's first ``batches`` batches of ``plan``."""
+        self._consumed = start + min(batches * plan.batch_size, len(plan.samples)) * self.world_size
+
+    def _hand_out(self, plan: EpochPlan, start: int, batches, source=None):
+        """Yields ``batches`` (the rank's of ``plan``, from position ``start`` on), moving the
+        position past each as it is handed out, and to the next epoch after the last; closes
+        ``source`` (what ``batches`` come from) however the iteration ends."""
+        try:
+            for number, batch in enumerate(batches, 1):
+                # Counted when handed out: a checkpoint taken after this step resumes after it.
+                self._advance(plan, start, number)
+                yield batch
+        finally:
+            close = getattr(source, "close", None)
+            if close:
+                close()
+        self.epoch, self._consumed = self.epoch + 1, 0
 
 
 def job_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:

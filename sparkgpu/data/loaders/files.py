@@ -199,9 +199,7 @@ class FilesDataset(Positioned):
         order = epoch_order(
             np.ones(len(self.names), dtype=np.int64), shuffle=self.shuffle, seed=self.seed, epoch=epoch, block_size=1
         )
-        return EpochPlan.for_rank(
-            order, start=start, rank=self.rank, world_size=self.world_size, batch_size=1, drop_last=False
-        )
+        return self._rank_plan(order, start, batch_size=1, drop_last=False)
 
     def __iter__(self):
         plan, start = self._begin_epoch(), self._consumed

@@ -26,6 +26,7 @@ the number of workers.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import warnings
@@ -37,7 +38,7 @@ import torch
 from sparkgpu.spec.units import parse_size
 from sparkgpu.data.augment.columns import check_decode, check_decode_columns, check_decode_device
 from sparkgpu.data.storage.cache import open_cache_entry
-from sparkgpu.data.loaders._base import ReadOptions, Resumable, StateLayout, job_rank
+from sparkgpu.data.loaders._base import ReadOptions, ReadSettings, Resumable, StateLayout, job_rank
 from sparkgpu.data.loaders.order import DEFAULT_BLOCK_SIZE, EpochOrders, EpochPlan, check_int, located_order
 from sparkgpu.data.loaders._pipeline import Producer, WorkerBatches, in_background, prefetch_to_device
 from sparkgpu.data.mds.decode import BatchDecoder
@@ -158,20 +159,16 @@ def open_mds(
         index=index,
         directory=directory,
         volume_url=volume.url if volume else None,
-        storage_options=storage_options,
-        batch_size=options.batch_size,
-        shuffle=options.shuffle,
-        seed=options.seed,
-        shuffle_block_size=options.shuffle_block_size or DEFAULT_BLOCK_SIZE,
-        drop_last=options.drop_last,
-        num_workers=options.num_workers,
+        options=dataclasses.replace(
+            options,
+            rank=rank,
+            world_size=world_size,
+            shuffle_block_size=options.shuffle_block_size or DEFAULT_BLOCK_SIZE,
+            cache_limit=limit,
+        ),
         prefetch_batches=prefetch_batches,
         pin_memory=pin_memory,
         device=device,
-        cache_limit=limit,
-        download_threads=options.download_threads,
-        rank=rank,
-        world_size=world_size,
         transform=transform,
         batch_transform=batch_transform,
         features=resolve_features(index.columns, features, target) if features is not None else None,
@@ -179,7 +176,7 @@ def open_mds(
     )
 
 
-class MDSLoader(Resumable):
+class MDSLoader(Resumable, ReadSettings):
     """An epoch-by-epoch iterable of batches with an exact, JSON-able position.
 
     Built by :func:`sparkgpu.data.dataset` (through :func:`open_mds`). Iterating yields the rest of the current epoch (all of it, unless
@@ -198,20 +195,10 @@ class MDSLoader(Resumable):
         index: DatasetIndex,
         directory,
         volume_url,
-        storage_options,
-        batch_size,
-        shuffle,
-        seed,
-        shuffle_block_size,
-        drop_last,
-        num_workers,
+        options: ReadOptions,
         prefetch_batches,
         pin_memory,
         device,
-        cache_limit,
-        download_threads,
-        rank,
-        world_size,
         transform=None,
         batch_transform=None,
         features=None,
@@ -220,20 +207,10 @@ class MDSLoader(Resumable):
         self.index = index
         self.directory = os.fspath(directory)
         self.volume_url = volume_url
-        self.storage_options = storage_options
-        self.batch_size = batch_size
-        self.shuffle = shuffle
-        self.seed = seed
-        self.shuffle_block_size = shuffle_block_size
-        self.drop_last = drop_last
-        self.num_workers = num_workers
+        self._read_with(options)  # resolved: rank, world size, block size and cache limit worked out
         self.prefetch_batches = prefetch_batches
         self.pin_memory = pin_memory
         self.device = device
-        self.cache_limit = cache_limit
-        self.download_threads = download_threads
-        self.rank = rank
-        self.world_size = world_size
         self.transform = transform
         self.batch_transform = batch_transform
         self.features = features  # a FeatureLayout: batches are (x, y)
@@ -241,13 +218,13 @@ class MDSLoader(Resumable):
         self.num_samples = index.num_samples
         self.epoch = 0
         self._consumed = 0  # samples of self.epoch consumed by all ranks together
-        self._orders = EpochOrders(self._located_order_of, per_epoch=bool(shuffle))
+        self._orders = EpochOrders(self._located_order_of, per_epoch=bool(self.shuffle))
         self._producer: Producer | None = None
         self._workers: torch.utils.data.DataLoader | None = (
             None  # the DataLoader of num_workers > 0, created on first use
         )
         self._splitter = BatchDecoder(index.columns, allocate=None)
-        self.metrics = LoaderMetrics(rank)  # wait and step times, cache figures: stats() and the job's run
+        self.metrics = LoaderMetrics(self.rank)  # wait and step times, cache figures: stats() and the job's run
 
     # Position.
 
@@ -284,8 +261,7 @@ class MDSLoader(Resumable):
     # Iteration.
 
     def __iter__(self):
-        plan = self._begin_epoch()
-        start, step = self._consumed, self.batch_size * self.world_size
+        plan, start = self._begin_epoch(), self._consumed
         # Fixed-width batches travel as one buffer of gathered rows (one shared-memory transfer
         # from a worker, one pin, one host-to-device copy) and become column views at the end.
         source = self._in_process(plan) if self.num_workers == 0 else self._in_workers(start)
@@ -295,16 +271,7 @@ class MDSLoader(Resumable):
             split = self._splitter.split_rows
             source = (split(batch) if isinstance(batch, torch.Tensor) else batch for batch in source)
         timed = self.metrics.timed(source, self._producer.cache if self._producer is not None else None)
-        try:
-            for number, batch in enumerate(timed, 1):
-                # Counted when handed out: a checkpoint taken after this step resumes after it.
-                self._consumed = start + min(number * step, len(plan.samples) * self.world_size)
-                yield batch
-        finally:
-            close = getattr(source, "close", None)
-            if close:
-                close()
-        self.epoch, self._consumed = self.epoch + 1, 0
+        yield from self._hand_out(plan, start, timed, source)
 
     def stats(self) -> dict:
         """This rank's loader figures so far (:meth:`sparkgpu.data.loaders.metrics.LoaderMetrics.snapshot`);
@@ -344,15 +311,7 @@ class MDSLoader(Resumable):
 
     def _plan(self, epoch: int, start: int) -> EpochPlan:
         order, shards, rows = self._located_order(epoch)
-        return EpochPlan.for_rank(
-            order,
-            start=start,
-            rank=self.rank,
-            world_size=self.world_size,
-            batch_size=self.batch_size,
-            drop_last=self.drop_last,
-            located=(shards, rows),
-        )
+        return self._rank_plan(order, start, located=(shards, rows))
 
     def _in_process(self, plan: EpochPlan):
         if self._producer is None:

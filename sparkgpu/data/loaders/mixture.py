@@ -360,8 +360,7 @@ class MixtureLoader(Resumable):
     def __iter__(self):
         from sparkgpu.data.loaders._pipeline import in_background, prefetch_to_device
 
-        plan = self._begin_epoch()
-        start, step = self._consumed, self.batch_size * self.world_size
+        plan, start = self._begin_epoch(), self._consumed
         caches = None
         if self.num_workers:
             source = self._in_workers(start)
@@ -374,15 +373,7 @@ class MixtureLoader(Resumable):
                 source = in_background(source, self.prefetch_batches)
         if self.device is not None:
             source = prefetch_to_device(source, self.device)
-        try:
-            for number, batch in enumerate(self.metrics.timed(source, caches), 1):
-                self._consumed = start + min(number * step, len(plan.samples) * self.world_size)
-                yield batch
-        finally:
-            close = getattr(source, "close", None)
-            if close:
-                close()
-        self.epoch, self._consumed = self.epoch + 1, 0
+        yield from self._hand_out(plan, start, self.metrics.timed(source, caches), source)
 
     def _in_workers(self, start: int):
         # As the MDS loader's workers: they persist across epochs, and each iteration tells
@@ -409,14 +400,7 @@ class MixtureLoader(Resumable):
         self._workers = None  # dropping the DataLoader stops its worker processes
 
     def _plan(self, epoch: int, start: int) -> EpochPlan:
-        return EpochPlan.for_rank(
-            self.epoch_order(epoch),
-            start=start,
-            rank=self.rank,
-            world_size=self.world_size,
-            batch_size=self.batch_size,
-            drop_last=self.drop_last,
-        )
+        return self._rank_plan(self.epoch_order(epoch), start)
 
     def _open_readers(self) -> list[_StreamReader]:
         assert self._readers is not None, "the mixture is closed"  # opened by __iter__ before it reads batches

@@ -46,10 +46,6 @@ class Positioned(Resumable, torch.utils.data.IterableDataset):
         """
         return PositionedLoader(self, num_workers=num_workers, **dataloader_options)
 
-    def _advance(self, plan, start: int, batches: int) -> None:
-        """Sets the position to just after the rank's first ``batches`` batches of ``plan``."""
-        self._consumed = start + min(batches * plan.batch_size, len(plan.samples)) * self.world_size
-
     def _batch_numbers(self, plan) -> range:
         """The batches of ``plan`` this process builds: all, or every W-th in DataLoader worker w."""
         return worker_batches(plan.num_batches)

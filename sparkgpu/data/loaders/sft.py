@@ -48,7 +48,7 @@ from sparkgpu.data import _gather
 from sparkgpu.data.loaders._token_shards import TokenColumn
 from sparkgpu.data.loaders.mds_loader import open_mds
 from sparkgpu.data.loaders.metrics import LoaderMetrics
-from sparkgpu.data.loaders._base import ReadOptions, Resumable, StateLayout, WorkerCuts
+from sparkgpu.data.loaders._base import ReadOptions, ReadSettings, Resumable, StateLayout, WorkerCuts
 from sparkgpu.data.loaders.order import DEFAULT_BLOCK_SIZE, EpochOrders, EpochPlan, check_int, epoch_order, locate
 from sparkgpu.data.loaders.packing import OVERFLOW, PackedRows, pack_epoch
 from sparkgpu.data.mds.reader import INDEX_NAME, ShardReader
@@ -155,13 +155,7 @@ def sft_dataset(
         pad_id=pad_id,
         attention_mask=attention_mask,
         flatten=flatten,
-        shuffle=shuffle,
-        seed=seed,
-        shuffle_block_size=opened.shuffle_block_size,
-        drop_last=drop_last,
-        num_workers=num_workers,
-        rank=opened.rank,
-        world_size=opened.world_size,
+        options=opened._read_options(),
     )
 
 
@@ -266,7 +260,7 @@ class _ShardSource:
         self.cache.close()
 
 
-class SFTLoader(Resumable):
+class SFTLoader(Resumable, ReadSettings):
     """An epoch-by-epoch iterable of packed rows with an exact, JSON-able position.
 
     Built by :func:`sft_dataset`. Yields dicts of ``int64`` tensors: ``input_ids``, ``labels``,
@@ -297,29 +291,22 @@ class SFTLoader(Resumable):
         pad_id,
         attention_mask,
         flatten,
-        shuffle,
-        seed,
-        shuffle_block_size,
-        drop_last,
-        num_workers,
-        rank,
-        world_size,
+        options: ReadOptions,
     ):
         self._spec, self._ids, self._mask = spec, ids, mask
+        self._read_with(options)
         self.seq_len, self.batch_size, self.overflow, self.pack_window = seq_len, batch_size, overflow, pack_window
         self.pad_id, self.attention_mask, self.flatten = pad_id, attention_mask, flatten
-        self.shuffle, self.seed, self.shuffle_block_size = shuffle, seed, shuffle_block_size
-        self.drop_last, self.num_workers, self.rank, self.world_size = drop_last, num_workers, rank, world_size
         self._source = _ShardSource(spec)
         self._docs = _Documents(self._source, ids, mask)
         if pad_id > np.iinfo(self._docs.dtype).max:
             raise ConfigurationError(f"pad_id={pad_id} does not fit the column's {self._docs.dtype} token ids")
         self.num_documents = len(self._docs.lengths)
         self.num_tokens = int(self._docs.lengths.sum())
-        self._rows = EpochOrders(self._pack, per_epoch=shuffle)
+        self._rows = EpochOrders(self._pack, per_epoch=self.shuffle)
         self.epoch = 0
         self._consumed = 0
-        self.metrics = LoaderMetrics(rank)
+        self.metrics = LoaderMetrics(self.rank)
 
     # Planning.
 
@@ -348,13 +335,8 @@ class SFTLoader(Resumable):
 
     def _plan(self, epoch: int, start: int) -> EpochPlan:
         rows = self._rows.get(epoch)
-        return EpochPlan.for_rank(
-            np.arange(rows.num_rows, dtype=np.int64),
-            start=start,
-            rank=self.rank,
-            world_size=self.world_size,
-            batch_size=self.batch_size or _ROWS_PER_CUT,
-            drop_last=self.drop_last,
+        return self._rank_plan(
+            np.arange(rows.num_rows, dtype=np.int64), start, batch_size=self.batch_size or _ROWS_PER_CUT
         )
 
     # Position.

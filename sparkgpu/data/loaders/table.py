@@ -294,14 +294,7 @@ class TableDataset(Positioned):
         self.epoch, self._consumed = self.epoch + 1, 0
 
     def _plan(self, epoch: int, start: int) -> EpochPlan:
-        return EpochPlan.for_rank(
-            self._orders.get(epoch)[0],
-            start=start,
-            rank=self.rank,
-            world_size=self.world_size,
-            batch_size=self.batch_size,
-            drop_last=self.drop_last,
-        )
+        return self._rank_plan(self._orders.get(epoch)[0], start)
 
     def _order_of(self, epoch: int) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray], LazyOrder | None]:
         # The epoch's order, where each row group's rows lie in it (what the reader plans by), and,

@@ -40,7 +40,7 @@ from sparkgpu.data.loaders._token_shards import ShardDocuments, TokenColumn
 from sparkgpu.data.storage.cache import ShardCache
 from sparkgpu.data.loaders.metrics import LoaderMetrics
 from sparkgpu.data.loaders.mds_loader import open_mds
-from sparkgpu.data.loaders._base import ReadOptions, Resumable, StateLayout, WorkerCuts
+from sparkgpu.data.loaders._base import ReadOptions, ReadSettings, Resumable, StateLayout, WorkerCuts
 from sparkgpu.data.loaders.order import DEFAULT_BLOCK_SIZE, EpochPlan, check_int, epoch_order
 from sparkgpu.data.mds.reader import ShardReader
 from sparkgpu.data.storage.volume import Volume
@@ -120,14 +120,7 @@ def token_dataset(
         tokens,
         seq_len=seq_len,
         width=seq_len + (1 if targets else 0),
-        batch_size=batch_size,
-        shuffle=shuffle,
-        seed=seed,
-        shuffle_block_size=opened.shuffle_block_size,
-        drop_last=drop_last,
-        num_workers=num_workers,
-        rank=opened.rank,
-        world_size=opened.world_size,
+        options=opened._read_options(),
     )
 
 
@@ -198,7 +191,7 @@ class _TokenSource:
         self.cache.close()
 
 
-class TokenLoader(Resumable):
+class TokenLoader(Resumable, ReadSettings):
     """An epoch-by-epoch iterable of token blocks with an exact, JSON-able position.
 
     Built by :func:`token_dataset`.
@@ -216,19 +209,11 @@ class TokenLoader(Resumable):
         *,
         seq_len,
         width,
-        batch_size,
-        shuffle,
-        seed,
-        shuffle_block_size,
-        drop_last,
-        num_workers,
-        rank,
-        world_size,
+        options: ReadOptions,
     ):
         self._spec, self._tokens = spec, tokens
-        self.seq_len, self.width, self.batch_size = seq_len, width, batch_size
-        self.shuffle, self.seed, self.shuffle_block_size = shuffle, seed, shuffle_block_size
-        self.drop_last, self.num_workers, self.rank, self.world_size = drop_last, num_workers, rank, world_size
+        self.seq_len, self.width = seq_len, width
+        self._read_with(options)
         self._source = _TokenSource(spec, tokens)
         counts = np.array(
             [tokens.counts(self._source.reader(0, s)) for s in range(len(spec["index"].shards))], dtype=np.int64
@@ -246,7 +231,7 @@ class TokenLoader(Resumable):
         ).astype(np.int64)
         self.epoch = 0
         self._consumed = 0
-        self.metrics = LoaderMetrics(rank)
+        self.metrics = LoaderMetrics(self.rank)
 
     def _check_eos(self) -> None:
         eos = self._tokens.eos_id
@@ -303,18 +288,14 @@ class TokenLoader(Resumable):
     # Iteration.
 
     def __iter__(self):
-        plan = self._begin_epoch()
-        start, step = self._consumed, self.batch_size * self.world_size
+        plan, start = self._begin_epoch(), self._consumed
         if self.num_workers:
             source = iter(
                 torch.utils.data.DataLoader(WorkerCuts(self, plan), batch_size=None, num_workers=self.num_workers)
             )
         else:
             source = self.batches(plan, range(plan.num_batches))
-        for number, batch in enumerate(self.metrics.timed(source, self._source.cache), 1):
-            self._consumed = start + min(number * step, len(plan.samples) * self.world_size)
-            yield batch
-        self.epoch, self._consumed = self.epoch + 1, 0
+        yield from self._hand_out(plan, start, self.metrics.timed(source, self._source.cache))
 
     def batches(self, plan: EpochPlan, numbers):
         """Yields the blocks of ``plan``'s batches ``numbers`` as tensors.
@@ -348,14 +329,7 @@ class TokenLoader(Resumable):
             epoch=epoch,
             block_size=self.shuffle_block_size or DEFAULT_BLOCK_SIZE,
         )
-        return EpochPlan.for_rank(
-            order,
-            start=start,
-            rank=self.rank,
-            world_size=self.world_size,
-            batch_size=self.batch_size,
-            drop_last=self.drop_last,
-        )
+        return self._rank_plan(order, start)
 
     def _shards(self, firsts: np.ndarray) -> np.ndarray:
         lo = np.searchsorted(self._shard_ends, firsts, side="right")
