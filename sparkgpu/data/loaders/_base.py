@@ -172,27 +172,14 @@ class Resumable(PlannedEpochs):
             counter=layout.counter,
         )
 
-    def _rank_plan(
-        self,
-        order,
-        start: int,
-        *,
-        batch_size: int | None = None,
-        drop_last: bool | None = None,
-        located: tuple | None = None,
-    ) -> EpochPlan:
+    def _rank_plan(self, order, start: int, batch_size: int | None = None, **options) -> EpochPlan:
         """This rank's plan of an epoch in ``order``, from position ``start`` of all ranks on, in
-        the loader's batches (``batch_size`` and ``drop_last``: others instead)."""
+        the loader's batches (or of ``batch_size``); ``options``: ``located=``, another ``drop_last=``."""
         size = batch_size if batch_size is not None else self.batch_size
         assert size is not None, "a loader of single rows names the batches it plans in"
+        options = {"drop_last": getattr(self, "drop_last", False), **options}
         return EpochPlan.for_rank(
-            order,
-            start=start,
-            rank=self.rank,
-            world_size=self.world_size,
-            batch_size=size,
-            drop_last=self.drop_last if drop_last is None else drop_last,
-            located=located,
+            order, start=start, rank=self.rank, world_size=self.world_size, batch_size=size, **options
         )
 
     def _advance(self, plan: EpochPlan, start: int, batches: int) -> None:

@@ -39,6 +39,7 @@ from sparkgpu.spec.units import parse_size
 from sparkgpu.data.augment.columns import check_decode, check_decode_columns, check_decode_device
 from sparkgpu.data.storage.cache import open_cache_entry
 from sparkgpu.data.loaders._base import ReadOptions, ReadSettings, Resumable, StateLayout, job_rank
+from sparkgpu.data.loaders._shards import SHARD_SOURCE
 from sparkgpu.data.loaders.order import DEFAULT_BLOCK_SIZE, EpochOrders, EpochPlan, check_int, located_order
 from sparkgpu.data.loaders._pipeline import Producer, WorkerBatches, in_background, prefetch_to_device
 from sparkgpu.data.mds.decode import BatchDecoder
@@ -51,9 +52,8 @@ from sparkgpu.errors import ConfigurationError, DataError
 
 __all__ = ["open_mds", "MDSLoader"]
 
-# The loader's attributes that say where its shards are and how the cache fetches them, and the
-# ones that say which batches are made and how.
-_SOURCE = ("index", "directory", "volume_url", "storage_options", "cache_limit", "download_threads")
+# The loader's attributes that say which batches are made and how (beside SHARD_SOURCE's, where
+# its shards are and how the cache fetches them).
 _PRODUCER = (
     *("shuffle", "seed", "shuffle_block_size", "rank", "world_size", "batch_size", "drop_last"),
     *("transform", "batch_transform", "features", "decode"),
@@ -337,11 +337,11 @@ class MDSLoader(Resumable, ReadSettings):
 
     def _source_spec(self) -> dict:
         """Where the shards are and how the cache fetches them: what a loader reading them needs."""
-        return {name: getattr(self, name) for name in _SOURCE}
+        return {name: getattr(self, name) for name in SHARD_SOURCE}
 
     def _producer_spec(self) -> dict:
         """What decodes this loader's batches (:class:`~sparkgpu.data.loaders._pipeline.Producer`), here or in a worker."""
-        return {name: getattr(self, name) for name in (*_SOURCE, *_PRODUCER)}
+        return {name: getattr(self, name) for name in (*SHARD_SOURCE, *_PRODUCER)}
 
 
 def _cuda_available() -> bool:

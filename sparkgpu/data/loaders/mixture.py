@@ -48,14 +48,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from sparkgpu.data.storage.cache import ShardCache
 from sparkgpu.data.mds.decode import BatchDecoder
 from sparkgpu.data.loaders.metrics import LoaderMetrics
 from sparkgpu.data.loaders.mds_loader import open_mds
 from sparkgpu.data.loaders._base import ReadOptions, Resumable, StateLayout, worker_batches
+from sparkgpu.data.loaders._shards import map_shard, open_shard_cache
 from sparkgpu.data.loaders.order import EpochPlan, check_int, epoch_order
 from sparkgpu.data.mds.reader import ShardReader
-from sparkgpu.data.storage.volume import Volume
 from sparkgpu.errors import ConfigurationError
 
 __all__ = ["Stream", "MixtureLoader", "samples_per_stream"]
@@ -230,14 +229,13 @@ class _StreamReader:
     """One stream's cache, open shards and decoder."""
 
     def __init__(self, loader: "_StreamSpec", pinned: bool):
-        volume = Volume(loader.volume_url, loader.storage_options) if loader.volume_url else None
         self.index = loader.index
-        self.cache = ShardCache(loader.directory, self.index, volume, loader.cache_limit, loader.download_threads)
+        self.cache = open_shard_cache(vars(loader))  # the spec's fields include the shards' source
         self.decoder = BatchDecoder(self.index.columns, lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=pinned))
         self.ends = np.cumsum(self.index.shard_sizes)
         self._readers: dict[int, ShardReader] = {}
         # Only a cache of a volume evicts shards; a local dataset folder keeps every file.
-        self._evictable = volume is not None
+        self._evictable = self.cache.volume is not None
         self._last_key: bytes | None = None
         self._last_readers: list[ShardReader] = []
 
@@ -261,16 +259,9 @@ class _StreamReader:
             self._release(keep=set(keys))
         for shard, path in zip(keys, paths):
             if shard not in self._readers:
-                self._readers[shard] = self._read(shard, path)
+                self._readers[shard] = map_shard(self.cache, shard, path, self.decoder.row_bytes)
         self._last_key, self._last_readers = key, [self._readers[s] for s in keys]
         return self._last_readers
-
-    def _read(self, shard: int, path) -> ShardReader:
-        info = self.index.shards[shard]
-        try:
-            return ShardReader(path, info, self.decoder.row_bytes)
-        except FileNotFoundError:  # evicted by another process between acquire and open
-            return ShardReader(self.cache.refetch(shard), info, self.decoder.row_bytes)
 
     def _release(self, keep: set) -> None:
         for shard in [s for s in self._readers if s not in keep]:

@@ -49,11 +49,10 @@ from sparkgpu.data.loaders._token_shards import TokenColumn
 from sparkgpu.data.loaders.mds_loader import open_mds
 from sparkgpu.data.loaders.metrics import LoaderMetrics
 from sparkgpu.data.loaders._base import ReadOptions, ReadSettings, Resumable, StateLayout, WorkerCuts
+from sparkgpu.data.loaders._shards import map_shard, open_shard_cache
 from sparkgpu.data.loaders.order import DEFAULT_BLOCK_SIZE, EpochOrders, EpochPlan, check_int, epoch_order, locate
 from sparkgpu.data.loaders.packing import OVERFLOW, PackedRows, pack_epoch
 from sparkgpu.data.mds.reader import INDEX_NAME, ShardReader
-from sparkgpu.data.storage.cache import ShardCache
-from sparkgpu.data.storage.volume import Volume
 from sparkgpu.errors import ConfigurationError, DataError
 
 __all__ = ["sft_dataset", "SFTLoader", "IGNORE_INDEX"]
@@ -218,10 +217,9 @@ class _ShardSource:
     """Shards through the cache, mapped while rows are cut from them (as ``token_dataset``'s)."""
 
     def __init__(self, spec: dict):
-        volume = Volume(spec["volume_url"], spec["storage_options"]) if spec["volume_url"] else None
         self.index = spec["index"]
-        self.cache = ShardCache(spec["directory"], spec["index"], volume, spec["cache_limit"], spec["download_threads"])
-        self._evictable = volume is not None
+        self.cache = open_shard_cache(spec)
+        self._evictable = self.cache.volume is not None
         self._readers: collections.OrderedDict[int, ShardReader] = collections.OrderedDict()
 
     def reader(self, step: int, shard: int) -> ShardReader:
@@ -231,11 +229,7 @@ class _ShardSource:
     def _open(self, shard: int, path) -> ShardReader:
         reader = self._readers.get(shard)
         if reader is None:
-            try:
-                reader = ShardReader(path, self.index.shards[shard], None)
-            except FileNotFoundError:  # evicted by another process between acquire and open
-                reader = ShardReader(self.cache.refetch(shard), self.index.shards[shard], None)
-            self._readers[shard] = reader
+            reader = self._readers[shard] = map_shard(self.cache, shard, path)
         self._readers.move_to_end(shard)
         return reader
 

@@ -37,13 +37,12 @@ import torch
 
 from sparkgpu.data import _gather
 from sparkgpu.data.loaders._token_shards import ShardDocuments, TokenColumn
-from sparkgpu.data.storage.cache import ShardCache
 from sparkgpu.data.loaders.metrics import LoaderMetrics
 from sparkgpu.data.loaders.mds_loader import open_mds
 from sparkgpu.data.loaders._base import ReadOptions, ReadSettings, Resumable, StateLayout, WorkerCuts
+from sparkgpu.data.loaders._shards import map_shard, open_shard_cache
 from sparkgpu.data.loaders.order import DEFAULT_BLOCK_SIZE, EpochPlan, check_int, epoch_order
 from sparkgpu.data.mds.reader import ShardReader
-from sparkgpu.data.storage.volume import Volume
 from sparkgpu.errors import ConfigurationError, DataError
 
 __all__ = ["token_dataset", "TokenLoader"]
@@ -135,22 +134,15 @@ class _TokenSource:
     """
 
     def __init__(self, spec: dict, tokens: TokenColumn):
-        volume = Volume(spec["volume_url"], spec["storage_options"]) if spec["volume_url"] else None
         self.index, self.tokens = spec["index"], tokens
-        self.cache = ShardCache(spec["directory"], spec["index"], volume, spec["cache_limit"], spec["download_threads"])
-        self._evictable = volume is not None
+        self.cache = open_shard_cache(spec)
+        self._evictable = self.cache.volume is not None
         self._documents: collections.OrderedDict[int, ShardDocuments] = collections.OrderedDict()
         self._readers: dict[int, ShardReader] = {}
 
     def reader(self, step: int, shard: int) -> ShardReader:
         (path,) = self.cache.acquire(step, np.array([shard], dtype=np.int64))
-        return self._map(shard, path)
-
-    def _map(self, shard: int, path) -> ShardReader:
-        try:
-            return ShardReader(path, self.index.shards[shard], None)
-        except FileNotFoundError:  # evicted by another process between acquire and open
-            return ShardReader(self.cache.refetch(shard), self.index.shards[shard], None)
+        return map_shard(self.cache, shard, path)
 
     def open(self, first_step: int, needs: list[np.ndarray]) -> dict[int, tuple[ShardReader, ShardDocuments]]:
         """Maps the shards that steps ``first_step, first_step + 1, ...`` read (``needs``), in step order.
@@ -167,7 +159,7 @@ class _TokenSource:
                     continue
                 reader = self._readers.get(shard)
                 if reader is None:
-                    reader = self._readers[shard] = self._map(shard, path)
+                    reader = self._readers[shard] = map_shard(self.cache, shard, path)
                 documents = self._documents.get(shard)
                 if documents is None:
                     documents = self._documents[shard] = self.tokens.documents(reader)
