@@ -2,8 +2,8 @@
 a rank's batches over DataLoader workers.
 
 - :class:`ReadOptions`: the options every loader of MDS shards takes (``dataset``, mixtures,
-  ``token_dataset``, ``sft_dataset``), gathered once by the entry point and passed along whole,
-  and :class:`ReadSettings`, the loaders that keep them as attributes;
+  ``token_dataset``, ``sft_dataset``), gathered once by the entry point and passed along whole;
+  :class:`ReadSettings`: the same options, resolved, kept as a loader's attributes;
 - :class:`StateLayout` and :class:`Resumable`: a loader's ``state_dict()`` built from the entries
   it declares, and ``load_state_dict()`` checking a saved one against them;
 - :func:`job_rank`: this process's rank and the world size, given or the job's;
