@@ -13,5 +13,7 @@
   batches and workers, and the resumable position every loader keeps;
 - :mod:`~sparkgpu.data.loaders.positioned`: the exact position of the table and files datasets
   under DataLoader workers;
-- :mod:`~sparkgpu.data.loaders.metrics`: what a loader costs the training step.
+- :mod:`~sparkgpu.data.loaders.metrics`: what a loader costs the training step;
+- ``_base``: what the loaders share (read options, resume state, the split over DataLoader
+  workers), and ``_shards``: the shard cache each opens and the mapping of one shard.
 """

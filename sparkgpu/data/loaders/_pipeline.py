@@ -13,13 +13,13 @@ import numpy as np
 import torch
 
 from sparkgpu.data.augment.columns import ColumnCrops
-from sparkgpu.data.storage.cache import ShardCache
 from sparkgpu.data.mds.decode import BatchDecoder
 from sparkgpu.data.mds.features import FeatureGather
+from sparkgpu.data.loaders._base import worker_batches
+from sparkgpu.data.loaders._shards import map_shard, open_shard_cache
 from sparkgpu.data.loaders.order import EpochPlan, epoch_order, locate
 from sparkgpu.data.mds.reader import ShardReader
 from sparkgpu.data.transforms import BatchTransforms
-from sparkgpu.data.storage.volume import Volume
 from sparkgpu.errors import DataError
 
 __all__ = ["Producer", "WorkerBatches", "in_background", "prefetch_to_device"]
@@ -34,9 +34,8 @@ class Producer:
 
     def __init__(self, spec: dict, pinned: bool):
         index = spec["index"]
-        volume = Volume(spec["volume_url"], spec["storage_options"]) if spec["volume_url"] else None
         self.index = index
-        self.cache = ShardCache(spec["directory"], index, volume, spec["cache_limit"], spec["download_threads"])
+        self.cache = open_shard_cache(spec)
         # decode= columns stay encoded bytes here; self.crops decodes them, cropped, per batch.
         self.crops = ColumnCrops(spec.get("decode"), seed=spec["seed"], pinned=pinned)
         self.decoder = BatchDecoder(
@@ -50,7 +49,7 @@ class Producer:
         self._last_shards: np.ndarray | None = None
         self._last_readers: list[ShardReader] = []
         # Only a cache of a volume evicts shards; a local dataset folder keeps every file.
-        self._evictable = volume is not None
+        self._evictable = self.cache.volume is not None
         self._row_bytes = self.decoder.row_bytes
         self.transforms = BatchTransforms(spec.get("transform"), spec.get("batch_transform"), seed=spec["seed"])
         layout = spec.get("features")
@@ -171,16 +170,9 @@ class Producer:
                 self._release(keep=set(keys))
             for shard, path in zip(keys, paths):
                 if shard not in self._readers:
-                    self._readers[shard] = self._read(shard, path)
+                    self._readers[shard] = map_shard(self.cache, shard, path, self._row_bytes)
         self._last_shards, self._last_readers = shards, [self._readers[s] for s in keys]
         return self._last_readers
-
-    def _read(self, shard: int, path) -> ShardReader:
-        info = self.index.shards[shard]
-        try:
-            return ShardReader(path, info, self._row_bytes)
-        except FileNotFoundError:  # evicted by another process between acquire and open
-            return ShardReader(self.cache.refetch(shard), info, self._row_bytes)
 
     def _release(self, keep: Collection[int]) -> None:
         for shard in [s for s in self._readers if s not in keep]:
@@ -245,8 +237,6 @@ class WorkerBatches(torch.utils.data.IterableDataset):
         self._order = (None, None)
 
     def __iter__(self):
-        info = torch.utils.data.get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         s = self.spec
         epoch, start = int(self.position[0]), int(self.position[1])
         if self._order[0] != epoch:
@@ -270,7 +260,7 @@ class WorkerBatches(torch.utils.data.IterableDataset):
         )
         if self._producer is None:
             self._producer = Producer(s, pinned=False)  # the DataLoader pins in the main process
-        yield from self._producer.run(plan, range(worker, plan.num_batches, workers), raw_rows=True, epoch=epoch)
+        yield from self._producer.run(plan, worker_batches(plan.num_batches), raw_rows=True, epoch=epoch)
 
 
 def in_background(batches, depth: int):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 
+from sparkgpu.data.loaders._base import ReadOptions
 from sparkgpu.data.loaders.mds_loader import MDSLoader, open_mds
 from sparkgpu.data.loaders.mixture import MixtureLoader, mixture_dataset
 from sparkgpu.errors import ConfigurationError
@@ -116,6 +117,7 @@ def dataset(
         TransformError: (while iterating) a transform raised; names the sample and shard.
         MissingDependencyError: The volume's filesystem package is not installed.
     """
+    options = ReadOptions.of(locals())
     if streams is not None or epoch_size is not None:  # a mixture: each stream opens through open_mds
         if streams is None or remote is not None:
             raise ConfigurationError(
@@ -128,41 +130,21 @@ def dataset(
             )
         return mixture_dataset(
             streams,
+            options,
             local=local,
             epoch_size=epoch_size,
-            batch_size=batch_size,
-            shuffle=shuffle,
-            seed=seed,
-            shuffle_block_size=shuffle_block_size,
-            drop_last=drop_last,
-            num_workers=num_workers,
             prefetch_batches=prefetch_batches,
             device=device,
-            cache_limit=cache_limit,
-            download_threads=download_threads,
-            rank=rank,
-            world_size=world_size,
-            storage_options=storage_options,
             allow_unsafe_types=allow_unsafe_types,
             pin_memory=pin_memory,
         )
     return open_mds(
         remote,
         local,
-        batch_size=batch_size,
-        shuffle=shuffle,
-        seed=seed,
-        shuffle_block_size=shuffle_block_size,
-        drop_last=drop_last,
-        num_workers=num_workers,
+        options,
         prefetch_batches=prefetch_batches,
         pin_memory=pin_memory,
         device=device,
-        cache_limit=cache_limit,
-        download_threads=download_threads,
-        rank=rank,
-        world_size=world_size,
-        storage_options=storage_options,
         allow_unsafe_types=allow_unsafe_types,
         transform=transform,
         batch_transform=batch_transform,

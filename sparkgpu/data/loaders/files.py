@@ -27,13 +27,13 @@ from collections.abc import Callable
 import numpy as np
 
 from sparkgpu._util.files import atomic_write_bytes
-from sparkgpu.data.loaders.order import EpochPlan, check_int, epoch_order, restore_position
+from sparkgpu.data.loaders._base import StateLayout, job_rank
+from sparkgpu.data.loaders.order import EpochPlan, check_int, epoch_order
 from sparkgpu.data.loaders.positioned import Positioned
 from sparkgpu.errors import ConfigurationError, DataError
 
 __all__ = ["files_dataset", "FilesDataset"]
 
-_STATE_VERSION = 1
 _LISTING = "files.json"
 
 
@@ -73,18 +73,13 @@ def files_dataset(
         ConfigurationError: An argument is invalid.
         DataError: The folder cannot be listed or no file matches ``pattern``.
     """
-    from sparkgpu import runtime
     from sparkgpu.config import settings
     from sparkgpu.spec.units import parse_size
     from sparkgpu.data.storage.volume import Volume
 
-    rank = runtime.get_global_rank() if rank is None else rank
-    world_size = runtime.get_world_size() if world_size is None else world_size
+    rank, world_size = job_rank(rank, world_size)
     check_int("seed", seed, 0)
-    check_int("world_size", world_size, 1)
     check_int("download_threads", download_threads, 1)
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ConfigurationError(f"rank={rank!r} must be an integer in [0, world_size={world_size})")
     if transform is not None and not callable(transform):
         raise ConfigurationError(f"transform={transform!r} must be a callable taking (name, path_or_bytes)")
     volume = Volume(os.fspath(url), storage_options)
@@ -175,16 +170,7 @@ class FilesDataset(Positioned):
 
     def state_dict(self) -> dict:
         """The position after the last file handed out, as plain JSON (the same on every rank)."""
-        return {
-            "version": _STATE_VERSION,
-            "epoch": self.epoch,
-            "samples_consumed": self._consumed,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "world_size": self.world_size,
-            "num_samples": len(self.names),
-            "dataset": self.fingerprint,
-        }
+        return self._saved_state()
 
     def load_state_dict(self, state: dict) -> None:
         """Continues from a saved position: the next iteration yields the rest of that epoch.
@@ -192,28 +178,28 @@ class FilesDataset(Positioned):
         Raises:
             ConfigurationError: The state comes from another listing, seed or shuffle.
         """
-        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
-            raise ConfigurationError(
-                f"not a files dataset state (expected a dict from FilesDataset.state_dict(), got {state!r:.200})"
-            )
-        self.epoch, self._consumed = restore_position(
-            state,
-            self.state_dict(),
-            keys=("seed", "shuffle", "num_samples", "dataset"),
-            total=len(self.names),
-            unit=f"listing of {len(self.names)} files",
-            what="dataset",
-            fix="open the same files with the same seed and shuffle to resume",
-        )
+        self.epoch, self._consumed = self._restored_position(state)
+
+    _layout = StateLayout(
+        fields=("seed", "shuffle", "world_size"),
+        checked=("seed", "shuffle", "num_samples", "dataset"),
+        fix="open the same files with the same seed and shuffle to resume",
+        name="a files dataset",
+        what="dataset",
+    )
+
+    def _state_identity(self) -> dict:
+        return {"num_samples": len(self.names), "dataset": self.fingerprint}
+
+    def _state_extent(self, state: dict) -> tuple[int, str]:
+        return len(self.names), f"listing of {len(self.names)} files"
 
     def _plan(self, epoch: int, start: int) -> EpochPlan:
         # One-file "shards" and one-file windows: a uniform seeded permutation per epoch.
         order = epoch_order(
             np.ones(len(self.names), dtype=np.int64), shuffle=self.shuffle, seed=self.seed, epoch=epoch, block_size=1
         )
-        return EpochPlan.for_rank(
-            order, start=start, rank=self.rank, world_size=self.world_size, batch_size=1, drop_last=False
-        )
+        return self._rank_plan(order, start, batch_size=1, drop_last=False)
 
     def __iter__(self):
         plan, start = self._begin_epoch(), self._consumed

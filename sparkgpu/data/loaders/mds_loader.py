@@ -26,6 +26,7 @@ the number of workers.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import warnings
@@ -37,15 +38,9 @@ import torch
 from sparkgpu.spec.units import parse_size
 from sparkgpu.data.augment.columns import check_decode, check_decode_columns, check_decode_device
 from sparkgpu.data.storage.cache import open_cache_entry
-from sparkgpu.data.loaders.order import (
-    DEFAULT_BLOCK_SIZE,
-    EpochOrders,
-    EpochPlan,
-    PlannedEpochs,
-    check_int,
-    located_order,
-    restore_position,
-)
+from sparkgpu.data.loaders._base import ReadOptions, ReadSettings, Resumable, StateLayout, job_rank
+from sparkgpu.data.loaders._shards import SHARD_SOURCE
+from sparkgpu.data.loaders.order import DEFAULT_BLOCK_SIZE, EpochOrders, EpochPlan, check_int, located_order
 from sparkgpu.data.loaders._pipeline import Producer, WorkerBatches, in_background, prefetch_to_device
 from sparkgpu.data.mds.decode import BatchDecoder
 from sparkgpu.data.mds.features import resolve_features
@@ -57,27 +52,22 @@ from sparkgpu.errors import ConfigurationError, DataError
 
 __all__ = ["open_mds", "MDSLoader"]
 
-_STATE_VERSION = 1
+# The loader's attributes that say which batches are made and how (beside SHARD_SOURCE's, where
+# its shards are and how the cache fetches them).
+_PRODUCER = (
+    *("shuffle", "seed", "shuffle_block_size", "rank", "world_size", "batch_size", "drop_last"),
+    *("transform", "batch_transform", "features", "decode"),
+)
 
 
 def open_mds(
-    remote: str | None = None,
-    local: str | os.PathLike | None = None,
+    remote: str | None,
+    local: str | os.PathLike | None,
+    options: ReadOptions,
     *,
-    batch_size: int,
-    shuffle: bool = False,
-    seed: int = 0,
-    shuffle_block_size: int | None = None,
-    drop_last: bool = False,
-    num_workers: int = 0,
     prefetch_batches: int = 0,
     pin_memory: bool = False,
     device=None,
-    cache_limit: int | str | None = None,
-    download_threads: int = 8,
-    rank: int | None = None,
-    world_size: int | None = None,
-    storage_options: dict | None = None,
     allow_unsafe_types: bool = False,
     transform=None,
     batch_transform=None,
@@ -87,22 +77,20 @@ def open_mds(
 ) -> "MDSLoader":
     """Opens one MDS dataset: :func:`sparkgpu.data.dataset` without ``streams``.
 
-    The arguments, the checks and the errors are :func:`~sparkgpu.data.loaders.dataset.dataset`'s;
-    mixtures open each of their streams through here.
+    The arguments (``options``: the shared ones), the checks and the errors are
+    :func:`~sparkgpu.data.loaders.dataset.dataset`'s; mixtures open each of their streams
+    through here.
     """
-    from sparkgpu import runtime
     from sparkgpu.config import settings
 
-    rank = runtime.get_global_rank() if rank is None else rank
-    world_size = runtime.get_world_size() if world_size is None else world_size
-    check_int("batch_size", batch_size, 1)
-    check_int("seed", seed, 0)
-    check_int("world_size", world_size, 1)
-    check_int("num_workers", num_workers, 0)
+    rank, world_size = job_rank(options.rank, options.world_size)
+    check_int("batch_size", options.batch_size, 1)
+    check_int("seed", options.seed, 0)
+    check_int("num_workers", options.num_workers, 0)
     check_int("prefetch_batches", prefetch_batches, 0)
-    check_int("download_threads", download_threads, 1)
-    if shuffle_block_size is not None:
-        check_int("shuffle_block_size", shuffle_block_size, 1)
+    check_int("download_threads", options.download_threads, 1)
+    if options.shuffle_block_size is not None:
+        check_int("shuffle_block_size", options.shuffle_block_size, 1)
     check_transform("transform", transform)
     check_transform("batch_transform", batch_transform)
     decode = check_decode(decode)
@@ -121,13 +109,12 @@ def open_mds(
             "batches: drop features= (and target=) to read images with decode="
         )
     if decode is not None:
-        check_decode_device(decode, num_workers, _cuda_available())
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ConfigurationError(f"rank={rank!r} must be an integer in [0, world_size={world_size})")
+        check_decode_device(decode, options.num_workers, _cuda_available())
     if remote is None and local is None:
         raise ConfigurationError(
             "pass remote= (the dataset's volume URL), local= (a folder holding the shards), or both"
         )
+    cache_limit, storage_options = options.cache_limit, options.storage_options
     if cache_limit is None and remote is not None:
         cache_limit = settings().cache_limit_bytes
     limit = parse_size(cache_limit, "cache_limit") if cache_limit is not None else None
@@ -172,20 +159,16 @@ def open_mds(
         index=index,
         directory=directory,
         volume_url=volume.url if volume else None,
-        storage_options=storage_options,
-        batch_size=batch_size,
-        shuffle=shuffle,
-        seed=seed,
-        shuffle_block_size=shuffle_block_size or DEFAULT_BLOCK_SIZE,
-        drop_last=drop_last,
-        num_workers=num_workers,
+        options=dataclasses.replace(
+            options,
+            rank=rank,
+            world_size=world_size,
+            shuffle_block_size=options.shuffle_block_size or DEFAULT_BLOCK_SIZE,
+            cache_limit=limit,
+        ),
         prefetch_batches=prefetch_batches,
         pin_memory=pin_memory,
         device=device,
-        cache_limit=limit,
-        download_threads=download_threads,
-        rank=rank,
-        world_size=world_size,
         transform=transform,
         batch_transform=batch_transform,
         features=resolve_features(index.columns, features, target) if features is not None else None,
@@ -193,7 +176,7 @@ def open_mds(
     )
 
 
-class MDSLoader(PlannedEpochs):
+class MDSLoader(Resumable, ReadSettings):
     """An epoch-by-epoch iterable of batches with an exact, JSON-able position.
 
     Built by :func:`sparkgpu.data.dataset` (through :func:`open_mds`). Iterating yields the rest of the current epoch (all of it, unless
@@ -212,20 +195,10 @@ class MDSLoader(PlannedEpochs):
         index: DatasetIndex,
         directory,
         volume_url,
-        storage_options,
-        batch_size,
-        shuffle,
-        seed,
-        shuffle_block_size,
-        drop_last,
-        num_workers,
+        options: ReadOptions,
         prefetch_batches,
         pin_memory,
         device,
-        cache_limit,
-        download_threads,
-        rank,
-        world_size,
         transform=None,
         batch_transform=None,
         features=None,
@@ -234,20 +207,10 @@ class MDSLoader(PlannedEpochs):
         self.index = index
         self.directory = os.fspath(directory)
         self.volume_url = volume_url
-        self.storage_options = storage_options
-        self.batch_size = batch_size
-        self.shuffle = shuffle
-        self.seed = seed
-        self.shuffle_block_size = shuffle_block_size
-        self.drop_last = drop_last
-        self.num_workers = num_workers
+        self._read_with(options)  # resolved: rank, world size, block size and cache limit worked out
         self.prefetch_batches = prefetch_batches
         self.pin_memory = pin_memory
         self.device = device
-        self.cache_limit = cache_limit
-        self.download_threads = download_threads
-        self.rank = rank
-        self.world_size = world_size
         self.transform = transform
         self.batch_transform = batch_transform
         self.features = features  # a FeatureLayout: batches are (x, y)
@@ -255,13 +218,13 @@ class MDSLoader(PlannedEpochs):
         self.num_samples = index.num_samples
         self.epoch = 0
         self._consumed = 0  # samples of self.epoch consumed by all ranks together
-        self._orders = EpochOrders(self._located_order_of, per_epoch=bool(shuffle))
+        self._orders = EpochOrders(self._located_order_of, per_epoch=bool(self.shuffle))
         self._producer: Producer | None = None
         self._workers: torch.utils.data.DataLoader | None = (
             None  # the DataLoader of num_workers > 0, created on first use
         )
         self._splitter = BatchDecoder(index.columns, allocate=None)
-        self.metrics = LoaderMetrics(rank)  # wait and step times, cache figures: stats() and the job's run
+        self.metrics = LoaderMetrics(self.rank)  # wait and step times, cache figures: stats() and the job's run
 
     # Position.
 
@@ -270,18 +233,7 @@ class MDSLoader(PlannedEpochs):
 
         Ranks step in lockstep, so every rank's state is the same; saving rank 0's is enough.
         """
-        return {
-            "version": _STATE_VERSION,
-            "epoch": self.epoch,
-            "samples_consumed": self._consumed,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "shuffle_block_size": self.shuffle_block_size,
-            "world_size": self.world_size,
-            "batch_size": self.batch_size,
-            "num_samples": self.num_samples,
-            "dataset": self.index.fingerprint,
-        }
+        return self._saved_state()
 
     def load_state_dict(self, state: dict) -> None:
         """Continues from a saved position: the next iteration yields the rest of that epoch.
@@ -293,25 +245,23 @@ class MDSLoader(PlannedEpochs):
         Raises:
             ConfigurationError: The state comes from another dataset or shuffle.
         """
-        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
-            raise ConfigurationError(
-                f"not a loader state (expected a dict from MDSLoader.state_dict(), got {state!r:.200})"
-            )
-        self.epoch, self._consumed = restore_position(
-            state,
-            self.state_dict(),
-            keys=("seed", "shuffle", "shuffle_block_size", "num_samples", "dataset"),
-            total=self.num_samples,
-            unit=f"dataset of {self.num_samples} samples",
-            what="loader",
-            fix="open the dataset with the same {key} to resume, or start a fresh epoch with set_epoch()",
-        )
+        self.epoch, self._consumed = self._restored_position(state)
+
+    _layout = StateLayout(
+        fields=("seed", "shuffle", "shuffle_block_size", "world_size", "batch_size", "num_samples"),
+        checked=("seed", "shuffle", "shuffle_block_size", "num_samples", "dataset"),
+    )
+
+    def _state_identity(self) -> dict:
+        return {"dataset": self.index.fingerprint}
+
+    def _state_extent(self, state: dict) -> tuple[int, str]:
+        return self.num_samples, f"dataset of {self.num_samples} samples"
 
     # Iteration.
 
     def __iter__(self):
-        plan = self._begin_epoch()
-        start, step = self._consumed, self.batch_size * self.world_size
+        plan, start = self._begin_epoch(), self._consumed
         # Fixed-width batches travel as one buffer of gathered rows (one shared-memory transfer
         # from a worker, one pin, one host-to-device copy) and become column views at the end.
         source = self._in_process(plan) if self.num_workers == 0 else self._in_workers(start)
@@ -321,16 +271,7 @@ class MDSLoader(PlannedEpochs):
             split = self._splitter.split_rows
             source = (split(batch) if isinstance(batch, torch.Tensor) else batch for batch in source)
         timed = self.metrics.timed(source, self._producer.cache if self._producer is not None else None)
-        try:
-            for number, batch in enumerate(timed, 1):
-                # Counted when handed out: a checkpoint taken after this step resumes after it.
-                self._consumed = start + min(number * step, len(plan.samples) * self.world_size)
-                yield batch
-        finally:
-            close = getattr(source, "close", None)
-            if close:
-                close()
-        self.epoch, self._consumed = self.epoch + 1, 0
+        yield from self._hand_out(plan, start, timed, source)
 
     def stats(self) -> dict:
         """This rank's loader figures so far (:meth:`sparkgpu.data.loaders.metrics.LoaderMetrics.snapshot`);
@@ -370,15 +311,7 @@ class MDSLoader(PlannedEpochs):
 
     def _plan(self, epoch: int, start: int) -> EpochPlan:
         order, shards, rows = self._located_order(epoch)
-        return EpochPlan.for_rank(
-            order,
-            start=start,
-            rank=self.rank,
-            world_size=self.world_size,
-            batch_size=self.batch_size,
-            drop_last=self.drop_last,
-            located=(shards, rows),
-        )
+        return self._rank_plan(order, start, located=(shards, rows))
 
     def _in_process(self, plan: EpochPlan):
         if self._producer is None:
@@ -402,26 +335,13 @@ class MDSLoader(PlannedEpochs):
         self._worker_position[0], self._worker_position[1] = self.epoch, start
         return iter(self._workers)
 
+    def _source_spec(self) -> dict:
+        """Where the shards are and how the cache fetches them: what a loader reading them needs."""
+        return {name: getattr(self, name) for name in SHARD_SOURCE}
+
     def _producer_spec(self) -> dict:
-        return {
-            "index": self.index,
-            "directory": self.directory,
-            "volume_url": self.volume_url,
-            "storage_options": self.storage_options,
-            "cache_limit": self.cache_limit,
-            "download_threads": self.download_threads,
-            "shuffle": self.shuffle,
-            "seed": self.seed,
-            "shuffle_block_size": self.shuffle_block_size,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "batch_size": self.batch_size,
-            "drop_last": self.drop_last,
-            "transform": self.transform,
-            "batch_transform": self.batch_transform,
-            "features": self.features,
-            "decode": self.decode,
-        }
+        """What decodes this loader's batches (:class:`~sparkgpu.data.loaders._pipeline.Producer`), here or in a worker."""
+        return {name: getattr(self, name) for name in (*SHARD_SOURCE, *_PRODUCER)}
 
 
 def _cuda_available() -> bool:

@@ -48,18 +48,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from sparkgpu.data.storage.cache import ShardCache
 from sparkgpu.data.mds.decode import BatchDecoder
 from sparkgpu.data.loaders.metrics import LoaderMetrics
 from sparkgpu.data.loaders.mds_loader import open_mds
-from sparkgpu.data.loaders.order import EpochPlan, PlannedEpochs, check_int, epoch_order, restore_position
+from sparkgpu.data.loaders._base import ReadOptions, Resumable, StateLayout, worker_batches
+from sparkgpu.data.loaders._shards import map_shard, open_shard_cache
+from sparkgpu.data.loaders.order import EpochPlan, check_int, epoch_order
 from sparkgpu.data.mds.reader import ShardReader
-from sparkgpu.data.storage.volume import Volume
 from sparkgpu.errors import ConfigurationError
 
 __all__ = ["Stream", "MixtureLoader", "samples_per_stream"]
 
-_STATE_VERSION = 1
 _MAX_OPEN_SHARDS = 32  # shards a local stream keeps mapped between batches
 
 
@@ -156,22 +155,12 @@ def samples_per_stream(streams, sizes, epoch_size: int | None, seed: int) -> np.
 
 def mixture_dataset(
     streams,
+    options: ReadOptions,
     *,
     local,
     epoch_size,
-    batch_size,
-    shuffle,
-    seed,
-    shuffle_block_size,
-    drop_last,
-    num_workers,
     prefetch_batches,
     device,
-    cache_limit,
-    download_threads,
-    rank,
-    world_size,
-    storage_options,
     allow_unsafe_types,
     **unsupported,
 ) -> "MixtureLoader":
@@ -180,10 +169,11 @@ def mixture_dataset(
         raise ConfigurationError(f"streams= takes a non-empty list of data.Stream, got {streams!r:.200}")
     if epoch_size is not None:
         check_int("epoch_size", epoch_size, 1)
-    check_int("num_workers", num_workers, 0)
+    check_int("num_workers", options.num_workers, 0)
     bad = sorted(k for k, v in unsupported.items() if v)
     if bad:
         raise ConfigurationError(f"{bad} are not supported with streams=; leave them out")
+    in_process = dataclasses.replace(options, num_workers=0)  # each stream's loader; the mixture has the workers
     opened = []
     for stream in streams:
         where = stream.local if stream.local is not None else (local if stream.remote is not None else None)
@@ -191,18 +181,9 @@ def mixture_dataset(
             open_mds(
                 stream.remote,
                 where,
-                batch_size=batch_size,
-                shuffle=shuffle,
-                seed=seed,
-                shuffle_block_size=shuffle_block_size,
-                drop_last=drop_last,
+                in_process,
                 prefetch_batches=prefetch_batches,
                 device=device,
-                cache_limit=cache_limit,
-                download_threads=download_threads,
-                rank=rank,
-                world_size=world_size,
-                storage_options=storage_options,
                 allow_unsafe_types=allow_unsafe_types,
             )
         )
@@ -214,8 +195,8 @@ def mixture_dataset(
                 f"{[(c.name, c.encoding) for c in first]}; mixed streams need the same columns and encodings: "
                 "convert them with the same schema"
             )
-    counts = samples_per_stream(streams, [o.num_samples for o in opened], epoch_size, seed)
-    return MixtureLoader(opened, counts, prefetch_batches=prefetch_batches, num_workers=num_workers)
+    counts = samples_per_stream(streams, [o.num_samples for o in opened], epoch_size, options.seed)
+    return MixtureLoader(opened, counts, prefetch_batches=prefetch_batches, num_workers=options.num_workers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,14 +229,13 @@ class _StreamReader:
     """One stream's cache, open shards and decoder."""
 
     def __init__(self, loader: "_StreamSpec", pinned: bool):
-        volume = Volume(loader.volume_url, loader.storage_options) if loader.volume_url else None
         self.index = loader.index
-        self.cache = ShardCache(loader.directory, self.index, volume, loader.cache_limit, loader.download_threads)
+        self.cache = open_shard_cache(vars(loader))  # the spec's fields include the shards' source
         self.decoder = BatchDecoder(self.index.columns, lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=pinned))
         self.ends = np.cumsum(self.index.shard_sizes)
         self._readers: dict[int, ShardReader] = {}
         # Only a cache of a volume evicts shards; a local dataset folder keeps every file.
-        self._evictable = volume is not None
+        self._evictable = self.cache.volume is not None
         self._last_key: bytes | None = None
         self._last_readers: list[ShardReader] = []
 
@@ -279,16 +259,9 @@ class _StreamReader:
             self._release(keep=set(keys))
         for shard, path in zip(keys, paths):
             if shard not in self._readers:
-                self._readers[shard] = self._read(shard, path)
+                self._readers[shard] = map_shard(self.cache, shard, path, self.decoder.row_bytes)
         self._last_key, self._last_readers = key, [self._readers[s] for s in keys]
         return self._last_readers
-
-    def _read(self, shard: int, path) -> ShardReader:
-        info = self.index.shards[shard]
-        try:
-            return ShardReader(path, info, self.decoder.row_bytes)
-        except FileNotFoundError:  # evicted by another process between acquire and open
-            return ShardReader(self.cache.refetch(shard), info, self.decoder.row_bytes)
 
     def _release(self, keep: set) -> None:
         for shard in [s for s in self._readers if s not in keep]:
@@ -300,7 +273,7 @@ class _StreamReader:
         self.cache.close()
 
 
-class MixtureLoader(PlannedEpochs):
+class MixtureLoader(Resumable):
     """An epoch-by-epoch iterable of batches mixed from several streams, with an exact position.
 
     Built by :func:`sparkgpu.data.dataset` with ``streams=``.
@@ -333,16 +306,7 @@ class MixtureLoader(PlannedEpochs):
 
     def state_dict(self) -> dict:
         """The position after the last batch handed out, as plain JSON (the same on every rank)."""
-        return {
-            "version": _STATE_VERSION,
-            "epoch": self.epoch,
-            "samples_consumed": self._consumed,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "shuffle_block_size": self.shuffle_block_size,
-            "counts": self.counts.tolist(),
-            "datasets": [s.index.fingerprint for s in self.streams],
-        }
+        return self._saved_state()
 
     def load_state_dict(self, state: dict) -> None:
         """Continues from a saved position: the next iteration yields the rest of that epoch.
@@ -350,19 +314,22 @@ class MixtureLoader(PlannedEpochs):
         Raises:
             ConfigurationError: The state comes from other streams, weights or shuffle.
         """
-        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION or "counts" not in state:
-            raise ConfigurationError(
-                f"not a mixture state (expected a dict from MixtureLoader.state_dict(), got {state!r:.200})"
-            )
-        self.epoch, self._consumed = restore_position(
-            state,
-            self.state_dict(),
-            keys=("seed", "shuffle", "shuffle_block_size", "counts", "datasets"),
-            total=self.num_samples,
-            unit=f"epoch of {self.num_samples} samples",
-            what="mixture",
-            fix="open the same streams with the same weights, seed and shuffle to resume",
-        )
+        self.epoch, self._consumed = self._restored_position(state)
+
+    _layout = StateLayout(
+        fields=("seed", "shuffle", "shuffle_block_size"),
+        checked=("seed", "shuffle", "shuffle_block_size", "counts", "datasets"),
+        fix="open the same streams with the same weights, seed and shuffle to resume",
+        marks=("counts",),
+        name="a mixture",
+        what="mixture",
+    )
+
+    def _state_identity(self) -> dict:
+        return {"counts": self.counts.tolist(), "datasets": [s.index.fingerprint for s in self.streams]}
+
+    def _state_extent(self, state: dict) -> tuple[int, str]:
+        return self.num_samples, f"epoch of {self.num_samples} samples"
 
     def stats(self) -> dict:
         """This rank's loader figures so far, all streams' caches together."""
@@ -384,8 +351,7 @@ class MixtureLoader(PlannedEpochs):
     def __iter__(self):
         from sparkgpu.data.loaders._pipeline import in_background, prefetch_to_device
 
-        plan = self._begin_epoch()
-        start, step = self._consumed, self.batch_size * self.world_size
+        plan, start = self._begin_epoch(), self._consumed
         caches = None
         if self.num_workers:
             source = self._in_workers(start)
@@ -398,15 +364,7 @@ class MixtureLoader(PlannedEpochs):
                 source = in_background(source, self.prefetch_batches)
         if self.device is not None:
             source = prefetch_to_device(source, self.device)
-        try:
-            for number, batch in enumerate(self.metrics.timed(source, caches), 1):
-                self._consumed = start + min(number * step, len(plan.samples) * self.world_size)
-                yield batch
-        finally:
-            close = getattr(source, "close", None)
-            if close:
-                close()
-        self.epoch, self._consumed = self.epoch + 1, 0
+        yield from self._hand_out(plan, start, self.metrics.timed(source, caches), source)
 
     def _in_workers(self, start: int):
         # As the MDS loader's workers: they persist across epochs, and each iteration tells
@@ -433,14 +391,7 @@ class MixtureLoader(PlannedEpochs):
         self._workers = None  # dropping the DataLoader stops its worker processes
 
     def _plan(self, epoch: int, start: int) -> EpochPlan:
-        return EpochPlan.for_rank(
-            self.epoch_order(epoch),
-            start=start,
-            rank=self.rank,
-            world_size=self.world_size,
-            batch_size=self.batch_size,
-            drop_last=self.drop_last,
-        )
+        return self._rank_plan(self.epoch_order(epoch), start)
 
     def _open_readers(self) -> list[_StreamReader]:
         assert self._readers is not None, "the mixture is closed"  # opened by __iter__ before it reads batches
@@ -536,13 +487,11 @@ class _WorkerBatches(torch.utils.data.IterableDataset):
         self.mixture, self.position = mixture, position
 
     def __iter__(self):
-        info = torch.utils.data.get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         mixture = self.mixture
         plan = mixture._plan(int(self.position[0]), int(self.position[1]))
         if mixture._readers is None:
             mixture._readers = [_StreamReader(s, pinned=False) for s in mixture.streams]  # pinned by the DataLoader
-        yield from mixture._batches(plan, range(worker, plan.num_batches, workers))
+        yield from mixture._batches(plan, worker_batches(plan.num_batches))
 
 
 def _merge(parts: list, n: int) -> dict:

@@ -14,17 +14,17 @@ from __future__ import annotations
 import torch
 
 from sparkgpu import _progress
-from sparkgpu.data.loaders.order import PlannedEpochs
+from sparkgpu.data.loaders._base import Resumable, worker_batches
 from sparkgpu.errors import ConfigurationError
 
 __all__ = ["Positioned", "PositionedLoader"]
 
 
-class Positioned(PlannedEpochs, torch.utils.data.IterableDataset):
+class Positioned(Resumable, torch.utils.data.IterableDataset):
     """An iterable dataset with an epoch and a count of rows consumed by all ranks in it.
 
     Subclasses define ``_plan(epoch, start)`` (an :class:`~sparkgpu.data.loaders.order.EpochPlan`),
-    ``world_size``, ``epoch`` and ``_consumed``.
+    ``world_size``, ``epoch`` and ``_consumed``, and their state's layout (:class:`~sparkgpu.data.loaders._base.Resumable`).
     """
 
     world_size: int
@@ -46,14 +46,9 @@ class Positioned(PlannedEpochs, torch.utils.data.IterableDataset):
         """
         return PositionedLoader(self, num_workers=num_workers, **dataloader_options)
 
-    def _advance(self, plan, start: int, batches: int) -> None:
-        """Sets the position to just after the rank's first ``batches`` batches of ``plan``."""
-        self._consumed = start + min(batches * plan.batch_size, len(plan.samples)) * self.world_size
-
     def _batch_numbers(self, plan) -> range:
         """The batches of ``plan`` this process builds: all, or every W-th in DataLoader worker w."""
-        worker = torch.utils.data.get_worker_info()
-        return range(plan.num_batches) if worker is None else range(worker.id, plan.num_batches, worker.num_workers)
+        return worker_batches(plan.num_batches)
 
 
 class PositionedLoader(torch.utils.data.DataLoader):

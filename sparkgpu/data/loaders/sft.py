@@ -37,6 +37,7 @@ row of ``batch_size * seq_len`` tokens, which every row's restart at 0 keeps apa
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 
@@ -47,26 +48,16 @@ from sparkgpu.data import _gather
 from sparkgpu.data.loaders._token_shards import TokenColumn
 from sparkgpu.data.loaders.mds_loader import open_mds
 from sparkgpu.data.loaders.metrics import LoaderMetrics
-from sparkgpu.data.loaders.order import (
-    DEFAULT_BLOCK_SIZE,
-    EpochOrders,
-    EpochPlan,
-    PlannedEpochs,
-    check_int,
-    epoch_order,
-    locate,
-    restore_position,
-)
+from sparkgpu.data.loaders._base import ReadOptions, ReadSettings, Resumable, StateLayout, WorkerCuts
+from sparkgpu.data.loaders._shards import map_shard, open_shard_cache
+from sparkgpu.data.loaders.order import DEFAULT_BLOCK_SIZE, EpochOrders, EpochPlan, check_int, epoch_order, locate
 from sparkgpu.data.loaders.packing import OVERFLOW, PackedRows, pack_epoch
 from sparkgpu.data.mds.reader import INDEX_NAME, ShardReader
-from sparkgpu.data.storage.cache import ShardCache
-from sparkgpu.data.storage.volume import Volume
 from sparkgpu.errors import ConfigurationError, DataError
 
 __all__ = ["sft_dataset", "SFTLoader", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100
-_STATE_VERSION = 1
 _DEFAULT_WINDOW = 4096
 # Rows cut at once when single rows are handed out (batch_size=None).
 _ROWS_PER_CUT = 32
@@ -145,31 +136,11 @@ def sft_dataset(
         check_int("pad_id", pad_id, 0)
     if flatten and batch_size is None:
         raise ConfigurationError("flatten=True joins the rows of a batch into one; pass batch_size=")
-    opened = open_mds(
-        remote,
-        local,
-        batch_size=batch_size or _ROWS_PER_CUT,
-        shuffle=shuffle,
-        seed=seed,
-        shuffle_block_size=shuffle_block_size,
-        drop_last=drop_last,
-        num_workers=num_workers,
-        cache_limit=cache_limit,
-        download_threads=download_threads,
-        rank=rank,
-        world_size=world_size,
-        storage_options=storage_options,
-    )
+    options = ReadOptions.of(locals())
+    opened = open_mds(remote, local, dataclasses.replace(options, batch_size=batch_size or _ROWS_PER_CUT))
     ids, mask = TokenColumn(opened.index, column, None), TokenColumn(opened.index, mask_column, None)
     ids.column, mask.column  # noqa: B018 - raise when a column is missing
-    spec = {
-        "index": opened.index,
-        "directory": opened.directory,
-        "volume_url": opened.volume_url,
-        "storage_options": storage_options,
-        "cache_limit": opened.cache_limit,
-        "download_threads": download_threads,
-    }
+    spec = opened._source_spec()
     if pad_id is None:
         pad_id = _recorded_pad_id(opened.directory)
     return SFTLoader(
@@ -183,13 +154,7 @@ def sft_dataset(
         pad_id=pad_id,
         attention_mask=attention_mask,
         flatten=flatten,
-        shuffle=shuffle,
-        seed=seed,
-        shuffle_block_size=opened.shuffle_block_size,
-        drop_last=drop_last,
-        num_workers=num_workers,
-        rank=opened.rank,
-        world_size=opened.world_size,
+        options=opened._read_options(),
     )
 
 
@@ -252,10 +217,9 @@ class _ShardSource:
     """Shards through the cache, mapped while rows are cut from them (as ``token_dataset``'s)."""
 
     def __init__(self, spec: dict):
-        volume = Volume(spec["volume_url"], spec["storage_options"]) if spec["volume_url"] else None
         self.index = spec["index"]
-        self.cache = ShardCache(spec["directory"], spec["index"], volume, spec["cache_limit"], spec["download_threads"])
-        self._evictable = volume is not None
+        self.cache = open_shard_cache(spec)
+        self._evictable = self.cache.volume is not None
         self._readers: collections.OrderedDict[int, ShardReader] = collections.OrderedDict()
 
     def reader(self, step: int, shard: int) -> ShardReader:
@@ -265,11 +229,7 @@ class _ShardSource:
     def _open(self, shard: int, path) -> ShardReader:
         reader = self._readers.get(shard)
         if reader is None:
-            try:
-                reader = ShardReader(path, self.index.shards[shard], None)
-            except FileNotFoundError:  # evicted by another process between acquire and open
-                reader = ShardReader(self.cache.refetch(shard), self.index.shards[shard], None)
-            self._readers[shard] = reader
+            reader = self._readers[shard] = map_shard(self.cache, shard, path)
         self._readers.move_to_end(shard)
         return reader
 
@@ -294,7 +254,7 @@ class _ShardSource:
         self.cache.close()
 
 
-class SFTLoader(PlannedEpochs):
+class SFTLoader(Resumable, ReadSettings):
     """An epoch-by-epoch iterable of packed rows with an exact, JSON-able position.
 
     Built by :func:`sft_dataset`. Yields dicts of ``int64`` tensors: ``input_ids``, ``labels``,
@@ -325,29 +285,22 @@ class SFTLoader(PlannedEpochs):
         pad_id,
         attention_mask,
         flatten,
-        shuffle,
-        seed,
-        shuffle_block_size,
-        drop_last,
-        num_workers,
-        rank,
-        world_size,
+        options: ReadOptions,
     ):
         self._spec, self._ids, self._mask = spec, ids, mask
+        self._read_with(options)
         self.seq_len, self.batch_size, self.overflow, self.pack_window = seq_len, batch_size, overflow, pack_window
         self.pad_id, self.attention_mask, self.flatten = pad_id, attention_mask, flatten
-        self.shuffle, self.seed, self.shuffle_block_size = shuffle, seed, shuffle_block_size
-        self.drop_last, self.num_workers, self.rank, self.world_size = drop_last, num_workers, rank, world_size
         self._source = _ShardSource(spec)
         self._docs = _Documents(self._source, ids, mask)
         if pad_id > np.iinfo(self._docs.dtype).max:
             raise ConfigurationError(f"pad_id={pad_id} does not fit the column's {self._docs.dtype} token ids")
         self.num_documents = len(self._docs.lengths)
         self.num_tokens = int(self._docs.lengths.sum())
-        self._rows = EpochOrders(self._pack, per_epoch=shuffle)
+        self._rows = EpochOrders(self._pack, per_epoch=self.shuffle)
         self.epoch = 0
         self._consumed = 0
-        self.metrics = LoaderMetrics(rank)
+        self.metrics = LoaderMetrics(self.rank)
 
     # Planning.
 
@@ -376,33 +329,15 @@ class SFTLoader(PlannedEpochs):
 
     def _plan(self, epoch: int, start: int) -> EpochPlan:
         rows = self._rows.get(epoch)
-        return EpochPlan.for_rank(
-            np.arange(rows.num_rows, dtype=np.int64),
-            start=start,
-            rank=self.rank,
-            world_size=self.world_size,
-            batch_size=self.batch_size or _ROWS_PER_CUT,
-            drop_last=self.drop_last,
+        return self._rank_plan(
+            np.arange(rows.num_rows, dtype=np.int64), start, batch_size=self.batch_size or _ROWS_PER_CUT
         )
 
     # Position.
 
     def state_dict(self) -> dict:
         """The position after the last batch handed out, as plain JSON (the same on every rank)."""
-        return {
-            "version": _STATE_VERSION,
-            "epoch": self.epoch,
-            "rows_consumed": self._consumed,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "shuffle_block_size": self.shuffle_block_size,
-            "seq_len": self.seq_len,
-            "overflow": self.overflow,
-            "pack_window": self.pack_window,
-            "world_size": self.world_size,
-            "columns": [self._ids.name, self._mask.name],
-            "dataset": self._spec["index"].fingerprint,
-        }
+        return self._saved_state()
 
     def load_state_dict(self, state: dict) -> None:
         """Continues from a saved position: the next iteration starts at the next unread row.
@@ -410,26 +345,12 @@ class SFTLoader(PlannedEpochs):
         Raises:
             ConfigurationError: The state comes from another dataset, packing, shuffle or world size.
         """
-        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION or "rows_consumed" not in state:
-            raise ConfigurationError(
-                f"not an SFT loader state (expected a dict from SFTLoader.state_dict(), got {state!r:.200})"
-            )
-        keys = ["seed", "shuffle", "shuffle_block_size", "seq_len", "overflow", "pack_window", "columns", "dataset"]
-        epoch = int(state.get("epoch", 0))
-        rows = self._rows.get(epoch) if isinstance(state.get("epoch"), int) and state["epoch"] >= 0 else None
-        epoch, consumed = restore_position(
-            state,
-            self.state_dict(),
-            keys=keys,
-            total=rows.num_rows if rows is not None else 0,
-            unit=f"epoch of {rows.num_rows if rows is not None else 0} rows",
-            what="loader",
-            counter="rows_consumed",
-            fix="open the dataset with the same {key} to resume, or start a fresh epoch with set_epoch()",
-        )
+        epoch, consumed = self._restored_position(state)
         # Rows before the epoch's last window are the same for any world size; only that
-        # window's rows are divided so that every rank gets as many.
-        if state.get("world_size") != self.world_size and rows is not None and consumed > rows.last_window:
+        # window's rows are divided so that every rank gets as many. (A position past 0 is
+        # one of the epoch's rows: the epoch is a valid one, planned by _state_extent.)
+        rows = self._rows.get(epoch) if consumed else None
+        if rows is not None and state.get("world_size") != self.world_size and consumed > rows.last_window:
             raise ConfigurationError(
                 f"the saved state was taken with world_size={state.get('world_size')} in the last "
                 f"{rows.num_rows - rows.last_window} rows of epoch {epoch}, whose packing depends on the "
@@ -437,6 +358,23 @@ class SFTLoader(PlannedEpochs):
                 "with set_epoch()"
             )
         self.epoch, self._consumed = epoch, consumed
+
+    _layout = StateLayout(
+        fields=("seed", "shuffle", "shuffle_block_size", "seq_len", "overflow", "pack_window", "world_size"),
+        checked=("seed", "shuffle", "shuffle_block_size", "seq_len", "overflow", "pack_window", "columns", "dataset"),
+        counter="rows_consumed",
+        marks=("rows_consumed",),
+        name="an SFT loader",
+    )
+
+    def _state_identity(self) -> dict:
+        return {"columns": [self._ids.name, self._mask.name], "dataset": self._spec["index"].fingerprint}
+
+    def _state_extent(self, state: dict) -> tuple[int, str]:
+        # The rows of the saved state's epoch (a malformed epoch has none: restore_position refuses it).
+        epoch = state.get("epoch")
+        rows = self._rows.get(epoch).num_rows if isinstance(epoch, int) and epoch >= 0 else 0
+        return rows, f"epoch of {rows} rows"
 
     def stats(self) -> dict:
         """This rank's loader figures so far (see :class:`sparkgpu.data.loaders.metrics.LoaderMetrics`)."""
@@ -450,9 +388,7 @@ class SFTLoader(PlannedEpochs):
         start = self._consumed
         if self.num_workers:
             source = iter(
-                torch.utils.data.DataLoader(
-                    _WorkerRows(self, rows, plan), batch_size=None, num_workers=self.num_workers
-                )
+                torch.utils.data.DataLoader(WorkerCuts(self, plan, rows), batch_size=None, num_workers=self.num_workers)
             )
         else:
             source = self.batches(rows, plan, range(plan.num_batches))
@@ -483,6 +419,10 @@ class SFTLoader(PlannedEpochs):
         """Stops background downloads and planning, and frees the shards held in memory."""
         self._rows.close()
         self._source.close()
+
+    def _reopen(self) -> None:
+        """In a forked DataLoader worker: a source of its own (the parent's download threads did not come along)."""
+        self._source = _ShardSource(self._spec)
 
     def _pieces(self, rows: PackedRows, row_ids: np.ndarray):
         """Pieces of ``row_ids``: ``(doc, offset, length, batch_row)``, in row order."""
@@ -547,17 +487,3 @@ class SFTLoader(PlannedEpochs):
 def _mapped(reader: ShardReader) -> np.ndarray:
     assert reader.data is not None, "the shard reader is closed"
     return reader.data
-
-
-class _WorkerRows(torch.utils.data.IterableDataset):
-    """Worker ``w`` of ``k`` cuts batches ``w, w + k, ...``; the DataLoader interleaves them back in order."""
-
-    def __init__(self, loader: SFTLoader, rows: PackedRows, plan: EpochPlan):
-        self.loader, self.rows, self.plan = loader, rows, plan
-
-    def __iter__(self):
-        info = torch.utils.data.get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        if info is not None:  # a forked copy: the parent's download threads did not come along
-            self.loader._source = _ShardSource(self.loader._spec)
-        yield from self.loader.batches(self.rows, self.plan, range(worker, self.plan.num_batches, workers))

@@ -41,15 +41,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from sparkgpu.data.loaders.order import (
-    DEFAULT_BLOCK_SIZE,
-    EpochOrders,
-    EpochPlan,
-    check_int,
-    locate,
-    restore_position,
-    shard_spans,
-)
+from sparkgpu.data.loaders._base import StateLayout, job_rank
+from sparkgpu.data.loaders.order import DEFAULT_BLOCK_SIZE, EpochOrders, EpochPlan, check_int, locate, shard_spans
 from sparkgpu.data.loaders.positioned import Positioned
 from sparkgpu.data.loaders.lazy_orders import BandedOrder, FragmentOrder, LazyOrder
 from sparkgpu.data.tables.filter import KEEP, to_expression
@@ -59,8 +52,6 @@ from sparkgpu.data.loaders.table_tensors import UnitColumns, gather_batch, gathe
 from sparkgpu.errors import ConfigurationError, DataError
 
 __all__ = ["table_dataset", "TableDataset"]
-
-_STATE_VERSION = 1
 
 # Iterations not run to their end. One still open when the interpreter exits is closed here,
 # while the modules its read threads' shutdown needs still exist; otherwise the interpreter's
@@ -137,10 +128,6 @@ def table_dataset(
         ConfigurationError: An argument is invalid (the message says what to pass instead).
         DataError: The table cannot be read.
     """
-    from sparkgpu import runtime
-
-    rank = runtime.get_global_rank() if rank is None else rank
-    world_size = runtime.get_world_size() if world_size is None else world_size
     if isinstance(path_or_url, TableRef):
         ref, path_or_url = path_or_url, path_or_url.path
         columns = list(ref.columns) if columns is None and ref.columns is not None else columns
@@ -155,12 +142,10 @@ def table_dataset(
             f"shuffle={shuffle!r} is not a table shuffle; pass True (rows mixed across row groups), "
             "'fragments' (row groups in a random order, rows mixed within each batch) or False"
         )
-    check_int("world_size", world_size, 1)
+    rank, world_size = job_rank(rank, world_size)
     check_int("read_threads", read_threads, 1)
     if shuffle_block_size is not None:
         check_int("shuffle_block_size", shuffle_block_size, 1)
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ConfigurationError(f"rank={rank!r} must be an integer in [0, world_size={world_size})")
     opened = open_table(path_or_url, version, timestamp, storage_options)
     dataset, selection, identity = opened.dataset, opened.selection, opened.identity
     schema = dataset.schema
@@ -262,18 +247,7 @@ class TableDataset(Positioned):
 
     def state_dict(self) -> dict:
         """The position after the last batch handed out, as plain JSON (the same on every rank)."""
-        return {
-            "version": _STATE_VERSION,
-            "epoch": self.epoch,
-            "samples_consumed": self._consumed,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "shuffle_block_size": self.shuffle_block_size,
-            "world_size": self.world_size,
-            "batch_size": self.batch_size,
-            "num_samples": self.num_samples,
-            "dataset": self.fingerprint,
-        }
+        return self._saved_state()
 
     def load_state_dict(self, state: dict) -> None:
         """Continues from a saved position: the next iteration yields the rest of that epoch.
@@ -281,20 +255,22 @@ class TableDataset(Positioned):
         Raises:
             ConfigurationError: The state comes from another table version, filter or shuffle.
         """
-        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
-            raise ConfigurationError(
-                f"not a table dataset state (expected a dict from TableDataset.state_dict(), got {state!r:.200})"
-            )
-        self.epoch, self._consumed = restore_position(
-            state,
-            self.state_dict(),
-            keys=("seed", "shuffle", "shuffle_block_size", "num_samples", "dataset"),
-            total=self.num_samples,
-            unit=f"dataset of {self.num_samples} rows",
-            what="dataset",
-            fix="open the same table version with the same columns, filter, seed and shuffle to resume, or start "
-            "afresh with set_epoch()",
-        )
+        self.epoch, self._consumed = self._restored_position(state)
+
+    _layout = StateLayout(
+        fields=("seed", "shuffle", "shuffle_block_size", "world_size", "batch_size", "num_samples"),
+        checked=("seed", "shuffle", "shuffle_block_size", "num_samples", "dataset"),
+        fix="open the same table version with the same columns, filter, seed and shuffle to resume, or start "
+        "afresh with set_epoch()",
+        name="a table dataset",
+        what="dataset",
+    )
+
+    def _state_identity(self) -> dict:
+        return {"dataset": self.fingerprint}
+
+    def _state_extent(self, state: dict) -> tuple[int, str]:
+        return self.num_samples, f"dataset of {self.num_samples} rows"
 
     # Iteration.
 
@@ -318,14 +294,7 @@ class TableDataset(Positioned):
         self.epoch, self._consumed = self.epoch + 1, 0
 
     def _plan(self, epoch: int, start: int) -> EpochPlan:
-        return EpochPlan.for_rank(
-            self._orders.get(epoch)[0],
-            start=start,
-            rank=self.rank,
-            world_size=self.world_size,
-            batch_size=self.batch_size,
-            drop_last=self.drop_last,
-        )
+        return self._rank_plan(self._orders.get(epoch)[0], start)
 
     def _order_of(self, epoch: int) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray], LazyOrder | None]:
         # The epoch's order, where each row group's rows lie in it (what the reader plans by), and,

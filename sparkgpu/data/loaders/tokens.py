@@ -37,24 +37,16 @@ import torch
 
 from sparkgpu.data import _gather
 from sparkgpu.data.loaders._token_shards import ShardDocuments, TokenColumn
-from sparkgpu.data.storage.cache import ShardCache
 from sparkgpu.data.loaders.metrics import LoaderMetrics
 from sparkgpu.data.loaders.mds_loader import open_mds
-from sparkgpu.data.loaders.order import (
-    DEFAULT_BLOCK_SIZE,
-    EpochPlan,
-    PlannedEpochs,
-    check_int,
-    epoch_order,
-    restore_position,
-)
+from sparkgpu.data.loaders._base import ReadOptions, ReadSettings, Resumable, StateLayout, WorkerCuts
+from sparkgpu.data.loaders._shards import map_shard, open_shard_cache
+from sparkgpu.data.loaders.order import DEFAULT_BLOCK_SIZE, EpochPlan, check_int, epoch_order
 from sparkgpu.data.mds.reader import ShardReader
-from sparkgpu.data.storage.volume import Volume
 from sparkgpu.errors import ConfigurationError, DataError
 
 __all__ = ["token_dataset", "TokenLoader"]
 
-_STATE_VERSION = 1
 # Shards whose document tables are kept between cuts (a shuffled order draws blocks from every
 # shard of its window at once); a local folder's stay mapped as well.
 _KEPT_SHARDS = 32
@@ -118,44 +110,16 @@ def token_dataset(
     if eos_id is not None:
         check_int("eos_id", eos_id, 0)
     # open_mds() checks and opens everything the two loaders share (volume, cache, rank).
-    opened = open_mds(
-        remote,
-        local,
-        batch_size=batch_size,
-        shuffle=shuffle,
-        seed=seed,
-        shuffle_block_size=shuffle_block_size,
-        drop_last=drop_last,
-        num_workers=num_workers,
-        cache_limit=cache_limit,
-        download_threads=download_threads,
-        rank=rank,
-        world_size=world_size,
-        storage_options=storage_options,
-    )
+    opened = open_mds(remote, local, ReadOptions.of(locals()))
     tokens = TokenColumn(opened.index, column, eos_id)
     tokens.column  # noqa: B018 - raises when the column is missing
-    spec = {
-        "index": opened.index,
-        "directory": opened.directory,
-        "volume_url": opened.volume_url,
-        "storage_options": storage_options,
-        "cache_limit": opened.cache_limit,
-        "download_threads": download_threads,
-    }
+    spec = opened._source_spec()
     return TokenLoader(
         spec,
         tokens,
         seq_len=seq_len,
         width=seq_len + (1 if targets else 0),
-        batch_size=batch_size,
-        shuffle=shuffle,
-        seed=seed,
-        shuffle_block_size=opened.shuffle_block_size,
-        drop_last=drop_last,
-        num_workers=num_workers,
-        rank=opened.rank,
-        world_size=opened.world_size,
+        options=opened._read_options(),
     )
 
 
@@ -170,22 +134,15 @@ class _TokenSource:
     """
 
     def __init__(self, spec: dict, tokens: TokenColumn):
-        volume = Volume(spec["volume_url"], spec["storage_options"]) if spec["volume_url"] else None
         self.index, self.tokens = spec["index"], tokens
-        self.cache = ShardCache(spec["directory"], spec["index"], volume, spec["cache_limit"], spec["download_threads"])
-        self._evictable = volume is not None
+        self.cache = open_shard_cache(spec)
+        self._evictable = self.cache.volume is not None
         self._documents: collections.OrderedDict[int, ShardDocuments] = collections.OrderedDict()
         self._readers: dict[int, ShardReader] = {}
 
     def reader(self, step: int, shard: int) -> ShardReader:
         (path,) = self.cache.acquire(step, np.array([shard], dtype=np.int64))
-        return self._map(shard, path)
-
-    def _map(self, shard: int, path) -> ShardReader:
-        try:
-            return ShardReader(path, self.index.shards[shard], None)
-        except FileNotFoundError:  # evicted by another process between acquire and open
-            return ShardReader(self.cache.refetch(shard), self.index.shards[shard], None)
+        return map_shard(self.cache, shard, path)
 
     def open(self, first_step: int, needs: list[np.ndarray]) -> dict[int, tuple[ShardReader, ShardDocuments]]:
         """Maps the shards that steps ``first_step, first_step + 1, ...`` read (``needs``), in step order.
@@ -202,7 +159,7 @@ class _TokenSource:
                     continue
                 reader = self._readers.get(shard)
                 if reader is None:
-                    reader = self._readers[shard] = self._map(shard, path)
+                    reader = self._readers[shard] = map_shard(self.cache, shard, path)
                 documents = self._documents.get(shard)
                 if documents is None:
                     documents = self._documents[shard] = self.tokens.documents(reader)
@@ -226,7 +183,7 @@ class _TokenSource:
         self.cache.close()
 
 
-class TokenLoader(PlannedEpochs):
+class TokenLoader(Resumable, ReadSettings):
     """An epoch-by-epoch iterable of token blocks with an exact, JSON-able position.
 
     Built by :func:`token_dataset`.
@@ -244,19 +201,11 @@ class TokenLoader(PlannedEpochs):
         *,
         seq_len,
         width,
-        batch_size,
-        shuffle,
-        seed,
-        shuffle_block_size,
-        drop_last,
-        num_workers,
-        rank,
-        world_size,
+        options: ReadOptions,
     ):
         self._spec, self._tokens = spec, tokens
-        self.seq_len, self.width, self.batch_size = seq_len, width, batch_size
-        self.shuffle, self.seed, self.shuffle_block_size = shuffle, seed, shuffle_block_size
-        self.drop_last, self.num_workers, self.rank, self.world_size = drop_last, num_workers, rank, world_size
+        self.seq_len, self.width = seq_len, width
+        self._read_with(options)
         self._source = _TokenSource(spec, tokens)
         counts = np.array(
             [tokens.counts(self._source.reader(0, s)) for s in range(len(spec["index"].shards))], dtype=np.int64
@@ -274,7 +223,7 @@ class TokenLoader(PlannedEpochs):
         ).astype(np.int64)
         self.epoch = 0
         self._consumed = 0
-        self.metrics = LoaderMetrics(rank)
+        self.metrics = LoaderMetrics(self.rank)
 
     def _check_eos(self) -> None:
         eos = self._tokens.eos_id
@@ -290,20 +239,7 @@ class TokenLoader(PlannedEpochs):
 
     def state_dict(self) -> dict:
         """The position after the last batch handed out, as plain JSON (the same on every rank)."""
-        return {
-            "version": _STATE_VERSION,
-            "epoch": self.epoch,
-            "blocks_consumed": self._consumed,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "shuffle_block_size": self.shuffle_block_size,
-            "seq_len": self.seq_len,
-            "width": self.width,
-            "num_tokens": self.num_tokens,
-            "eos_id": self._tokens.eos_id,
-            "column": self._tokens.name,
-            "dataset": self._spec["index"].fingerprint,
-        }
+        return self._saved_state()
 
     def load_state_dict(self, state: dict) -> None:
         """Continues from a saved position: the next iteration starts at the next unread block.
@@ -311,30 +247,31 @@ class TokenLoader(PlannedEpochs):
         Raises:
             ConfigurationError: The state comes from another dataset, column, packing or shuffle.
         """
-        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION or "blocks_consumed" not in state:
-            raise ConfigurationError(
-                f"not a token loader state (expected a dict from TokenLoader.state_dict(), got {state!r:.200})"
-            )
-        self.epoch, self._consumed = restore_position(
-            state,
-            self.state_dict(),
-            keys=(
-                "seed",
-                "shuffle",
-                "shuffle_block_size",
-                "seq_len",
-                "width",
-                "num_tokens",
-                "eos_id",
-                "column",
-                "dataset",
-            ),
-            total=self.num_blocks,
-            unit=f"stream of {self.num_blocks} blocks",
-            what="loader",
-            counter="blocks_consumed",
-            fix="open the dataset with the same {key} to resume, or start a fresh epoch with set_epoch()",
-        )
+        self.epoch, self._consumed = self._restored_position(state)
+
+    _layout = StateLayout(
+        fields=("seed", "shuffle", "shuffle_block_size", "seq_len", "width", "num_tokens"),
+        checked=(
+            "seed",
+            "shuffle",
+            "shuffle_block_size",
+            "seq_len",
+            "width",
+            "num_tokens",
+            "eos_id",
+            "column",
+            "dataset",
+        ),
+        counter="blocks_consumed",
+        marks=("blocks_consumed",),
+        name="a token loader",
+    )
+
+    def _state_identity(self) -> dict:
+        return {"eos_id": self._tokens.eos_id, "column": self._tokens.name, "dataset": self._spec["index"].fingerprint}
+
+    def _state_extent(self, state: dict) -> tuple[int, str]:
+        return self.num_blocks, f"stream of {self.num_blocks} blocks"
 
     def stats(self) -> dict:
         """This rank's loader figures so far (see :class:`sparkgpu.data.loaders.metrics.LoaderMetrics`)."""
@@ -343,18 +280,14 @@ class TokenLoader(PlannedEpochs):
     # Iteration.
 
     def __iter__(self):
-        plan = self._begin_epoch()
-        start, step = self._consumed, self.batch_size * self.world_size
+        plan, start = self._begin_epoch(), self._consumed
         if self.num_workers:
             source = iter(
-                torch.utils.data.DataLoader(_WorkerBlocks(self, plan), batch_size=None, num_workers=self.num_workers)
+                torch.utils.data.DataLoader(WorkerCuts(self, plan), batch_size=None, num_workers=self.num_workers)
             )
         else:
             source = self.batches(plan, range(plan.num_batches))
-        for number, batch in enumerate(self.metrics.timed(source, self._source.cache), 1):
-            self._consumed = start + min(number * step, len(plan.samples) * self.world_size)
-            yield batch
-        self.epoch, self._consumed = self.epoch + 1, 0
+        yield from self._hand_out(plan, start, self.metrics.timed(source, self._source.cache))
 
     def batches(self, plan: EpochPlan, numbers):
         """Yields the blocks of ``plan``'s batches ``numbers`` as tensors.
@@ -376,6 +309,10 @@ class TokenLoader(PlannedEpochs):
         """Stops background downloads and frees the shards held in memory."""
         self._source.close()
 
+    def _reopen(self) -> None:
+        """In a forked DataLoader worker: a source of its own (the parent's download threads did not come along)."""
+        self._source = _TokenSource(self._spec, self._tokens)
+
     def _plan(self, epoch: int, start: int) -> EpochPlan:
         order = epoch_order(
             self._blocks_per_shard,
@@ -384,14 +321,7 @@ class TokenLoader(PlannedEpochs):
             epoch=epoch,
             block_size=self.shuffle_block_size or DEFAULT_BLOCK_SIZE,
         )
-        return EpochPlan.for_rank(
-            order,
-            start=start,
-            rank=self.rank,
-            world_size=self.world_size,
-            batch_size=self.batch_size,
-            drop_last=self.drop_last,
-        )
+        return self._rank_plan(order, start)
 
     def _shards(self, firsts: np.ndarray) -> np.ndarray:
         lo = np.searchsorted(self._shard_ends, firsts, side="right")
@@ -449,17 +379,3 @@ class TokenLoader(PlannedEpochs):
                 flat[base[group][owner] + offset] = self._tokens.eos_id
         self._source.release()
         return out
-
-
-class _WorkerBlocks(torch.utils.data.IterableDataset):
-    """Worker ``w`` of ``k`` cuts batches ``w, w + k, ...``; the DataLoader interleaves them back in order."""
-
-    def __init__(self, loader: TokenLoader, plan: EpochPlan):
-        self.loader, self.plan = loader, plan
-
-    def __iter__(self):
-        info = torch.utils.data.get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        if info is not None:  # a forked copy: the parent's download threads did not come along
-            self.loader._source = _TokenSource(self.loader._spec, self.loader._tokens)
-        yield from self.loader.batches(self.plan, range(worker, self.plan.num_batches, workers))
