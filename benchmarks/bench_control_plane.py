@@ -2,9 +2,9 @@
 
 N node agents run through the code a real Spark job's nodes run
 (:func:`sparkgpu.launch.backends.spark.executor.node._watch` beside a
-:class:`~sparkgpu.launch.rundir.staging.NodeMirror`), and one client through the code the supervisor
+:class:`~sparkgpu.launch.staging.mirror.NodeMirror`), and one client through the code the supervisor
 drives (:meth:`SparkBackend.poll <sparkgpu.launch.backends.spark.backend.SparkBackend.poll>` with its
-heartbeat thread and :class:`~sparkgpu.launch.rundir.staging.ClientMirror`). Only the agent is a
+heartbeat thread and :class:`~sparkgpu.launch.staging.mirror.ClientMirror`). Only the agent is a
 stand-in: its ranks are simulated inside it (no torch), each printing one line per second into
 its log file, so 64 nodes of 8 ranks fit on a 2-core machine. There is no Spark: a "killed" node
 is one whose agent, watch loop and mirror stop at once, without an end marker (its executor is
@@ -243,8 +243,8 @@ def _child(args) -> dict:
 
     from sparkgpu.launch.backends.spark.backend import SparkAttempt, SparkBackend
     from sparkgpu.launch.backends.spark.capacity import RankPlacement
-    from sparkgpu.launch.rundir.directory import RunDir
-    from sparkgpu.launch.rundir.staging import ClientMirror, NodeMirror, StagingStore
+    from sparkgpu.rundir.directory import RunDir
+    from sparkgpu.launch.staging.mirror import ClientMirror, NodeMirror, StagingStore
     from sparkgpu.spec import JobSpec, Resources
 
     spark_node = _compat()

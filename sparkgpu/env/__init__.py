@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sparkgpu._run_files import ERRORS_FILE, HYDRATE_FILE
+from sparkgpu.rundir.run_files import ERRORS_FILE, HYDRATE_FILE
 from sparkgpu.env.hydrate import (
     HydrationReport,
     Overlay,

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sparkgpu._run_files import TRACKING_DIR, TRACKING_RUN_FILE
+from sparkgpu.rundir.run_files import TRACKING_DIR, TRACKING_RUN_FILE
 
 __all__ = ["SweepRun", "child_run_id"]
 

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from sparkgpu.callbacks import AttemptOutcome, JobCallback, WorkerContext
 from sparkgpu.errors import ConfigurationError, NodeLostError, WorkerFailedError, first_failure
 from sparkgpu.failure_class import classify
-from sparkgpu.protocol import AttemptStatus
+from sparkgpu.rundir.states import AttemptStatus
 from sparkgpu.runtime import TRACKING_DIR
 from sparkgpu.tracking._permissions import translate_permission_errors
 from sparkgpu.tracking.target import REAL_TRACKING_URI_ENV, default_experiment_name, ensure_experiment, resolve_target

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkgpu._util.files import atomic_write_bytes
-from sparkgpu._run_files import TRACKING_DIR, TRACKING_RUN_FILE
+from sparkgpu.rundir.run_files import TRACKING_DIR, TRACKING_RUN_FILE
 from sparkgpu.callbacks import JobCallback
 from sparkgpu.errors import ConfigurationError
 

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkgpu._util.files import atomic_write_bytes
-from sparkgpu._run_files import TRACKING_RECORDS_DIR, TRACKING_RUN_FILE
+from sparkgpu.rundir.run_files import TRACKING_RECORDS_DIR, TRACKING_RUN_FILE
 from sparkgpu.runtime import ENV_RUN_DIR
 from sparkgpu.tracking.target import REAL_TRACKING_URI_ENV, SPOOL_SCHEME
 

@@ -10,7 +10,7 @@ import dataclasses
 import json
 
 from sparkgpu.launch.backends.base import AttemptHandle, Backend, LaunchPlan, ResolvedJob
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.directory import RunDir
 
 
 @dataclasses.dataclass

@@ -13,9 +13,9 @@ from sparkgpu import distributed, runtime
 from sparkgpu.config import settings
 from sparkgpu.launch.node.agent import build_command
 from sparkgpu.launch.backends.local.backend import free_port
-from sparkgpu._keyring import new_key
-from sparkgpu.launch.rundir.serialization import client_sys_path, serialize_payload
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.keyring import new_key
+from sparkgpu.rundir.serialization import client_sys_path, serialize_payload
+from sparkgpu.rundir.directory import RunDir
 
 pytestmark = pytest.mark.integration
 

@@ -17,8 +17,8 @@ from sparkgpu import WorkerFailedError, distributed, runtime
 from sparkgpu.config import settings
 from sparkgpu.errors import PayloadSignatureError
 from sparkgpu.launch.backends.spark.executor.node import NodeLaunch, run_node
-from sparkgpu._keyring import load_key
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.keyring import load_key
+from sparkgpu.rundir.directory import RunDir
 from sparkgpu.launch.client.supervisor import Supervisor
 
 pytestmark = pytest.mark.integration

@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from sparkgpu import WorkerFailedError, runtime
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.directory import RunDir
 from sparkgpu.ray import ray_launch, read_cluster_info
 
 pytest.importorskip("ray", reason="@ray_launch needs ray: pip install 'sparkgpu[ray]'")

@@ -157,9 +157,9 @@ def _double(x):
 def test_the_staging_mirror_carries_payload_logs_and_controls_through_s3(s3_bucket, tmp_path):
     from sparkgpu.errors import PayloadSignatureError
     from sparkgpu.runtime import STOP_FILE
-    from sparkgpu.launch.rundir.serialization import serialize_payload
-    from sparkgpu.launch.rundir.directory import RunDir
-    from sparkgpu.launch.rundir.staging import ClientMirror, NodeMirror, StagingStore
+    from sparkgpu.rundir.serialization import serialize_payload
+    from sparkgpu.rundir.directory import RunDir
+    from sparkgpu.launch.staging.mirror import ClientMirror, NodeMirror, StagingStore
     from sparkgpu.spec import JobSpec, Resources
 
     key = b"k" * 32

@@ -11,7 +11,7 @@ import pytest
 from sparkgpu import WorkerFailedError, distributed, runtime
 from sparkgpu.config import settings
 from sparkgpu.errors import PayloadSignatureError
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.directory import RunDir
 from sparkgpu.launch.client.supervisor import Supervisor
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.usefixtures("workers_share_this_image")]

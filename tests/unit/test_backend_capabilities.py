@@ -18,7 +18,7 @@ from sparkgpu.launch.backends.local.backend import LocalBackend
 from sparkgpu.launch.backends.spark.backend import SparkBackend
 from sparkgpu.launch.backends.spark.sessions import SESSION_FILE
 from sparkgpu.launch.client.resume import take_over
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.directory import RunDir
 from tests.fakes.backend import ScriptedBackend
 from tests.fakes.spark_session import TaggedSession
 from tests.unit.test_resume import KEY, interrupted_job

@@ -10,8 +10,8 @@ import pytest
 from sparkgpu import cli
 from sparkgpu.config import reset_settings, settings
 from sparkgpu.errors import SparkGPUError
-from sparkgpu.launch.rundir.serialization import serialize_payload
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.serialization import serialize_payload
+from sparkgpu.rundir.directory import RunDir
 from sparkgpu.launch.client.supervisor import Supervisor
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
 from sparkgpu.usage.ledger import UsageLedger, UsageRecord

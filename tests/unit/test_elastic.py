@@ -16,9 +16,9 @@ from sparkgpu.api.decorator import distributed
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.spec.jobfile import JobFile
 from sparkgpu.launch.scheduling.elastic import ElasticPlan
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir.layout import RunLayout
-from sparkgpu.launch.rundir.serialization import serialize_payload
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
+from sparkgpu.rundir.serialization import serialize_payload
 from sparkgpu.launch.client.supervisor import Supervisor
 from sparkgpu.spec import ELASTIC_WAIT, JobSpec, Resources, RunPolicy, requested_resources
 from tests.fakes.backend import ScriptedBackend

@@ -21,10 +21,10 @@ from sparkgpu.errors import ConfigurationError, EnvironmentMismatchError, RankFa
 from sparkgpu.failure_class import OOM_KILLED, FailureClass, classify, oom_kills, own_cgroup
 from sparkgpu.launch.client.attempt_result import read_attempt
 from sparkgpu.launch.client.failure_policy import Decision, FailurePolicy
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir.serialization import serialize_payload
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.serialization import serialize_payload
 from sparkgpu.launch.node.rank_exits import RankExitWatcher
-from sparkgpu.protocol import NodeExit, RankExit
+from sparkgpu.rundir.states import NodeExit, RankExit
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
 from tests.rank_failures import raised
 

@@ -7,7 +7,7 @@ import pytest
 from sparkgpu.launch.client.attempt_result import StoppedBy
 from sparkgpu.launch.client.job_state import ATTEMPT_TRANSITIONS, JOB_TRANSITIONS, IllegalTransition, JobBook
 from sparkgpu.launch.client.supervisor import JobStep, next_step
-from sparkgpu.protocol import AttemptStatus, JobStatus
+from sparkgpu.rundir.states import AttemptStatus, JobStatus
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 import io
 
 from sparkgpu.launch.client.logs import LogStreamer
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.directory import RunDir
 
 
 def test_streams_complete_lines_with_rank_prefix_and_keeps_partial_ones(tmp_path):

@@ -4,8 +4,8 @@ import threading
 import pytest
 
 from sparkgpu.errors import PayloadSignatureError, SerializationError
-from sparkgpu.launch.rundir.serialization import serialize_payload
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.serialization import serialize_payload
+from sparkgpu.rundir.directory import RunDir
 
 KEY = b"k" * 32
 _LOCK = threading.Lock()
@@ -178,7 +178,7 @@ def test_a_rank_without_the_key_writes_nothing(tmp_path):
 
 def test_a_new_client_process_checks_with_the_key_in_its_keyring(tmp_path):
     from sparkgpu.errors import ConfigurationError
-    from sparkgpu._keyring import save_key
+    from sparkgpu.rundir.keyring import save_key
 
     rank, client = rank_dir(tmp_path)
     rank.write_result(0, 0, "ok")

@@ -11,12 +11,12 @@ import pytest
 
 from sparkgpu.config import reset_settings
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.launch.rundir.keys import KEY_DIR_ENV, hand_to_ranks
-from sparkgpu.launch.rundir.serialization import serialize_payload
-from sparkgpu.protocol import RankExit
+from sparkgpu.rundir.key_handover import KEY_DIR_ENV, hand_to_ranks
+from sparkgpu.rundir.serialization import serialize_payload
+from sparkgpu.rundir.states import RankExit
 from sparkgpu.launch.client.resume import find_run_dir
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir.layout import RunLayout
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
 
 KEY = b"k" * 32
 

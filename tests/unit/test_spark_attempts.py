@@ -19,8 +19,8 @@ from sparkgpu.launch.backends.spark.backend import SparkAttempt, SparkBackend
 from sparkgpu.launch.backends.spark.capacity import RankPlacement
 from sparkgpu.launch.backends.spark.executor.hub import HubLink
 from sparkgpu.launch.backends.spark.executor.node import NodeLaunch, NodeLink, NodeZero, _watch, open_hub
-from sparkgpu.launch.rundir.serialization import serialize_payload
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.serialization import serialize_payload
+from sparkgpu.rundir.directory import RunDir
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
 from tests.fakes.spark_session import BlockingFrame, TaggedSession
 

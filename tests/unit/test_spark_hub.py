@@ -13,8 +13,8 @@ from sparkgpu.launch.backends.spark.executor import channel
 from sparkgpu.launch.backends.spark.executor import hub as spark_hub
 from sparkgpu.launch.backends.spark.executor.hub import Hub, HubLink
 from sparkgpu.launch.backends.spark.executor.node import NodeLaunch, NodeLink, NodeZero
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.protocol import NodeState
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.states import NodeState
 
 KEY = b"k" * 32
 

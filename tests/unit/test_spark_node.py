@@ -30,8 +30,8 @@ from sparkgpu.launch.backends.spark.executor.node import (
     _watch,
     open_hub,
 )
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.protocol import NodeState
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.states import NodeState
 
 FAKE_AGENT = textwrap.dedent("""
     import signal, sys, time

@@ -17,9 +17,9 @@ from sparkgpu.launch.backends.spark.backend import SparkAttempt, SparkBackend
 from sparkgpu.launch.backends.spark.capacity import RankPlacement
 from sparkgpu.launch.backends.spark.executor.hub import HubLink
 from sparkgpu.launch.backends.spark.executor.node import NodeLaunch, NodeLink, NodeZero, _claim, _watch, open_hub
-from sparkgpu.launch.rundir.serialization import serialize_payload
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir.staging import NodeMirror, StagingStore
+from sparkgpu.rundir.serialization import serialize_payload
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.launch.staging.mirror import NodeMirror, StagingStore
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
 from tests.fakes.spark_session import TaggedSession
 from tests.unit.test_spark_attempts import BrokenStream
@@ -147,7 +147,7 @@ def test_a_quiet_client_lists_the_store_once_per_quiet_interval_and_sends_a_stop
     within one round (node 0 reads it at its own pace)."""
     import json
 
-    from sparkgpu.launch.rundir.layout import RunLayout
+    from sparkgpu.rundir.layout import RunLayout
 
     monkeypatch.setattr(spark_node, "_POLL_SECONDS", 0.05)
     job, rd, url = job

@@ -12,12 +12,12 @@ import pytest
 
 from sparkgpu import runtime
 from sparkgpu.errors import PayloadSignatureError
-from sparkgpu.launch.rundir.serialization import serialize_payload
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir import log_bundles
+from sparkgpu.rundir.serialization import serialize_payload
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.launch.staging import log_bundles
 from sparkgpu.launch.backends.spark.executor.channel import Heartbeat
-from sparkgpu.launch.rundir.log_bundles import LogReader, LogShipper, parse_bundle_name
-from sparkgpu.launch.rundir.staging import (
+from sparkgpu.launch.staging.log_bundles import LogReader, LogShipper, parse_bundle_name
+from sparkgpu.launch.staging.mirror import (
     ClientMirror,
     NodeMirror,
     StagingStore,
@@ -462,7 +462,7 @@ def test_a_store_that_stalls_for_a_minute_makes_node_0_count_no_silence_of_the_c
 def test_a_store_that_fails_is_retried_with_backoff_said_once_and_its_return_said(monkeypatch):
     import io
 
-    from sparkgpu.launch.rundir import staging
+    from sparkgpu.launch.staging import mirror as staging
 
     monkeypatch.setattr(staging, "MAX_BACKOFF", 0.8)
     out, calls, waits, now = io.StringIO(), [], [], [0.0]

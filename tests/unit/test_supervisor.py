@@ -12,12 +12,12 @@ from sparkgpu.launch.client.attempt_report import AttemptReport, NodeReport
 from sparkgpu.launch.client.attempt_result import read_attempt
 from sparkgpu.callbacks import JobCallback
 from sparkgpu.launch.rank.entrypoint import EXIT_PREEMPTED
-from sparkgpu.launch.rundir.serialization import serialize_payload
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir.layout import RunLayout
+from sparkgpu.rundir.serialization import serialize_payload
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
 from sparkgpu.launch.client.supervisor import Supervisor
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
-from sparkgpu._keyring import derive_key
+from sparkgpu.rundir.keyring import derive_key
 from sparkgpu.train._checkpoint_signing import Manifest
 from sparkgpu.train.checkpoint_directory import MARKER_NAME, CheckpointInfo, CheckpointDirectory, SigningKey
 from tests.fakes.backend import FakeAttempt, ScriptedBackend

@@ -9,8 +9,8 @@ import pytest
 
 from sparkgpu.errors import PolicyViolationError
 from sparkgpu.callbacks import AttemptOutcome
-from sparkgpu.launch.rundir.serialization import serialize_payload
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.serialization import serialize_payload
+from sparkgpu.rundir.directory import RunDir
 from sparkgpu.launch.client.supervisor import Supervisor
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
 from sparkgpu.usage.ledger import UsageLedger, UsageRecord
@@ -151,7 +151,7 @@ def test_the_meter_travels_to_workers_without_its_client_state(tmp_path):
 
 
 def test_an_attempt_outcome_holds_its_status_as_the_protocol_state():
-    from sparkgpu.protocol import AttemptStatus
+    from sparkgpu.rundir.states import AttemptStatus
 
     outcome = AttemptOutcome(0, "preempted", 0.0, 1.0, 2, "A10")
     assert outcome.status is AttemptStatus.PREEMPTED

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from sparkgpu import _progress
+from sparkgpu.rundir import progress as _progress
 from sparkgpu.data.loaders.order import PlannedEpochs
 from sparkgpu.errors import ConfigurationError
 

@@ -18,9 +18,9 @@ from sparkgpu.failure_class import OOM_KILLED
 from sparkgpu.launch.client.attempt_report import AttemptReport
 from sparkgpu.launch.client.hang_record import HangRecord
 from sparkgpu.launch.rank.entrypoint import EXIT_PREEMPTED
-from sparkgpu.protocol import AttemptStatus, RankExit
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir.layout import RunLayout
+from sparkgpu.rundir.states import AttemptStatus, RankExit
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
 
 __all__ = ["AttemptResult", "StoppedBy", "read_attempt"]
 

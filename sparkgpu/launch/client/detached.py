@@ -39,8 +39,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from sparkgpu._util.process import ProcessRef
-from sparkgpu.launch.rundir.directory import PRIVATE_FILE, RunDir
-from sparkgpu.launch.rundir.layout import RunLayout
+from sparkgpu.rundir.directory import PRIVATE_FILE, RunDir
+from sparkgpu.rundir.layout import RunLayout
 
 __all__ = ["Keeper", "start_keeper", "keeper_alive", "supervision_record", "main", "RESPAWN_LIMIT"]
 
@@ -254,7 +254,7 @@ def supervise(run_dir: RunDir) -> int:
 
 def _import_like_the_caller(run_dir: RunDir) -> None:
     """Puts the caller's ``sys.path`` before this process's: its callbacks' classes unpickle from there."""
-    from sparkgpu._keyring import load_key
+    from sparkgpu.rundir.keyring import load_key
 
     signed = RunDir(run_dir.path, load_key(run_dir.job_id))
     deadline = time.monotonic() + _LOCK_WAIT
@@ -269,7 +269,7 @@ def _import_like_the_caller(run_dir: RunDir) -> None:
 def _end_unsupervisable(run_dir: RunDir, exc: Exception) -> None:
     """Ends ``FAILED`` a job that no supervisor can take over, with why, for whoever observes it."""
     from sparkgpu.launch.client.job_state import JobBook
-    from sparkgpu.protocol import JobStatus
+    from sparkgpu.rundir.states import JobStatus
 
     backend = json.loads(run_dir.spec_file.read_text()).get("backend", "local")
     book = JobBook.read(run_dir.state_file) or JobBook.new(run_dir.state_file, run_dir.job_id, backend)

@@ -3,7 +3,7 @@
 The job's status changes only along :data:`JOB_TRANSITIONS` (an attempt's along
 :data:`ATTEMPT_TRANSITIONS`); any other change is a bug in sparkgpu and raises
 :class:`IllegalTransition` before anything is written. The states are
-:mod:`sparkgpu.protocol`'s; the file stays a plain JSON dict, rewritten atomically.
+:mod:`sparkgpu.rundir.states`'s; the file stays a plain JSON dict, rewritten atomically.
 
 Job statuses (``*`` any of FAILED, TIMED_OUT, CANCELLED, STOPPED: a job that ``sparkgpu
 resume`` may continue)::
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkgpu._util.files import atomic_write_bytes
-from sparkgpu.protocol import AttemptRecord, AttemptStatus, JobState, JobStatus
+from sparkgpu.rundir.states import AttemptRecord, AttemptStatus, JobState, JobStatus
 
 __all__ = ["JobBook", "IllegalTransition", "JOB_TRANSITIONS", "ATTEMPT_TRANSITIONS"]
 

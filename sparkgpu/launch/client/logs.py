@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.directory import RunDir
 
 __all__ = ["LogStreamer"]
 

@@ -56,10 +56,10 @@ from sparkgpu.launch.client.checkpoint_progress import restart_point
 from sparkgpu.launch.client.failure_policy import Decision, FailurePolicy
 from sparkgpu.launch.client.job_state import JobBook
 from sparkgpu.launch.scheduling.elastic import ElasticPlan
-from sparkgpu.protocol import AttemptStatus, JobState, JobStatus
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.states import AttemptStatus, JobState, JobStatus
+from sparkgpu.rundir.directory import RunDir
 from sparkgpu.launch.client.supervision_lock import SupervisionLock
-from sparkgpu.launch.rundir.layout import RunLayout
+from sparkgpu.rundir.layout import RunLayout
 from sparkgpu.spec import JobSpec
 
 __all__ = ["Supervisor", "JobStatus", "Decision", "FailurePolicy", "CANCEL_REQUEST_FILE", "JobStep", "next_step"]

@@ -16,7 +16,7 @@ installed sparkgpu and that key, and the ranks run the ``_air.py`` text it check
 file, which anyone who can write the staging root could swap in the meantime. The agent forks
 them with torch imported and the key in memory (:mod:`~sparkgpu.launch.node.forked_ranks`); a
 job that ships its environment, or ``SPARKGPU_FORK_RANKS=0``, starts each as a new interpreter
-(``python -c``) with a key file of its own (:mod:`sparkgpu.launch.rundir.keys`). A payload that fails the check starts
+(``python -c``) with a key file of its own (:mod:`sparkgpu.rundir.key_handover`). A payload that fails the check starts
 nothing: each of the node's ranks reports a signed :class:`PayloadSignatureError`.
 """
 
@@ -38,14 +38,14 @@ from sparkgpu._util.report import report
 from sparkgpu.config import settings
 from sparkgpu.errors import PayloadSignatureError
 from sparkgpu.launch.rank.entrypoint import EXIT_FAILED, _die_with_parent, leave_quickly
-from sparkgpu.launch.rundir.keys import KEY_DIR_ENV, hand_to_ranks, make_undumpable, rank_secrets, receive_key
-from sparkgpu.protocol import NodeExit, RankExit
+from sparkgpu.rundir.key_handover import KEY_DIR_ENV, hand_to_ranks, make_undumpable, rank_secrets, receive_key
+from sparkgpu.rundir.states import NodeExit, RankExit
 from sparkgpu.launch.node.forked_ranks import RankSpares, can_fork, forking_ranks
 from sparkgpu.launch.node.shipped_overlay import forkable_overlay
-from sparkgpu.launch.rundir.preload import preload_before_fork
+from sparkgpu.launch.node.preload import preload_before_fork
 from sparkgpu.launch.node.rank_exits import RankExitWatcher
-from sparkgpu.launch.rundir.directory import PRIVATE_UMASK, RunDir
-from sparkgpu.launch.rundir.layout import RunLayout
+from sparkgpu.rundir.directory import PRIVATE_UMASK, RunDir
+from sparkgpu.rundir.layout import RunLayout
 
 __all__ = ["main", "build_command", "strip_spark_secrets", "verify_or_refuse", "refuse", "reported"]
 

@@ -40,7 +40,7 @@ from typing import NoReturn
 
 from sparkgpu.config import reset_settings
 from sparkgpu.launch.rank.entrypoint import _die_with_parent
-from sparkgpu.launch.rundir.keys import make_undumpable
+from sparkgpu.rundir.key_handover import make_undumpable
 
 __all__ = ["ForkedRank", "RankSpares", "become_rank", "can_fork", "forking_ranks"]
 

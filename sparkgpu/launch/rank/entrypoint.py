@@ -26,10 +26,10 @@ from sparkgpu._util.modules import imported
 from sparkgpu._util.report import report
 from sparkgpu.callbacks import WorkerContext
 from sparkgpu.errors import HydrationError, ResultError, SparkGPUError
-from sparkgpu._keyring import hold_job_key
+from sparkgpu.rundir.keyring import hold_job_key
 from sparkgpu.launch.rank.process_group import RankProcessGroup
 from sparkgpu.launch.rank.progress import finish_progress, watch_rank
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.directory import RunDir
 from sparkgpu.train.trained_models import save_models, unwrap_models
 from sparkgpu.launch.rank.threads import pin_rank_threads
 
@@ -154,7 +154,7 @@ def main(run_dir: str, env_error: BaseException | None = None, key: bytes | None
         run_dir: The job's run directory.
         env_error: Why rehydrating the shipped environment failed in ``_air.py``, if it did;
             reported as this rank's failure.
-        key: The job key ``_air.py`` took (:mod:`sparkgpu.launch.rundir.keys`); without it the rank
+        key: The job key ``_air.py`` took (:mod:`sparkgpu.rundir.key_handover`); without it the rank
             runs nothing.
     """
     code = _run(run_dir, env_error, key)

@@ -35,8 +35,8 @@ from sparkgpu.launch.node.hardware import HostGPUs, detect_host_gpus
 from sparkgpu.launch.rank.entrypoint import NODE_DEVICES_ENV
 from sparkgpu.launch.scheduling.gpu_lease import GpuLease, lease_gpus, lock_dir, gpu_kind_of
 from sparkgpu.launch.scheduling.gpu_queue import pending_request
-from sparkgpu.launch.rundir.keys import send_key
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.key_handover import send_key
+from sparkgpu.rundir.directory import RunDir
 from sparkgpu.launch.rank.threads import rank_thread_env, threads_per_rank
 from sparkgpu.spec import JobSpec
 
@@ -314,7 +314,7 @@ class LocalBackend(Backend, Preemptible, LocalRanks):
             return
         from sparkgpu.launch.backends.local.zygote_client import Standby
 
-        # The libraries the job's function imports (launch.rundir.preload), from the spec this client wrote.
+        # The libraries the job's function imports (sparkgpu.launch.node.preload), from the spec this client wrote.
         spec = json.loads(handle.run_dir.spec_file.read_text()) if handle.run_dir is not None else {}
         self._standbys[job.job_id] = Standby(self.python, job.job_id, spec.get("preload", []))
 

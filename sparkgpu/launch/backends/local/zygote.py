@@ -34,12 +34,12 @@ from sparkgpu.launch.node.agent import reported, verify_or_refuse
 from sparkgpu.launch.node.forked_ranks import become_rank
 from sparkgpu.launch.rank.entrypoint import EXIT_PREEMPTED, _die_with_parent
 from sparkgpu.launch.node.rendezvous import collective_interface_env, listening_socket, serve_store
-from sparkgpu.launch.rundir.keys import make_undumpable, rank_secrets
-from sparkgpu.protocol import NodeExit, RankExit
+from sparkgpu.rundir.key_handover import make_undumpable, rank_secrets
+from sparkgpu.rundir.states import NodeExit, RankExit
 from sparkgpu.launch.node.rank_exits import CRASH_KILL_DELAY
-from sparkgpu.launch.rundir.directory import PRIVATE_UMASK, RunDir
-from sparkgpu.launch.rundir.layout import RunLayout
-from sparkgpu.launch.rundir.preload import preload_before_fork
+from sparkgpu.rundir.directory import PRIVATE_UMASK, RunDir
+from sparkgpu.rundir.layout import RunLayout
+from sparkgpu.launch.node.preload import preload_before_fork
 
 _REQUEST_TIMEOUT = 10.0  # seconds a client has to send its whole request line
 

@@ -277,7 +277,7 @@ class Standby:
         python: The interpreter of the job's ranks.
         job_id: The job it serves.
         preload: The libraries the job's function imports, which it imports before it forks
-            (:mod:`sparkgpu.launch.rundir.preload`).
+            (:mod:`sparkgpu.launch.node.preload`).
     """
 
     def __init__(self, python: str, job_id: str, preload: list | None = None):

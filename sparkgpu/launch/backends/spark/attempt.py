@@ -25,10 +25,10 @@ from sparkgpu._util.report import report
 from sparkgpu.launch.backends.base import AttemptHandle
 from sparkgpu.launch.backends.spark.capacity import RankPlacement
 from sparkgpu.launch.client.attempt_report import AttemptReport, NodeReport
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir.layout import RunLayout
-from sparkgpu.launch.rundir.staging import ClientMirror
-from sparkgpu.protocol import NodeState
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
+from sparkgpu.launch.staging.mirror import ClientMirror
+from sparkgpu.rundir.states import NodeState
 from sparkgpu.spec import JobSpec
 
 __all__ = ["NodeWatch", "SparkAttempt", "WatchOwner", "end_markers", "silent_nodes", "sync_now"]

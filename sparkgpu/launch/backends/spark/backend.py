@@ -11,7 +11,7 @@ Results, tracebacks and logs come back through the run dir, which the client and
 executors either reach under the same path (a local folder on one machine; an NFS or
 FUSE-mounted volume on a real cluster: set ``SPARKGPU_STAGING_ROOT`` to it), or mirror
 through a staging store (``SPARKGPU_STAGING_ROOT`` an fsspec URL such as ``s3://bucket/runs``;
-:mod:`sparkgpu.launch.rundir.staging`): the client uploads the payload at the job's first submit,
+:mod:`sparkgpu.launch.staging.mirror`): the client uploads the payload at the job's first submit,
 and while an attempt runs it pushes its control files and pulls the nodes' files in a
 background thread, with one last pull once the Spark job ended. The Spark action
 runs in a background thread under a job tag: ``cancel`` first asks the nodes to stop their
@@ -63,10 +63,10 @@ from sparkgpu.launch.backends.spark.sessions import (
     recorded_options,
     recorded_remote,
 )
-from sparkgpu.protocol import NodeState
+from sparkgpu.rundir.states import NodeState
 from sparkgpu.launch.rank.threads import threads_per_rank
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir.staging import ClientMirror, StagingStore, store_prefix, user_prefix
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.launch.staging.mirror import ClientMirror, StagingStore, store_prefix, user_prefix
 from sparkgpu.spec.pools import POOL_TAG, Pool
 from sparkgpu.spec import JobSpec
 

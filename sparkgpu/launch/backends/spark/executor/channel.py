@@ -23,9 +23,9 @@ from sparkgpu.launch.backends.spark.executor.hub import (
     together_delay,
 )
 from sparkgpu.launch.backends.spark.executor.node_launch import CONTROL_INTERVAL, NodeLaunch
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir.layout import RunLayout
-from sparkgpu.protocol import NodeState
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
+from sparkgpu.rundir.states import NodeState
 
 __all__ = ["Heartbeat", "NodeZero", "NodeLink", "Stop", "open_hub", "control_interval", "CONTROL_INTERVAL"]
 
@@ -48,7 +48,7 @@ class Heartbeat:
         path: The file the other side rewrites with a new count every few seconds.
         timeout: Seconds without a change after which it counts as lost (``None``: never).
         clock: Seconds that count towards the silence. With a staging store: the seconds
-            during which the store answered (:class:`~sparkgpu.launch.rundir.staging.StoreClock`), so
+            during which the store answered (:class:`~sparkgpu.launch.staging.mirror.StoreClock`), so
             a store that stalls for a minute makes nobody silent.
     """
 

@@ -10,7 +10,7 @@ restarts belong to the client's supervisor.
 
 The run dir is the client's own, on a folder mounted under the same path everywhere; or,
 with a staging store (``SPARKGPU_STAGING_ROOT`` an fsspec URL), a scratch copy on this
-executor that :class:`~sparkgpu.launch.rundir.staging.NodeMirror` keeps in step with the store.
+executor that :class:`~sparkgpu.launch.staging.mirror.NodeMirror` keeps in step with the store.
 """
 
 from __future__ import annotations
@@ -41,12 +41,12 @@ from sparkgpu.launch.backends.spark.executor.channel import (
 from sparkgpu.launch.backends.spark.executor.node_launch import NodeLaunch
 from sparkgpu.launch.backends.spark.executor.probe import executor_identity
 from sparkgpu.launch.rank.entrypoint import NODE_DEVICES_ENV
-from sparkgpu.launch.rundir.keys import send_key
-from sparkgpu.protocol import NodeState
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir.layout import RunLayout
+from sparkgpu.rundir.key_handover import send_key
+from sparkgpu.rundir.states import NodeState
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
 from sparkgpu.launch.rank.threads import rank_thread_env
-from sparkgpu.launch.rundir.staging import (
+from sparkgpu.launch.staging.mirror import (
     NodeMirror,
     StagingStore,
     scratch_run_dir,

@@ -1,6 +1,6 @@
 """Names in a run dir that the ranks, tracking and the environment use as well as the launcher.
 
-:class:`sparkgpu.launch.rundir.layout.RunLayout` spells every path of a run dir; these are also
+:class:`sparkgpu.rundir.layout.RunLayout` spells every path of a run dir; these are also
 used by parts that must not import the launcher (:mod:`sparkgpu.runtime` looks for the stop
 file, tracking spools into the tracking folder, :mod:`sparkgpu.env` ships the hydration
 files), so they live here, below both. ``_errors.py`` is also spelled in

@@ -1,10 +1,10 @@
 """The run directory: everything a worker needs, and everything it leaves behind.
 
 :class:`RunDir` is one run dir on this machine: paths, the signed payload, the signed rank
-outputs. Its files and their names are :mod:`sparkgpu.launch.rundir.layout`'s.
+outputs. Its files and their names are :mod:`sparkgpu.rundir.layout`'s.
 
 With a staging store (``SPARKGPU_STAGING_ROOT`` an fsspec URL) the same layout is mirrored at
-``<url>/<job_id>/`` and each Spark node works on a scratch copy (:mod:`sparkgpu.launch.rundir.staging`);
+``<url>/<job_id>/`` and each Spark node works on a scratch copy (:mod:`sparkgpu.launch.staging.mirror`);
 checkpoints then live on the store only.
 
 Everyone who can write the staging root can write here, so nothing read from it is trusted
@@ -14,7 +14,7 @@ itself never touches the run dir.
 
 Every file a reader may see as complete is written to a temporary name and renamed
 (:mod:`sparkgpu._util.files`). How the payload, the results and the errors are pickled is
-:mod:`sparkgpu.launch.rundir.serialization`'s; the entrypoint's text is :mod:`sparkgpu.launch.rundir.entrypoint_template`'s.
+:mod:`sparkgpu.rundir.serialization`'s; the entrypoint's text is :mod:`sparkgpu.rundir.entrypoint_template`'s.
 """
 
 from __future__ import annotations
@@ -32,15 +32,15 @@ from typing import Any
 import cloudpickle
 
 from sparkgpu._util.files import atomic_write_bytes, atomic_writer, temporary_name
-from sparkgpu._keyring import derive_key
+from sparkgpu.rundir.keyring import derive_key
 from sparkgpu.errors import ConfigurationError, PayloadSignatureError, RankFailure
-from sparkgpu.launch.rundir.signature import sign_payload, verifier_source, verify_payload
-from sparkgpu.launch.rundir.control import seal, unseal
-from sparkgpu.launch.rundir.keys import KEY_DIR_ENV, RANK_KEY_FILE
-from sparkgpu.launch.rundir.entrypoint_template import AIR_TEMPLATE
-from sparkgpu.protocol import NodeExit, RankExit
-from sparkgpu.launch.rundir.layout import RunLayout
-from sparkgpu.launch.rundir.serialization import deserialize_error, dump_result, serialize_error, unpack_payload
+from sparkgpu.rundir.signature import sign_payload, verifier_source, verify_payload
+from sparkgpu.rundir.control import seal, unseal
+from sparkgpu.rundir.key_handover import KEY_DIR_ENV, RANK_KEY_FILE
+from sparkgpu.rundir.entrypoint_template import AIR_TEMPLATE
+from sparkgpu.rundir.states import NodeExit, RankExit
+from sparkgpu.rundir.layout import RunLayout
+from sparkgpu.rundir.serialization import deserialize_error, dump_result, serialize_error, unpack_payload
 
 __all__ = ["RunDir", "PRIVATE_DIR", "PRIVATE_FILE", "PRIVATE_UMASK"]
 
@@ -122,14 +122,14 @@ class RunDir:
         """The file named ``rel`` by :class:`RunLayout`."""
         return self.path / rel
 
-    # -- control files (sealed under the job key, sparkgpu.launch.rundir.control) ---------------
+    # -- control files (sealed under the job key, sparkgpu.rundir.control) ---------------
     def _keyring_key(self) -> bytes:
         """The job key from this user's keyring (the client's), kept on this run dir.
 
         Raises:
             ConfigurationError: the job was launched from another machine or user.
         """
-        from sparkgpu._keyring import load_key
+        from sparkgpu.rundir.keyring import load_key
 
         self.key = load_key(self.job_id)
         return self.key
