@@ -2,8 +2,9 @@
 agents, the ranks and the libraries they run (runtime, train, tracking, data) read and write.
 
 Its file names (:mod:`~sparkgpu.rundir.layout`) and one run dir on a machine
-(:mod:`~sparkgpu.rundir.directory`); the states its files hold (:mod:`~sparkgpu.rundir.states`);
-the job key, kept (:mod:`~sparkgpu.rundir.keyring`) and handed to the job's processes
+(:mod:`~sparkgpu.rundir.directory`); the states its files hold (:mod:`~sparkgpu.rundir.states`)
+and the ranks' exit codes (:mod:`~sparkgpu.rundir.exit_codes`); the job key, kept
+(:mod:`~sparkgpu.rundir.keyring`) and handed to the job's processes
 (:mod:`~sparkgpu.rundir.key_handover`); the payload's pickling and signature
 (:mod:`~sparkgpu.rundir.serialization`, :mod:`~sparkgpu.rundir.signature`), the generated
 entrypoint (:mod:`~sparkgpu.rundir.entrypoint_template`), the sealed control files

@@ -11,7 +11,7 @@ from sparkgpu.errors import CapacityError, JobTimeoutError, NodeLostError, Worke
 from sparkgpu.launch.client.attempt_report import AttemptReport, NodeReport
 from sparkgpu.launch.client.attempt_result import read_attempt
 from sparkgpu.callbacks import JobCallback
-from sparkgpu.launch.rank.entrypoint import EXIT_PREEMPTED
+from sparkgpu.rundir.exit_codes import EXIT_PREEMPTED
 from sparkgpu.rundir.serialization import serialize_payload
 from sparkgpu.rundir.directory import RunDir
 from sparkgpu.rundir.layout import RunLayout

@@ -17,7 +17,7 @@ from sparkgpu.errors import NodeLostError, RankFailure, first_failure, worker_fa
 from sparkgpu.failure_class import OOM_KILLED
 from sparkgpu.launch.client.attempt_report import AttemptReport
 from sparkgpu.launch.client.hang_record import HangRecord
-from sparkgpu.launch.rank.entrypoint import EXIT_PREEMPTED
+from sparkgpu.rundir.exit_codes import EXIT_PREEMPTED
 from sparkgpu.rundir.states import AttemptStatus, RankExit
 from sparkgpu.rundir.directory import RunDir
 from sparkgpu.rundir.layout import RunLayout

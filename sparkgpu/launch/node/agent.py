@@ -37,7 +37,9 @@ from sparkgpu import runtime
 from sparkgpu._util.report import report
 from sparkgpu.config import settings
 from sparkgpu.errors import PayloadSignatureError
-from sparkgpu.launch.rank.entrypoint import EXIT_FAILED, _die_with_parent, leave_quickly
+from sparkgpu._util.process import die_with_parent
+from sparkgpu.launch.rank.entrypoint import leave_quickly
+from sparkgpu.rundir.exit_codes import EXIT_FAILED
 from sparkgpu.rundir.key_handover import KEY_DIR_ENV, hand_to_ranks, make_undumpable, rank_secrets, receive_key
 from sparkgpu.rundir.states import NodeExit, RankExit
 from sparkgpu.launch.node.forked_ranks import RankSpares, can_fork, forking_ranks
@@ -176,7 +178,7 @@ def _parse(argv):
 
 def main(argv=None) -> int:
     args = _parse(argv)
-    _die_with_parent()
+    die_with_parent(EXIT_FAILED)
     make_undumpable()  # before the key arrives: same-user processes cannot read it from /proc
     os.umask(PRIVATE_UMASK)  # what the agent and its ranks write in the run dir is the user's alone
     key = receive_key(sys.stdin)

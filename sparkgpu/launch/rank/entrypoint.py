@@ -13,16 +13,15 @@ as under torchrun. ``SPARKGPU_GPU_ADDRESS`` is the rank's own device address.
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import faulthandler
 import gc
 import os
-import signal
 import sys
 
 from sparkgpu import runtime
 from sparkgpu._util.modules import imported
+from sparkgpu._util.process import die_with_parent
 from sparkgpu._util.report import report
 from sparkgpu.callbacks import WorkerContext
 from sparkgpu.errors import HydrationError, ResultError, SparkGPUError
@@ -30,28 +29,17 @@ from sparkgpu.rundir.keyring import hold_job_key
 from sparkgpu.launch.rank.process_group import RankProcessGroup
 from sparkgpu.launch.rank.progress import finish_progress, watch_rank
 from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.exit_codes import EXIT_FAILED, EXIT_PREEMPTED
 from sparkgpu.train.trained_models import save_models, unwrap_models
 from sparkgpu.launch.rank.threads import pin_rank_threads
 
-__all__ = ["main", "rank_device_env", "EXIT_FAILED", "EXIT_PREEMPTED", "NODE_DEVICES_ENV"]
+__all__ = ["main", "rank_device_env", "NODE_DEVICES_ENV"]
 
 # Set by a node's launcher when the node's device addresses are known only at launch (a Spark
 # task's GPU addresses); takes precedence over the spec's devices.
 NODE_DEVICES_ENV = runtime.ENV_NODE_DEVICES
 
 ACCELERATE_USE_CPU = "ACCELERATE_USE_CPU"
-EXIT_FAILED = 1
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: checkpointed and stopped on request; resume in a new attempt
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this rank when its launcher dies, whatever killed the launcher."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() == 1:  # the launcher died before prctl took effect
-            os._exit(EXIT_FAILED)
 
 
 def _redirect_output(path) -> None:
@@ -174,7 +162,7 @@ def leave_quickly() -> None:
 
 
 def _run(run_dir: str, env_error: BaseException | None, key: bytes | None) -> int:
-    _die_with_parent()
+    die_with_parent(EXIT_FAILED)
     rd = RunDir(run_dir)
     rank, attempt = runtime.get_global_rank(), runtime.attempt()
     _redirect_output(rd.log_file(attempt, rank))

@@ -32,7 +32,8 @@ from sparkgpu._util.report import report
 from sparkgpu.runtime import ENV_RUN_DIR
 from sparkgpu.launch.node.agent import reported, verify_or_refuse
 from sparkgpu.launch.node.forked_ranks import become_rank
-from sparkgpu.launch.rank.entrypoint import EXIT_PREEMPTED, _die_with_parent
+from sparkgpu._util.process import die_with_parent
+from sparkgpu.rundir.exit_codes import EXIT_FAILED, EXIT_PREEMPTED
 from sparkgpu.launch.node.rendezvous import collective_interface_env, listening_socket, serve_store
 from sparkgpu.rundir.key_handover import make_undumpable, rank_secrets
 from sparkgpu.rundir.states import NodeExit, RankExit
@@ -75,7 +76,7 @@ def _fork_store(nproc: int) -> tuple[int, int]:
         pid = os.fork()
         if not pid:
             os.setpgrp()
-            _die_with_parent()
+            die_with_parent(EXIT_FAILED)
             serve_store(listener, nproc)  # never returns
         return pid, listener.getsockname()[1]
     finally:
@@ -369,7 +370,7 @@ def _serve(argv: list[str]) -> None:
     directory, idle_timeout = Path(argv[0]), float(argv[1])
     fingerprint = argv[2] if len(argv) > 2 else ""
     if argv[3:4] == ["standby"]:  # one job's standby (zygote_client.Standby): it lives no longer than its client
-        _die_with_parent()
+        die_with_parent(EXIT_FAILED)
     # What every rank needs, imported once here so that forked ranks start warm.
     import cloudpickle  # noqa: F401
     import torch  # noqa: F401
