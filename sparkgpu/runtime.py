@@ -15,10 +15,6 @@ import signal
 import threading
 import time
 
-# The run dir's stop file and tracking folder keep their names here (the supervisor and tracking
-# read them from this module); they are spelled once, below the launcher.
-from sparkgpu.rundir.run_files import STOP_FILE, TRACKING_DIR  # noqa: F401
-
 __all__ = [
     "get_global_rank",
     "get_replica_rank",

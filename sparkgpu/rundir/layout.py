@@ -44,14 +44,6 @@ from __future__ import annotations
 
 import re
 
-from sparkgpu.rundir.run_files import (
-    ERRORS_FILE,
-    HYDRATE_FILE,
-    STOP_FILE,
-    TRACKING_DIR,
-    TRACKING_RECORDS_DIR,
-    TRACKING_RUN_FILE,
-)
 from sparkgpu.rundir.signature import SIGNATURE_FILE, SIGNED_CORE
 
 __all__ = ["RunLayout"]
@@ -72,8 +64,8 @@ class RunLayout:
     # The signed files are spelled where the worker checks them, with the standard library alone.
     ENTRYPOINT, SPEC, PAYLOAD = SIGNED_CORE
     SIGNATURE = SIGNATURE_FILE
-    HYDRATE = HYDRATE_FILE
-    ERRORS = ERRORS_FILE
+    HYDRATE = "_hydrate.py"  # sparkgpu.env.hydrate, shipped beside _air.py with the environment
+    ERRORS = "_errors.py"  # sparkgpu.errors, shipped beside it (hydration raises its classes; spelled there too)
     STATE = "state.json"
     CANCEL_REQUEST = "cancel-request"
     SWEEP_STOP = "sweep-stop"  # a sweep's request that its trial job stop (pruned), sealed (sparkgpu.sweeps)
@@ -87,7 +79,10 @@ class RunLayout:
     HANG = "hang.json"  # in an attempt's folder: a hang's diagnosis (launch.client.progress_watch)
     HANG_STACKS = "hang.txt"  # in an attempt's folder: the diagnosis and every rank's stacks
     RAY_CLUSTER = "cluster.json"  # in an attempt's ray/ folder
-    TRACKING = TRACKING_DIR
+    STOP = "STOP"  # in an attempt's folder: the supervisor asks the ranks to checkpoint and stop
+    TRACKING = "tracking"  # the job's tracking run and the ranks' spooled records
+    TRACKING_RUN_FILE = "run.json"  # in TRACKING: the job's tracking run
+    TRACKING_RECORDS_DIR = "records"  # in TRACKING: the ranks' spooled records
     TRACKING_RUN = f"{TRACKING}/{TRACKING_RUN_FILE}"
     TRACKING_RECORDS = f"{TRACKING}/{TRACKING_RECORDS_DIR}"
     #: The signed files every run dir has, in the order the signature covers them.
@@ -203,7 +198,7 @@ class RunLayout:
 
     @staticmethod
     def stop(attempt: int | str) -> str:
-        return f"{RunLayout.attempt(attempt)}/{STOP_FILE}"
+        return f"{RunLayout.attempt(attempt)}/{RunLayout.STOP}"
 
     @staticmethod
     def ray(attempt: int | str) -> str:

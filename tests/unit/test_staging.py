@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from sparkgpu import runtime
 from sparkgpu.errors import PayloadSignatureError
 from sparkgpu.rundir.serialization import serialize_payload
 from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
 from sparkgpu.launch.staging import log_bundles
 from sparkgpu.launch.backends.spark.executor.channel import Heartbeat
 from sparkgpu.launch.staging.log_bundles import LogReader, LogShipper, parse_bundle_name
@@ -317,7 +317,7 @@ def test_control_files_reach_node_0_as_one_object_and_are_never_pushed_back(side
     client, node, store = sides
     cancel = client.run_dir.spark_cancel_file(0)
     heartbeat = client.run_dir.client_heartbeat_file(0)
-    stop = client.run_dir.attempt_dir(0) / runtime.STOP_FILE
+    stop = client.run_dir.file(RunLayout.stop(0))
     heartbeat.write_text("1\n")
     client.sync(0)
     node.pull_control()
@@ -341,7 +341,7 @@ def test_control_files_reach_node_0_as_one_object_and_are_never_pushed_back(side
     assert reads == ["attempts/0/spark/control"]  # one request per look
     assert node.run_dir.client_heartbeat_file(0).read_text() == "2\n"
     assert node.run_dir.spark_cancel_file(0).read_text() == "cancelled by the client\n"
-    assert (node.run_dir.attempt_dir(0) / runtime.STOP_FILE).read_text() == "the runtime cap is near\n"
+    assert node.run_dir.file(RunLayout.stop(0)).read_text() == "the runtime cap is near\n"
 
     # Any other node hears of them from node 0, never from the store.
     other = NodeMirror(node.store, RunDir(tmp_path / "executor-2" / "job-1"), attempt=0, node=1)
