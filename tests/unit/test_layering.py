@@ -1,6 +1,12 @@
 """The package's import rules, checked on the source (every import, function-level ones included).
 
-- data, train, tracking, usage and env import nothing from the launcher (``sparkgpu.launch``);
+- the run dir's format (``sparkgpu.rundir``: its layout, states, exit codes, keys, signatures,
+  pickling, control files, progress records), which the launcher writes and reads on both sides
+  and the libraries of a rank read too, sits below all of them: it imports no other sub-package
+  but the shared errors, settings and private helpers (``sparkgpu.errors``, ``sparkgpu.config``,
+  ``sparkgpu._util``);
+- data, train, tracking, usage, env and the runtime import nothing from the launcher
+  (``sparkgpu.launch``): they read the run dir through ``sparkgpu.rundir``;
 - the launcher reaches tracking and usage only through the callback interface
   (``sparkgpu.callbacks``), which imports none of them: only the run dir's states
   (``sparkgpu.rundir.states``, standard library only), which all of them share;
@@ -33,12 +39,24 @@ import sparkgpu
 PACKAGE = Path(sparkgpu.__file__).resolve().parent
 
 # Lower layers that must not import the launcher.
-BELOW_LAUNCH = ("sparkgpu.data", "sparkgpu.train", "sparkgpu.hf", "sparkgpu.tracking", "sparkgpu.usage", "sparkgpu.env")
+BELOW_LAUNCH = (
+    "sparkgpu.data",
+    "sparkgpu.train",
+    "sparkgpu.hf",
+    "sparkgpu.tracking",
+    "sparkgpu.usage",
+    "sparkgpu.env",
+    "sparkgpu.runtime",
+)
+# The run dir's format, below the launcher and every library: what it may import of the package
+# (``sparkgpu`` itself, imported first anyway, aside).
+RUN_DIR_FORMAT = ("sparkgpu.rundir",)
+FORMAT_MAY_IMPORT = RUN_DIR_FORMAT + ("sparkgpu.errors", "sparkgpu.config", "sparkgpu._util")
 INTEGRATIONS = ("sparkgpu.tracking", "sparkgpu.usage")
 CALLBACK_INTERFACE = ("sparkgpu.callbacks",)
 # The run dir's states, below every sub-package: the callback interface hands them on.
-PROTOCOL = "sparkgpu.rundir.states"
-STDLIB_ONLY = (PROTOCOL, "sparkgpu.errors", "sparkgpu.env.hydrate", "sparkgpu.rundir.signature")
+STATES = "sparkgpu.rundir.states"
+STDLIB_ONLY = (STATES, "sparkgpu.errors", "sparkgpu.env.hydrate", "sparkgpu.rundir.signature")
 # Guarded imports a stdlib-only module may make: hydration reads a store of another scheme
 # through fsspec, and names it in its error where fsspec is missing.
 OPTIONAL = {"sparkgpu.env.hydrate": {"fsspec"}}
@@ -147,8 +165,10 @@ def violations(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
             if (
                 name in CALLBACK_INTERFACE
                 and within(target, ("sparkgpu",))
-                and target not in (*CALLBACK_INTERFACE, PROTOCOL)
+                and target not in (*CALLBACK_INTERFACE, STATES)
             ):
+                found.add((name, target))
+            if within(name, RUN_DIR_FORMAT) and target != "sparkgpu" and not within(target, FORMAT_MAY_IMPORT):
                 found.add((name, target))
     return found
 
@@ -283,7 +303,7 @@ def test_the_implementations_of_callbacks_import_the_interface_not_the_launcher(
     graph = modules()
     assert "sparkgpu.callbacks" in graph["sparkgpu.tracking.mlflow_run"]
     assert "sparkgpu.callbacks" in graph["sparkgpu.usage.meter"]
-    assert not any(within(m, ("sparkgpu",)) and not within(m, (PROTOCOL,)) for m in graph["sparkgpu.callbacks"])
+    assert not any(within(m, ("sparkgpu",)) and not within(m, (STATES,)) for m in graph["sparkgpu.callbacks"])
 
 
 @pytest.mark.parametrize("name", STDLIB_ONLY)
@@ -310,6 +330,32 @@ def test_the_rule_checker_sees_function_level_and_relative_imports(tmp_path, mon
     assert violations(graph) == {
         ("sparkgpu.tracking.late", "sparkgpu.launch.payload"),
         ("sparkgpu.tracking.late", "sparkgpu.launch.node.agent"),
+    }
+
+
+def test_the_format_checker_sees_what_it_claims():
+    graph = {
+        "sparkgpu": set(),
+        "sparkgpu.errors": set(),
+        "sparkgpu._util.files": set(),
+        "sparkgpu.api.prepare": set(),
+        "sparkgpu.train.checkpoint": set(),
+        "sparkgpu.launch.rank.entrypoint": set(),
+        "sparkgpu.rundir.states": set(),
+        "sparkgpu.rundir.directory": {
+            "sparkgpu",  # the package itself
+            "sparkgpu.errors",
+            "sparkgpu._util.files",
+            "sparkgpu.rundir.states",
+            "sparkgpu.api.prepare",
+            "sparkgpu.train.checkpoint",
+            "sparkgpu.launch.rank.entrypoint",
+        },
+    }
+    assert violations(graph) == {
+        ("sparkgpu.rundir.directory", "sparkgpu.api.prepare"),
+        ("sparkgpu.rundir.directory", "sparkgpu.train.checkpoint"),
+        ("sparkgpu.rundir.directory", "sparkgpu.launch.rank.entrypoint"),
     }
 
 
