@@ -526,12 +526,12 @@ def cmd_logs(args) -> int:
     def tail_for(k: int):
         if args.all:
             return LogStreamer(rd, k, world_size, None, sys.stdout)
-        return _RawTail(rd.log_file(k, args.rank), sys.stdout)
+        return _RawTail(rd.file(RunLayout.rank_log(k, args.rank)), sys.stdout)
 
     tail = tail_for(attempt)
     ask = _FollowRequest(rd, None if args.all else [args.rank])
     if not args.follow:
-        if not args.all and not rd.log_file(attempt, args.rank).exists():
+        if not args.all and not rd.file(RunLayout.rank_log(attempt, args.rank)).exists():
             raise ConfigurationError(f"job {rd.job_id} has no log for rank {args.rank} in attempt {attempt} yet")
         tail.finish()
         return EXIT_OK

@@ -119,8 +119,15 @@ class RunDir:
         return self.path / RunLayout.CANCEL_REQUEST
 
     def file(self, rel: str) -> Path:
-        """The file named ``rel`` by :class:`RunLayout`."""
+        """The file named ``rel`` by :class:`RunLayout`: ``run_dir.file(RunLayout.result(attempt, rank))``.
+
+        The job's own files have properties here (:attr:`spec_file`, :attr:`state_file`, ...);
+        an attempt's are named by :class:`RunLayout` and found through this.
+        """
         return self.path / rel
+
+    def logs_dir(self, attempt: int) -> Path:
+        return self.path / RunLayout.logs(attempt)
 
     # -- control files (sealed under the job key, sparkgpu.rundir.control) ---------------
     def _keyring_key(self) -> bytes:
@@ -200,50 +207,9 @@ class RunDir:
         except ValueError:
             return None
 
-    def attempt_dir(self, attempt: int) -> Path:
-        return self.path / RunLayout.attempt(attempt)
-
-    def logs_dir(self, attempt: int) -> Path:
-        return self.path / RunLayout.logs(attempt)
-
-    def log_file(self, attempt: int, rank: int) -> Path:
-        return self.path / RunLayout.rank_log(attempt, rank)
-
-    def result_file(self, attempt: int, rank: int) -> Path:
-        return self.path / RunLayout.result(attempt, rank)
-
-    def error_file(self, attempt: int, rank: int) -> Path:
-        return self.path / RunLayout.error(attempt, rank)
-
-    def saved_models_dir(self, attempt: int, rank: int) -> Path:
-        return self.path / RunLayout.saved_models(attempt, rank)
-
-    def preempted_file(self, attempt: int, rank: int) -> Path:
-        return self.path / RunLayout.preempted(attempt, rank)
-
-    def node_file(self, attempt: int, node_rank: int) -> Path:
-        return self.path / RunLayout.node_exits(attempt, node_rank)
-
-    def agent_log(self, attempt: int, node_rank: int) -> Path:
-        return self.path / RunLayout.agent_log(attempt, node_rank)
-
-    def spark_dir(self, attempt: int) -> Path:
-        """The folder of the attempt's Spark markers (nodes' start and end, node 0's state; the client's cancel and beat)."""
-        return self.path / RunLayout.spark(attempt)
-
-    def spark_cancel_file(self, attempt: int) -> Path:
-        return self.path / RunLayout.spark_cancel(attempt)
-
-    def client_heartbeat_file(self, attempt: int) -> Path:
-        return self.path / RunLayout.client_heartbeat(attempt)
-
-    def node_marker(self, attempt: int, node: int, kind: str) -> Path:
-        """A Spark node's marker: ``kind`` is ``"started"`` or ``"ended"``."""
-        return self.path / RunLayout.node_marker(attempt, node, kind)
-
     def node_markers(self, attempt: int, kind: str) -> dict[int, Path]:
         """The attempt's Spark node markers of one ``kind``, by node."""
-        folder = self.spark_dir(attempt)
+        folder = self.file(RunLayout.spark(attempt))
         found = {}
         for path in folder.iterdir() if folder.is_dir() else ():
             node = RunLayout.node_marker_node(path.name, kind)
@@ -435,12 +401,12 @@ class RunDir:
 
     def write_result(self, attempt: int, rank: int, value: Any) -> None:
         self._write_signed(
-            self.result_file(attempt, rank), "result", attempt, rank, lambda f: dump_result(value, f, rank)
+            self.file(RunLayout.result(attempt, rank)), "result", attempt, rank, lambda f: dump_result(value, f, rank)
         )
 
     def write_error(self, attempt: int, rank: int, exc: BaseException) -> None:
         data = serialize_error(rank, exc)
-        self._write_signed(self.error_file(attempt, rank), "error", attempt, rank, lambda f: f.write(data))
+        self._write_signed(self.file(RunLayout.error(attempt, rank)), "error", attempt, rank, lambda f: f.write(data))
 
     def read_result(self, attempt: int, rank: int) -> Any:
         """Rank ``rank``'s return value.
@@ -449,7 +415,7 @@ class RunDir:
             PayloadSignatureError: the file is unsigned or not signed with the job's key.
             ConfigurationError: this process has no key for the job.
         """
-        return cloudpickle.loads(self._read_signed(self.result_file(attempt, rank), "result", attempt, rank))
+        return cloudpickle.loads(self._read_signed(self.file(RunLayout.result(attempt, rank)), "result", attempt, rank))
 
     def read_error(self, attempt: int, rank: int) -> tuple[RankFailure, BaseException | None]:
         """Rank ``rank``'s failure, and its exception when the class exists here.
@@ -458,10 +424,10 @@ class RunDir:
             PayloadSignatureError: the file is unsigned or not signed with the job's key.
             ConfigurationError: this process has no key for the job.
         """
-        return deserialize_error(self._read_signed(self.error_file(attempt, rank), "error", attempt, rank))
+        return deserialize_error(self._read_signed(self.file(RunLayout.error(attempt, rank)), "error", attempt, rank))
 
     def _attempt_files(self, attempt: int) -> list[Path]:
-        folder = self.attempt_dir(attempt)
+        folder = self.file(RunLayout.attempt(attempt))
         return sorted(folder.iterdir()) if folder.is_dir() else []
 
     def read_env_reports(self, attempt: int) -> dict[int, dict]:
@@ -484,7 +450,7 @@ class RunDir:
 
     def log_tail(self, attempt: int, rank: int, lines: int = 20) -> str:
         try:
-            with open(self.log_file(attempt, rank), "rb") as f:
+            with open(self.file(RunLayout.rank_log(attempt, rank)), "rb") as f:
                 f.seek(0, os.SEEK_END)
                 f.seek(max(0, f.tell() - 16384))
                 text = f.read().decode(errors="replace")

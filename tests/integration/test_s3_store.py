@@ -177,7 +177,7 @@ def test_the_staging_mirror_carries_payload_logs_and_controls_through_s3(s3_buck
     node.download_payload()
     assert set(node.run_dir.verify(key)) >= {"spec.json", "payload.pkl"}
 
-    log = node.run_dir.log_file(0, 1)
+    log = node.run_dir.file(RunLayout.rank_log(0, 1))
     log.parent.mkdir(parents=True)
     log.write_bytes(b"step 1\n")
     node.push()
@@ -186,7 +186,7 @@ def test_the_staging_mirror_carries_payload_logs_and_controls_through_s3(s3_buck
         f.write(b"step 2\n")
     node.push(final=True)
     client.sync(0)
-    assert client_rd.log_file(0, 1).read_bytes() == b"step 1\nstep 2\n"
+    assert client_rd.file(RunLayout.rank_log(0, 1)).read_bytes() == b"step 1\nstep 2\n"
 
     client_rd.file(RunLayout.stop(0)).write_text("the runtime cap is near\n")
     client.sync(0)

@@ -67,9 +67,9 @@ def test_a_planted_cancel_request_cancels_nothing(tmp_path):
 def test_a_planted_node_exit_fails_no_rank(tmp_path):
     _, rd = staged(tmp_path)
     forged = {"node_rank": 0, "status": 1, "failures": {"0": {"exitcode": 1}}}
-    rd.node_file(0, 0).write_text(json.dumps(forged))
+    rd.file(RunLayout.node_exits(0, 0)).write_text(json.dumps(forged))
     assert rd.read_node_exits(0) == {}
-    rd.write_control(rd.node_file(0, 0), json.dumps(forged).encode())
+    rd.write_control(rd.file(RunLayout.node_exits(0, 0)), json.dumps(forged).encode())
     assert list(rd.read_node_exits(0)) == [0]
 
 

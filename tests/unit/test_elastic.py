@@ -146,7 +146,7 @@ class ElasticCluster(ScriptedBackend):
         rd = self.run_dir
         if self.script[handle.attempt] == "until_asked" and rd.read_control(rd.file(RunLayout.stop(handle.attempt))):
             for rank in range(handle.world):
-                rd.preempted_file(handle.attempt, rank).write_text("x")
+                rd.file(RunLayout.preempted(handle.attempt, rank)).write_text("x")
             return 1
         return super().poll(handle)
 

@@ -129,7 +129,7 @@ def refuse(rd: RunDir, attempt: int, node_rank: int, nproc: int, exc: PayloadSig
             rd.write_error(attempt, rank, exc)
     node = NodeExit(node_rank, EXIT_FAILED, refused=str(exc))
     if rd.key:  # without it nothing can be signed: the launcher reads the agent's exit code instead
-        rd.write_control(rd.node_file(attempt, node_rank), json.dumps(node.to_json()).encode())
+        rd.write_control(rd.file(RunLayout.node_exits(attempt, node_rank)), json.dumps(node.to_json()).encode())
 
 
 def verify_or_refuse(
@@ -308,7 +308,7 @@ def _launch(args: argparse.Namespace, rd: RunDir, air: str, init_timeout: float,
             failure.time = watcher.exits[failed].time
             failure.oom_killed = watcher.exits[failed].oom_killed  # torch's record cannot tell the OOM killer
     node = NodeExit(args.node_rank, status, failures)
-    rd.write_control(rd.node_file(args.attempt, args.node_rank), json.dumps(node.to_json()).encode())
+    rd.write_control(rd.file(RunLayout.node_exits(args.attempt, args.node_rank)), json.dumps(node.to_json()).encode())
     return status
 
 
@@ -316,7 +316,11 @@ def reported(rd: RunDir, attempt: int, rank: int) -> bool:
     """Whether a rank left a result, an error or a preemption marker (did not exit quietly)."""
     return any(
         path.exists()
-        for path in (rd.result_file(attempt, rank), rd.error_file(attempt, rank), rd.preempted_file(attempt, rank))
+        for path in (
+            rd.file(RunLayout.result(attempt, rank)),
+            rd.file(RunLayout.error(attempt, rank)),
+            rd.file(RunLayout.preempted(attempt, rank)),
+        )
     )
 
 

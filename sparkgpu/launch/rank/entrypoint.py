@@ -29,6 +29,7 @@ from sparkgpu.rundir.keyring import hold_job_key
 from sparkgpu.launch.rank.process_group import RankProcessGroup
 from sparkgpu.launch.rank.progress import finish_progress, watch_rank
 from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
 from sparkgpu.rundir.exit_codes import EXIT_FAILED, EXIT_PREEMPTED
 from sparkgpu.train.trained_models import save_models, unwrap_models
 from sparkgpu.launch.rank.threads import pin_rank_threads
@@ -165,7 +166,7 @@ def _run(run_dir: str, env_error: BaseException | None, key: bytes | None) -> in
     die_with_parent(EXIT_FAILED)
     rd = RunDir(run_dir)
     rank, attempt = runtime.get_global_rank(), runtime.attempt()
-    _redirect_output(rd.log_file(attempt, rank))
+    _redirect_output(rd.file(RunLayout.rank_log(attempt, rank)))
 
     try:
         spec, parts = rd.load_verified(key)
@@ -211,7 +212,7 @@ def _run(run_dir: str, env_error: BaseException | None, key: bytes | None) -> in
         # from. A failed save fails the rank rather than resuming from an older checkpoint.
         _finish_pending_checkpoints()
         if stopping:
-            rd.preempted_file(attempt, rank).write_text("checkpointed; resume in a new attempt\n")
+            rd.file(RunLayout.preempted(attempt, rank)).write_text("checkpointed; resume in a new attempt\n")
             return EXIT_PREEMPTED
     except BaseException as exc:  # report anything, including SystemExit and KeyboardInterrupt
         error = exc
@@ -254,7 +255,7 @@ def _write_result(rd: RunDir, attempt: int, rank: int, result) -> int:
 
 def _result_error(rd: RunDir, attempt: int, rank: int, result, exc: Exception) -> ResultError:
     """The rank's :class:`ResultError` for ``exc``, once the models in ``result`` are saved."""
-    folder = rd.saved_models_dir(attempt, rank)
+    folder = rd.file(RunLayout.saved_models(attempt, rank))
     saved = {where: os.path.relpath(path, rd.path) for where, path in save_models(result, folder).items()}
     if saved:
         places = ", ".join(f"{where!r} at {path}" for where, path in saved.items())

@@ -50,7 +50,7 @@ def nccl_trace_env(rd: RunDir, attempt: int, environ=None) -> dict[str, str]:
     wanted = {
         "TORCH_NCCL_TRACE_BUFFER_SIZE": str(NCCL_TRACE_ENTRIES),
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(rd.attempt_dir(attempt) / "nccl-trace" / "rank-"),
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(rd.file(RunLayout.attempt(attempt)) / "nccl-trace" / "rank-"),
     }
     return {name: value for name, value in wanted.items() if not environ.get(name)}
 

@@ -596,7 +596,7 @@ class NodeMirror:
         found = {}
         skip = set(RunLayout.control_files(self.attempt)) | set(self._pulled)
         for folder, pattern in (
-            (self.run_dir.attempt_dir(self.attempt), "*"),
+            (self.run_dir.file(RunLayout.attempt(self.attempt)), "*"),
             (self.run_dir.file(RunLayout.TRACKING_RECORDS), f"{RunLayout.tracking_records_of(self.attempt)}*"),
         ):
             for path in folder.rglob(pattern) if folder.is_dir() else ():

@@ -251,7 +251,9 @@ class _Zygote:
             env = {**request["env"], "SPARKGPU_ATTEMPT": str(attempt), ENV_RUN_DIR: str(run_dir.path)}
             # The node agent's check: nothing is forked for a payload that is not the job's.
             key = bytes.fromhex(request.get("key", ""))
-            verified = verify_or_refuse(run_dir, key or None, attempt, 0, nproc, log=run_dir.agent_log(attempt, 0))
+            verified = verify_or_refuse(
+                run_dir, key or None, attempt, 0, nproc, log=run_dir.file(RunLayout.agent_log(attempt, 0))
+            )
             if verified is None:
                 conn.sendall(b'{"started": true}\n')
                 conn.close()  # the client reads the end of the connection as a failed attempt
@@ -349,7 +351,9 @@ class _Zygote:
         failures = {k: v for k, v in failures.items() if v.exitcode != -signal.SIGTERM} or failures
         status = 1 if failures else 0
         node = NodeExit(0, status, failures)
-        job.run_dir.write_control(job.run_dir.node_file(job.attempt, 0), json.dumps(node.to_json()).encode())
+        job.run_dir.write_control(
+            job.run_dir.file(RunLayout.node_exits(job.attempt, 0)), json.dumps(node.to_json()).encode()
+        )
         try:
             self.selector.unregister(job.conn)
             job.conn.setblocking(True)
