@@ -56,7 +56,7 @@ from sparkgpu.launch.client.resume import client_is_gone, find_run_dir, take_ove
 from sparkgpu.rundir.directory import RunDir
 from sparkgpu.rundir.states import AttemptStatus, JobState, JobStatus
 from sparkgpu.launch.client.supervision_lock import SupervisionLock
-from sparkgpu.launch.client.supervisor import CANCEL_REQUEST_FILE, Supervisor
+from sparkgpu.launch.client.supervisor import CANCEL_REQUEST_FILE, Supervisor, cancel_abandoned
 from sparkgpu.spec import JobSpec
 
 __all__ = ["DistributedFunctionCall", "attach", "collect_outputs_or_raise"]
@@ -453,7 +453,7 @@ def collect_outputs_or_raise(
 
 def _end_cancelled(run_dir: RunDir, state: JobState) -> None:
     """Records that an abandoned job whose cancel was asked for is cancelled, without running it again."""
-    JobBook(run_dir.state_file, state).cancel_abandoned()
+    cancel_abandoned(JobBook(run_dir.state_file, state))
     (run_dir.path / CANCEL_REQUEST_FILE).unlink(missing_ok=True)
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib.abc
 import inspect
-import os
 import sys
 import threading
 from typing import Any, Callable
@@ -176,8 +175,11 @@ class GPUNamespace:
             raise ConfigurationError(
                 f"data_format={data_format!r} must be 'mds' (convert to MDS shards) or 'table' (read Delta/Parquet in place)"
             )
+        options = dict(data_options or {})
         if data is not None:
             _check_accepts_data_url(fn, kwargs)
+            # What data is gets decided here, once: a bad source fails before the job is prepared.
+            source = self._resolve(data, options)
         backend = self.backend(wait_timeout=wait_timeout, gpus_per_node=gpus_per_node)
         job = distributed(fn, gpus=gpus, gpu_type=gpu_type, remote=True, backend=backend, **distributed_options)
         try:
@@ -187,8 +189,8 @@ class GPUNamespace:
             # before the possibly long conversion, and the job launched after it is this one,
             # with data_url added to its already pickled arguments.
             prepared = job.prepare(args, kwargs)
-            reference = self._table_ref(data) if data_format == "table" else None
-            data_url = reference or self._convert(data, data_volume, data_options or {})
+            reference = self._table_ref(source) if data_format == "table" else None
+            data_url = reference or self._convert(source, data_volume, options)
             return job.launch(prepared.with_kwargs(data_url=data_url))
         finally:
             self.last_job_id = getattr(job, "last_job_id", None)
@@ -235,34 +237,37 @@ class GPUNamespace:
             self._spark, df, model, gpus=gpus, gpu_type=gpu_type, task="generate", prompt_col=prompt_col, **options
         )
 
-    def _table_ref(self, data):
-        from sparkgpu.data.tables.paths import is_delta_table
-        from sparkgpu.data.tables.plan import TableRef, table_ref_of
+    def _resolve(self, data, options: dict):
+        from sparkgpu.data.tables.resolve import resolve_source
 
-        if isinstance(data, (str, os.PathLike)) and (
-            is_delta_table(os.fspath(data)) or os.path.exists(data) or "://" in os.fspath(data)
-        ):
-            reference, why = TableRef(os.fspath(data)), ""
-        elif isinstance(data, str):
-            reference, why = (
-                None,
-                "it is a catalog table name, whose files the client cannot locate; pass the table's path instead",
-            )
+        return resolve_source(
+            data,
+            version=options.get("version"),
+            timestamp=options.get("timestamp"),
+            storage_options=options.get("storage_options"),
+            spark=self._spark,  # a catalog table name such as "main.ml.clicks" reads through it
+        )
+
+    def _table_ref(self, source):
+        from sparkgpu.data.tables.plan import TableRef
+
+        if source.path is not None:  # a Delta table or Parquet files, as a path or URL
+            reference, why = TableRef(source.path), ""
+        elif source.kind.is_spark:
+            reference, why = source.scan, source.why
         else:
-            reference, why = table_ref_of(data)
+            reference, why = None, f"it is {source.kind.value} data in this process; the ranks read a table by its path"
         if reference is None:
             report(f"data_format='table' cannot read this DataFrame in place ({why}); converting it to MDS")
         else:
             report(f"data read in place by the ranks: {reference!r}")
         return reference
 
-    def _convert(self, data, volume: str | None, options: dict) -> str:
+    def _convert(self, source, volume: str | None, options: dict) -> str:
         from sparkgpu.config import settings
         from sparkgpu.data.convert.conversion import ensure_mds
 
-        if isinstance(data, str) and "://" not in data and os.sep not in data and not os.path.exists(data):
-            data = self._spark.table(data)  # a table name such as "main.ml.clicks"
-        result = ensure_mds(data, volume or settings().data_volume, **options)
+        result = ensure_mds(source, volume or settings().data_volume, **options)
         state = "reused" if result.reused else f"converted in {result.seconds:.1f}s"
         report(f"data as MDS at {result.url} ({result.samples} samples, {result.shards} shards, {state})")
         return result.url

@@ -7,25 +7,19 @@ take the states from here; none compares a state as a bare string. It sits below
 sub-package and uses the standard library only. The enums are
 ``str``-valued: the JSON on disk holds plain strings.
 
-:class:`JobStatus`, ``state.json``'s ``status`` (the job as a whole)::
-
-    PENDING -> RUNNING -> SUCCEEDED
-                       -> FAILED | TIMED_OUT | CANCELLED | STOPPED
-
-``PENDING``: staged, no attempt submitted yet. ``RUNNING``: an attempt is submitted or runs
-(also between attempts, while a restart is prepared). ``SUCCEEDED``: every rank of the last
+:class:`JobStatus`, ``state.json``'s ``status`` (the job as a whole); it changes only along
+:data:`JOB_TRANSITIONS`, the one drawing of its transitions. ``PENDING``: staged, no attempt
+submitted yet. ``RUNNING``: an attempt is submitted or runs (also between attempts, while a
+restart is prepared). ``SUCCEEDED``: every rank of the last
 attempt returned. ``FAILED``: an attempt failed and the failure policy raised (or the
 supervisor itself failed). ``TIMED_OUT``: the job ran past ``policy.timeout``.
 ``CANCELLED``: cancelled (``DistributedFunctionCall.cancel``, the cancel file, Ctrl-C). ``STOPPED``: a usage
 policy stopped it (its ranks were asked to checkpoint). ``SUCCEEDED`` is final;
 ``sparkgpu resume`` takes every other state back to ``RUNNING``.
 
-:class:`AttemptStatus`, each ``state.json`` attempt's ``status``::
-
-    RUNNING -> SUCCEEDED | FAILED | PREEMPTED | STOPPED | TIMED_OUT | CANCELLED | LOST | RESIZED
-
-``PREEMPTED``: its ranks checkpointed and stopped (at the runtime cap, for a restart, to give
-way to a critical job, or for an elastic job to grow back to all its GPUs); the next attempt
+:class:`AttemptStatus`, each ``state.json`` attempt's ``status``; it changes only along
+:data:`ATTEMPT_TRANSITIONS` (``RUNNING`` to any other state, once). ``PREEMPTED``: its ranks
+checkpointed and stopped (at the runtime cap, for a restart, to give way to a critical job, or for an elastic job to grow back to all its GPUs); the next attempt
 resumes without using up a restart. ``RESIZED``: an elastic job's attempt that waited
 ``elastic_wait`` for its GPUs was withdrawn before its ranks started; the next attempt goes on
 with fewer (the record's ``gpus``), using no restart and billing nothing. ``STOPPED``: stopped by a policy without a
@@ -74,6 +68,8 @@ from typing import Any, TypedDict
 __all__ = [
     "JobStatus",
     "AttemptStatus",
+    "JOB_TRANSITIONS",
+    "ATTEMPT_TRANSITIONS",
     "ListedStatus",
     "NodeState",
     "NodeExit",
@@ -96,7 +92,7 @@ class _StrEnum(str, enum.Enum):
 
 
 class JobStatus(_StrEnum):
-    """A job's status in ``state.json`` (transitions in the module docstring)."""
+    """A job's status in ``state.json`` (its transitions: :data:`JOB_TRANSITIONS`)."""
 
     PENDING = "pending"
     RUNNING = "running"
@@ -113,7 +109,7 @@ class JobStatus(_StrEnum):
 
 
 class AttemptStatus(_StrEnum):
-    """An attempt's status in ``state.json`` (transitions in the module docstring)."""
+    """An attempt's status in ``state.json`` (its transitions: :data:`ATTEMPT_TRANSITIONS`)."""
 
     RUNNING = "running"
     SUCCEEDED = "succeeded"
@@ -124,6 +120,39 @@ class AttemptStatus(_StrEnum):
     CANCELLED = "cancelled"
     LOST = "lost"
     RESIZED = "resized"  # an elastic job's attempt withdrawn before its ranks started, to go on with fewer GPUs
+
+
+_RESUMABLE = frozenset({JobStatus.RUNNING, JobStatus.FAILED, JobStatus.CANCELLED})
+
+#: The job's status -> the statuses it may change to: every legal change of ``state.json``'s
+#: ``status``, and the only drawing of them (the client's ``JobBook`` refuses any other).
+JOB_TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
+    # Its first attempt, or it ended before one (its GPUs never came, Ctrl-C in the queue).
+    JobStatus.PENDING: frozenset({JobStatus.RUNNING, JobStatus.FAILED, JobStatus.CANCELLED}),
+    # The next attempt (a restart, a resume, a resize), or the job's end.
+    JobStatus.RUNNING: frozenset(
+        {
+            JobStatus.RUNNING,
+            JobStatus.SUCCEEDED,
+            JobStatus.FAILED,
+            JobStatus.TIMED_OUT,
+            JobStatus.CANCELLED,
+            JobStatus.STOPPED,
+        }
+    ),
+    # ``sparkgpu resume`` continues it; it may end again before its attempt.
+    JobStatus.FAILED: _RESUMABLE,
+    JobStatus.TIMED_OUT: _RESUMABLE,
+    JobStatus.CANCELLED: _RESUMABLE,
+    JobStatus.STOPPED: _RESUMABLE,
+    JobStatus.SUCCEEDED: frozenset(),  # final
+}
+
+#: An attempt's status -> the statuses it may change to: a running attempt ends once, in any way.
+ATTEMPT_TRANSITIONS: dict[AttemptStatus, frozenset[AttemptStatus]] = {
+    status: frozenset(AttemptStatus) - {AttemptStatus.RUNNING} if status is AttemptStatus.RUNNING else frozenset()
+    for status in AttemptStatus
+}
 
 
 class ListedStatus(_StrEnum):

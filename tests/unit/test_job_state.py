@@ -1,13 +1,20 @@
-"""The job's state file: its one owner (JobBook), its transition tables, and the supervisor's step table."""
+"""The job's state file: its one owner (JobBook), its one writer of the status (the supervisor),
+the run dir states' transition tables, and the supervisor's step table."""
 
+import ast
+import itertools
 import json
+from pathlib import Path
 
 import pytest
 
+import sparkgpu
 from sparkgpu.launch.client.attempt_result import StoppedBy
-from sparkgpu.launch.client.job_state import ATTEMPT_TRANSITIONS, JOB_TRANSITIONS, IllegalTransition, JobBook
-from sparkgpu.launch.client.supervisor import JobStep, next_step
-from sparkgpu.rundir.states import AttemptStatus, JobStatus
+from sparkgpu.launch.client.job_state import IllegalTransition, JobBook
+from sparkgpu.launch.client.supervisor import JobStep, cancel_abandoned, fail_unsupervisable, next_step
+from sparkgpu.rundir.states import ATTEMPT_TRANSITIONS, JOB_TRANSITIONS, AttemptStatus, JobStatus
+
+PACKAGE = Path(sparkgpu.__file__).resolve().parent
 
 
 @pytest.fixture
@@ -28,6 +35,49 @@ def test_every_status_has_its_row_and_only_succeeded_is_final():
             assert JobStatus.RUNNING in JOB_TRANSITIONS[status]  # `sparkgpu resume` continues it
 
 
+def test_the_table_draws_every_legal_step_and_refuses_the_rest(book):
+    S = JobStatus
+    assert JOB_TRANSITIONS[S.PENDING] == {S.RUNNING, S.FAILED, S.CANCELLED}  # it may end before its first attempt
+    assert JOB_TRANSITIONS[S.RUNNING] == set(S) - {S.PENDING}
+    for source, target in itertools.product(JobStatus, JobStatus):
+        fresh = JobBook(book.path, {**JobBook.new(book.path, "job-1", "fake").state, "status": source.value})
+        if target in JOB_TRANSITIONS[source]:
+            fresh.set_status(target)
+            assert on_disk(fresh)["status"] == target.value
+        else:
+            with pytest.raises(IllegalTransition, match=f"job job-1 cannot go from {source} to {target}"):
+                fresh.set_status(target)
+    assert all(JobStatus.PENDING not in to for to in JOB_TRANSITIONS.values())  # nothing goes back to staged
+
+
+def _status_writers() -> dict[str, int]:
+    """Per module of the package, its calls of ``.set_status(...)``."""
+    writers: dict[str, int] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        calls = [
+            node
+            for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "set_status"
+        ]
+        if calls:
+            writers[".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)] = len(calls)
+    return writers
+
+
+def test_the_supervisor_is_the_one_writer_of_the_jobs_status():
+    # The attempt runner, the detached keeper and the book itself hand what happened to the
+    # supervisor module, which applies it: no other module moves a job's status.
+    assert list(_status_writers()) == ["sparkgpu.launch.client.supervisor"]
+
+
+def test_a_job_no_supervisor_can_run_ends_failed_with_why_once(book):
+    fail_unsupervisable(book, "JobStateError: no key")
+    state = on_disk(book)
+    assert state["status"] == "failed" and state["cause"] == "JobStateError: no key" and book.finished
+    fail_unsupervisable(book, "again")  # it ended already: nothing changes
+    assert on_disk(book)["cause"] == "JobStateError: no key"
+
+
 def test_an_illegal_job_transition_is_refused_before_anything_is_written(book):
     book.set_status(JobStatus.RUNNING)
     book.set_status(JobStatus.SUCCEEDED)
@@ -41,6 +91,7 @@ def test_an_illegal_job_transition_is_refused_before_anything_is_written(book):
 
 def test_an_attempt_ends_once(book):
     record = book.begin_attempt(0, 100.0, 2)
+    book.set_status(JobStatus.RUNNING)  # the supervisor's, which writes the new attempt with it
     assert on_disk(book)["status"] == "running" and on_disk(book)["attempts"][0]["gpus"] == 2
     book.ranks_started(record, 101.0)
     started, ended = book.end_attempt(record, AttemptStatus.FAILED, 1, cause=[f"c{i}" for i in range(10)])
@@ -59,6 +110,7 @@ def test_an_attempt_whose_ranks_never_started_is_billed_nothing(book):
 
 def test_taking_a_job_over_marks_its_running_attempts_lost_and_drops_an_old_policy_stop(book):
     book.begin_attempt(0, 1.0, 2)
+    book.set_status(JobStatus.RUNNING)
     book.set_stop_reason("budget spent")
     assert on_disk(book)["stop_reason"] == "budget spent"
     again = JobBook.read(book.path)
@@ -70,7 +122,8 @@ def test_taking_a_job_over_marks_its_running_attempts_lost_and_drops_an_old_poli
 
 def test_an_abandoned_job_whose_cancel_was_asked_ends_cancelled(book):
     book.begin_attempt(0, 1.0, 2)
-    book.cancel_abandoned()
+    book.set_status(JobStatus.RUNNING)
+    cancel_abandoned(book)
     state = on_disk(book)
     assert state["status"] == "cancelled"
     assert state["attempts"][0]["status"] == "cancelled" and state["attempts"][0]["started_at"] is not None
@@ -86,7 +139,7 @@ def test_waiting_after_giving_way_is_recorded_and_cleared(book):
 
 
 @pytest.mark.parametrize(
-    "status, asked, policy_stopped, step",
+    "status, asked, usage_stopped, step",
     [
         (AttemptStatus.SUCCEEDED, None, False, JobStep.FINISH),
         (AttemptStatus.SUCCEEDED, StoppedBy.POLICY, True, JobStep.FINISH),
@@ -101,5 +154,5 @@ def test_waiting_after_giving_way_is_recorded_and_cleared(book):
         (AttemptStatus.FAILED, None, False, JobStep.RESTART_OR_FAIL),
     ],
 )
-def test_how_an_attempt_ended_decides_the_jobs_next_step(status, asked, policy_stopped, step):
-    assert next_step(status, asked, policy_stopped) is step
+def test_how_an_attempt_ended_decides_the_jobs_next_step(status, asked, usage_stopped, step):
+    assert next_step(status, asked, usage_stopped) is step

@@ -31,6 +31,7 @@ from sparkgpu.data.convert.claim import DEFAULT_WAIT_S, FolderClaim
 from sparkgpu.data.convert.output import OutputFolder
 from sparkgpu.data.mds.encoding import plan_columns
 from sparkgpu.data.mds.writer import DEFAULT_SIZE_LIMIT, ShardOptions
+from sparkgpu.data.tables.resolve import resolve_source
 from sparkgpu.errors import ConfigurationError, DataError
 from sparkgpu.store import Store
 from sparkgpu.spec.units import parse_duration
@@ -74,18 +75,16 @@ class ConversionResult:
 
 
 def _resolve(source, version, timestamp, storage_options):
-    from sparkgpu.data.convert.spark import is_spark_dataframe, spark_source
+    """The source to write: ``source``'s kind decided once (:func:`resolve_source`), then opened
+    the way that kind is read."""
+    resolved = resolve_source(source, version=version, timestamp=timestamp, storage_options=storage_options)
+    if resolved.kind.is_spark:
+        from sparkgpu.data.convert.spark import spark_resolved_source
 
-    if is_spark_dataframe(source):
-        if version is not None or timestamp is not None:
-            raise ConfigurationError(
-                "version= and timestamp= apply to Delta tables read without Spark; for a Spark "
-                "DataFrame, time-travel in the read: spark.read.format('delta').option('versionAsOf', 12)"
-            )
-        return spark_source(source, storage_options)
-    from sparkgpu.data.convert.files import resolve_file_source
+        return spark_resolved_source(resolved)
+    from sparkgpu.data.convert.files import file_source
 
-    return resolve_file_source(source, version=version, timestamp=timestamp, storage_options=storage_options)
+    return file_source(resolved)
 
 
 def data_fingerprint(source, *, version=None, timestamp=None, storage_options=None) -> str:
@@ -137,7 +136,8 @@ def to_mds(
             (+ column selections and filters) is converted from those files in this process,
             any other plan on the executors (``result.source["via"]`` says which); a path or
             URL of a Delta table (read with deltalake) or of Parquet files, a
-            ``deltalake.DeltaTable``, a pyarrow Table / RecordBatchReader, or a pandas DataFrame.
+            ``deltalake.DeltaTable``, a pyarrow Table / RecordBatchReader, or a pandas DataFrame;
+            or any of them already resolved by :func:`~sparkgpu.data.tables.resolve.resolve_source`.
         out: Output folder: local path or fsspec URL. With Spark it must be reachable from
             the executors under the same name.
         columns: ``None`` for all; a list of names to keep only those; or a dict name -> MDS

@@ -21,12 +21,12 @@ import pyarrow.dataset as pads
 from sparkgpu.data.mds.writer import ShardOptions
 from sparkgpu.data.tables.delta import row_group_mask
 from sparkgpu.data.tables.filter import KEEP, to_expression
-from sparkgpu.data.tables.paths import is_delta_table_object
-from sparkgpu.data.tables.source import OpenedTable, open_table
+from sparkgpu.data.tables.resolve import ResolvedSource, SourceKind, resolve_source
+from sparkgpu.data.tables.source import OpenedTable, open_resolved_table, open_table
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.store import Store
 
-__all__ = ["FileSource", "resolve_file_source", "open_files"]
+__all__ = ["FileSource", "resolve_file_source", "file_source", "open_files"]
 
 _BATCH_ROWS = 64 * 1024
 
@@ -281,23 +281,26 @@ def resolve_file_source(source, *, version=None, timestamp=None, storage_options
             a source type this function does not know.
         DataError: The path cannot be read.
     """
-    if is_delta_table_object(source) or isinstance(source, (str, os.PathLike)):
-        return _opened_source(open_table(source, version, timestamp, storage_options))
-    _no_time_travel(version, timestamp, "only Delta tables have versions")
-    if isinstance(source, pa.RecordBatch):
-        source = pa.Table.from_batches([source])
-    if isinstance(source, pa.Table):
-        return _table_source(source)
-    if isinstance(source, pa.RecordBatchReader):
-        return _stream_source(source)
-    if type(source).__module__.startswith("pandas") and hasattr(source, "to_dict"):
-        return _table_source(pa.Table.from_pandas(source, preserve_index=False))
+    return file_source(resolve_source(source, version=version, timestamp=timestamp, storage_options=storage_options))
+
+
+def file_source(resolved: ResolvedSource, row_filter=None) -> FileSource:
+    """The :class:`FileSource` of a resolved source read on this machine (any kind but Spark's);
+    ``row_filter`` (Delta and Parquet only) as for :func:`open_files`.
+
+    Raises:
+        ConfigurationError: A Spark DataFrame (converted by :mod:`~sparkgpu.data.convert.spark`).
+        DataError: The files cannot be read.
+    """
+    kind = resolved.kind
+    if kind.is_table:
+        return _opened_source(open_resolved_table(resolved), row_filter)
+    if kind is SourceKind.ARROW:
+        return _table_source(resolved.data)
+    if kind is SourceKind.ARROW_STREAM:
+        return _stream_source(resolved.data)
+    if kind is SourceKind.PANDAS:
+        return _table_source(pa.Table.from_pandas(resolved.data, preserve_index=False))
     raise ConfigurationError(
-        f"cannot convert a {type(source).__name__}; give a Spark DataFrame, a path to a Delta "
-        "table or Parquet files, a deltalake.DeltaTable, a pyarrow Table / RecordBatchReader or a pandas DataFrame"
+        f"a {kind.value} source is converted by Spark, not read here; pass it to sparkgpu.data.to_mds"
     )
-
-
-def _no_time_travel(version, timestamp, why: str) -> None:
-    if version is not None or timestamp is not None:
-        raise ConfigurationError(f"version= and timestamp= apply to Delta tables; {why}")

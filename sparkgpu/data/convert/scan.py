@@ -1,7 +1,7 @@
 """Spark DataFrames that only scan files, converted from those files past Spark's row pipeline.
 
 When a DataFrame's plan is a read of one Parquet or Delta path under column selections and
-filters (decided by :func:`sparkgpu.data.tables.plan.table_ref_of`, the same test that lets
+filters (decided by :func:`sparkgpu.data.tables.resolve.resolve_source`, the same test that lets
 ``spark.gpu.train(data_format="table")`` read a table in place), its rows are exactly the
 files' rows that pass the filters, in the selected columns. Those are read here with pyarrow
 (Delta through :mod:`sparkgpu.data.tables.delta`, deletion vectors applied), the filter pushed down
@@ -14,15 +14,15 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 
 import pyarrow as pa
 
-from sparkgpu.data.convert.files import FileSource, open_files
+from sparkgpu.data.convert.files import FileSource, file_source
 from sparkgpu.data.convert.spark_schema import arrow_schema
+from sparkgpu.data.tables.resolve import ResolvedSource, SourceKind, resolve_source
 from sparkgpu.errors import ConfigurationError, DataError
 
-__all__ = ["plain_scan_source"]
+__all__ = ["plain_scan_source", "scan_source"]
 
 _logger = logging.getLogger(__name__)
 
@@ -38,25 +38,22 @@ def plain_scan_source(df, storage_options: dict | None = None) -> tuple[FileSour
         ``(source, "")`` when the plan is a plain scan of files this process can read with
         the same columns and types as Spark gives, else ``(None, reason)``.
     """
-    from sparkgpu.data.tables.plan import table_ref_of
+    return scan_source(resolve_source(df, storage_options=storage_options))
 
-    ref, why = table_ref_of(df)
-    if ref is None:
-        return None, why
-    if "://" not in ref.path and not os.path.exists(ref.path):
-        return None, f"its files ({ref.path}) are not visible on this machine"
+
+def scan_source(resolved: ResolvedSource) -> tuple[FileSource | None, str]:
+    """:func:`plain_scan_source` of a resolved DataFrame: ``SPARK_SCAN`` with files this
+    process can read is read from them; any other gets ``(None, why not)``."""
+    ref, table = resolved.scan, resolved.files
+    if ref is None or table is None:
+        return None, resolved.why
+    df = resolved.data
     try:
-        files = open_files(
-            ref.path,
-            row_filter=ref.filter,
-            version=ref.version,
-            timestamp=ref.timestamp,
-            storage_options=storage_options,
-        )
+        files = file_source(table, row_filter=ref.filter)
     except (ConfigurationError, DataError) as exc:
         return None, f"its files cannot be read here ({exc})"
     spark_schema = _spark_schema(df)
-    if spark_schema is None and files.description["type"] != "delta":
+    if spark_schema is None and table.kind is not SourceKind.DELTA:
         return None, "Spark cannot analyse its plan"
     names = (
         list(ref.columns)

@@ -22,32 +22,32 @@ import pyarrow as pa
 
 from sparkgpu.data.convert.spark_schema import arrow_schema
 from sparkgpu.data.mds.writer import ShardOptions
+from sparkgpu.data.tables.resolve import ResolvedSource, is_spark_dataframe, resolve_source
 from sparkgpu.errors import ConfigurationError, DataError, SparkGPUError
 from sparkgpu.store import Store
 
-__all__ = ["SparkSource", "spark_source", "is_spark_dataframe"]
+__all__ = ["SparkSource", "spark_source", "spark_resolved_source", "is_spark_dataframe"]
 
 _logger = logging.getLogger(__name__)
 _RESULT_SCHEMA = "partition int, shards string, summary string"
 _MAX_TO_STRING_FIELDS = "spark.sql.debug.maxToStringFields"
 
 
-def is_spark_dataframe(obj) -> bool:
-    """Whether ``obj`` is a Spark DataFrame (classic or Spark Connect), without importing pyspark."""
-    module = type(obj).__module__
-    return module.startswith("pyspark.sql") and hasattr(obj, "mapInArrow")
-
-
 def spark_source(df, storage_options: dict | None = None):
     """How ``df`` is converted: from its files when it is a plain scan of Parquet or Delta
     files this process can read (:mod:`sparkgpu.data.convert.scan`), else by Spark."""
-    from sparkgpu.data.convert.scan import plain_scan_source
+    return spark_resolved_source(resolve_source(df, storage_options=storage_options))
 
-    source, why = plain_scan_source(df, storage_options)
+
+def spark_resolved_source(resolved: ResolvedSource):
+    """:func:`spark_source` of a resolved ``SPARK`` or ``SPARK_SCAN`` source."""
+    from sparkgpu.data.convert.scan import scan_source
+
+    source, why = scan_source(resolved)
     if source is not None:
         return source
     _logger.info("sparkgpu: to_mds converts the DataFrame through Spark (%s)", why)
-    return SparkSource(df)
+    return SparkSource(resolved.data)
 
 
 class SparkSource:

@@ -1,7 +1,8 @@
 """Where a table's files are: a local path or an fsspec URL, as a pyarrow filesystem; Delta or Parquet.
 
 Shared by the conversion of files to MDS (:mod:`sparkgpu.data.convert.files`), the Delta reader
-(:mod:`sparkgpu.data.tables.delta`) and the table dataset (:mod:`sparkgpu.data.tables.source`).
+(:mod:`sparkgpu.data.tables.delta`) and the table dataset (:mod:`sparkgpu.data.tables.source`);
+which of the two a path is, :func:`~sparkgpu.data.tables.resolve.resolve_source` decides once.
 """
 
 from __future__ import annotations
@@ -45,15 +46,6 @@ def open_parquet_dataset(path: str, storage_options: dict | None) -> pads.Datase
     if not dataset.files:
         raise DataError(f"{path} holds no Parquet files")
     return dataset
-
-
-def is_delta_table_object(source) -> bool:
-    """Whether ``source`` is a ``deltalake.DeltaTable`` (False when deltalake is not installed)."""
-    try:
-        from deltalake import DeltaTable
-    except ImportError:
-        return False
-    return isinstance(source, DeltaTable)
 
 
 def is_delta_table(path: str, storage_options: dict | None = None) -> bool:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import datetime
-import os
 
 import numpy as np
 import pyarrow as pa
@@ -22,10 +21,21 @@ import pyarrow.dataset as pads
 from sparkgpu.data.loaders.order import check_int
 from sparkgpu.data.tables.delta import open_delta, row_group_mask
 from sparkgpu.data.tables.filter import KEEP
-from sparkgpu.data.tables.paths import arrow_filesystem, is_delta_table, is_delta_table_object, open_parquet_dataset
+from sparkgpu.data.tables.paths import arrow_filesystem, open_parquet_dataset
+from sparkgpu.data.tables.resolve import ResolvedSource, SourceKind, resolve_source
 from sparkgpu.errors import ConfigurationError, DataError
 
-__all__ = ["OpenedTable", "open_table", "row_groups", "file_cache", "keep_mask", "count_rows", "scan", "RowGroup"]
+__all__ = [
+    "OpenedTable",
+    "open_table",
+    "open_resolved_table",
+    "row_groups",
+    "file_cache",
+    "keep_mask",
+    "count_rows",
+    "scan",
+    "RowGroup",
+]
 
 
 def file_cache(dataset, units, identity, storage_options, local, cache_limit, download_threads):
@@ -77,18 +87,32 @@ def open_table(source, version=None, timestamp=None, storage_options: dict | Non
     or ``timestamp``) or Parquet files under a path.
 
     Raises:
-        ConfigurationError: ``version``/``timestamp`` for Parquet files.
+        ConfigurationError: ``version``/``timestamp`` for Parquet files, or a source that is not
+            a table's files.
         DataError: The path cannot be read.
     """
-    if is_delta_table_object(source) or is_delta_table(os.fspath(source), storage_options):
+    return open_resolved_table(
+        resolve_source(source, version=version, timestamp=timestamp, storage_options=storage_options)
+    )
+
+
+def open_resolved_table(resolved: ResolvedSource) -> OpenedTable:
+    """Opens a resolved ``DELTA`` or ``PARQUET`` source (:func:`~sparkgpu.data.tables.resolve.resolve_source`).
+
+    Raises:
+        ConfigurationError: A source of another kind.
+        DataError: The files cannot be read.
+    """
+    if resolved.kind is SourceKind.DELTA:
         snapshot = open_delta(
-            source if not isinstance(source, os.PathLike) else os.fspath(source),
-            version=version,
-            timestamp=timestamp,
-            storage_options=storage_options,
+            resolved.data,
+            version=resolved.version,
+            timestamp=resolved.timestamp,
+            storage_options=resolved.storage_options,
         )
         identity = {"type": "delta", "uri": snapshot.uri, "version": snapshot.version, "id": snapshot.table_id}
         description: dict = {"type": "delta", "uri": snapshot.uri, "version": snapshot.version}
+        timestamp = resolved.timestamp
         if timestamp is not None:
             description["timestamp"] = (
                 timestamp.isoformat() if isinstance(timestamp, datetime.datetime) else str(timestamp)
@@ -96,12 +120,12 @@ def open_table(source, version=None, timestamp=None, storage_options: dict | Non
         if snapshot.selection:
             description["deletion_vectors"] = len(snapshot.selection)
         return OpenedTable(snapshot.dataset, snapshot.selection, identity, description)
-    if version is not None or timestamp is not None:
+    if resolved.kind is not SourceKind.PARQUET or resolved.path is None:
         raise ConfigurationError(
-            f"version= and timestamp= apply to Delta tables; {os.fspath(source)} is not a Delta table (no _delta_log)"
+            f"a {resolved.kind.value} source is not a table's files; give the path of a Delta table or of Parquet files"
         )
-    path = os.fspath(source)
-    dataset = open_parquet_dataset(path, storage_options)
+    path = resolved.path
+    dataset = open_parquet_dataset(path, resolved.storage_options)
     infos = dataset.filesystem.get_file_info(sorted(dataset.files))
     identity = {"type": "parquet", "path": path, "files": [[i.path, i.size, i.mtime_ns] for i in infos]}
     return OpenedTable(dataset, {}, identity, {"type": "parquet", "path": path, "files": len(dataset.files)})

@@ -123,25 +123,23 @@ def tokenize(
             row; a row without a target under ``on_no_loss="error"``; a template whose assistant
             turns cannot be found; or another conversion into ``out`` still running after ``wait``.
     """
-    from sparkgpu.data.convert.spark import SparkSource, is_spark_dataframe
+    from sparkgpu.data.convert.spark import SparkSource
+    from sparkgpu.data.tables.resolve import resolve_source
 
     check_no_loss(on_no_loss)
 
     spec = TokenizerSpec.of(tokenizer, chat_template=chat_template, eos_token=eos_token)
+    resolved = resolve_source(source, version=version, timestamp=timestamp, storage_options=storage_options)
     inner: Any
-    if is_spark_dataframe(source):
-        if version is not None or timestamp is not None:
-            raise ConfigurationError(
-                "version= and timestamp= apply to Delta tables read without Spark; for a Spark DataFrame, "
-                "time-travel in the read: spark.read.format('delta').option('versionAsOf', 12)"
-            )
-        format, mapping = _fields(format, columns, list(source.columns))
+    if resolved.kind.is_spark:
+        frame = resolved.data
+        format, mapping = _fields(format, columns, list(frame.columns))
         encoder = TextEncoder(spec, format, mapping, add_eos, on_no_loss)
-        inner = SparkSource(source.select(*[_quoted(c) for c in encoder.input_columns]))
+        inner = SparkSource(frame.select(*[_quoted(c) for c in encoder.input_columns]))
     else:
-        from sparkgpu.data.convert.files import resolve_file_source
+        from sparkgpu.data.convert.files import file_source
 
-        inner = resolve_file_source(source, version=version, timestamp=timestamp, storage_options=storage_options)
+        inner = file_source(resolved)
         format, mapping = _fields(format, columns, list(inner.schema.names))
         encoder = TextEncoder(spec, format, mapping, add_eos, on_no_loss)
     result = write_source(

@@ -4,8 +4,11 @@ The supervisor (:mod:`~sparkgpu.launch.client.supervisor`) decides what the job 
 attempt ended; an :class:`AttemptRunner` runs each attempt up to that point. While it polls,
 the attempt's monitors (:mod:`~sparkgpu.launch.client.monitors`) decide what happens to it: it
 asks the ranks to checkpoint or stop (the stop file), stops them, resizes the attempt, or ends
-the job at once. Whatever ends an attempt, the runner records it in ``state.json`` (through the
-:class:`~sparkgpu.launch.client.job_state.JobBook`) and tells the callbacks.
+the job at once. Whatever ends an attempt, the runner records the attempt's end in
+``state.json`` (through the :class:`~sparkgpu.launch.client.job_state.JobBook`) and tells the
+callbacks; it never moves the job's status. What happened comes back as data on the
+:class:`Attempt` (its ``outcome``, ``resize_to``, ``ended_job``), and the supervisor decides
+and writes the job's next status.
 
 An attempt's runtime cap and billed time start when its ranks start: a
 :class:`~sparkgpu.launch.backends.capabilities.DeferredStart` backend says when
@@ -43,7 +46,7 @@ from sparkgpu.launch.client.monitors import (
 from sparkgpu.rundir.directory import RunDir
 from sparkgpu.rundir.layout import RunLayout
 from sparkgpu.launch.scheduling.elastic import ElasticPlan
-from sparkgpu.rundir.states import AttemptRecord, AttemptStatus, JobStatus
+from sparkgpu.rundir.states import AttemptRecord, AttemptStatus
 from sparkgpu.spec import JobSpec
 
 __all__ = ["Attempt", "AttemptRunner"]
@@ -66,6 +69,9 @@ class Attempt:
     #: How it ended: read back from the run dir, or RESIZED with the GPUs of the next attempt.
     outcome: AttemptResult | None = None
     resize_to: int | None = None
+    #: A monitor's end of the whole job (a cancel, the job's timeout): the supervisor sets its
+    #: ``job_status`` and raises its ``error``; ``outcome`` is then ``None``.
+    ended_job: EndJob | None = None
 
     @property
     def index(self) -> int:
@@ -138,15 +144,20 @@ class AttemptRunner:
             env.update(callback.before_attempt(job, attempt))
         return env
 
-    def run(self, index: int, gpus: int, job_started: float, early=None) -> Attempt:
-        """Runs attempt ``index`` on ``gpus`` GPUs until it ends; its ``outcome`` says how."""
+    def begin(self, index: int, gpus: int) -> Attempt:
+        """Attempt ``index`` on ``gpus`` GPUs, added to the book: written with the job's ``RUNNING``,
+        which the supervisor sets before it runs it (:meth:`run`)."""
         # An elastic job's attempt may run on fewer GPUs than the job asks for: everything about
         # this attempt (its ranks, results, bill) is about this one.
         job = self.job.resized(gpus)
+        return Attempt(job, self.book.begin_attempt(index, time.time(), job.resources.gpus))
+
+    def run(self, attempt: Attempt, job_started: float, early=None) -> Attempt:
+        """Runs ``attempt`` (from :meth:`begin`) until it ends; its ``outcome`` says how, or its
+        ``ended_job`` that a monitor ended the job. Moves no job status: the supervisor does."""
+        job, index, submitted = attempt.job, attempt.index, attempt.record["submitted_at"]
         if job is not self.job:
             early = None  # the agent started ahead was the full job's (it is never started for a resized one)
-        submitted = time.time()
-        attempt = Attempt(job, self.book.begin_attempt(index, submitted, job.resources.gpus))
         try:
             checkpoint_before = self.latest_checkpoint()
             try:
@@ -165,8 +176,8 @@ class AttemptRunner:
             stopped_by = None
             if isinstance(end, EndJob):
                 self._abandon(attempt, end.attempt_status, None)
-                self.book.set_status(end.job_status)
-                raise end.error
+                attempt.ended_job = end
+                return attempt
             if isinstance(end, Resize):
                 self._abandon(attempt, AttemptStatus.RESIZED, None, cause=[end.why])
                 attempt.resize_to = end.gpus
@@ -194,8 +205,7 @@ class AttemptRunner:
         except KeyboardInterrupt:
             if attempt.record["ended_at"] is None:
                 self._abandon(attempt, AttemptStatus.CANCELLED, None)
-                self.book.set_status(JobStatus.CANCELLED)
-            raise
+            raise  # the supervisor ends the job CANCELLED
         except BaseException as exc:
             # The backend (e.g. Spark giving up on busy GPUs), a callback, the run dir: whatever
             # broke, the ranks are stopped and the attempt is ended, so callbacks close their

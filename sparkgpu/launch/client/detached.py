@@ -269,14 +269,11 @@ def _import_like_the_caller(run_dir: RunDir) -> None:
 def _end_unsupervisable(run_dir: RunDir, exc: Exception) -> None:
     """Ends ``FAILED`` a job that no supervisor can take over, with why, for whoever observes it."""
     from sparkgpu.launch.client.job_state import JobBook
-    from sparkgpu.rundir.states import JobStatus
+    from sparkgpu.launch.client.supervisor import fail_unsupervisable
 
     backend = json.loads(run_dir.spec_file.read_text()).get("backend", "local")
     book = JobBook.read(run_dir.state_file) or JobBook.new(run_dir.state_file, run_dir.job_id, backend)
-    if not book.status.is_terminal:
-        book.state["cause"] = f"{type(exc).__name__}: {exc}"
-        book.set_status(JobStatus.FAILED)
-        book.finish()
+    fail_unsupervisable(book, f"{type(exc).__name__}: {exc}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,17 +1,11 @@
 """The one owner of a job's ``state.json``: every change to it goes through :class:`JobBook`.
 
-The job's status changes only along :data:`JOB_TRANSITIONS` (an attempt's along
-:data:`ATTEMPT_TRANSITIONS`); any other change is a bug in sparkgpu and raises
-:class:`IllegalTransition` before anything is written. The states are
-:mod:`sparkgpu.rundir.states`'s; the file stays a plain JSON dict, rewritten atomically.
-
-Job statuses (``*`` any of FAILED, TIMED_OUT, CANCELLED, STOPPED: a job that ``sparkgpu
-resume`` may continue)::
-
-    PENDING   -> RUNNING | FAILED | CANCELLED          (it ended before its first attempt)
-    RUNNING   -> RUNNING (the next attempt) | SUCCEEDED | FAILED | TIMED_OUT | CANCELLED | STOPPED
-    *         -> RUNNING (resumed) | FAILED | CANCELLED (resumed, and ended before its attempt)
-    SUCCEEDED -> (final)
+The job's status changes only along :data:`~sparkgpu.rundir.states.JOB_TRANSITIONS` (an attempt's
+along :data:`~sparkgpu.rundir.states.ATTEMPT_TRANSITIONS`), the run dir states' one drawing of them; any
+other change is a bug in sparkgpu and raises :class:`IllegalTransition` before anything is
+written. Only the supervisor (:mod:`~sparkgpu.launch.client.supervisor`) moves the job's status
+(:meth:`JobBook.set_status`); the book's other methods never do. The file stays a plain JSON
+dict, rewritten atomically.
 """
 
 from __future__ import annotations
@@ -24,29 +18,16 @@ from pathlib import Path
 from typing import Any
 
 from sparkgpu._util.files import atomic_write_bytes
-from sparkgpu.rundir.states import AttemptRecord, AttemptStatus, JobState, JobStatus
+from sparkgpu.rundir.states import (
+    ATTEMPT_TRANSITIONS,
+    JOB_TRANSITIONS,
+    AttemptRecord,
+    AttemptStatus,
+    JobState,
+    JobStatus,
+)
 
-__all__ = ["JobBook", "IllegalTransition", "JOB_TRANSITIONS", "ATTEMPT_TRANSITIONS"]
-
-_S = JobStatus
-_RESUMABLE = frozenset({_S.RUNNING, _S.FAILED, _S.CANCELLED})
-
-#: The job's status -> the statuses it may change to.
-JOB_TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
-    _S.PENDING: frozenset({_S.RUNNING, _S.FAILED, _S.CANCELLED}),
-    _S.RUNNING: frozenset({_S.RUNNING, _S.SUCCEEDED, _S.FAILED, _S.TIMED_OUT, _S.CANCELLED, _S.STOPPED}),
-    _S.FAILED: _RESUMABLE,
-    _S.TIMED_OUT: _RESUMABLE,
-    _S.CANCELLED: _RESUMABLE,
-    _S.STOPPED: _RESUMABLE,
-    _S.SUCCEEDED: frozenset(),
-}
-
-#: An attempt's status -> the statuses it may change to: a running attempt ends once, in any way.
-ATTEMPT_TRANSITIONS: dict[AttemptStatus, frozenset[AttemptStatus]] = {
-    status: frozenset(AttemptStatus) - {AttemptStatus.RUNNING} if status is AttemptStatus.RUNNING else frozenset()
-    for status in AttemptStatus
-}
+__all__ = ["JobBook", "IllegalTransition"]
 
 
 class IllegalTransition(RuntimeError):
@@ -102,10 +83,10 @@ class JobBook:
         atomic_write_bytes(self.path, json.dumps(self.state, indent=2).encode())
 
     def set_status(self, status: JobStatus) -> None:
-        """Moves the job to ``status`` and writes it.
+        """Moves the job to ``status`` and writes it: the supervisor's, and the only writer of the status.
 
         Raises:
-            IllegalTransition: :data:`JOB_TRANSITIONS` does not allow it.
+            IllegalTransition: :data:`~sparkgpu.rundir.states.JOB_TRANSITIONS` does not allow it.
         """
         if status not in JOB_TRANSITIONS[self.status]:
             raise IllegalTransition(f"job {self.state['job_id']} cannot go from {self.status} to {status}")
@@ -156,7 +137,8 @@ class JobBook:
 
     # -- its attempts ----------------------------------------------------------------------
     def begin_attempt(self, attempt: int, submitted: float, gpus: int) -> AttemptRecord:
-        """Adds a ``RUNNING`` attempt submitted at ``submitted`` on ``gpus`` GPUs; the job is ``RUNNING``."""
+        """Adds a ``RUNNING`` attempt submitted at ``submitted`` on ``gpus`` GPUs, in memory: it is
+        written with the job's ``RUNNING``, which the supervisor sets next."""
         # started_at: when the ranks started, the start of the billed time and of the cap.
         record: AttemptRecord = {
             "attempt": attempt,
@@ -167,7 +149,6 @@ class JobBook:
             "gpus": gpus,
         }
         self.state["attempts"].append(record)
-        self.set_status(JobStatus.RUNNING)
         return record
 
     def ranks_started(self, record: AttemptRecord, started_at: float) -> None:
@@ -222,8 +203,9 @@ class JobBook:
         self.state.pop("stop_reason", None)
         return lost
 
-    def cancel_abandoned(self) -> None:
-        """Ends cancelled a job whose client died and whose cancel was asked for, without running it again."""
+    def cancel_running_attempts(self) -> None:
+        """Ends ``CANCELLED`` the attempts that a client which died left ``RUNNING``, in memory: the
+        supervisor's end of the abandoned job (``CANCELLED``) writes them."""
         now = time.time()
         for record in self.state.get("attempts") or ():
             if record.get("status") == AttemptStatus.RUNNING:
@@ -231,5 +213,3 @@ class JobBook:
                 record["status"], record["ended_at"] = AttemptStatus.CANCELLED.value, now
                 if record.get("started_at") is None:
                     record["started_at"] = now
-        self.set_status(JobStatus.CANCELLED)
-        self.finish()

@@ -1,10 +1,11 @@
-"""The client-side supervisor: a job's attempts as explicit states, their transitions in one table.
+"""The client-side supervisor: a job's attempts as explicit states, the steps between them in one table.
 
-The job's status (``state.json``, written only by :class:`~sparkgpu.launch.client.job_state.JobBook`,
-whose table says which changes are legal)::
-
-    PENDING --GPUs granted (the queue)--> RUNNING (attempt k) --next_step--> RUNNING (attempt k+1)
-                                                                         \\-> SUCCEEDED | STOPPED | FAILED | TIMED_OUT
+The supervisor is the one writer of the job's status (``state.json``'s, through
+:meth:`~sparkgpu.launch.client.job_state.JobBook.set_status`): the attempt runner, the
+failure policy and the monitors return what happened or what to do as data, and the
+supervisor applies it; the jobs that no supervisor runs end through this module too
+(:func:`fail_unsupervisable`, :func:`cancel_abandoned`). Which changes are legal is
+:data:`~sparkgpu.rundir.states.JOB_TRANSITIONS`.
 
 How attempt k ended -> the job's next step (:func:`next_step`)::
 
@@ -20,8 +21,8 @@ Only RESTART_OR_FAIL uses up a restart; the
 restart can help (a failure after the function returned, the same error at the same place again). Each attempt runs in an
 :class:`~sparkgpu.launch.client.attempt_runner.AttemptRunner`: while it runs, its monitors
 (:mod:`~sparkgpu.launch.client.monitors`) decide what happens to it; they may end the job
-``CANCELLED`` or ``TIMED_OUT`` at once (Ctrl-C ends it ``CANCELLED``, any other error
-``FAILED``). An attempt stopped at the runtime cap counts as preempted only when its ranks
+``CANCELLED`` or ``TIMED_OUT`` at once (the attempt's ``ended_job``; Ctrl-C ends it
+``CANCELLED``, any other error ``FAILED``). An attempt stopped at the runtime cap counts as preempted only when its ranks
 stopped for a restart or it committed a new checkpoint; otherwise it failed, so a function
 that never checkpoints cannot resume forever.
 
@@ -62,7 +63,17 @@ from sparkgpu.launch.client.supervision_lock import SupervisionLock
 from sparkgpu.rundir.layout import RunLayout
 from sparkgpu.spec import JobSpec
 
-__all__ = ["Supervisor", "JobStatus", "Decision", "FailurePolicy", "CANCEL_REQUEST_FILE", "JobStep", "next_step"]
+__all__ = [
+    "Supervisor",
+    "JobStatus",
+    "Decision",
+    "FailurePolicy",
+    "CANCEL_REQUEST_FILE",
+    "JobStep",
+    "next_step",
+    "fail_unsupervisable",
+    "cancel_abandoned",
+]
 
 #: In the run dir: asks whichever process supervises the job to cancel it (its text says who asked).
 CANCEL_REQUEST_FILE = RunLayout.CANCEL_REQUEST
@@ -88,14 +99,14 @@ _NEXT_STEP: dict[AttemptStatus, JobStep] = {
 }
 
 
-def next_step(status: AttemptStatus, asked: StoppedBy | None, policy_stopped: bool) -> JobStep:
+def next_step(status: AttemptStatus, asked: StoppedBy | None, usage_stopped: bool) -> JobStep:
     """The job's next step after an attempt ended ``status``, ``asked`` to stop that way (or not).
 
-    A policy stop ends the job however the attempt ended: a restart would keep spending what
-    the policy said is spent.
+    A usage policy's stop (``usage_stopped``) ends the job however the attempt ended: a restart
+    would keep spending what the usage policy said is spent.
     """
     step = _NEXT_STEP[status]
-    if step is not JobStep.FINISH and policy_stopped:
+    if step is not JobStep.FINISH and usage_stopped:
         return JobStep.STOP
     if step is JobStep.RESUME and asked is StoppedBy.PRIORITY:
         return JobStep.WAIT_FOR_GPUS
@@ -133,10 +144,12 @@ class Supervisor:
         self.backend = backend
         self.placement = placement
         self.key = key
-        self.run_dir.key = key  # the backends hand it to the job's processes (sparkgpu.launch.rundir.keys)
+        self.run_dir.key = key  # the backends hand it to the job's processes (sparkgpu.rundir.key_handover)
         self.callbacks = list(callbacks)
         self.out = out if out is not None else console()
-        self.policy = self.failure_policy_cls(job.policy.max_restarts, job.policy.restart_on)
+        #: Whether a failed attempt is restarted: the failure policy (``job.policy`` is the job's
+        #: RunPolicy; a usage policy's stop is the book's ``stop_reason``).
+        self.failure_policy = self.failure_policy_cls(job.policy.max_restarts, job.policy.restart_on)
         #: Set (from any thread) to cancel the job; a CANCEL_REQUEST_FILE does the same from another process.
         self.cancel_event = threading.Event()
         #: When and how an elastic job changes size (``min_gpus=``); ``None`` for a fixed one, and
@@ -172,7 +185,7 @@ class Supervisor:
             JobStateError: another process supervises the job (its supervision lock is held).
             WorkerFailedError: ranks failed and no restart is left; derived from their exception
                 type too when they all raised the same one (:func:`~sparkgpu.errors.worker_failed_error`).
-            JobTimeoutError: the job ran past ``policy.timeout``.
+            JobTimeoutError: the job ran past ``job.policy.timeout``.
             KeyboardInterrupt: the caller pressed Ctrl-C; every rank was stopped first.
             Exception: whatever the backend raised while the attempt ran (e.g. ``CapacityError``
                 when Spark's GPUs stayed busy); the attempt was stopped and ended as failed first.
@@ -224,11 +237,17 @@ class Supervisor:
         failed_before = [RankFailure(**f) for f in book.state.get("failed_before", ())]
         try:
             while True:
-                attempt = attempts.run(len(book.state["attempts"]), gpus, job_started, early)
+                attempt = attempts.begin(len(book.state["attempts"]), gpus)
+                book.set_status(JobStatus.RUNNING)
+                attempt = attempts.run(attempt, job_started, early)
                 early, gpus = None, self.job.resources.gpus
+                if attempt.ended_job is not None:  # a monitor ended the job: cancelled, timed out
+                    book.set_status(attempt.ended_job.job_status)
+                    error = attempt.ended_job.error
+                    raise error
                 outcome = attempt.outcome
                 assert outcome is not None  # set by AttemptRunner.run whenever it returns
-                step = next_step(outcome.status, attempt.asked, policy_stopped=bool(book.stop_reason))
+                step = next_step(outcome.status, attempt.asked, usage_stopped=bool(book.stop_reason))
                 if step is JobStep.FINISH:
                     book.set_status(JobStatus.SUCCEEDED)
                     results = outcome.results
@@ -246,7 +265,7 @@ class Supervisor:
                     if step is JobStep.WAIT_FOR_GPUS:
                         self._wait_after_giving_way(attempt.why, job_started)
                 elif (
-                    self.policy.decide(
+                    self.failure_policy.decide(
                         book.state["restarts"], outcome.exceptions, outcome.failures, failed_before, outcome.lost
                     )
                     is Decision.RESTART
@@ -261,7 +280,7 @@ class Supervisor:
                     )
                 else:
                     self._classify(attempt)
-                    permanent = self.policy.unrestartable(
+                    permanent = self.failure_policy.unrestartable(
                         outcome.exceptions, outcome.failures, failed_before, outcome.lost
                     )
                     if permanent is not None and book.state["restarts"] < self.job.policy.max_restarts:
@@ -346,6 +365,21 @@ class Supervisor:
 
     def _cancel_requested(self) -> bool:
         return self.cancel_event.is_set() or self.run_dir.read_control(self.run_dir.cancel_request_file) is not None
+
+
+def fail_unsupervisable(book: JobBook, cause: str) -> None:
+    """Ends ``FAILED``, with ``cause``, a job that no supervisor can take over (unless it ended)."""
+    if not book.status.is_terminal:
+        book.state["cause"] = cause
+        book.set_status(JobStatus.FAILED)
+        book.finish()
+
+
+def cancel_abandoned(book: JobBook) -> None:
+    """Ends ``CANCELLED`` a job whose client died and whose cancel was asked for, without running it again."""
+    book.cancel_running_attempts()
+    book.set_status(JobStatus.CANCELLED)
+    book.finish()
 
 
 def _failure_record(failure: RankFailure) -> dict:
