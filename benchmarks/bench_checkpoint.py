@@ -65,7 +65,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import cpu_mark, other_cpu_share  # noqa: E402
-from sparkgpu._keyring import hold_job_key  # noqa: E402
+from sparkgpu.rundir.keyring import hold_job_key  # noqa: E402
 from sparkgpu.train import Checkpointer  # noqa: E402
 from sparkgpu.train._checkpoint_writes import WRITEOUT_BYTES, start_writeout  # noqa: E402
 

@@ -2,9 +2,9 @@
 
 N node agents run through the code a real Spark job's nodes run
 (:func:`sparkgpu.launch.backends.spark.executor.node._watch` beside a
-:class:`~sparkgpu.launch.rundir.staging.NodeMirror`), and one client through the code the supervisor
+:class:`~sparkgpu.launch.staging.mirror.NodeMirror`), and one client through the code the supervisor
 drives (:meth:`SparkBackend.poll <sparkgpu.launch.backends.spark.backend.SparkBackend.poll>` with its
-heartbeat thread and :class:`~sparkgpu.launch.rundir.staging.ClientMirror`). Only the agent is a
+heartbeat thread and :class:`~sparkgpu.launch.staging.mirror.ClientMirror`). Only the agent is a
 stand-in: its ranks are simulated inside it (no torch), each printing one line per second into
 its log file, so 64 nodes of 8 ranks fit on a 2-core machine. There is no Spark: a "killed" node
 is one whose agent, watch loop and mirror stop at once, without an end marker (its executor is
@@ -191,7 +191,9 @@ class _Agent:
         self.thread.start()
 
     def _ranks(self) -> None:
-        files = {r: open(self.rd.log_file(self.attempt, r), "ab") for r in self.ranks}  # noqa: SIM115
+        from sparkgpu.rundir.layout import RunLayout
+
+        files = {r: open(self.rd.file(RunLayout.rank_log(self.attempt, r)), "ab") for r in self.ranks}  # noqa: SIM115
         step = 0
         try:
             while not self.stop.wait(1.0):
@@ -243,8 +245,9 @@ def _child(args) -> dict:
 
     from sparkgpu.launch.backends.spark.backend import SparkAttempt, SparkBackend
     from sparkgpu.launch.backends.spark.capacity import RankPlacement
-    from sparkgpu.launch.rundir.directory import RunDir
-    from sparkgpu.launch.rundir.staging import ClientMirror, NodeMirror, StagingStore
+    from sparkgpu.rundir.directory import RunDir
+    from sparkgpu.rundir.layout import RunLayout
+    from sparkgpu.launch.staging.mirror import ClientMirror, NodeMirror, StagingStore
     from sparkgpu.spec import JobSpec, Resources
 
     spark_node = _compat()
@@ -271,7 +274,7 @@ def _child(args) -> dict:
 
     rd = RunDir(work / "client" / job_id, key)
     rd.prepare_attempt(attempt)
-    rd.spark_dir(attempt).mkdir(parents=True, exist_ok=True)
+    rd.file(RunLayout.spark(attempt)).mkdir(parents=True, exist_ok=True)
 
     class _Spark:
         def interruptTag(self, tag):  # noqa: N802 - pyspark's name
@@ -338,7 +341,7 @@ def _child(args) -> dict:
             options = {"control_interval": spark_node.control_interval(launch)} if hub_design else {}
             node_mirror = NodeMirror(StagingStore(store_url, job_id, node_options), nrd, attempt, node, **options)
             node_mirrors[node] = node_mirror
-        marker = nrd.node_marker(attempt, node, "started")
+        marker = nrd.file(RunLayout.node_marker(attempt, node, "started"))
         if len(inspect.signature(spark_node._claim).parameters) == 3:  # sealed start markers
             spark_node._claim(nrd, marker, info)
         else:
@@ -393,7 +396,7 @@ def _child(args) -> dict:
 
     # Start-up is not steady running: every node's start marker must have reached the client
     # (256 nodes take a while to start on two cores), then the warm-up.
-    poll_for(600, until=lambda: len(list(rd.spark_dir(attempt).glob("node-*.started"))) >= nodes)
+    poll_for(600, until=lambda: len(list(rd.file(RunLayout.spark(attempt)).glob("node-*.started"))) >= nodes)
     poll_for(args.warmup)
     if args.phase in ("stall", "biglog"):
         assert server is not None, "a stall or a big log needs the S3 server"
@@ -401,7 +404,7 @@ def _child(args) -> dict:
             server.stall(args.stall)
             poll_for(args.stall + 3 * args.node_timeout)
         else:  # rank 0 (node 0's, which the client follows live) writes a big log at once
-            big = agents[0].rd.log_file(attempt, 0)
+            big = agents[0].rd.file(RunLayout.rank_log(attempt, 0))
             chunk = LINE * ((8 << 20) // len(LINE))
             with open(big, "ab") as f:
                 for _ in range((args.big_log_mb << 20) // len(chunk)):

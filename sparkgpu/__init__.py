@@ -39,7 +39,7 @@ from sparkgpu.errors import (
     SparkGPUError,
     WorkerFailedError,
 )
-from sparkgpu.protocol import AttemptStatus, JobStatus
+from sparkgpu.rundir.states import AttemptStatus, JobStatus
 
 __version__ = "0.1.0"
 

@@ -7,7 +7,7 @@ ones travel to the workers inside the payload.
 This module is the one contract between the launcher (:mod:`sparkgpu.launch`) and the
 integrations that implement it (:mod:`sparkgpu.tracking`, :mod:`sparkgpu.usage`): it imports
 none of them, so neither side imports the other (``tests/unit/test_layering.py``), only the
-run dir's states (:mod:`sparkgpu.protocol`), which all of them share.
+run dir's states (:mod:`sparkgpu.rundir.states`), which all of them share.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from sparkgpu.protocol import AttemptStatus
+from sparkgpu.rundir.states import AttemptStatus
 
 __all__ = ["JobCallback", "WorkerContext", "AttemptOutcome"]
 
@@ -36,7 +36,7 @@ class WorkerContext:
 
 @dataclasses.dataclass(frozen=True)
 class AttemptOutcome:
-    """How one attempt ended: ``status`` is an :class:`~sparkgpu.protocol.AttemptStatus` (its
+    """How one attempt ended: ``status`` is an :class:`~sparkgpu.rundir.states.AttemptStatus` (its
     value also converts): ``"succeeded"``, ``"failed"``, ``"preempted"``
     (stopped at the runtime cap or a budget after checkpointing), ``"stopped"`` (by a policy,
     without a checkpoint), ``"timed_out"``, ``"cancelled"`` or ``"resized"`` (an elastic job's

@@ -6,7 +6,7 @@ each value is read on the client, when the file is read, from a file of the user
 which must be readable by its owner only (mode 0600 or stricter). The values then travel the way
 the job's payload does, encrypted (AES-256-GCM, from ``cryptography``) under a key derived from
 the job key (:func:`seal`): the run dir, a staging store and the payload hold only ciphertext. Each rank decrypts them with the job
-key it already holds in memory (:func:`sparkgpu._keyring.current_job_key`) and keeps them there;
+key it already holds in memory (:func:`sparkgpu.rundir.keyring.current_job_key`) and keeps them there;
 the script reads one with :func:`sparkgpu.runtime.secret`.
 
 A value is never put in a rank's environment (``/proc/<pid>/environ`` is readable by every
@@ -135,7 +135,7 @@ def read_secrets(refs: Mapping[str, SecretRef], source: str) -> dict[str, str]:
 def _cipher(job_key: bytes):
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-    from sparkgpu._keyring import derive_key
+    from sparkgpu.rundir.keyring import derive_key
 
     return AESGCM(derive_key(job_key, "secrets encryption"))
 

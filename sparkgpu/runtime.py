@@ -15,10 +15,6 @@ import signal
 import threading
 import time
 
-# The run dir's stop file and tracking folder keep their names here (the supervisor and tracking
-# read them from this module); they are spelled once, below the launcher.
-from sparkgpu._run_files import STOP_FILE, TRACKING_DIR  # noqa: F401
-
 __all__ = [
     "get_global_rank",
     "get_replica_rank",
@@ -210,7 +206,7 @@ def heartbeat(step: int | None = None) -> None:
     progress for ``progress_timeout`` counts as hung. Costs a few stores into shared memory:
     call it every step. A no-op outside a job.
     """
-    from sparkgpu import _progress
+    from sparkgpu.rundir import progress as _progress
 
     _progress.note(step)
 
@@ -224,7 +220,7 @@ def request_checkpoint() -> None:
 
 
 def _stop_file() -> str | None:
-    from sparkgpu.launch.rundir.layout import RunLayout  # it names the stop file's place in an attempt
+    from sparkgpu.rundir.layout import RunLayout  # it names the stop file's place in an attempt
 
     run_dir = os.environ.get(ENV_RUN_DIR)
     return os.path.join(run_dir, RunLayout.stop(attempt())) if run_dir else None
@@ -232,9 +228,9 @@ def _stop_file() -> str | None:
 
 def _genuine_stop(path: str) -> bool:
     """Whether the stop file is the supervisor's, sealed under the job key (not planted by a writer of the run dir)."""
-    from sparkgpu.launch.rundir.control import unseal
-    from sparkgpu._keyring import current_job_key
-    from sparkgpu.launch.rundir.layout import RunLayout
+    from sparkgpu.rundir.control import unseal
+    from sparkgpu.rundir.keyring import current_job_key
+    from sparkgpu.rundir.layout import RunLayout
 
     try:
         with open(path, "rb") as f:
@@ -294,7 +290,7 @@ def _tell_the_launcher_sigterm_checkpoints() -> None:
     """Marks this rank, for its node's launcher, as one that sits out SIGTERM to checkpoint:
     after a peer crashed it is killed (it could only wait for the dead peer), while ranks that
     clean up on SIGTERM (a Ray node) get the whole shutdown grace."""
-    from sparkgpu.launch.rundir.layout import RunLayout
+    from sparkgpu.rundir.layout import RunLayout
 
     run_dir = os.environ.get(ENV_RUN_DIR)
     if run_dir and os.environ.get("RANK") is not None:
@@ -328,8 +324,8 @@ def report(step: int, value: float) -> bool:
     Raises:
         ValueError: ``step`` is not an int >= 0, or ``value`` not a finite number.
     """
-    from sparkgpu import _progress
-    from sparkgpu.launch.rundir.layout import RunLayout
+    from sparkgpu.rundir import progress as _progress
+    from sparkgpu.rundir.layout import RunLayout
     from sparkgpu.sweeps.reports import report as record
 
     _progress.note(step)  # a report is progress too (the hang watch)

@@ -1,4 +1,4 @@
-"""Reading the control files a job sealed under its key (sparkgpu.launch.rundir.control), as the client does."""
+"""Reading the control files a job sealed under its key (sparkgpu.rundir.control), as the client does."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir.layout import RunLayout
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
 
 
 def sealed_json(path: str | Path) -> Any:

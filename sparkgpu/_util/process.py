@@ -7,19 +7,25 @@ machine (host, boot and PID namespace: only processes that share these see each 
 and the process's start time in clock ticks since boot (``/proc/PID/stat``), which a recycled
 pid does not share.
 
+A job's processes also die with the one that started them (:func:`die_with_parent`): a rank with its
+node's launcher, an agent with its own, so none is left running when its watcher is gone.
+
 Standard library only: it runs on clients, node agents and Spark executors alike.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import os
+import signal
 import socket
+import sys
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["ProcessRef", "machine_id", "start_ticks", "pid_gone"]
+__all__ = ["ProcessRef", "machine_id", "start_ticks", "pid_gone", "die_with_parent"]
 
 
 @functools.cache
@@ -79,6 +85,21 @@ def pid_gone(pid: int, started: str | None = None) -> bool:
     if fields[0] in ("Z", "X"):  # exited, not reaped yet by its parent
         return True
     return started is not None and len(fields) > 19 and fields[19] != started
+
+
+def die_with_parent(exit_code: int) -> None:
+    """Linux: the kernel kills this process when its parent dies, whatever killed the parent.
+
+    A rank dies with its node's launcher, the agent with whoever started it, so no process of a
+    job outlives the one that watches it. Where the parent is gone already (before the request
+    took effect), this process exits at once with ``exit_code``. Elsewhere it does nothing.
+    """
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+        if os.getppid() == 1:  # the parent died before prctl took effect
+            os._exit(exit_code)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,12 +49,12 @@ from sparkgpu.errors import (
 )
 from sparkgpu.launch.client.attempt_result import read_attempt
 from sparkgpu.launch.client.detached import Keeper, keeper_alive, start_keeper, supervision_record
-from sparkgpu._keyring import load_key
+from sparkgpu.rundir.keyring import load_key
 from sparkgpu.launch.client.job_state import JobBook
 from sparkgpu.launch.client.logs import LogStreamer
 from sparkgpu.launch.client.resume import client_is_gone, find_run_dir, take_over
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.protocol import AttemptStatus, JobState, JobStatus
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.states import AttemptStatus, JobState, JobStatus
 from sparkgpu.launch.client.supervision_lock import SupervisionLock
 from sparkgpu.launch.client.supervisor import CANCEL_REQUEST_FILE, Supervisor, cancel_abandoned
 from sparkgpu.spec import JobSpec

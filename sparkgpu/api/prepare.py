@@ -24,11 +24,11 @@ from sparkgpu.errors import SparkGPUError
 from sparkgpu.launch.backends.base import Backend, LaunchPlan
 from sparkgpu.launch.backends.capabilities import Reattachable
 from sparkgpu.callbacks import JobCallback
-from sparkgpu._keyring import forget_key, new_key, save_key
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.keyring import forget_key, new_key, save_key
+from sparkgpu.rundir.directory import RunDir
 from sparkgpu.launch.client.retention import prune_runs
-from sparkgpu.launch.rundir.preload import modules_to_preload
-from sparkgpu.launch.rundir.serialization import add_keyword_arguments, client_sys_path, serialize_payload
+from sparkgpu.launch.node.preload import modules_to_preload
+from sparkgpu.rundir.serialization import add_keyword_arguments, client_sys_path, serialize_payload
 from sparkgpu.spec import JobSpec
 from sparkgpu.usage.meter import enforce_policy, enforce_pool_policy
 
@@ -63,7 +63,7 @@ class PreparedJob:
     ship_environment: bool = False
     environment: dict | None = None
     written: bool = False
-    preload: list = dataclasses.field(default_factory=list)  # launch.rundir.preload
+    preload: list = dataclasses.field(default_factory=list)  # sparkgpu.launch.node.preload
 
     def plan(self, attempt: int = 0) -> LaunchPlan:
         """What the backend will start for ``attempt``: the printable dry run."""

@@ -36,8 +36,8 @@ from typing import Literal, Sequence
 
 from sparkgpu.errors import ConfigurationError, PolicyViolationError, SparkGPUError
 from sparkgpu.spec.options import add_cli_flags, cli_values, key_value
-from sparkgpu.protocol import JobStatus, ListedStatus
-from sparkgpu.launch.rundir.layout import RunLayout
+from sparkgpu.rundir.states import JobStatus, ListedStatus
+from sparkgpu.rundir.layout import RunLayout
 
 logger = logging.getLogger(__name__)
 
@@ -295,7 +295,7 @@ def list_jobs(staging_root: Path | None = None) -> list[dict]:
     from sparkgpu.launch.scheduling.gpu_lease import waiting_jobs
     from sparkgpu.launch.client.detached import keeper_alive
     from sparkgpu.launch.client.resume import client_is_gone
-    from sparkgpu.launch.rundir.directory import RunDir
+    from sparkgpu.rundir.directory import RunDir
 
     root = Path(staging_root or settings().staging_root)
     waiting: dict[str, tuple[object, int]] = {**waiting_jobs(), **_cluster_waiting_jobs()}
@@ -499,7 +499,7 @@ class _FollowRequest:
 
     def renew(self, attempt: int) -> None:
         from sparkgpu._util.files import atomic_write_bytes
-        from sparkgpu.launch.rundir.layout import RunLayout
+        from sparkgpu.rundir.layout import RunLayout
 
         now = time.time()
         path = self.rd.file(RunLayout.follow_request(attempt))
@@ -526,12 +526,12 @@ def cmd_logs(args) -> int:
     def tail_for(k: int):
         if args.all:
             return LogStreamer(rd, k, world_size, None, sys.stdout)
-        return _RawTail(rd.log_file(k, args.rank), sys.stdout)
+        return _RawTail(rd.file(RunLayout.rank_log(k, args.rank)), sys.stdout)
 
     tail = tail_for(attempt)
     ask = _FollowRequest(rd, None if args.all else [args.rank])
     if not args.follow:
-        if not args.all and not rd.log_file(attempt, args.rank).exists():
+        if not args.all and not rd.file(RunLayout.rank_log(attempt, args.rank)).exists():
             raise ConfigurationError(f"job {rd.job_id} has no log for rank {args.rank} in attempt {attempt} yet")
         tail.finish()
         return EXIT_OK

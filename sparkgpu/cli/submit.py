@@ -15,7 +15,7 @@ import logging
 import sys
 
 from sparkgpu.errors import ConfigurationError, PolicyViolationError, SparkGPUError
-from sparkgpu.protocol import JobStatus
+from sparkgpu.rundir.states import JobStatus
 
 logger = logging.getLogger(__name__)
 

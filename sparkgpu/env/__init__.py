@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sparkgpu._run_files import ERRORS_FILE, HYDRATE_FILE
 from sparkgpu.env.hydrate import (
     HydrationReport,
     Overlay,
@@ -31,6 +30,7 @@ from sparkgpu.env.snapshot import Component, Excluded, Snapshot, parse_worker_ha
 from sparkgpu.env.stage import StagedEnvironment, StageReport, StepReport, check_size, stage_environment, stage_snapshot
 from sparkgpu.env.store import BlobStore
 from sparkgpu.errors import EnvironmentMismatchError, HydrationError
+from sparkgpu.rundir.layout import RunLayout
 
 # The name this package gave the workers' mismatch when it had a class of its own; it is the
 # one EnvironmentMismatchError now, raised on the client and on the workers alike.
@@ -76,6 +76,6 @@ def worker_bootstrap_files() -> dict[str, bytes]:
     the overlay that may bring sparkgpu itself.
     """
     return {
-        HYDRATE_FILE: hydrate_module_path().read_bytes(),
-        ERRORS_FILE: Path(__file__).parent.parent.joinpath("errors.py").read_bytes(),
+        RunLayout.HYDRATE: hydrate_module_path().read_bytes(),
+        RunLayout.ERRORS: Path(__file__).parent.parent.joinpath("errors.py").read_bytes(),
     }

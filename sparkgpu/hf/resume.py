@@ -34,7 +34,8 @@ require_transformers("sparkgpu.hf")
 import torch  # noqa: E402
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
-from sparkgpu import _progress, runtime  # noqa: E402
+from sparkgpu import runtime  # noqa: E402
+from sparkgpu.rundir import progress as _progress  # noqa: E402
 from sparkgpu._util.report import report  # noqa: E402
 from sparkgpu.errors import CheckpointError  # noqa: E402
 from sparkgpu.store import Store  # noqa: E402
@@ -289,7 +290,7 @@ class JobCheckpointCallback(TrainerCallback):
         return control
 
     def on_step_end(self, args, state, control, **kwargs):
-        _progress.note(state.global_step)  # what hang detection watches (sparkgpu._progress)
+        _progress.note(state.global_step)  # what hang detection watches (sparkgpu.rundir.progress)
         if self.store is None:
             return control
         # One flag for all: SIGTERM or a stop file may reach one rank a step before another.

@@ -26,7 +26,7 @@ from sparkgpu.errors import CapacityError, ConfigurationError
 from sparkgpu.predict.executor.generation import GenerationConfig
 from sparkgpu.predict.executor.scoring import MANIFEST_FIELDS, ScoringPlan, score_partition
 from sparkgpu.predict.models import ModelSource, resolve_model
-from sparkgpu.protocol import AttemptStatus
+from sparkgpu.rundir.states import AttemptStatus
 from sparkgpu.spec import JobSpec, Resources, RunPolicy, new_job_id
 
 __all__ = ["PredictionResult", "predict", "RESULT_TYPES"]

@@ -168,7 +168,7 @@ class RayLaunchFunction:
     def _check_picklable(self) -> None:
         # The job pickles a partial around the function, whose errors cannot name the global
         # at fault; pickling the function alone first gives the precise message.
-        from sparkgpu.launch.rundir.serialization import serialize_payload
+        from sparkgpu.rundir.serialization import serialize_payload
 
         serialize_payload(self.fn, (), {}, [])
 

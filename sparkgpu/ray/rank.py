@@ -29,7 +29,7 @@ from typing import Any, Callable
 from sparkgpu import runtime
 from sparkgpu._util.report import report
 from sparkgpu.errors import MissingDependencyError
-from sparkgpu.launch.rundir.layout import RunLayout
+from sparkgpu.rundir.layout import RunLayout
 from sparkgpu.ray.node import RayNode
 from sparkgpu.ray.plan import (
     RANK_LABEL,

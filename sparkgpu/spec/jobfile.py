@@ -125,7 +125,7 @@ class ScriptRunner:
         (:mod:`sparkgpu.job_secrets`), which this rank opens and holds in memory."""
         if sealed_secrets is not None:
             from sparkgpu import job_secrets
-            from sparkgpu._keyring import current_job_key
+            from sparkgpu.rundir.keyring import current_job_key
 
             job_secrets.hold(job_secrets.unseal(current_job_key(), sealed_secrets))
         script = self._script_file()

@@ -32,7 +32,7 @@ import traceback
 from typing import Any
 
 from sparkgpu.errors import ConfigurationError, PolicyViolationError, SparkGPUError
-from sparkgpu.protocol import JobStatus
+from sparkgpu.rundir.states import JobStatus
 from sparkgpu.sweeps.folder import SweepFolder
 from sparkgpu.sweeps.options import SweepOptions
 from sparkgpu.sweeps.trial_job import TrialCallback, ask_to_stop, trial_reports
@@ -221,7 +221,7 @@ class SweepDriver:
         """GPU-hours the sweep's trials used: their jobs' attempts, from when their ranks started."""
         from sparkgpu.config import settings
         from sparkgpu.launch.client.job_state import JobBook
-        from sparkgpu.launch.rundir.layout import RunLayout
+        from sparkgpu.rundir.layout import RunLayout
 
         now, seconds = time.time(), 0.0
         for frozen in self._own_trials():

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sparkgpu._run_files import TRACKING_DIR, TRACKING_RUN_FILE
+from sparkgpu.rundir.layout import RunLayout
 
 __all__ = ["SweepRun", "child_run_id"]
 
@@ -29,7 +29,7 @@ VALUE_METRIC = "trial_value"
 def child_run_id(run_dir: Path) -> str | None:
     """The MLflow run of the trial job in ``run_dir``, once its supervisor created it."""
     try:
-        return json.loads((Path(run_dir) / TRACKING_DIR / TRACKING_RUN_FILE).read_text()).get("run_id")
+        return json.loads((Path(run_dir) / RunLayout.TRACKING_RUN).read_text()).get("run_id")
     except (FileNotFoundError, ValueError):
         return None
 

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from sparkgpu.callbacks import JobCallback
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir.layout import RunLayout
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
 from sparkgpu.sweeps.reports import ENV_TRIAL, Report, read_reports
 
 __all__ = ["TrialCallback", "ask_to_stop", "stop_asked", "trial_reports"]

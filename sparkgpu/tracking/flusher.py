@@ -27,7 +27,7 @@ from typing import Any
 
 from sparkgpu._util.files import atomic_write_bytes
 from sparkgpu.errors import ConfigurationError, JobStateError, SparkGPUError
-from sparkgpu.runtime import TRACKING_DIR
+from sparkgpu.rundir.layout import RunLayout
 from sparkgpu.tracking.spool import SpoolDir
 
 __all__ = ["SpoolFlusher", "flush_spool", "UNSENT_TAG"]
@@ -308,7 +308,7 @@ def flush_spool(run_dir: str | os.PathLike, *, tracking_uri: str | None = None) 
     """
     from mlflow import MlflowClient
 
-    spool = SpoolDir(Path(run_dir) / TRACKING_DIR)
+    spool = SpoolDir(Path(run_dir) / RunLayout.TRACKING)
     info = spool.read_run_info()
     if info is None:
         raise ConfigurationError(

@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 from sparkgpu.callbacks import AttemptOutcome, JobCallback, WorkerContext
 from sparkgpu.errors import ConfigurationError, NodeLostError, WorkerFailedError, first_failure
 from sparkgpu.failure_class import classify
-from sparkgpu.protocol import AttemptStatus
-from sparkgpu.runtime import TRACKING_DIR
+from sparkgpu.rundir.states import AttemptStatus
+from sparkgpu.rundir.layout import RunLayout
 from sparkgpu.tracking._permissions import translate_permission_errors
 from sparkgpu.tracking.target import REAL_TRACKING_URI_ENV, default_experiment_name, ensure_experiment, resolve_target
 
@@ -273,7 +273,7 @@ class MLflowCallback(JobCallback):
 
         target = resolve_target(self.tracking_uri, self.registry_uri)
         self._client = MlflowClient(target.tracking_uri, target.registry_uri)
-        self._spool = SpoolDir(Path(run_dir) / TRACKING_DIR)
+        self._spool = SpoolDir(Path(run_dir) / RunLayout.TRACKING)
         spec = job.to_dict()
         experiment = self.experiment or default_experiment_name()
         try:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkgpu._util.files import atomic_write_bytes
-from sparkgpu._run_files import TRACKING_DIR, TRACKING_RUN_FILE
+from sparkgpu.rundir.layout import RunLayout
 from sparkgpu.callbacks import JobCallback
 from sparkgpu.errors import ConfigurationError
 
@@ -99,6 +99,6 @@ def read_registration(run_dir: Path):
 def tracking_run_id(run_dir: Path) -> str | None:
     """The id of the job's MLflow run, once its supervisor started it; ``None`` for an untracked job."""
     try:
-        return json.loads((run_dir / TRACKING_DIR / TRACKING_RUN_FILE).read_text()).get("run_id")
+        return json.loads((run_dir / RunLayout.TRACKING_RUN).read_text()).get("run_id")
     except (FileNotFoundError, ValueError):
         return None

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkgpu._util.files import atomic_write_bytes
-from sparkgpu._run_files import TRACKING_RECORDS_DIR, TRACKING_RUN_FILE
+from sparkgpu.rundir.layout import RunLayout
 from sparkgpu.runtime import ENV_RUN_DIR
 from sparkgpu.tracking.target import REAL_TRACKING_URI_ENV, SPOOL_SCHEME
 
@@ -107,11 +107,11 @@ class SpoolDir:
 
     @property
     def run_file(self) -> Path:
-        return self.path / TRACKING_RUN_FILE
+        return self.path / RunLayout.TRACKING_RUN_FILE
 
     @property
     def records_dir(self) -> Path:
-        return self.path / TRACKING_RECORDS_DIR
+        return self.path / RunLayout.TRACKING_RECORDS_DIR
 
     @property
     def state_file(self) -> Path:

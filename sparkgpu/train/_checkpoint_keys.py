@@ -21,7 +21,7 @@ import os
 import re
 
 from sparkgpu import runtime
-from sparkgpu._keyring import current_job_key, derive_key, load_key
+from sparkgpu.rundir.keyring import current_job_key, derive_key, load_key
 from sparkgpu.errors import CheckpointError, ConfigurationError
 from sparkgpu.train._checkpoint_signing import SigningKey
 

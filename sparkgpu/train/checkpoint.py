@@ -68,7 +68,8 @@ import warnings
 import weakref
 
 from sparkgpu._util.modules import imported
-from sparkgpu import _progress, runtime
+from sparkgpu import runtime
+from sparkgpu.rundir import progress as _progress
 from sparkgpu.errors import CheckpointError, ConfigurationError
 from sparkgpu.train._checkpoint_checks import (
     check_compatible,
@@ -244,7 +245,7 @@ class Checkpointer(CheckpointerInternals):
                 not follow the step restored (it would skip or repeat steps).
         """
         step = check_step(step)
-        _progress.note(step)  # called after every step: what hang detection watches (sparkgpu._progress)
+        _progress.note(step)  # called after every step: what hang detection watches (sparkgpu.rundir.progress)
         first_step = self._counting(step, learn=True)
         if self._resumed_at is not None:
             resumed_at, self._resumed_at = self._resumed_at, None

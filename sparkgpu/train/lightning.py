@@ -32,7 +32,8 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from sparkgpu import _progress, runtime
+from sparkgpu import runtime
+from sparkgpu.rundir import progress as _progress
 from sparkgpu.errors import CheckpointError
 from sparkgpu.store import Store
 from sparkgpu.train import _lightning_signing as signing
@@ -178,7 +179,7 @@ class JobCheckpoints(pl.Callback):
             runtime.handle_sigterm_as_checkpoint_request()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        _progress.note(trainer.global_step)  # what hang detection watches (sparkgpu._progress)
+        _progress.note(trainer.global_step)  # what hang detection watches (sparkgpu.rundir.progress)
         if not self.active:
             return
         # Between two batches of one gradient accumulation the accumulated gradients are in no

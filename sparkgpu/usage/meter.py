@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 from sparkgpu.callbacks import AttemptOutcome, JobCallback
 from sparkgpu.config import settings
-from sparkgpu.protocol import AttemptStatus
+from sparkgpu.rundir.states import AttemptStatus
 from sparkgpu.spec import JobSpec
 from sparkgpu.usage.journal import AttemptJournal
 from sparkgpu.usage.ledger import UsageLedger, UsageRecord

@@ -10,7 +10,8 @@ import dataclasses
 import json
 
 from sparkgpu.launch.backends.base import AttemptHandle, Backend, LaunchPlan, ResolvedJob
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
 
 
 @dataclasses.dataclass
@@ -42,7 +43,7 @@ class ScriptedBackend(Backend):
         action = self.script[attempt]
         code = 0
         for rank in range(job.world_size):
-            run_dir.log_file(attempt, rank).write_text(f"attempt {attempt} rank {rank}\n")
+            run_dir.file(RunLayout.rank_log(attempt, rank)).write_text(f"attempt {attempt} rank {rank}\n")
             if action == "ok":
                 run_dir.write_result(attempt, rank, {"rank": rank, "attempt": attempt})
             elif action == "raise":
@@ -52,11 +53,13 @@ class ScriptedBackend(Backend):
                     run_dir.write_error(attempt, rank, exc)
                 code = 1
             elif action == "preempt":
-                run_dir.preempted_file(attempt, rank).write_text("x")
+                run_dir.file(RunLayout.preempted(attempt, rank)).write_text("x")
                 code = 1
         if action == "segv":
             failures = {str(r): {"exitcode": -11, "signal": "SIGSEGV", "pid": 1} for r in range(job.world_size)}
-            run_dir.write_control(run_dir.node_file(attempt, 0), json.dumps({"failures": failures}).encode())
+            run_dir.write_control(
+                run_dir.file(RunLayout.node_exits(attempt, 0)), json.dumps({"failures": failures}).encode()
+            )
             code = 1
         polls = 10**9 if action == "hang" else 1
         return FakeAttempt(attempt=attempt, code=code, polls_left=polls)

@@ -22,8 +22,8 @@ from sparkgpu import attach, distributed, runtime
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError, JobCancelledError, WorkerFailedError
 from sparkgpu.launch.client.detached import keeper_alive, supervision_record
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.protocol import JobStatus
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.states import JobStatus
 from tests.integration.processes import assert_no_orphans, processes_of, start_client, wait_for
 
 pytestmark = pytest.mark.integration

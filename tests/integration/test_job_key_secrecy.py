@@ -12,7 +12,7 @@ import pytest
 
 from sparkgpu import distributed
 from sparkgpu.launch.backends.local.backend import LocalBackend
-from sparkgpu._keyring import load_key
+from sparkgpu.rundir.keyring import load_key
 
 
 def scan_for_secrets(out_path: str) -> dict:

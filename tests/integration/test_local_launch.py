@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from sparkgpu._keyring import load_key
+from sparkgpu.rundir.keyring import load_key
 from sparkgpu import CapacityError, JobTimeoutError, SerializationError, WorkerFailedError, distributed, runtime
 from sparkgpu.callbacks import JobCallback
 from sparkgpu.errors import ConfigurationError

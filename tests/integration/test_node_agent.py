@@ -13,9 +13,10 @@ from sparkgpu import distributed, runtime
 from sparkgpu.config import settings
 from sparkgpu.launch.node.agent import build_command
 from sparkgpu.launch.backends.local.backend import free_port
-from sparkgpu._keyring import new_key
-from sparkgpu.launch.rundir.serialization import client_sys_path, serialize_payload
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.keyring import new_key
+from sparkgpu.rundir.serialization import client_sys_path, serialize_payload
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
 
 pytestmark = pytest.mark.integration
 
@@ -48,8 +49,8 @@ def test_a_missing_node_fails_the_rendezvous_after_the_jobs_init_timeout():
     done = subprocess.run(command, input=key.hex() + "\n", capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and time.monotonic() - started < 90
     assert "node 0 of 2 gave up meeting the others" in done.stderr and "init_timeout of 3s" in done.stderr
-    node_exit = RunDir(rd.path, key=key).read_control_json(rd.node_file(0, 0))
-    files = sorted(str(p.relative_to(rd.path)) for p in rd.attempt_dir(0).rglob("*"))
+    node_exit = RunDir(rd.path, key=key).read_control_json(rd.file(RunLayout.node_exits(0, 0)))
+    files = sorted(str(p.relative_to(rd.path)) for p in rd.file(RunLayout.attempt(0)).rglob("*"))
     assert node_exit is not None, (
         f"no genuine node exit file; the attempt holds {files}; the agent said:\n{done.stderr}"
     )
@@ -73,6 +74,6 @@ def test_each_rank_reports_what_rehydrating_its_environment_cost(workers_share_t
     # agent (which rehydrates before it forks them), the node's first rank reports the agent's work.
     assert sum(r["fetched_bytes"] for r in reports.values()) > 0
     for rank in (0, 1):
-        assert "sparkgpu: environment rehydrated in" in rd.log_file(0, rank).read_text()
+        assert "sparkgpu: environment rehydrated in" in rd.file(RunLayout.rank_log(0, rank)).read_text()
     out = capsys.readouterr().out
     assert "[rank0] sparkgpu: environment rehydrated in" in out and " extracted, " in out

@@ -17,8 +17,9 @@ from sparkgpu import WorkerFailedError, distributed, runtime
 from sparkgpu.config import settings
 from sparkgpu.errors import PayloadSignatureError
 from sparkgpu.launch.backends.spark.executor.node import NodeLaunch, run_node
-from sparkgpu._keyring import load_key
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.keyring import load_key
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
 from sparkgpu.launch.client.supervisor import Supervisor
 
 pytestmark = pytest.mark.integration
@@ -53,7 +54,7 @@ def tamper_entrypoint(run_dir: RunDir, marker) -> None:
 
 def assert_nothing_started(run_dir: RunDir, marker) -> None:
     assert not marker.exists()
-    assert not list(run_dir.attempt_dir(0).glob("logs/rank-*.log"))  # no rank ever ran
+    assert not list(run_dir.file(RunLayout.attempt(0)).glob("logs/rank-*.log"))  # no rank ever ran
 
 
 def assert_never_written(run_dir, secrets: list[bytes]) -> None:
@@ -91,7 +92,7 @@ def test_a_pickle_planted_as_a_rank_result_never_runs_on_the_client(tmp_path):
             # User code never sees the job key: here it stands for any writer of the run dir
             # without it, planting a pickle where rank 1's result goes.
             run_dir = RunDir(os.environ[runtime.ENV_RUN_DIR])
-            run_dir.result_file(runtime.attempt(), 1).write_bytes(pickle.dumps(Planted(path)))
+            run_dir.file(RunLayout.result(runtime.attempt(), 1)).write_bytes(pickle.dumps(Planted(path)))
             os._exit(0)  # and rank 1 never writes its own
         return "rank 0"
 
@@ -147,7 +148,7 @@ def run_spark_node(monkeypatch, prepared) -> dict:
     monkeypatch.setattr(pyspark.BarrierTaskContext, "get", classmethod(lambda cls: OneNodeBarrier()))
     rd = prepared.run_dir
     rd.prepare_attempt(0)
-    rd.spark_dir(0).mkdir(parents=True)
+    rd.file(RunLayout.spark(0)).mkdir(parents=True)
     env = {
         runtime.ENV_JOB_ID: prepared.job.job_id,
         runtime.ENV_ATTEMPT: "0",
@@ -180,7 +181,7 @@ def test_a_spark_node_refuses_a_tampered_entrypoint_before_starting_an_agent(mon
     for rank in (0, 1):
         failure, exc = client.read_error(0, rank)
         assert isinstance(exc, PayloadSignatureError) and "modified after it was staged" in failure.message
-    assert "node 0 starts none of its ranks" in client.agent_log(0, 0).read_text()
+    assert "node 0 starts none of its ranks" in client.file(RunLayout.agent_log(0, 0)).read_text()
 
 
 def test_a_spark_node_strips_spark_secrets_from_the_ranks(monkeypatch):
@@ -194,7 +195,7 @@ def test_a_spark_node_strips_spark_secrets_from_the_ranks(monkeypatch):
 
     prepared = leaky.prepare((), {}).write()
     row = run_spark_node(monkeypatch, prepared)
-    assert row["state"] == "succeeded", prepared.run_dir.agent_log(0, 0).read_text()
+    assert row["state"] == "succeeded", prepared.run_dir.file(RunLayout.agent_log(0, 0)).read_text()
     client = RunDir(prepared.run_dir.path, key=prepared.key)
     envs = [client.read_result(0, rank) for rank in (0, 1)]
     assert all(set(SPARK_SECRETS).isdisjoint(env) and not any("JOB_KEY" in name for name in env) for env in envs)

@@ -18,7 +18,8 @@ import psutil
 import pytest
 
 from sparkgpu import WorkerFailedError, runtime
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
 from sparkgpu.ray import ray_launch, read_cluster_info
 
 pytest.importorskip("ray", reason="@ray_launch needs ray: pip install 'sparkgpu[ray]'")
@@ -161,7 +162,7 @@ def test_task_graph_runs_on_the_ray_nodes_of_both_ranks_and_leaves_no_ray_proces
         assert metrics[f"ray/{node}/memory_used_megabytes"] > 0
     finished = client.get_metric_history(run.info.run_id, "ray/tasks/finished")
     assert max(m.value for m in finished) >= 7  # six squares and their total
-    ray_dir = run_dir.attempt_dir(0) / "ray"
+    ray_dir = run_dir.file(RunLayout.attempt(0)) / "ray"
     for rank in (0, 1):  # each node's Ray logs outlive its temp dir
         assert (ray_dir / "logs" / f"rank-{rank}" / "raylet.out").is_file()
     assert_no_new_ray_process(before, dirs_before)
@@ -217,6 +218,6 @@ def test_a_driver_that_dies_hard_leaves_no_ray_process():
     # Rank 1 can only have been stopped by the launcher (SIGTERM), after it stopped its Ray node.
     assert all(f.exitcode == -15 for f in err.value.failures if f.rank != 0)
     assert_no_new_ray_process(before, dirs_before)
-    logs = RunDir(driver_dies.last_run_dir).attempt_dir(0) / "ray" / "logs"
+    logs = RunDir(driver_dies.last_run_dir).file(RunLayout.attempt(0)) / "ray" / "logs"
     for rank in (0, 1):  # kept by the watchdogs, since neither rank ran its own cleanup to the end
         assert (logs / f"rank-{rank}" / "raylet.out").is_file()

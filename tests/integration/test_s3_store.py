@@ -156,10 +156,10 @@ def _double(x):
 
 def test_the_staging_mirror_carries_payload_logs_and_controls_through_s3(s3_bucket, tmp_path):
     from sparkgpu.errors import PayloadSignatureError
-    from sparkgpu.runtime import STOP_FILE
-    from sparkgpu.launch.rundir.serialization import serialize_payload
-    from sparkgpu.launch.rundir.directory import RunDir
-    from sparkgpu.launch.rundir.staging import ClientMirror, NodeMirror, StagingStore
+    from sparkgpu.rundir.layout import RunLayout
+    from sparkgpu.rundir.serialization import serialize_payload
+    from sparkgpu.rundir.directory import RunDir
+    from sparkgpu.launch.staging.mirror import ClientMirror, NodeMirror, StagingStore
     from sparkgpu.spec import JobSpec, Resources
 
     key = b"k" * 32
@@ -177,7 +177,7 @@ def test_the_staging_mirror_carries_payload_logs_and_controls_through_s3(s3_buck
     node.download_payload()
     assert set(node.run_dir.verify(key)) >= {"spec.json", "payload.pkl"}
 
-    log = node.run_dir.log_file(0, 1)
+    log = node.run_dir.file(RunLayout.rank_log(0, 1))
     log.parent.mkdir(parents=True)
     log.write_bytes(b"step 1\n")
     node.push()
@@ -186,12 +186,12 @@ def test_the_staging_mirror_carries_payload_logs_and_controls_through_s3(s3_buck
         f.write(b"step 2\n")
     node.push(final=True)
     client.sync(0)
-    assert client_rd.log_file(0, 1).read_bytes() == b"step 1\nstep 2\n"
+    assert client_rd.file(RunLayout.rank_log(0, 1)).read_bytes() == b"step 1\nstep 2\n"
 
-    (client_rd.attempt_dir(0) / STOP_FILE).write_text("the runtime cap is near\n")
+    client_rd.file(RunLayout.stop(0)).write_text("the runtime cap is near\n")
     client.sync(0)
     node.pull_control()
-    assert (node.run_dir.attempt_dir(0) / STOP_FILE).read_text() == "the runtime cap is near\n"
+    assert node.run_dir.file(RunLayout.stop(0)).read_text() == "the runtime cap is near\n"
 
     fs, root = fsspec.core.url_to_fs(f"{url}/job-s3/payload.pkl")
     fs.pipe_file(root, b"planted")  # the store is not trusted

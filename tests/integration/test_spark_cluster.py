@@ -86,7 +86,7 @@ def test_train_all_reduces_across_four_ranks_on_both_workers(cluster_spark, spar
 
 @pytest.mark.usefixtures("no_tracking")
 def test_the_signing_key_never_reaches_the_run_dir(cluster_spark):
-    from sparkgpu._keyring import load_key
+    from sparkgpu.rundir.keyring import load_key
 
     assert cluster_spark.gpu.train(where_and_sum, gpus=2, gpu_type="A10", args=(1,))[0]["sum"] == 3
     key = load_key(cluster_spark.gpu.last_job_id).hex().encode()

@@ -11,7 +11,8 @@ import pytest
 from sparkgpu import WorkerFailedError, distributed, runtime
 from sparkgpu.config import settings
 from sparkgpu.errors import PayloadSignatureError
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
 from sparkgpu.launch.client.supervisor import Supervisor
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.usefixtures("workers_share_this_image")]
@@ -36,7 +37,7 @@ def test_a_tampered_entrypoint_runs_on_no_executor(cluster_spark, tmp_path):
         Supervisor(prepared.job, prepared.run_dir, prepared.backend, prepared.key, []).run()
     assert isinstance(err.value.__cause__, PayloadSignatureError)
     assert not marker.exists()
-    assert not list(prepared.run_dir.attempt_dir(0).glob("logs/rank-*.log"))  # no rank started on any node
+    assert not list(prepared.run_dir.file(RunLayout.attempt(0)).glob("logs/rank-*.log"))  # no rank started on any node
     assert prepared.backend.last_attempt.nodes and {n["state"] for n in prepared.backend.last_attempt.nodes} == {
         "bad-signature"
     }
@@ -52,4 +53,4 @@ def test_every_rank_on_the_executors_reports_its_environment(cluster_spark):
     assert sorted(reports) == [0, 1, 2, 3] and all(
         set(r["steps"]) == {"check", "extract", "view"} for r in reports.values()
     )
-    assert all("sparkgpu: environment rehydrated in" in rd.log_file(0, r).read_text() for r in range(4))
+    assert all("sparkgpu: environment rehydrated in" in rd.file(RunLayout.rank_log(0, r)).read_text() for r in range(4))

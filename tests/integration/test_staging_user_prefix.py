@@ -8,9 +8,9 @@ import pytest
 from sparkgpu.config import reset_settings
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.launch.backends.spark.backend import SparkBackend
-from sparkgpu.launch.rundir.serialization import serialize_payload
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir.staging import user_prefix
+from sparkgpu.rundir.serialization import serialize_payload
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.launch.staging.mirror import user_prefix
 from sparkgpu.spec import JobSpec, Resources
 from tests.fakes.spark_session import TaggedSession
 

@@ -18,6 +18,7 @@ from sparkgpu.launch.backends.local import zygote_client
 from sparkgpu.launch.backends.local import zygote
 from sparkgpu.launch.backends.local.warm import WarmBackend
 from sparkgpu.launch.backends.local.zygote_client import warm_zygote_status, stop_warm_zygote
+from sparkgpu.rundir.layout import RunLayout
 from tests.integration.processes import ctrl_c_client, start_client, wait_for
 
 pytestmark = pytest.mark.integration
@@ -231,7 +232,7 @@ def test_a_tampered_entrypoint_starts_no_rank_in_the_pool(pool, tmp_path):
         Supervisor(prepared.job, prepared.run_dir, prepared.backend, prepared.key, []).run()
     assert isinstance(err.value.__cause__, PayloadSignatureError)
     assert not marker.exists()
-    assert not list(prepared.run_dir.attempt_dir(0).glob("logs/rank-*.log"))
+    assert not list(prepared.run_dir.file(RunLayout.attempt(0)).glob("logs/rank-*.log"))
     assert add_rank.distributed(1) == [1, 2]  # the pool serves the next, untouched job
 
 

@@ -18,7 +18,8 @@ from sparkgpu.launch.backends.local.backend import LocalBackend
 from sparkgpu.launch.backends.spark.backend import SparkBackend
 from sparkgpu.launch.backends.spark.sessions import SESSION_FILE
 from sparkgpu.launch.client.resume import take_over
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
 from tests.fakes.backend import ScriptedBackend
 from tests.fakes.spark_session import TaggedSession
 from tests.unit.test_resume import KEY, interrupted_job
@@ -58,7 +59,7 @@ def interrupted(backend: str) -> RunDir:
     """A run dir whose client died while attempt 0 ran, with the Connect URL a Spark job keeps."""
     rd = interrupted_job(None, backend=backend)
     (rd.path / SESSION_FILE).write_text(json.dumps({"remote": REMOTE}))
-    rd.spark_dir(0).mkdir(parents=True)
+    rd.file(RunLayout.spark(0)).mkdir(parents=True)
     return rd
 
 
@@ -82,7 +83,7 @@ def test_resume_rebuilds_a_spark_jobs_backend_and_stops_its_lost_nodes_through_t
         assert isinstance(supervisor.backend, SparkBackend) and supervisor.backend.remote == REMOTE
         assert reattached == ["job-1"] and stopped == [[0]]
         rd.key = KEY
-        assert rd.read_control(rd.spark_cancel_file(0)) == b"its client is gone; the job was taken over\n"
+        assert rd.read_control(rd.file(RunLayout.spark_cancel(0))) == b"its client is gone; the job was taken over\n"
     finally:
         supervisor.lock.release()
 
@@ -92,7 +93,7 @@ def test_resume_creates_a_local_jobs_backend_anew_and_stops_nothing():
     supervisor = take_over("job-1", out=io.StringIO())
     try:
         assert type(supervisor.backend) is LocalBackend
-        assert not rd.spark_cancel_file(0).exists()  # its ranks died with their client
+        assert not rd.file(RunLayout.spark_cancel(0)).exists()  # its ranks died with their client
     finally:
         supervisor.lock.release()
 
@@ -103,6 +104,6 @@ def test_a_given_backend_is_used_as_it_is_and_the_jobs_own_stops_the_lost_nodes(
     supervisor = take_over("job-1", backend=given, out=io.StringIO())
     try:
         assert supervisor.backend is given
-        assert rd.spark_cancel_file(0).exists()
+        assert rd.file(RunLayout.spark_cancel(0)).exists()
     finally:
         supervisor.lock.release()

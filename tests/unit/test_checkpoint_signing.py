@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from sparkgpu._keyring import derive_key, hold_job_key, save_key
+from sparkgpu.rundir.keyring import derive_key, hold_job_key, save_key
 from sparkgpu.errors import CheckpointError
 from sparkgpu.tracking._checkpoints import committed_checkpoint, load_checkpoint_into
 from sparkgpu.train import Checkpointer, latest_checkpoint, list_checkpoints

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from sparkgpu._keyring import hold_job_key
+from sparkgpu.rundir.keyring import hold_job_key
 from sparkgpu.train import Checkpointer
 from sparkgpu.train import _checkpoint_writes
 from sparkgpu.train._checkpoint_writes import SaveStreams, SaveTimings

@@ -10,8 +10,9 @@ import pytest
 from sparkgpu import cli
 from sparkgpu.config import reset_settings, settings
 from sparkgpu.errors import SparkGPUError
-from sparkgpu.launch.rundir.serialization import serialize_payload
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.serialization import serialize_payload
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
 from sparkgpu.launch.client.supervisor import Supervisor
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
 from sparkgpu.usage.ledger import UsageLedger, UsageRecord
@@ -100,7 +101,7 @@ def test_logs_of_one_rank_all_ranks_and_an_earlier_attempt(capsys):
 
 def test_following_a_spark_attempts_rank_asks_its_client_to_read_that_ranks_logs_live(capsys):
     rd = finished_job("spark-20260101-000000-abcdef", ["ok"])
-    rd.spark_dir(0).mkdir(parents=True)  # an attempt on Spark: its client reads node 0's logs live
+    rd.file(RunLayout.spark(0)).mkdir(parents=True)  # an attempt on Spark: its client reads node 0's logs live
     before = time.time()
     assert run_cli(capsys, "logs", "spark-2026", "--rank", "1", "--follow")[0] == 0
     request = json.loads(rd.file("attempts/0/spark/follow").read_text())

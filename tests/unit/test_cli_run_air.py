@@ -3,7 +3,7 @@
 import pytest
 
 from sparkgpu import cli
-from sparkgpu._keyring import save_key
+from sparkgpu.rundir.keyring import save_key
 from sparkgpu.config import settings
 from tests.unit.test_cli import finished_job, run_cli
 
@@ -103,7 +103,7 @@ def test_result_of_a_failed_job_prints_its_remote_traceback_and_exits_1(capsys):
 
 
 def test_result_of_a_job_that_has_not_ended_is_refused(capsys):
-    from sparkgpu.launch.rundir.directory import RunDir
+    from sparkgpu.rundir.directory import RunDir
 
     RunDir(settings().staging_root / "new-job").create(
         {"job_id": "new-job", "resources": {"gpus": 1}}, b"", b"k" * 32, []

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from sparkgpu.launch.rundir import control
-from sparkgpu.launch.rundir.control import seal, unseal
-from sparkgpu.launch.rundir.serialization import serialize_payload
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir.layout import RunLayout
+from sparkgpu.rundir import control
+from sparkgpu.rundir.control import seal, unseal
+from sparkgpu.rundir.serialization import serialize_payload
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
 from sparkgpu.launch.client.supervisor import Supervisor
 from sparkgpu.spec import JobSpec, Resources
 from tests.fakes.backend import ScriptedBackend
@@ -67,9 +67,9 @@ def test_a_planted_cancel_request_cancels_nothing(tmp_path):
 def test_a_planted_node_exit_fails_no_rank(tmp_path):
     _, rd = staged(tmp_path)
     forged = {"node_rank": 0, "status": 1, "failures": {"0": {"exitcode": 1}}}
-    rd.node_file(0, 0).write_text(json.dumps(forged))
+    rd.file(RunLayout.node_exits(0, 0)).write_text(json.dumps(forged))
     assert rd.read_node_exits(0) == {}
-    rd.write_control(rd.node_file(0, 0), json.dumps(forged).encode())
+    rd.write_control(rd.file(RunLayout.node_exits(0, 0)), json.dumps(forged).encode())
     assert list(rd.read_node_exits(0)) == [0]
 
 
@@ -86,7 +86,7 @@ def test_every_control_file_the_client_writes_is_sealed(tmp_path):
 
 
 def test_a_run_dir_without_its_key_looks_in_the_keyring_once_per_interval_not_at_every_poll(tmp_path, monkeypatch):
-    from sparkgpu import _keyring
+    from sparkgpu.rundir import keyring as _keyring
     from sparkgpu.errors import ConfigurationError
 
     _, staged_dir = staged(tmp_path)
@@ -100,7 +100,7 @@ def test_a_run_dir_without_its_key_looks_in_the_keyring_once_per_interval_not_at
 
     monkeypatch.setattr(_keyring, "load_key", missing)
     clock = [1000.0]
-    monkeypatch.setattr("sparkgpu.launch.rundir.directory.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("sparkgpu.rundir.directory.time.monotonic", lambda: clock[0])
     observer = RunDir(staged_dir.path)  # a process that did not launch the job: no key held
     for _ in range(50):  # a poll loop
         assert observer.read_control(path) is None

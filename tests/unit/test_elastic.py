@@ -16,9 +16,9 @@ from sparkgpu.api.decorator import distributed
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.spec.jobfile import JobFile
 from sparkgpu.launch.scheduling.elastic import ElasticPlan
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir.layout import RunLayout
-from sparkgpu.launch.rundir.serialization import serialize_payload
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
+from sparkgpu.rundir.serialization import serialize_payload
 from sparkgpu.launch.client.supervisor import Supervisor
 from sparkgpu.spec import ELASTIC_WAIT, JobSpec, Resources, RunPolicy, requested_resources
 from tests.fakes.backend import ScriptedBackend
@@ -146,7 +146,7 @@ class ElasticCluster(ScriptedBackend):
         rd = self.run_dir
         if self.script[handle.attempt] == "until_asked" and rd.read_control(rd.file(RunLayout.stop(handle.attempt))):
             for rank in range(handle.world):
-                rd.preempted_file(handle.attempt, rank).write_text("x")
+                rd.file(RunLayout.preempted(handle.attempt, rank)).write_text("x")
             return 1
         return super().poll(handle)
 

@@ -21,10 +21,11 @@ from sparkgpu.errors import ConfigurationError, EnvironmentMismatchError, RankFa
 from sparkgpu.failure_class import OOM_KILLED, FailureClass, classify, oom_kills, own_cgroup
 from sparkgpu.launch.client.attempt_result import read_attempt
 from sparkgpu.launch.client.failure_policy import Decision, FailurePolicy
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir.serialization import serialize_payload
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
+from sparkgpu.rundir.serialization import serialize_payload
 from sparkgpu.launch.node.rank_exits import RankExitWatcher
-from sparkgpu.protocol import NodeExit, RankExit
+from sparkgpu.rundir.states import NodeExit, RankExit
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
 from tests.rank_failures import raised
 
@@ -214,7 +215,7 @@ def test_a_node_exit_record_with_the_oom_evidence_reads_back_as_host_oom(tmp_pat
         rd.prepare_attempt(attempt)
         killed = RankExit(-signal.SIGKILL, signal="SIGKILL", time=1.0, oom_killed=oom_killed)
         node = NodeExit(0, 1, {1: killed})
-        rd.write_control(rd.node_file(attempt, 0), json.dumps(node.to_json()).encode())
+        rd.write_control(rd.file(RunLayout.node_exits(attempt, 0)), json.dumps(node.to_json()).encode())
         rd.write_result(attempt, 0, 0)  # rank 0 returned; rank 1 was killed
     oom = read_attempt(rd, 0, 2, job.policy)
     assert classify(oom.failures, oom.exceptions).cls is FailureClass.HOST_OOM

@@ -14,7 +14,7 @@ import sys
 import textwrap
 import time
 
-from sparkgpu._progress import RankProgress
+from sparkgpu.rundir.progress import RankProgress
 from sparkgpu.launch.client.hang_diagnosis import (
     DUMP_MARKER,
     RankState,

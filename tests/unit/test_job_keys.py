@@ -14,9 +14,9 @@ from pyspark.sql.connect.client.core import DefaultChannelBuilder
 
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.launch.backends.spark.sessions import PLAINTEXT_ENV, check_key_transport
-from sparkgpu.launch.rundir.keys import RANK_KEY_FILE, hand_to_ranks, receive_key, send_key
-from sparkgpu.launch.rundir.serialization import serialize_payload
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.key_handover import RANK_KEY_FILE, hand_to_ranks, receive_key, send_key
+from sparkgpu.rundir.serialization import serialize_payload
+from sparkgpu.rundir.directory import RunDir
 
 KEY = bytes(range(32))
 

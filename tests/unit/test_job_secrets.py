@@ -26,7 +26,7 @@ def test_sealed_secrets_hold_no_plaintext_and_open_only_under_the_job_key():
 
 
 def test_the_runner_opens_its_secrets_with_the_ranks_key_and_the_script_reads_them_by_name(tmp_path, monkeypatch):
-    from sparkgpu import _keyring
+    from sparkgpu.rundir import keyring as _keyring
 
     script = tmp_path / "train.py"
     script.write_text(

@@ -1,5 +1,5 @@
 """The job's state file: its one owner (JobBook), its one writer of the status (the supervisor),
-the protocol's transition tables, and the supervisor's step table."""
+the run dir states' transition tables, and the supervisor's step table."""
 
 import ast
 import itertools
@@ -12,7 +12,7 @@ import sparkgpu
 from sparkgpu.launch.client.attempt_result import StoppedBy
 from sparkgpu.launch.client.job_state import IllegalTransition, JobBook
 from sparkgpu.launch.client.supervisor import JobStep, cancel_abandoned, fail_unsupervisable, next_step
-from sparkgpu.protocol import ATTEMPT_TRANSITIONS, JOB_TRANSITIONS, AttemptStatus, JobStatus
+from sparkgpu.rundir.states import ATTEMPT_TRANSITIONS, JOB_TRANSITIONS, AttemptStatus, JobStatus
 
 PACKAGE = Path(sparkgpu.__file__).resolve().parent
 

@@ -1,9 +1,15 @@
 """The package's import rules, checked on the source (every import, function-level ones included).
 
-- data, train, tracking, usage and env import nothing from the launcher (``sparkgpu.launch``);
+- the run dir's format (``sparkgpu.rundir``: its layout, states, exit codes, keys, signatures,
+  pickling, control files, progress records), which the launcher writes and reads on both sides
+  and the libraries of a rank read too, sits below all of them: it imports no other sub-package
+  but the shared errors, settings and private helpers (``sparkgpu.errors``, ``sparkgpu.config``,
+  ``sparkgpu._util``);
+- data, train, tracking, usage, env and the runtime import nothing from the launcher
+  (``sparkgpu.launch``): they read the run dir through ``sparkgpu.rundir``;
 - the launcher reaches tracking and usage only through the callback interface
   (``sparkgpu.callbacks``), which imports none of them: only the run dir's states
-  (``sparkgpu.protocol``, standard library only), which all of them share;
+  (``sparkgpu.rundir.states``, standard library only), which all of them share;
 - what runs on a worker before sparkgpu may be importable (the error module, the hydration
   module, the payload's signature check) imports the standard library only;
 - no two modules import each other, directly or around a circle (a function-level import
@@ -12,7 +18,7 @@
   there too: rank, node and Spark executor code never imports client code (the caller's
   process: ``launch.client``, ``launch.scheduling``, the backends' client side, the decorator);
   a rank imports none of the node or executor code that starts it; the node agent imports no
-  backend; the run dir's format (``launch.rundir``), shared by both sides, and scheduling import
+  backend; the run dir's staging mirror (``launch.staging``), shared by both sides, and scheduling import
   no other part of the launcher's sides; every launcher module is on one side;
 - a module imports no private module (a ``_name`` path component), and no private name
   (``from sparkgpu.launch.rank.entrypoint import _helper``), of another top-level sub-package; the
@@ -33,12 +39,24 @@ import sparkgpu
 PACKAGE = Path(sparkgpu.__file__).resolve().parent
 
 # Lower layers that must not import the launcher.
-BELOW_LAUNCH = ("sparkgpu.data", "sparkgpu.train", "sparkgpu.hf", "sparkgpu.tracking", "sparkgpu.usage", "sparkgpu.env")
+BELOW_LAUNCH = (
+    "sparkgpu.data",
+    "sparkgpu.train",
+    "sparkgpu.hf",
+    "sparkgpu.tracking",
+    "sparkgpu.usage",
+    "sparkgpu.env",
+    "sparkgpu.runtime",
+)
+# The run dir's format, below the launcher and every library: what it may import of the package
+# (``sparkgpu`` itself, imported first anyway, aside).
+RUN_DIR_FORMAT = ("sparkgpu.rundir",)
+FORMAT_MAY_IMPORT = RUN_DIR_FORMAT + ("sparkgpu.errors", "sparkgpu.config", "sparkgpu._util")
 INTEGRATIONS = ("sparkgpu.tracking", "sparkgpu.usage")
 CALLBACK_INTERFACE = ("sparkgpu.callbacks",)
 # The run dir's states, below every sub-package: the callback interface hands them on.
-PROTOCOL = "sparkgpu.protocol"
-STDLIB_ONLY = (PROTOCOL, "sparkgpu.errors", "sparkgpu.env.hydrate", "sparkgpu.launch.rundir.signature")
+STATES = "sparkgpu.rundir.states"
+STDLIB_ONLY = (STATES, "sparkgpu.errors", "sparkgpu.env.hydrate", "sparkgpu.rundir.signature")
 # Guarded imports a stdlib-only module may make: hydration reads a store of another scheme
 # through fsspec, and names it in its error where fsspec is missing.
 OPTIONAL = {"sparkgpu.env.hydrate": {"fsspec"}}
@@ -56,9 +74,9 @@ RANK = ("sparkgpu.launch.rank",)
 NODE = ("sparkgpu.launch.node", "sparkgpu.launch.backends.local.zygote")  # the agent, the warm zygote
 EXECUTOR = ("sparkgpu.launch.backends.spark.executor",)  # inside Spark tasks
 WORKER_SIDE = RANK + NODE + EXECUTOR
-RUN_DIR_FORMAT = ("sparkgpu.launch.rundir",)  # written on the client, read on every worker
+STAGING = ("sparkgpu.launch.staging",)  # the run dir's mirror on a store: kept by the client and the Spark nodes
 SCHEDULING = ("sparkgpu.launch.scheduling",)
-SIDES = ("sparkgpu.launch.client", "sparkgpu.launch.backends") + SCHEDULING + WORKER_SIDE + RUN_DIR_FORMAT
+SIDES = ("sparkgpu.launch.client", "sparkgpu.launch.backends") + SCHEDULING + WORKER_SIDE + STAGING
 # (rule, the modules it binds, what they may not import); a module of the bound side itself
 # is always allowed (the executor's modules sit inside the backends, the zygote in the local one).
 WHERE_RULES = (
@@ -66,9 +84,9 @@ WHERE_RULES = (
     ("a rank imports none of the node or executor code that starts it", RANK, NODE + EXECUTOR),
     ("the node agent imports no backend", ("sparkgpu.launch.node",), ("sparkgpu.launch.backends",)),
     (
-        "the run dir's format imports no other part of the launcher",
-        RUN_DIR_FORMAT,
-        tuple(s for s in SIDES if s not in RUN_DIR_FORMAT),
+        "the staging mirror imports no other part of the launcher",
+        STAGING,
+        tuple(s for s in SIDES if s not in STAGING),
     ),
     (
         "scheduling imports no client, backend, node or rank code",
@@ -132,7 +150,7 @@ def within(name: str, packages) -> bool:
 
 
 def is_module(name: str, graph: dict[str, set[str]]) -> bool:
-    # "from sparkgpu.launch.rundir.directory import RunDir" adds "sparkgpu.launch.rundir.directory.RunDir": keep modules only.
+    # "from sparkgpu.rundir.directory import RunDir" adds "sparkgpu.rundir.directory.RunDir": keep modules only.
     return name in graph
 
 
@@ -147,8 +165,10 @@ def violations(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
             if (
                 name in CALLBACK_INTERFACE
                 and within(target, ("sparkgpu",))
-                and target not in (*CALLBACK_INTERFACE, PROTOCOL)
+                and target not in (*CALLBACK_INTERFACE, STATES)
             ):
+                found.add((name, target))
+            if within(name, RUN_DIR_FORMAT) and target != "sparkgpu" and not within(target, FORMAT_MAY_IMPORT):
                 found.add((name, target))
     return found
 
@@ -260,7 +280,7 @@ def test_every_module_of_the_launcher_says_where_it_runs():
 def test_the_side_checker_sees_what_it_claims():
     graph = {
         "sparkgpu.launch.node.agent": {"sparkgpu.launch.client.supervisor", "sparkgpu.launch.rank.entrypoint"},
-        "sparkgpu.launch.rank.entrypoint": {"sparkgpu.launch.node.agent", "sparkgpu.launch.rundir.layout"},
+        "sparkgpu.launch.rank.entrypoint": {"sparkgpu.launch.node.agent", "sparkgpu.launch.staging.mirror"},
         "sparkgpu.launch.backends.spark.executor.node": {
             "sparkgpu.launch.backends.spark.executor.hub",  # its own side, inside the backends
             "sparkgpu.launch.backends.spark.backend",
@@ -268,14 +288,14 @@ def test_the_side_checker_sees_what_it_claims():
         },
         "sparkgpu.launch.backends.spark.executor.hub": set(),
         "sparkgpu.launch.backends.spark.backend": {"sparkgpu.launch.backends.spark.executor.node"},
-        "sparkgpu.launch.rundir.layout": {"sparkgpu.launch.rank.entrypoint"},
+        "sparkgpu.launch.staging.mirror": {"sparkgpu.launch.rank.entrypoint"},
         "sparkgpu.launch.client.supervisor": {"sparkgpu.launch.node.agent"},
     }
     assert {(a, b) for _, a, b in where_violations(graph)} == {
         ("sparkgpu.launch.node.agent", "sparkgpu.launch.client.supervisor"),
         ("sparkgpu.launch.rank.entrypoint", "sparkgpu.launch.node.agent"),
         ("sparkgpu.launch.backends.spark.executor.node", "sparkgpu.launch.backends.spark.backend"),
-        ("sparkgpu.launch.rundir.layout", "sparkgpu.launch.rank.entrypoint"),
+        ("sparkgpu.launch.staging.mirror", "sparkgpu.launch.rank.entrypoint"),
     }
 
 
@@ -283,7 +303,7 @@ def test_the_implementations_of_callbacks_import_the_interface_not_the_launcher(
     graph = modules()
     assert "sparkgpu.callbacks" in graph["sparkgpu.tracking.mlflow_run"]
     assert "sparkgpu.callbacks" in graph["sparkgpu.usage.meter"]
-    assert not any(within(m, ("sparkgpu",)) and not within(m, (PROTOCOL,)) for m in graph["sparkgpu.callbacks"])
+    assert not any(within(m, ("sparkgpu",)) and not within(m, (STATES,)) for m in graph["sparkgpu.callbacks"])
 
 
 @pytest.mark.parametrize("name", STDLIB_ONLY)
@@ -310,6 +330,32 @@ def test_the_rule_checker_sees_function_level_and_relative_imports(tmp_path, mon
     assert violations(graph) == {
         ("sparkgpu.tracking.late", "sparkgpu.launch.payload"),
         ("sparkgpu.tracking.late", "sparkgpu.launch.node.agent"),
+    }
+
+
+def test_the_format_checker_sees_what_it_claims():
+    graph = {
+        "sparkgpu": set(),
+        "sparkgpu.errors": set(),
+        "sparkgpu._util.files": set(),
+        "sparkgpu.api.prepare": set(),
+        "sparkgpu.train.checkpoint": set(),
+        "sparkgpu.launch.rank.entrypoint": set(),
+        "sparkgpu.rundir.states": set(),
+        "sparkgpu.rundir.directory": {
+            "sparkgpu",  # the package itself
+            "sparkgpu.errors",
+            "sparkgpu._util.files",
+            "sparkgpu.rundir.states",
+            "sparkgpu.api.prepare",
+            "sparkgpu.train.checkpoint",
+            "sparkgpu.launch.rank.entrypoint",
+        },
+    }
+    assert violations(graph) == {
+        ("sparkgpu.rundir.directory", "sparkgpu.api.prepare"),
+        ("sparkgpu.rundir.directory", "sparkgpu.train.checkpoint"),
+        ("sparkgpu.rundir.directory", "sparkgpu.launch.rank.entrypoint"),
     }
 
 

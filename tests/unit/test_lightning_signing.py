@@ -14,7 +14,7 @@ import pickle
 import pytest
 import torch
 
-from sparkgpu._keyring import hold_job_key
+from sparkgpu.rundir.keyring import hold_job_key
 from sparkgpu.errors import CheckpointError
 
 pytest.importorskip("lightning")

@@ -1,7 +1,8 @@
 import io
 
 from sparkgpu.launch.client.logs import LogStreamer
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
 
 
 def test_streams_complete_lines_with_rank_prefix_and_keeps_partial_ones(tmp_path):
@@ -9,11 +10,11 @@ def test_streams_complete_lines_with_rank_prefix_and_keeps_partial_ones(tmp_path
     rd.prepare_attempt(0)
     out = io.StringIO()
     streamer = LogStreamer(rd, 0, world_size=2, ranks=None, out=out)
-    rd.log_file(0, 0).write_text("epoch 1\nloss=0.")
-    rd.log_file(0, 1).write_text("warming up\n")
+    rd.file(RunLayout.rank_log(0, 0)).write_text("epoch 1\nloss=0.")
+    rd.file(RunLayout.rank_log(0, 1)).write_text("warming up\n")
     streamer.pump()
     assert out.getvalue() == "[rank0] epoch 1\n[rank1] warming up\n"
-    with open(rd.log_file(0, 0), "a") as f:
+    with open(rd.file(RunLayout.rank_log(0, 0)), "a") as f:
         f.write("5\nno newline at the end")
     streamer.pump()
     assert out.getvalue().endswith("[rank0] loss=0.5\n")
@@ -25,7 +26,7 @@ def test_only_selected_ranks_stream(tmp_path):
     rd = RunDir(tmp_path / "job")
     rd.prepare_attempt(0)
     for r in range(3):
-        rd.log_file(0, r).write_text(f"r{r}\n")
+        rd.file(RunLayout.rank_log(0, r)).write_text(f"r{r}\n")
     out = io.StringIO()
     LogStreamer(rd, 0, world_size=3, ranks=(0, 2), out=out).finish()
     assert out.getvalue() == "[rank0] r0\n[rank2] r2\n"
@@ -35,8 +36,8 @@ def test_finish_writes_a_burst_far_larger_than_one_read_to_its_last_line(tmp_pat
     rd = RunDir(tmp_path / "job")
     rd.prepare_attempt(0)
     lines = [f"step {i:07d} " + "x" * 90 for i in range(120_000)]  # about 12 MB
-    rd.log_file(0, 0).write_text("\n".join(lines) + "\nTraceback: the last words")
-    rd.log_file(0, 1).write_text("rank 1 done\n")
+    rd.file(RunLayout.rank_log(0, 0)).write_text("\n".join(lines) + "\nTraceback: the last words")
+    rd.file(RunLayout.rank_log(0, 1)).write_text("rank 1 done\n")
     out = io.StringIO()
     streamer = LogStreamer(rd, 0, world_size=2, ranks=None, out=out)
     streamer.pump()  # a live pass before the end reads a bounded part only

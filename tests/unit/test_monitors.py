@@ -7,7 +7,7 @@ from sparkgpu.errors import JobCancelledError, JobTimeoutError
 from sparkgpu.launch.client import monitors as m
 from sparkgpu.launch.client.attempt_result import StoppedBy
 from sparkgpu.launch.scheduling.elastic import ElasticPlan
-from sparkgpu.protocol import AttemptStatus, JobStatus
+from sparkgpu.rundir.states import AttemptStatus, JobStatus
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
 from tests.fakes.backend import ScriptedBackend
 

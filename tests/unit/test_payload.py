@@ -4,8 +4,9 @@ import threading
 import pytest
 
 from sparkgpu.errors import PayloadSignatureError, SerializationError
-from sparkgpu.launch.rundir.serialization import serialize_payload
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.serialization import serialize_payload
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
 
 KEY = b"k" * 32
 _LOCK = threading.Lock()
@@ -125,14 +126,14 @@ def test_signed_results_and_errors_round_trip(tmp_path):
     failure, exc = client.read_error(0, 1)
     assert failure.rank == 1 and failure.exc_type == "ValueError" and "shard 7" in failure.traceback
     assert isinstance(exc, ValueError)
-    assert not list(client.attempt_dir(0).rglob(".*.tmp"))
+    assert not list(client.file(RunLayout.attempt(0)).rglob(".*.tmp"))
 
 
 @pytest.mark.parametrize("kind", ["result", "error"])
 def test_a_planted_pickle_never_runs_on_the_client(tmp_path, kind):
     _, client = rank_dir(tmp_path)
     marker = tmp_path / "pwned"
-    path = client.result_file(0, 0) if kind == "result" else client.error_file(0, 0)
+    path = client.file(RunLayout.result(0, 0)) if kind == "result" else client.file(RunLayout.error(0, 0))
     path.write_bytes(pickle.dumps(_WritesMarker(marker)))
     read = client.read_result if kind == "result" else client.read_error
     with pytest.raises(PayloadSignatureError, match=f"refusing to unpickle .*the {kind} of rank 0 is not signed"):
@@ -144,17 +145,17 @@ def test_a_signed_file_that_was_changed_or_moved_is_refused(tmp_path):
     rank, client = rank_dir(tmp_path)
     rank.write_result(0, 0, 1)
     rank.write_result(0, 1, 2)
-    data = bytearray(client.result_file(0, 0).read_bytes())
+    data = bytearray(client.file(RunLayout.result(0, 0)).read_bytes())
     data[-33] ^= 1  # the last byte of the pickle, just before the 32-byte MAC
-    client.result_file(0, 0).write_bytes(bytes(data))
+    client.file(RunLayout.result(0, 0)).write_bytes(bytes(data))
     with pytest.raises(PayloadSignatureError, match="does not match its signature"):
         client.read_result(0, 0)
     # Rank 1's genuine result passed off as rank 0's, or as another attempt's: refused too.
-    client.result_file(0, 0).write_bytes(client.result_file(0, 1).read_bytes())
+    client.file(RunLayout.result(0, 0)).write_bytes(client.file(RunLayout.result(0, 1)).read_bytes())
     with pytest.raises(PayloadSignatureError, match="does not match"):
         client.read_result(0, 0)
     client.prepare_attempt(1)
-    client.result_file(1, 1).write_bytes(client.result_file(0, 1).read_bytes())
+    client.file(RunLayout.result(1, 1)).write_bytes(client.file(RunLayout.result(0, 1)).read_bytes())
     with pytest.raises(PayloadSignatureError, match="does not match"):
         client.read_result(1, 1)
     assert client.read_result(0, 1) == 2
@@ -173,12 +174,12 @@ def test_a_rank_without_the_key_writes_nothing(tmp_path):
     keyless = RunDir(client.path)
     with pytest.raises(PayloadSignatureError, match="no job key"):
         keyless.write_result(0, 0, 1)
-    assert not client.result_file(0, 0).exists()
+    assert not client.file(RunLayout.result(0, 0)).exists()
 
 
 def test_a_new_client_process_checks_with_the_key_in_its_keyring(tmp_path):
     from sparkgpu.errors import ConfigurationError
-    from sparkgpu._keyring import save_key
+    from sparkgpu.rundir.keyring import save_key
 
     rank, client = rank_dir(tmp_path)
     rank.write_result(0, 0, "ok")

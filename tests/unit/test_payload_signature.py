@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from sparkgpu.launch.rundir.keys import KEY_DIR_ENV, hand_to_ranks
-from sparkgpu.launch.rundir.serialization import serialize_payload
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir.signature import verifier_source, verify_payload
+from sparkgpu.rundir.key_handover import KEY_DIR_ENV, hand_to_ranks
+from sparkgpu.rundir.serialization import serialize_payload
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.signature import verifier_source, verify_payload
 
 KEY = bytes(range(32))
 

@@ -7,7 +7,7 @@ import threading
 import transformers
 from transformers import PretrainedConfig
 
-from sparkgpu.launch.rundir.preload import fork_hazard, modules_to_preload, preload, preload_before_fork
+from sparkgpu.launch.node.preload import fork_hazard, modules_to_preload, preload, preload_before_fork
 
 
 def _helper():
@@ -82,7 +82,7 @@ def test_a_job_wrapping_its_model_in_ddp_or_fsdp_gets_torch_dynamo_also_from_its
 def test_a_job_function_of_an_installed_package_still_has_its_own_modules_helpers_read(tmp_path, monkeypatch):
     # A project installed as a wheel (into site-packages): its job function's helpers beside it
     # are read, as they were before other modules of the caller's code were.
-    from sparkgpu.launch.rundir import preload as preload_module
+    from sparkgpu.launch.node import preload as preload_module
 
     (tmp_path / "installed_project.py").write_text(
         "def helper():\n    from peft import LoraConfig\n    return LoraConfig\ndef job():\n    return helper()\n"

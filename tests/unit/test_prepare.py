@@ -13,8 +13,8 @@ from sparkgpu.config import settings
 from sparkgpu.data.tables.plan import TableRef
 from sparkgpu.errors import SerializationError, SparkGPUError
 from sparkgpu.launch.backends.base import ResolvedJob
-from sparkgpu._keyring import load_key
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.keyring import load_key
+from sparkgpu.rundir.directory import RunDir
 from sparkgpu.api.spark_gpu import GPUNamespace
 from tests.fakes.backend import ScriptedBackend
 

@@ -1,6 +1,6 @@
 """Progress noted in shared memory, and the watch that judges it: when an attempt counts as hung, and what follows.
 
-The records are real ones (:mod:`sparkgpu._progress`) in a real run dir; the watch's clock is
+The records are real ones (:mod:`sparkgpu.rundir.progress`) in a real run dir; the watch's clock is
 the view's, so each test steps time itself instead of waiting for it.
 """
 
@@ -11,7 +11,8 @@ import os
 
 import pytest
 
-from sparkgpu import _progress, runtime
+from sparkgpu import runtime
+from sparkgpu.rundir import progress as _progress
 from sparkgpu.api.decorator import distributed
 from sparkgpu.errors import ConfigurationError, HangError, WorkerFailedError, worker_failed_error
 from sparkgpu.failure_class import FailureClass, classify
@@ -20,10 +21,10 @@ from sparkgpu.launch.client.failure_policy import Decision, FailurePolicy
 from sparkgpu.launch.client.hang_record import HangRecord
 from sparkgpu.launch.client.monitors import CONTINUE, AttemptView, StopNow
 from sparkgpu.launch.client.progress_watch import ProgressWatch, default_progress_timeout
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir.layout import RunLayout
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
 from sparkgpu.spec import RunPolicy, parse_progress_timeout
-from sparkgpu.protocol import AttemptStatus
+from sparkgpu.rundir.states import AttemptStatus
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import blake3
 
-from sparkgpu._keyring import derive_key
+from sparkgpu.rundir.keyring import derive_key
 from sparkgpu.store import Store
 from sparkgpu.train import sealed_files
 from sparkgpu.train.checkpoint_directory import SigningKey

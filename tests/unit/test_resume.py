@@ -11,11 +11,11 @@ import pytest
 from sparkgpu._util.files import atomic_write_bytes
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError, JobStateError
-from sparkgpu._keyring import save_key
-from sparkgpu.launch.rundir.serialization import serialize_payload
+from sparkgpu.rundir.keyring import save_key
+from sparkgpu.rundir.serialization import serialize_payload
 from sparkgpu._util.process import ProcessRef
 from sparkgpu.launch.client.resume import client_is_gone, resume_job
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.directory import RunDir
 from sparkgpu.spec import JobSpec, Resources
 from tests.fakes.backend import ScriptedBackend
 
@@ -119,7 +119,7 @@ def test_two_resumes_never_both_supervise_a_job():
             sys.executable,
             "-c",
             "import sys, time\n"
-            "from sparkgpu.launch.rundir.directory import RunDir\n"
+            "from sparkgpu.rundir.directory import RunDir\n"
             "from sparkgpu.launch.client.supervision_lock import SupervisionLock\n"
             "assert SupervisionLock(RunDir(sys.argv[1])).acquire()\n"
             "print('held', flush=True)\n"

@@ -11,12 +11,12 @@ import pytest
 
 from sparkgpu.config import reset_settings
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.launch.rundir.keys import KEY_DIR_ENV, hand_to_ranks
-from sparkgpu.launch.rundir.serialization import serialize_payload
-from sparkgpu.protocol import RankExit
+from sparkgpu.rundir.key_handover import KEY_DIR_ENV, hand_to_ranks
+from sparkgpu.rundir.serialization import serialize_payload
+from sparkgpu.rundir.states import RankExit
 from sparkgpu.launch.client.resume import find_run_dir
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir.layout import RunLayout
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
 
 KEY = b"k" * 32
 
@@ -69,11 +69,14 @@ def test_a_run_dir_reads_only_the_files_the_layout_names(tmp_path):
     rd = RunDir(tmp_path / "job-1", key=KEY)
     rd.prepare_attempt(0)
     for node in (0, 1):
-        rd.write_control(rd.node_file(0, node), json.dumps({"failures": {str(node): {"exitcode": node + 1}}}).encode())
+        rd.write_control(
+            rd.file(RunLayout.node_exits(0, node)),
+            json.dumps({"failures": {str(node): {"exitcode": node + 1}}}).encode(),
+        )
     rd.file(RunLayout.env_report(0, 3)).write_text('{"seconds": 2}')
     # Temporaries of killed writers and files of other kinds sit beside them.
-    (rd.attempt_dir(0) / ".node-2.json.5f3a.tmp").write_text("{")
-    (rd.attempt_dir(0) / "env-rank-9.json.77.tmp").write_text("{")
+    (rd.file(RunLayout.attempt(0)) / ".node-2.json.5f3a.tmp").write_text("{")
+    (rd.file(RunLayout.attempt(0)) / "env-rank-9.json.77.tmp").write_text("{")
     rd.file(RunLayout.report(0)).write_text("{}")
     assert rd.read_node_exits(0) == {0: RankExit(1), 1: RankExit(2)}
     assert rd.read_env_reports(0) == {3: {"seconds": 2}}
@@ -99,14 +102,15 @@ def test_the_files_a_node_needs_and_the_files_the_client_controls():
 
 def test_spark_node_markers_are_read_by_node_and_kind(tmp_path):
     rd = RunDir(tmp_path / "job-1", key=KEY)
-    rd.spark_dir(2).mkdir(parents=True)
+    rd.file(RunLayout.spark(2)).mkdir(parents=True)
     for node in (0, 1, 3):
-        assert rd.create_control(rd.node_marker(2, node, "started"), b"{}")
-        rd.write_control(rd.spark_dir(2) / "state", b"{}")  # node 0's state: no node's marker
-    rd.write_control(rd.node_marker(2, 1, "ended"), b"{}")
-    rd.node_marker(2, 3, "ended").write_text("{}")  # not sealed: a writer of the run dir without the key
-    (rd.spark_dir(2) / ".node-0.ended.1a2b.tmp").write_text("{")  # a writer killed mid-write
-    (rd.spark_dir(2) / "node-x.started").write_text("{}")  # not a node's marker
+        assert rd.create_control(rd.file(RunLayout.node_marker(2, node, "started")), b"{}")
+        rd.write_control(rd.file(RunLayout.spark(2)) / "state", b"{}")  # node 0's state: no node's marker
+    rd.write_control(rd.file(RunLayout.node_marker(2, 1, "ended")), b"{}")
+    # not sealed: a writer of the run dir without the key
+    rd.file(RunLayout.node_marker(2, 3, "ended")).write_text("{}")
+    (rd.file(RunLayout.spark(2)) / ".node-0.ended.1a2b.tmp").write_text("{")  # a writer killed mid-write
+    (rd.file(RunLayout.spark(2)) / "node-x.started").write_text("{}")  # not a node's marker
     assert list(rd.node_markers(2, "started")) == [0, 1, 3]
     assert list(rd.node_markers(2, "ended")) == [1, 3]
     assert rd.nodes_without_end(2) == [0, 3]  # node 3's forged end hides it from no one

@@ -2,8 +2,9 @@ import time
 
 import pytest
 
-from sparkgpu import _keyring, runtime
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu import runtime
+from sparkgpu.rundir import keyring as _keyring
+from sparkgpu.rundir.directory import RunDir
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,7 @@ import pickle
 import traceback
 from pathlib import Path
 
-from sparkgpu.launch.rundir.serialization import client_sys_path, serialize_payload, unpack_payload
+from sparkgpu.rundir.serialization import client_sys_path, serialize_payload, unpack_payload
 
 
 def test_a_function_pickled_by_value_keeps_its_file_so_rank_tracebacks_show_the_users_lines():

@@ -19,8 +19,9 @@ from sparkgpu.launch.backends.spark.backend import SparkAttempt, SparkBackend
 from sparkgpu.launch.backends.spark.capacity import RankPlacement
 from sparkgpu.launch.backends.spark.executor.hub import HubLink
 from sparkgpu.launch.backends.spark.executor.node import NodeLaunch, NodeLink, NodeZero, _watch, open_hub
-from sparkgpu.launch.rundir.serialization import serialize_payload
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.serialization import serialize_payload
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
 from tests.fakes.spark_session import BlockingFrame, TaggedSession
 
@@ -44,7 +45,7 @@ def attempt(tmp_path):
     rd = RunDir(tmp_path / "job-1")
     rd.create(job.to_dict(), serialize_payload(lambda: 1, (), {}, []), b"k" * 32, [])  # sets rd.key
     rd.prepare_attempt(0)
-    rd.spark_dir(0).mkdir(parents=True)
+    rd.file(RunLayout.spark(0)).mkdir(parents=True)
     return SparkAttempt(
         attempt=0,
         job=job,
@@ -60,7 +61,8 @@ def start_marker(attempt, node, started_at):
     """The node's start marker, sealed under the job key as the node writes it."""
     rd = attempt.run_dir
     assert rd.create_control(
-        rd.node_marker(attempt.attempt, node, "started"), json.dumps({"node": node, "started_at": started_at}).encode()
+        rd.file(RunLayout.node_marker(attempt.attempt, node, "started")),
+        json.dumps({"node": node, "started_at": started_at}).encode(),
     )
 
 
@@ -110,13 +112,13 @@ def test_ranks_that_outlive_a_broken_stream_are_stopped_before_the_attempt_ends(
     try:
         backend._run_action(attempt, BrokenStream())  # the action thread's work, in this thread
         assert backend.poll(attempt) == 1
-        sdir = attempt.run_dir.spark_dir(0)
+        sdir = attempt.run_dir.file(RunLayout.spark(0))
         # By the time the supervisor hears "failed" (and may restart), the old ranks are gone.
         assert [n.agent.poll() for n in nodes] == [-15, -15]
         assert sorted(p.name for p in sdir.glob("node-*.ended")) == ["node-0.ended", "node-1.ended"]
         assert attempt.run_dir.read_control_json(sdir / "node-0.ended")["state"] == "cancelled"
         assert (sdir / "CANCEL").exists() and session.interrupted == ["sparkgpu-job-1-0"]
-        notes = "\n".join(AttemptReport.read(attempt.run_dir.attempt_dir(0)).notes)
+        notes = "\n".join(AttemptReport.read(attempt.run_dir.file(RunLayout.attempt(0))).notes)
         assert "the Spark job of this attempt failed: ConnectionError" in notes and "did not confirm" not in notes
     finally:
         for node in reversed(nodes):
@@ -152,7 +154,9 @@ def test_nodes_that_never_confirm_are_waited_for_a_bounded_time(attempt, clock):
     assert backend.poll(attempt) == 1
     # shutdown_grace 0.5 + control interval 0.5 + margin 0.5, to the next look (every 0.2 s)
     assert 1.5 <= clock[0] - started <= 1.5 + 0.2 + 1e-9
-    (note,) = [n for n in AttemptReport.read(attempt.run_dir.attempt_dir(0)).notes if "did not confirm" in n]
+    (note,) = [
+        n for n in AttemptReport.read(attempt.run_dir.file(RunLayout.attempt(0))).notes if "did not confirm" in n
+    ]
     assert "node(s) 0 did not confirm within 1.5s that their ranks stopped (their executor may be lost)" in note
 
 
@@ -169,7 +173,9 @@ def test_nodes_of_a_job_spark_interrupted_are_waited_for_only_the_shutdown_grace
     started = clock[0]
     assert backend.poll(attempt) == 1
     assert 1.0 <= clock[0] - started <= 1.0 + 0.2 + 1e-9  # shutdown_grace 0.5 + 0.5, not 30 + 20
-    (note,) = [n for n in AttemptReport.read(attempt.run_dir.attempt_dir(0)).notes if "did not confirm" in n]
+    (note,) = [
+        n for n in AttemptReport.read(attempt.run_dir.file(RunLayout.attempt(0))).notes if "did not confirm" in n
+    ]
     assert "within 1s that their ranks stopped (Spark killed their tasks when the job was interrupted)" in note
 
 
@@ -208,7 +214,7 @@ def test_an_executor_clock_off_by_an_hour_neither_bills_the_wait_nor_the_future(
 def test_a_planted_start_marker_neither_starts_the_bill_nor_the_attempt(attempt):
     backend = SparkBackend(spark=TaggedSession(), client_timeout=None)
     attempt.submitted_wall = time.time() - 100
-    planted = attempt.run_dir.node_marker(0, 0, "started")  # by a writer of the run dir without the key
+    planted = attempt.run_dir.file(RunLayout.node_marker(0, 0, "started"))  # by a writer of the run dir without the key
     planted.write_text(json.dumps({"node": 0, "started_at": attempt.submitted_wall}))
     assert backend.ranks_started_at(attempt) is None and not attempt.nodes_started
     planted.unlink()
@@ -230,7 +236,9 @@ def lost_node(attempt, node):
     """A node that started, then vanished with its executor before its first beat: no end marker."""
     rd = attempt.run_dir
     info = {"node": node, "executor": "7", "host": "10.0.0.7", "started_at": time.time()}
-    assert rd.create_control(rd.node_marker(attempt.attempt, node, "started"), json.dumps(info).encode())
+    assert rd.create_control(
+        rd.file(RunLayout.node_marker(attempt.attempt, node, "started")), json.dumps(info).encode()
+    )
 
 
 def test_node_0_stops_its_ranks_when_a_node_stops_beating_and_names_it(attempt):
@@ -239,9 +247,9 @@ def test_node_0_stops_its_ranks_when_a_node_stops_beating_and_names_it(attempt):
     try:
         assert node.agent.wait(15) == -15  # SIGTERM, long before the agent's 120 s
         node.thread.join(10)
-        ended = attempt.run_dir.read_control_json(attempt.run_dir.spark_dir(0) / "node-0.ended")
+        ended = attempt.run_dir.read_control_json(attempt.run_dir.file(RunLayout.spark(0)) / "node-0.ended")
         assert ended["state"] == "peer-lost"
-        state = attempt.run_dir.read_control_json(attempt.run_dir.spark_dir(0) / "state")
+        state = attempt.run_dir.read_control_json(attempt.run_dir.file(RunLayout.spark(0)) / "state")
         assert list(state["lost"]) == ["1"] and state["stop"][0] == "peer-lost"
     finally:
         node.stop()
@@ -261,7 +269,7 @@ def test_the_client_names_the_node_that_node_0_lost_stops_the_others_and_reports
         assert survivor.agent.wait(10) == -15
         backend._run_action(attempt, BrokenStream())  # the interrupted Spark job ends
         assert backend.poll(attempt) == 1
-        report = AttemptReport.read(attempt.run_dir.attempt_dir(0))
+        report = AttemptReport.read(attempt.run_dir.file(RunLayout.attempt(0)))
         assert [(n.node, n.executor, n.host, n.ranks) for n in report.lost] == [(1, "7", "10.0.0.7", [1])]
         assert report.lost_message().startswith("executor 7 on host 10.0.0.7 was lost (node 0 heard no beat from it")
         assert report.lost_at is not None and report.lost_at <= time.time()
@@ -278,10 +286,10 @@ def test_the_client_names_node_0_lost_when_the_other_nodes_lost_it(attempt):
     start_marker(attempt, 1, time.time())
     rd = attempt.run_dir
     ended = {"node": 1, "exit_code": -15, "state": "peer-lost", "lost": [0]}
-    rd.write_control(rd.node_marker(0, 1, "ended"), json.dumps(ended).encode())
+    rd.write_control(rd.file(RunLayout.node_marker(0, 1, "ended")), json.dumps(ended).encode())
     assert backend.poll(attempt) is None
     assert session.interrupted == ["sparkgpu-job-1-0"]
-    (lost,) = AttemptReport.read(rd.attempt_dir(0)).lost
+    (lost,) = AttemptReport.read(rd.file(RunLayout.attempt(0))).lost
     assert lost.node == 0 and "node 1 heard nothing from it" in lost.cause
 
 

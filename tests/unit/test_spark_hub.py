@@ -13,8 +13,9 @@ from sparkgpu.launch.backends.spark.executor import channel
 from sparkgpu.launch.backends.spark.executor import hub as spark_hub
 from sparkgpu.launch.backends.spark.executor.hub import Hub, HubLink
 from sparkgpu.launch.backends.spark.executor.node import NodeLaunch, NodeLink, NodeZero
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.protocol import NodeState
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
+from sparkgpu.rundir.states import NodeState
 
 KEY = b"k" * 32
 
@@ -99,7 +100,7 @@ def test_an_answer_of_another_attempt_or_an_old_answer_is_not_taken(hub):
 def test_a_node_whose_hub_is_gone_stops_and_names_node_0(tmp_path, clock):
     rd = RunDir(tmp_path / "job", key=KEY)
     rd.prepare_attempt(0)
-    rd.spark_dir(0).mkdir(parents=True)
+    rd.file(RunLayout.spark(0)).mkdir(parents=True)
     launch = NodeLaunch(str(rd.path), 0, 2, 1, {}, KEY, 1, None, peer_timeout=1.0)
     hub = Hub(KEY, 0, 2, "127.0.0.1", timeout=1.0)
     node = NodeLink(HubLink(KEY, 0, 1, ("127.0.0.1", hub.port), 1.0), rd, launch)
@@ -117,7 +118,7 @@ def test_node_0_hands_the_clients_stop_request_to_every_node(tmp_path):
     zero_rd, other_rd = RunDir(tmp_path / "n0" / "job", key=KEY), RunDir(tmp_path / "n1" / "job", key=KEY)
     for rd in (zero_rd, other_rd):
         rd.prepare_attempt(0)
-        rd.spark_dir(0).mkdir(parents=True)
+        rd.file(RunLayout.spark(0)).mkdir(parents=True)
     launch = NodeLaunch(str(zero_rd.path), 0, 2, 1, {}, KEY, 1, None, store_url="memory://x", peer_timeout=2.0)
     zero = NodeZero(Hub(KEY, 0, 2, "127.0.0.1", 2.0), zero_rd, launch)
     other = NodeLink(HubLink(KEY, 0, 1, ("127.0.0.1", zero.hub.port), 2.0), other_rd, launch)
@@ -150,7 +151,7 @@ def _two_nodes(tmp_path, client_timeout: float, peer_timeout: float = 8.0) -> tu
     """Node 0 and node 1 of an attempt on a shared run dir, node 1 beating every ``peer_timeout / 4`` s."""
     rd = RunDir(tmp_path / "job", key=KEY)
     rd.prepare_attempt(0)
-    rd.spark_dir(0).mkdir(parents=True, exist_ok=True)
+    rd.file(RunLayout.spark(0)).mkdir(parents=True, exist_ok=True)
     launch = NodeLaunch(
         str(rd.path), 0, 2, 1, {}, KEY, 1, client_timeout, peer_timeout=peer_timeout, control_interval=0.5
     )
@@ -176,7 +177,7 @@ def test_a_lost_client_stops_every_node_at_once_as_soon_as_its_silence_counts(tm
     # so it stops with node 0, one second after the loss is due, not up to a beat period later.
     zero, other, rd = _two_nodes(tmp_path, client_timeout=3.0)
     try:
-        rd.write_control(rd.client_heartbeat_file(0), b"1\n")
+        rd.write_control(rd.file(RunLayout.client_heartbeat(0)), b"1\n")
         last_beat = clock[0]
         stopped = _until_both_stop(zero, other, limit=15, clock=clock)
         assert set(stopped) == {"zero", "other"}
@@ -198,7 +199,7 @@ def test_a_client_that_beats_before_its_silence_counts_stops_nobody(tmp_path, cl
         end, count = clock[0] + 7, 0
         while clock[0] < end:
             count += 1
-            rd.write_control(rd.client_heartbeat_file(0), f"{count}\n".encode())  # a beat every 1.5 s
+            rd.write_control(rd.file(RunLayout.client_heartbeat(0)), f"{count}\n".encode())  # a beat every 1.5 s
             beat_until = clock[0] + 1.5
             while clock[0] < beat_until:
                 assert zero.step(clock[0]) is None and other.step(clock[0]) is None
@@ -212,7 +213,7 @@ def test_a_client_that_beats_before_its_silence_counts_stops_nobody(tmp_path, cl
 def test_the_moment_is_not_told_once_node_0_ended_nor_long_after_it_passed(tmp_path, clock):
     zero, other, rd = _two_nodes(tmp_path, client_timeout=30.0)
     try:
-        rd.write_control(rd.client_heartbeat_file(0), b"1\n")
+        rd.write_control(rd.file(RunLayout.client_heartbeat(0)), b"1\n")
         zero.step(clock[0])
         assert 29 < other.link.beat()["due_in"] <= 30  # told while node 0 watches the client
         zero.hub.foresee_client_loss(0.0)  # due now, and node 0 stalls instead of judging
@@ -230,14 +231,14 @@ def test_with_a_staging_store_the_moment_is_not_foreseen_and_a_lost_client_stops
     # nobody is told a moment, and the stop is set a beat period ahead as for a cancel.
     rd = RunDir(tmp_path / "job", key=KEY)
     rd.prepare_attempt(0)
-    rd.spark_dir(0).mkdir(parents=True, exist_ok=True)
+    rd.file(RunLayout.spark(0)).mkdir(parents=True, exist_ok=True)
     launch = NodeLaunch(
         str(rd.path), 0, 2, 1, {}, KEY, 1, 1.0, store_url="memory://x", peer_timeout=8.0, control_interval=0.5
     )
     zero = NodeZero(Hub(KEY, 0, 2, "127.0.0.1", 8.0), rd, launch)
     other = NodeLink(HubLink(KEY, 0, 1, ("127.0.0.1", zero.hub.port), 8.0), rd, launch)
     try:
-        rd.write_control(rd.client_heartbeat_file(0), b"1\n")
+        rd.write_control(rd.file(RunLayout.client_heartbeat(0)), b"1\n")
         beat = clock[0]
         zero.step(beat)
         assert "due_in" not in other.link.beat()

@@ -30,8 +30,9 @@ from sparkgpu.launch.backends.spark.executor.node import (
     _watch,
     open_hub,
 )
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.protocol import NodeState
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
+from sparkgpu.rundir.states import NodeState
 
 FAKE_AGENT = textwrap.dedent("""
     import signal, sys, time
@@ -50,7 +51,7 @@ def run_dir(tmp_path, monkeypatch):
     monkeypatch.setattr(spark_node, "_POLL_SECONDS", 0.05)
     rd = RunDir(tmp_path / "job-1", key=b"k" * 32)
     rd.prepare_attempt(0)
-    rd.spark_dir(0).mkdir(parents=True)
+    rd.file(RunLayout.spark(0)).mkdir(parents=True)
     return rd
 
 
@@ -119,7 +120,7 @@ def test_an_agent_that_finishes_is_reported_with_its_exit_code(run_dir, tmp_path
     alone = launch(run_dir)
     agent = start_agent(tmp_path, 0.2, code=0)
     assert _watch(agent, run_dir, alone, 0, zero(run_dir, alone)) == (0, "succeeded")
-    ended = run_dir.read_control_json(run_dir.node_marker(0, 0, "ended"))
+    ended = run_dir.read_control_json(run_dir.file(RunLayout.node_marker(0, 0, "ended")))
     assert ended["state"] == "succeeded" and ended["exit_code"] == 0
     state = run_dir.read_control_json(run_dir.file("attempts/0/spark/state"))
     assert state["ended"]["0"]["state"] == "succeeded" and state["lost"] == {} and state["stop"] is None
@@ -128,21 +129,21 @@ def test_an_agent_that_finishes_is_reported_with_its_exit_code(run_dir, tmp_path
 def test_the_cancel_marker_stops_the_agent_with_sigterm(run_dir, tmp_path):
     alone = launch(run_dir)
     agent = start_agent(tmp_path, 60)
-    run_dir.write_control(run_dir.spark_cancel_file(0), b"x")
+    run_dir.write_control(run_dir.file(RunLayout.spark_cancel(0)), b"x")
     # 143 and the handler's line: stopped by SIGTERM, not waited for (it would exit 0 after 60 s).
     assert _watch(agent, run_dir, alone, 0, zero(run_dir, alone)) == (143, "cancelled")
     assert "agent got SIGTERM" in agent.stdout.read()
 
 
 def test_the_cancel_marker_reaches_every_node_through_node_0(run_dir, tmp_path):
-    run_dir.write_control(run_dir.spark_cancel_file(0), b"cancelled by the client\n")
+    run_dir.write_control(run_dir.file(RunLayout.spark_cancel(0)), b"cancelled by the client\n")
     assert watch_both(run_dir, tmp_path, 60, 0, 60, 0) == {0: (143, "cancelled"), 1: (143, "cancelled")}
 
 
 def test_a_stop_for_everyone_reaches_every_nodes_agent(run_dir, tmp_path):
     def cancel_once_both_beat():
         time.sleep(1.0)
-        run_dir.write_control(run_dir.spark_cancel_file(0), b"cancelled by the client\n")
+        run_dir.write_control(run_dir.file(RunLayout.spark_cancel(0)), b"cancelled by the client\n")
 
     agents: dict = {}
     ends = watch_both(
@@ -170,7 +171,7 @@ def test_a_stop_for_everyone_applies_on_every_node_at_the_moment_node_0_set_not_
     try:
         began = now[0]
         assert first.step(now[0]) is None and second.step(now[0]) is None  # node 1 beat: the next is 2.5 s away
-        run_dir.write_control(run_dir.spark_cancel_file(0), b"cancelled by the client\n")
+        run_dir.write_control(run_dir.file(RunLayout.spark_cancel(0)), b"cancelled by the client\n")
         while first.hub.stop is None:  # node 0 reads the marker at its next look at the client's files
             now[0] += 0.05
             assert now[0] - began < 2.0, "node 0 never read the cancel marker"
@@ -209,7 +210,7 @@ def test_a_node_that_succeeded_stops_nobody(run_dir, tmp_path):
 
 
 def test_a_silent_client_stops_the_node_after_its_timeout(run_dir, tmp_path):
-    run_dir.write_control(run_dir.client_heartbeat_file(0), b"7\n")  # and never again: the client died
+    run_dir.write_control(run_dir.file(RunLayout.client_heartbeat(0)), b"7\n")  # and never again: the client died
     alone = launch(run_dir, client_timeout=1.0)
     agent = start_agent(tmp_path, 60)
     started = time.monotonic()
@@ -236,7 +237,7 @@ def test_an_agent_that_ignores_sigterm_is_killed_after_the_grace(run_dir, tmp_pa
     )
     agent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     agent.stdout.readline()
-    run_dir.write_control(run_dir.spark_cancel_file(0), b"x")
+    run_dir.write_control(run_dir.file(RunLayout.spark_cancel(0)), b"x")
     started = time.monotonic()
     alone = launch(run_dir)
     code, state = _watch(agent, run_dir, alone, 0, zero(run_dir, alone))  # grace 1 s + 5 s
@@ -244,7 +245,7 @@ def test_an_agent_that_ignores_sigterm_is_killed_after_the_grace(run_dir, tmp_pa
 
 
 def test_heartbeat_counts_growing_sealed_counts_not_clocks(run_dir, monkeypatch):
-    path = run_dir.client_heartbeat_file(0)
+    path = run_dir.file(RunLayout.client_heartbeat(0))
     now = [100.0]
     monkeypatch.setattr(spark_node.time, "monotonic", lambda: now[0])
     beat = Heartbeat(run_dir, path, timeout=10)
@@ -261,7 +262,7 @@ def test_heartbeat_counts_growing_sealed_counts_not_clocks(run_dir, monkeypatch)
 
 
 def test_forged_or_replayed_beats_keep_no_lost_client_alive(run_dir, monkeypatch):
-    path = run_dir.client_heartbeat_file(0)
+    path = run_dir.file(RunLayout.client_heartbeat(0))
     now = [100.0]
     monkeypatch.setattr(spark_node.time, "monotonic", lambda: now[0])
     beat = Heartbeat(run_dir, path, timeout=10)
@@ -275,7 +276,7 @@ def test_forged_or_replayed_beats_keep_no_lost_client_alive(run_dir, monkeypatch
 
 
 def test_the_start_marker_is_claimed_once_and_sealed(run_dir):
-    marker = run_dir.node_marker(0, 0, "started")
+    marker = run_dir.file(RunLayout.node_marker(0, 0, "started"))
     assert _claim(run_dir, marker, {"node": 0, "started_at": 5.0})
     assert not _claim(run_dir, marker, {"node": 0, "started_at": 6.0})  # Spark re-running the stage
     assert run_dir.read_control_json(marker) == {"node": 0, "started_at": 5.0}
@@ -284,11 +285,11 @@ def test_the_start_marker_is_claimed_once_and_sealed(run_dir):
 
 def test_a_planted_start_marker_is_no_started_node(run_dir):
     client = RunDir(run_dir.path, key=b"k" * 32)
-    assert _claim(run_dir, run_dir.node_marker(0, 0, "started"), {"node": 0, "started_at": 5.0})
+    assert _claim(run_dir, run_dir.file(RunLayout.node_marker(0, 0, "started")), {"node": 0, "started_at": 5.0})
     # A writer of the run dir without the key: a node that never ran, and an earlier start to bill from.
-    run_dir.node_marker(0, 1, "started").write_text(json.dumps({"node": 1, "started_at": 1.0}))
+    run_dir.file(RunLayout.node_marker(0, 1, "started")).write_text(json.dumps({"node": 1, "started_at": 1.0}))
     forged = b'{"node": 2, "started_at": 1.0}\n--sparkgpu-mac ' + b"0" * 64 + b"\n"
-    run_dir.node_marker(0, 2, "started").write_bytes(forged)
+    run_dir.file(RunLayout.node_marker(0, 2, "started")).write_bytes(forged)
     assert client.started_nodes(0) == {0: {"node": 0, "started_at": 5.0}}
     assert client.nodes_without_end(0) == [0]  # no peer waits for a planted node's beats
     assert RunDir(run_dir.path, key=b"x" * 32).started_nodes(0) == {}  # another job's key verifies nothing

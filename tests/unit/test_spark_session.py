@@ -95,7 +95,7 @@ def test_the_connect_url_a_job_records_for_resume_never_holds_its_token(tmp_path
     from pyspark.sql.connect.client.core import DefaultChannelBuilder
 
     from sparkgpu.launch.backends.spark.sessions import connect_url, record_session, recorded_remote
-    from sparkgpu.launch.rundir.directory import RunDir
+    from sparkgpu.rundir.directory import RunDir
 
     def session(url):
         return SimpleNamespace(client=SimpleNamespace(_builder=DefaultChannelBuilder(url)))
@@ -121,7 +121,7 @@ def test_a_detached_supervisor_rebuilds_the_backend_with_its_settings_and_the_se
 
     from sparkgpu.launch.backends.spark.backend import SparkBackend
     from sparkgpu.launch.backends.spark.sessions import record_session, recorded_remote
-    from sparkgpu.launch.rundir.directory import RunDir
+    from sparkgpu.rundir.directory import RunDir
 
     url = "sc://head:443/;use_ssl=true;token=s3cr3t;user_id=ana"
     spark = SimpleNamespace(client=SimpleNamespace(_builder=DefaultChannelBuilder(url)))

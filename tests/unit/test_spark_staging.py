@@ -17,9 +17,10 @@ from sparkgpu.launch.backends.spark.backend import SparkAttempt, SparkBackend
 from sparkgpu.launch.backends.spark.capacity import RankPlacement
 from sparkgpu.launch.backends.spark.executor.hub import HubLink
 from sparkgpu.launch.backends.spark.executor.node import NodeLaunch, NodeLink, NodeZero, _claim, _watch, open_hub
-from sparkgpu.launch.rundir.serialization import serialize_payload
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir.staging import NodeMirror, StagingStore
+from sparkgpu.rundir.serialization import serialize_payload
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
+from sparkgpu.launch.staging.mirror import NodeMirror, StagingStore
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
 from tests.fakes.spark_session import TaggedSession
 from tests.unit.test_spark_attempts import BrokenStream
@@ -39,7 +40,7 @@ def job(tmp_path, monkeypatch):
     rd = RunDir(tmp_path / "client" / "job-1")
     rd.create(job.to_dict(), serialize_payload(lambda: 1, (), {}, []), b"k" * 32, [])
     rd.prepare_attempt(0)
-    rd.spark_dir(0).mkdir(parents=True)
+    rd.file(RunLayout.spark(0)).mkdir(parents=True)
     return job, rd, (tmp_path / "store").as_uri()
 
 
@@ -52,7 +53,9 @@ class NodeOnItsOwnExecutor:
             StagingStore(f"{url}/ana", "job-1"), self.rd, 0, node, log_interval=0.0, control_interval=0.5
         )
         self.mirror.download_payload()
-        assert _claim(self.rd, self.rd.node_marker(0, node, "started"), {"node": node, "started_at": time.time()})
+        assert _claim(
+            self.rd, self.rd.file(RunLayout.node_marker(0, node, "started")), {"node": node, "started_at": time.time()}
+        )
         self.mirror.start(interval=0.1)
         self.agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
         launch = NodeLaunch(
@@ -120,10 +123,12 @@ def test_ranks_that_outlive_a_broken_stream_are_stopped_through_the_store(job, t
         assert backend.poll(handle) == 1
         # The cancel marker went up, the nodes stopped their agents, their end markers came down.
         assert [n.agent.poll() for n in nodes] == [-15, -15]
-        assert [rd.read_control_json(rd.node_marker(0, n, "ended"))["state"] for n in (0, 1)] == ["cancelled"] * 2
+        assert [rd.read_control_json(rd.file(RunLayout.node_marker(0, n, "ended")))["state"] for n in (0, 1)] == [
+            "cancelled"
+        ] * 2
         # One object carries the client's control files; node 0 alone read it and told node 1.
         assert (tmp_path / "store" / "ana" / "job-1" / "attempts/0/spark/control").exists()
-        assert "did not confirm" not in "\n".join(AttemptReport.read(rd.attempt_dir(0)).notes)
+        assert "did not confirm" not in "\n".join(AttemptReport.read(rd.file(RunLayout.attempt(0))).notes)
     finally:
         for node in reversed(nodes):
             node.stop()
@@ -147,7 +152,7 @@ def test_a_quiet_client_lists_the_store_once_per_quiet_interval_and_sends_a_stop
     within one round (node 0 reads it at its own pace)."""
     import json
 
-    from sparkgpu.launch.rundir.layout import RunLayout
+    from sparkgpu.rundir.layout import RunLayout
 
     monkeypatch.setattr(spark_node, "_POLL_SECONDS", 0.05)
     job, rd, url = job

@@ -10,14 +10,14 @@ import time
 
 import pytest
 
-from sparkgpu import runtime
 from sparkgpu.errors import PayloadSignatureError
-from sparkgpu.launch.rundir.serialization import serialize_payload
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir import log_bundles
+from sparkgpu.rundir.serialization import serialize_payload
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
+from sparkgpu.launch.staging import log_bundles
 from sparkgpu.launch.backends.spark.executor.channel import Heartbeat
-from sparkgpu.launch.rundir.log_bundles import LogReader, LogShipper, parse_bundle_name
-from sparkgpu.launch.rundir.staging import (
+from sparkgpu.launch.staging.log_bundles import LogReader, LogShipper, parse_bundle_name
+from sparkgpu.launch.staging.mirror import (
     ClientMirror,
     NodeMirror,
     StagingStore,
@@ -44,7 +44,7 @@ def sides(tmp_path):
         extra_files={"_hydrate.py": b"# shipped beside the payload\n"},
     )
     client_rd.prepare_attempt(0)
-    (client_rd.attempt_dir(0) / "spark").mkdir()
+    (client_rd.file(RunLayout.attempt(0)) / "spark").mkdir()
     url = (tmp_path / "store").as_uri()
     client = ClientMirror(client_rd, StagingStore(url, "job-1"))
     node_rd = RunDir(tmp_path / "executor" / "scratch" / "job-1")
@@ -98,12 +98,12 @@ def bundles(store) -> list[dict]:
 
 def test_a_growing_log_reaches_the_client_by_its_new_bytes_only(sides):
     client, node, store = sides
-    log = node.run_dir.log_file(0, 1)
+    log = node.run_dir.file(RunLayout.rank_log(0, 1))
     log.parent.mkdir(parents=True)
     log.write_bytes(b"step 1\nstep")
     node.push()
     client.sync(0)
-    local = client.run_dir.log_file(0, 1)
+    local = client.run_dir.file(RunLayout.rank_log(0, 1))
     assert local.read_bytes() == b"step 1\nstep"
 
     reads = []
@@ -127,67 +127,72 @@ def test_one_bundle_carries_every_log_of_the_node_and_ships_at_most_every_log_in
     client, node, store = sides
     node.log_interval = 3600.0
     for rank in (0, 1):
-        node.run_dir.log_file(0, rank).parent.mkdir(parents=True, exist_ok=True)
-        node.run_dir.log_file(0, rank).write_text(f"one {rank}\n")
+        node.run_dir.file(RunLayout.rank_log(0, rank)).parent.mkdir(parents=True, exist_ok=True)
+        node.run_dir.file(RunLayout.rank_log(0, rank)).write_text(f"one {rank}\n")
     node.push()
     for rank in (0, 1):
-        with open(node.run_dir.log_file(0, rank), "a") as f:
+        with open(node.run_dir.file(RunLayout.rank_log(0, rank)), "a") as f:
             f.write("two\n")
     node.push()
     assert bundles(store) == [{"attempts/0/logs/rank-0.log": b"one 0\n", "attempts/0/logs/rank-1.log": b"one 1\n"}]
     node.finish()
     assert len(bundles(store)) == 2
     client.sync(0)
-    assert [client.run_dir.log_file(0, r).read_text() for r in (0, 1)] == ["one 0\ntwo\n", "one 1\ntwo\n"]
+    assert [client.run_dir.file(RunLayout.rank_log(0, r)).read_text() for r in (0, 1)] == [
+        "one 0\ntwo\n",
+        "one 1\ntwo\n",
+    ]
 
 
 def test_a_followed_log_ships_at_its_own_shorter_interval(sides):
     client, node, store = sides
     node.log_interval, node.followed_interval = 3600.0, 0.0
     node.followed = frozenset({"attempts/0/logs/rank-0.log"})
-    log = node.run_dir.log_file(0, 1)
+    log = node.run_dir.file(RunLayout.rank_log(0, 1))
     log.parent.mkdir(parents=True)
     log.write_text("one\n")
     node.push()
     log.write_text("one\ntwo\n")
     node.push()
     assert len(bundles(store)) == 1  # nobody follows rank 1: it waits its interval
-    node.run_dir.log_file(0, 0).write_text("echoed\n")
+    node.run_dir.file(RunLayout.rank_log(0, 0)).write_text("echoed\n")
     node.push()
     client.sync(0)
-    assert client.run_dir.log_file(0, 0).read_text() == "echoed\n"  # followed: shipped at once, with the rest
-    assert client.run_dir.log_file(0, 1).read_text() == "one\ntwo\n"
+    # followed: shipped at once, with the rest
+    assert client.run_dir.file(RunLayout.rank_log(0, 0)).read_text() == "echoed\n"
+    assert client.run_dir.file(RunLayout.rank_log(0, 1)).read_text() == "one\ntwo\n"
 
 
 def test_while_an_attempt_runs_the_client_reads_node_0_and_the_nodes_someone_follows(sides, tmp_path):
     client, _, store = sides
     other = NodeMirror(client.store, RunDir(tmp_path / "executor-1" / "job-1"), attempt=0, node=1, log_interval=0.0)
-    log = other.run_dir.log_file(0, 3)  # rank 3 lives on node 1 (2 ranks per node)
+    log = other.run_dir.file(RunLayout.rank_log(0, 3))  # rank 3 lives on node 1 (2 ranks per node)
     log.parent.mkdir(parents=True)
     log.write_text("step 1\n")
     other.push()
     client._followed, client._nodes, client._ranks_per_node = (0,), 2, 2  # as start() sets them
     client.sync(0)
-    assert not client.run_dir.log_file(0, 3).exists()  # node 1 is not followed: its logs wait for the end
+    # node 1 is not followed: its logs wait for the end
+    assert not client.run_dir.file(RunLayout.rank_log(0, 3)).exists()
 
     follow = client.run_dir.file("attempts/0/spark/follow")  # `sparkgpu logs JOB --rank 3 --follow`
     follow.write_text(json.dumps({"ranks": [3], "until": time.time() + 30}))
     client.sync(0)
-    assert client.run_dir.log_file(0, 3).read_text() == "step 1\n"
+    assert client.run_dir.file(RunLayout.rank_log(0, 3)).read_text() == "step 1\n"
 
     follow.write_text(json.dumps({"ranks": [3], "until": time.time() - 1}))  # the follower stopped
     with open(log, "a") as f:
         f.write("step 2\n")
     other.push()
     client.sync(0)
-    assert client.run_dir.log_file(0, 3).read_text() == "step 1\n"
+    assert client.run_dir.file(RunLayout.rank_log(0, 3)).read_text() == "step 1\n"
     client.sync(0, everything=True)  # the attempt ended: every node's logs come down
-    assert client.run_dir.log_file(0, 3).read_text() == "step 1\nstep 2\n"
+    assert client.run_dir.file(RunLayout.rank_log(0, 3)).read_text() == "step 1\nstep 2\n"
 
 
 def test_a_bundle_not_listed_yet_holds_back_the_ones_after_it(sides):
     client, node, store = sides
-    log = node.run_dir.log_file(0, 0)
+    log = node.run_dir.file(RunLayout.rank_log(0, 0))
     log.parent.mkdir(parents=True)
     for text in ("a\n", "b\n", "c\n"):
         with open(log, "a") as f:
@@ -197,10 +202,10 @@ def test_a_bundle_not_listed_yet_holds_back_the_ones_after_it(sides):
     held = middle.read_bytes()
     middle.unlink()  # an object store that lists the third bundle before the second
     client.sync(0)
-    assert client.run_dir.log_file(0, 0).read_text() == "a\n"
+    assert client.run_dir.file(RunLayout.rank_log(0, 0)).read_text() == "a\n"
     middle.write_bytes(held)
     client.sync(0)
-    assert client.run_dir.log_file(0, 0).read_text() == "a\nb\nc\n"
+    assert client.run_dir.file(RunLayout.rank_log(0, 0)).read_text() == "a\nb\nc\n"
 
 
 def test_a_planted_name_in_a_bundle_is_refused(sides, tmp_path):
@@ -247,7 +252,7 @@ def test_a_big_log_goes_up_in_bounded_bundles_one_a_round(sides, monkeypatch):
     monkeypatch.setattr(log_bundles, "MAX_BUNDLE", 1000)
     monkeypatch.setattr(LogShipper.ship, "__defaults__", (1000,))
     node.log_interval = 3600.0
-    log = node.run_dir.log_file(0, 0)
+    log = node.run_dir.file(RunLayout.rank_log(0, 0))
     log.parent.mkdir(parents=True)
     log.write_bytes(b"x" * 2500)
     node.push()
@@ -256,7 +261,7 @@ def test_a_big_log_goes_up_in_bounded_bundles_one_a_round(sides, monkeypatch):
     node.push()
     assert [len(b["attempts/0/logs/rank-0.log"]) for b in bundles(store)] == [1000, 1000, 500]
     client.sync(0)
-    assert client.run_dir.log_file(0, 0).read_bytes() == b"x" * 2500
+    assert client.run_dir.file(RunLayout.rank_log(0, 0)).read_bytes() == b"x" * 2500
 
 
 def test_the_final_push_sends_results_and_errors_before_the_nodes_end_markers(sides):
@@ -264,7 +269,7 @@ def test_the_final_push_sends_results_and_errors_before_the_nodes_end_markers(si
     rd = node.run_dir
     rd.key = KEY
     rd.prepare_attempt(0)
-    spark = rd.attempt_dir(0) / "spark"
+    spark = rd.file(RunLayout.attempt(0)) / "spark"
     spark.mkdir()
     (spark / "node-0.started").write_text('{"node": 0}')
     node.push()
@@ -275,8 +280,8 @@ def test_the_final_push_sends_results_and_errors_before_the_nodes_end_markers(si
         raise ValueError("shard 7 is corrupt")
     except ValueError as exc:
         rd.write_error(0, 1, exc)
-    rd.log_file(0, 1).write_text("Traceback ...\n")
-    rd.node_file(0, 0).write_text('{"node_rank": 0, "status": 1, "failures": {}}')
+    rd.file(RunLayout.rank_log(0, 1)).write_text("Traceback ...\n")
+    rd.file(RunLayout.node_exits(0, 0)).write_text('{"node_rank": 0, "status": 1, "failures": {}}')
     (spark / "node-0.ended").write_text('{"state": "failed"}')
     uploads = []
     upload, write_bytes = node.store.upload, node.store.write_bytes
@@ -291,20 +296,22 @@ def test_the_final_push_sends_results_and_errors_before_the_nodes_end_markers(si
         f"attempts/0/logs/node-0.parts/{0:016d}",
     }
     client.sync(0)  # while the attempt runs, only its spark/ folder and the followed logs come down
-    assert not client.run_dir.result_file(0, 0).exists()
-    assert (client.run_dir.attempt_dir(0) / "spark" / "node-0.ended").exists()
+    assert not client.run_dir.file(RunLayout.result(0, 0)).exists()
+    assert (client.run_dir.file(RunLayout.attempt(0)) / "spark" / "node-0.ended").exists()
     client.sync(0, everything=True)  # the attempt ended: everything
     client_rd = client.run_dir
     client_rd.key = KEY
     assert client_rd.read_result(0, 0) == {"rank": 0}  # signed by the rank, checked on the client
     failure, exc = client_rd.read_error(0, 1)
     assert isinstance(exc, ValueError) and "shard 7 is corrupt" in failure.traceback
-    assert json.loads((client_rd.attempt_dir(0) / "spark" / "node-0.ended").read_text()) == {"state": "failed"}
+    assert json.loads((client_rd.file(RunLayout.attempt(0)) / "spark" / "node-0.ended").read_text()) == {
+        "state": "failed"
+    }
 
 
 def test_the_end_marker_waits_for_the_final_push(sides):
     client, node, store = sides
-    spark = node.run_dir.attempt_dir(0) / "spark"
+    spark = node.run_dir.file(RunLayout.attempt(0)) / "spark"
     spark.mkdir(parents=True)
     (spark / "node-0.ended").write_text('{"state": "succeeded"}')
     node.push()
@@ -315,14 +322,14 @@ def test_the_end_marker_waits_for_the_final_push(sides):
 
 def test_control_files_reach_node_0_as_one_object_and_are_never_pushed_back(sides, tmp_path):
     client, node, store = sides
-    cancel = client.run_dir.spark_cancel_file(0)
-    heartbeat = client.run_dir.client_heartbeat_file(0)
-    stop = client.run_dir.attempt_dir(0) / runtime.STOP_FILE
+    cancel = client.run_dir.file(RunLayout.spark_cancel(0))
+    heartbeat = client.run_dir.file(RunLayout.client_heartbeat(0))
+    stop = client.run_dir.file(RunLayout.stop(0))
     heartbeat.write_text("1\n")
     client.sync(0)
     node.pull_control()
-    assert node.run_dir.client_heartbeat_file(0).read_text() == "1\n"
-    assert not node.run_dir.spark_cancel_file(0).exists()
+    assert node.run_dir.file(RunLayout.client_heartbeat(0)).read_text() == "1\n"
+    assert not node.run_dir.file(RunLayout.spark_cancel(0)).exists()
 
     puts = []
     write_bytes = client.store.write_bytes
@@ -339,9 +346,9 @@ def test_control_files_reach_node_0_as_one_object_and_are_never_pushed_back(side
     node.store.read_bytes = lambda rel, *a: reads.append(rel) or read_bytes(rel, *a)
     node.pull_control()
     assert reads == ["attempts/0/spark/control"]  # one request per look
-    assert node.run_dir.client_heartbeat_file(0).read_text() == "2\n"
-    assert node.run_dir.spark_cancel_file(0).read_text() == "cancelled by the client\n"
-    assert (node.run_dir.attempt_dir(0) / runtime.STOP_FILE).read_text() == "the runtime cap is near\n"
+    assert node.run_dir.file(RunLayout.client_heartbeat(0)).read_text() == "2\n"
+    assert node.run_dir.file(RunLayout.spark_cancel(0)).read_text() == "cancelled by the client\n"
+    assert node.run_dir.file(RunLayout.stop(0)).read_text() == "the runtime cap is near\n"
 
     # Any other node hears of them from node 0, never from the store.
     other = NodeMirror(node.store, RunDir(tmp_path / "executor-2" / "job-1"), attempt=0, node=1)
@@ -365,7 +372,7 @@ def test_pulled_files_appear_complete_or_not_at_all(sides, monkeypatch):
 
     seen = []
     copyfile = shutil.copyfile
-    final = client.run_dir.result_file(0, 0)
+    final = client.run_dir.file(RunLayout.result(0, 0))
 
     def watching_copyfile(src, dst, **kwargs):
         if os.path.dirname(dst) == str(final.parent):
@@ -382,7 +389,7 @@ def test_pulled_files_appear_complete_or_not_at_all(sides, monkeypatch):
 
 def test_uploads_to_a_file_store_appear_complete_or_not_at_all(sides, monkeypatch):
     client, node, store = sides
-    report = node.run_dir.attempt_dir(0) / "env-rank-0.json"
+    report = node.run_dir.file(RunLayout.attempt(0)) / "env-rank-0.json"
     report.parent.mkdir(parents=True)
     report.write_bytes(b"x" * 1_000_000)
     seen = []
@@ -424,11 +431,11 @@ def test_a_store_that_stalls_for_a_minute_makes_node_0_count_no_silence_of_the_c
     now = [1000.0]
     monkeypatch.setattr(time, "monotonic", lambda: now[0])
     client.run_dir.key = node.run_dir.key = KEY
-    beat_file = client.run_dir.client_heartbeat_file(0)
+    beat_file = client.run_dir.file(RunLayout.client_heartbeat(0))
     client.run_dir.write_control(beat_file, b"1\n")
     client.sync(0)
     node.pull_control()
-    seen = node.run_dir.client_heartbeat_file(0)
+    seen = node.run_dir.file(RunLayout.client_heartbeat(0))
     on_store_time = Heartbeat(node.run_dir, seen, timeout=10, clock=node.clock)
     on_wall_time = Heartbeat(node.run_dir, seen, timeout=10)
 
@@ -462,7 +469,7 @@ def test_a_store_that_stalls_for_a_minute_makes_node_0_count_no_silence_of_the_c
 def test_a_store_that_fails_is_retried_with_backoff_said_once_and_its_return_said(monkeypatch):
     import io
 
-    from sparkgpu.launch.rundir import staging
+    from sparkgpu.launch.staging import mirror as staging
 
     monkeypatch.setattr(staging, "MAX_BACKOFF", 0.8)
     out, calls, waits, now = io.StringIO(), [], [], [0.0]

@@ -11,13 +11,13 @@ from sparkgpu.errors import CapacityError, JobTimeoutError, NodeLostError, Worke
 from sparkgpu.launch.client.attempt_report import AttemptReport, NodeReport
 from sparkgpu.launch.client.attempt_result import read_attempt
 from sparkgpu.callbacks import JobCallback
-from sparkgpu.launch.rank.entrypoint import EXIT_PREEMPTED
-from sparkgpu.launch.rundir.serialization import serialize_payload
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir.layout import RunLayout
+from sparkgpu.rundir.exit_codes import EXIT_PREEMPTED
+from sparkgpu.rundir.serialization import serialize_payload
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
 from sparkgpu.launch.client.supervisor import Supervisor
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
-from sparkgpu._keyring import derive_key
+from sparkgpu.rundir.keyring import derive_key
 from sparkgpu.train._checkpoint_signing import Manifest
 from sparkgpu.train.checkpoint_directory import MARKER_NAME, CheckpointInfo, CheckpointDirectory, SigningKey
 from tests.fakes.backend import FakeAttempt, ScriptedBackend
@@ -135,7 +135,9 @@ class CapBackend(ScriptedBackend):
                 )
         elif action == "hang+exit75":
             exits = {str(r): {"exitcode": EXIT_PREEMPTED, "pid": 1} for r in range(job.world_size)}
-            run_dir.write_control(run_dir.node_file(attempt, 0), json.dumps({"failures": exits}).encode())
+            run_dir.write_control(
+                run_dir.file(RunLayout.node_exits(attempt, 0)), json.dumps({"failures": exits}).encode()
+            )
         return handle
 
 
@@ -203,7 +205,7 @@ def test_a_policy_stop_asks_ranks_to_checkpoint_then_ends_without_resuming(tmp_p
     sup.callbacks.append(BudgetSpent())
     with pytest.raises(PolicyViolationError, match="budget team=ml is spent.*sparkgpu resume job-1"):
         sup.run()
-    assert (rd.attempt_dir(0) / "STOP").read_text().startswith("budget team=ml")
+    assert (rd.file(RunLayout.attempt(0)) / "STOP").read_text().startswith("budget team=ml")
     state = json.loads(rd.state_file.read_text())
     assert state["status"] == "stopped" and len(state["attempts"]) == 1
 
@@ -268,7 +270,7 @@ class CheckpointOnSigterm(ScriptedBackend):
         super().cancel(handle, grace)
         self.grace = grace
         for rank in range(2):
-            self.run_dir.preempted_file(handle.attempt, rank).write_text("x")
+            self.run_dir.file(RunLayout.preempted(handle.attempt, rank)).write_text("x")
 
     def submit(self, job, run_dir, attempt, env, placement=None):
         self.run_dir = run_dir
@@ -364,7 +366,7 @@ def test_ranks_that_started_late_are_asked_to_checkpoint_before_the_cap(tmp_path
     sup.backend = WaitsForGPUs(["hang"], wait=1.0)
     with pytest.raises(WorkerFailedError, match="did not checkpoint"):
         sup.run()
-    stop = rd.attempt_dir(0) / "STOP"
+    stop = rd.file(RunLayout.attempt(0)) / "STOP"
     assert "runtime cap" in stop.read_text()
     started = json.loads(rd.state_file.read_text())["attempts"][0]["started_at"]
     assert stop.stat().st_mtime - started == pytest.approx(0.5, abs=0.3)
@@ -433,13 +435,13 @@ class LosingBackend(ScriptedBackend):
             return super().submit(job, run_dir, attempt, env)
         self.script[attempt] = "raise"  # rank errors on both ranks; the report says why
         handle = super().submit(job, run_dir, attempt, env)
-        run_dir.error_file(attempt, 1).unlink()  # the lost node's rank never wrote how it ended
+        run_dir.file(RunLayout.error(attempt, 1)).unlink()  # the lost node's rank never wrote how it ended
         AttemptReport(
             attempt,
             nodes=[NodeReport(1, "7", "10.0.0.7", "lost", [1], cause="no heartbeat for 10s")],
             notes=["a note"],
             lost_at=self.lost_at,
-        ).write(run_dir.attempt_dir(attempt))
+        ).write(run_dir.file(RunLayout.attempt(attempt)))
         return handle
 
 
@@ -450,14 +452,14 @@ def test_a_rank_torn_down_as_its_peer_stops_for_a_restart_is_no_failure(tmp_path
     rd = sup.run_dir
     rd.prepare_attempt(0)
     if peer_marker:
-        rd.preempted_file(0, 0).write_text("stopped for a restart")
+        rd.file(RunLayout.preempted(0, 0)).write_text("stopped for a restart")
     exits = {"0": {"exitcode": EXIT_PREEMPTED, "pid": 1}, "1": {"exitcode": -15, "pid": 2}}
-    rd.write_control(rd.node_file(0, 0), json.dumps({"status": 1, "failures": exits}).encode())
+    rd.write_control(rd.file(RunLayout.node_exits(0, 0)), json.dumps({"status": 1, "failures": exits}).encode())
     assert read_attempt(rd, 0, 2, sup.job.policy).status.value == "preempted"
     # Without a peer stopping for a restart, the same SIGTERM is the rank's own end: a failure.
     alone = {"1": {"exitcode": -15, "pid": 2}}
-    rd.preempted_file(0, 0).unlink(missing_ok=True)
-    rd.write_control(rd.node_file(0, 0), json.dumps({"status": 1, "failures": alone}).encode())
+    rd.file(RunLayout.preempted(0, 0)).unlink(missing_ok=True)
+    rd.write_control(rd.file(RunLayout.node_exits(0, 0)), json.dumps({"status": 1, "failures": alone}).encode())
     failed = read_attempt(rd, 0, 2, sup.job.policy)
     assert failed.status.value == "failed" and [f.rank for f in failed.failures] == [1]
 
@@ -488,7 +490,7 @@ class NotingBackend(ScriptedBackend):
     def submit(self, job, run_dir, attempt, env, placement=None):
         run_dir.prepare_attempt(attempt)
         AttemptReport(attempt, notes=["executor 1 on h cannot see the run dir /x: set SPARKGPU_STAGING_ROOT"]).write(
-            run_dir.attempt_dir(attempt)
+            run_dir.file(RunLayout.attempt(attempt))
         )
         return FakeAttempt(attempt=attempt, code=1, polls_left=1)
 

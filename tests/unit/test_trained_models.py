@@ -18,7 +18,7 @@ import torch
 from tests.fakes.tiny_models import tokenizer as word_tokenizer
 
 from sparkgpu.errors import ResultError, SerializationError
-from sparkgpu.launch.rundir.serialization import dump_result
+from sparkgpu.rundir.serialization import dump_result
 from sparkgpu.train.trained_models import find_models, save_models, unwrap_model, unwrap_models
 from tests.fakes import tiny_models
 

@@ -9,8 +9,9 @@ import pytest
 
 from sparkgpu.errors import PolicyViolationError
 from sparkgpu.callbacks import AttemptOutcome
-from sparkgpu.launch.rundir.serialization import serialize_payload
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.serialization import serialize_payload
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
 from sparkgpu.launch.client.supervisor import Supervisor
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
 from sparkgpu.usage.ledger import UsageLedger, UsageRecord
@@ -86,7 +87,7 @@ def test_a_budget_spent_mid_run_asks_ranks_to_checkpoint_and_stop(tmp_path):
     sup, rd = supervise(tmp_path, make_job(max_runtime=4, checkpoint_grace=1), ["hang"], meter)
     with pytest.raises(PolicyViolationError, match=r"budget 'team=ml: 1 GPU-hours per 1d' is spent.*'ml-budget'"):
         sup.run()
-    assert (rd.attempt_dir(0) / "STOP").exists()
+    assert (rd.file(RunLayout.attempt(0)) / "STOP").exists()
     assert json.loads(rd.state_file.read_text())["status"] == "stopped"
     rows = ledger.read().to_pylist()
     # The stopped attempt is billed too; its ranks never checkpointed, so it is no preemption.
@@ -123,7 +124,7 @@ def test_a_refused_job_starts_no_attempt(tmp_path):
     sup, rd = supervise(tmp_path, make_job(), ["ok"], meter)
     with pytest.raises(PolicyViolationError, match="2 GPUs asked for, at most 1 per job"):
         sup.run()
-    assert not rd.attempt_dir(0).exists() and not sup.backend.submitted_env
+    assert not rd.file(RunLayout.attempt(0)).exists() and not sup.backend.submitted_env
 
 
 def test_a_ledger_outage_does_not_fail_the_job_and_the_row_is_written_later(tmp_path, caplog):
@@ -151,7 +152,7 @@ def test_the_meter_travels_to_workers_without_its_client_state(tmp_path):
 
 
 def test_an_attempt_outcome_holds_its_status_as_the_protocol_state():
-    from sparkgpu.protocol import AttemptStatus
+    from sparkgpu.rundir.states import AttemptStatus
 
     outcome = AttemptOutcome(0, "preempted", 0.0, 1.0, 2, "A10")
     assert outcome.status is AttemptStatus.PREEMPTED

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from sparkgpu import _progress
 from sparkgpu.data.loaders._base import Resumable, worker_batches
+from sparkgpu.rundir import progress as _progress
 from sparkgpu.errors import ConfigurationError
 
 __all__ = ["Positioned", "PositionedLoader"]

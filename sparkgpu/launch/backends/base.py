@@ -46,7 +46,7 @@ import importlib
 from typing import Any
 
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.directory import RunDir
 from sparkgpu.spec import JobSpec
 
 __all__ = [

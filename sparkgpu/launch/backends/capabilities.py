@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from sparkgpu.launch.backends.base import AttemptHandle, Backend
-    from sparkgpu.launch.rundir.directory import RunDir
+    from sparkgpu.rundir.directory import RunDir
     from sparkgpu.spec import JobSpec
 
 __all__ = ["QueuedCapacity", "Preemptible", "ElasticCapacity", "DeferredStart", "Reattachable", "LocalRanks"]

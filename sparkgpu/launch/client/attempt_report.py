@@ -14,8 +14,8 @@ import json
 from pathlib import Path
 
 from sparkgpu._util.files import atomic_write_bytes
-from sparkgpu.protocol import NodeState
-from sparkgpu.launch.rundir.layout import RunLayout
+from sparkgpu.rundir.states import NodeState
+from sparkgpu.rundir.layout import RunLayout
 
 __all__ = ["AttemptReport", "NodeReport", "REPORT_FILE"]
 

@@ -17,10 +17,10 @@ from sparkgpu.errors import NodeLostError, RankFailure, first_failure, worker_fa
 from sparkgpu.failure_class import OOM_KILLED
 from sparkgpu.launch.client.attempt_report import AttemptReport
 from sparkgpu.launch.client.hang_record import HangRecord
-from sparkgpu.launch.rank.entrypoint import EXIT_PREEMPTED
-from sparkgpu.protocol import AttemptStatus, RankExit
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir.layout import RunLayout
+from sparkgpu.rundir.exit_codes import EXIT_PREEMPTED
+from sparkgpu.rundir.states import AttemptStatus, RankExit
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
 
 __all__ = ["AttemptResult", "StoppedBy", "read_attempt"]
 
@@ -94,19 +94,19 @@ def read_attempt(
     exceptions: dict[int, BaseException] = {}
     preempted, silent = [], []
     for rank in range(world_size):
-        if rd.result_file(attempt, rank).exists():
+        if rd.file(RunLayout.result(attempt, rank)).exists():
             results[rank] = rd.read_result(attempt, rank)
-        elif rd.error_file(attempt, rank).exists():
+        elif rd.file(RunLayout.error(attempt, rank)).exists():
             failure, exc = rd.read_error(attempt, rank)
             failures.append(failure)
             if exc is not None:
                 exceptions[rank] = exc
-        elif rd.preempted_file(attempt, rank).exists():
+        elif rd.file(RunLayout.preempted(attempt, rank)).exists():
             preempted.append(rank)
         else:
             silent.append(rank)
     exits = rd.read_node_exits(attempt)
-    report = AttemptReport.read(rd.attempt_dir(attempt))
+    report = AttemptReport.read(rd.file(RunLayout.attempt(attempt)))
     if stopped_by is StoppedBy.HANG and len(results) < world_size:
         unfinished = [r for r in range(world_size) if r not in results]
         hang = HangRecord.read(rd, attempt) or HangRecord.unrecorded(
@@ -200,7 +200,7 @@ def read_attempt(
             ],
         )
     # No launcher recorded anything: it failed itself (bad interpreter, port clash, ...).
-    agent_log = rd.agent_log(attempt, 0)
+    agent_log = rd.file(RunLayout.agent_log(attempt, 0))
     tail = "\n".join(agent_log.read_text(errors="replace").splitlines()[-30:]) if agent_log.exists() else ""
     if report is not None and report.notes:  # what the backend knows that no launcher could write
         tail = "\n".join([*(f"sparkgpu: {note}" for note in report.notes), tail])

@@ -43,10 +43,10 @@ from sparkgpu.launch.client.monitors import (
     StopNow,
     attempt_monitors,
 )
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir.layout import RunLayout
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
 from sparkgpu.launch.scheduling.elastic import ElasticPlan
-from sparkgpu.protocol import AttemptRecord, AttemptStatus
+from sparkgpu.rundir.states import AttemptRecord, AttemptStatus
 from sparkgpu.spec import JobSpec
 
 __all__ = ["Attempt", "AttemptRunner"]

@@ -7,7 +7,7 @@ step it starts.
 
 from __future__ import annotations
 
-from sparkgpu._keyring import derive_key
+from sparkgpu.rundir.keyring import derive_key
 from sparkgpu._util.report import report
 from sparkgpu.store import Store
 from sparkgpu.train import sealed_files

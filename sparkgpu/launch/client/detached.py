@@ -39,8 +39,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from sparkgpu._util.process import ProcessRef
-from sparkgpu.launch.rundir.directory import PRIVATE_FILE, RunDir
-from sparkgpu.launch.rundir.layout import RunLayout
+from sparkgpu.rundir.directory import PRIVATE_FILE, RunDir
+from sparkgpu.rundir.layout import RunLayout
 
 __all__ = ["Keeper", "start_keeper", "keeper_alive", "supervision_record", "main", "RESPAWN_LIMIT"]
 
@@ -254,7 +254,7 @@ def supervise(run_dir: RunDir) -> int:
 
 def _import_like_the_caller(run_dir: RunDir) -> None:
     """Puts the caller's ``sys.path`` before this process's: its callbacks' classes unpickle from there."""
-    from sparkgpu._keyring import load_key
+    from sparkgpu.rundir.keyring import load_key
 
     signed = RunDir(run_dir.path, load_key(run_dir.job_id))
     deadline = time.monotonic() + _LOCK_WAIT

@@ -18,7 +18,7 @@ import linecache
 import re
 from collections.abc import Mapping, Sequence
 
-from sparkgpu._progress import RankProgress
+from sparkgpu.rundir.progress import RankProgress
 
 __all__ = [
     "DUMP_MARKER",

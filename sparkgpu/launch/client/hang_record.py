@@ -14,8 +14,8 @@ from typing import Any
 
 from sparkgpu._util.files import atomic_write_bytes
 from sparkgpu.errors import HangError, RankFailure
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir.layout import RunLayout
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
 
 __all__ = ["HangRecord", "HANG_ERROR_TYPE"]
 

@@ -1,7 +1,7 @@
 """The one owner of a job's ``state.json``: every change to it goes through :class:`JobBook`.
 
-The job's status changes only along :data:`~sparkgpu.protocol.JOB_TRANSITIONS` (an attempt's
-along :data:`~sparkgpu.protocol.ATTEMPT_TRANSITIONS`), the protocol's one drawing of them; any
+The job's status changes only along :data:`~sparkgpu.rundir.states.JOB_TRANSITIONS` (an attempt's
+along :data:`~sparkgpu.rundir.states.ATTEMPT_TRANSITIONS`), the run dir states' one drawing of them; any
 other change is a bug in sparkgpu and raises :class:`IllegalTransition` before anything is
 written. Only the supervisor (:mod:`~sparkgpu.launch.client.supervisor`) moves the job's status
 (:meth:`JobBook.set_status`); the book's other methods never do. The file stays a plain JSON
@@ -18,7 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from sparkgpu._util.files import atomic_write_bytes
-from sparkgpu.protocol import ATTEMPT_TRANSITIONS, JOB_TRANSITIONS, AttemptRecord, AttemptStatus, JobState, JobStatus
+from sparkgpu.rundir.states import (
+    ATTEMPT_TRANSITIONS,
+    JOB_TRANSITIONS,
+    AttemptRecord,
+    AttemptStatus,
+    JobState,
+    JobStatus,
+)
 
 __all__ = ["JobBook", "IllegalTransition"]
 
@@ -79,7 +86,7 @@ class JobBook:
         """Moves the job to ``status`` and writes it: the supervisor's, and the only writer of the status.
 
         Raises:
-            IllegalTransition: :data:`~sparkgpu.protocol.JOB_TRANSITIONS` does not allow it.
+            IllegalTransition: :data:`~sparkgpu.rundir.states.JOB_TRANSITIONS` does not allow it.
         """
         if status not in JOB_TRANSITIONS[self.status]:
             raise IllegalTransition(f"job {self.state['job_id']} cannot go from {self.status} to {status}")

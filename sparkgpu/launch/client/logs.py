@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
 
 __all__ = ["LogStreamer"]
 
@@ -59,7 +60,7 @@ class LogStreamer:
 
     def _size(self, rank: int) -> int | None:
         try:
-            return os.path.getsize(self.run_dir.log_file(self.attempt, rank))
+            return os.path.getsize(self.run_dir.file(RunLayout.rank_log(self.attempt, rank)))
         except FileNotFoundError:
             return None
 
@@ -68,7 +69,7 @@ class LogStreamer:
         start = self._offsets[rank]
         if end <= start:
             return False
-        with open(self.run_dir.log_file(self.attempt, rank), "rb") as f:
+        with open(self.run_dir.file(RunLayout.rank_log(self.attempt, rank)), "rb") as f:
             f.seek(start)
             data = f.read(end - start)
         if not data:  # the file shrank (truncated by hand): nothing more to read

@@ -33,7 +33,7 @@ from sparkgpu.launch.backends.base import Backend
 from sparkgpu.launch.backends.capabilities import DeferredStart, Preemptible
 from sparkgpu.launch.client.attempt_result import StoppedBy
 from sparkgpu.launch.scheduling.elastic import ElasticPlan
-from sparkgpu.protocol import AttemptStatus, JobStatus
+from sparkgpu.rundir.states import AttemptStatus, JobStatus
 from sparkgpu.spec import JobSpec
 
 __all__ = [

@@ -1,6 +1,6 @@
 """Hang detection: the monitor that watches the ranks' progress and stops an attempt that hangs.
 
-Every rank keeps a progress record in shared memory (:mod:`sparkgpu._progress`): a count of
+Every rank keeps a progress record in shared memory (:mod:`sparkgpu.rundir.progress`): a count of
 the progress it noted and the longest gap between two notes. :class:`ProgressWatch` reads the
 records twice a second and notes, on this process's own clock, when each rank's count last
 grew (so other hosts' clocks never matter). Nothing is judged before a rank of the attempt first
@@ -39,15 +39,15 @@ import os
 import signal
 import time
 
-from sparkgpu import _progress
-from sparkgpu._progress import RankProgress
+from sparkgpu.rundir import progress as _progress
+from sparkgpu.rundir.progress import RankProgress
 from sparkgpu.launch.client.attempt_result import StoppedBy
 from sparkgpu.launch.client.hang_diagnosis import DUMP_MARKER, RankStacks, diagnose, parse_stacks
 from sparkgpu.launch.client.hang_record import HangRecord
 from sparkgpu.launch.rank.progress import DUMP_SIGNAL
 from sparkgpu.launch.client.monitors import CONTINUE, AttemptView, StopNow, WatchDecision
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir.layout import RunLayout
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
 
 __all__ = [
     "ProgressWatch",

@@ -19,11 +19,11 @@ from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError, JobStateError
 from sparkgpu.launch.backends.base import BACKENDS, Backend, backend_class, create_backend
 from sparkgpu.launch.backends.capabilities import Reattachable
-from sparkgpu._keyring import load_key
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir.layout import RunLayout
-from sparkgpu.launch.rundir.serialization import unpack_callbacks
-from sparkgpu.protocol import JobState, JobStatus
+from sparkgpu.rundir.keyring import load_key
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
+from sparkgpu.rundir.serialization import unpack_callbacks
+from sparkgpu.rundir.states import JobState, JobStatus
 from sparkgpu.launch.client.job_state import JobBook
 from sparkgpu.launch.client.supervision_lock import SupervisionLock
 from sparkgpu.launch.client.supervisor import CANCEL_REQUEST_FILE, Supervisor

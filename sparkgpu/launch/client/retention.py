@@ -24,11 +24,11 @@ import threading
 import time
 from pathlib import Path
 
-from sparkgpu._keyring import forget_key, key_file
+from sparkgpu.rundir.keyring import forget_key, key_file
 from sparkgpu._util.report import report
 from sparkgpu.config import Settings, settings
-from sparkgpu.protocol import JobStatus
-from sparkgpu.launch.rundir.layout import RunLayout
+from sparkgpu.rundir.states import JobStatus
+from sparkgpu.rundir.layout import RunLayout
 
 __all__ = ["prune_runs"]
 
@@ -150,7 +150,7 @@ def _delete(hidden_dirs: list[Path], config: Settings) -> None:
     for hidden in hidden_dirs:
         job_id = hidden.name[1 : -len(".removing")]
         prefix: str | None
-        try:  # the prefix the job was staged under (sparkgpu.launch.rundir.staging.store_prefix)
+        try:  # the prefix the job was staged under (sparkgpu.launch.staging.mirror.store_prefix)
             prefix = (hidden / RunLayout.STAGING_PREFIX).read_text().strip()
         except OSError:
             prefix = config.staging_url  # staged before prefixes were recorded, or never staged

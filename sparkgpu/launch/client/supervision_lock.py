@@ -13,8 +13,8 @@ import os
 import socket
 
 from sparkgpu._util.files import try_lock_file
-from sparkgpu.launch.rundir.directory import PRIVATE_FILE, RunDir
-from sparkgpu.launch.rundir.layout import RunLayout
+from sparkgpu.rundir.directory import PRIVATE_FILE, RunDir
+from sparkgpu.rundir.layout import RunLayout
 
 __all__ = ["SupervisionLock"]
 

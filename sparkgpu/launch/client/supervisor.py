@@ -5,7 +5,7 @@ The supervisor is the one writer of the job's status (``state.json``'s, through
 failure policy and the monitors return what happened or what to do as data, and the
 supervisor applies it; the jobs that no supervisor runs end through this module too
 (:func:`fail_unsupervisable`, :func:`cancel_abandoned`). Which changes are legal is
-:data:`~sparkgpu.protocol.JOB_TRANSITIONS`.
+:data:`~sparkgpu.rundir.states.JOB_TRANSITIONS`.
 
 How attempt k ended -> the job's next step (:func:`next_step`)::
 
@@ -57,10 +57,10 @@ from sparkgpu.launch.client.checkpoint_progress import restart_point
 from sparkgpu.launch.client.failure_policy import Decision, FailurePolicy
 from sparkgpu.launch.client.job_state import JobBook
 from sparkgpu.launch.scheduling.elastic import ElasticPlan
-from sparkgpu.protocol import AttemptStatus, JobState, JobStatus
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.states import AttemptStatus, JobState, JobStatus
+from sparkgpu.rundir.directory import RunDir
 from sparkgpu.launch.client.supervision_lock import SupervisionLock
-from sparkgpu.launch.rundir.layout import RunLayout
+from sparkgpu.rundir.layout import RunLayout
 from sparkgpu.spec import JobSpec
 
 __all__ = [
@@ -144,7 +144,7 @@ class Supervisor:
         self.backend = backend
         self.placement = placement
         self.key = key
-        self.run_dir.key = key  # the backends hand it to the job's processes (sparkgpu.launch.rundir.keys)
+        self.run_dir.key = key  # the backends hand it to the job's processes (sparkgpu.rundir.key_handover)
         self.callbacks = list(callbacks)
         self.out = out if out is not None else console()
         #: Whether a failed attempt is restarted: the failure policy (``job.policy`` is the job's

@@ -16,7 +16,7 @@ installed sparkgpu and that key, and the ranks run the ``_air.py`` text it check
 file, which anyone who can write the staging root could swap in the meantime. The agent forks
 them with torch imported and the key in memory (:mod:`~sparkgpu.launch.node.forked_ranks`); a
 job that ships its environment, or ``SPARKGPU_FORK_RANKS=0``, starts each as a new interpreter
-(``python -c``) with a key file of its own (:mod:`sparkgpu.launch.rundir.keys`). A payload that fails the check starts
+(``python -c``) with a key file of its own (:mod:`sparkgpu.rundir.key_handover`). A payload that fails the check starts
 nothing: each of the node's ranks reports a signed :class:`PayloadSignatureError`.
 """
 
@@ -37,15 +37,17 @@ from sparkgpu import runtime
 from sparkgpu._util.report import report
 from sparkgpu.config import settings
 from sparkgpu.errors import PayloadSignatureError
-from sparkgpu.launch.rank.entrypoint import EXIT_FAILED, _die_with_parent, leave_quickly
-from sparkgpu.launch.rundir.keys import KEY_DIR_ENV, hand_to_ranks, make_undumpable, rank_secrets, receive_key
-from sparkgpu.protocol import NodeExit, RankExit
+from sparkgpu._util.process import die_with_parent
+from sparkgpu.launch.rank.entrypoint import leave_quickly
+from sparkgpu.rundir.exit_codes import EXIT_FAILED
+from sparkgpu.rundir.key_handover import KEY_DIR_ENV, hand_to_ranks, make_undumpable, rank_secrets, receive_key
+from sparkgpu.rundir.states import NodeExit, RankExit
 from sparkgpu.launch.node.forked_ranks import RankSpares, can_fork, forking_ranks
 from sparkgpu.launch.node.shipped_overlay import forkable_overlay
-from sparkgpu.launch.rundir.preload import preload_before_fork
+from sparkgpu.launch.node.preload import preload_before_fork
 from sparkgpu.launch.node.rank_exits import RankExitWatcher
-from sparkgpu.launch.rundir.directory import PRIVATE_UMASK, RunDir
-from sparkgpu.launch.rundir.layout import RunLayout
+from sparkgpu.rundir.directory import PRIVATE_UMASK, RunDir
+from sparkgpu.rundir.layout import RunLayout
 
 __all__ = ["main", "build_command", "strip_spark_secrets", "verify_or_refuse", "refuse", "reported"]
 
@@ -127,7 +129,7 @@ def refuse(rd: RunDir, attempt: int, node_rank: int, nproc: int, exc: PayloadSig
             rd.write_error(attempt, rank, exc)
     node = NodeExit(node_rank, EXIT_FAILED, refused=str(exc))
     if rd.key:  # without it nothing can be signed: the launcher reads the agent's exit code instead
-        rd.write_control(rd.node_file(attempt, node_rank), json.dumps(node.to_json()).encode())
+        rd.write_control(rd.file(RunLayout.node_exits(attempt, node_rank)), json.dumps(node.to_json()).encode())
 
 
 def verify_or_refuse(
@@ -176,7 +178,7 @@ def _parse(argv):
 
 def main(argv=None) -> int:
     args = _parse(argv)
-    _die_with_parent()
+    die_with_parent(EXIT_FAILED)
     make_undumpable()  # before the key arrives: same-user processes cannot read it from /proc
     os.umask(PRIVATE_UMASK)  # what the agent and its ranks write in the run dir is the user's alone
     key = receive_key(sys.stdin)
@@ -306,7 +308,7 @@ def _launch(args: argparse.Namespace, rd: RunDir, air: str, init_timeout: float,
             failure.time = watcher.exits[failed].time
             failure.oom_killed = watcher.exits[failed].oom_killed  # torch's record cannot tell the OOM killer
     node = NodeExit(args.node_rank, status, failures)
-    rd.write_control(rd.node_file(args.attempt, args.node_rank), json.dumps(node.to_json()).encode())
+    rd.write_control(rd.file(RunLayout.node_exits(args.attempt, args.node_rank)), json.dumps(node.to_json()).encode())
     return status
 
 
@@ -314,7 +316,11 @@ def reported(rd: RunDir, attempt: int, rank: int) -> bool:
     """Whether a rank left a result, an error or a preemption marker (did not exit quietly)."""
     return any(
         path.exists()
-        for path in (rd.result_file(attempt, rank), rd.error_file(attempt, rank), rd.preempted_file(attempt, rank))
+        for path in (
+            rd.file(RunLayout.result(attempt, rank)),
+            rd.file(RunLayout.error(attempt, rank)),
+            rd.file(RunLayout.preempted(attempt, rank)),
+        )
     )
 
 

@@ -39,8 +39,9 @@ from pathlib import Path
 from typing import NoReturn
 
 from sparkgpu.config import reset_settings
-from sparkgpu.launch.rank.entrypoint import _die_with_parent
-from sparkgpu.launch.rundir.keys import make_undumpable
+from sparkgpu._util.process import die_with_parent
+from sparkgpu.rundir.exit_codes import EXIT_FAILED
+from sparkgpu.rundir.key_handover import make_undumpable
 
 __all__ = ["ForkedRank", "RankSpares", "become_rank", "can_fork", "forking_ranks"]
 
@@ -236,7 +237,7 @@ class RankSpares:
                 for fd in (orders_w, ready_r, *(w for _, w in self._waiting)):
                     os.close(fd)
                 os.setsid()  # torch's handler stops a rank by its process group, as a new one's
-                _die_with_parent()
+                die_with_parent(EXIT_FAILED)
                 os.close(ready_w)
                 orders = _read_all(orders_r)
                 os.close(orders_r)

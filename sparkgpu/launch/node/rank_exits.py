@@ -31,8 +31,8 @@ from pathlib import Path
 import psutil
 
 from sparkgpu.failure_class import oom_kills, own_cgroup
-from sparkgpu.launch.rank.entrypoint import EXIT_PREEMPTED
-from sparkgpu.protocol import RankExit
+from sparkgpu.rundir.exit_codes import EXIT_PREEMPTED
+from sparkgpu.rundir.states import RankExit
 
 __all__ = ["RankExitWatcher", "CRASH_KILL_DELAY"]
 

@@ -13,45 +13,34 @@ as under torchrun. ``SPARKGPU_GPU_ADDRESS`` is the rank's own device address.
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import faulthandler
 import gc
 import os
-import signal
 import sys
 
 from sparkgpu import runtime
 from sparkgpu._util.modules import imported
+from sparkgpu._util.process import die_with_parent
 from sparkgpu._util.report import report
 from sparkgpu.callbacks import WorkerContext
 from sparkgpu.errors import HydrationError, ResultError, SparkGPUError
-from sparkgpu._keyring import hold_job_key
+from sparkgpu.rundir.keyring import hold_job_key
 from sparkgpu.launch.rank.process_group import RankProcessGroup
 from sparkgpu.launch.rank.progress import finish_progress, watch_rank
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
+from sparkgpu.rundir.exit_codes import EXIT_FAILED, EXIT_PREEMPTED
 from sparkgpu.train.trained_models import save_models, unwrap_models
 from sparkgpu.launch.rank.threads import pin_rank_threads
 
-__all__ = ["main", "rank_device_env", "EXIT_FAILED", "EXIT_PREEMPTED", "NODE_DEVICES_ENV"]
+__all__ = ["main", "rank_device_env", "NODE_DEVICES_ENV"]
 
 # Set by a node's launcher when the node's device addresses are known only at launch (a Spark
 # task's GPU addresses); takes precedence over the spec's devices.
 NODE_DEVICES_ENV = runtime.ENV_NODE_DEVICES
 
 ACCELERATE_USE_CPU = "ACCELERATE_USE_CPU"
-EXIT_FAILED = 1
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: checkpointed and stopped on request; resume in a new attempt
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this rank when its launcher dies, whatever killed the launcher."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() == 1:  # the launcher died before prctl took effect
-            os._exit(EXIT_FAILED)
 
 
 def _redirect_output(path) -> None:
@@ -154,7 +143,7 @@ def main(run_dir: str, env_error: BaseException | None = None, key: bytes | None
         run_dir: The job's run directory.
         env_error: Why rehydrating the shipped environment failed in ``_air.py``, if it did;
             reported as this rank's failure.
-        key: The job key ``_air.py`` took (:mod:`sparkgpu.launch.rundir.keys`); without it the rank
+        key: The job key ``_air.py`` took (:mod:`sparkgpu.rundir.key_handover`); without it the rank
             runs nothing.
     """
     code = _run(run_dir, env_error, key)
@@ -174,10 +163,10 @@ def leave_quickly() -> None:
 
 
 def _run(run_dir: str, env_error: BaseException | None, key: bytes | None) -> int:
-    _die_with_parent()
+    die_with_parent(EXIT_FAILED)
     rd = RunDir(run_dir)
     rank, attempt = runtime.get_global_rank(), runtime.attempt()
-    _redirect_output(rd.log_file(attempt, rank))
+    _redirect_output(rd.file(RunLayout.rank_log(attempt, rank)))
 
     try:
         spec, parts = rd.load_verified(key)
@@ -223,7 +212,7 @@ def _run(run_dir: str, env_error: BaseException | None, key: bytes | None) -> in
         # from. A failed save fails the rank rather than resuming from an older checkpoint.
         _finish_pending_checkpoints()
         if stopping:
-            rd.preempted_file(attempt, rank).write_text("checkpointed; resume in a new attempt\n")
+            rd.file(RunLayout.preempted(attempt, rank)).write_text("checkpointed; resume in a new attempt\n")
             return EXIT_PREEMPTED
     except BaseException as exc:  # report anything, including SystemExit and KeyboardInterrupt
         error = exc
@@ -266,7 +255,7 @@ def _write_result(rd: RunDir, attempt: int, rank: int, result) -> int:
 
 def _result_error(rd: RunDir, attempt: int, rank: int, result, exc: Exception) -> ResultError:
     """The rank's :class:`ResultError` for ``exc``, once the models in ``result`` are saved."""
-    folder = rd.saved_models_dir(attempt, rank)
+    folder = rd.file(RunLayout.saved_models(attempt, rank))
     saved = {where: os.path.relpath(path, rd.path) for where, path in save_models(result, folder).items()}
     if saved:
         places = ", ".join(f"{where!r} at {path}" for where, path in saved.items())

@@ -2,8 +2,8 @@
 
 :func:`watch_rank` runs once in the rank entrypoint, before any user code:
 
-* it starts the rank's progress record (:mod:`sparkgpu._progress`) in
-  ``attempts/<k>/progress/rank-<r>``; :func:`note` (the same as ``sparkgpu._progress.note``)
+* it starts the rank's progress record (:mod:`sparkgpu.rundir.progress`) in
+  ``attempts/<k>/progress/rank-<r>``; :func:`note` (the same as ``sparkgpu.rundir.progress.note``)
   is what the Trainer and Lightning patches, ``Checkpointer``, the loaders and
   ``runtime.heartbeat()`` call;
 * it opens ``attempts/<k>/stacks/rank-<r>.txt``, writes a header naming the rank, its node,
@@ -25,9 +25,9 @@ import threading
 from pathlib import Path
 from typing import IO
 
-from sparkgpu import _progress
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir.layout import RunLayout
+from sparkgpu.rundir import progress as _progress
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
 
 __all__ = ["DUMP_SIGNAL", "STACKS_HEADER", "note", "finish_progress", "watch_rank", "nccl_trace_env"]
 
@@ -50,7 +50,7 @@ def nccl_trace_env(rd: RunDir, attempt: int, environ=None) -> dict[str, str]:
     wanted = {
         "TORCH_NCCL_TRACE_BUFFER_SIZE": str(NCCL_TRACE_ENTRIES),
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(rd.attempt_dir(attempt) / "nccl-trace" / "rank-"),
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(rd.file(RunLayout.attempt(attempt)) / "nccl-trace" / "rank-"),
     }
     return {name: value for name, value in wanted.items() if not environ.get(name)}
 

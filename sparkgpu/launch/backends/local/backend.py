@@ -35,8 +35,9 @@ from sparkgpu.launch.node.hardware import HostGPUs, detect_host_gpus
 from sparkgpu.launch.rank.entrypoint import NODE_DEVICES_ENV
 from sparkgpu.launch.scheduling.gpu_lease import GpuLease, lease_gpus, lock_dir, gpu_kind_of
 from sparkgpu.launch.scheduling.gpu_queue import pending_request
-from sparkgpu.launch.rundir.keys import send_key
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.key_handover import send_key
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
 from sparkgpu.launch.rank.threads import rank_thread_env, threads_per_rank
 from sparkgpu.spec import JobSpec
 
@@ -100,7 +101,7 @@ class EarlyAgent:
         assert stdin is not None, "an early agent is started with a pipe for its stdin"
         stdin.close()  # end of input: it starts nothing
         self.handle.cancel(grace=0)
-        shutil.rmtree(self.run_dir.attempt_dir(self.handle.attempt), ignore_errors=True)
+        shutil.rmtree(self.run_dir.file(RunLayout.attempt(self.handle.attempt)), ignore_errors=True)
 
 
 class LocalBackend(Backend, Preemptible, LocalRanks):
@@ -266,7 +267,7 @@ class LocalBackend(Backend, Preemptible, LocalRanks):
 
     def _start_agent(self, job, run_dir, attempt, env, env_on_stdin: bool = False) -> LocalAttempt:
         run_dir.prepare_attempt(attempt)
-        log = open(run_dir.agent_log(attempt, 0), "ab")
+        log = open(run_dir.file(RunLayout.agent_log(attempt, 0)), "ab")
         full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
         # The host's cores shared out between the ranks, as every attempt's ranks apply them.
         full_env.update(rank_thread_env(full_env, threads_per_rank(job.world_size)))
@@ -314,7 +315,7 @@ class LocalBackend(Backend, Preemptible, LocalRanks):
             return
         from sparkgpu.launch.backends.local.zygote_client import Standby
 
-        # The libraries the job's function imports (launch.rundir.preload), from the spec this client wrote.
+        # The libraries the job's function imports (sparkgpu.launch.node.preload), from the spec this client wrote.
         spec = json.loads(handle.run_dir.spec_file.read_text()) if handle.run_dir is not None else {}
         self._standbys[job.job_id] = Standby(self.python, job.job_id, spec.get("preload", []))
 

@@ -32,14 +32,15 @@ from sparkgpu._util.report import report
 from sparkgpu.runtime import ENV_RUN_DIR
 from sparkgpu.launch.node.agent import reported, verify_or_refuse
 from sparkgpu.launch.node.forked_ranks import become_rank
-from sparkgpu.launch.rank.entrypoint import EXIT_PREEMPTED, _die_with_parent
+from sparkgpu._util.process import die_with_parent
+from sparkgpu.rundir.exit_codes import EXIT_FAILED, EXIT_PREEMPTED
 from sparkgpu.launch.node.rendezvous import collective_interface_env, listening_socket, serve_store
-from sparkgpu.launch.rundir.keys import make_undumpable, rank_secrets
-from sparkgpu.protocol import NodeExit, RankExit
+from sparkgpu.rundir.key_handover import make_undumpable, rank_secrets
+from sparkgpu.rundir.states import NodeExit, RankExit
 from sparkgpu.launch.node.rank_exits import CRASH_KILL_DELAY
-from sparkgpu.launch.rundir.directory import PRIVATE_UMASK, RunDir
-from sparkgpu.launch.rundir.layout import RunLayout
-from sparkgpu.launch.rundir.preload import preload_before_fork
+from sparkgpu.rundir.directory import PRIVATE_UMASK, RunDir
+from sparkgpu.rundir.layout import RunLayout
+from sparkgpu.launch.node.preload import preload_before_fork
 
 _REQUEST_TIMEOUT = 10.0  # seconds a client has to send its whole request line
 
@@ -75,7 +76,7 @@ def _fork_store(nproc: int) -> tuple[int, int]:
         pid = os.fork()
         if not pid:
             os.setpgrp()
-            _die_with_parent()
+            die_with_parent(EXIT_FAILED)
             serve_store(listener, nproc)  # never returns
         return pid, listener.getsockname()[1]
     finally:
@@ -250,7 +251,9 @@ class _Zygote:
             env = {**request["env"], "SPARKGPU_ATTEMPT": str(attempt), ENV_RUN_DIR: str(run_dir.path)}
             # The node agent's check: nothing is forked for a payload that is not the job's.
             key = bytes.fromhex(request.get("key", ""))
-            verified = verify_or_refuse(run_dir, key or None, attempt, 0, nproc, log=run_dir.agent_log(attempt, 0))
+            verified = verify_or_refuse(
+                run_dir, key or None, attempt, 0, nproc, log=run_dir.file(RunLayout.agent_log(attempt, 0))
+            )
             if verified is None:
                 conn.sendall(b'{"started": true}\n')
                 conn.close()  # the client reads the end of the connection as a failed attempt
@@ -348,7 +351,9 @@ class _Zygote:
         failures = {k: v for k, v in failures.items() if v.exitcode != -signal.SIGTERM} or failures
         status = 1 if failures else 0
         node = NodeExit(0, status, failures)
-        job.run_dir.write_control(job.run_dir.node_file(job.attempt, 0), json.dumps(node.to_json()).encode())
+        job.run_dir.write_control(
+            job.run_dir.file(RunLayout.node_exits(job.attempt, 0)), json.dumps(node.to_json()).encode()
+        )
         try:
             self.selector.unregister(job.conn)
             job.conn.setblocking(True)
@@ -369,7 +374,7 @@ def _serve(argv: list[str]) -> None:
     directory, idle_timeout = Path(argv[0]), float(argv[1])
     fingerprint = argv[2] if len(argv) > 2 else ""
     if argv[3:4] == ["standby"]:  # one job's standby (zygote_client.Standby): it lives no longer than its client
-        _die_with_parent()
+        die_with_parent(EXIT_FAILED)
     # What every rank needs, imported once here so that forked ranks start warm.
     import cloudpickle  # noqa: F401
     import torch  # noqa: F401

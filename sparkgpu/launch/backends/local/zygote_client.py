@@ -40,6 +40,7 @@ from sparkgpu.config import settings
 from sparkgpu.errors import SparkGPUError
 from sparkgpu.launch.backends.base import AttemptHandle
 from sparkgpu.launch.rank.threads import rank_thread_env, threads_per_rank
+from sparkgpu.rundir.layout import RunLayout
 
 __all__ = ["Standby", "ZygoteAttempt", "ensure_warm_zygote", "warm_zygote_status", "stop_warm_zygote", "run_on_zygote"]
 
@@ -261,7 +262,7 @@ def run_on_zygote(directory: Path, job, run_dir, attempt: int, env: dict[str, st
         conn.close()
         raise SparkGPUError(f"the warm pool at {directory} refused the job; see {directory / 'pool.log'}")
     conn.setblocking(False)
-    return ZygoteAttempt(attempt=attempt, conn=conn, node_file=run_dir.node_file(attempt, 0))
+    return ZygoteAttempt(attempt=attempt, conn=conn, node_file=run_dir.file(RunLayout.node_exits(attempt, 0)))
 
 
 class Standby:
@@ -277,7 +278,7 @@ class Standby:
         python: The interpreter of the job's ranks.
         job_id: The job it serves.
         preload: The libraries the job's function imports, which it imports before it forks
-            (:mod:`sparkgpu.launch.rundir.preload`).
+            (:mod:`sparkgpu.launch.node.preload`).
     """
 
     def __init__(self, python: str, job_id: str, preload: list | None = None):

@@ -25,10 +25,10 @@ from sparkgpu._util.report import report
 from sparkgpu.launch.backends.base import AttemptHandle
 from sparkgpu.launch.backends.spark.capacity import RankPlacement
 from sparkgpu.launch.client.attempt_report import AttemptReport, NodeReport
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir.layout import RunLayout
-from sparkgpu.launch.rundir.staging import ClientMirror
-from sparkgpu.protocol import NodeState
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
+from sparkgpu.launch.staging.mirror import ClientMirror
+from sparkgpu.rundir.states import NodeState
 from sparkgpu.spec import JobSpec
 
 __all__ = ["NodeWatch", "SparkAttempt", "WatchOwner", "end_markers", "silent_nodes", "sync_now"]
@@ -164,7 +164,9 @@ class NodeWatch:
         """A node is lost while the Spark job runs: stop the others' ranks and end the job now."""
         message = self._report_of(handle).lost_message()
         report(f"{message}; stopping the ranks of the other nodes", self.owner.stream)
-        handle.run_dir.write_control(handle.run_dir.spark_cancel_file(handle.attempt), f"{message}\n".encode())
+        handle.run_dir.write_control(
+            handle.run_dir.file(RunLayout.spark_cancel(handle.attempt)), f"{message}\n".encode()
+        )
         sync_now(handle)
         try:
             self.owner.interrupt(handle.tag)  # Spark may wait for the lost executor's slots otherwise
@@ -188,7 +190,7 @@ class NodeWatch:
         checkpoint directory. A node that stops beating meanwhile is not waited for: it is lost.
         """
         rd, attempt = handle.run_dir, handle.attempt
-        rd.write_control(rd.spark_cancel_file(attempt), b"the Spark job of this attempt failed\n")
+        rd.write_control(rd.file(RunLayout.spark_cancel(attempt)), b"the Spark job of this attempt failed\n")
         sync_now(handle)
         interrupted = True
         try:
@@ -267,7 +269,7 @@ class NodeWatch:
                     )
                 )
             attempt_report.nodes = nodes
-        attempt_report.write(handle.run_dir.attempt_dir(handle.attempt))
+        attempt_report.write(handle.run_dir.file(RunLayout.attempt(handle.attempt)))
 
 
 def silent_nodes(run_dir: RunDir, attempt: int, ended: dict[int, dict]) -> dict[int, tuple[str, float]]:

@@ -11,7 +11,7 @@ Results, tracebacks and logs come back through the run dir, which the client and
 executors either reach under the same path (a local folder on one machine; an NFS or
 FUSE-mounted volume on a real cluster: set ``SPARKGPU_STAGING_ROOT`` to it), or mirror
 through a staging store (``SPARKGPU_STAGING_ROOT`` an fsspec URL such as ``s3://bucket/runs``;
-:mod:`sparkgpu.launch.rundir.staging`): the client uploads the payload at the job's first submit,
+:mod:`sparkgpu.launch.staging.mirror`): the client uploads the payload at the job's first submit,
 and while an attempt runs it pushes its control files and pulls the nodes' files in a
 background thread, with one last pull once the Spark job ended. The Spark action
 runs in a background thread under a job tag: ``cancel`` first asks the nodes to stop their
@@ -63,10 +63,11 @@ from sparkgpu.launch.backends.spark.sessions import (
     recorded_options,
     recorded_remote,
 )
-from sparkgpu.protocol import NodeState
+from sparkgpu.rundir.states import NodeState
 from sparkgpu.launch.rank.threads import threads_per_rank
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir.staging import ClientMirror, StagingStore, store_prefix, user_prefix
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
+from sparkgpu.launch.staging.mirror import ClientMirror, StagingStore, store_prefix, user_prefix
 from sparkgpu.spec.pools import POOL_TAG, Pool
 from sparkgpu.spec import JobSpec
 
@@ -407,7 +408,7 @@ class SparkBackend(Backend, Preemptible, ElasticCapacity, DeferredStart, Reattac
         after_loss = previous is not None and previous.job.job_id == job.job_id and bool(previous.report.lost)
         self.seats.resize(job)
         run_dir.prepare_attempt(attempt)
-        run_dir.spark_dir(attempt).mkdir(parents=True, exist_ok=True)
+        run_dir.file(RunLayout.spark(attempt)).mkdir(parents=True, exist_ok=True)
         record_session(self.spark, run_dir)
         now = time.monotonic()
         handle = SparkAttempt(
@@ -494,9 +495,9 @@ class SparkBackend(Backend, Preemptible, ElasticCapacity, DeferredStart, Reattac
         the store, which only a live client mirrors: they stop on the lost heartbeat instead.
         """
         for attempt in attempts:
-            if run_dir.spark_dir(attempt).is_dir():
+            if run_dir.file(RunLayout.spark(attempt)).is_dir():
                 run_dir.write_control(
-                    run_dir.spark_cancel_file(attempt), b"its client is gone; the job was taken over\n"
+                    run_dir.file(RunLayout.spark_cancel(attempt)), b"its client is gone; the job was taken over\n"
                 )
         deadline = time.monotonic() + job.policy.shutdown_grace + cls.node_stop_margin
         while any(run_dir.nodes_without_end(a) for a in attempts) and time.monotonic() < deadline:
@@ -577,7 +578,9 @@ class SparkBackend(Backend, Preemptible, ElasticCapacity, DeferredStart, Reattac
             handle.finished.set()
 
     def _beat(self, handle: SparkAttempt, count: int = 0) -> None:
-        handle.run_dir.write_control(handle.run_dir.client_heartbeat_file(handle.attempt), f"{count}\n".encode())
+        handle.run_dir.write_control(
+            handle.run_dir.file(RunLayout.client_heartbeat(handle.attempt)), f"{count}\n".encode()
+        )
 
     def _heartbeat(self, handle: SparkAttempt) -> None:
         count = 0
@@ -758,7 +761,9 @@ class SparkBackend(Backend, Preemptible, ElasticCapacity, DeferredStart, Reattac
             return
         handle.cancelled = True
         # First the polite way: every node SIGTERMs its agent, which gives the ranks `grace`.
-        handle.run_dir.write_control(handle.run_dir.spark_cancel_file(handle.attempt), b"cancelled by the client\n")
+        handle.run_dir.write_control(
+            handle.run_dir.file(RunLayout.spark_cancel(handle.attempt)), b"cancelled by the client\n"
+        )
         sync_now(handle)
         if not handle.nodes_started:
             self._find_start(handle)  # also tells the supervisor when they started, for billing

@@ -23,7 +23,7 @@ from typing import Any
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError
 from sparkgpu._util.files import atomic_write_bytes
-from sparkgpu.launch.rundir.directory import RunDir
+from sparkgpu.rundir.directory import RunDir
 from sparkgpu.spec.pools import POOL_TAG, Pool, choose_pool, configured_pools
 from sparkgpu.spec import JobSpec
 

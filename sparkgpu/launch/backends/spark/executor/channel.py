@@ -23,9 +23,9 @@ from sparkgpu.launch.backends.spark.executor.hub import (
     together_delay,
 )
 from sparkgpu.launch.backends.spark.executor.node_launch import CONTROL_INTERVAL, NodeLaunch
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir.layout import RunLayout
-from sparkgpu.protocol import NodeState
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
+from sparkgpu.rundir.states import NodeState
 
 __all__ = ["Heartbeat", "NodeZero", "NodeLink", "Stop", "open_hub", "control_interval", "CONTROL_INTERVAL"]
 
@@ -48,7 +48,7 @@ class Heartbeat:
         path: The file the other side rewrites with a new count every few seconds.
         timeout: Seconds without a change after which it counts as lost (``None``: never).
         clock: Seconds that count towards the silence. With a staging store: the seconds
-            during which the store answered (:class:`~sparkgpu.launch.rundir.staging.StoreClock`), so
+            during which the store answered (:class:`~sparkgpu.launch.staging.mirror.StoreClock`), so
             a store that stalls for a minute makes nobody silent.
     """
 
@@ -121,7 +121,9 @@ class NodeZero:
 
     def __init__(self, hub: Hub, rd: RunDir, launch: NodeLaunch, clock=None, written=None):
         self.hub, self.rd, self.launch, self.on_written = hub, rd, launch, written
-        self.client = Heartbeat(rd, rd.client_heartbeat_file(launch.attempt), launch.client_timeout, clock=clock)
+        self.client = Heartbeat(
+            rd, rd.file(RunLayout.client_heartbeat(launch.attempt)), launch.client_timeout, clock=clock
+        )
         # With a store the client's files arrive through the mirror: reading the local copies is free.
         self.check_every = CHECK_SECONDS if launch.store_url else folder_check_interval(launch)
         self.next_check = 0.0
@@ -145,7 +147,7 @@ class NodeZero:
     def _read_client(self) -> float | None:
         """Looks at the client's files; seconds until its silence counts as lost, when foreseen."""
         rd, attempt = self.rd, self.launch.attempt
-        cancel = rd.read_control(rd.spark_cancel_file(attempt))
+        cancel = rd.read_control(rd.file(RunLayout.spark_cancel(attempt)))
         due_in = self.client.due_in()
         now = time.monotonic()
         if cancel is not None:

@@ -13,7 +13,7 @@ The client reads the same state from one small object that node 0 writes into th
 files, as one object, every ``control_interval`` seconds.
 
 Frames are one JSON line each way, ``{"b": body, "m": MAC}``, the MAC taken as
-:func:`~sparkgpu.launch.rundir.control.seal` takes it, under the job key, over a place that names the
+:func:`~sparkgpu.rundir.control.seal` takes it, under the job key, over a place that names the
 attempt and the direction: a frame of another job, another attempt or the other direction does
 not verify. A beat's count must grow, so a replayed beat keeps no dead node alive; a reply
 echoes the count it answers, so a replayed reply answers nothing. The port is open to whoever
@@ -46,9 +46,9 @@ import threading
 import time
 
 from sparkgpu._util.report import report
-from sparkgpu.launch.rundir.control import mac, pack_files, unpack_files
-from sparkgpu.launch.rundir.layout import RunLayout
-from sparkgpu.protocol import NodeState
+from sparkgpu.rundir.control import mac, pack_files, unpack_files
+from sparkgpu.rundir.layout import RunLayout
+from sparkgpu.rundir.states import NodeState
 
 __all__ = ["Hub", "HubLink", "KEEPALIVE", "FORESEEN_TOGETHER", "beat_interval", "together_delay"]
 

@@ -10,7 +10,7 @@ restarts belong to the client's supervisor.
 
 The run dir is the client's own, on a folder mounted under the same path everywhere; or,
 with a staging store (``SPARKGPU_STAGING_ROOT`` an fsspec URL), a scratch copy on this
-executor that :class:`~sparkgpu.launch.rundir.staging.NodeMirror` keeps in step with the store.
+executor that :class:`~sparkgpu.launch.staging.mirror.NodeMirror` keeps in step with the store.
 """
 
 from __future__ import annotations
@@ -41,12 +41,12 @@ from sparkgpu.launch.backends.spark.executor.channel import (
 from sparkgpu.launch.backends.spark.executor.node_launch import NodeLaunch
 from sparkgpu.launch.backends.spark.executor.probe import executor_identity
 from sparkgpu.launch.rank.entrypoint import NODE_DEVICES_ENV
-from sparkgpu.launch.rundir.keys import send_key
-from sparkgpu.protocol import NodeState
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir.layout import RunLayout
+from sparkgpu.rundir.key_handover import send_key
+from sparkgpu.rundir.states import NodeState
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
 from sparkgpu.launch.rank.threads import rank_thread_env
-from sparkgpu.launch.rundir.staging import (
+from sparkgpu.launch.staging.mirror import (
     NodeMirror,
     StagingStore,
     scratch_run_dir,
@@ -123,7 +123,7 @@ def run_node(launch: NodeLaunch, batches):
         "run_dir": str(rd.path),
     }
     if state is None:
-        claimed = rd.node_marker(launch.attempt, node, "started")
+        claimed = rd.file(RunLayout.node_marker(launch.attempt, node, "started"))
         if (mirror is not None and mirror.claimed_before()) or not _claim(rd, claimed, info) or ctx.attemptNumber() > 0:
             # Spark re-ran the stage after a task or executor was lost. Restarts are the
             # supervisor's decision, so this stage reports and ends without training again.
@@ -258,7 +258,7 @@ def _run_agent(
     if launch.threads_per_rank:
         env.update(rank_thread_env(env, launch.threads_per_rank))
     rd.prepare_attempt(launch.attempt)
-    with open(rd.agent_log(launch.attempt, node), "ab") as log:
+    with open(rd.file(RunLayout.agent_log(launch.attempt, node)), "ab") as log:
         # Same session as this Python worker: when Spark kills the worker (job cancelled),
         # the agent dies with it (PR_SET_PDEATHSIG) and the ranks with the agent.
         agent = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE)
@@ -276,7 +276,7 @@ def _verify(rd: RunDir, launch: NodeLaunch, node: int) -> NodeState:
     starting an agent at all.
     """
     verified = verify_or_refuse(
-        rd, launch.key, launch.attempt, node, launch.nproc, log=rd.agent_log(launch.attempt, node)
+        rd, launch.key, launch.attempt, node, launch.nproc, log=rd.file(RunLayout.agent_log(launch.attempt, node))
     )
     return NodeState.BAD_SIGNATURE if verified is None else NodeState.READY
 
@@ -305,6 +305,6 @@ def _watch(agent: subprocess.Popen, rd: RunDir, launch: NodeLaunch, node: int, c
     done: dict[str, object] = {"node": node, "exit_code": code, "state": state.value, "ended_at": time.time()}
     if channel.lost:
         done["lost"] = list(channel.lost)
-    rd.write_control(rd.node_marker(launch.attempt, node, "ended"), json.dumps(done).encode())
+    rd.write_control(rd.file(RunLayout.node_marker(launch.attempt, node, "ended")), json.dumps(done).encode())
     channel.end(done)
     return code, state

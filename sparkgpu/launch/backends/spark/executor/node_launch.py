@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from sparkgpu.launch.rundir.staging import CONTROL_INTERVAL
+from sparkgpu.launch.staging.mirror import CONTROL_INTERVAL
 
 __all__ = ["NodeLaunch", "CONTROL_INTERVAL"]
 
@@ -21,7 +21,7 @@ class NodeLaunch:
         nproc: Ranks per node.
         env: Environment for the ranks.
         key: The job's signing key, handed to the node's agent on its stdin
-            (:mod:`sparkgpu.launch.rundir.keys`).
+            (:mod:`sparkgpu.rundir.key_handover`).
         shutdown_grace: Seconds ranks get after SIGTERM.
         client_timeout: Seconds without a client heartbeat after which node 0 stops the
             attempt's ranks (the client died); ``None`` to keep running.

@@ -4,7 +4,7 @@
 a fixed order: ``_air.py``, ``spec.json``, ``payload.pkl``, then the spec's ``signed_files``
 sorted by name. :func:`verify_payload` is the one check, used by the node agent, the Spark
 node task, the warm pool and the rank (through :meth:`RunDir.verify
-<sparkgpu.launch.rundir.directory.RunDir.verify>`), and by the generated ``_air.py`` before it runs a
+<sparkgpu.rundir.directory.RunDir.verify>`), and by the generated ``_air.py`` before it runs a
 shipped ``_hydrate.py``: there sparkgpu may not be importable yet, so this module uses the
 standard library only and its text is copied into every ``_air.py``
 (:func:`verifier_source`). That is also why it has no ``from __future__`` import, no

@@ -1,7 +1,7 @@
 """The names of a run directory's files: everything a worker needs, and everything it leaves behind.
 
 :class:`RunLayout` names every file of a run dir, relative to it; nothing else spells those
-names (:class:`~sparkgpu.launch.rundir.directory.RunDir` is one run dir on a machine). Layout of
+names (:class:`~sparkgpu.rundir.directory.RunDir` is one run dir on a machine). Layout of
 ``<staging_root>/<job_id>/``::
 
     _air.py              generated entrypoint: ``python _air.py`` runs one rank ("air" after the
@@ -28,7 +28,7 @@ names (:class:`~sparkgpu.launch.rundir.directory.RunDir` is one run dir on a mac
     attempts/<k>/node-<n>.json          exit codes of the node's ranks, from the agent
     attempts/<k>/report.json            the attempt's report (per node: state, exit, cause)
     attempts/<k>/STOP                   the supervisor asks the ranks to checkpoint and stop
-    attempts/<k>/progress/rank-<r>      rank r's progress record, shared memory (sparkgpu._progress)
+    attempts/<k>/progress/rank-<r>      rank r's progress record, shared memory (sparkgpu.rundir.progress)
     attempts/<k>/stacks/rank-<r>.txt    rank r's Python stacks, dumped when the supervisor asks
     attempts/<k>/hang.json, hang.txt    a hang's diagnosis, and it with every rank's stacks
     attempts/<k>/trial-reports.json     a sweep trial's intermediate values, from rank 0 (runtime.report)
@@ -36,7 +36,7 @@ names (:class:`~sparkgpu.launch.rundir.directory.RunDir` is one run dir on a mac
                                         cancel marker and heartbeat
 
 With a staging store (``SPARKGPU_STAGING_ROOT`` an fsspec URL) the same layout is mirrored at
-``<url>/<user>/<job_id>/`` and each Spark node works on a scratch copy (:mod:`sparkgpu.launch.rundir.staging`);
+``<url>/<user>/<job_id>/`` and each Spark node works on a scratch copy (:mod:`sparkgpu.launch.staging.mirror`);
 checkpoints then live on the store only.
 """
 
@@ -44,15 +44,7 @@ from __future__ import annotations
 
 import re
 
-from sparkgpu._run_files import (
-    ERRORS_FILE,
-    HYDRATE_FILE,
-    STOP_FILE,
-    TRACKING_DIR,
-    TRACKING_RECORDS_DIR,
-    TRACKING_RUN_FILE,
-)
-from sparkgpu.launch.rundir.signature import SIGNATURE_FILE, SIGNED_CORE
+from sparkgpu.rundir.signature import SIGNATURE_FILE, SIGNED_CORE
 
 __all__ = ["RunLayout"]
 
@@ -72,8 +64,8 @@ class RunLayout:
     # The signed files are spelled where the worker checks them, with the standard library alone.
     ENTRYPOINT, SPEC, PAYLOAD = SIGNED_CORE
     SIGNATURE = SIGNATURE_FILE
-    HYDRATE = HYDRATE_FILE
-    ERRORS = ERRORS_FILE
+    HYDRATE = "_hydrate.py"  # sparkgpu.env.hydrate, shipped beside _air.py with the environment
+    ERRORS = "_errors.py"  # sparkgpu.errors, shipped beside it (hydration raises its classes; spelled there too)
     STATE = "state.json"
     CANCEL_REQUEST = "cancel-request"
     SWEEP_STOP = "sweep-stop"  # a sweep's request that its trial job stop (pruned), sealed (sparkgpu.sweeps)
@@ -87,7 +79,10 @@ class RunLayout:
     HANG = "hang.json"  # in an attempt's folder: a hang's diagnosis (launch.client.progress_watch)
     HANG_STACKS = "hang.txt"  # in an attempt's folder: the diagnosis and every rank's stacks
     RAY_CLUSTER = "cluster.json"  # in an attempt's ray/ folder
-    TRACKING = TRACKING_DIR
+    STOP = "STOP"  # in an attempt's folder: the supervisor asks the ranks to checkpoint and stop
+    TRACKING = "tracking"  # the job's tracking run and the ranks' spooled records
+    TRACKING_RUN_FILE = "run.json"  # in TRACKING: the job's tracking run
+    TRACKING_RECORDS_DIR = "records"  # in TRACKING: the ranks' spooled records
     TRACKING_RUN = f"{TRACKING}/{TRACKING_RUN_FILE}"
     TRACKING_RECORDS = f"{TRACKING}/{TRACKING_RECORDS_DIR}"
     #: The signed files every run dir has, in the order the signature covers them.
@@ -113,7 +108,7 @@ class RunLayout:
 
     @staticmethod
     def log_stream(attempt: int | str, node: int) -> str:
-        """The name of node ``node``'s stream of log bundles on a staging store (:mod:`sparkgpu.launch.rundir.log_bundles`)."""
+        """The name of node ``node``'s stream of log bundles on a staging store (:mod:`sparkgpu.launch.staging.log_bundles`)."""
         return f"{RunLayout.logs(attempt)}/node-{node}"
 
     @staticmethod
@@ -177,7 +172,7 @@ class RunLayout:
 
     @staticmethod
     def progress(attempt: int | str, rank: int | str) -> str:
-        """Rank ``rank``'s progress record (:mod:`sparkgpu._progress`), on the rank's node."""
+        """Rank ``rank``'s progress record (:mod:`sparkgpu.rundir.progress`), on the rank's node."""
         return f"{RunLayout.attempt(attempt)}/progress/rank-{rank}"
 
     @staticmethod
@@ -203,7 +198,7 @@ class RunLayout:
 
     @staticmethod
     def stop(attempt: int | str) -> str:
-        return f"{RunLayout.attempt(attempt)}/{STOP_FILE}"
+        return f"{RunLayout.attempt(attempt)}/{RunLayout.STOP}"
 
     @staticmethod
     def ray(attempt: int | str) -> str:

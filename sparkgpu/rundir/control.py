@@ -19,7 +19,7 @@ import hashlib
 import hmac
 import threading
 
-from sparkgpu._keyring import derive_key
+from sparkgpu.rundir.keyring import derive_key
 from sparkgpu._util.report import report
 
 __all__ = ["seal", "unseal", "mac", "pack_files", "unpack_files", "MAC_MARK"]
@@ -51,7 +51,7 @@ def unseal(key: bytes | None, place: str, sealed: bytes) -> bytes | None:
 
     Args:
         key: The job key; without it nothing verifies.
-        place: The file's name relative to the run dir (:class:`~sparkgpu.launch.rundir.layout.RunLayout`).
+        place: The file's name relative to the run dir (:class:`~sparkgpu.rundir.layout.RunLayout`).
         sealed: The file's bytes.
     """
     body, mark, given = sealed.rpartition(MAC_MARK)

@@ -18,7 +18,7 @@ Who writes what:
   object, ``attempts/<k>/spark/control``, put again when one of them changes.
 * node -> store: every other file its agent and ranks leave in ``attempts/<k>/`` (logs,
   results, errors, environment reports, node markers) and their tracking records. Object
-  stores cannot append, so logs go up as appended bundles (:mod:`sparkgpu.launch.rundir.log_bundles`),
+  stores cannot append, so logs go up as appended bundles (:mod:`sparkgpu.launch.staging.log_bundles`),
   one per node and round, each byte once, no more often than every ``log_interval`` seconds (30 by default, 2 for the ranks
   the client echoes live); the end markers go last, after results and errors, so the client
   never sees a node end without them.
@@ -51,10 +51,10 @@ from sparkgpu._util.files import atomic_write_bytes, is_temporary
 from sparkgpu._util.report import report
 from sparkgpu._util.urls import scheme_of
 from sparkgpu.errors import ConfigurationError
-from sparkgpu.launch.rundir.control import pack_files, unpack_files
-from sparkgpu.launch.rundir.log_bundles import LogReader, LogShipper, parse_bundle_name
-from sparkgpu.launch.rundir.directory import RunDir
-from sparkgpu.launch.rundir.layout import RunLayout
+from sparkgpu.rundir.control import pack_files, unpack_files
+from sparkgpu.launch.staging.log_bundles import LogReader, LogShipper, parse_bundle_name
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
 from sparkgpu.store import Store
 
 __all__ = ["StagingStore", "ClientMirror", "NodeMirror", "StoreClock", "scratch_run_dir", "store_prefix", "user_prefix"]
@@ -596,7 +596,7 @@ class NodeMirror:
         found = {}
         skip = set(RunLayout.control_files(self.attempt)) | set(self._pulled)
         for folder, pattern in (
-            (self.run_dir.attempt_dir(self.attempt), "*"),
+            (self.run_dir.file(RunLayout.attempt(self.attempt)), "*"),
             (self.run_dir.file(RunLayout.TRACKING_RECORDS), f"{RunLayout.tracking_records_of(self.attempt)}*"),
         ):
             for path in folder.rglob(pattern) if folder.is_dir() else ():

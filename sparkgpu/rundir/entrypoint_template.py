@@ -1,12 +1,12 @@
 """The template of what a worker runs: the generated entrypoint (``_air.py``).
 
-It takes the job key the way :mod:`sparkgpu.launch.rundir.keys` hands it over (in memory from a
+It takes the job key the way :mod:`sparkgpu.rundir.key_handover` hands it over (in memory from a
 forking launcher, or from a file of the rank's own that it removes once read), never from the
 environment.
 
 The run directory that holds the entrypoint, the spec and the payload, and the signing of
-its files, are :mod:`sparkgpu.launch.rundir.directory`'s; how the payload is pickled is
-:mod:`sparkgpu.launch.rundir.serialization`'s.
+its files, are :mod:`sparkgpu.rundir.directory`'s; how the payload is pickled is
+:mod:`sparkgpu.rundir.serialization`'s.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ if "__file__" in globals():
 else:
     _run_dir = os.path.abspath(sys.argv[1])
 _env_error = None
-# The job key (sparkgpu.launch.rundir.keys): in memory from a forking launcher, else this rank's own
+# The job key (sparkgpu.rundir.key_handover): in memory from a forking launcher, else this rank's own
 # file, removed once read. Only the folder's name is in the environment, and it leaves it here.
 _key = globals().pop("_sparkgpu_job_key", None)
 # A rank forked from its node's agent, which rehydrated the environment for the node's ranks,
@@ -41,7 +41,7 @@ if _key is None and _key_dir:
         os.unlink(_key_file)
     except (OSError, ValueError):
         _key = None
-# -- sparkgpu.launch.rundir.signature, as of the client that staged this job --------------
+# -- sparkgpu.rundir.signature, as of the client that staged this job --------------
 {verifier}
 # ------------------------------------------------------------------------------------------
 if os.path.exists(os.path.join(_run_dir, {hydrate!r})):

@@ -1,7 +1,7 @@
 """Job signing keys: made on the client, handed to a job's processes without leaving a trace.
 
 The keyring itself (making, keeping and loading keys, per-purpose keys) is
-:mod:`sparkgpu._keyring`'s. A job's key signs its payload, its ranks' results, its control files
+:mod:`sparkgpu.rundir.keyring`'s. A job's key signs its payload, its ranks' results, its control files
 and its checkpoints. The run dir may be on
 shared storage, so the key is never written there, and it is never put in a process's
 environment or command line, which any process of the same user can read

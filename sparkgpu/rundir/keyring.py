@@ -5,7 +5,7 @@ with a key derived for that purpose, :func:`derive_key`). To let ``sparkgpu resu
 job after the client process died, the key is kept in the user's private keyring
 (``$SPARKGPU_HOME/keys/<job_id>``, mode 0600). A rank holds its job's key in memory once its
 entrypoint took it (:func:`current_job_key`); how it gets there without passing through an
-environment is :mod:`sparkgpu.launch.rundir.keys`'s.
+environment is :mod:`sparkgpu.rundir.key_handover`'s.
 
 Below every sub-package: the launcher, checkpoints and tracking all use it.
 """

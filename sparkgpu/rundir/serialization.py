@@ -8,7 +8,7 @@ module missing in the workers' environment. Ranks pickle their return value
 back (:func:`deserialize_error`). :func:`client_sys_path` lists the import paths the
 workers need so that the caller's own modules unpickle there too.
 
-Where these bytes are stored, and how they are signed, is :mod:`sparkgpu.launch.rundir.directory`'s.
+Where these bytes are stored, and how they are signed, is :mod:`sparkgpu.rundir.directory`'s.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The run directory: everything a worker needs, and everything it leaves behind.
 
 :class:`RunDir` is one run dir on this machine: paths, the signed payload, the signed rank
-outputs. Its files and their names are :mod:`sparkgpu.launch.rundir.layout`'s.
+outputs. Its files and their names are :mod:`sparkgpu.rundir.layout`'s.
 
 With a staging store (``SPARKGPU_STAGING_ROOT`` an fsspec URL) the same layout is mirrored at
-``<url>/<job_id>/`` and each Spark node works on a scratch copy (:mod:`sparkgpu.launch.rundir.staging`);
+``<url>/<job_id>/`` and each Spark node works on a scratch copy (:mod:`sparkgpu.launch.staging.mirror`);
 checkpoints then live on the store only.
 
 Everyone who can write the staging root can write here, so nothing read from it is trusted
@@ -14,7 +14,7 @@ itself never touches the run dir.
 
 Every file a reader may see as complete is written to a temporary name and renamed
 (:mod:`sparkgpu._util.files`). How the payload, the results and the errors are pickled is
-:mod:`sparkgpu.launch.rundir.serialization`'s; the entrypoint's text is :mod:`sparkgpu.launch.rundir.entrypoint_template`'s.
+:mod:`sparkgpu.rundir.serialization`'s; the entrypoint's text is :mod:`sparkgpu.rundir.entrypoint_template`'s.
 """
 
 from __future__ import annotations
@@ -32,15 +32,15 @@ from typing import Any
 import cloudpickle
 
 from sparkgpu._util.files import atomic_write_bytes, atomic_writer, temporary_name
-from sparkgpu._keyring import derive_key
+from sparkgpu.rundir.keyring import derive_key
 from sparkgpu.errors import ConfigurationError, PayloadSignatureError, RankFailure
-from sparkgpu.launch.rundir.signature import sign_payload, verifier_source, verify_payload
-from sparkgpu.launch.rundir.control import seal, unseal
-from sparkgpu.launch.rundir.keys import KEY_DIR_ENV, RANK_KEY_FILE
-from sparkgpu.launch.rundir.entrypoint_template import AIR_TEMPLATE
-from sparkgpu.protocol import NodeExit, RankExit
-from sparkgpu.launch.rundir.layout import RunLayout
-from sparkgpu.launch.rundir.serialization import deserialize_error, dump_result, serialize_error, unpack_payload
+from sparkgpu.rundir.signature import sign_payload, verifier_source, verify_payload
+from sparkgpu.rundir.control import seal, unseal
+from sparkgpu.rundir.key_handover import KEY_DIR_ENV, RANK_KEY_FILE
+from sparkgpu.rundir.entrypoint_template import AIR_TEMPLATE
+from sparkgpu.rundir.states import NodeExit, RankExit
+from sparkgpu.rundir.layout import RunLayout
+from sparkgpu.rundir.serialization import deserialize_error, dump_result, serialize_error, unpack_payload
 
 __all__ = ["RunDir", "PRIVATE_DIR", "PRIVATE_FILE", "PRIVATE_UMASK"]
 
@@ -119,17 +119,24 @@ class RunDir:
         return self.path / RunLayout.CANCEL_REQUEST
 
     def file(self, rel: str) -> Path:
-        """The file named ``rel`` by :class:`RunLayout`."""
+        """The file named ``rel`` by :class:`RunLayout`: ``run_dir.file(RunLayout.result(attempt, rank))``.
+
+        The job's own files have properties here (:attr:`spec_file`, :attr:`state_file`, ...);
+        an attempt's are named by :class:`RunLayout` and found through this.
+        """
         return self.path / rel
 
-    # -- control files (sealed under the job key, sparkgpu.launch.rundir.control) ---------------
+    def logs_dir(self, attempt: int) -> Path:
+        return self.path / RunLayout.logs(attempt)
+
+    # -- control files (sealed under the job key, sparkgpu.rundir.control) ---------------
     def _keyring_key(self) -> bytes:
         """The job key from this user's keyring (the client's), kept on this run dir.
 
         Raises:
             ConfigurationError: the job was launched from another machine or user.
         """
-        from sparkgpu._keyring import load_key
+        from sparkgpu.rundir.keyring import load_key
 
         self.key = load_key(self.job_id)
         return self.key
@@ -200,50 +207,9 @@ class RunDir:
         except ValueError:
             return None
 
-    def attempt_dir(self, attempt: int) -> Path:
-        return self.path / RunLayout.attempt(attempt)
-
-    def logs_dir(self, attempt: int) -> Path:
-        return self.path / RunLayout.logs(attempt)
-
-    def log_file(self, attempt: int, rank: int) -> Path:
-        return self.path / RunLayout.rank_log(attempt, rank)
-
-    def result_file(self, attempt: int, rank: int) -> Path:
-        return self.path / RunLayout.result(attempt, rank)
-
-    def error_file(self, attempt: int, rank: int) -> Path:
-        return self.path / RunLayout.error(attempt, rank)
-
-    def saved_models_dir(self, attempt: int, rank: int) -> Path:
-        return self.path / RunLayout.saved_models(attempt, rank)
-
-    def preempted_file(self, attempt: int, rank: int) -> Path:
-        return self.path / RunLayout.preempted(attempt, rank)
-
-    def node_file(self, attempt: int, node_rank: int) -> Path:
-        return self.path / RunLayout.node_exits(attempt, node_rank)
-
-    def agent_log(self, attempt: int, node_rank: int) -> Path:
-        return self.path / RunLayout.agent_log(attempt, node_rank)
-
-    def spark_dir(self, attempt: int) -> Path:
-        """The folder of the attempt's Spark markers (nodes' start and end, node 0's state; the client's cancel and beat)."""
-        return self.path / RunLayout.spark(attempt)
-
-    def spark_cancel_file(self, attempt: int) -> Path:
-        return self.path / RunLayout.spark_cancel(attempt)
-
-    def client_heartbeat_file(self, attempt: int) -> Path:
-        return self.path / RunLayout.client_heartbeat(attempt)
-
-    def node_marker(self, attempt: int, node: int, kind: str) -> Path:
-        """A Spark node's marker: ``kind`` is ``"started"`` or ``"ended"``."""
-        return self.path / RunLayout.node_marker(attempt, node, kind)
-
     def node_markers(self, attempt: int, kind: str) -> dict[int, Path]:
         """The attempt's Spark node markers of one ``kind``, by node."""
-        folder = self.spark_dir(attempt)
+        folder = self.file(RunLayout.spark(attempt))
         found = {}
         for path in folder.iterdir() if folder.is_dir() else ():
             node = RunLayout.node_marker_node(path.name, kind)
@@ -435,12 +401,12 @@ class RunDir:
 
     def write_result(self, attempt: int, rank: int, value: Any) -> None:
         self._write_signed(
-            self.result_file(attempt, rank), "result", attempt, rank, lambda f: dump_result(value, f, rank)
+            self.file(RunLayout.result(attempt, rank)), "result", attempt, rank, lambda f: dump_result(value, f, rank)
         )
 
     def write_error(self, attempt: int, rank: int, exc: BaseException) -> None:
         data = serialize_error(rank, exc)
-        self._write_signed(self.error_file(attempt, rank), "error", attempt, rank, lambda f: f.write(data))
+        self._write_signed(self.file(RunLayout.error(attempt, rank)), "error", attempt, rank, lambda f: f.write(data))
 
     def read_result(self, attempt: int, rank: int) -> Any:
         """Rank ``rank``'s return value.
@@ -449,7 +415,7 @@ class RunDir:
             PayloadSignatureError: the file is unsigned or not signed with the job's key.
             ConfigurationError: this process has no key for the job.
         """
-        return cloudpickle.loads(self._read_signed(self.result_file(attempt, rank), "result", attempt, rank))
+        return cloudpickle.loads(self._read_signed(self.file(RunLayout.result(attempt, rank)), "result", attempt, rank))
 
     def read_error(self, attempt: int, rank: int) -> tuple[RankFailure, BaseException | None]:
         """Rank ``rank``'s failure, and its exception when the class exists here.
@@ -458,10 +424,10 @@ class RunDir:
             PayloadSignatureError: the file is unsigned or not signed with the job's key.
             ConfigurationError: this process has no key for the job.
         """
-        return deserialize_error(self._read_signed(self.error_file(attempt, rank), "error", attempt, rank))
+        return deserialize_error(self._read_signed(self.file(RunLayout.error(attempt, rank)), "error", attempt, rank))
 
     def _attempt_files(self, attempt: int) -> list[Path]:
-        folder = self.attempt_dir(attempt)
+        folder = self.file(RunLayout.attempt(attempt))
         return sorted(folder.iterdir()) if folder.is_dir() else []
 
     def read_env_reports(self, attempt: int) -> dict[int, dict]:
@@ -484,7 +450,7 @@ class RunDir:
 
     def log_tail(self, attempt: int, rank: int, lines: int = 20) -> str:
         try:
-            with open(self.log_file(attempt, rank), "rb") as f:
+            with open(self.file(RunLayout.rank_log(attempt, rank)), "rb") as f:
                 f.seek(0, os.SEEK_END)
                 f.seek(max(0, f.tell() - 16384))
                 text = f.read().decode(errors="replace")
