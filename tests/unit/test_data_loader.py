@@ -20,6 +20,7 @@ from sparkgpu.data.loaders.order import (
     shard_spans,
 )
 from sparkgpu.errors import ConfigurationError, DataError
+from tests.mosaic import streaming_dataset
 from tests.unit.test_data_loader_support import check_tabular_batch, collect_ids, write_tabular
 
 
@@ -209,6 +210,92 @@ def test_variable_width_columns_decode_like_they_were_written(tmp_path, gather_b
             assert batch["w"][k].item() == float(row["w"])
             seen += 1
     assert seen == 300
+
+
+def _assert_decodes_like_streaming(folder, batch_size: int) -> None:
+    """Every sample of ``data.dataset`` equals Mosaic Streaming's own decoding of it (value, dtype, shape)."""
+    reference = streaming_dataset(local=str(folder), shuffle=False, batch_size=1)
+    expected = [reference[i] for i in range(len(reference))]
+    seen = 0
+    for batch in data.dataset(local=str(folder), batch_size=batch_size):
+        for k, i in enumerate(batch["i"].tolist()):
+            for name, value in expected[i].items():
+                got = batch[name][k]
+                if isinstance(value, np.ndarray):
+                    got = got.numpy()
+                    assert got.dtype == value.dtype and got.shape == value.shape, (name, i, got, value)
+                    np.testing.assert_array_equal(got, value)
+                else:
+                    assert (got.item() if isinstance(got, torch.Tensor) else got) == value, (name, i)
+            seen += 1
+    assert seen == len(expected)
+
+
+def test_every_kind_of_ndarray_column_decodes_like_streaming(tmp_path, gather_backend):
+    # One-byte dtypes next to variable-width columns once came back as None (a TypeError):
+    # ndarray:uint8/int8 arrays, uint8 values in a dtype-less ndarray column, uint8 scalars.
+    from streaming import MDSWriter
+
+    columns = {
+        "i": "int64",
+        "flag": "uint8",
+        "ids": "ndarray:int32",
+        "mask": "ndarray:uint8",
+        "small": "ndarray:int8",
+        "any": "ndarray",
+        "grid": "ndarray:uint8:2,3",
+        "emb": "ndarray:float16:3",
+        "text": "str",
+    }
+    dtypes = ["uint8", "int8", "int32", "float64", "uint16", "float16"]
+    rng = np.random.default_rng(1)
+    with MDSWriter(out=str(tmp_path / "arrays"), columns=columns, size_limit=4000) as writer:
+        for i in range(200):
+            length = [1, 3, 255, 256, 300, 2][i % 6]  # uint8 and uint16 shape headers in one batch
+            writer.write(
+                {
+                    "i": i,
+                    "flag": np.uint8(i % 256),
+                    "ids": rng.integers(-(2**31), 2**31, length, dtype=np.int32),
+                    "mask": (np.arange(length) % 2).astype(np.uint8),
+                    "small": np.full(i % 5 + 1, -i % 128, np.int8),
+                    "any": rng.integers(0, 100, (i % 3 + 1,) * (i % 2 + 1)).astype(dtypes[i % len(dtypes)]),
+                    "grid": np.full((2, 3), i % 256, np.uint8),
+                    "emb": np.full(3, i / 4, np.float16),
+                    "text": "é" * (i % 4),
+                }
+            )
+    assert len(list((tmp_path / "arrays").glob("*.mds"))) > 1
+    _assert_decodes_like_streaming(tmp_path / "arrays", batch_size=13)
+
+
+def test_empty_and_one_byte_arrays_from_to_mds_decode_like_streaming(tmp_path, gather_backend):
+    # MDSWriter refuses empty arrays; sparkgpu's writer stores them (an empty Spark array), and
+    # Spark booleans and bytes become uint8/int8 arrays. The first batch is all empty arrays.
+    import pyarrow as pa
+
+    from sparkgpu.data.mds.columns import plan_columns
+    from sparkgpu.data.mds.writer import ShardOptions, index_document
+    from sparkgpu.store import Store
+
+    n = 120
+    lengths = [0] * 8 + [0, 3, 0, 1, 300, 0, 2, 7] * 14
+    table = pa.table(
+        {
+            "i": pa.array(np.arange(n)),
+            "ids": pa.array([np.arange(k, dtype=np.int32) for k in lengths], pa.list_(pa.int32())),
+            "mask": pa.array([[True, False] * (k // 2) for k in lengths], pa.list_(pa.bool_())),
+            "bytes": pa.array([np.arange(k % 5, dtype=np.int8) for k in lengths], pa.list_(pa.int8())),
+            "quad": pa.FixedSizeListArray.from_arrays(pa.array(np.arange(4 * n, dtype=np.int64) % 100, pa.int8()), 4),
+        }
+    )
+    options = ShardOptions.create(plan_columns(table.schema), size_limit=3000)
+    assert options.columns["mask"] == "ndarray:uint8" and options.columns["quad"] == "ndarray:int8:4"
+    writer = options.writer(Store(str(tmp_path / "own")), "")
+    for batch in table.to_batches(max_chunksize=50):
+        writer.write_batch(batch)
+    (tmp_path / "own" / "index.json").write_bytes(index_document(writer.finish()))
+    _assert_decodes_like_streaming(tmp_path / "own", batch_size=8)
 
 
 def test_fixed_width_columns_at_unaligned_offsets_are_copied_out_correctly(tmp_path, gather_backend):

@@ -174,9 +174,11 @@ class BatchDecoder:
             cursor = cursor + lengths
         return batch
 
-    def _pack(self, sources, source_ids, starts, lengths, align=1):
+    def _pack(self, sources, source_ids, starts, lengths, align=None):
+        # With ``align`` (the itemsize of the values, 1 included) the spans go into a tensor
+        # from ``allocate``, to be viewed as that dtype; without, into a numpy byte buffer.
         offsets = np.cumsum(lengths) - lengths
-        packed = self.allocate(max(int(lengths.sum()), align)) if align > 1 else None
+        packed = self.allocate(max(int(lengths.sum()), align)) if align is not None else None
         array = packed.numpy() if packed is not None else np.empty(max(int(lengths.sum()), 1), dtype=np.uint8)
         _gather.gather_spans(array, offsets, sources, source_ids, starts, lengths)
         return packed, array, offsets
