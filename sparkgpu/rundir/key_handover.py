@@ -12,15 +12,23 @@ environment or command line, which any process of the same user can read
   (:func:`make_undumpable`), so that its memory and descriptors are root's to read;
 - the agent hands each rank a file of its own, 0600 in a fresh 0700 folder on local disk, that
   the rank's ``_air.py`` reads and removes before anything else runs (:func:`hand_to_ranks`);
-  a rank forked by a warm pool gets it in memory instead.
+  a rank forked by a warm pool gets it in memory instead. A folder is named by the process
+  that made it; one left by a process that no longer runs (an agent SIGKILLed before its
+  attempt ended, with the files of ranks that never started) is removed by the next
+  :func:`hand_to_ranks` of the same user on that machine (:func:`remove_stale_key_folders`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import IO
+
+log = logging.getLogger(__name__)
 
 
 __all__ = [
@@ -28,6 +36,7 @@ __all__ = [
     "send_key",
     "receive_key",
     "hand_to_ranks",
+    "remove_stale_key_folders",
     "make_undumpable",
     "KEY_DIR_ENV",
     "RANK_KEY_FILE",
@@ -36,6 +45,9 @@ __all__ = [
 # Names the generated ``_air.py`` reads with the standard library alone (RunLayout has the rest).
 KEY_DIR_ENV = "SPARKGPU_JOB_KEY_DIR"
 RANK_KEY_FILE = "rank-{local_rank}"
+#: A key folder's name: the process that made it, then mkdtemp's random part.
+_FOLDER_PREFIX = "sparkgpu-key-{pid}-"
+_CLOCK_MARGIN_S = 30.0
 
 
 def rank_secrets(key: bytes, environ) -> dict[str, str]:
@@ -82,15 +94,84 @@ def hand_to_ranks(key: bytes, local_ranks: int) -> Path:
 
     Each rank's ``_air.py`` reads its own file (:data:`RANK_KEY_FILE`) and removes it; the
     launcher removes the folder, with the files of ranks that never started, when the attempt
-    ends. The folder is named to the ranks in :data:`KEY_DIR_ENV`: a name, not the key.
+    ends. The folder is named to the ranks in :data:`KEY_DIR_ENV`: a name, not the key. Folders
+    that processes of this user left behind when they were killed are removed first
+    (:func:`remove_stale_key_folders`).
     """
-    folder = Path(tempfile.mkdtemp(prefix="sparkgpu-key-"))  # 0700, as mkdtemp makes them
+    remove_stale_key_folders()
+    folder = Path(tempfile.mkdtemp(prefix=_FOLDER_PREFIX.format(pid=os.getpid())))  # 0700, as mkdtemp makes them
     for local_rank in range(local_ranks):
         path = folder / RANK_KEY_FILE.format(local_rank=local_rank)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(key.hex())
     return folder
+
+
+def remove_stale_key_folders(root: str | Path | None = None) -> list[Path]:
+    """Removes this user's key folders in ``root`` (the temp folder) whose maker no longer runs.
+
+    A folder's maker is the pid in its name; it no longer runs when no process has that pid, or
+    when the process that has it started after the folder was made (the pid was reused). Folders
+    of other users, and of running processes, are left alone. Returns the folders removed.
+    """
+    root = Path(root or tempfile.gettempdir())
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return removed
+    uid = os.getuid()
+    for entry in entries:
+        pid = _maker_pid(entry.name)
+        if pid is None:
+            continue
+        try:
+            made = entry.stat(follow_symlinks=False)
+        except OSError:  # removed meanwhile
+            continue
+        if made.st_uid != uid or not entry.is_dir(follow_symlinks=False) or _runs_since(pid, made.st_ctime):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)  # a concurrent sweep may remove it first
+        if not os.path.exists(entry.path):
+            removed.append(Path(entry.path))
+            log.info("removed the key folder %s left by process %d, which no longer runs", entry.path, pid)
+    return removed
+
+
+def _maker_pid(name: str) -> int | None:
+    head, _, rest = name.partition(_FOLDER_PREFIX.split("{")[0])
+    digits = rest.split("-", 1)[0]
+    return int(digits) if not head and "-" in rest and digits.isdigit() else None
+
+
+def _runs_since(pid: int, made: float) -> bool:
+    """Whether the process ``pid`` runs and started before ``made`` (an epoch second), so it may have made it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc (not Linux): alive is all that can be known
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    started = _boot_time() + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    # Boot time is whole seconds and the wall clock may be stepped after boot: a pid reused within
+    # this margin keeps the folder until a later sweep, and a running maker is never taken for gone.
+    return started <= made + _CLOCK_MARGIN_S
+
+
+def _boot_time() -> float:
+    with open("/proc/stat") as f:
+        for line in f:
+            if line.startswith("btime "):
+                return float(line.split()[1])
+    return time.time() - time.monotonic()
 
 
 def make_undumpable(undumpable: bool = True) -> bool:

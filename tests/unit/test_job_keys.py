@@ -4,17 +4,28 @@ from __future__ import annotations
 
 import io
 import os
+import signal
 import stat
 import subprocess
 import sys
+import tempfile
+import time
 import types
+from pathlib import Path
 
 import pytest
 from pyspark.sql.connect.client.core import DefaultChannelBuilder
 
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.launch.backends.spark.sessions import PLAINTEXT_ENV, check_key_transport
-from sparkgpu.rundir.key_handover import RANK_KEY_FILE, hand_to_ranks, receive_key, send_key
+from sparkgpu.rundir.key_handover import (
+    RANK_KEY_FILE,
+    hand_to_ranks,
+    receive_key,
+    _runs_since,
+    remove_stale_key_folders,
+    send_key,
+)
 from sparkgpu.rundir.serialization import serialize_payload
 from sparkgpu.rundir.directory import RunDir
 
@@ -43,6 +54,47 @@ def test_each_rank_gets_a_private_file_of_its_own(tmp_path):
         for f in folder.iterdir():
             f.unlink()
         folder.rmdir()
+
+
+def test_the_key_folder_of_a_killed_process_is_removed_by_the_next_hand_off_and_a_live_one_kept(tmp_path, monkeypatch):
+    # An agent SIGKILLed after handing its ranks their keys, before any rank took its file.
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    killed = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from sparkgpu.rundir.key_handover import hand_to_ranks; "
+            "print(hand_to_ranks(bytes(32), 2), flush=True); time.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    left = Path(killed.stdout.readline().strip())
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    assert sorted(f.name for f in left.iterdir()) == ["rank-0", "rank-1"]  # the key, on disk, for nobody
+    unrelated = tmp_path / "sparkgpu-key-notapid"
+    unrelated.mkdir()
+
+    live = hand_to_ranks(KEY, 1)  # this process runs: its folder stays while a later hand-off sweeps
+    assert not left.exists()
+    assert remove_stale_key_folders() == [] and live.exists() and unrelated.exists()
+    assert live.parent == tmp_path and live.name.startswith(f"sparkgpu-key-{os.getpid()}-")
+
+
+def test_a_reused_pid_does_not_keep_a_key_folder_alive():
+    # A folder made minutes ago, whose pid now names a process that started after it, is stale.
+    later = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        assert not _runs_since(later.pid, time.time() - 120)
+        assert _runs_since(later.pid, time.time())  # made now: that process may have made it
+        assert _runs_since(os.getpid(), time.time())
+    finally:
+        later.kill()
+        later.wait()
+    assert not _runs_since(later.pid, time.time())  # gone
 
 
 def test_the_entrypoint_takes_its_key_file_and_removes_it_before_anything_runs(tmp_path):
