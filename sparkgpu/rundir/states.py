@@ -48,8 +48,8 @@ payload's signature does not hold. ``RUNNING`` is the agent's state while it run
 a final one: it ends ``SUCCEEDED`` or ``FAILED`` by the agent's exit code, or by what stopped
 it (``CANCELLED`` by the client, ``CLIENT_LOST``: the client stopped beating,
 ``PEER_FAILED``: another node's ranks failed, ``PEER_LOST``: another node stopped beating).
-The client's own account adds ``LOST`` (the node stopped beating without an end marker: its
-executor is gone) and ``UNKNOWN`` (no row and no end marker).
+The client's own account adds ``EXECUTOR_LOST`` (written ``"lost"``: the node stopped beating
+without an end marker, its executor is gone) and ``UNKNOWN`` (no row and no end marker).
 
 :class:`JobState` / :class:`AttemptRecord` / :class:`ClientInfo`: ``state.json``'s keys, typed
 for the checker; the state stays a plain dict (its ``status`` values are the enums' strings).
@@ -180,7 +180,7 @@ class NodeState(_StrEnum):
     CLIENT_LOST = "client-lost"
     PEER_FAILED = "peer-failed"
     PEER_LOST = "peer-lost"
-    LOST = "lost"
+    EXECUTOR_LOST = "lost"  # the client's account: the node stopped beating, its executor gone
     UNKNOWN = "unknown"
 
 
