@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import sparkgpu
-from sparkgpu.launch.client.attempt_result import StoppedBy
+from sparkgpu.launch.client.attempt_verdict import StoppedBy
 from sparkgpu.launch.client.job_state import IllegalTransition, JobBook
 from sparkgpu.launch.client.supervisor import JobStep, cancel_abandoned, fail_unsupervisable, next_step
 from sparkgpu.rundir.states import ATTEMPT_TRANSITIONS, JOB_TRANSITIONS, AttemptStatus, JobStatus

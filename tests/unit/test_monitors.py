@@ -5,7 +5,7 @@ import pytest
 from sparkgpu.callbacks import JobCallback
 from sparkgpu.errors import JobCancelledError, JobTimeoutError
 from sparkgpu.launch.client import monitors as m
-from sparkgpu.launch.client.attempt_result import StoppedBy
+from sparkgpu.launch.client.attempt_verdict import StoppedBy
 from sparkgpu.launch.scheduling.elastic import ElasticPlan
 from sparkgpu.rundir.states import AttemptStatus, JobStatus
 from sparkgpu.spec import JobSpec, Resources, RunPolicy

@@ -31,7 +31,7 @@ from sparkgpu.callbacks import JobCallback
 from sparkgpu.errors import JobCancelledError, JobTimeoutError
 from sparkgpu.launch.backends.base import Backend
 from sparkgpu.launch.backends.capabilities import DeferredStart, Preemptible
-from sparkgpu.launch.client.attempt_result import StoppedBy
+from sparkgpu.launch.client.attempt_verdict import StoppedBy
 from sparkgpu.launch.scheduling.elastic import ElasticPlan
 from sparkgpu.rundir.states import AttemptStatus, JobStatus
 from sparkgpu.spec import JobSpec

@@ -1,8 +1,14 @@
-"""How an attempt ended, read back from the run dir: :class:`AttemptResult` and :func:`read_attempt`.
+"""The client's verdict on how an attempt ended, read back from the run dir: :class:`AttemptVerdict`
+and :func:`read_attempt`.
 
 The supervisor reads each attempt this way when its launchers are done, and a later
 ``attach(job_id).result()`` reads a finished job's last attempt the same way, so both raise the
-same error with the same root cause.
+same error with the same root cause. Three records say how an attempt ended, each its own
+thing: the backend's :class:`~sparkgpu.launch.client.attempt_report.AttemptReport` (its
+``report.json``: how each node ended, as the backend saw it) is one input of the verdict; the
+verdict (the status, each rank's result or failure) decides the supervisor's next step; the
+callbacks hear it as a :class:`~sparkgpu.callbacks.AttemptOutcome` (the status, the times, the
+GPUs billed).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from sparkgpu.rundir.states import AttemptStatus, RankExit
 from sparkgpu.rundir.directory import RunDir
 from sparkgpu.rundir.layout import RunLayout
 
-__all__ = ["AttemptResult", "StoppedBy", "read_attempt"]
+__all__ = ["AttemptVerdict", "StoppedBy", "read_attempt"]
 
 
 class StoppedBy(enum.Enum):
@@ -36,8 +42,8 @@ class StoppedBy(enum.Enum):
 
 
 @dataclasses.dataclass
-class AttemptResult:
-    """How one attempt ended, read back from the run dir."""
+class AttemptVerdict:
+    """How one attempt ended, judged from what its ranks, launchers and backend left in the run dir."""
 
     status: AttemptStatus  # SUCCEEDED, PREEMPTED, FAILED or STOPPED (by a policy, without a checkpoint)
     results: list[Any] | None = None
@@ -72,7 +78,7 @@ def read_attempt(
     *,
     stopped_by: StoppedBy | None = None,
     saved_checkpoint: Callable[[], bool] | None = None,
-) -> AttemptResult:
+) -> AttemptVerdict:
     """How attempt ``attempt`` ended, from what its ranks, launchers and backend left in the run dir.
 
     Args:
@@ -114,7 +120,7 @@ def read_attempt(
         )
         # What the ranks wrote once they were killed (a peer left the collective) follows from the hang.
         hung, hung_exceptions = hang.failures()
-        return AttemptResult(AttemptStatus.FAILED, failures=hung, exceptions=hung_exceptions, report=report)
+        return AttemptVerdict(AttemptStatus.FAILED, failures=hung, exceptions=hung_exceptions, report=report)
     own_failure = bool(failures) or any(
         i.exitcode not in (EXIT_PREEMPTED, -signal.SIGTERM) for r, i in exits.items() if r in silent
     )
@@ -150,30 +156,30 @@ def read_attempt(
             for rank in node.ranks
         ]
         lost_ranks = {f.rank for f in lost}
-        return AttemptResult(
+        return AttemptVerdict(
             AttemptStatus.FAILED,
             failures=lost + [f for f in failures if f.rank not in lost_ranks],
             exceptions=exceptions,
             report=report,
         )
     if failures:
-        return AttemptResult(AttemptStatus.FAILED, failures=failures, exceptions=exceptions, report=report)
+        return AttemptVerdict(AttemptStatus.FAILED, failures=failures, exceptions=exceptions, report=report)
     if len(results) == world_size:
-        return AttemptResult(AttemptStatus.SUCCEEDED, results=[results[r] for r in range(world_size)])
+        return AttemptVerdict(AttemptStatus.SUCCEEDED, results=[results[r] for r in range(world_size)])
     if preempted:
-        return AttemptResult(AttemptStatus.PREEMPTED)
+        return AttemptVerdict(AttemptStatus.PREEMPTED)
     if stopped_by:
         # Stopped at the cap: resuming makes sense only if this attempt saved progress;
         # otherwise the next attempt would do the same work again, forever.
         if saved_checkpoint is not None and saved_checkpoint():
-            return AttemptResult(AttemptStatus.PREEMPTED)
+            return AttemptVerdict(AttemptStatus.PREEMPTED)
         if stopped_by in (StoppedBy.PRIORITY, StoppedBy.RESIZE):
             # Its work since the latest checkpoint is lost, but giving way is no failure of its own.
-            return AttemptResult(AttemptStatus.PREEMPTED)
+            return AttemptVerdict(AttemptStatus.PREEMPTED)
         if stopped_by is StoppedBy.POLICY:
-            return AttemptResult(AttemptStatus.STOPPED)
+            return AttemptVerdict(AttemptStatus.STOPPED)
         message = _not_checkpointed_message(policy)
-        return AttemptResult(
+        return AttemptVerdict(
             AttemptStatus.FAILED,
             failures=[
                 RankFailure(r, None, message, log_tail=rd.log_tail(attempt, r))
@@ -185,7 +191,7 @@ def read_attempt(
     if any(rd.read_control(path) is not None for path in rd.node_exit_files(attempt).values()):
         # Launchers recorded the attempt but no exit of these ranks: an exit with code 0
         # that could not be watched, or a node whose launcher was lost.
-        return AttemptResult(
+        return AttemptVerdict(
             AttemptStatus.FAILED,
             failures=[
                 RankFailure(
@@ -204,7 +210,7 @@ def read_attempt(
     tail = "\n".join(agent_log.read_text(errors="replace").splitlines()[-30:]) if agent_log.exists() else ""
     if report is not None and report.notes:  # what the backend knows that no launcher could write
         tail = "\n".join([*(f"sparkgpu: {note}" for note in report.notes), tail])
-    return AttemptResult(
+    return AttemptVerdict(
         AttemptStatus.FAILED,
         failures=[
             RankFailure(
