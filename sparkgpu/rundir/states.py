@@ -12,7 +12,7 @@ sub-package and uses the standard library only. The enums are
 submitted yet. ``RUNNING``: an attempt is submitted or runs (also between attempts, while a
 restart is prepared). ``SUCCEEDED``: every rank of the last
 attempt returned. ``FAILED``: an attempt failed and the failure policy raised (or the
-supervisor itself failed). ``TIMED_OUT``: the job ran past ``policy.timeout``.
+supervisor itself failed). ``TIMED_OUT``: the job ran past ``job.policy.timeout``.
 ``CANCELLED``: cancelled (``DistributedFunctionCall.cancel``, the cancel file, Ctrl-C). ``STOPPED``: a usage
 policy stopped it (its ranks were asked to checkpoint). ``SUCCEEDED`` is final;
 ``sparkgpu resume`` takes every other state back to ``RUNNING``.
@@ -22,7 +22,7 @@ policy stopped it (its ranks were asked to checkpoint). ``SUCCEEDED`` is final;
 checkpointed and stopped (at the runtime cap, for a restart, to give way to a critical job, or for an elastic job to grow back to all its GPUs); the next attempt
 resumes without using up a restart. ``RESIZED``: an elastic job's attempt that waited
 ``elastic_wait`` for its GPUs was withdrawn before its ranks started; the next attempt goes on
-with fewer (the record's ``gpus``), using no restart and billing nothing. ``STOPPED``: stopped by a policy without a
+with fewer (the record's ``gpus``), using no restart and billing nothing. ``STOPPED``: stopped by a usage policy without a
 checkpoint. ``TIMED_OUT`` and ``CANCELLED``: as for the job. ``LOST``: its client died while
 it ran; ``sparkgpu resume`` records that when it takes the job over. Every state but
 ``RUNNING`` is final.
@@ -100,7 +100,7 @@ class JobStatus(_StrEnum):
     FAILED = "failed"
     TIMED_OUT = "timed_out"
     CANCELLED = "cancelled"
-    STOPPED = "stopped"  # checkpointed and stopped by a policy (budget); resumable by hand
+    STOPPED = "stopped"  # checkpointed and stopped by a usage policy (budget); resumable by hand
 
     @property
     def is_terminal(self) -> bool:

@@ -62,7 +62,7 @@ class Attempt:
     record: AttemptRecord
     handle: Any = None
     streamer: LogStreamer | None = None
-    #: The stop asked of its ranks (policy, giving way, growing back), why, and when (monotonic).
+    #: The stop asked of its ranks (a usage policy, giving way, growing back), why, and when (monotonic).
     asked: StoppedBy | None = None
     why: str = ""
     asked_at: float | None = None
@@ -294,12 +294,12 @@ class AttemptRunner:
 
     def _ask_to_checkpoint(self, attempt: int, why: str) -> None:
         stop_file = self.run_dir.file(RunLayout.stop(attempt))
-        if self.run_dir.read_control(stop_file) is None:  # a policy's reason, already there, says more
+        if self.run_dir.read_control(stop_file) is None:  # a usage policy's reason, already there, says more
             self.run_dir.write_control(stop_file, f"{why}\n".encode())
 
     def _ask_to_stop(self, attempt: Attempt, ask: AskToStop, now: float) -> None:
         """Writes the reason into the attempt's stop file (ranks then checkpoint and stop) and tells the caller."""
-        if ask.kind is StoppedBy.POLICY:
+        if ask.kind is StoppedBy.USAGE_POLICY:
             self.book.set_stop_reason(ask.reason)
         attempt.asked, attempt.why, attempt.asked_at = ask.kind, ask.reason, now
         self.run_dir.write_control(self.run_dir.file(RunLayout.stop(attempt.index)), (ask.reason + "\n").encode())

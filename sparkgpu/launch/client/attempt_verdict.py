@@ -35,7 +35,7 @@ class StoppedBy(enum.Enum):
     """Why the supervisor stopped an attempt's ranks itself."""
 
     CAP = "cap"  # the attempt reached its runtime cap (max_runtime)
-    POLICY = "policy"  # a usage policy asked it to stop, and checkpoint_grace passed
+    USAGE_POLICY = "policy"  # a usage policy asked it to stop, and checkpoint_grace passed
     PRIORITY = "priority"  # it was asked to give way to a critical job, and checkpoint_grace passed
     RESIZE = "resize"  # an elastic job was asked to stop to grow back to all its GPUs, and checkpoint_grace passed
     HANG = "hang"  # its ranks made no progress for progress_timeout (launch.client.progress_watch)
@@ -45,7 +45,7 @@ class StoppedBy(enum.Enum):
 class AttemptVerdict:
     """How one attempt ended, judged from what its ranks, launchers and backend left in the run dir."""
 
-    status: AttemptStatus  # SUCCEEDED, PREEMPTED, FAILED or STOPPED (by a policy, without a checkpoint)
+    status: AttemptStatus  # SUCCEEDED, PREEMPTED, FAILED or STOPPED (by a usage policy, without a checkpoint)
     results: list[Any] | None = None
     failures: list[RankFailure] = dataclasses.field(default_factory=list)
     exceptions: dict[int, BaseException] = dataclasses.field(default_factory=dict)
@@ -74,7 +74,7 @@ def read_attempt(
     rd: RunDir,
     attempt: int,
     world_size: int,
-    policy,
+    run_policy,
     *,
     stopped_by: StoppedBy | None = None,
     saved_checkpoint: Callable[[], bool] | None = None,
@@ -85,7 +85,7 @@ def read_attempt(
         rd: The job's run dir.
         attempt: The attempt to read.
         world_size: The job's ranks.
-        policy: The job's :class:`~sparkgpu.spec.RunPolicy` (its cap names the fix when an attempt
+        run_policy: The job's :class:`~sparkgpu.spec.RunPolicy` (its cap names the fix when an attempt
             stopped at the cap had not checkpointed).
         stopped_by: Why the supervisor stopped the attempt, when it did; else ``None``.
         saved_checkpoint: Whether the attempt committed a new checkpoint; asked only for an
@@ -137,7 +137,7 @@ def read_attempt(
         if (own_failure or restarting) and info.exitcode == -signal.SIGTERM:
             continue  # torn down after another rank failed or stopped for a restart: not a failure of its own
         if stopped_by and info.exitcode in (-signal.SIGTERM, -signal.SIGKILL):
-            continue  # the supervisor stopped it (cap or policy): judged below
+            continue  # the supervisor stopped it (cap or usage policy): judged below
         failures.append(
             RankFailure(
                 rank,
@@ -176,9 +176,9 @@ def read_attempt(
         if stopped_by in (StoppedBy.PRIORITY, StoppedBy.RESIZE):
             # Its work since the latest checkpoint is lost, but giving way is no failure of its own.
             return AttemptVerdict(AttemptStatus.PREEMPTED)
-        if stopped_by is StoppedBy.POLICY:
+        if stopped_by is StoppedBy.USAGE_POLICY:
             return AttemptVerdict(AttemptStatus.STOPPED)
-        message = _not_checkpointed_message(policy)
+        message = _not_checkpointed_message(run_policy)
         return AttemptVerdict(
             AttemptStatus.FAILED,
             failures=[
@@ -225,13 +225,13 @@ def read_attempt(
     )
 
 
-def _not_checkpointed_message(policy) -> str:
+def _not_checkpointed_message(run_policy) -> str:
     return (
-        f"the attempt reached its runtime cap (max_runtime={policy.max_runtime:g}s) and was stopped, but the "
+        f"the attempt reached its runtime cap (max_runtime={run_policy.max_runtime:g}s) and was stopped, but the "
         "function did not checkpoint before it: no rank stopped for a restart and no new complete checkpoint "
         "was saved, so resuming would only repeat the same work. Save with sparkgpu.train.Checkpointer "
         "(ckpt.maybe_save(step, ...) after every step) and call runtime.stop_for_restart() once ckpt.should_stop "
-        f"is True (runtime.should_checkpoint() turns True checkpoint_grace={policy.checkpoint_grace:g}s before "
+        f"is True (runtime.should_checkpoint() turns True checkpoint_grace={run_policy.checkpoint_grace:g}s before "
         "the cap), or raise max_runtime="
     )
 
