@@ -1,7 +1,7 @@
 """The run dir's protocol: the states its files hold and the records written in more than one place.
 
 Every process that reads or writes a job's run dir (the client's supervisor, ``sparkgpu
-resume`` / ``jobs`` / ``logs``, the node agents, the pool zygote, the Spark node tasks), and
+resume`` / ``jobs`` / ``logs``, the node agents, the warm pool's zygote, the Spark node tasks), and
 the callbacks that hear how an attempt ended (tracking, metering: ``AttemptOutcome.status``),
 take the states from here; none compares a state as a bare string. It sits below every
 sub-package and uses the standard library only. The enums are
@@ -55,7 +55,7 @@ without an end marker, its executor is gone) and ``UNKNOWN`` (no row and no end 
 for the checker; the state stays a plain dict (its ``status`` values are the enums' strings).
 
 :class:`NodeExit` / :class:`RankExit`: a node's exit record (``attempts/<k>/node-<n>.json``),
-written by the node agent and by the pool zygote, read by the supervisor and by the Spark
+written by the node agent and by the warm pool's zygote, read by the supervisor and by the Spark
 nodes watching their peers.
 """
 
