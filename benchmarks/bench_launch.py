@@ -59,7 +59,7 @@ def bench_sparkgpu_warm(ranks: int, repeats: int) -> list[float]:
         trivial_all_reduce
     )
     try:
-        job.distributed()  # starts the pool: the cold cost, paid once per interpreter
+        job.distributed()  # starts the warm pool: the cold cost, paid once per interpreter
         return time_calls(lambda: job.distributed(), repeats)
     finally:
         stop_warm_zygote()

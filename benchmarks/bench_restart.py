@@ -257,7 +257,7 @@ def main(argv=None) -> None:
                     samples[name].append(peers[name](Path(tmp)))
                     print(f"repeat {repeat} {name}: {samples[name][-1]:.2f} s", flush=True)
         finally:
-            stop_warm_zygote()  # the pool would outlive the run for an hour, in a deleted SPARKGPU_HOME
+            stop_warm_zygote()  # the warm pool would outlive the run for an hour, in a deleted SPARKGPU_HOME
 
     medians = {name: statistics.median(values) for name, values in samples.items()}
     spreads = {name: spread(values) for name, values in samples.items()}

@@ -38,7 +38,7 @@ class WorkerContext:
 class AttemptOutcome:
     """How one attempt ended: ``status`` is an :class:`~sparkgpu.rundir.states.AttemptStatus` (its
     value also converts): ``"succeeded"``, ``"failed"``, ``"preempted"``
-    (stopped at the runtime cap or a budget after checkpointing), ``"stopped"`` (by a policy,
+    (stopped at the runtime cap or a budget after checkpointing), ``"stopped"`` (by a usage policy,
     without a checkpoint), ``"timed_out"``, ``"cancelled"`` or ``"resized"`` (an elastic job's
     attempt withdrawn before its ranks started, to go on with fewer GPUs). ``gpus`` is what the
     attempt ran on (an elastic job's may be fewer than it asked for). ``started_at`` is when its ranks started;

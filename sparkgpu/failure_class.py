@@ -111,11 +111,11 @@ def classify(
     """The class of an attempt's failure: its root cause rank's, with a one-line detail.
 
     Args:
-        failures: The attempt's failed ranks (``AttemptResult.failures``).
+        failures: The attempt's failed ranks (``AttemptVerdict.failures``).
         exceptions: Their exceptions that unpickled on this side, by rank: their type decides
             where present (a subclass of ``DataError`` counts as one); else the qualified type
             name and the message do.
-        lost: The backend's account of a lost node (``AttemptResult.lost``), ``""`` when none.
+        lost: The backend's account of a lost node (``AttemptVerdict.lost``), ``""`` when none.
     """
     if lost:
         return Classified(FailureClass.LOST_NODE, lost)

@@ -5,7 +5,7 @@ The library has two ways out, and this module is the one that decides where the 
 - :func:`report`: a line the user must see where the job runs (a notebook cell, a terminal):
   progress and waiting, restarts, decisions taken on their behalf (data read in place or
   converted, an environment staged, a job taken over or cancelled at exit), and what a rank,
-  node or pool process says about itself, whose stderr is the log the client streams back or
+  node or warm-pool process says about itself, whose stderr is the log the client streams back or
   the user reads when it fails. Ranks' own output, copied back line by line, goes to
   :func:`console`.
 - ``logging.getLogger(__name__)``, under the ``sparkgpu`` logger: diagnostics of work the job

@@ -47,7 +47,7 @@ from sparkgpu.errors import (
     PolicyViolationError,
     SparkGPUError,
 )
-from sparkgpu.launch.client.attempt_result import read_attempt
+from sparkgpu.launch.client.attempt_verdict import read_attempt
 from sparkgpu.launch.client.detached import Keeper, keeper_alive, start_keeper, supervision_record
 from sparkgpu.rundir.keyring import load_key
 from sparkgpu.launch.client.job_state import JobBook
@@ -271,11 +271,11 @@ class DistributedFunctionCall:
             # Read back the way the supervisor that ran it did: same failures, same root cause.
             run_dir = RunDir(self.run_dir.path, load_key(self.job_id))
             ranks = last.get("gpus", self._spec.world_size)
-            outcome = read_attempt(run_dir, last["attempt"], ranks, self._spec.policy)
-            if outcome.failures:
+            verdict = read_attempt(run_dir, last["attempt"], ranks, self._spec.policy)
+            if verdict.failures:
                 # The same error class the live call raised: `except ValueError` catches it here too.
-                error = outcome.error(self.job_id, str(logs))
-                raise error from outcome.root_exception
+                error = verdict.error(self.job_id, str(logs))
+                raise error from verdict.root_exception
         raise SparkGPUError(f"job {self.job_id} failed: {cause}. Logs: {logs}")
 
     def logs(self, follow: bool = False, rank: int | None = None, out=None) -> str | None:

@@ -517,7 +517,7 @@ def distributed(
         checkpoint_grace: See ``max_runtime``.
         max_restarts: Attempts restarted after a failure before it is raised.
         restart_on: The failure classes restarted while restarts are left (``["nccl",
-            "cuda_oom"]``); ``None``: the default policy (a CUDA out-of-memory, a data error,
+            "cuda_oom"]``); ``None``: the default failure policy (a CUDA out-of-memory, a data error,
             an environment error and a result error are raised at once). See "Failure classes"
             in the launch guide.
         progress_timeout: How long a rank may go without progress (optimizer steps of a

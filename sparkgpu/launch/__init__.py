@@ -50,7 +50,7 @@ of a ``@distributed`` function), with the module doing each::
         the signed result or error                                     .process_group
     client again
     14. results and errors read back and checked; failures grouped     launch.client
-        per rank into one error (attach(...).result() reads a          .attempt_result,
+        per rank into one error (attach(...).result() reads a          .attempt_verdict,
         finished job the same way); the outcome to the callbacks       .attempt_report,
                                                                        .supervisor; sparkgpu.errors
 

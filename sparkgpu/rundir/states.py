@@ -1,7 +1,7 @@
 """The run dir's protocol: the states its files hold and the records written in more than one place.
 
 Every process that reads or writes a job's run dir (the client's supervisor, ``sparkgpu
-resume`` / ``jobs`` / ``logs``, the node agents, the pool zygote, the Spark node tasks), and
+resume`` / ``jobs`` / ``logs``, the node agents, the warm pool's zygote, the Spark node tasks), and
 the callbacks that hear how an attempt ended (tracking, metering: ``AttemptOutcome.status``),
 take the states from here; none compares a state as a bare string. It sits below every
 sub-package and uses the standard library only. The enums are
@@ -12,7 +12,7 @@ sub-package and uses the standard library only. The enums are
 submitted yet. ``RUNNING``: an attempt is submitted or runs (also between attempts, while a
 restart is prepared). ``SUCCEEDED``: every rank of the last
 attempt returned. ``FAILED``: an attempt failed and the failure policy raised (or the
-supervisor itself failed). ``TIMED_OUT``: the job ran past ``policy.timeout``.
+supervisor itself failed). ``TIMED_OUT``: the job ran past ``job.policy.timeout``.
 ``CANCELLED``: cancelled (``DistributedFunctionCall.cancel``, the cancel file, Ctrl-C). ``STOPPED``: a usage
 policy stopped it (its ranks were asked to checkpoint). ``SUCCEEDED`` is final;
 ``sparkgpu resume`` takes every other state back to ``RUNNING``.
@@ -22,7 +22,7 @@ policy stopped it (its ranks were asked to checkpoint). ``SUCCEEDED`` is final;
 checkpointed and stopped (at the runtime cap, for a restart, to give way to a critical job, or for an elastic job to grow back to all its GPUs); the next attempt
 resumes without using up a restart. ``RESIZED``: an elastic job's attempt that waited
 ``elastic_wait`` for its GPUs was withdrawn before its ranks started; the next attempt goes on
-with fewer (the record's ``gpus``), using no restart and billing nothing. ``STOPPED``: stopped by a policy without a
+with fewer (the record's ``gpus``), using no restart and billing nothing. ``STOPPED``: stopped by a usage policy without a
 checkpoint. ``TIMED_OUT`` and ``CANCELLED``: as for the job. ``LOST``: its client died while
 it ran; ``sparkgpu resume`` records that when it takes the job over. Every state but
 ``RUNNING`` is final.
@@ -48,14 +48,14 @@ payload's signature does not hold. ``RUNNING`` is the agent's state while it run
 a final one: it ends ``SUCCEEDED`` or ``FAILED`` by the agent's exit code, or by what stopped
 it (``CANCELLED`` by the client, ``CLIENT_LOST``: the client stopped beating,
 ``PEER_FAILED``: another node's ranks failed, ``PEER_LOST``: another node stopped beating).
-The client's own account adds ``LOST`` (the node stopped beating without an end marker: its
-executor is gone) and ``UNKNOWN`` (no row and no end marker).
+The client's own account adds ``EXECUTOR_LOST`` (written ``"lost"``: the node stopped beating
+without an end marker, its executor is gone) and ``UNKNOWN`` (no row and no end marker).
 
 :class:`JobState` / :class:`AttemptRecord` / :class:`ClientInfo`: ``state.json``'s keys, typed
 for the checker; the state stays a plain dict (its ``status`` values are the enums' strings).
 
 :class:`NodeExit` / :class:`RankExit`: a node's exit record (``attempts/<k>/node-<n>.json``),
-written by the node agent and by the pool zygote, read by the supervisor and by the Spark
+written by the node agent and by the warm pool's zygote, read by the supervisor and by the Spark
 nodes watching their peers.
 """
 
@@ -100,7 +100,7 @@ class JobStatus(_StrEnum):
     FAILED = "failed"
     TIMED_OUT = "timed_out"
     CANCELLED = "cancelled"
-    STOPPED = "stopped"  # checkpointed and stopped by a policy (budget); resumable by hand
+    STOPPED = "stopped"  # checkpointed and stopped by a usage policy (budget); resumable by hand
 
     @property
     def is_terminal(self) -> bool:
@@ -180,7 +180,7 @@ class NodeState(_StrEnum):
     CLIENT_LOST = "client-lost"
     PEER_FAILED = "peer-failed"
     PEER_LOST = "peer-lost"
-    LOST = "lost"
+    EXECUTOR_LOST = "lost"  # the client's account: the node stopped beating, its executor gone
     UNKNOWN = "unknown"
 
 

@@ -245,12 +245,12 @@ class RunPolicy:
         elastic_wait: Seconds an elastic job's attempt waits for all its GPUs before it goes on
             with fewer (:attr:`Resources.min_gpus`); ``None``: :data:`ELASTIC_WAIT`.
         restart_on: The failure classes (:class:`~sparkgpu.failure_class.FailureClass` values)
-            restarted while restarts are left; ``None``: the default policy's
+            restarted while restarts are left; ``None``: the default failure policy's
             (:data:`~sparkgpu.launch.client.failure_policy.DEFAULT_POLICY`).
         progress_timeout: Seconds a rank may go without progress (optimizer steps, checkpoint
             steps, loader batches, ``runtime.heartbeat()``) before the attempt counts as hung:
             every rank's stacks are dumped, the ranks are stopped and the failure is ``hang``
-            (restarted from the latest checkpoint by the default policy). ``None``: the default,
+            (restarted from the latest checkpoint by the default failure policy). ``None``: the default,
             :func:`~sparkgpu.launch.client.progress_watch.default_progress_timeout` once a rank
             made progress; ``0``: off (``"off"`` or ``False`` as given to ``distributed``).
     """

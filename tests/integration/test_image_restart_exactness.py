@@ -153,7 +153,7 @@ def uninterrupted(image_dir, tmp_path_factory):
 RESTART_PATHS = {
     "cold": lambda: LocalBackend(standby=False),
     "standby": lambda: LocalBackend(),
-    "pool": lambda: "warm_pool",
+    "warm_pool": lambda: "warm_pool",
 }
 
 

@@ -51,7 +51,7 @@ def scan_for_secrets(out_path: str) -> dict:
     [
         ("forked", lambda: LocalBackend(standby=False), b"sparkgpu.launch.node.agent"),
         ("exec", lambda: LocalBackend(standby=False), b"sparkgpu.launch.node.agent"),
-        ("pool", lambda: "warm_pool", b"sparkgpu.launch.backends.local.zygote"),
+        ("warm_pool", lambda: "warm_pool", b"sparkgpu.launch.backends.local.zygote"),
     ],
 )
 def test_a_running_jobs_key_is_in_no_environment_or_command_line(tmp_path, monkeypatch, path, backend, launcher):
@@ -66,7 +66,7 @@ def test_a_running_jobs_key_is_in_no_environment_or_command_line(tmp_path, monke
     for secret in (key.hex().encode(), key.hex().upper().encode(), key):
         assert secret not in scanned, f"the job key is readable in /proc ({path})"
     assert all(r["env_names"] == [] for r in results)  # and user code sees no key variable
-    if path != "pool":  # the agent's command line names the run dir
+    if path != "warm_pool":  # the agent's command line names the run dir
         assert job.last_job_id.encode() in scanned
     if path == "exec":  # the agent hands each new interpreter a file, gone once read
         assert all(r["key_dir"] and r["key_files_left"] == [] for r in results), results

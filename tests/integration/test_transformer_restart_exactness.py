@@ -273,14 +273,14 @@ def assert_same_run(states, steps, plain, plain_steps, all_blocks, note):
 RESTART_PATHS = {
     "cold": lambda: LocalBackend(standby=False),  # a new agent starts new interpreters
     "standby": lambda: LocalBackend(),  # ranks forked from the job's standby zygote
-    "pool": lambda: "warm_pool",  # ranks of both attempts forked from the warm pool's zygote
+    "warm_pool": lambda: "warm_pool",  # ranks of both attempts forked from the warm pool's zygote
 }
 
 
 # Every restart path with DDP, and FSDP2 through the standby: what a path changes (the process that
 # runs the rank, its thread settings) is the same whichever way the model is wrapped, and the
 # standby is the path a restarted FSDP job takes by default.
-@pytest.mark.parametrize("kind, path", [("ddp", "cold"), ("ddp", "standby"), ("ddp", "pool"), ("fsdp", "standby")])
+@pytest.mark.parametrize("kind, path", [("ddp", "cold"), ("ddp", "standby"), ("ddp", "warm_pool"), ("fsdp", "standby")])
 def test_a_sigkilled_rank_resumes_bitwise_equal_through_each_restart_path(
     kind, path, uninterrupted, token_dir, all_blocks, tmp_path
 ):

@@ -24,7 +24,7 @@ from tests.integration.processes import ctrl_c_client, start_client, wait_for
 pytestmark = pytest.mark.integration
 
 
-def assert_pool_runs_no_ranks(within: float = 15.0) -> None:
+def assert_warm_pool_runs_no_ranks(within: float = 15.0) -> None:
     """Waits up to ``within`` seconds for the pool's ranks to end, then asserts none is left.
 
     Forked ranks keep the pool's command line, so they are found as its child processes, not
@@ -37,7 +37,7 @@ def assert_pool_runs_no_ranks(within: float = 15.0) -> None:
 
 
 @pytest.fixture
-def pool(monkeypatch):
+def warm_pool(monkeypatch):
     # Other work may edit the checkout while a test runs; a pool is keyed by its code, so
     # these tests pin the key (test_a_pool_started_with_other_code_... covers a change).
     monkeypatch.setattr(zygote_client, "code_fingerprint", lambda: "c0dec0dec0de")
@@ -49,8 +49,8 @@ def pool(monkeypatch):
         assert not psutil.pid_exists(info["pid"]) or psutil.Process(info["pid"]).status() == psutil.STATUS_ZOMBIE
 
 
-def test_repeated_calls_reuse_the_pool_and_behave_like_cold_ones(pool, capsys):
-    @distributed(gpus=2, gpu_type="cpu", backend=pool)
+def test_repeated_calls_reuse_the_pool_and_behave_like_cold_ones(warm_pool, capsys):
+    @distributed(gpus=2, gpu_type="cpu", backend=warm_pool)
     def step(x):
         import torch
         import torch.distributed as dist
@@ -72,8 +72,8 @@ def test_repeated_calls_reuse_the_pool_and_behave_like_cold_ones(pool, capsys):
     assert warm_seconds < 30
 
 
-def test_failures_and_signals_are_reported_as_on_the_cold_path(pool):
-    @distributed(gpus=2, gpu_type="cpu", backend=pool)
+def test_failures_and_signals_are_reported_as_on_the_cold_path(warm_pool):
+    @distributed(gpus=2, gpu_type="cpu", backend=warm_pool)
     def flaky():
         import ctypes
 
@@ -84,9 +84,9 @@ def test_failures_and_signals_are_reported_as_on_the_cold_path(pool):
     with pytest.raises(WorkerFailedError, match="rank 1: ValueError: bad row 17") as err:
         flaky.distributed()
     assert err.value.ranks == [1]  # rank 0 was torn down, not failed
-    assert_pool_runs_no_ranks()
+    assert_warm_pool_runs_no_ranks()
 
-    @distributed(gpus=2, gpu_type="cpu", backend=pool)
+    @distributed(gpus=2, gpu_type="cpu", backend=warm_pool)
     def crash():
         import ctypes
 
@@ -97,17 +97,17 @@ def test_failures_and_signals_are_reported_as_on_the_cold_path(pool):
     with pytest.raises(WorkerFailedError) as err:
         crash.distributed()
     assert err.value.failures[0].exitcode == -signal.SIGSEGV and "SIGSEGV" in str(err.value)
-    assert_pool_runs_no_ranks()
+    assert_warm_pool_runs_no_ranks()
 
 
-def test_timeout_stops_the_ranks_but_keeps_the_pool(pool):
-    @distributed(gpus=2, gpu_type="cpu", backend=pool, timeout=5)
+def test_timeout_stops_the_ranks_but_keeps_the_pool(warm_pool):
+    @distributed(gpus=2, gpu_type="cpu", backend=warm_pool, timeout=5)
     def sleepy():
         time.sleep(600)
 
     with pytest.raises(JobTimeoutError):
         sleepy.distributed()
-    assert_pool_runs_no_ranks()
+    assert_warm_pool_runs_no_ranks()
     assert warm_zygote_status() is not None
 
 
@@ -132,7 +132,7 @@ CTRL_C_CLIENT = ctrl_c_client(
 )
 
 
-def _start_pool_client(tmp_path, home):
+def _start_warm_pool_client(tmp_path, home):
     client = start_client(tmp_path, home, CTRL_C_CLIENT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     def both_ranks_run() -> bool:
@@ -147,26 +147,26 @@ def _start_pool_client(tmp_path, home):
     return client
 
 
-def test_ctrl_c_in_the_caller_stops_the_pools_ranks(pool, tmp_path, _isolated_sparkgpu_home):
-    client = _start_pool_client(tmp_path, _isolated_sparkgpu_home)
+def test_ctrl_c_in_the_caller_stops_the_pools_ranks(warm_pool, tmp_path, _isolated_sparkgpu_home):
+    client = _start_warm_pool_client(tmp_path, _isolated_sparkgpu_home)
     client.send_signal(signal.SIGINT)
     out, _ = client.communicate(timeout=60)
     assert client.returncode == 130, out
-    assert_pool_runs_no_ranks()
+    assert_warm_pool_runs_no_ranks()
     run_dir = next((_isolated_sparkgpu_home / "runs").iterdir())
     assert json.loads((run_dir / "state.json").read_text())["status"] == "cancelled"
     assert warm_zygote_status() is not None  # the pool outlives its client
 
 
-def test_killed_client_leaves_no_ranks_in_the_pool(pool, tmp_path, _isolated_sparkgpu_home):
-    client = _start_pool_client(tmp_path, _isolated_sparkgpu_home)
+def test_killed_client_leaves_no_ranks_in_the_pool(warm_pool, tmp_path, _isolated_sparkgpu_home):
+    client = _start_warm_pool_client(tmp_path, _isolated_sparkgpu_home)
     client.kill()  # SIGKILL: no cleanup code runs in the client
     client.communicate()
-    assert_pool_runs_no_ranks()
+    assert_warm_pool_runs_no_ranks()
 
 
-def test_a_silent_or_malformed_client_holds_up_no_job(pool):
-    @distributed(gpus=2, gpu_type="cpu", backend=pool, timeout=120)
+def test_a_silent_or_malformed_client_holds_up_no_job(warm_pool):
+    @distributed(gpus=2, gpu_type="cpu", backend=warm_pool, timeout=120)
     def step():
         return runtime.get_global_rank()
 
@@ -193,8 +193,8 @@ def test_a_silent_or_malformed_client_holds_up_no_job(pool):
         silent.close()
 
 
-def test_a_pool_started_with_other_code_is_not_reused_and_retires(pool, monkeypatch):
-    @distributed(gpus=1, gpu_type="cpu", backend=pool)
+def test_a_pool_started_with_other_code_is_not_reused_and_retires(warm_pool, monkeypatch):
+    @distributed(gpus=1, gpu_type="cpu", backend=warm_pool)
     def which_pool():
         import os
 
@@ -212,7 +212,7 @@ def test_a_pool_started_with_other_code_is_not_reused_and_retires(pool, monkeypa
     )
 
 
-def test_a_tampered_entrypoint_starts_no_rank_in_the_pool(pool, tmp_path):
+def test_a_tampered_entrypoint_starts_no_rank_in_the_pool(warm_pool, tmp_path):
     # The pool checks the payload as the node agent does, and runs the text it checked.
     from sparkgpu.errors import PayloadSignatureError
     from sparkgpu.launch.client.supervisor import Supervisor
@@ -236,9 +236,9 @@ def test_a_tampered_entrypoint_starts_no_rank_in_the_pool(pool, tmp_path):
     assert add_rank.distributed(1) == [1, 2]  # the pool serves the next, untouched job
 
 
-def test_a_pool_rank_that_exits_quietly_is_named_as_the_first_failure(pool):
+def test_a_pool_rank_that_exits_quietly_is_named_as_the_first_failure(warm_pool):
     # Stuck in the collective, the job would end at its timeout (JobTimeoutError), not as below.
-    @distributed(gpus=2, gpu_type="cpu", backend=pool, timeout=240)
+    @distributed(gpus=2, gpu_type="cpu", backend=warm_pool, timeout=240)
     def leaves_early():
         import os
 
@@ -256,10 +256,10 @@ def test_a_pool_rank_that_exits_quietly_is_named_as_the_first_failure(pool):
     first = err.value.first_failure
     assert (first.rank, first.exitcode) == (1, 0)
     assert "rank 1: the process exited with code 0 without returning a result" in str(err.value)
-    assert_pool_runs_no_ranks()
+    assert_warm_pool_runs_no_ranks()
 
 
-def test_a_client_holding_more_than_1024_descriptors_still_gets_its_result(pool):
+def test_a_client_holding_more_than_1024_descriptors_still_gets_its_result(warm_pool):
     """A notebook or a long test session can hold descriptors past select()'s limit (1024)."""
     import os
     import resource
@@ -270,14 +270,14 @@ def test_a_client_holding_more_than_1024_descriptors_still_gets_its_result(pool)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
     held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
     try:
-        assert distributed(gpus=2, gpu_type="cpu", backend=pool, callbacks=[])(lambda: 7).distributed() == [7, 7]
+        assert distributed(gpus=2, gpu_type="cpu", backend=warm_pool, callbacks=[])(lambda: 7).distributed() == [7, 7]
     finally:
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-def test_a_crashed_rank_does_not_leave_a_checkpointing_peer_in_the_pool_to_sit_out_the_grace(pool, tmp_path):
+def test_a_crashed_rank_does_not_leave_a_checkpointing_peer_in_the_pool_to_sit_out_the_grace(warm_pool, tmp_path):
     from tests.integration.test_local_launch import assert_a_crashed_ranks_checkpointing_peer_is_killed_soon
 
-    assert_a_crashed_ranks_checkpointing_peer_is_killed_soon(tmp_path, backend=pool)
+    assert_a_crashed_ranks_checkpointing_peer_is_killed_soon(tmp_path, backend=warm_pool)

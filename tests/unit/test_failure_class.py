@@ -19,7 +19,7 @@ import torch.distributed as dist
 from sparkgpu.data.transforms import TransformError
 from sparkgpu.errors import ConfigurationError, EnvironmentMismatchError, RankFailure, ResultError
 from sparkgpu.failure_class import OOM_KILLED, FailureClass, classify, oom_kills, own_cgroup
-from sparkgpu.launch.client.attempt_result import read_attempt
+from sparkgpu.launch.client.attempt_verdict import read_attempt
 from sparkgpu.launch.client.failure_policy import Decision, FailurePolicy
 from sparkgpu.rundir.directory import RunDir
 from sparkgpu.rundir.layout import RunLayout

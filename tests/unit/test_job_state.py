@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import sparkgpu
-from sparkgpu.launch.client.attempt_result import StoppedBy
+from sparkgpu.launch.client.attempt_verdict import StoppedBy
 from sparkgpu.launch.client.job_state import IllegalTransition, JobBook
 from sparkgpu.launch.client.supervisor import JobStep, cancel_abandoned, fail_unsupervisable, next_step
 from sparkgpu.rundir.states import ATTEMPT_TRANSITIONS, JOB_TRANSITIONS, AttemptStatus, JobStatus
@@ -142,10 +142,10 @@ def test_waiting_after_giving_way_is_recorded_and_cleared(book):
     "status, asked, usage_stopped, step",
     [
         (AttemptStatus.SUCCEEDED, None, False, JobStep.FINISH),
-        (AttemptStatus.SUCCEEDED, StoppedBy.POLICY, True, JobStep.FINISH),
-        (AttemptStatus.PREEMPTED, StoppedBy.POLICY, True, JobStep.STOP),
-        (AttemptStatus.FAILED, StoppedBy.POLICY, True, JobStep.STOP),
-        (AttemptStatus.STOPPED, StoppedBy.POLICY, True, JobStep.STOP),
+        (AttemptStatus.SUCCEEDED, StoppedBy.USAGE_POLICY, True, JobStep.FINISH),
+        (AttemptStatus.PREEMPTED, StoppedBy.USAGE_POLICY, True, JobStep.STOP),
+        (AttemptStatus.FAILED, StoppedBy.USAGE_POLICY, True, JobStep.STOP),
+        (AttemptStatus.STOPPED, StoppedBy.USAGE_POLICY, True, JobStep.STOP),
         (AttemptStatus.RESIZED, None, False, JobStep.RESIZE),
         (AttemptStatus.PREEMPTED, StoppedBy.PRIORITY, False, JobStep.WAIT_FOR_GPUS),
         (AttemptStatus.PREEMPTED, StoppedBy.RESIZE, False, JobStep.RESUME),

@@ -5,7 +5,7 @@ import pytest
 from sparkgpu.callbacks import JobCallback
 from sparkgpu.errors import JobCancelledError, JobTimeoutError
 from sparkgpu.launch.client import monitors as m
-from sparkgpu.launch.client.attempt_result import StoppedBy
+from sparkgpu.launch.client.attempt_verdict import StoppedBy
 from sparkgpu.launch.scheduling.elastic import ElasticPlan
 from sparkgpu.rundir.states import AttemptStatus, JobStatus
 from sparkgpu.spec import JobSpec, Resources, RunPolicy
@@ -62,13 +62,13 @@ class Budget(JobCallback):
 
 def test_a_policy_stop_asks_to_stop_once_the_ranks_run_at_most_once_a_second():
     budget = Budget()
-    monitor = m.PolicyStop([budget], JOB)
+    monitor = m.UsagePolicyStop([budget], JOB)
     assert monitor.check(view(ran=None)) is m.CONTINUE and budget.asks == 0  # not started: not asked
     assert monitor.check(view(now=100.0, ran=1.0)) is m.CONTINUE
     assert monitor.check(view(now=100.5, ran=4.0)) is m.CONTINUE and budget.asks == 1  # within the second
     decision = monitor.check(view(now=101.0, ran=4.0))
-    assert decision == m.AskToStop(StoppedBy.POLICY, "budget spent", ": budget spent")
-    assert monitor.check(view(now=103.0, ran=4.0, asked=StoppedBy.POLICY, asked_at=101.0)) is m.CONTINUE
+    assert decision == m.AskToStop(StoppedBy.USAGE_POLICY, "budget spent", ": budget spent")
+    assert monitor.check(view(now=103.0, ran=4.0, asked=StoppedBy.USAGE_POLICY, asked_at=101.0)) is m.CONTINUE
 
 
 class Urgent(ScriptedBackend):
@@ -99,7 +99,7 @@ def test_growth_asks_to_stop_once_all_the_jobs_gpus_are_free():
     assert m.Growth(ElasticPlan(ELASTIC, lambda job: 4, check_seconds=0)).check(view(gpus=4)) is m.CONTINUE
 
 
-@pytest.mark.parametrize("kind", [StoppedBy.POLICY, StoppedBy.PRIORITY, StoppedBy.RESIZE])
+@pytest.mark.parametrize("kind", [StoppedBy.USAGE_POLICY, StoppedBy.PRIORITY, StoppedBy.RESIZE])
 def test_ranks_asked_to_stop_are_stopped_after_checkpoint_grace_as_that_kind_of_stop(kind):
     monitor = m.GraceExpiry(checkpoint_grace=2.0, shutdown_grace=7.0)
     assert monitor.check(view()) is m.CONTINUE
@@ -129,7 +129,7 @@ def test_the_monitors_come_in_their_documented_order():
         "Cancelled",
         "Timeout",
         "ElasticShrink",
-        "PolicyStop",
+        "UsagePolicyStop",
         "Preemption",
         "Growth",
         "GraceExpiry",

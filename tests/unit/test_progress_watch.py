@@ -16,7 +16,7 @@ from sparkgpu.rundir import progress as _progress
 from sparkgpu.api.decorator import distributed
 from sparkgpu.errors import ConfigurationError, HangError, WorkerFailedError, worker_failed_error
 from sparkgpu.failure_class import FailureClass, classify
-from sparkgpu.launch.client.attempt_result import StoppedBy, read_attempt
+from sparkgpu.launch.client.attempt_verdict import StoppedBy, read_attempt
 from sparkgpu.launch.client.failure_policy import Decision, FailurePolicy
 from sparkgpu.launch.client.hang_record import HangRecord
 from sparkgpu.launch.client.monitors import CONTINUE, AttemptView, StopNow
@@ -133,16 +133,16 @@ def test_a_hung_attempt_fails_its_ranks_behind_as_hang_which_the_default_policy_
     rd.prepare_attempt(0)
     summary = "rank 1 on node 0 is in `train_step` at train.py:28; rank 0 waits in `all_reduce`"
     HangRecord(5.0, 3.0, [1], summary, "/runs/j/attempts/0/hang.txt").write(rd, 0, summary)
-    outcome = read_attempt(rd, 0, 2, RunPolicy(), stopped_by=StoppedBy.HANG)
-    assert outcome.status is AttemptStatus.FAILED and [f.rank for f in outcome.failures] == [1]
-    assert isinstance(outcome.exceptions[1], HangError)
-    found = classify(outcome.failures, outcome.exceptions)
+    verdict = read_attempt(rd, 0, 2, RunPolicy(), stopped_by=StoppedBy.HANG)
+    assert verdict.status is AttemptStatus.FAILED and [f.rank for f in verdict.failures] == [1]
+    assert isinstance(verdict.exceptions[1], HangError)
+    found = classify(verdict.failures, verdict.exceptions)
     assert found.cls is FailureClass.HANG
     assert found.detail == f"{summary}. Every rank's stacks: /runs/j/attempts/0/hang.txt"
-    assert FailurePolicy(max_restarts=1).decide(0, outcome.exceptions, outcome.failures, outcome.failures) is (
+    assert FailurePolicy(max_restarts=1).decide(0, verdict.exceptions, verdict.failures, verdict.failures) is (
         Decision.RESTART  # no place to fail at again: a hang at the same step is restarted too
     )
-    error = worker_failed_error(outcome.failures, outcome.exceptions, "j", "/logs")
+    error = worker_failed_error(verdict.failures, verdict.exceptions, "j", "/logs")
     assert isinstance(error, WorkerFailedError) and isinstance(error, HangError)
     assert classify(error.failures).cls is FailureClass.HANG  # as tracking classifies the job's error
 
@@ -150,9 +150,9 @@ def test_a_hung_attempt_fails_its_ranks_behind_as_hang_which_the_default_policy_
 def test_a_hung_attempt_without_its_record_still_fails_as_hang(tmp_path):
     rd = RunDir(tmp_path)
     rd.prepare_attempt(0)
-    outcome = read_attempt(rd, 0, 2, RunPolicy(), stopped_by=StoppedBy.HANG)
-    assert outcome.status is AttemptStatus.FAILED and [f.rank for f in outcome.failures] == [0, 1]
-    assert classify(outcome.failures, outcome.exceptions).cls is FailureClass.HANG
+    verdict = read_attempt(rd, 0, 2, RunPolicy(), stopped_by=StoppedBy.HANG)
+    assert verdict.status is AttemptStatus.FAILED and [f.rank for f in verdict.failures] == [0, 1]
+    assert classify(verdict.failures, verdict.exceptions).cls is FailureClass.HANG
 
 
 def test_the_mlflow_tag_of_a_job_that_ended_hung_is_hang(tmp_path):
@@ -161,9 +161,9 @@ def test_the_mlflow_tag_of_a_job_that_ended_hung_is_hang(tmp_path):
     rd = RunDir(tmp_path)
     rd.prepare_attempt(0)
     HangRecord(5.0, 3.0, [1], "rank 1 on node 0 is behind", "hang.txt").write(rd, 0, "")
-    outcome = read_attempt(rd, 0, 2, RunPolicy(), stopped_by=StoppedBy.HANG)
-    error = outcome.error("j", "/logs")
-    error.__cause__ = outcome.root_exception
+    verdict = read_attempt(rd, 0, 2, RunPolicy(), stopped_by=StoppedBy.HANG)
+    error = verdict.error("j", "/logs")
+    error.__cause__ = verdict.root_exception
     assert _failure_class(error) == "hang"
 
 

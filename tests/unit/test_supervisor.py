@@ -9,7 +9,7 @@ import pytest
 
 from sparkgpu.errors import CapacityError, JobTimeoutError, NodeLostError, WorkerFailedError
 from sparkgpu.launch.client.attempt_report import AttemptReport, NodeReport
-from sparkgpu.launch.client.attempt_result import read_attempt
+from sparkgpu.launch.client.attempt_verdict import read_attempt
 from sparkgpu.callbacks import JobCallback
 from sparkgpu.rundir.exit_codes import EXIT_PREEMPTED
 from sparkgpu.rundir.serialization import serialize_payload

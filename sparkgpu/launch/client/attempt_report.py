@@ -31,7 +31,7 @@ class NodeReport:
         node: Node rank.
         executor: The executor that ran it (Spark's executor id).
         host: Host of that executor.
-        state: How it ended: ``SUCCEEDED``, ``FAILED``, ``LOST`` (its executor or worker died:
+        state: How it ended: ``SUCCEEDED``, ``FAILED``, ``EXECUTOR_LOST`` (its executor or worker died:
             it stopped beating and never wrote how it ended), ``CANCELLED``, ...
         ranks: Global ranks the node ran.
         exit_code: Exit code of the node's agent, when known.
@@ -76,7 +76,7 @@ class AttemptReport:
     @property
     def lost(self) -> list[NodeReport]:
         """The nodes whose executor was lost."""
-        return [n for n in self.nodes if n.state is NodeState.LOST]
+        return [n for n in self.nodes if n.state is NodeState.EXECUTOR_LOST]
 
     def lost_message(self) -> str:
         """``"executor 1 on host h was lost (...)"`` for each lost node, one sentence."""

@@ -7,7 +7,7 @@ asks the ranks to checkpoint or stop (the stop file), stops them, resizes the at
 the job at once. Whatever ends an attempt, the runner records the attempt's end in
 ``state.json`` (through the :class:`~sparkgpu.launch.client.job_state.JobBook`) and tells the
 callbacks; it never moves the job's status. What happened comes back as data on the
-:class:`Attempt` (its ``outcome``, ``resize_to``, ``ended_job``), and the supervisor decides
+:class:`Attempt` (its ``verdict``, ``resize_to``, ``ended_job``), and the supervisor decides
 and writes the job's next status.
 
 An attempt's runtime cap and billed time start when its ranks start: a
@@ -27,7 +27,7 @@ from sparkgpu._util.report import report
 from sparkgpu.callbacks import AttemptOutcome, JobCallback
 from sparkgpu.launch.backends.base import Backend
 from sparkgpu.launch.backends.capabilities import DeferredStart, LocalRanks
-from sparkgpu.launch.client.attempt_result import AttemptResult, StoppedBy, read_attempt
+from sparkgpu.launch.client.attempt_verdict import AttemptVerdict, StoppedBy, read_attempt
 from sparkgpu.launch.client.checkpoint_progress import latest_checkpoint
 from sparkgpu.launch.client.job_state import JobBook
 from sparkgpu.launch.client.logs import LogStreamer
@@ -62,15 +62,15 @@ class Attempt:
     record: AttemptRecord
     handle: Any = None
     streamer: LogStreamer | None = None
-    #: The stop asked of its ranks (policy, giving way, growing back), why, and when (monotonic).
+    #: The stop asked of its ranks (a usage policy, giving way, growing back), why, and when (monotonic).
     asked: StoppedBy | None = None
     why: str = ""
     asked_at: float | None = None
     #: How it ended: read back from the run dir, or RESIZED with the GPUs of the next attempt.
-    outcome: AttemptResult | None = None
+    verdict: AttemptVerdict | None = None
     resize_to: int | None = None
     #: A monitor's end of the whole job (a cancel, the job's timeout): the supervisor sets its
-    #: ``job_status`` and raises its ``error``; ``outcome`` is then ``None``.
+    #: ``job_status`` and raises its ``error``; ``verdict`` is then ``None``.
     ended_job: EndJob | None = None
 
     @property
@@ -153,7 +153,7 @@ class AttemptRunner:
         return Attempt(job, self.book.begin_attempt(index, time.time(), job.resources.gpus))
 
     def run(self, attempt: Attempt, job_started: float, early=None) -> Attempt:
-        """Runs ``attempt`` (from :meth:`begin`) until it ends; its ``outcome`` says how, or its
+        """Runs ``attempt`` (from :meth:`begin`) until it ends; its ``verdict`` says how, or its
         ``ended_job`` that a monitor ended the job. Moves no job status: the supervisor does."""
         job, index, submitted = attempt.job, attempt.index, attempt.record["submitted_at"]
         if job is not self.job:
@@ -182,7 +182,7 @@ class AttemptRunner:
                 self._abandon(attempt, AttemptStatus.RESIZED, None, cause=[end.why])
                 attempt.resize_to = end.gpus
                 report(end.why, self.out)
-                attempt.outcome = AttemptResult(AttemptStatus.RESIZED)
+                attempt.verdict = AttemptVerdict(AttemptStatus.RESIZED)
                 return attempt
             if isinstance(end, StopNow):
                 if end.note:
@@ -192,7 +192,7 @@ class AttemptRunner:
             else:
                 code = end
             attempt.streamer.finish()
-            outcome = attempt.outcome = read_attempt(
+            verdict = attempt.verdict = read_attempt(
                 self.run_dir,
                 index,
                 job.world_size,
@@ -200,7 +200,7 @@ class AttemptRunner:
                 stopped_by=stopped_by,
                 saved_checkpoint=lambda: self.latest_checkpoint() != checkpoint_before,
             )
-            self._end_attempt(attempt, outcome.status, code, outcome)
+            self._end_attempt(attempt, verdict.status, code, verdict)
             return attempt
         except KeyboardInterrupt:
             if attempt.record["ended_at"] is None:
@@ -294,12 +294,12 @@ class AttemptRunner:
 
     def _ask_to_checkpoint(self, attempt: int, why: str) -> None:
         stop_file = self.run_dir.file(RunLayout.stop(attempt))
-        if self.run_dir.read_control(stop_file) is None:  # a policy's reason, already there, says more
+        if self.run_dir.read_control(stop_file) is None:  # a usage policy's reason, already there, says more
             self.run_dir.write_control(stop_file, f"{why}\n".encode())
 
     def _ask_to_stop(self, attempt: Attempt, ask: AskToStop, now: float) -> None:
         """Writes the reason into the attempt's stop file (ranks then checkpoint and stop) and tells the caller."""
-        if ask.kind is StoppedBy.POLICY:
+        if ask.kind is StoppedBy.USAGE_POLICY:
             self.book.set_stop_reason(ask.reason)
         attempt.asked, attempt.why, attempt.asked_at = ask.kind, ask.reason, now
         self.run_dir.write_control(self.run_dir.file(RunLayout.stop(attempt.index)), (ask.reason + "\n").encode())
@@ -340,23 +340,23 @@ class AttemptRunner:
         attempt: Attempt,
         status: AttemptStatus,
         code: int | None,
-        outcome: AttemptResult | None = None,
+        verdict: AttemptVerdict | None = None,
         cause: Sequence[str] = (),
         error: BaseException | None = None,
     ) -> None:
         causes = list(cause)
-        report_ = outcome.report if outcome is not None else None
-        lost = report_.lost if report_ is not None and outcome is not None and outcome.lost else []
+        report_ = verdict.report if verdict is not None else None
+        lost = report_.lost if report_ is not None and verdict is not None and verdict.lost else []
         if lost:
-            assert outcome is not None
-            causes.append(outcome.lost)
-        if outcome is not None and outcome.failures:
-            causes += [f"rank {f.rank}: {f.exc_type or 'exit'}: {f.message}" for f in outcome.failures]
+            assert verdict is not None
+            causes.append(verdict.lost)
+        if verdict is not None and verdict.failures:
+            causes += [f"rank {f.rank}: {f.exc_type or 'exit'}: {f.message}" for f in verdict.failures]
         started_at, ended_at = self.book.end_attempt(
             attempt.record, status, code, causes, lost_at=report_.lost_at if report_ else None, lost=lost
         )
-        if error is None and outcome is not None:
-            error = outcome.root_exception
+        if error is None and verdict is not None:
+            error = verdict.root_exception
         job = attempt.job
         for callback in self.callbacks:
             callback.after_attempt(
@@ -369,7 +369,7 @@ class AttemptRunner:
                     gpus=job.resources.gpus,
                     gpu_type=self.job.resources.gpu_type or "",
                     error=error,
-                    cause=outcome.lost if outcome is not None else "",
+                    cause=verdict.lost if verdict is not None else "",
                 ),
             )
 

@@ -66,7 +66,7 @@ def failure_location(failures: Sequence[RankFailure]) -> tuple[str, str] | None:
     return first.exc_type, f"{file}:{line} in {name}"
 
 
-#: The default policy, per class: restarted (while restarts are left) or raised at once, and why.
+#: The default failure policy, per class: restarted (while restarts are left) or raised at once, and why.
 DEFAULT_POLICY: dict[FailureClass, tuple[bool, str]] = {
     FailureClass.USER_EXCEPTION: (
         True,
@@ -83,7 +83,7 @@ DEFAULT_POLICY: dict[FailureClass, tuple[bool, str]] = {
     FailureClass.ENVIRONMENT_ERROR: (False, "the same payload meets the same environment again"),
     FailureClass.RESULT_ERROR: (False, "a new attempt would train again and fail the same way at its end"),
 }
-#: The classes the default policy restarts.
+#: The classes the default failure policy restarts.
 RESTARTED_BY_DEFAULT = tuple(c.value for c, (restart, _) in DEFAULT_POLICY.items() if restart)
 
 

@@ -1,7 +1,7 @@
 """A hung attempt's record in its folder: ``hang.json`` (the diagnosis) and ``hang.txt`` (it and every rank's stacks).
 
 The supervisor writes both when it finds an attempt hung (:mod:`~sparkgpu.launch.client.progress_watch`);
-:func:`~sparkgpu.launch.client.attempt_result.read_attempt` reads ``hang.json`` back to fail the
+:func:`~sparkgpu.launch.client.attempt_verdict.read_attempt` reads ``hang.json`` back to fail the
 rank(s) behind with a :class:`~sparkgpu.errors.HangError`, whose class is ``hang``.
 """
 

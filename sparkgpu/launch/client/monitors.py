@@ -5,9 +5,9 @@ order (:func:`attempt_monitors`); it applies each decision at once (the view the
 that was asked) and ends the watch at the first :data:`ENDING` one:
 
 1. :class:`Cancelled`: the job's cancel was asked -> :class:`EndJob` ``CANCELLED``.
-2. :class:`Timeout`: the job ran past ``policy.timeout`` -> :class:`EndJob` ``TIMED_OUT``.
+2. :class:`Timeout`: the job ran past ``job.policy.timeout`` -> :class:`EndJob` ``TIMED_OUT``.
 3. :class:`ElasticShrink`: an elastic attempt's ranks waited ``elastic_wait`` to start -> :class:`Resize`.
-4. :class:`PolicyStop`: a callback's ``stop_reason`` -> :class:`AskToStop` (``POLICY``).
+4. :class:`UsagePolicyStop`: a callback's ``stop_reason`` -> :class:`AskToStop` (``USAGE_POLICY``).
 5. :class:`Preemption`: a critical job asks this one to give way -> :class:`AskToStop` (``PRIORITY``).
 6. :class:`Growth`: all GPUs of an elastic job on fewer are free -> :class:`AskToStop` (``RESIZE``).
 7. :class:`GraceExpiry`: ranks asked to stop still run after ``checkpoint_grace`` -> :class:`StopNow`.
@@ -31,7 +31,7 @@ from sparkgpu.callbacks import JobCallback
 from sparkgpu.errors import JobCancelledError, JobTimeoutError
 from sparkgpu.launch.backends.base import Backend
 from sparkgpu.launch.backends.capabilities import DeferredStart, Preemptible
-from sparkgpu.launch.client.attempt_result import StoppedBy
+from sparkgpu.launch.client.attempt_verdict import StoppedBy
 from sparkgpu.launch.scheduling.elastic import ElasticPlan
 from sparkgpu.rundir.states import AttemptStatus, JobStatus
 from sparkgpu.spec import JobSpec
@@ -194,7 +194,7 @@ class _Request:
 
 
 @dataclasses.dataclass
-class PolicyStop(_Request):
+class UsagePolicyStop(_Request):
     """Asks the callbacks whether the job (``job``: as this attempt runs it) must stop."""
 
     callbacks: Sequence[JobCallback]
@@ -204,7 +204,7 @@ class PolicyStop(_Request):
         for callback in self.callbacks:
             reason = callback.stop_reason(self.job, view.attempt, ran)
             if reason:
-                return AskToStop(StoppedBy.POLICY, reason, f": {reason}")
+                return AskToStop(StoppedBy.USAGE_POLICY, reason, f": {reason}")
         return CONTINUE
 
 
@@ -305,16 +305,16 @@ def attempt_monitors(
     logs: str,
 ) -> list[Monitor]:
     """The monitors of one attempt of ``full_job``, run as ``job`` (resized for an elastic one), in order."""
-    policy = job.policy
+    run_policy = job.policy
     job_id = full_job.job_id
     return [
         Cancelled(cancel_requested, job_id, logs),
-        Timeout(policy.timeout, job_id, logs),
+        Timeout(run_policy.timeout, job_id, logs),
         ElasticShrink(elastic, full_job.elastic_wait),
-        PolicyStop(callbacks, job),
+        UsagePolicyStop(callbacks, job),
         Preemption(backend, full_job),
         Growth(elastic),
-        GraceExpiry(policy.checkpoint_grace, policy.shutdown_grace),
-        CapNear(policy.max_runtime, policy.checkpoint_grace, isinstance(backend, DeferredStart)),
-        CapReached(policy.max_runtime),
+        GraceExpiry(run_policy.checkpoint_grace, run_policy.shutdown_grace),
+        CapNear(run_policy.max_runtime, run_policy.checkpoint_grace, isinstance(backend, DeferredStart)),
+        CapReached(run_policy.max_runtime),
     ]

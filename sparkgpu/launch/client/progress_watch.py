@@ -41,7 +41,7 @@ import time
 
 from sparkgpu.rundir import progress as _progress
 from sparkgpu.rundir.progress import RankProgress
-from sparkgpu.launch.client.attempt_result import StoppedBy
+from sparkgpu.launch.client.attempt_verdict import StoppedBy
 from sparkgpu.launch.client.hang_diagnosis import DUMP_MARKER, RankStacks, diagnose, parse_stacks
 from sparkgpu.launch.client.hang_record import HangRecord
 from sparkgpu.launch.rank.progress import DUMP_SIGNAL

@@ -51,7 +51,7 @@ from sparkgpu.errors import (
 from sparkgpu.failure_class import Classified, classify
 from sparkgpu.launch.backends.base import Backend
 from sparkgpu.launch.backends.capabilities import ElasticCapacity, Preemptible, QueuedCapacity
-from sparkgpu.launch.client.attempt_result import AttemptResult, StoppedBy
+from sparkgpu.launch.client.attempt_verdict import AttemptVerdict, StoppedBy
 from sparkgpu.launch.client.attempt_runner import AttemptRunner
 from sparkgpu.launch.client.checkpoint_progress import restart_point
 from sparkgpu.launch.client.failure_policy import Decision, FailurePolicy
@@ -245,18 +245,18 @@ class Supervisor:
                     book.set_status(attempt.ended_job.job_status)
                     error = attempt.ended_job.error
                     raise error
-                outcome = attempt.outcome
-                assert outcome is not None  # set by AttemptRunner.run whenever it returns
-                step = next_step(outcome.status, attempt.asked, usage_stopped=bool(book.stop_reason))
+                verdict = attempt.verdict
+                assert verdict is not None  # set by AttemptRunner.run whenever it returns
+                step = next_step(verdict.status, attempt.asked, usage_stopped=bool(book.stop_reason))
                 if step is JobStep.FINISH:
                     book.set_status(JobStatus.SUCCEEDED)
-                    results = outcome.results
+                    results = verdict.results
                     assert results is not None  # a succeeded attempt has every rank's result
                     return results
                 if step is JobStep.STOP:
                     book.set_status(JobStatus.STOPPED)
-                    error = PolicyViolationError(self._stop_message(outcome))
-                    raise error from outcome.root_exception
+                    error = PolicyViolationError(self._stop_message(verdict))
+                    raise error from verdict.root_exception
                 if step is JobStep.RESIZE:
                     assert attempt.resize_to is not None
                     gpus = attempt.resize_to
@@ -266,11 +266,11 @@ class Supervisor:
                         self._wait_after_giving_way(attempt.why, job_started)
                 elif (
                     self.failure_policy.decide(
-                        book.state["restarts"], outcome.exceptions, outcome.failures, failed_before, outcome.lost
+                        book.state["restarts"], verdict.exceptions, verdict.failures, failed_before, verdict.lost
                     )
                     is Decision.RESTART
                 ):
-                    failed_before = outcome.failures
+                    failed_before = verdict.failures
                     book.state["failed_before"] = [_failure_record(f) for f in failed_before]
                     restarts = book.count_restart()
                     report(
@@ -281,14 +281,14 @@ class Supervisor:
                 else:
                     self._classify(attempt)
                     permanent = self.failure_policy.unrestartable(
-                        outcome.exceptions, outcome.failures, failed_before, outcome.lost
+                        verdict.exceptions, verdict.failures, failed_before, verdict.lost
                     )
                     if permanent is not None and book.state["restarts"] < self.job.policy.max_restarts:
                         report(f"attempt {attempt.index} failed {permanent}; a restart cannot fix that", self.out)
                     book.set_status(JobStatus.FAILED)
                     logs = self.run_dir.logs_dir(attempt.index)
-                    error = outcome.error(self.job.job_id, str(logs))
-                    raise error from outcome.root_exception
+                    error = verdict.error(self.job.job_id, str(logs))
+                    raise error from verdict.root_exception
         except BaseException as exc:
             error = error or exc
             if not book.status.is_terminal:
@@ -307,8 +307,8 @@ class Supervisor:
 
     def _classify(self, attempt) -> Classified:
         """The failed attempt's class, recorded in its ``state.json`` record (``failure_class``, ``failure_detail``)."""
-        outcome = attempt.outcome
-        found = classify(outcome.failures, outcome.exceptions, lost=outcome.lost)
+        verdict = attempt.verdict
+        found = classify(verdict.failures, verdict.exceptions, lost=verdict.lost)
         attempt.record["failure_class"] = found.cls.value
         attempt.record["failure_detail"] = found.detail
         self.book.save()
@@ -349,12 +349,12 @@ class Supervisor:
             ) from exc
         self.book.stop_waiting()
 
-    def _stop_message(self, outcome: AttemptResult) -> str:
+    def _stop_message(self, verdict: AttemptVerdict) -> str:
         job_id, reason = self.job.job_id, self.book.stop_reason
         logs = self.run_dir.logs_dir(len(self.book.state["attempts"]) - 1)
-        if outcome.status is AttemptStatus.PREEMPTED:
+        if verdict.status is AttemptStatus.PREEMPTED:
             what = "checkpointed and stopped"
-        elif outcome.status is AttemptStatus.FAILED:
+        elif verdict.status is AttemptStatus.FAILED:
             what = f"stopped after its ranks failed (see {logs})"
         else:
             what = (

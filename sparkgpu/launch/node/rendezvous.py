@@ -155,7 +155,7 @@ def serve_store(listener: socket.socket, world_size: int) -> None:
         signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
         while store is not None:  # the store serves from its own thread; SIGTERM ends the process
             signal.pause()
-    except BaseException as exc:  # the pool's child must never return into the pool's loop
+    except BaseException as exc:  # the warm zygote's child must never return into its loop
         report(f"the job's rendezvous store failed: {exc!r}")
         code = 1
     finally:

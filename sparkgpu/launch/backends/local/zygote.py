@@ -206,7 +206,7 @@ class _Zygote:
             if not isinstance(message, dict):
                 raise ValueError(f"expected a JSON object, got {type(message).__name__}")
         except ValueError as exc:
-            report(f"pool: refused a malformed request: {exc}")
+            report(f"warm pool: refused a malformed request: {exc}")
             request.conn.close()
             return
         request.conn.setblocking(True)  # replies are one short line
@@ -215,7 +215,7 @@ class _Zygote:
         except _StopZygote:
             raise
         except Exception as exc:  # one bad request must not take down the other jobs' ranks
-            report(f"pool: request {message.get('op')!r} failed: {exc!r}")
+            report(f"warm pool: request {message.get('op')!r} failed: {exc!r}")
             request.conn.close()
 
     def _drop_stalled_requests(self) -> None:
@@ -224,7 +224,7 @@ class _Zygote:
             self._drop_request(request, f"sent no complete request within {_REQUEST_TIMEOUT:g}s")
 
     def _drop_request(self, request: _PendingRequest, why: str) -> None:
-        report(f"pool: dropped a client that {why}")
+        report(f"warm pool: dropped a client that {why}")
         self.selector.unregister(request.conn)
         self.pending.remove(request)
         request.conn.close()

@@ -137,7 +137,7 @@ def _request(directory: Path, message: dict) -> dict | None:
 
 def ensure_warm_zygote(python: str, idle_timeout: float) -> Path:
     """Starts the zygote for ``python`` and the current code unless it runs already; returns
-    its directory. Pools of the same interpreter with outdated code are asked to stop once
+    its directory. Warm zygotes of the same interpreter with outdated code are asked to stop once
     their running jobs end."""
     fingerprint = code_fingerprint()
     directory = _warm_zygote_dir(python, fingerprint)

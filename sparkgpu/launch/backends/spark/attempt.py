@@ -150,7 +150,7 @@ class NodeWatch:
                     node,
                     str(info.get("executor", "")),
                     str(info.get("host", "")),
-                    NodeState.LOST,
+                    NodeState.EXECUTOR_LOST,
                     self._ranks_of(handle, node),
                     cause=cause,
                 )

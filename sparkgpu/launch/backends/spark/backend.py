@@ -211,12 +211,12 @@ class SparkBackend(Backend, Preemptible, ElasticCapacity, DeferredStart, Reattac
         """Seconds an attempt of ``job`` may wait for its GPUs: its ``capacity_wait=``, else this
         backend's ``wait_timeout`` when one was given, else its ``max_runtime`` (a job capped at 7
         days waits as long for a lost node's replacement), else ``SPARKGPU_SPARK_WAIT_TIMEOUT``."""
-        policy = job.policy
-        if policy.capacity_wait is not None:
-            return policy.capacity_wait
-        if self._wait_timeout_given or policy.max_runtime is None:
+        run_policy = job.policy
+        if run_policy.capacity_wait is not None:
+            return run_policy.capacity_wait
+        if self._wait_timeout_given or run_policy.max_runtime is None:
             return self.wait_timeout
-        return policy.max_runtime
+        return run_policy.max_runtime
 
     # -- the cluster's queue: priorities and preemption --------------------------------
     def await_capacity(self, job: JobSpec, wait: float | None) -> None:

@@ -1,8 +1,14 @@
-"""How an attempt ended, read back from the run dir: :class:`AttemptResult` and :func:`read_attempt`.
+"""The client's verdict on how an attempt ended, read back from the run dir: :class:`AttemptVerdict`
+and :func:`read_attempt`.
 
 The supervisor reads each attempt this way when its launchers are done, and a later
 ``attach(job_id).result()`` reads a finished job's last attempt the same way, so both raise the
-same error with the same root cause.
+same error with the same root cause. Three records say how an attempt ended, each its own
+thing: the backend's :class:`~sparkgpu.launch.client.attempt_report.AttemptReport` (its
+``report.json``: how each node ended, as the backend saw it) is one input of the verdict; the
+verdict (the status, each rank's result or failure) decides the supervisor's next step; the
+callbacks hear it as a :class:`~sparkgpu.callbacks.AttemptOutcome` (the status, the times, the
+GPUs billed).
 """
 
 from __future__ import annotations
@@ -22,24 +28,24 @@ from sparkgpu.rundir.states import AttemptStatus, RankExit
 from sparkgpu.rundir.directory import RunDir
 from sparkgpu.rundir.layout import RunLayout
 
-__all__ = ["AttemptResult", "StoppedBy", "read_attempt"]
+__all__ = ["AttemptVerdict", "StoppedBy", "read_attempt"]
 
 
 class StoppedBy(enum.Enum):
     """Why the supervisor stopped an attempt's ranks itself."""
 
     CAP = "cap"  # the attempt reached its runtime cap (max_runtime)
-    POLICY = "policy"  # a usage policy asked it to stop, and checkpoint_grace passed
+    USAGE_POLICY = "policy"  # a usage policy asked it to stop, and checkpoint_grace passed
     PRIORITY = "priority"  # it was asked to give way to a critical job, and checkpoint_grace passed
     RESIZE = "resize"  # an elastic job was asked to stop to grow back to all its GPUs, and checkpoint_grace passed
     HANG = "hang"  # its ranks made no progress for progress_timeout (launch.client.progress_watch)
 
 
 @dataclasses.dataclass
-class AttemptResult:
-    """How one attempt ended, read back from the run dir."""
+class AttemptVerdict:
+    """How one attempt ended, judged from what its ranks, launchers and backend left in the run dir."""
 
-    status: AttemptStatus  # SUCCEEDED, PREEMPTED, FAILED or STOPPED (by a policy, without a checkpoint)
+    status: AttemptStatus  # SUCCEEDED, PREEMPTED, FAILED or STOPPED (by a usage policy, without a checkpoint)
     results: list[Any] | None = None
     failures: list[RankFailure] = dataclasses.field(default_factory=list)
     exceptions: dict[int, BaseException] = dataclasses.field(default_factory=dict)
@@ -68,18 +74,18 @@ def read_attempt(
     rd: RunDir,
     attempt: int,
     world_size: int,
-    policy,
+    run_policy,
     *,
     stopped_by: StoppedBy | None = None,
     saved_checkpoint: Callable[[], bool] | None = None,
-) -> AttemptResult:
+) -> AttemptVerdict:
     """How attempt ``attempt`` ended, from what its ranks, launchers and backend left in the run dir.
 
     Args:
         rd: The job's run dir.
         attempt: The attempt to read.
         world_size: The job's ranks.
-        policy: The job's :class:`~sparkgpu.spec.RunPolicy` (its cap names the fix when an attempt
+        run_policy: The job's :class:`~sparkgpu.spec.RunPolicy` (its cap names the fix when an attempt
             stopped at the cap had not checkpointed).
         stopped_by: Why the supervisor stopped the attempt, when it did; else ``None``.
         saved_checkpoint: Whether the attempt committed a new checkpoint; asked only for an
@@ -114,7 +120,7 @@ def read_attempt(
         )
         # What the ranks wrote once they were killed (a peer left the collective) follows from the hang.
         hung, hung_exceptions = hang.failures()
-        return AttemptResult(AttemptStatus.FAILED, failures=hung, exceptions=hung_exceptions, report=report)
+        return AttemptVerdict(AttemptStatus.FAILED, failures=hung, exceptions=hung_exceptions, report=report)
     own_failure = bool(failures) or any(
         i.exitcode not in (EXIT_PREEMPTED, -signal.SIGTERM) for r, i in exits.items() if r in silent
     )
@@ -131,7 +137,7 @@ def read_attempt(
         if (own_failure or restarting) and info.exitcode == -signal.SIGTERM:
             continue  # torn down after another rank failed or stopped for a restart: not a failure of its own
         if stopped_by and info.exitcode in (-signal.SIGTERM, -signal.SIGKILL):
-            continue  # the supervisor stopped it (cap or policy): judged below
+            continue  # the supervisor stopped it (cap or usage policy): judged below
         failures.append(
             RankFailure(
                 rank,
@@ -150,30 +156,30 @@ def read_attempt(
             for rank in node.ranks
         ]
         lost_ranks = {f.rank for f in lost}
-        return AttemptResult(
+        return AttemptVerdict(
             AttemptStatus.FAILED,
             failures=lost + [f for f in failures if f.rank not in lost_ranks],
             exceptions=exceptions,
             report=report,
         )
     if failures:
-        return AttemptResult(AttemptStatus.FAILED, failures=failures, exceptions=exceptions, report=report)
+        return AttemptVerdict(AttemptStatus.FAILED, failures=failures, exceptions=exceptions, report=report)
     if len(results) == world_size:
-        return AttemptResult(AttemptStatus.SUCCEEDED, results=[results[r] for r in range(world_size)])
+        return AttemptVerdict(AttemptStatus.SUCCEEDED, results=[results[r] for r in range(world_size)])
     if preempted:
-        return AttemptResult(AttemptStatus.PREEMPTED)
+        return AttemptVerdict(AttemptStatus.PREEMPTED)
     if stopped_by:
         # Stopped at the cap: resuming makes sense only if this attempt saved progress;
         # otherwise the next attempt would do the same work again, forever.
         if saved_checkpoint is not None and saved_checkpoint():
-            return AttemptResult(AttemptStatus.PREEMPTED)
+            return AttemptVerdict(AttemptStatus.PREEMPTED)
         if stopped_by in (StoppedBy.PRIORITY, StoppedBy.RESIZE):
             # Its work since the latest checkpoint is lost, but giving way is no failure of its own.
-            return AttemptResult(AttemptStatus.PREEMPTED)
-        if stopped_by is StoppedBy.POLICY:
-            return AttemptResult(AttemptStatus.STOPPED)
-        message = _not_checkpointed_message(policy)
-        return AttemptResult(
+            return AttemptVerdict(AttemptStatus.PREEMPTED)
+        if stopped_by is StoppedBy.USAGE_POLICY:
+            return AttemptVerdict(AttemptStatus.STOPPED)
+        message = _not_checkpointed_message(run_policy)
+        return AttemptVerdict(
             AttemptStatus.FAILED,
             failures=[
                 RankFailure(r, None, message, log_tail=rd.log_tail(attempt, r))
@@ -185,7 +191,7 @@ def read_attempt(
     if any(rd.read_control(path) is not None for path in rd.node_exit_files(attempt).values()):
         # Launchers recorded the attempt but no exit of these ranks: an exit with code 0
         # that could not be watched, or a node whose launcher was lost.
-        return AttemptResult(
+        return AttemptVerdict(
             AttemptStatus.FAILED,
             failures=[
                 RankFailure(
@@ -204,7 +210,7 @@ def read_attempt(
     tail = "\n".join(agent_log.read_text(errors="replace").splitlines()[-30:]) if agent_log.exists() else ""
     if report is not None and report.notes:  # what the backend knows that no launcher could write
         tail = "\n".join([*(f"sparkgpu: {note}" for note in report.notes), tail])
-    return AttemptResult(
+    return AttemptVerdict(
         AttemptStatus.FAILED,
         failures=[
             RankFailure(
@@ -219,13 +225,13 @@ def read_attempt(
     )
 
 
-def _not_checkpointed_message(policy) -> str:
+def _not_checkpointed_message(run_policy) -> str:
     return (
-        f"the attempt reached its runtime cap (max_runtime={policy.max_runtime:g}s) and was stopped, but the "
+        f"the attempt reached its runtime cap (max_runtime={run_policy.max_runtime:g}s) and was stopped, but the "
         "function did not checkpoint before it: no rank stopped for a restart and no new complete checkpoint "
         "was saved, so resuming would only repeat the same work. Save with sparkgpu.train.Checkpointer "
         "(ckpt.maybe_save(step, ...) after every step) and call runtime.stop_for_restart() once ckpt.should_stop "
-        f"is True (runtime.should_checkpoint() turns True checkpoint_grace={policy.checkpoint_grace:g}s before "
+        f"is True (runtime.should_checkpoint() turns True checkpoint_grace={run_policy.checkpoint_grace:g}s before "
         "the cap), or raise max_runtime="
     )
 
