@@ -48,6 +48,10 @@ RANK_KEY_FILE = "rank-{local_rank}"
 #: A key folder's name: the process that made it, then mkdtemp's random part.
 _FOLDER_PREFIX = "sparkgpu-key-{pid}-"
 _CLOCK_MARGIN_S = 30.0
+#: Seconds a key folder is left alone whoever made it: its ranks take their files within seconds
+#: of the hand-off, so a folder this old holds only the files of ranks that never started, even
+#: where the temp folder is shared with processes of another pid namespace (a container's).
+_MIN_AGE_S = 600.0
 
 
 def rank_secrets(key: bytes, environ) -> dict[str, str]:
@@ -113,7 +117,8 @@ def remove_stale_key_folders(root: str | Path | None = None) -> list[Path]:
 
     A folder's maker is the pid in its name; it no longer runs when no process has that pid, or
     when the process that has it started after the folder was made (the pid was reused). Folders
-    of other users, and of running processes, are left alone. Returns the folders removed.
+    of other users, of running processes, and any younger than ten minutes are left alone.
+    Returns the folders removed.
     """
     root = Path(root or tempfile.gettempdir())
     removed: list[Path] = []
@@ -130,7 +135,9 @@ def remove_stale_key_folders(root: str | Path | None = None) -> list[Path]:
             made = entry.stat(follow_symlinks=False)
         except OSError:  # removed meanwhile
             continue
-        if made.st_uid != uid or not entry.is_dir(follow_symlinks=False) or _runs_since(pid, made.st_ctime):
+        if made.st_uid != uid or not entry.is_dir(follow_symlinks=False) or time.time() - made.st_ctime < _MIN_AGE_S:
+            continue
+        if _runs_since(pid, made.st_ctime):
             continue
         shutil.rmtree(entry.path, ignore_errors=True)  # a concurrent sweep may remove it first
         if not os.path.exists(entry.path):

@@ -18,6 +18,7 @@ from pyspark.sql.connect.client.core import DefaultChannelBuilder
 
 from sparkgpu.errors import ConfigurationError
 from sparkgpu.launch.backends.spark.sessions import PLAINTEXT_ENV, check_key_transport
+from sparkgpu.rundir import key_handover
 from sparkgpu.rundir.key_handover import (
     RANK_KEY_FILE,
     hand_to_ranks,
@@ -78,6 +79,8 @@ def test_the_key_folder_of_a_killed_process_is_removed_by_the_next_hand_off_and_
     unrelated = tmp_path / "sparkgpu-key-notapid"
     unrelated.mkdir()
 
+    assert hand_to_ranks(KEY, 1) and left.exists()  # under ten minutes old: its ranks may still be starting
+    monkeypatch.setattr(key_handover, "_MIN_AGE_S", 0.0)  # as if it were older
     live = hand_to_ranks(KEY, 1)  # this process runs: its folder stays while a later hand-off sweeps
     assert not left.exists()
     assert remove_stale_key_folders() == [] and live.exists() and unrelated.exists()
