@@ -147,19 +147,14 @@ def remove_stale_key_folders(root: str | Path | None = None) -> list[Path]:
 
 
 def _maker_pid(name: str) -> int | None:
-    head, _, rest = name.partition(_FOLDER_PREFIX.split("{")[0])
-    digits = rest.split("-", 1)[0]
-    return int(digits) if not head and "-" in rest and digits.isdigit() else None
+    prefix = _FOLDER_PREFIX.split("{")[0]
+    digits, dash, _ = name[len(prefix) :].partition("-")
+    return int(digits) if name.startswith(prefix) and dash and digits.isdigit() else None
 
 
 def _runs_since(pid: int, made: float) -> bool:
     """Whether the process ``pid`` runs and started before ``made`` (an epoch second), so it may have made it."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc (not Linux): alive is all that can be known
+    if not os.path.exists("/proc/self/stat"):  # no /proc (not Linux): alive is all that can be known
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
@@ -167,6 +162,11 @@ def _runs_since(pid: int, made: float) -> bool:
         except PermissionError:
             return True
         return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return False
     started = _boot_time() + int(fields[19]) / os.sysconf("SC_CLK_TCK")
     # Boot time is whole seconds and the wall clock may be stepped after boot: a pid reused within
     # this margin keeps the folder until a later sweep, and a running maker is never taken for gone.
