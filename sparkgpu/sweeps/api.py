@@ -207,7 +207,8 @@ def _drive(folder: SweepFolder, options: SweepOptions, study, fn, space, args, k
 
 
 def _register_best(result, name: str):
-    """Registers the best trial's model: its job's rank-0 return value (or its ``"model"``)."""
+    """Registers the best trial's model: its job's rank-0 return value, or, where that is
+    ``{"value": ..., "model": ...}``, its ``"model"`` (with its ``"tokenizer"`` where it has one)."""
     from sparkgpu.api.call import attach
     from sparkgpu.sweeps.driver import ATTR_JOB
     from sparkgpu.sweeps.tracking import child_run_id
@@ -216,7 +217,11 @@ def _register_best(result, name: str):
     best = result.study.best_trial
     call = attach(best.user_attrs[ATTR_JOB])
     returned = call.result(timeout=0)[0]
-    model = returned.get("model", returned) if isinstance(returned, dict) and "value" in returned else returned
+    model = returned
+    if isinstance(returned, dict) and "value" in returned:
+        model = returned.get("model", returned)
+        if "tokenizer" in returned:  # a transformers model registers with its tokenizer
+            model = {"model": model, "tokenizer": returned["tokenizer"]}
     return register_result(model, name, call.job_id, child_run_id(call.run_dir.path))
 
 
