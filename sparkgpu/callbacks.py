@@ -17,7 +17,7 @@ from typing import Any
 
 from sparkgpu.rundir.states import AttemptStatus
 
-__all__ = ["JobCallback", "WorkerContext", "AttemptOutcome"]
+__all__ = ["JobCallback", "WorkerContext", "AttemptOutcome", "reads_results"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +61,11 @@ class AttemptOutcome:
 class JobCallback:
     """Hooks around a job. Client-side hooks run in the caller; worker-side hooks on every rank."""
 
+    #: Whether :meth:`after_job` reads the job's results. A subclass whose ``after_job`` ignores
+    #: them says ``False``: a supervisor whose callbacks all ignore them, and that returns them to
+    #: nobody (a detached job's), then never unpickles them (a model's libraries stay unimported).
+    reads_results: bool = True
+
     # -- client side ---------------------------------------------------------------
     def before_job(self, job, run_dir: str) -> None:
         """After the spec is validated and the payload staged, before the first attempt."""
@@ -89,7 +94,8 @@ class JobCallback:
         return None
 
     def after_job(self, job, results: list[Any] | None, error: BaseException | None) -> None:
-        """Once, when the job has completed or given up."""
+        """Once, when the job has completed or given up; ``results`` (one per rank) once it
+        succeeded, else ``None``. A subclass that ignores ``results`` sets ``reads_results = False``."""
 
     # -- worker side -----------------------------------------------------------------
     def on_worker_start(self, ctx: WorkerContext) -> None:
@@ -97,3 +103,9 @@ class JobCallback:
 
     def on_worker_end(self, ctx: WorkerContext, error: BaseException | None) -> None:
         """On each rank after the user function returned or raised."""
+
+
+def reads_results(callback: JobCallback) -> bool:
+    """Whether ``callback``'s :meth:`~JobCallback.after_job` may read the job's results: it is
+    overridden and does not say ``reads_results = False``."""
+    return type(callback).after_job is not JobCallback.after_job and callback.reads_results

@@ -415,7 +415,17 @@ class RunDir:
             PayloadSignatureError: the file is unsigned or not signed with the job's key.
             ConfigurationError: this process has no key for the job.
         """
-        return cloudpickle.loads(self._read_signed(self.file(RunLayout.result(attempt, rank)), "result", attempt, rank))
+        return cloudpickle.loads(self.read_result_payload(attempt, rank))
+
+    def read_result_payload(self, attempt: int, rank: int) -> memoryview:
+        """Rank ``rank``'s return value as its checked pickle, not yet unpickled: unpickling a
+        model imports its libraries (torch, transformers), which only whoever uses it needs.
+
+        Raises:
+            PayloadSignatureError: the file is unsigned or not signed with the job's key.
+            ConfigurationError: this process has no key for the job.
+        """
+        return self._read_signed(self.file(RunLayout.result(attempt, rank)), "result", attempt, rank)
 
     def read_error(self, attempt: int, rank: int) -> tuple[RankFailure, BaseException | None]:
         """Rank ``rank``'s failure, and its exception when the class exists here.

@@ -181,6 +181,8 @@ class MLflowCallback(JobCallback):
         ConfigurationError: an interval is not positive.
     """
 
+    reads_results = False  # after_job ends the run / the ledger row, whatever the job returned
+
     def __init__(
         self,
         experiment: str | None = None,

@@ -85,6 +85,8 @@ class UsageMeter(JobCallback):
         heartbeat_seconds: How often a running attempt's journal entry is refreshed.
     """
 
+    reads_results = False  # after_job ends the run / the ledger row, whatever the job returned
+
     def __init__(
         self,
         ledger: UsageLedger | str | None = None,

@@ -19,6 +19,7 @@ import textwrap
 import pytest
 
 from sparkgpu import attach, distributed, runtime
+from sparkgpu.callbacks import JobCallback
 from sparkgpu.config import settings
 from sparkgpu.errors import ConfigurationError, JobCancelledError, WorkerFailedError
 from sparkgpu.launch.client.detached import keeper_alive, supervision_record
@@ -348,3 +349,51 @@ def test_with_no_client_the_mlflow_run_finishes_the_model_is_registered_and_usag
     rows = UsageMeter().ledger.read()
     rows = rows.filter(pc.equal(rows["job_id"], job_id))
     assert rows.num_rows == 1 and pc.sum(rows["gpu_seconds"]).as_py() > 0
+
+
+def _unpickled_in(where: str, name: str):
+    """What a returned value unpickles to: the value, after noting which process unpickled it."""
+    with open(os.path.join(where, f"unpickled-{name}"), "a") as f:
+        f.write(f"{os.getpid()}\n")
+    return name
+
+
+class _NotedWhenUnpickled:
+    """A returned value (a model, say) whose unpickling is seen: what importing its libraries costs."""
+
+    def __init__(self, where: str, name: str):
+        self.where, self.name = where, name
+
+    def __reduce__(self):
+        return _unpickled_in, (self.where, self.name)
+
+
+class _ReadsResults(JobCallback):
+    def __init__(self, where: str):
+        self.where = where
+
+    def after_job(self, job, results, error) -> None:
+        with open(os.path.join(self.where, "after-job"), "w") as f:
+            f.write(repr(results))
+
+
+@distributed(gpus=2, gpu_type="cpu")
+def _returns_a_model(where: str):
+    return _NotedWhenUnpickled(where, f"rank{runtime.get_global_rank()}")
+
+
+def test_a_detached_supervisor_leaves_results_pickled_unless_a_callback_reads_them(tmp_path):
+    # Nobody in the supervisor reads them: it ends the job without unpickling (importing) them.
+    call = _returns_a_model.submit(str(tmp_path))
+    assert call.result(timeout=120) == ["rank0", "rank1"]
+    assert [(tmp_path / f"unpickled-rank{r}").read_text().split() for r in (0, 1)] == [[str(os.getpid())]] * 2
+    assert _state(call.job_id)["status"] == "succeeded"
+
+    # A callback whose after_job reads them gets them, unpickled in the supervisor.
+    for r in (0, 1):
+        (tmp_path / f"unpickled-rank{r}").unlink()
+    read = _returns_a_model.with_overrides(callbacks=[_ReadsResults(str(tmp_path))]).submit(str(tmp_path))
+    assert read.result(timeout=120) == ["rank0", "rank1"]
+    assert (tmp_path / "after-job").read_text() == "['rank0', 'rank1']"
+    pids = {r: (tmp_path / f"unpickled-rank{r}").read_text().split() for r in (0, 1)}
+    assert all(len(p) == 2 and p[1] == str(os.getpid()) and p[0] != str(os.getpid()) for p in pids.values()), pids

@@ -46,10 +46,18 @@ class AttemptVerdict:
     """How one attempt ended, judged from what its ranks, launchers and backend left in the run dir."""
 
     status: AttemptStatus  # SUCCEEDED, PREEMPTED, FAILED or STOPPED (by a usage policy, without a checkpoint)
-    results: list[Any] | None = None
+    #: A succeeded attempt's results, one per rank, signature-checked but not unpickled (:meth:`results`).
+    result_payloads: list[memoryview] | None = None
     failures: list[RankFailure] = dataclasses.field(default_factory=list)
     exceptions: dict[int, BaseException] = dataclasses.field(default_factory=dict)
     report: AttemptReport | None = None  # the backend's account of its nodes, when it wrote one
+
+    def results(self) -> list[Any]:
+        """The succeeded attempt's results, one per rank, unpickled here (which imports what they need)."""
+        import cloudpickle
+
+        assert self.result_payloads is not None, "only a succeeded attempt has results"
+        return [cloudpickle.loads(payload) for payload in self.result_payloads]
 
     @property
     def lost(self) -> str:
@@ -95,13 +103,13 @@ def read_attempt(
     judged from its launcher's exit record, then from the backend's :class:`AttemptReport`
     (a lost node names the cause before its peers' errors), then from node 0's launcher log.
     """
-    results: dict[int, Any] = {}
+    results: dict[int, memoryview] = {}
     failures: list[RankFailure] = []
     exceptions: dict[int, BaseException] = {}
     preempted, silent = [], []
     for rank in range(world_size):
         if rd.file(RunLayout.result(attempt, rank)).exists():
-            results[rank] = rd.read_result(attempt, rank)
+            results[rank] = rd.read_result_payload(attempt, rank)  # checked; unpickled by whoever uses it
         elif rd.file(RunLayout.error(attempt, rank)).exists():
             failure, exc = rd.read_error(attempt, rank)
             failures.append(failure)
@@ -165,7 +173,7 @@ def read_attempt(
     if failures:
         return AttemptVerdict(AttemptStatus.FAILED, failures=failures, exceptions=exceptions, report=report)
     if len(results) == world_size:
-        return AttemptVerdict(AttemptStatus.SUCCEEDED, results=[results[r] for r in range(world_size)])
+        return AttemptVerdict(AttemptStatus.SUCCEEDED, result_payloads=[results[r] for r in range(world_size)])
     if preempted:
         return AttemptVerdict(AttemptStatus.PREEMPTED)
     if stopped_by:

@@ -242,7 +242,7 @@ def supervise(run_dir: RunDir) -> int:
         lock.release()
         return 1
     try:
-        supervisor.run()
+        supervisor.run_detached()
     except BaseException as exc:  # noqa: BLE001 - the job's end is in its state; the run dir keeps the error
         if isinstance(exc, KeyboardInterrupt):
             raise

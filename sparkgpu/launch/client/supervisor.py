@@ -40,7 +40,7 @@ from typing import Any
 
 from sparkgpu._util.process import ProcessRef
 from sparkgpu._util.report import console, report
-from sparkgpu.callbacks import JobCallback
+from sparkgpu.callbacks import JobCallback, reads_results
 from sparkgpu.errors import (
     CapacityError,
     JobStateError,
@@ -190,6 +190,18 @@ class Supervisor:
             Exception: whatever the backend raised while the attempt ran (e.g. ``CapacityError``
                 when Spark's GPUs stayed busy); the attempt was stopped and ended as failed first.
         """
+        results = self._locked(return_results=True)
+        assert results is not None  # a job that succeeded has every rank's result
+        return results
+
+    def run_detached(self) -> None:
+        """:meth:`run`, for a supervisor whose results nobody here receives (a detached job's:
+        whoever asks reads them from the run dir). The results are then unpickled only where a
+        callback reads them (:func:`~sparkgpu.callbacks.reads_results`), so a returned model's
+        libraries (torch, transformers) are not imported just to end the job."""
+        self._locked(return_results=False)
+
+    def _locked(self, return_results: bool) -> list[Any] | None:
         lock = self.lock or SupervisionLock(self.run_dir)
         if not lock.acquire():
             raise JobStateError(
@@ -197,12 +209,12 @@ class Supervisor:
                 f"sparkgpu.attach({self.job.job_id!r})"
             )
         try:
-            return self._run_supervised()
+            return self._run_supervised(return_results)
         finally:
             lock.release()
             self.lock = None
 
-    def _run_supervised(self) -> list[Any]:
+    def _run_supervised(self, return_results: bool) -> list[Any] | None:
         book = self.book
         job_started = time.monotonic()
         attempts = self._attempt_runner()
@@ -250,8 +262,8 @@ class Supervisor:
                 step = next_step(verdict.status, attempt.asked, usage_stopped=bool(book.stop_reason))
                 if step is JobStep.FINISH:
                     book.set_status(JobStatus.SUCCEEDED)
-                    results = verdict.results
-                    assert results is not None  # a succeeded attempt has every rank's result
+                    if return_results or any(reads_results(callback) for callback in self.callbacks):
+                        results = verdict.results()
                     return results
                 if step is JobStep.STOP:
                     book.set_status(JobStatus.STOPPED)
