@@ -284,6 +284,10 @@ class SweepDriver:
             overrides["gpu_type"] = self.options.gpu_type
         if self.options.priority is not None:
             overrides["priority"] = self.options.priority
+        if base.backend is None and not base.resources.remote and not base.ship_environment:
+            # A local trial's ranks fork from the warm pool, torch imported: the sweep's trials
+            # start in well under a second each, where a fresh agent imports torch for every one.
+            overrides["backend"] = "warm_pool"
         return base.with_overrides(
             name=f"{self.options.name}-t{number}",
             tags=tags,
