@@ -1,7 +1,8 @@
 """The keeper's loop shared by detached jobs and sweeps (``sparkgpu._util.keeper``), on real forked children.
 
 Each child records its start in a file and then does what the test asks of that start (die by
-SIGKILL, exit with a code); the loop's answer and the file say how many children it started.
+SIGKILL, exit with a code); the loop's answer and the file say how many children it started. And what a kept sweep's folder
+says of who drives and who keeps it (its ``driver.lock``, its ``keeper.json``).
 """
 
 from __future__ import annotations
@@ -50,3 +51,29 @@ def test_the_keeper_gives_up_after_its_limit(tmp_path, caplog):
     assert keep(_kept(tmp_path, ["kill"] * 2), limit=2) == 1
     assert _starts(tmp_path) == 2
     assert "thing t1: 2 workers died one after another; giving up. `resume t1` continues it" in caplog.text
+
+
+def test_one_process_drives_a_sweep_at_a_time_and_a_dead_keeper_names_no_keeper(tmp_path):
+    import subprocess
+    import sys
+
+    import pytest
+
+    from sparkgpu._util.process import ProcessRef
+    from sparkgpu.errors import JobStateError
+    from sparkgpu.sweeps.folder import SweepFolder
+
+    folder = SweepFolder(tmp_path / "sweep-x").create()
+    folder.write({"sweep_id": folder.sweep_id, "driver": {"pid": 4242}})
+    with folder.driving():
+        with pytest.raises(JobStateError, match="driven by another process \\(pid 4242\\)"):
+            with folder.driving():
+                pass
+    with folder.driving():  # released with the block
+        pass
+    assert folder.keeper() is None  # none was named
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    folder.name_keeper(ProcessRef.of(int(gone.stdout)), 0.0)
+    assert folder.keeper() is None  # named, but it has exited
+    folder.name_keeper(ProcessRef.current(), 0.0)
+    assert folder.keeper() == ProcessRef.current()
