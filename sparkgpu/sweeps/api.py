@@ -107,8 +107,9 @@ def sweep(
         resume: A sweep id: go on with that sweep (its finished trials are not run again; the
             jobs of its running ones are found again).
         name: The trials' job names start with it (``train``'s name by default).
-        detach: Drive the sweep in a process of its own (``sparkgpu sweep resume`` started in a
-            session of its own), so that it runs on when this process exits; returns at once.
+        detach: Drive the sweep in a process of its own (the child of a keeper in a session of
+            its own, which starts another should it die), so that it runs on when this process
+            exits; returns at once.
 
     Returns:
         A :class:`~sparkgpu.sweeps.driver.SweepResult` (``study``, ``best_params``, ``best_value``);
