@@ -3,7 +3,8 @@
 ```
 sparkgpu sweeps                      # every sweep: state, trials by state, best value
 sparkgpu sweep SWEEP_ID              # its trials: state, value, last reported step, parameters, job
-sparkgpu sweep resume SWEEP_ID       # goes on with a sweep whose driver died (runs here until it ends)
+sparkgpu sweep resume SWEEP_ID       # goes on with a sweep whose driver died (runs here until it ends);
+                                     # refused while a detached sweep's keeper lives (it restarts the driver)
 ```
 """
 

@@ -11,11 +11,12 @@ caller who wants the study elsewhere passes a study of their own (an RDB URL:
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from typing import Any
 
-from sparkgpu.errors import ConfigurationError, MissingDependencyError
+from sparkgpu.errors import ConfigurationError, JobStateError, MissingDependencyError
 from sparkgpu.sweeps.folder import SweepFolder, find_sweep, new_sweep_id, sweeps_root
 from sparkgpu.sweeps.options import SweepOptions, parse_budget
 
@@ -106,8 +107,9 @@ def sweep(
         resume: A sweep id: go on with that sweep (its finished trials are not run again; the
             jobs of its running ones are found again).
         name: The trials' job names start with it (``train``'s name by default).
-        detach: Drive the sweep in a process of its own (``sparkgpu sweep resume`` started in a
-            session of its own), so that it runs on when this process exits; returns at once.
+        detach: Drive the sweep in a process of its own (the child of a keeper in a session of
+            its own, which starts another should it die), so that it runs on when this process
+            exits; returns at once.
 
     Returns:
         A :class:`~sparkgpu.sweeps.driver.SweepResult` (``study``, ``best_params``, ``best_value``);
@@ -184,6 +186,19 @@ def sweep(
 
 
 def _drive(folder: SweepFolder, options: SweepOptions, study, fn, space, args, kwargs):
+    """Drives the sweep here, unless another process does (a live driver, or a keeper that restarts one)."""
+    keeper = folder.keeper()
+    if keeper is not None and keeper.pid != os.getppid():  # only the keeper's own child drives a kept sweep
+        raise JobStateError(
+            f"sweep {folder.sweep_id} is kept by its keeper (pid {keeper.pid}), which restarts its driver "
+            f"should it die (see {folder.driver_log}); wait for it with "
+            f"sparkgpu.sweeps.DetachedSweep({folder.sweep_id!r}).result()"
+        )
+    with folder.driving():
+        return _drive_locked(folder, options, study, fn, space, args, kwargs)
+
+
+def _drive_locked(folder: SweepFolder, options: SweepOptions, study, fn, space, args, kwargs):
     from sparkgpu._util.process import ProcessRef
     from sparkgpu.config import settings
     from sparkgpu.sweeps.driver import SweepDriver
@@ -254,9 +269,10 @@ def _save_driver(folder: SweepFolder, fn, args, kwargs, space, sampler, pruner) 
 class DetachedSweep:
     """A sweep driven by a process of its own (``sweep(..., detach=True)``); any process may wait for it.
 
-    Its driver is ``python -m sparkgpu.cli sweep resume SWEEP_ID``, in a session of its own (no
-    signal of the caller's terminal reaches it), writing to ``driver.log`` in the sweep's folder.
-    Should it die, ``sparkgpu sweep resume SWEEP_ID`` goes on as after any driver's death.
+    Its keeper (``python -m sparkgpu.sweeps.keeper SWEEP_ID``, in a session of its own: no signal
+    of the caller's terminal reaches it) runs the driver in a child and starts another, which
+    resumes the sweep as ``sparkgpu sweep resume`` does, should that one die before the sweep
+    ended. Both write to ``driver.log`` in the sweep's folder.
     """
 
     def __init__(self, sweep_id: str):
@@ -267,16 +283,15 @@ class DetachedSweep:
 
     @classmethod
     def start(cls, folder: SweepFolder) -> "DetachedSweep":
-        import os
         import subprocess
         import threading
 
         from sparkgpu._util.process import ProcessRef
 
-        log = os.open(folder.path / "driver.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        log = os.open(folder.driver_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             process = subprocess.Popen(
-                [sys.executable, "-m", "sparkgpu.cli", "sweep", "resume", folder.sweep_id],
+                [sys.executable, "-m", "sparkgpu.sweeps.keeper", folder.sweep_id],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -285,7 +300,7 @@ class DetachedSweep:
             )
         finally:
             os.close(log)
-        folder.update(driver=ProcessRef.of(process.pid).record())  # running from now on, for whoever looks
+        folder.name_keeper(ProcessRef.of(process.pid), time.time())  # running from now on, for whoever looks
         # Nobody's child to wait for: a caller that lives on must not keep it a zombie.
         threading.Thread(target=process.wait, daemon=True, name=f"sparkgpu-sweep-{process.pid}").start()
         return cls(folder.sweep_id)
@@ -294,7 +309,7 @@ class DetachedSweep:
         """``running``, ``finished``, ``stopped`` or ``lost`` (see ``sparkgpu sweeps``)."""
         from sparkgpu.sweeps.summary import sweep_state
 
-        return sweep_state(find_sweep(self.sweep_id).read())
+        return sweep_state(find_sweep(self.sweep_id))
 
     def wait(self, timeout: float | None = None) -> str:
         """Waits until the sweep no longer runs (or ``timeout`` seconds passed); returns its state then."""
@@ -308,7 +323,8 @@ class DetachedSweep:
 
         Raises:
             CallNotFinishedError: it still runs after ``timeout`` seconds.
-            JobStateError: its driver died first (``sparkgpu sweep resume SWEEP_ID`` goes on).
+            JobStateError: its driver died first, and its keeper too or gave up restarting it
+                (``sparkgpu sweep resume SWEEP_ID`` goes on).
         """
         from sparkgpu.errors import CallNotFinishedError, JobStateError
         from sparkgpu.sweeps.driver import SweepResult
@@ -319,7 +335,7 @@ class DetachedSweep:
         folder = find_sweep(self.sweep_id)
         if state == "lost":
             raise JobStateError(
-                f"the driver of sweep {self.sweep_id} died (see {folder.path / 'driver.log'}); "
+                f"the driver of sweep {self.sweep_id} died and nothing restarts it (see {folder.driver_log}); "
                 f"go on with `sparkgpu sweep resume {self.sweep_id}`"
             )
         record = folder.read()

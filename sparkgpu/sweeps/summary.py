@@ -9,17 +9,19 @@ from sparkgpu.sweeps.folder import SweepFolder
 __all__ = ["sweep_state", "trial_rows", "sweep_row"]
 
 
-def sweep_state(record: dict[str, Any]) -> str:
+def sweep_state(folder: SweepFolder, record: dict[str, Any] | None = None) -> str:
     """``finished``, ``stopped`` (it started no more trials: budget, failures, a policy), ``running``
-    (its driver process is alive) or ``lost`` (its driver died: ``sparkgpu sweep resume ID``)."""
+    (its driver process is alive, or its keeper, which restarts a driver that died) or ``lost``
+    (its driver died and nothing restarts it: ``sparkgpu sweep resume ID``)."""
     from sparkgpu._util.process import ProcessRef
 
+    record = folder.read() if record is None else record
     if record.get("finished_at"):
         return "stopped" if record.get("stopped_because") else "finished"
     driver = record.get("driver")
     if isinstance(driver, dict) and not ProcessRef.from_record(driver).is_gone():
         return "running"
-    return "lost"
+    return "running" if folder.keeper() is not None else "lost"
 
 
 def _study(folder: SweepFolder, record: dict[str, Any]):
@@ -77,7 +79,7 @@ def sweep_row(folder: SweepFolder) -> dict[str, Any]:
     best = (max(values) if direction_max else min(values)) if values else None
     return {
         "sweep_id": folder.sweep_id,
-        "state": sweep_state(record),
+        "state": sweep_state(folder, record),
         "trials": counts,
         "n_trials": (record.get("options") or {}).get("n_trials"),
         "best_value": best,

@@ -4,8 +4,9 @@ What each test checks comes from the ranks' own records (``sweep_trials.events``
 job states and the study, never from a clock: a pruned trial's ranks stop at one step, a failing
 trial is FAIL and the sweep goes on, ``max_concurrent`` holds, a budget stops new trials, the
 parent MLflow run has one child per trial, the best trial's model is registered, a detached sweep
-runs on after its caller exited, and a sweep whose driver was killed resumes without
-running a finished trial again.
+runs on after its caller exited, a sweep whose driver was killed resumes without
+running a finished trial again, and a detached sweep whose driver was killed is finished by its
+keeper with no one resuming it.
 """
 
 from __future__ import annotations
@@ -36,14 +37,17 @@ SPACE = {
 
 @pytest.fixture(autouse=True)
 def _no_sweep_driver_left(_isolated_sparkgpu_home):
-    """A detached sweep's driver (a session of its own) outlives a test that failed before it ended."""
+    """A detached sweep's keeper and driver (a session of their own) outlive a test that failed before it ended."""
     yield
     from sparkgpu._util.process import ProcessRef
 
     for folder in list_sweeps():
+        keeper = folder.keeper()
+        if keeper is not None:  # its session's leader: the group holds its driver too
+            os.killpg(keeper.pid, signal.SIGKILL)
         driver = folder.read().get("driver")
         if driver and driver["pid"] != os.getpid() and not ProcessRef.from_record(driver).is_gone():
-            os.killpg(driver["pid"], signal.SIGKILL)
+            os.kill(driver["pid"], signal.SIGKILL)
 
 
 def _intervals(study) -> list[tuple[float, float]]:
@@ -204,6 +208,67 @@ def test_a_sweep_resumed_after_its_driver_was_killed_runs_no_finished_trial_twic
         starts = [e for e in events(where, number, 0) if e["event"] == "start"]
         assert len(starts) == 1, f"trial {number} started {len(starts)} times: {starts}"
     assert len({t["job_id"] for t in trials}) == 2
+    assert _cli(capsys, "sweeps", "--json")[0]["state"] == "finished"
+
+
+KEPT = textwrap.dedent("""
+    import optuna, sparkgpu
+    from tests.integration.sweep_trials import train
+
+    detached = sparkgpu.sweep(
+        train,
+        direction="minimize",
+        space={{"offset": optuna.distributions.FloatDistribution(0.0, 1.0)}},
+        sampler=optuna.samplers.RandomSampler(seed=0),
+        n_trials=3,
+        gpus=2,
+        gpu_type="cpu",
+        kwargs={{"where": {where!r}, "steps": {steps}}},
+        detach=True,
+    )
+    print(detached.sweep_id, flush=True)
+""")
+
+
+def test_a_detached_sweep_whose_driver_is_killed_is_finished_by_its_keeper_running_no_trial_twice(
+    tmp_path, _isolated_sparkgpu_home, capsys
+):
+    where = tmp_path / "records"
+    where.mkdir()
+    caller = start_client(
+        tmp_path, _isolated_sparkgpu_home, KEPT.format(where=str(where), steps=80), stdout=subprocess.PIPE, text=True
+    )
+    out, _ = caller.communicate(timeout=120)
+    assert caller.returncode == 0  # the caller is gone: nothing but the keeper can go on with the sweep
+    (folder,) = list_sweeps()
+    assert out.split()[-1] == folder.sweep_id
+    keeper = folder.keeper()
+    assert keeper is not None
+    # Killed once trial 0 has ended and trial 1's ranks run: one trial finished, one unfinished (its
+    # job, detached, runs on without the driver), one the next driver samples.
+    ended_0 = lambda: any(e["event"] == "end" for e in events(where, 0, 0))  # noqa: E731
+    started_1 = lambda: any(e["event"] == "start" for e in events(where, 1, 0))  # noqa: E731
+    assert wait_for(lambda: ended_0() and started_1(), within=240), "trial 0 never ended while trial 1 ran"
+    first = folder.read()["driver"]
+    assert first["pid"] != keeper.pid
+    os.kill(first["pid"], signal.SIGKILL)
+    # A kept sweep is not lost while its keeper lives, and no one else may drive it meanwhile.
+    assert _cli(capsys, "sweeps", "--json")[0]["state"] == "running"
+    from sparkgpu.cli import main
+
+    assert main(["sweep", "resume", folder.sweep_id]) != 0
+    assert f"kept by its keeper (pid {keeper.pid})" in capsys.readouterr().err
+    # The keeper's next driver finishes it, with no client and no resume.
+    result = sparkgpu.sweeps.DetachedSweep(folder.sweep_id).result(timeout=300)
+    assert [t.state.name for t in result.study.trials] == ["COMPLETE"] * 3
+    assert folder.read()["driver"]["pid"] not in (first["pid"], keeper.pid)
+    for number in range(3):
+        starts = [e for e in events(where, number, 0) if e["event"] == "start"]
+        assert len(starts) == 1, f"trial {number} started {len(starts)} times: {starts}"
+    assert len({t.user_attrs["sparkgpu.job_id"] for t in result.study.trials}) == 3
+    log = folder.driver_log.read_text()
+    assert f"the driver of sweep {folder.sweep_id} (pid {first['pid']}) died (signal 9)" in log
+    assert wait_for(lambda: folder.keeper() is None, within=60), "the keeper outlived its sweep"
     assert _cli(capsys, "sweeps", "--json")[0]["state"] == "finished"
 
 

@@ -3,8 +3,8 @@
 ``fn.submit()`` (and ``detach=True``) start, for the job, a *keeper*: a small process in a
 session of its own (``python -m sparkgpu.launch.client.detached RUN_DIR``) whose only work is
 to run the job's :class:`~sparkgpu.launch.client.supervisor.Supervisor` in a child process (a fork
-of the keeper, which imported the launcher once) and,
-should that child die before the job ended (SIGKILL, the host's OOM killer), start another,
+of the keeper, which imported the launcher once: :mod:`sparkgpu._util.keeper`, which a detached
+sweep's keeper shares) and, should that child die before the job ended (SIGKILL, the host's OOM killer), start another,
 which takes the job over from its run dir exactly as ``sparkgpu resume`` does: the attempt that
 ran is marked lost and the next one resumes from the latest checkpoint. The caller then only
 observes (``status``, ``logs``, ``result``, ``cancel`` through the run dir), and killing it, its
@@ -27,17 +27,16 @@ command line.
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from sparkgpu._util.keeper import RESPAWN_LIMIT, Kept, keep as keep_alive
 from sparkgpu._util.process import ProcessRef
 from sparkgpu.rundir.directory import PRIVATE_FILE, RunDir
 from sparkgpu.rundir.layout import RunLayout
@@ -48,10 +47,6 @@ _MODULE = "sparkgpu.launch.client.detached"  # run as ``python -m`` (where ``__n
 
 logger = logging.getLogger(__name__)
 
-#: Supervisors the keeper starts one after another at most before it gives up (each after the last died).
-RESPAWN_LIMIT = 20
-#: Seconds a supervisor must have run for its death not to count towards a quick-respawn backoff.
-_STEADY_SECONDS = 60.0
 #: Seconds a new supervisor waits for the supervision lock that the observer which started its keeper holds.
 _LOCK_WAIT = 30.0
 
@@ -164,59 +159,20 @@ def _job_ended(run_dir: RunDir) -> bool:
 
 
 def keep(run_dir: RunDir) -> int:
-    """The keeper's loop: a supervisor at a time until the job has ended; the exit code of the last."""
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal is not the job's end
-    quick_deaths = 0
-    for started in range(RESPAWN_LIMIT):
-        began = time.monotonic()
-        pid = _fork_supervisor(run_dir)
-        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-        if code >= 0 or _job_ended(run_dir):
-            # Only a supervisor killed by a signal is replaced: one that exited reported why
-            # (a job it cannot run is ended failed in its state), and another would exit the same way.
-            return code
-        ran = time.monotonic() - began
-        quick_deaths = quick_deaths + 1 if ran < _STEADY_SECONDS else 0
-        how = f"signal {-code}" if code < 0 else f"exit code {code}"
-        logger.warning(
-            "the supervisor of job %s (pid %d) died (%s) after %.0fs before the job ended; starting another (%d of %d)",
-            run_dir.job_id,
-            pid,
-            how,
-            ran,
-            started + 1,
-            RESPAWN_LIMIT,
+    """The keeper's loop: a supervisor at a time until the job has ended; the exit code of the last.
+
+    Only a supervisor killed by a signal is replaced: one that exited reported why (a job it
+    cannot run is ended failed in its state), and another would exit the same way."""
+    return keep_alive(
+        Kept(
+            kind="job",
+            name=run_dir.job_id,
+            worker="supervisor",
+            run=lambda: supervise(run_dir),
+            ended=lambda: _job_ended(run_dir),
+            resume=f"sparkgpu resume {run_dir.job_id}",
         )
-        if quick_deaths > 1:  # dying again at once: back off 1, 2, 4 ... 30 s before the next
-            time.sleep(min(30.0, 2.0 ** (quick_deaths - 2)))
-    logger.error(
-        "job %s: %d supervisors died one after another; giving up. `sparkgpu resume %s` continues it",
-        run_dir.job_id,
-        RESPAWN_LIMIT,
-        run_dir.job_id,
     )
-    return 1
-
-
-def _fork_supervisor(run_dir: RunDir) -> int:
-    """Starts a supervisor of the job as a fork of this keeper, which has imported what it runs:
-    it starts within milliseconds, where a fresh interpreter would import the launcher again
-    before the job's first attempt. Returns its pid."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid:
-        return pid
-    code = 1
-    try:
-        code = supervise(run_dir)
-    except BaseException:  # noqa: BLE001 - this process ends here whatever happened; the log keeps why
-        logger.exception("the supervisor of job %s stopped", run_dir.job_id)
-    finally:
-        atexit._run_exitfuncs()  # what a process that returns from main runs (the supervisor's own exit hooks)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)  # never back into the keeper's loop
 
 
 def supervise(run_dir: RunDir) -> int:
