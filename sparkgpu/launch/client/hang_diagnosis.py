@@ -19,6 +19,7 @@ import re
 from collections.abc import Mapping, Sequence
 
 from sparkgpu.rundir.progress import RankProgress
+from sparkgpu.launch.rank.progress import DUMP_MARKER
 
 __all__ = [
     "DUMP_MARKER",
@@ -33,8 +34,6 @@ __all__ = [
     "rank_list",
 ]
 
-#: The line the supervisor appends to a rank's stacks file before it asks for a dump.
-DUMP_MARKER = "--- sparkgpu asked for a dump of every thread's stack ---"
 
 _HEADER = re.compile(r"^sparkgpu rank (\d+) on node (\d+), pid (\d+), main thread 0x([0-9a-f]+)", re.MULTILINE)
 _THREAD = re.compile(r"^(?:Current thread|Thread) 0x([0-9a-f]+) \(most recent call first\):\s*$")
