@@ -33,7 +33,9 @@ names (:class:`~sparkgpu.rundir.directory.RunDir` is one run dir on a machine). 
     attempts/<k>/hang.json, hang.txt    a hang's diagnosis, and it with every rank's stacks
     attempts/<k>/trial-reports.json     a sweep trial's intermediate values, from rank 0 (runtime.report)
     attempts/<k>/spark/                 Spark nodes' start and end markers, beats; the client's
-                                        cancel marker and heartbeat
+                                        cancel marker, heartbeat and stacks request (DUMP); node 0's
+                                        state (with its ranks' progress and trial reports), and the
+                                        stacks each node's ranks dumped on request (stacks-rank-<r>.txt)
 
 With a staging store (``SPARKGPU_STAGING_ROOT`` an fsspec URL) the same layout is mirrored at
 ``<url>/<user>/<job_id>/`` and each Spark node works on a scratch copy (:mod:`sparkgpu.launch.staging.mirror`);
@@ -89,6 +91,7 @@ class RunLayout:
     SIGNED = SIGNED_CORE
     SPARK = "spark"  # the folder of an attempt's Spark markers
     SPARK_CANCEL = "CANCEL"
+    SPARK_DUMP = "DUMP"  # the client asks a hung attempt's nodes for their ranks' stacks
     SPARK_CLIENT_HEARTBEAT = "client.heartbeat"
     SPARK_CONTROL = "control"  # the client's control files in one object, on a staging store
     SPARK_STATE = "state"  # node 0's summary of the attempt (sparkgpu.launch.backends.spark.executor.hub)
@@ -235,6 +238,16 @@ class RunLayout:
         return f"{RunLayout.spark(attempt)}/{RunLayout.SPARK_STATE}"
 
     @staticmethod
+    def spark_dump(attempt: int) -> str:
+        """The client asks every node of a hung attempt to dump its ranks' stacks (sealed)."""
+        return f"{RunLayout.spark(attempt)}/{RunLayout.SPARK_DUMP}"
+
+    @staticmethod
+    def spark_stacks(attempt: int, rank: int | str) -> str:
+        """Rank ``rank``'s stacks file as its node copied it after a dump the client asked for."""
+        return f"{RunLayout.spark(attempt)}/stacks-rank-{rank}.txt"
+
+    @staticmethod
     def node_marker(attempt: int, node: int, kind: str) -> str:
         """A Spark node's marker: ``kind`` is ``"started"`` or ``"ended"``."""
         return f"{RunLayout.spark(attempt)}/node-{node}.{kind}"
@@ -256,7 +269,12 @@ class RunLayout:
     @staticmethod
     def control_files(attempt: int) -> tuple[str, ...]:
         """The files the client writes while attempt ``attempt`` runs."""
-        return (RunLayout.stop(attempt), RunLayout.spark_cancel(attempt), RunLayout.client_heartbeat(attempt))
+        return (
+            RunLayout.stop(attempt),
+            RunLayout.spark_cancel(attempt),
+            RunLayout.client_heartbeat(attempt),
+            RunLayout.spark_dump(attempt),
+        )
 
     @staticmethod
     def tracking_records_of(attempt: int) -> str:

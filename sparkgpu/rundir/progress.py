@@ -25,7 +25,7 @@ import struct
 import time
 from pathlib import Path
 
-__all__ = ["RankProgress", "note", "read", "start", "finish", "stop", "RECORD_SIZE"]
+__all__ = ["RankProgress", "note", "read", "start", "finish", "stop", "to_row", "from_row", "RECORD_SIZE"]
 
 # seq; pid, node, count, step (-1: none), last note (Unix time), longest gap between two notes, start
 # (Unix time), done (1 once the rank's function returned or raised)
@@ -161,6 +161,38 @@ def read(path: str | os.PathLike) -> RankProgress | None:
                     pid, node, count, None if step == _NO_STEP else step, last, slowest, started, bool(done)
                 )
     return None
+
+
+def to_row(record: RankProgress) -> list:
+    """``record`` as a compact JSON row (what a Spark node's beat carries to node 0, per rank)."""
+    return [
+        record.pid,
+        record.node,
+        record.count,
+        record.step,
+        round(record.last, 3),
+        round(record.slowest, 3),
+        round(record.started, 3),
+        int(record.done),
+    ]
+
+
+def from_row(row) -> RankProgress | None:
+    """The record a :func:`to_row` row holds; ``None`` for anything else."""
+    try:
+        pid, node, count, step, last, slowest, started, done = row
+        return RankProgress(
+            int(pid),
+            int(node),
+            int(count),
+            None if step is None else int(step),
+            float(last),
+            float(slowest),
+            float(started),
+            bool(done),
+        )
+    except (TypeError, ValueError):
+        return None
 
 
 def _forget_in_child() -> None:

@@ -9,7 +9,9 @@ The parameters travel in the ranks' environment (:data:`ENV_TRIAL`, set by the t
 callback for every attempt): every rank reads the same JSON, so no rank samples its own. Rank 0
 keeps its reports in ``attempts/<k>/trial-reports.json`` of the run dir, rewritten whole and
 atomically at each report (a reader never sees half a file); the sweep polls that file, so a
-report costs no request to any server.
+report costs no request to any server. On Spark that file is in the run dir of node 0's executor:
+node 0 reads it with its ranks' progress and writes the reports into the attempt's state, which
+the client reads while the attempt runs (:func:`read_attempt_reports`); still no request per report.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-__all__ = ["ENV_TRIAL", "Report", "trial_params", "trial_number", "report", "read_reports"]
+__all__ = ["ENV_TRIAL", "Report", "trial_params", "trial_number", "report", "read_reports", "read_attempt_reports"]
 
 #: The ranks' environment: ``{"sweep": id, "number": n, "params": {...}}`` of the trial they run.
 ENV_TRIAL = "SPARKGPU_TRIAL"
@@ -134,3 +137,25 @@ def read_reports(path: str) -> list[Report]:
         return []
     rows = data.get("reports") if isinstance(data, dict) else None
     return [(int(row[0]), float(row[1])) for row in rows or []]
+
+
+def read_attempt_reports(run_dir: Path, attempt: int) -> list[Report]:
+    """The reports of attempt ``attempt`` of the trial job in ``run_dir``, as the sweep sees them
+    while the attempt runs: rank 0's file where the ranks write into this run dir (locally, a
+    shared folder, or a Spark attempt that ended and came back), else those node 0 of a Spark
+    attempt relays in the attempt's state; ``[]`` when there is none yet."""
+    from sparkgpu.rundir.directory import RunDir
+    from sparkgpu.rundir.layout import RunLayout
+
+    path = run_dir / RunLayout.trial_reports(attempt)
+    if path.exists():
+        return read_reports(str(path))
+    state = run_dir / RunLayout.spark_state(attempt)
+    if not state.exists():
+        return []
+    relayed = RunDir(run_dir).read_control_json(state)  # sealed by node 0 under the job key
+    rows = relayed.get("reports") if isinstance(relayed, dict) else None
+    try:
+        return [(int(row[0]), float(row[1])) for row in rows or []]
+    except (TypeError, ValueError, IndexError):
+        return []

@@ -20,7 +20,7 @@ from typing import Any
 from sparkgpu.callbacks import JobCallback
 from sparkgpu.rundir.directory import RunDir
 from sparkgpu.rundir.layout import RunLayout
-from sparkgpu.sweeps.reports import ENV_TRIAL, Report, read_reports
+from sparkgpu.sweeps.reports import ENV_TRIAL, Report, read_attempt_reports
 
 __all__ = ["TrialCallback", "ask_to_stop", "stop_asked", "trial_reports"]
 
@@ -72,6 +72,6 @@ def trial_reports(run_dir: Path) -> list[Report]:
     attempts = run_dir / RunLayout.ATTEMPTS
     numbers = sorted(int(p.name) for p in attempts.iterdir() if p.name.isdigit()) if attempts.is_dir() else []
     for attempt in numbers:
-        for step, value in read_reports(str(run_dir / RunLayout.trial_reports(attempt))):
+        for step, value in read_attempt_reports(run_dir, attempt):
             by_step[step] = value
     return sorted(by_step.items())

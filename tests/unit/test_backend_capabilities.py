@@ -13,6 +13,7 @@ from sparkgpu.launch.backends.capabilities import (
     Preemptible,
     QueuedCapacity,
     Reattachable,
+    WatchedProgress,
 )
 from sparkgpu.launch.backends.local.backend import LocalBackend
 from sparkgpu.launch.backends.spark.backend import SparkBackend
@@ -24,7 +25,7 @@ from tests.fakes.backend import ScriptedBackend
 from tests.fakes.spark_session import TaggedSession
 from tests.unit.test_resume import KEY, interrupted_job
 
-CAPABILITIES = (QueuedCapacity, Preemptible, ElasticCapacity, DeferredStart, Reattachable, LocalRanks)
+CAPABILITIES = (QueuedCapacity, Preemptible, ElasticCapacity, DeferredStart, Reattachable, LocalRanks, WatchedProgress)
 REMOTE = "sc://head:15002"
 
 
@@ -36,9 +37,12 @@ def capabilities(backend) -> set[str]:
 @pytest.mark.parametrize(
     "name, expected",
     [
-        ("local", {"QueuedCapacity", "Preemptible", "LocalRanks"}),
-        ("warm_pool", {"QueuedCapacity", "Preemptible", "LocalRanks"}),
-        ("spark", {"QueuedCapacity", "Preemptible", "ElasticCapacity", "DeferredStart", "Reattachable"}),
+        ("local", {"QueuedCapacity", "Preemptible", "LocalRanks", "WatchedProgress"}),
+        ("warm_pool", {"QueuedCapacity", "Preemptible", "LocalRanks", "WatchedProgress"}),
+        (
+            "spark",
+            {"QueuedCapacity", "Preemptible", "ElasticCapacity", "DeferredStart", "Reattachable", "WatchedProgress"},
+        ),
     ],
 )
 def test_each_backend_has_its_capabilities(name, expected):
@@ -50,7 +54,12 @@ def test_every_registered_backend_is_listed_above():
 
 
 def test_instances_have_their_class_capabilities_and_the_core_none():
-    assert capabilities(LocalBackend(standby=False)) == {"QueuedCapacity", "Preemptible", "LocalRanks"}
+    assert capabilities(LocalBackend(standby=False)) == {
+        "QueuedCapacity",
+        "Preemptible",
+        "LocalRanks",
+        "WatchedProgress",
+    }
     assert capabilities(SparkBackend(spark=TaggedSession())) == {c.__name__ for c in CAPABILITIES} - {"LocalRanks"}
     assert capabilities(ScriptedBackend([])) == set()  # the core alone: the supervisor runs it all the same
 

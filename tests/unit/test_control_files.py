@@ -76,7 +76,7 @@ def test_a_planted_node_exit_fails_no_rank(tmp_path):
 def test_every_control_file_the_client_writes_is_sealed(tmp_path):
     _, rd = staged(tmp_path)
     control_files = RunLayout.control_files(0)
-    assert len(control_files) == 3  # the stop file, Spark's cancel marker, the client's heartbeat
+    assert len(control_files) == 4  # the stop file, Spark's cancel marker, the client's heartbeat, its stacks request
     for rel in control_files:
         path = rd.file(rel)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,7 @@ import time
 from sparkgpu.rundir.progress import RankProgress
 from sparkgpu.launch.client.hang_diagnosis import (
     DUMP_MARKER,
+    Frame,
     RankState,
     diagnose,
     parse_stacks,
@@ -192,3 +193,10 @@ def test_stacks_dumped_for_real_by_faulthandler_are_read(tmp_path):
     stacks = parse_stacks(path.read_text())
     assert stacks is not None and stacks.threads == 2
     assert stacks.main[-1].name == "stuck_here" and stacks.main[-1].file == "<string>"
+
+
+def test_the_callers_code_as_a_node_rehydrates_it_is_user_code_though_under_a_sparkgpu_folder():
+    shipped = Frame("/home/u/.cache/sparkgpu/env/e60b/path/0/jobs/train.py", 52, "train_step")
+    assert not shipped.library and shipped.module == "jobs.train"
+    own = Frame("/opt/venv/src/sparkgpu/launch/rank/entrypoint.py", 10, "main")
+    assert own.library and own.module == "sparkgpu.launch.rank.entrypoint"

@@ -20,6 +20,7 @@ from sparkgpu.launch.client.attempt_verdict import StoppedBy, read_attempt
 from sparkgpu.launch.client.failure_policy import Decision, FailurePolicy
 from sparkgpu.launch.client.hang_record import HangRecord
 from sparkgpu.launch.client.monitors import CONTINUE, AttemptView, StopNow
+from sparkgpu.launch.client.progress_source import LocalProgress
 from sparkgpu.launch.client.progress_watch import ProgressWatch, default_progress_timeout
 from sparkgpu.rundir.directory import RunDir
 from sparkgpu.rundir.layout import RunLayout
@@ -77,7 +78,7 @@ def _view(now: float) -> AttemptView:
 def test_a_rank_without_progress_for_the_timeout_hangs_the_attempt_while_its_peer_steps(tmp_path):
     rd = RunDir(tmp_path)
     records = _records(rd, 2)
-    watch = ProgressWatch(rd, 2, progress_timeout=3.0, local=False)
+    watch = ProgressWatch(rd, 2, progress_timeout=3.0, source=LocalProgress(rd, signals=False))
     assert watch.check(_view(1.0)) is CONTINUE
     assert watch.check(_view(100.0)) is CONTINUE  # nothing is judged before the first progress
     for record in records:
@@ -102,7 +103,7 @@ def test_a_rank_without_progress_for_the_timeout_hangs_the_attempt_while_its_pee
 def test_once_a_ranks_function_ended_nothing_is_judged(tmp_path):
     rd = RunDir(tmp_path)
     records = _records(rd, 2)
-    watch = ProgressWatch(rd, 2, progress_timeout=3.0, local=False)
+    watch = ProgressWatch(rd, 2, progress_timeout=3.0, source=LocalProgress(rd, signals=False))
     for record in records:
         record.note(0)
     assert watch.check(_view(0.0)) is CONTINUE
@@ -116,7 +117,7 @@ def test_the_default_timeout_waits_ten_times_the_slowest_gap_and_at_least_ten_mi
     assert default_progress_timeout(1.0) == 600.0 and default_progress_timeout(120.0) == 1200.0
     rd = RunDir(tmp_path)
     records = _records(rd, 2)
-    watch = ProgressWatch(rd, 2, progress_timeout=None, local=False)
+    watch = ProgressWatch(rd, 2, progress_timeout=None, source=LocalProgress(rd, signals=False))
     for record in records:
         record.note(0)
         record.slowest = 90.0  # a step once took 90 s: the timeout is 900 s
@@ -124,7 +125,7 @@ def test_the_default_timeout_waits_ten_times_the_slowest_gap_and_at_least_ten_mi
     assert watch.check(_view(0.0)) is CONTINUE
     assert watch.check(_view(899.0)) is CONTINUE
     assert isinstance(watch.check(_view(901.0)), StopNow)
-    off = ProgressWatch(rd, 2, progress_timeout=0.0, local=False)
+    off = ProgressWatch(rd, 2, progress_timeout=0.0, source=LocalProgress(rd, signals=False))
     assert off.check(_view(0.0)) is CONTINUE and off.check(_view(10**6)) is CONTINUE
 
 

@@ -94,7 +94,12 @@ def test_the_files_a_node_needs_and_the_files_the_client_controls():
         "code.tar",
     ]
     control = RunLayout.control_files(4)
-    assert control == ("attempts/4/STOP", "attempts/4/spark/CANCEL", "attempts/4/spark/client.heartbeat")
+    assert control == (
+        "attempts/4/STOP",
+        "attempts/4/spark/CANCEL",
+        "attempts/4/spark/client.heartbeat",
+        "attempts/4/spark/DUMP",
+    )
     assert RunLayout.is_node_end_marker(RunLayout.node_marker(4, 1, "ended"))
     assert not RunLayout.is_node_end_marker(RunLayout.node_marker(4, 1, "started"))
     assert RunLayout.is_node_exits(RunLayout.node_exits(4, 12)) and not RunLayout.is_node_exits(control[0])

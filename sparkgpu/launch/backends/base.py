@@ -30,8 +30,11 @@ DeferredStart     ``ranks_started_at``: ranks may start long after ``submit``   
 Reattachable      ``job_written``, ``reattach``, ``stop_lost_attempts``,           no     yes
                   ``detach_refusal``: a resumed or detached job reaches where it
                   ran; its nodes outlive a dead client
-LocalRanks        ``ranks_on_this_host``: the supervisor reads its ranks'          yes    no
-                  progress and signals them by pid (hang detection)
+LocalRanks        ``ranks_on_this_host``: the supervisor may signal its ranks by   yes    no
+                  pid
+WatchedProgress   ``progress_source``: where the supervisor reads the ranks'       yes    yes
+                  progress, asks for their stacks and stops them (hang
+                  detection): this host's memory; node 0's state on Spark
 ================  ===============================================================  =====  =====
 
 The ``warm_pool`` backend is the local one with warm ranks, capabilities included. ``prestart``

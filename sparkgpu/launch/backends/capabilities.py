@@ -12,10 +12,19 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from sparkgpu.launch.backends.base import AttemptHandle, Backend
+    from sparkgpu.launch.client.progress_source import ProgressSource
     from sparkgpu.rundir.directory import RunDir
     from sparkgpu.spec import JobSpec
 
-__all__ = ["QueuedCapacity", "Preemptible", "ElasticCapacity", "DeferredStart", "Reattachable", "LocalRanks"]
+__all__ = [
+    "QueuedCapacity",
+    "Preemptible",
+    "ElasticCapacity",
+    "DeferredStart",
+    "Reattachable",
+    "LocalRanks",
+    "WatchedProgress",
+]
 
 
 @runtime_checkable
@@ -25,6 +34,17 @@ class LocalRanks(Protocol):
 
     def ranks_on_this_host(self) -> bool:
         """Whether they do for this backend."""
+        ...
+
+
+@runtime_checkable
+class WatchedProgress(Protocol):
+    """The supervisor can follow an attempt's ranks' progress while it runs (hang detection,
+    :mod:`sparkgpu.launch.client.progress_watch`)."""
+
+    def progress_source(self, handle: AttemptHandle, run_dir: RunDir) -> ProgressSource | None:
+        """Where the attempt's ranks' progress is read, their stacks asked for and they are
+        stopped; ``None`` when this attempt's cannot be followed."""
         ...
 
 

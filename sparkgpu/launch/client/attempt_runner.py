@@ -26,7 +26,7 @@ from sparkgpu import runtime
 from sparkgpu._util.report import report
 from sparkgpu.callbacks import AttemptOutcome, JobCallback
 from sparkgpu.launch.backends.base import Backend
-from sparkgpu.launch.backends.capabilities import DeferredStart, LocalRanks
+from sparkgpu.launch.backends.capabilities import DeferredStart, WatchedProgress
 from sparkgpu.launch.client.attempt_verdict import AttemptVerdict, StoppedBy, read_attempt
 from sparkgpu.launch.client.checkpoint_progress import latest_checkpoint
 from sparkgpu.launch.client.job_state import JobBook
@@ -232,11 +232,13 @@ class AttemptRunner:
             self.cancel_requested,
             str(self.run_dir.logs_dir(attempt.index)),
         )
-        # 10 (monitors' docstring): hang detection, once the ranks started and while no stop was asked.
-        # Only where the ranks run on this host: their records are then read from this host's memory
-        # (elsewhere a shared file system shows them late; they are to ride the nodes' beats instead).
-        if isinstance(self.backend, LocalRanks) and self.backend.ranks_on_this_host():
-            monitors.append(ProgressWatch(self.run_dir, job.world_size, job.policy.progress_timeout, local=True))
+        # 10 (monitors' docstring): hang detection, once the ranks started and while no stop was asked,
+        # from where the backend says the ranks' progress is (this host's memory, node 0's state on Spark).
+        source = (
+            self.backend.progress_source(handle, self.run_dir) if isinstance(self.backend, WatchedProgress) else None
+        )
+        if source is not None:
+            monitors.append(ProgressWatch(self.run_dir, job.world_size, job.policy.progress_timeout, source))
         ranks_started: float | None = None  # monotonic
         next_start_check = time.monotonic()
         while (code := self.backend.poll(handle)) is None:

@@ -19,6 +19,7 @@ import re
 from collections.abc import Mapping, Sequence
 
 from sparkgpu.rundir.progress import RankProgress
+from sparkgpu.launch.rank.progress import DUMP_MARKER
 
 __all__ = [
     "DUMP_MARKER",
@@ -33,17 +34,21 @@ __all__ = [
     "rank_list",
 ]
 
-#: The line the supervisor appends to a rank's stacks file before it asks for a dump.
-DUMP_MARKER = "--- sparkgpu asked for a dump of every thread's stack ---"
 
 _HEADER = re.compile(r"^sparkgpu rank (\d+) on node (\d+), pid (\d+), main thread 0x([0-9a-f]+)", re.MULTILINE)
 _THREAD = re.compile(r"^(?:Current thread|Thread) 0x([0-9a-f]+) \(most recent call first\):\s*$")
 _FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<name>\S+)')
+#: The caller's code as a node rehydrates it (``<cache>/sparkgpu/env/<id>/path/<n>/``): user code,
+#: though under a folder named sparkgpu.
+_SHIPPED = r"[/\\]sparkgpu[/\\]env[/\\][^/\\]+[/\\]path[/\\]\d+[/\\]"
 #: Where library code lives: installed packages, the standard library, frozen modules, sparkgpu itself.
 _LIBRARY = re.compile(
-    r"[/\\](site|dist)-packages[/\\]|[/\\]lib[/\\]python\d+(\.\d+)?[/\\]|^<frozen |[/\\]sparkgpu[/\\]|_air\.py$"
+    r"[/\\](site|dist)-packages[/\\]|[/\\]lib[/\\]python\d+(\.\d+)?[/\\]|^<frozen "
+    r"|[/\\]sparkgpu[/\\](?!env[/\\][^/\\]+[/\\]path[/\\]\d+[/\\])|_air\.py$"
 )
-_MODULE_ROOT = re.compile(r".*[/\\](?:site-packages|dist-packages|python\d+(?:\.\d+)?)[/\\]|.*[/\\](?=sparkgpu[/\\])")
+_MODULE_ROOT = re.compile(
+    rf".*{_SHIPPED}|.*[/\\](?:site-packages|dist-packages|python\d+(?:\.\d+)?)[/\\]|.*[/\\](?=sparkgpu[/\\])"
+)
 #: torch's collectives and point-to-point calls: a rank inside one waits for its peers.
 _COLLECTIVES = frozenset(
     {

@@ -18,10 +18,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
+import logging
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import IO
 
@@ -29,14 +32,32 @@ from sparkgpu.rundir import progress as _progress
 from sparkgpu.rundir.directory import RunDir
 from sparkgpu.rundir.layout import RunLayout
 
-__all__ = ["DUMP_SIGNAL", "STACKS_HEADER", "note", "finish_progress", "watch_rank", "nccl_trace_env"]
+__all__ = [
+    "DUMP_SIGNAL",
+    "DUMP_MARKER",
+    "DUMP_WAIT",
+    "STACKS_HEADER",
+    "note",
+    "finish_progress",
+    "watch_rank",
+    "nccl_trace_env",
+    "request_stacks",
+]
 
 #: The signal that makes a rank dump its threads' stacks into its stacks file.
 DUMP_SIGNAL = signal.SIGUSR1
 #: The header line of a rank's stacks file; the diagnosis finds the main thread by it.
 STACKS_HEADER = "sparkgpu rank {rank} on node {node}, pid {pid}, main thread 0x{thread:016x}\n"
+#: The line appended to a rank's stacks file before a dump is asked for; the dump follows it.
+DUMP_MARKER = "--- sparkgpu asked for a dump of every thread's stack ---"
+#: Most seconds :func:`request_stacks` waits for the ranks' stacks once it asked for them.
+DUMP_WAIT = 3.0
+#: A dump counts as whole once its file stopped growing for this long.
+_SETTLED = 0.2
 #: Entries of NCCL's flight recorder kept per rank (its ring buffer of collectives).
 NCCL_TRACE_ENTRIES = 2000
+
+_logger = logging.getLogger(__name__)
 
 note = _progress.note
 finish_progress = _progress.finish
@@ -72,3 +93,46 @@ def watch_rank(rd: RunDir, attempt: int, rank: int, node: int, nccl: bool) -> No
         if "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" in trace:
             Path(trace["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]).parent.mkdir(parents=True, exist_ok=True)
         os.environ.update(trace)  # read when the NCCL process group is made, after this
+
+
+def request_stacks(rd: RunDir, attempt: int, pids: dict[int, int], wait: float = DUMP_WAIT) -> dict[int, str | None]:
+    """Asks each rank of ``pids`` (rank -> pid, on this host) to dump its stacks; returns the text
+    of each rank's stacks file once its dump settled (``None``: no file, or nothing came).
+
+    Whoever watches the ranks on their host calls it: the local supervisor, a Spark node.
+    """
+    paths = {rank: rd.file(RunLayout.stacks(attempt, rank)) for rank in pids}
+    asked: dict[int, int] = {}
+    for rank, pid in pids.items():
+        try:
+            with open(paths[rank], "a", encoding="utf-8") as out:
+                out.write(f"\n{DUMP_MARKER}\n")
+            asked[rank] = paths[rank].stat().st_size
+            os.kill(pid, DUMP_SIGNAL)
+        except (OSError, ProcessLookupError) as exc:
+            _logger.warning("rank %d's stacks could not be asked for: %s", rank, exc)
+            asked.pop(rank, None)
+    deadline = time.monotonic() + wait
+    sizes = {rank: (size, time.monotonic()) for rank, size in asked.items()}
+    settled: set[int] = set()
+    while len(settled) < len(asked) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = time.monotonic()
+        for rank, start in asked.items():
+            if rank in settled:
+                continue
+            with contextlib.suppress(OSError):
+                size = paths[rank].stat().st_size
+                if size != sizes[rank][0]:
+                    sizes[rank] = (size, now)
+                elif size > start and now - sizes[rank][1] >= _SETTLED:
+                    settled.add(rank)
+    found: dict[int, str | None] = {}
+    for rank in pids:
+        try:
+            text = paths[rank].read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            found[rank] = None
+            continue
+        found[rank] = text if rank in settled or DUMP_MARKER in text else None
+    return found

@@ -30,7 +30,8 @@ from sparkgpu.config import settings
 from sparkgpu.errors import CapacityError
 from sparkgpu.launch.node.agent import build_command
 from sparkgpu.launch.backends.base import AttemptHandle, Backend, LaunchPlan, ResolvedJob
-from sparkgpu.launch.backends.capabilities import LocalRanks, Preemptible
+from sparkgpu.launch.backends.capabilities import LocalRanks, Preemptible, WatchedProgress
+from sparkgpu.launch.client.progress_source import LocalProgress
 from sparkgpu.launch.node.hardware import HostGPUs, detect_host_gpus
 from sparkgpu.launch.rank.entrypoint import NODE_DEVICES_ENV
 from sparkgpu.launch.scheduling.gpu_lease import GpuLease, lease_gpus, lock_dir, gpu_kind_of
@@ -104,7 +105,7 @@ class EarlyAgent:
         shutil.rmtree(self.run_dir.file(RunLayout.attempt(self.handle.attempt)), ignore_errors=True)
 
 
-class LocalBackend(Backend, Preemptible, LocalRanks):
+class LocalBackend(Backend, Preemptible, LocalRanks, WatchedProgress):
     """Runs every rank of a job on this host; its jobs queue for the host's GPUs and give way to
     urgent ones (:mod:`sparkgpu.launch.scheduling.gpu_lease`).
 
@@ -297,6 +298,10 @@ class LocalBackend(Backend, Preemptible, LocalRanks):
 
     def ranks_on_this_host(self) -> bool:
         return True
+
+    def progress_source(self, handle, run_dir: RunDir) -> LocalProgress:
+        """The ranks run on this host: their records are read from its memory, and they are signalled by pid."""
+        return LocalProgress(run_dir)
 
     def _prepare_standby(self, handle: LocalAttempt) -> None:
         """Starts the job's standby once its attempt is under way, if the job may restart.

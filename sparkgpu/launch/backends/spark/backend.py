@@ -37,7 +37,13 @@ from sparkgpu.config import settings
 from sparkgpu.errors import CapacityError, ConfigurationError
 from sparkgpu.launch.node.agent import build_command
 from sparkgpu.launch.backends.base import AttemptHandle, Backend, LaunchPlan, ResolvedJob
-from sparkgpu.launch.backends.capabilities import DeferredStart, ElasticCapacity, Preemptible, Reattachable
+from sparkgpu.launch.backends.capabilities import (
+    DeferredStart,
+    ElasticCapacity,
+    Preemptible,
+    Reattachable,
+    WatchedProgress,
+)
 from sparkgpu.launch.backends.spark.capacity import (
     RankPlacement,
     SparkCapacity,
@@ -47,6 +53,8 @@ from sparkgpu.launch.backends.spark.capacity import (
 )
 from sparkgpu.launch.backends.spark.executor.node import NODE_DDL, NodeLaunch, run_node
 from sparkgpu.launch.backends.spark.attempt import NodeWatch, SparkAttempt, sync_now
+from sparkgpu.launch.backends.spark.progress import SparkProgress
+from sparkgpu.launch.rank.progress import DUMP_WAIT
 from sparkgpu.launch.backends.spark.seats import ClusterSeats
 from sparkgpu.launch.backends.spark.sessions import active as _active
 from sparkgpu.launch.backends.spark.sessions import (
@@ -94,7 +102,7 @@ class _FromSettings:
 _FROM_SETTINGS = _FromSettings()
 
 
-class SparkBackend(Backend, Preemptible, ElasticCapacity, DeferredStart, Reattachable):
+class SparkBackend(Backend, Preemptible, ElasticCapacity, DeferredStart, Reattachable, WatchedProgress):
     """Runs every node of a job as a barrier task on a Spark session's executors.
 
     It has every capability: its jobs queue for the cluster's GPUs and give way to urgent ones,
@@ -606,6 +614,12 @@ class SparkBackend(Backend, Preemptible, ElasticCapacity, DeferredStart, Reattac
             self._last_pull(handle)
             handle.exit_code = self._outcome(handle)
         return handle.exit_code
+
+    def progress_source(self, handle: AttemptHandle, run_dir: RunDir) -> SparkProgress:
+        """The ranks' progress as node 0 writes it into the attempt's state (the nodes' beats bring it
+        there); their stacks asked of the nodes, within node 0's control interval and a beat."""
+        assert isinstance(handle, SparkAttempt)
+        return SparkProgress(handle, wait=self.control_interval + (self.node_timeout or 10.0) / 4 + DUMP_WAIT + 5)
 
     def ranks_started_at(self, handle: AttemptHandle) -> float | None:
         """When the attempt's nodes got their GPUs and started (Unix time); ``None`` while they wait.

@@ -23,6 +23,12 @@ from sparkgpu.launch.backends.spark.executor.hub import (
     together_delay,
 )
 from sparkgpu.launch.backends.spark.executor.node_launch import CONTROL_INTERVAL, NodeLaunch
+from sparkgpu.launch.backends.spark.executor.node_progress import (
+    dump_stacks,
+    ranks_of,
+    read_progress,
+    read_trial_reports,
+)
 from sparkgpu.rundir.directory import RunDir
 from sparkgpu.rundir.layout import RunLayout
 from sparkgpu.rundir.states import NodeState
@@ -35,6 +41,11 @@ CHECK_SECONDS = 1.0
 _DUE_MARGIN = 0.1
 #: Seconds node 0 waits between two looks whether the other nodes ended.
 _LINGER_POLL = 0.2
+#: Seconds between two reads of node 0's own ranks' progress records and rank 0's trial reports.
+PROGRESS_LOOK = 0.5
+#: Least seconds between two writes of node 0's state for a change of progress alone (with a
+#: staging store, the node's mirror puts it in its next round, as it puts the ranks' logs).
+PROGRESS_WRITE = 1.0
 
 
 class Heartbeat:
@@ -128,12 +139,20 @@ class NodeZero:
         self.check_every = CHECK_SECONDS if launch.store_url else folder_check_interval(launch)
         self.next_check = 0.0
         self.written: tuple[int, float] = (-1, 0.0)  # (version, monotonic time) of the last state written
+        self.progress_written = -1  # the hub's progress version last written
+        self.next_look = 0.0
+        self.ranks = ranks_of(0, launch.nproc)
+        self.dumped = False  # this node dumped its ranks' stacks on the client's request
         self.due_at: float | None = None  # monotonic: when the client's silence counts, as the nodes were told
         #: Nodes this one found lost itself: none (node 0 names the lost in its state).
         self.lost: tuple[int, ...] = ()
         hub.begin()
 
     def step(self, now: float) -> Stop | None:
+        if now >= self.next_look:
+            self.next_look = now + PROGRESS_LOOK
+            attempt = self.launch.attempt
+            self.hub.note_own(read_progress(self.rd, attempt, self.ranks), read_trial_reports(self.rd, attempt))
         if now >= self.next_check:
             due_in = self._read_client()
             # Judged at the moment the client's silence counts, not at the next look after it.
@@ -148,6 +167,12 @@ class NodeZero:
         """Looks at the client's files; seconds until its silence counts as lost, when foreseen."""
         rd, attempt = self.rd, self.launch.attempt
         cancel = rd.read_control(rd.file(RunLayout.spark_cancel(attempt)))
+        if not self.dumped and rd.read_control(rd.file(RunLayout.spark_dump(attempt))) is not None:
+            self.dumped = True
+            self.hub.ask_dump()  # the other nodes hear it in their next replies
+            dump_stacks(rd, attempt, read_progress(rd, attempt, self.ranks))
+            if self.on_written is not None:
+                self.on_written()  # with a store: the stacks go up now
         due_in = self.client.due_in()
         now = time.monotonic()
         if cancel is not None:
@@ -176,14 +201,16 @@ class NodeZero:
 
     def _write_state(self, now: float, force: bool = False) -> None:
         version, at = self.written
-        if force or self.hub.version != version or now - at >= KEEPALIVE:
+        progressed = self.hub.progress_version != self.progress_written and now - at >= PROGRESS_WRITE
+        if force or self.hub.version != version or progressed or now - at >= KEEPALIVE:
             summary = self.hub.summary()
             self.rd.write_control(
                 self.rd.file(RunLayout.spark_state(self.launch.attempt)), json.dumps(summary).encode()
             )
             if summary["version"] != version and self.on_written is not None:
-                self.on_written()
+                self.on_written()  # a change of progress alone waits for the mirror's next round
             self.written = (summary["version"], now)
+            self.progress_written = summary["progress_version"]
 
     def end(self, done: dict) -> None:
         """Says how node 0 ended, then serves the others until each ended or is lost."""
@@ -220,6 +247,8 @@ class NodeLink:
         self.relayed: dict[str, bytes] = {}
         #: Nodes this one found lost (node 0, when it stopped answering).
         self.lost: tuple[int, ...] = ()
+        self.ranks = ranks_of(link.node, launch.nproc)
+        self.dumped = False  # this node dumped its ranks' stacks on the client's request
 
     def step(self, now: float) -> Stop | None:
         if now >= self.next_beat:
@@ -228,7 +257,8 @@ class NodeLink:
         return self.stop if self.stop is not None and now >= self.stop_at else None
 
     def _beat(self, now: float) -> None:
-        reply = self.link.beat()
+        progress = read_progress(self.rd, self.launch.attempt, self.ranks)
+        reply = self.link.beat(progress=progress)
         if reply is None:
             silent = self.link.silent_for()
             if self.stop is None and self.launch.peer_timeout is not None and silent > self.launch.peer_timeout:
@@ -237,6 +267,9 @@ class NodeLink:
             return
         if self.launch.store_url:  # the ranks read the client's stop request here
             self.rd.write_control_copies(self.launch.attempt, HubLink.relayed(reply), self.relayed)
+        if reply.get("dump") is True and not self.dumped:
+            self.dumped = True
+            dump_stacks(self.rd, self.launch.attempt, progress)
         due_in = reply.get("due_in")
         if self.stop is None and not reply.get("stop") and isinstance(due_in, (int, float)):
             # Beat again when a stop node 0 foresees falls due (a lost client), to hear it at once.

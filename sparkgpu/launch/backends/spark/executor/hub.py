@@ -26,6 +26,12 @@ at about the same moment. Ranks that left their loop one beat apart would otherw
 collective for peers still stepping, until the shutdown grace kills them. A stop a failed or
 lost node calls for applies at once: its peers are blocked already.
 
+**The ranks' progress rides the beats.** A beat carries one compact row per rank of its node (its
+progress record, :mod:`sparkgpu.launch.backends.spark.executor.node_progress`); node 0 keeps
+each node's latest rows, adds its own and rank 0's trial reports, and the state the client reads
+holds them all (``progress``, ``reports``). A reply carries ``dump`` once the client asked for
+the ranks' stacks (a hung attempt): every node then dumps its ranks' stacks.
+
 **A lost client is foreseen.** Its silence counts from the last beat node 0 saw, so node 0 knows
 when it will count as lost, and every reply says how long until then (``due_in``). Node 0 looks
 at the client's beat at that moment, and every node beats then: the stop, set
@@ -106,6 +112,7 @@ class _Member:
     count: int = 0
     ended: dict | None = None  # {"state", "exit_code"} once it said it ended
     lost: bool = False
+    progress: dict[str, list] = dataclasses.field(default_factory=dict)  # its ranks' rows, by rank
 
 
 class Hub:
@@ -131,6 +138,10 @@ class Hub:
         self.own_end: dict | None = None
         self.client_due_at: float | None = None  # monotonic: when the client's silence will count as lost
         self.version = 0  # grows with every change the client should see
+        self.progress_version = 0  # grows with every change of a rank's progress or of the reports
+        self.own_progress: dict[str, list] = {}  # node 0's ranks' rows, by rank
+        self.reports: list[list[float]] = []  # rank 0's trial reports, [[step, value], ...]
+        self.dump = False  # the client asked for the ranks' stacks
         self._refused = False
         self._open: set[socket.socket] = set()  # the nodes' connections, closed with the hub
         hub = self
@@ -208,8 +219,14 @@ class Hub:
                 if isinstance(ended, dict) and member.ended is None:
                     member.ended = {"state": str(ended.get("state")), "exit_code": ended.get("exit_code")}
                     self.version += 1
+                progress = beat.get("progress")
+                if isinstance(progress, dict) and progress != member.progress:
+                    member.progress = progress
+                    self.progress_version += 1
             body: dict[str, object] = {"ack": count, "stop": list(self.stop) if self.stop else None}
             body["control"] = self.control
+            if self.dump:
+                body["dump"] = True
             if self.stop:
                 body["stop_in"] = round(max(0.0, self.stop_at - time.monotonic()), 3)
             elif self.client_due_at is not None and time.monotonic() - self.client_due_at < _DUE_STALE:
@@ -243,6 +260,18 @@ class Hub:
         with self._lock:
             self.control = packed
 
+    def note_own(self, progress: dict[str, list], reports: list[list[float]]) -> None:
+        """Node 0's own ranks' progress rows and rank 0's trial reports, as last read."""
+        with self._lock:
+            if progress != self.own_progress or reports != self.reports:
+                self.own_progress, self.reports = progress, reports
+                self.progress_version += 1
+
+    def ask_dump(self) -> None:
+        """Tells every node, in its next replies, to dump its ranks' stacks."""
+        with self._lock:
+            self.dump = True
+
     def end_own(self, done: dict) -> None:
         with self._lock:
             self.own_end = done
@@ -274,17 +303,24 @@ class Hub:
             return all(m.ended is not None or m.lost for m in self.members.values())
 
     def summary(self) -> dict:
-        """The attempt's state as the client reads it (node 0's own end included)."""
+        """The attempt's state as the client reads it (node 0's own end included; every rank's
+        progress row, by rank; rank 0's trial reports)."""
         with self._lock:
             ended = {str(n): m.ended for n, m in self.members.items() if m.ended is not None}
             if self.own_end is not None:
                 ended["0"] = self.own_end
+            progress = dict(self.own_progress)
+            for member in self.members.values():
+                progress.update(member.progress)
             return {
                 "version": self.version,
+                "progress_version": self.progress_version,
                 "written_at": time.time(),
                 "stop": list(self.stop) if self.stop else None,
                 "ended": ended,
                 "lost": {str(n): m.last_wall for n, m in self.members.items() if m.lost},
+                "progress": progress,
+                "reports": list(self.reports),
             }
 
 
@@ -306,10 +342,13 @@ class HubLink:
         self._sock: socket.socket | None = None
         self._file: io.BufferedReader | None = None
 
-    def beat(self, ended: dict | None = None) -> dict | None:
-        """One beat (saying how this node ended, when given); node 0's answer, or ``None`` if none came."""
+    def beat(self, ended: dict | None = None, progress: dict[str, list] | None = None) -> dict | None:
+        """One beat (saying how this node ended, when given, and its ranks' progress rows); node 0's
+        answer, or ``None`` if none came."""
         self.count += 1
-        body = {"node": self.node, "count": self.count, "ended": ended}
+        body: dict[str, object] = {"node": self.node, "count": self.count, "ended": ended}
+        if progress is not None:
+            body["progress"] = progress
         try:
             if self._sock is None:
                 self._sock = socket.create_connection(self.address, timeout=max(1.0, self.timeout / 4))
