@@ -356,6 +356,11 @@ def _resume(folder: SweepFolder, fn, space, study, args, kwargs, sampler, pruner
         study = optuna.load_study(
             study_name=options.study_name, storage=_journal(folder), sampler=sampler, pruner=pruner
         )
+    if study.trials:
+        # A sampler read back (or built again) as it was when the sweep started would draw the
+        # same points again: a seeded RandomSampler or TPE's start-up trials repeat the trials
+        # already run. Reseeded, the resumed sweep samples new ones.
+        study.sampler.reseed_rng()
     logger.info("resuming sweep %s", folder.sweep_id)
     return _drive(folder, options, study, fn, space, args, kwargs)
 

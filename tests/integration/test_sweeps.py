@@ -266,6 +266,8 @@ def test_a_detached_sweep_whose_driver_is_killed_is_finished_by_its_keeper_runni
         starts = [e for e in events(where, number, 0) if e["event"] == "start"]
         assert len(starts) == 1, f"trial {number} started {len(starts)} times: {starts}"
     assert len({t.user_attrs["sparkgpu.job_id"] for t in result.study.trials}) == 3
+    # The next driver's sampler, reseeded, draws a new point: not trial 0's again.
+    assert len({t.params["offset"] for t in result.study.trials}) == 3, [t.params for t in result.study.trials]
     log = folder.driver_log.read_text()
     assert f"the driver of sweep {folder.sweep_id} (pid {first['pid']}) died (signal 9)" in log
     assert wait_for(lambda: folder.keeper() is None, within=60), "the keeper outlived its sweep"
