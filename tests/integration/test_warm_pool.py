@@ -281,3 +281,34 @@ def test_a_crashed_rank_does_not_leave_a_checkpointing_peer_in_the_pool_to_sit_o
     from tests.integration.test_local_launch import assert_a_crashed_ranks_checkpointing_peer_is_killed_soon
 
     assert_a_crashed_ranks_checkpointing_peer_is_killed_soon(tmp_path, backend=warm_pool)
+
+
+def test_jobs_that_start_the_warm_pool_at_once_share_one_zygote(warm_pool):
+    # A sweep's concurrent trials find no pool at the same moment: one zygote starts, not one each
+    # (the second one's socket hid the first, which then idled for its timeout with torch loaded).
+    import threading
+
+    import sys
+
+    barrier = threading.Barrier(3)
+    directories: list = []
+
+    def start() -> None:
+        barrier.wait()
+        directories.append(zygote_client.ensure_warm_zygote(sys.executable, 120))
+
+    threads = [threading.Thread(target=start) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert len(set(directories)) == 1 and len(directories) == 3
+    (directory,) = set(directories)
+    zygotes = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if "sparkgpu.launch.backends.local.zygote" in " ".join(p.info["cmdline"] or ())
+        and str(directory) in " ".join(p.info["cmdline"] or ())
+    ]
+    assert len(zygotes) == 1, [" ".join(p.info["cmdline"]) for p in zygotes]
+    assert zygotes[0].pid == warm_zygote_status()["pid"]

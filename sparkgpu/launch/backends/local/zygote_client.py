@@ -22,7 +22,9 @@ running jobs end.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -32,6 +34,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import sparkgpu
@@ -143,26 +146,42 @@ def ensure_warm_zygote(python: str, idle_timeout: float) -> Path:
     directory = _warm_zygote_dir(python, fingerprint)
     if _request(directory, {"op": "status"}) is not None:
         return directory
-    for outdated in _warm_zygote_dirs(python):
-        if outdated != directory:
-            _request(outdated, {"op": "retire"})
     directory.mkdir(parents=True, exist_ok=True)
-    log = open(directory / "pool.log", "ab")
-    subprocess.Popen(
-        [python, "-m", "sparkgpu.launch.backends.local.zygote", str(directory), str(idle_timeout), fingerprint],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    log.close()
-    deadline = time.monotonic() + _START_TIMEOUT
-    while time.monotonic() < deadline:
-        if _request(directory, {"op": "status"}) is not None:
+    # One starter at a time: two jobs that find no zygote at once (a sweep's concurrent trials)
+    # would start two, and the second's socket would hide the first, left idle for its timeout.
+    with _starting(directory):
+        if _request(directory, {"op": "status"}) is not None:  # the starter before us started it
             return directory
-        time.sleep(0.05)
+        for outdated in _warm_zygote_dirs(python):
+            if outdated != directory:
+                _request(outdated, {"op": "retire"})
+        log = open(directory / "pool.log", "ab")
+        subprocess.Popen(
+            [python, "-m", "sparkgpu.launch.backends.local.zygote", str(directory), str(idle_timeout), fingerprint],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        log.close()
+        deadline = time.monotonic() + _START_TIMEOUT
+        while time.monotonic() < deadline:
+            if _request(directory, {"op": "status"}) is not None:
+                return directory
+            time.sleep(0.05)
     raise SparkGPUError(f"the warm pool did not start within {_START_TIMEOUT:g}s; see {directory / 'pool.log'}")
+
+
+@contextlib.contextmanager
+def _starting(directory: Path) -> Iterator[None]:
+    """Holds the zygote directory's start lock (an exclusive ``flock``, released with its process)."""
+    fd = os.open(directory / "start.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def warm_zygote_status(python: str | None = None) -> dict | None:
