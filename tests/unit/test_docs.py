@@ -207,6 +207,8 @@ CONSTANTS: list[tuple[str, str, str]] = [
     ("guides/spark.md", "resolver timeout 1 s | floor:", _SETUP),
     ("guides/spark.md", "its timeout (5 s, (code)'s", _LIBRARY),
     ("guides/spark.md", "object every 20 s and its", _SETTING),
+    ("guides/sweeps.md", "(code), 20 s by default; a", _SETTING),
+    ("guides/when-a-job-stops.md", "every (code) (20 s by default).", _SETTING),
     ("guides/spark.md", "least every 2 minutes), so per", _SETTING),
     ("guides/spark.md", "node per 30 s. The client's", _SETTING),
     ("guides/spark.md", "logs every 2 s instead of", _SETTING),
