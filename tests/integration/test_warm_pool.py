@@ -72,6 +72,23 @@ def test_repeated_calls_reuse_the_pool_and_behave_like_cold_ones(warm_pool, caps
     assert warm_seconds < 30
 
 
+def test_a_ddp_rank_of_the_pool_finds_torch_dynamo_imported(warm_pool):
+    """DDP imports torch._dynamo when it wraps a model: a second or more in every rank of every
+    call (eleven where no byte code is cached), unless the pool imported it before it forked."""
+
+    @distributed(gpus=2, gpu_type="cpu", backend=warm_pool)
+    def wrap():
+        import sys
+
+        import torch
+
+        imported_before = "torch._dynamo" in sys.modules
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+        return imported_before, type(model).__name__
+
+    assert wrap.distributed() == [(True, "DistributedDataParallel")] * 2
+
+
 def test_failures_and_signals_are_reported_as_on_the_cold_path(warm_pool):
     @distributed(gpus=2, gpu_type="cpu", backend=warm_pool)
     def flaky():
