@@ -12,10 +12,9 @@ trials at once, each of ``RANKS`` ranks, on the same cores:
 * ``ray_tune``: ``tune.Tuner`` over a driver function that runs a ``TorchTrainer`` per trial, as
   Ray Train V2's "Hyperparameter Tuning with Ray Tune" guide writes it (``TuneReportCallback``),
   with ``OptunaSearch`` (the same TPE sampler and seed) and ``ASHAScheduler(grace_period=1,
-  reduction_factor=2)``: the same rungs (1, 2, 4, 8 epochs). Ray is told it has
-  ``MAX_CONCURRENT * (RANKS + 1)`` CPUs, so that each trial's driver and workers fit the way they
-  do on a GPU node; Ray does not pin processes, so this oversubscribes the cores exactly as
-  sparkgpu's ``MAX_CONCURRENT * RANKS`` ranks do;
+  reduction_factor=2)``: the same rungs (1, 2, 4, 8 epochs), ``max_concurrent_trials=MAX_CONCURRENT``.
+  Ray is given ``RAY_LOGICAL_CPUS`` logical CPUs (see there why); Ray does not pin processes, so
+  its ``MAX_CONCURRENT * RANKS`` workers share the cores as sparkgpu's ranks do;
 * ``optuna_loop``: ``study.optimize(objective, n_jobs=MAX_CONCURRENT)`` whose objective runs one
   sparkgpu job and returns its value. It cannot prune: a rank calling ``trial.should_prune()``
   alone would leave its peers in the next all-reduce. It shows what the sweep's pruning under DDP
@@ -31,8 +30,10 @@ trials' training time) / trials``. ``rank_seconds`` are the trials' training tim
 ranks (the GPU-seconds the sweep spent); ``best_value`` the lowest validation loss it found.
 
     python benchmarks/bench_sweep.py [--trials 32] [--repeats 3]
+    python benchmarks/bench_sweep.py --sides sparkgpu,sparkgpu_untracked --out sweep-tracking.json
 
-Writes benchmarks/results/sweep.json.
+Writes benchmarks/results/sweep.json (or ``--out``). ``sparkgpu_untracked`` is the sweep with
+``SPARKGPU_TRACKING=0``: no MLflow run per trial.
 """
 
 from __future__ import annotations
@@ -52,6 +53,11 @@ RESULTS = Path(__file__).parent / "results"
 
 RANKS, MAX_CONCURRENT, EPOCHS, STEPS, BATCH, SEQ, VOCAB = 2, 2, 8, 6, 16, 16, 32
 SEED = 0
+#: Ray's logical CPUs. With exactly MAX_CONCURRENT * (RANKS + 1), the count a GPU node's trials
+#: would need, a pruned trial's worker placement group was not released before the next trial
+#: asked for its own, and the sweep stalled ("worker group startup timed out"): a logical count
+#: large enough that only max_concurrent_trials limits the trials.
+RAY_LOGICAL_CPUS = 64
 
 
 # ---- the trial's body, the same on every side ---------------------------------------------------
@@ -163,7 +169,7 @@ def run_optuna_loop(trials: int, marks: str, sampled: dict) -> dict:
 
     def objective(trial):
         params = suggest(trial, sampled)
-        return job.distributed(marks, **params)
+        return job.distributed(marks, **params)[0]  # one value per rank: rank 0's is the trial's
 
     started = time.time()
     study = optuna.create_study(direction="minimize", sampler=optuna.samplers.TPESampler(seed=SEED))
@@ -184,6 +190,7 @@ def ray_worker(config: dict) -> None:
 
 def run_ray_tune(trials: int, marks: str, sampled: dict, storage: str) -> dict:
     os.environ["RAY_TRAIN_V2_ENABLED"] = "1"
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     import optuna
     import ray
     import ray.train
@@ -207,9 +214,11 @@ def run_ray_tune(trials: int, marks: str, sampled: dict, storage: str) -> dict:
         trainer.fit()
 
     started = time.time()
-    ray.init(num_cpus=MAX_CONCURRENT * (RANKS + 1), include_dashboard=False, _node_ip_address="127.0.0.1")
+    ray.init(num_cpus=RAY_LOGICAL_CPUS, include_dashboard=False, _node_ip_address="127.0.0.1")
     initialised = time.time() - started
-    search = OptunaSearch(space=RaySpace(marks, sampled), metric="loss", mode="min", sampler=optuna.samplers.TPESampler(seed=SEED))
+    search = OptunaSearch(
+        space=RaySpace(marks, sampled), metric="loss", mode="min", sampler=optuna.samplers.TPESampler(seed=SEED)
+    )
     tuner = tune.Tuner(
         driver,
         tune_config=tune.TuneConfig(
@@ -292,13 +301,17 @@ def one(side: str, trials: int, root: Path) -> dict:
     from sparkgpu.config import reset_settings
 
     reset_settings()
+    if side == "sparkgpu_untracked":  # what a trial's MLflow run costs its start
+        os.environ["SPARKGPU_TRACKING"] = "0"
+    else:
+        os.environ.pop("SPARKGPU_TRACKING", None)  # sparkgpu's default
     if side == "ray_tune":
         run = run_ray_tune(trials, str(marks), sampled, str(where / "ray"))
     else:
         from sparkgpu.launch.backends.local.zygote_client import stop_warm_zygote
 
         try:
-            run = (run_sparkgpu if side == "sparkgpu" else run_optuna_loop)(trials, str(marks), sampled)
+            run = (run_optuna_loop if side == "optuna_loop" else run_sparkgpu)(trials, str(marks), sampled)
         finally:
             stop_warm_zygote()
     return summarise(run, marks, sampled)
@@ -308,7 +321,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--trials", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--sides", default="sparkgpu,ray_tune,optuna_loop")
+    parser.add_argument("--sides", default="sparkgpu,ray_tune,optuna_loop", help="also: sparkgpu_untracked")
+    parser.add_argument("--out", default="sweep.json", help="the results file, in benchmarks/results")
     args = parser.parse_args()
     sides = args.sides.split(",")
     facts = machine()
@@ -333,6 +347,9 @@ def main() -> None:
             "steps_per_epoch": STEPS,
             "rungs": "successive halving, min resource 1 epoch, reduction factor 2 (ASHA on Ray)",
             "sampler": f"optuna TPESampler(seed={SEED}) on every side",
+            "ray_logical_cpus": RAY_LOGICAL_CPUS,
+            # Where it is set, every process of every side compiles what it imports again.
+            "byte_code_cached": not os.environ.get("PYTHONDONTWRITEBYTECODE"),
         },
         "method": method(
             "each side's sweep call, from before it to its return",
@@ -351,6 +368,10 @@ def main() -> None:
         result[side]["epochs_trained"] = spread([r["epochs_trained"] for r in side_runs])
         if side == "ray_tune":
             result[side]["ray_init_s"] = spread([r["ray_init_s"] for r in side_runs])
+    if "sparkgpu" in runs and "sparkgpu_untracked" in runs:
+        result["tracked_over_untracked_start"] = round(
+            result["sparkgpu"]["start_s"]["median"] / result["sparkgpu_untracked"]["start_s"]["median"], 2
+        )
     if "sparkgpu" in runs and "ray_tune" in runs:
         ours, theirs = result["sparkgpu"]["wall_s"], result["ray_tune"]["wall_s"]
         result["wall_ratio_to_ray_tune"] = round(ours["median"] / theirs["median"], 2)
@@ -364,7 +385,7 @@ def main() -> None:
             <= result["ray_tune"]["best_value"]["median"],
         }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "sweep.json").write_text(json.dumps(result, indent=2) + "\n")
+    (RESULTS / args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: result[k] for k in result if k not in ("machine",)}, indent=2))
 
 
