@@ -33,6 +33,9 @@ def machine() -> dict:
         # The kernel build tells one host from another when figures are compared (no host name).
         "platform": platform.platform(),
         "python": platform.python_version(),
+        # Where PYTHONDONTWRITEBYTECODE is set, every process a benchmark starts compiles what it
+        # imports again: start-up figures are then not those of an installed package.
+        "byte_code_cached": not os.environ.get("PYTHONDONTWRITEBYTECODE"),
         "load_average_at_start": [round(x, 2) for x in load],
         "busy_cores_at_start": None if busy is None else round(busy, 2),
         # Another job was running if it kept a quarter of the cores busy as this one started. The
