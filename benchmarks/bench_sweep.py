@@ -348,8 +348,6 @@ def main() -> None:
             "rungs": "successive halving, min resource 1 epoch, reduction factor 2 (ASHA on Ray)",
             "sampler": f"optuna TPESampler(seed={SEED}) on every side",
             "ray_logical_cpus": RAY_LOGICAL_CPUS,
-            # Where it is set, every process of every side compiles what it imports again.
-            "byte_code_cached": not os.environ.get("PYTHONDONTWRITEBYTECODE"),
         },
         "method": method(
             "each side's sweep call, from before it to its return",

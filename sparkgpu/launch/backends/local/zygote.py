@@ -40,7 +40,7 @@ from sparkgpu.rundir.states import NodeExit, RankExit
 from sparkgpu.launch.node.rank_exits import CRASH_KILL_DELAY
 from sparkgpu.rundir.directory import PRIVATE_UMASK, RunDir
 from sparkgpu.rundir.layout import RunLayout
-from sparkgpu.launch.node.preload import preload_before_fork
+from sparkgpu.launch.node.preload import WARM_POOL_PRELOAD, preload, preload_before_fork
 
 _REQUEST_TIMEOUT = 10.0  # seconds a client has to send its whole request line
 
@@ -384,11 +384,8 @@ def _serve(argv: list[str]) -> None:
 
     import sparkgpu.launch.rank.entrypoint  # noqa: F401
 
-    if argv[3:4] != ["standby"]:
-        # The warm pool serves every job, so it cannot read one job's code for what to preload
-        # (a standby does: below). DDP and FSDP2 import torch._dynamo when they wrap a model, about
-        # 1 s of CPU in each rank at each call (11 s where no byte code is cached): once here.
-        import torch._dynamo  # noqa: F401
+    if argv[3:4] != ["standby"]:  # the warm pool: what every job's ranks would import (a standby: below)
+        preload(WARM_POOL_PRELOAD)
     if argv[4:5]:  # a standby imports what its job's function imports, as the job's agent does
         hazard = preload_before_fork(json.loads(argv[4]))
         if hazard is not None:  # the job's restarts start cold instead
