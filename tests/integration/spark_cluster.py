@@ -189,17 +189,26 @@ class LocalSparkCluster:
                 process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
+        # Python daemons make their own process group and end when their executor's pipe closes,
+        # which on a busy machine can come after the JVMs are gone: they are killed here too.
+        import psutil
+
+        stragglers = self._cluster_processes()
+        for proc in stragglers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        psutil.wait_procs(stragglers, timeout=10)
         for log in self._logs:
             log.close()
         self._logs.clear()
 
-    def leftover_processes(self) -> list[str]:
-        """Command lines of processes still running from this cluster's work dir or groups."""
+    def _cluster_processes(self) -> list:
+        """Live processes (``psutil.Process``) from this cluster's work dir or process groups."""
         import psutil
 
         groups = {p.pid for p in self._processes.values()}
         workdir = str(self.workdir.resolve())
-        left = []
+        found = []
         for proc in psutil.process_iter(["pid", "cmdline", "status"]):
             try:
                 if proc.pid == os.getpid() or proc.info["status"] == psutil.STATUS_ZOMBIE:
@@ -207,10 +216,26 @@ class LocalSparkCluster:
                 cmdline = " ".join(proc.info["cmdline"] or ())
                 # Python daemons make their own process group; their cwd is the executor's dir.
                 if os.getpgid(proc.pid) in groups or workdir in cmdline or proc.cwd().startswith(workdir):
-                    left.append(f"{proc.pid}: {cmdline[:200]}")
+                    found.append(proc)
             except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
                 continue
-        return left
+        return found
+
+    def leftover_processes(self, settle: float = 10.0) -> list[str]:
+        """Command lines of processes still running from this cluster's work dir or groups,
+        after up to ``settle`` seconds for ones that are exiting (their command line is already
+        empty) to be gone."""
+        import psutil
+
+        deadline = time.monotonic() + settle
+        while True:
+            left = []
+            for proc in self._cluster_processes():
+                with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                    left.append(f"{proc.pid}: {' '.join(proc.cmdline())[:200]}")
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.5)
 
     def listeners(self) -> list[tuple[str, int, str, int]]:
         """Every TCP socket listening in this cluster's processes and their descendants
