@@ -373,7 +373,10 @@ class ShardCache:
             else:
                 outcome = future.result()
             if outcome is _Outcome.PRESENT:
-                return
+                if demand or self._paths[shard].exists():
+                    return
+                # A prefetch that began before the shard vanished (evicted by another process) found it present.
+                continue
             if demand:  # no room even for a demand fetch: shards other processes need now fill the cache
                 if time.monotonic() > deadline:
                     raise DataError(
