@@ -372,11 +372,8 @@ class ShardCache:
                 future.set_result(outcome)
             else:
                 outcome = future.result()
-            if outcome is _Outcome.PRESENT:
-                if demand or self._paths[shard].exists():
-                    return
-                # A prefetch that began before the shard vanished (evicted by another process) found it present.
-                continue
+            if outcome is _Outcome.PRESENT and (demand or self._paths[shard].exists()):
+                return
             if demand:  # no room even for a demand fetch: shards other processes need now fill the cache
                 if time.monotonic() > deadline:
                     raise DataError(
@@ -384,7 +381,8 @@ class ShardCache:
                         f"other processes fill cache_limit={self.limit_bytes}: raise it"
                     )
                 time.sleep(0.05)
-            # Otherwise a prefetch skipped the shard or found no room for it: again, as a demand fetch.
+            # Otherwise a prefetch skipped the shard, found no room for it, or found it present before it
+            # vanished (evicted by another process): again, as a demand fetch.
 
     def _download(self, shard: int, needed_at: int, demand: bool) -> _Outcome:
         outcome = None
