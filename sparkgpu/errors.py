@@ -223,6 +223,8 @@ _PEER_GONE_SKEW = 20.0  # seconds; see first_failure
 _PEER_GONE = re.compile(
     r"connection (closed|reset) by peer|remote process exited|communicator was aborted", re.IGNORECASE
 )
+#: Of those, the errors that say a peer's process left: an NCCL communicator aborts on a rank's own error too.
+_PEER_LEFT = re.compile(r"connection (closed|reset) by peer|remote process exited", re.IGNORECASE)
 #: Signals the launchers send to stop a rank (after a peer failed, at the shutdown grace).
 _STOP_SIGNALS = (-signal.SIGKILL, -signal.SIGTERM)
 
@@ -241,13 +243,24 @@ def first_failure(failures) -> RankFailure:
     error says a peer left ("Connection closed by peer", an NCCL abort), an exit of its own (a
     quiet exit, an exit code, a crash) counts as first for up to twenty seconds: on a node whose
     cores are busy the launcher has been seen to trail by more than two. A rank stopped by
-    SIGKILL or SIGTERM does not get that margin: the launchers stop a failed rank's peers so,
-    seconds after the failure.
+    SIGKILL or SIGTERM gets that margin only where the error says the peer's process left
+    (gloo's closed connection, NCCL's "remote process exited"), and then after any exit of
+    its own: such an error cannot follow from a peer the launchers stopped after it, and an
+    NCCL abort can be the rank's own. Such a death is the cause even where its launcher could
+    not time it (its time unknown).
     """
     timed = [f for f in failures if f.timestamp is not None]
     if not timed:
         return failures[0]
     first = min(timed, key=lambda f: f.timestamp)
+    if first.exc_type is not None and _PEER_LEFT.search(first.message):
+        left = [
+            f
+            for f in failures
+            if f.exc_type is None and (f.timestamp is None or f.timestamp - first.timestamp <= _PEER_GONE_SKEW)
+        ]
+        if left:
+            return min(left, key=lambda f: (f.exitcode in _STOP_SIGNALS, f.timestamp is None, f.timestamp or 0.0))
 
     def margin(death: RankFailure) -> float:
         if _peer_gone(first) and death.exitcode not in _STOP_SIGNALS:

@@ -128,3 +128,20 @@ def test_a_quiet_exit_seen_late_on_a_busy_node_is_still_the_cause_of_its_peers_c
     nccl = RankFailure(0, "torch.distributed.DistBackendError", "NCCL communicator was aborted", timestamp=100.0)
     killed = RankFailure(1, None, "killed by SIGKILL", exitcode=-9, timestamp=102.5)
     assert WorkerFailedError([nccl, killed]).first_failure is nccl
+
+
+def test_a_rank_killed_from_outside_is_the_cause_of_its_peers_closed_connection_however_late_its_launcher_saw_it():
+    # Rank 1 was SIGKILLed (a lost machine's stand-in); rank 0's all_reduce failed at once, and a
+    # busy node's launcher timed rank 1's exit seconds later, or could not time it at all.
+    closed = RankFailure(
+        0, "torch.distributed.DistBackendError", "Connection closed by peer [127.0.0.1]:4242", timestamp=100.0
+    )
+    for seen_at in (102.5, 115.0, None):
+        killed = RankFailure(1, None, "the process was killed by SIGKILL", exitcode=-9, timestamp=seen_at)
+        assert WorkerFailedError([closed, killed]).first_failure is killed
+    # An exit of its own still comes before a peer the launcher stopped afterwards.
+    quiet = RankFailure(2, None, "the process exited with code 0", exitcode=0, timestamp=104.0)
+    stopped = RankFailure(1, None, "the process was killed by SIGTERM", exitcode=-15, timestamp=101.0)
+    assert WorkerFailedError([closed, stopped, quiet]).first_failure is quiet
+    # A death long after the closed connection is not its cause.
+    assert WorkerFailedError([closed, RankFailure(1, None, "x", exitcode=-9, timestamp=140.0)]).first_failure is closed
