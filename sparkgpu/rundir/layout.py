@@ -30,12 +30,14 @@ names (:class:`~sparkgpu.rundir.directory.RunDir` is one run dir on a machine). 
     attempts/<k>/STOP                   the supervisor asks the ranks to checkpoint and stop
     attempts/<k>/progress/rank-<r>      rank r's progress record, shared memory (sparkgpu.rundir.progress)
     attempts/<k>/stacks/rank-<r>.txt    rank r's Python stacks, dumped when the supervisor asks
+    attempts/<k>/flight-recorder/rank-<r>.json  torch's flight recorder of rank r (its last collectives), then too
     attempts/<k>/hang.json, hang.txt    a hang's diagnosis, and it with every rank's stacks
     attempts/<k>/trial-reports.json     a sweep trial's intermediate values, from rank 0 (runtime.report)
     attempts/<k>/spark/                 Spark nodes' start and end markers, beats; the client's
                                         cancel marker, heartbeat and stacks request (DUMP); node 0's
                                         state (with its ranks' progress and trial reports), and the
-                                        stacks each node's ranks dumped on request (stacks-rank-<r>.txt)
+                                        stacks each node's ranks dumped on request (stacks-rank-<r>.txt,
+                                        flight-recorder-rank-<r>.json)
 
 With a staging store (``SPARKGPU_STAGING_ROOT`` an fsspec URL) the same layout is mirrored at
 ``<url>/<user>/<job_id>/`` and each Spark node works on a scratch copy (:mod:`sparkgpu.launch.staging.mirror`);
@@ -184,6 +186,11 @@ class RunLayout:
         return f"{RunLayout.attempt(attempt)}/stacks/rank-{rank}.txt"
 
     @staticmethod
+    def flight_record(attempt: int | str, rank: int | str) -> str:
+        """Rank ``rank``'s dump of torch's flight recorder (its last collectives), written when its stacks are asked for."""
+        return f"{RunLayout.attempt(attempt)}/flight-recorder/rank-{rank}.json"
+
+    @staticmethod
     def hang(attempt: int | str) -> str:
         return f"{RunLayout.attempt(attempt)}/{RunLayout.HANG}"
 
@@ -246,6 +253,11 @@ class RunLayout:
     def spark_stacks(attempt: int, rank: int | str) -> str:
         """Rank ``rank``'s stacks file as its node copied it after a dump the client asked for."""
         return f"{RunLayout.spark(attempt)}/stacks-rank-{rank}.txt"
+
+    @staticmethod
+    def spark_flight_record(attempt: int, rank: int | str) -> str:
+        """Rank ``rank``'s flight-recorder dump as its node copied it after a dump the client asked for."""
+        return f"{RunLayout.spark(attempt)}/flight-recorder-rank-{rank}.json"
 
     @staticmethod
     def node_marker(attempt: int, node: int, kind: str) -> str:

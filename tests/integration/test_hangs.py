@@ -7,7 +7,8 @@ it, and rank 1 gets stuck at step ``k + 1``: before the step's collective (sleep
 data loader (a worker that never delivers), spinning at 100% of a core without stepping;
 rank 0 meanwhile waits in ``all_reduce``. Each time the supervisor must find it within
 ``progress_timeout`` and a few seconds, name rank 1 and where it is, write every rank's stacks
-into the run dir, and restart from the checkpoint; the fourth attempt finishes.
+into the run dir with each rank's flight recorder (rank 1's last collective comes before the
+one rank 0 waits in), and restart from the checkpoint; the fourth attempt finishes.
 """
 
 from __future__ import annotations
@@ -123,6 +124,15 @@ def test_each_kind_of_hang_is_found_named_with_every_ranks_stacks_and_resumed(ca
             own.startswith("sparkgpu rank 1 on node 0, pid ")
             and "(most recent call first)" in own.split(DUMP_MARKER)[1]
         )
+        # Each rank's flight recorder, dumped with its stacks: rank 1 never issued the collective rank 0 waits in.
+        for rank in (0, 1):
+            assert "entries" in json.loads((folder / "flight-recorder" / f"rank-{rank}.json").read_text())
+        waiting, behind = hang["ranks"]["0"]["last_collective"], hang["ranks"]["1"]["last_collective"]
+        assert waiting["seq"] > behind["seq"] and not waiting["completed"] and behind["completed"], (how, hang)
+        assert waiting["name"] == "gloo:all_reduce", (how, waiting)
+        assert f"flight recorder: rank 0 at collective #{waiting['seq']} (gloo:all_reduce, not completed); " in summary
+        assert f"rank 1 at collective #{behind['seq']} ({behind['name']}, completed)" in summary, (how, summary)
+        assert f"=== rank 1 on node 0: {where}" in stacks and f"last collective #{behind['seq']}" in stacks
         assert f"attempt {attempt} hung: {summary}" in said
         assert f"attempt {attempt} failed (hang: rank 1 on node 0 {where}" in said
         assert f"restarting from step {attempt} (restart {attempt + 1} of {last})" in said

@@ -82,6 +82,11 @@ def test_a_rank_that_hangs_on_spark_is_found_named_with_its_stacks_and_the_job_r
     stacks = (folder / "hang.txt").read_text()
     assert stacks.startswith(summary) and "=== rank 0 on node 0: waits in `all_reduce`" in stacks
     assert "(most recent call first)" in stacks and "in _train" in stacks
+    # The flight recorders came back from the executor beside the stacks.
+    waiting, behind = hang["ranks"]["0"]["last_collective"], hang["ranks"]["1"]["last_collective"]
+    assert waiting["seq"] > behind["seq"] and not waiting["completed"], hang
+    assert "flight recorder: rank 0 at collective #" in summary
+    assert all((folder / "spark" / f"flight-recorder-rank-{r}.json").exists() for r in (0, 1))
     assert f"attempt 0 hung: {summary}" in said
     assert "attempt 0 failed (hang: rank 1 on node 0 is in `_train` at test_spark_cluster_progress.py:" in said
     assert "(restart 1 of 1)" in said

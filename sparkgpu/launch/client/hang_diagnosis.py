@@ -6,8 +6,10 @@ then every dump :mod:`faulthandler` wrote on request, each after a marker line t
 appended (:data:`DUMP_MARKER`). :func:`parse_stacks` reads the last dump's main thread.
 
 A rank whose main thread is inside one of torch's collectives waits for its peers; the others
-are behind. When every rank waits in a collective, the ranks with the fewest progress notes
-are behind (they are in an earlier collective); when none does, every stalled rank is.
+are behind. When every rank waits in a collective, the ranks whose last collective comes first
+in their flight recorders are behind (:mod:`~sparkgpu.launch.client.flight_record`), else those
+with the fewest progress notes (they are in an earlier collective); when none waits in one,
+every stalled rank is.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import linecache
 import re
 from collections.abc import Mapping, Sequence
 
-from sparkgpu.rundir.progress import RankProgress
+from sparkgpu.launch.client.flight_record import LastCollective, behind_by_sequence
 from sparkgpu.launch.rank.progress import DUMP_MARKER
+from sparkgpu.rundir.progress import RankProgress
 
 __all__ = [
     "DUMP_MARKER",
@@ -254,6 +257,7 @@ def diagnose(
     stalled: Mapping[int, float],
     timeout: float,
     world_size: int,
+    collectives: Mapping[int, LastCollective | None] | None = None,
 ) -> Diagnosis:
     """Names the ranks behind and where every rank is.
 
@@ -263,6 +267,8 @@ def diagnose(
         stalled: Seconds each rank has gone without progress, for the ranks past ``timeout``.
         timeout: The progress timeout that passed.
         world_size: The attempt's ranks.
+        collectives: Each rank's last collective from its flight recorder, where it dumped one:
+            when every rank waits in a collective, those whose last one comes first are behind.
     """
     ranks = range(world_size)
     places = {r: place_of(stacks.get(r)) for r in ranks}
@@ -273,12 +279,12 @@ def diagnose(
     elsewhere = [r for r in ranks if places[r].state is not RankState.WAITING]
     if elsewhere:
         behind = [r for r in elsewhere if r in stalled] or elsewhere
-    else:  # everyone waits in a collective: those who noted least are in an earlier one
-        counts = {r: (progress.get(r).count if progress.get(r) is not None else 0) for r in ranks}  # type: ignore[union-attr]
-        fewest = min(counts.values())
-        behind = [r for r in ranks if counts[r] == fewest]
-        if len(behind) == world_size:
-            behind = list(ranks)
+    else:  # everyone waits in a collective: those in an earlier one (by the recorder, else by notes)
+        behind = behind_by_sequence({r: (collectives or {}).get(r) for r in ranks})
+        if not behind:
+            counts = {r: (progress.get(r).count if progress.get(r) is not None else 0) for r in ranks}  # type: ignore[union-attr]
+            fewest = min(counts.values())
+            behind = [r for r in ranks if counts[r] == fewest]
     longest = max((stalled.get(r, 0.0) for r in behind), default=0.0)
     parts = []
     by_place: dict[str, list[int]] = {}
@@ -301,4 +307,14 @@ def diagnose(
     if not elsewhere and len(behind) == world_size:
         rest = "every rank waits in a collective: they called different collectives, or a peer's link is stuck"
     summary = f"{first}; {rest}" if rest else first
+    if collectives and any(c is not None for c in collectives.values()):
+        summary += f"; flight recorder: {_collectives_clause(collectives, world_size)}"
     return Diagnosis(tuple(behind), places, nodes, summary)
+
+
+def _collectives_clause(collectives: Mapping[int, LastCollective | None], world_size: int) -> str:
+    groups: dict[str, list[int]] = {}
+    for rank in range(world_size):
+        found = collectives.get(rank)
+        groups.setdefault(f"at {found.words}" if found is not None else "without a record", []).append(rank)
+    return "; ".join(f"{rank_list(members)} {words}" for words, members in groups.items())

@@ -19,6 +19,7 @@ import os
 import signal
 from typing import Protocol
 
+from sparkgpu.launch.client.flight_record import LastCollective, last_collective, read_record
 from sparkgpu.launch.client.hang_diagnosis import RankStacks, parse_stacks
 from sparkgpu.launch.rank.progress import DUMP_WAIT, request_stacks
 from sparkgpu.rundir import progress as _progress
@@ -41,6 +42,11 @@ class ProgressSource(Protocol):
     def stacks(self, attempt: int, records: dict[int, RankProgress]) -> dict[int, RankStacks | None]:
         """Asks the ranks of ``records`` for their stacks and returns each one's last dump
         (``None``: none came); bounded, a few seconds."""
+        ...
+
+    def flight_records(self, attempt: int, ranks: list[int]) -> dict[int, LastCollective | None]:
+        """Each rank's last collective from the flight recorder it dumped with its stacks (``None``:
+        none came, or it holds none); read after :meth:`stacks`, nothing asked."""
         ...
 
     def stop(self, records: dict[int, RankProgress]) -> None:
@@ -74,6 +80,9 @@ class LocalProgress:
             return {}
         texts = request_stacks(self.rd, attempt, {rank: r.pid for rank, r in records.items()}, self.wait)
         return {rank: parse_stacks(text) if text is not None else None for rank, text in texts.items()}
+
+    def flight_records(self, attempt: int, ranks: list[int]) -> dict[int, LastCollective | None]:
+        return {r: last_collective(read_record(self.rd.file(RunLayout.flight_record(attempt, r)))) for r in ranks}
 
     def stop(self, records: dict[int, RankProgress]) -> None:
         """SIGKILL for every rank, and its process group where it leads one (its loader workers, its

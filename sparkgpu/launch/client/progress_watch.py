@@ -23,7 +23,8 @@ the nodes' beats bring them. When an attempt hangs, the watch:
 
 1. asks every rank, through its source, to dump every thread's Python stack
    (:data:`~sparkgpu.launch.rank.progress.DUMP_SIGNAL`, served by :mod:`faulthandler` in the rank)
-   and waits a few seconds for them;
+   and torch's flight recorder (served by a thread of the rank,
+   :mod:`~sparkgpu.launch.rank.flight_recorder`), and waits a few seconds for them;
 2. names the rank(s) behind and where every rank is (:func:`~sparkgpu.launch.client.hang_diagnosis.diagnose`);
 3. writes ``attempts/<k>/hang.json`` and ``hang.txt`` (:class:`~sparkgpu.launch.client.hang_record.HangRecord`);
 4. kills the ranks at once where its source can (a hung rank cannot checkpoint, and a save
@@ -38,6 +39,7 @@ import time
 
 from sparkgpu.rundir.progress import RankProgress
 from sparkgpu.launch.client.attempt_verdict import StoppedBy
+from sparkgpu.launch.client.flight_record import LastCollective
 from sparkgpu.launch.client.hang_diagnosis import RankStacks, diagnose
 from sparkgpu.launch.client.hang_record import HangRecord
 from sparkgpu.launch.client.monitors import CONTINUE, AttemptView, StopNow, WatchDecision
@@ -118,13 +120,18 @@ class ProgressWatch:
     def _hung(self, attempt: int, records: dict[int, RankProgress], stalled: dict[int, float], limit: float) -> StopNow:
         found_at = time.time()
         stacks = self.source.stacks(attempt, records)
-        diagnosis = diagnose(stacks, records, stalled, limit, self.world_size)
+        collectives = self.source.flight_records(attempt, list(range(self.world_size)))
+        diagnosis = diagnose(stacks, records, stalled, limit, self.world_size, collectives)
         stacks_path = self.rd.file(RunLayout.hang_stacks(attempt))
         ranks = diagnosis.to_json()["ranks"]
         for rank, progress in records.items():
             ranks[str(rank)]["progress"] = dataclasses.asdict(progress)
+        for rank, collective in collectives.items():
+            if collective is not None:
+                ranks[str(rank)]["last_collective"] = dataclasses.asdict(collective)
         record = HangRecord(found_at, limit, list(diagnosis.behind), diagnosis.summary, str(stacks_path), ranks)
-        record.write(self.rd, attempt, _stacks_text(diagnosis.summary, diagnosis.places, diagnosis.nodes, stacks))
+        text = _stacks_text(diagnosis.summary, diagnosis.places, diagnosis.nodes, stacks, collectives)
+        record.write(self.rd, attempt, text)
         self.source.stop(records)
         return StopNow(
             StoppedBy.HANG,
@@ -132,11 +139,14 @@ class ProgressWatch:
         )
 
 
-def _stacks_text(summary: str, places, nodes, stacks: dict[int, RankStacks | None]) -> str:
+def _stacks_text(
+    summary: str, places, nodes, stacks: dict[int, RankStacks | None], collectives: dict[int, LastCollective | None]
+) -> str:
     parts = [summary, ""]
     for rank in sorted(places):
-        dump = stacks.get(rank)
-        parts.append(f"=== rank {rank} on node {nodes.get(rank, 0)}: {places[rank].words} ===")
+        dump, collective = stacks.get(rank), collectives.get(rank)
+        last = f"; last {collective.words}" if collective is not None else ""
+        parts.append(f"=== rank {rank} on node {nodes.get(rank, 0)}: {places[rank].words}{last} ===")
         parts.append(dump.text if dump is not None else "(no stacks came back)")
         parts.append("")
     return "\n".join(parts)

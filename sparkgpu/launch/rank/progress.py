@@ -11,8 +11,10 @@
   the signal makes the interpreter write every thread's Python stack there from its C
   handler, whatever the main thread does (blocked in a collective's C code, sleeping, spinning
   in Python), with no help from the rank's Python code and without ptrace rights;
-* for an NCCL job it turns on torch's NCCL flight recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``)
-  and its dump on a watchdog timeout into the attempt's folder (``TORCH_NCCL_DUMP_ON_TIMEOUT``,
+* it turns on torch's flight recorder for every backend (``TORCH_FR_BUFFER_SIZE``) and serves its
+  dump whenever the stacks are asked for (:mod:`sparkgpu.launch.rank.flight_recorder`); for an
+  NCCL job also NCCL's own recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``) and its dump on a
+  watchdog timeout into the attempt's folder (``TORCH_NCCL_DUMP_ON_TIMEOUT``,
   ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``); a value the user set is kept.
 """
 
@@ -28,6 +30,7 @@ import time
 from pathlib import Path
 from typing import IO
 
+from sparkgpu.launch.rank import flight_recorder
 from sparkgpu.rundir import progress as _progress
 from sparkgpu.rundir.directory import RunDir
 from sparkgpu.rundir.layout import RunLayout
@@ -88,6 +91,9 @@ def watch_rank(rd: RunDir, attempt: int, rank: int, node: int, nccl: bool) -> No
     _stacks.write(STACKS_HEADER.format(rank=rank, node=node, pid=os.getpid(), thread=thread))
     _stacks.flush()
     faulthandler.register(DUMP_SIGNAL, file=_stacks, all_threads=True, chain=False)
+    os.environ.update(flight_recorder.recorder_env())  # read when the process group is made, after this
+    out = Path(rd.file(RunLayout.flight_record(attempt, rank)))
+    flight_recorder.serve_dumps(path, out, "nccl" if nccl else "gloo", DUMP_MARKER)
     if nccl:
         trace = nccl_trace_env(rd, attempt)
         if "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" in trace:
@@ -96,15 +102,19 @@ def watch_rank(rd: RunDir, attempt: int, rank: int, node: int, nccl: bool) -> No
 
 
 def request_stacks(rd: RunDir, attempt: int, pids: dict[int, int], wait: float = DUMP_WAIT) -> dict[int, str | None]:
-    """Asks each rank of ``pids`` (rank -> pid, on this host) to dump its stacks; returns the text
-    of each rank's stacks file once its dump settled (``None``: no file, or nothing came).
+    """Asks each rank of ``pids`` (rank -> pid, on this host) to dump its stacks and its flight
+    recorder; returns the text of each rank's stacks file once its dump settled (``None``: no
+    file, or nothing came). The flight recorder's dumps are at ``RunLayout.flight_record``: it
+    waits for them too, within the same ``wait``.
 
     Whoever watches the ranks on their host calls it: the local supervisor, a Spark node.
     """
     paths = {rank: rd.file(RunLayout.stacks(attempt, rank)) for rank in pids}
+    records = {rank: rd.file(RunLayout.flight_record(attempt, rank)) for rank in pids}
     asked: dict[int, int] = {}
     for rank, pid in pids.items():
         try:
+            records[rank].unlink(missing_ok=True)  # the rank writes a fresh one on the marker
             with open(paths[rank], "a", encoding="utf-8") as out:
                 out.write(f"\n{DUMP_MARKER}\n")
             asked[rank] = paths[rank].stat().st_size
@@ -115,7 +125,9 @@ def request_stacks(rd: RunDir, attempt: int, pids: dict[int, int], wait: float =
     deadline = time.monotonic() + wait
     sizes = {rank: (size, time.monotonic()) for rank, size in asked.items()}
     settled: set[int] = set()
-    while len(settled) < len(asked) and time.monotonic() < deadline:
+    while time.monotonic() < deadline and (
+        len(settled) < len(asked) or not all(records[rank].exists() for rank in asked)
+    ):
         time.sleep(0.05)
         now = time.monotonic()
         for rank, start in asked.items():

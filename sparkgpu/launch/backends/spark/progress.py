@@ -5,7 +5,8 @@ attempt's state (``attempts/<k>/spark/state``, :mod:`sparkgpu.launch.backends.sp
 the client reads that one small object, which it reads anyway for lost nodes (with a staging
 store its mirror pulls it with the rest of the ``spark/`` folder). No request per step, none per
 rank. The stacks of a hung attempt are asked of the nodes with a sealed control file
-(``spark/DUMP``), and come back as one file per rank in the same folder. The ranks are stopped
+(``spark/DUMP``), and come back as one file per rank in the same folder, with each rank's
+flight-recorder dump beside it. The ranks are stopped
 by the backend's cancel, as for any monitor's stop.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import time
 
 from sparkgpu.launch.backends.spark.attempt import SparkAttempt, sync_now
+from sparkgpu.launch.client.flight_record import LastCollective, last_collective, read_record
 from sparkgpu.launch.client.hang_diagnosis import RankStacks, parse_stacks
 from sparkgpu.rundir import progress as _progress
 from sparkgpu.rundir.layout import RunLayout
@@ -71,6 +73,10 @@ class SparkProgress:
             except OSError:
                 found[rank] = None
         return found
+
+    def flight_records(self, attempt: int, ranks: list[int]) -> dict[int, LastCollective | None]:
+        rd = self.handle.run_dir  # the nodes copied them beside the stacks, which the mirror pulled
+        return {r: last_collective(read_record(rd.file(RunLayout.spark_flight_record(attempt, r)))) for r in ranks}
 
     def stop(self, records: dict[int, RankProgress]) -> None:
         """Nothing here: the ranks run on the executors, and the backend's cancel stops them."""

@@ -15,6 +15,8 @@ the attempt's ``spark/`` folder, which the client reads while the attempt runs.
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 
 from sparkgpu._util.files import atomic_write_bytes
@@ -57,7 +59,8 @@ def read_trial_reports(rd: RunDir, attempt: int) -> list[list[float]]:
 
 def dump_stacks(rd: RunDir, attempt: int, rows: dict[str, list]) -> int:
     """Asks the ranks of ``rows`` (this node's, from :func:`read_progress`) for their stacks and copies
-    each rank's stacks file into the attempt's ``spark/`` folder; returns how many it copied."""
+    each rank's stacks file, and its flight recorder's dump before it, into the attempt's ``spark/``
+    folder; returns how many stacks files it copied."""
     pids = {}
     for rank, row in rows.items():
         record = _progress.from_row(row)
@@ -65,6 +68,9 @@ def dump_stacks(rd: RunDir, attempt: int, rows: dict[str, list]) -> int:
             pids[int(rank)] = record.pid
     copied = 0
     for asked, text in request_stacks(rd, attempt, pids).items():
+        with contextlib.suppress(OSError):  # none came: the client's diagnosis does without it
+            dumped = rd.file(RunLayout.flight_record(attempt, asked)).read_bytes()
+            atomic_write_bytes(rd.file(RunLayout.spark_flight_record(attempt, asked)), dumped)
         if text is not None:
             atomic_write_bytes(rd.file(RunLayout.spark_stacks(attempt, asked)), text.encode())
             copied += 1
