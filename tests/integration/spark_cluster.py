@@ -412,9 +412,7 @@ class LocalSparkCluster:
             ],
             {},
         )
-        self._wait(
-            lambda: self._master_ui_bound() and _port_open(self.master_port), deadline, "the master to listen", "master"
-        )
+        self._wait(lambda: self._master_ui_bound() and self._master_bound(), deadline, "the master to listen", "master")
 
     def _discovery_script(self, index: int) -> Path:
         script = self.workdir / f"gpus-worker-{index}.sh"
@@ -485,6 +483,15 @@ class LocalSparkCluster:
         self._wait(lambda: _port_open(self.connect_port), deadline, "the Connect server to listen", "connect")
 
     # -- readiness ---------------------------------------------------------------------
+    def _master_bound(self) -> bool:
+        # The same for the master's own port: the workers must be told the port it took, not the
+        # one it was given (another cluster's master listening there took their registrations).
+        found = re.findall(r"Starting Spark master at spark://127\.0\.0\.1:(\d+)", self._log_tail("master", 400))
+        if not found:
+            return False
+        self.master_port = int(found[-1])
+        return _port_open(self.master_port)
+
     def _master_ui_bound(self) -> bool:
         # Another process may take the free UI port before the master binds it; Spark then moves
         # to the next port and says so in its log.
