@@ -466,4 +466,24 @@ class RunDir:
                 text = f.read().decode(errors="replace")
         except FileNotFoundError:
             return ""
-        return "\n".join(text.splitlines()[-lines:])
+        return "\n".join(_tail_lines(text.splitlines(), lines))
+
+
+def _tail_lines(lines: list[str], keep: int) -> list[str]:
+    """The last ``keep`` lines of a rank's log; where the rank died with Python's fatal-error dump
+    (a segfault, an abort), the dump without its other threads' stacks, after what the rank
+    printed before it: the crashing thread's stack and the rank's last words are what tell why."""
+    fatal = next((i for i in range(len(lines) - 1, -1, -1) if "Fatal Python error:" in lines[i]), None)
+    if fatal is None:
+        return lines[-keep:]
+    dump: list[str] = []
+    other_thread = False
+    for line in lines[fatal:]:
+        if "(most recent call first):" in line:
+            other_thread = "Current thread 0x" not in line
+        elif not line.strip():
+            other_thread = False
+        if not other_thread and (line.strip() or not dump or dump[-1].strip()):
+            dump.append(line)
+    before = lines[max(0, fatal - max(1, keep - len(dump))) : fatal]
+    return before + dump

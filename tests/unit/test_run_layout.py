@@ -134,3 +134,33 @@ def test_a_job_is_found_by_its_id_or_a_unique_prefix(tmp_path, monkeypatch):
         find_run_dir("train-")
     with pytest.raises(ConfigurationError, match="no job 'nope'"):
         find_run_dir("nope")
+
+
+def test_a_ranks_fatal_error_dump_keeps_its_last_words_and_the_crashing_threads_stack_in_the_log_tail(tmp_path):
+    # What Python's fatal-error handler writes at a segfault in a rank that runs service threads.
+    rd = RunDir(tmp_path / "job-1", key=KEY)
+    rd.prepare_attempt(0)
+    others = [
+        line
+        for n in range(3)
+        for line in (
+            f"Thread 0x00007f78e1214{n}c0 (most recent call first):",
+            '  File "threading.py", line 331 in wait',
+            "",
+        )
+    ]
+    log = [f"step {i}" for i in range(30)] + ["about to read address 0", "Fatal Python error: Segmentation fault", ""]
+    log += others + ["Current thread 0x00007f799f651b80 (most recent call first):"]
+    log += ['  File "ctypes/__init__.py", line 519 in string_at', '  File "train.py", line 142 in crash', ""]
+    log += ["Extension modules: numpy.core._multiarray_umath, torch._C (total: 2)"]
+    rd.file(RunLayout.rank_log(0, 1)).parent.mkdir(parents=True, exist_ok=True)
+    rd.file(RunLayout.rank_log(0, 1)).write_text("\n".join(log) + "\n")
+    tail = rd.log_tail(0, 1).splitlines()
+    assert (
+        len(tail) <= 20 and tail[tail.index("Fatal Python error: Segmentation fault") - 1] == "about to read address 0"
+    )
+    assert '  File "train.py", line 142 in crash' in tail and not any("threading.py" in line for line in tail)
+    assert tail[-1].startswith("Extension modules") and "step 29" in tail
+    # Without a fatal dump, the tail is the last lines.
+    rd.file(RunLayout.rank_log(0, 2)).write_text("\n".join(f"line {i}" for i in range(50)) + "\n")
+    assert rd.log_tail(0, 2).splitlines() == [f"line {i}" for i in range(30, 50)]
