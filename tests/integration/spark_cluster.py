@@ -478,9 +478,11 @@ class LocalSparkCluster:
         for key, value in conf.items():
             args += ["--conf", f"{key}={value}"]
         args.append("spark-internal")
+        log = self.workdir / "connect.log"
+        since = log.stat().st_size if log.exists() else 0  # a restarted server appends to its log
         # The launcher sizes a Connect server's heap from SPARK_DAEMON_MEMORY, not --driver-memory.
         self._spawn("connect", args, {"SPARK_DAEMON_MEMORY": "768m"})
-        self._wait(lambda: _port_open(self.connect_port), deadline, "the Connect server to listen", "connect")
+        self._wait(lambda: self._connect_bound(log, since), deadline, "the Connect server to listen", "connect")
 
     # -- readiness ---------------------------------------------------------------------
     def _master_bound(self) -> bool:
@@ -491,6 +493,21 @@ class LocalSparkCluster:
             return False
         self.master_port = int(found[-1])
         return _port_open(self.master_port)
+
+    def _connect_bound(self, log: Path, since: int) -> bool:
+        # As for the master: a port another process took moves the server on, and a client sent to
+        # the port asked for would reach whoever holds it (another cluster's Connect server).
+        try:
+            with open(log, "rb") as f:
+                f.seek(since)
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return False
+        found = re.findall(r"Spark Connect server started at: 127\.0\.0\.1:(\d+)", text)
+        if not found:
+            return False
+        self.connect_port = int(found[-1])
+        return _port_open(self.connect_port)
 
     def _master_ui_bound(self) -> bool:
         # Another process may take the free UI port before the master binds it; Spark then moves
