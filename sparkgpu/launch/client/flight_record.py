@@ -72,10 +72,8 @@ def last_collective(dump: Mapping | None) -> LastCollective | None:
 def behind_by_sequence(last: Mapping[int, LastCollective | None]) -> list[int]:
     """The ranks whose last collective on the job's group comes before their peers'; ``[]`` when
     any rank's is unknown, the ranks are on different groups, or all issued the same one."""
-    if not last or any(c is None for c in last.values()):
-        return []
     known = {rank: c for rank, c in last.items() if c is not None}
-    if len({c.group for c in known.values()}) != 1:
+    if not known or len(known) < len(last) or len({c.group for c in known.values()}) != 1:
         return []
     lowest = min(c.seq for c in known.values())
     if all(c.seq == lowest for c in known.values()):

@@ -23,6 +23,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 from sparkgpu._util.files import atomic_write_bytes
@@ -76,7 +77,7 @@ def _serve(stacks: Path, out: Path, backend: str, marker: str) -> None:
     except OSError:
         seen = 0
     while True:
-        threading.Event().wait(_LOOK)
+        time.sleep(_LOOK)
         try:
             size = stacks.stat().st_size
             if size <= seen:

@@ -57,8 +57,8 @@ DUMP_MARKER = "--- sparkgpu asked for a dump of every thread's stack ---"
 DUMP_WAIT = 3.0
 #: A dump counts as whole once its file stopped growing for this long.
 _SETTLED = 0.2
-#: Entries of NCCL's flight recorder kept per rank (its ring buffer of collectives).
-NCCL_TRACE_ENTRIES = 2000
+#: Entries of NCCL's flight recorder kept per rank: the same ring as every backend's recorder.
+NCCL_TRACE_ENTRIES = flight_recorder.FR_ENTRIES
 
 _logger = logging.getLogger(__name__)
 

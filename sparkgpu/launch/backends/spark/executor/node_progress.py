@@ -16,7 +16,6 @@ the attempt's ``spark/`` folder, which the client reads while the attempt runs.
 from __future__ import annotations
 
 import contextlib
-
 import json
 
 from sparkgpu._util.files import atomic_write_bytes
