@@ -81,6 +81,11 @@ class JobCallback:
     def after_attempt(self, job, outcome: AttemptOutcome) -> None:
         """After an attempt ended, whatever the outcome."""
 
+    def on_straggler(self, job, attempt: int, straggler) -> None:
+        """When a rank of a running attempt is named a straggler (once per rank and attempt):
+        ``straggler`` is a :class:`~sparkgpu.launch.client.stragglers.Straggler` (its rank, node,
+        factor, lateness and the job's step time)."""
+
     def stop_reason(self, job, attempt: int, attempt_seconds: float) -> str | None:
         """Polled about once a second while an attempt runs.
 

@@ -107,6 +107,28 @@ def _staging(raw: str | None, home: Path) -> tuple[Path, str | None]:
     return home / "runs", url
 
 
+def _straggler_factor(raw: str | None) -> float:
+    if raw in (None, ""):
+        return 1.5
+    try:
+        factor = float(raw)
+    except ValueError:
+        factor = -1.0
+    if factor != 0 and not factor > 1:
+        raise ConfigurationError(
+            f"SPARKGPU_STRAGGLER_FACTOR={raw!r} must be a number above 1 (how many times slower than its peers "
+            "a rank is named a straggler), or 0 to turn the detection off; e.g. SPARKGPU_STRAGGLER_FACTOR=1.5"
+        )
+    return factor
+
+
+def _positive_seconds(env, name: str, default: float) -> float:
+    seconds = _env_seconds(env, name, default)
+    if not seconds > 0:
+        raise ConfigurationError(f"{name}={env.get(name)!r} must be a positive duration, e.g. {name}=60 or {name}=2m")
+    return seconds
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """Process-wide defaults taken from ``SPARKGPU_*`` environment variables.
@@ -185,6 +207,11 @@ class Settings:
             ``<home>/volumes/mds``, or ``<staging_url>/_mds`` with a staging store).
         data_metrics_interval: Seconds between two points of each rank's data loader metrics
             in the job's run (``SPARKGPU_DATA_METRICS_INTERVAL``, default 30).
+        straggler_factor: How much slower than its peers a rank must be, steadily over the
+            straggler window, to be named a straggler in the log and the job's run
+            (``SPARKGPU_STRAGGLER_FACTOR``, default 1.5; ``0`` turns the detection off).
+        straggler_window: Seconds over which a rank's lateness is judged
+            (``SPARKGPU_STRAGGLER_WINDOW``, default 60).
         keep_runs: How many finished jobs' run dirs to keep, newest first (``SPARKGPU_KEEP_RUNS``:
             ``"100,30d"`` by default keeps at most 100, none older than 30 days; ``"all"`` keeps
             every one); ``None`` for no count limit.
@@ -237,6 +264,8 @@ class Settings:
     keep_runs_days: float | None = 30.0
     staging_url: str | None = None
     data_metrics_interval: float = 30.0
+    straggler_factor: float = 1.5
+    straggler_window: float = 60.0
     pools_path: str | None = None
     pool: str | None = None
     use_reserved_pool: bool = False
@@ -300,6 +329,8 @@ class Settings:
             data_volume=env.get("SPARKGPU_DATA_VOLUME")
             or (f"{staging_url}/_mds" if staging_url else str(home / "volumes" / "mds")),
             data_metrics_interval=_env_seconds(env, "SPARKGPU_DATA_METRICS_INTERVAL", 30.0),
+            straggler_factor=_straggler_factor(env.get("SPARKGPU_STRAGGLER_FACTOR")),
+            straggler_window=_positive_seconds(env, "SPARKGPU_STRAGGLER_WINDOW", 60.0),
             pools_path=env.get("SPARKGPU_POOLS") or None,
             pool=env.get("SPARKGPU_POOL") or env.get("DATABRICKS_REMOTE_GPU_POOL_ID") or None,
             use_reserved_pool=(

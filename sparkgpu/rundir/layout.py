@@ -31,6 +31,8 @@ names (:class:`~sparkgpu.rundir.directory.RunDir` is one run dir on a machine). 
     attempts/<k>/progress/rank-<r>      rank r's progress record, shared memory (sparkgpu.rundir.progress)
     attempts/<k>/stacks/rank-<r>.txt    rank r's Python stacks, dumped when the supervisor asks
     attempts/<k>/flight-recorder/rank-<r>.json  torch's flight recorder of rank r (its last collectives), then too
+    attempts/<k>/arrivals/rank-<r>.json   rank r's latest collectives and when it reached each (stragglers)
+    attempts/<k>/stragglers.json        the ranks named as stragglers in the attempt, with their figures
     attempts/<k>/hang.json, hang.txt    a hang's diagnosis, and it with every rank's stacks
     attempts/<k>/trial-reports.json     a sweep trial's intermediate values, from rank 0 (runtime.report)
     attempts/<k>/spark/                 Spark nodes' start and end markers, beats; the client's
@@ -184,6 +186,16 @@ class RunLayout:
     def stacks(attempt: int | str, rank: int | str) -> str:
         """Where rank ``rank`` dumps its threads' Python stacks when asked (SIGUSR1)."""
         return f"{RunLayout.attempt(attempt)}/stacks/rank-{rank}.txt"
+
+    @staticmethod
+    def arrivals(attempt: int | str, rank: int | str) -> str:
+        """Rank ``rank``'s latest collectives with the time it reached each (straggler detection), rewritten every look."""
+        return f"{RunLayout.attempt(attempt)}/arrivals/rank-{rank}.json"
+
+    @staticmethod
+    def stragglers(attempt: int | str) -> str:
+        """The ranks the supervisor named as stragglers in attempt ``attempt`` (:mod:`sparkgpu.launch.client.stragglers`)."""
+        return f"{RunLayout.attempt(attempt)}/stragglers.json"
 
     @staticmethod
     def flight_record(attempt: int | str, rank: int | str) -> str:

@@ -450,6 +450,24 @@ class MLflowCallback(JobCallback):
             ),
         )
 
+    def on_straggler(self, job, attempt: int, straggler) -> None:
+        if self.run_info is None:
+            return
+        self._safely(
+            "record a straggler",
+            self._client.log_batch,
+            self.run_info.run_id,
+            metrics=_metrics({f"sparkgpu/straggler_factor/rank-{straggler.rank}": straggler.factor}, step=attempt),
+            tags=_tags(
+                {
+                    f"sparkgpu.straggler.rank-{straggler.rank}": (
+                        f"node {straggler.node}, attempt {attempt}: {straggler.factor:.2f}x "
+                        f"({straggler.lateness:.3f}s late a step of {straggler.step:.3f}s)"
+                    )
+                }
+            ),
+        )
+
     def after_job(self, job, results, error: BaseException | None) -> None:
         from sparkgpu.tracking.flusher import UNSENT_TAG
 

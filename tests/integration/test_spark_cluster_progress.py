@@ -8,6 +8,8 @@ rank 0's trial reports):
 * a 2-rank gloo job whose rank 1 sleeps before a collective is found hung within
   ``progress_timeout`` and a few seconds, its stacks come back from the executors, the diagnosis
   names rank 1 and where both ranks are, and the job restarts from its checkpoint and finishes;
+* the restarted attempt's rank 1 computes its steps 6x slower than rank 0: it is named a
+  straggler, with its node, from the arrivals at collectives the beats bring node 0;
 * a sweep's pruner prunes a trial on Spark from the reports read while it runs: every rank
   leaves its loop at the same step, long before its last.
 
@@ -35,6 +37,8 @@ PROGRESS_TIMEOUT = 5.0
 #: records every half second and writes its state at most once a second, and the mirrors move it
 #: once a second each way.
 FOUND_WITHIN = 8.0
+#: The restarted attempt's straggler: steps of rank 1 take SLOW, rank 0's QUICK, over a short window.
+SLOW_STEPS, QUICK, SLOW, STRAGGLER_WINDOW = 25, 0.05, 0.3, "3"
 
 
 def _train(steps: int = 3) -> int:
@@ -53,13 +57,22 @@ def _train(steps: int = 3) -> int:
         total = torch.ones(1)
         dist.all_reduce(total)
         ckpt.maybe_save(step, model=model)  # the progress node 0 hears of: no call of the user's
+    if runtime.attempt() == 1:  # the restart's rank 1 computes its steps 6x slower: a straggler
+        for step in range(steps, steps + SLOW_STEPS):
+            time.sleep(SLOW if runtime.get_global_rank() == 1 else QUICK)
+            dist.all_reduce(torch.ones(1))
+            runtime.heartbeat(step)
     return start
 
 
 @pytest.mark.usefixtures("no_tracking")
 def test_a_rank_that_hangs_on_spark_is_found_named_with_its_stacks_and_the_job_resumes(
-    cluster_spark, staging_store, capsys
+    cluster_spark, staging_store, capsys, monkeypatch
 ):
+    from sparkgpu.config import reset_settings
+
+    monkeypatch.setenv("SPARKGPU_STRAGGLER_WINDOW", STRAGGLER_WINDOW)
+    reset_settings()
     assert cluster_spark.gpu.train(
         _train, gpus=2, gpu_type="A10", max_restarts=1, progress_timeout=PROGRESS_TIMEOUT, timeout=300
     ) == [1, 1]  # the restart resumed from the step before the hang (unfound, the hang lasts 600 s)
@@ -90,6 +103,11 @@ def test_a_rank_that_hangs_on_spark_is_found_named_with_its_stacks_and_the_job_r
     assert f"attempt 0 hung: {summary}" in said
     assert "attempt 0 failed (hang: rank 1 on node 0 is in `_train` at test_spark_cluster_progress.py:" in said
     assert "(restart 1 of 1)" in said
+    # The restart's slow rank 1 is named from the arrivals the nodes' beats carried to node 0.
+    stragglers = json.loads((run_dir / "attempts" / "1" / "stragglers.json").read_text())["stragglers"]
+    assert [(s["rank"], s["node"]) for s in stragglers] == [(1, 0)], stragglers
+    assert 2.5 <= stragglers[0]["factor"] <= 12, stragglers
+    assert "attempt 1: rank 1 on node 0 is a straggler: it reaches the job's collectives" in said
 
 
 def _reported(where: str, steps: int = 1200) -> float:

@@ -32,6 +32,9 @@ from sparkgpu.launch.client.checkpoint_progress import latest_checkpoint
 from sparkgpu.launch.client.job_state import JobBook
 from sparkgpu.launch.client.logs import LogStreamer
 from sparkgpu.launch.client.progress_watch import ProgressWatch
+from sparkgpu.launch.client.stragglers import StragglerWatch
+from sparkgpu.launch.rank import arrivals
+from sparkgpu.config import settings
 from sparkgpu.launch.client.monitors import (
     CONTINUE,
     ENDING,
@@ -132,6 +135,9 @@ class AttemptRunner:
             runtime.ENV_RUN_DIR: str(self.run_dir.path),
             runtime.ENV_CHECKPOINT_DIR: self.backend.checkpoint_dir(self.run_dir),
         }
+        found = settings()
+        if found.straggler_factor and self.job.world_size > 1:  # each rank times its collectives for stragglers
+            env[arrivals.LOOK_ENV] = repr(arrivals.look_seconds(found.straggler_window))
         if self.job.policy.max_runtime is not None and not isinstance(self.backend, DeferredStart):
             # Ranks start at submit here; elsewhere the runner writes the stop file in time.
             deadline = submitted + self.job.policy.max_runtime - self.job.policy.checkpoint_grace
@@ -239,6 +245,22 @@ class AttemptRunner:
         )
         if source is not None:
             monitors.append(ProgressWatch(self.run_dir, job.world_size, job.policy.progress_timeout, source))
+            found = settings()
+            if found.straggler_factor and job.world_size > 1:  # 11: stragglers named, nothing stopped
+                look = arrivals.look_seconds(found.straggler_window)
+                monitors.append(
+                    StragglerWatch(
+                        self.run_dir,
+                        job,
+                        job.world_size,
+                        found.straggler_factor,
+                        found.straggler_window,
+                        look,
+                        source,
+                        self.callbacks,
+                        self.out,
+                    )
+                )
         ranks_started: float | None = None  # monotonic
         next_start_check = time.monotonic()
         while (code := self.backend.poll(handle)) is None:

@@ -16,9 +16,13 @@ that was asked) and ends the watch at the first :data:`ENDING` one:
 
 10. :class:`~sparkgpu.launch.client.progress_watch.ProgressWatch` (added by the attempt runner):
     no progress for ``progress_timeout`` -> the stacks dumped, :class:`StopNow` (``HANG``).
+11. :class:`~sparkgpu.launch.client.stragglers.StragglerWatch` (added by the attempt runner for a
+    job of two ranks or more): a rank that slows the job ``SPARKGPU_STRAGGLER_FACTOR`` times over
+    a window is named; nothing is stopped (:data:`CONTINUE` always).
 
-3 is asked only while the ranks wait to start, 4-10 only once they started; 4-6 at most once a
-second (each may ask a callback or the cluster), 10 twice a second, and only while no stop was asked.
+3 is asked only while the ranks wait to start, 4-11 only once they started; 4-6 at most once a
+second (each may ask a callback or the cluster), 10 twice a second and 11 once a look, both only
+while no stop was asked.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from typing import Protocol
 
 from sparkgpu.launch.client.flight_record import LastCollective, last_collective, read_record
 from sparkgpu.launch.client.hang_diagnosis import RankStacks, parse_stacks
+from sparkgpu.launch.rank.arrivals import read_arrivals
 from sparkgpu.launch.rank.progress import DUMP_WAIT, request_stacks
 from sparkgpu.rundir import progress as _progress
 from sparkgpu.rundir.directory import RunDir
@@ -47,6 +48,11 @@ class ProgressSource(Protocol):
     def flight_records(self, attempt: int, ranks: list[int]) -> dict[int, LastCollective | None]:
         """Each rank's last collective from the flight recorder it dumped with its stacks (``None``:
         none came, or it holds none); read after :meth:`stacks`, nothing asked."""
+        ...
+
+    def arrivals(self, attempt: int, world_size: int) -> dict[int, list[list[float]]]:
+        """Each rank's latest collectives and when it reached them, ``[[seq, unix time], ...]``, as
+        last known (:mod:`sparkgpu.launch.rank.arrivals`; a rank without any yet is absent)."""
         ...
 
     def stop(self, records: dict[int, RankProgress]) -> None:
@@ -83,6 +89,14 @@ class LocalProgress:
 
     def flight_records(self, attempt: int, ranks: list[int]) -> dict[int, LastCollective | None]:
         return {r: last_collective(read_record(self.rd.file(RunLayout.flight_record(attempt, r)))) for r in ranks}
+
+    def arrivals(self, attempt: int, world_size: int) -> dict[int, list[list[float]]]:
+        found = {}
+        for rank in range(world_size):
+            rows = read_arrivals(self.rd.file(RunLayout.arrivals(attempt, rank)))
+            if rows:
+                found[rank] = rows
+        return found
 
     def stop(self, records: dict[int, RankProgress]) -> None:
         """SIGKILL for every rank, and its process group where it leads one (its loader workers, its

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from sparkgpu._util.files import atomic_write_bytes
+from sparkgpu.launch.rank.arrivals import write_arrivals
 
 __all__ = ["FR_ENTRIES", "recorder_env", "serve_dumps", "dump"]
 
@@ -62,23 +63,39 @@ def dump(backend: str) -> dict:
         return {"error": f"torch's flight recorder could not be dumped: {type(exc).__name__}: {exc}"}
 
 
-def serve_dumps(stacks: Path, out: Path, backend: str, marker: str) -> threading.Thread:
-    """Starts the daemon thread that writes ``out`` each time ``marker`` is appended to ``stacks``."""
+def serve_dumps(
+    stacks: Path, out: Path, backend: str, marker: str, arrivals: tuple[Path, float] | None = None
+) -> threading.Thread:
+    """Starts the daemon thread that writes ``out`` each time ``marker`` is appended to ``stacks``,
+    and, with ``arrivals`` (a path and seconds), rewrites that path with the rank's latest
+    arrivals every so many seconds (:mod:`sparkgpu.launch.rank.arrivals`)."""
     thread = threading.Thread(
-        target=_serve, args=(stacks, out, backend, marker), name="sparkgpu-flight-recorder", daemon=True
+        target=_serve, args=(stacks, out, backend, marker, arrivals), name="sparkgpu-flight-recorder", daemon=True
     )
     thread.start()
     return thread
 
 
-def _serve(stacks: Path, out: Path, backend: str, marker: str) -> None:
+def _serve(stacks: Path, out: Path, backend: str, marker: str, arrivals: tuple[Path, float] | None) -> None:
     try:
         seen = stacks.stat().st_size
     except OSError:
         seen = 0
+    next_arrivals = time.monotonic() + (arrivals[1] if arrivals else 0.0)
     while True:
         time.sleep(_LOOK)
         try:
+            if arrivals is not None and time.monotonic() >= next_arrivals:
+                next_arrivals = time.monotonic() + arrivals[1]
+                try:
+                    write_arrivals(arrivals[0], backend)
+                except OSError:
+                    raise
+                except Exception as exc:  # a torch whose recorder cannot be read: no straggler figures
+                    _logger.warning(
+                        "rank's collectives cannot be timed for stragglers: %s: %s", type(exc).__name__, exc
+                    )
+                    arrivals = None
             size = stacks.stat().st_size
             if size <= seen:
                 continue

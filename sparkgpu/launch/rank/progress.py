@@ -16,6 +16,9 @@
   NCCL job also NCCL's own recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``) and its dump on a
   watchdog timeout into the attempt's folder (``TORCH_NCCL_DUMP_ON_TIMEOUT``,
   ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``); a value the user set is kept.
+* in a job whose supervisor looks for stragglers (:data:`~sparkgpu.launch.rank.arrivals.LOOK_ENV`
+  set), the same thread rewrites the rank's latest collectives' arrivals every look
+  (:mod:`sparkgpu.launch.rank.arrivals`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import time
 from pathlib import Path
 from typing import IO
 
-from sparkgpu.launch.rank import flight_recorder
+from sparkgpu.launch.rank import arrivals, flight_recorder
 from sparkgpu.rundir import progress as _progress
 from sparkgpu.rundir.directory import RunDir
 from sparkgpu.rundir.layout import RunLayout
@@ -93,12 +96,22 @@ def watch_rank(rd: RunDir, attempt: int, rank: int, node: int, nccl: bool) -> No
     faulthandler.register(DUMP_SIGNAL, file=_stacks, all_threads=True, chain=False)
     os.environ.update(flight_recorder.recorder_env())  # read when the process group is made, after this
     out = Path(rd.file(RunLayout.flight_record(attempt, rank)))
-    flight_recorder.serve_dumps(path, out, "nccl" if nccl else "gloo", DUMP_MARKER)
+    look = _arrivals_look()
+    timed = (Path(rd.file(RunLayout.arrivals(attempt, rank))), look) if look else None
+    flight_recorder.serve_dumps(path, out, "nccl" if nccl else "gloo", DUMP_MARKER, timed)
     if nccl:
         trace = nccl_trace_env(rd, attempt)
         if "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" in trace:
             Path(trace["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]).parent.mkdir(parents=True, exist_ok=True)
         os.environ.update(trace)  # read when the NCCL process group is made, after this
+
+
+def _arrivals_look() -> float:
+    """Seconds between two looks at the rank's arrivals (:data:`~sparkgpu.launch.rank.arrivals.LOOK_ENV`; 0: none)."""
+    try:
+        return max(0.0, float(os.environ.get(arrivals.LOOK_ENV) or 0))
+    except ValueError:
+        return 0.0
 
 
 def request_stacks(rd: RunDir, attempt: int, pids: dict[int, int], wait: float = DUMP_WAIT) -> dict[int, str | None]:

@@ -74,6 +74,19 @@ class SparkProgress:
                 found[rank] = None
         return found
 
+    def arrivals(self, attempt: int, world_size: int) -> dict[int, list[list[float]]]:
+        rd = self.handle.run_dir
+        state = rd.read_control_json(rd.file(RunLayout.spark_state(attempt)))
+        rows = state.get("arrivals") if isinstance(state, dict) else None
+        found: dict[int, list[list[float]]] = {}
+        for rank, samples in (rows or {}).items() if isinstance(rows, dict) else ():
+            try:
+                if int(rank) < world_size:
+                    found[int(rank)] = [[int(seq), float(at)] for seq, at in samples]
+            except (TypeError, ValueError):
+                continue  # not a row of ours
+        return found
+
     def flight_records(self, attempt: int, ranks: list[int]) -> dict[int, LastCollective | None]:
         rd = self.handle.run_dir  # the nodes copied them beside the stacks, which the mirror pulled
         return {r: last_collective(read_record(rd.file(RunLayout.spark_flight_record(attempt, r)))) for r in ranks}

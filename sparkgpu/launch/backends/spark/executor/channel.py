@@ -26,6 +26,7 @@ from sparkgpu.launch.backends.spark.executor.node_launch import CONTROL_INTERVAL
 from sparkgpu.launch.backends.spark.executor.node_progress import (
     dump_stacks,
     ranks_of,
+    read_node_arrivals,
     read_progress,
     read_trial_reports,
 )
@@ -152,7 +153,11 @@ class NodeZero:
         if now >= self.next_look:
             self.next_look = now + PROGRESS_LOOK
             attempt = self.launch.attempt
-            self.hub.note_own(read_progress(self.rd, attempt, self.ranks), read_trial_reports(self.rd, attempt))
+            self.hub.note_own(
+                read_progress(self.rd, attempt, self.ranks),
+                read_trial_reports(self.rd, attempt),
+                read_node_arrivals(self.rd, attempt, self.ranks),
+            )
         if now >= self.next_check:
             due_in = self._read_client()
             # Judged at the moment the client's silence counts, not at the next look after it.
@@ -258,7 +263,7 @@ class NodeLink:
 
     def _beat(self, now: float) -> None:
         progress = read_progress(self.rd, self.launch.attempt, self.ranks)
-        reply = self.link.beat(progress=progress)
+        reply = self.link.beat(progress=progress, arrivals=read_node_arrivals(self.rd, self.launch.attempt, self.ranks))
         if reply is None:
             silent = self.link.silent_for()
             if self.stop is None and self.launch.peer_timeout is not None and silent > self.launch.peer_timeout:

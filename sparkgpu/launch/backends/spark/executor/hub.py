@@ -29,7 +29,8 @@ lost node calls for applies at once: its peers are blocked already.
 **The ranks' progress rides the beats.** A beat carries one compact row per rank of its node (its
 progress record, :mod:`sparkgpu.launch.backends.spark.executor.node_progress`); node 0 keeps
 each node's latest rows, adds its own and rank 0's trial reports, and the state the client reads
-holds them all (``progress``, ``reports``). A reply carries ``dump`` once the client asked for
+holds them all (``progress``, ``reports``), and so the ranks' latest collectives' arrivals
+(``arrivals``, :mod:`sparkgpu.launch.rank.arrivals`). A reply carries ``dump`` once the client asked for
 the ranks' stacks (a hung attempt): every node then dumps its ranks' stacks.
 
 **A lost client is foreseen.** Its silence counts from the last beat node 0 saw, so node 0 knows
@@ -113,6 +114,7 @@ class _Member:
     ended: dict | None = None  # {"state", "exit_code"} once it said it ended
     lost: bool = False
     progress: dict[str, list] = dataclasses.field(default_factory=dict)  # its ranks' rows, by rank
+    arrivals: dict[str, list] = dataclasses.field(default_factory=dict)  # its ranks' latest collectives, by rank
 
 
 class Hub:
@@ -140,6 +142,7 @@ class Hub:
         self.version = 0  # grows with every change the client should see
         self.progress_version = 0  # grows with every change of a rank's progress or of the reports
         self.own_progress: dict[str, list] = {}  # node 0's ranks' rows, by rank
+        self.own_arrivals: dict[str, list] = {}  # node 0's ranks' latest collectives, by rank
         self.reports: list[list[float]] = []  # rank 0's trial reports, [[step, value], ...]
         self.dump = False  # the client asked for the ranks' stacks
         self._refused = False
@@ -223,6 +226,10 @@ class Hub:
                 if isinstance(progress, dict) and progress != member.progress:
                     member.progress = progress
                     self.progress_version += 1
+                arrivals = beat.get("arrivals")
+                if isinstance(arrivals, dict) and arrivals != member.arrivals:
+                    member.arrivals = arrivals
+                    self.progress_version += 1
             body: dict[str, object] = {"ack": count, "stop": list(self.stop) if self.stop else None}
             body["control"] = self.control
             if self.dump:
@@ -260,11 +267,14 @@ class Hub:
         with self._lock:
             self.control = packed
 
-    def note_own(self, progress: dict[str, list], reports: list[list[float]]) -> None:
-        """Node 0's own ranks' progress rows and rank 0's trial reports, as last read."""
+    def note_own(
+        self, progress: dict[str, list], reports: list[list[float]], arrivals: dict[str, list] | None = None
+    ) -> None:
+        """Node 0's own ranks' progress rows, rank 0's trial reports and its ranks' arrivals, as last read."""
+        arrivals = arrivals or {}
         with self._lock:
-            if progress != self.own_progress or reports != self.reports:
-                self.own_progress, self.reports = progress, reports
+            if progress != self.own_progress or reports != self.reports or arrivals != self.own_arrivals:
+                self.own_progress, self.reports, self.own_arrivals = progress, reports, arrivals
                 self.progress_version += 1
 
     def ask_dump(self) -> None:
@@ -309,9 +319,10 @@ class Hub:
             ended = {str(n): m.ended for n, m in self.members.items() if m.ended is not None}
             if self.own_end is not None:
                 ended["0"] = self.own_end
-            progress = dict(self.own_progress)
+            progress, arrivals = dict(self.own_progress), dict(self.own_arrivals)
             for member in self.members.values():
                 progress.update(member.progress)
+                arrivals.update(member.arrivals)
             return {
                 "version": self.version,
                 "progress_version": self.progress_version,
@@ -320,6 +331,7 @@ class Hub:
                 "ended": ended,
                 "lost": {str(n): m.last_wall for n, m in self.members.items() if m.lost},
                 "progress": progress,
+                "arrivals": arrivals,
                 "reports": list(self.reports),
             }
 
@@ -342,13 +354,21 @@ class HubLink:
         self._sock: socket.socket | None = None
         self._file: io.BufferedReader | None = None
 
-    def beat(self, ended: dict | None = None, progress: dict[str, list] | None = None) -> dict | None:
-        """One beat (saying how this node ended, when given, and its ranks' progress rows); node 0's
+    def beat(
+        self,
+        ended: dict | None = None,
+        progress: dict[str, list] | None = None,
+        arrivals: dict[str, list] | None = None,
+    ) -> dict | None:
+        """One beat (saying how this node ended, when given, its ranks' progress rows and their
+        latest collectives' arrivals); node 0's
         answer, or ``None`` if none came."""
         self.count += 1
         body: dict[str, object] = {"node": self.node, "count": self.count, "ended": ended}
         if progress is not None:
             body["progress"] = progress
+        if arrivals:
+            body["arrivals"] = arrivals
         try:
             if self._sock is None:
                 self._sock = socket.create_connection(self.address, timeout=max(1.0, self.timeout / 4))

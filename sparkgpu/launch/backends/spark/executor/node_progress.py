@@ -3,7 +3,9 @@
 Each node reads its own ranks' progress records (:mod:`sparkgpu.rundir.progress`: a few bytes
 of shared memory each, no file write and no request per step) and sends them, one compact row
 per rank (:func:`~sparkgpu.rundir.progress.to_row`), in the beat it sends node 0 anyway
-(:mod:`sparkgpu.launch.backends.spark.executor.hub`). Node 0 adds its own ranks' rows and rank 0's
+(:mod:`sparkgpu.launch.backends.spark.executor.hub`), with their latest collectives' arrivals
+(:mod:`sparkgpu.launch.rank.arrivals`, a few hundred bytes a rank, rewritten every look) for
+straggler detection. Node 0 adds its own ranks' rows and rank 0's
 trial reports (the few ``(step, value)`` pairs of :mod:`sparkgpu.sweeps.reports`) and writes them
 into the attempt's state for the client, no more often than once a second.
 
@@ -19,12 +21,13 @@ import contextlib
 import json
 
 from sparkgpu._util.files import atomic_write_bytes
+from sparkgpu.launch.rank.arrivals import read_arrivals
 from sparkgpu.launch.rank.progress import request_stacks
 from sparkgpu.rundir import progress as _progress
 from sparkgpu.rundir.directory import RunDir
 from sparkgpu.rundir.layout import RunLayout
 
-__all__ = ["MAX_REPORTS", "ranks_of", "read_progress", "read_trial_reports", "dump_stacks"]
+__all__ = ["MAX_REPORTS", "ranks_of", "read_progress", "read_node_arrivals", "read_trial_reports", "dump_stacks"]
 
 #: The most trial reports node 0 hands on (the latest); a pruner reads the few latest.
 MAX_REPORTS = 200
@@ -43,6 +46,17 @@ def read_progress(rd: RunDir, attempt: int, ranks: range) -> dict[str, list]:
         if record is not None:
             rows[str(rank)] = _progress.to_row(record)
     return rows
+
+
+def read_node_arrivals(rd: RunDir, attempt: int, ranks: range) -> dict[str, list]:
+    """Each of ``ranks``' latest collectives' arrivals on this host (:mod:`sparkgpu.launch.rank.arrivals`),
+    by rank; a rank without any yet is absent."""
+    found = {}
+    for rank in ranks:
+        rows = read_arrivals(rd.file(RunLayout.arrivals(attempt, rank)))
+        if rows:
+            found[str(rank)] = rows
+    return found
 
 
 def read_trial_reports(rd: RunDir, attempt: int) -> list[list[float]]:
