@@ -10,7 +10,19 @@ from __future__ import annotations
 import os
 import signal
 
+import pytest
+
 from sparkgpu._util.keeper import Kept, keep
+
+
+@pytest.fixture(autouse=True)
+def _sigchld_as_in_a_keeper():
+    """The keeper runs in a process of its own, where SIGCHLD has its default action. This test
+    process may hold torch's handler, left by a DataLoader test: it raises on any child's exit
+    while a worker it once knew was killed, which a keeper never meets."""
+    before = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGCHLD, before)
 
 
 def _kept(tmp_path, plan: list[str], ended=lambda: False) -> Kept:
