@@ -22,7 +22,9 @@ import pytest
 
 from sparkgpu.env import stage_environment, worker_bootstrap_files
 
-pytestmark = pytest.mark.integration
+# One worker runs the module: its module-scoped fixtures (a reference run, built data) are built
+# once, not once on every worker a test of it lands on.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("env-roundtrip")]
 
 PY = f"python{sys.version_info.major}.{sys.version_info.minor}"
 PYPROJECT = """\

@@ -40,7 +40,9 @@ from tests.integration.test_hf_trainer import (  # noqa: F401  (_in_a_folder_of_
     uninterrupted,
 )
 
-pytestmark = pytest.mark.integration
+# One worker runs the module: its module-scoped fixtures (a reference run, built data) are built
+# once, not once on every worker a test of it lands on.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("hf-trainer-stops")]
 
 STOP_STEP = 8  # in the second epoch, between two saves
 assert STOP_STEP % SAVE_STEPS and STEPS_PER_EPOCH < STOP_STEP < TOTAL_STEPS

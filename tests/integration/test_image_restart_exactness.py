@@ -24,7 +24,9 @@ import pytest
 from sparkgpu import distributed
 from sparkgpu.launch.backends.local.backend import LocalBackend
 
-pytestmark = pytest.mark.integration
+# One worker runs the module: its module-scoped fixtures (a reference run, built data) are built
+# once, not once on every worker a test of it lands on.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("image-restart")]
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_images.py"
 PER_CLASS, BATCH, WORLD, EPOCHS = 16, 4, 2, 2
