@@ -30,6 +30,7 @@ import sys
 from collections.abc import Sequence
 
 from sparkgpu._util.keeper import Kept, keep
+from sparkgpu.launch.backends.spark.sessions import close_channels
 from sparkgpu.sweeps.folder import SweepFolder, find_sweep
 
 __all__ = ["main", "drive"]
@@ -47,6 +48,8 @@ def drive(sweep_id: str) -> int:
     except SweepStoppedError as exc:  # an end of the sweep: it is in sweep.json
         logger.warning("%s", exc)
         return 0
+    finally:
+        close_channels()  # its trials' Spark cluster may be gone already: exit without calling it
     logger.info("sweep %s ended (stopped because: %s)", result.sweep_id, result.stopped_because)
     return 0
 

@@ -177,3 +177,29 @@ def test_a_session_its_connect_server_closed_is_replaced_or_the_error_says_how_t
         r"\(ConnectionError.*`sparkgpu resume JOB_ID` continues the job",
     ):
         backend._reconnect_if_closed()
+
+
+_EXITS = """
+import socket, sys, time
+from sparkgpu.launch.backends.spark.sessions import close_channels, session_for
+
+with socket.socket() as s:  # a port nothing listens on: the cluster that was there is gone
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+session_for(f"sc://127.0.0.1:{port}")
+if sys.argv[1] == "close":
+    close_channels()
+"""
+
+
+def test_a_process_whose_spark_cluster_went_away_exits_at_once_once_its_channels_are_closed():
+    """A detached supervisor or sweep driver ends after its job; pyspark's exit hook would call the
+    gone Connect server to clean its ML cache, retrying for minutes, unless the channel was closed."""
+    import time
+
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-c", _EXITS, "close"], check=True, timeout=60)
+    closed = time.monotonic() - started
+    with pytest.raises(subprocess.TimeoutExpired):  # the hook's retries outlast any such exit
+        subprocess.run([sys.executable, "-c", _EXITS, "keep"], timeout=closed + 8)
+    assert closed < 8

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from sparkgpu._util.keeper import RESPAWN_LIMIT, Kept, keep as keep_alive
 from sparkgpu._util.process import ProcessRef
+from sparkgpu.launch.backends.spark.sessions import close_channels
 from sparkgpu.rundir.directory import PRIVATE_FILE, RunDir
 from sparkgpu.rundir.layout import RunLayout
 
@@ -205,6 +206,8 @@ def supervise(run_dir: RunDir) -> int:
         report(f"job {run_dir.job_id} ended: {type(exc).__name__}: {exc}", sys.stdout)
     else:
         report(f"job {run_dir.job_id} succeeded", sys.stdout)
+    finally:
+        close_channels()  # a Spark job's cluster may be gone already: exit without calling it
     return 0
 
 

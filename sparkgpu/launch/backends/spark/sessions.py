@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import sys
 import threading
@@ -33,6 +34,7 @@ __all__ = [
     "pool_session",
     "session_for",
     "close_sessions",
+    "close_channels",
     "new_connect_session",
     "connect_url",
     "full_url",
@@ -56,6 +58,7 @@ SEALED_URL_FILE = "spark-session.sealed"
 
 _remote_sessions: dict[str, Any] = {}  # Connect sessions: pyspark imported on first use
 _lock = threading.Lock()
+_logger = logging.getLogger(__name__)
 
 
 def active_spark_session(fallback: str | None = None):
@@ -138,6 +141,32 @@ def close_sessions() -> None:
     for session in sessions:
         if not session.is_stopped:
             session.stop()
+
+
+def close_channels() -> None:
+    """Closes the channel of every Connect session this process opened or holds, calling the server
+    for nothing; for a process about to exit.
+
+    pyspark registers an exit hook for each Connect client that cleans its ML cache on the server
+    unless the client was closed; against a server that went away (a cluster stopped once the job
+    ended) that call retries for minutes, and the process cannot exit meanwhile.
+    """
+    connect = sys.modules.get("pyspark.sql.connect.session")
+    if connect is None:
+        return  # no Connect session was ever made here
+    with _lock:
+        found = list(_remote_sessions.values())
+    found += [connect.SparkSession._default_session, getattr(connect.SparkSession._active_session, "session", None)]
+    closed: set[int] = set()
+    for session in found:
+        client = getattr(session, "client", None)
+        if client is None or id(client) in closed or client.is_closed:
+            continue
+        closed.add(id(client))
+        try:
+            client.close()
+        except Exception as exc:  # the process is exiting: what is left is pyspark's to skip
+            _logger.debug("a Connect channel did not close: %s: %s", type(exc).__name__, exc)
 
 
 def pool_for_job(job: JobSpec, pool: str | None = None) -> Pool | None:
