@@ -7,9 +7,12 @@ loader or a lost peer does). Measured from the moment rank 1 stops (its own mark
 * sparkgpu: ``progress_timeout=T``; ``stacks_s``: to ``hang.txt`` (every rank's stacks and the
   diagnosis) on disk; ``beyond_timeout_s``: that less ``T`` (the issue's goal: 10 s at most);
   ``next_step_s``: to the first step the restarted attempt trained;
-* torchrun (``--max-restarts 1``) running the same loop with gloo's own ``timeout=T`` given to
+* torchrun (``--standalone --max-restarts 1``, its documented single-node set-up: a c10d rendezvous
+  on a free port, a new round per restart) running the same loop with gloo's own ``timeout=T`` given to
   ``init_process_group``, the way torch's docs set a collective timeout: ``first_signal_s``: to
-  rank 0's first error (gloo's timeout), ``next_step_s``: to the restarted group's first step.
+  rank 0's first error (gloo's timeout), ``next_step_s``: to the restarted group's first step,
+  over the runs whose restarted group formed (``torchrun_restarts_formed`` of ``torchrun_runs``:
+  its gloo mesh sometimes fails to connect after the timeout, and that run trains no step again).
   No stacks are written on that side.
 
 Then the cost of watching: inside a sparkgpu job, blocks of steps (a barrier each) with a
@@ -158,24 +161,29 @@ def one_sparkgpu(root: Path, timeout: float, n: int, hang_at: int) -> dict:
     }
 
 
-def one_torchrun(root: Path, timeout: float, n: int, hang_at: int, port: int) -> dict:
+def one_torchrun(root: Path, timeout: float, n: int, hang_at: int) -> dict:
     where = Path(tempfile.mkdtemp(dir=root))
     checkpoints = where / "checkpoints"
     checkpoints.mkdir()
     script = root / "torchrun_job.py"
     script.write_text(TORCHRUN)
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-        "--max-restarts", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
+        "--max-restarts", "1",
         str(script), str(root), str(where), str(n), str(hang_at), repr(timeout), str(checkpoints),
     ]  # fmt: skip
+    # As torch's docs run it: no GLOO_SOCKET_IFNAME (set to lo, its restarted group's gloo mesh dialled
+    # the first group's rank 0 and failed to form here).
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
+    formed = done.returncode == 0
+    if not formed and "connectFullMesh failed" not in done.stderr:
         raise RuntimeError(f"torchrun failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    # A restarted group whose gloo mesh did not form is recorded as such: no next step to time.
     hung = float((where / "hung").read_text())
     return {
         "first_signal_s": float((where / "signal").read_text()) - hung,
-        "next_step_s": _first_step(where, 1) - hung,
+        "next_step_s": _first_step(where, 1) - hung if formed else None,
+        "restart_formed": formed,
     }
 
 
@@ -210,7 +218,7 @@ def main() -> None:
                 if side == "sparkgpu":
                     runs[side].append(one_sparkgpu(root, args.timeout, n, hang_at))
                 else:
-                    runs[side].append(one_torchrun(root, args.timeout, n, hang_at, 29600 + repeat))
+                    runs[side].append(one_torchrun(root, args.timeout, n, hang_at))
         watched = watching_cost(args.blocks, args.per_block)
     noted, bare = (spread(watched["step_s"][way]) for way in ("noted", "bare"))
     look = spread(watched["look_s"])
@@ -234,7 +242,13 @@ def main() -> None:
         ),
         "timeout_s": args.timeout,
         "sparkgpu": {key: spread([r[key] for r in runs["sparkgpu"]]) for key in runs["sparkgpu"][0]},
-        "torchrun": {key: spread([r[key] for r in runs["torchrun"]]) for key in runs["torchrun"][0]},
+        "torchrun": {
+            key: spread([r[key] for r in runs["torchrun"] if r[key] is not None])
+            for key in ("first_signal_s", "next_step_s")
+            if any(r[key] is not None for r in runs["torchrun"])
+        },
+        "torchrun_restarts_formed": sum(r["restart_formed"] for r in runs["torchrun"]),
+        "torchrun_runs": len(runs["torchrun"]),
         "step_ms": {"noted": noted["median"] * 1000, "bare": bare["median"] * 1000},
         "step_s": {"noted": noted, "bare": bare},
         "step_noted_vs_bare_pct": (noted["median"] - bare["median"]) / bare["median"] * 100,

@@ -153,6 +153,8 @@ CONSTANTS: list[tuple[str, str, str]] = [
     ("guides/data.md", "claim every 20 s (a third", _SETTING),
     ("guides/data.md", "60 s lease). A", _SETTING),
     ("guides/when-a-job-stops.md", "(at most every 15 s)", _SETTING),
+    ("guides/when-a-job-stops.md", "the goal is 10 s at most)", _GOAL),
+    ("guides/when-a-job-stops.md", "the goal is 1% at most.", _GOAL),
     ("guides/data.md", "(code), e.g. 500GB). Shards download", _SYNTAX),
     ("guides/data.md", "(within about 19%).", _ARITHMETIC),
     ("guides/data.md", "(reference)x (goal: 1.0x). Both sides", _GOAL),
