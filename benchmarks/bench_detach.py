@@ -141,6 +141,11 @@ def main() -> None:
             "a fresh client process's start to submit returning, and to rank 0's first step",
             startup="inside both: the client's interpreter start and imports",
             repeats=args.repeats,
+            load_note=(
+                "a detached job's keeper, supervisor, agent and ranks are not this process's children "
+                "(they outlive the client by design): machine/other_cpu_share_during_run counts their CPU "
+                "as other; busy_cores_at_start is the quiet machine's check"
+            ),
         ),
         "returned_s": {way: spread([r["returned_s"] for r in rs]) for way, rs in runs.items()},
         "submit_call_s": {way: spread([r["submit_call_s"] for r in rs]) for way, rs in runs.items()},
