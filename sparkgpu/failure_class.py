@@ -217,6 +217,16 @@ def _oom_detail(text: str, message: str) -> str:
     return f"{detail}: {'; '.join(figures)}" if figures else detail
 
 
+#: Most characters of a detail; a longer first line is cut at a word, marked with an ellipsis.
+DETAIL_CHARS = 300
+
+
 def _first_line(text: str) -> str:
-    line = (text or "").strip().splitlines()
-    return line[0][:300] if line else ""
+    lines = (text or "").strip().splitlines()
+    if not lines:
+        return ""
+    line = lines[0]
+    if len(line) <= DETAIL_CHARS:
+        return line
+    cut = line[: DETAIL_CHARS - 1]
+    return (cut[: cut.rfind(" ")] if " " in cut else cut).rstrip(" ,;(") + "…"

@@ -221,3 +221,14 @@ def test_a_node_exit_record_with_the_oom_evidence_reads_back_as_host_oom(tmp_pat
     assert classify(oom.failures, oom.exceptions).cls is FailureClass.HOST_OOM
     plain = read_attempt(rd, 1, 2, job.policy)
     assert classify(plain.failures, plain.exceptions).cls is FailureClass.KILLED
+
+
+def test_a_long_detail_is_cut_at_a_word_and_marked_so():
+    from sparkgpu.failure_class import DETAIL_CHARS, _first_line
+
+    words = "rank 0 at collective #5 (gloo:barrier, not completed); rank 1 at collective #4 (gloo:barrier, completed)"
+    line = ("no progress for 10.0s; " * 20) + words
+    cut = _first_line(line + "\nsecond line")
+    assert len(cut) <= DETAIL_CHARS and cut.endswith("…")
+    assert line.startswith(cut[:-1]) and line[len(cut) - 1] in " ,;("  # the cut falls between words
+    assert _first_line("short\nmore") == "short" and _first_line("") == ""
