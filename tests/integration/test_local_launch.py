@@ -504,6 +504,8 @@ def _what_the_rank_had_imported():
     import sys
 
     already = "transformers.trainer" in sys.modules  # before this function's own import below
+    if not already:
+        return False  # the import below, which the agent reads, would cost this rank seconds for nothing
     from transformers import Trainer  # noqa: F401
 
     return already

@@ -3,8 +3,8 @@ lines, the run dir and the job's MLflow run, while its quick peers are not.
 
 Three gloo ranks on CPU step with one ``all_reduce`` a step; rank 2 takes 0.3 s to compute its
 step where ranks 0 and 1 take 0.05 s, so they wait for it in every collective. Over a 3 s
-window the supervisor must name rank 2 (about 5x: the steps take 0.3 s and would take 0.05 s
-without it), and neither of the others.
+window the supervisor must name rank 2 (the steps take 0.3 s or more and would take 0.25 s less
+without it), with its lateness and the factor it costs, and neither of the others.
 """
 
 from __future__ import annotations
@@ -55,10 +55,12 @@ def test_a_slow_rank_is_named_a_straggler_with_its_node_and_factor_and_its_peers
     assert record["factor"] == 1.5 and record["window"] == 3
     (named,) = record["stragglers"]
     assert named["rank"] == 2 and named["node"] == 0
-    # Steps take SLOW and would take QUICK without it: a factor near SLOW / QUICK, not near 1.
-    assert 2.5 <= named["factor"] <= 12, named
-    assert SLOW * 0.6 <= named["step"] <= SLOW * 2, named
+    # It reaches each collective SLOW - QUICK after the others; the steps take at least SLOW (more on a
+    # busy machine), and without it they would take that less its lateness.
     assert (SLOW - QUICK) * 0.6 <= named["lateness"] <= SLOW, named
+    assert SLOW * 0.9 <= named["step"] <= SLOW * 4, named
+    assert named["factor"] == pytest.approx(named["step"] / (named["step"] - named["lateness"]))
+    assert named["factor"] >= 1.5
     assert named["collectives"] >= 8
 
     client = MlflowClient(tracking_uri)
