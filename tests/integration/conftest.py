@@ -120,3 +120,20 @@ def job_run(mlflow_store, tmp_path):
         )
     )
     return spool, run.info.run_id
+
+
+@pytest.fixture(scope="session")
+def trainer_uninterrupted(tmp_path_factory):
+    """The uninterrupted run of test_hf_trainer.py's plain Trainer (its ranks' states, its
+    ``state.json``, every step's record) that its restarts and test_hf_trainer_stops.py's stops
+    must equal bitwise; trained once a session, in a home of its own."""
+    from sparkgpu.config import reset_settings
+    from tests.integration.test_hf_trainer import run
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPARKGPU_HOME", str(tmp_path_factory.mktemp("home")))
+        mp.chdir(tmp_path_factory.mktemp("cwd"))
+        reset_settings()
+        states, state, steps, _ = run(tmp_path_factory.mktemp("plain"), "plain")
+    reset_settings()
+    return states, state, steps

@@ -22,7 +22,9 @@ from tests.integration.test_transformer_restart_exactness import assert_bitwise_
 from sparkgpu import distributed
 from sparkgpu.config import settings
 
-pytestmark = pytest.mark.integration
+# One worker runs this module and test_hf_trainer_stops.py: the uninterrupted run both compare
+# against (tests/integration/conftest.py) is trained once.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("hf-trainer")]
 
 
 @pytest.fixture(autouse=True)
@@ -216,21 +218,8 @@ def assert_every_sample_once_per_epoch(steps):
         assert sorted(seen) == list(range(SAMPLES)), f"epoch {epoch} skipped or repeated samples"
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    from sparkgpu.config import reset_settings
-
-    with pytest.MonkeyPatch.context() as mp:  # module-scoped: its own SPARKGPU_HOME
-        mp.setenv("SPARKGPU_HOME", str(tmp_path_factory.mktemp("home")))
-        mp.chdir(tmp_path_factory.mktemp("cwd"))
-        reset_settings()
-        states, state, steps, _ = run(tmp_path_factory.mktemp("plain"), "plain")
-    reset_settings()
-    return states, state, steps
-
-
-def test_a_plain_trainer_trains_at_the_job_world_size(uninterrupted):
-    states, state, steps = uninterrupted
+def test_a_plain_trainer_trains_at_the_job_world_size(trainer_uninterrupted):
+    states, state, steps = trainer_uninterrupted
     assert len(state["attempts"]) == 1
     assert [s["world_size"] for s in states] == [WORLD, WORLD]
     assert [s["process_zero"] for s in states] == [True, False], "one rank, not both, logs as process zero"
@@ -240,8 +229,8 @@ def test_a_plain_trainer_trains_at_the_job_world_size(uninterrupted):
     assert_bitwise_equal(states[0], states[1])
 
 
-def assert_same_run(states, steps, uninterrupted, note):
-    plain_states, _, plain_steps = uninterrupted
+def assert_same_run(states, steps, trainer_uninterrupted, note):
+    plain_states, _, plain_steps = trainer_uninterrupted
     assert {k: (v["loss"], v["samples"]) for k, v in steps.items()} == {
         k: (v["loss"], v["samples"]) for k, v in plain_steps.items()
     }, f"the loss curve or the data differ {note}"
@@ -250,27 +239,29 @@ def assert_same_run(states, steps, uninterrupted, note):
         assert_bitwise_equal(rank_state, plain_states[0])
 
 
-def test_a_sigkilled_rank_resumes_bitwise_equal_and_planted_checkpoints_are_refused(uninterrupted, tmp_path, capfd):
+def test_a_sigkilled_rank_resumes_bitwise_equal_and_planted_checkpoints_are_refused(
+    trainer_uninterrupted, tmp_path, capfd
+):
     sentinel = tmp_path / "unpickled"
     states, state, steps, job_id = run(tmp_path, "killed", kill_step=10, max_restarts=1, plant=str(sentinel))
     assert [a["status"] for a in state["attempts"]] == ["failed", "succeeded"]
     assert not sentinel.exists(), "a planted checkpoint was unpickled"
     # checkpoint-9's seal is genuine but a file changed: the attempt resumes from step 6.
     assert min(e["step"] for e in steps.values() if e["attempt"] == 1) == 7
-    assert_same_run(states, steps, uninterrupted, "(rank 1 killed after step 10)")
+    assert_same_run(states, steps, trainer_uninterrupted, "(rank 1 killed after step 10)")
     # The client names the newest checkpoint whose seal verifies (its files are hashed by the ranks).
     out = capfd.readouterr().out
     assert "restarting from step 9 (restart 1 of 1)" in out, out[-2000:]
 
 
-def test_the_runtime_cap_saves_stops_and_resumes_bitwise_equal(uninterrupted, tmp_path):
+def test_the_runtime_cap_saves_stops_and_resumes_bitwise_equal(trainer_uninterrupted, tmp_path):
     # The first attempt holds at step 3 until the cap's request, 30 s after its ranks started (a
     # loaded machine may take most of that to build the Trainer: then it stops at step 1).
     states, state, steps, _ = run(tmp_path, "capped", hold_from=3, max_runtime=60, checkpoint_grace=30)
     assert state["preemptions"] == 1 and state["restarts"] == 0, state
     assert state["attempts"][-1]["status"] == "succeeded"
     assert {e["attempt"] for e in steps.values()} >= {0, 1}
-    assert_same_run(states, steps, uninterrupted, "(runtime cap)")
+    assert_same_run(states, steps, trainer_uninterrupted, "(runtime cap)")
 
 
 # -- a sparkgpu loader as the Trainer's train_dataset ---------------------------------------
@@ -380,18 +371,40 @@ def assert_every_block_once_per_epoch(steps, all_blocks):
         assert sorted(seen) == all_blocks, f"epoch {epoch} skipped or repeated blocks"
 
 
-def test_a_loader_as_train_dataset_gives_each_rank_its_share_whatever_the_dispatch(token_dir, all_blocks, tmp_path):
+@pytest.fixture(scope="module")
+def loader_plain(token_dir, tmp_path_factory):
+    """The loader's Trainer run to its end with Accelerate's default dispatch: a run of its own in
+    the dispatch test, the reference of the resumed one."""
+    from sparkgpu.config import reset_settings
+
+    with pytest.MonkeyPatch.context() as mp:  # module-scoped: its own SPARKGPU_HOME
+        mp.setenv("SPARKGPU_HOME", str(tmp_path_factory.mktemp("home")))
+        mp.chdir(tmp_path_factory.mktemp("cwd"))
+        reset_settings()
+        found = run_loader(token_dir, tmp_path_factory.mktemp("loader"), "plain")
+    reset_settings()
+    return found
+
+
+def test_a_loader_as_train_dataset_gives_each_rank_its_share_whatever_the_dispatch(
+    token_dir, all_blocks, loader_plain, tmp_path
+):
     runs = {}
     for dispatch in (None, False):
-        states, state, steps, _ = run_loader(token_dir, tmp_path, f"dispatch-{dispatch}", dispatch_batches=dispatch)
+        found = (
+            loader_plain
+            if dispatch is None
+            else run_loader(token_dir, tmp_path, "dispatch-False", dispatch_batches=False)
+        )
+        states, state, steps, _ = found
         assert [s["world_size"] for s in states] == [WORLD, WORLD]
         assert_every_block_once_per_epoch(steps, all_blocks)
         runs[dispatch] = {k: (v["loss"], v["samples"]) for k, v in steps.items()}
     assert runs[None] == runs[False]
 
 
-def test_a_resumed_trainer_restores_the_loader_position_without_replay(token_dir, all_blocks, tmp_path):
-    plain_states, _, plain, _ = run_loader(token_dir, tmp_path, "plain")
+def test_a_resumed_trainer_restores_the_loader_position_without_replay(token_dir, all_blocks, loader_plain, tmp_path):
+    plain_states, _, plain, _ = loader_plain
     states, state, steps, run_dir = run_loader(token_dir, tmp_path, "killed", kill_step=5, max_restarts=1)
     assert [a["status"] for a in state["attempts"]] == ["failed", "succeeded"]
     assert min(e["step"] for e in steps.values() if e["attempt"] == 1) == 4  # resumed from checkpoint-3

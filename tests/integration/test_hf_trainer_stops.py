@@ -28,7 +28,7 @@ from sparkgpu.usage import UsageLedger, UsageMeter, UsagePolicy
 from sparkgpu.usage.ledger import UsageRecord
 from sparkgpu.usage.rates import RateCard
 from tests.integration.preemption import two_gpus, urgent  # noqa: F401  (two_gpus: a fixture)
-from tests.integration.test_hf_trainer import (  # noqa: F401  (_in_a_folder_of_its_own, uninterrupted: fixtures)
+from tests.integration.test_hf_trainer import (  # noqa: F401  (_in_a_folder_of_its_own: a fixture)
     SAVE_STEPS,
     STEPS_PER_EPOCH,
     TOTAL_STEPS,
@@ -37,12 +37,11 @@ from tests.integration.test_hf_trainer import (  # noqa: F401  (_in_a_folder_of_
     assert_same_run,
     read_records,
     train_plainly,
-    uninterrupted,
 )
 
-# One worker runs the module: its module-scoped fixtures (a reference run, built data) are built
-# once, not once on every worker a test of it lands on.
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("hf-trainer-stops")]
+# One worker runs this module and test_hf_trainer.py: the uninterrupted run both compare against
+# (tests/integration/conftest.py) is trained once.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("hf-trainer")]
 
 STOP_STEP = 8  # in the second epoch, between two saves
 assert STOP_STEP % SAVE_STEPS and STEPS_PER_EPOCH < STOP_STEP < TOTAL_STEPS
@@ -126,18 +125,18 @@ def job_state(job_id: str) -> dict:
     return json.loads((settings().staging_root / job_id / "state.json").read_text())
 
 
-def assert_resumed_from_the_stop(states, steps, uninterrupted, note):
+def assert_resumed_from_the_stop(states, steps, trainer_uninterrupted, note):
     """Attempt 0 trained up to the stop, attempt 1 from the step after it: no step lost or replayed."""
     by_attempt: dict[int, list[int]] = {}
     for entry in steps.values():
         by_attempt.setdefault(entry["attempt"], []).append(entry["step"])
     assert max(by_attempt[0]) == STOP_STEP, f"the first attempt did not stop at step {STOP_STEP} {note}"
     assert min(by_attempt[1]) == STOP_STEP + 1, f"the resumed attempt did not start after step {STOP_STEP} {note}"
-    assert_same_run(states, steps, uninterrupted, note)
+    assert_same_run(states, steps, trainer_uninterrupted, note)
 
 
 def test_a_trainer_preempted_by_a_critical_job_resumes_by_itself_bitwise_equal(
-    uninterrupted, tmp_path, two_gpus, capfd
+    trainer_uninterrupted, tmp_path, two_gpus, capfd
 ):
     critical = distributed(gpus=WORLD, gpu_type="H100", priority="critical", callbacks=[])(urgent)
     spans = []
@@ -152,13 +151,13 @@ def test_a_trainer_preempted_by_a_critical_job_resumes_by_itself_bitwise_equal(
     assert [a["status"] for a in state["attempts"]] == ["preempted", "succeeded"]
     assert (state["restarts"], state["preemptions"]) == (0, 1), "giving way uses no restart"
     assert state["attempts"][1]["started_at"] >= max(end for _, end in spans), "it resumed only once the GPUs were free"
-    assert_resumed_from_the_stop(states, read_records(record), uninterrupted, "(preempted by a critical job)")
+    assert_resumed_from_the_stop(states, read_records(record), trainer_uninterrupted, "(preempted by a critical job)")
     out = capfd.readouterr().out
     assert "checkpointed and gave way" in out, out[-3000:]
     assert f"the Trainer resumes from step {STOP_STEP} " in out, out[-3000:]
 
 
-def test_sigterm_to_the_ranks_saves_stops_and_resumes_bitwise_equal(uninterrupted, tmp_path, capfd):
+def test_sigterm_to_the_ranks_saves_stops_and_resumes_bitwise_equal(trainer_uninterrupted, tmp_path, capfd):
     def spot_notice(pids):
         for pid in pids:  # what a spot instance's notice does to every process of the node
             os.kill(pid, signal.SIGTERM)
@@ -169,12 +168,14 @@ def test_sigterm_to_the_ranks_saves_stops_and_resumes_bitwise_equal(uninterrupte
     state = job_state(job_id)
     assert [a["status"] for a in state["attempts"]] == ["preempted", "succeeded"]
     assert state["restarts"] == 0, "a checkpointed stop uses no restart"
-    assert_resumed_from_the_stop(states, read_records(record), uninterrupted, "(SIGTERM to every rank)")
+    assert_resumed_from_the_stop(states, read_records(record), trainer_uninterrupted, "(SIGTERM to every rank)")
     out = capfd.readouterr().out
     assert f"the Trainer resumes from step {STOP_STEP} " in out, out[-3000:]
 
 
-def test_a_spent_budget_stops_the_trainer_and_sparkgpu_resume_finishes_it_bitwise_equal(uninterrupted, tmp_path, capfd):
+def test_a_spent_budget_stops_the_trainer_and_sparkgpu_resume_finishes_it_bitwise_equal(
+    trainer_uninterrupted, tmp_path, capfd
+):
     from sparkgpu.launch.client.resume import resume_job
 
     ledger = UsageLedger(str(tmp_path / "ledger"))
@@ -209,6 +210,6 @@ def test_a_spent_budget_stops_the_trainer_and_sparkgpu_resume_finishes_it_bitwis
 
     state = job_state(job_id)
     assert [a["status"] for a in state["attempts"]] == ["preempted", "succeeded"]
-    assert_resumed_from_the_stop(states, read_records(record), uninterrupted, "(a spent budget)")
+    assert_resumed_from_the_stop(states, read_records(record), trainer_uninterrupted, "(a spent budget)")
     out = capfd.readouterr().out
     assert f"the Trainer resumes from step {STOP_STEP} " in out, out[-3000:]
