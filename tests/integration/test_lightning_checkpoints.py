@@ -21,7 +21,13 @@ from tests.integration.test_restart_exactness import assert_bitwise_equal
 from sparkgpu import distributed
 from sparkgpu.config import settings
 
-pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+# One worker runs the module: its module-scoped fixtures (a reference run, built data) are built
+# once, not once on every worker a test of it lands on.
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.xdist_group("lightning"),
+]
 
 VOCAB, SEQ, BATCHES, EPOCHS = 32, 8, 6, 2
 

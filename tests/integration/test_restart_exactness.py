@@ -19,7 +19,9 @@ import pytest
 from sparkgpu import distributed
 from sparkgpu.config import settings
 
-pytestmark = pytest.mark.integration
+# One worker runs the module: its module-scoped fixtures (a reference run, built data) are built
+# once, not once on every worker a test of it lands on.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("restart-exactness")]
 
 SAMPLES, FEATURES, BATCH, WORLD, EPOCHS = 256, 8, 8, 2, 3
 STEPS_PER_EPOCH = SAMPLES // (BATCH * WORLD)

@@ -32,7 +32,9 @@ from sparkgpu import distributed
 from sparkgpu.config import reset_settings, settings
 from sparkgpu.launch.backends.local.backend import LocalBackend
 
-pytestmark = pytest.mark.integration
+# One worker runs the module: its module-scoped fixtures (a reference run, built data) are built
+# once, not once on every worker a test of it lands on.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("transformer-restart")]
 
 VOCAB, SEQ, WIDTH, HEADS, LAYERS = 128, 32, 128, 4, 2
 BATCH, WORLD, EPOCHS = 4, 2, 2

@@ -21,7 +21,9 @@ from tests.integration.test_hf_trainer import VOCAB, read_records, tiny_llama, w
 from sparkgpu import distributed
 from sparkgpu.config import settings
 
-pytestmark = pytest.mark.integration
+# One worker runs the module: its module-scoped fixtures (a reference run, built data) are built
+# once, not once on every worker a test of it lands on.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("trl-loader")]
 
 WORLD, DOCS, SEQ, BATCH, EPOCHS, SAVE_STEPS = 2, 40, 32, 2, 2, 3
 PAD, EOS, FIRST_WORD = 0, 1, 3  # word_tokenizer's ids: "<pad>", "<eos>", then "w0", "w1", ...
