@@ -120,15 +120,6 @@ TORCHRUN = textwrap.dedent("""
 """)
 
 
-def _wait(path: Path, within: float = 300.0) -> float:
-    deadline = time.monotonic() + within
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path.name} never appeared")
-        time.sleep(0.01)
-    return os.stat(path).st_mtime
-
-
 def _first_step(where: Path, attempt: int, within: float = 300.0) -> float:
     deadline = time.monotonic() + within
     while True:
