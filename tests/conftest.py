@@ -50,28 +50,17 @@ def _before_local_spark(item, group: str | None) -> bool:
     return _CLUSTER_MODULE in item.nodeid or (group or "").startswith(("spark-cluster", "disposable-spark-cluster"))
 
 
-#: The longest tests that share no server (two minutes and one of a worker's time): handed out right
-#: after the cluster groups, so that no worker starts one near the end while the others sit idle.
-_LONG_MODULES = frozenset({"test_example_finetune", "test_example_sweep"})
-
-
-def _order(item, group: str | None) -> int:
-    if _before_local_spark(item, group):
-        return 0
-    return 1 if item.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py") in _LONG_MODULES else 2
-
-
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the items' groups
 def pytest_collection_modifyitems(config, items):
-    """Tests on the standalone Spark clusters run first, the longest others next (:data:`_LONG_MODULES`),
-    and the tests sharing a server are grouped (:func:`server_group`).
+    """Tests on the standalone Spark clusters run first, and the tests sharing a server are
+    grouped (:func:`server_group`).
 
     ``make test`` hands groups to its workers in this order (``--dist loadgroup
     --no-loadscope-reorder``, in pyproject.toml's addopts), and a worker runs its groups in the
     order it gets them: every worker runs its cluster tests before any other.
     """
     groups = {item: server_group(item) for item in items}
-    items.sort(key=lambda item: _order(item, groups[item]))
+    items.sort(key=lambda item: 0 if _before_local_spark(item, groups[item]) else 1)
     for item in items:
         if groups[item] and not any(item.iter_markers("xdist_group")):
             item.add_marker(pytest.mark.xdist_group(groups[item]))
