@@ -247,7 +247,6 @@ class AttemptRunner:
             monitors.append(ProgressWatch(self.run_dir, job.world_size, job.policy.progress_timeout, source))
             found = settings()
             if found.straggler_factor and job.world_size > 1:  # 11: stragglers named, nothing stopped
-                look = arrivals.look_seconds(found.straggler_window)
                 monitors.append(
                     StragglerWatch(
                         self.run_dir,
@@ -255,7 +254,6 @@ class AttemptRunner:
                         job.world_size,
                         found.straggler_factor,
                         found.straggler_window,
-                        look,
                         source,
                         self.callbacks,
                         self.out,

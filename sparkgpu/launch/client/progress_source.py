@@ -21,7 +21,7 @@ from typing import Protocol
 
 from sparkgpu.launch.client.flight_record import LastCollective, last_collective, read_record
 from sparkgpu.launch.client.hang_diagnosis import RankStacks, parse_stacks
-from sparkgpu.launch.rank.arrivals import read_arrivals
+from sparkgpu.launch.rank.arrivals import read_ranks_arrivals
 from sparkgpu.launch.rank.progress import DUMP_WAIT, request_stacks
 from sparkgpu.rundir import progress as _progress
 from sparkgpu.rundir.directory import RunDir
@@ -91,12 +91,7 @@ class LocalProgress:
         return {r: last_collective(read_record(self.rd.file(RunLayout.flight_record(attempt, r)))) for r in ranks}
 
     def arrivals(self, attempt: int, world_size: int) -> dict[int, list[list[float]]]:
-        found = {}
-        for rank in range(world_size):
-            rows = read_arrivals(self.rd.file(RunLayout.arrivals(attempt, rank)))
-            if rows:
-                found[rank] = rows
-        return found
+        return read_ranks_arrivals(self.rd, attempt, range(world_size))
 
     def stop(self, records: dict[int, RankProgress]) -> None:
         """SIGKILL for every rank, and its process group where it leads one (its loader workers, its

@@ -41,6 +41,7 @@ from sparkgpu._util.files import atomic_write_bytes
 from sparkgpu._util.report import report
 from sparkgpu.launch.client.monitors import CONTINUE, AttemptView, WatchDecision
 from sparkgpu.launch.client.progress_source import ProgressSource
+from sparkgpu.launch.rank.arrivals import look_seconds
 from sparkgpu.rundir.directory import RunDir
 from sparkgpu.rundir.layout import RunLayout
 from sparkgpu.rundir.progress import RankProgress
@@ -148,8 +149,8 @@ class StragglerWatch:
         job: The attempt's job (handed to the callbacks).
         world_size: The attempt's ranks.
         factor: ``SPARKGPU_STRAGGLER_FACTOR``.
-        window: ``SPARKGPU_STRAGGLER_WINDOW``, in seconds.
-        look: Seconds between two reads (the ranks' own look).
+        window: ``SPARKGPU_STRAGGLER_WINDOW``, in seconds; the watch reads the ranks' arrivals as
+            often as they rewrite them (:func:`~sparkgpu.launch.rank.arrivals.look_seconds`).
         source: Where the ranks' progress and arrivals are read
             (:class:`~sparkgpu.launch.client.progress_source.ProgressSource`).
         callbacks: The job's callbacks (:meth:`~sparkgpu.callbacks.JobCallback.on_straggler`).
@@ -161,7 +162,6 @@ class StragglerWatch:
     world_size: int
     factor: float
     window: float
-    look: float
     source: ProgressSource
     callbacks: Sequence = ()
     out: TextIO | None = None
@@ -174,7 +174,7 @@ class StragglerWatch:
     def check(self, view: AttemptView) -> WatchDecision:
         if view.ran is None or view.asked is not None or view.now < self._next:
             return CONTINUE
-        self._next = view.now + self.look
+        self._next = view.now + look_seconds(self.window)
         found = self.source.arrivals(view.attempt, self.world_size)
         records = self.source.records(view.attempt, self.world_size)
         if len(found) < self.world_size or any(r.done for r in records.values()):

@@ -29,8 +29,19 @@ import time
 from pathlib import Path
 
 from sparkgpu._util.files import atomic_write_bytes
+from sparkgpu.rundir.directory import RunDir
+from sparkgpu.rundir.layout import RunLayout
 
-__all__ = ["LOOK_ENV", "SAMPLES", "MOST_LOOK", "look_seconds", "latest_arrivals", "write_arrivals", "read_arrivals"]
+__all__ = [
+    "LOOK_ENV",
+    "SAMPLES",
+    "MOST_LOOK",
+    "look_seconds",
+    "latest_arrivals",
+    "write_arrivals",
+    "read_arrivals",
+    "read_ranks_arrivals",
+]
 
 #: The ranks' variable holding the seconds between two looks at the recorder (absent or 0: none).
 LOOK_ENV = "SPARKGPU_STRAGGLER_LOOK"
@@ -94,3 +105,13 @@ def read_arrivals(path: str | os.PathLike) -> list[list[float]] | None:
         return [[int(seq), float(at)] for seq, at in data["arrivals"]]
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def read_ranks_arrivals(rd: RunDir, attempt: int, ranks) -> dict[int, list[list[float]]]:
+    """The arrivals files of ``ranks`` in attempt ``attempt`` of ``rd``, by rank; a rank without one yet is absent."""
+    found = {}
+    for rank in ranks:
+        rows = read_arrivals(rd.file(RunLayout.arrivals(attempt, rank)))
+        if rows:
+            found[rank] = rows
+    return found

@@ -21,7 +21,7 @@ import contextlib
 import json
 
 from sparkgpu._util.files import atomic_write_bytes
-from sparkgpu.launch.rank.arrivals import read_arrivals
+from sparkgpu.launch.rank.arrivals import read_ranks_arrivals
 from sparkgpu.launch.rank.progress import request_stacks
 from sparkgpu.rundir import progress as _progress
 from sparkgpu.rundir.directory import RunDir
@@ -51,12 +51,7 @@ def read_progress(rd: RunDir, attempt: int, ranks: range) -> dict[str, list]:
 def read_node_arrivals(rd: RunDir, attempt: int, ranks: range) -> dict[str, list]:
     """Each of ``ranks``' latest collectives' arrivals on this host (:mod:`sparkgpu.launch.rank.arrivals`),
     by rank; a rank without any yet is absent."""
-    found = {}
-    for rank in ranks:
-        rows = read_arrivals(rd.file(RunLayout.arrivals(attempt, rank)))
-        if rows:
-            found[str(rank)] = rows
-    return found
+    return {str(rank): rows for rank, rows in read_ranks_arrivals(rd, attempt, ranks).items()}
 
 
 def read_trial_reports(rd: RunDir, attempt: int) -> list[list[float]]:
