@@ -127,13 +127,9 @@ def trainer_uninterrupted(tmp_path_factory):
     """The uninterrupted run of test_hf_trainer.py's plain Trainer (its ranks' states, its
     ``state.json``, every step's record) that its restarts and test_hf_trainer_stops.py's stops
     must equal bitwise; trained once a session, in a home of its own."""
-    from sparkgpu.config import reset_settings
+    from tests.integration.homes import home_of_its_own
     from tests.integration.test_hf_trainer import run
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SPARKGPU_HOME", str(tmp_path_factory.mktemp("home")))
-        mp.chdir(tmp_path_factory.mktemp("cwd"))
-        reset_settings()
+    with home_of_its_own(tmp_path_factory, cwd=True):
         states, state, steps, _ = run(tmp_path_factory.mktemp("plain"), "plain")
-    reset_settings()
     return states, state, steps

@@ -21,6 +21,7 @@ from tests.integration.test_transformer_restart_exactness import assert_bitwise_
 
 from sparkgpu import distributed
 from sparkgpu.config import settings
+from tests.integration.homes import home_of_its_own
 
 # One worker runs this module and test_hf_trainer_stops.py: the uninterrupted run both compare
 # against (tests/integration/conftest.py) is trained once.
@@ -375,15 +376,8 @@ def assert_every_block_once_per_epoch(steps, all_blocks):
 def loader_plain(token_dir, tmp_path_factory):
     """The loader's Trainer run to its end with Accelerate's default dispatch: a run of its own in
     the dispatch test, the reference of the resumed one."""
-    from sparkgpu.config import reset_settings
-
-    with pytest.MonkeyPatch.context() as mp:  # module-scoped: its own SPARKGPU_HOME
-        mp.setenv("SPARKGPU_HOME", str(tmp_path_factory.mktemp("home")))
-        mp.chdir(tmp_path_factory.mktemp("cwd"))
-        reset_settings()
-        found = run_loader(token_dir, tmp_path_factory.mktemp("loader"), "plain")
-    reset_settings()
-    return found
+    with home_of_its_own(tmp_path_factory, cwd=True):
+        return run_loader(token_dir, tmp_path_factory.mktemp("loader"), "plain")
 
 
 def test_a_loader_as_train_dataset_gives_each_rank_its_share_whatever_the_dispatch(

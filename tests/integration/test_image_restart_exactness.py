@@ -23,6 +23,7 @@ import pytest
 
 from sparkgpu import distributed
 from sparkgpu.launch.backends.local.backend import LocalBackend
+from tests.integration.homes import home_of_its_own
 
 # One worker runs the module: its module-scoped fixtures (a reference run, built data) are built
 # once, not once on every worker a test of it lands on.
@@ -134,13 +135,8 @@ def run(image_dir, tmp_path, tag, backend, **options):
 
 @pytest.fixture(scope="module")
 def uninterrupted(image_dir, tmp_path_factory):
-    from sparkgpu.config import reset_settings
-
-    with pytest.MonkeyPatch.context() as mp:  # module-scoped: its own SPARKGPU_HOME
-        mp.setenv("SPARKGPU_HOME", str(tmp_path_factory.mktemp("home")))
-        reset_settings()
+    with home_of_its_own(tmp_path_factory):
         states, state, steps = run(image_dir, tmp_path_factory.mktemp("plain"), "plain", LocalBackend(standby=False))
-    reset_settings()
     assert len(state["attempts"]) == 1
     assert len(steps) == WORLD * TOTAL_STEPS
     assert len({digest for digest, _, _ in steps.values()}) == len(steps)  # augmentations differ per step

@@ -20,6 +20,7 @@ from tests.integration.test_restart_exactness import assert_bitwise_equal
 
 from sparkgpu import distributed
 from sparkgpu.config import settings
+from tests.integration.homes import home_of_its_own
 
 # One worker runs the module: its module-scoped fixtures (a reference run, built data) are built
 # once, not once on every worker a test of it lands on.
@@ -165,13 +166,8 @@ def trained_batches(record) -> dict[tuple[int, int], list[int]]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    from sparkgpu.config import reset_settings
-
-    with pytest.MonkeyPatch.context() as mp:  # module-scoped: its own SPARKGPU_HOME
-        mp.setenv("SPARKGPU_HOME", str(tmp_path_factory.mktemp("home")))
-        reset_settings()
+    with home_of_its_own(tmp_path_factory):
         weights, state, batches, _ = run(tmp_path_factory.mktemp("plain"), "plain")
-    reset_settings()
     assert len(state["attempts"]) == 1 and len(batches) == 2 * BATCHES * EPOCHS
     return weights, batches
 

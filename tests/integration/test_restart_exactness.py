@@ -18,6 +18,7 @@ import pytest
 
 from sparkgpu import distributed
 from sparkgpu.config import settings
+from tests.integration.homes import home_of_its_own
 
 # One worker runs the module: its module-scoped fixtures (a reference run, built data) are built
 # once, not once on every worker a test of it lands on.
@@ -125,13 +126,8 @@ def assert_bitwise_equal(a, b):
 
 @pytest.fixture(scope="module")
 def uninterrupted(dataset_dir, tmp_path_factory):
-    from sparkgpu.config import reset_settings
-
-    with pytest.MonkeyPatch.context() as mp:  # module-scoped: its own SPARKGPU_HOME
-        mp.setenv("SPARKGPU_HOME", str(tmp_path_factory.mktemp("home")))
-        reset_settings()
+    with home_of_its_own(tmp_path_factory):
         weights, state, batches = run(dataset_dir, tmp_path_factory.mktemp("plain"), "plain")
-    reset_settings()
     assert len(state["attempts"]) == 1
     assert_each_epoch_sees_every_sample_once(batches)
     return weights, batches

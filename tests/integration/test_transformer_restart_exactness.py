@@ -29,8 +29,9 @@ import numpy as np
 import pytest
 
 from sparkgpu import distributed
-from sparkgpu.config import reset_settings, settings
+from sparkgpu.config import settings
 from sparkgpu.launch.backends.local.backend import LocalBackend
+from tests.integration.homes import home_of_its_own
 
 # One worker runs the module: its module-scoped fixtures (a reference run, built data) are built
 # once, not once on every worker a test of it lands on.
@@ -246,13 +247,10 @@ def uninterrupted(token_dir, all_blocks, tmp_path_factory):
 
     def get(kind: str):
         if kind not in runs:
-            with pytest.MonkeyPatch.context() as mp:  # module-scoped: its own SPARKGPU_HOME
-                mp.setenv("SPARKGPU_HOME", str(tmp_path_factory.mktemp("home")))
-                reset_settings()
+            with home_of_its_own(tmp_path_factory):
                 states, state, steps = run(
                     token_dir, tmp_path_factory.mktemp("plain"), "plain", kind, backend=LocalBackend(standby=False)
                 )
-            reset_settings()
             assert len(state["attempts"]) == 1
             assert sorted(steps) == [(rank, step) for rank in range(WORLD) for step in range(1, TOTAL_STEPS + 1)]
             assert_each_epoch_trains_every_block_once(steps, all_blocks)
