@@ -1,9 +1,13 @@
 """The GPU side in one command: NCCL, host-to-device copies, nvJPEG, a ResNet-50 and an LLM fine-tune waiting on data, scoring.
 
 Question: when a GPU machine is lent for a few minutes, what does the data path cost the GPU?
-Seven parts, each in its own process (one that fails, hangs or crashes is recorded as failed
+Eight parts, each in its own process (one that fails, hangs or crashes is recorded as failed
 and the others still run), in this order:
 
+  * ``preflight``: sparkgpu's node pre-flight GPU checks (``sparkgpu.launch.node.preflight``)
+    on every GPU of the host, as a node runs them in a child interpreter: every device visible,
+    a bf16 matmul against float64 on each, an NCCL all-reduce among them; their results and how
+    long a node's whole check takes (interpreter, torch import and CUDA start-up included).
   * ``nccl``: ``torchrun --nproc-per-node=<GPU count>`` on 127.0.0.1; every rank calls
     ``torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))`` and ``init_process_group("nccl")``,
     as training scripts do, then all_reduces 1 MiB ... 1 GiB of float32, checks the sums and
@@ -81,9 +85,10 @@ from gpu_hf import MODES, llama, part_hf  # noqa: E402
 RESULTS = HERE / "results"
 MiB = 1 << 20
 
-PARTS = ("nccl", "hf", "h2d", "jpeg", "resnet_wait", "predict", "sft")
+PARTS = ("preflight", "nccl", "hf", "h2d", "jpeg", "resnet_wait", "predict", "sft")
 # What each part measures, named before it runs: a part stopped half-way still lists the rest.
 PLANNED = {
+    "preflight": ("node_checks",),
     "nccl": ("all_reduce",),
     "hf": MODES,
     "h2d": ("pinned_vs_pageable", "image_batch"),
@@ -100,9 +105,9 @@ PLANNED = {
     "sft": ("loader_only", "step_resident", "step_fed"),
 }
 # Parts with nothing to run without CUDA; the others keep their CPU-side measurements.
-GPU_ONLY = ("nccl", "hf", "h2d", "predict")
+GPU_ONLY = ("preflight", "nccl", "hf", "h2d", "predict")
 # Seconds each part may take; a part that finishes early leaves its time to those after it.
-CAPS_S = {"nccl": 90, "hf": 200, "h2d": 60, "jpeg": 120, "resnet_wait": 210, "predict": 90, "sft": 90}
+CAPS_S = {"preflight": 60, "nccl": 90, "hf": 200, "h2d": 60, "jpeg": 120, "resnet_wait": 210, "predict": 90, "sft": 90}
 MIN_PART_S = 20  # a part is not started with less than this left of the budget
 FACTS_TIMEOUT_S = 90
 STOP_GRACE_S = 15  # SIGTERM first: torchrun passes it on to its ranks, SIGKILL would orphan them
@@ -112,6 +117,7 @@ NO_CUDA = "no CUDA device: torch.cuda.is_available() is False"
 _SIZES: dict[str, tuple[Any, Any]] = {
     "transfer_mib": ([1, 4, 16, 64, 256, 1024], [1, 16]),  # all_reduce and host-to-device sizes
     "repeats": (5, 5),  # all_reduce samples per size
+    "preflight_repeats": (3, 1),  # runs of a node's whole GPU check
     "copy_repeats": (7, 3),  # host-to-device samples per size
     "warmups": (2, 2),
     "image_batch": (256, 16),  # host-to-device of an image batch
@@ -430,6 +436,42 @@ def filesystem_type(folder: Path) -> str | None:
 
 
 # nccl
+
+
+def part_preflight(record: PartRecord, work: Path, sizes: dict, small: bool) -> None:
+    """sparkgpu's node pre-flight GPU checks (visible, bf16 matmul against float64, NCCL
+    all-reduce) on every GPU of this host, as a node runs them: a child interpreter each time."""
+    import torch
+
+    from sparkgpu.launch.node.preflight import check_gpus
+
+    addresses = [str(i) for i in range(torch.cuda.device_count() if record.cuda else 0)]
+    record.data["config"] = {"devices": addresses, "runs": sizes["preflight_repeats"]}
+    record.data["method"] = method(
+        "per run: sparkgpu.launch.node.preflight.check_gpus(all devices), wall time of the call",
+        startup="included: each run starts its child interpreter, imports torch and initialises CUDA, as a node does",
+        repeats=sizes["preflight_repeats"],
+        statistic="median of the runs",
+        check="every check passes on a healthy host",
+    )
+
+    def node_checks() -> dict:
+        runs, checks = [], []
+        for _ in range(sizes["preflight_repeats"]):
+            started = time.perf_counter()
+            checks = check_gpus(addresses)
+            runs.append(time.perf_counter() - started)
+        found = {
+            "seconds": spread(runs),
+            "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail, "seconds": c.seconds} for c in checks],
+        }
+        failed = [c for c in checks if not c.ok]
+        found["summary"] = f"{len(checks)} checks in {statistics_median(runs):.2f} s, {len(failed)} failed"
+        if failed:
+            found["error"] = "; ".join(f"{c.name}: {c.detail}" for c in failed)
+        return found
+
+    record.measure("node_checks", node_checks, needs_cuda=True)
 
 
 def part_nccl(record: PartRecord, work: Path, sizes: dict, small: bool) -> None:
@@ -1390,6 +1432,7 @@ def statistics_median(values: list[float]) -> float:
 
 
 PART_FUNCTIONS = {
+    "preflight": part_preflight,
     "nccl": part_nccl,
     "hf": part_hf,
     "h2d": part_h2d,

@@ -122,6 +122,14 @@ def _straggler_factor(raw: str | None) -> float:
     return factor
 
 
+def _free_bytes(raw: str | None) -> int:
+    if raw in (None, ""):
+        return 5 * 2**30
+    if raw.strip() == "0":
+        return 0
+    return parse_size(raw, "SPARKGPU_PREFLIGHT_FREE")
+
+
 def _positive_seconds(env, name: str, default: float) -> float:
     seconds = _env_seconds(env, name, default)
     if not seconds > 0:
@@ -210,6 +218,11 @@ class Settings:
         straggler_factor: How much slower than its peers a rank must be, steadily over the
             straggler window, to be named a straggler in the log and the job's run
             (``SPARKGPU_STRAGGLER_FACTOR``, default 1.5; ``0`` turns the detection off).
+        preflight_free_bytes: Free space a node's cache disk needs in its pre-flight check
+            (``SPARKGPU_PREFLIGHT_FREE``, default ``5GiB``; ``0`` checks only that it is writable).
+        preflight_exclude_seconds: How long a Spark executor that failed its pre-flight check
+            is kept out of this client's jobs (``SPARKGPU_PREFLIGHT_EXCLUDE``, default 1 hour,
+            as Spark's own ``spark.excludeOnFailure.timeout``).
         straggler_window: Seconds over which a rank's lateness is judged
             (``SPARKGPU_STRAGGLER_WINDOW``, default 60).
         keep_runs: How many finished jobs' run dirs to keep, newest first (``SPARKGPU_KEEP_RUNS``:
@@ -266,6 +279,8 @@ class Settings:
     data_metrics_interval: float = 30.0
     straggler_factor: float = 1.5
     straggler_window: float = 60.0
+    preflight_free_bytes: int = 5 * 2**30
+    preflight_exclude_seconds: float = 3600.0
     pools_path: str | None = None
     pool: str | None = None
     use_reserved_pool: bool = False
@@ -331,6 +346,8 @@ class Settings:
             data_metrics_interval=_env_seconds(env, "SPARKGPU_DATA_METRICS_INTERVAL", 30.0),
             straggler_factor=_straggler_factor(env.get("SPARKGPU_STRAGGLER_FACTOR")),
             straggler_window=_positive_seconds(env, "SPARKGPU_STRAGGLER_WINDOW", 60.0),
+            preflight_free_bytes=_free_bytes(env.get("SPARKGPU_PREFLIGHT_FREE")),
+            preflight_exclude_seconds=_positive_seconds(env, "SPARKGPU_PREFLIGHT_EXCLUDE", 3600.0),
             pools_path=env.get("SPARKGPU_POOLS") or None,
             pool=env.get("SPARKGPU_POOL") or env.get("DATABRICKS_REMOTE_GPU_POOL_ID") or None,
             use_reserved_pool=(

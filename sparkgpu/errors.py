@@ -130,6 +130,24 @@ class HangError(SparkGPUError):
     """
 
 
+class PreflightError(SparkGPUError):
+    """A node failed its pre-flight check before any rank started (its cache disk, its GPUs).
+
+    The message names the node, its executor and host, each check that failed and its fix.
+
+    Attributes:
+        replaceable: Whether the job has other nodes to run on: on Spark the next attempt
+            leaves the node's executor out; on one host there is nothing to leave it for.
+    """
+
+    def __init__(self, message: str = "", replaceable: bool = False):
+        super().__init__(message)
+        self.replaceable = replaceable
+
+    def __reduce__(self):  # pickled into the rank's error file, with its flag
+        return (type(self), (str(self), self.replaceable))
+
+
 class CheckpointError(SparkGPUError):
     """A checkpoint cannot be written or no complete checkpoint can be restored."""
 

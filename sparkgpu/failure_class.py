@@ -27,6 +27,7 @@ from sparkgpu.errors import (
     HangError,
     HydrationError,
     PayloadSignatureError,
+    PreflightError,
     RankFailure,
     ResultError,
     first_failure,
@@ -45,6 +46,7 @@ class FailureClass(str, enum.Enum):
     HOST_OOM = "host_oom"  # SIGKILL with the cgroup's oom_kill counter risen
     KILLED = "killed"  # a signal from outside
     LOST_NODE = "lost_node"  # the backend lost a node of the attempt
+    BAD_NODE = "bad_node"  # a node failed its pre-flight check: sparkgpu.errors.PreflightError
     HANG = "hang"  # no progress for progress_timeout: sparkgpu.errors.HangError, named by the supervisor
     DATA_ERROR = "data_error"  # sparkgpu.errors.DataError and its subclasses
     ENVIRONMENT_ERROR = "environment_error"  # environment mismatch, an import that fails, hydration
@@ -136,6 +138,8 @@ def classify(
     text = f"{root.message}\n{root.traceback}"
     if _is(exc, name, HangError):
         return Classified(FailureClass.HANG, message)
+    if _is(exc, name, PreflightError):
+        return Classified(FailureClass.BAD_NODE, message)
     if _is(exc, name, ResultError):
         return Classified(FailureClass.RESULT_ERROR, f"{short}: {message}")
     if _is(exc, name, DataError):

@@ -471,6 +471,7 @@ def distributed(
     max_restarts: int = 0,
     restart_on=None,
     progress_timeout=None,
+    preflight: bool = True,
     priority="normal",
     capacity_wait=None,
     min_gpus: int | None = None,
@@ -528,6 +529,10 @@ def distributed(
             left). ``None``: off until a rank first makes progress, then the larger of 10
             minutes and 10 times the longest gap between two progress notes seen; ``"off"``:
             never. See the "When a job stops" guide.
+        preflight: Before its ranks start, each node checks that its cache disk is writable
+            and has ``SPARKGPU_PREFLIGHT_FREE`` free, and, on real GPUs, that they are all
+            visible, compute a bf16 matmul right and all-reduce over NCCL. A node that fails
+            is named; on Spark the next attempt leaves its executor out. ``False`` skips it.
         priority: ``"best_effort"``, ``"normal"`` or ``"critical"`` (databricks' ``BEST_EFFORT``
             / ``NORMAL`` / ``CRITICAL`` too): waiting jobs get free GPUs by class, then in
             order; a critical job that does not fit asks best-effort jobs to checkpoint and
@@ -604,6 +609,7 @@ def distributed(
         max_restarts=max_restarts,
         restart_on=restart_on,
         progress_timeout=progress_timeout,
+        preflight=bool(preflight),
         priority=priority,
         capacity_wait=capacity_wait,
         elastic_wait=elastic_wait,

@@ -19,6 +19,7 @@ import os
 import time
 from pathlib import Path
 
+from sparkgpu._util.sizes import human_bytes
 from sparkgpu._util.files import atomic_write_bytes
 from sparkgpu.env._pack import tar_digest, write_blob
 from sparkgpu.env.hydrate import MANIFEST_FORMAT
@@ -98,13 +99,6 @@ class StagedEnvironment:
         return self.snapshot.lock
 
 
-def _human(n: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
-
-
 def check_size(snapshot: Snapshot, limit: int) -> None:
     """Raises before anything is read or uploaded when the snapshot is over ``limit`` bytes.
 
@@ -114,10 +108,10 @@ def check_size(snapshot: Snapshot, limit: int) -> None:
     if snapshot.size <= limit:
         return
     largest = snapshot.largest(5)
-    listing = "\n".join(f"  {c.name} {c.version}: {_human(c.size)}" for c in largest)
+    listing = "\n".join(f"  {c.name} {c.version}: {human_bytes(c.size)}" for c in largest)
     names = [c.name for c in largest if c.kind != "code"][:3]
     raise EnvironmentTooLargeError(
-        f"the environment to ship is {_human(snapshot.size)}, over the {_human(limit)} limit. "
+        f"the environment to ship is {human_bytes(snapshot.size)}, over the {human_bytes(limit)} limit. "
         f"Largest parts:\n{listing}\n"
         f"Leave out what the workers' image already has: exclude={names!r} (or SPARKGPU_ENV_EXCLUDE="
         f"{','.join(names)}), or describe the image with worker_has= (SPARKGPU_ENV_WORKER_LOCK) so packages it has "

@@ -36,11 +36,14 @@ critical job).
 :class:`NodeState`, the state of one Spark node task (its result row, its ``ended`` marker
 and its entry in the attempt's report). Before the agent starts::
 
-    READY | SPARK_RETRY | NO_RUN_DIR | STORE_UNREACHABLE | BAD_SIGNATURE
+    READY | BAD_NODE | SPARE | SPARK_RETRY | NO_RUN_DIR | STORE_UNREACHABLE | BAD_SIGNATURE
     READY -> PEER_NOT_READY          (a peer was not READY: nobody starts)
     READY -> RUNNING -> SUCCEEDED | FAILED | CANCELLED | CLIENT_LOST | PEER_FAILED | PEER_LOST
     any -> STORE_PUSH_FAILED          (the node's last files did not reach the staging store)
 
+``BAD_NODE``: the task failed its pre-flight check (:mod:`sparkgpu.launch.node.preflight`).
+``SPARE``: the attempt ran more tasks than nodes to stand in for executors that failed the
+check before; this one was not needed (or sat on such an executor) and starts nothing.
 ``SPARK_RETRY``: Spark re-ran the barrier stage; the task starts nothing (restarts are the
 supervisor's). ``NO_RUN_DIR``: the executor cannot see the client's run dir.
 ``STORE_UNREACHABLE``: it cannot read or write the staging store. ``BAD_SIGNATURE``: the
@@ -167,6 +170,8 @@ class NodeState(_StrEnum):
     """A Spark node task's state (transitions in the module docstring)."""
 
     READY = "ready"
+    BAD_NODE = "bad-node"
+    SPARE = "spare"
     SPARK_RETRY = "spark-retry"
     NO_RUN_DIR = "no-run-dir"
     STORE_UNREACHABLE = "store-unreachable"

@@ -253,6 +253,8 @@ class RunPolicy:
             (restarted from the latest checkpoint by the default failure policy). ``None``: the default,
             :func:`~sparkgpu.launch.client.progress_watch.default_progress_timeout` once a rank
             made progress; ``0``: off (``"off"`` or ``False`` as given to ``distributed``).
+        preflight: Each node checks its cache disk and its GPUs before its ranks start
+            (:mod:`sparkgpu.launch.node.preflight`); a node that fails is named and left out.
     """
 
     timeout: float | None = None
@@ -266,6 +268,7 @@ class RunPolicy:
     elastic_wait: float | None = None
     restart_on: tuple[str, ...] | None = None
     progress_timeout: float | None = None
+    preflight: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "progress_timeout", parse_progress_timeout(self.progress_timeout))

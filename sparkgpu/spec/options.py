@@ -106,6 +106,11 @@ JOB_OPTIONS: tuple[JobOption, ...] = (
         DURATION,
         "how long an elastic job (min_gpus) waits for all its GPUs before going on with fewer, e.g. 20m",
     ),
+    JobOption(
+        "preflight",
+        FLAG,
+        "false to skip each node's check of its cache disk and GPUs before the ranks start (default: on)",
+    ),
     JobOption("tags", MAPPING, "mapping of tags for tracking and cost attribution, e.g. {team: ml}", flag="--tag"),
     JobOption("log_ranks", RANKS, "ranks whose output streams to the caller: main, all, none or a list such as 0,2"),
     JobOption("experiment", TEXT, "MLflow experiment of the job's run (default: named after the script)"),

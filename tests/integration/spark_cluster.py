@@ -444,8 +444,13 @@ class LocalSparkCluster:
                 "--webui-port",
                 str(_free_port()),
             ],
-            {"SPARK_WORKER_OPTS": opts},
+            # Each worker has a cache disk of its own, as each machine of a real cluster has.
+            {"SPARK_WORKER_OPTS": opts, "SPARKGPU_CACHE_DIR": str(self.cache_dir(index))},
         )
+
+    def cache_dir(self, index: int) -> Path:
+        """Worker ``index``'s cache disk (``SPARKGPU_CACHE_DIR`` of its executors and their ranks)."""
+        return self.workdir / f"worker-{index}" / "cache"
 
     def _start_connect_server(self, deadline: float, port: int | None = None) -> None:
         self.connect_port = port or _free_port()

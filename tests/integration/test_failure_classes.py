@@ -35,7 +35,7 @@ def _fail(how: str) -> int:
     import torch
 
     rank = runtime.get_global_rank()
-    if rank != 1 or runtime.attempt() > 0 and how in ("nccl", "abort", "segv", "sigkill"):
+    if how == "none" or rank != 1 or runtime.attempt() > 0 and how in ("nccl", "abort", "segv", "sigkill"):
         return rank
     if how == "cuda_oom":
         raise torch.cuda.OutOfMemoryError(OOM)
@@ -124,3 +124,28 @@ def test_the_failure_class_is_a_tag_of_the_jobs_mlflow_run(tmp_path):
     (run,) = client.search_runs([client.get_experiment_by_name("/team/failures").experiment_id])
     assert run.data.tags["sparkgpu.failure_class"] == "data_error"
     assert run.info.status == "FAILED"
+
+
+def test_a_host_that_fails_its_preflight_check_starts_no_rank_and_is_not_restarted(tmp_path, monkeypatch, capsys):
+    from sparkgpu.config import reset_settings
+    from sparkgpu.errors import PreflightError
+
+    (tmp_path / "cache").write_text("the cache disk is not mounted here\n")
+    monkeypatch.setenv("SPARKGPU_CACHE_DIR", str(tmp_path / "cache"))
+    reset_settings()
+    job = distributed(gpus=2, gpu_type="cpu", max_restarts=3)(_fail)
+    with pytest.raises(PreflightError) as err:  # a WorkerFailedError too, as every rank failure
+        job.distributed("key")
+    assert isinstance(err.value, WorkerFailedError) and "ranks 0, 1: sparkgpu.errors.PreflightError" in str(err.value)
+    said = capsys.readouterr()
+    said = said.out + said.err
+    assert (
+        "attempt 0 failed (bad_node: node 0 on host " in said and f"cache_disk: {tmp_path / 'cache'} is a file" in said
+    )
+    assert "the job has no other node to run on" in said and "restarting" not in said
+    run_dir = settings().staging_root / job.last_job_id
+    state = json.loads((run_dir / "state.json").read_text())
+    assert [a["failure_class"] for a in state["attempts"]] == ["bad_node"] and state["restarts"] == 0
+    assert not any(p.stat().st_size for p in (run_dir / "attempts" / "0" / "logs").glob("rank-*"))  # no rank ran
+    # Off for a job that asks: its ranks start (and would meet the disk themselves).
+    assert distributed(gpus=2, gpu_type="cpu", preflight=False)(_fail).distributed("none") == [0, 1]

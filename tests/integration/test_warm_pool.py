@@ -329,3 +329,22 @@ def test_jobs_that_start_the_warm_pool_at_once_share_one_zygote(warm_pool):
     ]
     assert len(zygotes) == 1, [" ".join(p.info["cmdline"]) for p in zygotes]
     assert zygotes[0].pid == warm_zygote_status()["pid"]
+
+
+def test_a_host_that_fails_its_preflight_check_starts_no_rank_in_the_pool(warm_pool, tmp_path, monkeypatch):
+    # The pool runs the node's check as the node agent does, with its own cache disk (SPARKGPU_CACHE_DIR).
+    from sparkgpu.config import reset_settings
+    from sparkgpu.errors import PreflightError
+
+    (tmp_path / "cache").write_text("the cache disk is not mounted here\n")
+    monkeypatch.setenv("SPARKGPU_CACHE_DIR", str(tmp_path / "cache"))
+    reset_settings()
+
+    def add_rank(x):
+        return x + runtime.get_global_rank()
+
+    with pytest.raises(
+        PreflightError, match=r"ranks 0, 1: sparkgpu.errors.PreflightError: node 0 on host .* is a file"
+    ):
+        distributed(gpus=2, gpu_type="cpu", backend="warm_pool", max_restarts=2)(add_rank).distributed(1)
+    assert distributed(gpus=2, gpu_type="cpu", backend="warm_pool", preflight=False)(add_rank).distributed(1) == [1, 2]

@@ -79,10 +79,15 @@ def test_small_run_gives_every_part_and_measurement_a_status(suite, tmp_path):
     assert measured[("sft", "loader_only")]["row_tokens_per_s"] > 0
     assert measured[("jpeg", "cpu_fused")]["status"] in {"ok", "skipped"}
     if not torch.cuda.is_available():
-        for part in ("nccl", "h2d"):
+        for part in ("preflight", "nccl", "h2d"):
             assert whole["parts"][part]["status"] == "skipped"
             assert whole["parts"][part]["reason"] == suite.NO_CUDA
-        gpu_keys = [("nccl", "all_reduce"), ("h2d", "pinned_vs_pageable"), ("h2d", "image_batch")]
+        gpu_keys = [
+            ("preflight", "node_checks"),
+            ("nccl", "all_reduce"),
+            ("h2d", "pinned_vs_pageable"),
+            ("h2d", "image_batch"),
+        ]
         gpu_keys += [("jpeg", "nvjpeg_decode"), ("jpeg", "nvjpeg_decode_crop_flip")]
         gpu_keys += [
             ("resnet_wait", key) for key in ("model_only", "cache_train", "volume_train", "cache_train_transform")

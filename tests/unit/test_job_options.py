@@ -26,6 +26,7 @@ SAMPLE = {  # a value of every option, as a job file writes it
     "capacity_wait": "30m",
     "min_gpus": None,  # remote jobs only: tests/unit/test_elastic.py gives it
     "elastic_wait": None,
+    "preflight": False,
     "tags": {"team": "ml"},
     "log_ranks": [0, 1],
     "experiment": "ctr",

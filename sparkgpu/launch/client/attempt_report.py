@@ -66,12 +66,19 @@ class AttemptReport:
         nodes: One entry per node that started (or was lost).
         notes: Sentences for the user about the attempt as a whole.
         lost_at: Unix time the first lost node was last seen alive; billing ends there.
+        bad: The executors that failed their pre-flight check (state ``BAD_NODE``, the failed
+            checks in ``cause``); ``node`` is -1 for one that stood aside as a spare would.
     """
 
     attempt: int
     nodes: list[NodeReport] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
     lost_at: float | None = None
+    bad: list[NodeReport] = dataclasses.field(default_factory=list)
+
+    def bad_message(self) -> str:
+        """``"executor 1 on host h failed its pre-flight check: cache_disk: ..."``, one per bad executor."""
+        return "; ".join(f"{n.where} failed its pre-flight check: {n.cause}" for n in self.bad)
 
     @property
     def lost(self) -> list[NodeReport]:
@@ -95,6 +102,7 @@ class AttemptReport:
                 nodes=[NodeReport(**n) for n in data.get("nodes", ())],
                 notes=list(data.get("notes", ())),
                 lost_at=data.get("lost_at"),
+                bad=[NodeReport(**n) for n in data.get("bad", ())],
             )
         except (OSError, ValueError, KeyError, TypeError):  # none written (written atomically: never half)
             return None

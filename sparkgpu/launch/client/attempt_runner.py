@@ -35,6 +35,8 @@ from sparkgpu.launch.client.progress_watch import ProgressWatch
 from sparkgpu.launch.client.stragglers import StragglerWatch
 from sparkgpu.launch.rank import arrivals
 from sparkgpu.config import settings
+from sparkgpu.errors import PreflightError
+from sparkgpu.failure_class import classify
 from sparkgpu.launch.client.monitors import (
     CONTINUE,
     ENDING,
@@ -337,6 +339,9 @@ class AttemptRunner:
         """Stops and ends an attempt that an exception or a monitor interrupted, recording the
         exception (else ``cause``) as its cause."""
         cause = [f"{type(exc).__name__}: {exc}"] if exc is not None else list(cause or [])
+        if isinstance(exc, PreflightError):  # refused at submit: the nodes it would need failed their check
+            found = classify([], {attempt.index: exc})
+            attempt.record["failure_class"], attempt.record["failure_detail"] = found.cls.value, found.detail
         if attempt.handle is not None:
             try:
                 self.backend.cancel(attempt.handle, self.job.policy.shutdown_grace)

@@ -19,7 +19,7 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
-from sparkgpu.errors import NodeLostError, RankFailure, first_failure, worker_failed_error
+from sparkgpu.errors import NodeLostError, PreflightError, RankFailure, first_failure, worker_failed_error
 from sparkgpu.failure_class import OOM_KILLED
 from sparkgpu.launch.client.attempt_report import AttemptReport
 from sparkgpu.launch.client.hang_record import HangRecord
@@ -76,6 +76,20 @@ class AttemptVerdict:
         if not self.failures:
             return None
         return self.exceptions.get(first_failure(self.failures).rank)
+
+
+def _bad_nodes(report: AttemptReport, exceptions: dict) -> AttemptVerdict:
+    """The verdict on an attempt whose nodes did not start because some failed their pre-flight
+    check: a :class:`~sparkgpu.errors.PreflightError` for the ranks of each (rank 0 for one that
+    held no node), which another executor can replace (the backend raises at the next submit when
+    none can). The other nodes' ranks, which never started, are no failure of their own."""
+    bad: list[RankFailure] = []
+    for node in report.bad:
+        message = f"{node.where} failed its pre-flight check: {node.cause}"
+        for rank in node.ranks or [0]:
+            bad.append(RankFailure(rank, f"{PreflightError.__module__}.{PreflightError.__qualname__}", message))
+            exceptions.setdefault(rank, PreflightError(message, replaceable=True))
+    return AttemptVerdict(AttemptStatus.FAILED, failures=bad, exceptions=exceptions, report=report)
 
 
 def read_attempt(
@@ -170,6 +184,9 @@ def read_attempt(
             exceptions=exceptions,
             report=report,
         )
+    if report is not None and report.bad and not results:
+        # No rank started: the nodes that failed their pre-flight check are the cause.
+        return _bad_nodes(report, exceptions)
     if failures:
         return AttemptVerdict(AttemptStatus.FAILED, failures=failures, exceptions=exceptions, report=report)
     if len(results) == world_size:

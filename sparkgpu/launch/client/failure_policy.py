@@ -15,7 +15,10 @@ names the restarted classes instead. Raised at once by default, whatever restart
 * whatever the class, the same exception at the same place as in the previous failed attempt
   (:func:`failure_location`): the restart it had changed nothing.
 
-Everything else (``nccl``, ``lost_node``, ``killed``, ``host_oom``, ``native_crash``, a user
+A ``bad_node`` (a node failed its pre-flight check) is restarted where the next attempt can leave
+the node out (Spark), and raised at once where it cannot (one host).
+
+Everything else (``nccl``, ``lost_node``, ``bad_node``, ``killed``, ``host_oom``, ``native_crash``, a user
 exception at a new place) is restarted while restarts are left.
 """
 
@@ -74,6 +77,7 @@ DEFAULT_POLICY: dict[FailureClass, tuple[bool, str]] = {
     ),
     FailureClass.NCCL: (True, "a collective's error or timeout is often transient"),
     FailureClass.LOST_NODE: (True, "the next attempt runs on nodes that are there"),
+    FailureClass.BAD_NODE: (True, "the next attempt leaves the node out"),
     FailureClass.KILLED: (True, "a signal from outside says nothing of the job"),
     FailureClass.HOST_OOM: (True, "the host's memory may be free again"),
     FailureClass.NATIVE_CRASH: (True, "a crash in a kernel or a library may be transient"),
@@ -142,6 +146,8 @@ class FailurePolicy:
         here = failure_location(failures) if not lost else None
         if found.cls.value not in self.restart_on:
             return self._why_not(found)
+        if found.cls is FailureClass.BAD_NODE and not _replaceable(exceptions, failures):
+            return f"({found}): the job has no other node to run on; fix the node, then `sparkgpu resume` the job"
         if here is not None and here == failure_location(previous):
             return f"with {here[0]} at {here[1]} again, as the attempt before it"
         return None
@@ -160,6 +166,12 @@ class FailurePolicy:
         if found.cls is FailureClass.ENVIRONMENT_ERROR:
             return f"({found}), which the same payload meets again"
         return f"({found}): {DEFAULT_POLICY[found.cls][1]}"
+
+
+def _replaceable(exceptions: dict[int, BaseException], failures: Sequence[RankFailure]) -> bool:
+    """Whether the root cause rank's :class:`~sparkgpu.errors.PreflightError` says another node can stand in."""
+    root = first_failure(list(failures)).rank if failures else min(exceptions, default=None)
+    return bool(getattr(exceptions.get(root) if root is not None else None, "replaceable", True))
 
 
 #: Classes that decide the attempt's fate when any rank meets them, not only the root cause rank.

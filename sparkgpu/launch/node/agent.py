@@ -30,13 +30,13 @@ import math
 import os
 import shutil
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
 from sparkgpu import runtime
 from sparkgpu._util.report import report
 from sparkgpu.config import settings
-from sparkgpu.errors import PayloadSignatureError
+from sparkgpu.errors import PayloadSignatureError, SparkGPUError
 from sparkgpu._util.process import die_with_parent
 from sparkgpu.launch.rank.entrypoint import leave_quickly
 from sparkgpu.rundir.exit_codes import EXIT_FAILED
@@ -49,7 +49,15 @@ from sparkgpu.launch.node.rank_exits import RankExitWatcher
 from sparkgpu.rundir.directory import PRIVATE_UMASK, RunDir
 from sparkgpu.rundir.layout import RunLayout
 
-__all__ = ["main", "build_command", "strip_spark_secrets", "verify_or_refuse", "refuse", "reported"]
+__all__ = [
+    "main",
+    "build_command",
+    "strip_spark_secrets",
+    "verify_or_refuse",
+    "refuse",
+    "reported",
+    "preflight_refusal",
+]
 
 # Credentials Spark hands its Python workers; the ranks run user code and need none of them.
 _SPARK_SECRETS = frozenset({"PYTHON_WORKER_FACTORY_SECRET", "PYSPARK_GATEWAY_SECRET"})
@@ -84,6 +92,7 @@ def build_command(
     master_port: int,
     shutdown_grace: float,
     env_on_stdin: bool = False,
+    preflight: bool = False,
 ) -> list[str]:
     """The command line that starts one node's agent.
 
@@ -91,6 +100,8 @@ def build_command(
         env_on_stdin: The agent reads one more JSON object of environment variables from its
             standard input before it starts any rank (:meth:`LocalBackend.prestart
             <sparkgpu.launch.backends.local.backend.LocalBackend.prestart>`); end of input starts none.
+        preflight: The agent runs the node's pre-flight check (:mod:`~sparkgpu.launch.node.preflight`)
+            before it starts any rank; a Spark node task runs it itself, before the agent.
     """
     return [
         python,
@@ -112,10 +123,11 @@ def build_command(
         "--shutdown-grace",
         str(int(max(1, shutdown_grace))),
         *(["--env-on-stdin"] if env_on_stdin else []),
+        *(["--preflight"] if preflight else []),
     ]
 
 
-def refuse(rd: RunDir, attempt: int, node_rank: int, nproc: int, exc: PayloadSignatureError, out=None) -> None:
+def refuse(rd: RunDir, attempt: int, node_rank: int, nproc: int, exc: SparkGPUError, out=None) -> None:
     """Reports that a node starts none of its ranks, where the client reads rank failures.
 
     With the job key (``rd.key``) each of the node's ranks gets a signed error file; without
@@ -173,6 +185,7 @@ def _parse(argv):
     parser.add_argument("--master-port", type=int, required=True)
     parser.add_argument("--shutdown-grace", type=int, default=10)
     parser.add_argument("--env-on-stdin", action="store_true")
+    parser.add_argument("--preflight", action="store_true")
     return parser.parse_args(argv)
 
 
@@ -218,6 +231,11 @@ def main(argv=None) -> int:
                 report(f"node {args.node_rank} starts none of its ranks: the client withdrew the attempt")
                 return EXIT_FAILED
             os.environ.update(json.loads(line))
+        if args.preflight:
+            refused = preflight_refusal(os.environ, args.node_rank)
+            if refused is not None:
+                refuse(rd, args.attempt, args.node_rank, args.nproc, refused)
+                return EXIT_FAILED
         # The run dir of this node (on Spark with a staging store, its scratch copy): the ranks find
         # their files, the tracking spool included, relative to it.
         os.environ[runtime.ENV_RUN_DIR] = str(rd.path)
@@ -237,6 +255,21 @@ def main(argv=None) -> int:
     finally:
         if spares is not None:
             spares.close()
+
+
+def preflight_refusal(rank_env: Mapping[str, str], node_rank: int) -> SparkGPUError | None:
+    """This host's pre-flight check with the ranks' environment and GPUs; the error when it fails."""
+    import socket
+
+    from sparkgpu.launch.node.preflight import run_preflight
+    from sparkgpu.launch.rank.entrypoint import NODE_DEVICES_ENV
+
+    devices = [d for d in rank_env.get(NODE_DEVICES_ENV, "").split(",") if d]
+    checked = run_preflight(rank_env, devices, simulated=bool(settings().simulate_gpus))
+    if checked.ok:
+        return None
+    # One host: no other node can stand in, so no restart is tried (failure_policy).
+    return checked.error(f"node {node_rank} on host {socket.gethostname()}", replaceable=False)
 
 
 def _shutdown_grace(config_type, seconds: int) -> dict:

@@ -195,6 +195,7 @@ class LocalBackend(Backend, Preemptible, LocalRanks, WatchedProgress):
             master_port=port,
             shutdown_grace=job.policy.shutdown_grace,
             env_on_stdin=env_on_stdin,
+            preflight=job.policy.preflight,
         )
 
     def plan(self, job, run_dir, attempt, env, placement=None) -> LaunchPlan:

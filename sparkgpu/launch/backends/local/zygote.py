@@ -30,7 +30,7 @@ from pathlib import Path
 from sparkgpu._util.files import atomic_write_bytes
 from sparkgpu._util.report import report
 from sparkgpu.runtime import ENV_RUN_DIR
-from sparkgpu.launch.node.agent import reported, verify_or_refuse
+from sparkgpu.launch.node.agent import preflight_refusal, refuse, reported, verify_or_refuse
 from sparkgpu.launch.node.forked_ranks import become_rank
 from sparkgpu._util.process import die_with_parent
 from sparkgpu.rundir.exit_codes import EXIT_FAILED, EXIT_PREEMPTED
@@ -258,6 +258,14 @@ class _Zygote:
                 conn.sendall(b'{"started": true}\n')
                 conn.close()  # the client reads the end of the connection as a failed attempt
                 return
+            if json.loads(verified[run_dir.spec_file.name])["policy"].get("preflight", True):
+                refused = preflight_refusal(env, 0)
+                if refused is not None:
+                    with open(run_dir.file(RunLayout.agent_log(attempt, 0)), "a") as log:
+                        refuse(run_dir, attempt, 0, nproc, refused, out=log)
+                    conn.sendall(b'{"started": true}\n')
+                    conn.close()
+                    return
             air = verified[run_dir.air.name]
             assert run_dir.key is not None, "verify_or_refuse checked the payload with the job's key"
             env.update(rank_secrets(run_dir.key, env))

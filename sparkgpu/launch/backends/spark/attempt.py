@@ -68,10 +68,18 @@ class SparkAttempt(AttemptHandle):
     def __post_init__(self):
         self.report = AttemptReport(self.attempt)
 
+    spares: int = 0  # tasks beyond the nodes, standing in for executors that failed pre-flight
+    avoid: tuple[str, ...] = ()  # those executors
+
     @property
     def nodes(self) -> list[dict]:
-        """The node tasks' status rows (node, executor, host, devices, pid, exit_code, state)."""
-        return [row.asDict() for row in self.rows or ()]
+        """The node tasks' status rows (node, executor, host, devices, pid, exit_code, state, detail),
+        without the spare tasks that started nothing."""
+        return [row for row in map(_as_dict, self.rows or ()) if row["state"] != NodeState.SPARE]
+
+
+def _as_dict(row) -> dict:
+    return row if isinstance(row, dict) else row.asDict()
 
 
 def sync_now(handle: SparkAttempt) -> None:
@@ -245,6 +253,20 @@ class NodeWatch:
         """Writes the report; with the node tasks' ``rows`` (or their end markers) it is the final one."""
         attempt_report = self._report_of(handle)
         if rows is not None:
+            attempt_report.bad = [
+                NodeReport(
+                    r["node"],
+                    str(r["executor"]),
+                    str(r["host"]),
+                    NodeState.BAD_NODE,
+                    self._ranks_of(handle, r["node"]) if r["node"] >= 0 else [],
+                    exit_code=r["exit_code"],
+                    cause=r.get("detail") or "",
+                )
+                for r in rows
+                if r["state"] == NodeState.BAD_NODE
+            ]
+            rows = [r for r in rows if r["node"] >= 0]
             lost = {n.node: n for n in attempt_report.lost}
             by_node = {r["node"]: r for r in rows}
             ended = end_markers(handle.run_dir, handle.attempt)

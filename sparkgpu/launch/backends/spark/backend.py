@@ -34,7 +34,7 @@ from typing import TextIO
 from sparkgpu._util.report import report
 from sparkgpu._util.urls import install_command, scheme_of
 from sparkgpu.config import settings
-from sparkgpu.errors import CapacityError, ConfigurationError
+from sparkgpu.errors import CapacityError, ConfigurationError, PreflightError
 from sparkgpu.launch.node.agent import build_command
 from sparkgpu.launch.backends.base import AttemptHandle, Backend, LaunchPlan, ResolvedJob
 from sparkgpu.launch.backends.capabilities import (
@@ -55,6 +55,7 @@ from sparkgpu.launch.backends.spark.executor.node import NODE_DDL, NodeLaunch, r
 from sparkgpu.launch.backends.spark.attempt import NodeWatch, SparkAttempt, sync_now
 from sparkgpu.launch.backends.spark.progress import SparkProgress
 from sparkgpu.launch.rank.progress import DUMP_WAIT
+from sparkgpu.launch.backends.spark import exclusions
 from sparkgpu.launch.backends.spark.seats import ClusterSeats
 from sparkgpu.launch.backends.spark.sessions import active as _active
 from sparkgpu.launch.backends.spark.sessions import (
@@ -85,6 +86,8 @@ __all__ = ["SparkBackend", "SparkAttempt", "active_spark_session"]
 _HEARTBEAT_SECONDS = 10.0
 #: Seconds between two probes of the executors while a lost node is being replaced.
 _SLOT_POLL_SECONDS = 1.0
+#: Seconds between two probes while the cluster is short of slots without executors that failed pre-flight.
+_SHORT_POLL_SECONDS = 5.0
 #: Seconds one probe of the slots after a lost node may take: its tasks may be the first on the
 #: replacement executor, which starts a Python worker for them. Not the job's ``wait_timeout``:
 #: a probe interrupted at a short ``wait_timeout`` kills that Python worker, so every later probe
@@ -376,7 +379,7 @@ class SparkBackend(Backend, Preemptible, ElasticCapacity, DeferredStart, Reattac
             raise ConfigurationError(f"job {run_dir.job_id} has no signing key on this client; launch it again")
         return run_dir.key
 
-    def _frame(self, job: JobSpec, run_dir: RunDir, attempt: int, env: dict, placement: RankPlacement):
+    def _frame(self, job: JobSpec, run_dir: RunDir, attempt: int, env: dict, placement: RankPlacement, handle=None):
         launch = NodeLaunch(
             run_dir=str(run_dir.path),
             attempt=attempt,
@@ -391,9 +394,14 @@ class SparkBackend(Backend, Preemptible, ElasticCapacity, DeferredStart, Reattac
             log_ranks=job.log_ranks,
             control_interval=self.control_interval,
             threads_per_rank=None if job.uses_cuda else threads_per_rank(placement.ranks_per_node),
+            preflight=job.policy.preflight,
+            simulated=job.simulated or bool(self.simulated),
+            spares=handle.spares if handle is not None else 0,
+            avoid=handle.avoid if handle is not None else (),
         )
         task = functools.partial(run_node, launch)
-        frame = self.spark.range(0, placement.nodes, 1, placement.nodes)
+        tasks = placement.nodes + launch.spares
+        frame = self.spark.range(0, tasks, 1, tasks)
         if placement.gpus_per_node == 0:
             return frame.mapInArrow(task, NODE_DDL, barrier=True)
         from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
@@ -412,6 +420,7 @@ class SparkBackend(Backend, Preemptible, ElasticCapacity, DeferredStart, Reattac
             placement = (
                 self._elastic_placement(job, self.capacity())[1] if job.resources.elastic else self._placement(job)
             )
+        avoid, spares = self._stand_ins(job, placement)
         previous = self.last_attempt
         after_loss = previous is not None and previous.job.job_id == job.job_id and bool(previous.report.lost)
         self.seats.resize(job)
@@ -429,7 +438,15 @@ class SparkBackend(Backend, Preemptible, ElasticCapacity, DeferredStart, Reattac
             submitted_wall=time.time(),
             next_notice=now + 5.0,
             mirror=self._mirror(run_dir),
+            spares=spares,
+            avoid=avoid,
         )
+        if avoid:
+            report(
+                f"attempt {attempt} leaves out executor(s) {', '.join(avoid)}, which failed their pre-flight check; "
+                f"{spares} spare task(s) stand in",
+                out=self.stream,
+            )
         self._beat(handle)
         if handle.mirror is not None:
             handle.mirror.sync(attempt)  # the first heartbeat is up before any node looks for it
@@ -443,7 +460,7 @@ class SparkBackend(Backend, Preemptible, ElasticCapacity, DeferredStart, Reattac
                 quiet_interval=self.control_interval,
             )
         with _active(self.spark):
-            frame = self._frame(job, run_dir, attempt, env, placement)
+            frame = self._frame(job, run_dir, attempt, env, placement, handle)
         handle.thread = threading.Thread(
             target=self._run_action, args=(handle, frame, after_loss), daemon=True, name=f"sparkgpu-{handle.tag}"
         )
@@ -451,6 +468,49 @@ class SparkBackend(Backend, Preemptible, ElasticCapacity, DeferredStart, Reattac
         threading.Thread(target=self._heartbeat, args=(handle,), daemon=True, name=f"{handle.tag}-heartbeat").start()
         self.last_attempt = handle
         return handle
+
+    def _cluster(self) -> str:
+        """This session's cluster, as the executors that failed pre-flight are kept by."""
+        return connect_url(self.spark) or f"session-{id(self.spark)}"
+
+    def _stand_ins(self, job: JobSpec, placement: RankPlacement) -> tuple[tuple[str, ...], int]:
+        """The executors the attempt leaves out and its spare tasks (:func:`exclusions.stand_ins`).
+
+        When the cluster is short of node slots without them, waits for capacity (the job's
+        :meth:`capacity_wait_of`, unbilled: no task runs): an executor replaced (a new id), one
+        whose exclusion ends, or one added ends the wait. Raises the
+        :class:`~sparkgpu.errors.PreflightError` when it runs out.
+        """
+        limit = self.capacity_wait_of(job)
+        deadline, told = time.monotonic() + limit, False
+        while True:
+            if not job.policy.preflight or not exclusions.excluded(self._cluster()):
+                return (), 0
+            try:
+                return exclusions.stand_ins(
+                    self._cluster(), self.capacity(refresh=True), placement.gpus_per_node, placement.nodes, job.job_id
+                )
+            except PreflightError as short:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PreflightError(f"{short} (waited {limit:g}s for capacity: capacity_wait=)") from None
+                if not told:
+                    report(f"waiting up to {limit:g}s for capacity (capacity_wait=; not billed): {short}", self.stream)
+                    told = True
+                time.sleep(min(_SHORT_POLL_SECONDS, left))
+
+    def _exclude_bad(self, handle: SparkAttempt, rows: list[dict]) -> None:
+        """Keeps the executors whose node task failed its pre-flight check out of the next attempts."""
+        for row in rows:
+            if row["state"] != NodeState.BAD_NODE:
+                continue
+            kept = exclusions.exclude(self._cluster(), str(row["executor"]), str(row["host"]), row.get("detail") or "")
+            self.watch.note(
+                handle,
+                f"{kept.where} failed its pre-flight check ({kept.cause}) and started no rank; this client's "
+                f"attempts on the cluster leave it out for {settings().preflight_exclude_seconds:g}s "
+                "(SPARKGPU_PREFLIGHT_EXCLUDE)",
+            )
 
     @staticmethod
     def _followed_nodes(job: JobSpec, placement: RankPlacement) -> tuple[int, ...]:
@@ -672,7 +732,7 @@ class SparkBackend(Backend, Preemptible, ElasticCapacity, DeferredStart, Reattac
             except CapacityError:  # no executor answered: none is left until the replacement comes
                 return 0
 
-        while not handle.cancelled and slots() < placement.nodes:
+        while not handle.cancelled and slots() < placement.nodes + handle.spares:
             time.sleep(_SLOT_POLL_SECONDS)
         return not handle.cancelled
 
@@ -728,6 +788,7 @@ class SparkBackend(Backend, Preemptible, ElasticCapacity, DeferredStart, Reattac
                 )
             self.watch.write_report(handle, rows)
             return 1
+        self._exclude_bad(handle, rows)
         blind = [r for r in rows if r["state"] == NodeState.NO_RUN_DIR]
         if blind:
             where = ", ".join(f"executor {r['executor']} on {r['host']}" for r in blind)
@@ -766,7 +827,8 @@ class SparkBackend(Backend, Preemptible, ElasticCapacity, DeferredStart, Reattac
                     "The executor logs in the Spark UI say why it was lost.",
                 )
         self.watch.write_report(handle, rows)
-        return max((abs(r["exit_code"]) for r in rows), default=1)
+        # Tasks that held no node (an executor left out, a node short) started nothing: no status of the job's.
+        return max((abs(r["exit_code"]) for r in rows if r["node"] >= 0), default=1)
 
     def cancel(self, handle: AttemptHandle, grace: float) -> None:
         assert isinstance(handle, SparkAttempt), "the Spark backend cancels only its own attempts"

@@ -136,9 +136,13 @@ class SparkCapacity:
     def node_slots(self, gpus_per_node: int) -> int:
         """Barrier tasks of ``gpus_per_node`` GPUs each (0: CPU tasks) the executors can run at
         once, as Spark counts them: each takes its GPUs and one core."""
+        return sum(self.executor_slots(e, gpus_per_node) for e in self.executors)
+
+    def executor_slots(self, executor: ExecutorInfo, gpus_per_node: int) -> int:
+        """Barrier tasks of ``gpus_per_node`` GPUs each (0: CPU tasks) one executor can run at once."""
         if not gpus_per_node:
-            return self.total_cores
-        return sum(min(self.gpus_of(e) // gpus_per_node, e.cores or 1) for e in self.executors)
+            return executor.cores
+        return min(self.gpus_of(executor) // gpus_per_node, executor.cores or 1)
 
     def gpus_of(self, executor: ExecutorInfo) -> int:
         """GPUs of one executor: its assigned addresses, else the static conf."""

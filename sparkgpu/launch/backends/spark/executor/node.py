@@ -40,6 +40,7 @@ from sparkgpu.launch.backends.spark.executor.channel import (
 )
 from sparkgpu.launch.backends.spark.executor.node_launch import NodeLaunch
 from sparkgpu.launch.backends.spark.executor.probe import executor_identity
+from sparkgpu.launch.backends.spark.executor.seating import take_seat
 from sparkgpu.launch.rank.entrypoint import NODE_DEVICES_ENV
 from sparkgpu.rundir.key_handover import send_key
 from sparkgpu.rundir.states import NodeState
@@ -63,10 +64,13 @@ NODE_SCHEMA = pa.schema(
         ("pid", pa.int64()),
         ("exit_code", pa.int32()),
         ("state", pa.string()),
+        ("detail", pa.string()),
     ]
 )
 # mapInArrow takes the schema as DDL; the Arrow schema above builds the batches that match it.
-NODE_DDL = "node int, executor string, host string, devices string, pid bigint, exit_code int, state string"
+NODE_DDL = (
+    "node int, executor string, host string, devices string, pid bigint, exit_code int, state string, detail string"
+)
 _POLL_SECONDS = 0.2
 
 
@@ -85,7 +89,7 @@ def _claim(rd: RunDir, marker: Path, info: dict) -> bool:
     return rd.create_control(marker, json.dumps(info).encode())
 
 
-def _row(node, identity, devices, pid, code, state: NodeState):
+def _row(node, identity, devices, pid, code, state: NodeState, detail: str = ""):
     return pa.RecordBatch.from_pydict(
         {
             "node": [node],
@@ -95,6 +99,7 @@ def _row(node, identity, devices, pid, code, state: NodeState):
             "pid": [pid],
             "exit_code": [code],
             "state": [state.value],
+            "detail": [detail],
         },
         schema=NODE_SCHEMA,
     )
@@ -107,10 +112,17 @@ def run_node(launch: NodeLaunch, batches):
     for _ in batches:
         pass
     ctx = BarrierTaskContext.get()
-    node = ctx.partitionId()
     identity = executor_identity()
     gpu = ctx.resources().get("gpu")
     devices = tuple(gpu.addresses) if gpu is not None else ()
+    seat = take_seat(ctx, launch, identity.executor_id, devices)
+    if seat.node is None:  # a spare, or an executor to leave out: starts nothing
+        assert seat.state is not None
+        if seat.exchanges:
+            ctx.allGather(json.dumps({"node": None, "state": seat.state.value}))
+        yield _row(-1, identity, devices, 0, 1 if seat.state is NodeState.BAD_NODE else 0, seat.state, seat.detail)
+        return
+    node = seat.node
     rd, mirror, state = _node_run_dir(launch, node)
     rd.key = launch.key  # the node's markers are sealed under it
     info = {
@@ -130,6 +142,8 @@ def run_node(launch: NodeLaunch, batches):
             state = NodeState.SPARK_RETRY
         else:
             state = _start_mirror(mirror) or _verify(rd, launch, node)
+            if state is NodeState.READY and seat.state is NodeState.BAD_NODE:
+                state = NodeState.BAD_NODE  # the others hear of it at the exchange: nobody starts
 
     pid, code, hub = 0, 1, None
     try:
@@ -144,8 +158,12 @@ def run_node(launch: NodeLaunch, batches):
                 report(f"node 0 cannot listen on {master_addr} for the other nodes' beats: {exc}")
                 state = NodeState.FAILED
         # Every task reaches allGather exactly once, whatever it decides (barrier semantics).
-        message = {"port": port, "hub": hub_port, "state": state.value}
-        gathered = [json.loads(m) for m in ctx.allGather(json.dumps(message))]
+        message = {"node": node, "port": port, "hub": hub_port, "state": state.value}
+        # The nodes' messages by node rank; spare tasks take the step too, saying nothing of use.
+        gathered = sorted(
+            (m for m in map(json.loads, ctx.allGather(json.dumps(message))) if m["node"] is not None),
+            key=lambda m: m["node"],
+        )
         if state is not NodeState.READY or any(m["state"] != NodeState.READY for m in gathered):
             state = state if state is not NodeState.READY else NodeState.PEER_NOT_READY
         else:
@@ -164,7 +182,7 @@ def run_node(launch: NodeLaunch, batches):
             hub.close()
         if mirror is not None:
             state = _end_mirror(mirror, state)
-    yield _row(node, identity, devices, pid, code, state)
+    yield _row(node, identity, devices, pid, code, state, seat.detail if state is NodeState.BAD_NODE else "")
 
 
 def _node_run_dir(launch: NodeLaunch, node: int) -> tuple[RunDir, NodeMirror | None, NodeState | None]:

@@ -36,6 +36,11 @@ class NodeLaunch:
         control_interval: Most seconds between two looks of node 0 at the client's files (a
             cancel or stop request reaches the ranks within about this long; with a staging
             store, each look is one request).
+        preflight: Each task runs the node's pre-flight check before the barrier's exchange.
+        simulated: The GPUs are simulated (their ranks run on CPU): no GPU check.
+        spares: Tasks beyond ``nnodes`` in the barrier stage, to stand in for executors that
+            failed the check before (:mod:`~sparkgpu.launch.backends.spark.executor.seating`).
+        avoid: Those executors' ids: a task on one starts nothing.
     """
 
     run_dir: str
@@ -51,6 +56,10 @@ class NodeLaunch:
     peer_timeout: float | None = None
     log_ranks: tuple[int, ...] | None = ()
     control_interval: float = CONTROL_INTERVAL
+    preflight: bool = True
+    simulated: bool = False
+    spares: int = 0
+    avoid: tuple[str, ...] = ()
 
     def __repr__(self) -> str:  # keeps the key out of Spark's logs and error messages
         return f"NodeLaunch(run_dir={self.run_dir!r}, attempt={self.attempt}, nnodes={self.nnodes}, nproc={self.nproc})"
