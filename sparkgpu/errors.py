@@ -36,6 +36,7 @@ __all__ = [
     "PayloadSignatureError",
     "DataError",
     "HangError",
+    "PreflightError",
     "CheckpointError",
     "PolicyViolationError",
     "PermissionDeniedError",
